@@ -1,0 +1,111 @@
+"""Measuring a recorder: bytes it retains (tracemalloc) and time per add (perf_counter).
+
+Both feed it JSON texts decoded one turn at a time, so no two turns share objects.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import tracemalloc
+from collections.abc import Callable, Iterable
+from time import perf_counter
+
+MiB = 1024 * 1024
+LOADS_REPEAT_BELOW = 1 << 20  # texts shorter than this are decoded 3 times for their timing
+
+
+def record_traced(
+    make: Callable[[], object],
+    texts: list[str],
+    checkpoints: Iterable[int],
+    session_id: str = "s",
+    on_turn: Callable[[], None] | None = None,
+) -> tuple[object, dict[int, int]]:
+    """Record texts into a new recorder under tracemalloc; return it and, for each checkpoint
+    n, the bytes retained after n turns (traced current minus the baseline taken before the
+    recorder was made, after gc.collect, with each decoded body already dropped)."""
+    checkpoints = set(checkpoints)
+    retained: dict[int, int] = {}
+    gc.collect()
+    tracemalloc.start()
+    try:
+        gc.collect()
+        baseline = tracemalloc.get_traced_memory()[0]
+        recorder = make()
+        for turn, text in enumerate(texts, 1):
+            body = json.loads(text)
+            recorder.add(body, session_id=session_id)
+            del body
+            if turn in checkpoints:
+                gc.collect()
+                retained[turn] = tracemalloc.get_traced_memory()[0] - baseline
+            if on_turn is not None:
+                on_turn()
+    finally:
+        tracemalloc.stop()
+    return recorder, retained
+
+
+def retained_bytes(
+    make: Callable[[], object],
+    texts: list[str],
+    checkpoints: Iterable[int],
+    on_turn: Callable[[], None] | None = None,
+) -> dict[int, int]:
+    """Bytes retained after each checkpoint turn count (see record_traced); closes the recorder."""
+    recorder, retained = record_traced(make, texts, checkpoints, on_turn=on_turn)
+    recorder.close()
+    return retained
+
+
+def _timed_loads(text: str) -> tuple[dict, float]:
+    """Decode text; return the body and the median time of 1 or 3 decodes."""
+    repeat = 3 if len(text) < LOADS_REPEAT_BELOW else 1
+    times = []
+    body = None
+    for _ in range(repeat):
+        body = None  # free the previous decode outside the timed region
+        start = perf_counter()
+        body = json.loads(text)
+        times.append(perf_counter() - start)
+    return body, statistics.median(times)
+
+
+def time_turns(
+    make: Callable[[], object],
+    texts: list[str],
+    is_timed: Callable[[int], bool] = lambda turn: True,
+    session_ids: Iterable[str] | None = None,
+    on_turn: Callable[[], None] | None = None,
+) -> dict[int, tuple[float, float]]:
+    """Record texts into a new recorder without tracemalloc and with the garbage collector
+    paused; return {turn: (json.loads seconds, add seconds)} for the timed turns."""
+    sessions = iter(session_ids) if session_ids is not None else None
+    timings: dict[int, tuple[float, float]] = {}
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        recorder = make()
+        for turn, text in enumerate(texts, 1):
+            session_id = next(sessions) if sessions is not None else "s"
+            if is_timed(turn):
+                body, loads_time = _timed_loads(text)
+                start = perf_counter()
+                recorder.add(body, session_id=session_id)
+                timings[turn] = (loads_time, perf_counter() - start)
+            else:
+                body = json.loads(text)
+                recorder.add(body, session_id=session_id)
+            del body
+            if on_turn is not None:
+                on_turn()
+        recorder.close()
+        del recorder
+    finally:
+        if was_enabled:
+            gc.enable()
+        gc.collect()
+    return timings

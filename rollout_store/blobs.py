@@ -1,0 +1,155 @@
+"""The content-addressed blob table that a graph owns, and the handle type.
+
+Long strings are keyed by xxh3-128 of their UTF-8 bytes (surrogatepass). xxh3 collisions
+can be crafted, so a digest hit is shared only after comparing content; two different
+strings with one digest are both kept, each under its own handle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Final
+
+import xxhash
+
+__all__ = ["BlobTable", "Handle", "content_digest"]
+
+
+def content_digest(data: bytes) -> bytes:
+    """The 16-byte xxh3-128 digest used as a blob's key."""
+    return xxhash.xxh3_128_digest(data)
+
+
+class Handle:
+    """A small immutable reference to one blob; one object per blob, shared by all references."""
+
+    __slots__ = ("digest", "index", "size")
+
+    digest: bytes
+    index: int
+    size: int
+
+    def __init__(self, digest: bytes, index: int, size: int) -> None:
+        object.__setattr__(self, "digest", digest)
+        object.__setattr__(self, "index", index)
+        object.__setattr__(self, "size", size)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("Handle is immutable")
+
+    def __repr__(self) -> str:
+        return f"Handle({self.digest.hex()[:16]}..., index={self.index}, size={self.size})"
+
+
+class BlobTable:
+    """Long strings stored once each, addressed by content.
+
+    Additions are transactional: `mark()` before a change and `rollback(mark)` undoes every
+    blob added since, so a rejected turn leaves no orphan blob.
+    """
+
+    __slots__ = (
+        "_by_digest",
+        "_handles",
+        "_hasher",
+        "_referenced_bytes",
+        "_references",
+        "_strings",
+        "_total_bytes",
+    )
+
+    def __init__(self, hasher: Callable[[bytes], bytes] = content_digest) -> None:
+        self._hasher: Final = hasher
+        self._strings: list[str] = []
+        self._handles: list[Handle] = []
+        # A digest maps to one handle, or to a list of them when different strings collide.
+        self._by_digest: dict[bytes, Handle | list[Handle]] = {}
+        self._total_bytes = 0
+        self._references = 0
+        self._referenced_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._strings)
+
+    def intern(self, text: str) -> Handle:
+        """The handle of `text`, adding it when no stored string equals it."""
+        data = text.encode("utf-8", "surrogatepass")
+        digest = self._hasher(data)
+        self._references += 1
+        self._referenced_bytes += len(data)
+        found = self._by_digest.get(digest)
+        if found is not None:
+            candidates = found if isinstance(found, list) else (found,)
+            for handle in candidates:
+                if self._strings[handle.index] == text:
+                    return handle
+        handle = Handle(digest, len(self._strings), len(data))
+        self._strings.append(text)
+        self._handles.append(handle)
+        self._total_bytes += len(data)
+        if found is None:
+            self._by_digest[digest] = handle
+        elif isinstance(found, list):
+            found.append(handle)
+        else:
+            self._by_digest[digest] = [found, handle]
+        return handle
+
+    def add_verified(self, text: str, digest: bytes) -> Handle:
+        """Append a blob read back from a file, after its digest was checked by the caller."""
+        data_len = len(text.encode("utf-8", "surrogatepass"))
+        handle = Handle(digest, len(self._strings), data_len)
+        self._strings.append(text)
+        self._handles.append(handle)
+        self._total_bytes += data_len
+        found = self._by_digest.get(digest)
+        if found is None:
+            self._by_digest[digest] = handle
+        elif isinstance(found, list):
+            found.append(handle)
+        else:
+            self._by_digest[digest] = [found, handle]
+        return handle
+
+    def count_references(self, n: int, nbytes: int) -> None:
+        """Record `n` more references, `nbytes` in all, to stored blobs (a file being loaded)."""
+        self._references += n
+        self._referenced_bytes += nbytes
+
+    def string(self, index: int) -> str:
+        """The stored string of blob `index`: always the same object."""
+        return self._strings[index]
+
+    def handle(self, index: int) -> Handle:
+        return self._handles[index]
+
+    def __iter__(self) -> Iterator[Handle]:
+        return iter(self._handles)
+
+    def mark(self) -> tuple[int, int, int]:
+        return (len(self._strings), self._references, self._referenced_bytes)
+
+    def rollback(self, mark: tuple[int, int, int]) -> None:
+        """Forget every blob added since `mark` (the caller holds the graph's lock)."""
+        n, self._references, self._referenced_bytes = mark
+        while len(self._strings) > n:
+            handle = self._handles.pop()
+            self._strings.pop()
+            self._total_bytes -= handle.size
+            found = self._by_digest[handle.digest]
+            if isinstance(found, list):
+                found.remove(handle)
+                if len(found) == 1:
+                    self._by_digest[handle.digest] = found[0]
+            else:
+                del self._by_digest[handle.digest]
+
+    def stats(self) -> dict[str, int]:
+        """Number of blobs, their UTF-8 bytes, references to them, and bytes sharing saved."""
+        return {
+            "blobs": len(self._strings),
+            "blob_bytes": self._total_bytes,
+            "blob_references": self._references,
+            "blob_bytes_saved": self._referenced_bytes - self._total_bytes,
+            "collisions": sum(len(v) - 1 for v in self._by_digest.values() if isinstance(v, list)),
+        }

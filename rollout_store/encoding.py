@@ -1,0 +1,99 @@
+"""The packed form of recorded JSON values: msgpack plus a few extension types.
+
+Exact where JSON is exact: ints, floats and bools pack differently, key order is kept,
+floats keep all 64 bits. Extension types carry what msgpack cannot say by itself: tuples,
+ints beyond 64 bits, strings with lone surrogates, and references to blobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgpack
+
+__all__ = [
+    "EXT_BIGINT",
+    "EXT_BLOB",
+    "EXT_ECHO",
+    "EXT_SURROGATE",
+    "EXT_TUPLE",
+    "NotPackable",
+    "pack_plain",
+    "unpack",
+    "unpack_stream",
+]
+
+EXT_TUPLE = 1  # payload: a packed array
+EXT_BIGINT = 2  # payload: ASCII decimal text
+EXT_SURROGATE = 3  # payload: UTF-8 with surrogatepass
+EXT_BLOB = 4  # payload: blob index, 4 bytes big-endian
+EXT_ECHO = 5  # payload: empty; the response of the turn a message segment extends
+
+
+class NotPackable(Exception):
+    """The value needs the validating walk of `intake` (not an error by itself)."""
+
+
+def _plain_default(obj: object) -> msgpack.ExtType:
+    # strict_types sends every non-exact type here: accept only what packs unambiguously.
+    if type(obj) is tuple:
+        return msgpack.ExtType(EXT_TUPLE, pack_plain(list(obj)))
+    if type(obj) is int:
+        return msgpack.ExtType(EXT_BIGINT, str(obj).encode("ascii"))
+    raise NotPackable(type(obj).__name__)
+
+
+def pack_plain(value: Any) -> bytes:
+    """Pack a value with every string inline: the exact-identity key of a fresh value.
+
+    Raises `NotPackable` (or msgpack's own errors) for anything that needs the slow,
+    validating walk: subclasses, bytes, lone surrogates, cycles, unknown types.
+    """
+    return msgpack.packb(value, use_bin_type=True, strict_types=True, default=_plain_default)
+
+
+BlobLookup = Callable[[int], str]
+
+
+def _make_hook(blob: BlobLookup, echo: Callable[[], Any] | None) -> Callable[[int, bytes], Any]:
+    def hook(code: int, data: bytes) -> Any:
+        if code == EXT_BLOB:
+            return blob(int.from_bytes(data, "big"))
+        if code == EXT_TUPLE:
+            return tuple(msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=hook))
+        if code == EXT_BIGINT:
+            return int(data)
+        if code == EXT_SURROGATE:
+            return data.decode("utf-8", "surrogatepass")
+        if code == EXT_ECHO and echo is not None:
+            return echo()
+        raise ValueError(f"unknown extension type {code}")
+
+    return hook
+
+
+def unpack(data: bytes, blob: BlobLookup, echo: Callable[[], Any] | None = None) -> Any:
+    """Rebuild one packed value: fresh containers, blobs as the table's own `str` objects."""
+    return msgpack.unpackb(
+        data, raw=False, strict_map_key=False, ext_hook=_make_hook(blob, echo), use_list=True
+    )
+
+
+def unpack_stream(
+    data: bytes, blob: BlobLookup, echo: Callable[[], Any] | None = None
+) -> list[Any]:
+    """Rebuild a segment: several packed values written one after another."""
+    unpacker = msgpack.Unpacker(
+        raw=False,
+        strict_map_key=False,
+        ext_hook=_make_hook(blob, echo),
+        max_buffer_size=max(len(data), 1),
+    )
+    unpacker.feed(data)
+    return list(unpacker)
+
+
+def pack_values(values: Sequence[Any]) -> bytes:
+    """Pack values one after another (a segment), every string inline."""
+    return b"".join(pack_plain(v) for v in values)

@@ -1,0 +1,930 @@
+"""The rollout graph: turns stored as references, linked to their parents by prefix.
+
+A turn keeps small references, never copies: its request is the request of an earlier turn
+plus a packed tail of what is new, its prompt is its parent's tokens plus new ones, and long
+strings are handles into the graph's blob table. Parents are found through prefix-digest
+indexes, every hit confirmed by exact comparison.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from array import array
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import msgpack
+import xxhash
+
+from .blobs import BlobTable
+from .encoding import EXT_ECHO, NotPackable, pack_plain, unpack, unpack_stream
+from .errors import DuplicateNodeError, InvalidValueError
+from .intake import encode_value, float_array, token_array
+from .messages import leading_system_count, link_key
+from .tokens import BLOCK, TokenRun, block_digests, run_bytes, run_list, run_matches
+from .values import ValueTable
+
+__all__ = ["RolloutGraph", "TurnNode", "Sequence"]
+
+_ECHO_PACKED = msgpack.packb(msgpack.ExtType(EXT_ECHO, b""))
+
+# How a turn was linked to its parent.
+LINK_NONE, LINK_TOKENS, LINK_MESSAGES, LINK_EXPLICIT = 0, 1, 2, 3
+LINK_NAMES = ("none", "tokens", "messages", "explicit")
+
+# Turn.flags bits
+_TAIL_REFS = 1  # the tail holds blob or echo references: compare after expanding
+_RESPONSE_REFS = 2
+_MESSAGES_TUPLE = 4  # request_messages was a tuple
+_LOGPROBS_PACKED = 8  # sampled_logprobs kept as a packed JSON value, not array('d')
+_NO_MESSAGES = 16  # request_messages was None
+
+
+@dataclass(slots=True)
+class TurnNode:
+    """One model call of a rollout: what the harness sent and what came back.
+
+    Pass it to `RolloutGraph.add_turn`; `RolloutGraph.get` returns one rebuilt from storage.
+    `index` and, unless given, `node_id`, `parent_id`, `n_tools` and `system_digest` are set
+    by the graph.
+    """
+
+    node_id: str | None = None
+    prompt_ids: list[int] | None = None
+    sampled_ids: list[int] | None = None
+    sampled_logprobs: list[float] | None = None
+    parent_id: str | None = None
+    index: int | None = None
+    model: str | None = None
+    finish_reason: str | None = None
+    harness_session_id: str | None = None
+    system_digest: str | None = None
+    n_tools: int | None = None
+    request_messages: list[Any] | None = None
+    request_tools: list[Any] | None = None
+    sampling_params: dict[str, Any] | None = None
+    response_message: dict[str, Any] | None = None
+
+
+Sequence = dict[str, Any]
+
+
+class _Scratch:
+    """What add_turn works out before committing a turn; dropped afterwards."""
+
+    __slots__ = (
+        "first_digest",
+        "message_parent",
+        "pending",
+        "prompt_key",
+        "request_digest",
+        "token_digests",
+        "token_parent",
+    )
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[bytes, bytes]] = []
+        self.token_parent: _Turn | None = None
+        self.token_digests: list[int] | None = None
+        self.prompt_key: int | None = None
+        self.message_parent: _Turn | None = None
+        self.request_digest: int | None = None
+        self.first_digest: int | None = None
+
+
+class _Turn:
+    """The stored form of a turn: references and packed bytes only."""
+
+    __slots__ = (
+        "base",
+        "children",
+        "flags",
+        "full",
+        "index",
+        "link",
+        "logprobs",
+        "meta",
+        "n_rest",
+        "node_id",
+        "parent",
+        "prompt",
+        "response",
+        "sampled",
+        "sampling",
+        "system",
+        "tail",
+        "tools",
+    )
+
+    node_id: str
+    index: int
+    parent: _Turn | None
+    children: list[_Turn] | None
+    link: int
+    flags: int
+    # meta: (model, finish_reason, harness_session_id, system_digest, n_tools), interned
+    meta: tuple[Any, ...]
+    system: bytes | None  # packed leading system messages (a stream), shared via ValueTable
+    base: _Turn | None  # the turn whose non-system request this one extends
+    tail: bytes  # packed non-system messages after the base's
+    n_rest: int  # number of non-system request messages
+    response: bytes | None
+    tools: bytes | None
+    sampling: bytes | None
+    prompt: TokenRun | None
+    sampled: Any  # array | tuple | None
+    full: TokenRun | None  # prompt + sampled, the prefix a child's prompt extends
+    logprobs: Any  # array('d') | packed bytes | None
+
+
+class RolloutGraph:
+    """Turns of one or many rollouts, with memory proportional to unique content.
+
+    `share_threshold`: strings of at least this many characters are stored once in the
+    graph's blob table (`None` disables string sharing; messages and tokens are still
+    shared). Safe to use from many threads: `add_turn` is serialized by a lock.
+    """
+
+    def __init__(self, share_threshold: int | None = 1024) -> None:
+        if share_threshold is not None and (
+            not isinstance(share_threshold, int) or share_threshold < 1
+        ):
+            raise ValueError("share_threshold must be a positive int or None")
+        self.share_threshold = share_threshold
+        self.blobs = BlobTable()
+        self._values = ValueTable(self._expand_stream, share_threshold)
+        self._turns: list[_Turn] = []
+        self._by_id: dict[str, _Turn] = {}
+        self._meta: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self._request_index: dict[int, Any] = {}  # digest of non-system request -> turn(s)
+        self._token_index: dict[int, Any] = {}  # block digest of prompt+sampled -> turn(s)
+        self._prompt_index: dict[int, Any] = {}  # digest of a whole prompt -> TokenRun(s)
+        self._token_roots: dict[int, Any] = {}  # block digests of token roots' prompts
+        self._message_roots: dict[int, Any] = {}  # digest of a message root's first message
+        self._lock = threading.RLock()
+        self._ids = itertools.count()
+        self._listeners: list[Callable[[_Turn, int], None]] = []
+        self._received = {"messages": 0, "tokens": 0}
+
+    # ------------------------------------------------------------------ intake
+
+    def add_turn(self, node: TurnNode) -> TurnNode:
+        """Record one turn; returns a copy of `node` with `index`, `node_id`, `parent_id` set.
+
+        Raises `InvalidValueError` (a `TypeError` and `ValueError`) naming the path of a bad
+        value, or `DuplicateNodeError`; on any error the graph is exactly as before.
+        """
+        if not isinstance(node, TurnNode):
+            raise TypeError(f"add_turn expects a TurnNode, got {type(node).__name__}")
+        with self._lock:
+            mark = self.blobs.mark()
+            try:
+                turn, scratch = self._prepare(node)
+                for listener in self._listeners:
+                    listener(turn, mark[0])
+            except BaseException:
+                self.blobs.rollback(mark)
+                raise
+            self._commit(turn, scratch)
+            meta = turn.meta
+            return replace(
+                node,
+                node_id=turn.node_id,
+                index=turn.index,
+                parent_id=turn.parent.node_id if turn.parent is not None else None,
+                system_digest=meta[3],
+                n_tools=meta[4],
+            )
+
+    def _prepare(self, node: TurnNode) -> tuple[_Turn, _Scratch]:
+        turn = _Turn()
+        scratch = _Scratch()
+        pending = scratch.pending
+        node_id = node.node_id
+        if node_id is None:
+            node_id = self._fresh_id()
+        elif not isinstance(node_id, str):
+            raise InvalidValueError(f"expected str, got {type(node_id).__name__}", "node_id")
+        elif node_id in self._by_id:
+            raise DuplicateNodeError(f"node_id {node_id!r} is already in the graph")
+        turn.node_id = node_id
+        turn.index = len(self._turns)
+        turn.children = None
+        turn.flags = 0
+        explicit = None
+        if node.parent_id is not None:
+            explicit = self._by_id.get(node.parent_id) if isinstance(node.parent_id, str) else None
+            if explicit is None:
+                raise InvalidValueError(f"unknown parent {node.parent_id!r}", "parent_id")
+        for name in ("model", "finish_reason", "harness_session_id", "system_digest"):
+            value = getattr(node, name)
+            if value is not None and not isinstance(value, str):
+                raise InvalidValueError(f"expected str or None, got {type(value).__name__}", name)
+        n_tools = node.n_tools
+        if n_tools is not None and (type(n_tools) is not int):
+            raise InvalidValueError(
+                f"expected int or None, got {type(n_tools).__name__}", "n_tools"
+            )
+
+        self._prepare_tokens(turn, node, scratch)
+        system_plain = self._prepare_request(turn, node, scratch)
+        turn.response = self._encode_loose(node.response_message, "response_message", turn)
+        turn.tools = self._shared_value(node.request_tools, "request_tools", pending)
+        turn.sampling = self._shared_value(node.sampling_params, "sampling_params", pending)
+
+        if n_tools is None and isinstance(node.request_tools, list | tuple):
+            n_tools = len(node.request_tools)
+        system_digest = node.system_digest
+        if system_digest is None and system_plain is not None:
+            system_digest = xxhash.xxh3_128_hexdigest(system_plain)
+        meta = (node.model, node.finish_reason, node.harness_session_id, system_digest, n_tools)
+        turn.meta = meta  # interned at commit
+
+        # Linking: an explicit parent wins, then tokens, then messages.
+        if explicit is not None:
+            turn.parent, turn.link = explicit, LINK_EXPLICIT
+        elif scratch.token_parent is not None:
+            turn.parent, turn.link = scratch.token_parent, LINK_TOKENS
+        elif turn.prompt is None and scratch.message_parent is not None:
+            turn.parent, turn.link = scratch.message_parent, LINK_MESSAGES
+        else:
+            turn.parent, turn.link = None, LINK_NONE
+        return turn, scratch
+
+    def _fresh_id(self) -> str:
+        while True:
+            candidate = f"turn-{next(self._ids)}"
+            if candidate not in self._by_id:
+                return candidate
+
+    # -- values
+
+    def _encode(self, value: Any, path: str) -> bytes:
+        return encode_value(value, path, self.blobs, self.share_threshold)
+
+    def _encode_loose(self, value: Any, path: str, turn: _Turn) -> bytes | None:
+        if value is None:
+            return None
+        packed = self._encode(value, path)
+        try:
+            if packed != pack_plain(value):
+                turn.flags |= _RESPONSE_REFS
+        except (NotPackable, ValueError, TypeError, OverflowError):
+            turn.flags |= _RESPONSE_REFS
+        return packed
+
+    def _shared_value(
+        self, value: Any, path: str, pending: list[tuple[bytes, bytes]]
+    ) -> bytes | None:
+        if value is None:
+            return None
+        plain = _try_plain(value)
+        if plain is not None:
+            found = self._values.find(plain)
+            if found is not None:
+                return found
+            for p, stored in pending:
+                if p == plain:
+                    return stored
+        stored = self._encode(value, path)
+        if plain is not None:
+            pending.append((plain, stored))
+        return stored
+
+    # -- tokens
+
+    def _prepare_tokens(self, turn: _Turn, node: TurnNode, scratch: _Scratch) -> None:
+        prompt = None if node.prompt_ids is None else token_array(node.prompt_ids, "prompt_ids")
+        sampled = None if node.sampled_ids is None else token_array(node.sampled_ids, "sampled_ids")
+        logprobs = node.sampled_logprobs
+        if logprobs is None:
+            turn.logprobs = None
+        else:
+            packed_floats = float_array(logprobs, "sampled_logprobs")
+            if packed_floats is not None:
+                turn.logprobs = packed_floats
+            else:
+                turn.logprobs = self._encode(logprobs, "sampled_logprobs")
+                turn.flags |= _LOGPROBS_PACKED
+        turn.sampled = sampled
+        if prompt is None:
+            turn.prompt = None
+            turn.full = TokenRun(None, sampled) if sampled is not None and len(sampled) else None
+            return
+        self._received["tokens"] += len(prompt) + (len(sampled) if sampled is not None else 0)
+        compact = isinstance(prompt, array) and prompt.typecode == "I"
+        run: TokenRun | None = None
+        if compact:
+            data = prompt.tobytes()
+            digests = block_digests(data)
+            parent = self._find_token_parent(data, digests, len(prompt))
+            scratch.token_parent = parent
+            key = xxhash.xxh3_64_intdigest(data)
+            scratch.prompt_key = key
+            for candidate in _members(self._prompt_index.get(key)):
+                if candidate.length == len(prompt) and run_matches(candidate, data):
+                    run = candidate
+                    break
+            if run is None:
+                if parent is not None:
+                    run = TokenRun(parent.full, prompt[parent.full.length :])
+                else:
+                    run = TokenRun(None, prompt)
+        else:
+            run = TokenRun(None, prompt)
+        turn.prompt = run
+        turn.full = TokenRun(run, sampled) if sampled is not None and len(sampled) else run
+        if compact and turn.full.compact:
+            full_data = data + sampled.tobytes() if turn.full is not run else data  # type: ignore[union-attr]
+            scratch.token_digests = block_digests(full_data) if turn.full is not run else digests
+
+    def _find_token_parent(self, data: bytes, digests: list[int], n: int) -> _Turn | None:
+        for j in range(len(digests) - 1, -1, -1):
+            best: _Turn | None = None
+            for candidate in _members(self._token_index.get(digests[j])):
+                full = candidate.full
+                if (
+                    full is not None
+                    and full.length <= n
+                    and full.length // BLOCK == j
+                    and (best is None or full.length > best.full.length)  # type: ignore[union-attr]
+                    and run_matches(full, data)
+                ):
+                    best = candidate
+            if best is not None:
+                return best
+        return None
+
+    # -- request messages
+
+    def _prepare_request(self, turn: _Turn, node: TurnNode, scratch: _Scratch) -> bytes | None:
+        """Store the request as system part + base turn + tail; return the system plain."""
+        messages = node.request_messages
+        pending = scratch.pending
+        if messages is None:
+            turn.system, turn.base, turn.tail, turn.n_rest = None, None, b"", 0
+            turn.flags |= _NO_MESSAGES
+            return None
+        if not isinstance(messages, list | tuple):
+            raise InvalidValueError(
+                f"expected a list of messages, got {type(messages).__name__}", "request_messages"
+            )
+        if isinstance(messages, tuple):
+            turn.flags |= _MESSAGES_TUPLE
+        self._received["messages"] += len(messages)
+        n_sys = leading_system_count(messages)
+        plains = [_try_plain(m) for m in messages]
+
+        # system part: shared whole through the value table
+        system_plain = None
+        if n_sys:
+            if all(p is not None for p in plains[:n_sys]):
+                system_plain = b"".join(plains[:n_sys])  # type: ignore[arg-type]
+                found = self._values.find(system_plain)
+                if found is None:
+                    for p, stored in pending:
+                        if p == system_plain:
+                            found = stored
+                if found is None:
+                    found = b"".join(
+                        self._encode(m, f"request_messages[{i}]")
+                        for i, m in enumerate(messages[:n_sys])
+                    )
+                    pending.append((system_plain, found))
+                turn.system = found
+            else:
+                turn.system = b"".join(
+                    self._encode(m, f"request_messages[{i}]")
+                    for i, m in enumerate(messages[:n_sys])
+                )
+        else:
+            turn.system = None
+
+        rest = messages[n_sys:]
+        rest_plains = plains[n_sys:]
+        n_valid = 0
+        offsets = [0]
+        hasher = xxhash.xxh3_64()
+        digests = [hasher.intdigest()]
+        for p in rest_plains:
+            if p is None:
+                break
+            hasher.update(p)
+            digests.append(hasher.intdigest())
+            offsets.append(offsets[-1] + len(p))
+            n_valid += 1
+        stream = b"".join(rest_plains[:n_valid])  # type: ignore[arg-type]
+        scratch.request_digest = digests[-1] if n_valid == len(rest) else None
+        scratch.first_digest = digests[1] if n_valid >= 1 else None
+
+        want_parent = node.parent_id is None and node.prompt_ids is None
+        base: _Turn | None = None
+        parent: _Turn | None = None
+        confirmed: dict[int, bool] = {}
+        for j in range(n_valid, -1, -1):
+            for candidate in _members(self._request_index.get(digests[j])):
+                if candidate.n_rest != j:
+                    continue
+                ok = confirmed.get(candidate.index)
+                if ok is None:
+                    ok = self._request_matches(candidate, stream, offsets)
+                    confirmed[candidate.index] = ok
+                if not ok:
+                    continue
+                if base is None:
+                    base = candidate
+                if want_parent and j < len(rest) and self._echoes(candidate, rest[j]):
+                    parent = candidate
+                    break
+            if parent is not None or (base is not None and not want_parent):
+                break
+        scratch.message_parent = parent
+
+        start = base.n_rest if base is not None else 0
+        pieces: list[bytes] = []
+        refs = False
+        for i in range(start, len(rest)):
+            p = rest_plains[i]
+            if (
+                i == start
+                and base is not None
+                and base.response is not None
+                and p is not None
+                and self._response_plain(base) == p
+            ):
+                pieces.append(_ECHO_PACKED)
+                refs = True
+                continue
+            packed = self._encode(rest[i], f"request_messages[{n_sys + i}]")
+            if packed != p:
+                refs = True
+            pieces.append(packed)
+        turn.base = base
+        turn.tail = b"".join(pieces)
+        turn.n_rest = len(rest)
+        if refs:
+            turn.flags |= _TAIL_REFS
+        return system_plain
+
+    def _request_matches(self, turn: _Turn, stream: bytes, offsets: list[int]) -> bool:
+        """Whether the non-system request of `turn` packs exactly to `stream[:offsets[n]]`."""
+        if turn.n_rest >= len(offsets):
+            return False
+        node: _Turn | None = turn
+        end = turn.n_rest
+        while node is not None:
+            start = node.base.n_rest if node.base is not None else 0
+            if node.flags & _TAIL_REFS:
+                expanded = self._expanded_tail(node)
+                if expanded is None:
+                    return False
+            else:
+                expanded = node.tail
+            if offsets[end] - offsets[start] != len(expanded):
+                return False
+            if not stream.startswith(expanded, offsets[start]):
+                return False
+            end = start
+            node = node.base
+        return end == 0
+
+    def _expanded_tail(self, turn: _Turn) -> bytes | None:
+        base = turn.base
+        try:
+            values = unpack_stream(
+                turn.tail,
+                self.blobs.string,
+                (lambda: self._response_value(base)) if base is not None else None,
+            )
+            return b"".join(pack_plain(v) for v in values)
+        except (NotPackable, ValueError, TypeError, OverflowError):
+            return None
+
+    def _expand_stream(self, stored: bytes) -> bytes | None:
+        try:
+            return b"".join(pack_plain(v) for v in unpack_stream(stored, self.blobs.string))
+        except (NotPackable, ValueError, TypeError, OverflowError):
+            return None
+
+    def _response_value(self, turn: _Turn) -> Any:
+        return None if turn.response is None else unpack(turn.response, self.blobs.string)
+
+    def _response_plain(self, turn: _Turn) -> bytes | None:
+        if turn.response is None:
+            return None
+        if not turn.flags & _RESPONSE_REFS:
+            return turn.response
+        return self._expand_stream(turn.response)
+
+    def _echoes(self, turn: _Turn, message: Any) -> bool:
+        if turn.response is None:
+            return False
+        try:
+            return bool(link_key(self._response_value(turn)) == link_key(message))
+        except Exception:  # a malformed fresh message simply does not match
+            return False
+
+    # ------------------------------------------------------------------ commit
+
+    def _commit(self, turn: _Turn, scratch: _Scratch) -> None:
+        for plain, stored in scratch.pending:
+            self._values.add(plain, stored)
+        turn.meta = self._meta.setdefault(turn.meta, turn.meta)
+        self._turns.append(turn)
+        self._by_id[turn.node_id] = turn
+        if turn.parent is not None:
+            _add_child(turn.parent, turn)
+        if scratch.request_digest is not None and not turn.flags & _NO_MESSAGES:
+            _index_add(self._request_index, scratch.request_digest, turn)
+        digests = scratch.token_digests
+        if digests is not None and turn.full is not None and turn.full.length:
+            _index_add(self._token_index, digests[turn.full.length // BLOCK], turn)
+        if scratch.prompt_key is not None and turn.prompt is not None:
+            members = _members(self._prompt_index.get(scratch.prompt_key))
+            if not any(m is turn.prompt for m in members):
+                _index_add(self._prompt_index, scratch.prompt_key, turn.prompt)
+        self._relink_for(turn, scratch)
+        if turn.parent is None:
+            self._register_root(turn, scratch.first_digest)
+
+    def _register_root(self, turn: _Turn, first_digest: int | None) -> None:
+        if turn.prompt is not None:
+            if turn.prompt.compact and turn.prompt.length >= BLOCK:
+                for digest in block_digests(run_bytes(turn.prompt))[1:]:
+                    _index_add(self._token_roots, digest, turn)
+        elif first_digest is not None:
+            _index_add(self._message_roots, first_digest, turn)
+
+    def _unregister_root(self, turn: _Turn) -> None:
+        if turn.prompt is not None:
+            if turn.prompt.compact and turn.prompt.length >= BLOCK:
+                for digest in block_digests(run_bytes(turn.prompt))[1:]:
+                    _index_remove(self._token_roots, digest, turn)
+        elif turn.n_rest:
+            first = _try_plain(self._rest_values(turn)[0])
+            if first is not None:
+                _index_remove(self._message_roots, xxhash.xxh3_64_intdigest(first), turn)
+
+    def _relink_for(self, new: _Turn, scratch: _Scratch) -> None:
+        """Turns that arrived before `new` but continue it move under it."""
+        token_digests = scratch.token_digests
+        if new.link == LINK_EXPLICIT:
+            return
+        parent = new.parent
+        if new.prompt is not None:
+            if new.full is None or not new.full.compact or not new.full.length:
+                return
+            data = run_bytes(new.full)
+            if parent is not None:
+                candidates = list(parent.children or ())
+            elif token_digests is not None and new.full.length >= BLOCK:
+                candidates = list(
+                    _members(self._token_roots.get(token_digests[new.full.length // BLOCK]))
+                )
+            else:
+                candidates = [t for t in self._turns if t.parent is None]
+            for other in candidates:
+                if (
+                    other is new
+                    or other.link not in (LINK_TOKENS, LINK_NONE)
+                    or other.prompt is None
+                    or other.prompt.length < new.full.length
+                    or not other.prompt.compact
+                ):
+                    continue
+                if run_bytes(other.prompt).startswith(data):
+                    self._move(other, new, LINK_TOKENS)
+            return
+        if new.flags & _NO_MESSAGES:
+            return
+        if parent is not None:
+            candidates = list(parent.children or ())
+        elif scratch.first_digest is not None:
+            candidates = list(_members(self._message_roots.get(scratch.first_digest)))
+        else:
+            return
+        if not candidates:
+            return
+        mine = None
+        for other in candidates:
+            if (
+                other is new
+                or other.link not in (LINK_MESSAGES, LINK_NONE)
+                or other.prompt is not None
+                or other.n_rest <= new.n_rest
+            ):
+                continue
+            if mine is None:
+                mine = self._rest_values(new)
+            theirs = self._rest_values(other)
+            if theirs[: new.n_rest] == mine and _same_json(theirs[: new.n_rest], mine):
+                try:
+                    echo = link_key(self._response_value(new)) == link_key(theirs[new.n_rest])
+                except Exception:
+                    echo = False
+                if echo:
+                    self._move(other, new, LINK_MESSAGES)
+
+    def _move(self, turn: _Turn, parent: _Turn, link: int) -> None:
+        old = turn.parent
+        if old is not None and old.children is not None:
+            old.children.remove(turn)
+            if not old.children:
+                old.children = None
+        else:
+            self._unregister_root(turn)
+        turn.parent = parent
+        turn.link = link
+        _add_child(parent, turn)
+
+    # ------------------------------------------------------------------ materialize
+
+    def _rest_values(self, turn: _Turn) -> list[Any]:
+        chain: list[_Turn] = []
+        node: _Turn | None = turn
+        while node is not None:
+            chain.append(node)
+            node = node.base
+        out: list[Any] = []
+        for owner in reversed(chain):
+            base = owner.base
+            echo = (lambda b=base: self._response_value(b)) if base is not None else None
+            out.extend(unpack_stream(owner.tail, self.blobs.string, echo))
+        return out
+
+    def _request_messages(self, turn: _Turn) -> list[Any] | tuple[Any, ...] | None:
+        if turn.system is None and turn.n_rest == 0 and not turn.tail and turn.base is None:
+            if turn.flags & _MESSAGES_TUPLE:
+                return ()
+            return None if turn.flags & _NO_MESSAGES else []
+        messages: list[Any] = []
+        if turn.system is not None:
+            messages.extend(unpack_stream(turn.system, self.blobs.string))
+        messages.extend(self._rest_values(turn))
+        return tuple(messages) if turn.flags & _MESSAGES_TUPLE else messages
+
+    def _value(self, packed: bytes | None) -> Any:
+        return None if packed is None else unpack(packed, self.blobs.string)
+
+    def _logprobs(self, turn: _Turn) -> Any:
+        lp = turn.logprobs
+        if lp is None:
+            return None
+        if turn.flags & _LOGPROBS_PACKED:
+            return unpack(lp, self.blobs.string)
+        return lp.tolist()
+
+    def _view(self, turn: _Turn) -> TurnNode:
+        model, finish_reason, session, system_digest, n_tools = turn.meta
+        return TurnNode(
+            node_id=turn.node_id,
+            prompt_ids=run_list(turn.prompt) if turn.prompt is not None else None,
+            sampled_ids=_seg_list(turn.sampled),
+            sampled_logprobs=self._logprobs(turn),
+            parent_id=turn.parent.node_id if turn.parent is not None else None,
+            index=turn.index,
+            model=model,
+            finish_reason=finish_reason,
+            harness_session_id=session,
+            system_digest=system_digest,
+            n_tools=n_tools,
+            request_messages=self._request_messages(turn),
+            request_tools=self._value(turn.tools),
+            sampling_params=self._value(turn.sampling),
+            response_message=self._value(turn.response),
+        )
+
+    # ------------------------------------------------------------------ queries
+
+    def _turn(self, node_id: str) -> _Turn:
+        try:
+            return self._by_id[node_id]
+        except (KeyError, TypeError):
+            raise KeyError(f"no turn {node_id!r} in the graph") from None
+
+    def __len__(self) -> int:
+        return len(self._turns)
+
+    def __contains__(self, node_id: object) -> bool:
+        return node_id in self._by_id
+
+    def get(self, node_id: str) -> TurnNode:
+        """The turn rebuilt from storage: fresh containers, equal to what was recorded."""
+        return self._view(self._turn(node_id))
+
+    def request_messages(self, node_id: str) -> list[Any] | tuple[Any, ...] | None:
+        return self._request_messages(self._turn(node_id))
+
+    def response_message(self, node_id: str) -> Any:
+        return self._value(self._turn(node_id).response)
+
+    def request_tools(self, node_id: str) -> Any:
+        return self._value(self._turn(node_id).tools)
+
+    def sampling_params(self, node_id: str) -> Any:
+        return self._value(self._turn(node_id).sampling)
+
+    def nodes(self) -> list[str]:
+        """Node ids in arrival order."""
+        return [t.node_id for t in self._turns]
+
+    def roots(self) -> list[str]:
+        return [t.node_id for t in self._turns if t.parent is None]
+
+    def leaves(self) -> list[str]:
+        return [t.node_id for t in self._turns if not t.children]
+
+    def children(self, node_id: str) -> list[str]:
+        return [c.node_id for c in self._turn(node_id).children or ()]
+
+    def parent(self, node_id: str) -> str | None:
+        parent = self._turn(node_id).parent
+        return parent.node_id if parent is not None else None
+
+    def link_kind(self, node_id: str) -> str:
+        """How the turn is linked to its parent: none, tokens, messages or explicit."""
+        return LINK_NAMES[self._turn(node_id).link]
+
+    def root_of(self, node_id: str) -> str:
+        turn = self._turn(node_id)
+        while turn.parent is not None:
+            turn = turn.parent
+        return turn.node_id
+
+    def path_to(self, node_id: str) -> list[str]:
+        """Node ids from the root down to `node_id`."""
+        return [t.node_id for t in self._path(self._turn(node_id))]
+
+    def _path(self, turn: _Turn) -> list[_Turn]:
+        path = []
+        node: _Turn | None = turn
+        while node is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        return path
+
+    def paths(self) -> list[list[str]]:
+        """One path (root to leaf) per leaf, in the leaves' arrival order."""
+        return [self.path_to(leaf) for leaf in self.leaves()]
+
+    def forks(self) -> list[str]:
+        """Turns with more than one child."""
+        return [t.node_id for t in self._turns if t.children and len(t.children) > 1]
+
+    def discarded_nodes(self) -> list[str]:
+        """Childless turns with a sibling that continued (retries that were dropped).
+
+        Roots with an identical prompt (token ids or, without them, request messages) count as
+        siblings, so a retried first call is found too.
+        """
+        discarded: set[int] = set()
+        groups: list[list[_Turn]] = [list(t.children) for t in self._turns if t.children]
+        by_prompt: dict[Any, list[_Turn]] = {}
+        for root in self._turns:
+            if root.parent is None:
+                by_prompt.setdefault(self._prompt_identity(root), []).append(root)
+        groups.extend(by_prompt.values())
+        for group in groups:
+            if len(group) > 1 and any(t.children for t in group):
+                discarded.update(t.index for t in group if not t.children)
+        return [t.node_id for t in self._turns if t.index in discarded]
+
+    def _prompt_identity(self, turn: _Turn) -> Any:
+        if turn.prompt is not None:
+            return ("tokens", tuple(run_list(turn.prompt)))
+        messages = self._request_messages(turn)
+        return ("messages", msgpack.packb(messages, default=repr) if messages else b"")
+
+    def sequence_for(self, node_id: str) -> Sequence:
+        """The training sequence ending at `node_id`: its tokens, loss mask and logprobs.
+
+        Sampled tokens of every turn on the path whose prompt + sampled tokens are a prefix
+        of this turn's get mask 1 and their logprobs when logprobs are aligned with them;
+        everything else is context (mask 0, logprob 0.0).
+        """
+        leaf = self._turn(node_id)
+        path = self._path(leaf)
+        full = leaf.full
+        input_ids = run_list(full) if full is not None else []
+        n = len(input_ids)
+        mask = [0] * n
+        logprobs = [0.0] * n
+        chain_runs: set[int] = set()
+        run = full
+        while run is not None:
+            chain_runs.add(id(run))
+            run = run.prev
+        for turn in path:
+            if turn.full is None or turn.prompt is None or turn.sampled is None:
+                continue
+            end = turn.full.length
+            start = turn.prompt.length
+            if end > n or end == start:
+                continue
+            if id(turn.full) not in chain_runs and input_ids[:end] != run_list(turn.full):
+                continue
+            lp = turn.logprobs
+            if lp is None or turn.flags & _LOGPROBS_PACKED or len(lp) != end - start:
+                continue
+            mask[start:end] = [1] * (end - start)
+            logprobs[start:end] = lp.tolist()
+        root = path[0]
+        return {
+            "input_ids": input_ids,
+            "loss_mask": mask,
+            "logprobs": logprobs,
+            "node_ids": [t.node_id for t in path],
+            "prompt_len": root.prompt.length if root.prompt is not None else 0,
+            "root_id": root.node_id,
+            "n_turns": len(path),
+        }
+
+    def sequences(self) -> list[Sequence]:
+        """One training sequence per leaf."""
+        return [self.sequence_for(leaf) for leaf in self.leaves()]
+
+    def stats(self) -> dict[str, int]:
+        """Counts of turns, structure and storage."""
+        stored_tokens = 0
+        seen: set[int] = set()
+        for turn in self._turns:
+            run = turn.full
+            while run is not None and id(run) not in seen:
+                seen.add(id(run))
+                stored_tokens += len(run.seg)
+                run = run.prev
+        out = {
+            "turns": len(self._turns),
+            "roots": sum(1 for t in self._turns if t.parent is None),
+            "leaves": sum(1 for t in self._turns if not t.children),
+            "forks": sum(1 for t in self._turns if t.children and len(t.children) > 1),
+            "messages_received": self._received["messages"],
+            "message_bytes_stored": sum(len(t.tail) for t in self._turns),
+            "shared_values": len(self._values),
+            "tokens_received": self._received["tokens"],
+            "tokens_stored": stored_tokens,
+        }
+        out.update(self.blobs.stats())
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.nodes())
+
+
+def _try_plain(value: Any) -> bytes | None:
+    try:
+        return pack_plain(value)
+    except (NotPackable, ValueError, TypeError, OverflowError, UnicodeEncodeError):
+        return None
+
+
+def _members(found: Any) -> tuple[Any, ...] | list[Any]:
+    if found is None:
+        return ()
+    return found if isinstance(found, list) else (found,)
+
+
+def _index_add(index: dict[int, Any], key: int, item: Any) -> None:
+    found = index.get(key)
+    if found is None:
+        index[key] = item
+    elif isinstance(found, list):
+        found.append(item)
+    else:
+        index[key] = [found, item]
+
+
+def _index_remove(index: dict[int, Any], key: int, item: Any) -> None:
+    found = index.get(key)
+    if found is item:
+        del index[key]
+    elif isinstance(found, list) and item in found:
+        found.remove(item)
+        if len(found) == 1:
+            index[key] = found[0]
+
+
+def _add_child(parent: _Turn, child: _Turn) -> None:
+    if parent.children is None:
+        parent.children = [child]
+    else:
+        children = parent.children
+        children.append(child)
+        if children[-2].index > child.index:
+            children.sort(key=lambda t: t.index)
+
+
+def _seg_list(seg: Any) -> list[int] | None:
+    if seg is None:
+        return None
+    return seg.tolist() if isinstance(seg, array) else list(seg)
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    try:
+        return pack_plain(a) == pack_plain(b)
+    except Exception:
+        return False

@@ -1,0 +1,201 @@
+"""Walking a recorded value once: validate it, rebuild its containers, replace long strings.
+
+The walk is the slow path, taken only for content the graph has not seen. It raises
+`InvalidValueError` naming the exact path of a bad value; the path is assembled only while
+the error propagates, so valid input pays nothing for it.
+"""
+
+from __future__ import annotations
+
+from array import array
+from operator import index as _as_int
+from typing import Any
+
+import msgpack
+
+from .blobs import BlobTable, Handle
+from .encoding import EXT_BIGINT, EXT_BLOB, EXT_SURROGATE, EXT_TUPLE
+from .errors import InvalidValueError
+
+__all__ = ["MAX_DEPTH", "encode_value", "token_array", "float_array"]
+
+#: Containers nested deeper than this are rejected (json.dumps itself fails near 1000).
+MAX_DEPTH = 500
+
+_INT64_MIN = -(2**63)
+_UINT64_MAX = 2**64 - 1
+
+
+class _Bad(Exception):
+    """Internal: a bad value; `trail` collects path pieces, innermost first."""
+
+    def __init__(self, message: str, exc_type: type[Exception] = TypeError) -> None:
+        super().__init__(message)
+        self.message = message
+        self.trail: list[str] = []
+        self.containers: list[int] = []
+
+
+def _format_path(root: str, trail: list[str]) -> str:
+    return root + "".join(reversed(trail))
+
+
+def _key_piece(key: object) -> str:
+    if isinstance(key, str) and key.isidentifier():
+        return f".{key}"
+    return f"[{key!r}]"
+
+
+def _pack_default(obj: object) -> msgpack.ExtType:
+    if type(obj) is Handle:
+        return msgpack.ExtType(EXT_BLOB, obj.index.to_bytes(4, "big"))
+    raise TypeError(f"cannot pack {type(obj).__name__}")  # unreachable for walked trees
+
+
+class _Walker:
+    __slots__ = ("blobs", "threshold")
+
+    def __init__(self, blobs: BlobTable, threshold: int | None) -> None:
+        self.blobs = blobs
+        self.threshold = threshold
+
+    def string(self, s: str) -> Any:
+        if type(s) is not str:
+            s = str.__str__(s)
+        threshold = self.threshold
+        if threshold is not None and len(s) >= threshold:
+            return self.blobs.intern(s)
+        if not s.isascii():
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                return msgpack.ExtType(EXT_SURROGATE, s.encode("utf-8", "surrogatepass"))
+        return s
+
+    def key(self, k: object) -> Any:
+        t = type(k)
+        if t is str:
+            return self.string(k) if not k.isascii() else k
+        if isinstance(k, str):
+            return self.string(str.__str__(k))
+        if t is bool or k is None:
+            return k
+        if isinstance(k, int):
+            return self.integer(_as_int(k))
+        if isinstance(k, float):
+            return float.__float__(k)
+        raise _Bad(f"dict key of type {t.__name__} (JSON keys are str, int, float, bool, None)")
+
+    def integer(self, n: int) -> Any:
+        if _INT64_MIN <= n <= _UINT64_MAX:
+            return n
+        return msgpack.ExtType(EXT_BIGINT, str(n).encode("ascii"))
+
+    def value(self, v: object, depth: int) -> Any:
+        t = type(v)
+        if t is str:
+            if len(v) < 64 and v.isascii():
+                return v
+            return self.string(v)
+        if v is None or t is bool or t is float:
+            return v
+        if t is int:
+            return self.integer(v)
+        if t is dict or t is list or t is tuple or isinstance(v, dict | list | tuple):
+            if depth >= MAX_DEPTH:
+                raise _Bad(f"nesting deeper than {MAX_DEPTH} levels", ValueError)
+            try:
+                if isinstance(v, dict):
+                    out: Any = {}
+                    for k, item in v.items():
+                        key = self.key(k)
+                        try:
+                            out[key] = self.value(item, depth + 1)
+                        except _Bad as bad:
+                            bad.trail.append(_key_piece(k))
+                            raise
+                    return out
+                items = []
+                for i, item in enumerate(v):
+                    try:
+                        items.append(self.value(item, depth + 1))
+                    except _Bad as bad:
+                        bad.trail.append(f"[{i}]")
+                        raise
+                if isinstance(v, tuple):
+                    return msgpack.ExtType(EXT_TUPLE, _pack_tree(items))
+                return items
+            except _Bad as bad:
+                bad.containers.append(id(v))
+                raise
+        if isinstance(v, str):
+            return self.string(v)
+        if isinstance(v, bool):
+            return bool(v)
+        if isinstance(v, int):
+            return self.integer(_as_int(v))
+        if isinstance(v, float):
+            return float.__float__(v)
+        raise _Bad(f"value of type {t.__name__} cannot be represented in JSON")
+
+
+def _pack_tree(tree: Any) -> bytes:
+    return msgpack.packb(tree, use_bin_type=True, default=_pack_default)
+
+
+def encode_value(value: object, path: str, blobs: BlobTable, threshold: int | None) -> bytes:
+    """Validate `value` and pack it with long strings replaced by blob handles.
+
+    Raises `InvalidValueError` naming `path` plus the position inside `value`. The caller
+    rolls the blob table back when a later step of the same turn fails.
+    """
+    try:
+        tree = _Walker(blobs, threshold).value(value, 0)
+    except _Bad as bad:
+        message = bad.message
+        if message.startswith("nesting deeper") and len(set(bad.containers)) < len(bad.containers):
+            message = "reference cycle (a container contains itself)"
+            # report the first place the cycle closes
+            seen: set[int] = set()
+            trail = bad.trail
+            for cut, cid in enumerate(reversed(bad.containers)):
+                if cid in seen:
+                    trail = bad.trail[len(bad.trail) - cut :]
+                    break
+                seen.add(cid)
+            raise InvalidValueError(message, _format_path(path, trail)) from None
+        raise InvalidValueError(message, _format_path(path, bad.trail)) from None
+    return _pack_tree(tree)
+
+
+def token_array(ids: object, path: str) -> array | tuple[int, ...]:
+    """Token ids as compact typed storage: array('I') when they fit, else exact ints.
+
+    Raises `InvalidValueError` for anything but a list or tuple of ints (bools included:
+    they would come back as 0 and 1).
+    """
+    if not isinstance(ids, list | tuple):
+        raise InvalidValueError(f"expected a list of int, got {type(ids).__name__}", path)
+    types = set(map(type, ids))
+    if types and types != {int}:
+        for i, x in enumerate(ids):
+            if type(x) is not int:
+                if isinstance(x, int) and not isinstance(x, bool):
+                    continue
+                raise InvalidValueError(f"expected int, got {type(x).__name__}", f"{path}[{i}]")
+        ids = [_as_int(x) for x in ids]
+    try:
+        return array("I", ids)
+    except OverflowError:
+        pass
+    try:
+        return array("q", ids)
+    except OverflowError:
+        return tuple(ids)
+
+
+def float_array(values: object, path: str) -> array | None:
+    """Logprobs as array('d') when every item is an exact float, else None (kept as JSON)."""
+    if isinstance(values, list | tuple) and set(map(type, values)) <= {float}:
+        return array("d", values)
+    return None

@@ -1,0 +1,50 @@
+"""Whole values stored once per graph: tool lists, sampling parameters, system prompts.
+
+A value is found by its plain packing (every string inline). Short plain packings are their
+own key, so the dictionary's equality check is the content comparison; longer ones are keyed
+by xxh3-128 and a hit is confirmed by expanding the stored form and comparing bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import xxhash
+
+__all__ = ["ValueTable"]
+
+#: Plain packings shorter than this are dictionary keys themselves.
+INLINE_KEY_LIMIT = 1024
+
+
+class ValueTable:
+    """Stored packed values, found by the exact plain packing of a fresh value."""
+
+    __slots__ = ("_expand", "_inline", "_keyed", "_limit")
+
+    def __init__(self, expand: Callable[[bytes], bytes | None], share_threshold: int | None):
+        # Below the string-sharing threshold a packing cannot hold a blob reference, so
+        # the stored form equals the plain one and can be the key.
+        self._limit = min(INLINE_KEY_LIMIT, share_threshold or INLINE_KEY_LIMIT)
+        self._expand = expand
+        self._inline: dict[bytes, bytes] = {}
+        self._keyed: dict[bytes, list[bytes]] = {}
+
+    def __len__(self) -> int:
+        return len(self._inline) + sum(len(v) for v in self._keyed.values())
+
+    def find(self, plain: bytes) -> bytes | None:
+        """The stored value whose plain packing equals `plain`, or None."""
+        if len(plain) < self._limit:
+            return self._inline.get(plain)
+        for stored in self._keyed.get(xxhash.xxh3_128_digest(plain), ()):
+            if stored == plain or self._expand(stored) == plain:
+                return stored
+        return None
+
+    def add(self, plain: bytes, stored: bytes) -> None:
+        """Remember `stored` as the value whose plain packing is `plain` (caller checked find)."""
+        if len(plain) < self._limit:
+            self._inline[plain] = stored
+        else:
+            self._keyed.setdefault(xxhash.xxh3_128_digest(plain), []).append(stored)
