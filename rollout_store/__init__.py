@@ -9,6 +9,7 @@ from .errors import (
     RolloutStoreError,
     UnsupportedVersionError,
 )
+from .export import export_session, iter_turn_records, write_session_json, write_trace_jsonl
 from .graph import RolloutGraph, TurnNode
 from .intake import MAX_DEPTH
 
@@ -24,4 +25,8 @@ __all__ = [
     "RolloutStoreError",
     "TurnNode",
     "UnsupportedVersionError",
+    "export_session",
+    "iter_turn_records",
+    "write_session_json",
+    "write_trace_jsonl",
 ]

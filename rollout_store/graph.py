@@ -726,6 +726,24 @@ class RolloutGraph:
     def sampling_params(self, node_id: str) -> Any:
         return self._value(self._turn(node_id).sampling)
 
+    def summary(self, node_id: str) -> dict[str, Any]:
+        """The turn's scalar fields and sizes, without rebuilding its messages."""
+        turn = self._turn(node_id)
+        model, finish_reason, session, system_digest, n_tools = turn.meta
+        return {
+            "node_id": turn.node_id,
+            "index": turn.index,
+            "parent_id": turn.parent.node_id if turn.parent is not None else None,
+            "link": LINK_NAMES[turn.link],
+            "n_prompt": turn.prompt.length if turn.prompt is not None else 0,
+            "n_sampled": len(turn.sampled) if turn.sampled is not None else 0,
+            "n_tools": n_tools,
+            "model": model,
+            "finish_reason": finish_reason,
+            "harness_session_id": session,
+            "system_digest": system_digest,
+        }
+
     def nodes(self) -> list[str]:
         """Node ids in arrival order."""
         return [t.node_id for t in self._turns]

@@ -1,0 +1,63 @@
+"""Writing JSON documents piece by piece, byte-identical to one `json.dumps` call.
+
+`json.dumps` of a dict is its keys and values joined by ", " and ": " inside braces; a
+list is its items joined by ", " inside brackets. `write_document` produces exactly that
+while pulling list items from iterators, so only one item is alive at a time.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable, Iterable, Iterator
+from typing import IO, Any
+
+__all__ = ["Streamed", "write_document", "writer_for"]
+
+
+class Streamed:
+    """A list value whose items are produced lazily while the document is written."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: Iterable[Any]) -> None:
+        self.items = items
+
+
+def writer_for(fp: IO[Any]) -> Callable[[str], Any]:
+    """A function writing str to a text stream, or ASCII bytes to a binary one."""
+    if isinstance(fp, io.TextIOBase) or "b" not in getattr(fp, "mode", "b"):
+        return fp.write
+    write = fp.write
+    # json.dumps output is ASCII with the default ensure_ascii=True.
+    return lambda text: write(text.encode("ascii"))
+
+
+def _chunks(document: dict[str, Any]) -> Iterator[str]:
+    yield "{"
+    first = True
+    for key, value in document.items():
+        if not first:
+            yield ", "
+        first = False
+        yield json.dumps(key)
+        yield ": "
+        if isinstance(value, Streamed):
+            yield "["
+            sep = ""
+            for item in value.items:
+                yield sep
+                yield json.dumps(item)
+                sep = ", "
+            yield "]"
+        else:
+            yield json.dumps(value)
+    yield "}"
+
+
+def write_document(fp: IO[Any], document: dict[str, Any]) -> None:
+    """Write `document` as `json.dumps(document)` would, expanding `Streamed` lists lazily."""
+    write = writer_for(fp)
+    for chunk in _chunks(document):
+        if chunk:
+            write(chunk)
