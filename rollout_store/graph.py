@@ -77,6 +77,7 @@ class _Scratch:
     __slots__ = (
         "first_digest",
         "message_parent",
+        "moves",
         "pending",
         "prompt_key",
         "request_digest",
@@ -92,6 +93,7 @@ class _Scratch:
         self.message_parent: _Turn | None = None
         self.request_digest: int | None = None
         self.first_digest: int | None = None
+        self.moves: list[tuple[_Turn, int]] = []
 
 
 class _Turn:
@@ -165,7 +167,9 @@ class RolloutGraph:
         self._message_roots: dict[int, Any] = {}  # digest of a message root's first message
         self._lock = threading.RLock()
         self._ids = itertools.count()
-        self._listeners: list[Callable[[_Turn, int], None]] = []
+        # Called with (turn, first new blob index, scratch) before a turn is committed; a
+        # listener that raises rejects the turn (the append-mode file writer is one).
+        self._listeners: list[Callable[[_Turn, int, _Scratch], None]] = []
         self._received = {"messages": 0, "tokens": 0}
 
     # ------------------------------------------------------------------ intake
@@ -182,8 +186,9 @@ class RolloutGraph:
             mark = self.blobs.mark()
             try:
                 turn, scratch = self._prepare(node)
+                scratch.moves = self._find_moves(turn, scratch)
                 for listener in self._listeners:
-                    listener(turn, mark[0])
+                    listener(turn, mark[0], scratch)
             except BaseException:
                 self.blobs.rollback(mark)
                 raise
@@ -311,7 +316,7 @@ class RolloutGraph:
         turn.sampled = sampled
         if prompt is None:
             turn.prompt = None
-            turn.full = TokenRun(None, sampled) if sampled is not None and len(sampled) else None
+            turn.full = full_run(None, sampled)
             return
         self._received["tokens"] += len(prompt) + (len(sampled) if sampled is not None else 0)
         compact = isinstance(prompt, array) and prompt.typecode == "I"
@@ -335,7 +340,7 @@ class RolloutGraph:
         else:
             run = TokenRun(None, prompt)
         turn.prompt = run
-        turn.full = TokenRun(run, sampled) if sampled is not None and len(sampled) else run
+        turn.full = full_run(run, sampled)
         if compact and turn.full.compact:
             full_data = data + sampled.tobytes() if turn.full is not run else data  # type: ignore[union-attr]
             scratch.token_digests = block_digests(full_data) if turn.full is not run else digests
@@ -545,7 +550,8 @@ class RolloutGraph:
             members = _members(self._prompt_index.get(scratch.prompt_key))
             if not any(m is turn.prompt for m in members):
                 _index_add(self._prompt_index, scratch.prompt_key, turn.prompt)
-        self._relink_for(turn, scratch)
+        for other, link in scratch.moves:
+            self._move(other, turn, link)
         if turn.parent is None:
             self._register_root(turn, scratch.first_digest)
 
@@ -567,15 +573,16 @@ class RolloutGraph:
             if first is not None:
                 _index_remove(self._message_roots, xxhash.xxh3_64_intdigest(first), turn)
 
-    def _relink_for(self, new: _Turn, scratch: _Scratch) -> None:
-        """Turns that arrived before `new` but continue it move under it."""
+    def _find_moves(self, new: _Turn, scratch: _Scratch) -> list[tuple[_Turn, int]]:
+        """Turns that arrived before `new` but continue it: they move under it at commit."""
+        moves: list[tuple[_Turn, int]] = []
         token_digests = scratch.token_digests
         if new.link == LINK_EXPLICIT:
-            return
+            return moves
         parent = new.parent
         if new.prompt is not None:
             if new.full is None or not new.full.compact or not new.full.length:
-                return
+                return moves
             data = run_bytes(new.full)
             if parent is not None:
                 candidates = list(parent.children or ())
@@ -595,18 +602,16 @@ class RolloutGraph:
                 ):
                     continue
                 if run_bytes(other.prompt).startswith(data):
-                    self._move(other, new, LINK_TOKENS)
-            return
+                    moves.append((other, LINK_TOKENS))
+            return moves
         if new.flags & _NO_MESSAGES:
-            return
+            return moves
         if parent is not None:
             candidates = list(parent.children or ())
         elif scratch.first_digest is not None:
             candidates = list(_members(self._message_roots.get(scratch.first_digest)))
         else:
-            return
-        if not candidates:
-            return
+            return moves
         mine = None
         for other in candidates:
             if (
@@ -625,7 +630,8 @@ class RolloutGraph:
                 except Exception:
                     echo = False
                 if echo:
-                    self._move(other, new, LINK_MESSAGES)
+                    moves.append((other, LINK_MESSAGES))
+        return moves
 
     def _move(self, turn: _Turn, parent: _Turn, link: int) -> None:
         old = turn.parent
@@ -897,6 +903,11 @@ def _try_plain(value: Any) -> bytes | None:
         return pack_plain(value)
     except (NotPackable, ValueError, TypeError, OverflowError, UnicodeEncodeError):
         return None
+
+
+def full_run(prompt: TokenRun | None, sampled: Any) -> TokenRun | None:
+    """The run a child's prompt extends: prompt + sampled (the prompt itself if none)."""
+    return TokenRun(prompt, sampled) if sampled is not None and len(sampled) else prompt
 
 
 def _members(found: Any) -> tuple[Any, ...] | list[Any]:
