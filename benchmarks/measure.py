@@ -28,6 +28,7 @@ def record_traced(
     recorder was made, after gc.collect, with each decoded body already dropped)."""
     checkpoints = set(checkpoints)
     retained: dict[int, int] = {}
+    make().close()  # lazy imports and one-time set-up happen before the baseline
     gc.collect()
     tracemalloc.start()
     try:

@@ -9,6 +9,7 @@ indexes, every hit confirmed by exact comparison.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from array import array
 from collections.abc import Callable, Iterator
@@ -23,7 +24,15 @@ from .encoding import EXT_ECHO, NotPackable, pack_plain, unpack, unpack_stream
 from .errors import DuplicateNodeError, InvalidValueError
 from .intake import encode_value, float_array, token_array
 from .messages import leading_system_count, link_key
-from .tokens import BLOCK, TokenRun, block_digests, run_bytes, run_list, run_matches
+from .tokens import (
+    BLOCK,
+    TokenRun,
+    block_digests,
+    prefix_digest,
+    run_bytes,
+    run_list,
+    run_matches,
+)
 from .values import ValueTable
 
 __all__ = ["RolloutGraph", "TurnNode", "Sequence"]
@@ -81,14 +90,14 @@ class _Scratch:
         "pending",
         "prompt_key",
         "request_digest",
-        "token_digests",
+        "token_key",
         "token_parent",
     )
 
     def __init__(self) -> None:
         self.pending: list[tuple[bytes, bytes]] = []
         self.token_parent: _Turn | None = None
-        self.token_digests: list[int] | None = None
+        self.token_key: int | None = None  # block digest of prompt+sampled at its last block
         self.prompt_key: int | None = None
         self.message_parent: _Turn | None = None
         self.request_digest: int | None = None
@@ -170,7 +179,84 @@ class RolloutGraph:
         # Called with (turn, first new blob index, scratch) before a turn is committed; a
         # listener that raises rejects the turn (the append-mode file writer is one).
         self._listeners: list[Callable[[_Turn, int, _Scratch], None]] = []
-        self._received = {"messages": 0, "tokens": 0}
+        self._closers: list[Callable[[], None]] = []
+        #: Set by `load` and `open`: how much of the file was good (a storage.LoadReport).
+        self.load_report: Any = None
+
+    # ------------------------------------------------------------------ files
+    # Thin doors to `storage`, which sits above this module; imported late on purpose.
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the graph to `path` atomically (temporary file, fsync, rename)."""
+        from . import storage
+
+        storage.save(self, path)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        recover: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> RolloutGraph:
+        """Read a file written by `save` or `open`; see `storage.load`."""
+        from . import storage
+
+        return storage.load(path, recover=recover, progress=progress)
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        share_threshold: int | None = 1024,
+        fsync: str | int = "turn",
+        repair: bool = False,
+    ) -> RolloutGraph:
+        """A graph that appends every added turn to `path` durably; see `storage.open_append`.
+
+        `fsync`: "turn" (every turn), an int N (every N turns) or "never". Close it (or use
+        it as a context manager) to flush the last turns.
+        """
+        from . import storage
+
+        return storage.open_append(
+            path, share_threshold=share_threshold, fsync=fsync, repair=repair
+        )
+
+    def close(self) -> None:
+        """Flush and close the file behind an appending graph (a no-op otherwise)."""
+        with self._lock:
+            closers, self._closers = self._closers, []
+            self._listeners.clear()
+            for close in closers:
+                close()
+
+    def __enter__(self) -> RolloutGraph:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _inverted_keys(self) -> dict[int, list[int | None]]:
+        """Each turn's index keys (request, token, prompt, first message), for `save`."""
+        keys: dict[int, list[int | None]] = {t.index: [None, None, None, None] for t in self._turns}
+        for slot, index in (
+            (0, self._request_index),
+            (1, self._token_index),
+            (3, self._message_roots),
+        ):
+            for key, found in index.items():
+                for turn in _members(found):
+                    keys[turn.index][slot] = key
+        prompt_keys = {
+            id(run): key for key, found in self._prompt_index.items() for run in _members(found)
+        }
+        for turn in self._turns:
+            if turn.prompt is not None:
+                keys[turn.index][2] = prompt_keys.get(id(turn.prompt))
+        return keys
 
     # ------------------------------------------------------------------ intake
 
@@ -318,7 +404,6 @@ class RolloutGraph:
             turn.prompt = None
             turn.full = full_run(None, sampled)
             return
-        self._received["tokens"] += len(prompt) + (len(sampled) if sampled is not None else 0)
         compact = isinstance(prompt, array) and prompt.typecode == "I"
         run: TokenRun | None = None
         if compact:
@@ -342,8 +427,11 @@ class RolloutGraph:
         turn.prompt = run
         turn.full = full_run(run, sampled)
         if compact and turn.full.compact:
-            full_data = data + sampled.tobytes() if turn.full is not run else data  # type: ignore[union-attr]
-            scratch.token_digests = block_digests(full_data) if turn.full is not run else digests
+            if turn.full is run:
+                scratch.token_key = digests[run.length // BLOCK]
+            else:
+                full_data = data + sampled.tobytes()  # type: ignore[union-attr]
+                scratch.token_key = prefix_digest(full_data, turn.full.length)
 
     def _find_token_parent(self, data: bytes, digests: list[int], n: int) -> _Turn | None:
         for j in range(len(digests) - 1, -1, -1):
@@ -378,7 +466,6 @@ class RolloutGraph:
             )
         if isinstance(messages, tuple):
             turn.flags |= _MESSAGES_TUPLE
-        self._received["messages"] += len(messages)
         n_sys = leading_system_count(messages)
         plains = [_try_plain(m) for m in messages]
 
@@ -543,9 +630,8 @@ class RolloutGraph:
             _add_child(turn.parent, turn)
         if scratch.request_digest is not None and not turn.flags & _NO_MESSAGES:
             _index_add(self._request_index, scratch.request_digest, turn)
-        digests = scratch.token_digests
-        if digests is not None and turn.full is not None and turn.full.length:
-            _index_add(self._token_index, digests[turn.full.length // BLOCK], turn)
+        if scratch.token_key is not None and turn.full is not None and turn.full.length:
+            _index_add(self._token_index, scratch.token_key, turn)
         if scratch.prompt_key is not None and turn.prompt is not None:
             members = _members(self._prompt_index.get(scratch.prompt_key))
             if not any(m is turn.prompt for m in members):
@@ -576,7 +662,6 @@ class RolloutGraph:
     def _find_moves(self, new: _Turn, scratch: _Scratch) -> list[tuple[_Turn, int]]:
         """Turns that arrived before `new` but continue it: they move under it at commit."""
         moves: list[tuple[_Turn, int]] = []
-        token_digests = scratch.token_digests
         if new.link == LINK_EXPLICIT:
             return moves
         parent = new.parent
@@ -586,10 +671,8 @@ class RolloutGraph:
             data = run_bytes(new.full)
             if parent is not None:
                 candidates = list(parent.children or ())
-            elif token_digests is not None and new.full.length >= BLOCK:
-                candidates = list(
-                    _members(self._token_roots.get(token_digests[new.full.length // BLOCK]))
-                )
+            elif scratch.token_key is not None and new.full.length >= BLOCK:
+                candidates = list(_members(self._token_roots.get(scratch.token_key)))
             else:
                 candidates = [t for t in self._turns if t.parent is None]
             for other in candidates:
@@ -874,7 +957,19 @@ class RolloutGraph:
         """Counts of turns, structure and storage."""
         stored_tokens = 0
         seen: set[int] = set()
+        system_counts: dict[int, int] = {}
+        messages_received = tokens_received = 0
         for turn in self._turns:
+            if turn.system is not None:
+                count = system_counts.get(id(turn.system))
+                if count is None:
+                    count = len(unpack_stream(turn.system, self.blobs.string))
+                    system_counts[id(turn.system)] = count
+                messages_received += count
+            messages_received += turn.n_rest
+            if turn.prompt is not None:
+                tokens_received += turn.prompt.length
+                tokens_received += len(turn.sampled) if turn.sampled is not None else 0
             run = turn.full
             while run is not None and id(run) not in seen:
                 seen.add(id(run))
@@ -885,10 +980,10 @@ class RolloutGraph:
             "roots": sum(1 for t in self._turns if t.parent is None),
             "leaves": sum(1 for t in self._turns if not t.children),
             "forks": sum(1 for t in self._turns if t.children and len(t.children) > 1),
-            "messages_received": self._received["messages"],
+            "messages_received": messages_received,
             "message_bytes_stored": sum(len(t.tail) for t in self._turns),
             "shared_values": len(self._values),
-            "tokens_received": self._received["tokens"],
+            "tokens_received": tokens_received,
             "tokens_stored": stored_tokens,
         }
         out.update(self.blobs.stats())

@@ -1,0 +1,727 @@
+"""The rollout file: framed, checksummed msgpack records, each blob once, turns as references.
+
+A file is a magic string and a sequence of frames (kind, length, checksum, payload). Saving
+writes a temporary file, fsyncs and renames it; append mode writes one turn's frames with one
+write call and fsyncs by policy. Loading checks every frame and every blob digest and stops
+at the first damaged or short frame, naming its offset. The format is described in README.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import struct
+import sys
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import msgpack
+import xxhash
+
+from .blobs import content_digest
+from .encoding import EXT_BIGINT, EXT_BLOB, EXT_ECHO, EXT_SURROGATE, EXT_TUPLE
+from .errors import ChecksumMismatch, CorruptFileError, UnsupportedVersionError
+from .graph import LINK_EXPLICIT, RolloutGraph, _Scratch, _Turn, full_run
+from .tokens import TokenRun
+
+__all__ = ["FORMAT_VERSION", "MAGIC", "LoadReport", "load", "open_append", "save", "verify"]
+
+MAGIC = b"RLSTORE\x00"
+FORMAT_VERSION = 1
+FRAME = struct.Struct("<BIQ")  # kind, payload length, xxh3-64 of payload seeded by kind+length
+MAX_PAYLOAD = (1 << 32) - 1
+
+KIND_HEADER, KIND_BLOB, KIND_VALUE, KIND_TURN = 0, 1, 2, 3
+_KIND_NAMES = {KIND_HEADER: "header", KIND_BLOB: "blob", KIND_VALUE: "value", KIND_TURN: "turn"}
+
+# prompt specs in a turn record
+_PROMPT_SAME, _PROMPT_EXTENDS, _PROMPT_NEW = 0, 1, 2
+
+_LITTLE = sys.byteorder == "little"
+
+
+def _checksum(kind: int, payload: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload, seed=(kind << 32) | len(payload))
+
+
+def _frame(kind: int, payload: bytes) -> bytes:
+    return FRAME.pack(kind, len(payload), _checksum(kind, payload)) + payload
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+# ---------------------------------------------------------------- token segments
+
+
+def _array_bytes(arr: array) -> bytes:
+    if _LITTLE:
+        return arr.tobytes()
+    swapped = array(arr.typecode, arr)
+    swapped.byteswap()
+    return swapped.tobytes()
+
+
+def _bytes_array(typecode: str, data: bytes) -> array:
+    arr = array(typecode)
+    if len(data) % arr.itemsize:
+        raise ValueError(f"{len(data)} bytes is not a whole number of '{typecode}' items")
+    arr.frombytes(data)
+    if not _LITTLE:
+        arr.byteswap()
+    return arr
+
+
+def _big_default(obj: object) -> msgpack.ExtType:
+    if type(obj) is int:
+        return msgpack.ExtType(EXT_BIGINT, str(obj).encode("ascii"))
+    raise TypeError(type(obj).__name__)
+
+
+def _encode_seg(seg: Any) -> Any:
+    if seg is None:
+        return None
+    if isinstance(seg, array):
+        return [seg.typecode, _array_bytes(seg)]
+    return ["t", msgpack.packb(list(seg), default=_big_default)]
+
+
+def _big_hook(code: int, data: bytes) -> int:
+    if code == EXT_BIGINT:
+        return int(data)
+    raise ValueError(f"unexpected extension type {code} in token ids")
+
+
+def _decode_seg(spec: Any) -> Any:
+    if spec is None:
+        return None
+    kind, data = spec
+    if kind in ("I", "q", "d"):
+        return _bytes_array(kind, data)
+    if kind == "t":
+        values = msgpack.unpackb(data, ext_hook=_big_hook)
+        if not isinstance(values, list) or any(type(v) is not int for v in values):
+            raise ValueError("token ids must be ints")
+        return tuple(values)
+    raise ValueError(f"unknown segment kind {kind!r}")
+
+
+def _check_packed(data: Any, n_blobs: int, echo_ok: bool) -> None:
+    """Decode a packed value once so that a damaged reference fails now, not on export."""
+    if not isinstance(data, bytes):
+        raise ValueError("packed value must be bytes")
+
+    def hook(code: int, payload: bytes) -> Any:
+        if code == EXT_BLOB:
+            if len(payload) != 4 or int.from_bytes(payload, "big") >= n_blobs:
+                raise ValueError("blob reference out of range")
+            return None
+        if code == EXT_TUPLE:
+            msgpack.unpackb(payload, raw=False, strict_map_key=False, ext_hook=hook)
+            return None
+        if code == EXT_BIGINT:
+            int(payload)
+            return None
+        if code == EXT_SURROGATE:
+            payload.decode("utf-8", "surrogatepass")
+            return None
+        if code == EXT_ECHO and echo_ok and not payload:
+            return None
+        raise ValueError(f"unexpected extension type {code}")
+
+    unpacker = msgpack.Unpacker(
+        raw=False, strict_map_key=False, ext_hook=hook, max_buffer_size=max(len(data), 1)
+    )
+    unpacker.feed(data)
+    for _ in unpacker:
+        pass
+
+
+# ---------------------------------------------------------------- writing
+
+
+class _Writer:
+    """What has been written so far, so each turn record refers back instead of copying."""
+
+    def __init__(self) -> None:
+        self.blobs_written = 0
+        self.values: dict[int, int] = {}  # id(stored value bytes) -> ordinal
+        self.value_objects: list[bytes] = []  # keeps the ids above valid
+        self.prompt_of: dict[int, int] = {}  # id(TokenRun) -> index of a turn whose prompt it is
+        self.full_of: dict[int, int] = {}  # id(TokenRun) -> index of a turn whose full it is
+        self.refs = (0, 0)  # blob references and their bytes counted so far
+        self.turns_written = 0
+
+    def blob_frames(self, graph: RolloutGraph, end: int) -> list[bytes]:
+        frames = []
+        for index in range(self.blobs_written, end):
+            handle = graph.blobs.handle(index)
+            data = graph.blobs.string(index).encode("utf-8", "surrogatepass")
+            frames.append(_frame(KIND_BLOB, _pack([handle.digest, data])))
+        return frames
+
+    def turn_frames(
+        self, graph: RolloutGraph, turn: _Turn, moves: list[tuple[_Turn, int]], keys: list[Any]
+    ) -> tuple[list[bytes], Callable[[], None]]:
+        """Frames for the turn's new blobs, new values and the turn; and a commit function."""
+        frames = self.blob_frames(graph, len(graph.blobs))
+        new_values: list[bytes] = []
+
+        def value_ref(stored: bytes | None) -> int | None:
+            if stored is None:
+                return None
+            ordinal = self.values.get(id(stored))
+            if ordinal is None:
+                for i, pending in enumerate(new_values):
+                    if pending is stored:
+                        return len(self.value_objects) + i
+                new_values.append(stored)
+                frames.append(_frame(KIND_VALUE, _pack(stored)))
+                return len(self.value_objects) + len(new_values) - 1
+            return ordinal
+
+        parent = turn.parent
+        parent_index = parent.index if parent is not None and parent.index < turn.index else None
+        refs = graph.blobs.mark()[1:]
+        record = [
+            turn.node_id,
+            parent_index,
+            turn.link if parent_index is not None else 0,
+            turn.flags,
+            list(turn.meta),
+            value_ref(turn.system),
+            turn.base.index if turn.base is not None else None,
+            turn.tail,
+            turn.n_rest,
+            turn.response,
+            value_ref(turn.tools),
+            value_ref(turn.sampling),
+            self._prompt_spec(turn),
+            _encode_seg(turn.sampled),
+            _encode_seg(turn.logprobs)
+            if isinstance(turn.logprobs, array)
+            else (["j", turn.logprobs] if turn.logprobs is not None else None),
+            keys,
+            [refs[0] - self.refs[0], refs[1] - self.refs[1]],
+            [[other.index, link] for other, link in moves],
+        ]
+        frames.append(_frame(KIND_TURN, _pack(record)))
+        blobs_end = len(graph.blobs)
+
+        def commit() -> None:
+            self.blobs_written = blobs_end
+            for stored in new_values:
+                self.values[id(stored)] = len(self.value_objects)
+                self.value_objects.append(stored)
+            self.refs = refs
+            self.note_runs(turn)
+            self.turns_written += 1
+
+        return frames, commit
+
+    def note_runs(self, turn: _Turn) -> None:
+        if turn.prompt is not None:
+            self.prompt_of.setdefault(id(turn.prompt), turn.index)
+        if turn.full is not None:
+            self.full_of.setdefault(id(turn.full), turn.index)
+
+    def _prompt_spec(self, turn: _Turn) -> Any:
+        run = turn.prompt
+        if run is None:
+            return None
+        same = self.prompt_of.get(id(run))
+        if same is not None:
+            return [_PROMPT_SAME, same]
+        if run.prev is not None:
+            extends = self.full_of.get(id(run.prev))
+            if extends is not None:
+                return [_PROMPT_EXTENDS, extends, _encode_seg(run.seg)]
+        # a chain this file cannot name: write the tokens whole (exact, just not shared)
+        flat: Any = array("I")
+        for seg in run.segments():
+            try:
+                flat.extend(seg)
+            except (OverflowError, TypeError):
+                flat = tuple(flat) + tuple(seg) if isinstance(flat, tuple) else None
+                break
+        if flat is None:
+            flat = tuple(v for seg in run.segments() for v in seg)
+        return [_PROMPT_NEW, _encode_seg(flat)]
+
+
+def _header(graph: RolloutGraph) -> bytes:
+    payload = _pack(
+        {
+            "format": "rollout_store",
+            "version": FORMAT_VERSION,
+            "share_threshold": graph.share_threshold,
+        }
+    )
+    return MAGIC + _frame(KIND_HEADER, payload)
+
+
+def _turn_keys(scratch: _Scratch) -> list[Any]:
+    return [scratch.request_digest, scratch.token_key, scratch.prompt_key, scratch.first_digest]
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def save(graph: RolloutGraph, path: str | os.PathLike[str]) -> None:
+    """Write the whole graph to `path` atomically: a temporary file, fsync, rename."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    with graph._lock:
+        writer = _Writer()
+        try:
+            with open(tmp, "wb") as fp:
+                fp.write(_header(graph))
+                turns = graph._turns
+                later_children: dict[int, list[tuple[_Turn, int]]] = {}
+                for turn in turns:
+                    parent = turn.parent
+                    if parent is not None and parent.index > turn.index:
+                        later_children.setdefault(parent.index, []).append((turn, turn.link))
+                inverted = graph._inverted_keys()
+                for turn in turns:
+                    keys = inverted[turn.index]
+                    frames, commit = writer.turn_frames(
+                        graph, turn, later_children.get(turn.index, []), keys
+                    )
+                    fp.write(b"".join(frames))
+                    commit()
+                fp.flush()
+                os.fsync(fp.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+    _fsync_dir(target)
+
+
+# ---------------------------------------------------------------- reading
+
+
+@dataclass
+class LoadReport:
+    """What a load or verify found: how far the file is good, and the first damage."""
+
+    path: str
+    file_size: int
+    good_bytes: int  # offset just past the last complete, verified frame
+    records: int
+    turns: int
+    blobs: int
+    error: str | None = None
+    error_offset: int | None = None
+    truncated: bool = False  # the damage is a cut (short last frame), not changed bytes
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class _Loader:
+    def __init__(self, share_threshold: int | None) -> None:
+        self.graph = RolloutGraph(share_threshold=share_threshold)
+        self.values: list[bytes] = []
+        self.writer = _Writer()
+
+    def blob(self, payload: Any, offset: int, record: int) -> None:
+        if not (isinstance(payload, list) and len(payload) == 2):
+            raise ValueError("blob record must be [digest, data]")
+        digest, data = payload
+        if not isinstance(digest, bytes) or not isinstance(data, bytes) or len(digest) != 16:
+            raise ValueError("blob record must hold a 16-byte digest and bytes")
+        actual = content_digest(data)
+        if actual != digest:
+            raise ChecksumMismatch("blob", digest, actual, offset=offset, record=record)
+        self.graph.blobs.add_verified(data.decode("utf-8", "surrogatepass"), digest)
+
+    def value(self, payload: Any) -> None:
+        _check_packed(payload, len(self.graph.blobs), echo_ok=False)
+        self.values.append(payload)
+        self.writer.values[id(payload)] = len(self.writer.value_objects)
+        self.writer.value_objects.append(payload)
+        plain = self.graph._expand_stream(payload)
+        if plain is not None and self.graph._values.find(plain) is None:
+            self.graph._values.add(plain, payload)
+
+    def turn(self, payload: Any) -> None:
+        g = self.graph
+        turns = g._turns
+        if not (isinstance(payload, list) and len(payload) == 18):
+            raise ValueError("turn record must be a list of 18 fields")
+        (
+            node_id,
+            parent,
+            link,
+            flags,
+            meta,
+            system,
+            base,
+            tail,
+            n_rest,
+            response,
+            tools,
+            sampling,
+            prompt,
+            sampled,
+            logprobs,
+            keys,
+            refs,
+            moves,
+        ) = payload
+        if not isinstance(node_id, str) or node_id in g._by_id:
+            raise ValueError(f"bad or repeated node id {node_id!r}")
+        n_blobs = len(g.blobs)
+        turn = _Turn()
+        turn.node_id = node_id
+        turn.index = len(turns)
+        turn.children = None
+        turn.parent = _ref(turns, parent)
+        if not (isinstance(link, int) and 0 <= link <= LINK_EXPLICIT):
+            raise ValueError("bad link kind")
+        turn.link = link if turn.parent is not None else 0
+        if not isinstance(flags, int) or flags < 0:
+            raise ValueError("bad flags")
+        turn.flags = flags
+        if not (isinstance(meta, list) and len(meta) == 5):
+            raise ValueError("bad meta")
+        if not all(m is None or isinstance(m, str) for m in meta[:4]) or not (
+            meta[4] is None or type(meta[4]) is int
+        ):
+            raise ValueError("bad meta")
+        turn.meta = g._meta.setdefault(tuple(meta), tuple(meta))
+        turn.system = self._value_ref(system)
+        turn.base = _ref(turns, base)
+        if not isinstance(tail, bytes) or not isinstance(n_rest, int):
+            raise ValueError("bad request tail")
+        if n_rest < (turn.base.n_rest if turn.base is not None else 0):
+            raise ValueError("request shorter than its base")
+        _check_packed(tail, n_blobs, echo_ok=turn.base is not None)
+        turn.tail = tail
+        turn.n_rest = n_rest
+        if response is not None:
+            _check_packed(response, n_blobs, echo_ok=False)
+        turn.response = response
+        turn.tools = self._value_ref(tools)
+        turn.sampling = self._value_ref(sampling)
+        turn.prompt = self._prompt(prompt)
+        turn.sampled = _decode_seg(sampled)
+        if turn.sampled is not None and not (
+            isinstance(turn.sampled, tuple) or turn.sampled.typecode in "Iq"
+        ):
+            raise ValueError("bad sampled ids")
+        turn.full = full_run(turn.prompt, turn.sampled)
+        if logprobs is None:
+            turn.logprobs = None
+        elif logprobs[0] == "j":
+            _check_packed(logprobs[1], n_blobs, echo_ok=False)
+            turn.logprobs = logprobs[1]
+        elif logprobs[0] == "d":
+            turn.logprobs = _decode_seg(logprobs)
+        else:
+            raise ValueError("bad logprobs")
+        if not (isinstance(keys, list) and len(keys) == 4):
+            raise ValueError("bad index keys")
+        if not all(k is None or type(k) is int for k in keys):
+            raise ValueError("bad index keys")
+        scratch = _Scratch()
+        scratch.request_digest, scratch.token_key, scratch.prompt_key, scratch.first_digest = keys
+        if not (isinstance(moves, list) and isinstance(refs, list) and len(refs) == 2):
+            raise ValueError("bad moves or reference counts")
+        for move in moves:
+            if not (isinstance(move, list) and len(move) == 2 and isinstance(move[1], int)):
+                raise ValueError("bad move")
+            other = _ref(turns, move[0])
+            if other is None or not 0 < move[1] < LINK_EXPLICIT + 1:
+                raise ValueError("bad move")
+            scratch.moves.append((other, move[1]))
+        g.blobs.count_references(int(refs[0]), int(refs[1]))
+        g._commit(turn, scratch)
+        self.writer.note_runs(turn)
+        self.writer.turns_written += 1
+
+    def _value_ref(self, ordinal: Any) -> bytes | None:
+        if ordinal is None:
+            return None
+        if not isinstance(ordinal, int) or not 0 <= ordinal < len(self.values):
+            raise ValueError("value reference out of range")
+        return self.values[ordinal]
+
+    def _prompt(self, spec: Any) -> TokenRun | None:
+        if spec is None:
+            return None
+        turns = self.graph._turns
+        kind = spec[0]
+        if kind == _PROMPT_SAME and len(spec) == 2:
+            other = _ref(turns, spec[1])
+            if other is None or other.prompt is None:
+                raise ValueError("prompt reference to a turn without prompt")
+            return other.prompt
+        if kind == _PROMPT_EXTENDS and len(spec) == 3:
+            other = _ref(turns, spec[1])
+            if other is None or other.full is None:
+                raise ValueError("prompt extends a turn without tokens")
+            return TokenRun(other.full, _decode_seg(spec[2]))
+        if kind == _PROMPT_NEW and len(spec) == 2:
+            return TokenRun(None, _decode_seg(spec[1]))
+        raise ValueError("bad prompt spec")
+
+
+def _ref(turns: list[_Turn], index: Any) -> _Turn | None:
+    if index is None:
+        return None
+    if not isinstance(index, int) or not 0 <= index < len(turns):
+        raise ValueError(f"turn reference {index!r} out of range")
+    return turns[index]
+
+
+def _unpack_payload(payload: bytes) -> Any:
+    return msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+
+
+def _scan(
+    data: bytes | memoryview,
+    path: str,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[_Loader, LoadReport]:
+    """Read frames until the end or the first damage; never raises for damage."""
+    size = len(data)
+    report = LoadReport(path, size, 0, 0, 0, 0)
+    if size < len(MAGIC) or bytes(data[: len(MAGIC)]) != MAGIC:
+        report.error, report.error_offset = "not a rollout_store file (bad magic)", 0
+        report.truncated = size < len(MAGIC) and MAGIC.startswith(bytes(data))
+        return _Loader(None), report
+    offset = len(MAGIC)
+    loader: _Loader | None = None
+    record = 0
+    while offset < size:
+        start = offset
+        if size - offset < FRAME.size:
+            report.error = f"file ends inside the header of record {record}"
+            report.error_offset, report.truncated = start, True
+            break
+        kind, length, expected = FRAME.unpack_from(data, offset)
+        offset += FRAME.size
+        if length > size - offset:
+            report.error = (
+                f"file ends inside record {record}: {size - offset} of {length} bytes present"
+            )
+            report.error_offset, report.truncated = start, True
+            break
+        payload = bytes(data[offset : offset + length])
+        offset += length
+        actual = _checksum(kind, payload)
+        if actual != expected:
+            report.error = str(
+                ChecksumMismatch("record", expected, actual, offset=start, record=record)
+            )
+            report.error_offset = start
+            break
+        try:
+            body = _unpack_payload(payload)
+            if record == 0:
+                if kind != KIND_HEADER or not isinstance(body, dict):
+                    raise ValueError("the first record is not a header")
+                if body.get("format") != "rollout_store":
+                    raise ValueError("not a rollout_store file")
+                version = body.get("version")
+                if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+                    raise UnsupportedVersionError(
+                        f"format version {version!r} is not supported (this library reads "
+                        f"version {FORMAT_VERSION})",
+                        offset=start,
+                        record=record,
+                    )
+                threshold = body.get("share_threshold")
+                if threshold is not None and (not isinstance(threshold, int) or threshold < 1):
+                    raise ValueError("bad share_threshold")
+                loader = _Loader(threshold)
+            elif loader is None or kind == KIND_HEADER:
+                raise ValueError("a second header record")
+            elif kind == KIND_BLOB:
+                loader.blob(body, start, record)
+                report.blobs += 1
+            elif kind == KIND_VALUE:
+                loader.value(body)
+            elif kind == KIND_TURN:
+                loader.turn(body)
+                report.turns += 1
+            else:
+                raise ValueError(f"unknown record kind {kind}")
+        except UnsupportedVersionError as exc:
+            report.error, report.error_offset = exc.reason, start
+            report.version_error = True  # type: ignore[attr-defined]
+            break
+        except CorruptFileError as exc:
+            report.error, report.error_offset = str(exc), start
+            break
+        except Exception as exc:  # anything a damaged payload provokes
+            kind_name = _KIND_NAMES.get(kind, f"kind {kind}")
+            report.error = f"invalid {kind_name} record {record}: {exc}"
+            report.error_offset = start
+            break
+        record += 1
+        report.records = record
+        report.good_bytes = offset
+        if progress is not None:
+            progress(offset)
+    if loader is None:
+        if report.error is None:
+            report.error, report.error_offset, report.truncated = "no header record", 8, True
+        loader = _Loader(None)
+    return loader, report
+
+
+def _read(path: str | os.PathLike[str]) -> bytes:
+    with open(path, "rb") as fp:
+        return fp.read()
+
+
+def _raise_for(report: LoadReport) -> None:
+    if getattr(report, "version_error", False):
+        raise UnsupportedVersionError(report.error or "", offset=report.error_offset)
+    raise CorruptFileError(report.error or "damaged file", offset=report.error_offset)
+
+
+def verify(
+    path: str | os.PathLike[str], progress: Callable[[int], None] | None = None
+) -> LoadReport:
+    """Check every frame, blob digest and reference of a file; never raises for damage."""
+    return _scan(_read(path), os.fspath(path), progress)[1]
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    recover: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> RolloutGraph:
+    """Read a rollout file. Damage raises `CorruptFileError` naming its offset.
+
+    With `recover=True` every complete turn before the first damage is loaded instead, and
+    `graph.load_report` says where the file was cut or damaged.
+    """
+    loader, report = _scan(_read(path), os.fspath(path), progress)
+    if report.error is not None and not (recover and report.records > 0):
+        _raise_for(report)
+    loader.graph.load_report = report
+    return loader.graph
+
+
+class _AppendLog:
+    """The file behind a graph opened with `open_append`: one write per turn."""
+
+    def __init__(self, fp: IO[bytes], writer: _Writer, fsync_every: int) -> None:
+        self.fp = fp
+        self.writer = writer
+        self.fsync_every = fsync_every
+        self.unsynced = 0
+
+    def on_turn(self, graph: RolloutGraph, turn: _Turn, scratch: _Scratch) -> None:
+        keys = _turn_keys(scratch)
+        frames, commit = self.writer.turn_frames(graph, turn, scratch.moves, keys)
+        fd = self.fp.fileno()
+        size = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            data = b"".join(frames)
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            self.unsynced += 1
+            if self.fsync_every and self.unsynced >= self.fsync_every:
+                os.fsync(fd)
+                self.unsynced = 0
+        except BaseException:
+            # leave the file exactly as it was before this turn
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+                os.lseek(fd, size, os.SEEK_SET)
+            raise
+        commit()
+
+    def close(self) -> None:
+        if self.fp.closed:
+            return
+        try:
+            if self.unsynced:
+                os.fsync(self.fp.fileno())
+        finally:
+            self.fp.close()
+
+
+def _fsync_policy(fsync: str | int) -> int:
+    if fsync == "turn":
+        return 1
+    if fsync == "never":
+        return 0
+    if isinstance(fsync, int) and not isinstance(fsync, bool) and fsync >= 1:
+        return fsync
+    raise ValueError("fsync must be 'turn', 'never' or a positive int (every N turns)")
+
+
+def open_append(
+    path: str | os.PathLike[str],
+    *,
+    share_threshold: int | None = 1024,
+    fsync: str | int = "turn",
+    repair: bool = False,
+) -> RolloutGraph:
+    """A graph that writes each turn to `path` as it is added (created if missing).
+
+    An existing file is loaded first; if its last record is cut short (a crash while
+    writing), `repair=True` truncates it to the last complete record, else it raises.
+    """
+    every = _fsync_policy(fsync)
+    target = Path(path)
+    fp = open(target, "a+b")  # noqa: SIM115 - owned by the returned graph
+    try:
+        fcntl.flock(fp.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fp.close()
+        raise CorruptFileError(f"{target} is open for appending by another process") from None
+    try:
+        fp.seek(0)
+        data = fp.read()
+        if data:
+            loader, report = _scan(data, os.fspath(target))
+            if report.error is not None:
+                if not (repair and report.truncated and report.records > 0):
+                    _raise_for(report)
+                os.ftruncate(fp.fileno(), report.good_bytes)
+                os.fsync(fp.fileno())
+            graph = loader.graph
+            graph.load_report = report
+            writer = loader.writer
+            writer.blobs_written = len(graph.blobs)
+            writer.refs = graph.blobs.mark()[1:]
+        else:
+            graph = RolloutGraph(share_threshold=share_threshold)
+            writer = _Writer()
+            fp.write(_header(graph))
+            fp.flush()
+            os.fsync(fp.fileno())
+            _fsync_dir(target)
+        fp.seek(0, os.SEEK_END)
+    except BaseException:
+        fp.close()
+        raise
+    log = _AppendLog(fp, writer, every)
+    graph._listeners.append(lambda turn, _first, scratch: log.on_turn(graph, turn, scratch))
+    graph._closers.append(log.close)
+    return graph
