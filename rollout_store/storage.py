@@ -35,8 +35,15 @@ FORMAT_VERSION = 1
 FRAME = struct.Struct("<BIQ")  # kind, payload length, xxh3-64 of payload seeded by kind+length
 MAX_PAYLOAD = (1 << 32) - 1
 
-KIND_HEADER, KIND_BLOB, KIND_VALUE, KIND_TURN = 0, 1, 2, 3
-_KIND_NAMES = {KIND_HEADER: "header", KIND_BLOB: "blob", KIND_VALUE: "value", KIND_TURN: "turn"}
+KIND_HEADER, KIND_BLOB, KIND_VALUE, KIND_TURN, KIND_END = 0, 1, 2, 3, 4
+_KIND_NAMES = {
+    KIND_HEADER: "header",
+    KIND_BLOB: "blob",
+    KIND_VALUE: "value",
+    KIND_TURN: "turn",
+    KIND_END: "end",
+}
+MODE_LOG, MODE_SNAPSHOT = "log", "snapshot"
 
 # prompt specs in a turn record
 _PROMPT_SAME, _PROMPT_EXTENDS, _PROMPT_NEW = 0, 1, 2
@@ -254,11 +261,12 @@ class _Writer:
         return [_PROMPT_NEW, _encode_seg(flat)]
 
 
-def _header(graph: RolloutGraph) -> bytes:
+def _header(graph: RolloutGraph, mode: str) -> bytes:
     payload = _pack(
         {
             "format": "rollout_store",
             "version": FORMAT_VERSION,
+            "mode": mode,
             "share_threshold": graph.share_threshold,
         }
     )
@@ -286,7 +294,7 @@ def save(graph: RolloutGraph, path: str | os.PathLike[str]) -> None:
         writer = _Writer()
         try:
             with open(tmp, "wb") as fp:
-                fp.write(_header(graph))
+                fp.write(_header(graph, MODE_SNAPSHOT))
                 turns = graph._turns
                 later_children: dict[int, list[tuple[_Turn, int]]] = {}
                 for turn in turns:
@@ -301,6 +309,8 @@ def save(graph: RolloutGraph, path: str | os.PathLike[str]) -> None:
                     )
                     fp.write(b"".join(frames))
                     commit()
+                end = {"turns": len(turns), "blobs": len(graph.blobs)}
+                fp.write(_frame(KIND_END, _pack(end)))
                 fp.flush()
                 os.fsync(fp.fileno())
             os.replace(tmp, target)
@@ -327,6 +337,14 @@ class LoadReport:
     error: str | None = None
     error_offset: int | None = None
     truncated: bool = False  # the damage is a cut (short last frame), not changed bytes
+    mode: str | None = None  # "log" (append mode) or "snapshot" (save)
+    exception: CorruptFileError | None = None
+
+    def fail(self, exc: CorruptFileError, truncated: bool = False) -> None:
+        self.exception = exc
+        self.error = str(exc)
+        self.error_offset = exc.offset
+        self.truncated = truncated
 
     @property
     def ok(self) -> bool:
@@ -499,92 +517,116 @@ def _scan(
     path: str,
     progress: Callable[[int], None] | None = None,
 ) -> tuple[_Loader, LoadReport]:
-    """Read frames until the end or the first damage; never raises for damage."""
+    """Read frames until the end or the first damage; never raises for damage.
+
+    Blob and value records are applied only when the turn record after them arrives, so a
+    turn cut short leaves nothing of itself behind.
+    """
     size = len(data)
     report = LoadReport(path, size, 0, 0, 0, 0)
     if size < len(MAGIC) or bytes(data[: len(MAGIC)]) != MAGIC:
-        report.error, report.error_offset = "not a rollout_store file (bad magic)", 0
+        report.fail(CorruptFileError("not a rollout_store file (bad magic)", offset=0))
         report.truncated = size < len(MAGIC) and MAGIC.startswith(bytes(data))
         return _Loader(None), report
     offset = len(MAGIC)
     loader: _Loader | None = None
+    ended = False
+    pending: list[tuple[int, Any, int, int]] = []
     record = 0
     while offset < size:
         start = offset
         if size - offset < FRAME.size:
-            report.error = f"file ends inside the header of record {record}"
-            report.error_offset, report.truncated = start, True
+            message = "file ends inside a frame header"
+            report.fail(CorruptFileError(message, offset=start, record=record), truncated=True)
             break
         kind, length, expected = FRAME.unpack_from(data, offset)
         offset += FRAME.size
         if length > size - offset:
-            report.error = (
-                f"file ends inside record {record}: {size - offset} of {length} bytes present"
-            )
-            report.error_offset, report.truncated = start, True
+            message = f"file ends inside a record: {size - offset} of {length} bytes present"
+            report.fail(CorruptFileError(message, offset=start, record=record), truncated=True)
             break
         payload = bytes(data[offset : offset + length])
         offset += length
         actual = _checksum(kind, payload)
         if actual != expected:
-            report.error = str(
-                ChecksumMismatch("record", expected, actual, offset=start, record=record)
-            )
-            report.error_offset = start
+            report.fail(ChecksumMismatch("record", expected, actual, offset=start, record=record))
             break
         try:
             body = _unpack_payload(payload)
+            if ended:
+                raise ValueError("records after the end record")
             if record == 0:
-                if kind != KIND_HEADER or not isinstance(body, dict):
-                    raise ValueError("the first record is not a header")
-                if body.get("format") != "rollout_store":
-                    raise ValueError("not a rollout_store file")
-                version = body.get("version")
-                if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
-                    raise UnsupportedVersionError(
-                        f"format version {version!r} is not supported (this library reads "
-                        f"version {FORMAT_VERSION})",
-                        offset=start,
-                        record=record,
-                    )
-                threshold = body.get("share_threshold")
-                if threshold is not None and (not isinstance(threshold, int) or threshold < 1):
-                    raise ValueError("bad share_threshold")
-                loader = _Loader(threshold)
+                loader, report.mode = _read_header(kind, body, start)
             elif loader is None or kind == KIND_HEADER:
                 raise ValueError("a second header record")
-            elif kind == KIND_BLOB:
-                loader.blob(body, start, record)
-                report.blobs += 1
-            elif kind == KIND_VALUE:
-                loader.value(body)
+            elif kind in (KIND_BLOB, KIND_VALUE):
+                pending.append((kind, body, start, record))
             elif kind == KIND_TURN:
+                turn_start, turn_record = start, record
+                for p_kind, p_body, start, record in pending:  # an error names this record
+                    if p_kind == KIND_BLOB:
+                        loader.blob(p_body, start, record)
+                        report.blobs += 1
+                    else:
+                        loader.value(p_body)
+                start, record = turn_start, turn_record
+                pending.clear()
                 loader.turn(body)
                 report.turns += 1
+            elif kind == KIND_END:
+                if pending or body != {"turns": report.turns, "blobs": report.blobs}:
+                    raise ValueError(f"end record {body!r} does not match the records before it")
+                ended = True
             else:
                 raise ValueError(f"unknown record kind {kind}")
-        except UnsupportedVersionError as exc:
-            report.error, report.error_offset = exc.reason, start
-            report.version_error = True  # type: ignore[attr-defined]
-            break
         except CorruptFileError as exc:
-            report.error, report.error_offset = str(exc), start
+            report.fail(exc)
             break
         except Exception as exc:  # anything a damaged payload provokes
             kind_name = _KIND_NAMES.get(kind, f"kind {kind}")
-            report.error = f"invalid {kind_name} record {record}: {exc}"
-            report.error_offset = start
+            message = f"invalid {kind_name} record: {exc}"
+            report.fail(CorruptFileError(message, offset=start, record=record))
             break
         record += 1
         report.records = record
-        report.good_bytes = offset
+        if not pending:
+            report.good_bytes = offset
         if progress is not None:
             progress(offset)
+    if report.error is None:
+        if loader is None:
+            report.fail(CorruptFileError("no header record", offset=len(MAGIC)), truncated=True)
+        elif pending:
+            message = "file ends after the blobs of a turn whose record is missing"
+            report.fail(CorruptFileError(message, offset=report.good_bytes), truncated=True)
+        elif report.mode == MODE_SNAPSHOT and not ended:
+            message = "snapshot ends before its end record"
+            report.fail(CorruptFileError(message, offset=size), truncated=True)
     if loader is None:
-        if report.error is None:
-            report.error, report.error_offset, report.truncated = "no header record", 8, True
         loader = _Loader(None)
     return loader, report
+
+
+def _read_header(kind: int, body: Any, start: int) -> tuple[_Loader, str]:
+    if kind != KIND_HEADER or not isinstance(body, dict):
+        raise ValueError("the first record is not a header")
+    if body.get("format") != "rollout_store":
+        raise ValueError("not a rollout_store file")
+    version = body.get("version")
+    if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+        raise UnsupportedVersionError(
+            f"format version {version!r} is not supported (this library reads version "
+            f"{FORMAT_VERSION})",
+            offset=start,
+            record=0,
+        )
+    mode = body.get("mode")
+    if mode not in (MODE_LOG, MODE_SNAPSHOT):
+        raise ValueError(f"unknown file mode {mode!r}")
+    threshold = body.get("share_threshold")
+    if threshold is not None and (not isinstance(threshold, int) or threshold < 1):
+        raise ValueError("bad share_threshold")
+    return _Loader(threshold), mode
 
 
 def _read(path: str | os.PathLike[str]) -> bytes:
@@ -593,9 +635,7 @@ def _read(path: str | os.PathLike[str]) -> bytes:
 
 
 def _raise_for(report: LoadReport) -> None:
-    if getattr(report, "version_error", False):
-        raise UnsupportedVersionError(report.error or "", offset=report.error_offset)
-    raise CorruptFileError(report.error or "damaged file", offset=report.error_offset)
+    raise report.exception or CorruptFileError("damaged file")
 
 
 def verify(
@@ -700,6 +740,8 @@ def open_append(
         data = fp.read()
         if data:
             loader, report = _scan(data, os.fspath(target))
+            if report.mode == MODE_SNAPSHOT:
+                raise CorruptFileError(f"{target} is a snapshot written by save(), not a log")
             if report.error is not None:
                 if not (repair and report.truncated and report.records > 0):
                     _raise_for(report)
@@ -713,7 +755,7 @@ def open_append(
         else:
             graph = RolloutGraph(share_threshold=share_threshold)
             writer = _Writer()
-            fp.write(_header(graph))
+            fp.write(_header(graph, MODE_LOG))
             fp.flush()
             os.fsync(fp.fileno())
             _fsync_dir(target)

@@ -1,0 +1,448 @@
+"""The rollout file: round trips, append mode, truncation, flipped bytes, garbage input."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rollout_store import (
+    ChecksumMismatch,
+    CorruptFileError,
+    InvalidValueError,
+    RolloutGraph,
+    TurnNode,
+    UnsupportedVersionError,
+    export_session,
+    storage,
+)
+
+ODD = [1, 1.0, True, -0.0, float("nan"), float("inf"), -float("inf"), 2**70, -(2**65)]
+
+
+def _image(rng: random.Random, n: int = 3000) -> str:
+    return "data:image/png;base64," + base64.b64encode(rng.randbytes(n)).decode()
+
+
+def build_rollout(graph: RolloutGraph, seed: int = 0, turns: int = 5) -> list[str]:
+    """A multimodal, token-carrying rollout with odd values, a fork and a retry."""
+    rng = random.Random(seed)
+    messages: list = [{"role": "system", "content": "rules " * 300}]
+    prompt: list[int] = []
+    ids = []
+    for k in range(turns):
+        messages.append(
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": f"turn {k} \ud800 caf\u00e9"},
+                    {"type": "image_url", "image_url": {"url": _image(rng)}},
+                ],
+                "odd": ODD + [{}, [], (1, 2), {"1": 1, "a": None}],
+            }
+        )
+        prompt = prompt + [rng.randrange(150_000) for _ in range(100)]
+        sampled = [rng.randrange(150_000) for _ in range(20)]
+        response = {"role": "assistant", "content": f"reply {k} " + "x" * 1500, "refusal": None}
+        body = {
+            "request_messages": messages,
+            "response_message": response,
+            "request_tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            "sampling_params": {"temperature": 1.0, "seed": k},
+            "prompt_ids": prompt,
+            "sampled_ids": sampled,
+            "sampled_logprobs": [-rng.random() for _ in sampled],
+            "model": "m",
+            "finish_reason": "stop",
+        }
+        node = graph.add_turn(TurnNode(**json.loads(json.dumps(body))))
+        ids.append(node.node_id)
+        if k == 2:  # a retry of this call that was dropped
+            retry = dict(body, sampled_ids=sampled[:5], sampled_logprobs=None)
+            graph.add_turn(TurnNode(**json.loads(json.dumps(retry))))
+        messages = [*messages, {"role": "assistant", "content": response["content"]}]
+        prompt = prompt + sampled
+    # a message-only fork, and a turn with big and negative ids
+    graph.add_turn(
+        TurnNode(
+            request_messages=[{"role": "user", "content": "other"}],
+            response_message={"role": "assistant", "content": "ok"},
+        )
+    )
+    graph.add_turn(TurnNode(prompt_ids=[2**40, -3, 2**70], sampled_ids=[], sampled_logprobs=[0]))
+    return ids
+
+
+def snapshot(graph: RolloutGraph) -> str:
+    doc = export_session(graph, include_messages=True, include_discarded=True)
+    traces = [graph.get(n) for n in graph.nodes()]
+    return json.dumps(doc) + repr(
+        [(t.prompt_ids, t.sampled_ids, t.sampled_logprobs) for t in traces]
+    )
+
+
+def assert_same_graph(a: RolloutGraph, b: RolloutGraph) -> None:
+    assert snapshot(a) == snapshot(b)
+    assert a.stats() == b.stats()
+    assert [a.link_kind(n) for n in a.nodes()] == [b.link_kind(n) for n in b.nodes()]
+
+
+@pytest.fixture
+def graph() -> RolloutGraph:
+    g = RolloutGraph()
+    build_rollout(g)
+    return g
+
+
+@pytest.mark.parametrize("threshold", [1024, 8, None])
+def test_save_load_round_trip(tmp_path: Path, threshold: int | None) -> None:
+    g = RolloutGraph(share_threshold=threshold)
+    build_rollout(g)
+    path = tmp_path / "r.rls"
+    g.save(path)
+    loaded = RolloutGraph.load(path)
+    assert_same_graph(g, loaded)
+    assert loaded.load_report.ok
+    # the loaded graph keeps recording and sharing like the original
+    for target in (g, loaded):
+        build_rollout(target, seed=1, turns=2)
+    assert_same_graph(g, loaded)
+
+
+def test_long_strings_stored_once_in_file(tmp_path: Path) -> None:
+    g = RolloutGraph()
+    build_rollout(g, turns=6)
+    g.save(tmp_path / "r.rls")
+    data = (tmp_path / "r.rls").read_bytes()
+    image = g.get(g.nodes()[0]).request_messages[1]["content"][1]["image_url"]["url"]
+    assert data.count(image.encode()) == 1
+
+
+def test_save_replaces_atomically_and_leaves_no_temp(tmp_path: Path, graph: RolloutGraph) -> None:
+    path = tmp_path / "r.rls"
+    path.write_bytes(b"old")
+    graph.save(path)
+    assert RolloutGraph.load(path).stats() == graph.stats()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.rls"]
+
+
+def test_relinked_turns_round_trip(tmp_path: Path) -> None:
+    """A turn that arrived before its parent keeps the corrected link after save and load."""
+    first = {"prompt_ids": list(range(100)), "sampled_ids": [500, 501]}
+    second = {"prompt_ids": [*range(100), 500, 501, 7, 8], "sampled_ids": [600]}
+    third = {"prompt_ids": [*range(100), 500, 501, 7, 8, 600, 9], "sampled_ids": [700]}
+    for mode in ("save", "append"):
+        path = tmp_path / f"{mode}.rls"
+        g = RolloutGraph.open(path) if mode == "append" else RolloutGraph()
+        g.add_turn(TurnNode(node_id="a", **first))
+        g.add_turn(TurnNode(node_id="c", **third))
+        g.add_turn(TurnNode(node_id="b", **second))
+        assert g.parent("c") == "b"
+        if mode == "save":
+            g.save(path)
+        g.close()
+        loaded = RolloutGraph.load(path)
+        assert loaded.path_to("c") == ["a", "b", "c"]
+        assert_same_graph(g, loaded)
+
+
+@pytest.mark.parametrize("fsync", ["turn", 3, "never"])
+def test_append_mode_writes_every_turn(tmp_path: Path, fsync: str | int) -> None:
+    path = tmp_path / "log.rls"
+    reference = RolloutGraph()
+    build_rollout(reference)
+    with RolloutGraph.open(path, fsync=fsync) as g:
+        build_rollout(g)
+        # every turn is in the file before close, whatever the fsync policy
+        assert_same_graph(RolloutGraph.load(path), reference)
+    assert_same_graph(RolloutGraph.load(path), reference)
+    # reopen and continue
+    with RolloutGraph.open(path) as g:
+        build_rollout(g, seed=5, turns=2)
+    build_rollout(reference, seed=5, turns=2)
+    assert_same_graph(RolloutGraph.load(path), reference)
+
+
+def test_append_rejected_turn_leaves_file_unchanged(tmp_path: Path) -> None:
+    path = tmp_path / "log.rls"
+    with RolloutGraph.open(path) as g:
+        build_rollout(g, turns=2)
+        before = path.read_bytes()
+        stats = g.stats()
+        bad = TurnNode(request_messages=[{"role": "user", "content": "y" * 5000, "b": {1, 2}}])
+        with pytest.raises(InvalidValueError, match=r"request_messages\[0\]\.b"):
+            g.add_turn(bad)
+        assert path.read_bytes() == before
+        assert g.stats() == stats
+
+
+def test_append_write_failure_rolls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "log.rls"
+    with RolloutGraph.open(path) as g:
+        build_rollout(g, turns=2)
+        before, stats = path.read_bytes(), g.stats()
+        calls = {"n": 0}
+        real_write = os.write
+
+        def failing_write(fd: int, data: bytes) -> int:
+            calls["n"] += 1
+            if calls["n"] == 1:  # write half, then fail as a full disk would
+                real_write(fd, bytes(data)[: len(data) // 2])
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(os, "write", failing_write)
+        turn = TurnNode(request_messages=[{"role": "user", "content": "z" * 4000}])
+        with pytest.raises(OSError, match="No space"):
+            g.add_turn(turn)
+        monkeypatch.setattr(os, "write", real_write)
+        assert path.read_bytes() == before
+        assert g.stats() == stats
+        g.add_turn(turn)
+    assert len(RolloutGraph.load(path)) == len(g)
+
+
+def test_second_appender_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "log.rls"
+    with RolloutGraph.open(path), pytest.raises(CorruptFileError, match="another process"):
+        RolloutGraph.open(path)
+
+
+def test_open_refuses_snapshot(tmp_path: Path, graph: RolloutGraph) -> None:
+    graph.save(tmp_path / "s.rls")
+    with pytest.raises(CorruptFileError, match="snapshot"):
+        RolloutGraph.open(tmp_path / "s.rls")
+
+
+def _turn_ends(path: Path) -> list[int]:
+    """Byte offsets just past each turn record of a file."""
+    data = path.read_bytes()
+    offset, ends = len(storage.MAGIC), []
+    while offset < len(data):
+        kind, length, _ = storage.FRAME.unpack_from(data, offset)
+        offset += storage.FRAME.size + length
+        if kind == storage.KIND_TURN:
+            ends.append(offset)
+    return ends
+
+
+def _small_log(tmp_path: Path) -> Path:
+    path = tmp_path / "small.rls"
+    with RolloutGraph.open(path, share_threshold=64) as g:
+        g.add_turn(TurnNode(request_messages=[{"role": "user", "content": "a" * 70}]))
+        g.add_turn(
+            TurnNode(
+                request_messages=[
+                    {"role": "user", "content": "a" * 70},
+                    {"role": "assistant", "content": "b" * 80},
+                    {"role": "user", "content": [1, 1.0, -0.0]},
+                ],
+                prompt_ids=[1, 2, 3],
+                sampled_ids=[4],
+                sampled_logprobs=[-0.25],
+            )
+        )
+    return path
+
+
+def test_truncation_at_every_byte_loads_complete_turns(tmp_path: Path) -> None:
+    path = _small_log(tmp_path)
+    data = path.read_bytes()
+    ends = _turn_ends(path)
+    header_end = _record_offsets(data)[1][1]
+    full = RolloutGraph.load(path)
+    cut_path = tmp_path / "cut.rls"
+    for cut in range(len(data)):
+        cut_path.write_bytes(data[:cut])
+        if cut < header_end:  # not even the header: nothing to recover
+            with pytest.raises(CorruptFileError):
+                RolloutGraph.load(cut_path, recover=True)
+            continue
+        recovered = RolloutGraph.load(cut_path, recover=True)
+        assert len(recovered) == sum(1 for end in ends if end <= cut), cut
+        for node_id in recovered.nodes():
+            assert json.dumps(recovered.get(node_id).request_messages) == json.dumps(
+                full.get(node_id).request_messages
+            )
+        report = recovered.load_report
+        if cut in ends or cut == header_end:
+            assert report.ok  # a log cut between turns is a shorter, valid log
+            continue
+        assert not report.ok and report.truncated, cut
+        assert report.good_bytes == max([header_end, *(e for e in ends if e <= cut)])
+        with pytest.raises(CorruptFileError) as info:
+            RolloutGraph.load(cut_path)
+        assert info.value.offset is not None
+
+
+def test_repair_truncates_torn_tail_and_continues(tmp_path: Path) -> None:
+    path = _small_log(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[:-5])
+    with pytest.raises(CorruptFileError, match="ends inside"):
+        RolloutGraph.open(path)
+    assert path.read_bytes() == data[:-5]  # refused without touching the file
+    with RolloutGraph.open(path, repair=True) as g:
+        assert len(g) == 1
+        g.add_turn(TurnNode(request_messages=[{"role": "user", "content": "again"}]))
+    assert len(RolloutGraph.load(path)) == 2
+    assert storage.verify(path).ok
+
+
+def test_snapshot_cut_at_record_boundary_is_detected(tmp_path: Path, graph: RolloutGraph) -> None:
+    path = tmp_path / "s.rls"
+    graph.save(path)
+    ends = _turn_ends(path)
+    path.write_bytes(path.read_bytes()[: ends[-1]])  # drop only the end record
+    with pytest.raises(CorruptFileError, match="end record"):
+        RolloutGraph.load(path)
+    assert len(RolloutGraph.load(path, recover=True)) == len(graph)
+
+
+def _record_offsets(data: bytes) -> list[tuple[int, int, int]]:
+    offset, out = len(storage.MAGIC), []
+    while offset < len(data):
+        kind, length, _ = storage.FRAME.unpack_from(data, offset)
+        out.append((kind, offset, storage.FRAME.size + length))
+        offset += storage.FRAME.size + length
+    return out
+
+
+def test_flipped_byte_in_each_record_kind_is_detected(tmp_path: Path, graph: RolloutGraph) -> None:
+    path = tmp_path / "s.rls"
+    graph.save(path)
+    data = path.read_bytes()
+    records = _record_offsets(data)
+    kinds = {kind for kind, _, _ in records}
+    assert kinds == {0, 1, 2, 3, 4}
+    damaged = tmp_path / "d.rls"
+    for kind in sorted(kinds):
+        for _, start, length in [r for r in records if r[0] == kind][:3]:
+            for pos in (start, start + 5, start + 13, start + length // 2, start + length - 1):
+                changed = bytearray(data)
+                changed[pos] ^= 0x01
+                damaged.write_bytes(bytes(changed))
+                with pytest.raises(CorruptFileError) as info:
+                    RolloutGraph.load(damaged)
+                assert info.value.offset is not None and info.value.offset <= pos
+                assert not storage.verify(damaged).ok
+
+
+def test_every_flipped_bit_of_a_small_file_is_detected(tmp_path: Path) -> None:
+    path = _small_log(tmp_path)
+    data = path.read_bytes()
+    damaged = tmp_path / "d.rls"
+    for pos in range(len(data)):
+        changed = bytearray(data)
+        changed[pos] ^= 1 << (pos % 8)
+        damaged.write_bytes(bytes(changed))
+        with pytest.raises(CorruptFileError):
+            RolloutGraph.load(damaged)
+
+
+def test_blob_digest_mismatch_is_a_checksum_error(tmp_path: Path) -> None:
+    """A blob whose content changed with a recomputed frame checksum still fails its digest."""
+    path = _small_log(tmp_path)
+    data = bytearray(path.read_bytes())
+    for kind, start, length in _record_offsets(bytes(data)):
+        if kind == storage.KIND_BLOB:
+            payload = bytearray(data[start + storage.FRAME.size : start + length])
+            payload[-1] ^= 0x02  # the blob's last content byte
+            frame = storage._frame(kind, bytes(payload))
+            data[start : start + length] = frame
+            break
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumMismatch) as info:
+        RolloutGraph.load(path)
+    assert info.value.offset is not None
+
+
+def test_newer_version_is_refused(tmp_path: Path) -> None:
+    header = storage._pack({"format": "rollout_store", "version": 99, "mode": "log"})
+    path = tmp_path / "new.rls"
+    path.write_bytes(storage.MAGIC + storage._frame(storage.KIND_HEADER, header))
+    with pytest.raises(UnsupportedVersionError, match="version 99"):
+        RolloutGraph.load(path)
+
+
+def test_not_a_rollout_file(tmp_path: Path) -> None:
+    path = tmp_path / "x.json"
+    path.write_text('{"turns": []}')
+    with pytest.raises(CorruptFileError, match="magic"):
+        RolloutGraph.load(path)
+
+
+@given(st.binary(max_size=300))
+def test_garbage_never_crashes_with_another_error(tmp_path_factory, blob: bytes) -> None:
+    path = tmp_path_factory.mktemp("g") / "g.rls"
+    for data in (blob, storage.MAGIC + blob):
+        path.write_bytes(data)
+        with contextlib.suppress(CorruptFileError):
+            RolloutGraph.load(path, recover=True)
+
+
+def test_crafted_records_with_valid_checksums_are_rejected(tmp_path: Path) -> None:
+    """Payloads that pass the frame checksum but make no sense still fail cleanly."""
+    header = storage._pack({"format": "rollout_store", "version": 1, "mode": "log"})
+    bad_turns = [
+        [],
+        ["a"] * 18,
+        ["n", 5, 0, 0, [None] * 5, None, None, b"", 0, None, None, None, None, None, None]
+        + [[None] * 4, [0, 0], []],  # parent 5 does not exist
+        ["n", None, 0, 0, [None] * 5, None, None, b"\xd6\x04\x00\x00\x00\x09", 1, None]
+        + [None, None, None, None, None, [None] * 4, [0, 0], []],  # blob 9 does not exist
+        ["n", None, 0, 0, [None] * 5, 3, None, b"", 0, None, None, None, None, None, None]
+        + [[None] * 4, [0, 0], []],  # value 3 does not exist
+        ["n", None, 0, 0, [None] * 5, None, None, b"", 0, None, None, None, [0, 0], None, None]
+        + [[None] * 4, [0, 0], []],  # prompt refers to a turn not yet read
+    ]
+    path = tmp_path / "c.rls"
+    for turn in bad_turns:
+        frames = storage._frame(storage.KIND_HEADER, header) + storage._frame(
+            storage.KIND_TURN, storage._pack(turn)
+        )
+        path.write_bytes(storage.MAGIC + frames)
+        with pytest.raises(CorruptFileError) as info:
+            RolloutGraph.load(path)
+        assert info.value.offset == len(storage.MAGIC) + len(
+            storage._frame(storage.KIND_HEADER, header)
+        )
+
+
+@pytest.mark.slow
+def test_fuzzed_mutations_of_a_real_file(tmp_path: Path) -> None:
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    path = _small_log(tmp_path)
+    data = path.read_bytes()
+    damaged = tmp_path / "d.rls"
+    for _ in range(3000):
+        changed = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            op = rng.random()
+            pos = rng.randrange(len(changed))
+            if op < 0.5:
+                changed[pos] = rng.randrange(256)
+            elif op < 0.75:
+                del changed[pos : pos + rng.randint(1, 20)]
+            else:
+                changed[pos:pos] = rng.randbytes(rng.randint(1, 20))
+        damaged.write_bytes(bytes(changed))
+        try:
+            loaded = RolloutGraph.load(damaged, recover=True)
+        except CorruptFileError:
+            continue
+        except Exception as exc:  # pragma: no cover - the failure message carries the seed
+            raise AssertionError(f"seed {seed}: {type(exc).__name__}: {exc}") from exc
+        # whatever loaded is a prefix of the original turns, exactly
+        original = RolloutGraph.load(path)
+        for node_id in loaded.nodes():
+            assert json.dumps(loaded.get(node_id).request_messages) == json.dumps(
+                original.get(node_id).request_messages
+            ), f"seed {seed}"
