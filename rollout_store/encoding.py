@@ -18,13 +18,15 @@ __all__ = [
     "EXT_ECHO",
     "EXT_SURROGATE",
     "EXT_TUPLE",
+    "TUPLE_MARK",
     "NotPackable",
     "pack_plain",
+    "plain_default",
     "unpack",
     "unpack_stream",
 ]
 
-EXT_TUPLE = 1  # payload: a packed array
+EXT_TUPLE = 1  # empty payload; first item of an array that is a tuple
 EXT_BIGINT = 2  # payload: ASCII decimal text
 EXT_SURROGATE = 3  # payload: UTF-8 with surrogatepass
 EXT_BLOB = 4  # payload: blob index, 4 bytes big-endian
@@ -35,10 +37,11 @@ class NotPackable(Exception):
     """The value needs the validating walk of `intake` (not an error by itself)."""
 
 
-def _plain_default(obj: object) -> msgpack.ExtType:
+def plain_default(obj: object) -> msgpack.ExtType:
     # strict_types sends every non-exact type here: accept only what packs unambiguously.
     if type(obj) is tuple:
-        return msgpack.ExtType(EXT_TUPLE, pack_plain(list(obj)))
+        # [TUPLE_MARK, *items]: no nested packing, so no recursion through C for deep tuples
+        return [TUPLE_MARK, *obj]
     if type(obj) is int:
         return msgpack.ExtType(EXT_BIGINT, str(obj).encode("ascii"))
     raise NotPackable(type(obj).__name__)
@@ -50,18 +53,36 @@ def pack_plain(value: Any) -> bytes:
     Raises `NotPackable` (or msgpack's own errors) for anything that needs the slow,
     validating walk: subclasses, bytes, lone surrogates, cycles, unknown types.
     """
-    return msgpack.packb(value, use_bin_type=True, strict_types=True, default=_plain_default)
+    return msgpack.packb(value, use_bin_type=True, strict_types=True, default=plain_default)
 
 
 BlobLookup = Callable[[int], str]
+
+
+TUPLE_MARK = msgpack.ExtType(EXT_TUPLE, b"")
+
+
+class _TupleMark:
+    """What the unpacker yields for TUPLE_MARK; `_list_hook` turns its array into a tuple."""
+
+    __slots__ = ()
+
+
+_MARK = _TupleMark()
+
+
+def _list_hook(items: list[Any]) -> Any:
+    if items and items[0] is _MARK:
+        return tuple(items[1:])
+    return items
 
 
 def _make_hook(blob: BlobLookup, echo: Callable[[], Any] | None) -> Callable[[int, bytes], Any]:
     def hook(code: int, data: bytes) -> Any:
         if code == EXT_BLOB:
             return blob(int.from_bytes(data, "big"))
-        if code == EXT_TUPLE:
-            return tuple(msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=hook))
+        if code == EXT_TUPLE and not data:
+            return _MARK
         if code == EXT_BIGINT:
             return int(data)
         if code == EXT_SURROGATE:
@@ -76,7 +97,11 @@ def _make_hook(blob: BlobLookup, echo: Callable[[], Any] | None) -> Callable[[in
 def unpack(data: bytes, blob: BlobLookup, echo: Callable[[], Any] | None = None) -> Any:
     """Rebuild one packed value: fresh containers, blobs as the table's own `str` objects."""
     return msgpack.unpackb(
-        data, raw=False, strict_map_key=False, ext_hook=_make_hook(blob, echo), use_list=True
+        data,
+        raw=False,
+        strict_map_key=False,
+        ext_hook=_make_hook(blob, echo),
+        list_hook=_list_hook,
     )
 
 
@@ -88,6 +113,7 @@ def unpack_stream(
         raw=False,
         strict_map_key=False,
         ext_hook=_make_hook(blob, echo),
+        list_hook=_list_hook,
         max_buffer_size=max(len(data), 1),
     )
     unpacker.feed(data)

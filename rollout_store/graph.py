@@ -8,7 +8,6 @@ indexes, every hit confirmed by exact comparison.
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 from array import array
@@ -20,9 +19,9 @@ import msgpack
 import xxhash
 
 from .blobs import BlobTable
-from .encoding import EXT_ECHO, NotPackable, pack_plain, unpack, unpack_stream
+from .encoding import EXT_ECHO, NotPackable, plain_default, unpack, unpack_stream
 from .errors import DuplicateNodeError, InvalidValueError
-from .intake import encode_value, float_array, token_array
+from .intake import encode, encode_value, float_array, token_array
 from .messages import leading_system_count, link_key
 from .tokens import (
     BLOCK,
@@ -44,11 +43,16 @@ LINK_NONE, LINK_TOKENS, LINK_MESSAGES, LINK_EXPLICIT = 0, 1, 2, 3
 LINK_NAMES = ("none", "tokens", "messages", "explicit")
 
 # Turn.flags bits
-_TAIL_REFS = 1  # the tail holds blob or echo references: compare after expanding
+_TAIL_REFS = 1  # the tail holds blob references (or other ext types): compare after expanding
 _RESPONSE_REFS = 2
 _MESSAGES_TUPLE = 4  # request_messages was a tuple
 _LOGPROBS_PACKED = 8  # sampled_logprobs kept as a packed JSON value, not array('d')
 _NO_MESSAGES = 16  # request_messages was None
+_TAIL_ECHO = 32  # the tail starts with a placeholder for the base turn's response
+# the packing holds tuples, big ints or lone surrogates: a byte match is trusted only after
+# the fresh value passes the validating walk (a caller's msgpack.ExtType could imitate them)
+_TAIL_SPECIAL = 64
+_RESPONSE_SPECIAL = 128
 
 
 @dataclass(slots=True)
@@ -165,6 +169,10 @@ class RolloutGraph:
             raise ValueError("share_threshold must be a positive int or None")
         self.share_threshold = share_threshold
         self.blobs = BlobTable()
+        # one reusable packer (packb builds a new one per call); used under the lock only
+        self._pack_plain = msgpack.Packer(
+            use_bin_type=True, strict_types=True, default=plain_default
+        ).pack
         self._values = ValueTable(self._expand_stream, share_threshold)
         self._turns: list[_Turn] = []
         self._by_id: dict[str, _Turn] = {}
@@ -175,7 +183,6 @@ class RolloutGraph:
         self._token_roots: dict[int, Any] = {}  # block digests of token roots' prompts
         self._message_roots: dict[int, Any] = {}  # digest of a message root's first message
         self._lock = threading.RLock()
-        self._ids = itertools.count()
         # Called with (turn, first new blob index, scratch) before a turn is committed; a
         # listener that raises rejects the turn (the append-mode file writer is one).
         self._listeners: list[Callable[[_Turn, int, _Scratch], None]] = []
@@ -321,7 +328,7 @@ class RolloutGraph:
 
         self._prepare_tokens(turn, node, scratch)
         system_plain = self._prepare_request(turn, node, scratch)
-        turn.response = self._encode_loose(node.response_message, "response_message", turn)
+        turn.response = self._encode_response(node.response_message, turn)
         turn.tools = self._shared_value(node.request_tools, "request_tools", pending)
         turn.sampling = self._shared_value(node.sampling_params, "sampling_params", pending)
 
@@ -345,44 +352,69 @@ class RolloutGraph:
         return turn, scratch
 
     def _fresh_id(self) -> str:
-        while True:
-            candidate = f"turn-{next(self._ids)}"
-            if candidate not in self._by_id:
-                return candidate
+        # derived from the turn count, so a rejected turn uses up no id
+        n = len(self._turns)
+        while f"turn-{n}" in self._by_id:
+            n += 1
+        return f"turn-{n}"
 
     # -- values
 
-    def _encode(self, value: Any, path: str) -> bytes:
-        return encode_value(value, path, self.blobs, self.share_threshold)
+    def _encode(self, value: Any, path: str) -> tuple[bytes, bool]:
+        return encode(value, path, self.blobs, self.share_threshold)
 
-    def _encode_loose(self, value: Any, path: str, turn: _Turn) -> bytes | None:
+    def _encode_response(self, value: Any, turn: _Turn) -> bytes | None:
         if value is None:
             return None
-        packed = self._encode(value, path)
-        try:
-            if packed != pack_plain(value):
-                turn.flags |= _RESPONSE_REFS
-        except (NotPackable, ValueError, TypeError, OverflowError):
+        packed, special = self._encode(value, "response_message")
+        if packed != self._plain(value):
             turn.flags |= _RESPONSE_REFS
+        if special:
+            turn.flags |= _RESPONSE_SPECIAL
         return packed
 
-    def _shared_value(
-        self, value: Any, path: str, pending: list[tuple[bytes, bytes]]
-    ) -> bytes | None:
-        if value is None:
-            return None
-        plain = _try_plain(value)
+    def _shared(
+        self,
+        items: list[Any] | tuple[Any, ...],
+        paths: list[str],
+        plains: list[bytes | None],
+        pending: list[tuple[bytes, bytes]],
+    ) -> bytes:
+        """Items packed one after another, stored once per graph and found by plain packing.
+
+        Values holding tuples, big ints or lone surrogates are never shared this way, so a
+        hit can never be imitated by a caller's own `msgpack.ExtType` objects.
+        """
+        plain = None if None in plains else b"".join(plains)  # type: ignore[arg-type]
         if plain is not None:
             found = self._values.find(plain)
+            if found is None:
+                found = next((stored for p, stored in pending if p == plain), None)
             if found is not None:
                 return found
-            for p, stored in pending:
-                if p == plain:
-                    return stored
-        stored = self._encode(value, path)
-        if plain is not None:
+        packed = [self._encode(item, path) for item, path in zip(items, paths, strict=True)]
+        stored = b"".join(b for b, _ in packed)
+        if plain is not None and not any(special for _, special in packed):
             pending.append((plain, stored))
         return stored
+
+    def _shared_value(self, value: Any, path: str, pending: list[tuple[bytes, bytes]]) -> Any:
+        if value is None:
+            return None
+        return self._shared([value], [path], [self._plain(value)], pending)
+
+    def _valid(self, value: Any, plain: bytes | None) -> bool:
+        """Whether `plain` is the packing of `value` by the validating walk."""
+        try:
+            return plain is not None and encode_value(value, "", None, None) == plain
+        except InvalidValueError:
+            return False
+
+    def _is_echo(self, base: _Turn, message: Any, plain: bytes | None) -> bool:
+        """Whether `message` is exactly the response of `base`."""
+        if plain is None or base.response is None or plain != self._response_plain(base):
+            return False
+        return not base.flags & _RESPONSE_SPECIAL or self._valid(message, plain)
 
     # -- tokens
 
@@ -397,7 +429,7 @@ class RolloutGraph:
             if packed_floats is not None:
                 turn.logprobs = packed_floats
             else:
-                turn.logprobs = self._encode(logprobs, "sampled_logprobs")
+                turn.logprobs = self._encode(logprobs, "sampled_logprobs")[0]
                 turn.flags |= _LOGPROBS_PACKED
         turn.sampled = sampled
         if prompt is None:
@@ -467,37 +499,20 @@ class RolloutGraph:
         if isinstance(messages, tuple):
             turn.flags |= _MESSAGES_TUPLE
         n_sys = leading_system_count(messages)
-        plains = [_try_plain(m) for m in messages]
+        plain = self._plain
+        plains = [plain(m) for m in messages]
 
         # system part: shared whole through the value table
         system_plain = None
+        turn.system = None
         if n_sys:
-            if all(p is not None for p in plains[:n_sys]):
+            paths = [f"request_messages[{i}]" for i in range(n_sys)]
+            turn.system = self._shared(messages[:n_sys], paths, plains[:n_sys], pending)
+            if None not in plains[:n_sys]:
                 system_plain = b"".join(plains[:n_sys])  # type: ignore[arg-type]
-                found = self._values.find(system_plain)
-                if found is None:
-                    for p, stored in pending:
-                        if p == system_plain:
-                            found = stored
-                if found is None:
-                    found = b"".join(
-                        self._encode(m, f"request_messages[{i}]")
-                        for i, m in enumerate(messages[:n_sys])
-                    )
-                    pending.append((system_plain, found))
-                turn.system = found
-            else:
-                turn.system = b"".join(
-                    self._encode(m, f"request_messages[{i}]")
-                    for i, m in enumerate(messages[:n_sys])
-                )
-        else:
-            turn.system = None
 
         rest = messages[n_sys:]
         rest_plains = plains[n_sys:]
-        n_valid = 0
-        offsets = [0]
         hasher = xxhash.xxh3_64()
         digests = [hasher.intdigest()]
         for p in rest_plains:
@@ -505,9 +520,7 @@ class RolloutGraph:
                 break
             hasher.update(p)
             digests.append(hasher.intdigest())
-            offsets.append(offsets[-1] + len(p))
-            n_valid += 1
-        stream = b"".join(rest_plains[:n_valid])  # type: ignore[arg-type]
+        n_valid = len(digests) - 1
         scratch.request_digest = digests[-1] if n_valid == len(rest) else None
         scratch.first_digest = digests[1] if n_valid >= 1 else None
 
@@ -521,13 +534,17 @@ class RolloutGraph:
                     continue
                 ok = confirmed.get(candidate.index)
                 if ok is None:
-                    ok = self._request_matches(candidate, stream, offsets)
+                    ok = self._request_matches(candidate, rest_plains, rest)
                     confirmed[candidate.index] = ok
                 if not ok:
                     continue
                 if base is None:
                     base = candidate
-                if want_parent and j < len(rest) and self._echoes(candidate, rest[j]):
+                if (
+                    want_parent
+                    and j < len(rest)
+                    and self._echoes(candidate, rest[j], rest_plains[j])
+                ):
                     parent = candidate
                     break
             if parent is not None or (base is not None and not want_parent):
@@ -536,69 +553,106 @@ class RolloutGraph:
 
         start = base.n_rest if base is not None else 0
         pieces: list[bytes] = []
-        refs = False
         for i in range(start, len(rest)):
             p = rest_plains[i]
-            if (
-                i == start
-                and base is not None
-                and base.response is not None
-                and p is not None
-                and self._response_plain(base) == p
-            ):
+            if i == start and base is not None and self._is_echo(base, rest[i], p):
                 pieces.append(_ECHO_PACKED)
-                refs = True
+                turn.flags |= _TAIL_ECHO
                 continue
-            packed = self._encode(rest[i], f"request_messages[{n_sys + i}]")
+            packed, special = self._encode(rest[i], f"request_messages[{n_sys + i}]")
             if packed != p:
-                refs = True
+                turn.flags |= _TAIL_REFS
+            if special:
+                turn.flags |= _TAIL_SPECIAL
             pieces.append(packed)
         turn.base = base
         turn.tail = b"".join(pieces)
         turn.n_rest = len(rest)
-        if refs:
-            turn.flags |= _TAIL_REFS
         return system_plain
 
-    def _request_matches(self, turn: _Turn, stream: bytes, offsets: list[int]) -> bool:
-        """Whether the non-system request of `turn` packs exactly to `stream[:offsets[n]]`."""
-        if turn.n_rest >= len(offsets):
+    def _request_matches(
+        self, turn: _Turn, plains: list[bytes | None], messages: list[Any] | tuple[Any, ...]
+    ) -> bool:
+        """Whether the non-system request of `turn` is exactly `messages[:turn.n_rest]`.
+
+        `plains` are the messages' plain packings; the stored tails are compared with them
+        byte for byte, after rebuilding tails that hold blob references.
+        """
+        end = turn.n_rest
+        if end > len(plains):
             return False
         node: _Turn | None = turn
-        end = turn.n_rest
         while node is not None:
-            start = node.base.n_rest if node.base is not None else 0
-            if node.flags & _TAIL_REFS:
-                expanded = self._expanded_tail(node)
-                if expanded is None:
-                    return False
-            else:
-                expanded = node.tail
-            if offsets[end] - offsets[start] != len(expanded):
-                return False
-            if not stream.startswith(expanded, offsets[start]):
+            base = node.base
+            start = base.n_rest if base is not None else 0
+            if not self._tail_matches(node, plains, messages, start, end):
                 return False
             end = start
-            node = node.base
+            node = base
         return end == 0
 
-    def _expanded_tail(self, turn: _Turn) -> bytes | None:
-        base = turn.base
+    def _tail_matches(
+        self,
+        turn: _Turn,
+        plains: list[bytes | None],
+        messages: list[Any] | tuple[Any, ...],
+        start: int,
+        end: int,
+    ) -> bool:
+        """Whether the tail of `turn` is exactly `messages[start:end]`."""
+        tail = turn.tail
+        pos = 0
+        i = start
+        if turn.flags & _TAIL_ECHO:
+            base = turn.base
+            if i >= end or base is None or not self._is_echo(base, messages[i], plains[i]):
+                return False
+            i += 1
+            pos = len(_ECHO_PACKED)
+        if turn.flags & _TAIL_REFS:
+            # blob references: rebuild the values (blobs are the table's own strings, no
+            # copy) and pack them with every string inline, then compare bytes
+            try:
+                values = unpack_stream(tail[pos:], self.blobs.string)
+            except ValueError:  # a stored value that cannot be rebuilt never matches
+                return False
+            if len(values) != end - i:
+                return False
+            plain = self._plain
+            if any(plain(value) != plains[k] for k, value in enumerate(values, i)):
+                return False
+        else:
+            for p in plains[i:end]:
+                if p is None or not tail.startswith(p, pos):
+                    return False
+                pos += len(p)
+            if pos != len(tail):
+                return False
+        if turn.flags & _TAIL_SPECIAL:
+            return all(self._valid(messages[k], plains[k]) for k in range(i, end))
+        return True
+
+    def _plain(self, value: Any) -> bytes | None:
+        """The exact packing of a value with every string inline, or None if it is invalid.
+
+        msgpack packs almost every value at C speed; lone surrogates, subclasses and very deep
+        tuples take the validating walk (with no blob table) instead.
+        """
         try:
-            values = unpack_stream(
-                turn.tail,
-                self.blobs.string,
-                (lambda: self._response_value(base)) if base is not None else None,
-            )
-            return b"".join(pack_plain(v) for v in values)
-        except (NotPackable, ValueError, TypeError, OverflowError):
+            return self._pack_plain(value)
+        except (NotPackable, ValueError, TypeError, OverflowError, RecursionError):
+            pass
+        try:
+            return encode_value(value, "", None, None)
+        except (InvalidValueError, RecursionError):
             return None
 
     def _expand_stream(self, stored: bytes) -> bytes | None:
         try:
-            return b"".join(pack_plain(v) for v in unpack_stream(stored, self.blobs.string))
-        except (NotPackable, ValueError, TypeError, OverflowError):
+            plains = [self._plain(v) for v in unpack_stream(stored, self.blobs.string)]
+        except ValueError:
             return None
+        return None if None in plains else b"".join(plains)  # type: ignore[arg-type]
 
     def _response_value(self, turn: _Turn) -> Any:
         return None if turn.response is None else unpack(turn.response, self.blobs.string)
@@ -610,9 +664,12 @@ class RolloutGraph:
             return turn.response
         return self._expand_stream(turn.response)
 
-    def _echoes(self, turn: _Turn, message: Any) -> bool:
+    def _echoes(self, turn: _Turn, message: Any, plain: bytes | None) -> bool:
+        """Whether `message` is the echo of the turn's response (exactly or loosely)."""
         if turn.response is None:
             return False
+        if self._is_echo(turn, message, plain):
+            return True
         try:
             return bool(link_key(self._response_value(turn)) == link_key(message))
         except Exception:  # a malformed fresh message simply does not match
@@ -655,7 +712,7 @@ class RolloutGraph:
                 for digest in block_digests(run_bytes(turn.prompt))[1:]:
                     _index_remove(self._token_roots, digest, turn)
         elif turn.n_rest:
-            first = _try_plain(self._rest_values(turn)[0])
+            first = self._plain(self._rest_values(turn)[0])
             if first is not None:
                 _index_remove(self._message_roots, xxhash.xxh3_64_intdigest(first), turn)
 
@@ -707,7 +764,7 @@ class RolloutGraph:
             if mine is None:
                 mine = self._rest_values(new)
             theirs = self._rest_values(other)
-            if theirs[: new.n_rest] == mine and _same_json(theirs[: new.n_rest], mine):
+            if self._plain(theirs[: new.n_rest]) == self._plain(mine):
                 try:
                     echo = link_key(self._response_value(new)) == link_key(theirs[new.n_rest])
                 except Exception:
@@ -903,7 +960,7 @@ class RolloutGraph:
         if turn.prompt is not None:
             return ("tokens", tuple(run_list(turn.prompt)))
         messages = self._request_messages(turn)
-        return ("messages", msgpack.packb(messages, default=repr) if messages else b"")
+        return ("messages", self._plain(messages) if messages else b"")
 
     def sequence_for(self, node_id: str) -> Sequence:
         """The training sequence ending at `node_id`: its tokens, loss mask and logprobs.
@@ -993,13 +1050,6 @@ class RolloutGraph:
         return iter(self.nodes())
 
 
-def _try_plain(value: Any) -> bytes | None:
-    try:
-        return pack_plain(value)
-    except (NotPackable, ValueError, TypeError, OverflowError, UnicodeEncodeError):
-        return None
-
-
 def full_run(prompt: TokenRun | None, sampled: Any) -> TokenRun | None:
     """The run a child's prompt extends: prompt + sampled (the prompt itself if none)."""
     return TokenRun(prompt, sampled) if sampled is not None and len(sampled) else prompt
@@ -1045,10 +1095,3 @@ def _seg_list(seg: Any) -> list[int] | None:
     if seg is None:
         return None
     return seg.tolist() if isinstance(seg, array) else list(seg)
-
-
-def _same_json(a: Any, b: Any) -> bool:
-    try:
-        return pack_plain(a) == pack_plain(b)
-    except Exception:
-        return False

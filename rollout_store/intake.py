@@ -14,10 +14,10 @@ from typing import Any
 import msgpack
 
 from .blobs import BlobTable, Handle
-from .encoding import EXT_BIGINT, EXT_BLOB, EXT_SURROGATE, EXT_TUPLE
+from .encoding import EXT_BIGINT, EXT_BLOB, EXT_SURROGATE, TUPLE_MARK
 from .errors import InvalidValueError
 
-__all__ = ["MAX_DEPTH", "encode_value", "token_array", "float_array"]
+__all__ = ["MAX_DEPTH", "encode", "encode_value", "float_array", "token_array"]
 
 #: Containers nested deeper than this are rejected (json.dumps itself fails near 1000).
 MAX_DEPTH = 500
@@ -53,11 +53,15 @@ def _pack_default(obj: object) -> msgpack.ExtType:
 
 
 class _Walker:
-    __slots__ = ("blobs", "threshold")
+    __slots__ = ("blobs", "short", "special", "threshold")
 
     def __init__(self, blobs: BlobTable, threshold: int | None) -> None:
         self.blobs = blobs
         self.threshold = threshold
+        # ASCII strings shorter than this need no further look
+        self.short = min(64, threshold or 64)
+        # set when the packing holds an extension type that user objects could forge
+        self.special = False
 
     def string(self, s: str) -> Any:
         if type(s) is not str:
@@ -69,6 +73,7 @@ class _Walker:
             try:
                 s.encode("utf-8")
             except UnicodeEncodeError:
+                self.special = True
                 return msgpack.ExtType(EXT_SURROGATE, s.encode("utf-8", "surrogatepass"))
         return s
 
@@ -89,12 +94,13 @@ class _Walker:
     def integer(self, n: int) -> Any:
         if _INT64_MIN <= n <= _UINT64_MAX:
             return n
+        self.special = True
         return msgpack.ExtType(EXT_BIGINT, str(n).encode("ascii"))
 
     def value(self, v: object, depth: int) -> Any:
         t = type(v)
         if t is str:
-            if len(v) < 64 and v.isascii():
+            if len(v) < self.short and v.isascii():
                 return v
             return self.string(v)
         if v is None or t is bool or t is float:
@@ -123,7 +129,8 @@ class _Walker:
                         bad.trail.append(f"[{i}]")
                         raise
                 if isinstance(v, tuple):
-                    return msgpack.ExtType(EXT_TUPLE, _pack_tree(items))
+                    self.special = True
+                    return [TUPLE_MARK, *items]
                 return items
             except _Bad as bad:
                 bad.containers.append(id(v))
@@ -143,29 +150,39 @@ def _pack_tree(tree: Any) -> bytes:
     return msgpack.packb(tree, use_bin_type=True, default=_pack_default)
 
 
-def encode_value(value: object, path: str, blobs: BlobTable, threshold: int | None) -> bytes:
+def encode(
+    value: object, path: str, blobs: BlobTable | None, threshold: int | None
+) -> tuple[bytes, bool]:
     """Validate `value` and pack it with long strings replaced by blob handles.
 
+    With `blobs=None` every string stays inline: the canonical plain packing of any value.
+    Returns the packing and whether it holds a tuple, a big int or a lone surrogate (the
+    extension types a caller's own `msgpack.ExtType` objects could imitate).
     Raises `InvalidValueError` naming `path` plus the position inside `value`. The caller
     rolls the blob table back when a later step of the same turn fails.
     """
+    walker = _Walker(blobs, threshold)
     try:
-        tree = _Walker(blobs, threshold).value(value, 0)
+        tree = walker.value(value, 0)
     except _Bad as bad:
         message = bad.message
+        trail = bad.trail
         if message.startswith("nesting deeper") and len(set(bad.containers)) < len(bad.containers):
             message = "reference cycle (a container contains itself)"
-            # report the first place the cycle closes
+            # report the place where the cycle closes
             seen: set[int] = set()
-            trail = bad.trail
             for cut, cid in enumerate(reversed(bad.containers)):
                 if cid in seen:
                     trail = bad.trail[len(bad.trail) - cut :]
                     break
                 seen.add(cid)
-            raise InvalidValueError(message, _format_path(path, trail)) from None
-        raise InvalidValueError(message, _format_path(path, bad.trail)) from None
-    return _pack_tree(tree)
+        raise InvalidValueError(message, _format_path(path, trail)) from None
+    return _pack_tree(tree), walker.special
+
+
+def encode_value(value: object, path: str, blobs: BlobTable | None, threshold: int | None) -> bytes:
+    """`encode` without the flag."""
+    return encode(value, path, blobs, threshold)[0]
 
 
 def token_array(ids: object, path: str) -> array | tuple[int, ...]:

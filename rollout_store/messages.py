@@ -20,7 +20,8 @@ def leading_system_count(messages: list[Any] | tuple[Any, ...]) -> int:
     """How many messages at the start are system (or developer) messages."""
     n = 0
     for message in messages:
-        if isinstance(message, dict) and message.get("role") in SYSTEM_ROLES:
+        role = message.get("role") if isinstance(message, dict) else None
+        if isinstance(role, str) and role in SYSTEM_ROLES:
             n += 1
         else:
             break

@@ -128,8 +128,7 @@ def _check_packed(data: Any, n_blobs: int, echo_ok: bool) -> None:
             if len(payload) != 4 or int.from_bytes(payload, "big") >= n_blobs:
                 raise ValueError("blob reference out of range")
             return None
-        if code == EXT_TUPLE:
-            msgpack.unpackb(payload, raw=False, strict_map_key=False, ext_hook=hook)
+        if code == EXT_TUPLE and not payload:
             return None
         if code == EXT_BIGINT:
             int(payload)
