@@ -513,28 +513,26 @@ class RolloutGraph:
 
         rest = messages[n_sys:]
         rest_plains = plains[n_sys:]
-        hasher = xxhash.xxh3_64()
-        digests = [hasher.intdigest()]
-        for p in rest_plains:
-            if p is None:
-                break
-            hasher.update(p)
-            digests.append(hasher.intdigest())
-        n_valid = len(digests) - 1
-        scratch.request_digest = digests[-1] if n_valid == len(rest) else None
-        scratch.first_digest = digests[1] if n_valid >= 1 else None
+        n_valid = rest_plains.index(None) if None in rest_plains else len(rest_plains)
+        scratch.request_digest = request_key(rest_plains) if n_valid == len(rest) else None
+        scratch.first_digest = request_key(rest_plains[:1]) if n_valid >= 1 else None
 
         want_parent = node.parent_id is None and node.prompt_ids is None
         base: _Turn | None = None
         parent: _Turn | None = None
         confirmed: dict[int, bool] = {}
         for j in range(n_valid, -1, -1):
-            for candidate in _members(self._request_index.get(digests[j])):
+            for candidate in _members(self._request_index.get(request_key(rest_plains[:j]))):
                 if candidate.n_rest != j:
                     continue
                 ok = confirmed.get(candidate.index)
                 if ok is None:
                     ok = self._request_matches(candidate, rest_plains, rest)
+                    if ok:  # so are the requests this one extends
+                        ancestor = candidate.base
+                        while ancestor is not None and ancestor.index not in confirmed:
+                            confirmed[ancestor.index] = True
+                            ancestor = ancestor.base
                     confirmed[candidate.index] = ok
                 if not ok:
                     continue
@@ -714,7 +712,7 @@ class RolloutGraph:
         elif turn.n_rest:
             first = self._plain(self._rest_values(turn)[0])
             if first is not None:
-                _index_remove(self._message_roots, xxhash.xxh3_64_intdigest(first), turn)
+                _index_remove(self._message_roots, request_key([first]), turn)
 
     def _find_moves(self, new: _Turn, scratch: _Scratch) -> list[tuple[_Turn, int]]:
         """Turns that arrived before `new` but continue it: they move under it at commit."""
@@ -1048,6 +1046,15 @@ class RolloutGraph:
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.nodes())
+
+
+def request_key(plains: list[bytes | None] | list[bytes]) -> int:
+    """Index key of a non-system request: its length and its last message's packing.
+
+    Cheap on purpose (one message hashed): a hit is confirmed against every message anyway.
+    """
+    n = len(plains)
+    return xxhash.xxh3_64_intdigest(plains[-1] if n else b"", seed=n)  # type: ignore[arg-type]
 
 
 def full_run(prompt: TokenRun | None, sampled: Any) -> TokenRun | None:
