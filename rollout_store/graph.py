@@ -499,8 +499,11 @@ class RolloutGraph:
         if isinstance(messages, tuple):
             turn.flags |= _MESSAGES_TUPLE
         n_sys = leading_system_count(messages)
-        plain = self._plain
-        plains = [plain(m) for m in messages]
+        try:
+            pack = self._pack_plain
+            plains: list[bytes | None] = [pack(m) for m in messages]
+        except Exception:  # some message needs the slow path: find which
+            plains = [self._plain(m) for m in messages]
 
         # system part: shared whole through the value table
         system_plain = None
@@ -579,12 +582,34 @@ class RolloutGraph:
         end = turn.n_rest
         if end > len(plains):
             return False
+        join = b"".join
         node: _Turn | None = turn
         while node is not None:
             base = node.base
             start = base.n_rest if base is not None else 0
-            if not self._tail_matches(node, plains, messages, start, end):
-                return False
+            flags = node.flags
+            # the common case inline: a plain tail, maybe after the echo of a plain response
+            if flags & (_TAIL_REFS | _TAIL_SPECIAL) or (
+                flags & _TAIL_ECHO
+                and (base is None or base.flags & (_RESPONSE_REFS | _RESPONSE_SPECIAL))
+            ):
+                if not self._tail_matches(node, plains, messages, start, end):
+                    return False
+            else:
+                tail = node.tail
+                first = start
+                if flags & _TAIL_ECHO:
+                    if start >= end or plains[start] != base.response:  # type: ignore[union-attr]
+                        return False
+                    first += 1
+                try:
+                    body = join(plains[first:end])  # type: ignore[arg-type]
+                except TypeError:  # a message with no plain packing never matches
+                    return False
+                if len(body) != len(tail) - (first - start) * len(_ECHO_PACKED):
+                    return False
+                if not tail.endswith(body):
+                    return False
             end = start
             node = base
         return end == 0
@@ -620,11 +645,11 @@ class RolloutGraph:
             if any(plain(value) != plains[k] for k, value in enumerate(values, i)):
                 return False
         else:
-            for p in plains[i:end]:
-                if p is None or not tail.startswith(p, pos):
-                    return False
-                pos += len(p)
-            if pos != len(tail):
+            try:
+                joined = b"".join(plains[i:end])  # type: ignore[arg-type]
+            except TypeError:  # a message with no plain packing
+                return False
+            if len(joined) + pos != len(tail) or not tail.startswith(joined, pos):
                 return False
         if turn.flags & _TAIL_SPECIAL:
             return all(self._valid(messages[k], plains[k]) for k in range(i, end))
