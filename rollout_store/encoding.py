@@ -7,7 +7,7 @@ ints beyond 64 bits, strings with lone surrogates, and references to blobs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -20,6 +20,7 @@ __all__ = [
     "EXT_TUPLE",
     "TUPLE_MARK",
     "NotPackable",
+    "array_header",
     "pack_plain",
     "plain_default",
     "unpack",
@@ -120,6 +121,10 @@ def unpack_stream(
     return list(unpacker)
 
 
-def pack_values(values: Sequence[Any]) -> bytes:
-    """Pack values one after another (a segment), every string inline."""
-    return b"".join(pack_plain(v) for v in values)
+def array_header(n: int) -> bytes:
+    """The msgpack header of an array of `n` items (its items follow it, packed)."""
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")

@@ -19,7 +19,7 @@ import msgpack
 import xxhash
 
 from .blobs import BlobTable
-from .encoding import EXT_ECHO, NotPackable, plain_default, unpack, unpack_stream
+from .encoding import EXT_ECHO, NotPackable, array_header, plain_default, unpack
 from .errors import DuplicateNodeError, InvalidValueError
 from .intake import encode, encode_value, float_array, token_array
 from .messages import leading_system_count, link_key
@@ -37,6 +37,7 @@ from .values import ValueTable
 __all__ = ["RolloutGraph", "TurnNode", "Sequence"]
 
 _ECHO_PACKED = msgpack.packb(msgpack.ExtType(EXT_ECHO, b""))
+assert len(_ECHO_PACKED) == 3  # the inline comparison in _request_matches counts on it
 
 # How a turn was linked to its parent.
 LINK_NONE, LINK_TOKENS, LINK_MESSAGES, LINK_EXPLICIT = 0, 1, 2, 3
@@ -173,7 +174,7 @@ class RolloutGraph:
         self._pack_plain = msgpack.Packer(
             use_bin_type=True, strict_types=True, default=plain_default
         ).pack
-        self._values = ValueTable(self._expand_stream, share_threshold)
+        self._values = ValueTable(self._expand, share_threshold)
         self._turns: list[_Turn] = []
         self._by_id: dict[str, _Turn] = {}
         self._meta: dict[tuple[Any, ...], tuple[Any, ...]] = {}
@@ -379,13 +380,16 @@ class RolloutGraph:
         paths: list[str],
         plains: list[bytes | None],
         pending: list[tuple[bytes, bytes]],
+        as_array: bool,
     ) -> bytes:
-        """Items packed one after another, stored once per graph and found by plain packing.
+        """Items packed (as one array, or the single item), stored once per graph.
 
-        Values holding tuples, big ints or lone surrogates are never shared this way, so a
-        hit can never be imitated by a caller's own `msgpack.ExtType` objects.
+        Found again by the plain packing. Values holding tuples, big ints or lone surrogates
+        are never shared this way, so a hit can never be imitated by a caller's own
+        `msgpack.ExtType` objects.
         """
-        plain = None if None in plains else b"".join(plains)  # type: ignore[arg-type]
+        header = array_header(len(items)) if as_array else b""
+        plain = None if None in plains else header + b"".join(plains)  # type: ignore[arg-type]
         if plain is not None:
             found = self._values.find(plain)
             if found is None:
@@ -393,7 +397,7 @@ class RolloutGraph:
             if found is not None:
                 return found
         packed = [self._encode(item, path) for item, path in zip(items, paths, strict=True)]
-        stored = b"".join(b for b, _ in packed)
+        stored = header + b"".join(b for b, _ in packed)
         if plain is not None and not any(special for _, special in packed):
             pending.append((plain, stored))
         return stored
@@ -401,7 +405,7 @@ class RolloutGraph:
     def _shared_value(self, value: Any, path: str, pending: list[tuple[bytes, bytes]]) -> Any:
         if value is None:
             return None
-        return self._shared([value], [path], [self._plain(value)], pending)
+        return self._shared([value], [path], [self._plain(value)], pending, as_array=False)
 
     def _valid(self, value: Any, plain: bytes | None) -> bool:
         """Whether `plain` is the packing of `value` by the validating walk."""
@@ -510,7 +514,9 @@ class RolloutGraph:
         turn.system = None
         if n_sys:
             paths = [f"request_messages[{i}]" for i in range(n_sys)]
-            turn.system = self._shared(messages[:n_sys], paths, plains[:n_sys], pending)
+            turn.system = self._shared(
+                messages[:n_sys], paths, plains[:n_sys], pending, as_array=True
+            )
             if None not in plains[:n_sys]:
                 system_plain = b"".join(plains[:n_sys])  # type: ignore[arg-type]
 
@@ -567,7 +573,7 @@ class RolloutGraph:
                 turn.flags |= _TAIL_SPECIAL
             pieces.append(packed)
         turn.base = base
-        turn.tail = b"".join(pieces)
+        turn.tail = array_header(len(pieces)) + b"".join(pieces)
         turn.n_rest = len(rest)
         return system_plain
 
@@ -606,7 +612,9 @@ class RolloutGraph:
                     body = join(plains[first:end])  # type: ignore[arg-type]
                 except TypeError:  # a message with no plain packing never matches
                     return False
-                if len(body) != len(tail) - (first - start) * len(_ECHO_PACKED):
+                count = end - start
+                overhead = (1 if count < 16 else 3 if count < 65536 else 5) + (first - start) * 3
+                if len(body) != len(tail) - overhead:
                     return False
                 if not tail.endswith(body):
                     return False
@@ -624,21 +632,22 @@ class RolloutGraph:
     ) -> bool:
         """Whether the tail of `turn` is exactly `messages[start:end]`."""
         tail = turn.tail
-        pos = 0
         i = start
-        if turn.flags & _TAIL_ECHO:
+        echo = turn.flags & _TAIL_ECHO
+        if echo:
             base = turn.base
             if i >= end or base is None or not self._is_echo(base, messages[i], plains[i]):
                 return False
             i += 1
-            pos = len(_ECHO_PACKED)
         if turn.flags & _TAIL_REFS:
             # blob references: rebuild the values (blobs are the table's own strings, no
             # copy) and pack them with every string inline, then compare bytes
             try:
-                values = unpack_stream(tail[pos:], self.blobs.string)
+                values = unpack(tail, self.blobs.string, _no_echo)
             except ValueError:  # a stored value that cannot be rebuilt never matches
                 return False
+            if echo:
+                del values[0]
             if len(values) != end - i:
                 return False
             plain = self._plain
@@ -649,7 +658,8 @@ class RolloutGraph:
                 joined = b"".join(plains[i:end])  # type: ignore[arg-type]
             except TypeError:  # a message with no plain packing
                 return False
-            if len(joined) + pos != len(tail) or not tail.startswith(joined, pos):
+            overhead = len(array_header(end - start)) + (i - start) * len(_ECHO_PACKED)
+            if len(joined) + overhead != len(tail) or not tail.endswith(joined):
                 return False
         if turn.flags & _TAIL_SPECIAL:
             return all(self._valid(messages[k], plains[k]) for k in range(i, end))
@@ -670,12 +680,12 @@ class RolloutGraph:
         except (InvalidValueError, RecursionError):
             return None
 
-    def _expand_stream(self, stored: bytes) -> bytes | None:
+    def _expand(self, stored: bytes) -> bytes | None:
+        """The plain packing of a stored value: its blobs inline again."""
         try:
-            plains = [self._plain(v) for v in unpack_stream(stored, self.blobs.string)]
+            return self._plain(unpack(stored, self.blobs.string))
         except ValueError:
             return None
-        return None if None in plains else b"".join(plains)  # type: ignore[arg-type]
 
     def _response_value(self, turn: _Turn) -> Any:
         return None if turn.response is None else unpack(turn.response, self.blobs.string)
@@ -685,7 +695,7 @@ class RolloutGraph:
             return None
         if not turn.flags & _RESPONSE_REFS:
             return turn.response
-        return self._expand_stream(turn.response)
+        return self._expand(turn.response)
 
     def _echoes(self, turn: _Turn, message: Any, plain: bytes | None) -> bool:
         """Whether `message` is the echo of the turn's response (exactly or loosely)."""
@@ -820,17 +830,15 @@ class RolloutGraph:
         for owner in reversed(chain):
             base = owner.base
             echo = (lambda b=base: self._response_value(b)) if base is not None else None
-            out.extend(unpack_stream(owner.tail, self.blobs.string, echo))
+            out.extend(unpack(owner.tail, self.blobs.string, echo))
         return out
 
     def _request_messages(self, turn: _Turn) -> list[Any] | tuple[Any, ...] | None:
-        if turn.system is None and turn.n_rest == 0 and not turn.tail and turn.base is None:
-            if turn.flags & _MESSAGES_TUPLE:
-                return ()
-            return None if turn.flags & _NO_MESSAGES else []
+        if turn.flags & _NO_MESSAGES:
+            return None
         messages: list[Any] = []
         if turn.system is not None:
-            messages.extend(unpack_stream(turn.system, self.blobs.string))
+            messages.extend(unpack(turn.system, self.blobs.string))
         messages.extend(self._rest_values(turn))
         return tuple(messages) if turn.flags & _MESSAGES_TUPLE else messages
 
@@ -1043,7 +1051,7 @@ class RolloutGraph:
             if turn.system is not None:
                 count = system_counts.get(id(turn.system))
                 if count is None:
-                    count = len(unpack_stream(turn.system, self.blobs.string))
+                    count = len(unpack(turn.system, self.blobs.string))
                     system_counts[id(turn.system)] = count
                 messages_received += count
             messages_received += turn.n_rest
@@ -1071,6 +1079,10 @@ class RolloutGraph:
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.nodes())
+
+
+def _no_echo() -> None:
+    return None
 
 
 def request_key(plains: list[bytes | None] | list[bytes]) -> int:

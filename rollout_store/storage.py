@@ -372,7 +372,7 @@ class _Loader:
         self.values.append(payload)
         self.writer.values[id(payload)] = len(self.writer.value_objects)
         self.writer.value_objects.append(payload)
-        plain = self.graph._expand_stream(payload)
+        plain = self.graph._expand(payload)
         if plain is not None and self.graph._values.find(plain) is None:
             self.graph._values.add(plain, payload)
 
