@@ -8,12 +8,13 @@ indexes, every hit confirmed by exact comparison.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import xxhash
@@ -54,6 +55,20 @@ _TAIL_ECHO = 32  # the tail starts with a placeholder for the base turn's respon
 # the fresh value passes the validating walk (a caller's msgpack.ExtType could imitate them)
 _TAIL_SPECIAL = 64
 _RESPONSE_SPECIAL = 128
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _locked(method: _F) -> _F:
+    """Run a query under the graph's lock, so it sees no turn half added."""
+
+    @functools.wraps(method)
+    def locked(self: RolloutGraph, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked  # type: ignore[return-value]
 
 
 @dataclass(slots=True)
@@ -530,31 +545,40 @@ class RolloutGraph:
         base: _Turn | None = None
         parent: _Turn | None = None
         confirmed: dict[int, bool] = {}
+
+        def exact(candidate: _Turn) -> bool:
+            ok = confirmed.get(candidate.index)
+            if ok is None:
+                ok = self._request_matches(candidate, rest_plains, rest)
+                if ok:  # so are the requests this one extends
+                    ancestor = candidate.base
+                    while ancestor is not None and ancestor.index not in confirmed:
+                        confirmed[ancestor.index] = True
+                        ancestor = ancestor.base
+                confirmed[candidate.index] = ok
+            return ok
+
+        # Deepest first: the storage base is the longest stored request that this one
+        # extends; the parent, the longest whose response is echoed next.
         for j in range(n_valid, -1, -1):
+            can_link = want_parent and j < len(rest)
+            if base is not None and not can_link:
+                if not want_parent:
+                    break
+                continue
             for candidate in _members(self._request_index.get(request_key(rest_plains[:j]))):
                 if candidate.n_rest != j:
                     continue
-                ok = confirmed.get(candidate.index)
-                if ok is None:
-                    ok = self._request_matches(candidate, rest_plains, rest)
-                    if ok:  # so are the requests this one extends
-                        ancestor = candidate.base
-                        while ancestor is not None and ancestor.index not in confirmed:
-                            confirmed[ancestor.index] = True
-                            ancestor = ancestor.base
-                    confirmed[candidate.index] = ok
-                if not ok:
-                    continue
                 if base is None:
+                    if not exact(candidate):
+                        continue
                     base = candidate
-                if (
-                    want_parent
-                    and j < len(rest)
-                    and self._echoes(candidate, rest[j], rest_plains[j])
-                ):
+                if not can_link:
+                    break
+                if self._echoes(candidate, rest[j], rest_plains[j]) and exact(candidate):
                     parent = candidate
                     break
-            if parent is not None or (base is not None and not want_parent):
+            if parent is not None:
                 break
         scratch.message_parent = parent
 
@@ -887,22 +911,28 @@ class RolloutGraph:
     def __contains__(self, node_id: object) -> bool:
         return node_id in self._by_id
 
+    @_locked
     def get(self, node_id: str) -> TurnNode:
         """The turn rebuilt from storage: fresh containers, equal to what was recorded."""
         return self._view(self._turn(node_id))
 
+    @_locked
     def request_messages(self, node_id: str) -> list[Any] | tuple[Any, ...] | None:
         return self._request_messages(self._turn(node_id))
 
+    @_locked
     def response_message(self, node_id: str) -> Any:
         return self._value(self._turn(node_id).response)
 
+    @_locked
     def request_tools(self, node_id: str) -> Any:
         return self._value(self._turn(node_id).tools)
 
+    @_locked
     def sampling_params(self, node_id: str) -> Any:
         return self._value(self._turn(node_id).sampling)
 
+    @_locked
     def summary(self, node_id: str) -> dict[str, Any]:
         """The turn's scalar fields and sizes, without rebuilding its messages."""
         turn = self._turn(node_id)
@@ -921,33 +951,41 @@ class RolloutGraph:
             "system_digest": system_digest,
         }
 
+    @_locked
     def nodes(self) -> list[str]:
         """Node ids in arrival order."""
         return [t.node_id for t in self._turns]
 
+    @_locked
     def roots(self) -> list[str]:
         return [t.node_id for t in self._turns if t.parent is None]
 
+    @_locked
     def leaves(self) -> list[str]:
         return [t.node_id for t in self._turns if not t.children]
 
+    @_locked
     def children(self, node_id: str) -> list[str]:
         return [c.node_id for c in self._turn(node_id).children or ()]
 
+    @_locked
     def parent(self, node_id: str) -> str | None:
         parent = self._turn(node_id).parent
         return parent.node_id if parent is not None else None
 
+    @_locked
     def link_kind(self, node_id: str) -> str:
         """How the turn is linked to its parent: none, tokens, messages or explicit."""
         return LINK_NAMES[self._turn(node_id).link]
 
+    @_locked
     def root_of(self, node_id: str) -> str:
         turn = self._turn(node_id)
         while turn.parent is not None:
             turn = turn.parent
         return turn.node_id
 
+    @_locked
     def path_to(self, node_id: str) -> list[str]:
         """Node ids from the root down to `node_id`."""
         return [t.node_id for t in self._path(self._turn(node_id))]
@@ -961,14 +999,17 @@ class RolloutGraph:
         path.reverse()
         return path
 
+    @_locked
     def paths(self) -> list[list[str]]:
         """One path (root to leaf) per leaf, in the leaves' arrival order."""
         return [self.path_to(leaf) for leaf in self.leaves()]
 
+    @_locked
     def forks(self) -> list[str]:
         """Turns with more than one child."""
         return [t.node_id for t in self._turns if t.children and len(t.children) > 1]
 
+    @_locked
     def discarded_nodes(self) -> list[str]:
         """Childless turns with a sibling that continued (retries that were dropped).
 
@@ -993,6 +1034,7 @@ class RolloutGraph:
         messages = self._request_messages(turn)
         return ("messages", self._plain(messages) if messages else b"")
 
+    @_locked
     def sequence_for(self, node_id: str) -> Sequence:
         """The training sequence ending at `node_id`: its tokens, loss mask and logprobs.
 
@@ -1037,10 +1079,12 @@ class RolloutGraph:
             "n_turns": len(path),
         }
 
+    @_locked
     def sequences(self) -> list[Sequence]:
         """One training sequence per leaf."""
         return [self.sequence_for(leaf) for leaf in self.leaves()]
 
+    @_locked
     def stats(self) -> dict[str, int]:
         """Counts of turns, structure and storage."""
         stored_tokens = 0
