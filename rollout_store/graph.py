@@ -104,14 +104,15 @@ class _Scratch:
     """What add_turn works out before committing a turn; dropped afterwards."""
 
     __slots__ = (
-        "first_digest",
         "message_parent",
         "moves",
         "pending",
         "prompt_key",
         "request_digest",
+        "root_keys",
         "token_key",
         "token_parent",
+        "twins",
     )
 
     def __init__(self) -> None:
@@ -121,7 +122,10 @@ class _Scratch:
         self.prompt_key: int | None = None
         self.message_parent: _Turn | None = None
         self.request_digest: int | None = None
-        self.first_digest: int | None = None
+        # keys of this request's shorter prefixes, under which it waits as a message root
+        # for an earlier turn that arrives late
+        self.root_keys: list[int] | None = None
+        self.twins: list[_Turn] = []  # stored turns with exactly this request, and children
         self.moves: list[tuple[_Turn, int]] = []
 
 
@@ -197,7 +201,7 @@ class RolloutGraph:
         self._token_index: dict[int, Any] = {}  # block digest of prompt+sampled -> turn(s)
         self._prompt_index: dict[int, Any] = {}  # digest of a whole prompt -> TokenRun(s)
         self._token_roots: dict[int, Any] = {}  # block digests of token roots' prompts
-        self._message_roots: dict[int, Any] = {}  # digest of a message root's first message
+        self._message_roots: dict[int, Any] = {}  # request keys of message roots' prefixes
         self._lock = threading.RLock()
         # Called with (turn, first new blob index, scratch) before a turn is committed; a
         # listener that raises rejects the turn (the append-mode file writer is one).
@@ -262,17 +266,19 @@ class RolloutGraph:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _inverted_keys(self) -> dict[int, list[int | None]]:
-        """Each turn's index keys (request, token, prompt, first message), for `save`."""
-        keys: dict[int, list[int | None]] = {t.index: [None, None, None, None] for t in self._turns}
-        for slot, index in (
-            (0, self._request_index),
-            (1, self._token_index),
-            (3, self._message_roots),
-        ):
+    def _inverted_keys(self) -> dict[int, list[Any]]:
+        """Each turn's index keys (request, token, prompt, root prefixes), for `save`."""
+        keys: dict[int, list[Any]] = {t.index: [None, None, None, None] for t in self._turns}
+        for slot, index in ((0, self._request_index), (1, self._token_index)):
             for key, found in index.items():
                 for turn in _members(found):
                     keys[turn.index][slot] = key
+        for key, found in self._message_roots.items():
+            for turn in _members(found):
+                root_keys = keys[turn.index][3]
+                if root_keys is None:
+                    keys[turn.index][3] = root_keys = []
+                root_keys.append(key)
         prompt_keys = {
             id(run): key for key, found in self._prompt_index.items() for run in _members(found)
         }
@@ -539,7 +545,8 @@ class RolloutGraph:
         rest_plains = plains[n_sys:]
         n_valid = rest_plains.index(None) if None in rest_plains else len(rest_plains)
         scratch.request_digest = request_key(rest_plains) if n_valid == len(rest) else None
-        scratch.first_digest = request_key(rest_plains[:1]) if n_valid >= 1 else None
+        if n_valid == len(rest) and n_valid > 1:
+            scratch.root_keys = [request_key(rest_plains[:m]) for m in range(1, n_valid)]
 
         want_parent = node.parent_id is None and node.prompt_ids is None
         base: _Turn | None = None
@@ -559,25 +566,30 @@ class RolloutGraph:
             return ok
 
         # Deepest first: the storage base is the longest stored request that this one
-        # extends; the parent, the longest whose response is echoed next.
+        # extends; the parent, the longest whose response is echoed next (an exact echo
+        # preferred to a loose one).
         for j in range(n_valid, -1, -1):
             can_link = want_parent and j < len(rest)
             if base is not None and not can_link:
                 if not want_parent:
                     break
                 continue
-            for candidate in _members(self._request_index.get(request_key(rest_plains[:j]))):
-                if candidate.n_rest != j:
-                    continue
+            key = request_key(rest_plains[:j])
+            members = [c for c in _members(self._request_index.get(key)) if c.n_rest == j]
+            if not members:
+                continue
+            if base is None:
+                base = next((c for c in members if exact(c)), None)
                 if base is None:
-                    if not exact(candidate):
-                        continue
-                    base = candidate
-                if not can_link:
-                    break
-                if self._echoes(candidate, rest[j], rest_plains[j]) and exact(candidate):
-                    parent = candidate
-                    break
+                    continue
+                if j == len(rest):  # identical requests whose continuations may move here
+                    scratch.twins = [c for c in members if c.children and exact(c)]
+            if not can_link:
+                continue
+            message, plain = rest[j], rest_plains[j]
+            parent = next(
+                (c for c in members if self._is_echo(c, message, plain) and exact(c)), None
+            ) or next((c for c in members if self._echoes(c, message, plain) and exact(c)), None)
             if parent is not None:
                 break
         scratch.message_parent = parent
@@ -753,25 +765,26 @@ class RolloutGraph:
         for other, link in scratch.moves:
             self._move(other, turn, link)
         if turn.parent is None:
-            self._register_root(turn, scratch.first_digest)
+            self._register_root(turn, scratch.root_keys)
 
-    def _register_root(self, turn: _Turn, first_digest: int | None) -> None:
+    def _register_root(self, turn: _Turn, root_keys: list[int] | None) -> None:
         if turn.prompt is not None:
             if turn.prompt.compact and turn.prompt.length >= BLOCK:
                 for digest in block_digests(run_bytes(turn.prompt))[1:]:
                     _index_add(self._token_roots, digest, turn)
-        elif first_digest is not None:
-            _index_add(self._message_roots, first_digest, turn)
+        elif root_keys:
+            for key in root_keys:
+                _index_add(self._message_roots, key, turn)
 
     def _unregister_root(self, turn: _Turn) -> None:
         if turn.prompt is not None:
             if turn.prompt.compact and turn.prompt.length >= BLOCK:
                 for digest in block_digests(run_bytes(turn.prompt))[1:]:
                     _index_remove(self._token_roots, digest, turn)
-        elif turn.n_rest:
-            first = self._plain(self._rest_values(turn)[0])
-            if first is not None:
-                _index_remove(self._message_roots, request_key([first]), turn)
+        elif turn.n_rest > 1:
+            plains = [self._plain(m) for m in self._rest_values(turn)]
+            for m in range(1, len(plains)):
+                _index_remove(self._message_roots, request_key(plains[:m]), turn)
 
     def _find_moves(self, new: _Turn, scratch: _Scratch) -> list[tuple[_Turn, int]]:
         """Turns that arrived before `new` but continue it: they move under it at commit."""
@@ -805,11 +818,21 @@ class RolloutGraph:
             return moves
         if parent is not None:
             candidates = list(parent.children or ())
-        elif scratch.first_digest is not None:
-            candidates = list(_members(self._message_roots.get(scratch.first_digest)))
+        elif scratch.request_digest is not None:
+            candidates = list(_members(self._message_roots.get(scratch.request_digest)))
         else:
             return moves
         mine = None
+        for twin in scratch.twins:
+            # a continuation linked loosely to a twin moves here if it echoes this response
+            # exactly and the twin's only loosely
+            for other in list(twin.children or ()):
+                if other.link != LINK_MESSAGES or other.prompt is not None:
+                    continue
+                echo = _plain_or_none(self, self._rest_values(other), new.n_rest)
+                exact_here = echo is not None and echo == self._response_plain(new)
+                if exact_here and echo != self._response_plain(twin):
+                    moves.append((other, LINK_MESSAGES))
         for other in candidates:
             if (
                 other is new
@@ -1123,6 +1146,10 @@ class RolloutGraph:
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.nodes())
+
+
+def _plain_or_none(graph: RolloutGraph, values: list[Any], index: int) -> bytes | None:
+    return graph._plain(values[index]) if index < len(values) else None
 
 
 def _no_echo() -> None:

@@ -273,7 +273,7 @@ def _header(graph: RolloutGraph, mode: str) -> bytes:
 
 
 def _turn_keys(scratch: _Scratch) -> list[Any]:
-    return [scratch.request_digest, scratch.token_key, scratch.prompt_key, scratch.first_digest]
+    return [scratch.request_digest, scratch.token_key, scratch.prompt_key, scratch.root_keys]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -454,10 +454,14 @@ class _Loader:
             raise ValueError("bad logprobs")
         if not (isinstance(keys, list) and len(keys) == 4):
             raise ValueError("bad index keys")
-        if not all(k is None or type(k) is int for k in keys):
+        if not all(k is None or type(k) is int for k in keys[:3]):
+            raise ValueError("bad index keys")
+        if keys[3] is not None and not (
+            isinstance(keys[3], list) and all(type(k) is int for k in keys[3])
+        ):
             raise ValueError("bad index keys")
         scratch = _Scratch()
-        scratch.request_digest, scratch.token_key, scratch.prompt_key, scratch.first_digest = keys
+        scratch.request_digest, scratch.token_key, scratch.prompt_key, scratch.root_keys = keys
         if not (isinstance(moves, list) and isinstance(refs, list) and len(refs) == 2):
             raise ValueError("bad moves or reference counts")
         for move in moves:
