@@ -109,6 +109,7 @@ class _Scratch:
         "pending",
         "prompt_key",
         "request_digest",
+        "rest_plains",
         "root_keys",
         "token_key",
         "token_parent",
@@ -125,6 +126,7 @@ class _Scratch:
         # keys of this request's shorter prefixes, under which it waits as a message root
         # for an earlier turn that arrives late
         self.root_keys: list[int] | None = None
+        self.rest_plains: list[bytes | None] | None = None
         self.twins: list[_Turn] = []  # stored turns with exactly this request, and children
         self.moves: list[tuple[_Turn, int]] = []
 
@@ -371,6 +373,9 @@ class RolloutGraph:
             turn.parent, turn.link = scratch.message_parent, LINK_MESSAGES
         else:
             turn.parent, turn.link = None, LINK_NONE
+            plains = scratch.rest_plains
+            if plains is not None and turn.prompt is None:
+                scratch.root_keys = [request_key(plains, m) for m in range(1, len(plains))]
         return turn, scratch
 
     def _fresh_id(self) -> str:
@@ -544,9 +549,9 @@ class RolloutGraph:
         rest = messages[n_sys:]
         rest_plains = plains[n_sys:]
         n_valid = rest_plains.index(None) if None in rest_plains else len(rest_plains)
-        scratch.request_digest = request_key(rest_plains) if n_valid == len(rest) else None
-        if n_valid == len(rest) and n_valid > 1:
-            scratch.root_keys = [request_key(rest_plains[:m]) for m in range(1, n_valid)]
+        scratch.request_digest = request_key(rest_plains, n_valid) if n_valid == len(rest) else None
+        if n_valid == len(rest):
+            scratch.rest_plains = rest_plains  # for root_keys, if this turn stays a root
 
         want_parent = node.parent_id is None and node.prompt_ids is None
         base: _Turn | None = None
@@ -574,7 +579,7 @@ class RolloutGraph:
                 if not want_parent:
                     break
                 continue
-            key = request_key(rest_plains[:j])
+            key = request_key(rest_plains, j)
             members = [c for c in _members(self._request_index.get(key)) if c.n_rest == j]
             if not members:
                 continue
@@ -784,7 +789,7 @@ class RolloutGraph:
         elif turn.n_rest > 1:
             plains = [self._plain(m) for m in self._rest_values(turn)]
             for m in range(1, len(plains)):
-                _index_remove(self._message_roots, request_key(plains[:m]), turn)
+                _index_remove(self._message_roots, request_key(plains, m), turn)
 
     def _find_moves(self, new: _Turn, scratch: _Scratch) -> list[tuple[_Turn, int]]:
         """Turns that arrived before `new` but continue it: they move under it at commit."""
@@ -1156,13 +1161,12 @@ def _no_echo() -> None:
     return None
 
 
-def request_key(plains: list[bytes | None] | list[bytes]) -> int:
-    """Index key of a non-system request: its length and its last message's packing.
+def request_key(plains: list[bytes | None] | list[bytes], n: int) -> int:
+    """Index key of the first `n` messages of a non-system request: `n` and the last one.
 
     Cheap on purpose (one message hashed): a hit is confirmed against every message anyway.
     """
-    n = len(plains)
-    return xxhash.xxh3_64_intdigest(plains[-1] if n else b"", seed=n)  # type: ignore[arg-type]
+    return xxhash.xxh3_64_intdigest(plains[n - 1] if n else b"", seed=n)  # type: ignore[arg-type]
 
 
 def full_run(prompt: TokenRun | None, sampled: Any) -> TokenRun | None:
