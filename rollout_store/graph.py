@@ -191,10 +191,9 @@ class RolloutGraph:
             raise ValueError("share_threshold must be a positive int or None")
         self.share_threshold = share_threshold
         self.blobs = BlobTable()
-        # one reusable packer (packb builds a new one per call); used under the lock only
-        self._pack_plain = msgpack.Packer(
-            use_bin_type=True, strict_types=True, default=plain_default
-        ).pack
+        # a reusable packer (packb builds one per call); used under the lock only, and
+        # replaced after each turn so a large message's buffer is not kept
+        self._pack_plain = _packer()
         self._values = ValueTable(self._expand, share_threshold)
         self._turns: list[_Turn] = []
         self._by_id: dict[str, _Turn] = {}
@@ -309,6 +308,8 @@ class RolloutGraph:
             except BaseException:
                 self.blobs.rollback(mark)
                 raise
+            finally:
+                self._pack_plain = _packer()
             self._commit(turn, scratch)
             meta = turn.meta
             return replace(
@@ -1155,6 +1156,13 @@ class RolloutGraph:
 
 def _plain_or_none(graph: RolloutGraph, values: list[Any], index: int) -> bytes | None:
     return graph._plain(values[index]) if index < len(values) else None
+
+
+def _packer() -> Callable[[Any], bytes]:
+    packer = msgpack.Packer(
+        use_bin_type=True, strict_types=True, default=plain_default, buf_size=512
+    )
+    return packer.pack
 
 
 def _no_echo() -> None:
