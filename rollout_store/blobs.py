@@ -95,9 +95,8 @@ class BlobTable:
             self._by_digest[digest] = [found, handle]
         return handle
 
-    def add_verified(self, text: str, digest: bytes) -> Handle:
-        """Append a blob read back from a file, after its digest was checked by the caller."""
-        data_len = len(text.encode("utf-8", "surrogatepass"))
+    def add_verified(self, text: str, digest: bytes, data_len: int) -> Handle:
+        """Append a blob read back from a file (`data_len` UTF-8 bytes), digest checked."""
         handle = Handle(digest, len(self._strings), data_len)
         self._strings.append(text)
         self._handles.append(handle)

@@ -196,6 +196,7 @@ class RolloutGraph:
         self._pack_plain = _packer()
         self._values = ValueTable(self._expand, share_threshold)
         self._turns: list[_Turn] = []
+        self._blob_marks = array("I")  # blobs stored once each turn was committed, for save
         self._by_id: dict[str, _Turn] = {}
         self._meta: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self._request_index: dict[int, Any] = {}  # digest of non-system request -> turn(s)
@@ -757,6 +758,7 @@ class RolloutGraph:
             self._values.add(plain, stored)
         turn.meta = self._meta.setdefault(turn.meta, turn.meta)
         self._turns.append(turn)
+        self._blob_marks.append(len(self.blobs))
         self._by_id[turn.node_id] = turn
         if turn.parent is not None:
             _add_child(turn.parent, turn)

@@ -25,7 +25,7 @@ import xxhash
 from .blobs import content_digest
 from .encoding import EXT_BIGINT, EXT_BLOB, EXT_ECHO, EXT_SURROGATE, EXT_TUPLE
 from .errors import ChecksumMismatch, CorruptFileError, UnsupportedVersionError
-from .graph import LINK_EXPLICIT, RolloutGraph, _Scratch, _Turn, full_run
+from .graph import _NO_MESSAGES, LINK_EXPLICIT, RolloutGraph, _Scratch, _Turn, full_run
 from .tokens import TokenRun
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "LoadReport", "load", "open_append", "save", "verify"]
@@ -51,12 +51,34 @@ _PROMPT_SAME, _PROMPT_EXTENDS, _PROMPT_NEW = 0, 1, 2
 _LITTLE = sys.byteorder == "little"
 
 
-def _checksum(kind: int, payload: bytes) -> int:
+def _checksum(kind: int, payload: bytes | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(payload, seed=(kind << 32) | len(payload))
 
 
 def _frame(kind: int, payload: bytes) -> bytes:
     return FRAME.pack(kind, len(payload), _checksum(kind, payload)) + payload
+
+
+def _bin_header(n: int) -> bytes:
+    if n < 1 << 8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 1 << 16:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+# A blob payload is the msgpack array [digest (bin 16), data (bin)]: this prefix, then data.
+_BLOB_PREFIX = b"\x92\xc4\x10"
+
+
+def _blob_frame(digest: bytes, data: bytes) -> list[bytes]:
+    """A blob frame as parts, so the (large) data is never copied into a joined payload."""
+    prefix = _BLOB_PREFIX + digest + _bin_header(len(data))
+    length = len(prefix) + len(data)
+    hasher = xxhash.xxh3_64(seed=(KIND_BLOB << 32) | length)
+    hasher.update(prefix)
+    hasher.update(data)
+    return [FRAME.pack(KIND_BLOB, length, hasher.intdigest()), prefix, data]
 
 
 def _pack(obj: Any) -> bytes:
@@ -118,34 +140,29 @@ def _decode_seg(spec: Any) -> Any:
     raise ValueError(f"unknown segment kind {kind!r}")
 
 
-def _check_packed(data: Any, n_blobs: int, echo_ok: bool) -> None:
-    """Decode a packed value once so that a damaged reference fails now, not on export."""
-    if not isinstance(data, bytes):
-        raise ValueError("packed value must be bytes")
+class _PackedChecker:
+    """Decodes a packed value once, so that a damaged reference fails on load, not on export."""
 
-    def hook(code: int, payload: bytes) -> Any:
+    def __init__(self) -> None:
+        self.n_blobs = 0
+        self.echo_ok = False
+
+    def hook(self, code: int, payload: bytes) -> None:
         if code == EXT_BLOB:
-            if len(payload) != 4 or int.from_bytes(payload, "big") >= n_blobs:
+            if len(payload) != 4 or int.from_bytes(payload, "big") >= self.n_blobs:
                 raise ValueError("blob reference out of range")
-            return None
-        if code == EXT_TUPLE and not payload:
-            return None
-        if code == EXT_BIGINT:
-            int(payload)
-            return None
-        if code == EXT_SURROGATE:
+        elif code == EXT_BIGINT:
+            int(payload.decode("ascii"))
+        elif code == EXT_SURROGATE:
             payload.decode("utf-8", "surrogatepass")
-            return None
-        if code == EXT_ECHO and echo_ok and not payload:
-            return None
-        raise ValueError(f"unexpected extension type {code}")
+        elif not (code == EXT_TUPLE or (code == EXT_ECHO and self.echo_ok)) or payload:
+            raise ValueError(f"unexpected extension type {code}")
 
-    unpacker = msgpack.Unpacker(
-        raw=False, strict_map_key=False, ext_hook=hook, max_buffer_size=max(len(data), 1)
-    )
-    unpacker.feed(data)
-    for _ in unpacker:
-        pass
+    def check(self, data: Any, n_blobs: int, echo_ok: bool) -> None:
+        if not isinstance(data, bytes):
+            raise ValueError("packed value must be bytes")
+        self.n_blobs, self.echo_ok = n_blobs, echo_ok
+        msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=self.hook)
 
 
 # ---------------------------------------------------------------- writing
@@ -164,18 +181,25 @@ class _Writer:
         self.turns_written = 0
 
     def blob_frames(self, graph: RolloutGraph, end: int) -> list[bytes]:
-        frames = []
+        frames: list[bytes] = []
+        blobs = graph.blobs
         for index in range(self.blobs_written, end):
-            handle = graph.blobs.handle(index)
-            data = graph.blobs.string(index).encode("utf-8", "surrogatepass")
-            frames.append(_frame(KIND_BLOB, _pack([handle.digest, data])))
+            data = blobs.string(index).encode("utf-8", "surrogatepass")
+            frames.extend(_blob_frame(blobs.handle(index).digest, data))
         return frames
 
     def turn_frames(
-        self, graph: RolloutGraph, turn: _Turn, moves: list[tuple[_Turn, int]], keys: list[Any]
+        self,
+        graph: RolloutGraph,
+        turn: _Turn,
+        moves: list[tuple[_Turn, int]],
+        keys: list[Any],
+        blobs_end: int,
+        refs: tuple[int, int],
     ) -> tuple[list[bytes], Callable[[], None]]:
-        """Frames for the turn's new blobs, new values and the turn; and a commit function."""
-        frames = self.blob_frames(graph, len(graph.blobs))
+        """Frames (as byte parts) for the turn's new blobs, new values and the turn itself,
+        and a function to call once they are written."""
+        frames = self.blob_frames(graph, blobs_end)
         new_values: list[bytes] = []
 
         def value_ref(stored: bytes | None) -> int | None:
@@ -193,7 +217,6 @@ class _Writer:
 
         parent = turn.parent
         parent_index = parent.index if parent is not None and parent.index < turn.index else None
-        refs = graph.blobs.mark()[1:]
         record = [
             turn.node_id,
             parent_index,
@@ -217,7 +240,6 @@ class _Writer:
             [[other.index, link] for other, link in moves],
         ]
         frames.append(_frame(KIND_TURN, _pack(record)))
-        blobs_end = len(graph.blobs)
 
         def commit() -> None:
             self.blobs_written = blobs_end
@@ -301,14 +323,21 @@ def save(graph: RolloutGraph, path: str | os.PathLike[str]) -> None:
                     if parent is not None and parent.index > turn.index:
                         later_children.setdefault(parent.index, []).append((turn, turn.link))
                 inverted = graph._inverted_keys()
+                marks = graph._blob_marks
                 for turn in turns:
-                    keys = inverted[turn.index]
+                    # references are counted in the end record of a snapshot
                     frames, commit = writer.turn_frames(
-                        graph, turn, later_children.get(turn.index, []), keys
+                        graph,
+                        turn,
+                        later_children.get(turn.index, []),
+                        inverted[turn.index],
+                        marks[turn.index],
+                        writer.refs,
                     )
-                    fp.write(b"".join(frames))
+                    fp.writelines(frames)
                     commit()
-                end = {"turns": len(turns), "blobs": len(graph.blobs)}
+                references = list(graph.blobs.mark()[1:])
+                end = {"turns": len(turns), "blobs": len(graph.blobs), "references": references}
                 fp.write(_frame(KIND_END, _pack(end)))
                 fp.flush()
                 os.fsync(fp.fileno())
@@ -355,20 +384,29 @@ class _Loader:
         self.graph = RolloutGraph(share_threshold=share_threshold)
         self.values: list[bytes] = []
         self.writer = _Writer()
+        self.checker = _PackedChecker()
 
-    def blob(self, payload: Any, offset: int, record: int) -> None:
-        if not (isinstance(payload, list) and len(payload) == 2):
+    def blob(self, payload: memoryview, offset: int, record: int) -> None:
+        """A blob frame's payload, read in place: prefix, digest, bin header, data."""
+        n = len(payload)
+        if n < 21 or payload[:3] != _BLOB_PREFIX:
             raise ValueError("blob record must be [digest, data]")
-        digest, data = payload
-        if not isinstance(digest, bytes) or not isinstance(data, bytes) or len(digest) != 16:
-            raise ValueError("blob record must hold a 16-byte digest and bytes")
+        digest = bytes(payload[3:19])
+        tag = payload[19]
+        width = {0xC4: 1, 0xC5: 2, 0xC6: 4}.get(tag)
+        if width is None or n < 20 + width:
+            raise ValueError("blob record must hold its data as bin")
+        size = int.from_bytes(payload[20 : 20 + width], "big")
+        if 20 + width + size != n:
+            raise ValueError("blob data length does not match its record")
+        data = payload[20 + width :]
         actual = content_digest(data)
         if actual != digest:
             raise ChecksumMismatch("blob", digest, actual, offset=offset, record=record)
-        self.graph.blobs.add_verified(data.decode("utf-8", "surrogatepass"), digest)
+        self.graph.blobs.add_verified(str(data, "utf-8", "surrogatepass"), digest, size)
 
     def value(self, payload: Any) -> None:
-        _check_packed(payload, len(self.graph.blobs), echo_ok=False)
+        self.checker.check(payload, len(self.graph.blobs), echo_ok=False)
         self.values.append(payload)
         self.writer.values[id(payload)] = len(self.writer.value_objects)
         self.writer.value_objects.append(payload)
@@ -428,11 +466,12 @@ class _Loader:
             raise ValueError("bad request tail")
         if n_rest < (turn.base.n_rest if turn.base is not None else 0):
             raise ValueError("request shorter than its base")
-        _check_packed(tail, n_blobs, echo_ok=turn.base is not None)
+        if tail or not flags & _NO_MESSAGES:
+            self.checker.check(tail, n_blobs, echo_ok=turn.base is not None)
         turn.tail = tail
         turn.n_rest = n_rest
         if response is not None:
-            _check_packed(response, n_blobs, echo_ok=False)
+            self.checker.check(response, n_blobs, echo_ok=False)
         turn.response = response
         turn.tools = self._value_ref(tools)
         turn.sampling = self._value_ref(sampling)
@@ -446,7 +485,7 @@ class _Loader:
         if logprobs is None:
             turn.logprobs = None
         elif logprobs[0] == "j":
-            _check_packed(logprobs[1], n_blobs, echo_ok=False)
+            self.checker.check(logprobs[1], n_blobs, echo_ok=False)
             turn.logprobs = logprobs[1]
         elif logprobs[0] == "d":
             turn.logprobs = _decode_seg(logprobs)
@@ -525,6 +564,7 @@ def _scan(
     Blob and value records are applied only when the turn record after them arrives, so a
     turn cut short leaves nothing of itself behind.
     """
+    data = memoryview(data)
     size = len(data)
     report = LoadReport(path, size, 0, 0, 0, 0)
     if size < len(MAGIC) or bytes(data[: len(MAGIC)]) != MAGIC:
@@ -548,14 +588,14 @@ def _scan(
             message = f"file ends inside a record: {size - offset} of {length} bytes present"
             report.fail(CorruptFileError(message, offset=start, record=record), truncated=True)
             break
-        payload = bytes(data[offset : offset + length])
+        payload = data[offset : offset + length]  # a view: blob data is not copied
         offset += length
         actual = _checksum(kind, payload)
         if actual != expected:
             report.fail(ChecksumMismatch("record", expected, actual, offset=start, record=record))
             break
         try:
-            body = _unpack_payload(payload)
+            body = payload if kind == KIND_BLOB else _unpack_payload(payload)
             if ended:
                 raise ValueError("records after the end record")
             if record == 0:
@@ -577,8 +617,19 @@ def _scan(
                 loader.turn(body)
                 report.turns += 1
             elif kind == KIND_END:
-                if pending or body != {"turns": report.turns, "blobs": report.blobs}:
-                    raise ValueError(f"end record {body!r} does not match the records before it")
+                counts = {"turns": report.turns, "blobs": report.blobs}
+                if pending or not isinstance(body, dict) or body.keys() != {*counts, "references"}:
+                    raise ValueError("end record does not match the records before it")
+                if any(body[k] != v for k, v in counts.items()):
+                    raise ValueError("end record does not match the records before it")
+                references = body["references"]
+                if not (
+                    isinstance(references, list)
+                    and len(references) == 2
+                    and all(type(r) is int and r >= 0 for r in references)
+                ):
+                    raise ValueError("bad reference counts in the end record")
+                loader.graph.blobs.count_references(*references)
                 ended = True
             else:
                 raise ValueError(f"unknown record kind {kind}")
@@ -677,7 +728,9 @@ class _AppendLog:
 
     def on_turn(self, graph: RolloutGraph, turn: _Turn, scratch: _Scratch) -> None:
         keys = _turn_keys(scratch)
-        frames, commit = self.writer.turn_frames(graph, turn, scratch.moves, keys)
+        frames, commit = self.writer.turn_frames(
+            graph, turn, scratch.moves, keys, len(graph.blobs), graph.blobs.mark()[1:]
+        )
         fd = self.fp.fileno()
         size = os.lseek(fd, 0, os.SEEK_END)
         try:
