@@ -17,7 +17,7 @@ __all__ = ["export_session", "iter_turn_records", "write_session_json", "write_t
 
 
 def _turn_record(
-    graph: RolloutGraph, node_id: str, discarded: bool, include_messages: bool
+    graph: RolloutGraph, node_id: str, discarded: bool, include_messages: bool, stream: bool
 ) -> dict[str, Any]:
     turn = graph.get(node_id) if include_messages else None
     info = graph.summary(node_id)
@@ -36,7 +36,11 @@ def _turn_record(
         "discarded": discarded,
     }
     if turn is not None:
-        record["request_messages"] = turn.request_messages
+        messages = turn.request_messages
+        # streamed one message at a time: a long conversation's JSON is never whole in memory
+        record["request_messages"] = (
+            Streamed(messages) if stream and isinstance(messages, list | tuple) else messages
+        )
         record["request_tools"] = turn.request_tools
         record["response_message"] = turn.response_message
     return record
@@ -48,12 +52,13 @@ def _parts(
     metadata: Any,
     include_messages: bool,
     include_discarded: bool,
+    stream: bool = False,
 ) -> tuple[dict[str, Any], Iterator[dict[str, Any]], Iterator[dict[str, Any]], dict[str, int]]:
     discarded = set(graph.discarded_nodes())
     kept = [n for n in graph.nodes() if include_discarded or n not in discarded]
     leaves = [n for n in graph.leaves() if include_discarded or n not in discarded]
     head = {"session_id": session_id, "metadata": metadata}
-    turns = (_turn_record(graph, n, n in discarded, include_messages) for n in kept)
+    turns = (_turn_record(graph, n, n in discarded, include_messages, stream) for n in kept)
     sequences = (graph.sequence_for(leaf) for leaf in leaves)
     full = graph.stats()
     stats = {
@@ -98,7 +103,7 @@ def write_session_json(
 ) -> None:
     """Write exactly `json.dumps(export_session(graph, ...))`, one turn in memory at a time."""
     head, turns, sequences, stats = _parts(
-        graph, session_id, metadata, include_messages, include_discarded
+        graph, session_id, metadata, include_messages, include_discarded, stream=True
     )
     write_document(
         fp, {**head, "turns": Streamed(turns), "sequences": Streamed(sequences), "stats": stats}

@@ -853,11 +853,8 @@ class RolloutGraph:
                 mine = self._rest_values(new)
             theirs = self._rest_values(other)
             if self._plain(theirs[: new.n_rest]) == self._plain(mine):
-                try:
-                    echo = link_key(self._response_value(new)) == link_key(theirs[new.n_rest])
-                except Exception:
-                    echo = False
-                if echo:
+                echo = theirs[new.n_rest]
+                if self._echoes(new, echo, self._plain(echo)):
                     moves.append((other, LINK_MESSAGES))
         return moves
 

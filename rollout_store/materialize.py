@@ -33,29 +33,33 @@ def writer_for(fp: IO[Any]) -> Callable[[str], Any]:
     return lambda text: write(text.encode("ascii"))
 
 
-def _chunks(document: dict[str, Any]) -> Iterator[str]:
-    yield "{"
-    first = True
-    for key, value in document.items():
-        if not first:
-            yield ", "
-        first = False
-        yield json.dumps(key)
-        yield ": "
-        if isinstance(value, Streamed):
-            yield "["
-            sep = ""
-            for item in value.items:
-                yield sep
-                yield json.dumps(item)
-                sep = ", "
-            yield "]"
-        else:
-            yield json.dumps(value)
-    yield "}"
+def _chunks(value: Any) -> Iterator[str]:
+    """JSON text of `value` in pieces; only `Streamed` lists and the dicts holding them are
+    written piece by piece, everything else by one `json.dumps` call."""
+    if isinstance(value, Streamed):
+        yield "["
+        sep = ""
+        for item in value.items:
+            yield sep
+            yield from _chunks(item)
+            sep = ", "
+        yield "]"
+    elif isinstance(value, dict) and any(isinstance(v, Streamed) for v in value.values()):
+        # only the library's own records hold Streamed values, and their keys are str
+        yield "{"
+        sep = ""
+        for key, item in value.items():
+            yield sep
+            yield json.dumps(key)
+            yield ": "
+            yield from _chunks(item)
+            sep = ", "
+        yield "}"
+    else:
+        yield json.dumps(value)
 
 
-def write_document(fp: IO[Any], document: dict[str, Any]) -> None:
+def write_document(fp: IO[Any], document: Any) -> None:
     """Write `document` as `json.dumps(document)` would, expanding `Streamed` lists lazily."""
     write = writer_for(fp)
     for chunk in _chunks(document):
