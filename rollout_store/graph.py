@@ -13,7 +13,7 @@ import os
 import threading
 from array import array
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 import msgpack
@@ -22,7 +22,7 @@ import xxhash
 from .blobs import BlobTable
 from .encoding import EXT_ECHO, NotPackable, array_header, plain_default, unpack
 from .errors import DuplicateNodeError, InvalidValueError
-from .intake import encode, encode_value, float_array, token_array
+from .intake import Encoder, float_array, token_array
 from .messages import leading_system_count, link_key
 from .tokens import (
     BLOCK,
@@ -43,6 +43,8 @@ assert len(_ECHO_PACKED) == 3  # the inline comparison in _request_matches count
 # How a turn was linked to its parent.
 LINK_NONE, LINK_TOKENS, LINK_MESSAGES, LINK_EXPLICIT = 0, 1, 2, 3
 LINK_NAMES = ("none", "tokens", "messages", "explicit")
+
+_SCALAR_NAMES = ("model", "finish_reason", "harness_session_id", "system_digest")
 
 # Turn.flags bits
 _TAIL_REFS = 1  # the tail holds blob references (or other ext types): compare after expanding
@@ -98,6 +100,22 @@ class TurnNode:
 
 
 Sequence = dict[str, Any]
+
+
+assert [f.name for f in fields(TurnNode)] == [
+    "node_id",
+    "prompt_ids",
+    "sampled_ids",
+    "sampled_logprobs",
+    "parent_id",
+    "index",
+    *_SCALAR_NAMES,
+    "n_tools",
+    "request_messages",
+    "request_tools",
+    "sampling_params",
+    "response_message",
+], "add_turn builds TurnNode positionally"
 
 
 class _Scratch:
@@ -190,10 +208,12 @@ class RolloutGraph:
         ):
             raise ValueError("share_threshold must be a positive int or None")
         self.share_threshold = share_threshold
-        self.blobs = BlobTable()
+        self._blobs = BlobTable()
         # a reusable packer (packb builds one per call); used under the lock only, and
         # replaced after each turn so a large message's buffer is not kept
         self._pack_plain = _packer()
+        self._encoder = Encoder(self._blobs, share_threshold)
+        self._canonical = Encoder(None, None)  # plain packing by the validating walk
         self._values = ValueTable(self._expand, share_threshold)
         self._turns: list[_Turn] = []
         self._blob_marks = array("I")  # blobs stored once each turn was committed, for save
@@ -211,6 +231,21 @@ class RolloutGraph:
         self._closers: list[Callable[[], None]] = []
         #: Set by `load` and `open`: how much of the file was good (a storage.LoadReport).
         self.load_report: Any = None
+
+    @property
+    def blobs(self) -> BlobTable:
+        """The graph's blob table (its `stats()` are part of `RolloutGraph.stats()`)."""
+        return self._blobs
+
+    @blobs.setter
+    def blobs(self, table: BlobTable) -> None:
+        # allowed on an empty graph only: for a table with another hasher (tests inject
+        # colliding hashes this way)
+        with self._lock:
+            if self._turns or len(self._blobs):
+                raise ValueError("the blob table of a graph that holds turns cannot change")
+            self._blobs = table
+            self._encoder = Encoder(table, self.share_threshold)
 
     # ------------------------------------------------------------------ files
     # Thin doors to `storage`, which sits above this module; imported late on purpose.
@@ -313,13 +348,24 @@ class RolloutGraph:
                 self._pack_plain = _packer()
             self._commit(turn, scratch)
             meta = turn.meta
-            return replace(
-                node,
-                node_id=turn.node_id,
-                index=turn.index,
-                parent_id=turn.parent.node_id if turn.parent is not None else None,
-                system_digest=meta[3],
-                n_tools=meta[4],
+            parent = turn.parent
+            # positional: dataclasses.replace costs more than the rest of a small turn
+            return TurnNode(
+                turn.node_id,
+                node.prompt_ids,
+                node.sampled_ids,
+                node.sampled_logprobs,
+                parent.node_id if parent is not None else None,
+                turn.index,
+                node.model,
+                node.finish_reason,
+                node.harness_session_id,
+                meta[3],
+                meta[4],
+                node.request_messages,
+                node.request_tools,
+                node.sampling_params,
+                node.response_message,
             )
 
     def _prepare(self, node: TurnNode) -> tuple[_Turn, _Scratch]:
@@ -342,8 +388,8 @@ class RolloutGraph:
             explicit = self._by_id.get(node.parent_id) if isinstance(node.parent_id, str) else None
             if explicit is None:
                 raise InvalidValueError(f"unknown parent {node.parent_id!r}", "parent_id")
-        for name in ("model", "finish_reason", "harness_session_id", "system_digest"):
-            value = getattr(node, name)
+        scalars = (node.model, node.finish_reason, node.harness_session_id, node.system_digest)
+        for name, value in zip(_SCALAR_NAMES, scalars, strict=True):
             if value is not None and not isinstance(value, str):
                 raise InvalidValueError(f"expected str or None, got {type(value).__name__}", name)
         n_tools = node.n_tools
@@ -390,7 +436,7 @@ class RolloutGraph:
     # -- values
 
     def _encode(self, value: Any, path: str) -> tuple[bytes, bool]:
-        return encode(value, path, self.blobs, self.share_threshold)
+        return self._encoder.encode(value, path)
 
     def _encode_response(self, value: Any, turn: _Turn) -> bytes | None:
         if value is None:
@@ -438,7 +484,7 @@ class RolloutGraph:
     def _valid(self, value: Any, plain: bytes | None) -> bool:
         """Whether `plain` is the packing of `value` by the validating walk."""
         try:
-            return plain is not None and encode_value(value, "", None, None) == plain
+            return plain is not None and self._canonical.encode(value, "")[0] == plain
         except InvalidValueError:
             return False
 
@@ -719,7 +765,7 @@ class RolloutGraph:
         except (NotPackable, ValueError, TypeError, OverflowError, RecursionError):
             pass
         try:
-            return encode_value(value, "", None, None)
+            return self._canonical.encode(value, "")[0]
         except (InvalidValueError, RecursionError):
             return None
 

@@ -17,7 +17,7 @@ from .blobs import BlobTable, Handle
 from .encoding import EXT_BIGINT, EXT_BLOB, EXT_SURROGATE, TUPLE_MARK
 from .errors import InvalidValueError
 
-__all__ = ["MAX_DEPTH", "encode", "encode_value", "float_array", "token_array"]
+__all__ = ["MAX_DEPTH", "Encoder", "encode", "encode_value", "float_array", "token_array"]
 
 #: Containers nested deeper than this are rejected (json.dumps itself fails near 1000).
 MAX_DEPTH = 500
@@ -53,14 +53,15 @@ def _pack_default(obj: object) -> msgpack.ExtType:
 
 
 class _Walker:
+    """One validating walk; `special` tells whether the packing holds a forgeable ext type."""
+
     __slots__ = ("blobs", "short", "special", "threshold")
 
-    def __init__(self, blobs: BlobTable, threshold: int | None) -> None:
+    def __init__(self, blobs: BlobTable | None, threshold: int | None) -> None:
         self.blobs = blobs
-        self.threshold = threshold
+        self.threshold = threshold if blobs is not None else None
         # ASCII strings shorter than this need no further look
-        self.short = min(64, threshold or 64)
-        # set when the packing holds an extension type that user objects could forge
+        self.short = min(64, self.threshold or 64)
         self.special = False
 
     def string(self, s: str) -> Any:
@@ -68,7 +69,7 @@ class _Walker:
             s = str.__str__(s)
         threshold = self.threshold
         if threshold is not None and len(s) >= threshold:
-            return self.blobs.intern(s)
+            return self.blobs.intern(s)  # type: ignore[union-attr]
         if not s.isascii():
             try:
                 s.encode("utf-8")
@@ -80,7 +81,7 @@ class _Walker:
     def key(self, k: object) -> Any:
         t = type(k)
         if t is str:
-            return self.string(k) if not k.isascii() else k
+            return self.string(k) if not k.isascii() else k  # type: ignore[attr-defined]
         if isinstance(k, str):
             return self.string(str.__str__(k))
         if t is bool or k is None:
@@ -100,31 +101,41 @@ class _Walker:
     def value(self, v: object, depth: int) -> Any:
         t = type(v)
         if t is str:
-            if len(v) < self.short and v.isascii():
+            if len(v) < self.short and v.isascii():  # type: ignore[arg-type]
                 return v
-            return self.string(v)
+            return self.string(v)  # type: ignore[arg-type]
         if v is None or t is bool or t is float:
             return v
         if t is int:
-            return self.integer(v)
+            return self.integer(v)  # type: ignore[arg-type]
         if t is dict or t is list or t is tuple or isinstance(v, dict | list | tuple):
             if depth >= MAX_DEPTH:
                 raise _Bad(f"nesting deeper than {MAX_DEPTH} levels", ValueError)
+            # containers are walked here, not in a helper, so a level costs one Python frame;
+            # short ASCII strings (most leaves) are taken inline
+            depth += 1
+            short = self.short
             try:
                 if isinstance(v, dict):
                     out: Any = {}
                     for k, item in v.items():
-                        key = self.key(k)
+                        key = k if type(k) is str and k.isascii() else self.key(k)
+                        if type(item) is str and len(item) < short and item.isascii():
+                            out[key] = item
+                            continue
                         try:
-                            out[key] = self.value(item, depth + 1)
+                            out[key] = self.value(item, depth)
                         except _Bad as bad:
                             bad.trail.append(_key_piece(k))
                             raise
                     return out
                 items = []
-                for i, item in enumerate(v):
+                for i, item in enumerate(v):  # type: ignore[arg-type]
+                    if type(item) is str and len(item) < short and item.isascii():
+                        items.append(item)
+                        continue
                     try:
-                        items.append(self.value(item, depth + 1))
+                        items.append(self.value(item, depth))
                     except _Bad as bad:
                         bad.trail.append(f"[{i}]")
                         raise
@@ -146,38 +157,65 @@ class _Walker:
         raise _Bad(f"value of type {t.__name__} cannot be represented in JSON")
 
 
-def _pack_tree(tree: Any) -> bytes:
-    return msgpack.packb(tree, use_bin_type=True, default=_pack_default)
+class Encoder:
+    """Validates values and packs them, long strings as references into `blobs`.
+
+    With `blobs=None` every string stays inline: the canonical plain packing of any value.
+    Not thread-safe: the graph uses it under its lock.
+    """
+
+    __slots__ = ("_packer", "blobs", "threshold")
+
+    def __init__(self, blobs: BlobTable | None, threshold: int | None) -> None:
+        self.blobs = blobs
+        self.threshold = threshold
+        self._packer = _new_packer()
+
+    def encode(self, value: object, path: str) -> tuple[bytes, bool]:
+        """The packing of `value` and whether it holds a tuple, a big int or a lone
+        surrogate (the ext types a caller's own `msgpack.ExtType` objects could imitate).
+
+        Raises `InvalidValueError` naming `path` plus the position inside `value`. The caller
+        rolls the blob table back when a later step of the same turn fails.
+        """
+        walker = _Walker(self.blobs, self.threshold)
+        try:
+            tree = walker.value(value, 0)
+        except _Bad as bad:
+            raise _error(bad, path) from None
+        packed = self._packer.pack(tree)
+        if len(packed) > _KEEP_BUFFER:  # do not keep a large buffer alive
+            self._packer = _new_packer()
+        return packed, walker.special
+
+
+_KEEP_BUFFER = 1 << 16
+
+
+def _new_packer() -> msgpack.Packer:
+    return msgpack.Packer(use_bin_type=True, default=_pack_default, buf_size=1024)
+
+
+def _error(bad: _Bad, path: str) -> InvalidValueError:
+    message = bad.message
+    trail = bad.trail
+    if message.startswith("nesting deeper") and len(set(bad.containers)) < len(bad.containers):
+        message = "reference cycle (a container contains itself)"
+        # report the place where the cycle closes
+        seen: set[int] = set()
+        for cut, cid in enumerate(reversed(bad.containers)):
+            if cid in seen:
+                trail = bad.trail[len(bad.trail) - cut :]
+                break
+            seen.add(cid)
+    return InvalidValueError(message, _format_path(path, trail))
 
 
 def encode(
     value: object, path: str, blobs: BlobTable | None, threshold: int | None
 ) -> tuple[bytes, bool]:
-    """Validate `value` and pack it with long strings replaced by blob handles.
-
-    With `blobs=None` every string stays inline: the canonical plain packing of any value.
-    Returns the packing and whether it holds a tuple, a big int or a lone surrogate (the
-    extension types a caller's own `msgpack.ExtType` objects could imitate).
-    Raises `InvalidValueError` naming `path` plus the position inside `value`. The caller
-    rolls the blob table back when a later step of the same turn fails.
-    """
-    walker = _Walker(blobs, threshold)
-    try:
-        tree = walker.value(value, 0)
-    except _Bad as bad:
-        message = bad.message
-        trail = bad.trail
-        if message.startswith("nesting deeper") and len(set(bad.containers)) < len(bad.containers):
-            message = "reference cycle (a container contains itself)"
-            # report the place where the cycle closes
-            seen: set[int] = set()
-            for cut, cid in enumerate(reversed(bad.containers)):
-                if cid in seen:
-                    trail = bad.trail[len(bad.trail) - cut :]
-                    break
-                seen.add(cid)
-        raise InvalidValueError(message, _format_path(path, trail)) from None
-    return _pack_tree(tree), walker.special
+    """`Encoder(blobs, threshold).encode(value, path)`, for one-off use."""
+    return Encoder(blobs, threshold).encode(value, path)
 
 
 def encode_value(value: object, path: str, blobs: BlobTable | None, threshold: int | None) -> bytes:
