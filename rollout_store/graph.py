@@ -451,7 +451,7 @@ class RolloutGraph:
     def _shared(
         self,
         items: list[Any] | tuple[Any, ...],
-        paths: list[str],
+        path: str,
         plains: list[bytes | None],
         pending: list[tuple[bytes, bytes]],
         as_array: bool,
@@ -470,7 +470,10 @@ class RolloutGraph:
                 found = next((stored for p, stored in pending if p == plain), None)
             if found is not None:
                 return found
-        packed = [self._encode(item, path) for item, path in zip(items, paths, strict=True)]
+        if as_array:
+            packed = [self._encode(item, f"{path}[{i}]") for i, item in enumerate(items)]
+        else:
+            packed = [self._encode(items[0], path)]
         stored = header + b"".join(b for b, _ in packed)
         if plain is not None and not any(special for _, special in packed):
             pending.append((plain, stored))
@@ -479,7 +482,7 @@ class RolloutGraph:
     def _shared_value(self, value: Any, path: str, pending: list[tuple[bytes, bytes]]) -> Any:
         if value is None:
             return None
-        return self._shared([value], [path], [self._plain(value)], pending, as_array=False)
+        return self._shared([value], path, [self._plain(value)], pending, as_array=False)
 
     def _valid(self, value: Any, plain: bytes | None) -> bool:
         """Whether `plain` is the packing of `value` by the validating walk."""
@@ -587,9 +590,8 @@ class RolloutGraph:
         system_plain = None
         turn.system = None
         if n_sys:
-            paths = [f"request_messages[{i}]" for i in range(n_sys)]
             turn.system = self._shared(
-                messages[:n_sys], paths, plains[:n_sys], pending, as_array=True
+                messages[:n_sys], "request_messages", plains[:n_sys], pending, as_array=True
             )
             if None not in plains[:n_sys]:
                 system_plain = b"".join(plains[:n_sys])  # type: ignore[arg-type]
