@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -140,6 +141,21 @@ def scaling_check(scheme: str, bar) -> dict:
     return {"scheme": scheme, "early_us": 1e6 * early, "late_us": 1e6 * late, "ratio": late / early}
 
 
+def library_commit() -> str | None:
+    """The repository's current commit (best effort), so results can be tied to a version."""
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def print_table(rows: list[dict]) -> None:
     header = (
         f"{'workload':<12}{'turns':>6}  {'scheme':<14}{'retained MiB':>13}{'unique MiB':>11}"
@@ -158,6 +174,11 @@ def print_table(rows: list[dict]) -> None:
             f"{row['retained_over_unique']:>9.2f}x{row['marginal_bytes_per_turn'] / 1024:>19.1f}"
             f"{row['add_over_loads_median']:>11.2f}{row['add_ms_median']:>9.3f}"
         )
+    print(
+        "\nadd/loads: median over turns 1..n of (add time / json.loads time of the same body);"
+        " every turn timed,\nwithout tracemalloc and with the garbage collector paused."
+        " add ms: median add time over turns 1..n."
+    )
 
 
 def print_scaling(results: list[dict]) -> None:
@@ -275,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
 
     RESULTS_DIR.mkdir(exist_ok=True)
     report = {
+        "commit": library_commit(),
         "turn_counts": list(args.turn_counts),
         "workloads": args.workload_names,
         "schemes": schemes,

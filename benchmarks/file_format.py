@@ -1,0 +1,438 @@
+"""File size, save/load speed and export memory of rollout_store on the multimodal workload,
+against unique content, the plain JSON export and a msgpack floor. Writes
+results/file_format.json; ends with PASS/MISS lines for the targets (never failing on them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import os
+import pstats
+import subprocess
+import sys
+import tempfile
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import msgpack
+from measure import MiB, record_traced
+from schemes import SHARE_THRESHOLD, RolloutStoreRecorder
+from tqdm import tqdm
+from workloads import iter_texts, multimodal, unique_content_bytes
+
+from rollout_store import RolloutGraph, export_session, write_session_json
+
+DEFAULT_TURNS = 100
+QUICK_TURNS = 25
+REPEAT = 5
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+MAX_FILE_OVER_UNIQUE = 1.05
+MAX_SAVE_OVER_PACKB = 2.0
+MAX_LOAD_OVER_UNPACKB = 2.0
+STREAM_TURN_FACTOR = 2  # streaming peak <= retained + this x the largest turn
+
+
+class AppendRecorder(RolloutStoreRecorder):
+    """RolloutStoreRecorder whose graph is an append-mode file (`RolloutGraph.open`)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.graph = RolloutGraph.open(path, share_threshold=SHARE_THRESHOLD, fsync="never")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--turns", type=int, default=DEFAULT_TURNS, help="turns (default 100)")
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_TURNS} turns")
+    parser.add_argument(
+        "--profile", action="store_true", help="also print cProfile tables of save and load"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.turns = QUICK_TURNS
+    if args.turns < 1:
+        parser.error("--turns must be positive")
+    return args
+
+
+def best_times(cases: dict[str, tuple[Callable[[], Any], Callable[[], None] | None]]) -> dict:
+    """Best of REPEAT timings of each case's fn(), the cases interleaved round by round so
+    that a busy moment of the machine hits the floor and the code alike; setup() and freeing
+    fn's result happen outside the timed region."""
+    best = dict.fromkeys(cases, float("inf"))
+    for _ in range(REPEAT):
+        for name, (fn, setup) in cases.items():
+            if setup is not None:
+                setup()
+            gc.collect()
+            start = perf_counter()
+            out = fn()
+            best[name] = min(best[name], perf_counter() - start)
+            del out
+    return best
+
+
+def _no_fsync(fd: int) -> None:
+    pass
+
+
+def export_text(graph: RolloutGraph, include_messages: bool) -> str:
+    return json.dumps(export_session(graph, include_messages=include_messages))
+
+
+def streamed_text(graph: RolloutGraph, path: Path, include_messages: bool) -> str:
+    with open(path, "wb") as fp:
+        write_session_json(graph, fp, include_messages=include_messages)
+    return path.read_text(encoding="ascii")
+
+
+# --- measurements -----------------------------------------------------------------------------
+
+
+def measure_sizes(graph: RolloutGraph, texts: list[str], unique: int, tmp: Path) -> dict:
+    snapshot = tmp / "snapshot.rls"
+    graph.save(snapshot)
+    log = tmp / "append.rls"
+    recorder = AppendRecorder(log)
+    for text in texts:
+        recorder.add(json.loads(text))
+    recorder.close()
+    plain = len(export_text(graph, include_messages=True))
+    file_bytes = snapshot.stat().st_size
+    # the append-mode file must hold the same session as the graph
+    reopened = RolloutGraph.load(log)
+    assert export_text(reopened, True) == export_text(graph, True), "append file differs"
+    return {
+        "unique_bytes": unique,
+        "file_bytes": file_bytes,
+        "file_over_unique": file_bytes / unique,
+        "append_file_bytes": log.stat().st_size,
+        "append_over_unique": log.stat().st_size / unique,
+        "plain_export_bytes": plain,
+        "plain_over_file": plain / file_bytes,
+    }
+
+
+def measure_speed(graph: RolloutGraph, tmp: Path) -> dict:
+    path, floor_path = tmp / "timed.rls", tmp / "floor.msgpack"
+    blobs = [graph.blobs.string(i) for i in range(len(graph.blobs))]
+    packed = msgpack.packb(blobs, use_bin_type=True)
+
+    def save_no_fsync() -> None:
+        real = os.fsync
+        os.fsync = _no_fsync  # storage calls os.fsync: the disk's time, not the code's
+        try:
+            graph.save(path)
+        finally:
+            os.fsync = real
+
+    def packb_write() -> None:
+        with open(floor_path, "wb") as fp:
+            fp.write(msgpack.packb(blobs, use_bin_type=True))
+
+    def read_unpackb() -> list:
+        with open(floor_path, "rb") as fp:
+            return msgpack.unpackb(fp.read(), raw=False)
+
+    def unlink() -> None:
+        path.unlink(missing_ok=True)
+
+    def unlink_floor() -> None:
+        floor_path.unlink(missing_ok=True)
+
+    best = best_times(
+        {
+            "packb_s": (lambda: msgpack.packb(blobs, use_bin_type=True), None),
+            "unpackb_s": (lambda: msgpack.unpackb(packed, raw=False), None),
+            "save_s": (lambda: graph.save(path), unlink),
+            "save_no_fsync_s": (save_no_fsync, unlink),
+            "packb_write_s": (packb_write, unlink_floor),
+            # the save and packb_write cases above leave these two files in place
+            "load_s": (lambda: RolloutGraph.load(path), None),
+            "read_unpackb_s": (read_unpackb, None),
+        }
+    )
+    loaded = RolloutGraph.load(path)
+    for include_messages in (False, True):
+        assert export_text(loaded, include_messages) == export_text(graph, include_messages), (
+            f"loaded graph's export differs (include_messages={include_messages})"
+        )
+    return {
+        "blobs": len(blobs),
+        "blob_chars": sum(map(len, blobs)),
+        **best,
+        "save_over_packb": best["save_s"] / best["packb_s"],
+        "save_no_fsync_over_packb": best["save_no_fsync_s"] / best["packb_s"],
+        "load_over_unpackb": best["load_s"] / best["unpackb_s"],
+        "save_no_fsync_over_packb_write": best["save_no_fsync_s"] / best["packb_write_s"],
+        "load_over_read_unpackb": best["load_s"] / best["read_unpackb_s"],
+    }
+
+
+def traced_delta(fn: Callable[[], Any]) -> tuple[int, Any]:
+    """(peak traced bytes during fn() minus traced bytes before it, fn's result)."""
+    gc.collect()
+    tracemalloc.reset_peak()
+    before = tracemalloc.get_traced_memory()[0]
+    out = fn()
+    return tracemalloc.get_traced_memory()[1] - before, out
+
+
+def measure_memory(graph: RolloutGraph, retained: int, tmp: Path) -> dict:
+    path = tmp / "stream.json"
+    largest_get, largest_get_id = 0, None
+    largest_json, largest_json_id = 0, None
+    tracemalloc.start()
+    try:
+        for node_id in graph.nodes():
+            peak, turn = traced_delta(lambda n=node_id: graph.get(n))
+            if peak > largest_get:
+                largest_get, largest_get_id = peak, node_id
+            size = len(
+                json.dumps(
+                    [turn.request_messages, turn.request_tools, turn.response_message]
+                ).encode("utf-8")
+            )
+            if size > largest_json:
+                largest_json, largest_json_id = size, node_id
+            del turn
+        with open(path, "wb") as fp:
+            stream_peak, _ = traced_delta(
+                lambda: write_session_json(graph, fp, include_messages=True)
+            )
+        dict_peak, text = traced_delta(lambda: export_text(graph, include_messages=True))
+    finally:
+        tracemalloc.stop()
+    assert path.read_text(encoding="ascii") == text, "streamed bytes differ from json.dumps"
+    del text
+    assert streamed_text(graph, path, False) == export_text(graph, False), (
+        "streamed bytes differ from json.dumps (include_messages=False)"
+    )
+    largest = max(largest_get, largest_json)
+    return {
+        "retained_bytes": retained,
+        "largest_turn_get_peak_bytes": largest_get,
+        "largest_turn_get_node": largest_get_id,
+        "largest_turn_json_bytes": largest_json,
+        "largest_turn_json_node": largest_json_id,
+        "largest_turn_bytes": largest,
+        "stream_peak_bytes": stream_peak,
+        "dict_export_peak_bytes": dict_peak,
+        "stream_total_bytes": retained + stream_peak,
+        "stream_bound_bytes": retained + STREAM_TURN_FACTOR * largest,
+        "dict_total_bytes": retained + dict_peak,
+    }
+
+
+# --- report -----------------------------------------------------------------------------------
+
+
+def profiles(graph: RolloutGraph, tmp: Path, top: int = 15) -> str:
+    """cProfile of REPEAT saves (os.fsync real) and REPEAT loads, by internal time."""
+    path = tmp / "profiled.rls"
+    text = []
+    for title, fn in (
+        ("save", lambda: graph.save(path)),
+        ("load", lambda: RolloutGraph.load(path)),
+    ):
+        graph.save(path)
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(REPEAT):
+            fn()
+        profile.disable()
+        out = io.StringIO()
+        pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(top)
+        text.append(f"\ncProfile: {REPEAT} x {title}, top {top} by internal time")
+        lines = out.getvalue().splitlines()
+        start = next(i for i, line in enumerate(lines) if "ncalls" in line)
+        text.extend(line for line in lines[start:] if line.strip())
+    return "\n".join(text)
+
+
+def library_commit() -> str | None:
+    """The repository's current commit (best effort), so results can be tied to a version."""
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:10.2f} MiB"
+
+
+def _ms(s: float) -> str:
+    return f"{1e3 * s:10.2f} ms"
+
+
+def print_report(turns: int, sizes: dict, speed: dict, memory: dict) -> None:
+    print(f"rollout_store file format, multimodal workload, {turns} turns\n")
+    print("File size")
+    print(f"  unique content                      {_mib(sizes['unique_bytes'])}")
+    print(
+        f"  save() snapshot file                {_mib(sizes['file_bytes'])}"
+        f"   {sizes['file_over_unique']:.4f}x unique"
+    )
+    print(
+        f"  append-mode file (fsync=never)      {_mib(sizes['append_file_bytes'])}"
+        f"   {sizes['append_over_unique']:.4f}x unique"
+    )
+    print(
+        f"  plain JSON export with messages     {_mib(sizes['plain_export_bytes'])}"
+        f"   {sizes['plain_over_file']:.1f}x the snapshot file"
+    )
+    print(f"\nSpeed (best of {REPEAT}; floor: msgpack of the {speed['blobs']} unique blob strings)")
+    print(f"  msgpack.packb(blobs)                {_ms(speed['packb_s'])}")
+    print(
+        f"  graph.save(path)                    {_ms(speed['save_s'])}"
+        f"   {speed['save_over_packb']:.2f}x packb"
+    )
+    print(
+        f"  graph.save(path), os.fsync no-op    {_ms(speed['save_no_fsync_s'])}"
+        f"   {speed['save_no_fsync_over_packb']:.2f}x packb"
+    )
+    print(f"  msgpack.unpackb(packed)             {_ms(speed['unpackb_s'])}")
+    print(
+        f"  RolloutGraph.load(path)             {_ms(speed['load_s'])}"
+        f"   {speed['load_over_unpackb']:.2f}x unpackb"
+    )
+    print("  floors with the file I/O that save and load cannot avoid (for context):")
+    print(
+        f"  packb + write to a new file         {_ms(speed['packb_write_s'])}"
+        f"   save with os.fsync a no-op is {speed['save_no_fsync_over_packb_write']:.2f}x this"
+    )
+    print(
+        f"  read the file + unpackb             {_ms(speed['read_unpackb_s'])}"
+        f"   load is {speed['load_over_read_unpackb']:.2f}x this"
+    )
+    print(
+        "  (cases interleaved per round; gc.collect() before each; each save writes a new file,"
+        "\n  the previous one unlinked untimed; os.fsync a no-op covers the file and its folder)"
+    )
+    print("\nExport memory (tracemalloc; peaks are above the traced memory before the call)")
+    print(f"  graph retained                      {_mib(memory['retained_bytes'])}")
+    print(
+        f"  largest turn, peak of graph.get()   {_mib(memory['largest_turn_get_peak_bytes'])}"
+        f"   ({memory['largest_turn_get_node']})"
+    )
+    print(
+        f"  largest turn, UTF-8 JSON of msgs    {_mib(memory['largest_turn_json_bytes'])}"
+        f"   ({memory['largest_turn_json_node']})"
+    )
+    print(
+        f"  write_session_json peak (binary)    {_mib(memory['stream_peak_bytes'])}"
+        f"   retained + peak = {memory['stream_total_bytes'] / MiB:.2f} MiB"
+    )
+    print(
+        f"  json.dumps(export_session()) peak   {_mib(memory['dict_export_peak_bytes'])}"
+        f"   retained + peak = {memory['dict_total_bytes'] / MiB:.2f} MiB"
+    )
+    print(
+        "\n  largest turn = the larger of the two measures above (strings are shared with the"
+        "\n  blob table, so graph.get() alone allocates little; the JSON text of a turn cannot"
+        "\n  share). The loaded graph's export and the streamed bytes equal json.dumps(...)."
+    )
+
+
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def check_targets(sizes: dict, speed: dict, memory: dict) -> list[str]:
+    lines = []
+    ratio = sizes["file_over_unique"]
+    ok = ratio <= MAX_FILE_OVER_UNIQUE
+    lines.append(f"{_verdict(ok)}  snapshot file/unique {ratio:.4f} <= {MAX_FILE_OVER_UNIQUE}")
+    ratio = speed["save_over_packb"]
+    ok = ratio <= MAX_SAVE_OVER_PACKB
+    lines.append(f"{_verdict(ok)}  save/packb {ratio:.2f} <= {MAX_SAVE_OVER_PACKB}")
+    ratio = speed["save_no_fsync_over_packb"]
+    ok = ratio <= MAX_SAVE_OVER_PACKB
+    lines.append(
+        f"{_verdict(ok)}  save/packb with os.fsync a no-op {ratio:.2f} <= {MAX_SAVE_OVER_PACKB}"
+    )
+    ratio = speed["load_over_unpackb"]
+    ok = ratio <= MAX_LOAD_OVER_UNPACKB
+    lines.append(f"{_verdict(ok)}  load/unpackb {ratio:.2f} <= {MAX_LOAD_OVER_UNPACKB}")
+    total, bound = memory["stream_total_bytes"], memory["stream_bound_bytes"]
+    ok = total <= bound
+    lines.append(
+        f"{_verdict(ok)}  streaming export retained + peak {total / MiB:.2f} MiB <="
+        f" retained + {STREAM_TURN_FACTOR} x largest turn {bound / MiB:.2f} MiB"
+    )
+    stream, whole = memory["stream_peak_bytes"], memory["dict_export_peak_bytes"]
+    ok = stream < whole
+    lines.append(
+        f"{_verdict(ok)}  streaming export peak {stream / MiB:.2f} MiB <"
+        f" dict export peak {whole / MiB:.2f} MiB"
+    )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    texts = list(iter_texts(multimodal, args.turns))
+    steps = ["unique content", "record graph", "file sizes", "save/load speed", "export memory"]
+    with tqdm(total=len(steps), file=sys.stderr, unit="step", dynamic_ncols=True) as bar:
+        bar.set_description(steps[0])
+        unique = unique_content_bytes(json.loads(text) for text in texts)
+        bar.update()
+        bar.set_description(steps[1])
+        recorder, retained = record_traced(RolloutStoreRecorder, texts, [len(texts)])
+        graph = recorder.graph
+        bar.update()
+        with tempfile.TemporaryDirectory() as tmp_name:
+            tmp = Path(tmp_name)
+            bar.set_description(steps[2])
+            sizes = measure_sizes(graph, texts, unique, tmp)
+            bar.update()
+            bar.set_description(steps[3])
+            speed = measure_speed(graph, tmp)
+            bar.update()
+            bar.set_description(steps[4])
+            memory = measure_memory(graph, retained[len(texts)], tmp)
+            bar.update()
+            profile_text = profiles(graph, tmp) if args.profile else None
+
+    print_report(args.turns, sizes, speed, memory)
+    checks = check_targets(sizes, speed, memory)
+    print("\nTargets:")
+    for line in checks:
+        print("  " + line)
+    if profile_text:
+        print(profile_text)
+
+    RESULTS_DIR.mkdir(exist_ok=True)
+    report = {
+        "commit": library_commit(),
+        "workload": "multimodal",
+        "turns": args.turns,
+        "repeat": REPEAT,
+        "sizes": sizes,
+        "speed": speed,
+        "memory": memory,
+        "checks": checks,
+    }
+    (RESULTS_DIR / "file_format.json").write_text(json.dumps(report, indent=2) + "\n")
+    print("\nwrote results/file_format.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""The blob table: content addressing, verified digest hits, collisions, rollback, threshold."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from support import add_all, chat_turns, fresh, materialized, same
+
+from rollout_store import BlobTable, Handle, RolloutGraph, TurnNode
+from rollout_store.blobs import content_digest
+
+
+def _colliding(_: bytes) -> bytes:
+    return b"\0" * 16
+
+
+def test_equal_strings_share_one_handle_and_the_first_object():
+    table = BlobTable()
+    first = "a" * 2000
+    second = "".join(["a" * 1000, "a" * 1000])  # equal content, another object
+    assert first is not second
+    h1 = table.intern(first)
+    h2 = table.intern(second)
+    assert h1 is h2
+    assert table.string(h1.index) is first
+    assert len(table) == 1
+    assert h1.digest == content_digest(first.encode())
+    assert h1.size == 2000
+
+
+def test_distinct_strings_get_distinct_handles_and_stats():
+    table = BlobTable()
+    texts = ["x" * 1500, "y" * 1500, "é" * 1200, json.loads('"\\ud800"') * 1100]
+    handles = [table.intern(t) for t in texts]
+    table.intern("x" * 1500)  # a repeat: one more reference, no new blob
+    assert len({h.index for h in handles}) == 4
+    assert [table.string(h.index) for h in handles] == texts
+    sizes = [len(t.encode("utf-8", "surrogatepass")) for t in texts]
+    assert [h.size for h in handles] == sizes
+    assert sizes[2] == 2400 and sizes[3] == 3300
+    assert table.stats() == {
+        "blobs": 4,
+        "blob_bytes": sum(sizes),
+        "blob_references": 5,
+        "blob_bytes_saved": 1500,
+        "collisions": 0,
+    }
+    assert list(table) == handles
+    assert [table.handle(i) for i in range(4)] == handles
+
+
+def test_hasher_gets_surrogatepass_utf8():
+    seen: list[bytes] = []
+
+    def hasher(data: bytes) -> bytes:
+        seen.append(data)
+        return content_digest(data)
+
+    table = BlobTable(hasher=hasher)
+    lone = json.loads('"\\udc80"') + "é" * 5
+    table.intern(lone)
+    assert seen == [lone.encode("utf-8", "surrogatepass")]
+
+
+def test_handle_is_immutable():
+    handle = BlobTable().intern("z" * 10)
+    with pytest.raises(AttributeError):
+        handle.index = 5
+    with pytest.raises(AttributeError):
+        handle.digest = b""
+    assert isinstance(handle, Handle)
+    assert handle.index == 0
+
+
+def test_colliding_digests_keep_both_strings():
+    table = BlobTable(hasher=_colliding)
+    a, b, c = "a" * 3000, "b" * 3000, "c" * 10
+    ha, hb = table.intern(a), table.intern(b)
+    assert ha is not hb
+    assert ha.digest == hb.digest
+    assert table.string(ha.index) == a and table.string(hb.index) == b
+    assert table.stats()["collisions"] == 1
+    assert table.stats()["blobs"] == 2
+    # equal content finds its own handle among the colliding ones
+    assert table.intern("".join(["b" * 1500, "b" * 1500])) is hb
+    assert table.intern("".join(["a" * 1500, "a" * 1500])) is ha
+    hc = table.intern(c)
+    assert table.stats()["collisions"] == 2
+    assert [table.string(h.index) for h in (ha, hb, hc)] == [a, b, c]
+
+
+def test_rollback_forgets_blobs_added_since_mark():
+    table = BlobTable()
+    keep = table.intern("k" * 100)
+    before = table.stats()
+    mark = table.mark()
+    table.intern("n" * 100)
+    table.intern("k" * 100)
+    table.intern("m" * 300)
+    assert table.stats() != before
+    table.rollback(mark)
+    assert table.stats() == before
+    assert len(table) == 1
+    assert table.string(keep.index) == "k" * 100
+    assert table.intern("k" * 100) is keep
+    again = table.intern("n" * 100)
+    assert again.index == 1
+    assert table.string(again.index) == "n" * 100
+
+
+def test_rollback_with_collisions_restores_the_digest_entry():
+    table = BlobTable(hasher=_colliding)
+    a = table.intern("a" * 50)
+    mark = table.mark()
+    before = table.stats()
+    table.intern("b" * 50)
+    table.intern("c" * 50)
+    assert table.stats()["collisions"] == 2
+    table.rollback(mark)
+    assert table.stats() == before
+    assert table.intern("a" * 50) is a
+    b = table.intern("b" * 50)
+    assert b is not a and table.string(b.index) == "b" * 50
+    assert table.stats()["collisions"] == 1
+    table.rollback(mark)
+    table.rollback(table.mark())  # a no-op rollback
+    assert table.intern("a" * 50) is a
+    assert table.stats()["collisions"] == 0
+
+
+def test_graph_with_colliding_hasher_materializes_every_string():
+    graph = RolloutGraph(share_threshold=64)
+    graph.blobs = BlobTable(hasher=_colliding)
+    longs = [chr(0x41 + i) * 200 for i in range(5)] + ["é" * 70, json.loads('"\\ud83d"') * 80]
+    turns = []
+    for k, text in enumerate(longs):
+        turns.append(
+            {
+                "request_messages": [{"role": "user", "content": text}],
+                "response_message": {"role": "assistant", "content": longs[-1 - k]},
+                "request_tools": [{"name": "t", "description": text}],
+            }
+        )
+    ids = add_all(graph, turns)
+    for node_id, fields in zip(ids, turns, strict=True):
+        got = materialized(graph, node_id)
+        for name, value in fields.items():
+            assert same(got[name], value), name
+    stats = graph.stats()
+    assert stats["blobs"] == len(longs)
+    assert stats["collisions"] == len(longs) - 1
+
+
+@pytest.mark.parametrize(
+    ("threshold", "length", "shared"),
+    [
+        (1024, 1023, False),
+        (1024, 1024, True),
+        (100, 99, False),
+        (100, 100, True),
+        (8, 7, False),
+        (8, 8, True),
+        (8, 20, True),
+        (8, 63, True),
+        (8, 64, True),
+        (32, 40, True),
+    ],
+)
+@pytest.mark.parametrize("alphabet", ["a", "é"])
+def test_share_threshold_counts_characters(threshold, length, shared, alphabet):
+    """Strings of at least `share_threshold` characters are stored once; shorter ones inline."""
+    graph = RolloutGraph(share_threshold=threshold)
+    text = alphabet * length
+    for k in range(3):
+        graph.add_turn(
+            TurnNode(
+                node_id=f"n{k}",
+                response_message={"c": fresh(text), "k": k},
+            )
+        )
+    stats = graph.stats()
+    assert stats["blobs"] == (1 if shared else 0)
+    assert stats["blob_references"] == (3 if shared else 0)
+    for k in range(3):
+        assert graph.response_message(f"n{k}")["c"] == text
+
+
+def test_no_sharing_when_threshold_is_none():
+    graph = RolloutGraph(share_threshold=None)
+    turns = chat_turns(3, pad=5000)
+    ids = add_all(graph, turns)
+    assert graph.stats()["blobs"] == 0
+    assert len(graph.blobs) == 0
+    for node_id, fields in zip(ids, turns, strict=True):
+        assert graph.request_messages(node_id) == fields["request_messages"]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "8", 10**3 * 1.0])
+def test_share_threshold_must_be_positive_int_or_none(bad):
+    with pytest.raises(ValueError):
+        RolloutGraph(share_threshold=bad)
