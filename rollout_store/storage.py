@@ -146,23 +146,30 @@ class _PackedChecker:
     def __init__(self) -> None:
         self.n_blobs = 0
         self.echo_ok = False
+        self.special = False  # holds a tuple, big int or lone surrogate (see graph._shared)
 
     def hook(self, code: int, payload: bytes) -> None:
         if code == EXT_BLOB:
             if len(payload) != 4 or int.from_bytes(payload, "big") >= self.n_blobs:
                 raise ValueError("blob reference out of range")
-        elif code == EXT_BIGINT:
+            return
+        if code == EXT_BIGINT:
             int(payload.decode("ascii"))
         elif code == EXT_SURROGATE:
             payload.decode("utf-8", "surrogatepass")
-        elif not (code == EXT_TUPLE or (code == EXT_ECHO and self.echo_ok)) or payload:
+        elif code == EXT_ECHO and self.echo_ok and not payload:
+            return
+        elif code != EXT_TUPLE or payload:
             raise ValueError(f"unexpected extension type {code}")
+        self.special = True
 
-    def check(self, data: Any, n_blobs: int, echo_ok: bool) -> None:
+    def check(self, data: Any, n_blobs: int, echo_ok: bool) -> bool:
+        """Raises ValueError for a damaged value; returns whether it is special."""
         if not isinstance(data, bytes):
             raise ValueError("packed value must be bytes")
-        self.n_blobs, self.echo_ok = n_blobs, echo_ok
+        self.n_blobs, self.echo_ok, self.special = n_blobs, echo_ok, False
         msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=self.hook)
+        return self.special
 
 
 # ---------------------------------------------------------------- writing
@@ -406,11 +413,11 @@ class _Loader:
         self.graph.blobs.add_verified(str(data, "utf-8", "surrogatepass"), digest, size)
 
     def value(self, payload: Any) -> None:
-        self.checker.check(payload, len(self.graph.blobs), echo_ok=False)
+        special = self.checker.check(payload, len(self.graph.blobs), echo_ok=False)
         self.values.append(payload)
         self.writer.values[id(payload)] = len(self.writer.value_objects)
         self.writer.value_objects.append(payload)
-        plain = self.graph._expand(payload)
+        plain = None if special else self.graph._expand(payload)
         if plain is not None and self.graph._values.find(plain) is None:
             self.graph._values.add(plain, payload)
 

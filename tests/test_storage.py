@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from support import assert_same, json_like
+from support import messages as message_values
 
 from rollout_store import (
     ChecksumMismatch,
@@ -446,3 +448,38 @@ def test_fuzzed_mutations_of_a_real_file(tmp_path: Path) -> None:
             assert json.dumps(loaded.get(node_id).request_messages) == json.dumps(
                 original.get(node_id).request_messages
             ), f"seed {seed}"
+
+
+@given(
+    st.lists(message_values, min_size=1, max_size=4),
+    json_like,
+    st.lists(json_like, max_size=2),
+)
+def test_any_value_round_trips_through_a_file(tmp_path_factory, messages, response, tools) -> None:
+    """Whatever JSON can carry comes back type-exact and byte-identical from a file."""
+    graph = RolloutGraph(share_threshold=16)
+    graph.add_turn(
+        TurnNode(request_messages=messages, response_message=response, request_tools=tools)
+    )
+    graph.add_turn(
+        TurnNode(request_messages=[*messages, response, {"role": "user", "content": "more"}])
+    )
+    path = tmp_path_factory.mktemp("rt") / "r.rls"
+    graph.save(path)
+    loaded = RolloutGraph.load(path)
+    for node_id in graph.nodes():
+        want, got = graph.get(node_id), loaded.get(node_id)
+        for field in ("request_messages", "request_tools", "response_message"):
+            assert_same(getattr(got, field), getattr(want, field))
+    assert_same_graph(graph, loaded)
+
+
+def test_deep_nesting_round_trips_through_a_file(tmp_path: Path) -> None:
+    value: object = "leaf"
+    for depth in range(499):
+        value = [value] if depth % 3 else ({"k": value} if depth % 2 else (value,))
+    graph = RolloutGraph()
+    graph.add_turn(TurnNode(request_messages=[value]))
+    graph.save(tmp_path / "deep.rls")
+    loaded = RolloutGraph.load(tmp_path / "deep.rls")
+    assert_same(loaded.request_messages(loaded.nodes()[0]), [value])
