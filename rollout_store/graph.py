@@ -57,6 +57,8 @@ _TAIL_ECHO = 32  # the tail starts with a placeholder for the base turn's respon
 # the fresh value passes the validating walk (a caller's msgpack.ExtType could imitate them)
 _TAIL_SPECIAL = 64
 _RESPONSE_SPECIAL = 128
+# derived, not stored: the tail cannot be compared by bytes alone (see finish_tail)
+_TAIL_SLOW = 256
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -154,7 +156,9 @@ class _Turn:
 
     __slots__ = (
         "base",
+        "body_start",
         "children",
+        "first",
         "flags",
         "full",
         "index",
@@ -176,7 +180,7 @@ class _Turn:
     node_id: str
     index: int
     parent: _Turn | None
-    children: list[_Turn] | None
+    children: tuple[_Turn, ...] | None  # a tuple: smaller than a list, and rarely changed
     link: int
     flags: int
     # meta: (model, finish_reason, harness_session_id, system_digest, n_tools), interned
@@ -185,6 +189,8 @@ class _Turn:
     base: _Turn | None  # the turn whose non-system request this one extends
     tail: bytes  # packed non-system messages after the base's
     n_rest: int  # number of non-system request messages
+    first: int  # the first of them that the tail holds (the base holds those before)
+    body_start: int  # where in the tail the packed messages after the echo begin
     response: bytes | None
     tools: bytes | None
     sampling: bytes | None
@@ -571,6 +577,7 @@ class RolloutGraph:
         pending = scratch.pending
         if messages is None:
             turn.system, turn.base, turn.tail, turn.n_rest = None, None, b"", 0
+            turn.first = turn.body_start = 0
             turn.flags |= _NO_MESSAGES
             return None
         if not isinstance(messages, list | tuple):
@@ -666,6 +673,7 @@ class RolloutGraph:
         turn.base = base
         turn.tail = array_header(len(pieces)) + b"".join(pieces)
         turn.n_rest = len(rest)
+        finish_tail(turn)
         return system_plain
 
     def _request_matches(
@@ -681,36 +689,28 @@ class RolloutGraph:
             return False
         join = b"".join
         node: _Turn | None = turn
-        while node is not None:
-            base = node.base
-            start = base.n_rest if base is not None else 0
-            flags = node.flags
-            # the common case inline: a plain tail, maybe after the echo of a plain response
-            if flags & (_TAIL_REFS | _TAIL_SPECIAL) or (
-                flags & _TAIL_ECHO
-                and (base is None or base.flags & (_RESPONSE_REFS | _RESPONSE_SPECIAL))
-            ):
-                if not self._tail_matches(node, plains, messages, start, end):
-                    return False
-            else:
-                tail = node.tail
-                first = start
-                if flags & _TAIL_ECHO:
-                    if start >= end or plains[start] != base.response:  # type: ignore[union-attr]
+        try:
+            while node is not None:
+                start = node.first
+                if node.flags & _TAIL_SLOW:
+                    if not self._tail_matches(node, plains, messages, start, end):
                         return False
-                    first += 1
-                try:
-                    body = join(plains[first:end])  # type: ignore[arg-type]
-                except TypeError:  # a message with no plain packing never matches
-                    return False
-                count = end - start
-                overhead = (1 if count < 16 else 3 if count < 65536 else 5) + (first - start) * 3
-                if len(body) != len(tail) - overhead:
-                    return False
-                if not tail.endswith(body):
-                    return False
-            end = start
-            node = base
+                else:
+                    # the common case inline: a plain tail, maybe after the echo of the
+                    # base's plain response
+                    if node.flags & _TAIL_ECHO:
+                        if start >= end or plains[start] != node.base.response:  # type: ignore[union-attr]
+                            return False
+                        body = join(plains[start + 1 : end])  # type: ignore[arg-type]
+                    else:
+                        body = join(plains[start:end])  # type: ignore[arg-type]
+                    tail = node.tail
+                    if len(body) + node.body_start != len(tail) or not tail.endswith(body):
+                        return False
+                end = start
+                node = node.base
+        except TypeError:  # a message with no plain packing never matches
+            return False
         return end == 0
 
     def _tail_matches(
@@ -909,9 +909,7 @@ class RolloutGraph:
     def _move(self, turn: _Turn, parent: _Turn, link: int) -> None:
         old = turn.parent
         if old is not None and old.children is not None:
-            old.children.remove(turn)
-            if not old.children:
-                old.children = None
+            old.children = tuple(c for c in old.children if c is not turn) or None
         else:
             self._unregister_root(turn)
         turn.parent = parent
@@ -1216,6 +1214,20 @@ def _no_echo() -> None:
     return None
 
 
+def finish_tail(turn: _Turn) -> None:
+    """Derive what the byte comparison of a tail needs from the stored fields."""
+    base = turn.base
+    turn.first = base.n_rest if base is not None else 0
+    echo = turn.flags & _TAIL_ECHO
+    turn.body_start = len(array_header(turn.n_rest - turn.first)) + (
+        len(_ECHO_PACKED) if echo else 0
+    )
+    slow = turn.flags & (_TAIL_REFS | _TAIL_SPECIAL) or (
+        echo and (base is None or base.flags & (_RESPONSE_REFS | _RESPONSE_SPECIAL))
+    )
+    turn.flags = (turn.flags & ~_TAIL_SLOW) | (_TAIL_SLOW if slow else 0)
+
+
 def request_key(plains: list[bytes | None] | list[bytes], n: int) -> int:
     """Index key of the first `n` messages of a non-system request: `n` and the last one.
 
@@ -1256,13 +1268,11 @@ def _index_remove(index: dict[int, Any], key: int, item: Any) -> None:
 
 
 def _add_child(parent: _Turn, child: _Turn) -> None:
-    if parent.children is None:
-        parent.children = [child]
+    children = parent.children
+    if children is None:
+        parent.children = (child,)
     else:
-        children = parent.children
-        children.append(child)
-        if children[-2].index > child.index:
-            children.sort(key=lambda t: t.index)
+        parent.children = tuple(sorted((*children, child), key=lambda t: t.index))
 
 
 def _seg_list(seg: Any) -> list[int] | None:

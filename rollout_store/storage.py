@@ -25,7 +25,15 @@ import xxhash
 from .blobs import content_digest
 from .encoding import EXT_BIGINT, EXT_BLOB, EXT_ECHO, EXT_SURROGATE, EXT_TUPLE
 from .errors import ChecksumMismatch, CorruptFileError, UnsupportedVersionError
-from .graph import _NO_MESSAGES, LINK_EXPLICIT, RolloutGraph, _Scratch, _Turn, full_run
+from .graph import (
+    _NO_MESSAGES,
+    LINK_EXPLICIT,
+    RolloutGraph,
+    _Scratch,
+    _Turn,
+    finish_tail,
+    full_run,
+)
 from .tokens import TokenRun
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "LoadReport", "load", "open_append", "save", "verify"]
@@ -477,6 +485,7 @@ class _Loader:
             self.checker.check(tail, n_blobs, echo_ok=turn.base is not None)
         turn.tail = tail
         turn.n_rest = n_rest
+        finish_tail(turn)
         if response is not None:
             self.checker.check(response, n_blobs, echo_ok=False)
         turn.response = response
