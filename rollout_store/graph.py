@@ -559,7 +559,7 @@ class RolloutGraph:
                 full = candidate.full
                 if (
                     full is not None
-                    and full.length <= n
+                    and (full.length < n or _sampled_any(candidate))
                     and full.length // BLOCK == j
                     and (best is None or full.length > best.full.length)  # type: ignore[union-attr]
                     and run_matches(full, data)
@@ -864,6 +864,7 @@ class RolloutGraph:
                     or other.link not in (LINK_TOKENS, LINK_NONE)
                     or other.prompt is None
                     or other.prompt.length < new.full.length
+                    or (other.prompt.length == new.full.length and not _sampled_any(new))
                     or not other.prompt.compact
                 ):
                     continue
@@ -1212,6 +1213,12 @@ def _packer() -> Callable[[Any], bytes]:
 
 def _no_echo() -> None:
     return None
+
+
+def _sampled_any(turn: _Turn) -> bool:
+    """A turn that sampled nothing is a failed call: one with its very prompt is a retry
+    (a sibling), not a continuation."""
+    return turn.sampled is not None and len(turn.sampled) > 0
 
 
 def finish_tail(turn: _Turn) -> None:

@@ -90,7 +90,8 @@ def _blob_frame(digest: bytes, data: bytes) -> list[bytes]:
 
 
 def _pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    # record fields are str (node ids, model names) that may hold lone surrogates
+    return msgpack.packb(obj, use_bin_type=True, unicode_errors="surrogatepass")
 
 
 # ---------------------------------------------------------------- token segments
@@ -566,8 +567,8 @@ def _ref(turns: list[_Turn], index: Any) -> _Turn | None:
     return turns[index]
 
 
-def _unpack_payload(payload: bytes) -> Any:
-    return msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+def _unpack_payload(payload: bytes | memoryview) -> Any:
+    return msgpack.unpackb(payload, raw=False, strict_map_key=False, unicode_errors="surrogatepass")
 
 
 def _scan(

@@ -31,3 +31,52 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+# ---------------------------------------------------------------- every graph round-trips
+# Each graph a test builds is saved and loaded back when the test ends, and must come back
+# the same: export (messages, discarded turns), token fields, stats and links.
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from rollout_store import RolloutGraph, export_session  # noqa: E402
+from rollout_store.blobs import content_digest  # noqa: E402
+
+
+def graph_snapshot(graph: RolloutGraph) -> str:
+    doc = export_session(graph, include_messages=True, include_discarded=True)
+    turns = [graph.get(n) for n in graph.nodes()]
+    tokens = [(t.prompt_ids, t.sampled_ids, t.sampled_logprobs) for t in turns]
+    links = [(graph.parent(n), graph.link_kind(n)) for n in graph.nodes()]
+    return json.dumps(doc) + repr(tokens) + repr(links) + repr(graph.stats())
+
+
+@pytest.fixture(autouse=True)
+def every_graph_round_trips(
+    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+):
+    built: list[RolloutGraph] = []
+    original = RolloutGraph.__init__
+
+    def recording_init(self: RolloutGraph, *args, **kwargs) -> None:
+        original(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(RolloutGraph, "__init__", recording_init)
+    yield
+    monkeypatch.undo()
+    folder: Path | None = None
+    for graph in built:
+        # graphs read from files, empty ones, and ones with an injected (colliding) hasher
+        # whose digests a file cannot verify are left out
+        if graph.load_report is not None or not len(graph):
+            continue
+        if graph.blobs._hasher is not content_digest:
+            continue
+        folder = folder or tmp_path_factory.mktemp("roundtrip")
+        path = folder / f"{len(list(folder.iterdir()))}.rls"
+        graph.save(path)
+        assert graph_snapshot(RolloutGraph.load(path)) == graph_snapshot(graph)

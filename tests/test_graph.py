@@ -734,3 +734,22 @@ def test_exact_echo_wins_over_a_loose_one_among_retries(order):
     assert graph.parent("next") == "retry"
     assert graph.parent("first") is None and graph.parent("retry") is None
     assert graph.discarded_nodes() == ["first"]
+
+
+def test_a_call_that_sampled_nothing_and_its_retry_are_siblings():
+    """A failed call (no sampled tokens) retried with its very prompt: the retry is a sibling
+    that continues, the failed call is discarded; an ordinary continuation still links."""
+    graph = RolloutGraph()
+    prompt = list(range(100))
+    graph.add_turn(TurnNode(node_id="a", prompt_ids=prompt, sampled_ids=[1, 2]))
+    failed = [*prompt, 1, 2, 5]
+    graph.add_turn(TurnNode(node_id="fail", prompt_ids=failed, sampled_ids=[]))
+    graph.add_turn(TurnNode(node_id="retry", prompt_ids=failed, sampled_ids=[7]))
+    graph.add_turn(TurnNode(node_id="next", prompt_ids=[*failed, 7, 9], sampled_ids=[8]))
+    assert [graph.parent(n) for n in ("fail", "retry", "next")] == ["a", "a", "retry"]
+    assert graph.discarded_nodes() == ["fail"]
+    # the retry arriving first does not adopt the failed call either
+    late = RolloutGraph()
+    late.add_turn(TurnNode(node_id="retry", prompt_ids=failed, sampled_ids=[7]))
+    late.add_turn(TurnNode(node_id="fail", prompt_ids=failed, sampled_ids=[]))
+    assert late.parent("retry") is None and late.parent("fail") is None

@@ -483,3 +483,17 @@ def test_deep_nesting_round_trips_through_a_file(tmp_path: Path) -> None:
     graph.save(tmp_path / "deep.rls")
     loaded = RolloutGraph.load(tmp_path / "deep.rls")
     assert_same(loaded.request_messages(loaded.nodes()[0]), [value])
+
+
+def test_ids_and_names_with_lone_surrogates_round_trip(tmp_path: Path) -> None:
+    for mode in ("save", "append"):
+        path = tmp_path / f"{mode}.rls"
+        graph = RolloutGraph.open(path) if mode == "append" else RolloutGraph()
+        graph.add_turn(TurnNode(node_id="a\ud800", model="m\udc00", harness_session_id="\ud83d"))
+        graph.close()
+        if mode == "save":
+            graph.save(path)
+        loaded = RolloutGraph.load(path)
+        assert loaded.nodes() == ["a\ud800"]
+        turn = loaded.get("a\ud800")
+        assert (turn.model, turn.harness_session_id) == ("m\udc00", "\ud83d")
