@@ -12,7 +12,6 @@ import io
 import json
 import os
 import pstats
-import subprocess
 import sys
 import tempfile
 import tracemalloc
@@ -22,7 +21,7 @@ from time import perf_counter
 from typing import Any
 
 import msgpack
-from measure import MiB, record_traced
+from measure import MiB, library_commit, record_traced
 from schemes import SHARE_THRESHOLD, RolloutStoreRecorder
 from tqdm import tqdm
 from workloads import iter_texts, multimodal, unique_content_bytes
@@ -256,21 +255,6 @@ def profiles(graph: RolloutGraph, tmp: Path, top: int = 15) -> str:
         start = next(i for i, line in enumerate(lines) if "ncalls" in line)
         text.extend(line for line in lines[start:] if line.strip())
     return "\n".join(text)
-
-
-def library_commit() -> str | None:
-    """The repository's current commit (best effort), so results can be tied to a version."""
-    try:
-        out = subprocess.run(
-            ["git", "describe", "--always", "--dirty"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return out.stdout.strip() or None
 
 
 def _mib(n: int) -> str:

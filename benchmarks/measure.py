@@ -8,8 +8,10 @@ from __future__ import annotations
 import gc
 import json
 import statistics
+import subprocess
 import tracemalloc
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from time import perf_counter
 
 MiB = 1024 * 1024
@@ -110,3 +112,18 @@ def time_turns(
             gc.enable()
         gc.collect()
     return timings
+
+
+def library_commit() -> str | None:
+    """The repository's current commit (best effort), so results can be tied to a version."""
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip() or None

@@ -8,12 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import traceback
 from pathlib import Path
 
-from measure import MiB, retained_bytes, time_turns
+from measure import MiB, library_commit, retained_bytes, time_turns
 from schemes import SCHEMES, available_schemes
 from tqdm import tqdm
 from workloads import WORKLOADS, UniqueContent, chatty, iter_texts
@@ -139,21 +138,6 @@ def scaling_check(scheme: str, bar) -> dict:
         last.extend(timings[t][1] for t in last_turns[-SCALING_SAMPLE:])
     early, late = statistics.median(first), statistics.median(last)
     return {"scheme": scheme, "early_us": 1e6 * early, "late_us": 1e6 * late, "ratio": late / early}
-
-
-def library_commit() -> str | None:
-    """The repository's current commit (best effort), so results can be tied to a version."""
-    try:
-        out = subprocess.run(
-            ["git", "describe", "--always", "--dirty"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return out.stdout.strip() or None
 
 
 def print_table(rows: list[dict]) -> None:

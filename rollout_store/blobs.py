@@ -83,30 +83,24 @@ class BlobTable:
             for handle in candidates:
                 if self._strings[handle.index] == text:
                     return handle
-        handle = Handle(digest, len(self._strings), len(data))
-        self._strings.append(text)
-        self._handles.append(handle)
-        self._total_bytes += len(data)
-        if found is None:
-            self._by_digest[digest] = handle
-        elif isinstance(found, list):
-            found.append(handle)
-        else:
-            self._by_digest[digest] = [found, handle]
-        return handle
+        return self._append(text, digest, len(data), found)
 
     def add_verified(self, text: str, digest: bytes, data_len: int) -> Handle:
         """Append a blob read back from a file (`data_len` UTF-8 bytes), digest checked."""
+        return self._append(text, digest, data_len, self._by_digest.get(digest))
+
+    def _append(
+        self, text: str, digest: bytes, data_len: int, found: Handle | list[Handle] | None
+    ) -> Handle:
         handle = Handle(digest, len(self._strings), data_len)
         self._strings.append(text)
         self._handles.append(handle)
         self._total_bytes += data_len
-        found = self._by_digest.get(digest)
         if found is None:
             self._by_digest[digest] = handle
         elif isinstance(found, list):
             found.append(handle)
-        else:
+        else:  # a second string with this digest: a collision, both kept
             self._by_digest[digest] = [found, handle]
         return handle
 
