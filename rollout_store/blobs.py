@@ -23,16 +23,18 @@ def content_digest(data: bytes) -> bytes:
 class Handle:
     """A small immutable reference to one blob; one object per blob, shared by all references."""
 
-    __slots__ = ("digest", "index", "size")
+    __slots__ = ("digest", "index", "size", "surrogates")
 
     digest: bytes
     index: int
-    size: int
+    size: int  # UTF-8 bytes (surrogatepass)
+    surrogates: bool  # the string holds lone surrogates
 
-    def __init__(self, digest: bytes, index: int, size: int) -> None:
+    def __init__(self, digest: bytes, index: int, size: int, surrogates: bool = False) -> None:
         object.__setattr__(self, "digest", digest)
         object.__setattr__(self, "index", index)
         object.__setattr__(self, "size", size)
+        object.__setattr__(self, "surrogates", surrogates)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("Handle is immutable")
@@ -73,7 +75,12 @@ class BlobTable:
 
     def intern(self, text: str) -> Handle:
         """The handle of `text`, adding it when no stored string equals it."""
-        data = text.encode("utf-8", "surrogatepass")
+        try:
+            data = text.encode("utf-8")
+            surrogates = False
+        except UnicodeEncodeError:  # lone surrogates, as json.loads('"\\ud800"') gives
+            data = text.encode("utf-8", "surrogatepass")
+            surrogates = True
         digest = self._hasher(data)
         self._references += 1
         self._referenced_bytes += len(data)
@@ -83,16 +90,21 @@ class BlobTable:
             for handle in candidates:
                 if self._strings[handle.index] == text:
                     return handle
-        return self._append(text, digest, len(data), found)
+        return self._append(text, digest, len(data), surrogates, found)
 
-    def add_verified(self, text: str, digest: bytes, data_len: int) -> Handle:
+    def add_verified(self, text: str, digest: bytes, data_len: int, surrogates: bool) -> Handle:
         """Append a blob read back from a file (`data_len` UTF-8 bytes), digest checked."""
-        return self._append(text, digest, data_len, self._by_digest.get(digest))
+        return self._append(text, digest, data_len, surrogates, self._by_digest.get(digest))
 
     def _append(
-        self, text: str, digest: bytes, data_len: int, found: Handle | list[Handle] | None
+        self,
+        text: str,
+        digest: bytes,
+        data_len: int,
+        surrogates: bool,
+        found: Handle | list[Handle] | None,
     ) -> Handle:
-        handle = Handle(digest, len(self._strings), data_len)
+        handle = Handle(digest, len(self._strings), data_len, surrogates)
         self._strings.append(text)
         self._handles.append(handle)
         self._total_bytes += data_len

@@ -344,7 +344,10 @@ class RolloutGraph:
             mark = self.blobs.mark()
             try:
                 turn, scratch = self._prepare(node)
-                scratch.moves = self._find_moves(turn, scratch)
+                # a turn never moves under its own descendant (no cycles, whatever links)
+                scratch.moves = [
+                    move for move in self._find_moves(turn, scratch) if not _above(move[0], turn)
+                ]
                 for listener in self._listeners:
                     listener(turn, mark[0], scratch)
             except BaseException:
@@ -399,9 +402,9 @@ class RolloutGraph:
             if value is not None and not isinstance(value, str):
                 raise InvalidValueError(f"expected str or None, got {type(value).__name__}", name)
         n_tools = node.n_tools
-        if n_tools is not None and (type(n_tools) is not int):
+        if n_tools is not None and not (type(n_tools) is int and 0 <= n_tools < 2**63):
             raise InvalidValueError(
-                f"expected int or None, got {type(n_tools).__name__}", "n_tools"
+                f"expected a non-negative int below 2**63 or None, got {n_tools!r}", "n_tools"
             )
 
         self._prepare_tokens(turn, node, scratch)
@@ -764,7 +767,7 @@ class RolloutGraph:
         """
         try:
             return self._pack_plain(value)
-        except (NotPackable, ValueError, TypeError, OverflowError, RecursionError):
+        except (NotPackable, ValueError, TypeError, OverflowError, RecursionError, BufferError):
             pass
         try:
             return self._canonical.encode(value, "")[0]
@@ -1213,6 +1216,16 @@ def _packer() -> Callable[[Any], bytes]:
 
 def _no_echo() -> None:
     return None
+
+
+def _above(ancestor: _Turn, turn: _Turn) -> bool:
+    """Whether `ancestor` is on the path from the root down to `turn`."""
+    node = turn.parent
+    while node is not None:
+        if node is ancestor:
+            return True
+        node = node.parent
+    return False
 
 
 def _sampled_any(turn: _Turn) -> bool:

@@ -69,7 +69,10 @@ class _Walker:
             s = str.__str__(s)
         threshold = self.threshold
         if threshold is not None and len(s) >= threshold:
-            return self.blobs.intern(s)  # type: ignore[union-attr]
+            handle = self.blobs.intern(s)  # type: ignore[union-attr]
+            if handle.surrogates:  # its plain packing is an EXT_SURROGATE
+                self.special = True
+            return handle
         if not s.isascii():
             try:
                 s.encode("utf-8")
@@ -108,6 +111,8 @@ class _Walker:
             return v
         if t is int:
             return self.integer(v)  # type: ignore[arg-type]
+        if t is msgpack.ExtType:  # a tuple subclass, but never JSON
+            raise _Bad("value of type ExtType cannot be represented in JSON")
         if t is dict or t is list or t is tuple or isinstance(v, dict | list | tuple):
             if depth >= MAX_DEPTH:
                 raise _Bad(f"nesting deeper than {MAX_DEPTH} levels", ValueError)

@@ -26,7 +26,13 @@ class Streamed:
 
 def writer_for(fp: IO[Any]) -> Callable[[str], Any]:
     """A function writing str to a text stream, or ASCII bytes to a binary one."""
-    if isinstance(fp, io.TextIOBase) or "b" not in getattr(fp, "mode", "b"):
+    mode = getattr(fp, "mode", None)
+    text = isinstance(fp, io.TextIOBase) or (
+        not isinstance(fp, io.RawIOBase | io.BufferedIOBase)
+        and isinstance(mode, str)
+        and "b" not in mode
+    )
+    if text:
         return fp.write
     write = fp.write
     # json.dumps output is ASCII with the default ensure_ascii=True.

@@ -22,13 +22,16 @@ from typing import IO, Any
 import msgpack
 import xxhash
 
-from .blobs import content_digest
+from .blobs import BlobTable, content_digest
 from .encoding import EXT_BIGINT, EXT_BLOB, EXT_ECHO, EXT_SURROGATE, EXT_TUPLE
 from .errors import ChecksumMismatch, CorruptFileError, UnsupportedVersionError
 from .graph import (
+    _ECHO_PACKED,
     _NO_MESSAGES,
+    _TAIL_ECHO,
     LINK_EXPLICIT,
     RolloutGraph,
+    _above,
     _Scratch,
     _Turn,
     finish_tail,
@@ -135,10 +138,14 @@ def _big_hook(code: int, data: bytes) -> int:
     raise ValueError(f"unexpected extension type {code} in token ids")
 
 
-def _decode_seg(spec: Any) -> Any:
+def _decode_seg(spec: Any, kinds: str = "Iqt") -> Any:
     if spec is None:
         return None
+    if not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[1], bytes)):
+        raise ValueError("bad segment")
     kind, data = spec
+    if kind not in tuple(kinds):
+        raise ValueError(f"segment kind {kind!r} is not allowed here")
     if kind in ("I", "q", "d"):
         return _bytes_array(kind, data)
     if kind == "t":
@@ -152,33 +159,39 @@ def _decode_seg(spec: Any) -> Any:
 class _PackedChecker:
     """Decodes a packed value once, so that a damaged reference fails on load, not on export."""
 
-    def __init__(self) -> None:
+    def __init__(self, blobs: BlobTable) -> None:
+        self.blobs = blobs
         self.n_blobs = 0
         self.echo_ok = False
+        self.echoes = 0
         self.special = False  # holds a tuple, big int or lone surrogate (see graph._shared)
 
     def hook(self, code: int, payload: bytes) -> None:
         if code == EXT_BLOB:
-            if len(payload) != 4 or int.from_bytes(payload, "big") >= self.n_blobs:
+            index = int.from_bytes(payload, "big")
+            if len(payload) != 4 or index >= self.n_blobs:
                 raise ValueError("blob reference out of range")
+            if self.blobs.handle(index).surrogates:
+                self.special = True
             return
         if code == EXT_BIGINT:
             int(payload.decode("ascii"))
         elif code == EXT_SURROGATE:
             payload.decode("utf-8", "surrogatepass")
         elif code == EXT_ECHO and self.echo_ok and not payload:
+            self.echoes += 1
             return
         elif code != EXT_TUPLE or payload:
             raise ValueError(f"unexpected extension type {code}")
         self.special = True
 
-    def check(self, data: Any, n_blobs: int, echo_ok: bool) -> bool:
-        """Raises ValueError for a damaged value; returns whether it is special."""
+    def check(self, data: Any, n_blobs: int, echo_ok: bool = False) -> Any:
+        """The value decoded (blobs as None); raises ValueError for a damaged one. Sets
+        `special` and `echoes` for what it found."""
         if not isinstance(data, bytes):
             raise ValueError("packed value must be bytes")
-        self.n_blobs, self.echo_ok, self.special = n_blobs, echo_ok, False
-        msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=self.hook)
-        return self.special
+        self.n_blobs, self.echo_ok, self.special, self.echoes = n_blobs, echo_ok, False, 0
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=self.hook)
 
 
 # ---------------------------------------------------------------- writing
@@ -400,7 +413,8 @@ class _Loader:
         self.graph = RolloutGraph(share_threshold=share_threshold)
         self.values: list[bytes] = []
         self.writer = _Writer()
-        self.checker = _PackedChecker()
+        self.checker = _PackedChecker(self.graph.blobs)
+        self.value_is_list: list[bool] = []  # system parts must be arrays of messages
 
     def blob(self, payload: memoryview, offset: int, record: int) -> None:
         """A blob frame's payload, read in place: prefix, digest, bin header, data."""
@@ -419,11 +433,17 @@ class _Loader:
         actual = content_digest(data)
         if actual != digest:
             raise ChecksumMismatch("blob", digest, actual, offset=offset, record=record)
-        self.graph.blobs.add_verified(str(data, "utf-8", "surrogatepass"), digest, size)
+        try:
+            text, surrogates = str(data, "utf-8"), False
+        except UnicodeDecodeError:
+            text, surrogates = str(data, "utf-8", "surrogatepass"), True
+        self.graph.blobs.add_verified(text, digest, size, surrogates)
 
     def value(self, payload: Any) -> None:
-        special = self.checker.check(payload, len(self.graph.blobs), echo_ok=False)
+        decoded = self.checker.check(payload, len(self.graph.blobs))
+        special = self.checker.special
         self.values.append(payload)
+        self.value_is_list.append(type(decoded) is list)
         self.writer.values[id(payload)] = len(self.writer.value_objects)
         self.writer.value_objects.append(payload)
         plain = None if special else self.graph._expand(payload)
@@ -482,13 +502,21 @@ class _Loader:
             raise ValueError("bad request tail")
         if n_rest < (turn.base.n_rest if turn.base is not None else 0):
             raise ValueError("request shorter than its base")
-        if tail or not flags & _NO_MESSAGES:
-            self.checker.check(tail, n_blobs, echo_ok=turn.base is not None)
         turn.tail = tail
         turn.n_rest = n_rest
         finish_tail(turn)
+        if tail or not flags & _NO_MESSAGES:
+            items = self.checker.check(tail, n_blobs, echo_ok=True)
+            if type(items) is not list or len(items) != n_rest - turn.first:
+                raise ValueError("request tail does not hold its messages")
+            echo = bool(flags & _TAIL_ECHO)
+            at_start = tail[turn.body_start - len(_ECHO_PACKED) : turn.body_start] == _ECHO_PACKED
+            if self.checker.echoes != echo or (echo and (turn.base is None or not at_start)):
+                raise ValueError("misplaced echo in a request tail")
+        if system is not None and not self.value_is_list[system]:
+            raise ValueError("system messages must be an array")
         if response is not None:
-            self.checker.check(response, n_blobs, echo_ok=False)
+            self.checker.check(response, n_blobs)
         turn.response = response
         turn.tools = self._value_ref(tools)
         turn.sampling = self._value_ref(sampling)
@@ -502,10 +530,10 @@ class _Loader:
         if logprobs is None:
             turn.logprobs = None
         elif logprobs[0] == "j":
-            self.checker.check(logprobs[1], n_blobs, echo_ok=False)
+            self.checker.check(logprobs[1], n_blobs)
             turn.logprobs = logprobs[1]
         elif logprobs[0] == "d":
-            turn.logprobs = _decode_seg(logprobs)
+            turn.logprobs = _decode_seg(logprobs, "d")
         else:
             raise ValueError("bad logprobs")
         if not (isinstance(keys, list) and len(keys) == 4):
@@ -524,10 +552,12 @@ class _Loader:
             if not (isinstance(move, list) and len(move) == 2 and isinstance(move[1], int)):
                 raise ValueError("bad move")
             other = _ref(turns, move[0])
-            if other is None or not 0 < move[1] < LINK_EXPLICIT + 1:
+            if other is None or not 0 < move[1] < LINK_EXPLICIT + 1 or _above(other, turn):
                 raise ValueError("bad move")
             scratch.moves.append((other, move[1]))
-        g.blobs.count_references(int(refs[0]), int(refs[1]))
+        if not all(type(r) is int and r >= 0 for r in refs):
+            raise ValueError("bad reference counts")
+        g.blobs.count_references(refs[0], refs[1])
         g._commit(turn, scratch)
         self.writer.note_runs(turn)
         self.writer.turns_written += 1

@@ -211,3 +211,19 @@ def test_trace_jsonl_has_one_exact_line_per_turn(binary):
         for name in ("request_messages", "response_message", "prompt_ids", "sampled_ids"):
             assert loaded[name] == json.loads(json.dumps(getattr(node, name))), name
     assert [r["node_id"] for r in iter_turn_records(graph)] == graph.nodes()
+
+
+def test_streaming_writers_accept_gzip_files(tmp_path):
+    import gzip
+
+    graph = RolloutGraph()
+    add_all(graph, chat_turns(3))
+    path = tmp_path / "session.json.gz"
+    with gzip.open(path, "wb") as fp:
+        write_session_json(graph, fp, include_messages=True)
+    with gzip.open(path) as fp:
+        assert fp.read().decode() == json.dumps(export_session(graph, include_messages=True))
+    with gzip.open(path, "wt") as fp:
+        write_trace_jsonl(graph, fp)
+    with gzip.open(path, "rt") as fp:
+        assert len(fp.read().splitlines()) == 3

@@ -753,3 +753,35 @@ def test_a_call_that_sampled_nothing_and_its_retry_are_siblings():
     late.add_turn(TurnNode(node_id="retry", prompt_ids=failed, sampled_ids=[7]))
     late.add_turn(TurnNode(node_id="fail", prompt_ids=failed, sampled_ids=[]))
     assert late.parent("retry") is None and late.parent("fail") is None
+
+
+def test_moves_never_make_a_cycle():
+    """An exact twin arriving late never adopts a turn it descends from (review finding)."""
+
+    def user(s):
+        return {"role": "user", "content": s}
+
+    def assistant(s, **extra):
+        return {"role": "assistant", "content": s, **extra}
+
+    graph = RolloutGraph()
+    graph.add_turn(
+        TurnNode(node_id="T", request_messages=[user("1")], response_message=assistant("r", x=None))
+    )
+    graph.add_turn(
+        TurnNode(
+            node_id="X",
+            request_messages=[user("1"), assistant("r"), user("2")],
+            response_message=assistant("x"),
+        )
+    )
+    graph.add_turn(
+        TurnNode(node_id="Y", request_messages=[], response_message=user("1"), parent_id="X")
+    )
+    graph.add_turn(
+        TurnNode(node_id="N", request_messages=[user("1")], response_message=assistant("r"))
+    )
+    for node_id in graph.nodes():
+        path = graph.path_to(node_id)  # terminates: no cycle
+        assert len(path) == len(set(path)) <= len(graph)
+    assert graph.path_to("N") == ["T", "X", "Y", "N"]

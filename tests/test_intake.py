@@ -504,3 +504,52 @@ def test_forged_extension_objects_are_rejected(kind, where):
         graph.add_turn(second)
     assert graph.nodes() == ["a"]
     assert graph.stats() == before
+
+
+def test_review_findings_on_bad_scalars_and_buffers():
+    """n_tools beyond 64 bits, a strided memoryview, a forged ExtType: clear errors, no change."""
+    graph = RolloutGraph()
+    graph.add_turn(TurnNode(node_id="ok", request_messages=[{"role": "user", "content": "hi"}]))
+    before = graph.stats()
+    with pytest.raises(InvalidValueError, match="n_tools"):
+        graph.add_turn(TurnNode(n_tools=2**70))
+    with pytest.raises(InvalidValueError, match=r"request_tools\[0\]"):
+        graph.add_turn(TurnNode(request_tools=[memoryview(b"abcdef")[::2]]))
+    with pytest.raises(
+        InvalidValueError, match=r"ExtType cannot be represented in JSON - at request_tools\[0\]"
+    ):
+        graph.add_turn(TurnNode(request_tools=[msgpack.ExtType(2, b"12")]))
+    assert graph.stats() == before and graph.nodes() == ["ok"]
+
+
+def test_forged_ext_cannot_imitate_a_long_string_with_a_lone_surrogate():
+    text = "\ud800 lone surrogate"
+    fake = msgpack.ExtType(3, text.encode("utf-8", "surrogatepass"))
+    graph = RolloutGraph(share_threshold=4)
+    graph.add_turn(
+        TurnNode(
+            request_messages=[
+                {"role": "system", "content": text},
+                {"role": "user", "content": text},
+            ],
+            response_message={"role": "assistant", "content": text},
+            request_tools=[text],
+            sampling_params={"stop": text},
+        )
+    )
+    forged = [
+        TurnNode(request_tools=[fake]),
+        TurnNode(sampling_params={"stop": fake}),
+        TurnNode(request_messages=[{"role": "system", "content": fake}]),
+        TurnNode(request_messages=[{"role": "user", "content": fake}]),
+        TurnNode(
+            request_messages=[
+                {"role": "user", "content": text},
+                {"role": "assistant", "content": fake},
+            ]
+        ),
+    ]
+    for node in forged:
+        with pytest.raises(InvalidValueError, match="ExtType"):
+            graph.add_turn(node)
+    assert len(graph) == 1

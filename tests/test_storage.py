@@ -9,6 +9,7 @@ import os
 import random
 from pathlib import Path
 
+import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -497,3 +498,62 @@ def test_ids_and_names_with_lone_surrogates_round_trip(tmp_path: Path) -> None:
         assert loaded.nodes() == ["a\ud800"]
         turn = loaded.get("a\ud800")
         assert (turn.model, turn.harness_session_id) == ("m\udc00", "\ud83d")
+
+
+def _crafted_log(tmp_path: Path, records: list[tuple[int, object]]) -> Path:
+    header = storage._pack({"format": "rollout_store", "version": 1, "mode": "log"})
+    data = storage.MAGIC + storage._frame(storage.KIND_HEADER, header)
+    for kind, body in records:
+        data += storage._frame(kind, storage._pack(body))
+    path = tmp_path / "crafted.rls"
+    path.write_bytes(data)
+    return path
+
+
+def _turn_record(**changes: object) -> list:
+    fields = {
+        "node_id": "n",
+        "parent": None,
+        "link": 0,
+        "flags": 0,
+        "meta": [None] * 5,
+        "system": None,
+        "base": None,
+        "tail": b"\x90",
+        "n_rest": 0,
+        "response": None,
+        "tools": None,
+        "sampling": None,
+        "prompt": None,
+        "sampled": None,
+        "logprobs": None,
+        "keys": [None] * 4,
+        "refs": [0, 0],
+        "moves": [],
+    }
+    fields.update(changes)
+    return list(fields.values())
+
+
+def test_crafted_records_that_pass_checksums_are_still_refused(tmp_path: Path) -> None:
+    """Checksums can be recomputed by anyone: the structure is checked too (review findings)."""
+    value = (storage.KIND_VALUE, msgpack.packb({"role": "system"}))
+    crafted = [
+        [(storage.KIND_TURN, _turn_record(tail=msgpack.packb(5)))],  # tail not an array
+        [(storage.KIND_TURN, _turn_record(tail=b"\x91\xa1x", n_rest=2))],  # wrong count
+        [value, (storage.KIND_TURN, _turn_record(system=0))],  # system not an array
+        [(storage.KIND_TURN, _turn_record(prompt=[2, ["d", b"\0" * 16]]))],  # float tokens
+        [(storage.KIND_TURN, _turn_record(refs=[-1, 0]))],
+        [
+            (storage.KIND_TURN, _turn_record(node_id="a")),
+            (storage.KIND_TURN, _turn_record(node_id="b", tail=b"\x91\xc7\x00\x05", n_rest=1)),
+        ],  # an echo placeholder where no echo is flagged
+        [
+            (storage.KIND_TURN, _turn_record(node_id="a")),
+            (storage.KIND_TURN, _turn_record(node_id="b", parent=0, link=2, moves=[[0, 2]])),
+        ],  # a move that would make a cycle
+    ]
+    for records in crafted:
+        path = _crafted_log(tmp_path, records)
+        with pytest.raises(CorruptFileError):
+            RolloutGraph.load(path)
