@@ -639,7 +639,11 @@ def _scan(
         offset += length
         actual = _checksum(kind, payload)
         if actual != expected:
-            report.fail(ChecksumMismatch("record", expected, actual, offset=start, record=record))
+            # the last frame (no room for another after it), or zeros to the end (space the
+            # file system allocated before the write landed): a torn write, not damage
+            torn = size - offset < FRAME.size or not bytes(data[start:]).strip(b"\0")
+            failure = ChecksumMismatch("record", expected, actual, offset=start, record=record)
+            report.fail(failure, truncated=torn)
             break
         try:
             body = payload if kind == KIND_BLOB else _unpack_payload(payload)
@@ -846,10 +850,15 @@ def open_append(
             if report.mode == MODE_SNAPSHOT:
                 raise CorruptFileError(f"{target} is a snapshot written by save(), not a log")
             if report.error is not None:
-                if not (repair and report.truncated and report.records > 0):
+                if not (repair and report.truncated):
                     _raise_for(report)
-                os.ftruncate(fp.fileno(), report.good_bytes)
+                # repair: cut the torn tail (a file torn inside its header starts anew)
+                keep = report.good_bytes if report.records > 0 else 0
+                os.ftruncate(fp.fileno(), keep)
                 os.fsync(fp.fileno())
+                if not keep:
+                    data = b""
+        if data:
             graph = loader.graph
             graph.load_report = report
             writer = loader.writer

@@ -557,3 +557,36 @@ def test_crafted_records_that_pass_checksums_are_still_refused(tmp_path: Path) -
         path = _crafted_log(tmp_path, records)
         with pytest.raises(CorruptFileError):
             RolloutGraph.load(path)
+
+
+@pytest.mark.parametrize(
+    "tear",
+    [
+        lambda data: data + b"\0" * 64,  # space allocated, write never landed
+        lambda data: data[:-9] + bytes(9),  # the last frame's bytes zeroed
+        lambda data: data[:-5] + b"garbage",  # the last frame overwritten to the end
+        lambda data: storage.MAGIC[:5],  # cut inside the magic
+    ],
+)
+def test_repair_handles_torn_tails_that_are_not_short(tmp_path: Path, tear) -> None:
+    path = _small_log(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(tear(data))
+    with pytest.raises(CorruptFileError):
+        RolloutGraph.open(path)
+    with RolloutGraph.open(path, repair=True) as graph:
+        kept = len(graph)
+        graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "after"}]))
+    assert kept in (0, 1, 2)
+    loaded = RolloutGraph.load(path)
+    assert len(loaded) == kept + 1 and storage.verify(path).ok
+
+
+def test_repair_refuses_damage_in_the_middle(tmp_path: Path) -> None:
+    path = _small_log(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[len(storage.MAGIC) + 20] ^= 0xFF  # inside the header record, far from the end
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptFileError):
+        RolloutGraph.open(path, repair=True)
+    assert path.read_bytes() == bytes(data)
