@@ -21,7 +21,7 @@ import xxhash
 
 from .blobs import BlobTable
 from .encoding import EXT_ECHO, NotPackable, array_header, plain_default, unpack
-from .errors import DuplicateNodeError, InvalidValueError
+from .errors import DuplicateNodeError, InvalidValueError, RolloutStoreError
 from .intake import Encoder, float_array, token_array
 from .messages import leading_system_count, link_key
 from .tokens import (
@@ -235,6 +235,8 @@ class RolloutGraph:
         # listener that raises rejects the turn (the append-mode file writer is one).
         self._listeners: list[Callable[[_Turn, int, _Scratch], None]] = []
         self._closers: list[Callable[[], None]] = []
+        self._closed = False  # the file behind an appending graph was closed
+        self._log_path: str | None = None  # that file, while it is open
         #: Set by `load` and `open`: how much of the file was good (a storage.LoadReport).
         self.load_report: Any = None
 
@@ -296,9 +298,14 @@ class RolloutGraph:
         )
 
     def close(self) -> None:
-        """Flush and close the file behind an appending graph (a no-op otherwise)."""
+        """Flush and close the file behind an appending graph (a no-op otherwise).
+
+        Afterwards `add_turn` raises: a turn added then would never reach the file.
+        """
         with self._lock:
             closers, self._closers = self._closers, []
+            if closers:
+                self._closed = True
             self._listeners.clear()
             for close in closers:
                 close()
@@ -341,6 +348,8 @@ class RolloutGraph:
         if not isinstance(node, TurnNode):
             raise TypeError(f"add_turn expects a TurnNode, got {type(node).__name__}")
         with self._lock:
+            if self._closed:
+                raise RolloutStoreError("the graph's file is closed: reopen it to add turns")
             mark = self.blobs.mark()
             try:
                 turn, scratch = self._prepare(node)

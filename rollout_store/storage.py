@@ -340,6 +340,8 @@ def save(graph: RolloutGraph, path: str | os.PathLike[str]) -> None:
     """Write the whole graph to `path` atomically: a temporary file, fsync, rename."""
     target = Path(path)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    if graph._log_path is not None and os.path.realpath(target) == graph._log_path:
+        raise ValueError(f"{target} is the log this graph appends to; save to another path")
     with graph._lock:
         writer = _Writer()
         try:
@@ -878,4 +880,6 @@ def open_append(
     log = _AppendLog(fp, writer, every)
     graph._listeners.append(lambda turn, _first, scratch: log.on_turn(graph, turn, scratch))
     graph._closers.append(log.close)
+    graph._closers.append(lambda: setattr(graph, "_log_path", None))
+    graph._log_path = os.path.realpath(target)
     return graph

@@ -21,6 +21,7 @@ from rollout_store import (
     CorruptFileError,
     InvalidValueError,
     RolloutGraph,
+    RolloutStoreError,
     TurnNode,
     UnsupportedVersionError,
     export_session,
@@ -590,3 +591,16 @@ def test_repair_refuses_damage_in_the_middle(tmp_path: Path) -> None:
     with pytest.raises(CorruptFileError):
         RolloutGraph.open(path, repair=True)
     assert path.read_bytes() == bytes(data)
+
+
+def test_closed_log_refuses_turns_and_save_refuses_its_own_log(tmp_path: Path) -> None:
+    path = tmp_path / "log.rls"
+    graph = RolloutGraph.open(path)
+    graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "a"}]))
+    with pytest.raises(ValueError, match="appends to"):
+        graph.save(path)
+    graph.close()
+    with pytest.raises(RolloutStoreError, match="closed"):
+        graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "b"}]))
+    assert len(graph) == 1 and len(RolloutGraph.load(path)) == 1
+    graph.save(tmp_path / "copy.rls")  # a snapshot elsewhere is fine, also after close
