@@ -229,6 +229,7 @@ class RolloutGraph:
         self._token_index: dict[int, Any] = {}  # block digest of prompt+sampled -> turn(s)
         self._prompt_index: dict[int, Any] = {}  # digest of a whole prompt -> TokenRun(s)
         self._token_roots: dict[int, Any] = {}  # block digests of token roots' prompts
+        self._short_lengths: set[int] = set()  # lengths under one block that turns have
         self._message_roots: dict[int, Any] = {}  # request keys of message roots' prefixes
         self._lock = threading.RLock()
         # Called with (turn, first new blob index, scratch) before a turn is committed; a
@@ -558,21 +559,32 @@ class RolloutGraph:
         turn.prompt = run
         turn.full = full_run(run, sampled)
         if compact and turn.full.compact:
-            if turn.full is run:
-                scratch.token_key = digests[run.length // BLOCK]
+            full_data = data if turn.full is run else data + sampled.tobytes()  # type: ignore[union-attr]
+            length = turn.full.length
+            if length < BLOCK:
+                scratch.token_key = short_key(full_data, length)
+            elif turn.full is run:
+                scratch.token_key = digests[length // BLOCK]
             else:
-                full_data = data + sampled.tobytes()  # type: ignore[union-attr]
-                scratch.token_key = prefix_digest(full_data, turn.full.length)
+                scratch.token_key = prefix_digest(full_data, length)
 
     def _find_token_parent(self, data: bytes, digests: list[int], n: int) -> _Turn | None:
-        for j in range(len(digests) - 1, -1, -1):
+        # Turns whose tokens fill j whole blocks are found by the digest of those blocks,
+        # deepest first; shorter ones (under one block) by their exact length.
+        buckets = [(digests[j], j * BLOCK, (j + 1) * BLOCK) for j in range(len(digests) - 1, 0, -1)]
+        buckets += [
+            (short_key(data, length), length, length + 1)
+            for length in sorted(self._short_lengths, reverse=True)
+            if length <= n
+        ]
+        for key, low, high in buckets:
             best: _Turn | None = None
-            for candidate in _members(self._token_index.get(digests[j])):
+            for candidate in _members(self._token_index.get(key)):
                 full = candidate.full
                 if (
                     full is not None
+                    and low <= full.length < high
                     and (full.length < n or _sampled_any(candidate))
-                    and full.length // BLOCK == j
                     and (best is None or full.length > best.full.length)  # type: ignore[union-attr]
                     and run_matches(full, data)
                 ):
@@ -826,6 +838,8 @@ class RolloutGraph:
             _index_add(self._request_index, scratch.request_digest, turn)
         if scratch.token_key is not None and turn.full is not None and turn.full.length:
             _index_add(self._token_index, scratch.token_key, turn)
+            if turn.full.length < BLOCK:
+                self._short_lengths.add(turn.full.length)
         if scratch.prompt_key is not None and turn.prompt is not None:
             members = _members(self._prompt_index.get(scratch.prompt_key))
             if not any(m is turn.prompt for m in members):
@@ -837,18 +851,16 @@ class RolloutGraph:
 
     def _register_root(self, turn: _Turn, root_keys: list[int] | None) -> None:
         if turn.prompt is not None:
-            if turn.prompt.compact and turn.prompt.length >= BLOCK:
-                for digest in block_digests(run_bytes(turn.prompt))[1:]:
-                    _index_add(self._token_roots, digest, turn)
+            for key in _root_token_keys(turn.prompt):
+                _index_add(self._token_roots, key, turn)
         elif root_keys:
             for key in root_keys:
                 _index_add(self._message_roots, key, turn)
 
     def _unregister_root(self, turn: _Turn) -> None:
         if turn.prompt is not None:
-            if turn.prompt.compact and turn.prompt.length >= BLOCK:
-                for digest in block_digests(run_bytes(turn.prompt))[1:]:
-                    _index_remove(self._token_roots, digest, turn)
+            for key in _root_token_keys(turn.prompt):
+                _index_remove(self._token_roots, key, turn)
         elif turn.n_rest > 1:
             plains = [self._plain(m) for m in self._rest_values(turn)]
             for m in range(1, len(plains)):
@@ -866,9 +878,12 @@ class RolloutGraph:
             data = run_bytes(new.full)
             if parent is not None:
                 candidates = list(parent.children or ())
-            elif scratch.token_key is not None and new.full.length >= BLOCK:
+            elif new.full.length >= BLOCK:
                 candidates = list(_members(self._token_roots.get(scratch.token_key)))
-            else:
+            elif new.full.length >= _HEADS[0]:
+                head = max(h for h in _HEADS if h <= new.full.length)
+                candidates = list(_members(self._token_roots.get(short_key(data, head))))
+            else:  # fewer tokens than the shortest head: every root is a candidate
                 candidates = [t for t in self._turns if t.parent is None]
             for other in candidates:
                 if (
@@ -1235,6 +1250,24 @@ def _above(ancestor: _Turn, turn: _Turn) -> bool:
             return True
         node = node.parent
     return False
+
+
+#: Token roots are also found by their first 16, 32 or 48 tokens (for continuations of
+#: turns with fewer than BLOCK tokens).
+_HEADS = (16, 32, 48)
+
+
+def short_key(data: bytes, n_tokens: int) -> int:
+    """Index key of exactly the first `n_tokens` tokens of `data` (array('I') bytes)."""
+    return xxhash.xxh3_64_intdigest(memoryview(data)[: n_tokens * 4], seed=n_tokens + 1)
+
+
+def _root_token_keys(prompt: TokenRun) -> list[int]:
+    if not prompt.compact or prompt.length < _HEADS[0]:
+        return []
+    data = run_bytes(prompt)
+    keys = [short_key(data, head) for head in _HEADS if head <= prompt.length]
+    return keys + block_digests(data)[1:]
 
 
 def _sampled_any(turn: _Turn) -> bool:

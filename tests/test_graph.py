@@ -785,3 +785,18 @@ def test_moves_never_make_a_cycle():
         path = graph.path_to(node_id)  # terminates: no cycle
         assert len(path) == len(set(path)) <= len(graph)
     assert graph.path_to("N") == ["T", "X", "Y", "N"]
+
+
+def test_short_token_prompts_link_through_their_own_index():
+    """Turns of fewer than one block of tokens are found by exact length, not by a scan."""
+    graph = RolloutGraph()
+    for r in range(30):
+        base = [1000 * r + k for k in range(20)]
+        graph.add_turn(TurnNode(node_id=f"r{r}", prompt_ids=base, sampled_ids=[7, 8]))
+        graph.add_turn(TurnNode(node_id=f"c{r}", prompt_ids=[*base, 7, 8, 9], sampled_ids=[5]))
+    assert all(graph.parent(f"c{r}") == f"r{r}" for r in range(30))
+    # a late root adopts a continuation that arrived first, found by its first 16 tokens
+    graph.add_turn(TurnNode(node_id="child", prompt_ids=[*range(40), 1, 2, 3], sampled_ids=[4]))
+    graph.add_turn(TurnNode(node_id="late", prompt_ids=list(range(40)), sampled_ids=[1, 2]))
+    assert graph.parent("child") == "late"
+    assert len(graph._token_index) >= 61  # one key per turn, not one shared bucket
