@@ -871,6 +871,13 @@ class RolloutGraph:
         moves: list[tuple[_Turn, int]] = []
         if new.link == LINK_EXPLICIT:
             return moves
+        moves.extend(self._token_moves(new, scratch))
+        moves.extend(self._message_moves(new, scratch))
+        return moves
+
+    def _token_moves(self, new: _Turn, scratch: _Scratch) -> list[tuple[_Turn, int]]:
+        """Turns whose prompt extends the tokens of `new` and that hang shallower."""
+        moves: list[tuple[_Turn, int]] = []
         parent = new.parent
         if new.prompt is not None:
             if new.full is None or not new.full.compact or not new.full.length:
@@ -897,10 +904,18 @@ class RolloutGraph:
                     continue
                 if run_bytes(other.prompt).startswith(data):
                     moves.append((other, LINK_TOKENS))
-            return moves
+        return moves
+
+    def _message_moves(self, new: _Turn, scratch: _Scratch) -> list[tuple[_Turn, int]]:
+        """Message-linked turns whose request continues `new` and that hang shallower.
+
+        For a turn linked by tokens only message roots are candidates (its place among
+        message-linked turns is not worked out)."""
+        moves: list[tuple[_Turn, int]] = []
+        parent = new.parent
         if new.flags & _NO_MESSAGES:
             return moves
-        if parent is not None:
+        if parent is not None and new.prompt is None:
             candidates = list(parent.children or ())
         elif scratch.request_digest is not None:
             candidates = list(_members(self._message_roots.get(scratch.request_digest)))

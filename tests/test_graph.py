@@ -800,3 +800,29 @@ def test_short_token_prompts_link_through_their_own_index():
     graph.add_turn(TurnNode(node_id="late", prompt_ids=list(range(40)), sampled_ids=[1, 2]))
     assert graph.parent("child") == "late"
     assert len(graph._token_index) >= 61  # one key per turn, not one shared bucket
+
+
+def test_message_turn_moves_under_a_late_token_turn_it_continues():
+    def user(s):
+        return {"role": "user", "content": s}
+
+    def assistant(s):
+        return {"role": "assistant", "content": s}
+
+    token_turn = {
+        "node_id": "T",
+        "request_messages": [user("1")],
+        "response_message": assistant("r"),
+        "prompt_ids": [1, 2, 3],
+        "sampled_ids": [4],
+    }
+    message_turn = {
+        "node_id": "M",
+        "request_messages": [user("1"), assistant("r"), user("2")],
+        "response_message": assistant("s"),
+    }
+    for order in ((token_turn, message_turn), (message_turn, token_turn)):
+        graph = RolloutGraph()
+        for fields in order:
+            graph.add_turn(TurnNode(**fields))
+        assert (graph.parent("M"), graph.link_kind("M")) == ("T", "messages")
