@@ -86,10 +86,11 @@ def export_session(
     Without `include_discarded`, turns dropped as retries (see `discarded_nodes`) and their
     sequences are left out; every exported turn says whether it was discarded.
     """
-    head, turns, sequences, stats = _parts(
-        graph, session_id, metadata, include_messages, include_discarded
-    )
-    return {**head, "turns": list(turns), "sequences": list(sequences), "stats": stats}
+    with graph._lock:  # one consistent snapshot, even while other threads add turns
+        head, turns, sequences, stats = _parts(
+            graph, session_id, metadata, include_messages, include_discarded
+        )
+        return {**head, "turns": list(turns), "sequences": list(sequences), "stats": stats}
 
 
 def write_session_json(
@@ -102,12 +103,12 @@ def write_session_json(
     include_discarded: bool = False,
 ) -> None:
     """Write exactly `json.dumps(export_session(graph, ...))`, one turn in memory at a time."""
-    head, turns, sequences, stats = _parts(
-        graph, session_id, metadata, include_messages, include_discarded, stream=True
-    )
-    write_document(
-        fp, {**head, "turns": Streamed(turns), "sequences": Streamed(sequences), "stats": stats}
-    )
+    with graph._lock:  # one consistent snapshot: add_turn in other threads waits
+        head, turns, sequences, stats = _parts(
+            graph, session_id, metadata, include_messages, include_discarded, stream=True
+        )
+        document = {**head, "turns": Streamed(turns), "sequences": Streamed(sequences)}
+        write_document(fp, {**document, "stats": stats})
 
 
 def iter_turn_records(graph: RolloutGraph) -> Iterator[dict[str, Any]]:
@@ -134,6 +135,7 @@ def iter_turn_records(graph: RolloutGraph) -> Iterator[dict[str, Any]]:
 def write_trace_jsonl(graph: RolloutGraph, fp: IO[Any]) -> None:
     """One JSON line per turn (request, response, token ids, logprobs)."""
     write = writer_for(fp)
-    for record in iter_turn_records(graph):
-        write(json.dumps(record))
-        write("\n")
+    with graph._lock:
+        for record in iter_turn_records(graph):
+            write(json.dumps(record))
+            write("\n")
