@@ -892,6 +892,10 @@ class RolloutGraph:
                 candidates = list(_members(self._token_roots.get(short_key(data, head))))
             else:  # fewer tokens than the shortest head: every root is a candidate
                 candidates = [t for t in self._turns if t.parent is None]
+            # and children of turns whose tokens end inside this turn's sampled ones (a
+            # shorter retry of the same call): their continuations may continue this one
+            for shorter in self._prefixes_within(new, data):
+                candidates.extend(shorter.children or ())
             for other in candidates:
                 if (
                     other is new
@@ -905,6 +909,32 @@ class RolloutGraph:
                 if run_bytes(other.prompt).startswith(data):
                     moves.append((other, LINK_TOKENS))
         return moves
+
+    def _prefixes_within(self, new: _Turn, data: bytes) -> list[_Turn]:
+        """Stored turns whose prompt + sampled tokens are a prefix of `new`'s, longer than its
+        prompt and shorter than its prompt + sampled tokens."""
+        low = new.prompt.length  # type: ignore[union-attr]
+        high = new.full.length  # type: ignore[union-attr]
+        if high <= low:
+            return []
+        found: list[_Turn] = []
+        keys = [
+            (prefix_digest(data, j * BLOCK), j * BLOCK, (j + 1) * BLOCK)
+            for j in range(max(low // BLOCK, 1), high // BLOCK + 1)
+        ]
+        keys += [(short_key(data, n), n, n + 1) for n in self._short_lengths if low < n < high]
+        for key, start, stop in keys:
+            for other in _members(self._token_index.get(key)):
+                full = other.full
+                if (
+                    other is not new
+                    and full is not None
+                    and low < full.length < high
+                    and start <= full.length < stop
+                    and run_matches(full, data)
+                ):
+                    found.append(other)
+        return found
 
     def _message_moves(self, new: _Turn, scratch: _Scratch) -> list[tuple[_Turn, int]]:
         """Message-linked turns whose request continues `new` and that hang shallower.

@@ -826,3 +826,20 @@ def test_message_turn_moves_under_a_late_token_turn_it_continues():
         for fields in order:
             graph.add_turn(TurnNode(**fields))
         assert (graph.parent("M"), graph.link_kind("M")) == ("T", "messages")
+
+
+@pytest.mark.parametrize("order", ["ABC", "ACB", "CAB", "CBA", "BCA", "BAC"])
+@pytest.mark.parametrize("prompt_len", [3, 300])
+def test_longer_retry_adopts_the_continuation_whatever_the_order(order, prompt_len):
+    """Two samples of one prompt where one is a prefix of the other (a retry after a length
+    cut-off): the continuation hangs under the longer one in every arrival order."""
+    prompt = list(range(prompt_len))
+    short = list(range(1000, 1000 + (70 if prompt_len > 64 else 2)))
+    long = list(range(1000, 1000 + (140 if prompt_len > 64 else 4)))
+    specs = {"A": (prompt, short), "B": (prompt, long), "C": ([*prompt, *long, 9], [7])}
+    graph = RolloutGraph()
+    for name in order:
+        graph.add_turn(
+            TurnNode(node_id=name, prompt_ids=specs[name][0], sampled_ids=specs[name][1])
+        )
+    assert graph.parent("C") == "B"
