@@ -918,10 +918,16 @@ class RolloutGraph:
         if high <= low:
             return []
         found: list[_Turn] = []
-        keys = [
-            (prefix_digest(data, j * BLOCK), j * BLOCK, (j + 1) * BLOCK)
-            for j in range(max(low // BLOCK, 1), high // BLOCK + 1)
-        ]
+        first = max(low // BLOCK, 1)
+        view = memoryview(data)
+        hasher = xxhash.xxh3_64()
+        hasher.update(view[: first * BLOCK * 4])  # one pass over the tokens, not one a block
+        keys = [(hasher.intdigest(), first * BLOCK, (first + 1) * BLOCK)]
+        for j in range(first + 1, high // BLOCK + 1):
+            hasher.update(view[(j - 1) * BLOCK * 4 : j * BLOCK * 4])
+            keys.append((hasher.intdigest(), j * BLOCK, (j + 1) * BLOCK))
+        if first * BLOCK > high:
+            keys = []
         keys += [(short_key(data, n), n, n + 1) for n in self._short_lengths if low < n < high]
         for key, start, stop in keys:
             for other in _members(self._token_index.get(key)):
