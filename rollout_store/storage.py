@@ -25,19 +25,19 @@ import xxhash
 from .blobs import BlobTable, content_digest
 from .encoding import EXT_BIGINT, EXT_BLOB, EXT_ECHO, EXT_SURROGATE, EXT_TUPLE
 from .errors import ChecksumMismatch, CorruptFileError, UnsupportedVersionError
-from .graph import (
-    _ECHO_PACKED,
-    _NO_MESSAGES,
-    _TAIL_ECHO,
+from .graph import RolloutGraph
+from .tokens import TokenRun
+from .turns import (
+    ECHO_PACKED,
     LINK_EXPLICIT,
-    RolloutGraph,
-    _above,
-    _Scratch,
-    _Turn,
+    NO_MESSAGES,
+    TAIL_ECHO,
+    Scratch,
+    Turn,
     finish_tail,
     full_run,
+    is_above,
 )
-from .tokens import TokenRun
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "LoadReport", "load", "open_append", "save", "verify"]
 
@@ -220,8 +220,8 @@ class _Writer:
     def turn_frames(
         self,
         graph: RolloutGraph,
-        turn: _Turn,
-        moves: list[tuple[_Turn, int]],
+        turn: Turn,
+        moves: list[tuple[Turn, int]],
         keys: list[Any],
         blobs_end: int,
         refs: tuple[int, int],
@@ -281,13 +281,13 @@ class _Writer:
 
         return frames, commit
 
-    def note_runs(self, turn: _Turn) -> None:
+    def note_runs(self, turn: Turn) -> None:
         if turn.prompt is not None:
             self.prompt_of.setdefault(id(turn.prompt), turn.index)
         if turn.full is not None:
             self.full_of.setdefault(id(turn.full), turn.index)
 
-    def _prompt_spec(self, turn: _Turn) -> Any:
+    def _prompt_spec(self, turn: Turn) -> Any:
         run = turn.prompt
         if run is None:
             return None
@@ -323,7 +323,7 @@ def _header(graph: RolloutGraph, mode: str) -> bytes:
     return MAGIC + _frame(KIND_HEADER, payload)
 
 
-def _turn_keys(scratch: _Scratch) -> list[Any]:
+def _turn_keys(scratch: Scratch) -> list[Any]:
     return [scratch.request_digest, scratch.token_key, scratch.prompt_key, scratch.root_keys]
 
 
@@ -348,7 +348,7 @@ def save(graph: RolloutGraph, path: str | os.PathLike[str]) -> None:
             with open(tmp, "wb") as fp:
                 fp.write(_header(graph, MODE_SNAPSHOT))
                 turns = graph._turns
-                later_children: dict[int, list[tuple[_Turn, int]]] = {}
+                later_children: dict[int, list[tuple[Turn, int]]] = {}
                 for turn in turns:
                     parent = turn.parent
                     if parent is not None and parent.index > turn.index:
@@ -480,7 +480,7 @@ class _Loader:
         if not isinstance(node_id, str) or node_id in g._by_id:
             raise ValueError(f"bad or repeated node id {node_id!r}")
         n_blobs = len(g.blobs)
-        turn = _Turn()
+        turn = Turn()
         turn.node_id = node_id
         turn.index = len(turns)
         turn.children = None
@@ -507,12 +507,12 @@ class _Loader:
         turn.tail = tail
         turn.n_rest = n_rest
         finish_tail(turn)
-        if tail or not flags & _NO_MESSAGES:
+        if tail or not flags & NO_MESSAGES:
             items = self.checker.check(tail, n_blobs, echo_ok=True)
             if type(items) is not list or len(items) != n_rest - turn.first:
                 raise ValueError("request tail does not hold its messages")
-            echo = bool(flags & _TAIL_ECHO)
-            at_start = tail[turn.body_start - len(_ECHO_PACKED) : turn.body_start] == _ECHO_PACKED
+            echo = bool(flags & TAIL_ECHO)
+            at_start = tail[turn.body_start - len(ECHO_PACKED) : turn.body_start] == ECHO_PACKED
             if self.checker.echoes != echo or (echo and (turn.base is None or not at_start)):
                 raise ValueError("misplaced echo in a request tail")
         if system is not None and not self.value_is_list[system]:
@@ -546,7 +546,7 @@ class _Loader:
             isinstance(keys[3], list) and all(type(k) is int for k in keys[3])
         ):
             raise ValueError("bad index keys")
-        scratch = _Scratch()
+        scratch = Scratch()
         scratch.request_digest, scratch.token_key, scratch.prompt_key, scratch.root_keys = keys
         if not (isinstance(moves, list) and isinstance(refs, list) and len(refs) == 2):
             raise ValueError("bad moves or reference counts")
@@ -554,7 +554,7 @@ class _Loader:
             if not (isinstance(move, list) and len(move) == 2 and isinstance(move[1], int)):
                 raise ValueError("bad move")
             other = _ref(turns, move[0])
-            if other is None or not 0 < move[1] < LINK_EXPLICIT + 1 or _above(other, turn):
+            if other is None or not 0 < move[1] < LINK_EXPLICIT + 1 or is_above(other, turn):
                 raise ValueError("bad move")
             scratch.moves.append((other, move[1]))
         if not all(type(r) is int and r >= 0 for r in refs):
@@ -591,7 +591,7 @@ class _Loader:
         raise ValueError("bad prompt spec")
 
 
-def _ref(turns: list[_Turn], index: Any) -> _Turn | None:
+def _ref(turns: list[Turn], index: Any) -> Turn | None:
     if index is None:
         return None
     if not isinstance(index, int) or not 0 <= index < len(turns):
@@ -779,7 +779,7 @@ class _AppendLog:
         self.fsync_every = fsync_every
         self.unsynced = 0
 
-    def on_turn(self, graph: RolloutGraph, turn: _Turn, scratch: _Scratch) -> None:
+    def on_turn(self, graph: RolloutGraph, turn: Turn, scratch: Scratch) -> None:
         keys = _turn_keys(scratch)
         frames, commit = self.writer.turn_frames(
             graph, turn, scratch.moves, keys, len(graph.blobs), graph.blobs.mark()[1:]
