@@ -11,20 +11,36 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import struct
-import sys
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import msgpack
-import xxhash
-
-from .blobs import BlobTable, content_digest
-from .encoding import EXT_BIGINT, EXT_BLOB, EXT_ECHO, EXT_SURROGATE, EXT_TUPLE
+from .blobs import content_digest
 from .errors import ChecksumMismatch, CorruptFileError, UnsupportedVersionError
+from .frames import (
+    BLOB_PREFIX,
+    FORMAT_VERSION,
+    FRAME,
+    KIND_BLOB,
+    KIND_END,
+    KIND_HEADER,
+    KIND_NAMES,
+    KIND_TURN,
+    KIND_VALUE,
+    MAGIC,
+    MODE_LOG,
+    MODE_SNAPSHOT,
+    PackedChecker,
+    blob_frame,
+    checksum,
+    decode_segment,
+    encode_segment,
+    frame,
+    pack,
+    unpack_payload,
+)
 from .graph import RolloutGraph
 from .tokens import TokenRun
 from .turns import (
@@ -41,157 +57,9 @@ from .turns import (
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "LoadReport", "load", "open_append", "save", "verify"]
 
-MAGIC = b"RLSTORE\x00"
-FORMAT_VERSION = 1
-FRAME = struct.Struct("<BIQ")  # kind, payload length, xxh3-64 of payload seeded by kind+length
-MAX_PAYLOAD = (1 << 32) - 1
-
-KIND_HEADER, KIND_BLOB, KIND_VALUE, KIND_TURN, KIND_END = 0, 1, 2, 3, 4
-_KIND_NAMES = {
-    KIND_HEADER: "header",
-    KIND_BLOB: "blob",
-    KIND_VALUE: "value",
-    KIND_TURN: "turn",
-    KIND_END: "end",
-}
-MODE_LOG, MODE_SNAPSHOT = "log", "snapshot"
 
 # prompt specs in a turn record
 _PROMPT_SAME, _PROMPT_EXTENDS, _PROMPT_NEW = 0, 1, 2
-
-_LITTLE = sys.byteorder == "little"
-
-
-def _checksum(kind: int, payload: bytes | memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(payload, seed=(kind << 32) | len(payload))
-
-
-def _frame(kind: int, payload: bytes) -> bytes:
-    return FRAME.pack(kind, len(payload), _checksum(kind, payload)) + payload
-
-
-def _bin_header(n: int) -> bytes:
-    if n < 1 << 8:
-        return b"\xc4" + n.to_bytes(1, "big")
-    if n < 1 << 16:
-        return b"\xc5" + n.to_bytes(2, "big")
-    return b"\xc6" + n.to_bytes(4, "big")
-
-
-# A blob payload is the msgpack array [digest (bin 16), data (bin)]: this prefix, then data.
-_BLOB_PREFIX = b"\x92\xc4\x10"
-
-
-def _blob_frame(digest: bytes, data: bytes) -> list[bytes]:
-    """A blob frame as parts, so the (large) data is never copied into a joined payload."""
-    prefix = _BLOB_PREFIX + digest + _bin_header(len(data))
-    length = len(prefix) + len(data)
-    hasher = xxhash.xxh3_64(seed=(KIND_BLOB << 32) | length)
-    hasher.update(prefix)
-    hasher.update(data)
-    return [FRAME.pack(KIND_BLOB, length, hasher.intdigest()), prefix, data]
-
-
-def _pack(obj: Any) -> bytes:
-    # record fields are str (node ids, model names) that may hold lone surrogates
-    return msgpack.packb(obj, use_bin_type=True, unicode_errors="surrogatepass")
-
-
-# ---------------------------------------------------------------- token segments
-
-
-def _array_bytes(arr: array) -> bytes:
-    if _LITTLE:
-        return arr.tobytes()
-    swapped = array(arr.typecode, arr)
-    swapped.byteswap()
-    return swapped.tobytes()
-
-
-def _bytes_array(typecode: str, data: bytes) -> array:
-    arr = array(typecode)
-    if len(data) % arr.itemsize:
-        raise ValueError(f"{len(data)} bytes is not a whole number of '{typecode}' items")
-    arr.frombytes(data)
-    if not _LITTLE:
-        arr.byteswap()
-    return arr
-
-
-def _big_default(obj: object) -> msgpack.ExtType:
-    if type(obj) is int:
-        return msgpack.ExtType(EXT_BIGINT, str(obj).encode("ascii"))
-    raise TypeError(type(obj).__name__)
-
-
-def _encode_seg(seg: Any) -> Any:
-    if seg is None:
-        return None
-    if isinstance(seg, array):
-        return [seg.typecode, _array_bytes(seg)]
-    return ["t", msgpack.packb(list(seg), default=_big_default)]
-
-
-def _big_hook(code: int, data: bytes) -> int:
-    if code == EXT_BIGINT:
-        return int(data)
-    raise ValueError(f"unexpected extension type {code} in token ids")
-
-
-def _decode_seg(spec: Any, kinds: str = "Iqt") -> Any:
-    if spec is None:
-        return None
-    if not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[1], bytes)):
-        raise ValueError("bad segment")
-    kind, data = spec
-    if kind not in tuple(kinds):
-        raise ValueError(f"segment kind {kind!r} is not allowed here")
-    if kind in ("I", "q", "d"):
-        return _bytes_array(kind, data)
-    if kind == "t":
-        values = msgpack.unpackb(data, ext_hook=_big_hook)
-        if not isinstance(values, list) or any(type(v) is not int for v in values):
-            raise ValueError("token ids must be ints")
-        return tuple(values)
-    raise ValueError(f"unknown segment kind {kind!r}")
-
-
-class _PackedChecker:
-    """Decodes a packed value once, so that a damaged reference fails on load, not on export."""
-
-    def __init__(self, blobs: BlobTable) -> None:
-        self.blobs = blobs
-        self.n_blobs = 0
-        self.echo_ok = False
-        self.echoes = 0
-        self.special = False  # holds a tuple, big int or lone surrogate (see graph._shared)
-
-    def hook(self, code: int, payload: bytes) -> None:
-        if code == EXT_BLOB:
-            index = int.from_bytes(payload, "big")
-            if len(payload) != 4 or index >= self.n_blobs:
-                raise ValueError("blob reference out of range")
-            if self.blobs.handle(index).surrogates:
-                self.special = True
-            return
-        if code == EXT_BIGINT:
-            int(payload.decode("ascii"))
-        elif code == EXT_SURROGATE:
-            payload.decode("utf-8", "surrogatepass")
-        elif code == EXT_ECHO and self.echo_ok and not payload:
-            self.echoes += 1
-            return
-        elif code != EXT_TUPLE or payload:
-            raise ValueError(f"unexpected extension type {code}")
-        self.special = True
-
-    def check(self, data: Any, n_blobs: int, echo_ok: bool = False) -> Any:
-        """The value decoded (blobs as None); raises ValueError for a damaged one. Sets
-        `special` and `echoes` for what it found."""
-        if not isinstance(data, bytes):
-            raise ValueError("packed value must be bytes")
-        self.n_blobs, self.echo_ok, self.special, self.echoes = n_blobs, echo_ok, False, 0
-        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=self.hook)
 
 
 # ---------------------------------------------------------------- writing
@@ -214,7 +82,7 @@ class _Writer:
         blobs = graph.blobs
         for index in range(self.blobs_written, end):
             data = blobs.string(index).encode("utf-8", "surrogatepass")
-            frames.extend(_blob_frame(blobs.handle(index).digest, data))
+            frames.extend(blob_frame(blobs.handle(index).digest, data))
         return frames
 
     def turn_frames(
@@ -240,7 +108,7 @@ class _Writer:
                     if pending is stored:
                         return len(self.value_objects) + i
                 new_values.append(stored)
-                frames.append(_frame(KIND_VALUE, _pack(stored)))
+                frames.append(frame(KIND_VALUE, pack(stored)))
                 return len(self.value_objects) + len(new_values) - 1
             return ordinal
 
@@ -260,15 +128,15 @@ class _Writer:
             value_ref(turn.tools),
             value_ref(turn.sampling),
             self._prompt_spec(turn),
-            _encode_seg(turn.sampled),
-            _encode_seg(turn.logprobs)
+            encode_segment(turn.sampled),
+            encode_segment(turn.logprobs)
             if isinstance(turn.logprobs, array)
             else (["j", turn.logprobs] if turn.logprobs is not None else None),
             keys,
             [refs[0] - self.refs[0], refs[1] - self.refs[1]],
             [[other.index, link] for other, link in moves],
         ]
-        frames.append(_frame(KIND_TURN, _pack(record)))
+        frames.append(frame(KIND_TURN, pack(record)))
 
         def commit() -> None:
             self.blobs_written = blobs_end
@@ -297,7 +165,7 @@ class _Writer:
         if run.prev is not None:
             extends = self.full_of.get(id(run.prev))
             if extends is not None:
-                return [_PROMPT_EXTENDS, extends, _encode_seg(run.seg)]
+                return [_PROMPT_EXTENDS, extends, encode_segment(run.seg)]
         # a chain this file cannot name: write the tokens whole (exact, just not shared)
         flat: Any = array("I")
         for seg in run.segments():
@@ -308,11 +176,11 @@ class _Writer:
                 break
         if flat is None:
             flat = tuple(v for seg in run.segments() for v in seg)
-        return [_PROMPT_NEW, _encode_seg(flat)]
+        return [_PROMPT_NEW, encode_segment(flat)]
 
 
 def _header(graph: RolloutGraph, mode: str) -> bytes:
-    payload = _pack(
+    payload = pack(
         {
             "format": "rollout_store",
             "version": FORMAT_VERSION,
@@ -320,7 +188,7 @@ def _header(graph: RolloutGraph, mode: str) -> bytes:
             "share_threshold": graph.share_threshold,
         }
     )
-    return MAGIC + _frame(KIND_HEADER, payload)
+    return MAGIC + frame(KIND_HEADER, payload)
 
 
 def _turn_keys(scratch: Scratch) -> list[Any]:
@@ -369,7 +237,7 @@ def save(graph: RolloutGraph, path: str | os.PathLike[str]) -> None:
                     commit()
                 references = list(graph.blobs.mark()[1:])
                 end = {"turns": len(turns), "blobs": len(graph.blobs), "references": references}
-                fp.write(_frame(KIND_END, _pack(end)))
+                fp.write(frame(KIND_END, pack(end)))
                 fp.flush()
                 os.fsync(fp.fileno())
             os.replace(tmp, target)
@@ -415,13 +283,13 @@ class _Loader:
         self.graph = RolloutGraph(share_threshold=share_threshold)
         self.values: list[bytes] = []
         self.writer = _Writer()
-        self.checker = _PackedChecker(self.graph.blobs)
+        self.checker = PackedChecker(self.graph.blobs)
         self.value_is_list: list[bool] = []  # system parts must be arrays of messages
 
     def blob(self, payload: memoryview, offset: int, record: int) -> None:
         """A blob frame's payload, read in place: prefix, digest, bin header, data."""
         n = len(payload)
-        if n < 21 or payload[:3] != _BLOB_PREFIX:
+        if n < 21 or payload[:3] != BLOB_PREFIX:
             raise ValueError("blob record must be [digest, data]")
         digest = bytes(payload[3:19])
         tag = payload[19]
@@ -523,7 +391,7 @@ class _Loader:
         turn.tools = self._value_ref(tools)
         turn.sampling = self._value_ref(sampling)
         turn.prompt = self._prompt(prompt)
-        turn.sampled = _decode_seg(sampled)
+        turn.sampled = decode_segment(sampled)
         if turn.sampled is not None and not (
             isinstance(turn.sampled, tuple) or turn.sampled.typecode in "Iq"
         ):
@@ -535,7 +403,7 @@ class _Loader:
             self.checker.check(logprobs[1], n_blobs)
             turn.logprobs = logprobs[1]
         elif logprobs[0] == "d":
-            turn.logprobs = _decode_seg(logprobs, "d")
+            turn.logprobs = decode_segment(logprobs, "d")
         else:
             raise ValueError("bad logprobs")
         if not (isinstance(keys, list) and len(keys) == 4):
@@ -585,9 +453,9 @@ class _Loader:
             other = _ref(turns, spec[1])
             if other is None or other.full is None:
                 raise ValueError("prompt extends a turn without tokens")
-            return TokenRun(other.full, _decode_seg(spec[2]))
+            return TokenRun(other.full, decode_segment(spec[2]))
         if kind == _PROMPT_NEW and len(spec) == 2:
-            return TokenRun(None, _decode_seg(spec[1]))
+            return TokenRun(None, decode_segment(spec[1]))
         raise ValueError("bad prompt spec")
 
 
@@ -597,10 +465,6 @@ def _ref(turns: list[Turn], index: Any) -> Turn | None:
     if not isinstance(index, int) or not 0 <= index < len(turns):
         raise ValueError(f"turn reference {index!r} out of range")
     return turns[index]
-
-
-def _unpack_payload(payload: bytes | memoryview) -> Any:
-    return msgpack.unpackb(payload, raw=False, strict_map_key=False, unicode_errors="surrogatepass")
 
 
 def _scan(
@@ -639,7 +503,7 @@ def _scan(
             break
         payload = data[offset : offset + length]  # a view: blob data is not copied
         offset += length
-        actual = _checksum(kind, payload)
+        actual = checksum(kind, payload)
         if actual != expected:
             # the last frame (no room for another after it), or zeros to the end (space the
             # file system allocated before the write landed): a torn write, not damage
@@ -648,7 +512,7 @@ def _scan(
             report.fail(failure, truncated=torn)
             break
         try:
-            body = payload if kind == KIND_BLOB else _unpack_payload(payload)
+            body = payload if kind == KIND_BLOB else unpack_payload(payload)
             if ended:
                 raise ValueError("records after the end record")
             if record == 0:
@@ -690,7 +554,7 @@ def _scan(
             report.fail(exc)
             break
         except Exception as exc:  # anything a damaged payload provokes
-            kind_name = _KIND_NAMES.get(kind, f"kind {kind}")
+            kind_name = KIND_NAMES.get(kind, f"kind {kind}")
             message = f"invalid {kind_name} record: {exc}"
             report.fail(CorruptFileError(message, offset=start, record=record))
             break

@@ -25,6 +25,7 @@ from rollout_store import (
     TurnNode,
     UnsupportedVersionError,
     export_session,
+    frames,
     storage,
 )
 
@@ -227,11 +228,11 @@ def test_open_refuses_snapshot(tmp_path: Path, graph: RolloutGraph) -> None:
 def _turn_ends(path: Path) -> list[int]:
     """Byte offsets just past each turn record of a file."""
     data = path.read_bytes()
-    offset, ends = len(storage.MAGIC), []
+    offset, ends = len(frames.MAGIC), []
     while offset < len(data):
-        kind, length, _ = storage.FRAME.unpack_from(data, offset)
-        offset += storage.FRAME.size + length
-        if kind == storage.KIND_TURN:
+        kind, length, _ = frames.FRAME.unpack_from(data, offset)
+        offset += frames.FRAME.size + length
+        if kind == frames.KIND_TURN:
             ends.append(offset)
     return ends
 
@@ -310,11 +311,11 @@ def test_snapshot_cut_at_record_boundary_is_detected(tmp_path: Path, graph: Roll
 
 
 def _record_offsets(data: bytes) -> list[tuple[int, int, int]]:
-    offset, out = len(storage.MAGIC), []
+    offset, out = len(frames.MAGIC), []
     while offset < len(data):
-        kind, length, _ = storage.FRAME.unpack_from(data, offset)
-        out.append((kind, offset, storage.FRAME.size + length))
-        offset += storage.FRAME.size + length
+        kind, length, _ = frames.FRAME.unpack_from(data, offset)
+        out.append((kind, offset, frames.FRAME.size + length))
+        offset += frames.FRAME.size + length
     return out
 
 
@@ -355,10 +356,10 @@ def test_blob_digest_mismatch_is_a_checksum_error(tmp_path: Path) -> None:
     path = _small_log(tmp_path)
     data = bytearray(path.read_bytes())
     for kind, start, length in _record_offsets(bytes(data)):
-        if kind == storage.KIND_BLOB:
-            payload = bytearray(data[start + storage.FRAME.size : start + length])
+        if kind == frames.KIND_BLOB:
+            payload = bytearray(data[start + frames.FRAME.size : start + length])
             payload[-1] ^= 0x02  # the blob's last content byte
-            frame = storage._frame(kind, bytes(payload))
+            frame = frames.frame(kind, bytes(payload))
             data[start : start + length] = frame
             break
     path.write_bytes(bytes(data))
@@ -368,9 +369,9 @@ def test_blob_digest_mismatch_is_a_checksum_error(tmp_path: Path) -> None:
 
 
 def test_newer_version_is_refused(tmp_path: Path) -> None:
-    header = storage._pack({"format": "rollout_store", "version": 99, "mode": "log"})
+    header = frames.pack({"format": "rollout_store", "version": 99, "mode": "log"})
     path = tmp_path / "new.rls"
-    path.write_bytes(storage.MAGIC + storage._frame(storage.KIND_HEADER, header))
+    path.write_bytes(frames.MAGIC + frames.frame(frames.KIND_HEADER, header))
     with pytest.raises(UnsupportedVersionError, match="version 99"):
         RolloutGraph.load(path)
 
@@ -385,7 +386,7 @@ def test_not_a_rollout_file(tmp_path: Path) -> None:
 @given(st.binary(max_size=300))
 def test_garbage_never_crashes_with_another_error(tmp_path_factory, blob: bytes) -> None:
     path = tmp_path_factory.mktemp("g") / "g.rls"
-    for data in (blob, storage.MAGIC + blob):
+    for data in (blob, frames.MAGIC + blob):
         path.write_bytes(data)
         with contextlib.suppress(CorruptFileError):
             RolloutGraph.load(path, recover=True)
@@ -393,7 +394,7 @@ def test_garbage_never_crashes_with_another_error(tmp_path_factory, blob: bytes)
 
 def test_crafted_records_with_valid_checksums_are_rejected(tmp_path: Path) -> None:
     """Payloads that pass the frame checksum but make no sense still fail cleanly."""
-    header = storage._pack({"format": "rollout_store", "version": 1, "mode": "log"})
+    header = frames.pack({"format": "rollout_store", "version": 1, "mode": "log"})
     bad_turns = [
         [],
         ["a"] * 18,
@@ -408,14 +409,14 @@ def test_crafted_records_with_valid_checksums_are_rejected(tmp_path: Path) -> No
     ]
     path = tmp_path / "c.rls"
     for turn in bad_turns:
-        frames = storage._frame(storage.KIND_HEADER, header) + storage._frame(
-            storage.KIND_TURN, storage._pack(turn)
+        records = frames.frame(frames.KIND_HEADER, header) + frames.frame(
+            frames.KIND_TURN, frames.pack(turn)
         )
-        path.write_bytes(storage.MAGIC + frames)
+        path.write_bytes(frames.MAGIC + records)
         with pytest.raises(CorruptFileError) as info:
             RolloutGraph.load(path)
-        assert info.value.offset == len(storage.MAGIC) + len(
-            storage._frame(storage.KIND_HEADER, header)
+        assert info.value.offset == len(frames.MAGIC) + len(
+            frames.frame(frames.KIND_HEADER, header)
         )
 
 
@@ -502,10 +503,10 @@ def test_ids_and_names_with_lone_surrogates_round_trip(tmp_path: Path) -> None:
 
 
 def _crafted_log(tmp_path: Path, records: list[tuple[int, object]]) -> Path:
-    header = storage._pack({"format": "rollout_store", "version": 1, "mode": "log"})
-    data = storage.MAGIC + storage._frame(storage.KIND_HEADER, header)
+    header = frames.pack({"format": "rollout_store", "version": 1, "mode": "log"})
+    data = frames.MAGIC + frames.frame(frames.KIND_HEADER, header)
     for kind, body in records:
-        data += storage._frame(kind, storage._pack(body))
+        data += frames.frame(kind, frames.pack(body))
     path = tmp_path / "crafted.rls"
     path.write_bytes(data)
     return path
@@ -538,20 +539,20 @@ def _turn_record(**changes: object) -> list:
 
 def test_crafted_records_that_pass_checksums_are_still_refused(tmp_path: Path) -> None:
     """Checksums can be recomputed by anyone: the structure is checked too (review findings)."""
-    value = (storage.KIND_VALUE, msgpack.packb({"role": "system"}))
+    value = (frames.KIND_VALUE, msgpack.packb({"role": "system"}))
     crafted = [
-        [(storage.KIND_TURN, _turn_record(tail=msgpack.packb(5)))],  # tail not an array
-        [(storage.KIND_TURN, _turn_record(tail=b"\x91\xa1x", n_rest=2))],  # wrong count
-        [value, (storage.KIND_TURN, _turn_record(system=0))],  # system not an array
-        [(storage.KIND_TURN, _turn_record(prompt=[2, ["d", b"\0" * 16]]))],  # float tokens
-        [(storage.KIND_TURN, _turn_record(refs=[-1, 0]))],
+        [(frames.KIND_TURN, _turn_record(tail=msgpack.packb(5)))],  # tail not an array
+        [(frames.KIND_TURN, _turn_record(tail=b"\x91\xa1x", n_rest=2))],  # wrong count
+        [value, (frames.KIND_TURN, _turn_record(system=0))],  # system not an array
+        [(frames.KIND_TURN, _turn_record(prompt=[2, ["d", b"\0" * 16]]))],  # float tokens
+        [(frames.KIND_TURN, _turn_record(refs=[-1, 0]))],
         [
-            (storage.KIND_TURN, _turn_record(node_id="a")),
-            (storage.KIND_TURN, _turn_record(node_id="b", tail=b"\x91\xc7\x00\x05", n_rest=1)),
+            (frames.KIND_TURN, _turn_record(node_id="a")),
+            (frames.KIND_TURN, _turn_record(node_id="b", tail=b"\x91\xc7\x00\x05", n_rest=1)),
         ],  # an echo placeholder where no echo is flagged
         [
-            (storage.KIND_TURN, _turn_record(node_id="a")),
-            (storage.KIND_TURN, _turn_record(node_id="b", parent=0, link=2, moves=[[0, 2]])),
+            (frames.KIND_TURN, _turn_record(node_id="a")),
+            (frames.KIND_TURN, _turn_record(node_id="b", parent=0, link=2, moves=[[0, 2]])),
         ],  # a move that would make a cycle
     ]
     for records in crafted:
@@ -566,7 +567,7 @@ def test_crafted_records_that_pass_checksums_are_still_refused(tmp_path: Path) -
         lambda data: data + b"\0" * 64,  # space allocated, write never landed
         lambda data: data[:-9] + bytes(9),  # the last frame's bytes zeroed
         lambda data: data[:-5] + b"garbage",  # the last frame overwritten to the end
-        lambda data: storage.MAGIC[:5],  # cut inside the magic
+        lambda data: frames.MAGIC[:5],  # cut inside the magic
     ],
 )
 def test_repair_handles_torn_tails_that_are_not_short(tmp_path: Path, tear) -> None:
@@ -586,7 +587,7 @@ def test_repair_handles_torn_tails_that_are_not_short(tmp_path: Path, tear) -> N
 def test_repair_refuses_damage_in_the_middle(tmp_path: Path) -> None:
     path = _small_log(tmp_path)
     data = bytearray(path.read_bytes())
-    data[len(storage.MAGIC) + 20] ^= 0xFF  # inside the header record, far from the end
+    data[len(frames.MAGIC) + 20] ^= 0xFF  # inside the header record, far from the end
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptFileError):
         RolloutGraph.open(path, repair=True)

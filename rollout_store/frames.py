@@ -1,0 +1,197 @@
+"""Frames of a rollout file and the encodings inside them.
+
+A frame is kind (1 byte), payload length (4 bytes LE), xxh3-64 of the payload seeded with
+kind and length (8 bytes LE), then the payload. Token and logprob arrays are stored as
+little-endian bytes; packed values are checked once when read.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from typing import Any
+
+import msgpack
+import xxhash
+
+from .blobs import BlobTable
+from .encoding import EXT_BIGINT, EXT_BLOB, EXT_ECHO, EXT_SURROGATE, EXT_TUPLE
+
+__all__ = [
+    "BLOB_PREFIX",
+    "FORMAT_VERSION",
+    "FRAME",
+    "KIND_BLOB",
+    "KIND_END",
+    "KIND_HEADER",
+    "KIND_NAMES",
+    "KIND_TURN",
+    "KIND_VALUE",
+    "MAGIC",
+    "MAX_PAYLOAD",
+    "MODE_LOG",
+    "MODE_SNAPSHOT",
+    "PackedChecker",
+    "bin_header",
+    "blob_frame",
+    "checksum",
+    "decode_segment",
+    "encode_segment",
+    "frame",
+    "pack",
+    "unpack_payload",
+]
+
+MAGIC = b"RLSTORE\x00"
+FORMAT_VERSION = 1
+FRAME = struct.Struct("<BIQ")  # kind, payload length, xxh3-64 of payload seeded by kind+length
+MAX_PAYLOAD = (1 << 32) - 1
+
+KIND_HEADER, KIND_BLOB, KIND_VALUE, KIND_TURN, KIND_END = 0, 1, 2, 3, 4
+KIND_NAMES = {
+    KIND_HEADER: "header",
+    KIND_BLOB: "blob",
+    KIND_VALUE: "value",
+    KIND_TURN: "turn",
+    KIND_END: "end",
+}
+MODE_LOG, MODE_SNAPSHOT = "log", "snapshot"
+
+_LITTLE = sys.byteorder == "little"
+
+
+def checksum(kind: int, payload: bytes | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(payload, seed=(kind << 32) | len(payload))
+
+
+def frame(kind: int, payload: bytes) -> bytes:
+    return FRAME.pack(kind, len(payload), checksum(kind, payload)) + payload
+
+
+def bin_header(n: int) -> bytes:
+    if n < 1 << 8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 1 << 16:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+# A blob payload is the msgpack array [digest (bin 16), data (bin)]: this prefix, then data.
+BLOB_PREFIX = b"\x92\xc4\x10"
+
+
+def blob_frame(digest: bytes, data: bytes) -> list[bytes]:
+    """A blob frame as parts, so the (large) data is never copied into a joined payload."""
+    prefix = BLOB_PREFIX + digest + bin_header(len(data))
+    length = len(prefix) + len(data)
+    hasher = xxhash.xxh3_64(seed=(KIND_BLOB << 32) | length)
+    hasher.update(prefix)
+    hasher.update(data)
+    return [FRAME.pack(KIND_BLOB, length, hasher.intdigest()), prefix, data]
+
+
+def pack(obj: Any) -> bytes:
+    # record fields are str (node ids, model names) that may hold lone surrogates
+    return msgpack.packb(obj, use_bin_type=True, unicode_errors="surrogatepass")
+
+
+# ---------------------------------------------------------------- token segments
+
+
+def _array_bytes(arr: array) -> bytes:
+    if _LITTLE:
+        return arr.tobytes()
+    swapped = array(arr.typecode, arr)
+    swapped.byteswap()
+    return swapped.tobytes()
+
+
+def _bytes_array(typecode: str, data: bytes) -> array:
+    arr = array(typecode)
+    if len(data) % arr.itemsize:
+        raise ValueError(f"{len(data)} bytes is not a whole number of '{typecode}' items")
+    arr.frombytes(data)
+    if not _LITTLE:
+        arr.byteswap()
+    return arr
+
+
+def _big_default(obj: object) -> msgpack.ExtType:
+    if type(obj) is int:
+        return msgpack.ExtType(EXT_BIGINT, str(obj).encode("ascii"))
+    raise TypeError(type(obj).__name__)
+
+
+def encode_segment(seg: Any) -> Any:
+    if seg is None:
+        return None
+    if isinstance(seg, array):
+        return [seg.typecode, _array_bytes(seg)]
+    return ["t", msgpack.packb(list(seg), default=_big_default)]
+
+
+def _big_hook(code: int, data: bytes) -> int:
+    if code == EXT_BIGINT:
+        return int(data)
+    raise ValueError(f"unexpected extension type {code} in token ids")
+
+
+def decode_segment(spec: Any, kinds: str = "Iqt") -> Any:
+    if spec is None:
+        return None
+    if not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[1], bytes)):
+        raise ValueError("bad segment")
+    kind, data = spec
+    if kind not in tuple(kinds):
+        raise ValueError(f"segment kind {kind!r} is not allowed here")
+    if kind in ("I", "q", "d"):
+        return _bytes_array(kind, data)
+    if kind == "t":
+        values = msgpack.unpackb(data, ext_hook=_big_hook)
+        if not isinstance(values, list) or any(type(v) is not int for v in values):
+            raise ValueError("token ids must be ints")
+        return tuple(values)
+    raise ValueError(f"unknown segment kind {kind!r}")
+
+
+class PackedChecker:
+    """Decodes a packed value once, so that a damaged reference fails on load, not on export."""
+
+    def __init__(self, blobs: BlobTable) -> None:
+        self.blobs = blobs
+        self.n_blobs = 0
+        self.echo_ok = False
+        self.echoes = 0
+        self.special = False  # holds a tuple, big int or lone surrogate (see graph._shared)
+
+    def hook(self, code: int, payload: bytes) -> None:
+        if code == EXT_BLOB:
+            index = int.from_bytes(payload, "big")
+            if len(payload) != 4 or index >= self.n_blobs:
+                raise ValueError("blob reference out of range")
+            if self.blobs.handle(index).surrogates:
+                self.special = True
+            return
+        if code == EXT_BIGINT:
+            int(payload.decode("ascii"))
+        elif code == EXT_SURROGATE:
+            payload.decode("utf-8", "surrogatepass")
+        elif code == EXT_ECHO and self.echo_ok and not payload:
+            self.echoes += 1
+            return
+        elif code != EXT_TUPLE or payload:
+            raise ValueError(f"unexpected extension type {code}")
+        self.special = True
+
+    def check(self, data: Any, n_blobs: int, echo_ok: bool = False) -> Any:
+        """The value decoded (blobs as None); raises ValueError for a damaged one. Sets
+        `special` and `echoes` for what it found."""
+        if not isinstance(data, bytes):
+            raise ValueError("packed value must be bytes")
+        self.n_blobs, self.echo_ok, self.special, self.echoes = n_blobs, echo_ok, False, 0
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=self.hook)
+
+
+def unpack_payload(payload: bytes | memoryview) -> Any:
+    return msgpack.unpackb(payload, raw=False, strict_map_key=False, unicode_errors="surrogatepass")
