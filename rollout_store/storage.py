@@ -482,7 +482,10 @@ def _scan(
     report = LoadReport(path, size, 0, 0, 0, 0)
     if size < len(MAGIC) or bytes(data[: len(MAGIC)]) != MAGIC:
         report.fail(CorruptFileError("not a rollout_store file (bad magic)", offset=0))
-        report.truncated = size < len(MAGIC) and MAGIC.startswith(bytes(data))
+        head = bytes(data[: len(MAGIC)])
+        report.truncated = (size < len(MAGIC) and MAGIC.startswith(head)) or not bytes(data).strip(
+            b"\0"
+        )
         return _Loader(None), report
     offset = len(MAGIC)
     loader: _Loader | None = None
@@ -499,17 +502,15 @@ def _scan(
         offset += FRAME.size
         if length > size - offset:
             message = f"file ends inside a record: {size - offset} of {length} bytes present"
-            report.fail(CorruptFileError(message, offset=start, record=record), truncated=True)
+            failure = CorruptFileError(message, offset=start, record=record)
+            report.fail(failure, truncated=not _frame_after(data, start))
             break
         payload = data[offset : offset + length]  # a view: blob data is not copied
         offset += length
         actual = checksum(kind, payload)
         if actual != expected:
-            # the last frame (no room for another after it), or zeros to the end (space the
-            # file system allocated before the write landed): a torn write, not damage
-            torn = size - offset < FRAME.size or not bytes(data[start:]).strip(b"\0")
             failure = ChecksumMismatch("record", expected, actual, offset=start, record=record)
-            report.fail(failure, truncated=torn)
+            report.fail(failure, truncated=not _frame_after(data, start))
             break
         try:
             body = payload if kind == KIND_BLOB else unpack_payload(payload)
@@ -576,6 +577,22 @@ def _scan(
     if loader is None:
         loader = _Loader(None)
     return loader, report
+
+
+def _frame_after(data: memoryview, start: int) -> bool:
+    """Whether a whole, valid frame begins anywhere after `start`.
+
+    Damage with no valid frame after it is a torn last write (a cut, garbage or zeros to
+    the end), which `repair` may cut off; damage followed by intact records is not.
+    """
+    size = len(data)
+    for pos in range(start + 1, size - FRAME.size + 1):
+        kind, length, expected = FRAME.unpack_from(data, pos)
+        if kind <= KIND_END and length <= size - pos - FRAME.size:
+            payload = data[pos + FRAME.size : pos + FRAME.size + length]
+            if checksum(kind, payload) == expected:
+                return True
+    return False
 
 
 def _read_header(kind: int, body: Any, start: int) -> tuple[_Loader, str]:

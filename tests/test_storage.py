@@ -605,3 +605,48 @@ def test_closed_log_refuses_turns_and_save_refuses_its_own_log(tmp_path: Path) -
         graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "b"}]))
     assert len(graph) == 1 and len(RolloutGraph.load(path)) == 1
     graph.save(tmp_path / "copy.rls")  # a snapshot elsewhere is fine, also after close
+
+
+def _log_of(tmp_path: Path, n: int) -> tuple[Path, list[int]]:
+    path = tmp_path / "log.rls"
+    with RolloutGraph.open(path, share_threshold=4) as graph:
+        for i in range(n):
+            graph.add_turn(
+                TurnNode(
+                    node_id=f"t{i}",
+                    request_messages=[{"role": "user", "content": f"a long string {i}"}],
+                )
+            )
+    return path, [start for _, start, _ in _record_offsets(path.read_bytes())]
+
+
+def test_repair_never_cuts_intact_records_after_a_damaged_length(tmp_path: Path) -> None:
+    """A flipped bit in a middle frame's length looks like a cut, but records follow it."""
+    path, starts = _log_of(tmp_path, 5)
+    for victim in (starts[0], starts[3]):  # the header frame, then a middle frame
+        data = bytearray(path.read_bytes())
+        original = bytes(data)
+        data[victim + 4] ^= 0x40
+        path.write_bytes(bytes(data))
+        with pytest.raises(CorruptFileError):
+            RolloutGraph.open(path, repair=True)
+        assert path.read_bytes() == bytes(data)  # untouched
+        path.write_bytes(original)
+
+
+def test_repair_cuts_a_partial_write_followed_by_zeros(tmp_path: Path) -> None:
+    """A crash that left the size of a whole turn write but only its first bytes."""
+    path = tmp_path / "log.rls"
+    with RolloutGraph.open(path, share_threshold=4) as graph:
+        graph.add_turn(TurnNode(node_id="a", request_messages=[{"role": "user", "content": "hi"}]))
+    good = path.stat().st_size
+    with RolloutGraph.open(path, share_threshold=4) as graph:
+        graph.add_turn(
+            TurnNode(node_id="b", request_messages=[{"role": "user", "content": "a long string"}])
+        )
+    data = path.read_bytes()
+    for written in (good + 5, good + 20, len(data) - 3):
+        path.write_bytes(data[:written] + bytes(len(data) - written))
+        with RolloutGraph.open(path, share_threshold=4, repair=True) as graph:
+            assert graph.nodes() == ["a"]
+        assert path.stat().st_size == good
