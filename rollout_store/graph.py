@@ -310,7 +310,8 @@ class RolloutGraph(RequestStore, Linking):
             turn.parent, turn.link = None, LINK_NONE
             plains = scratch.rest_plains
             if plains is not None and turn.prompt is None:
-                scratch.root_keys = [request_key(plains, m) for m in range(1, len(plains))]
+                # every shorter prefix, the empty one too (a request of system messages only)
+                scratch.root_keys = [request_key(plains, m) for m in range(len(plains))]
         return turn, scratch
 
     def _fresh_id(self) -> str:

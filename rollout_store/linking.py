@@ -124,9 +124,9 @@ class Linking:
         if turn.prompt is not None:
             for key in root_token_keys(turn.prompt):
                 index_remove(self._token_roots, key, turn)
-        elif turn.n_rest > 1:
+        elif turn.n_rest > 0:
             plains = [self._plain(m) for m in self._rest_values(turn)]
-            for m in range(1, len(plains)):
+            for m in range(len(plains)):
                 index_remove(self._message_roots, request_key(plains, m), turn)
 
     def _find_moves(self, new: Turn, scratch: Scratch) -> list[tuple[Turn, int]]:
@@ -175,7 +175,8 @@ class Linking:
 
     def _prefixes_within(self, new: Turn, data: bytes) -> list[Turn]:
         """Stored turns whose prompt + sampled tokens are a prefix of `new`'s, longer than its
-        prompt and shorter than its prompt + sampled tokens."""
+        prompt and shorter than its prompt + sampled tokens, and failed calls (nothing
+        sampled) of its very prompt: their continuations may continue `new`."""
         low = new.prompt.length  # type: ignore[union-attr]
         high = new.full.length  # type: ignore[union-attr]
         if high <= low:
@@ -191,14 +192,16 @@ class Linking:
             keys.append((hasher.intdigest(), j * BLOCK, (j + 1) * BLOCK))
         if first * BLOCK > high:
             keys = []
-        keys += [(short_key(data, n), n, n + 1) for n in self._short_lengths if low < n < high]
+        keys += [(short_key(data, n), n, n + 1) for n in self._short_lengths if low <= n < high]
         for key, start, stop in keys:
             for other in index_members(self._token_index.get(key)):
                 full = other.full
                 if (
                     other is not new
                     and full is not None
-                    and low < full.length < high
+                    and full.length < high
+                    # longer than the prompt, or a failed call of the very prompt
+                    and (full.length > low or (full.length == low and not sampled_any(other)))
                     and start <= full.length < stop
                     and run_matches(full, data)
                 ):

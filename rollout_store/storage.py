@@ -368,6 +368,8 @@ class _Loader:
         turn.meta = g._meta.setdefault(tuple(meta), tuple(meta))
         turn.system = self._value_ref(system)
         turn.base = _ref(turns, base)
+        if turn.base is not None and (turn.base.flags | flags) & NO_MESSAGES:
+            raise ValueError("a request without messages has no base, and is no base")
         if not isinstance(tail, bytes) or not isinstance(n_rest, int):
             raise ValueError("bad request tail")
         if n_rest < (turn.base.n_rest if turn.base is not None else 0):

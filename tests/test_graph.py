@@ -843,3 +843,31 @@ def test_longer_retry_adopts_the_continuation_whatever_the_order(order, prompt_l
             TurnNode(node_id=name, prompt_ids=specs[name][0], sampled_ids=specs[name][1])
         )
     assert graph.parent("C") == "B"
+
+
+@pytest.mark.parametrize("order", ["XYC", "XCY", "YXC", "YCX", "CXY", "CYX"])
+def test_continuation_of_a_retry_after_a_failed_call_in_every_order(order):
+    prompt = list(range(100, 120))
+    turns = {
+        "X": TurnNode(node_id="X", prompt_ids=prompt, sampled_ids=[]),
+        "Y": TurnNode(node_id="Y", prompt_ids=prompt, sampled_ids=[1, 2, 3]),
+        "C": TurnNode(node_id="C", prompt_ids=[*prompt, 1, 2, 3, 7], sampled_ids=[9]),
+    }
+    graph = RolloutGraph()
+    for name in order:
+        graph.add_turn(turns[name])
+    assert graph.parent("C") == "Y"
+
+
+@pytest.mark.parametrize("late_first", [False, True])
+def test_a_request_of_system_messages_only_adopts_its_continuation(late_first):
+    system = {"role": "system", "content": "Start."}
+    opening = {"role": "assistant", "content": "I begin."}
+    first = TurnNode(node_id="E", request_messages=[system], response_message=opening)
+    later = TurnNode(
+        node_id="C", request_messages=[system, opening, {"role": "user", "content": "ok"}]
+    )
+    graph = RolloutGraph()
+    for node in (later, first) if late_first else (first, later):
+        graph.add_turn(node)
+    assert graph.parent("C") == "E"

@@ -650,3 +650,12 @@ def test_repair_cuts_a_partial_write_followed_by_zeros(tmp_path: Path) -> None:
         with RolloutGraph.open(path, share_threshold=4, repair=True) as graph:
             assert graph.nodes() == ["a"]
         assert path.stat().st_size == good
+
+
+def test_crafted_base_without_messages_is_refused(tmp_path: Path) -> None:
+    crafted = [
+        (frames.KIND_TURN, _turn_record(node_id="a", flags=16, tail=b"")),  # no messages
+        (frames.KIND_TURN, _turn_record(node_id="b", base=0, tail=b"\x91\xa1x", n_rest=1)),
+    ]
+    with pytest.raises(CorruptFileError, match="no base"):
+        RolloutGraph.load(_crafted_log(tmp_path, crafted))
