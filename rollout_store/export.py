@@ -112,7 +112,12 @@ def write_session_json(
 
 
 def iter_turn_records(graph: RolloutGraph) -> Iterator[dict[str, Any]]:
-    """Each turn in arrival order as a flat record for training pipelines."""
+    """Each turn in arrival order as a flat record for training pipelines.
+
+    A generator: turns added while it runs may re-link turns not yet yielded. For one
+    consistent snapshot under concurrent recording use `write_trace_jsonl`, which holds the
+    graph's lock throughout.
+    """
     for node_id in graph.nodes():
         turn = graph.get(node_id)
         yield {
