@@ -289,9 +289,12 @@ def main(argv: list[str] | None = None) -> int:
         "errors": errors,
         "checks": checks,
     }
-    (RESULTS_DIR / "memory_per_turn.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(rows, args.workload_names, RESULTS_DIR / "memory_per_turn.png")
-    print("\nwrote results/memory_per_turn.json and results/memory_per_turn.png")
+    # a partial run (--quick, --turns, --workloads) never overwrites the full run's results
+    full = args.turn_counts == TURN_COUNTS and args.workload_names == list(WORKLOADS)
+    stem = "memory_per_turn" if full else "memory_per_turn.partial"
+    (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(rows, args.workload_names, RESULTS_DIR / f"{stem}.png")
+    print(f"\nwrote results/{stem}.json and results/{stem}.png")
     return 0
 
 
