@@ -21,10 +21,8 @@ __all__ = [
     "TUPLE_MARK",
     "NotPackable",
     "array_header",
-    "pack_plain",
     "plain_default",
     "unpack",
-    "unpack_stream",
 ]
 
 EXT_TUPLE = 1  # empty payload; first item of an array that is a tuple
@@ -38,7 +36,7 @@ class NotPackable(Exception):
     """The value needs the validating walk of `intake` (not an error by itself)."""
 
 
-def plain_default(obj: object) -> msgpack.ExtType:
+def plain_default(obj: object) -> Any:
     # strict_types sends every non-exact type here: accept only what packs unambiguously.
     if type(obj) is tuple:
         # [TUPLE_MARK, *items]: no nested packing, so no recursion through C for deep tuples
@@ -46,15 +44,6 @@ def plain_default(obj: object) -> msgpack.ExtType:
     if type(obj) is int:
         return msgpack.ExtType(EXT_BIGINT, str(obj).encode("ascii"))
     raise NotPackable(type(obj).__name__)
-
-
-def pack_plain(value: Any) -> bytes:
-    """Pack a value with every string inline: the exact-identity key of a fresh value.
-
-    Raises `NotPackable` (or msgpack's own errors) for anything that needs the slow,
-    validating walk: subclasses, bytes, lone surrogates, cycles, unknown types.
-    """
-    return msgpack.packb(value, use_bin_type=True, strict_types=True, default=plain_default)
 
 
 BlobLookup = Callable[[int], str]
@@ -104,21 +93,6 @@ def unpack(data: bytes, blob: BlobLookup, echo: Callable[[], Any] | None = None)
         ext_hook=_make_hook(blob, echo),
         list_hook=_list_hook,
     )
-
-
-def unpack_stream(
-    data: bytes, blob: BlobLookup, echo: Callable[[], Any] | None = None
-) -> list[Any]:
-    """Rebuild a segment: several packed values written one after another."""
-    unpacker = msgpack.Unpacker(
-        raw=False,
-        strict_map_key=False,
-        ext_hook=_make_hook(blob, echo),
-        list_hook=_list_hook,
-        max_buffer_size=max(len(data), 1),
-    )
-    unpacker.feed(data)
-    return list(unpacker)
 
 
 def array_header(n: int) -> bytes:

@@ -29,7 +29,6 @@ __all__ = [
     "KIND_TURN",
     "KIND_VALUE",
     "MAGIC",
-    "MAX_PAYLOAD",
     "MODE_LOG",
     "MODE_SNAPSHOT",
     "PackedChecker",
@@ -46,7 +45,6 @@ __all__ = [
 MAGIC = b"RLSTORE\x00"
 FORMAT_VERSION = 1
 FRAME = struct.Struct("<BIQ")  # kind, payload length, xxh3-64 of payload seeded by kind+length
-MAX_PAYLOAD = (1 << 32) - 1
 
 KIND_HEADER, KIND_BLOB, KIND_VALUE, KIND_TURN, KIND_END = 0, 1, 2, 3, 4
 KIND_NAMES = {

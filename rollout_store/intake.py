@@ -17,7 +17,7 @@ from .blobs import BlobTable, Handle
 from .encoding import EXT_BIGINT, EXT_BLOB, EXT_SURROGATE, TUPLE_MARK
 from .errors import InvalidValueError
 
-__all__ = ["MAX_DEPTH", "Encoder", "encode", "encode_value", "float_array", "token_array"]
+__all__ = ["MAX_DEPTH", "Encoder", "encode", "float_array", "token_array"]
 
 #: Containers nested deeper than this are rejected (json.dumps itself fails near 1000).
 MAX_DEPTH = 500
@@ -221,11 +221,6 @@ def encode(
 ) -> tuple[bytes, bool]:
     """`Encoder(blobs, threshold).encode(value, path)`, for one-off use."""
     return Encoder(blobs, threshold).encode(value, path)
-
-
-def encode_value(value: object, path: str, blobs: BlobTable | None, threshold: int | None) -> bytes:
-    """`encode` without the flag."""
-    return encode(value, path, blobs, threshold)[0]
 
 
 def token_array(ids: object, path: str) -> array | tuple[int, ...]:
