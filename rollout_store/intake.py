@@ -55,7 +55,7 @@ def _pack_default(obj: object) -> msgpack.ExtType:
 class _Walker:
     """One validating walk; `special` tells whether the packing holds a forgeable ext type."""
 
-    __slots__ = ("blobs", "short", "special", "threshold")
+    __slots__ = ("blobs", "refs", "short", "special", "threshold")
 
     def __init__(self, blobs: BlobTable | None, threshold: int | None) -> None:
         self.blobs = blobs
@@ -63,6 +63,7 @@ class _Walker:
         # ASCII strings shorter than this need no further look
         self.short = min(64, self.threshold or 64)
         self.special = False
+        self.refs = False  # a long string became a blob reference
 
     def string(self, s: str) -> Any:
         if type(s) is not str:
@@ -70,6 +71,7 @@ class _Walker:
         threshold = self.threshold
         if threshold is not None and len(s) >= threshold:
             handle = self.blobs.intern(s)  # type: ignore[union-attr]
+            self.refs = True
             if handle.surrogates:  # its plain packing is an EXT_SURROGATE
                 self.special = True
             return handle
@@ -169,12 +171,13 @@ class Encoder:
     Not thread-safe: the graph uses it under its lock.
     """
 
-    __slots__ = ("_packer", "blobs", "threshold")
+    __slots__ = ("_packer", "blobs", "last_refs", "threshold")
 
     def __init__(self, blobs: BlobTable | None, threshold: int | None) -> None:
         self.blobs = blobs
         self.threshold = threshold
         self._packer = _new_packer()
+        self.last_refs = False  # whether the last packing holds blob references
 
     def encode(self, value: object, path: str) -> tuple[bytes, bool]:
         """The packing of `value` and whether it holds a tuple, a big int or a lone
@@ -191,6 +194,7 @@ class Encoder:
         packed = self._packer.pack(tree)
         if len(packed) > _KEEP_BUFFER:  # do not keep a large buffer alive
             self._packer = _new_packer()
+        self.last_refs = walker.refs
         return packed, walker.special
 
 

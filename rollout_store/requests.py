@@ -42,7 +42,7 @@ class RequestStore:
         if value is None:
             return None
         packed, special = self._encode(value, "response_message")
-        if packed != self._plain(value):
+        if self._encoder.last_refs:  # else the packing is the plain one, nothing to expand
             turn.flags |= RESPONSE_REFS
         if special:
             turn.flags |= RESPONSE_SPECIAL
