@@ -29,7 +29,7 @@ _UINT64_MAX = 2**64 - 1
 class _Bad(Exception):
     """Internal: a bad value; `trail` collects path pieces, innermost first."""
 
-    def __init__(self, message: str, exc_type: type[Exception] = TypeError) -> None:
+    def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
         self.trail: list[str] = []
@@ -117,7 +117,7 @@ class _Walker:
             raise _Bad("value of type ExtType cannot be represented in JSON")
         if t is dict or t is list or t is tuple or isinstance(v, dict | list | tuple):
             if depth >= MAX_DEPTH:
-                raise _Bad(f"nesting deeper than {MAX_DEPTH} levels", ValueError)
+                raise _Bad(f"nesting deeper than {MAX_DEPTH} levels")
             # containers are walked here, not in a helper, so a level costs one Python frame;
             # short ASCII strings (most leaves) are taken inline
             depth += 1

@@ -42,7 +42,8 @@ from .frames import (
     unpack_payload,
 )
 from .graph import RolloutGraph
-from .tokens import TokenRun
+from .intake import token_array
+from .tokens import TokenRun, run_list
 from .turns import (
     ECHO_PACKED,
     LINK_EXPLICIT,
@@ -75,7 +76,6 @@ class _Writer:
         self.prompt_of: dict[int, int] = {}  # id(TokenRun) -> index of a turn whose prompt it is
         self.full_of: dict[int, int] = {}  # id(TokenRun) -> index of a turn whose full it is
         self.refs = (0, 0)  # blob references and their bytes counted so far
-        self.turns_written = 0
 
     def blob_frames(self, graph: RolloutGraph, end: int) -> list[bytes]:
         frames: list[bytes] = []
@@ -145,7 +145,6 @@ class _Writer:
                 self.value_objects.append(stored)
             self.refs = refs
             self.note_runs(turn)
-            self.turns_written += 1
 
         return frames, commit
 
@@ -167,16 +166,7 @@ class _Writer:
             if extends is not None:
                 return [_PROMPT_EXTENDS, extends, encode_segment(run.seg)]
         # a chain this file cannot name: write the tokens whole (exact, just not shared)
-        flat: Any = array("I")
-        for seg in run.segments():
-            try:
-                flat.extend(seg)
-            except (OverflowError, TypeError):
-                flat = tuple(flat) + tuple(seg) if isinstance(flat, tuple) else None
-                break
-        if flat is None:
-            flat = tuple(v for seg in run.segments() for v in seg)
-        return [_PROMPT_NEW, encode_segment(flat)]
+        return [_PROMPT_NEW, encode_segment(token_array(run_list(run), "prompt_ids"))]
 
 
 def _header(graph: RolloutGraph, mode: str) -> bytes:
@@ -281,7 +271,6 @@ class LoadReport:
 class _Loader:
     def __init__(self, share_threshold: int | None) -> None:
         self.graph = RolloutGraph(share_threshold=share_threshold)
-        self.values: list[bytes] = []
         self.writer = _Writer()
         self.checker = PackedChecker(self.graph.blobs)
         self.value_is_list: list[bool] = []  # system parts must be arrays of messages
@@ -312,7 +301,6 @@ class _Loader:
     def value(self, payload: Any) -> None:
         decoded = self.checker.check(payload, len(self.graph.blobs))
         special = self.checker.special
-        self.values.append(payload)
         self.value_is_list.append(type(decoded) is list)
         self.writer.values[id(payload)] = len(self.writer.value_objects)
         self.writer.value_objects.append(payload)
@@ -432,14 +420,14 @@ class _Loader:
         g.blobs.count_references(refs[0], refs[1])
         g._commit(turn, scratch)
         self.writer.note_runs(turn)
-        self.writer.turns_written += 1
 
     def _value_ref(self, ordinal: Any) -> bytes | None:
         if ordinal is None:
             return None
-        if not isinstance(ordinal, int) or not 0 <= ordinal < len(self.values):
+        values = self.writer.value_objects  # value records in file order
+        if not isinstance(ordinal, int) or not 0 <= ordinal < len(values):
             raise ValueError("value reference out of range")
-        return self.values[ordinal]
+        return values[ordinal]
 
     def _prompt(self, spec: Any) -> TokenRun | None:
         if spec is None:
