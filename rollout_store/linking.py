@@ -79,6 +79,7 @@ class Linking:
         turn.full = full_run(run, sampled)
         if compact and turn.full.compact:
             full_data = data if turn.full is run else data + sampled.tobytes()  # type: ignore[union-attr]
+            scratch.full_data = full_data
             length = turn.full.length
             if length < BLOCK:
                 scratch.token_key = short_key(full_data, length)
@@ -143,9 +144,9 @@ class Linking:
         moves: list[tuple[Turn, int]] = []
         parent = new.parent
         if new.prompt is not None:
-            if new.full is None or not new.full.compact or not new.full.length:
+            data = scratch.full_data  # set when the tokens are all array('I'), else no moves
+            if data is None or new.full is None or not new.full.length:
                 return moves
-            data = run_bytes(new.full)
             if parent is not None:
                 candidates = list(parent.children or ())
             elif new.full.length >= BLOCK:

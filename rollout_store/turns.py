@@ -132,6 +132,7 @@ class Scratch:
     """What add_turn works out before committing a turn; dropped afterwards."""
 
     __slots__ = (
+        "full_data",
         "message_parent",
         "moves",
         "pending",
@@ -147,6 +148,7 @@ class Scratch:
     def __init__(self) -> None:
         self.pending: list[tuple[bytes, bytes]] = []
         self.token_parent: Turn | None = None
+        self.full_data: bytes | None = None  # prompt + sampled as array('I') bytes
         self.token_key: int | None = None  # block digest of prompt+sampled at its last block
         self.prompt_key: int | None = None
         self.message_parent: Turn | None = None
