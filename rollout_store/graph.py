@@ -438,20 +438,20 @@ class RolloutGraph(RequestStore, Linking):
         }
 
     @_locked
-    def nodes(self) -> list[str]:
+    def node_ids(self) -> list[str]:
         """Node ids in arrival order."""
         return [t.node_id for t in self._turns]
 
     @_locked
-    def roots(self) -> list[str]:
+    def root_ids(self) -> list[str]:
         return [t.node_id for t in self._turns if t.parent is None]
 
     @_locked
-    def leaves(self) -> list[str]:
+    def leaf_ids(self) -> list[str]:
         return [t.node_id for t in self._turns if not t.children]
 
     @_locked
-    def children(self, node_id: str) -> list[str]:
+    def child_ids(self, node_id: str) -> list[str]:
         return [c.node_id for c in self._turn(node_id).children or ()]
 
     @_locked
@@ -472,7 +472,7 @@ class RolloutGraph(RequestStore, Linking):
         return turn.node_id
 
     @_locked
-    def path_to(self, node_id: str) -> list[str]:
+    def path_ids(self, node_id: str) -> list[str]:
         """Node ids from the root down to `node_id`."""
         return [t.node_id for t in self._path(self._turn(node_id))]
 
@@ -486,17 +486,17 @@ class RolloutGraph(RequestStore, Linking):
         return path
 
     @_locked
-    def paths(self) -> list[list[str]]:
+    def path_id_lists(self) -> list[list[str]]:
         """One path (root to leaf) per leaf, in the leaves' arrival order."""
-        return [self.path_to(leaf) for leaf in self.leaves()]
+        return [self.path_ids(leaf) for leaf in self.leaf_ids()]
 
     @_locked
-    def forks(self) -> list[str]:
+    def fork_ids(self) -> list[str]:
         """Turns with more than one child."""
         return [t.node_id for t in self._turns if t.children and len(t.children) > 1]
 
     @_locked
-    def discarded_nodes(self) -> list[str]:
+    def discarded_ids(self) -> list[str]:
         """Childless turns with a sibling that continued (retries that were dropped).
 
         Roots with an identical prompt (token ids or, without them, request messages) count as
@@ -513,6 +513,32 @@ class RolloutGraph(RequestStore, Linking):
             if len(group) > 1 and any(t.children for t in group):
                 discarded.update(t.index for t in group if not t.children)
         return [t.node_id for t in self._turns if t.index in discarded]
+
+    # The names below are the query API of the capture graph this library replaces; they return
+    # ids today and become node-returning views in the drop-in work. The *_ids names stay.
+    def nodes(self) -> list[str]:
+        return self.node_ids()
+
+    def roots(self) -> list[str]:
+        return self.root_ids()
+
+    def leaves(self) -> list[str]:
+        return self.leaf_ids()
+
+    def children(self, node_id: str) -> list[str]:
+        return self.child_ids(node_id)
+
+    def path_to(self, node_id: str) -> list[str]:
+        return self.path_ids(node_id)
+
+    def paths(self) -> list[list[str]]:
+        return self.path_id_lists()
+
+    def forks(self) -> list[str]:
+        return self.fork_ids()
+
+    def discarded_nodes(self) -> list[str]:
+        return self.discarded_ids()
 
     def _prompt_identity(self, turn: Turn) -> Any:
         if turn.prompt is not None:
@@ -568,7 +594,7 @@ class RolloutGraph(RequestStore, Linking):
     @_locked
     def sequences(self) -> list[Sequence]:
         """One training sequence per leaf."""
-        return [self.sequence_for(leaf) for leaf in self.leaves()]
+        return [self.sequence_for(leaf) for leaf in self.leaf_ids()]
 
     @_locked
     def stats(self) -> dict[str, int]:
@@ -608,4 +634,4 @@ class RolloutGraph(RequestStore, Linking):
         return out
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.nodes())
+        return iter(self.node_ids())
