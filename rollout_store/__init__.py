@@ -1,5 +1,8 @@
 """rollout_store: record LLM agent rollouts with memory proportional to unique content."""
 
+#: The package version (pyproject.toml reads it from here).
+__version__ = "0.1.0"
+
 from .blobs import BlobTable, Handle
 from .errors import (
     ChecksumMismatch,
@@ -14,6 +17,7 @@ from .graph import RolloutGraph, TurnNode
 from .intake import MAX_DEPTH
 
 __all__ = [
+    "__version__",
     "MAX_DEPTH",
     "BlobTable",
     "ChecksumMismatch",

@@ -1,8 +1,10 @@
-"""The `rollout-store` command: inspect, verify and export rollout files.
+"""The `rollout-store` command: inspect, verify, export, recover, repair and view rollout files.
 
-`info FILE`, `verify FILE` and `export FILE [--messages] [--jsonl] [-o OUT]`. A damaged file
-gives exit status 1 and a one-line reason on stderr; a progress bar shows on stderr for long
-files when tqdm is installed and stderr is a terminal.
+Every command that reads a file tells a missing, an empty, a foreign (not a rollout file) and
+a damaged file apart, and for a damaged one says whether `repair` (cut a torn last record off
+a log in place) or `recover` (save the complete turns before the damage to a new file)
+applies. Exit status: 0 done, 1 a file problem, 2 a usage error. A reader closing the pipe
+(`rollout-store export f.rls | head`) ends the command quietly with status 0.
 """
 
 from __future__ import annotations
@@ -11,18 +13,24 @@ import argparse
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
-from . import storage
-from .errors import CorruptFileError
+from . import __version__, storage
+from .errors import CorruptFileError, RolloutStoreError
 from .export import write_session_json, write_trace_jsonl
+from .figures import plain_export_bytes, store_figures
 from .graph import RolloutGraph
 
 __all__ = ["main"]
 
-#: Files at least this large get a progress bar.
+#: Files at least this large get a progress bar when stderr is a terminal.
 PROGRESS_MIN_BYTES = 32 << 20
+
+
+class FileProblem(Exception):
+    """A file the command cannot use, with the one-line message to show."""
 
 
 @contextlib.contextmanager
@@ -32,11 +40,8 @@ def _progress(path: str, force: bool | None) -> Iterator[Callable[[int], None] |
     if not show:
         yield None
         return
-    try:
-        from tqdm import tqdm
-    except ImportError:  # the bar is a nicety; the command works without it
-        yield None
-        return
+    from tqdm import tqdm  # a dependency of the package; imported only when a bar is drawn
+
     with tqdm(total=size, unit="B", unit_scale=True, desc="reading", file=sys.stderr) as bar:
 
         def update(offset: int) -> None:
@@ -45,33 +50,82 @@ def _progress(path: str, force: bool | None) -> Iterator[Callable[[int], None] |
         yield update
 
 
-def _load(path: str, progress: bool | None) -> RolloutGraph:
-    with _progress(path, progress) as update:
-        return storage.load(path, progress=update)
+def _check_file(path: str) -> int:
+    """The file's size, or `FileProblem` for a missing, empty or foreign file."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as fp:
+            head = fp.read(len(storage.MAGIC))
+    except FileNotFoundError:
+        raise FileProblem("no such file") from None
+    except IsADirectoryError:
+        raise FileProblem("is a directory, not a rollout file") from None
+    if size == 0:
+        raise FileProblem(
+            "empty file (0 bytes): nothing was ever written to it, there is nothing to read"
+        )
+    if (
+        head != storage.MAGIC
+        and not (len(head) < len(storage.MAGIC) and storage.MAGIC[: len(head)] == head)
+        and head.strip(b"\0")
+    ):
+        guess = ""
+        if head.lstrip()[:1] in (b"{", b"["):
+            guess = " (it looks like JSON: an export is not read back; give the .rls file)"
+        raise FileProblem(
+            f"not a rollout_store file: it does not start with {storage.MAGIC!r}{guess}"
+        )
+    return size
+
+
+def _damage_advice(path: str) -> str:
+    """What to do about a damaged file: which of `repair` and `recover` applies."""
+    report = storage.verify(path)
+    if report.turns == 0 and not (report.truncated and report.mode == "log"):
+        return "no complete turn precedes the damage: nothing can be recovered"
+    keep = f"the {report.turns} complete turn{'s' if report.turns != 1 else ''} before it"
+    recover = f"`rollout-store recover {path} -o OUT` saves {keep} to a new file"
+    if report.truncated and report.mode == "log":
+        return (
+            f"its last record is torn (a crash while writing): `rollout-store repair {path}` "
+            f"cuts it off in place and keeps {keep}; or {recover}"
+        )
+    why = "the file is a snapshot" if report.mode == "snapshot" else "intact records follow it"
+    return f"{recover} (repair does not apply: {why})"
+
+
+def _load(path: str, progress: bool | None, *, recover: bool = False) -> RolloutGraph:
+    _check_file(path)
+    try:
+        with _progress(path, progress) as update:
+            return storage.load(path, recover=recover, progress=update)
+    except CorruptFileError as exc:
+        raise FileProblem(f"damaged: {exc}; {_damage_advice(path)}") from None
+
+
+def _ratio(a: int, b: int) -> str:
+    return f"{a / b:.1f}x" if b else "-"
 
 
 def _info(args: argparse.Namespace) -> int:
     graph = _load(args.file, args.progress)
-    stats = graph.stats()
+    figures = store_figures(graph)
     size = os.path.getsize(args.file)
-    received = stats["blob_bytes"] + stats["blob_bytes_saved"]
+    export = plain_export_bytes(graph)
     lines = [
         ("file", args.file),
-        ("file bytes", size),
-        ("turns", stats["turns"]),
-        ("roots", stats["roots"]),
-        ("leaves", stats["leaves"]),
-        ("forks", stats["forks"]),
-        ("blobs", stats["blobs"]),
-        ("blob bytes", stats["blob_bytes"]),
-        ("blob references", stats["blob_references"]),
-        ("message bytes stored", stats["message_bytes_stored"]),
-        ("tokens received", stats["tokens_received"]),
-        ("tokens stored", stats["tokens_stored"]),
-        (
-            "dedup ratio (long strings)",
-            f"{received / stats['blob_bytes']:.2f}x" if received else "-",
-        ),
+        ("turns", figures["turns"]),
+        ("roots", figures["roots"]),
+        ("leaves", figures["leaves"]),
+        ("forks", figures["forks"]),
+        ("discarded", figures["discarded"]),
+        ("bytes received (plain export)", export),
+        ("bytes stored (this file)", size),
+        ("saving over the plain export", _ratio(export, size)),
+        ("long strings received", figures["received_blob_bytes"]),
+        ("long strings stored (unique)", figures["unique_blob_bytes"]),
+        ("tokens received", figures["tokens_received"]),
+        ("tokens stored", figures["tokens_stored"]),
     ]
     width = max(len(name) for name, _ in lines)
     for name, value in lines:
@@ -80,6 +134,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    _check_file(args.file)
     with _progress(args.file, args.progress) as update:
         report = storage.verify(args.file, progress=update)
     if report.ok:
@@ -88,7 +143,7 @@ def _verify(args: argparse.Namespace) -> int:
             f"{report.file_size} bytes verified"
         )
         return 0
-    print(f"damaged: {report.error}", file=sys.stderr)
+    print(f"damaged: {report.error}; {_damage_advice(args.file)}", file=sys.stderr)
     return 1
 
 
@@ -114,40 +169,167 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rollout-store", description=__doc__.splitlines()[0])
+def _recover(args: argparse.Namespace) -> int:
+    if os.path.abspath(args.output) == os.path.abspath(args.file):
+        raise FileProblem("-o must name a new file: recover never writes over its input")
+    graph = _load(args.file, args.progress, recover=True)
+    report = graph.load_report
+    graph.save(args.output)
+    if report is not None and not report.ok:
+        print(
+            f"recovered {len(graph)} turns from before the damage at offset "
+            f"{report.error_offset} ({report.error}); wrote {args.output}"
+        )
+    else:
+        print(
+            f"{args.file} is not damaged; wrote a snapshot of its {len(graph)} turns "
+            f"to {args.output}"
+        )
+    return 0
+
+
+def _repair(args: argparse.Namespace) -> int:
+    _check_file(args.file)
+    report = storage.verify(args.file)
+    if report.ok:
+        print(f"{args.file} is not damaged: {report.turns} turns, nothing to repair")
+        return 0
+    if report.mode != "log" or not report.truncated:
+        raise FileProblem(f"damaged: {report.error}; {_damage_advice(args.file)}")
+    before = report.file_size
+    graph = RolloutGraph.open(args.file, repair=True)
+    try:
+        turns = len(graph)
+    finally:
+        graph.close()
+    after = os.path.getsize(args.file)
+    print(
+        f"repaired {args.file}: cut {before - after} bytes of a torn last record, "
+        f"{turns} turns kept"
+    )
+    return 0
+
+
+def _view(args: argparse.Namespace) -> int:
+    from .viewer import Viewer, serve
+
+    graph = _load(args.file, args.progress)
+    viewer = Viewer(graph, title=os.path.basename(args.file), file_size=os.path.getsize(args.file))
+    with serve(viewer, port=args.port) as server:
+        url = f"http://127.0.0.1:{server.server_address[1]}/"
+        print(f"viewing {args.file} at {url} (Ctrl-C to stop)", flush=True)
+        if args.open:
+            import webbrowser
+
+            webbrowser.open(url)
+        with contextlib.suppress(KeyboardInterrupt):
+            while True:  # the server answers in its own thread until Ctrl-C
+                time.sleep(3600)
+    return 0
+
+
+_PROGRESS_HELP = (
+    "draw a progress bar on stderr while reading the file (default: only for files of "
+    f"{PROGRESS_MIN_BYTES >> 20} MiB or more when stderr is a terminal)"
+)
+
+
+def _progress_options(parser: argparse.ArgumentParser, default: Any) -> None:
     bar = parser.add_mutually_exclusive_group()
-    bar.add_argument("--progress", dest="progress", action="store_true", default=None)
-    bar.add_argument("--no-progress", dest="progress", action="store_false")
-    commands = parser.add_subparsers(dest="command", required=True)
-    info = commands.add_parser("info", help="turns, roots, leaves, blobs, bytes, dedup ratio")
-    info.add_argument("file")
-    info.set_defaults(run=_info)
-    verify = commands.add_parser("verify", help="check every record and blob digest")
-    verify.add_argument("file")
-    verify.set_defaults(run=_verify)
-    export = commands.add_parser("export", help="the session as JSON, or the trace as JSONL")
-    export.add_argument("file")
-    export.add_argument("--messages", action="store_true", help="include request messages")
-    export.add_argument("--discarded", action="store_true", help="include discarded turns")
-    export.add_argument("--jsonl", action="store_true", help="one JSON line per turn")
-    export.add_argument("--session-id", default=None)
+    bar.add_argument(
+        "--progress", dest="progress", action="store_true", default=default, help=_PROGRESS_HELP
+    )
+    bar.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        default=default,
+        help="never draw a progress bar",
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rollout-store",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+        epilog="--progress and --no-progress go before or after the command.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    _progress_options(parser, None)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(
+        name: str, help: str, run: Callable[[argparse.Namespace], int]
+    ) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help, description=help)
+        sub.add_argument(
+            "file", metavar="FILE", help="a rollout file (.rls) written by save() or open()"
+        )
+        _progress_options(sub, argparse.SUPPRESS)  # keeps a value given before the command
+        sub.set_defaults(run=run)
+        return sub
+
+    command("info", "turns, structure, bytes received against stored, and the saving", _info)
+    command(
+        "verify", "check every record and blob digest; exit 1 and the reason if damaged", _verify
+    )
+    export = command("export", "the session as JSON (default) or the trace as JSONL", _export)
+    export.add_argument(
+        "--messages",
+        action="store_true",
+        help="include each turn's request messages, tools and response message (default: ids, "
+        "links, token counts, sampling parameters and training sequences only)",
+    )
+    export.add_argument(
+        "--discarded", action="store_true", help="include turns discarded as retries, flagged"
+    )
+    export.add_argument(
+        "--jsonl",
+        action="store_true",
+        help="one JSON line per turn with everything recorded (messages, tokens, logprobs)",
+    )
+    export.add_argument("--session-id", default=None, help="the session_id field of the JSON")
     export.add_argument("-o", "--output", default=None, help="output file (default: stdout)")
-    export.set_defaults(run=_export)
+    recover = command(
+        "recover", "save every complete turn before the damage of FILE to a new file OUT", _recover
+    )
+    recover.add_argument("-o", "--output", required=True, metavar="OUT", help="the new file")
+    command(
+        "repair", "cut a torn last record (a crash while appending) off a log, in place", _repair
+    )
+    view = command("view", "show the rollout in a web page on 127.0.0.1", _view)
+    view.add_argument(
+        "--port", type=int, default=8000, help="port to serve on (default 8000; 0: any free port)"
+    )
+    view.add_argument("--open", action="store_true", help="open the page in the default browser")
     return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        return int(args.run(args))
+    except FileProblem as exc:
+        print(f"rollout-store: {args.file}: {exc}", file=sys.stderr)
+        return 1
+    except RolloutStoreError as exc:  # a lock held by another process, a refused save...
+        print(f"rollout-store: {args.file}: {exc}", file=sys.stderr)
+        return 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return int(args.run(args))
-    except CorruptFileError as exc:
-        print(f"rollout-store: {args.file}: {exc}", file=sys.stderr)
-        return 1
+        code = _run(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # The reader closed the pipe (`| head`): what it wanted was written. Point stdout at
+        # /dev/null so the interpreter's last flush does not fail again, and end quietly.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0
     except OSError as exc:
-        print(f"rollout-store: {exc.filename or args.file}: {exc.strerror or exc}", file=sys.stderr)
+        name = exc.filename or args.file
+        print(f"rollout-store: {name}: {exc.strerror or exc}", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

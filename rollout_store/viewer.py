@@ -1,0 +1,359 @@
+"""A local web page that shows a rollout: its tree of turns, each turn's messages and tokens.
+
+`Viewer(graph).respond(path, query)` answers one GET request with a `Response` (status,
+headers, body bytes) and knows nothing of any web framework: the CLI serves it with the
+standard library's `http.server` (`serve`), and any other server (the capture server's ASGI
+app, a WSGI app) can mount it by passing it the request path and query string. That keeps
+the library free of a web framework dependency and lets one object answer in every host.
+
+The page is static HTML, JavaScript and CSS shipped in the package (no CDN, no network):
+it fetches small JSON documents (`/api/figures`, `/api/rows`, `/api/turn`, `/api/messages`,
+`/api/export-size`) for only the rows and the turn on screen, and builds its DOM with
+`textContent`, so message content is never parsed as HTML. A Content-Security-Policy allows
+scripts, styles and connections to this origin only, and images from this origin or `data:`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from typing import Any, NamedTuple
+from urllib.parse import parse_qs, urlsplit
+
+from .figures import plain_export_bytes, store_figures
+from .graph import RolloutGraph
+
+__all__ = ["Response", "Viewer", "request_handler", "serve"]
+
+#: Rows per `/api/rows` page, at most.
+MAX_ROWS = 500
+#: Messages per `/api/turn` or `/api/messages` answer, at most.
+MAX_MESSAGES = 100
+#: Characters of the response shown next to a row in the tree.
+PREVIEW_CHARS = 80
+#: Ints beyond this magnitude are sent as text (JavaScript numbers would round them).
+_JS_SAFE_INT = 2**53
+
+_STATIC = {
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/index.html": ("index.html", "text/html; charset=utf-8"),
+    "/static/viewer.js": ("viewer.js", "text/javascript; charset=utf-8"),
+    "/static/viewer.css": ("viewer.css", "text/css; charset=utf-8"),
+}
+
+_SECURITY_HEADERS = (
+    (
+        "Content-Security-Policy",
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    ),
+    ("X-Content-Type-Options", "nosniff"),
+    ("Referrer-Policy", "no-referrer"),
+    ("Cache-Control", "no-store"),
+)
+
+
+class Response(NamedTuple):
+    """One answer: HTTP status, headers (name, value pairs) and the body."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+def _displayable(value: Any) -> Any:
+    """A copy JSON.parse reads as shown: non-finite floats and huge ints become text."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return value if -_JS_SAFE_INT <= value <= _JS_SAFE_INT else str(value)
+    if isinstance(value, dict):
+        return {
+            k if isinstance(k, str) else json.dumps(k): _displayable(v) for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [_displayable(v) for v in value]
+    return repr(value)
+
+
+def _json(status: int, document: Any) -> Response:
+    body = json.dumps(_displayable(document), separators=(",", ":")).encode("ascii")
+    headers = (("Content-Type", "application/json"), *_SECURITY_HEADERS)
+    return Response(status, headers, body)
+
+
+def _error(status: int, message: str) -> Response:
+    return _json(status, {"error": message})
+
+
+def _preview(response: Any) -> str:
+    """A short line for the tree: the response's text, or the tools it calls."""
+    if not isinstance(response, dict):
+        return "" if response is None else str(response)[:PREVIEW_CHARS]
+    parts: list[str] = []
+    content = response.get("content")
+    if isinstance(content, str):
+        parts.append(content)
+    elif isinstance(content, list | tuple):
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            elif isinstance(part, dict) and part.get("type") == "tool_use":
+                parts.append(f"-> {part.get('name')}()")
+    for call in response.get("tool_calls") or ():
+        if isinstance(call, dict):
+            function = call.get("function")
+            name = function.get("name") if isinstance(function, dict) else call.get("name")
+            parts.append(f"-> {name}()")
+    text = " ".join(" ".join(parts).split())
+    return text[:PREVIEW_CHARS] + ("..." if len(text) > PREVIEW_CHARS else "")
+
+
+def _runs(mask: list[int]) -> list[list[int]]:
+    """The loss mask as [value, length] runs."""
+    return [[value, sum(1 for _ in group)] for value, group in itertools.groupby(mask)]
+
+
+class Viewer:
+    """Answers the viewer page's requests for one graph.
+
+    `title` names the rollout on the page (a file name); `file_size` is shown with the store
+    figures when the graph was read from a file. The graph may keep growing while it is
+    viewed: the tree is rebuilt when its turn count changes.
+    """
+
+    def __init__(
+        self, graph: RolloutGraph, *, title: str = "rollout", file_size: int | None = None
+    ) -> None:
+        self.graph = graph
+        self.title = title
+        self.file_size = file_size
+        self._lock = threading.Lock()
+        self._rows: list[tuple[str, int]] = []
+        self._rows_for = -1
+        self._discarded: set[str] = set()
+        self._export_size: tuple[int, int] | None = None
+
+    # ------------------------------------------------------------ the tree
+
+    def _tree(self) -> tuple[list[tuple[str, int]], set[str]]:
+        """Rows in depth-first order as (node id, indent): a chain stays at one indent and
+        the children of a fork go one level in, so a long rollout does not drift right."""
+        with self._lock:
+            n = len(self.graph)
+            if n != self._rows_for:
+                graph = self.graph
+                rows: list[tuple[str, int]] = []
+                stack = [(root, 0) for root in reversed(graph.root_ids())]
+                while stack:
+                    node_id, indent = stack.pop()
+                    rows.append((node_id, indent))
+                    children = graph.child_ids(node_id)
+                    inner = indent if len(children) == 1 else indent + 1
+                    stack.extend((child, inner) for child in reversed(children))
+                self._rows = rows
+                self._discarded = set(graph.discarded_ids())
+                self._rows_for = n
+            return self._rows, self._discarded
+
+    def _row(self, node_id: str, indent: int, discarded: set[str]) -> dict[str, Any]:
+        graph = self.graph
+        summary = graph.summary(node_id)
+        return {
+            "id": node_id,
+            "indent": indent,
+            "parent": summary["parent_id"],
+            "children": len(graph.child_ids(node_id)),
+            "discarded": node_id in discarded,
+            "link": summary["link"],
+            "n_prompt": summary["n_prompt"],
+            "n_sampled": summary["n_sampled"],
+            "model": summary["model"],
+            "preview": _preview(graph.response_message(node_id)),
+        }
+
+    # ------------------------------------------------------------ answers
+
+    def _figures(self) -> Response:
+        rows, _ = self._tree()
+        figures = store_figures(self.graph)
+        figures.update(title=self.title, rows=len(rows), file_bytes=self.file_size)
+        return _json(200, figures)
+
+    def _rows_page(self, query: dict[str, list[str]]) -> Response:
+        offset = _int(query, "offset", 0)
+        limit = min(_int(query, "limit", 100), MAX_ROWS)
+        rows, discarded = self._tree()
+        page = rows[offset : offset + limit]
+        return _json(
+            200,
+            {
+                "offset": offset,
+                "total": len(rows),
+                "rows": [self._row(node_id, indent, discarded) for node_id, indent in page],
+            },
+        )
+
+    def _turn(self, query: dict[str, list[str]]) -> Response:
+        node_id = _str(query, "id")
+        graph = self.graph
+        summary = graph.summary(node_id)
+        messages = graph.request_messages(node_id) or []
+        parent = summary["parent_id"]
+        new_from = 0
+        if parent is not None and summary["link"] == "messages":
+            new_from = min(len(graph.request_messages(parent) or ()), len(messages))
+        elif parent is not None:
+            new_from = max(0, len(messages) - 1)
+        start = max(0, min(new_from, len(messages) - MAX_MESSAGES))
+        stop = min(len(messages), start + MAX_MESSAGES)
+        sequence = graph.sequence_for(node_id)
+        mask = sequence["loss_mask"]
+        _, discarded = self._tree()
+        return _json(
+            200,
+            {
+                "summary": summary,
+                "children": graph.child_ids(node_id),
+                "discarded": node_id in discarded,
+                "sampling_params": graph.sampling_params(node_id),
+                "tools": graph.request_tools(node_id),
+                "response": graph.response_message(node_id),
+                "n_messages": len(messages),
+                "new_from": new_from,
+                "start": start,
+                "messages": list(messages[start:stop]),
+                "sequence": {
+                    "n_tokens": len(mask),
+                    "n_trained": sum(mask),
+                    "prompt_len": sequence["prompt_len"],
+                    "n_turns": sequence["n_turns"],
+                    "mask_runs": _runs(mask),
+                },
+            },
+        )
+
+    def _messages(self, query: dict[str, list[str]]) -> Response:
+        node_id = _str(query, "id")
+        messages = self.graph.request_messages(node_id) or []
+        start = max(0, _int(query, "start", 0))
+        stop = min(len(messages), _int(query, "stop", start + MAX_MESSAGES), start + MAX_MESSAGES)
+        return _json(
+            200, {"start": start, "n_messages": len(messages), "messages": messages[start:stop]}
+        )
+
+    def _export_bytes(self) -> Response:
+        n = len(self.graph)
+        if self._export_size is None or self._export_size[0] != n:
+            self._export_size = (n, plain_export_bytes(self.graph))
+        return _json(200, {"turns": n, "plain_export_bytes": self._export_size[1]})
+
+    def respond(self, path: str, query: str = "") -> Response:
+        """Answer a GET of `path` (without the query) with `query` (the raw query string)."""
+        static = _STATIC.get(path)
+        if static is not None:
+            name, content_type = static
+            body = resources.files(__package__).joinpath("viewer_static", name).read_bytes()
+            return Response(200, (("Content-Type", content_type), *_SECURITY_HEADERS), body)
+        params = parse_qs(query, keep_blank_values=True)
+        try:
+            if path == "/api/figures":
+                return self._figures()
+            if path == "/api/rows":
+                return self._rows_page(params)
+            if path == "/api/turn":
+                return self._turn(params)
+            if path == "/api/messages":
+                return self._messages(params)
+            if path == "/api/export-size":
+                return self._export_bytes()
+        except _BadQuery as exc:
+            return _error(400, str(exc))
+        except LookupError as exc:  # a node id the graph does not hold
+            return _error(404, str(exc.args[0]) if exc.args else "no such turn")
+        return _error(404, f"no page {path!r}")
+
+
+class _BadQuery(ValueError):
+    """A query parameter is missing or malformed (answered with status 400)."""
+
+
+def _str(query: dict[str, list[str]], name: str) -> str:
+    values = query.get(name)
+    if not values:
+        raise _BadQuery(f"missing query parameter {name!r}")
+    return values[0]
+
+
+def _int(query: dict[str, list[str]], name: str, default: int) -> int:
+    values = query.get(name)
+    if not values:
+        return default
+    try:
+        value = int(values[0])
+    except ValueError:
+        raise _BadQuery(f"query parameter {name!r} must be an integer") from None
+    if value < 0:
+        raise _BadQuery(f"query parameter {name!r} must not be negative")
+    return value
+
+
+_LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]"})
+
+
+def request_handler(viewer: Viewer) -> type[BaseHTTPRequestHandler]:
+    """An `http.server` handler class answering GET requests from `viewer`.
+
+    Requests whose Host header is not a loopback name are refused, so a web page elsewhere
+    cannot read the rollout through DNS rebinding.
+    """
+
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "rollout-store-viewer"
+
+        def do_GET(self) -> None:
+            host = (self.headers.get("Host") or "").rsplit(":", 1)[0]
+            if host not in _LOCAL_HOSTS:
+                response = _error(403, "the viewer answers loopback requests only")
+            else:
+                url = urlsplit(self.path)
+                response = viewer.respond(url.path, url.query)
+            self.send_response(response.status)
+            for name, value in response.headers:
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(response.body)))
+            self.end_headers()
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                self.wfile.write(response.body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # a local viewer: no access log on the terminal
+
+    return Handler
+
+
+@contextlib.contextmanager
+def serve(viewer: Viewer, port: int = 0, host: str = "127.0.0.1") -> Iterator[ThreadingHTTPServer]:
+    """Serve `viewer` on `host:port` (0: a free port) in a background thread until exit.
+
+    `server.server_address[1]` is the port in use.
+    """
+    server = ThreadingHTTPServer((host, port), request_handler(viewer))
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, name="rollout-store-viewer")
+    thread.daemon = True
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()

@@ -1,0 +1,378 @@
+// The rollout viewer page. Fetches only the rows and the turn on screen from the JSON
+// endpoints next to it. Every piece of content goes into the DOM through textContent or
+// an attribute of a created element, never through innerHTML, so a message holding HTML
+// or a script shows as text.
+"use strict";
+
+const ROW_HEIGHT = 26;
+const PAGE = 100;
+const MAX_INDENT = 24;
+
+const pages = new Map(); // page index -> rows (or a pending promise)
+let totalRows = 0;
+let selectedId = null;
+
+function el(tag, className, text) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  return node;
+}
+
+async function getJSON(path, params) {
+  const query = params ? "?" + new URLSearchParams(params).toString() : "";
+  const response = await fetch(path + query);
+  const body = await response.json();
+  if (!response.ok) throw new Error(body.error || response.statusText);
+  return body;
+}
+
+function fmtBytes(n) {
+  if (n === null || n === undefined) return "-";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  let v = n;
+  while (v >= 1024 && i < units.length - 1) { v /= 1024; i += 1; }
+  return (i === 0 ? String(v) : v.toFixed(2)) + " " + units[i];
+}
+
+// ---------------------------------------------------------------- figures
+
+function addFigure(list, name, value, key) {
+  const item = el("div");
+  if (key) item.dataset.key = key;
+  item.append(el("dt", null, name), el("dd", null, value));
+  list.append(item);
+  return item;
+}
+
+function showFigures(f) {
+  document.getElementById("title").textContent = f.title;
+  document.title = f.title + " - rollout viewer";
+  const list = document.getElementById("figures");
+  list.replaceChildren();
+  addFigure(list, "turns", f.turns, "turns");
+  addFigure(list, "roots", f.roots, "roots");
+  addFigure(list, "forks", f.forks, "forks");
+  addFigure(list, "discarded", f.discarded, "discarded");
+  addFigure(list, "long strings received", fmtBytes(f.received_blob_bytes), "received");
+  addFigure(list, "unique (stored once)", fmtBytes(f.unique_blob_bytes), "unique");
+  addFigure(list, "tokens received / stored", f.tokens_received + " / " + f.tokens_stored);
+  if (f.file_bytes !== null) addFigure(list, "file", fmtBytes(f.file_bytes), "file");
+  const exportItem = addFigure(list, "plain export", "", "export");
+  const button = el("button", null, "measure");
+  button.title = "Stream the plain JSON export with messages and count its bytes";
+  button.addEventListener("click", async () => {
+    button.disabled = true;
+    button.textContent = "measuring...";
+    const r = await getJSON("/api/export-size");
+    const dd = exportItem.querySelector("dd");
+    let text = fmtBytes(r.plain_export_bytes);
+    if (f.file_bytes) text += " (" + (r.plain_export_bytes / f.file_bytes).toFixed(1) + "x the file)";
+    dd.textContent = text;
+  });
+  exportItem.querySelector("dd").append(button);
+}
+
+// ---------------------------------------------------------------- the tree
+
+function loadPage(index) {
+  let entry = pages.get(index);
+  if (!entry) {
+    entry = getJSON("/api/rows", { offset: index * PAGE, limit: PAGE }).then((r) => {
+      pages.set(index, r.rows);
+      return r.rows;
+    });
+    pages.set(index, entry);
+  }
+  return Promise.resolve(entry);
+}
+
+function rowElement(row, position) {
+  const div = el("div", "row");
+  div.style.top = position * ROW_HEIGHT + "px";
+  div.style.paddingLeft = 8 + Math.min(row.indent, MAX_INDENT) * 16 + "px";
+  div.dataset.id = row.id;
+  if (row.id === selectedId) div.classList.add("selected");
+  if (row.discarded) div.classList.add("is-discarded");
+  if (row.indent > MAX_INDENT) div.append(el("span", "badge", "depth " + row.indent));
+  if (row.parent === null) div.append(el("span", "badge root", "root"));
+  if (row.children > 1) div.append(el("span", "badge fork", "fork x" + row.children));
+  if (row.discarded) div.append(el("span", "badge discarded", "discarded"));
+  div.append(el("span", "id", row.id));
+  if (row.parent !== null) div.append(el("span", "badge link", row.link));
+  div.append(el("span", "tokens", "p " + row.n_prompt + " s " + row.n_sampled));
+  if (row.preview) div.append(el("span", "preview", row.preview));
+  div.addEventListener("click", () => selectTurn(row.id));
+  return div;
+}
+
+let drawToken = 0;
+async function drawTree() {
+  const tree = document.getElementById("tree");
+  const token = ++drawToken;
+  const first = Math.max(0, Math.floor(tree.scrollTop / ROW_HEIGHT) - 5);
+  const last = Math.min(totalRows, Math.ceil((tree.scrollTop + tree.clientHeight) / ROW_HEIGHT) + 5);
+  const wanted = [];
+  for (let p = Math.floor(first / PAGE); p * PAGE < last; p += 1) wanted.push(loadPage(p));
+  const loaded = await Promise.all(wanted);
+  if (token !== drawToken) return; // a newer scroll position won
+  const spacer = document.getElementById("tree-spacer");
+  const nodes = [spacer];
+  const base = Math.floor(first / PAGE) * PAGE;
+  const rows = loaded.flat();
+  for (let i = first; i < last; i += 1) {
+    const row = rows[i - base];
+    if (row) nodes.push(rowElement(row, i));
+  }
+  tree.replaceChildren(...nodes);
+}
+
+// ---------------------------------------------------------------- content
+
+function pretty(value) {
+  return el("pre", "json", JSON.stringify(value, null, 2));
+}
+
+function prettyArguments(args) {
+  if (typeof args === "string") {
+    try {
+      return el("pre", "arguments", JSON.stringify(JSON.parse(args), null, 2));
+    } catch (_) {
+      return el("pre", "arguments", args);
+    }
+  }
+  return el("pre", "arguments", JSON.stringify(args, null, 2));
+}
+
+function isDataImage(url) {
+  return typeof url === "string" && /^data:image\/[a-z0-9.+-]+;base64,/i.test(url);
+}
+
+function image(src, alt) {
+  const img = el("img", "content-image");
+  img.alt = alt;
+  img.src = src;
+  return img;
+}
+
+function imageFromUrl(url) {
+  if (isDataImage(url)) return image(url, "image");
+  // A remote image would reach the network: show its address as text instead.
+  return el("div", "text remote-image", "[image at " + url + "]");
+}
+
+function renderPart(part) {
+  if (typeof part === "string") return el("div", "text", part);
+  if (part === null || typeof part !== "object") return pretty(part);
+  const type = part.type;
+  if ((type === "text" || type === "input_text" || type === "output_text") && typeof part.text === "string") {
+    return el("div", "text", part.text);
+  }
+  if (type === "image_url" && part.image_url) {
+    const url = typeof part.image_url === "string" ? part.image_url : part.image_url.url;
+    return imageFromUrl(url);
+  }
+  if (type === "input_image" && (part.image_url || part.url)) {
+    return imageFromUrl(part.image_url || part.url);
+  }
+  if (type === "image" && part.source && part.source.type === "base64") {
+    const media = String(part.source.media_type || "image/png");
+    const src = "data:" + media + ";base64," + part.source.data;
+    if (isDataImage(src)) return image(src, "image");
+  }
+  const inline = part.inline_data || part.inlineData;
+  if (inline && typeof inline.data === "string") {
+    const src = "data:" + String(inline.mime_type || inline.mimeType) + ";base64," + inline.data;
+    if (isDataImage(src)) return image(src, "image");
+  }
+  if (type === "tool_use") {
+    const box = el("div", "call");
+    box.append(el("span", "name", part.name), el("span", "hint", " " + (part.id || "")));
+    box.append(prettyArguments(part.input));
+    return box;
+  }
+  if (type === "tool_result") {
+    const box = el("div", "call tool-result");
+    box.append(el("span", "hint", "result of " + (part.tool_use_id || "")));
+    box.append(renderContent(part.content));
+    return box;
+  }
+  return pretty(part);
+}
+
+function renderContent(content) {
+  const box = el("div", "content");
+  if (content === null || content === undefined) return box;
+  if (Array.isArray(content)) {
+    for (const part of content) box.append(renderPart(part));
+  } else {
+    box.append(renderPart(content));
+  }
+  return box;
+}
+
+function renderMessage(message, label, extraClass) {
+  const box = el("div", "message" + (extraClass ? " " + extraClass : ""));
+  if (message === null || typeof message !== "object" || Array.isArray(message)) {
+    box.append(el("div", "role", label), pretty(message));
+    return box;
+  }
+  const role = String(message.role || "?");
+  box.classList.add("role-" + role.replace(/[^a-z]/gi, ""));
+  let head = label + role;
+  if (message.name) head += " (" + message.name + ")";
+  if (message.tool_call_id) head += " for " + message.tool_call_id;
+  box.append(el("div", "role", head));
+  box.append(renderContent(message.content));
+  for (const call of message.tool_calls || []) {
+    const box2 = el("div", "call");
+    const fn = call.function || call;
+    box2.append(el("span", "name", fn.name), el("span", "hint", " " + (call.id || "")));
+    box2.append(prettyArguments(fn.arguments));
+    box.append(box2);
+  }
+  const known = new Set(["role", "content", "name", "tool_calls", "tool_call_id"]);
+  const rest = Object.keys(message).filter((k) => !known.has(k));
+  if (rest.length) {
+    const extra = {};
+    for (const k of rest) extra[k] = message[k];
+    const details = el("details");
+    details.append(el("summary", "hint", "other fields: " + rest.join(", ")), pretty(extra));
+    box.append(details);
+  }
+  return box;
+}
+
+function renderMask(sequence) {
+  const box = el("div", "sequence");
+  box.append(
+    el(
+      "div",
+      null,
+      sequence.n_tokens + " tokens over " + sequence.n_turns + " turns, " + sequence.n_trained +
+        " trained (loss mask 1), first prompt " + sequence.prompt_len + " tokens"
+    )
+  );
+  if (sequence.n_tokens > 0) {
+    const bar = el("div", "mask");
+    bar.title = "grey: context (mask 0), blue: sampled tokens trained on (mask 1)";
+    for (const [value, length] of sequence.mask_runs) {
+      const span = el("span", "m" + value);
+      span.style.flex = String(length);
+      span.title = (value ? "trained" : "context") + ": " + length + " tokens";
+      bar.append(span);
+    }
+    box.append(bar);
+    const runs = sequence.mask_runs.slice(0, 40).map(([v, n]) => v + "x" + n).join(" ");
+    box.append(el("div", "hint mask-runs", "mask runs: " + runs + (sequence.mask_runs.length > 40 ? " ..." : "")));
+  }
+  return box;
+}
+
+function metaTable(pairs) {
+  const table = el("table", "meta");
+  for (const [name, value] of pairs) {
+    const tr = el("tr");
+    tr.append(el("td", null, name), el("td", null, value === null || value === undefined ? "-" : value));
+    table.append(tr);
+  }
+  return table;
+}
+
+async function selectTurn(id) {
+  selectedId = id;
+  for (const row of document.querySelectorAll(".row")) {
+    row.classList.toggle("selected", row.dataset.id === id);
+  }
+  const t = await getJSON("/api/turn", { id });
+  if (selectedId !== id) return;
+  const pane = document.getElementById("turn");
+  const s = t.summary;
+  const heading = el("h2", null, s.node_id);
+  if (t.discarded) heading.append(" ", el("span", "badge discarded", "discarded"));
+  if (s.parent_id === null) heading.append(" ", el("span", "badge root", "root"));
+  if (t.children.length > 1) heading.append(" ", el("span", "badge fork", "fork x" + t.children.length));
+  const nodes = [heading];
+  nodes.push(
+    metaTable([
+      ["parent", s.parent_id === null ? "none (root)" : s.parent_id + " (linked by " + s.link + ")"],
+      ["children", t.children.length ? t.children.join(", ") : "none"],
+      ["model", s.model],
+      ["finish reason", s.finish_reason],
+      ["session", s.harness_session_id],
+      ["prompt tokens", s.n_prompt],
+      ["sampled tokens", s.n_sampled],
+      ["request messages", t.n_messages + " (" + (t.n_messages - t.new_from) + " new in this turn)"],
+      ["tools", s.n_tools],
+    ])
+  );
+  nodes.push(el("h3", null, "training sequence ending here"), renderMask(t.sequence));
+  if (t.sampling_params !== null) {
+    const details = el("details");
+    details.append(el("summary", null, "sampling parameters"), pretty(t.sampling_params));
+    nodes.push(details);
+  }
+  if (t.tools !== null) {
+    const details = el("details");
+    details.append(el("summary", null, "tools (" + (Array.isArray(t.tools) ? t.tools.length : 1) + ")"), pretty(t.tools));
+    nodes.push(details);
+  }
+  nodes.push(el("h3", null, "request messages"));
+  const list = el("div", "messages");
+  let start = t.start;
+  let stop = t.start + t.messages.length;
+  const earlier = el("button", null, "");
+  const later = el("button", null, "");
+  const refresh = () => {
+    earlier.textContent = "show " + Math.min(start, 100) + " earlier messages (" + start + " before)";
+    earlier.hidden = start === 0;
+    later.textContent = "show more messages (" + (t.n_messages - stop) + " after)";
+    later.hidden = stop >= t.n_messages;
+  };
+  const number = (i) => "#" + i + (i >= t.new_from ? " new: " : ": ");
+  t.messages.forEach((m, i) => list.append(renderMessage(m, number(start + i))));
+  earlier.addEventListener("click", async () => {
+    const from = Math.max(0, start - 100);
+    const r = await getJSON("/api/messages", { id, start: from, stop: start });
+    list.prepend(...r.messages.map((m, i) => renderMessage(m, number(from + i))));
+    start = from;
+    refresh();
+  });
+  later.addEventListener("click", async () => {
+    const r = await getJSON("/api/messages", { id, start: stop, stop: stop + 100 });
+    list.append(...r.messages.map((m, i) => renderMessage(m, number(stop + i))));
+    stop += r.messages.length;
+    refresh();
+  });
+  refresh();
+  nodes.push(earlier, list, later);
+  nodes.push(el("h3", null, "response"), renderMessage(t.response, "", "response"));
+  pane.replaceChildren(...nodes);
+  pane.scrollTop = 0;
+  pane.dataset.turn = id;
+}
+
+// ---------------------------------------------------------------- start
+
+async function start() {
+  const figures = await getJSON("/api/figures");
+  showFigures(figures);
+  totalRows = figures.rows;
+  document.getElementById("tree-spacer").style.height = totalRows * ROW_HEIGHT + "px";
+  const tree = document.getElementById("tree");
+  tree.addEventListener("scroll", () => drawTree(), { passive: true });
+  window.addEventListener("resize", () => drawTree());
+  await drawTree();
+  if (totalRows > 0) {
+    const rows = await loadPage(0);
+    await selectTurn(rows[0].id);
+  }
+  document.body.dataset.openMs = String(Math.round(performance.now()));
+  document.body.dataset.ready = "1";
+}
+
+start().catch((error) => {
+  document.body.dataset.error = String(error);
+  document.getElementById("turn").replaceChildren(el("p", "error", "Could not load: " + error));
+});
