@@ -1,0 +1,175 @@
+"""The viewer page in a real headless Chromium, driven by selenium.
+
+Needs Debian's `chromium` and `chromium-driver` (`.ci/run` installs them). Without them the
+tests skip, except with CI=true, where a browser that cannot start fails the test.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from viewer_support import SCRIPT_TEXT, long_rollout, small_rollout
+
+from rollout_store import RolloutGraph
+from rollout_store.viewer import Viewer, serve
+
+pytestmark = pytest.mark.slow
+
+CHROMEDRIVER = "/usr/bin/chromedriver"
+TIMEOUT = 20.0
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+
+        profile = tempfile.mkdtemp(prefix="rls-viewer-profile-")
+        options = webdriver.ChromeOptions()
+        for flag in (
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            f"--user-data-dir={profile}",
+            "--window-size=1400,900",
+        ):
+            options.add_argument(flag)
+        if os.path.exists("/usr/bin/chromium"):
+            options.binary_location = "/usr/bin/chromium"
+        driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    except Exception as exc:  # no selenium, no chromium, no driver
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"headless chromium could not start: {exc}")
+        pytest.skip(f"headless chromium could not start: {exc}")
+    driver.set_page_load_timeout(TIMEOUT)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def _open(driver: Any, viewer: Viewer) -> Iterator[str]:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    with serve(viewer) as server:
+        url = f"http://127.0.0.1:{server.server_address[1]}/"
+        driver.get(url)
+        WebDriverWait(driver, TIMEOUT).until(
+            lambda d: d.execute_script(
+                "return document.body.dataset.ready || document.body.dataset.error"
+            )
+        )
+        assert driver.execute_script("return document.body.dataset.error") is None
+        yield url
+
+
+def _rows(driver: Any) -> dict[str, Any]:
+    from selenium.webdriver.common.by import By
+
+    return {
+        row.get_attribute("data-id"): row for row in driver.find_elements(By.CSS_SELECTOR, ".row")
+    }
+
+
+def _select(driver: Any, node_id: str) -> None:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    _rows(driver)[node_id].click()
+    WebDriverWait(driver, TIMEOUT).until(
+        lambda d: d.execute_script("return document.getElementById('turn').dataset.turn") == node_id
+    )
+
+
+def test_tree_marks_roots_forks_and_discarded(browser: Any) -> None:
+    graph = small_rollout()
+    for _ in _open(browser, Viewer(graph, title="small.rls")):
+        rows = _rows(browser)
+        assert list(rows) == ["t0", "t1", "t3", "t2", "evil"]  # depth first, the fork's children
+        assert "root" in rows["t0"].text and "fork x2" in rows["t0"].text
+        assert "root" in rows["evil"].text
+        assert "discarded" in rows["t2"].text and "is-discarded" in rows["t2"].get_attribute(
+            "class"
+        )
+        assert "discarded" not in rows["t1"].text
+        figures = browser.find_element("id", "figures").text
+        assert "turns\n5" in figures and "discarded\n1" in figures
+        assert "long strings received" in figures and "unique (stored once)" in figures
+        _select(browser, "t3")
+        turn = browser.find_element("id", "turn").text
+        assert "linked by tokens" in turn
+        # the sequence ending at t3 trains the sampled tokens of t0, t1 and t3
+        assert "68 tokens over 3 turns, 6 trained (loss mask 1)" in turn
+        assert "mask runs: 0x40 1x3 0x20 1x2 0x2 1x1" in turn
+        mask = browser.find_elements("css selector", "#turn .mask span")
+        assert [s.get_attribute("class") for s in mask][-1] == "m1"
+        _select(browser, "t0")
+        turn = browser.find_element("id", "turn").text
+        assert '"x": 10' in turn and '"y": 20' in turn  # tool call arguments pretty-printed
+        assert "click" in turn
+
+
+def test_images_from_data_urls_and_anthropic_sources(browser: Any) -> None:
+    graph = small_rollout()
+    for _ in _open(browser, Viewer(graph)):
+        _select(browser, "t1")
+        images = browser.find_elements("css selector", "#turn img.content-image")
+        assert len(images) == 2  # the OpenAI image_url part and the Anthropic base64 source
+        for image in images:
+            assert image.get_attribute("src").startswith("data:image/png;base64,")
+            assert (
+                browser.execute_script(
+                    "return arguments[0].complete && arguments[0].naturalWidth", image
+                )
+                == 24
+            )
+
+
+def test_script_in_a_message_shows_as_text(browser: Any) -> None:
+    graph = small_rollout()
+    for _ in _open(browser, Viewer(graph)):
+        _select(browser, "evil")
+        texts = browser.find_elements("css selector", "#turn .text")
+        assert [t.text for t in texts] == [SCRIPT_TEXT, SCRIPT_TEXT]
+        assert browser.execute_script("return window.__pwned === undefined")
+        assert not browser.find_elements("css selector", "#turn script, #turn b, #turn img")
+        preview = _rows(browser)["evil"].text
+        assert "<script>" in preview
+
+
+def test_thousand_turn_multimodal_rollout_opens_quickly(browser: Any, tmp_path: Path) -> None:
+    path = tmp_path / "long.rls"
+    long_rollout(1000).save(path)
+    graph = RolloutGraph.load(path)
+    viewer = Viewer(graph, title=path.name, file_size=path.stat().st_size)
+    for _ in _open(browser, viewer):
+        open_ms = int(browser.execute_script("return document.body.dataset.openMs"))
+        rows = _rows(browser)
+        assert 10 < len(rows) < 100  # only the rows on screen are in the page
+        assert "turn-0" in rows and "turn-999" not in rows
+        entries = browser.execute_script(
+            "return performance.getEntriesByType('resource').map(e => e.name)"
+        )
+        assert all(e.startswith("http://127.0.0.1:") for e in entries)  # nothing else reached
+        browser.execute_script(
+            "const t = document.getElementById('tree'); t.scrollTop = t.scrollHeight;"
+        )
+        from selenium.webdriver.support.ui import WebDriverWait
+
+        WebDriverWait(browser, TIMEOUT).until(lambda d: "turn-999" in _rows(d))
+        _select(browser, "turn-999")
+        turn = browser.find_element("id", "turn").text
+        assert "2000 (2 new in this turn)" in turn
+        assert "show 100 earlier messages" in turn
+        print(f"1,000-turn multimodal rollout: page ready {open_ms} ms after navigation")
