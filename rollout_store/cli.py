@@ -333,3 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         name = exc.filename or args.file
         print(f"rollout-store: {name}: {exc.strerror or exc}", file=sys.stderr)
         return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

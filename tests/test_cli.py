@@ -40,8 +40,12 @@ def test_info(rollout_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
     lines = {line.split("  ")[0].strip(): line.split("  ")[-1].strip() for line in out.splitlines()}
     assert lines["turns"] == "4"
     assert lines["roots"] == "4"  # token prompts do not extend each other here
-    assert lines["blobs"] == "1"
-    assert "dedup ratio (long strings)" in lines
+    export = len(json.dumps(export_session(RolloutGraph.load(rollout_file), include_messages=True)))
+    size = rollout_file.stat().st_size
+    assert lines["bytes received (plain export)"] == str(export)
+    assert lines["bytes stored (this file)"] == str(size)
+    assert lines["saving over the plain export"] == f"{export / size:.1f}x"
+    assert lines["long strings stored (unique)"] == "2000"
 
 
 def test_verify_ok_and_damaged(rollout_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -52,7 +56,7 @@ def test_verify_ok_and_damaged(rollout_file: Path, capsys: pytest.CaptureFixture
     rollout_file.write_bytes(bytes(data))
     assert main(["verify", str(rollout_file)]) == 1
     err = capsys.readouterr().err.strip()
-    assert err.startswith("damaged: ") and "offset" in err
+    assert err.startswith("damaged: ") and "offset" in err and "recover" in err
     assert len(err.splitlines()) == 1
 
 
@@ -94,3 +98,180 @@ def test_console_script_runs(rollout_file: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("ok: ")
+
+
+# ---------------------------------------------------------------- files that cannot be read
+
+
+def _err(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_missing_empty_foreign_and_damaged_files_say_different_things(
+    rollout_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    empty = tmp_path / "empty.rls"
+    empty.write_bytes(b"")
+    foreign = tmp_path / "export.json"
+    foreign.write_text('{"turns": []}')
+    damaged = tmp_path / "damaged.rls"
+    damaged.write_bytes(rollout_file.read_bytes()[:-7])
+    for command in ("info", "verify", "export", "view"):
+        missing = _err(capsys, [command, str(tmp_path / "nope.rls")])
+        assert missing.endswith("nope.rls: no such file")
+        assert "empty file (0 bytes)" in _err(capsys, [command, str(empty)])
+        text = _err(capsys, [command, str(foreign)])
+        assert "not a rollout_store file" in text and "looks like JSON" in text
+        assert "damaged" not in text
+        text = _err(capsys, [command, str(damaged)])
+        assert "damaged" in text and "repair" in text and "recover" in text
+
+
+def test_damage_in_the_middle_points_to_recover_not_repair(
+    rollout_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = bytearray(rollout_file.read_bytes())
+    data[len(data) * 8 // 10] ^= 0xFF  # inside the third turn's record; the fourth follows
+    rollout_file.write_bytes(bytes(data))
+    text = _err(capsys, ["info", str(rollout_file)])
+    assert "saves the 2 complete turns before it to a new file" in text
+    assert f"rollout-store recover {rollout_file} -o OUT" in text
+    assert "repair does not apply: intact records follow it" in text
+    before = rollout_file.read_bytes()
+    text = _err(capsys, ["repair", str(rollout_file)])
+    assert "repair does not apply" in text
+    assert rollout_file.read_bytes() == before  # repair refused: the file is untouched
+
+
+def test_recover_saves_the_turns_before_the_damage(
+    rollout_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    whole = RolloutGraph.load(rollout_file)
+    rollout_file.write_bytes(rollout_file.read_bytes()[:-7])  # the last turn is cut
+    out = tmp_path / "recovered.rls"
+    assert main(["recover", str(rollout_file), "-o", str(out)]) == 0
+    assert capsys.readouterr().out.startswith("recovered 3 turns from before the damage")
+    recovered = RolloutGraph.load(out)
+    assert recovered.node_ids() == whole.node_ids()[:3]
+    for node_id in recovered.node_ids():
+        assert json.dumps(recovered.request_messages(node_id)) == json.dumps(
+            whole.request_messages(node_id)
+        )
+    assert _err(capsys, ["recover", str(rollout_file), "-o", str(rollout_file)]).endswith(
+        "recover never writes over its input"
+    )
+
+
+def test_repair_cuts_a_torn_tail_in_place(
+    rollout_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    whole = rollout_file.read_bytes()
+    rollout_file.write_bytes(whole[:-7])
+    assert main(["repair", str(rollout_file)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"repaired {rollout_file}: cut ") and "3 turns kept" in out
+    assert main(["verify", str(rollout_file)]) == 0
+    assert whole.startswith(rollout_file.read_bytes())
+    capsys.readouterr()
+    assert main(["repair", str(rollout_file)]) == 0
+    assert "nothing to repair" in capsys.readouterr().out
+
+
+def test_recover_of_a_file_without_damage_copies_it(
+    rollout_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "copy.rls"
+    assert main(["recover", str(rollout_file), "-o", str(out)]) == 0
+    assert "is not damaged" in capsys.readouterr().out
+    assert RolloutGraph.load(out).node_ids() == RolloutGraph.load(rollout_file).node_ids()
+
+
+# ---------------------------------------------------------------- options, pipes, entry points
+
+
+def test_progress_before_and_after_the_command(
+    rollout_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for argv in (
+        ["--progress", "verify", str(rollout_file)],
+        ["verify", str(rollout_file), "--progress"],
+    ):
+        assert main(argv) == 0
+        captured = capsys.readouterr()
+        assert captured.out.startswith("ok: ")
+        assert "reading" in captured.err  # the bar, drawn although stderr is not a terminal
+    assert main(["--progress", "verify", "--no-progress", str(rollout_file)]) == 0
+    assert "reading" not in capsys.readouterr().err  # the last one given wins
+
+
+def test_help_texts(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--messages include each turn's request messages, tools and response message" in text
+    assert "--progress draw a progress bar" in text
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    for command in ("info", "verify", "export", "recover", "repair", "view"):
+        assert command in text
+
+
+def test_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    path = tmp_path / "big.rls"
+    graph = RolloutGraph()
+    for k in range(30):  # an export much larger than a pipe's buffer
+        graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": f"{k}" * 50_000}]))
+    graph.save(path)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollout_store", "export", str(path), "--messages"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(10) == b'{"session_'
+    proc.stdout.close()  # what `| head -c 10` does
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0
+    assert err == b""
+
+
+def test_python_dash_m_and_version() -> None:
+    import rollout_store
+
+    assert isinstance(rollout_store.__version__, str) and rollout_store.__version__[0].isdigit()
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollout_store", "--version"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == f"rollout-store {rollout_store.__version__}"
+
+
+def test_view_serves_the_file_on_loopback(rollout_file: Path) -> None:
+    import urllib.request
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollout_store", "view", str(rollout_file), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith(f"viewing {rollout_file} at http://127.0.0.1:"), line
+        url = line.split(" at ", 1)[1].split()[0]
+        with urllib.request.urlopen(url + "api/figures", timeout=10) as response:
+            figures = json.loads(response.read())
+        assert figures["turns"] == 4 and figures["title"] == "r.rls"
+        assert figures["file_bytes"] == rollout_file.stat().st_size
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

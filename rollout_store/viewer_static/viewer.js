@@ -1,6 +1,6 @@
 // The rollout viewer page. Fetches only the rows and the turn on screen from the JSON
 // endpoints next to it. Every piece of content goes into the DOM through textContent or
-// an attribute of a created element, never through innerHTML, so a message holding HTML
+// an attribute of a created element, never parsed as markup, so a message holding HTML
 // or a script shows as text.
 "use strict";
 

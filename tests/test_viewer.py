@@ -1,0 +1,118 @@
+"""The viewer's JSON endpoints and static page, without a browser."""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.error
+import urllib.request
+from importlib import resources
+from typing import Any
+
+import pytest
+from viewer_support import SCRIPT_TEXT, long_rollout, small_rollout
+
+from rollout_store import RolloutGraph, TurnNode, export_session
+from rollout_store.figures import plain_export_bytes
+from rollout_store.viewer import MAX_MESSAGES, Viewer, serve
+
+
+def _get(viewer: Viewer, path: str, query: str = "") -> tuple[int, Any]:
+    response = viewer.respond(path, query)
+    return response.status, json.loads(response.body)
+
+
+def test_rows_are_depth_first_with_markers() -> None:
+    status, page = _get(Viewer(small_rollout()), "/api/rows", "offset=0&limit=10")
+    assert status == 200 and page["total"] == 5
+    rows = {r["id"]: r for r in page["rows"]}
+    assert [r["id"] for r in page["rows"]] == ["t0", "t1", "t3", "t2", "evil"]
+    assert rows["t0"]["children"] == 2 and rows["t0"]["parent"] is None
+    assert rows["t2"]["discarded"] and not rows["t1"]["discarded"]
+    assert [r["indent"] for r in page["rows"]] == [0, 1, 1, 1, 0]  # a chain keeps its indent
+    assert rows["t0"]["preview"] == "-> click()"
+
+
+def test_rows_page_only_what_is_asked() -> None:
+    viewer = Viewer(long_rollout(300))
+    status, page = _get(viewer, "/api/rows", "offset=250&limit=20")
+    assert status == 200 and page["total"] == 300
+    assert [r["id"] for r in page["rows"]] == [f"turn-{k}" for k in range(250, 270)]
+
+
+def test_turn_shows_new_messages_and_pages_the_rest() -> None:
+    viewer = Viewer(long_rollout(300))
+    status, turn = _get(viewer, "/api/turn", "id=turn-299")
+    assert status == 200 and turn["n_messages"] == 600 and turn["new_from"] == 598
+    assert len(turn["messages"]) == MAX_MESSAGES and turn["start"] == 500
+    status, page = _get(viewer, "/api/messages", "id=turn-299&start=0&stop=3")
+    assert [m["role"] for m in page["messages"]] == ["system", "user", "assistant"]
+
+
+def test_turn_sequence_is_the_loss_mask_as_runs() -> None:
+    graph = small_rollout()
+    _, turn = _get(Viewer(graph), "/api/turn", "id=t3")
+    mask = graph.sequence_for("t3")["loss_mask"]
+    runs = turn["sequence"]["mask_runs"]
+    assert [v for v, n in runs for _ in range(n)] == mask
+    assert turn["sequence"]["n_trained"] == sum(mask) == 6
+
+
+def test_values_json_parse_cannot_read_are_shown_as_text() -> None:
+    graph = RolloutGraph()
+    odd = {"role": "user", "content": [math.nan, -math.inf, 2**70, -0.0, (1, 2)]}
+    graph.add_turn(TurnNode(request_messages=[odd], node_id="odd"))
+    body = Viewer(graph).respond("/api/turn", "id=odd").body.decode()
+    assert "NaN" not in body.replace('"nan"', "")  # strict JSON: no bare NaN
+    content = json.loads(body)["messages"][0]["content"]
+    assert content == ["nan", "-inf", str(2**70), -0.0, [1, 2]]
+
+
+def test_bad_requests() -> None:
+    viewer = Viewer(small_rollout())
+    assert _get(viewer, "/api/turn", "id=nope") == (404, {"error": "no turn 'nope' in the graph"})
+    assert _get(viewer, "/api/turn")[0] == 400
+    assert _get(viewer, "/api/rows", "offset=x")[0] == 400
+    assert _get(viewer, "/api/rows", "offset=-1")[0] == 400
+    assert _get(viewer, "/nothing")[0] == 404
+
+
+def test_figures_and_export_size() -> None:
+    graph = small_rollout()
+    viewer = Viewer(graph, title="x.rls", file_size=123)
+    _, figures = _get(viewer, "/api/figures")
+    assert figures["turns"] == 5 and figures["discarded"] == 1 and figures["file_bytes"] == 123
+    _, size = _get(viewer, "/api/export-size")
+    whole = json.dumps(export_session(graph, include_messages=True, include_discarded=True))
+    assert size["plain_export_bytes"] == len(whole) == plain_export_bytes(graph)
+
+
+def test_static_page_builds_no_html_from_content_and_needs_no_network() -> None:
+    static = resources.files("rollout_store").joinpath("viewer_static")
+    page = viewer_js = ""
+    for name in ("index.html", "viewer.js", "viewer.css"):
+        text = static.joinpath(name).read_text()
+        assert "http://" not in text and "https://" not in text and "//cdn" not in text
+        if name == "viewer.js":
+            viewer_js = text
+        page += text
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval("):
+        assert sink not in viewer_js
+    response = Viewer(small_rollout()).respond("/")
+    headers = dict(response.headers)
+    assert response.status == 200 and headers["Content-Type"].startswith("text/html")
+    assert "script-src 'self'" in headers["Content-Security-Policy"]
+    assert "default-src 'none'" in headers["Content-Security-Policy"]
+    assert SCRIPT_TEXT not in page
+
+
+def test_http_server_answers_loopback_hosts_only() -> None:
+    with serve(Viewer(small_rollout())) as server:
+        port = server.server_address[1]
+        url = f"http://127.0.0.1:{port}/api/figures"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            assert json.loads(response.read())["turns"] == 5
+        request = urllib.request.Request(url, headers={"Host": f"evil.example:{port}"})
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=10)
+        assert info.value.code == 403
