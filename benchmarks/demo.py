@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import sys
 
-from measure import MiB, retained_bytes
+from measure import MiB, retained_bytes, targets_summary
 from schemes import SCHEMES
 from workloads import UniqueContent, iter_texts, multimodal
 
 TURNS = 50
 EVERY = 5
+MAX_OVER_UNIQUE = 1.10  # rollout_store retains at most this x the unique content
 
 
 def main() -> int:
@@ -32,6 +33,13 @@ def main() -> int:
         f"after {TURNS} turns plain keeps {plain[TURNS] / unique[TURNS]:.1f}x the unique content,"
         f" rollout_store {ours[TURNS] / unique[TURNS]:.2f}x"
     )
+    over = ours[TURNS] / unique[TURNS]
+    checks = [
+        f"{'PASS' if over <= MAX_OVER_UNIQUE else 'MISS'}  rollout_store {over:.2f}x unique"
+        f" <= {MAX_OVER_UNIQUE}"
+    ]
+    print("\n".join(checks))
+    print(targets_summary(checks))
     return 0
 
 

@@ -1,6 +1,7 @@
 """File size, save/load speed and export memory of rollout_store on the multimodal workload,
 against unique content, the plain JSON export and a msgpack floor. Writes
-results/file_format.json; ends with PASS/MISS lines for the targets (never failing on them).
+out/file_format.json (results/ with --update-results); ends with PASS/MISS lines for the
+targets (never failing on them) and a one-line count of targets met and missed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ from time import perf_counter
 from typing import Any
 
 import msgpack
-from measure import MiB, library_commit, record_traced
+from measure import (
+    MiB,
+    add_results_option,
+    library_commit,
+    record_traced,
+    results_dir,
+    shown,
+    targets_summary,
+)
 from schemes import SHARE_THRESHOLD, RolloutStoreRecorder
 from tqdm import tqdm
 from workloads import iter_texts, multimodal, unique_content_bytes
@@ -31,7 +40,6 @@ from rollout_store import RolloutGraph, export_session, write_session_json
 DEFAULT_TURNS = 100
 QUICK_TURNS = 25
 REPEAT = 5
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 MAX_FILE_OVER_UNIQUE = 1.05
 MAX_SAVE_OVER_PACKB = 2.0
@@ -54,6 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--profile", action="store_true", help="also print cProfile tables of save and load"
     )
+    add_results_option(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.turns = QUICK_TURNS
@@ -402,7 +411,6 @@ def main(argv: list[str] | None = None) -> int:
     if profile_text:
         print(profile_text)
 
-    RESULTS_DIR.mkdir(exist_ok=True)
     report = {
         "commit": library_commit(),
         "workload": "multimodal",
@@ -413,8 +421,10 @@ def main(argv: list[str] | None = None) -> int:
         "memory": memory,
         "checks": checks,
     }
-    (RESULTS_DIR / "file_format.json").write_text(json.dumps(report, indent=2) + "\n")
-    print("\nwrote results/file_format.json")
+    path = results_dir(args.update_results) / "file_format.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {shown(path)}")
+    print(targets_summary(checks))
     return 0
 
 

@@ -5,6 +5,7 @@ Both feed it JSON texts decoded one turn at a time, so no two turns share object
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import statistics
@@ -127,3 +128,44 @@ def library_commit() -> str | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     return out.stdout.strip() or None
+
+
+# ---------------------------------------------------------------- where results go
+
+BENCH_DIR = Path(__file__).resolve().parent
+#: Tracked figures, rewritten only with --update-results (the README quotes them).
+TRACKED_RESULTS = BENCH_DIR / "results"
+#: Every other run writes here (gitignored), so a run never dirties the work tree.
+LOCAL_RESULTS = BENCH_DIR / "out"
+
+
+def add_results_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--update-results",
+        action="store_true",
+        help="write the tracked files in benchmarks/results/ (default: benchmarks/out/, "
+        "which git ignores)",
+    )
+
+
+def results_dir(update: bool) -> Path:
+    """The folder a run writes to: the tracked one only when asked."""
+    folder = TRACKED_RESULTS if update else LOCAL_RESULTS
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def shown(path: Path) -> str:
+    """A results path relative to the benchmarks folder, for messages."""
+    return str(path.relative_to(BENCH_DIR))
+
+
+def targets_summary(checks: list[str]) -> str:
+    """One line: how many PASS/MISS/SKIP lines there are."""
+    met = sum(line.startswith("PASS") for line in checks)
+    missed = sum(line.startswith("MISS") for line in checks)
+    skipped = sum(line.startswith("SKIP") for line in checks)
+    line = f"targets: {met} met, {missed} missed"
+    if skipped:
+        line += f", {skipped} not run"
+    return line + f" (of {len(checks)})"

@@ -1,6 +1,8 @@
 """Retained memory and add time per turn of plain, interning and rollout_store, side by side.
 
-Writes results/memory_per_turn.json and .png; ends with PASS/MISS lines for the targets.
+Writes out/memory_per_turn.json and .png (results/ with --update-results, for a full run);
+ends with PASS/MISS lines for the targets and a one-line count of targets met and missed.
+`--replot` redraws the plot from the tracked results without measuring.
 """
 
 from __future__ import annotations
@@ -12,14 +14,23 @@ import sys
 import traceback
 from pathlib import Path
 
-from measure import MiB, library_commit, retained_bytes, time_turns
+from measure import (
+    TRACKED_RESULTS,
+    MiB,
+    add_results_option,
+    library_commit,
+    results_dir,
+    retained_bytes,
+    shown,
+    targets_summary,
+    time_turns,
+)
 from schemes import SCHEMES, available_schemes
 from tqdm import tqdm
 from workloads import WORKLOADS, UniqueContent, chatty, iter_texts
 
 TURN_COUNTS = (10, 25, 50, 100, 200)
 QUICK_TURN_COUNTS = (10, 25, 50)
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 SCALING_ROLLOUTS = 100
 SCALING_TURNS = 10
@@ -44,6 +55,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--turns", help="comma-separated turn counts, e.g. 10,25")
     parser.add_argument("--workloads", help="comma-separated names: " + ",".join(WORKLOADS))
+    add_results_option(parser)
+    parser.add_argument(
+        "--replot",
+        action="store_true",
+        help="only redraw the plot from results/memory_per_turn.json (no measuring)",
+    )
     args = parser.parse_args(argv)
     if args.turns:
         args.turn_counts = tuple(sorted({int(n) for n in args.turns.split(",")}))
@@ -53,6 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.workload_names) - set(WORKLOADS)
     if unknown:
         parser.error(f"unknown workloads: {', '.join(sorted(unknown))}")
+    args.full = args.turn_counts == TURN_COUNTS and args.workload_names == list(WORKLOADS)
+    if args.update_results and not (args.full and not args.quick):
+        parser.error("--update-results needs a full run (no --quick, --turns or --workloads)")
     return args
 
 
@@ -217,7 +237,36 @@ def check_targets(rows: list[dict], scaling: list[dict], workloads: list[str]) -
     return lines
 
 
+STYLE = {  # distinct colour, marker and dash, so lines that overlap stay readable
+    "plain": {
+        "color": "#d62728",
+        "marker": "o",
+        "markersize": 9,
+        "markerfacecolor": "none",
+        "linestyle": "-",
+        "linewidth": 3.5,
+    },
+    "interning": {
+        "color": "#ff7f0e",
+        "marker": "s",
+        "markersize": 4,
+        "linestyle": "--",
+        "linewidth": 1.8,
+    },
+    "rollout_store": {
+        "color": "#1f77b4",
+        "marker": "D",
+        "markersize": 5,
+        "linestyle": "-",
+        "linewidth": 2.5,
+    },
+}
+
+
 def plot(rows: list[dict], workloads: list[str], path: Path) -> None:
+    """Retained MiB against turns on linear axes: quadratic growth curves up, linear growth
+    is a straight line. The legend gives each line's last value and x unique content (text
+    next to the lines would collide where they overlap)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -225,27 +274,47 @@ def plot(rows: list[dict], workloads: list[str], path: Path) -> None:
 
     cols = min(len(workloads), 2)
     nrows = (len(workloads) + cols - 1) // cols
-    fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 4.2 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, cols, figsize=(6.4 * cols, 4.4 * nrows), squeeze=False)
     for ax, name in zip(axes.flat, workloads, strict=False):
         mine = [r for r in rows if r["workload"] == name]
-        for scheme in SCHEMES:
-            points = sorted(
-                (r["turns"], r["retained_bytes"]) for r in mine if r["scheme"] == scheme
-            )
-            if points:
-                ax.plot(*zip(*[(n, b / MiB) for n, b in points], strict=True), "o-", label=scheme)
         unique = sorted({(r["turns"], r["unique_bytes"]) for r in mine})
         if unique:
             xs, ys = zip(*[(n, b / MiB) for n, b in unique], strict=True)
-            ax.plot(xs, ys, "k--", label="unique content")
-        ax.set_yscale("log")
-        ax.set_title(name)
+            ax.plot(
+                xs,
+                ys,
+                color="black",
+                linestyle=":",
+                linewidth=1.5,
+                label=f"unique content: {ys[-1]:.1f} MiB",
+                zorder=4,
+            )
+        for scheme in SCHEMES:
+            points = sorted(
+                (r["turns"], r["retained_bytes"], r["retained_over_unique"])
+                for r in mine
+                if r["scheme"] == scheme
+            )
+            if not points:
+                continue
+            xs, ys = [n for n, _, _ in points], [b / MiB for _, b, _ in points]
+            n, b, over = points[-1]
+            label = f"{scheme}: {b / MiB:.1f} MiB at {n} turns ({over:.2f}x unique)"
+            ax.plot(xs, ys, label=label, alpha=0.9, zorder=3, **STYLE.get(scheme, {}))
+        ax.set_title(f"{name}: retained memory (lower is better)")
         ax.set_xlabel("turns")
-        ax.set_ylabel("retained MiB (log)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.set_ylabel("retained MiB")
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
     for ax in list(axes.flat)[len(workloads) :]:
         ax.set_visible(False)
+    fig.suptitle(
+        "Bytes retained after n turns (linear axes): plain grows with the square of the turns,"
+        " rollout_store with the turns",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -253,6 +322,13 @@ def plot(rows: list[dict], workloads: list[str], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        report = json.loads((TRACKED_RESULTS / "memory_per_turn.json").read_text())
+        path = results_dir(args.update_results) / "memory_per_turn.png"
+        plot(report["rows"], report["workloads"], path)
+        print(f"redrew {shown(path)} from results/memory_per_turn.json")
+        print(targets_summary(report["checks"]))
+        return 0
     schemes = available_schemes()
     max_turns = max(args.turn_counts)
     total = len(args.workload_names) * len(schemes) * 2 * max_turns
@@ -278,7 +354,6 @@ def main(argv: list[str] | None = None) -> int:
     for line in checks:
         print("  " + line)
 
-    RESULTS_DIR.mkdir(exist_ok=True)
     report = {
         "commit": library_commit(),
         "turn_counts": list(args.turn_counts),
@@ -289,12 +364,12 @@ def main(argv: list[str] | None = None) -> int:
         "errors": errors,
         "checks": checks,
     }
-    # a partial run (--quick, --turns, --workloads) never overwrites the full run's results
-    full = args.turn_counts == TURN_COUNTS and args.workload_names == list(WORKLOADS)
-    stem = "memory_per_turn" if full else "memory_per_turn.partial"
-    (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(rows, args.workload_names, RESULTS_DIR / f"{stem}.png")
-    print(f"\nwrote results/{stem}.json and results/{stem}.png")
+    folder = results_dir(args.update_results)
+    stem = "memory_per_turn" if args.full else "memory_per_turn.partial"
+    (folder / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(rows, args.workload_names, folder / f"{stem}.png")
+    print(f"\nwrote {shown(folder / f'{stem}.json')} and {shown(folder / f'{stem}.png')}")
+    print(targets_summary(checks))
     return 0
 
 

@@ -8,10 +8,11 @@ import json
 import sys
 import types
 
-from measure import MiB, record_traced
+from measure import MiB, record_traced, targets_summary
 from schemes import SCHEMES, available_schemes
 from workloads import IMAGE_URL_LEN, SEED_TURNS, iter_texts, seed_workload, unique_content_bytes
 
+EXPECTED_IMAGE_STRS = {"plain": 78, "rollout_store": 12}
 LARGE = 32 * 1024  # no other value of the seed workload is this long
 _OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.CodeType)
 
@@ -43,13 +44,18 @@ def main() -> int:
     print(
         f"{'scheme':<14}{'retained MiB':>13}{'x unique':>10}{'image strs':>12}{'>=32KiB objs':>14}"
     )
+    checks = []
     for scheme in [s for s in ("plain", "rollout_store") if s in available_schemes()]:
         recorder, retained = record_traced(SCHEMES[scheme], texts, [SEED_TURNS])
         image_strs, large = count_large_strings(recorder.root)
         recorder.close()
         size = retained[SEED_TURNS]
         print(f"{scheme:<14}{size / MiB:>13.2f}{size / unique:>9.2f}x{image_strs:>12}{large:>14}")
-    print("expected image strs: plain 78, rollout_store 12")
+        expected = EXPECTED_IMAGE_STRS[scheme]
+        verdict = "PASS" if image_strs == expected else "MISS"
+        checks.append(f"{verdict}  {scheme} keeps {image_strs} image strings (expected {expected})")
+    print("\n".join(checks))
+    print(targets_summary(checks))
     return 0
 
 

@@ -1,0 +1,48 @@
+"""Benchmarks write to a gitignored folder unless asked, and count targets met and missed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import measure  # noqa: E402
+
+
+def test_targets_summary_counts_each_verdict() -> None:
+    checks = ["PASS  a", "MISS  b", "PASS  c", "SKIP  d"]
+    assert measure.targets_summary(checks) == "targets: 2 met, 1 missed, 1 not run (of 4)"
+    assert measure.targets_summary(["PASS  a"]) == "targets: 1 met, 0 missed (of 1)"
+
+
+def test_default_results_folder_is_ignored_by_git() -> None:
+    assert measure.results_dir(False) == measure.LOCAL_RESULTS
+    probe = measure.LOCAL_RESULTS / "file_format.json"
+    try:
+        proc = subprocess.run(
+            ["git", "check-ignore", "-q", str(probe)], cwd=BENCH, check=False, timeout=30
+        )
+    except FileNotFoundError:
+        pytest.skip("git is not installed")
+    if proc.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert proc.returncode == 0  # ignored
+    tracked = subprocess.run(
+        ["git", "check-ignore", "-q", str(measure.TRACKED_RESULTS / "file_format.json")],
+        cwd=BENCH,
+        check=False,
+        timeout=30,
+    )
+    assert tracked.returncode == 1  # not ignored
+
+
+@pytest.mark.parametrize("script", ["file_format.py", "memory_per_turn.py"])
+def test_update_results_is_documented(script: str) -> None:
+    text = (BENCH / script).read_text()
+    assert "--update-results" in text or "add_results_option" in text
+    assert "targets_summary(" in text
