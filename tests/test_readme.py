@@ -1,0 +1,35 @@
+"""Every ```python block of README.md runs as written, each on its own, in an empty folder."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+BLOCKS = re.findall(r"^```python\n(.*?)^```$", README.read_text(), flags=re.S | re.M)
+
+
+def test_readme_has_python_examples() -> None:
+    assert len(BLOCKS) >= 2  # the quick start and the Use section
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_readme_block_runs(index: int, tmp_path: Path) -> None:
+    script = tmp_path / f"readme_block_{index}.py"
+    script.write_text(BLOCKS[index])
+    root = str(README.parent)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": root},
+        check=False,
+    )
+    assert proc.returncode == 0, f"README python block {index} failed:\n{proc.stderr}"
