@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import sys
 import time
@@ -29,8 +30,8 @@ __all__ = ["main"]
 PROGRESS_MIN_BYTES = 32 << 20
 
 
-class FileProblem(Exception):
-    """A file the command cannot use, with the one-line message to show."""
+class CommandError(Exception):
+    """What stops a command (a file it cannot use, a busy port): the one-line message."""
 
 
 @contextlib.contextmanager
@@ -51,17 +52,17 @@ def _progress(path: str, force: bool | None) -> Iterator[Callable[[int], None] |
 
 
 def _check_file(path: str) -> int:
-    """The file's size, or `FileProblem` for a missing, empty or foreign file."""
+    """The file's size, or `CommandError` for a missing, empty or foreign file."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as fp:
             head = fp.read(len(storage.MAGIC))
     except FileNotFoundError:
-        raise FileProblem("no such file") from None
+        raise CommandError("no such file") from None
     except IsADirectoryError:
-        raise FileProblem("is a directory, not a rollout file") from None
+        raise CommandError("is a directory, not a rollout file") from None
     if size == 0:
-        raise FileProblem(
+        raise CommandError(
             "empty file (0 bytes): nothing was ever written to it, there is nothing to read"
         )
     if (
@@ -72,7 +73,7 @@ def _check_file(path: str) -> int:
         guess = ""
         if head.lstrip()[:1] in (b"{", b"["):
             guess = " (it looks like JSON: an export is not read back; give the .rls file)"
-        raise FileProblem(
+        raise CommandError(
             f"not a rollout_store file: it does not start with {storage.MAGIC!r}{guess}"
         )
     return size
@@ -100,7 +101,7 @@ def _load(path: str, progress: bool | None, *, recover: bool = False) -> Rollout
         with _progress(path, progress) as update:
             return storage.load(path, recover=recover, progress=update)
     except CorruptFileError as exc:
-        raise FileProblem(f"damaged: {exc}; {_damage_advice(path)}") from None
+        raise CommandError(f"damaged: {exc}; {_damage_advice(path)}") from None
 
 
 def _ratio(a: int, b: int) -> str:
@@ -122,7 +123,6 @@ def _info(args: argparse.Namespace) -> int:
         ("bytes received (plain export)", export),
         ("bytes stored (this file)", size),
         ("saving over the plain export", _ratio(export, size)),
-        ("long strings received", figures["received_blob_bytes"]),
         ("long strings stored (unique)", figures["unique_blob_bytes"]),
         ("tokens received", figures["tokens_received"]),
         ("tokens stored", figures["tokens_stored"]),
@@ -171,7 +171,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _recover(args: argparse.Namespace) -> int:
     if os.path.abspath(args.output) == os.path.abspath(args.file):
-        raise FileProblem("-o must name a new file: recover never writes over its input")
+        raise CommandError("-o must name a new file: recover never writes over its input")
     graph = _load(args.file, args.progress, recover=True)
     report = graph.load_report
     graph.save(args.output)
@@ -195,7 +195,7 @@ def _repair(args: argparse.Namespace) -> int:
         print(f"{args.file} is not damaged: {report.turns} turns, nothing to repair")
         return 0
     if report.mode != "log" or not report.truncated:
-        raise FileProblem(f"damaged: {report.error}; {_damage_advice(args.file)}")
+        raise CommandError(f"damaged: {report.error}; {_damage_advice(args.file)}")
     before = report.file_size
     graph = RolloutGraph.open(args.file, repair=True)
     try:
@@ -215,7 +215,14 @@ def _view(args: argparse.Namespace) -> int:
 
     graph = _load(args.file, args.progress)
     viewer = Viewer(graph, title=os.path.basename(args.file), file_size=os.path.getsize(args.file))
-    with serve(viewer, port=args.port) as server:
+    with contextlib.ExitStack() as stack:
+        try:
+            server = stack.enter_context(serve(viewer, port=args.port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            message = f"port {args.port} is in use: pass --port N (0: any free port)"
+            raise CommandError(message) from None
         url = f"http://127.0.0.1:{server.server_address[1]}/"
         print(f"viewing {args.file} at {url} (Ctrl-C to stop)", flush=True)
         if args.open:
@@ -308,7 +315,7 @@ def _parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.run(args))
-    except FileProblem as exc:
+    except CommandError as exc:
         print(f"rollout-store: {args.file}: {exc}", file=sys.stderr)
         return 1
     except RolloutStoreError as exc:  # a lock held by another process, a refused save...

@@ -275,3 +275,17 @@ def test_view_serves_the_file_on_loopback(rollout_file: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_view_on_a_busy_port_says_so(
+    rollout_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["view", str(rollout_file), "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert f"port {port} is in use: pass --port N" in err

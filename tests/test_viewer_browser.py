@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -60,52 +61,66 @@ def browser() -> Iterator[Any]:
         shutil.rmtree(profile, ignore_errors=True)
 
 
-def _open(driver: Any, viewer: Viewer) -> Iterator[str]:
+def _open(driver: Any, viewer: Viewer) -> Iterator[float]:
+    """Open the page; yields once it is ready, with the seconds from navigation to ready."""
     from selenium.webdriver.support.ui import WebDriverWait
 
     with serve(viewer) as server:
         url = f"http://127.0.0.1:{server.server_address[1]}/"
+        start = time.perf_counter()
         driver.get(url)
         WebDriverWait(driver, TIMEOUT).until(
             lambda d: d.execute_script(
                 "return document.body.dataset.ready || document.body.dataset.error"
             )
         )
+        seconds = time.perf_counter() - start
         assert driver.execute_script("return document.body.dataset.error") is None
-        yield url
+        yield seconds
 
 
-def _rows(driver: Any) -> dict[str, Any]:
-    from selenium.webdriver.common.by import By
+class Row:
+    """A row of the tree as read in one script call (rows are redrawn on scroll)."""
 
-    return {
-        row.get_attribute("data-id"): row for row in driver.find_elements(By.CSS_SELECTOR, ".row")
-    }
+    def __init__(self, text: str, classes: str) -> None:
+        self.text = text
+        self.classes = classes
+
+
+def _rows(driver: Any) -> dict[str, Row]:
+    rows = driver.execute_script(
+        "return [...document.querySelectorAll('.row')].map(r => [r.dataset.id, r.innerText,"
+        " r.className])"
+    )
+    return {node_id: Row(text, classes) for node_id, text, classes in rows}
 
 
 def _select(driver: Any, node_id: str) -> None:
     from selenium.webdriver.support.ui import WebDriverWait
 
-    _rows(driver)[node_id].click()
+    driver.find_element("css selector", f'.row[data-id="{node_id}"]').click()
     WebDriverWait(driver, TIMEOUT).until(
         lambda d: d.execute_script("return document.getElementById('turn').dataset.turn") == node_id
     )
 
 
 def test_tree_marks_roots_forks_and_discarded(browser: Any) -> None:
+    from selenium.webdriver.support.ui import WebDriverWait
+
     graph = small_rollout()
     for _ in _open(browser, Viewer(graph, title="small.rls")):
         rows = _rows(browser)
         assert list(rows) == ["t0", "t1", "t3", "t2", "evil"]  # depth first, the fork's children
         assert "root" in rows["t0"].text and "fork x2" in rows["t0"].text
         assert "root" in rows["evil"].text
-        assert "discarded" in rows["t2"].text and "is-discarded" in rows["t2"].get_attribute(
-            "class"
-        )
+        assert "discarded" in rows["t2"].text and "is-discarded" in rows["t2"].classes
         assert "discarded" not in rows["t1"].text
         figures = browser.find_element("id", "figures").text
         assert "turns\n5" in figures and "discarded\n1" in figures
-        assert "long strings received" in figures and "unique (stored once)" in figures
+        assert "long strings, unique" in figures
+        WebDriverWait(browser, TIMEOUT).until(
+            lambda d: "KiB" in d.find_element("css selector", "[data-key=received] dd").text
+        )
         _select(browser, "t3")
         turn = browser.find_element("id", "turn").text
         assert "linked by tokens" in turn
@@ -153,7 +168,7 @@ def test_thousand_turn_multimodal_rollout_opens_quickly(browser: Any, tmp_path: 
     long_rollout(1000).save(path)
     graph = RolloutGraph.load(path)
     viewer = Viewer(graph, title=path.name, file_size=path.stat().st_size)
-    for _ in _open(browser, viewer):
+    for seconds in _open(browser, viewer):
         open_ms = int(browser.execute_script("return document.body.dataset.openMs"))
         rows = _rows(browser)
         assert 10 < len(rows) < 100  # only the rows on screen are in the page
@@ -172,4 +187,8 @@ def test_thousand_turn_multimodal_rollout_opens_quickly(browser: Any, tmp_path: 
         turn = browser.find_element("id", "turn").text
         assert "2000 (2 new in this turn)" in turn
         assert "show 100 earlier messages" in turn
-        print(f"1,000-turn multimodal rollout: page ready {open_ms} ms after navigation")
+        # reported, never asserted: timings are not pass/fail tests
+        print(
+            f"\n1,000-turn multimodal rollout: page ready {open_ms} ms after navigation start"
+            f" (performance.now), {seconds * 1000:.0f} ms from driver.get to ready"
+        )
