@@ -69,7 +69,7 @@ def _open(driver: Any, viewer: Viewer) -> Iterator[float]:
         url = f"http://127.0.0.1:{server.server_address[1]}/"
         start = time.perf_counter()
         driver.get(url)
-        WebDriverWait(driver, TIMEOUT).until(
+        WebDriverWait(driver, TIMEOUT, poll_frequency=0.01).until(
             lambda d: d.execute_script(
                 "return document.body.dataset.ready || document.body.dataset.error"
             )
