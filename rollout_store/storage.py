@@ -503,16 +503,150 @@ def _index_keys(keys: Any) -> IndexKeys:
     return IndexKeys(*keys)
 
 
+class _Damage(Exception):
+    """Internal: the frame at hand is damaged; the scan stops there."""
+
+    def __init__(self, error: CorruptFileError, truncated: bool) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.truncated = truncated
+
+
+class _Scan:
+    """One pass over a file's frames: check each one, then apply its record to the loader.
+
+    Blob and value records are applied only when the turn record after them arrives, so a
+    turn cut short leaves nothing of itself behind.
+    """
+
+    def __init__(self, data: memoryview, report: LoadReport) -> None:
+        self.data = data
+        self.report = report
+        self.loader: _Loader | None = None
+        self.ended = False
+        self.pending: list[tuple[int, Any, int, int]] = []  # (kind, body, offset, record)
+        self.record = 0  # index of the record at hand, and its offset: errors name them
+        self.start = 0
+
+    def run(self, progress: Callable[[int], None] | None) -> None:
+        report = self.report
+        offset = len(MAGIC)
+        while offset < report.file_size:
+            start = offset
+            try:
+                kind, payload, offset = self.frame_at(start)
+            except _Damage as damage:
+                report.fail(damage.error, truncated=damage.truncated)
+                return
+            self.start = start
+            try:
+                self.apply(kind, payload, start)
+            except CorruptFileError as exc:
+                report.fail(exc)
+                return
+            except Exception as exc:  # anything a damaged payload provokes
+                kind_name = KIND_NAMES.get(kind, f"kind {kind}")
+                message = f"invalid {kind_name} record: {exc}"
+                report.fail(CorruptFileError(message, offset=self.start, record=self.record))
+                return
+            self.record += 1
+            report.records = self.record
+            if not self.pending:
+                report.good_bytes = offset
+            if progress is not None:
+                progress(offset)
+
+    def frame_at(self, start: int) -> tuple[int, memoryview, int]:
+        """The kind and payload of the frame at `start` (checksum verified) and its end."""
+        data, size, record = self.data, self.report.file_size, self.record
+        if size - start < FRAME.size:
+            message = "file ends inside a frame header"
+            raise _Damage(CorruptFileError(message, offset=start, record=record), True)
+        kind, length, expected = FRAME.unpack_from(data, start)
+        offset = start + FRAME.size
+        if length > size - offset:
+            message = f"file ends inside a record: {size - offset} of {length} bytes present"
+            failure = CorruptFileError(message, offset=start, record=record)
+            raise _Damage(failure, not _frame_after(data, start))
+        payload = data[offset : offset + length]  # a view: blob data is not copied
+        actual = checksum(kind, payload)
+        if actual != expected:
+            failure = ChecksumMismatch("record", expected, actual, offset=start, record=record)
+            raise _Damage(failure, not _frame_after(data, start))
+        return kind, payload, offset + length
+
+    def apply(self, kind: int, payload: memoryview, start: int) -> None:
+        body = payload if kind == KIND_BLOB else unpack_payload(payload)
+        if self.ended:
+            raise ValueError("records after the end record")
+        if self.record == 0:
+            self.loader, self.report.mode = _read_header(kind, body, start)
+            return
+        loader = self.loader
+        if loader is None or kind == KIND_HEADER:
+            raise ValueError("a second header record")
+        if kind in (KIND_BLOB, KIND_VALUE):
+            self.pending.append((kind, body, start, self.record))
+        elif kind == KIND_TURN:
+            self.apply_turn(loader, body)
+        elif kind == KIND_END:
+            self.apply_end(loader, body)
+        else:
+            raise ValueError(f"unknown record kind {kind}")
+
+    def apply_turn(self, loader: _Loader, body: Any) -> None:
+        """The blobs and values waiting for this turn record, then the turn itself."""
+        turn_start, turn_record = self.start, self.record
+        for kind, pending, start, record in self.pending:
+            self.start, self.record = start, record  # an error names the record it is about
+            if kind == KIND_BLOB:
+                loader.blob(pending, start, record)
+                self.report.blobs += 1
+            else:
+                loader.value(pending)
+        self.start, self.record = turn_start, turn_record
+        self.pending.clear()
+        loader.turn(body)
+        self.report.turns += 1
+
+    def apply_end(self, loader: _Loader, body: Any) -> None:
+        report = self.report
+        counts = {"turns": report.turns, "blobs": report.blobs}
+        if self.pending or not isinstance(body, dict) or body.keys() != {*counts, "references"}:
+            raise ValueError("end record does not match the records before it")
+        if any(body[k] != v for k, v in counts.items()):
+            raise ValueError("end record does not match the records before it")
+        references = body["references"]
+        if not (
+            isinstance(references, list)
+            and len(references) == 2
+            and all(type(r) is int and r >= 0 for r in references)
+        ):
+            raise ValueError("bad reference counts in the end record")
+        loader.graph.blobs.count_references(*references)
+        self.ended = True
+
+    def finish(self) -> _Loader:
+        """Damage that only the end of the file shows; the loader (empty if none)."""
+        report = self.report
+        if report.error is None:
+            if self.loader is None:
+                report.fail(CorruptFileError("no header record", offset=len(MAGIC)), truncated=True)
+            elif self.pending:
+                message = "file ends after the blobs of a turn whose record is missing"
+                report.fail(CorruptFileError(message, offset=report.good_bytes), truncated=True)
+            elif report.mode == MODE_SNAPSHOT and not self.ended:
+                message = "snapshot ends before its end record"
+                report.fail(CorruptFileError(message, offset=report.file_size), truncated=True)
+        return self.loader if self.loader is not None else _Loader(None)
+
+
 def _scan(
     data: bytes | memoryview,
     path: str,
     progress: Callable[[int], None] | None = None,
 ) -> tuple[_Loader, LoadReport]:
-    """Read frames until the end or the first damage; never raises for damage.
-
-    Blob and value records are applied only when the turn record after them arrives, so a
-    turn cut short leaves nothing of itself behind.
-    """
+    """Read frames until the end or the first damage; never raises for damage."""
     data = memoryview(data)
     size = len(data)
     report = LoadReport(path, size, 0, 0, 0, 0)
@@ -523,96 +657,9 @@ def _scan(
             b"\0"
         )
         return _Loader(None), report
-    offset = len(MAGIC)
-    loader: _Loader | None = None
-    ended = False
-    pending: list[tuple[int, Any, int, int]] = []
-    record = 0
-    while offset < size:
-        start = offset
-        if size - offset < FRAME.size:
-            message = "file ends inside a frame header"
-            report.fail(CorruptFileError(message, offset=start, record=record), truncated=True)
-            break
-        kind, length, expected = FRAME.unpack_from(data, offset)
-        offset += FRAME.size
-        if length > size - offset:
-            message = f"file ends inside a record: {size - offset} of {length} bytes present"
-            failure = CorruptFileError(message, offset=start, record=record)
-            report.fail(failure, truncated=not _frame_after(data, start))
-            break
-        payload = data[offset : offset + length]  # a view: blob data is not copied
-        offset += length
-        actual = checksum(kind, payload)
-        if actual != expected:
-            failure = ChecksumMismatch("record", expected, actual, offset=start, record=record)
-            report.fail(failure, truncated=not _frame_after(data, start))
-            break
-        try:
-            body = payload if kind == KIND_BLOB else unpack_payload(payload)
-            if ended:
-                raise ValueError("records after the end record")
-            if record == 0:
-                loader, report.mode = _read_header(kind, body, start)
-            elif loader is None or kind == KIND_HEADER:
-                raise ValueError("a second header record")
-            elif kind in (KIND_BLOB, KIND_VALUE):
-                pending.append((kind, body, start, record))
-            elif kind == KIND_TURN:
-                turn_start, turn_record = start, record
-                for p_kind, p_body, start, record in pending:  # an error names this record
-                    if p_kind == KIND_BLOB:
-                        loader.blob(p_body, start, record)
-                        report.blobs += 1
-                    else:
-                        loader.value(p_body)
-                start, record = turn_start, turn_record
-                pending.clear()
-                loader.turn(body)
-                report.turns += 1
-            elif kind == KIND_END:
-                counts = {"turns": report.turns, "blobs": report.blobs}
-                if pending or not isinstance(body, dict) or body.keys() != {*counts, "references"}:
-                    raise ValueError("end record does not match the records before it")
-                if any(body[k] != v for k, v in counts.items()):
-                    raise ValueError("end record does not match the records before it")
-                references = body["references"]
-                if not (
-                    isinstance(references, list)
-                    and len(references) == 2
-                    and all(type(r) is int and r >= 0 for r in references)
-                ):
-                    raise ValueError("bad reference counts in the end record")
-                loader.graph.blobs.count_references(*references)
-                ended = True
-            else:
-                raise ValueError(f"unknown record kind {kind}")
-        except CorruptFileError as exc:
-            report.fail(exc)
-            break
-        except Exception as exc:  # anything a damaged payload provokes
-            kind_name = KIND_NAMES.get(kind, f"kind {kind}")
-            message = f"invalid {kind_name} record: {exc}"
-            report.fail(CorruptFileError(message, offset=start, record=record))
-            break
-        record += 1
-        report.records = record
-        if not pending:
-            report.good_bytes = offset
-        if progress is not None:
-            progress(offset)
-    if report.error is None:
-        if loader is None:
-            report.fail(CorruptFileError("no header record", offset=len(MAGIC)), truncated=True)
-        elif pending:
-            message = "file ends after the blobs of a turn whose record is missing"
-            report.fail(CorruptFileError(message, offset=report.good_bytes), truncated=True)
-        elif report.mode == MODE_SNAPSHOT and not ended:
-            message = "snapshot ends before its end record"
-            report.fail(CorruptFileError(message, offset=size), truncated=True)
-    if loader is None:
-        loader = _Loader(None)
-    return loader, report
+    scan = _Scan(data, report)
+    scan.run(progress)
+    return scan.finish(), report
 
 
 def _frame_after(data: memoryview, start: int) -> bool:
