@@ -22,7 +22,7 @@ from . import __version__, storage
 from .errors import CorruptFileError, RolloutStoreError
 from .export import write_session_json, write_trace_jsonl
 from .figures import plain_export_bytes, store_figures
-from .graph import RolloutGraph
+from .storage import RolloutGraph
 
 __all__ = ["main"]
 

@@ -12,7 +12,7 @@ import io
 from typing import Any
 
 from .export import write_session_json
-from .graph import RolloutGraph
+from .graph import Graph
 
 __all__ = ["plain_export_bytes", "store_figures"]
 
@@ -29,7 +29,7 @@ class _Counter(io.TextIOBase):
         return len(text)
 
 
-def plain_export_bytes(graph: RolloutGraph) -> int:
+def plain_export_bytes(graph: Graph) -> int:
     """Bytes of the plain export: `json.dumps(export_session(graph, include_messages=True,
     include_discarded=True))`, counted as it streams."""
     counter = _Counter()
@@ -37,7 +37,7 @@ def plain_export_bytes(graph: RolloutGraph) -> int:
     return counter.size
 
 
-def store_figures(graph: RolloutGraph) -> dict[str, Any]:
+def store_figures(graph: Graph) -> dict[str, Any]:
     """Counts of turns and structure, long strings and tokens: what is cheap to count.
 
     The bytes received (the plain export's size) cost a pass over every turn's messages:

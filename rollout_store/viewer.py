@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 from urllib.parse import parse_qs, urlsplit
 
 from .figures import plain_export_bytes, store_figures
-from .graph import RolloutGraph
+from .graph import Graph
 
 __all__ = ["Response", "Viewer", "request_handler", "serve"]
 
@@ -131,7 +131,7 @@ class Viewer:
     """
 
     def __init__(
-        self, graph: RolloutGraph, *, title: str = "rollout", file_size: int | None = None
+        self, graph: Graph, *, title: str = "rollout", file_size: int | None = None
     ) -> None:
         self.graph = graph
         self.title = title
