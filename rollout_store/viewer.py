@@ -11,6 +11,7 @@ it fetches small JSON documents (`/api/figures`, `/api/rows`, `/api/turn`, `/api
 `/api/export-size`) for only the rows and the turn on screen, and builds its DOM with
 `textContent`, so message content is never parsed as HTML. A Content-Security-Policy allows
 scripts, styles and connections to this origin only, and images from this origin or `data:`.
+The page uses relative URLs, so it works mounted under any prefix (`asgi_app` for ASGI).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import itertools
 import json
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any, NamedTuple
@@ -29,7 +30,7 @@ from urllib.parse import parse_qs, urlsplit
 from .figures import plain_export_bytes, store_figures
 from .graph import Graph
 
-__all__ = ["Response", "Viewer", "request_handler", "serve"]
+__all__ = ["Response", "Viewer", "asgi_app", "request_handler", "serve"]
 
 #: Rows per `/api/rows` page, at most.
 MAX_ROWS = 500
@@ -304,6 +305,40 @@ def _int(query: dict[str, list[str]], name: str, default: int) -> int:
     if value < 0:
         raise _BadQuery(f"query parameter {name!r} must not be negative")
     return value
+
+
+_Scope = MutableMapping[str, Any]
+_Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+_Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+def asgi_app(viewer: Viewer) -> Callable[[_Scope, _Receive, _Send], Awaitable[None]]:
+    """A plain ASGI application answering from `viewer`, to mount in any ASGI server
+    (for example `Mount("/viewer", app=asgi_app(viewer))` in Starlette). GET and HEAD only;
+    the page is served at the mount's path with a trailing slash."""
+
+    async def app(scope: _Scope, receive: _Receive, send: _Send) -> None:
+        if scope["type"] != "http":
+            return
+        root = scope.get("root_path", "")
+        path = scope["path"]
+        if root and path.startswith(root):  # servers that keep the mount prefix in `path`
+            path = path[len(root) :]
+        if scope["method"] not in ("GET", "HEAD"):
+            response = _error(405, "the viewer answers GET requests only")
+        elif path == "":
+            location = root + "/"
+            response = Response(307, (("Location", location),), b"")
+        else:
+            query = scope.get("query_string", b"").decode("latin-1")
+            response = viewer.respond(path, query)
+        headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in response.headers]
+        headers.append((b"content-length", str(len(response.body)).encode("ascii")))
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        body = b"" if scope["method"] == "HEAD" else response.body
+        await send({"type": "http.response.body", "body": body})
+
+    return app
 
 
 _LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]"})

@@ -116,3 +116,60 @@ def test_http_server_answers_loopback_hosts_only() -> None:
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(request, timeout=10)
         assert info.value.code == 403
+
+
+def _asgi_get(app: Any, path: str, root_path: str = "") -> tuple[int, dict[bytes, bytes], bytes]:
+    import asyncio
+
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    route, _, query = path.partition("?")
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": route,
+        "root_path": root_path,
+        "query_string": query.encode(),
+        "headers": [],
+    }
+    asyncio.run(app(scope, receive, send))
+    start, body = sent
+    return start["status"], dict(start["headers"]), body["body"]
+
+
+def test_asgi_app_answers_under_a_mount_prefix() -> None:
+    from rollout_store.viewer import asgi_app
+
+    app = asgi_app(Viewer(small_rollout()))
+    status, headers, body = _asgi_get(app, "/viewer/api/figures", root_path="/viewer")
+    assert status == 200 and json.loads(body)["turns"] == 5
+    assert headers[b"content-type"] == b"application/json"
+    status, headers, _ = _asgi_get(app, "/viewer", root_path="/viewer")
+    assert status == 307 and headers[b"location"] == b"/viewer/"
+    status, _, body = _asgi_get(app, "/static/viewer.js")
+    assert status == 200 and b"textContent" in body
+    status, _, body = _asgi_get(app, "/api/turn?id=t0")
+    assert status == 200 and json.loads(body)["summary"]["node_id"] == "t0"
+
+
+def test_asgi_app_mounts_in_starlette() -> None:
+    pytest.importorskip("starlette")
+    pytest.importorskip("httpx")
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+    from starlette.testclient import TestClient
+
+    from rollout_store.viewer import asgi_app
+
+    app = Starlette(routes=[Mount("/viewer", app=asgi_app(Viewer(small_rollout())))])
+    with TestClient(app) as client:
+        page = client.get("/viewer/")
+        assert page.status_code == 200 and 'src="static/viewer.js"' in page.text
+        rows = client.get("/viewer/api/rows", params={"offset": 0, "limit": 2}).json()
+        assert [r["id"] for r in rows["rows"]] == ["t0", "t1"]

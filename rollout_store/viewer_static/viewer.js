@@ -1,5 +1,5 @@
 // The rollout viewer page. Fetches only the rows and the turn on screen from the JSON
-// endpoints next to it. Every piece of content goes into the DOM through textContent or
+// endpoints next to it (relative URLs, so the page works wherever it is mounted). Every piece of content goes into the DOM through textContent or
 // an attribute of a created element, never parsed as markup, so a message holding HTML
 // or a script shows as text.
 "use strict";
@@ -65,7 +65,7 @@ function showFigures(f) {
   button.addEventListener("click", async () => {
     button.disabled = true;
     button.textContent = "measuring...";
-    const r = await getJSON("/api/export-size");
+    const r = await getJSON("api/export-size");
     let text = fmtBytes(r.plain_export_bytes);
     if (f.file_bytes) text += ", " + (r.plain_export_bytes / f.file_bytes).toFixed(1) + "x the file";
     exportItem.querySelector("dd").textContent = text;
@@ -79,7 +79,7 @@ function showFigures(f) {
 function loadPage(index) {
   let entry = pages.get(index);
   if (!entry) {
-    entry = getJSON("/api/rows", { offset: index * PAGE, limit: PAGE }).then((r) => {
+    entry = getJSON("api/rows", { offset: index * PAGE, limit: PAGE }).then((r) => {
       pages.set(index, r.rows);
       return r.rows;
     });
@@ -285,7 +285,7 @@ async function selectTurn(id) {
   for (const row of document.querySelectorAll(".row")) {
     row.classList.toggle("selected", row.dataset.id === id);
   }
-  const t = await getJSON("/api/turn", { id });
+  const t = await getJSON("api/turn", { id });
   if (selectedId !== id) return;
   const pane = document.getElementById("turn");
   const s = t.summary;
@@ -334,13 +334,13 @@ async function selectTurn(id) {
   t.messages.forEach((m, i) => list.append(renderMessage(m, number(start + i))));
   earlier.addEventListener("click", async () => {
     const from = Math.max(0, start - 100);
-    const r = await getJSON("/api/messages", { id, start: from, stop: start });
+    const r = await getJSON("api/messages", { id, start: from, stop: start });
     list.prepend(...r.messages.map((m, i) => renderMessage(m, number(from + i))));
     start = from;
     refresh();
   });
   later.addEventListener("click", async () => {
-    const r = await getJSON("/api/messages", { id, start: stop, stop: stop + 100 });
+    const r = await getJSON("api/messages", { id, start: stop, stop: stop + 100 });
     list.append(...r.messages.map((m, i) => renderMessage(m, number(stop + i))));
     stop += r.messages.length;
     refresh();
@@ -356,7 +356,7 @@ async function selectTurn(id) {
 // ---------------------------------------------------------------- start
 
 async function start() {
-  const figures = await getJSON("/api/figures");
+  const figures = await getJSON("api/figures");
   const measure = showFigures(figures);
   totalRows = figures.rows;
   document.getElementById("tree-spacer").style.height = totalRows * ROW_HEIGHT + "px";
