@@ -65,6 +65,11 @@ def _check_file(path: str) -> int:
         raise CommandError(
             "empty file (0 bytes): nothing was ever written to it, there is nothing to read"
         )
+    if not head.strip(b"\0") and not _read_all(path).strip(b"\0"):
+        raise CommandError(
+            f"holds only zero bytes ({size}): nothing was written before a crash, there is "
+            "nothing to read or recover"
+        )
     if (
         head != storage.MAGIC
         and not (len(head) < len(storage.MAGIC) and storage.MAGIC[: len(head)] == head)
@@ -77,6 +82,11 @@ def _check_file(path: str) -> int:
             f"not a rollout_store file: it does not start with {storage.MAGIC!r}{guess}"
         )
     return size
+
+
+def _read_all(path: str) -> bytes:
+    with open(path, "rb") as fp:
+        return fp.read()
 
 
 def _damage_advice(path: str) -> str:

@@ -115,6 +115,8 @@ def test_missing_empty_foreign_and_damaged_files_say_different_things(
 ) -> None:
     empty = tmp_path / "empty.rls"
     empty.write_bytes(b"")
+    zeros = tmp_path / "zeros.rls"
+    zeros.write_bytes(bytes(4096))
     foreign = tmp_path / "export.json"
     foreign.write_text('{"turns": []}')
     damaged = tmp_path / "damaged.rls"
@@ -123,6 +125,7 @@ def test_missing_empty_foreign_and_damaged_files_say_different_things(
         missing = _err(capsys, [command, str(tmp_path / "nope.rls")])
         assert missing.endswith("nope.rls: no such file")
         assert "empty file (0 bytes)" in _err(capsys, [command, str(empty)])
+        assert "holds only zero bytes (4096)" in _err(capsys, [command, str(zeros)])
         text = _err(capsys, [command, str(foreign)])
         assert "not a rollout_store file" in text and "looks like JSON" in text
         assert "damaged" not in text
