@@ -209,11 +209,10 @@ class Viewer:
         summary = graph.summary(node_id)
         messages = graph.request_messages(node_id) or []
         parent = summary["parent_id"]
+        # the parent's request is usually a prefix of this one: what follows it is new
         new_from = 0
-        if parent is not None and summary["link"] == "messages":
+        if parent is not None:
             new_from = min(len(graph.request_messages(parent) or ()), len(messages))
-        elif parent is not None:
-            new_from = max(0, len(messages) - 1)
         start = max(0, min(new_from, len(messages) - MAX_MESSAGES))
         stop = min(len(messages), start + MAX_MESSAGES)
         sequence = graph.sequence_for(node_id)

@@ -49,6 +49,13 @@ def test_turn_shows_new_messages_and_pages_the_rest() -> None:
     assert [m["role"] for m in page["messages"]] == ["system", "user", "assistant"]
 
 
+def test_new_messages_follow_the_parents_request() -> None:
+    _, turn = _get(Viewer(small_rollout()), "/api/turn", "id=t1")  # linked by tokens
+    assert turn["n_messages"] == 5 and turn["new_from"] == 2  # echo, tool result, screenshot
+    _, root = _get(Viewer(small_rollout()), "/api/turn", "id=t0")
+    assert root["new_from"] == 0
+
+
 def test_turn_sequence_is_the_loss_mask_as_runs() -> None:
     graph = small_rollout()
     _, turn = _get(Viewer(graph), "/api/turn", "id=t3")

@@ -133,6 +133,12 @@ def test_tree_marks_roots_forks_and_discarded(browser: Any) -> None:
         turn = browser.find_element("id", "turn").text
         assert '"x": 10' in turn and '"y": 20' in turn  # tool call arguments pretty-printed
         assert "click" in turn
+        system = "You are a browser agent. " * 60
+        assert system not in turn and f"show all {len(system)} characters" in turn
+        browser.find_element("css selector", "#turn .long + button").click()
+        assert (
+            browser.find_element("css selector", "#turn .text.long").text.strip() == system.strip()
+        )
 
 
 def test_images_from_data_urls_and_anthropic_sources(browser: Any) -> None:

@@ -8,6 +8,7 @@ const ROW_HEIGHT = 26;
 const PAGE = 100;
 const MAX_INDENT = 24;
 const AUTO_MEASURE_TURNS = 300;
+const LONG_TEXT = 1200;
 
 const pages = new Map(); // page index -> rows (or a pending promise)
 let totalRows = 0;
@@ -162,12 +163,23 @@ function imageFromUrl(url) {
   return el("div", "text remote-image", "[image at " + url + "]");
 }
 
+function textBlock(text) {
+  // Long texts (system prompts, tool outputs) show their start and a button for the rest.
+  if (text.length <= LONG_TEXT) return el("div", "text", text);
+  const box = el("div", "text long", text.slice(0, LONG_TEXT) + " ...");
+  const more = el("button", null, "show all " + text.length + " characters");
+  more.addEventListener("click", () => box.replaceChildren(text));
+  const wrap = el("div");
+  wrap.append(box, more);
+  return wrap;
+}
+
 function renderPart(part) {
-  if (typeof part === "string") return el("div", "text", part);
+  if (typeof part === "string") return textBlock(part);
   if (part === null || typeof part !== "object") return pretty(part);
   const type = part.type;
   if ((type === "text" || type === "input_text" || type === "output_text") && typeof part.text === "string") {
-    return el("div", "text", part.text);
+    return textBlock(part.text);
   }
   if (type === "image_url" && part.image_url) {
     const url = typeof part.image_url === "string" ? part.image_url : part.image_url.url;
