@@ -328,9 +328,9 @@ class Graph:
         system_digest = node.system_digest
         if system_digest is None and system_plain is not None:
             system_digest = xxhash.xxh3_128_hexdigest(system_plain)
-        turn.meta = TurnMeta(  # interned at commit
-            node.model, node.finish_reason, node.harness_session_id, system_digest, n_tools
-        )
+        meta = (node.model, node.finish_reason, node.harness_session_id, system_digest, n_tools)
+        # the graph's interned TurnMeta when there is one (most turns), else a new one
+        turn.meta = self._meta.get(meta) or TurnMeta._make(meta)  # type: ignore[call-overload]
 
         # Linking: an explicit parent wins, then tokens, then messages.
         if explicit is not None:

@@ -8,7 +8,7 @@ are stored once per graph.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from .blobs import BlobTable
 from .encoding import NotPackable, array_header, unpack
@@ -41,6 +41,8 @@ from .values import ValueTable
 __all__ = ["FreshRequest", "RequestStore", "Scratch"]
 
 Messages = list[Any] | tuple[Any, ...]
+
+_new_tuple: Final = tuple.__new__
 
 
 class Scratch:
@@ -76,14 +78,15 @@ class Scratch:
         self.moves: list[tuple[Turn, LinkKind]] = []  # earlier turns it adopts
 
     def keys(self) -> IndexKeys:
-        return IndexKeys(self.request_digest, self.token_key, self.prompt_key, self.root_keys)
+        keys = (self.request_digest, self.token_key, self.prompt_key, self.root_keys)
+        return _new_tuple(IndexKeys, keys)  # IndexKeys(*keys) without its Python-level __new__
 
 
 class FreshRequest:
     """The non-system messages of a request being added, and which stored requests it
     was found to extend (each checked once, however many questions ask)."""
 
-    __slots__ = ("_confirmed", "_store", "messages", "n_valid", "plains")
+    __slots__ = ("_confirmed", "_prefixes", "_store", "messages", "n_valid", "plains")
 
     def __init__(self, store: RequestStore, messages: Messages, plains: list[bytes | None]):
         self._store = store
@@ -92,6 +95,7 @@ class FreshRequest:
         # the messages before the first without a plain packing (only those can match)
         self.n_valid = plains.index(None) if None in plains else len(plains)
         self._confirmed: dict[int, bool] = {}
+        self._prefixes: dict[int, list[Turn]] = {}
 
     def extends(self, stored: Turn) -> bool:
         """Whether this request starts with exactly the non-system request of `stored`."""
@@ -110,7 +114,11 @@ class FreshRequest:
     def stored_prefixes(self, n: int) -> list[Turn]:
         """Stored turns whose non-system request is as long as the first `n` messages and
         filed under their key (not yet confirmed: see `extends`)."""
-        return self._store.candidates(request_key(self.plains, n), n)
+        found = self._prefixes.get(n)
+        if found is None:
+            found = self._store.candidates(request_key(self.plains, n), n)
+            self._prefixes[n] = found
+        return found
 
 
 class RequestStore:
@@ -236,9 +244,9 @@ class RequestStore:
     def _base(self, request: FreshRequest) -> Turn | None:
         """The longest stored request that `request` extends (its storage base)."""
         for n in range(request.n_valid, -1, -1):
-            base = next((c for c in request.stored_prefixes(n) if request.extends(c)), None)
-            if base is not None:
-                return base
+            for candidate in request.stored_prefixes(n):
+                if request.extends(candidate):
+                    return candidate
         return None
 
     def _store_tail(self, turn: Turn, request: FreshRequest, base: Turn | None, n_sys: int) -> None:
