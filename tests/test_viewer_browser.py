@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from viewer_support import SCRIPT_TEXT, long_rollout, small_rollout
+from viewer_support import SCRIPT_TEXT, small_rollout
 
 from rollout_store import RolloutGraph
 from rollout_store.viewer import Viewer, serve
@@ -24,6 +26,11 @@ pytestmark = pytest.mark.slow
 
 CHROMEDRIVER = "/usr/bin/chromedriver"
 TIMEOUT = 20.0
+#: The natural width of every image in the turn pane, or false while one is not decoded.
+IMAGE_WIDTHS = (
+    "return [...document.querySelectorAll('#turn img.content-image')]"
+    ".map(i => i.complete && i.naturalWidth)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +149,8 @@ def test_tree_marks_roots_forks_and_discarded(browser: Any) -> None:
 
 
 def test_images_from_data_urls_and_anthropic_sources(browser: Any) -> None:
+    from selenium.webdriver.support.ui import WebDriverWait
+
     graph = small_rollout()
     for _ in _open(browser, Viewer(graph)):
         _select(browser, "t1")
@@ -149,12 +158,7 @@ def test_images_from_data_urls_and_anthropic_sources(browser: Any) -> None:
         assert len(images) == 2  # the OpenAI image_url part and the Anthropic base64 source
         for image in images:
             assert image.get_attribute("src").startswith("data:image/png;base64,")
-            assert (
-                browser.execute_script(
-                    "return arguments[0].complete && arguments[0].naturalWidth", image
-                )
-                == 24
-            )
+        WebDriverWait(browser, TIMEOUT).until(lambda d: d.execute_script(IMAGE_WIDTHS) == [24, 24])
 
 
 def test_script_in_a_message_shows_as_text(browser: Any) -> None:
@@ -171,7 +175,15 @@ def test_script_in_a_message_shows_as_text(browser: Any) -> None:
 
 def test_thousand_turn_multimodal_rollout_opens_quickly(browser: Any, tmp_path: Path) -> None:
     path = tmp_path / "long.rls"
-    long_rollout(1000).save(path)
+    # 100 screenshots of about 37 KB each. Built in a child process: the suite's fixture that
+    # round-trips every graph a test builds would export all 1,000 turns again (a minute).
+    tests = Path(__file__).resolve().parent
+    script = (
+        "import sys, viewer_support; "
+        "viewer_support.long_rollout(1000, image_size=96).save(sys.argv[1])"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
+    subprocess.run([sys.executable, "-c", script, str(path)], env=env, check=True, timeout=300)
     graph = RolloutGraph.load(path)
     viewer = Viewer(graph, title=path.name, file_size=path.stat().st_size)
     for seconds in _open(browser, viewer):
@@ -193,6 +205,8 @@ def test_thousand_turn_multimodal_rollout_opens_quickly(browser: Any, tmp_path: 
         turn = browser.find_element("id", "turn").text
         assert "2000 (2 new in this turn)" in turn
         assert "show 100 earlier messages" in turn
+        # the screenshots of turns 950, 960, ..., 990, decoded
+        WebDriverWait(browser, TIMEOUT).until(lambda d: d.execute_script(IMAGE_WIDTHS) == [96] * 5)
         # reported, never asserted: timings are not pass/fail tests
         print(
             f"\n1,000-turn multimodal rollout: page ready {open_ms} ms after navigation start"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import random
 import struct
 import zlib
 from typing import Any
@@ -14,21 +15,25 @@ from rollout_store import RolloutGraph, TurnNode
 SCRIPT_TEXT = "<script>window.__pwned = 1</script><img src=x onerror=window.__pwned=2> & <b>"
 
 
-def png(width: int, height: int, rgb: tuple[int, int, int]) -> bytes:
-    """A valid PNG of one colour."""
+def png(width: int, height: int, rgb: tuple[int, int, int], noise: bool = False) -> bytes:
+    """A valid PNG of one colour, or of seeded noise (which does not compress)."""
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         body = kind + data
         return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
 
-    row = b"\0" + bytes(rgb) * width
-    raw = zlib.compress(row * height)
+    if noise:
+        rng = random.Random(bytes(rgb))
+        pixels = b"".join(b"\0" + rng.randbytes(3 * width) for _ in range(height))
+    else:
+        pixels = (b"\0" + bytes(rgb) * width) * height
+    raw = zlib.compress(pixels)
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", raw) + chunk(b"IEND", b"")
 
 
-def data_url(k: int, size: int = 24) -> str:
-    image = png(size, size, (k * 37 % 256, k * 91 % 256, 200))
+def data_url(k: int, size: int = 24, noise: bool = False) -> str:
+    image = png(size, size, (k * 37 % 256, k * 91 % 256, 200), noise)
     return "data:image/png;base64," + base64.b64encode(image).decode("ascii")
 
 
@@ -127,9 +132,10 @@ def small_rollout() -> RolloutGraph:
     return graph
 
 
-def long_rollout(n_turns: int, image_every: int = 10) -> RolloutGraph:
+def long_rollout(n_turns: int, image_every: int = 10, image_size: int = 24) -> RolloutGraph:
     """One chain of `n_turns` message-linked turns; every `image_every`-th user message
-    carries a new image, so the last request holds about 2 * n_turns messages."""
+    carries a new image (`image_size` pixels square; above 24, noise that does not
+    compress), so the last request holds about 2 * n_turns messages."""
     graph = RolloutGraph()
     messages: list[Any] = [{"role": "system", "content": "system prompt " * 100}]
     for k in range(n_turns):
@@ -137,7 +143,10 @@ def long_rollout(n_turns: int, image_every: int = 10) -> RolloutGraph:
         if k % image_every == 0:
             content = [
                 {"type": "text", "text": f"step {k}: screenshot"},
-                {"type": "image_url", "image_url": {"url": data_url(k)}},
+                {
+                    "type": "image_url",
+                    "image_url": {"url": data_url(k, image_size, image_size > 24)},
+                },
             ]
         messages.append({"role": "user", "content": content})
         response = {"role": "assistant", "content": f"answer {k}"}
