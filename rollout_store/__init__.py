@@ -10,8 +10,9 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .export import export_session, iter_turn_records, write_session_json, write_trace_jsonl
-from .graph import RolloutGraph, TurnNode
+from .graph import RolloutGraph, TurnNode, common_prefix_len
 from .intake import MAX_DEPTH
+from .training import TrainingSequence
 
 __all__ = [
     "MAX_DEPTH",
@@ -23,8 +24,10 @@ __all__ = [
     "InvalidValueError",
     "RolloutGraph",
     "RolloutStoreError",
+    "TrainingSequence",
     "TurnNode",
     "UnsupportedVersionError",
+    "common_prefix_len",
     "export_session",
     "iter_turn_records",
     "write_session_json",

@@ -110,14 +110,18 @@ def check_sequence(seq: TrainingSequence, *, min_trainable: int = 1) -> Report:
             "nothing_trainable",
             f"{trainable} of {n} tokens have mask 1: the row gives no gradient",
         )
-    scored_context = sum(1 for m, lp in zip(seq.loss_mask, seq.logprobs, strict=True) if not m and lp)
+    scored_context = sum(
+        1 for m, lp in zip(seq.loss_mask, seq.logprobs, strict=True) if not m and lp
+    )
     if scored_context:
         report.add(FATAL, "masked_has_logprob", f"{scored_context} context tokens have a logprob")
     if start >= n:
         report.add(FATAL, "empty_response", f"the prompt ({start} tokens) is the whole sequence")
     certain = sum(1 for m, lp in zip(seq.loss_mask, seq.logprobs, strict=True) if m and lp == 0)
     if certain:
-        report.add(INFO, "certain_tokens", f"{certain} of {trainable} trainable tokens have logprob 0")
+        report.add(
+            INFO, "certain_tokens", f"{certain} of {trainable} trainable tokens have logprob 0"
+        )
     return report
 
 

@@ -67,16 +67,17 @@ def _session(
     purpose: Any,
 ) -> _Session:
     """Keyword arguments win; a session-like object (one with a `graph`) fills the rest."""
+    holder: Any = None
     if isinstance(source, RolloutGraph):
-        graph, holder = source, None
+        graph = source
     else:
-        graph = getattr(source, "graph", None)
-        if not isinstance(graph, RolloutGraph):
+        found = getattr(source, "graph", None)
+        if not isinstance(found, RolloutGraph):
             raise TypeError(
                 "export_session expects a RolloutGraph or a session object whose `graph` is "
                 f"one, got {type(source).__name__}"
             )
-        holder = source
+        graph, holder = found, source
 
     def pick(value: Any, name: str, default: Any) -> Any:
         if value is not _UNSET:
@@ -126,7 +127,9 @@ def _plan(
     return plan
 
 
-def _row(seq: TrainingSequence, role: str, report: Report | None, trainable: bool) -> dict[str, Any]:
+def _row(
+    seq: TrainingSequence, role: str, report: Report | None, trainable: bool
+) -> dict[str, Any]:
     return {
         "role": role,
         "root_id": seq.root_id,
@@ -188,7 +191,8 @@ def _parts(
     )
     discarded = set(graph.discarded_ids())
     plan = [
-        entry for entry in _plan(graph, discarded, trainable_capture)
+        entry
+        for entry in _plan(graph, discarded, trainable_capture)
         if include_discarded or entry[1] != DISCARDED
     ]
 

@@ -9,9 +9,10 @@ from typing import Any
 
 import xxhash
 
-from .intake import float_array, token_array
+from .intake import float_array, plain_numbers, token_array
 from .tokens import BLOCK, TokenRun, block_digests, prefix_digest, run_bytes, run_matches
 from .turns import (
+    EMPTY_PROMPT,
     HEADS,
     LINK_EXPLICIT,
     LINK_MESSAGES,
@@ -40,7 +41,13 @@ class Linking:
     def _prepare_tokens(self, turn: Turn, node: TurnNode, scratch: Scratch) -> None:
         prompt = None if node.prompt_ids is None else token_array(node.prompt_ids, "prompt_ids")
         sampled = None if node.sampled_ids is None else token_array(node.sampled_ids, "sampled_ids")
+        if prompt is not None and not len(prompt):
+            # no token ids came back (a hosted provider): link by messages, keep the []
+            prompt = None
+            turn.flags |= EMPTY_PROMPT
         logprobs = node.sampled_logprobs
+        if logprobs is not None:
+            logprobs = plain_numbers(logprobs, "sampled_logprobs")
         if logprobs is None:
             turn.logprobs = None
         else:

@@ -11,7 +11,7 @@ from typing import Any
 
 from .encoding import NotPackable, array_header, unpack
 from .errors import InvalidValueError
-from .messages import leading_system_count, link_key
+from .messages import leading_system_count, link_key, response_link_key
 from .turns import (
     ECHO_PACKED,
     MESSAGES_TUPLE,
@@ -112,6 +112,14 @@ class RequestStore:
             )
         if isinstance(messages, tuple):
             turn.flags |= MESSAGES_TUPLE
+        if not messages and turn.prompt is not None:
+            # a token turn without messages (the default []): linked by its tokens, and no
+            # base of anything, so it stays out of the request index (which would otherwise
+            # hold every such turn under one key)
+            turn.system, turn.base, turn.n_rest = None, None, 0
+            turn.tail = array_header(0)
+            finish_tail(turn)
+            return None
         n_sys = leading_system_count(messages)
         try:
             pack = self._pack_plain
@@ -136,7 +144,7 @@ class RequestStore:
         if n_valid == len(rest):
             scratch.rest_plains = rest_plains  # for root_keys, if this turn stays a root
 
-        want_parent = node.parent_id is None and node.prompt_ids is None
+        want_parent = node.parent_id is None and turn.prompt is None  # no token ids
         base: Turn | None = None
         parent: Turn | None = None
         confirmed: dict[int, bool] = {}
@@ -321,7 +329,7 @@ class RequestStore:
         if self._is_echo(turn, message, plain):
             return True
         try:
-            return bool(link_key(self._response_value(turn)) == link_key(message))
+            return bool(response_link_key(self._response_value(turn)) == link_key(message))
         except Exception:  # a malformed fresh message simply does not match
             return False
 

@@ -135,6 +135,7 @@ class _Writer:
             keys,
             [refs[0] - self.refs[0], refs[1] - self.refs[1]],
             [[other.index, link] for other, link in moves],
+            value_ref(turn.requested),
         ]
         frames.append(frame(KIND_TURN, pack(record)))
 
@@ -311,8 +312,10 @@ class _Loader:
     def turn(self, payload: Any) -> None:
         g = self.graph
         turns = g._turns
-        if not (isinstance(payload, list) and len(payload) == 18):
-            raise ValueError("turn record must be a list of 18 fields")
+        # 19 fields; files written before requested_sampling_params was kept have 18
+        if not (isinstance(payload, list) and len(payload) in (18, 19)):
+            raise ValueError("turn record must be a list of 19 fields")
+        requested = payload[18] if len(payload) == 19 else None
         (
             node_id,
             parent,
@@ -332,7 +335,7 @@ class _Loader:
             keys,
             refs,
             moves,
-        ) = payload
+        ) = payload[:18]
         if not isinstance(node_id, str) or node_id in g._by_id:
             raise ValueError(f"bad or repeated node id {node_id!r}")
         n_blobs = len(g.blobs)
@@ -380,6 +383,7 @@ class _Loader:
         turn.response = response
         turn.tools = self._value_ref(tools)
         turn.sampling = self._value_ref(sampling)
+        turn.requested = self._value_ref(requested)
         turn.prompt = self._prompt(prompt)
         turn.sampled = decode_segment(sampled)
         if turn.sampled is not None and not (

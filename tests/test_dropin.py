@@ -264,7 +264,9 @@ def test_token_linking_still_wins_when_ids_are_present():
 )
 def test_aligned_logprobs_of_any_real_numbers_train(logprobs):
     graph = RolloutGraph()
-    graph.add_turn(TurnNode(node_id="a", prompt_ids=[1, 2], sampled_ids=[3, 4], sampled_logprobs=logprobs))
+    graph.add_turn(
+        TurnNode(node_id="a", prompt_ids=[1, 2], sampled_ids=[3, 4], sampled_logprobs=logprobs)
+    )
     seq = graph.sequence_for("a")
     assert seq.loss_mask == [0, 0, 1, 1]
     assert json.dumps(seq.logprobs[2:]) == json.dumps(logprobs)
@@ -276,7 +278,9 @@ def test_aligned_logprobs_of_any_real_numbers_train(logprobs):
 )
 def test_misaligned_or_non_numeric_logprobs_are_context(logprobs):
     graph = RolloutGraph()
-    graph.add_turn(TurnNode(node_id="a", prompt_ids=[1, 2], sampled_ids=[3, 4], sampled_logprobs=logprobs))
+    graph.add_turn(
+        TurnNode(node_id="a", prompt_ids=[1, 2], sampled_ids=[3, 4], sampled_logprobs=logprobs)
+    )
     assert graph.sequence_for("a").loss_mask == [0, 0, 0, 0]
     assert json.dumps(graph.get("a").sampled_logprobs) == json.dumps(logprobs)
 
@@ -314,7 +318,9 @@ def test_numpy_token_array_of_two_dimensions_is_refused():
     np = pytest.importorskip("numpy")
     graph = RolloutGraph()
     with pytest.raises(InvalidValueError) as err:
-        graph.add_turn(TurnNode(node_id="a", prompt_ids=np.zeros((2, 2), dtype=np.int64), sampled_ids=[]))
+        graph.add_turn(
+            TurnNode(node_id="a", prompt_ids=np.zeros((2, 2), dtype=np.int64), sampled_ids=[])
+        )
     assert err.value.path == "prompt_ids" and "1-D" in str(err.value)
     assert len(graph) == 0
 

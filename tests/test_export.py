@@ -175,7 +175,9 @@ def test_roles_agent_auxiliary_and_no_tools_anywhere():
     for k, turn in enumerate(token_turns(2)):
         graph.add_turn(TurnNode(node_id=f"a{k}", n_tools=2, **turn))
     # a toolless root: a title generator
-    graph.add_turn(TurnNode(node_id="title", prompt_ids=[7, 7], sampled_ids=[8], sampled_logprobs=[-1.0]))
+    graph.add_turn(
+        TurnNode(node_id="title", prompt_ids=[7, 7], sampled_ids=[8], sampled_logprobs=[-1.0])
+    )
     doc = export_session(graph)
     assert [(s["root_id"], s["role"], s["trainable"]) for s in doc["sequences"]] == [
         ("a0", "agent", True),
@@ -189,14 +191,20 @@ def test_roles_agent_auxiliary_and_no_tools_anywhere():
     plain.add_turn(TurnNode(node_id="ctx", prompt_ids=[7], sampled_ids=[8]))  # no logprobs
     roles = [(s["root_id"], s["role"]) for s in export_session(plain)["sequences"]]
     assert roles == [("a0", "agent"), ("ctx", "auxiliary")]
-    roles = [(s["root_id"], s["role"]) for s in export_session(plain, capture_level="text")["sequences"]]
+    roles = [
+        (s["root_id"], s["role"]) for s in export_session(plain, capture_level="text")["sequences"]
+    ]
     assert roles == [("a0", "agent"), ("ctx", "agent")]
 
 
 def test_sequence_findings():
     graph = RolloutGraph()
-    graph.add_turn(TurnNode(node_id="a", prompt_ids=[1, 2], sampled_ids=[3, 4], sampled_logprobs=[-0.5, 0.0]))
-    graph.add_turn(TurnNode(node_id="b", prompt_ids=[1, 2, 3, 4, 5], sampled_ids=[6], sampled_logprobs=[0.5]))
+    graph.add_turn(
+        TurnNode(node_id="a", prompt_ids=[1, 2], sampled_ids=[3, 4], sampled_logprobs=[-0.5, 0.0])
+    )
+    graph.add_turn(
+        TurnNode(node_id="b", prompt_ids=[1, 2, 3, 4, 5], sampled_ids=[6], sampled_logprobs=[0.5])
+    )
     graph.add_turn(TurnNode(node_id="c", prompt_ids=[9], sampled_ids=[10]))  # no logprobs
     doc = export_session(graph)
     rows = {s["root_id"]: s for s in doc["sequences"]}
