@@ -5,13 +5,15 @@ from .errors import (
     ChecksumMismatch,
     CorruptFileError,
     DuplicateNodeError,
+    FileLockedError,
     InvalidValueError,
     RolloutStoreError,
     UnsupportedVersionError,
 )
 from .export import export_session, iter_turn_records, write_session_json, write_trace_jsonl
-from .graph import RolloutGraph, TurnNode, common_prefix_len
+from .graph import Graph, TurnNode, common_prefix_len
 from .intake import MAX_DEPTH
+from .storage import RolloutGraph
 from .training import TrainingSequence
 
 __all__ = [
@@ -20,6 +22,8 @@ __all__ = [
     "ChecksumMismatch",
     "CorruptFileError",
     "DuplicateNodeError",
+    "FileLockedError",
+    "Graph",
     "Handle",
     "InvalidValueError",
     "RolloutGraph",

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from .checks import Report, check_rollout, check_sequence
-from .graph import RolloutGraph
+from .graph import Graph
 from .materialize import Streamed, write_document, writer_for
 from .training import TrainingSequence
 
@@ -50,7 +50,7 @@ _UNSET: Any = object()
 class _Session:
     """What the document needs beyond the graph."""
 
-    graph: RolloutGraph
+    graph: Graph
     session_id: Any
     metadata: Any
     budget_stop_count: Any
@@ -68,11 +68,11 @@ def _session(
 ) -> _Session:
     """Keyword arguments win; a session-like object (one with a `graph`) fills the rest."""
     holder: Any = None
-    if isinstance(source, RolloutGraph):
+    if isinstance(source, Graph):
         graph = source
     else:
         found = getattr(source, "graph", None)
-        if not isinstance(found, RolloutGraph):
+        if not isinstance(found, Graph):
             raise TypeError(
                 "export_session expects a RolloutGraph or a session object whose `graph` is "
                 f"one, got {type(source).__name__}"
@@ -94,9 +94,7 @@ def _session(
     )
 
 
-def _plan(
-    graph: RolloutGraph, discarded: set[str], trainable: bool
-) -> list[tuple[str, str, bool, int]]:
+def _plan(graph: Graph, discarded: set[str], trainable: bool) -> list[tuple[str, str, bool, int]]:
     """Each leaf's (leaf, role, trainable, n_trainable), building one sequence at a time.
 
     Roles are structural: a path ending in a dropped retry is discarded; a path whose turns
@@ -147,7 +145,7 @@ def _row(
 
 
 def _turn_record(
-    graph: RolloutGraph, node_id: str, discarded: bool, include_messages: bool, stream: bool
+    graph: Graph, node_id: str, discarded: bool, include_messages: bool, stream: bool
 ) -> dict[str, Any]:
     node = graph.get(node_id)  # a view: each field below is rebuilt as it is read
     info = graph.summary(node_id)
@@ -290,7 +288,7 @@ def write_session_json(
         write_document(fp, document)
 
 
-def iter_turn_records(graph: RolloutGraph) -> Iterator[dict[str, Any]]:
+def iter_turn_records(graph: Graph) -> Iterator[dict[str, Any]]:
     """Each turn in arrival order as a flat record for training pipelines.
 
     `discarded` says whether the turn is a retry that was dropped (see `discarded_ids`).
@@ -320,7 +318,7 @@ def iter_turn_records(graph: RolloutGraph) -> Iterator[dict[str, Any]]:
         }
 
 
-def write_trace_jsonl(graph: RolloutGraph, fp: IO[Any]) -> None:
+def write_trace_jsonl(graph: Graph, fp: IO[Any]) -> None:
     """One JSON line per turn (request, response, token ids, logprobs, discarded)."""
     write = writer_for(fp)
     with graph.lock:

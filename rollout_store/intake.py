@@ -269,7 +269,7 @@ def _as_sequence(values: object, path: str) -> object:
     return values
 
 
-def token_array(ids: object, path: str) -> array | tuple[int, ...]:
+def token_array(ids: object, path: str) -> array[int] | tuple[int, ...]:
     """Token ids as compact typed storage: array('I') when they fit, else exact ints.
 
     Accepts a list or tuple of ints (numpy integer scalars too) or a 1-D numpy array.
@@ -315,7 +315,7 @@ def plain_numbers(values: object, path: str) -> object:
     return values
 
 
-def float_array(values: object, path: str) -> array | None:
+def float_array(values: object, path: str) -> array[float] | None:
     """Logprobs as array('d') when every item is an exact float, else None (kept as JSON)."""
     if isinstance(values, list | tuple) and set(map(type, values)) <= {float}:
         return array("d", values)
