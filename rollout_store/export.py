@@ -34,6 +34,7 @@ __all__ = [
     "DISCARDED",
     "export_session",
     "iter_turn_records",
+    "summarise",
     "write_session_json",
     "write_trace_jsonl",
 ]
@@ -325,3 +326,28 @@ def write_trace_jsonl(graph: Graph, fp: IO[Any]) -> None:
         for record in iter_turn_records(graph):
             write(json.dumps(record))
             write("\n")
+
+
+def summarise(document: dict[str, Any]) -> str:
+    """A few lines to read after a rollout: shape, training totals, each row, the findings.
+
+    Findings at INFO level are left out of the per-row lines.
+    """
+    stats = document["stats"]
+    out = [
+        f"session {document['session_id']}  {document.get('rollout_type', 'train')}  "
+        f"trainable={document['trainable']}",
+        f"  graph: {stats['n_turns']} turns, {stats['n_roots']} roots, "
+        f"{stats['n_forks']} forks, {stats['n_discarded']} discarded",
+        f"  training: {stats['n_trainable_sequences']} sequence(s), "
+        f"{stats['n_trainable_tokens']} trainable tokens",
+    ]
+    for row in document["sequences"]:
+        out.append(
+            f"  [{row['role']:<10}] turns={row['n_turns']:<3} prompt={row['prompt_len']:<6} "
+            f"len={len(row['input_ids']):<6} trainable={row['n_trainable']:<5} "
+            f"turn_lengths={row['turn_lengths']}"
+        )
+        out.extend(f"      {f}" for f in row["validation"] if not f.startswith("[INFO]"))
+    out.extend(f"  {f}" for f in document["validation"])
+    return "\n".join(out)

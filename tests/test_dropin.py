@@ -368,3 +368,37 @@ def test_a_numpy_array_in_a_json_field_suggests_tolist():
         graph.add_turn(tok("a", [1], [2], response_message={"embedding": np.zeros(3)}))
     assert err.value.path == "response_message.embedding"
     assert ".tolist()" in str(err.value)
+
+
+# ---------------------------------------------------------------- files keep the new fields
+
+
+def test_files_keep_requested_sampling_params_and_empty_prompts(tmp_path):
+    graph = RolloutGraph()
+    first = [{"role": "user", "content": "go"}]
+    graph.add_turn(eval_turn("a", fresh(first), "step 1"))
+    graph.add_turn(
+        TurnNode(
+            node_id="t",
+            prompt_ids=[1, 2],
+            sampled_ids=[3],
+            sampled_logprobs=[-0.5],
+            requested_sampling_params={"temperature": 1, "top_p": 1.0},
+        )
+    )
+    path = tmp_path / "g.rls"
+    graph.save(path)
+    loaded = RolloutGraph.load(path)
+    assert (
+        json.dumps(loaded.get("t").requested_sampling_params) == '{"temperature": 1, "top_p": 1.0}'
+    )
+    assert loaded.get("a").prompt_ids == [] and loaded.get("a").requested_sampling_params == {}
+    second = [*first, {"role": "assistant", "content": "step 1"}, {"role": "user", "content": "r"}]
+    loaded.add_turn(eval_turn("b", fresh(second), "done"))
+    assert loaded.parent("b") == "a"
+
+    with RolloutGraph.open(tmp_path / "live.rls") as live:
+        live.add_turn(eval_turn("a", fresh(first), "step 1"))
+        live.add_turn(eval_turn("b", fresh(second), "done"))
+    reopened = RolloutGraph.load(tmp_path / "live.rls")
+    assert reopened.parent("b") == "a" and reopened.get("b").prompt_ids == []

@@ -399,3 +399,33 @@ def test_streaming_writers_accept_gzip_files(tmp_path):
         write_trace_jsonl(graph, fp)
     with gzip.open(path, "rt") as fp:
         assert len(fp.read().splitlines()) == 3
+
+
+def test_summarise_reads_the_document():
+    from rollout_store.export import summarise
+
+    graph, _ = _graph_with_retry()
+    doc = export_session(graph, session_id="s-1", include_discarded=True)
+    text = summarise(doc)
+    lines = text.splitlines()
+    assert lines[0] == "session s-1  train  trainable=True"
+    assert lines[1] == "  graph: 4 turns, 1 roots, 1 forks, 1 discarded"
+    assert lines[2] == "  training: 1 sequence(s), 9 trainable tokens"
+    assert lines[3].startswith("  [discarded ] turns=2")
+    assert any(line.startswith("  [agent     ] turns=3") for line in lines)
+    assert lines[-1].startswith("  [INFO] forks: ")
+
+
+def test_cli_export_capture_level_is_byte_identical(tmp_path):
+    from rollout_store.cli import main
+
+    graph, _ = _graph_with_retry()
+    path = tmp_path / "g.rls"
+    graph.save(path)
+    out = tmp_path / "out.json"
+    args = ["export", str(path), "--capture-level", "text", "--discarded", "-o", str(out)]
+    assert main(args) == 0
+    loaded = RolloutGraph.load(path)
+    expected = export_session(loaded, capture_level="text", include_discarded=True)
+    assert out.read_text() == json.dumps(expected) + "\n"
+    assert json.loads(out.read_text())["rollout_type"] == "eval"

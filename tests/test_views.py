@@ -150,3 +150,36 @@ def test_listing_nodes_allocates_per_turn_not_per_message():
     assert cost_200 < 2.5 * cost_100 + 4096, (cost_100, cost_200)
     # per view a few hundred bytes, never a message (a 16 KiB image) rebuilt
     assert cost_200 / 200 < 1024, cost_200 / 200
+
+
+def test_views_read_while_other_threads_add_turns():
+    import threading
+
+    graph = RolloutGraph()
+    tokens = token_turns(60)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def reader() -> None:
+        try:
+            while not done.is_set():
+                for node in graph.nodes():
+                    parent = node.parent_id
+                    assert parent is None or parent in graph
+                    assert (
+                        node.prompt_ids is not None
+                        and node.end_ids[: len(node.prompt_ids)] == node.prompt_ids
+                    )
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for k in reversed(range(60)):  # every turn arrives before its ancestors: re-linking
+        graph.add_turn(TurnNode(node_id=f"t{k}", **tokens[k]))
+    done.set()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors, errors[0]
+    assert [graph.parent(f"t{k}") for k in range(60)] == [None] + [f"t{k}" for k in range(59)]
