@@ -9,10 +9,11 @@ from typing import Any
 
 import xxhash
 
-from .intake import float_array, token_array
+from .intake import float_array, plain_numbers, token_array
 from .requests import FreshRequest, RequestStore, Scratch
 from .tokens import BLOCK, TokenRun, block_digests, prefix_digest, run_bytes, run_matches
 from .turns import (
+    EMPTY_PROMPT,
     HEADS,
     LOGPROBS_PACKED,
     NO_MESSAGES,
@@ -68,7 +69,13 @@ class Linker:
         """Store the turn's token fields as shared runs; find its parent by tokens."""
         prompt = None if node.prompt_ids is None else token_array(node.prompt_ids, "prompt_ids")
         sampled = None if node.sampled_ids is None else token_array(node.sampled_ids, "sampled_ids")
+        if prompt is not None and not len(prompt):
+            # no token ids came back (a hosted provider): link by messages, keep the []
+            prompt = None
+            turn.flags |= EMPTY_PROMPT
         logprobs = node.sampled_logprobs
+        if logprobs is not None:
+            logprobs = plain_numbers(logprobs, "sampled_logprobs")
         if logprobs is None:
             turn.logprobs = None
         else:
@@ -147,7 +154,7 @@ class Linker:
 
     # ------------------------------------------------------------------ messages
 
-    def prepare_messages(self, node: TurnNode, scratch: Scratch) -> None:
+    def prepare_messages(self, turn: Turn, node: TurnNode, scratch: Scratch) -> None:
         """Find the parent by messages (for a turn without token ids or explicit parent),
         and the stored turns with exactly this request (their continuations may move)."""
         request = scratch.request
@@ -158,7 +165,7 @@ class Linker:
             scratch.twins = [
                 c for c in request.stored_prefixes(len(rest)) if c.children and request.extends(c)
             ]
-        if node.parent_id is None and node.prompt_ids is None:
+        if node.parent_id is None and turn.prompt is None:  # no token ids
             scratch.message_parent = self._message_parent(request)
 
     def _message_parent(self, request: FreshRequest) -> Turn | None:

@@ -14,7 +14,7 @@ from .blobs import BlobTable
 from .encoding import NotPackable, array_header, unpack
 from .errors import InvalidValueError
 from .intake import Encoder
-from .messages import leading_system_count, link_key
+from .messages import leading_system_count, link_key, response_link_key
 from .turns import (
     ECHO_PACKED,
     MESSAGES_TUPLE,
@@ -217,6 +217,14 @@ class RequestStore:
             )
         if isinstance(messages, tuple):
             turn.flags |= MESSAGES_TUPLE
+        if not messages and turn.prompt is not None:
+            # a token turn without messages (the default []): linked by its tokens, and no
+            # base of anything, so it stays out of the request index (which would otherwise
+            # hold every such turn under one key)
+            turn.system, turn.base, turn.n_rest = None, None, 0
+            turn.tail = array_header(0)
+            finish_tail(turn)
+            return None
         n_sys = leading_system_count(messages)
         try:
             pack = self._pack_plain
@@ -302,7 +310,7 @@ class RequestStore:
         if self.is_echo(turn, message, plain):
             return True
         try:
-            return bool(link_key(self.response_value(turn)) == link_key(message))
+            return bool(response_link_key(self.response_value(turn)) == link_key(message))
         except Exception:  # a malformed fresh message simply does not match
             return False
 
