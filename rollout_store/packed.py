@@ -51,7 +51,7 @@ class PackedInfo:
     top_items: int  # items of the top-level array, or -1 when the value is not an array
     special: bool = False  # a tuple, big int, lone surrogate, or a blob holding surrogates
     echoes: int = 0
-    blob_refs: array = field(default_factory=lambda: array("I"))  # offsets of blob references
+    blob_refs: array[int] = field(default_factory=lambda: array("I"))  # offsets of blob references
 
 
 def _length(data: bytes, pos: int, width: int) -> int:
@@ -195,7 +195,7 @@ def check_packed(
         raise ValueError(f"{exc} (at byte {pos})") from None
 
 
-def splice_blobs(data: bytes, refs: array, text_of: Callable[[int], bytes]) -> bytes:
+def splice_blobs(data: bytes, refs: array[int], text_of: Callable[[int], bytes]) -> bytes:
     """The plain packing of a checked value: each blob reference (6 bytes at an offset in
     `refs`) replaced by the packed string `text_of(index)` returns (its UTF-8 bytes)."""
     if not refs:
