@@ -26,6 +26,7 @@ _U32 = struct.Struct(">I")
 _FIXEXT = {0xD4: 1, 0xD5: 2, 0xD6: 4, 0xD7: 8, 0xD8: 16}
 _EXTLEN = {0xC7: 1, 0xC8: 2, 0xC9: 4}
 _STRLEN = {0xD9: 1, 0xDA: 2, 0xDB: 4}
+_BINLEN = {0xC4: 1, 0xC5: 2, 0xC6: 4}
 # scalars of a fixed size: type byte -> total bytes
 _FIXED = {
     0xC0: 1,
@@ -69,9 +70,15 @@ def check_packed(
     *,
     blob_surrogates: Callable[[int], bool] | None = None,
     echo_ok: bool = False,
+    record: bool = False,
+    max_containers: int | None = None,
 ) -> PackedInfo:
     """Check one packed value (see the module docstring); raises ValueError naming the byte
-    offset inside the value. `n_blobs`: blob references must be below it."""
+    offset inside the value. `n_blobs`: blob references must be below it.
+
+    `record=True` checks a file's own record instead of a JSON value: bytes are allowed,
+    extension types are not, strings are not decoded (ids may hold lone surrogates), and at
+    most `max_containers` containers may open, so decoding it afterwards stays bounded."""
     if not isinstance(data, bytes):
         raise ValueError("a packed value must be bytes")
     size = len(data)
@@ -103,17 +110,17 @@ def check_packed(
             if b <= 0x7F or b >= 0xE0:  # fixint
                 pos += 1
                 continue
-            if 0xA0 <= b <= 0xBF or b in _STRLEN:  # str
+            if 0xA0 <= b <= 0xBF or b in _STRLEN or (record and b in _BINLEN):  # str (bin)
                 if b <= 0xBF:
                     start, n = pos + 1, b & 0x1F
                 else:
-                    width = _STRLEN[b]
+                    width = _STRLEN[b] if b in _STRLEN else _BINLEN[b]
                     start = pos + 1 + width
                     n = _length(data, pos + 1, width)
                 end = start + n
                 if end > size:
                     raise ValueError("a string runs past the end")
-                if n:
+                if n and not record:
                     str(view[start:end], "utf-8")
                 pos = end
                 continue
@@ -139,6 +146,10 @@ def check_packed(
                     raise ValueError("a container claims more items than bytes are left")
                 if depth >= max_depth:
                     raise ValueError(f"nesting deeper than {max_depth} levels")
+                if max_containers is not None:
+                    max_containers -= 1
+                    if max_containers < 0:
+                        raise ValueError("more containers than the record can hold")
                 if depth == 0 and not map_:
                     info.top_items = n
                 remaining.append(left)
@@ -146,7 +157,7 @@ def check_packed(
                 left, in_map, depth = items, map_, depth + 1
                 first = not map_
                 continue
-            if b in _FIXEXT or b in _EXTLEN:
+            if (b in _FIXEXT or b in _EXTLEN) and not record:
                 if b in _FIXEXT:
                     n, start = _FIXEXT[b], pos + 2
                 else:
@@ -184,6 +195,8 @@ def check_packed(
                 continue
             if b in (0xC4, 0xC5, 0xC6):
                 raise ValueError("bytes, which JSON cannot carry")
+            if b in _FIXEXT or b in _EXTLEN:
+                raise ValueError("an extension type is not allowed in a record")
             raise ValueError(f"type byte {b:#04x} is not msgpack")
     except (IndexError, struct.error):
         raise ValueError(f"the value is cut short (at byte {pos})") from None

@@ -22,7 +22,8 @@ from rollout_store.packed import check_packed, splice_blobs
 def test_every_stored_value_passes_and_splices_to_its_plain_packing(value: object) -> None:
     blobs = BlobTable()
     stored, special = Encoder(blobs, 8).encode(value, "v")
-    info = check_packed(stored, len(blobs), MAX_DEPTH, blob_surrogates=lambda i: False)
+    surrogates = lambda i: blobs.handle(i).surrogates  # noqa: E731
+    info = check_packed(stored, len(blobs), MAX_DEPTH, blob_surrogates=surrogates)
     assert info.special >= special
     plain, _ = Encoder(None, None).encode(value, "v")
     spliced = splice_blobs(
@@ -92,3 +93,12 @@ def test_top_level_array_count() -> None:
     packed = msgpack.packb([{"a": [1, 2.5, None, True]}, "x"], use_bin_type=True)
     assert check_packed(packed, 0, MAX_DEPTH).top_items == 2
     assert check_packed(msgpack.packb({"a": 1}), 0, MAX_DEPTH).top_items == -1
+
+
+def test_record_mode_allows_bytes_and_bounds_containers() -> None:
+    record = msgpack.packb(["id\udc00".encode("utf-8", "surrogatepass"), b"\x00", [[1, 2]]])
+    check_packed(record, 0, 3, record=True, max_containers=3)
+    with pytest.raises(ValueError, match="more containers"):
+        check_packed(record, 0, 3, record=True, max_containers=2)
+    with pytest.raises(ValueError, match="not allowed"):
+        check_packed(b"\x91\xc7\x00\x01", 0, 3, record=True)
