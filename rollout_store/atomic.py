@@ -37,7 +37,7 @@ def fsync_dir(path: Path) -> None:
 
 def _locked_error(path: Path) -> FileLockedError:
     return FileLockedError(
-        f"{path} is open for appending by another graph or process; close it first, or use "
+        f"{path} is open for appending by another process or graph; close it first, or use "
         "another path"
     )
 
