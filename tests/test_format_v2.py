@@ -210,7 +210,7 @@ def test_many_empty_maps_load_in_memory_bounded_by_the_file(tmp_path: Path) -> N
     """Issue 10, break 2: a value of many empty maps peaked at about 150x the file."""
     path = tmp_path / "maps.rls"
     graph = RolloutGraph(share_threshold=None)
-    graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": [{}] * (1 << 19)}]))
+    graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": [{}] * (1 << 17)}]))
     graph.save(path)
     size = path.stat().st_size
     del graph
