@@ -1,22 +1,42 @@
 """rollout_store: record LLM agent rollouts with memory proportional to unique content."""
 
 from .blobs import BlobTable, Handle
+from .content import ContentStore, RetryPolicy, StringCache, content_key
 from .errors import (
     ChecksumMismatch,
     CorruptFileError,
     DuplicateNodeError,
+    CorruptObjectError,
     InvalidValueError,
+    MissingObjectError,
     RolloutStoreError,
+    StoreError,
+    StoreUnavailableError,
     UnsupportedVersionError,
 )
 from .export import export_session, iter_turn_records, write_session_json, write_trace_jsonl
 from .graph import RolloutGraph, TurnNode
 from .intake import MAX_DEPTH
+from .redis_store import RedisStore
+from .s3_store import S3Store
+from .stores import DirectoryStore, MemoryStore
 
 __all__ = [
     "MAX_DEPTH",
     "BlobTable",
     "ChecksumMismatch",
+    "ContentStore",
+    "CorruptObjectError",
+    "DirectoryStore",
+    "MemoryStore",
+    "MissingObjectError",
+    "RedisStore",
+    "RetryPolicy",
+    "S3Store",
+    "StoreError",
+    "StoreUnavailableError",
+    "StringCache",
+    "content_key",
     "CorruptFileError",
     "DuplicateNodeError",
     "Handle",
