@@ -256,6 +256,9 @@ def s3_bucket(s3_url: str) -> str:
 
 
 class TestS3Store(SharedStoreContract):
+    # moto's server answers slowly enough that this class takes several seconds
+    pytestmark = pytest.mark.slow
+
     @pytest.fixture
     def store(self, s3_url: str, s3_bucket: str) -> S3Store:
         return S3Store(
