@@ -5,8 +5,8 @@ from .content import ContentStore, RetryPolicy, StringCache, content_key
 from .errors import (
     ChecksumMismatch,
     CorruptFileError,
-    DuplicateNodeError,
     CorruptObjectError,
+    DuplicateNodeError,
     InvalidValueError,
     MissingObjectError,
     RolloutStoreError,

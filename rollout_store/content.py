@@ -39,6 +39,7 @@ __all__ = [
     "ContentStore",
     "RetryPolicy",
     "StringCache",
+    "TextStore",
     "check_key",
     "content_key",
     "verified",
@@ -84,6 +85,23 @@ class ContentStore(Protocol):
 
     def contains(self, key: bytes) -> bool:
         """Whether an object is stored under `key`."""
+        ...
+
+
+@runtime_checkable
+class TextStore(Protocol):
+    """A store inside this process that keeps strings as `str` objects (`MemoryStore`).
+
+    Graphs over it share the very string objects: a string is held once in the process,
+    whatever the number of graphs, and read with no decoding and no cache.
+    """
+
+    def put_text(self, text: str, data: bytes) -> bytes:
+        """Store `text`, whose UTF-8 (surrogatepass) bytes are `data`; return their key."""
+        ...
+
+    def get_text(self, key: bytes) -> str:
+        """The string stored under `key` (the stored object itself)."""
         ...
 
 

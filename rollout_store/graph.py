@@ -18,11 +18,13 @@ from typing import Any, TypeVar
 import xxhash
 
 from .blobs import BlobTable
+from .content import ContentStore, StringCache
 from .encoding import unpack
 from .errors import DuplicateNodeError, InvalidValueError, RolloutStoreError
 from .intake import Encoder
 from .linking import Linking
 from .requests import RequestStore
+from .shared_blobs import StoreBlobTable
 from .tokens import BLOCK, run_list
 from .turns import (
     LINK_EXPLICIT,
@@ -72,15 +74,28 @@ class RolloutGraph(RequestStore, Linking):
     `share_threshold`: strings of at least this many characters are stored once in the
     graph's blob table (`None` disables string sharing; messages and tokens are still
     shared). Safe to use from many threads: `add_turn` is serialized by a lock.
+
+    `store`: a `ContentStore` shared with other graphs, processes or machines; the graph's
+    long strings are kept there and the graph holds references (see `shared_blobs`).
+    Without it the graph owns a private in-memory blob table. `cache`: the `StringCache` of
+    strings read from an out-of-process store (share one between graphs to bound them all;
+    default: a private cache of `shared_blobs.DEFAULT_GRAPH_CACHE_BYTES`).
     """
 
-    def __init__(self, share_threshold: int | None = 1024) -> None:
+    def __init__(
+        self,
+        share_threshold: int | None = 1024,
+        *,
+        store: ContentStore | None = None,
+        cache: StringCache | None = None,
+    ) -> None:
         if share_threshold is not None and (
             not isinstance(share_threshold, int) or share_threshold < 1
         ):
             raise ValueError("share_threshold must be a positive int or None")
         self.share_threshold = share_threshold
-        self._blobs = BlobTable()
+        self.store = store
+        self._blobs = BlobTable() if store is None else StoreBlobTable(store, cache)
         # a reusable packer (packb builds one per call); used under the lock only, and
         # replaced after each turn so a large message's buffer is not kept
         self._pack_plain = new_packer()
@@ -119,6 +134,10 @@ class RolloutGraph(RequestStore, Linking):
         with self._lock:
             if self._turns or len(self._blobs):
                 raise ValueError("the blob table of a graph that holds turns cannot change")
+            if isinstance(table, StoreBlobTable) is not (self.store is not None):
+                raise ValueError("a graph over a store needs a StoreBlobTable, others a BlobTable")
+            if isinstance(table, StoreBlobTable):
+                self.store = table.store
             self._blobs = table
             self._encoder = Encoder(table, self.share_threshold)
 

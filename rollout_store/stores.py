@@ -27,13 +27,17 @@ __all__ = ["DirectoryStore", "MemoryStore"]
 class MemoryStore:
     """Objects in this process's memory, shared by every graph handed this store.
 
-    `get` returns the stored bytes object itself (no copy), after checking it against its key.
+    Strings that graphs store are kept as the `str` objects themselves (`put_text`,
+    `get_text`): every graph over this store shares one object per distinct string. Keys are
+    computed here, on put, from the bytes; Python's bytes and str objects are immutable, so
+    what is read back is what was hashed. `get` of a string encodes it again (a file being
+    written, another process's copy).
     """
 
     def __init__(self) -> None:
-        self._objects: dict[bytes, bytes] = {}
+        self._objects: dict[bytes, bytes | str] = {}
         self._lock = threading.Lock()
-        self.nbytes = 0  # bytes of all objects
+        self.nbytes = 0  # bytes of all objects (UTF-8 for strings)
 
     def __repr__(self) -> str:
         return f"MemoryStore({len(self._objects)} objects, {self.nbytes} bytes)"
@@ -41,21 +45,44 @@ class MemoryStore:
     def __len__(self) -> int:
         return len(self._objects)
 
+    def _add(self, key: bytes, value: bytes | str, nbytes: int) -> None:
+        with self._lock:
+            if key not in self._objects:
+                self._objects[key] = value
+                self.nbytes += nbytes
+
     def put(self, data: bytes) -> bytes:
         data = bytes(data)
         key = content_key(data)
-        with self._lock:
-            if key not in self._objects:
-                self._objects[key] = data
-                self.nbytes += len(data)
+        self._add(key, data, len(data))
         return key
 
-    def get(self, key: bytes) -> bytes:
-        check_key(key)
-        data = self._objects.get(key)
-        if data is None:
+    def put_text(self, text: str, data: bytes) -> bytes:
+        key = content_key(data)
+        if key not in self._objects:
+            self._add(key, text, len(data))
+        return key
+
+    def _value(self, key: bytes) -> bytes | str:
+        value = self._objects.get(check_key(key))
+        if value is None:
             raise MissingObjectError("no such object in the memory store", key=key)
-        return verified(key, data, "the memory store")
+        return value
+
+    def get(self, key: bytes) -> bytes:
+        value = self._value(key)
+        if type(value) is str:
+            value = value.encode("utf-8", "surrogatepass")
+        return verified(key, value, "the memory store")  # type: ignore[arg-type]
+
+    def get_text(self, key: bytes) -> str:
+        value = self._value(key)
+        if type(value) is str:
+            return value
+        text = verified(key, value, "the memory store").decode("utf-8", "surrogatepass")  # type: ignore[arg-type]
+        with self._lock:  # from now on the string itself is shared
+            self._objects[key] = text
+        return text
 
     def contains(self, key: bytes) -> bool:
         return check_key(key) in self._objects
