@@ -104,6 +104,10 @@ class TextStore(Protocol):
         """The string stored under `key` (the stored object itself)."""
         ...
 
+    def share_bytes(self, data: bytes) -> bytes:
+        """The store's own object equal to `data`, stored first if absent."""
+        ...
+
 
 @dataclass(frozen=True)
 class RetryPolicy:

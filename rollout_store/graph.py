@@ -101,7 +101,11 @@ class RolloutGraph(RequestStore, Linking):
         self._pack_plain = new_packer()
         self._encoder = Encoder(self._blobs, share_threshold)
         self._canonical = Encoder(None, None)  # plain packing by the validating walk
-        self._values = ValueTable(self._expand, share_threshold)
+        # over an out-of-process store: tails and values holding blob references are matched
+        # by the SHA-256 of their plain packings (turn index -> digest), never by fetching
+        fetches = self._blobs.fetches
+        self._tail_keys: dict[int, bytes] | None = {} if fetches else None
+        self._values = ValueTable(self._expand, share_threshold, hashed=fetches)
         self._turns: list[Turn] = []
         self._blob_marks = array("I")  # blobs stored once each turn was committed, for save
         self._by_id: dict[str, Turn] = {}
@@ -134,12 +138,11 @@ class RolloutGraph(RequestStore, Linking):
         with self._lock:
             if self._turns or len(self._blobs):
                 raise ValueError("the blob table of a graph that holds turns cannot change")
-            if isinstance(table, StoreBlobTable) is not (self.store is not None):
-                raise ValueError("a graph over a store needs a StoreBlobTable, others a BlobTable")
-            if isinstance(table, StoreBlobTable):
-                self.store = table.store
+            self.store = table.store if isinstance(table, StoreBlobTable) else None
             self._blobs = table
             self._encoder = Encoder(table, self.share_threshold)
+            self._tail_keys = {} if table.fetches else None
+            self._values = ValueTable(self._expand, self.share_threshold, hashed=table.fetches)
 
     # ------------------------------------------------------------------ files
     # Thin doors to `storage`, which sits above this module; imported late on purpose.
@@ -351,6 +354,8 @@ class RolloutGraph(RequestStore, Linking):
     def _commit(self, turn: Turn, scratch: Scratch) -> None:
         for plain, stored in scratch.pending:
             self._values.add(plain, stored)
+        if scratch.tail_key is not None and self._tail_keys is not None:
+            self._tail_keys[turn.index] = scratch.tail_key
         turn.meta = self._meta.setdefault(turn.meta, turn.meta)
         self._turns.append(turn)
         self._blob_marks.append(len(self.blobs))

@@ -198,7 +198,7 @@ class Encoder:
         return packed, walker.special
 
 
-_KEEP_BUFFER = 1 << 16
+_KEEP_BUFFER = 1 << 12  # a graph keeps at most this much of a packing buffer
 
 
 def _new_packer() -> msgpack.Packer:

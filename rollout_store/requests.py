@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .content import content_key
 from .encoding import NotPackable, array_header, unpack
 from .errors import InvalidValueError
 from .messages import leading_system_count, link_key
@@ -76,6 +77,8 @@ class RequestStore:
             packed = [self._encode(items[0], path)]
         stored = header + b"".join(b for b, _ in packed)
         if plain is not None and not any(special for _, special in packed):
+            if stored == plain:  # no blob references: other graphs may share it
+                stored = self.blobs.share_packed(stored)
             pending.append((plain, stored))
         return stored
 
@@ -196,6 +199,12 @@ class RequestStore:
             if special:
                 turn.flags |= TAIL_SPECIAL
             pieces.append(packed)
+        if self._tail_keys is not None and turn.flags & TAIL_REFS:
+            # its strings are out of the process: match it later by the SHA-256 of its plain
+            # packings rather than by fetching them
+            body = rest_plains[start + (1 if turn.flags & TAIL_ECHO else 0) :]
+            if None not in body:
+                scratch.tail_key = content_key(b"".join(body))  # type: ignore[arg-type]
         turn.base = base
         turn.tail = array_header(len(pieces)) + b"".join(pieces)
         turn.n_rest = len(rest)
@@ -256,7 +265,14 @@ class RequestStore:
             if i >= end or base is None or not self._is_echo(base, messages[i], plains[i]):
                 return False
             i += 1
-        if turn.flags & TAIL_REFS:
+        key = self._tail_keys.get(turn.index) if self._tail_keys is not None else None
+        if key is not None:
+            try:
+                if content_key(b"".join(plains[i:end])) != key:  # type: ignore[arg-type]
+                    return False
+            except TypeError:  # a message with no plain packing
+                return False
+        elif turn.flags & TAIL_REFS:
             # blob references: rebuild the values (blobs are the table's own strings, no
             # copy) and pack them with every string inline, then compare bytes
             try:

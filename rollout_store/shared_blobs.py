@@ -21,6 +21,9 @@ from .content import ContentStore, StringCache, TextStore, content_key
 
 __all__ = ["DEFAULT_GRAPH_CACHE_BYTES", "StoreBlobTable"]
 
+#: Plain packings of shared values at least this large are shared through a memory store.
+SHARE_PACKED_BYTES = 1024
+
 #: The cache of a graph over an out-of-process store when none is given.
 DEFAULT_GRAPH_CACHE_BYTES = 8 * 1024 * 1024
 
@@ -147,6 +150,17 @@ class StoreBlobTable(BlobTable):
     def add_reference(self, key: bytes, digest: bytes, data_len: int, surrogates: bool) -> Handle:
         """A blob whose string is already in the store under `key` (a file of references)."""
         return self._add(key, digest, data_len, surrogates)
+
+    def share_packed(self, packed: bytes) -> bytes:
+        """Over the memory store, a large packing is the store's own object: graphs that store
+        one tool list share it. Elsewhere the graph keeps its own copy."""
+        if self._text_store is not None and len(packed) >= SHARE_PACKED_BYTES:
+            return self._text_store.share_bytes(packed)
+        return packed
+
+    @property
+    def fetches(self) -> bool:
+        return self._text_store is None
 
     def count_references(self, n: int, nbytes: int) -> None:
         self._refs += n

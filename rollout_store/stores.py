@@ -63,6 +63,17 @@ class MemoryStore:
             self._add(key, text, len(data))
         return key
 
+    def share_bytes(self, data: bytes) -> bytes:
+        key = content_key(data)
+        with self._lock:
+            found = self._objects.get(key)
+            if found is None:
+                self._objects[key] = found = bytes(data)
+                self.nbytes += len(data)
+        if type(found) is str:  # (only a blob table's strings are str: never equal bytes)
+            return bytes(data)
+        return found  # type: ignore[return-value]
+
     def _value(self, key: bytes) -> bytes | str:
         value = self._objects.get(check_key(key))
         if value is None:

@@ -140,6 +140,7 @@ class Scratch:
         "request_digest",
         "rest_plains",
         "root_keys",
+        "tail_key",
         "token_key",
         "token_parent",
         "twins",
@@ -157,6 +158,7 @@ class Scratch:
         # for an earlier turn that arrives late
         self.root_keys: list[int] | None = None
         self.rest_plains: list[bytes | None] | None = None
+        self.tail_key: bytes | None = None  # SHA-256 of the tail's plain packings
         self.twins: list[Turn] = []  # stored turns with exactly this request, and children
         self.moves: list[tuple[Turn, int]] = []
 
