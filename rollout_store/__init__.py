@@ -7,6 +7,7 @@ from .errors import (
     CorruptFileError,
     CorruptObjectError,
     DuplicateNodeError,
+    FileLockedError,
     InvalidValueError,
     MissingObjectError,
     RolloutStoreError,
@@ -15,10 +16,11 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .export import export_session, iter_turn_records, write_session_json, write_trace_jsonl
-from .graph import RolloutGraph, TurnNode
+from .graph import Graph, TurnNode
 from .intake import MAX_DEPTH
 from .redis_store import RedisStore
 from .s3_store import S3Store
+from .storage import RolloutGraph
 from .stores import DirectoryStore, MemoryStore
 
 __all__ = [
@@ -39,6 +41,8 @@ __all__ = [
     "content_key",
     "CorruptFileError",
     "DuplicateNodeError",
+    "FileLockedError",
+    "Graph",
     "Handle",
     "InvalidValueError",
     "RolloutGraph",

@@ -17,6 +17,7 @@ __all__ = [
     "StoreUnavailableError",
     "MissingObjectError",
     "CorruptObjectError",
+    "FileLockedError",
 ]
 
 
@@ -120,3 +121,8 @@ class CorruptObjectError(StoreError, ValueError):
         super().__init__(f"{message}: its content hashes to {actual.hex()}", key=key)
         self.expected = key
         self.actual = actual
+
+
+class FileLockedError(RolloutStoreError, OSError):
+    """A rollout file is already open for appending by another process (nothing is damaged:
+    close the other graph, or open another file)."""

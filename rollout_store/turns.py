@@ -9,7 +9,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
+from enum import IntEnum
+from typing import Any, NamedTuple
 
 import msgpack
 import xxhash
@@ -21,6 +22,8 @@ __all__ = [
     "TurnNode",
     "ECHO_PACKED",
     "HEADS",
+    "IndexKeys",
+    "LinkKind",
     "LINK_EXPLICIT",
     "LINK_MESSAGES",
     "LINK_NAMES",
@@ -38,6 +41,7 @@ __all__ = [
     "TAIL_SLOW",
     "TAIL_SPECIAL",
     "Turn",
+    "TurnMeta",
     "add_child",
     "finish_tail",
     "full_run",
@@ -103,9 +107,37 @@ assert [f.name for f in fields(TurnNode)] == [
 ECHO_PACKED = msgpack.packb(msgpack.ExtType(EXT_ECHO, b""))
 assert len(ECHO_PACKED) == 3  # the inline comparison in _request_matches counts on it
 
-# How a turn was linked to its parent.
-LINK_NONE, LINK_TOKENS, LINK_MESSAGES, LINK_EXPLICIT = 0, 1, 2, 3
-LINK_NAMES = ("none", "tokens", "messages", "explicit")
+
+class LinkKind(IntEnum):
+    """How a turn was linked to its parent (its value is what a file stores)."""
+
+    NONE = 0
+    TOKENS = 1
+    MESSAGES = 2
+    EXPLICIT = 3
+
+
+LINK_NONE, LINK_TOKENS, LINK_MESSAGES, LINK_EXPLICIT = LinkKind
+LINK_NAMES = tuple(kind.name.lower() for kind in LinkKind)
+
+
+class TurnMeta(NamedTuple):
+    """A turn's scalar fields; equal ones are one interned tuple per graph."""
+
+    model: str | None
+    finish_reason: str | None
+    harness_session_id: str | None
+    system_digest: str | None
+    n_tools: int | None
+
+
+class IndexKeys(NamedTuple):
+    """The keys a turn is filed under in the graph's indexes (None: not filed there)."""
+
+    request: int | None  # digest of its non-system request
+    token: int | None  # block digest of prompt + sampled tokens
+    prompt: int | None  # digest of its whole prompt
+    roots: list[int] | None  # request keys of its shorter prefixes, while a message root
 
 
 # Turn.flags bits
@@ -160,7 +192,10 @@ class Scratch:
         self.rest_plains: list[bytes | None] | None = None
         self.tail_key: bytes | None = None  # SHA-256 of the tail's plain packings
         self.twins: list[Turn] = []  # stored turns with exactly this request, and children
-        self.moves: list[tuple[Turn, int]] = []
+        self.moves: list[tuple[Turn, LinkKind]] = []
+
+    def keys(self) -> IndexKeys:
+        return IndexKeys(self.request_digest, self.token_key, self.prompt_key, self.root_keys)
 
 
 class Turn:
@@ -193,10 +228,9 @@ class Turn:
     index: int
     parent: Turn | None
     children: tuple[Turn, ...] | None  # a tuple: smaller than a list, and rarely changed
-    link: int
+    link: LinkKind
     flags: int
-    # meta: (model, finish_reason, harness_session_id, system_digest, n_tools), interned
-    meta: tuple[Any, ...]
+    meta: TurnMeta  # interned per graph
     system: bytes | None  # packed leading system messages (a stream), shared via ValueTable
     base: Turn | None  # the turn whose non-system request this one extends
     tail: bytes  # packed non-system messages after the base's
