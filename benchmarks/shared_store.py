@@ -65,10 +65,11 @@ MAX_MEMORY_OVER_UNIQUE = 1.3
 MAX_REMOTE_OVER_UNIQUE = 0.2
 MAX_MEMORY_TIME_RATIO = 1.2
 
-_WORDS = [
-    *"agent alpha branch buffer cache commit delta error file fix graph index kernel".split(),
-    *"layer memory merge node output parser patch query reply result screen search".split(),
-]
+_WORD_TEXT = (
+    "agent alpha branch buffer cache commit delta error file fix graph index kernel layer "
+    "memory merge node output parser patch query reply result screen search shell state"
+)
+_WORDS = tuple(_WORD_TEXT.split())
 
 
 def _text(rng: random.Random, length: int) -> str:
