@@ -61,6 +61,9 @@ S3_CREDENTIALS = {
     "region_name": "us-east-1",
 }
 
+CAPTURE_SESSIONS = 1000
+CAPTURE_TURNS = 5
+
 MAX_MEMORY_OVER_UNIQUE = 1.3
 MAX_REMOTE_OVER_UNIQUE = 0.2
 MAX_MEMORY_TIME_RATIO = 1.2
@@ -290,6 +293,43 @@ def add_time(make: Make, texts: list[list[str]], repeats: int = 3) -> float:
     return best
 
 
+def capture_server(
+    make_store: Callable[[], Any],
+    cache_bytes: int | None,
+    texts: list[list[str]],
+    sessions: int,
+    turns: int,
+) -> dict[str, Any]:
+    """`sessions` graphs over one store and one cache, each recording `turns` turns of a
+    rollout of the group (session i records rollout i % 16): bytes retained per session."""
+    store = make_store()
+    store.get(store.put(b"warm-up"))
+    gc.collect()
+    tracemalloc.start()
+    try:
+        gc.collect()
+        baseline = tracemalloc.get_traced_memory()[0]
+        cache = rs.StringCache(cache_bytes) if cache_bytes is not None else None
+        graphs = [rs.RolloutGraph(store=store, cache=cache) for _ in range(sessions)]
+        for t in range(turns):
+            for i, graph in enumerate(graphs):
+                graph.add_turn(turn_node(json.loads(texts[i % len(texts)][t]), f"s{i}"))
+        gc.collect()
+        size = tracemalloc.get_traced_memory()[0] - baseline
+    finally:
+        tracemalloc.stop()
+    in_store = getattr(store, "nbytes", 0)
+    return {
+        "sessions": sessions,
+        "turns_each": turns,
+        "retained": size,
+        "store_bytes_in_process": in_store,
+        "cache_bytes": cache.nbytes if cache is not None else 0,
+        "per_session_outside_store_and_cache": (size - in_store - (cache.nbytes if cache else 0))
+        / sessions,
+    }
+
+
 # ------------------------------------------------------------------------------ services
 
 
@@ -484,6 +524,28 @@ def main(argv: list[str] | None = None) -> int:
                 f"{size / unique_tokens:5.2f}x unique"
             )
         results["configurations"] = rows
+
+        server: dict[str, Any] = {}
+        targets: dict[str, tuple[Callable[[], Any], int | None]] = {
+            "memory": (rs.MemoryStore, None)
+        }
+        if redis_url:
+            targets["redis"] = (
+                lambda: rs.RedisStore(redis_url, prefix=f"bench-cs-{uuid.uuid4().hex}:"),
+                8 * MiB,
+            )
+        for kind, (make_store, cache_bytes) in targets.items():
+            server[kind] = out = capture_server(
+                make_store, cache_bytes, texts, CAPTURE_SESSIONS, CAPTURE_TURNS
+            )
+            print(
+                f"capture server, {CAPTURE_SESSIONS} sessions x {CAPTURE_TURNS} turns over one "
+                f"{kind} store: retained {out['retained'] / MiB:.1f} MiB (store in process "
+                f"{out['store_bytes_in_process'] / MiB:.1f} MiB, cache "
+                f"{out['cache_bytes'] / MiB:.1f} MiB), "
+                f"{out['per_session_outside_store_and_cache'] / 1024:.1f} KiB per session besides"
+            )
+        results["capture_server"] = server
 
         shared: dict[str, Any] = {}
         folder = stack.enter_context(tempfile.TemporaryDirectory())

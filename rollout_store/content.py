@@ -156,7 +156,8 @@ class StringCache:
     """Strings read from a store, least recently used first out, at most `max_bytes` in all.
 
     Sizes are UTF-8 bytes. Thread-safe; share one between graphs to bound their total.
-    `max_bytes=0` caches nothing.
+    `max_bytes=0` caches nothing. `share_bytes` also lets the graphs sharing the cache share
+    one copy of a large packed value (a tool list).
     """
 
     __slots__ = ("_entries", "_lock", "hits", "max_bytes", "misses", "nbytes")
@@ -168,7 +169,7 @@ class StringCache:
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
-        self._entries: OrderedDict[bytes, tuple[str, int]] = OrderedDict()
+        self._entries: OrderedDict[bytes, tuple[str | bytes, int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -182,21 +183,38 @@ class StringCache:
                 return None
             self._entries.move_to_end(key)
             self.hits += 1
-            return entry[0]
+            value = entry[0]
+            return value if type(value) is str else None
 
     def put(self, key: bytes, text: str, nbytes: int) -> None:
         """Remember `text` (`nbytes` UTF-8 bytes) under `key`, evicting the oldest entries."""
-        if nbytes > self.max_bytes:
-            return
+        if nbytes <= self.max_bytes:
+            with self._lock:
+                self._insert(key, text, nbytes)
+
+    def share_bytes(self, data: bytes) -> bytes:
+        """An object equal to `data` that other graphs sharing this cache hold too (`data`
+        itself the first time; the cache forgets it like a string, the graphs keep it)."""
+        if len(data) > self.max_bytes:
+            return data
+        key = b"v" + content_key(data)  # never equal to a string's key
         with self._lock:
-            if key in self._entries:
+            entry = self._entries.get(key)
+            if entry is not None and entry[0] == data:
                 self._entries.move_to_end(key)
-                return
-            self._entries[key] = (text, nbytes)
-            self.nbytes += nbytes
-            while self.nbytes > self.max_bytes:
-                _, (_, size) = self._entries.popitem(last=False)
-                self.nbytes -= size
+                return data if type(entry[0]) is not bytes else entry[0]
+            self._insert(key, data, len(data))
+            return data
+
+    def _insert(self, key: bytes, value: str | bytes, nbytes: int) -> None:
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return
+        self._entries[key] = (value, nbytes)
+        self.nbytes += nbytes
+        while self.nbytes > self.max_bytes:
+            _, (_, size) = self._entries.popitem(last=False)
+            self.nbytes -= size
 
     def clear(self) -> None:
         with self._lock:

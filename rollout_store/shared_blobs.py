@@ -152,10 +152,15 @@ class StoreBlobTable(BlobTable):
         return self._add(key, digest, data_len, surrogates)
 
     def share_packed(self, packed: bytes) -> bytes:
-        """Over the memory store, a large packing is the store's own object: graphs that store
-        one tool list share it. Elsewhere the graph keeps its own copy."""
-        if self._text_store is not None and len(packed) >= SHARE_PACKED_BYTES:
+        """A large packing shared with other graphs: the memory store's own object, or else
+        the one held by the cache the graphs share (graphs that store one tool list share
+        it). With neither, the graph keeps its own copy."""
+        if len(packed) < SHARE_PACKED_BYTES:
+            return packed
+        if self._text_store is not None:
             return self._text_store.share_bytes(packed)
+        if self._cache is not None:
+            return self._cache.share_bytes(packed)
         return packed
 
     @property

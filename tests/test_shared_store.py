@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from services import S3_CREDENTIALS, RedisServer
-from support import add_all, chat_turns, image_url
+from support import add_all, chat_turns, image_url, reachable
 
 from rollout_store import (
     BlobTable,
@@ -343,3 +343,23 @@ def test_many_threads_each_with_a_graph_over_one_store(any_store: Any) -> None:
     assert distinct <= set(any_store.keys())
     if isinstance(any_store, MemoryStore):
         assert len(any_store) == len(distinct)
+
+
+def test_graphs_sharing_a_cache_share_one_tool_list(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path / "objects")
+    cache = StringCache(10**6)
+    tools = [{"name": f"f{i}", "description": "d" * 90} for i in range(20)]
+    graphs = [RolloutGraph(store=store, cache=cache) for _ in range(3)]
+    for graph in graphs:
+        graph.add_turn(
+            TurnNode(
+                request_messages=[{"role": "user", "content": "hi"}],
+                request_tools=json.loads(json.dumps(tools)),
+            )
+        )
+    cache.clear()  # the graphs keep the shared value; the cache only forgets it
+    assert all(g.request_tools("turn-0") == tools for g in graphs)
+    large = [
+        {i for i, o in reachable(g).items() if type(o) is bytes and len(o) >= 1024} for g in graphs
+    ]
+    assert set.intersection(*large)  # one object, held by every graph
