@@ -15,7 +15,7 @@ import xxhash
 __all__ = ["BlobTable", "Handle", "content_digest"]
 
 
-def content_digest(data: bytes) -> bytes:
+def content_digest(data: bytes | memoryview) -> bytes:
     """The 16-byte xxh3-128 digest used as a blob's key."""
     return xxhash.xxh3_128_digest(data)
 

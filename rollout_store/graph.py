@@ -725,10 +725,10 @@ class GraphRestorer:
         """The stored turn at `index` (arrival order); the caller checks the range."""
         return self._graph._turns[index]
 
-    def add_value(self, stored: bytes, special: bool) -> None:
-        """A shared value read back: found again by its plain packing unless `special`."""
+    def add_value(self, stored: bytes, plain: bytes | None) -> None:
+        """A shared value read back, found again by its plain packing (every string inline;
+        the reader splices it from the stored bytes), or never found again if None."""
         graph = self._graph
-        plain = None if special else graph._expand(stored)
         if plain is not None and graph._values.find(plain) is None:
             graph._values.add(plain, stored)
 
