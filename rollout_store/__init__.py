@@ -12,6 +12,8 @@ from .errors import (
     MissingObjectError,
     RolloutStoreError,
     StoreError,
+    StoreObjectError,
+    StoreRequiredError,
     StoreUnavailableError,
     UnsupportedVersionError,
 )
@@ -36,6 +38,8 @@ __all__ = [
     "RetryPolicy",
     "S3Store",
     "StoreError",
+    "StoreObjectError",
+    "StoreRequiredError",
     "StoreUnavailableError",
     "StringCache",
     "content_key",

@@ -17,6 +17,8 @@ __all__ = [
     "StoreUnavailableError",
     "MissingObjectError",
     "CorruptObjectError",
+    "StoreRequiredError",
+    "StoreObjectError",
     "FileLockedError",
 ]
 
@@ -121,6 +123,20 @@ class CorruptObjectError(StoreError, ValueError):
         super().__init__(f"{message}: its content hashes to {actual.hex()}", key=key)
         self.expected = key
         self.actual = actual
+
+
+class StoreRequiredError(StoreError, ValueError):
+    """A file keeps its long strings in a content store (saved with ``blobs="store"``) and
+    was read without one: pass ``store=`` to `load` or `open`."""
+
+
+class StoreObjectError(CorruptFileError):
+    """A blob record of a file names an object its content store does not have, or has
+    damaged. `key` is the object's key; `offset` and `record` place the blob record."""
+
+    def __init__(self, message: str, *, key: bytes, offset: int, record: int) -> None:
+        super().__init__(f"{message} (key {key.hex()})", offset=offset, record=record)
+        self.key = key
 
 
 class FileLockedError(RolloutStoreError, OSError):

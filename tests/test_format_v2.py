@@ -148,9 +148,9 @@ def test_every_reorder_and_duplicate_of_two_frames_is_refused(tmp_path: Path, mo
                 assert json.dumps(recovered.get(node_id).request_messages) == json.dumps(
                     original.get(node_id).request_messages
                 )
-                assert recovered.get(node_id).sampling_params == original.get(
-                    node_id
-                ).sampling_params
+                assert (
+                    recovered.get(node_id).sampling_params == original.get(node_id).sampling_params
+                )
             variants += 1
     assert variants > 0
 
@@ -370,7 +370,9 @@ CRAFTED = {
     "packed flag, array logprobs": turn_record(
         flags=8, sampled=["I", b"\1\0\0\0"], logprobs=["d", b"\0" * 8]
     ),
-    "array flag, packed logprobs": turn_record(sampled=["I", b"\1\0\0\0"], logprobs=["j", b"\x91\x01"]),
+    "array flag, packed logprobs": turn_record(
+        sampled=["I", b"\1\0\0\0"], logprobs=["j", b"\x91\x01"]
+    ),
     "references without the flag": [
         (1, bytes(16) + b"x" * 10),
         turn_record(tail=b"\x91\xd6\x04\x00\x00\x00\x00", n_rest=1),

@@ -24,6 +24,8 @@ from rollout_store import (
     RetryPolicy,
     RolloutGraph,
     S3Store,
+    StoreObjectError,
+    StoreRequiredError,
     StoreUnavailableError,
     StringCache,
     TurnNode,
@@ -363,3 +365,106 @@ def test_graphs_sharing_a_cache_share_one_tool_list(tmp_path: Path) -> None:
         {i for i, o in reachable(g).items() if type(o) is bytes and len(o) >= 1024} for g in graphs
     ]
     assert set.intersection(*large)  # one object, held by every graph
+
+
+# ---------------------------------------------------------------- files
+
+
+def test_save_is_self_contained_by_default(tmp_path: Path) -> None:
+    store = MemoryStore()
+    graph = RolloutGraph(store=store)
+    turns = group(1, 3)[0]
+    add_all(graph, turns)
+    graph.save(tmp_path / "g.rls")
+    back = RolloutGraph.load(tmp_path / "g.rls")  # no store needed
+    assert back.store is None and snapshot(back) == snapshot(graph)
+
+
+def test_save_references_and_load_them_from_the_store(any_store: Any, tmp_path: Path) -> None:
+    graph = RolloutGraph(store=any_store)
+    turns = group(1, 3)[0]
+    add_all(graph, turns)
+    graph.save(tmp_path / "refs.rls", blobs="store")
+    inline = tmp_path / "inline.rls"
+    graph.save(inline)
+    # references only: the file is much smaller than the self-contained one
+    assert (tmp_path / "refs.rls").stat().st_size * 5 < inline.stat().st_size
+    back = RolloutGraph.load(tmp_path / "refs.rls", store=any_store)
+    assert back.store is any_store and snapshot(back) == snapshot(graph)
+    with pytest.raises(StoreRequiredError):
+        RolloutGraph.load(tmp_path / "refs.rls")
+    # a self-contained file read over a store puts its strings into it
+    other = MemoryStore()
+    again = RolloutGraph.load(inline, store=other)
+    assert snapshot(again) == snapshot(graph) and len(other) == graph.stats()["blobs"]
+
+
+def test_save_blobs_store_needs_a_store(tmp_path: Path) -> None:
+    graph = RolloutGraph()
+    add_all(graph, group(1, 1)[0])
+    with pytest.raises(ValueError, match="content store"):
+        graph.save(tmp_path / "x.rls", blobs="store")
+    with pytest.raises(ValueError, match="inline"):
+        graph.save(tmp_path / "x.rls", blobs="nowhere")
+    assert not (tmp_path / "x.rls").exists()
+
+
+def test_a_missing_or_damaged_object_names_its_key_and_offset(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path / "objects")
+    graph = RolloutGraph(store=store)
+    turns = group(1, 2)[0]
+    add_all(graph, turns)
+    path = tmp_path / "refs.rls"
+    graph.save(path, blobs="store")
+    image = turns[0]["request_messages"][1]["content"][1]["image_url"]["url"]
+    key = content_key(image.encode())
+    name = key.hex()
+    obj = store.path / name[:2] / name[2:]
+    original = obj.read_bytes()
+    for damage in ("missing", "damaged"):
+        if damage == "missing":
+            obj.unlink()
+        else:
+            obj.write_bytes(original[:-1] + b"Z")
+        with pytest.raises(StoreObjectError) as info:
+            RolloutGraph.load(path, store=store)
+        assert info.value.key == key and name in str(info.value)
+        assert info.value.offset is not None and info.value.offset > 0
+        assert f"offset {info.value.offset}" in str(info.value)
+        recovered = RolloutGraph.load(path, store=store, recover=True)
+        assert recovered.load_report.error_offset == info.value.offset
+    obj.write_bytes(original)
+    assert snapshot(RolloutGraph.load(path, store=store)) == snapshot(graph)
+
+
+def test_an_append_log_over_a_store(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path / "objects")
+    turns = group(1, 4)[0]
+    path = tmp_path / "log.rls"
+    with RolloutGraph.open(path, store=store, blobs="store") as graph:
+        add_all(graph, turns[:2])
+    assert path.stat().st_size < 20_000  # the 20 KB image and long texts are not in it
+    with pytest.raises(StoreRequiredError):
+        RolloutGraph.open(path)
+    with RolloutGraph.open(path, store=store) as graph:  # the log keeps its mode
+        add_all_from(graph, turns, 2)
+    back = RolloutGraph.load(path, store=store)
+    assert snapshot(back) == snapshot(private_twin(turns))
+    assert path.stat().st_size < 40_000
+
+
+def test_a_failing_put_leaves_the_append_log_as_it_was(tmp_path: Path) -> None:
+    store = FlakyStore(tmp_path / "objects")
+    turns = group(1, 3)[0]
+    path = tmp_path / "log.rls"
+    graph = RolloutGraph.open(path, store=store, blobs="store")
+    add_all(graph, turns[:2])
+    size = path.stat().st_size
+    store.down = True
+    with pytest.raises(StoreUnavailableError):
+        graph.add_turn(TurnNode(node_id="t2", **turns[2]))
+    assert path.stat().st_size == size
+    store.down = False
+    graph.add_turn(TurnNode(node_id="t2", **turns[2]))
+    graph.close()
+    assert snapshot(RolloutGraph.load(path, store=store.inner)) == snapshot(private_twin(turns))
