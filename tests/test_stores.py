@@ -147,6 +147,7 @@ class SharedStoreContract(StoreContract):
     def spec(self, store: Any) -> list[Any]:
         raise NotImplementedError
 
+    @pytest.mark.slow
     def test_four_processes_write_one_store(self, store: Any) -> None:
         before = self.keys(store)
         procs = [worker("put", self.spec(store), seed) for seed in range(4)]
