@@ -20,33 +20,26 @@ from .blobs import BlobTable
 from .content import ContentStore, StringCache
 from .encoding import unpack
 from .errors import DuplicateNodeError, InvalidValueError, RolloutStoreError
+from .index import index_members
 from .intake import real_numbers
+from .keys import request_key
 from .linking import Linker
-from .nodes import common_prefix_len
+from .nodes import TurnNode, common_prefix_len
 from .requests import RequestStore, Scratch
 from .shared_blobs import StoreBlobTable
-from .tokens import run_list
-from .training import TrainingSequence
-from .turns import (
-    EMPTY_PROMPT,
-    LINK_EXPLICIT,
-    LINK_MESSAGES,
-    LINK_NAMES,
-    LINK_NONE,
-    LINK_TOKENS,
-    LOGPROBS_PACKED,
+from .stored import (
     SCALAR_NAMES,
     IndexKeys,
     LinkKind,
     Turn,
+    TurnFlag,
     TurnMeta,
-    TurnNode,
     add_child,
-    index_members,
     is_above,
-    request_key,
     seg_list,
 )
+from .tokens import run_list
+from .training import TrainingSequence
 from .views import NodeView
 
 __all__ = [
@@ -349,13 +342,13 @@ class Graph:
 
         # Linking: an explicit parent wins, then tokens, then messages.
         if explicit is not None:
-            turn.parent, turn.link = explicit, LINK_EXPLICIT
+            turn.parent, turn.link = explicit, LinkKind.EXPLICIT
         elif scratch.token_parent is not None:
-            turn.parent, turn.link = scratch.token_parent, LINK_TOKENS
+            turn.parent, turn.link = scratch.token_parent, LinkKind.TOKENS
         elif turn.prompt is None and scratch.message_parent is not None:
-            turn.parent, turn.link = scratch.message_parent, LINK_MESSAGES
+            turn.parent, turn.link = scratch.message_parent, LinkKind.MESSAGES
         else:
-            turn.parent, turn.link = None, LINK_NONE
+            turn.parent, turn.link = None, LinkKind.NONE
             request = scratch.request
             if request is not None and request.n_valid == len(request.plains) and not turn.prompt:
                 # every shorter prefix, the empty one too (a request of system messages only)
@@ -409,7 +402,7 @@ class Graph:
         lp = turn.logprobs
         if lp is None:
             return None
-        if turn.flags & LOGPROBS_PACKED:
+        if turn.flags & TurnFlag.LOGPROBS_PACKED:
             return unpack(lp, self._blobs.string)
         return lp.tolist()
 
@@ -419,7 +412,7 @@ class Graph:
     def _prompt_ids(self, turn: Turn) -> list[int] | None:
         if turn.prompt is not None:
             return run_list(turn.prompt)
-        return [] if turn.flags & EMPTY_PROMPT else None
+        return [] if turn.flags & TurnFlag.EMPTY_PROMPT else None
 
     @_locked
     def field_value(self, node_id: str, name: str) -> Any:
@@ -478,7 +471,7 @@ class Graph:
             "node_id": turn.node_id,
             "index": turn.index,
             "parent_id": turn.parent.node_id if turn.parent is not None else None,
-            "link": LINK_NAMES[turn.link],
+            "link": turn.link.label,
             "n_prompt": turn.prompt.length if turn.prompt is not None else 0,
             "n_sampled": len(turn.sampled) if turn.sampled is not None else 0,
             "n_tools": n_tools,
@@ -513,7 +506,7 @@ class Graph:
     @_locked
     def link_kind(self, node_id: str) -> str:
         """How the turn is linked to its parent: none, tokens, messages or explicit."""
-        return LINK_NAMES[self._turn(node_id).link]
+        return self._turn(node_id).link.label
 
     @_locked
     def root_of(self, node_id: str) -> str:
@@ -668,7 +661,7 @@ class Graph:
         lp = turn.logprobs
         if lp is None:
             return None
-        if not turn.flags & LOGPROBS_PACKED:
+        if not turn.flags & TurnFlag.LOGPROBS_PACKED:
             return lp.tolist() if len(lp) == n else None
         values = unpack(lp, self.blobs.string)
         if isinstance(values, list) and len(values) == n and real_numbers(values):

@@ -9,27 +9,13 @@ from typing import Any
 
 import xxhash
 
+from .index import index_add, index_members, index_remove
 from .intake import float_array, plain_numbers, token_array
+from .keys import HEADS, request_key, root_token_keys, short_key
+from .nodes import TurnNode
 from .requests import FreshRequest, RequestStore, Scratch
+from .stored import LinkKind, Turn, TurnFlag, add_child, full_run, sampled_any
 from .tokens import BLOCK, TokenRun, block_digests, prefix_digest, run_bytes, run_matches
-from .turns import (
-    EMPTY_PROMPT,
-    HEADS,
-    LOGPROBS_PACKED,
-    NO_MESSAGES,
-    LinkKind,
-    Turn,
-    TurnNode,
-    add_child,
-    full_run,
-    index_add,
-    index_members,
-    index_remove,
-    request_key,
-    root_token_keys,
-    sampled_any,
-    short_key,
-)
 
 __all__ = ["Linker"]
 
@@ -72,7 +58,7 @@ class Linker:
         if prompt is not None and not len(prompt):
             # no token ids came back (a hosted provider): link by messages, keep the []
             prompt = None
-            turn.flags |= EMPTY_PROMPT
+            turn.flags |= TurnFlag.EMPTY_PROMPT
         logprobs = node.sampled_logprobs
         if logprobs is not None:
             logprobs = plain_numbers(logprobs, "sampled_logprobs")
@@ -84,7 +70,7 @@ class Linker:
                 turn.logprobs = packed_floats
             else:
                 turn.logprobs = self.requests.encode(logprobs, "sampled_logprobs")[0]
-                turn.flags |= LOGPROBS_PACKED
+                turn.flags |= TurnFlag.LOGPROBS_PACKED
         turn.sampled = sampled
         if prompt is None:
             turn.prompt = None
@@ -317,7 +303,7 @@ class Linker:
         message-linked turns is not worked out)."""
         moves: list[Move] = []
         parent = new.parent
-        if new.flags & NO_MESSAGES:
+        if new.flags & TurnFlag.NO_MESSAGES:
             return moves
         if parent is not None and new.prompt is None:
             candidates = list(parent.children or ())
