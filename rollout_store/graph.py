@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 import xxhash
 
+from . import materialize
 from .blobs import BlobTable
 from .content import ContentStore, StringCache
 from .encoding import unpack
@@ -36,7 +37,6 @@ from .stored import (
     TurnMeta,
     add_child,
     is_above,
-    seg_list,
 )
 from .tokens import run_list
 from .training import TrainingSequence
@@ -398,21 +398,8 @@ class Graph:
 
     # ------------------------------------------------------------------ materialize
 
-    def _logprobs(self, turn: Turn) -> Any:
-        lp = turn.logprobs
-        if lp is None:
-            return None
-        if turn.flags & TurnFlag.LOGPROBS_PACKED:
-            return unpack(lp, self._blobs.string)
-        return lp.tolist()
-
     def _view(self, turn: Turn) -> TurnNode:
         return NodeView.of(self, turn)
-
-    def _prompt_ids(self, turn: Turn) -> list[int] | None:
-        if turn.prompt is not None:
-            return run_list(turn.prompt)
-        return [] if turn.flags & TurnFlag.EMPTY_PROMPT else None
 
     @_locked
     def field_value(self, node_id: str, name: str) -> Any:
@@ -444,23 +431,23 @@ class Graph:
 
     @_locked
     def request_messages(self, node_id: str) -> list[Any] | tuple[Any, ...] | None:
-        return self._requests.messages(self._turn(node_id))
+        return materialize.request_messages(self._turn(node_id), self._blobs)
 
     @_locked
     def response_message(self, node_id: str) -> Any:
-        return self._requests.value(self._turn(node_id).response)
+        return materialize.value(self._turn(node_id).response, self._blobs)
 
     @_locked
     def request_tools(self, node_id: str) -> Any:
-        return self._requests.value(self._turn(node_id).tools)
+        return materialize.value(self._turn(node_id).tools, self._blobs)
 
     @_locked
     def sampling_params(self, node_id: str) -> Any:
-        return self._requests.value(self._turn(node_id).sampling)
+        return materialize.value(self._turn(node_id).sampling, self._blobs)
 
     @_locked
     def requested_sampling_params(self, node_id: str) -> Any:
-        return self._requests.value(self._turn(node_id).requested)
+        return materialize.value(self._turn(node_id).requested, self._blobs)
 
     @_locked
     def summary(self, node_id: str) -> dict[str, Any]:
@@ -604,7 +591,7 @@ class Graph:
     def _prompt_identity(self, turn: Turn) -> Any:
         if turn.prompt is not None:
             return ("tokens", tuple(run_list(turn.prompt)))
-        messages = self._requests.messages(turn)
+        messages = materialize.request_messages(turn, self._blobs)
         return ("messages", self._requests.plain(messages) if messages else b"")
 
     @_locked
@@ -754,12 +741,12 @@ class GraphRestorer:
 
 
 _FIELDS: dict[str, Callable[[Graph, Turn], Any]] = {
-    "prompt_ids": Graph._prompt_ids,
-    "sampled_ids": lambda g, t: seg_list(t.sampled),
-    "sampled_logprobs": Graph._logprobs,
-    "request_messages": lambda g, t: g._requests.messages(t),
-    "request_tools": lambda g, t: g._requests.value(t.tools),
-    "sampling_params": lambda g, t: g._requests.value(t.sampling),
-    "requested_sampling_params": lambda g, t: g._requests.value(t.requested),
-    "response_message": lambda g, t: g._requests.value(t.response),
+    "prompt_ids": lambda g, t: materialize.prompt_ids(t),
+    "sampled_ids": lambda g, t: materialize.sampled_ids(t),
+    "sampled_logprobs": lambda g, t: materialize.logprobs(t, g.blobs),
+    "request_messages": lambda g, t: materialize.request_messages(t, g.blobs),
+    "request_tools": lambda g, t: materialize.value(t.tools, g.blobs),
+    "sampling_params": lambda g, t: materialize.value(t.sampling, g.blobs),
+    "requested_sampling_params": lambda g, t: materialize.value(t.requested, g.blobs),
+    "response_message": lambda g, t: materialize.value(t.response, g.blobs),
 }

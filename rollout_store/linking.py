@@ -12,6 +12,7 @@ import xxhash
 from .index import index_add, index_members, index_remove
 from .intake import float_array, plain_numbers, token_array
 from .keys import HEADS, request_key, root_token_keys, short_key
+from .materialize import rest_values
 from .nodes import TurnNode
 from .requests import FreshRequest, RequestStore, Scratch
 from .stored import LinkKind, Turn, TurnFlag, add_child, full_run, sampled_any
@@ -203,7 +204,7 @@ class Linker:
                 index_remove(self.token_roots, key, turn)
         elif turn.n_rest > 0:
             plain = self.requests.plain
-            plains = [plain(m) for m in self.requests.rest_values(turn)]
+            plains = [plain(m) for m in rest_values(turn, self.requests.blobs)]
             for m in range(len(plains)):
                 index_remove(self.message_roots, request_key(plains, m), turn)
 
@@ -323,8 +324,8 @@ class Linker:
             ):
                 continue
             if mine is None:
-                mine = store.rest_values(new)
-            theirs = store.rest_values(other)
+                mine = rest_values(new, store.blobs)
+            theirs = rest_values(other, store.blobs)
             if store.plain(theirs[: new.n_rest]) == store.plain(mine):
                 echo = theirs[new.n_rest]
                 if store.echoes(new, echo, store.plain(echo)):
@@ -340,7 +341,7 @@ class Linker:
             for other in list(twin.children or ()):
                 if other.link != LinkKind.MESSAGES or other.prompt is not None:
                     continue
-                values = store.rest_values(other)
+                values = rest_values(other, store.blobs)
                 echo = store.plain(values[new.n_rest]) if new.n_rest < len(values) else None
                 exact_here = echo is not None and echo == store.response_plain(new)
                 if exact_here and echo != store.response_plain(twin):

@@ -7,7 +7,6 @@ are stored once per graph.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Final
 
 from .blobs import BlobTable
@@ -17,6 +16,7 @@ from .errors import InvalidValueError
 from .index import index_add, index_members
 from .intake import Encoder
 from .keys import request_key
+from .materialize import Messages, value
 from .messages import leading_system_count, link_key, response_link_key
 from .nodes import TurnNode
 from .stored import IndexKeys, LinkKind, Turn, TurnFlag, finish_tail
@@ -24,7 +24,6 @@ from .values import ValueTable
 
 __all__ = ["FreshRequest", "RequestStore", "Scratch"]
 
-Messages = list[Any] | tuple[Any, ...]
 
 _new_tuple: Final = tuple.__new__
 
@@ -323,7 +322,7 @@ class RequestStore:
         if self.is_echo(turn, message, plain):
             return True
         try:
-            return bool(response_link_key(self.response_value(turn)) == link_key(message))
+            return bool(response_link_key(value(turn.response, self.blobs)) == link_key(message))
         except Exception:  # a malformed fresh message simply does not match
             return False
 
@@ -442,43 +441,3 @@ class RequestStore:
         if not turn.flags & TurnFlag.RESPONSE_REFS:
             return turn.response
         return self.expand(turn.response)
-
-    # ------------------------------------------------------------------ rebuilding
-
-    def value(self, packed: bytes | None) -> Any:
-        """A stored value rebuilt: fresh containers, blobs as the table's own strings."""
-        return None if packed is None else unpack(packed, self.blobs.string)
-
-    def response_value(self, turn: Turn) -> Any:
-        return self.value(turn.response)
-
-    def rest_values(self, turn: Turn) -> list[Any]:
-        """The non-system request messages of `turn`, rebuilt."""
-        chain: list[Turn] = []
-        node: Turn | None = turn
-        while node is not None:
-            chain.append(node)
-            node = node.base
-        out: list[Any] = []
-        string = self.blobs.string
-        for owner in reversed(chain):
-            base = owner.base
-            echo: Callable[[], Any] | None = None
-            if base is not None:
-                echo = _echo_of(self, base)
-            out.extend(unpack(owner.tail, string, echo))
-        return out
-
-    def messages(self, turn: Turn) -> Messages | None:
-        """The request messages of `turn`, rebuilt as they were recorded."""
-        if turn.flags & TurnFlag.NO_MESSAGES:
-            return None
-        messages: list[Any] = []
-        if turn.system is not None:
-            messages.extend(unpack(turn.system, self.blobs.string))
-        messages.extend(self.rest_values(turn))
-        return tuple(messages) if turn.flags & TurnFlag.MESSAGES_TUPLE else messages
-
-
-def _echo_of(store: RequestStore, base: Turn) -> Callable[[], Any]:
-    return lambda: store.response_value(base)
