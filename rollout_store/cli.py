@@ -26,6 +26,8 @@ from .storage import RolloutGraph
 
 __all__ = ["main"]
 
+#: What the magic of every format version starts with.
+_MAGIC_PREFIX = b"RLSTORE"
 #: Files at least this large get a progress bar when stderr is a terminal.
 PROGRESS_MIN_BYTES = 32 << 20
 
@@ -70,16 +72,13 @@ def _check_file(path: str) -> int:
             f"holds only zero bytes ({size}): nothing was written before a crash, there is "
             "nothing to read or recover"
         )
-    if (
-        head != storage.MAGIC
-        and not (len(head) < len(storage.MAGIC) and storage.MAGIC[: len(head)] == head)
-        and head.strip(b"\0")
-    ):
+    # every version's magic starts alike; a cut inside the magic is damage, not a foreign file
+    if not (head.startswith(_MAGIC_PREFIX) or _MAGIC_PREFIX.startswith(head)):
         guess = ""
         if head.lstrip()[:1] in (b"{", b"["):
             guess = " (it looks like JSON: an export is not read back; give the .rls file)"
         raise CommandError(
-            f"not a rollout_store file: it does not start with {storage.MAGIC!r}{guess}"
+            f"not a rollout_store file: it does not start with {_MAGIC_PREFIX!r}{guess}"
         )
     return size
 
@@ -174,6 +173,7 @@ def _export(args: argparse.Namespace) -> int:
                 session_id=args.session_id,
                 include_messages=args.messages,
                 include_discarded=args.discarded,
+                capture_level=args.capture_level,
             )
             out.write("\n")
     return 0
@@ -306,6 +306,11 @@ def _parser() -> argparse.ArgumentParser:
         help="one JSON line per turn with everything recorded (messages, tokens, logprobs)",
     )
     export.add_argument("--session-id", default=None, help="the session_id field of the JSON")
+    export.add_argument(
+        "--capture-level",
+        default="tokens",
+        help='what the engine returned: "tokens" (trainable) or lower ("logprobs", "text")',
+    )
     export.add_argument("-o", "--output", default=None, help="output file (default: stdout)")
     recover = command(
         "recover", "save every complete turn before the damage of FILE to a new file OUT", _recover

@@ -16,33 +16,41 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 import xxhash
 
+from . import materialize
 from .blobs import BlobTable
+from .content import ContentStore, StringCache
 from .encoding import unpack
 from .errors import DuplicateNodeError, InvalidValueError, RolloutStoreError
+from .index import index_members
+from .intake import real_numbers
+from .keys import request_key
 from .linking import Linker
+from .nodes import TurnNode, common_prefix_len
 from .requests import RequestStore, Scratch
-from .tokens import run_list
-from .turns import (
-    LINK_EXPLICIT,
-    LINK_MESSAGES,
-    LINK_NAMES,
-    LINK_NONE,
-    LINK_TOKENS,
-    LOGPROBS_PACKED,
+from .shared_blobs import StoreBlobTable
+from .stored import (
     SCALAR_NAMES,
     IndexKeys,
     LinkKind,
     Turn,
+    TurnFlag,
     TurnMeta,
-    TurnNode,
     add_child,
-    index_members,
     is_above,
-    request_key,
-    seg_list,
 )
+from .tokens import run_list
+from .training import TrainingSequence
+from .views import NodeView
 
-__all__ = ["Graph", "GraphRestorer", "Journal", "JournalEntry", "Sequence", "TurnNode"]
+__all__ = [
+    "Graph",
+    "GraphRestorer",
+    "Journal",
+    "JournalEntry",
+    "TrainingSequence",
+    "TurnNode",
+    "common_prefix_len",
+]
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -57,9 +65,6 @@ def _locked(method: _F) -> _F:
             return method(self, *args, **kwargs)
 
     return locked  # type: ignore[return-value]
-
-
-Sequence = dict[str, Any]
 
 
 class JournalEntry(NamedTuple):
@@ -98,19 +103,32 @@ class Graph:
 
     This is the in-memory graph; `RolloutGraph` (in `storage`, the layer above) adds
     `save`, `load` and `open`.
+
+    `store`: a `ContentStore` shared with other graphs, processes or machines; the graph's
+    long strings are kept there and the graph holds references (see `shared_blobs`).
+    Without it the graph owns a private in-memory blob table. `cache`: the `StringCache` of
+    strings read from an out-of-process store (share one between graphs to bound them all;
+    default: a private cache of `shared_blobs.DEFAULT_GRAPH_CACHE_BYTES`).
     """
 
-    def __init__(self, share_threshold: int | None = 1024) -> None:
+    def __init__(
+        self,
+        share_threshold: int | None = 1024,
+        *,
+        store: ContentStore | None = None,
+        cache: StringCache | None = None,
+    ) -> None:
         if share_threshold is not None and (
             not isinstance(share_threshold, int) or share_threshold < 1
         ):
             raise ValueError("share_threshold must be a positive int or None")
         self.share_threshold = share_threshold
+        self.store = store
         self._turns: list[Turn] = []
         self._blob_marks = array("I")  # blobs stored once each turn was committed, for save
         self._by_id: dict[str, Turn] = {}
         self._meta: dict[TurnMeta, TurnMeta] = {}
-        self._use_blobs(BlobTable())
+        self._use_blobs(BlobTable() if store is None else StoreBlobTable(store, cache))
         self._lock = threading.RLock()
         self._journal: Journal | None = None  # the file an appending graph writes to
         self._closed = False  # the file behind an appending graph was closed
@@ -135,6 +153,7 @@ class Graph:
         with self._lock:
             if self._turns or len(self._blobs):
                 raise ValueError("the blob table of a graph that holds turns cannot change")
+            self.store = table.store if isinstance(table, StoreBlobTable) else None
             self._use_blobs(table)
 
     def _use_blobs(self, table: BlobTable) -> None:
@@ -233,10 +252,12 @@ class Graph:
     # ------------------------------------------------------------------ intake
 
     def add_turn(self, node: TurnNode) -> TurnNode:
-        """Record one turn; returns a copy of `node` with `index`, `node_id`, `parent_id` set.
+        """Record one turn; sets `index` and `parent_id` on `node` and returns a view of it.
 
-        Raises `InvalidValueError` (a `TypeError` and `ValueError`) naming the path of a bad
-        value, or `DuplicateNodeError`; on any error the graph is exactly as before.
+        The view (a read-only `TurnNode`) follows later re-linking: a late ancestor that
+        adopts this turn shows as its `parent_id`. Raises `InvalidValueError` (a `TypeError`
+        and `ValueError`) naming the path of a bad value, or `DuplicateNodeError`; on any
+        error the graph is exactly as before.
         """
         if not isinstance(node, TurnNode):
             raise TypeError(f"add_turn expects a TurnNode, got {type(node).__name__}")
@@ -263,27 +284,11 @@ class Graph:
                 raise
             finally:
                 self._requests.reset_packer()
-            self._commit(turn, keys, scratch.moves, scratch.pending)
-            meta = turn.meta
-            parent = turn.parent
-            # positional: dataclasses.replace costs more than the rest of a small turn
-            return TurnNode(
-                turn.node_id,
-                node.prompt_ids,
-                node.sampled_ids,
-                node.sampled_logprobs,
-                parent.node_id if parent is not None else None,
-                turn.index,
-                node.model,
-                node.finish_reason,
-                node.harness_session_id,
-                meta.system_digest,
-                meta.n_tools,
-                node.request_messages,
-                node.request_tools,
-                node.sampling_params,
-                node.response_message,
-            )
+            self._commit(turn, keys, scratch.moves, scratch.pending, scratch.tail_key)
+            # as the capture graph does: the node given gets its place in the graph
+            node.index = turn.index
+            node.parent_id = turn.parent.node_id if turn.parent is not None else None
+            return NodeView.of(self, turn)
 
     def _prepare(self, node: TurnNode) -> tuple[Turn, Scratch]:
         turn = Turn()
@@ -318,10 +323,13 @@ class Graph:
         requests, linker = self._requests, self._linker
         linker.prepare_tokens(turn, node, scratch)
         system_plain = requests.prepare(turn, node, scratch)
-        linker.prepare_messages(node, scratch)
+        linker.prepare_messages(turn, node, scratch)
         turn.response = requests.encode_response(node.response_message, turn)
         turn.tools = requests.shared_value(node.request_tools, "request_tools", pending)
         turn.sampling = requests.shared_value(node.sampling_params, "sampling_params", pending)
+        turn.requested = requests.shared_value(
+            node.requested_sampling_params, "requested_sampling_params", pending
+        )
 
         if n_tools is None and isinstance(node.request_tools, list | tuple):
             n_tools = len(node.request_tools)
@@ -334,13 +342,13 @@ class Graph:
 
         # Linking: an explicit parent wins, then tokens, then messages.
         if explicit is not None:
-            turn.parent, turn.link = explicit, LINK_EXPLICIT
+            turn.parent, turn.link = explicit, LinkKind.EXPLICIT
         elif scratch.token_parent is not None:
-            turn.parent, turn.link = scratch.token_parent, LINK_TOKENS
+            turn.parent, turn.link = scratch.token_parent, LinkKind.TOKENS
         elif turn.prompt is None and scratch.message_parent is not None:
-            turn.parent, turn.link = scratch.message_parent, LINK_MESSAGES
+            turn.parent, turn.link = scratch.message_parent, LinkKind.MESSAGES
         else:
-            turn.parent, turn.link = None, LINK_NONE
+            turn.parent, turn.link = None, LinkKind.NONE
             request = scratch.request
             if request is not None and request.n_valid == len(request.plains) and not turn.prompt:
                 # every shorter prefix, the empty one too (a request of system messages only)
@@ -369,8 +377,11 @@ class Graph:
         keys: IndexKeys,
         moves: list[tuple[Turn, LinkKind]],
         pending: list[tuple[bytes, bytes]] | tuple[()] = (),
+        tail_key: bytes | None = None,
     ) -> None:
         self._requests.add_values(pending)
+        if tail_key is not None:
+            self._requests.add_tail_key(turn.index, tail_key)
         turn.meta = self._meta.setdefault(turn.meta, turn.meta)
         self._turns.append(turn)
         self._blob_marks.append(len(self.blobs))
@@ -387,33 +398,17 @@ class Graph:
 
     # ------------------------------------------------------------------ materialize
 
-    def _logprobs(self, turn: Turn) -> Any:
-        lp = turn.logprobs
-        if lp is None:
-            return None
-        if turn.flags & LOGPROBS_PACKED:
-            return unpack(lp, self._blobs.string)
-        return lp.tolist()
-
     def _view(self, turn: Turn) -> TurnNode:
-        model, finish_reason, session, system_digest, n_tools = turn.meta
-        return TurnNode(
-            node_id=turn.node_id,
-            prompt_ids=run_list(turn.prompt) if turn.prompt is not None else None,
-            sampled_ids=seg_list(turn.sampled),
-            sampled_logprobs=self._logprobs(turn),
-            parent_id=turn.parent.node_id if turn.parent is not None else None,
-            index=turn.index,
-            model=model,
-            finish_reason=finish_reason,
-            harness_session_id=session,
-            system_digest=system_digest,
-            n_tools=n_tools,
-            request_messages=self._requests.messages(turn),
-            request_tools=self._requests.value(turn.tools),
-            sampling_params=self._requests.value(turn.sampling),
-            response_message=self._requests.value(turn.response),
-        )
+        return NodeView.of(self, turn)
+
+    @_locked
+    def field_value(self, node_id: str, name: str) -> Any:
+        """One field of a turn rebuilt from storage (fresh containers); what views read."""
+        turn = self._turn(node_id)
+        rebuild = _FIELDS.get(name)
+        if rebuild is not None:
+            return rebuild(self, turn)
+        return getattr(NodeView.of(self, turn), name)  # a scalar field
 
     # ------------------------------------------------------------------ queries
 
@@ -436,19 +431,23 @@ class Graph:
 
     @_locked
     def request_messages(self, node_id: str) -> list[Any] | tuple[Any, ...] | None:
-        return self._requests.messages(self._turn(node_id))
+        return materialize.request_messages(self._turn(node_id), self._blobs)
 
     @_locked
     def response_message(self, node_id: str) -> Any:
-        return self._requests.value(self._turn(node_id).response)
+        return materialize.value(self._turn(node_id).response, self._blobs)
 
     @_locked
     def request_tools(self, node_id: str) -> Any:
-        return self._requests.value(self._turn(node_id).tools)
+        return materialize.value(self._turn(node_id).tools, self._blobs)
 
     @_locked
     def sampling_params(self, node_id: str) -> Any:
-        return self._requests.value(self._turn(node_id).sampling)
+        return materialize.value(self._turn(node_id).sampling, self._blobs)
+
+    @_locked
+    def requested_sampling_params(self, node_id: str) -> Any:
+        return materialize.value(self._turn(node_id).requested, self._blobs)
 
     @_locked
     def summary(self, node_id: str) -> dict[str, Any]:
@@ -459,7 +458,7 @@ class Graph:
             "node_id": turn.node_id,
             "index": turn.index,
             "parent_id": turn.parent.node_id if turn.parent is not None else None,
-            "link": LINK_NAMES[turn.link],
+            "link": turn.link.label,
             "n_prompt": turn.prompt.length if turn.prompt is not None else 0,
             "n_sampled": len(turn.sampled) if turn.sampled is not None else 0,
             "n_tools": n_tools,
@@ -494,7 +493,7 @@ class Graph:
     @_locked
     def link_kind(self, node_id: str) -> str:
         """How the turn is linked to its parent: none, tokens, messages or explicit."""
-        return LINK_NAMES[self._turn(node_id).link]
+        return self._turn(node_id).link.label
 
     @_locked
     def root_of(self, node_id: str) -> str:
@@ -546,40 +545,57 @@ class Graph:
                 discarded.update(t.index for t in group if not t.children)
         return [t.node_id for t in self._turns if t.index in discarded]
 
-    # The names below are the query API of the capture graph this library replaces; they return
-    # ids today and become node-returning views in the drop-in work. The *_ids names stay.
-    def nodes(self) -> list[str]:
-        return self.node_ids()
+    # The capture graph's query API: node views (see `views`), paths of them, fork pairs.
 
-    def roots(self) -> list[str]:
-        return self.root_ids()
+    @_locked
+    def nodes(self) -> list[TurnNode]:
+        """Every turn in arrival order, as read-only views."""
+        return [NodeView.of(self, t) for t in self._turns]
 
-    def leaves(self) -> list[str]:
-        return self.leaf_ids()
+    @_locked
+    def roots(self) -> list[TurnNode]:
+        return [NodeView.of(self, t) for t in self._turns if t.parent is None]
 
-    def children(self, node_id: str) -> list[str]:
-        return self.child_ids(node_id)
+    @_locked
+    def leaves(self) -> list[TurnNode]:
+        return [NodeView.of(self, t) for t in self._turns if not t.children]
 
-    def path_to(self, node_id: str) -> list[str]:
-        return self.path_ids(node_id)
+    @_locked
+    def children(self, node_id: str) -> list[TurnNode]:
+        return [NodeView.of(self, c) for c in self._turn(node_id).children or ()]
 
-    def paths(self) -> list[list[str]]:
-        return self.path_id_lists()
+    @_locked
+    def path_to(self, leaf_id: str) -> list[TurnNode]:
+        """The turns from the root down to `leaf_id`."""
+        return [NodeView.of(self, t) for t in self._path(self._turn(leaf_id))]
 
-    def forks(self) -> list[str]:
-        return self.fork_ids()
+    @_locked
+    def paths(self) -> Iterator[list[TurnNode]]:
+        """Every root-to-leaf path, in the leaves' arrival order (a snapshot)."""
+        return iter([self.path_to(leaf) for leaf in self.leaf_ids()])
 
-    def discarded_nodes(self) -> list[str]:
-        return self.discarded_ids()
+    @_locked
+    def forks(self) -> list[tuple[str, list[str]]]:
+        """(parent id, child ids) of every turn with more than one child."""
+        return [
+            (t.node_id, [c.node_id for c in t.children])
+            for t in self._turns
+            if t.children and len(t.children) > 1
+        ]
+
+    @_locked
+    def discarded_nodes(self) -> list[TurnNode]:
+        """The turns `discarded_ids` names, as views."""
+        return [NodeView.of(self, self._by_id[n]) for n in self.discarded_ids()]
 
     def _prompt_identity(self, turn: Turn) -> Any:
         if turn.prompt is not None:
             return ("tokens", tuple(run_list(turn.prompt)))
-        messages = self._requests.messages(turn)
+        messages = materialize.request_messages(turn, self._blobs)
         return ("messages", self._requests.plain(messages) if messages else b"")
 
     @_locked
-    def sequence_for(self, node_id: str) -> Sequence:
+    def sequence_for(self, node_id: str) -> TrainingSequence:
         """The training sequence ending at `node_id`: its tokens, loss mask and logprobs.
 
         Sampled tokens of every turn on the path whose prompt + sampled tokens are a prefix
@@ -607,30 +623,51 @@ class Graph:
                 continue
             if id(turn.full) not in chain_runs and input_ids[:end] != run_list(turn.full):
                 continue
-            lp = turn.logprobs
-            if lp is None or turn.flags & LOGPROBS_PACKED or len(lp) != end - start:
+            values = self._aligned_logprobs(turn, end - start)
+            if values is None:
                 continue
             mask[start:end] = [1] * (end - start)
-            logprobs[start:end] = lp.tolist()
+            logprobs[start:end] = values
         root = path[0]
-        return {
-            "input_ids": input_ids,
-            "loss_mask": mask,
-            "logprobs": logprobs,
-            "node_ids": [t.node_id for t in path],
-            "prompt_len": root.prompt.length if root.prompt is not None else 0,
-            "root_id": root.node_id,
-            "n_turns": len(path),
-        }
+        return TrainingSequence(
+            input_ids=input_ids,
+            loss_mask=mask,
+            logprobs=logprobs,
+            node_ids=[t.node_id for t in path],
+            prompt_len=root.prompt.length if root.prompt is not None else 0,
+            root_id=root.node_id,
+            n_turns=len(path),
+        )
+
+    def _aligned_logprobs(self, turn: Turn, n: int) -> list[Any] | None:
+        """The turn's logprobs if there is one real number per sampled token, else None.
+
+        Judged by count and kind, not by Python type: ints (a 0 from a JavaScript client)
+        count, bools and non-numbers do not. The values are the recorded ones, exactly.
+        """
+        lp = turn.logprobs
+        if lp is None:
+            return None
+        if not turn.flags & TurnFlag.LOGPROBS_PACKED:
+            return lp.tolist() if len(lp) == n else None
+        values = unpack(lp, self.blobs.string)
+        if isinstance(values, list) and len(values) == n and real_numbers(values):
+            return values
+        return None
 
     @_locked
-    def sequences(self) -> list[Sequence]:
+    def sequences(self) -> list[TrainingSequence]:
         """One training sequence per leaf."""
         return [self.sequence_for(leaf) for leaf in self.leaf_ids()]
 
     @_locked
     def stats(self) -> dict[str, int]:
-        """Counts of turns, structure and storage."""
+        """The graph's shape, then what it stores.
+
+        First the capture graph's five counts: `n_turns`, `n_roots`, `n_leaves`, `n_forks`,
+        `n_discarded`; then messages and tokens received and stored, shared values and the
+        blob table's counts.
+        """
         stored_tokens = 0
         seen: set[int] = set()
         system_counts: dict[int, int] = {}
@@ -652,10 +689,11 @@ class Graph:
                 stored_tokens += len(run.seg)
                 run = run.prev
         out = {
-            "turns": len(self._turns),
-            "roots": sum(1 for t in self._turns if t.parent is None),
-            "leaves": sum(1 for t in self._turns if not t.children),
-            "forks": sum(1 for t in self._turns if t.children and len(t.children) > 1),
+            "n_turns": len(self._turns),
+            "n_roots": sum(1 for t in self._turns if t.parent is None),
+            "n_leaves": sum(1 for t in self._turns if not t.children),
+            "n_forks": sum(1 for t in self._turns if t.children and len(t.children) > 1),
+            "n_discarded": len(self.discarded_ids()),
             "messages_received": messages_received,
             "message_bytes_stored": sum(len(t.tail) for t in self._turns),
             "shared_values": len(self._requests.values),
@@ -685,11 +723,11 @@ class GraphRestorer:
         """The stored turn at `index` (arrival order); the caller checks the range."""
         return self._graph._turns[index]
 
-    def add_value(self, stored: bytes, special: bool) -> None:
-        """A shared value read back: found again by its plain packing unless `special`."""
+    def add_value(self, stored: bytes, plain: bytes | None) -> None:
+        """A shared value read back, found again by its plain packing (every string inline;
+        the reader splices it from the stored bytes), or never found again if None."""
         graph = self._graph
         requests = graph._requests
-        plain = None if special else requests.expand(stored)
         if plain is not None and requests.values.find(plain) is None:
             requests.values.add(plain, stored)
 
@@ -700,3 +738,15 @@ class GraphRestorer:
     def commit(self, turn: Turn, keys: IndexKeys, moves: list[tuple[Turn, LinkKind]]) -> None:
         """File a fully built turn: indexes, children, re-links, as `add_turn` does."""
         self._graph._commit(turn, keys, moves)
+
+
+_FIELDS: dict[str, Callable[[Graph, Turn], Any]] = {
+    "prompt_ids": lambda g, t: materialize.prompt_ids(t),
+    "sampled_ids": lambda g, t: materialize.sampled_ids(t),
+    "sampled_logprobs": lambda g, t: materialize.logprobs(t, g.blobs),
+    "request_messages": lambda g, t: materialize.request_messages(t, g.blobs),
+    "request_tools": lambda g, t: materialize.value(t.tools, g.blobs),
+    "sampling_params": lambda g, t: materialize.value(t.sampling, g.blobs),
+    "requested_sampling_params": lambda g, t: materialize.value(t.requested, g.blobs),
+    "response_message": lambda g, t: materialize.value(t.response, g.blobs),
+}

@@ -216,7 +216,7 @@ class Viewer:
         start = max(0, min(new_from, len(messages) - MAX_MESSAGES))
         stop = min(len(messages), start + MAX_MESSAGES)
         sequence = graph.sequence_for(node_id)
-        mask = sequence["loss_mask"]
+        mask = sequence.loss_mask
         _, discarded = self._tree()
         return _json(
             200,
@@ -234,8 +234,8 @@ class Viewer:
                 "sequence": {
                     "n_tokens": len(mask),
                     "n_trained": sum(mask),
-                    "prompt_len": sequence["prompt_len"],
-                    "n_turns": sequence["n_turns"],
+                    "prompt_len": sequence.prompt_len,
+                    "n_turns": sequence.n_turns,
                     "mask_runs": _runs(mask),
                 },
             },

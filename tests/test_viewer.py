@@ -59,7 +59,7 @@ def test_new_messages_follow_the_parents_request() -> None:
 def test_turn_sequence_is_the_loss_mask_as_runs() -> None:
     graph = small_rollout()
     _, turn = _get(Viewer(graph), "/api/turn", "id=t3")
-    mask = graph.sequence_for("t3")["loss_mask"]
+    mask = graph.sequence_for("t3").loss_mask
     runs = turn["sequence"]["mask_runs"]
     assert [v for v, n in runs for _ in range(n)] == mask
     assert turn["sequence"]["n_trained"] == sum(mask) == 6
