@@ -3,7 +3,8 @@
 Builds each workload's graph under tracemalloc (bytes retained, as memory_per_turn.py
 measures them), then, side by side in this run: the peak bytes allocated while listing every
 node and reading its id, index and parent (views), and while rebuilding every node's messages
-(what a list of fully built nodes would hold). Writes results/node_views.json.
+(what a list of fully built nodes would hold). Writes out/node_views.json (results/ with
+--update-results); ends with PASS/MISS lines and a one-line count of targets met and missed.
 """
 
 from __future__ import annotations
@@ -12,14 +13,19 @@ import argparse
 import gc
 import json
 import tracemalloc
-from pathlib import Path
 from typing import Any
 
-from measure import library_commit, record_traced
+from measure import (
+    add_results_option,
+    library_commit,
+    record_traced,
+    results_dir,
+    shown,
+    targets_summary,
+)
 from schemes import RolloutStoreRecorder
 from workloads import WORKLOADS, iter_texts
 
-RESULTS = Path(__file__).resolve().parent / "results" / "node_views.json"
 MAX_SHARE = 0.01  # listing views must cost well under 1% of the graph's retained bytes
 
 
@@ -76,21 +82,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--turns", type=int, default=200)
     parser.add_argument("--workloads", default="multimodal")
+    add_results_option(parser)
     args = parser.parse_args(argv)
     rows = [measure(name, args.turns) for name in args.workloads.split(",")]
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"commit": library_commit(), "rows": rows}, indent=2) + "\n")
+    path = results_dir(args.update_results) / "node_views.json"
+    path.write_text(json.dumps({"commit": library_commit(), "rows": rows}, indent=2) + "\n")
+    checks = []
     ok = True
     for row in rows:
         share = row["nodes_listing_share_of_retained"]
         verdict = "PASS" if share < MAX_SHARE else "MISS"
         ok = ok and share < MAX_SHARE
+        checks.append(verdict)
         print(
             f"{verdict} {row['workload']} {row['turns']} turns: nodes() + id/index/parent "
             f"{row['nodes_listing_bytes']:,} B ({row['nodes_listing_bytes_per_turn']:.0f} B/turn) "
             f"= {share:.3%} of {row['retained_bytes']:,} B retained; rebuilding every node's "
             f"messages {row['all_messages_rebuilt_bytes']:,} B ({row['rebuilt_over_views']:.0f}x)"
         )
+    print(f"wrote {shown(path)}")
+    print(targets_summary(checks))
     return 0 if ok else 1
 
 

@@ -16,7 +16,8 @@ Measured side by side in one run (retained bytes by tracemalloc, see measure.py)
 
 Redis and S3: the URLs in ROLLOUT_STORE_REDIS_URL / ROLLOUT_STORE_S3_URL, else this script
 starts redis-server and moto_server on free loopback ports and stops them at the end.
-Writes results/shared_store.json; ends with PASS/MISS lines for the targets.
+Writes out/shared_store.json (results/ with --update-results); ends with PASS/MISS lines for
+the targets and a one-line count of targets met and missed.
 """
 
 from __future__ import annotations
@@ -40,13 +41,12 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from measure import MiB, library_commit
+from measure import MiB, add_results_option, library_commit, results_dir, shown, targets_summary
 from schemes import _import_rollout_store
 from workloads import UniqueContent
 
 rs = _import_rollout_store()
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 ROLLOUTS = 16
 TURNS = 20
 IMAGE_BYTES = 200 * 1024
@@ -438,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rollouts", type=int, default=ROLLOUTS)
     parser.add_argument("--turns", type=int, default=TURNS)
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    add_results_option(parser)
     args = parser.parse_args(argv)
     if args.worker:
         worker(json.loads(args.worker[0]), int(args.worker[1]), int(args.worker[2]), False)
@@ -604,9 +605,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         lines.append(_verdict(ok, f"4 processes over one {kind} store: every content stored once"))
     results["verdicts"] = lines
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "shared_store.json").write_text(json.dumps(results, indent=2) + "\n")
+    path = results_dir(args.update_results) / "shared_store.json"
+    path.write_text(json.dumps(results, indent=2) + "\n")
     print("\n".join(lines))
+    print(f"wrote {shown(path)}")
+    print(targets_summary(lines))
     return 0
 
 

@@ -41,8 +41,16 @@ def test_default_results_folder_is_ignored_by_git() -> None:
     assert tracked.returncode == 1  # not ignored
 
 
-@pytest.mark.parametrize("script", ["file_format.py", "memory_per_turn.py"])
-def test_update_results_is_documented(script: str) -> None:
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if "def main(" in p.read_text())
+
+
+def test_every_benchmark_script_is_found() -> None:
+    assert {"demo.py", "file_format.py", "memory_per_turn.py", "seed_report.py"} <= set(SCRIPTS)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_benchmark_ends_with_the_targets_summary(script: str) -> None:
     text = (BENCH / script).read_text()
-    assert "--update-results" in text or "add_results_option" in text
     assert "targets_summary(" in text
+    if "write_text(" in text:  # writes results: to the untracked folder unless asked
+        assert "results_dir(args.update_results)" in text and "add_results_option(" in text
