@@ -128,6 +128,18 @@ def test_tree_marks_roots_forks_and_discarded(browser: Any) -> None:
         WebDriverWait(browser, TIMEOUT).until(
             lambda d: "KiB" in d.find_element("css selector", "[data-key=received] dd").text
         )
+        from selenium.webdriver.common.keys import Keys
+
+        tree = browser.find_element("id", "tree")
+        tree.click()
+        for key, node_id in ((Keys.ARROW_DOWN, "t1"), ("j", "t3"), (Keys.ARROW_UP, "t1")):
+            tree.send_keys(key)
+            WebDriverWait(browser, TIMEOUT).until(
+                lambda d, node_id=node_id: (
+                    d.execute_script("return document.getElementById('turn').dataset.turn")
+                    == node_id
+                )
+            )
         _select(browser, "t3")
         turn = browser.find_element("id", "turn").text
         assert "linked by tokens" in turn

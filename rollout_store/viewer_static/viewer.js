@@ -13,6 +13,7 @@ const LONG_TEXT = 1200;
 const pages = new Map(); // page index -> rows (or a pending promise)
 let totalRows = 0;
 let selectedId = null;
+let selectedIndex = 0;
 
 function el(tag, className, text) {
   const node = document.createElement(tag);
@@ -104,7 +105,10 @@ function rowElement(row, position) {
   if (row.parent !== null) div.append(el("span", "badge link", row.link));
   div.append(el("span", "tokens", "p " + row.n_prompt + " s " + row.n_sampled));
   if (row.preview) div.append(el("span", "preview", row.preview));
-  div.addEventListener("click", () => selectTurn(row.id));
+  div.addEventListener("click", () => {
+    selectedIndex = position;
+    selectTurn(row.id);
+  });
   return div;
 }
 
@@ -365,6 +369,24 @@ async function selectTurn(id) {
   pane.dataset.turn = id;
 }
 
+// Up and down arrows (or k and j) in the tree move the selection one row.
+async function moveSelection(step) {
+  const index = Math.max(0, Math.min(totalRows - 1, selectedIndex + step));
+  if (index === selectedIndex && selectedId !== null) return;
+  const rows = await loadPage(Math.floor(index / PAGE));
+  const row = rows[index % PAGE];
+  if (!row) return;
+  selectedIndex = index;
+  const tree = document.getElementById("tree");
+  const top = index * ROW_HEIGHT;
+  if (top < tree.scrollTop) tree.scrollTop = top;
+  else if (top + ROW_HEIGHT > tree.scrollTop + tree.clientHeight) {
+    tree.scrollTop = top + ROW_HEIGHT - tree.clientHeight;
+  }
+  await drawTree();
+  await selectTurn(row.id);
+}
+
 // ---------------------------------------------------------------- start
 
 async function start() {
@@ -374,6 +396,12 @@ async function start() {
   document.getElementById("tree-spacer").style.height = totalRows * ROW_HEIGHT + "px";
   const tree = document.getElementById("tree");
   tree.addEventListener("scroll", () => drawTree(), { passive: true });
+  tree.addEventListener("keydown", (event) => {
+    const step = { ArrowDown: 1, j: 1, ArrowUp: -1, k: -1 }[event.key];
+    if (step === undefined) return;
+    event.preventDefault();
+    moveSelection(step);
+  });
   window.addEventListener("resize", () => drawTree());
   await drawTree();
   if (totalRows > 0) {
