@@ -184,6 +184,10 @@ def _recover(args: argparse.Namespace) -> int:
         raise CommandError("-o must name a new file: recover never writes over its input")
     graph = _load(args.file, args.progress, recover=True)
     report = graph.load_report
+    if not len(graph) and report is not None and not report.ok:
+        raise CommandError(
+            f"damaged: {report.error}; no complete turn precedes it, nothing written"
+        )
     graph.save(args.output)
     if report is not None and not report.ok:
         print(

@@ -292,3 +292,14 @@ def test_view_on_a_busy_port_says_so(
         assert main(["view", str(rollout_file), "--port", str(port)]) == 1
     err = capsys.readouterr().err
     assert f"port {port} is in use: pass --port N" in err
+
+
+def test_recover_with_nothing_before_the_damage_writes_nothing(
+    rollout_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = bytearray(rollout_file.read_bytes())
+    data[len(data) * 6 // 10] ^= 0xFF  # inside the first turn's records
+    rollout_file.write_bytes(bytes(data))
+    out = tmp_path / "out.rls"
+    text = _err(capsys, ["recover", str(rollout_file), "-o", str(out)])
+    assert "nothing" in text and not out.exists()
