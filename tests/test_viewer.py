@@ -24,12 +24,12 @@ def _get(viewer: Viewer, path: str, query: str = "") -> tuple[int, Any]:
 
 def test_rows_are_depth_first_with_markers() -> None:
     status, page = _get(Viewer(small_rollout()), "/api/rows", "offset=0&limit=10")
-    assert status == 200 and page["total"] == 5
+    assert status == 200 and page["total"] == 6
     rows = {r["id"]: r for r in page["rows"]}
-    assert [r["id"] for r in page["rows"]] == ["t0", "t1", "t3", "t2", "evil"]
+    assert [r["id"] for r in page["rows"]] == ["t0", "t1", "t3", "t2", "shapes", "evil"]
     assert rows["t0"]["children"] == 2 and rows["t0"]["parent"] is None
     assert rows["t2"]["discarded"] and not rows["t1"]["discarded"]
-    assert [r["indent"] for r in page["rows"]] == [0, 1, 1, 1, 0]  # a chain keeps its indent
+    assert [r["indent"] for r in page["rows"]] == [0, 1, 1, 1, 0, 0]  # a chain keeps its indent
     assert rows["t0"]["preview"] == "-> click()"
 
 
@@ -88,7 +88,7 @@ def test_figures_and_export_size() -> None:
     graph = small_rollout()
     viewer = Viewer(graph, title="x.rls", file_size=123)
     _, figures = _get(viewer, "/api/figures")
-    assert figures["turns"] == 5 and figures["discarded"] == 1 and figures["file_bytes"] == 123
+    assert figures["turns"] == 6 and figures["discarded"] == 1 and figures["file_bytes"] == 123
     _, size = _get(viewer, "/api/export-size")
     whole = json.dumps(export_session(graph, include_messages=True, include_discarded=True))
     assert size["plain_export_bytes"] == len(whole) == plain_export_bytes(graph)
@@ -118,7 +118,7 @@ def test_http_server_answers_loopback_hosts_only() -> None:
         port = server.server_address[1]
         url = f"http://127.0.0.1:{port}/api/figures"
         with urllib.request.urlopen(url, timeout=10) as response:
-            assert json.loads(response.read())["turns"] == 5
+            assert json.loads(response.read())["turns"] == 6
         request = urllib.request.Request(url, headers={"Host": f"evil.example:{port}"})
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(request, timeout=10)
@@ -155,7 +155,7 @@ def test_asgi_app_answers_under_a_mount_prefix() -> None:
 
     app = asgi_app(Viewer(small_rollout()))
     status, headers, body = _asgi_get(app, "/viewer/api/figures", root_path="/viewer")
-    assert status == 200 and json.loads(body)["turns"] == 5
+    assert status == 200 and json.loads(body)["turns"] == 6
     assert headers[b"content-type"] == b"application/json"
     status, headers, _ = _asgi_get(app, "/viewer", root_path="/viewer")
     assert status == 307 and headers[b"location"] == b"/viewer/"

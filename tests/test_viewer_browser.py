@@ -117,13 +117,20 @@ def test_tree_marks_roots_forks_and_discarded(browser: Any) -> None:
     graph = small_rollout()
     for _ in _open(browser, Viewer(graph, title="small.rls")):
         rows = _rows(browser)
-        assert list(rows) == ["t0", "t1", "t3", "t2", "evil"]  # depth first, the fork's children
+        assert list(rows) == [
+            "t0",
+            "t1",
+            "t3",
+            "t2",
+            "shapes",
+            "evil",
+        ]  # depth first, the fork's children
         assert "root" in rows["t0"].text and "fork x2" in rows["t0"].text
         assert "root" in rows["evil"].text
         assert "discarded" in rows["t2"].text and "is-discarded" in rows["t2"].classes
         assert "discarded" not in rows["t1"].text
         figures = browser.find_element("id", "figures").text
-        assert "turns\n5" in figures and "discarded\n1" in figures
+        assert "turns\n6" in figures and "discarded\n1" in figures
         assert "long strings, unique" in figures
         WebDriverWait(browser, TIMEOUT).until(
             lambda d: "KiB" in d.find_element("css selector", "[data-key=received] dd").text
@@ -171,6 +178,20 @@ def test_images_from_data_urls_and_anthropic_sources(browser: Any) -> None:
         for image in images:
             assert image.get_attribute("src").startswith("data:image/png;base64,")
         WebDriverWait(browser, TIMEOUT).until(lambda d: d.execute_script(IMAGE_WIDTHS) == [24, 24])
+
+
+def test_responses_google_and_anthropic_tool_shapes(browser: Any) -> None:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    for _ in _open(browser, Viewer(small_rollout())):
+        _select(browser, "shapes")
+        WebDriverWait(browser, TIMEOUT).until(
+            lambda d: d.execute_script(IMAGE_WIDTHS) == [24, 24]  # input_image, inline_data
+        )
+        turn = browser.find_element("id", "turn").text
+        assert "Responses API image:" in turn
+        assert "scroll" in turn and '"dy": 300' in turn  # tool_use input pretty-printed
+        assert "result of tu_1" in turn and "scrolled" in turn
 
 
 def test_script_in_a_message_shows_as_text(browser: Any) -> None:

@@ -38,8 +38,9 @@ def data_url(k: int, size: int = 24, noise: bool = False) -> str:
 
 
 def small_rollout() -> RolloutGraph:
-    """Five turns: a chain with an image, a tool call and an Anthropic image; a discarded
-    retry; and a root whose user message is a script tag."""
+    """Six turns: a chain with an image, a tool call and an Anthropic image; a discarded
+    retry; a root with Responses, Google and Anthropic tool shapes; and a root whose user
+    message is a script tag."""
     graph = RolloutGraph()
     system = {"role": "system", "content": "You are a browser agent. " * 60}
     tools = [{"type": "function", "function": {"name": "click", "parameters": {}}}]
@@ -119,6 +120,36 @@ def small_rollout() -> RolloutGraph:
             sampled_logprobs=[-0.9],
             model="m",
             node_id="t3",
+        )
+    )
+    b64 = data_url(3).split(",", 1)[1]
+    graph.add_turn(
+        TurnNode(
+            request_messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "Responses API image:"},
+                        {"type": "input_image", "image_url": data_url(4)},
+                        {"inline_data": {"mime_type": "image/png", "data": b64}},
+                    ],
+                },
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "tool_use", "id": "tu_1", "name": "scroll", "input": {"dy": 300}}
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "tu_1", "content": "scrolled"}
+                    ],
+                },
+            ],
+            response_message={"role": "assistant", "content": "ok"},
+            model="m",
+            node_id="shapes",
         )
     )
     graph.add_turn(
