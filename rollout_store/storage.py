@@ -29,6 +29,7 @@ from .errors import (
     CorruptFileError,
     CorruptObjectError,
     FileLockedError,
+    InvalidArgumentError,
     MissingObjectError,
     StoreError,
     StoreObjectError,
@@ -195,7 +196,7 @@ class _Writer:
         frames: list[bytes] = []
         if self.blobs_mode == BLOBS_STORE:
             if not isinstance(blobs, StoreBlobTable):
-                raise ValueError(
+                raise InvalidArgumentError(
                     'blobs="store" needs a graph over a content store (RolloutGraph(store=...))'
                 )
             for index in range(self.blobs_written, end):
@@ -298,7 +299,7 @@ class _Writer:
 
 def _blobs_mode(blobs: str) -> str:
     if blobs not in (BLOBS_INLINE, BLOBS_STORE):
-        raise ValueError(f'blobs must be "inline" or "store", got {blobs!r}')
+        raise InvalidArgumentError(f'blobs must be "inline" or "store", got {blobs!r}')
     return blobs
 
 
@@ -313,11 +314,13 @@ def save(graph: Graph, path: str | os.PathLike[str], *, blobs: str = "inline") -
     """
     mode = _blobs_mode(blobs)
     if mode == BLOBS_STORE and not isinstance(graph.blobs, StoreBlobTable):
-        raise ValueError('save(blobs="store") needs a graph over a content store')
+        raise InvalidArgumentError('save(blobs="store") needs a graph over a content store')
     target = Path(path)
     log_path = graph.journal_path
     if log_path is not None and os.path.realpath(target) == log_path:
-        raise ValueError(f"{target} is the log this graph appends to; save to another path")
+        raise InvalidArgumentError(
+            f"{target} is the log this graph appends to; save to another path"
+        )
 
     def write(fp: IO[bytes]) -> None:
         writer = _Writer(blobs=mode)
@@ -1010,7 +1013,7 @@ def _fsync_policy(fsync: str | int) -> int:
         return 0
     if isinstance(fsync, int) and not isinstance(fsync, bool) and fsync >= 1:
         return fsync
-    raise ValueError("fsync must be 'turn', 'never' or a positive int (every N turns)")
+    raise InvalidArgumentError("fsync must be 'turn', 'never' or a positive int (every N turns)")
 
 
 def open_append(
@@ -1035,7 +1038,7 @@ def open_append(
     every = _fsync_policy(fsync)
     mode = _blobs_mode(blobs)
     if mode == BLOBS_STORE and store is None:
-        raise ValueError('open(blobs="store") needs a content store: pass store=...')
+        raise InvalidArgumentError('open(blobs="store") needs a content store: pass store=...')
     target = Path(path)
     while True:
         fp = open(target, "a+b")  # noqa: SIM115 - owned by the returned graph
