@@ -334,12 +334,15 @@ def _parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.run(args))
-    except CommandError as exc:
-        print(f"rollout-store: {args.file}: {exc}", file=sys.stderr)
+    except (CommandError, RolloutStoreError) as exc:  # a file problem, a lock held elsewhere...
+        print(f"rollout-store: {_where(args)}{exc}", file=sys.stderr)
         return 1
-    except RolloutStoreError as exc:  # a lock held by another process, a refused save...
-        print(f"rollout-store: {args.file}: {exc}", file=sys.stderr)
-        return 1
+
+
+def _where(args: argparse.Namespace) -> str:
+    """The file a message is about, as a prefix (commands without a file have none)."""
+    file = getattr(args, "file", None)
+    return f"{file}: " if file else ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -356,8 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.close(devnull)
         return 0
     except OSError as exc:
-        name = exc.filename or args.file
-        print(f"rollout-store: {name}: {exc.strerror or exc}", file=sys.stderr)
+        where = f"{exc.filename}: " if exc.filename else _where(args)
+        print(f"rollout-store: {where}{exc.strerror or exc}", file=sys.stderr)
         return 1
 
 
