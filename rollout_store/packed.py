@@ -45,6 +45,36 @@ _FIXED = {
 }
 
 
+# what each type byte starts
+_K_ONE, _K_STR, _K_FIXMAP, _K_FIXARRAY, _K_CONTAINER = 0, 1, 2, 3, 4
+_K_FIXED, _K_LONGSTR, _K_BIN, _K_EXT, _K_BAD = 5, 6, 7, 8, 9
+
+
+def _kind(b: int) -> int:
+    if b <= 0x7F or b >= 0xE0 or b in (0xC0, 0xC2, 0xC3):
+        return _K_ONE
+    if 0xA0 <= b <= 0xBF:
+        return _K_STR
+    if b <= 0x8F:
+        return _K_FIXMAP
+    if b <= 0x9F:
+        return _K_FIXARRAY
+    if b in (0xDC, 0xDD, 0xDE, 0xDF):
+        return _K_CONTAINER
+    if b in _FIXED:
+        return _K_FIXED
+    if b in _STRLEN:
+        return _K_LONGSTR
+    if b in _BINLEN:
+        return _K_BIN
+    if b in _FIXEXT or b in _EXTLEN:
+        return _K_EXT
+    return _K_BAD
+
+
+_KINDS = tuple(_kind(b) for b in range(256))
+
+
 @dataclass(slots=True)
 class PackedInfo:
     """What `check_packed` found in one value."""
@@ -93,6 +123,7 @@ def check_packed(
     in_map = False
     first = False  # the next item is the first of an array (where a tuple marker may be)
     depth = 0
+    kinds = _KINDS
     try:
         while True:
             while left == 0:
@@ -103,44 +134,33 @@ def check_packed(
                 left = remaining.pop()
                 in_map = is_map.pop()
                 depth -= 1
-            key = in_map and left % 2 == 0
+            key = in_map and not left & 1
             left -= 1
-            at_first, first = first, False
             b = data[pos]
-            if b <= 0x7F or b >= 0xE0:  # fixint
-                pos += 1
-                continue
-            if 0xA0 <= b <= 0xBF or b in _STRLEN or (record and b in _BINLEN):  # str (bin)
-                if b <= 0xBF:
-                    start, n = pos + 1, b & 0x1F
-                else:
-                    width = _STRLEN[b] if b in _STRLEN else _BINLEN[b]
-                    start = pos + 1 + width
-                    n = _length(data, pos + 1, width)
-                end = start + n
+            kind = kinds[b]
+            if kind == _K_STR:  # fixstr, the most common item
+                end = pos + 1 + (b & 0x1F)
                 if end > size:
                     raise ValueError("a string runs past the end")
-                if n and not record:
-                    str(view[start:end], "utf-8")
+                if end - pos > 1 and not record:
+                    str(view[pos + 1 : end], "utf-8")
                 pos = end
+                first = False
                 continue
-            if b in _FIXED:
-                pos += _FIXED[b]
-                if pos > size:
-                    raise ValueError("a number runs past the end")
+            if kind == _K_ONE:  # fixint, nil, bool
+                pos += 1
+                first = False
                 continue
-            if b <= 0x9F or b in (0xDC, 0xDD, 0xDE, 0xDF):  # containers
+            if _K_FIXMAP <= kind <= _K_CONTAINER:
                 if key:
                     raise ValueError("a container as a dict key")
-                if b <= 0x8F:
-                    n, pos, map_ = b & 0x0F, pos + 1, True
-                elif b <= 0x9F:
-                    n, pos, map_ = b & 0x0F, pos + 1, False
-                else:
+                if kind == _K_CONTAINER:
                     width = 2 if b in (0xDC, 0xDE) else 4
                     n = _length(data, pos + 1, width)
                     pos += 1 + width
                     map_ = b >= 0xDE
+                else:
+                    n, pos, map_ = b & 0x0F, pos + 1, kind == _K_FIXMAP
                 items = 2 * n if map_ else n
                 if items > size - pos:  # every item takes at least one byte
                     raise ValueError("a container claims more items than bytes are left")
@@ -157,7 +177,23 @@ def check_packed(
                 left, in_map, depth = items, map_, depth + 1
                 first = not map_
                 continue
-            if (b in _FIXEXT or b in _EXTLEN) and not record:
+            at_first, first = first, False
+            if kind == _K_FIXED:
+                pos += _FIXED[b]
+                if pos > size:
+                    raise ValueError("a number runs past the end")
+                continue
+            if kind == _K_LONGSTR or (kind == _K_BIN and record):
+                width = _STRLEN[b] if kind == _K_LONGSTR else _BINLEN[b]
+                start = pos + 1 + width
+                end = start + _length(data, pos + 1, width)
+                if end > size:
+                    raise ValueError("a string runs past the end")
+                if end > start and not record:
+                    str(view[start:end], "utf-8")
+                pos = end
+                continue
+            if kind == _K_EXT and not record:
                 if b in _FIXEXT:
                     n, start = _FIXEXT[b], pos + 2
                 else:
@@ -193,9 +229,9 @@ def check_packed(
                     raise ValueError(f"extension type {code} is not allowed here")
                 pos = end
                 continue
-            if b in (0xC4, 0xC5, 0xC6):
+            if kind == _K_BIN:
                 raise ValueError("bytes, which JSON cannot carry")
-            if b in _FIXEXT or b in _EXTLEN:
+            if kind == _K_EXT:
                 raise ValueError("an extension type is not allowed in a record")
             raise ValueError(f"type byte {b:#04x} is not msgpack")
     except (IndexError, struct.error):
