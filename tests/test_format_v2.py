@@ -6,7 +6,6 @@ import gc
 import itertools
 import json
 import multiprocessing
-import os
 import struct
 import threading
 import tracemalloc
@@ -144,13 +143,13 @@ def test_every_reorder_and_duplicate_of_two_frames_is_refused(tmp_path: Path, mo
                 recovered = RolloutGraph.load(damaged, recover=True)
             except CorruptFileError:
                 continue
-            for node_id in recovered.nodes():
+            for node_id in recovered.node_ids():
                 assert json.dumps(recovered.get(node_id).request_messages) == json.dumps(
                     original.get(node_id).request_messages
                 )
-                assert recovered.get(node_id).sampling_params == original.get(
-                    node_id
-                ).sampling_params
+                assert (
+                    recovered.get(node_id).sampling_params == original.get(node_id).sampling_params
+                )
             variants += 1
     assert variants > 0
 
@@ -199,7 +198,7 @@ def test_repair_of_a_torn_turn_whose_content_looks_like_frames(tmp_path: Path) -
         report = storage.verify(path)
         assert not report.ok and report.truncated, cut
         with RolloutGraph.open(path, share_threshold=32, repair=True) as graph:
-            assert graph.nodes() == ["a", "b", "c"]
+            assert graph.node_ids() == ["a", "b", "c"]
         assert path.stat().st_size == good
 
 
@@ -290,9 +289,9 @@ def test_save_over_a_log_another_graph_appends_to_is_refused(tmp_path: Path) -> 
             small_graph().save(path)
         assert path.read_bytes() == before
         live.add_turn(TurnNode(node_id="d", request_messages=[{"role": "user", "content": "d"}]))
-    assert RolloutGraph.load(path).nodes() == ["a", "b", "c", "d"]
+    assert RolloutGraph.load(path).node_ids() == ["a", "b", "c", "d"]
     small_graph().save(path)  # closed: replacing it is fine
-    assert RolloutGraph.load(path).nodes() == ["a", "b", "c"]
+    assert RolloutGraph.load(path).node_ids() == ["a", "b", "c"]
 
 
 def _hold_log(path: str, ready: object, done: object) -> None:
@@ -355,7 +354,7 @@ def _nested(depth: int) -> bytes:
 
 def _usable(path: Path, out: Path) -> None:
     graph = RolloutGraph.load(path)
-    for node_id in graph.nodes():
+    for node_id in graph.node_ids():
         graph.get(node_id)
         graph.sequence_for(node_id)
     json.dumps(export_session(graph, include_messages=True, include_discarded=True))
@@ -370,7 +369,9 @@ CRAFTED = {
     "packed flag, array logprobs": turn_record(
         flags=8, sampled=["I", b"\1\0\0\0"], logprobs=["d", b"\0" * 8]
     ),
-    "array flag, packed logprobs": turn_record(sampled=["I", b"\1\0\0\0"], logprobs=["j", b"\x91\x01"]),
+    "array flag, packed logprobs": turn_record(
+        sampled=["I", b"\1\0\0\0"], logprobs=["j", b"\x91\x01"]
+    ),
     "references without the flag": [
         (1, bytes(16) + b"x" * 10),
         turn_record(tail=b"\x91\xd6\x04\x00\x00\x00\x00", n_rest=1),
