@@ -89,7 +89,13 @@ def _verify(args: argparse.Namespace) -> int:
             f"{report.file_size} bytes verified"
         )
         return 0
-    print(f"damaged: {report.error}", file=sys.stderr)
+    if report.truncated:
+        after = "; a torn tail: nothing intact follows it (open with repair=True cuts it off)"
+    elif report.resync_offset is not None:
+        after = f"; the next intact frame starts at offset {report.resync_offset}"
+    else:
+        after = ""
+    print(f"damaged: {report.error}{after}", file=sys.stderr)
     return 1
 
 
