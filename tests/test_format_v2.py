@@ -427,3 +427,21 @@ def test_crafted_deep_nesting_fails_verify_with_its_offset(tmp_path: Path) -> No
 
 def test_framing_is_exported() -> None:
     assert framing.SYNC == SYNC
+
+
+def test_a_crafted_record_of_many_containers_is_refused_before_decoding(tmp_path: Path) -> None:
+    """A turn record is walked and bounded before msgpack builds it (200 Ki empty lists would
+    take about 64 bytes each decoded)."""
+    record = turn_record(moves=[[]] * (200 << 10))
+    path = crafted_v2(tmp_path, [(3, record)])
+    size = path.stat().st_size
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        report = storage.verify(path)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert not report.ok and "more containers" in (report.error or "")
+    assert peak <= 4 * size
