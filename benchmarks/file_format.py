@@ -309,7 +309,7 @@ def measure_memory(graph: RolloutGraph, retained: int, tmp: Path) -> dict:
     largest_json, largest_json_id = 0, None
     tracemalloc.start()
     try:
-        for node_id in graph.nodes():
+        for node_id in graph.node_ids():
             peak, turn = traced_delta(lambda n=node_id: graph.get(n))
             if peak > largest_get:
                 largest_get, largest_get_id = peak, node_id
