@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from .encoding import EXT_BIGINT, EXT_BLOB, EXT_ECHO, EXT_SURROGATE, EXT_TUPLE
 
-__all__ = ["PackedInfo", "check_packed", "splice_blobs"]
+__all__ = ["PackedInfo", "check_int_array", "check_packed", "splice_blobs"]
 
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
@@ -267,3 +267,36 @@ def splice_blobs(data: bytes, refs: array[int], text_of: Callable[[int], bytes])
         pos = at + 6
     parts.append(data[pos:])
     return b"".join(parts)
+
+
+_INT_SIZES = {0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9, 0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9}
+
+
+def check_int_array(data: bytes) -> None:
+    """Check that `data` packs one array of ints (big ones as EXT_BIGINT), before it is
+    decoded: nothing else can make it allocate more than a list of ints."""
+    size = len(data)
+    try:
+        b = data[0]
+        if 0x90 <= b <= 0x9F:
+            n, pos = b & 0x0F, 1
+        elif b in (0xDC, 0xDD):
+            width = 2 if b == 0xDC else 4
+            n, pos = _length(data, 1, width), 1 + width
+        else:
+            raise ValueError("token ids must be an array")
+        for _ in range(n):
+            b = data[pos]
+            if b <= 0x7F or b >= 0xE0:
+                pos += 1
+            elif b in _INT_SIZES:
+                pos += _INT_SIZES[b]
+            elif b in _EXTLEN and data[pos + 1 + _EXTLEN[b]] == EXT_BIGINT:
+                width = _EXTLEN[b]
+                pos += 2 + width + _length(data, pos + 1, width)
+            else:
+                raise ValueError("token ids must be ints")
+    except (IndexError, struct.error):
+        raise ValueError("token ids cut short") from None
+    if pos != size:
+        raise ValueError("token ids cut short or followed by bytes")
