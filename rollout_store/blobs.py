@@ -116,6 +116,16 @@ class BlobTable:
             self._by_digest[digest] = [found, handle]
         return handle
 
+    def share_packed(self, packed: bytes) -> bytes:
+        """`packed` (a plain packing, no blob references) or an equal object shared with other
+        graphs; a private table shares nothing."""
+        return packed
+
+    @property
+    def fetches(self) -> bool:
+        """Whether reading a blob may fetch it from outside the process."""
+        return False
+
     def count_references(self, n: int, nbytes: int) -> None:
         """Record `n` more references, `nbytes` in all, to stored blobs (a file being loaded)."""
         self._references += n

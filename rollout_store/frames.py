@@ -23,6 +23,7 @@ __all__ = [
     "BLOB_PREFIX",
     "FRAME",
     "KIND_BLOB",
+    "KIND_BLOB_REF",
     "KIND_END",
     "KIND_HEADER",
     "KIND_NAMES",
@@ -54,9 +55,10 @@ class RecordKind(IntEnum):
     VALUE = 2
     TURN = 3
     END = 4
+    BLOB_REF = 5  # a blob kept in a content store: its digest, store key, size (version 2)
 
 
-KIND_HEADER, KIND_BLOB, KIND_VALUE, KIND_TURN, KIND_END = RecordKind
+KIND_HEADER, KIND_BLOB, KIND_VALUE, KIND_TURN, KIND_END, KIND_BLOB_REF = RecordKind
 KIND_NAMES = {kind.value: kind.name.lower() for kind in RecordKind}
 MODE_LOG, MODE_SNAPSHOT = "log", "snapshot"
 

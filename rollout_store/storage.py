@@ -22,16 +22,23 @@ from typing import IO, Any, NamedTuple
 from . import framing
 from .atomic import fsync_dir, lock_log, replace_file
 from .blobs import BlobTable, content_digest
+from .content import ContentStore, StringCache
 from .errors import (
     ChecksumMismatch,
     CorruptFileError,
+    CorruptObjectError,
     FileLockedError,
+    MissingObjectError,
+    StoreError,
+    StoreObjectError,
+    StoreRequiredError,
     UnsupportedVersionError,
 )
 from .frames import (
     BLOB_PREFIX,
     FRAME,
     KIND_BLOB,
+    KIND_BLOB_REF,
     KIND_END,
     KIND_HEADER,
     KIND_NAMES,
@@ -51,6 +58,7 @@ from .frames import (
 from .graph import Graph, GraphRestorer, JournalEntry
 from .intake import MAX_DEPTH, token_array
 from .packed import PackedInfo, check_int_array, check_packed, splice_blobs
+from .shared_blobs import StoreBlobTable
 from .tokens import TokenRun, run_list
 from .turns import (
     ECHO_PACKED,
@@ -141,6 +149,9 @@ _STORED_FLAGS = (
     | EMPTY_PROMPT
 )
 
+#: How a file holds long strings: inline (self-contained) or as keys into a content store.
+BLOBS_INLINE, BLOBS_STORE = "inline", "store"
+
 #: The version this library writes; it reads 1 and 2.
 FORMAT_VERSION = 2
 _V1 = 1
@@ -162,9 +173,12 @@ class _Writer:
     `version` 2 chains every frame to the one before (`chain`, the last frame's value);
     version 1 frames are written only to extend a version-1 log."""
 
-    def __init__(self, version: int = FORMAT_VERSION, chain: int = 0) -> None:
+    def __init__(
+        self, version: int = FORMAT_VERSION, chain: int = 0, blobs: str = BLOBS_INLINE
+    ) -> None:
         self.version = version
         self.chain = chain
+        self.blobs_mode = blobs  # BLOBS_STORE: blob records name store keys, no text
         self.blobs_written = 0
         self.values: dict[int, int] = {}  # id(stored value bytes) -> ordinal
         self.value_objects: list[bytes] = []  # keeps the ids above valid
@@ -180,6 +194,8 @@ class _Writer:
             "mode": mode,
             "share_threshold": graph.share_threshold,
         }
+        if self.blobs_mode == BLOBS_STORE:
+            fields["blobs"] = BLOBS_STORE
         if self.version == _V1:
             return MAGIC + frame(KIND_HEADER, pack(fields))
         fields["file_id"] = framing.new_file_id()
@@ -195,6 +211,16 @@ class _Writer:
 
     def blob_frames(self, blobs: BlobTable, end: int, chain: list[int]) -> list[bytes]:
         frames: list[bytes] = []
+        if self.blobs_mode == BLOBS_STORE:
+            if not isinstance(blobs, StoreBlobTable):
+                raise ValueError(
+                    'blobs="store" needs a graph over a content store (RolloutGraph(store=...))'
+                )
+            for index in range(self.blobs_written, end):
+                handle = blobs.handle(index)
+                ref = [handle.digest, blobs.key(index), handle.size, handle.surrogates]
+                frames.append(self.frame(KIND_BLOB_REF, pack(ref), chain))
+            return frames
         for index in range(self.blobs_written, end):
             data = blobs.string(index).encode("utf-8", "surrogatepass")
             digest = blobs.handle(index).digest
@@ -288,17 +314,31 @@ class _Writer:
         return [int(PromptKind.NEW), encode_segment(token_array(run_list(run), "prompt_ids"))]
 
 
-def save(graph: Graph, path: str | os.PathLike[str]) -> None:
+def _blobs_mode(blobs: str) -> str:
+    if blobs not in (BLOBS_INLINE, BLOBS_STORE):
+        raise ValueError(f'blobs must be "inline" or "store", got {blobs!r}')
+    return blobs
+
+
+def save(graph: Graph, path: str | os.PathLike[str], *, blobs: str = "inline") -> None:
     """Write the whole graph to `path` atomically, as a version-2 snapshot: a temporary file
     with a unique name, fsync, rename, fsync of the folder. Refused with `FileLockedError`
-    while another graph or process appends to the file at `path`."""
+    while another graph or process appends to the file at `path`.
+
+    `blobs="inline"` (the default) writes a self-contained file. `blobs="store"` writes each
+    long string as a reference (its key) into the content store of the graph, which must
+    have one; `load(path, store=...)` reads such a file back.
+    """
+    mode = _blobs_mode(blobs)
+    if mode == BLOBS_STORE and not isinstance(graph.blobs, StoreBlobTable):
+        raise ValueError('save(blobs="store") needs a graph over a content store')
     target = Path(path)
     log_path = graph.journal_path
     if log_path is not None and os.path.realpath(target) == log_path:
         raise ValueError(f"{target} is the log this graph appends to; save to another path")
 
     def write(fp: IO[bytes]) -> None:
-        writer = _Writer()
+        writer = _Writer(blobs=mode)
         fp.write(writer.header(graph, MODE_SNAPSHOT))
         entries = graph.journal_entries()
         for entry in entries:
@@ -352,8 +392,13 @@ class LoadReport:
 class _Loader:
     """Rebuilds a graph from the records of a file, through the graph's restore door."""
 
-    def __init__(self, share_threshold: int | None) -> None:
-        self.graph = RolloutGraph(share_threshold=share_threshold)
+    def __init__(
+        self,
+        share_threshold: int | None,
+        store: ContentStore | None = None,
+        cache: StringCache | None = None,
+    ) -> None:
+        self.graph = RolloutGraph(share_threshold=share_threshold, store=store, cache=cache)
         self.restore: GraphRestorer = self.graph._restorer()
         self.writer = _Writer()
         self.value_is_list: list[bool] = []  # system parts must be arrays of messages
@@ -402,6 +447,54 @@ class _Loader:
         if actual != digest:
             raise ChecksumMismatch("blob", digest, actual, offset=offset, record=record)
         self._add_blob(data, digest)
+
+    def blob_ref(self, body: Any, offset: int, record: int) -> None:
+        """A blob kept in the content store: fetched, verified against its key and its
+        digest, then referenced. A missing or damaged object names its key and record."""
+        blobs = self.graph.blobs
+        if not isinstance(blobs, StoreBlobTable):
+            raise ValueError("a blob reference in a file without a store")
+        if not (
+            isinstance(body, list)
+            and len(body) == 4
+            and type(body[0]) is bytes
+            and len(body[0]) == 16
+            and type(body[1]) is bytes
+            and len(body[1]) == 32
+            and type(body[2]) is int
+            and type(body[3]) is bool
+        ):
+            raise ValueError("blob reference must be [digest, key, size, surrogates]")
+        digest, key, size, surrogates = body
+        try:
+            data = blobs.store.get(key)
+        except MissingObjectError:
+            raise StoreObjectError(
+                f"the content store {blobs.store!r} has no object for this blob",
+                key=key,
+                offset=offset,
+                record=record,
+            ) from None
+        except CorruptObjectError as error:
+            raise StoreObjectError(
+                f"the object for this blob is damaged in {blobs.store!r}: {error.reason}",
+                key=key,
+                offset=offset,
+                record=record,
+            ) from error
+        actual = content_digest(data)
+        if actual != digest or len(data) != size:
+            raise ChecksumMismatch("blob", digest, actual, offset=offset, record=record)
+        try:
+            text = data.decode("utf-8")
+            has_surrogates = False
+        except UnicodeDecodeError:
+            text, has_surrogates = data.decode("utf-8", "surrogatepass"), True
+        if has_surrogates != surrogates:
+            raise ValueError("blob reference's surrogate flag does not match its object")
+        blobs.add_reference(key, digest, size, surrogates)
+        if blobs.cache is not None:
+            blobs.cache.put(key, text, size)
 
     def value(self, payload: Any) -> None:
         info = self.check(payload, len(self.graph.blobs))
@@ -649,7 +742,7 @@ def _frames_v1(data: bytes, report: LoadReport) -> _Frames:
 def _frames_v2(data: bytes, report: LoadReport) -> _Frames:
     """The same for a version-2 file: each frame verified and bound to the one before."""
     reader = framing.FrameReader(
-        data, len(framing.MAGIC_V2), digest_kinds=_DIGEST_KINDS, max_kind=KIND_END
+        data, len(framing.MAGIC_V2), digest_kinds=_DIGEST_KINDS, max_kind=KIND_BLOB_REF
     )
     try:
         for f in reader:
@@ -671,6 +764,8 @@ def _scan(
     data: bytes,
     path: str,
     progress: Callable[[int], None] | None = None,
+    store: ContentStore | None = None,
+    cache: StringCache | None = None,
 ) -> tuple[_Loader, LoadReport]:
     """Read frames until the end or the first damage; never raises for damage.
 
@@ -702,21 +797,23 @@ def _scan(
             if ended:
                 raise ValueError("records after the end record")
             if record == 0:
-                loader, report.mode = _read_header(kind, body, start, version)
+                loader, report.mode = _read_header(kind, body, start, version, path, store, cache)
             elif loader is None or kind == KIND_HEADER:
                 raise ValueError("a second header record")
-            elif kind in (KIND_BLOB, KIND_VALUE):
+            elif kind in (KIND_BLOB, KIND_VALUE, KIND_BLOB_REF):
                 pending.append((kind, body, start, record))
             elif kind == KIND_TURN:
                 turn_start, turn_record = start, record
                 for p_kind, p_body, start, record in pending:  # an error names this record
-                    if p_kind != KIND_BLOB:
+                    if p_kind == KIND_BLOB_REF:
+                        loader.blob_ref(p_body, start, record)
+                    elif p_kind != KIND_BLOB:
                         loader.value(p_body)
                     elif version == _V1:
                         loader.blob(p_body, start, record)
                     else:
                         loader.blob_v2(p_body)
-                    report.blobs += p_kind == KIND_BLOB
+                    report.blobs += p_kind in (KIND_BLOB, KIND_BLOB_REF)
                 start, record = turn_start, turn_record
                 pending.clear()
                 loader.turn(body)
@@ -730,6 +827,8 @@ def _scan(
         except CorruptFileError as exc:
             report.fail(exc)
             break
+        except StoreError:  # the store is down or missing: not damage in the file
+            raise
         except Exception as exc:  # anything a damaged payload provokes
             kind_name = KIND_NAMES.get(kind, f"kind {kind}")
             message = f"invalid {kind_name} record: {exc}"
@@ -786,7 +885,15 @@ def _frame_after_v1(data: memoryview, start: int) -> bool:
     return False
 
 
-def _read_header(kind: int, body: Any, start: int, magic_version: int) -> tuple[_Loader, str]:
+def _read_header(
+    kind: int,
+    body: Any,
+    start: int,
+    magic_version: int,
+    path: str = "",
+    store: ContentStore | None = None,
+    cache: StringCache | None = None,
+) -> tuple[_Loader, str]:
     if kind != KIND_HEADER or not isinstance(body, dict):
         raise ValueError("the first record is not a header")
     if body.get("format") != "rollout_store":
@@ -809,7 +916,16 @@ def _read_header(kind: int, body: Any, start: int, magic_version: int) -> tuple[
     threshold = body.get("share_threshold")
     if threshold is not None and (not isinstance(threshold, int) or threshold < 1):
         raise ValueError("bad share_threshold")
-    return _Loader(threshold), mode
+    blobs = body.get("blobs", BLOBS_INLINE)
+    if blobs not in (BLOBS_INLINE, BLOBS_STORE) or (blobs == BLOBS_STORE and version < 2):
+        raise ValueError(f"unknown blob mode {blobs!r}")
+    if blobs == BLOBS_STORE and store is None:
+        raise StoreRequiredError(
+            f"{path} keeps its long strings in a content store: read it with store=..."
+        )
+    loader = _Loader(threshold, store, cache)
+    loader.writer.blobs_mode = blobs
+    return loader, mode
 
 
 def _read(path: str | os.PathLike[str]) -> bytes:
@@ -823,10 +939,14 @@ def _raise_for(report: LoadReport) -> None:
 
 
 def verify(
-    path: str | os.PathLike[str], progress: Callable[[int], None] | None = None
+    path: str | os.PathLike[str],
+    progress: Callable[[int], None] | None = None,
+    *,
+    store: ContentStore | None = None,
 ) -> LoadReport:
-    """Check every frame, blob digest and reference of a file; never raises for damage."""
-    return _scan(_read(path), os.fspath(path), progress)[1]
+    """Check every frame, blob digest and reference of a file; never raises for damage
+    (a file of store references needs its `store`, whose objects are checked too)."""
+    return _scan(_read(path), os.fspath(path), progress, store)[1]
 
 
 def load(
@@ -834,13 +954,21 @@ def load(
     *,
     recover: bool = False,
     progress: Callable[[int], None] | None = None,
+    store: ContentStore | None = None,
+    cache: StringCache | None = None,
 ) -> RolloutGraph:
     """Read a rollout file. Damage raises `CorruptFileError` naming its offset.
 
     With `recover=True` every complete turn before the first damage is loaded instead, and
     `graph.load_report` says where the file was cut or damaged.
+
+    `store`: the graph keeps its long strings in this content store (and `cache`, see
+    `RolloutGraph`). Required for a file saved with ``blobs="store"`` (else
+    `StoreRequiredError`): each referenced object is fetched and verified, and a missing or
+    damaged one raises `StoreObjectError` naming its key and the record's offset. A
+    self-contained file read with a store puts its strings into it.
     """
-    loader, report = _scan(_read(path), os.fspath(path), progress)
+    loader, report = _scan(_read(path), os.fspath(path), progress, store, cache)
     if report.error is not None and not (recover and report.records > 0):
         _raise_for(report)
     loader.graph.load_report = report
@@ -913,13 +1041,23 @@ def open_append(
     share_threshold: int | None = 1024,
     fsync: str | int = "turn",
     repair: bool = False,
+    store: ContentStore | None = None,
+    cache: StringCache | None = None,
+    blobs: str = "inline",
 ) -> RolloutGraph:
     """A graph that writes each turn to `path` as it is added (created if missing).
 
     An existing file is loaded first; if its last record is cut short (a crash while
     writing), `repair=True` truncates it to the last complete record, else it raises.
+
+    `store`, `cache`: the graph's content store (see `RolloutGraph`). `blobs="store"` makes
+    a new log write references into the store instead of the strings; an existing log keeps
+    the mode it was created with (a log of references needs `store`).
     """
     every = _fsync_policy(fsync)
+    mode = _blobs_mode(blobs)
+    if mode == BLOBS_STORE and store is None:
+        raise ValueError('open(blobs="store") needs a content store: pass store=...')
     target = Path(path)
     while True:
         fp = open(target, "a+b")  # noqa: SIM115 - owned by the returned graph
@@ -934,7 +1072,7 @@ def open_append(
         fp.seek(0)
         data = fp.read()
         if data:
-            loader, report = _scan(data, os.fspath(target))
+            loader, report = _scan(data, os.fspath(target), None, store, cache)
             if report.mode == MODE_SNAPSHOT:
                 raise CorruptFileError(f"{target} is a snapshot written by save(), not a log")
             if report.error is not None:
@@ -955,8 +1093,8 @@ def open_append(
             writer.blobs_written = len(graph.blobs)
             writer.refs = graph.blobs.mark()[1:]
         else:
-            graph = RolloutGraph(share_threshold=share_threshold)
-            writer = _Writer()
+            graph = RolloutGraph(share_threshold=share_threshold, store=store, cache=cache)
+            writer = _Writer(blobs=mode)
             fp.write(writer.header(graph, MODE_LOG))
             fp.flush()
             os.fsync(fp.fileno())
@@ -980,9 +1118,11 @@ class RolloutGraph(Graph):
     the file layer, so that the graph below never imports the module that stores it.
     """
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the graph to `path` atomically (temporary file, fsync, rename)."""
-        save(self, path)
+    def save(self, path: str | os.PathLike[str], *, blobs: str = "inline") -> None:
+        """Write the graph to `path` atomically (temporary file, fsync, rename).
+
+        `blobs="store"`: long strings as references into the graph's content store."""
+        save(self, path, blobs=blobs)
 
     @classmethod
     def load(
@@ -991,9 +1131,11 @@ class RolloutGraph(Graph):
         *,
         recover: bool = False,
         progress: Callable[[int], None] | None = None,
+        store: ContentStore | None = None,
+        cache: StringCache | None = None,
     ) -> RolloutGraph:
         """Read a file written by `save` or `open`; see `storage.load`."""
-        return load(path, recover=recover, progress=progress)
+        return load(path, recover=recover, progress=progress, store=store, cache=cache)
 
     @classmethod
     def open(
@@ -1003,13 +1145,25 @@ class RolloutGraph(Graph):
         share_threshold: int | None = 1024,
         fsync: str | int = "turn",
         repair: bool = False,
+        store: ContentStore | None = None,
+        cache: StringCache | None = None,
+        blobs: str = "inline",
     ) -> RolloutGraph:
         """A graph that appends every added turn to `path` durably; see `open_append`.
 
         `fsync`: "turn" (every turn), an int N (every N turns) or "never". Close it (or use
-        it as a context manager) to flush the last turns.
+        it as a context manager) to flush the last turns. `store`, `cache`, `blobs`: a log
+        over a content store, as for `save` and `load`.
         """
-        return open_append(path, share_threshold=share_threshold, fsync=fsync, repair=repair)
+        return open_append(
+            path,
+            share_threshold=share_threshold,
+            fsync=fsync,
+            repair=repair,
+            store=store,
+            cache=cache,
+            blobs=blobs,
+        )
 
     def __enter__(self) -> RolloutGraph:
         return self
