@@ -85,6 +85,18 @@ class PackedInfo:
     blob_refs: array[int] = field(default_factory=lambda: array("I"))  # offsets of blob references
 
 
+#: Strings checked as UTF-8 together (their views are then freed: memory stays flat).
+_SPANS = 256
+
+
+def _utf8(spans: list[memoryview]) -> None:
+    """Check many strings' bytes as UTF-8 with one decode: a NUL between two can neither
+    complete a sequence the first leaves open nor continue one."""
+    if spans:
+        b"\0".join(spans).decode("utf-8")
+        spans.clear()
+
+
 def _length(data: bytes, pos: int, width: int) -> int:
     if width == 1:
         return data[pos]
@@ -124,12 +136,14 @@ def check_packed(
     first = False  # the next item is the first of an array (where a tuple marker may be)
     depth = 0
     kinds = _KINDS
+    spans: list[memoryview] = []  # every string's bytes, checked as UTF-8 at the end
     try:
         while True:
             while left == 0:
                 if not remaining:
                     if pos != size:
                         raise ValueError(f"{size - pos} bytes after the value")
+                    _utf8(spans)
                     return info
                 left = remaining.pop()
                 in_map = is_map.pop()
@@ -143,7 +157,9 @@ def check_packed(
                 if end > size:
                     raise ValueError("a string runs past the end")
                 if end - pos > 1 and not record:
-                    str(view[pos + 1 : end], "utf-8")
+                    spans.append(view[pos + 1 : end])
+                    if len(spans) >= _SPANS:
+                        _utf8(spans)
                 pos = end
                 first = False
                 continue
@@ -190,7 +206,9 @@ def check_packed(
                 if end > size:
                     raise ValueError("a string runs past the end")
                 if end > start and not record:
-                    str(view[start:end], "utf-8")
+                    spans.append(view[start:end])
+                    if len(spans) >= _SPANS:
+                        _utf8(spans)
                 pos = end
                 continue
             if kind == _K_EXT and not record:

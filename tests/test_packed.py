@@ -110,3 +110,26 @@ def test_int_arrays() -> None:
     for bad in (b"\x91\xa1x", b"\x91\x90", b"\x92\x01", b"\x01", b"\x91\x01\x01"):
         with pytest.raises(ValueError, match="token ids"):
             check_int_array(bad)
+
+
+def test_strings_are_utf8_each_not_only_together() -> None:
+    # two strings that are invalid alone but form "é" when concatenated
+    with pytest.raises(ValueError, match="UTF-8"):
+        check_packed(b"\x92\xa1\xc3\xa1\xa9", 0, MAX_DEPTH)
+    with pytest.raises(ValueError, match="UTF-8"):
+        check_packed(b"\x92\xa1\xa9\xa1a", 0, MAX_DEPTH)  # a lone continuation byte
+    check_packed(msgpack.packb(["é", "ü" * 40, "x"]), 0, MAX_DEPTH)
+
+
+def test_many_short_strings_check_in_flat_memory() -> None:
+    n = 1 << 16
+    data = b"\xdd" + n.to_bytes(4, "big") + b"\xa1x" * n
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        check_packed(data, 0, MAX_DEPTH)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert peak < 128 << 10  # not a per-string allocation (the strings are 128 KiB)
