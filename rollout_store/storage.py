@@ -566,6 +566,8 @@ class _Loader:
             at_start = tail[turn.body_start - len(ECHO_PACKED) : turn.body_start] == ECHO_PACKED
             if info.echoes != echo or (echo and (turn.base is None or not at_start)):
                 raise ValueError("misplaced echo in a request tail")
+            if echo and turn.base is not None and turn.base.response is None:
+                raise ValueError("an echo of a base turn that has no response")
             _flags_cover(flags, info, TurnFlag.TAIL_REFS, TurnFlag.TAIL_SPECIAL, "request tail")
         if system is not None and not self.value_is_list[system]:
             raise ValueError("system messages must be an array")
