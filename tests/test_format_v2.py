@@ -465,3 +465,23 @@ def test_a_crafted_record_of_many_containers_is_refused_before_decoding(tmp_path
         tracemalloc.stop()
     assert not report.ok and "more containers" in (report.error or "")
     assert peak <= 4 * size
+
+
+def test_cli_verify_names_a_torn_tail_or_the_next_intact_frame(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "log.rls"
+    small_graph(path).close()
+    data = path.read_bytes()
+    starts = frame_offsets(data)
+    path.write_bytes(data[:-3])
+    assert cli_main(["verify", str(path)]) == 1
+    assert "torn tail" in capsys.readouterr().err
+    changed = bytearray(data)
+    changed[starts[2] + HEADER.size] ^= 0xFF  # a middle frame's payload
+    path.write_bytes(bytes(changed))
+    assert cli_main(["verify", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"next intact frame starts at offset {starts[3]}" in err
+    report = storage.verify(path)
+    assert report.resync_offset == starts[3] and not report.truncated
