@@ -42,8 +42,7 @@ def _list_views(graph: Any) -> None:
 
 def _build_all(graph: Any) -> None:
     built = [
-        (n.request_messages, n.response_message, n.prompt_ids, n.sampled_ids)
-        for n in graph.nodes()
+        (n.request_messages, n.response_message, n.prompt_ids, n.sampled_ids) for n in graph.nodes()
     ]
     assert len(built) == len(graph)
 
