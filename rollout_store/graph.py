@@ -19,11 +19,11 @@ import xxhash
 from .blobs import BlobTable
 from .encoding import unpack
 from .errors import DuplicateNodeError, InvalidValueError, RolloutStoreError
-from .intake import Encoder, real_numbers
-from .linking import Linking
+from .intake import real_numbers
+from .linking import Linker
 from .nodes import common_prefix_len
-from .requests import RequestStore
-from .tokens import BLOCK, run_list
+from .requests import RequestStore, Scratch
+from .tokens import run_list
 from .training import TrainingSequence
 from .turns import (
     EMPTY_PROMPT,
@@ -33,23 +33,18 @@ from .turns import (
     LINK_NONE,
     LINK_TOKENS,
     LOGPROBS_PACKED,
-    NO_MESSAGES,
     SCALAR_NAMES,
     IndexKeys,
     LinkKind,
-    Scratch,
     Turn,
     TurnMeta,
     TurnNode,
     add_child,
-    index_add,
     index_members,
     is_above,
-    new_packer,
     request_key,
     seg_list,
 )
-from .values import ValueTable
 from .views import NodeView
 
 __all__ = [
@@ -104,7 +99,7 @@ class Journal(Protocol):
     def close(self) -> None: ...
 
 
-class Graph(RequestStore, Linking):
+class Graph:
     """Turns of one or many rollouts, with memory proportional to unique content.
 
     `share_threshold`: strings of at least this many characters are stored once in the
@@ -121,23 +116,11 @@ class Graph(RequestStore, Linking):
         ):
             raise ValueError("share_threshold must be a positive int or None")
         self.share_threshold = share_threshold
-        self._blobs = BlobTable()
-        # a reusable packer (packb builds one per call); used under the lock only, and
-        # replaced after each turn so a large message's buffer is not kept
-        self._pack_plain = new_packer()
-        self._encoder = Encoder(self._blobs, share_threshold)
-        self._canonical = Encoder(None, None)  # plain packing by the validating walk
-        self._values = ValueTable(self._expand, share_threshold)
         self._turns: list[Turn] = []
         self._blob_marks = array("I")  # blobs stored once each turn was committed, for save
         self._by_id: dict[str, Turn] = {}
         self._meta: dict[TurnMeta, TurnMeta] = {}
-        self._request_index: dict[int, Any] = {}  # digest of non-system request -> turn(s)
-        self._token_index: dict[int, Any] = {}  # block digest of prompt+sampled -> turn(s)
-        self._prompt_index: dict[int, Any] = {}  # digest of a whole prompt -> TokenRun(s)
-        self._token_roots: dict[int, Any] = {}  # block digests of token roots' prompts
-        self._short_lengths: set[int] = set()  # lengths under one block that turns have
-        self._message_roots: dict[int, Any] = {}  # request keys of message roots' prefixes
+        self._use_blobs(BlobTable())
         self._lock = threading.RLock()
         self._journal: Journal | None = None  # the file an appending graph writes to
         self._closed = False  # the file behind an appending graph was closed
@@ -162,8 +145,13 @@ class Graph(RequestStore, Linking):
         with self._lock:
             if self._turns or len(self._blobs):
                 raise ValueError("the blob table of a graph that holds turns cannot change")
-            self._blobs = table
-            self._encoder = Encoder(table, self.share_threshold)
+            self._use_blobs(table)
+
+    def _use_blobs(self, table: BlobTable) -> None:
+        """Own `table` and the parts built on it (the graph is empty)."""
+        self._blobs = table
+        self._requests = RequestStore(table, self.share_threshold)  # messages and values
+        self._linker = Linker(self._requests, self._turns)  # parents and adoptions
 
     # ------------------------------------------------------------------ the file door
     # The file layer (`storage`) sits above this module and drives it through these:
@@ -221,11 +209,12 @@ class Graph(RequestStore, Linking):
     def _inverted_keys(self) -> list[IndexKeys]:
         """Each turn's index keys (request, token, prompt, root prefixes)."""
         keys: list[list[Any]] = [[None, None, None, None] for _ in self._turns]
-        for slot, index in ((0, self._request_index), (1, self._token_index)):
+        linker = self._linker
+        for slot, index in ((0, self._requests.request_index), (1, linker.token_index)):
             for key, found in index.items():
                 for turn in index_members(found):
                     keys[turn.index][slot] = key
-        for key, found in self._message_roots.items():
+        for key, found in linker.message_roots.items():
             for turn in index_members(found):
                 root_keys = keys[turn.index][3]
                 if root_keys is None:
@@ -233,7 +222,7 @@ class Graph(RequestStore, Linking):
                 root_keys.append(key)
         prompt_keys = {
             id(run): key
-            for key, found in self._prompt_index.items()
+            for key, found in linker.prompt_index.items()
             for run in index_members(found)
         }
         for turn in self._turns:
@@ -271,7 +260,9 @@ class Graph(RequestStore, Linking):
                 turn, scratch = self._prepare(node)
                 # a turn never moves under its own descendant (no cycles, whatever links)
                 scratch.moves = [
-                    move for move in self._find_moves(turn, scratch) if not is_above(move[0], turn)
+                    move
+                    for move in self._linker.find_moves(turn, scratch)
+                    if not is_above(move[0], turn)
                 ]
                 keys = scratch.keys()
                 journal = self._journal
@@ -283,7 +274,7 @@ class Graph(RequestStore, Linking):
                 self.blobs.rollback(mark)
                 raise
             finally:
-                self._pack_plain = new_packer()
+                self._requests.reset_packer()
             self._commit(turn, keys, scratch.moves, scratch.pending)
             # as the capture graph does: the node given gets its place in the graph
             node.index = turn.index
@@ -320,12 +311,14 @@ class Graph(RequestStore, Linking):
                 f"expected a non-negative int below 2**63 or None, got {n_tools!r}", "n_tools"
             )
 
-        self._prepare_tokens(turn, node, scratch)
-        system_plain = self._prepare_request(turn, node, scratch)
-        turn.response = self._encode_response(node.response_message, turn)
-        turn.tools = self._shared_value(node.request_tools, "request_tools", pending)
-        turn.sampling = self._shared_value(node.sampling_params, "sampling_params", pending)
-        turn.requested = self._shared_value(
+        requests, linker = self._requests, self._linker
+        linker.prepare_tokens(turn, node, scratch)
+        system_plain = requests.prepare(turn, node, scratch)
+        linker.prepare_messages(node, scratch)
+        turn.response = requests.encode_response(node.response_message, turn)
+        turn.tools = requests.shared_value(node.request_tools, "request_tools", pending)
+        turn.sampling = requests.shared_value(node.sampling_params, "sampling_params", pending)
+        turn.requested = requests.shared_value(
             node.requested_sampling_params, "requested_sampling_params", pending
         )
 
@@ -334,9 +327,9 @@ class Graph(RequestStore, Linking):
         system_digest = node.system_digest
         if system_digest is None and system_plain is not None:
             system_digest = xxhash.xxh3_128_hexdigest(system_plain)
-        turn.meta = TurnMeta(  # interned at commit
-            node.model, node.finish_reason, node.harness_session_id, system_digest, n_tools
-        )
+        meta = (node.model, node.finish_reason, node.harness_session_id, system_digest, n_tools)
+        # the graph's interned TurnMeta when there is one (most turns), else a new one
+        turn.meta = self._meta.get(meta) or TurnMeta._make(meta)  # type: ignore[call-overload]
 
         # Linking: an explicit parent wins, then tokens, then messages.
         if explicit is not None:
@@ -347,9 +340,10 @@ class Graph(RequestStore, Linking):
             turn.parent, turn.link = scratch.message_parent, LINK_MESSAGES
         else:
             turn.parent, turn.link = None, LINK_NONE
-            plains = scratch.rest_plains
-            if plains is not None and turn.prompt is None:
+            request = scratch.request
+            if request is not None and request.n_valid == len(request.plains) and not turn.prompt:
                 # every shorter prefix, the empty one too (a request of system messages only)
+                plains = request.plains
                 scratch.root_keys = [request_key(plains, m) for m in range(len(plains))]
         return turn, scratch
 
@@ -375,28 +369,20 @@ class Graph(RequestStore, Linking):
         moves: list[tuple[Turn, LinkKind]],
         pending: list[tuple[bytes, bytes]] | tuple[()] = (),
     ) -> None:
-        for plain, stored in pending:
-            self._values.add(plain, stored)
+        self._requests.add_values(pending)
         turn.meta = self._meta.setdefault(turn.meta, turn.meta)
         self._turns.append(turn)
         self._blob_marks.append(len(self.blobs))
         self._by_id[turn.node_id] = turn
         if turn.parent is not None:
             add_child(turn.parent, turn)
-        if keys.request is not None and not turn.flags & NO_MESSAGES:
-            index_add(self._request_index, keys.request, turn)
-        if keys.token is not None and turn.full is not None and turn.full.length:
-            index_add(self._token_index, keys.token, turn)
-            if turn.full.length < BLOCK:
-                self._short_lengths.add(turn.full.length)
-        if keys.prompt is not None and turn.prompt is not None:
-            members = index_members(self._prompt_index.get(keys.prompt))
-            if not any(m is turn.prompt for m in members):
-                index_add(self._prompt_index, keys.prompt, turn.prompt)
+        self._requests.file(turn, keys.request)
+        linker = self._linker
+        linker.file(turn, keys.token, keys.prompt)
         for other, link in moves:
-            self._move(other, turn, link)
+            linker.move(other, turn, link)
         if turn.parent is None:
-            self._register_root(turn, keys.roots)
+            linker.register_root(turn, keys.roots)
 
     # ------------------------------------------------------------------ materialize
 
@@ -405,7 +391,7 @@ class Graph(RequestStore, Linking):
         if lp is None:
             return None
         if turn.flags & LOGPROBS_PACKED:
-            return unpack(lp, self.blobs.string)
+            return unpack(lp, self._blobs.string)
         return lp.tolist()
 
     def _view(self, turn: Turn) -> TurnNode:
@@ -441,28 +427,28 @@ class Graph(RequestStore, Linking):
 
     @_locked
     def get(self, node_id: str) -> TurnNode:
-        """The turn rebuilt from storage: fresh containers, equal to what was recorded."""
+        """A read-only view of the turn; each field is rebuilt from storage as it is read."""
         return self._view(self._turn(node_id))
 
     @_locked
     def request_messages(self, node_id: str) -> list[Any] | tuple[Any, ...] | None:
-        return self._request_messages(self._turn(node_id))
+        return self._requests.messages(self._turn(node_id))
 
     @_locked
     def response_message(self, node_id: str) -> Any:
-        return self._value(self._turn(node_id).response)
+        return self._requests.value(self._turn(node_id).response)
 
     @_locked
     def request_tools(self, node_id: str) -> Any:
-        return self._value(self._turn(node_id).tools)
+        return self._requests.value(self._turn(node_id).tools)
 
     @_locked
     def sampling_params(self, node_id: str) -> Any:
-        return self._value(self._turn(node_id).sampling)
+        return self._requests.value(self._turn(node_id).sampling)
 
     @_locked
     def requested_sampling_params(self, node_id: str) -> Any:
-        return self._value(self._turn(node_id).requested)
+        return self._requests.value(self._turn(node_id).requested)
 
     @_locked
     def summary(self, node_id: str) -> dict[str, Any]:
@@ -606,8 +592,8 @@ class Graph(RequestStore, Linking):
     def _prompt_identity(self, turn: Turn) -> Any:
         if turn.prompt is not None:
             return ("tokens", tuple(run_list(turn.prompt)))
-        messages = self._request_messages(turn)
-        return ("messages", self._plain(messages) if messages else b"")
+        messages = self._requests.messages(turn)
+        return ("messages", self._requests.plain(messages) if messages else b"")
 
     @_locked
     def sequence_for(self, node_id: str) -> TrainingSequence:
@@ -665,7 +651,7 @@ class Graph(RequestStore, Linking):
             return None
         if not turn.flags & LOGPROBS_PACKED:
             return lp.tolist() if len(lp) == n else None
-        values = unpack(lp, self.blobs.string)
+        values = unpack(lp, self._blobs.string)
         if isinstance(values, list) and len(values) == n and real_numbers(values):
             return values
         return None
@@ -711,7 +697,7 @@ class Graph(RequestStore, Linking):
             "n_discarded": len(self.discarded_ids()),
             "messages_received": messages_received,
             "message_bytes_stored": sum(len(t.tail) for t in self._turns),
-            "shared_values": len(self._values),
+            "shared_values": len(self._requests.values),
             "tokens_received": tokens_received,
             "tokens_stored": stored_tokens,
         }
@@ -741,9 +727,10 @@ class GraphRestorer:
     def add_value(self, stored: bytes, special: bool) -> None:
         """A shared value read back: found again by its plain packing unless `special`."""
         graph = self._graph
-        plain = None if special else graph._expand(stored)
-        if plain is not None and graph._values.find(plain) is None:
-            graph._values.add(plain, stored)
+        requests = graph._requests
+        plain = None if special else requests.expand(stored)
+        if plain is not None and requests.values.find(plain) is None:
+            requests.values.add(plain, stored)
 
     def meta(self, meta: TurnMeta) -> TurnMeta:
         """The graph's interned copy of `meta`."""
@@ -758,9 +745,9 @@ _FIELDS: dict[str, Callable[[Graph, Turn], Any]] = {
     "prompt_ids": Graph._prompt_ids,
     "sampled_ids": lambda g, t: seg_list(t.sampled),
     "sampled_logprobs": Graph._logprobs,
-    "request_messages": Graph._request_messages,
-    "request_tools": lambda g, t: g._value(t.tools),
-    "sampling_params": lambda g, t: g._value(t.sampling),
-    "requested_sampling_params": lambda g, t: g._value(t.requested),
-    "response_message": lambda g, t: g._value(t.response),
+    "request_messages": lambda g, t: g._requests.messages(t),
+    "request_tools": lambda g, t: g._requests.value(t.tools),
+    "sampling_params": lambda g, t: g._requests.value(t.sampling),
+    "requested_sampling_params": lambda g, t: g._requests.value(t.requested),
+    "response_message": lambda g, t: g._requests.value(t.response),
 }

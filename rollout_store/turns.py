@@ -36,7 +36,6 @@ __all__ = [
     "RESPONSE_REFS",
     "RESPONSE_SPECIAL",
     "SCALAR_NAMES",
-    "Scratch",
     "TAIL_ECHO",
     "TAIL_REFS",
     "TAIL_SLOW",
@@ -118,42 +117,6 @@ EMPTY_PROMPT = 512  # prompt_ids was an empty list: no token ids (turn.prompt is
 #: Token roots are also found by their first 16, 32 or 48 tokens (for continuations of
 #: turns with fewer than BLOCK tokens).
 HEADS = (16, 32, 48)
-
-
-class Scratch:
-    """What add_turn works out before committing a turn; dropped afterwards."""
-
-    __slots__ = (
-        "full_data",
-        "message_parent",
-        "moves",
-        "pending",
-        "prompt_key",
-        "request_digest",
-        "rest_plains",
-        "root_keys",
-        "token_key",
-        "token_parent",
-        "twins",
-    )
-
-    def __init__(self) -> None:
-        self.pending: list[tuple[bytes, bytes]] = []
-        self.token_parent: Turn | None = None
-        self.full_data: bytes | None = None  # prompt + sampled as array('I') bytes
-        self.token_key: int | None = None  # block digest of prompt+sampled at its last block
-        self.prompt_key: int | None = None
-        self.message_parent: Turn | None = None
-        self.request_digest: int | None = None
-        # keys of this request's shorter prefixes, under which it waits as a message root
-        # for an earlier turn that arrives late
-        self.root_keys: list[int] | None = None
-        self.rest_plains: list[bytes | None] | None = None
-        self.twins: list[Turn] = []  # stored turns with exactly this request, and children
-        self.moves: list[tuple[Turn, LinkKind]] = []
-
-    def keys(self) -> IndexKeys:
-        return IndexKeys(self.request_digest, self.token_key, self.prompt_key, self.root_keys)
 
 
 class Turn:
