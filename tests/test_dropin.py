@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
+import pydantic
 import pytest
 from support import chat_turns, fresh
 
@@ -286,7 +288,6 @@ def test_misaligned_or_non_numeric_logprobs_are_context(logprobs):
 
 
 def test_numpy_token_fields_come_back_as_plain_lists():
-    np = pytest.importorskip("numpy")
     graph = RolloutGraph()
     graph.add_turn(
         TurnNode(
@@ -315,7 +316,6 @@ def test_numpy_token_fields_come_back_as_plain_lists():
 
 
 def test_numpy_token_array_of_two_dimensions_is_refused():
-    np = pytest.importorskip("numpy")
     graph = RolloutGraph()
     with pytest.raises(InvalidValueError) as err:
         graph.add_turn(
@@ -329,7 +329,6 @@ def test_numpy_token_array_of_two_dimensions_is_refused():
 
 
 def test_a_pydantic_model_in_a_message_names_the_path_and_the_fix():
-    pydantic = pytest.importorskip("pydantic")
 
     class ToolCall(pydantic.BaseModel):
         name: str
@@ -351,7 +350,6 @@ def test_a_pydantic_model_in_a_message_names_the_path_and_the_fix():
 
 @pytest.mark.parametrize("field", ["response_message", "sampling_params", "request_tools"])
 def test_a_numpy_value_in_a_json_field_names_the_path_and_the_fix(field):
-    np = pytest.importorskip("numpy")
     value = {"x": [1, np.int64(3)]}
     graph = RolloutGraph()
     with pytest.raises(InvalidValueError) as err:
@@ -362,7 +360,6 @@ def test_a_numpy_value_in_a_json_field_names_the_path_and_the_fix(field):
 
 
 def test_a_numpy_array_in_a_json_field_suggests_tolist():
-    np = pytest.importorskip("numpy")
     graph = RolloutGraph()
     with pytest.raises(InvalidValueError) as err:
         graph.add_turn(tok("a", [1], [2], response_message={"embedding": np.zeros(3)}))
