@@ -399,3 +399,26 @@ def test_files_keep_requested_sampling_params_and_empty_prompts(tmp_path):
         live.add_turn(eval_turn("b", fresh(second), "done"))
     reopened = RolloutGraph.load(tmp_path / "live.rls")
     assert reopened.parent("b") == "a" and reopened.get("b").prompt_ids == []
+
+
+def test_files_written_before_requested_sampling_params_still_load(tmp_path, monkeypatch):
+    """Turn records of 18 fields (no requested_sampling_params) read back with it as None."""
+    from rollout_store import storage
+
+    original = storage.pack
+
+    def pack_18_fields(value: object) -> bytes:
+        if isinstance(value, list) and len(value) == 19 and isinstance(value[0], str):
+            value = value[:18]
+        return original(value)
+
+    graph = RolloutGraph()
+    graph.add_turn(tok("a", [1, 2], [3], sampling_params={"temperature": 1}))
+    path = tmp_path / "old.rls"
+    monkeypatch.setattr(storage, "pack", pack_18_fields)
+    graph.save(path)
+    monkeypatch.undo()
+    loaded = RolloutGraph.load(path)
+    assert loaded.get("a").requested_sampling_params is None
+    assert json.dumps(loaded.get("a").sampling_params) == '{"temperature": 1}'
+    assert loaded.get("a").prompt_ids == [1, 2]
