@@ -422,3 +422,75 @@ def test_files_written_before_requested_sampling_params_still_load(tmp_path, mon
     assert loaded.get("a").requested_sampling_params is None
     assert json.dumps(loaded.get("a").sampling_params) == '{"temperature": 1}'
     assert loaded.get("a").prompt_ids == [1, 2]
+
+
+# ---------------------------------------------------------------- what a capture server does
+
+
+def _captured(chat_request: dict, response: dict, index: int) -> TurnNode:
+    """A node built the way the capture server builds one (`... or []`, `... or {}`)."""
+    choice = response["choices"][0]
+    logprobs = [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
+    return TurnNode(
+        node_id=f"call-{index}",
+        prompt_ids=list(response.get("prompt_token_ids") or []),
+        sampled_ids=list(choice.get("token_ids") or []),
+        sampled_logprobs=list(logprobs) if logprobs else None,
+        model=chat_request.get("model"),
+        finish_reason=choice.get("finish_reason"),
+        n_tools=len(chat_request.get("tools") or []),
+        request_messages=chat_request.get("messages") or [],
+        request_tools=chat_request.get("tools"),
+        sampling_params={"temperature": 1},
+        requested_sampling_params={},
+        response_message=choice.get("message") or {},
+    )
+
+
+def test_a_hosted_provider_conversation_is_one_eval_thread():
+    from rollout_store import export_session
+
+    graph = RolloutGraph()
+    messages: list = [{"role": "user", "content": "go"}]
+    for k in range(4):
+        reply = {"choices": [{"message": {"content": f"step {k}"}, "finish_reason": "stop"}]}
+        request = {"model": "m", "messages": fresh(messages)}
+        graph.add_turn(_captured(request, reply, k))
+        assert graph.stats()["n_turns"] == k + 1
+        messages += [
+            {"role": "assistant", "content": f"step {k}"},
+            {"role": "user", "content": "r"},
+        ]
+    assert graph.stats()["n_roots"] == 1 and len(graph.sequences()) == 1
+    doc = export_session(graph, capture_level="text", session_id="s", metadata={})
+    assert doc["rollout_type"] == "eval" and doc["trainable"] is False
+    assert not [f for f in doc["validation"] if f.startswith("[FATAL")]
+    assert [s["node_ids"] for s in doc["sequences"]] == [[f"call-{k}" for k in range(4)]]
+
+
+def test_a_vllm_rollout_trains_every_turn():
+    from rollout_store import export_session
+
+    graph = RolloutGraph()
+    tools = [{"type": "function", "function": {"name": "bash"}}]
+    prompt = [1, 2, 3]
+    for k in range(3):
+        sampled = [100 + k, 200 + k]
+        reply = {
+            "prompt_token_ids": list(prompt),
+            "choices": [
+                {
+                    "message": {"role": "assistant", "content": f"step {k}"},
+                    "token_ids": sampled,
+                    "logprobs": {"content": [{"logprob": -0.5}, {"logprob": 0}]},
+                    "finish_reason": "stop",
+                }
+            ],
+        }
+        graph.add_turn(_captured({"model": "m", "messages": [], "tools": tools}, reply, k))
+        prompt = prompt + sampled + [900 + k]
+    doc = export_session(graph)
+    (row,) = doc["sequences"]
+    assert row["role"] == "agent" and row["trainable"] is True
+    assert row["turn_lengths"] == [2, 2, 2] and doc["stats"]["n_trainable_tokens"] == 6
+    assert doc["trainable"] is True
