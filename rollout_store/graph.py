@@ -17,12 +17,14 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import xxhash
 
 from .blobs import BlobTable
+from .content import ContentStore, StringCache
 from .encoding import unpack
 from .errors import DuplicateNodeError, InvalidValueError, RolloutStoreError
 from .intake import real_numbers
 from .linking import Linker
 from .nodes import common_prefix_len
 from .requests import RequestStore, Scratch
+from .shared_blobs import StoreBlobTable
 from .tokens import run_list
 from .training import TrainingSequence
 from .turns import (
@@ -108,19 +110,32 @@ class Graph:
 
     This is the in-memory graph; `RolloutGraph` (in `storage`, the layer above) adds
     `save`, `load` and `open`.
+
+    `store`: a `ContentStore` shared with other graphs, processes or machines; the graph's
+    long strings are kept there and the graph holds references (see `shared_blobs`).
+    Without it the graph owns a private in-memory blob table. `cache`: the `StringCache` of
+    strings read from an out-of-process store (share one between graphs to bound them all;
+    default: a private cache of `shared_blobs.DEFAULT_GRAPH_CACHE_BYTES`).
     """
 
-    def __init__(self, share_threshold: int | None = 1024) -> None:
+    def __init__(
+        self,
+        share_threshold: int | None = 1024,
+        *,
+        store: ContentStore | None = None,
+        cache: StringCache | None = None,
+    ) -> None:
         if share_threshold is not None and (
             not isinstance(share_threshold, int) or share_threshold < 1
         ):
             raise ValueError("share_threshold must be a positive int or None")
         self.share_threshold = share_threshold
+        self.store = store
         self._turns: list[Turn] = []
         self._blob_marks = array("I")  # blobs stored once each turn was committed, for save
         self._by_id: dict[str, Turn] = {}
         self._meta: dict[TurnMeta, TurnMeta] = {}
-        self._use_blobs(BlobTable())
+        self._use_blobs(BlobTable() if store is None else StoreBlobTable(store, cache))
         self._lock = threading.RLock()
         self._journal: Journal | None = None  # the file an appending graph writes to
         self._closed = False  # the file behind an appending graph was closed
@@ -145,6 +160,7 @@ class Graph:
         with self._lock:
             if self._turns or len(self._blobs):
                 raise ValueError("the blob table of a graph that holds turns cannot change")
+            self.store = table.store if isinstance(table, StoreBlobTable) else None
             self._use_blobs(table)
 
     def _use_blobs(self, table: BlobTable) -> None:
@@ -275,7 +291,7 @@ class Graph:
                 raise
             finally:
                 self._requests.reset_packer()
-            self._commit(turn, keys, scratch.moves, scratch.pending)
+            self._commit(turn, keys, scratch.moves, scratch.pending, scratch.tail_key)
             # as the capture graph does: the node given gets its place in the graph
             node.index = turn.index
             node.parent_id = turn.parent.node_id if turn.parent is not None else None
@@ -314,7 +330,7 @@ class Graph:
         requests, linker = self._requests, self._linker
         linker.prepare_tokens(turn, node, scratch)
         system_plain = requests.prepare(turn, node, scratch)
-        linker.prepare_messages(node, scratch)
+        linker.prepare_messages(turn, node, scratch)
         turn.response = requests.encode_response(node.response_message, turn)
         turn.tools = requests.shared_value(node.request_tools, "request_tools", pending)
         turn.sampling = requests.shared_value(node.sampling_params, "sampling_params", pending)
@@ -368,8 +384,11 @@ class Graph:
         keys: IndexKeys,
         moves: list[tuple[Turn, LinkKind]],
         pending: list[tuple[bytes, bytes]] | tuple[()] = (),
+        tail_key: bytes | None = None,
     ) -> None:
         self._requests.add_values(pending)
+        if tail_key is not None:
+            self._requests.add_tail_key(turn.index, tail_key)
         turn.meta = self._meta.setdefault(turn.meta, turn.meta)
         self._turns.append(turn)
         self._blob_marks.append(len(self.blobs))
@@ -724,11 +743,11 @@ class GraphRestorer:
         """The stored turn at `index` (arrival order); the caller checks the range."""
         return self._graph._turns[index]
 
-    def add_value(self, stored: bytes, special: bool) -> None:
-        """A shared value read back: found again by its plain packing unless `special`."""
+    def add_value(self, stored: bytes, plain: bytes | None) -> None:
+        """A shared value read back, found again by its plain packing (every string inline;
+        the reader splices it from the stored bytes), or never found again if None."""
         graph = self._graph
         requests = graph._requests
-        plain = None if special else requests.expand(stored)
         if plain is not None and requests.values.find(plain) is None:
             requests.values.add(plain, stored)
 

@@ -154,7 +154,7 @@ class Linker:
 
     # ------------------------------------------------------------------ messages
 
-    def prepare_messages(self, node: TurnNode, scratch: Scratch) -> None:
+    def prepare_messages(self, turn: Turn, node: TurnNode, scratch: Scratch) -> None:
         """Find the parent by messages (for a turn without token ids or explicit parent),
         and the stored turns with exactly this request (their continuations may move)."""
         request = scratch.request
@@ -165,8 +165,7 @@ class Linker:
             scratch.twins = [
                 c for c in request.stored_prefixes(len(rest)) if c.children and request.extends(c)
             ]
-        # no token ids: none given, or an empty list (prompt_ids was validated already)
-        if node.parent_id is None and (node.prompt_ids is None or not len(node.prompt_ids)):
+        if node.parent_id is None and turn.prompt is None:  # no token ids
             scratch.message_parent = self._message_parent(request)
 
     def _message_parent(self, request: FreshRequest) -> Turn | None:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from .blobs import BlobTable
+from .content import content_key
 from .encoding import NotPackable, array_header, unpack
 from .errors import InvalidValueError
 from .intake import Encoder
@@ -57,6 +58,7 @@ class Scratch:
         "request",
         "request_digest",
         "root_keys",
+        "tail_key",
         "token_key",
         "token_parent",
         "twins",
@@ -74,6 +76,7 @@ class Scratch:
         # for an earlier turn that arrives late
         self.root_keys: list[int] | None = None
         self.request: FreshRequest | None = None  # its non-system messages, if any
+        self.tail_key: bytes | None = None  # SHA-256 of the tail's plain packings
         self.twins: list[Turn] = []  # stored turns with exactly this request, and children
         self.moves: list[tuple[Turn, LinkKind]] = []  # earlier turns it adopts
 
@@ -128,7 +131,15 @@ class RequestStore:
     what it stores. Not thread-safe: the graph uses it under its lock.
     """
 
-    __slots__ = ("_canonical", "_encoder", "_pack_plain", "blobs", "request_index", "values")
+    __slots__ = (
+        "_canonical",
+        "_encoder",
+        "_pack_plain",
+        "blobs",
+        "request_index",
+        "tail_keys",
+        "values",
+    )
 
     def __init__(self, blobs: BlobTable, share_threshold: int | None) -> None:
         self.blobs = blobs
@@ -137,7 +148,11 @@ class RequestStore:
         self._pack_plain = new_packer()
         self._encoder = Encoder(blobs, share_threshold)
         self._canonical = Encoder(None, None)  # plain packing by the validating walk
-        self.values = ValueTable(self.expand, share_threshold)
+        # over an out-of-process store: tails and values holding blob references are matched
+        # by the SHA-256 of their plain packings (turn index -> digest), never by fetching
+        fetches = blobs.fetches
+        self.tail_keys: dict[int, bytes] | None = {} if fetches else None
+        self.values = ValueTable(self.expand, share_threshold, hashed=fetches)
         self.request_index: dict[int, Any] = {}  # digest of non-system request -> turn(s)
 
     def reset_packer(self) -> None:
@@ -187,6 +202,8 @@ class RequestStore:
             packed = [self.encode(items[0], path)]
         stored = header + b"".join(b for b, _ in packed)
         if plain is not None and not any(special for _, special in packed):
+            if stored == plain:  # no blob references: other graphs may share it
+                stored = self.blobs.share_packed(stored)
             pending.append((plain, stored))
         return stored
 
@@ -199,6 +216,11 @@ class RequestStore:
         """Remember the shared values a committed turn stored first."""
         for plain, stored in pending:
             self.values.add(plain, stored)
+
+    def add_tail_key(self, index: int, key: bytes) -> None:
+        """Remember the digest a committed turn's tail is matched by (see `tail_keys`)."""
+        if self.tail_keys is not None:
+            self.tail_keys[index] = key
 
     def prepare(self, turn: Turn, node: TurnNode, scratch: Scratch) -> bytes | None:
         """Store the request as system part + base turn + tail; return the system plain.
@@ -246,7 +268,7 @@ class RequestStore:
         scratch.request = request
         if request.n_valid == len(request.messages):
             scratch.request_digest = request_key(request.plains, request.n_valid)
-        self._store_tail(turn, request, self._base(request), n_sys)
+        self._store_tail(turn, request, self._base(request), n_sys, scratch)
         return system_plain
 
     def _base(self, request: FreshRequest) -> Turn | None:
@@ -257,7 +279,9 @@ class RequestStore:
                     return candidate
         return None
 
-    def _store_tail(self, turn: Turn, request: FreshRequest, base: Turn | None, n_sys: int) -> None:
+    def _store_tail(
+        self, turn: Turn, request: FreshRequest, base: Turn | None, n_sys: int, scratch: Scratch
+    ) -> None:
         """Pack the messages after the base's (the echo of its response as a placeholder)."""
         rest, rest_plains = request.messages, request.plains
         start = base.n_rest if base is not None else 0
@@ -274,6 +298,12 @@ class RequestStore:
             if special:
                 turn.flags |= TAIL_SPECIAL
             pieces.append(packed)
+        if self.tail_keys is not None and turn.flags & TAIL_REFS:
+            # its strings are out of the process: match it later by the SHA-256 of its plain
+            # packings rather than by fetching them
+            body = rest_plains[start + (1 if turn.flags & TAIL_ECHO else 0) :]
+            if None not in body:
+                scratch.tail_key = content_key(b"".join(body))  # type: ignore[arg-type]
         turn.base = base
         turn.tail = array_header(len(pieces)) + b"".join(pieces)
         turn.n_rest = len(rest)
@@ -367,7 +397,14 @@ class RequestStore:
             if i >= end or base is None or not self.is_echo(base, messages[i], plains[i]):
                 return False
             i += 1
-        if turn.flags & TAIL_REFS:
+        key = self.tail_keys.get(turn.index) if self.tail_keys is not None else None
+        if key is not None:
+            try:
+                if content_key(b"".join(plains[i:end])) != key:  # type: ignore[arg-type]
+                    return False
+            except TypeError:  # a message with no plain packing
+                return False
+        elif turn.flags & TAIL_REFS:
             # blob references: rebuild the values (blobs are the table's own strings, no
             # copy) and pack them with every string inline, then compare bytes
             try:
