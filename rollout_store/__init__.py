@@ -18,12 +18,13 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .export import export_session, iter_turn_records, write_session_json, write_trace_jsonl
-from .graph import Graph, TurnNode
+from .graph import Graph, TurnNode, common_prefix_len
 from .intake import MAX_DEPTH
 from .redis_store import RedisStore
 from .s3_store import S3Store
 from .storage import RolloutGraph
 from .stores import DirectoryStore, MemoryStore
+from .training import TrainingSequence
 
 __all__ = [
     "MAX_DEPTH",
@@ -51,8 +52,10 @@ __all__ = [
     "InvalidValueError",
     "RolloutGraph",
     "RolloutStoreError",
+    "TrainingSequence",
     "TurnNode",
     "UnsupportedVersionError",
+    "common_prefix_len",
     "export_session",
     "iter_turn_records",
     "write_session_json",
