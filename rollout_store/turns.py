@@ -176,7 +176,7 @@ def short_key(data: bytes, n_tokens: int) -> int:
 
 def new_packer() -> Callable[[Any], bytes]:
     packer = msgpack.Packer(
-        use_bin_type=True, strict_types=True, default=plain_default, buf_size=512
+        use_bin_type=True, strict_types=True, default=plain_default, buf_size=256
     )
     return packer.pack
 
