@@ -196,7 +196,7 @@ def test_a_tampered_object_is_detected_never_returned(tmp_path: Path) -> None:
     name = key.hex()
     (store.path / name[:2] / name[2:]).write_bytes(image[:-1].encode() + b"X")
     with pytest.raises(CorruptObjectError) as info:
-        graph.request_messages("t0")
+        graph.request_messages("t0")  # views read their fields when asked, so read one
     assert info.value.expected == key and name in str(info.value)
     (store.path / name[:2] / name[2:]).unlink()
     with pytest.raises(MissingObjectError):
