@@ -305,7 +305,7 @@ def test_redis_stopped_and_restarted_mid_rollout(own_redis: RedisServer) -> None
     assert snapshot(graph) == before  # cached strings still read; nothing changed
     cache.clear()
     with pytest.raises(StoreUnavailableError):  # reads retry, then fail clearly
-        graph.get("t0")
+        graph.request_messages("t0")
 
     own_redis.start()  # same port, same append-only file: earlier objects are back
     graph.add_turn(TurnNode(node_id="t3", **turns[3]))
