@@ -23,6 +23,7 @@ from . import framing
 from .atomic import fsync_dir, lock_log, replace_file
 from .blobs import BlobTable, content_digest
 from .content import ContentStore, StringCache
+from .encoding import ECHO_PACKED
 from .errors import (
     ChecksumMismatch,
     CorruptFileError,
@@ -59,27 +60,8 @@ from .graph import Graph, GraphRestorer, JournalEntry
 from .intake import MAX_DEPTH, token_array
 from .packed import PackedInfo, check_packed, splice_blobs
 from .shared_blobs import StoreBlobTable
+from .stored import IndexKeys, LinkKind, Turn, TurnFlag, TurnMeta, finish_tail, full_run, is_above
 from .tokens import TokenRun, run_list
-from .turns import (
-    ECHO_PACKED,
-    EMPTY_PROMPT,
-    LOGPROBS_PACKED,
-    MESSAGES_TUPLE,
-    NO_MESSAGES,
-    RESPONSE_REFS,
-    RESPONSE_SPECIAL,
-    TAIL_ECHO,
-    TAIL_REFS,
-    TAIL_SLOW,
-    TAIL_SPECIAL,
-    IndexKeys,
-    LinkKind,
-    Turn,
-    TurnMeta,
-    finish_tail,
-    full_run,
-    is_above,
-)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -135,18 +117,18 @@ class TurnRecord(NamedTuple):
 
 
 #: Bits of Turn.flags that are derived on load, never written.
-_DERIVED_FLAGS = TAIL_SLOW
-#: Bits a turn record's flags may hold (a version-1 writer also wrote TAIL_SLOW).
+_DERIVED_FLAGS = TurnFlag.TAIL_SLOW
+#: Bits a turn record's flags may hold (a version-1 writer also wrote TurnFlag.TAIL_SLOW).
 _STORED_FLAGS = (
-    TAIL_REFS
-    | RESPONSE_REFS
-    | MESSAGES_TUPLE
-    | LOGPROBS_PACKED
-    | NO_MESSAGES
-    | TAIL_ECHO
-    | TAIL_SPECIAL
-    | RESPONSE_SPECIAL
-    | EMPTY_PROMPT
+    TurnFlag.TAIL_REFS
+    | TurnFlag.RESPONSE_REFS
+    | TurnFlag.MESSAGES_TUPLE
+    | TurnFlag.LOGPROBS_PACKED
+    | TurnFlag.NO_MESSAGES
+    | TurnFlag.TAIL_ECHO
+    | TurnFlag.TAIL_SPECIAL
+    | TurnFlag.RESPONSE_SPECIAL
+    | TurnFlag.EMPTY_PROMPT
 )
 
 #: How a file holds long strings: inline (self-contained) or as keys into a content store.
@@ -559,7 +541,7 @@ class _Loader:
         flags, tail, n_rest, system = turn.flags, record.tail, record.n_rest, record.system
         turn.system = self._value_ref(system)
         turn.base = self._ref(record.base)
-        if turn.base is not None and (turn.base.flags | flags) & NO_MESSAGES:
+        if turn.base is not None and (turn.base.flags | flags) & TurnFlag.NO_MESSAGES:
             raise ValueError("a request without messages has no base, and is no base")
         if not isinstance(tail, bytes) or not isinstance(n_rest, int):
             raise ValueError("bad request tail")
@@ -568,24 +550,29 @@ class _Loader:
         turn.tail = tail
         turn.n_rest = n_rest
         finish_tail(turn)
-        if flags & NO_MESSAGES:
-            if tail or n_rest or system is not None or flags & (TAIL_ECHO | MESSAGES_TUPLE):
+        if flags & TurnFlag.NO_MESSAGES:
+            if (
+                tail
+                or n_rest
+                or system is not None
+                or flags & (TurnFlag.TAIL_ECHO | TurnFlag.MESSAGES_TUPLE)
+            ):
                 raise ValueError("a request without messages has messages")
         else:
             info = self.check(tail, n_blobs, echo_ok=True)
             if info.top_items != n_rest - turn.first:
                 raise ValueError("request tail does not hold its messages")
-            echo = bool(flags & TAIL_ECHO)
+            echo = bool(flags & TurnFlag.TAIL_ECHO)
             at_start = tail[turn.body_start - len(ECHO_PACKED) : turn.body_start] == ECHO_PACKED
             if info.echoes != echo or (echo and (turn.base is None or not at_start)):
                 raise ValueError("misplaced echo in a request tail")
-            _flags_cover(flags, info, TAIL_REFS, TAIL_SPECIAL, "request tail")
+            _flags_cover(flags, info, TurnFlag.TAIL_REFS, TurnFlag.TAIL_SPECIAL, "request tail")
         if system is not None and not self.value_is_list[system]:
             raise ValueError("system messages must be an array")
         if record.response is not None:
             info = self.check(record.response, n_blobs)
-            _flags_cover(flags, info, RESPONSE_REFS, RESPONSE_SPECIAL, "response")
-        elif flags & (RESPONSE_REFS | RESPONSE_SPECIAL):
+            _flags_cover(flags, info, TurnFlag.RESPONSE_REFS, TurnFlag.RESPONSE_SPECIAL, "response")
+        elif flags & (TurnFlag.RESPONSE_REFS | TurnFlag.RESPONSE_SPECIAL):
             raise ValueError("response flags without a response")
         turn.response = record.response
         turn.tools = self._value_ref(record.tools)
@@ -602,7 +589,7 @@ class _Loader:
             raise ValueError("bad sampled ids")
         turn.full = full_run(turn.prompt, turn.sampled)
         logprobs = record.logprobs
-        packed = bool(turn.flags & LOGPROBS_PACKED)
+        packed = bool(turn.flags & TurnFlag.LOGPROBS_PACKED)
         if logprobs is None:
             if packed:
                 raise ValueError("logprobs flagged as packed, but there are none")
