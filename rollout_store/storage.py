@@ -58,7 +58,7 @@ from .frames import (
 )
 from .graph import Graph, GraphRestorer, JournalEntry
 from .intake import MAX_DEPTH, token_array
-from .packed import PackedInfo, check_packed, splice_blobs
+from .packed import PackedInfo, check_int_array, check_packed, splice_blobs
 from .shared_blobs import StoreBlobTable
 from .stored import IndexKeys, LinkKind, Turn, TurnFlag, TurnMeta, finish_tail, full_run, is_above
 from .tokens import TokenRun, run_list
@@ -566,6 +566,8 @@ class _Loader:
             at_start = tail[turn.body_start - len(ECHO_PACKED) : turn.body_start] == ECHO_PACKED
             if info.echoes != echo or (echo and (turn.base is None or not at_start)):
                 raise ValueError("misplaced echo in a request tail")
+            if echo and turn.base is not None and turn.base.response is None:
+                raise ValueError("an echo of a base turn that has no response")
             _flags_cover(flags, info, TurnFlag.TAIL_REFS, TurnFlag.TAIL_SPECIAL, "request tail")
         if system is not None and not self.value_is_list[system]:
             raise ValueError("system messages must be an array")
@@ -582,7 +584,7 @@ class _Loader:
     def _tokens(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
         """Prompt, sampled ids and logprobs."""
         turn.prompt = self._prompt(record.prompt)
-        turn.sampled = decode_segment(record.sampled)
+        turn.sampled = _segment(record.sampled)
         if turn.sampled is not None and not (
             isinstance(turn.sampled, tuple) or turn.sampled.typecode in "Iq"
         ):
@@ -651,10 +653,19 @@ class _Loader:
             other = self._ref(spec[1])
             if other is None or other.full is None:
                 raise ValueError("prompt extends a turn without tokens")
-            return TokenRun(other.full, decode_segment(spec[2]))
+            return TokenRun(other.full, _segment(spec[2]))
         if kind == PromptKind.NEW and len(spec) == 2:
-            return TokenRun(None, decode_segment(spec[1]))
+            return TokenRun(None, _segment(spec[1]))
         raise ValueError("bad prompt spec")
+
+
+def _segment(spec: Any) -> Any:
+    """Token ids of a record; packed ids (beyond 64 bits) are checked before decoding."""
+    if isinstance(spec, list) and len(spec) == 2 and spec[0] == "t":
+        if not isinstance(spec[1], bytes):
+            raise ValueError("bad segment")
+        check_int_array(spec[1])
+    return decode_segment(spec)
 
 
 def _flags_cover(flags: int, info: PackedInfo, refs: int, special: int, what: str) -> None:
