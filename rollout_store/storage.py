@@ -297,6 +297,35 @@ class _Writer:
         return [int(PromptKind.NEW), encode_segment(token_array(run_list(run), "prompt_ids"))]
 
 
+class _Gather:
+    """Frames' parts written with few `writev` calls: no copy of a blob's text into a joined
+    buffer, and no system call per part."""
+
+    MAX_PARTS = 512  # below every system's IOV_MAX
+    MAX_BYTES = 8 << 20
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def add(self, parts: list[bytes]) -> None:
+        self.parts.extend(parts)
+        self.size += sum(map(len, parts))
+        if len(self.parts) >= self.MAX_PARTS or self.size >= self.MAX_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        parts = self.parts
+        while parts:
+            written = os.writev(self.fd, parts[: self.MAX_PARTS])
+            while parts and written >= len(parts[0]):
+                written -= len(parts.pop(0))
+            if written:  # a part written in part
+                parts[0] = parts[0][written:]
+        self.size = 0
+
+
 def _blobs_mode(blobs: str) -> str:
     if blobs not in (BLOBS_INLINE, BLOBS_STORE):
         raise InvalidArgumentError(f'blobs must be "inline" or "store", got {blobs!r}')
@@ -324,16 +353,18 @@ def save(graph: Graph, path: str | os.PathLike[str], *, blobs: str = "inline") -
 
     def write(fp: IO[bytes]) -> None:
         writer = _Writer(blobs=mode)
-        fp.write(writer.header(graph, MODE_SNAPSHOT))
+        out = _Gather(fp.fileno())
+        out.add([writer.header(graph, MODE_SNAPSHOT)])
         entries = graph.journal_entries()
         for entry in entries:
             # references are counted in the end record of a snapshot
             frames, commit = writer.turn_frames(graph.blobs, entry)
-            fp.writelines(frames)
+            out.add(frames)
             commit()
         references = list(graph.blobs.mark()[1:])
         end = {"turns": len(entries), "blobs": len(graph.blobs), "references": references}
-        fp.write(writer.frame(KIND_END, pack(end), [writer.chain]))
+        out.add([writer.frame(KIND_END, pack(end), [writer.chain])])
+        out.flush()
 
     with graph.lock:
         replace_file(target, write)

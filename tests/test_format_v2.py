@@ -6,6 +6,7 @@ import gc
 import itertools
 import json
 import multiprocessing
+import os
 import struct
 import threading
 import tracemalloc
@@ -485,3 +486,18 @@ def test_cli_verify_names_a_torn_tail_or_the_next_intact_frame(
     assert f"next intact frame starts at offset {starts[3]}" in err
     report = storage.verify(path)
     assert report.resync_offset == starts[3] and not report.truncated
+
+
+def test_save_survives_short_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """writev may write less than asked: the rest follows, in order."""
+    graph = RolloutGraph()
+    build_rollout(graph, turns=2)
+    real = os.writev
+
+    def short_writev(fd: int, parts: list[bytes]) -> int:
+        return real(fd, [b"".join(parts)[:7]])
+
+    monkeypatch.setattr(os, "writev", short_writev)
+    graph.save(tmp_path / "s.rls")
+    monkeypatch.undo()
+    assert snapshot(RolloutGraph.load(tmp_path / "s.rls")) == snapshot(graph)
