@@ -91,13 +91,23 @@ def _read_all(path: str) -> bytes:
 def _damage_advice(path: str) -> str:
     """What to do about a damaged file: which of `repair` and `recover` applies."""
     report = storage.verify(path)
+    return _where_next(report) + _what_applies(report, path)
+
+
+def _where_next(report: storage.LoadReport) -> str:
+    if report.truncated or report.resync_offset is None:
+        return ""
+    return f"the next intact frame starts at offset {report.resync_offset}; "
+
+
+def _what_applies(report: storage.LoadReport, path: str) -> str:
     if report.turns == 0 and not (report.truncated and report.mode == "log"):
         return "no complete turn precedes the damage: nothing can be recovered"
     keep = f"the {report.turns} complete turn{'s' if report.turns != 1 else ''} before it"
     recover = f"`rollout-store recover {path} -o OUT` saves {keep} to a new file"
     if report.truncated and report.mode == "log":
         return (
-            f"its last record is torn (a crash while writing): `rollout-store repair {path}` "
+            f"a torn tail (a crash while writing): `rollout-store repair {path}` "
             f"cuts it off in place and keeps {keep}; or {recover}"
         )
     why = "the file is a snapshot" if report.mode == "snapshot" else "intact records follow it"
@@ -124,6 +134,7 @@ def _info(args: argparse.Namespace) -> int:
     export = plain_export_bytes(graph)
     lines = [
         ("file", args.file),
+        ("format version", graph.load_report.version if graph.load_report else "-"),
         ("turns", figures["turns"]),
         ("roots", figures["roots"]),
         ("leaves", figures["leaves"]),
@@ -148,8 +159,8 @@ def _verify(args: argparse.Namespace) -> int:
         report = storage.verify(args.file, progress=update)
     if report.ok:
         print(
-            f"ok: {report.records} records, {report.turns} turns, {report.blobs} blobs, "
-            f"{report.file_size} bytes verified"
+            f"ok: format version {report.version}, {report.records} records, {report.turns} "
+            f"turns, {report.blobs} blobs, {report.file_size} bytes verified"
         )
         return 0
     print(f"damaged: {report.error}; {_damage_advice(args.file)}", file=sys.stderr)
