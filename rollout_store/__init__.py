@@ -12,6 +12,7 @@ from .errors import (
 from .export import export_session, iter_turn_records, write_session_json, write_trace_jsonl
 from .graph import RolloutGraph, TurnNode
 from .intake import MAX_DEPTH
+from .raw import RawJSON
 
 __all__ = [
     "MAX_DEPTH",
@@ -21,6 +22,7 @@ __all__ = [
     "DuplicateNodeError",
     "Handle",
     "InvalidValueError",
+    "RawJSON",
     "RolloutGraph",
     "RolloutStoreError",
     "TurnNode",

@@ -1,0 +1,217 @@
+"""RawJSON decodes exactly as json.loads does: same values, same bytes under json.dumps, same
+refusals, whatever the spelling of the text."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from support import FUZZ, assert_same, assert_same_json, json_like
+
+from rollout_store import InvalidValueError, RawJSON
+from rollout_store.raw import decode_raw, resolve_raw, split_array
+
+# JSON documents as json.loads produces them: lists, str keys (json.dumps turns other keys
+# into strings, so the decoded value has str keys)
+json_values = json_like.map(lambda v: json.loads(json.dumps(v)) if _dumpable(v) else None)
+
+
+def _dumpable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _loads_or_error(data: bytes | str) -> tuple[str, Any]:
+    try:
+        return ("ok", json.loads(data))
+    except (ValueError, RecursionError) as exc:
+        return ("error", str(exc))
+
+
+def _raw_or_error(data: bytes | str) -> tuple[str, Any]:
+    try:
+        return ("ok", decode_raw(RawJSON(data), "field"))
+    except InvalidValueError as exc:
+        assert exc.path == "field"
+        return ("error", exc.reason)
+
+
+def _same_outcome(data: bytes | str) -> None:
+    want = _loads_or_error(data)
+    got = _raw_or_error(data)
+    assert got[0] == want[0], (data, got, want)
+    if want[0] == "ok":
+        assert_same(got[1], want[1])
+        assert_same_json(got[1], want[1])
+    else:  # json.loads's own message, named at the field
+        assert want[1] in got[1]
+
+
+# ---------------------------------------------------------------- odd spellings
+
+
+def _spell(value: Any, rng: random.Random) -> str:
+    """JSON text of `value` with random whitespace, escapes and number spellings."""
+    ws = lambda: rng.choice(["", "", " ", "\n", "\t ", "\r\n  "])  # noqa: E731
+    if value is None or value is True or value is False:
+        return json.dumps(value)
+    if isinstance(value, int):
+        if value == 0 and rng.random() < 0.3:
+            return "-0"
+        return str(value)
+    if isinstance(value, float):
+        text = json.dumps(value)  # repr: shortest round-trip, or NaN / Infinity
+        if text[-1].isdigit() and rng.random() < 0.5 and value != 0:
+            text = f"{value:.17e}".replace("e", rng.choice(["e", "E", "e+", "E+"]), 1)
+            text = text.replace("e+-", "e-").replace("E+-", "E-")
+        return text
+    if isinstance(value, str):
+        out = ['"']
+        for ch in value:
+            r = rng.random()
+            if ch in '"\\' or ord(ch) < 0x20 or 0xD800 <= ord(ch) <= 0xDFFF or r < 0.15:
+                if ord(ch) > 0xFFFF:
+                    code = ord(ch) - 0x10000
+                    hi, lo = 0xD800 + (code >> 10), 0xDC00 + (code & 0x3FF)
+                    out.append(f"\\u{hi:04x}\\u{lo:04X}")
+                elif ch in '\n\t"\\/' and r < 0.5:
+                    out.append({"\n": "\\n", "\t": "\\t", '"': '\\"', "\\": "\\\\", "/": "\\/"}[ch])
+                else:
+                    out.append(f"\\u{ord(ch):04{rng.choice('xX')}}")
+            else:
+                out.append(ch)
+        out.append('"')
+        return "".join(out)
+    if isinstance(value, list):
+        inner = ("," + ws()).join(ws() + _spell(v, rng) + ws() for v in value)
+        return "[" + (inner or ws()) + "]"
+    items = [
+        ws() + _spell(k, rng) + ws() + ":" + ws() + _spell(v, rng) + ws() for k, v in value.items()
+    ]
+    if items and rng.random() < 0.2:  # a duplicate key before the real one: last wins
+        key = rng.choice(list(value))
+        items.insert(0, _spell(key, rng) + ":" + _spell([1, "dup"], rng))
+    return "{" + (",".join(items) or ws()) + "}"
+
+
+@given(json_values)
+def test_dumps_text_round_trips(value: Any) -> None:
+    for text in (json.dumps(value), json.dumps(value, ensure_ascii=False)):
+        _same_outcome(text)
+        _same_outcome(text.encode("utf-8", "surrogatepass"))
+
+
+@given(json_values, st.integers(0, 2**32))
+def test_odd_spellings_round_trip(value: Any, seed: int) -> None:
+    text = _spell(value, random.Random(seed))
+    _same_outcome(text)
+    _same_outcome(text.encode("utf-8", "surrogatepass"))
+
+
+@pytest.mark.slow
+@FUZZ
+@given(json_values, st.integers(0, 2**32))
+def test_odd_spellings_round_trip_fuzz(value: Any, seed: int) -> None:
+    text = _spell(value, random.Random(seed))
+    _same_outcome(text)
+    _same_outcome(text.encode("utf-16"))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "NaN",
+        "[NaN, Infinity, -Infinity]",
+        "1e400",
+        "-1e400",
+        "[1E400, 1e-400]",
+        '"\\ud800"',
+        '{"a": "\\udfff x"}',
+        "123456789012345678901234567890",
+        "-18446744073709551617",
+        '{"a": 1, "b": 2, "a": 3}',
+        '{"a": 1, "a": {"x": 1}}',
+        "-0",
+        "-0.0",
+        "[1.0, 1, true, 0.0, -0.0]",
+        "\ufeff[1]",
+        '"\\u00e9\\u20AC\\ud83d\\ude00"',
+        "  [ ]  ",
+        "{}",
+        "[1,]",
+        "[01]",
+        "1.",
+        "",
+        "[1] x",
+        '"\x01"',
+        "[" * 5000 + "]" * 5000,
+    ],
+)
+def test_where_msgspec_and_json_differ(text: str) -> None:
+    _same_outcome(text)
+    _same_outcome(text.encode("utf-8", "surrogatepass"))
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\xef\xbb\xbf[1, 2]",  # UTF-8 BOM: json.loads accepts it in bytes
+        '[1, "\u00e9"]'.encode("utf-16"),
+        '[1, "\u00e9"]'.encode("utf-32-le"),
+        b'"\xed\xa0\x80"',  # a UTF-8 encoded surrogate: json.loads decodes with surrogatepass
+        b'"\xff"',
+        b"[1, 2",
+    ],
+)
+def test_bytes_encodings(data: bytes) -> None:
+    _same_outcome(data)
+
+
+@given(st.text(alphabet=st.sampled_from(list('[]{}",:0123456789.eE+-nulltrsaINfiy \\u\n'))))
+def test_arbitrary_text_same_verdict(text: str) -> None:
+    _same_outcome(text)
+
+
+@given(st.binary(max_size=40))
+def test_arbitrary_bytes_same_verdict(data: bytes) -> None:
+    _same_outcome(data)
+
+
+# ---------------------------------------------------------------- the helpers
+
+
+def test_rawjson_type() -> None:
+    raw = RawJSON(bytearray(b"[1]"))
+    assert raw.data == b"[1]" and raw == RawJSON(b"[1]") and raw != RawJSON("[1]")
+    assert raw.decode() == [1]
+    assert "RawJSON" in repr(RawJSON("x" * 100))
+    with pytest.raises(TypeError):
+        RawJSON(5)  # type: ignore[arg-type]
+
+
+def test_split_array_keeps_spans() -> None:
+    spans = split_array(b'[ {"a": 1} ,2, "x" ]')
+    assert spans is not None
+    assert [bytes(s) for s in spans] == [b'{"a": 1}', b"2", b'"x"']
+    assert split_array(b'{"a": 1}') is None
+    assert split_array(b"[NaN]") is None  # left to json.loads
+
+
+def test_resolve_raw_items_and_whole() -> None:
+    items = [{"role": "user"}, RawJSON('{"role": "assistant", "content": 1.0}')]
+    assert_same(resolve_raw(items, "m"), [{"role": "user"}, {"role": "assistant", "content": 1.0}])
+    assert_same(resolve_raw((RawJSON("1"),), "m"), (1,))
+    plain = [1, 2]
+    assert resolve_raw(plain, "m") is plain
+    with pytest.raises(InvalidValueError) as info:
+        resolve_raw([1, RawJSON("[1,")], "request_messages")
+    assert info.value.path == "request_messages[1]"
+    assert "Expecting value" in str(info.value)
+    assert isinstance(info.value.__cause__, json.JSONDecodeError)
