@@ -41,7 +41,6 @@ from .turns import (
     index_members,
     is_above,
     new_packer,
-    request_key,
     seg_list,
 )
 from .values import ValueTable
@@ -308,10 +307,10 @@ class RolloutGraph(RequestStore, Linking):
             turn.parent, turn.link = scratch.message_parent, LINK_MESSAGES
         else:
             turn.parent, turn.link = None, LINK_NONE
-            plains = scratch.rest_plains
-            if plains is not None and turn.prompt is None:
+            prefixes = scratch.prefixes
+            if prefixes is not None and turn.prompt is None:
                 # every shorter prefix, the empty one too (a request of system messages only)
-                scratch.root_keys = [request_key(plains, m) for m in range(len(plains))]
+                scratch.root_keys = prefixes.root_keys()
         return turn, scratch
 
     def _fresh_id(self) -> str:
@@ -340,6 +339,8 @@ class RolloutGraph(RequestStore, Linking):
             add_child(turn.parent, turn)
         if scratch.request_digest is not None and not turn.flags & NO_MESSAGES:
             index_add(self._request_index, scratch.request_digest, turn)
+            if scratch.prefixes is not None:
+                turn.digest = scratch.prefixes.own_digest()
         if scratch.token_key is not None and turn.full is not None and turn.full.length:
             index_add(self._token_index, scratch.token_key, turn)
             if turn.full.length < BLOCK:

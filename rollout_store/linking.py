@@ -9,6 +9,7 @@ from typing import Any
 
 import xxhash
 
+from .confirm import prefix_keys
 from .intake import float_array, token_array
 from .tokens import BLOCK, TokenRun, block_digests, prefix_digest, run_bytes, run_matches
 from .turns import (
@@ -27,7 +28,6 @@ from .turns import (
     index_add,
     index_members,
     index_remove,
-    request_key,
     root_token_keys,
     sampled_any,
     short_key,
@@ -127,8 +127,9 @@ class Linking:
                 index_remove(self._token_roots, key, turn)
         elif turn.n_rest > 0:
             plains = [self._plain(m) for m in self._rest_values(turn)]
-            for m in range(len(plains)):
-                index_remove(self._message_roots, request_key(plains, m), turn)
+            if None not in plains:
+                for key in prefix_keys(plains[:-1]):  # type: ignore[arg-type]
+                    index_remove(self._message_roots, key, turn)
 
     def _find_moves(self, new: Turn, scratch: Scratch) -> list[tuple[Turn, int]]:
         """Turns that arrived before `new` but continue it: they move under it at commit."""

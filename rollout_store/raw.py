@@ -69,7 +69,7 @@ _split = msgspec.json.Decoder(list[msgspec.Raw]).decode
 def _loads(data: bytes | str) -> Any:
     try:
         return _decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeError):
         # msgspec refuses what it cannot decode exactly as json.loads would; json.loads then
         # either decodes it (NaN, 1e400, lone surrogates, other encodings) or raises
         pass
@@ -92,7 +92,7 @@ def split_array(data: bytes | str) -> list[msgspec.Raw] | None:
     msgspec cannot split it (not an array, or text it leaves to `json.loads`)."""
     try:
         return _split(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeError):
         return None
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .confirm import Probe, prefix_digest, prefix_keys
 from .encoding import NotPackable, array_header, unpack
 from .errors import InvalidValueError
 from .messages import leading_system_count, link_key
@@ -16,6 +17,7 @@ from .turns import (
     ECHO_PACKED,
     MESSAGES_TUPLE,
     NO_MESSAGES,
+    PREFIX_SPECIAL,
     RESPONSE_REFS,
     RESPONSE_SPECIAL,
     TAIL_ECHO,
@@ -28,8 +30,98 @@ from .turns import (
     finish_tail,
     index_members,
     no_echo,
-    request_key,
 )
+
+
+class _FastPrefixes:
+    """Prefix keys, plains and confirmation of a request packed in one piece (`Probe`)."""
+
+    __slots__ = ("_confirmed", "_graph", "_probe", "n_valid")
+
+    def __init__(self, graph: RequestStore, probe: Probe) -> None:
+        self._graph = graph
+        self._probe = probe
+        self._confirmed: dict[int, bool] = {}
+        self.n_valid = probe.n
+
+    def key(self, j: int) -> int:
+        return self._probe.key(j)
+
+    def plain(self, i: int) -> bytes | None:
+        return self._probe.plain(i)
+
+    def confirm(self, candidate: Turn, j: int) -> bool:
+        """Whether the stored request of `candidate` is exactly the first `j` messages."""
+        ok = self._confirmed.get(candidate.index)
+        if ok is not None:
+            return ok
+        probe = self._probe
+        if candidate.n_rest != j:
+            ok = False
+        elif candidate.digest is not None:
+            ok = candidate.digest == probe.digest(j)
+        else:  # not confirmed since it was read from a file: compare bytes once
+            plains: list[bytes | None] = probe.all_plains()  # type: ignore[assignment]
+            ok = self._graph._request_matches(candidate, plains, probe.messages)
+            if ok:
+                candidate.digest = probe.digest(j)
+        if ok and candidate.flags & PREFIX_SPECIAL:
+            valid = self._graph._valid
+            messages = probe.messages
+            ok = all(valid(messages[i], probe.plain(i)) for i in range(j))
+        self._confirmed[candidate.index] = ok
+        return ok
+
+    def root_keys(self) -> list[int]:
+        """Keys of every shorter prefix, the empty one too."""
+        probe = self._probe
+        probe.extend(0)
+        return probe.keys[: probe.n]  # type: ignore[return-value]
+
+    def own_digest(self) -> bytes:
+        return self._probe.digest(self._probe.n)
+
+
+class _SlowPrefixes:
+    """The same for a request some of whose messages need the validating walk."""
+
+    __slots__ = ("_confirmed", "_graph", "_keys", "_messages", "_plains", "n_valid")
+
+    def __init__(
+        self, graph: RequestStore, plains: list[bytes | None], messages: list[Any] | tuple[Any, ...]
+    ) -> None:
+        self._graph = graph
+        self._plains = plains
+        self._messages = messages
+        self._confirmed: dict[int, bool] = {}
+        self.n_valid = plains.index(None) if None in plains else len(plains)
+        self._keys = prefix_keys(plains[: self.n_valid])  # type: ignore[arg-type]
+
+    def key(self, j: int) -> int:
+        return self._keys[j]
+
+    def plain(self, i: int) -> bytes | None:
+        return self._plains[i]
+
+    def confirm(self, candidate: Turn, j: int) -> bool:
+        ok = self._confirmed.get(candidate.index)
+        if ok is None:
+            ok = candidate.n_rest == j and self._graph._request_matches(
+                candidate, self._plains, self._messages
+            )
+            self._confirmed[candidate.index] = ok
+        return ok
+
+    def root_keys(self) -> list[int]:
+        return self._keys[:-1]
+
+    def own_digest(self) -> bytes | None:
+        if self.n_valid != len(self._plains):
+            return None
+        return prefix_digest(b"".join(self._plains))  # type: ignore[arg-type]
+
+
+_Prefixes = _FastPrefixes | _SlowPrefixes
 
 
 class RequestStore:
@@ -113,45 +205,41 @@ class RequestStore:
         if isinstance(messages, tuple):
             turn.flags |= MESSAGES_TUPLE
         n_sys = leading_system_count(messages)
+        rest = messages[n_sys:]
+        pack = self._pack_plain
+        probe: Probe | None
         try:
-            pack = self._pack_plain
-            plains: list[bytes | None] = [pack(m) for m in messages]
-        except Exception:  # some message needs the slow path: find which
-            plains = [self._plain(m) for m in messages]
+            probe = Probe(rest, pack)
+        except Exception:  # some message needs the validating walk: find which
+            probe = None
+        try:
+            system_plains: list[bytes | None] = [pack(m) for m in messages[:n_sys]]
+        except Exception:
+            system_plains = [self._plain(m) for m in messages[:n_sys]]
 
         # system part: shared whole through the value table
         system_plain = None
         turn.system = None
         if n_sys:
             turn.system = self._shared(
-                messages[:n_sys], "request_messages", plains[:n_sys], pending, as_array=True
+                messages[:n_sys], "request_messages", system_plains, pending, as_array=True
             )
-            if None not in plains[:n_sys]:
-                system_plain = b"".join(plains[:n_sys])  # type: ignore[arg-type]
+            if None not in system_plains:
+                system_plain = b"".join(system_plains)  # type: ignore[arg-type]
 
-        rest = messages[n_sys:]
-        rest_plains = plains[n_sys:]
-        n_valid = rest_plains.index(None) if None in rest_plains else len(rest_plains)
-        scratch.request_digest = request_key(rest_plains, n_valid) if n_valid == len(rest) else None
+        if probe is not None:
+            prefixes: _Prefixes = _FastPrefixes(self, probe)
+        else:
+            prefixes = _SlowPrefixes(self, [self._plain(m) for m in rest], rest)
+        n_valid = prefixes.n_valid
         if n_valid == len(rest):
-            scratch.rest_plains = rest_plains  # for root_keys, if this turn stays a root
+            scratch.request_digest = prefixes.key(n_valid)
+            scratch.prefixes = prefixes  # for root keys and the digest, at commit
 
         want_parent = node.parent_id is None and node.prompt_ids is None
         base: Turn | None = None
         parent: Turn | None = None
-        confirmed: dict[int, bool] = {}
-
-        def exact(candidate: Turn) -> bool:
-            ok = confirmed.get(candidate.index)
-            if ok is None:
-                ok = self._request_matches(candidate, rest_plains, rest)
-                if ok:  # so are the requests this one extends
-                    ancestor = candidate.base
-                    while ancestor is not None and ancestor.index not in confirmed:
-                        confirmed[ancestor.index] = True
-                        ancestor = ancestor.base
-                confirmed[candidate.index] = ok
-            return ok
+        exact = prefixes.confirm
 
         # Deepest first: the storage base is the longest stored request that this one
         # extends; the parent, the longest whose response is echoed next (an exact echo
@@ -162,22 +250,24 @@ class RequestStore:
                 if not want_parent:
                     break
                 continue
-            key = request_key(rest_plains, j)
-            members = [c for c in index_members(self._request_index.get(key)) if c.n_rest == j]
+            found = self._request_index.get(prefixes.key(j))
+            if found is None:
+                continue
+            members = [c for c in index_members(found) if c.n_rest == j]
             if not members:
                 continue
             if base is None:
-                base = next((c for c in members if exact(c)), None)
+                base = next((c for c in members if exact(c, j)), None)
                 if base is None:
                     continue
                 if j == len(rest):  # identical requests whose continuations may move here
-                    scratch.twins = [c for c in members if c.children and exact(c)]
+                    scratch.twins = [c for c in members if c.children and exact(c, j)]
             if not can_link:
                 continue
-            message, plain = rest[j], rest_plains[j]
+            message, plain = rest[j], prefixes.plain(j)
             parent = next(
-                (c for c in members if self._is_echo(c, message, plain) and exact(c)), None
-            ) or next((c for c in members if self._echoes(c, message, plain) and exact(c)), None)
+                (c for c in members if self._is_echo(c, message, plain) and exact(c, j)), None
+            ) or next((c for c in members if self._echoes(c, message, plain) and exact(c, j)), None)
             if parent is not None:
                 break
         scratch.message_parent = parent
@@ -185,7 +275,7 @@ class RequestStore:
         start = base.n_rest if base is not None else 0
         pieces: list[bytes] = []
         for i in range(start, len(rest)):
-            p = rest_plains[i]
+            p = prefixes.plain(i)
             if i == start and base is not None and self._is_echo(base, rest[i], p):
                 pieces.append(ECHO_PACKED)
                 turn.flags |= TAIL_ECHO

@@ -36,6 +36,7 @@ __all__ = [
     "TAIL_ECHO",
     "TAIL_REFS",
     "TAIL_SLOW",
+    "PREFIX_SPECIAL",
     "TAIL_SPECIAL",
     "Turn",
     "add_child",
@@ -121,6 +122,9 @@ TAIL_SPECIAL = 64
 RESPONSE_SPECIAL = 128
 # derived, not stored: the tail cannot be compared by bytes alone (see finish_tail)
 TAIL_SLOW = 256
+# derived: the request (this tail or a base's) holds tuples, big ints or lone surrogates, so a
+# digest match is trusted only after the fresh messages pass the validating walk
+PREFIX_SPECIAL = 512
 
 
 #: Token roots are also found by their first 16, 32 or 48 tokens (for continuations of
@@ -136,9 +140,9 @@ class Scratch:
         "message_parent",
         "moves",
         "pending",
+        "prefixes",
         "prompt_key",
         "request_digest",
-        "rest_plains",
         "root_keys",
         "token_key",
         "token_parent",
@@ -156,7 +160,8 @@ class Scratch:
         # keys of this request's shorter prefixes, under which it waits as a message root
         # for an earlier turn that arrives late
         self.root_keys: list[int] | None = None
-        self.rest_plains: list[bytes | None] | None = None
+        # the request's prefix keys and digests (a requests.Prefixes), when it has messages
+        self.prefixes: Any = None
         self.twins: list[Turn] = []  # stored turns with exactly this request, and children
         self.moves: list[tuple[Turn, int]] = []
 
@@ -168,6 +173,7 @@ class Turn:
         "base",
         "body_start",
         "children",
+        "digest",
         "first",
         "flags",
         "full",
@@ -208,6 +214,12 @@ class Turn:
     sampled: Any  # array | tuple | None
     full: TokenRun | None  # prompt + sampled, the prefix a child's prompt extends
     logprobs: Any  # array('d') | packed bytes | None
+    # BLAKE3 of the plain packing of the non-system messages; None until known (a turn read
+    # from a file gets it when a byte comparison first confirms it)
+    digest: bytes | None
+
+    def __init__(self) -> None:
+        self.digest = None
 
 
 def short_key(data: bytes, n_tokens: int) -> int:
@@ -261,15 +273,22 @@ def finish_tail(turn: Turn) -> None:
     slow = turn.flags & (TAIL_REFS | TAIL_SPECIAL) or (
         echo and (base is None or base.flags & (RESPONSE_REFS | RESPONSE_SPECIAL))
     )
-    turn.flags = (turn.flags & ~TAIL_SLOW) | (TAIL_SLOW if slow else 0)
+    special = (
+        turn.flags & TAIL_SPECIAL
+        or (echo and base is not None and base.flags & RESPONSE_SPECIAL)
+        or (base is not None and base.flags & PREFIX_SPECIAL)
+    )
+    turn.flags = (
+        (turn.flags & ~(TAIL_SLOW | PREFIX_SPECIAL))
+        | (TAIL_SLOW if slow else 0)
+        | (PREFIX_SPECIAL if special else 0)
+    )
 
 
 def request_key(plains: list[bytes | None] | list[bytes], n: int) -> int:
-    """Index key of the first `n` messages of a non-system request: `n` and the last one.
-
-    Cheap on purpose (one message hashed): a hit is confirmed against every message anyway.
-    """
-    return xxhash.xxh3_64_intdigest(plains[n - 1] if n else b"", seed=n)  # type: ignore[arg-type]
+    """Index key of the first `n` messages of a non-system request: xxh3 of their whole
+    packing (see `confirm.prefix_keys` for every prefix at once)."""
+    return xxhash.xxh3_64_intdigest(b"".join(plains[:n]))  # type: ignore[arg-type]
 
 
 def full_run(prompt: TokenRun | None, sampled: Any) -> TokenRun | None:
