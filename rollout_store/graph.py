@@ -85,6 +85,7 @@ class RolloutGraph(RequestStore, Linking):
         self._pack_plain = new_packer()
         self._encoder = Encoder(self._blobs, share_threshold)
         self._canonical = Encoder(None, None)  # plain packing by the validating walk
+        self._message_size = 256  # a running mean of packed message sizes, to chunk requests
         self._values = ValueTable(self._expand, share_threshold)
         self._turns: list[Turn] = []
         self._blob_marks = array("I")  # blobs stored once each turn was committed, for save

@@ -48,7 +48,6 @@ __all__ = [
     "is_above",
     "new_packer",
     "no_echo",
-    "request_key",
     "root_token_keys",
     "sampled_any",
     "seg_list",
@@ -283,12 +282,6 @@ def finish_tail(turn: Turn) -> None:
         | (TAIL_SLOW if slow else 0)
         | (PREFIX_SPECIAL if special else 0)
     )
-
-
-def request_key(plains: list[bytes | None] | list[bytes], n: int) -> int:
-    """Index key of the first `n` messages of a non-system request: xxh3 of their whole
-    packing (see `confirm.prefix_keys` for every prefix at once)."""
-    return xxhash.xxh3_64_intdigest(b"".join(plains[:n]))  # type: ignore[arg-type]
 
 
 def full_run(prompt: TokenRun | None, sampled: Any) -> TokenRun | None:
