@@ -5,14 +5,16 @@ from .errors import (
     ChecksumMismatch,
     CorruptFileError,
     DuplicateNodeError,
+    FileLockedError,
     InvalidValueError,
     RolloutStoreError,
     UnsupportedVersionError,
 )
 from .export import export_session, iter_turn_records, write_session_json, write_trace_jsonl
-from .graph import RolloutGraph, TurnNode
+from .graph import Graph, TurnNode
 from .intake import MAX_DEPTH
 from .raw import RawJSON
+from .storage import RolloutGraph
 
 __all__ = [
     "MAX_DEPTH",
@@ -20,6 +22,8 @@ __all__ = [
     "ChecksumMismatch",
     "CorruptFileError",
     "DuplicateNodeError",
+    "FileLockedError",
+    "Graph",
     "Handle",
     "InvalidValueError",
     "RawJSON",

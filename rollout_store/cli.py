@@ -17,7 +17,7 @@ from typing import IO, Any
 from . import storage
 from .errors import CorruptFileError
 from .export import write_session_json, write_trace_jsonl
-from .graph import RolloutGraph
+from .storage import RolloutGraph
 
 __all__ = ["main"]
 

@@ -13,6 +13,7 @@ __all__ = [
     "CorruptFileError",
     "ChecksumMismatch",
     "UnsupportedVersionError",
+    "FileLockedError",
 ]
 
 
@@ -80,3 +81,8 @@ class ChecksumMismatch(CorruptFileError):
 
 class UnsupportedVersionError(CorruptFileError):
     """The file was written by a newer or unknown version of the format."""
+
+
+class FileLockedError(RolloutStoreError, OSError):
+    """A rollout file is already open for appending by another process (nothing is damaged:
+    close the other graph, or open another file)."""

@@ -10,14 +10,14 @@ import json
 from collections.abc import Iterator
 from typing import IO, Any
 
-from .graph import RolloutGraph
+from .graph import Graph
 from .materialize import Streamed, write_document, writer_for
 
 __all__ = ["export_session", "iter_turn_records", "write_session_json", "write_trace_jsonl"]
 
 
 def _turn_record(
-    graph: RolloutGraph, node_id: str, discarded: bool, include_messages: bool, stream: bool
+    graph: Graph, node_id: str, discarded: bool, include_messages: bool, stream: bool
 ) -> dict[str, Any]:
     turn = graph.get(node_id) if include_messages else None
     info = graph.summary(node_id)
@@ -47,7 +47,7 @@ def _turn_record(
 
 
 def _parts(
-    graph: RolloutGraph,
+    graph: Graph,
     session_id: str | None,
     metadata: Any,
     include_messages: bool,
@@ -74,7 +74,7 @@ def _parts(
 
 
 def export_session(
-    graph: RolloutGraph,
+    graph: Graph,
     *,
     session_id: str | None = None,
     metadata: Any = None,
@@ -86,7 +86,7 @@ def export_session(
     Without `include_discarded`, turns dropped as retries (see `discarded_nodes`) and their
     sequences are left out; every exported turn says whether it was discarded.
     """
-    with graph._lock:  # one consistent snapshot, even while other threads add turns
+    with graph.lock:  # one consistent snapshot, even while other threads add turns
         head, turns, sequences, stats = _parts(
             graph, session_id, metadata, include_messages, include_discarded
         )
@@ -94,7 +94,7 @@ def export_session(
 
 
 def write_session_json(
-    graph: RolloutGraph,
+    graph: Graph,
     fp: IO[Any],
     *,
     session_id: str | None = None,
@@ -103,7 +103,7 @@ def write_session_json(
     include_discarded: bool = False,
 ) -> None:
     """Write exactly `json.dumps(export_session(graph, ...))`, one turn in memory at a time."""
-    with graph._lock:  # one consistent snapshot: add_turn in other threads waits
+    with graph.lock:  # one consistent snapshot: add_turn in other threads waits
         head, turns, sequences, stats = _parts(
             graph, session_id, metadata, include_messages, include_discarded, stream=True
         )
@@ -111,7 +111,7 @@ def write_session_json(
         write_document(fp, {**document, "stats": stats})
 
 
-def iter_turn_records(graph: RolloutGraph) -> Iterator[dict[str, Any]]:
+def iter_turn_records(graph: Graph) -> Iterator[dict[str, Any]]:
     """Each turn in arrival order as a flat record for training pipelines.
 
     A generator: turns added while it runs may re-link turns not yet yielded. For one
@@ -137,10 +137,10 @@ def iter_turn_records(graph: RolloutGraph) -> Iterator[dict[str, Any]]:
         }
 
 
-def write_trace_jsonl(graph: RolloutGraph, fp: IO[Any]) -> None:
+def write_trace_jsonl(graph: Graph, fp: IO[Any]) -> None:
     """One JSON line per turn (request, response, token ids, logprobs)."""
     write = writer_for(fp)
-    with graph._lock:
+    with graph.lock:
         for record in iter_turn_records(graph):
             write(json.dumps(record))
             write("\n")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
+from enum import IntEnum
 from typing import Any
 
 import msgpack
@@ -32,6 +33,7 @@ __all__ = [
     "MODE_LOG",
     "MODE_SNAPSHOT",
     "PackedChecker",
+    "RecordKind",
     "bin_header",
     "blob_frame",
     "checksum",
@@ -46,14 +48,19 @@ MAGIC = b"RLSTORE\x00"
 FORMAT_VERSION = 1
 FRAME = struct.Struct("<BIQ")  # kind, payload length, xxh3-64 of payload seeded by kind+length
 
-KIND_HEADER, KIND_BLOB, KIND_VALUE, KIND_TURN, KIND_END = 0, 1, 2, 3, 4
-KIND_NAMES = {
-    KIND_HEADER: "header",
-    KIND_BLOB: "blob",
-    KIND_VALUE: "value",
-    KIND_TURN: "turn",
-    KIND_END: "end",
-}
+
+class RecordKind(IntEnum):
+    """The kind byte of a frame."""
+
+    HEADER = 0
+    BLOB = 1
+    VALUE = 2
+    TURN = 3
+    END = 4
+
+
+KIND_HEADER, KIND_BLOB, KIND_VALUE, KIND_TURN, KIND_END = RecordKind
+KIND_NAMES = {kind.value: kind.name.lower() for kind in RecordKind}
 MODE_LOG, MODE_SNAPSHOT = "log", "snapshot"
 
 _LITTLE = sys.byteorder == "little"

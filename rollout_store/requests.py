@@ -7,11 +7,14 @@ are stored once per graph.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from .blobs import BlobTable
 from .confirm import Probe, prefix_digest, prefix_keys
 from .encoding import NotPackable, array_header, unpack
 from .errors import InvalidValueError
+from .intake import Encoder
 from .messages import leading_system_count, link_key
 from .turns import (
     ECHO_PACKED,
@@ -24,114 +27,188 @@ from .turns import (
     TAIL_REFS,
     TAIL_SLOW,
     TAIL_SPECIAL,
-    Scratch,
+    IndexKeys,
+    LinkKind,
     Turn,
     TurnNode,
     finish_tail,
+    index_add,
     index_members,
+    new_packer,
     no_echo,
 )
+from .values import ValueTable
+
+__all__ = ["FreshRequest", "RequestStore", "Scratch"]
+
+Messages = list[Any] | tuple[Any, ...]
 
 
-class _FastPrefixes:
-    """Prefix keys, plains and confirmation of a request packed in one piece (`Probe`)."""
+class Scratch:
+    """What add_turn works out before committing a turn; dropped afterwards."""
 
-    __slots__ = ("_confirmed", "_graph", "_probe", "n_valid")
+    __slots__ = (
+        "full_data",
+        "message_parent",
+        "moves",
+        "pending",
+        "prompt_key",
+        "request",
+        "request_digest",
+        "root_keys",
+        "token_key",
+        "token_parent",
+        "twins",
+    )
 
-    def __init__(self, graph: RequestStore, probe: Probe) -> None:
-        self._graph = graph
+    def __init__(self) -> None:
+        self.pending: list[tuple[bytes, bytes]] = []
+        self.token_parent: Turn | None = None
+        self.full_data: bytes | None = None  # prompt + sampled as array('I') bytes
+        self.token_key: int | None = None  # block digest of prompt+sampled at its last block
+        self.prompt_key: int | None = None
+        self.message_parent: Turn | None = None
+        self.request_digest: int | None = None
+        # keys of this request's shorter prefixes, under which it waits as a message root
+        # for an earlier turn that arrives late
+        self.root_keys: list[int] | None = None
+        self.request: FreshRequest | None = None  # its non-system messages, if any
+        self.twins: list[Turn] = []  # stored turns with exactly this request, and children
+        self.moves: list[tuple[Turn, LinkKind]] = []  # earlier turns it adopts
+
+    def keys(self) -> IndexKeys:
+        return IndexKeys(self.request_digest, self.token_key, self.prompt_key, self.root_keys)
+
+
+class FreshRequest:
+    """The non-system messages of a request being added, and which stored requests it
+    was found to extend (each checked once, however many questions ask).
+
+    Packed at once by a `Probe` when every message packs plainly: stored requests are then
+    found by the digest of the whole prefix they would be, and confirmed by it. Otherwise
+    each message gets its own plain packing (None for an invalid one) and stored requests are
+    confirmed by comparing bytes with their tails.
+    """
+
+    __slots__ = ("_confirmed", "_keys", "_plains", "_probe", "_store", "messages", "n_valid")
+
+    def __init__(self, store: RequestStore, messages: Messages, probe: Probe | None) -> None:
+        self._store = store
+        self.messages = messages
         self._probe = probe
         self._confirmed: dict[int, bool] = {}
-        self.n_valid = probe.n
-
-    def key(self, j: int) -> int:
-        return self._probe.key(j)
+        self._plains: list[bytes | None] | None = None
+        self._keys: list[int] | None = None
+        if probe is not None:
+            self.n_valid = len(messages)
+        else:
+            plains = self._plains = [store.plain(m) for m in messages]
+            # the messages before the first without a plain packing (only those can match)
+            self.n_valid = plains.index(None) if None in plains else len(plains)
+            self._keys = prefix_keys(plains[: self.n_valid])  # type: ignore[arg-type]
 
     def plain(self, i: int) -> bytes | None:
-        return self._probe.plain(i)
+        """The plain packing of message `i` (None when it has none)."""
+        if self._probe is not None:
+            return self._probe.plain(i)
+        return self._plains[i]  # type: ignore[index]
 
-    def confirm(self, candidate: Turn, j: int) -> bool:
-        """Whether the stored request of `candidate` is exactly the first `j` messages."""
-        ok = self._confirmed.get(candidate.index)
+    def plains(self) -> list[bytes | None]:
+        if self._probe is not None:
+            return self._probe.all_plains()  # type: ignore[return-value]
+        return self._plains  # type: ignore[return-value]
+
+    def key(self, n: int) -> int:
+        """The index key of the first `n` messages (n <= n_valid)."""
+        if self._probe is not None:
+            return self._probe.key(n)
+        return self._keys[n]  # type: ignore[index]
+
+    def extends(self, stored: Turn) -> bool:
+        """Whether this request starts with exactly the non-system request of `stored`."""
+        confirmed = self._confirmed
+        ok = confirmed.get(stored.index)
         if ok is not None:
             return ok
+        n = stored.n_rest
         probe = self._probe
-        if candidate.n_rest != j:
+        if n > self.n_valid:
             ok = False
-        elif candidate.digest is not None:
-            ok = candidate.digest == probe.digest(j)
-        else:  # not confirmed since it was read from a file: compare bytes once
-            plains: list[bytes | None] = probe.all_plains()  # type: ignore[assignment]
-            ok = self._graph._request_matches(candidate, plains, probe.messages)
-            if ok:
-                candidate.digest = probe.digest(j)
-        if ok and candidate.flags & PREFIX_SPECIAL:
-            valid = self._graph._valid
-            messages = probe.messages
-            ok = all(valid(messages[i], probe.plain(i)) for i in range(j))
-        self._confirmed[candidate.index] = ok
+        elif probe is not None and stored.digest is not None:
+            ok = stored.digest == probe.digest(n)
+        else:  # compare bytes with the stored tails (a turn read from a file, once)
+            ok = self._store.matches(stored, self.plains(), self.messages)
+            if ok and probe is not None:
+                stored.digest = probe.digest(n)
+        if ok and probe is not None and stored.flags & PREFIX_SPECIAL:
+            # a digest match of tuples, big ints or lone surrogates: the fresh messages must
+            # be those values, not msgpack.ExtType objects packing alike
+            valid = self._store.valid
+            ok = all(valid(self.messages[i], probe.plain(i)) for i in range(n))
+        confirmed[stored.index] = ok
         return ok
 
-    def root_keys(self) -> list[int]:
-        """Keys of every shorter prefix, the empty one too."""
-        return self._probe.keys()[:-1]
-
-    def own_digest(self) -> bytes:
-        return self._probe.digest(self._probe.n)
-
-
-class _SlowPrefixes:
-    """The same for a request some of whose messages need the validating walk."""
-
-    __slots__ = ("_confirmed", "_graph", "_keys", "_messages", "_plains", "n_valid")
-
-    def __init__(
-        self, graph: RequestStore, plains: list[bytes | None], messages: list[Any] | tuple[Any, ...]
-    ) -> None:
-        self._graph = graph
-        self._plains = plains
-        self._messages = messages
-        self._confirmed: dict[int, bool] = {}
-        self.n_valid = plains.index(None) if None in plains else len(plains)
-        self._keys = prefix_keys(plains[: self.n_valid])  # type: ignore[arg-type]
-
-    def key(self, j: int) -> int:
-        return self._keys[j]
-
-    def plain(self, i: int) -> bytes | None:
-        return self._plains[i]
-
-    def confirm(self, candidate: Turn, j: int) -> bool:
-        ok = self._confirmed.get(candidate.index)
-        if ok is None:
-            ok = candidate.n_rest == j and self._graph._request_matches(
-                candidate, self._plains, self._messages
-            )
-            self._confirmed[candidate.index] = ok
-        return ok
+    def stored_prefixes(self, n: int) -> list[Turn]:
+        """Stored turns whose non-system request is as long as the first `n` messages and
+        filed under their key (not yet confirmed: see `extends`)."""
+        return self._store.candidates(self.key(n), n)
 
     def root_keys(self) -> list[int]:
-        return self._keys[:-1]
+        """Keys of every shorter prefix, the empty one too (a root waits under them)."""
+        if self._probe is not None:
+            return self._probe.keys()[:-1]
+        return self._keys[:-1]  # type: ignore[index]
 
-    def own_digest(self) -> bytes | None:
-        if self.n_valid != len(self._plains):
+    def digest(self) -> bytes | None:
+        """The digest of the whole request, when every message has a plain packing."""
+        if self._probe is not None:
+            return self._probe.digest(self._probe.n)
+        if self.n_valid != len(self.messages):
             return None
         return prefix_digest(b"".join(self._plains))  # type: ignore[arg-type]
 
 
-_Prefixes = _FastPrefixes | _SlowPrefixes
-
-
 class RequestStore:
-    """The request-storage half of `RolloutGraph` (a mixin: it uses the graph's tables)."""
+    """The request messages, responses and shared values of a graph's turns.
 
-    def _encode(self, value: Any, path: str) -> tuple[bytes, bool]:
+    Owns the packers, the shared-value table and the index of stored requests; rebuilds
+    what it stores. Not thread-safe: the graph uses it under its lock.
+    """
+
+    __slots__ = (
+        "_canonical",
+        "_encoder",
+        "_message_size",
+        "_pack_plain",
+        "blobs",
+        "request_index",
+        "values",
+    )
+
+    def __init__(self, blobs: BlobTable, share_threshold: int | None) -> None:
+        self.blobs = blobs
+        # a reusable packer (packb builds one per call); replaced after each turn by
+        # `reset_packer` so a large message's buffer is not kept
+        self._pack_plain = new_packer()
+        self._encoder = Encoder(blobs, share_threshold)
+        self._canonical = Encoder(None, None)  # plain packing by the validating walk
+        self.values = ValueTable(self.expand, share_threshold)
+        self.request_index: dict[int, Any] = {}  # digest of non-system request -> turn(s)
+        self._message_size = 256  # mean packed size of recent messages, to chunk requests
+
+    def reset_packer(self) -> None:
+        self._pack_plain = new_packer()
+
+    # ------------------------------------------------------------------ intake
+
+    def encode(self, value: Any, path: str) -> tuple[bytes, bool]:
+        """The stored packing of a fresh value and whether it holds forgeable ext types."""
         return self._encoder.encode(value, path)
 
-    def _encode_response(self, value: Any, turn: Turn) -> bytes | None:
+    def encode_response(self, value: Any, turn: Turn) -> bytes | None:
         if value is None:
             return None
-        packed, special = self._encode(value, "response_message")
+        packed, special = self.encode(value, "response_message")
         if self._encoder.last_refs:  # else the packing is the plain one, nothing to expand
             turn.flags |= RESPONSE_REFS
         if special:
@@ -140,7 +217,7 @@ class RequestStore:
 
     def _shared(
         self,
-        items: list[Any] | tuple[Any, ...],
+        items: Messages,
         path: str,
         plains: list[bytes | None],
         pending: list[tuple[bytes, bytes]],
@@ -155,42 +232,36 @@ class RequestStore:
         header = array_header(len(items)) if as_array else b""
         plain = None if None in plains else header + b"".join(plains)  # type: ignore[arg-type]
         if plain is not None:
-            found = self._values.find(plain)
+            found = self.values.find(plain)
             if found is None:
                 found = next((stored for p, stored in pending if p == plain), None)
             if found is not None:
                 return found
         if as_array:
-            packed = [self._encode(item, f"{path}[{i}]") for i, item in enumerate(items)]
+            packed = [self.encode(item, f"{path}[{i}]") for i, item in enumerate(items)]
         else:
-            packed = [self._encode(items[0], path)]
+            packed = [self.encode(items[0], path)]
         stored = header + b"".join(b for b, _ in packed)
         if plain is not None and not any(special for _, special in packed):
             pending.append((plain, stored))
         return stored
 
-    def _shared_value(self, value: Any, path: str, pending: list[tuple[bytes, bytes]]) -> Any:
+    def shared_value(self, value: Any, path: str, pending: list[tuple[bytes, bytes]]) -> Any:
         if value is None:
             return None
-        return self._shared([value], path, [self._plain(value)], pending, as_array=False)
+        return self._shared([value], path, [self.plain(value)], pending, as_array=False)
 
-    def _valid(self, value: Any, plain: bytes | None) -> bool:
-        """Whether `plain` is the packing of `value` by the validating walk."""
-        try:
-            return plain is not None and self._canonical.encode(value, "")[0] == plain
-        except InvalidValueError:
-            return False
+    def add_values(self, pending: list[tuple[bytes, bytes]] | tuple[()]) -> None:
+        """Remember the shared values a committed turn stored first."""
+        for plain, stored in pending:
+            self.values.add(plain, stored)
 
-    def _is_echo(self, base: Turn, message: Any, plain: bytes | None) -> bool:
-        """Whether `message` is exactly the response of `base`."""
-        if plain is None or base.response is None or plain != self._response_plain(base):
-            return False
-        return not base.flags & RESPONSE_SPECIAL or self._valid(message, plain)
+    def prepare(self, turn: Turn, node: TurnNode, scratch: Scratch) -> bytes | None:
+        """Store the request as system part + base turn + tail; return the system plain.
 
-    def _prepare_request(self, turn: Turn, node: TurnNode, scratch: Scratch) -> bytes | None:
-        """Store the request as system part + base turn + tail; return the system plain."""
+        Sets `scratch.request` (the fresh request, for linking) and `scratch.request_digest`.
+        """
         messages = node.request_messages
-        pending = scratch.pending
         if messages is None:
             turn.system, turn.base, turn.tail, turn.n_rest = None, None, b"", 0
             turn.first = turn.body_start = 0
@@ -203,84 +274,58 @@ class RequestStore:
         if isinstance(messages, tuple):
             turn.flags |= MESSAGES_TUPLE
         n_sys = leading_system_count(messages)
-        rest = messages[n_sys:]
         pack = self._pack_plain
-        probe: Probe | None
         try:
-            probe = Probe(rest, pack, self._message_size)
-            if probe.plains:
-                self._message_size = len(probe.plains[-1]) // 2 + self._message_size // 2
-        except Exception:  # some message needs the validating walk: find which
-            probe = None
-        try:
-            system_plains: list[bytes | None] = [pack(m) for m in messages[:n_sys]]
-        except Exception:
-            system_plains = [self._plain(m) for m in messages[:n_sys]]
+            plains: list[bytes | None] = [pack(m) for m in messages[:n_sys]]
+        except Exception:  # some message needs the slow path: find which
+            plains = [self.plain(m) for m in messages[:n_sys]]
 
         # system part: shared whole through the value table
         system_plain = None
         turn.system = None
         if n_sys:
             turn.system = self._shared(
-                messages[:n_sys], "request_messages", system_plains, pending, as_array=True
+                messages[:n_sys], "request_messages", plains, scratch.pending, True
             )
-            if None not in system_plains:
-                system_plain = b"".join(system_plains)  # type: ignore[arg-type]
+            if None not in plains:
+                system_plain = b"".join(plains)  # type: ignore[arg-type]
 
-        if probe is not None:
-            prefixes: _Prefixes = _FastPrefixes(self, probe)
+        rest = messages[n_sys:]
+        probe: Probe | None
+        try:
+            probe = Probe(rest, pack, self._message_size)
+        except Exception:  # some message needs the validating walk: find which
+            probe = None
         else:
-            prefixes = _SlowPrefixes(self, [self._plain(m) for m in rest], rest)
-        n_valid = prefixes.n_valid
-        if n_valid == len(rest):
-            scratch.request_digest = prefixes.key(n_valid)
-            scratch.prefixes = prefixes  # for root keys and the digest, at commit
+            if probe.plains:  # a running mean, to size the next request's chunks
+                self._message_size = (len(probe.plain(probe.n - 1)) + self._message_size) // 2
+        request = FreshRequest(self, rest, probe)
+        scratch.request = request
+        if request.n_valid == len(request.messages):
+            scratch.request_digest = request.key(request.n_valid)
+        self._store_tail(turn, request, self._base(request), n_sys)
+        return system_plain
 
-        want_parent = node.parent_id is None and node.prompt_ids is None
-        base: Turn | None = None
-        parent: Turn | None = None
-        exact = prefixes.confirm
+    def _base(self, request: FreshRequest) -> Turn | None:
+        """The longest stored request that `request` extends (its storage base)."""
+        for n in range(request.n_valid, -1, -1):
+            base = next((c for c in request.stored_prefixes(n) if request.extends(c)), None)
+            if base is not None:
+                return base
+        return None
 
-        # Deepest first: the storage base is the longest stored request that this one
-        # extends; the parent, the longest whose response is echoed next (an exact echo
-        # preferred to a loose one).
-        for j in range(n_valid, -1, -1):
-            can_link = want_parent and j < len(rest)
-            if base is not None and not can_link:
-                if not want_parent:
-                    break
-                continue
-            found = self._request_index.get(prefixes.key(j))
-            if found is None:
-                continue
-            members = [c for c in index_members(found) if c.n_rest == j]
-            if not members:
-                continue
-            if base is None:
-                base = next((c for c in members if exact(c, j)), None)
-                if base is None:
-                    continue
-                if j == len(rest):  # identical requests whose continuations may move here
-                    scratch.twins = [c for c in members if c.children and exact(c, j)]
-            if not can_link:
-                continue
-            message, plain = rest[j], prefixes.plain(j)
-            parent = next(
-                (c for c in members if self._is_echo(c, message, plain) and exact(c, j)), None
-            ) or next((c for c in members if self._echoes(c, message, plain) and exact(c, j)), None)
-            if parent is not None:
-                break
-        scratch.message_parent = parent
-
+    def _store_tail(self, turn: Turn, request: FreshRequest, base: Turn | None, n_sys: int) -> None:
+        """Pack the messages after the base's (the echo of its response as a placeholder)."""
+        rest = request.messages
         start = base.n_rest if base is not None else 0
         pieces: list[bytes] = []
         for i in range(start, len(rest)):
-            p = prefixes.plain(i)
-            if i == start and base is not None and self._is_echo(base, rest[i], p):
+            p = request.plain(i)
+            if i == start and base is not None and self.is_echo(base, rest[i], p):
                 pieces.append(ECHO_PACKED)
                 turn.flags |= TAIL_ECHO
                 continue
-            packed, special = self._encode(rest[i], f"request_messages[{n_sys + i}]")
+            packed, special = self.encode(rest[i], f"request_messages[{n_sys + i}]")
             if packed != p:
                 turn.flags |= TAIL_REFS
             if special:
@@ -290,11 +335,46 @@ class RequestStore:
         turn.tail = array_header(len(pieces)) + b"".join(pieces)
         turn.n_rest = len(rest)
         finish_tail(turn)
-        return system_plain
 
-    def _request_matches(
-        self, turn: Turn, plains: list[bytes | None], messages: list[Any] | tuple[Any, ...]
-    ) -> bool:
+    def file(self, turn: Turn, key: int | None, request: FreshRequest | None = None) -> None:
+        """File a committed turn's request under `key` (its digest), if it has messages;
+        `request` (when the turn was just added) gives the digest that confirms it."""
+        if key is not None and not turn.flags & NO_MESSAGES:
+            index_add(self.request_index, key, turn)
+            if request is not None:
+                turn.digest = request.digest()
+
+    # ------------------------------------------------------------------ matching
+
+    def candidates(self, key: int, n_rest: int) -> list[Turn]:
+        """Stored turns filed under request key `key` with `n_rest` non-system messages."""
+        return [c for c in index_members(self.request_index.get(key)) if c.n_rest == n_rest]
+
+    def valid(self, value: Any, plain: bytes | None) -> bool:
+        """Whether `plain` is the packing of `value` by the validating walk."""
+        try:
+            return plain is not None and self._canonical.encode(value, "")[0] == plain
+        except InvalidValueError:
+            return False
+
+    def is_echo(self, base: Turn, message: Any, plain: bytes | None) -> bool:
+        """Whether `message` is exactly the response of `base`."""
+        if plain is None or base.response is None or plain != self.response_plain(base):
+            return False
+        return not base.flags & RESPONSE_SPECIAL or self.valid(message, plain)
+
+    def echoes(self, turn: Turn, message: Any, plain: bytes | None) -> bool:
+        """Whether `message` is the echo of the turn's response (exactly or loosely)."""
+        if turn.response is None:
+            return False
+        if self.is_echo(turn, message, plain):
+            return True
+        try:
+            return bool(link_key(self.response_value(turn)) == link_key(message))
+        except Exception:  # a malformed fresh message simply does not match
+            return False
+
+    def matches(self, turn: Turn, plains: list[bytes | None], messages: Messages) -> bool:
         """Whether the non-system request of `turn` is exactly `messages[:turn.n_rest]`.
 
         `plains` are the messages' plain packings; the stored tails are compared with them
@@ -304,17 +384,18 @@ class RequestStore:
         if end > len(plains):
             return False
         join = b"".join
+        slow_bit, echo_bit = TAIL_SLOW, TAIL_ECHO
         node: Turn | None = turn
         try:
             while node is not None:
                 start = node.first
-                if node.flags & TAIL_SLOW:
+                if node.flags & slow_bit:
                     if not self._tail_matches(node, plains, messages, start, end):
                         return False
                 else:
                     # the common case inline: a plain tail, maybe after the echo of the
                     # base's plain response
-                    if node.flags & TAIL_ECHO:
+                    if node.flags & echo_bit:
                         if start >= end or plains[start] != node.base.response:  # type: ignore[union-attr]
                             return False
                         body = join(plains[start + 1 : end])  # type: ignore[arg-type]
@@ -333,7 +414,7 @@ class RequestStore:
         self,
         turn: Turn,
         plains: list[bytes | None],
-        messages: list[Any] | tuple[Any, ...],
+        messages: Messages,
         start: int,
         end: int,
     ) -> bool:
@@ -343,7 +424,7 @@ class RequestStore:
         echo = turn.flags & TAIL_ECHO
         if echo:
             base = turn.base
-            if i >= end or base is None or not self._is_echo(base, messages[i], plains[i]):
+            if i >= end or base is None or not self.is_echo(base, messages[i], plains[i]):
                 return False
             i += 1
         if turn.flags & TAIL_REFS:
@@ -357,7 +438,7 @@ class RequestStore:
                 del values[0]
             if len(values) != end - i:
                 return False
-            plain = self._plain
+            plain = self.plain
             if any(plain(value) != plains[k] for k, value in enumerate(values, i)):
                 return False
         else:
@@ -369,17 +450,18 @@ class RequestStore:
             if len(joined) + overhead != len(tail) or not tail.endswith(joined):
                 return False
         if turn.flags & TAIL_SPECIAL:
-            return all(self._valid(messages[k], plains[k]) for k in range(i, end))
+            return all(self.valid(messages[k], plains[k]) for k in range(i, end))
         return True
 
-    def _plain(self, value: Any) -> bytes | None:
+    def plain(self, value: Any) -> bytes | None:
         """The exact packing of a value with every string inline, or None if it is invalid.
 
         msgpack packs almost every value at C speed; lone surrogates, subclasses and very deep
         tuples take the validating walk (with no blob table) instead.
         """
         try:
-            return self._pack_plain(value)
+            packed: bytes = self._pack_plain(value)
+            return packed
         except (NotPackable, ValueError, TypeError, OverflowError, RecursionError, BufferError):
             pass
         try:
@@ -387,55 +469,56 @@ class RequestStore:
         except (InvalidValueError, RecursionError):
             return None
 
-    def _expand(self, stored: bytes) -> bytes | None:
+    def expand(self, stored: bytes) -> bytes | None:
         """The plain packing of a stored value: its blobs inline again."""
         try:
-            return self._plain(unpack(stored, self.blobs.string))
+            return self.plain(unpack(stored, self.blobs.string))
         except ValueError:
             return None
 
-    def _response_value(self, turn: Turn) -> Any:
-        return None if turn.response is None else unpack(turn.response, self.blobs.string)
-
-    def _response_plain(self, turn: Turn) -> bytes | None:
+    def response_plain(self, turn: Turn) -> bytes | None:
         if turn.response is None:
             return None
         if not turn.flags & RESPONSE_REFS:
             return turn.response
-        return self._expand(turn.response)
+        return self.expand(turn.response)
 
-    def _echoes(self, turn: Turn, message: Any, plain: bytes | None) -> bool:
-        """Whether `message` is the echo of the turn's response (exactly or loosely)."""
-        if turn.response is None:
-            return False
-        if self._is_echo(turn, message, plain):
-            return True
-        try:
-            return bool(link_key(self._response_value(turn)) == link_key(message))
-        except Exception:  # a malformed fresh message simply does not match
-            return False
+    # ------------------------------------------------------------------ rebuilding
 
-    def _rest_values(self, turn: Turn) -> list[Any]:
+    def value(self, packed: bytes | None) -> Any:
+        """A stored value rebuilt: fresh containers, blobs as the table's own strings."""
+        return None if packed is None else unpack(packed, self.blobs.string)
+
+    def response_value(self, turn: Turn) -> Any:
+        return self.value(turn.response)
+
+    def rest_values(self, turn: Turn) -> list[Any]:
+        """The non-system request messages of `turn`, rebuilt."""
         chain: list[Turn] = []
         node: Turn | None = turn
         while node is not None:
             chain.append(node)
             node = node.base
         out: list[Any] = []
+        string = self.blobs.string
         for owner in reversed(chain):
             base = owner.base
-            echo = (lambda b=base: self._response_value(b)) if base is not None else None
-            out.extend(unpack(owner.tail, self.blobs.string, echo))
+            echo: Callable[[], Any] | None = None
+            if base is not None:
+                echo = _echo_of(self, base)
+            out.extend(unpack(owner.tail, string, echo))
         return out
 
-    def _request_messages(self, turn: Turn) -> list[Any] | tuple[Any, ...] | None:
+    def messages(self, turn: Turn) -> Messages | None:
+        """The request messages of `turn`, rebuilt as they were recorded."""
         if turn.flags & NO_MESSAGES:
             return None
         messages: list[Any] = []
         if turn.system is not None:
             messages.extend(unpack(turn.system, self.blobs.string))
-        messages.extend(self._rest_values(turn))
+        messages.extend(self.rest_values(turn))
         return tuple(messages) if turn.flags & MESSAGES_TUPLE else messages
 
-    def _value(self, packed: bytes | None) -> Any:
-        return None if packed is None else unpack(packed, self.blobs.string)
+
+def _echo_of(store: RequestStore, base: Turn) -> Callable[[], Any]:
+    return lambda: store.response_value(base)

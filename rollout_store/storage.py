@@ -14,11 +14,17 @@ import os
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import IntEnum
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
-from .blobs import content_digest
-from .errors import ChecksumMismatch, CorruptFileError, UnsupportedVersionError
+from .blobs import BlobTable, content_digest
+from .errors import (
+    ChecksumMismatch,
+    CorruptFileError,
+    FileLockedError,
+    UnsupportedVersionError,
+)
 from .frames import (
     BLOB_PREFIX,
     FORMAT_VERSION,
@@ -41,26 +47,74 @@ from .frames import (
     pack,
     unpack_payload,
 )
-from .graph import RolloutGraph
+from .graph import Graph, GraphRestorer, JournalEntry
 from .intake import token_array
 from .tokens import TokenRun, run_list
 from .turns import (
     ECHO_PACKED,
-    LINK_EXPLICIT,
     NO_MESSAGES,
     TAIL_ECHO,
-    Scratch,
+    TAIL_SLOW,
+    IndexKeys,
+    LinkKind,
     Turn,
+    TurnMeta,
     finish_tail,
     full_run,
     is_above,
 )
 
-__all__ = ["FORMAT_VERSION", "MAGIC", "LoadReport", "load", "open_append", "save", "verify"]
+__all__ = [
+    "FORMAT_VERSION",
+    "MAGIC",
+    "LoadReport",
+    "PromptKind",
+    "RolloutGraph",
+    "TurnRecord",
+    "load",
+    "open_append",
+    "save",
+    "verify",
+]
 
 
-# prompt specs in a turn record
-_PROMPT_SAME, _PROMPT_EXTENDS, _PROMPT_NEW = 0, 1, 2
+class PromptKind(IntEnum):
+    """How a turn record gives its prompt tokens."""
+
+    SAME = 0  # [SAME, turn]: the very prompt of an earlier turn
+    EXTENDS = 1  # [EXTENDS, turn, segment]: an earlier turn's prompt + sampled, then more
+    NEW = 2  # [NEW, segment]: the tokens whole
+
+
+class TurnRecord(NamedTuple):
+    """The payload of a turn frame: an array of these 18 fields, in this order.
+
+    Written by `_Writer.turn_frames` and read by `_Loader.turn`. Turns, values and blobs
+    are referred to by their position in the file.
+    """
+
+    node_id: str
+    parent: int | None  # an earlier turn (a later parent re-links its child by `moves`)
+    link: int  # LinkKind, 0 without parent
+    flags: int  # Turn.flags without the derived bits
+    meta: list[Any]  # TurnMeta as an array
+    system: int | None  # value holding the leading system messages
+    base: int | None  # the turn whose request this one extends
+    tail: bytes  # packed request messages after the base's
+    n_rest: int  # number of non-system request messages
+    response: bytes | None
+    tools: int | None  # value
+    sampling: int | None  # value
+    prompt: list[Any] | None  # [PromptKind, ...]
+    sampled: list[Any] | None  # segment
+    logprobs: list[Any] | None  # segment, or ["j", packed JSON value]
+    keys: list[Any]  # IndexKeys as an array
+    refs: list[int]  # blob references and their bytes since the previous turn record
+    moves: list[list[int]]  # [turn, link] of earlier turns re-linked under this one
+
+
+#: Bits of Turn.flags that are derived on load, never written.
+_DERIVED_FLAGS = TAIL_SLOW
 
 
 # ---------------------------------------------------------------- writing
@@ -77,26 +131,21 @@ class _Writer:
         self.full_of: dict[int, int] = {}  # id(TokenRun) -> index of a turn whose full it is
         self.refs = (0, 0)  # blob references and their bytes counted so far
 
-    def blob_frames(self, graph: RolloutGraph, end: int) -> list[bytes]:
+    def blob_frames(self, blobs: BlobTable, end: int) -> list[bytes]:
         frames: list[bytes] = []
-        blobs = graph.blobs
         for index in range(self.blobs_written, end):
             data = blobs.string(index).encode("utf-8", "surrogatepass")
             frames.extend(blob_frame(blobs.handle(index).digest, data))
         return frames
 
     def turn_frames(
-        self,
-        graph: RolloutGraph,
-        turn: Turn,
-        moves: list[tuple[Turn, int]],
-        keys: list[Any],
-        blobs_end: int,
-        refs: tuple[int, int],
+        self, blobs: BlobTable, entry: JournalEntry
     ) -> tuple[list[bytes], Callable[[], None]]:
         """Frames (as byte parts) for the turn's new blobs, new values and the turn itself,
         and a function to call once they are written."""
-        frames = self.blob_frames(graph, blobs_end)
+        turn, blobs_end = entry.turn, entry.blobs_end
+        refs = self.refs if entry.references is None else entry.references
+        frames = self.blob_frames(blobs, blobs_end)
         new_values: list[bytes] = []
 
         def value_ref(stored: bytes | None) -> int | None:
@@ -114,29 +163,29 @@ class _Writer:
 
         parent = turn.parent
         parent_index = parent.index if parent is not None and parent.index < turn.index else None
-        record = [
-            turn.node_id,
-            parent_index,
-            turn.link if parent_index is not None else 0,
-            turn.flags,
-            list(turn.meta),
-            value_ref(turn.system),
-            turn.base.index if turn.base is not None else None,
-            turn.tail,
-            turn.n_rest,
-            turn.response,
-            value_ref(turn.tools),
-            value_ref(turn.sampling),
-            self._prompt_spec(turn),
-            encode_segment(turn.sampled),
-            encode_segment(turn.logprobs)
+        record = TurnRecord(
+            node_id=turn.node_id,
+            parent=parent_index,
+            link=int(turn.link) if parent_index is not None else 0,
+            flags=turn.flags & ~_DERIVED_FLAGS,
+            meta=list(turn.meta),
+            system=value_ref(turn.system),
+            base=turn.base.index if turn.base is not None else None,
+            tail=turn.tail,
+            n_rest=turn.n_rest,
+            response=turn.response,
+            tools=value_ref(turn.tools),
+            sampling=value_ref(turn.sampling),
+            prompt=self._prompt_spec(turn),
+            sampled=encode_segment(turn.sampled),
+            logprobs=encode_segment(turn.logprobs)
             if isinstance(turn.logprobs, array)
             else (["j", turn.logprobs] if turn.logprobs is not None else None),
-            keys,
-            [refs[0] - self.refs[0], refs[1] - self.refs[1]],
-            [[other.index, link] for other, link in moves],
-        ]
-        frames.append(frame(KIND_TURN, pack(record)))
+            keys=list(entry.keys),
+            refs=[refs[0] - self.refs[0], refs[1] - self.refs[1]],
+            moves=[[other.index, int(link)] for other, link in entry.moves],
+        )
+        frames.append(frame(KIND_TURN, pack(list(record))))
 
         def commit() -> None:
             self.blobs_written = blobs_end
@@ -154,22 +203,22 @@ class _Writer:
         if turn.full is not None:
             self.full_of.setdefault(id(turn.full), turn.index)
 
-    def _prompt_spec(self, turn: Turn) -> Any:
+    def _prompt_spec(self, turn: Turn) -> list[Any] | None:
         run = turn.prompt
         if run is None:
             return None
         same = self.prompt_of.get(id(run))
         if same is not None:
-            return [_PROMPT_SAME, same]
+            return [int(PromptKind.SAME), same]
         if run.prev is not None:
             extends = self.full_of.get(id(run.prev))
             if extends is not None:
-                return [_PROMPT_EXTENDS, extends, encode_segment(run.seg)]
+                return [int(PromptKind.EXTENDS), extends, encode_segment(run.seg)]
         # a chain this file cannot name: write the tokens whole (exact, just not shared)
-        return [_PROMPT_NEW, encode_segment(token_array(run_list(run), "prompt_ids"))]
+        return [int(PromptKind.NEW), encode_segment(token_array(run_list(run), "prompt_ids"))]
 
 
-def _header(graph: RolloutGraph, mode: str) -> bytes:
+def _header(graph: Graph, mode: str) -> bytes:
     payload = pack(
         {
             "format": "rollout_store",
@@ -181,10 +230,6 @@ def _header(graph: RolloutGraph, mode: str) -> bytes:
     return MAGIC + frame(KIND_HEADER, payload)
 
 
-def _turn_keys(scratch: Scratch) -> list[Any]:
-    return [scratch.request_digest, scratch.token_key, scratch.prompt_key, scratch.root_keys]
-
-
 def _fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path.parent, os.O_RDONLY)
@@ -194,39 +239,26 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def save(graph: RolloutGraph, path: str | os.PathLike[str]) -> None:
+def save(graph: Graph, path: str | os.PathLike[str]) -> None:
     """Write the whole graph to `path` atomically: a temporary file, fsync, rename."""
     target = Path(path)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    if graph._log_path is not None and os.path.realpath(target) == graph._log_path:
+    log_path = graph.journal_path
+    if log_path is not None and os.path.realpath(target) == log_path:
         raise ValueError(f"{target} is the log this graph appends to; save to another path")
-    with graph._lock:
+    with graph.lock:
         writer = _Writer()
         try:
             with open(tmp, "wb") as fp:
                 fp.write(_header(graph, MODE_SNAPSHOT))
-                turns = graph._turns
-                later_children: dict[int, list[tuple[Turn, int]]] = {}
-                for turn in turns:
-                    parent = turn.parent
-                    if parent is not None and parent.index > turn.index:
-                        later_children.setdefault(parent.index, []).append((turn, turn.link))
-                inverted = graph._inverted_keys()
-                marks = graph._blob_marks
-                for turn in turns:
+                entries = graph.journal_entries()
+                for entry in entries:
                     # references are counted in the end record of a snapshot
-                    frames, commit = writer.turn_frames(
-                        graph,
-                        turn,
-                        later_children.get(turn.index, []),
-                        inverted[turn.index],
-                        marks[turn.index],
-                        writer.refs,
-                    )
+                    frames, commit = writer.turn_frames(graph.blobs, entry)
                     fp.writelines(frames)
                     commit()
                 references = list(graph.blobs.mark()[1:])
-                end = {"turns": len(turns), "blobs": len(graph.blobs), "references": references}
+                end = {"turns": len(entries), "blobs": len(graph.blobs), "references": references}
                 fp.write(frame(KIND_END, pack(end)))
                 fp.flush()
                 os.fsync(fp.fileno())
@@ -269,8 +301,11 @@ class LoadReport:
 
 
 class _Loader:
+    """Rebuilds a graph from the records of a file, through the graph's restore door."""
+
     def __init__(self, share_threshold: int | None) -> None:
         self.graph = RolloutGraph(share_threshold=share_threshold)
+        self.restore: GraphRestorer = self.graph._restorer()
         self.writer = _Writer()
         self.checker = PackedChecker(self.graph.blobs)
         self.value_is_list: list[bool] = []  # system parts must be arrays of messages
@@ -289,7 +324,7 @@ class _Loader:
         if 20 + width + size != n:
             raise ValueError("blob data length does not match its record")
         data = payload[20 + width :]
-        actual = content_digest(data)
+        actual = content_digest(data)  # type: ignore[arg-type]  # xxhash reads any buffer
         if actual != digest:
             raise ChecksumMismatch("blob", digest, actual, offset=offset, record=record)
         try:
@@ -300,62 +335,62 @@ class _Loader:
 
     def value(self, payload: Any) -> None:
         decoded = self.checker.check(payload, len(self.graph.blobs))
-        special = self.checker.special
         self.value_is_list.append(type(decoded) is list)
         self.writer.values[id(payload)] = len(self.writer.value_objects)
         self.writer.value_objects.append(payload)
-        plain = None if special else self.graph._expand(payload)
-        if plain is not None and self.graph._values.find(plain) is None:
-            self.graph._values.add(plain, payload)
+        self.restore.add_value(payload, self.checker.special)
 
     def turn(self, payload: Any) -> None:
-        g = self.graph
-        turns = g._turns
-        if not (isinstance(payload, list) and len(payload) == 18):
-            raise ValueError("turn record must be a list of 18 fields")
-        (
-            node_id,
-            parent,
-            link,
-            flags,
-            meta,
-            system,
-            base,
-            tail,
-            n_rest,
-            response,
-            tools,
-            sampling,
-            prompt,
-            sampled,
-            logprobs,
-            keys,
-            refs,
-            moves,
-        ) = payload
-        if not isinstance(node_id, str) or node_id in g._by_id:
+        """Check one turn record, build the stored turn and commit it to the graph."""
+        if not (isinstance(payload, list) and len(payload) == len(TurnRecord._fields)):
+            raise ValueError(f"turn record must be a list of {len(TurnRecord._fields)} fields")
+        record = TurnRecord(*payload)
+        n_blobs = len(self.graph.blobs)
+        turn = self._identity(record)
+        self._request(turn, record, n_blobs)
+        self._tokens(turn, record, n_blobs)
+        keys = _index_keys(record.keys)
+        moves = self._moves(turn, record.moves)
+        refs = record.refs
+        if not (isinstance(refs, list) and len(refs) == 2):
+            raise ValueError("bad moves or reference counts")
+        if not all(type(r) is int and r >= 0 for r in refs):
+            raise ValueError("bad reference counts")
+        self.graph.blobs.count_references(refs[0], refs[1])
+        self.restore.commit(turn, keys, moves)
+        self.writer.note_runs(turn)
+
+    def _identity(self, record: TurnRecord) -> Turn:
+        """A new turn with its id, position, parent, link, flags and scalar fields."""
+        node_id = record.node_id
+        if not isinstance(node_id, str) or node_id in self.graph:
             raise ValueError(f"bad or repeated node id {node_id!r}")
-        n_blobs = len(g.blobs)
         turn = Turn()
         turn.node_id = node_id
-        turn.index = len(turns)
+        turn.index = len(self.graph)
         turn.children = None
-        turn.parent = _ref(turns, parent)
-        if not (isinstance(link, int) and 0 <= link <= LINK_EXPLICIT):
-            raise ValueError("bad link kind")
-        turn.link = link if turn.parent is not None else 0
+        turn.parent = self._ref(record.parent)
+        link = _link_kind(record.link)
+        turn.link = link if turn.parent is not None else LinkKind.NONE
+        flags = record.flags
         if not isinstance(flags, int) or flags < 0:
             raise ValueError("bad flags")
         turn.flags = flags
-        if not (isinstance(meta, list) and len(meta) == 5):
+        meta = record.meta
+        if not (isinstance(meta, list) and len(meta) == len(TurnMeta._fields)):
             raise ValueError("bad meta")
         if not all(m is None or isinstance(m, str) for m in meta[:4]) or not (
             meta[4] is None or type(meta[4]) is int
         ):
             raise ValueError("bad meta")
-        turn.meta = g._meta.setdefault(tuple(meta), tuple(meta))
+        turn.meta = self.restore.meta(TurnMeta(*meta))
+        return turn
+
+    def _request(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
+        """The request (system part, base, tail), the response and the shared values."""
+        flags, tail, n_rest, system = turn.flags, record.tail, record.n_rest, record.system
         turn.system = self._value_ref(system)
-        turn.base = _ref(turns, base)
+        turn.base = self._ref(record.base)
         if turn.base is not None and (turn.base.flags | flags) & NO_MESSAGES:
             raise ValueError("a request without messages has no base, and is no base")
         if not isinstance(tail, bytes) or not isinstance(n_rest, int):
@@ -375,18 +410,22 @@ class _Loader:
                 raise ValueError("misplaced echo in a request tail")
         if system is not None and not self.value_is_list[system]:
             raise ValueError("system messages must be an array")
-        if response is not None:
-            self.checker.check(response, n_blobs)
-        turn.response = response
-        turn.tools = self._value_ref(tools)
-        turn.sampling = self._value_ref(sampling)
-        turn.prompt = self._prompt(prompt)
-        turn.sampled = decode_segment(sampled)
+        if record.response is not None:
+            self.checker.check(record.response, n_blobs)
+        turn.response = record.response
+        turn.tools = self._value_ref(record.tools)
+        turn.sampling = self._value_ref(record.sampling)
+
+    def _tokens(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
+        """Prompt, sampled ids and logprobs."""
+        turn.prompt = self._prompt(record.prompt)
+        turn.sampled = decode_segment(record.sampled)
         if turn.sampled is not None and not (
             isinstance(turn.sampled, tuple) or turn.sampled.typecode in "Iq"
         ):
             raise ValueError("bad sampled ids")
         turn.full = full_run(turn.prompt, turn.sampled)
+        logprobs = record.logprobs
         if logprobs is None:
             turn.logprobs = None
         elif logprobs[0] == "j":
@@ -396,30 +435,20 @@ class _Loader:
             turn.logprobs = decode_segment(logprobs, "d")
         else:
             raise ValueError("bad logprobs")
-        if not (isinstance(keys, list) and len(keys) == 4):
-            raise ValueError("bad index keys")
-        if not all(k is None or type(k) is int for k in keys[:3]):
-            raise ValueError("bad index keys")
-        if keys[3] is not None and not (
-            isinstance(keys[3], list) and all(type(k) is int for k in keys[3])
-        ):
-            raise ValueError("bad index keys")
-        scratch = Scratch()
-        scratch.request_digest, scratch.token_key, scratch.prompt_key, scratch.root_keys = keys
-        if not (isinstance(moves, list) and isinstance(refs, list) and len(refs) == 2):
+
+    def _moves(self, turn: Turn, moves: Any) -> list[tuple[Turn, LinkKind]]:
+        """Earlier turns that this one re-linked under itself."""
+        if not isinstance(moves, list):
             raise ValueError("bad moves or reference counts")
+        out: list[tuple[Turn, LinkKind]] = []
         for move in moves:
             if not (isinstance(move, list) and len(move) == 2 and isinstance(move[1], int)):
                 raise ValueError("bad move")
-            other = _ref(turns, move[0])
-            if other is None or not 0 < move[1] < LINK_EXPLICIT + 1 or is_above(other, turn):
+            other = self._ref(move[0])
+            if other is None or not 0 < move[1] <= LinkKind.EXPLICIT or is_above(other, turn):
                 raise ValueError("bad move")
-            scratch.moves.append((other, move[1]))
-        if not all(type(r) is int and r >= 0 for r in refs):
-            raise ValueError("bad reference counts")
-        g.blobs.count_references(refs[0], refs[1])
-        g._commit(turn, scratch)
-        self.writer.note_runs(turn)
+            out.append((other, LinkKind(move[1])))
+        return out
 
     def _value_ref(self, ordinal: Any) -> bytes | None:
         if ordinal is None:
@@ -429,32 +458,187 @@ class _Loader:
             raise ValueError("value reference out of range")
         return values[ordinal]
 
+    def _ref(self, index: Any) -> Turn | None:
+        """The earlier turn at `index`, or None."""
+        if index is None:
+            return None
+        if not isinstance(index, int) or not 0 <= index < len(self.graph):
+            raise ValueError(f"turn reference {index!r} out of range")
+        return self.restore.turn(index)
+
     def _prompt(self, spec: Any) -> TokenRun | None:
         if spec is None:
             return None
-        turns = self.graph._turns
         kind = spec[0]
-        if kind == _PROMPT_SAME and len(spec) == 2:
-            other = _ref(turns, spec[1])
+        if kind == PromptKind.SAME and len(spec) == 2:
+            other = self._ref(spec[1])
             if other is None or other.prompt is None:
                 raise ValueError("prompt reference to a turn without prompt")
             return other.prompt
-        if kind == _PROMPT_EXTENDS and len(spec) == 3:
-            other = _ref(turns, spec[1])
+        if kind == PromptKind.EXTENDS and len(spec) == 3:
+            other = self._ref(spec[1])
             if other is None or other.full is None:
                 raise ValueError("prompt extends a turn without tokens")
             return TokenRun(other.full, decode_segment(spec[2]))
-        if kind == _PROMPT_NEW and len(spec) == 2:
+        if kind == PromptKind.NEW and len(spec) == 2:
             return TokenRun(None, decode_segment(spec[1]))
         raise ValueError("bad prompt spec")
 
 
-def _ref(turns: list[Turn], index: Any) -> Turn | None:
-    if index is None:
-        return None
-    if not isinstance(index, int) or not 0 <= index < len(turns):
-        raise ValueError(f"turn reference {index!r} out of range")
-    return turns[index]
+def _link_kind(link: Any) -> LinkKind:
+    if not (isinstance(link, int) and 0 <= link <= LinkKind.EXPLICIT):
+        raise ValueError("bad link kind")
+    return LinkKind(link)
+
+
+def _index_keys(keys: Any) -> IndexKeys:
+    if not (isinstance(keys, list) and len(keys) == len(IndexKeys._fields)):
+        raise ValueError("bad index keys")
+    if not all(k is None or type(k) is int for k in keys[:3]):
+        raise ValueError("bad index keys")
+    if keys[3] is not None and not (
+        isinstance(keys[3], list) and all(type(k) is int for k in keys[3])
+    ):
+        raise ValueError("bad index keys")
+    return IndexKeys(*keys)
+
+
+class _Damage(Exception):
+    """Internal: the frame at hand is damaged; the scan stops there."""
+
+    def __init__(self, error: CorruptFileError, truncated: bool) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.truncated = truncated
+
+
+class _Scan:
+    """One pass over a file's frames: check each one, then apply its record to the loader.
+
+    Blob and value records are applied only when the turn record after them arrives, so a
+    turn cut short leaves nothing of itself behind.
+    """
+
+    def __init__(self, data: memoryview, report: LoadReport) -> None:
+        self.data = data
+        self.report = report
+        self.loader: _Loader | None = None
+        self.ended = False
+        self.pending: list[tuple[int, Any, int, int]] = []  # (kind, body, offset, record)
+        self.record = 0  # index of the record at hand, and its offset: errors name them
+        self.start = 0
+
+    def run(self, progress: Callable[[int], None] | None) -> None:
+        report = self.report
+        offset = len(MAGIC)
+        while offset < report.file_size:
+            start = offset
+            try:
+                kind, payload, offset = self.frame_at(start)
+            except _Damage as damage:
+                report.fail(damage.error, truncated=damage.truncated)
+                return
+            self.start = start
+            try:
+                self.apply(kind, payload, start)
+            except CorruptFileError as exc:
+                report.fail(exc)
+                return
+            except Exception as exc:  # anything a damaged payload provokes
+                kind_name = KIND_NAMES.get(kind, f"kind {kind}")
+                message = f"invalid {kind_name} record: {exc}"
+                report.fail(CorruptFileError(message, offset=self.start, record=self.record))
+                return
+            self.record += 1
+            report.records = self.record
+            if not self.pending:
+                report.good_bytes = offset
+            if progress is not None:
+                progress(offset)
+
+    def frame_at(self, start: int) -> tuple[int, memoryview, int]:
+        """The kind and payload of the frame at `start` (checksum verified) and its end."""
+        data, size, record = self.data, self.report.file_size, self.record
+        if size - start < FRAME.size:
+            message = "file ends inside a frame header"
+            raise _Damage(CorruptFileError(message, offset=start, record=record), True)
+        kind, length, expected = FRAME.unpack_from(data, start)
+        offset = start + FRAME.size
+        if length > size - offset:
+            message = f"file ends inside a record: {size - offset} of {length} bytes present"
+            failure = CorruptFileError(message, offset=start, record=record)
+            raise _Damage(failure, not _frame_after(data, start))
+        payload = data[offset : offset + length]  # a view: blob data is not copied
+        actual = checksum(kind, payload)
+        if actual != expected:
+            failure = ChecksumMismatch("record", expected, actual, offset=start, record=record)
+            raise _Damage(failure, not _frame_after(data, start))
+        return kind, payload, offset + length
+
+    def apply(self, kind: int, payload: memoryview, start: int) -> None:
+        body = payload if kind == KIND_BLOB else unpack_payload(payload)
+        if self.ended:
+            raise ValueError("records after the end record")
+        if self.record == 0:
+            self.loader, self.report.mode = _read_header(kind, body, start)
+            return
+        loader = self.loader
+        if loader is None or kind == KIND_HEADER:
+            raise ValueError("a second header record")
+        if kind in (KIND_BLOB, KIND_VALUE):
+            self.pending.append((kind, body, start, self.record))
+        elif kind == KIND_TURN:
+            self.apply_turn(loader, body)
+        elif kind == KIND_END:
+            self.apply_end(loader, body)
+        else:
+            raise ValueError(f"unknown record kind {kind}")
+
+    def apply_turn(self, loader: _Loader, body: Any) -> None:
+        """The blobs and values waiting for this turn record, then the turn itself."""
+        turn_start, turn_record = self.start, self.record
+        for kind, pending, start, record in self.pending:
+            self.start, self.record = start, record  # an error names the record it is about
+            if kind == KIND_BLOB:
+                loader.blob(pending, start, record)
+                self.report.blobs += 1
+            else:
+                loader.value(pending)
+        self.start, self.record = turn_start, turn_record
+        self.pending.clear()
+        loader.turn(body)
+        self.report.turns += 1
+
+    def apply_end(self, loader: _Loader, body: Any) -> None:
+        report = self.report
+        counts = {"turns": report.turns, "blobs": report.blobs}
+        if self.pending or not isinstance(body, dict) or body.keys() != {*counts, "references"}:
+            raise ValueError("end record does not match the records before it")
+        if any(body[k] != v for k, v in counts.items()):
+            raise ValueError("end record does not match the records before it")
+        references = body["references"]
+        if not (
+            isinstance(references, list)
+            and len(references) == 2
+            and all(type(r) is int and r >= 0 for r in references)
+        ):
+            raise ValueError("bad reference counts in the end record")
+        loader.graph.blobs.count_references(*references)
+        self.ended = True
+
+    def finish(self) -> _Loader:
+        """Damage that only the end of the file shows; the loader (empty if none)."""
+        report = self.report
+        if report.error is None:
+            if self.loader is None:
+                report.fail(CorruptFileError("no header record", offset=len(MAGIC)), truncated=True)
+            elif self.pending:
+                message = "file ends after the blobs of a turn whose record is missing"
+                report.fail(CorruptFileError(message, offset=report.good_bytes), truncated=True)
+            elif report.mode == MODE_SNAPSHOT and not self.ended:
+                message = "snapshot ends before its end record"
+                report.fail(CorruptFileError(message, offset=report.file_size), truncated=True)
+        return self.loader if self.loader is not None else _Loader(None)
 
 
 def _scan(
@@ -462,11 +646,7 @@ def _scan(
     path: str,
     progress: Callable[[int], None] | None = None,
 ) -> tuple[_Loader, LoadReport]:
-    """Read frames until the end or the first damage; never raises for damage.
-
-    Blob and value records are applied only when the turn record after them arrives, so a
-    turn cut short leaves nothing of itself behind.
-    """
+    """Read frames until the end or the first damage; never raises for damage."""
     data = memoryview(data)
     size = len(data)
     report = LoadReport(path, size, 0, 0, 0, 0)
@@ -477,96 +657,9 @@ def _scan(
             b"\0"
         )
         return _Loader(None), report
-    offset = len(MAGIC)
-    loader: _Loader | None = None
-    ended = False
-    pending: list[tuple[int, Any, int, int]] = []
-    record = 0
-    while offset < size:
-        start = offset
-        if size - offset < FRAME.size:
-            message = "file ends inside a frame header"
-            report.fail(CorruptFileError(message, offset=start, record=record), truncated=True)
-            break
-        kind, length, expected = FRAME.unpack_from(data, offset)
-        offset += FRAME.size
-        if length > size - offset:
-            message = f"file ends inside a record: {size - offset} of {length} bytes present"
-            failure = CorruptFileError(message, offset=start, record=record)
-            report.fail(failure, truncated=not _frame_after(data, start))
-            break
-        payload = data[offset : offset + length]  # a view: blob data is not copied
-        offset += length
-        actual = checksum(kind, payload)
-        if actual != expected:
-            failure = ChecksumMismatch("record", expected, actual, offset=start, record=record)
-            report.fail(failure, truncated=not _frame_after(data, start))
-            break
-        try:
-            body = payload if kind == KIND_BLOB else unpack_payload(payload)
-            if ended:
-                raise ValueError("records after the end record")
-            if record == 0:
-                loader, report.mode = _read_header(kind, body, start)
-            elif loader is None or kind == KIND_HEADER:
-                raise ValueError("a second header record")
-            elif kind in (KIND_BLOB, KIND_VALUE):
-                pending.append((kind, body, start, record))
-            elif kind == KIND_TURN:
-                turn_start, turn_record = start, record
-                for p_kind, p_body, start, record in pending:  # an error names this record
-                    if p_kind == KIND_BLOB:
-                        loader.blob(p_body, start, record)
-                        report.blobs += 1
-                    else:
-                        loader.value(p_body)
-                start, record = turn_start, turn_record
-                pending.clear()
-                loader.turn(body)
-                report.turns += 1
-            elif kind == KIND_END:
-                counts = {"turns": report.turns, "blobs": report.blobs}
-                if pending or not isinstance(body, dict) or body.keys() != {*counts, "references"}:
-                    raise ValueError("end record does not match the records before it")
-                if any(body[k] != v for k, v in counts.items()):
-                    raise ValueError("end record does not match the records before it")
-                references = body["references"]
-                if not (
-                    isinstance(references, list)
-                    and len(references) == 2
-                    and all(type(r) is int and r >= 0 for r in references)
-                ):
-                    raise ValueError("bad reference counts in the end record")
-                loader.graph.blobs.count_references(*references)
-                ended = True
-            else:
-                raise ValueError(f"unknown record kind {kind}")
-        except CorruptFileError as exc:
-            report.fail(exc)
-            break
-        except Exception as exc:  # anything a damaged payload provokes
-            kind_name = KIND_NAMES.get(kind, f"kind {kind}")
-            message = f"invalid {kind_name} record: {exc}"
-            report.fail(CorruptFileError(message, offset=start, record=record))
-            break
-        record += 1
-        report.records = record
-        if not pending:
-            report.good_bytes = offset
-        if progress is not None:
-            progress(offset)
-    if report.error is None:
-        if loader is None:
-            report.fail(CorruptFileError("no header record", offset=len(MAGIC)), truncated=True)
-        elif pending:
-            message = "file ends after the blobs of a turn whose record is missing"
-            report.fail(CorruptFileError(message, offset=report.good_bytes), truncated=True)
-        elif report.mode == MODE_SNAPSHOT and not ended:
-            message = "snapshot ends before its end record"
-            report.fail(CorruptFileError(message, offset=size), truncated=True)
-    if loader is None:
-        loader = _Loader(None)
-    return loader, report
+    scan = _Scan(data, report)
+    scan.run(progress)
+    return scan.finish(), report
 
 
 def _frame_after(data: memoryview, start: int) -> bool:
@@ -642,19 +735,24 @@ def load(
 
 
 class _AppendLog:
-    """The file behind a graph opened with `open_append`: one write per turn."""
+    """The journal of a graph opened with `open_append`: one write per turn."""
 
-    def __init__(self, fp: IO[bytes], writer: _Writer, fsync_every: int) -> None:
+    def __init__(
+        self, fp: IO[bytes], path: str, blobs: BlobTable, writer: _Writer, fsync_every: int
+    ) -> None:
         self.fp = fp
+        self._path: str | None = path
+        self.blobs = blobs
         self.writer = writer
         self.fsync_every = fsync_every
         self.unsynced = 0
 
-    def on_turn(self, graph: RolloutGraph, turn: Turn, scratch: Scratch) -> None:
-        keys = _turn_keys(scratch)
-        frames, commit = self.writer.turn_frames(
-            graph, turn, scratch.moves, keys, len(graph.blobs), graph.blobs.mark()[1:]
-        )
+    @property
+    def path(self) -> str | None:
+        return self._path
+
+    def append(self, entry: JournalEntry) -> None:
+        frames, commit = self.writer.turn_frames(self.blobs, entry)
         fd = self.fp.fileno()
         size = os.lseek(fd, 0, os.SEEK_END)
         try:
@@ -676,6 +774,7 @@ class _AppendLog:
         commit()
 
     def close(self) -> None:
+        self._path = None
         if self.fp.closed:
             return
         try:
@@ -714,7 +813,7 @@ def open_append(
         fcntl.flock(fp.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         fp.close()
-        raise CorruptFileError(f"{target} is open for appending by another process") from None
+        raise FileLockedError(f"{target} is open for appending by another process") from None
     try:
         fp.seek(0)
         data = fp.read()
@@ -748,9 +847,51 @@ def open_append(
     except BaseException:
         fp.close()
         raise
-    log = _AppendLog(fp, writer, every)
-    graph._listeners.append(lambda turn, _first, scratch: log.on_turn(graph, turn, scratch))
-    graph._closers.append(log.close)
-    graph._closers.append(lambda: setattr(graph, "_log_path", None))
-    graph._log_path = os.path.realpath(target)
+    graph.attach_journal(_AppendLog(fp, os.path.realpath(target), graph.blobs, writer, every))
     return graph
+
+
+class RolloutGraph(Graph):
+    """Turns of one or many rollouts, with memory proportional to unique content.
+
+    `share_threshold`: strings of at least this many characters are stored once in the
+    graph's blob table (`None` disables string sharing; messages and tokens are still
+    shared). Safe to use from many threads: `add_turn` is serialized by a lock.
+
+    The in-memory `Graph` plus its files: `save`, `load` and `open`. It is defined here, in
+    the file layer, so that the graph below never imports the module that stores it.
+    """
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the graph to `path` atomically (temporary file, fsync, rename)."""
+        save(self, path)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        recover: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> RolloutGraph:
+        """Read a file written by `save` or `open`; see `storage.load`."""
+        return load(path, recover=recover, progress=progress)
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        share_threshold: int | None = 1024,
+        fsync: str | int = "turn",
+        repair: bool = False,
+    ) -> RolloutGraph:
+        """A graph that appends every added turn to `path` durably; see `open_append`.
+
+        `fsync`: "turn" (every turn), an int N (every N turns) or "never". Close it (or use
+        it as a context manager) to flush the last turns.
+        """
+        return open_append(path, share_threshold=share_threshold, fsync=fsync, repair=repair)
+
+    def __enter__(self) -> RolloutGraph:
+        return self

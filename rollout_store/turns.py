@@ -9,7 +9,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
+from enum import IntEnum
+from typing import Any, NamedTuple
 
 import msgpack
 import xxhash
@@ -21,6 +22,8 @@ __all__ = [
     "TurnNode",
     "ECHO_PACKED",
     "HEADS",
+    "IndexKeys",
+    "LinkKind",
     "LINK_EXPLICIT",
     "LINK_MESSAGES",
     "LINK_NAMES",
@@ -32,13 +35,13 @@ __all__ = [
     "RESPONSE_REFS",
     "RESPONSE_SPECIAL",
     "SCALAR_NAMES",
-    "Scratch",
     "TAIL_ECHO",
     "TAIL_REFS",
     "TAIL_SLOW",
     "PREFIX_SPECIAL",
     "TAIL_SPECIAL",
     "Turn",
+    "TurnMeta",
     "add_child",
     "finish_tail",
     "full_run",
@@ -103,9 +106,37 @@ assert [f.name for f in fields(TurnNode)] == [
 ECHO_PACKED = msgpack.packb(msgpack.ExtType(EXT_ECHO, b""))
 assert len(ECHO_PACKED) == 3  # the inline comparison in _request_matches counts on it
 
-# How a turn was linked to its parent.
-LINK_NONE, LINK_TOKENS, LINK_MESSAGES, LINK_EXPLICIT = 0, 1, 2, 3
-LINK_NAMES = ("none", "tokens", "messages", "explicit")
+
+class LinkKind(IntEnum):
+    """How a turn was linked to its parent (its value is what a file stores)."""
+
+    NONE = 0
+    TOKENS = 1
+    MESSAGES = 2
+    EXPLICIT = 3
+
+
+LINK_NONE, LINK_TOKENS, LINK_MESSAGES, LINK_EXPLICIT = LinkKind
+LINK_NAMES = tuple(kind.name.lower() for kind in LinkKind)
+
+
+class TurnMeta(NamedTuple):
+    """A turn's scalar fields; equal ones are one interned tuple per graph."""
+
+    model: str | None
+    finish_reason: str | None
+    harness_session_id: str | None
+    system_digest: str | None
+    n_tools: int | None
+
+
+class IndexKeys(NamedTuple):
+    """The keys a turn is filed under in the graph's indexes (None: not filed there)."""
+
+    request: int | None  # digest of its non-system request
+    token: int | None  # block digest of prompt + sampled tokens
+    prompt: int | None  # digest of its whole prompt
+    roots: list[int] | None  # request keys of its shorter prefixes, while a message root
 
 
 # Turn.flags bits
@@ -129,40 +160,6 @@ PREFIX_SPECIAL = 512
 #: Token roots are also found by their first 16, 32 or 48 tokens (for continuations of
 #: turns with fewer than BLOCK tokens).
 HEADS = (16, 32, 48)
-
-
-class Scratch:
-    """What add_turn works out before committing a turn; dropped afterwards."""
-
-    __slots__ = (
-        "full_data",
-        "message_parent",
-        "moves",
-        "pending",
-        "prefixes",
-        "prompt_key",
-        "request_digest",
-        "root_keys",
-        "token_key",
-        "token_parent",
-        "twins",
-    )
-
-    def __init__(self) -> None:
-        self.pending: list[tuple[bytes, bytes]] = []
-        self.token_parent: Turn | None = None
-        self.full_data: bytes | None = None  # prompt + sampled as array('I') bytes
-        self.token_key: int | None = None  # block digest of prompt+sampled at its last block
-        self.prompt_key: int | None = None
-        self.message_parent: Turn | None = None
-        self.request_digest: int | None = None
-        # keys of this request's shorter prefixes, under which it waits as a message root
-        # for an earlier turn that arrives late
-        self.root_keys: list[int] | None = None
-        # the request's prefix keys and digests (a requests.Prefixes), when it has messages
-        self.prefixes: Any = None
-        self.twins: list[Turn] = []  # stored turns with exactly this request, and children
-        self.moves: list[tuple[Turn, int]] = []
 
 
 class Turn:
@@ -196,10 +193,9 @@ class Turn:
     index: int
     parent: Turn | None
     children: tuple[Turn, ...] | None  # a tuple: smaller than a list, and rarely changed
-    link: int
+    link: LinkKind
     flags: int
-    # meta: (model, finish_reason, harness_session_id, system_digest, n_tools), interned
-    meta: tuple[Any, ...]
+    meta: TurnMeta  # interned per graph
     system: bytes | None  # packed leading system messages (a stream), shared via ValueTable
     base: Turn | None  # the turn whose non-system request this one extends
     tail: bytes  # packed non-system messages after the base's

@@ -799,7 +799,7 @@ def test_short_token_prompts_link_through_their_own_index():
     graph.add_turn(TurnNode(node_id="child", prompt_ids=[*range(40), 1, 2, 3], sampled_ids=[4]))
     graph.add_turn(TurnNode(node_id="late", prompt_ids=list(range(40)), sampled_ids=[1, 2]))
     assert graph.parent("child") == "late"
-    assert len(graph._token_index) >= 61  # one key per turn, not one shared bucket
+    assert len(graph._linker.token_index) >= 61  # one key per turn, not one shared bucket
 
 
 def test_message_turn_moves_under_a_late_token_turn_it_continues():

@@ -19,6 +19,7 @@ from support import messages as message_values
 from rollout_store import (
     ChecksumMismatch,
     CorruptFileError,
+    FileLockedError,
     InvalidValueError,
     RolloutGraph,
     RolloutStoreError,
@@ -215,7 +216,7 @@ def test_append_write_failure_rolls_back(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_second_appender_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "log.rls"
-    with RolloutGraph.open(path), pytest.raises(CorruptFileError, match="another process"):
+    with RolloutGraph.open(path), pytest.raises(FileLockedError, match="another process"):
         RolloutGraph.open(path)
 
 
