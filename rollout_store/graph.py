@@ -374,13 +374,19 @@ class Graph:
         self._turns.append(turn)
         self._blob_marks.append(len(self.blobs))
         self._by_id[turn.node_id] = turn
-        if turn.parent is not None:
-            add_child(turn.parent, turn)
-        self._requests.file(turn, keys.request, request)
+        requests = self._requests
+        parent = turn.parent
+        if parent is not None:
+            if parent.children is None:
+                requests.note_parent(parent)
+            add_child(parent, turn)
+        requests.file(turn, keys.request, request)
         linker = self._linker
         linker.file(turn, keys.token, keys.prompt)
         for other, link in moves:
             linker.move(other, turn, link)
+        if moves:
+            requests.note_parent(turn)
         if turn.parent is None:
             linker.register_root(turn, keys.roots)
 

@@ -155,9 +155,7 @@ class Linker:
             return
         rest = request.messages
         if request.n_valid == len(rest):
-            scratch.twins = [
-                c for c in request.stored_prefixes(len(rest)) if c.children and request.extends(c)
-            ]
+            scratch.twins = request.twins()
         if node.parent_id is None and node.prompt_ids is None:
             scratch.message_parent = self._message_parent(request)
 
@@ -258,11 +256,9 @@ class Linker:
             candidates = list(parent.children or ())
         elif length >= BLOCK:
             candidates = list(index_members(self.token_roots.get(scratch.token_key)))  # type: ignore[arg-type]
-        elif length >= HEADS[0]:
+        else:  # the roots that share its first tokens, as many as a head holds
             head = max(h for h in HEADS if h <= length)
             candidates = list(index_members(self.token_roots.get(short_key(data, head))))
-        else:  # fewer tokens than the shortest head: every root is a candidate
-            candidates = [t for t in self.turns if t.parent is None]
         # and children of turns whose tokens end inside this turn's sampled ones (a
         # shorter retry of the same call): their continuations may continue this one
         for shorter in self._prefixes_within(new, data):

@@ -148,7 +148,14 @@ class FreshRequest:
         confirmed[stored.index] = ok
         return ok
 
-    def stored_prefixes(self, n: int) -> list[Turn]:
+    def twins(self) -> list[Turn]:
+        """Stored turns with exactly this request that have children (confirmed)."""
+        if self.n_valid != len(self.messages):
+            return []
+        n = self.n_valid
+        return [c for c in self._store.twins(self.key(n), n) if self.extends(c)]
+
+    def stored_prefixes(self, n: int) -> list[Turn] | tuple[Turn, ...]:
         """Stored turns whose non-system request is as long as the first `n` messages and
         filed under their key (not yet confirmed: see `extends`)."""
         return self._store.candidates(self.key(n), n)
@@ -166,6 +173,17 @@ class FreshRequest:
         if self.n_valid != len(self.messages):
             return None
         return prefix_digest(b"".join(self._plains))  # type: ignore[arg-type]
+
+
+class _Bucket(list[Turn]):
+    """Turns filed under one request key (identical requests, barring a collision), and
+    those of them that have had children, so twins are found without a scan."""
+
+    __slots__ = ("parents",)
+
+    def __init__(self, turns: tuple[Turn, ...]) -> None:
+        super().__init__(turns)
+        self.parents: list[Turn] = []
 
 
 class RequestStore:
@@ -339,16 +357,47 @@ class RequestStore:
     def file(self, turn: Turn, key: int | None, request: FreshRequest | None = None) -> None:
         """File a committed turn's request under `key` (its digest), if it has messages;
         `request` (when the turn was just added) gives the digest that confirms it."""
-        if key is not None and not turn.flags & NO_MESSAGES:
-            index_add(self.request_index, key, turn)
-            if request is not None:
-                turn.digest = request.digest()
+        if key is None or turn.flags & NO_MESSAGES:
+            return
+        index = self.request_index
+        found = index.get(key)
+        if found is None:
+            index[key] = turn
+        elif type(found) is _Bucket:
+            found.append(turn)
+        else:  # a second turn with this very request: a bucket that tracks its parents
+            bucket = index[key] = _Bucket((found, turn))
+            if found.children:
+                bucket.parents.append(found)
+        turn.rkey = key
+        if request is not None:
+            turn.digest = request.digest()
+
+    def note_parent(self, turn: Turn) -> None:
+        """`turn` got its first child (a bucket of identical requests lists its parents)."""
+        if turn.rkey is not None:
+            found = self.request_index.get(turn.rkey)
+            if type(found) is _Bucket:
+                found.parents.append(turn)
+
+    def twins(self, key: int, n_rest: int) -> tuple[Turn, ...] | list[Turn]:
+        """Stored turns filed under `key` with `n_rest` messages that have (had) children;
+        not yet confirmed."""
+        found = self.request_index.get(key)
+        if found is None:
+            return ()
+        members = found.parents if type(found) is _Bucket else (found,)
+        return [c for c in members if c.children and c.n_rest == n_rest]
 
     # ------------------------------------------------------------------ matching
 
-    def candidates(self, key: int, n_rest: int) -> list[Turn]:
-        """Stored turns filed under request key `key` with `n_rest` non-system messages."""
-        return [c for c in index_members(self.request_index.get(key)) if c.n_rest == n_rest]
+    def candidates(self, key: int, n_rest: int) -> list[Turn] | tuple[Turn, ...]:
+        """Stored turns filed under request key `key` (with `n_rest` non-system messages,
+        unless keys of different prefixes collide: `FreshRequest.extends` checks)."""
+        found = self.request_index.get(key)
+        if found is None:
+            return ()
+        return found if type(found) is _Bucket else (found,)
 
     def valid(self, value: Any, plain: bytes | None) -> bool:
         """Whether `plain` is the packing of `value` by the validating walk."""

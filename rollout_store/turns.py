@@ -157,9 +157,9 @@ TAIL_SLOW = 256
 PREFIX_SPECIAL = 512
 
 
-#: Token roots are also found by their first 16, 32 or 48 tokens (for continuations of
-#: turns with fewer than BLOCK tokens).
-HEADS = (16, 32, 48)
+#: Token roots are also found by their first 1, 2, 4, ... 48 tokens (for continuations of
+#: turns with fewer than BLOCK tokens; never a scan of every root).
+HEADS = (1, 2, 4, 8, 16, 32, 48)
 
 
 class Turn:
@@ -182,6 +182,7 @@ class Turn:
         "parent",
         "prompt",
         "response",
+        "rkey",
         "sampled",
         "sampling",
         "system",
@@ -212,9 +213,11 @@ class Turn:
     # BLAKE3 of the plain packing of the non-system messages; None until known (a turn read
     # from a file gets it when a byte comparison first confirms it)
     digest: bytes | None
+    rkey: int | None  # the key its request is filed under (None: not filed)
 
     def __init__(self) -> None:
         self.digest = None
+        self.rkey = None
 
 
 def short_key(data: bytes, n_tokens: int) -> int:
@@ -244,7 +247,7 @@ def is_above(ancestor: Turn, turn: Turn) -> bool:
 
 
 def root_token_keys(prompt: TokenRun) -> list[int]:
-    if not prompt.compact or prompt.length < HEADS[0]:
+    if not prompt.length or not prompt.compact:
         return []
     data = run_bytes(prompt)
     keys = [short_key(data, head) for head in HEADS if head <= prompt.length]
