@@ -32,8 +32,6 @@ from .turns import (
     Turn,
     TurnNode,
     finish_tail,
-    index_add,
-    index_members,
     new_packer,
     no_echo,
 )
