@@ -11,10 +11,11 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .export import export_session, iter_turn_records, write_session_json, write_trace_jsonl
-from .graph import Graph, TurnNode
+from .graph import Graph, TurnNode, common_prefix_len
 from .intake import MAX_DEPTH
 from .raw import RawJSON
 from .storage import RolloutGraph
+from .training import TrainingSequence
 
 __all__ = [
     "MAX_DEPTH",
@@ -29,8 +30,10 @@ __all__ = [
     "RawJSON",
     "RolloutGraph",
     "RolloutStoreError",
+    "TrainingSequence",
     "TurnNode",
     "UnsupportedVersionError",
+    "common_prefix_len",
     "export_session",
     "iter_turn_records",
     "write_session_json",

@@ -19,10 +19,14 @@ import xxhash
 from .blobs import BlobTable
 from .encoding import unpack
 from .errors import DuplicateNodeError, InvalidValueError, RolloutStoreError
+from .intake import real_numbers
 from .linking import Linker
+from .nodes import common_prefix_len
 from .requests import FreshRequest, RequestStore, Scratch
 from .tokens import run_list
+from .training import TrainingSequence
 from .turns import (
+    EMPTY_PROMPT,
     LINK_EXPLICIT,
     LINK_MESSAGES,
     LINK_NAMES,
@@ -40,8 +44,17 @@ from .turns import (
     is_above,
     seg_list,
 )
+from .views import NodeView
 
-__all__ = ["Graph", "GraphRestorer", "Journal", "JournalEntry", "Sequence", "TurnNode"]
+__all__ = [
+    "Graph",
+    "GraphRestorer",
+    "Journal",
+    "JournalEntry",
+    "TrainingSequence",
+    "TurnNode",
+    "common_prefix_len",
+]
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -56,9 +69,6 @@ def _locked(method: _F) -> _F:
             return method(self, *args, **kwargs)
 
     return locked  # type: ignore[return-value]
-
-
-Sequence = dict[str, Any]
 
 
 class JournalEntry(NamedTuple):
@@ -109,6 +119,7 @@ class Graph:
         self._blob_marks = array("I")  # blobs stored once each turn was committed, for save
         self._by_id: dict[str, Turn] = {}
         self._meta: dict[TurnMeta, TurnMeta] = {}
+        self._flag_values: dict[int, int] = {}
         self._use_blobs(BlobTable())
         self._lock = threading.RLock()
         self._journal: Journal | None = None  # the file an appending graph writes to
@@ -232,10 +243,12 @@ class Graph:
     # ------------------------------------------------------------------ intake
 
     def add_turn(self, node: TurnNode) -> TurnNode:
-        """Record one turn; returns a copy of `node` with `index`, `node_id`, `parent_id` set.
+        """Record one turn; sets `index` and `parent_id` on `node` and returns a view of it.
 
-        Raises `InvalidValueError` (a `TypeError` and `ValueError`) naming the path of a bad
-        value, or `DuplicateNodeError`; on any error the graph is exactly as before.
+        The view (a read-only `TurnNode`) follows later re-linking: a late ancestor that
+        adopts this turn shows as its `parent_id`. Raises `InvalidValueError` (a `TypeError`
+        and `ValueError`) naming the path of a bad value, or `DuplicateNodeError`; on any
+        error the graph is exactly as before.
         """
         if not isinstance(node, TurnNode):
             raise TypeError(f"add_turn expects a TurnNode, got {type(node).__name__}")
@@ -263,26 +276,10 @@ class Graph:
             finally:
                 self._requests.reset_packer()
             self._commit(turn, keys, scratch.moves, scratch.pending, scratch.request)
-            meta = turn.meta
-            parent = turn.parent
-            # positional: dataclasses.replace costs more than the rest of a small turn
-            return TurnNode(
-                turn.node_id,
-                node.prompt_ids,
-                node.sampled_ids,
-                node.sampled_logprobs,
-                parent.node_id if parent is not None else None,
-                turn.index,
-                node.model,
-                node.finish_reason,
-                node.harness_session_id,
-                meta.system_digest,
-                meta.n_tools,
-                node.request_messages,
-                node.request_tools,
-                node.sampling_params,
-                node.response_message,
-            )
+            # as the capture graph does: the node given gets its place in the graph
+            node.index = turn.index
+            node.parent_id = turn.parent.node_id if turn.parent is not None else None
+            return NodeView.of(self, turn)
 
     def _prepare(self, node: TurnNode) -> tuple[Turn, Scratch]:
         turn = Turn()
@@ -317,19 +314,22 @@ class Graph:
         requests, linker = self._requests, self._linker
         linker.prepare_tokens(turn, node, scratch)
         system_plain = requests.prepare(turn, node, scratch)
-        linker.prepare_messages(node, scratch)
+        linker.prepare_messages(turn, node, scratch)
         turn.response = requests.encode_response(node.response_message, turn)
         turn.tools = requests.shared_value(node.request_tools, "request_tools", pending)
         turn.sampling = requests.shared_value(node.sampling_params, "sampling_params", pending)
+        turn.requested = requests.shared_value(
+            node.requested_sampling_params, "requested_sampling_params", pending
+        )
 
         if n_tools is None and isinstance(node.request_tools, list | tuple):
             n_tools = len(node.request_tools)
         system_digest = node.system_digest
         if system_digest is None and system_plain is not None:
             system_digest = xxhash.xxh3_128_hexdigest(system_plain)
-        turn.meta = TurnMeta(  # interned at commit
-            node.model, node.finish_reason, node.harness_session_id, system_digest, n_tools
-        )
+        meta = (node.model, node.finish_reason, node.harness_session_id, system_digest, n_tools)
+        # the graph's interned TurnMeta when there is one (most turns), else a new one
+        turn.meta = self._meta.get(meta) or TurnMeta._make(meta)  # type: ignore[call-overload]
 
         # Linking: an explicit parent wins, then tokens, then messages.
         if explicit is not None:
@@ -371,6 +371,8 @@ class Graph:
     ) -> None:
         self._requests.add_values(pending)
         turn.meta = self._meta.setdefault(turn.meta, turn.meta)
+        # flags above 256 are int objects of their own: one per distinct value, not per turn
+        turn.flags = self._flag_values.setdefault(turn.flags, turn.flags)
         self._turns.append(turn)
         self._blob_marks.append(len(self.blobs))
         self._by_id[turn.node_id] = turn
@@ -401,24 +403,21 @@ class Graph:
         return lp.tolist()
 
     def _view(self, turn: Turn) -> TurnNode:
-        model, finish_reason, session, system_digest, n_tools = turn.meta
-        return TurnNode(
-            node_id=turn.node_id,
-            prompt_ids=run_list(turn.prompt) if turn.prompt is not None else None,
-            sampled_ids=seg_list(turn.sampled),
-            sampled_logprobs=self._logprobs(turn),
-            parent_id=turn.parent.node_id if turn.parent is not None else None,
-            index=turn.index,
-            model=model,
-            finish_reason=finish_reason,
-            harness_session_id=session,
-            system_digest=system_digest,
-            n_tools=n_tools,
-            request_messages=self._requests.messages(turn),
-            request_tools=self._requests.value(turn.tools),
-            sampling_params=self._requests.value(turn.sampling),
-            response_message=self._requests.value(turn.response),
-        )
+        return NodeView.of(self, turn)
+
+    def _prompt_ids(self, turn: Turn) -> list[int] | None:
+        if turn.prompt is not None:
+            return run_list(turn.prompt)
+        return [] if turn.flags & EMPTY_PROMPT else None
+
+    @_locked
+    def field_value(self, node_id: str, name: str) -> Any:
+        """One field of a turn rebuilt from storage (fresh containers); what views read."""
+        turn = self._turn(node_id)
+        rebuild = _FIELDS.get(name)
+        if rebuild is not None:
+            return rebuild(self, turn)
+        return getattr(NodeView.of(self, turn), name)  # a scalar field
 
     # ------------------------------------------------------------------ queries
 
@@ -454,6 +453,10 @@ class Graph:
     @_locked
     def sampling_params(self, node_id: str) -> Any:
         return self._requests.value(self._turn(node_id).sampling)
+
+    @_locked
+    def requested_sampling_params(self, node_id: str) -> Any:
+        return self._requests.value(self._turn(node_id).requested)
 
     @_locked
     def summary(self, node_id: str) -> dict[str, Any]:
@@ -551,31 +554,48 @@ class Graph:
                 discarded.update(t.index for t in group if not t.children)
         return [t.node_id for t in self._turns if t.index in discarded]
 
-    # The names below are the query API of the capture graph this library replaces; they return
-    # ids today and become node-returning views in the drop-in work. The *_ids names stay.
-    def nodes(self) -> list[str]:
-        return self.node_ids()
+    # The capture graph's query API: node views (see `views`), paths of them, fork pairs.
 
-    def roots(self) -> list[str]:
-        return self.root_ids()
+    @_locked
+    def nodes(self) -> list[TurnNode]:
+        """Every turn in arrival order, as read-only views."""
+        return [NodeView.of(self, t) for t in self._turns]
 
-    def leaves(self) -> list[str]:
-        return self.leaf_ids()
+    @_locked
+    def roots(self) -> list[TurnNode]:
+        return [NodeView.of(self, t) for t in self._turns if t.parent is None]
 
-    def children(self, node_id: str) -> list[str]:
-        return self.child_ids(node_id)
+    @_locked
+    def leaves(self) -> list[TurnNode]:
+        return [NodeView.of(self, t) for t in self._turns if not t.children]
 
-    def path_to(self, node_id: str) -> list[str]:
-        return self.path_ids(node_id)
+    @_locked
+    def children(self, node_id: str) -> list[TurnNode]:
+        return [NodeView.of(self, c) for c in self._turn(node_id).children or ()]
 
-    def paths(self) -> list[list[str]]:
-        return self.path_id_lists()
+    @_locked
+    def path_to(self, leaf_id: str) -> list[TurnNode]:
+        """The turns from the root down to `leaf_id`."""
+        return [NodeView.of(self, t) for t in self._path(self._turn(leaf_id))]
 
-    def forks(self) -> list[str]:
-        return self.fork_ids()
+    @_locked
+    def paths(self) -> Iterator[list[TurnNode]]:
+        """Every root-to-leaf path, in the leaves' arrival order (a snapshot)."""
+        return iter([self.path_to(leaf) for leaf in self.leaf_ids()])
 
-    def discarded_nodes(self) -> list[str]:
-        return self.discarded_ids()
+    @_locked
+    def forks(self) -> list[tuple[str, list[str]]]:
+        """(parent id, child ids) of every turn with more than one child."""
+        return [
+            (t.node_id, [c.node_id for c in t.children])
+            for t in self._turns
+            if t.children and len(t.children) > 1
+        ]
+
+    @_locked
+    def discarded_nodes(self) -> list[TurnNode]:
+        """The turns `discarded_ids` names, as views."""
+        return [NodeView.of(self, self._by_id[n]) for n in self.discarded_ids()]
 
     def _prompt_identity(self, turn: Turn) -> Any:
         if turn.prompt is not None:
@@ -584,7 +604,7 @@ class Graph:
         return ("messages", self._requests.plain(messages) if messages else b"")
 
     @_locked
-    def sequence_for(self, node_id: str) -> Sequence:
+    def sequence_for(self, node_id: str) -> TrainingSequence:
         """The training sequence ending at `node_id`: its tokens, loss mask and logprobs.
 
         Sampled tokens of every turn on the path whose prompt + sampled tokens are a prefix
@@ -612,30 +632,51 @@ class Graph:
                 continue
             if id(turn.full) not in chain_runs and input_ids[:end] != run_list(turn.full):
                 continue
-            lp = turn.logprobs
-            if lp is None or turn.flags & LOGPROBS_PACKED or len(lp) != end - start:
+            values = self._aligned_logprobs(turn, end - start)
+            if values is None:
                 continue
             mask[start:end] = [1] * (end - start)
-            logprobs[start:end] = lp.tolist()
+            logprobs[start:end] = values
         root = path[0]
-        return {
-            "input_ids": input_ids,
-            "loss_mask": mask,
-            "logprobs": logprobs,
-            "node_ids": [t.node_id for t in path],
-            "prompt_len": root.prompt.length if root.prompt is not None else 0,
-            "root_id": root.node_id,
-            "n_turns": len(path),
-        }
+        return TrainingSequence(
+            input_ids=input_ids,
+            loss_mask=mask,
+            logprobs=logprobs,
+            node_ids=[t.node_id for t in path],
+            prompt_len=root.prompt.length if root.prompt is not None else 0,
+            root_id=root.node_id,
+            n_turns=len(path),
+        )
+
+    def _aligned_logprobs(self, turn: Turn, n: int) -> list[Any] | None:
+        """The turn's logprobs if there is one real number per sampled token, else None.
+
+        Judged by count and kind, not by Python type: ints (a 0 from a JavaScript client)
+        count, bools and non-numbers do not. The values are the recorded ones, exactly.
+        """
+        lp = turn.logprobs
+        if lp is None:
+            return None
+        if not turn.flags & LOGPROBS_PACKED:
+            return lp.tolist() if len(lp) == n else None
+        values = unpack(lp, self.blobs.string)
+        if isinstance(values, list) and len(values) == n and real_numbers(values):
+            return values
+        return None
 
     @_locked
-    def sequences(self) -> list[Sequence]:
+    def sequences(self) -> list[TrainingSequence]:
         """One training sequence per leaf."""
         return [self.sequence_for(leaf) for leaf in self.leaf_ids()]
 
     @_locked
     def stats(self) -> dict[str, int]:
-        """Counts of turns, structure and storage."""
+        """The graph's shape, then what it stores.
+
+        First the capture graph's five counts: `n_turns`, `n_roots`, `n_leaves`, `n_forks`,
+        `n_discarded`; then messages and tokens received and stored, shared values and the
+        blob table's counts.
+        """
         stored_tokens = 0
         seen: set[int] = set()
         system_counts: dict[int, int] = {}
@@ -657,10 +698,11 @@ class Graph:
                 stored_tokens += len(run.seg)
                 run = run.prev
         out = {
-            "turns": len(self._turns),
-            "roots": sum(1 for t in self._turns if t.parent is None),
-            "leaves": sum(1 for t in self._turns if not t.children),
-            "forks": sum(1 for t in self._turns if t.children and len(t.children) > 1),
+            "n_turns": len(self._turns),
+            "n_roots": sum(1 for t in self._turns if t.parent is None),
+            "n_leaves": sum(1 for t in self._turns if not t.children),
+            "n_forks": sum(1 for t in self._turns if t.children and len(t.children) > 1),
+            "n_discarded": len(self.discarded_ids()),
             "messages_received": messages_received,
             "message_bytes_stored": sum(len(t.tail) for t in self._turns),
             "shared_values": len(self._requests.values),
@@ -705,3 +747,15 @@ class GraphRestorer:
     def commit(self, turn: Turn, keys: IndexKeys, moves: list[tuple[Turn, LinkKind]]) -> None:
         """File a fully built turn: indexes, children, re-links, as `add_turn` does."""
         self._graph._commit(turn, keys, moves)
+
+
+_FIELDS: dict[str, Callable[[Graph, Turn], Any]] = {
+    "prompt_ids": Graph._prompt_ids,
+    "sampled_ids": lambda g, t: seg_list(t.sampled),
+    "sampled_logprobs": Graph._logprobs,
+    "request_messages": lambda g, t: g._requests.messages(t),
+    "request_tools": lambda g, t: g._requests.value(t.tools),
+    "sampling_params": lambda g, t: g._requests.value(t.sampling),
+    "requested_sampling_params": lambda g, t: g._requests.value(t.requested),
+    "response_message": lambda g, t: g._requests.value(t.response),
+}

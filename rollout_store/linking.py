@@ -10,10 +10,11 @@ from typing import Any
 import xxhash
 
 from .confirm import prefix_keys
-from .intake import float_array, token_array
+from .intake import float_array, plain_numbers, token_array
 from .requests import FreshRequest, RequestStore, Scratch
 from .tokens import BLOCK, TokenRun, block_digests, prefix_digest, run_bytes, run_matches
 from .turns import (
+    EMPTY_PROMPT,
     HEADS,
     LOGPROBS_PACKED,
     NO_MESSAGES,
@@ -44,6 +45,8 @@ class Linker:
     """
 
     __slots__ = (
+        "_no_ids",
+        "_no_logprobs",
         "message_roots",
         "prompt_index",
         "requests",
@@ -61,6 +64,9 @@ class Linker:
         self.token_roots: dict[int, Any] = {}  # block digests of token roots' prompts
         self.short_lengths: set[int] = set()  # lengths under one block that turns have
         self.message_roots: dict[int, Any] = {}  # request keys of message roots' prefixes
+        # one empty array of each kind for every turn that sampled nothing (never mutated)
+        self._no_ids = array("I")
+        self._no_logprobs = array("d")
 
     # ------------------------------------------------------------------ tokens
 
@@ -68,7 +74,13 @@ class Linker:
         """Store the turn's token fields as shared runs; find its parent by tokens."""
         prompt = None if node.prompt_ids is None else token_array(node.prompt_ids, "prompt_ids")
         sampled = None if node.sampled_ids is None else token_array(node.sampled_ids, "sampled_ids")
+        if prompt is not None and not len(prompt):
+            # no token ids came back (a hosted provider): link by messages, keep the []
+            prompt = None
+            turn.flags |= EMPTY_PROMPT
         logprobs = node.sampled_logprobs
+        if logprobs is not None:
+            logprobs = plain_numbers(logprobs, "sampled_logprobs")
         if logprobs is None:
             turn.logprobs = None
         else:
@@ -78,6 +90,10 @@ class Linker:
             else:
                 turn.logprobs = self.requests.encode(logprobs, "sampled_logprobs")[0]
                 turn.flags |= LOGPROBS_PACKED
+        if type(sampled) is array and not sampled:
+            sampled = self._no_ids
+        if type(turn.logprobs) is array and not turn.logprobs:
+            turn.logprobs = self._no_logprobs
         turn.sampled = sampled
         if prompt is None:
             turn.prompt = None
@@ -147,7 +163,7 @@ class Linker:
 
     # ------------------------------------------------------------------ messages
 
-    def prepare_messages(self, node: TurnNode, scratch: Scratch) -> None:
+    def prepare_messages(self, turn: Turn, node: TurnNode, scratch: Scratch) -> None:
         """Find the parent by messages (for a turn without token ids or explicit parent),
         and the stored turns with exactly this request (their continuations may move)."""
         request = scratch.request
@@ -156,7 +172,7 @@ class Linker:
         rest = request.messages
         if request.n_valid == len(rest):
             scratch.twins = request.twins()
-        if node.parent_id is None and node.prompt_ids is None:
+        if node.parent_id is None and turn.prompt is None:  # no token ids
             scratch.message_parent = self._message_parent(request)
 
     def _message_parent(self, request: FreshRequest) -> Turn | None:

@@ -8,14 +8,14 @@ are stored once per graph.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from .blobs import BlobTable
 from .confirm import Probe, prefix_digest, prefix_keys
 from .encoding import NotPackable, array_header, unpack
 from .errors import InvalidValueError
 from .intake import Encoder
-from .messages import leading_system_count, link_key
+from .messages import leading_system_count, link_key, response_link_key
 from .turns import (
     ECHO_PACKED,
     MESSAGES_TUPLE,
@@ -40,6 +40,8 @@ from .values import ValueTable
 __all__ = ["FreshRequest", "RequestStore", "Scratch"]
 
 Messages = list[Any] | tuple[Any, ...]
+
+_new_tuple: Final = tuple.__new__
 
 
 class Scratch:
@@ -75,7 +77,8 @@ class Scratch:
         self.moves: list[tuple[Turn, LinkKind]] = []  # earlier turns it adopts
 
     def keys(self) -> IndexKeys:
-        return IndexKeys(self.request_digest, self.token_key, self.prompt_key, self.root_keys)
+        keys = (self.request_digest, self.token_key, self.prompt_key, self.root_keys)
+        return _new_tuple(IndexKeys, keys)  # IndexKeys(*keys) without its Python-level __new__
 
 
 class FreshRequest:
@@ -88,13 +91,23 @@ class FreshRequest:
     confirmed by comparing bytes with their tails.
     """
 
-    __slots__ = ("_confirmed", "_keys", "_plains", "_probe", "_store", "messages", "n_valid")
+    __slots__ = (
+        "_confirmed",
+        "_keys",
+        "_plains",
+        "_prefixes",
+        "_probe",
+        "_store",
+        "messages",
+        "n_valid",
+    )
 
     def __init__(self, store: RequestStore, messages: Messages, probe: Probe | None) -> None:
         self._store = store
         self.messages = messages
         self._probe = probe
         self._confirmed: dict[int, bool] = {}
+        self._prefixes: dict[int, list[Turn] | tuple[Turn, ...]] = {}
         self._plains: list[bytes | None] | None = None
         self._keys: list[int] | None = None
         if probe is not None:
@@ -156,7 +169,10 @@ class FreshRequest:
     def stored_prefixes(self, n: int) -> list[Turn] | tuple[Turn, ...]:
         """Stored turns whose non-system request is as long as the first `n` messages and
         filed under their key (not yet confirmed: see `extends`)."""
-        return self._store.candidates(self.key(n), n)
+        found = self._prefixes.get(n)
+        if found is None:
+            found = self._prefixes[n] = self._store.candidates(self.key(n), n)
+        return found
 
     def root_keys(self) -> list[int]:
         """Keys of every shorter prefix, the empty one too (a root waits under them)."""
@@ -289,6 +305,14 @@ class RequestStore:
             )
         if isinstance(messages, tuple):
             turn.flags |= MESSAGES_TUPLE
+        if not messages and turn.prompt is not None:
+            # a token turn without messages (the default []): linked by its tokens, and no
+            # base of anything, so it stays out of the request index (which would otherwise
+            # hold every such turn under one key)
+            turn.system, turn.base, turn.n_rest = None, None, 0
+            turn.tail = array_header(0)
+            finish_tail(turn)
+            return None
         n_sys = leading_system_count(messages)
         pack = self._pack_plain
         try:
@@ -325,9 +349,9 @@ class RequestStore:
     def _base(self, request: FreshRequest) -> Turn | None:
         """The longest stored request that `request` extends (its storage base)."""
         for n in range(request.n_valid, -1, -1):
-            base = next((c for c in request.stored_prefixes(n) if request.extends(c)), None)
-            if base is not None:
-                return base
+            for candidate in request.stored_prefixes(n):
+                if request.extends(candidate):
+                    return candidate
         return None
 
     def _store_tail(self, turn: Turn, request: FreshRequest, base: Turn | None, n_sys: int) -> None:
@@ -417,7 +441,7 @@ class RequestStore:
         if self.is_echo(turn, message, plain):
             return True
         try:
-            return bool(link_key(self.response_value(turn)) == link_key(message))
+            return bool(response_link_key(self.response_value(turn)) == link_key(message))
         except Exception:  # a malformed fresh message simply does not match
             return False
 

@@ -87,7 +87,9 @@ class PromptKind(IntEnum):
 
 
 class TurnRecord(NamedTuple):
-    """The payload of a turn frame: an array of these 18 fields, in this order.
+    """The payload of a turn frame: an array of these 19 fields, in this order.
+
+    Files written before `requested` existed have the first 18; it reads as None.
 
     Written by `_Writer.turn_frames` and read by `_Loader.turn`. Turns, values and blobs
     are referred to by their position in the file.
@@ -111,6 +113,7 @@ class TurnRecord(NamedTuple):
     keys: list[Any]  # IndexKeys as an array
     refs: list[int]  # blob references and their bytes since the previous turn record
     moves: list[list[int]]  # [turn, link] of earlier turns re-linked under this one
+    requested: int | None = None  # value holding requested_sampling_params
 
 
 #: Bits of Turn.flags that are derived on load, never written.
@@ -184,6 +187,7 @@ class _Writer:
             keys=list(entry.keys),
             refs=[refs[0] - self.refs[0], refs[1] - self.refs[1]],
             moves=[[other.index, int(link)] for other, link in entry.moves],
+            requested=value_ref(turn.requested),
         )
         frames.append(frame(KIND_TURN, pack(list(record))))
 
@@ -342,8 +346,9 @@ class _Loader:
 
     def turn(self, payload: Any) -> None:
         """Check one turn record, build the stored turn and commit it to the graph."""
-        if not (isinstance(payload, list) and len(payload) == len(TurnRecord._fields)):
-            raise ValueError(f"turn record must be a list of {len(TurnRecord._fields)} fields")
+        n_fields = len(TurnRecord._fields)
+        if not (isinstance(payload, list) and len(payload) in (n_fields - 1, n_fields)):
+            raise ValueError(f"turn record must be a list of {n_fields} fields")
         record = TurnRecord(*payload)
         n_blobs = len(self.graph.blobs)
         turn = self._identity(record)
@@ -415,6 +420,7 @@ class _Loader:
         turn.response = record.response
         turn.tools = self._value_ref(record.tools)
         turn.sampling = self._value_ref(record.sampling)
+        turn.requested = self._value_ref(record.requested)
 
     def _tokens(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
         """Prompt, sampled ids and logprobs."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, fields
 from enum import IntEnum
 from typing import Any, NamedTuple
 
@@ -16,11 +15,13 @@ import msgpack
 import xxhash
 
 from .encoding import EXT_ECHO, array_header, plain_default
+from .nodes import TurnNode
 from .tokens import TokenRun, block_digests, run_bytes
 
 __all__ = [
     "TurnNode",
     "ECHO_PACKED",
+    "EMPTY_PROMPT",
     "HEADS",
     "IndexKeys",
     "LinkKind",
@@ -59,48 +60,6 @@ __all__ = [
 
 
 SCALAR_NAMES = ("model", "finish_reason", "harness_session_id", "system_digest")
-
-
-@dataclass(slots=True)
-class TurnNode:
-    """One model call of a rollout: what the harness sent and what came back.
-
-    Pass it to `RolloutGraph.add_turn`; `RolloutGraph.get` returns one rebuilt from storage.
-    `index` and, unless given, `node_id`, `parent_id`, `n_tools` and `system_digest` are set
-    by the graph.
-    """
-
-    node_id: str | None = None
-    prompt_ids: list[int] | None = None
-    sampled_ids: list[int] | None = None
-    sampled_logprobs: list[float] | None = None
-    parent_id: str | None = None
-    index: int | None = None
-    model: str | None = None
-    finish_reason: str | None = None
-    harness_session_id: str | None = None
-    system_digest: str | None = None
-    n_tools: int | None = None
-    request_messages: list[Any] | None = None
-    request_tools: list[Any] | None = None
-    sampling_params: dict[str, Any] | None = None
-    response_message: dict[str, Any] | None = None
-
-
-assert [f.name for f in fields(TurnNode)] == [
-    "node_id",
-    "prompt_ids",
-    "sampled_ids",
-    "sampled_logprobs",
-    "parent_id",
-    "index",
-    *SCALAR_NAMES,
-    "n_tools",
-    "request_messages",
-    "request_tools",
-    "sampling_params",
-    "response_message",
-], "add_turn builds TurnNode positionally"
 
 
 ECHO_PACKED = msgpack.packb(msgpack.ExtType(EXT_ECHO, b""))
@@ -154,7 +113,8 @@ RESPONSE_SPECIAL = 128
 TAIL_SLOW = 256
 # derived: the request (this tail or a base's) holds tuples, big ints or lone surrogates, so a
 # digest match is trusted only after the fresh messages pass the validating walk
-PREFIX_SPECIAL = 512
+PREFIX_SPECIAL = 1024
+EMPTY_PROMPT = 512  # prompt_ids was an empty list: no token ids (turn.prompt is None)
 
 
 #: Token roots are also found by their first 1, 2, 4, ... 48 tokens (for continuations of
@@ -181,6 +141,7 @@ class Turn:
         "node_id",
         "parent",
         "prompt",
+        "requested",
         "response",
         "rkey",
         "sampled",
@@ -206,6 +167,7 @@ class Turn:
     response: bytes | None
     tools: bytes | None
     sampling: bytes | None
+    requested: bytes | None  # requested_sampling_params, shared via ValueTable
     prompt: TokenRun | None
     sampled: Any  # array | tuple | None
     full: TokenRun | None  # prompt + sampled, the prefix a child's prompt extends

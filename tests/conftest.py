@@ -48,9 +48,9 @@ from rollout_store.blobs import content_digest  # noqa: E402
 
 def graph_snapshot(graph: RolloutGraph) -> str:
     doc = export_session(graph, include_messages=True, include_discarded=True)
-    turns = [graph.get(n) for n in graph.nodes()]
+    turns = [graph.get(n) for n in graph.node_ids()]
     tokens = [(t.prompt_ids, t.sampled_ids, t.sampled_logprobs) for t in turns]
-    links = [(graph.parent(n), graph.link_kind(n)) for n in graph.nodes()]
+    links = [(graph.parent(n), graph.link_kind(n)) for n in graph.node_ids()]
     return json.dumps(doc) + repr(tokens) + repr(links) + repr(graph.stats())
 
 

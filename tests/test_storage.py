@@ -88,7 +88,7 @@ def build_rollout(graph: RolloutGraph, seed: int = 0, turns: int = 5) -> list[st
 
 def snapshot(graph: RolloutGraph) -> str:
     doc = export_session(graph, include_messages=True, include_discarded=True)
-    traces = [graph.get(n) for n in graph.nodes()]
+    traces = [graph.get(n) for n in graph.node_ids()]
     return json.dumps(doc) + repr(
         [(t.prompt_ids, t.sampled_ids, t.sampled_logprobs) for t in traces]
     )
@@ -97,7 +97,7 @@ def snapshot(graph: RolloutGraph) -> str:
 def assert_same_graph(a: RolloutGraph, b: RolloutGraph) -> None:
     assert snapshot(a) == snapshot(b)
     assert a.stats() == b.stats()
-    assert [a.link_kind(n) for n in a.nodes()] == [b.link_kind(n) for n in b.nodes()]
+    assert [a.link_kind(n) for n in a.node_ids()] == [b.link_kind(n) for n in b.node_ids()]
 
 
 @pytest.fixture
@@ -127,7 +127,7 @@ def test_long_strings_stored_once_in_file(tmp_path: Path) -> None:
     build_rollout(g, turns=6)
     g.save(tmp_path / "r.rls")
     data = (tmp_path / "r.rls").read_bytes()
-    image = g.get(g.nodes()[0]).request_messages[1]["content"][1]["image_url"]["url"]
+    image = g.get(g.node_ids()[0]).request_messages[1]["content"][1]["image_url"]["url"]
     assert data.count(image.encode()) == 1
 
 
@@ -155,7 +155,7 @@ def test_relinked_turns_round_trip(tmp_path: Path) -> None:
             g.save(path)
         g.close()
         loaded = RolloutGraph.load(path)
-        assert loaded.path_to("c") == ["a", "b", "c"]
+        assert loaded.path_ids("c") == ["a", "b", "c"]
         assert_same_graph(g, loaded)
 
 
@@ -272,7 +272,7 @@ def test_truncation_at_every_byte_loads_complete_turns(tmp_path: Path) -> None:
             continue
         recovered = RolloutGraph.load(cut_path, recover=True)
         assert len(recovered) == sum(1 for end in ends if end <= cut), cut
-        for node_id in recovered.nodes():
+        for node_id in recovered.node_ids():
             assert json.dumps(recovered.get(node_id).request_messages) == json.dumps(
                 full.get(node_id).request_messages
             )
@@ -448,7 +448,7 @@ def test_fuzzed_mutations_of_a_real_file(tmp_path: Path) -> None:
             raise AssertionError(f"seed {seed}: {type(exc).__name__}: {exc}") from exc
         # whatever loaded is a prefix of the original turns, exactly
         original = RolloutGraph.load(path)
-        for node_id in loaded.nodes():
+        for node_id in loaded.node_ids():
             assert json.dumps(loaded.get(node_id).request_messages) == json.dumps(
                 original.get(node_id).request_messages
             ), f"seed {seed}"
@@ -471,7 +471,7 @@ def test_any_value_round_trips_through_a_file(tmp_path_factory, messages, respon
     path = tmp_path_factory.mktemp("rt") / "r.rls"
     graph.save(path)
     loaded = RolloutGraph.load(path)
-    for node_id in graph.nodes():
+    for node_id in graph.node_ids():
         want, got = graph.get(node_id), loaded.get(node_id)
         for field in ("request_messages", "request_tools", "response_message"):
             assert_same(getattr(got, field), getattr(want, field))
@@ -486,7 +486,7 @@ def test_deep_nesting_round_trips_through_a_file(tmp_path: Path) -> None:
     graph.add_turn(TurnNode(request_messages=[value]))
     graph.save(tmp_path / "deep.rls")
     loaded = RolloutGraph.load(tmp_path / "deep.rls")
-    assert_same(loaded.request_messages(loaded.nodes()[0]), [value])
+    assert_same(loaded.request_messages(loaded.node_ids()[0]), [value])
 
 
 def test_ids_and_names_with_lone_surrogates_round_trip(tmp_path: Path) -> None:
@@ -498,7 +498,7 @@ def test_ids_and_names_with_lone_surrogates_round_trip(tmp_path: Path) -> None:
         if mode == "save":
             graph.save(path)
         loaded = RolloutGraph.load(path)
-        assert loaded.nodes() == ["a\ud800"]
+        assert loaded.node_ids() == ["a\ud800"]
         turn = loaded.get("a\ud800")
         assert (turn.model, turn.harness_session_id) == ("m\udc00", "\ud83d")
 
@@ -649,7 +649,7 @@ def test_repair_cuts_a_partial_write_followed_by_zeros(tmp_path: Path) -> None:
     for written in (good + 5, good + 20, len(data) - 3):
         path.write_bytes(data[:written] + bytes(len(data) - written))
         with RolloutGraph.open(path, share_threshold=4, repair=True) as graph:
-            assert graph.nodes() == ["a"]
+            assert graph.node_ids() == ["a"]
         assert path.stat().st_size == good
 
 
