@@ -8,6 +8,7 @@ indexes, every hit confirmed by exact comparison.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from array import array
@@ -22,6 +23,7 @@ from .errors import DuplicateNodeError, InvalidValueError, RolloutStoreError
 from .intake import real_numbers
 from .linking import Linker
 from .nodes import common_prefix_len
+from .raw import RawJSON, decode_raw, resolve_raw
 from .requests import FreshRequest, RequestStore, Scratch
 from .tokens import run_list
 from .training import TrainingSequence
@@ -58,6 +60,33 @@ __all__ = [
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+#: Fields whose value may be `RawJSON` (or, for lists, hold `RawJSON` items); the request
+#: messages are left to request storage, which finds raw items without a scan.
+_RAW_FIELDS = (
+    "prompt_ids",
+    "sampled_ids",
+    "sampled_logprobs",
+    "request_tools",
+    "sampling_params",
+    "requested_sampling_params",
+    "response_message",
+)
+
+
+def _without_raw(node: TurnNode) -> TurnNode:
+    """`node`, or a copy of it with every `RawJSON` field decoded as `json.loads` would."""
+    changes: dict[str, Any] = {}
+    for name in _RAW_FIELDS:
+        value = getattr(node, name)
+        if type(value) is RawJSON or (name == "request_tools" and type(value) is list):
+            decoded = resolve_raw(value, name)
+            if decoded is not value:
+                changes[name] = decoded
+    messages = node.request_messages
+    if type(messages) is RawJSON:
+        changes["request_messages"] = decode_raw(messages, "request_messages")
+    return dataclasses.replace(node, **changes) if changes else node
 
 
 def _locked(method: _F) -> _F:
@@ -282,6 +311,7 @@ class Graph:
             return NodeView.of(self, turn)
 
     def _prepare(self, node: TurnNode) -> tuple[Turn, Scratch]:
+        node = _without_raw(node)
         turn = Turn()
         scratch = Scratch()
         pending = scratch.pending

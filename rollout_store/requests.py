@@ -16,6 +16,7 @@ from .encoding import NotPackable, array_header, unpack
 from .errors import InvalidValueError
 from .intake import Encoder
 from .messages import leading_system_count, link_key, response_link_key
+from .raw import RawJSON, resolve_raw
 from .turns import (
     ECHO_PACKED,
     MESSAGES_TUPLE,
@@ -314,7 +315,23 @@ class RequestStore:
             finish_tail(turn)
             return None
         n_sys = leading_system_count(messages)
+        rest = messages[n_sys:]
         pack = self._pack_plain
+        probe: Probe | None
+        try:
+            probe = Probe(rest, pack, self._message_size)
+        except Exception:  # some message needs the validating walk, or is RawJSON
+            probe = None
+            if any(type(m) is RawJSON for m in messages):
+                messages = resolve_raw(messages, "request_messages")
+                n_sys = leading_system_count(messages)
+                rest = messages[n_sys:]
+                try:
+                    probe = Probe(rest, pack, self._message_size)
+                except Exception:
+                    probe = None
+        if probe is not None and probe.plains:  # a running mean, to size the next chunks
+            self._message_size = (len(probe.plain(probe.n - 1)) + self._message_size) // 2
         try:
             plains: list[bytes | None] = [pack(m) for m in messages[:n_sys]]
         except Exception:  # some message needs the slow path: find which
@@ -330,15 +347,6 @@ class RequestStore:
             if None not in plains:
                 system_plain = b"".join(plains)  # type: ignore[arg-type]
 
-        rest = messages[n_sys:]
-        probe: Probe | None
-        try:
-            probe = Probe(rest, pack, self._message_size)
-        except Exception:  # some message needs the validating walk: find which
-            probe = None
-        else:
-            if probe.plains:  # a running mean, to size the next request's chunks
-                self._message_size = (len(probe.plain(probe.n - 1)) + self._message_size) // 2
         request = FreshRequest(self, rest, probe)
         scratch.request = request
         if request.n_valid == len(request.messages):

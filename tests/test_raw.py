@@ -69,8 +69,9 @@ def _spell(value: Any, rng: random.Random) -> str:
     if isinstance(value, float):
         text = json.dumps(value)  # repr: shortest round-trip, or NaN / Infinity
         if text[-1].isdigit() and rng.random() < 0.5 and value != 0:
-            text = f"{value:.17e}".replace("e", rng.choice(["e", "E", "e+", "E+"]), 1)
-            text = text.replace("e+-", "e-").replace("E+-", "E-")
+            mantissa, exponent = f"{value:.17e}".split("e")
+            sign = "-" if int(exponent) < 0 else rng.choice(["", "+"])
+            text = f"{mantissa}{rng.choice('eE')}{sign}{abs(int(exponent))}"
         return text
     if isinstance(value, str):
         out = ['"']
@@ -215,3 +216,95 @@ def test_resolve_raw_items_and_whole() -> None:
     assert info.value.path == "request_messages[1]"
     assert "Expecting value" in str(info.value)
     assert isinstance(info.value.__cause__, json.JSONDecodeError)
+
+
+# ---------------------------------------------------------------- in the graph
+
+
+def _chat(n: int) -> list[list[dict[str, Any]]]:
+    """Request message lists of an n-turn chat (each re-sends the last plus two messages)."""
+    history: list[dict[str, Any]] = [{"role": "system", "content": "be brief"}]
+    out = []
+    for i in range(n):
+        history = [*history, {"role": "user", "content": f"question {i}", "n": [1, 1.0, -0.0]}]
+        out.append(history)
+        history = [*history, {"role": "assistant", "content": f"answer {i}"}]
+    return out
+
+
+def _response(i: int) -> dict[str, Any]:
+    return {"role": "assistant", "content": f"answer {i}"}
+
+
+@pytest.mark.parametrize("raw_turns", [{0, 1, 2, 3}, {1, 3}, {0, 2}, {2}])
+def test_raw_and_decoded_turns_link_to_each_other(raw_turns: set[int]) -> None:
+    from rollout_store import RolloutGraph, TurnNode
+
+    graph, plain = RolloutGraph(), RolloutGraph()
+    for i, messages in enumerate(_chat(4)):
+        text = json.dumps(messages)
+        given: Any = RawJSON(text.encode()) if i in raw_turns else json.loads(text)
+        graph.add_turn(TurnNode(request_messages=given, response_message=_response(i)))
+        plain.add_turn(TurnNode(request_messages=json.loads(text), response_message=_response(i)))
+    assert graph.path_ids("turn-3") == ["turn-0", "turn-1", "turn-2", "turn-3"]
+    assert graph.stats()["message_bytes_stored"] == plain.stats()["message_bytes_stored"]
+    for node_id in graph.node_ids():
+        assert_same(graph.request_messages(node_id), plain.request_messages(node_id))
+
+
+def test_raw_items_in_lists_and_every_json_field() -> None:
+    from rollout_store import RolloutGraph, TurnNode
+
+    graph = RolloutGraph()
+    messages = _chat(2)[1]
+    node = TurnNode(
+        request_messages=[messages[0], *(RawJSON(json.dumps(m)) for m in messages[1:])],
+        request_tools=[RawJSON('{"type": "function", "big": 123456789012345678901234567890}')],
+        sampling_params=RawJSON('{"temperature": 1.0, "x": NaN}'),
+        response_message=RawJSON(b'{"role": "assistant", "content": "\\ud800"}'),
+        prompt_ids=RawJSON("[1, 2, 3]"),  # type: ignore[arg-type]
+        sampled_ids=RawJSON(b"[4]"),  # type: ignore[arg-type]
+        sampled_logprobs=RawJSON("[-0.5]"),  # type: ignore[arg-type]
+        n_tools=None,
+    )
+    view = graph.add_turn(node)
+    got = graph.get(view.node_id)
+    assert_same_json(got.request_messages, messages)
+    assert_same_json(got.request_tools, [json.loads(node.request_tools[0].data)])  # type: ignore[index]
+    assert json.dumps(got.sampling_params) == '{"temperature": 1.0, "x": NaN}'
+    assert json.dumps(got.response_message) == '{"role": "assistant", "content": "\\ud800"}'
+    assert (got.prompt_ids, got.sampled_ids, got.sampled_logprobs) == ([1, 2, 3], [4], [-0.5])
+    assert graph.summary(view.node_id)["n_tools"] == 1
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "path"),
+    [
+        ("request_messages", RawJSON("[{"), "request_messages"),
+        ("request_messages", [{"role": "user"}, RawJSON("{,}")], "request_messages[1]"),
+        ("response_message", RawJSON(b"\xff"), "response_message"),
+        ("request_tools", [RawJSON("[1,]")], "request_tools[0]"),
+        ("sampling_params", RawJSON(""), "sampling_params"),
+    ],
+)
+def test_bad_raw_text_is_refused_naming_the_field(field: str, value: Any, path: str) -> None:
+    from rollout_store import RolloutGraph, TurnNode
+
+    graph = RolloutGraph()
+    graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "x"}]))
+    before = graph.stats()
+    with pytest.raises(InvalidValueError) as info:
+        graph.add_turn(TurnNode(**{field: value}))
+    assert info.value.path == path
+    assert graph.stats() == before and len(graph) == 1
+
+
+@given(st.lists(json_values, max_size=5), st.integers(0, 2**32))
+def test_raw_messages_round_trip_in_the_graph(values: list[Any], seed: int) -> None:
+    from rollout_store import RolloutGraph, TurnNode
+
+    messages = [{"role": "user", "content": v} for v in values]
+    text = "[" + ",".join(_spell(m, random.Random(seed + i)) for i, m in enumerate(messages)) + "]"
+    graph = RolloutGraph()
+    view = graph.add_turn(TurnNode(request_messages=RawJSON(text)))
+    assert_same_json(graph.request_messages(view.node_id), json.loads(text))
