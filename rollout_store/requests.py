@@ -7,6 +7,7 @@ are stored once per graph.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -14,7 +15,7 @@ from .blobs import BlobTable
 from .confirm import Probe, prefix_digest, prefix_keys
 from .encoding import NotPackable, array_header, unpack
 from .errors import InvalidValueError
-from .intake import Encoder
+from .intake import MAX_DEPTH, Encoder
 from .messages import leading_system_count, link_key, response_link_key
 from .raw import RawJSON, resolve_raw
 from .turns import (
@@ -41,6 +42,9 @@ from .values import ValueTable
 __all__ = ["FreshRequest", "RequestStore", "Scratch"]
 
 Messages = list[Any] | tuple[Any, ...]
+
+#: msgpack type bytes of ext and bin values, which JSON values never pack to by themselves
+_NOT_JSON = re.compile(b"[\xc4-\xc9\xd4-\xd8]").search
 
 _new_tuple: Final = tuple.__new__
 
@@ -213,6 +217,7 @@ class RequestStore:
         "_encoder",
         "_message_size",
         "_pack_plain",
+        "_plain_limit",
         "blobs",
         "request_index",
         "values",
@@ -228,6 +233,8 @@ class RequestStore:
         self.values = ValueTable(self.expand, share_threshold)
         self.request_index: dict[int, Any] = {}  # digest of non-system request -> turn(s)
         self._message_size = 256  # mean packed size of recent messages, to chunk requests
+        # plain packings shorter than this can hold no blob and no nesting beyond MAX_DEPTH
+        self._plain_limit = min(share_threshold or MAX_DEPTH, MAX_DEPTH)
 
     def reset_packer(self) -> None:
         self._pack_plain = new_packer()
@@ -238,10 +245,27 @@ class RequestStore:
         """The stored packing of a fresh value and whether it holds forgeable ext types."""
         return self._encoder.encode(value, path)
 
+    def stored_form(self, value: Any, plain: bytes | None, path: str) -> tuple[bytes, bool]:
+        """`encode(value, path)`, taking the plain packing as it is where it must be equal.
+
+        A plain packing that is short (no string long enough to be a blob, no nesting as deep
+        as MAX_DEPTH) and holds no ext or bin type (no tuple, big int, bytes or caller's
+        `msgpack.ExtType`) is what the validating walk would build: the walk is skipped.
+        """
+        if plain is not None and len(plain) < self._plain_limit and _NOT_JSON(plain) is None:
+            return plain, False
+        return self._encoder.encode(value, path)
+
     def encode_response(self, value: Any, turn: Turn) -> bytes | None:
         if value is None:
             return None
-        packed, special = self.encode(value, "response_message")
+        try:
+            plain: bytes | None = self._pack_plain(value)
+        except Exception:  # the validating walk says what is wrong
+            plain = None
+        packed, special = self.stored_form(value, plain, "response_message")
+        if packed is plain:
+            return packed
         if self._encoder.last_refs:  # else the packing is the plain one, nothing to expand
             turn.flags |= RESPONSE_REFS
         if special:
@@ -373,7 +397,7 @@ class RequestStore:
                 pieces.append(ECHO_PACKED)
                 turn.flags |= TAIL_ECHO
                 continue
-            packed, special = self.encode(rest[i], f"request_messages[{n_sys + i}]")
+            packed, special = self.stored_form(rest[i], p, f"request_messages[{n_sys + i}]")
             if packed != p:
                 turn.flags |= TAIL_REFS
             if special:
