@@ -23,7 +23,7 @@ from .errors import DuplicateNodeError, InvalidValueError, RolloutStoreError
 from .intake import real_numbers
 from .linking import Linker
 from .nodes import common_prefix_len
-from .raw import RawJSON, decode_raw, resolve_raw
+from .raw import RawJSON, resolve_raw
 from .requests import FreshRequest, RequestStore, Scratch
 from .tokens import run_list
 from .training import TrainingSequence
@@ -62,7 +62,8 @@ __all__ = [
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 #: Fields whose value may be `RawJSON` (or, for lists, hold `RawJSON` items); the request
-#: messages are left to request storage, which finds raw items without a scan.
+#: messages are left to request storage, which confirms what a raw text re-sends without
+#: decoding it, and finds raw items without a scan.
 _RAW_FIELDS = (
     "prompt_ids",
     "sampled_ids",
@@ -83,9 +84,6 @@ def _without_raw(node: TurnNode) -> TurnNode:
             decoded = resolve_raw(value, name)
             if decoded is not value:
                 changes[name] = decoded
-    messages = node.request_messages
-    if type(messages) is RawJSON:
-        changes["request_messages"] = decode_raw(messages, "request_messages")
     return dataclasses.replace(node, **changes) if changes else node
 
 
@@ -304,7 +302,9 @@ class Graph:
                 raise
             finally:
                 self._requests.reset_packer()
-            self._commit(turn, keys, scratch.moves, scratch.pending, scratch.request)
+            self._commit(
+                turn, keys, scratch.moves, scratch.pending, scratch.request, scratch.raw_tip
+            )
             # as the capture graph does: the node given gets its place in the graph
             node.index = turn.index
             node.parent_id = turn.parent.node_id if turn.parent is not None else None
@@ -398,6 +398,7 @@ class Graph:
         moves: list[tuple[Turn, LinkKind]],
         pending: list[tuple[bytes, bytes]] | tuple[()] = (),
         request: FreshRequest | None = None,
+        raw_tip: Any = None,
     ) -> None:
         self._requests.add_values(pending)
         turn.meta = self._meta.setdefault(turn.meta, turn.meta)
@@ -413,6 +414,8 @@ class Graph:
                 requests.note_parent(parent)
             add_child(parent, turn)
         requests.file(turn, keys.request, request)
+        if raw_tip is not None:
+            requests.raw_tips.add(*raw_tip)
         linker = self._linker
         linker.file(turn, keys.token, keys.prompt)
         for other, link in moves:

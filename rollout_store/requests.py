@@ -12,12 +12,12 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from .blobs import BlobTable
-from .confirm import Probe, prefix_digest, prefix_keys
+from .confirm import Probe, RawTip, RawTips, digest_key, prefix_digest, prefix_keys, raw_end
 from .encoding import NotPackable, array_header, unpack
 from .errors import InvalidValueError
 from .intake import MAX_DEPTH, Encoder
 from .messages import leading_system_count, link_key, response_link_key
-from .raw import RawJSON, resolve_raw
+from .raw import RawJSON, decode_raw, resolve_raw, split_array
 from .turns import (
     ECHO_PACKED,
     MESSAGES_TUPLE,
@@ -43,6 +43,8 @@ __all__ = ["FreshRequest", "RequestStore", "Scratch"]
 
 Messages = list[Any] | tuple[Any, ...]
 
+_NOT_FAST = object()  # _prepare_raw: decode the whole text instead
+
 #: msgpack type bytes of ext and bin values, which JSON values never pack to by themselves
 _NOT_JSON = re.compile(b"[\xc4-\xc9\xd4-\xd8]").search
 
@@ -58,6 +60,7 @@ class Scratch:
         "moves",
         "pending",
         "prompt_key",
+        "raw_tip",
         "request",
         "request_digest",
         "root_keys",
@@ -78,6 +81,7 @@ class Scratch:
         # for an earlier turn that arrives late
         self.root_keys: list[int] | None = None
         self.request: FreshRequest | None = None  # its non-system messages, if any
+        self.raw_tip: tuple[RawTip, RawTip | None] | None = None  # filed at commit
         self.twins: list[Turn] = []  # stored turns with exactly this request, and children
         self.moves: list[tuple[Turn, LinkKind]] = []  # earlier turns it adopts
 
@@ -219,6 +223,7 @@ class RequestStore:
         "_pack_plain",
         "_plain_limit",
         "blobs",
+        "raw_tips",
         "request_index",
         "values",
     )
@@ -233,6 +238,7 @@ class RequestStore:
         self.values = ValueTable(self.expand, share_threshold)
         self.request_index: dict[int, Any] = {}  # digest of non-system request -> turn(s)
         self._message_size = 256  # mean packed size of recent messages, to chunk requests
+        self.raw_tips = RawTips()  # the latest raw turns, for raw continuations
         # plain packings shorter than this can hold no blob and no nesting beyond MAX_DEPTH
         self._plain_limit = min(share_threshold or MAX_DEPTH, MAX_DEPTH)
 
@@ -319,6 +325,15 @@ class RequestStore:
         Sets `scratch.request` (the fresh request, for linking) and `scratch.request_digest`.
         """
         messages = node.request_messages
+        raw: bytes | None = None
+        if type(messages) is RawJSON:
+            data = messages.data
+            if type(data) is bytes and turn.prompt is None and node.parent_id is None:
+                done = self._prepare_raw(turn, scratch, data)
+                if done is not _NOT_FAST:
+                    return done  # type: ignore[return-value]
+                raw = data
+            messages = decode_raw(messages, "request_messages")
         if messages is None:
             turn.system, turn.base, turn.tail, turn.n_rest = None, None, b"", 0
             turn.first = turn.body_start = 0
@@ -376,7 +391,76 @@ class RequestStore:
         if request.n_valid == len(request.messages):
             scratch.request_digest = request.key(request.n_valid)
         self._store_tail(turn, request, self._base(request), n_sys)
+        if raw is not None and probe is not None and rest and isinstance(messages, list):
+            end = raw_end(raw)
+            if end is not None:  # later raw turns of this conversation start here
+                digest = prefix_digest(memoryview(raw)[:end])
+                tip = RawTip(turn, raw, end, digest, probe.hasher, system_plain, n_sys)
+                scratch.raw_tip = (tip, None)
         return system_plain
+
+    def _prepare_raw(self, turn: Turn, scratch: Scratch, data: bytes) -> bytes | object | None:
+        """Store a raw messages text that continues a raw tip, decoding only what is new.
+
+        The re-sent part is confirmed by the BLAKE3 digest of its bytes; the new messages
+        are split out with msgspec and decoded as json.loads would. Returns the system plain,
+        or `_NOT_FAST` when the text must be decoded whole (no tip it continues, no exact
+        echo of the tip's response right after it, or anything unusual)."""
+        found = self.raw_tips.find(data)
+        if found is None:
+            return _NOT_FAST
+        tip, hasher = found
+        base = tip.turn
+        end = raw_end(data)
+        if end is None or end <= tip.end or not base.n_rest or base.flags & MESSAGES_TUPLE:
+            return _NOT_FAST
+        tail_text = data[tip.end : end].lstrip(b" \t\r\n")
+        spans = split_array(b"[" + tail_text[1:] + b"]")
+        if not spans:
+            return _NOT_FAST
+        pack = self._pack_plain
+        try:
+            fresh = [decode_raw(RawJSON(bytes(span)), "") for span in spans]
+            plains = [pack(m) for m in fresh]
+        except Exception:  # the whole text's decode says what is wrong, and where
+            return _NOT_FAST
+        if not self.is_echo(base, fresh[0], plains[0]):
+            return _NOT_FAST
+        # the base must be the longest stored request this one extends, and the only one
+        # with its request (else the decoded path's choices apply): no stored request at any
+        # boundary after it, and no twin of it
+        index = self.request_index
+        if base.rkey is None or type(index.get(base.rkey)) is _Bucket:
+            return _NOT_FAST
+        state = tip.plain_state.copy()
+        for plain in plains:
+            state.update(plain)
+            if digest_key(state.digest()) in index:
+                return _NOT_FAST
+        first = tip.n_sys + base.n_rest
+        pieces = [ECHO_PACKED]
+        turn.flags |= TAIL_ECHO
+        for i in range(1, len(fresh)):
+            packed, special = self.stored_form(
+                fresh[i], plains[i], f"request_messages[{first + i}]"
+            )
+            if packed != plains[i]:
+                turn.flags |= TAIL_REFS
+            if special:
+                turn.flags |= TAIL_SPECIAL
+            pieces.append(packed)
+        turn.system = base.system
+        turn.base = base
+        turn.tail = array_header(len(pieces)) + b"".join(pieces)
+        turn.n_rest = base.n_rest + len(fresh)
+        finish_tail(turn)
+        turn.digest = state.digest()
+        scratch.request_digest = digest_key(turn.digest)
+        scratch.message_parent = base
+        hasher.update(memoryview(data)[tip.end : end])
+        new_tip = RawTip(turn, data, end, hasher.digest(), state, tip.system_plain, tip.n_sys)
+        scratch.raw_tip = (new_tip, tip)
+        return tip.system_plain
 
     def _base(self, request: FreshRequest) -> Turn | None:
         """The longest stored request that `request` extends (its storage base)."""
