@@ -25,7 +25,7 @@ from typing import IO, Any
 
 from .checks import Report, check_rollout, check_sequence
 from .graph import Graph
-from .materialize import Streamed, write_document, writer_for
+from .jsonstream import Streamed, write_document, writer_for
 from .training import TrainingSequence
 
 __all__ = [

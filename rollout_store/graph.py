@@ -17,35 +17,30 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 import xxhash
 
+from . import materialize
 from .blobs import BlobTable
+from .content import ContentStore, StringCache
 from .encoding import unpack
 from .errors import DuplicateNodeError, InvalidValueError, RolloutStoreError
+from .index import index_members
 from .intake import real_numbers
 from .linking import Linker
-from .nodes import common_prefix_len
+from .nodes import TurnNode, common_prefix_len
 from .raw import RawJSON, resolve_raw
 from .requests import FreshRequest, RequestStore, Scratch
-from .tokens import run_list
-from .training import TrainingSequence
-from .turns import (
-    EMPTY_PROMPT,
-    LINK_EXPLICIT,
-    LINK_MESSAGES,
-    LINK_NAMES,
-    LINK_NONE,
-    LINK_TOKENS,
-    LOGPROBS_PACKED,
+from .shared_blobs import StoreBlobTable
+from .stored import (
     SCALAR_NAMES,
     IndexKeys,
     LinkKind,
     Turn,
+    TurnFlag,
     TurnMeta,
-    TurnNode,
     add_child,
-    index_members,
     is_above,
-    seg_list,
 )
+from .tokens import run_list
+from .training import TrainingSequence
 from .views import NodeView
 
 __all__ = [
@@ -134,20 +129,33 @@ class Graph:
 
     This is the in-memory graph; `RolloutGraph` (in `storage`, the layer above) adds
     `save`, `load` and `open`.
+
+    `store`: a `ContentStore` shared with other graphs, processes or machines; the graph's
+    long strings are kept there and the graph holds references (see `shared_blobs`).
+    Without it the graph owns a private in-memory blob table. `cache`: the `StringCache` of
+    strings read from an out-of-process store (share one between graphs to bound them all;
+    default: a private cache of `shared_blobs.DEFAULT_GRAPH_CACHE_BYTES`).
     """
 
-    def __init__(self, share_threshold: int | None = 1024) -> None:
+    def __init__(
+        self,
+        share_threshold: int | None = 1024,
+        *,
+        store: ContentStore | None = None,
+        cache: StringCache | None = None,
+    ) -> None:
         if share_threshold is not None and (
             not isinstance(share_threshold, int) or share_threshold < 1
         ):
             raise ValueError("share_threshold must be a positive int or None")
         self.share_threshold = share_threshold
+        self.store = store
         self._turns: list[Turn] = []
         self._blob_marks = array("I")  # blobs stored once each turn was committed, for save
         self._by_id: dict[str, Turn] = {}
         self._meta: dict[TurnMeta, TurnMeta] = {}
         self._flag_values: dict[int, int] = {}
-        self._use_blobs(BlobTable())
+        self._use_blobs(BlobTable() if store is None else StoreBlobTable(store, cache))
         self._lock = threading.RLock()
         self._journal: Journal | None = None  # the file an appending graph writes to
         self._closed = False  # the file behind an appending graph was closed
@@ -172,6 +180,7 @@ class Graph:
         with self._lock:
             if self._turns or len(self._blobs):
                 raise ValueError("the blob table of a graph that holds turns cannot change")
+            self.store = table.store if isinstance(table, StoreBlobTable) else None
             self._use_blobs(table)
 
     def _use_blobs(self, table: BlobTable) -> None:
@@ -303,7 +312,13 @@ class Graph:
             finally:
                 self._requests.reset_packer()
             self._commit(
-                turn, keys, scratch.moves, scratch.pending, scratch.request, scratch.raw_tip
+                turn,
+                keys,
+                scratch.moves,
+                scratch.pending,
+                scratch.tail_key,
+                scratch.request,
+                scratch.raw_tip,
             )
             # as the capture graph does: the node given gets its place in the graph
             node.index = turn.index
@@ -363,13 +378,13 @@ class Graph:
 
         # Linking: an explicit parent wins, then tokens, then messages.
         if explicit is not None:
-            turn.parent, turn.link = explicit, LINK_EXPLICIT
+            turn.parent, turn.link = explicit, LinkKind.EXPLICIT
         elif scratch.token_parent is not None:
-            turn.parent, turn.link = scratch.token_parent, LINK_TOKENS
+            turn.parent, turn.link = scratch.token_parent, LinkKind.TOKENS
         elif turn.prompt is None and scratch.message_parent is not None:
-            turn.parent, turn.link = scratch.message_parent, LINK_MESSAGES
+            turn.parent, turn.link = scratch.message_parent, LinkKind.MESSAGES
         else:
-            turn.parent, turn.link = None, LINK_NONE
+            turn.parent, turn.link = None, LinkKind.NONE
             request = scratch.request
             if request is not None and request.n_valid == len(request.messages) and not turn.prompt:
                 # every shorter prefix, the empty one too (a request of system messages only)
@@ -397,17 +412,20 @@ class Graph:
         keys: IndexKeys,
         moves: list[tuple[Turn, LinkKind]],
         pending: list[tuple[bytes, bytes]] | tuple[()] = (),
+        tail_key: bytes | None = None,
         request: FreshRequest | None = None,
         raw_tip: Any = None,
     ) -> None:
-        self._requests.add_values(pending)
+        requests = self._requests
+        requests.add_values(pending)
+        if tail_key is not None:
+            requests.add_tail_key(turn.index, tail_key)
         turn.meta = self._meta.setdefault(turn.meta, turn.meta)
         # flags above 256 are int objects of their own: one per distinct value, not per turn
         turn.flags = self._flag_values.setdefault(turn.flags, turn.flags)
         self._turns.append(turn)
         self._blob_marks.append(len(self.blobs))
         self._by_id[turn.node_id] = turn
-        requests = self._requests
         parent = turn.parent
         if parent is not None:
             if parent.children is None:
@@ -427,21 +445,8 @@ class Graph:
 
     # ------------------------------------------------------------------ materialize
 
-    def _logprobs(self, turn: Turn) -> Any:
-        lp = turn.logprobs
-        if lp is None:
-            return None
-        if turn.flags & LOGPROBS_PACKED:
-            return unpack(lp, self._blobs.string)
-        return lp.tolist()
-
     def _view(self, turn: Turn) -> TurnNode:
         return NodeView.of(self, turn)
-
-    def _prompt_ids(self, turn: Turn) -> list[int] | None:
-        if turn.prompt is not None:
-            return run_list(turn.prompt)
-        return [] if turn.flags & EMPTY_PROMPT else None
 
     @_locked
     def field_value(self, node_id: str, name: str) -> Any:
@@ -473,23 +478,23 @@ class Graph:
 
     @_locked
     def request_messages(self, node_id: str) -> list[Any] | tuple[Any, ...] | None:
-        return self._requests.messages(self._turn(node_id))
+        return materialize.request_messages(self._turn(node_id), self._blobs)
 
     @_locked
     def response_message(self, node_id: str) -> Any:
-        return self._requests.value(self._turn(node_id).response)
+        return materialize.value(self._turn(node_id).response, self._blobs)
 
     @_locked
     def request_tools(self, node_id: str) -> Any:
-        return self._requests.value(self._turn(node_id).tools)
+        return materialize.value(self._turn(node_id).tools, self._blobs)
 
     @_locked
     def sampling_params(self, node_id: str) -> Any:
-        return self._requests.value(self._turn(node_id).sampling)
+        return materialize.value(self._turn(node_id).sampling, self._blobs)
 
     @_locked
     def requested_sampling_params(self, node_id: str) -> Any:
-        return self._requests.value(self._turn(node_id).requested)
+        return materialize.value(self._turn(node_id).requested, self._blobs)
 
     @_locked
     def summary(self, node_id: str) -> dict[str, Any]:
@@ -500,7 +505,7 @@ class Graph:
             "node_id": turn.node_id,
             "index": turn.index,
             "parent_id": turn.parent.node_id if turn.parent is not None else None,
-            "link": LINK_NAMES[turn.link],
+            "link": turn.link.label,
             "n_prompt": turn.prompt.length if turn.prompt is not None else 0,
             "n_sampled": len(turn.sampled) if turn.sampled is not None else 0,
             "n_tools": n_tools,
@@ -535,7 +540,7 @@ class Graph:
     @_locked
     def link_kind(self, node_id: str) -> str:
         """How the turn is linked to its parent: none, tokens, messages or explicit."""
-        return LINK_NAMES[self._turn(node_id).link]
+        return self._turn(node_id).link.label
 
     @_locked
     def root_of(self, node_id: str) -> str:
@@ -633,7 +638,7 @@ class Graph:
     def _prompt_identity(self, turn: Turn) -> Any:
         if turn.prompt is not None:
             return ("tokens", tuple(run_list(turn.prompt)))
-        messages = self._requests.messages(turn)
+        messages = materialize.request_messages(turn, self._blobs)
         return ("messages", self._requests.plain(messages) if messages else b"")
 
     @_locked
@@ -690,7 +695,7 @@ class Graph:
         lp = turn.logprobs
         if lp is None:
             return None
-        if not turn.flags & LOGPROBS_PACKED:
+        if not turn.flags & TurnFlag.LOGPROBS_PACKED:
             return lp.tolist() if len(lp) == n else None
         values = unpack(lp, self.blobs.string)
         if isinstance(values, list) and len(values) == n and real_numbers(values):
@@ -765,11 +770,11 @@ class GraphRestorer:
         """The stored turn at `index` (arrival order); the caller checks the range."""
         return self._graph._turns[index]
 
-    def add_value(self, stored: bytes, special: bool) -> None:
-        """A shared value read back: found again by its plain packing unless `special`."""
+    def add_value(self, stored: bytes, plain: bytes | None) -> None:
+        """A shared value read back, found again by its plain packing (every string inline;
+        the reader splices it from the stored bytes), or never found again if None."""
         graph = self._graph
         requests = graph._requests
-        plain = None if special else requests.expand(stored)
         if plain is not None and requests.values.find(plain) is None:
             requests.values.add(plain, stored)
 
@@ -783,12 +788,12 @@ class GraphRestorer:
 
 
 _FIELDS: dict[str, Callable[[Graph, Turn], Any]] = {
-    "prompt_ids": Graph._prompt_ids,
-    "sampled_ids": lambda g, t: seg_list(t.sampled),
-    "sampled_logprobs": Graph._logprobs,
-    "request_messages": lambda g, t: g._requests.messages(t),
-    "request_tools": lambda g, t: g._requests.value(t.tools),
-    "sampling_params": lambda g, t: g._requests.value(t.sampling),
-    "requested_sampling_params": lambda g, t: g._requests.value(t.requested),
-    "response_message": lambda g, t: g._requests.value(t.response),
+    "prompt_ids": lambda g, t: materialize.prompt_ids(t),
+    "sampled_ids": lambda g, t: materialize.sampled_ids(t),
+    "sampled_logprobs": lambda g, t: materialize.logprobs(t, g.blobs),
+    "request_messages": lambda g, t: materialize.request_messages(t, g.blobs),
+    "request_tools": lambda g, t: materialize.value(t.tools, g.blobs),
+    "sampling_params": lambda g, t: materialize.value(t.sampling, g.blobs),
+    "requested_sampling_params": lambda g, t: materialize.value(t.requested, g.blobs),
+    "response_message": lambda g, t: materialize.value(t.response, g.blobs),
 }

@@ -204,7 +204,8 @@ class Encoder:
     def __init__(self, blobs: BlobTable | None, threshold: int | None) -> None:
         self.blobs = blobs
         self.threshold = threshold
-        self._packer = _new_packer()
+        self._packer: msgpack.Packer | None = None  # made at first use: most graphs' plain
+        # encoder never packs
         self.last_refs = False  # whether the last packing holds blob references
 
     def encode(self, value: object, path: str) -> tuple[bytes, bool]:
@@ -219,18 +220,19 @@ class Encoder:
             tree = walker.value(value, 0)
         except _Bad as bad:
             raise _error(bad, path) from None
-        packed = self._packer.pack(tree)
-        if len(packed) > _KEEP_BUFFER:  # do not keep a large buffer alive
-            self._packer = _new_packer()
+        packer = self._packer or _new_packer()
+        packed = packer.pack(tree)
+        # do not keep a large buffer alive
+        self._packer = None if len(packed) > _KEEP_BUFFER else packer
         self.last_refs = walker.refs
         return packed, walker.special
 
 
-_KEEP_BUFFER = 1 << 16
+_KEEP_BUFFER = 1 << 12  # a graph keeps at most this much of a packing buffer
 
 
 def _new_packer() -> msgpack.Packer:
-    return msgpack.Packer(use_bin_type=True, default=_pack_default, buf_size=1024)
+    return msgpack.Packer(use_bin_type=True, default=_pack_default, buf_size=256)
 
 
 def _error(bad: _Bad, path: str) -> InvalidValueError:

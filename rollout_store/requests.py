@@ -8,47 +8,30 @@ are stored once per graph.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from typing import Any, Final
 
 from .blobs import BlobTable
 from .confirm import Probe, RawTip, RawTips, digest_key, prefix_digest, prefix_keys, raw_end
-from .encoding import NotPackable, array_header, unpack
+from .content import content_key
+from .encoding import ECHO_PACKED, NotPackable, array_header, new_packer, no_echo, unpack
 from .errors import InvalidValueError
 from .intake import MAX_DEPTH, Encoder
+from .materialize import Messages, value
 from .messages import leading_system_count, link_key, response_link_key
+from .nodes import TurnNode
 from .raw import RawJSON, decode_raw, resolve_raw, split_array
-from .turns import (
-    ECHO_PACKED,
-    MESSAGES_TUPLE,
-    NO_MESSAGES,
-    PREFIX_SPECIAL,
-    RESPONSE_REFS,
-    RESPONSE_SPECIAL,
-    TAIL_ECHO,
-    TAIL_REFS,
-    TAIL_SLOW,
-    TAIL_SPECIAL,
-    IndexKeys,
-    LinkKind,
-    Turn,
-    TurnNode,
-    finish_tail,
-    new_packer,
-    no_echo,
-)
+from .stored import IndexKeys, LinkKind, Turn, TurnFlag, finish_tail
 from .values import ValueTable
 
 __all__ = ["FreshRequest", "RequestStore", "Scratch"]
 
-Messages = list[Any] | tuple[Any, ...]
-
-_NOT_FAST = object()  # _prepare_raw: decode the whole text instead
-
-#: msgpack type bytes of ext and bin values, which JSON values never pack to by themselves
-_NOT_JSON = re.compile(b"[\xc4-\xc9\xd4-\xd8]").search
 
 _new_tuple: Final = tuple.__new__
+
+#: msgpack type bytes of ext and bin values, which JSON values never pack to by themselves
+_NOT_JSON = re.compile(b"[\\xc4-\\xc9\\xd4-\\xd8]").search
+
+_NOT_FAST = object()  # _prepare_raw: decode the whole text instead
 
 
 class Scratch:
@@ -64,6 +47,7 @@ class Scratch:
         "request",
         "request_digest",
         "root_keys",
+        "tail_key",
         "token_key",
         "token_parent",
         "twins",
@@ -81,6 +65,7 @@ class Scratch:
         # for an earlier turn that arrives late
         self.root_keys: list[int] | None = None
         self.request: FreshRequest | None = None  # its non-system messages, if any
+        self.tail_key: bytes | None = None  # SHA-256 of the tail's plain packings
         self.raw_tip: tuple[RawTip, RawTip | None] | None = None  # filed at commit
         self.twins: list[Turn] = []  # stored turns with exactly this request, and children
         self.moves: list[tuple[Turn, LinkKind]] = []  # earlier turns it adopts
@@ -160,7 +145,7 @@ class FreshRequest:
             ok = self._store.matches(stored, self.plains(), self.messages)
             if ok and probe is not None:
                 stored.digest = probe.digest(n)
-        if ok and probe is not None and stored.flags & PREFIX_SPECIAL:
+        if ok and probe is not None and stored.flags & TurnFlag.PREFIX_SPECIAL:
             # a digest match of tuples, big ints or lone surrogates: the fresh messages must
             # be those values, not msgpack.ExtType objects packing alike
             valid = self._store.valid
@@ -225,6 +210,7 @@ class RequestStore:
         "blobs",
         "raw_tips",
         "request_index",
+        "tail_keys",
         "values",
     )
 
@@ -235,12 +221,16 @@ class RequestStore:
         self._pack_plain = new_packer()
         self._encoder = Encoder(blobs, share_threshold)
         self._canonical = Encoder(None, None)  # plain packing by the validating walk
-        self.values = ValueTable(self.expand, share_threshold)
+        # over an out-of-process store: tails and values holding blob references are matched
+        # by the SHA-256 of their plain packings (turn index -> digest), never by fetching
+        fetches = blobs.fetches
+        self.tail_keys: dict[int, bytes] | None = {} if fetches else None
+        self.values = ValueTable(self.expand, share_threshold, hashed=fetches)
         self.request_index: dict[int, Any] = {}  # digest of non-system request -> turn(s)
         self._message_size = 256  # mean packed size of recent messages, to chunk requests
-        self.raw_tips = RawTips()  # the latest raw turns, for raw continuations
         # plain packings shorter than this can hold no blob and no nesting beyond MAX_DEPTH
         self._plain_limit = min(share_threshold or MAX_DEPTH, MAX_DEPTH)
+        self.raw_tips = RawTips()  # the latest raw turns, for raw continuations
 
     def reset_packer(self) -> None:
         self._pack_plain = new_packer()
@@ -273,9 +263,9 @@ class RequestStore:
         if packed is plain:
             return packed
         if self._encoder.last_refs:  # else the packing is the plain one, nothing to expand
-            turn.flags |= RESPONSE_REFS
+            turn.flags |= TurnFlag.RESPONSE_REFS
         if special:
-            turn.flags |= RESPONSE_SPECIAL
+            turn.flags |= TurnFlag.RESPONSE_SPECIAL
         return packed
 
     def _shared(
@@ -306,6 +296,8 @@ class RequestStore:
             packed = [self.encode(items[0], path)]
         stored = header + b"".join(b for b, _ in packed)
         if plain is not None and not any(special for _, special in packed):
+            if stored == plain:  # no blob references: other graphs may share it
+                stored = self.blobs.share_packed(stored)
             pending.append((plain, stored))
         return stored
 
@@ -318,6 +310,11 @@ class RequestStore:
         """Remember the shared values a committed turn stored first."""
         for plain, stored in pending:
             self.values.add(plain, stored)
+
+    def add_tail_key(self, index: int, key: bytes) -> None:
+        """Remember the digest a committed turn's tail is matched by (see `tail_keys`)."""
+        if self.tail_keys is not None:
+            self.tail_keys[index] = key
 
     def prepare(self, turn: Turn, node: TurnNode, scratch: Scratch) -> bytes | None:
         """Store the request as system part + base turn + tail; return the system plain.
@@ -337,14 +334,14 @@ class RequestStore:
         if messages is None:
             turn.system, turn.base, turn.tail, turn.n_rest = None, None, b"", 0
             turn.first = turn.body_start = 0
-            turn.flags |= NO_MESSAGES
+            turn.flags |= TurnFlag.NO_MESSAGES
             return None
         if not isinstance(messages, list | tuple):
             raise InvalidValueError(
                 f"expected a list of messages, got {type(messages).__name__}", "request_messages"
             )
         if isinstance(messages, tuple):
-            turn.flags |= MESSAGES_TUPLE
+            turn.flags |= TurnFlag.MESSAGES_TUPLE
         if not messages and turn.prompt is not None:
             # a token turn without messages (the default []): linked by its tokens, and no
             # base of anything, so it stays out of the request index (which would otherwise
@@ -390,7 +387,7 @@ class RequestStore:
         scratch.request = request
         if request.n_valid == len(request.messages):
             scratch.request_digest = request.key(request.n_valid)
-        self._store_tail(turn, request, self._base(request), n_sys)
+        self._store_tail(turn, request, self._base(request), n_sys, scratch)
         if raw is not None and probe is not None and rest and isinstance(messages, list):
             end = raw_end(raw)
             if end is not None:  # later raw turns of this conversation start here
@@ -412,7 +409,7 @@ class RequestStore:
         tip, hasher = found
         base = tip.turn
         end = raw_end(data)
-        if end is None or end <= tip.end or not base.n_rest or base.flags & MESSAGES_TUPLE:
+        if end is None or end <= tip.end or not base.n_rest or base.flags & TurnFlag.MESSAGES_TUPLE:
             return _NOT_FAST
         tail_text = data[tip.end : end].lstrip(b" \t\r\n")
         spans = split_array(b"[" + tail_text[1:] + b"]")
@@ -439,15 +436,15 @@ class RequestStore:
                 return _NOT_FAST
         first = tip.n_sys + base.n_rest
         pieces = [ECHO_PACKED]
-        turn.flags |= TAIL_ECHO
+        turn.flags |= TurnFlag.TAIL_ECHO
         for i in range(1, len(fresh)):
             packed, special = self.stored_form(
                 fresh[i], plains[i], f"request_messages[{first + i}]"
             )
             if packed != plains[i]:
-                turn.flags |= TAIL_REFS
+                turn.flags |= TurnFlag.TAIL_REFS
             if special:
-                turn.flags |= TAIL_SPECIAL
+                turn.flags |= TurnFlag.TAIL_SPECIAL
             pieces.append(packed)
         turn.system = base.system
         turn.base = base
@@ -470,7 +467,9 @@ class RequestStore:
                     return candidate
         return None
 
-    def _store_tail(self, turn: Turn, request: FreshRequest, base: Turn | None, n_sys: int) -> None:
+    def _store_tail(
+        self, turn: Turn, request: FreshRequest, base: Turn | None, n_sys: int, scratch: Scratch
+    ) -> None:
         """Pack the messages after the base's (the echo of its response as a placeholder)."""
         rest = request.messages
         start = base.n_rest if base is not None else 0
@@ -479,14 +478,21 @@ class RequestStore:
             p = request.plain(i)
             if i == start and base is not None and self.is_echo(base, rest[i], p):
                 pieces.append(ECHO_PACKED)
-                turn.flags |= TAIL_ECHO
+                turn.flags |= TurnFlag.TAIL_ECHO
                 continue
             packed, special = self.stored_form(rest[i], p, f"request_messages[{n_sys + i}]")
             if packed != p:
-                turn.flags |= TAIL_REFS
+                turn.flags |= TurnFlag.TAIL_REFS
             if special:
-                turn.flags |= TAIL_SPECIAL
+                turn.flags |= TurnFlag.TAIL_SPECIAL
             pieces.append(packed)
+        if self.tail_keys is not None and turn.flags & TurnFlag.TAIL_REFS:
+            # its strings are out of the process: match it later by the SHA-256 of its plain
+            # packings rather than by fetching them
+            first = start + (1 if turn.flags & TurnFlag.TAIL_ECHO else 0)
+            body = [request.plain(i) for i in range(first, len(rest))]
+            if None not in body:
+                scratch.tail_key = content_key(b"".join(body))  # type: ignore[arg-type]
         turn.base = base
         turn.tail = array_header(len(pieces)) + b"".join(pieces)
         turn.n_rest = len(rest)
@@ -495,7 +501,7 @@ class RequestStore:
     def file(self, turn: Turn, key: int | None, request: FreshRequest | None = None) -> None:
         """File a committed turn's request under `key` (its digest), if it has messages;
         `request` (when the turn was just added) gives the digest that confirms it."""
-        if key is None or turn.flags & NO_MESSAGES:
+        if key is None or turn.flags & TurnFlag.NO_MESSAGES:
             return
         index = self.request_index
         found = index.get(key)
@@ -548,7 +554,7 @@ class RequestStore:
         """Whether `message` is exactly the response of `base`."""
         if plain is None or base.response is None or plain != self.response_plain(base):
             return False
-        return not base.flags & RESPONSE_SPECIAL or self.valid(message, plain)
+        return not base.flags & TurnFlag.RESPONSE_SPECIAL or self.valid(message, plain)
 
     def echoes(self, turn: Turn, message: Any, plain: bytes | None) -> bool:
         """Whether `message` is the echo of the turn's response (exactly or loosely)."""
@@ -557,7 +563,7 @@ class RequestStore:
         if self.is_echo(turn, message, plain):
             return True
         try:
-            return bool(response_link_key(self.response_value(turn)) == link_key(message))
+            return bool(response_link_key(value(turn.response, self.blobs)) == link_key(message))
         except Exception:  # a malformed fresh message simply does not match
             return False
 
@@ -571,7 +577,7 @@ class RequestStore:
         if end > len(plains):
             return False
         join = b"".join
-        slow_bit, echo_bit = TAIL_SLOW, TAIL_ECHO
+        slow_bit, echo_bit = TurnFlag.TAIL_SLOW, TurnFlag.TAIL_ECHO
         node: Turn | None = turn
         try:
             while node is not None:
@@ -608,13 +614,20 @@ class RequestStore:
         """Whether the tail of `turn` is exactly `messages[start:end]`."""
         tail = turn.tail
         i = start
-        echo = turn.flags & TAIL_ECHO
+        echo = turn.flags & TurnFlag.TAIL_ECHO
         if echo:
             base = turn.base
             if i >= end or base is None or not self.is_echo(base, messages[i], plains[i]):
                 return False
             i += 1
-        if turn.flags & TAIL_REFS:
+        key = self.tail_keys.get(turn.index) if self.tail_keys is not None else None
+        if key is not None:
+            try:
+                if content_key(b"".join(plains[i:end])) != key:  # type: ignore[arg-type]
+                    return False
+            except TypeError:  # a message with no plain packing
+                return False
+        elif turn.flags & TurnFlag.TAIL_REFS:
             # blob references: rebuild the values (blobs are the table's own strings, no
             # copy) and pack them with every string inline, then compare bytes
             try:
@@ -636,7 +649,7 @@ class RequestStore:
             overhead = len(array_header(end - start)) + (i - start) * len(ECHO_PACKED)
             if len(joined) + overhead != len(tail) or not tail.endswith(joined):
                 return False
-        if turn.flags & TAIL_SPECIAL:
+        if turn.flags & TurnFlag.TAIL_SPECIAL:
             return all(self.valid(messages[k], plains[k]) for k in range(i, end))
         return True
 
@@ -666,46 +679,6 @@ class RequestStore:
     def response_plain(self, turn: Turn) -> bytes | None:
         if turn.response is None:
             return None
-        if not turn.flags & RESPONSE_REFS:
+        if not turn.flags & TurnFlag.RESPONSE_REFS:
             return turn.response
         return self.expand(turn.response)
-
-    # ------------------------------------------------------------------ rebuilding
-
-    def value(self, packed: bytes | None) -> Any:
-        """A stored value rebuilt: fresh containers, blobs as the table's own strings."""
-        return None if packed is None else unpack(packed, self.blobs.string)
-
-    def response_value(self, turn: Turn) -> Any:
-        return self.value(turn.response)
-
-    def rest_values(self, turn: Turn) -> list[Any]:
-        """The non-system request messages of `turn`, rebuilt."""
-        chain: list[Turn] = []
-        node: Turn | None = turn
-        while node is not None:
-            chain.append(node)
-            node = node.base
-        out: list[Any] = []
-        string = self.blobs.string
-        for owner in reversed(chain):
-            base = owner.base
-            echo: Callable[[], Any] | None = None
-            if base is not None:
-                echo = _echo_of(self, base)
-            out.extend(unpack(owner.tail, string, echo))
-        return out
-
-    def messages(self, turn: Turn) -> Messages | None:
-        """The request messages of `turn`, rebuilt as they were recorded."""
-        if turn.flags & NO_MESSAGES:
-            return None
-        messages: list[Any] = []
-        if turn.system is not None:
-            messages.extend(unpack(turn.system, self.blobs.string))
-        messages.extend(self.rest_values(turn))
-        return tuple(messages) if turn.flags & MESSAGES_TUPLE else messages
-
-
-def _echo_of(store: RequestStore, base: Turn) -> Callable[[], Any]:
-    return lambda: store.response_value(base)

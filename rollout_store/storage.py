@@ -1,35 +1,45 @@
-"""The rollout file: framed, checksummed msgpack records, each blob once, turns as references.
+"""The rollout file: framed, chained msgpack records, each blob once, turns as references.
 
-A file is a magic string and a sequence of frames (kind, length, checksum, payload). Saving
-writes a temporary file, fsyncs and renames it; append mode writes one turn's frames with one
-write call and fsyncs by policy. Loading checks every frame and every blob digest and stops
-at the first damaged or short frame, naming its offset. The format is described in README.md.
+A file is a magic string and a sequence of frames; version 2 (`framing`) binds every frame
+to the ones before it, version 1 (`frames`) is still read (and appended to). Saving writes a
+temporary file, fsyncs and renames it (`atomic`); append mode writes one turn's frames with
+one write call and fsyncs by policy. Loading checks every frame, blob digest and stored value
+(`packed`) and stops at the first damage, naming its offset. The format is described in
+README.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
+from . import framing
+from .atomic import fsync_dir, lock_log, replace_file
 from .blobs import BlobTable, content_digest
+from .content import ContentStore, StringCache
+from .encoding import ECHO_PACKED
 from .errors import (
     ChecksumMismatch,
     CorruptFileError,
+    CorruptObjectError,
     FileLockedError,
+    MissingObjectError,
+    StoreError,
+    StoreObjectError,
+    StoreRequiredError,
     UnsupportedVersionError,
 )
 from .frames import (
     BLOB_PREFIX,
-    FORMAT_VERSION,
     FRAME,
     KIND_BLOB,
+    KIND_BLOB_REF,
     KIND_END,
     KIND_HEADER,
     KIND_NAMES,
@@ -38,7 +48,6 @@ from .frames import (
     MAGIC,
     MODE_LOG,
     MODE_SNAPSHOT,
-    PackedChecker,
     blob_frame,
     checksum,
     decode_segment,
@@ -48,25 +57,16 @@ from .frames import (
     unpack_payload,
 )
 from .graph import Graph, GraphRestorer, JournalEntry
-from .intake import token_array
+from .intake import MAX_DEPTH, token_array
+from .packed import PackedInfo, check_packed, splice_blobs
+from .shared_blobs import StoreBlobTable
+from .stored import IndexKeys, LinkKind, Turn, TurnFlag, TurnMeta, finish_tail, full_run, is_above
 from .tokens import TokenRun, run_list
-from .turns import (
-    ECHO_PACKED,
-    NO_MESSAGES,
-    TAIL_ECHO,
-    TAIL_SLOW,
-    IndexKeys,
-    LinkKind,
-    Turn,
-    TurnMeta,
-    finish_tail,
-    full_run,
-    is_above,
-)
 
 __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
+    "FileLockedError",
     "LoadReport",
     "PromptKind",
     "RolloutGraph",
@@ -117,16 +117,50 @@ class TurnRecord(NamedTuple):
 
 
 #: Bits of Turn.flags that are derived on load, never written.
-_DERIVED_FLAGS = TAIL_SLOW
+_DERIVED_FLAGS = TurnFlag.TAIL_SLOW | TurnFlag.PREFIX_SPECIAL
+#: Bits a turn record's flags may hold (a version-1 writer also wrote TurnFlag.TAIL_SLOW).
+_STORED_FLAGS = (
+    TurnFlag.TAIL_REFS
+    | TurnFlag.RESPONSE_REFS
+    | TurnFlag.MESSAGES_TUPLE
+    | TurnFlag.LOGPROBS_PACKED
+    | TurnFlag.NO_MESSAGES
+    | TurnFlag.TAIL_ECHO
+    | TurnFlag.TAIL_SPECIAL
+    | TurnFlag.RESPONSE_SPECIAL
+    | TurnFlag.EMPTY_PROMPT
+)
+
+#: How a file holds long strings: inline (self-contained) or as keys into a content store.
+BLOBS_INLINE, BLOBS_STORE = "inline", "store"
+
+#: The version this library writes; it reads 1 and 2.
+FORMAT_VERSION = 2
+_V1 = 1
+_MAGICS = {MAGIC: _V1, framing.MAGIC_V2: FORMAT_VERSION}
+_DIGEST_KINDS = frozenset({KIND_BLOB})
+#: Turn records shorter than this are decoded without a first walk (what a crafted one can
+#: allocate is then bounded by a constant); longer ones are walked and bounded first.
+_SMALL_RECORD = 1024
+#: Nesting of a turn record: record, field, segment or move.
+_RECORD_DEPTH = 3
 
 
 # ---------------------------------------------------------------- writing
 
 
 class _Writer:
-    """What has been written so far, so each turn record refers back instead of copying."""
+    """What has been written so far, so each turn record refers back instead of copying.
 
-    def __init__(self) -> None:
+    `version` 2 chains every frame to the one before (`chain`, the last frame's value);
+    version 1 frames are written only to extend a version-1 log."""
+
+    def __init__(
+        self, version: int = FORMAT_VERSION, chain: int = 0, blobs: str = BLOBS_INLINE
+    ) -> None:
+        self.version = version
+        self.chain = chain
+        self.blobs_mode = blobs  # BLOBS_STORE: blob records name store keys, no text
         self.blobs_written = 0
         self.values: dict[int, int] = {}  # id(stored value bytes) -> ordinal
         self.value_objects: list[bytes] = []  # keeps the ids above valid
@@ -134,11 +168,49 @@ class _Writer:
         self.full_of: dict[int, int] = {}  # id(TokenRun) -> index of a turn whose full it is
         self.refs = (0, 0)  # blob references and their bytes counted so far
 
-    def blob_frames(self, blobs: BlobTable, end: int) -> list[bytes]:
+    def header(self, graph: Graph, mode: str) -> bytes:
+        """The magic and header frame of a new file (which starts this writer's chain)."""
+        fields: dict[str, Any] = {
+            "format": "rollout_store",
+            "version": self.version,
+            "mode": mode,
+            "share_threshold": graph.share_threshold,
+        }
+        if self.blobs_mode == BLOBS_STORE:
+            fields["blobs"] = BLOBS_STORE
+        if self.version == _V1:
+            return MAGIC + frame(KIND_HEADER, pack(fields))
+        fields["file_id"] = framing.new_file_id()
+        data, self.chain = framing.encode_frame(KIND_HEADER, pack(fields), 0)
+        return framing.MAGIC_V2 + data
+
+    def frame(self, kind: int, payload: bytes, chain: list[int]) -> bytes:
+        """One frame after the frame valued `chain[0]`, which becomes this one's value."""
+        if self.version == _V1:
+            return frame(kind, payload)
+        data, chain[0] = framing.encode_frame(kind, payload, chain[0])
+        return data
+
+    def blob_frames(self, blobs: BlobTable, end: int, chain: list[int]) -> list[bytes]:
         frames: list[bytes] = []
+        if self.blobs_mode == BLOBS_STORE:
+            if not isinstance(blobs, StoreBlobTable):
+                raise ValueError(
+                    'blobs="store" needs a graph over a content store (RolloutGraph(store=...))'
+                )
+            for index in range(self.blobs_written, end):
+                handle = blobs.handle(index)
+                ref = [handle.digest, blobs.key(index), handle.size, handle.surrogates]
+                frames.append(self.frame(KIND_BLOB_REF, pack(ref), chain))
+            return frames
         for index in range(self.blobs_written, end):
             data = blobs.string(index).encode("utf-8", "surrogatepass")
-            frames.extend(blob_frame(blobs.handle(index).digest, data))
+            digest = blobs.handle(index).digest
+            if self.version == _V1:
+                frames.extend(blob_frame(digest, data))
+            else:
+                parts, chain[0] = framing.encode_blob_frame(KIND_BLOB, digest, data, chain[0])
+                frames.extend(parts)
         return frames
 
     def turn_frames(
@@ -148,7 +220,8 @@ class _Writer:
         and a function to call once they are written."""
         turn, blobs_end = entry.turn, entry.blobs_end
         refs = self.refs if entry.references is None else entry.references
-        frames = self.blob_frames(blobs, blobs_end)
+        chain = [self.chain]  # advanced frame by frame; kept only once the frames are written
+        frames = self.blob_frames(blobs, blobs_end, chain)
         new_values: list[bytes] = []
 
         def value_ref(stored: bytes | None) -> int | None:
@@ -160,7 +233,7 @@ class _Writer:
                     if pending is stored:
                         return len(self.value_objects) + i
                 new_values.append(stored)
-                frames.append(frame(KIND_VALUE, pack(stored)))
+                frames.append(self.frame(KIND_VALUE, pack(stored), chain))
                 return len(self.value_objects) + len(new_values) - 1
             return ordinal
 
@@ -189,9 +262,10 @@ class _Writer:
             moves=[[other.index, int(link)] for other, link in entry.moves],
             requested=value_ref(turn.requested),
         )
-        frames.append(frame(KIND_TURN, pack(list(record))))
+        frames.append(self.frame(KIND_TURN, pack(list(record)), chain))
 
         def commit() -> None:
+            self.chain = chain[0]
             self.blobs_written = blobs_end
             for stored in new_values:
                 self.values[id(stored)] = len(self.value_objects)
@@ -222,56 +296,44 @@ class _Writer:
         return [int(PromptKind.NEW), encode_segment(token_array(run_list(run), "prompt_ids"))]
 
 
-def _header(graph: Graph, mode: str) -> bytes:
-    payload = pack(
-        {
-            "format": "rollout_store",
-            "version": FORMAT_VERSION,
-            "mode": mode,
-            "share_threshold": graph.share_threshold,
-        }
-    )
-    return MAGIC + frame(KIND_HEADER, payload)
+def _blobs_mode(blobs: str) -> str:
+    if blobs not in (BLOBS_INLINE, BLOBS_STORE):
+        raise ValueError(f'blobs must be "inline" or "store", got {blobs!r}')
+    return blobs
 
 
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def save(graph: Graph, path: str | os.PathLike[str], *, blobs: str = "inline") -> None:
+    """Write the whole graph to `path` atomically, as a version-2 snapshot: a temporary file
+    with a unique name, fsync, rename, fsync of the folder. Refused with `FileLockedError`
+    while another graph or process appends to the file at `path`.
 
-
-def save(graph: Graph, path: str | os.PathLike[str]) -> None:
-    """Write the whole graph to `path` atomically: a temporary file, fsync, rename."""
+    `blobs="inline"` (the default) writes a self-contained file. `blobs="store"` writes each
+    long string as a reference (its key) into the content store of the graph, which must
+    have one; `load(path, store=...)` reads such a file back.
+    """
+    mode = _blobs_mode(blobs)
+    if mode == BLOBS_STORE and not isinstance(graph.blobs, StoreBlobTable):
+        raise ValueError('save(blobs="store") needs a graph over a content store')
     target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     log_path = graph.journal_path
     if log_path is not None and os.path.realpath(target) == log_path:
         raise ValueError(f"{target} is the log this graph appends to; save to another path")
+
+    def write(fp: IO[bytes]) -> None:
+        writer = _Writer(blobs=mode)
+        fp.write(writer.header(graph, MODE_SNAPSHOT))
+        entries = graph.journal_entries()
+        for entry in entries:
+            # references are counted in the end record of a snapshot
+            frames, commit = writer.turn_frames(graph.blobs, entry)
+            fp.writelines(frames)
+            commit()
+        references = list(graph.blobs.mark()[1:])
+        end = {"turns": len(entries), "blobs": len(graph.blobs), "references": references}
+        fp.write(writer.frame(KIND_END, pack(end), [writer.chain]))
+
     with graph.lock:
-        writer = _Writer()
-        try:
-            with open(tmp, "wb") as fp:
-                fp.write(_header(graph, MODE_SNAPSHOT))
-                entries = graph.journal_entries()
-                for entry in entries:
-                    # references are counted in the end record of a snapshot
-                    frames, commit = writer.turn_frames(graph.blobs, entry)
-                    fp.writelines(frames)
-                    commit()
-                references = list(graph.blobs.mark()[1:])
-                end = {"turns": len(entries), "blobs": len(graph.blobs), "references": references}
-                fp.write(frame(KIND_END, pack(end)))
-                fp.flush()
-                os.fsync(fp.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
-    _fsync_dir(target)
+        replace_file(target, write)
 
 
 # ---------------------------------------------------------------- reading
@@ -289,9 +351,14 @@ class LoadReport:
     blobs: int
     error: str | None = None
     error_offset: int | None = None
-    truncated: bool = False  # the damage is a cut (short last frame), not changed bytes
+    # the damage is a torn tail: no intact frame follows it (a cut, garbage or zeros to the
+    # end), which `open(repair=True)` may cut off
+    truncated: bool = False
     mode: str | None = None  # "log" (append mode) or "snapshot" (save)
     exception: CorruptFileError | None = None
+    version: int | None = None  # the file's format version
+    resync_offset: int | None = None  # where the next intact frame after the damage starts
+    good_chain: int = 0  # version 2: the chain value of the frame ending at good_bytes
 
     def fail(self, exc: CorruptFileError, truncated: bool = False) -> None:
         self.exception = exc
@@ -307,12 +374,42 @@ class LoadReport:
 class _Loader:
     """Rebuilds a graph from the records of a file, through the graph's restore door."""
 
-    def __init__(self, share_threshold: int | None) -> None:
-        self.graph = RolloutGraph(share_threshold=share_threshold)
+    def __init__(
+        self,
+        share_threshold: int | None,
+        store: ContentStore | None = None,
+        cache: StringCache | None = None,
+    ) -> None:
+        self.graph = RolloutGraph(share_threshold=share_threshold, store=store, cache=cache)
         self.restore: GraphRestorer = self.graph._restorer()
         self.writer = _Writer()
-        self.checker = PackedChecker(self.graph.blobs)
         self.value_is_list: list[bool] = []  # system parts must be arrays of messages
+
+    def check(self, packed: Any, n_blobs: int, echo_ok: bool = False) -> PackedInfo:
+        """Check a stored value once, without building it (see `packed.check_packed`)."""
+        if not isinstance(packed, bytes):
+            raise ValueError("a packed value must be bytes")
+        blobs = self.graph.blobs
+        return check_packed(
+            packed,
+            n_blobs,
+            MAX_DEPTH,
+            blob_surrogates=lambda i: blobs.handle(i).surrogates,
+            echo_ok=echo_ok,
+        )
+
+    def blob_v2(self, payload: memoryview) -> None:
+        """A version-2 blob frame's payload: digest, then text (the frame reader checked the
+        digest, the only hash over the text)."""
+        digest = bytes(payload[: framing.DIGEST_SIZE])
+        self._add_blob(payload[framing.DIGEST_SIZE :], digest)
+
+    def _add_blob(self, data: memoryview, digest: bytes) -> None:
+        try:
+            text, surrogates = str(data, "utf-8"), False
+        except UnicodeDecodeError:
+            text, surrogates = str(data, "utf-8", "surrogatepass"), True
+        self.graph.blobs.add_verified(text, digest, len(data), surrogates)
 
     def blob(self, payload: memoryview, offset: int, record: int) -> None:
         """A blob frame's payload, read in place: prefix, digest, bin header, data."""
@@ -328,21 +425,69 @@ class _Loader:
         if 20 + width + size != n:
             raise ValueError("blob data length does not match its record")
         data = payload[20 + width :]
-        actual = content_digest(data)  # type: ignore[arg-type]  # xxhash reads any buffer
+        actual = content_digest(data)
         if actual != digest:
             raise ChecksumMismatch("blob", digest, actual, offset=offset, record=record)
+        self._add_blob(data, digest)
+
+    def blob_ref(self, body: Any, offset: int, record: int) -> None:
+        """A blob kept in the content store: fetched, verified against its key and its
+        digest, then referenced. A missing or damaged object names its key and record."""
+        blobs = self.graph.blobs
+        if not isinstance(blobs, StoreBlobTable):
+            raise ValueError("a blob reference in a file without a store")
+        if not (
+            isinstance(body, list)
+            and len(body) == 4
+            and type(body[0]) is bytes
+            and len(body[0]) == 16
+            and type(body[1]) is bytes
+            and len(body[1]) == 32
+            and type(body[2]) is int
+            and type(body[3]) is bool
+        ):
+            raise ValueError("blob reference must be [digest, key, size, surrogates]")
+        digest, key, size, surrogates = body
         try:
-            text, surrogates = str(data, "utf-8"), False
+            data = blobs.store.get(key)
+        except MissingObjectError:
+            raise StoreObjectError(
+                f"the content store {blobs.store!r} has no object for this blob",
+                key=key,
+                offset=offset,
+                record=record,
+            ) from None
+        except CorruptObjectError as error:
+            raise StoreObjectError(
+                f"the object for this blob is damaged in {blobs.store!r}: {error.reason}",
+                key=key,
+                offset=offset,
+                record=record,
+            ) from error
+        actual = content_digest(data)
+        if actual != digest or len(data) != size:
+            raise ChecksumMismatch("blob", digest, actual, offset=offset, record=record)
+        try:
+            text = data.decode("utf-8")
+            has_surrogates = False
         except UnicodeDecodeError:
-            text, surrogates = str(data, "utf-8", "surrogatepass"), True
-        self.graph.blobs.add_verified(text, digest, size, surrogates)
+            text, has_surrogates = data.decode("utf-8", "surrogatepass"), True
+        if has_surrogates != surrogates:
+            raise ValueError("blob reference's surrogate flag does not match its object")
+        blobs.add_reference(key, digest, size, surrogates)
+        if blobs.cache is not None:
+            blobs.cache.put(key, text, size)
 
     def value(self, payload: Any) -> None:
-        decoded = self.checker.check(payload, len(self.graph.blobs))
-        self.value_is_list.append(type(decoded) is list)
+        info = self.check(payload, len(self.graph.blobs))
+        self.value_is_list.append(info.top_items >= 0)
         self.writer.values[id(payload)] = len(self.writer.value_objects)
         self.writer.value_objects.append(payload)
-        self.restore.add_value(payload, self.checker.special)
+        blobs = self.graph.blobs
+        plain = None
+        if not info.special:  # its plain packing, spliced: the value is never decoded
+            plain = splice_blobs(payload, info.blob_refs, lambda i: blobs.string(i).encode())
+        self.restore.add_value(payload, plain)
 
     def turn(self, payload: Any) -> None:
         """Check one turn record, build the stored turn and commit it to the graph."""
@@ -378,9 +523,9 @@ class _Loader:
         link = _link_kind(record.link)
         turn.link = link if turn.parent is not None else LinkKind.NONE
         flags = record.flags
-        if not isinstance(flags, int) or flags < 0:
+        if not isinstance(flags, int) or flags < 0 or flags & ~(_STORED_FLAGS | _DERIVED_FLAGS):
             raise ValueError("bad flags")
-        turn.flags = flags
+        turn.flags = flags & ~_DERIVED_FLAGS
         meta = record.meta
         if not (isinstance(meta, list) and len(meta) == len(TurnMeta._fields)):
             raise ValueError("bad meta")
@@ -396,7 +541,7 @@ class _Loader:
         flags, tail, n_rest, system = turn.flags, record.tail, record.n_rest, record.system
         turn.system = self._value_ref(system)
         turn.base = self._ref(record.base)
-        if turn.base is not None and (turn.base.flags | flags) & NO_MESSAGES:
+        if turn.base is not None and (turn.base.flags | flags) & TurnFlag.NO_MESSAGES:
             raise ValueError("a request without messages has no base, and is no base")
         if not isinstance(tail, bytes) or not isinstance(n_rest, int):
             raise ValueError("bad request tail")
@@ -405,18 +550,30 @@ class _Loader:
         turn.tail = tail
         turn.n_rest = n_rest
         finish_tail(turn)
-        if tail or not flags & NO_MESSAGES:
-            items = self.checker.check(tail, n_blobs, echo_ok=True)
-            if type(items) is not list or len(items) != n_rest - turn.first:
+        if flags & TurnFlag.NO_MESSAGES:
+            if (
+                tail
+                or n_rest
+                or system is not None
+                or flags & (TurnFlag.TAIL_ECHO | TurnFlag.MESSAGES_TUPLE)
+            ):
+                raise ValueError("a request without messages has messages")
+        else:
+            info = self.check(tail, n_blobs, echo_ok=True)
+            if info.top_items != n_rest - turn.first:
                 raise ValueError("request tail does not hold its messages")
-            echo = bool(flags & TAIL_ECHO)
+            echo = bool(flags & TurnFlag.TAIL_ECHO)
             at_start = tail[turn.body_start - len(ECHO_PACKED) : turn.body_start] == ECHO_PACKED
-            if self.checker.echoes != echo or (echo and (turn.base is None or not at_start)):
+            if info.echoes != echo or (echo and (turn.base is None or not at_start)):
                 raise ValueError("misplaced echo in a request tail")
+            _flags_cover(flags, info, TurnFlag.TAIL_REFS, TurnFlag.TAIL_SPECIAL, "request tail")
         if system is not None and not self.value_is_list[system]:
             raise ValueError("system messages must be an array")
         if record.response is not None:
-            self.checker.check(record.response, n_blobs)
+            info = self.check(record.response, n_blobs)
+            _flags_cover(flags, info, TurnFlag.RESPONSE_REFS, TurnFlag.RESPONSE_SPECIAL, "response")
+        elif flags & (TurnFlag.RESPONSE_REFS | TurnFlag.RESPONSE_SPECIAL):
+            raise ValueError("response flags without a response")
         turn.response = record.response
         turn.tools = self._value_ref(record.tools)
         turn.sampling = self._value_ref(record.sampling)
@@ -432,12 +589,21 @@ class _Loader:
             raise ValueError("bad sampled ids")
         turn.full = full_run(turn.prompt, turn.sampled)
         logprobs = record.logprobs
+        packed = bool(turn.flags & TurnFlag.LOGPROBS_PACKED)
         if logprobs is None:
+            if packed:
+                raise ValueError("logprobs flagged as packed, but there are none")
             turn.logprobs = None
+        elif not (isinstance(logprobs, list) and len(logprobs) == 2):
+            raise ValueError("bad logprobs")
         elif logprobs[0] == "j":
-            self.checker.check(logprobs[1], n_blobs)
+            if not packed:
+                raise ValueError("packed logprobs without the flag that says so")
+            self.check(logprobs[1], n_blobs)
             turn.logprobs = logprobs[1]
         elif logprobs[0] == "d":
+            if packed:
+                raise ValueError("logprobs flagged as packed, but stored as floats")
             turn.logprobs = decode_segment(logprobs, "d")
         else:
             raise ValueError("bad logprobs")
@@ -491,6 +657,14 @@ class _Loader:
         raise ValueError("bad prompt spec")
 
 
+def _flags_cover(flags: int, info: PackedInfo, refs: int, special: int, what: str) -> None:
+    """A packed part's flags must say what it holds: blob references, special values."""
+    if info.blob_refs and not flags & refs:
+        raise ValueError(f"the {what} holds blob references its flags do not announce")
+    if info.special and not flags & special:
+        raise ValueError(f"the {what} holds tuples, big ints or surrogates, unflagged")
+
+
 def _link_kind(link: Any) -> LinkKind:
     if not (isinstance(link, int) and 0 <= link <= LinkKind.EXPLICIT):
         raise ValueError("bad link kind")
@@ -509,170 +683,175 @@ def _index_keys(keys: Any) -> IndexKeys:
     return IndexKeys(*keys)
 
 
-class _Damage(Exception):
-    """Internal: the frame at hand is damaged; the scan stops there."""
-
-    def __init__(self, error: CorruptFileError, truncated: bool) -> None:
-        super().__init__(str(error))
-        self.error = error
-        self.truncated = truncated
+_Frames = Iterator[tuple[int, memoryview, int, int, int, int]]
 
 
-class _Scan:
-    """One pass over a file's frames: check each one, then apply its record to the loader.
+def _frames_v1(data: bytes, report: LoadReport) -> _Frames:
+    """(kind, payload, offset, record, end, 0) of each version-1 frame whose checksum holds;
+    on damage the report says what and stops."""
+    view = memoryview(data)
+    size = len(data)
+    offset = len(MAGIC)
+    record = 0
+    while offset < size:
+        start = offset
+        if size - offset < FRAME.size:
+            message = "file ends inside a frame header"
+            report.fail(CorruptFileError(message, offset=start, record=record), truncated=True)
+            return
+        kind, length, expected = FRAME.unpack_from(data, offset)
+        offset += FRAME.size
+        if length > size - offset:
+            message = f"file ends inside a record: {size - offset} of {length} bytes present"
+            failure = CorruptFileError(message, offset=start, record=record)
+            report.fail(failure, truncated=not _frame_after_v1(view, start))
+            return
+        payload = view[offset : offset + length]  # a view: blob data is not copied
+        offset += length
+        actual = checksum(kind, payload)
+        if actual != expected:
+            failure = ChecksumMismatch("record", expected, actual, offset=start, record=record)
+            report.fail(failure, truncated=not _frame_after_v1(view, start))
+            return
+        yield kind, payload, start, record, offset, 0
+        record += 1
+
+
+def _frames_v2(data: bytes, report: LoadReport) -> _Frames:
+    """The same for a version-2 file: each frame verified and bound to the one before."""
+    reader = framing.FrameReader(
+        data, len(framing.MAGIC_V2), digest_kinds=_DIGEST_KINDS, max_kind=KIND_BLOB_REF
+    )
+    try:
+        for f in reader:
+            yield f.kind, f.payload, f.offset, f.record, f.end, f.chain
+    except CorruptFileError as exc:
+        report.fail(exc, truncated=reader.cut)
+        report.resync_offset = reader.resync
+
+
+def _decode(payload: memoryview, max_containers: int) -> Any:
+    """A record's msgpack body; one long enough to allocate much is walked and bounded first
+    (nesting, number of containers), so decoding it costs a bounded multiple of its size."""
+    if len(payload) > _SMALL_RECORD:
+        check_packed(bytes(payload), 0, _RECORD_DEPTH, record=True, max_containers=max_containers)
+    return unpack_payload(payload)
+
+
+def _scan(
+    data: bytes,
+    path: str,
+    progress: Callable[[int], None] | None = None,
+    store: ContentStore | None = None,
+    cache: StringCache | None = None,
+) -> tuple[_Loader, LoadReport]:
+    """Read frames until the end or the first damage; never raises for damage.
 
     Blob and value records are applied only when the turn record after them arrives, so a
     turn cut short leaves nothing of itself behind.
     """
-
-    def __init__(self, data: memoryview, report: LoadReport) -> None:
-        self.data = data
-        self.report = report
-        self.loader: _Loader | None = None
-        self.ended = False
-        self.pending: list[tuple[int, Any, int, int]] = []  # (kind, body, offset, record)
-        self.record = 0  # index of the record at hand, and its offset: errors name them
-        self.start = 0
-
-    def run(self, progress: Callable[[int], None] | None) -> None:
-        report = self.report
-        offset = len(MAGIC)
-        while offset < report.file_size:
-            start = offset
-            try:
-                kind, payload, offset = self.frame_at(start)
-            except _Damage as damage:
-                report.fail(damage.error, truncated=damage.truncated)
-                return
-            self.start = start
-            try:
-                self.apply(kind, payload, start)
-            except CorruptFileError as exc:
-                report.fail(exc)
-                return
-            except Exception as exc:  # anything a damaged payload provokes
-                kind_name = KIND_NAMES.get(kind, f"kind {kind}")
-                message = f"invalid {kind_name} record: {exc}"
-                report.fail(CorruptFileError(message, offset=self.start, record=self.record))
-                return
-            self.record += 1
-            report.records = self.record
-            if not self.pending:
-                report.good_bytes = offset
-            if progress is not None:
-                progress(offset)
-
-    def frame_at(self, start: int) -> tuple[int, memoryview, int]:
-        """The kind and payload of the frame at `start` (checksum verified) and its end."""
-        data, size, record = self.data, self.report.file_size, self.record
-        if size - start < FRAME.size:
-            message = "file ends inside a frame header"
-            raise _Damage(CorruptFileError(message, offset=start, record=record), True)
-        kind, length, expected = FRAME.unpack_from(data, start)
-        offset = start + FRAME.size
-        if length > size - offset:
-            message = f"file ends inside a record: {size - offset} of {length} bytes present"
-            failure = CorruptFileError(message, offset=start, record=record)
-            raise _Damage(failure, not _frame_after(data, start))
-        payload = data[offset : offset + length]  # a view: blob data is not copied
-        actual = checksum(kind, payload)
-        if actual != expected:
-            failure = ChecksumMismatch("record", expected, actual, offset=start, record=record)
-            raise _Damage(failure, not _frame_after(data, start))
-        return kind, payload, offset + length
-
-    def apply(self, kind: int, payload: memoryview, start: int) -> None:
-        body = payload if kind == KIND_BLOB else unpack_payload(payload)
-        if self.ended:
-            raise ValueError("records after the end record")
-        if self.record == 0:
-            self.loader, self.report.mode = _read_header(kind, body, start)
-            return
-        loader = self.loader
-        if loader is None or kind == KIND_HEADER:
-            raise ValueError("a second header record")
-        if kind in (KIND_BLOB, KIND_VALUE):
-            self.pending.append((kind, body, start, self.record))
-        elif kind == KIND_TURN:
-            self.apply_turn(loader, body)
-        elif kind == KIND_END:
-            self.apply_end(loader, body)
-        else:
-            raise ValueError(f"unknown record kind {kind}")
-
-    def apply_turn(self, loader: _Loader, body: Any) -> None:
-        """The blobs and values waiting for this turn record, then the turn itself."""
-        turn_start, turn_record = self.start, self.record
-        for kind, pending, start, record in self.pending:
-            self.start, self.record = start, record  # an error names the record it is about
-            if kind == KIND_BLOB:
-                loader.blob(pending, start, record)
-                self.report.blobs += 1
-            else:
-                loader.value(pending)
-        self.start, self.record = turn_start, turn_record
-        self.pending.clear()
-        loader.turn(body)
-        self.report.turns += 1
-
-    def apply_end(self, loader: _Loader, body: Any) -> None:
-        report = self.report
-        counts = {"turns": report.turns, "blobs": report.blobs}
-        if self.pending or not isinstance(body, dict) or body.keys() != {*counts, "references"}:
-            raise ValueError("end record does not match the records before it")
-        if any(body[k] != v for k, v in counts.items()):
-            raise ValueError("end record does not match the records before it")
-        references = body["references"]
-        if not (
-            isinstance(references, list)
-            and len(references) == 2
-            and all(type(r) is int and r >= 0 for r in references)
-        ):
-            raise ValueError("bad reference counts in the end record")
-        loader.graph.blobs.count_references(*references)
-        self.ended = True
-
-    def finish(self) -> _Loader:
-        """Damage that only the end of the file shows; the loader (empty if none)."""
-        report = self.report
-        if report.error is None:
-            if self.loader is None:
-                report.fail(CorruptFileError("no header record", offset=len(MAGIC)), truncated=True)
-            elif self.pending:
-                message = "file ends after the blobs of a turn whose record is missing"
-                report.fail(CorruptFileError(message, offset=report.good_bytes), truncated=True)
-            elif report.mode == MODE_SNAPSHOT and not self.ended:
-                message = "snapshot ends before its end record"
-                report.fail(CorruptFileError(message, offset=report.file_size), truncated=True)
-        return self.loader if self.loader is not None else _Loader(None)
-
-
-def _scan(
-    data: bytes | memoryview,
-    path: str,
-    progress: Callable[[int], None] | None = None,
-) -> tuple[_Loader, LoadReport]:
-    """Read frames until the end or the first damage; never raises for damage."""
-    data = memoryview(data)
     size = len(data)
     report = LoadReport(path, size, 0, 0, 0, 0)
-    if size < len(MAGIC) or bytes(data[: len(MAGIC)]) != MAGIC:
+    head = bytes(data[: len(MAGIC)])
+    version = _MAGICS.get(head)
+    if version is None:
         report.fail(CorruptFileError("not a rollout_store file (bad magic)", offset=0))
-        head = bytes(data[: len(MAGIC)])
-        report.truncated = (size < len(MAGIC) and MAGIC.startswith(head)) or not bytes(data).strip(
-            b"\0"
-        )
+        report.truncated = (
+            size < len(MAGIC) and any(m.startswith(head) for m in _MAGICS)
+        ) or not data.strip(b"\0")
         return _Loader(None), report
-    scan = _Scan(data, report)
-    scan.run(progress)
-    return scan.finish(), report
+    report.version = version
+    frames = _frames_v1(data, report) if version == _V1 else _frames_v2(data, report)
+    loader: _Loader | None = None
+    ended = False
+    pending: list[tuple[int, Any, int, int]] = []
+    for kind, payload, start, record, end, chain in frames:
+        try:
+            if kind == KIND_BLOB:
+                body: Any = payload
+            else:
+                # a turn holds at most its fixed containers plus one per earlier turn moved
+                body = _decode(payload, 16 + report.turns)
+            if ended:
+                raise ValueError("records after the end record")
+            if record == 0:
+                loader, report.mode = _read_header(kind, body, start, version, path, store, cache)
+            elif loader is None or kind == KIND_HEADER:
+                raise ValueError("a second header record")
+            elif kind in (KIND_BLOB, KIND_VALUE, KIND_BLOB_REF):
+                pending.append((kind, body, start, record))
+            elif kind == KIND_TURN:
+                turn_start, turn_record = start, record
+                for p_kind, p_body, start, record in pending:  # an error names this record
+                    if p_kind == KIND_BLOB_REF:
+                        loader.blob_ref(p_body, start, record)
+                    elif p_kind != KIND_BLOB:
+                        loader.value(p_body)
+                    elif version == _V1:
+                        loader.blob(p_body, start, record)
+                    else:
+                        loader.blob_v2(p_body)
+                    report.blobs += p_kind in (KIND_BLOB, KIND_BLOB_REF)
+                start, record = turn_start, turn_record
+                pending.clear()
+                loader.turn(body)
+                report.turns += 1
+            elif kind == KIND_END:
+                _check_end(body, pending, report)
+                loader.graph.blobs.count_references(*body["references"])
+                ended = True
+            else:
+                raise ValueError(f"unknown record kind {kind}")
+        except CorruptFileError as exc:
+            report.fail(exc)
+            break
+        except StoreError:  # the store is down or missing: not damage in the file
+            raise
+        except Exception as exc:  # anything a damaged payload provokes
+            kind_name = KIND_NAMES.get(kind, f"kind {kind}")
+            message = f"invalid {kind_name} record: {exc}"
+            report.fail(CorruptFileError(message, offset=start, record=record))
+            break
+        report.records = record + 1
+        if not pending:
+            report.good_bytes, report.good_chain = end, chain
+        if progress is not None:
+            progress(end)
+    if report.error is None:
+        if loader is None:
+            report.fail(CorruptFileError("no header record", offset=len(MAGIC)), truncated=True)
+        elif pending:
+            message = "file ends after the blobs of a turn whose record is missing"
+            report.fail(CorruptFileError(message, offset=report.good_bytes), truncated=True)
+        elif report.mode == MODE_SNAPSHOT and not ended:
+            message = "snapshot ends before its end record"
+            report.fail(CorruptFileError(message, offset=size), truncated=True)
+    if loader is None:
+        loader = _Loader(None)
+    return loader, report
 
 
-def _frame_after(data: memoryview, start: int) -> bool:
-    """Whether a whole, valid frame begins anywhere after `start`.
+def _check_end(body: Any, pending: list[Any], report: LoadReport) -> None:
+    counts = {"turns": report.turns, "blobs": report.blobs}
+    if pending or not isinstance(body, dict) or body.keys() != {*counts, "references"}:
+        raise ValueError("end record does not match the records before it")
+    if any(body[k] != v for k, v in counts.items()):
+        raise ValueError("end record does not match the records before it")
+    references = body["references"]
+    if not (
+        isinstance(references, list)
+        and len(references) == 2
+        and all(type(r) is int and r >= 0 for r in references)
+    ):
+        raise ValueError("bad reference counts in the end record")
+
+
+def _frame_after_v1(data: memoryview, start: int) -> bool:
+    """Whether a whole, valid version-1 frame begins anywhere after `start`.
 
     Damage with no valid frame after it is a torn last write (a cut, garbage or zeros to
-    the end), which `repair` may cut off; damage followed by intact records is not.
+    the end), which `repair` may cut off; damage followed by intact records is not. (A
+    checksum at every offset: version 2 replaces this with a linear search for its marker.)
     """
     size = len(data)
     for pos in range(start + 1, size - FRAME.size + 1):
@@ -684,7 +863,15 @@ def _frame_after(data: memoryview, start: int) -> bool:
     return False
 
 
-def _read_header(kind: int, body: Any, start: int) -> tuple[_Loader, str]:
+def _read_header(
+    kind: int,
+    body: Any,
+    start: int,
+    magic_version: int,
+    path: str = "",
+    store: ContentStore | None = None,
+    cache: StringCache | None = None,
+) -> tuple[_Loader, str]:
     if kind != KIND_HEADER or not isinstance(body, dict):
         raise ValueError("the first record is not a header")
     if body.get("format") != "rollout_store":
@@ -692,21 +879,35 @@ def _read_header(kind: int, body: Any, start: int) -> tuple[_Loader, str]:
     version = body.get("version")
     if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
         raise UnsupportedVersionError(
-            f"format version {version!r} is not supported (this library reads version "
-            f"{FORMAT_VERSION})",
+            f"format version {version!r} is not supported (this library reads versions 1 to "
+            f"{FORMAT_VERSION}; a newer rollout_store wrote it)",
             offset=start,
             record=0,
         )
+    if version != magic_version:
+        raise ValueError(f"a version {version} header in a version {magic_version} file")
+    if version >= 2 and type(body.get("file_id")) is not int:
+        raise ValueError("a version 2 header without its file id")
     mode = body.get("mode")
     if mode not in (MODE_LOG, MODE_SNAPSHOT):
         raise ValueError(f"unknown file mode {mode!r}")
     threshold = body.get("share_threshold")
     if threshold is not None and (not isinstance(threshold, int) or threshold < 1):
         raise ValueError("bad share_threshold")
-    return _Loader(threshold), mode
+    blobs = body.get("blobs", BLOBS_INLINE)
+    if blobs not in (BLOBS_INLINE, BLOBS_STORE) or (blobs == BLOBS_STORE and version < 2):
+        raise ValueError(f"unknown blob mode {blobs!r}")
+    if blobs == BLOBS_STORE and store is None:
+        raise StoreRequiredError(
+            f"{path} keeps its long strings in a content store: read it with store=..."
+        )
+    loader = _Loader(threshold, store, cache)
+    loader.writer.blobs_mode = blobs
+    return loader, mode
 
 
 def _read(path: str | os.PathLike[str]) -> bytes:
+    """The whole file: frames are checked in place, as views of these bytes."""
     with open(path, "rb") as fp:
         return fp.read()
 
@@ -716,10 +917,14 @@ def _raise_for(report: LoadReport) -> None:
 
 
 def verify(
-    path: str | os.PathLike[str], progress: Callable[[int], None] | None = None
+    path: str | os.PathLike[str],
+    progress: Callable[[int], None] | None = None,
+    *,
+    store: ContentStore | None = None,
 ) -> LoadReport:
-    """Check every frame, blob digest and reference of a file; never raises for damage."""
-    return _scan(_read(path), os.fspath(path), progress)[1]
+    """Check every frame, blob digest and reference of a file; never raises for damage
+    (a file of store references needs its `store`, whose objects are checked too)."""
+    return _scan(_read(path), os.fspath(path), progress, store)[1]
 
 
 def load(
@@ -727,13 +932,21 @@ def load(
     *,
     recover: bool = False,
     progress: Callable[[int], None] | None = None,
+    store: ContentStore | None = None,
+    cache: StringCache | None = None,
 ) -> RolloutGraph:
     """Read a rollout file. Damage raises `CorruptFileError` naming its offset.
 
     With `recover=True` every complete turn before the first damage is loaded instead, and
     `graph.load_report` says where the file was cut or damaged.
+
+    `store`: the graph keeps its long strings in this content store (and `cache`, see
+    `RolloutGraph`). Required for a file saved with ``blobs="store"`` (else
+    `StoreRequiredError`): each referenced object is fetched and verified, and a missing or
+    damaged one raises `StoreObjectError` naming its key and the record's offset. A
+    self-contained file read with a store puts its strings into it.
     """
-    loader, report = _scan(_read(path), os.fspath(path), progress)
+    loader, report = _scan(_read(path), os.fspath(path), progress, store, cache)
     if report.error is not None and not (recover and report.records > 0):
         _raise_for(report)
     loader.graph.load_report = report
@@ -806,25 +1019,38 @@ def open_append(
     share_threshold: int | None = 1024,
     fsync: str | int = "turn",
     repair: bool = False,
+    store: ContentStore | None = None,
+    cache: StringCache | None = None,
+    blobs: str = "inline",
 ) -> RolloutGraph:
     """A graph that writes each turn to `path` as it is added (created if missing).
 
     An existing file is loaded first; if its last record is cut short (a crash while
     writing), `repair=True` truncates it to the last complete record, else it raises.
+
+    `store`, `cache`: the graph's content store (see `RolloutGraph`). `blobs="store"` makes
+    a new log write references into the store instead of the strings; an existing log keeps
+    the mode it was created with (a log of references needs `store`).
     """
     every = _fsync_policy(fsync)
+    mode = _blobs_mode(blobs)
+    if mode == BLOBS_STORE and store is None:
+        raise ValueError('open(blobs="store") needs a content store: pass store=...')
     target = Path(path)
-    fp = open(target, "a+b")  # noqa: SIM115 - owned by the returned graph
-    try:
-        fcntl.flock(fp.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        fp.close()
-        raise FileLockedError(f"{target} is open for appending by another process") from None
+    while True:
+        fp = open(target, "a+b")  # noqa: SIM115 - owned by the returned graph
+        try:
+            if lock_log(fp, target):
+                break
+        except BaseException:
+            fp.close()
+            raise
+        fp.close()  # a save replaced the file between open and lock: open the new one
     try:
         fp.seek(0)
         data = fp.read()
         if data:
-            loader, report = _scan(data, os.fspath(target))
+            loader, report = _scan(data, os.fspath(target), None, store, cache)
             if report.mode == MODE_SNAPSHOT:
                 raise CorruptFileError(f"{target} is a snapshot written by save(), not a log")
             if report.error is not None:
@@ -840,15 +1066,17 @@ def open_append(
             graph = loader.graph
             graph.load_report = report
             writer = loader.writer
+            writer.version = report.version or FORMAT_VERSION  # a version-1 log stays one
+            writer.chain = report.good_chain
             writer.blobs_written = len(graph.blobs)
             writer.refs = graph.blobs.mark()[1:]
         else:
-            graph = RolloutGraph(share_threshold=share_threshold)
-            writer = _Writer()
-            fp.write(_header(graph, MODE_LOG))
+            graph = RolloutGraph(share_threshold=share_threshold, store=store, cache=cache)
+            writer = _Writer(blobs=mode)
+            fp.write(writer.header(graph, MODE_LOG))
             fp.flush()
             os.fsync(fp.fileno())
-            _fsync_dir(target)
+            fsync_dir(target)
         fp.seek(0, os.SEEK_END)
     except BaseException:
         fp.close()
@@ -868,9 +1096,11 @@ class RolloutGraph(Graph):
     the file layer, so that the graph below never imports the module that stores it.
     """
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the graph to `path` atomically (temporary file, fsync, rename)."""
-        save(self, path)
+    def save(self, path: str | os.PathLike[str], *, blobs: str = "inline") -> None:
+        """Write the graph to `path` atomically (temporary file, fsync, rename).
+
+        `blobs="store"`: long strings as references into the graph's content store."""
+        save(self, path, blobs=blobs)
 
     @classmethod
     def load(
@@ -879,9 +1109,11 @@ class RolloutGraph(Graph):
         *,
         recover: bool = False,
         progress: Callable[[int], None] | None = None,
+        store: ContentStore | None = None,
+        cache: StringCache | None = None,
     ) -> RolloutGraph:
         """Read a file written by `save` or `open`; see `storage.load`."""
-        return load(path, recover=recover, progress=progress)
+        return load(path, recover=recover, progress=progress, store=store, cache=cache)
 
     @classmethod
     def open(
@@ -891,13 +1123,25 @@ class RolloutGraph(Graph):
         share_threshold: int | None = 1024,
         fsync: str | int = "turn",
         repair: bool = False,
+        store: ContentStore | None = None,
+        cache: StringCache | None = None,
+        blobs: str = "inline",
     ) -> RolloutGraph:
         """A graph that appends every added turn to `path` durably; see `open_append`.
 
         `fsync`: "turn" (every turn), an int N (every N turns) or "never". Close it (or use
-        it as a context manager) to flush the last turns.
+        it as a context manager) to flush the last turns. `store`, `cache`, `blobs`: a log
+        over a content store, as for `save` and `load`.
         """
-        return open_append(path, share_threshold=share_threshold, fsync=fsync, repair=repair)
+        return open_append(
+            path,
+            share_threshold=share_threshold,
+            fsync=fsync,
+            repair=repair,
+            store=store,
+            cache=cache,
+            blobs=blobs,
+        )
 
     def __enter__(self) -> RolloutGraph:
         return self

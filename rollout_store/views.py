@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 from .nodes import FIELD_NAMES, NodeMethods, TurnNode
-from .turns import Turn
+from .stored import Turn
 
 __all__ = ["NodeSource", "NodeView"]
 

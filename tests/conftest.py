@@ -6,6 +6,9 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+# the Redis and S3 servers of the store tests (fixtures redis_url, s3_url, own_redis)
+pytest_plugins = ["services"]
+
 settings.register_profile(
     "default",
     max_examples=100,

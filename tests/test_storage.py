@@ -27,6 +27,7 @@ from rollout_store import (
     UnsupportedVersionError,
     export_session,
     frames,
+    framing,
     storage,
 )
 
@@ -228,14 +229,11 @@ def test_open_refuses_snapshot(tmp_path: Path, graph: RolloutGraph) -> None:
 
 def _turn_ends(path: Path) -> list[int]:
     """Byte offsets just past each turn record of a file."""
-    data = path.read_bytes()
-    offset, ends = len(frames.MAGIC), []
-    while offset < len(data):
-        kind, length, _ = frames.FRAME.unpack_from(data, offset)
-        offset += frames.FRAME.size + length
-        if kind == frames.KIND_TURN:
-            ends.append(offset)
-    return ends
+    return [
+        start + length
+        for kind, start, length in _record_offsets(path.read_bytes())
+        if kind == frames.KIND_TURN
+    ]
 
 
 def _small_log(tmp_path: Path) -> Path:
@@ -312,11 +310,18 @@ def test_snapshot_cut_at_record_boundary_is_detected(tmp_path: Path, graph: Roll
 
 
 def _record_offsets(data: bytes) -> list[tuple[int, int, int]]:
+    """(kind, offset, size) of each frame of a version-1 or version-2 file."""
     offset, out = len(frames.MAGIC), []
+    v1 = data.startswith(frames.MAGIC)
     while offset < len(data):
-        kind, length, _ = frames.FRAME.unpack_from(data, offset)
-        out.append((kind, offset, frames.FRAME.size + length))
-        offset += frames.FRAME.size + length
+        if v1:
+            kind, length, _ = frames.FRAME.unpack_from(data, offset)
+            size = frames.FRAME.size + length
+        else:
+            _, kind, length, _, _ = framing.HEADER.unpack_from(data, offset)
+            kind, size = kind & 0x7F, framing.HEADER.size + length
+        out.append((kind, offset, size))
+        offset += size
     return out
 
 
@@ -353,10 +358,14 @@ def test_every_flipped_bit_of_a_small_file_is_detected(tmp_path: Path) -> None:
 
 
 def test_blob_digest_mismatch_is_a_checksum_error(tmp_path: Path) -> None:
-    """A blob whose content changed with a recomputed frame checksum still fails its digest."""
+    """A blob whose content changed with a recomputed frame checksum still fails its digest
+    (in version 2 the frame's chain covers the digest, and the digest the text)."""
     path = _small_log(tmp_path)
     data = bytearray(path.read_bytes())
     for kind, start, length in _record_offsets(bytes(data)):
+        if kind == frames.KIND_BLOB and not data.startswith(frames.MAGIC):
+            data[start + length - 1] ^= 0x02
+            break
         if kind == frames.KIND_BLOB:
             payload = bytearray(data[start + frames.FRAME.size : start + length])
             payload[-1] ^= 0x02  # the blob's last content byte
