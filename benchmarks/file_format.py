@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import gc
 import io
 import json
@@ -280,8 +281,9 @@ def measure_memory(graph: RolloutGraph, retained: int, tmp: Path) -> dict:
     largest_json, largest_json_id = 0, None
     tracemalloc.start()
     try:
-        for node_id in graph.nodes():
-            peak, turn = traced_delta(lambda n=node_id: graph.get(n))
+        for node_id in graph.node_ids():
+            # a view builds its fields when read: replace() builds every one
+            peak, turn = traced_delta(lambda n=node_id: dataclasses.replace(graph.get(n)))
             if peak > largest_get:
                 largest_get, largest_get_id = peak, node_id
             size = len(

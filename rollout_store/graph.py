@@ -473,7 +473,7 @@ class Graph:
 
     @_locked
     def get(self, node_id: str) -> TurnNode:
-        """The turn rebuilt from storage: fresh containers, equal to what was recorded."""
+        """A read-only view of the turn; each field is rebuilt from storage as it is read."""
         return self._view(self._turn(node_id))
 
     @_locked
@@ -697,7 +697,7 @@ class Graph:
             return None
         if not turn.flags & TurnFlag.LOGPROBS_PACKED:
             return lp.tolist() if len(lp) == n else None
-        values = unpack(lp, self.blobs.string)
+        values = unpack(lp, self._blobs.string)
         if isinstance(values, list) and len(values) == n and real_numbers(values):
             return values
         return None

@@ -65,7 +65,7 @@ class Linker:
             # no token ids came back (a hosted provider): link by messages, keep the []
             prompt = None
             turn.flags |= TurnFlag.EMPTY_PROMPT
-        logprobs = node.sampled_logprobs
+        logprobs: object = node.sampled_logprobs
         if logprobs is not None:
             logprobs = plain_numbers(logprobs, "sampled_logprobs")
         if logprobs is None:
