@@ -59,7 +59,7 @@ class _Body(msgspec.Struct):
     """How a capture server splits a request body without decoding the conversation."""
 
     messages: msgspec.Raw
-    tools: msgspec.Raw | None = None
+    tools: msgspec.Raw = msgspec.Raw(b"null")
 
 
 _split_body = msgspec.json.Decoder(_Body).decode
@@ -156,7 +156,10 @@ def long_run(name: str, raw: bool) -> dict[str, Any]:
                 start = perf_counter()
                 parts = _split_body(data)
                 split = perf_counter() - start
-                node = _raw_node(body, bytes(parts.messages), tools)
+                raw_tools = bytes(parts.tools)
+                node = _raw_node(
+                    body, bytes(parts.messages), None if raw_tools == b"null" else raw_tools
+                )
                 start = perf_counter()
                 try:
                     raw_graph.add_turn(node)

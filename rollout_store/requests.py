@@ -13,7 +13,15 @@ from typing import Any, Final
 from .blobs import BlobTable
 from .confirm import Probe, RawTip, RawTips, digest_key, prefix_digest, prefix_keys, raw_end
 from .content import content_key
-from .encoding import ECHO_PACKED, NotPackable, array_header, new_packer, no_echo, unpack
+from .encoding import (
+    ECHO_PACKED,
+    NotPackable,
+    array_header,
+    new_packer,
+    no_echo,
+    tracking_packer,
+    unpack,
+)
 from .errors import InvalidValueError
 from .intake import MAX_DEPTH, Encoder
 from .materialize import Messages, value
@@ -415,10 +423,15 @@ class RequestStore:
         spans = split_array(b"[" + tail_text[1:] + b"]")
         if not spans:
             return _NOT_FAST
-        pack = self._pack_plain
+        pack, ext_calls = tracking_packer()
+        specials: list[bool] = []
         try:
             fresh = [decode_raw(RawJSON(bytes(span)), "") for span in spans]
-            plains = [pack(m) for m in fresh]
+            plains = []
+            for message in fresh:
+                calls = len(ext_calls)
+                plains.append(pack(message))
+                specials.append(len(ext_calls) > calls)
         except Exception:  # the whole text's decode says what is wrong, and where
             return _NOT_FAST
         if not self.is_echo(base, fresh[0], plains[0]):
@@ -438,9 +451,13 @@ class RequestStore:
         pieces = [ECHO_PACKED]
         turn.flags |= TurnFlag.TAIL_ECHO
         for i in range(1, len(fresh)):
-            packed, special = self.stored_form(
-                fresh[i], plains[i], f"request_messages[{first + i}]"
-            )
+            plain = plains[i]
+            if not specials[i] and len(plain) < self._plain_limit:
+                # decoded from JSON text: no bytes, no caller's ExtType, no big int; short
+                # enough for no blob and no nesting beyond MAX_DEPTH: the walk would agree
+                packed, special = plain, False
+            else:
+                packed, special = self.encode(fresh[i], f"request_messages[{first + i}]")
             if packed != plains[i]:
                 turn.flags |= TurnFlag.TAIL_REFS
             if special:

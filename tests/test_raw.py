@@ -308,3 +308,124 @@ def test_raw_messages_round_trip_in_the_graph(values: list[Any], seed: int) -> N
     graph = RolloutGraph()
     view = graph.add_turn(TurnNode(request_messages=RawJSON(text)))
     assert_same_json(graph.request_messages(view.node_id), json.loads(text))
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        '{"role": "user", "content": NaN}',
+        '{"role": "user", "content": "\\ud800 lone"}',
+        '{"role": "user", "content": 123456789012345678901234567890}',
+        '{"role": "user", "content": [1e400, -0.0, 1.0, 1]}',
+        '{"role": "user", "content": {"a": 1, "a": 2}}',
+        '{"role": "user", "content": "' + "long " * 400 + '"}',
+    ],
+)
+def test_raw_continuations_with_odd_values(odd: str) -> None:
+    """A raw conversation whose later messages json.loads and msgspec read differently, or
+    that hold blobs and big ints: the same messages and links as decoded input."""
+    from rollout_store import RolloutGraph, TurnNode
+
+    raw, decoded = RolloutGraph(), RolloutGraph()
+    texts = ['{"role": "system", "content": "s"}', '{"role": "user", "content": "q0"}']
+    for i in range(5):
+        text = "[" + ", ".join(texts) + "]"
+        response = {"role": "assistant", "content": f"a{i}"}
+        raw.add_turn(TurnNode(request_messages=RawJSON(text.encode()), response_message=response))
+        decoded.add_turn(TurnNode(request_messages=json.loads(text), response_message=response))
+        texts += [json.dumps(response), odd if i % 2 else f'{{"role": "user", "content": "q{i}"}}']
+    assert raw.path_ids("turn-4") == decoded.path_ids("turn-4")
+    assert raw.path_ids("turn-4") == [f"turn-{i}" for i in range(5)]
+    for node_id in raw.node_ids():
+        assert_same_json(raw.request_messages(node_id), decoded.request_messages(node_id))
+    assert raw.stats()["message_bytes_stored"] == decoded.stats()["message_bytes_stored"]
+
+
+def test_raw_conversation_keeps_one_tip_and_confirms_by_digest() -> None:
+    from rollout_store import RolloutGraph, TurnNode
+
+    graph = RolloutGraph()
+    history = [{"role": "system", "content": "s"}]
+    for i in range(6):
+        history = [*history, {"role": "user", "content": f"q{i}"}]
+        response = {"role": "assistant", "content": f"a{i}"}
+        graph.add_turn(
+            TurnNode(
+                request_messages=RawJSON(json.dumps(history).encode()), response_message=response
+            )
+        )
+        history = [*history, response]
+    tips = graph._requests.raw_tips._order
+    assert [tip.turn.node_id for tip in tips.values()] == ["turn-5"]
+    assert all(t.digest is not None for t in graph._turns)
+    # a decoded continuation finds the raw tip by its plain digest
+    history = [*history, {"role": "user", "content": "decoded"}]
+    view = graph.add_turn(TurnNode(request_messages=history, response_message={"role": "x"}))
+    assert graph.parent(view.node_id) == "turn-5"
+
+
+def test_tampered_raw_prefix_is_not_confirmed() -> None:
+    """Same length, same first and last bytes, one byte changed in the middle: the digest
+    refuses the tip and the text is decoded whole (its own content is kept)."""
+    from rollout_store import RolloutGraph, TurnNode
+
+    graph = RolloutGraph()
+    first = [{"role": "user", "content": "x" * 300 + "A" + "y" * 300}]
+    graph.add_turn(
+        TurnNode(
+            request_messages=RawJSON(json.dumps(first).encode()),
+            response_message={"role": "assistant", "content": "r"},
+        )
+    )
+    second = [
+        {"role": "user", "content": "x" * 300 + "B" + "y" * 300},
+        {"role": "assistant", "content": "r"},
+        {"role": "user", "content": "next"},
+    ]
+    view = graph.add_turn(TurnNode(request_messages=RawJSON(json.dumps(second).encode())))
+    assert graph.parent(view.node_id) is None
+    assert_same_json(graph.request_messages(view.node_id), second)
+
+
+def test_short_plain_packings_still_refuse_non_json() -> None:
+    """The walk is skipped only for packings that cannot hold bytes or ExtType objects."""
+    import msgpack
+
+    from rollout_store import RolloutGraph, TurnNode
+
+    for bad in (b"bytes", msgpack.ExtType(2, b"12"), {b"k": 1}, bytearray(b"x")):
+        graph = RolloutGraph()
+        with pytest.raises(InvalidValueError):
+            graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": bad}]))
+        with pytest.raises(InvalidValueError):
+            graph.add_turn(TurnNode(response_message={"role": "assistant", "content": bad}))
+        assert len(graph) == 0
+
+
+def test_digest_match_of_special_values_is_validated() -> None:
+    """A stored big int and a caller's ExtType packing alike: the digest matches, the
+    validating walk refuses the imitation."""
+    import msgpack
+
+    from rollout_store import RolloutGraph, TurnNode
+
+    graph = RolloutGraph()
+    big = 2**70
+    graph.add_turn(
+        TurnNode(
+            request_messages=[{"role": "user", "content": big}],
+            response_message={"role": "assistant", "content": "r"},
+        )
+    )
+    fake = msgpack.ExtType(2, str(big).encode())
+    with pytest.raises(InvalidValueError):
+        graph.add_turn(
+            TurnNode(
+                request_messages=[
+                    {"role": "user", "content": fake},
+                    {"role": "assistant", "content": "r"},
+                    {"role": "user", "content": "more"},
+                ]
+            )
+        )
+    assert len(graph) == 1
