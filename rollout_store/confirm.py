@@ -155,11 +155,15 @@ _WS = b" \t\r\n"
 
 def raw_end(data: bytes) -> int | None:
     """Where the last item of a JSON array text ends (before its closing bracket), or None
-    when the text does not end with a bracket after an item."""
-    end = len(data.rstrip(_WS))
+    when the text does not end with a bracket after an item. Looks at the last bytes only."""
+    end = len(data)
+    while end and data[end - 1] in _WS:
+        end -= 1
     if end < 2 or data[end - 1] != 0x5D:  # "]"
         return None
-    end = len(data[: end - 1].rstrip(_WS))
+    end -= 1
+    while end and data[end - 1] in _WS:
+        end -= 1
     return end if end > 1 else None
 
 
