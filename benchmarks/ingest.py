@@ -7,11 +7,14 @@ one right after the other, so other load on the machine moves both):
   100, 1,000 and 2,000: add_turn / json.loads of the body, for decoded input (the body
   json.loads-ed, as today) and for raw input (`RawJSON` of the request's messages and tools,
   the rest decoded); also the cost of splitting the body with msgspec first, as a capture
-  server would. Each figure is the median over the 5 turns around the checkpoint.
+  server would. Each figure is the median over the 9 turns around the checkpoint.
 * soak: 20,000 turns in one graph for each shape that makes index buckets grow (shared
   observation text, one prompt sampled many times with token ids and by messages, short-prompt
   independent calls, groups of 8 rollouts by messages and by tokens). Figure: median add time
   of turns 19,981-20,000 over that of turns 91-110, samples pooled over the builds.
+
+Also retained memory over unique content at 200 turns of every workload (tracemalloc, as
+memory_per_turn.py measures it).
 
 Writes results/ingest.json (results/ingest.partial.json for partial runs); ends with PASS/MISS
 lines for the targets. Never a pass/fail test: a report.
@@ -31,9 +34,9 @@ from time import perf_counter
 from typing import Any
 
 import msgspec
-from measure import library_commit
-from schemes import _import_rollout_store
-from workloads import SAMPLING_PARAMS, SYSTEM_PROMPT, WORKLOADS, _text
+from measure import library_commit, retained_bytes
+from schemes import SCHEMES, _import_rollout_store
+from workloads import SAMPLING_PARAMS, SYSTEM_PROMPT, WORKLOADS, UniqueContent, _text, iter_texts
 
 rs = _import_rollout_store()
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -44,7 +47,7 @@ LONG_CHECKPOINTS = {
     "multimodal": (10, 100, 200),
     "token_heavy": (10, 100, 200),
 }
-WINDOW = 2  # turns t-2 .. t+2 are timed around checkpoint t
+WINDOW = 4  # turns t-4 .. t+4 are timed around checkpoint t
 SOAK_TURNS = 20_000
 SOAK_EARLY = range(91, 111)
 SOAK_BUILDS = 2
@@ -53,6 +56,8 @@ MAX_DECODED_DEEP = 0.5  # turns >= 100, every workload
 MAX_DECODED_CHATTY_10 = 1.0
 MAX_RAW_DEEP = 0.25
 MAX_SOAK = 1.5
+MAX_CHATTY_RETAINED = 1.25  # retained / unique content at 200 chatty turns
+MEMORY_TURNS = 200
 
 
 class _Body(msgspec.Struct):
@@ -328,6 +333,16 @@ def soak_run(name: str, n_turns: int, builds: int) -> dict[str, Any]:
     }
 
 
+def memory_run(name: str, n_turns: int) -> dict[str, Any]:
+    """Retained bytes of rollout_store over unique content after `n_turns` turns."""
+    texts = list(iter_texts(WORKLOADS[name], n_turns))
+    unique = UniqueContent()
+    for text in texts:
+        unique.add(json.loads(text))
+    retained = retained_bytes(SCHEMES["rollout_store"], texts, [n_turns])[n_turns]
+    return {"workload": name, "turns": n_turns, "retained": retained, "unique": unique.bytes}
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -335,8 +350,18 @@ def _fmt(x: float | None) -> str:
     return f"{x:8.3f}" if x is not None else "     n/a"
 
 
-def check(long: list[dict[str, Any]], soak: list[dict[str, Any]]) -> list[str]:
+def check(
+    long: list[dict[str, Any]], soak: list[dict[str, Any]], memory: list[dict[str, Any]]
+) -> list[str]:
     lines = []
+    for m in memory:
+        if m["workload"] == "chatty":
+            ratio = m["retained"] / m["unique"]
+            verdict = "PASS" if ratio <= MAX_CHATTY_RETAINED else "MISS"
+            lines.append(
+                f"{verdict}  chatty retained/unique at {m['turns']} turns {ratio:.3f}"
+                f" <= {MAX_CHATTY_RETAINED}"
+            )
     for r in long:
         for c, v in r["checkpoints"].items():
             c = int(c)
@@ -369,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-long", action="store_true")
     parser.add_argument("--no-soak", action="store_true")
     parser.add_argument("--no-raw", action="store_true", help="decoded input only")
+    parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--soak-turns", type=int, default=SOAK_TURNS)
     parser.add_argument("--builds", type=int, default=SOAK_BUILDS)
     args = parser.parse_args(argv)
@@ -404,17 +430,42 @@ def main(argv: list[str] | None = None) -> int:
                 f"  ratio {s['ratio']:6.2f}",
                 flush=True,
             )
-    lines = check(long, soak)
+    memory: list[dict[str, Any]] = []
+    if not args.no_memory:
+        print(f"\nretained memory at {MEMORY_TURNS} turns (tracemalloc)")
+        for name in workloads:
+            m = memory_run(name, MEMORY_TURNS)
+            memory.append(m)
+            print(
+                f"  {name:<12} retained {m['retained'] / 2**20:8.2f} MiB"
+                f"  unique {m['unique'] / 2**20:8.2f} MiB"
+                f"  x unique {m['retained'] / m['unique']:.3f}",
+                flush=True,
+            )
+    lines = check(long, soak, memory)
     print("\nTargets:")
     for line in lines:
         print("  " + line)
     full = (
-        not (args.no_long or args.no_soak or args.no_raw or args.workloads or args.shapes)
+        not (
+            args.no_long
+            or args.no_soak
+            or args.no_raw
+            or args.no_memory
+            or args.workloads
+            or args.shapes
+        )
         and args.soak_turns == SOAK_TURNS
     )
     RESULTS_DIR.mkdir(exist_ok=True)
     stem = "ingest" if full else "ingest.partial"
-    report = {"commit": library_commit(), "long": long, "soak": soak, "checks": lines}
+    report = {
+        "commit": library_commit(),
+        "long": long,
+        "soak": soak,
+        "memory": memory,
+        "checks": lines,
+    }
     (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote results/{stem}.json")
     return 0
