@@ -12,6 +12,7 @@ from typing import Final
 
 import xxhash
 
+from .errors import ReadOnlyError
 from .index import index_add, index_members, index_remove
 
 __all__ = ["BlobTable", "Handle", "content_digest"]
@@ -39,7 +40,7 @@ class Handle:
         object.__setattr__(self, "surrogates", surrogates)
 
     def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError("Handle is immutable")
+        raise ReadOnlyError("Handle is immutable")
 
     def __repr__(self) -> str:
         return f"Handle({self.digest.hex()[:16]}..., index={self.index}, size={self.size})"

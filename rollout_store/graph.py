@@ -21,11 +21,17 @@ from . import materialize
 from .blobs import BlobTable
 from .content import ContentStore, StringCache
 from .encoding import unpack
-from .errors import DuplicateNodeError, InvalidValueError, RolloutStoreError
+from .errors import (
+    DuplicateNodeError,
+    InvalidArgumentError,
+    InvalidValueError,
+    RolloutStoreError,
+    UnknownNodeError,
+)
 from .index import index_members
 from .intake import real_numbers
 from .linking import Linker
-from .nodes import TurnNode, common_prefix_len
+from .nodes import TurnNode
 from .raw import RawJSON, resolve_raw
 from .requests import FreshRequest, RequestStore, Scratch
 from .shared_blobs import StoreBlobTable
@@ -48,9 +54,6 @@ __all__ = [
     "GraphRestorer",
     "Journal",
     "JournalEntry",
-    "TrainingSequence",
-    "TurnNode",
-    "common_prefix_len",
 ]
 
 
@@ -147,7 +150,7 @@ class Graph:
         if share_threshold is not None and (
             not isinstance(share_threshold, int) or share_threshold < 1
         ):
-            raise ValueError("share_threshold must be a positive int or None")
+            raise InvalidArgumentError("share_threshold must be a positive int or None")
         self.share_threshold = share_threshold
         self.store = store
         self._turns: list[Turn] = []
@@ -179,7 +182,9 @@ class Graph:
         # colliding hashes this way)
         with self._lock:
             if self._turns or len(self._blobs):
-                raise ValueError("the blob table of a graph that holds turns cannot change")
+                raise InvalidArgumentError(
+                    "the blob table of a graph that holds turns cannot change"
+                )
             self.store = table.store if isinstance(table, StoreBlobTable) else None
             self._use_blobs(table)
 
@@ -287,7 +292,7 @@ class Graph:
         error the graph is exactly as before.
         """
         if not isinstance(node, TurnNode):
-            raise TypeError(f"add_turn expects a TurnNode, got {type(node).__name__}")
+            raise InvalidArgumentError(f"add_turn expects a TurnNode, got {type(node).__name__}")
         with self._lock:
             if self._closed:
                 raise RolloutStoreError("the graph's file is closed: reopen it to add turns")
@@ -463,7 +468,7 @@ class Graph:
         try:
             return self._by_id[node_id]
         except (KeyError, TypeError):
-            raise KeyError(f"no turn {node_id!r} in the graph") from None
+            raise UnknownNodeError(f"no turn {node_id!r} in the graph") from None
 
     def __len__(self) -> int:
         return len(self._turns)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 
 from .blobs import BlobTable, Handle, content_digest
 from .content import ContentStore, StringCache, TextStore, content_key
+from .errors import InvalidArgumentError
 from .index import index_add, index_members, index_remove
 
 __all__ = ["DEFAULT_GRAPH_CACHE_BYTES", "StoreBlobTable"]
@@ -58,7 +59,7 @@ class StoreBlobTable(BlobTable):
     ) -> None:
         super().__init__(hasher)
         if not isinstance(store, ContentStore):
-            raise TypeError(
+            raise InvalidArgumentError(
                 f"store must be a ContentStore (put, get, contains), got {type(store).__name__}"
             )
         self.store = store

@@ -29,6 +29,7 @@ from .errors import (
     CorruptFileError,
     CorruptObjectError,
     FileLockedError,
+    InvalidArgumentError,
     MissingObjectError,
     StoreError,
     StoreObjectError,
@@ -195,7 +196,7 @@ class _Writer:
         frames: list[bytes] = []
         if self.blobs_mode == BLOBS_STORE:
             if not isinstance(blobs, StoreBlobTable):
-                raise ValueError(
+                raise InvalidArgumentError(
                     'blobs="store" needs a graph over a content store (RolloutGraph(store=...))'
                 )
             for index in range(self.blobs_written, end):
@@ -298,7 +299,7 @@ class _Writer:
 
 def _blobs_mode(blobs: str) -> str:
     if blobs not in (BLOBS_INLINE, BLOBS_STORE):
-        raise ValueError(f'blobs must be "inline" or "store", got {blobs!r}')
+        raise InvalidArgumentError(f'blobs must be "inline" or "store", got {blobs!r}')
     return blobs
 
 
@@ -313,11 +314,13 @@ def save(graph: Graph, path: str | os.PathLike[str], *, blobs: str = "inline") -
     """
     mode = _blobs_mode(blobs)
     if mode == BLOBS_STORE and not isinstance(graph.blobs, StoreBlobTable):
-        raise ValueError('save(blobs="store") needs a graph over a content store')
+        raise InvalidArgumentError('save(blobs="store") needs a graph over a content store')
     target = Path(path)
     log_path = graph.journal_path
     if log_path is not None and os.path.realpath(target) == log_path:
-        raise ValueError(f"{target} is the log this graph appends to; save to another path")
+        raise InvalidArgumentError(
+            f"{target} is the log this graph appends to; save to another path"
+        )
 
     def write(fp: IO[bytes]) -> None:
         writer = _Writer(blobs=mode)
@@ -738,6 +741,92 @@ def _decode(payload: memoryview, max_containers: int) -> Any:
     return unpack_payload(payload)
 
 
+class _Records:
+    """Applies a file's records, in order, to the loader that the header record makes.
+
+    Blob and value records wait for the turn record after them, so a turn cut short leaves
+    nothing of itself behind. `at` is the (offset, index) of the record an error is about.
+    """
+
+    def __init__(
+        self,
+        report: LoadReport,
+        version: int,
+        path: str,
+        store: ContentStore | None,
+        cache: StringCache | None,
+    ) -> None:
+        self.report = report
+        self.version = version
+        self.path = path
+        self.store = store
+        self.cache = cache
+        self.loader: _Loader | None = None
+        self.ended = False
+        self.pending: list[tuple[int, Any, int, int]] = []  # (kind, body, offset, record)
+        self.at = (0, 0)
+
+    def apply(self, kind: int, payload: memoryview, start: int, record: int) -> None:
+        self.at = (start, record)
+        if kind == KIND_BLOB:
+            body: Any = payload
+        else:
+            # a turn holds at most its fixed containers plus one per earlier turn moved
+            body = _decode(payload, 16 + self.report.turns)
+        if self.ended:
+            raise ValueError("records after the end record")
+        if record == 0:
+            self.loader, self.report.mode = _read_header(
+                kind, body, start, self.version, self.path, self.store, self.cache
+            )
+            return
+        loader = self.loader
+        if loader is None or kind == KIND_HEADER:
+            raise ValueError("a second header record")
+        if kind in (KIND_BLOB, KIND_VALUE, KIND_BLOB_REF):
+            self.pending.append((kind, body, start, record))
+        elif kind == KIND_TURN:
+            self.apply_pending(loader)
+            self.at = (start, record)
+            loader.turn(body)
+            self.report.turns += 1
+        elif kind == KIND_END:
+            _check_end(body, self.pending, self.report)
+            loader.graph.blobs.count_references(*body["references"])
+            self.ended = True
+        else:
+            raise ValueError(f"unknown record kind {kind}")
+
+    def apply_pending(self, loader: _Loader) -> None:
+        """The blobs and values that waited for the turn record now read."""
+        for kind, body, start, record in self.pending:
+            self.at = (start, record)  # an error names this record
+            if kind == KIND_BLOB_REF:
+                loader.blob_ref(body, start, record)
+            elif kind != KIND_BLOB:
+                loader.value(body)
+            elif self.version == _V1:
+                loader.blob(body, start, record)
+            else:
+                loader.blob_v2(body)
+            self.report.blobs += kind in (KIND_BLOB, KIND_BLOB_REF)
+        self.pending.clear()
+
+    def finish(self) -> _Loader:
+        """Damage only the end of the file shows; the loader (an empty one if none)."""
+        report = self.report
+        if report.error is None:
+            if self.loader is None:
+                report.fail(CorruptFileError("no header record", offset=len(MAGIC)), truncated=True)
+            elif self.pending:
+                message = "file ends after the blobs of a turn whose record is missing"
+                report.fail(CorruptFileError(message, offset=report.good_bytes), truncated=True)
+            elif report.mode == MODE_SNAPSHOT and not self.ended:
+                message = "snapshot ends before its end record"
+                report.fail(CorruptFileError(message, offset=report.file_size), truncated=True)
+        return self.loader if self.loader is not None else _Loader(None)
+
+
 def _scan(
     data: bytes,
     path: str,
@@ -745,11 +834,8 @@ def _scan(
     store: ContentStore | None = None,
     cache: StringCache | None = None,
 ) -> tuple[_Loader, LoadReport]:
-    """Read frames until the end or the first damage; never raises for damage.
-
-    Blob and value records are applied only when the turn record after them arrives, so a
-    turn cut short leaves nothing of itself behind.
-    """
+    """Read frames until the end or the first damage; never raises for damage (a content
+    store that cannot be reached is not damage: its error propagates)."""
     size = len(data)
     report = LoadReport(path, size, 0, 0, 0, 0)
     head = bytes(data[: len(MAGIC)])
@@ -762,46 +848,10 @@ def _scan(
         return _Loader(None), report
     report.version = version
     frames = _frames_v1(data, report) if version == _V1 else _frames_v2(data, report)
-    loader: _Loader | None = None
-    ended = False
-    pending: list[tuple[int, Any, int, int]] = []
+    records = _Records(report, version, path, store, cache)
     for kind, payload, start, record, end, chain in frames:
         try:
-            if kind == KIND_BLOB:
-                body: Any = payload
-            else:
-                # a turn holds at most its fixed containers plus one per earlier turn moved
-                body = _decode(payload, 16 + report.turns)
-            if ended:
-                raise ValueError("records after the end record")
-            if record == 0:
-                loader, report.mode = _read_header(kind, body, start, version, path, store, cache)
-            elif loader is None or kind == KIND_HEADER:
-                raise ValueError("a second header record")
-            elif kind in (KIND_BLOB, KIND_VALUE, KIND_BLOB_REF):
-                pending.append((kind, body, start, record))
-            elif kind == KIND_TURN:
-                turn_start, turn_record = start, record
-                for p_kind, p_body, start, record in pending:  # an error names this record
-                    if p_kind == KIND_BLOB_REF:
-                        loader.blob_ref(p_body, start, record)
-                    elif p_kind != KIND_BLOB:
-                        loader.value(p_body)
-                    elif version == _V1:
-                        loader.blob(p_body, start, record)
-                    else:
-                        loader.blob_v2(p_body)
-                    report.blobs += p_kind in (KIND_BLOB, KIND_BLOB_REF)
-                start, record = turn_start, turn_record
-                pending.clear()
-                loader.turn(body)
-                report.turns += 1
-            elif kind == KIND_END:
-                _check_end(body, pending, report)
-                loader.graph.blobs.count_references(*body["references"])
-                ended = True
-            else:
-                raise ValueError(f"unknown record kind {kind}")
+            records.apply(kind, payload, start, record)
         except CorruptFileError as exc:
             report.fail(exc)
             break
@@ -809,26 +859,17 @@ def _scan(
             raise
         except Exception as exc:  # anything a damaged payload provokes
             kind_name = KIND_NAMES.get(kind, f"kind {kind}")
-            message = f"invalid {kind_name} record: {exc}"
-            report.fail(CorruptFileError(message, offset=start, record=record))
+            at, index = records.at
+            report.fail(
+                CorruptFileError(f"invalid {kind_name} record: {exc}", offset=at, record=index)
+            )
             break
         report.records = record + 1
-        if not pending:
+        if not records.pending:
             report.good_bytes, report.good_chain = end, chain
         if progress is not None:
             progress(end)
-    if report.error is None:
-        if loader is None:
-            report.fail(CorruptFileError("no header record", offset=len(MAGIC)), truncated=True)
-        elif pending:
-            message = "file ends after the blobs of a turn whose record is missing"
-            report.fail(CorruptFileError(message, offset=report.good_bytes), truncated=True)
-        elif report.mode == MODE_SNAPSHOT and not ended:
-            message = "snapshot ends before its end record"
-            report.fail(CorruptFileError(message, offset=size), truncated=True)
-    if loader is None:
-        loader = _Loader(None)
-    return loader, report
+    return records.finish(), report
 
 
 def _check_end(body: Any, pending: list[Any], report: LoadReport) -> None:
@@ -1010,7 +1051,7 @@ def _fsync_policy(fsync: str | int) -> int:
         return 0
     if isinstance(fsync, int) and not isinstance(fsync, bool) and fsync >= 1:
         return fsync
-    raise ValueError("fsync must be 'turn', 'never' or a positive int (every N turns)")
+    raise InvalidArgumentError("fsync must be 'turn', 'never' or a positive int (every N turns)")
 
 
 def open_append(
@@ -1035,7 +1076,7 @@ def open_append(
     every = _fsync_policy(fsync)
     mode = _blobs_mode(blobs)
     if mode == BLOBS_STORE and store is None:
-        raise ValueError('open(blobs="store") needs a content store: pass store=...')
+        raise InvalidArgumentError('open(blobs="store") needs a content store: pass store=...')
     target = Path(path)
     while True:
         fp = open(target, "a+b")  # noqa: SIM115 - owned by the returned graph
