@@ -16,9 +16,20 @@ from .materialize import rest_values
 from .nodes import TurnNode
 from .requests import FreshRequest, RequestStore, Scratch
 from .stored import LinkKind, Turn, TurnFlag, add_child, full_run, sampled_any
-from .tokens import BLOCK, TokenRun, block_digests, prefix_digest, run_bytes, run_matches
+from .tokens import (
+    BLOCK,
+    TokenRun,
+    block_digests,
+    prefix_digest,
+    run_bytes,
+    run_matches,
+    tail_block_digests,
+)
 
 __all__ = ["Linker"]
+
+#: Block digests computed first (the last blocks of a prompt; the rest only if needed).
+TOKEN_WINDOW = 64
 
 Move = tuple[Turn, LinkKind]
 
@@ -92,7 +103,8 @@ class Linker:
             turn.full = full_run(turn.prompt, sampled)
             return
         data = prompt.tobytes()
-        digests = block_digests(data)
+        # a parent ends within the last blocks, mostly: the others are digested if not
+        digests: list[int | None] = tail_block_digests(data, TOKEN_WINDOW)
         parent = self._token_parent(data, digests, len(prompt))
         scratch.token_parent = parent
         scratch.prompt_key = key = xxhash.xxh3_64_intdigest(data)
@@ -122,15 +134,32 @@ class Linker:
                 return candidate  # type: ignore[no-any-return]
         return None
 
-    def _token_parent(self, data: bytes, digests: list[int], n: int) -> Turn | None:
+    def _token_parent(self, data: bytes, digests: list[int | None], n: int) -> Turn | None:
         # Turns whose tokens fill j whole blocks are found by the digest of those blocks,
         # deepest first; shorter ones (under one block) by their exact length.
-        buckets = [(digests[j], j * BLOCK, (j + 1) * BLOCK) for j in range(len(digests) - 1, 0, -1)]
+        low = next((j for j, d in enumerate(digests) if d is not None), 0)
+        buckets: list[tuple[int, int, int]] = [
+            (digests[j], j * BLOCK, (j + 1) * BLOCK)  # type: ignore[misc]
+            for j in range(len(digests) - 1, max(low, 1) - 1, -1)
+        ]
+        if low > 0:  # blocks before the window, digested only when the window holds none
+            found = self._token_parent_in(data, buckets, n)
+            if found is not None:
+                return found
+            full = block_digests(data)
+            buckets = [(full[j], j * BLOCK, (j + 1) * BLOCK) for j in range(low - 1, 0, -1)]
         buckets += [
             (short_key(data, length), length, length + 1)
             for length in sorted(self.short_lengths, reverse=True)
             if length <= n
         ]
+        return self._token_parent_in(data, buckets, n)
+
+    def _token_parent_in(
+        self, data: bytes, buckets: list[tuple[int, int, int]], n: int
+    ) -> Turn | None:
+        """The deepest turn filed under one of `buckets` (key, low, high: its tokens'
+        length in [low, high)) whose prompt + sampled tokens start `data`."""
         for key, low, high in buckets:
             best: Turn | None = None
             best_length = -1

@@ -78,3 +78,18 @@ def test_turns_read_from_a_file_are_confirmed_once_by_bytes(tmp_path: Any) -> No
     assert loaded.stats()["message_bytes_stored"] == graph.stats()["message_bytes_stored"] + len(
         loaded._turns[5].tail
     )
+
+
+def test_token_parent_beyond_the_digest_window() -> None:
+    """A continuation that adds more than TOKEN_WINDOW blocks of tokens still finds its
+    parent (the earlier blocks are digested when the window holds none)."""
+    from rollout_store.linking import TOKEN_WINDOW
+    from rollout_store.tokens import BLOCK
+
+    graph = RolloutGraph()
+    first = graph.add_turn(TurnNode(prompt_ids=list(range(100)), sampled_ids=[7, 8]))
+    extra = list(range(1000, 1000 + (TOKEN_WINDOW + 3) * BLOCK))
+    child = graph.add_turn(TurnNode(prompt_ids=[*range(100), 7, 8, *extra], sampled_ids=[1]))
+    assert graph.parent(child.node_id) == first.node_id
+    near = graph.add_turn(TurnNode(prompt_ids=[*range(100), 7, 8, *extra, 1, 5], sampled_ids=[2]))
+    assert graph.parent(near.node_id) == child.node_id
