@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
 
     long: list[dict[str, Any]] = []
     if not args.no_long:
-        print("add_turn / json.loads of the same body (median of 5 turns around each turn)")
+        print("add_turn / json.loads of the same body (median of 9 turns around each turn)")
         print(f"{'workload':<12}{'turn':>6}{'decoded':>9}{'raw':>9}{'split+raw':>10}")
         for name in workloads:
             r = long_run(name, raw=not args.no_raw)
