@@ -184,12 +184,14 @@ def _check(
         raise _damage("blob record shorter than its digest", offset, record)
     hashed = payload[:DIGEST_SIZE] if is_blob else payload
     if counters is not None:
-        counters.hashed_bytes += len(payload)
+        counters.hashed_bytes += len(hashed)
     actual = chain_value(kind_byte, length, prev, hashed)
     if actual != expected:
         raise _Damage(ChecksumMismatch("record", expected, actual, offset=offset, record=record))
     if is_blob:
         stored = bytes(payload[:DIGEST_SIZE])
+        if counters is not None:
+            counters.hashed_bytes += len(payload) - DIGEST_SIZE
         digest = content_digest(payload[DIGEST_SIZE:])
         if digest != stored:
             raise _Damage(ChecksumMismatch("blob", stored, digest, offset=offset, record=record))

@@ -70,6 +70,11 @@ class RedisStore:
     def __repr__(self) -> str:
         return f"RedisStore({self.url!r})"
 
+    @property
+    def client(self) -> Any:
+        """The `redis.Redis` client (share it between stores with other prefixes)."""
+        return self._client
+
     def _name(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
 

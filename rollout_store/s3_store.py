@@ -92,6 +92,11 @@ class S3Store:
     def __repr__(self) -> str:
         return f"S3Store({self.bucket!r}, endpoint_url={self.endpoint_url!r})"
 
+    @property
+    def client(self) -> Any:
+        """The boto3 S3 client (share it between stores with other prefixes or buckets)."""
+        return self._client
+
     def _where(self) -> str:
         return f"s3://{self.bucket}/{self._prefix}" + (
             f" at {self.endpoint_url}" if self.endpoint_url else ""

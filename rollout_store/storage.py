@@ -59,7 +59,7 @@ from .frames import (
 )
 from .graph import Graph, GraphRestorer, JournalEntry
 from .intake import MAX_DEPTH, token_array
-from .packed import PackedInfo, check_packed, splice_blobs
+from .packed import PackedInfo, check_int_array, check_packed, splice_blobs
 from .shared_blobs import StoreBlobTable
 from .stored import IndexKeys, LinkKind, Turn, TurnFlag, TurnMeta, finish_tail, full_run, is_above
 from .tokens import TokenRun, run_list
@@ -297,6 +297,35 @@ class _Writer:
         return [int(PromptKind.NEW), encode_segment(token_array(run_list(run), "prompt_ids"))]
 
 
+class _Gather:
+    """Frames' parts written with few `writev` calls: no copy of a blob's text into a joined
+    buffer, and no system call per part."""
+
+    MAX_PARTS = 512  # below every system's IOV_MAX
+    MAX_BYTES = 8 << 20
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def add(self, parts: list[bytes]) -> None:
+        self.parts.extend(parts)
+        self.size += sum(map(len, parts))
+        if len(self.parts) >= self.MAX_PARTS or self.size >= self.MAX_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        parts = self.parts
+        while parts:
+            written = os.writev(self.fd, parts[: self.MAX_PARTS])
+            while parts and written >= len(parts[0]):
+                written -= len(parts.pop(0))
+            if written:  # a part written in part
+                parts[0] = parts[0][written:]
+        self.size = 0
+
+
 def _blobs_mode(blobs: str) -> str:
     if blobs not in (BLOBS_INLINE, BLOBS_STORE):
         raise InvalidArgumentError(f'blobs must be "inline" or "store", got {blobs!r}')
@@ -324,16 +353,18 @@ def save(graph: Graph, path: str | os.PathLike[str], *, blobs: str = "inline") -
 
     def write(fp: IO[bytes]) -> None:
         writer = _Writer(blobs=mode)
-        fp.write(writer.header(graph, MODE_SNAPSHOT))
+        out = _Gather(fp.fileno())
+        out.add([writer.header(graph, MODE_SNAPSHOT)])
         entries = graph.journal_entries()
         for entry in entries:
             # references are counted in the end record of a snapshot
             frames, commit = writer.turn_frames(graph.blobs, entry)
-            fp.writelines(frames)
+            out.add(frames)
             commit()
         references = list(graph.blobs.mark()[1:])
         end = {"turns": len(entries), "blobs": len(graph.blobs), "references": references}
-        fp.write(writer.frame(KIND_END, pack(end), [writer.chain]))
+        out.add([writer.frame(KIND_END, pack(end), [writer.chain])])
+        out.flush()
 
     with graph.lock:
         replace_file(target, write)
@@ -569,6 +600,8 @@ class _Loader:
             at_start = tail[turn.body_start - len(ECHO_PACKED) : turn.body_start] == ECHO_PACKED
             if info.echoes != echo or (echo and (turn.base is None or not at_start)):
                 raise ValueError("misplaced echo in a request tail")
+            if echo and turn.base is not None and turn.base.response is None:
+                raise ValueError("an echo of a base turn that has no response")
             _flags_cover(flags, info, TurnFlag.TAIL_REFS, TurnFlag.TAIL_SPECIAL, "request tail")
         if system is not None and not self.value_is_list[system]:
             raise ValueError("system messages must be an array")
@@ -585,7 +618,7 @@ class _Loader:
     def _tokens(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
         """Prompt, sampled ids and logprobs."""
         turn.prompt = self._prompt(record.prompt)
-        turn.sampled = decode_segment(record.sampled)
+        turn.sampled = _segment(record.sampled)
         if turn.sampled is not None and not (
             isinstance(turn.sampled, tuple) or turn.sampled.typecode in "Iq"
         ):
@@ -654,10 +687,19 @@ class _Loader:
             other = self._ref(spec[1])
             if other is None or other.full is None:
                 raise ValueError("prompt extends a turn without tokens")
-            return TokenRun(other.full, decode_segment(spec[2]))
+            return TokenRun(other.full, _segment(spec[2]))
         if kind == PromptKind.NEW and len(spec) == 2:
-            return TokenRun(None, decode_segment(spec[1]))
+            return TokenRun(None, _segment(spec[1]))
         raise ValueError("bad prompt spec")
+
+
+def _segment(spec: Any) -> Any:
+    """Token ids of a record; packed ids (beyond 64 bits) are checked before decoding."""
+    if isinstance(spec, list) and len(spec) == 2 and spec[0] == "t":
+        if not isinstance(spec[1], bytes):
+            raise ValueError("bad segment")
+        check_int_array(spec[1])
+    return decode_segment(spec)
 
 
 def _flags_cover(flags: int, info: PackedInfo, refs: int, special: int, what: str) -> None:
