@@ -28,6 +28,7 @@ from .export import export_session, iter_turn_records, write_session_json, write
 from .graph import Graph
 from .intake import MAX_DEPTH
 from .nodes import TurnNode, common_prefix_len
+from .raw import RawJSON
 from .redis_store import RedisStore
 from .s3_store import S3Store
 from .storage import RolloutGraph
@@ -60,6 +61,7 @@ __all__ = [
     "Handle",
     "InvalidArgumentError",
     "InvalidValueError",
+    "RawJSON",
     "ReadOnlyError",
     "RecordTooLargeError",
     "RolloutGraph",

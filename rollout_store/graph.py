@@ -8,6 +8,7 @@ indexes, every hit confirmed by exact comparison.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from array import array
@@ -29,10 +30,10 @@ from .errors import (
 )
 from .index import index_members
 from .intake import real_numbers
-from .keys import request_key
 from .linking import Linker
 from .nodes import TurnNode
-from .requests import RequestStore, Scratch
+from .raw import RawJSON, resolve_raw
+from .requests import FreshRequest, RequestStore, Scratch
 from .shared_blobs import StoreBlobTable
 from .stored import (
     SCALAR_NAMES,
@@ -57,6 +58,31 @@ __all__ = [
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+#: Fields whose value may be `RawJSON` (or, for lists, hold `RawJSON` items); the request
+#: messages are left to request storage, which confirms what a raw text re-sends without
+#: decoding it, and finds raw items without a scan.
+_RAW_FIELDS = (
+    "prompt_ids",
+    "sampled_ids",
+    "sampled_logprobs",
+    "request_tools",
+    "sampling_params",
+    "requested_sampling_params",
+    "response_message",
+)
+
+
+def _without_raw(node: TurnNode) -> TurnNode:
+    """`node`, or a copy of it with every `RawJSON` field decoded as `json.loads` would."""
+    changes: dict[str, Any] = {}
+    for name in _RAW_FIELDS:
+        value = getattr(node, name)
+        if type(value) is RawJSON or (name == "request_tools" and type(value) is list):
+            decoded = resolve_raw(value, name)
+            if decoded is not value:
+                changes[name] = decoded
+    return dataclasses.replace(node, **changes) if changes else node
 
 
 def _locked(method: _F) -> _F:
@@ -131,6 +157,7 @@ class Graph:
         self._blob_marks = array("I")  # blobs stored once each turn was committed, for save
         self._by_id: dict[str, Turn] = {}
         self._meta: dict[TurnMeta, TurnMeta] = {}
+        self._flag_values: dict[int, int] = {}
         self._use_blobs(BlobTable() if store is None else StoreBlobTable(store, cache))
         self._lock = threading.RLock()
         self._journal: Journal | None = None  # the file an appending graph writes to
@@ -289,7 +316,15 @@ class Graph:
                 raise
             finally:
                 self._requests.reset_packer()
-            self._commit(turn, keys, scratch.moves, scratch.pending, scratch.tail_key)
+            self._commit(
+                turn,
+                keys,
+                scratch.moves,
+                scratch.pending,
+                scratch.tail_key,
+                scratch.request,
+                scratch.raw_tip,
+            )
             # as the capture graph does: the node given gets its place in the graph
             node.index = turn.index
             node.parent_id = turn.parent.node_id if turn.parent is not None else None
@@ -297,6 +332,7 @@ class Graph:
 
     def _prepare(self, node: TurnNode) -> tuple[Turn, Scratch]:
         """Check `node` and build its stored turn, linked; nothing in the graph changes."""
+        node = _without_raw(node)
         turn, explicit = self._new_turn(node)
         scratch = Scratch()
         pending = scratch.pending
@@ -371,12 +407,11 @@ class Graph:
             request = scratch.request
             if (
                 request is not None
-                and request.n_valid == len(request.plains)
+                and request.n_valid == len(request.messages)
                 and turn.prompt is None
             ):
                 # every shorter prefix, the empty one too (a request of system messages only)
-                plains = request.plains
-                scratch.root_keys = [request_key(plains, m) for m in range(len(plains))]
+                scratch.root_keys = request.root_keys()
 
     def _fresh_id(self) -> str:
         # derived from the turn count, so a rejected turn uses up no id
@@ -400,21 +435,33 @@ class Graph:
         moves: list[tuple[Turn, LinkKind]],
         pending: list[tuple[bytes, bytes]] | tuple[()] = (),
         tail_key: bytes | None = None,
+        request: FreshRequest | None = None,
+        raw_tip: Any = None,
     ) -> None:
-        self._requests.add_values(pending)
+        requests = self._requests
+        requests.add_values(pending)
         if tail_key is not None:
-            self._requests.add_tail_key(turn.index, tail_key)
+            requests.add_tail_key(turn.index, tail_key)
         turn.meta = self._meta.setdefault(turn.meta, turn.meta)
+        # flags above 256 are int objects of their own: one per distinct value, not per turn
+        turn.flags = self._flag_values.setdefault(turn.flags, turn.flags)
         self._turns.append(turn)
         self._blob_marks.append(len(self.blobs))
         self._by_id[turn.node_id] = turn
-        if turn.parent is not None:
-            add_child(turn.parent, turn)
-        self._requests.file(turn, keys.request)
+        parent = turn.parent
+        if parent is not None:
+            if parent.children is None:
+                requests.note_parent(parent)
+            add_child(parent, turn)
+        requests.file(turn, keys.request, request)
+        if raw_tip is not None:
+            requests.raw_tips.add(*raw_tip)
         linker = self._linker
         linker.file(turn, keys.token, keys.prompt)
         for other, link in moves:
             linker.move(other, turn, link)
+        if moves:
+            requests.note_parent(turn)
         if turn.parent is None:
             linker.register_root(turn, keys.roots)
 

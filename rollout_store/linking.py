@@ -11,14 +11,25 @@ import xxhash
 
 from .index import index_add, index_members, index_remove
 from .intake import float_array, plain_numbers, token_array
-from .keys import HEADS, request_key, root_token_keys, short_key
+from .keys import HEADS, request_keys, root_token_keys, short_key
 from .materialize import rest_values
 from .nodes import TurnNode
 from .requests import FreshRequest, RequestStore, Scratch
 from .stored import LinkKind, Turn, TurnFlag, add_child, full_run, sampled_any
-from .tokens import BLOCK, TokenRun, block_digests, prefix_digest, run_bytes, run_matches
+from .tokens import (
+    BLOCK,
+    TokenRun,
+    block_digests,
+    prefix_digest,
+    run_bytes,
+    run_matches,
+    tail_block_digests,
+)
 
 __all__ = ["Linker"]
+
+#: Block digests computed first (the last blocks of a prompt; the rest only if needed).
+TOKEN_WINDOW = 64
 
 Move = tuple[Turn, LinkKind]
 
@@ -32,6 +43,8 @@ class Linker:
     """
 
     __slots__ = (
+        "_no_ids",
+        "_no_logprobs",
         "message_roots",
         "prompt_index",
         "requests",
@@ -49,6 +62,9 @@ class Linker:
         self.token_roots: dict[int, Any] = {}  # block digests of token roots' prompts
         self.short_lengths: set[int] = set()  # lengths under one block that turns have
         self.message_roots: dict[int, Any] = {}  # request keys of message roots' prefixes
+        # one empty array of each kind for every turn that sampled nothing (never mutated)
+        self._no_ids = array("I")
+        self._no_logprobs = array("d")
 
     # ------------------------------------------------------------------ tokens
 
@@ -72,6 +88,10 @@ class Linker:
             else:
                 turn.logprobs = self.requests.encode(logprobs, "sampled_logprobs")[0]
                 turn.flags |= TurnFlag.LOGPROBS_PACKED
+        if type(sampled) is array and not sampled:
+            sampled = self._no_ids
+        if type(turn.logprobs) is array and not turn.logprobs:
+            turn.logprobs = self._no_logprobs
         turn.sampled = sampled
         if prompt is None:
             turn.prompt = None
@@ -83,7 +103,8 @@ class Linker:
             turn.full = full_run(turn.prompt, sampled)
             return
         data = prompt.tobytes()
-        digests = block_digests(data)
+        # a parent ends within the last blocks, mostly: the others are digested if not
+        digests: list[int | None] = tail_block_digests(data, TOKEN_WINDOW)
         parent = self._token_parent(data, digests, len(prompt))
         scratch.token_parent = parent
         scratch.prompt_key = key = xxhash.xxh3_64_intdigest(data)
@@ -113,15 +134,32 @@ class Linker:
                 return candidate  # type: ignore[no-any-return]
         return None
 
-    def _token_parent(self, data: bytes, digests: list[int], n: int) -> Turn | None:
+    def _token_parent(self, data: bytes, digests: list[int | None], n: int) -> Turn | None:
         # Turns whose tokens fill j whole blocks are found by the digest of those blocks,
         # deepest first; shorter ones (under one block) by their exact length.
-        buckets = [(digests[j], j * BLOCK, (j + 1) * BLOCK) for j in range(len(digests) - 1, 0, -1)]
+        low = next((j for j, d in enumerate(digests) if d is not None), 0)
+        buckets: list[tuple[int, int, int]] = [
+            (digests[j], j * BLOCK, (j + 1) * BLOCK)  # type: ignore[misc]
+            for j in range(len(digests) - 1, max(low, 1) - 1, -1)
+        ]
+        if low > 0:  # blocks before the window, digested only when the window holds none
+            found = self._token_parent_in(data, buckets, n)
+            if found is not None:
+                return found
+            full = block_digests(data)
+            buckets = [(full[j], j * BLOCK, (j + 1) * BLOCK) for j in range(low - 1, 0, -1)]
         buckets += [
             (short_key(data, length), length, length + 1)
             for length in sorted(self.short_lengths, reverse=True)
             if length <= n
         ]
+        return self._token_parent_in(data, buckets, n)
+
+    def _token_parent_in(
+        self, data: bytes, buckets: list[tuple[int, int, int]], n: int
+    ) -> Turn | None:
+        """The deepest turn filed under one of `buckets` (key, low, high: its tokens'
+        length in [low, high)) whose prompt + sampled tokens start `data`."""
         for key, low, high in buckets:
             best: Turn | None = None
             best_length = -1
@@ -149,9 +187,7 @@ class Linker:
             return
         rest = request.messages
         if request.n_valid == len(rest):
-            scratch.twins = [
-                c for c in request.stored_prefixes(len(rest)) if c.children and request.extends(c)
-            ]
+            scratch.twins = request.twins()
         if node.parent_id is None and turn.prompt is None:  # no token ids
             scratch.message_parent = self._message_parent(request)
 
@@ -163,7 +199,7 @@ class Linker:
             members = request.stored_prefixes(n)
             if not members:
                 continue
-            message, plain = request.messages[n], request.plains[n]
+            message, plain = request.messages[n], request.plain(n)
             parent = next(
                 (c for c in members if store.is_echo(c, message, plain) and request.extends(c)),
                 None,
@@ -205,8 +241,9 @@ class Linker:
         elif turn.n_rest > 0:
             plain = self.requests.plain
             plains = [plain(m) for m in rest_values(turn, self.requests.blobs)]
-            for m in range(len(plains)):
-                index_remove(self.message_roots, request_key(plains, m), turn)
+            if None not in plains:
+                for key in request_keys(plains[:-1]):  # type: ignore[arg-type]
+                    index_remove(self.message_roots, key, turn)
 
     # ------------------------------------------------------------------ late ancestors
 
@@ -251,11 +288,9 @@ class Linker:
             candidates = list(parent.children or ())
         elif length >= BLOCK:
             candidates = list(index_members(self.token_roots.get(scratch.token_key)))  # type: ignore[arg-type]
-        elif length >= HEADS[0]:
+        else:  # the roots that share its first tokens, as many as a head holds
             head = max(h for h in HEADS if h <= length)
             candidates = list(index_members(self.token_roots.get(short_key(data, head))))
-        else:  # fewer tokens than the shortest head: every root is a candidate
-            candidates = [t for t in self.turns if t.parent is None]
         # and children of turns whose tokens end inside this turn's sampled ones (a
         # shorter retry of the same call): their continuations may continue this one
         for shorter in self._prefixes_within(new, data):

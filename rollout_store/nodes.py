@@ -11,6 +11,8 @@ from abc import ABCMeta
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .raw import RawJSON
+
 __all__ = ["FIELD_NAMES", "NodeMethods", "TurnNode", "common_prefix_len"]
 
 
@@ -67,6 +69,9 @@ class TurnNode(NodeMethods, metaclass=ABCMeta):
     on it. `node_id=None` asks the graph for a fresh id; a `parent_id` given before adding
     is an explicit parent; `n_tools=None` counts `request_tools`. An empty `prompt_ids`
     means the engine returned no token ids, and the turn is linked by its messages.
+    Every JSON field also takes `RawJSON` (the JSON text, undecoded; the token fields too), and
+    `request_messages` and `request_tools` lists take `RawJSON` items: each is stored as
+    `json.loads` would decode it.
     """
 
     node_id: str | None = None
@@ -80,11 +85,11 @@ class TurnNode(NodeMethods, metaclass=ABCMeta):
     harness_session_id: str | None = None
     system_digest: str | None = None
     n_tools: int | None = 0
-    request_messages: list[Any] | None = field(default_factory=list)
-    request_tools: list[Any] | None = None
-    sampling_params: dict[str, Any] | None = field(default_factory=dict)
-    requested_sampling_params: dict[str, Any] | None = field(default_factory=dict)
-    response_message: dict[str, Any] | None = field(default_factory=dict)
+    request_messages: list[Any] | RawJSON | None = field(default_factory=list)
+    request_tools: list[Any] | RawJSON | None = None
+    sampling_params: dict[str, Any] | RawJSON | None = field(default_factory=dict)
+    requested_sampling_params: dict[str, Any] | RawJSON | None = field(default_factory=dict)
+    response_message: dict[str, Any] | RawJSON | None = field(default_factory=dict)
 
     # equality, end_ids and context_ids come from NodeMethods; views of stored turns are
     # registered as virtual subclasses (views.NodeView), so isinstance() holds for them

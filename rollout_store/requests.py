@@ -7,18 +7,27 @@ are stored once per graph.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Final
 
 from .blobs import BlobTable
+from .confirm import Probe, RawTip, RawTips, digest_key, prefix_digest, prefix_keys, raw_end
 from .content import content_key
-from .encoding import ECHO_PACKED, NotPackable, array_header, new_packer, no_echo, unpack
+from .encoding import (
+    ECHO_PACKED,
+    NotPackable,
+    array_header,
+    new_packer,
+    no_echo,
+    tracking_packer,
+    unpack,
+)
 from .errors import InvalidValueError
-from .index import index_add, index_members
-from .intake import Encoder
-from .keys import request_key
+from .intake import MAX_DEPTH, Encoder
 from .materialize import Messages, value
 from .messages import leading_system_count, link_key, response_link_key
 from .nodes import TurnNode
+from .raw import RawJSON, decode_raw, resolve_raw, split_array
 from .stored import IndexKeys, LinkKind, Turn, TurnFlag, finish_tail
 from .values import ValueTable
 
@@ -26,6 +35,11 @@ __all__ = ["FreshRequest", "RequestStore", "Scratch"]
 
 
 _new_tuple: Final = tuple.__new__
+
+#: msgpack type bytes of ext and bin values, which JSON values never pack to by themselves
+_NOT_JSON = re.compile(b"[\\xc4-\\xc9\\xd4-\\xd8]").search
+
+_NOT_FAST = object()  # _prepare_raw: decode the whole text instead
 
 
 class Scratch:
@@ -37,6 +51,7 @@ class Scratch:
         "moves",
         "pending",
         "prompt_key",
+        "raw_tip",
         "request",
         "request_digest",
         "root_keys",
@@ -59,6 +74,7 @@ class Scratch:
         self.root_keys: list[int] | None = None
         self.request: FreshRequest | None = None  # its non-system messages, if any
         self.tail_key: bytes | None = None  # SHA-256 of the tail's plain packings
+        self.raw_tip: tuple[RawTip, RawTip | None] | None = None  # filed at commit
         self.twins: list[Turn] = []  # stored turns with exactly this request, and children
         self.moves: list[tuple[Turn, LinkKind]] = []  # earlier turns it adopts
 
@@ -69,41 +85,121 @@ class Scratch:
 
 class FreshRequest:
     """The non-system messages of a request being added, and which stored requests it
-    was found to extend (each checked once, however many questions ask)."""
+    was found to extend (each checked once, however many questions ask).
 
-    __slots__ = ("_confirmed", "_prefixes", "_store", "messages", "n_valid", "plains")
+    Packed at once by a `Probe` when every message packs plainly: stored requests are then
+    found by the digest of the whole prefix they would be, and confirmed by it. Otherwise
+    each message gets its own plain packing (None for an invalid one) and stored requests are
+    confirmed by comparing bytes with their tails.
+    """
 
-    def __init__(self, store: RequestStore, messages: Messages, plains: list[bytes | None]):
+    __slots__ = (
+        "_confirmed",
+        "_keys",
+        "_plains",
+        "_prefixes",
+        "_probe",
+        "_store",
+        "messages",
+        "n_valid",
+    )
+
+    def __init__(self, store: RequestStore, messages: Messages, probe: Probe | None) -> None:
         self._store = store
         self.messages = messages
-        self.plains = plains  # plain packings; None for a message that has none
-        # the messages before the first without a plain packing (only those can match)
-        self.n_valid = plains.index(None) if None in plains else len(plains)
+        self._probe = probe
         self._confirmed: dict[int, bool] = {}
-        self._prefixes: dict[int, list[Turn]] = {}
+        self._prefixes: dict[int, list[Turn] | tuple[Turn, ...]] = {}
+        self._plains: list[bytes | None] | None = None
+        self._keys: list[int] | None = None
+        if probe is not None:
+            self.n_valid = len(messages)
+        else:
+            plains = self._plains = [store.plain(m) for m in messages]
+            # the messages before the first without a plain packing (only those can match)
+            self.n_valid = plains.index(None) if None in plains else len(plains)
+            self._keys = prefix_keys(plains[: self.n_valid])  # type: ignore[arg-type]
+
+    def plain(self, i: int) -> bytes | None:
+        """The plain packing of message `i` (None when it has none)."""
+        if self._probe is not None:
+            return self._probe.plain(i)
+        return self._plains[i]  # type: ignore[index]
+
+    def plains(self) -> list[bytes | None]:
+        if self._probe is not None:
+            return self._probe.all_plains()  # type: ignore[return-value]
+        return self._plains  # type: ignore[return-value]
+
+    def key(self, n: int) -> int:
+        """The index key of the first `n` messages (n <= n_valid)."""
+        if self._probe is not None:
+            return self._probe.key(n)
+        return self._keys[n]  # type: ignore[index]
 
     def extends(self, stored: Turn) -> bool:
         """Whether this request starts with exactly the non-system request of `stored`."""
         confirmed = self._confirmed
         ok = confirmed.get(stored.index)
-        if ok is None:
-            ok = self._store.matches(stored, self.plains, self.messages)
-            if ok:  # so are the requests that one extends
-                ancestor = stored.base
-                while ancestor is not None and ancestor.index not in confirmed:
-                    confirmed[ancestor.index] = True
-                    ancestor = ancestor.base
-            confirmed[stored.index] = ok
+        if ok is not None:
+            return ok
+        n = stored.n_rest
+        probe = self._probe
+        if n > self.n_valid:
+            ok = False
+        elif probe is not None and stored.digest is not None:
+            ok = stored.digest == probe.digest(n)
+        else:  # compare bytes with the stored tails (a turn read from a file, once)
+            ok = self._store.matches(stored, self.plains(), self.messages)
+            if ok and probe is not None:
+                stored.digest = probe.digest(n)
+        if ok and probe is not None and stored.flags & TurnFlag.PREFIX_SPECIAL:
+            # a digest match of tuples, big ints or lone surrogates: the fresh messages must
+            # be those values, not msgpack.ExtType objects packing alike
+            valid = self._store.valid
+            ok = all(valid(self.messages[i], probe.plain(i)) for i in range(n))
+        confirmed[stored.index] = ok
         return ok
 
-    def stored_prefixes(self, n: int) -> list[Turn]:
+    def twins(self) -> list[Turn]:
+        """Stored turns with exactly this request that have children (confirmed)."""
+        if self.n_valid != len(self.messages):
+            return []
+        n = self.n_valid
+        return [c for c in self._store.twins(self.key(n), n) if self.extends(c)]
+
+    def stored_prefixes(self, n: int) -> list[Turn] | tuple[Turn, ...]:
         """Stored turns whose non-system request is as long as the first `n` messages and
         filed under their key (not yet confirmed: see `extends`)."""
         found = self._prefixes.get(n)
         if found is None:
-            found = self._store.candidates(request_key(self.plains, n), n)
-            self._prefixes[n] = found
+            found = self._prefixes[n] = self._store.candidates(self.key(n), n)
         return found
+
+    def root_keys(self) -> list[int]:
+        """Keys of every shorter prefix, the empty one too (a root waits under them)."""
+        if self._probe is not None:
+            return self._probe.keys()[:-1]
+        return self._keys[:-1]  # type: ignore[index]
+
+    def digest(self) -> bytes | None:
+        """The digest of the whole request, when every message has a plain packing."""
+        if self._probe is not None:
+            return self._probe.digest(self._probe.n)
+        if self.n_valid != len(self.messages):
+            return None
+        return prefix_digest(b"".join(self._plains))  # type: ignore[arg-type]
+
+
+class _Bucket(list[Turn]):
+    """Turns filed under one request key (identical requests, barring a collision), and
+    those of them that have had children, so twins are found without a scan."""
+
+    __slots__ = ("parents",)
+
+    def __init__(self, turns: tuple[Turn, ...]) -> None:
+        super().__init__(turns)
+        self.parents: list[Turn] = []
 
 
 class RequestStore:
@@ -116,8 +212,11 @@ class RequestStore:
     __slots__ = (
         "_canonical",
         "_encoder",
+        "_message_size",
         "_pack_plain",
+        "_plain_limit",
         "blobs",
+        "raw_tips",
         "request_index",
         "tail_keys",
         "values",
@@ -136,6 +235,10 @@ class RequestStore:
         self.tail_keys: dict[int, bytes] | None = {} if fetches else None
         self.values = ValueTable(self.expand, share_threshold, hashed=fetches)
         self.request_index: dict[int, Any] = {}  # digest of non-system request -> turn(s)
+        self._message_size = 256  # mean packed size of recent messages, to chunk requests
+        # plain packings shorter than this can hold no blob and no nesting beyond MAX_DEPTH
+        self._plain_limit = min(share_threshold or MAX_DEPTH, MAX_DEPTH)
+        self.raw_tips = RawTips()  # the latest raw turns, for raw continuations
 
     def reset_packer(self) -> None:
         self._pack_plain = new_packer()
@@ -146,10 +249,27 @@ class RequestStore:
         """The stored packing of a fresh value and whether it holds forgeable ext types."""
         return self._encoder.encode(value, path)
 
+    def stored_form(self, value: Any, plain: bytes | None, path: str) -> tuple[bytes, bool]:
+        """`encode(value, path)`, taking the plain packing as it is where it must be equal.
+
+        A plain packing that is short (no string long enough to be a blob, no nesting as deep
+        as MAX_DEPTH) and holds no ext or bin type (no tuple, big int, bytes or caller's
+        `msgpack.ExtType`) is what the validating walk would build: the walk is skipped.
+        """
+        if plain is not None and len(plain) < self._plain_limit and _NOT_JSON(plain) is None:
+            return plain, False
+        return self._encoder.encode(value, path)
+
     def encode_response(self, value: Any, turn: Turn) -> bytes | None:
         if value is None:
             return None
-        packed, special = self.encode(value, "response_message")
+        try:
+            plain: bytes | None = self._pack_plain(value)
+        except Exception:  # the validating walk says what is wrong
+            plain = None
+        packed, special = self.stored_form(value, plain, "response_message")
+        if packed is plain:
+            return packed
         if self._encoder.last_refs:  # else the packing is the plain one, nothing to expand
             turn.flags |= TurnFlag.RESPONSE_REFS
         if special:
@@ -210,6 +330,15 @@ class RequestStore:
         Sets `scratch.request` (the fresh request, for linking) and `scratch.request_digest`.
         """
         messages = node.request_messages
+        raw: bytes | None = None
+        if type(messages) is RawJSON:
+            data = messages.data
+            if type(data) is bytes and turn.prompt is None and node.parent_id is None:
+                done = self._prepare_raw(turn, scratch, data)
+                if done is not _NOT_FAST:
+                    return done  # type: ignore[return-value]
+                raw = data
+            messages = decode_raw(messages, "request_messages")
         if messages is None:
             turn.system, turn.base, turn.tail, turn.n_rest = None, None, b"", 0
             turn.first = turn.body_start = 0
@@ -230,28 +359,122 @@ class RequestStore:
             finish_tail(turn)
             return None
         n_sys = leading_system_count(messages)
+        rest = messages[n_sys:]
+        pack = self._pack_plain
+        probe: Probe | None
         try:
-            pack = self._pack_plain
-            plains: list[bytes | None] = [pack(m) for m in messages]
+            probe = Probe(rest, pack, self._message_size)
+        except Exception:  # some message needs the validating walk, or is RawJSON
+            probe = None
+            if any(type(m) is RawJSON for m in messages):
+                messages = resolve_raw(messages, "request_messages")
+                n_sys = leading_system_count(messages)
+                rest = messages[n_sys:]
+                try:
+                    probe = Probe(rest, pack, self._message_size)
+                except Exception:
+                    probe = None
+        if probe is not None and probe.plains:  # a running mean, to size the next chunks
+            self._message_size = (len(probe.plain(probe.n - 1)) + self._message_size) // 2
+        try:
+            plains: list[bytes | None] = [pack(m) for m in messages[:n_sys]]
         except Exception:  # some message needs the slow path: find which
-            plains = [self.plain(m) for m in messages]
+            plains = [self.plain(m) for m in messages[:n_sys]]
 
         # system part: shared whole through the value table
         system_plain = None
         turn.system = None
         if n_sys:
             turn.system = self._shared(
-                messages[:n_sys], "request_messages", plains[:n_sys], scratch.pending, True
+                messages[:n_sys], "request_messages", plains, scratch.pending, True
             )
-            if None not in plains[:n_sys]:
-                system_plain = b"".join(plains[:n_sys])  # type: ignore[arg-type]
+            if None not in plains:
+                system_plain = b"".join(plains)  # type: ignore[arg-type]
 
-        request = FreshRequest(self, messages[n_sys:], plains[n_sys:])
+        request = FreshRequest(self, rest, probe)
         scratch.request = request
         if request.n_valid == len(request.messages):
-            scratch.request_digest = request_key(request.plains, request.n_valid)
+            scratch.request_digest = request.key(request.n_valid)
         self._store_tail(turn, request, self._base(request), n_sys, scratch)
+        if raw is not None and probe is not None and rest and isinstance(messages, list):
+            end = raw_end(raw)
+            if end is not None:  # later raw turns of this conversation start here
+                digest = prefix_digest(memoryview(raw)[:end])
+                tip = RawTip(turn, raw, end, digest, probe.hasher, system_plain, n_sys)
+                scratch.raw_tip = (tip, None)
         return system_plain
+
+    def _prepare_raw(self, turn: Turn, scratch: Scratch, data: bytes) -> bytes | object | None:
+        """Store a raw messages text that continues a raw tip, decoding only what is new.
+
+        The re-sent part is confirmed by the BLAKE3 digest of its bytes; the new messages
+        are split out with msgspec and decoded as json.loads would. Returns the system plain,
+        or `_NOT_FAST` when the text must be decoded whole (no tip it continues, no exact
+        echo of the tip's response right after it, or anything unusual)."""
+        found = self.raw_tips.find(data)
+        if found is None:
+            return _NOT_FAST
+        tip, hasher = found
+        base = tip.turn
+        end = raw_end(data)
+        if end is None or end <= tip.end or not base.n_rest or base.flags & TurnFlag.MESSAGES_TUPLE:
+            return _NOT_FAST
+        tail_text = data[tip.end : end].lstrip(b" \t\r\n")
+        spans = split_array(b"[" + tail_text[1:] + b"]")
+        if not spans:
+            return _NOT_FAST
+        pack, ext_calls = tracking_packer()
+        specials: list[bool] = []
+        try:
+            fresh = [decode_raw(RawJSON(bytes(span)), "") for span in spans]
+            plains = []
+            for message in fresh:
+                calls = len(ext_calls)
+                plains.append(pack(message))
+                specials.append(len(ext_calls) > calls)
+        except Exception:  # the whole text's decode says what is wrong, and where
+            return _NOT_FAST
+        if not self.is_echo(base, fresh[0], plains[0]):
+            return _NOT_FAST
+        # the base must be the longest stored request this one extends, and the only one
+        # with its request (else the decoded path's choices apply): no stored request at any
+        # boundary after it, and no twin of it
+        index = self.request_index
+        if base.rkey is None or type(index.get(base.rkey)) is _Bucket:
+            return _NOT_FAST
+        state = tip.plain_state.copy()
+        for plain in plains:
+            state.update(plain)
+            if digest_key(state.digest()) in index:
+                return _NOT_FAST
+        first = tip.n_sys + base.n_rest
+        pieces = [ECHO_PACKED]
+        turn.flags |= TurnFlag.TAIL_ECHO
+        for i in range(1, len(fresh)):
+            plain = plains[i]
+            if not specials[i] and len(plain) < self._plain_limit:
+                # decoded from JSON text: no bytes, no caller's ExtType, no big int; short
+                # enough for no blob and no nesting beyond MAX_DEPTH: the walk would agree
+                packed, special = plain, False
+            else:
+                packed, special = self.encode(fresh[i], f"request_messages[{first + i}]")
+            if packed != plains[i]:
+                turn.flags |= TurnFlag.TAIL_REFS
+            if special:
+                turn.flags |= TurnFlag.TAIL_SPECIAL
+            pieces.append(packed)
+        turn.system = base.system
+        turn.base = base
+        turn.tail = array_header(len(pieces)) + b"".join(pieces)
+        turn.n_rest = base.n_rest + len(fresh)
+        finish_tail(turn)
+        turn.digest = state.digest()
+        scratch.request_digest = digest_key(turn.digest)
+        scratch.message_parent = base
+        hasher.update(memoryview(data)[tip.end : end])
+        new_tip = RawTip(turn, data, end, hasher.digest(), state, tip.system_plain, tip.n_sys)
+        scratch.raw_tip = (new_tip, tip)
+        return tip.system_plain
 
     def _base(self, request: FreshRequest) -> Turn | None:
         """The longest stored request that `request` extends (its storage base)."""
@@ -265,16 +488,16 @@ class RequestStore:
         self, turn: Turn, request: FreshRequest, base: Turn | None, n_sys: int, scratch: Scratch
     ) -> None:
         """Pack the messages after the base's (the echo of its response as a placeholder)."""
-        rest, rest_plains = request.messages, request.plains
+        rest = request.messages
         start = base.n_rest if base is not None else 0
         pieces: list[bytes] = []
         for i in range(start, len(rest)):
-            p = rest_plains[i]
+            p = request.plain(i)
             if i == start and base is not None and self.is_echo(base, rest[i], p):
                 pieces.append(ECHO_PACKED)
                 turn.flags |= TurnFlag.TAIL_ECHO
                 continue
-            packed, special = self.encode(rest[i], f"request_messages[{n_sys + i}]")
+            packed, special = self.stored_form(rest[i], p, f"request_messages[{n_sys + i}]")
             if packed != p:
                 turn.flags |= TurnFlag.TAIL_REFS
             if special:
@@ -283,7 +506,8 @@ class RequestStore:
         if self.tail_keys is not None and turn.flags & TurnFlag.TAIL_REFS:
             # its strings are out of the process: match it later by the SHA-256 of its plain
             # packings rather than by fetching them
-            body = rest_plains[start + (1 if turn.flags & TurnFlag.TAIL_ECHO else 0) :]
+            first = start + (1 if turn.flags & TurnFlag.TAIL_ECHO else 0)
+            body = [request.plain(i) for i in range(first, len(rest))]
             if None not in body:
                 scratch.tail_key = content_key(b"".join(body))  # type: ignore[arg-type]
         turn.base = base
@@ -291,16 +515,50 @@ class RequestStore:
         turn.n_rest = len(rest)
         finish_tail(turn)
 
-    def file(self, turn: Turn, key: int | None) -> None:
-        """File a committed turn's request under `key` (its digest), if it has messages."""
-        if key is not None and not turn.flags & TurnFlag.NO_MESSAGES:
-            index_add(self.request_index, key, turn)
+    def file(self, turn: Turn, key: int | None, request: FreshRequest | None = None) -> None:
+        """File a committed turn's request under `key` (its digest), if it has messages;
+        `request` (when the turn was just added) gives the digest that confirms it."""
+        if key is None or turn.flags & TurnFlag.NO_MESSAGES:
+            return
+        index = self.request_index
+        found = index.get(key)
+        if found is None:
+            index[key] = turn
+        elif type(found) is _Bucket:
+            found.append(turn)
+        else:  # a second turn with this very request: a bucket that tracks its parents
+            bucket = index[key] = _Bucket((found, turn))
+            if found.children:
+                bucket.parents.append(found)
+        turn.rkey = key
+        if request is not None:
+            turn.digest = request.digest()
+
+    def note_parent(self, turn: Turn) -> None:
+        """`turn` got its first child (a bucket of identical requests lists its parents)."""
+        if turn.rkey is not None:
+            found = self.request_index.get(turn.rkey)
+            if type(found) is _Bucket:
+                found.parents.append(turn)
+
+    def twins(self, key: int, n_rest: int) -> tuple[Turn, ...] | list[Turn]:
+        """Stored turns filed under `key` with `n_rest` messages that have (had) children;
+        not yet confirmed."""
+        found = self.request_index.get(key)
+        if found is None:
+            return ()
+        members = found.parents if type(found) is _Bucket else (found,)
+        return [c for c in members if c.children and c.n_rest == n_rest]
 
     # ------------------------------------------------------------------ matching
 
-    def candidates(self, key: int, n_rest: int) -> list[Turn]:
-        """Stored turns filed under request key `key` with `n_rest` non-system messages."""
-        return [c for c in index_members(self.request_index.get(key)) if c.n_rest == n_rest]
+    def candidates(self, key: int, n_rest: int) -> list[Turn] | tuple[Turn, ...]:
+        """Stored turns filed under request key `key` (with `n_rest` non-system messages,
+        unless keys of different prefixes collide: `FreshRequest.extends` checks)."""
+        found = self.request_index.get(key)
+        if found is None:
+            return ()
+        return found if type(found) is _Bucket else (found,)
 
     def valid(self, value: Any, plain: bytes | None) -> bool:
         """Whether `plain` is the packing of `value` by the validating walk."""

@@ -53,6 +53,10 @@ class TurnFlag(IntEnum):
     # derived, never stored: the tail cannot be compared by bytes alone (see finish_tail)
     TAIL_SLOW = 256
     EMPTY_PROMPT = 512  # prompt_ids was an empty list: no token ids (turn.prompt is None)
+    # derived, never stored: the request (this tail or a base's) holds tuples, big ints or
+    # lone surrogates, so a digest match is trusted only after the fresh messages pass the
+    # validating walk
+    PREFIX_SPECIAL = 1024
 
 
 class LinkKind(IntEnum):
@@ -98,6 +102,7 @@ class Turn:
         "base",
         "body_start",
         "children",
+        "digest",
         "first",
         "flags",
         "full",
@@ -111,6 +116,7 @@ class Turn:
         "prompt",
         "requested",
         "response",
+        "rkey",
         "sampled",
         "sampling",
         "system",
@@ -139,6 +145,14 @@ class Turn:
     sampled: Any  # array | tuple | None
     full: TokenRun | None  # prompt + sampled, the prefix a child's prompt extends
     logprobs: Any  # array('d') | packed bytes | None
+    # BLAKE3 of the plain packing of the non-system messages; None until known (a turn read
+    # from a file gets it when a byte comparison first confirms it)
+    digest: bytes | None
+    rkey: int | None  # the key its request is filed under (None: not filed)
+
+    def __init__(self) -> None:
+        self.digest = None
+        self.rkey = None
 
 
 def is_above(ancestor: Turn, turn: Turn) -> bool:
@@ -168,7 +182,17 @@ def finish_tail(turn: Turn) -> None:
     slow = turn.flags & (TurnFlag.TAIL_REFS | TurnFlag.TAIL_SPECIAL) or (
         echo and (base is None or base.flags & (TurnFlag.RESPONSE_REFS | TurnFlag.RESPONSE_SPECIAL))
     )
-    turn.flags = (turn.flags & ~TurnFlag.TAIL_SLOW) | (TurnFlag.TAIL_SLOW if slow else 0)
+    special = (
+        turn.flags & TurnFlag.TAIL_SPECIAL
+        or (echo and base is not None and base.flags & TurnFlag.RESPONSE_SPECIAL)
+        or (base is not None and base.flags & TurnFlag.PREFIX_SPECIAL)
+    )
+    derived = TurnFlag.TAIL_SLOW | TurnFlag.PREFIX_SPECIAL
+    turn.flags = (
+        (turn.flags & ~derived)
+        | (TurnFlag.TAIL_SLOW if slow else 0)
+        | (TurnFlag.PREFIX_SPECIAL if special else 0)
+    )
 
 
 def full_run(prompt: TokenRun | None, sampled: Any) -> TokenRun | None:

@@ -97,6 +97,22 @@ def block_digests(data: bytes | memoryview) -> list[int]:
     return out
 
 
+def tail_block_digests(data: bytes | memoryview, window: int) -> list[int | None]:
+    """`block_digests(data)` for the last `window` blocks only (None before them): the
+    tokens before are hashed in one call."""
+    view = memoryview(data)
+    n_blocks = len(view) // _BLOCK_BYTES
+    first = max(n_blocks - window, 0)
+    hasher = xxhash.xxh3_64()
+    hasher.update(view[: first * _BLOCK_BYTES])
+    out: list[int | None] = [None] * first
+    out.append(hasher.intdigest())
+    for start in range(first * _BLOCK_BYTES, n_blocks * _BLOCK_BYTES, _BLOCK_BYTES):
+        hasher.update(view[start : start + _BLOCK_BYTES])
+        out.append(hasher.intdigest())
+    return out
+
+
 def prefix_digest(data: bytes | memoryview, n_tokens: int) -> int:
     """The block digest of the first `n_tokens // BLOCK` blocks of `data`."""
     blocks = n_tokens // BLOCK

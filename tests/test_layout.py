@@ -16,10 +16,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout_store"
 
 #: Bottom to top; a module may import modules of its own layer or of the layers below.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundations", {"errors", "encoding", "index", "tokens", "messages", "nodes", "training"}),
+    (
+        "foundations",
+        {"errors", "encoding", "index", "tokens", "messages", "raw", "nodes", "training"},
+    ),
     ("values and blobs", {"content", "blobs", "shared_blobs", "values"}),
     ("intake", {"intake"}),
-    ("stored turns and indexes", {"stored", "keys", "materialize", "views"}),
+    ("stored turns and indexes", {"stored", "confirm", "keys", "materialize", "views"}),
     ("request storage and linking", {"requests", "linking"}),
     ("graph", {"graph"}),
     ("export", {"checks", "jsonstream", "export", "figures"}),

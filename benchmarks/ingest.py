@@ -1,0 +1,475 @@
+"""Ingest cost of rollout_store per turn, as ratios against json.loads of the same body.
+
+Two modes, both measured side by side in one process (every ratio compares two timings taken
+one right after the other, so other load on the machine moves both):
+
+* long: chatty and tool_heavy to 2,000 turns, multimodal and token_heavy to 200. At turns 10,
+  100, 1,000 and 2,000: add_turn / json.loads of the body, for decoded input (the body
+  json.loads-ed, as today) and for raw input (`RawJSON` of the request's messages and tools,
+  the rest decoded); also the cost of splitting the body with msgspec first, as a capture
+  server would. Each figure is the median over the 9 turns around the checkpoint.
+* soak: 20,000 turns in one graph for each shape that makes index buckets grow (shared
+  observation text, one prompt sampled many times with token ids and by messages, short-prompt
+  independent calls, groups of 8 rollouts by messages and by tokens). Figure: median add time
+  of turns 19,981-20,000 over that of turns 91-110, samples pooled over the builds.
+
+Also retained memory over unique content at 200 turns of every workload (tracemalloc, as
+memory_per_turn.py measures it).
+
+Writes results/ingest.json (results/ingest.partial.json for partial runs); ends with PASS/MISS
+lines for the targets. Never a pass/fail test: a report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import msgspec
+from measure import library_commit, retained_bytes
+from schemes import SCHEMES, _import_rollout_store
+from workloads import SAMPLING_PARAMS, SYSTEM_PROMPT, WORKLOADS, UniqueContent, _text, iter_texts
+
+rs = _import_rollout_store()
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+LONG_CHECKPOINTS = {
+    "chatty": (10, 100, 1000, 2000),
+    "tool_heavy": (10, 100, 1000, 2000),
+    "multimodal": (10, 100, 200),
+    "token_heavy": (10, 100, 200),
+}
+WINDOW = 4  # turns t-4 .. t+4 are timed around checkpoint t
+SOAK_TURNS = 20_000
+SOAK_EARLY = range(91, 111)
+SOAK_BUILDS = 2
+
+MAX_DECODED_DEEP = 0.5  # turns >= 100, every workload
+MAX_DECODED_CHATTY_10 = 1.0
+MAX_RAW_DEEP = 0.25
+MAX_SOAK = 1.5
+MAX_CHATTY_RETAINED = 1.25  # retained / unique content at 200 chatty turns
+MEMORY_TURNS = 200
+
+
+class _Body(msgspec.Struct):
+    """How a capture server splits a request body without decoding the conversation."""
+
+    messages: msgspec.Raw
+    tools: msgspec.Raw = msgspec.Raw(b"null")
+
+
+_split_body = msgspec.json.Decoder(_Body).decode
+
+
+def _decoded_node(body: dict[str, Any]) -> Any:
+    return rs.TurnNode(
+        request_messages=body["messages"],
+        request_tools=body["tools"],
+        response_message=body["response"],
+        sampling_params=body["sampling_params"],
+        prompt_ids=body["prompt_ids"],
+        sampled_ids=body["sampled_ids"],
+        sampled_logprobs=body["sampled_logprobs"],
+        model=body["model"],
+        finish_reason=body["finish_reason"],
+        harness_session_id="s",
+    )
+
+
+def _raw_node(body: dict[str, Any], messages: bytes, tools: bytes | None) -> Any:
+    return rs.TurnNode(
+        request_messages=rs.RawJSON(messages),
+        request_tools=None if tools is None else rs.RawJSON(tools),
+        response_message=body["response"],
+        sampling_params=body["sampling_params"],
+        prompt_ids=body["prompt_ids"],
+        sampled_ids=body["sampled_ids"],
+        sampled_logprobs=body["sampled_logprobs"],
+        model=body["model"],
+        finish_reason=body["finish_reason"],
+        harness_session_id="s",
+    )
+
+
+class _MessageTexts:
+    """json.dumps of a growing conversation, built from each message's text once (the
+    workloads re-send the same message objects, so earlier texts stay valid)."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def of(self, messages: list[Any]) -> bytes:
+        for message in messages[len(self.texts) :]:
+            self.texts.append(json.dumps(message))
+        return ("[" + ", ".join(self.texts[: len(messages)]) + "]").encode("utf-8")
+
+
+def _median_time(fn: Callable[[], Any], repeat: int = 3) -> tuple[Any, float]:
+    times, out = [], None
+    for _ in range(repeat):
+        out = None
+        start = perf_counter()
+        out = fn()
+        times.append(perf_counter() - start)
+    return out, statistics.median(times)
+
+
+def long_run(name: str, raw: bool) -> dict[str, Any]:
+    """One decoded graph and (if `raw`) one raw graph fed the same workload turn by turn."""
+    checkpoints = LONG_CHECKPOINTS[name]
+    timed = {t: c for c in checkpoints for t in range(c - WINDOW, c + WINDOW + 1)}
+    n_turns = max(timed)
+    decoded_graph = rs.RolloutGraph()
+    raw_graph = rs.RolloutGraph() if raw else None
+    texts = _MessageTexts()
+    samples: dict[int, dict[str, list[float]]] = {
+        c: {"decoded": [], "raw": [], "split_raw": []} for c in checkpoints
+    }
+    raw_error = None
+    gc.collect()
+    gc.disable()
+    try:
+        for turn, body in enumerate(WORKLOADS[name](n_turns), 1):
+            tools = json.dumps(body["tools"]).encode() if body["tools"] is not None else None
+            checkpoint = timed.get(turn)
+            if checkpoint is None:
+                decoded_graph.add_turn(_decoded_node(body))
+                if raw_graph is not None and raw_error is None:
+                    try:
+                        raw_graph.add_turn(_raw_node(body, texts.of(body["messages"]), tools))
+                    except Exception as exc:  # before RawJSON intake existed
+                        raw_error = repr(exc)
+                continue
+            text = json.dumps(body)
+            fresh, loads = _median_time(lambda text=text: json.loads(text))
+            node = _decoded_node(fresh)
+            start = perf_counter()
+            decoded_graph.add_turn(node)
+            samples[checkpoint]["decoded"].append((perf_counter() - start) / loads)
+            del fresh, node
+            if raw_graph is not None and raw_error is None:
+                data = text.encode("utf-8")
+                start = perf_counter()
+                parts = _split_body(data)
+                split = perf_counter() - start
+                raw_tools = bytes(parts.tools)
+                node = _raw_node(
+                    body, bytes(parts.messages), None if raw_tools == b"null" else raw_tools
+                )
+                start = perf_counter()
+                try:
+                    raw_graph.add_turn(node)
+                except Exception as exc:
+                    raw_error = repr(exc)
+                    continue
+                add = perf_counter() - start
+                samples[checkpoint]["raw"].append(add / loads)
+                samples[checkpoint]["split_raw"].append((add + split) / loads)
+    finally:
+        gc.enable()
+    out: dict[str, Any] = {"workload": name, "turns": n_turns, "raw_error": raw_error}
+    out["checkpoints"] = {
+        c: {kind: statistics.median(v) if v else None for kind, v in s.items()}
+        for c, s in samples.items()
+    }
+    return out
+
+
+# ---------------------------------------------------------------- soak shapes
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(150_000) for _ in range(n)]
+
+
+def shared_observation(n: int) -> Iterator[dict[str, Any]]:
+    """Rollouts of 10 turns by messages; every observation is one of 5 shared short texts."""
+    rng = random.Random(11)
+    turn = 0
+    while True:
+        history = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": f"Task {turn}: " + _text(rng, 60)},
+        ]
+        for step in range(10):
+            response = {"role": "assistant", "content": _text(rng, rng.randrange(20, 80))}
+            yield {"request_messages": list(history), "response_message": response}
+            turn += 1
+            if turn == n:
+                return
+            history += [response, {"role": "user", "content": f"obs {step % 5}"}]
+
+
+def same_prompt_tokens(n: int) -> Iterator[dict[str, Any]]:
+    """One prompt (300 token ids) sampled n times: n roots with one prompt."""
+    rng = random.Random(12)
+    prompt = _tokens(rng, 300)
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Q"}]
+    for _ in range(n):
+        yield {
+            "request_messages": messages,
+            "response_message": {"role": "assistant", "content": _text(rng, 30)},
+            "prompt_ids": prompt,
+            "sampled_ids": _tokens(rng, 40),
+        }
+
+
+def short_prompt_calls(n: int) -> Iterator[dict[str, Any]]:
+    """Independent calls with 6-token prompts and 6 sampled tokens (under the 16-token head)."""
+    rng = random.Random(13)
+    for i in range(n):
+        yield {
+            "request_messages": [{"role": "user", "content": f"call {i}"}],
+            "response_message": {"role": "assistant", "content": _text(rng, 20)},
+            "prompt_ids": _tokens(rng, 6),
+            "sampled_ids": _tokens(rng, 6),
+        }
+
+
+def same_prompt_messages(n: int) -> Iterator[dict[str, Any]]:
+    """One request (by messages, no token ids) sampled n times."""
+    rng = random.Random(14)
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Solve: " + _text(rng, 100)},
+    ]
+    for _ in range(n):
+        yield {
+            "request_messages": messages,
+            "response_message": {"role": "assistant", "content": _text(rng, 40)},
+        }
+
+
+def groups_of_8_messages(n: int) -> Iterator[dict[str, Any]]:
+    """GRPO-like: groups of 8 rollouts x 10 turns of one task, turns interleaved in a group."""
+    rng = random.Random(15)
+    turn = 0
+    while True:
+        task = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": "Task: " + _text(rng, 80)},
+        ]
+        histories = [list(task) for _ in range(8)]
+        for _step in range(10):
+            for history in histories:
+                response = {"role": "assistant", "content": _text(rng, rng.randrange(20, 60))}
+                yield {"request_messages": list(history), "response_message": response}
+                turn += 1
+                if turn == n:
+                    return
+                history += [response, {"role": "user", "content": "continue"}]
+
+
+def groups_of_8_tokens(n: int) -> Iterator[dict[str, Any]]:
+    """Groups of 8 rollouts x 10 turns with token ids: a prompt extends its parent's tokens."""
+    rng = random.Random(16)
+    turn = 0
+    while True:
+        task = _tokens(rng, 200)
+        prompts = [list(task) for _ in range(8)]
+        for _step in range(10):
+            for k, prompt in enumerate(prompts):
+                sampled = _tokens(rng, 30)
+                yield {
+                    "request_messages": [{"role": "user", "content": f"t{turn}"}],
+                    "response_message": {"role": "assistant", "content": "ok"},
+                    "prompt_ids": list(prompt),
+                    "sampled_ids": sampled,
+                }
+                turn += 1
+                if turn == n:
+                    return
+                prompts[k] = prompt + sampled + _tokens(rng, 10)
+
+
+SOAK_SHAPES: dict[str, Callable[[int], Iterator[dict[str, Any]]]] = {
+    "shared_observation": shared_observation,
+    "same_prompt_tokens": same_prompt_tokens,
+    "short_prompt_calls": short_prompt_calls,
+    "same_prompt_messages": same_prompt_messages,
+    "groups_of_8_messages": groups_of_8_messages,
+    "groups_of_8_tokens": groups_of_8_tokens,
+}
+
+
+def soak_run(name: str, n_turns: int, builds: int) -> dict[str, Any]:
+    late = range(n_turns - 19, n_turns + 1)
+    early_t: list[float] = []
+    late_t: list[float] = []
+    for _ in range(builds):
+        turns = list(SOAK_SHAPES[name](n_turns))
+        graph = rs.RolloutGraph()
+        gc.collect()
+        gc.disable()
+        try:
+            for turn, fields in enumerate(turns, 1):
+                node = rs.TurnNode(sampling_params=SAMPLING_PARAMS, model="m", **fields)
+                start = perf_counter()
+                graph.add_turn(node)
+                elapsed = perf_counter() - start
+                if turn in SOAK_EARLY:
+                    early_t.append(elapsed)
+                elif turn in late:
+                    late_t.append(elapsed)
+        finally:
+            gc.enable()
+        del graph, turns
+    early, late_median = statistics.median(early_t), statistics.median(late_t)
+    return {
+        "shape": name,
+        "turns": n_turns,
+        "early_us": 1e6 * early,
+        "late_us": 1e6 * late_median,
+        "ratio": late_median / early,
+    }
+
+
+def memory_run(name: str, n_turns: int) -> dict[str, Any]:
+    """Retained bytes of rollout_store over unique content after `n_turns` turns."""
+    texts = list(iter_texts(WORKLOADS[name], n_turns))
+    unique = UniqueContent()
+    for text in texts:
+        unique.add(json.loads(text))
+    retained = retained_bytes(SCHEMES["rollout_store"], texts, [n_turns])[n_turns]
+    return {"workload": name, "turns": n_turns, "retained": retained, "unique": unique.bytes}
+
+
+# ---------------------------------------------------------------- report
+
+
+def _fmt(x: float | None) -> str:
+    return f"{x:8.3f}" if x is not None else "     n/a"
+
+
+def check(
+    long: list[dict[str, Any]], soak: list[dict[str, Any]], memory: list[dict[str, Any]]
+) -> list[str]:
+    lines = []
+    for m in memory:
+        if m["workload"] == "chatty":
+            ratio = m["retained"] / m["unique"]
+            verdict = "PASS" if ratio <= MAX_CHATTY_RETAINED else "MISS"
+            lines.append(
+                f"{verdict}  chatty retained/unique at {m['turns']} turns {ratio:.3f}"
+                f" <= {MAX_CHATTY_RETAINED}"
+            )
+    for r in long:
+        for c, v in r["checkpoints"].items():
+            c = int(c)
+            if c >= 100:
+                limits = [("decoded", MAX_DECODED_DEEP), ("raw", MAX_RAW_DEEP)]
+            elif c == 10 and r["workload"] == "chatty":
+                limits = [("decoded", MAX_DECODED_CHATTY_10)]
+            else:
+                limits = []
+            for kind, limit in limits:
+                value = v[kind]
+                verdict = "SKIP" if value is None else ("PASS" if value <= limit else "MISS")
+                lines.append(
+                    f"{verdict}  {r['workload']} turn {c} {kind} add_turn/json.loads"
+                    f" {_fmt(value).strip()} <= {limit}"
+                )
+    for s in soak:
+        verdict = "PASS" if s["ratio"] <= MAX_SOAK else "MISS"
+        lines.append(
+            f"{verdict}  soak {s['shape']} turn {s['turns']}/turn 100"
+            f" {s['ratio']:.2f} <= {MAX_SOAK}"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workloads", help="long-mode workloads, comma-separated")
+    parser.add_argument("--shapes", help="soak shapes, comma-separated")
+    parser.add_argument("--no-long", action="store_true")
+    parser.add_argument("--no-soak", action="store_true")
+    parser.add_argument("--no-raw", action="store_true", help="decoded input only")
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--soak-turns", type=int, default=SOAK_TURNS)
+    parser.add_argument("--builds", type=int, default=SOAK_BUILDS)
+    args = parser.parse_args(argv)
+    workloads = args.workloads.split(",") if args.workloads else list(LONG_CHECKPOINTS)
+    shapes = args.shapes.split(",") if args.shapes else list(SOAK_SHAPES)
+
+    long: list[dict[str, Any]] = []
+    if not args.no_long:
+        print("add_turn / json.loads of the same body (median of 9 turns around each turn)")
+        print(f"{'workload':<12}{'turn':>6}{'decoded':>9}{'raw':>9}{'split+raw':>10}")
+        for name in workloads:
+            r = long_run(name, raw=not args.no_raw)
+            long.append(r)
+            for c, v in r["checkpoints"].items():
+                print(
+                    f"{name:<12}{c:>6}{_fmt(v['decoded'])} {_fmt(v['raw'])}"
+                    f"  {_fmt(v['split_raw'])}",
+                    flush=True,
+                )
+            if r["raw_error"]:
+                print(f"  raw input refused: {r['raw_error'][:120]}")
+    soak: list[dict[str, Any]] = []
+    if not args.no_soak:
+        print(
+            f"\nsoak: {args.soak_turns} turns in one graph; median add time of the last 20 turns"
+            f" / turns 91-110 ({args.builds} builds pooled)"
+        )
+        for name in shapes:
+            s = soak_run(name, args.soak_turns, args.builds)
+            soak.append(s)
+            print(
+                f"  {name:<22} early {s['early_us']:8.1f} us  late {s['late_us']:8.1f} us"
+                f"  ratio {s['ratio']:6.2f}",
+                flush=True,
+            )
+    memory: list[dict[str, Any]] = []
+    if not args.no_memory:
+        print(f"\nretained memory at {MEMORY_TURNS} turns (tracemalloc)")
+        for name in workloads:
+            m = memory_run(name, MEMORY_TURNS)
+            memory.append(m)
+            print(
+                f"  {name:<12} retained {m['retained'] / 2**20:8.2f} MiB"
+                f"  unique {m['unique'] / 2**20:8.2f} MiB"
+                f"  x unique {m['retained'] / m['unique']:.3f}",
+                flush=True,
+            )
+    lines = check(long, soak, memory)
+    print("\nTargets:")
+    for line in lines:
+        print("  " + line)
+    full = (
+        not (
+            args.no_long
+            or args.no_soak
+            or args.no_raw
+            or args.no_memory
+            or args.workloads
+            or args.shapes
+        )
+        and args.soak_turns == SOAK_TURNS
+    )
+    RESULTS_DIR.mkdir(exist_ok=True)
+    stem = "ingest" if full else "ingest.partial"
+    report = {
+        "commit": library_commit(),
+        "long": long,
+        "soak": soak,
+        "memory": memory,
+        "checks": lines,
+    }
+    (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote results/{stem}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

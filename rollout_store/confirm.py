@@ -1,0 +1,255 @@
+"""Confirming re-sent messages at C speed: one packing of a request, prefix keys at its message
+boundaries, and cryptographic digests of packed prefixes.
+
+A request re-sends, byte for byte, an earlier request plus a few new messages. The request's
+non-system messages are packed once, as one msgpack array (one C call); the boundaries of its
+last few messages come from packing just those again. A stored request is found by the BLAKE3 digest
+of its whole packed prefix (never of one message: buckets would grow with content that many
+rollouts share): its first 8 bytes are the index key, and all 32 confirm the match. xxh3
+collisions can be crafted, BLAKE3 collisions cannot, so a digest match stands for a byte
+comparison. Packed
+msgpack items are self-delimiting, so equal prefix bytes mean equal leading messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import blake3
+import xxhash
+
+from .encoding import array_header
+
+__all__ = [
+    "CHUNK_BYTES",
+    "MAX_RAW_TIPS",
+    "RAW_HEAD",
+    "WINDOW",
+    "Probe",
+    "RawTip",
+    "RawTips",
+    "digest_key",
+    "prefix_digest",
+    "prefix_keys",
+    "raw_end",
+]
+
+#: How many trailing message boundaries are probed before every boundary is.
+WINDOW = 8
+#: Messages before the window are packed in chunks of about this many bytes.
+CHUNK_BYTES = 1 << 16
+
+
+def prefix_digest(data: bytes | memoryview) -> bytes:
+    """The BLAKE3 digest (32 bytes) of a packed request prefix."""
+    return blake3.blake3(data).digest()
+
+
+def digest_key(digest: bytes) -> int:
+    """The index key of a prefix: the first 8 bytes of its digest."""
+    return int.from_bytes(digest[:8], "little")
+
+
+def prefix_keys(plains: Sequence[bytes]) -> list[int]:
+    """Index keys of every prefix of a request: keys[m] is that of its first m messages."""
+    hasher = blake3.blake3()
+    keys = [digest_key(hasher.digest())]
+    for plain in plains:
+        hasher.update(plain)
+        keys.append(digest_key(hasher.digest()))
+    return keys
+
+
+class Probe:
+    """One request's non-system messages, packed once, with keys and digests of its prefixes.
+
+    The messages before the last `WINDOW` are packed in chunks of about `CHUNK_BYTES` (a few
+    C calls, small buffers that the allocator reuses) and hashed as they go; the last ones are
+    packed one by one, so the digest at each of their boundaries is known. `plains[i]` is the
+    packing of message i where known (from `low` on), `digests[j]` the digest of the first j
+    messages. Raises what the packer raises when some message cannot be packed plainly (the
+    caller then takes the validating path).
+    """
+
+    __slots__ = ("_pack", "digests", "hasher", "low", "messages", "n", "plains")
+
+    def __init__(
+        self, messages: Sequence[Any], pack: Callable[[Any], bytes], message_size: int = 256
+    ) -> None:
+        if type(messages) is not list:
+            messages = list(messages)
+        n = len(messages)
+        low = max(n - WINDOW, 0)
+        self.n = n
+        self.messages = messages
+        self._pack = pack
+        self.plains: list[bytes | None] = [None] * n
+        self.digests: list[bytes | None] = [None] * (n + 1)
+        hasher = blake3.blake3()
+        step = max(CHUNK_BYTES // max(message_size, 1), 1)
+        for start in range(0, low, step):
+            stop = min(start + step, low)
+            chunk = memoryview(pack(messages[start:stop]))[len(array_header(stop - start)) :]
+            hasher.update(chunk)
+        digests, plains = self.digests, self.plains
+        digests[low] = hasher.digest()
+        for i in range(low, n):
+            plain = pack(messages[i])
+            plains[i] = plain
+            hasher.update(plain)
+            digests[i + 1] = hasher.digest()
+        self.low = low
+        self.hasher = hasher  # has seen every message: where a continuation's digest starts
+
+    def extend(self) -> None:
+        """Know the plains and digests of every boundary."""
+        low = self.low
+        if not low:
+            return
+        pack, plains, messages = self._pack, self.plains, self.messages
+        hasher = blake3.blake3()
+        digests = self.digests
+        digests[0] = hasher.digest()
+        for i in range(low):
+            plain = plains[i] = pack(messages[i])
+            hasher.update(plain)
+            digests[i + 1] = hasher.digest()
+        self.low = 0
+
+    def key(self, j: int) -> int:
+        """The index key of the first `j` messages."""
+        return digest_key(self.digest(j))
+
+    def plain(self, i: int) -> bytes:
+        """The packing of message `i`."""
+        if i < self.low:
+            self.extend()
+        return self.plains[i]  # type: ignore[return-value]
+
+    def digest(self, j: int) -> bytes:
+        """The BLAKE3 digest of the packing of the first `j` messages."""
+        if j < self.low:
+            self.extend()
+        return self.digests[j]  # type: ignore[return-value]
+
+    def all_plains(self) -> list[bytes]:
+        """Every message's packing."""
+        self.extend()
+        return self.plains  # type: ignore[return-value]
+
+    def keys(self) -> list[int]:
+        """The index keys of every prefix."""
+        self.extend()
+        return [digest_key(d) for d in self.digests]  # type: ignore[arg-type]
+
+
+#: A raw request is found among stored ones by the xxh3 key of its first bytes.
+RAW_HEAD = 4096
+#: Raw tips kept per graph (the latest raw turn of each conversation, oldest dropped first).
+MAX_RAW_TIPS = 64
+_CHECK = 64  # bytes before a tip's end whose xxh3 filters candidates before BLAKE3 confirms
+
+_WS = b" \t\r\n"
+
+
+def raw_end(data: bytes) -> int | None:
+    """Where the last item of a JSON array text ends (before its closing bracket), or None
+    when the text does not end with a bracket after an item. Looks at the last bytes only."""
+    end = len(data)
+    while end and data[end - 1] in _WS:
+        end -= 1
+    if end < 2 or data[end - 1] != 0x5D:  # "]"
+        return None
+    end -= 1
+    while end and data[end - 1] in _WS:
+        end -= 1
+    return end if end > 1 else None
+
+
+class RawTip:
+    """The latest raw turn of a conversation: where its messages text ended, the digest of
+    that text, and the BLAKE3 state after its plain packing (so a raw continuation gets its
+    plain digest, and is found by decoded turns, without packing what it re-sends)."""
+
+    __slots__ = ("check", "digest", "end", "head", "n_sys", "plain_state", "system_plain", "turn")
+
+    def __init__(
+        self,
+        turn: Any,
+        data: bytes,
+        end: int,
+        digest: bytes,
+        plain_state: Any,
+        system_plain: bytes | None,
+        n_sys: int,
+    ) -> None:
+        self.turn = turn
+        self.n_sys = n_sys
+        self.end = end
+        self.head = xxhash.xxh3_64_intdigest(memoryview(data)[: min(end, RAW_HEAD)])
+        self.check = xxhash.xxh3_64_intdigest(memoryview(data)[max(end - _CHECK, 0) : end])
+        self.digest = digest
+        self.plain_state = plain_state
+        self.system_plain = system_plain
+
+
+class RawTips:
+    """A graph's raw tips (at most MAX_RAW_TIPS), found by the key of the first bytes of a
+    messages text: its first RAW_HEAD bytes, or all of a shorter tip's text."""
+
+    __slots__ = ("_by_head", "_order", "_short_ends")
+
+    def __init__(self) -> None:
+        self._by_head: dict[int, list[RawTip]] = {}
+        self._order: dict[int, RawTip] = {}  # by id, oldest first
+        self._short_ends: dict[int, int] = {}  # ends below RAW_HEAD -> how many tips
+
+    def find(self, data: bytes) -> tuple[RawTip, Any] | None:
+        """The longest tip whose messages text `data` extends by at least one item, and a
+        BLAKE3 hasher that has seen `data` up to that tip's end (confirmed by its digest)."""
+        view = memoryview(data)
+        n = len(data)
+        sizes = sorted((e for e in self._short_ends if e < n), reverse=True)
+        if n > RAW_HEAD:
+            sizes.insert(0, RAW_HEAD)
+        for size in sizes:
+            best: tuple[RawTip, Any] | None = None
+            for tip in self._by_head.get(xxhash.xxh3_64_intdigest(view[:size]), ()):
+                end = tip.end
+                if end >= n or (best is not None and end <= best[0].end):
+                    continue
+                if not data[end : end + 64].lstrip(_WS).startswith(b","):
+                    continue
+                if xxhash.xxh3_64_intdigest(view[max(end - _CHECK, 0) : end]) != tip.check:
+                    continue
+                hasher = blake3.blake3(view[:end])
+                if hasher.digest() == tip.digest:
+                    best = (tip, hasher)
+            if best is not None:
+                return best
+        return None
+
+    def add(self, tip: RawTip, replaces: RawTip | None) -> None:
+        if replaces is not None:
+            self._drop(replaces)
+        self._by_head.setdefault(tip.head, []).append(tip)
+        self._order[id(tip)] = tip
+        if tip.end < RAW_HEAD:
+            self._short_ends[tip.end] = self._short_ends.get(tip.end, 0) + 1
+        while len(self._order) > MAX_RAW_TIPS:
+            self._drop(next(iter(self._order.values())))
+
+    def _drop(self, tip: RawTip) -> None:
+        if self._order.pop(id(tip), None) is None:
+            return
+        tips = self._by_head[tip.head]
+        tips.remove(tip)
+        if not tips:
+            del self._by_head[tip.head]
+        if tip.end < RAW_HEAD:
+            left = self._short_ends[tip.end] - 1
+            if left:
+                self._short_ends[tip.end] = left
+            else:
+                del self._short_ends[tip.end]

@@ -1,0 +1,95 @@
+"""Intake at the floor: requests found by the digest of their whole prefix, buckets that stay
+small on shapes many rollouts share, and turns read from a file confirmed once by bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout_store import RolloutGraph, TurnNode
+
+
+def _user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def _assistant(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
+
+
+def test_shared_observation_text_does_not_share_a_bucket() -> None:
+    """Rollouts whose observations are the same short text at the same position: each turn
+    finds its own parent, and request keys hold one turn each."""
+    graph = RolloutGraph()
+    for r in range(30):
+        history = [_user(f"task {r}")]
+        for step in range(4):
+            view = graph.add_turn(
+                TurnNode(request_messages=list(history), response_message=_assistant(f"{r}.{step}"))
+            )
+            if step:
+                assert graph.parent(view.node_id) == f"turn-{r * 4 + step - 1}"
+            history += [_assistant(f"{r}.{step}"), _user("OK")]
+    index = graph._requests.request_index
+    assert all(not isinstance(found, list) for found in index.values())
+
+
+def test_one_prompt_sampled_many_times_then_continued() -> None:
+    """200 samples of one request by messages; a continuation of sample 137 hangs under it,
+    and the identical requests keep their parents in their bucket (no scan for twins)."""
+    graph = RolloutGraph()
+    request = [{"role": "system", "content": "s"}, _user("solve")]
+    for i in range(200):
+        graph.add_turn(TurnNode(request_messages=request, response_message=_assistant(f"s{i}")))
+    child = graph.add_turn(
+        TurnNode(request_messages=[*request, _assistant("s137"), _user("go on")])
+    )
+    assert graph.parent(child.node_id) == "turn-137"
+    (bucket,) = [f for f in graph._requests.request_index.values() if isinstance(f, list)]
+    assert len(bucket) == 200 and [t.node_id for t in bucket.parents] == ["turn-137"]
+    again = graph.add_turn(TurnNode(request_messages=request, response_message=_assistant("x")))
+    assert graph.parent(again.node_id) is None
+
+
+def test_short_token_roots_found_without_a_scan() -> None:
+    """A continuation of a 6-token call that arrived first moves under the call when it
+    arrives, found by a 4-token head (prompts under 16 tokens no longer scan every root)."""
+    graph = RolloutGraph()
+    for i in range(50):  # unrelated short roots
+        graph.add_turn(TurnNode(prompt_ids=[900 + i, 1, 2], sampled_ids=[3]))
+    late = graph.add_turn(TurnNode(prompt_ids=[5, 6, 7, 8, 9, 10, 11, 12, 13], sampled_ids=[1]))
+    first = graph.add_turn(TurnNode(prompt_ids=[5, 6, 7, 8, 9, 10], sampled_ids=[11, 12]))
+    assert graph.parent(late.node_id) == first.node_id
+
+
+def test_turns_read_from_a_file_are_confirmed_once_by_bytes(tmp_path: Any) -> None:
+    graph = RolloutGraph()
+    history = [{"role": "system", "content": "s"}]
+    for i in range(5):
+        history = [*history, _user(f"q{i}")]
+        graph.add_turn(TurnNode(request_messages=history, response_message=_assistant(f"a{i}")))
+        history = [*history, _assistant(f"a{i}")]
+    path = tmp_path / "g.rls"
+    graph.save(path)
+    loaded = RolloutGraph.load(path)
+    assert all(t.digest is None for t in loaded._turns)
+    view = loaded.add_turn(TurnNode(request_messages=[*history, _user("q5")]))
+    assert loaded.parent(view.node_id) == "turn-4"
+    assert loaded._turns[4].digest == graph._turns[4].digest  # learnt from the comparison
+    assert loaded.stats()["message_bytes_stored"] == graph.stats()["message_bytes_stored"] + len(
+        loaded._turns[5].tail
+    )
+
+
+def test_token_parent_beyond_the_digest_window() -> None:
+    """A continuation that adds more than TOKEN_WINDOW blocks of tokens still finds its
+    parent (the earlier blocks are digested when the window holds none)."""
+    from rollout_store.linking import TOKEN_WINDOW
+    from rollout_store.tokens import BLOCK
+
+    graph = RolloutGraph()
+    first = graph.add_turn(TurnNode(prompt_ids=list(range(100)), sampled_ids=[7, 8]))
+    extra = list(range(1000, 1000 + (TOKEN_WINDOW + 3) * BLOCK))
+    child = graph.add_turn(TurnNode(prompt_ids=[*range(100), 7, 8, *extra], sampled_ids=[1]))
+    assert graph.parent(child.node_id) == first.node_id
+    near = graph.add_turn(TurnNode(prompt_ids=[*range(100), 7, 8, *extra, 1, 5], sampled_ids=[2]))
+    assert graph.parent(near.node_id) == child.node_id

@@ -1,0 +1,431 @@
+"""RawJSON decodes exactly as json.loads does: same values, same bytes under json.dumps, same
+refusals, whatever the spelling of the text."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from support import FUZZ, assert_same, assert_same_json, json_like
+
+from rollout_store import InvalidValueError, RawJSON
+from rollout_store.raw import decode_raw, resolve_raw, split_array
+
+# JSON documents as json.loads produces them: lists, str keys (json.dumps turns other keys
+# into strings, so the decoded value has str keys)
+json_values = json_like.map(lambda v: json.loads(json.dumps(v)) if _dumpable(v) else None)
+
+
+def _dumpable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _loads_or_error(data: bytes | str) -> tuple[str, Any]:
+    try:
+        return ("ok", json.loads(data))
+    except (ValueError, RecursionError) as exc:
+        return ("error", str(exc))
+
+
+def _raw_or_error(data: bytes | str) -> tuple[str, Any]:
+    try:
+        return ("ok", decode_raw(RawJSON(data), "field"))
+    except InvalidValueError as exc:
+        assert exc.path == "field"
+        return ("error", exc.reason)
+
+
+def _same_outcome(data: bytes | str) -> None:
+    want = _loads_or_error(data)
+    got = _raw_or_error(data)
+    assert got[0] == want[0], (data, got, want)
+    if want[0] == "ok":
+        assert_same(got[1], want[1])
+        assert_same_json(got[1], want[1])
+    else:  # json.loads's own message, named at the field
+        assert want[1] in got[1]
+
+
+# ---------------------------------------------------------------- odd spellings
+
+
+def _spell(value: Any, rng: random.Random) -> str:
+    """JSON text of `value` with random whitespace, escapes and number spellings."""
+    ws = lambda: rng.choice(["", "", " ", "\n", "\t ", "\r\n  "])  # noqa: E731
+    if value is None or value is True or value is False:
+        return json.dumps(value)
+    if isinstance(value, int):
+        if value == 0 and rng.random() < 0.3:
+            return "-0"
+        return str(value)
+    if isinstance(value, float):
+        text = json.dumps(value)  # repr: shortest round-trip, or NaN / Infinity
+        if text[-1].isdigit() and rng.random() < 0.5 and value != 0:
+            mantissa, exponent = f"{value:.17e}".split("e")
+            sign = "-" if int(exponent) < 0 else rng.choice(["", "+"])
+            text = f"{mantissa}{rng.choice('eE')}{sign}{abs(int(exponent))}"
+        return text
+    if isinstance(value, str):
+        out = ['"']
+        for ch in value:
+            r = rng.random()
+            if ch in '"\\' or ord(ch) < 0x20 or 0xD800 <= ord(ch) <= 0xDFFF or r < 0.15:
+                if ord(ch) > 0xFFFF:
+                    code = ord(ch) - 0x10000
+                    hi, lo = 0xD800 + (code >> 10), 0xDC00 + (code & 0x3FF)
+                    out.append(f"\\u{hi:04x}\\u{lo:04X}")
+                elif ch in '\n\t"\\/' and r < 0.5:
+                    out.append({"\n": "\\n", "\t": "\\t", '"': '\\"', "\\": "\\\\", "/": "\\/"}[ch])
+                else:
+                    out.append(f"\\u{ord(ch):04{rng.choice('xX')}}")
+            else:
+                out.append(ch)
+        out.append('"')
+        return "".join(out)
+    if isinstance(value, list):
+        inner = ("," + ws()).join(ws() + _spell(v, rng) + ws() for v in value)
+        return "[" + (inner or ws()) + "]"
+    items = [
+        ws() + _spell(k, rng) + ws() + ":" + ws() + _spell(v, rng) + ws() for k, v in value.items()
+    ]
+    if items and rng.random() < 0.2:  # a duplicate key before the real one: last wins
+        key = rng.choice(list(value))
+        items.insert(0, _spell(key, rng) + ":" + _spell([1, "dup"], rng))
+    return "{" + (",".join(items) or ws()) + "}"
+
+
+@given(json_values)
+def test_dumps_text_round_trips(value: Any) -> None:
+    for text in (json.dumps(value), json.dumps(value, ensure_ascii=False)):
+        _same_outcome(text)
+        _same_outcome(text.encode("utf-8", "surrogatepass"))
+
+
+@given(json_values, st.integers(0, 2**32))
+def test_odd_spellings_round_trip(value: Any, seed: int) -> None:
+    text = _spell(value, random.Random(seed))
+    _same_outcome(text)
+    _same_outcome(text.encode("utf-8", "surrogatepass"))
+
+
+@pytest.mark.slow
+@FUZZ
+@given(json_values, st.integers(0, 2**32))
+def test_odd_spellings_round_trip_fuzz(value: Any, seed: int) -> None:
+    text = _spell(value, random.Random(seed))
+    _same_outcome(text)
+    _same_outcome(text.encode("utf-16"))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "NaN",
+        "[NaN, Infinity, -Infinity]",
+        "1e400",
+        "-1e400",
+        "[1E400, 1e-400]",
+        '"\\ud800"',
+        '{"a": "\\udfff x"}',
+        "123456789012345678901234567890",
+        "-18446744073709551617",
+        '{"a": 1, "b": 2, "a": 3}',
+        '{"a": 1, "a": {"x": 1}}',
+        "-0",
+        "-0.0",
+        "[1.0, 1, true, 0.0, -0.0]",
+        "\ufeff[1]",
+        '"\\u00e9\\u20AC\\ud83d\\ude00"',
+        "  [ ]  ",
+        "{}",
+        "[1,]",
+        "[01]",
+        "1.",
+        "",
+        "[1] x",
+        '"\x01"',
+        "[" * 5000 + "]" * 5000,
+    ],
+)
+def test_where_msgspec_and_json_differ(text: str) -> None:
+    _same_outcome(text)
+    _same_outcome(text.encode("utf-8", "surrogatepass"))
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\xef\xbb\xbf[1, 2]",  # UTF-8 BOM: json.loads accepts it in bytes
+        '[1, "\u00e9"]'.encode("utf-16"),
+        '[1, "\u00e9"]'.encode("utf-32-le"),
+        b'"\xed\xa0\x80"',  # a UTF-8 encoded surrogate: json.loads decodes with surrogatepass
+        b'"\xff"',
+        b"[1, 2",
+    ],
+)
+def test_bytes_encodings(data: bytes) -> None:
+    _same_outcome(data)
+
+
+@given(st.text(alphabet=st.sampled_from(list('[]{}",:0123456789.eE+-nulltrsaINfiy \\u\n'))))
+def test_arbitrary_text_same_verdict(text: str) -> None:
+    _same_outcome(text)
+
+
+@given(st.binary(max_size=40))
+def test_arbitrary_bytes_same_verdict(data: bytes) -> None:
+    _same_outcome(data)
+
+
+# ---------------------------------------------------------------- the helpers
+
+
+def test_rawjson_type() -> None:
+    raw = RawJSON(bytearray(b"[1]"))
+    assert raw.data == b"[1]" and raw == RawJSON(b"[1]") and raw != RawJSON("[1]")
+    assert raw.decode() == [1]
+    assert "RawJSON" in repr(RawJSON("x" * 100))
+    with pytest.raises(TypeError):
+        RawJSON(5)  # type: ignore[arg-type]
+
+
+def test_split_array_keeps_spans() -> None:
+    spans = split_array(b'[ {"a": 1} ,2, "x" ]')
+    assert spans is not None
+    assert [bytes(s) for s in spans] == [b'{"a": 1}', b"2", b'"x"']
+    assert split_array(b'{"a": 1}') is None
+    assert split_array(b"[NaN]") is None  # left to json.loads
+
+
+def test_resolve_raw_items_and_whole() -> None:
+    items = [{"role": "user"}, RawJSON('{"role": "assistant", "content": 1.0}')]
+    assert_same(resolve_raw(items, "m"), [{"role": "user"}, {"role": "assistant", "content": 1.0}])
+    assert_same(resolve_raw((RawJSON("1"),), "m"), (1,))
+    plain = [1, 2]
+    assert resolve_raw(plain, "m") is plain
+    with pytest.raises(InvalidValueError) as info:
+        resolve_raw([1, RawJSON("[1,")], "request_messages")
+    assert info.value.path == "request_messages[1]"
+    assert "Expecting value" in str(info.value)
+    assert isinstance(info.value.__cause__, json.JSONDecodeError)
+
+
+# ---------------------------------------------------------------- in the graph
+
+
+def _chat(n: int) -> list[list[dict[str, Any]]]:
+    """Request message lists of an n-turn chat (each re-sends the last plus two messages)."""
+    history: list[dict[str, Any]] = [{"role": "system", "content": "be brief"}]
+    out = []
+    for i in range(n):
+        history = [*history, {"role": "user", "content": f"question {i}", "n": [1, 1.0, -0.0]}]
+        out.append(history)
+        history = [*history, {"role": "assistant", "content": f"answer {i}"}]
+    return out
+
+
+def _response(i: int) -> dict[str, Any]:
+    return {"role": "assistant", "content": f"answer {i}"}
+
+
+@pytest.mark.parametrize("raw_turns", [{0, 1, 2, 3}, {1, 3}, {0, 2}, {2}])
+def test_raw_and_decoded_turns_link_to_each_other(raw_turns: set[int]) -> None:
+    from rollout_store import RolloutGraph, TurnNode
+
+    graph, plain = RolloutGraph(), RolloutGraph()
+    for i, messages in enumerate(_chat(4)):
+        text = json.dumps(messages)
+        given: Any = RawJSON(text.encode()) if i in raw_turns else json.loads(text)
+        graph.add_turn(TurnNode(request_messages=given, response_message=_response(i)))
+        plain.add_turn(TurnNode(request_messages=json.loads(text), response_message=_response(i)))
+    assert graph.path_ids("turn-3") == ["turn-0", "turn-1", "turn-2", "turn-3"]
+    assert graph.stats()["message_bytes_stored"] == plain.stats()["message_bytes_stored"]
+    for node_id in graph.node_ids():
+        assert_same(graph.request_messages(node_id), plain.request_messages(node_id))
+
+
+def test_raw_items_in_lists_and_every_json_field() -> None:
+    from rollout_store import RolloutGraph, TurnNode
+
+    graph = RolloutGraph()
+    messages = _chat(2)[1]
+    node = TurnNode(
+        request_messages=[messages[0], *(RawJSON(json.dumps(m)) for m in messages[1:])],
+        request_tools=[RawJSON('{"type": "function", "big": 123456789012345678901234567890}')],
+        sampling_params=RawJSON('{"temperature": 1.0, "x": NaN}'),
+        response_message=RawJSON(b'{"role": "assistant", "content": "\\ud800"}'),
+        prompt_ids=RawJSON("[1, 2, 3]"),  # type: ignore[arg-type]
+        sampled_ids=RawJSON(b"[4]"),  # type: ignore[arg-type]
+        sampled_logprobs=RawJSON("[-0.5]"),  # type: ignore[arg-type]
+        n_tools=None,
+    )
+    view = graph.add_turn(node)
+    got = graph.get(view.node_id)
+    assert_same_json(got.request_messages, messages)
+    assert_same_json(got.request_tools, [json.loads(node.request_tools[0].data)])  # type: ignore[index]
+    assert json.dumps(got.sampling_params) == '{"temperature": 1.0, "x": NaN}'
+    assert json.dumps(got.response_message) == '{"role": "assistant", "content": "\\ud800"}'
+    assert (got.prompt_ids, got.sampled_ids, got.sampled_logprobs) == ([1, 2, 3], [4], [-0.5])
+    assert graph.summary(view.node_id)["n_tools"] == 1
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "path"),
+    [
+        ("request_messages", RawJSON("[{"), "request_messages"),
+        ("request_messages", [{"role": "user"}, RawJSON("{,}")], "request_messages[1]"),
+        ("response_message", RawJSON(b"\xff"), "response_message"),
+        ("request_tools", [RawJSON("[1,]")], "request_tools[0]"),
+        ("sampling_params", RawJSON(""), "sampling_params"),
+    ],
+)
+def test_bad_raw_text_is_refused_naming_the_field(field: str, value: Any, path: str) -> None:
+    from rollout_store import RolloutGraph, TurnNode
+
+    graph = RolloutGraph()
+    graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "x"}]))
+    before = graph.stats()
+    with pytest.raises(InvalidValueError) as info:
+        graph.add_turn(TurnNode(**{field: value}))
+    assert info.value.path == path
+    assert graph.stats() == before and len(graph) == 1
+
+
+@given(st.lists(json_values, max_size=5), st.integers(0, 2**32))
+def test_raw_messages_round_trip_in_the_graph(values: list[Any], seed: int) -> None:
+    from rollout_store import RolloutGraph, TurnNode
+
+    messages = [{"role": "user", "content": v} for v in values]
+    text = "[" + ",".join(_spell(m, random.Random(seed + i)) for i, m in enumerate(messages)) + "]"
+    graph = RolloutGraph()
+    view = graph.add_turn(TurnNode(request_messages=RawJSON(text)))
+    assert_same_json(graph.request_messages(view.node_id), json.loads(text))
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        '{"role": "user", "content": NaN}',
+        '{"role": "user", "content": "\\ud800 lone"}',
+        '{"role": "user", "content": 123456789012345678901234567890}',
+        '{"role": "user", "content": [1e400, -0.0, 1.0, 1]}',
+        '{"role": "user", "content": {"a": 1, "a": 2}}',
+        '{"role": "user", "content": "' + "long " * 400 + '"}',
+    ],
+)
+def test_raw_continuations_with_odd_values(odd: str) -> None:
+    """A raw conversation whose later messages json.loads and msgspec read differently, or
+    that hold blobs and big ints: the same messages and links as decoded input."""
+    from rollout_store import RolloutGraph, TurnNode
+
+    raw, decoded = RolloutGraph(), RolloutGraph()
+    texts = ['{"role": "system", "content": "s"}', '{"role": "user", "content": "q0"}']
+    for i in range(5):
+        text = "[" + ", ".join(texts) + "]"
+        response = {"role": "assistant", "content": f"a{i}"}
+        raw.add_turn(TurnNode(request_messages=RawJSON(text.encode()), response_message=response))
+        decoded.add_turn(TurnNode(request_messages=json.loads(text), response_message=response))
+        texts += [json.dumps(response), odd if i % 2 else f'{{"role": "user", "content": "q{i}"}}']
+    assert raw.path_ids("turn-4") == decoded.path_ids("turn-4")
+    assert raw.path_ids("turn-4") == [f"turn-{i}" for i in range(5)]
+    for node_id in raw.node_ids():
+        assert_same_json(raw.request_messages(node_id), decoded.request_messages(node_id))
+    assert raw.stats()["message_bytes_stored"] == decoded.stats()["message_bytes_stored"]
+
+
+def test_raw_conversation_keeps_one_tip_and_confirms_by_digest() -> None:
+    from rollout_store import RolloutGraph, TurnNode
+
+    graph = RolloutGraph()
+    history = [{"role": "system", "content": "s"}]
+    for i in range(6):
+        history = [*history, {"role": "user", "content": f"q{i}"}]
+        response = {"role": "assistant", "content": f"a{i}"}
+        graph.add_turn(
+            TurnNode(
+                request_messages=RawJSON(json.dumps(history).encode()), response_message=response
+            )
+        )
+        history = [*history, response]
+    tips = graph._requests.raw_tips._order
+    assert [tip.turn.node_id for tip in tips.values()] == ["turn-5"]
+    assert all(t.digest is not None for t in graph._turns)
+    # a decoded continuation finds the raw tip by its plain digest
+    history = [*history, {"role": "user", "content": "decoded"}]
+    view = graph.add_turn(TurnNode(request_messages=history, response_message={"role": "x"}))
+    assert graph.parent(view.node_id) == "turn-5"
+
+
+def test_tampered_raw_prefix_is_not_confirmed() -> None:
+    """Same length, same first and last bytes, one byte changed in the middle: the digest
+    refuses the tip and the text is decoded whole (its own content is kept)."""
+    from rollout_store import RolloutGraph, TurnNode
+
+    graph = RolloutGraph()
+    first = [{"role": "user", "content": "x" * 300 + "A" + "y" * 300}]
+    graph.add_turn(
+        TurnNode(
+            request_messages=RawJSON(json.dumps(first).encode()),
+            response_message={"role": "assistant", "content": "r"},
+        )
+    )
+    second = [
+        {"role": "user", "content": "x" * 300 + "B" + "y" * 300},
+        {"role": "assistant", "content": "r"},
+        {"role": "user", "content": "next"},
+    ]
+    view = graph.add_turn(TurnNode(request_messages=RawJSON(json.dumps(second).encode())))
+    assert graph.parent(view.node_id) is None
+    assert_same_json(graph.request_messages(view.node_id), second)
+
+
+def test_short_plain_packings_still_refuse_non_json() -> None:
+    """The walk is skipped only for packings that cannot hold bytes or ExtType objects."""
+    import msgpack
+
+    from rollout_store import RolloutGraph, TurnNode
+
+    for bad in (b"bytes", msgpack.ExtType(2, b"12"), {b"k": 1}, bytearray(b"x")):
+        graph = RolloutGraph()
+        with pytest.raises(InvalidValueError):
+            graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": bad}]))
+        with pytest.raises(InvalidValueError):
+            graph.add_turn(TurnNode(response_message={"role": "assistant", "content": bad}))
+        assert len(graph) == 0
+
+
+def test_digest_match_of_special_values_is_validated() -> None:
+    """A stored big int and a caller's ExtType packing alike: the digest matches, the
+    validating walk refuses the imitation."""
+    import msgpack
+
+    from rollout_store import RolloutGraph, TurnNode
+
+    graph = RolloutGraph()
+    big = 2**70
+    graph.add_turn(
+        TurnNode(
+            request_messages=[{"role": "user", "content": big}],
+            response_message={"role": "assistant", "content": "r"},
+        )
+    )
+    fake = msgpack.ExtType(2, str(big).encode())
+    with pytest.raises(InvalidValueError):
+        graph.add_turn(
+            TurnNode(
+                request_messages=[
+                    {"role": "user", "content": fake},
+                    {"role": "assistant", "content": "r"},
+                    {"role": "user", "content": "more"},
+                ]
+            )
+        )
+    assert len(graph) == 1
