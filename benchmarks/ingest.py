@@ -16,8 +16,9 @@ one right after the other, so other load on the machine moves both):
 Also retained memory over unique content at 200 turns of every workload (tracemalloc, as
 memory_per_turn.py measures it).
 
-Writes results/ingest.json (results/ingest.partial.json for partial runs); ends with PASS/MISS
-lines for the targets. Never a pass/fail test: a report.
+Writes out/ingest.json (out/ingest.partial.json for partial runs; results/ with
+--update-results); ends with PASS/MISS lines for the targets and a one-line count of targets
+met and missed. Never a pass/fail test: a report.
 """
 
 from __future__ import annotations
@@ -29,17 +30,22 @@ import random
 import statistics
 import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from time import perf_counter
 from typing import Any
 
 import msgspec
-from measure import library_commit, retained_bytes
+from measure import (
+    add_results_option,
+    library_commit,
+    results_dir,
+    retained_bytes,
+    shown,
+    targets_summary,
+)
 from schemes import SCHEMES, _import_rollout_store
 from workloads import SAMPLING_PARAMS, SYSTEM_PROMPT, WORKLOADS, UniqueContent, _text, iter_texts
 
 rs = _import_rollout_store()
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 LONG_CHECKPOINTS = {
     "chatty": (10, 100, 1000, 2000),
@@ -397,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--soak-turns", type=int, default=SOAK_TURNS)
     parser.add_argument("--builds", type=int, default=SOAK_BUILDS)
+    add_results_option(parser)
     args = parser.parse_args(argv)
     workloads = args.workloads.split(",") if args.workloads else list(LONG_CHECKPOINTS)
     shapes = args.shapes.split(",") if args.shapes else list(SOAK_SHAPES)
@@ -457,7 +464,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         and args.soak_turns == SOAK_TURNS
     )
-    RESULTS_DIR.mkdir(exist_ok=True)
     stem = "ingest" if full else "ingest.partial"
     report = {
         "commit": library_commit(),
@@ -466,8 +472,10 @@ def main(argv: list[str] | None = None) -> int:
         "memory": memory,
         "checks": lines,
     }
-    (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote results/{stem}.json")
+    path = results_dir(args.update_results) / f"{stem}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {shown(path)}")
+    print(targets_summary(lines))
     return 0
 
 
