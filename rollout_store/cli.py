@@ -1,6 +1,7 @@
 """The `rollout-store` command: inspect, verify and export rollout files.
 
-`info FILE`, `verify FILE` and `export FILE [--messages] [--jsonl] [-o OUT]`. A damaged file
+`info FILE`, `verify FILE`, `export FILE [--messages] [--jsonl] [-o OUT]` and
+`serve --upstream URL ...` (the capture server, `rollout_store.server`). A damaged file
 gives exit status 1 and a one-line reason on stderr; a progress bar shows on stderr for long
 files when tqdm is installed and stderr is a terminal.
 """
@@ -114,6 +115,12 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from . import server
+
+    return server.main(args.serve_args)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout-store", description=__doc__.splitlines()[0])
     bar = parser.add_mutually_exclusive_group()
@@ -134,6 +141,10 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--session-id", default=None)
     export.add_argument("-o", "--output", default=None, help="output file (default: stdout)")
     export.set_defaults(run=_export)
+    # the capture server parses its own options (it needs the server extra installed)
+    serve = commands.add_parser("serve", help="record agent traffic: see `serve --help`")
+    serve.add_argument("serve_args", nargs=argparse.REMAINDER)
+    serve.set_defaults(run=_serve)
     return parser
 
 
