@@ -7,7 +7,7 @@ API, each streaming or not. Its "tokenizer" is a fixed chat template over hashed
 turn k+1's prompt ids extend turn k's prompt + sampled ids exactly, as a real engine's do.
 Replies depend only on the request: the same request always gets the same answer.
 
-The requested model name selects test behaviour: `stub-hang` never answers, `stub-error`
+The requested model name selects test behaviour: `stub-hang` answers only when the caller has gone, `stub-error`
 answers 400 with an OpenAI-style error, `stub-500` answers 500, `stub-garbage` answers 200
 with a body that is not JSON. `stub-tools` (or any request with `tools` whose last message is
 a user message) answers with a tool call.
@@ -147,10 +147,14 @@ def _error(status: int, message: str) -> JSONResponse:
     )
 
 
-async def _behaviour(body: dict[str, Any]) -> Response | None:
+async def _behaviour(request: Request, body: dict[str, Any]) -> Response | None:
     model = body.get("model")
-    if model == "stub-hang":
-        await asyncio.sleep(3600)
+    if model == "stub-hang":  # until the caller gives up (at most an hour)
+        for _ in range(72_000):
+            if await request.is_disconnected():
+                break
+            await asyncio.sleep(0.05)
+        return Response(status_code=499)
     if model == "stub-error":
         return _error(400, "stub: this request is refused on purpose")
     if model == "stub-500":
@@ -245,7 +249,7 @@ async def _chat(request: Request) -> Response:
     body = await _body(request)
     if isinstance(body, Response):
         return body
-    special = await _behaviour(body)
+    special = await _behaviour(request, body)
     if special is not None:
         return special
     response = chat_response(body)
@@ -264,7 +268,7 @@ async def _messages(request: Request) -> Response:
     body = await _body(request)
     if isinstance(body, Response):
         return body
-    special = await _behaviour(body)
+    special = await _behaviour(request, body)
     if special is not None:
         return special
     response = messages_response(body)
