@@ -7,10 +7,10 @@ API, each streaming or not. Its "tokenizer" is a fixed chat template over hashed
 turn k+1's prompt ids extend turn k's prompt + sampled ids exactly, as a real engine's do.
 Replies depend only on the request: the same request always gets the same answer.
 
-The requested model name selects test behaviour: `stub-hang` answers only when the caller has gone, `stub-error`
-answers 400 with an OpenAI-style error, `stub-500` answers 500, `stub-garbage` answers 200
-with a body that is not JSON. `stub-tools` (or any request with `tools` whose last message is
-a user message) answers with a tool call.
+The requested model name selects test behaviour: `stub-hang` answers only once the caller
+has given up, `stub-error` answers 400 with an OpenAI-style error, `stub-500` answers 500,
+`stub-garbage` answers 200 with a body that is not JSON. `stub-tools` (or any request with
+`tools` whose last message is a user message) answers with a tool call.
 
     python -m rollout_store.stub_engine --port 8000
 """
