@@ -142,14 +142,20 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("-o", "--output", default=None, help="output file (default: stdout)")
     export.set_defaults(run=_export)
     # the capture server parses its own options (it needs the server extra installed)
-    serve = commands.add_parser("serve", help="record agent traffic: see `serve --help`")
-    serve.add_argument("serve_args", nargs=argparse.REMAINDER)
-    serve.set_defaults(run=_serve)
+    serve = commands.add_parser(
+        "serve", help="record agent traffic: see `serve --help`", add_help=False
+    )
+    serve.set_defaults(run=_serve, serve_args=[])
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "serve":
+        args.serve_args = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return int(args.run(args))
     except CorruptFileError as exc:

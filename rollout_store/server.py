@@ -752,6 +752,7 @@ def serve(args: argparse.Namespace) -> int:
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
+    sock.listen(2048)  # connections queue from now on, before uvicorn takes over
     host, port = sock.getsockname()[:2]
     sessions: Sessions = app.state.sessions
     print(

@@ -308,6 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
+    sock.listen(2048)  # connections queue from now on, before uvicorn takes over
     host, port = sock.getsockname()[:2]
     print(f"stub engine on http://{host}:{port}", flush=True)
     config = uvicorn.Config(create_stub_app(), log_level="warning", access_log=False)
