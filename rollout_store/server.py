@@ -345,6 +345,24 @@ def _strip_injected(response: dict[str, Any], token_ids: bool, logprobs: bool) -
                 choice["logprobs"] = None
 
 
+def _upstream_body(raw: bytes, body: dict[str, Any], extra: dict[str, Any]) -> bytes:
+    """The body sent upstream: the client's with `extra` set and `stream_options` dropped.
+
+    When the client's body has none of those keys, `extra` is appended to its own bytes (no
+    key repeats, nothing re-encoded: re-encoding a large conversation costs more than
+    decoding it); otherwise the body is encoded anew.
+    """
+    if "stream_options" not in body and not any(key in body for key in extra):
+        text = raw.rstrip()
+        if text.endswith(b"}"):
+            head = text[:-1].rstrip()
+            items = json.dumps(extra)[1:-1].encode("ascii")
+            return head + (b", " if not head.endswith(b"{") else b"") + items + b"}"
+    merged = {k: v for k, v in body.items() if k != "stream_options"}
+    merged.update(extra)
+    return json.dumps(merged).encode("ascii")
+
+
 async def _events(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
     for chunk in chunks:
         yield chunk
@@ -399,9 +417,9 @@ class _Server:
             parts.append(chunk)
         return b"".join(parts)
 
-    async def _forward(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
+    async def _forward(self, path: str, content: bytes, headers: dict[str, str]) -> Any:
         try:
-            answer = await self.client.post(path, content=json.dumps(body), headers=headers)
+            answer = await self.client.post(path, content=content, headers=headers)
         except httpx.TimeoutException:
             raise _Refusal(
                 504, f"the upstream did not answer within {self.config.upstream_timeout:g} s"
@@ -464,19 +482,20 @@ class _Server:
     async def chat(self, request: Request) -> Response:
         try:
             session = self._session(request)
-            body = _check_chat(_decode(await self._read_body(request)))
-            upstream_body = dict(body)
-            upstream_body["stream"] = False
-            upstream_body.pop("stream_options", None)
+            raw = await self._read_body(request)
+            body = _check_chat(_decode(raw))
             inject_ids = self.config.capture_tokens and "return_token_ids" not in body
             inject_logprobs = self.config.capture_tokens and "logprobs" not in body
+            extra: dict[str, Any] = {"stream": False}
             if inject_ids:
-                upstream_body["return_token_ids"] = True
+                extra["return_token_ids"] = True
             if inject_logprobs:
-                upstream_body["logprobs"] = True
+                extra["logprobs"] = True
             headers = self._upstream_headers(request, anthropic=False)
             try:
-                response = await self._forward("/v1/chat/completions", upstream_body, headers)
+                response = await self._forward(
+                    "/v1/chat/completions", _upstream_body(raw, body, extra), headers
+                )
             except _Passthrough:
                 session.upstream_errors += 1
                 raise
@@ -502,12 +521,13 @@ class _Server:
     async def messages(self, request: Request) -> Response:
         try:
             session = self._session(request)
-            body = _check_anthropic(_decode(await self._read_body(request)))
-            upstream_body = dict(body)
-            upstream_body["stream"] = False
+            raw = await self._read_body(request)
+            body = _check_anthropic(_decode(raw))
             headers = self._upstream_headers(request, anthropic=True)
             try:
-                response = await self._forward("/v1/messages", upstream_body, headers)
+                response = await self._forward(
+                    "/v1/messages", _upstream_body(raw, body, {"stream": False}), headers
+                )
             except _Passthrough:
                 session.upstream_errors += 1
                 raise
@@ -715,6 +735,21 @@ def _store_arg(value: str) -> Any:
     )
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket for uvicorn (`port` 0 picks a free one).
+
+    Made with `IPPROTO_TCP` on purpose: asyncio turns Nagle's algorithm off only on accepted
+    sockets of that protocol, and without it every keep-alive request waits ~40 ms for a
+    delayed ACK.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)  # connections queue from now on, before uvicorn takes over
+    return sock
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `rollout-store serve`."""
     parser.add_argument("--upstream", required=True, help="base URL of the engine (vLLM, SGLang)")
@@ -749,10 +784,7 @@ def serve(args: argparse.Namespace) -> int:
         upstream_api_key=os.environ.get("ROLLOUT_STORE_UPSTREAM_KEY") or None,
         capture_tokens=args.capture_tokens,
     )
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    sock.listen(2048)  # connections queue from now on, before uvicorn takes over
+    sock = listen_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     sessions: Sessions = app.state.sessions
     print(

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .server import listen_socket
 from .sse import SSE_HEADERS, anthropic_events, chat_chunks
 
 __all__ = ["create_stub_app", "main", "prompt_ids_for", "text_ids"]
@@ -305,10 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args(argv)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    sock.listen(2048)  # connections queue from now on, before uvicorn takes over
+    sock = listen_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     print(f"stub engine on http://{host}:{port}", flush=True)
     config = uvicorn.Config(create_stub_app(), log_level="warning", access_log=False)

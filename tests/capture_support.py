@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,8 @@ from typing import Any
 import httpx
 import uvicorn
 
+from rollout_store.server import listen_socket
+
 ROOT = Path(__file__).resolve().parent.parent
 WAIT_S = 20.0
 
@@ -25,8 +26,7 @@ WAIT_S = 20.0
 @contextlib.contextmanager
 def serve_app(app: Any) -> Iterator[str]:
     """Serve `app` with uvicorn in a thread on a free loopback port; yields its base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
+    sock = listen_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     config = uvicorn.Config(
         app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5
