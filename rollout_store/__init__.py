@@ -1,30 +1,61 @@
 """rollout_store: record LLM agent rollouts with memory proportional to unique content."""
 
 from .blobs import BlobTable, Handle
+from .content import ContentStore, RetryPolicy, StringCache, content_key
 from .errors import (
     ChecksumMismatch,
     CorruptFileError,
+    CorruptObjectError,
     DuplicateNodeError,
+    FileLockedError,
     InvalidValueError,
+    MissingObjectError,
     RolloutStoreError,
+    StoreError,
+    StoreObjectError,
+    StoreRequiredError,
+    StoreUnavailableError,
     UnsupportedVersionError,
 )
 from .export import export_session, iter_turn_records, write_session_json, write_trace_jsonl
-from .graph import RolloutGraph, TurnNode
+from .graph import Graph, TurnNode, common_prefix_len
 from .intake import MAX_DEPTH
+from .redis_store import RedisStore
+from .s3_store import S3Store
+from .storage import RolloutGraph
+from .stores import DirectoryStore, MemoryStore
+from .training import TrainingSequence
 
 __all__ = [
     "MAX_DEPTH",
     "BlobTable",
     "ChecksumMismatch",
+    "ContentStore",
+    "CorruptObjectError",
+    "DirectoryStore",
+    "MemoryStore",
+    "MissingObjectError",
+    "RedisStore",
+    "RetryPolicy",
+    "S3Store",
+    "StoreError",
+    "StoreObjectError",
+    "StoreRequiredError",
+    "StoreUnavailableError",
+    "StringCache",
+    "content_key",
     "CorruptFileError",
     "DuplicateNodeError",
+    "FileLockedError",
+    "Graph",
     "Handle",
     "InvalidValueError",
     "RolloutGraph",
     "RolloutStoreError",
+    "TrainingSequence",
     "TurnNode",
     "UnsupportedVersionError",
+    "common_prefix_len",
     "export_session",
     "iter_turn_records",
     "write_session_json",

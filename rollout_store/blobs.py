@@ -15,7 +15,7 @@ import xxhash
 __all__ = ["BlobTable", "Handle", "content_digest"]
 
 
-def content_digest(data: bytes) -> bytes:
+def content_digest(data: bytes | memoryview) -> bytes:
     """The 16-byte xxh3-128 digest used as a blob's key."""
     return xxhash.xxh3_128_digest(data)
 
@@ -115,6 +115,16 @@ class BlobTable:
         else:  # a second string with this digest: a collision, both kept
             self._by_digest[digest] = [found, handle]
         return handle
+
+    def share_packed(self, packed: bytes) -> bytes:
+        """`packed` (a plain packing, no blob references) or an equal object shared with other
+        graphs; a private table shares nothing."""
+        return packed
+
+    @property
+    def fetches(self) -> bool:
+        """Whether reading a blob may fetch it from outside the process."""
+        return False
 
     def count_references(self, n: int, nbytes: int) -> None:
         """Record `n` more references, `nbytes` in all, to stored blobs (a file being loaded)."""

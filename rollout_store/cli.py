@@ -18,7 +18,7 @@ from typing import IO, Any
 from . import storage
 from .errors import CorruptFileError
 from .export import write_session_json, write_trace_jsonl
-from .graph import RolloutGraph
+from .storage import RolloutGraph
 
 __all__ = ["main"]
 
@@ -59,10 +59,11 @@ def _info(args: argparse.Namespace) -> int:
     lines = [
         ("file", args.file),
         ("file bytes", size),
-        ("turns", stats["turns"]),
-        ("roots", stats["roots"]),
-        ("leaves", stats["leaves"]),
-        ("forks", stats["forks"]),
+        ("turns", stats["n_turns"]),
+        ("roots", stats["n_roots"]),
+        ("leaves", stats["n_leaves"]),
+        ("forks", stats["n_forks"]),
+        ("discarded", stats["n_discarded"]),
         ("blobs", stats["blobs"]),
         ("blob bytes", stats["blob_bytes"]),
         ("blob references", stats["blob_references"]),
@@ -110,6 +111,7 @@ def _export(args: argparse.Namespace) -> int:
                 session_id=args.session_id,
                 include_messages=args.messages,
                 include_discarded=args.discarded,
+                capture_level=args.capture_level,
             )
             out.write("\n")
     return 0
@@ -139,6 +141,11 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--discarded", action="store_true", help="include discarded turns")
     export.add_argument("--jsonl", action="store_true", help="one JSON line per turn")
     export.add_argument("--session-id", default=None)
+    export.add_argument(
+        "--capture-level",
+        default="tokens",
+        help='what the engine returned: "tokens" (trainable) or lower ("logprobs", "text")',
+    )
     export.add_argument("-o", "--output", default=None, help="output file (default: stdout)")
     export.set_defaults(run=_export)
     # the capture server parses its own options (it needs the server extra installed)

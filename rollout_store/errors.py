@@ -13,6 +13,13 @@ __all__ = [
     "CorruptFileError",
     "ChecksumMismatch",
     "UnsupportedVersionError",
+    "StoreError",
+    "StoreUnavailableError",
+    "MissingObjectError",
+    "CorruptObjectError",
+    "StoreRequiredError",
+    "StoreObjectError",
+    "FileLockedError",
 ]
 
 
@@ -80,3 +87,58 @@ class ChecksumMismatch(CorruptFileError):
 
 class UnsupportedVersionError(CorruptFileError):
     """The file was written by a newer or unknown version of the format."""
+
+
+# ---------------------------------------------------------------- content stores
+
+
+class StoreError(RolloutStoreError):
+    """A content store could not do what was asked; `key` is the object's key (or None)."""
+
+    def __init__(self, message: str, *, key: bytes | None = None) -> None:
+        super().__init__(f"{message} (key {key.hex()})" if key is not None else message)
+        self.key = key
+        self.reason = message
+
+
+class StoreUnavailableError(StoreError, ConnectionError):
+    """The store did not answer (down, timed out, refused) after its bounded retries.
+
+    Nothing was recorded: retry once the store is back.
+    """
+
+
+class MissingObjectError(StoreError, LookupError):
+    """No object under `key` in the store."""
+
+
+class CorruptObjectError(StoreError, ValueError):
+    """An object read from a store does not hash to its key (damaged or tampered with).
+
+    `expected` is the key, `actual` the digest of what the store returned; the bytes are never
+    handed on.
+    """
+
+    def __init__(self, message: str, *, key: bytes, actual: bytes) -> None:
+        super().__init__(f"{message}: its content hashes to {actual.hex()}", key=key)
+        self.expected = key
+        self.actual = actual
+
+
+class StoreRequiredError(StoreError, ValueError):
+    """A file keeps its long strings in a content store (saved with ``blobs="store"``) and
+    was read without one: pass ``store=`` to `load` or `open`."""
+
+
+class StoreObjectError(CorruptFileError):
+    """A blob record of a file names an object its content store does not have, or has
+    damaged. `key` is the object's key; `offset` and `record` place the blob record."""
+
+    def __init__(self, message: str, *, key: bytes, offset: int, record: int) -> None:
+        super().__init__(f"{message} (key {key.hex()})", offset=offset, record=record)
+        self.key = key
+
+
+class FileLockedError(RolloutStoreError, OSError):
+    """A rollout file is already open for appending by another process (nothing is damaged:
+    close the other graph, or open another file)."""

@@ -1,124 +1,304 @@
 """The session document and the JSONL trace, as dicts or streamed to a file.
 
-`export_session` builds the whole document; `write_session_json` writes the same bytes that
-`json.dumps(export_session(...))` would, holding one turn's materialized values at a time.
+`export_session` builds the document a trainer reads, in the capture graph's own layout:
+
+    session_id, metadata, budget_stop_count
+    turns        every turn in arrival order, discarded retries flagged
+    stats        graph shape (n_turns, n_roots, n_leaves, n_forks, n_discarded) and
+                 n_sequences, n_trainable_sequences, n_trainable_tokens
+    sequences    one row per root-to-leaf path, labelled agent / auxiliary / discarded,
+                 each with its findings and whether it is trainable
+    validation   findings about the whole rollout
+    trainable    the one gate: some agent row survived and nothing about the rollout is fatal
+    capture_level, rollout_type
+
+`write_session_json` writes the same bytes as `json.dumps(export_session(...))`, holding one
+turn's or one sequence's values at a time.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import IO, Any
 
-from .graph import RolloutGraph
+from .checks import Report, check_rollout, check_sequence
+from .graph import Graph
 from .materialize import Streamed, write_document, writer_for
+from .training import TrainingSequence
 
-__all__ = ["export_session", "iter_turn_records", "write_session_json", "write_trace_jsonl"]
+__all__ = [
+    "AGENT",
+    "AUXILIARY",
+    "DISCARDED",
+    "export_session",
+    "iter_turn_records",
+    "summarise",
+    "write_session_json",
+    "write_trace_jsonl",
+]
+
+AGENT, AUXILIARY, DISCARDED = "agent", "auxiliary", "discarded"
+
+#: The graph-shape counts of `RolloutGraph.stats()` that the document carries.
+SHAPE_KEYS = ("n_turns", "n_roots", "n_leaves", "n_forks", "n_discarded")
+
+_UNSET: Any = object()
+
+
+@dataclass
+class _Session:
+    """What the document needs beyond the graph."""
+
+    graph: Graph
+    session_id: Any
+    metadata: Any
+    budget_stop_count: Any
+    findings: list[Any]
+    purpose: Any
+
+
+def _session(
+    source: Any,
+    session_id: Any,
+    metadata: Any,
+    budget_stop_count: Any,
+    findings: Any,
+    purpose: Any,
+) -> _Session:
+    """Keyword arguments win; a session-like object (one with a `graph`) fills the rest."""
+    holder: Any = None
+    if isinstance(source, Graph):
+        graph = source
+    else:
+        found = getattr(source, "graph", None)
+        if not isinstance(found, Graph):
+            raise TypeError(
+                "export_session expects a RolloutGraph or a session object whose `graph` is "
+                f"one, got {type(source).__name__}"
+            )
+        graph, holder = found, source
+
+    def pick(value: Any, name: str, default: Any) -> Any:
+        if value is not _UNSET:
+            return value
+        return getattr(holder, name, default) if holder is not None else default
+
+    return _Session(
+        graph,
+        pick(session_id, "session_id", None),
+        pick(metadata, "metadata", None),
+        pick(budget_stop_count, "budget_stop_count", 0),
+        list(pick(findings, "findings", None) or []),
+        pick(purpose, "purpose", "auto"),
+    )
+
+
+def _plan(graph: Graph, discarded: set[str], trainable: bool) -> list[tuple[str, str, bool, int]]:
+    """Each leaf's (leaf, role, trainable, n_trainable), building one sequence at a time.
+
+    Roles are structural: a path ending in a dropped retry is discarded; a path whose turns
+    carry tools is the agent working, one without is auxiliary (a title generator, a
+    summarizer). Tools tell them apart only when some live paths have them: when none has
+    any, every live path is the agent's (with a trainable capture, those with trainable
+    tokens).
+    """
+    leaves = graph.leaf_ids()
+    paths = [graph.path_ids(leaf) for leaf in leaves]
+    tools = {nid: (graph.summary(nid)["n_tools"] or 0) > 0 for path in paths for nid in path}
+    live = [path for leaf, path in zip(leaves, paths, strict=True) if leaf not in discarded]
+    any_tools = any(tools[nid] for path in live for nid in path)
+    plan = []
+    for leaf, path in zip(leaves, paths, strict=True):
+        seq = graph.sequence_for(leaf)
+        n_trainable = seq.n_trainable if trainable else 0
+        if leaf in discarded:
+            role = DISCARDED
+        elif any_tools:
+            role = AGENT if any(tools[nid] for nid in path) else AUXILIARY
+        elif trainable:
+            role = AGENT if n_trainable else AUXILIARY
+        else:
+            role = AGENT
+        ok = trainable and role == AGENT and check_sequence(seq).ok
+        plan.append((leaf, role, ok, n_trainable))
+    return plan
+
+
+def _row(
+    seq: TrainingSequence, role: str, report: Report | None, trainable: bool
+) -> dict[str, Any]:
+    return {
+        "role": role,
+        "root_id": seq.root_id,
+        "node_ids": seq.node_ids,
+        "n_turns": seq.n_turns,
+        "prompt_len": seq.prompt_len,
+        "n_trainable": seq.n_trainable if trainable else 0,
+        "turn_lengths": seq.turn_lengths(),
+        "input_ids": seq.input_ids,
+        "loss_mask": seq.loss_mask if trainable else [0] * len(seq.input_ids),
+        "logprobs": seq.logprobs,
+        "trainable": bool(report is not None and report.ok and role == AGENT),
+        "validation": report.lines() if report is not None else [],
+    }
 
 
 def _turn_record(
-    graph: RolloutGraph, node_id: str, discarded: bool, include_messages: bool, stream: bool
+    graph: Graph, node_id: str, discarded: bool, include_messages: bool, stream: bool
 ) -> dict[str, Any]:
-    turn = graph.get(node_id) if include_messages else None
+    node = graph.get(node_id)  # a view: each field below is rebuilt as it is read
     info = graph.summary(node_id)
     record: dict[str, Any] = {
         "node_id": node_id,
         "index": info["index"],
         "root_id": graph.root_of(node_id),
-        "parent_id": info["parent_id"],
-        "n_prompt": info["n_prompt"],
         "n_sampled": info["n_sampled"],
+        "n_prompt": info["n_prompt"],
         "n_tools": info["n_tools"],
-        "model": info["model"],
         "finish_reason": info["finish_reason"],
         "harness_session_id": info["harness_session_id"],
-        "sampling_params": graph.sampling_params(node_id),
+        "sampling_params": node.sampling_params,
+        "requested_sampling_params": node.requested_sampling_params,
+        "sampled_logprobs": node.sampled_logprobs,
         "discarded": discarded,
     }
-    if turn is not None:
-        messages = turn.request_messages
+    if include_messages:
+        messages = node.request_messages
         # streamed one message at a time: a long conversation's JSON is never whole in memory
         record["request_messages"] = (
             Streamed(messages) if stream and isinstance(messages, list | tuple) else messages
         )
-        record["request_tools"] = turn.request_tools
-        record["response_message"] = turn.response_message
+        record["request_tools"] = node.request_tools
+        record["response_message"] = node.response_message
     return record
 
 
 def _parts(
-    graph: RolloutGraph,
-    session_id: str | None,
-    metadata: Any,
+    session: _Session,
     include_messages: bool,
     include_discarded: bool,
-    stream: bool = False,
-) -> tuple[dict[str, Any], Iterator[dict[str, Any]], Iterator[dict[str, Any]], dict[str, int]]:
-    discarded = set(graph.discarded_nodes())
-    kept = [n for n in graph.nodes() if include_discarded or n not in discarded]
-    leaves = [n for n in graph.leaves() if include_discarded or n not in discarded]
-    head = {"session_id": session_id, "metadata": metadata}
-    turns = (_turn_record(graph, n, n in discarded, include_messages, stream) for n in kept)
-    sequences = (graph.sequence_for(leaf) for leaf in leaves)
-    full = graph.stats()
+    capture_level: str,
+    stream: bool,
+) -> tuple[dict[str, Any], Iterator[dict[str, Any]], Iterator[dict[str, Any]], dict[str, Any]]:
+    """The document's head, its turns and rows (lazy), and its tail (stats first)."""
+    graph = session.graph
+    trainable_capture = capture_level == "tokens" and session.purpose != "eval"
+    rollout = check_rollout(
+        graph, capture_level=capture_level, budget_stop_count=session.budget_stop_count
+    )
+    discarded = set(graph.discarded_ids())
+    plan = [
+        entry
+        for entry in _plan(graph, discarded, trainable_capture)
+        if include_discarded or entry[1] != DISCARDED
+    ]
+
+    def rows() -> Iterator[dict[str, Any]]:
+        for leaf, role, _, _ in plan:
+            seq = graph.sequence_for(leaf)
+            report = check_sequence(seq) if trainable_capture else None
+            yield _row(seq, role, report, trainable_capture)
+
+    trainable_rows = [entry for entry in plan if entry[2]]
+    shape = graph.stats()
     stats = {
-        "turns": full["turns"],
-        "roots": full["roots"],
-        "leaves": full["leaves"],
-        "forks": full["forks"],
-        "discarded": len(discarded),
-        "exported_turns": len(kept),
-        "sequences": len(leaves),
+        **{key: shape[key] for key in SHAPE_KEYS},
+        "n_sequences": len(plan),
+        "n_trainable_sequences": len(trainable_rows),
+        "n_trainable_tokens": sum(entry[3] for entry in trainable_rows),
     }
-    return head, turns, sequences, stats
+    head = {
+        "session_id": session.session_id,
+        "metadata": session.metadata,
+        "budget_stop_count": session.budget_stop_count,
+    }
+    turns = (
+        _turn_record(graph, nid, nid in discarded, include_messages, stream)
+        for nid in graph.node_ids()
+    )
+    tail = {
+        "validation": rollout.lines() + session.findings,
+        "trainable": bool(trainable_rows) and rollout.ok,
+        "capture_level": capture_level,
+        "rollout_type": "train" if trainable_capture else "eval",
+    }
+    return head, turns, rows(), {"stats": stats, **tail}
 
 
 def export_session(
-    graph: RolloutGraph,
+    session: Any,
     *,
-    session_id: str | None = None,
-    metadata: Any = None,
-    include_messages: bool = False,
     include_discarded: bool = False,
+    include_messages: bool = False,
+    capture_level: str = "tokens",
+    session_id: Any = _UNSET,
+    metadata: Any = _UNSET,
+    budget_stop_count: Any = _UNSET,
+    findings: Any = _UNSET,
+    purpose: Any = _UNSET,
 ) -> dict[str, Any]:
-    """The session as one JSON-ready dict: turns, training sequences and counts.
+    """The rollout as one JSON-ready dict (see the module docstring for its layout).
 
-    Without `include_discarded`, turns dropped as retries (see `discarded_nodes`) and their
-    sequences are left out; every exported turn says whether it was discarded.
+    `session` is a `RolloutGraph`, or any object with a `graph` attribute holding one (a
+    capture session): its `session_id`, `metadata`, `budget_stop_count`, `findings` and
+    `purpose` are read when present. Keyword arguments given here win over them.
+
+    Every turn is listed, discarded retries flagged; `include_discarded` also keeps their
+    rows. `include_messages` adds each turn's request messages, tools and response.
+    `capture_level` other than "tokens" (or `purpose="eval"`) makes an eval document: the
+    structure is all there, no row is trainable and every loss mask is zero.
     """
-    with graph._lock:  # one consistent snapshot, even while other threads add turns
-        head, turns, sequences, stats = _parts(
-            graph, session_id, metadata, include_messages, include_discarded
+    state = _session(session, session_id, metadata, budget_stop_count, findings, purpose)
+    with state.graph.lock:  # one consistent snapshot, even while other threads add turns
+        head, turns, rows, tail = _parts(
+            state, include_messages, include_discarded, capture_level, stream=False
         )
-        return {**head, "turns": list(turns), "sequences": list(sequences), "stats": stats}
+        stats = tail.pop("stats")
+        return {**head, "turns": list(turns), "stats": stats, "sequences": list(rows), **tail}
 
 
 def write_session_json(
-    graph: RolloutGraph,
+    session: Any,
     fp: IO[Any],
     *,
-    session_id: str | None = None,
-    metadata: Any = None,
-    include_messages: bool = False,
     include_discarded: bool = False,
+    include_messages: bool = False,
+    capture_level: str = "tokens",
+    session_id: Any = _UNSET,
+    metadata: Any = _UNSET,
+    budget_stop_count: Any = _UNSET,
+    findings: Any = _UNSET,
+    purpose: Any = _UNSET,
 ) -> None:
-    """Write exactly `json.dumps(export_session(graph, ...))`, one turn in memory at a time."""
-    with graph._lock:  # one consistent snapshot: add_turn in other threads waits
-        head, turns, sequences, stats = _parts(
-            graph, session_id, metadata, include_messages, include_discarded, stream=True
+    """Write exactly `json.dumps(export_session(session, ...))`, one turn in memory at a time."""
+    state = _session(session, session_id, metadata, budget_stop_count, findings, purpose)
+    with state.graph.lock:  # one consistent snapshot: add_turn in other threads waits
+        head, turns, rows, tail = _parts(
+            state, include_messages, include_discarded, capture_level, stream=True
         )
-        document = {**head, "turns": Streamed(turns), "sequences": Streamed(sequences)}
-        write_document(fp, {**document, "stats": stats})
+        stats = tail.pop("stats")
+        document = {
+            **head,
+            "turns": Streamed(turns),
+            "stats": stats,
+            "sequences": Streamed(rows),
+            **tail,
+        }
+        write_document(fp, document)
 
 
-def iter_turn_records(graph: RolloutGraph) -> Iterator[dict[str, Any]]:
+def iter_turn_records(graph: Graph) -> Iterator[dict[str, Any]]:
     """Each turn in arrival order as a flat record for training pipelines.
 
+    `discarded` says whether the turn is a retry that was dropped (see `discarded_ids`).
     A generator: turns added while it runs may re-link turns not yet yielded. For one
     consistent snapshot under concurrent recording use `write_trace_jsonl`, which holds the
     graph's lock throughout.
     """
-    for node_id in graph.nodes():
+    discarded = set(graph.discarded_ids())
+    for node_id in graph.node_ids():
         turn = graph.get(node_id)
         yield {
             "node_id": turn.node_id,
@@ -130,17 +310,44 @@ def iter_turn_records(graph: RolloutGraph) -> Iterator[dict[str, Any]]:
             "request_messages": turn.request_messages,
             "request_tools": turn.request_tools,
             "sampling_params": turn.sampling_params,
+            "requested_sampling_params": turn.requested_sampling_params,
             "response_message": turn.response_message,
             "prompt_ids": turn.prompt_ids,
             "sampled_ids": turn.sampled_ids,
             "sampled_logprobs": turn.sampled_logprobs,
+            "discarded": node_id in discarded,
         }
 
 
-def write_trace_jsonl(graph: RolloutGraph, fp: IO[Any]) -> None:
-    """One JSON line per turn (request, response, token ids, logprobs)."""
+def write_trace_jsonl(graph: Graph, fp: IO[Any]) -> None:
+    """One JSON line per turn (request, response, token ids, logprobs, discarded)."""
     write = writer_for(fp)
-    with graph._lock:
+    with graph.lock:
         for record in iter_turn_records(graph):
             write(json.dumps(record))
             write("\n")
+
+
+def summarise(document: dict[str, Any]) -> str:
+    """A few lines to read after a rollout: shape, training totals, each row, the findings.
+
+    Findings at INFO level are left out of the per-row lines.
+    """
+    stats = document["stats"]
+    out = [
+        f"session {document['session_id']}  {document.get('rollout_type', 'train')}  "
+        f"trainable={document['trainable']}",
+        f"  graph: {stats['n_turns']} turns, {stats['n_roots']} roots, "
+        f"{stats['n_forks']} forks, {stats['n_discarded']} discarded",
+        f"  training: {stats['n_trainable_sequences']} sequence(s), "
+        f"{stats['n_trainable_tokens']} trainable tokens",
+    ]
+    for row in document["sequences"]:
+        out.append(
+            f"  [{row['role']:<10}] turns={row['n_turns']:<3} prompt={row['prompt_len']:<6} "
+            f"len={len(row['input_ids']):<6} trainable={row['n_trainable']:<5} "
+            f"turn_lengths={row['turn_lengths']}"
+        )
+        out.extend(f"      {f}" for f in row["validation"] if not f.startswith("[INFO]"))
+    out.extend(f"  {f}" for f in document["validation"])
+    return "\n".join(out)

@@ -1,8 +1,9 @@
-"""Frames of a rollout file and the encodings inside them.
+"""Version-1 frames of a rollout file, and the encodings inside records of both versions.
 
-A frame is kind (1 byte), payload length (4 bytes LE), xxh3-64 of the payload seeded with
-kind and length (8 bytes LE), then the payload. Token and logprob arrays are stored as
-little-endian bytes; packed values are checked once when read.
+A version-1 frame is kind (1 byte), payload length (4 bytes LE), xxh3-64 of the payload
+seeded with kind and length (8 bytes LE), then the payload; it is read, and written only to
+extend a version-1 log (version 2 is in `framing`). Record kinds, the msgpack packing of
+records, and token and logprob arrays (little-endian bytes) are shared by both versions.
 """
 
 from __future__ import annotations
@@ -10,19 +11,19 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
+from enum import IntEnum
 from typing import Any
 
 import msgpack
 import xxhash
 
-from .blobs import BlobTable
-from .encoding import EXT_BIGINT, EXT_BLOB, EXT_ECHO, EXT_SURROGATE, EXT_TUPLE
+from .encoding import EXT_BIGINT
 
 __all__ = [
     "BLOB_PREFIX",
-    "FORMAT_VERSION",
     "FRAME",
     "KIND_BLOB",
+    "KIND_BLOB_REF",
     "KIND_END",
     "KIND_HEADER",
     "KIND_NAMES",
@@ -31,7 +32,7 @@ __all__ = [
     "MAGIC",
     "MODE_LOG",
     "MODE_SNAPSHOT",
-    "PackedChecker",
+    "RecordKind",
     "bin_header",
     "blob_frame",
     "checksum",
@@ -42,18 +43,23 @@ __all__ = [
     "unpack_payload",
 ]
 
-MAGIC = b"RLSTORE\x00"
-FORMAT_VERSION = 1
+MAGIC = b"RLSTORE\x00"  # version 1
 FRAME = struct.Struct("<BIQ")  # kind, payload length, xxh3-64 of payload seeded by kind+length
 
-KIND_HEADER, KIND_BLOB, KIND_VALUE, KIND_TURN, KIND_END = 0, 1, 2, 3, 4
-KIND_NAMES = {
-    KIND_HEADER: "header",
-    KIND_BLOB: "blob",
-    KIND_VALUE: "value",
-    KIND_TURN: "turn",
-    KIND_END: "end",
-}
+
+class RecordKind(IntEnum):
+    """The kind byte of a frame."""
+
+    HEADER = 0
+    BLOB = 1
+    VALUE = 2
+    TURN = 3
+    END = 4
+    BLOB_REF = 5  # a blob kept in a content store: its digest, store key, size (version 2)
+
+
+KIND_HEADER, KIND_BLOB, KIND_VALUE, KIND_TURN, KIND_END, KIND_BLOB_REF = RecordKind
+KIND_NAMES = {kind.value: kind.name.lower() for kind in RecordKind}
 MODE_LOG, MODE_SNAPSHOT = "log", "snapshot"
 
 _LITTLE = sys.byteorder == "little"
@@ -151,44 +157,6 @@ def decode_segment(spec: Any, kinds: str = "Iqt") -> Any:
             raise ValueError("token ids must be ints")
         return tuple(values)
     raise ValueError(f"unknown segment kind {kind!r}")
-
-
-class PackedChecker:
-    """Decodes a packed value once, so that a damaged reference fails on load, not on export."""
-
-    def __init__(self, blobs: BlobTable) -> None:
-        self.blobs = blobs
-        self.n_blobs = 0
-        self.echo_ok = False
-        self.echoes = 0
-        self.special = False  # holds a tuple, big int or lone surrogate (see graph._shared)
-
-    def hook(self, code: int, payload: bytes) -> None:
-        if code == EXT_BLOB:
-            index = int.from_bytes(payload, "big")
-            if len(payload) != 4 or index >= self.n_blobs:
-                raise ValueError("blob reference out of range")
-            if self.blobs.handle(index).surrogates:
-                self.special = True
-            return
-        if code == EXT_BIGINT:
-            int(payload.decode("ascii"))
-        elif code == EXT_SURROGATE:
-            payload.decode("utf-8", "surrogatepass")
-        elif code == EXT_ECHO and self.echo_ok and not payload:
-            self.echoes += 1
-            return
-        elif code != EXT_TUPLE or payload:
-            raise ValueError(f"unexpected extension type {code}")
-        self.special = True
-
-    def check(self, data: Any, n_blobs: int, echo_ok: bool = False) -> Any:
-        """The value decoded (blobs as None); raises ValueError for a damaged one. Sets
-        `special` and `echoes` for what it found."""
-        if not isinstance(data, bytes):
-            raise ValueError("packed value must be bytes")
-        self.n_blobs, self.echo_ok, self.special, self.echoes = n_blobs, echo_ok, False, 0
-        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=self.hook)
 
 
 def unpack_payload(payload: bytes | memoryview) -> Any:

@@ -9,44 +9,55 @@ indexes, every hit confirmed by exact comparison.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from array import array
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import xxhash
 
 from .blobs import BlobTable
+from .content import ContentStore, StringCache
 from .encoding import unpack
 from .errors import DuplicateNodeError, InvalidValueError, RolloutStoreError
-from .intake import Encoder
-from .linking import Linking
-from .requests import RequestStore
-from .tokens import BLOCK, run_list
+from .intake import real_numbers
+from .linking import Linker
+from .nodes import common_prefix_len
+from .requests import RequestStore, Scratch
+from .shared_blobs import StoreBlobTable
+from .tokens import run_list
+from .training import TrainingSequence
 from .turns import (
+    EMPTY_PROMPT,
     LINK_EXPLICIT,
     LINK_MESSAGES,
     LINK_NAMES,
     LINK_NONE,
     LINK_TOKENS,
     LOGPROBS_PACKED,
-    NO_MESSAGES,
     SCALAR_NAMES,
-    Scratch,
+    IndexKeys,
+    LinkKind,
     Turn,
+    TurnMeta,
     TurnNode,
     add_child,
-    index_add,
     index_members,
     is_above,
-    new_packer,
     request_key,
     seg_list,
 )
-from .values import ValueTable
+from .views import NodeView
 
-__all__ = ["RolloutGraph", "TurnNode", "Sequence"]
+__all__ = [
+    "Graph",
+    "GraphRestorer",
+    "Journal",
+    "JournalEntry",
+    "TrainingSequence",
+    "TurnNode",
+    "common_prefix_len",
+]
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -56,60 +67,90 @@ def _locked(method: _F) -> _F:
     """Run a query under the graph's lock, so it sees no turn half added."""
 
     @functools.wraps(method)
-    def locked(self: RolloutGraph, *args: Any, **kwargs: Any) -> Any:
+    def locked(self: Graph, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             return method(self, *args, **kwargs)
 
     return locked  # type: ignore[return-value]
 
 
-Sequence = dict[str, Any]
+class JournalEntry(NamedTuple):
+    """One turn as a file records it: the stored turn and what it changed in the graph."""
+
+    turn: Turn
+    keys: IndexKeys  # where the turn is filed in the graph's indexes
+    moves: list[tuple[Turn, LinkKind]]  # earlier turns it re-linked under itself
+    blobs_end: int  # blobs stored once the turn was committed (its new ones are below this)
+    references: tuple[int, int] | None  # blob references and their bytes so far; None in a
+    # snapshot, which counts them once at its end
 
 
-class RolloutGraph(RequestStore, Linking):
+class Journal(Protocol):
+    """Where an appending graph writes each turn (the file writer of `storage`).
+
+    `append` runs under the graph's lock before the turn is committed: raising rejects the
+    turn, and the graph stays exactly as it was. `close` flushes and releases the file.
+    """
+
+    @property
+    def path(self) -> str | None:
+        """The real path of the file appended to, or None."""
+
+    def append(self, entry: JournalEntry) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Graph:
     """Turns of one or many rollouts, with memory proportional to unique content.
 
     `share_threshold`: strings of at least this many characters are stored once in the
     graph's blob table (`None` disables string sharing; messages and tokens are still
     shared). Safe to use from many threads: `add_turn` is serialized by a lock.
+
+    This is the in-memory graph; `RolloutGraph` (in `storage`, the layer above) adds
+    `save`, `load` and `open`.
+
+    `store`: a `ContentStore` shared with other graphs, processes or machines; the graph's
+    long strings are kept there and the graph holds references (see `shared_blobs`).
+    Without it the graph owns a private in-memory blob table. `cache`: the `StringCache` of
+    strings read from an out-of-process store (share one between graphs to bound them all;
+    default: a private cache of `shared_blobs.DEFAULT_GRAPH_CACHE_BYTES`).
     """
 
-    def __init__(self, share_threshold: int | None = 1024) -> None:
+    def __init__(
+        self,
+        share_threshold: int | None = 1024,
+        *,
+        store: ContentStore | None = None,
+        cache: StringCache | None = None,
+    ) -> None:
         if share_threshold is not None and (
             not isinstance(share_threshold, int) or share_threshold < 1
         ):
             raise ValueError("share_threshold must be a positive int or None")
         self.share_threshold = share_threshold
-        self._blobs = BlobTable()
-        # a reusable packer (packb builds one per call); used under the lock only, and
-        # replaced after each turn so a large message's buffer is not kept
-        self._pack_plain = new_packer()
-        self._encoder = Encoder(self._blobs, share_threshold)
-        self._canonical = Encoder(None, None)  # plain packing by the validating walk
-        self._values = ValueTable(self._expand, share_threshold)
         self._turns: list[Turn] = []
         self._blob_marks = array("I")  # blobs stored once each turn was committed, for save
         self._by_id: dict[str, Turn] = {}
-        self._meta: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-        self._request_index: dict[int, Any] = {}  # digest of non-system request -> turn(s)
-        self._token_index: dict[int, Any] = {}  # block digest of prompt+sampled -> turn(s)
-        self._prompt_index: dict[int, Any] = {}  # digest of a whole prompt -> TokenRun(s)
-        self._token_roots: dict[int, Any] = {}  # block digests of token roots' prompts
-        self._short_lengths: set[int] = set()  # lengths under one block that turns have
-        self._message_roots: dict[int, Any] = {}  # request keys of message roots' prefixes
+        self._meta: dict[TurnMeta, TurnMeta] = {}
+        self.store = store
+        self._use_blobs(BlobTable() if store is None else StoreBlobTable(store, cache))
         self._lock = threading.RLock()
-        # Called with (turn, first new blob index, scratch) before a turn is committed; a
-        # listener that raises rejects the turn (the append-mode file writer is one).
-        self._listeners: list[Callable[[Turn, int, Scratch], None]] = []
-        self._closers: list[Callable[[], None]] = []
+        self._journal: Journal | None = None  # the file an appending graph writes to
         self._closed = False  # the file behind an appending graph was closed
-        self._log_path: str | None = None  # that file, while it is open
         #: Set by `load` and `open`: how much of the file was good (a storage.LoadReport).
         self.load_report: Any = None
 
     @property
+    def lock(self) -> threading.RLock:
+        """The graph's lock: hold it to read through many queries as one consistent snapshot
+        while other threads record (every query and `add_turn` take it too)."""
+        return self._lock
+
+    @property
     def blobs(self) -> BlobTable:
-        """The graph's blob table (its `stats()` are part of `RolloutGraph.stats()`)."""
+        """The graph's blob table (its `stats()` are part of `stats()`)."""
         return self._blobs
 
     @blobs.setter
@@ -119,50 +160,31 @@ class RolloutGraph(RequestStore, Linking):
         with self._lock:
             if self._turns or len(self._blobs):
                 raise ValueError("the blob table of a graph that holds turns cannot change")
-            self._blobs = table
-            self._encoder = Encoder(table, self.share_threshold)
+            self._use_blobs(table)
 
-    # ------------------------------------------------------------------ files
-    # Thin doors to `storage`, which sits above this module; imported late on purpose.
+    def _use_blobs(self, table: BlobTable) -> None:
+        """Own `table` and the parts built on it (the graph is empty)."""
+        self.store = table.store if isinstance(table, StoreBlobTable) else None
+        self._blobs = table
+        self._requests = RequestStore(table, self.share_threshold)  # messages and values
+        self._linker = Linker(self._requests, self._turns)  # parents and adoptions
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the graph to `path` atomically (temporary file, fsync, rename)."""
-        from . import storage
+    # ------------------------------------------------------------------ the file door
+    # The file layer (`storage`) sits above this module and drives it through these:
+    # `attach_journal` and `journal_entries` to write, `_restorer` to read a file back.
 
-        storage.save(self, path)
+    def attach_journal(self, journal: Journal) -> None:
+        """Write every turn added from now on to `journal` before committing it."""
+        with self._lock:
+            if self._journal is not None or self._closed:
+                raise RolloutStoreError("this graph already appends to a file")
+            self._journal = journal
 
-    @classmethod
-    def load(
-        cls,
-        path: str | os.PathLike[str],
-        *,
-        recover: bool = False,
-        progress: Callable[[int], None] | None = None,
-    ) -> RolloutGraph:
-        """Read a file written by `save` or `open`; see `storage.load`."""
-        from . import storage
-
-        return storage.load(path, recover=recover, progress=progress)
-
-    @classmethod
-    def open(
-        cls,
-        path: str | os.PathLike[str],
-        *,
-        share_threshold: int | None = 1024,
-        fsync: str | int = "turn",
-        repair: bool = False,
-    ) -> RolloutGraph:
-        """A graph that appends every added turn to `path` durably; see `storage.open_append`.
-
-        `fsync`: "turn" (every turn), an int N (every N turns) or "never". Close it (or use
-        it as a context manager) to flush the last turns.
-        """
-        from . import storage
-
-        return storage.open_append(
-            path, share_threshold=share_threshold, fsync=fsync, repair=repair
-        )
+    @property
+    def journal_path(self) -> str | None:
+        """The real path of the file this graph appends to, while it is open."""
+        journal = self._journal
+        return journal.path if journal is not None else None
 
     def close(self) -> None:
         """Flush and close the file behind an appending graph (a no-op otherwise).
@@ -170,27 +192,45 @@ class RolloutGraph(RequestStore, Linking):
         Afterwards `add_turn` raises: a turn added then would never reach the file.
         """
         with self._lock:
-            closers, self._closers = self._closers, []
-            if closers:
+            journal, self._journal = self._journal, None
+            if journal is not None:
                 self._closed = True
-            self._listeners.clear()
-            for close in closers:
-                close()
+                journal.close()
 
-    def __enter__(self) -> RolloutGraph:
+    def __enter__(self) -> Graph:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _inverted_keys(self) -> dict[int, list[Any]]:
-        """Each turn's index keys (request, token, prompt, root prefixes), for `save`."""
-        keys: dict[int, list[Any]] = {t.index: [None, None, None, None] for t in self._turns}
-        for slot, index in ((0, self._request_index), (1, self._token_index)):
+    @_locked
+    def journal_entries(self) -> list[JournalEntry]:
+        """Every turn as a snapshot file records it, in arrival order.
+
+        Moves are the children that arrived before their parent; index keys are where each
+        turn is filed now. Hold `lock` while writing them, so no turn is added meanwhile.
+        """
+        later_children: dict[int, list[tuple[Turn, LinkKind]]] = {}
+        for turn in self._turns:
+            parent = turn.parent
+            if parent is not None and parent.index > turn.index:
+                later_children.setdefault(parent.index, []).append((turn, turn.link))
+        keys = self._inverted_keys()
+        marks = self._blob_marks
+        return [
+            JournalEntry(turn, keys[i], later_children.get(i, []), marks[i], None)
+            for i, turn in enumerate(self._turns)
+        ]
+
+    def _inverted_keys(self) -> list[IndexKeys]:
+        """Each turn's index keys (request, token, prompt, root prefixes)."""
+        keys: list[list[Any]] = [[None, None, None, None] for _ in self._turns]
+        linker = self._linker
+        for slot, index in ((0, self._requests.request_index), (1, linker.token_index)):
             for key, found in index.items():
                 for turn in index_members(found):
                     keys[turn.index][slot] = key
-        for key, found in self._message_roots.items():
+        for key, found in linker.message_roots.items():
             for turn in index_members(found):
                 root_keys = keys[turn.index][3]
                 if root_keys is None:
@@ -198,21 +238,33 @@ class RolloutGraph(RequestStore, Linking):
                 root_keys.append(key)
         prompt_keys = {
             id(run): key
-            for key, found in self._prompt_index.items()
+            for key, found in linker.prompt_index.items()
             for run in index_members(found)
         }
         for turn in self._turns:
             if turn.prompt is not None:
                 keys[turn.index][2] = prompt_keys.get(id(turn.prompt))
-        return keys
+        return [IndexKeys(*k) for k in keys]
+
+    def _restorer(self) -> GraphRestorer:
+        """THE RESTORE DOOR: the one private name another module may use (`storage`).
+
+        A file reader rebuilds an empty graph through the returned object, turn by turn,
+        as `add_turn` once built it; everything else it needs is public API.
+        """
+        if self._turns or len(self._blobs):
+            raise RolloutStoreError("only an empty graph can be restored from a file")
+        return GraphRestorer(self)
 
     # ------------------------------------------------------------------ intake
 
     def add_turn(self, node: TurnNode) -> TurnNode:
-        """Record one turn; returns a copy of `node` with `index`, `node_id`, `parent_id` set.
+        """Record one turn; sets `index` and `parent_id` on `node` and returns a view of it.
 
-        Raises `InvalidValueError` (a `TypeError` and `ValueError`) naming the path of a bad
-        value, or `DuplicateNodeError`; on any error the graph is exactly as before.
+        The view (a read-only `TurnNode`) follows later re-linking: a late ancestor that
+        adopts this turn shows as its `parent_id`. Raises `InvalidValueError` (a `TypeError`
+        and `ValueError`) naming the path of a bad value, or `DuplicateNodeError`; on any
+        error the graph is exactly as before.
         """
         if not isinstance(node, TurnNode):
             raise TypeError(f"add_turn expects a TurnNode, got {type(node).__name__}")
@@ -224,36 +276,26 @@ class RolloutGraph(RequestStore, Linking):
                 turn, scratch = self._prepare(node)
                 # a turn never moves under its own descendant (no cycles, whatever links)
                 scratch.moves = [
-                    move for move in self._find_moves(turn, scratch) if not is_above(move[0], turn)
+                    move
+                    for move in self._linker.find_moves(turn, scratch)
+                    if not is_above(move[0], turn)
                 ]
-                for listener in self._listeners:
-                    listener(turn, mark[0], scratch)
+                keys = scratch.keys()
+                journal = self._journal
+                if journal is not None:
+                    references = self._blobs.mark()
+                    entry = JournalEntry(turn, keys, scratch.moves, references[0], references[1:])
+                    journal.append(entry)
             except BaseException:
                 self.blobs.rollback(mark)
                 raise
             finally:
-                self._pack_plain = new_packer()
-            self._commit(turn, scratch)
-            meta = turn.meta
-            parent = turn.parent
-            # positional: dataclasses.replace costs more than the rest of a small turn
-            return TurnNode(
-                turn.node_id,
-                node.prompt_ids,
-                node.sampled_ids,
-                node.sampled_logprobs,
-                parent.node_id if parent is not None else None,
-                turn.index,
-                node.model,
-                node.finish_reason,
-                node.harness_session_id,
-                meta[3],
-                meta[4],
-                node.request_messages,
-                node.request_tools,
-                node.sampling_params,
-                node.response_message,
-            )
+                self._requests.reset_packer()
+            self._commit(turn, keys, scratch.moves, scratch.pending, scratch.tail_key)
+            # as the capture graph does: the node given gets its place in the graph
+            node.index = turn.index
+            node.parent_id = turn.parent.node_id if turn.parent is not None else None
+            return NodeView.of(self, turn)
 
     def _prepare(self, node: TurnNode) -> tuple[Turn, Scratch]:
         turn = Turn()
@@ -285,11 +327,16 @@ class RolloutGraph(RequestStore, Linking):
                 f"expected a non-negative int below 2**63 or None, got {n_tools!r}", "n_tools"
             )
 
-        self._prepare_tokens(turn, node, scratch)
-        system_plain = self._prepare_request(turn, node, scratch)
-        turn.response = self._encode_response(node.response_message, turn)
-        turn.tools = self._shared_value(node.request_tools, "request_tools", pending)
-        turn.sampling = self._shared_value(node.sampling_params, "sampling_params", pending)
+        requests, linker = self._requests, self._linker
+        linker.prepare_tokens(turn, node, scratch)
+        system_plain = requests.prepare(turn, node, scratch)
+        linker.prepare_messages(turn, node, scratch)
+        turn.response = requests.encode_response(node.response_message, turn)
+        turn.tools = requests.shared_value(node.request_tools, "request_tools", pending)
+        turn.sampling = requests.shared_value(node.sampling_params, "sampling_params", pending)
+        turn.requested = requests.shared_value(
+            node.requested_sampling_params, "requested_sampling_params", pending
+        )
 
         if n_tools is None and isinstance(node.request_tools, list | tuple):
             n_tools = len(node.request_tools)
@@ -297,7 +344,8 @@ class RolloutGraph(RequestStore, Linking):
         if system_digest is None and system_plain is not None:
             system_digest = xxhash.xxh3_128_hexdigest(system_plain)
         meta = (node.model, node.finish_reason, node.harness_session_id, system_digest, n_tools)
-        turn.meta = meta  # interned at commit
+        # the graph's interned TurnMeta when there is one (most turns), else a new one
+        turn.meta = self._meta.get(meta) or TurnMeta._make(meta)  # type: ignore[call-overload]
 
         # Linking: an explicit parent wins, then tokens, then messages.
         if explicit is not None:
@@ -308,9 +356,10 @@ class RolloutGraph(RequestStore, Linking):
             turn.parent, turn.link = scratch.message_parent, LINK_MESSAGES
         else:
             turn.parent, turn.link = None, LINK_NONE
-            plains = scratch.rest_plains
-            if plains is not None and turn.prompt is None:
+            request = scratch.request
+            if request is not None and request.n_valid == len(request.plains) and not turn.prompt:
                 # every shorter prefix, the empty one too (a request of system messages only)
+                plains = request.plains
                 scratch.root_keys = [request_key(plains, m) for m in range(len(plains))]
         return turn, scratch
 
@@ -329,29 +378,28 @@ class RolloutGraph(RequestStore, Linking):
 
     # ------------------------------------------------------------------ commit
 
-    def _commit(self, turn: Turn, scratch: Scratch) -> None:
-        for plain, stored in scratch.pending:
-            self._values.add(plain, stored)
+    def _commit(
+        self,
+        turn: Turn,
+        keys: IndexKeys,
+        moves: list[tuple[Turn, LinkKind]],
+        pending: list[tuple[bytes, bytes]] | tuple[()] = (),
+        tail_key: bytes | None = None,
+    ) -> None:
+        self._requests.add_values(pending)
         turn.meta = self._meta.setdefault(turn.meta, turn.meta)
         self._turns.append(turn)
         self._blob_marks.append(len(self.blobs))
         self._by_id[turn.node_id] = turn
         if turn.parent is not None:
             add_child(turn.parent, turn)
-        if scratch.request_digest is not None and not turn.flags & NO_MESSAGES:
-            index_add(self._request_index, scratch.request_digest, turn)
-        if scratch.token_key is not None and turn.full is not None and turn.full.length:
-            index_add(self._token_index, scratch.token_key, turn)
-            if turn.full.length < BLOCK:
-                self._short_lengths.add(turn.full.length)
-        if scratch.prompt_key is not None and turn.prompt is not None:
-            members = index_members(self._prompt_index.get(scratch.prompt_key))
-            if not any(m is turn.prompt for m in members):
-                index_add(self._prompt_index, scratch.prompt_key, turn.prompt)
-        for other, link in scratch.moves:
-            self._move(other, turn, link)
+        self._requests.file(turn, keys.request, tail_key)
+        linker = self._linker
+        linker.file(turn, keys.token, keys.prompt)
+        for other, link in moves:
+            linker.move(other, turn, link)
         if turn.parent is None:
-            self._register_root(turn, scratch.root_keys)
+            linker.register_root(turn, keys.roots)
 
     # ------------------------------------------------------------------ materialize
 
@@ -360,28 +408,25 @@ class RolloutGraph(RequestStore, Linking):
         if lp is None:
             return None
         if turn.flags & LOGPROBS_PACKED:
-            return unpack(lp, self.blobs.string)
+            return unpack(lp, self._blobs.string)
         return lp.tolist()
 
     def _view(self, turn: Turn) -> TurnNode:
-        model, finish_reason, session, system_digest, n_tools = turn.meta
-        return TurnNode(
-            node_id=turn.node_id,
-            prompt_ids=run_list(turn.prompt) if turn.prompt is not None else None,
-            sampled_ids=seg_list(turn.sampled),
-            sampled_logprobs=self._logprobs(turn),
-            parent_id=turn.parent.node_id if turn.parent is not None else None,
-            index=turn.index,
-            model=model,
-            finish_reason=finish_reason,
-            harness_session_id=session,
-            system_digest=system_digest,
-            n_tools=n_tools,
-            request_messages=self._request_messages(turn),
-            request_tools=self._value(turn.tools),
-            sampling_params=self._value(turn.sampling),
-            response_message=self._value(turn.response),
-        )
+        return NodeView.of(self, turn)
+
+    def _prompt_ids(self, turn: Turn) -> list[int] | None:
+        if turn.prompt is not None:
+            return run_list(turn.prompt)
+        return [] if turn.flags & EMPTY_PROMPT else None
+
+    @_locked
+    def field_value(self, node_id: str, name: str) -> Any:
+        """One field of a turn rebuilt from storage (fresh containers); what views read."""
+        turn = self._turn(node_id)
+        rebuild = _FIELDS.get(name)
+        if rebuild is not None:
+            return rebuild(self, turn)
+        return getattr(NodeView.of(self, turn), name)  # a scalar field
 
     # ------------------------------------------------------------------ queries
 
@@ -404,19 +449,23 @@ class RolloutGraph(RequestStore, Linking):
 
     @_locked
     def request_messages(self, node_id: str) -> list[Any] | tuple[Any, ...] | None:
-        return self._request_messages(self._turn(node_id))
+        return self._requests.messages(self._turn(node_id))
 
     @_locked
     def response_message(self, node_id: str) -> Any:
-        return self._value(self._turn(node_id).response)
+        return self._requests.value(self._turn(node_id).response)
 
     @_locked
     def request_tools(self, node_id: str) -> Any:
-        return self._value(self._turn(node_id).tools)
+        return self._requests.value(self._turn(node_id).tools)
 
     @_locked
     def sampling_params(self, node_id: str) -> Any:
-        return self._value(self._turn(node_id).sampling)
+        return self._requests.value(self._turn(node_id).sampling)
+
+    @_locked
+    def requested_sampling_params(self, node_id: str) -> Any:
+        return self._requests.value(self._turn(node_id).requested)
 
     @_locked
     def summary(self, node_id: str) -> dict[str, Any]:
@@ -514,40 +563,57 @@ class RolloutGraph(RequestStore, Linking):
                 discarded.update(t.index for t in group if not t.children)
         return [t.node_id for t in self._turns if t.index in discarded]
 
-    # The names below are the query API of the capture graph this library replaces; they return
-    # ids today and become node-returning views in the drop-in work. The *_ids names stay.
-    def nodes(self) -> list[str]:
-        return self.node_ids()
+    # The capture graph's query API: node views (see `views`), paths of them, fork pairs.
 
-    def roots(self) -> list[str]:
-        return self.root_ids()
+    @_locked
+    def nodes(self) -> list[TurnNode]:
+        """Every turn in arrival order, as read-only views."""
+        return [NodeView.of(self, t) for t in self._turns]
 
-    def leaves(self) -> list[str]:
-        return self.leaf_ids()
+    @_locked
+    def roots(self) -> list[TurnNode]:
+        return [NodeView.of(self, t) for t in self._turns if t.parent is None]
 
-    def children(self, node_id: str) -> list[str]:
-        return self.child_ids(node_id)
+    @_locked
+    def leaves(self) -> list[TurnNode]:
+        return [NodeView.of(self, t) for t in self._turns if not t.children]
 
-    def path_to(self, node_id: str) -> list[str]:
-        return self.path_ids(node_id)
+    @_locked
+    def children(self, node_id: str) -> list[TurnNode]:
+        return [NodeView.of(self, c) for c in self._turn(node_id).children or ()]
 
-    def paths(self) -> list[list[str]]:
-        return self.path_id_lists()
+    @_locked
+    def path_to(self, leaf_id: str) -> list[TurnNode]:
+        """The turns from the root down to `leaf_id`."""
+        return [NodeView.of(self, t) for t in self._path(self._turn(leaf_id))]
 
-    def forks(self) -> list[str]:
-        return self.fork_ids()
+    @_locked
+    def paths(self) -> Iterator[list[TurnNode]]:
+        """Every root-to-leaf path, in the leaves' arrival order (a snapshot)."""
+        return iter([self.path_to(leaf) for leaf in self.leaf_ids()])
 
-    def discarded_nodes(self) -> list[str]:
-        return self.discarded_ids()
+    @_locked
+    def forks(self) -> list[tuple[str, list[str]]]:
+        """(parent id, child ids) of every turn with more than one child."""
+        return [
+            (t.node_id, [c.node_id for c in t.children])
+            for t in self._turns
+            if t.children and len(t.children) > 1
+        ]
+
+    @_locked
+    def discarded_nodes(self) -> list[TurnNode]:
+        """The turns `discarded_ids` names, as views."""
+        return [NodeView.of(self, self._by_id[n]) for n in self.discarded_ids()]
 
     def _prompt_identity(self, turn: Turn) -> Any:
         if turn.prompt is not None:
             return ("tokens", tuple(run_list(turn.prompt)))
-        messages = self._request_messages(turn)
-        return ("messages", self._plain(messages) if messages else b"")
+        messages = self._requests.messages(turn)
+        return ("messages", self._requests.plain(messages) if messages else b"")
 
     @_locked
-    def sequence_for(self, node_id: str) -> Sequence:
+    def sequence_for(self, node_id: str) -> TrainingSequence:
         """The training sequence ending at `node_id`: its tokens, loss mask and logprobs.
 
         Sampled tokens of every turn on the path whose prompt + sampled tokens are a prefix
@@ -575,30 +641,51 @@ class RolloutGraph(RequestStore, Linking):
                 continue
             if id(turn.full) not in chain_runs and input_ids[:end] != run_list(turn.full):
                 continue
-            lp = turn.logprobs
-            if lp is None or turn.flags & LOGPROBS_PACKED or len(lp) != end - start:
+            values = self._aligned_logprobs(turn, end - start)
+            if values is None:
                 continue
             mask[start:end] = [1] * (end - start)
-            logprobs[start:end] = lp.tolist()
+            logprobs[start:end] = values
         root = path[0]
-        return {
-            "input_ids": input_ids,
-            "loss_mask": mask,
-            "logprobs": logprobs,
-            "node_ids": [t.node_id for t in path],
-            "prompt_len": root.prompt.length if root.prompt is not None else 0,
-            "root_id": root.node_id,
-            "n_turns": len(path),
-        }
+        return TrainingSequence(
+            input_ids=input_ids,
+            loss_mask=mask,
+            logprobs=logprobs,
+            node_ids=[t.node_id for t in path],
+            prompt_len=root.prompt.length if root.prompt is not None else 0,
+            root_id=root.node_id,
+            n_turns=len(path),
+        )
+
+    def _aligned_logprobs(self, turn: Turn, n: int) -> list[Any] | None:
+        """The turn's logprobs if there is one real number per sampled token, else None.
+
+        Judged by count and kind, not by Python type: ints (a 0 from a JavaScript client)
+        count, bools and non-numbers do not. The values are the recorded ones, exactly.
+        """
+        lp = turn.logprobs
+        if lp is None:
+            return None
+        if not turn.flags & LOGPROBS_PACKED:
+            return lp.tolist() if len(lp) == n else None
+        values = unpack(lp, self.blobs.string)
+        if isinstance(values, list) and len(values) == n and real_numbers(values):
+            return values
+        return None
 
     @_locked
-    def sequences(self) -> list[Sequence]:
+    def sequences(self) -> list[TrainingSequence]:
         """One training sequence per leaf."""
         return [self.sequence_for(leaf) for leaf in self.leaf_ids()]
 
     @_locked
     def stats(self) -> dict[str, int]:
-        """Counts of turns, structure and storage."""
+        """The graph's shape, then what it stores.
+
+        First the capture graph's five counts: `n_turns`, `n_roots`, `n_leaves`, `n_forks`,
+        `n_discarded`; then messages and tokens received and stored, shared values and the
+        blob table's counts.
+        """
         stored_tokens = 0
         seen: set[int] = set()
         system_counts: dict[int, int] = {}
@@ -620,13 +707,14 @@ class RolloutGraph(RequestStore, Linking):
                 stored_tokens += len(run.seg)
                 run = run.prev
         out = {
-            "turns": len(self._turns),
-            "roots": sum(1 for t in self._turns if t.parent is None),
-            "leaves": sum(1 for t in self._turns if not t.children),
-            "forks": sum(1 for t in self._turns if t.children and len(t.children) > 1),
+            "n_turns": len(self._turns),
+            "n_roots": sum(1 for t in self._turns if t.parent is None),
+            "n_leaves": sum(1 for t in self._turns if not t.children),
+            "n_forks": sum(1 for t in self._turns if t.children and len(t.children) > 1),
+            "n_discarded": len(self.discarded_ids()),
             "messages_received": messages_received,
             "message_bytes_stored": sum(len(t.tail) for t in self._turns),
-            "shared_values": len(self._values),
+            "shared_values": len(self._requests.values),
             "tokens_received": tokens_received,
             "tokens_stored": stored_tokens,
         }
@@ -635,3 +723,47 @@ class RolloutGraph(RequestStore, Linking):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.node_ids())
+
+
+class GraphRestorer:
+    """Rebuilds an empty graph from a file, turn by turn (see `Graph._restorer`).
+
+    The reader decodes and checks each record; this object files what it built in the
+    graph's tables and indexes exactly as `add_turn` would have.
+    """
+
+    __slots__ = ("_graph",)
+
+    def __init__(self, graph: Graph) -> None:
+        self._graph = graph
+
+    def turn(self, index: int) -> Turn:
+        """The stored turn at `index` (arrival order); the caller checks the range."""
+        return self._graph._turns[index]
+
+    def add_value(self, stored: bytes, plain: bytes | None) -> None:
+        """A shared value read back, found again by its plain packing (every string inline;
+        the reader splices it from the stored bytes), or never found again if None."""
+        requests = self._graph._requests
+        if plain is not None and requests.values.find(plain) is None:
+            requests.values.add(plain, stored)
+
+    def meta(self, meta: TurnMeta) -> TurnMeta:
+        """The graph's interned copy of `meta`."""
+        return self._graph._meta.setdefault(meta, meta)
+
+    def commit(self, turn: Turn, keys: IndexKeys, moves: list[tuple[Turn, LinkKind]]) -> None:
+        """File a fully built turn: indexes, children, re-links, as `add_turn` does."""
+        self._graph._commit(turn, keys, moves)
+
+
+_FIELDS: dict[str, Callable[[Graph, Turn], Any]] = {
+    "prompt_ids": Graph._prompt_ids,
+    "sampled_ids": lambda g, t: seg_list(t.sampled),
+    "sampled_logprobs": Graph._logprobs,
+    "request_messages": lambda g, t: g._requests.messages(t),
+    "request_tools": lambda g, t: g._requests.value(t.tools),
+    "sampling_params": lambda g, t: g._requests.value(t.sampling),
+    "requested_sampling_params": lambda g, t: g._requests.value(t.requested),
+    "response_message": lambda g, t: g._requests.value(t.response),
+}

@@ -17,7 +17,15 @@ from .blobs import BlobTable, Handle
 from .encoding import EXT_BIGINT, EXT_BLOB, EXT_SURROGATE, TUPLE_MARK
 from .errors import InvalidValueError
 
-__all__ = ["MAX_DEPTH", "Encoder", "encode", "float_array", "token_array"]
+__all__ = [
+    "MAX_DEPTH",
+    "Encoder",
+    "encode",
+    "float_array",
+    "plain_numbers",
+    "real_numbers",
+    "token_array",
+]
 
 #: Containers nested deeper than this are rejected (json.dumps itself fails near 1000).
 MAX_DEPTH = 500
@@ -161,7 +169,27 @@ class _Walker:
             return self.integer(_as_int(v))
         if isinstance(v, float):
             return float.__float__(v)
-        raise _Bad(f"value of type {t.__name__} cannot be represented in JSON")
+        raise _Bad(_not_json(v))
+
+
+def _not_json(v: object) -> str:
+    """Why `v` is refused, and what to pass instead (for the objects people pass by mistake)."""
+    t = type(v)
+    name = t.__name__
+    if callable(getattr(v, "model_dump", None)):  # a pydantic (v2) model
+        return (
+            f"a pydantic model ({name}) is not a JSON value: pass what the SDK would send, "
+            f'`value.model_dump(mode="json", exclude_unset=True)`'
+        )
+    if callable(getattr(v, "dict", None)) and hasattr(t, "__fields__"):  # pydantic v1
+        return f"a pydantic model ({name}) is not a JSON value: pass `json.loads(value.json())`"
+    if t.__module__.split(".")[0] == "numpy":
+        if hasattr(v, "ndim") and getattr(v, "ndim", 0) > 0:
+            return f"a numpy array ({name}) is not a JSON value: pass `value.tolist()`"
+        return f"a numpy value ({name}) is not a JSON value: pass `value.item()`"
+    if hasattr(t, "__dataclass_fields__"):
+        return f"a dataclass ({name}) is not a JSON value: pass `dataclasses.asdict(value)`"
+    return f"value of type {name} cannot be represented in JSON"
 
 
 class Encoder:
@@ -176,7 +204,8 @@ class Encoder:
     def __init__(self, blobs: BlobTable | None, threshold: int | None) -> None:
         self.blobs = blobs
         self.threshold = threshold
-        self._packer = _new_packer()
+        self._packer: msgpack.Packer | None = None  # made at first use: most graphs' plain
+        # encoder never packs
         self.last_refs = False  # whether the last packing holds blob references
 
     def encode(self, value: object, path: str) -> tuple[bytes, bool]:
@@ -191,18 +220,19 @@ class Encoder:
             tree = walker.value(value, 0)
         except _Bad as bad:
             raise _error(bad, path) from None
-        packed = self._packer.pack(tree)
-        if len(packed) > _KEEP_BUFFER:  # do not keep a large buffer alive
-            self._packer = _new_packer()
+        packer = self._packer or _new_packer()
+        packed = packer.pack(tree)
+        # do not keep a large buffer alive
+        self._packer = None if len(packed) > _KEEP_BUFFER else packer
         self.last_refs = walker.refs
         return packed, walker.special
 
 
-_KEEP_BUFFER = 1 << 16
+_KEEP_BUFFER = 1 << 12  # a graph keeps at most this much of a packing buffer
 
 
 def _new_packer() -> msgpack.Packer:
-    return msgpack.Packer(use_bin_type=True, default=_pack_default, buf_size=1024)
+    return msgpack.Packer(use_bin_type=True, default=_pack_default, buf_size=256)
 
 
 def _error(bad: _Bad, path: str) -> InvalidValueError:
@@ -227,12 +257,28 @@ def encode(
     return Encoder(blobs, threshold).encode(value, path)
 
 
-def token_array(ids: object, path: str) -> array | tuple[int, ...]:
+def _is_numpy(x: object) -> bool:
+    return type(x).__module__.split(".")[0] == "numpy"
+
+
+def _as_sequence(values: object, path: str) -> object:
+    """A 1-D numpy array as a list of Python numbers; anything else as it is."""
+    if not isinstance(values, list | tuple) and _is_numpy(values) and hasattr(values, "tolist"):
+        ndim = getattr(values, "ndim", None)
+        if ndim != 1:
+            raise InvalidValueError(f"expected a 1-D array, got a {ndim}-D array", path)
+        return values.tolist()
+    return values
+
+
+def token_array(ids: object, path: str) -> array[int] | tuple[int, ...]:
     """Token ids as compact typed storage: array('I') when they fit, else exact ints.
 
-    Raises `InvalidValueError` for anything but a list or tuple of ints (bools included:
-    they would come back as 0 and 1).
+    Accepts a list or tuple of ints (numpy integer scalars too) or a 1-D numpy array.
+    Raises `InvalidValueError` for anything else (bools included: they would come back as
+    0 and 1).
     """
+    ids = _as_sequence(ids, path)
     if not isinstance(ids, list | tuple):
         raise InvalidValueError(f"expected a list of int, got {type(ids).__name__}", path)
     types = set(map(type, ids))
@@ -241,6 +287,12 @@ def token_array(ids: object, path: str) -> array | tuple[int, ...]:
             if type(x) is not int:
                 if isinstance(x, int) and not isinstance(x, bool):
                     continue
+                if _is_numpy(x) and hasattr(x, "__index__"):
+                    try:
+                        _as_int(x)
+                        continue
+                    except TypeError:  # numpy bools refuse __index__
+                        pass
                 raise InvalidValueError(f"expected int, got {type(x).__name__}", f"{path}[{i}]")
         ids = [_as_int(x) for x in ids]
     try:
@@ -253,8 +305,27 @@ def token_array(ids: object, path: str) -> array | tuple[int, ...]:
         return tuple(ids)
 
 
-def float_array(values: object, path: str) -> array | None:
+def plain_numbers(values: object, path: str) -> object:
+    """Logprobs with numpy arrays and numpy scalars turned into Python lists and numbers.
+
+    Other items are left as they are (they are recorded as JSON values).
+    """
+    values = _as_sequence(values, path)
+    if isinstance(values, list | tuple) and any(map(_is_numpy, values)):
+        converted = [x.item() if _is_numpy(x) and hasattr(x, "item") else x for x in values]
+        return tuple(converted) if isinstance(values, tuple) else converted
+    return values
+
+
+def float_array(values: object, path: str) -> array[float] | None:
     """Logprobs as array('d') when every item is an exact float, else None (kept as JSON)."""
     if isinstance(values, list | tuple) and set(map(type, values)) <= {float}:
         return array("d", values)
     return None
+
+
+def real_numbers(values: object) -> bool:
+    """Whether every item is an int or float (not a bool): logprobs a trainer can use."""
+    return isinstance(values, list | tuple) and all(
+        type(x) is float or (type(x) is int) for x in values
+    )

@@ -9,17 +9,15 @@ from typing import Any
 
 import xxhash
 
-from .intake import float_array, token_array
+from .intake import float_array, plain_numbers, token_array
+from .requests import FreshRequest, RequestStore, Scratch
 from .tokens import BLOCK, TokenRun, block_digests, prefix_digest, run_bytes, run_matches
 from .turns import (
+    EMPTY_PROMPT,
     HEADS,
-    LINK_EXPLICIT,
-    LINK_MESSAGES,
-    LINK_NONE,
-    LINK_TOKENS,
     LOGPROBS_PACKED,
     NO_MESSAGES,
-    Scratch,
+    LinkKind,
     Turn,
     TurnNode,
     add_child,
@@ -33,14 +31,51 @@ from .turns import (
     short_key,
 )
 
+__all__ = ["Linker"]
 
-class Linking:
-    """The linking half of `RolloutGraph` (a mixin: it uses the graph's indexes)."""
+Move = tuple[Turn, LinkKind]
 
-    def _prepare_tokens(self, turn: Turn, node: TurnNode, scratch: Scratch) -> None:
+
+class Linker:
+    """Finds each new turn's parent and the earlier turns it adopts; owns the token
+    indexes and the roots waiting for a late ancestor.
+
+    Given the graph's request store (to compare messages) and its list of turns (read only,
+    for the rare scan of every root). Not thread-safe: the graph uses it under its lock.
+    """
+
+    __slots__ = (
+        "message_roots",
+        "prompt_index",
+        "requests",
+        "short_lengths",
+        "token_index",
+        "token_roots",
+        "turns",
+    )
+
+    def __init__(self, requests: RequestStore, turns: list[Turn]) -> None:
+        self.requests = requests
+        self.turns = turns
+        self.token_index: dict[int, Any] = {}  # block digest of prompt+sampled -> turn(s)
+        self.prompt_index: dict[int, Any] = {}  # digest of a whole prompt -> TokenRun(s)
+        self.token_roots: dict[int, Any] = {}  # block digests of token roots' prompts
+        self.short_lengths: set[int] = set()  # lengths under one block that turns have
+        self.message_roots: dict[int, Any] = {}  # request keys of message roots' prefixes
+
+    # ------------------------------------------------------------------ tokens
+
+    def prepare_tokens(self, turn: Turn, node: TurnNode, scratch: Scratch) -> None:
+        """Store the turn's token fields as shared runs; find its parent by tokens."""
         prompt = None if node.prompt_ids is None else token_array(node.prompt_ids, "prompt_ids")
         sampled = None if node.sampled_ids is None else token_array(node.sampled_ids, "sampled_ids")
+        if prompt is not None and not len(prompt):
+            # no token ids came back (a hosted provider): link by messages, keep the []
+            prompt = None
+            turn.flags |= EMPTY_PROMPT
         logprobs = node.sampled_logprobs
+        if logprobs is not None:
+            logprobs = plain_numbers(logprobs, "sampled_logprobs")
         if logprobs is None:
             turn.logprobs = None
         else:
@@ -48,131 +83,197 @@ class Linking:
             if packed_floats is not None:
                 turn.logprobs = packed_floats
             else:
-                turn.logprobs = self._encode(logprobs, "sampled_logprobs")[0]
+                turn.logprobs = self.requests.encode(logprobs, "sampled_logprobs")[0]
                 turn.flags |= LOGPROBS_PACKED
         turn.sampled = sampled
         if prompt is None:
             turn.prompt = None
             turn.full = full_run(None, sampled)
             return
-        compact = isinstance(prompt, array) and prompt.typecode == "I"
-        run: TokenRun | None = None
-        if compact:
-            data = prompt.tobytes()
-            digests = block_digests(data)
-            parent = self._find_token_parent(data, digests, len(prompt))
-            scratch.token_parent = parent
-            key = xxhash.xxh3_64_intdigest(data)
-            scratch.prompt_key = key
-            for candidate in index_members(self._prompt_index.get(key)):
-                if candidate.length == len(prompt) and run_matches(candidate, data):
-                    run = candidate
-                    break
-            if run is None:
-                if parent is not None:
-                    run = TokenRun(parent.full, prompt[parent.full.length :])
-                else:
-                    run = TokenRun(None, prompt)
-        else:
-            run = TokenRun(None, prompt)
+        if not (isinstance(prompt, array) and prompt.typecode == "I"):
+            # ids beyond 32 bits: stored exactly, never linked by tokens
+            turn.prompt = TokenRun(None, prompt)
+            turn.full = full_run(turn.prompt, sampled)
+            return
+        data = prompt.tobytes()
+        digests = block_digests(data)
+        parent = self._token_parent(data, digests, len(prompt))
+        scratch.token_parent = parent
+        scratch.prompt_key = key = xxhash.xxh3_64_intdigest(data)
+        run = self._stored_prompt(key, data, len(prompt))
+        if run is None:
+            if parent is not None and parent.full is not None:
+                run = TokenRun(parent.full, prompt[parent.full.length :])
+            else:
+                run = TokenRun(None, prompt)
         turn.prompt = run
-        turn.full = full_run(run, sampled)
-        if compact and turn.full.compact:
-            full_data = data if turn.full is run else data + sampled.tobytes()  # type: ignore[union-attr]
+        full = turn.full = full_run(run, sampled)
+        if full is not None and full.compact:
+            full_data = data if full is run else data + sampled.tobytes()  # type: ignore[union-attr]
             scratch.full_data = full_data
-            length = turn.full.length
+            length = full.length
             if length < BLOCK:
                 scratch.token_key = short_key(full_data, length)
-            elif turn.full is run:
+            elif full is run:
                 scratch.token_key = digests[length // BLOCK]
             else:
                 scratch.token_key = prefix_digest(full_data, length)
 
-    def _find_token_parent(self, data: bytes, digests: list[int], n: int) -> Turn | None:
+    def _stored_prompt(self, key: int, data: bytes, n: int) -> TokenRun | None:
+        """A stored run holding exactly these prompt tokens (roots with one prompt share)."""
+        for candidate in index_members(self.prompt_index.get(key)):
+            if candidate.length == n and run_matches(candidate, data):
+                return candidate  # type: ignore[no-any-return]
+        return None
+
+    def _token_parent(self, data: bytes, digests: list[int], n: int) -> Turn | None:
         # Turns whose tokens fill j whole blocks are found by the digest of those blocks,
         # deepest first; shorter ones (under one block) by their exact length.
         buckets = [(digests[j], j * BLOCK, (j + 1) * BLOCK) for j in range(len(digests) - 1, 0, -1)]
         buckets += [
             (short_key(data, length), length, length + 1)
-            for length in sorted(self._short_lengths, reverse=True)
+            for length in sorted(self.short_lengths, reverse=True)
             if length <= n
         ]
         for key, low, high in buckets:
             best: Turn | None = None
-            for candidate in index_members(self._token_index.get(key)):
+            best_length = -1
+            for candidate in index_members(self.token_index.get(key)):
                 full = candidate.full
                 if (
                     full is not None
                     and low <= full.length < high
                     and (full.length < n or sampled_any(candidate))
-                    and (best is None or full.length > best.full.length)  # type: ignore[union-attr]
+                    and full.length > best_length
                     and run_matches(full, data)
                 ):
-                    best = candidate
+                    best, best_length = candidate, full.length
             if best is not None:
                 return best
         return None
 
-    def _register_root(self, turn: Turn, root_keys: list[int] | None) -> None:
+    # ------------------------------------------------------------------ messages
+
+    def prepare_messages(self, turn: Turn, node: TurnNode, scratch: Scratch) -> None:
+        """Find the parent by messages (for a turn without token ids or explicit parent),
+        and the stored turns with exactly this request (their continuations may move)."""
+        request = scratch.request
+        if request is None:
+            return
+        rest = request.messages
+        if request.n_valid == len(rest):
+            scratch.twins = [
+                c for c in request.stored_prefixes(len(rest)) if c.children and request.extends(c)
+            ]
+        if node.parent_id is None and turn.prompt is None:  # no token ids
+            scratch.message_parent = self._message_parent(request)
+
+    def _message_parent(self, request: FreshRequest) -> Turn | None:
+        """The longest stored request that this one extends and whose response is echoed
+        right after it (an exact echo preferred to a loose one)."""
+        store = self.requests
+        for n in range(min(request.n_valid, len(request.messages) - 1), -1, -1):
+            members = request.stored_prefixes(n)
+            if not members:
+                continue
+            message, plain = request.messages[n], request.plains[n]
+            parent = next(
+                (c for c in members if store.is_echo(c, message, plain) and request.extends(c)),
+                None,
+            ) or next(
+                (c for c in members if store.echoes(c, message, plain) and request.extends(c)),
+                None,
+            )
+            if parent is not None:
+                return parent
+        return None
+
+    # ------------------------------------------------------------------ filing
+
+    def file(self, turn: Turn, token_key: int | None, prompt_key: int | None) -> None:
+        """File a committed turn's tokens under their keys."""
+        full = turn.full
+        if token_key is not None and full is not None and full.length:
+            index_add(self.token_index, token_key, turn)
+            if full.length < BLOCK:
+                self.short_lengths.add(full.length)
+        if prompt_key is not None and turn.prompt is not None:
+            members = index_members(self.prompt_index.get(prompt_key))
+            if not any(m is turn.prompt for m in members):
+                index_add(self.prompt_index, prompt_key, turn.prompt)
+
+    def register_root(self, turn: Turn, root_keys: list[int] | None) -> None:
+        """File a root under its prefixes, for a later turn it continues to find it."""
         if turn.prompt is not None:
             for key in root_token_keys(turn.prompt):
-                index_add(self._token_roots, key, turn)
+                index_add(self.token_roots, key, turn)
         elif root_keys:
             for key in root_keys:
-                index_add(self._message_roots, key, turn)
+                index_add(self.message_roots, key, turn)
 
     def _unregister_root(self, turn: Turn) -> None:
         if turn.prompt is not None:
             for key in root_token_keys(turn.prompt):
-                index_remove(self._token_roots, key, turn)
+                index_remove(self.token_roots, key, turn)
         elif turn.n_rest > 0:
-            plains = [self._plain(m) for m in self._rest_values(turn)]
+            plain = self.requests.plain
+            plains = [plain(m) for m in self.requests.rest_values(turn)]
             for m in range(len(plains)):
-                index_remove(self._message_roots, request_key(plains, m), turn)
+                index_remove(self.message_roots, request_key(plains, m), turn)
 
-    def _find_moves(self, new: Turn, scratch: Scratch) -> list[tuple[Turn, int]]:
+    # ------------------------------------------------------------------ late ancestors
+
+    def find_moves(self, new: Turn, scratch: Scratch) -> list[Move]:
         """Turns that arrived before `new` but continue it: they move under it at commit."""
-        moves: list[tuple[Turn, int]] = []
-        if new.link == LINK_EXPLICIT:
+        moves: list[Move] = []
+        if new.link == LinkKind.EXPLICIT:
             return moves
         moves.extend(self._token_moves(new, scratch))
         moves.extend(self._message_moves(new, scratch))
         return moves
 
-    def _token_moves(self, new: Turn, scratch: Scratch) -> list[tuple[Turn, int]]:
+    def _token_moves(self, new: Turn, scratch: Scratch) -> list[Move]:
         """Turns whose prompt extends the tokens of `new` and that hang shallower."""
-        moves: list[tuple[Turn, int]] = []
-        parent = new.parent
-        if new.prompt is not None:
-            data = scratch.full_data  # set when the tokens are all array('I'), else no moves
-            if data is None or new.full is None or not new.full.length:
-                return moves
-            if parent is not None:
-                candidates = list(parent.children or ())
-            elif new.full.length >= BLOCK:
-                candidates = list(index_members(self._token_roots.get(scratch.token_key)))
-            elif new.full.length >= HEADS[0]:
-                head = max(h for h in HEADS if h <= new.full.length)
-                candidates = list(index_members(self._token_roots.get(short_key(data, head))))
-            else:  # fewer tokens than the shortest head: every root is a candidate
-                candidates = [t for t in self._turns if t.parent is None]
-            # and children of turns whose tokens end inside this turn's sampled ones (a
-            # shorter retry of the same call): their continuations may continue this one
-            for shorter in self._prefixes_within(new, data):
-                candidates.extend(shorter.children or ())
-            for other in candidates:
-                if (
-                    other is new
-                    or other.link not in (LINK_TOKENS, LINK_NONE)
-                    or other.prompt is None
-                    or other.prompt.length < new.full.length
-                    or (other.prompt.length == new.full.length and not sampled_any(new))
-                    or not other.prompt.compact
-                ):
-                    continue
-                if run_bytes(other.prompt).startswith(data):
-                    moves.append((other, LINK_TOKENS))
+        moves: list[Move] = []
+        if new.prompt is None:
+            return moves
+        data = scratch.full_data  # set when the tokens are all array('I'), else no moves
+        full = new.full
+        if data is None or full is None or not full.length:
+            return moves
+        for other in self._token_candidates(new, scratch, data):
+            prompt = other.prompt
+            if (
+                other is new
+                or other.link not in (LinkKind.TOKENS, LinkKind.NONE)
+                or prompt is None
+                or prompt.length < full.length
+                or (prompt.length == full.length and not sampled_any(new))
+                or not prompt.compact
+            ):
+                continue
+            if run_bytes(prompt).startswith(data):
+                moves.append((other, LinkKind.TOKENS))
         return moves
+
+    def _token_candidates(self, new: Turn, scratch: Scratch, data: bytes) -> list[Turn]:
+        """Turns that may continue `new`: its siblings (or the roots sharing its first
+        tokens), and children of shorter retries of the same call."""
+        parent, length = new.parent, len(data) // 4
+        if parent is not None:
+            candidates = list(parent.children or ())
+        elif length >= BLOCK:
+            candidates = list(index_members(self.token_roots.get(scratch.token_key)))  # type: ignore[arg-type]
+        elif length >= HEADS[0]:
+            head = max(h for h in HEADS if h <= length)
+            candidates = list(index_members(self.token_roots.get(short_key(data, head))))
+        else:  # fewer tokens than the shortest head: every root is a candidate
+            candidates = [t for t in self.turns if t.parent is None]
+        # and children of turns whose tokens end inside this turn's sampled ones (a
+        # shorter retry of the same call): their continuations may continue this one
+        for shorter in self._prefixes_within(new, data):
+            candidates.extend(shorter.children or ())
+        return candidates
 
     def _prefixes_within(self, new: Turn, data: bytes) -> list[Turn]:
         """Stored turns whose prompt + sampled tokens are a prefix of `new`'s, longer than its
@@ -193,9 +294,9 @@ class Linking:
             keys.append((hasher.intdigest(), j * BLOCK, (j + 1) * BLOCK))
         if first * BLOCK > high:
             keys = []
-        keys += [(short_key(data, n), n, n + 1) for n in self._short_lengths if low <= n < high]
+        keys += [(short_key(data, n), n, n + 1) for n in self.short_lengths if low <= n < high]
         for key, start, stop in keys:
-            for other in index_members(self._token_index.get(key)):
+            for other in index_members(self.token_index.get(key)):
                 full = other.full
                 if (
                     other is not new
@@ -209,50 +310,59 @@ class Linking:
                     found.append(other)
         return found
 
-    def _message_moves(self, new: Turn, scratch: Scratch) -> list[tuple[Turn, int]]:
+    def _message_moves(self, new: Turn, scratch: Scratch) -> list[Move]:
         """Message-linked turns whose request continues `new` and that hang shallower.
 
         For a turn linked by tokens only message roots are candidates (its place among
         message-linked turns is not worked out)."""
-        moves: list[tuple[Turn, int]] = []
+        moves: list[Move] = []
         parent = new.parent
         if new.flags & NO_MESSAGES:
             return moves
         if parent is not None and new.prompt is None:
             candidates = list(parent.children or ())
         elif scratch.request_digest is not None:
-            candidates = list(index_members(self._message_roots.get(scratch.request_digest)))
+            candidates = list(index_members(self.message_roots.get(scratch.request_digest)))
         else:
             return moves
+        moves.extend(self._twin_moves(new, scratch.twins))
+        store = self.requests
         mine = None
-        for twin in scratch.twins:
-            # a continuation linked loosely to a twin moves here if it echoes this response
-            # exactly and the twin's only loosely
-            for other in list(twin.children or ()):
-                if other.link != LINK_MESSAGES or other.prompt is not None:
-                    continue
-                echo = _plain_or_none(self, self._rest_values(other), new.n_rest)
-                exact_here = echo is not None and echo == self._response_plain(new)
-                if exact_here and echo != self._response_plain(twin):
-                    moves.append((other, LINK_MESSAGES))
         for other in candidates:
             if (
                 other is new
-                or other.link not in (LINK_MESSAGES, LINK_NONE)
+                or other.link not in (LinkKind.MESSAGES, LinkKind.NONE)
                 or other.prompt is not None
                 or other.n_rest <= new.n_rest
             ):
                 continue
             if mine is None:
-                mine = self._rest_values(new)
-            theirs = self._rest_values(other)
-            if self._plain(theirs[: new.n_rest]) == self._plain(mine):
+                mine = store.rest_values(new)
+            theirs = store.rest_values(other)
+            if store.plain(theirs[: new.n_rest]) == store.plain(mine):
                 echo = theirs[new.n_rest]
-                if self._echoes(new, echo, self._plain(echo)):
-                    moves.append((other, LINK_MESSAGES))
+                if store.echoes(new, echo, store.plain(echo)):
+                    moves.append((other, LinkKind.MESSAGES))
         return moves
 
-    def _move(self, turn: Turn, parent: Turn, link: int) -> None:
+    def _twin_moves(self, new: Turn, twins: list[Turn]) -> list[Move]:
+        """Continuations linked loosely to a stored turn with exactly this request that echo
+        this turn's response exactly and the twin's only loosely: they move here."""
+        moves: list[Move] = []
+        store = self.requests
+        for twin in twins:
+            for other in list(twin.children or ()):
+                if other.link != LinkKind.MESSAGES or other.prompt is not None:
+                    continue
+                values = store.rest_values(other)
+                echo = store.plain(values[new.n_rest]) if new.n_rest < len(values) else None
+                exact_here = echo is not None and echo == store.response_plain(new)
+                if exact_here and echo != store.response_plain(twin):
+                    moves.append((other, LinkKind.MESSAGES))
+        return moves
+
+    def move(self, turn: Turn, parent: Turn, link: LinkKind) -> None:
+        """Re-link `turn` under `parent` (it arrived before its ancestor)."""
         old = turn.parent
         if old is not None and old.children is not None:
             old.children = tuple(c for c in old.children if c is not turn) or None
@@ -261,7 +371,3 @@ class Linking:
         turn.parent = parent
         turn.link = link
         add_child(parent, turn)
-
-
-def _plain_or_none(graph: Any, values: list[Any], index: int) -> bytes | None:
-    return graph._plain(values[index]) if index < len(values) else None

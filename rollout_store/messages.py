@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["SYSTEM_ROLES", "leading_system_count", "link_key"]
+__all__ = ["SYSTEM_ROLES", "leading_system_count", "link_key", "response_link_key"]
 
 SYSTEM_ROLES = frozenset({"system", "developer"})
 
@@ -80,3 +80,14 @@ def link_key(message: Any) -> Any:
         _content_key(message.get("content")),
         _tool_calls_key(message.get("tool_calls")),
     )
+
+
+def response_link_key(message: Any) -> Any:
+    """`link_key` of a response: one without a role is the assistant's.
+
+    Engines and replayed streams often leave the role out of the message they return,
+    while the harness always names it when it sends the message back.
+    """
+    if isinstance(message, dict) and message.get("role") is None:
+        message = {**message, "role": "assistant"}
+    return link_key(message)

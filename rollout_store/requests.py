@@ -7,11 +7,15 @@ are stored once per graph.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Final
 
+from .blobs import BlobTable
+from .content import content_key
 from .encoding import NotPackable, array_header, unpack
 from .errors import InvalidValueError
-from .messages import leading_system_count, link_key
+from .intake import Encoder
+from .messages import leading_system_count, link_key, response_link_key
 from .turns import (
     ECHO_PACKED,
     MESSAGES_TUPLE,
@@ -22,26 +26,149 @@ from .turns import (
     TAIL_REFS,
     TAIL_SLOW,
     TAIL_SPECIAL,
-    Scratch,
+    IndexKeys,
+    LinkKind,
     Turn,
     TurnNode,
     finish_tail,
+    index_add,
     index_members,
+    new_packer,
     no_echo,
     request_key,
 )
+from .values import ValueTable
+
+__all__ = ["FreshRequest", "RequestStore", "Scratch"]
+
+Messages = list[Any] | tuple[Any, ...]
+
+_new_tuple: Final = tuple.__new__
+
+
+class Scratch:
+    """What add_turn works out before committing a turn; dropped afterwards."""
+
+    __slots__ = (
+        "full_data",
+        "message_parent",
+        "moves",
+        "pending",
+        "prompt_key",
+        "request",
+        "request_digest",
+        "root_keys",
+        "tail_key",
+        "token_key",
+        "token_parent",
+        "twins",
+    )
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[bytes, bytes]] = []
+        self.token_parent: Turn | None = None
+        self.full_data: bytes | None = None  # prompt + sampled as array('I') bytes
+        self.token_key: int | None = None  # block digest of prompt+sampled at its last block
+        self.prompt_key: int | None = None
+        self.message_parent: Turn | None = None
+        self.request_digest: int | None = None
+        # keys of this request's shorter prefixes, under which it waits as a message root
+        # for an earlier turn that arrives late
+        self.root_keys: list[int] | None = None
+        self.request: FreshRequest | None = None  # its non-system messages, if any
+        self.tail_key: bytes | None = None  # SHA-256 of the tail's plain packings (see below)
+        self.twins: list[Turn] = []  # stored turns with exactly this request, and children
+        self.moves: list[tuple[Turn, LinkKind]] = []  # earlier turns it adopts
+
+    def keys(self) -> IndexKeys:
+        keys = (self.request_digest, self.token_key, self.prompt_key, self.root_keys)
+        return _new_tuple(IndexKeys, keys)  # IndexKeys(*keys) without its Python-level __new__
+
+
+class FreshRequest:
+    """The non-system messages of a request being added, and which stored requests it
+    was found to extend (each checked once, however many questions ask)."""
+
+    __slots__ = ("_confirmed", "_prefixes", "_store", "messages", "n_valid", "plains")
+
+    def __init__(self, store: RequestStore, messages: Messages, plains: list[bytes | None]):
+        self._store = store
+        self.messages = messages
+        self.plains = plains  # plain packings; None for a message that has none
+        # the messages before the first without a plain packing (only those can match)
+        self.n_valid = plains.index(None) if None in plains else len(plains)
+        self._confirmed: dict[int, bool] = {}
+        self._prefixes: dict[int, list[Turn]] = {}
+
+    def extends(self, stored: Turn) -> bool:
+        """Whether this request starts with exactly the non-system request of `stored`."""
+        confirmed = self._confirmed
+        ok = confirmed.get(stored.index)
+        if ok is None:
+            ok = self._store.matches(stored, self.plains, self.messages)
+            if ok:  # so are the requests that one extends
+                ancestor = stored.base
+                while ancestor is not None and ancestor.index not in confirmed:
+                    confirmed[ancestor.index] = True
+                    ancestor = ancestor.base
+            confirmed[stored.index] = ok
+        return ok
+
+    def stored_prefixes(self, n: int) -> list[Turn]:
+        """Stored turns whose non-system request is as long as the first `n` messages and
+        filed under their key (not yet confirmed: see `extends`)."""
+        found = self._prefixes.get(n)
+        if found is None:
+            found = self._store.candidates(request_key(self.plains, n), n)
+            self._prefixes[n] = found
+        return found
 
 
 class RequestStore:
-    """The request-storage half of `RolloutGraph` (a mixin: it uses the graph's tables)."""
+    """The request messages, responses and shared values of a graph's turns.
 
-    def _encode(self, value: Any, path: str) -> tuple[bytes, bool]:
+    Owns the packers, the shared-value table and the index of stored requests; rebuilds
+    what it stores. Not thread-safe: the graph uses it under its lock.
+    """
+
+    __slots__ = (
+        "_canonical",
+        "_encoder",
+        "_pack_plain",
+        "blobs",
+        "request_index",
+        "tail_keys",
+        "values",
+    )
+
+    def __init__(self, blobs: BlobTable, share_threshold: int | None) -> None:
+        self.blobs = blobs
+        # a reusable packer (packb builds one per call); replaced after each turn by
+        # `reset_packer` so a large message's buffer is not kept
+        self._pack_plain = new_packer()
+        self._encoder = Encoder(blobs, share_threshold)
+        self._canonical = Encoder(None, None)  # plain packing by the validating walk
+        # Over an out-of-process store the strings are not at hand: a stored tail holding
+        # blob references is matched by the SHA-256 of its plain packings (turn index ->
+        # digest), and shared values are keyed by SHA-256, so matching never fetches.
+        fetches = blobs.fetches
+        self.values = ValueTable(self.expand, share_threshold, hashed=fetches)
+        self.tail_keys: dict[int, bytes] | None = {} if fetches else None
+        self.request_index: dict[int, Any] = {}  # digest of non-system request -> turn(s)
+
+    def reset_packer(self) -> None:
+        self._pack_plain = new_packer()
+
+    # ------------------------------------------------------------------ intake
+
+    def encode(self, value: Any, path: str) -> tuple[bytes, bool]:
+        """The stored packing of a fresh value and whether it holds forgeable ext types."""
         return self._encoder.encode(value, path)
 
-    def _encode_response(self, value: Any, turn: Turn) -> bytes | None:
+    def encode_response(self, value: Any, turn: Turn) -> bytes | None:
         if value is None:
             return None
-        packed, special = self._encode(value, "response_message")
+        packed, special = self.encode(value, "response_message")
         if self._encoder.last_refs:  # else the packing is the plain one, nothing to expand
             turn.flags |= RESPONSE_REFS
         if special:
@@ -50,7 +177,7 @@ class RequestStore:
 
     def _shared(
         self,
-        items: list[Any] | tuple[Any, ...],
+        items: Messages,
         path: str,
         plains: list[bytes | None],
         pending: list[tuple[bytes, bytes]],
@@ -65,42 +192,38 @@ class RequestStore:
         header = array_header(len(items)) if as_array else b""
         plain = None if None in plains else header + b"".join(plains)  # type: ignore[arg-type]
         if plain is not None:
-            found = self._values.find(plain)
+            found = self.values.find(plain)
             if found is None:
                 found = next((stored for p, stored in pending if p == plain), None)
             if found is not None:
                 return found
         if as_array:
-            packed = [self._encode(item, f"{path}[{i}]") for i, item in enumerate(items)]
+            packed = [self.encode(item, f"{path}[{i}]") for i, item in enumerate(items)]
         else:
-            packed = [self._encode(items[0], path)]
+            packed = [self.encode(items[0], path)]
         stored = header + b"".join(b for b, _ in packed)
         if plain is not None and not any(special for _, special in packed):
+            if stored == plain:  # no blob references: other graphs may share it
+                stored = self.blobs.share_packed(stored)
             pending.append((plain, stored))
         return stored
 
-    def _shared_value(self, value: Any, path: str, pending: list[tuple[bytes, bytes]]) -> Any:
+    def shared_value(self, value: Any, path: str, pending: list[tuple[bytes, bytes]]) -> Any:
         if value is None:
             return None
-        return self._shared([value], path, [self._plain(value)], pending, as_array=False)
+        return self._shared([value], path, [self.plain(value)], pending, as_array=False)
 
-    def _valid(self, value: Any, plain: bytes | None) -> bool:
-        """Whether `plain` is the packing of `value` by the validating walk."""
-        try:
-            return plain is not None and self._canonical.encode(value, "")[0] == plain
-        except InvalidValueError:
-            return False
+    def add_values(self, pending: list[tuple[bytes, bytes]] | tuple[()]) -> None:
+        """Remember the shared values a committed turn stored first."""
+        for plain, stored in pending:
+            self.values.add(plain, stored)
 
-    def _is_echo(self, base: Turn, message: Any, plain: bytes | None) -> bool:
-        """Whether `message` is exactly the response of `base`."""
-        if plain is None or base.response is None or plain != self._response_plain(base):
-            return False
-        return not base.flags & RESPONSE_SPECIAL or self._valid(message, plain)
+    def prepare(self, turn: Turn, node: TurnNode, scratch: Scratch) -> bytes | None:
+        """Store the request as system part + base turn + tail; return the system plain.
 
-    def _prepare_request(self, turn: Turn, node: TurnNode, scratch: Scratch) -> bytes | None:
-        """Store the request as system part + base turn + tail; return the system plain."""
+        Sets `scratch.request` (the fresh request, for linking) and `scratch.request_digest`.
+        """
         messages = node.request_messages
-        pending = scratch.pending
         if messages is None:
             turn.system, turn.base, turn.tail, turn.n_rest = None, None, b"", 0
             turn.first = turn.body_start = 0
@@ -112,85 +235,62 @@ class RequestStore:
             )
         if isinstance(messages, tuple):
             turn.flags |= MESSAGES_TUPLE
+        if not messages and turn.prompt is not None:
+            # a token turn without messages (the default []): linked by its tokens, and no
+            # base of anything, so it stays out of the request index (which would otherwise
+            # hold every such turn under one key)
+            turn.system, turn.base, turn.n_rest = None, None, 0
+            turn.tail = array_header(0)
+            finish_tail(turn)
+            return None
         n_sys = leading_system_count(messages)
         try:
             pack = self._pack_plain
             plains: list[bytes | None] = [pack(m) for m in messages]
         except Exception:  # some message needs the slow path: find which
-            plains = [self._plain(m) for m in messages]
+            plains = [self.plain(m) for m in messages]
 
         # system part: shared whole through the value table
         system_plain = None
         turn.system = None
         if n_sys:
             turn.system = self._shared(
-                messages[:n_sys], "request_messages", plains[:n_sys], pending, as_array=True
+                messages[:n_sys], "request_messages", plains[:n_sys], scratch.pending, True
             )
             if None not in plains[:n_sys]:
                 system_plain = b"".join(plains[:n_sys])  # type: ignore[arg-type]
 
-        rest = messages[n_sys:]
-        rest_plains = plains[n_sys:]
-        n_valid = rest_plains.index(None) if None in rest_plains else len(rest_plains)
-        scratch.request_digest = request_key(rest_plains, n_valid) if n_valid == len(rest) else None
-        if n_valid == len(rest):
-            scratch.rest_plains = rest_plains  # for root_keys, if this turn stays a root
+        request = FreshRequest(self, messages[n_sys:], plains[n_sys:])
+        scratch.request = request
+        if request.n_valid == len(request.messages):
+            scratch.request_digest = request_key(request.plains, request.n_valid)
+        self._store_tail(turn, request, self._base(request), n_sys)
+        if self.tail_keys is not None and turn.flags & TAIL_REFS:
+            body = request.plains[turn.first + (1 if turn.flags & TAIL_ECHO else 0) :]
+            if None not in body:
+                scratch.tail_key = content_key(b"".join(body))  # type: ignore[arg-type]
+        return system_plain
 
-        want_parent = node.parent_id is None and node.prompt_ids is None
-        base: Turn | None = None
-        parent: Turn | None = None
-        confirmed: dict[int, bool] = {}
+    def _base(self, request: FreshRequest) -> Turn | None:
+        """The longest stored request that `request` extends (its storage base)."""
+        for n in range(request.n_valid, -1, -1):
+            for candidate in request.stored_prefixes(n):
+                if request.extends(candidate):
+                    return candidate
+        return None
 
-        def exact(candidate: Turn) -> bool:
-            ok = confirmed.get(candidate.index)
-            if ok is None:
-                ok = self._request_matches(candidate, rest_plains, rest)
-                if ok:  # so are the requests this one extends
-                    ancestor = candidate.base
-                    while ancestor is not None and ancestor.index not in confirmed:
-                        confirmed[ancestor.index] = True
-                        ancestor = ancestor.base
-                confirmed[candidate.index] = ok
-            return ok
-
-        # Deepest first: the storage base is the longest stored request that this one
-        # extends; the parent, the longest whose response is echoed next (an exact echo
-        # preferred to a loose one).
-        for j in range(n_valid, -1, -1):
-            can_link = want_parent and j < len(rest)
-            if base is not None and not can_link:
-                if not want_parent:
-                    break
-                continue
-            key = request_key(rest_plains, j)
-            members = [c for c in index_members(self._request_index.get(key)) if c.n_rest == j]
-            if not members:
-                continue
-            if base is None:
-                base = next((c for c in members if exact(c)), None)
-                if base is None:
-                    continue
-                if j == len(rest):  # identical requests whose continuations may move here
-                    scratch.twins = [c for c in members if c.children and exact(c)]
-            if not can_link:
-                continue
-            message, plain = rest[j], rest_plains[j]
-            parent = next(
-                (c for c in members if self._is_echo(c, message, plain) and exact(c)), None
-            ) or next((c for c in members if self._echoes(c, message, plain) and exact(c)), None)
-            if parent is not None:
-                break
-        scratch.message_parent = parent
-
+    def _store_tail(self, turn: Turn, request: FreshRequest, base: Turn | None, n_sys: int) -> None:
+        """Pack the messages after the base's (the echo of its response as a placeholder)."""
+        rest, rest_plains = request.messages, request.plains
         start = base.n_rest if base is not None else 0
         pieces: list[bytes] = []
         for i in range(start, len(rest)):
             p = rest_plains[i]
-            if i == start and base is not None and self._is_echo(base, rest[i], p):
+            if i == start and base is not None and self.is_echo(base, rest[i], p):
                 pieces.append(ECHO_PACKED)
                 turn.flags |= TAIL_ECHO
                 continue
-            packed, special = self._encode(rest[i], f"request_messages[{n_sys + i}]")
+            packed, special = self.encode(rest[i], f"request_messages[{n_sys + i}]")
             if packed != p:
                 turn.flags |= TAIL_REFS
             if special:
@@ -200,11 +300,46 @@ class RequestStore:
         turn.tail = array_header(len(pieces)) + b"".join(pieces)
         turn.n_rest = len(rest)
         finish_tail(turn)
-        return system_plain
 
-    def _request_matches(
-        self, turn: Turn, plains: list[bytes | None], messages: list[Any] | tuple[Any, ...]
-    ) -> bool:
+    def file(self, turn: Turn, key: int | None, tail_key: bytes | None = None) -> None:
+        """File a committed turn's request under `key` (its digest), if it has messages,
+        and the digest of its tail's plain packings (`tail_key`), if it has one."""
+        if key is not None and not turn.flags & NO_MESSAGES:
+            index_add(self.request_index, key, turn)
+        if tail_key is not None and self.tail_keys is not None:
+            self.tail_keys[turn.index] = tail_key
+
+    # ------------------------------------------------------------------ matching
+
+    def candidates(self, key: int, n_rest: int) -> list[Turn]:
+        """Stored turns filed under request key `key` with `n_rest` non-system messages."""
+        return [c for c in index_members(self.request_index.get(key)) if c.n_rest == n_rest]
+
+    def valid(self, value: Any, plain: bytes | None) -> bool:
+        """Whether `plain` is the packing of `value` by the validating walk."""
+        try:
+            return plain is not None and self._canonical.encode(value, "")[0] == plain
+        except InvalidValueError:
+            return False
+
+    def is_echo(self, base: Turn, message: Any, plain: bytes | None) -> bool:
+        """Whether `message` is exactly the response of `base`."""
+        if plain is None or base.response is None or plain != self.response_plain(base):
+            return False
+        return not base.flags & RESPONSE_SPECIAL or self.valid(message, plain)
+
+    def echoes(self, turn: Turn, message: Any, plain: bytes | None) -> bool:
+        """Whether `message` is the echo of the turn's response (exactly or loosely)."""
+        if turn.response is None:
+            return False
+        if self.is_echo(turn, message, plain):
+            return True
+        try:
+            return bool(response_link_key(self.response_value(turn)) == link_key(message))
+        except Exception:  # a malformed fresh message simply does not match
+            return False
+
+    def matches(self, turn: Turn, plains: list[bytes | None], messages: Messages) -> bool:
         """Whether the non-system request of `turn` is exactly `messages[:turn.n_rest]`.
 
         `plains` are the messages' plain packings; the stored tails are compared with them
@@ -214,17 +349,18 @@ class RequestStore:
         if end > len(plains):
             return False
         join = b"".join
+        slow_bit, echo_bit = TAIL_SLOW, TAIL_ECHO
         node: Turn | None = turn
         try:
             while node is not None:
                 start = node.first
-                if node.flags & TAIL_SLOW:
+                if node.flags & slow_bit:
                     if not self._tail_matches(node, plains, messages, start, end):
                         return False
                 else:
                     # the common case inline: a plain tail, maybe after the echo of the
                     # base's plain response
-                    if node.flags & TAIL_ECHO:
+                    if node.flags & echo_bit:
                         if start >= end or plains[start] != node.base.response:  # type: ignore[union-attr]
                             return False
                         body = join(plains[start + 1 : end])  # type: ignore[arg-type]
@@ -243,7 +379,7 @@ class RequestStore:
         self,
         turn: Turn,
         plains: list[bytes | None],
-        messages: list[Any] | tuple[Any, ...],
+        messages: Messages,
         start: int,
         end: int,
     ) -> bool:
@@ -253,10 +389,17 @@ class RequestStore:
         echo = turn.flags & TAIL_ECHO
         if echo:
             base = turn.base
-            if i >= end or base is None or not self._is_echo(base, messages[i], plains[i]):
+            if i >= end or base is None or not self.is_echo(base, messages[i], plains[i]):
                 return False
             i += 1
-        if turn.flags & TAIL_REFS:
+        key = self.tail_keys.get(turn.index) if self.tail_keys is not None else None
+        if key is not None:
+            try:
+                if content_key(b"".join(plains[i:end])) != key:  # type: ignore[arg-type]
+                    return False
+            except TypeError:  # a message with no plain packing
+                return False
+        elif turn.flags & TAIL_REFS:
             # blob references: rebuild the values (blobs are the table's own strings, no
             # copy) and pack them with every string inline, then compare bytes
             try:
@@ -267,7 +410,7 @@ class RequestStore:
                 del values[0]
             if len(values) != end - i:
                 return False
-            plain = self._plain
+            plain = self.plain
             if any(plain(value) != plains[k] for k, value in enumerate(values, i)):
                 return False
         else:
@@ -279,17 +422,18 @@ class RequestStore:
             if len(joined) + overhead != len(tail) or not tail.endswith(joined):
                 return False
         if turn.flags & TAIL_SPECIAL:
-            return all(self._valid(messages[k], plains[k]) for k in range(i, end))
+            return all(self.valid(messages[k], plains[k]) for k in range(i, end))
         return True
 
-    def _plain(self, value: Any) -> bytes | None:
+    def plain(self, value: Any) -> bytes | None:
         """The exact packing of a value with every string inline, or None if it is invalid.
 
         msgpack packs almost every value at C speed; lone surrogates, subclasses and very deep
         tuples take the validating walk (with no blob table) instead.
         """
         try:
-            return self._pack_plain(value)
+            packed: bytes = self._pack_plain(value)
+            return packed
         except (NotPackable, ValueError, TypeError, OverflowError, RecursionError, BufferError):
             pass
         try:
@@ -297,55 +441,56 @@ class RequestStore:
         except (InvalidValueError, RecursionError):
             return None
 
-    def _expand(self, stored: bytes) -> bytes | None:
+    def expand(self, stored: bytes) -> bytes | None:
         """The plain packing of a stored value: its blobs inline again."""
         try:
-            return self._plain(unpack(stored, self.blobs.string))
+            return self.plain(unpack(stored, self.blobs.string))
         except ValueError:
             return None
 
-    def _response_value(self, turn: Turn) -> Any:
-        return None if turn.response is None else unpack(turn.response, self.blobs.string)
-
-    def _response_plain(self, turn: Turn) -> bytes | None:
+    def response_plain(self, turn: Turn) -> bytes | None:
         if turn.response is None:
             return None
         if not turn.flags & RESPONSE_REFS:
             return turn.response
-        return self._expand(turn.response)
+        return self.expand(turn.response)
 
-    def _echoes(self, turn: Turn, message: Any, plain: bytes | None) -> bool:
-        """Whether `message` is the echo of the turn's response (exactly or loosely)."""
-        if turn.response is None:
-            return False
-        if self._is_echo(turn, message, plain):
-            return True
-        try:
-            return bool(link_key(self._response_value(turn)) == link_key(message))
-        except Exception:  # a malformed fresh message simply does not match
-            return False
+    # ------------------------------------------------------------------ rebuilding
 
-    def _rest_values(self, turn: Turn) -> list[Any]:
+    def value(self, packed: bytes | None) -> Any:
+        """A stored value rebuilt: fresh containers, blobs as the table's own strings."""
+        return None if packed is None else unpack(packed, self.blobs.string)
+
+    def response_value(self, turn: Turn) -> Any:
+        return self.value(turn.response)
+
+    def rest_values(self, turn: Turn) -> list[Any]:
+        """The non-system request messages of `turn`, rebuilt."""
         chain: list[Turn] = []
         node: Turn | None = turn
         while node is not None:
             chain.append(node)
             node = node.base
         out: list[Any] = []
+        string = self.blobs.string
         for owner in reversed(chain):
             base = owner.base
-            echo = (lambda b=base: self._response_value(b)) if base is not None else None
-            out.extend(unpack(owner.tail, self.blobs.string, echo))
+            echo: Callable[[], Any] | None = None
+            if base is not None:
+                echo = _echo_of(self, base)
+            out.extend(unpack(owner.tail, string, echo))
         return out
 
-    def _request_messages(self, turn: Turn) -> list[Any] | tuple[Any, ...] | None:
+    def messages(self, turn: Turn) -> Messages | None:
+        """The request messages of `turn`, rebuilt as they were recorded."""
         if turn.flags & NO_MESSAGES:
             return None
         messages: list[Any] = []
         if turn.system is not None:
             messages.extend(unpack(turn.system, self.blobs.string))
-        messages.extend(self._rest_values(turn))
+        messages.extend(self.rest_values(turn))
         return tuple(messages) if turn.flags & MESSAGES_TUPLE else messages
 
-    def _value(self, packed: bytes | None) -> Any:
-        return None if packed is None else unpack(packed, self.blobs.string)
+
+def _echo_of(store: RequestStore, base: Turn) -> Callable[[], Any]:
+    return lambda: store.response_value(base)

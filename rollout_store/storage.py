@@ -1,29 +1,44 @@
-"""The rollout file: framed, checksummed msgpack records, each blob once, turns as references.
+"""The rollout file: framed, chained msgpack records, each blob once, turns as references.
 
-A file is a magic string and a sequence of frames (kind, length, checksum, payload). Saving
-writes a temporary file, fsyncs and renames it; append mode writes one turn's frames with one
-write call and fsyncs by policy. Loading checks every frame and every blob digest and stops
-at the first damaged or short frame, naming its offset. The format is described in README.md.
+A file is a magic string and a sequence of frames; version 2 (`framing`) binds every frame
+to the ones before it, version 1 (`frames`) is still read (and appended to). Saving writes a
+temporary file, fsyncs and renames it (`atomic`); append mode writes one turn's frames with
+one write call and fsyncs by policy. Loading checks every frame, blob digest and stored value
+(`packed`) and stops at the first damage, naming its offset. The format is described in
+README.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from enum import IntEnum
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
-from .blobs import content_digest
-from .errors import ChecksumMismatch, CorruptFileError, UnsupportedVersionError
+from . import framing
+from .atomic import fsync_dir, lock_log, replace_file
+from .blobs import BlobTable, content_digest
+from .content import ContentStore, StringCache
+from .errors import (
+    ChecksumMismatch,
+    CorruptFileError,
+    CorruptObjectError,
+    FileLockedError,
+    MissingObjectError,
+    StoreError,
+    StoreObjectError,
+    StoreRequiredError,
+    UnsupportedVersionError,
+)
 from .frames import (
     BLOB_PREFIX,
-    FORMAT_VERSION,
     FRAME,
     KIND_BLOB,
+    KIND_BLOB_REF,
     KIND_END,
     KIND_HEADER,
     KIND_NAMES,
@@ -32,7 +47,6 @@ from .frames import (
     MAGIC,
     MODE_LOG,
     MODE_SNAPSHOT,
-    PackedChecker,
     blob_frame,
     checksum,
     decode_segment,
@@ -41,35 +55,130 @@ from .frames import (
     pack,
     unpack_payload,
 )
-from .graph import RolloutGraph
-from .intake import token_array
+from .graph import Graph, GraphRestorer, JournalEntry
+from .intake import MAX_DEPTH, token_array
+from .packed import PackedInfo, check_packed, splice_blobs
+from .shared_blobs import StoreBlobTable
 from .tokens import TokenRun, run_list
 from .turns import (
     ECHO_PACKED,
-    LINK_EXPLICIT,
+    EMPTY_PROMPT,
+    LOGPROBS_PACKED,
+    MESSAGES_TUPLE,
     NO_MESSAGES,
+    RESPONSE_REFS,
+    RESPONSE_SPECIAL,
     TAIL_ECHO,
-    Scratch,
+    TAIL_REFS,
+    TAIL_SLOW,
+    TAIL_SPECIAL,
+    IndexKeys,
+    LinkKind,
     Turn,
+    TurnMeta,
     finish_tail,
     full_run,
     is_above,
 )
 
-__all__ = ["FORMAT_VERSION", "MAGIC", "LoadReport", "load", "open_append", "save", "verify"]
+__all__ = [
+    "FORMAT_VERSION",
+    "MAGIC",
+    "FileLockedError",
+    "LoadReport",
+    "PromptKind",
+    "RolloutGraph",
+    "TurnRecord",
+    "load",
+    "open_append",
+    "save",
+    "verify",
+]
 
 
-# prompt specs in a turn record
-_PROMPT_SAME, _PROMPT_EXTENDS, _PROMPT_NEW = 0, 1, 2
+class PromptKind(IntEnum):
+    """How a turn record gives its prompt tokens."""
+
+    SAME = 0  # [SAME, turn]: the very prompt of an earlier turn
+    EXTENDS = 1  # [EXTENDS, turn, segment]: an earlier turn's prompt + sampled, then more
+    NEW = 2  # [NEW, segment]: the tokens whole
+
+
+class TurnRecord(NamedTuple):
+    """The payload of a turn frame: an array of these 19 fields, in this order.
+
+    Files written before `requested` existed have the first 18; it reads as None.
+
+    Written by `_Writer.turn_frames` and read by `_Loader.turn`. Turns, values and blobs
+    are referred to by their position in the file.
+    """
+
+    node_id: str
+    parent: int | None  # an earlier turn (a later parent re-links its child by `moves`)
+    link: int  # LinkKind, 0 without parent
+    flags: int  # Turn.flags without the derived bits
+    meta: list[Any]  # TurnMeta as an array
+    system: int | None  # value holding the leading system messages
+    base: int | None  # the turn whose request this one extends
+    tail: bytes  # packed request messages after the base's
+    n_rest: int  # number of non-system request messages
+    response: bytes | None
+    tools: int | None  # value
+    sampling: int | None  # value
+    prompt: list[Any] | None  # [PromptKind, ...]
+    sampled: list[Any] | None  # segment
+    logprobs: list[Any] | None  # segment, or ["j", packed JSON value]
+    keys: list[Any]  # IndexKeys as an array
+    refs: list[int]  # blob references and their bytes since the previous turn record
+    moves: list[list[int]]  # [turn, link] of earlier turns re-linked under this one
+    requested: int | None = None  # value holding requested_sampling_params
+
+
+#: Bits of Turn.flags that are derived on load, never written.
+_DERIVED_FLAGS = TAIL_SLOW
+#: Bits a turn record's flags may hold (a version-1 writer also wrote TAIL_SLOW).
+_STORED_FLAGS = (
+    TAIL_REFS
+    | RESPONSE_REFS
+    | MESSAGES_TUPLE
+    | LOGPROBS_PACKED
+    | NO_MESSAGES
+    | TAIL_ECHO
+    | TAIL_SPECIAL
+    | RESPONSE_SPECIAL
+    | EMPTY_PROMPT
+)
+
+#: How a file holds long strings: inline (self-contained) or as keys into a content store.
+BLOBS_INLINE, BLOBS_STORE = "inline", "store"
+
+#: The version this library writes; it reads 1 and 2.
+FORMAT_VERSION = 2
+_V1 = 1
+_MAGICS = {MAGIC: _V1, framing.MAGIC_V2: FORMAT_VERSION}
+_DIGEST_KINDS = frozenset({KIND_BLOB})
+#: Turn records shorter than this are decoded without a first walk (what a crafted one can
+#: allocate is then bounded by a constant); longer ones are walked and bounded first.
+_SMALL_RECORD = 1024
+#: Nesting of a turn record: record, field, segment or move.
+_RECORD_DEPTH = 3
 
 
 # ---------------------------------------------------------------- writing
 
 
 class _Writer:
-    """What has been written so far, so each turn record refers back instead of copying."""
+    """What has been written so far, so each turn record refers back instead of copying.
 
-    def __init__(self) -> None:
+    `version` 2 chains every frame to the one before (`chain`, the last frame's value);
+    version 1 frames are written only to extend a version-1 log."""
+
+    def __init__(
+        self, version: int = FORMAT_VERSION, chain: int = 0, blobs: str = BLOBS_INLINE
+    ) -> None:
+        self.version = version
+        self.chain = chain
+        self.blobs_mode = blobs  # BLOBS_STORE: blob records name store keys, no text
         self.blobs_written = 0
         self.values: dict[int, int] = {}  # id(stored value bytes) -> ordinal
         self.value_objects: list[bytes] = []  # keeps the ids above valid
@@ -77,26 +186,60 @@ class _Writer:
         self.full_of: dict[int, int] = {}  # id(TokenRun) -> index of a turn whose full it is
         self.refs = (0, 0)  # blob references and their bytes counted so far
 
-    def blob_frames(self, graph: RolloutGraph, end: int) -> list[bytes]:
+    def header(self, graph: Graph, mode: str) -> bytes:
+        """The magic and header frame of a new file (which starts this writer's chain)."""
+        fields: dict[str, Any] = {
+            "format": "rollout_store",
+            "version": self.version,
+            "mode": mode,
+            "share_threshold": graph.share_threshold,
+        }
+        if self.blobs_mode == BLOBS_STORE:
+            fields["blobs"] = BLOBS_STORE
+        if self.version == _V1:
+            return MAGIC + frame(KIND_HEADER, pack(fields))
+        fields["file_id"] = framing.new_file_id()
+        data, self.chain = framing.encode_frame(KIND_HEADER, pack(fields), 0)
+        return framing.MAGIC_V2 + data
+
+    def frame(self, kind: int, payload: bytes, chain: list[int]) -> bytes:
+        """One frame after the frame valued `chain[0]`, which becomes this one's value."""
+        if self.version == _V1:
+            return frame(kind, payload)
+        data, chain[0] = framing.encode_frame(kind, payload, chain[0])
+        return data
+
+    def blob_frames(self, blobs: BlobTable, end: int, chain: list[int]) -> list[bytes]:
         frames: list[bytes] = []
-        blobs = graph.blobs
+        if self.blobs_mode == BLOBS_STORE:
+            if not isinstance(blobs, StoreBlobTable):
+                raise ValueError(
+                    'blobs="store" needs a graph over a content store (RolloutGraph(store=...))'
+                )
+            for index in range(self.blobs_written, end):
+                handle = blobs.handle(index)
+                ref = [handle.digest, blobs.key(index), handle.size, handle.surrogates]
+                frames.append(self.frame(KIND_BLOB_REF, pack(ref), chain))
+            return frames
         for index in range(self.blobs_written, end):
             data = blobs.string(index).encode("utf-8", "surrogatepass")
-            frames.extend(blob_frame(blobs.handle(index).digest, data))
+            digest = blobs.handle(index).digest
+            if self.version == _V1:
+                frames.extend(blob_frame(digest, data))
+            else:
+                parts, chain[0] = framing.encode_blob_frame(KIND_BLOB, digest, data, chain[0])
+                frames.extend(parts)
         return frames
 
     def turn_frames(
-        self,
-        graph: RolloutGraph,
-        turn: Turn,
-        moves: list[tuple[Turn, int]],
-        keys: list[Any],
-        blobs_end: int,
-        refs: tuple[int, int],
+        self, blobs: BlobTable, entry: JournalEntry
     ) -> tuple[list[bytes], Callable[[], None]]:
         """Frames (as byte parts) for the turn's new blobs, new values and the turn itself,
         and a function to call once they are written."""
-        frames = self.blob_frames(graph, blobs_end)
+        turn, blobs_end = entry.turn, entry.blobs_end
+        refs = self.refs if entry.references is None else entry.references
+        chain = [self.chain]  # advanced frame by frame; kept only once the frames are written
+        frames = self.blob_frames(blobs, blobs_end, chain)
         new_values: list[bytes] = []
 
         def value_ref(stored: bytes | None) -> int | None:
@@ -108,37 +251,39 @@ class _Writer:
                     if pending is stored:
                         return len(self.value_objects) + i
                 new_values.append(stored)
-                frames.append(frame(KIND_VALUE, pack(stored)))
+                frames.append(self.frame(KIND_VALUE, pack(stored), chain))
                 return len(self.value_objects) + len(new_values) - 1
             return ordinal
 
         parent = turn.parent
         parent_index = parent.index if parent is not None and parent.index < turn.index else None
-        record = [
-            turn.node_id,
-            parent_index,
-            turn.link if parent_index is not None else 0,
-            turn.flags,
-            list(turn.meta),
-            value_ref(turn.system),
-            turn.base.index if turn.base is not None else None,
-            turn.tail,
-            turn.n_rest,
-            turn.response,
-            value_ref(turn.tools),
-            value_ref(turn.sampling),
-            self._prompt_spec(turn),
-            encode_segment(turn.sampled),
-            encode_segment(turn.logprobs)
+        record = TurnRecord(
+            node_id=turn.node_id,
+            parent=parent_index,
+            link=int(turn.link) if parent_index is not None else 0,
+            flags=turn.flags & ~_DERIVED_FLAGS,
+            meta=list(turn.meta),
+            system=value_ref(turn.system),
+            base=turn.base.index if turn.base is not None else None,
+            tail=turn.tail,
+            n_rest=turn.n_rest,
+            response=turn.response,
+            tools=value_ref(turn.tools),
+            sampling=value_ref(turn.sampling),
+            prompt=self._prompt_spec(turn),
+            sampled=encode_segment(turn.sampled),
+            logprobs=encode_segment(turn.logprobs)
             if isinstance(turn.logprobs, array)
             else (["j", turn.logprobs] if turn.logprobs is not None else None),
-            keys,
-            [refs[0] - self.refs[0], refs[1] - self.refs[1]],
-            [[other.index, link] for other, link in moves],
-        ]
-        frames.append(frame(KIND_TURN, pack(record)))
+            keys=list(entry.keys),
+            refs=[refs[0] - self.refs[0], refs[1] - self.refs[1]],
+            moves=[[other.index, int(link)] for other, link in entry.moves],
+            requested=value_ref(turn.requested),
+        )
+        frames.append(self.frame(KIND_TURN, pack(list(record)), chain))
 
         def commit() -> None:
+            self.chain = chain[0]
             self.blobs_written = blobs_end
             for stored in new_values:
                 self.values[id(stored)] = len(self.value_objects)
@@ -154,88 +299,59 @@ class _Writer:
         if turn.full is not None:
             self.full_of.setdefault(id(turn.full), turn.index)
 
-    def _prompt_spec(self, turn: Turn) -> Any:
+    def _prompt_spec(self, turn: Turn) -> list[Any] | None:
         run = turn.prompt
         if run is None:
             return None
         same = self.prompt_of.get(id(run))
         if same is not None:
-            return [_PROMPT_SAME, same]
+            return [int(PromptKind.SAME), same]
         if run.prev is not None:
             extends = self.full_of.get(id(run.prev))
             if extends is not None:
-                return [_PROMPT_EXTENDS, extends, encode_segment(run.seg)]
+                return [int(PromptKind.EXTENDS), extends, encode_segment(run.seg)]
         # a chain this file cannot name: write the tokens whole (exact, just not shared)
-        return [_PROMPT_NEW, encode_segment(token_array(run_list(run), "prompt_ids"))]
+        return [int(PromptKind.NEW), encode_segment(token_array(run_list(run), "prompt_ids"))]
 
 
-def _header(graph: RolloutGraph, mode: str) -> bytes:
-    payload = pack(
-        {
-            "format": "rollout_store",
-            "version": FORMAT_VERSION,
-            "mode": mode,
-            "share_threshold": graph.share_threshold,
-        }
-    )
-    return MAGIC + frame(KIND_HEADER, payload)
+def _blobs_mode(blobs: str) -> str:
+    if blobs not in (BLOBS_INLINE, BLOBS_STORE):
+        raise ValueError(f'blobs must be "inline" or "store", got {blobs!r}')
+    return blobs
 
 
-def _turn_keys(scratch: Scratch) -> list[Any]:
-    return [scratch.request_digest, scratch.token_key, scratch.prompt_key, scratch.root_keys]
+def save(graph: Graph, path: str | os.PathLike[str], *, blobs: str = "inline") -> None:
+    """Write the whole graph to `path` atomically, as a version-2 snapshot: a temporary file
+    with a unique name, fsync, rename, fsync of the folder. Refused with `FileLockedError`
+    while another graph or process appends to the file at `path`.
 
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def save(graph: RolloutGraph, path: str | os.PathLike[str]) -> None:
-    """Write the whole graph to `path` atomically: a temporary file, fsync, rename."""
+    `blobs="inline"` (the default) writes a self-contained file. `blobs="store"` writes each
+    long string as a reference (its key) into the content store of the graph, which must
+    have one; `load(path, store=...)` reads such a file back.
+    """
+    mode = _blobs_mode(blobs)
+    if mode == BLOBS_STORE and not isinstance(graph.blobs, StoreBlobTable):
+        raise ValueError('save(blobs="store") needs a graph over a content store')
     target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    if graph._log_path is not None and os.path.realpath(target) == graph._log_path:
+    log_path = graph.journal_path
+    if log_path is not None and os.path.realpath(target) == log_path:
         raise ValueError(f"{target} is the log this graph appends to; save to another path")
-    with graph._lock:
-        writer = _Writer()
-        try:
-            with open(tmp, "wb") as fp:
-                fp.write(_header(graph, MODE_SNAPSHOT))
-                turns = graph._turns
-                later_children: dict[int, list[tuple[Turn, int]]] = {}
-                for turn in turns:
-                    parent = turn.parent
-                    if parent is not None and parent.index > turn.index:
-                        later_children.setdefault(parent.index, []).append((turn, turn.link))
-                inverted = graph._inverted_keys()
-                marks = graph._blob_marks
-                for turn in turns:
-                    # references are counted in the end record of a snapshot
-                    frames, commit = writer.turn_frames(
-                        graph,
-                        turn,
-                        later_children.get(turn.index, []),
-                        inverted[turn.index],
-                        marks[turn.index],
-                        writer.refs,
-                    )
-                    fp.writelines(frames)
-                    commit()
-                references = list(graph.blobs.mark()[1:])
-                end = {"turns": len(turns), "blobs": len(graph.blobs), "references": references}
-                fp.write(frame(KIND_END, pack(end)))
-                fp.flush()
-                os.fsync(fp.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
-    _fsync_dir(target)
+
+    def write(fp: IO[bytes]) -> None:
+        writer = _Writer(blobs=mode)
+        fp.write(writer.header(graph, MODE_SNAPSHOT))
+        entries = graph.journal_entries()
+        for entry in entries:
+            # references are counted in the end record of a snapshot
+            frames, commit = writer.turn_frames(graph.blobs, entry)
+            fp.writelines(frames)
+            commit()
+        references = list(graph.blobs.mark()[1:])
+        end = {"turns": len(entries), "blobs": len(graph.blobs), "references": references}
+        fp.write(writer.frame(KIND_END, pack(end), [writer.chain]))
+
+    with graph.lock:
+        replace_file(target, write)
 
 
 # ---------------------------------------------------------------- reading
@@ -253,9 +369,14 @@ class LoadReport:
     blobs: int
     error: str | None = None
     error_offset: int | None = None
-    truncated: bool = False  # the damage is a cut (short last frame), not changed bytes
+    # the damage is a torn tail: no intact frame follows it (a cut, garbage or zeros to the
+    # end), which `open(repair=True)` may cut off
+    truncated: bool = False
     mode: str | None = None  # "log" (append mode) or "snapshot" (save)
     exception: CorruptFileError | None = None
+    version: int | None = None  # the file's format version
+    resync_offset: int | None = None  # where the next intact frame after the damage starts
+    good_chain: int = 0  # version 2: the chain value of the frame ending at good_bytes
 
     def fail(self, exc: CorruptFileError, truncated: bool = False) -> None:
         self.exception = exc
@@ -269,11 +390,44 @@ class LoadReport:
 
 
 class _Loader:
-    def __init__(self, share_threshold: int | None) -> None:
-        self.graph = RolloutGraph(share_threshold=share_threshold)
+    """Rebuilds a graph from the records of a file, through the graph's restore door."""
+
+    def __init__(
+        self,
+        share_threshold: int | None,
+        store: ContentStore | None = None,
+        cache: StringCache | None = None,
+    ) -> None:
+        self.graph = RolloutGraph(share_threshold=share_threshold, store=store, cache=cache)
+        self.restore: GraphRestorer = self.graph._restorer()
         self.writer = _Writer()
-        self.checker = PackedChecker(self.graph.blobs)
         self.value_is_list: list[bool] = []  # system parts must be arrays of messages
+
+    def check(self, packed: Any, n_blobs: int, echo_ok: bool = False) -> PackedInfo:
+        """Check a stored value once, without building it (see `packed.check_packed`)."""
+        if not isinstance(packed, bytes):
+            raise ValueError("a packed value must be bytes")
+        blobs = self.graph.blobs
+        return check_packed(
+            packed,
+            n_blobs,
+            MAX_DEPTH,
+            blob_surrogates=lambda i: blobs.handle(i).surrogates,
+            echo_ok=echo_ok,
+        )
+
+    def blob_v2(self, payload: memoryview) -> None:
+        """A version-2 blob frame's payload: digest, then text (the frame reader checked the
+        digest, the only hash over the text)."""
+        digest = bytes(payload[: framing.DIGEST_SIZE])
+        self._add_blob(payload[framing.DIGEST_SIZE :], digest)
+
+    def _add_blob(self, data: memoryview, digest: bytes) -> None:
+        try:
+            text, surrogates = str(data, "utf-8"), False
+        except UnicodeDecodeError:
+            text, surrogates = str(data, "utf-8", "surrogatepass"), True
+        self.graph.blobs.add_verified(text, digest, len(data), surrogates)
 
     def blob(self, payload: memoryview, offset: int, record: int) -> None:
         """A blob frame's payload, read in place: prefix, digest, bin header, data."""
@@ -292,70 +446,119 @@ class _Loader:
         actual = content_digest(data)
         if actual != digest:
             raise ChecksumMismatch("blob", digest, actual, offset=offset, record=record)
+        self._add_blob(data, digest)
+
+    def blob_ref(self, body: Any, offset: int, record: int) -> None:
+        """A blob kept in the content store: fetched, verified against its key and its
+        digest, then referenced. A missing or damaged object names its key and record."""
+        blobs = self.graph.blobs
+        if not isinstance(blobs, StoreBlobTable):
+            raise ValueError("a blob reference in a file without a store")
+        if not (
+            isinstance(body, list)
+            and len(body) == 4
+            and type(body[0]) is bytes
+            and len(body[0]) == 16
+            and type(body[1]) is bytes
+            and len(body[1]) == 32
+            and type(body[2]) is int
+            and type(body[3]) is bool
+        ):
+            raise ValueError("blob reference must be [digest, key, size, surrogates]")
+        digest, key, size, surrogates = body
         try:
-            text, surrogates = str(data, "utf-8"), False
+            data = blobs.store.get(key)
+        except MissingObjectError:
+            raise StoreObjectError(
+                f"the content store {blobs.store!r} has no object for this blob",
+                key=key,
+                offset=offset,
+                record=record,
+            ) from None
+        except CorruptObjectError as error:
+            raise StoreObjectError(
+                f"the object for this blob is damaged in {blobs.store!r}: {error.reason}",
+                key=key,
+                offset=offset,
+                record=record,
+            ) from error
+        actual = content_digest(data)
+        if actual != digest or len(data) != size:
+            raise ChecksumMismatch("blob", digest, actual, offset=offset, record=record)
+        try:
+            text = data.decode("utf-8")
+            has_surrogates = False
         except UnicodeDecodeError:
-            text, surrogates = str(data, "utf-8", "surrogatepass"), True
-        self.graph.blobs.add_verified(text, digest, size, surrogates)
+            text, has_surrogates = data.decode("utf-8", "surrogatepass"), True
+        if has_surrogates != surrogates:
+            raise ValueError("blob reference's surrogate flag does not match its object")
+        blobs.add_reference(key, digest, size, surrogates)
+        if blobs.cache is not None:
+            blobs.cache.put(key, text, size)
 
     def value(self, payload: Any) -> None:
-        decoded = self.checker.check(payload, len(self.graph.blobs))
-        special = self.checker.special
-        self.value_is_list.append(type(decoded) is list)
+        info = self.check(payload, len(self.graph.blobs))
+        self.value_is_list.append(info.top_items >= 0)
         self.writer.values[id(payload)] = len(self.writer.value_objects)
         self.writer.value_objects.append(payload)
-        plain = None if special else self.graph._expand(payload)
-        if plain is not None and self.graph._values.find(plain) is None:
-            self.graph._values.add(plain, payload)
+        blobs = self.graph.blobs
+        plain = None
+        if not info.special:  # its plain packing, spliced: the value is never decoded
+            plain = splice_blobs(payload, info.blob_refs, lambda i: blobs.string(i).encode())
+        self.restore.add_value(payload, plain)
 
     def turn(self, payload: Any) -> None:
-        g = self.graph
-        turns = g._turns
-        if not (isinstance(payload, list) and len(payload) == 18):
-            raise ValueError("turn record must be a list of 18 fields")
-        (
-            node_id,
-            parent,
-            link,
-            flags,
-            meta,
-            system,
-            base,
-            tail,
-            n_rest,
-            response,
-            tools,
-            sampling,
-            prompt,
-            sampled,
-            logprobs,
-            keys,
-            refs,
-            moves,
-        ) = payload
-        if not isinstance(node_id, str) or node_id in g._by_id:
+        """Check one turn record, build the stored turn and commit it to the graph."""
+        n_fields = len(TurnRecord._fields)
+        if not (isinstance(payload, list) and len(payload) in (n_fields - 1, n_fields)):
+            raise ValueError(f"turn record must be a list of {n_fields} fields")
+        record = TurnRecord(*payload)
+        n_blobs = len(self.graph.blobs)
+        turn = self._identity(record)
+        self._request(turn, record, n_blobs)
+        self._tokens(turn, record, n_blobs)
+        keys = _index_keys(record.keys)
+        moves = self._moves(turn, record.moves)
+        refs = record.refs
+        if not (isinstance(refs, list) and len(refs) == 2):
+            raise ValueError("bad moves or reference counts")
+        if not all(type(r) is int and r >= 0 for r in refs):
+            raise ValueError("bad reference counts")
+        self.graph.blobs.count_references(refs[0], refs[1])
+        self.restore.commit(turn, keys, moves)
+        self.writer.note_runs(turn)
+
+    def _identity(self, record: TurnRecord) -> Turn:
+        """A new turn with its id, position, parent, link, flags and scalar fields."""
+        node_id = record.node_id
+        if not isinstance(node_id, str) or node_id in self.graph:
             raise ValueError(f"bad or repeated node id {node_id!r}")
-        n_blobs = len(g.blobs)
         turn = Turn()
         turn.node_id = node_id
-        turn.index = len(turns)
+        turn.index = len(self.graph)
         turn.children = None
-        turn.parent = _ref(turns, parent)
-        if not (isinstance(link, int) and 0 <= link <= LINK_EXPLICIT):
-            raise ValueError("bad link kind")
-        turn.link = link if turn.parent is not None else 0
-        if not isinstance(flags, int) or flags < 0:
+        turn.parent = self._ref(record.parent)
+        link = _link_kind(record.link)
+        turn.link = link if turn.parent is not None else LinkKind.NONE
+        flags = record.flags
+        if not isinstance(flags, int) or flags < 0 or flags & ~(_STORED_FLAGS | _DERIVED_FLAGS):
             raise ValueError("bad flags")
-        turn.flags = flags
-        if not (isinstance(meta, list) and len(meta) == 5):
+        turn.flags = flags & ~_DERIVED_FLAGS
+        meta = record.meta
+        if not (isinstance(meta, list) and len(meta) == len(TurnMeta._fields)):
             raise ValueError("bad meta")
         if not all(m is None or isinstance(m, str) for m in meta[:4]) or not (
             meta[4] is None or type(meta[4]) is int
         ):
             raise ValueError("bad meta")
-        turn.meta = g._meta.setdefault(tuple(meta), tuple(meta))
+        turn.meta = self.restore.meta(TurnMeta(*meta))
+        return turn
+
+    def _request(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
+        """The request (system part, base, tail), the response and the shared values."""
+        flags, tail, n_rest, system = turn.flags, record.tail, record.n_rest, record.system
         turn.system = self._value_ref(system)
-        turn.base = _ref(turns, base)
+        turn.base = self._ref(record.base)
         if turn.base is not None and (turn.base.flags | flags) & NO_MESSAGES:
             raise ValueError("a request without messages has no base, and is no base")
         if not isinstance(tail, bytes) or not isinstance(n_rest, int):
@@ -365,61 +568,72 @@ class _Loader:
         turn.tail = tail
         turn.n_rest = n_rest
         finish_tail(turn)
-        if tail or not flags & NO_MESSAGES:
-            items = self.checker.check(tail, n_blobs, echo_ok=True)
-            if type(items) is not list or len(items) != n_rest - turn.first:
+        if flags & NO_MESSAGES:
+            if tail or n_rest or system is not None or flags & (TAIL_ECHO | MESSAGES_TUPLE):
+                raise ValueError("a request without messages has messages")
+        else:
+            info = self.check(tail, n_blobs, echo_ok=True)
+            if info.top_items != n_rest - turn.first:
                 raise ValueError("request tail does not hold its messages")
             echo = bool(flags & TAIL_ECHO)
             at_start = tail[turn.body_start - len(ECHO_PACKED) : turn.body_start] == ECHO_PACKED
-            if self.checker.echoes != echo or (echo and (turn.base is None or not at_start)):
+            if info.echoes != echo or (echo and (turn.base is None or not at_start)):
                 raise ValueError("misplaced echo in a request tail")
+            _flags_cover(flags, info, TAIL_REFS, TAIL_SPECIAL, "request tail")
         if system is not None and not self.value_is_list[system]:
             raise ValueError("system messages must be an array")
-        if response is not None:
-            self.checker.check(response, n_blobs)
-        turn.response = response
-        turn.tools = self._value_ref(tools)
-        turn.sampling = self._value_ref(sampling)
-        turn.prompt = self._prompt(prompt)
-        turn.sampled = decode_segment(sampled)
+        if record.response is not None:
+            info = self.check(record.response, n_blobs)
+            _flags_cover(flags, info, RESPONSE_REFS, RESPONSE_SPECIAL, "response")
+        elif flags & (RESPONSE_REFS | RESPONSE_SPECIAL):
+            raise ValueError("response flags without a response")
+        turn.response = record.response
+        turn.tools = self._value_ref(record.tools)
+        turn.sampling = self._value_ref(record.sampling)
+        turn.requested = self._value_ref(record.requested)
+
+    def _tokens(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
+        """Prompt, sampled ids and logprobs."""
+        turn.prompt = self._prompt(record.prompt)
+        turn.sampled = decode_segment(record.sampled)
         if turn.sampled is not None and not (
             isinstance(turn.sampled, tuple) or turn.sampled.typecode in "Iq"
         ):
             raise ValueError("bad sampled ids")
         turn.full = full_run(turn.prompt, turn.sampled)
+        logprobs = record.logprobs
+        packed = bool(turn.flags & LOGPROBS_PACKED)
         if logprobs is None:
+            if packed:
+                raise ValueError("logprobs flagged as packed, but there are none")
             turn.logprobs = None
+        elif not (isinstance(logprobs, list) and len(logprobs) == 2):
+            raise ValueError("bad logprobs")
         elif logprobs[0] == "j":
-            self.checker.check(logprobs[1], n_blobs)
+            if not packed:
+                raise ValueError("packed logprobs without the flag that says so")
+            self.check(logprobs[1], n_blobs)
             turn.logprobs = logprobs[1]
         elif logprobs[0] == "d":
+            if packed:
+                raise ValueError("logprobs flagged as packed, but stored as floats")
             turn.logprobs = decode_segment(logprobs, "d")
         else:
             raise ValueError("bad logprobs")
-        if not (isinstance(keys, list) and len(keys) == 4):
-            raise ValueError("bad index keys")
-        if not all(k is None or type(k) is int for k in keys[:3]):
-            raise ValueError("bad index keys")
-        if keys[3] is not None and not (
-            isinstance(keys[3], list) and all(type(k) is int for k in keys[3])
-        ):
-            raise ValueError("bad index keys")
-        scratch = Scratch()
-        scratch.request_digest, scratch.token_key, scratch.prompt_key, scratch.root_keys = keys
-        if not (isinstance(moves, list) and isinstance(refs, list) and len(refs) == 2):
+
+    def _moves(self, turn: Turn, moves: Any) -> list[tuple[Turn, LinkKind]]:
+        """Earlier turns that this one re-linked under itself."""
+        if not isinstance(moves, list):
             raise ValueError("bad moves or reference counts")
+        out: list[tuple[Turn, LinkKind]] = []
         for move in moves:
             if not (isinstance(move, list) and len(move) == 2 and isinstance(move[1], int)):
                 raise ValueError("bad move")
-            other = _ref(turns, move[0])
-            if other is None or not 0 < move[1] < LINK_EXPLICIT + 1 or is_above(other, turn):
+            other = self._ref(move[0])
+            if other is None or not 0 < move[1] <= LinkKind.EXPLICIT or is_above(other, turn):
                 raise ValueError("bad move")
-            scratch.moves.append((other, move[1]))
-        if not all(type(r) is int and r >= 0 for r in refs):
-            raise ValueError("bad reference counts")
-        g.blobs.count_references(refs[0], refs[1])
-        g._commit(turn, scratch)
-        self.writer.note_runs(turn)
+            out.append((other, LinkKind(move[1])))
+        return out
 
     def _value_ref(self, ordinal: Any) -> bytes | None:
         if ordinal is None:
@@ -429,132 +643,193 @@ class _Loader:
             raise ValueError("value reference out of range")
         return values[ordinal]
 
+    def _ref(self, index: Any) -> Turn | None:
+        """The earlier turn at `index`, or None."""
+        if index is None:
+            return None
+        if not isinstance(index, int) or not 0 <= index < len(self.graph):
+            raise ValueError(f"turn reference {index!r} out of range")
+        return self.restore.turn(index)
+
     def _prompt(self, spec: Any) -> TokenRun | None:
         if spec is None:
             return None
-        turns = self.graph._turns
         kind = spec[0]
-        if kind == _PROMPT_SAME and len(spec) == 2:
-            other = _ref(turns, spec[1])
+        if kind == PromptKind.SAME and len(spec) == 2:
+            other = self._ref(spec[1])
             if other is None or other.prompt is None:
                 raise ValueError("prompt reference to a turn without prompt")
             return other.prompt
-        if kind == _PROMPT_EXTENDS and len(spec) == 3:
-            other = _ref(turns, spec[1])
+        if kind == PromptKind.EXTENDS and len(spec) == 3:
+            other = self._ref(spec[1])
             if other is None or other.full is None:
                 raise ValueError("prompt extends a turn without tokens")
             return TokenRun(other.full, decode_segment(spec[2]))
-        if kind == _PROMPT_NEW and len(spec) == 2:
+        if kind == PromptKind.NEW and len(spec) == 2:
             return TokenRun(None, decode_segment(spec[1]))
         raise ValueError("bad prompt spec")
 
 
-def _ref(turns: list[Turn], index: Any) -> Turn | None:
-    if index is None:
-        return None
-    if not isinstance(index, int) or not 0 <= index < len(turns):
-        raise ValueError(f"turn reference {index!r} out of range")
-    return turns[index]
+def _flags_cover(flags: int, info: PackedInfo, refs: int, special: int, what: str) -> None:
+    """A packed part's flags must say what it holds: blob references, special values."""
+    if info.blob_refs and not flags & refs:
+        raise ValueError(f"the {what} holds blob references its flags do not announce")
+    if info.special and not flags & special:
+        raise ValueError(f"the {what} holds tuples, big ints or surrogates, unflagged")
 
 
-def _scan(
-    data: bytes | memoryview,
-    path: str,
-    progress: Callable[[int], None] | None = None,
-) -> tuple[_Loader, LoadReport]:
-    """Read frames until the end or the first damage; never raises for damage.
+def _link_kind(link: Any) -> LinkKind:
+    if not (isinstance(link, int) and 0 <= link <= LinkKind.EXPLICIT):
+        raise ValueError("bad link kind")
+    return LinkKind(link)
 
-    Blob and value records are applied only when the turn record after them arrives, so a
-    turn cut short leaves nothing of itself behind.
-    """
-    data = memoryview(data)
+
+def _index_keys(keys: Any) -> IndexKeys:
+    if not (isinstance(keys, list) and len(keys) == len(IndexKeys._fields)):
+        raise ValueError("bad index keys")
+    if not all(k is None or type(k) is int for k in keys[:3]):
+        raise ValueError("bad index keys")
+    if keys[3] is not None and not (
+        isinstance(keys[3], list) and all(type(k) is int for k in keys[3])
+    ):
+        raise ValueError("bad index keys")
+    return IndexKeys(*keys)
+
+
+_Frames = Iterator[tuple[int, memoryview, int, int, int, int]]
+
+
+def _frames_v1(data: bytes, report: LoadReport) -> _Frames:
+    """(kind, payload, offset, record, end, 0) of each version-1 frame whose checksum holds;
+    on damage the report says what and stops."""
+    view = memoryview(data)
     size = len(data)
-    report = LoadReport(path, size, 0, 0, 0, 0)
-    if size < len(MAGIC) or bytes(data[: len(MAGIC)]) != MAGIC:
-        report.fail(CorruptFileError("not a rollout_store file (bad magic)", offset=0))
-        head = bytes(data[: len(MAGIC)])
-        report.truncated = (size < len(MAGIC) and MAGIC.startswith(head)) or not bytes(data).strip(
-            b"\0"
-        )
-        return _Loader(None), report
     offset = len(MAGIC)
-    loader: _Loader | None = None
-    ended = False
-    pending: list[tuple[int, Any, int, int]] = []
     record = 0
     while offset < size:
         start = offset
         if size - offset < FRAME.size:
             message = "file ends inside a frame header"
             report.fail(CorruptFileError(message, offset=start, record=record), truncated=True)
-            break
+            return
         kind, length, expected = FRAME.unpack_from(data, offset)
         offset += FRAME.size
         if length > size - offset:
             message = f"file ends inside a record: {size - offset} of {length} bytes present"
             failure = CorruptFileError(message, offset=start, record=record)
-            report.fail(failure, truncated=not _frame_after(data, start))
-            break
-        payload = data[offset : offset + length]  # a view: blob data is not copied
+            report.fail(failure, truncated=not _frame_after_v1(view, start))
+            return
+        payload = view[offset : offset + length]  # a view: blob data is not copied
         offset += length
         actual = checksum(kind, payload)
         if actual != expected:
             failure = ChecksumMismatch("record", expected, actual, offset=start, record=record)
-            report.fail(failure, truncated=not _frame_after(data, start))
-            break
+            report.fail(failure, truncated=not _frame_after_v1(view, start))
+            return
+        yield kind, payload, start, record, offset, 0
+        record += 1
+
+
+def _frames_v2(data: bytes, report: LoadReport) -> _Frames:
+    """The same for a version-2 file: each frame verified and bound to the one before."""
+    reader = framing.FrameReader(
+        data, len(framing.MAGIC_V2), digest_kinds=_DIGEST_KINDS, max_kind=KIND_BLOB_REF
+    )
+    try:
+        for f in reader:
+            yield f.kind, f.payload, f.offset, f.record, f.end, f.chain
+    except CorruptFileError as exc:
+        report.fail(exc, truncated=reader.cut)
+        report.resync_offset = reader.resync
+
+
+def _decode(payload: memoryview, max_containers: int) -> Any:
+    """A record's msgpack body; one long enough to allocate much is walked and bounded first
+    (nesting, number of containers), so decoding it costs a bounded multiple of its size."""
+    if len(payload) > _SMALL_RECORD:
+        check_packed(bytes(payload), 0, _RECORD_DEPTH, record=True, max_containers=max_containers)
+    return unpack_payload(payload)
+
+
+def _scan(
+    data: bytes,
+    path: str,
+    progress: Callable[[int], None] | None = None,
+    store: ContentStore | None = None,
+    cache: StringCache | None = None,
+) -> tuple[_Loader, LoadReport]:
+    """Read frames until the end or the first damage; never raises for damage.
+
+    Blob and value records are applied only when the turn record after them arrives, so a
+    turn cut short leaves nothing of itself behind.
+    """
+    size = len(data)
+    report = LoadReport(path, size, 0, 0, 0, 0)
+    head = bytes(data[: len(MAGIC)])
+    version = _MAGICS.get(head)
+    if version is None:
+        report.fail(CorruptFileError("not a rollout_store file (bad magic)", offset=0))
+        report.truncated = (
+            size < len(MAGIC) and any(m.startswith(head) for m in _MAGICS)
+        ) or not data.strip(b"\0")
+        return _Loader(None), report
+    report.version = version
+    frames = _frames_v1(data, report) if version == _V1 else _frames_v2(data, report)
+    loader: _Loader | None = None
+    ended = False
+    pending: list[tuple[int, Any, int, int]] = []
+    for kind, payload, start, record, end, chain in frames:
         try:
-            body = payload if kind == KIND_BLOB else unpack_payload(payload)
+            if kind == KIND_BLOB:
+                body: Any = payload
+            else:
+                # a turn holds at most its fixed containers plus one per earlier turn moved
+                body = _decode(payload, 16 + report.turns)
             if ended:
                 raise ValueError("records after the end record")
             if record == 0:
-                loader, report.mode = _read_header(kind, body, start)
+                loader, report.mode = _read_header(kind, body, start, version, path, store, cache)
             elif loader is None or kind == KIND_HEADER:
                 raise ValueError("a second header record")
-            elif kind in (KIND_BLOB, KIND_VALUE):
+            elif kind in (KIND_BLOB, KIND_VALUE, KIND_BLOB_REF):
                 pending.append((kind, body, start, record))
             elif kind == KIND_TURN:
                 turn_start, turn_record = start, record
                 for p_kind, p_body, start, record in pending:  # an error names this record
-                    if p_kind == KIND_BLOB:
-                        loader.blob(p_body, start, record)
-                        report.blobs += 1
-                    else:
+                    if p_kind == KIND_BLOB_REF:
+                        loader.blob_ref(p_body, start, record)
+                    elif p_kind != KIND_BLOB:
                         loader.value(p_body)
+                    elif version == _V1:
+                        loader.blob(p_body, start, record)
+                    else:
+                        loader.blob_v2(p_body)
+                    report.blobs += p_kind in (KIND_BLOB, KIND_BLOB_REF)
                 start, record = turn_start, turn_record
                 pending.clear()
                 loader.turn(body)
                 report.turns += 1
             elif kind == KIND_END:
-                counts = {"turns": report.turns, "blobs": report.blobs}
-                if pending or not isinstance(body, dict) or body.keys() != {*counts, "references"}:
-                    raise ValueError("end record does not match the records before it")
-                if any(body[k] != v for k, v in counts.items()):
-                    raise ValueError("end record does not match the records before it")
-                references = body["references"]
-                if not (
-                    isinstance(references, list)
-                    and len(references) == 2
-                    and all(type(r) is int and r >= 0 for r in references)
-                ):
-                    raise ValueError("bad reference counts in the end record")
-                loader.graph.blobs.count_references(*references)
+                _check_end(body, pending, report)
+                loader.graph.blobs.count_references(*body["references"])
                 ended = True
             else:
                 raise ValueError(f"unknown record kind {kind}")
         except CorruptFileError as exc:
             report.fail(exc)
             break
+        except StoreError:  # the store is down or missing: not damage in the file
+            raise
         except Exception as exc:  # anything a damaged payload provokes
             kind_name = KIND_NAMES.get(kind, f"kind {kind}")
             message = f"invalid {kind_name} record: {exc}"
             report.fail(CorruptFileError(message, offset=start, record=record))
             break
-        record += 1
-        report.records = record
+        report.records = record + 1
         if not pending:
-            report.good_bytes = offset
+            report.good_bytes, report.good_chain = end, chain
         if progress is not None:
-            progress(offset)
+            progress(end)
     if report.error is None:
         if loader is None:
             report.fail(CorruptFileError("no header record", offset=len(MAGIC)), truncated=True)
@@ -569,11 +844,27 @@ def _scan(
     return loader, report
 
 
-def _frame_after(data: memoryview, start: int) -> bool:
-    """Whether a whole, valid frame begins anywhere after `start`.
+def _check_end(body: Any, pending: list[Any], report: LoadReport) -> None:
+    counts = {"turns": report.turns, "blobs": report.blobs}
+    if pending or not isinstance(body, dict) or body.keys() != {*counts, "references"}:
+        raise ValueError("end record does not match the records before it")
+    if any(body[k] != v for k, v in counts.items()):
+        raise ValueError("end record does not match the records before it")
+    references = body["references"]
+    if not (
+        isinstance(references, list)
+        and len(references) == 2
+        and all(type(r) is int and r >= 0 for r in references)
+    ):
+        raise ValueError("bad reference counts in the end record")
+
+
+def _frame_after_v1(data: memoryview, start: int) -> bool:
+    """Whether a whole, valid version-1 frame begins anywhere after `start`.
 
     Damage with no valid frame after it is a torn last write (a cut, garbage or zeros to
-    the end), which `repair` may cut off; damage followed by intact records is not.
+    the end), which `repair` may cut off; damage followed by intact records is not. (A
+    checksum at every offset: version 2 replaces this with a linear search for its marker.)
     """
     size = len(data)
     for pos in range(start + 1, size - FRAME.size + 1):
@@ -585,7 +876,15 @@ def _frame_after(data: memoryview, start: int) -> bool:
     return False
 
 
-def _read_header(kind: int, body: Any, start: int) -> tuple[_Loader, str]:
+def _read_header(
+    kind: int,
+    body: Any,
+    start: int,
+    magic_version: int,
+    path: str = "",
+    store: ContentStore | None = None,
+    cache: StringCache | None = None,
+) -> tuple[_Loader, str]:
     if kind != KIND_HEADER or not isinstance(body, dict):
         raise ValueError("the first record is not a header")
     if body.get("format") != "rollout_store":
@@ -593,21 +892,35 @@ def _read_header(kind: int, body: Any, start: int) -> tuple[_Loader, str]:
     version = body.get("version")
     if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
         raise UnsupportedVersionError(
-            f"format version {version!r} is not supported (this library reads version "
-            f"{FORMAT_VERSION})",
+            f"format version {version!r} is not supported (this library reads versions 1 to "
+            f"{FORMAT_VERSION}; a newer rollout_store wrote it)",
             offset=start,
             record=0,
         )
+    if version != magic_version:
+        raise ValueError(f"a version {version} header in a version {magic_version} file")
+    if version >= 2 and type(body.get("file_id")) is not int:
+        raise ValueError("a version 2 header without its file id")
     mode = body.get("mode")
     if mode not in (MODE_LOG, MODE_SNAPSHOT):
         raise ValueError(f"unknown file mode {mode!r}")
     threshold = body.get("share_threshold")
     if threshold is not None and (not isinstance(threshold, int) or threshold < 1):
         raise ValueError("bad share_threshold")
-    return _Loader(threshold), mode
+    blobs = body.get("blobs", BLOBS_INLINE)
+    if blobs not in (BLOBS_INLINE, BLOBS_STORE) or (blobs == BLOBS_STORE and version < 2):
+        raise ValueError(f"unknown blob mode {blobs!r}")
+    if blobs == BLOBS_STORE and store is None:
+        raise StoreRequiredError(
+            f"{path} keeps its long strings in a content store: read it with store=..."
+        )
+    loader = _Loader(threshold, store, cache)
+    loader.writer.blobs_mode = blobs
+    return loader, mode
 
 
 def _read(path: str | os.PathLike[str]) -> bytes:
+    """The whole file: frames are checked in place, as views of these bytes."""
     with open(path, "rb") as fp:
         return fp.read()
 
@@ -617,10 +930,14 @@ def _raise_for(report: LoadReport) -> None:
 
 
 def verify(
-    path: str | os.PathLike[str], progress: Callable[[int], None] | None = None
+    path: str | os.PathLike[str],
+    progress: Callable[[int], None] | None = None,
+    *,
+    store: ContentStore | None = None,
 ) -> LoadReport:
-    """Check every frame, blob digest and reference of a file; never raises for damage."""
-    return _scan(_read(path), os.fspath(path), progress)[1]
+    """Check every frame, blob digest and reference of a file; never raises for damage
+    (a file of store references needs its `store`, whose objects are checked too)."""
+    return _scan(_read(path), os.fspath(path), progress, store)[1]
 
 
 def load(
@@ -628,13 +945,21 @@ def load(
     *,
     recover: bool = False,
     progress: Callable[[int], None] | None = None,
+    store: ContentStore | None = None,
+    cache: StringCache | None = None,
 ) -> RolloutGraph:
     """Read a rollout file. Damage raises `CorruptFileError` naming its offset.
 
     With `recover=True` every complete turn before the first damage is loaded instead, and
     `graph.load_report` says where the file was cut or damaged.
+
+    `store`: the graph keeps its long strings in this content store (and `cache`, see
+    `RolloutGraph`). Required for a file saved with ``blobs="store"`` (else
+    `StoreRequiredError`): each referenced object is fetched and verified, and a missing or
+    damaged one raises `StoreObjectError` naming its key and the record's offset. A
+    self-contained file read with a store puts its strings into it.
     """
-    loader, report = _scan(_read(path), os.fspath(path), progress)
+    loader, report = _scan(_read(path), os.fspath(path), progress, store, cache)
     if report.error is not None and not (recover and report.records > 0):
         _raise_for(report)
     loader.graph.load_report = report
@@ -642,19 +967,24 @@ def load(
 
 
 class _AppendLog:
-    """The file behind a graph opened with `open_append`: one write per turn."""
+    """The journal of a graph opened with `open_append`: one write per turn."""
 
-    def __init__(self, fp: IO[bytes], writer: _Writer, fsync_every: int) -> None:
+    def __init__(
+        self, fp: IO[bytes], path: str, blobs: BlobTable, writer: _Writer, fsync_every: int
+    ) -> None:
         self.fp = fp
+        self._path: str | None = path
+        self.blobs = blobs
         self.writer = writer
         self.fsync_every = fsync_every
         self.unsynced = 0
 
-    def on_turn(self, graph: RolloutGraph, turn: Turn, scratch: Scratch) -> None:
-        keys = _turn_keys(scratch)
-        frames, commit = self.writer.turn_frames(
-            graph, turn, scratch.moves, keys, len(graph.blobs), graph.blobs.mark()[1:]
-        )
+    @property
+    def path(self) -> str | None:
+        return self._path
+
+    def append(self, entry: JournalEntry) -> None:
+        frames, commit = self.writer.turn_frames(self.blobs, entry)
         fd = self.fp.fileno()
         size = os.lseek(fd, 0, os.SEEK_END)
         try:
@@ -676,6 +1006,7 @@ class _AppendLog:
         commit()
 
     def close(self) -> None:
+        self._path = None
         if self.fp.closed:
             return
         try:
@@ -701,25 +1032,38 @@ def open_append(
     share_threshold: int | None = 1024,
     fsync: str | int = "turn",
     repair: bool = False,
+    store: ContentStore | None = None,
+    cache: StringCache | None = None,
+    blobs: str = "inline",
 ) -> RolloutGraph:
     """A graph that writes each turn to `path` as it is added (created if missing).
 
     An existing file is loaded first; if its last record is cut short (a crash while
     writing), `repair=True` truncates it to the last complete record, else it raises.
+
+    `store`, `cache`: the graph's content store (see `RolloutGraph`). `blobs="store"` makes
+    a new log write references into the store instead of the strings; an existing log keeps
+    the mode it was created with (a log of references needs `store`).
     """
     every = _fsync_policy(fsync)
+    mode = _blobs_mode(blobs)
+    if mode == BLOBS_STORE and store is None:
+        raise ValueError('open(blobs="store") needs a content store: pass store=...')
     target = Path(path)
-    fp = open(target, "a+b")  # noqa: SIM115 - owned by the returned graph
-    try:
-        fcntl.flock(fp.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        fp.close()
-        raise CorruptFileError(f"{target} is open for appending by another process") from None
+    while True:
+        fp = open(target, "a+b")  # noqa: SIM115 - owned by the returned graph
+        try:
+            if lock_log(fp, target):
+                break
+        except BaseException:
+            fp.close()
+            raise
+        fp.close()  # a save replaced the file between open and lock: open the new one
     try:
         fp.seek(0)
         data = fp.read()
         if data:
-            loader, report = _scan(data, os.fspath(target))
+            loader, report = _scan(data, os.fspath(target), None, store, cache)
             if report.mode == MODE_SNAPSHOT:
                 raise CorruptFileError(f"{target} is a snapshot written by save(), not a log")
             if report.error is not None:
@@ -735,22 +1079,82 @@ def open_append(
             graph = loader.graph
             graph.load_report = report
             writer = loader.writer
+            writer.version = report.version or FORMAT_VERSION  # a version-1 log stays one
+            writer.chain = report.good_chain
             writer.blobs_written = len(graph.blobs)
             writer.refs = graph.blobs.mark()[1:]
         else:
-            graph = RolloutGraph(share_threshold=share_threshold)
-            writer = _Writer()
-            fp.write(_header(graph, MODE_LOG))
+            graph = RolloutGraph(share_threshold=share_threshold, store=store, cache=cache)
+            writer = _Writer(blobs=mode)
+            fp.write(writer.header(graph, MODE_LOG))
             fp.flush()
             os.fsync(fp.fileno())
-            _fsync_dir(target)
+            fsync_dir(target)
         fp.seek(0, os.SEEK_END)
     except BaseException:
         fp.close()
         raise
-    log = _AppendLog(fp, writer, every)
-    graph._listeners.append(lambda turn, _first, scratch: log.on_turn(graph, turn, scratch))
-    graph._closers.append(log.close)
-    graph._closers.append(lambda: setattr(graph, "_log_path", None))
-    graph._log_path = os.path.realpath(target)
+    graph.attach_journal(_AppendLog(fp, os.path.realpath(target), graph.blobs, writer, every))
     return graph
+
+
+class RolloutGraph(Graph):
+    """Turns of one or many rollouts, with memory proportional to unique content.
+
+    `share_threshold`: strings of at least this many characters are stored once in the
+    graph's blob table (`None` disables string sharing; messages and tokens are still
+    shared). Safe to use from many threads: `add_turn` is serialized by a lock.
+
+    The in-memory `Graph` plus its files: `save`, `load` and `open`. It is defined here, in
+    the file layer, so that the graph below never imports the module that stores it.
+    """
+
+    def save(self, path: str | os.PathLike[str], *, blobs: str = "inline") -> None:
+        """Write the graph to `path` atomically (temporary file, fsync, rename).
+
+        `blobs="store"`: long strings as references into the graph's content store."""
+        save(self, path, blobs=blobs)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        recover: bool = False,
+        progress: Callable[[int], None] | None = None,
+        store: ContentStore | None = None,
+        cache: StringCache | None = None,
+    ) -> RolloutGraph:
+        """Read a file written by `save` or `open`; see `storage.load`."""
+        return load(path, recover=recover, progress=progress, store=store, cache=cache)
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        share_threshold: int | None = 1024,
+        fsync: str | int = "turn",
+        repair: bool = False,
+        store: ContentStore | None = None,
+        cache: StringCache | None = None,
+        blobs: str = "inline",
+    ) -> RolloutGraph:
+        """A graph that appends every added turn to `path` durably; see `open_append`.
+
+        `fsync`: "turn" (every turn), an int N (every N turns) or "never". Close it (or use
+        it as a context manager) to flush the last turns. `store`, `cache`, `blobs`: a log
+        over a content store, as for `save` and `load`.
+        """
+        return open_append(
+            path,
+            share_threshold=share_threshold,
+            fsync=fsync,
+            repair=repair,
+            store=store,
+            cache=cache,
+            blobs=blobs,
+        )
+
+    def __enter__(self) -> RolloutGraph:
+        return self

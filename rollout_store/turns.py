@@ -8,19 +8,23 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, fields
-from typing import Any
+from enum import IntEnum
+from typing import Any, NamedTuple
 
 import msgpack
 import xxhash
 
 from .encoding import EXT_ECHO, array_header, plain_default
+from .nodes import TurnNode
 from .tokens import TokenRun, block_digests, run_bytes
 
 __all__ = [
     "TurnNode",
     "ECHO_PACKED",
+    "EMPTY_PROMPT",
     "HEADS",
+    "IndexKeys",
+    "LinkKind",
     "LINK_EXPLICIT",
     "LINK_MESSAGES",
     "LINK_NAMES",
@@ -32,12 +36,12 @@ __all__ = [
     "RESPONSE_REFS",
     "RESPONSE_SPECIAL",
     "SCALAR_NAMES",
-    "Scratch",
     "TAIL_ECHO",
     "TAIL_REFS",
     "TAIL_SLOW",
     "TAIL_SPECIAL",
     "Turn",
+    "TurnMeta",
     "add_child",
     "finish_tail",
     "full_run",
@@ -58,54 +62,40 @@ __all__ = [
 SCALAR_NAMES = ("model", "finish_reason", "harness_session_id", "system_digest")
 
 
-@dataclass(slots=True)
-class TurnNode:
-    """One model call of a rollout: what the harness sent and what came back.
-
-    Pass it to `RolloutGraph.add_turn`; `RolloutGraph.get` returns one rebuilt from storage.
-    `index` and, unless given, `node_id`, `parent_id`, `n_tools` and `system_digest` are set
-    by the graph.
-    """
-
-    node_id: str | None = None
-    prompt_ids: list[int] | None = None
-    sampled_ids: list[int] | None = None
-    sampled_logprobs: list[float] | None = None
-    parent_id: str | None = None
-    index: int | None = None
-    model: str | None = None
-    finish_reason: str | None = None
-    harness_session_id: str | None = None
-    system_digest: str | None = None
-    n_tools: int | None = None
-    request_messages: list[Any] | None = None
-    request_tools: list[Any] | None = None
-    sampling_params: dict[str, Any] | None = None
-    response_message: dict[str, Any] | None = None
-
-
-assert [f.name for f in fields(TurnNode)] == [
-    "node_id",
-    "prompt_ids",
-    "sampled_ids",
-    "sampled_logprobs",
-    "parent_id",
-    "index",
-    *SCALAR_NAMES,
-    "n_tools",
-    "request_messages",
-    "request_tools",
-    "sampling_params",
-    "response_message",
-], "add_turn builds TurnNode positionally"
-
-
 ECHO_PACKED = msgpack.packb(msgpack.ExtType(EXT_ECHO, b""))
 assert len(ECHO_PACKED) == 3  # the inline comparison in _request_matches counts on it
 
-# How a turn was linked to its parent.
-LINK_NONE, LINK_TOKENS, LINK_MESSAGES, LINK_EXPLICIT = 0, 1, 2, 3
-LINK_NAMES = ("none", "tokens", "messages", "explicit")
+
+class LinkKind(IntEnum):
+    """How a turn was linked to its parent (its value is what a file stores)."""
+
+    NONE = 0
+    TOKENS = 1
+    MESSAGES = 2
+    EXPLICIT = 3
+
+
+LINK_NONE, LINK_TOKENS, LINK_MESSAGES, LINK_EXPLICIT = LinkKind
+LINK_NAMES = tuple(kind.name.lower() for kind in LinkKind)
+
+
+class TurnMeta(NamedTuple):
+    """A turn's scalar fields; equal ones are one interned tuple per graph."""
+
+    model: str | None
+    finish_reason: str | None
+    harness_session_id: str | None
+    system_digest: str | None
+    n_tools: int | None
+
+
+class IndexKeys(NamedTuple):
+    """The keys a turn is filed under in the graph's indexes (None: not filed there)."""
+
+    request: int | None  # digest of its non-system request
+    token: int | None  # block digest of prompt + sampled tokens
+    prompt: int | None  # digest of its whole prompt
+    roots: list[int] | None  # request keys of its shorter prefixes, while a message root
 
 
 # Turn.flags bits
@@ -121,44 +111,12 @@ TAIL_SPECIAL = 64
 RESPONSE_SPECIAL = 128
 # derived, not stored: the tail cannot be compared by bytes alone (see finish_tail)
 TAIL_SLOW = 256
+EMPTY_PROMPT = 512  # prompt_ids was an empty list: no token ids (turn.prompt is None)
 
 
 #: Token roots are also found by their first 16, 32 or 48 tokens (for continuations of
 #: turns with fewer than BLOCK tokens).
 HEADS = (16, 32, 48)
-
-
-class Scratch:
-    """What add_turn works out before committing a turn; dropped afterwards."""
-
-    __slots__ = (
-        "full_data",
-        "message_parent",
-        "moves",
-        "pending",
-        "prompt_key",
-        "request_digest",
-        "rest_plains",
-        "root_keys",
-        "token_key",
-        "token_parent",
-        "twins",
-    )
-
-    def __init__(self) -> None:
-        self.pending: list[tuple[bytes, bytes]] = []
-        self.token_parent: Turn | None = None
-        self.full_data: bytes | None = None  # prompt + sampled as array('I') bytes
-        self.token_key: int | None = None  # block digest of prompt+sampled at its last block
-        self.prompt_key: int | None = None
-        self.message_parent: Turn | None = None
-        self.request_digest: int | None = None
-        # keys of this request's shorter prefixes, under which it waits as a message root
-        # for an earlier turn that arrives late
-        self.root_keys: list[int] | None = None
-        self.rest_plains: list[bytes | None] | None = None
-        self.twins: list[Turn] = []  # stored turns with exactly this request, and children
-        self.moves: list[tuple[Turn, int]] = []
 
 
 class Turn:
@@ -179,6 +137,7 @@ class Turn:
         "node_id",
         "parent",
         "prompt",
+        "requested",
         "response",
         "sampled",
         "sampling",
@@ -191,10 +150,9 @@ class Turn:
     index: int
     parent: Turn | None
     children: tuple[Turn, ...] | None  # a tuple: smaller than a list, and rarely changed
-    link: int
+    link: LinkKind
     flags: int
-    # meta: (model, finish_reason, harness_session_id, system_digest, n_tools), interned
-    meta: tuple[Any, ...]
+    meta: TurnMeta  # interned per graph
     system: bytes | None  # packed leading system messages (a stream), shared via ValueTable
     base: Turn | None  # the turn whose non-system request this one extends
     tail: bytes  # packed non-system messages after the base's
@@ -204,6 +162,7 @@ class Turn:
     response: bytes | None
     tools: bytes | None
     sampling: bytes | None
+    requested: bytes | None  # requested_sampling_params, shared via ValueTable
     prompt: TokenRun | None
     sampled: Any  # array | tuple | None
     full: TokenRun | None  # prompt + sampled, the prefix a child's prompt extends
@@ -217,7 +176,7 @@ def short_key(data: bytes, n_tokens: int) -> int:
 
 def new_packer() -> Callable[[Any], bytes]:
     packer = msgpack.Packer(
-        use_bin_type=True, strict_types=True, default=plain_default, buf_size=512
+        use_bin_type=True, strict_types=True, default=plain_default, buf_size=256
     )
     return packer.pack
 

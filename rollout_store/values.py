@@ -2,7 +2,9 @@
 
 A value is found by its plain packing (every string inline). Short plain packings are their
 own key, so the dictionary's equality check is the content comparison; longer ones are keyed
-by xxh3-128 and a hit is confirmed by expanding the stored form and comparing bytes.
+by xxh3-128 and a hit is confirmed by expanding the stored form and comparing bytes. A graph
+whose strings are in an out-of-process store keys them by SHA-256 instead (`hashed=True`): a
+hit is then exact without expanding, which would fetch the value's strings from the store.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import xxhash
+
+from .content import content_key
 
 __all__ = ["ValueTable"]
 
@@ -20,9 +24,15 @@ INLINE_KEY_LIMIT = 1024
 class ValueTable:
     """Stored packed values, found by the exact plain packing of a fresh value."""
 
-    __slots__ = ("_expand", "_inline", "_keyed", "_limit")
+    __slots__ = ("_expand", "_hashed", "_inline", "_keyed", "_limit")
 
-    def __init__(self, expand: Callable[[bytes], bytes | None], share_threshold: int | None):
+    def __init__(
+        self,
+        expand: Callable[[bytes], bytes | None],
+        share_threshold: int | None,
+        hashed: bool = False,
+    ):
+        self._hashed = hashed
         # Below the string-sharing threshold a packing cannot hold a blob reference, so
         # the stored form equals the plain one and can be the key.
         self._limit = min(INLINE_KEY_LIMIT, share_threshold or INLINE_KEY_LIMIT)
@@ -37,6 +47,9 @@ class ValueTable:
         """The stored value whose plain packing equals `plain`, or None."""
         if len(plain) < self._limit:
             return self._inline.get(plain)
+        if self._hashed:
+            found = self._keyed.get(content_key(plain))
+            return found[0] if found else None
         for stored in self._keyed.get(xxhash.xxh3_128_digest(plain), ()):
             if stored == plain or self._expand(stored) == plain:
                 return stored
@@ -46,5 +59,7 @@ class ValueTable:
         """Remember `stored` as the value whose plain packing is `plain` (caller checked find)."""
         if len(plain) < self._limit:
             self._inline[plain] = stored
+        elif self._hashed:
+            self._keyed[content_key(plain)] = [stored]
         else:
             self._keyed.setdefault(xxhash.xxh3_128_digest(plain), []).append(stored)

@@ -6,6 +6,9 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+# the Redis and S3 servers of the store tests (fixtures redis_url, s3_url, own_redis)
+pytest_plugins = ["services"]
+
 settings.register_profile(
     "default",
     max_examples=100,
@@ -48,9 +51,9 @@ from rollout_store.blobs import content_digest  # noqa: E402
 
 def graph_snapshot(graph: RolloutGraph) -> str:
     doc = export_session(graph, include_messages=True, include_discarded=True)
-    turns = [graph.get(n) for n in graph.nodes()]
+    turns = [graph.get(n) for n in graph.node_ids()]
     tokens = [(t.prompt_ids, t.sampled_ids, t.sampled_logprobs) for t in turns]
-    links = [(graph.parent(n), graph.link_kind(n)) for n in graph.nodes()]
+    links = [(graph.parent(n), graph.link_kind(n)) for n in graph.node_ids()]
     return json.dumps(doc) + repr(tokens) + repr(links) + repr(graph.stats())
 
 

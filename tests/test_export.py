@@ -19,21 +19,47 @@ from rollout_store import (
     write_trace_jsonl,
 )
 
-TURN_FIELDS = {
+TURN_FIELDS = [
     "node_id",
     "index",
     "root_id",
-    "parent_id",
-    "n_prompt",
     "n_sampled",
+    "n_prompt",
     "n_tools",
-    "model",
     "finish_reason",
     "harness_session_id",
     "sampling_params",
+    "requested_sampling_params",
+    "sampled_logprobs",
     "discarded",
-}
-MESSAGE_FIELDS = {"request_messages", "request_tools", "response_message"}
+]
+MESSAGE_FIELDS = ["request_messages", "request_tools", "response_message"]
+DOCUMENT_FIELDS = [
+    "session_id",
+    "metadata",
+    "budget_stop_count",
+    "turns",
+    "stats",
+    "sequences",
+    "validation",
+    "trainable",
+    "capture_level",
+    "rollout_type",
+]
+ROW_FIELDS = [
+    "role",
+    "root_id",
+    "node_ids",
+    "n_turns",
+    "prompt_len",
+    "n_trainable",
+    "turn_lengths",
+    "input_ids",
+    "loss_mask",
+    "logprobs",
+    "trainable",
+    "validation",
+]
 
 
 def _graph_with_retry() -> tuple[RolloutGraph, list[dict[str, Any]]]:
@@ -48,7 +74,9 @@ def _graph_with_retry() -> tuple[RolloutGraph, list[dict[str, Any]]]:
                 **tokens[k],
                 **chat[k],
                 "request_tools": [{"type": "function", "function": {"name": "f"}}],
+                "n_tools": 1,
                 "sampling_params": {"temperature": 0.5, "seed": k, "odd": [1, 1.0, -0.0]},
+                "requested_sampling_params": {"temperature": 1, "max_tokens": 2**70},
                 "model": "m",
                 "finish_reason": "stop" if k < 2 else "length",
                 "harness_session_id": "sess",
@@ -64,46 +92,186 @@ def _graph_with_retry() -> tuple[RolloutGraph, list[dict[str, Any]]]:
 def test_export_session_fields():
     graph, turns = _graph_with_retry()
     doc = export_session(graph, session_id="s-1", metadata={"run": 7})
-    assert list(doc) == ["session_id", "metadata", "turns", "sequences", "stats"]
+    assert list(doc) == DOCUMENT_FIELDS
     assert doc["session_id"] == "s-1" and doc["metadata"] == {"run": 7}
-    assert [t["node_id"] for t in doc["turns"]] == ["t0", "t1", "t2"]  # r was discarded
-    t2 = doc["turns"][2]
-    assert set(t2) == TURN_FIELDS
-    assert t2["index"] == 3 and t2["root_id"] == "t0" and t2["parent_id"] == "t1"
+    assert doc["budget_stop_count"] == 0
+    # every turn is listed, the dropped retry flagged
+    assert [t["node_id"] for t in doc["turns"]] == ["t0", "t1", "r", "t2"]
+    assert [t["discarded"] for t in doc["turns"]] == [False, False, True, False]
+    t2 = doc["turns"][3]
+    assert list(t2) == TURN_FIELDS
+    assert t2["index"] == 3 and t2["root_id"] == "t0"
     assert t2["n_prompt"] == len(turns[3]["prompt_ids"])
     assert t2["n_sampled"] == len(turns[3]["sampled_ids"])
-    assert t2["n_tools"] == 1 and t2["model"] == "m" and t2["finish_reason"] == "length"
-    assert t2["harness_session_id"] == "sess" and t2["discarded"] is False
-    assert json.dumps(t2["sampling_params"]) == json.dumps(turns[3]["sampling_params"])
+    assert t2["n_tools"] == 1 and t2["finish_reason"] == "length"
+    assert t2["harness_session_id"] == "sess"
+    for name in ("sampling_params", "requested_sampling_params", "sampled_logprobs"):
+        assert json.dumps(t2[name]) == json.dumps(turns[3][name]), name
+    # the retry's row is left out unless asked for
     assert [s["node_ids"] for s in doc["sequences"]] == [["t0", "t1", "t2"]]
-    assert doc["sequences"][0] == graph.sequence_for("t2")
+    row = doc["sequences"][0]
+    assert list(row) == ROW_FIELDS
+    seq = graph.sequence_for("t2")
+    assert row["role"] == "agent" and row["trainable"] is True
+    assert row["input_ids"] == seq.input_ids and row["loss_mask"] == seq.loss_mask
+    assert row["logprobs"] == seq.logprobs and row["prompt_len"] == seq.prompt_len
+    assert row["n_trainable"] == seq.n_trainable == 9
+    assert row["turn_lengths"] == [3, 3, 3]
+    assert row["validation"] == []
     assert doc["stats"] == {
-        "turns": 4,
-        "roots": 1,
-        "leaves": 2,
-        "forks": 1,
-        "discarded": 1,
-        "exported_turns": 3,
-        "sequences": 1,
+        "n_turns": 4,
+        "n_roots": 1,
+        "n_leaves": 2,
+        "n_forks": 1,
+        "n_discarded": 1,
+        "n_sequences": 1,
+        "n_trainable_sequences": 1,
+        "n_trainable_tokens": 9,
     }
+    assert doc["validation"] == [
+        doc["validation"][0],
+        doc["validation"][1],
+    ]
+    assert doc["validation"][0].startswith("[WARN] discarded_turns: ")
+    assert doc["validation"][1].startswith("[INFO] forks: ")
+    assert doc["trainable"] is True
+    assert doc["capture_level"] == "tokens" and doc["rollout_type"] == "train"
 
 
 def test_export_include_discarded_and_messages():
     graph, turns = _graph_with_retry()
     doc = export_session(graph, include_discarded=True, include_messages=True)
     assert [t["node_id"] for t in doc["turns"]] == ["t0", "t1", "r", "t2"]
-    assert [t["discarded"] for t in doc["turns"]] == [False, False, True, False]
-    assert [s["node_ids"][-1] for s in doc["sequences"]] == ["r", "t2"]
-    assert doc["stats"]["exported_turns"] == 4 and doc["stats"]["sequences"] == 2
+    assert [(s["node_ids"][-1], s["role"]) for s in doc["sequences"]] == [
+        ("r", "discarded"),
+        ("t2", "agent"),
+    ]
+    assert doc["sequences"][0]["trainable"] is False
+    assert doc["stats"]["n_sequences"] == 2 and doc["stats"]["n_trainable_sequences"] == 1
     for record, fields in zip(doc["turns"], turns, strict=True):
-        assert set(record) == TURN_FIELDS | MESSAGE_FIELDS
+        assert list(record) == TURN_FIELDS + MESSAGE_FIELDS
         for name in MESSAGE_FIELDS:
             assert json.dumps(record[name]) == json.dumps(fields[name]), name
     assert doc["session_id"] is None and doc["metadata"] is None
 
 
+def test_eval_capture_levels_keep_the_structure_and_train_nothing():
+    graph, _ = _graph_with_retry()
+    for level in ("logprobs", "text", "messages"):
+        doc = export_session(graph, capture_level=level)
+        assert doc["capture_level"] == level and doc["rollout_type"] == "eval"
+        assert doc["trainable"] is False
+        row = doc["sequences"][0]
+        assert row["node_ids"] == ["t0", "t1", "t2"] and row["role"] == "agent"
+        assert row["n_trainable"] == 0 and set(row["loss_mask"]) == {0}
+        assert row["trainable"] is False and row["validation"] == []
+        assert doc["stats"]["n_trainable_tokens"] == 0
+    eval_doc = export_session(graph, purpose="eval")
+    assert eval_doc["rollout_type"] == "eval" and eval_doc["capture_level"] == "tokens"
+
+
+def test_roles_agent_auxiliary_and_no_tools_anywhere():
+    graph = RolloutGraph()
+    for k, turn in enumerate(token_turns(2)):
+        graph.add_turn(TurnNode(node_id=f"a{k}", n_tools=2, **turn))
+    # a toolless root: a title generator
+    graph.add_turn(
+        TurnNode(node_id="title", prompt_ids=[7, 7], sampled_ids=[8], sampled_logprobs=[-1.0])
+    )
+    doc = export_session(graph)
+    assert [(s["root_id"], s["role"], s["trainable"]) for s in doc["sequences"]] == [
+        ("a0", "agent", True),
+        ("title", "auxiliary", False),
+    ]
+    assert doc["validation"][0].startswith("[WARN] multiple_roots: ")
+
+    plain = RolloutGraph()  # nobody sends tools: every live path is the agent's
+    for k, turn in enumerate(token_turns(2)):
+        plain.add_turn(TurnNode(node_id=f"a{k}", **turn))
+    plain.add_turn(TurnNode(node_id="ctx", prompt_ids=[7], sampled_ids=[8]))  # no logprobs
+    roles = [(s["root_id"], s["role"]) for s in export_session(plain)["sequences"]]
+    assert roles == [("a0", "agent"), ("ctx", "auxiliary")]
+    roles = [
+        (s["root_id"], s["role"]) for s in export_session(plain, capture_level="text")["sequences"]
+    ]
+    assert roles == [("a0", "agent"), ("ctx", "agent")]
+
+
+def test_sequence_findings():
+    graph = RolloutGraph()
+    graph.add_turn(
+        TurnNode(node_id="a", prompt_ids=[1, 2], sampled_ids=[3, 4], sampled_logprobs=[-0.5, 0.0])
+    )
+    graph.add_turn(
+        TurnNode(node_id="b", prompt_ids=[1, 2, 3, 4, 5], sampled_ids=[6], sampled_logprobs=[0.5])
+    )
+    graph.add_turn(TurnNode(node_id="c", prompt_ids=[9], sampled_ids=[10]))  # no logprobs
+    doc = export_session(graph)
+    rows = {s["root_id"]: s for s in doc["sequences"]}
+    assert [f.split(":")[0] for f in rows["a"]["validation"]] == [
+        "[FATAL] invalid_training_sequence"
+    ]
+    assert "positive_logprob" in rows["a"]["validation"][0]
+    assert rows["c"]["validation"] == [rows["c"]["validation"][0]]
+    assert rows["c"]["validation"][0].startswith("[FATAL] nothing_trainable: ")
+    assert not any(r["trainable"] for r in rows.values()) and doc["trainable"] is False
+
+
+def test_rollout_findings_one_turn_and_budget_stop():
+    graph = RolloutGraph()
+    graph.add_turn(TurnNode(node_id="a", **token_turns(1)[0]))
+    doc = export_session(graph)
+    assert doc["validation"][0].startswith("[FATAL] degenerate_rollout: ")
+    assert doc["trainable"] is False and doc["sequences"][0]["trainable"] is True
+    doc = export_session(graph, budget_stop_count=1)
+    assert doc["validation"] == [] and doc["trainable"] is True
+    assert doc["budget_stop_count"] == 1
+    empty = export_session(RolloutGraph())
+    assert empty["validation"][0].startswith("[FATAL] no_turns: ")
+    assert empty["trainable"] is False and empty["turns"] == [] and empty["sequences"] == []
+
+
+class _Session:
+    def __init__(self, graph: RolloutGraph) -> None:
+        self.session_id = "s1"
+        self.metadata = {"api_type": "openai"}
+        self.findings = ["[FATAL] capture_ingest_failed: a response could not be recorded"]
+        self.budget_stop_count = 2
+        self.graph = graph
+
+
+def test_session_fields_come_from_a_session_object_or_keywords():
+    graph, _ = _graph_with_retry()
+    session = _Session(graph)
+    doc = export_session(session)
+    assert (doc["session_id"], doc["metadata"], doc["budget_stop_count"]) == (
+        "s1",
+        {"api_type": "openai"},
+        2,
+    )
+    assert doc["validation"][-1] == session.findings[0]
+    doc = export_session(session, session_id="other", metadata=None, findings=[])
+    assert doc["session_id"] == "other" and doc["metadata"] is None
+    assert not any("capture_ingest_failed" in f for f in doc["validation"])
+    with pytest.raises(TypeError, match="RolloutGraph or a session"):
+        export_session(object())
+
+
+def test_jsonl_trace_says_which_turns_were_discarded():
+    graph, _ = _graph_with_retry()
+    records = list(iter_turn_records(graph))
+    assert [(r["node_id"], r["discarded"]) for r in records] == [
+        ("t0", False),
+        ("t1", False),
+        ("r", True),
+        ("t2", False),
+    ]
+
+
 OPTIONS = [
     {},
+    {"capture_level": "text"},
+    {"session_id": "x", "budget_stop_count": 3, "findings": ["[WARN] w: x"], "purpose": "eval"},
     {"include_messages": True},
     {"include_discarded": True},
     {"include_messages": True, "include_discarded": True},
@@ -154,7 +322,9 @@ def test_export_with_lone_surrogate_in_a_root_request():
     assert out.getvalue() == json.dumps(doc)
 
 
-def _expected_record(node_id: str, parent_id: Any, index: int, fields: dict[str, Any]) -> dict:
+def _expected_record(
+    node_id: str, parent_id: Any, index: int, fields: dict[str, Any], discarded: bool = False
+) -> dict:
     return {
         "node_id": node_id,
         "parent_id": parent_id,
@@ -162,13 +332,15 @@ def _expected_record(node_id: str, parent_id: Any, index: int, fields: dict[str,
         "model": fields.get("model"),
         "finish_reason": fields.get("finish_reason"),
         "harness_session_id": fields.get("harness_session_id"),
-        "request_messages": fields.get("request_messages"),
+        "request_messages": fields.get("request_messages", []),
         "request_tools": fields.get("request_tools"),
-        "sampling_params": fields.get("sampling_params"),
-        "response_message": fields.get("response_message"),
-        "prompt_ids": fields.get("prompt_ids"),
-        "sampled_ids": fields.get("sampled_ids"),
+        "sampling_params": fields.get("sampling_params", {}),
+        "requested_sampling_params": fields.get("requested_sampling_params", {}),
+        "response_message": fields.get("response_message", {}),
+        "prompt_ids": fields.get("prompt_ids", []),
+        "sampled_ids": fields.get("sampled_ids", []),
         "sampled_logprobs": fields.get("sampled_logprobs"),
+        "discarded": discarded,
     }
 
 
@@ -191,7 +363,7 @@ def test_trace_jsonl_has_one_exact_line_per_turn(binary):
     expected = [
         _expected_record("t0", None, 0, turns[0]),
         _expected_record("t1", "t0", 1, turns[1]),
-        _expected_record("r", "t0", 2, turns[2]),
+        _expected_record("r", "t0", 2, turns[2], discarded=True),
         _expected_record("t2", "t1", 3, turns[3]),
         _expected_record(
             "odd",
@@ -204,13 +376,13 @@ def test_trace_jsonl_has_one_exact_line_per_turn(binary):
         ),
     ]
     assert [json.loads(line)["parent_id"] for line in lines] == [None, "t0", "t0", "t1", None]
-    for line, record, node_id in zip(lines, expected, graph.nodes(), strict=True):
+    for line, record, node_id in zip(lines, expected, graph.node_ids(), strict=True):
         assert line == json.dumps(record)
         node = graph.get(node_id)
         loaded = json.loads(line)
         for name in ("request_messages", "response_message", "prompt_ids", "sampled_ids"):
             assert loaded[name] == json.loads(json.dumps(getattr(node, name))), name
-    assert [r["node_id"] for r in iter_turn_records(graph)] == graph.nodes()
+    assert [r["node_id"] for r in iter_turn_records(graph)] == graph.node_ids()
 
 
 def test_streaming_writers_accept_gzip_files(tmp_path):
@@ -227,3 +399,33 @@ def test_streaming_writers_accept_gzip_files(tmp_path):
         write_trace_jsonl(graph, fp)
     with gzip.open(path, "rt") as fp:
         assert len(fp.read().splitlines()) == 3
+
+
+def test_summarise_reads_the_document():
+    from rollout_store.export import summarise
+
+    graph, _ = _graph_with_retry()
+    doc = export_session(graph, session_id="s-1", include_discarded=True)
+    text = summarise(doc)
+    lines = text.splitlines()
+    assert lines[0] == "session s-1  train  trainable=True"
+    assert lines[1] == "  graph: 4 turns, 1 roots, 1 forks, 1 discarded"
+    assert lines[2] == "  training: 1 sequence(s), 9 trainable tokens"
+    assert lines[3].startswith("  [discarded ] turns=2")
+    assert any(line.startswith("  [agent     ] turns=3") for line in lines)
+    assert lines[-1].startswith("  [INFO] forks: ")
+
+
+def test_cli_export_capture_level_is_byte_identical(tmp_path):
+    from rollout_store.cli import main
+
+    graph, _ = _graph_with_retry()
+    path = tmp_path / "g.rls"
+    graph.save(path)
+    out = tmp_path / "out.json"
+    args = ["export", str(path), "--capture-level", "text", "--discarded", "-o", str(out)]
+    assert main(args) == 0
+    loaded = RolloutGraph.load(path)
+    expected = export_session(loaded, capture_level="text", include_discarded=True)
+    assert out.read_text() == json.dumps(expected) + "\n"
+    assert json.loads(out.read_text())["rollout_type"] == "eval"

@@ -24,9 +24,9 @@ def test_token_chain_links_each_turn_to_the_previous(n_new):
     ids = add_all(graph, token_turns(6, n_new=n_new, n_sampled=5))
     assert [graph.parent(n) for n in ids] == [None, *ids[:-1]]
     assert [graph.link_kind(n) for n in ids] == ["none"] + ["tokens"] * 5
-    assert graph.roots() == [ids[0]] and graph.leaves() == [ids[-1]]
-    assert graph.path_to(ids[-1]) == ids
-    assert graph.paths() == [ids]
+    assert graph.root_ids() == [ids[0]] and graph.leaf_ids() == [ids[-1]]
+    assert graph.path_ids(ids[-1]) == ids
+    assert graph.path_id_lists() == [ids]
     assert all(graph.root_of(n) == ids[0] for n in ids)
 
 
@@ -44,7 +44,7 @@ def test_token_parent_is_the_longest_exact_prefix():
     assert prompt[: len(full0)] == full0
     fork = graph.add_turn(TurnNode(node_id="y", prompt_ids=prompt, sampled_ids=[6]))
     assert fork.parent_id == ids[0]
-    assert graph.forks() == [ids[0], ids[1]]
+    assert graph.fork_ids() == [ids[0], ids[1]]
     # repeats turn 1's prompt only (not its sampled tokens): a sibling of turn 1
     retry = graph.add_turn(TurnNode(node_id="z", prompt_ids=list(turns[1]["prompt_ids"])))
     assert retry.parent_id == ids[0]
@@ -61,7 +61,7 @@ def test_diverging_prompt_is_a_new_root():
     other[0] += 1  # differs in the very first token
     assert graph.add_turn(TurnNode(node_id="o", prompt_ids=other)).parent_id is None
     assert graph.link_kind("o") == "none"
-    assert graph.roots() == ["t0", "o"]
+    assert graph.root_ids() == ["t0", "o"]
 
 
 def test_explicit_parent_wins_over_tokens_and_messages():
@@ -71,7 +71,7 @@ def test_explicit_parent_wins_over_tokens_and_messages():
     node = graph.add_turn(TurnNode(node_id="e", parent_id="t0", **turns[2]))
     assert node.parent_id == "t0"
     assert graph.link_kind("e") == "explicit"
-    assert graph.children("t0") == ["t1", "e"]
+    assert graph.child_ids("t0") == ["t1", "e"]
 
 
 def test_tokens_take_precedence_over_messages():
@@ -240,10 +240,10 @@ def test_lone_surrogate_in_history_does_not_break_linking():
 
 def _check_chain(graph: RolloutGraph, ids: list[str]) -> None:
     assert [graph.parent(n) for n in ids] == [None, *ids[:-1]]
-    assert graph.roots() == [ids[0]]
-    assert graph.leaves() == [ids[-1]]
-    assert graph.forks() == []
-    assert graph.discarded_nodes() == []
+    assert graph.root_ids() == [ids[0]]
+    assert graph.leaf_ids() == [ids[-1]]
+    assert graph.fork_ids() == []
+    assert graph.discarded_ids() == []
 
 
 def test_turn_3_before_turn_2_tokens():
@@ -278,7 +278,7 @@ def test_every_arrival_order_of_four_turns_gives_the_chain(kind):
         for k in order:
             graph.add_turn(TurnNode(node_id=f"t{k}", **copy.deepcopy(turns[k])))
         assert [graph.parent(f"t{k}") for k in range(4)] == [None, "t0", "t1", "t2"], order
-        assert graph.nodes() == [f"t{k}" for k in order]
+        assert graph.node_ids() == [f"t{k}" for k in order]
 
 
 @pytest.mark.slow
@@ -309,8 +309,8 @@ def _two_interleaved_rollouts(data: st.DataObject) -> None:
     for prefix in "ab":
         ids = [f"{prefix}{k}" for k in range(5)]
         assert [graph.parent(n) for n in ids] == [None, *ids[:-1]]
-        assert graph.path_to(ids[-1]) == ids
-    assert sorted(graph.roots()) == ["a0", "b0"]
+        assert graph.path_ids(ids[-1]) == ids
+    assert sorted(graph.root_ids()) == ["a0", "b0"]
 
 
 @given(data=st.data())
@@ -375,7 +375,10 @@ def test_linear_conversation_in_any_order_is_a_chain_fuzz(turns, threshold, data
 def _token_chain(data: st.DataObject, shuffle: bool) -> None:
     ids = data.draw(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=300), label="ids")
     pool = st.lists(st.sampled_from(ids) | st.integers(0, 2**32 - 1), max_size=150)
-    full = data.draw(pool)
+    # an empty prompt means "no token ids" (linked by messages), so the root has some
+    full = data.draw(
+        st.lists(st.sampled_from(ids) | st.integers(0, 2**32 - 1), min_size=1, max_size=150)
+    )
     turns = []
     for _ in range(data.draw(st.integers(min_value=2, max_value=5))):
         sampled = data.draw(st.lists(st.sampled_from(ids), min_size=1, max_size=80))
@@ -393,7 +396,7 @@ def _token_chain(data: st.DataObject, shuffle: bool) -> None:
         assert node.prompt_ids == fields["prompt_ids"]
         assert node.sampled_ids == fields["sampled_ids"]
     last = turns[-1]
-    assert graph.sequence_for(node_ids[-1])["input_ids"] == last["prompt_ids"] + last["sampled_ids"]
+    assert graph.sequence_for(node_ids[-1]).input_ids == last["prompt_ids"] + last["sampled_ids"]
 
 
 @given(data=st.data())
@@ -493,7 +496,7 @@ def _check_tree(kind: str, data: st.DataObject) -> None:
     assert [graph.parent(f"n{k}") for k in range(len(nodes))] == [
         None if p is None else f"n{p}" for p, _ in nodes
     ]
-    discarded = sorted(graph.discarded_nodes(), key=lambda n: int(n[1:]))
+    discarded = sorted(graph.discarded_ids(), key=lambda n: int(n[1:]))
     assert discarded == _expected_discarded(nodes, kind)
 
 
@@ -521,12 +524,12 @@ def test_retried_turn_without_children_is_discarded_tokens():
     retry = {**turns[1], "sampled_ids": [1, 2, 3]}  # same prompt, another sample, dropped
     graph.add_turn(TurnNode(node_id="r", **retry))
     graph.add_turn(TurnNode(node_id="t2", **turns[2]))
-    assert graph.children("t0") == ["t1", "r"]
+    assert graph.child_ids("t0") == ["t1", "r"]
     assert graph.parent("t2") == "t1"
-    assert graph.discarded_nodes() == ["r"]
-    assert graph.forks() == ["t0"]
-    assert graph.leaves() == ["r", "t2"]
-    assert graph.paths() == [["t0", "r"], ["t0", "t1", "t2"]]
+    assert graph.discarded_ids() == ["r"]
+    assert graph.fork_ids() == ["t0"]
+    assert graph.leaf_ids() == ["r", "t2"]
+    assert graph.path_id_lists() == [["t0", "r"], ["t0", "t1", "t2"]]
 
 
 def test_retried_turn_without_children_is_discarded_messages():
@@ -538,7 +541,7 @@ def test_retried_turn_without_children_is_discarded_messages():
     graph.add_turn(TurnNode(node_id="r", **retry))
     graph.add_turn(TurnNode(node_id="t2", **turns[2]))
     assert graph.parent("r") == "t0" and graph.parent("t2") == "t1"
-    assert graph.discarded_nodes() == ["r"]
+    assert graph.discarded_ids() == ["r"]
 
 
 @pytest.mark.parametrize("kind", ["tokens", "messages"])
@@ -552,9 +555,9 @@ def test_retried_first_call_is_discarded(kind):
         retry["response_message"]["content"] = "timeout, retried"
     graph.add_turn(TurnNode(node_id="r", **retry))
     add_all(graph, turns)
-    assert graph.roots() == ["r", "t0"]
+    assert graph.root_ids() == ["r", "t0"]
     assert graph.parent("t1") == "t0"
-    assert graph.discarded_nodes() == ["r"]
+    assert graph.discarded_ids() == ["r"]
     assert graph.root_of("t1") == "t0" and graph.root_of("r") == "r"
 
 
@@ -563,11 +566,11 @@ def test_siblings_that_all_stop_are_not_discarded():
     turns = token_turns(2)
     add_all(graph, turns)
     graph.add_turn(TurnNode(node_id="s", **{**turns[1], "sampled_ids": [4, 4]}))
-    assert graph.forks() == ["t0"]
-    assert graph.discarded_nodes() == []
+    assert graph.fork_ids() == ["t0"]
+    assert graph.discarded_ids() == []
     different = token_turns(1, start=77_000)[0]
     graph.add_turn(TurnNode(node_id="other", **different))
-    assert graph.discarded_nodes() == []
+    assert graph.discarded_ids() == []
 
 
 def test_discarded_nodes_with_lone_surrogate_in_root_request():
@@ -575,7 +578,7 @@ def test_discarded_nodes_with_lone_surrogate_in_root_request():
     lone = json.loads('"\\udc00"')
     graph.add_turn(TurnNode(node_id="a", request_messages=[{"role": "user", "content": lone}]))
     graph.add_turn(TurnNode(node_id="b", request_messages=[{"role": "user", "content": "x"}]))
-    assert graph.discarded_nodes() == []
+    assert graph.discarded_ids() == []
 
 
 def test_queries_on_a_tree():
@@ -585,18 +588,18 @@ def test_queries_on_a_tree():
     branch = turns[1]["prompt_ids"] + turns[1]["sampled_ids"] + [1, 1]
     graph.add_turn(TurnNode(node_id="b", prompt_ids=branch, sampled_ids=[2]))
     graph.add_turn(TurnNode(node_id="lone", prompt_ids=[5, 5], sampled_ids=[6]))
-    assert graph.nodes() == ["t0", "t1", "t2", "b", "lone"]
-    assert graph.roots() == ["t0", "lone"]
-    assert graph.leaves() == ["t2", "b", "lone"]
-    assert graph.children("t1") == ["t2", "b"]
-    assert graph.children("t2") == []
-    assert graph.forks() == ["t1"]
-    assert graph.path_to("b") == ["t0", "t1", "b"]
-    assert graph.paths() == [["t0", "t1", "t2"], ["t0", "t1", "b"], ["lone"]]
+    assert graph.node_ids() == ["t0", "t1", "t2", "b", "lone"]
+    assert graph.root_ids() == ["t0", "lone"]
+    assert graph.leaf_ids() == ["t2", "b", "lone"]
+    assert graph.child_ids("t1") == ["t2", "b"]
+    assert graph.child_ids("t2") == []
+    assert graph.fork_ids() == ["t1"]
+    assert graph.path_ids("b") == ["t0", "t1", "b"]
+    assert graph.path_id_lists() == [["t0", "t1", "t2"], ["t0", "t1", "b"], ["lone"]]
     assert graph.root_of("b") == "t0" and graph.root_of("lone") == "lone"
     assert len(graph) == 5
     stats = graph.stats()
-    assert (stats["turns"], stats["roots"], stats["leaves"], stats["forks"]) == (5, 2, 3, 1)
+    assert (stats["n_turns"], stats["n_roots"], stats["n_leaves"], stats["n_forks"]) == (5, 2, 3, 1)
     summary = graph.summary("b")
     assert summary["parent_id"] == "t1" and summary["link"] == "tokens"
     assert summary["n_prompt"] == len(branch) and summary["n_sampled"] == 1
@@ -615,8 +618,8 @@ def test_sequence_masks_sampled_spans_with_their_logprobs():
     ids = add_all(graph, turns)
     seq = graph.sequence_for(ids[-1])
     last = turns[-1]
-    assert seq["input_ids"] == last["prompt_ids"] + last["sampled_ids"]
-    n = len(seq["input_ids"])
+    assert seq.input_ids == last["prompt_ids"] + last["sampled_ids"]
+    n = len(seq.input_ids)
     mask = [0] * n
     logprobs = [0.0] * n
     for fields in turns:
@@ -624,23 +627,23 @@ def test_sequence_masks_sampled_spans_with_their_logprobs():
         end = start + len(fields["sampled_ids"])
         mask[start:end] = [1] * (end - start)
         logprobs[start:end] = fields["sampled_logprobs"]
-    assert seq["loss_mask"] == mask
-    assert seq["logprobs"] == logprobs
+    assert seq.loss_mask == mask
+    assert seq.logprobs == logprobs
     assert sum(mask) == 9
-    assert seq["prompt_len"] == 4
-    assert seq["node_ids"] == ids and seq["n_turns"] == 3 and seq["root_id"] == ids[0]
+    assert seq.prompt_len == 4
+    assert seq.node_ids == ids and seq.n_turns == 3 and seq.root_id == ids[0]
     assert graph.sequences() == [seq]
     # the sequence of a middle turn stops at that turn
     mid = graph.sequence_for(ids[1])
-    assert mid["input_ids"] == turns[1]["prompt_ids"] + turns[1]["sampled_ids"]
-    assert mid["loss_mask"] == mask[: len(mid["input_ids"])]
-    assert mid["n_turns"] == 2
+    assert mid.input_ids == turns[1]["prompt_ids"] + turns[1]["sampled_ids"]
+    assert mid.loss_mask == mask[: len(mid.input_ids)]
+    assert mid.n_turns == 2
 
 
 @pytest.mark.parametrize(
     "logprobs",
-    [None, [], [-0.5], [-0.5, -0.5, -0.5, -0.5], [-0.5, -0.5, 0]],
-    ids=["missing", "empty", "short", "long", "not floats"],
+    [None, [], [-0.5], [-0.5, -0.5, -0.5, -0.5], [-0.5, -0.5, None]],
+    ids=["missing", "empty", "short", "long", "not numbers"],
 )
 def test_turn_with_missing_or_misaligned_logprobs_is_masked_out(logprobs):
     graph = RolloutGraph()
@@ -650,9 +653,9 @@ def test_turn_with_missing_or_misaligned_logprobs_is_masked_out(logprobs):
     assert graph.get(ids[1]).sampled_logprobs == logprobs
     seq = graph.sequence_for(ids[-1])
     start = len(turns[1]["prompt_ids"])
-    assert seq["loss_mask"][start : start + 3] == [0, 0, 0]
-    assert seq["logprobs"][start : start + 3] == [0.0, 0.0, 0.0]
-    assert sum(seq["loss_mask"]) == 6  # turns 0 and 2 still count
+    assert seq.loss_mask[start : start + 3] == [0, 0, 0]
+    assert seq.logprobs[start : start + 3] == [0.0, 0.0, 0.0]
+    assert sum(seq.loss_mask) == 6  # turns 0 and 2 still count
 
 
 def test_explicit_parent_whose_tokens_are_not_a_prefix_is_context_free():
@@ -670,10 +673,10 @@ def test_explicit_parent_whose_tokens_are_not_a_prefix_is_context_free():
         )
     )
     seq = graph.sequence_for("b")
-    assert seq["input_ids"] == [9, 9, 9, 9, 4, 5]
-    assert seq["loss_mask"] == [0, 0, 0, 0, 1, 1]
-    assert seq["logprobs"] == [0.0] * 4 + [-0.1, -0.2]
-    assert seq["node_ids"] == ["a", "b"] and seq["prompt_len"] == 2
+    assert seq.input_ids == [9, 9, 9, 9, 4, 5]
+    assert seq.loss_mask == [0, 0, 0, 0, 1, 1]
+    assert seq.logprobs == [0.0] * 4 + [-0.1, -0.2]
+    assert seq.node_ids == ["a", "b"] and seq.prompt_len == 2
 
 
 def test_one_sequence_per_leaf_and_message_only_turns():
@@ -685,10 +688,10 @@ def test_one_sequence_per_leaf_and_message_only_turns():
     )
     graph.add_turn(TurnNode(node_id="m", request_messages=[{"role": "user", "content": "x"}]))
     seqs = graph.sequences()
-    assert [s["node_ids"][-1] for s in seqs] == ["t1", "s", "m"]
-    assert seqs[1]["input_ids"] == turns[1]["prompt_ids"] + [4]
-    assert seqs[1]["loss_mask"][-1] == 1 and seqs[1]["logprobs"][-1] == -2.0
-    assert seqs[2] == {
+    assert [s.node_ids[-1] for s in seqs] == ["t1", "s", "m"]
+    assert seqs[1].input_ids == turns[1]["prompt_ids"] + [4]
+    assert seqs[1].loss_mask[-1] == 1 and seqs[1].logprobs[-1] == -2.0
+    assert seqs[2].to_dict() == {
         "input_ids": [],
         "loss_mask": [],
         "logprobs": [],
@@ -733,7 +736,7 @@ def test_exact_echo_wins_over_a_loose_one_among_retries(order):
         graph.add_turn(copy.deepcopy(turns[name]))
     assert graph.parent("next") == "retry"
     assert graph.parent("first") is None and graph.parent("retry") is None
-    assert graph.discarded_nodes() == ["first"]
+    assert graph.discarded_ids() == ["first"]
 
 
 def test_a_call_that_sampled_nothing_and_its_retry_are_siblings():
@@ -747,7 +750,7 @@ def test_a_call_that_sampled_nothing_and_its_retry_are_siblings():
     graph.add_turn(TurnNode(node_id="retry", prompt_ids=failed, sampled_ids=[7]))
     graph.add_turn(TurnNode(node_id="next", prompt_ids=[*failed, 7, 9], sampled_ids=[8]))
     assert [graph.parent(n) for n in ("fail", "retry", "next")] == ["a", "a", "retry"]
-    assert graph.discarded_nodes() == ["fail"]
+    assert graph.discarded_ids() == ["fail"]
     # the retry arriving first does not adopt the failed call either
     late = RolloutGraph()
     late.add_turn(TurnNode(node_id="retry", prompt_ids=failed, sampled_ids=[7]))
@@ -781,10 +784,10 @@ def test_moves_never_make_a_cycle():
     graph.add_turn(
         TurnNode(node_id="N", request_messages=[user("1")], response_message=assistant("r"))
     )
-    for node_id in graph.nodes():
-        path = graph.path_to(node_id)  # terminates: no cycle
+    for node_id in graph.node_ids():
+        path = graph.path_ids(node_id)  # terminates: no cycle
         assert len(path) == len(set(path)) <= len(graph)
-    assert graph.path_to("N") == ["T", "X", "Y", "N"]
+    assert graph.path_ids("N") == ["T", "X", "Y", "N"]
 
 
 def test_short_token_prompts_link_through_their_own_index():
@@ -799,7 +802,7 @@ def test_short_token_prompts_link_through_their_own_index():
     graph.add_turn(TurnNode(node_id="child", prompt_ids=[*range(40), 1, 2, 3], sampled_ids=[4]))
     graph.add_turn(TurnNode(node_id="late", prompt_ids=list(range(40)), sampled_ids=[1, 2]))
     assert graph.parent("child") == "late"
-    assert len(graph._token_index) >= 61  # one key per turn, not one shared bucket
+    assert len(graph._linker.token_index) >= 61  # one key per turn, not one shared bucket
 
 
 def test_message_turn_moves_under_a_late_token_turn_it_continues():

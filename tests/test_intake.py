@@ -184,7 +184,7 @@ def test_duplicate_node_id():
     graph.add_turn(TurnNode(node_id="a", response_message={"content": "first"}))
     with pytest.raises(DuplicateNodeError):
         graph.add_turn(TurnNode(node_id="a", response_message={"content": "second"}))
-    assert graph.nodes() == ["a"]
+    assert graph.node_ids() == ["a"]
     assert graph.response_message("a") == {"content": "first"}
 
 
@@ -194,7 +194,7 @@ def test_unknown_parent_id():
     with pytest.raises(InvalidValueError) as info:
         graph.add_turn(TurnNode(node_id="b", parent_id="nope"))
     assert info.value.path == "parent_id"
-    assert graph.nodes() == ["a"]
+    assert graph.node_ids() == ["a"]
 
 
 def test_add_turn_rejects_non_turnnode():
@@ -216,20 +216,23 @@ def test_unhashable_role_is_valid_json(role):
 # ---------------------------------------------------------------- add_turn result
 
 
-def test_add_turn_returns_a_copy_with_ids_set():
+def test_add_turn_sets_index_and_parent_and_returns_a_view():
     graph = RolloutGraph()
-    first = TurnNode(request_messages=[{"role": "user", "content": "q"}], request_tools=[{}, {}])
+    first = TurnNode(
+        request_messages=[{"role": "user", "content": "q"}], request_tools=[{}, {}], n_tools=None
+    )
     out = graph.add_turn(first)
-    assert out is not first
-    assert first.node_id is None and first.index is None
+    assert out is not first and isinstance(out, TurnNode)
+    assert first.node_id is None  # a fresh id goes to the stored turn, not to the caller's node
+    assert (first.index, first.parent_id) == (0, None)
     assert isinstance(out.node_id, str) and out.index == 0 and out.parent_id is None
-    assert out.n_tools == 2
+    assert out.n_tools == 2  # n_tools=None counts the tools
     second = graph.add_turn(TurnNode(parent_id=out.node_id))
     assert second.index == 1 and second.parent_id == out.node_id
     assert second.node_id != out.node_id
-    assert graph.nodes() == [out.node_id, second.node_id]
+    assert graph.node_ids() == [out.node_id, second.node_id]
     assert out.node_id in graph and "missing" not in graph
-    assert list(graph) == graph.nodes()
+    assert list(graph) == graph.node_ids()
 
 
 def test_caller_mutation_after_add_does_not_reach_the_graph():
@@ -274,13 +277,13 @@ def _base_graph() -> tuple[RolloutGraph, list[dict[str, Any]], list[dict[str, An
 
 def _state(graph: RolloutGraph) -> dict[str, Any]:
     return {
-        "nodes": graph.nodes(),
-        "roots": graph.roots(),
-        "leaves": graph.leaves(),
-        "paths": graph.paths(),
+        "nodes": graph.node_ids(),
+        "roots": graph.root_ids(),
+        "leaves": graph.leaf_ids(),
+        "paths": graph.path_id_lists(),
         "blobs": len(graph.blobs),
         "blob_stats": graph.blobs.stats(),
-        "turns": [materialized(graph, n) for n in graph.nodes()],
+        "turns": [materialized(graph, n) for n in graph.node_ids()],
         "export": json.dumps(export_session(graph, include_messages=True, include_discarded=True)),
         "structure": {
             k: v
@@ -446,7 +449,7 @@ def test_rejected_turn_does_not_change_later_generated_ids():
                 dirty.add_turn(TurnNode(request_messages=[{"role": "user", "content": {1}}]))
         clean.add_turn(TurnNode(**fresh(fields)))
         dirty.add_turn(TurnNode(**fresh(fields)))
-    assert dirty.nodes() == clean.nodes()
+    assert dirty.node_ids() == clean.node_ids()
     assert json.dumps(export_session(dirty, include_messages=True)) == json.dumps(
         export_session(clean, include_messages=True)
     )
@@ -502,7 +505,7 @@ def test_forged_extension_objects_are_rejected(kind, where):
     before = graph.stats()
     with pytest.raises(InvalidValueError):
         graph.add_turn(second)
-    assert graph.nodes() == ["a"]
+    assert graph.node_ids() == ["a"]
     assert graph.stats() == before
 
 
@@ -519,7 +522,7 @@ def test_review_findings_on_bad_scalars_and_buffers():
         InvalidValueError, match=r"ExtType cannot be represented in JSON - at request_tools\[0\]"
     ):
         graph.add_turn(TurnNode(request_tools=[msgpack.ExtType(2, b"12")]))
-    assert graph.stats() == before and graph.nodes() == ["ok"]
+    assert graph.stats() == before and graph.node_ids() == ["ok"]
 
 
 def test_forged_ext_cannot_imitate_a_long_string_with_a_lone_surrogate():

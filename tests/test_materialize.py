@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import subprocess
@@ -140,20 +141,32 @@ def test_container_types_are_kept(threshold):
     assert_same(graph.request_messages("s"), ({"role": "system", "content": "s"},))
 
 
-def test_unset_fields_come_back_none():
+def test_unset_fields_come_back_as_the_defaults():
     graph = RolloutGraph()
     graph.add_turn(TurnNode(node_id="a"))
     node = graph.get("a")
-    for name in (
-        "request_messages",
-        "request_tools",
-        "response_message",
-        "sampling_params",
-        "prompt_ids",
-        "sampled_ids",
-        "sampled_logprobs",
-        "model",
-    ):
+    expected = {
+        "request_messages": [],
+        "request_tools": None,
+        "response_message": {},
+        "sampling_params": {},
+        "requested_sampling_params": {},
+        "prompt_ids": [],
+        "sampled_ids": [],
+        "sampled_logprobs": None,
+        "model": None,
+        "n_tools": 0,
+    }
+    for name, value in expected.items():
+        assert_same(getattr(node, name), value)
+
+
+def test_fields_given_as_none_come_back_none():
+    graph = RolloutGraph()
+    names = ("request_messages", "response_message", "sampling_params", "prompt_ids")
+    graph.add_turn(TurnNode(node_id="a", **dict.fromkeys(names)))
+    node = graph.get("a")
+    for name in names:
         assert getattr(node, name) is None, name
 
 
@@ -167,6 +180,7 @@ def test_scalar_fields_and_metadata_round_trip():
             finish_reason="stop",
             harness_session_id="s-9",
             request_tools=tools,
+            n_tools=None,  # counted from the tools
             request_messages=[{"role": "system", "content": "sys"}, {"role": "user"}],
         )
     )
@@ -253,7 +267,7 @@ def test_editing_materialized_values_changes_nothing_else():
     originals = [materialized(graph, n) for n in ids]
     snapshot = json.dumps(export_session(graph, include_messages=True))
 
-    got = graph.get(ids[1])
+    got = dataclasses.replace(graph.get(ids[1]))  # an editable copy of the view
     got.request_messages[1]["content"][1]["image_url"]["url"] = "edited"
     got.request_messages[1]["content"].append({"type": "text", "text": "new"})
     got.request_messages[2]["content"] = "edited echo"  # the echo of turn 0's response

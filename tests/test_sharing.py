@@ -293,7 +293,7 @@ def test_roots_with_identical_prompt_share_one_copy():
     graph.add_turn(TurnNode(node_id="b", prompt_ids=list(prompt), sampled_ids=[4, 5]))
     graph.add_turn(TurnNode(node_id="c", prompt_ids=list(prompt), sampled_ids=[6]))
     assert graph.stats()["tokens_stored"] == 500 + 3 + 2 + 1
-    assert graph.roots() == ["a", "b", "c"]
+    assert graph.root_ids() == ["a", "b", "c"]
     for node_id in "abc":
         assert graph.get(node_id).prompt_ids == prompt
 
@@ -327,7 +327,7 @@ def test_token_ids_of_any_size_come_back_exactly(ids):
     assert_same(b.prompt_ids, child)
     assert_same(b.sampled_ids, ids[:1])
     assert all(type(x) is int for x in a.prompt_ids + a.sampled_ids)
-    assert same(graph.sequence_for("b")["input_ids"], child + ids[:1])
+    assert same(graph.sequence_for("b").input_ids, child + ids[:1])
 
 
 def test_token_and_message_turns_keep_logprob_bits():

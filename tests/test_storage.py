@@ -19,6 +19,7 @@ from support import messages as message_values
 from rollout_store import (
     ChecksumMismatch,
     CorruptFileError,
+    FileLockedError,
     InvalidValueError,
     RolloutGraph,
     RolloutStoreError,
@@ -26,6 +27,7 @@ from rollout_store import (
     UnsupportedVersionError,
     export_session,
     frames,
+    framing,
     storage,
 )
 
@@ -87,7 +89,7 @@ def build_rollout(graph: RolloutGraph, seed: int = 0, turns: int = 5) -> list[st
 
 def snapshot(graph: RolloutGraph) -> str:
     doc = export_session(graph, include_messages=True, include_discarded=True)
-    traces = [graph.get(n) for n in graph.nodes()]
+    traces = [graph.get(n) for n in graph.node_ids()]
     return json.dumps(doc) + repr(
         [(t.prompt_ids, t.sampled_ids, t.sampled_logprobs) for t in traces]
     )
@@ -96,7 +98,7 @@ def snapshot(graph: RolloutGraph) -> str:
 def assert_same_graph(a: RolloutGraph, b: RolloutGraph) -> None:
     assert snapshot(a) == snapshot(b)
     assert a.stats() == b.stats()
-    assert [a.link_kind(n) for n in a.nodes()] == [b.link_kind(n) for n in b.nodes()]
+    assert [a.link_kind(n) for n in a.node_ids()] == [b.link_kind(n) for n in b.node_ids()]
 
 
 @pytest.fixture
@@ -126,7 +128,7 @@ def test_long_strings_stored_once_in_file(tmp_path: Path) -> None:
     build_rollout(g, turns=6)
     g.save(tmp_path / "r.rls")
     data = (tmp_path / "r.rls").read_bytes()
-    image = g.get(g.nodes()[0]).request_messages[1]["content"][1]["image_url"]["url"]
+    image = g.get(g.node_ids()[0]).request_messages[1]["content"][1]["image_url"]["url"]
     assert data.count(image.encode()) == 1
 
 
@@ -154,7 +156,7 @@ def test_relinked_turns_round_trip(tmp_path: Path) -> None:
             g.save(path)
         g.close()
         loaded = RolloutGraph.load(path)
-        assert loaded.path_to("c") == ["a", "b", "c"]
+        assert loaded.path_ids("c") == ["a", "b", "c"]
         assert_same_graph(g, loaded)
 
 
@@ -215,7 +217,7 @@ def test_append_write_failure_rolls_back(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_second_appender_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "log.rls"
-    with RolloutGraph.open(path), pytest.raises(CorruptFileError, match="another process"):
+    with RolloutGraph.open(path), pytest.raises(FileLockedError, match="another process"):
         RolloutGraph.open(path)
 
 
@@ -227,14 +229,11 @@ def test_open_refuses_snapshot(tmp_path: Path, graph: RolloutGraph) -> None:
 
 def _turn_ends(path: Path) -> list[int]:
     """Byte offsets just past each turn record of a file."""
-    data = path.read_bytes()
-    offset, ends = len(frames.MAGIC), []
-    while offset < len(data):
-        kind, length, _ = frames.FRAME.unpack_from(data, offset)
-        offset += frames.FRAME.size + length
-        if kind == frames.KIND_TURN:
-            ends.append(offset)
-    return ends
+    return [
+        start + length
+        for kind, start, length in _record_offsets(path.read_bytes())
+        if kind == frames.KIND_TURN
+    ]
 
 
 def _small_log(tmp_path: Path) -> Path:
@@ -271,7 +270,7 @@ def test_truncation_at_every_byte_loads_complete_turns(tmp_path: Path) -> None:
             continue
         recovered = RolloutGraph.load(cut_path, recover=True)
         assert len(recovered) == sum(1 for end in ends if end <= cut), cut
-        for node_id in recovered.nodes():
+        for node_id in recovered.node_ids():
             assert json.dumps(recovered.get(node_id).request_messages) == json.dumps(
                 full.get(node_id).request_messages
             )
@@ -311,11 +310,18 @@ def test_snapshot_cut_at_record_boundary_is_detected(tmp_path: Path, graph: Roll
 
 
 def _record_offsets(data: bytes) -> list[tuple[int, int, int]]:
+    """(kind, offset, size) of each frame of a version-1 or version-2 file."""
     offset, out = len(frames.MAGIC), []
+    v1 = data.startswith(frames.MAGIC)
     while offset < len(data):
-        kind, length, _ = frames.FRAME.unpack_from(data, offset)
-        out.append((kind, offset, frames.FRAME.size + length))
-        offset += frames.FRAME.size + length
+        if v1:
+            kind, length, _ = frames.FRAME.unpack_from(data, offset)
+            size = frames.FRAME.size + length
+        else:
+            _, kind, length, _, _ = framing.HEADER.unpack_from(data, offset)
+            kind, size = kind & 0x7F, framing.HEADER.size + length
+        out.append((kind, offset, size))
+        offset += size
     return out
 
 
@@ -352,10 +358,14 @@ def test_every_flipped_bit_of_a_small_file_is_detected(tmp_path: Path) -> None:
 
 
 def test_blob_digest_mismatch_is_a_checksum_error(tmp_path: Path) -> None:
-    """A blob whose content changed with a recomputed frame checksum still fails its digest."""
+    """A blob whose content changed with a recomputed frame checksum still fails its digest
+    (in version 2 the frame's chain covers the digest, and the digest the text)."""
     path = _small_log(tmp_path)
     data = bytearray(path.read_bytes())
     for kind, start, length in _record_offsets(bytes(data)):
+        if kind == frames.KIND_BLOB and not data.startswith(frames.MAGIC):
+            data[start + length - 1] ^= 0x02
+            break
         if kind == frames.KIND_BLOB:
             payload = bytearray(data[start + frames.FRAME.size : start + length])
             payload[-1] ^= 0x02  # the blob's last content byte
@@ -447,7 +457,7 @@ def test_fuzzed_mutations_of_a_real_file(tmp_path: Path) -> None:
             raise AssertionError(f"seed {seed}: {type(exc).__name__}: {exc}") from exc
         # whatever loaded is a prefix of the original turns, exactly
         original = RolloutGraph.load(path)
-        for node_id in loaded.nodes():
+        for node_id in loaded.node_ids():
             assert json.dumps(loaded.get(node_id).request_messages) == json.dumps(
                 original.get(node_id).request_messages
             ), f"seed {seed}"
@@ -470,7 +480,7 @@ def test_any_value_round_trips_through_a_file(tmp_path_factory, messages, respon
     path = tmp_path_factory.mktemp("rt") / "r.rls"
     graph.save(path)
     loaded = RolloutGraph.load(path)
-    for node_id in graph.nodes():
+    for node_id in graph.node_ids():
         want, got = graph.get(node_id), loaded.get(node_id)
         for field in ("request_messages", "request_tools", "response_message"):
             assert_same(getattr(got, field), getattr(want, field))
@@ -485,7 +495,7 @@ def test_deep_nesting_round_trips_through_a_file(tmp_path: Path) -> None:
     graph.add_turn(TurnNode(request_messages=[value]))
     graph.save(tmp_path / "deep.rls")
     loaded = RolloutGraph.load(tmp_path / "deep.rls")
-    assert_same(loaded.request_messages(loaded.nodes()[0]), [value])
+    assert_same(loaded.request_messages(loaded.node_ids()[0]), [value])
 
 
 def test_ids_and_names_with_lone_surrogates_round_trip(tmp_path: Path) -> None:
@@ -497,7 +507,7 @@ def test_ids_and_names_with_lone_surrogates_round_trip(tmp_path: Path) -> None:
         if mode == "save":
             graph.save(path)
         loaded = RolloutGraph.load(path)
-        assert loaded.nodes() == ["a\ud800"]
+        assert loaded.node_ids() == ["a\ud800"]
         turn = loaded.get("a\ud800")
         assert (turn.model, turn.harness_session_id) == ("m\udc00", "\ud83d")
 
@@ -648,7 +658,7 @@ def test_repair_cuts_a_partial_write_followed_by_zeros(tmp_path: Path) -> None:
     for written in (good + 5, good + 20, len(data) - 3):
         path.write_bytes(data[:written] + bytes(len(data) - written))
         with RolloutGraph.open(path, share_threshold=4, repair=True) as graph:
-            assert graph.nodes() == ["a"]
+            assert graph.node_ids() == ["a"]
         assert path.stat().st_size == good
 
 

@@ -70,7 +70,7 @@ def _run(n_threads: int, n_turns: int, readers: int, saboteurs: int) -> None:
         try:
             barrier.wait()
             while not done.is_set():
-                for node_id in graph.nodes()[-20:]:
+                for node_id in graph.node_ids()[-20:]:
                     thread, k = map(int, node_id[1:].split("-"))
                     got = materialized(graph, node_id)
                     for name, value in rollouts[thread][k].items():
@@ -108,7 +108,7 @@ def _run(n_threads: int, n_turns: int, readers: int, saboteurs: int) -> None:
     assert not errors, errors[:3]
 
     assert len(graph) == n_threads * n_turns
-    assert sorted(graph.nodes()) == sorted(
+    assert sorted(graph.node_ids()) == sorted(
         f"w{t}-{k}" for t in range(n_threads) for k in range(n_turns)
     )
     for t, turns in enumerate(rollouts):
@@ -117,15 +117,15 @@ def _run(n_threads: int, n_turns: int, readers: int, saboteurs: int) -> None:
             for name, value in fields.items():
                 assert_same(got[name], value)
         ids = [f"w{t}-{k}" for k in range(n_turns)]
-        assert graph.path_to(ids[-1]) == ids, t
+        assert graph.path_ids(ids[-1]) == ids, t
         assert graph.root_of(ids[-1]) == ids[0]
         assert graph.link_kind(ids[1]) == ("tokens" if t % 2 else "messages")
     distinct = set().union(*map(_long_strings, rollouts))
     assert graph.stats()["blobs"] == len(distinct)
     assert len(graph.blobs) == len(distinct)
-    assert sorted(graph.roots()) == sorted(f"w{t}-0" for t in range(n_threads))
-    assert graph.discarded_nodes() == []
-    assert graph.forks() == []
+    assert sorted(graph.root_ids()) == sorted(f"w{t}-0" for t in range(n_threads))
+    assert graph.discarded_ids() == []
+    assert graph.fork_ids() == []
 
 
 def test_eight_threads_fifty_turns_each():
@@ -163,7 +163,7 @@ def test_queries_while_recording_do_not_disturb_linking():
     )
     graph.add_turn(TurnNode(node_id="r1", request_messages=[root], response_message=answer))
     graph.add_turn(TurnNode(node_id="c1", request_messages=[root, answer, {"role": "user"}]))
-    assert graph.discarded_nodes() == ["r0"]
+    assert graph.discarded_ids() == ["r0"]
     rollouts = [_tuple_chat(w, 60) for w in range(2)]
     stop = threading.Event()
     seen: list[Any] = []
@@ -172,7 +172,7 @@ def test_queries_while_recording_do_not_disturb_linking():
     def reader() -> None:
         try:
             while not stop.is_set():
-                found = graph.discarded_nodes()
+                found = graph.discarded_ids()
                 if found != ["r0"]:
                     seen.append(found)
         except BaseException as exc:

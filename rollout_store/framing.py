@@ -1,0 +1,284 @@
+"""Frames of format version 2: a sync marker, escaped payloads and a checksum chain.
+
+Every frame is the 5-byte sync marker, a kind byte, the payload length on disk (4 bytes LE),
+the chain value of the frame before it (8 bytes LE) and its own chain value (8 bytes LE),
+then the payload. A frame's chain value is xxh3-64 of its payload seeded with xxh3-64 of its
+kind, length and predecessor's value, so each frame is bound to everything before it (the
+first frame, the header, carries a random file id: frames cannot move between files).
+
+The marker's first four bytes (`ESCAPE`) never occur in UTF-8 text; a payload that holds them
+anywhere else is written escaped (each occurrence followed by a zero byte, the kind's high bit
+set), so the marker never occurs inside a payload and no content can pass for a frame
+boundary. After damage, the next frame is found by searching for the marker: a candidate's
+payload must hold no marker and must hash to its chain value, so every byte is searched a
+bounded number of times and hashed at most once: resync is linear in the damaged bytes.
+
+A blob frame's payload is a 16-byte content digest and the UTF-8 text; its chain value hashes
+the digest, and the text is hashed once, for the digest (one pass over each stored byte).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import xxhash
+
+from .blobs import content_digest
+from .errors import ChecksumMismatch, CorruptFileError
+
+__all__ = [
+    "DIGEST_SIZE",
+    "ESCAPE",
+    "ESCAPED",
+    "HEADER",
+    "MAGIC_V2",
+    "MAX_PAYLOAD",
+    "SYNC",
+    "Frame",
+    "FrameReader",
+    "ScanCounters",
+    "chain_value",
+    "encode_frame",
+    "encode_blob_frame",
+    "escape",
+    "new_file_id",
+    "next_frame",
+    "unescape",
+]
+
+MAGIC_V2 = b"RLSTORE\x02"
+#: Bytes that valid UTF-8 never holds (F5-FF), the first one not repeated: occurrences
+#: cannot overlap, and a blob's text never needs escaping.
+ESCAPE = b"\xfe\xf7\xfb\xfd"
+SYNC = ESCAPE + b"\x02"
+ESCAPED = 0x80  # kind bit: the payload is escaped on disk
+HEADER = struct.Struct("<5sBIQQ")  # sync, kind, length on disk, previous chain, chain
+_LINK = struct.Struct("<BIQ")  # what seeds a frame's hash: kind byte, length, previous chain
+MAX_PAYLOAD = (1 << 31) - 1
+DIGEST_SIZE = 16
+_ESCAPED_PAIR = ESCAPE + b"\x00"
+
+
+def new_file_id() -> int:
+    """A random 64-bit id for a new file's header: its frames' chain starts there."""
+    return int.from_bytes(os.urandom(8), "little")
+
+
+def escape(payload: bytes) -> bytes:
+    return payload.replace(ESCAPE, _ESCAPED_PAIR)
+
+
+def unescape(stored: bytes | memoryview) -> bytes:
+    return bytes(stored).replace(_ESCAPED_PAIR, ESCAPE)
+
+
+def chain_value(kind_byte: int, length: int, prev: int, hashed: bytes | memoryview) -> int:
+    """The chain value of a frame: `hashed` is its payload (a blob's: its digest)."""
+    seed = xxhash.xxh3_64_intdigest(_LINK.pack(kind_byte, length, prev))
+    return xxhash.xxh3_64_intdigest(hashed, seed=seed)
+
+
+def encode_frame(kind: int, payload: bytes, prev: int) -> tuple[bytes, int]:
+    """(frame bytes, its chain value) for a record of `kind` after the frame valued `prev`."""
+    kind_byte = kind
+    stored = payload
+    if ESCAPE in payload:
+        stored, kind_byte = escape(payload), kind | ESCAPED
+    if len(stored) > MAX_PAYLOAD:
+        raise ValueError(f"a record of {len(stored)} bytes is larger than a frame can hold")
+    value = chain_value(kind_byte, len(stored), prev, payload)
+    return HEADER.pack(SYNC, kind_byte, len(stored), prev, value) + stored, value
+
+
+def encode_blob_frame(kind: int, digest: bytes, data: bytes, prev: int) -> tuple[list[bytes], int]:
+    """A blob frame as parts (the text is never copied into a joined payload) and its chain
+    value. `data` is UTF-8, which never holds `ESCAPE`; only the digest may need escaping."""
+    if ESCAPE in digest:
+        frame, value = encode_frame(kind, digest + data, prev)
+        return [frame], value
+    length = DIGEST_SIZE + len(data)
+    if length > MAX_PAYLOAD:
+        raise ValueError(f"a string of {len(data)} bytes is larger than a frame can hold")
+    value = chain_value(kind, length, prev, digest)
+    return [HEADER.pack(SYNC, kind, length, prev, value), digest, data], value
+
+
+@dataclass
+class Frame:
+    """One verified frame: its kind, unescaped payload, place in the file and chain value."""
+
+    kind: int
+    payload: memoryview
+    offset: int
+    end: int
+    record: int
+    chain: int
+
+
+@dataclass
+class ScanCounters:
+    """Work done while scanning, for tests that check it grows linearly with the input."""
+
+    hashed_bytes: int = 0
+    searched_bytes: int = 0
+    candidates: int = 0
+
+
+class _Damage(Exception):
+    """A frame that does not verify."""
+
+    def __init__(self, error: CorruptFileError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _damage(message: str, offset: int, record: int) -> _Damage:
+    return _Damage(CorruptFileError(message, offset=offset, record=record))
+
+
+def _check(
+    data: bytes,
+    view: memoryview,
+    offset: int,
+    record: int,
+    reader: _Options,
+    whole: bool,
+) -> tuple[Frame, int]:
+    """The frame at `offset`, verified by itself (not against its predecessor), and the chain
+    value it names for its predecessor. Raises `_Damage`.
+
+    `whole`: search a blob's text for the marker too (resync needs it to stay linear; in
+    order, the loader's UTF-8 check of the text stands for it)."""
+    size = len(data)
+    if size - offset < HEADER.size:
+        raise _damage("file ends inside a frame header", offset, record)
+    sync, kind_byte, length, prev, expected = HEADER.unpack_from(data, offset)
+    if sync != SYNC:
+        raise _damage("no frame marker where a frame must start", offset, record)
+    kind = kind_byte & 0x7F
+    if kind > reader.max_kind:
+        raise _damage(f"unknown record kind {kind}", offset, record)
+    start = offset + HEADER.size
+    end = start + length
+    if end > size:
+        message = f"file ends inside a record: {size - start} of {length} bytes present"
+        raise _damage(message, offset, record)
+    is_blob = kind in reader.digest_kinds
+    searched = end if whole or not is_blob else min(end, start + DIGEST_SIZE + len(SYNC))
+    counters = reader.counters
+    if counters is not None:
+        counters.searched_bytes += searched - start
+    if data.find(SYNC, start, searched) != -1:
+        raise _damage(
+            "a frame marker inside a record (records run into each other)", offset, record
+        )
+    payload = view[start:end]
+    if kind_byte & ESCAPED:
+        payload = memoryview(unescape(payload))
+    if is_blob and len(payload) < DIGEST_SIZE:
+        raise _damage("blob record shorter than its digest", offset, record)
+    hashed = payload[:DIGEST_SIZE] if is_blob else payload
+    if counters is not None:
+        counters.hashed_bytes += len(payload)
+    actual = chain_value(kind_byte, length, prev, hashed)
+    if actual != expected:
+        raise _Damage(ChecksumMismatch("record", expected, actual, offset=offset, record=record))
+    if is_blob:
+        stored = bytes(payload[:DIGEST_SIZE])
+        digest = content_digest(payload[DIGEST_SIZE:])
+        if digest != stored:
+            raise _Damage(ChecksumMismatch("blob", stored, digest, offset=offset, record=record))
+    return Frame(kind, payload, offset, end, record, expected), prev
+
+
+@dataclass
+class _Options:
+    digest_kinds: frozenset[int]
+    max_kind: int
+    counters: ScanCounters | None
+
+
+def next_frame(
+    data: bytes,
+    after: int,
+    *,
+    digest_kinds: frozenset[int] = frozenset(),
+    max_kind: int = 0x7F,
+    counters: ScanCounters | None = None,
+) -> int | None:
+    """The offset of the first whole frame that verifies by itself and starts after `after`,
+    or None. Linear in `len(data) - after`: a candidate is a marker whose payload holds no
+    other marker, so the payloads hashed never overlap."""
+    view = memoryview(data)
+    options = _Options(digest_kinds, max_kind, counters)
+    pos = after + 1
+    while True:
+        found = data.find(SYNC, pos)
+        if counters is not None:
+            counters.searched_bytes += (found if found != -1 else len(data)) - pos
+        if found == -1:
+            return None
+        if counters is not None:
+            counters.candidates += 1
+        try:
+            _check(data, view, found, -1, options, whole=True)
+        except _Damage:
+            pos = found + 1
+            continue
+        return found
+
+
+class FrameReader:
+    """Reads the frames of a version-2 file in order, each verified and bound to the one
+    before it. Iterating stops at the end of the file or raises `CorruptFileError` at the
+    first frame that does not verify; `cut` then says whether the damage is a torn tail
+    (no whole frame follows it), and `resync` where the next whole frame starts."""
+
+    def __init__(
+        self,
+        data: bytes,
+        start: int,
+        *,
+        digest_kinds: frozenset[int] = frozenset(),
+        max_kind: int = 0x7F,
+        counters: ScanCounters | None = None,
+    ) -> None:
+        self.data = data
+        self.offset = start
+        self.options = _Options(digest_kinds, max_kind, counters)
+        self.chain = 0  # the header frame follows a chain value of 0
+        self.records = 0
+        self.cut = False
+        self.resync: int | None = None
+
+    def __iter__(self) -> Iterator[Frame]:
+        data, view = self.data, memoryview(self.data)
+        while self.offset < len(data):
+            try:
+                frame, prev = _check(
+                    data, view, self.offset, self.records, self.options, whole=False
+                )
+                if prev != self.chain:
+                    message = (
+                        "record out of place: it does not follow the record before it "
+                        "(frames reordered, duplicated, dropped or taken from another file)"
+                    )
+                    raise _damage(message, self.offset, self.records)
+            except _Damage as damage:
+                options = self.options
+                self.resync = next_frame(
+                    data,
+                    self.offset,
+                    digest_kinds=options.digest_kinds,
+                    max_kind=options.max_kind,
+                    counters=options.counters,
+                )
+                self.cut = self.resync is None
+                raise damage.error from None
+            yield frame
+            self.chain = frame.chain
+            self.offset = frame.end
+            self.records += 1

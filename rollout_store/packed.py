@@ -1,0 +1,233 @@
+"""Checking a stored packed value without building it: what a file's loader trusts.
+
+`check_packed` walks the msgpack bytes of one value and refuses anything the library could not
+hand back as JSON later: malformed or trailing bytes, nesting deeper than `MAX_DEPTH`, bytes
+(JSON has none), containers or markers as dict keys, a tuple marker anywhere but first in an
+array, unknown extension types, blob references out of range, big ints and strings that would
+not decode. It allocates no Python object per item (a count is checked against the bytes left
+before anything is read), so memory stays flat whatever the value holds, and it records where
+blob references are, so a value's plain packing is spliced from bytes instead of decoded.
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .encoding import EXT_BIGINT, EXT_BLOB, EXT_ECHO, EXT_SURROGATE, EXT_TUPLE
+
+__all__ = ["PackedInfo", "check_packed", "splice_blobs"]
+
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+# ext headers: type byte -> (bytes of the length field, fixed payload length)
+_FIXEXT = {0xD4: 1, 0xD5: 2, 0xD6: 4, 0xD7: 8, 0xD8: 16}
+_EXTLEN = {0xC7: 1, 0xC8: 2, 0xC9: 4}
+_STRLEN = {0xD9: 1, 0xDA: 2, 0xDB: 4}
+_BINLEN = {0xC4: 1, 0xC5: 2, 0xC6: 4}
+# scalars of a fixed size: type byte -> total bytes
+_FIXED = {
+    0xC0: 1,
+    0xC2: 1,
+    0xC3: 1,
+    0xCA: 5,
+    0xCB: 9,
+    0xCC: 2,
+    0xCD: 3,
+    0xCE: 5,
+    0xCF: 9,
+    0xD0: 2,
+    0xD1: 3,
+    0xD2: 5,
+    0xD3: 9,
+}
+
+
+@dataclass(slots=True)
+class PackedInfo:
+    """What `check_packed` found in one value."""
+
+    top_items: int  # items of the top-level array, or -1 when the value is not an array
+    special: bool = False  # a tuple, big int, lone surrogate, or a blob holding surrogates
+    echoes: int = 0
+    blob_refs: array[int] = field(default_factory=lambda: array("I"))  # offsets of blob references
+
+
+def _length(data: bytes, pos: int, width: int) -> int:
+    if width == 1:
+        return data[pos]
+    if width == 2:
+        return int(_U16.unpack_from(data, pos)[0])
+    return int(_U32.unpack_from(data, pos)[0])
+
+
+def check_packed(
+    data: bytes,
+    n_blobs: int,
+    max_depth: int,
+    *,
+    blob_surrogates: Callable[[int], bool] | None = None,
+    echo_ok: bool = False,
+    record: bool = False,
+    max_containers: int | None = None,
+) -> PackedInfo:
+    """Check one packed value (see the module docstring); raises ValueError naming the byte
+    offset inside the value. `n_blobs`: blob references must be below it.
+
+    `record=True` checks a file's own record instead of a JSON value: bytes are allowed,
+    extension types are not, strings are not decoded (ids may hold lone surrogates), and at
+    most `max_containers` containers may open, so decoding it afterwards stays bounded."""
+    if not isinstance(data, bytes):
+        raise ValueError("a packed value must be bytes")
+    size = len(data)
+    view = memoryview(data)
+    info = PackedInfo(-1)
+    refs = info.blob_refs
+    pos = 0
+    # one entry per open container: items still to read (a map counts keys and values)
+    remaining: list[int] = []
+    is_map: list[bool] = []
+    left = 1  # items still to read at the current level (the top value)
+    in_map = False
+    first = False  # the next item is the first of an array (where a tuple marker may be)
+    depth = 0
+    try:
+        while True:
+            while left == 0:
+                if not remaining:
+                    if pos != size:
+                        raise ValueError(f"{size - pos} bytes after the value")
+                    return info
+                left = remaining.pop()
+                in_map = is_map.pop()
+                depth -= 1
+            key = in_map and left % 2 == 0
+            left -= 1
+            at_first, first = first, False
+            b = data[pos]
+            if b <= 0x7F or b >= 0xE0:  # fixint
+                pos += 1
+                continue
+            if 0xA0 <= b <= 0xBF or b in _STRLEN or (record and b in _BINLEN):  # str (bin)
+                if b <= 0xBF:
+                    start, n = pos + 1, b & 0x1F
+                else:
+                    width = _STRLEN[b] if b in _STRLEN else _BINLEN[b]
+                    start = pos + 1 + width
+                    n = _length(data, pos + 1, width)
+                end = start + n
+                if end > size:
+                    raise ValueError("a string runs past the end")
+                if n and not record:
+                    str(view[start:end], "utf-8")
+                pos = end
+                continue
+            if b in _FIXED:
+                pos += _FIXED[b]
+                if pos > size:
+                    raise ValueError("a number runs past the end")
+                continue
+            if b <= 0x9F or b in (0xDC, 0xDD, 0xDE, 0xDF):  # containers
+                if key:
+                    raise ValueError("a container as a dict key")
+                if b <= 0x8F:
+                    n, pos, map_ = b & 0x0F, pos + 1, True
+                elif b <= 0x9F:
+                    n, pos, map_ = b & 0x0F, pos + 1, False
+                else:
+                    width = 2 if b in (0xDC, 0xDE) else 4
+                    n = _length(data, pos + 1, width)
+                    pos += 1 + width
+                    map_ = b >= 0xDE
+                items = 2 * n if map_ else n
+                if items > size - pos:  # every item takes at least one byte
+                    raise ValueError("a container claims more items than bytes are left")
+                if depth >= max_depth:
+                    raise ValueError(f"nesting deeper than {max_depth} levels")
+                if max_containers is not None:
+                    max_containers -= 1
+                    if max_containers < 0:
+                        raise ValueError("more containers than the record can hold")
+                if depth == 0 and not map_:
+                    info.top_items = n
+                remaining.append(left)
+                is_map.append(in_map)
+                left, in_map, depth = items, map_, depth + 1
+                first = not map_
+                continue
+            if (b in _FIXEXT or b in _EXTLEN) and not record:
+                if b in _FIXEXT:
+                    n, start = _FIXEXT[b], pos + 2
+                else:
+                    width = _EXTLEN[b]
+                    n = _length(data, pos + 1, width)
+                    start = pos + 2 + width
+                end = start + n
+                if end > size:
+                    raise ValueError("an extension runs past the end")
+                code = data[start - 1]
+                payload = data[start:end]
+                if code == EXT_BLOB:
+                    index = int.from_bytes(payload, "big")
+                    if n != 4 or index >= n_blobs:
+                        raise ValueError(f"blob reference {index} out of range ({n_blobs} blobs)")
+                    refs.append(pos)
+                    if blob_surrogates is not None and blob_surrogates(index):
+                        info.special = True
+                elif code == EXT_TUPLE and n == 0 and at_first and not key:
+                    info.special = True
+                elif code == EXT_ECHO and n == 0 and echo_ok and not key:
+                    info.echoes += 1
+                elif code == EXT_BIGINT and n:
+                    text = payload.decode("ascii")
+                    if not text.lstrip("-").isdigit():
+                        raise ValueError("a big int that is not a decimal number")
+                    int(text)
+                    info.special = True
+                elif code == EXT_SURROGATE:
+                    payload.decode("utf-8", "surrogatepass")
+                    info.special = True
+                else:
+                    raise ValueError(f"extension type {code} is not allowed here")
+                pos = end
+                continue
+            if b in (0xC4, 0xC5, 0xC6):
+                raise ValueError("bytes, which JSON cannot carry")
+            if b in _FIXEXT or b in _EXTLEN:
+                raise ValueError("an extension type is not allowed in a record")
+            raise ValueError(f"type byte {b:#04x} is not msgpack")
+    except (IndexError, struct.error):
+        raise ValueError(f"the value is cut short (at byte {pos})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"a string that is not UTF-8 (at byte {pos})") from None
+    except ValueError as exc:
+        if "at byte" in str(exc):
+            raise
+        raise ValueError(f"{exc} (at byte {pos})") from None
+
+
+def splice_blobs(data: bytes, refs: array[int], text_of: Callable[[int], bytes]) -> bytes:
+    """The plain packing of a checked value: each blob reference (6 bytes at an offset in
+    `refs`) replaced by the packed string `text_of(index)` returns (its UTF-8 bytes)."""
+    if not refs:
+        return data
+    parts: list[bytes] = []
+    pos = 0
+    for at in refs:
+        parts.append(data[pos:at])
+        text = text_of(int.from_bytes(data[at + 2 : at + 6], "big"))
+        n = len(text)
+        if n < 32:
+            parts.append(bytes((0xA0 | n,)))
+        elif n < 1 << 8:
+            parts.append(b"\xd9" + n.to_bytes(1, "big"))
+        elif n < 1 << 16:
+            parts.append(b"\xda" + n.to_bytes(2, "big"))
+        else:
+            parts.append(b"\xdb" + n.to_bytes(4, "big"))
+        parts.append(text)
+        pos = at + 6
+    parts.append(data[pos:])
+    return b"".join(parts)

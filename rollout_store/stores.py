@@ -1,0 +1,220 @@
+"""Content store backends of one machine: `MemoryStore` (one process) and `DirectoryStore`.
+
+`MemoryStore` is the reference every backend must match (tests/test_stores.py runs one
+contract suite over all of them). `DirectoryStore` is for many processes on one machine: an
+object is written to a temporary file, flushed to disk, then linked under its final name, so
+a process killed at any moment leaves either the whole object or none under its key (at most
+a stray temporary file, which `remove_temporaries` deletes). Redis and S3 backends are in
+`redis_store` and `s3_store`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from .content import check_key, content_key, verified
+from .errors import MissingObjectError, StoreUnavailableError
+
+__all__ = ["DirectoryStore", "MemoryStore"]
+
+
+class MemoryStore:
+    """Objects in this process's memory, shared by every graph handed this store.
+
+    Strings that graphs store are kept as the `str` objects themselves (`put_text`,
+    `get_text`): every graph over this store shares one object per distinct string. Keys are
+    computed here, on put, from the bytes; Python's bytes and str objects are immutable, so
+    what is read back is what was hashed. `get` of a string encodes it again (a file being
+    written, another process's copy).
+    """
+
+    def __init__(self) -> None:
+        self._objects: dict[bytes, bytes | str] = {}
+        self._lock = threading.Lock()
+        self.nbytes = 0  # bytes of all objects (UTF-8 for strings)
+
+    def __repr__(self) -> str:
+        return f"MemoryStore({len(self._objects)} objects, {self.nbytes} bytes)"
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    def _add(self, key: bytes, value: bytes | str, nbytes: int) -> None:
+        with self._lock:
+            if key not in self._objects:
+                self._objects[key] = value
+                self.nbytes += nbytes
+
+    def put(self, data: bytes) -> bytes:
+        data = bytes(data)
+        key = content_key(data)
+        self._add(key, data, len(data))
+        return key
+
+    def put_text(self, text: str, data: bytes) -> bytes:
+        key = content_key(data)
+        if key not in self._objects:
+            self._add(key, text, len(data))
+        return key
+
+    def share_bytes(self, data: bytes) -> bytes:
+        key = content_key(data)
+        with self._lock:
+            found = self._objects.get(key)
+            if found is None:
+                self._objects[key] = found = bytes(data)
+                self.nbytes += len(data)
+        if type(found) is str:  # (only a blob table's strings are str: never equal bytes)
+            return bytes(data)
+        return found  # type: ignore[return-value]
+
+    def _value(self, key: bytes) -> bytes | str:
+        value = self._objects.get(check_key(key))
+        if value is None:
+            raise MissingObjectError("no such object in the memory store", key=key)
+        return value
+
+    def get(self, key: bytes) -> bytes:
+        value = self._value(key)
+        if type(value) is str:
+            value = value.encode("utf-8", "surrogatepass")
+        return verified(key, value, "the memory store")  # type: ignore[arg-type]
+
+    def get_text(self, key: bytes) -> str:
+        value = self._value(key)
+        if type(value) is str:
+            return value
+        text = verified(key, value, "the memory store").decode("utf-8", "surrogatepass")  # type: ignore[arg-type]
+        with self._lock:  # from now on the string itself is shared
+            self._objects[key] = text
+        return text
+
+    def contains(self, key: bytes) -> bool:
+        return check_key(key) in self._objects
+
+    def keys(self) -> Iterator[bytes]:
+        """Every key (a snapshot)."""
+        with self._lock:
+            return iter(list(self._objects))
+
+
+class DirectoryStore:
+    """Objects as files under `path` (`<path>/ab/cdef...`, named by the key's hex).
+
+    Safe for many threads and processes at once: a put writes a temporary file in
+    `<path>/tmp`, fsyncs it and hard-links it to its final name (atomic, never replaces an
+    existing object); where hard links are not supported it renames instead.
+    `fsync=False` skips the flushes (faster, but a power loss may lose recent objects).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = True) -> None:
+        self.path = Path(path)
+        self.fsync = fsync
+        self._tmp = self.path / "tmp"
+        try:
+            self._tmp.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise StoreUnavailableError(
+                f"cannot create the directory store at {self.path}: {error}"
+            ) from error
+
+    def __repr__(self) -> str:
+        return f"DirectoryStore({str(self.path)!r})"
+
+    def _object_path(self, key: bytes) -> Path:
+        name = key.hex()
+        return self.path / name[:2] / name[2:]
+
+    def put(self, data: bytes) -> bytes:
+        data = bytes(data)
+        key = content_key(data)
+        final = self._object_path(key)
+        if final.exists():
+            return key
+        tmp: str | None = None
+        try:
+            final.parent.mkdir(exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self._tmp, prefix="put-")
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+                if self.fsync:
+                    out.flush()
+                    os.fsync(out.fileno())
+            try:
+                os.link(tmp, final)
+            except FileExistsError:
+                pass  # another writer stored the same content first
+            except OSError:  # no hard links here: rename (replacing equal content is harmless)
+                os.replace(tmp, final)
+                tmp = None
+            if self.fsync:
+                _fsync_directory(final.parent)
+        except OSError as error:
+            raise StoreUnavailableError(
+                f"writing an object to the directory store at {self.path} failed: {error}",
+                key=key,
+            ) from error
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+        return key
+
+    def get(self, key: bytes) -> bytes:
+        path = self._object_path(check_key(key))
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise MissingObjectError(
+                f"no such object in the directory store at {self.path}", key=key
+            ) from None
+        except OSError as error:
+            raise StoreUnavailableError(
+                f"reading an object from the directory store at {self.path} failed: {error}",
+                key=key,
+            ) from error
+        return verified(key, data, f"the directory store at {self.path}")
+
+    def contains(self, key: bytes) -> bool:
+        return self._object_path(check_key(key)).exists()
+
+    def keys(self) -> Iterator[bytes]:
+        """Every key, read from the directory names."""
+        for folder in sorted(self.path.iterdir()):
+            if len(folder.name) != 2 or not folder.is_dir():
+                continue
+            for item in sorted(folder.iterdir()):
+                with contextlib.suppress(ValueError):
+                    key = bytes.fromhex(folder.name + item.name)
+                    if len(key) == 32:
+                        yield key
+
+    def remove_temporaries(self, older_than: float = 3600.0) -> int:
+        """Delete temporary files left by writers killed mid-put; returns how many."""
+        removed = 0
+        limit = time.time() - older_than
+        for item in self._tmp.iterdir():
+            with contextlib.suppress(OSError):
+                if item.stat().st_mtime <= limit:
+                    item.unlink()
+                    removed += 1
+        return removed
+
+
+def _fsync_directory(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

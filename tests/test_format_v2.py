@@ -1,0 +1,430 @@
+"""Format version 2 against the breaks found in version 1 (issue 10), and version 1 still read."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import json
+import multiprocessing
+import os
+import struct
+import threading
+import tracemalloc
+from pathlib import Path
+
+import msgpack
+import pytest
+from test_storage import build_rollout, snapshot
+
+from rollout_store import (
+    MAX_DEPTH,
+    CorruptFileError,
+    RolloutGraph,
+    RolloutStoreError,
+    TurnNode,
+    export_session,
+    framing,
+    storage,
+    write_session_json,
+)
+from rollout_store.cli import main as cli_main
+from rollout_store.framing import HEADER, MAGIC_V2, SYNC, encode_frame
+
+DATA = Path(__file__).parent / "data"
+
+
+def frame_offsets(data: bytes) -> list[int]:
+    """Offsets of the frames of a version-2 file, read from their headers."""
+    assert data.startswith(MAGIC_V2)
+    offset, out = len(MAGIC_V2), []
+    while offset < len(data):
+        out.append(offset)
+        _, _, length, _, _ = HEADER.unpack_from(data, offset)
+        offset += HEADER.size + length
+    return out
+
+
+def frames_of(data: bytes) -> list[bytes]:
+    bounds = [*frame_offsets(data), len(data)]
+    return [data[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def small_graph(path: Path | None = None) -> RolloutGraph:
+    g = RolloutGraph.open(path, share_threshold=32) if path else RolloutGraph(share_threshold=32)
+    g.add_turn(TurnNode(node_id="a", request_messages=[{"role": "user", "content": "A" * 40}]))
+    g.add_turn(
+        TurnNode(
+            node_id="b",
+            request_messages=[
+                {"role": "user", "content": "A" * 40},
+                {"role": "user", "content": "B" * 40},
+            ],
+            sampling_params={"t": 1},
+        )
+    )
+    g.add_turn(
+        TurnNode(
+            node_id="c",
+            request_messages=[{"role": "user", "content": "C" * 40}],
+            sampling_params={"t": 2},
+        )
+    )
+    return g
+
+
+# ---------------------------------------------------------------- version 1 still loads
+
+
+@pytest.mark.parametrize("name", ["v1_snapshot.rls", "v1_log.rls"])
+def test_version_1_files_load_and_save_as_version_2(tmp_path: Path, name: str) -> None:
+    path = DATA / name
+    assert path.read_bytes().startswith(b"RLSTORE\x00")
+    loaded = RolloutGraph.load(path)
+    assert snapshot(loaded) == (DATA / f"{name}.expected").read_text()
+    assert storage.verify(path).ok
+    rewritten = tmp_path / "v2.rls"
+    loaded.save(rewritten)
+    assert rewritten.read_bytes().startswith(MAGIC_V2)
+    assert snapshot(RolloutGraph.load(rewritten)) == snapshot(loaded)
+
+
+def test_a_version_1_log_keeps_appending(tmp_path: Path) -> None:
+    path = tmp_path / "log.rls"
+    path.write_bytes((DATA / "v1_log.rls").read_bytes())
+    with RolloutGraph.open(path, share_threshold=64) as graph:
+        n = len(graph)
+        graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "more"}]))
+    assert len(RolloutGraph.load(path)) == n + 1
+
+
+def test_saved_files_are_version_2(tmp_path: Path) -> None:
+    graph = small_graph()
+    graph.save(tmp_path / "s.rls")
+    with small_graph(tmp_path / "log.rls"):
+        pass
+    for name in ("s.rls", "log.rls"):
+        data = (tmp_path / name).read_bytes()
+        assert data.startswith(MAGIC_V2)
+        header = msgpack.unpackb(frames_of(data)[0][HEADER.size :])
+        assert header["version"] == 2 and type(header["file_id"]) is int
+
+
+# ---------------------------------------------------------------- frames bound to their place
+
+
+@pytest.mark.parametrize("mode", ["log", "snapshot"])
+def test_every_reorder_and_duplicate_of_two_frames_is_refused(tmp_path: Path, mode: str) -> None:
+    """Issue 10, break 1: 64 variants of one small log and snapshot loaded silently wrong."""
+    path = tmp_path / "orig.rls"
+    if mode == "log":
+        small_graph(path).close()
+    else:
+        small_graph().save(path)
+    data = path.read_bytes()
+    original = RolloutGraph.load(path)
+    frames = frames_of(data)
+    assert len(frames) >= 8
+    damaged = tmp_path / "d.rls"
+    variants = 0
+    for i, j in itertools.permutations(range(len(frames)), 2):
+        swapped = list(frames)
+        swapped[i], swapped[j] = frames[j], frames[i]
+        duplicated = list(frames)
+        duplicated.insert(j, frames[i])
+        for variant in (swapped, duplicated):
+            damaged.write_bytes(MAGIC_V2 + b"".join(variant))
+            first = next(k for k in range(len(variant)) if variant[k] != frames[k])
+            at = len(MAGIC_V2) + sum(map(len, variant[:first]))
+            with pytest.raises(CorruptFileError) as info:
+                RolloutGraph.load(damaged)
+            assert info.value.offset == at, (i, j)
+            assert not storage.verify(damaged).ok
+            # what recover returns is a prefix of the original turns, exactly
+            try:
+                recovered = RolloutGraph.load(damaged, recover=True)
+            except CorruptFileError:
+                continue
+            for node_id in recovered.nodes():
+                assert json.dumps(recovered.get(node_id).request_messages) == json.dumps(
+                    original.get(node_id).request_messages
+                )
+                assert (
+                    recovered.get(node_id).sampling_params == original.get(node_id).sampling_params
+                )
+            variants += 1
+    assert variants > 0
+
+
+def test_frames_spliced_from_another_file_are_refused(tmp_path: Path) -> None:
+    small_graph().save(tmp_path / "a.rls")
+    small_graph().save(tmp_path / "b.rls")  # the same turns, another file id
+    a, b = (frames_of((tmp_path / n).read_bytes()) for n in ("a.rls", "b.rls"))
+    assert a[1:] != b[1:]  # chained from different file ids
+    mixed = tmp_path / "mixed.rls"
+    mixed.write_bytes(MAGIC_V2 + b"".join(a[:3] + b[3:]))
+    with pytest.raises(CorruptFileError, match="out of place") as info:
+        RolloutGraph.load(mixed)
+    assert info.value.offset == len(MAGIC_V2) + sum(map(len, a[:3]))
+
+
+# ---------------------------------------------------------------- repair whatever turns hold
+
+
+def _frame_as_doubles(frame: bytes) -> list[float]:
+    frame += bytes(-len(frame) % 8)
+    return [struct.unpack("<d", frame[k : k + 8])[0] for k in range(0, len(frame), 8)]
+
+
+def test_repair_of_a_torn_turn_whose_content_looks_like_frames(tmp_path: Path) -> None:
+    """Issue 10, break 4: content that parses as a valid frame made repair refuse."""
+    path = tmp_path / "log.rls"
+    small_graph(path).close()
+    good = path.stat().st_size
+    fake, _ = encode_frame(3, msgpack.packb(["x"] * 18), 0)
+    v1_like = b"\x03" + struct.pack("<IQ", 5, 0) + b"hello"  # the version-1 shape, too
+    with RolloutGraph.open(path, share_threshold=32) as graph:
+        graph.add_turn(
+            TurnNode(
+                node_id="torn",
+                request_messages=[{"role": "tool", "content": v1_like.decode("latin-1") * 3}],
+                prompt_ids=list(fake) * 3,
+                sampled_ids=[1, 2],
+                sampled_logprobs=_frame_as_doubles(fake) * 2,
+            )
+        )
+    data = path.read_bytes()
+    assert data.count(SYNC) == len(frame_offsets(data))  # no marker inside a payload
+    for cut in (good + 30, (good + len(data)) // 2, len(data) - 1):
+        path.write_bytes(data[:cut])
+        report = storage.verify(path)
+        assert not report.ok and report.truncated, cut
+        with RolloutGraph.open(path, share_threshold=32, repair=True) as graph:
+            assert graph.nodes() == ["a", "b", "c"]
+        assert path.stat().st_size == good
+
+
+# ---------------------------------------------------------------- bounded memory
+
+
+def test_many_empty_maps_load_in_memory_bounded_by_the_file(tmp_path: Path) -> None:
+    """Issue 10, break 2: a value of many empty maps peaked at about 150x the file."""
+    path = tmp_path / "maps.rls"
+    graph = RolloutGraph(share_threshold=None)
+    graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": [{}] * (1 << 17)}]))
+    graph.save(path)
+    size = path.stat().st_size
+    del graph
+    storage.verify(path)  # imports and caches before the baseline
+    gc.collect()
+    tracemalloc.start()
+    try:
+        for fn in (storage.verify, RolloutGraph.load):
+            gc.collect()
+            before = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            out = fn(path)
+            peak = tracemalloc.get_traced_memory()[1] - before
+            gc.collect()
+            retained = tracemalloc.get_traced_memory()[0] - before
+            del out
+            assert peak - retained <= 4 * size, (fn, peak, retained, size)
+    finally:
+        tracemalloc.stop()
+
+
+# ---------------------------------------------------------------- concurrent saves
+
+
+def test_two_threads_saving_one_path(tmp_path: Path) -> None:
+    path = tmp_path / "shared.rls"
+    graphs = [RolloutGraph(), RolloutGraph()]
+    build_rollout(graphs[0], seed=1, turns=2)
+    build_rollout(graphs[1], seed=2, turns=3)
+    expected = {snapshot(g) for g in graphs}
+    errors: list[BaseException] = []
+
+    def saver(graph: RolloutGraph) -> None:
+        try:
+            for _ in range(15):
+                graph.save(path)
+                assert snapshot(RolloutGraph.load(path)) in expected
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=saver, args=(g,)) for g in graphs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert [p.name for p in tmp_path.iterdir()] == ["shared.rls"]
+
+
+def _save_loop(path: str, seed: int, rounds: int) -> None:
+    graph = RolloutGraph()
+    build_rollout(graph, seed=seed, turns=2)
+    for _ in range(rounds):
+        graph.save(path)
+        RolloutGraph.load(path)
+
+
+def test_two_processes_saving_one_path(tmp_path: Path) -> None:
+    path = tmp_path / "shared.rls"
+    context = multiprocessing.get_context("spawn")
+    procs = [context.Process(target=_save_loop, args=(str(path), s, 10)) for s in (1, 2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert storage.verify(path).ok
+    assert [p.name for p in tmp_path.iterdir()] == ["shared.rls"]
+
+
+def test_save_over_a_log_another_graph_appends_to_is_refused(tmp_path: Path) -> None:
+    """Issue 10, break 5: the appender went on writing to the replaced file."""
+    path = tmp_path / "live.rls"
+    with small_graph(path) as live:
+        before = path.read_bytes()
+        with pytest.raises(storage.FileLockedError, match="appending"):
+            small_graph().save(path)
+        assert path.read_bytes() == before
+        live.add_turn(TurnNode(node_id="d", request_messages=[{"role": "user", "content": "d"}]))
+    assert RolloutGraph.load(path).nodes() == ["a", "b", "c", "d"]
+    small_graph().save(path)  # closed: replacing it is fine
+    assert RolloutGraph.load(path).nodes() == ["a", "b", "c"]
+
+
+def _hold_log(path: str, ready: object, done: object) -> None:
+    with RolloutGraph.open(path):
+        ready.set()  # type: ignore[attr-defined]
+        done.wait(60)  # type: ignore[attr-defined]
+
+
+def test_save_over_a_log_another_process_appends_to_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "live.rls"
+    context = multiprocessing.get_context("spawn")
+    ready, done = context.Event(), context.Event()
+    proc = context.Process(target=_hold_log, args=(str(path), ready, done))
+    proc.start()
+    try:
+        assert ready.wait(60)
+        with pytest.raises(RolloutStoreError, match="appending"):
+            small_graph().save(path)
+    finally:
+        done.set()
+        proc.join(60)
+    assert proc.exitcode == 0
+
+
+# ---------------------------------------------------------------- verify means usable
+
+
+def crafted_v2(tmp_path: Path, records: list[tuple[int, object]]) -> Path:
+    """A version-2 log of a header and the given records (bodies packed), chained right."""
+    header = {
+        "format": "rollout_store",
+        "version": 2,
+        "mode": "log",
+        "share_threshold": 8,
+        "file_id": 7,
+    }
+    out, chain = [MAGIC_V2], 0
+    for kind, body in [(0, header), *records]:
+        payload = body if isinstance(body, bytes) else msgpack.packb(body, use_bin_type=True)
+        frame, chain = encode_frame(kind, payload, chain)
+        out.append(frame)
+    path = tmp_path / "crafted.rls"
+    path.write_bytes(b"".join(out))
+    return path
+
+
+def turn_record(**changes: object) -> list[object]:
+    fields = dict.fromkeys(storage.TurnRecord._fields)
+    fields.update(
+        node_id="n", link=0, flags=0, meta=[None] * 5, tail=b"\x90", n_rest=0,
+        keys=[None] * 4, refs=[0, 0], moves=[],
+    )  # fmt: skip
+    fields.update(changes)
+    return list(fields.values())
+
+
+def _nested(depth: int) -> bytes:
+    return b"\x91" * (depth - 1) + b"\x90"
+
+
+def _usable(path: Path, out: Path) -> None:
+    graph = RolloutGraph.load(path)
+    for node_id in graph.nodes():
+        graph.get(node_id)
+        graph.sequence_for(node_id)
+    json.dumps(export_session(graph, include_messages=True, include_discarded=True))
+    with open(out, "w") as fp:
+        write_session_json(graph, fp, include_messages=True)
+    assert cli_main(["export", str(path), "--messages", "-o", str(out)]) == 0
+
+
+CRAFTED = {
+    "990 deep": turn_record(tail=b"\x91" + _nested(990), n_rest=1),
+    "deep response": turn_record(response=_nested(MAX_DEPTH + 1)),
+    "packed flag, array logprobs": turn_record(
+        flags=8, sampled=["I", b"\1\0\0\0"], logprobs=["d", b"\0" * 8]
+    ),
+    "array flag, packed logprobs": turn_record(
+        sampled=["I", b"\1\0\0\0"], logprobs=["j", b"\x91\x01"]
+    ),
+    "references without the flag": [
+        (1, bytes(16) + b"x" * 10),
+        turn_record(tail=b"\x91\xd6\x04\x00\x00\x00\x00", n_rest=1),
+    ],
+    "bytes in a message": turn_record(tail=b"\x91\xc4\x01x", n_rest=1),
+    "list as a key": turn_record(tail=b"\x91\x81\x90\x01", n_rest=1),
+    "tuple marker second": turn_record(tail=b"\x91\x92\x01\xc7\x00\x01", n_rest=1),
+    "unknown flags": turn_record(flags=1 << 12),
+    "no messages but a tail": turn_record(flags=16, tail=b"\x91\x01", n_rest=1),
+    "tuple without flag": turn_record(tail=b"\x91\x92\xc7\x00\x01\x01", n_rest=1),
+}
+
+
+@pytest.mark.parametrize("name", list(CRAFTED))
+def test_what_verify_accepts_loads_queries_and_exports(tmp_path: Path, name: str) -> None:
+    """Issue 10, break 6: files that passed verify crashed in export or get()."""
+    case = CRAFTED[name]
+    records = case if isinstance(case[0], tuple) else [case]
+    records = [r if isinstance(r, tuple) else (3, r) for r in records]  # type: ignore[misc]
+    if records[0][0] == 1:  # a blob: its digest must be right for the case to be about the turn
+        from rollout_store.blobs import content_digest
+
+        text = records[0][1][16:]  # type: ignore[index]
+        records[0] = (1, content_digest(text) + text)  # type: ignore[operator]
+    path = crafted_v2(tmp_path, records)  # type: ignore[arg-type]
+    report = storage.verify(path)
+    if report.ok:
+        _usable(path, tmp_path / "out.json")
+    else:
+        assert report.error_offset is not None and report.error_offset > len(MAGIC_V2)
+        with pytest.raises(CorruptFileError):
+            RolloutGraph.load(path)
+
+
+def test_the_deepest_value_intake_takes_verifies_and_exports(tmp_path: Path) -> None:
+    value: object = "leaf"
+    for _ in range(MAX_DEPTH - 2):
+        value = [value]
+    graph = RolloutGraph()
+    graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": value}]))
+    path = tmp_path / "deep.rls"
+    graph.save(path)
+    assert storage.verify(path).ok
+    _usable(path, tmp_path / "out.json")
+
+
+def test_crafted_deep_nesting_fails_verify_with_its_offset(tmp_path: Path) -> None:
+    path = crafted_v2(tmp_path, [(3, CRAFTED["990 deep"])])
+    report = storage.verify(path)
+    assert not report.ok and "nesting deeper" in (report.error or "")
+    assert report.error_offset == frame_offsets(path.read_bytes())[1]
+
+
+def test_framing_is_exported() -> None:
+    assert framing.SYNC == SYNC

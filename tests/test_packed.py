@@ -1,0 +1,104 @@
+"""check_packed: every value the library stores passes; what it passes decodes and dumps."""
+
+from __future__ import annotations
+
+import json
+import tracemalloc
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from support import json_like
+
+from rollout_store import MAX_DEPTH
+from rollout_store.blobs import BlobTable
+from rollout_store.encoding import unpack
+from rollout_store.intake import Encoder
+from rollout_store.packed import check_packed, splice_blobs
+
+
+@given(json_like)
+def test_every_stored_value_passes_and_splices_to_its_plain_packing(value: object) -> None:
+    blobs = BlobTable()
+    stored, special = Encoder(blobs, 8).encode(value, "v")
+    surrogates = lambda i: blobs.handle(i).surrogates  # noqa: E731
+    info = check_packed(stored, len(blobs), MAX_DEPTH, blob_surrogates=surrogates)
+    assert info.special >= special
+    plain, _ = Encoder(None, None).encode(value, "v")
+    spliced = splice_blobs(
+        stored, info.blob_refs, lambda i: blobs.string(i).encode("utf-8", "surrogatepass")
+    )
+    if not info.special:
+        assert spliced == plain
+
+
+@given(st.binary(max_size=60))
+def test_whatever_passes_decodes_and_dumps(data: bytes) -> None:
+    try:
+        check_packed(data, 2, MAX_DEPTH)
+    except ValueError:
+        return
+    value = unpack(data, lambda i: "blob")
+    json.dumps(value)
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        (b"\xc4\x01x", "bytes"),
+        (b"\x91\xc4\x00", "bytes"),
+        (b"\x81\x90\x01", "dict key"),  # a list as a key
+        (b"\x92\x01\xc7\x00\x01", "not allowed"),  # a tuple marker second in an array
+        (b"\x81\xc7\x00\x01\x01", "not allowed"),  # a tuple marker as a key
+        (b"\xd6\x04\x00\x00\x00\x09", "out of range"),
+        (b"\xc7\x00\x05", "not allowed"),  # an echo where none may be
+        (b"\xc7\x03\x02abc", "decimal"),
+        (b"\xc1", "not msgpack"),
+        (b"\x01\x02", "after the value"),
+        (b"\xdd\xff\xff\xff\xff", "more items than bytes"),
+        (b"\xa3ab", "past the end"),
+        (b"\xa2\xff\xfe", "UTF-8"),
+    ],
+)
+def test_values_that_could_not_be_handed_back_are_refused(data: bytes, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        check_packed(data, 1, MAX_DEPTH)
+
+
+def test_depth_is_bounded() -> None:
+    ok = b"\x91" * (MAX_DEPTH - 1) + b"\x90"
+    check_packed(ok, 0, MAX_DEPTH)
+    with pytest.raises(ValueError, match="nesting deeper"):
+        check_packed(b"\x91" + ok, 0, MAX_DEPTH)
+
+
+def test_many_empty_maps_check_in_flat_memory() -> None:
+    """An array of 128 Ki empty maps: 1 byte each packed, 64 bytes each decoded."""
+    n = 1 << 17
+    data = b"\xdd" + n.to_bytes(4, "big") + b"\x80" * n
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        info = check_packed(data, 0, MAX_DEPTH)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert info.top_items == n
+    assert peak < 32 << 10  # not a per-item allocation
+
+
+def test_top_level_array_count() -> None:
+    packed = msgpack.packb([{"a": [1, 2.5, None, True]}, "x"], use_bin_type=True)
+    assert check_packed(packed, 0, MAX_DEPTH).top_items == 2
+    assert check_packed(msgpack.packb({"a": 1}), 0, MAX_DEPTH).top_items == -1
+
+
+def test_record_mode_allows_bytes_and_bounds_containers() -> None:
+    record = msgpack.packb(["id\udc00".encode("utf-8", "surrogatepass"), b"\x00", [[1, 2]]])
+    check_packed(record, 0, 3, record=True, max_containers=3)
+    with pytest.raises(ValueError, match="more containers"):
+        check_packed(record, 0, 3, record=True, max_containers=2)
+    with pytest.raises(ValueError, match="not allowed"):
+        check_packed(b"\x91\xc7\x00\x01", 0, 3, record=True)

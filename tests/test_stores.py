@@ -1,0 +1,320 @@
+"""One contract suite for every content store backend (the memory store is the reference).
+
+`StoreContract` holds the tests every backend passes; `SharedStoreContract` adds those of
+stores that many processes share (4 writer processes, kill -9 mid-put). Each backend class
+says how to make a store, how to reopen it in another process and how to tamper with an
+object behind the store's back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from services import S3_CREDENTIALS
+from store_workers import shared_objects
+
+from rollout_store import (
+    ContentStore,
+    CorruptObjectError,
+    DirectoryStore,
+    MemoryStore,
+    MissingObjectError,
+    RedisStore,
+    RetryPolicy,
+    S3Store,
+    StoreError,
+    StoreUnavailableError,
+)
+from rollout_store.content import StringCache, content_key
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+def worker(verb: str, spec: list[Any], seed: int) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]))
+    return subprocess.Popen(
+        [sys.executable, str(TESTS / "store_workers.py"), verb, json.dumps(spec), str(seed)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+class StoreContract:
+    """Tests every backend must pass. Subclasses define `store` (fixture) and `tamper`."""
+
+    def tamper(self, store: Any, key: bytes, data: bytes) -> None:
+        raise NotImplementedError
+
+    def keys(self, store: Any) -> set[bytes]:
+        return set(store.keys())
+
+    def test_is_a_content_store(self, store: ContentStore) -> None:
+        assert isinstance(store, ContentStore)
+
+    def test_put_returns_the_sha256_and_get_gives_the_bytes_back(self, store: Any) -> None:
+        for data in (b"", b"x", bytes(range(256)) * 5, b"\0" * 70_000):
+            key = store.put(data)
+            assert key == hashlib.sha256(data).digest()
+            assert store.contains(key)
+            assert store.get(key) == data
+
+    def test_accepts_bytearray_and_memoryview(self, store: Any) -> None:
+        key = store.put(bytearray(b"abc"))
+        assert store.put(memoryview(b"abc")) == key
+        assert store.get(key) == b"abc"
+
+    def test_each_distinct_content_once(self, store: Any) -> None:
+        before = self.keys(store)
+        contents = [f"object {i}".encode() * 50 for i in range(20)]
+        for _ in range(3):
+            for data in contents:
+                store.put(data)
+        added = self.keys(store) - before
+        assert added == {content_key(d) for d in contents}
+
+    def test_missing_object(self, store: Any) -> None:
+        key = content_key(uuid.uuid4().bytes)
+        assert not store.contains(key)
+        with pytest.raises(MissingObjectError) as info:
+            store.get(key)
+        assert info.value.key == key
+        assert key.hex() in str(info.value)
+
+    def test_malformed_keys_are_refused(self, store: Any) -> None:
+        for bad in (b"short", "0" * 64, None, b"\0" * 33):
+            with pytest.raises(ValueError):
+                store.get(bad)
+            with pytest.raises(ValueError):
+                store.contains(bad)
+
+    def test_tampered_object_is_detected_never_returned(self, store: Any) -> None:
+        data = b"the real content " * 100
+        key = store.put(data)
+        self.tamper(store, key, b"forged content")
+        with pytest.raises(CorruptObjectError) as info:
+            store.get(key)
+        assert info.value.expected == key
+        assert info.value.actual == content_key(b"forged content")
+        assert key.hex() in str(info.value)
+        # a truncated object (a partial write behind the store's back) is caught the same way
+        self.tamper(store, key, data[:-1])
+        with pytest.raises(CorruptObjectError):
+            store.get(key)
+
+    def test_many_threads_put_one_content_once(self, store: Any) -> None:
+        before = self.keys(store)
+        rng = random.Random(5)
+        contents = [rng.randbytes(rng.randrange(1, 40_000)) for _ in range(24)]
+        errors: list[BaseException] = []
+        barrier = threading.Barrier(12)
+
+        def run(seed: int) -> None:
+            try:
+                barrier.wait()
+                order = list(contents)
+                random.Random(seed).shuffle(order)
+                for data in order:
+                    assert store.get(store.put(data)) == data
+            except BaseException as error:  # reported below
+                errors.append(error)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors
+        assert self.keys(store) - before == {content_key(d) for d in contents}
+
+
+class SharedStoreContract(StoreContract):
+    """Tests of stores that many processes write at once."""
+
+    def spec(self, store: Any) -> list[Any]:
+        raise NotImplementedError
+
+    @pytest.mark.slow
+    def test_four_processes_write_one_store(self, store: Any) -> None:
+        before = self.keys(store)
+        procs = [worker("put", self.spec(store), seed) for seed in range(4)]
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0, 0, 0]
+        written = [set(bytes.fromhex(line) for line in out.split()) for out in outputs]
+        shared = {content_key(d) for d in shared_objects(12)}
+        for keys in written:
+            assert shared <= keys and len(keys) == 24
+        added = self.keys(store) - before
+        assert added == set().union(*written)  # each content once, 12 shared + 4 x 12 own
+        assert len(added) == 12 + 4 * 12
+        for key in added:
+            assert content_key(store.get(key)) == key
+
+    @pytest.mark.slow
+    def test_kill_9_during_puts_leaves_no_torn_object(self, store: Any) -> None:
+        for seed in range(3):
+            proc = worker("forever", self.spec(store), seed)
+            assert proc.stdout is not None
+            proc.stdout.readline()  # one object stored: the writer is in its loop
+            time.sleep(random.Random(seed).uniform(0.01, 0.3))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+            proc.stdout.close()
+        keys = self.keys(store)
+        assert keys
+        for key in keys:  # every object under a key is whole: it hashes to its key
+            assert content_key(store.get(key)) == key
+
+
+class TestMemoryStore(StoreContract):
+    @pytest.fixture
+    def store(self) -> MemoryStore:
+        return MemoryStore()
+
+    def tamper(self, store: Any, key: bytes, data: bytes) -> None:
+        store._objects[key] = data
+
+    def test_get_hands_back_the_stored_object(self) -> None:
+        store = MemoryStore()
+        data = b"y" * 5000
+        key = store.put(data)
+        assert store.get(key) is store.get(key)
+        assert len(store) == 1 and store.nbytes == 5000
+
+
+class TestDirectoryStore(SharedStoreContract):
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> DirectoryStore:
+        return DirectoryStore(tmp_path / "objects")
+
+    def tamper(self, store: Any, key: bytes, data: bytes) -> None:
+        name = key.hex()
+        (store.path / name[:2] / name[2:]).write_bytes(data)
+
+    def spec(self, store: Any) -> list[Any]:
+        return ["directory", str(store.path)]
+
+    def test_a_stray_temporary_file_is_no_object(self, store: DirectoryStore) -> None:
+        (store.path / "tmp" / "put-left-by-a-killed-writer").write_bytes(b"half")
+        key = store.put(b"whole")
+        assert set(store.keys()) == {key}
+        assert store.remove_temporaries(older_than=0) == 1
+
+    def test_unwritable_directory_is_a_store_error(self, tmp_path: Path) -> None:
+        blocker = tmp_path / "file"
+        blocker.write_bytes(b"")
+        with pytest.raises(StoreUnavailableError):
+            DirectoryStore(blocker / "objects")
+
+
+class TestRedisStore(SharedStoreContract):
+    @pytest.fixture
+    def store(self, redis_url: str) -> Any:
+        store = RedisStore(redis_url, prefix=f"test-{uuid.uuid4().hex}:")
+        yield store
+        store.close()
+
+    def tamper(self, store: Any, key: bytes, data: bytes) -> None:
+        store._client.set(store._name(key), data)
+
+    def spec(self, store: Any) -> list[Any]:
+        return ["redis", store.url, store._prefix.decode()]
+
+    def test_a_server_that_is_not_there(self) -> None:
+        from services import free_port
+
+        store = RedisStore(
+            f"redis://127.0.0.1:{free_port()}/0",
+            timeout=0.5,
+            retry=RetryPolicy(attempts=3, first_delay=0.01),
+        )
+        with pytest.raises(StoreUnavailableError) as info:
+            store.put(b"data")
+        assert "failed after 3 attempts" in str(info.value)
+        assert info.value.key == content_key(b"data")
+        with pytest.raises(StoreUnavailableError):
+            store.get(content_key(b"data"))
+
+
+@pytest.fixture(scope="module")
+def s3_bucket(s3_url: str) -> str:
+    bucket = f"test-{uuid.uuid4().hex[:12]}"
+    S3Store(bucket, endpoint_url=s3_url, create_bucket=True, **S3_CREDENTIALS)
+    return bucket
+
+
+class TestS3Store(SharedStoreContract):
+    # moto's server answers slowly enough that this class takes several seconds
+    pytestmark = pytest.mark.slow
+
+    @pytest.fixture
+    def store(self, s3_url: str, s3_bucket: str) -> S3Store:
+        return S3Store(
+            s3_bucket, endpoint_url=s3_url, prefix=f"{uuid.uuid4().hex}/", **S3_CREDENTIALS
+        )
+
+    def tamper(self, store: Any, key: bytes, data: bytes) -> None:
+        store._client.put_object(Bucket=store.bucket, Key=store._name(key), Body=data)
+
+    def spec(self, store: Any) -> list[Any]:
+        return ["s3", store.endpoint_url, store.bucket, store._prefix]
+
+    def test_put_if_absent_is_enforced_by_the_server(self, store: Any) -> None:
+        key = store.put(b"first")
+        with pytest.raises(Exception) as info:  # what S3 itself answers to a second create
+            store._client.put_object(
+                Bucket=store.bucket, Key=store._name(key), Body=b"other", IfNoneMatch="*"
+            )
+        assert "PreconditionFailed" in str(info.value) or "412" in str(info.value)
+        assert store.get(key) == b"first"
+
+    def test_a_missing_bucket_is_a_store_error(self, s3_url: str) -> None:
+        store = S3Store("no-such-bucket-here", endpoint_url=s3_url, **S3_CREDENTIALS)
+        with pytest.raises(StoreError):
+            store.put(b"data")
+
+
+def test_retry_policy_retries_then_fails_clearly() -> None:
+    calls: list[int] = []
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise TimeoutError("slow")
+        return "ok"
+
+    policy = RetryPolicy(attempts=3, first_delay=0.0)
+    assert policy.run("flaky call", flaky, (TimeoutError,)) == "ok"
+    calls.clear()
+    with pytest.raises(StoreUnavailableError) as info:
+        RetryPolicy(attempts=2, first_delay=0.0).run("flaky call", flaky, (TimeoutError,))
+    assert len(calls) == 2 and "flaky call failed after 2 attempts" in str(info.value)
+    with pytest.raises(ValueError):
+        RetryPolicy(attempts=0)
+
+
+def test_string_cache_is_bounded_in_bytes() -> None:
+    cache = StringCache(max_bytes=100)
+    for i in range(10):
+        cache.put(bytes([i]) * 32, str(i) * 30, 30)
+    assert cache.nbytes <= 100 and len(cache) == 3
+    assert cache.get(bytes([9]) * 32) == "9" * 30
+    assert cache.get(bytes([0]) * 32) is None
+    cache.put(b"k" * 32, "x" * 101, 101)  # larger than the cache: not kept
+    assert cache.get(b"k" * 32) is None
+    assert StringCache(0).max_bytes == 0
+    with pytest.raises(ValueError):
+        StringCache(-1)
