@@ -12,7 +12,8 @@ Nothing is tokenized here.
 Sessions follow the capture server this library replaces: `POST /sessions` mints a session
 and its API key, the key the SDK sends (`Authorization: Bearer` or `x-api-key`) names the
 session, unknown keys get 401 unless the server runs in open mode. `GET /sessions`,
-`GET /sessions/{id}`, `GET /sessions/{id}/export[?messages=1&discarded=1]`,
+`GET /sessions/{id}`, `GET /sessions/{id}/export[?messages=1&discarded=1&capture_level=...]` (the capture level
+defaults to "tokens" when every turn carries token ids, else "text"),
 `GET /sessions/{id}/trace.jsonl` and `DELETE /sessions/{id}` manage them.
 
 A turn is acknowledged (the client gets its answer) only after the graph accepted it, and,
@@ -43,11 +44,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .content import ContentStore, StringCache
 from .errors import InvalidValueError, RolloutStoreError
 from .export import write_session_json, write_trace_jsonl
-from .graph import RolloutGraph, TurnNode
+from .graph import TurnNode
 from .sessions import Session, SessionError, Sessions, clean_session_id
 from .sse import SSE_HEADERS, anthropic_events, chat_chunks
+from .storage import RolloutGraph
+from .stores import DirectoryStore, MemoryStore
 
 __all__ = [
     "CaptureConfig",
@@ -56,6 +60,8 @@ __all__ = [
     "create_app",
     "main",
     "messages_turn",
+    "open_store",
+    "upstream_body",
 ]
 
 #: Default cap on a request body (64 MiB); `--max-body-bytes` changes it.
@@ -345,7 +351,7 @@ def _strip_injected(response: dict[str, Any], token_ids: bool, logprobs: bool) -
                 choice["logprobs"] = None
 
 
-def _upstream_body(raw: bytes, body: dict[str, Any], extra: dict[str, Any]) -> bytes:
+def upstream_body(raw: bytes, body: dict[str, Any], extra: dict[str, Any]) -> bytes:
     """The body sent upstream: the client's with `extra` set and `stream_options` dropped.
 
     When the client's body has none of those keys, `extra` is appended to its own bytes (no
@@ -494,7 +500,7 @@ class _Server:
             headers = self._upstream_headers(request, anthropic=False)
             try:
                 response = await self._forward(
-                    "/v1/chat/completions", _upstream_body(raw, body, extra), headers
+                    "/v1/chat/completions", upstream_body(raw, body, extra), headers
                 )
             except _Passthrough:
                 session.upstream_errors += 1
@@ -526,7 +532,7 @@ class _Server:
             headers = self._upstream_headers(request, anthropic=True)
             try:
                 response = await self._forward(
-                    "/v1/messages", _upstream_body(raw, body, {"stream": False}), headers
+                    "/v1/messages", upstream_body(raw, body, {"stream": False}), headers
                 )
             except _Passthrough:
                 session.upstream_errors += 1
@@ -611,6 +617,9 @@ class _Server:
         flags = request.query_params
         messages = flags.get("messages", "0") not in ("0", "false", "")
         discarded = flags.get("discarded", "0") not in ("0", "false", "")
+        level = flags.get("capture_level") or found.capture_level()
+        if level not in ("tokens", "logprobs", "text"):
+            return JSONResponse({"error": "capture_level must be tokens, logprobs or text"}, 400)
 
         def produce(fp: IO[bytes]) -> None:
             write_session_json(
@@ -620,6 +629,7 @@ class _Server:
                 metadata=metadata,
                 include_messages=messages,
                 include_discarded=discarded,
+                capture_level=level,
             )
 
         return StreamingResponse(_from_thread(produce), media_type="application/json")
@@ -659,7 +669,8 @@ def create_app(
     *,
     data: str | os.PathLike[str] | None = None,
     fsync: str | int = "turn",
-    store: Any = None,
+    store: ContentStore | None = None,
+    cache: StringCache | None = None,
     open_mode: bool = False,
     max_body_bytes: int = MAX_BODY_BYTES,
     upstream_timeout: float = UPSTREAM_TIMEOUT,
@@ -671,9 +682,11 @@ def create_app(
     `upstream`: base URL of an OpenAI-compatible engine (`http://host:port`, a trailing `/v1`
     is dropped); `/v1/messages` goes to the same host. `data`: directory of session logs
     (None: in memory); existing sessions there are reopened now. `fsync`: "turn", N or
-    "never". `store`: the content store all sessions share. `open_mode`: serve unknown API
-    keys (a key that is a valid session id becomes that session). `capture_tokens`: ask the
-    upstream for vLLM's token ids and logprobs when the client did not say.
+    "never". `store`: the content store all sessions share (default: a new `MemoryStore`);
+    `cache`: the string cache they share over an out-of-process store. `open_mode`: serve
+    unknown API keys (a key that is a valid session id becomes that session).
+    `capture_tokens`: ask the upstream for vLLM's token ids and logprobs when the client did
+    not say.
     """
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be positive")
@@ -686,7 +699,7 @@ def create_app(
         upstream_timeout=upstream_timeout,
         capture_tokens=capture_tokens,
     )
-    sessions = Sessions(data, fsync=fsync, open_mode=open_mode, store=store)
+    sessions = Sessions(data, fsync=fsync, open_mode=open_mode, store=store, cache=cache)
     server = _Server(config, sessions)
 
     @contextlib.asynccontextmanager
@@ -727,12 +740,37 @@ def _fsync_arg(value: str) -> str | int:
     raise argparse.ArgumentTypeError("expected 'turn', 'never' or a positive number of turns")
 
 
-def _store_arg(value: str) -> Any:
-    if value == "memory":
-        return None
-    raise argparse.ArgumentTypeError(
-        f"content store {value!r} is not available in this build (only 'memory')"
+def open_store(spec: str) -> ContentStore:
+    """The content store a `--store` value names.
+
+    `memory` (one process; logs keep their strings inline), `dir:PATH` (a directory many
+    processes share), `redis://host:port/db` or `s3://bucket/prefix` (many machines; the S3
+    endpoint comes from boto3's usual settings, e.g. `AWS_ENDPOINT_URL`).
+    """
+    if spec == "memory":
+        return MemoryStore()
+    if spec.startswith("dir:") and len(spec) > 4:
+        return DirectoryStore(spec[4:])
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        from .redis_store import RedisStore
+
+        return RedisStore(spec)
+    if spec.startswith("s3://") and spec[5:].split("/", 1)[0]:
+        from .s3_store import S3Store
+
+        bucket, _, prefix = spec[5:].partition("/")
+        if prefix and not prefix.endswith("/"):
+            prefix += "/"
+        return S3Store(bucket, prefix=prefix or "rollout_store/")
+    raise ValueError(
+        f"unknown content store {spec!r}: use memory, dir:PATH, redis://... or s3://bucket/prefix"
     )
+
+
+def _store_arg(value: str) -> str:
+    if value == "memory" or value.startswith(("dir:", "redis://", "rediss://", "unix://", "s3://")):
+        return value
+    raise argparse.ArgumentTypeError("expected memory, dir:PATH, redis://... or s3://bucket/prefix")
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -757,7 +795,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8100, help="0 picks a free port")
     parser.add_argument("--data", default=None, help="directory of session logs (default: memory)")
     parser.add_argument("--fsync", type=_fsync_arg, default="turn", help="turn, never or N")
-    parser.add_argument("--store", type=_store_arg, default=None, help="content store (memory)")
+    parser.add_argument(
+        "--store",
+        type=_store_arg,
+        default="memory",
+        help="content store all sessions share: memory, dir:PATH, redis://... or s3://bucket/prefix",
+    )
+    parser.add_argument(
+        "--cache-mib",
+        type=int,
+        default=256,
+        help="one cache for strings read back from an out-of-process store (MiB)",
+    )
     parser.add_argument("--open", action="store_true", help="serve unknown API keys")
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
     parser.add_argument("--upstream-timeout", type=float, default=UPSTREAM_TIMEOUT)
@@ -777,7 +826,8 @@ def serve(args: argparse.Namespace) -> int:
         args.upstream,
         data=args.data,
         fsync=args.fsync,
-        store=args.store,
+        store=open_store(args.store),
+        cache=StringCache(max_bytes=args.cache_mib << 20),
         open_mode=args.open,
         max_body_bytes=args.max_body_bytes,
         upstream_timeout=args.upstream_timeout,
@@ -808,7 +858,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return serve(args)
-    except (RolloutStoreError, OSError) as exc:
+    except (RolloutStoreError, OSError, ValueError, ImportError) as exc:
         print(f"rollout-store serve: {exc}", file=sys.stderr)
         return 1
 

@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .content import ContentStore, StringCache
 from .errors import RolloutStoreError
-from .graph import RolloutGraph
+from .storage import RolloutGraph
+from .stores import MemoryStore
 
 __all__ = ["Session", "SessionError", "Sessions", "clean_session_id"]
 
@@ -60,6 +62,14 @@ class Session:
     def idle_seconds(self) -> float:
         return time.time() - (self.last_turn_at or self.created_at)
 
+    def capture_level(self) -> str:
+        """ "tokens" when every turn carries the engine's token ids, else "text"."""
+        graph = self.graph
+        ids = graph.node_ids()
+        if ids and all(graph.summary(n)["n_prompt"] > 0 for n in ids):
+            return "tokens"
+        return "text"
+
     def info(self) -> dict[str, Any]:
         """Counts for `GET /sessions/{id}` (ids-only graph queries, no messages rebuilt)."""
         graph = self.graph
@@ -74,6 +84,7 @@ class Session:
             "idle_s": round(self.idle_seconds, 3),
             "upstream_errors": self.upstream_errors,
             "rejected": self.rejected,
+            "capture_level": self.capture_level(),
             "metadata": self.metadata,
         }
 
@@ -103,7 +114,9 @@ class Sessions:
     `data`: the directory holding session files (None keeps sessions in memory only).
     `fsync`: the logs' policy ("turn", N or "never"). `open_mode`: an unknown key creates a
     session named after it instead of being refused. `store`: the content store every
-    session's graph shares (passed through to the graph once graphs accept one).
+    session's graph shares (a new `MemoryStore` if None), `cache`: the one string cache of
+    all sessions over an out-of-process store. Logs hold their strings inline over a memory
+    store (it dies with the process) and references into any other store (`blobs="store"`).
     """
 
     def __init__(
@@ -112,12 +125,15 @@ class Sessions:
         *,
         fsync: str | int = "turn",
         open_mode: bool = False,
-        store: Any = None,
+        store: ContentStore | None = None,
+        cache: StringCache | None = None,
     ) -> None:
         self.data = Path(data).resolve() if data is not None else None
         self.fsync = fsync
         self.open_mode = open_mode
-        self.store = store
+        self.store: ContentStore = store if store is not None else MemoryStore()
+        self.cache = cache if cache is not None else StringCache()
+        self.blobs = "inline" if isinstance(self.store, MemoryStore) else "store"
         self._by_id: dict[str, Session] = {}
         self._by_key: dict[str, Session] = {}
         self._lock = threading.Lock()
@@ -139,10 +155,17 @@ class Sessions:
     def _open_graph(self, session_id: str) -> RolloutGraph:
         """The one place a session's graph is made (the content store joins here)."""
         if self.data is None:
-            return RolloutGraph()
+            return RolloutGraph(store=self.store, cache=self.cache)
         log = self._path(session_id, ".rls")
         size = log.stat().st_size if log.exists() else 0
-        graph = RolloutGraph.open(log, fsync=self.fsync, repair=True)
+        graph = RolloutGraph.open(
+            log,
+            fsync=self.fsync,
+            repair=True,
+            store=self.store,
+            cache=self.cache,
+            blobs=self.blobs,
+        )
         report = graph.load_report
         if size:
             cut = size - report.good_bytes if report is not None and not report.ok else 0

@@ -15,8 +15,8 @@ import openai
 import pytest
 from capture_support import export, new_session, serve_app
 
-from rollout_store import RolloutGraph, export_session
-from rollout_store.server import create_app
+from rollout_store import DirectoryStore, MemoryStore, RolloutGraph, export_session
+from rollout_store.server import upstream_body, create_app, open_store
 from rollout_store.stub_engine import chat_response, create_stub_app, logprob_of, prompt_ids_for
 
 IMAGE = "data:image/png;base64," + "iVBORw0KGgo" * 2000
@@ -130,7 +130,7 @@ def test_chat_streaming_replays_chunks_the_sdk_parses(server: Any) -> None:
     assert graph.parent(second_id) == first_id
     assert graph.link_kind(second_id) == "tokens"
     seq = graph.sequence_for(second_id)
-    assert sum(seq["loss_mask"]) == len(graph.get(first_id).sampled_ids or []) + len(
+    assert sum(seq.loss_mask) == len(graph.get(first_id).sampled_ids or []) + len(
         graph.get(second_id).sampled_ids or []
     )
 
@@ -241,7 +241,11 @@ def test_sessions_create_list_info_export_delete(server: Any, tmp_path: Path) ->
     doc = export(url, "rollout-7")
     graph = _graph(app, "rollout-7")
     expected = export_session(
-        graph, session_id="rollout-7", metadata={"task": "t1"}, include_messages=True
+        graph,
+        session_id="rollout-7",
+        metadata={"task": "t1"},
+        include_messages=True,
+        capture_level="tokens",
     )
     raw = httpx.get(f"{url}/sessions/rollout-7/export", params={"messages": "1"}).content
     assert raw == json.dumps(expected).encode()
@@ -472,12 +476,8 @@ def test_client_disconnect_mid_stream_leaves_a_consistent_session(server: Any) -
     graph = _graph(app, session["session_id"])
     first, second = graph.node_ids()
     assert graph.parent(second) == first
-    assert (
-        json.loads(httpx.get(f"{url}/sessions/{session['session_id']}/export").text)["stats"][
-            "turns"
-        ]
-        == 2
-    )
+    doc = json.loads(httpx.get(f"{url}/sessions/{session['session_id']}/export").text)
+    assert doc["stats"]["n_turns"] == 2
 
 
 def test_an_abandoned_export_releases_the_session(server: Any) -> None:
@@ -501,3 +501,57 @@ def test_an_abandoned_export_releases_the_session(server: Any) -> None:
     threading.Thread(target=record, daemon=True).start()
     assert done.wait(10), "the export left the graph locked"
     assert len(_graph(app, session["session_id"])) == 31
+
+
+# ---------------------------------------------------------------- stores and upstream bodies
+
+
+def test_sessions_over_a_directory_store_reopen_from_logs_of_references(
+    stub: Any, tmp_path: Path
+) -> None:
+    data, objects = tmp_path / "data", tmp_path / "objects"
+    with serve_app(create_app(stub[0], data=data, store=DirectoryStore(objects))) as url:
+        sessions = [new_session(url) for _ in range(3)]
+        for session in sessions:
+            _openai(session).chat.completions.create(model="m", messages=CONVERSATION)
+        before = [export(url, s["session_id"]) for s in sessions]
+    # the logs hold references: the screenshot is in the store once, in no log
+    assert all(IMAGE.encode() not in p.read_bytes() for p in data.glob("*.rls"))
+    assert len(list(objects.rglob("*"))) > 0
+    app = create_app(stub[0], data=data, store=DirectoryStore(objects))
+    with serve_app(app) as url:
+        after = [export(url, s["session_id"]) for s in sessions]
+    assert json.dumps(after) == json.dumps(before)
+    assert json.dumps(after[0]["turns"][0]["request_messages"]) == json.dumps(CONVERSATION)
+
+
+def test_open_store_names() -> None:
+    assert isinstance(open_store("memory"), MemoryStore)
+    assert isinstance(open_store("dir:objects-here"), DirectoryStore)
+    for bad in ("disk", "dir:", "s3://", "ftp://x"):
+        with pytest.raises(ValueError, match="unknown content store"):
+            open_store(bad)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"messages": [{"role": "user", "content": "a"}]}',
+        b'{"messages":[{"role":"user","content":"a"}],"model":"m"}  \n',
+        b'{"messages": [], "stream": true, "stream_options": {"include_usage": true}}',
+        b'{"messages": [], "logprobs": false}',
+        b'{"messages": [], "n": 1e400, "x": NaN, "s": "\\ud800"}',
+    ],
+)
+def test_upstream_body_is_the_request_with_the_capture_keys(raw: bytes) -> None:
+    body = json.loads(raw)
+    extra = {
+        k: v
+        for k, v in {"stream": False, "logprobs": True}.items()
+        if k not in body or k == "stream"
+    }
+    sent = json.loads(upstream_body(raw, body, extra))
+    expected = {k: v for k, v in body.items() if k != "stream_options"}
+    expected.update(extra)
+    assert json.dumps(sent) == json.dumps(expected)
+    assert list(sent) == list(expected)

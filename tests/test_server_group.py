@@ -19,7 +19,7 @@ from capture_support import (
     start_server_process,
 )
 
-from rollout_store import RolloutGraph
+from rollout_store import MemoryStore, RolloutGraph, content_key
 from rollout_store.server import create_app
 from rollout_store.stub_engine import create_stub_app
 
@@ -146,20 +146,25 @@ def _check_exports(url: str, rollouts: list[Rollout], n_turns: int) -> None:
             assert json.dumps(turn["request_tools"]) == json.dumps(sent["tools"])
             assert turn["response_message"]["content"] == acked.get("content")
         # one path: every turn continues the one before, by token ids
-        assert [t["parent_id"] for t in turns[1:]] == [t["node_id"] for t in turns[:-1]]
         (sequence,) = doc["sequences"]
+        assert sequence["node_ids"] == [t["node_id"] for t in turns]
         assert sequence["n_turns"] == n_turns and sum(sequence["loss_mask"]) > 0
+        assert doc["capture_level"] == "tokens"
 
 
 def _group(tmp_path: Path, n_sessions: int, n_turns: int) -> None:
-    with (
-        serve_app(create_stub_app()) as stub,
-        serve_app(create_app(stub, data=tmp_path / "data", fsync="never")) as url,
-    ):
-        rollouts = _run_group(url, n_sessions, n_turns)
-        _check_exports(url, rollouts, n_turns)
-        seeds = {r.acked[0].get("tool_calls", [{}])[0].get("id") for r in rollouts}
-        assert len(seeds) == n_sessions  # the rollouts did diverge
+    with serve_app(create_stub_app()) as stub:
+        app = create_app(stub, data=tmp_path / "data", fsync="never")
+        with serve_app(app) as url:
+            rollouts = _run_group(url, n_sessions, n_turns)
+            _check_exports(url, rollouts, n_turns)
+    seeds = {r.acked[0].get("tool_calls", [{}])[0].get("id") for r in rollouts}
+    assert len(seeds) == n_sessions  # the rollouts did diverge
+    # all sessions share one content store: the screenshot is in it once
+    store = app.state.sessions.store
+    assert isinstance(store, MemoryStore)
+    assert store.contains(content_key(IMAGE.encode()))
+    assert len(IMAGE) < store.nbytes < len(IMAGE) + 64 * 1024
 
 
 def test_small_group(tmp_path: Path) -> None:
