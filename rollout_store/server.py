@@ -12,9 +12,9 @@ Nothing is tokenized here.
 Sessions follow the capture server this library replaces: `POST /sessions` mints a session
 and its API key, the key the SDK sends (`Authorization: Bearer` or `x-api-key`) names the
 session, unknown keys get 401 unless the server runs in open mode. `GET /sessions`,
-`GET /sessions/{id}`, `GET /sessions/{id}/export[?messages=1&discarded=1&capture_level=...]` (the capture level
-defaults to "tokens" when every turn carries token ids, else "text"),
-`GET /sessions/{id}/trace.jsonl` and `DELETE /sessions/{id}` manage them.
+`GET /sessions/{id}`, `GET /sessions/{id}/export` (`?messages=1`, `discarded=1`,
+`capture_level=...`; the level defaults to "tokens" when every turn carries token ids, else
+"text"), `GET /sessions/{id}/trace.jsonl` and `DELETE /sessions/{id}` manage them.
 
 A turn is acknowledged (the client gets its answer) only after the graph accepted it, and,
 with a data directory and `fsync="turn"`, after it is on disk. Bad requests get a 4xx with a

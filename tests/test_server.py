@@ -16,7 +16,7 @@ import pytest
 from capture_support import export, new_session, serve_app
 
 from rollout_store import DirectoryStore, MemoryStore, RolloutGraph, export_session
-from rollout_store.server import upstream_body, create_app, open_store
+from rollout_store.server import create_app, open_store, upstream_body
 from rollout_store.stub_engine import chat_response, create_stub_app, logprob_of, prompt_ids_for
 
 IMAGE = "data:image/png;base64," + "iVBORw0KGgo" * 2000
