@@ -97,7 +97,8 @@ def baseline_app(upstream: str, keep: bool) -> Any:
     from starlette.routing import Route
 
     kept: dict[str, list[tuple[Any, Any]]] = {}
-    client = httpx.AsyncClient(base_url=upstream, timeout=600)
+    limits = httpx.Limits(max_keepalive_connections=64, keepalive_expiry=2.0)  # as the server
+    client = httpx.AsyncClient(base_url=upstream, timeout=600, limits=limits)
 
     async def chat(request: Request) -> Response:
         key = request.headers.get("authorization", "")[7:]
@@ -248,7 +249,7 @@ async def run_group(
     warmup: bool = False,
 ) -> list[float]:
     latencies: list[float] = []
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64, keepalive_expiry=2.0)
     async with httpx.AsyncClient(timeout=WAIT_S, limits=limits) as client:
         keys = []
         for _ in range(sessions):

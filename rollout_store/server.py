@@ -25,6 +25,7 @@ recorded nowhere; an upstream that does not answer in time gets 504.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -49,7 +50,7 @@ from .errors import InvalidValueError, RolloutStoreError
 from .export import write_session_json, write_trace_jsonl
 from .graph import TurnNode
 from .sessions import Session, SessionError, Sessions, clean_session_id
-from .sse import SSE_HEADERS, anthropic_events, chat_chunks
+from .sse import SSE_HEADERS, anthropic_events, chat_chunks, sse_data, sse_event
 from .storage import RolloutGraph
 from .stores import DirectoryStore, MemoryStore
 
@@ -68,6 +69,8 @@ __all__ = [
 MAX_BODY_BYTES = 64 << 20
 #: Default seconds to wait for the upstream's answer before answering 504.
 UPSTREAM_TIMEOUT = 600.0
+#: Seconds a streaming client waits for the upstream before keep-alive comments begin.
+STREAM_KEEPALIVE = 10.0
 
 # Request fields that are not parameters of the call (the rest are recorded as sampling_params).
 _CHAT_FIELDS = frozenset({"messages", "tools", "model", "stream", "stream_options"})
@@ -102,6 +105,7 @@ class CaptureConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     upstream_timeout: float = UPSTREAM_TIMEOUT
     capture_tokens: bool = True
+    stream_keepalive: float = STREAM_KEEPALIVE
 
 
 # ---------------------------------------------------------------------- requests to turns
@@ -392,7 +396,11 @@ class _Server:
             self._client = httpx.AsyncClient(
                 base_url=self.upstream,
                 timeout=httpx.Timeout(self.config.upstream_timeout),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                # idle connections are dropped before a uvicorn upstream (vLLM, SGLang)
+                # closes them at 5 s: reusing one it is closing fails the call
+                limits=httpx.Limits(
+                    max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0
+                ),
             )
         return self._client
 
@@ -485,71 +493,152 @@ class _Server:
         session.recorded += 1
         session.last_turn_at = time.time()
 
+    async def _call(
+        self,
+        session: Session,
+        path: str,
+        content: bytes,
+        headers: dict[str, str],
+        make_turn: Callable[[dict[str, Any]], TurnNode],
+    ) -> dict[str, Any]:
+        """Forward one call, record its turn; the complete response (or _Refusal/_Passthrough)."""
+        try:
+            response: dict[str, Any] = await self._forward(path, content, headers)
+        except _Passthrough:
+            session.upstream_errors += 1
+            raise
+        await self._record(session, make_turn(response))
+        return response
+
+    async def _answer(
+        self,
+        call: Any,
+        anthropic: bool,
+        stream: bool,
+        reply: Callable[[dict[str, Any]], Response],
+        events: Callable[[dict[str, Any]], Iterator[bytes]],
+    ) -> Response:
+        """Wait for the call; a streaming client that waits long gets keep-alive comments.
+
+        Until `stream_keepalive` seconds have passed the answer is not begun, so an upstream
+        error still reaches the client with its own status; after that the stream starts
+        (200) with SSE comments, and a failure arrives as an error event.
+        """
+        task: asyncio.Task[dict[str, Any]] = asyncio.ensure_future(call)
+        wait = self.config.stream_keepalive if stream else None
+        try:
+            done, _ = await asyncio.wait({task}, timeout=wait)
+        except BaseException:
+            task.cancel()
+            raise
+        if done:
+            try:
+                response = task.result()
+            except _Refusal as refusal:
+                body = _error_body(anthropic, refusal.status, refusal.reason)
+                return JSONResponse(body, refusal.status)
+            except _Passthrough as passed:
+                return passed.response
+            if stream:
+                return StreamingResponse(
+                    _events(events(response)), media_type="text/event-stream", headers=SSE_HEADERS
+                )
+            return reply(response)
+        return StreamingResponse(
+            self._kept_alive(task, anthropic, events),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+
+    async def _kept_alive(
+        self,
+        task: asyncio.Task[dict[str, Any]],
+        anthropic: bool,
+        events: Callable[[dict[str, Any]], Iterator[bytes]],
+    ) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                yield b": keep-alive\n\n"
+                done, _ = await asyncio.wait({task}, timeout=self.config.stream_keepalive)
+                if done:
+                    break
+            try:
+                response = task.result()
+            except (_Refusal, _Passthrough) as failed:
+                if isinstance(failed, _Refusal):
+                    status, reason = failed.status, failed.reason
+                else:
+                    status = failed.response.status_code
+                    reason = (
+                        f"the upstream answered {status}: "
+                        + bytes(failed.response.body)
+                        .decode("utf-8", "replace")
+                        .replace("\n", " ")[:500]
+                    )
+                error = _error_body(anthropic, status, reason)
+                yield sse_event("error", error) if anthropic else sse_data(error)
+                return
+            for chunk in events(response):
+                yield chunk
+        finally:
+            task.cancel()  # the client left before the answer: the call is abandoned
+
     async def chat(self, request: Request) -> Response:
         try:
             session = self._session(request)
             raw = await self._read_body(request)
             body = _check_chat(_decode(raw))
-            inject_ids = self.config.capture_tokens and "return_token_ids" not in body
-            inject_logprobs = self.config.capture_tokens and "logprobs" not in body
-            extra: dict[str, Any] = {"stream": False}
-            if inject_ids:
-                extra["return_token_ids"] = True
-            if inject_logprobs:
-                extra["logprobs"] = True
-            headers = self._upstream_headers(request, anthropic=False)
-            try:
-                response = await self._forward(
-                    "/v1/chat/completions", upstream_body(raw, body, extra), headers
-                )
-            except _Passthrough:
-                session.upstream_errors += 1
-                raise
-            node = chat_turn(body, response, _harness_session(request, body, anthropic=False))
-            await self._record(session, node)
         except _Refusal as refusal:
             return JSONResponse(_error_body(False, refusal.status, refusal.reason), refusal.status)
-        except _Passthrough as passed:
-            return passed.response
-        _strip_injected(response, inject_ids, inject_logprobs)
-        if body.get("stream") is True:
-            options = body.get("stream_options") or {}
-            chunks = chat_chunks(
+        inject_ids = self.config.capture_tokens and "return_token_ids" not in body
+        inject_logprobs = self.config.capture_tokens and "logprobs" not in body
+        extra: dict[str, Any] = {"stream": False}
+        if inject_ids:
+            extra["return_token_ids"] = True
+        if inject_logprobs:
+            extra["logprobs"] = True
+        harness = _harness_session(request, body, anthropic=False)
+        call = self._call(
+            session,
+            "/v1/chat/completions",
+            upstream_body(raw, body, extra),
+            self._upstream_headers(request, anthropic=False),
+            lambda response: chat_turn(body, response, harness),
+        )
+        options = body.get("stream_options") or {}
+
+        def reply(response: dict[str, Any]) -> Response:
+            _strip_injected(response, inject_ids, inject_logprobs)
+            return JSONResponse(response)
+
+        def events(response: dict[str, Any]) -> Iterator[bytes]:
+            _strip_injected(response, inject_ids, inject_logprobs)
+            return chat_chunks(
                 response,
                 include_usage=bool(options.get("include_usage")),
                 token_ids=bool(body.get("return_token_ids")),
             )
-            return StreamingResponse(
-                _events(chunks), media_type="text/event-stream", headers=SSE_HEADERS
-            )
-        return JSONResponse(response)
+
+        return await self._answer(call, False, body.get("stream") is True, reply, events)
 
     async def messages(self, request: Request) -> Response:
         try:
             session = self._session(request)
             raw = await self._read_body(request)
             body = _check_anthropic(_decode(raw))
-            headers = self._upstream_headers(request, anthropic=True)
-            try:
-                response = await self._forward(
-                    "/v1/messages", upstream_body(raw, body, {"stream": False}), headers
-                )
-            except _Passthrough:
-                session.upstream_errors += 1
-                raise
-            node = messages_turn(body, response, _harness_session(request, body, anthropic=True))
-            await self._record(session, node)
         except _Refusal as refusal:
             return JSONResponse(_error_body(True, refusal.status, refusal.reason), refusal.status)
-        except _Passthrough as passed:
-            return passed.response
-        if body.get("stream") is True:
-            return StreamingResponse(
-                _events(anthropic_events(response)),
-                media_type="text/event-stream",
-                headers=SSE_HEADERS,
-            )
-        return JSONResponse(response)
+        harness = _harness_session(request, body, anthropic=True)
+        call = self._call(
+            session,
+            "/v1/messages",
+            upstream_body(raw, body, {"stream": False}),
+            self._upstream_headers(request, anthropic=True),
+            lambda response: messages_turn(body, response, harness),
+        )
+        return await self._answer(
+            call, True, body.get("stream") is True, JSONResponse, anthropic_events
+        )
 
     async def models(self, request: Request) -> Response:
         try:
@@ -676,6 +765,7 @@ def create_app(
     upstream_timeout: float = UPSTREAM_TIMEOUT,
     upstream_api_key: str | None = None,
     capture_tokens: bool = True,
+    stream_keepalive: float = STREAM_KEEPALIVE,
 ) -> Starlette:
     """The capture server as an ASGI app (serve it with uvicorn).
 
@@ -686,18 +776,22 @@ def create_app(
     `cache`: the string cache they share over an out-of-process store. `open_mode`: serve
     unknown API keys (a key that is a valid session id becomes that session).
     `capture_tokens`: ask the upstream for vLLM's token ids and logprobs when the client did
-    not say.
+    not say. `stream_keepalive`: seconds before a streaming client that is still waiting
+    gets SSE comments (and then an error event rather than a status if the call fails).
     """
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be positive")
     if not upstream_timeout > 0:
         raise ValueError("upstream_timeout must be positive")
+    if not stream_keepalive > 0:
+        raise ValueError("stream_keepalive must be positive")
     config = CaptureConfig(
         upstream=upstream,
         upstream_api_key=upstream_api_key,
         max_body_bytes=max_body_bytes,
         upstream_timeout=upstream_timeout,
         capture_tokens=capture_tokens,
+        stream_keepalive=stream_keepalive,
     )
     sessions = Sessions(data, fsync=fsync, open_mode=open_mode, store=store, cache=cache)
     server = _Server(config, sessions)
@@ -811,6 +905,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
     parser.add_argument("--upstream-timeout", type=float, default=UPSTREAM_TIMEOUT)
     parser.add_argument(
+        "--stream-keepalive",
+        type=float,
+        default=STREAM_KEEPALIVE,
+        help="seconds before a waiting streaming client gets keep-alive comments",
+    )
+    parser.add_argument(
         "--no-token-capture",
         dest="capture_tokens",
         action="store_false",
@@ -833,6 +933,7 @@ def serve(args: argparse.Namespace) -> int:
         upstream_timeout=args.upstream_timeout,
         upstream_api_key=os.environ.get("ROLLOUT_STORE_UPSTREAM_KEY") or None,
         capture_tokens=args.capture_tokens,
+        stream_keepalive=args.stream_keepalive,
     )
     sock = listen_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]

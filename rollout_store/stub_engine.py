@@ -8,9 +8,10 @@ turn k+1's prompt ids extend turn k's prompt + sampled ids exactly, as a real en
 Replies depend only on the request: the same request always gets the same answer.
 
 The requested model name selects test behaviour: `stub-hang` answers only once the caller
-has given up, `stub-error` answers 400 with an OpenAI-style error, `stub-500` answers 500,
-`stub-garbage` answers 200 with a body that is not JSON. `stub-tools` (or any request with
-`tools` whose last message is a user message) answers with a tool call.
+has given up, `stub-slow` answers after a second, `stub-error` answers 400 with an
+OpenAI-style error, `stub-500` answers 500, `stub-garbage` answers 200 with a body that is
+not JSON. `stub-tools` (or any request with `tools` whose last message is a user message)
+answers with a tool call.
 
     python -m rollout_store.stub_engine --port 8000
 """
@@ -155,6 +156,8 @@ async def _behaviour(request: Request, body: dict[str, Any]) -> Response | None:
                 break
             await asyncio.sleep(0.05)
         return Response(status_code=499)
+    if model == "stub-slow":  # a long generation
+        await asyncio.sleep(1.0)
     if model == "stub-error":
         return _error(400, "stub: this request is refused on purpose")
     if model == "stub-500":

@@ -555,3 +555,51 @@ def test_upstream_body_is_the_request_with_the_capture_keys(raw: bytes) -> None:
     expected.update(extra)
     assert json.dumps(sent) == json.dumps(expected)
     assert list(sent) == list(expected)
+
+
+def test_a_long_wait_streams_keep_alive_comments_then_the_answer(stub: Any) -> None:
+    app = create_app(stub[0], stream_keepalive=0.2, upstream_timeout=3)
+    with serve_app(app) as url:
+        session = new_session(url)
+        messages = [{"role": "user", "content": "think long"}]
+        stream = _openai(session).chat.completions.create(
+            model="stub-slow", messages=messages, stream=True
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert (
+            text
+            == chat_response({"model": "stub-slow", "messages": messages})["choices"][0]["message"][
+                "content"
+            ]
+        )
+        with _anthropic(session).messages.stream(
+            model="stub-slow", max_tokens=9, messages=messages
+        ) as events:
+            assert events.get_final_message().stop_reason == "end_turn"
+        raw = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"model": "stub-slow", "messages": messages, "stream": True},
+            headers={"authorization": f"Bearer {session['api_key']}"},
+        ).text
+        assert raw.startswith(": keep-alive\n\n") and raw.endswith("data: [DONE]\n\n")
+        assert len(_graph(app, session["session_id"])) == 3
+
+
+def test_a_failure_after_keep_alive_arrives_as_an_error_event(stub: Any) -> None:
+    app = create_app(stub[0], stream_keepalive=0.2, upstream_timeout=0.7)
+    with serve_app(app) as url:
+        session = new_session(url)
+        messages = [{"role": "user", "content": "never"}]
+        with pytest.raises(openai.APIError, match="did not answer within"):
+            for _ in _openai(session).chat.completions.create(
+                model="stub-hang", messages=messages, stream=True
+            ):
+                pass
+        with (
+            pytest.raises(anthropic.APIStatusError, match="did not answer within"),
+            _anthropic(session).messages.stream(
+                model="stub-hang", max_tokens=9, messages=messages
+            ) as events,
+        ):
+            events.get_final_message()
+        assert len(_graph(app, session["session_id"])) == 0
