@@ -51,7 +51,6 @@ from .export import write_session_json, write_trace_jsonl
 from .graph import TurnNode
 from .sessions import Session, SessionError, Sessions, clean_session_id
 from .sse import SSE_HEADERS, anthropic_events, chat_chunks, sse_data, sse_event
-from .storage import RolloutGraph
 from .stores import DirectoryStore, MemoryStore
 
 __all__ = [
@@ -71,6 +70,8 @@ MAX_BODY_BYTES = 64 << 20
 UPSTREAM_TIMEOUT = 600.0
 #: Seconds a streaming client waits for the upstream before keep-alive comments begin.
 STREAM_KEEPALIVE = 10.0
+#: Seconds after which an unused session over a log lets its graph go (reopened on use).
+IDLE_SECONDS = 600.0
 
 # Request fields that are not parameters of the call (the rest are recorded as sampling_params).
 _CHAT_FIELDS = frozenset({"messages", "tools", "model", "stream", "stream_options"})
@@ -478,7 +479,8 @@ class _Server:
 
     async def _record(self, session: Session, node: TurnNode) -> None:
         try:
-            await anyio.to_thread.run_sync(session.graph.add_turn, node)
+            with session.use() as graph:
+                await anyio.to_thread.run_sync(graph.add_turn, node)
         except InvalidValueError as exc:
             session.rejected += 1
             if exc.path.split(".")[0].split("[")[0] in (
@@ -702,7 +704,7 @@ class _Server:
         found = self._lookup(request)
         if isinstance(found, Response):
             return found
-        graph, session_id, metadata = found.graph, found.session_id, found.metadata
+        session, session_id, metadata = found, found.session_id, found.metadata
         flags = request.query_params
         messages = flags.get("messages", "0") not in ("0", "false", "")
         discarded = flags.get("discarded", "0") not in ("0", "false", "")
@@ -711,15 +713,16 @@ class _Server:
             return JSONResponse({"error": "capture_level must be tokens, logprobs or text"}, 400)
 
         def produce(fp: IO[bytes]) -> None:
-            write_session_json(
-                graph,
-                fp,
-                session_id=session_id,
-                metadata=metadata,
-                include_messages=messages,
-                include_discarded=discarded,
-                capture_level=level,
-            )
+            with session.use() as graph:
+                write_session_json(
+                    graph,
+                    fp,
+                    session_id=session_id,
+                    metadata=metadata,
+                    include_messages=messages,
+                    include_discarded=discarded,
+                    capture_level=level,
+                )
 
         return StreamingResponse(_from_thread(produce), media_type="application/json")
 
@@ -727,10 +730,13 @@ class _Server:
         found = self._lookup(request)
         if isinstance(found, Response):
             return found
-        graph: RolloutGraph = found.graph
-        return StreamingResponse(
-            _from_thread(lambda fp: write_trace_jsonl(graph, fp)), media_type="application/x-ndjson"
-        )
+        session = found
+
+        def produce(fp: IO[bytes]) -> None:
+            with session.use() as graph:
+                write_trace_jsonl(graph, fp)
+
+        return StreamingResponse(_from_thread(produce), media_type="application/x-ndjson")
 
     async def delete_session(self, request: Request) -> Response:
         session_id = request.path_params["session_id"]
@@ -766,6 +772,7 @@ def create_app(
     upstream_api_key: str | None = None,
     capture_tokens: bool = True,
     stream_keepalive: float = STREAM_KEEPALIVE,
+    idle_seconds: float = IDLE_SECONDS,
 ) -> Starlette:
     """The capture server as an ASGI app (serve it with uvicorn).
 
@@ -778,6 +785,8 @@ def create_app(
     `capture_tokens`: ask the upstream for vLLM's token ids and logprobs when the client did
     not say. `stream_keepalive`: seconds before a streaming client that is still waiting
     gets SSE comments (and then an error event rather than a status if the call fails).
+    `idle_seconds`: with `data`, a session unused this long lets its graph go (its log keeps
+    everything; the next use reopens it); 0 keeps every graph open.
     """
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be positive")
@@ -785,6 +794,8 @@ def create_app(
         raise ValueError("upstream_timeout must be positive")
     if not stream_keepalive > 0:
         raise ValueError("stream_keepalive must be positive")
+    if not idle_seconds >= 0:
+        raise ValueError("idle_seconds must be 0 (never) or positive")
     config = CaptureConfig(
         upstream=upstream,
         upstream_api_key=upstream_api_key,
@@ -796,11 +807,21 @@ def create_app(
     sessions = Sessions(data, fsync=fsync, open_mode=open_mode, store=store, cache=cache)
     server = _Server(config, sessions)
 
+    async def sweep() -> None:
+        while True:
+            await asyncio.sleep(min(idle_seconds / 4, 30.0))
+            await anyio.to_thread.run_sync(sessions.release_idle, idle_seconds)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        sweeper = asyncio.ensure_future(sweep()) if data is not None and idle_seconds else None
         try:
             yield
         finally:
+            if sweeper is not None:
+                sweeper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sweeper
             await server.aclose()
 
     app = Starlette(
@@ -911,6 +932,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds before a waiting streaming client gets keep-alive comments",
     )
     parser.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=IDLE_SECONDS,
+        help="with --data: a session unused this long is closed until its next call (0: never)",
+    )
+    parser.add_argument(
         "--no-token-capture",
         dest="capture_tokens",
         action="store_false",
@@ -934,6 +961,7 @@ def serve(args: argparse.Namespace) -> int:
         upstream_api_key=os.environ.get("ROLLOUT_STORE_UPSTREAM_KEY") or None,
         capture_tokens=args.capture_tokens,
         stream_keepalive=args.stream_keepalive,
+        idle_seconds=args.idle_seconds,
     )
     sock = listen_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]

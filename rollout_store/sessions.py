@@ -18,6 +18,7 @@ import re
 import secrets
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,47 +47,113 @@ def clean_session_id(value: Any) -> str | None:
 
 @dataclass
 class Session:
-    """One rollout: its graph, key and bookkeeping (counters live in memory only)."""
+    """One rollout: its key, its graph (opened on demand) and bookkeeping.
+
+    Counters live in memory only. A session over a log can let its graph go when idle
+    (`release_if_idle`): it then holds only its counts, and the graph is reopened from the
+    log by the next use.
+    """
 
     session_id: str
     api_key: str
-    graph: RolloutGraph
+    opener: Callable[[], RolloutGraph]
     metadata: dict[str, Any] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
     last_turn_at: float | None = None
+    last_used: float = field(default_factory=time.time)
     upstream_errors: int = 0
     recorded: int = 0
     rejected: int = 0
+    users: int = 0
+    _graph: RolloutGraph | None = None
+    _counts: dict[str, Any] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def graph(self) -> RolloutGraph:
+        """The session's graph, reopened from its log if it was let go."""
+        with self._lock:
+            if self._graph is None:
+                self._graph = self.opener()
+                self._counts = None
+            return self._graph
+
+    @property
+    def loaded(self) -> bool:
+        return self._graph is not None
+
+    @contextlib.contextmanager
+    def use(self) -> Iterator[RolloutGraph]:
+        """The graph, held: an idle sweep does not let it go while it is in use."""
+        with self._lock:
+            self.users += 1
+        try:
+            yield self.graph
+        finally:
+            with self._lock:
+                self.users -= 1
+                self.last_used = time.time()
 
     @property
     def idle_seconds(self) -> float:
-        return time.time() - (self.last_turn_at or self.created_at)
+        return time.time() - max(self.last_turn_at or self.created_at, self.last_used)
+
+    def release_if_idle(self, idle_seconds: float) -> bool:
+        """Close the graph (its log keeps everything) if unused for `idle_seconds`."""
+        with self._lock:
+            graph = self._graph
+            if graph is None or self.users or self.idle_seconds < idle_seconds:
+                return False
+            self._counts = _counts(graph)
+            self._graph = None
+        graph.close()
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            graph, self._graph = self._graph, None
+        if graph is not None:
+            graph.close()
 
     def capture_level(self) -> str:
         """ "tokens" when every turn carries the engine's token ids, else "text"."""
-        graph = self.graph
-        ids = graph.node_ids()
-        if ids and all(graph.summary(n)["n_prompt"] > 0 for n in ids):
-            return "tokens"
-        return "text"
+        counts = self._counts if self._graph is None else None
+        if counts is None:
+            with self.use() as graph:
+                counts = _counts(graph)
+        level: str = counts["capture_level"]
+        return level
 
     def info(self) -> dict[str, Any]:
-        """Counts for `GET /sessions/{id}` (ids-only graph queries, no messages rebuilt)."""
-        graph = self.graph
+        """Counts for `GET /sessions/{id}` (ids-only queries; an idle session is not reopened)."""
+        graph = self._graph
+        counts = _counts(graph) if graph is not None else self._counts
+        if counts is None:  # never opened (cannot happen for a registered session)
+            with self.use() as opened:
+                counts = _counts(opened)
         return {
             "session_id": self.session_id,
-            "turns": len(graph),
-            "roots": len(graph.root_ids()),
-            "leaves": len(graph.leaf_ids()),
-            "forks": len(graph.fork_ids()),
-            "discarded": len(graph.discarded_ids()),
+            **counts,
+            "loaded": graph is not None,
             "created_at": self.created_at,
             "idle_s": round(self.idle_seconds, 3),
             "upstream_errors": self.upstream_errors,
             "rejected": self.rejected,
-            "capture_level": self.capture_level(),
             "metadata": self.metadata,
         }
+
+
+def _counts(graph: RolloutGraph) -> dict[str, Any]:
+    ids = graph.node_ids()
+    tokens = bool(ids) and all(graph.summary(n)["n_prompt"] > 0 for n in ids)
+    return {
+        "turns": len(ids),
+        "roots": len(graph.root_ids()),
+        "leaves": len(graph.leaf_ids()),
+        "forks": len(graph.fork_ids()),
+        "discarded": len(graph.discarded_ids()),
+        "capture_level": "tokens" if tokens else "text",
+    }
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -152,6 +219,9 @@ class Sessions:
             raise SessionError(f"session id {session_id!r} names a path outside the data directory")
         return path
 
+    def _opener(self, session_id: str) -> Callable[[], RolloutGraph]:
+        return lambda: self._open_graph(session_id)
+
     def _open_graph(self, session_id: str) -> RolloutGraph:
         """The one place a session's graph is made (the content store joins here)."""
         if self.data is None:
@@ -167,7 +237,7 @@ class Sessions:
             blobs=self.blobs,
         )
         report = graph.load_report
-        if size:
+        if size and session_id not in self._by_id:  # at start, not an idle session's reopen
             cut = size - report.good_bytes if report is not None and not report.ok else 0
             self.reopened.append((session_id, len(graph), cut))
         return graph
@@ -185,14 +255,14 @@ class Sessions:
                     raise ValueError("id or key missing")
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise SessionError(f"session file {meta_path.name} is unreadable: {exc}") from None
-            graph = self._open_graph(session_id)
             session = Session(
                 session_id,
                 key,
-                graph,
+                self._opener(session_id),
                 metadata=meta.get("metadata") or {},
                 created_at=float(meta.get("created_at") or time.time()),
             )
+            session.graph  # noqa: B018 - opened now: a damaged log stops the server at start
             self._by_id[session_id] = session
             self._by_key[key] = session
 
@@ -225,14 +295,16 @@ class Sessions:
                     "created_at": created,
                 }
                 _write_atomic(self._path(sid, ".json"), json.dumps(doc).encode("ascii"))
+            session = Session(
+                sid, key, self._opener(sid), metadata=metadata or {}, created_at=created
+            )
             try:
-                graph = self._open_graph(sid)
+                session.graph  # noqa: B018 - the log is created now
             except BaseException:
                 if self.data is not None:
                     with contextlib.suppress(OSError):
                         self._path(sid, ".json").unlink()
                 raise
-            session = Session(sid, key, graph, metadata=metadata or {}, created_at=created)
             self._by_id[sid] = session
             self._by_key[key] = session
             return session
@@ -278,7 +350,7 @@ class Sessions:
             if session is None:
                 return False
             self._by_key.pop(session.api_key, None)
-        session.graph.close()
+        session.close()
         if self.data is not None:
             for suffix in (".json", ".rls"):
                 with contextlib.suppress(FileNotFoundError):
@@ -288,4 +360,10 @@ class Sessions:
     def close(self) -> None:
         """Flush and close every session's log (the server is stopping)."""
         for session in self.all():
-            session.graph.close()
+            session.close()
+
+    def release_idle(self, idle_seconds: float) -> int:
+        """Let go of the graphs of sessions over a log unused for `idle_seconds`."""
+        if self.data is None:
+            return 0
+        return sum(session.release_if_idle(idle_seconds) for session in self.all())

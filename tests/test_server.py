@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -603,3 +604,27 @@ def test_a_failure_after_keep_alive_arrives_as_an_error_event(stub: Any) -> None
         ):
             events.get_final_message()
         assert len(_graph(app, session["session_id"])) == 0
+
+
+def test_an_idle_session_lets_its_graph_go_and_reopens_on_the_next_call(
+    stub: Any, tmp_path: Path
+) -> None:
+    app = create_app(stub[0], data=tmp_path / "data", idle_seconds=0.2)
+    with serve_app(app) as url:
+        session = new_session(url)
+        messages: list[Any] = [{"role": "user", "content": "first"}]
+        reply = _openai(session).chat.completions.create(model="m", messages=messages)
+        state = app.state.sessions.get(session["session_id"])
+        deadline = time.monotonic() + 10
+        while state.loaded and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not state.loaded
+        info = httpx.get(f"{url}/sessions/{session['session_id']}").json()
+        assert info["turns"] == 1 and info["loaded"] is False  # counted without reopening
+        messages += [reply.choices[0].message.model_dump(exclude_none=True)]
+        messages += [{"role": "user", "content": "second"}]
+        _openai(session).chat.completions.create(model="m", messages=messages)
+        graph = _graph(app, session["session_id"])
+        first, second = graph.node_ids()
+        assert graph.parent(second) == first and graph.link_kind(second) == "tokens"
+        assert export(url, session["session_id"])["stats"]["n_turns"] == 2
