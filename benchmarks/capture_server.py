@@ -351,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": rounds,
         "unique_bytes": unique.bytes,
         "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
         "schemes": rows,
     }
     if not args.quick:
@@ -358,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         RESULTS.write_text(json.dumps(result, indent=2) + "\n")
 
     print(f"GRPO group: {sessions} sessions x {turns} turns, {rounds} rounds")
-    print(f"unique content: {unique.bytes / MiB:.2f} MiB")
+    print(f"unique content: {unique.bytes / MiB:.2f} MiB; load average {os.getloadavg()[0]:.1f}")
     print(
         f"{'scheme':<18} {'RSS growth MiB':>14} {'x unique':>9} {'net x':>7} {'median ms':>10} "
         f"{'p99 ms':>8} {'+median':>8} {'+p99':>8}"
