@@ -7,6 +7,7 @@ strings with one digest are both kept, each under its own handle.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Iterator
 from typing import Final
 
@@ -115,6 +116,11 @@ class BlobTable:
         else:  # a second string with this digest: a collision, both kept
             self._by_digest[digest] = [found, handle]
         return handle
+
+    def share_tokens(self, tokens: array[int]) -> array[int]:
+        """`tokens` (never changed once stored) or an equal array shared with other graphs;
+        a private table shares nothing."""
+        return tokens
 
     def share_packed(self, packed: bytes) -> bytes:
         """`packed` (a plain packing, no blob references) or an equal object shared with other

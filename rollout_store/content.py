@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -106,6 +107,11 @@ class TextStore(Protocol):
 
     def share_bytes(self, data: bytes) -> bytes:
         """The store's own object equal to `data`, stored first if absent."""
+        ...
+
+    def share_tokens(self, tokens: array[int]) -> array[int]:
+        """An array equal to `tokens` that every graph over this store shares (the first one
+        given); not an object of the store (nothing to put, get or verify)."""
         ...
 
 

@@ -130,11 +130,11 @@ class Graph:
         ):
             raise ValueError("share_threshold must be a positive int or None")
         self.share_threshold = share_threshold
+        self.store = store
         self._turns: list[Turn] = []
         self._blob_marks = array("I")  # blobs stored once each turn was committed, for save
         self._by_id: dict[str, Turn] = {}
         self._meta: dict[TurnMeta, TurnMeta] = {}
-        self.store = store
         self._use_blobs(BlobTable() if store is None else StoreBlobTable(store, cache))
         self._lock = threading.RLock()
         self._journal: Journal | None = None  # the file an appending graph writes to
@@ -160,11 +160,11 @@ class Graph:
         with self._lock:
             if self._turns or len(self._blobs):
                 raise ValueError("the blob table of a graph that holds turns cannot change")
+            self.store = table.store if isinstance(table, StoreBlobTable) else None
             self._use_blobs(table)
 
     def _use_blobs(self, table: BlobTable) -> None:
         """Own `table` and the parts built on it (the graph is empty)."""
-        self.store = table.store if isinstance(table, StoreBlobTable) else None
         self._blobs = table
         self._requests = RequestStore(table, self.share_threshold)  # messages and values
         self._linker = Linker(self._requests, self._turns)  # parents and adoptions
@@ -387,13 +387,15 @@ class Graph:
         tail_key: bytes | None = None,
     ) -> None:
         self._requests.add_values(pending)
+        if tail_key is not None:
+            self._requests.add_tail_key(turn.index, tail_key)
         turn.meta = self._meta.setdefault(turn.meta, turn.meta)
         self._turns.append(turn)
         self._blob_marks.append(len(self.blobs))
         self._by_id[turn.node_id] = turn
         if turn.parent is not None:
             add_child(turn.parent, turn)
-        self._requests.file(turn, keys.request, tail_key)
+        self._requests.file(turn, keys.request)
         linker = self._linker
         linker.file(turn, keys.token, keys.prompt)
         for other, link in moves:
@@ -744,7 +746,8 @@ class GraphRestorer:
     def add_value(self, stored: bytes, plain: bytes | None) -> None:
         """A shared value read back, found again by its plain packing (every string inline;
         the reader splices it from the stored bytes), or never found again if None."""
-        requests = self._graph._requests
+        graph = self._graph
+        requests = graph._requests
         if plain is not None and requests.values.find(plain) is None:
             requests.values.add(plain, stored)
 

@@ -104,8 +104,8 @@ class Linker:
         if run is None:
             if parent is not None and parent.full is not None:
                 run = TokenRun(parent.full, prompt[parent.full.length :])
-            else:
-                run = TokenRun(None, prompt)
+            else:  # a root prompt: graphs over one memory store share it
+                run = TokenRun(None, self.requests.blobs.share_tokens(prompt))
         turn.prompt = run
         full = turn.full = full_run(run, sampled)
         if full is not None and full.compact:

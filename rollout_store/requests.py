@@ -76,7 +76,7 @@ class Scratch:
         # for an earlier turn that arrives late
         self.root_keys: list[int] | None = None
         self.request: FreshRequest | None = None  # its non-system messages, if any
-        self.tail_key: bytes | None = None  # SHA-256 of the tail's plain packings (see below)
+        self.tail_key: bytes | None = None  # SHA-256 of the tail's plain packings
         self.twins: list[Turn] = []  # stored turns with exactly this request, and children
         self.moves: list[tuple[Turn, LinkKind]] = []  # earlier turns it adopts
 
@@ -148,12 +148,11 @@ class RequestStore:
         self._pack_plain = new_packer()
         self._encoder = Encoder(blobs, share_threshold)
         self._canonical = Encoder(None, None)  # plain packing by the validating walk
-        # Over an out-of-process store the strings are not at hand: a stored tail holding
-        # blob references is matched by the SHA-256 of its plain packings (turn index ->
-        # digest), and shared values are keyed by SHA-256, so matching never fetches.
+        # over an out-of-process store: tails and values holding blob references are matched
+        # by the SHA-256 of their plain packings (turn index -> digest), never by fetching
         fetches = blobs.fetches
-        self.values = ValueTable(self.expand, share_threshold, hashed=fetches)
         self.tail_keys: dict[int, bytes] | None = {} if fetches else None
+        self.values = ValueTable(self.expand, share_threshold, hashed=fetches)
         self.request_index: dict[int, Any] = {}  # digest of non-system request -> turn(s)
 
     def reset_packer(self) -> None:
@@ -218,6 +217,11 @@ class RequestStore:
         for plain, stored in pending:
             self.values.add(plain, stored)
 
+    def add_tail_key(self, index: int, key: bytes) -> None:
+        """Remember the digest a committed turn's tail is matched by (see `tail_keys`)."""
+        if self.tail_keys is not None:
+            self.tail_keys[index] = key
+
     def prepare(self, turn: Turn, node: TurnNode, scratch: Scratch) -> bytes | None:
         """Store the request as system part + base turn + tail; return the system plain.
 
@@ -264,11 +268,7 @@ class RequestStore:
         scratch.request = request
         if request.n_valid == len(request.messages):
             scratch.request_digest = request_key(request.plains, request.n_valid)
-        self._store_tail(turn, request, self._base(request), n_sys)
-        if self.tail_keys is not None and turn.flags & TAIL_REFS:
-            body = request.plains[turn.first + (1 if turn.flags & TAIL_ECHO else 0) :]
-            if None not in body:
-                scratch.tail_key = content_key(b"".join(body))  # type: ignore[arg-type]
+        self._store_tail(turn, request, self._base(request), n_sys, scratch)
         return system_plain
 
     def _base(self, request: FreshRequest) -> Turn | None:
@@ -279,7 +279,9 @@ class RequestStore:
                     return candidate
         return None
 
-    def _store_tail(self, turn: Turn, request: FreshRequest, base: Turn | None, n_sys: int) -> None:
+    def _store_tail(
+        self, turn: Turn, request: FreshRequest, base: Turn | None, n_sys: int, scratch: Scratch
+    ) -> None:
         """Pack the messages after the base's (the echo of its response as a placeholder)."""
         rest, rest_plains = request.messages, request.plains
         start = base.n_rest if base is not None else 0
@@ -296,18 +298,21 @@ class RequestStore:
             if special:
                 turn.flags |= TAIL_SPECIAL
             pieces.append(packed)
+        if self.tail_keys is not None and turn.flags & TAIL_REFS:
+            # its strings are out of the process: match it later by the SHA-256 of its plain
+            # packings rather than by fetching them
+            body = rest_plains[start + (1 if turn.flags & TAIL_ECHO else 0) :]
+            if None not in body:
+                scratch.tail_key = content_key(b"".join(body))  # type: ignore[arg-type]
         turn.base = base
         turn.tail = array_header(len(pieces)) + b"".join(pieces)
         turn.n_rest = len(rest)
         finish_tail(turn)
 
-    def file(self, turn: Turn, key: int | None, tail_key: bytes | None = None) -> None:
-        """File a committed turn's request under `key` (its digest), if it has messages,
-        and the digest of its tail's plain packings (`tail_key`), if it has one."""
+    def file(self, turn: Turn, key: int | None) -> None:
+        """File a committed turn's request under `key` (its digest), if it has messages."""
         if key is not None and not turn.flags & NO_MESSAGES:
             index_add(self.request_index, key, turn)
-        if tail_key is not None and self.tail_keys is not None:
-            self.tail_keys[turn.index] = tail_key
 
     # ------------------------------------------------------------------ matching
 

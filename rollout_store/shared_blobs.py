@@ -14,6 +14,7 @@ stay apart, each under its own key, in every store.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Iterator
 
 from .blobs import BlobTable, Handle, content_digest
@@ -150,6 +151,13 @@ class StoreBlobTable(BlobTable):
     def add_reference(self, key: bytes, digest: bytes, data_len: int, surrogates: bool) -> Handle:
         """A blob whose string is already in the store under `key` (a file of references)."""
         return self._add(key, digest, data_len, surrogates)
+
+    def share_tokens(self, tokens: array[int]) -> array[int]:
+        """Over the memory store, a long root prompt is one array for every graph (a GRPO
+        group's shared prompt prefix). Elsewhere the graph keeps its own."""
+        if self._text_store is not None and len(tokens) * 4 >= SHARE_PACKED_BYTES:
+            return self._text_store.share_tokens(tokens)
+        return tokens
 
     def share_packed(self, packed: bytes) -> bytes:
         """A large packing shared with other graphs: the memory store's own object, or else

@@ -15,6 +15,7 @@ import os
 import tempfile
 import threading
 import time
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +37,7 @@ class MemoryStore:
 
     def __init__(self) -> None:
         self._objects: dict[bytes, bytes | str] = {}
+        self._tokens: dict[bytes, array[int]] = {}  # shared token arrays, by SHA-256
         self._lock = threading.Lock()
         self.nbytes = 0  # bytes of all objects (UTF-8 for strings)
 
@@ -73,6 +75,14 @@ class MemoryStore:
         if type(found) is str:  # (only a blob table's strings are str: never equal bytes)
             return bytes(data)
         return found  # type: ignore[return-value]
+
+    def share_tokens(self, tokens: array[int]) -> array[int]:
+        key = content_key(tokens.tobytes())
+        with self._lock:
+            found = self._tokens.get(key)
+            if found is None or found.typecode != tokens.typecode:
+                self._tokens[key] = found = tokens
+        return found
 
     def _value(self, key: bytes) -> bytes | str:
         value = self._objects.get(check_key(key))

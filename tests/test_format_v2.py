@@ -6,7 +6,6 @@ import gc
 import itertools
 import json
 import multiprocessing
-import os
 import struct
 import threading
 import tracemalloc
@@ -144,7 +143,7 @@ def test_every_reorder_and_duplicate_of_two_frames_is_refused(tmp_path: Path, mo
                 recovered = RolloutGraph.load(damaged, recover=True)
             except CorruptFileError:
                 continue
-            for node_id in recovered.nodes():
+            for node_id in recovered.node_ids():
                 assert json.dumps(recovered.get(node_id).request_messages) == json.dumps(
                     original.get(node_id).request_messages
                 )
@@ -199,7 +198,7 @@ def test_repair_of_a_torn_turn_whose_content_looks_like_frames(tmp_path: Path) -
         report = storage.verify(path)
         assert not report.ok and report.truncated, cut
         with RolloutGraph.open(path, share_threshold=32, repair=True) as graph:
-            assert graph.nodes() == ["a", "b", "c"]
+            assert graph.node_ids() == ["a", "b", "c"]
         assert path.stat().st_size == good
 
 
@@ -290,9 +289,9 @@ def test_save_over_a_log_another_graph_appends_to_is_refused(tmp_path: Path) -> 
             small_graph().save(path)
         assert path.read_bytes() == before
         live.add_turn(TurnNode(node_id="d", request_messages=[{"role": "user", "content": "d"}]))
-    assert RolloutGraph.load(path).nodes() == ["a", "b", "c", "d"]
+    assert RolloutGraph.load(path).node_ids() == ["a", "b", "c", "d"]
     small_graph().save(path)  # closed: replacing it is fine
-    assert RolloutGraph.load(path).nodes() == ["a", "b", "c"]
+    assert RolloutGraph.load(path).node_ids() == ["a", "b", "c"]
 
 
 def _hold_log(path: str, ready: object, done: object) -> None:
@@ -355,7 +354,7 @@ def _nested(depth: int) -> bytes:
 
 def _usable(path: Path, out: Path) -> None:
     graph = RolloutGraph.load(path)
-    for node_id in graph.nodes():
+    for node_id in graph.node_ids():
         graph.get(node_id)
         graph.sequence_for(node_id)
     json.dumps(export_session(graph, include_messages=True, include_discarded=True))

@@ -196,7 +196,7 @@ def test_a_tampered_object_is_detected_never_returned(tmp_path: Path) -> None:
     name = key.hex()
     (store.path / name[:2] / name[2:]).write_bytes(image[:-1].encode() + b"X")
     with pytest.raises(CorruptObjectError) as info:
-        graph.request_messages("t0")
+        graph.request_messages("t0")  # views read their fields when asked, so read one
     assert info.value.expected == key and name in str(info.value)
     (store.path / name[:2] / name[2:]).unlink()
     with pytest.raises(MissingObjectError):
@@ -305,7 +305,7 @@ def test_redis_stopped_and_restarted_mid_rollout(own_redis: RedisServer) -> None
     assert snapshot(graph) == before  # cached strings still read; nothing changed
     cache.clear()
     with pytest.raises(StoreUnavailableError):  # reads retry, then fail clearly
-        graph.get("t0")
+        graph.request_messages("t0")
 
     own_redis.start()  # same port, same append-only file: earlier objects are back
     graph.add_turn(TurnNode(node_id="t3", **turns[3]))
@@ -468,3 +468,36 @@ def test_a_failing_put_leaves_the_append_log_as_it_was(tmp_path: Path) -> None:
     graph.add_turn(TurnNode(node_id="t2", **turns[2]))
     graph.close()
     assert snapshot(RolloutGraph.load(path, store=store.inner)) == snapshot(private_twin(turns))
+
+
+def test_graphs_over_one_memory_store_share_a_long_root_prompt() -> None:
+    import gc
+    import tracemalloc
+
+    prefix = list(range(1000, 5000))  # 16 KB as array('I')
+
+    def build(store: MemoryStore | None) -> tuple[list[RolloutGraph], int]:
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            graphs = [RolloutGraph(store=store) for _ in range(4)]
+            for i, graph in enumerate(graphs):
+                graph.add_turn(TurnNode(node_id="a", prompt_ids=list(prefix), sampled_ids=[i]))
+                graph.add_turn(TurnNode(node_id="b", prompt_ids=[*prefix, i, 5], sampled_ids=[i]))
+            gc.collect()
+            return graphs, tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+
+    shared, shared_bytes = build(MemoryStore())
+    _private, private_bytes = build(None)
+    assert private_bytes - shared_bytes > 3 * 16_000 * 0.9  # three of the four copies saved
+    for i, graph in enumerate(shared):
+        assert graph.get("b").prompt_ids == [*prefix, i, 5]
+        assert graph.parent("b") == "a"
+    store = MemoryStore()
+    one, other = RolloutGraph(store=store), RolloutGraph(store=store)
+    one.add_turn(TurnNode(node_id="a", prompt_ids=list(prefix), sampled_ids=[1]))
+    other.add_turn(TurnNode(node_id="a", prompt_ids=prefix[::-1], sampled_ids=[1]))
+    assert other.get("a").prompt_ids == prefix[::-1] and one.get("a").prompt_ids == prefix
