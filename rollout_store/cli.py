@@ -118,7 +118,11 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from . import server
+    try:
+        from . import server
+    except ImportError as exc:
+        print(f"rollout-store serve needs the server extra ({exc})", file=sys.stderr)
+        return 1
 
     return server.main(args.serve_args)
 
