@@ -628,3 +628,19 @@ def test_an_idle_session_lets_its_graph_go_and_reopens_on_the_next_call(
         first, second = graph.node_ids()
         assert graph.parent(second) == first and graph.link_kind(second) == "tokens"
         assert export(url, session["session_id"])["stats"]["n_turns"] == 2
+
+
+def test_serve_refuses_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
+    from rollout_store.cli import main
+
+    for argv in (
+        ["serve"],
+        ["serve", "--upstream", "http://127.0.0.1:9", "--fsync", "0"],
+        ["serve", "--upstream", "http://127.0.0.1:9", "--store", "disk"],
+    ):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2
+    assert "--store" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["info", "some.rls", "--upstream", "x"])  # serve's options belong to serve
