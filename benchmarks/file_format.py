@@ -27,11 +27,18 @@ from schemes import SHARE_THRESHOLD, RolloutStoreRecorder
 from tqdm import tqdm
 from workloads import iter_texts, multimodal, unique_content_bytes
 
-from rollout_store import RolloutGraph, TurnNode, export_session, storage, write_session_json
+from rollout_store import (
+    RolloutGraph,
+    TurnNode,
+    export_session,
+    framing,
+    storage,
+    write_session_json,
+)
 
 DEFAULT_TURNS = 100
 QUICK_TURNS = 25
-REPEAT = 5
+REPEAT = 15  # best of this many: the development machine is shared and busy
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 MAX_FILE_OVER_UNIQUE = 1.05
@@ -202,8 +209,16 @@ def _garbage_tail(path: Path, damage: int) -> None:
         fp.write(os.urandom(damage))
 
 
+def _evict_caches() -> None:
+    """Stream 64 MiB through the CPU caches, so that the next run reads its file from memory
+    whatever its size (else a 4 MiB file stays in the last-level cache between repeats and a
+    32 MiB one cannot: a hardware step, not the algorithm's)."""
+    bytearray(64 << 20).find(b"\x01")
+
+
 def measure_resync(tmp: Path) -> dict:
-    """verify() of a small log followed by damage of two sizes: its time per damaged byte."""
+    """verify() of a small log followed by damage of two sizes: its time per damaged byte
+    (each run after the caches are flushed, see `_evict_caches`)."""
     out: dict[str, Any] = {}
     for name, make in (("garbage", _garbage_tail), ("torn_turn", _torn_token_turn)):
         per_byte = []
@@ -212,14 +227,28 @@ def measure_resync(tmp: Path) -> dict:
             make(path, damage)
             good = storage.verify(path).good_bytes
             damaged = path.stat().st_size - good
-            seconds = best_times({"verify": (lambda p=path: storage.verify(p), None)})["verify"]
             report = storage.verify(path)
             assert not report.ok and report.truncated, f"{name}: damage not seen as a torn tail"
-            out[f"{name}_{damage >> 20}MiB_s"] = seconds
-            out[f"{name}_{damage >> 20}MiB_damaged_bytes"] = damaged
-            per_byte.append(seconds / damaged)
+            assert report.error_offset is not None
+            data = path.read_bytes()
+            cases = {
+                "verify": (lambda p=path: storage.verify(p), _evict_caches),
+                # resync proper: finding the next intact frame after the damaged one
+                "resync": (
+                    lambda d=data, at=report.error_offset: framing.next_frame(d, at),
+                    _evict_caches,
+                ),
+            }
+            best = best_times(cases)
+            del data
+            key = f"{name}_{damage >> 20}MiB"
+            out[f"{key}_s"] = best["verify"]
+            out[f"{key}_resync_s"] = best["resync"]
+            out[f"{key}_damaged_bytes"] = damaged
+            per_byte.append((best["verify"] / damaged, best["resync"] / damaged))
             path.unlink()
-        out[f"{name}_ratio"] = per_byte[1] / per_byte[0]
+        out[f"{name}_ratio"] = per_byte[1][0] / per_byte[0][0]
+        out[f"{name}_resync_ratio"] = per_byte[1][1] / per_byte[0][1]
     return out
 
 
@@ -280,7 +309,7 @@ def measure_memory(graph: RolloutGraph, retained: int, tmp: Path) -> dict:
     largest_json, largest_json_id = 0, None
     tracemalloc.start()
     try:
-        for node_id in graph.nodes():
+        for node_id in graph.node_ids():
             peak, turn = traced_delta(lambda n=node_id: graph.get(n))
             if peak > largest_get:
                 largest_get, largest_get_id = peak, node_id
@@ -434,16 +463,29 @@ def print_file_checks(load_memory: dict, resync: dict) -> None:
             f" {_mib(m['load_peak_bytes'])}; (peak - retained) / file:"
             f" verify {m['verify_over_file']:.2f}x, load {m['load_over_file']:.2f}x"
         )
-    print("\nResync: verify() of a small log followed by damage (best of REPEAT)")
+    print(
+        f"\nResync: verify() of a small log followed by damage (best of {REPEAT}, caches"
+        " flushed before each run)"
+    )
     for name in ("garbage", "torn_turn"):
         for damage in DAMAGE_SIZES:
             key = f"{name}_{damage >> 20}MiB"
             seconds, damaged = resync[f"{key}_s"], resync[f"{key}_damaged_bytes"]
+            alone = resync[f"{key}_resync_s"]
             print(
-                f"  {name:<10} {damaged / MiB:6.1f} MiB damaged  {_ms(seconds)}"
-                f"   {1e9 * seconds / damaged:6.2f} ns per damaged byte"
+                f"  {name:<10} {damaged / MiB:6.1f} MiB damaged  verify {_ms(seconds)}"
+                f" {1e9 * seconds / damaged:5.2f} ns/byte;  resync {_ms(alone)}"
+                f" {1e9 * alone / damaged:5.2f} ns/byte"
             )
-        print(f"  {name:<10} time per byte, 32 MiB over 4 MiB: {resync[f'{name}_ratio']:.2f}")
+        print(
+            f"  {name:<10} time per byte, 32 MiB over 4 MiB: resync"
+            f" {resync[f'{name}_resync_ratio']:.2f}, whole verify {resync[f'{name}_ratio']:.2f}"
+        )
+    print(
+        "  (resync: framing.next_frame from the damaged frame over the file's bytes; verify also"
+        "\n  reads the file, and a 32 MiB read takes fresh pages from the OS where 4 MiB reuses"
+        "\n  the heap's)"
+    )
 
 
 def _verdict(ok: bool) -> str:
@@ -477,12 +519,13 @@ def check_targets(
                 f" <= {MAX_PEAK_OVER_FILE}x"
             )
     for name in ("garbage", "torn_turn"):
-        ratio = resync[f"{name}_ratio"]
-        ok = ratio <= MAX_RESYNC_RATIO
-        lines.append(
-            f"{_verdict(ok)}  resync over {name}: time per damaged byte 32 MiB / 4 MiB"
-            f" {ratio:.2f} <= {MAX_RESYNC_RATIO}"
-        )
+        for what, label in (("_resync", "resync"), ("", "whole verify()")):
+            ratio = resync[f"{name}{what}_ratio"]
+            ok = ratio <= MAX_RESYNC_RATIO
+            lines.append(
+                f"{_verdict(ok)}  {label} over {name}: time per damaged byte 32 MiB / 4 MiB"
+                f" {ratio:.2f} <= {MAX_RESYNC_RATIO}"
+            )
     total, bound = memory["stream_total_bytes"], memory["stream_bound_bytes"]
     ok = total <= bound
     lines.append(

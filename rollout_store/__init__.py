@@ -8,18 +8,23 @@ from .errors import (
     CorruptObjectError,
     DuplicateNodeError,
     FileLockedError,
+    InvalidArgumentError,
     InvalidValueError,
     MissingObjectError,
+    ReadOnlyError,
+    RecordTooLargeError,
     RolloutStoreError,
     StoreError,
     StoreObjectError,
     StoreRequiredError,
     StoreUnavailableError,
+    UnknownNodeError,
     UnsupportedVersionError,
 )
 from .export import export_session, iter_turn_records, write_session_json, write_trace_jsonl
-from .graph import Graph, TurnNode, common_prefix_len
+from .graph import Graph
 from .intake import MAX_DEPTH
+from .nodes import TurnNode, common_prefix_len
 from .redis_store import RedisStore
 from .s3_store import S3Store
 from .storage import RolloutGraph
@@ -49,11 +54,15 @@ __all__ = [
     "FileLockedError",
     "Graph",
     "Handle",
+    "InvalidArgumentError",
     "InvalidValueError",
+    "ReadOnlyError",
+    "RecordTooLargeError",
     "RolloutGraph",
     "RolloutStoreError",
     "TrainingSequence",
     "TurnNode",
+    "UnknownNodeError",
     "UnsupportedVersionError",
     "common_prefix_len",
     "export_session",

@@ -13,6 +13,9 @@ from typing import Final
 
 import xxhash
 
+from .errors import ReadOnlyError
+from .index import index_add, index_members, index_remove
+
 __all__ = ["BlobTable", "Handle", "content_digest"]
 
 
@@ -38,7 +41,7 @@ class Handle:
         object.__setattr__(self, "surrogates", surrogates)
 
     def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError("Handle is immutable")
+        raise ReadOnlyError("Handle is immutable")
 
     def __repr__(self) -> str:
         return f"Handle({self.digest.hex()[:16]}..., index={self.index}, size={self.size})"
@@ -85,36 +88,22 @@ class BlobTable:
         digest = self._hasher(data)
         self._references += 1
         self._referenced_bytes += len(data)
-        found = self._by_digest.get(digest)
-        if found is not None:
-            candidates = found if isinstance(found, list) else (found,)
-            for handle in candidates:
-                if self._strings[handle.index] == text:
-                    return handle
-        return self._append(text, digest, len(data), surrogates, found)
+        for handle in index_members(self._by_digest.get(digest)):
+            if self._strings[handle.index] == text:
+                return handle
+        return self._append(text, digest, len(data), surrogates)
 
     def add_verified(self, text: str, digest: bytes, data_len: int, surrogates: bool) -> Handle:
         """Append a blob read back from a file (`data_len` UTF-8 bytes), digest checked."""
-        return self._append(text, digest, data_len, surrogates, self._by_digest.get(digest))
+        return self._append(text, digest, data_len, surrogates)
 
-    def _append(
-        self,
-        text: str,
-        digest: bytes,
-        data_len: int,
-        surrogates: bool,
-        found: Handle | list[Handle] | None,
-    ) -> Handle:
+    def _append(self, text: str, digest: bytes, data_len: int, surrogates: bool) -> Handle:
         handle = Handle(digest, len(self._strings), data_len, surrogates)
         self._strings.append(text)
         self._handles.append(handle)
         self._total_bytes += data_len
-        if found is None:
-            self._by_digest[digest] = handle
-        elif isinstance(found, list):
-            found.append(handle)
-        else:  # a second string with this digest: a collision, both kept
-            self._by_digest[digest] = [found, handle]
+        # a second string with this digest is a collision: both kept
+        index_add(self._by_digest, digest, handle)
         return handle
 
     def share_tokens(self, tokens: array[int]) -> array[int]:
@@ -157,13 +146,7 @@ class BlobTable:
             handle = self._handles.pop()
             self._strings.pop()
             self._total_bytes -= handle.size
-            found = self._by_digest[handle.digest]
-            if isinstance(found, list):
-                found.remove(handle)
-                if len(found) == 1:
-                    self._by_digest[handle.digest] = found[0]
-            else:
-                del self._by_digest[handle.digest]
+            index_remove(self._by_digest, handle.digest, handle)
 
     def stats(self) -> dict[str, int]:
         """Number of blobs, their UTF-8 bytes, references to them, and bytes sharing saved."""

@@ -59,6 +59,7 @@ def _info(args: argparse.Namespace) -> int:
     lines = [
         ("file", args.file),
         ("file bytes", size),
+        ("format version", graph.load_report.version if graph.load_report else "-"),
         ("turns", stats["n_turns"]),
         ("roots", stats["n_roots"]),
         ("leaves", stats["n_leaves"]),
@@ -86,11 +87,17 @@ def _verify(args: argparse.Namespace) -> int:
         report = storage.verify(args.file, progress=update)
     if report.ok:
         print(
-            f"ok: {report.records} records, {report.turns} turns, {report.blobs} blobs, "
-            f"{report.file_size} bytes verified"
+            f"ok: format version {report.version}, {report.records} records, {report.turns} "
+            f"turns, {report.blobs} blobs, {report.file_size} bytes verified"
         )
         return 0
-    print(f"damaged: {report.error}", file=sys.stderr)
+    if report.truncated:
+        after = "; a torn tail: nothing intact follows it (open with repair=True cuts it off)"
+    elif report.resync_offset is not None:
+        after = f"; the next intact frame starts at offset {report.resync_offset}"
+    else:
+        after = ""
+    print(f"damaged: {report.error}{after}", file=sys.stderr)
     return 1
 
 

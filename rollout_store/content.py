@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar, runtime_checkable
 
-from .errors import CorruptObjectError, StoreUnavailableError
+from .errors import CorruptObjectError, InvalidArgumentError, StoreUnavailableError
 
 __all__ = [
     "KEY_SIZE",
@@ -58,9 +58,10 @@ def content_key(data: bytes) -> bytes:
 
 
 def check_key(key: object) -> bytes:
-    """`key` if it is a well-formed key, else `ValueError` (not a store error: a caller bug)."""
+    """`key` if it is a well-formed key, else `InvalidArgumentError` (a `ValueError`; not a
+    store error: a caller bug)."""
     if type(key) is not bytes or len(key) != KEY_SIZE:
-        raise ValueError(f"a content key is {KEY_SIZE} bytes, got {key!r:.80}")
+        raise InvalidArgumentError(f"a content key is {KEY_SIZE} bytes, got {key!r:.80}")
     return key
 
 
@@ -129,7 +130,7 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if self.attempts < 1 or self.first_delay < 0 or self.max_delay < 0:
-            raise ValueError("attempts must be >= 1 and delays >= 0")
+            raise InvalidArgumentError("attempts must be >= 1 and delays >= 0")
 
     def run(
         self,
@@ -170,7 +171,7 @@ class StringCache:
 
     def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         if type(max_bytes) is not int or max_bytes < 0:
-            raise ValueError("max_bytes must be an int >= 0")
+            raise InvalidArgumentError("max_bytes must be an int >= 0")
         self.max_bytes = max_bytes
         self.nbytes = 0
         self.hits = 0

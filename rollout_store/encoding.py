@@ -13,6 +13,7 @@ from typing import Any
 import msgpack
 
 __all__ = [
+    "ECHO_PACKED",
     "EXT_BIGINT",
     "EXT_BLOB",
     "EXT_ECHO",
@@ -21,6 +22,8 @@ __all__ = [
     "TUPLE_MARK",
     "NotPackable",
     "array_header",
+    "new_packer",
+    "no_echo",
     "plain_default",
     "unpack",
 ]
@@ -47,6 +50,20 @@ def plain_default(obj: object) -> Any:
 
 
 BlobLookup = Callable[[int], str]
+
+
+def new_packer() -> Callable[[Any], bytes]:
+    """A reusable plain packer: exact types only, anything else raises `NotPackable`."""
+    packer = msgpack.Packer(
+        use_bin_type=True, strict_types=True, default=plain_default, buf_size=256
+    )
+    pack: Callable[[Any], bytes] = packer.pack
+    return pack
+
+
+def no_echo() -> None:
+    """The echo placeholder rebuilt as None (where its value does not matter)."""
+    return None
 
 
 TUPLE_MARK = msgpack.ExtType(EXT_TUPLE, b"")
@@ -102,3 +119,7 @@ def array_header(n: int) -> bytes:
     if n < 1 << 16:
         return b"\xdc" + n.to_bytes(2, "big")
     return b"\xdd" + n.to_bytes(4, "big")
+
+
+#: The packed echo placeholder (3 bytes: the request comparison counts on its length).
+ECHO_PACKED: bytes = msgpack.packb(msgpack.ExtType(EXT_ECHO, b""))

@@ -20,6 +20,10 @@ __all__ = [
     "StoreRequiredError",
     "StoreObjectError",
     "FileLockedError",
+    "InvalidArgumentError",
+    "ReadOnlyError",
+    "RecordTooLargeError",
+    "UnknownNodeError",
 ]
 
 
@@ -142,3 +146,21 @@ class StoreObjectError(CorruptFileError):
 class FileLockedError(RolloutStoreError, OSError):
     """A rollout file is already open for appending by another process (nothing is damaged:
     close the other graph, or open another file)."""
+
+
+class InvalidArgumentError(RolloutStoreError, TypeError, ValueError):
+    """An argument the library cannot work with: a setting out of range, an unknown mode, an
+    object of the wrong kind, or an operation the object's state forbids. Fix the call; a
+    `TypeError` and a `ValueError`, like `InvalidValueError`."""
+
+
+class UnknownNodeError(RolloutStoreError, KeyError):
+    """No turn with this node id is in the graph (a `KeyError`)."""
+
+
+class ReadOnlyError(RolloutStoreError, AttributeError):
+    """An attribute of an immutable object was set (a node view, a blob handle)."""
+
+
+class RecordTooLargeError(RolloutStoreError, ValueError):
+    """A record or string is larger than a frame of the file can hold (4 GiB)."""

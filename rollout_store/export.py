@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from .checks import Report, check_rollout, check_sequence
+from .errors import InvalidArgumentError
 from .graph import Graph
-from .materialize import Streamed, write_document, writer_for
+from .jsonstream import Streamed, write_document, writer_for
 from .training import TrainingSequence
 
 __all__ = [
@@ -74,7 +75,7 @@ def _session(
     else:
         found = getattr(source, "graph", None)
         if not isinstance(found, Graph):
-            raise TypeError(
+            raise InvalidArgumentError(
                 "export_session expects a RolloutGraph or a session object whose `graph` is "
                 f"one, got {type(source).__name__}"
             )

@@ -97,13 +97,14 @@ def blob_frame(digest: bytes, data: bytes) -> list[bytes]:
 
 def pack(obj: Any) -> bytes:
     # record fields are str (node ids, model names) that may hold lone surrogates
-    return msgpack.packb(obj, use_bin_type=True, unicode_errors="surrogatepass")
+    packed: bytes = msgpack.packb(obj, use_bin_type=True, unicode_errors="surrogatepass")
+    return packed
 
 
 # ---------------------------------------------------------------- token segments
 
 
-def _array_bytes(arr: array) -> bytes:
+def _array_bytes(arr: array[Any]) -> bytes:
     if _LITTLE:
         return arr.tobytes()
     swapped = array(arr.typecode, arr)
@@ -111,7 +112,7 @@ def _array_bytes(arr: array) -> bytes:
     return swapped.tobytes()
 
 
-def _bytes_array(typecode: str, data: bytes) -> array:
+def _bytes_array(typecode: str, data: bytes) -> array[Any]:
     arr = array(typecode)
     if len(data) % arr.itemsize:
         raise ValueError(f"{len(data)} bytes is not a whole number of '{typecode}' items")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import xxhash
 
 from .blobs import content_digest
-from .errors import ChecksumMismatch, CorruptFileError
+from .errors import ChecksumMismatch, CorruptFileError, RecordTooLargeError
 
 __all__ = [
     "DIGEST_SIZE",
@@ -88,7 +88,9 @@ def encode_frame(kind: int, payload: bytes, prev: int) -> tuple[bytes, int]:
     if ESCAPE in payload:
         stored, kind_byte = escape(payload), kind | ESCAPED
     if len(stored) > MAX_PAYLOAD:
-        raise ValueError(f"a record of {len(stored)} bytes is larger than a frame can hold")
+        raise RecordTooLargeError(
+            f"a record of {len(stored)} bytes is larger than a frame can hold"
+        )
     value = chain_value(kind_byte, len(stored), prev, payload)
     return HEADER.pack(SYNC, kind_byte, len(stored), prev, value) + stored, value
 
@@ -101,7 +103,7 @@ def encode_blob_frame(kind: int, digest: bytes, data: bytes, prev: int) -> tuple
         return [frame], value
     length = DIGEST_SIZE + len(data)
     if length > MAX_PAYLOAD:
-        raise ValueError(f"a string of {len(data)} bytes is larger than a frame can hold")
+        raise RecordTooLargeError(f"a string of {len(data)} bytes is larger than a frame can hold")
     value = chain_value(kind, length, prev, digest)
     return [HEADER.pack(SYNC, kind, length, prev, value), digest, data], value
 
@@ -182,12 +184,14 @@ def _check(
         raise _damage("blob record shorter than its digest", offset, record)
     hashed = payload[:DIGEST_SIZE] if is_blob else payload
     if counters is not None:
-        counters.hashed_bytes += len(payload)
+        counters.hashed_bytes += len(hashed)
     actual = chain_value(kind_byte, length, prev, hashed)
     if actual != expected:
         raise _Damage(ChecksumMismatch("record", expected, actual, offset=offset, record=record))
     if is_blob:
         stored = bytes(payload[:DIGEST_SIZE])
+        if counters is not None:
+            counters.hashed_bytes += len(payload) - DIGEST_SIZE
         digest = content_digest(payload[DIGEST_SIZE:])
         if digest != stored:
             raise _Damage(ChecksumMismatch("blob", stored, digest, offset=offset, record=record))

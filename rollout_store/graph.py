@@ -16,37 +16,36 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 import xxhash
 
+from . import materialize
 from .blobs import BlobTable
 from .content import ContentStore, StringCache
 from .encoding import unpack
-from .errors import DuplicateNodeError, InvalidValueError, RolloutStoreError
+from .errors import (
+    DuplicateNodeError,
+    InvalidArgumentError,
+    InvalidValueError,
+    RolloutStoreError,
+    UnknownNodeError,
+)
+from .index import index_members
 from .intake import real_numbers
+from .keys import request_key
 from .linking import Linker
-from .nodes import common_prefix_len
+from .nodes import TurnNode
 from .requests import RequestStore, Scratch
 from .shared_blobs import StoreBlobTable
-from .tokens import run_list
-from .training import TrainingSequence
-from .turns import (
-    EMPTY_PROMPT,
-    LINK_EXPLICIT,
-    LINK_MESSAGES,
-    LINK_NAMES,
-    LINK_NONE,
-    LINK_TOKENS,
-    LOGPROBS_PACKED,
+from .stored import (
     SCALAR_NAMES,
     IndexKeys,
     LinkKind,
     Turn,
+    TurnFlag,
     TurnMeta,
-    TurnNode,
     add_child,
-    index_members,
     is_above,
-    request_key,
-    seg_list,
 )
+from .tokens import run_list
+from .training import TrainingSequence
 from .views import NodeView
 
 __all__ = [
@@ -54,9 +53,6 @@ __all__ = [
     "GraphRestorer",
     "Journal",
     "JournalEntry",
-    "TrainingSequence",
-    "TurnNode",
-    "common_prefix_len",
 ]
 
 
@@ -128,7 +124,7 @@ class Graph:
         if share_threshold is not None and (
             not isinstance(share_threshold, int) or share_threshold < 1
         ):
-            raise ValueError("share_threshold must be a positive int or None")
+            raise InvalidArgumentError("share_threshold must be a positive int or None")
         self.share_threshold = share_threshold
         self.store = store
         self._turns: list[Turn] = []
@@ -159,7 +155,9 @@ class Graph:
         # colliding hashes this way)
         with self._lock:
             if self._turns or len(self._blobs):
-                raise ValueError("the blob table of a graph that holds turns cannot change")
+                raise InvalidArgumentError(
+                    "the blob table of a graph that holds turns cannot change"
+                )
             self.store = table.store if isinstance(table, StoreBlobTable) else None
             self._use_blobs(table)
 
@@ -267,7 +265,7 @@ class Graph:
         error the graph is exactly as before.
         """
         if not isinstance(node, TurnNode):
-            raise TypeError(f"add_turn expects a TurnNode, got {type(node).__name__}")
+            raise InvalidArgumentError(f"add_turn expects a TurnNode, got {type(node).__name__}")
         with self._lock:
             if self._closed:
                 raise RolloutStoreError("the graph's file is closed: reopen it to add turns")
@@ -349,13 +347,13 @@ class Graph:
 
         # Linking: an explicit parent wins, then tokens, then messages.
         if explicit is not None:
-            turn.parent, turn.link = explicit, LINK_EXPLICIT
+            turn.parent, turn.link = explicit, LinkKind.EXPLICIT
         elif scratch.token_parent is not None:
-            turn.parent, turn.link = scratch.token_parent, LINK_TOKENS
+            turn.parent, turn.link = scratch.token_parent, LinkKind.TOKENS
         elif turn.prompt is None and scratch.message_parent is not None:
-            turn.parent, turn.link = scratch.message_parent, LINK_MESSAGES
+            turn.parent, turn.link = scratch.message_parent, LinkKind.MESSAGES
         else:
-            turn.parent, turn.link = None, LINK_NONE
+            turn.parent, turn.link = None, LinkKind.NONE
             request = scratch.request
             if request is not None and request.n_valid == len(request.plains) and not turn.prompt:
                 # every shorter prefix, the empty one too (a request of system messages only)
@@ -405,21 +403,8 @@ class Graph:
 
     # ------------------------------------------------------------------ materialize
 
-    def _logprobs(self, turn: Turn) -> Any:
-        lp = turn.logprobs
-        if lp is None:
-            return None
-        if turn.flags & LOGPROBS_PACKED:
-            return unpack(lp, self._blobs.string)
-        return lp.tolist()
-
     def _view(self, turn: Turn) -> TurnNode:
         return NodeView.of(self, turn)
-
-    def _prompt_ids(self, turn: Turn) -> list[int] | None:
-        if turn.prompt is not None:
-            return run_list(turn.prompt)
-        return [] if turn.flags & EMPTY_PROMPT else None
 
     @_locked
     def field_value(self, node_id: str, name: str) -> Any:
@@ -436,7 +421,7 @@ class Graph:
         try:
             return self._by_id[node_id]
         except (KeyError, TypeError):
-            raise KeyError(f"no turn {node_id!r} in the graph") from None
+            raise UnknownNodeError(f"no turn {node_id!r} in the graph") from None
 
     def __len__(self) -> int:
         return len(self._turns)
@@ -451,23 +436,23 @@ class Graph:
 
     @_locked
     def request_messages(self, node_id: str) -> list[Any] | tuple[Any, ...] | None:
-        return self._requests.messages(self._turn(node_id))
+        return materialize.request_messages(self._turn(node_id), self._blobs)
 
     @_locked
     def response_message(self, node_id: str) -> Any:
-        return self._requests.value(self._turn(node_id).response)
+        return materialize.value(self._turn(node_id).response, self._blobs)
 
     @_locked
     def request_tools(self, node_id: str) -> Any:
-        return self._requests.value(self._turn(node_id).tools)
+        return materialize.value(self._turn(node_id).tools, self._blobs)
 
     @_locked
     def sampling_params(self, node_id: str) -> Any:
-        return self._requests.value(self._turn(node_id).sampling)
+        return materialize.value(self._turn(node_id).sampling, self._blobs)
 
     @_locked
     def requested_sampling_params(self, node_id: str) -> Any:
-        return self._requests.value(self._turn(node_id).requested)
+        return materialize.value(self._turn(node_id).requested, self._blobs)
 
     @_locked
     def summary(self, node_id: str) -> dict[str, Any]:
@@ -478,7 +463,7 @@ class Graph:
             "node_id": turn.node_id,
             "index": turn.index,
             "parent_id": turn.parent.node_id if turn.parent is not None else None,
-            "link": LINK_NAMES[turn.link],
+            "link": turn.link.label,
             "n_prompt": turn.prompt.length if turn.prompt is not None else 0,
             "n_sampled": len(turn.sampled) if turn.sampled is not None else 0,
             "n_tools": n_tools,
@@ -513,7 +498,7 @@ class Graph:
     @_locked
     def link_kind(self, node_id: str) -> str:
         """How the turn is linked to its parent: none, tokens, messages or explicit."""
-        return LINK_NAMES[self._turn(node_id).link]
+        return self._turn(node_id).link.label
 
     @_locked
     def root_of(self, node_id: str) -> str:
@@ -611,7 +596,7 @@ class Graph:
     def _prompt_identity(self, turn: Turn) -> Any:
         if turn.prompt is not None:
             return ("tokens", tuple(run_list(turn.prompt)))
-        messages = self._requests.messages(turn)
+        messages = materialize.request_messages(turn, self._blobs)
         return ("messages", self._requests.plain(messages) if messages else b"")
 
     @_locked
@@ -668,7 +653,7 @@ class Graph:
         lp = turn.logprobs
         if lp is None:
             return None
-        if not turn.flags & LOGPROBS_PACKED:
+        if not turn.flags & TurnFlag.LOGPROBS_PACKED:
             return lp.tolist() if len(lp) == n else None
         values = unpack(lp, self.blobs.string)
         if isinstance(values, list) and len(values) == n and real_numbers(values):
@@ -761,12 +746,12 @@ class GraphRestorer:
 
 
 _FIELDS: dict[str, Callable[[Graph, Turn], Any]] = {
-    "prompt_ids": Graph._prompt_ids,
-    "sampled_ids": lambda g, t: seg_list(t.sampled),
-    "sampled_logprobs": Graph._logprobs,
-    "request_messages": lambda g, t: g._requests.messages(t),
-    "request_tools": lambda g, t: g._requests.value(t.tools),
-    "sampling_params": lambda g, t: g._requests.value(t.sampling),
-    "requested_sampling_params": lambda g, t: g._requests.value(t.requested),
-    "response_message": lambda g, t: g._requests.value(t.response),
+    "prompt_ids": lambda g, t: materialize.prompt_ids(t),
+    "sampled_ids": lambda g, t: materialize.sampled_ids(t),
+    "sampled_logprobs": lambda g, t: materialize.logprobs(t, g.blobs),
+    "request_messages": lambda g, t: materialize.request_messages(t, g.blobs),
+    "request_tools": lambda g, t: materialize.value(t.tools, g.blobs),
+    "sampling_params": lambda g, t: materialize.value(t.sampling, g.blobs),
+    "requested_sampling_params": lambda g, t: materialize.value(t.requested, g.blobs),
+    "response_message": lambda g, t: materialize.value(t.response, g.blobs),
 }

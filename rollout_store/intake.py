@@ -94,7 +94,7 @@ class _Walker:
     def key(self, k: object) -> Any:
         t = type(k)
         if t is str:
-            return self.string(k) if not k.isascii() else k  # type: ignore[attr-defined]
+            return self.string(k) if not k.isascii() else k  # type: ignore[arg-type,attr-defined]
         if isinstance(k, str):
             return self.string(str.__str__(k))
         if t is bool or k is None:
@@ -114,7 +114,7 @@ class _Walker:
     def value(self, v: object, depth: int) -> Any:
         t = type(v)
         if t is str:
-            if len(v) < self.short and v.isascii():  # type: ignore[arg-type]
+            if len(v) < self.short and v.isascii():  # type: ignore[arg-type,attr-defined]
                 return v
             return self.string(v)  # type: ignore[arg-type]
         if v is None or t is bool or t is float:

@@ -9,27 +9,14 @@ from typing import Any
 
 import xxhash
 
+from .index import index_add, index_members, index_remove
 from .intake import float_array, plain_numbers, token_array
+from .keys import HEADS, request_key, root_token_keys, short_key
+from .materialize import rest_values
+from .nodes import TurnNode
 from .requests import FreshRequest, RequestStore, Scratch
+from .stored import LinkKind, Turn, TurnFlag, add_child, full_run, sampled_any
 from .tokens import BLOCK, TokenRun, block_digests, prefix_digest, run_bytes, run_matches
-from .turns import (
-    EMPTY_PROMPT,
-    HEADS,
-    LOGPROBS_PACKED,
-    NO_MESSAGES,
-    LinkKind,
-    Turn,
-    TurnNode,
-    add_child,
-    full_run,
-    index_add,
-    index_members,
-    index_remove,
-    request_key,
-    root_token_keys,
-    sampled_any,
-    short_key,
-)
 
 __all__ = ["Linker"]
 
@@ -72,8 +59,8 @@ class Linker:
         if prompt is not None and not len(prompt):
             # no token ids came back (a hosted provider): link by messages, keep the []
             prompt = None
-            turn.flags |= EMPTY_PROMPT
-        logprobs = node.sampled_logprobs
+            turn.flags |= TurnFlag.EMPTY_PROMPT
+        logprobs: object = node.sampled_logprobs
         if logprobs is not None:
             logprobs = plain_numbers(logprobs, "sampled_logprobs")
         if logprobs is None:
@@ -84,7 +71,7 @@ class Linker:
                 turn.logprobs = packed_floats
             else:
                 turn.logprobs = self.requests.encode(logprobs, "sampled_logprobs")[0]
-                turn.flags |= LOGPROBS_PACKED
+                turn.flags |= TurnFlag.LOGPROBS_PACKED
         turn.sampled = sampled
         if prompt is None:
             turn.prompt = None
@@ -217,7 +204,7 @@ class Linker:
                 index_remove(self.token_roots, key, turn)
         elif turn.n_rest > 0:
             plain = self.requests.plain
-            plains = [plain(m) for m in self.requests.rest_values(turn)]
+            plains = [plain(m) for m in rest_values(turn, self.requests.blobs)]
             for m in range(len(plains)):
                 index_remove(self.message_roots, request_key(plains, m), turn)
 
@@ -317,7 +304,7 @@ class Linker:
         message-linked turns is not worked out)."""
         moves: list[Move] = []
         parent = new.parent
-        if new.flags & NO_MESSAGES:
+        if new.flags & TurnFlag.NO_MESSAGES:
             return moves
         if parent is not None and new.prompt is None:
             candidates = list(parent.children or ())
@@ -337,8 +324,8 @@ class Linker:
             ):
                 continue
             if mine is None:
-                mine = store.rest_values(new)
-            theirs = store.rest_values(other)
+                mine = rest_values(new, store.blobs)
+            theirs = rest_values(other, store.blobs)
             if store.plain(theirs[: new.n_rest]) == store.plain(mine):
                 echo = theirs[new.n_rest]
                 if store.echoes(new, echo, store.plain(echo)):
@@ -354,7 +341,7 @@ class Linker:
             for other in list(twin.children or ()):
                 if other.link != LinkKind.MESSAGES or other.prompt is not None:
                     continue
-                values = store.rest_values(other)
+                values = rest_values(other, store.blobs)
                 echo = store.plain(values[new.n_rest]) if new.n_rest < len(values) else None
                 exact_here = echo is not None and echo == store.response_plain(new)
                 if exact_here and echo != store.response_plain(twin):

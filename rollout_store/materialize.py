@@ -1,73 +1,84 @@
-"""Writing JSON documents piece by piece, byte-identical to one `json.dumps` call.
+"""Rebuilding what a stored turn holds: fresh containers, exactly what was recorded.
 
-`json.dumps` of a dict is its keys and values joined by ", " and ": " inside braces; a
-list is its items joined by ", " inside brackets. `write_document` produces exactly that
-while pulling list items from iterators, so only one item is alive at a time.
+Every function takes the stored `Turn` (or a packed value) and the blob table its references
+point into; long strings come back as the table's own `str` objects, never copies.
 """
 
 from __future__ import annotations
 
-import io
-import json
-from collections.abc import Callable, Iterable, Iterator
-from typing import IO, Any
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["Streamed", "write_document", "writer_for"]
+from .blobs import BlobTable
+from .encoding import unpack
+from .stored import Turn, TurnFlag, seg_list
+from .tokens import run_list
 
+__all__ = [
+    "Messages",
+    "logprobs",
+    "prompt_ids",
+    "request_messages",
+    "rest_values",
+    "sampled_ids",
+    "value",
+]
 
-class Streamed:
-    """A list value whose items are produced lazily while the document is written."""
-
-    __slots__ = ("items",)
-
-    def __init__(self, items: Iterable[Any]) -> None:
-        self.items = items
-
-
-def writer_for(fp: IO[Any]) -> Callable[[str], Any]:
-    """A function writing str to a text stream, or ASCII bytes to a binary one."""
-    mode = getattr(fp, "mode", None)
-    text = isinstance(fp, io.TextIOBase) or (
-        not isinstance(fp, io.RawIOBase | io.BufferedIOBase)
-        and isinstance(mode, str)
-        and "b" not in mode
-    )
-    if text:
-        return fp.write
-    write = fp.write
-    # json.dumps output is ASCII with the default ensure_ascii=True.
-    return lambda text: write(text.encode("ascii"))
+Messages = list[Any] | tuple[Any, ...]
 
 
-def _chunks(value: Any) -> Iterator[str]:
-    """JSON text of `value` in pieces; only `Streamed` lists and the dicts holding them are
-    written piece by piece, everything else by one `json.dumps` call."""
-    if isinstance(value, Streamed):
-        yield "["
-        sep = ""
-        for item in value.items:
-            yield sep
-            yield from _chunks(item)
-            sep = ", "
-        yield "]"
-    elif isinstance(value, dict) and any(isinstance(v, Streamed) for v in value.values()):
-        # only the library's own records hold Streamed values, and their keys are str
-        yield "{"
-        sep = ""
-        for key, item in value.items():
-            yield sep
-            yield json.dumps(key)
-            yield ": "
-            yield from _chunks(item)
-            sep = ", "
-        yield "}"
-    else:
-        yield json.dumps(value)
+def value(packed: bytes | None, blobs: BlobTable) -> Any:
+    """A stored value rebuilt (None stays None)."""
+    return None if packed is None else unpack(packed, blobs.string)
 
 
-def write_document(fp: IO[Any], document: Any) -> None:
-    """Write `document` as `json.dumps(document)` would, expanding `Streamed` lists lazily."""
-    write = writer_for(fp)
-    for chunk in _chunks(document):
-        if chunk:
-            write(chunk)
+def rest_values(turn: Turn, blobs: BlobTable) -> list[Any]:
+    """The non-system request messages of `turn`: its base's, then its own tail."""
+    chain: list[Turn] = []
+    node: Turn | None = turn
+    while node is not None:
+        chain.append(node)
+        node = node.base
+    out: list[Any] = []
+    string = blobs.string
+    for owner in reversed(chain):
+        base = owner.base
+        echo = _echo_of(base, blobs) if base is not None else None
+        out.extend(unpack(owner.tail, string, echo))
+    return out
+
+
+def request_messages(turn: Turn, blobs: BlobTable) -> Messages | None:
+    """The request messages of `turn` as they were recorded (a tuple stays a tuple)."""
+    if turn.flags & TurnFlag.NO_MESSAGES:
+        return None
+    messages: list[Any] = []
+    if turn.system is not None:
+        messages.extend(unpack(turn.system, blobs.string))
+    messages.extend(rest_values(turn, blobs))
+    return tuple(messages) if turn.flags & TurnFlag.MESSAGES_TUPLE else messages
+
+
+def prompt_ids(turn: Turn) -> list[int] | None:
+    if turn.prompt is not None:
+        return run_list(turn.prompt)
+    return [] if turn.flags & TurnFlag.EMPTY_PROMPT else None
+
+
+def sampled_ids(turn: Turn) -> list[int] | None:
+    return seg_list(turn.sampled)
+
+
+def logprobs(turn: Turn, blobs: BlobTable) -> Any:
+    """The sampled logprobs: a list of floats, or the JSON value recorded."""
+    lp = turn.logprobs
+    if lp is None:
+        return None
+    if turn.flags & TurnFlag.LOGPROBS_PACKED:
+        return unpack(lp, blobs.string)
+    return lp.tolist()
+
+
+def _echo_of(base: Turn, blobs: BlobTable) -> Callable[[], Any]:
+    """What the echo placeholder in a tail stands for: the base turn's response."""
+    return lambda: value(base.response, blobs)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from .encoding import EXT_BIGINT, EXT_BLOB, EXT_ECHO, EXT_SURROGATE, EXT_TUPLE
 
-__all__ = ["PackedInfo", "check_packed", "splice_blobs"]
+__all__ = ["PackedInfo", "check_int_array", "check_packed", "splice_blobs"]
 
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
@@ -45,6 +45,36 @@ _FIXED = {
 }
 
 
+# what each type byte starts
+_K_ONE, _K_STR, _K_FIXMAP, _K_FIXARRAY, _K_CONTAINER = 0, 1, 2, 3, 4
+_K_FIXED, _K_LONGSTR, _K_BIN, _K_EXT, _K_BAD = 5, 6, 7, 8, 9
+
+
+def _kind(b: int) -> int:
+    if b <= 0x7F or b >= 0xE0 or b in (0xC0, 0xC2, 0xC3):
+        return _K_ONE
+    if 0xA0 <= b <= 0xBF:
+        return _K_STR
+    if b <= 0x8F:
+        return _K_FIXMAP
+    if b <= 0x9F:
+        return _K_FIXARRAY
+    if b in (0xDC, 0xDD, 0xDE, 0xDF):
+        return _K_CONTAINER
+    if b in _FIXED:
+        return _K_FIXED
+    if b in _STRLEN:
+        return _K_LONGSTR
+    if b in _BINLEN:
+        return _K_BIN
+    if b in _FIXEXT or b in _EXTLEN:
+        return _K_EXT
+    return _K_BAD
+
+
+_KINDS = tuple(_kind(b) for b in range(256))
+
+
 @dataclass(slots=True)
 class PackedInfo:
     """What `check_packed` found in one value."""
@@ -53,6 +83,18 @@ class PackedInfo:
     special: bool = False  # a tuple, big int, lone surrogate, or a blob holding surrogates
     echoes: int = 0
     blob_refs: array[int] = field(default_factory=lambda: array("I"))  # offsets of blob references
+
+
+#: Strings checked as UTF-8 together (their views are then freed: memory stays flat).
+_SPANS = 256
+
+
+def _utf8(spans: list[memoryview]) -> None:
+    """Check many strings' bytes as UTF-8 with one decode: a NUL between two can neither
+    complete a sequence the first leaves open nor continue one."""
+    if spans:
+        b"\0".join(spans).decode("utf-8")
+        spans.clear()
 
 
 def _length(data: bytes, pos: int, width: int) -> int:
@@ -93,54 +135,48 @@ def check_packed(
     in_map = False
     first = False  # the next item is the first of an array (where a tuple marker may be)
     depth = 0
+    kinds = _KINDS
+    spans: list[memoryview] = []  # every string's bytes, checked as UTF-8 at the end
     try:
         while True:
             while left == 0:
                 if not remaining:
                     if pos != size:
                         raise ValueError(f"{size - pos} bytes after the value")
+                    _utf8(spans)
                     return info
                 left = remaining.pop()
                 in_map = is_map.pop()
                 depth -= 1
-            key = in_map and left % 2 == 0
+            key = in_map and not left & 1
             left -= 1
-            at_first, first = first, False
             b = data[pos]
-            if b <= 0x7F or b >= 0xE0:  # fixint
-                pos += 1
-                continue
-            if 0xA0 <= b <= 0xBF or b in _STRLEN or (record and b in _BINLEN):  # str (bin)
-                if b <= 0xBF:
-                    start, n = pos + 1, b & 0x1F
-                else:
-                    width = _STRLEN[b] if b in _STRLEN else _BINLEN[b]
-                    start = pos + 1 + width
-                    n = _length(data, pos + 1, width)
-                end = start + n
+            kind = kinds[b]
+            if kind == _K_STR:  # fixstr, the most common item
+                end = pos + 1 + (b & 0x1F)
                 if end > size:
                     raise ValueError("a string runs past the end")
-                if n and not record:
-                    str(view[start:end], "utf-8")
+                if end - pos > 1 and not record:
+                    spans.append(view[pos + 1 : end])
+                    if len(spans) >= _SPANS:
+                        _utf8(spans)
                 pos = end
+                first = False
                 continue
-            if b in _FIXED:
-                pos += _FIXED[b]
-                if pos > size:
-                    raise ValueError("a number runs past the end")
+            if kind == _K_ONE:  # fixint, nil, bool
+                pos += 1
+                first = False
                 continue
-            if b <= 0x9F or b in (0xDC, 0xDD, 0xDE, 0xDF):  # containers
+            if _K_FIXMAP <= kind <= _K_CONTAINER:
                 if key:
                     raise ValueError("a container as a dict key")
-                if b <= 0x8F:
-                    n, pos, map_ = b & 0x0F, pos + 1, True
-                elif b <= 0x9F:
-                    n, pos, map_ = b & 0x0F, pos + 1, False
-                else:
+                if kind == _K_CONTAINER:
                     width = 2 if b in (0xDC, 0xDE) else 4
                     n = _length(data, pos + 1, width)
                     pos += 1 + width
                     map_ = b >= 0xDE
+                else:
+                    n, pos, map_ = b & 0x0F, pos + 1, kind == _K_FIXMAP
                 items = 2 * n if map_ else n
                 if items > size - pos:  # every item takes at least one byte
                     raise ValueError("a container claims more items than bytes are left")
@@ -157,7 +193,25 @@ def check_packed(
                 left, in_map, depth = items, map_, depth + 1
                 first = not map_
                 continue
-            if (b in _FIXEXT or b in _EXTLEN) and not record:
+            at_first, first = first, False
+            if kind == _K_FIXED:
+                pos += _FIXED[b]
+                if pos > size:
+                    raise ValueError("a number runs past the end")
+                continue
+            if kind == _K_LONGSTR or (kind == _K_BIN and record):
+                width = _STRLEN[b] if kind == _K_LONGSTR else _BINLEN[b]
+                start = pos + 1 + width
+                end = start + _length(data, pos + 1, width)
+                if end > size:
+                    raise ValueError("a string runs past the end")
+                if end > start and not record:
+                    spans.append(view[start:end])
+                    if len(spans) >= _SPANS:
+                        _utf8(spans)
+                pos = end
+                continue
+            if kind == _K_EXT and not record:
                 if b in _FIXEXT:
                     n, start = _FIXEXT[b], pos + 2
                 else:
@@ -193,9 +247,9 @@ def check_packed(
                     raise ValueError(f"extension type {code} is not allowed here")
                 pos = end
                 continue
-            if b in (0xC4, 0xC5, 0xC6):
+            if kind == _K_BIN:
                 raise ValueError("bytes, which JSON cannot carry")
-            if b in _FIXEXT or b in _EXTLEN:
+            if kind == _K_EXT:
                 raise ValueError("an extension type is not allowed in a record")
             raise ValueError(f"type byte {b:#04x} is not msgpack")
     except (IndexError, struct.error):
@@ -231,3 +285,36 @@ def splice_blobs(data: bytes, refs: array[int], text_of: Callable[[int], bytes])
         pos = at + 6
     parts.append(data[pos:])
     return b"".join(parts)
+
+
+_INT_SIZES = {0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9, 0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9}
+
+
+def check_int_array(data: bytes) -> None:
+    """Check that `data` packs one array of ints (big ones as EXT_BIGINT), before it is
+    decoded: nothing else can make it allocate more than a list of ints."""
+    size = len(data)
+    try:
+        b = data[0]
+        if 0x90 <= b <= 0x9F:
+            n, pos = b & 0x0F, 1
+        elif b in (0xDC, 0xDD):
+            width = 2 if b == 0xDC else 4
+            n, pos = _length(data, 1, width), 1 + width
+        else:
+            raise ValueError("token ids must be an array")
+        for _ in range(n):
+            b = data[pos]
+            if b <= 0x7F or b >= 0xE0:
+                pos += 1
+            elif b in _INT_SIZES:
+                pos += _INT_SIZES[b]
+            elif b in _EXTLEN and data[pos + 1 + _EXTLEN[b]] == EXT_BIGINT:
+                width = _EXTLEN[b]
+                pos += 2 + width + _length(data, pos + 1, width)
+            else:
+                raise ValueError("token ids must be ints")
+    except (IndexError, struct.error):
+        raise ValueError("token ids cut short") from None
+    if pos != size:
+        raise ValueError("token ids cut short or followed by bytes")

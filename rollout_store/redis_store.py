@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .content import RetryPolicy, check_key, content_key, verified
-from .errors import MissingObjectError, StoreError
+from .errors import InvalidArgumentError, MissingObjectError, StoreError
 
 __all__ = ["RedisStore"]
 
@@ -48,7 +48,7 @@ class RedisStore:
             ) from None
         if client is None:
             if url is None:
-                raise ValueError("RedisStore needs a url or a client")
+                raise InvalidArgumentError("RedisStore needs a url or a client")
             client = redis.Redis.from_url(
                 url,
                 socket_timeout=timeout,

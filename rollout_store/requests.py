@@ -7,41 +7,23 @@ are stored once per graph.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Final
 
 from .blobs import BlobTable
 from .content import content_key
-from .encoding import NotPackable, array_header, unpack
+from .encoding import ECHO_PACKED, NotPackable, array_header, new_packer, no_echo, unpack
 from .errors import InvalidValueError
+from .index import index_add, index_members
 from .intake import Encoder
+from .keys import request_key
+from .materialize import Messages, value
 from .messages import leading_system_count, link_key, response_link_key
-from .turns import (
-    ECHO_PACKED,
-    MESSAGES_TUPLE,
-    NO_MESSAGES,
-    RESPONSE_REFS,
-    RESPONSE_SPECIAL,
-    TAIL_ECHO,
-    TAIL_REFS,
-    TAIL_SLOW,
-    TAIL_SPECIAL,
-    IndexKeys,
-    LinkKind,
-    Turn,
-    TurnNode,
-    finish_tail,
-    index_add,
-    index_members,
-    new_packer,
-    no_echo,
-    request_key,
-)
+from .nodes import TurnNode
+from .stored import IndexKeys, LinkKind, Turn, TurnFlag, finish_tail
 from .values import ValueTable
 
 __all__ = ["FreshRequest", "RequestStore", "Scratch"]
 
-Messages = list[Any] | tuple[Any, ...]
 
 _new_tuple: Final = tuple.__new__
 
@@ -169,9 +151,9 @@ class RequestStore:
             return None
         packed, special = self.encode(value, "response_message")
         if self._encoder.last_refs:  # else the packing is the plain one, nothing to expand
-            turn.flags |= RESPONSE_REFS
+            turn.flags |= TurnFlag.RESPONSE_REFS
         if special:
-            turn.flags |= RESPONSE_SPECIAL
+            turn.flags |= TurnFlag.RESPONSE_SPECIAL
         return packed
 
     def _shared(
@@ -231,14 +213,14 @@ class RequestStore:
         if messages is None:
             turn.system, turn.base, turn.tail, turn.n_rest = None, None, b"", 0
             turn.first = turn.body_start = 0
-            turn.flags |= NO_MESSAGES
+            turn.flags |= TurnFlag.NO_MESSAGES
             return None
         if not isinstance(messages, list | tuple):
             raise InvalidValueError(
                 f"expected a list of messages, got {type(messages).__name__}", "request_messages"
             )
         if isinstance(messages, tuple):
-            turn.flags |= MESSAGES_TUPLE
+            turn.flags |= TurnFlag.MESSAGES_TUPLE
         if not messages and turn.prompt is not None:
             # a token turn without messages (the default []): linked by its tokens, and no
             # base of anything, so it stays out of the request index (which would otherwise
@@ -290,18 +272,18 @@ class RequestStore:
             p = rest_plains[i]
             if i == start and base is not None and self.is_echo(base, rest[i], p):
                 pieces.append(ECHO_PACKED)
-                turn.flags |= TAIL_ECHO
+                turn.flags |= TurnFlag.TAIL_ECHO
                 continue
             packed, special = self.encode(rest[i], f"request_messages[{n_sys + i}]")
             if packed != p:
-                turn.flags |= TAIL_REFS
+                turn.flags |= TurnFlag.TAIL_REFS
             if special:
-                turn.flags |= TAIL_SPECIAL
+                turn.flags |= TurnFlag.TAIL_SPECIAL
             pieces.append(packed)
-        if self.tail_keys is not None and turn.flags & TAIL_REFS:
+        if self.tail_keys is not None and turn.flags & TurnFlag.TAIL_REFS:
             # its strings are out of the process: match it later by the SHA-256 of its plain
             # packings rather than by fetching them
-            body = rest_plains[start + (1 if turn.flags & TAIL_ECHO else 0) :]
+            body = rest_plains[start + (1 if turn.flags & TurnFlag.TAIL_ECHO else 0) :]
             if None not in body:
                 scratch.tail_key = content_key(b"".join(body))  # type: ignore[arg-type]
         turn.base = base
@@ -311,7 +293,7 @@ class RequestStore:
 
     def file(self, turn: Turn, key: int | None) -> None:
         """File a committed turn's request under `key` (its digest), if it has messages."""
-        if key is not None and not turn.flags & NO_MESSAGES:
+        if key is not None and not turn.flags & TurnFlag.NO_MESSAGES:
             index_add(self.request_index, key, turn)
 
     # ------------------------------------------------------------------ matching
@@ -331,7 +313,7 @@ class RequestStore:
         """Whether `message` is exactly the response of `base`."""
         if plain is None or base.response is None or plain != self.response_plain(base):
             return False
-        return not base.flags & RESPONSE_SPECIAL or self.valid(message, plain)
+        return not base.flags & TurnFlag.RESPONSE_SPECIAL or self.valid(message, plain)
 
     def echoes(self, turn: Turn, message: Any, plain: bytes | None) -> bool:
         """Whether `message` is the echo of the turn's response (exactly or loosely)."""
@@ -340,7 +322,7 @@ class RequestStore:
         if self.is_echo(turn, message, plain):
             return True
         try:
-            return bool(response_link_key(self.response_value(turn)) == link_key(message))
+            return bool(response_link_key(value(turn.response, self.blobs)) == link_key(message))
         except Exception:  # a malformed fresh message simply does not match
             return False
 
@@ -354,7 +336,7 @@ class RequestStore:
         if end > len(plains):
             return False
         join = b"".join
-        slow_bit, echo_bit = TAIL_SLOW, TAIL_ECHO
+        slow_bit, echo_bit = TurnFlag.TAIL_SLOW, TurnFlag.TAIL_ECHO
         node: Turn | None = turn
         try:
             while node is not None:
@@ -391,7 +373,7 @@ class RequestStore:
         """Whether the tail of `turn` is exactly `messages[start:end]`."""
         tail = turn.tail
         i = start
-        echo = turn.flags & TAIL_ECHO
+        echo = turn.flags & TurnFlag.TAIL_ECHO
         if echo:
             base = turn.base
             if i >= end or base is None or not self.is_echo(base, messages[i], plains[i]):
@@ -404,7 +386,7 @@ class RequestStore:
                     return False
             except TypeError:  # a message with no plain packing
                 return False
-        elif turn.flags & TAIL_REFS:
+        elif turn.flags & TurnFlag.TAIL_REFS:
             # blob references: rebuild the values (blobs are the table's own strings, no
             # copy) and pack them with every string inline, then compare bytes
             try:
@@ -426,7 +408,7 @@ class RequestStore:
             overhead = len(array_header(end - start)) + (i - start) * len(ECHO_PACKED)
             if len(joined) + overhead != len(tail) or not tail.endswith(joined):
                 return False
-        if turn.flags & TAIL_SPECIAL:
+        if turn.flags & TurnFlag.TAIL_SPECIAL:
             return all(self.valid(messages[k], plains[k]) for k in range(i, end))
         return True
 
@@ -456,46 +438,6 @@ class RequestStore:
     def response_plain(self, turn: Turn) -> bytes | None:
         if turn.response is None:
             return None
-        if not turn.flags & RESPONSE_REFS:
+        if not turn.flags & TurnFlag.RESPONSE_REFS:
             return turn.response
         return self.expand(turn.response)
-
-    # ------------------------------------------------------------------ rebuilding
-
-    def value(self, packed: bytes | None) -> Any:
-        """A stored value rebuilt: fresh containers, blobs as the table's own strings."""
-        return None if packed is None else unpack(packed, self.blobs.string)
-
-    def response_value(self, turn: Turn) -> Any:
-        return self.value(turn.response)
-
-    def rest_values(self, turn: Turn) -> list[Any]:
-        """The non-system request messages of `turn`, rebuilt."""
-        chain: list[Turn] = []
-        node: Turn | None = turn
-        while node is not None:
-            chain.append(node)
-            node = node.base
-        out: list[Any] = []
-        string = self.blobs.string
-        for owner in reversed(chain):
-            base = owner.base
-            echo: Callable[[], Any] | None = None
-            if base is not None:
-                echo = _echo_of(self, base)
-            out.extend(unpack(owner.tail, string, echo))
-        return out
-
-    def messages(self, turn: Turn) -> Messages | None:
-        """The request messages of `turn`, rebuilt as they were recorded."""
-        if turn.flags & NO_MESSAGES:
-            return None
-        messages: list[Any] = []
-        if turn.system is not None:
-            messages.extend(unpack(turn.system, self.blobs.string))
-        messages.extend(self.rest_values(turn))
-        return tuple(messages) if turn.flags & MESSAGES_TUPLE else messages
-
-
-def _echo_of(store: RequestStore, base: Turn) -> Callable[[], Any]:
-    return lambda: store.response_value(base)

@@ -63,9 +63,9 @@ class S3Store:
         **client_options: Any,
     ) -> None:
         try:
-            import boto3  # type: ignore[import-untyped]
-            import botocore.config  # type: ignore[import-untyped]
-            import botocore.exceptions  # type: ignore[import-untyped]
+            import boto3
+            import botocore.config
+            import botocore.exceptions
         except ImportError:  # pragma: no cover - depends on the installation
             raise ImportError("S3Store needs boto3: pip install 'rollout_store[s3]'") from None
         if client is None:

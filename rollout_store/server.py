@@ -48,7 +48,7 @@ from starlette.routing import Route
 from .content import ContentStore, StringCache
 from .errors import InvalidValueError, RolloutStoreError
 from .export import write_session_json, write_trace_jsonl
-from .graph import TurnNode
+from .nodes import TurnNode
 from .sessions import Session, SessionError, Sessions, clean_session_id
 from .sse import SSE_HEADERS, anthropic_events, chat_chunks, sse_data, sse_event
 from .stores import DirectoryStore, MemoryStore

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 
 from .blobs import BlobTable, Handle, content_digest
 from .content import ContentStore, StringCache, TextStore, content_key
+from .errors import InvalidArgumentError
+from .index import index_add, index_members, index_remove
 
 __all__ = ["DEFAULT_GRAPH_CACHE_BYTES", "StoreBlobTable"]
 
@@ -58,7 +60,7 @@ class StoreBlobTable(BlobTable):
     ) -> None:
         super().__init__(hasher)
         if not isinstance(store, ContentStore):
-            raise TypeError(
+            raise InvalidArgumentError(
                 f"store must be a ContentStore (put, get, contains), got {type(store).__name__}"
             )
         self.store = store
@@ -99,7 +101,7 @@ class StoreBlobTable(BlobTable):
         found = self._digests.get(digest)
         if found is not None:
             sha: list[bytes] = []
-            for handle in found if isinstance(found, list) else (found,):
+            for handle in index_members(found):
                 if self._same(handle, text, data, sha):
                     return handle
         if self._text_store is not None:
@@ -130,13 +132,7 @@ class StoreBlobTable(BlobTable):
         self._keys.append(key)
         self._handles_.append(handle)
         self._nbytes += size
-        found = self._digests.get(digest)
-        if found is None:
-            self._digests[digest] = handle
-        elif isinstance(found, list):
-            found.append(handle)
-        else:
-            self._digests[digest] = [found, handle]
+        index_add(self._digests, digest, handle)
         return handle
 
     def add_verified(self, text: str, digest: bytes, data_len: int, surrogates: bool) -> Handle:
@@ -211,13 +207,7 @@ class StoreBlobTable(BlobTable):
             handle = self._handles_.pop()
             self._keys.pop()
             self._nbytes -= handle.size
-            found = self._digests[handle.digest]
-            if isinstance(found, list):
-                found.remove(handle)
-                if len(found) == 1:
-                    self._digests[handle.digest] = found[0]
-            else:
-                del self._digests[handle.digest]
+            index_remove(self._digests, handle.digest, handle)
 
     def stats(self) -> dict[str, int]:
         return {

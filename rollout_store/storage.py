@@ -23,11 +23,13 @@ from . import framing
 from .atomic import fsync_dir, lock_log, replace_file
 from .blobs import BlobTable, content_digest
 from .content import ContentStore, StringCache
+from .encoding import ECHO_PACKED
 from .errors import (
     ChecksumMismatch,
     CorruptFileError,
     CorruptObjectError,
     FileLockedError,
+    InvalidArgumentError,
     MissingObjectError,
     StoreError,
     StoreObjectError,
@@ -57,29 +59,10 @@ from .frames import (
 )
 from .graph import Graph, GraphRestorer, JournalEntry
 from .intake import MAX_DEPTH, token_array
-from .packed import PackedInfo, check_packed, splice_blobs
+from .packed import PackedInfo, check_int_array, check_packed, splice_blobs
 from .shared_blobs import StoreBlobTable
+from .stored import IndexKeys, LinkKind, Turn, TurnFlag, TurnMeta, finish_tail, full_run, is_above
 from .tokens import TokenRun, run_list
-from .turns import (
-    ECHO_PACKED,
-    EMPTY_PROMPT,
-    LOGPROBS_PACKED,
-    MESSAGES_TUPLE,
-    NO_MESSAGES,
-    RESPONSE_REFS,
-    RESPONSE_SPECIAL,
-    TAIL_ECHO,
-    TAIL_REFS,
-    TAIL_SLOW,
-    TAIL_SPECIAL,
-    IndexKeys,
-    LinkKind,
-    Turn,
-    TurnMeta,
-    finish_tail,
-    full_run,
-    is_above,
-)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -135,18 +118,18 @@ class TurnRecord(NamedTuple):
 
 
 #: Bits of Turn.flags that are derived on load, never written.
-_DERIVED_FLAGS = TAIL_SLOW
-#: Bits a turn record's flags may hold (a version-1 writer also wrote TAIL_SLOW).
+_DERIVED_FLAGS = TurnFlag.TAIL_SLOW
+#: Bits a turn record's flags may hold (a version-1 writer also wrote TurnFlag.TAIL_SLOW).
 _STORED_FLAGS = (
-    TAIL_REFS
-    | RESPONSE_REFS
-    | MESSAGES_TUPLE
-    | LOGPROBS_PACKED
-    | NO_MESSAGES
-    | TAIL_ECHO
-    | TAIL_SPECIAL
-    | RESPONSE_SPECIAL
-    | EMPTY_PROMPT
+    TurnFlag.TAIL_REFS
+    | TurnFlag.RESPONSE_REFS
+    | TurnFlag.MESSAGES_TUPLE
+    | TurnFlag.LOGPROBS_PACKED
+    | TurnFlag.NO_MESSAGES
+    | TurnFlag.TAIL_ECHO
+    | TurnFlag.TAIL_SPECIAL
+    | TurnFlag.RESPONSE_SPECIAL
+    | TurnFlag.EMPTY_PROMPT
 )
 
 #: How a file holds long strings: inline (self-contained) or as keys into a content store.
@@ -213,7 +196,7 @@ class _Writer:
         frames: list[bytes] = []
         if self.blobs_mode == BLOBS_STORE:
             if not isinstance(blobs, StoreBlobTable):
-                raise ValueError(
+                raise InvalidArgumentError(
                     'blobs="store" needs a graph over a content store (RolloutGraph(store=...))'
                 )
             for index in range(self.blobs_written, end):
@@ -314,9 +297,38 @@ class _Writer:
         return [int(PromptKind.NEW), encode_segment(token_array(run_list(run), "prompt_ids"))]
 
 
+class _Gather:
+    """Frames' parts written with few `writev` calls: no copy of a blob's text into a joined
+    buffer, and no system call per part."""
+
+    MAX_PARTS = 512  # below every system's IOV_MAX
+    MAX_BYTES = 8 << 20
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def add(self, parts: list[bytes]) -> None:
+        self.parts.extend(parts)
+        self.size += sum(map(len, parts))
+        if len(self.parts) >= self.MAX_PARTS or self.size >= self.MAX_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        parts = self.parts
+        while parts:
+            written = os.writev(self.fd, parts[: self.MAX_PARTS])
+            while parts and written >= len(parts[0]):
+                written -= len(parts.pop(0))
+            if written:  # a part written in part
+                parts[0] = parts[0][written:]
+        self.size = 0
+
+
 def _blobs_mode(blobs: str) -> str:
     if blobs not in (BLOBS_INLINE, BLOBS_STORE):
-        raise ValueError(f'blobs must be "inline" or "store", got {blobs!r}')
+        raise InvalidArgumentError(f'blobs must be "inline" or "store", got {blobs!r}')
     return blobs
 
 
@@ -331,24 +343,28 @@ def save(graph: Graph, path: str | os.PathLike[str], *, blobs: str = "inline") -
     """
     mode = _blobs_mode(blobs)
     if mode == BLOBS_STORE and not isinstance(graph.blobs, StoreBlobTable):
-        raise ValueError('save(blobs="store") needs a graph over a content store')
+        raise InvalidArgumentError('save(blobs="store") needs a graph over a content store')
     target = Path(path)
     log_path = graph.journal_path
     if log_path is not None and os.path.realpath(target) == log_path:
-        raise ValueError(f"{target} is the log this graph appends to; save to another path")
+        raise InvalidArgumentError(
+            f"{target} is the log this graph appends to; save to another path"
+        )
 
     def write(fp: IO[bytes]) -> None:
         writer = _Writer(blobs=mode)
-        fp.write(writer.header(graph, MODE_SNAPSHOT))
+        out = _Gather(fp.fileno())
+        out.add([writer.header(graph, MODE_SNAPSHOT)])
         entries = graph.journal_entries()
         for entry in entries:
             # references are counted in the end record of a snapshot
             frames, commit = writer.turn_frames(graph.blobs, entry)
-            fp.writelines(frames)
+            out.add(frames)
             commit()
         references = list(graph.blobs.mark()[1:])
         end = {"turns": len(entries), "blobs": len(graph.blobs), "references": references}
-        fp.write(writer.frame(KIND_END, pack(end), [writer.chain]))
+        out.add([writer.frame(KIND_END, pack(end), [writer.chain])])
+        out.flush()
 
     with graph.lock:
         replace_file(target, write)
@@ -559,7 +575,7 @@ class _Loader:
         flags, tail, n_rest, system = turn.flags, record.tail, record.n_rest, record.system
         turn.system = self._value_ref(system)
         turn.base = self._ref(record.base)
-        if turn.base is not None and (turn.base.flags | flags) & NO_MESSAGES:
+        if turn.base is not None and (turn.base.flags | flags) & TurnFlag.NO_MESSAGES:
             raise ValueError("a request without messages has no base, and is no base")
         if not isinstance(tail, bytes) or not isinstance(n_rest, int):
             raise ValueError("bad request tail")
@@ -568,24 +584,31 @@ class _Loader:
         turn.tail = tail
         turn.n_rest = n_rest
         finish_tail(turn)
-        if flags & NO_MESSAGES:
-            if tail or n_rest or system is not None or flags & (TAIL_ECHO | MESSAGES_TUPLE):
+        if flags & TurnFlag.NO_MESSAGES:
+            if (
+                tail
+                or n_rest
+                or system is not None
+                or flags & (TurnFlag.TAIL_ECHO | TurnFlag.MESSAGES_TUPLE)
+            ):
                 raise ValueError("a request without messages has messages")
         else:
             info = self.check(tail, n_blobs, echo_ok=True)
             if info.top_items != n_rest - turn.first:
                 raise ValueError("request tail does not hold its messages")
-            echo = bool(flags & TAIL_ECHO)
+            echo = bool(flags & TurnFlag.TAIL_ECHO)
             at_start = tail[turn.body_start - len(ECHO_PACKED) : turn.body_start] == ECHO_PACKED
             if info.echoes != echo or (echo and (turn.base is None or not at_start)):
                 raise ValueError("misplaced echo in a request tail")
-            _flags_cover(flags, info, TAIL_REFS, TAIL_SPECIAL, "request tail")
+            if echo and turn.base is not None and turn.base.response is None:
+                raise ValueError("an echo of a base turn that has no response")
+            _flags_cover(flags, info, TurnFlag.TAIL_REFS, TurnFlag.TAIL_SPECIAL, "request tail")
         if system is not None and not self.value_is_list[system]:
             raise ValueError("system messages must be an array")
         if record.response is not None:
             info = self.check(record.response, n_blobs)
-            _flags_cover(flags, info, RESPONSE_REFS, RESPONSE_SPECIAL, "response")
-        elif flags & (RESPONSE_REFS | RESPONSE_SPECIAL):
+            _flags_cover(flags, info, TurnFlag.RESPONSE_REFS, TurnFlag.RESPONSE_SPECIAL, "response")
+        elif flags & (TurnFlag.RESPONSE_REFS | TurnFlag.RESPONSE_SPECIAL):
             raise ValueError("response flags without a response")
         turn.response = record.response
         turn.tools = self._value_ref(record.tools)
@@ -595,14 +618,14 @@ class _Loader:
     def _tokens(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
         """Prompt, sampled ids and logprobs."""
         turn.prompt = self._prompt(record.prompt)
-        turn.sampled = decode_segment(record.sampled)
+        turn.sampled = _segment(record.sampled)
         if turn.sampled is not None and not (
             isinstance(turn.sampled, tuple) or turn.sampled.typecode in "Iq"
         ):
             raise ValueError("bad sampled ids")
         turn.full = full_run(turn.prompt, turn.sampled)
         logprobs = record.logprobs
-        packed = bool(turn.flags & LOGPROBS_PACKED)
+        packed = bool(turn.flags & TurnFlag.LOGPROBS_PACKED)
         if logprobs is None:
             if packed:
                 raise ValueError("logprobs flagged as packed, but there are none")
@@ -664,10 +687,19 @@ class _Loader:
             other = self._ref(spec[1])
             if other is None or other.full is None:
                 raise ValueError("prompt extends a turn without tokens")
-            return TokenRun(other.full, decode_segment(spec[2]))
+            return TokenRun(other.full, _segment(spec[2]))
         if kind == PromptKind.NEW and len(spec) == 2:
-            return TokenRun(None, decode_segment(spec[1]))
+            return TokenRun(None, _segment(spec[1]))
         raise ValueError("bad prompt spec")
+
+
+def _segment(spec: Any) -> Any:
+    """Token ids of a record; packed ids (beyond 64 bits) are checked before decoding."""
+    if isinstance(spec, list) and len(spec) == 2 and spec[0] == "t":
+        if not isinstance(spec[1], bytes):
+            raise ValueError("bad segment")
+        check_int_array(spec[1])
+    return decode_segment(spec)
 
 
 def _flags_cover(flags: int, info: PackedInfo, refs: int, special: int, what: str) -> None:
@@ -751,6 +783,92 @@ def _decode(payload: memoryview, max_containers: int) -> Any:
     return unpack_payload(payload)
 
 
+class _Records:
+    """Applies a file's records, in order, to the loader that the header record makes.
+
+    Blob and value records wait for the turn record after them, so a turn cut short leaves
+    nothing of itself behind. `at` is the (offset, index) of the record an error is about.
+    """
+
+    def __init__(
+        self,
+        report: LoadReport,
+        version: int,
+        path: str,
+        store: ContentStore | None,
+        cache: StringCache | None,
+    ) -> None:
+        self.report = report
+        self.version = version
+        self.path = path
+        self.store = store
+        self.cache = cache
+        self.loader: _Loader | None = None
+        self.ended = False
+        self.pending: list[tuple[int, Any, int, int]] = []  # (kind, body, offset, record)
+        self.at = (0, 0)
+
+    def apply(self, kind: int, payload: memoryview, start: int, record: int) -> None:
+        self.at = (start, record)
+        if kind == KIND_BLOB:
+            body: Any = payload
+        else:
+            # a turn holds at most its fixed containers plus one per earlier turn moved
+            body = _decode(payload, 16 + self.report.turns)
+        if self.ended:
+            raise ValueError("records after the end record")
+        if record == 0:
+            self.loader, self.report.mode = _read_header(
+                kind, body, start, self.version, self.path, self.store, self.cache
+            )
+            return
+        loader = self.loader
+        if loader is None or kind == KIND_HEADER:
+            raise ValueError("a second header record")
+        if kind in (KIND_BLOB, KIND_VALUE, KIND_BLOB_REF):
+            self.pending.append((kind, body, start, record))
+        elif kind == KIND_TURN:
+            self.apply_pending(loader)
+            self.at = (start, record)
+            loader.turn(body)
+            self.report.turns += 1
+        elif kind == KIND_END:
+            _check_end(body, self.pending, self.report)
+            loader.graph.blobs.count_references(*body["references"])
+            self.ended = True
+        else:
+            raise ValueError(f"unknown record kind {kind}")
+
+    def apply_pending(self, loader: _Loader) -> None:
+        """The blobs and values that waited for the turn record now read."""
+        for kind, body, start, record in self.pending:
+            self.at = (start, record)  # an error names this record
+            if kind == KIND_BLOB_REF:
+                loader.blob_ref(body, start, record)
+            elif kind != KIND_BLOB:
+                loader.value(body)
+            elif self.version == _V1:
+                loader.blob(body, start, record)
+            else:
+                loader.blob_v2(body)
+            self.report.blobs += kind in (KIND_BLOB, KIND_BLOB_REF)
+        self.pending.clear()
+
+    def finish(self) -> _Loader:
+        """Damage only the end of the file shows; the loader (an empty one if none)."""
+        report = self.report
+        if report.error is None:
+            if self.loader is None:
+                report.fail(CorruptFileError("no header record", offset=len(MAGIC)), truncated=True)
+            elif self.pending:
+                message = "file ends after the blobs of a turn whose record is missing"
+                report.fail(CorruptFileError(message, offset=report.good_bytes), truncated=True)
+            elif report.mode == MODE_SNAPSHOT and not self.ended:
+                message = "snapshot ends before its end record"
+                report.fail(CorruptFileError(message, offset=report.file_size), truncated=True)
+        return self.loader if self.loader is not None else _Loader(None)
+
+
 def _scan(
     data: bytes,
     path: str,
@@ -758,11 +876,8 @@ def _scan(
     store: ContentStore | None = None,
     cache: StringCache | None = None,
 ) -> tuple[_Loader, LoadReport]:
-    """Read frames until the end or the first damage; never raises for damage.
-
-    Blob and value records are applied only when the turn record after them arrives, so a
-    turn cut short leaves nothing of itself behind.
-    """
+    """Read frames until the end or the first damage; never raises for damage (a content
+    store that cannot be reached is not damage: its error propagates)."""
     size = len(data)
     report = LoadReport(path, size, 0, 0, 0, 0)
     head = bytes(data[: len(MAGIC)])
@@ -775,46 +890,10 @@ def _scan(
         return _Loader(None), report
     report.version = version
     frames = _frames_v1(data, report) if version == _V1 else _frames_v2(data, report)
-    loader: _Loader | None = None
-    ended = False
-    pending: list[tuple[int, Any, int, int]] = []
+    records = _Records(report, version, path, store, cache)
     for kind, payload, start, record, end, chain in frames:
         try:
-            if kind == KIND_BLOB:
-                body: Any = payload
-            else:
-                # a turn holds at most its fixed containers plus one per earlier turn moved
-                body = _decode(payload, 16 + report.turns)
-            if ended:
-                raise ValueError("records after the end record")
-            if record == 0:
-                loader, report.mode = _read_header(kind, body, start, version, path, store, cache)
-            elif loader is None or kind == KIND_HEADER:
-                raise ValueError("a second header record")
-            elif kind in (KIND_BLOB, KIND_VALUE, KIND_BLOB_REF):
-                pending.append((kind, body, start, record))
-            elif kind == KIND_TURN:
-                turn_start, turn_record = start, record
-                for p_kind, p_body, start, record in pending:  # an error names this record
-                    if p_kind == KIND_BLOB_REF:
-                        loader.blob_ref(p_body, start, record)
-                    elif p_kind != KIND_BLOB:
-                        loader.value(p_body)
-                    elif version == _V1:
-                        loader.blob(p_body, start, record)
-                    else:
-                        loader.blob_v2(p_body)
-                    report.blobs += p_kind in (KIND_BLOB, KIND_BLOB_REF)
-                start, record = turn_start, turn_record
-                pending.clear()
-                loader.turn(body)
-                report.turns += 1
-            elif kind == KIND_END:
-                _check_end(body, pending, report)
-                loader.graph.blobs.count_references(*body["references"])
-                ended = True
-            else:
-                raise ValueError(f"unknown record kind {kind}")
+            records.apply(kind, payload, start, record)
         except CorruptFileError as exc:
             report.fail(exc)
             break
@@ -822,26 +901,17 @@ def _scan(
             raise
         except Exception as exc:  # anything a damaged payload provokes
             kind_name = KIND_NAMES.get(kind, f"kind {kind}")
-            message = f"invalid {kind_name} record: {exc}"
-            report.fail(CorruptFileError(message, offset=start, record=record))
+            at, index = records.at
+            report.fail(
+                CorruptFileError(f"invalid {kind_name} record: {exc}", offset=at, record=index)
+            )
             break
         report.records = record + 1
-        if not pending:
+        if not records.pending:
             report.good_bytes, report.good_chain = end, chain
         if progress is not None:
             progress(end)
-    if report.error is None:
-        if loader is None:
-            report.fail(CorruptFileError("no header record", offset=len(MAGIC)), truncated=True)
-        elif pending:
-            message = "file ends after the blobs of a turn whose record is missing"
-            report.fail(CorruptFileError(message, offset=report.good_bytes), truncated=True)
-        elif report.mode == MODE_SNAPSHOT and not ended:
-            message = "snapshot ends before its end record"
-            report.fail(CorruptFileError(message, offset=size), truncated=True)
-    if loader is None:
-        loader = _Loader(None)
-    return loader, report
+    return records.finish(), report
 
 
 def _check_end(body: Any, pending: list[Any], report: LoadReport) -> None:
@@ -1023,7 +1093,7 @@ def _fsync_policy(fsync: str | int) -> int:
         return 0
     if isinstance(fsync, int) and not isinstance(fsync, bool) and fsync >= 1:
         return fsync
-    raise ValueError("fsync must be 'turn', 'never' or a positive int (every N turns)")
+    raise InvalidArgumentError("fsync must be 'turn', 'never' or a positive int (every N turns)")
 
 
 def open_append(
@@ -1048,7 +1118,7 @@ def open_append(
     every = _fsync_policy(fsync)
     mode = _blobs_mode(blobs)
     if mode == BLOBS_STORE and store is None:
-        raise ValueError('open(blobs="store") needs a content store: pass store=...')
+        raise InvalidArgumentError('open(blobs="store") needs a content store: pass store=...')
     target = Path(path)
     while True:
         fp = open(target, "a+b")  # noqa: SIM115 - owned by the returned graph

@@ -8,7 +8,7 @@ taken every `BLOCK` tokens so a parent is found without scanning stored turns.
 from __future__ import annotations
 
 from array import array
-from typing import Union
+from typing import TypeAlias, cast
 
 import xxhash
 
@@ -18,7 +18,8 @@ __all__ = ["BLOCK", "Segment", "TokenRun", "block_digests", "run_bytes", "run_li
 BLOCK = 64
 _BLOCK_BYTES = BLOCK * 4
 
-Segment = Union[array, tuple]  # noqa: UP007 - runtime alias
+#: A run's tokens: array('I') (or 'q') when they fit, else a tuple of exact ints.
+Segment: TypeAlias = "array[int] | tuple[int, ...]"
 
 
 class TokenRun:
@@ -29,7 +30,7 @@ class TokenRun:
     def __init__(self, prev: TokenRun | None, seg: Segment) -> None:
         self.prev = prev
         self.seg = seg
-        self.length = (prev.length if prev is not None else 0) + len(seg)
+        self.length: int = (prev.length if prev is not None else 0) + len(seg)
 
     def segments(self) -> list[Segment]:
         """The segments of the chain, first to last."""
@@ -63,7 +64,7 @@ def run_list(run: TokenRun) -> list[int]:
 
 def run_bytes(run: TokenRun) -> bytes:
     """The run as array('I') bytes; the caller checks `compact` first."""
-    return b"".join(seg.tobytes() for seg in run.segments())
+    return b"".join(cast("array[int]", seg).tobytes() for seg in run.segments())
 
 
 def run_matches(run: TokenRun, data: bytes) -> bool:
@@ -78,7 +79,7 @@ def run_matches(run: TokenRun, data: bytes) -> bool:
         if n:
             if not (isinstance(seg, array) and seg.typecode == "I"):
                 return False
-            if not data.startswith(seg, end - n):  # type: ignore[arg-type]
+            if not data.startswith(seg, end - n):
                 return False
         end -= n
         node = node.prev

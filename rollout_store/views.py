@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
+from .errors import ReadOnlyError
 from .nodes import FIELD_NAMES, NodeMethods, TurnNode
-from .turns import Turn
+from .stored import Turn
 
 __all__ = ["NodeSource", "NodeView"]
 
@@ -51,13 +52,13 @@ class NodeView(NodeMethods):
         return cast(TurnNode, view)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(
+        raise ReadOnlyError(
             f"a node handed out by the graph is read-only (setting {name!r}); "
             "use dataclasses.replace(node, ...) for an editable copy"
         )
 
     def __delattr__(self, name: str) -> None:
-        raise AttributeError("a node handed out by the graph is read-only")
+        raise ReadOnlyError("a node handed out by the graph is read-only")
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (TurnNode, tuple(getattr(self, name) for name in FIELD_NAMES))

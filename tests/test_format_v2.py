@@ -6,6 +6,7 @@ import gc
 import itertools
 import json
 import multiprocessing
+import os
 import struct
 import threading
 import tracemalloc
@@ -331,6 +332,10 @@ def crafted_v2(tmp_path: Path, records: list[tuple[int, object]]) -> Path:
     out, chain = [MAGIC_V2], 0
     for kind, body in [(0, header), *records]:
         payload = body if isinstance(body, bytes) else msgpack.packb(body, use_bin_type=True)
+        if kind == 1:  # a blob: digest, then text; its chain covers the digest
+            parts, chain = framing.encode_blob_frame(kind, payload[:16], payload[16:], chain)
+            out.extend(parts)
+            continue
         frame, chain = encode_frame(kind, payload, chain)
         out.append(frame)
     path = tmp_path / "crafted.rls"
@@ -350,6 +355,12 @@ def turn_record(**changes: object) -> list[object]:
 
 def _nested(depth: int) -> bytes:
     return b"\x91" * (depth - 1) + b"\x90"
+
+
+def _usable_graph(graph: RolloutGraph) -> None:
+    for node_id in graph.node_ids():
+        graph.get(node_id)
+    json.dumps(export_session(graph, include_messages=True, include_discarded=True))
 
 
 def _usable(path: Path, out: Path) -> None:
@@ -382,6 +393,10 @@ CRAFTED = {
     "unknown flags": turn_record(flags=1 << 12),
     "no messages but a tail": turn_record(flags=16, tail=b"\x91\x01", n_rest=1),
     "tuple without flag": turn_record(tail=b"\x91\x92\xc7\x00\x01\x01", n_rest=1),
+    "echo of a base without response": [
+        (3, turn_record(node_id="a")),
+        (3, turn_record(node_id="b", base=0, flags=32, tail=b"\x91\xc7\x00\x05", n_rest=1)),
+    ],
 }
 
 
@@ -398,12 +413,18 @@ def test_what_verify_accepts_loads_queries_and_exports(tmp_path: Path, name: str
         records[0] = (1, content_digest(text) + text)  # type: ignore[operator]
     path = crafted_v2(tmp_path, records)  # type: ignore[arg-type]
     report = storage.verify(path)
-    if report.ok:
-        _usable(path, tmp_path / "out.json")
-    else:
-        assert report.error_offset is not None and report.error_offset > len(MAGIC_V2)
-        with pytest.raises(CorruptFileError):
-            RolloutGraph.load(path)
+    # each case is a file version 1 let through: verify now refuses it, at its record
+    assert not report.ok and "invalid turn record" in (report.error or ""), report.error
+    assert report.error_offset is not None and report.error_offset > len(MAGIC_V2)
+    with pytest.raises(CorruptFileError):
+        RolloutGraph.load(path)
+    # and what a record-by-record recovery keeps is usable
+    try:
+        recovered = RolloutGraph.load(path, recover=True)
+    except CorruptFileError:
+        return
+    assert recovered.load_report is not None
+    _usable_graph(recovered)
 
 
 def test_the_deepest_value_intake_takes_verifies_and_exports(tmp_path: Path) -> None:
@@ -427,3 +448,56 @@ def test_crafted_deep_nesting_fails_verify_with_its_offset(tmp_path: Path) -> No
 
 def test_framing_is_exported() -> None:
     assert framing.SYNC == SYNC
+
+
+def test_a_crafted_record_of_many_containers_is_refused_before_decoding(tmp_path: Path) -> None:
+    """A turn record is walked and bounded before msgpack builds it (200 Ki empty lists would
+    take about 64 bytes each decoded)."""
+    record = turn_record(moves=[[]] * (200 << 10))
+    path = crafted_v2(tmp_path, [(3, record)])
+    size = path.stat().st_size
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        report = storage.verify(path)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert not report.ok and "more containers" in (report.error or "")
+    assert peak <= 4 * size
+
+
+def test_cli_verify_names_a_torn_tail_or_the_next_intact_frame(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "log.rls"
+    small_graph(path).close()
+    data = path.read_bytes()
+    starts = frame_offsets(data)
+    path.write_bytes(data[:-3])
+    assert cli_main(["verify", str(path)]) == 1
+    assert "torn tail" in capsys.readouterr().err
+    changed = bytearray(data)
+    changed[starts[2] + HEADER.size] ^= 0xFF  # a middle frame's payload
+    path.write_bytes(bytes(changed))
+    assert cli_main(["verify", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"next intact frame starts at offset {starts[3]}" in err
+    report = storage.verify(path)
+    assert report.resync_offset == starts[3] and not report.truncated
+
+
+def test_save_survives_short_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """writev may write less than asked: the rest follows, in order."""
+    graph = RolloutGraph()
+    build_rollout(graph, turns=2)
+    real = os.writev
+
+    def short_writev(fd: int, parts: list[bytes]) -> int:
+        return real(fd, [b"".join(parts)[:7]])
+
+    monkeypatch.setattr(os, "writev", short_writev)
+    graph.save(tmp_path / "s.rls")
+    monkeypatch.undo()
+    assert snapshot(RolloutGraph.load(tmp_path / "s.rls")) == snapshot(graph)

@@ -181,3 +181,14 @@ def test_resync_finds_the_frame_after_garbage() -> None:
     junk = os.urandom(5000) + SYNC + os.urandom(100)
     changed = data[: offsets[3]] + junk + data[offsets[3] :]
     assert next_frame(changed, offsets[3], digest_kinds=KINDS) == offsets[3] + len(junk)
+
+
+def test_each_stored_byte_is_hashed_once() -> None:
+    data, offsets = build(RECORDS)
+    counters = ScanCounters()
+    reader = FrameReader(data, START, digest_kinds=KINDS, max_kind=4, counters=counters)
+    frames = list(reader)
+    assert len(frames) == len(offsets)
+    # what the hash functions were handed: every payload byte once (a blob's digest by the
+    # chain, its text by the digest check), although the blob frame's chain covers its text
+    assert counters.hashed_bytes == sum(len(f.payload) for f in frames)

@@ -15,7 +15,7 @@ from rollout_store import MAX_DEPTH
 from rollout_store.blobs import BlobTable
 from rollout_store.encoding import unpack
 from rollout_store.intake import Encoder
-from rollout_store.packed import check_packed, splice_blobs
+from rollout_store.packed import check_int_array, check_packed, splice_blobs
 
 
 @given(json_like)
@@ -102,3 +102,34 @@ def test_record_mode_allows_bytes_and_bounds_containers() -> None:
         check_packed(record, 0, 3, record=True, max_containers=2)
     with pytest.raises(ValueError, match="not allowed"):
         check_packed(b"\x91\xc7\x00\x01", 0, 3, record=True)
+
+
+def test_int_arrays() -> None:
+    check_int_array(msgpack.packb([1, -5, 2**40, -(2**40)]))
+    check_int_array(b"\x91\xc7\x03\x02123")  # a big int
+    for bad in (b"\x91\xa1x", b"\x91\x90", b"\x92\x01", b"\x01", b"\x91\x01\x01"):
+        with pytest.raises(ValueError, match="token ids"):
+            check_int_array(bad)
+
+
+def test_strings_are_utf8_each_not_only_together() -> None:
+    # two strings that are invalid alone but form "é" when concatenated
+    with pytest.raises(ValueError, match="UTF-8"):
+        check_packed(b"\x92\xa1\xc3\xa1\xa9", 0, MAX_DEPTH)
+    with pytest.raises(ValueError, match="UTF-8"):
+        check_packed(b"\x92\xa1\xa9\xa1a", 0, MAX_DEPTH)  # a lone continuation byte
+    check_packed(msgpack.packb(["é", "ü" * 40, "x"]), 0, MAX_DEPTH)
+
+
+def test_many_short_strings_check_in_flat_memory() -> None:
+    n = 1 << 16
+    data = b"\xdd" + n.to_bytes(4, "big") + b"\xa1x" * n
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        check_packed(data, 0, MAX_DEPTH)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert peak < 128 << 10  # not a per-string allocation (the strings are 128 KiB)

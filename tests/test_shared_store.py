@@ -501,3 +501,24 @@ def test_graphs_over_one_memory_store_share_a_long_root_prompt() -> None:
     one.add_turn(TurnNode(node_id="a", prompt_ids=list(prefix), sampled_ids=[1]))
     other.add_turn(TurnNode(node_id="a", prompt_ids=prefix[::-1], sampled_ids=[1]))
     assert other.get("a").prompt_ids == prefix[::-1] and one.get("a").prompt_ids == prefix
+
+
+def test_verify_checks_the_objects_a_file_refers_to(tmp_path: Path) -> None:
+    from rollout_store.storage import verify
+
+    store = DirectoryStore(tmp_path / "objects")
+    graph = RolloutGraph(store=store)
+    turns = group(1, 2)[0]
+    add_all(graph, turns)
+    path = tmp_path / "refs.rls"
+    graph.save(path, blobs="store")
+    assert verify(path, store=store).ok
+    with pytest.raises(StoreRequiredError):
+        verify(path)
+    key = content_key(turns[0]["request_messages"][0]["content"].encode())  # system prompt
+    name = key.hex()
+    (store.path / name[:2] / name[2:]).unlink()
+    report = verify(path, store=store)
+    assert not report.ok and name in (report.error or "")
+    assert report.error_offset is not None
+    store.put(turns[0]["request_messages"][0]["content"].encode())

@@ -396,7 +396,12 @@ def test_not_a_rollout_file(tmp_path: Path) -> None:
 @given(st.binary(max_size=300))
 def test_garbage_never_crashes_with_another_error(tmp_path_factory, blob: bytes) -> None:
     path = tmp_path_factory.mktemp("g") / "g.rls"
-    for data in (blob, frames.MAGIC + blob):
+    for data in (
+        blob,
+        frames.MAGIC + blob,
+        framing.MAGIC_V2 + blob,
+        framing.MAGIC_V2 + framing.SYNC + blob,
+    ):
         path.write_bytes(data)
         with contextlib.suppress(CorruptFileError):
             RolloutGraph.load(path, recover=True)

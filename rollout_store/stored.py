@@ -1,69 +1,58 @@
-"""The stored form of a turn, and the small pieces every layer above shares.
+"""The stored form of a turn and what it is made of: flags, link kinds, scalar fields.
 
 A `Turn` holds references and packed bytes only; its `flags` say how its packed parts must be
-compared. The index keys and chain helpers here are used by request storage, linking and files.
+compared. Request storage, linking, the graph and its files all work on these.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable
 from enum import IntEnum
 from typing import Any, NamedTuple
 
-import msgpack
-import xxhash
-
-from .encoding import EXT_ECHO, array_header, plain_default
-from .nodes import TurnNode
-from .tokens import TokenRun, block_digests, run_bytes
+from .encoding import ECHO_PACKED, array_header
+from .tokens import TokenRun
 
 __all__ = [
-    "TurnNode",
-    "ECHO_PACKED",
-    "EMPTY_PROMPT",
-    "HEADS",
+    "SCALAR_NAMES",
     "IndexKeys",
     "LinkKind",
-    "LINK_EXPLICIT",
-    "LINK_MESSAGES",
-    "LINK_NAMES",
-    "LINK_NONE",
-    "LINK_TOKENS",
-    "LOGPROBS_PACKED",
-    "MESSAGES_TUPLE",
-    "NO_MESSAGES",
-    "RESPONSE_REFS",
-    "RESPONSE_SPECIAL",
-    "SCALAR_NAMES",
-    "TAIL_ECHO",
-    "TAIL_REFS",
-    "TAIL_SLOW",
-    "TAIL_SPECIAL",
     "Turn",
+    "TurnFlag",
     "TurnMeta",
     "add_child",
     "finish_tail",
     "full_run",
-    "index_add",
-    "index_members",
-    "index_remove",
     "is_above",
-    "new_packer",
-    "no_echo",
-    "request_key",
-    "root_token_keys",
     "sampled_any",
     "seg_list",
-    "short_key",
 ]
 
-
+#: The string fields of `TurnMeta` (checked on intake), in order.
 SCALAR_NAMES = ("model", "finish_reason", "harness_session_id", "system_digest")
 
 
-ECHO_PACKED = msgpack.packb(msgpack.ExtType(EXT_ECHO, b""))
-assert len(ECHO_PACKED) == 3  # the inline comparison in _request_matches counts on it
+class TurnFlag(IntEnum):
+    """The bits of `Turn.flags`.
+
+    An IntEnum of single bits rather than an IntFlag: IntFlag's operators run in Python
+    (about 25 times slower than int's), and flags are tested on every comparison of a
+    stored request. `flags & TurnFlag.X` is a plain int.
+    """
+
+    TAIL_REFS = 1  # the tail holds blob references (or other ext types): compare expanded
+    RESPONSE_REFS = 2  # the same for the response
+    MESSAGES_TUPLE = 4  # request_messages was a tuple
+    LOGPROBS_PACKED = 8  # sampled_logprobs kept as a packed JSON value, not array('d')
+    NO_MESSAGES = 16  # request_messages was None
+    TAIL_ECHO = 32  # the tail starts with a placeholder for the base turn's response
+    # the packing holds tuples, big ints or lone surrogates: a byte match is trusted only
+    # after the fresh value passes the validating walk (a caller's ExtType could imitate one)
+    TAIL_SPECIAL = 64
+    RESPONSE_SPECIAL = 128
+    # derived, never stored: the tail cannot be compared by bytes alone (see finish_tail)
+    TAIL_SLOW = 256
+    EMPTY_PROMPT = 512  # prompt_ids was an empty list: no token ids (turn.prompt is None)
 
 
 class LinkKind(IntEnum):
@@ -74,9 +63,13 @@ class LinkKind(IntEnum):
     MESSAGES = 2
     EXPLICIT = 3
 
+    @property
+    def label(self) -> str:
+        """The name queries report: none, tokens, messages or explicit."""
+        return _LINK_LABELS[self]
 
-LINK_NONE, LINK_TOKENS, LINK_MESSAGES, LINK_EXPLICIT = LinkKind
-LINK_NAMES = tuple(kind.name.lower() for kind in LinkKind)
+
+_LINK_LABELS = {kind: kind.name.lower() for kind in LinkKind}
 
 
 class TurnMeta(NamedTuple):
@@ -96,27 +89,6 @@ class IndexKeys(NamedTuple):
     token: int | None  # block digest of prompt + sampled tokens
     prompt: int | None  # digest of its whole prompt
     roots: list[int] | None  # request keys of its shorter prefixes, while a message root
-
-
-# Turn.flags bits
-TAIL_REFS = 1  # the tail holds blob references (or other ext types): compare after expanding
-RESPONSE_REFS = 2
-MESSAGES_TUPLE = 4  # request_messages was a tuple
-LOGPROBS_PACKED = 8  # sampled_logprobs kept as a packed JSON value, not array('d')
-NO_MESSAGES = 16  # request_messages was None
-TAIL_ECHO = 32  # the tail starts with a placeholder for the base turn's response
-# the packing holds tuples, big ints or lone surrogates: a byte match is trusted only after
-# the fresh value passes the validating walk (a caller's msgpack.ExtType could imitate them)
-TAIL_SPECIAL = 64
-RESPONSE_SPECIAL = 128
-# derived, not stored: the tail cannot be compared by bytes alone (see finish_tail)
-TAIL_SLOW = 256
-EMPTY_PROMPT = 512  # prompt_ids was an empty list: no token ids (turn.prompt is None)
-
-
-#: Token roots are also found by their first 16, 32 or 48 tokens (for continuations of
-#: turns with fewer than BLOCK tokens).
-HEADS = (16, 32, 48)
 
 
 class Turn:
@@ -151,7 +123,7 @@ class Turn:
     parent: Turn | None
     children: tuple[Turn, ...] | None  # a tuple: smaller than a list, and rarely changed
     link: LinkKind
-    flags: int
+    flags: int  # TurnFlag bits
     meta: TurnMeta  # interned per graph
     system: bytes | None  # packed leading system messages (a stream), shared via ValueTable
     base: Turn | None  # the turn whose non-system request this one extends
@@ -169,22 +141,6 @@ class Turn:
     logprobs: Any  # array('d') | packed bytes | None
 
 
-def short_key(data: bytes, n_tokens: int) -> int:
-    """Index key of exactly the first `n_tokens` tokens of `data` (array('I') bytes)."""
-    return xxhash.xxh3_64_intdigest(memoryview(data)[: n_tokens * 4], seed=n_tokens + 1)
-
-
-def new_packer() -> Callable[[Any], bytes]:
-    packer = msgpack.Packer(
-        use_bin_type=True, strict_types=True, default=plain_default, buf_size=256
-    )
-    return packer.pack
-
-
-def no_echo() -> None:
-    return None
-
-
 def is_above(ancestor: Turn, turn: Turn) -> bool:
     """Whether `ancestor` is on the path from the root down to `turn`."""
     node = turn.parent
@@ -193,14 +149,6 @@ def is_above(ancestor: Turn, turn: Turn) -> bool:
             return True
         node = node.parent
     return False
-
-
-def root_token_keys(prompt: TokenRun) -> list[int]:
-    if not prompt.compact or prompt.length < HEADS[0]:
-        return []
-    data = run_bytes(prompt)
-    keys = [short_key(data, head) for head in HEADS if head <= prompt.length]
-    return keys + block_digests(data)[1:]
 
 
 def sampled_any(turn: Turn) -> bool:
@@ -213,22 +161,14 @@ def finish_tail(turn: Turn) -> None:
     """Derive what the byte comparison of a tail needs from the stored fields."""
     base = turn.base
     turn.first = base.n_rest if base is not None else 0
-    echo = turn.flags & TAIL_ECHO
+    echo = turn.flags & TurnFlag.TAIL_ECHO
     turn.body_start = len(array_header(turn.n_rest - turn.first)) + (
         len(ECHO_PACKED) if echo else 0
     )
-    slow = turn.flags & (TAIL_REFS | TAIL_SPECIAL) or (
-        echo and (base is None or base.flags & (RESPONSE_REFS | RESPONSE_SPECIAL))
+    slow = turn.flags & (TurnFlag.TAIL_REFS | TurnFlag.TAIL_SPECIAL) or (
+        echo and (base is None or base.flags & (TurnFlag.RESPONSE_REFS | TurnFlag.RESPONSE_SPECIAL))
     )
-    turn.flags = (turn.flags & ~TAIL_SLOW) | (TAIL_SLOW if slow else 0)
-
-
-def request_key(plains: list[bytes | None] | list[bytes], n: int) -> int:
-    """Index key of the first `n` messages of a non-system request: `n` and the last one.
-
-    Cheap on purpose (one message hashed): a hit is confirmed against every message anyway.
-    """
-    return xxhash.xxh3_64_intdigest(plains[n - 1] if n else b"", seed=n)  # type: ignore[arg-type]
+    turn.flags = (turn.flags & ~TurnFlag.TAIL_SLOW) | (TurnFlag.TAIL_SLOW if slow else 0)
 
 
 def full_run(prompt: TokenRun | None, sampled: Any) -> TokenRun | None:
@@ -236,33 +176,8 @@ def full_run(prompt: TokenRun | None, sampled: Any) -> TokenRun | None:
     return TokenRun(prompt, sampled) if sampled is not None and len(sampled) else prompt
 
 
-def index_members(found: Any) -> tuple[Any, ...] | list[Any]:
-    if found is None:
-        return ()
-    return found if isinstance(found, list) else (found,)
-
-
-def index_add(index: dict[int, Any], key: int, item: Any) -> None:
-    found = index.get(key)
-    if found is None:
-        index[key] = item
-    elif isinstance(found, list):
-        found.append(item)
-    else:
-        index[key] = [found, item]
-
-
-def index_remove(index: dict[int, Any], key: int, item: Any) -> None:
-    found = index.get(key)
-    if found is item:
-        del index[key]
-    elif isinstance(found, list) and item in found:
-        found.remove(item)
-        if len(found) == 1:
-            index[key] = found[0]
-
-
 def add_child(parent: Turn, child: Turn) -> None:
+    """Add `child` to the children of `parent`, kept in arrival order."""
     children = parent.children
     if children is None:
         parent.children = (child,)
@@ -271,6 +186,7 @@ def add_child(parent: Turn, child: Turn) -> None:
 
 
 def seg_list(seg: Any) -> list[int] | None:
+    """A stored token segment as a fresh list (None stays None)."""
     if seg is None:
         return None
     return seg.tolist() if isinstance(seg, array) else list(seg)
