@@ -644,3 +644,33 @@ def test_serve_refuses_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--store" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["info", "some.rls", "--upstream", "x"])  # serve's options belong to serve
+
+
+def test_an_upstream_answer_of_the_wrong_shape_is_502_and_recorded_nowhere() -> None:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    answers = [
+        {"choices": []},
+        {"choices": [{"message": "text"}]},
+        {"prompt_token_ids": ["a"], "choices": [{"message": {"role": "assistant"}}]},
+        {"content": "not blocks"},
+    ]
+
+    async def answer(request: Request) -> JSONResponse:
+        return JSONResponse(answers.pop(0))
+
+    routes = [Route(p, answer, methods=["POST"]) for p in ("/v1/chat/completions", "/v1/messages")]
+    with serve_app(Starlette(routes=routes)) as upstream:
+        app = create_app(upstream)
+        with serve_app(app) as url:
+            session = new_session(url)
+            body = json.dumps({"messages": [{"role": "user", "content": "q"}]}).encode()
+            for path in ["/v1/chat/completions"] * 3 + ["/v1/messages"]:
+                reply = _post(url, session["api_key"], body, path)
+                assert reply.status_code == 502, reply.text
+                assert "upstream" in reply.json()["error"]["message"]
+            assert len(_graph(app, session["session_id"])) == 0
+            assert httpx.get(f"{url}/sessions/{session['session_id']}").json()["rejected"] == 1
