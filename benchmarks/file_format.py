@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import gc
 import io
 import json
@@ -310,7 +311,8 @@ def measure_memory(graph: RolloutGraph, retained: int, tmp: Path) -> dict:
     tracemalloc.start()
     try:
         for node_id in graph.node_ids():
-            peak, turn = traced_delta(lambda n=node_id: graph.get(n))
+            # a view builds its fields when read: replace() builds every one
+            peak, turn = traced_delta(lambda n=node_id: dataclasses.replace(graph.get(n)))
             if peak > largest_get:
                 largest_get, largest_get_id = peak, node_id
             size = len(

@@ -90,16 +90,16 @@ def replace_file(target: Path, write: Callable[[IO[bytes]], None]) -> None:
 def _lock_existing(target: Path) -> Iterator[None]:
     """Hold a shared lock on the file at `target` (if any) across the rename: refused while
     an appender holds its exclusive one."""
-    try:
-        fp = open(target, "rb")  # noqa: SIM115 - closed below
+    try:  # non-blocking: opening a FIFO someone put at the path must not hang the save
+        fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK)
     except (FileNotFoundError, IsADirectoryError, PermissionError):
         yield
         return
     try:
         try:
-            fcntl.flock(fp.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError:
             raise _locked_error(target) from None
         yield
     finally:
-        fp.close()
+        os.close(fd)

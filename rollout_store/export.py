@@ -146,15 +146,35 @@ def _row(
     }
 
 
+def _root_ids(graph: Graph) -> dict[str, str]:
+    """Each turn's root, in one pass (walking up from every turn would be quadratic)."""
+    roots: dict[str, str] = {}
+    for node_id in graph.node_ids():
+        chain = []
+        current: str | None = node_id
+        while current is not None and current not in roots:
+            chain.append(current)
+            current = graph.parent(current)
+        top = roots[current] if current is not None else chain[-1]
+        for member in chain:
+            roots[member] = top
+    return roots
+
+
 def _turn_record(
-    graph: Graph, node_id: str, discarded: bool, include_messages: bool, stream: bool
+    graph: Graph,
+    node_id: str,
+    root_id: str,
+    discarded: bool,
+    include_messages: bool,
+    stream: bool,
 ) -> dict[str, Any]:
     node = graph.get(node_id)  # a view: each field below is rebuilt as it is read
     info = graph.summary(node_id)
     record: dict[str, Any] = {
         "node_id": node_id,
         "index": info["index"],
-        "root_id": graph.root_of(node_id),
+        "root_id": root_id,
         "n_sampled": info["n_sampled"],
         "n_prompt": info["n_prompt"],
         "n_tools": info["n_tools"],
@@ -215,8 +235,9 @@ def _parts(
         "metadata": session.metadata,
         "budget_stop_count": session.budget_stop_count,
     }
+    roots = _root_ids(graph)
     turns = (
-        _turn_record(graph, nid, nid in discarded, include_messages, stream)
+        _turn_record(graph, nid, roots[nid], nid in discarded, include_messages, stream)
         for nid in graph.node_ids()
     )
     tail = {

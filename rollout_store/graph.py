@@ -296,35 +296,10 @@ class Graph:
             return NodeView.of(self, turn)
 
     def _prepare(self, node: TurnNode) -> tuple[Turn, Scratch]:
-        turn = Turn()
+        """Check `node` and build its stored turn, linked; nothing in the graph changes."""
+        turn, explicit = self._new_turn(node)
         scratch = Scratch()
         pending = scratch.pending
-        node_id = node.node_id
-        if node_id is None:
-            node_id = self._fresh_id()
-        elif not isinstance(node_id, str):
-            raise InvalidValueError(f"expected str, got {type(node_id).__name__}", "node_id")
-        elif node_id in self._by_id:
-            raise DuplicateNodeError(f"node_id {node_id!r} is already in the graph")
-        turn.node_id = node_id
-        turn.index = len(self._turns)
-        turn.children = None
-        turn.flags = 0
-        explicit = None
-        if node.parent_id is not None:
-            explicit = self._by_id.get(node.parent_id) if isinstance(node.parent_id, str) else None
-            if explicit is None:
-                raise InvalidValueError(f"unknown parent {node.parent_id!r}", "parent_id")
-        scalars = (node.model, node.finish_reason, node.harness_session_id, node.system_digest)
-        for name, value in zip(SCALAR_NAMES, scalars, strict=True):
-            if value is not None and not isinstance(value, str):
-                raise InvalidValueError(f"expected str or None, got {type(value).__name__}", name)
-        n_tools = node.n_tools
-        if n_tools is not None and not (type(n_tools) is int and 0 <= n_tools < 2**63):
-            raise InvalidValueError(
-                f"expected a non-negative int below 2**63 or None, got {n_tools!r}", "n_tools"
-            )
-
         requests, linker = self._requests, self._linker
         linker.prepare_tokens(turn, node, scratch)
         system_plain = requests.prepare(turn, node, scratch)
@@ -335,7 +310,44 @@ class Graph:
         turn.requested = requests.shared_value(
             node.requested_sampling_params, "requested_sampling_params", pending
         )
+        turn.meta = self._turn_meta(node, system_plain)
+        self._link(turn, explicit, scratch)
+        return turn, scratch
 
+    def _new_turn(self, node: TurnNode) -> tuple[Turn, Turn | None]:
+        """A turn with its id and place, and the explicit parent named; the scalar fields
+        checked."""
+        node_id = node.node_id
+        if node_id is None:
+            node_id = self._fresh_id()
+        elif not isinstance(node_id, str):
+            raise InvalidValueError(f"expected str, got {type(node_id).__name__}", "node_id")
+        elif node_id in self._by_id:
+            raise DuplicateNodeError(f"node_id {node_id!r} is already in the graph")
+        turn = Turn()
+        turn.node_id = node_id
+        turn.index = len(self._turns)
+        turn.children = None
+        turn.flags = 0
+        explicit = None
+        if node.parent_id is not None:
+            explicit = self._by_id.get(node.parent_id) if isinstance(node.parent_id, str) else None
+            if explicit is None:
+                raise InvalidValueError(f"unknown parent {node.parent_id!r}", "parent_id")
+        scalars = (node.model, node.finish_reason, node.harness_session_id, node.system_digest)
+        for name, scalar in zip(SCALAR_NAMES, scalars, strict=True):
+            if scalar is not None and not isinstance(scalar, str):
+                raise InvalidValueError(f"expected str or None, got {type(scalar).__name__}", name)
+        n_tools = node.n_tools
+        if n_tools is not None and not (type(n_tools) is int and 0 <= n_tools < 2**63):
+            raise InvalidValueError(
+                f"expected a non-negative int below 2**63 or None, got {n_tools!r}", "n_tools"
+            )
+        return turn, explicit
+
+    def _turn_meta(self, node: TurnNode, system_plain: bytes | None) -> TurnMeta:
+        """The scalar fields, with n_tools and system_digest filled in when not given."""
+        n_tools = node.n_tools
         if n_tools is None and isinstance(node.request_tools, list | tuple):
             n_tools = len(node.request_tools)
         system_digest = node.system_digest
@@ -343,9 +355,11 @@ class Graph:
             system_digest = xxhash.xxh3_128_hexdigest(system_plain)
         meta = (node.model, node.finish_reason, node.harness_session_id, system_digest, n_tools)
         # the graph's interned TurnMeta when there is one (most turns), else a new one
-        turn.meta = self._meta.get(meta) or TurnMeta._make(meta)  # type: ignore[call-overload]
+        return self._meta.get(meta) or TurnMeta._make(meta)  # type: ignore[call-overload]
 
-        # Linking: an explicit parent wins, then tokens, then messages.
+    def _link(self, turn: Turn, explicit: Turn | None, scratch: Scratch) -> None:
+        """Link the turn: an explicit parent wins, then tokens, then messages. A root
+        without token ids waits under its request's prefixes for a late ancestor."""
         if explicit is not None:
             turn.parent, turn.link = explicit, LinkKind.EXPLICIT
         elif scratch.token_parent is not None:
@@ -355,11 +369,14 @@ class Graph:
         else:
             turn.parent, turn.link = None, LinkKind.NONE
             request = scratch.request
-            if request is not None and request.n_valid == len(request.plains) and not turn.prompt:
+            if (
+                request is not None
+                and request.n_valid == len(request.plains)
+                and turn.prompt is None
+            ):
                 # every shorter prefix, the empty one too (a request of system messages only)
                 plains = request.plains
                 scratch.root_keys = [request_key(plains, m) for m in range(len(plains))]
-        return turn, scratch
 
     def _fresh_id(self) -> str:
         # derived from the turn count, so a rejected turn uses up no id
@@ -431,7 +448,7 @@ class Graph:
 
     @_locked
     def get(self, node_id: str) -> TurnNode:
-        """The turn rebuilt from storage: fresh containers, equal to what was recorded."""
+        """A read-only view of the turn; each field is rebuilt from storage as it is read."""
         return self._view(self._turn(node_id))
 
     @_locked
@@ -655,7 +672,7 @@ class Graph:
             return None
         if not turn.flags & TurnFlag.LOGPROBS_PACKED:
             return lp.tolist() if len(lp) == n else None
-        values = unpack(lp, self.blobs.string)
+        values = unpack(lp, self._blobs.string)
         if isinstance(values, list) and len(values) == n and real_numbers(values):
             return values
         return None

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
+import pydantic
 import pytest
 from support import chat_turns, fresh
 
@@ -286,7 +288,6 @@ def test_misaligned_or_non_numeric_logprobs_are_context(logprobs):
 
 
 def test_numpy_token_fields_come_back_as_plain_lists():
-    np = pytest.importorskip("numpy")
     graph = RolloutGraph()
     graph.add_turn(
         TurnNode(
@@ -315,7 +316,6 @@ def test_numpy_token_fields_come_back_as_plain_lists():
 
 
 def test_numpy_token_array_of_two_dimensions_is_refused():
-    np = pytest.importorskip("numpy")
     graph = RolloutGraph()
     with pytest.raises(InvalidValueError) as err:
         graph.add_turn(
@@ -329,7 +329,6 @@ def test_numpy_token_array_of_two_dimensions_is_refused():
 
 
 def test_a_pydantic_model_in_a_message_names_the_path_and_the_fix():
-    pydantic = pytest.importorskip("pydantic")
 
     class ToolCall(pydantic.BaseModel):
         name: str
@@ -351,7 +350,6 @@ def test_a_pydantic_model_in_a_message_names_the_path_and_the_fix():
 
 @pytest.mark.parametrize("field", ["response_message", "sampling_params", "request_tools"])
 def test_a_numpy_value_in_a_json_field_names_the_path_and_the_fix(field):
-    np = pytest.importorskip("numpy")
     value = {"x": [1, np.int64(3)]}
     graph = RolloutGraph()
     with pytest.raises(InvalidValueError) as err:
@@ -362,7 +360,6 @@ def test_a_numpy_value_in_a_json_field_names_the_path_and_the_fix(field):
 
 
 def test_a_numpy_array_in_a_json_field_suggests_tolist():
-    np = pytest.importorskip("numpy")
     graph = RolloutGraph()
     with pytest.raises(InvalidValueError) as err:
         graph.add_turn(tok("a", [1], [2], response_message={"embedding": np.zeros(3)}))
@@ -402,3 +399,98 @@ def test_files_keep_requested_sampling_params_and_empty_prompts(tmp_path):
         live.add_turn(eval_turn("b", fresh(second), "done"))
     reopened = RolloutGraph.load(tmp_path / "live.rls")
     assert reopened.parent("b") == "a" and reopened.get("b").prompt_ids == []
+
+
+def test_files_written_before_requested_sampling_params_still_load(tmp_path, monkeypatch):
+    """Turn records of 18 fields (no requested_sampling_params) read back with it as None."""
+    from rollout_store import storage
+
+    original = storage.pack
+
+    def pack_18_fields(value: object) -> bytes:
+        if isinstance(value, list) and len(value) == 19 and isinstance(value[0], str):
+            value = value[:18]
+        return original(value)
+
+    graph = RolloutGraph()
+    graph.add_turn(tok("a", [1, 2], [3], sampling_params={"temperature": 1}))
+    path = tmp_path / "old.rls"
+    monkeypatch.setattr(storage, "pack", pack_18_fields)
+    graph.save(path)
+    monkeypatch.undo()
+    loaded = RolloutGraph.load(path)
+    assert loaded.get("a").requested_sampling_params is None
+    assert json.dumps(loaded.get("a").sampling_params) == '{"temperature": 1}'
+    assert loaded.get("a").prompt_ids == [1, 2]
+
+
+# ---------------------------------------------------------------- what a capture server does
+
+
+def _captured(chat_request: dict, response: dict, index: int) -> TurnNode:
+    """A node built the way the capture server builds one (`... or []`, `... or {}`)."""
+    choice = response["choices"][0]
+    logprobs = [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
+    return TurnNode(
+        node_id=f"call-{index}",
+        prompt_ids=list(response.get("prompt_token_ids") or []),
+        sampled_ids=list(choice.get("token_ids") or []),
+        sampled_logprobs=list(logprobs) if logprobs else None,
+        model=chat_request.get("model"),
+        finish_reason=choice.get("finish_reason"),
+        n_tools=len(chat_request.get("tools") or []),
+        request_messages=chat_request.get("messages") or [],
+        request_tools=chat_request.get("tools"),
+        sampling_params={"temperature": 1},
+        requested_sampling_params={},
+        response_message=choice.get("message") or {},
+    )
+
+
+def test_a_hosted_provider_conversation_is_one_eval_thread():
+    from rollout_store import export_session
+
+    graph = RolloutGraph()
+    messages: list = [{"role": "user", "content": "go"}]
+    for k in range(4):
+        reply = {"choices": [{"message": {"content": f"step {k}"}, "finish_reason": "stop"}]}
+        request = {"model": "m", "messages": fresh(messages)}
+        graph.add_turn(_captured(request, reply, k))
+        assert graph.stats()["n_turns"] == k + 1
+        messages += [
+            {"role": "assistant", "content": f"step {k}"},
+            {"role": "user", "content": "r"},
+        ]
+    assert graph.stats()["n_roots"] == 1 and len(graph.sequences()) == 1
+    doc = export_session(graph, capture_level="text", session_id="s", metadata={})
+    assert doc["rollout_type"] == "eval" and doc["trainable"] is False
+    assert not [f for f in doc["validation"] if f.startswith("[FATAL")]
+    assert [s["node_ids"] for s in doc["sequences"]] == [[f"call-{k}" for k in range(4)]]
+
+
+def test_a_vllm_rollout_trains_every_turn():
+    from rollout_store import export_session
+
+    graph = RolloutGraph()
+    tools = [{"type": "function", "function": {"name": "bash"}}]
+    prompt = [1, 2, 3]
+    for k in range(3):
+        sampled = [100 + k, 200 + k]
+        reply = {
+            "prompt_token_ids": list(prompt),
+            "choices": [
+                {
+                    "message": {"role": "assistant", "content": f"step {k}"},
+                    "token_ids": sampled,
+                    "logprobs": {"content": [{"logprob": -0.5}, {"logprob": 0}]},
+                    "finish_reason": "stop",
+                }
+            ],
+        }
+        graph.add_turn(_captured({"model": "m", "messages": [], "tools": tools}, reply, k))
+        prompt = prompt + sampled + [900 + k]
+    doc = export_session(graph)
+    (row,) = doc["sequences"]
+    assert row["role"] == "agent" and row["trainable"] is True
+    assert row["turn_lengths"] == [2, 2, 2] and doc["stats"]["n_trainable_tokens"] == 6
+    assert doc["trainable"] is True

@@ -429,3 +429,14 @@ def test_cli_export_capture_level_is_byte_identical(tmp_path):
     expected = export_session(loaded, capture_level="text", include_discarded=True)
     assert out.read_text() == json.dumps(expected) + "\n"
     assert json.loads(out.read_text())["rollout_type"] == "eval"
+
+
+def test_turns_keep_arrival_order_and_roots_after_re_linking():
+    graph = RolloutGraph()
+    turns = token_turns(4)
+    for k in (3, 0, 2, 1):  # descendants first: every one re-linked later
+        graph.add_turn(TurnNode(node_id=f"t{k}", **turns[k]))
+    doc = export_session(graph)
+    assert [t["node_id"] for t in doc["turns"]] == ["t3", "t0", "t2", "t1"]
+    assert [t["root_id"] for t in doc["turns"]] == ["t0"] * 4
+    assert [t["index"] for t in doc["turns"]] == [0, 1, 2, 3]

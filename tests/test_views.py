@@ -129,27 +129,29 @@ def listing_cost(graph: RolloutGraph) -> int:
     return peak
 
 
-def test_listing_nodes_allocates_per_turn_not_per_message():
-    """200 multimodal turns: listing every node and reading ids, indexes and parents costs
-    memory proportional to the turn count and well under 1% of what the graph retains."""
+@pytest.mark.parametrize("n_turns", [60, pytest.param(200, marks=pytest.mark.slow)])
+def test_listing_nodes_allocates_per_turn_not_per_message(n_turns):
+    """Multimodal turns (200 in the slow run): listing every node and reading ids, indexes
+    and parents costs memory proportional to the turn count and well under 1% of what the
+    graph retains."""
     gc.collect()
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
-        graph = multimodal_graph(200)
+        graph = multimodal_graph(n_turns)
         gc.collect()
         retained = tracemalloc.get_traced_memory()[0] - base
-        half = multimodal_graph(100)
+        half = multimodal_graph(n_turns // 2)
         listing_cost(graph)  # warm caches (interned names, method caches)
-        cost_200 = listing_cost(graph)
-        cost_100 = listing_cost(half)
+        cost_full = listing_cost(graph)
+        cost_half = listing_cost(half)
     finally:
         tracemalloc.stop()
-    assert cost_200 < 0.005 * retained, (cost_200, retained)
+    assert cost_full < 0.005 * retained, (cost_full, retained)
     # proportional to the turn count: twice the turns, about twice the bytes
-    assert cost_200 < 2.5 * cost_100 + 4096, (cost_100, cost_200)
-    # per view a few hundred bytes, never a message (a 16 KiB image) rebuilt
-    assert cost_200 / 200 < 1024, cost_200 / 200
+    assert cost_full < 2.5 * cost_half + 4096, (cost_half, cost_full)
+    # per view well under a kilobyte: never a message (a 16 KiB image) rebuilt
+    assert cost_full / n_turns < 1024, cost_full / n_turns
 
 
 def test_views_read_while_other_threads_add_turns():
