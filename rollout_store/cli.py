@@ -1,6 +1,7 @@
 """The `rollout-store` command: inspect, verify and export rollout files.
 
-`info FILE`, `verify FILE` and `export FILE [--messages] [--jsonl] [-o OUT]`. A damaged file
+`info FILE`, `verify FILE`, `export FILE [--messages] [--jsonl] [-o OUT]` and
+`serve --upstream URL ...` (the capture server, `rollout_store.server`). A damaged file
 gives exit status 1 and a one-line reason on stderr; a progress bar shows on stderr for long
 files when tqdm is installed and stderr is a terminal.
 """
@@ -123,6 +124,16 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from . import server
+    except ImportError as exc:
+        print(f"rollout-store serve needs the server extra ({exc})", file=sys.stderr)
+        return 1
+
+    return server.main(args.serve_args)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout-store", description=__doc__.splitlines()[0])
     bar = parser.add_mutually_exclusive_group()
@@ -148,11 +159,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     export.add_argument("-o", "--output", default=None, help="output file (default: stdout)")
     export.set_defaults(run=_export)
+    # the capture server parses its own options (it needs the server extra installed)
+    serve = commands.add_parser(
+        "serve", help="record agent traffic: see `serve --help`", add_help=False
+    )
+    serve.set_defaults(run=_serve, serve_args=[])
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "serve":
+        args.serve_args = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return int(args.run(args))
     except CorruptFileError as exc:

@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("export", {"checks", "jsonstream", "export"}),
     ("files", {"atomic", "packed", "frames", "framing", "storage"}),
     ("stores", {"stores", "redis_store", "s3_store"}),
+    ("server", {"sse", "sessions", "server", "stub_engine"}),
     ("command line and package", {"cli", "__init__"}),
 ]
 
