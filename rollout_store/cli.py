@@ -260,6 +260,16 @@ def _view(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from . import server
+    except ImportError as exc:
+        print(f"rollout-store serve needs the server extra ({exc})", file=sys.stderr)
+        return 1
+
+    return server.main(args.serve_args)
+
+
 _PROGRESS_HELP = (
     "draw a progress bar on stderr while reading the file (default: only for files of "
     f"{PROGRESS_MIN_BYTES >> 20} MiB or more when stderr is a terminal)"
@@ -339,6 +349,11 @@ def _parser() -> argparse.ArgumentParser:
         "--port", type=int, default=8000, help="port to serve on (default 8000; 0: any free port)"
     )
     view.add_argument("--open", action="store_true", help="open the page in the default browser")
+    # the capture server parses its own options (it needs the server extra installed)
+    serve = commands.add_parser(
+        "serve", help="record agent traffic: see `serve --help`", add_help=False
+    )
+    serve.set_defaults(run=_serve, serve_args=[])
     return parser
 
 
@@ -357,7 +372,12 @@ def _where(args: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "serve":
+        args.serve_args = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         code = _run(args)
         sys.stdout.flush()

@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("files", {"atomic", "packed", "frames", "framing", "storage"}),
     ("stores", {"stores", "redis_store", "s3_store"}),
     ("viewer", {"viewer"}),
+    ("server", {"sse", "sessions", "server", "stub_engine"}),
     ("command line and package", {"cli", "__main__", "__init__"}),
 ]
 

@@ -1,0 +1,996 @@
+"""The capture server: an OpenAI / Anthropic endpoint that records every call as a turn.
+
+An agent points its SDK at this server (base URL) with a session's API key and changes nothing
+else. Each `POST /v1/chat/completions` or `POST /v1/messages` is forwarded to the upstream
+engine as one complete (non-streaming) call; the answer is recorded in the session's rollout
+graph and then handed back, replayed as server-sent events when the client asked for
+`stream: true`. Token ids and logprobs come from the engine's own fields (vLLM's
+`return_token_ids` and `logprobs`, requested upstream unless the client set them itself and
+removed from the reply when the client did not ask); without them turns link by messages.
+Nothing is tokenized here.
+
+Sessions follow the capture server this library replaces: `POST /sessions` mints a session
+and its API key, the key the SDK sends (`Authorization: Bearer` or `x-api-key`) names the
+session, unknown keys get 401 unless the server runs in open mode. `GET /sessions`,
+`GET /sessions/{id}`, `GET /sessions/{id}/export` (`?messages=1`, `discarded=1`,
+`capture_level=...`; the level defaults to "tokens" when every turn carries token ids, else
+"text"), `GET /sessions/{id}/trace.jsonl` and `DELETE /sessions/{id}` manage them.
+
+A turn is acknowledged (the client gets its answer) only after the graph accepted it, and,
+with a data directory and `fsync="turn"`, after it is on disk. Bad requests get a 4xx with a
+one-line reason and record nothing; upstream errors pass through with their status and are
+recorded nowhere; an upstream that does not answer in time gets 504.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import IO, Any
+
+import anyio.to_thread
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .content import ContentStore, StringCache
+from .errors import InvalidValueError, RolloutStoreError
+from .export import write_session_json, write_trace_jsonl
+from .nodes import TurnNode
+from .sessions import Session, SessionError, Sessions, clean_session_id
+from .sse import SSE_HEADERS, anthropic_events, chat_chunks, sse_data, sse_event
+from .stores import DirectoryStore, MemoryStore
+
+__all__ = [
+    "CaptureConfig",
+    "add_serve_arguments",
+    "chat_turn",
+    "create_app",
+    "main",
+    "messages_turn",
+    "open_store",
+    "upstream_body",
+]
+
+#: Default cap on a request body (64 MiB); `--max-body-bytes` changes it.
+MAX_BODY_BYTES = 64 << 20
+#: Default seconds to wait for the upstream's answer before answering 504.
+UPSTREAM_TIMEOUT = 600.0
+#: Seconds a streaming client waits for the upstream before keep-alive comments begin.
+STREAM_KEEPALIVE = 10.0
+#: Seconds after which an unused session over a log lets its graph go (reopened on use).
+IDLE_SECONDS = 600.0
+
+# Request fields that are not parameters of the call (the rest are recorded as sampling_params).
+_CHAT_FIELDS = frozenset({"messages", "tools", "model", "stream", "stream_options"})
+_MESSAGES_FIELDS = frozenset({"messages", "tools", "model", "stream", "system"})
+_HARNESS_HEADERS = ("x-session-id", "proxy-x-session-id")
+_ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")
+
+
+class _Refusal(Exception):
+    """An answer other than the upstream's: status and a one-line reason."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+class _Passthrough(Exception):
+    """The upstream's own error answer, handed to the client as it came."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """What `create_app` was given (kept on `app.state.config`)."""
+
+    upstream: str
+    upstream_api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    upstream_timeout: float = UPSTREAM_TIMEOUT
+    capture_tokens: bool = True
+    stream_keepalive: float = STREAM_KEEPALIVE
+
+
+# ---------------------------------------------------------------------- requests to turns
+# The only code that hands a request's messages to the graph; a raw-bytes intake replaces
+# these two functions (and the json.loads before them) without touching the routes.
+
+
+def _token_list(value: Any) -> Any:
+    # an engine without ids sends nothing or an empty list: link by messages then
+    return value if isinstance(value, list) and value else None
+
+
+def _choice_logprobs(logprobs: Any) -> list[Any] | None:
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list) or not content:
+        return None
+    values = [entry.get("logprob") if isinstance(entry, dict) else None for entry in content]
+    # a missing value makes the turn untrainable, not unrecordable
+    return None if any(v is None for v in values) else values
+
+
+def chat_turn(body: dict[str, Any], response: dict[str, Any], harness: str | None) -> TurnNode:
+    """The turn for a Chat Completions request (decoded) and the upstream's complete answer."""
+    choices = response.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise _Refusal(502, "the upstream's answer has no choices")
+    choice = choices[0]
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        raise _Refusal(502, "the upstream's answer has no choices[0].message object")
+    model = body.get("model")
+    finish = choice.get("finish_reason")
+    params = {k: v for k, v in body.items() if k not in _CHAT_FIELDS}
+    return TurnNode(
+        prompt_ids=_token_list(response.get("prompt_token_ids")),
+        sampled_ids=_token_list(choice.get("token_ids")),
+        sampled_logprobs=_choice_logprobs(choice.get("logprobs")),
+        model=model if isinstance(model, str) else None,
+        finish_reason=finish if isinstance(finish, str) else None,
+        harness_session_id=harness,
+        request_messages=body["messages"],
+        request_tools=body.get("tools"),
+        sampling_params=params or None,
+        response_message=message,
+    )
+
+
+def messages_turn(body: dict[str, Any], response: dict[str, Any], harness: str | None) -> TurnNode:
+    """The turn for an Anthropic Messages request and answer.
+
+    The top-level `system` is recorded as a leading `{"role": "system", "content": system}`
+    message (stored once per graph, ignored by linking); the answer's content blocks are the
+    response message `{"role": "assistant", "content": [...]}`.
+    """
+    content = response.get("content")
+    if not isinstance(content, list):
+        raise _Refusal(502, "the upstream's answer has no content array")
+    messages = body["messages"]
+    if body.get("system") is not None:
+        messages = [{"role": "system", "content": body["system"]}, *messages]
+    model = body.get("model")
+    stop = response.get("stop_reason")
+    params = {k: v for k, v in body.items() if k not in _MESSAGES_FIELDS}
+    return TurnNode(
+        prompt_ids=_token_list(response.get("prompt_token_ids")),
+        sampled_ids=_token_list(response.get("token_ids")),
+        model=model if isinstance(model, str) else None,
+        finish_reason=stop if isinstance(stop, str) else None,
+        harness_session_id=harness,
+        request_messages=messages,
+        request_tools=body.get("tools"),
+        sampling_params=params or None,
+        response_message={"role": response.get("role", "assistant"), "content": content},
+    )
+
+
+# ---------------------------------------------------------------------- request checks
+
+
+def _check_messages(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise _Refusal(400, f"the body must be a JSON object, not {type(body).__name__}")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _Refusal(400, "messages must be a non-empty array of message objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise _Refusal(400, f"messages[{i}] must be an object with a string role")
+    if "tools" in body and not isinstance(body["tools"], list):
+        raise _Refusal(400, "tools must be an array")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise _Refusal(400, "stream must be true or false")
+    if "model" in body and not isinstance(body["model"], str):
+        raise _Refusal(400, "model must be a string")
+    return body
+
+
+def _check_chat(value: Any) -> dict[str, Any]:
+    body = _check_messages(value)
+    n = body.get("n")
+    if n is not None and (type(n) is not int or n != 1):
+        raise _Refusal(400, "n must be 1: the capture server records one completion per call")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _Refusal(400, "stream_options must be an object")
+    return body
+
+
+def _check_anthropic(value: Any) -> dict[str, Any]:
+    body = _check_messages(value)
+    system = body.get("system")
+    if system is not None and not isinstance(system, str | list):
+        raise _Refusal(400, "system must be a string or an array of content blocks")
+    return body
+
+
+def _decode(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise _Refusal(400, "the body nests too deeply to record") from None
+    except ValueError as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise _Refusal(400, f"the body is not JSON: {reason}") from None
+
+
+# ---------------------------------------------------------------------- streaming exports
+
+
+_END = object()
+
+
+class _Pipe:
+    """A file a worker thread writes an export to, read by the response as it streams.
+
+    When the client goes away the reader closes the pipe and the writer's next write raises,
+    so an abandoned export releases its session's graph at once.
+    """
+
+    CHUNK = 1 << 16
+
+    def __init__(self) -> None:
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=16)
+        self.buffer = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes) -> int:
+        self.buffer += data
+        if len(self.buffer) >= self.CHUNK:
+            self.flush()
+        return len(data)
+
+    def flush(self) -> None:
+        if self.buffer:
+            self.put(bytes(self.buffer))
+            self.buffer.clear()
+
+    def put(self, item: Any) -> None:
+        while True:
+            if self.closed:
+                raise BrokenPipeError("the client stopped reading")
+            try:
+                self.queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def get(self) -> Any:
+        while not self.closed:
+            try:
+                return self.queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        return _END
+
+
+async def _from_thread(produce: Callable[[IO[bytes]], None]) -> AsyncIterator[bytes]:
+    pipe = _Pipe()
+
+    def run() -> None:
+        try:
+            produce(pipe)  # type: ignore[arg-type]
+            pipe.flush()
+            pipe.put(_END)
+        except BrokenPipeError:
+            pass
+        except BaseException as exc:  # handed to the reader, which ends the response
+            with contextlib.suppress(BrokenPipeError):
+                pipe.put(exc)
+
+    threading.Thread(target=run, name="rollout-store-export", daemon=True).start()
+    try:
+        while True:
+            item = await anyio.to_thread.run_sync(pipe.get)
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        pipe.closed = True
+
+
+# ---------------------------------------------------------------------- the app
+
+
+def _error_body(anthropic: bool, status: int, reason: str) -> dict[str, Any]:
+    kind = {
+        401: "authentication_error",
+        404: "not_found_error",
+        413: "request_too_large",
+        502: "api_error",
+        504: "timeout_error",
+    }.get(status, "invalid_request_error")
+    if anthropic:
+        return {"type": "error", "error": {"type": kind, "message": reason}}
+    return {"error": {"message": reason, "type": kind, "param": None, "code": None}}
+
+
+def _api_key(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip() or None
+    return request.headers.get("x-api-key") or None
+
+
+def _harness_session(request: Request, body: dict[str, Any], anthropic: bool) -> str | None:
+    for name in _HARNESS_HEADERS:
+        found = clean_session_id(request.headers.get(name))
+        if found is not None:
+            return found
+    if anthropic:
+        meta = body.get("metadata")
+        return clean_session_id(meta.get("user_id")) if isinstance(meta, dict) else None
+    return clean_session_id(body.get("user"))
+
+
+def _strip_injected(response: dict[str, Any], token_ids: bool, logprobs: bool) -> None:
+    """Remove from a Chat Completions answer what the server asked for and the client did not."""
+    if token_ids:
+        response.pop("prompt_token_ids", None)
+    for choice in response.get("choices") or ():
+        if isinstance(choice, dict):
+            if token_ids:
+                choice.pop("token_ids", None)
+            if logprobs and "logprobs" in choice:
+                choice["logprobs"] = None
+
+
+def upstream_body(raw: bytes, body: dict[str, Any], extra: dict[str, Any]) -> bytes:
+    """The body sent upstream: the client's with `extra` set and `stream_options` dropped.
+
+    When the client's body has none of those keys, `extra` is appended to its own bytes (no
+    key repeats, nothing re-encoded: re-encoding a large conversation costs more than
+    decoding it); otherwise the body is encoded anew.
+    """
+    if "stream_options" not in body and not any(key in body for key in extra):
+        text = raw.rstrip()
+        if text.endswith(b"}"):
+            head = text[:-1].rstrip()
+            items = json.dumps(extra)[1:-1].encode("ascii")
+            return head + (b", " if not head.endswith(b"{") else b"") + items + b"}"
+    merged = {k: v for k, v in body.items() if k != "stream_options"}
+    merged.update(extra)
+    return json.dumps(merged).encode("ascii")
+
+
+async def _events(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield chunk
+
+
+class _Server:
+    """State and handlers of one app: configuration, sessions and the upstream client."""
+
+    def __init__(self, config: CaptureConfig, sessions: Sessions) -> None:
+        self.config = config
+        self.sessions = sessions
+        upstream = config.upstream.rstrip("/")
+        if upstream.endswith("/v1"):
+            upstream = upstream[: -len("/v1")]
+        self.upstream = upstream
+        self._client: httpx.AsyncClient | None = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                base_url=self.upstream,
+                timeout=httpx.Timeout(self.config.upstream_timeout),
+                # idle connections are dropped before a uvicorn upstream (vLLM, SGLang)
+                # closes them at 5 s: reusing one it is closing fails the call
+                limits=httpx.Limits(
+                    max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0
+                ),
+            )
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+        await anyio.to_thread.run_sync(self.sessions.close)
+
+    # -- proxy
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise _Refusal(400, "Content-Length is not a number")
+            if int(declared) > limit:
+                raise _Refusal(
+                    413, f"the body of {declared} bytes is over the limit of {limit} bytes"
+                )
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _Refusal(413, f"the body is over the limit of {limit} bytes")
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def _forward(self, path: str, content: bytes, headers: dict[str, str]) -> Any:
+        try:
+            answer = await self.client.post(path, content=content, headers=headers)
+        except httpx.TimeoutException:
+            raise _Refusal(
+                504, f"the upstream did not answer within {self.config.upstream_timeout:g} s"
+            ) from None
+        except httpx.HTTPError as exc:
+            raise _Refusal(502, f"the upstream cannot be reached: {type(exc).__name__}") from None
+        if not 200 <= answer.status_code < 300:
+            keep = {
+                k: v
+                for k, v in answer.headers.items()
+                if k.lower() in ("content-type", "retry-after")
+            }
+            raise _Passthrough(Response(answer.content, answer.status_code, headers=keep))
+        try:
+            payload = json.loads(answer.content)
+        except ValueError:
+            raise _Refusal(502, "the upstream answered with a body that is not JSON") from None
+        if not isinstance(payload, dict):
+            raise _Refusal(502, "the upstream answered with JSON that is not an object")
+        return payload
+
+    def _upstream_headers(self, request: Request, anthropic: bool) -> dict[str, str]:
+        headers = {"content-type": "application/json"}
+        key = self.config.upstream_api_key
+        if anthropic:
+            for name in _ANTHROPIC_HEADERS:
+                if name in request.headers:
+                    headers[name] = request.headers[name]
+            if key:
+                headers["x-api-key"] = key
+        elif key:
+            headers["authorization"] = f"Bearer {key}"
+        return headers
+
+    def _session(self, request: Request) -> Session:
+        session = self.sessions.resolve(_api_key(request))
+        if session is None:
+            raise _Refusal(
+                401, "unknown API key: create a session with POST /sessions and use its api_key"
+            )
+        return session
+
+    async def _record(self, session: Session, node: TurnNode) -> None:
+        try:
+            with session.use() as graph:
+                await anyio.to_thread.run_sync(graph.add_turn, node)
+        except InvalidValueError as exc:
+            session.rejected += 1
+            if exc.path.split(".")[0].split("[")[0] in (
+                "request_messages",
+                "request_tools",
+                "sampling_params",
+            ):
+                raise _Refusal(400, f"the request cannot be recorded: {exc}") from None
+            raise _Refusal(502, f"the upstream's answer cannot be recorded: {exc}") from None
+        except RolloutStoreError as exc:
+            raise _Refusal(409, f"the session cannot record: {exc}") from None
+        session.recorded += 1
+        session.last_turn_at = time.time()
+
+    async def _call(
+        self,
+        session: Session,
+        path: str,
+        content: bytes,
+        headers: dict[str, str],
+        make_turn: Callable[[dict[str, Any]], TurnNode],
+    ) -> dict[str, Any]:
+        """Forward one call, record its turn; the complete response (or _Refusal/_Passthrough)."""
+        try:
+            response: dict[str, Any] = await self._forward(path, content, headers)
+        except _Passthrough:
+            session.upstream_errors += 1
+            raise
+        await self._record(session, make_turn(response))
+        return response
+
+    async def _answer(
+        self,
+        call: Any,
+        anthropic: bool,
+        stream: bool,
+        reply: Callable[[dict[str, Any]], Response],
+        events: Callable[[dict[str, Any]], Iterator[bytes]],
+    ) -> Response:
+        """Wait for the call; a streaming client that waits long gets keep-alive comments.
+
+        Until `stream_keepalive` seconds have passed the answer is not begun, so an upstream
+        error still reaches the client with its own status; after that the stream starts
+        (200) with SSE comments, and a failure arrives as an error event.
+        """
+        task: asyncio.Task[dict[str, Any]] = asyncio.ensure_future(call)
+        wait = self.config.stream_keepalive if stream else None
+        try:
+            done, _ = await asyncio.wait({task}, timeout=wait)
+        except BaseException:
+            task.cancel()
+            raise
+        if done:
+            try:
+                response = task.result()
+            except _Refusal as refusal:
+                body = _error_body(anthropic, refusal.status, refusal.reason)
+                return JSONResponse(body, refusal.status)
+            except _Passthrough as passed:
+                return passed.response
+            if stream:
+                return StreamingResponse(
+                    _events(events(response)), media_type="text/event-stream", headers=SSE_HEADERS
+                )
+            return reply(response)
+        return StreamingResponse(
+            self._kept_alive(task, anthropic, events),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+
+    async def _kept_alive(
+        self,
+        task: asyncio.Task[dict[str, Any]],
+        anthropic: bool,
+        events: Callable[[dict[str, Any]], Iterator[bytes]],
+    ) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                yield b": keep-alive\n\n"
+                done, _ = await asyncio.wait({task}, timeout=self.config.stream_keepalive)
+                if done:
+                    break
+            try:
+                response = task.result()
+            except (_Refusal, _Passthrough) as failed:
+                if isinstance(failed, _Refusal):
+                    status, reason = failed.status, failed.reason
+                else:
+                    status = failed.response.status_code
+                    reason = (
+                        f"the upstream answered {status}: "
+                        + bytes(failed.response.body)
+                        .decode("utf-8", "replace")
+                        .replace("\n", " ")[:500]
+                    )
+                error = _error_body(anthropic, status, reason)
+                yield sse_event("error", error) if anthropic else sse_data(error)
+                return
+            for chunk in events(response):
+                yield chunk
+        finally:
+            task.cancel()  # the client left before the answer: the call is abandoned
+
+    async def chat(self, request: Request) -> Response:
+        try:
+            session = self._session(request)
+            raw = await self._read_body(request)
+            body = _check_chat(_decode(raw))
+        except _Refusal as refusal:
+            return JSONResponse(_error_body(False, refusal.status, refusal.reason), refusal.status)
+        inject_ids = self.config.capture_tokens and "return_token_ids" not in body
+        inject_logprobs = self.config.capture_tokens and "logprobs" not in body
+        extra: dict[str, Any] = {"stream": False}
+        if inject_ids:
+            extra["return_token_ids"] = True
+        if inject_logprobs:
+            extra["logprobs"] = True
+        harness = _harness_session(request, body, anthropic=False)
+        call = self._call(
+            session,
+            "/v1/chat/completions",
+            upstream_body(raw, body, extra),
+            self._upstream_headers(request, anthropic=False),
+            lambda response: chat_turn(body, response, harness),
+        )
+        options = body.get("stream_options") or {}
+
+        def reply(response: dict[str, Any]) -> Response:
+            _strip_injected(response, inject_ids, inject_logprobs)
+            return JSONResponse(response)
+
+        def events(response: dict[str, Any]) -> Iterator[bytes]:
+            _strip_injected(response, inject_ids, inject_logprobs)
+            return chat_chunks(
+                response,
+                include_usage=bool(options.get("include_usage")),
+                token_ids=bool(body.get("return_token_ids")),
+            )
+
+        return await self._answer(call, False, body.get("stream") is True, reply, events)
+
+    async def messages(self, request: Request) -> Response:
+        try:
+            session = self._session(request)
+            raw = await self._read_body(request)
+            body = _check_anthropic(_decode(raw))
+        except _Refusal as refusal:
+            return JSONResponse(_error_body(True, refusal.status, refusal.reason), refusal.status)
+        harness = _harness_session(request, body, anthropic=True)
+        call = self._call(
+            session,
+            "/v1/messages",
+            upstream_body(raw, body, {"stream": False}),
+            self._upstream_headers(request, anthropic=True),
+            lambda response: messages_turn(body, response, harness),
+        )
+        return await self._answer(
+            call, True, body.get("stream") is True, JSONResponse, anthropic_events
+        )
+
+    async def models(self, request: Request) -> Response:
+        try:
+            answer = await self.client.get("/v1/models")
+        except httpx.HTTPError as exc:
+            return JSONResponse(
+                _error_body(False, 502, f"the upstream cannot be reached: {type(exc).__name__}"),
+                502,
+            )
+        return Response(
+            answer.content,
+            answer.status_code,
+            media_type=answer.headers.get("content-type", "application/json"),
+        )
+
+    # -- sessions
+
+    async def create_session(self, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            payload = json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            return JSONResponse({"error": "the body must be JSON (or empty)"}, 400)
+        if not isinstance(payload, dict):
+            return JSONResponse({"error": "the body must be a JSON object"}, 400)
+        metadata = payload.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            return JSONResponse({"error": "metadata must be a JSON object"}, 400)
+        try:
+            session = await anyio.to_thread.run_sync(
+                lambda: self.sessions.create(payload.get("session_id"), metadata=metadata)
+            )
+        except SessionError as exc:
+            status = 409 if "already exists" in str(exc) else 400
+            return JSONResponse({"error": str(exc)}, status)
+        base = str(request.base_url).rstrip("/")
+        return JSONResponse(
+            {
+                "session_id": session.session_id,
+                "api_key": session.api_key,
+                "openai_base_url": f"{base}/v1",
+                "anthropic_base_url": base,
+            }
+        )
+
+    def _lookup(self, request: Request) -> Session | Response:
+        session_id = request.path_params["session_id"]
+        session = self.sessions.get(session_id) if clean_session_id(session_id) else None
+        if session is None:
+            return JSONResponse({"error": f"no session {session_id!r}"}, 404)
+        return session
+
+    async def list_sessions(self, request: Request) -> Response:
+        return JSONResponse({"sessions": [s.info() for s in self.sessions.all()]})
+
+    async def session_info(self, request: Request) -> Response:
+        found = self._lookup(request)
+        return found if isinstance(found, Response) else JSONResponse(found.info())
+
+    async def export(self, request: Request) -> Response:
+        found = self._lookup(request)
+        if isinstance(found, Response):
+            return found
+        session, session_id, metadata = found, found.session_id, found.metadata
+        flags = request.query_params
+        messages = flags.get("messages", "0") not in ("0", "false", "")
+        discarded = flags.get("discarded", "0") not in ("0", "false", "")
+        level = flags.get("capture_level") or found.capture_level()
+        if level not in ("tokens", "logprobs", "text"):
+            return JSONResponse({"error": "capture_level must be tokens, logprobs or text"}, 400)
+
+        def produce(fp: IO[bytes]) -> None:
+            with session.use() as graph:
+                write_session_json(
+                    graph,
+                    fp,
+                    session_id=session_id,
+                    metadata=metadata,
+                    include_messages=messages,
+                    include_discarded=discarded,
+                    capture_level=level,
+                )
+
+        return StreamingResponse(_from_thread(produce), media_type="application/json")
+
+    async def trace(self, request: Request) -> Response:
+        found = self._lookup(request)
+        if isinstance(found, Response):
+            return found
+        session = found
+
+        def produce(fp: IO[bytes]) -> None:
+            with session.use() as graph:
+                write_trace_jsonl(graph, fp)
+
+        return StreamingResponse(_from_thread(produce), media_type="application/x-ndjson")
+
+    async def delete_session(self, request: Request) -> Response:
+        session_id = request.path_params["session_id"]
+        if clean_session_id(session_id) is None:
+            return JSONResponse({"error": f"no session {session_id!r}"}, 404)
+        deleted = await anyio.to_thread.run_sync(self.sessions.delete, session_id)
+        if not deleted:
+            return JSONResponse({"error": f"no session {session_id!r}"}, 404)
+        return JSONResponse({"deleted": True, "session_id": session_id})
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse(
+            {
+                "status": "ok",
+                "upstream": self.upstream,
+                "sessions": len(self.sessions.ids()),
+                "open": self.sessions.open_mode,
+                "data": self.sessions.data is not None,
+            }
+        )
+
+
+def create_app(
+    upstream: str,
+    *,
+    data: str | os.PathLike[str] | None = None,
+    fsync: str | int = "turn",
+    store: ContentStore | None = None,
+    cache: StringCache | None = None,
+    open_mode: bool = False,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    upstream_timeout: float = UPSTREAM_TIMEOUT,
+    upstream_api_key: str | None = None,
+    capture_tokens: bool = True,
+    stream_keepalive: float = STREAM_KEEPALIVE,
+    idle_seconds: float = IDLE_SECONDS,
+) -> Starlette:
+    """The capture server as an ASGI app (serve it with uvicorn).
+
+    `upstream`: base URL of an OpenAI-compatible engine (`http://host:port`, a trailing `/v1`
+    is dropped); `/v1/messages` goes to the same host. `data`: directory of session logs
+    (None: in memory); existing sessions there are reopened now. `fsync`: "turn", N or
+    "never". `store`: the content store all sessions share (default: a new `MemoryStore`);
+    `cache`: the string cache they share over an out-of-process store. `open_mode`: serve
+    unknown API keys (a key that is a valid session id becomes that session).
+    `capture_tokens`: ask the upstream for vLLM's token ids and logprobs when the client did
+    not say. `stream_keepalive`: seconds before a streaming client that is still waiting
+    gets SSE comments (and then an error event rather than a status if the call fails).
+    `idle_seconds`: with `data`, a session unused this long lets its graph go (its log keeps
+    everything; the next use reopens it); 0 keeps every graph open.
+    """
+    if max_body_bytes < 1:
+        raise ValueError("max_body_bytes must be positive")
+    if not upstream_timeout > 0:
+        raise ValueError("upstream_timeout must be positive")
+    if not stream_keepalive > 0:
+        raise ValueError("stream_keepalive must be positive")
+    if not idle_seconds >= 0:
+        raise ValueError("idle_seconds must be 0 (never) or positive")
+    config = CaptureConfig(
+        upstream=upstream,
+        upstream_api_key=upstream_api_key,
+        max_body_bytes=max_body_bytes,
+        upstream_timeout=upstream_timeout,
+        capture_tokens=capture_tokens,
+        stream_keepalive=stream_keepalive,
+    )
+    sessions = Sessions(data, fsync=fsync, open_mode=open_mode, store=store, cache=cache)
+    server = _Server(config, sessions)
+
+    async def sweep() -> None:
+        while True:
+            await asyncio.sleep(min(idle_seconds / 4, 30.0))
+            await anyio.to_thread.run_sync(sessions.release_idle, idle_seconds)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        sweeper = asyncio.ensure_future(sweep()) if data is not None and idle_seconds else None
+        try:
+            yield
+        finally:
+            if sweeper is not None:
+                sweeper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sweeper
+            await server.aclose()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", server.chat, methods=["POST"]),
+            Route("/v1/messages", server.messages, methods=["POST"]),
+            Route("/v1/models", server.models, methods=["GET"]),
+            Route("/sessions", server.create_session, methods=["POST"]),
+            Route("/sessions", server.list_sessions, methods=["GET"]),
+            Route("/sessions/{session_id}", server.session_info, methods=["GET"]),
+            Route("/sessions/{session_id}", server.delete_session, methods=["DELETE"]),
+            Route("/sessions/{session_id}/export", server.export, methods=["GET"]),
+            Route("/sessions/{session_id}/trace.jsonl", server.trace, methods=["GET"]),
+            Route("/health", server.health, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.config = config
+    app.state.sessions = sessions
+    return app
+
+
+# ---------------------------------------------------------------------- rollout-store serve
+
+
+def _fsync_arg(value: str) -> str | int:
+    if value in ("turn", "never"):
+        return value
+    if value.isdigit() and int(value) >= 1:
+        return int(value)
+    raise argparse.ArgumentTypeError("expected 'turn', 'never' or a positive number of turns")
+
+
+def open_store(spec: str) -> ContentStore:
+    """The content store a `--store` value names.
+
+    `memory` (one process; logs keep their strings inline), `dir:PATH` (a directory many
+    processes share), `redis://host:port/db` or `s3://bucket/prefix` (many machines; the S3
+    endpoint comes from boto3's usual settings, e.g. `AWS_ENDPOINT_URL`).
+    """
+    if spec == "memory":
+        return MemoryStore()
+    if spec.startswith("dir:") and len(spec) > 4:
+        return DirectoryStore(spec[4:])
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        from .redis_store import RedisStore
+
+        return RedisStore(spec)
+    if spec.startswith("s3://") and spec[5:].split("/", 1)[0]:
+        from .s3_store import S3Store
+
+        bucket, _, prefix = spec[5:].partition("/")
+        if prefix and not prefix.endswith("/"):
+            prefix += "/"
+        return S3Store(bucket, prefix=prefix or "rollout_store/")
+    raise ValueError(
+        f"unknown content store {spec!r}: use memory, dir:PATH, redis://... or s3://bucket/prefix"
+    )
+
+
+def _store_arg(value: str) -> str:
+    if value == "memory" or value.startswith(("dir:", "redis://", "rediss://", "unix://", "s3://")):
+        return value
+    raise argparse.ArgumentTypeError("expected memory, dir:PATH, redis://... or s3://bucket/prefix")
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket for uvicorn (`port` 0 picks a free one).
+
+    Made with `IPPROTO_TCP` on purpose: asyncio turns Nagle's algorithm off only on accepted
+    sockets of that protocol, and without it every keep-alive request waits ~40 ms for a
+    delayed ACK.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)  # connections queue from now on, before uvicorn takes over
+    return sock
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `rollout-store serve`."""
+    parser.add_argument("--upstream", required=True, help="base URL of the engine (vLLM, SGLang)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100, help="0 picks a free port")
+    parser.add_argument("--data", default=None, help="directory of session logs (default: memory)")
+    parser.add_argument("--fsync", type=_fsync_arg, default="turn", help="turn, never or N")
+    parser.add_argument(
+        "--store",
+        type=_store_arg,
+        default="memory",
+        help="content store all sessions share: memory, dir:PATH, redis://... or s3://bucket/prefix",
+    )
+    parser.add_argument(
+        "--cache-mib",
+        type=int,
+        default=256,
+        help="one cache for strings read back from an out-of-process store (MiB)",
+    )
+    parser.add_argument("--open", action="store_true", help="serve unknown API keys")
+    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
+    parser.add_argument("--upstream-timeout", type=float, default=UPSTREAM_TIMEOUT)
+    parser.add_argument(
+        "--stream-keepalive",
+        type=float,
+        default=STREAM_KEEPALIVE,
+        help="seconds before a waiting streaming client gets keep-alive comments",
+    )
+    parser.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=IDLE_SECONDS,
+        help="with --data: a session unused this long is closed until its next call (0: never)",
+    )
+    parser.add_argument(
+        "--no-token-capture",
+        dest="capture_tokens",
+        action="store_false",
+        help="do not ask the upstream for token ids and logprobs (hosted providers)",
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the server until interrupted; prints its address first."""
+    import uvicorn
+
+    app = create_app(
+        args.upstream,
+        data=args.data,
+        fsync=args.fsync,
+        store=open_store(args.store),
+        cache=StringCache(max_bytes=args.cache_mib << 20),
+        open_mode=args.open,
+        max_body_bytes=args.max_body_bytes,
+        upstream_timeout=args.upstream_timeout,
+        upstream_api_key=os.environ.get("ROLLOUT_STORE_UPSTREAM_KEY") or None,
+        capture_tokens=args.capture_tokens,
+        stream_keepalive=args.stream_keepalive,
+        idle_seconds=args.idle_seconds,
+    )
+    sock = listen_socket(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    sessions: Sessions = app.state.sessions
+    print(
+        f"rollout-store serve: http://{host}:{port} -> {args.upstream} "
+        f"({len(sessions.ids())} sessions reopened)"
+        if sessions.ids()
+        else f"rollout-store serve: http://{host}:{port} -> {args.upstream}",
+        flush=True,
+    )
+    config = uvicorn.Config(app, log_level="warning", access_log=False)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`rollout-store serve ...` (also `python -m rollout_store.server ...`)."""
+    parser = argparse.ArgumentParser(
+        prog="rollout-store serve", description=__doc__.splitlines()[0]
+    )
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return serve(args)
+    except (RolloutStoreError, OSError, ValueError, ImportError) as exc:
+        print(f"rollout-store serve: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

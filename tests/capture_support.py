@@ -1,0 +1,118 @@
+"""Running the capture server and the stub engine on loopback for tests: in a thread of the
+test process, or as a separate process that can be killed."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+
+from rollout_store.server import listen_socket
+
+ROOT = Path(__file__).resolve().parent.parent
+WAIT_S = 20.0
+
+
+@contextlib.contextmanager
+def serve_app(app: Any) -> Iterator[str]:
+    """Serve `app` with uvicorn in a thread on a free loopback port; yields its base URL."""
+    sock = listen_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + WAIT_S
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(WAIT_S)
+        sock.close()
+
+
+class Process:
+    """A child process serving on loopback; `url` is read from its first line of output."""
+
+    def __init__(self, args: list[str], pattern: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(
+            [sys.executable, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        line = ""
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if line or self.proc.poll() is not None:
+                break
+        match = re.search(pattern, line)
+        if match is None:
+            self.proc.kill()
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            raise RuntimeError(f"child did not start: {line!r} {err[-2000:]}")
+        self.url = match.group(1)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(WAIT_S)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(WAIT_S)
+        return self.proc.returncode
+
+
+def start_server_process(upstream: str, *extra: str) -> Process:
+    return Process(
+        ["-m", "rollout_store.cli", "serve", "--upstream", upstream, "--port", "0", *extra],
+        r"serve: (http://127\.0\.0\.1:\d+)",
+    )
+
+
+def start_stub_process() -> Process:
+    return Process(["-m", "rollout_store.stub_engine", "--port", "0"], r"on (http://[\d.]+:\d+)")
+
+
+def new_session(base: str, **payload: Any) -> dict[str, Any]:
+    answer = httpx.post(f"{base}/sessions", json=payload, timeout=WAIT_S)
+    answer.raise_for_status()
+    doc: dict[str, Any] = answer.json()
+    return doc
+
+
+def export(base: str, session_id: str, messages: bool = True) -> dict[str, Any]:
+    answer = httpx.get(
+        f"{base}/sessions/{session_id}/export",
+        params={"messages": "1" if messages else "0"},
+        timeout=WAIT_S,
+    )
+    answer.raise_for_status()
+    doc: dict[str, Any] = answer.json()
+    return doc

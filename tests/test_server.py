@@ -1,0 +1,676 @@
+"""The capture server with the official OpenAI and Anthropic SDKs, in front of the stub engine."""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+from capture_support import export, new_session, serve_app
+
+from rollout_store import DirectoryStore, MemoryStore, RolloutGraph, export_session
+from rollout_store.server import create_app, open_store, upstream_body
+from rollout_store.stub_engine import chat_response, create_stub_app, logprob_of, prompt_ids_for
+
+IMAGE = "data:image/png;base64," + "iVBORw0KGgo" * 2000
+
+
+class Counting:
+    """An ASGI wrapper counting the requests that reach the stub."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.calls = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            self.calls += 1
+        await self.app(scope, receive, send)
+
+
+@pytest.fixture(scope="module")
+def stub() -> Iterator[tuple[str, Counting]]:
+    counting = Counting(create_stub_app())
+    with serve_app(counting) as url:
+        yield url, counting
+
+
+@pytest.fixture
+def server(stub: tuple[str, Counting], tmp_path: Path) -> Iterator[tuple[str, Any]]:
+    app = create_app(stub[0], data=tmp_path / "data", upstream_timeout=5)
+    with serve_app(app) as url:
+        yield url, app
+
+
+def _openai(session: dict[str, Any], **kw: Any) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0, **kw
+    )
+
+
+def _anthropic(session: dict[str, Any]) -> anthropic.Anthropic:
+    return anthropic.Anthropic(
+        base_url=session["anthropic_base_url"], api_key=session["api_key"], max_retries=0
+    )
+
+
+def _graph(app: Any, session_id: str) -> RolloutGraph:
+    graph: RolloutGraph = app.state.sessions.get(session_id).graph
+    return graph
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "What is in the picture?"},
+            {"type": "image_url", "image_url": {"url": IMAGE}},
+        ],
+    },
+]
+
+
+# ---------------------------------------------------------------- OpenAI chat completions
+
+
+def test_chat_non_streaming_records_tokens_and_answers_like_the_engine(server: Any) -> None:
+    url, app = server
+    session = new_session(url)
+    client = _openai(session)
+    reply = client.chat.completions.create(model="m", messages=CONVERSATION, temperature=0.5)
+    direct = chat_response({"model": "m", "messages": CONVERSATION, "temperature": 0.5})
+    assert reply.choices[0].message.content == direct["choices"][0]["message"]["content"]
+    # what the server asked the engine for and the client did not is not handed back
+    assert reply.choices[0].logprobs is None
+    assert "prompt_token_ids" not in (reply.model_extra or {})
+
+    graph = _graph(app, session["session_id"])
+    (node_id,) = graph.node_ids()
+    turn = graph.get(node_id)
+    assert json.dumps(turn.request_messages) == json.dumps(CONVERSATION)
+    assert turn.prompt_ids == prompt_ids_for(CONVERSATION)
+    assert turn.sampled_logprobs == [logprob_of(t) for t in turn.sampled_ids or []]
+    assert turn.sampling_params == {"temperature": 0.5}
+    assert turn.model == "m"
+    assert turn.finish_reason == "stop"
+
+
+def test_chat_streaming_replays_chunks_the_sdk_parses(server: Any) -> None:
+    url, app = server
+    session = new_session(url)
+    client = _openai(session)
+    messages = copy.deepcopy(CONVERSATION)
+    first = client.chat.completions.create(model="m", messages=messages)
+    messages += [first.choices[0].message.model_dump(exclude_none=True)]
+    messages += [{"role": "user", "content": "and now?"}]
+    stream = client.chat.completions.create(
+        model="m", messages=messages, stream=True, stream_options={"include_usage": True}
+    )
+    text, finish, usage = [], None, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+        usage = chunk.usage or usage
+    direct = chat_response({"model": "m", "messages": messages})
+    assert "".join(text) == direct["choices"][0]["message"]["content"]
+    assert finish == "stop"
+    assert usage is not None and usage.prompt_tokens == len(prompt_ids_for(messages))
+
+    graph = _graph(app, session["session_id"])
+    first_id, second_id = graph.node_ids()
+    assert graph.parent(second_id) == first_id
+    assert graph.link_kind(second_id) == "tokens"
+    seq = graph.sequence_for(second_id)
+    assert sum(seq.loss_mask) == len(graph.get(first_id).sampled_ids or []) + len(
+        graph.get(second_id).sampled_ids or []
+    )
+
+
+def test_chat_stream_with_tool_calls_and_client_asked_fields(server: Any) -> None:
+    url, app = server
+    session = new_session(url)
+    client = _openai(session)
+    tools = [{"type": "function", "function": {"name": "look", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "look around"}]
+    stream = client.chat.completions.create(
+        model="m",
+        messages=messages,
+        tools=tools,
+        stream=True,
+        logprobs=True,
+        extra_body={"return_token_ids": True},
+    )
+    calls, logprobs, token_ids = [], [], []
+    for chunk in stream:
+        for choice in chunk.choices:
+            calls += choice.delta.tool_calls or []
+            if choice.logprobs is not None and choice.logprobs.content:
+                logprobs += [e.logprob for e in choice.logprobs.content]
+            token_ids += (choice.model_extra or {}).get("token_ids") or []
+    assert [c.function.name for c in calls if c.function] == ["look"]
+    graph = _graph(app, session["session_id"])
+    turn = graph.get(graph.node_ids()[0])
+    # asked for by the client: handed back, and equal to what was recorded
+    assert token_ids == turn.sampled_ids and logprobs == turn.sampled_logprobs
+    assert turn.sampling_params == {"logprobs": True, "return_token_ids": True}
+    assert turn.request_tools == tools
+    assert turn.finish_reason == "tool_calls"
+
+
+def test_harness_session_header_and_user_field(server: Any) -> None:
+    url, app = server
+    session = new_session(url)
+    client = _openai(session, default_headers={"x-session-id": "ses_sub-1"})
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    plain = _openai(session)
+    plain.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], user="u7")
+    graph = _graph(app, session["session_id"])
+    assert [graph.get(n).harness_session_id for n in graph.node_ids()] == ["ses_sub-1", "u7"]
+
+
+# ---------------------------------------------------------------- Anthropic messages
+
+
+def test_anthropic_messages_streaming_and_not(server: Any) -> None:
+    url, app = server
+    session = new_session(url)
+    client = _anthropic(session)
+    tools = [{"name": "look", "description": "look", "input_schema": {"type": "object"}}]
+    messages: list[Any] = [{"role": "user", "content": "look at this"}]
+    first = client.messages.create(
+        model="claude-x", max_tokens=64, system="Be exact.", tools=tools, messages=messages
+    )
+    assert first.stop_reason == "tool_use" and first.content[0].type == "tool_use"
+    messages += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": first.content[0].id, "content": "a cat"}
+            ],
+        },
+    ]
+    with client.messages.stream(
+        model="claude-x", max_tokens=64, system="Be exact.", tools=tools, messages=messages
+    ) as stream:
+        pieces = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert final.stop_reason == "end_turn"
+    assert "".join(pieces) == final.content[0].text and pieces
+
+    graph = _graph(app, session["session_id"])
+    a, b = graph.node_ids()
+    assert graph.parent(b) == a and graph.link_kind(b) == "messages"
+    turn = graph.get(b)
+    assert turn.request_messages is not None
+    assert turn.request_messages[0] == {"role": "system", "content": "Be exact."}
+    assert json.dumps(turn.request_messages[1:]) == json.dumps(messages)
+    content = final.model_dump(exclude_none=True)["content"]
+    assert turn.response_message == {"role": "assistant", "content": content}
+    assert turn.sampling_params == {"max_tokens": 64}
+
+
+# ---------------------------------------------------------------- sessions
+
+
+def test_sessions_create_list_info_export_delete(server: Any, tmp_path: Path) -> None:
+    url, app = server
+    made = new_session(url, session_id="rollout-7", metadata={"task": "t1"})
+    assert made["session_id"] == "rollout-7" and made["api_key"] != "rollout-7"
+    assert httpx.post(f"{url}/sessions", json={"session_id": "rollout-7"}).status_code == 409
+    for bad in ("../x", "a/b", "", ".hidden", "x" * 200, 7):
+        answer = httpx.post(f"{url}/sessions", json={"session_id": bad})
+        assert answer.status_code == 400, bad
+    _openai(made).chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
+
+    listed = httpx.get(f"{url}/sessions").json()["sessions"]
+    assert [s["session_id"] for s in listed] == ["rollout-7"]
+    info = httpx.get(f"{url}/sessions/rollout-7").json()
+    assert info["turns"] == 1 and info["roots"] == 1 and info["metadata"] == {"task": "t1"}
+    assert httpx.get(f"{url}/sessions/nope").status_code == 404
+
+    doc = export(url, "rollout-7")
+    graph = _graph(app, "rollout-7")
+    expected = export_session(
+        graph,
+        session_id="rollout-7",
+        metadata={"task": "t1"},
+        include_messages=True,
+        capture_level="tokens",
+    )
+    raw = httpx.get(f"{url}/sessions/rollout-7/export", params={"messages": "1"}).content
+    assert raw == json.dumps(expected).encode()
+    assert doc["turns"][0]["request_messages"] == [{"role": "user", "content": "q"}]
+    assert "request_messages" not in export(url, "rollout-7", messages=False)["turns"][0]
+    lines = httpx.get(f"{url}/sessions/rollout-7/trace.jsonl").text.splitlines()
+    assert [json.loads(line)["prompt_ids"] for line in lines] == [
+        prompt_ids_for([{"role": "user", "content": "q"}])
+    ]
+
+    data = tmp_path / "data"
+    assert sorted(p.name for p in data.iterdir()) == ["rollout-7.json", "rollout-7.rls"]
+    assert httpx.delete(f"{url}/sessions/rollout-7").json() == {
+        "deleted": True,
+        "session_id": "rollout-7",
+    }
+    assert httpx.delete(f"{url}/sessions/rollout-7").status_code == 404
+    assert list(data.iterdir()) == []
+    with pytest.raises(openai.AuthenticationError):
+        _openai(made).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "q"}]
+        )
+
+
+def test_unknown_key_is_refused_unless_open(stub: Any) -> None:
+    stub_url, counting = stub
+    with serve_app(create_app(stub_url)) as url:
+        fake = {"openai_base_url": f"{url}/v1", "anthropic_base_url": url, "api_key": "who"}
+        before = counting.calls
+        with pytest.raises(openai.AuthenticationError, match="unknown API key"):
+            _openai(fake).chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "q"}]
+            )
+        with pytest.raises(anthropic.AuthenticationError):
+            _anthropic(fake).messages.create(
+                model="m", max_tokens=5, messages=[{"role": "user", "content": "q"}]
+            )
+        assert counting.calls == before
+    app = create_app(stub_url, open_mode=True)
+    with serve_app(app) as url:
+        fake = {"openai_base_url": f"{url}/v1", "anthropic_base_url": url, "api_key": "agent-3"}
+        _openai(fake).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "q"}]
+        )
+        _anthropic(fake).messages.create(
+            model="m", max_tokens=5, messages=[{"role": "user", "content": "q"}]
+        )
+        assert app.state.sessions.ids() == ["agent-3"]
+        assert len(_graph(app, "agent-3")) == 2
+        # a key that cannot be a session id is still refused
+        fake["api_key"] = "../../etc"
+        with pytest.raises(openai.AuthenticationError):
+            _openai(fake).chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "q"}]
+            )
+
+
+# ---------------------------------------------------------------- durability
+
+
+def test_restarted_server_reopens_sessions_and_goes_on_recording(stub: Any, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    messages: list[Any] = [{"role": "user", "content": "start"}]
+    with serve_app(create_app(stub[0], data=data)) as url:
+        session = new_session(url, metadata={"k": 1})
+        reply = _openai(session).chat.completions.create(model="m", messages=messages)
+        messages += [reply.choices[0].message.model_dump(exclude_none=True)]
+        messages += [{"role": "user", "content": "more"}]
+    log = data / f"{session['session_id']}.rls"
+    with open(log, "ab") as fp:  # a torn record: a crash in the middle of a write
+        fp.write(b"\x03\x40\x00\x00\x00partial")
+    app = create_app(stub[0], data=data)
+    assert app.state.sessions.reopened == [(session["session_id"], 1, 12)]
+    with serve_app(app) as url:
+        session["openai_base_url"] = f"{url}/v1"
+        _openai(session).chat.completions.create(model="m", messages=messages)
+        graph = _graph(app, session["session_id"])
+        first, second = graph.node_ids()
+        assert graph.parent(second) == first
+        assert httpx.get(f"{url}/sessions/{session['session_id']}").json()["metadata"] == {"k": 1}
+    assert len(RolloutGraph.load(log)) == 2
+
+
+# ---------------------------------------------------------------- bad traffic
+
+
+def _post(url: str, key: str, content: bytes, path: str = "/v1/chat/completions") -> httpx.Response:
+    return httpx.post(
+        f"{url}{path}",
+        content=content,
+        headers={"authorization": f"Bearer {key}", "content-type": "application/json"},
+        timeout=10,
+    )
+
+
+BAD_BODIES = [
+    (b"{not json", 400, "not JSON"),
+    (b"", 400, "not JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    (b'{"model": "m"}', 400, "messages"),
+    (b'{"messages": []}', 400, "messages"),
+    (b'{"messages": [{"role": "user", "content": "a"}, "b"]}', 400, "messages[1]"),
+    (b'{"messages": [{"content": "a"}]}', 400, "messages[0]"),
+    (b'{"messages": [{"role": "user"}], "tools": {}}', 400, "tools"),
+    (b'{"messages": [{"role": "user"}], "stream": "yes"}', 400, "stream"),
+    (b'{"messages": [{"role": "user"}], "n": 2}', 400, "n must be 1"),
+    (b'{"messages": [{"role": "user"}], "model": 3}', 400, "model"),
+    (b'{"messages": [{"role": "user"}], "system": 3}', 400, "system"),
+    (b"[" * 100_000, 400, "deeply"),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_bad_bodies_get_4xx_and_record_nothing(server: Any, stub: Any, path: str) -> None:
+    url, app = server
+    session = new_session(url)
+    graph = _graph(app, session["session_id"])
+    before = stub[1].calls
+    for content, status, reason in BAD_BODIES:
+        if ("system" in reason and path != "/v1/messages") or (
+            "n must" in reason and path == "/v1/messages"
+        ):
+            continue
+        answer = _post(url, session["api_key"], content, path)
+        assert answer.status_code == status, content[:60]
+        error = answer.json()["error"]
+        assert reason in error["message"] and "\n" not in error["message"], error
+    assert stub[1].calls == before and len(graph) == 0
+
+
+def test_too_large_body_is_refused(stub: Any) -> None:
+    app = create_app(stub[0], max_body_bytes=1000)
+    with serve_app(app) as url:
+        session = new_session(url)
+        big = json.dumps({"messages": [{"role": "user", "content": "x" * 2000}]}).encode()
+        answer = _post(url, session["api_key"], big)
+        assert (
+            answer.status_code == 413 and "limit of 1000 bytes" in answer.json()["error"]["message"]
+        )
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+            yield big[:500]
+            yield big[500:]
+
+        answer = httpx.post(
+            f"{url}/v1/chat/completions",
+            content=chunks(),
+            headers={"authorization": f"Bearer {session['api_key']}"},
+        )
+        assert answer.status_code == 413
+        with pytest.raises(openai.APIStatusError) as caught:
+            _openai(session).chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "x" * 2000}]
+            )
+        assert caught.value.status_code == 413
+        assert len(_graph(app, session["session_id"])) == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_upstream_errors_pass_through_and_record_nothing(server: Any, stream: bool) -> None:
+    url, app = server
+    session = new_session(url)
+    client = _openai(session)
+    with pytest.raises(openai.BadRequestError, match="refused on purpose"):
+        client.chat.completions.create(
+            model="stub-error", messages=[{"role": "user", "content": "q"}], stream=stream
+        )
+    with pytest.raises(openai.InternalServerError) as caught:
+        client.chat.completions.create(
+            model="stub-500", messages=[{"role": "user", "content": "q"}], stream=stream
+        )
+    assert caught.value.status_code == 500
+    with pytest.raises(anthropic.BadRequestError):
+        _anthropic(session).messages.create(
+            model="stub-error", max_tokens=5, messages=[{"role": "user", "content": "q"}]
+        )
+    answer = _post(
+        url, session["api_key"], b'{"model": "stub-garbage", "messages": [{"role": "user"}]}'
+    )
+    assert answer.status_code == 502 and "not JSON" in answer.json()["error"]["message"]
+    assert len(_graph(app, session["session_id"])) == 0
+    assert httpx.get(f"{url}/sessions/{session['session_id']}").json()["upstream_errors"] == 3
+
+
+def test_upstream_hang_times_out_with_504(stub: Any) -> None:
+    app = create_app(stub[0], upstream_timeout=0.5)
+    with serve_app(app) as url:
+        session = new_session(url)
+        with pytest.raises(openai.APIStatusError) as caught:
+            _openai(session, timeout=10).chat.completions.create(
+                model="stub-hang", messages=[{"role": "user", "content": "q"}]
+            )
+        assert caught.value.status_code == 504
+        with pytest.raises(anthropic.APIStatusError) as caught_a:
+            _anthropic(session).messages.create(
+                model="stub-hang", max_tokens=5, messages=[{"role": "user", "content": "q"}]
+            )
+        assert caught_a.value.status_code == 504
+        assert len(_graph(app, session["session_id"])) == 0
+
+
+def test_upstream_unreachable_is_502() -> None:
+    with serve_app(create_app("http://127.0.0.1:9")) as url:
+        session = new_session(url)
+        with pytest.raises(openai.APIStatusError) as caught:
+            _openai(session).chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "q"}]
+            )
+        assert caught.value.status_code == 502
+
+
+def test_client_disconnect_mid_stream_leaves_a_consistent_session(server: Any) -> None:
+    url, app = server
+    session = new_session(url)
+    body = {"model": "m", "messages": [{"role": "user", "content": "one two"}], "stream": True}
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {session['api_key']}"},
+    ) as answer:
+        assert answer.status_code == 200
+        next(answer.iter_raw(1))  # read a byte, then hang up
+    # the next call continues the recorded turn
+    messages = body["messages"] + [chat_response(body)["choices"][0]["message"]]
+    messages += [{"role": "user", "content": "three"}]
+    _openai(session).chat.completions.create(model="m", messages=messages)
+    graph = _graph(app, session["session_id"])
+    first, second = graph.node_ids()
+    assert graph.parent(second) == first
+    doc = json.loads(httpx.get(f"{url}/sessions/{session['session_id']}/export").text)
+    assert doc["stats"]["n_turns"] == 2
+
+
+def test_an_abandoned_export_releases_the_session(server: Any) -> None:
+    url, app = server
+    session = new_session(url)
+    client = _openai(session)
+    big = {"type": "image_url", "image_url": {"url": IMAGE * 24}}  # 512 KiB, stored once
+    for i in range(30):  # a 15 MiB export: more than the pipe and the sockets hold
+        content = [{"type": "text", "text": f"turn {i}"}, big]
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": content}])
+    with httpx.stream(
+        "GET", f"{url}/sessions/{session['session_id']}/export", params={"messages": "1"}
+    ) as answer:
+        next(answer.iter_raw(10))
+    done = threading.Event()
+
+    def record() -> None:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "after"}])
+        done.set()
+
+    threading.Thread(target=record, daemon=True).start()
+    assert done.wait(10), "the export left the graph locked"
+    assert len(_graph(app, session["session_id"])) == 31
+
+
+# ---------------------------------------------------------------- stores and upstream bodies
+
+
+def test_sessions_over_a_directory_store_reopen_from_logs_of_references(
+    stub: Any, tmp_path: Path
+) -> None:
+    data, objects = tmp_path / "data", tmp_path / "objects"
+    with serve_app(create_app(stub[0], data=data, store=DirectoryStore(objects))) as url:
+        sessions = [new_session(url) for _ in range(3)]
+        for session in sessions:
+            _openai(session).chat.completions.create(model="m", messages=CONVERSATION)
+        before = [export(url, s["session_id"]) for s in sessions]
+    # the logs hold references: the screenshot is in the store once, in no log
+    assert all(IMAGE.encode() not in p.read_bytes() for p in data.glob("*.rls"))
+    assert len(list(objects.rglob("*"))) > 0
+    app = create_app(stub[0], data=data, store=DirectoryStore(objects))
+    with serve_app(app) as url:
+        after = [export(url, s["session_id"]) for s in sessions]
+    assert json.dumps(after) == json.dumps(before)
+    assert json.dumps(after[0]["turns"][0]["request_messages"]) == json.dumps(CONVERSATION)
+
+
+def test_open_store_names() -> None:
+    assert isinstance(open_store("memory"), MemoryStore)
+    assert isinstance(open_store("dir:objects-here"), DirectoryStore)
+    for bad in ("disk", "dir:", "s3://", "ftp://x"):
+        with pytest.raises(ValueError, match="unknown content store"):
+            open_store(bad)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"messages": [{"role": "user", "content": "a"}]}',
+        b'{"messages":[{"role":"user","content":"a"}],"model":"m"}  \n',
+        b'{"messages": [], "stream": true, "stream_options": {"include_usage": true}}',
+        b'{"messages": [], "logprobs": false}',
+        b'{"messages": [], "n": 1e400, "x": NaN, "s": "\\ud800"}',
+    ],
+)
+def test_upstream_body_is_the_request_with_the_capture_keys(raw: bytes) -> None:
+    body = json.loads(raw)
+    extra = {
+        k: v
+        for k, v in {"stream": False, "logprobs": True}.items()
+        if k not in body or k == "stream"
+    }
+    sent = json.loads(upstream_body(raw, body, extra))
+    expected = {k: v for k, v in body.items() if k != "stream_options"}
+    expected.update(extra)
+    assert json.dumps(sent) == json.dumps(expected)
+    assert list(sent) == list(expected)
+
+
+def test_a_long_wait_streams_keep_alive_comments_then_the_answer(stub: Any) -> None:
+    app = create_app(stub[0], stream_keepalive=0.2, upstream_timeout=3)
+    with serve_app(app) as url:
+        session = new_session(url)
+        messages = [{"role": "user", "content": "think long"}]
+        stream = _openai(session).chat.completions.create(
+            model="stub-slow", messages=messages, stream=True
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert (
+            text
+            == chat_response({"model": "stub-slow", "messages": messages})["choices"][0]["message"][
+                "content"
+            ]
+        )
+        with _anthropic(session).messages.stream(
+            model="stub-slow", max_tokens=9, messages=messages
+        ) as events:
+            assert events.get_final_message().stop_reason == "end_turn"
+        raw = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"model": "stub-slow", "messages": messages, "stream": True},
+            headers={"authorization": f"Bearer {session['api_key']}"},
+        ).text
+        assert raw.startswith(": keep-alive\n\n") and raw.endswith("data: [DONE]\n\n")
+        assert len(_graph(app, session["session_id"])) == 3
+
+
+def test_a_failure_after_keep_alive_arrives_as_an_error_event(stub: Any) -> None:
+    app = create_app(stub[0], stream_keepalive=0.2, upstream_timeout=0.7)
+    with serve_app(app) as url:
+        session = new_session(url)
+        messages = [{"role": "user", "content": "never"}]
+        with pytest.raises(openai.APIError, match="did not answer within"):
+            for _ in _openai(session).chat.completions.create(
+                model="stub-hang", messages=messages, stream=True
+            ):
+                pass
+        with (
+            pytest.raises(anthropic.APIStatusError, match="did not answer within"),
+            _anthropic(session).messages.stream(
+                model="stub-hang", max_tokens=9, messages=messages
+            ) as events,
+        ):
+            events.get_final_message()
+        assert len(_graph(app, session["session_id"])) == 0
+
+
+def test_an_idle_session_lets_its_graph_go_and_reopens_on_the_next_call(
+    stub: Any, tmp_path: Path
+) -> None:
+    app = create_app(stub[0], data=tmp_path / "data", idle_seconds=0.2)
+    with serve_app(app) as url:
+        session = new_session(url)
+        messages: list[Any] = [{"role": "user", "content": "first"}]
+        reply = _openai(session).chat.completions.create(model="m", messages=messages)
+        state = app.state.sessions.get(session["session_id"])
+        deadline = time.monotonic() + 10
+        while state.loaded and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not state.loaded
+        info = httpx.get(f"{url}/sessions/{session['session_id']}").json()
+        assert info["turns"] == 1 and info["loaded"] is False  # counted without reopening
+        messages += [reply.choices[0].message.model_dump(exclude_none=True)]
+        messages += [{"role": "user", "content": "second"}]
+        _openai(session).chat.completions.create(model="m", messages=messages)
+        graph = _graph(app, session["session_id"])
+        first, second = graph.node_ids()
+        assert graph.parent(second) == first and graph.link_kind(second) == "tokens"
+        assert export(url, session["session_id"])["stats"]["n_turns"] == 2
+
+
+def test_serve_refuses_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
+    from rollout_store.cli import main
+
+    for argv in (
+        ["serve"],
+        ["serve", "--upstream", "http://127.0.0.1:9", "--fsync", "0"],
+        ["serve", "--upstream", "http://127.0.0.1:9", "--store", "disk"],
+    ):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2
+    assert "--store" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["info", "some.rls", "--upstream", "x"])  # serve's options belong to serve
+
+
+def test_an_upstream_answer_of_the_wrong_shape_is_502_and_recorded_nowhere() -> None:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    answers = [
+        {"choices": []},
+        {"choices": [{"message": "text"}]},
+        {"prompt_token_ids": ["a"], "choices": [{"message": {"role": "assistant"}}]},
+        {"content": "not blocks"},
+    ]
+
+    async def answer(request: Request) -> JSONResponse:
+        return JSONResponse(answers.pop(0))
+
+    routes = [Route(p, answer, methods=["POST"]) for p in ("/v1/chat/completions", "/v1/messages")]
+    with serve_app(Starlette(routes=routes)) as upstream:
+        app = create_app(upstream)
+        with serve_app(app) as url:
+            session = new_session(url)
+            body = json.dumps({"messages": [{"role": "user", "content": "q"}]}).encode()
+            for path in ["/v1/chat/completions"] * 3 + ["/v1/messages"]:
+                reply = _post(url, session["api_key"], body, path)
+                assert reply.status_code == 502, reply.text
+                assert "upstream" in reply.json()["error"]["message"]
+            assert len(_graph(app, session["session_id"])) == 0
+            assert httpx.get(f"{url}/sessions/{session['session_id']}").json()["rejected"] == 1
