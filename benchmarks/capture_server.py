@@ -13,7 +13,8 @@ growth (what recording itself keeps), and the per-request latency each adds over
 the stub directly, median and p99, with 16 rollouts in flight: from separate runs, and
 paired (each rollout makes every call to the stub and then through the server, so both
 see the same load; the figure is the difference per call, and the targets use it).
-Writes results/capture_server.json; ends with PASS/MISS lines for the targets.
+Writes out/capture_server.json (results/ with --update-results; a --quick run writes nothing);
+ends with PASS/MISS lines for the targets and a one-line count of targets met and missed.
 
     python benchmarks/capture_server.py [--quick] [--rounds N]
 """
@@ -44,10 +45,15 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from measure import MiB, library_commit  # noqa: E402
+from measure import (  # noqa: E402
+    MiB,
+    add_results_option,
+    library_commit,
+    results_dir,
+    targets_summary,
+)
 from workloads import UniqueContent  # noqa: E402
 
-RESULTS = HERE / "results" / "capture_server.json"
 SESSIONS, TURNS = 16, 20
 IMAGE_BYTES = 150 * 1024  # 200 KiB of base64
 TARGET_RSS_OVER_UNIQUE = 1.5
@@ -305,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 sessions x 6 turns, 1 round")
     parser.add_argument("--rounds", type=int, default=3)
+    add_results_option(parser)
     args = parser.parse_args(argv)
     sessions, turns, rounds = (4, 6, 1) if args.quick else (SESSIONS, TURNS, args.rounds)
     schemes = ["direct", "rollout_store", "rollout_store+log", "anchor", "forward-only"]
@@ -386,8 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         "schemes": rows,
     }
     if not args.quick:
-        RESULTS.parent.mkdir(exist_ok=True)
-        RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+        path = results_dir(args.update_results) / "capture_server.json"
+        path.write_text(json.dumps(result, indent=2) + "\n")
 
     print(f"GRPO group: {sessions} sessions x {turns} turns, {rounds} rounds")
     print(f"unique content: {unique.bytes / MiB:.2f} MiB; load average {os.getloadavg()[0]:.1f}")
@@ -426,11 +433,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{ours['paired_added_p99_ms']:.2f} ms",
         ),
     ]
-    for name, ok, value in checks:
-        print(f"{'PASS' if ok else 'MISS'}: {name}: {value}")
+    lines = [f"{'PASS' if ok else 'MISS'}: {name}: {value}" for name, ok, value in checks]
+    print("\n".join(lines))
     load = os.getloadavg()[0]
     if load > (os.cpu_count() or 1):
         print(f"note: load average {load:.1f} on {os.cpu_count()} CPUs: latencies include queueing")
+    print(targets_summary(lines))
     return 0
 
 
