@@ -42,7 +42,7 @@ import anyio.to_thread
 import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .content import ContentStore, StringCache
@@ -52,6 +52,7 @@ from .nodes import TurnNode
 from .sessions import Session, SessionError, Sessions, clean_session_id
 from .sse import SSE_HEADERS, anthropic_events, chat_chunks, sse_data, sse_event
 from .stores import DirectoryStore, MemoryStore
+from .viewer import Viewer
 
 __all__ = [
     "CaptureConfig",
@@ -700,6 +701,30 @@ class _Server:
         found = self._lookup(request)
         return found if isinstance(found, Response) else JSONResponse(found.info())
 
+    async def view_root(self, request: Request) -> Response:
+        """`/sessions/{id}/view` without its slash: the page's relative URLs need one."""
+        found = self._lookup(request)
+        if isinstance(found, Response):
+            return found
+        return RedirectResponse(f"/sessions/{found.session_id}/view/", status_code=307)
+
+    async def view(self, request: Request) -> Response:
+        """The viewer of a live session, answered from its graph (`rollout-store view`'s page)."""
+        found = self._lookup(request)
+        if isinstance(found, Response):
+            return found
+        session = found
+        path = "/" + request.path_params["path"]
+        query = request.url.query
+
+        def answer() -> tuple[int, tuple[tuple[str, str], ...], bytes]:
+            with session.use() as graph:
+                page = Viewer(graph, title=session.session_id).respond(path, query)
+            return page.status, page.headers, page.body
+
+        status, headers, body = await anyio.to_thread.run_sync(answer)
+        return Response(body, status_code=status, headers=dict(headers))
+
     async def export(self, request: Request) -> Response:
         found = self._lookup(request)
         if isinstance(found, Response):
@@ -835,6 +860,8 @@ def create_app(
             Route("/sessions/{session_id}", server.delete_session, methods=["DELETE"]),
             Route("/sessions/{session_id}/export", server.export, methods=["GET"]),
             Route("/sessions/{session_id}/trace.jsonl", server.trace, methods=["GET"]),
+            Route("/sessions/{session_id}/view", server.view_root, methods=["GET"]),
+            Route("/sessions/{session_id}/view/{path:path}", server.view, methods=["GET"]),
             Route("/health", server.health, methods=["GET"]),
         ],
         lifespan=lifespan,

@@ -674,3 +674,35 @@ def test_an_upstream_answer_of_the_wrong_shape_is_502_and_recorded_nowhere() -> 
                 assert "upstream" in reply.json()["error"]["message"]
             assert len(_graph(app, session["session_id"])) == 0
             assert httpx.get(f"{url}/sessions/{session['session_id']}").json()["rejected"] == 1
+
+
+# ---------------------------------------------------------------- the viewer of a live session
+
+
+def test_a_live_session_is_viewed_at_its_own_route(server: Any) -> None:
+    from rollout_store.viewer import Viewer
+
+    url, app = server
+    made = new_session(url, session_id="viewed")
+    script = "<script>alert(1)</script>"
+    messages = [*CONVERSATION, {"role": "user", "content": script}]
+    _openai(made).chat.completions.create(model="m", messages=messages)
+
+    moved = httpx.get(f"{url}/sessions/viewed/view")
+    assert moved.status_code == 307 and moved.headers["location"] == "/sessions/viewed/view/"
+    page = httpx.get(f"{url}/sessions/viewed/view/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "content-security-policy" in page.headers
+    assert httpx.get(f"{url}/sessions/viewed/view/static/viewer.js").status_code == 200
+
+    # every answer is the one the file viewer gives for the same graph, byte for byte
+    local = Viewer(_graph(app, "viewed"), title="viewed")
+    rows = httpx.get(f"{url}/sessions/viewed/view/api/rows", params={"offset": 0})
+    assert rows.status_code == 200
+    assert rows.content == local.respond("/api/rows", "offset=0").body
+    (row,) = rows.json()["rows"]
+    turn = httpx.get(f"{url}/sessions/viewed/view/api/messages", params={"id": row["id"]})
+    assert turn.content == local.respond("/api/messages", f"id={row['id']}").body
+    assert script in turn.text  # carried as data for textContent, never as markup
+    assert httpx.get(f"{url}/sessions/viewed/view/api/nothing").status_code == 404
+    assert httpx.get(f"{url}/sessions/nope/view/").status_code == 404
