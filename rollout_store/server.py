@@ -586,13 +586,24 @@ class _Server:
         finally:
             task.cancel()  # the client left before the answer: the call is abandoned
 
-    async def chat(self, request: Request) -> Response:
+    async def _accept(
+        self, request: Request, check: Callable[[Any], dict[str, Any]], *, anthropic: bool
+    ) -> tuple[Session, bytes, dict[str, Any]] | Response:
+        """The session, raw body and checked body of a model call, or the refusal to answer
+        (in the error shape of the route's API) when any of them is wrong."""
         try:
             session = self._session(request)
             raw = await self._read_body(request)
-            body = _check_chat(_decode(raw))
+            return session, raw, check(_decode(raw))
         except _Refusal as refusal:
-            return JSONResponse(_error_body(False, refusal.status, refusal.reason), refusal.status)
+            error = _error_body(anthropic, refusal.status, refusal.reason)
+            return JSONResponse(error, refusal.status)
+
+    async def chat(self, request: Request) -> Response:
+        accepted = await self._accept(request, _check_chat, anthropic=False)
+        if isinstance(accepted, Response):
+            return accepted
+        session, raw, body = accepted
         inject_ids = self.config.capture_tokens and "return_token_ids" not in body
         inject_logprobs = self.config.capture_tokens and "logprobs" not in body
         extra: dict[str, Any] = {"stream": False}
@@ -625,12 +636,10 @@ class _Server:
         return await self._answer(call, False, body.get("stream") is True, reply, events)
 
     async def messages(self, request: Request) -> Response:
-        try:
-            session = self._session(request)
-            raw = await self._read_body(request)
-            body = _check_anthropic(_decode(raw))
-        except _Refusal as refusal:
-            return JSONResponse(_error_body(True, refusal.status, refusal.reason), refusal.status)
+        accepted = await self._accept(request, _check_anthropic, anthropic=True)
+        if isinstance(accepted, Response):
+            return accepted
+        session, raw, body = accepted
         harness = _harness_session(request, body, anthropic=True)
         call = self._call(
             session,
