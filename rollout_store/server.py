@@ -40,6 +40,7 @@ from typing import IO, Any
 
 import anyio.to_thread
 import httpx
+import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
@@ -49,6 +50,7 @@ from .content import ContentStore, StringCache
 from .errors import InvalidValueError, RolloutStoreError
 from .export import write_session_json, write_trace_jsonl
 from .nodes import TurnNode
+from .raw import RawJSON
 from .sessions import Session, SessionError, Sessions, clean_session_id
 from .sse import SSE_HEADERS, anthropic_events, chat_chunks, sse_data, sse_event
 from .stores import DirectoryStore, MemoryStore
@@ -62,6 +64,7 @@ __all__ = [
     "main",
     "messages_turn",
     "open_store",
+    "split_body",
     "upstream_body",
 ]
 
@@ -111,8 +114,11 @@ class CaptureConfig:
 
 
 # ---------------------------------------------------------------------- requests to turns
-# The only code that hands a request's messages to the graph; a raw-bytes intake replaces
-# these two functions (and the json.loads before them) without touching the routes.
+# A request body arrives as bytes. `split_body` splits it with msgspec into its top-level
+# fields without decoding the large ones (the conversation, the tools, Anthropic's system):
+# those reach the graph as `RawJSON` spans of the body, which confirms a re-sent prefix by
+# its bytes, and the upstream gets the body's own bytes. A body msgspec cannot split exactly
+# as json.loads would read it is decoded by json.loads, as before.
 
 
 def _token_list(value: Any) -> Any:
@@ -130,7 +136,8 @@ def _choice_logprobs(logprobs: Any) -> list[Any] | None:
 
 
 def chat_turn(body: dict[str, Any], response: dict[str, Any], harness: str | None) -> TurnNode:
-    """The turn for a Chat Completions request (decoded) and the upstream's complete answer."""
+    """The turn for a Chat Completions request (as `split_body` gives it, or decoded) and the
+    upstream's complete answer."""
     choices = response.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise _Refusal(502, "the upstream's answer has no choices")
@@ -155,6 +162,14 @@ def chat_turn(body: dict[str, Any], response: dict[str, Any], harness: str | Non
     )
 
 
+def _with_system(system: Any, messages: Any) -> Any:
+    """`[{"role": "system", "content": system}, *messages]`, spliced as text when raw."""
+    if type(messages) is RawJSON and type(system) is RawJSON:
+        head = b'[{"role": "system", "content": ' + _text(system) + b"}, "
+        return RawJSON(head + _text(messages)[1:])  # a non-empty array: "[" then an item
+    return [{"role": "system", "content": _value(system)}, *_value(messages)]
+
+
 def messages_turn(body: dict[str, Any], response: dict[str, Any], harness: str | None) -> TurnNode:
     """The turn for an Anthropic Messages request and answer.
 
@@ -167,7 +182,7 @@ def messages_turn(body: dict[str, Any], response: dict[str, Any], harness: str |
         raise _Refusal(502, "the upstream's answer has no content array")
     messages = body["messages"]
     if body.get("system") is not None:
-        messages = [{"role": "system", "content": body["system"]}, *messages]
+        messages = _with_system(body["system"], messages)
     model = body.get("model")
     stop = response.get("stop_reason")
     params = {k: v for k, v in body.items() if k not in _MESSAGES_FIELDS}
@@ -187,16 +202,77 @@ def messages_turn(body: dict[str, Any], response: dict[str, Any], harness: str |
 # ---------------------------------------------------------------------- request checks
 
 
+class _Role(msgspec.Struct):
+    """What the shape check needs of a message (msgspec skips the rest unread)."""
+
+    role: str
+
+
+_split_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_split_roles = msgspec.json.Decoder(list[_Role]).decode
+#: Top-level fields handed on undecoded when they are arrays (or, for `system`, strings).
+_RAW_FIELDS = frozenset({"messages", "tools", "system"})
+
+
+def _text(raw: RawJSON) -> bytes:
+    data = raw.data
+    return data if type(data) is bytes else data.encode("utf-8", "surrogatepass")
+
+
+def _value(value: Any) -> Any:
+    return value.decode() if type(value) is RawJSON else value
+
+
+def split_body(raw: bytes) -> dict[str, Any] | None:
+    """The top-level fields of a request body, or None when only json.loads can read it.
+
+    Every field is decoded (exactly as json.loads would) except a `messages`, `tools` or
+    `system` array and a `system` string, which stay `RawJSON` spans of `raw`; a raw
+    `messages` is already checked to be a non-empty array of objects with a string role.
+    None: the body is not a JSON object msgspec reads as json.loads would (not JSON at all,
+    NaN, lone-surrogate escapes, a byte order mark, nesting too deep, a message whose role
+    is not a plain string...): decode it with json.loads, which accepts it or says why not.
+    """
+    try:
+        spans = _split_fields(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeError):
+        return None
+    if not raw.isascii():
+        # msgspec does not check the UTF-8 of what it skips; json.loads refuses bad UTF-8
+        # (and reads UTF-8-encoded surrogates, which a strict decode leaves to it)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    fields: dict[str, Any] = {}
+    for key, span in spans.items():
+        data = bytes(span)
+        first = data[:1]
+        if key in _RAW_FIELDS and (first == b"[" or (first == b'"' and key == "system")):
+            if key == "messages":
+                try:
+                    if not _split_roles(data):
+                        fields[key] = []  # refused by the shape check
+                        continue
+                except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+                    return None
+            fields[key] = RawJSON(data)
+        else:
+            fields[key] = RawJSON(data).decode()
+    return fields
+
+
 def _check_messages(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise _Refusal(400, f"the body must be a JSON object, not {type(body).__name__}")
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _Refusal(400, "messages must be a non-empty array of message objects")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise _Refusal(400, f"messages[{i}] must be an object with a string role")
-    if "tools" in body and not isinstance(body["tools"], list):
+    if type(messages) is not RawJSON:  # raw messages were checked when split
+        if not isinstance(messages, list) or not messages:
+            raise _Refusal(400, "messages must be a non-empty array of message objects")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise _Refusal(400, f"messages[{i}] must be an object with a string role")
+    if "tools" in body and not isinstance(body["tools"], list | RawJSON):
         raise _Refusal(400, "tools must be an array")
     if "stream" in body and not isinstance(body["stream"], bool):
         raise _Refusal(400, "stream must be true or false")
@@ -219,12 +295,16 @@ def _check_chat(value: Any) -> dict[str, Any]:
 def _check_anthropic(value: Any) -> dict[str, Any]:
     body = _check_messages(value)
     system = body.get("system")
-    if system is not None and not isinstance(system, str | list):
+    if system is not None and not isinstance(system, str | list | RawJSON):
         raise _Refusal(400, "system must be a string or an array of content blocks")
     return body
 
 
 def _decode(raw: bytes) -> Any:
+    """The body's fields (`split_body`), or json.loads of it, or the refusal json.loads gives."""
+    fields = split_body(raw)
+    if fields is not None:
+        return fields
     try:
         return json.loads(raw)
     except RecursionError:
@@ -361,8 +441,9 @@ def upstream_body(raw: bytes, body: dict[str, Any], extra: dict[str, Any]) -> by
     """The body sent upstream: the client's with `extra` set and `stream_options` dropped.
 
     When the client's body has none of those keys, `extra` is appended to its own bytes (no
-    key repeats, nothing re-encoded: re-encoding a large conversation costs more than
-    decoding it); otherwise the body is encoded anew.
+    key repeats, nothing re-encoded); otherwise the body is written anew from its fields in
+    their order, a `RawJSON` field (see `split_body`) as its own text: re-encoding a large
+    conversation costs more than decoding it.
     """
     if "stream_options" not in body and not any(key in body for key in extra):
         text = raw.rstrip()
@@ -372,7 +453,13 @@ def upstream_body(raw: bytes, body: dict[str, Any], extra: dict[str, Any]) -> by
             return head + (b", " if not head.endswith(b"{") else b"") + items + b"}"
     merged = {k: v for k, v in body.items() if k != "stream_options"}
     merged.update(extra)
-    return json.dumps(merged).encode("ascii")
+    parts = [
+        json.dumps(key).encode("ascii")
+        + b": "
+        + (_text(value) if type(value) is RawJSON else json.dumps(value).encode("ascii"))
+        for key, value in merged.items()
+    ]
+    return b"{" + b", ".join(parts) + b"}"
 
 
 async def _events(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
