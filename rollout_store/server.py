@@ -216,7 +216,7 @@ _RAW_FIELDS = frozenset({"messages", "tools", "system"})
 
 def _text(raw: RawJSON) -> bytes:
     data = raw.data
-    return data if type(data) is bytes else data.encode("utf-8", "surrogatepass")
+    return data if isinstance(data, bytes) else data.encode("utf-8", "surrogatepass")
 
 
 def _value(value: Any) -> Any:
