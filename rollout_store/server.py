@@ -478,6 +478,12 @@ class _Server:
             upstream = upstream[: -len("/v1")]
         self.upstream = upstream
         self._client: aiohttp.ClientSession | None = None
+        #: Turns are added in the event loop when adding one waits for nothing (a memory
+        #: store and no log to sync): a worker thread's wait for the GIL would cost more
+        #: than the turn. With a log synced per turn or a store over the network, a thread.
+        self.inline = isinstance(sessions.store, MemoryStore) and (
+            sessions.data is None or sessions.fsync == "never"
+        )
 
     @property
     def client(self) -> aiohttp.ClientSession:
@@ -576,7 +582,15 @@ class _Server:
     async def _record(self, session: Session, node: TurnNode) -> None:
         try:
             with session.use() as graph:
-                await anyio.to_thread.run_sync(graph.add_turn, node)
+                # in the loop only if no other thread holds the graph: an export that holds
+                # it may be waiting for this loop to take what it wrote
+                if self.inline and graph.lock.acquire(blocking=False):
+                    try:
+                        graph.add_turn(node)
+                    finally:
+                        graph.lock.release()
+                else:
+                    await anyio.to_thread.run_sync(graph.add_turn, node)
         except InvalidValueError as exc:
             session.rejected += 1
             if exc.path.split(".")[0].split("[")[0] in (

@@ -706,3 +706,25 @@ def test_a_live_session_is_viewed_at_its_own_route(server: Any) -> None:
     assert script in turn.text  # carried as data for textContent, never as markup
     assert httpx.get(f"{url}/sessions/viewed/view/api/nothing").status_code == 404
     assert httpx.get(f"{url}/sessions/nope/view/").status_code == 404
+
+
+def test_a_turn_waits_off_the_loop_while_another_thread_holds_the_graph(stub: Any) -> None:
+    # a memory server adds turns in its event loop, but never waits there for the graph's
+    # lock: an export holding it may be waiting for the loop to take what it wrote
+    app = create_app(stub[0])
+    with serve_app(app) as url:
+        session = new_session(url)
+        graph = _graph(app, session["session_id"])
+        done: list[Any] = []
+        with graph.lock:
+            call = threading.Thread(
+                target=lambda: done.append(
+                    _openai(session).chat.completions.create(model="m", messages=CONVERSATION)
+                )
+            )
+            call.start()
+            time.sleep(0.3)
+            health = httpx.get(f"{url}/health", timeout=5)  # the loop still answers
+            assert health.status_code == 200 and not done and len(graph) == 0
+        call.join(10)
+        assert len(done) == 1 and len(graph) == 1
