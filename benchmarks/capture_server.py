@@ -5,18 +5,27 @@ run concurrently against the stub engine: directly, through `rollout-store serve
 through two baselines that forward the same way: *anchor* (the well-known capture server's
 scheme: decode every request and keep it, with its response, per session, in memory) and
 *forward-only* (records nothing: the floor every recorder pays for proxying). Every scheme
-runs in a fresh server process; the schemes take turns over several rounds in one run.
+runs in fresh server processes; the schemes take turns over several rounds in one run.
 
-Reported: each server's RSS growth over the group (after a small warm-up) against the
-group's unique content (benchmarks/workloads.py's definition), also net of forward-only's
-growth (what recording itself keeps), and the per-request latency each adds over calling
-the stub directly, median and p99, with 16 rollouts in flight: from separate runs, and
-paired (each rollout makes every call to the stub and then through the server, so both
-see the same load; the figure is the difference per call, and the targets use it).
+Memory: each server's RSS growth over a group, from the same server idle (warmed up by a
+group of the same width with other content, and with the group's sessions created), against
+the group's unique content (benchmarks/workloads.py's definition), also net of forward-only's
+growth. Two groups: the GRPO group above (0.3 MiB of unique content, so fixed costs weigh),
+and a large group where every turn brings a new 100 KiB screenshot (content dominates).
+Memory servers run with glibc's mmap threshold fixed at 64 KiB, so a request's large buffers
+go back to the system when freed and RSS shows what a server keeps, not its peak of transient
+buffers; the same for every scheme.
+
+Latency: per-request latency each server adds over calling the stub directly, median and
+p99, with 16 rollouts in flight, paired (each rollout makes every call to the stub and then
+through the server, so both see the same load; the figure is the difference per call), on
+the default allocator. Twice: in front of a stub answering at once (every process competes
+for the 2 CPUs: a stress figure) and in front of one taking an engine's generation time
+(--engine-ms, 100 by default; still far less than a real engine's seconds).
 Writes out/capture_server.json (results/ with --update-results; a --quick run writes nothing);
 ends with PASS/MISS lines for the targets and a one-line count of targets met and missed.
 
-    python benchmarks/capture_server.py [--quick] [--rounds N]
+    python benchmarks/capture_server.py [--quick] [--rounds N] [--engine-ms MS]
 """
 
 from __future__ import annotations
@@ -64,9 +73,7 @@ LARGE_IMAGE_BYTES, LARGE_TURNS = 75 * 1024, 10
 #: The generation time of the second stub, in front of which latency is measured too.
 ENGINE_MS = 100.0
 GROUPS = ("group", "large")
-# Servers run with glibc's mmap threshold fixed at 64 KiB, so a request's large buffers go
-# back to the system when freed and RSS shows what a server keeps, not its peak of
-# transient buffers (16 requests of 270 KiB in flight); the same for every scheme.
+# Memory servers run with glibc's mmap threshold fixed at 64 KiB (see the docstring).
 MALLOC_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "65536"}
 
 SYSTEM = {"role": "system", "content": "You operate a browser for the user. " * 120}
