@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -728,3 +731,25 @@ def test_a_turn_waits_off_the_loop_while_another_thread_holds_the_graph(stub: An
             assert health.status_code == 200 and not done and len(graph) == 0
         call.join(10)
         assert len(done) == 1 and len(graph) == 1
+
+
+@pytest.mark.parametrize("store", ["memory", "directory"])
+def test_an_idle_session_keeps_a_bounded_few_kib(tmp_path: Path, store: str) -> None:
+    """An idle session over a log holds its counts only, however long it is: its graph goes,
+    and the next use reopens it from the log (which re-links as before). What stays is in
+    the shared content store, counted apart (a directory store keeps it on disk). Measured
+    in a child process: this suite's fixtures keep every graph a test makes alive."""
+    child = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("idle_memory.py")), str(tmp_path), store],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    figures = {int(k): v for k, v in json.loads(child.stdout).items()}
+    for turns, (loaded, retained, relinked) in figures.items():
+        assert relinked, turns  # the reopened graph links its last turn by tokens
+        assert loaded > 10 * retained, figures
+    (_, small, _), (_, large, _) = figures[4], figures[40]
+    assert large < 8 * 1024 and abs(large - small) < 2 * 1024, figures
