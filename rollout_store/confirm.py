@@ -2,13 +2,12 @@
 boundaries, and cryptographic digests of packed prefixes.
 
 A request re-sends, byte for byte, an earlier request plus a few new messages. The request's
-non-system messages are packed once, as one msgpack array (one C call); the boundaries of its
-last few messages come from packing just those again. A stored request is found by the BLAKE3 digest
-of its whole packed prefix (never of one message: buckets would grow with content that many
-rollouts share): its first 8 bytes are the index key, and all 32 confirm the match. xxh3
-collisions can be crafted, BLAKE3 collisions cannot, so a digest match stands for a byte
-comparison. Packed
-msgpack items are self-delimiting, so equal prefix bytes mean equal leading messages.
+non-system messages before its last few are packed once, as one msgpack array (one C call), and
+hashed in one pass; the last few are packed one by one, so the digests at their boundaries are
+known. A stored request is found by the BLAKE3 digest of its whole packed prefix (never of one
+message: buckets would grow with content that many rollouts share): its first 8 bytes are the
+index key, and all 32 confirm the match. xxh3 collisions can be crafted, BLAKE3 collisions
+cannot, so a digest match stands for a byte comparison. Packed msgpack items are self-delimiting, so equal prefix bytes mean equal leading messages.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import xxhash
 from .encoding import array_header
 
 __all__ = [
-    "CHUNK_BYTES",
     "MAX_RAW_TIPS",
     "RAW_HEAD",
     "WINDOW",
@@ -37,8 +35,6 @@ __all__ = [
 
 #: How many trailing message boundaries are probed before every boundary is.
 WINDOW = 8
-#: Messages before the window are packed in chunks of about this many bytes.
-CHUNK_BYTES = 1 << 16
 
 
 def prefix_digest(data: bytes | memoryview) -> bytes:
@@ -64,41 +60,40 @@ def prefix_keys(plains: Sequence[bytes]) -> list[int]:
 class Probe:
     """One request's non-system messages, packed once, with keys and digests of its prefixes.
 
-    The messages before the last `WINDOW` are packed in chunks of about `CHUNK_BYTES` (a few
-    C calls, small buffers that the allocator reuses) and hashed as they go; the last ones are
-    packed one by one, so the digest at each of their boundaries is known. `plains[i]` is the
-    packing of message i where known (from `low` on), `digests[j]` the digest of the first j
-    messages. Raises what the packer raises when some message cannot be packed plainly (the
-    caller then takes the validating path).
+    The messages before the last `WINDOW` are packed as one array (one C call) and hashed in
+    one pass; the last ones are packed one by one, so the digest at each of their boundaries
+    is known. `plains[i]` is the packing of message i where known (from `low` on),
+    `digests[j]` the digest of the first j messages. Raises what the packer raises when some
+    message cannot be packed plainly (the caller then takes the validating path).
     """
 
     __slots__ = ("_pack", "digests", "hasher", "low", "messages", "n", "plains")
 
-    def __init__(
-        self, messages: Sequence[Any], pack: Callable[[Any], bytes], message_size: int = 256
-    ) -> None:
+    def __init__(self, messages: Sequence[Any], pack: Callable[[Any], bytes]) -> None:
         if type(messages) is not list:
             messages = list(messages)
         n = len(messages)
-        low = max(n - WINDOW, 0)
+        low = n - WINDOW if n > WINDOW else 0
         self.n = n
         self.messages = messages
         self._pack = pack
-        self.plains: list[bytes | None] = [None] * n
-        self.digests: list[bytes | None] = [None] * (n + 1)
-        hasher = blake3.blake3()
-        step = max(CHUNK_BYTES // max(message_size, 1), 1)
-        for start in range(0, low, step):
-            stop = min(start + step, low)
-            chunk = memoryview(pack(messages[start:stop]))[len(array_header(stop - start)) :]
-            hasher.update(chunk)
-        digests, plains = self.digests, self.plains
-        digests[low] = hasher.digest()
-        for i in range(low, n):
-            plain = pack(messages[i])
-            plains[i] = plain
-            hasher.update(plain)
-            digests[i + 1] = hasher.digest()
+        if low:
+            head = pack(messages[:low])  # an array: its header, then each message's packing
+            hasher = blake3.blake3(memoryview(head)[len(array_header(low)) :])
+            del head
+        else:
+            hasher = blake3.blake3()
+        plains: list[bytes | None] = [None] * low
+        digests: list[bytes | None] = [None] * low
+        digest, update, append, keep = hasher.digest, hasher.update, digests.append, plains.append
+        append(digest())
+        for message in messages[low:]:
+            plain = pack(message)
+            keep(plain)
+            update(plain)
+            append(digest())
+        self.plains = plains
+        self.digests = digests
         self.low = low
         self.hasher = hasher  # has seen every message: where a continuation's digest starts
 

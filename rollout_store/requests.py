@@ -212,7 +212,6 @@ class RequestStore:
     __slots__ = (
         "_canonical",
         "_encoder",
-        "_message_size",
         "_pack_plain",
         "_plain_limit",
         "blobs",
@@ -235,7 +234,6 @@ class RequestStore:
         self.tail_keys: dict[int, bytes] | None = {} if fetches else None
         self.values = ValueTable(self.expand, share_threshold, hashed=fetches)
         self.request_index: dict[int, Any] = {}  # digest of non-system request -> turn(s)
-        self._message_size = 256  # mean packed size of recent messages, to chunk requests
         # plain packings shorter than this can hold no blob and no nesting beyond MAX_DEPTH
         self._plain_limit = min(share_threshold or MAX_DEPTH, MAX_DEPTH)
         self.raw_tips = RawTips()  # the latest raw turns, for raw continuations
@@ -363,7 +361,7 @@ class RequestStore:
         pack = self._pack_plain
         probe: Probe | None
         try:
-            probe = Probe(rest, pack, self._message_size)
+            probe = Probe(rest, pack)
         except Exception:  # some message needs the validating walk, or is RawJSON
             probe = None
             if any(type(m) is RawJSON for m in messages):
@@ -371,11 +369,9 @@ class RequestStore:
                 n_sys = leading_system_count(messages)
                 rest = messages[n_sys:]
                 try:
-                    probe = Probe(rest, pack, self._message_size)
+                    probe = Probe(rest, pack)
                 except Exception:
                     probe = None
-        if probe is not None and probe.plains:  # a running mean, to size the next chunks
-            self._message_size = (len(probe.plain(probe.n - 1)) + self._message_size) // 2
         try:
             plains: list[bytes | None] = [pack(m) for m in messages[:n_sys]]
         except Exception:  # some message needs the slow path: find which
