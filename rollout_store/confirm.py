@@ -2,8 +2,8 @@
 boundaries, and cryptographic digests of packed prefixes.
 
 A request re-sends, byte for byte, an earlier request plus a few new messages. The request's
-non-system messages before its last few are packed once, as one msgpack array (one C call), and
-hashed in one pass; the last few are packed one by one, so the digests at their boundaries are
+non-system messages before its last few are packed once, as a few msgpack arrays of many messages,
+and hashed as they go; the last few are packed one by one, so the digests at their boundaries are
 known. A stored request is found by the BLAKE3 digest of its whole packed prefix (never of one
 message: buckets would grow with content that many rollouts share): its first 8 bytes are the
 index key, and all 32 confirm the match. xxh3 collisions can be crafted, BLAKE3 collisions
@@ -21,6 +21,8 @@ import xxhash
 from .encoding import array_header
 
 __all__ = [
+    "CHUNK_HIGH",
+    "CHUNK_LOW",
     "MAX_RAW_TIPS",
     "RAW_HEAD",
     "WINDOW",
@@ -35,6 +37,10 @@ __all__ = [
 
 #: How many trailing message boundaries are probed before every boundary is.
 WINDOW = 8
+#: The messages before the window are packed and hashed in chunks of about these sizes
+#: (measured: 16-64 KiB chunks cost 1.3-1.7x as much, one multi-MiB buffer 2-3x).
+CHUNK_LOW = 1 << 18
+CHUNK_HIGH = 1 << 20
 
 
 def prefix_digest(data: bytes | memoryview) -> bytes:
@@ -60,8 +66,8 @@ def prefix_keys(plains: Sequence[bytes]) -> list[int]:
 class Probe:
     """One request's non-system messages, packed once, with keys and digests of its prefixes.
 
-    The messages before the last `WINDOW` are packed as one array (one C call) and hashed in
-    one pass; the last ones are packed one by one, so the digest at each of their boundaries
+    The messages before the last `WINDOW` are packed as arrays of many messages (a few C calls)
+    and hashed as they go; the last ones are packed one by one, so the digest at each of their boundaries
     is known. `plains[i]` is the packing of message i where known (from `low` on),
     `digests[j]` the digest of the first j messages. Raises what the packer raises when some
     message cannot be packed plainly (the caller then takes the validating path).
@@ -77,15 +83,26 @@ class Probe:
         self.n = n
         self.messages = messages
         self._pack = pack
-        if low:
-            head = pack(messages[:low])  # an array: its header, then each message's packing
-            hasher = blake3.blake3(memoryview(head)[len(array_header(low)) :])
-            del head
-        else:
-            hasher = blake3.blake3()
+        hasher = blake3.blake3()
+        update = hasher.update
+        # the messages before the window as arrays of CHUNK_LOW to CHUNK_HIGH bytes (as many
+        # messages as that takes, adapting as it goes): BLAKE3 is several times slower on
+        # updates below a few hundred KiB, and a buffer of many MiB costs more in fresh pages
+        # than its packing
+        start, step = 0, 16
+        while start < low:
+            stop = start + step if start + step < low else low
+            chunk = pack(messages[start:stop])  # an array: its header, then the packings
+            update(memoryview(chunk)[len(array_header(stop - start)) :])
+            size = len(chunk)
+            if size < CHUNK_LOW:
+                step = step * 2 if size * 4 > CHUNK_LOW else step * 4
+            elif size > CHUNK_HIGH and step > 1:
+                step //= 2
+            start = stop
         plains: list[bytes | None] = [None] * low
         digests: list[bytes | None] = [None] * low
-        digest, update, append, keep = hasher.digest, hasher.update, digests.append, plains.append
+        digest, append, keep = hasher.digest, digests.append, plains.append
         append(digest())
         for message in messages[low:]:
             plain = pack(message)
