@@ -753,3 +753,9 @@ def test_an_idle_session_keeps_a_bounded_few_kib(tmp_path: Path, store: str) -> 
         assert loaded > 10 * retained, figures
     (_, small, _), (_, large, _) = figures[4], figures[40]
     assert large < 8 * 1024 and abs(large - small) < 2 * 1024, figures
+
+
+def test_the_stub_refuses_a_bad_generation_time() -> None:
+    for latency, jitter in ((-1.0, 0.0), (0.1, 1.5), (float("nan"), 0.0)):
+        with pytest.raises(ValueError):
+            create_stub_app(latency=latency, jitter=jitter)
