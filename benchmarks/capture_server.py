@@ -21,7 +21,8 @@ p99, with 16 rollouts in flight, paired (each rollout makes every call to the st
 through the server, so both see the same load; the figure is the difference per call), on
 the default allocator. Twice: in front of a stub answering at once (every process competes
 for the 2 CPUs: a stress figure) and in front of one taking an engine's generation time
-(--engine-ms, 100 by default; still far less than a real engine's seconds).
+(--engine-ms, 100 by default, each answer 0.5-1.5 times that as its length would make it;
+still far less than a real engine's seconds).
 Writes out/capture_server.json (results/ with --update-results; a --quick run writes nothing);
 ends with PASS/MISS lines for the targets and a one-line count of targets met and missed.
 
@@ -70,8 +71,9 @@ TARGET_MEDIAN_MS, TARGET_P99_MS = 2.0, 10.0
 WAIT_S = 30.0
 #: The large group: a new screenshot of this many bytes each turn, for this many turns.
 LARGE_IMAGE_BYTES, LARGE_TURNS = 75 * 1024, 10
-#: The generation time of the second stub, in front of which latency is measured too.
-ENGINE_MS = 100.0
+#: The generation time of the second stub, in front of which latency is measured too, and
+#: how much it varies either way (a fraction fixed by each answer, as with its length).
+ENGINE_MS, ENGINE_JITTER = 100.0, 0.5
 GROUPS = ("group", "large")
 # Memory servers run with glibc's mmap threshold fixed at 64 KiB (see the docstring).
 MALLOC_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -397,10 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     large_turns = 4 if args.quick else LARGE_TURNS
     servers = ["rollout_store", "rollout_store+log", "anchor", "forward-only"]
     engines = {"instant": 0.0, "engine": args.engine_ms}
-
     stubs = {
         name: Child(
-            ["-m", "rollout_store.stub_engine", "--port", "0", "--latency-ms", str(ms)],
+            ["-m", "rollout_store.stub_engine", "--port", "0", "--latency-ms", str(ms)]
+            + ["--jitter", str(ENGINE_JITTER if ms else 0.0)],
             malloc=False,
         )
         for name, ms in engines.items()

@@ -253,7 +253,7 @@ async def _generation(request: Request, response: dict[str, Any]) -> None:
     give or take `jitter` of it, fixed by the answer (`create_stub_app(latency, jitter)`)."""
     latency: float = request.app.state.latency
     if latency > 0:
-        spread = int(xxhash.xxh32_hexdigest(response["id"]), 16) / 0xFFFFFFFF * 2 - 1
+        spread = xxhash.xxh32_intdigest(response["id"].encode()) / 0xFFFFFFFF * 2 - 1
         await asyncio.sleep(latency * (1 + request.app.state.jitter * spread))
 
 
