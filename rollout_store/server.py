@@ -58,6 +58,8 @@ from .stores import DirectoryStore, MemoryStore
 from .viewer import Viewer
 
 __all__ = [
+    "CHAT_RAW_FIELDS",
+    "MESSAGES_RAW_FIELDS",
     "CaptureConfig",
     "add_serve_arguments",
     "chat_turn",
@@ -211,8 +213,10 @@ class _Role(msgspec.Struct):
 
 _split_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _split_roles = msgspec.json.Decoder(list[_Role]).decode
-#: Top-level fields handed on undecoded when they are arrays (or, for `system`, strings).
-_RAW_FIELDS = frozenset({"messages", "tools", "system"})
+#: Top-level fields handed on undecoded when they are arrays (or, for `system`, strings):
+#: those of Chat Completions, and of Anthropic Messages (its `system` is the first message).
+CHAT_RAW_FIELDS = frozenset({"messages", "tools"})
+MESSAGES_RAW_FIELDS = frozenset({"messages", "tools", "system"})
 
 
 def _text(raw: RawJSON) -> bytes:
@@ -224,12 +228,14 @@ def _value(value: Any) -> Any:
     return value.decode() if type(value) is RawJSON else value
 
 
-def split_body(raw: bytes) -> dict[str, Any] | None:
+def split_body(
+    raw: bytes, raw_fields: frozenset[str] = MESSAGES_RAW_FIELDS
+) -> dict[str, Any] | None:
     """The top-level fields of a request body, or None when only json.loads can read it.
 
-    Every field is decoded (exactly as json.loads would) except a `messages`, `tools` or
-    `system` array and a `system` string, which stay `RawJSON` spans of `raw`; a raw
-    `messages` is already checked to be a non-empty array of objects with a string role.
+    Every field is decoded (exactly as json.loads would) except those named in `raw_fields`
+    that hold an array (or, for `system`, a string): they stay `RawJSON` spans of `raw`. A
+    raw `messages` is already checked to be a non-empty array of objects with a string role.
     None: the body is not a JSON object msgspec reads as json.loads would (not JSON at all,
     NaN, lone-surrogate escapes, a byte order mark, nesting too deep, a message whose role
     is not a plain string...): decode it with json.loads, which accepts it or says why not.
@@ -249,7 +255,7 @@ def split_body(raw: bytes) -> dict[str, Any] | None:
     for key, span in spans.items():
         data = bytes(span)
         first = data[:1]
-        if key in _RAW_FIELDS and (first == b"[" or (first == b'"' and key == "system")):
+        if key in raw_fields and (first == b"[" or (first == b'"' and key == "system")):
             if key == "messages":
                 try:
                     if not _split_roles(data):
@@ -301,9 +307,9 @@ def _check_anthropic(value: Any) -> dict[str, Any]:
     return body
 
 
-def _decode(raw: bytes) -> Any:
+def _decode(raw: bytes, raw_fields: frozenset[str]) -> Any:
     """The body's fields (`split_body`), or json.loads of it, or the refusal json.loads gives."""
-    fields = split_body(raw)
+    fields = split_body(raw, raw_fields)
     if fields is not None:
         return fields
     try:
@@ -704,7 +710,8 @@ class _Server:
         try:
             session = self._session(request)
             raw = await self._read_body(request)
-            return session, raw, check(_decode(raw))
+            raw_fields = MESSAGES_RAW_FIELDS if anthropic else CHAT_RAW_FIELDS
+            return session, raw, check(_decode(raw, raw_fields))
         except _Refusal as refusal:
             error = _error_body(anthropic, refusal.status, refusal.reason)
             return JSONResponse(error, refusal.status)
