@@ -48,7 +48,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -75,6 +75,7 @@ LARGE_IMAGE_BYTES, LARGE_TURNS = 75 * 1024, 10
 #: how much it varies either way (a fraction fixed by each answer, as with its length).
 ENGINE_MS, ENGINE_JITTER = 100.0, 0.5
 GROUPS = ("group", "large")
+JSON = {"content-type": "application/json"}
 # Memory servers run with glibc's mmap threshold fixed at 64 KiB (see the docstring).
 MALLOC_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "65536"}
 
@@ -119,15 +120,18 @@ def baseline_app(upstream: str, keep: bool) -> Any:
     from starlette.routing import Route
 
     kept: dict[str, list[tuple[Any, Any]]] = {}
-    limits = httpx.Limits(max_keepalive_connections=64, keepalive_expiry=2.0)  # as the server
-    client = httpx.AsyncClient(base_url=upstream, timeout=600, limits=limits)
+    clients: list[aiohttp.ClientSession] = []  # made in the server's loop, as the server's
 
     async def chat(request: Request) -> Response:
+        if not clients:
+            clients.append(_client())
         key = request.headers.get("authorization", "")[7:]
         body = json.loads(await request.body())
         upstream_body = {**body, "stream": False, "return_token_ids": True, "logprobs": True}
-        answer = await client.post("/v1/chat/completions", content=json.dumps(upstream_body))
-        response = json.loads(answer.content)
+        _, answer = await _post(
+            clients[0], f"{upstream}/v1/chat/completions", json.dumps(upstream_body).encode()
+        )
+        response = json.loads(answer)
         if keep:
             kept.setdefault(key, []).append((body, response))
         response.pop("prompt_token_ids", None)
@@ -218,8 +222,27 @@ def screenshot(seed: int, step: int) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
+def _client() -> aiohttp.ClientSession:
+    """The benchmark's HTTP client (and the baselines' upstream client, as the server's):
+    aiohttp, whose own CPU time per call adds the least noise to the figures."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0),
+        timeout=aiohttp.ClientTimeout(total=WAIT_S),
+    )
+
+
+async def _post(
+    client: aiohttp.ClientSession, url: str, content: bytes, headers: dict[str, str] | None = None
+) -> tuple[int, bytes]:
+    async with client.post(url, data=content, headers=headers) as answer:
+        data = await answer.read()
+        if answer.status != 200:
+            raise RuntimeError(f"{url} answered {answer.status}: {data[:300]!r}")
+        return answer.status, data
+
+
 async def rollout(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     url: str,
     key: str,
     seed: int,
@@ -243,20 +266,19 @@ async def rollout(
             "temperature": 1.0,
         }
         sent = {**body, "return_token_ids": True, "logprobs": True} if direct else body
-        content = json.dumps(sent)
+        content = json.dumps(sent).encode()
         paired = 0.0
         if pair is not None:  # the same call to the stub first, under the same load
-            tokens = json.dumps({**body, "return_token_ids": True, "logprobs": True})
+            tokens = json.dumps({**body, "return_token_ids": True, "logprobs": True}).encode()
             start = time.perf_counter()
-            (await client.post(f"{pair}/v1/chat/completions", content=tokens)).raise_for_status()
+            await _post(client, f"{pair}/v1/chat/completions", tokens, JSON)
             paired = time.perf_counter() - start
         start = time.perf_counter()
-        answer = await client.post(f"{url}/v1/chat/completions", content=content, headers=headers)
+        _, answer = await _post(client, f"{url}/v1/chat/completions", content, headers)
         latencies.append(time.perf_counter() - start)
         if added is not None:
             added.append(latencies[-1] - paired)
-        answer.raise_for_status()
-        response = answer.json()
+        response = json.loads(answer)
         choice = response["choices"][0]
         message = choice["message"]
         if bodies is not None:
@@ -284,17 +306,12 @@ async def rollout(
             messages.append({"role": "user", "content": f"Continue (step {k})."})
 
 
-async def new_keys(client: httpx.AsyncClient, url: str, sessions: int) -> list[str]:
+async def new_keys(client: aiohttp.ClientSession, url: str, sessions: int) -> list[str]:
     keys = []
     for _ in range(sessions):
-        made = await client.post(f"{url}/sessions", json={})
-        keys.append(made.json()["api_key"])
+        _, made = await _post(client, f"{url}/sessions", b"{}", JSON)
+        keys.append(json.loads(made)["api_key"])
     return keys
-
-
-def _client() -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64, keepalive_expiry=2.0)
-    return httpx.AsyncClient(timeout=WAIT_S, limits=limits)
 
 
 async def run_group(
