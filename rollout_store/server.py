@@ -16,6 +16,12 @@ session, unknown keys get 401 unless the server runs in open mode. `GET /session
 `capture_level=...`; the level defaults to "tokens" when every turn carries token ids, else
 "text"), `GET /sessions/{id}/trace.jsonl` and `DELETE /sessions/{id}` manage them.
 
+The conversation is never decoded here: the body is split with msgspec into its top-level
+fields, the messages (and tools, and Anthropic's system) reach the graph as `RawJSON` spans
+of the body, and the upstream gets the body's own bytes with the capture keys added. A body
+msgspec cannot read exactly as json.loads would is decoded by json.loads instead, so every
+body is accepted, refused and recorded as json.loads reads it.
+
 A turn is acknowledged (the client gets its answer) only after the graph accepted it, and,
 with a data directory and `fsync="turn"`, after it is on disk. Bad requests get a 4xx with a
 one-line reason and record nothing; upstream errors pass through with their status and are
@@ -559,7 +565,7 @@ class _Server:
             raise _Passthrough(Response(answer, status, headers=keep))
         try:
             payload = RawJSON(answer).decode()  # msgspec's speed, json.loads's values
-        except ValueError:
+        except (ValueError, RecursionError):
             raise _Refusal(502, "the upstream answered with a body that is not JSON") from None
         if not isinstance(payload, dict):
             raise _Refusal(502, "the upstream answered with JSON that is not an object")
