@@ -37,7 +37,7 @@ __all__ = [
     "raw_end",
 ]
 
-#: How many trailing message boundaries are probed before every boundary is.
+#: How many trailing message boundaries are probed, at most, before every boundary is.
 WINDOW = 8
 #: The messages before the window are packed in chunks of about these sizes, so the packer's
 #: buffer stays below the size the allocator maps fresh pages for (measured: a fresh multi-MiB
@@ -73,20 +73,23 @@ def prefix_keys(plains: Sequence[bytes]) -> list[int]:
 class Probe:
     """One request's non-system messages, packed once, with keys and digests of its prefixes.
 
-    The messages before the last `WINDOW` are packed as arrays of many messages (a few C
-    calls) and hashed as they go; the last ones are packed one by one, so the digest at each
-    of their boundaries is known. `plains[i]` is the packing of message i where known (from
-    `low` on), `digests[j]` the digest of the first j messages. Raises what the packer raises
-    when some message cannot be packed plainly (the caller then takes the validating path).
+    The messages before the last `window` (at most `WINDOW`) are packed as arrays of many
+    messages (a few C calls) and hashed as they go; the last ones are packed one by one, so
+    the digest at each of their boundaries is known. `plains[i]` is the packing of message i
+    where known (from `low` on), `digests[j]` the digest of the first j messages. Raises what
+    the packer raises when some message cannot be packed plainly (the caller then takes the
+    validating path).
     """
 
     __slots__ = ("_pack", "digests", "hasher", "low", "messages", "n", "plains")
 
-    def __init__(self, messages: Sequence[Any], pack: Callable[[Any], bytes]) -> None:
+    def __init__(
+        self, messages: Sequence[Any], pack: Callable[[Any], bytes], window: int = WINDOW
+    ) -> None:
         if type(messages) is not list:
             messages = list(messages)
         n = len(messages)
-        low = n - WINDOW if n > WINDOW else 0
+        low = n - window if n > window else 0
         self.n = n
         self.messages = messages
         self._pack = pack

@@ -13,7 +13,16 @@ from typing import Any, Final
 import msgpack
 
 from .blobs import BlobTable
-from .confirm import Probe, RawTip, RawTips, digest_key, prefix_digest, prefix_keys, raw_end
+from .confirm import (
+    WINDOW,
+    Probe,
+    RawTip,
+    RawTips,
+    digest_key,
+    prefix_digest,
+    prefix_keys,
+    raw_end,
+)
 from .content import content_key
 from .encoding import (
     ECHO_PACKED,
@@ -238,6 +247,7 @@ class RequestStore:
         "_encoder",
         "_pack_plain",
         "_plain_limit",
+        "_window",
         "blobs",
         "raw_tips",
         "request_index",
@@ -261,6 +271,7 @@ class RequestStore:
         # plain packings shorter than this can hold no blob and no nesting beyond MAX_DEPTH
         self._plain_limit = min(share_threshold or MAX_DEPTH, MAX_DEPTH)
         self.raw_tips = RawTips()  # the latest raw turns, for raw continuations
+        self._window = WINDOW  # trailing boundaries a request is probed at first
 
     def reset_packer(self) -> None:
         self._pack_plain = new_packer()
@@ -385,7 +396,7 @@ class RequestStore:
         pack = self._pack_plain
         probe: Probe | None
         try:
-            probe = Probe(rest, pack)
+            probe = Probe(rest, pack, self._window)
         except Exception:  # some message needs the validating walk, or is RawJSON
             probe = None
             if any(type(m) is RawJSON for m in messages):
@@ -393,7 +404,7 @@ class RequestStore:
                 n_sys = leading_system_count(messages)
                 rest = messages[n_sys:]
                 try:
-                    probe = Probe(rest, pack)
+                    probe = Probe(rest, pack, self._window)
                 except Exception:
                     probe = None
         try:
@@ -415,7 +426,12 @@ class RequestStore:
         scratch.request = request
         if request.n_valid == len(request.messages):
             scratch.request_digest = request.key(request.n_valid)
-        self._store_tail(turn, request, self._base(request), n_sys, scratch)
+        base = self._base(request)
+        if base is not None and probe is not None:
+            # the next request is probed at as many boundaries as bases lately lay back (and
+            # at every boundary when its base lies further back: see `Probe`)
+            self._window = min(WINDOW, max(len(rest) - base.n_rest + 2, self._window - 1))
+        self._store_tail(turn, request, base, n_sys, scratch)
         if raw is not None and probe is not None and rest and isinstance(messages, list):
             end = raw_end(raw)
             if end is not None:  # later raw turns of this conversation start here
