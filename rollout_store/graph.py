@@ -346,10 +346,12 @@ class Graph:
         system_plain = requests.prepare(turn, node, scratch)
         linker.prepare_messages(turn, node, scratch)
         turn.response = requests.encode_response(node.response_message, turn)
-        turn.tools = requests.shared_value(node.request_tools, "request_tools", pending)
-        turn.sampling = requests.shared_value(node.sampling_params, "sampling_params", pending)
-        turn.requested = requests.shared_value(
-            node.requested_sampling_params, "requested_sampling_params", pending
+        turn.share_values(
+            requests.shared_value(node.request_tools, "request_tools", pending),
+            requests.shared_value(node.sampling_params, "sampling_params", pending),
+            requests.shared_value(
+                node.requested_sampling_params, "requested_sampling_params", pending
+            ),
         )
         turn.meta = self._turn_meta(node, system_plain)
         self._link(turn, explicit, scratch)
@@ -360,14 +362,15 @@ class Graph:
         checked."""
         node_id = node.node_id
         if node_id is None:
-            node_id = self._fresh_id()
+            node_id = self._fresh_id() if self._by_id else None
         elif not isinstance(node_id, str):
             raise InvalidValueError(f"expected str, got {type(node_id).__name__}", "node_id")
         elif self._find(node_id) is not None:
             raise DuplicateNodeError(f"node_id {node_id!r} is already in the graph")
         turn = Turn()
         turn.index = len(self._turns)
-        turn.node_id = node_id
+        if node_id is not None:  # else the default id of its index, free (no chosen ids)
+            turn.node_id = node_id
         turn.flags = 0
         explicit = None
         if node.parent_id is not None:

@@ -256,6 +256,16 @@ class Turn:
     def requested(self, value: bytes | None) -> None:
         self.values = _with(self.values, 3, value)
 
+    def share_values(
+        self, tools: bytes | None, sampling: bytes | None, requested: bytes | None
+    ) -> None:
+        """Set tools, sampling and requested at once (the system part is kept)."""
+        system = self.system
+        if system is None and tools is None and sampling is None and requested is None:
+            self.values = None
+        else:
+            self.values = (system, tools, sampling, requested)
+
     # -- token fields
 
     def _tokens(self) -> TurnTokens:
