@@ -118,7 +118,7 @@ class TurnRecord(NamedTuple):
 
 
 #: Bits of Turn.flags that are derived on load, never written.
-_DERIVED_FLAGS = TurnFlag.TAIL_SLOW | TurnFlag.PREFIX_SPECIAL
+_DERIVED_FLAGS = TurnFlag.TAIL_SLOW | TurnFlag.PREFIX_SPECIAL | TurnFlag.HAS_DIGEST
 #: Bits a turn record's flags may hold (a version-1 writer also wrote TurnFlag.TAIL_SLOW).
 _STORED_FLAGS = (
     TurnFlag.TAIL_REFS

@@ -11,6 +11,7 @@ from enum import IntEnum
 from typing import Any, NamedTuple
 
 from .encoding import ECHO_PACKED, array_header
+from .errors import RolloutStoreError
 from .tokens import TokenRun
 
 __all__ = [
@@ -28,6 +29,9 @@ __all__ = [
     "sampled_any",
     "seg_list",
 ]
+
+#: Bytes of a request digest (BLAKE3, see confirm.prefix_digest).
+DIGEST_SIZE = 32
 
 #: The string fields of `TurnMeta` (checked on intake), in order.
 SCALAR_NAMES = ("model", "finish_reason", "harness_session_id", "system_digest")
@@ -58,6 +62,8 @@ class TurnFlag(IntEnum):
     # lone surrogates, so a digest match is trusted only after the fresh messages pass the
     # validating walk
     PREFIX_SPECIAL = 1024
+    # derived, never stored: `Turn.data` ends with the request's digest (see Turn.digest)
+    HAS_DIGEST = 2048
 
 
 class LinkKind(IntEnum):
@@ -133,7 +139,7 @@ class Turn:
 
     __slots__ = (
         "base",
-        "digest",
+        "data",
         "flags",
         "ident",
         "index",
@@ -144,7 +150,6 @@ class Turn:
         "parent",
         "response",
         "rkey",
-        "tail",
         "tokens",
         "values",
     )
@@ -157,15 +162,14 @@ class Turn:
     flags: int  # TurnFlag bits
     meta: TurnMeta  # interned per graph
     base: Turn | None  # the turn whose non-system request this one extends
-    tail: bytes  # packed non-system messages after the base's
     n_rest: int  # number of non-system request messages
     response: bytes | None
     # system, tools, sampling, requested: packed values shared via ValueTable, interned
     values: tuple[bytes | None, bytes | None, bytes | None, bytes | None] | None
     tokens: TurnTokens | None
-    # BLAKE3 of the plain packing of the non-system messages; None until known (a turn read
-    # from a file gets it when a byte comparison first confirms it)
-    digest: bytes | None
+    # the tail (packed non-system messages after the base's), then the digest if known: one
+    # bytes object where there were two (see the `tail` and `digest` properties)
+    data: bytes
     rkey: int | None  # the key its request is filed under (None: not filed)
 
     def __init__(self) -> None:
@@ -173,7 +177,6 @@ class Turn:
         self.kids = None
         self.values = None
         self.tokens = None
-        self.digest = None
         self.rkey = None
 
     # -- identity and children
@@ -198,6 +201,41 @@ class Turn:
     @children.setter
     def children(self, children: tuple[Turn, ...] | None) -> None:
         self.kids = children[0] if children is not None and len(children) == 1 else children
+
+    # -- the tail and the digest, kept as one bytes object
+
+    @property
+    def tail(self) -> bytes:
+        """The packed non-system messages after the base's."""
+        data = self.data
+        return data[:-DIGEST_SIZE] if self.flags & TurnFlag.HAS_DIGEST else data
+
+    @tail.setter
+    def tail(self, tail: bytes) -> None:
+        digest = self.digest
+        self.data = tail if digest is None else tail + digest
+
+    @property
+    def digest(self) -> bytes | None:
+        """BLAKE3 of the plain packing of the non-system messages; None until known (a turn
+        read from a file gets it when a byte comparison first confirms it)."""
+        if self.flags & TurnFlag.HAS_DIGEST:
+            return self.data[-DIGEST_SIZE:]
+        return None
+
+    @digest.setter
+    def digest(self, digest: bytes | None) -> None:
+        tail = self.tail
+        if digest is None:
+            self.data = tail
+            self.flags &= ~TurnFlag.HAS_DIGEST
+        else:
+            if len(digest) != DIGEST_SIZE:  # it would cut the tail short
+                raise RolloutStoreError(
+                    f"a request digest has {DIGEST_SIZE} bytes, not {len(digest)}"
+                )
+            self.data = tail + digest
+            self.flags |= TurnFlag.HAS_DIGEST
 
     # -- derived from the request's fields (see finish_tail)
 
