@@ -581,8 +581,7 @@ class _Loader:
             raise ValueError("bad request tail")
         if n_rest < (turn.base.n_rest if turn.base is not None else 0):
             raise ValueError("request shorter than its base")
-        turn.tail = tail
-        turn.n_rest = n_rest
+        turn.set_request((tail,), n_rest)
         finish_tail(turn)
         if flags & TurnFlag.NO_MESSAGES:
             if (

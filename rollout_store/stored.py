@@ -7,6 +7,7 @@ compared. Request storage, linking, the graph and its files all work on these.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from enum import IntEnum
 from typing import Any, NamedTuple
 
@@ -102,6 +103,20 @@ class IndexKeys(NamedTuple):
     roots: list[int] | None  # request keys of its shorter prefixes, while a message root
 
 
+_NO_REQUEST = bytes(4)  # no tail, no digest, n_rest 0 (immutable: every new turn starts so)
+
+
+def _n_rest_bytes(n_rest: int) -> bytes:
+    if not 0 <= n_rest < 1 << 32:
+        raise RolloutStoreError(f"a request of {n_rest} messages cannot be stored")
+    return n_rest.to_bytes(4, "little")
+
+
+def _trailer_size(flags: int) -> int:
+    """Bytes of `Turn.data` after the tail."""
+    return 4 + DIGEST_SIZE if flags & TurnFlag.HAS_DIGEST else 4
+
+
 class TurnTokens:
     """A turn's token fields, kept apart: most message-linked turns have none."""
 
@@ -146,7 +161,6 @@ class Turn:
         "kids",
         "link",
         "meta",
-        "n_rest",
         "parent",
         "response",
         "rkey",
@@ -162,17 +176,18 @@ class Turn:
     flags: int  # TurnFlag bits
     meta: TurnMeta  # interned per graph
     base: Turn | None  # the turn whose non-system request this one extends
-    n_rest: int  # number of non-system request messages
     response: bytes | None
     # system, tools, sampling, requested: packed values shared via ValueTable, interned
     values: tuple[bytes | None, bytes | None, bytes | None, bytes | None] | None
     tokens: TurnTokens | None
-    # the tail (packed non-system messages after the base's), then the digest if known: one
-    # bytes object where there were two (see the `tail` and `digest` properties)
+    # the tail (packed non-system messages after the base's), the digest if known and the
+    # number of non-system messages: one bytes object where there were two bytes objects and
+    # an int (see the `tail`, `digest` and `n_rest` properties)
     data: bytes
     rkey: int | None  # the key its request is filed under (None: not filed)
 
     def __init__(self) -> None:
+        self.data = _NO_REQUEST
         self.ident = None
         self.kids = None
         self.values = None
@@ -202,39 +217,56 @@ class Turn:
     def children(self, children: tuple[Turn, ...] | None) -> None:
         self.kids = children[0] if children is not None and len(children) == 1 else children
 
-    # -- the tail and the digest, kept as one bytes object
+    # -- the tail, the digest and n_rest, kept as one bytes object:
+    #    tail + digest (DIGEST_SIZE bytes, when HAS_DIGEST) + n_rest (4 bytes, little-endian)
 
     @property
     def tail(self) -> bytes:
         """The packed non-system messages after the base's."""
-        data = self.data
-        return data[:-DIGEST_SIZE] if self.flags & TurnFlag.HAS_DIGEST else data
+        return self.data[: -_trailer_size(self.flags)]
 
     @tail.setter
     def tail(self, tail: bytes) -> None:
-        digest = self.digest
-        self.data = tail if digest is None else tail + digest
+        data = self.data
+        self.data = tail + data[len(data) - _trailer_size(self.flags) :]
+
+    def set_request(self, tail_parts: Sequence[bytes], n_rest: int) -> None:
+        """Set the tail (`tail_parts` joined) and `n_rest` in one copy; no digest (set it
+        afterwards)."""
+        self.flags &= ~TurnFlag.HAS_DIGEST
+        self.data = b"".join((*tail_parts, _n_rest_bytes(n_rest)))
+
+    @property
+    def n_rest(self) -> int:
+        """The number of non-system request messages."""
+        data = self.data
+        return int.from_bytes(data[len(data) - 4 :], "little")
+
+    @n_rest.setter
+    def n_rest(self, n_rest: int) -> None:
+        self.data = self.data[:-4] + _n_rest_bytes(n_rest)
 
     @property
     def digest(self) -> bytes | None:
         """BLAKE3 of the plain packing of the non-system messages; None until known (a turn
         read from a file gets it when a byte comparison first confirms it)."""
         if self.flags & TurnFlag.HAS_DIGEST:
-            return self.data[-DIGEST_SIZE:]
+            return self.data[-4 - DIGEST_SIZE : -4]
         return None
 
     @digest.setter
     def digest(self, digest: bytes | None) -> None:
-        tail = self.tail
+        data = self.data
+        tail, n_rest = data[: -_trailer_size(self.flags)], data[-4:]
         if digest is None:
-            self.data = tail
+            self.data = tail + n_rest
             self.flags &= ~TurnFlag.HAS_DIGEST
         else:
             if len(digest) != DIGEST_SIZE:  # it would cut the tail short
                 raise RolloutStoreError(
                     f"a request digest has {DIGEST_SIZE} bytes, not {len(digest)}"
                 )
-            self.data = tail + digest
+            self.data = tail + digest + n_rest
             self.flags |= TurnFlag.HAS_DIGEST
 
     # -- derived from the request's fields (see finish_tail)
