@@ -464,8 +464,7 @@ class RequestStore:
             pieces.append(packed)
         turn.system = base.system
         turn.base = base
-        turn.tail = array_header(len(pieces)) + b"".join(pieces)
-        turn.n_rest = base.n_rest + len(fresh)
+        turn.set_request((array_header(len(pieces)), *pieces), base.n_rest + len(fresh))
         finish_tail(turn)
         turn.digest = state.digest()
         scratch.request_digest = digest_key(turn.digest)
@@ -510,8 +509,7 @@ class RequestStore:
             if None not in body:
                 scratch.tail_key = content_key(b"".join(body))  # type: ignore[arg-type]
         turn.base = base
-        turn.tail = array_header(len(pieces)) + b"".join(pieces)
-        turn.n_rest = len(rest)
+        turn.set_request((array_header(len(pieces)), *pieces), len(rest))
         finish_tail(turn)
 
     def file(self, turn: Turn, key: int | None, request: FreshRequest | None = None) -> None:
