@@ -374,7 +374,6 @@ class RequestStore:
             messages = decode_raw(messages, "request_messages")
         if messages is None:
             turn.system, turn.base, turn.tail, turn.n_rest = None, None, b"", 0
-            turn.first = turn.body_start = 0
             turn.flags |= TurnFlag.NO_MESSAGES
             return None
         if not isinstance(messages, list | tuple):
@@ -501,8 +500,7 @@ class RequestStore:
             pieces.append(packed)
         turn.system = base.system
         turn.base = base
-        turn.tail = array_header(len(pieces)) + b"".join(pieces)
-        turn.n_rest = base.n_rest + len(fresh)
+        turn.set_request((array_header(len(pieces)), *pieces), base.n_rest + len(fresh))
         finish_tail(turn)
         turn.digest = state.digest()
         scratch.request_digest = digest_key(turn.digest)
@@ -551,8 +549,7 @@ class RequestStore:
             if None not in body:
                 scratch.tail_key = content_key(b"".join(body))  # type: ignore[arg-type]
         turn.base = base
-        turn.tail = array_header(len(pieces)) + b"".join(pieces)
-        turn.n_rest = len(rest)
+        turn.set_request((array_header(len(pieces)), *pieces), len(rest))
         finish_tail(turn)
 
     def file(self, turn: Turn, key: int | None, request: FreshRequest | None = None) -> None:
