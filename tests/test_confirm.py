@@ -129,7 +129,7 @@ def test_an_edit_in_the_middle_of_a_resent_prefix_never_matches(raw: bool, seed:
     before = [k for k, (messages, _) in enumerate(turns) if len(messages) < where]
     want = f"turn-{before[-1]}" if before else None
     assert graph.parent(view.node_id) == want
-    stored = graph._by_id[view.node_id]
+    stored = graph._turn(view.node_id)
     assert stored.base is None or stored.base.n_rest + 1 <= where  # and no base beyond it
     assert_same_json(graph.request_messages(view.node_id), edited)
     # the unedited continuation still finds its parent
@@ -254,7 +254,7 @@ def test_messages_whose_length_byte_looks_like_an_ext_type_skip_the_walk() -> No
     messages = [{"role": "user", "content": "z" * n} for n in range(190, 220)]
     view = graph.add_turn(TurnNode(request_messages=messages))
     pack = new_packer()
-    stored = graph._by_id[view.node_id]  # its tail: the messages' plain packings, joined
+    stored = graph._turn(view.node_id)  # its tail: the messages' plain packings, joined
     assert stored.tail.endswith(b"".join(pack(m) for m in messages))
     assert not stored.flags & (TurnFlag.TAIL_REFS | TurnFlag.TAIL_SPECIAL)
     assert_same(graph.request_messages(view.node_id), messages)
