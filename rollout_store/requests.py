@@ -7,7 +7,6 @@ are stored once per graph.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Final
 
 import msgpack
@@ -48,7 +47,7 @@ __all__ = ["FreshRequest", "RequestStore", "Scratch"]
 _new_tuple: Final = tuple.__new__
 
 #: msgpack type bytes of ext and bin values, which JSON values never pack to by themselves
-_NOT_JSON = re.compile(b"[\\xc4-\\xc9\\xd4-\\xd8]").search
+_NOT_JSON = bytes((*range(0xC4, 0xCA), *range(0xD4, 0xD9)))
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
@@ -63,7 +62,7 @@ def _json_only(plain: bytes) -> bool:
     byte or a letter, not a type), unpacking at C speed tells, refusing every ext type and
     every non-empty bin; an empty bin's two bytes anywhere send the value to the walk.
     """
-    if _NOT_JSON(plain) is None:
+    if len(plain.translate(None, _NOT_JSON)) == len(plain):  # none of them (a C scan)
         return True
     try:
         msgpack.unpackb(plain, max_bin_len=0, ext_hook=_refuse_ext, strict_map_key=False)
