@@ -95,13 +95,13 @@ class Probe:
         self._pack = pack
         # the last messages one by one (their packings are needed anyway), first: their
         # mean size tells how many earlier messages make a chunk of the right size
-        window = [pack(message) for message in messages[low:]]
+        last = [pack(message) for message in messages[low:]]
         hasher = blake3.blake3()
         update = hasher.update
-        # the messages before the window as arrays of CHUNK_LOW to CHUNK_HIGH bytes (as many
+        # the messages before the last as arrays of CHUNK_LOW to CHUNK_HIGH bytes (as many
         # messages as that takes, adapting as it goes), hashed in multiples of ALIGN bytes
         if low:
-            mean = sum(map(len, window)) // len(window) + 1
+            mean = sum(map(len, last)) // len(last) + 1
             start, step = 0, CHUNK_LOW // mean + 1
             carry = b""  # bytes not yet hashed, so that every update is a multiple of ALIGN
             while start < low:
@@ -133,10 +133,10 @@ class Probe:
         digests: list[bytes | None] = [None] * low
         digest = hasher.digest
         digests.append(digest())
-        for plain in window:
+        for plain in last:
             update(plain)
             digests.append(digest())
-        plains.extend(window)
+        plains.extend(last)
         self.plains = plains
         self.digests = digests
         self.low = low

@@ -29,7 +29,6 @@ from .encoding import (
     array_header,
     new_packer,
     no_echo,
-    tracking_packer,
     unpack,
 )
 from .errors import InvalidValueError
@@ -37,7 +36,7 @@ from .intake import MAX_DEPTH, Encoder
 from .materialize import Messages, value
 from .messages import leading_system_count, link_key, response_link_key
 from .nodes import TurnNode
-from .raw import RawJSON, decode_raw, resolve_raw, split_array
+from .raw import RawJSON, decode_array, decode_raw, resolve_raw
 from .stored import IndexKeys, LinkKind, Turn, TurnFlag, finish_tail
 from .values import ValueTable
 
@@ -454,19 +453,15 @@ class RequestStore:
         if end is None or end <= tip.end or not base.n_rest or base.flags & TurnFlag.MESSAGES_TUPLE:
             return _NOT_FAST
         tail_text = data[tip.end : end].lstrip(b" \t\r\n")
-        spans = split_array(b"[" + tail_text[1:] + b"]")
-        if not spans:
-            return _NOT_FAST
-        pack, ext_calls = tracking_packer()
-        specials: list[bool] = []
+        # the new messages decoded in one call, exactly as json.loads would where msgspec
+        # accepts the text (else the whole text's decode says what is wrong, and where)
         try:
-            fresh = [decode_raw(RawJSON(bytes(span)), "") for span in spans]
-            plains = []
-            for message in fresh:
-                calls = len(ext_calls)
-                plains.append(pack(message))
-                specials.append(len(ext_calls) > calls)
-        except Exception:  # the whole text's decode says what is wrong, and where
+            fresh = decode_array(b"[" + tail_text[1:] + b"]")
+            pack = self._pack_plain
+            plains = [pack(message) for message in fresh]
+        except Exception:
+            return _NOT_FAST
+        if not fresh:
             return _NOT_FAST
         if not self.is_echo(base, fresh[0], plains[0]):
             return _NOT_FAST
@@ -484,14 +479,15 @@ class RequestStore:
         first = tip.n_sys + base.n_rest
         pieces = [ECHO_PACKED]
         turn.flags |= TurnFlag.TAIL_ECHO
+        limit = self._plain_limit
         for i in range(1, len(fresh)):
             plain = plains[i]
-            if not specials[i] and len(plain) < self._plain_limit:
-                # decoded from JSON text: no bytes, no caller's ExtType, no big int; short
-                # enough for no blob and no nesting beyond MAX_DEPTH: the walk would agree
-                packed, special = plain, False
-            else:
-                packed, special = self.encode(fresh[i], f"request_messages[{first + i}]")
+            if len(plain) < limit and _json_only(plain):
+                # short enough for no blob and no nesting beyond MAX_DEPTH, no ext type (a
+                # big int): the walk would agree
+                pieces.append(plain)
+                continue
+            packed, special = self.encode(fresh[i], f"request_messages[{first + i}]")
             if packed != plains[i]:
                 turn.flags |= TurnFlag.TAIL_REFS
             if special:
