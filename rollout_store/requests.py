@@ -204,7 +204,14 @@ class FreshRequest:
         filed under their key (not yet confirmed: see `extends`)."""
         found = self._prefixes.get(n)
         if found is None:
-            found = self._prefixes[n] = self._store.candidates(self.key(n), n)
+            probe = self._probe
+            if probe is not None and n >= probe.low:  # `key`, inline (the common case)
+                key = int.from_bytes(probe.digests[n][:8], "little")  # type: ignore[index]
+            else:
+                key = self.key(n)
+            hit = self._store.request_index.get(key)
+            found = () if hit is None else hit if type(hit) is _Bucket else (hit,)
+            self._prefixes[n] = found
         return found
 
     def root_keys(self) -> list[int]:
@@ -343,7 +350,12 @@ class RequestStore:
     def shared_value(self, value: Any, path: str, pending: list[tuple[bytes, bytes]]) -> Any:
         if value is None:
             return None
-        return self._shared([value], path, [self.plain(value)], pending, as_array=False)
+        plain = self.plain(value)
+        if plain is not None:  # the common case first: a value the graph holds already
+            found = self.values.find(plain)
+            if found is not None:
+                return found
+        return self._shared([value], path, [plain], pending, as_array=False)
 
     def add_values(self, pending: list[tuple[bytes, bytes]] | tuple[()]) -> None:
         """Remember the shared values a committed turn stored first."""
