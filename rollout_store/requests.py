@@ -206,7 +206,11 @@ class FreshRequest:
         if found is None:
             probe = self._probe
             if probe is not None and n >= probe.low:  # `key`, inline (the common case)
-                key = int.from_bytes(probe.digests[n][:8], "little")  # type: ignore[index]
+                digest = probe.digests[n]
+                if digest is None:  # no stored request has n messages
+                    self._prefixes[n] = ()
+                    return ()
+                key = int.from_bytes(digest[:8], "little")
             else:
                 key = self.key(n)
             hit = self._store.request_index.get(key)
@@ -250,6 +254,7 @@ class RequestStore:
     __slots__ = (
         "_canonical",
         "_encoder",
+        "_lengths",
         "_pack_plain",
         "_plain_limit",
         "_window",
@@ -277,6 +282,9 @@ class RequestStore:
         self._plain_limit = min(share_threshold or MAX_DEPTH, MAX_DEPTH)
         self.raw_tips = RawTips()  # the latest raw turns, for raw continuations
         self._window = WINDOW  # trailing boundaries a request is probed at first
+        # how many filed requests have each message count (a request can only extend one
+        # whose count is among these: the boundaries worth a digest)
+        self._lengths: dict[int, int] = {}
 
     def reset_packer(self) -> None:
         self._pack_plain = new_packer()
@@ -405,7 +413,7 @@ class RequestStore:
         pack = self._pack_plain
         probe: Probe | None
         try:
-            probe = Probe(rest, pack, self._window)
+            probe = Probe(rest, pack, self._window, self._lengths)
         except Exception:  # some message needs the validating walk, or is RawJSON
             probe = None
             if any(type(m) is RawJSON for m in messages):
@@ -413,7 +421,7 @@ class RequestStore:
                 n_sys = leading_system_count(messages)
                 rest = messages[n_sys:]
                 try:
-                    probe = Probe(rest, pack, self._window)
+                    probe = Probe(rest, pack, self._window, self._lengths)
                 except Exception:
                     probe = None
         try:
@@ -575,6 +583,8 @@ class RequestStore:
             if found.children:
                 bucket.parents.append(found)
         turn.rkey = key
+        n_rest = turn.n_rest
+        self._lengths[n_rest] = self._lengths.get(n_rest, 0) + 1
         if request is not None:
             turn.digest = request.digest()
 
