@@ -18,6 +18,7 @@ from .confirm import (
     RawTip,
     RawTips,
     digest_key,
+    mark_length,
     prefix_digest,
     prefix_keys,
     raw_end,
@@ -282,9 +283,9 @@ class RequestStore:
         self._plain_limit = min(share_threshold or MAX_DEPTH, MAX_DEPTH)
         self.raw_tips = RawTips()  # the latest raw turns, for raw continuations
         self._window = WINDOW  # trailing boundaries a request is probed at first
-        # how many filed requests have each message count (a request can only extend one
-        # whose count is among these: the boundaries worth a digest)
-        self._lengths: dict[int, int] = {}
+        # bit n set: some filed request has n messages (a request can only extend one whose
+        # count is among these: the boundaries worth a digest); a bit per count, not per turn
+        self._lengths = bytearray()
 
     def reset_packer(self) -> None:
         self._pack_plain = new_packer()
@@ -583,8 +584,7 @@ class RequestStore:
             if found.children:
                 bucket.parents.append(found)
         turn.rkey = key
-        n_rest = turn.n_rest
-        self._lengths[n_rest] = self._lengths.get(n_rest, 0) + 1
+        mark_length(self._lengths, turn.n_rest)
         if request is not None:
             turn.digest = request.digest()
 

@@ -14,7 +14,7 @@ import pytest
 from support import assert_same, assert_same_json
 
 from rollout_store import InvalidValueError, RawJSON, RolloutGraph, TurnNode
-from rollout_store.confirm import ALIGN, CHUNK_HIGH, WINDOW, Probe
+from rollout_store.confirm import ALIGN, CHUNK_HIGH, WINDOW, Probe, mark_length
 from rollout_store.encoding import new_packer
 from rollout_store.intake import token_array
 from rollout_store.stored import TurnFlag
@@ -55,7 +55,11 @@ def test_probe_digests_are_blake3_of_the_plain_packings(seed: int) -> None:
     # given the message counts of stored requests, digests only there (and at the end);
     # any other one asked for is worked out in full
     lengths = {j for j in range(len(messages) + 1) if rng.random() < 0.3}
-    probe = Probe(messages, new_packer(), window, lengths)
+    bits = bytearray()
+    for j in lengths:
+        mark_length(bits, j)
+    assert [j for j in range(len(bits) * 8) if bits[j >> 3] >> (j & 7) & 1] == sorted(lengths)
+    probe = Probe(messages, new_packer(), window, bits)
     for j in range(probe.low, len(messages) + 1):
         known = j in lengths or j == len(messages)
         assert probe.digests[j] == (want[j] if known else None), (seed, j)
