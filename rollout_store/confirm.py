@@ -85,10 +85,10 @@ class Probe:
     messages (a few C calls) and hashed as they go; the last ones are packed one by one, so
     the digest at each of their boundaries is known (given `lengths`, a bitmap of the message
     counts of stored requests, see `mark_length`: only at those boundaries and at the end, as
-    no other boundary can match).
-    `plains[i]` is the packing of message i where known (from `low` on), `digests[j]` the
-    digest of the first j messages where known. Raises what the packer raises when some
-    message cannot be packed plainly (the caller then takes the validating path).
+    no other boundary can match). `plains[i]` is the packing of message i where known (from
+    `low` on), `digests[j]` the digest of the first j messages where known. Raises what the
+    packer raises when some message cannot be packed plainly (the caller then takes the
+    validating path).
     """
 
     __slots__ = ("_pack", "digests", "hasher", "low", "messages", "n", "plains")
@@ -164,6 +164,8 @@ class Probe:
                     update(pending[0] if len(pending) == 1 else b"".join(pending))
                     pending.clear()
                     digests[j] = digest()
+            if digests[n] is None:  # no message after `low`: the end is `low` itself
+                digests[n] = digest()
         self.plains = plains
         self.digests = digests
         self.low = low
