@@ -118,7 +118,7 @@ class TurnRecord(NamedTuple):
 
 
 #: Bits of Turn.flags that are derived on load, never written.
-_DERIVED_FLAGS = TurnFlag.TAIL_SLOW | TurnFlag.PREFIX_SPECIAL
+_DERIVED_FLAGS = TurnFlag.TAIL_SLOW | TurnFlag.PREFIX_SPECIAL | TurnFlag.HAS_DIGEST
 #: Bits a turn record's flags may hold (a version-1 writer also wrote TurnFlag.TAIL_SLOW).
 _STORED_FLAGS = (
     TurnFlag.TAIL_REFS
@@ -550,8 +550,8 @@ class _Loader:
         if not isinstance(node_id, str) or node_id in self.graph:
             raise ValueError(f"bad or repeated node id {node_id!r}")
         turn = Turn()
-        turn.node_id = node_id
         turn.index = len(self.graph)
+        turn.node_id = node_id
         turn.children = None
         turn.parent = self._ref(record.parent)
         link = _link_kind(record.link)
@@ -581,8 +581,7 @@ class _Loader:
             raise ValueError("bad request tail")
         if n_rest < (turn.base.n_rest if turn.base is not None else 0):
             raise ValueError("request shorter than its base")
-        turn.tail = tail
-        turn.n_rest = n_rest
+        turn.set_request((tail,), n_rest)
         finish_tail(turn)
         if flags & TurnFlag.NO_MESSAGES:
             if (
