@@ -60,7 +60,7 @@ from .nodes import TurnNode
 from .raw import RawJSON
 from .sessions import Session, SessionError, Sessions, clean_session_id
 from .sse import SSE_HEADERS, anthropic_events, chat_chunks, sse_data, sse_event
-from .stores import STORE_HELP, open_store, store_spec
+from .stores import STORE_HELP, MemoryStore, open_store, store_spec
 from .viewer import Viewer
 
 __all__ = [

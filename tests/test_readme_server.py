@@ -15,7 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services import free_port, wait_for_port
+from services import free_port
+
+from rollout_store.loopback import wait_for_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = (ROOT / "README.md").read_text()
