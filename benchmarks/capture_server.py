@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import gc
 import json
 import os
 import random
@@ -44,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -290,6 +292,8 @@ async def rollout(
                     "prompt_ids": response.get("prompt_token_ids"),
                     "sampled_ids": choice.get("token_ids"),
                     "sampled_logprobs": [e["logprob"] for e in choice["logprobs"]["content"]],
+                    "seed": seed,
+                    "finish_reason": choice.get("finish_reason"),
                 }
             )
         message = {k: v for k, v in message.items() if v is not None}
@@ -391,6 +395,46 @@ def latency_run(scheme: str, stub: str, sessions: int, turns: int, added: list[f
         asyncio.run(run_group(server.url, False, sessions, turns, pair=stub, added=added))
 
 
+def traced_sessions(bodies: list[dict[str, Any]]) -> int:
+    """Bytes the sessions of a group retain (tracemalloc, in this process): each rollout's
+    calls recorded as the server records them (raw messages and tools) into sessions that
+    share one memory store. What the library keeps, without allocator or server overhead."""
+    from rollout_store import RawJSON, TurnNode
+    from rollout_store.sessions import Sessions
+
+    rollouts: dict[int, list[dict[str, Any]]] = {}
+    for body in bodies:
+        rollouts.setdefault(body["seed"], []).append(body)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        sessions = Sessions()
+        by_seed = {seed: sessions.create() for seed in rollouts}
+        gc.collect()
+        base = tracemalloc.get_traced_memory()[0]
+        for seed, calls in rollouts.items():
+            for call in calls:
+                node = TurnNode(
+                    prompt_ids=RawJSON(json.dumps(call["prompt_ids"]).encode()),
+                    sampled_ids=RawJSON(json.dumps(call["sampled_ids"]).encode()),
+                    sampled_logprobs=call["sampled_logprobs"],
+                    model="policy",
+                    finish_reason=call["finish_reason"],
+                    request_messages=RawJSON(json.dumps(call["messages"]).encode()),
+                    request_tools=RawJSON(json.dumps(call["tools"]).encode()),
+                    sampling_params={"seed": seed, "temperature": 1.0},
+                    response_message=call["response"],
+                )
+                with by_seed[seed].use() as graph:
+                    graph.add_turn(node)
+        gc.collect()
+        retained = tracemalloc.get_traced_memory()[0] - base
+        sessions.close()
+        return retained
+    finally:
+        tracemalloc.stop()
+
+
 def _ms(values: list[float], q: float | None = None) -> float:
     if not values:
         return float("nan")
@@ -460,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         for body in collected:
             counter.add(body)
         unique[group] = counter.bytes
+    traced = {group: traced_sessions(collected) for group, collected in bodies.items()}
     rows: dict[str, Any] = {}
     for scheme in servers:
         row: dict[str, Any] = {
@@ -490,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": rounds,
         "engine_ms": args.engine_ms,
         "unique_bytes": unique,
+        "traced_sessions_bytes": traced,
+        "traced_over_unique": {group: traced[group] / unique[group] for group in GROUPS},
         "direct_median_ms": {name: _ms(v) for name, v in direct.items()},
         "direct_p99_ms": {name: _ms(v, 0.99) for name, v in direct.items()},
         "cpus": os.cpu_count(),
@@ -505,6 +552,13 @@ def main(argv: list[str] | None = None) -> int:
         f"unique content: group {unique['group'] / MiB:.2f} MiB; large group (a new "
         f"screenshot each turn, {large_turns} turns) {unique['large'] / MiB:.2f} MiB; "
         f"load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        "retained by the sessions' graphs in process (tracemalloc): "
+        + ", ".join(
+            f"{group} {traced[group] / MiB:.2f} MiB = {traced[group] / unique[group]:.2f}x unique"
+            for group in GROUPS
+        )
     )
     print(
         "direct calls to the stub, median / p99 ms: "
