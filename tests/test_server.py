@@ -529,7 +529,8 @@ def test_sessions_over_a_directory_store_reopen_from_logs_of_references(
     assert json.dumps(after[0]["turns"][0]["request_messages"]) == json.dumps(CONVERSATION)
 
 
-def test_open_store_names() -> None:
+def test_open_store_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the directory store is made where the test runs
     assert isinstance(open_store("memory"), MemoryStore)
     assert isinstance(open_store("dir:objects-here"), DirectoryStore)
     for bad in ("disk", "dir:", "s3://", "ftp://x"):
