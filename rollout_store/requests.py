@@ -527,9 +527,7 @@ class RequestStore:
             bucket = index[key] = _Bucket((found, turn))
             if found.children:
                 bucket.parents.append(found)
-        turn.rkey = key
-        if request is not None:
-            turn.digest = request.digest()
+        turn.file_under(key, request.digest() if request is not None else turn.digest)
 
     def note_parent(self, turn: Turn) -> None:
         """`turn` got its first child (a bucket of identical requests lists its parents)."""
