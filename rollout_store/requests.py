@@ -7,11 +7,22 @@ are stored once per graph.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Final
 
+import msgpack
+
 from .blobs import BlobTable
-from .confirm import Probe, RawTip, RawTips, digest_key, prefix_digest, prefix_keys, raw_end
+from .confirm import (
+    WINDOW,
+    Probe,
+    RawTip,
+    RawTips,
+    digest_key,
+    mark_length,
+    prefix_digest,
+    prefix_keys,
+    raw_end,
+)
 from .content import content_key
 from .encoding import (
     ECHO_PACKED,
@@ -19,7 +30,6 @@ from .encoding import (
     array_header,
     new_packer,
     no_echo,
-    tracking_packer,
     unpack,
 )
 from .errors import InvalidValueError
@@ -27,7 +37,7 @@ from .intake import MAX_DEPTH, Encoder
 from .materialize import Messages, value
 from .messages import leading_system_count, link_key, response_link_key
 from .nodes import TurnNode
-from .raw import RawJSON, decode_raw, resolve_raw, split_array
+from .raw import RawJSON, decode_array, decode_raw, resolve_raw
 from .stored import IndexKeys, LinkKind, Turn, TurnFlag, finish_tail
 from .values import ValueTable
 
@@ -37,7 +47,29 @@ __all__ = ["FreshRequest", "RequestStore", "Scratch"]
 _new_tuple: Final = tuple.__new__
 
 #: msgpack type bytes of ext and bin values, which JSON values never pack to by themselves
-_NOT_JSON = re.compile(b"[\\xc4-\\xc9\\xd4-\\xd8]").search
+_NOT_JSON = bytes((*range(0xC4, 0xCA), *range(0xD4, 0xD9)))
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ValueError("an ext type")
+
+
+def _json_only(plain: bytes) -> bool:
+    """Whether a plain packing holds no ext and no bin type (JSON values never pack to them:
+    a tuple, a big int, `bytes` or a caller's `msgpack.ExtType` does).
+
+    The bytes that begin those types are looked for first; where some occur (often a length
+    byte or a letter, not a type), unpacking at C speed tells, refusing every ext type and
+    every non-empty bin; an empty bin's two bytes anywhere send the value to the walk.
+    """
+    if len(plain.translate(None, _NOT_JSON)) == len(plain):  # none of them (a C scan)
+        return True
+    try:
+        msgpack.unpackb(plain, max_bin_len=0, ext_hook=_refuse_ext, strict_map_key=False)
+    except Exception:  # an ext or bin type (or too deep for the unpacker): the walk decides
+        return False
+    return b"\xc4\x00" not in plain
+
 
 _NOT_FAST = object()  # _prepare_raw: decode the whole text instead
 
@@ -173,7 +205,18 @@ class FreshRequest:
         filed under their key (not yet confirmed: see `extends`)."""
         found = self._prefixes.get(n)
         if found is None:
-            found = self._prefixes[n] = self._store.candidates(self.key(n), n)
+            probe = self._probe
+            if probe is not None and n >= probe.low:  # `key`, inline (the common case)
+                digest = probe.digests[n]
+                if digest is None:  # no stored request has n messages
+                    self._prefixes[n] = ()
+                    return ()
+                key = int.from_bytes(digest[:8], "little")
+            else:
+                key = self.key(n)
+            hit = self._store.request_index.get(key)
+            found = () if hit is None else hit if type(hit) is _Bucket else (hit,)
+            self._prefixes[n] = found
         return found
 
     def root_keys(self) -> list[int]:
@@ -212,9 +255,10 @@ class RequestStore:
     __slots__ = (
         "_canonical",
         "_encoder",
-        "_message_size",
+        "_lengths",
         "_pack_plain",
         "_plain_limit",
+        "_window",
         "blobs",
         "raw_tips",
         "request_index",
@@ -235,10 +279,13 @@ class RequestStore:
         self.tail_keys: dict[int, bytes] | None = {} if fetches else None
         self.values = ValueTable(self.expand, share_threshold, hashed=fetches)
         self.request_index: dict[int, Any] = {}  # digest of non-system request -> turn(s)
-        self._message_size = 256  # mean packed size of recent messages, to chunk requests
         # plain packings shorter than this can hold no blob and no nesting beyond MAX_DEPTH
         self._plain_limit = min(share_threshold or MAX_DEPTH, MAX_DEPTH)
         self.raw_tips = RawTips()  # the latest raw turns, for raw continuations
+        self._window = WINDOW  # trailing boundaries a request is probed at first
+        # bit n set: some filed request has n messages (a request can only extend one whose
+        # count is among these: the boundaries worth a digest); a bit per count, not per turn
+        self._lengths = bytearray()
 
     def reset_packer(self) -> None:
         self._pack_plain = new_packer()
@@ -256,7 +303,7 @@ class RequestStore:
         as MAX_DEPTH) and holds no ext or bin type (no tuple, big int, bytes or caller's
         `msgpack.ExtType`) is what the validating walk would build: the walk is skipped.
         """
-        if plain is not None and len(plain) < self._plain_limit and _NOT_JSON(plain) is None:
+        if plain is not None and len(plain) < self._plain_limit and _json_only(plain):
             return plain, False
         return self._encoder.encode(value, path)
 
@@ -312,7 +359,12 @@ class RequestStore:
     def shared_value(self, value: Any, path: str, pending: list[tuple[bytes, bytes]]) -> Any:
         if value is None:
             return None
-        return self._shared([value], path, [self.plain(value)], pending, as_array=False)
+        plain = self.plain(value)
+        if plain is not None:  # the common case first: a value the graph holds already
+            found = self.values.find(plain)
+            if found is not None:
+                return found
+        return self._shared([value], path, [plain], pending, as_array=False)
 
     def add_values(self, pending: list[tuple[bytes, bytes]] | tuple[()]) -> None:
         """Remember the shared values a committed turn stored first."""
@@ -362,7 +414,7 @@ class RequestStore:
         pack = self._pack_plain
         probe: Probe | None
         try:
-            probe = Probe(rest, pack, self._message_size)
+            probe = Probe(rest, pack, self._window, self._lengths)
         except Exception:  # some message needs the validating walk, or is RawJSON
             probe = None
             if any(type(m) is RawJSON for m in messages):
@@ -370,11 +422,9 @@ class RequestStore:
                 n_sys = leading_system_count(messages)
                 rest = messages[n_sys:]
                 try:
-                    probe = Probe(rest, pack, self._message_size)
+                    probe = Probe(rest, pack, self._window, self._lengths)
                 except Exception:
                     probe = None
-        if probe is not None and probe.plains:  # a running mean, to size the next chunks
-            self._message_size = (len(probe.plain(probe.n - 1)) + self._message_size) // 2
         try:
             plains: list[bytes | None] = [pack(m) for m in messages[:n_sys]]
         except Exception:  # some message needs the slow path: find which
@@ -394,7 +444,12 @@ class RequestStore:
         scratch.request = request
         if request.n_valid == len(request.messages):
             scratch.request_digest = request.key(request.n_valid)
-        self._store_tail(turn, request, self._base(request), n_sys, scratch)
+        base = self._base(request)
+        if base is not None and probe is not None:
+            # the next request is probed at as many boundaries as bases lately lay back (and
+            # at every boundary when its base lies further back: see `Probe`)
+            self._window = min(WINDOW, max(len(rest) - base.n_rest + 2, self._window - 1))
+        self._store_tail(turn, request, base, n_sys, scratch)
         if raw is not None and probe is not None and rest and isinstance(messages, list):
             end = raw_end(raw)
             if end is not None:  # later raw turns of this conversation start here
@@ -419,19 +474,15 @@ class RequestStore:
         if end is None or end <= tip.end or not base.n_rest or base.flags & TurnFlag.MESSAGES_TUPLE:
             return _NOT_FAST
         tail_text = data[tip.end : end].lstrip(b" \t\r\n")
-        spans = split_array(b"[" + tail_text[1:] + b"]")
-        if not spans:
-            return _NOT_FAST
-        pack, ext_calls = tracking_packer()
-        specials: list[bool] = []
+        # the new messages decoded in one call, exactly as json.loads would where msgspec
+        # accepts the text (else the whole text's decode says what is wrong, and where)
         try:
-            fresh = [decode_raw(RawJSON(bytes(span)), "") for span in spans]
-            plains = []
-            for message in fresh:
-                calls = len(ext_calls)
-                plains.append(pack(message))
-                specials.append(len(ext_calls) > calls)
-        except Exception:  # the whole text's decode says what is wrong, and where
+            fresh = decode_array(b"[" + tail_text[1:] + b"]")
+            pack = self._pack_plain
+            plains = [pack(message) for message in fresh]
+        except Exception:
+            return _NOT_FAST
+        if not fresh:
             return _NOT_FAST
         if not self.is_echo(base, fresh[0], plains[0]):
             return _NOT_FAST
@@ -449,14 +500,15 @@ class RequestStore:
         first = tip.n_sys + base.n_rest
         pieces = [ECHO_PACKED]
         turn.flags |= TurnFlag.TAIL_ECHO
+        limit = self._plain_limit
         for i in range(1, len(fresh)):
             plain = plains[i]
-            if not specials[i] and len(plain) < self._plain_limit:
-                # decoded from JSON text: no bytes, no caller's ExtType, no big int; short
-                # enough for no blob and no nesting beyond MAX_DEPTH: the walk would agree
-                packed, special = plain, False
-            else:
-                packed, special = self.encode(fresh[i], f"request_messages[{first + i}]")
+            if len(plain) < limit and _json_only(plain):
+                # short enough for no blob and no nesting beyond MAX_DEPTH, no ext type (a
+                # big int): the walk would agree
+                pieces.append(plain)
+                continue
+            packed, special = self.encode(fresh[i], f"request_messages[{first + i}]")
             if packed != plains[i]:
                 turn.flags |= TurnFlag.TAIL_REFS
             if special:
@@ -489,13 +541,17 @@ class RequestStore:
         rest = request.messages
         start = base.n_rest if base is not None else 0
         pieces: list[bytes] = []
+        limit = self._plain_limit
         for i in range(start, len(rest)):
             p = request.plain(i)
             if i == start and base is not None and self.is_echo(base, rest[i], p):
                 pieces.append(ECHO_PACKED)
                 turn.flags |= TurnFlag.TAIL_ECHO
                 continue
-            packed, special = self.stored_form(rest[i], p, f"request_messages[{n_sys + i}]")
+            if p is not None and len(p) < limit and _json_only(p):  # `stored_form`, inline
+                pieces.append(p)
+                continue
+            packed, special = self._encoder.encode(rest[i], f"request_messages[{n_sys + i}]")
             if packed != p:
                 turn.flags |= TurnFlag.TAIL_REFS
             if special:
@@ -528,6 +584,7 @@ class RequestStore:
             if found.children:
                 bucket.parents.append(found)
         turn.file_under(key, request.digest() if request is not None else turn.digest)
+        mark_length(self._lengths, turn.n_rest)
 
     def note_parent(self, turn: Turn) -> None:
         """`turn` got its first child (a bucket of identical requests lists its parents)."""
