@@ -121,7 +121,13 @@ class TurnRecord(NamedTuple):
 _DERIVED_FLAGS = TurnFlag.TAIL_SLOW | TurnFlag.PREFIX_SPECIAL
 # bits of Turn.flags that say how the turn is kept in memory (its link is a field of the
 # record): never written, and a file that has them is damaged
-_IN_MEMORY_FLAGS = TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY | TurnFlag.LINK_LOW | TurnFlag.LINK_HIGH
+_IN_MEMORY_FLAGS = (
+    TurnFlag.HAS_DIGEST
+    | TurnFlag.HAS_KEY
+    | TurnFlag.HAS_RESPONSE
+    | TurnFlag.LINK_LOW
+    | TurnFlag.LINK_HIGH
+)
 #: Bits a turn record's flags may hold (a version-1 writer also wrote TurnFlag.TAIL_SLOW).
 _STORED_FLAGS = (
     TurnFlag.TAIL_REFS
