@@ -50,6 +50,11 @@ _new_tuple: Final = tuple.__new__
 _NOT_JSON = bytes((*range(0xC4, 0xCA), *range(0xD4, 0xD9)))
 
 
+#: What unpacking with `_refuse_ext` lets through: an empty bin, and msgpack's timestamps
+#: (ext type -1 in a fixext 4, fixext 8 or ext 8 of 12 bytes), decoded without the hook
+_PASSED_UNPACK = (b"\xc4\x00", b"\xd6\xff", b"\xd7\xff", b"\xc7\x0c\xff")
+
+
 def _refuse_ext(code: int, data: bytes) -> Any:
     raise ValueError("an ext type")
 
@@ -60,7 +65,8 @@ def _json_only(plain: bytes) -> bool:
 
     The bytes that begin those types are looked for first; where some occur (often a length
     byte or a letter, not a type), unpacking at C speed tells, refusing every ext type and
-    every non-empty bin; an empty bin's two bytes anywhere send the value to the walk.
+    every non-empty bin; the bytes of an empty bin or a timestamp anywhere send the value to
+    the walk.
     """
     if len(plain.translate(None, _NOT_JSON)) == len(plain):  # none of them (a C scan)
         return True
@@ -68,7 +74,9 @@ def _json_only(plain: bytes) -> bool:
         msgpack.unpackb(plain, max_bin_len=0, ext_hook=_refuse_ext, strict_map_key=False)
     except Exception:  # an ext or bin type (or too deep for the unpacker): the walk decides
         return False
-    return b"\xc4\x00" not in plain
+    # an empty bin passes `max_bin_len`, and a timestamp (ext type -1) never reaches the
+    # hook: where their bytes occur, the walk decides
+    return not any(marker in plain for marker in _PASSED_UNPACK)
 
 
 _NOT_FAST = object()  # _prepare_raw: decode the whole text instead
@@ -583,10 +591,8 @@ class RequestStore:
             bucket = index[key] = _Bucket((found, turn))
             if found.children:
                 bucket.parents.append(found)
-        turn.rkey = key
+        turn.file_under(key, request.digest() if request is not None else turn.digest)
         mark_length(self._lengths, turn.n_rest)
-        if request is not None:
-            turn.digest = request.digest()
 
     def note_parent(self, turn: Turn) -> None:
         """`turn` got its first child (a bucket of identical requests lists its parents)."""

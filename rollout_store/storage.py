@@ -118,7 +118,16 @@ class TurnRecord(NamedTuple):
 
 
 #: Bits of Turn.flags that are derived on load, never written.
-_DERIVED_FLAGS = TurnFlag.TAIL_SLOW | TurnFlag.PREFIX_SPECIAL | TurnFlag.HAS_DIGEST
+_DERIVED_FLAGS = TurnFlag.TAIL_SLOW | TurnFlag.PREFIX_SPECIAL
+# bits of Turn.flags that say how the turn is kept in memory (its link is a field of the
+# record): never written, and a file that has them is damaged
+_IN_MEMORY_FLAGS = (
+    TurnFlag.HAS_DIGEST
+    | TurnFlag.HAS_KEY
+    | TurnFlag.HAS_RESPONSE
+    | TurnFlag.LINK_LOW
+    | TurnFlag.LINK_HIGH
+)
 #: Bits a turn record's flags may hold (a version-1 writer also wrote TurnFlag.TAIL_SLOW).
 _STORED_FLAGS = (
     TurnFlag.TAIL_REFS
@@ -244,7 +253,7 @@ class _Writer:
             node_id=turn.node_id,
             parent=parent_index,
             link=int(turn.link) if parent_index is not None else 0,
-            flags=turn.flags & ~_DERIVED_FLAGS,
+            flags=turn.flags & ~(_DERIVED_FLAGS | _IN_MEMORY_FLAGS),
             meta=list(turn.meta),
             system=value_ref(turn.system),
             base=turn.base.index if turn.base is not None else None,
@@ -555,11 +564,11 @@ class _Loader:
         turn.children = None
         turn.parent = self._ref(record.parent)
         link = _link_kind(record.link)
-        turn.link = link if turn.parent is not None else LinkKind.NONE
         flags = record.flags
         if not isinstance(flags, int) or flags < 0 or flags & ~(_STORED_FLAGS | _DERIVED_FLAGS):
             raise ValueError("bad flags")
         turn.flags = flags & ~_DERIVED_FLAGS
+        turn.link = link if turn.parent is not None else LinkKind.NONE  # two bits of flags
         meta = record.meta
         if not (isinstance(meta, list) and len(meta) == len(TurnMeta._fields)):
             raise ValueError("bad meta")

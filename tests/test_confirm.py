@@ -10,6 +10,7 @@ import random
 from typing import Any
 
 import blake3
+import msgpack
 import pytest
 from support import assert_same, assert_same_json
 
@@ -273,3 +274,31 @@ def test_messages_whose_length_byte_looks_like_an_ext_type_skip_the_walk() -> No
     assert stored.tail.endswith(b"".join(pack(m) for m in messages))
     assert not stored.flags & (TurnFlag.TAIL_REFS | TurnFlag.TAIL_SPECIAL)
     assert_same(graph.request_messages(view.node_id), messages)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b"",
+        b"x" * 200,
+        bytearray(b"x"),
+        msgpack.Timestamp(5, 0),
+        msgpack.Timestamp(2**33, 7),
+        msgpack.Timestamp(2**40, 1),
+        msgpack.ExtType(3, b"ab"),
+    ],
+    ids=repr,
+)
+def test_short_messages_holding_no_json_value_are_refused(bad: Any) -> None:
+    """A value that packs to a bin or ext type (a timestamp too, which unpacking decodes
+    without the hook) is refused in a short message, a long one and a response."""
+    graph = RolloutGraph()
+    for messages in (
+        [{"role": "user", "content": "z" * 200, "bad": bad}],
+        [{"role": "user", "content": "z" * 5000, "bad": bad}],
+    ):
+        with pytest.raises(InvalidValueError):
+            graph.add_turn(TurnNode(request_messages=messages))
+    with pytest.raises(InvalidValueError):
+        graph.add_turn(TurnNode(response_message={"role": "assistant", "bad": bad}))
+    assert len(graph) == 0

@@ -1,12 +1,23 @@
-"""The compact stored turn: default ids kept as no string, a single child held bare, shared
-values interned per graph, token fields only where there are tokens; all behave as before."""
+"""The compact stored turn: default ids kept as no string, a single child held bare, the link
+in the flags, tail + digest + key + message count in one bytes object, one side (scalars,
+shared values, token fields) for all turns alike; all behave as before."""
 
 from __future__ import annotations
 
-import pytest
-from support import chat_turns, token_turns
+from pathlib import Path
 
-from rollout_store import DuplicateNodeError, RolloutGraph, TurnNode, UnknownNodeError
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support import FUZZ, chat_turns, token_turns
+
+from rollout_store import (
+    DuplicateNodeError,
+    RolloutGraph,
+    RolloutStoreError,
+    TurnNode,
+    UnknownNodeError,
+)
 
 
 def _turns(graph: RolloutGraph) -> list:
@@ -89,31 +100,198 @@ def test_children_one_bare_several_as_a_tuple() -> None:
     assert graph.forks() == [(root.node_id, [first.node_id, second.node_id])]
 
 
-def test_shared_values_are_one_tuple_and_tokens_only_where_given() -> None:
+def test_turns_alike_share_one_side_and_token_turns_have_their_own() -> None:
     graph = RolloutGraph()
     tools = [{"type": "function", "function": {"name": "f"}}]
     for fields in chat_turns(3):
         graph.add_turn(TurnNode(request_tools=tools, sampling_params={"t": 1}, **fields))
     stored = _turns(graph)
-    assert stored[0].values is not None
-    assert all(t.values is stored[0].values for t in stored)
-    # sampled_ids=[] by default: every such turn shares one record of its empty tokens
-    assert all(t.tokens is stored[0].tokens and t.prompt is None for t in stored)
-    assert stored[0].tokens is not None and len(stored[0].sampled) == 0
+    # sampled_ids=[] by default: its empty segment is as good as any other
+    assert stored[0].side is not None and stored[0].side.shared
+    assert all(t.side is stored[0].side and t.prompt is None for t in stored)
+    assert len(stored[0].sampled) == 0
     assert graph.get("turn-2").sampled_ids == [] and graph.get("turn-2").prompt_ids == []
     assert graph.get("turn-2").request_tools == tools
     assert graph.get("turn-2").sampling_params == {"t": 1}
-
-    plain = RolloutGraph()
-    bare = TurnNode(request_messages=[{"role": "user", "content": "hi"}], sampled_ids=None)
-    bare.sampling_params = bare.requested_sampling_params = None
-    plain.add_turn(bare)
-    assert _turns(plain)[0].values is None  # no shared value at all: no tuple
-    assert _turns(plain)[0].tokens is None  # no token field at all: no record
-    assert plain.get("turn-0").sampled_ids is None
+    other = graph.add_turn(TurnNode(model="another", **chat_turns(1, tag="x")[0]))
+    assert _turns(graph)[3].side is not stored[0].side  # other scalars: a side of its own
+    assert graph.get(other.node_id).model == "another" and graph.get("turn-2").model is None
 
     tokens = RolloutGraph()
-    for fields in token_turns(2):
+    for fields in token_turns(3):
         tokens.add_turn(TurnNode(**fields))
-    assert all(t.tokens is not None for t in _turns(tokens))
-    assert tokens.get("turn-1").sampled_logprobs == token_turns(2)[1]["sampled_logprobs"]
+    sides = [t.side for t in _turns(tokens)]
+    assert all(s is not None and not s.shared for s in sides) and len(set(map(id, sides))) == 3
+    assert tokens.get("turn-1").sampled_logprobs == token_turns(3)[1]["sampled_logprobs"]
+    assert tokens.get("turn-2").prompt_ids == token_turns(3)[2]["prompt_ids"]
+
+
+def test_a_shared_side_is_copied_before_a_change() -> None:
+    from rollout_store.stored import Turn, TurnSide
+
+    side = TurnSide()
+    side.system, side.shared = b"\x90", True  # as the graph interns it
+    first, second = Turn(), Turn()
+    first.side = second.side = side
+    second.tools = b"\x91\x01"  # a change to one turn: its side is copied first
+    assert first.side is side and second.side is not side and not second.side.shared
+    assert (first.system, first.tools) == (b"\x90", None)
+    assert (second.system, second.tools) == (b"\x90", b"\x91\x01")
+    third = Turn()  # a new turn has a side of its own until the graph finds one alike
+    assert not third.side.shared and third.prompt is None and third.meta is None
+
+
+def test_request_tail_digest_key_and_count_in_one_bytes_object() -> None:
+    from rollout_store.confirm import digest_key
+    from rollout_store.stored import Turn, TurnFlag
+
+    turn = Turn()
+    turn.index, turn.flags = 0, 0
+    turn.set_request((b"\x92", b"ab"), 700)
+    assert (turn.tail, turn.n_rest, turn.digest, turn.rkey) == (b"\x92ab", 700, None, None)
+    turn.rkey = 2**64 - 1  # a key from a file, before the digest is known
+    assert (turn.tail, turn.n_rest, turn.rkey) == (b"\x92ab", 700, 2**64 - 1)
+    digest = bytes(range(32))
+    turn.digest = digest  # another key than the digest's: kept beside it
+    assert (turn.tail, turn.digest, turn.rkey, turn.n_rest) == (b"\x92ab", digest, 2**64 - 1, 700)
+    assert turn.flags & TurnFlag.HAS_KEY
+    turn.rkey = digest_key(digest)  # the digest's own key: not kept twice
+    assert not turn.flags & TurnFlag.HAS_KEY and turn.rkey == digest_key(digest)
+    assert len(turn.data) == 3 + 32 + 4
+    turn.tail = b"\x91c"
+    turn.n_rest = 3
+    assert (turn.tail, turn.digest, turn.n_rest) == (b"\x91c", digest, 3)
+    turn.digest = None  # the key it is filed under stays
+    assert (turn.tail, turn.digest, turn.rkey, turn.n_rest) == (
+        b"\x91c",
+        None,
+        digest_key(digest),
+        3,
+    )
+    turn.rkey = None
+    assert (turn.tail, turn.rkey, turn.data) == (b"\x91c", None, b"\x91c\x03\x00\x00\x00")
+    for bad in (-1, 2**32):
+        with pytest.raises(RolloutStoreError):
+            turn.n_rest = bad
+    with pytest.raises(RolloutStoreError):
+        turn.rkey = 2**64
+    with pytest.raises(RolloutStoreError):
+        turn.digest = b"short"
+    assert (turn.tail, turn.n_rest) == (b"\x91c", 3)  # a refused value changes nothing
+
+
+def test_the_link_is_kept_in_the_flags() -> None:
+    from rollout_store.stored import LinkKind, Turn, TurnFlag
+
+    turn = Turn()
+    turn.flags = TurnFlag.TAIL_ECHO
+    for kind in (LinkKind.EXPLICIT, LinkKind.MESSAGES, LinkKind.TOKENS, LinkKind.NONE):
+        turn.link = kind
+        assert turn.link is kind and turn.flags & ~(TurnFlag.LINK_LOW | TurnFlag.LINK_HIGH) == 32
+
+
+def test_loaded_turns_are_found_again_by_their_file_keys(tmp_path: Path) -> None:
+    graph = RolloutGraph()
+    turns = chat_turns(4)
+    for fields in turns[:3]:
+        graph.add_turn(TurnNode(**fields))
+    path = tmp_path / "g.rls"
+    graph.save(path)
+    back = RolloutGraph.load(path)
+    loaded = _turns(back)
+    assert all(t.digest is None and t.rkey is not None for t in loaded)
+    assert [t.rkey for t in loaded] == [t.rkey for t in _turns(graph)]
+    node = back.add_turn(TurnNode(**turns[3]))  # continues the loaded conversation
+    assert node.parent_id == "turn-2" and back.link_kind(node.node_id) == "messages"
+    assert loaded[2].digest == _turns(graph)[2].digest  # confirmed by bytes, then known
+    assert loaded[2].rkey == _turns(graph)[2].rkey
+
+
+def test_the_response_is_kept_in_the_request_bytes() -> None:
+    from rollout_store.confirm import digest_key
+    from rollout_store.stored import Turn, TurnFlag
+
+    turn = Turn()
+    turn.index, turn.flags = 0, 0
+    assert turn.response is None
+    turn.set_request((b"\x91", b"a"), 300)
+    turn.response = b"\x81\xa1r\xa1s"
+    digest = bytes(range(1, 33))
+    turn.file_under(7, digest)  # a key the digest does not give: kept too
+    assert (turn.tail, turn.response, turn.digest, turn.rkey, turn.n_rest) == (
+        b"\x91a",
+        b"\x81\xa1r\xa1s",
+        digest,
+        7,
+        300,
+    )
+    assert len(turn.data) == 2 + 5 + 32 + 8 + 4 + 4
+    turn.set_request((b"\x92ab",), 5)  # a new request: the response stays, digest and key go
+    assert (turn.tail, turn.response, turn.digest, turn.rkey, turn.n_rest) == (
+        b"\x92ab",
+        b"\x81\xa1r\xa1s",
+        None,
+        None,
+        5,
+    )
+    turn.file_under(digest_key(digest), digest)
+    turn.response = b""  # an empty packing is a response, not None
+    assert (turn.response, turn.digest, turn.rkey) == (b"", digest, digest_key(digest))
+    turn.response = None
+    assert turn.response is None and not turn.flags & TurnFlag.HAS_RESPONSE
+    assert (turn.tail, turn.digest, turn.n_rest) == (b"\x92ab", digest, 5)
+
+
+_DIGESTS = st.binary(min_size=32, max_size=32)
+_CHANGES = st.lists(
+    st.one_of(
+        st.tuples(st.just("request"), st.binary(max_size=40), st.integers(0, 2**32 - 1)),
+        st.tuples(st.just("tail"), st.binary(max_size=40)),
+        st.tuples(st.just("n_rest"), st.integers(0, 2**32 - 1)),
+        st.tuples(st.just("response"), st.none() | st.binary(max_size=40)),
+        st.tuples(st.just("digest"), st.none() | _DIGESTS),
+        st.tuples(st.just("rkey"), st.none() | st.integers(0, 2**64 - 1)),
+        st.tuples(st.just("file"), st.none() | st.integers(0, 2**64 - 1), st.none() | _DIGESTS),
+    ),
+    max_size=12,
+)
+
+
+@given(_CHANGES, st.sampled_from([0, 32, 64 | 32, 256]))
+@settings(FUZZ)
+def test_request_bytes_agree_with_separate_fields(changes: list, other_flags: int) -> None:
+    """Any order of changes reads back as if tail, n_rest, response, digest and key were
+    fields of their own (the key of a turn with a digest and no key of its own is the
+    digest's; set_request drops digest and key; other flags never change)."""
+    from rollout_store.confirm import digest_key
+    from rollout_store.stored import Turn, TurnFlag
+
+    turn = Turn()
+    turn.index, turn.flags = 0, other_flags
+    model: dict = {"tail": b"", "n_rest": 0, "response": None, "digest": None, "key": None}
+    for change in changes:
+        kind = change[0]
+        if kind == "request":
+            turn.set_request((change[1],), change[2])
+            model.update(tail=change[1], n_rest=change[2], digest=None, key=None)
+        elif kind == "file":
+            turn.file_under(change[1], change[2])
+            model.update(key=change[1], digest=change[2])
+        elif kind == "rkey":
+            turn.rkey = change[1]
+            model["key"] = change[1]
+        elif kind == "digest":
+            if model["key"] is None and model["digest"] is not None:
+                model["key"] = digest_key(model["digest"])  # filed under it: the key stays
+            turn.digest = change[1]
+            model["digest"] = change[1]
+        else:
+            setattr(turn, kind, change[1])
+            model[kind] = change[1]
+        key = model["key"]
+        if key is None and model["digest"] is not None:
+            key = digest_key(model["digest"])
+        got = (turn.tail, turn.n_rest, turn.response, turn.digest, turn.rkey)
+        assert got == (model["tail"], model["n_rest"], model["response"], model["digest"], key)
+        in_memory = TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY | TurnFlag.HAS_RESPONSE
+        assert turn.flags & ~in_memory == other_flags
