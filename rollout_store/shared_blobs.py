@@ -43,7 +43,7 @@ class StoreBlobTable(BlobTable):
     What a blob costs the graph is kept compact, in a few flat tables rather than objects
     per blob: its store key (32 bytes) and xxh3 digest (16 bytes) in two `bytearray`s, its
     size and surrogate flag in one `array`, and one entry in the index from the digest's
-    first 8 bytes (an int) to the blob's number. `Handle`s are made when asked for.
+    first 30 bits (an int) to the blob's number. `Handle`s are made when asked for.
     """
 
     __slots__ = (
@@ -81,7 +81,7 @@ class StoreBlobTable(BlobTable):
         self._keys = bytearray()  # blob i's store key at [32 i, 32 i + 32)
         self._digests = bytearray()  # its xxh3 digest at [16 i, 16 i + 16)
         self._sizes = array("Q")  # its UTF-8 bytes << 1 | (it holds lone surrogates)
-        # the digest's first 8 bytes -> the blob's number, or a list of them when several
+        # the digest's first 30 bits -> the blob's number, or a list of them when several
         # blobs share those bytes (each candidate is confirmed by content or key)
         self._index: dict[int, int | list[int]] = {}
         self._nbytes = 0
@@ -258,5 +258,6 @@ class StoreBlobTable(BlobTable):
 
 
 def _slot(digest: bytes) -> int:
-    """Where a digest is filed in the index: its first 8 bytes."""
-    return int.from_bytes(digest[:8], "little")
+    """Where a digest is filed in the index: its first 30 bits (an int of one 30-bit digit,
+    the smallest int object; blobs that share a slot are told apart by their digests)."""
+    return int.from_bytes(digest[:4], "little") >> 2
