@@ -522,3 +522,37 @@ def test_verify_checks_the_objects_a_file_refers_to(tmp_path: Path) -> None:
     assert not report.ok and name in (report.error or "")
     assert report.error_offset is not None
     store.put(turns[0]["request_messages"][0]["content"].encode())
+
+
+def _slot_mates(data: bytes) -> bytes:
+    # equal first 4 bytes for every string (one index slot), different digests
+    return b"\0\0\0\0" + content_key(data)[:12]
+
+
+@pytest.mark.parametrize("hasher", [_colliding, _slot_mates])
+def test_the_compact_store_table_keeps_blobs_apart_and_rolls_back(hasher: Any) -> None:
+    store = MemoryStore()
+    table = StoreBlobTable(store, StringCache(0), hasher=hasher)
+    texts = ["a" * 40, "b" * 40, "\ud800" + "c" * 40, "d" * 40]
+    handles = [table.intern(t) for t in texts[:3]]
+    assert [h.index for h in handles] == [0, 1, 2]
+    assert [table.string(i) for i in range(3)] == texts[:3]
+    assert [table.key(i) for i in range(3)] == [
+        content_key(t.encode("utf-8", "surrogatepass")) for t in texts[:3]
+    ]
+    assert [(h.digest, h.size, h.surrogates) for h in table] == [
+        (hasher(t.encode("utf-8", "surrogatepass")), 40 + (3 if i == 2 else 0), i == 2)
+        for i, t in enumerate(texts[:3])
+    ]
+    assert table.intern("b" * 40).index == 1  # found again among its slot mates
+    mark = table.mark()
+    assert table.intern(texts[3]).index == 3
+    table.rollback(mark)
+    assert len(table) == 3
+    assert table.stats()["blob_bytes"] == 123
+    assert table.intern(texts[3]).index == 3  # added again after the rollback
+    table.rollback((1, 0, 0))
+    assert len(table) == 1 and table.stats()["blobs"] == 1
+    assert table.intern("b" * 40).index == 1 and table.intern("a" * 40).index == 0
+    with pytest.raises(IndexError):
+        table.key(5)
