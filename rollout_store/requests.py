@@ -53,6 +53,8 @@ _NOT_JSON = bytes((*range(0xC4, 0xCA), *range(0xD4, 0xD9)))
 #: What unpacking with `_refuse_ext` lets through: an empty bin, and msgpack's timestamps
 #: (ext type -1 in a fixext 4, fixext 8 or ext 8 of 12 bytes), decoded without the hook
 _PASSED_UNPACK = (b"\xc4\x00", b"\xd6\xff", b"\xd7\xff", b"\xc7\x0c\xff")
+_EMPTY_BIN = _PASSED_UNPACK[0]
+_unpack_json = msgpack.unpackb
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
@@ -71,12 +73,35 @@ def _json_only(plain: bytes) -> bool:
     if len(plain.translate(None, _NOT_JSON)) == len(plain):  # none of them (a C scan)
         return True
     try:
-        msgpack.unpackb(plain, max_bin_len=0, ext_hook=_refuse_ext, strict_map_key=False)
+        _unpack_json(plain, max_bin_len=0, ext_hook=_refuse_ext, strict_map_key=False)
     except Exception:  # an ext or bin type (or too deep for the unpacker): the walk decides
         return False
     # an empty bin passes `max_bin_len`, and a timestamp (ext type -1) never reaches the
-    # hook: where their bytes occur, the walk decides
-    return not any(marker in plain for marker in _PASSED_UNPACK)
+    # hook: where their bytes occur, the walk decides (the three timestamp markers all hold
+    # 0xff, which no UTF-8 text holds: two C scans instead of a loop over the markers)
+    return b"\xff" not in plain and _EMPTY_BIN not in plain
+
+
+def _all_json(plains: list[bytes | None], limit: int) -> bool:
+    """Whether every plain packing is shorter than `limit` and holds no ext and no bin type
+    (`_json_only` of each, in one pass: a few C calls for all)."""
+    if not plains:
+        return True
+    if None in plains or max(map(len, plains)) >= limit:  # type: ignore[arg-type]
+        return False
+    joined = b"".join(plains)  # type: ignore[arg-type]
+    if len(joined.translate(None, _NOT_JSON)) == len(joined):
+        return True
+    try:  # each packing is one whole item: as an array they unpack item by item
+        _unpack_json(
+            array_header(len(plains)) + joined,
+            max_bin_len=0,
+            ext_hook=_refuse_ext,
+            strict_map_key=False,
+        )
+    except Exception:
+        return False
+    return b"\xff" not in joined and _EMPTY_BIN not in joined
 
 
 _NOT_FAST = object()  # _prepare_raw: decode the whole text instead
@@ -165,6 +190,15 @@ class FreshRequest:
         if self._probe is not None:
             return self._probe.plain(i)
         return self._plains[i]  # type: ignore[index]
+
+    def plain_slice(self, start: int, stop: int) -> list[bytes | None]:
+        """The plain packings of messages `start` to `stop` (None for one that has none)."""
+        probe = self._probe
+        if probe is not None:
+            if start < probe.low:
+                probe.extend()
+            return probe.plains[start:stop]
+        return self._plains[start:stop]  # type: ignore[index]
 
     def plains(self) -> list[bytes | None]:
         if self._probe is not None:
@@ -547,24 +581,30 @@ class RequestStore:
     ) -> None:
         """Pack the messages after the base's (the echo of its response as a placeholder)."""
         rest = request.messages
+        n = len(rest)
         start = base.n_rest if base is not None else 0
-        pieces: list[bytes] = []
+        first = start  # the first message packed (after the echo)
+        pieces: list[bytes] = [b""]  # the array header, set below
+        if base is not None and start < n and self.is_echo(base, rest[start], request.plain(start)):
+            pieces.append(ECHO_PACKED)
+            turn.flags |= TurnFlag.TAIL_ECHO
+            first += 1
+        plains = request.plain_slice(first, n)
         limit = self._plain_limit
-        for i in range(start, len(rest)):
-            p = request.plain(i)
-            if i == start and base is not None and self.is_echo(base, rest[i], p):
-                pieces.append(ECHO_PACKED)
-                turn.flags |= TurnFlag.TAIL_ECHO
-                continue
-            if p is not None and len(p) < limit and _json_only(p):  # `stored_form`, inline
-                pieces.append(p)
-                continue
-            packed, special = self._encoder.encode(rest[i], f"request_messages[{n_sys + i}]")
-            if packed != p:
-                turn.flags |= TurnFlag.TAIL_REFS
-            if special:
-                turn.flags |= TurnFlag.TAIL_SPECIAL
-            pieces.append(packed)
+        if _all_json(plains, limit):  # the common case: every packing as `stored_form` keeps it
+            pieces += plains  # type: ignore[arg-type]
+        else:
+            for i, p in enumerate(plains, first):
+                if p is not None and len(p) < limit and _json_only(p):  # `stored_form`, inline
+                    pieces.append(p)
+                    continue
+                packed, special = self._encoder.encode(rest[i], f"request_messages[{n_sys + i}]")
+                if packed != p:
+                    turn.flags |= TurnFlag.TAIL_REFS
+                if special:
+                    turn.flags |= TurnFlag.TAIL_SPECIAL
+                pieces.append(packed)
+        pieces[0] = array_header(len(pieces) - 1)
         if self.tail_keys is not None and turn.flags & TurnFlag.TAIL_REFS:
             # its strings are out of the process: match it later by the SHA-256 of its plain
             # packings rather than by fetching them
@@ -573,7 +613,7 @@ class RequestStore:
             if None not in body:
                 scratch.tail_key = content_key(b"".join(body))  # type: ignore[arg-type]
         turn.base = base
-        turn.set_request((array_header(len(pieces)), *pieces), len(rest))
+        turn.set_request(pieces, n)
         finish_tail(turn)
 
     def file(self, turn: Turn, key: int | None, request: FreshRequest | None = None) -> None:
@@ -629,9 +669,17 @@ class RequestStore:
 
     def is_echo(self, base: Turn, message: Any, plain: bytes | None) -> bool:
         """Whether `message` is exactly the response of `base`."""
-        if plain is None or base.response is None or plain != self.response_plain(base):
+        if plain is None:
             return False
-        return not base.flags & TurnFlag.RESPONSE_SPECIAL or self.valid(message, plain)
+        flags = base.flags
+        response = base.response
+        if response is None:
+            return False
+        if flags & TurnFlag.RESPONSE_REFS:
+            response = self.expand(response)
+        if plain != response:
+            return False
+        return not flags & TurnFlag.RESPONSE_SPECIAL or self.valid(message, plain)
 
     def echoes(self, turn: Turn, message: Any, plain: bytes | None) -> bool:
         """Whether `message` is the echo of the turn's response (exactly or loosely)."""
@@ -754,8 +802,7 @@ class RequestStore:
             return None
 
     def response_plain(self, turn: Turn) -> bytes | None:
-        if turn.response is None:
-            return None
-        if not turn.flags & TurnFlag.RESPONSE_REFS:
-            return turn.response
-        return self.expand(turn.response)
+        response = turn.response
+        if response is None or not turn.flags & TurnFlag.RESPONSE_REFS:
+            return response
+        return self.expand(response)

@@ -121,6 +121,7 @@ _NO_REQUEST = bytes(4)  # no tail, no digest, n_rest 0 (immutable: every new tur
 _KEY_SIZE = 8  # an index key kept in `Turn.data` (unsigned, little-endian)
 _U32 = struct.Struct("<I")
 _DIGEST_AND_KEY = TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY
+_PARTS_AFTER_TAIL = TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY | TurnFlag.HAS_RESPONSE
 _DIGEST_SHIFT = 11  # HAS_DIGEST, and HAS_KEY right above it
 # bytes of digest and key in `Turn.data`, by those two flags shifted down
 _EXTRA = (0, DIGEST_SIZE, _KEY_SIZE, DIGEST_SIZE + _KEY_SIZE)
@@ -413,6 +414,15 @@ class Turn:
 
     @response.setter
     def response(self, response: bytes | None) -> None:
+        flags = self.flags
+        if response is not None and not flags & _PARTS_AFTER_TAIL:
+            # the common case: a fresh turn's response, right after its tail (one copy)
+            view = memoryview(self.data)
+            at = len(view) - 4
+            size = len(response).to_bytes(4, "little")
+            self.data = b"".join((view[:at], response, size, view[at:]))
+            self.flags = flags | TurnFlag.HAS_RESPONSE
+            return
         tail, _, digest, key, n_rest = self._parts()
         self._store(tail, response, digest, key, n_rest)
 
