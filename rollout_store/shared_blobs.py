@@ -66,7 +66,8 @@ class StoreBlobTable(BlobTable):
         cache: StringCache | None = None,
         hasher: Callable[[bytes], bytes] = content_digest,
     ) -> None:
-        super().__init__(hasher)
+        # the private table's own containers are not made (BlobTable.__init__ is not
+        # called): every method that would read them is overridden here
         if not isinstance(store, ContentStore):
             raise InvalidArgumentError(
                 f"store must be a ContentStore (put, get, contains), got {type(store).__name__}"
