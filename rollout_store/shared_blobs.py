@@ -66,8 +66,7 @@ class StoreBlobTable(BlobTable):
         cache: StringCache | None = None,
         hasher: Callable[[bytes], bytes] = content_digest,
     ) -> None:
-        # the private table's own containers are not made (BlobTable.__init__ is not
-        # called): every method that would read them is overridden here
+        super().__init__(hasher)
         if not isinstance(store, ContentStore):
             raise InvalidArgumentError(
                 f"store must be a ContentStore (put, get, contains), got {type(store).__name__}"
@@ -222,6 +221,8 @@ class StoreBlobTable(BlobTable):
 
     def handle(self, index: int) -> Handle:
         """A `Handle` of blob `index` (a new object each time; equal fields)."""
+        if not 0 <= index < len(self._sizes):
+            raise IndexError(index)
         packed = self._sizes[index]
         return Handle(self._digest(index), index, packed >> 1, bool(packed & 1))
 

@@ -554,8 +554,11 @@ def test_the_compact_store_table_keeps_blobs_apart_and_rolls_back(hasher: Any) -
     table.rollback((1, 0, 0))
     assert len(table) == 1 and table.stats()["blobs"] == 1
     assert table.intern("b" * 40).index == 1 and table.intern("a" * 40).index == 0
-    with pytest.raises(IndexError):
-        table.key(5)
+    for bad in (5, -1):
+        with pytest.raises(IndexError):
+            table.key(bad)
+        with pytest.raises(IndexError):
+            table.handle(bad)
 
 
 class _KeysOnly:
