@@ -222,6 +222,8 @@ class StoreBlobTable(BlobTable):
 
     def handle(self, index: int) -> Handle:
         """A `Handle` of blob `index` (a new object each time; equal fields)."""
+        if not 0 <= index < len(self._sizes):
+            raise IndexError(index)
         packed = self._sizes[index]
         return Handle(self._digest(index), index, packed >> 1, bool(packed & 1))
 

@@ -554,5 +554,43 @@ def test_the_compact_store_table_keeps_blobs_apart_and_rolls_back(hasher: Any) -
     table.rollback((1, 0, 0))
     assert len(table) == 1 and table.stats()["blobs"] == 1
     assert table.intern("b" * 40).index == 1 and table.intern("a" * 40).index == 0
-    with pytest.raises(IndexError):
-        table.key(5)
+    for bad in (5, -1):
+        with pytest.raises(IndexError):
+            table.key(bad)
+        with pytest.raises(IndexError):
+            table.handle(bad)
+
+
+class _KeysOnly:
+    """A content store that keeps nothing (what a blob costs the graph, measured alone)."""
+
+    def put(self, data: bytes) -> bytes:
+        return content_key(data)
+
+    def get(self, key: bytes) -> bytes:
+        raise MissingObjectError("this store keeps nothing", key=key)
+
+    def contains(self, key: bytes) -> bool:
+        return False
+
+
+def test_a_blob_over_an_out_of_process_store_costs_the_graph_about_its_key_and_digest() -> None:
+    import gc
+    import tracemalloc
+
+    texts = [f"{i:06d}" * 50 for i in range(2000)]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        table = StoreBlobTable(_KeysOnly(), StringCache(0))
+        for text in texts:
+            table.intern(text)
+        gc.collect()
+        per_blob = (tracemalloc.get_traced_memory()[0] - before) / len(texts)
+    finally:
+        tracemalloc.stop()
+    assert len(table) == 2000
+    # a 32-byte key, a 16-byte digest, 8 bytes of size, an index entry; one Python object
+    # per blob (a Handle, a bytes key, a digest) would cost well over 200 bytes
+    assert per_blob < 160, per_blob  # 285 with one Handle, digest and key object each
