@@ -224,8 +224,8 @@ class FreshRequest:
         probe = self._probe
         if n > self.n_valid:
             ok = False
-        elif probe is not None and stored.digest is not None:
-            ok = stored.digest == probe.digest(n)
+        elif probe is not None and (digest := stored.digest) is not None:
+            ok = digest == probe.digest(n)
         else:  # compare bytes with the stored tails (a turn read from a file, once)
             ok = self._store.matches(stored, self.plains(), self.messages)
             if ok and probe is not None:
