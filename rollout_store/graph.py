@@ -468,7 +468,7 @@ class Graph:
         side, meta = turn.side, turn.meta  # its own side: sides are shared below
         side.meta = self._meta.setdefault(meta, meta)
         self._turns.append(turn)
-        self._blob_marks.append(len(self.blobs))
+        self._blob_marks.append(len(self._blobs))
         if turn.ident is not None:
             self._by_id[turn.ident] = turn
         last = self._last_side
@@ -484,7 +484,7 @@ class Graph:
                 turn.side = self._last_side = found
         parent = turn.parent
         if parent is not None:
-            if parent.children is None:
+            if parent.kids is None:
                 requests.note_parent(parent)
             add_child(parent, turn)
         requests.file(turn, keys.request, request)  # sets its digest: a flag

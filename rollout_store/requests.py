@@ -7,6 +7,8 @@ are stored once per graph.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from itertools import chain
 from typing import Any, Final
 
 import msgpack
@@ -244,6 +246,16 @@ class FreshRequest:
             return []
         n = self.n_valid
         return [c for c in self._store.twins(self.key(n), n) if self.extends(c)]
+
+    def boundaries(self, high: int) -> Iterable[int]:
+        """Message counts from `high` down to 0 where a stored request may end (every count
+        but those of the probe's window that no filed request has: see `Probe`)."""
+        probe = self._probe
+        if probe is None or high < probe.low:
+            return range(high, -1, -1)
+        digests, low = probe.digests, probe.low
+        known = [n for n in range(high, low - 1, -1) if digests[n] is not None]
+        return chain(known, range(low - 1, -1, -1)) if low else known
 
     def stored_prefixes(self, n: int) -> list[Turn] | tuple[Turn, ...]:
         """Stored turns whose non-system request is as long as the first `n` messages and
@@ -573,7 +585,7 @@ class RequestStore:
 
     def _base(self, request: FreshRequest) -> Turn | None:
         """The longest stored request that `request` extends (its storage base)."""
-        for n in range(request.n_valid, -1, -1):
+        for n in request.boundaries(request.n_valid):
             for candidate in request.stored_prefixes(n):
                 if request.extends(candidate):
                     return candidate
