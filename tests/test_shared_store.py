@@ -522,3 +522,75 @@ def test_verify_checks_the_objects_a_file_refers_to(tmp_path: Path) -> None:
     assert not report.ok and name in (report.error or "")
     assert report.error_offset is not None
     store.put(turns[0]["request_messages"][0]["content"].encode())
+
+
+def _slot_mates(data: bytes) -> bytes:
+    # equal first 4 bytes for every string (one index slot), different digests
+    return b"\0\0\0\0" + content_key(data)[:12]
+
+
+@pytest.mark.parametrize("hasher", [_colliding, _slot_mates])
+def test_the_compact_store_table_keeps_blobs_apart_and_rolls_back(hasher: Any) -> None:
+    store = MemoryStore()
+    table = StoreBlobTable(store, StringCache(0), hasher=hasher)
+    texts = ["a" * 40, "b" * 40, "\ud800" + "c" * 40, "d" * 40]
+    handles = [table.intern(t) for t in texts[:3]]
+    assert [h.index for h in handles] == [0, 1, 2]
+    assert [table.string(i) for i in range(3)] == texts[:3]
+    assert [table.key(i) for i in range(3)] == [
+        content_key(t.encode("utf-8", "surrogatepass")) for t in texts[:3]
+    ]
+    assert [(h.digest, h.size, h.surrogates) for h in table] == [
+        (hasher(t.encode("utf-8", "surrogatepass")), 40 + (3 if i == 2 else 0), i == 2)
+        for i, t in enumerate(texts[:3])
+    ]
+    assert table.intern("b" * 40).index == 1  # found again among its slot mates
+    mark = table.mark()
+    assert table.intern(texts[3]).index == 3
+    table.rollback(mark)
+    assert len(table) == 3
+    assert table.stats()["blob_bytes"] == 123
+    assert table.intern(texts[3]).index == 3  # added again after the rollback
+    table.rollback((1, 0, 0))
+    assert len(table) == 1 and table.stats()["blobs"] == 1
+    assert table.intern("b" * 40).index == 1 and table.intern("a" * 40).index == 0
+    for bad in (5, -1):
+        with pytest.raises(IndexError):
+            table.key(bad)
+        with pytest.raises(IndexError):
+            table.handle(bad)
+
+
+class _KeysOnly:
+    """A content store that keeps nothing (what a blob costs the graph, measured alone)."""
+
+    def put(self, data: bytes) -> bytes:
+        return content_key(data)
+
+    def get(self, key: bytes) -> bytes:
+        raise MissingObjectError("this store keeps nothing", key=key)
+
+    def contains(self, key: bytes) -> bool:
+        return False
+
+
+def test_a_blob_over_an_out_of_process_store_costs_the_graph_about_its_key_and_digest() -> None:
+    import gc
+    import tracemalloc
+
+    texts = [f"{i:06d}" * 50 for i in range(2000)]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        table = StoreBlobTable(_KeysOnly(), StringCache(0))
+        for text in texts:
+            table.intern(text)
+        gc.collect()
+        per_blob = (tracemalloc.get_traced_memory()[0] - before) / len(texts)
+    finally:
+        tracemalloc.stop()
+    assert len(table) == 2000
+    # a 32-byte key, a 16-byte digest, 8 bytes of size, an index entry; one Python object
+    # per blob (a Handle, a bytes key, a digest) would cost well over 200 bytes
+    assert per_blob < 160, per_blob  # 285 with one Handle, digest and key object each
