@@ -9,8 +9,11 @@ runs in fresh server processes; the schemes take turns over several rounds in on
 
 Memory: each server's RSS growth over a group, from the same server idle (warmed up by a
 group of the same width with other content, and with the group's sessions created), against
-the group's unique content (benchmarks/workloads.py's definition), also net of forward-only's
-growth. Two groups: the GRPO group above (0.3 MiB of unique content, so fixed costs weigh),
+the group's unique content (benchmarks/workloads.py's definition: each distinct message,
+tool list and response counts its JSON text once; token ids 4 bytes per node of the trie of
+all turns' prompt + sampled ids, so the task's prompt that every rollout repeats counts once;
+logprobs 8 bytes, a float64 as the engine sent it, per sampled token of each distinct turn),
+also net of forward-only's growth. Two groups: the GRPO group above (0.3 MiB of unique content, so fixed costs weigh),
 and a large group where every turn brings a new 100 KiB screenshot (content dominates).
 Memory servers run with glibc's mmap threshold fixed at 64 KiB, so a request's large buffers
 go back to the system when freed and RSS shows what a server keeps, not its peak of transient
@@ -395,40 +398,71 @@ def latency_run(scheme: str, stub: str, sessions: int, turns: int, added: list[f
         asyncio.run(run_group(server.url, False, sessions, turns, pair=stub, added=added))
 
 
-def traced_sessions(bodies: list[dict[str, Any]]) -> int:
+def _record_call(session: Any, seed: int, call: dict[str, Any]) -> None:
+    """One call recorded as the server records it (raw messages, tools and token ids)."""
+    from rollout_store import RawJSON, TurnNode
+
+    node = TurnNode(
+        prompt_ids=RawJSON(json.dumps(call["prompt_ids"]).encode()),
+        sampled_ids=RawJSON(json.dumps(call["sampled_ids"]).encode()),
+        sampled_logprobs=call["sampled_logprobs"],
+        model="policy",
+        finish_reason=call["finish_reason"],
+        request_messages=RawJSON(json.dumps(call["messages"]).encode()),
+        request_tools=RawJSON(json.dumps(call["tools"]).encode()),
+        sampling_params={"seed": seed, "temperature": 1.0},
+        response_message=call["response"],
+    )
+    with session.use() as graph:
+        graph.add_turn(node)
+
+
+def _print_sites(
+    before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, top: int, turns: int
+) -> None:
+    """The `top` allocation sites (by traceback) of what the sessions retain, per turn."""
+    ours = [tracemalloc.Filter(True, "*rollout_store*")]
+    stats = after.filter_traces(ours).compare_to(before.filter_traces(ours), "traceback")
+    stats.sort(key=lambda stat: -stat.size_diff)
+    for stat in stats[:top]:
+        frames = [f for f in stat.traceback if "rollout_store" in f.filename][-3:]
+        where = " < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames))
+        print(
+            f"  {stat.size_diff:>8} B {stat.count_diff:>5} blocks "
+            f"{stat.size_diff / turns:>6.0f} B/turn  {where}",
+            file=sys.stderr,
+        )
+
+
+def traced_sessions(bodies: list[dict[str, Any]], sites: int = 0) -> int:
     """Bytes the sessions of a group retain (tracemalloc, in this process): each rollout's
     calls recorded as the server records them (raw messages and tools) into sessions that
-    share one memory store. What the library keeps, without allocator or server overhead."""
-    from rollout_store import RawJSON, TurnNode
+    share one memory store. What the library keeps, without allocator or server overhead.
+
+    Each turn's node (and the request bytes it holds, the whole conversation) is made and
+    dropped inside `_record_call`, as the server drops it after `add_turn`: a node left in a
+    local variable here would count the last request's body (the screenshot again) as
+    retained. Through the server the figure is the same within a few KiB."""
     from rollout_store.sessions import Sessions
 
     rollouts: dict[int, list[dict[str, Any]]] = {}
     for body in bodies:
         rollouts.setdefault(body["seed"], []).append(body)
     gc.collect()
-    tracemalloc.start()
+    tracemalloc.start(25 if sites else 1)
     try:
         sessions = Sessions()
         by_seed = {seed: sessions.create() for seed in rollouts}
         gc.collect()
+        before = tracemalloc.take_snapshot() if sites else None
         base = tracemalloc.get_traced_memory()[0]
         for seed, calls in rollouts.items():
             for call in calls:
-                node = TurnNode(
-                    prompt_ids=RawJSON(json.dumps(call["prompt_ids"]).encode()),
-                    sampled_ids=RawJSON(json.dumps(call["sampled_ids"]).encode()),
-                    sampled_logprobs=call["sampled_logprobs"],
-                    model="policy",
-                    finish_reason=call["finish_reason"],
-                    request_messages=RawJSON(json.dumps(call["messages"]).encode()),
-                    request_tools=RawJSON(json.dumps(call["tools"]).encode()),
-                    sampling_params={"seed": seed, "temperature": 1.0},
-                    response_message=call["response"],
-                )
-                with by_seed[seed].use() as graph:
-                    graph.add_turn(node)
+                _record_call(by_seed[seed], seed, call)
         gc.collect()
         retained = tracemalloc.get_traced_memory()[0] - base
+        if before is not None:
+            _print_sites(before, tracemalloc.take_snapshot(), sites, len(bodies))
         sessions.close()
         return retained
     finally:
@@ -453,6 +487,13 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=ENGINE_MS,
         help="generation time of the second stub (the latency runs in front of an engine)",
+    )
+    parser.add_argument(
+        "--sites",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print the N allocation sites of what the sessions retain in process",
     )
     add_results_option(parser)
     args = parser.parse_args(argv)
@@ -504,7 +545,11 @@ def main(argv: list[str] | None = None) -> int:
         for body in collected:
             counter.add(body)
         unique[group] = counter.bytes
-    traced = {group: traced_sessions(collected) for group, collected in bodies.items()}
+    traced = {}
+    for group, collected in bodies.items():
+        if args.sites:
+            print(f"where the {group}'s sessions keep their memory:", file=sys.stderr)
+        traced[group] = traced_sessions(collected, args.sites)
     rows: dict[str, Any] = {}
     for scheme in servers:
         row: dict[str, Any] = {

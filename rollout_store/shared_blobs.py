@@ -23,8 +23,9 @@ from .errors import InvalidArgumentError
 
 __all__ = ["DEFAULT_GRAPH_CACHE_BYTES", "StoreBlobTable"]
 
-#: Plain packings of shared values at least this large are shared through a memory store.
-SHARE_PACKED_BYTES = 1024
+#: Plain packings of shared values at least this large are shared through a memory store
+#: (a three-tool list packs to about 350 bytes: every session of a group keeps one object).
+SHARE_PACKED_BYTES = 256
 
 #: The cache of a graph over an out-of-process store when none is given.
 DEFAULT_GRAPH_CACHE_BYTES = 8 * 1024 * 1024

@@ -58,7 +58,8 @@ class ValueTable:
     def add(self, plain: bytes, stored: bytes) -> None:
         """Remember `stored` as the value whose plain packing is `plain` (caller checked find)."""
         if len(plain) < self._limit:
-            self._inline[plain] = stored
+            # a stored form equal to its plain packing is the key too: one object, not two
+            self._inline[stored if stored == plain else plain] = stored
         elif self._hashed:
             self._keyed[content_key(plain)] = [stored]
         else:
