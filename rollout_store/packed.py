@@ -7,6 +7,11 @@ array, unknown extension types, blob references out of range, big ints and strin
 not decode. It allocates no Python object per item (a count is checked against the bytes left
 before anything is read), so memory stays flat whatever the value holds, and it records where
 blob references are, so a value's plain packing is spliced from bytes instead of decoded.
+
+`quick_check` answers the same question for a short value at C speed, or says it cannot tell:
+msgpack decodes it (bounded by its size) and packs it again, and only a value that comes back
+byte for byte, with nothing it would have to look at more closely, is accepted there; every
+other value goes through `check_packed`, which decides.
 """
 
 from __future__ import annotations
@@ -16,9 +21,18 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgpack
+
 from .encoding import EXT_BIGINT, EXT_BLOB, EXT_ECHO, EXT_SURROGATE, EXT_TUPLE
 
-__all__ = ["PackedInfo", "check_int_array", "check_packed", "splice_blobs"]
+__all__ = [
+    "QUICK_LIMIT",
+    "PackedInfo",
+    "check_int_array",
+    "check_packed",
+    "quick_check",
+    "splice_blobs",
+]
 
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
@@ -83,6 +97,7 @@ class PackedInfo:
     special: bool = False  # a tuple, big int, lone surrogate, or a blob holding surrogates
     echoes: int = 0
     blob_refs: array[int] = field(default_factory=lambda: array("I"))  # offsets of blob references
+    refs: int = 0  # number of blob references (`quick_check` does not record their offsets)
 
 
 #: Strings checked as UTF-8 together (their views are then freed: memory stays flat).
@@ -228,6 +243,7 @@ def check_packed(
                     if n != 4 or index >= n_blobs:
                         raise ValueError(f"blob reference {index} out of range ({n_blobs} blobs)")
                     refs.append(pos)
+                    info.refs += 1
                     if blob_surrogates is not None and blob_surrogates(index):
                         info.special = True
                 elif code == EXT_TUPLE and n == 0 and at_first and not key:
@@ -260,6 +276,67 @@ def check_packed(
         if "at byte" in str(exc):
             raise
         raise ValueError(f"{exc} (at byte {pos})") from None
+
+
+#: Longest value `quick_check` decodes: what it allocates stays below a fixed bound (a
+#: decoded object costs at most about 80 bytes per packed byte).
+QUICK_LIMIT = 16 << 10
+#: Every byte but those that start a container: deleting them leaves at most as many bytes
+#: as the value opens containers, a bound on its nesting.
+_NOT_CONTAINER = bytes(b for b in range(256) if not (0x80 <= b <= 0x9F or 0xDC <= b <= 0xDF))
+#: An empty bin: the only bytes object `max_bin_len=0` lets through.
+_EMPTY_BIN = b"\xc4\x00"
+
+
+class _Unsure(Exception):
+    """`quick_check` cannot tell: the value holds something `check_packed` must look at."""
+
+
+def quick_check(
+    data: bytes,
+    n_blobs: int,
+    max_depth: int,
+    *,
+    blob_surrogates: Callable[[int], bool] | None = None,
+    echo_ok: bool = False,
+) -> PackedInfo | None:
+    """What `check_packed` would find in `data` (`blob_refs` left empty, `refs` counted), or
+    None when this quick look cannot tell (then `check_packed` must decide).
+
+    Accepted here only: a value of at most `QUICK_LIMIT` bytes, with fewer container bytes
+    than `max_depth`, holding no bytes, that msgpack decodes with blob references in range
+    and at most one echo (where `echo_ok`) as its only extension types, and that packs back
+    to exactly `data`: its bytes are then canonical msgpack of a tree `check_packed` passes.
+    """
+    if type(data) is not bytes or len(data) > QUICK_LIMIT or _EMPTY_BIN in data:
+        return None
+    if len(data) > max_depth and len(data.translate(None, _NOT_CONTAINER)) > max_depth:
+        return None
+    info = PackedInfo(-1)
+
+    def hook(code: int, payload: bytes) -> msgpack.ExtType:
+        if code == EXT_BLOB and len(payload) == 4:
+            index = int.from_bytes(payload, "big")
+            if index >= n_blobs:
+                raise _Unsure
+            info.refs += 1
+            if blob_surrogates is not None and blob_surrogates(index):
+                info.special = True
+        elif code == EXT_ECHO and echo_ok and not payload and not info.echoes:
+            info.echoes = 1
+        else:
+            raise _Unsure
+        return msgpack.ExtType(code, payload)
+
+    try:
+        value = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=hook, max_bin_len=0)
+        if msgpack.packb(value, use_bin_type=True) != data:
+            return None
+    except Exception:  # malformed, or something to look at closely: check_packed decides
+        return None
+    if type(value) is list:
+        info.top_items = len(value)
+    return info
 
 
 def splice_blobs(data: bytes, refs: array[int], text_of: Callable[[int], bytes]) -> bytes:

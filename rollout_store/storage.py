@@ -59,7 +59,7 @@ from .frames import (
 )
 from .graph import Graph, GraphRestorer, JournalEntry
 from .intake import MAX_DEPTH, token_array
-from .packed import PackedInfo, check_int_array, check_packed, splice_blobs
+from .packed import PackedInfo, check_int_array, check_packed, quick_check, splice_blobs
 from .shared_blobs import StoreBlobTable
 from .stored import IndexKeys, LinkKind, Turn, TurnFlag, TurnMeta, finish_tail, full_run, is_above
 from .tokens import TokenRun, run_list
@@ -99,7 +99,7 @@ class TurnRecord(NamedTuple):
     node_id: str
     parent: int | None  # an earlier turn (a later parent re-links its child by `moves`)
     link: int  # LinkKind, 0 without parent
-    flags: int  # Turn.flags without the derived bits
+    flags: int  # Turn.flags without the derived bits (`_DERIVED_FLAGS`)
     meta: list[Any]  # TurnMeta as an array
     system: int | None  # value holding the leading system messages
     base: int | None  # the turn whose request this one extends
@@ -117,19 +117,17 @@ class TurnRecord(NamedTuple):
     requested: int | None = None  # value holding requested_sampling_params
 
 
-#: Bits of Turn.flags that are derived on load, never written.
-_DERIVED_FLAGS = TurnFlag.TAIL_SLOW | TurnFlag.PREFIX_SPECIAL
-#: Bits a turn record's flags may hold (a version-1 writer also wrote TurnFlag.TAIL_SLOW).
-_STORED_FLAGS = (
-    TurnFlag.TAIL_REFS
-    | TurnFlag.RESPONSE_REFS
-    | TurnFlag.MESSAGES_TUPLE
-    | TurnFlag.LOGPROBS_PACKED
-    | TurnFlag.NO_MESSAGES
-    | TurnFlag.TAIL_ECHO
-    | TurnFlag.TAIL_SPECIAL
-    | TurnFlag.RESPONSE_SPECIAL
-    | TurnFlag.EMPTY_PROMPT
+#: Bits of Turn.flags that say what the packed tail and response hold: derived on load from
+#: those fields, never written (records written before they were derived carry them).
+_CONTENT_FLAGS = (
+    TurnFlag.TAIL_REFS | TurnFlag.RESPONSE_REFS | TurnFlag.TAIL_SPECIAL | TurnFlag.RESPONSE_SPECIAL
+)
+#: Bits derived on load, never written (a version-1 writer also wrote TurnFlag.TAIL_SLOW).
+_DERIVED_FLAGS = TurnFlag.TAIL_SLOW | TurnFlag.PREFIX_SPECIAL | _CONTENT_FLAGS
+#: Bits a turn record's flags may hold, and those of a request with messages.
+_MESSAGE_FLAGS = TurnFlag.TAIL_ECHO | TurnFlag.MESSAGES_TUPLE
+_STORED_FLAGS = _MESSAGE_FLAGS | (
+    TurnFlag.LOGPROBS_PACKED | TurnFlag.NO_MESSAGES | TurnFlag.EMPTY_PROMPT
 )
 
 #: How a file holds long strings: inline (self-contained) or as keys into a content store.
@@ -423,14 +421,14 @@ class _Loader:
         """Check a stored value once, without building it (see `packed.check_packed`)."""
         if not isinstance(packed, bytes):
             raise ValueError("a packed value must be bytes")
-        blobs = self.graph.blobs
-        return check_packed(
-            packed,
-            n_blobs,
-            MAX_DEPTH,
-            blob_surrogates=lambda i: blobs.handle(i).surrogates,
-            echo_ok=echo_ok,
-        )
+        surrogates = self.blob_surrogates
+        info = quick_check(packed, n_blobs, MAX_DEPTH, blob_surrogates=surrogates, echo_ok=echo_ok)
+        if info is not None:
+            return info
+        return check_packed(packed, n_blobs, MAX_DEPTH, blob_surrogates=surrogates, echo_ok=echo_ok)
+
+    def blob_surrogates(self, index: int) -> bool:
+        return self.graph.blobs.handle(index).surrogates
 
     def blob_v2(self, payload: memoryview) -> None:
         """A version-2 blob frame's payload: digest, then text (the frame reader checked the
@@ -514,6 +512,9 @@ class _Loader:
 
     def value(self, payload: Any) -> None:
         info = self.check(payload, len(self.graph.blobs))
+        if info.refs and not info.blob_refs:  # where they are, to splice them
+            n_blobs, surrogates = len(self.graph.blobs), self.blob_surrogates
+            info = check_packed(payload, n_blobs, MAX_DEPTH, blob_surrogates=surrogates)
         self.value_is_list.append(info.top_items >= 0)
         self.writer.values[id(payload)] = len(self.writer.value_objects)
         self.writer.value_objects.append(payload)
@@ -559,7 +560,7 @@ class _Loader:
         flags = record.flags
         if not isinstance(flags, int) or flags < 0 or flags & ~(_STORED_FLAGS | _DERIVED_FLAGS):
             raise ValueError("bad flags")
-        turn.flags = flags & ~_DERIVED_FLAGS
+        turn.flags = flags & ~(_DERIVED_FLAGS & ~_CONTENT_FLAGS)  # content flags: see _request
         meta = record.meta
         if not (isinstance(meta, list) and len(meta) == len(TurnMeta._fields)):
             raise ValueError("bad meta")
@@ -571,49 +572,58 @@ class _Loader:
         return turn
 
     def _request(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
-        """The request (system part, base, tail), the response and the shared values."""
-        flags, tail, n_rest, system = turn.flags, record.tail, record.n_rest, record.system
-        turn.system = self._value_ref(system)
-        turn.base = self._ref(record.base)
-        if turn.base is not None and (turn.base.flags | flags) & TurnFlag.NO_MESSAGES:
-            raise ValueError("a request without messages has no base, and is no base")
-        if not isinstance(tail, bytes) or not isinstance(n_rest, int):
-            raise ValueError("bad request tail")
-        if n_rest < (turn.base.n_rest if turn.base is not None else 0):
-            raise ValueError("request shorter than its base")
-        turn.tail = tail
-        turn.n_rest = n_rest
-        finish_tail(turn)
-        if flags & TurnFlag.NO_MESSAGES:
-            if (
-                tail
-                or n_rest
-                or system is not None
-                or flags & (TurnFlag.TAIL_ECHO | TurnFlag.MESSAGES_TUPLE)
-            ):
-                raise ValueError("a request without messages has messages")
-        else:
-            info = self.check(tail, n_blobs, echo_ok=True)
-            if info.top_items != n_rest - turn.first:
-                raise ValueError("request tail does not hold its messages")
-            echo = bool(flags & TurnFlag.TAIL_ECHO)
-            at_start = tail[turn.body_start - len(ECHO_PACKED) : turn.body_start] == ECHO_PACKED
-            if info.echoes != echo or (echo and (turn.base is None or not at_start)):
-                raise ValueError("misplaced echo in a request tail")
-            if echo and turn.base is not None and turn.base.response is None:
-                raise ValueError("an echo of a base turn that has no response")
-            _flags_cover(flags, info, TurnFlag.TAIL_REFS, TurnFlag.TAIL_SPECIAL, "request tail")
-        if system is not None and not self.value_is_list[system]:
-            raise ValueError("system messages must be an array")
-        if record.response is not None:
-            info = self.check(record.response, n_blobs)
-            _flags_cover(flags, info, TurnFlag.RESPONSE_REFS, TurnFlag.RESPONSE_SPECIAL, "response")
-        elif flags & (TurnFlag.RESPONSE_REFS | TurnFlag.RESPONSE_SPECIAL):
-            raise ValueError("response flags without a response")
-        turn.response = record.response
+        """The request (system part, base, tail), the response and the shared values; the
+        flags that say what the tail and response hold are derived from them."""
+        carried = turn.flags & _CONTENT_FLAGS
+        turn.flags &= ~_CONTENT_FLAGS
+        self._tail(turn, record, n_blobs)
+        response = record.response
+        if response is not None:
+            info = self.check(response, n_blobs)
+            turn.flags |= (TurnFlag.RESPONSE_REFS if info.refs else 0) | (
+                TurnFlag.RESPONSE_SPECIAL if info.special else 0
+            )
+        if turn.flags & _CONTENT_FLAGS & ~carried and carried:
+            # a record written before these flags were derived carries them all
+            raise ValueError("the flags of a turn record do not say what its request holds")
+        turn.response = response
         turn.tools = self._value_ref(record.tools)
         turn.sampling = self._value_ref(record.sampling)
         turn.requested = self._value_ref(record.requested)
+
+    def _tail(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
+        """The system part, the base and the messages after the base's."""
+        flags, tail, n_rest, system = turn.flags, record.tail, record.n_rest, record.system
+        turn.system = self._value_ref(system)
+        base = turn.base = self._ref(record.base)
+        if base is not None and (base.flags | flags) & TurnFlag.NO_MESSAGES:
+            raise ValueError("a request without messages has no base, and is no base")
+        if not isinstance(tail, bytes) or not isinstance(n_rest, int):
+            raise ValueError("bad request tail")
+        if n_rest < (base.n_rest if base is not None else 0):
+            raise ValueError("request shorter than its base")
+        if system is not None and not self.value_is_list[system]:
+            raise ValueError("system messages must be an array")
+        turn.tail = tail
+        turn.n_rest = n_rest
+        if flags & TurnFlag.NO_MESSAGES:
+            if tail or n_rest or system is not None or flags & _MESSAGE_FLAGS:
+                raise ValueError("a request without messages has messages")
+            finish_tail(turn)
+            return
+        info = self.check(tail, n_blobs, echo_ok=True)
+        turn.flags |= (TurnFlag.TAIL_REFS if info.refs else 0) | (
+            TurnFlag.TAIL_SPECIAL if info.special else 0
+        )
+        finish_tail(turn)
+        if info.top_items != n_rest - turn.first:
+            raise ValueError("request tail does not hold its messages")
+        echo = bool(flags & TurnFlag.TAIL_ECHO)
+        at_start = tail[turn.body_start - len(ECHO_PACKED) : turn.body_start] == ECHO_PACKED
+        if info.echoes != echo or (echo and (base is None or not at_start)):
+            raise ValueError("misplaced echo in a request tail")
+        if echo and base is not None and base.response is None:
+            raise ValueError("an echo of a base turn that has no response")
 
     def _tokens(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
         """Prompt, sampled ids and logprobs."""
@@ -700,14 +710,6 @@ def _segment(spec: Any) -> Any:
             raise ValueError("bad segment")
         check_int_array(spec[1])
     return decode_segment(spec)
-
-
-def _flags_cover(flags: int, info: PackedInfo, refs: int, special: int, what: str) -> None:
-    """A packed part's flags must say what it holds: blob references, special values."""
-    if info.blob_refs and not flags & refs:
-        raise ValueError(f"the {what} holds blob references its flags do not announce")
-    if info.special and not flags & special:
-        raise ValueError(f"the {what} holds tuples, big ints or surrogates, unflagged")
 
 
 def _link_kind(link: Any) -> LinkKind:

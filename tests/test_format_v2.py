@@ -383,16 +383,18 @@ CRAFTED = {
     "array flag, packed logprobs": turn_record(
         sampled=["I", b"\1\0\0\0"], logprobs=["j", b"\x91\x01"]
     ),
-    "references without the flag": [
+    "carried flags that do not cover the references": [
         (1, bytes(16) + b"x" * 10),
-        turn_record(tail=b"\x91\xd6\x04\x00\x00\x00\x00", n_rest=1),
+        turn_record(flags=2, tail=b"\x91\xd6\x04\x00\x00\x00\x00", n_rest=1),
     ],
     "bytes in a message": turn_record(tail=b"\x91\xc4\x01x", n_rest=1),
     "list as a key": turn_record(tail=b"\x91\x81\x90\x01", n_rest=1),
     "tuple marker second": turn_record(tail=b"\x91\x92\x01\xc7\x00\x01", n_rest=1),
     "unknown flags": turn_record(flags=1 << 12),
     "no messages but a tail": turn_record(flags=16, tail=b"\x91\x01", n_rest=1),
-    "tuple without flag": turn_record(tail=b"\x91\x92\xc7\x00\x01\x01", n_rest=1),
+    "carried flags that do not cover the tuple": turn_record(
+        flags=1, tail=b"\x91\x92\xc7\x00\x01\x01", n_rest=1
+    ),
     "echo of a base without response": [
         (3, turn_record(node_id="a")),
         (3, turn_record(node_id="b", base=0, flags=32, tail=b"\x91\xc7\x00\x05", n_rest=1)),
@@ -501,3 +503,53 @@ def test_save_survives_short_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     graph.save(tmp_path / "s.rls")
     monkeypatch.undo()
     assert snapshot(RolloutGraph.load(tmp_path / "s.rls")) == snapshot(graph)
+
+
+# ---------------------------------------------------------------- derived flags (issue 7)
+
+_CONTENT_FLAGS = 1 | 2 | 64 | 128  # TAIL_REFS, RESPONSE_REFS, TAIL_SPECIAL, RESPONSE_SPECIAL
+
+
+def _turn_flags_on_disk(data: bytes) -> list[int]:
+    reader = framing.FrameReader(data, len(MAGIC_V2), digest_kinds=frozenset({1}), max_kind=5)
+    records = [msgpack.unpackb(f.payload, raw=False) for f in reader if f.kind == 3]
+    return [record[storage.TurnRecord._fields.index("flags")] for record in records]
+
+
+@pytest.mark.parametrize("threshold", [8, 1024])
+@pytest.mark.parametrize("how", ["save", "log"])
+def test_content_flags_are_derived_not_written(tmp_path: Path, threshold: int, how: str) -> None:
+    """Issue 7: no derivable bit on disk. What the tail and response hold (blob references,
+    tuples, big ints, surrogates) is read from them on load, exactly as intake set it."""
+    path = tmp_path / "f.rls"
+    if how == "log":
+        with RolloutGraph.open(path, share_threshold=threshold, fsync="never") as graph:
+            build_rollout(graph, turns=4)
+    else:
+        graph = RolloutGraph(share_threshold=threshold)
+        build_rollout(graph, turns=4)
+        graph.save(path)
+    live = [entry.turn.flags for entry in graph.journal_entries()]
+    assert any(f & _CONTENT_FLAGS for f in live)  # the rollout holds what the flags say
+    on_disk = _turn_flags_on_disk(path.read_bytes())
+    assert len(on_disk) == len(live) and not any(f & _CONTENT_FLAGS for f in on_disk)
+    loaded = RolloutGraph.load(path)
+    assert [entry.turn.flags for entry in loaded.journal_entries()] == live
+    assert json.dumps(export_session(loaded, include_messages=True)) == json.dumps(
+        export_session(graph, include_messages=True)
+    )
+
+
+def test_records_that_carry_content_flags_still_load(tmp_path: Path) -> None:
+    """A record written before the flags were derived carries them: checked, then derived."""
+    from rollout_store.blobs import content_digest
+
+    text = b"x" * 10
+    tail = b"\x91\x92\xc7\x00\x01\xd6\x04\x00\x00\x00\x00"  # a tuple of a blob reference
+    for flags in (0, 1 | 64):
+        blob = (1, content_digest(text) + text)
+        path = crafted_v2(tmp_path, [blob, (3, turn_record(flags=flags, tail=tail, n_rest=1))])
+        assert storage.verify(path).ok
+        graph = RolloutGraph.load(path)
+        assert graph.journal_entries()[0].turn.flags & _CONTENT_FLAGS == 1 | 64
+        _usable_graph(graph)
