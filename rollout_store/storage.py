@@ -54,6 +54,7 @@ from .frames import (
     decode_segment,
     encode_segment,
     frame,
+    intact_end_after,
     pack,
     unpack_payload,
 )
@@ -751,14 +752,14 @@ def _frames_v1(data: bytes, report: LoadReport) -> _Frames:
         if length > size - offset:
             message = f"file ends inside a record: {size - offset} of {length} bytes present"
             failure = CorruptFileError(message, offset=start, record=record)
-            report.fail(failure, truncated=not _frame_after_v1(view, start))
+            report.fail(failure, truncated=not intact_end_after(view, start))
             return
         payload = view[offset : offset + length]  # a view: blob data is not copied
         offset += length
         actual = checksum(kind, payload)
         if actual != expected:
             failure = ChecksumMismatch("record", expected, actual, offset=start, record=record)
-            report.fail(failure, truncated=not _frame_after_v1(view, start))
+            report.fail(failure, truncated=not intact_end_after(view, start))
             return
         yield kind, payload, start, record, offset, 0
         record += 1
@@ -929,23 +930,6 @@ def _check_end(body: Any, pending: list[Any], report: LoadReport) -> None:
         and all(type(r) is int and r >= 0 for r in references)
     ):
         raise ValueError("bad reference counts in the end record")
-
-
-def _frame_after_v1(data: memoryview, start: int) -> bool:
-    """Whether a whole, valid version-1 frame begins anywhere after `start`.
-
-    Damage with no valid frame after it is a torn last write (a cut, garbage or zeros to
-    the end), which `repair` may cut off; damage followed by intact records is not. (A
-    checksum at every offset: version 2 replaces this with a linear search for its marker.)
-    """
-    size = len(data)
-    for pos in range(start + 1, size - FRAME.size + 1):
-        kind, length, expected = FRAME.unpack_from(data, pos)
-        if kind <= KIND_END and length <= size - pos - FRAME.size:
-            payload = data[pos + FRAME.size : pos + FRAME.size + length]
-            if checksum(kind, payload) == expected:
-                return True
-    return False
 
 
 def _read_header(

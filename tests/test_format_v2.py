@@ -23,6 +23,7 @@ from rollout_store import (
     RolloutStoreError,
     TurnNode,
     export_session,
+    frames,
     framing,
     storage,
     write_session_json,
@@ -95,6 +96,100 @@ def test_a_version_1_log_keeps_appending(tmp_path: Path) -> None:
         n = len(graph)
         graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "more"}]))
     assert len(RolloutGraph.load(path)) == n + 1
+
+
+def _torn_v1_log(tmp_path: Path, n_ids: int) -> tuple[Path, int, int]:
+    """A version-1 log whose last turn (`n_ids` token ids) was cut short: (path, turns
+    before it, bytes of the damaged tail)."""
+    path = tmp_path / f"torn-{n_ids}.rls"
+    path.write_bytes((DATA / "v1_log.rls").read_bytes())
+    with RolloutGraph.open(path, share_threshold=64, fsync="never") as graph:
+        kept = len(graph)
+        good = path.stat().st_size
+        graph.add_turn(TurnNode(prompt_ids=list(range(n_ids)), sampled_ids=[1]))
+    assert path.read_bytes().startswith(frames.MAGIC)  # a version-1 log stays one
+    with open(path, "r+b") as fp:
+        fp.truncate(path.stat().st_size - 64)
+    return path, kept, path.stat().st_size - good
+
+
+def _hashed_by_repair(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
+    """(bytes, calls) of version-1 checksums computed while `open(repair=True)` reads it."""
+    counted = [0, 0]
+    real = frames.checksum
+
+    def counting(kind: int, payload: bytes | memoryview) -> int:
+        counted[0] += len(payload)
+        counted[1] += 1
+        return real(kind, payload)
+
+    monkeypatch.setattr(frames, "checksum", counting)
+    monkeypatch.setattr(storage, "checksum", counting)
+    with RolloutGraph.open(path, share_threshold=64, repair=True):
+        pass
+    monkeypatch.undo()
+    return counted[0], counted[1]
+
+
+def test_repair_of_a_torn_version_1_turn_is_linear(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 10, break 3 for version 1: repair checksummed a candidate frame at every offset
+    of the damage (a torn token turn holds a plausible frame header every few bytes). Work is
+    counted, not timed: the bytes hashed grow with the damage, not with its square."""
+    work = []
+    for n_ids in (1 << 14, 1 << 17):
+        path, kept, damaged = _torn_v1_log(tmp_path, n_ids)
+        before = path.stat().st_size
+        hashed, _ = _hashed_by_repair(path, monkeypatch)
+        assert len(RolloutGraph.load(path)) == kept and path.stat().st_size < before
+        work.append((hashed - (before - damaged), damaged))  # what the damage cost to hash
+    for extra, damaged in work:
+        assert extra <= 2 * damaged, (extra, damaged)
+    (small, small_damage), (big, big_damage) = work
+    assert big <= 2 * small * big_damage / small_damage + (1 << 16)
+
+
+def test_version_1_repair_refuses_a_tail_crafted_to_hold_many_candidate_frames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Frame headers every 13 bytes, each claiming to end at the end of the file: hashing
+    them all would be quadratic, so past a bounded multiple of the tail the damage is taken
+    as followed by records, and repair refuses rather than cut what might be intact."""
+    path = tmp_path / "crafted.rls"
+    data = (DATA / "v1_log.rls").read_bytes()
+    n = 1 << 16
+    tail = bytearray(b"\xff" * (n * frames.FRAME.size))
+    for i in range(n):
+        at = i * frames.FRAME.size
+        remaining = len(tail) - at - frames.FRAME.size
+        frames.FRAME.pack_into(tail, at, 4, remaining, 0)
+    path.write_bytes(data + b"\x01" + bytes(tail))  # a frame of kind 1 cut after its kind
+    counted = [0]
+    real = frames.checksum
+
+    def counting(kind: int, payload: bytes | memoryview) -> int:
+        counted[0] += len(payload)
+        return real(kind, payload)
+
+    monkeypatch.setattr(frames, "checksum", counting)
+    report = storage.verify(path)
+    assert not report.ok and not report.truncated
+    assert counted[0] <= 2 * len(tail) + (2 << 20) + len(data)
+    with pytest.raises(CorruptFileError):
+        RolloutGraph.open(path, repair=True)
+
+
+def test_version_1_repair_keeps_refusing_damage_followed_by_an_intact_last_record(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "log.rls"
+    data = bytearray((DATA / "v1_log.rls").read_bytes())
+    data[len(frames.MAGIC) + 20] ^= 0xFF  # inside the header record
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptFileError):
+        RolloutGraph.open(path, repair=True)
+    assert path.read_bytes() == bytes(data)
 
 
 def test_saved_files_are_version_2(tmp_path: Path) -> None:
