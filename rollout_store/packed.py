@@ -138,144 +138,203 @@ def check_packed(
     most `max_containers` containers may open, so decoding it afterwards stays bounded."""
     if not isinstance(data, bytes):
         raise ValueError("a packed value must be bytes")
-    size = len(data)
-    view = memoryview(data)
-    info = PackedInfo(-1)
-    refs = info.blob_refs
-    pos = 0
-    # one entry per open container: items still to read (a map counts keys and values)
-    remaining: list[int] = []
-    is_map: list[bool] = []
-    left = 1  # items still to read at the current level (the top value)
-    in_map = False
-    first = False  # the next item is the first of an array (where a tuple marker may be)
-    depth = 0
-    kinds = _KINDS
-    spans: list[memoryview] = []  # every string's bytes, checked as UTF-8 at the end
+    walk = _Walk(data, n_blobs, max_depth, blob_surrogates, echo_ok, record, max_containers)
     try:
-        while True:
-            while left == 0:
-                if not remaining:
-                    if pos != size:
-                        raise ValueError(f"{size - pos} bytes after the value")
-                    _utf8(spans)
-                    return info
-                left = remaining.pop()
-                in_map = is_map.pop()
-                depth -= 1
-            key = in_map and not left & 1
-            left -= 1
-            b = data[pos]
-            kind = kinds[b]
-            if kind == _K_STR:  # fixstr, the most common item
-                end = pos + 1 + (b & 0x1F)
-                if end > size:
-                    raise ValueError("a string runs past the end")
-                if end - pos > 1 and not record:
-                    spans.append(view[pos + 1 : end])
-                    if len(spans) >= _SPANS:
-                        _utf8(spans)
-                pos = end
-                first = False
-                continue
-            if kind == _K_ONE:  # fixint, nil, bool
-                pos += 1
-                first = False
-                continue
-            if _K_FIXMAP <= kind <= _K_CONTAINER:
-                if key:
-                    raise ValueError("a container as a dict key")
-                if kind == _K_CONTAINER:
-                    width = 2 if b in (0xDC, 0xDE) else 4
-                    n = _length(data, pos + 1, width)
-                    pos += 1 + width
-                    map_ = b >= 0xDE
-                else:
-                    n, pos, map_ = b & 0x0F, pos + 1, kind == _K_FIXMAP
-                items = 2 * n if map_ else n
-                if items > size - pos:  # every item takes at least one byte
-                    raise ValueError("a container claims more items than bytes are left")
-                if depth >= max_depth:
-                    raise ValueError(f"nesting deeper than {max_depth} levels")
-                if max_containers is not None:
-                    max_containers -= 1
-                    if max_containers < 0:
-                        raise ValueError("more containers than the record can hold")
-                if depth == 0 and not map_:
-                    info.top_items = n
-                remaining.append(left)
-                is_map.append(in_map)
-                left, in_map, depth = items, map_, depth + 1
-                first = not map_
-                continue
-            at_first, first = first, False
-            if kind == _K_FIXED:
-                pos += _FIXED[b]
-                if pos > size:
-                    raise ValueError("a number runs past the end")
-                continue
-            if kind == _K_LONGSTR or (kind == _K_BIN and record):
-                width = _STRLEN[b] if kind == _K_LONGSTR else _BINLEN[b]
-                start = pos + 1 + width
-                end = start + _length(data, pos + 1, width)
-                if end > size:
-                    raise ValueError("a string runs past the end")
-                if end > start and not record:
-                    spans.append(view[start:end])
-                    if len(spans) >= _SPANS:
-                        _utf8(spans)
-                pos = end
-                continue
-            if kind == _K_EXT and not record:
-                if b in _FIXEXT:
-                    n, start = _FIXEXT[b], pos + 2
-                else:
-                    width = _EXTLEN[b]
-                    n = _length(data, pos + 1, width)
-                    start = pos + 2 + width
-                end = start + n
-                if end > size:
-                    raise ValueError("an extension runs past the end")
-                code = data[start - 1]
-                payload = data[start:end]
-                if code == EXT_BLOB:
-                    index = int.from_bytes(payload, "big")
-                    if n != 4 or index >= n_blobs:
-                        raise ValueError(f"blob reference {index} out of range ({n_blobs} blobs)")
-                    refs.append(pos)
-                    info.refs += 1
-                    if blob_surrogates is not None and blob_surrogates(index):
-                        info.special = True
-                elif code == EXT_TUPLE and n == 0 and at_first and not key:
-                    info.special = True
-                elif code == EXT_ECHO and n == 0 and echo_ok and not key:
-                    info.echoes += 1
-                elif code == EXT_BIGINT and n:
-                    text = payload.decode("ascii")
-                    if not text.lstrip("-").isdigit():
-                        raise ValueError("a big int that is not a decimal number")
-                    int(text)
-                    info.special = True
-                elif code == EXT_SURROGATE:
-                    payload.decode("utf-8", "surrogatepass")
-                    info.special = True
-                else:
-                    raise ValueError(f"extension type {code} is not allowed here")
-                pos = end
-                continue
-            if kind == _K_BIN:
-                raise ValueError("bytes, which JSON cannot carry")
-            if kind == _K_EXT:
-                raise ValueError("an extension type is not allowed in a record")
-            raise ValueError(f"type byte {b:#04x} is not msgpack")
+        walk.run()
     except (IndexError, struct.error):
-        raise ValueError(f"the value is cut short (at byte {pos})") from None
+        raise ValueError(f"the value is cut short (at byte {walk.pos})") from None
     except UnicodeDecodeError:
-        raise ValueError(f"a string that is not UTF-8 (at byte {pos})") from None
+        raise ValueError(f"a string that is not UTF-8 (at byte {walk.pos})") from None
     except ValueError as exc:
         if "at byte" in str(exc):
             raise
-        raise ValueError(f"{exc} (at byte {pos})") from None
+        raise ValueError(f"{exc} (at byte {walk.pos})") from None
+    return walk.info
+
+
+class _Walk:
+    """The state of one `check_packed` walk: the position, and the strings to check."""
+
+    __slots__ = (
+        "containers",
+        "data",
+        "echo_ok",
+        "info",
+        "max_depth",
+        "n_blobs",
+        "pos",
+        "record",
+        "spans",
+        "surrogates",
+        "view",
+    )
+
+    def __init__(
+        self,
+        data: bytes,
+        n_blobs: int,
+        max_depth: int,
+        surrogates: Callable[[int], bool] | None,
+        echo_ok: bool,
+        record: bool,
+        max_containers: int | None,
+    ) -> None:
+        self.data, self.view, self.pos = data, memoryview(data), 0
+        self.n_blobs, self.max_depth, self.surrogates = n_blobs, max_depth, surrogates
+        self.echo_ok, self.record, self.containers = echo_ok, record, max_containers
+        self.info = PackedInfo(-1)
+        self.spans: list[memoryview] = []  # strings' bytes, checked as UTF-8 in batches
+
+    def run(self) -> None:
+        """Walk the items in order. Strings, one-byte items and containers (most items) are
+        taken here; the rest in `scalar`. On error `pos` is where the item starts."""
+        data, size, kinds, record = self.data, len(self.data), _KINDS, self.record
+        max_depth, counted = self.max_depth, self.containers is not None
+        # per open container: items still to read there (a map counts keys and values)
+        remaining: list[int] = []
+        is_map: list[bool] = []
+        left, in_map, first, pos = 1, False, False, 0  # first: the first item of an array
+        try:
+            while True:
+                while left == 0:
+                    if not remaining:
+                        return self.finish(pos)
+                    left, in_map = remaining.pop(), is_map.pop()
+                key = in_map and not left & 1
+                left -= 1
+                b = data[pos]
+                kind = kinds[b]
+                if kind == _K_STR:  # fixstr, the most common item
+                    end = pos + 1 + (b & 0x1F)
+                    if end - pos > 1 and not record:
+                        self.string(pos + 1, end)
+                    pos, first = end, False
+                elif kind == _K_ONE:  # fixint, nil, bool
+                    pos, first = pos + 1, False
+                elif _K_FIXMAP <= kind <= _K_CONTAINER:
+                    if key:
+                        raise ValueError("a container as a dict key")
+                    if kind == _K_CONTAINER:
+                        n, start, map_ = self.long_container(b, pos)
+                    else:
+                        n, start, map_ = b & 0x0F, pos + 1, kind == _K_FIXMAP
+                    items, depth = 2 * n if map_ else n, len(remaining)
+                    if items > size - start or depth >= max_depth or counted or not depth:
+                        self.open(n, map_, start, depth)
+                    pos, first = start, items > 0 and not map_  # an empty one: no first
+                    if items:
+                        remaining.append(left)
+                        is_map.append(in_map)
+                        left, in_map = items, map_
+                else:
+                    pos = self.scalar(b, kind, pos, key, first)
+                    first = False
+        except Exception:
+            self.pos = pos
+            raise
+
+    def long_container(self, b: int, pos: int) -> tuple[int, int, bool]:
+        """(items, position after the header, is a map) of an array 16/32 or map 16/32."""
+        width = 2 if b in (0xDC, 0xDE) else 4
+        return _length(self.data, pos + 1, width), pos + 1 + width, b >= 0xDE
+
+    def open(self, n: int, map_: bool, pos: int, depth: int) -> None:
+        """Checks before a container of `n` items (pairs for a map) is entered."""
+        if (2 * n if map_ else n) > len(self.data) - pos:  # every item takes a byte at least
+            raise ValueError("a container claims more items than bytes are left")
+        if depth >= self.max_depth:
+            raise ValueError(f"nesting deeper than {self.max_depth} levels")
+        if self.containers is not None:
+            self.containers -= 1
+            if self.containers < 0:
+                raise ValueError("more containers than the record can hold")
+        if depth == 0 and not map_:
+            self.info.top_items = n
+
+    def string(self, start: int, end: int) -> None:
+        """A string's bytes, to check as UTF-8 with the next ones."""
+        spans = self.spans
+        spans.append(self.view[start:end])
+        if len(spans) >= _SPANS:
+            _utf8(spans)
+
+    def scalar(self, b: int, kind: int, pos: int, key: bool, at_first: bool) -> int:
+        """A number, a long string or bytes, or an extension type: the position after it."""
+        data, size = self.data, len(self.data)
+        if kind == _K_FIXED:
+            pos += _FIXED[b]
+            if pos > size:
+                raise ValueError("a number runs past the end")
+            return pos
+        if kind == _K_LONGSTR or (kind == _K_BIN and self.record):
+            width = _STRLEN[b] if kind == _K_LONGSTR else _BINLEN[b]
+            start = pos + 1 + width
+            end = start + _length(data, pos + 1, width)
+            if end > size:
+                raise ValueError("a string runs past the end")
+            if end > start and not self.record:
+                self.string(start, end)
+            return end
+        if kind == _K_EXT and not self.record:
+            return self.ext(b, pos, key, at_first)
+        if kind == _K_BIN:
+            raise ValueError("bytes, which JSON cannot carry")
+        if kind == _K_EXT:
+            raise ValueError("an extension type is not allowed in a record")
+        raise ValueError(f"type byte {b:#04x} is not msgpack")
+
+    def ext(self, b: int, pos: int, key: bool, at_first: bool) -> int:
+        """An extension type (only those the library writes, where it writes them)."""
+        data = self.data
+        if b in _FIXEXT:
+            n, start = _FIXEXT[b], pos + 2
+        else:
+            width = _EXTLEN[b]
+            n = _length(data, pos + 1, width)
+            start = pos + 2 + width
+        end = start + n
+        if end > len(data):
+            raise ValueError("an extension runs past the end")
+        code = data[start - 1]
+        payload = data[start:end]
+        info = self.info
+        if code == EXT_BLOB:
+            self.blob(payload, pos)
+        elif code == EXT_TUPLE and n == 0 and at_first and not key:
+            info.special = True
+        elif code == EXT_ECHO and n == 0 and self.echo_ok and not key:
+            info.echoes += 1
+        elif code == EXT_BIGINT and n:
+            text = payload.decode("ascii")
+            if not text.lstrip("-").isdigit():
+                raise ValueError("a big int that is not a decimal number")
+            int(text)
+            info.special = True
+        elif code == EXT_SURROGATE:
+            payload.decode("utf-8", "surrogatepass")
+            info.special = True
+        else:
+            raise ValueError(f"extension type {code} is not allowed here")
+        return end
+
+    def blob(self, payload: bytes, pos: int) -> None:
+        """A blob reference at `pos`: in range, and noted (a blob with surrogates is special)."""
+        index = int.from_bytes(payload, "big")
+        if len(payload) != 4 or index >= self.n_blobs:
+            raise ValueError(f"blob reference {index} out of range ({self.n_blobs} blobs)")
+        info = self.info
+        info.blob_refs.append(pos)
+        info.refs += 1
+        if self.surrogates is not None and self.surrogates(index):
+            info.special = True
+
+    def finish(self, pos: int) -> None:
+        """The end of the top value: nothing may follow it, and its strings must decode."""
+        if pos > len(self.data):
+            raise ValueError("a string runs past the end")
+        if pos != len(self.data):
+            raise ValueError(f"{len(self.data) - pos} bytes after the value")
+        _utf8(self.spans)
 
 
 #: Longest value `quick_check` decodes: what it allocates stays below a fixed bound (a

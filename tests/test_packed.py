@@ -56,6 +56,7 @@ def test_whatever_passes_decodes_and_dumps(data: bytes) -> None:
         (b"\x91\xc4\x00", "bytes"),
         (b"\x81\x90\x01", "dict key"),  # a list as a key
         (b"\x92\x01\xc7\x00\x01", "not allowed"),  # a tuple marker second in an array
+        (b"\x93\x90\xc7\x00\x01\x01", "not allowed"),  # a tuple marker after an empty array
         (b"\x81\xc7\x00\x01\x01", "not allowed"),  # a tuple marker as a key
         (b"\xd6\x04\x00\x00\x00\x09", "out of range"),
         (b"\xc7\x00\x05", "not allowed"),  # an echo where none may be
