@@ -1106,52 +1106,80 @@ def open_append(
     if mode == BLOBS_STORE and store is None:
         raise InvalidArgumentError('open(blobs="store") needs a content store: pass store=...')
     target = Path(path)
-    while True:
-        fp = open(target, "a+b")  # noqa: SIM115 - owned by the returned graph
-        try:
-            if lock_log(fp, target):
-                break
-        except BaseException:
-            fp.close()
-            raise
-        fp.close()  # a save replaced the file between open and lock: open the new one
+    fp = _open_locked(target)
     try:
-        fp.seek(0)
-        data = fp.read()
-        if data:
-            loader, report = _scan(data, os.fspath(target), None, store, cache)
-            if report.mode == MODE_SNAPSHOT:
-                raise CorruptFileError(f"{target} is a snapshot written by save(), not a log")
-            if report.error is not None:
-                if not (repair and report.truncated):
-                    _raise_for(report)
-                # repair: cut the torn tail (a file torn inside its header starts anew)
-                keep = report.good_bytes if report.records > 0 else 0
-                os.ftruncate(fp.fileno(), keep)
-                os.fsync(fp.fileno())
-                if not keep:
-                    data = b""
-        if data:
-            graph = loader.graph
-            graph.load_report = report
-            writer = loader.writer
-            writer.version = report.version or FORMAT_VERSION  # a version-1 log stays one
-            writer.chain = report.good_chain
-            writer.blobs_written = len(graph.blobs)
-            writer.refs = graph.blobs.mark()[1:]
-        else:
+        resumed = _resume(fp, target, repair, store, cache)
+        if resumed is None:
             graph = RolloutGraph(share_threshold=share_threshold, store=store, cache=cache)
-            writer = _Writer(blobs=mode)
-            fp.write(writer.header(graph, MODE_LOG))
-            fp.flush()
-            os.fsync(fp.fileno())
-            fsync_dir(target)
+            writer = _start_log(fp, target, graph, mode)
+        else:
+            graph, writer = resumed
         fp.seek(0, os.SEEK_END)
     except BaseException:
         fp.close()
         raise
     graph.attach_journal(_AppendLog(fp, os.path.realpath(target), graph.blobs, writer, every))
     return graph
+
+
+def _open_locked(target: Path) -> IO[bytes]:
+    """`target` opened for appending (created if missing) under the appender's lock."""
+    while True:
+        fp = open(target, "a+b")  # noqa: SIM115 - owned by the returned graph
+        try:
+            if lock_log(fp, target):
+                return fp
+        except BaseException:
+            fp.close()
+            raise
+        fp.close()  # a save replaced the file between open and lock: open the new one
+
+
+def _resume(
+    fp: IO[bytes],
+    target: Path,
+    repair: bool,
+    store: ContentStore | None,
+    cache: StringCache | None,
+) -> tuple[RolloutGraph, _Writer] | None:
+    """The graph of an existing log and a writer that extends it, or None for an empty file
+    (or one torn inside its header and repaired to nothing). A torn tail raises, or is cut
+    off with `repair`."""
+    fp.seek(0)
+    data = fp.read()
+    if not data:
+        return None
+    loader, report = _scan(data, os.fspath(target), None, store, cache)
+    del data
+    if report.mode == MODE_SNAPSHOT:
+        raise CorruptFileError(f"{target} is a snapshot written by save(), not a log")
+    if report.error is not None:
+        if not (repair and report.truncated):
+            _raise_for(report)
+        # repair: cut the torn tail (a file torn inside its header starts anew)
+        keep = report.good_bytes if report.records > 0 else 0
+        os.ftruncate(fp.fileno(), keep)
+        os.fsync(fp.fileno())
+        if not keep:
+            return None
+    graph = loader.graph
+    graph.load_report = report
+    writer = loader.writer
+    writer.version = report.version or FORMAT_VERSION  # a version-1 log stays one
+    writer.chain = report.good_chain
+    writer.blobs_written = len(graph.blobs)
+    writer.refs = graph.blobs.mark()[1:]
+    return graph, writer
+
+
+def _start_log(fp: IO[bytes], target: Path, graph: RolloutGraph, blobs: str) -> _Writer:
+    """Write the header of a new log, durably; the writer that continues it."""
+    writer = _Writer(blobs=blobs)
+    fp.write(writer.header(graph, MODE_LOG))
+    fp.flush()
+    os.fsync(fp.fileno())
+    fsync_dir(target)
+    return writer
 
 
 class RolloutGraph(Graph):
