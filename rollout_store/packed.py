@@ -19,7 +19,6 @@ from __future__ import annotations
 import struct
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import msgpack
 
@@ -28,6 +27,7 @@ from .encoding import EXT_BIGINT, EXT_BLOB, EXT_ECHO, EXT_SURROGATE, EXT_TUPLE
 __all__ = [
     "QUICK_LIMIT",
     "PackedInfo",
+    "QuickCheck",
     "check_int_array",
     "check_packed",
     "quick_check",
@@ -89,15 +89,17 @@ def _kind(b: int) -> int:
 _KINDS = tuple(_kind(b) for b in range(256))
 
 
-@dataclass(slots=True)
 class PackedInfo:
     """What `check_packed` found in one value."""
 
-    top_items: int  # items of the top-level array, or -1 when the value is not an array
-    special: bool = False  # a tuple, big int, lone surrogate, or a blob holding surrogates
-    echoes: int = 0
-    blob_refs: array[int] = field(default_factory=lambda: array("I"))  # offsets of blob references
-    refs: int = 0  # number of blob references (`quick_check` does not record their offsets)
+    __slots__ = ("blob_refs", "echoes", "refs", "special", "top_items")
+
+    def __init__(self, top_items: int, blob_refs: array[int] | None = None) -> None:
+        self.top_items = top_items  # items of the top-level array, or -1 if not an array
+        self.special = False  # a tuple, big int, lone surrogate, or a blob holding surrogates
+        self.echoes = 0
+        self.refs = 0  # number of blob references
+        self.blob_refs = blob_refs  # their offsets, where recorded (`check_packed` does)
 
 
 #: Strings checked as UTF-8 together (their views are then freed: memory stays flat).
@@ -162,6 +164,7 @@ class _Walk:
         "info",
         "max_depth",
         "n_blobs",
+        "offsets",
         "pos",
         "record",
         "spans",
@@ -182,7 +185,8 @@ class _Walk:
         self.data, self.view, self.pos = data, memoryview(data), 0
         self.n_blobs, self.max_depth, self.surrogates = n_blobs, max_depth, surrogates
         self.echo_ok, self.record, self.containers = echo_ok, record, max_containers
-        self.info = PackedInfo(-1)
+        self.offsets: array[int] = array("I")  # of blob references
+        self.info = PackedInfo(-1, self.offsets)
         self.spans: list[memoryview] = []  # strings' bytes, checked as UTF-8 in batches
 
     def run(self) -> None:
@@ -323,7 +327,7 @@ class _Walk:
         if len(payload) != 4 or index >= self.n_blobs:
             raise ValueError(f"blob reference {index} out of range ({self.n_blobs} blobs)")
         info = self.info
-        info.blob_refs.append(pos)
+        self.offsets.append(pos)
         info.refs += 1
         if self.surrogates is not None and self.surrogates(index):
             info.special = True
@@ -351,6 +355,64 @@ class _Unsure(Exception):
     """`quick_check` cannot tell: the value holds something `check_packed` must look at."""
 
 
+class QuickCheck:
+    """`quick_check` with what it reuses from one value to the next (a packer; not
+    thread-safe: one per reader)."""
+
+    __slots__ = ("_echo_ok", "_info", "_n_blobs", "_pack", "blob_surrogates")
+
+    def __init__(self, blob_surrogates: Callable[[int], bool] | None = None) -> None:
+        self.blob_surrogates = blob_surrogates
+        self._pack = msgpack.Packer(use_bin_type=True).pack
+        self._info = PackedInfo(-1)
+        self._n_blobs = 0
+        self._echo_ok = False
+
+    def __call__(
+        self, data: bytes, n_blobs: int, max_depth: int, echo_ok: bool = False
+    ) -> PackedInfo | None:
+        """What `check_packed` would find in `data` (`blob_refs` not recorded), or None when
+        this quick look cannot tell (then `check_packed` must decide).
+
+        Accepted here only: a value of at most `QUICK_LIMIT` bytes, with fewer container
+        bytes than `max_depth`, holding no bytes, that msgpack decodes with blob references
+        in range and at most one echo (where `echo_ok`) as its only extension types, and that
+        packs back to exactly `data`: its bytes are then canonical msgpack of a tree
+        `check_packed` passes."""
+        if type(data) is not bytes or len(data) > QUICK_LIMIT or _EMPTY_BIN in data:
+            return None
+        if len(data) > max_depth and len(data.translate(None, _NOT_CONTAINER)) > max_depth:
+            return None
+        info = self._info = PackedInfo(-1)
+        self._n_blobs, self._echo_ok = n_blobs, echo_ok
+        try:
+            value = msgpack.unpackb(
+                data, raw=False, strict_map_key=False, ext_hook=self._ext, max_bin_len=0
+            )
+            if self._pack(value) != data:
+                return None
+        except Exception:  # malformed, or something to look at closely: check_packed decides
+            return None
+        if type(value) is list:
+            info.top_items = len(value)
+        return info
+
+    def _ext(self, code: int, payload: bytes) -> msgpack.ExtType:
+        info = self._info
+        if code == EXT_BLOB and len(payload) == 4:
+            index = int.from_bytes(payload, "big")
+            if index >= self._n_blobs:
+                raise _Unsure
+            info.refs += 1
+            if self.blob_surrogates is not None and self.blob_surrogates(index):
+                info.special = True
+        elif code == EXT_ECHO and self._echo_ok and not payload and not info.echoes:
+            info.echoes = 1
+        else:
+            raise _Unsure
+        return msgpack.ExtType(code, payload)
+
+
 def quick_check(
     data: bytes,
     n_blobs: int,
@@ -359,46 +421,12 @@ def quick_check(
     blob_surrogates: Callable[[int], bool] | None = None,
     echo_ok: bool = False,
 ) -> PackedInfo | None:
-    """What `check_packed` would find in `data` (`blob_refs` left empty, `refs` counted), or
-    None when this quick look cannot tell (then `check_packed` must decide).
-
-    Accepted here only: a value of at most `QUICK_LIMIT` bytes, with fewer container bytes
-    than `max_depth`, holding no bytes, that msgpack decodes with blob references in range
-    and at most one echo (where `echo_ok`) as its only extension types, and that packs back
-    to exactly `data`: its bytes are then canonical msgpack of a tree `check_packed` passes.
-    """
-    if type(data) is not bytes or len(data) > QUICK_LIMIT or _EMPTY_BIN in data:
-        return None
-    if len(data) > max_depth and len(data.translate(None, _NOT_CONTAINER)) > max_depth:
-        return None
-    info = PackedInfo(-1)
-
-    def hook(code: int, payload: bytes) -> msgpack.ExtType:
-        if code == EXT_BLOB and len(payload) == 4:
-            index = int.from_bytes(payload, "big")
-            if index >= n_blobs:
-                raise _Unsure
-            info.refs += 1
-            if blob_surrogates is not None and blob_surrogates(index):
-                info.special = True
-        elif code == EXT_ECHO and echo_ok and not payload and not info.echoes:
-            info.echoes = 1
-        else:
-            raise _Unsure
-        return msgpack.ExtType(code, payload)
-
-    try:
-        value = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=hook, max_bin_len=0)
-        if msgpack.packb(value, use_bin_type=True) != data:
-            return None
-    except Exception:  # malformed, or something to look at closely: check_packed decides
-        return None
-    if type(value) is list:
-        info.top_items = len(value)
-    return info
+    """`check_packed` at C speed for a short value, or None when it cannot tell (see
+    `QuickCheck.__call__`)."""
+    return QuickCheck(blob_surrogates)(data, n_blobs, max_depth, echo_ok)
 
 
-def splice_blobs(data: bytes, refs: array[int], text_of: Callable[[int], bytes]) -> bytes:
+def splice_blobs(data: bytes, refs: array[int] | None, text_of: Callable[[int], bytes]) -> bytes:
     """The plain packing of a checked value: each blob reference (6 bytes at an offset in
     `refs`) replaced by the packed string `text_of(index)` returns (its UTF-8 bytes)."""
     if not refs:

@@ -16,6 +16,7 @@ from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import partial
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
@@ -60,7 +61,7 @@ from .frames import (
 )
 from .graph import Graph, GraphRestorer, JournalEntry
 from .intake import MAX_DEPTH, token_array
-from .packed import PackedInfo, check_int_array, check_packed, quick_check, splice_blobs
+from .packed import PackedInfo, QuickCheck, check_int_array, check_packed, splice_blobs
 from .shared_blobs import StoreBlobTable
 from .stored import IndexKeys, LinkKind, Turn, TurnFlag, TurnMeta, finish_tail, full_run, is_above
 from .tokens import TokenRun, run_list
@@ -218,62 +219,85 @@ class _Writer:
     ) -> tuple[list[bytes], Callable[[], None]]:
         """Frames (as byte parts) for the turn's new blobs, new values and the turn itself,
         and a function to call once they are written."""
-        turn, blobs_end = entry.turn, entry.blobs_end
+        turn = entry.turn
         refs = self.refs if entry.references is None else entry.references
         chain = [self.chain]  # advanced frame by frame; kept only once the frames are written
-        frames = self.blob_frames(blobs, blobs_end, chain)
+        frames = self.blob_frames(blobs, entry.blobs_end, chain)
         new_values: list[bytes] = []
+        values = [
+            self._value_ref(stored, new_values, frames, chain)
+            for stored in (turn.system, turn.tools, turn.sampling, turn.requested)
+        ]
+        record = self._record(entry, values, refs)
+        frames.append(self.frame(KIND_TURN, pack(record), chain))
+        return frames, partial(self._commit, chain, entry.blobs_end, new_values, refs, turn)
 
-        def value_ref(stored: bytes | None) -> int | None:
-            if stored is None:
-                return None
-            ordinal = self.values.get(id(stored))
-            if ordinal is None:
-                for i, pending in enumerate(new_values):
-                    if pending is stored:
-                        return len(self.value_objects) + i
-                new_values.append(stored)
-                frames.append(self.frame(KIND_VALUE, pack(stored), chain))
-                return len(self.value_objects) + len(new_values) - 1
+    def _value_ref(
+        self, stored: bytes | None, new: list[bytes], frames: list[bytes], chain: list[int]
+    ) -> int | None:
+        """The ordinal of a shared value; a value not written yet gets its frame."""
+        if stored is None:
+            return None
+        ordinal = self.values.get(id(stored))
+        if ordinal is not None:
             return ordinal
+        for i, pending in enumerate(new):
+            if pending is stored:
+                return len(self.value_objects) + i
+        new.append(stored)
+        frames.append(self.frame(KIND_VALUE, pack(stored), chain))
+        return len(self.value_objects) + len(new) - 1
 
-        parent = turn.parent
+    def _record(
+        self, entry: JournalEntry, values: list[int | None], refs: tuple[int, int]
+    ) -> TurnRecord:
+        """The turn record of `entry`, its shared values at `values` (system, tools,
+        sampling, requested)."""
+        turn = entry.turn
+        parent, base, logprobs = turn.parent, turn.base, turn.logprobs
         parent_index = parent.index if parent is not None and parent.index < turn.index else None
-        record = TurnRecord(
-            node_id=turn.node_id,
-            parent=parent_index,
-            link=int(turn.link) if parent_index is not None else 0,
-            flags=turn.flags & ~_DERIVED_FLAGS,
-            meta=list(turn.meta),
-            system=value_ref(turn.system),
-            base=turn.base.index if turn.base is not None else None,
-            tail=turn.tail,
-            n_rest=turn.n_rest,
-            response=turn.response,
-            tools=value_ref(turn.tools),
-            sampling=value_ref(turn.sampling),
-            prompt=self._prompt_spec(turn),
-            sampled=encode_segment(turn.sampled),
-            logprobs=encode_segment(turn.logprobs)
-            if isinstance(turn.logprobs, array)
-            else (["j", turn.logprobs] if turn.logprobs is not None else None),
-            keys=list(entry.keys),
-            refs=[refs[0] - self.refs[0], refs[1] - self.refs[1]],
-            moves=[[other.index, int(link)] for other, link in entry.moves],
-            requested=value_ref(turn.requested),
+        if isinstance(logprobs, array):
+            logprobs = encode_segment(logprobs)
+        elif logprobs is not None:
+            logprobs = ["j", logprobs]
+        return TurnRecord(
+            turn.node_id,
+            parent_index,
+            int(turn.link) if parent_index is not None else 0,
+            turn.flags & ~_DERIVED_FLAGS,
+            list(turn.meta),
+            values[0],
+            base.index if base is not None else None,
+            turn.tail,
+            turn.n_rest,
+            turn.response,
+            values[1],
+            values[2],
+            self._prompt_spec(turn),
+            encode_segment(turn.sampled),
+            logprobs,
+            list(entry.keys),
+            [refs[0] - self.refs[0], refs[1] - self.refs[1]],
+            [[other.index, int(link)] for other, link in entry.moves],
+            values[3],
         )
-        frames.append(self.frame(KIND_TURN, pack(list(record)), chain))
 
-        def commit() -> None:
-            self.chain = chain[0]
-            self.blobs_written = blobs_end
-            for stored in new_values:
-                self.values[id(stored)] = len(self.value_objects)
-                self.value_objects.append(stored)
-            self.refs = refs
-            self.note_runs(turn)
-
-        return frames, commit
+    def _commit(
+        self,
+        chain: list[int],
+        blobs_end: int,
+        new_values: list[bytes],
+        refs: tuple[int, int],
+        turn: Turn,
+    ) -> None:
+        """The turn's frames are written: what later records refer back to."""
+        self.chain = chain[0]
+        self.blobs_written = blobs_end
+        for stored in new_values:
+            self.values[id(stored)] = len(self.value_objects)
+            self.value_objects.append(stored)
+        self.refs = refs
+        self.note_runs(turn)
 
     def note_runs(self, turn: Turn) -> None:
         if turn.prompt is not None:
@@ -417,15 +441,16 @@ class _Loader:
         self.restore: GraphRestorer = self.graph._restorer()
         self.writer = _Writer()
         self.value_is_list: list[bool] = []  # system parts must be arrays of messages
+        self.quick = QuickCheck(self.blob_surrogates)
 
     def check(self, packed: Any, n_blobs: int, echo_ok: bool = False) -> PackedInfo:
         """Check a stored value once, without building it (see `packed.check_packed`)."""
         if not isinstance(packed, bytes):
             raise ValueError("a packed value must be bytes")
-        surrogates = self.blob_surrogates
-        info = quick_check(packed, n_blobs, MAX_DEPTH, blob_surrogates=surrogates, echo_ok=echo_ok)
+        info = self.quick(packed, n_blobs, MAX_DEPTH, echo_ok)
         if info is not None:
             return info
+        surrogates = self.blob_surrogates
         return check_packed(packed, n_blobs, MAX_DEPTH, blob_surrogates=surrogates, echo_ok=echo_ok)
 
     def blob_surrogates(self, index: int) -> bool:
