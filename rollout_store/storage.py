@@ -565,7 +565,7 @@ class _Loader:
         refs = record.refs
         if not (isinstance(refs, list) and len(refs) == 2):
             raise ValueError("bad moves or reference counts")
-        if not all(type(r) is int and r >= 0 for r in refs):
+        if not (type(refs[0]) is type(refs[1]) is int and refs[0] >= 0 and refs[1] >= 0):
             raise ValueError("bad reference counts")
         self.graph.blobs.count_references(refs[0], refs[1])
         self.restore.commit(turn, keys, moves)
@@ -590,9 +590,7 @@ class _Loader:
         meta = record.meta
         if not (isinstance(meta, list) and len(meta) == len(TurnMeta._fields)):
             raise ValueError("bad meta")
-        if not all(m is None or isinstance(m, str) for m in meta[:4]) or not (
-            meta[4] is None or type(meta[4]) is int
-        ):
+        if not set(map(type, meta[:4])) <= _STR_OR_NONE or type(meta[4]) not in _INT_OR_NONE:
             raise ValueError("bad meta")
         turn.meta = self.restore.meta(TurnMeta(*meta))
         return turn
@@ -744,14 +742,18 @@ def _link_kind(link: Any) -> LinkKind:
     return LinkKind(link)
 
 
+_INT = frozenset({int})
+_INT_OR_NONE = frozenset({int, type(None)})
+_STR_OR_NONE = frozenset({str, type(None)})
+
+
 def _index_keys(keys: Any) -> IndexKeys:
     if not (isinstance(keys, list) and len(keys) == len(IndexKeys._fields)):
         raise ValueError("bad index keys")
-    if not all(k is None or type(k) is int for k in keys[:3]):
+    if not {type(keys[0]), type(keys[1]), type(keys[2])} <= _INT_OR_NONE:
         raise ValueError("bad index keys")
-    if keys[3] is not None and not (
-        isinstance(keys[3], list) and all(type(k) is int for k in keys[3])
-    ):
+    roots = keys[3]
+    if roots is not None and not (isinstance(roots, list) and set(map(type, roots)) <= _INT):
         raise ValueError("bad index keys")
     return IndexKeys(*keys)
 
