@@ -42,8 +42,9 @@ from measure import (
     shown,
     targets_summary,
 )
-from schemes import SCHEMES, _import_rollout_store
-from workloads import SAMPLING_PARAMS, SYSTEM_PROMPT, WORKLOADS, UniqueContent, _text, iter_texts
+from schemes import SCHEMES, _import_rollout_store, turn_node
+from workloads import SAMPLING_PARAMS, SYSTEM_PROMPT, WORKLOADS, UniqueContent, iter_texts
+from workloads import random_text as _text
 
 rs = _import_rollout_store()
 
@@ -77,33 +78,12 @@ _split_body = msgspec.json.Decoder(_Body).decode
 
 
 def _decoded_node(body: dict[str, Any]) -> Any:
-    return rs.TurnNode(
-        request_messages=body["messages"],
-        request_tools=body["tools"],
-        response_message=body["response"],
-        sampling_params=body["sampling_params"],
-        prompt_ids=body["prompt_ids"],
-        sampled_ids=body["sampled_ids"],
-        sampled_logprobs=body["sampled_logprobs"],
-        model=body["model"],
-        finish_reason=body["finish_reason"],
-        harness_session_id="s",
-    )
+    return turn_node(body)
 
 
 def _raw_node(body: dict[str, Any], messages: bytes, tools: bytes | None) -> Any:
-    return rs.TurnNode(
-        request_messages=rs.RawJSON(messages),
-        request_tools=None if tools is None else rs.RawJSON(tools),
-        response_message=body["response"],
-        sampling_params=body["sampling_params"],
-        prompt_ids=body["prompt_ids"],
-        sampled_ids=body["sampled_ids"],
-        sampled_logprobs=body["sampled_logprobs"],
-        model=body["model"],
-        finish_reason=body["finish_reason"],
-        harness_session_id="s",
-    )
+    raw_tools = None if tools is None else rs.RawJSON(tools)
+    return turn_node(body, request_messages=rs.RawJSON(messages), request_tools=raw_tools)
 
 
 class _MessageTexts:

@@ -11,12 +11,41 @@ import json
 import statistics
 import subprocess
 import tracemalloc
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from time import perf_counter
 
 MiB = 1024 * 1024
 LOADS_REPEAT_BELOW = 1 << 20  # texts shorter than this are decoded 3 times for their timing
+
+
+class Traced:
+    """What `traced()` measured: `retained()` is the traced bytes now minus the baseline."""
+
+    def __init__(self, baseline: int) -> None:
+        self.baseline = baseline
+        self.bytes = 0
+
+    def retained(self) -> int:
+        """Bytes traced now (after gc.collect) above the baseline."""
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - self.baseline
+
+
+@contextmanager
+def traced() -> Iterator[Traced]:
+    """tracemalloc on, a baseline taken after gc.collect; on exit `bytes` holds what is
+    retained then (see `Traced.retained`) and tracemalloc is off again."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        gc.collect()
+        measured = Traced(tracemalloc.get_traced_memory()[0])
+        yield measured
+        measured.bytes = measured.retained()
+    finally:
+        tracemalloc.stop()
 
 
 def record_traced(
@@ -32,23 +61,16 @@ def record_traced(
     checkpoints = set(checkpoints)
     retained: dict[int, int] = {}
     make().close()  # lazy imports and one-time set-up happen before the baseline
-    gc.collect()
-    tracemalloc.start()
-    try:
-        gc.collect()
-        baseline = tracemalloc.get_traced_memory()[0]
+    with traced() as measured:
         recorder = make()
         for turn, text in enumerate(texts, 1):
             body = json.loads(text)
             recorder.add(body, session_id=session_id)
             del body
             if turn in checkpoints:
-                gc.collect()
-                retained[turn] = tracemalloc.get_traced_memory()[0] - baseline
+                retained[turn] = measured.retained()
             if on_turn is not None:
                 on_turn()
-    finally:
-        tracemalloc.stop()
     return recorder, retained
 
 

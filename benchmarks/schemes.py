@@ -115,12 +115,30 @@ def _import_rollout_store():
     return rollout_store
 
 
+def turn_node(body: dict, session_id: str = "s", **fields: object) -> object:
+    """The `TurnNode` of a workload body (token fields may be absent); `fields` replace
+    what the body gives (e.g. `request_messages=RawJSON(...)`)."""
+    node = {
+        "request_messages": body["messages"],
+        "request_tools": body["tools"],
+        "response_message": body["response"],
+        "sampling_params": body["sampling_params"],
+        "prompt_ids": body.get("prompt_ids"),
+        "sampled_ids": body.get("sampled_ids"),
+        "sampled_logprobs": body.get("sampled_logprobs"),
+        "model": body["model"],
+        "finish_reason": body["finish_reason"],
+        "harness_session_id": session_id,
+    }
+    node.update(fields)
+    return _import_rollout_store().TurnNode(**node)
+
+
 class RolloutStoreRecorder:
     """rollout_store: `RolloutGraph(share_threshold=1024).add_turn(TurnNode(...))`."""
 
     def __init__(self) -> None:
         rs = _import_rollout_store()
-        self._turn_node = rs.TurnNode
         self.graph = rs.RolloutGraph(share_threshold=SHARE_THRESHOLD)
 
     @property
@@ -128,20 +146,7 @@ class RolloutStoreRecorder:
         return self.graph
 
     def add(self, body: dict, session_id: str = "s") -> object:
-        return self.graph.add_turn(
-            self._turn_node(
-                request_messages=body["messages"],
-                request_tools=body["tools"],
-                response_message=body["response"],
-                sampling_params=body["sampling_params"],
-                prompt_ids=body["prompt_ids"],
-                sampled_ids=body["sampled_ids"],
-                sampled_logprobs=body["sampled_logprobs"],
-                model=body["model"],
-                finish_reason=body["finish_reason"],
-                harness_session_id=session_id,
-            )
-        )
+        return self.graph.add_turn(turn_node(body, session_id))
 
     def close(self) -> None:
         close = getattr(self.graph, "close", None)

@@ -28,24 +28,29 @@ import gc
 import json
 import os
 import random
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import tracemalloc
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
 from typing import Any
 
-from measure import MiB, add_results_option, library_commit, results_dir, shown, targets_summary
-from schemes import _import_rollout_store
-from workloads import UniqueContent
+from measure import (
+    MiB,
+    add_results_option,
+    library_commit,
+    results_dir,
+    shown,
+    targets_summary,
+    traced,
+)
+from schemes import _import_rollout_store, turn_node
+from workloads import UniqueContent, random_text
 
 rs = _import_rollout_store()
+from rollout_store.loopback import MotoServer, RedisServer  # noqa: E402 - after the path is set
 
 ROLLOUTS = 16
 TURNS = 20
@@ -69,22 +74,6 @@ MAX_MEMORY_OVER_UNIQUE = 1.3
 MAX_REMOTE_OVER_UNIQUE = 0.2
 MAX_MEMORY_TIME_RATIO = 1.2
 
-_WORD_TEXT = (
-    "agent alpha branch buffer cache commit delta error file fix graph index kernel layer "
-    "memory merge node output parser patch query reply result screen search shell state"
-)
-_WORDS = tuple(_WORD_TEXT.split())
-
-
-def _text(rng: random.Random, length: int) -> str:
-    out: list[str] = []
-    size = 0
-    while size < length:
-        word = rng.choice(_WORDS)
-        out.append(word)
-        size += len(word) + 1
-    return " ".join(out)[:length]
-
 
 # ------------------------------------------------------------------------------ workload
 
@@ -92,7 +81,7 @@ def _text(rng: random.Random, length: int) -> str:
 def group_texts(rollouts: int, turns: int, tokens: bool, seed: int = 7) -> list[list[str]]:
     """texts[r][t]: the JSON body of turn t of rollout r."""
     task = random.Random(seed)
-    system = _text(task, SYSTEM_PROMPT_CHARS)
+    system = random_text(task, SYSTEM_PROMPT_CHARS)
     image = (
         "data:image/png;base64," + base64.b64encode(task.randbytes(IMAGE_BYTES * 3 // 4)).decode()
     )
@@ -101,11 +90,11 @@ def group_texts(rollouts: int, turns: int, tokens: bool, seed: int = 7) -> list[
             "type": "function",
             "function": {
                 "name": f"tool_{i}",
-                "description": _text(task, 200),
+                "description": random_text(task, 200),
                 "parameters": {
                     "type": "object",
                     "properties": {
-                        f"arg_{j}": {"type": "string", "description": _text(task, 40)}
+                        f"arg_{j}": {"type": "string", "description": random_text(task, 40)}
                         for j in range(3)
                     },
                     "required": ["arg_0"],
@@ -117,7 +106,7 @@ def group_texts(rollouts: int, turns: int, tokens: bool, seed: int = 7) -> list[
     first_user = {
         "role": "user",
         "content": [
-            {"type": "text", "text": "Solve the task shown. " + _text(task, 300)},
+            {"type": "text", "text": "Solve the task shown. " + random_text(task, 300)},
             {"type": "image_url", "image_url": {"url": image}},
         ],
     }
@@ -132,14 +121,14 @@ def group_texts(rollouts: int, turns: int, tokens: bool, seed: int = 7) -> list[
             call_id = f"call_{r}_{t}_{rng.getrandbits(32):08x}"
             response = {
                 "role": "assistant",
-                "content": _text(rng, 200),
+                "content": random_text(rng, 200),
                 "tool_calls": [
                     {
                         "id": call_id,
                         "type": "function",
                         "function": {
                             "name": f"tool_{rng.randrange(N_TOOLS)}",
-                            "arguments": json.dumps({"arg_0": _text(rng, 60)}),
+                            "arguments": json.dumps({"arg_0": random_text(rng, 60)}),
                         },
                     }
                 ],
@@ -158,7 +147,7 @@ def group_texts(rollouts: int, turns: int, tokens: bool, seed: int = 7) -> list[
                 body["sampled_ids"] = sampled
                 body["sampled_logprobs"] = [-rng.expovariate(2.0) for _ in sampled]
             texts.append(json.dumps(body))
-            tool_output = _text(rng, rng.randrange(1024, 4096))
+            tool_output = random_text(rng, rng.randrange(1024, 4096))
             history = history + [
                 response,
                 {"role": "tool", "tool_call_id": call_id, "content": tool_output},
@@ -212,21 +201,6 @@ def distinct_tool_lists(texts: list[list[str]]) -> int:
     return len({json.dumps(json.loads(t)["tools"]) for _, t in interleaved(texts)} - {"null"})
 
 
-def turn_node(body: dict[str, Any], session: str) -> Any:
-    return rs.TurnNode(
-        request_messages=body["messages"],
-        request_tools=body["tools"],
-        response_message=body["response"],
-        sampling_params=body["sampling_params"],
-        prompt_ids=body.get("prompt_ids"),
-        sampled_ids=body.get("sampled_ids"),
-        sampled_logprobs=body.get("sampled_logprobs"),
-        model=body["model"],
-        finish_reason=body["finish_reason"],
-        harness_session_id=session,
-    )
-
-
 # ------------------------------------------------------------------------------ configurations
 
 # A configuration makes (graphs for the group, the store or None) when called.
@@ -267,21 +241,13 @@ def retained(make: Make, texts: list[list[str]]) -> tuple[int, Any, list[Any]]:
     _, store = make(1)  # imports, connections and clients' models load before the baseline
     if store is not None:
         warm_up(store)
-    gc.collect()
-    tracemalloc.start()
-    try:
-        gc.collect()
-        baseline = tracemalloc.get_traced_memory()[0]
+    with traced() as measured:
         graphs, store = make(len(texts))
         for r, text in interleaved(texts):
             body = json.loads(text)
             graphs[r].add_turn(turn_node(body, f"rollout-{r}"))
             del body
-        gc.collect()
-        size = tracemalloc.get_traced_memory()[0] - baseline
-    finally:
-        tracemalloc.stop()
-    return size, store, graphs
+    return measured.bytes, store, graphs
 
 
 def paired_times(configs: dict[str, Make], texts: list[list[str]]) -> dict[str, float]:
@@ -326,20 +292,13 @@ def capture_server(
     rollout of the group (session i records rollout i % 16): bytes retained per session."""
     store = make_store()
     warm_up(store)
-    gc.collect()
-    tracemalloc.start()
-    try:
-        gc.collect()
-        baseline = tracemalloc.get_traced_memory()[0]
+    with traced() as measured:
         cache = rs.StringCache(cache_bytes) if cache_bytes is not None else None
         graphs = [rs.RolloutGraph(store=store, cache=cache) for _ in range(sessions)]
         for t in range(turns):
             for i, graph in enumerate(graphs):
                 graph.add_turn(turn_node(json.loads(texts[i % len(texts)][t]), f"s{i}"))
-        gc.collect()
-        size = tracemalloc.get_traced_memory()[0] - baseline
-    finally:
-        tracemalloc.stop()
+    size = measured.bytes
     in_store = getattr(store, "nbytes", 0)
     return {
         "sessions": sessions,
@@ -355,63 +314,25 @@ def capture_server(
 # ------------------------------------------------------------------------------ services
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait(port: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on 127.0.0.1:{port}")
-
-
 @contextmanager
-def service(env: str, command: Callable[[int], list[str]]) -> Iterator[str | None]:
-    """The service URL from `env`, or one started here (None when it cannot start)."""
+def service(env: str, make: Callable[[], Any]) -> Iterator[str | None]:
+    """The service URL from `env`, or that of a loopback server started here (None when it
+    cannot start: its figures are skipped)."""
     url = os.environ.get(env)
     if url:
         yield url
         return
-    port = _free_port()
-    argv = command(port)
-    if shutil.which(argv[0]) is None and not Path(argv[0]).exists():
-        print(f"{argv[0]} is not installed: its figures are skipped", file=sys.stderr)
+    server = make()
+    try:
+        server.start()
+    except rs.StoreUnavailableError as exc:
+        print(f"{exc}: its figures are skipped", file=sys.stderr)
         yield None
         return
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait(port)
-        scheme = "redis" if "redis" in argv[0] else "http"
-        yield f"redis://127.0.0.1:{port}/0" if scheme == "redis" else f"http://127.0.0.1:{port}"
+        yield server.url
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-def redis_command(port: int) -> list[str]:
-    return [
-        "redis-server",
-        "--bind",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-    ]
-
-
-def moto_command(port: int) -> list[str]:
-    binary = shutil.which("moto_server") or str(Path(sys.executable).with_name("moto_server"))
-    return [binary, "-H", "127.0.0.1", "-p", str(port)]
+        server.stop()
 
 
 def open_store(spec: list[Any]) -> Any:
@@ -488,8 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict[str, Any]] = {}
     lines: list[str] = []
     with ExitStack() as stack:
-        redis_url = stack.enter_context(service("ROLLOUT_STORE_REDIS_URL", redis_command))
-        s3_url = stack.enter_context(service("ROLLOUT_STORE_S3_URL", moto_command))
+        redis_url = stack.enter_context(service("ROLLOUT_STORE_REDIS_URL", RedisServer))
+        s3_url = stack.enter_context(service("ROLLOUT_STORE_S3_URL", MotoServer))
         bucket = f"bench-{uuid.uuid4().hex[:12]}"
         if s3_url:
             rs.S3Store(bucket, endpoint_url=s3_url, create_bucket=True, **S3_CREDENTIALS)

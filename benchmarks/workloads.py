@@ -41,7 +41,7 @@ Generator = Callable[[int, int], Iterator[Body]]
 # --- small random content -------------------------------------------------------------------
 
 
-def _text(rng: random.Random, length: int) -> str:
+def random_text(rng: random.Random, length: int) -> str:
     """Random words, cut to exactly `length` characters."""
     out: list[str] = []
     size = 0
@@ -93,12 +93,12 @@ def _image_conversation(n_turns: int, seed: int, system: bool) -> Iterator[Body]
             {
                 "role": "user",
                 "content": [
-                    {"type": "text", "text": f"Step {turn}: " + _text(rng, 80)},
+                    {"type": "text", "text": f"Step {turn}: " + random_text(rng, 80)},
                     {"type": "image_url", "image_url": {"url": _image_url(rng)}},
                 ],
             }
         )
-        response = {"role": "assistant", "content": _text(rng, 120)}
+        response = {"role": "assistant", "content": random_text(rng, 120)}
         yield _body(history, response)
         history.append(response)
 
@@ -143,11 +143,11 @@ def tool_heavy(n_turns: int, seed: int = 2) -> Iterator[Body]:
     rng = random.Random(seed)
     history: list[dict] = [
         {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": "Fix the failing test. " + _text(rng, 200)},
+        {"role": "user", "content": "Fix the failing test. " + random_text(rng, 200)},
     ]
     for turn in range(n_turns):
         tool = TOOLS[turn % len(TOOLS)]["function"]
-        arguments = {arg: _text(rng, 40) for arg in tool["parameters"]["required"]}
+        arguments = {arg: random_text(rng, 40) for arg in tool["parameters"]["required"]}
         call_id = f"call_{turn:05d}_{rng.getrandbits(32):08x}"
         response = {
             "role": "assistant",
@@ -163,7 +163,7 @@ def tool_heavy(n_turns: int, seed: int = 2) -> Iterator[Body]:
         yield _body(history, response, tools=TOOLS, finish_reason="tool_calls")
         history.append(response)
         history.append(
-            {"role": "tool", "tool_call_id": call_id, "content": _text(rng, TOOL_OUTPUT_LEN)}
+            {"role": "tool", "tool_call_id": call_id, "content": random_text(rng, TOOL_OUTPUT_LEN)}
         )
 
 
@@ -173,10 +173,10 @@ def token_heavy(n_turns: int, seed: int = 3) -> Iterator[Body]:
     history: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}]
     prompt_ids: list[int] = []
     for _turn in range(n_turns):
-        history.append({"role": "user", "content": _text(rng, 100)})
+        history.append({"role": "user", "content": random_text(rng, 100)})
         prompt_ids = prompt_ids + _token_ids(rng, NEW_PROMPT_TOKENS)
         sampled_ids = _token_ids(rng, SAMPLED_TOKENS)
-        response = {"role": "assistant", "content": _text(rng, 120)}
+        response = {"role": "assistant", "content": random_text(rng, 120)}
         yield _body(
             history,
             response,
@@ -194,8 +194,8 @@ def chatty(n_turns: int, seed: int = 4) -> Iterator[Body]:
     history: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}]
     for _turn in range(n_turns):
         for _ in range(CHATTY_NEW_PER_TURN):
-            history.append({"role": "user", "content": _text(rng, CHATTY_MESSAGE_LEN)})
-        response = {"role": "assistant", "content": _text(rng, CHATTY_MESSAGE_LEN)}
+            history.append({"role": "user", "content": random_text(rng, CHATTY_MESSAGE_LEN)})
+        response = {"role": "assistant", "content": random_text(rng, CHATTY_MESSAGE_LEN)}
         yield _body(history, response)
         history.append(response)
 

@@ -3,7 +3,9 @@
 Every command that reads a file tells a missing, an empty, a foreign (not a rollout file) and
 a damaged file apart, and for a damaged one says whether `repair` (cut a torn last record off
 a log in place) or `recover` (save the complete turns before the damage to a new file)
-applies. Exit status: 0 done, 1 a file problem, 2 a usage error. A reader closing the pipe
+applies. A file saved with its long strings in a content store (`save(path, blobs="store")`)
+is read with `--store NAME`, the names `serve --store` takes. Exit status: 0 done, 1 a file
+problem, 2 a usage error. A reader closing the pipe
 (`rollout-store export f.rls | head`) ends the command quietly with status 0.
 """
 
@@ -19,10 +21,12 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
 from . import __version__, storage
-from .errors import CorruptFileError, RolloutStoreError
+from .content import ContentStore
+from .errors import CorruptFileError, RolloutStoreError, StoreRequiredError
 from .export import write_session_json, write_trace_jsonl
 from .figures import plain_export_bytes, store_figures
 from .storage import RolloutGraph
+from .stores import STORE_HELP, open_store, store_spec
 
 __all__ = ["main"]
 
@@ -88,9 +92,9 @@ def _read_all(path: str) -> bytes:
         return fp.read()
 
 
-def _damage_advice(path: str) -> str:
+def _damage_advice(path: str, store: ContentStore | None) -> str:
     """What to do about a damaged file: which of `repair` and `recover` applies."""
-    report = storage.verify(path)
+    report = storage.verify(path, store=store)
     return _where_next(report) + _what_applies(report, path)
 
 
@@ -114,13 +118,14 @@ def _what_applies(report: storage.LoadReport, path: str) -> str:
     return f"{recover} (repair does not apply: {why})"
 
 
-def _load(path: str, progress: bool | None, *, recover: bool = False) -> RolloutGraph:
+def _load(args: argparse.Namespace, *, recover: bool = False) -> RolloutGraph:
+    path, store = args.file, args.content_store
     _check_file(path)
     try:
-        with _progress(path, progress) as update:
-            return storage.load(path, recover=recover, progress=update)
+        with _progress(path, args.progress) as update:
+            return storage.load(path, recover=recover, progress=update, store=store)
     except CorruptFileError as exc:
-        raise CommandError(f"damaged: {exc}; {_damage_advice(path)}") from None
+        raise CommandError(f"damaged: {exc}; {_damage_advice(path, store)}") from None
 
 
 def _ratio(a: int, b: int) -> str:
@@ -128,7 +133,7 @@ def _ratio(a: int, b: int) -> str:
 
 
 def _info(args: argparse.Namespace) -> int:
-    graph = _load(args.file, args.progress)
+    graph = _load(args)
     figures = store_figures(graph)
     size = os.path.getsize(args.file)
     export = plain_export_bytes(graph)
@@ -156,19 +161,21 @@ def _info(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     _check_file(args.file)
     with _progress(args.file, args.progress) as update:
-        report = storage.verify(args.file, progress=update)
+        report = storage.verify(args.file, progress=update, store=args.content_store)
     if report.ok:
         print(
             f"ok: format version {report.version}, {report.records} records, {report.turns} "
             f"turns, {report.blobs} blobs, {report.file_size} bytes verified"
         )
         return 0
-    print(f"damaged: {report.error}; {_damage_advice(args.file)}", file=sys.stderr)
+    print(
+        f"damaged: {report.error}; {_damage_advice(args.file, args.content_store)}", file=sys.stderr
+    )
     return 1
 
 
 def _export(args: argparse.Namespace) -> int:
-    graph = _load(args.file, args.progress)
+    graph = _load(args)
     out: IO[Any]
     with contextlib.ExitStack() as stack:
         if args.output in (None, "-"):
@@ -193,7 +200,7 @@ def _export(args: argparse.Namespace) -> int:
 def _recover(args: argparse.Namespace) -> int:
     if os.path.abspath(args.output) == os.path.abspath(args.file):
         raise CommandError("-o must name a new file: recover never writes over its input")
-    graph = _load(args.file, args.progress, recover=True)
+    graph = _load(args, recover=True)
     report = graph.load_report
     if not len(graph) and report is not None and not report.ok:
         raise CommandError(
@@ -215,14 +222,15 @@ def _recover(args: argparse.Namespace) -> int:
 
 def _repair(args: argparse.Namespace) -> int:
     _check_file(args.file)
-    report = storage.verify(args.file)
+    store = args.content_store
+    report = storage.verify(args.file, store=store)
     if report.ok:
         print(f"{args.file} is not damaged: {report.turns} turns, nothing to repair")
         return 0
     if report.mode != "log" or not report.truncated:
-        raise CommandError(f"damaged: {report.error}; {_damage_advice(args.file)}")
+        raise CommandError(f"damaged: {report.error}; {_damage_advice(args.file, store)}")
     before = report.file_size
-    graph = RolloutGraph.open(args.file, repair=True)
+    graph = RolloutGraph.open(args.file, repair=True, store=store)
     try:
         turns = len(graph)
     finally:
@@ -238,7 +246,7 @@ def _repair(args: argparse.Namespace) -> int:
 def _view(args: argparse.Namespace) -> int:
     from .viewer import Viewer, serve
 
-    graph = _load(args.file, args.progress)
+    graph = _load(args)
     viewer = Viewer(graph, title=os.path.basename(args.file), file_size=os.path.getsize(args.file))
     with contextlib.ExitStack() as stack:
         try:
@@ -308,6 +316,14 @@ def _parser() -> argparse.ArgumentParser:
             "file", metavar="FILE", help="a rollout file (.rls) written by save() or open()"
         )
         _progress_options(sub, argparse.SUPPRESS)  # keeps a value given before the command
+        sub.add_argument(
+            "--store",
+            type=store_spec,
+            default=None,
+            metavar="NAME",
+            help="the content store a file saved with blobs='store' keeps its long strings "
+            f"in: {STORE_HELP} (as for serve --store)",
+        )
         sub.set_defaults(run=run)
         return sub
 
@@ -359,7 +375,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace) -> int:
     try:
+        spec = getattr(args, "store", None)
+        args.content_store = open_store(spec) if spec is not None else None
         return int(args.run(args))
+    except StoreRequiredError:
+        message = "keeps its long strings in a content store: pass --store NAME"
+        print(f"rollout-store: {_where(args)}{message} ({STORE_HELP})", file=sys.stderr)
+        return 1
     except (CommandError, RolloutStoreError) as exc:  # a file problem, a lock held elsewhere...
         print(f"rollout-store: {_where(args)}{exc}", file=sys.stderr)
         return 1

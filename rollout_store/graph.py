@@ -42,6 +42,7 @@ from .stored import (
     Turn,
     TurnFlag,
     TurnMeta,
+    TurnTokens,
     add_child,
     is_above,
 )
@@ -155,7 +156,11 @@ class Graph:
         self.store = store
         self._turns: list[Turn] = []
         self._blob_marks = array("I")  # blobs stored once each turn was committed, for save
+        # turns whose id is not the default `turn-{index}` (see `_find`)
         self._by_id: dict[str, Turn] = {}
+        self._values: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # interned Turn.values
+        # the token fields of turns without token ids that sampled nothing, one per shape
+        self._no_tokens: dict[tuple[str, str], TurnTokens] = {}
         self._meta: dict[TurnMeta, TurnMeta] = {}
         self._flag_values: dict[int, int] = {}
         self._use_blobs(BlobTable() if store is None else StoreBlobTable(store, cache))
@@ -341,10 +346,12 @@ class Graph:
         system_plain = requests.prepare(turn, node, scratch)
         linker.prepare_messages(turn, node, scratch)
         turn.response = requests.encode_response(node.response_message, turn)
-        turn.tools = requests.shared_value(node.request_tools, "request_tools", pending)
-        turn.sampling = requests.shared_value(node.sampling_params, "sampling_params", pending)
-        turn.requested = requests.shared_value(
-            node.requested_sampling_params, "requested_sampling_params", pending
+        turn.share_values(
+            requests.shared_value(node.request_tools, "request_tools", pending),
+            requests.shared_value(node.sampling_params, "sampling_params", pending),
+            requests.shared_value(
+                node.requested_sampling_params, "requested_sampling_params", pending
+            ),
         )
         turn.meta = self._turn_meta(node, system_plain)
         self._link(turn, explicit, scratch)
@@ -355,19 +362,19 @@ class Graph:
         checked."""
         node_id = node.node_id
         if node_id is None:
-            node_id = self._fresh_id()
+            node_id = self._fresh_id() if self._by_id else None
         elif not isinstance(node_id, str):
             raise InvalidValueError(f"expected str, got {type(node_id).__name__}", "node_id")
-        elif node_id in self._by_id:
+        elif self._find(node_id) is not None:
             raise DuplicateNodeError(f"node_id {node_id!r} is already in the graph")
         turn = Turn()
-        turn.node_id = node_id
         turn.index = len(self._turns)
-        turn.children = None
+        if node_id is not None:  # else the default id of its index, free (no chosen ids)
+            turn.node_id = node_id
         turn.flags = 0
         explicit = None
         if node.parent_id is not None:
-            explicit = self._by_id.get(node.parent_id) if isinstance(node.parent_id, str) else None
+            explicit = self._find(node.parent_id)
             if explicit is None:
                 raise InvalidValueError(f"unknown parent {node.parent_id!r}", "parent_id")
         scalars = (node.model, node.finish_reason, node.harness_session_id, node.system_digest)
@@ -416,9 +423,26 @@ class Graph:
     def _fresh_id(self) -> str:
         # derived from the turn count, so a rejected turn uses up no id
         n = len(self._turns)
-        while f"turn-{n}" in self._by_id:
+        while self._find(f"turn-{n}") is not None:
             n += 1
         return f"turn-{n}"
+
+    def _find(self, node_id: object) -> Turn | None:
+        """The turn with this id, if any: one named by its caller, or one with the default
+        id of its index (kept as None in the turn, so that it costs no string)."""
+        if type(node_id) is not str:
+            return None
+        found = self._by_id.get(node_id)
+        if found is not None:
+            return found
+        digits = node_id[5:]
+        if node_id.startswith("turn-") and digits.isdigit() and digits.isascii():
+            index = int(digits)
+            if index < len(self._turns) and str(index) == digits:
+                turn = self._turns[index]
+                if turn.ident is None:
+                    return turn
+        return None
 
     # -- values
 
@@ -447,7 +471,16 @@ class Graph:
         turn.flags = self._flag_values.setdefault(turn.flags, turn.flags)
         self._turns.append(turn)
         self._blob_marks.append(len(self.blobs))
-        self._by_id[turn.node_id] = turn
+        if turn.ident is not None:
+            self._by_id[turn.ident] = turn
+        values = turn.values
+        if values is not None:  # one tuple per distinct set of shared values
+            turn.values = self._values.setdefault(values, values)
+        tokens = turn.tokens
+        if tokens is not None and tokens.prompt is None and tokens.full is None:
+            shape = _empty_shape(tokens.sampled, tokens.logprobs)
+            if shape is not None:  # empty segments are never mutated: one is as good as another
+                turn.tokens = self._no_tokens.setdefault(shape, tokens)
         parent = turn.parent
         if parent is not None:
             if parent.children is None:
@@ -482,16 +515,16 @@ class Graph:
     # ------------------------------------------------------------------ queries
 
     def _turn(self, node_id: str) -> Turn:
-        try:
-            return self._by_id[node_id]
-        except (KeyError, TypeError):
-            raise UnknownNodeError(f"no turn {node_id!r} in the graph") from None
+        turn = self._find(node_id)
+        if turn is None:
+            raise UnknownNodeError(f"no turn {node_id!r} in the graph")
+        return turn
 
     def __len__(self) -> int:
         return len(self._turns)
 
     def __contains__(self, node_id: object) -> bool:
-        return node_id in self._by_id
+        return self._find(node_id) is not None
 
     @_locked
     def get(self, node_id: str) -> TurnNode:
@@ -655,7 +688,7 @@ class Graph:
     @_locked
     def discarded_nodes(self) -> list[TurnNode]:
         """The turns `discarded_ids` names, as views."""
-        return [NodeView.of(self, self._by_id[n]) for n in self.discarded_ids()]
+        return [NodeView.of(self, self._turn(n)) for n in self.discarded_ids()]
 
     def _prompt_identity(self, turn: Turn) -> Any:
         if turn.prompt is not None:
@@ -807,6 +840,21 @@ class GraphRestorer:
     def commit(self, turn: Turn, keys: IndexKeys, moves: list[tuple[Turn, LinkKind]]) -> None:
         """File a fully built turn: indexes, children, re-links, as `add_turn` does."""
         self._graph._commit(turn, keys, moves)
+
+
+def _empty_shape(sampled: Any, logprobs: Any) -> tuple[str, str] | None:
+    """What tells empty or absent token segments apart (None: not both empty or absent)."""
+    shape = []
+    for segment in (sampled, logprobs):
+        if segment is None:
+            shape.append("none")
+        elif type(segment) is array and not segment:
+            shape.append(segment.typecode)
+        elif type(segment) is tuple and not segment:
+            shape.append("tuple")
+        else:
+            return None
+    return shape[0], shape[1]
 
 
 _FIELDS: dict[str, Callable[[Graph, Turn], Any]] = {

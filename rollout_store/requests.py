@@ -341,7 +341,6 @@ class RequestStore:
             messages = decode_raw(messages, "request_messages")
         if messages is None:
             turn.system, turn.base, turn.tail, turn.n_rest = None, None, b"", 0
-            turn.first = turn.body_start = 0
             turn.flags |= TurnFlag.NO_MESSAGES
             return None
         if not isinstance(messages, list | tuple):

@@ -51,7 +51,7 @@ from .export import write_session_json, write_trace_jsonl
 from .nodes import TurnNode
 from .sessions import Session, SessionError, Sessions, clean_session_id
 from .sse import SSE_HEADERS, anthropic_events, chat_chunks, sse_data, sse_event
-from .stores import DirectoryStore, MemoryStore
+from .stores import STORE_HELP, open_store, store_spec
 from .viewer import Viewer
 
 __all__ = [
@@ -891,39 +891,6 @@ def _fsync_arg(value: str) -> str | int:
     raise argparse.ArgumentTypeError("expected 'turn', 'never' or a positive number of turns")
 
 
-def open_store(spec: str) -> ContentStore:
-    """The content store a `--store` value names.
-
-    `memory` (one process; logs keep their strings inline), `dir:PATH` (a directory many
-    processes share), `redis://host:port/db` or `s3://bucket/prefix` (many machines; the S3
-    endpoint comes from boto3's usual settings, e.g. `AWS_ENDPOINT_URL`).
-    """
-    if spec == "memory":
-        return MemoryStore()
-    if spec.startswith("dir:") and len(spec) > 4:
-        return DirectoryStore(spec[4:])
-    if spec.startswith(("redis://", "rediss://", "unix://")):
-        from .redis_store import RedisStore
-
-        return RedisStore(spec)
-    if spec.startswith("s3://") and spec[5:].split("/", 1)[0]:
-        from .s3_store import S3Store
-
-        bucket, _, prefix = spec[5:].partition("/")
-        if prefix and not prefix.endswith("/"):
-            prefix += "/"
-        return S3Store(bucket, prefix=prefix or "rollout_store/")
-    raise ValueError(
-        f"unknown content store {spec!r}: use memory, dir:PATH, redis://... or s3://bucket/prefix"
-    )
-
-
-def _store_arg(value: str) -> str:
-    if value == "memory" or value.startswith(("dir:", "redis://", "rediss://", "unix://", "s3://")):
-        return value
-    raise argparse.ArgumentTypeError("expected memory, dir:PATH, redis://... or s3://bucket/prefix")
-
-
 def listen_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket for uvicorn (`port` 0 picks a free one).
 
@@ -948,9 +915,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fsync", type=_fsync_arg, default="turn", help="turn, never or N")
     parser.add_argument(
         "--store",
-        type=_store_arg,
+        type=store_spec,
         default="memory",
-        help="content store all sessions share: memory, dir:PATH, redis://... or s3://bucket/prefix",
+        help=f"content store all sessions share: {STORE_HELP}",
     )
     parser.add_argument(
         "--cache-mib",

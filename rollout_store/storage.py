@@ -577,8 +577,8 @@ class _Loader:
         if not isinstance(node_id, str) or node_id in self.graph:
             raise ValueError(f"bad or repeated node id {node_id!r}")
         turn = Turn()
-        turn.node_id = node_id
         turn.index = len(self.graph)
+        turn.node_id = node_id
         turn.children = None
         turn.parent = self._ref(record.parent)
         link = _link_kind(record.link)

@@ -20,6 +20,7 @@ __all__ = [
     "Turn",
     "TurnFlag",
     "TurnMeta",
+    "TurnTokens",
     "add_child",
     "finish_tail",
     "full_run",
@@ -95,64 +96,226 @@ class IndexKeys(NamedTuple):
     roots: list[int] | None  # request keys of its shorter prefixes, while a message root
 
 
+class TurnTokens:
+    """A turn's token fields, kept apart: most message-linked turns have none."""
+
+    __slots__ = ("full", "logprobs", "prompt", "sampled")
+
+    def __init__(self) -> None:
+        self.prompt: TokenRun | None = None
+        self.sampled: Any = None
+        self.full: TokenRun | None = None
+        self.logprobs: Any = None
+
+
+_NO_VALUES: tuple[bytes | None, bytes | None, bytes | None, bytes | None] = (None,) * 4
+
+
+def _with(values: tuple[Any, ...] | None, i: int, value: Any) -> tuple[Any, ...] | None:
+    """`values` (the shared packed values) with item `i` set to `value`."""
+    old = values if values is not None else _NO_VALUES
+    if old[i] is value:
+        return values
+    new = (*old[:i], value, *old[i + 1 :])
+    return None if new == _NO_VALUES else new
+
+
 class Turn:
-    """The stored form of a turn: references and packed bytes only."""
+    """The stored form of a turn: references and packed bytes only.
+
+    Kept small, since a graph holds one per turn: the id is derived from the index unless
+    the caller chose another (`ident`); a single child is held bare; the shared packed values
+    (system part, tools, sampling and requested sampling parameters) are one tuple that the
+    graph interns, so turns with the same values share it; the token fields live in a
+    `TurnTokens` only when the turn has some. The fields of both are read and written
+    through properties of the same names.
+    """
 
     __slots__ = (
         "base",
-        "body_start",
-        "children",
         "digest",
-        "first",
         "flags",
-        "full",
+        "ident",
         "index",
+        "kids",
         "link",
-        "logprobs",
         "meta",
         "n_rest",
-        "node_id",
         "parent",
-        "prompt",
-        "requested",
         "response",
         "rkey",
-        "sampled",
-        "sampling",
-        "system",
         "tail",
-        "tools",
+        "tokens",
+        "values",
     )
 
-    node_id: str
+    ident: str | None  # the node id when it is not the default `turn-{index}`
     index: int
     parent: Turn | None
-    children: tuple[Turn, ...] | None  # a tuple: smaller than a list, and rarely changed
+    kids: Turn | tuple[Turn, ...] | None  # the children: one bare, several as a tuple
     link: LinkKind
     flags: int  # TurnFlag bits
     meta: TurnMeta  # interned per graph
-    system: bytes | None  # packed leading system messages (a stream), shared via ValueTable
     base: Turn | None  # the turn whose non-system request this one extends
     tail: bytes  # packed non-system messages after the base's
     n_rest: int  # number of non-system request messages
-    first: int  # the first of them that the tail holds (the base holds those before)
-    body_start: int  # where in the tail the packed messages after the echo begin
     response: bytes | None
-    tools: bytes | None
-    sampling: bytes | None
-    requested: bytes | None  # requested_sampling_params, shared via ValueTable
-    prompt: TokenRun | None
-    sampled: Any  # array | tuple | None
-    full: TokenRun | None  # prompt + sampled, the prefix a child's prompt extends
-    logprobs: Any  # array('d') | packed bytes | None
+    # system, tools, sampling, requested: packed values shared via ValueTable, interned
+    values: tuple[bytes | None, bytes | None, bytes | None, bytes | None] | None
+    tokens: TurnTokens | None
     # BLAKE3 of the plain packing of the non-system messages; None until known (a turn read
     # from a file gets it when a byte comparison first confirms it)
     digest: bytes | None
     rkey: int | None  # the key its request is filed under (None: not filed)
 
     def __init__(self) -> None:
+        self.ident = None
+        self.kids = None
+        self.values = None
+        self.tokens = None
         self.digest = None
         self.rkey = None
+
+    # -- identity and children
+
+    @property
+    def node_id(self) -> str:
+        ident = self.ident
+        return ident if ident is not None else f"turn-{self.index}"
+
+    @node_id.setter
+    def node_id(self, node_id: str) -> None:
+        # `index` is set first
+        self.ident = None if node_id == f"turn-{self.index}" else node_id
+
+    @property
+    def children(self) -> tuple[Turn, ...] | None:
+        kids = self.kids
+        if kids is None or isinstance(kids, tuple):
+            return kids
+        return (kids,)
+
+    @children.setter
+    def children(self, children: tuple[Turn, ...] | None) -> None:
+        self.kids = children[0] if children is not None and len(children) == 1 else children
+
+    # -- derived from the request's fields (see finish_tail)
+
+    @property
+    def first(self) -> int:
+        """The first non-system message the tail holds (the base holds those before)."""
+        base = self.base
+        return base.n_rest if base is not None else 0
+
+    @property
+    def body_start(self) -> int:
+        """Where in the tail the packed messages after the echo begin."""
+        if self.flags & TurnFlag.NO_MESSAGES:
+            return 0
+        return len(array_header(self.n_rest - self.first)) + (
+            len(ECHO_PACKED) if self.flags & TurnFlag.TAIL_ECHO else 0
+        )
+
+    # -- shared packed values
+
+    @property
+    def system(self) -> bytes | None:
+        """Packed leading system messages (a stream)."""
+        values = self.values
+        return values[0] if values is not None else None
+
+    @system.setter
+    def system(self, value: bytes | None) -> None:
+        self.values = _with(self.values, 0, value)
+
+    @property
+    def tools(self) -> bytes | None:
+        values = self.values
+        return values[1] if values is not None else None
+
+    @tools.setter
+    def tools(self, value: bytes | None) -> None:
+        self.values = _with(self.values, 1, value)
+
+    @property
+    def sampling(self) -> bytes | None:
+        values = self.values
+        return values[2] if values is not None else None
+
+    @sampling.setter
+    def sampling(self, value: bytes | None) -> None:
+        self.values = _with(self.values, 2, value)
+
+    @property
+    def requested(self) -> bytes | None:
+        """requested_sampling_params."""
+        values = self.values
+        return values[3] if values is not None else None
+
+    @requested.setter
+    def requested(self, value: bytes | None) -> None:
+        self.values = _with(self.values, 3, value)
+
+    def share_values(
+        self, tools: bytes | None, sampling: bytes | None, requested: bytes | None
+    ) -> None:
+        """Set tools, sampling and requested at once (the system part is kept)."""
+        system = self.system
+        if system is None and tools is None and sampling is None and requested is None:
+            self.values = None
+        else:
+            self.values = (system, tools, sampling, requested)
+
+    # -- token fields
+
+    def _tokens(self) -> TurnTokens:
+        tokens = self.tokens
+        if tokens is None:
+            tokens = self.tokens = TurnTokens()
+        return tokens
+
+    @property
+    def prompt(self) -> TokenRun | None:
+        tokens = self.tokens
+        return tokens.prompt if tokens is not None else None
+
+    @prompt.setter
+    def prompt(self, value: TokenRun | None) -> None:
+        if value is not None or self.tokens is not None:
+            self._tokens().prompt = value
+
+    @property
+    def sampled(self) -> Any:
+        """array | tuple | None."""
+        tokens = self.tokens
+        return tokens.sampled if tokens is not None else None
+
+    @sampled.setter
+    def sampled(self, value: Any) -> None:
+        if value is not None or self.tokens is not None:
+            self._tokens().sampled = value
+
+    @property
+    def full(self) -> TokenRun | None:
+        """prompt + sampled, the prefix a child's prompt extends."""
+        tokens = self.tokens
+        return tokens.full if tokens is not None else None
+
+    @full.setter
+    def full(self, value: TokenRun | None) -> None:
+        if value is not None or self.tokens is not None:
+            self._tokens().full = value
+
+    @property
+    def logprobs(self) -> Any:
+        """array('d') | packed bytes | None."""
+        tokens = self.tokens
+        return tokens.logprobs if tokens is not None else None
+
+    @logprobs.setter
+    def logprobs(self, value: Any) -> None:
+        if value is not None or self.tokens is not None:
+            self._tokens().logprobs = value
 
 
 def is_above(ancestor: Turn, turn: Turn) -> bool:
@@ -174,11 +337,7 @@ def sampled_any(turn: Turn) -> bool:
 def finish_tail(turn: Turn) -> None:
     """Derive what the byte comparison of a tail needs from the stored fields."""
     base = turn.base
-    turn.first = base.n_rest if base is not None else 0
     echo = turn.flags & TurnFlag.TAIL_ECHO
-    turn.body_start = len(array_header(turn.n_rest - turn.first)) + (
-        len(ECHO_PACKED) if echo else 0
-    )
     slow = turn.flags & (TurnFlag.TAIL_REFS | TurnFlag.TAIL_SPECIAL) or (
         echo and (base is None or base.flags & (TurnFlag.RESPONSE_REFS | TurnFlag.RESPONSE_SPECIAL))
     )
@@ -202,11 +361,12 @@ def full_run(prompt: TokenRun | None, sampled: Any) -> TokenRun | None:
 
 def add_child(parent: Turn, child: Turn) -> None:
     """Add `child` to the children of `parent`, kept in arrival order."""
-    children = parent.children
-    if children is None:
-        parent.children = (child,)
+    kids = parent.kids
+    if kids is None:
+        parent.kids = child
     else:
-        parent.children = tuple(sorted((*children, child), key=lambda t: t.index))
+        siblings = kids if isinstance(kids, tuple) else (kids,)
+        parent.kids = tuple(sorted((*siblings, child), key=lambda t: t.index))
 
 
 def seg_list(seg: Any) -> list[int] | None:

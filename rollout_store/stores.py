@@ -5,11 +5,12 @@ contract suite over all of them). `DirectoryStore` is for many processes on one 
 object is written to a temporary file, flushed to disk, then linked under its final name, so
 a process killed at any moment leaves either the whole object or none under its key (at most
 a stray temporary file, which `remove_temporaries` deletes). Redis and S3 backends are in
-`redis_store` and `s3_store`.
+`redis_store` and `s3_store`; `open_store` opens any of them from its name on a command line.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import tempfile
@@ -19,10 +20,10 @@ from array import array
 from collections.abc import Iterator
 from pathlib import Path
 
-from .content import check_key, content_key, verified
-from .errors import MissingObjectError, StoreUnavailableError
+from .content import ContentStore, check_key, content_key, verified
+from .errors import InvalidArgumentError, MissingObjectError, StoreUnavailableError
 
-__all__ = ["DirectoryStore", "MemoryStore"]
+__all__ = ["STORE_HELP", "DirectoryStore", "MemoryStore", "open_store", "store_spec"]
 
 
 class MemoryStore:
@@ -228,3 +229,43 @@ def _fsync_directory(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+#: The names `open_store` takes, for the help of a `--store` option.
+STORE_HELP = "memory, dir:PATH, redis://host:port/db or s3://bucket/prefix"
+
+_STORE_PREFIXES = ("dir:", "redis://", "rediss://", "unix://", "s3://")
+
+
+def open_store(spec: str) -> ContentStore:
+    """The content store a `--store` value names (the CLI's and the capture server's).
+
+    `memory` (one process; logs keep their strings inline), `dir:PATH` (a directory many
+    processes share), `redis://host:port/db` or `s3://bucket/prefix` (many machines; the S3
+    endpoint comes from boto3's usual settings, e.g. `AWS_ENDPOINT_URL`). An unknown name
+    raises `InvalidArgumentError` (a `ValueError`).
+    """
+    if spec == "memory":
+        return MemoryStore()
+    if spec.startswith("dir:") and len(spec) > 4:
+        return DirectoryStore(spec[4:])
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        from .redis_store import RedisStore
+
+        return RedisStore(spec)
+    if spec.startswith("s3://") and spec[5:].split("/", 1)[0]:
+        from .s3_store import S3Store
+
+        bucket, _, prefix = spec[5:].partition("/")
+        if prefix and not prefix.endswith("/"):
+            prefix += "/"
+        return S3Store(bucket, prefix=prefix or "rollout_store/")
+    raise InvalidArgumentError(f"unknown content store {spec!r}: use {STORE_HELP}")
+
+
+def store_spec(value: str) -> str:
+    """An argparse `type=` for a `--store` option: the name as given, if `open_store` could
+    take it (the store itself is opened only when the command runs)."""
+    if value == "memory" or value.startswith(_STORE_PREFIXES):
+        return value
+    raise argparse.ArgumentTypeError(f"expected {STORE_HELP}")

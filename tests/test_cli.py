@@ -303,3 +303,113 @@ def test_recover_with_nothing_before_the_damage_writes_nothing(
     out = tmp_path / "out.rls"
     text = _err(capsys, ["recover", str(rollout_file), "-o", str(out)])
     assert "nothing" in text and not out.exists()
+
+
+# ---------------------------------------------------------------- files over a content store
+
+
+@pytest.fixture
+def store_file(tmp_path: Path) -> tuple[Path, str]:
+    """A log that keeps its long strings in a directory store, and that store's name."""
+    from rollout_store import DirectoryStore
+
+    objects = tmp_path / "objects"
+    path = tmp_path / "refs.rls"
+    store = DirectoryStore(objects)
+    with RolloutGraph.open(path, store=store, blobs="store") as graph:
+        messages: list = [{"role": "system", "content": "long system prompt " * 200}]
+        for k in range(3):
+            messages.append({"role": "user", "content": f"question {k} " + "x" * 1500})
+            response = {"role": "assistant", "content": f"answer {k}"}
+            graph.add_turn(TurnNode(request_messages=list(messages), response_message=response))
+            messages.append(response)
+    assert b"long system prompt long" not in path.read_bytes()  # references only
+    return path, f"dir:{objects}"
+
+
+def test_commands_read_a_file_of_store_references_with_store(
+    store_file: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rollout_store import DirectoryStore
+
+    path, spec = store_file
+    want = RolloutGraph.load(path, store=DirectoryStore(spec[4:]))
+    assert main(["verify", str(path), "--store", spec]) == 0
+    assert "ok: format version" in capsys.readouterr().out
+    assert main(["info", str(path), "--store", spec]) == 0
+    assert "turns" in capsys.readouterr().out
+    out = tmp_path / "export.json"
+    assert main(["export", str(path), "--messages", "--store", spec, "-o", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert json.dumps(got["turns"][2]["request_messages"]) == json.dumps(
+        want.request_messages(want.node_ids()[2])
+    )
+    # recover writes a self-contained copy: it reads back without the store
+    copy = tmp_path / "copy.rls"
+    assert main(["recover", str(path), "-o", str(copy), "--store", spec]) == 0
+    capsys.readouterr()
+    assert b"long system prompt long" in copy.read_bytes()
+    assert RolloutGraph.load(copy).node_ids() == want.node_ids()
+
+
+def test_a_file_of_store_references_without_store_says_to_pass_one(
+    store_file: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _ = store_file
+    for command in (["info"], ["verify"], ["export"], ["repair"]):
+        assert main([*command, str(path)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"rollout-store: {path}: ") and "pass --store NAME" in err
+
+
+def test_repair_of_a_torn_log_of_store_references(
+    store_file: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, spec = store_file
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-7])
+    assert main(["repair", str(path), "--store", spec]) == 0
+    assert "2 turns kept" in capsys.readouterr().out
+    assert main(["verify", str(path), "--store", spec]) == 0
+
+
+def test_a_store_that_misses_an_object_is_named(
+    store_file: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _ = store_file
+    empty = tmp_path / "empty-store"
+    assert main(["export", str(path), "--store", f"dir:{empty}"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"rollout-store: {path}: ") and "key" in err
+
+
+def test_store_option_takes_the_names_serve_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["info", "x.rls", "--store", "ftp://somewhere"])
+    assert exit_info.value.code == 2
+    assert "expected memory, dir:PATH" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["info", "--help"])
+    assert "--store NAME" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_export_reads_a_file_of_references_from_redis(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rollout_store import RedisStore
+
+    path = tmp_path / "redis.rls"
+    graph = RolloutGraph(store=RedisStore(redis_url))
+    graph.add_turn(
+        TurnNode(
+            request_messages=[{"role": "user", "content": "kept in redis " * 200}],
+            response_message={"role": "assistant", "content": "ok"},
+        )
+    )
+    graph.save(path, blobs="store")
+    assert b"kept in redis kept" not in path.read_bytes()
+    out = tmp_path / "export.json"
+    assert main(["export", str(path), "--messages", "--store", redis_url, "-o", str(out)]) == 0
+    turn = json.loads(out.read_text())["turns"][0]
+    assert turn["request_messages"][0]["content"] == "kept in redis " * 200

@@ -18,7 +18,17 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rollout_store"
 LAYERS: list[tuple[str, set[str]]] = [
     (
         "foundations",
-        {"errors", "encoding", "index", "tokens", "messages", "raw", "nodes", "training"},
+        {
+            "errors",
+            "encoding",
+            "index",
+            "tokens",
+            "messages",
+            "raw",
+            "nodes",
+            "training",
+            "loopback",
+        },
     ),
     ("values and blobs", {"content", "blobs", "shared_blobs", "values"}),
     ("intake", {"intake"}),
