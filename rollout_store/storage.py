@@ -229,7 +229,7 @@ class _Writer:
             for stored in (turn.system, turn.tools, turn.sampling, turn.requested)
         ]
         record = self._record(entry, values, refs)
-        frames.append(self.frame(KIND_TURN, pack(record), chain))
+        frames.append(self.frame(KIND_TURN, pack(list(record)), chain))
         return frames, partial(self._commit, chain, entry.blobs_end, new_values, refs, turn)
 
     def _value_ref(
