@@ -359,7 +359,7 @@ class QuickCheck:
     """`quick_check` with what it reuses from one value to the next (a packer; not
     thread-safe: one per reader)."""
 
-    __slots__ = ("_echo_ok", "_info", "_n_blobs", "_pack", "blob_surrogates")
+    __slots__ = ("_echo_ok", "_exts", "_info", "_n_blobs", "_pack", "blob_surrogates")
 
     def __init__(self, blob_surrogates: Callable[[int], bool] | None = None) -> None:
         self.blob_surrogates = blob_surrogates
@@ -367,6 +367,8 @@ class QuickCheck:
         self._info = PackedInfo(-1)
         self._n_blobs = 0
         self._echo_ok = False
+        # the blob references met so far, made once each (what the packer packs back)
+        self._exts: dict[bytes, msgpack.ExtType] = {}
 
     def __call__(
         self, data: bytes, n_blobs: int, max_depth: int, echo_ok: bool = False
@@ -410,7 +412,13 @@ class QuickCheck:
             info.echoes = 1
         else:
             raise _Unsure
-        return msgpack.ExtType(code, payload)
+        ext = self._exts.get(payload) if code == EXT_BLOB else _ECHO
+        if ext is None:
+            ext = self._exts[payload] = msgpack.ExtType(code, payload)
+        return ext
+
+
+_ECHO = msgpack.ExtType(EXT_ECHO, b"")
 
 
 def quick_check(

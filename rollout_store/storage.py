@@ -579,7 +579,6 @@ class _Loader:
         turn = Turn()
         turn.index = len(self.graph)
         turn.node_id = node_id
-        turn.children = None
         turn.parent = self._ref(record.parent)
         link = _link_kind(record.link)
         turn.link = link if turn.parent is not None else LinkKind.NONE
@@ -611,9 +610,8 @@ class _Loader:
             # a record written before these flags were derived carries them all
             raise ValueError("the flags of a turn record do not say what its request holds")
         turn.response = response
-        turn.tools = self._value_ref(record.tools)
-        turn.sampling = self._value_ref(record.sampling)
-        turn.requested = self._value_ref(record.requested)
+        value = self._value_ref
+        turn.share_values(value(record.tools), value(record.sampling), value(record.requested))
 
     def _tail(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
         """The system part, the base and the messages after the base's."""
