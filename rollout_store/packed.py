@@ -380,7 +380,8 @@ class QuickCheck:
         bytes than `max_depth`, holding no bytes, that msgpack decodes with blob references
         in range and at most one echo (where `echo_ok`) as its only extension types, and that
         packs back to exactly `data`: its bytes are then canonical msgpack of a tree
-        `check_packed` passes."""
+        `check_packed` passes. The echo must be the first item of a top-level array (where
+        a request tail holds it)."""
         if type(data) is not bytes or len(data) > QUICK_LIMIT or _EMPTY_BIN in data:
             return None
         if len(data) > max_depth and len(data.translate(None, _NOT_CONTAINER)) > max_depth:
@@ -397,6 +398,10 @@ class QuickCheck:
             return None
         if type(value) is list:
             info.top_items = len(value)
+            if info.echoes and value[0] is not _ECHO:
+                return None  # an echo elsewhere (a dict key, say): check_packed decides
+        elif info.echoes:
+            return None
         return info
 
     def _ext(self, code: int, payload: bytes) -> msgpack.ExtType:

@@ -213,3 +213,27 @@ def test_quick_check_counts_blob_references_and_one_echo() -> None:
     assert (info.top_items, info.refs, info.echoes, info.special) == (3, 2, 1, True)
     assert quick_check(data, 2, MAX_DEPTH) is None  # no echo allowed
     assert quick_check(data, 1, MAX_DEPTH, echo_ok=True) is None  # blob 1 out of range
+    echo_key = b"\x81" + echo + b"\xc0"  # an echo as a dict key: check_packed refuses it
+    assert quick_check(echo_key, 1, MAX_DEPTH, echo_ok=True) is None
+    assert quick_check(b"\x91\x91" + echo, 1, MAX_DEPTH, echo_ok=True) is None  # nested
+
+
+_ext = st.builds(
+    msgpack.ExtType,
+    st.integers(0, 7),
+    st.sampled_from([b"", b"\x00\x00\x00\x00", b"\x00\x00\x00\x01", b"\x00\x00\x00\x09", b"12"]),
+)
+_raw_trees = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(),
+              st.text(max_size=40), st.binary(max_size=3), _ext),
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.dictionaries(st.one_of(st.text(max_size=3), st.integers(-9, 9), _ext), children, max_size=3),
+    ),
+    max_leaves=12,
+)  # fmt: skip
+
+
+@given(_raw_trees, st.booleans())
+def test_quick_check_agrees_on_trees_with_any_extension_types(tree: object, echo_ok: bool) -> None:
+    _agrees(msgpack.packb(tree, use_bin_type=True), 2, echo_ok)
