@@ -228,7 +228,9 @@ _raw_trees = st.recursive(
               st.text(max_size=40), st.binary(max_size=3), _ext),
     lambda children: st.one_of(
         st.lists(children, max_size=4),
-        st.dictionaries(st.one_of(st.text(max_size=3), st.integers(-9, 9), _ext), children, max_size=3),
+        st.dictionaries(
+            st.one_of(st.text(max_size=3), st.integers(-9, 9), _ext), children, max_size=3
+        ),
     ),
     max_leaves=12,
 )  # fmt: skip
