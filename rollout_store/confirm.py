@@ -2,13 +2,13 @@
 boundaries, and cryptographic digests of packed prefixes.
 
 A request re-sends, byte for byte, an earlier request plus a few new messages. The request's
-non-system messages are packed once, as one msgpack array (one C call); the boundaries of its
-last few messages come from packing just those again. A stored request is found by the BLAKE3 digest
-of its whole packed prefix (never of one message: buckets would grow with content that many
-rollouts share): its first 8 bytes are the index key, and all 32 confirm the match. xxh3
-collisions can be crafted, BLAKE3 collisions cannot, so a digest match stands for a byte
-comparison. Packed
-msgpack items are self-delimiting, so equal prefix bytes mean equal leading messages.
+non-system messages before its last few are packed once, as msgpack arrays of many messages,
+and hashed as they go; the last few are packed one by one, so the digests at their boundaries
+are known. A stored request is found by the BLAKE3 digest of its whole packed prefix (never of
+one message: buckets would grow with content that many rollouts share): its first 8 bytes are
+the index key, and all 32 confirm the match. xxh3 collisions can be crafted, BLAKE3 collisions
+cannot, so a digest match stands for a byte comparison. Packed msgpack items are
+self-delimiting, so equal prefix bytes mean equal leading messages.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ import xxhash
 from .encoding import array_header
 
 __all__ = [
-    "CHUNK_BYTES",
+    "ALIGN",
+    "CHUNK_HIGH",
+    "CHUNK_LOW",
     "MAX_RAW_TIPS",
     "RAW_HEAD",
     "WINDOW",
@@ -35,10 +37,17 @@ __all__ = [
     "raw_end",
 ]
 
-#: How many trailing message boundaries are probed before every boundary is.
+#: How many trailing message boundaries are probed, at most, before every boundary is.
 WINDOW = 8
-#: Messages before the window are packed in chunks of about this many bytes.
-CHUNK_BYTES = 1 << 16
+#: The messages before the window are packed in chunks of about these sizes, so the packer's
+#: buffer stays below the size the allocator maps fresh pages for (measured: a fresh multi-MiB
+#: buffer a turn costs more in page faults than the packing itself).
+CHUNK_LOW = 1 << 15
+CHUNK_HIGH = 1 << 16
+#: BLAKE3 runs at full speed only on updates of many whole 1 KiB chunks starting at a multiple
+#: of their count (measured: 1.4-4 GB/s on updates of other sizes, 7-10 GB/s on multiples of
+#: 16-64 KiB), so the chunks are hashed in multiples of this many bytes.
+ALIGN = 1 << 15
 
 
 def prefix_digest(data: bytes | memoryview) -> bytes:
@@ -64,41 +73,72 @@ def prefix_keys(plains: Sequence[bytes]) -> list[int]:
 class Probe:
     """One request's non-system messages, packed once, with keys and digests of its prefixes.
 
-    The messages before the last `WINDOW` are packed in chunks of about `CHUNK_BYTES` (a few
-    C calls, small buffers that the allocator reuses) and hashed as they go; the last ones are
-    packed one by one, so the digest at each of their boundaries is known. `plains[i]` is the
-    packing of message i where known (from `low` on), `digests[j]` the digest of the first j
-    messages. Raises what the packer raises when some message cannot be packed plainly (the
-    caller then takes the validating path).
+    The messages before the last `window` (at most `WINDOW`) are packed as arrays of many
+    messages (a few C calls) and hashed as they go; the last ones are packed one by one, so
+    the digest at each of their boundaries is known. `plains[i]` is the packing of message i
+    where known (from `low` on), `digests[j]` the digest of the first j messages. Raises what
+    the packer raises when some message cannot be packed plainly (the caller then takes the
+    validating path).
     """
 
     __slots__ = ("_pack", "digests", "hasher", "low", "messages", "n", "plains")
 
     def __init__(
-        self, messages: Sequence[Any], pack: Callable[[Any], bytes], message_size: int = 256
+        self, messages: Sequence[Any], pack: Callable[[Any], bytes], window: int = WINDOW
     ) -> None:
         if type(messages) is not list:
             messages = list(messages)
         n = len(messages)
-        low = max(n - WINDOW, 0)
+        low = n - window if n > window else 0
         self.n = n
         self.messages = messages
         self._pack = pack
-        self.plains: list[bytes | None] = [None] * n
-        self.digests: list[bytes | None] = [None] * (n + 1)
+        # the last messages one by one (their packings are needed anyway), first: their
+        # mean size tells how many earlier messages make a chunk of the right size
+        window = [pack(message) for message in messages[low:]]
         hasher = blake3.blake3()
-        step = max(CHUNK_BYTES // max(message_size, 1), 1)
-        for start in range(0, low, step):
-            stop = min(start + step, low)
-            chunk = memoryview(pack(messages[start:stop]))[len(array_header(stop - start)) :]
-            hasher.update(chunk)
-        digests, plains = self.digests, self.plains
-        digests[low] = hasher.digest()
-        for i in range(low, n):
-            plain = pack(messages[i])
-            plains[i] = plain
-            hasher.update(plain)
-            digests[i + 1] = hasher.digest()
+        update = hasher.update
+        # the messages before the window as arrays of CHUNK_LOW to CHUNK_HIGH bytes (as many
+        # messages as that takes, adapting as it goes), hashed in multiples of ALIGN bytes
+        if low:
+            mean = sum(map(len, window)) // len(window) + 1
+            start, step = 0, CHUNK_LOW // mean + 1
+            carry = b""  # bytes not yet hashed, so that every update is a multiple of ALIGN
+            while start < low:
+                stop = start + step if start + step < low else low
+                chunk = pack(messages[start:stop])  # an array: its header, then the packings
+                data = memoryview(chunk)[len(array_header(stop - start)) :]
+                size = len(chunk)
+                if carry:
+                    need = ALIGN - len(carry)
+                    if len(data) < need:
+                        carry += data
+                        data = data[:0]
+                    else:
+                        update(carry + data[:need])
+                        data = data[need:]
+                        carry = b""
+                cut = len(data) - len(data) % ALIGN
+                if cut:
+                    update(data[:cut])
+                if cut < len(data):
+                    carry += data[cut:]
+                if size < CHUNK_LOW:
+                    step = step * 2 if size * 4 > CHUNK_LOW else step * 4
+                elif size > CHUNK_HIGH and step > 1:
+                    step //= 2
+                start = stop
+            update(carry)
+        plains: list[bytes | None] = [None] * low
+        digests: list[bytes | None] = [None] * low
+        digest = hasher.digest
+        digests.append(digest())
+        for plain in window:
+            update(plain)
+            digests.append(digest())
+        plains.extend(window)
+        self.plains = plains
+        self.digests = digests
         self.low = low
         self.hasher = hasher  # has seen every message: where a continuation's digest starts
 

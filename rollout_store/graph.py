@@ -467,8 +467,6 @@ class Graph:
         if tail_key is not None:
             requests.add_tail_key(turn.index, tail_key)
         turn.meta = self._meta.setdefault(turn.meta, turn.meta)
-        # flags above 256 are int objects of their own: one per distinct value, not per turn
-        turn.flags = self._flag_values.setdefault(turn.flags, turn.flags)
         self._turns.append(turn)
         self._blob_marks.append(len(self.blobs))
         if turn.ident is not None:
@@ -486,7 +484,9 @@ class Graph:
             if parent.children is None:
                 requests.note_parent(parent)
             add_child(parent, turn)
-        requests.file(turn, keys.request, request)
+        requests.file(turn, keys.request, request)  # sets its digest: a flag
+        # flags above 256 are int objects of their own: one per distinct value, not per turn
+        turn.flags = self._flag_values.setdefault(turn.flags, turn.flags)
         if raw_tip is not None:
             requests.raw_tips.add(*raw_tip)
         linker = self._linker

@@ -12,6 +12,7 @@ from operator import index as _as_int
 from typing import Any
 
 import msgpack
+import msgspec
 
 from .blobs import BlobTable, Handle
 from .encoding import EXT_BIGINT, EXT_BLOB, EXT_SURROGATE, TUPLE_MARK
@@ -271,6 +272,11 @@ def _as_sequence(values: object, path: str) -> object:
     return values
 
 
+def _exact_ints(ids: list[Any]) -> list[int]:
+    """`ids` if every item is an int (not a bool) within 64 bits, else ValidationError."""
+    return msgspec.convert(ids, list[int], strict=True)
+
+
 def token_array(ids: object, path: str) -> array[int] | tuple[int, ...]:
     """Token ids as compact typed storage: array('I') when they fit, else exact ints.
 
@@ -278,6 +284,11 @@ def token_array(ids: object, path: str) -> array[int] | tuple[int, ...]:
     Raises `InvalidValueError` for anything else (bools included: they would come back as
     0 and 1).
     """
+    if type(ids) is list:
+        try:  # the common case at C speed: exact ints (bools refused), most of them 32-bit
+            return array("I", _exact_ints(ids))
+        except (msgspec.ValidationError, OverflowError):
+            pass  # the checks below say what is wrong, or find the storage that fits
     ids = _as_sequence(ids, path)
     if not isinstance(ids, list | tuple):
         raise InvalidValueError(f"expected a list of int, got {type(ids).__name__}", path)

@@ -137,7 +137,7 @@ class Linker:
     def _token_parent(self, data: bytes, digests: list[int | None], n: int) -> Turn | None:
         # Turns whose tokens fill j whole blocks are found by the digest of those blocks,
         # deepest first; shorter ones (under one block) by their exact length.
-        low = next((j for j, d in enumerate(digests) if d is not None), 0)
+        low = digests.count(None)  # the blocks before the window (a leading run of None)
         buckets: list[tuple[int, int, int]] = [
             (digests[j], j * BLOCK, (j + 1) * BLOCK)  # type: ignore[misc]
             for j in range(len(digests) - 1, max(low, 1) - 1, -1)

@@ -114,7 +114,7 @@ def _utf8(spans: list[memoryview]) -> None:
         spans.clear()
 
 
-def _length(data: bytes, pos: int, width: int) -> int:
+def _length(data: bytes | memoryview, pos: int, width: int) -> int:
     if width == 1:
         return data[pos]
     if width == 2:
@@ -123,7 +123,7 @@ def _length(data: bytes, pos: int, width: int) -> int:
 
 
 def check_packed(
-    data: bytes,
+    data: bytes | memoryview,
     n_blobs: int,
     max_depth: int,
     *,
@@ -135,10 +135,12 @@ def check_packed(
     """Check one packed value (see the module docstring); raises ValueError naming the byte
     offset inside the value. `n_blobs`: blob references must be below it.
 
+    `data` may be a memoryview (of a file's bytes: no copy).
+
     `record=True` checks a file's own record instead of a JSON value: bytes are allowed,
     extension types are not, strings are not decoded (ids may hold lone surrogates), and at
     most `max_containers` containers may open, so decoding it afterwards stays bounded."""
-    if not isinstance(data, bytes):
+    if not isinstance(data, bytes | memoryview):
         raise ValueError("a packed value must be bytes")
     walk = _Walk(data, n_blobs, max_depth, blob_surrogates, echo_ok, record, max_containers)
     try:
@@ -174,7 +176,7 @@ class _Walk:
 
     def __init__(
         self,
-        data: bytes,
+        data: bytes | memoryview,
         n_blobs: int,
         max_depth: int,
         surrogates: Callable[[int], bool] | None,
@@ -300,7 +302,7 @@ class _Walk:
         if end > len(data):
             raise ValueError("an extension runs past the end")
         code = data[start - 1]
-        payload = data[start:end]
+        payload = bytes(data[start:end])
         info = self.info
         if code == EXT_BLOB:
             self.blob(payload, pos)
@@ -363,7 +365,8 @@ class QuickCheck:
 
     def __init__(self, blob_surrogates: Callable[[int], bool] | None = None) -> None:
         self.blob_surrogates = blob_surrogates
-        self._pack = msgpack.Packer(use_bin_type=True).pack
+        # a small buffer to start with (it grows to QUICK_LIMIT at most)
+        self._pack = msgpack.Packer(use_bin_type=True, buf_size=1024).pack
         self._info = PackedInfo(-1)
         self._n_blobs = 0
         self._echo_ok = False

@@ -10,8 +10,19 @@ from __future__ import annotations
 import re
 from typing import Any, Final
 
+import msgpack
+
 from .blobs import BlobTable
-from .confirm import Probe, RawTip, RawTips, digest_key, prefix_digest, prefix_keys, raw_end
+from .confirm import (
+    WINDOW,
+    Probe,
+    RawTip,
+    RawTips,
+    digest_key,
+    prefix_digest,
+    prefix_keys,
+    raw_end,
+)
 from .content import content_key
 from .encoding import (
     ECHO_PACKED,
@@ -38,6 +49,28 @@ _new_tuple: Final = tuple.__new__
 
 #: msgpack type bytes of ext and bin values, which JSON values never pack to by themselves
 _NOT_JSON = re.compile(b"[\\xc4-\\xc9\\xd4-\\xd8]").search
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ValueError("an ext type")
+
+
+def _json_only(plain: bytes) -> bool:
+    """Whether a plain packing holds no ext and no bin type (JSON values never pack to them:
+    a tuple, a big int, `bytes` or a caller's `msgpack.ExtType` does).
+
+    The bytes that begin those types are looked for first; where some occur (often a length
+    byte or a letter, not a type), unpacking at C speed tells, refusing every ext type and
+    every non-empty bin; an empty bin's two bytes anywhere send the value to the walk.
+    """
+    if _NOT_JSON(plain) is None:
+        return True
+    try:
+        msgpack.unpackb(plain, max_bin_len=0, ext_hook=_refuse_ext, strict_map_key=False)
+    except Exception:  # an ext or bin type (or too deep for the unpacker): the walk decides
+        return False
+    return b"\xc4\x00" not in plain
+
 
 _NOT_FAST = object()  # _prepare_raw: decode the whole text instead
 
@@ -212,9 +245,9 @@ class RequestStore:
     __slots__ = (
         "_canonical",
         "_encoder",
-        "_message_size",
         "_pack_plain",
         "_plain_limit",
+        "_window",
         "blobs",
         "raw_tips",
         "request_index",
@@ -235,10 +268,10 @@ class RequestStore:
         self.tail_keys: dict[int, bytes] | None = {} if fetches else None
         self.values = ValueTable(self.expand, share_threshold, hashed=fetches)
         self.request_index: dict[int, Any] = {}  # digest of non-system request -> turn(s)
-        self._message_size = 256  # mean packed size of recent messages, to chunk requests
         # plain packings shorter than this can hold no blob and no nesting beyond MAX_DEPTH
         self._plain_limit = min(share_threshold or MAX_DEPTH, MAX_DEPTH)
         self.raw_tips = RawTips()  # the latest raw turns, for raw continuations
+        self._window = WINDOW  # trailing boundaries a request is probed at first
 
     def reset_packer(self) -> None:
         self._pack_plain = new_packer()
@@ -256,7 +289,7 @@ class RequestStore:
         as MAX_DEPTH) and holds no ext or bin type (no tuple, big int, bytes or caller's
         `msgpack.ExtType`) is what the validating walk would build: the walk is skipped.
         """
-        if plain is not None and len(plain) < self._plain_limit and _NOT_JSON(plain) is None:
+        if plain is not None and len(plain) < self._plain_limit and _json_only(plain):
             return plain, False
         return self._encoder.encode(value, path)
 
@@ -362,7 +395,7 @@ class RequestStore:
         pack = self._pack_plain
         probe: Probe | None
         try:
-            probe = Probe(rest, pack, self._message_size)
+            probe = Probe(rest, pack, self._window)
         except Exception:  # some message needs the validating walk, or is RawJSON
             probe = None
             if any(type(m) is RawJSON for m in messages):
@@ -370,11 +403,9 @@ class RequestStore:
                 n_sys = leading_system_count(messages)
                 rest = messages[n_sys:]
                 try:
-                    probe = Probe(rest, pack, self._message_size)
+                    probe = Probe(rest, pack, self._window)
                 except Exception:
                     probe = None
-        if probe is not None and probe.plains:  # a running mean, to size the next chunks
-            self._message_size = (len(probe.plain(probe.n - 1)) + self._message_size) // 2
         try:
             plains: list[bytes | None] = [pack(m) for m in messages[:n_sys]]
         except Exception:  # some message needs the slow path: find which
@@ -394,7 +425,12 @@ class RequestStore:
         scratch.request = request
         if request.n_valid == len(request.messages):
             scratch.request_digest = request.key(request.n_valid)
-        self._store_tail(turn, request, self._base(request), n_sys, scratch)
+        base = self._base(request)
+        if base is not None and probe is not None:
+            # the next request is probed at as many boundaries as bases lately lay back (and
+            # at every boundary when its base lies further back: see `Probe`)
+            self._window = min(WINDOW, max(len(rest) - base.n_rest + 2, self._window - 1))
+        self._store_tail(turn, request, base, n_sys, scratch)
         if raw is not None and probe is not None and rest and isinstance(messages, list):
             end = raw_end(raw)
             if end is not None:  # later raw turns of this conversation start here
@@ -464,8 +500,7 @@ class RequestStore:
             pieces.append(packed)
         turn.system = base.system
         turn.base = base
-        turn.tail = array_header(len(pieces)) + b"".join(pieces)
-        turn.n_rest = base.n_rest + len(fresh)
+        turn.set_request((array_header(len(pieces)), *pieces), base.n_rest + len(fresh))
         finish_tail(turn)
         turn.digest = state.digest()
         scratch.request_digest = digest_key(turn.digest)
@@ -490,13 +525,17 @@ class RequestStore:
         rest = request.messages
         start = base.n_rest if base is not None else 0
         pieces: list[bytes] = []
+        limit = self._plain_limit
         for i in range(start, len(rest)):
             p = request.plain(i)
             if i == start and base is not None and self.is_echo(base, rest[i], p):
                 pieces.append(ECHO_PACKED)
                 turn.flags |= TurnFlag.TAIL_ECHO
                 continue
-            packed, special = self.stored_form(rest[i], p, f"request_messages[{n_sys + i}]")
+            if p is not None and len(p) < limit and _json_only(p):  # `stored_form`, inline
+                pieces.append(p)
+                continue
+            packed, special = self._encoder.encode(rest[i], f"request_messages[{n_sys + i}]")
             if packed != p:
                 turn.flags |= TurnFlag.TAIL_REFS
             if special:
@@ -510,8 +549,7 @@ class RequestStore:
             if None not in body:
                 scratch.tail_key = content_key(b"".join(body))  # type: ignore[arg-type]
         turn.base = base
-        turn.tail = array_header(len(pieces)) + b"".join(pieces)
-        turn.n_rest = len(rest)
+        turn.set_request((array_header(len(pieces)), *pieces), len(rest))
         finish_tail(turn)
 
     def file(self, turn: Turn, key: int | None, request: FreshRequest | None = None) -> None:

@@ -125,7 +125,7 @@ _CONTENT_FLAGS = (
     TurnFlag.TAIL_REFS | TurnFlag.RESPONSE_REFS | TurnFlag.TAIL_SPECIAL | TurnFlag.RESPONSE_SPECIAL
 )
 #: Bits derived on load, never written (a version-1 writer also wrote TurnFlag.TAIL_SLOW).
-_DERIVED_FLAGS = TurnFlag.TAIL_SLOW | TurnFlag.PREFIX_SPECIAL | _CONTENT_FLAGS
+_DERIVED_FLAGS = TurnFlag.TAIL_SLOW | TurnFlag.PREFIX_SPECIAL | TurnFlag.HAS_DIGEST | _CONTENT_FLAGS
 #: Bits a turn record's flags may hold, and those of a request with messages.
 _MESSAGE_FLAGS = TurnFlag.TAIL_ECHO | TurnFlag.MESSAGES_TUPLE
 _STORED_FLAGS = _MESSAGE_FLAGS | (
@@ -626,8 +626,7 @@ class _Loader:
             raise ValueError("request shorter than its base")
         if system is not None and not self.value_is_list[system]:
             raise ValueError("system messages must be an array")
-        turn.tail = tail
-        turn.n_rest = n_rest
+        turn.set_request((tail,), n_rest)
         if flags & TurnFlag.NO_MESSAGES:
             if tail or n_rest or system is not None or flags & _MESSAGE_FLAGS:
                 raise ValueError("a request without messages has messages")
@@ -807,7 +806,7 @@ def _decode(payload: memoryview, max_containers: int) -> Any:
     """A record's msgpack body; one long enough to allocate much is walked and bounded first
     (nesting, number of containers), so decoding it costs a bounded multiple of its size."""
     if len(payload) > _SMALL_RECORD:
-        check_packed(bytes(payload), 0, _RECORD_DEPTH, record=True, max_containers=max_containers)
+        check_packed(payload, 0, _RECORD_DEPTH, record=True, max_containers=max_containers)
     return unpack_payload(payload)
 
 

@@ -7,10 +7,12 @@ compared. Request storage, linking, the graph and its files all work on these.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from enum import IntEnum
 from typing import Any, NamedTuple
 
 from .encoding import ECHO_PACKED, array_header
+from .errors import RolloutStoreError
 from .tokens import TokenRun
 
 __all__ = [
@@ -28,6 +30,9 @@ __all__ = [
     "sampled_any",
     "seg_list",
 ]
+
+#: Bytes of a request digest (BLAKE3, see confirm.prefix_digest).
+DIGEST_SIZE = 32
 
 #: The string fields of `TurnMeta` (checked on intake), in order.
 SCALAR_NAMES = ("model", "finish_reason", "harness_session_id", "system_digest")
@@ -58,6 +63,8 @@ class TurnFlag(IntEnum):
     # lone surrogates, so a digest match is trusted only after the fresh messages pass the
     # validating walk
     PREFIX_SPECIAL = 1024
+    # derived, never stored: `Turn.data` ends with the request's digest (see Turn.digest)
+    HAS_DIGEST = 2048
 
 
 class LinkKind(IntEnum):
@@ -94,6 +101,20 @@ class IndexKeys(NamedTuple):
     token: int | None  # block digest of prompt + sampled tokens
     prompt: int | None  # digest of its whole prompt
     roots: list[int] | None  # request keys of its shorter prefixes, while a message root
+
+
+_NO_REQUEST = bytes(4)  # no tail, no digest, n_rest 0 (immutable: every new turn starts so)
+
+
+def _n_rest_bytes(n_rest: int) -> bytes:
+    if not 0 <= n_rest < 1 << 32:
+        raise RolloutStoreError(f"a request of {n_rest} messages cannot be stored")
+    return n_rest.to_bytes(4, "little")
+
+
+def _trailer_size(flags: int) -> int:
+    """Bytes of `Turn.data` after the tail."""
+    return 4 + DIGEST_SIZE if flags & TurnFlag.HAS_DIGEST else 4
 
 
 class TurnTokens:
@@ -133,18 +154,16 @@ class Turn:
 
     __slots__ = (
         "base",
-        "digest",
+        "data",
         "flags",
         "ident",
         "index",
         "kids",
         "link",
         "meta",
-        "n_rest",
         "parent",
         "response",
         "rkey",
-        "tail",
         "tokens",
         "values",
     )
@@ -157,23 +176,22 @@ class Turn:
     flags: int  # TurnFlag bits
     meta: TurnMeta  # interned per graph
     base: Turn | None  # the turn whose non-system request this one extends
-    tail: bytes  # packed non-system messages after the base's
-    n_rest: int  # number of non-system request messages
     response: bytes | None
     # system, tools, sampling, requested: packed values shared via ValueTable, interned
     values: tuple[bytes | None, bytes | None, bytes | None, bytes | None] | None
     tokens: TurnTokens | None
-    # BLAKE3 of the plain packing of the non-system messages; None until known (a turn read
-    # from a file gets it when a byte comparison first confirms it)
-    digest: bytes | None
+    # the tail (packed non-system messages after the base's), the digest if known and the
+    # number of non-system messages: one bytes object where there were two bytes objects and
+    # an int (see the `tail`, `digest` and `n_rest` properties)
+    data: bytes
     rkey: int | None  # the key its request is filed under (None: not filed)
 
     def __init__(self) -> None:
+        self.data = _NO_REQUEST
         self.ident = None
         self.kids = None
         self.values = None
         self.tokens = None
-        self.digest = None
         self.rkey = None
 
     # -- identity and children
@@ -198,6 +216,58 @@ class Turn:
     @children.setter
     def children(self, children: tuple[Turn, ...] | None) -> None:
         self.kids = children[0] if children is not None and len(children) == 1 else children
+
+    # -- the tail, the digest and n_rest, kept as one bytes object:
+    #    tail + digest (DIGEST_SIZE bytes, when HAS_DIGEST) + n_rest (4 bytes, little-endian)
+
+    @property
+    def tail(self) -> bytes:
+        """The packed non-system messages after the base's."""
+        return self.data[: -_trailer_size(self.flags)]
+
+    @tail.setter
+    def tail(self, tail: bytes) -> None:
+        data = self.data
+        self.data = tail + data[len(data) - _trailer_size(self.flags) :]
+
+    def set_request(self, tail_parts: Sequence[bytes], n_rest: int) -> None:
+        """Set the tail (`tail_parts` joined) and `n_rest` in one copy; no digest (set it
+        afterwards)."""
+        self.flags &= ~TurnFlag.HAS_DIGEST
+        self.data = b"".join((*tail_parts, _n_rest_bytes(n_rest)))
+
+    @property
+    def n_rest(self) -> int:
+        """The number of non-system request messages."""
+        data = self.data
+        return int.from_bytes(data[len(data) - 4 :], "little")
+
+    @n_rest.setter
+    def n_rest(self, n_rest: int) -> None:
+        self.data = self.data[:-4] + _n_rest_bytes(n_rest)
+
+    @property
+    def digest(self) -> bytes | None:
+        """BLAKE3 of the plain packing of the non-system messages; None until known (a turn
+        read from a file gets it when a byte comparison first confirms it)."""
+        if self.flags & TurnFlag.HAS_DIGEST:
+            return self.data[-4 - DIGEST_SIZE : -4]
+        return None
+
+    @digest.setter
+    def digest(self, digest: bytes | None) -> None:
+        data = self.data
+        tail, n_rest = data[: -_trailer_size(self.flags)], data[-4:]
+        if digest is None:
+            self.data = tail + n_rest
+            self.flags &= ~TurnFlag.HAS_DIGEST
+        else:
+            if len(digest) != DIGEST_SIZE:  # it would cut the tail short
+                raise RolloutStoreError(
+                    f"a request digest has {DIGEST_SIZE} bytes, not {len(digest)}"
+                )
+            self.data = tail + digest + n_rest
+            self.flags |= TurnFlag.HAS_DIGEST
 
     # -- derived from the request's fields (see finish_tail)
 

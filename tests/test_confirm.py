@@ -1,0 +1,260 @@
+"""Confirming re-sent messages: the chunked prefix digests equal BLAKE3 of the plain packings,
+deep conversations link turn by turn (raw and decoded alike), an edit anywhere in a re-sent
+prefix is never taken for the stored one, and odd values survive it exactly."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from typing import Any
+
+import blake3
+import pytest
+from support import assert_same, assert_same_json
+
+from rollout_store import InvalidValueError, RawJSON, RolloutGraph, TurnNode
+from rollout_store.confirm import ALIGN, CHUNK_HIGH, WINDOW, Probe
+from rollout_store.encoding import new_packer
+from rollout_store.intake import token_array
+from rollout_store.stored import TurnFlag
+
+SIZES = (0, 1, 30, 200, 1000, 5000, ALIGN - 7, ALIGN + 3, CHUNK_HIGH + 11, 3 * ALIGN)
+
+
+def _messages(rng: random.Random, n: int) -> list[dict[str, Any]]:
+    return [
+        {"role": rng.choice(["user", "assistant"]), "content": "m" * rng.choice(SIZES) + str(i)}
+        for i in range(n)
+    ]
+
+
+def _reference(pack: Any, messages: list[Any]) -> list[bytes]:
+    plains = [pack(m) for m in messages]
+    return [blake3.blake3(b"".join(plains[:j])).digest() for j in range(len(messages) + 1)]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_probe_digests_are_blake3_of_the_plain_packings(seed: int) -> None:
+    """Every known boundary's digest, before and after `extend`, whatever the chunking and
+    the window."""
+    rng = random.Random(seed)
+    pack = new_packer()
+    messages = _messages(rng, rng.randrange(0, 90))
+    want = _reference(pack, messages)
+    window = rng.randrange(1, WINDOW + 1)
+    probe = Probe(messages, new_packer(), window)
+    assert probe.low == max(len(messages) - window, 0)
+    for j in range(probe.low, len(messages) + 1):
+        assert probe.digests[j] == want[j], (seed, j)
+    for i in range(probe.low, len(messages)):
+        assert probe.plains[i] == pack(messages[i])
+    probe.extend()
+    assert probe.digests == want
+    assert probe.all_plains() == [pack(m) for m in messages]
+
+
+def _conversation(n_turns: int, seed: int, big: bool) -> list[tuple[list[Any], dict[str, Any]]]:
+    """Request and response of each turn; 1 to 12 new messages a turn (so bases lie inside
+    and beyond the probed window), some long enough to span chunks."""
+    rng = random.Random(seed)
+    history: list[Any] = [{"role": "system", "content": "sys"}]
+    out = []
+    for t in range(n_turns):
+        for _ in range(rng.choice([1, 1, 2, 3, 5, 12])):
+            size = rng.choice(SIZES if big else (10, 200, 300))
+            history.append({"role": "user", "content": f"{t}:" + "u" * size})
+        response = {"role": "assistant", "content": f"reply {t}"}
+        out.append((list(history), response))
+        history.append(response)
+    return out
+
+
+@pytest.mark.parametrize("big", [False, True])
+def test_deep_conversation_links_every_turn(big: bool) -> None:
+    graph = RolloutGraph()
+    turns = _conversation(40, 3, big)
+    for messages, response in turns:
+        graph.add_turn(TurnNode(request_messages=messages, response_message=response))
+    assert graph.path_ids("turn-39") == [f"turn-{i}" for i in range(40)]
+    for i, (messages, _) in enumerate(turns):
+        assert_same(graph.request_messages(f"turn-{i}"), messages)
+
+
+@pytest.mark.parametrize("raw_every", [1, 2, 3])
+def test_raw_and_decoded_turns_of_a_deep_conversation_link(raw_every: int) -> None:
+    """Raw turns continue decoded ones and the other way round; the stored bytes are those
+    of an all-decoded graph."""
+    graph, plain = RolloutGraph(), RolloutGraph()
+    turns = _conversation(30, 4, big=True)
+    for i, (messages, response) in enumerate(turns):
+        text = json.dumps(messages)
+        given: Any = RawJSON(text.encode()) if i % raw_every == 0 else json.loads(text)
+        graph.add_turn(TurnNode(request_messages=given, response_message=response))
+        plain.add_turn(TurnNode(request_messages=json.loads(text), response_message=response))
+    assert graph.path_ids("turn-29") == plain.path_ids("turn-29")
+    assert graph.path_ids("turn-29") == [f"turn-{i}" for i in range(30)]
+    assert graph.stats()["message_bytes_stored"] == plain.stats()["message_bytes_stored"]
+    for node_id in graph.node_ids():
+        assert_same(graph.request_messages(node_id), plain.request_messages(node_id))
+
+
+def _edited(messages: list[Any], where: int, rng: random.Random) -> list[Any]:
+    """`messages` with one character of message `where` changed (same length)."""
+    out = json.loads(json.dumps(messages))
+    text = out[where]["content"]
+    k = rng.randrange(len(text))
+    out[where]["content"] = text[:k] + ("#" if text[k] != "#" else "%") + text[k + 1 :]
+    return out
+
+
+@pytest.mark.parametrize("raw", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_an_edit_in_the_middle_of_a_resent_prefix_never_matches(raw: bool, seed: int) -> None:
+    """One character changed in an early message (before the probed window, inside some
+    chunk): no stored turn holding that message is its parent or base, and what was sent is
+    kept."""
+    rng = random.Random(seed)
+    graph = RolloutGraph()
+    turns = _conversation(25, 10 + seed, big=True)
+    for messages, response in turns:
+        graph.add_turn(TurnNode(request_messages=messages, response_message=response))
+    last, response = turns[-1]
+    resent = [*last, response, {"role": "user", "content": "next"}]
+    where = rng.randrange(1, len(last) - WINDOW)
+    edited = _edited(resent, where, rng)
+    given: Any = RawJSON(json.dumps(edited).encode()) if raw else edited
+    view = graph.add_turn(TurnNode(request_messages=given))
+    # the parent is the deepest turn whose request and echoed response lie before the edit
+    before = [k for k, (messages, _) in enumerate(turns) if len(messages) < where]
+    want = f"turn-{before[-1]}" if before else None
+    assert graph.parent(view.node_id) == want
+    stored = graph._turn(view.node_id)
+    assert stored.base is None or stored.base.n_rest + 1 <= where  # and no base beyond it
+    assert_same_json(graph.request_messages(view.node_id), edited)
+    # the unedited continuation still finds its parent
+    view = graph.add_turn(TurnNode(request_messages=resent))
+    assert graph.parent(view.node_id) == f"turn-{len(turns) - 1}"
+    assert_same(graph.request_messages(view.node_id), resent)
+
+
+SPECIAL = [
+    ("tuple", ("a", ("b", 1), [])),
+    ("big int", 2**80),
+    ("negative big int", -(2**70) - 1),
+    ("lone surrogate", "x\ud800y"),
+    ("nan", math.nan),
+    ("inf", -math.inf),
+    ("negative zero", -0.0),
+    ("int float bool", [1, 1.0, True, 0, 0.0, False]),
+    ("key order", {"b": 1, "a": 2}),
+    ("empty", [{}, [], ""]),
+]
+
+
+def _chat_with(value: Any, n: int) -> list[tuple[list[Any], dict[str, Any]]]:
+    history: list[Any] = [{"role": "user", "content": "start", "odd": value}]
+    out = []
+    for i in range(n):
+        history = [*history, {"role": "user", "content": f"q{i}" * 50, "odd": value}]
+        response = {"role": "assistant", "content": f"a{i}"}
+        out.append((history, response))
+        history = [*history, response]
+    return out
+
+
+@pytest.mark.parametrize(("label", "value"), SPECIAL, ids=[label for label, _ in SPECIAL])
+def test_special_values_in_a_resent_prefix_link_and_round_trip(label: str, value: Any) -> None:
+    graph = RolloutGraph()
+    turns = _chat_with(value, 14)  # deeper than the window: the odd values are re-sent
+    for messages, response in turns:
+        graph.add_turn(TurnNode(request_messages=messages, response_message=response))
+    assert graph.path_ids("turn-13") == [f"turn-{i}" for i in range(14)], label
+    for i, (messages, _) in enumerate(turns):
+        assert_same(graph.request_messages(f"turn-{i}"), messages)
+
+
+@pytest.mark.parametrize(
+    ("stored", "fresh"),
+    [
+        (1, 1.0),
+        (1, True),
+        (0.0, -0.0),
+        ([1, 2], (1, 2)),
+        ({"a": 1, "b": 2}, {"b": 2, "a": 1}),
+        (2**70, 2**70 + 1),
+        ("x\ud800", "x\ud801"),
+    ],
+)
+def test_values_equal_in_python_but_not_in_json_are_not_confirmed(stored: Any, fresh: Any) -> None:
+    """A re-sent prefix that differs from the stored one only where Python's == does not
+    tell is stored as sent, not as the stored turn's."""
+    graph = RolloutGraph()
+    first = [{"role": "user", "content": "q", "v": stored}] + [
+        {"role": "user", "content": f"pad {i}"} for i in range(12)
+    ]
+    graph.add_turn(
+        TurnNode(request_messages=first, response_message={"role": "assistant", "content": "a"})
+    )
+    second = [{"role": "user", "content": "q", "v": fresh}, *first[1:]]
+    second += [{"role": "assistant", "content": "a"}, {"role": "user", "content": "more"}]
+    view = graph.add_turn(TurnNode(request_messages=second))
+    assert graph.parent(view.node_id) is None
+    assert_same(graph.request_messages(view.node_id), second)
+    assert_same(graph.request_messages("turn-0"), first)
+
+
+def test_nan_in_a_raw_prefix_links_to_the_decoded_turn() -> None:
+    """NaN and a lone surrogate in raw text (which msgspec leaves to json.loads): the raw
+    continuation of a decoded turn still links, and exports the same text."""
+    graph = RolloutGraph()
+    text = '[{"role": "user", "content": "\\ud800", "x": NaN, "n": 123456789012345678901234}]'
+    first = json.loads(text)
+    graph.add_turn(
+        TurnNode(request_messages=first, response_message={"role": "assistant", "content": "a"})
+    )
+    resent = (
+        text[:-1] + ', {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]'
+    )
+    view = graph.add_turn(TurnNode(request_messages=RawJSON(resent.encode())))
+    assert graph.parent(view.node_id) == "turn-0"
+    assert json.dumps(graph.request_messages(view.node_id)) == json.dumps(json.loads(resent))
+
+
+@pytest.mark.parametrize(
+    ("ids", "want"),
+    [
+        ([1, 2, 3], "I"),
+        ([], "I"),
+        ([2**32], "q"),
+        ([-1, 5], "q"),
+        ([2**70], "tuple"),
+    ],
+)
+def test_token_array_storage(ids: list[int], want: str) -> None:
+    got = token_array(ids, "prompt_ids")
+    assert (got.typecode if not isinstance(got, tuple) else "tuple") == want
+    assert list(got) == ids
+
+
+@pytest.mark.parametrize(
+    ("ids", "path"),
+    [([1, True], "prompt_ids[1]"), ([False], "prompt_ids[0]"), ([1, 2.0], "prompt_ids[1]")],
+)
+def test_token_array_refuses_bools_and_floats(ids: list[Any], path: str) -> None:
+    with pytest.raises(InvalidValueError) as info:
+        token_array(ids, "prompt_ids")
+    assert path in str(info.value)
+
+
+def test_messages_whose_length_byte_looks_like_an_ext_type_skip_the_walk() -> None:
+    """A 200-character string packs with the length byte 0xc8 (the ext 16 type byte): the
+    message is still stored as its plain packing, and round-trips exactly."""
+    graph = RolloutGraph()
+    messages = [{"role": "user", "content": "z" * n} for n in range(190, 220)]
+    view = graph.add_turn(TurnNode(request_messages=messages))
+    pack = new_packer()
+    stored = graph._turn(view.node_id)  # its tail: the messages' plain packings, joined
+    assert stored.tail.endswith(b"".join(pack(m) for m in messages))
+    assert not stored.flags & (TurnFlag.TAIL_REFS | TurnFlag.TAIL_SPECIAL)
+    assert_same(graph.request_messages(view.node_id), messages)
