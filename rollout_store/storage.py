@@ -24,7 +24,7 @@ from . import framing
 from .atomic import fsync_dir, lock_log, replace_file
 from .blobs import BlobTable, content_digest
 from .content import ContentStore, StringCache
-from .encoding import ECHO_PACKED
+from .encoding import ECHO_PACKED, array_header
 from .errors import (
     ChecksumMismatch,
     CorruptFileError,
@@ -618,11 +618,12 @@ class _Loader:
         flags, tail, n_rest, system = turn.flags, record.tail, record.n_rest, record.system
         turn.system = self._value_ref(system)
         base = turn.base = self._ref(record.base)
+        first = base.n_rest if base is not None else 0  # the first message the tail holds
         if base is not None and (base.flags | flags) & TurnFlag.NO_MESSAGES:
             raise ValueError("a request without messages has no base, and is no base")
-        if not isinstance(tail, bytes) or not isinstance(n_rest, int):
+        if type(tail) is not bytes or type(n_rest) is not int:
             raise ValueError("bad request tail")
-        if n_rest < (base.n_rest if base is not None else 0):
+        if n_rest < first:
             raise ValueError("request shorter than its base")
         if system is not None and not self.value_is_list[system]:
             raise ValueError("system messages must be an array")
@@ -633,18 +634,22 @@ class _Loader:
             finish_tail(turn)
             return
         info = self.check(tail, n_blobs, echo_ok=True)
-        turn.flags |= (TurnFlag.TAIL_REFS if info.refs else 0) | (
-            TurnFlag.TAIL_SPECIAL if info.special else 0
-        )
+        if info.refs or info.special:
+            turn.flags |= (TurnFlag.TAIL_REFS if info.refs else 0) | (
+                TurnFlag.TAIL_SPECIAL if info.special else 0
+            )
         finish_tail(turn)
-        if info.top_items != n_rest - turn.first:
+        if info.top_items != n_rest - first:
             raise ValueError("request tail does not hold its messages")
-        echo = bool(flags & TurnFlag.TAIL_ECHO)
-        at_start = tail[turn.body_start - len(ECHO_PACKED) : turn.body_start] == ECHO_PACKED
-        if info.echoes != echo or (echo and (base is None or not at_start)):
+        echo = flags & TurnFlag.TAIL_ECHO
+        if info.echoes != bool(echo):
             raise ValueError("misplaced echo in a request tail")
-        if echo and base is not None and base.response is None:
-            raise ValueError("an echo of a base turn that has no response")
+        if echo:  # it must be the first message: right after the array header
+            start = len(array_header(n_rest - first))
+            if base is None or tail[start : start + len(ECHO_PACKED)] != ECHO_PACKED:
+                raise ValueError("misplaced echo in a request tail")
+            if base.response is None:
+                raise ValueError("an echo of a base turn that has no response")
 
     def _tokens(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
         """Prompt, sampled ids and logprobs."""
