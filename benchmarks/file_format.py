@@ -58,6 +58,7 @@ MAX_RESYNC_RATIO = 1.5  # time per damaged byte, 32 MiB of damage over 4 MiB
 DAMAGE_SIZES = (4 << 20, 32 << 20)
 EMPTY_MAPS_FILE = 4 << 20  # bytes of the many-empty-maps file
 STREAM_TURN_FACTOR = 2  # streaming peak <= retained + this x the largest turn
+DATA = Path(__file__).resolve().parent.parent / "tests" / "data"  # version-1 files
 
 
 class AppendRecorder(RolloutStoreRecorder):
@@ -274,23 +275,34 @@ def _empty_maps_file(path: Path) -> None:
     graph.save(path)
 
 
+def memory_files(graph: RolloutGraph, tmp: Path) -> dict[str, Path]:
+    """The files whose verify and load memory is measured: the multimodal snapshot, the
+    many-empty-maps value, a log torn inside a 4 MiB token turn (loaded with recover=True),
+    and the version-1 files the tests keep."""
+    files = {"multimodal": tmp / "memory.rls", "empty_maps": tmp / "empty-maps.rls"}
+    graph.save(files["multimodal"])
+    _empty_maps_file(files["empty_maps"])
+    files["torn_turn"] = tmp / "memory-torn.rls"
+    _torn_token_turn(files["torn_turn"], DAMAGE_SIZES[0])
+    for name in ("v1_snapshot", "v1_log"):
+        files[name] = DATA / f"{name}.rls"
+    return files
+
+
 def measure_load_memory(graph: RolloutGraph, tmp: Path) -> dict:
     """Peak traced bytes of verify() and load() above the traced bytes before them, and what
-    the loaded graph retains, on the multimodal snapshot and on the many-empty-maps file."""
+    the loaded graph retains, on each of `memory_files`."""
     out: dict[str, Any] = {}
-    snapshot = tmp / "memory.rls"
-    graph.save(snapshot)
-    empty_maps = tmp / "empty-maps.rls"
-    _empty_maps_file(empty_maps)
-    storage.verify(snapshot)  # lazy imports before the baseline
+    files = memory_files(graph, tmp)
+    storage.verify(files["multimodal"])  # lazy imports before the baseline
     tracemalloc.start()
     try:
-        for name, path in (("multimodal", snapshot), ("empty_maps", empty_maps)):
+        for name, path in files.items():
             size = path.stat().st_size
             verify_peak, _ = traced_delta(lambda p=path: storage.verify(p))
             gc.collect()
             before = tracemalloc.get_traced_memory()[0]
-            load_peak, loaded = traced_delta(lambda p=path: RolloutGraph.load(p))
+            load_peak, loaded = traced_delta(lambda p=path: RolloutGraph.load(p, recover=True))
             gc.collect()
             retained = tracemalloc.get_traced_memory()[0] - before
             del loaded

@@ -418,6 +418,11 @@ class LoadReport:
     good_chain: int = 0  # version 2: the chain value of the frame ending at good_bytes
 
     def fail(self, exc: CorruptFileError, truncated: bool = False) -> None:
+        # the report outlives the read: its error keeps no frames (they hold the file's bytes)
+        link: BaseException | None = exc
+        while link is not None and link.__traceback__ is not None:
+            link.__traceback__ = None
+            link = link.__cause__ or link.__context__
         self.exception = exc
         self.error = str(exc)
         self.error_offset = exc.offset

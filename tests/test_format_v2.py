@@ -151,6 +151,30 @@ def test_repair_of_a_torn_version_1_turn_is_linear(
     assert big <= 2 * small * big_damage / small_damage + (1 << 16)
 
 
+def test_a_recovered_graph_does_not_keep_the_file_bytes(tmp_path: Path) -> None:
+    """The load report of a damaged file kept the error's traceback, whose frames held the
+    whole file read in memory, for as long as the recovered graph lived."""
+    path = tmp_path / "torn.rls"
+    with RolloutGraph.open(path, share_threshold=64, fsync="never") as graph:
+        graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "a"}]))
+        graph.add_turn(TurnNode(prompt_ids=list(range(1 << 20)), sampled_ids=[1]))
+    with open(path, "r+b") as fp:
+        fp.truncate(path.stat().st_size - 64)
+    size = path.stat().st_size
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        recovered = RolloutGraph.load(path, recover=True)
+        gc.collect()
+        retained = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(recovered) == 1 and recovered.load_report is not None
+    assert recovered.load_report.exception is not None
+    assert retained < size // 8, (retained, size)
+
+
 def test_version_1_repair_refuses_a_tail_crafted_to_hold_many_candidate_frames(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
