@@ -420,7 +420,9 @@ class LoadReport:
     def fail(self, exc: CorruptFileError, truncated: bool = False) -> None:
         # the report outlives the read: its error keeps no frames (they hold the file's bytes)
         link: BaseException | None = exc
-        while link is not None and link.__traceback__ is not None:
+        for _ in range(8):  # the chain is short; a bound keeps a cycle from looping
+            if link is None:
+                break
             link.__traceback__ = None
             link = link.__cause__ or link.__context__
         self.exception = exc
