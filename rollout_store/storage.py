@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from functools import partial
@@ -102,7 +102,7 @@ class TurnRecord(NamedTuple):
     parent: int | None  # an earlier turn (a later parent re-links its child by `moves`)
     link: int  # LinkKind, 0 without parent
     flags: int  # Turn.flags without the derived bits (`_DERIVED_FLAGS`)
-    meta: list[Any]  # TurnMeta as an array
+    meta: Sequence[Any]  # TurnMeta as an array
     system: int | None  # value holding the leading system messages
     base: int | None  # the turn whose request this one extends
     tail: bytes  # packed request messages after the base's
@@ -113,7 +113,7 @@ class TurnRecord(NamedTuple):
     prompt: list[Any] | None  # [PromptKind, ...]
     sampled: list[Any] | None  # segment
     logprobs: list[Any] | None  # segment, or ["j", packed JSON value]
-    keys: list[Any]  # IndexKeys as an array
+    keys: Sequence[Any]  # IndexKeys as an array
     refs: list[int]  # blob references and their bytes since the previous turn record
     moves: list[list[int]]  # [turn, link] of earlier turns re-linked under this one
     requested: int | None = None  # value holding requested_sampling_params
@@ -222,10 +222,18 @@ class _Writer:
         turn = entry.turn
         refs = self.refs if entry.references is None else entry.references
         chain = [self.chain]  # advanced frame by frame; kept only once the frames are written
-        frames = self.blob_frames(blobs, entry.blobs_end, chain)
+        frames = (
+            self.blob_frames(blobs, entry.blobs_end, chain)
+            if entry.blobs_end > self.blobs_written
+            else []
+        )
         new_values: list[bytes] = []
+        known, value_ref = self.values, self._value_ref
         values = [
-            self._value_ref(stored, new_values, frames, chain)
+            known.get(id(stored))
+            if stored is not None and id(stored) in known
+            # (a value written before is found by its id; the rest go through _value_ref)
+            else value_ref(stored, new_values, frames, chain)
             for stored in (turn.system, turn.tools, turn.sampling, turn.requested)
         ]
         record = self._record(entry, values, refs)
@@ -265,7 +273,7 @@ class _Writer:
             parent_index,
             int(turn.link) if parent_index is not None else 0,
             turn.flags & ~_DERIVED_FLAGS,
-            list(turn.meta),
+            turn.meta,  # a NamedTuple: packed as an array
             values[0],
             base.index if base is not None else None,
             turn.tail,
@@ -276,9 +284,9 @@ class _Writer:
             self._prompt_spec(turn),
             encode_segment(turn.sampled),
             logprobs,
-            list(entry.keys),
+            entry.keys,  # a NamedTuple: packed as an array
             [refs[0] - self.refs[0], refs[1] - self.refs[1]],
-            [[other.index, int(link)] for other, link in entry.moves],
+            [[other.index, int(link)] for other, link in entry.moves] if entry.moves else [],
             values[3],
         )
 
