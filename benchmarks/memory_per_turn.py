@@ -2,7 +2,9 @@
 
 Writes out/memory_per_turn.json and .png (results/ with --update-results, for a full run);
 ends with PASS/MISS lines for the targets and a one-line count of targets met and missed.
-`--replot` redraws the plot from the tracked results without measuring.
+`--replot` redraws the plot from the tracked results without measuring. `--long` and `--soak`
+then run ingest.py's long mode (decoded and raw input at turns 10 to 2,000) and soak mode
+(20,000 turns in one graph) in the same process.
 """
 
 from __future__ import annotations
@@ -55,6 +57,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--turns", help="comma-separated turn counts, e.g. 10,25")
     parser.add_argument("--workloads", help="comma-separated names: " + ",".join(WORKLOADS))
+    parser.add_argument(
+        "--long",
+        action="store_true",
+        help="then ingest.py's long mode: decoded and raw add_turn/json.loads at turns 10-2,000",
+    )
+    parser.add_argument(
+        "--soak",
+        action="store_true",
+        help="then ingest.py's soak mode: turn 20,000 / turn 100 in one graph, every shape",
+    )
     add_results_option(parser)
     parser.add_argument(
         "--replot",
@@ -370,6 +382,13 @@ def main(argv: list[str] | None = None) -> int:
     plot(rows, args.workload_names, folder / f"{stem}.png")
     print(f"\nwrote {shown(folder / f'{stem}.json')} and {shown(folder / f'{stem}.png')}")
     print(targets_summary(checks))
+    if args.long or args.soak:  # the intake figures, measured by ingest.py in this process
+        import ingest
+
+        print()
+        modes = [] if args.long else ["--no-long"]
+        modes += [] if args.soak else ["--no-soak"]
+        ingest.main([*modes, "--no-memory"])
     return 0
 
 

@@ -13,7 +13,7 @@ self-delimiting, so equal prefix bytes mean equal leading messages.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import blake3
@@ -42,12 +42,12 @@ WINDOW = 8
 #: The messages before the window are packed in chunks of about these sizes, so the packer's
 #: buffer stays below the size the allocator maps fresh pages for (measured: a fresh multi-MiB
 #: buffer a turn costs more in page faults than the packing itself).
-CHUNK_LOW = 1 << 15
-CHUNK_HIGH = 1 << 16
+CHUNK_LOW = 1 << 16
+CHUNK_HIGH = 1 << 17
 #: BLAKE3 runs at full speed only on updates of many whole 1 KiB chunks starting at a multiple
 #: of their count (measured: 1.4-4 GB/s on updates of other sizes, 7-10 GB/s on multiples of
 #: 16-64 KiB), so the chunks are hashed in multiples of this many bytes.
-ALIGN = 1 << 15
+ALIGN = 1 << 16
 
 
 def prefix_digest(data: bytes | memoryview) -> bytes:
@@ -75,16 +75,21 @@ class Probe:
 
     The messages before the last `window` (at most `WINDOW`) are packed as arrays of many
     messages (a few C calls) and hashed as they go; the last ones are packed one by one, so
-    the digest at each of their boundaries is known. `plains[i]` is the packing of message i
-    where known (from `low` on), `digests[j]` the digest of the first j messages. Raises what
-    the packer raises when some message cannot be packed plainly (the caller then takes the
-    validating path).
+    the digest at each of their boundaries is known (given `lengths`, the message counts of
+    stored requests, only at those boundaries and at the end: no other boundary can match).
+    `plains[i]` is the packing of message i where known (from `low` on), `digests[j]` the
+    digest of the first j messages where known. Raises what the packer raises when some
+    message cannot be packed plainly (the caller then takes the validating path).
     """
 
     __slots__ = ("_pack", "digests", "hasher", "low", "messages", "n", "plains")
 
     def __init__(
-        self, messages: Sequence[Any], pack: Callable[[Any], bytes], window: int = WINDOW
+        self,
+        messages: Sequence[Any],
+        pack: Callable[[Any], bytes],
+        window: int = WINDOW,
+        lengths: Container[int] | None = None,
     ) -> None:
         if type(messages) is not list:
             messages = list(messages)
@@ -95,13 +100,13 @@ class Probe:
         self._pack = pack
         # the last messages one by one (their packings are needed anyway), first: their
         # mean size tells how many earlier messages make a chunk of the right size
-        window = [pack(message) for message in messages[low:]]
+        last = [pack(message) for message in messages[low:]]
         hasher = blake3.blake3()
         update = hasher.update
-        # the messages before the window as arrays of CHUNK_LOW to CHUNK_HIGH bytes (as many
+        # the messages before the last as arrays of CHUNK_LOW to CHUNK_HIGH bytes (as many
         # messages as that takes, adapting as it goes), hashed in multiples of ALIGN bytes
         if low:
-            mean = sum(map(len, window)) // len(window) + 1
+            mean = sum(map(len, last)) // len(last) + 1
             start, step = 0, CHUNK_LOW // mean + 1
             carry = b""  # bytes not yet hashed, so that every update is a multiple of ALIGN
             while start < low:
@@ -130,13 +135,25 @@ class Probe:
                 start = stop
             update(carry)
         plains: list[bytes | None] = [None] * low
-        digests: list[bytes | None] = [None] * low
+        plains.extend(last)
         digest = hasher.digest
-        digests.append(digest())
-        for plain in window:
-            update(plain)
+        if lengths is None:
+            digests: list[bytes | None] = [None] * low
             digests.append(digest())
-        plains.extend(window)
+            for plain in last:
+                update(plain)
+                digests.append(digest())
+        else:  # digests only where a stored request may end, and at the end
+            digests = [None] * (n + 1)
+            if low in lengths:
+                digests[low] = digest()
+            pending: list[bytes] = []  # packings not hashed yet: one update per digest
+            for j in range(low + 1, n + 1):
+                pending.append(last[j - low - 1])
+                if j in lengths or j == n:
+                    update(pending[0] if len(pending) == 1 else b"".join(pending))
+                    pending.clear()
+                    digests[j] = digest()
         self.plains = plains
         self.digests = digests
         self.low = low
@@ -144,15 +161,16 @@ class Probe:
 
     def extend(self) -> None:
         """Know the plains and digests of every boundary."""
-        low = self.low
-        if not low:
+        if not self.low and None not in self.digests:
             return
         pack, plains, messages = self._pack, self.plains, self.messages
         hasher = blake3.blake3()
         digests = self.digests
         digests[0] = hasher.digest()
-        for i in range(low):
-            plain = plains[i] = pack(messages[i])
+        for i in range(self.n):
+            plain = plains[i]
+            if plain is None:
+                plain = plains[i] = pack(messages[i])
             hasher.update(plain)
             digests[i + 1] = hasher.digest()
         self.low = 0
@@ -169,9 +187,11 @@ class Probe:
 
     def digest(self, j: int) -> bytes:
         """The BLAKE3 digest of the packing of the first `j` messages."""
-        if j < self.low:
+        found = self.digests[j] if j >= self.low else None
+        if found is None:
             self.extend()
-        return self.digests[j]  # type: ignore[return-value]
+            found = self.digests[j]
+        return found  # type: ignore[return-value]
 
     def all_plains(self) -> list[bytes]:
         """Every message's packing."""

@@ -23,7 +23,6 @@ __all__ = [
     "NotPackable",
     "array_header",
     "new_packer",
-    "tracking_packer",
     "no_echo",
     "plain_default",
     "unpack",
@@ -51,20 +50,6 @@ def plain_default(obj: object) -> Any:
 
 
 BlobLookup = Callable[[int], str]
-
-
-def tracking_packer() -> tuple[Callable[[Any], bytes], list[int]]:
-    """A plain packer for values decoded from JSON text, and a list that grows by one each
-    time it packs an ext type (a big int: the only one JSON text can yield)."""
-    calls: list[int] = []
-
-    def default(obj: object) -> Any:
-        calls.append(1)
-        return plain_default(obj)
-
-    packer = msgpack.Packer(use_bin_type=True, strict_types=True, default=default, buf_size=256)
-    pack: Callable[[Any], bytes] = packer.pack
-    return pack, calls
 
 
 def new_packer() -> Callable[[Any], bytes]:

@@ -21,7 +21,7 @@ import msgspec
 
 from .errors import InvalidValueError
 
-__all__ = ["RawJSON", "decode_raw", "resolve_raw", "split_array"]
+__all__ = ["RawJSON", "decode_array", "decode_raw", "resolve_raw", "split_array"]
 
 
 class RawJSON:
@@ -64,6 +64,7 @@ class RawJSON:
 
 _decode = msgspec.json.decode
 _split = msgspec.json.Decoder(list[msgspec.Raw]).decode
+_decode_list = msgspec.json.Decoder(list[Any]).decode
 
 
 def _loads(data: bytes | str) -> Any:
@@ -85,6 +86,13 @@ def decode_raw(raw: RawJSON, path: str) -> Any:
         raise InvalidValueError(f"JSON text nested too deeply to decode: {exc}", path) from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
         raise InvalidValueError(f"invalid JSON text: {exc}", path) from exc
+
+
+def decode_array(data: bytes) -> list[Any]:
+    """The items of a JSON array text, decoded by msgspec in one call; raises where msgspec
+    refuses the text (not an array, or text it leaves to `json.loads`). Where it accepts,
+    the items are exactly what `json.loads` gives."""
+    return _decode_list(data)
 
 
 def split_array(data: bytes | str) -> list[msgspec.Raw] | None:

@@ -7,7 +7,6 @@ are stored once per graph.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Final
 
 import msgpack
@@ -30,7 +29,6 @@ from .encoding import (
     array_header,
     new_packer,
     no_echo,
-    tracking_packer,
     unpack,
 )
 from .errors import InvalidValueError
@@ -38,7 +36,7 @@ from .intake import MAX_DEPTH, Encoder
 from .materialize import Messages, value
 from .messages import leading_system_count, link_key, response_link_key
 from .nodes import TurnNode
-from .raw import RawJSON, decode_raw, resolve_raw, split_array
+from .raw import RawJSON, decode_array, decode_raw, resolve_raw
 from .stored import IndexKeys, LinkKind, Turn, TurnFlag, finish_tail
 from .values import ValueTable
 
@@ -48,7 +46,7 @@ __all__ = ["FreshRequest", "RequestStore", "Scratch"]
 _new_tuple: Final = tuple.__new__
 
 #: msgpack type bytes of ext and bin values, which JSON values never pack to by themselves
-_NOT_JSON = re.compile(b"[\\xc4-\\xc9\\xd4-\\xd8]").search
+_NOT_JSON = bytes((*range(0xC4, 0xCA), *range(0xD4, 0xD9)))
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
@@ -63,7 +61,7 @@ def _json_only(plain: bytes) -> bool:
     byte or a letter, not a type), unpacking at C speed tells, refusing every ext type and
     every non-empty bin; an empty bin's two bytes anywhere send the value to the walk.
     """
-    if _NOT_JSON(plain) is None:
+    if len(plain.translate(None, _NOT_JSON)) == len(plain):  # none of them (a C scan)
         return True
     try:
         msgpack.unpackb(plain, max_bin_len=0, ext_hook=_refuse_ext, strict_map_key=False)
@@ -206,7 +204,18 @@ class FreshRequest:
         filed under their key (not yet confirmed: see `extends`)."""
         found = self._prefixes.get(n)
         if found is None:
-            found = self._prefixes[n] = self._store.candidates(self.key(n), n)
+            probe = self._probe
+            if probe is not None and n >= probe.low:  # `key`, inline (the common case)
+                digest = probe.digests[n]
+                if digest is None:  # no stored request has n messages
+                    self._prefixes[n] = ()
+                    return ()
+                key = int.from_bytes(digest[:8], "little")
+            else:
+                key = self.key(n)
+            hit = self._store.request_index.get(key)
+            found = () if hit is None else hit if type(hit) is _Bucket else (hit,)
+            self._prefixes[n] = found
         return found
 
     def root_keys(self) -> list[int]:
@@ -245,6 +254,7 @@ class RequestStore:
     __slots__ = (
         "_canonical",
         "_encoder",
+        "_lengths",
         "_pack_plain",
         "_plain_limit",
         "_window",
@@ -272,6 +282,9 @@ class RequestStore:
         self._plain_limit = min(share_threshold or MAX_DEPTH, MAX_DEPTH)
         self.raw_tips = RawTips()  # the latest raw turns, for raw continuations
         self._window = WINDOW  # trailing boundaries a request is probed at first
+        # how many filed requests have each message count (a request can only extend one
+        # whose count is among these: the boundaries worth a digest)
+        self._lengths: dict[int, int] = {}
 
     def reset_packer(self) -> None:
         self._pack_plain = new_packer()
@@ -345,7 +358,12 @@ class RequestStore:
     def shared_value(self, value: Any, path: str, pending: list[tuple[bytes, bytes]]) -> Any:
         if value is None:
             return None
-        return self._shared([value], path, [self.plain(value)], pending, as_array=False)
+        plain = self.plain(value)
+        if plain is not None:  # the common case first: a value the graph holds already
+            found = self.values.find(plain)
+            if found is not None:
+                return found
+        return self._shared([value], path, [plain], pending, as_array=False)
 
     def add_values(self, pending: list[tuple[bytes, bytes]] | tuple[()]) -> None:
         """Remember the shared values a committed turn stored first."""
@@ -395,7 +413,7 @@ class RequestStore:
         pack = self._pack_plain
         probe: Probe | None
         try:
-            probe = Probe(rest, pack, self._window)
+            probe = Probe(rest, pack, self._window, self._lengths)
         except Exception:  # some message needs the validating walk, or is RawJSON
             probe = None
             if any(type(m) is RawJSON for m in messages):
@@ -403,7 +421,7 @@ class RequestStore:
                 n_sys = leading_system_count(messages)
                 rest = messages[n_sys:]
                 try:
-                    probe = Probe(rest, pack, self._window)
+                    probe = Probe(rest, pack, self._window, self._lengths)
                 except Exception:
                     probe = None
         try:
@@ -455,19 +473,15 @@ class RequestStore:
         if end is None or end <= tip.end or not base.n_rest or base.flags & TurnFlag.MESSAGES_TUPLE:
             return _NOT_FAST
         tail_text = data[tip.end : end].lstrip(b" \t\r\n")
-        spans = split_array(b"[" + tail_text[1:] + b"]")
-        if not spans:
-            return _NOT_FAST
-        pack, ext_calls = tracking_packer()
-        specials: list[bool] = []
+        # the new messages decoded in one call, exactly as json.loads would where msgspec
+        # accepts the text (else the whole text's decode says what is wrong, and where)
         try:
-            fresh = [decode_raw(RawJSON(bytes(span)), "") for span in spans]
-            plains = []
-            for message in fresh:
-                calls = len(ext_calls)
-                plains.append(pack(message))
-                specials.append(len(ext_calls) > calls)
-        except Exception:  # the whole text's decode says what is wrong, and where
+            fresh = decode_array(b"[" + tail_text[1:] + b"]")
+            pack = self._pack_plain
+            plains = [pack(message) for message in fresh]
+        except Exception:
+            return _NOT_FAST
+        if not fresh:
             return _NOT_FAST
         if not self.is_echo(base, fresh[0], plains[0]):
             return _NOT_FAST
@@ -485,14 +499,15 @@ class RequestStore:
         first = tip.n_sys + base.n_rest
         pieces = [ECHO_PACKED]
         turn.flags |= TurnFlag.TAIL_ECHO
+        limit = self._plain_limit
         for i in range(1, len(fresh)):
             plain = plains[i]
-            if not specials[i] and len(plain) < self._plain_limit:
-                # decoded from JSON text: no bytes, no caller's ExtType, no big int; short
-                # enough for no blob and no nesting beyond MAX_DEPTH: the walk would agree
-                packed, special = plain, False
-            else:
-                packed, special = self.encode(fresh[i], f"request_messages[{first + i}]")
+            if len(plain) < limit and _json_only(plain):
+                # short enough for no blob and no nesting beyond MAX_DEPTH, no ext type (a
+                # big int): the walk would agree
+                pieces.append(plain)
+                continue
+            packed, special = self.encode(fresh[i], f"request_messages[{first + i}]")
             if packed != plains[i]:
                 turn.flags |= TurnFlag.TAIL_REFS
             if special:
@@ -568,6 +583,8 @@ class RequestStore:
             if found.children:
                 bucket.parents.append(found)
         turn.rkey = key
+        n_rest = turn.n_rest
+        self._lengths[n_rest] = self._lengths.get(n_rest, 0) + 1
         if request is not None:
             turn.digest = request.digest()
 

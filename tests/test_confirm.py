@@ -52,6 +52,17 @@ def test_probe_digests_are_blake3_of_the_plain_packings(seed: int) -> None:
     probe.extend()
     assert probe.digests == want
     assert probe.all_plains() == [pack(m) for m in messages]
+    # given the message counts of stored requests, digests only there (and at the end);
+    # any other one asked for is worked out in full
+    lengths = {j for j in range(len(messages) + 1) if rng.random() < 0.3}
+    probe = Probe(messages, new_packer(), window, lengths)
+    for j in range(probe.low, len(messages) + 1):
+        known = j in lengths or j == len(messages)
+        assert probe.digests[j] == (want[j] if known else None), (seed, j)
+    for j in rng.sample(range(len(messages) + 1), min(3, len(messages) + 1)):
+        assert probe.digest(j) == want[j]
+    probe.extend()
+    assert probe.digests == want
 
 
 def _conversation(n_turns: int, seed: int, big: bool) -> list[tuple[list[Any], dict[str, Any]]]:
