@@ -2,8 +2,10 @@
 
 A version-1 frame is kind (1 byte), payload length (4 bytes LE), xxh3-64 of the payload
 seeded with kind and length (8 bytes LE), then the payload; it is read, and written only to
-extend a version-1 log (version 2 is in `framing`). Record kinds, the msgpack packing of
-records, and token and logprob arrays (little-endian bytes) are shared by both versions.
+extend a version-1 log (version 2 is in `framing`). Damage in a version-1 log is told from a
+torn tail by `intact_end_after` in time linear in the damaged bytes. Record kinds, the msgpack
+packing of records, and token and logprob arrays (little-endian bytes) are shared by both
+versions.
 """
 
 from __future__ import annotations
