@@ -422,11 +422,15 @@ class QuickCheck:
             raise _Unsure
         ext = self._exts.get(payload) if code == EXT_BLOB else _ECHO
         if ext is None:
+            if len(self._exts) >= _MAX_EXTS:  # memory stays flat, whatever the file holds
+                self._exts.clear()
             ext = self._exts[payload] = msgpack.ExtType(code, payload)
         return ext
 
 
 _ECHO = msgpack.ExtType(EXT_ECHO, b"")
+#: Blob references `QuickCheck` keeps made at most.
+_MAX_EXTS = 4096
 
 
 def quick_check(
