@@ -39,7 +39,11 @@ SCALING_TURNS = 10
 SCALING_SAMPLE = 5  # rollouts at each end whose last turn is timed
 SCALING_REPEATS = 3  # the 1,000-turn graph is built this many times; samples are pooled
 
-MAX_OVER_UNIQUE = {"multimodal": 1.10, "tool_heavy": 1.10, "token_heavy": 1.10, "chatty": 1.5}
+MAX_OVER_UNIQUE = {"multimodal": 1.10, "tool_heavy": 1.10, "token_heavy": 1.10, "chatty": 1.25}
+# the turn counts each limit holds at (chatty's per-turn bookkeeping weighs most on few turns:
+# issue 9 sets its limit at 200 turns)
+OVER_UNIQUE_AT = {"multimodal": (100, 200), "tool_heavy": (100, 200), "token_heavy": (100, 200)}
+OVER_UNIQUE_AT["chatty"] = (200,)
 MAX_GROWTH_100_TO_200 = 2.1
 MAX_ADD_OVER_LOADS = 1.0
 MAX_SCALING_RATIO = 1.5
@@ -220,7 +224,7 @@ def check_targets(rows: list[dict], scaling: list[dict], workloads: list[str]) -
     lines = []
     for name in workloads:
         limit = MAX_OVER_UNIQUE[name]
-        for n in (100, 200):
+        for n in OVER_UNIQUE_AT[name]:
             row = ours.get((name, n))
             value = f"{row['retained_over_unique']:.3f}" if row else "not run"
             ok = row["retained_over_unique"] <= limit if row else None

@@ -13,7 +13,7 @@ self-delimiting, so equal prefix bytes mean equal leading messages.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import blake3
@@ -32,6 +32,7 @@ __all__ = [
     "RawTip",
     "RawTips",
     "digest_key",
+    "mark_length",
     "prefix_digest",
     "prefix_keys",
     "raw_end",
@@ -70,16 +71,24 @@ def prefix_keys(plains: Sequence[bytes]) -> list[int]:
     return keys
 
 
+def mark_length(lengths: bytearray, n: int) -> None:
+    """Set bit `n` of a bitmap of message counts (what `Probe` takes as `lengths`)."""
+    if n >> 3 >= len(lengths):
+        lengths.extend(bytes((n >> 3) + 1 - len(lengths)))
+    lengths[n >> 3] |= 1 << (n & 7)
+
+
 class Probe:
     """One request's non-system messages, packed once, with keys and digests of its prefixes.
 
     The messages before the last `window` (at most `WINDOW`) are packed as arrays of many
     messages (a few C calls) and hashed as they go; the last ones are packed one by one, so
-    the digest at each of their boundaries is known (given `lengths`, the message counts of
-    stored requests, only at those boundaries and at the end: no other boundary can match).
-    `plains[i]` is the packing of message i where known (from `low` on), `digests[j]` the
-    digest of the first j messages where known. Raises what the packer raises when some
-    message cannot be packed plainly (the caller then takes the validating path).
+    the digest at each of their boundaries is known (given `lengths`, a bitmap of the message
+    counts of stored requests, see `mark_length`: only at those boundaries and at the end, as
+    no other boundary can match). `plains[i]` is the packing of message i where known (from
+    `low` on), `digests[j]` the digest of the first j messages where known. Raises what the
+    packer raises when some message cannot be packed plainly (the caller then takes the
+    validating path).
     """
 
     __slots__ = ("_pack", "digests", "hasher", "low", "messages", "n", "plains")
@@ -89,7 +98,7 @@ class Probe:
         messages: Sequence[Any],
         pack: Callable[[Any], bytes],
         window: int = WINDOW,
-        lengths: Container[int] | None = None,
+        lengths: bytearray | None = None,
     ) -> None:
         if type(messages) is not list:
             messages = list(messages)
@@ -145,15 +154,18 @@ class Probe:
                 digests.append(digest())
         else:  # digests only where a stored request may end, and at the end
             digests = [None] * (n + 1)
-            if low in lengths:
+            size = len(lengths)
+            if low >> 3 < size and lengths[low >> 3] >> (low & 7) & 1:
                 digests[low] = digest()
             pending: list[bytes] = []  # packings not hashed yet: one update per digest
             for j in range(low + 1, n + 1):
                 pending.append(last[j - low - 1])
-                if j in lengths or j == n:
+                if j == n or (j >> 3 < size and lengths[j >> 3] >> (j & 7) & 1):
                     update(pending[0] if len(pending) == 1 else b"".join(pending))
                     pending.clear()
                     digests[j] = digest()
+            if digests[n] is None:  # no message after `low`: the end is `low` itself
+                digests[n] = digest()
         self.plains = plains
         self.digests = digests
         self.low = low

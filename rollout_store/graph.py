@@ -42,7 +42,7 @@ from .stored import (
     Turn,
     TurnFlag,
     TurnMeta,
-    TurnTokens,
+    TurnSide,
     add_child,
     is_above,
 )
@@ -158,9 +158,8 @@ class Graph:
         self._blob_marks = array("I")  # blobs stored once each turn was committed, for save
         # turns whose id is not the default `turn-{index}` (see `_find`)
         self._by_id: dict[str, Turn] = {}
-        self._values: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # interned Turn.values
-        # the token fields of turns without token ids that sampled nothing, one per shape
-        self._no_tokens: dict[tuple[str, str], TurnTokens] = {}
+        self._sides: dict[tuple[Any, ...], TurnSide] = {}  # one for turns alike (see TurnSide)
+        self._last_side: TurnSide | None = None  # the one the last such turn got
         self._meta: dict[TurnMeta, TurnMeta] = {}
         self._flag_values: dict[int, int] = {}
         self._use_blobs(BlobTable() if store is None else StoreBlobTable(store, cache))
@@ -353,7 +352,7 @@ class Graph:
                 node.requested_sampling_params, "requested_sampling_params", pending
             ),
         )
-        turn.meta = self._turn_meta(node, system_plain)
+        turn.side.meta = self._turn_meta(node, system_plain)  # its own side until commit
         self._link(turn, explicit, scratch)
         return turn, scratch
 
@@ -466,19 +465,23 @@ class Graph:
         requests.add_values(pending)
         if tail_key is not None:
             requests.add_tail_key(turn.index, tail_key)
-        turn.meta = self._meta.setdefault(turn.meta, turn.meta)
+        side, meta = turn.side, turn.meta  # its own side: sides are shared below
+        side.meta = self._meta.setdefault(meta, meta)
         self._turns.append(turn)
         self._blob_marks.append(len(self.blobs))
         if turn.ident is not None:
             self._by_id[turn.ident] = turn
-        values = turn.values
-        if values is not None:  # one tuple per distinct set of shared values
-            turn.values = self._values.setdefault(values, values)
-        tokens = turn.tokens
-        if tokens is not None and tokens.prompt is None and tokens.full is None:
-            shape = _empty_shape(tokens.sampled, tokens.logprobs)
-            if shape is not None:  # empty segments are never mutated: one is as good as another
-                turn.tokens = self._no_tokens.setdefault(shape, tokens)
+        last = self._last_side
+        if last is not None and side.same_as(last):  # mostly: what the turn before had
+            turn.side = last
+        else:
+            key = side.sharing_key()
+            if key is not None:  # no token ids: one side for every turn alike
+                found = self._sides.get(key)
+                if found is None:
+                    side.shared = True
+                    found = self._sides[key] = side
+                turn.side = self._last_side = found
         parent = turn.parent
         if parent is not None:
             if parent.children is None:
@@ -840,21 +843,6 @@ class GraphRestorer:
     def commit(self, turn: Turn, keys: IndexKeys, moves: list[tuple[Turn, LinkKind]]) -> None:
         """File a fully built turn: indexes, children, re-links, as `add_turn` does."""
         self._graph._commit(turn, keys, moves)
-
-
-def _empty_shape(sampled: Any, logprobs: Any) -> tuple[str, str] | None:
-    """What tells empty or absent token segments apart (None: not both empty or absent)."""
-    shape = []
-    for segment in (sampled, logprobs):
-        if segment is None:
-            shape.append("none")
-        elif type(segment) is array and not segment:
-            shape.append(segment.typecode)
-        elif type(segment) is tuple and not segment:
-            shape.append("tuple")
-        else:
-            return None
-    return shape[0], shape[1]
 
 
 _FIELDS: dict[str, Callable[[Graph, Turn], Any]] = {

@@ -18,6 +18,7 @@ from .confirm import (
     RawTip,
     RawTips,
     digest_key,
+    mark_length,
     prefix_digest,
     prefix_keys,
     raw_end,
@@ -49,6 +50,11 @@ _new_tuple: Final = tuple.__new__
 _NOT_JSON = bytes((*range(0xC4, 0xCA), *range(0xD4, 0xD9)))
 
 
+#: What unpacking with `_refuse_ext` lets through: an empty bin, and msgpack's timestamps
+#: (ext type -1 in a fixext 4, fixext 8 or ext 8 of 12 bytes), decoded without the hook
+_PASSED_UNPACK = (b"\xc4\x00", b"\xd6\xff", b"\xd7\xff", b"\xc7\x0c\xff")
+
+
 def _refuse_ext(code: int, data: bytes) -> Any:
     raise ValueError("an ext type")
 
@@ -59,7 +65,8 @@ def _json_only(plain: bytes) -> bool:
 
     The bytes that begin those types are looked for first; where some occur (often a length
     byte or a letter, not a type), unpacking at C speed tells, refusing every ext type and
-    every non-empty bin; an empty bin's two bytes anywhere send the value to the walk.
+    every non-empty bin; the bytes of an empty bin or a timestamp anywhere send the value to
+    the walk.
     """
     if len(plain.translate(None, _NOT_JSON)) == len(plain):  # none of them (a C scan)
         return True
@@ -67,7 +74,9 @@ def _json_only(plain: bytes) -> bool:
         msgpack.unpackb(plain, max_bin_len=0, ext_hook=_refuse_ext, strict_map_key=False)
     except Exception:  # an ext or bin type (or too deep for the unpacker): the walk decides
         return False
-    return b"\xc4\x00" not in plain
+    # an empty bin passes `max_bin_len`, and a timestamp (ext type -1) never reaches the
+    # hook: where their bytes occur, the walk decides
+    return not any(marker in plain for marker in _PASSED_UNPACK)
 
 
 _NOT_FAST = object()  # _prepare_raw: decode the whole text instead
@@ -282,9 +291,9 @@ class RequestStore:
         self._plain_limit = min(share_threshold or MAX_DEPTH, MAX_DEPTH)
         self.raw_tips = RawTips()  # the latest raw turns, for raw continuations
         self._window = WINDOW  # trailing boundaries a request is probed at first
-        # how many filed requests have each message count (a request can only extend one
-        # whose count is among these: the boundaries worth a digest)
-        self._lengths: dict[int, int] = {}
+        # bit n set: some filed request has n messages (a request can only extend one whose
+        # count is among these: the boundaries worth a digest); a bit per count, not per turn
+        self._lengths = bytearray()
 
     def reset_packer(self) -> None:
         self._pack_plain = new_packer()
@@ -582,11 +591,8 @@ class RequestStore:
             bucket = index[key] = _Bucket((found, turn))
             if found.children:
                 bucket.parents.append(found)
-        turn.rkey = key
-        n_rest = turn.n_rest
-        self._lengths[n_rest] = self._lengths.get(n_rest, 0) + 1
-        if request is not None:
-            turn.digest = request.digest()
+        turn.file_under(key, request.digest() if request is not None else turn.digest)
+        mark_length(self._lengths, turn.n_rest)
 
     def note_parent(self, turn: Turn) -> None:
         """`turn` got its first child (a bucket of identical requests lists its parents)."""

@@ -125,7 +125,10 @@ _CONTENT_FLAGS = (
     TurnFlag.TAIL_REFS | TurnFlag.RESPONSE_REFS | TurnFlag.TAIL_SPECIAL | TurnFlag.RESPONSE_SPECIAL
 )
 #: Bits derived on load, never written (a version-1 writer also wrote TurnFlag.TAIL_SLOW).
-_DERIVED_FLAGS = TurnFlag.TAIL_SLOW | TurnFlag.PREFIX_SPECIAL | TurnFlag.HAS_DIGEST | _CONTENT_FLAGS
+_DERIVED_FLAGS = TurnFlag.TAIL_SLOW | TurnFlag.PREFIX_SPECIAL | _CONTENT_FLAGS
+# bits of Turn.flags that say how the turn is kept in memory (its link is a field of the
+# record): never written, and a file that has them is damaged
+_IN_MEMORY_FLAGS = TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY | TurnFlag.LINK_LOW | TurnFlag.LINK_HIGH
 #: Bits a turn record's flags may hold, and those of a request with messages.
 _MESSAGE_FLAGS = TurnFlag.TAIL_ECHO | TurnFlag.MESSAGES_TUPLE
 _STORED_FLAGS = _MESSAGE_FLAGS | (
@@ -272,7 +275,7 @@ class _Writer:
             turn.node_id,
             parent_index,
             int(turn.link) if parent_index is not None else 0,
-            turn.flags & ~_DERIVED_FLAGS,
+            turn.flags & ~(_DERIVED_FLAGS | _IN_MEMORY_FLAGS),
             turn.meta,  # a NamedTuple: packed as an array
             values[0],
             base.index if base is not None else None,
@@ -596,11 +599,11 @@ class _Loader:
         turn.node_id = node_id
         turn.parent = self._ref(record.parent)
         link = _link_kind(record.link)
-        turn.link = link if turn.parent is not None else LinkKind.NONE
         flags = record.flags
         if not isinstance(flags, int) or flags < 0 or flags & ~(_STORED_FLAGS | _DERIVED_FLAGS):
             raise ValueError("bad flags")
         turn.flags = flags & ~(_DERIVED_FLAGS & ~_CONTENT_FLAGS)  # content flags: see _request
+        turn.link = link if turn.parent is not None else LinkKind.NONE  # two bits of flags
         meta = record.meta
         if not (isinstance(meta, list) and len(meta) == len(TurnMeta._fields)):
             raise ValueError("bad meta")

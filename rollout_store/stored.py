@@ -9,8 +9,10 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from enum import IntEnum
-from typing import Any, NamedTuple
+from operator import attrgetter
+from typing import Any, NamedTuple, Protocol, TypeVar, overload
 
+from .confirm import digest_key
 from .encoding import ECHO_PACKED, array_header
 from .errors import RolloutStoreError
 from .tokens import TokenRun
@@ -22,7 +24,7 @@ __all__ = [
     "Turn",
     "TurnFlag",
     "TurnMeta",
-    "TurnTokens",
+    "TurnSide",
     "add_child",
     "finish_tail",
     "full_run",
@@ -63,8 +65,13 @@ class TurnFlag(IntEnum):
     # lone surrogates, so a digest match is trusted only after the fresh messages pass the
     # validating walk
     PREFIX_SPECIAL = 1024
-    # derived, never stored: `Turn.data` ends with the request's digest (see Turn.digest)
+    # derived, never stored: `Turn.data` holds the request's digest (see Turn.digest)
     HAS_DIGEST = 2048
+    # `Turn.data` holds an index key that the digest does not give (a file's, see Turn.rkey)
+    HAS_KEY = 4096
+    # the link kind (`Turn.link`), two bits: a file stores it in a field of its own
+    LINK_LOW = 8192
+    LINK_HIGH = 16384
 
 
 class LinkKind(IntEnum):
@@ -103,7 +110,10 @@ class IndexKeys(NamedTuple):
     roots: list[int] | None  # request keys of its shorter prefixes, while a message root
 
 
+T = TypeVar("T")  # a side field's type
+
 _NO_REQUEST = bytes(4)  # no tail, no digest, n_rest 0 (immutable: every new turn starts so)
+_KEY_SIZE = 8  # an index key kept in `Turn.data` (unsigned, little-endian)
 
 
 def _n_rest_bytes(n_rest: int) -> bytes:
@@ -113,88 +123,151 @@ def _n_rest_bytes(n_rest: int) -> bytes:
 
 
 def _trailer_size(flags: int) -> int:
-    """Bytes of `Turn.data` after the tail."""
-    return 4 + DIGEST_SIZE if flags & TurnFlag.HAS_DIGEST else 4
+    """Bytes of `Turn.data` after the tail: digest, key, n_rest."""
+    size = 4
+    if flags & TurnFlag.HAS_DIGEST:
+        size += DIGEST_SIZE
+    if flags & TurnFlag.HAS_KEY:
+        size += _KEY_SIZE
+    return size
 
 
-class TurnTokens:
-    """A turn's token fields, kept apart: most message-linked turns have none."""
+_LINK_SHIFT = 13  # TurnFlag.LINK_LOW
+_LINK_MASK = TurnFlag.LINK_LOW | TurnFlag.LINK_HIGH
+_LINK_KINDS = tuple(LinkKind)
 
-    __slots__ = ("full", "logprobs", "prompt", "sampled")
+
+class TurnSide:
+    """What a turn holds besides its place and its request: the scalar fields, the shared
+    packed values and the token fields.
+
+    Turns without token ids have equal sides, mostly (one model, one session, one system
+    prompt, one tool list): the graph interns those at commit, and an interned side is
+    `shared` and never changed again (a `Turn` setter copies it first).
+    """
+
+    __slots__ = (
+        "full",
+        "logprobs",
+        "meta",
+        "prompt",
+        "requested",
+        "sampled",
+        "sampling",
+        "shared",
+        "system",
+        "tools",
+    )
 
     def __init__(self) -> None:
+        self.meta: TurnMeta | None = None  # interned per graph
+        self.system: bytes | None = None  # packed leading system messages, via ValueTable
+        self.tools: bytes | None = None
+        self.sampling: bytes | None = None
+        self.requested: bytes | None = None  # requested_sampling_params
         self.prompt: TokenRun | None = None
-        self.sampled: Any = None
-        self.full: TokenRun | None = None
-        self.logprobs: Any = None
+        self.sampled: Any = None  # array | tuple | None
+        self.full: TokenRun | None = None  # prompt + sampled, what a child's prompt extends
+        self.logprobs: Any = None  # array('d') | packed bytes | None
+        self.shared = False
+
+    def copy(self) -> TurnSide:
+        side = TurnSide()
+        side.meta, side.system, side.tools = self.meta, self.system, self.tools
+        side.sampling, side.requested = self.sampling, self.requested
+        side.prompt, side.sampled, side.full = self.prompt, self.sampled, self.full
+        side.logprobs = self.logprobs
+        return side
+
+    def same_as(self, other: TurnSide) -> bool:
+        """Whether this side holds the very objects `other` holds, and no token ids."""
+        return (
+            self.meta is other.meta
+            and self.system is other.system
+            and self.tools is other.tools
+            and self.sampling is other.sampling
+            and self.requested is other.requested
+            and self.sampled is other.sampled
+            and self.logprobs is other.logprobs
+            and self.prompt is None
+            and other.prompt is None
+            and self.full is None
+            and other.full is None
+        )
+
+    def sharing_key(self) -> tuple[Any, ...] | None:
+        """What makes sides interchangeable, for one without token ids (None: has some).
+        Empty token segments are never mutated, so one stands for any of its kind."""
+        if self.prompt is not None or self.full is not None:
+            return None
+        shape = []
+        for segment in (self.sampled, self.logprobs):
+            if segment is None:
+                shape.append("none")
+            elif type(segment) is array and not segment:
+                shape.append(segment.typecode)
+            elif type(segment) is tuple and not segment:
+                shape.append("tuple")
+            else:
+                return None
+        return (self.meta, self.system, self.tools, self.sampling, self.requested, *shape)
 
 
-_NO_VALUES: tuple[bytes | None, bytes | None, bytes | None, bytes | None] = (None,) * 4
+class _SideField(Protocol[T]):
+    """What a side property of `Turn` is, for type checkers (see `_side_property`)."""
+
+    @overload
+    def __get__(self, turn: None, owner: type | None = None) -> _SideField[T]: ...
+    @overload
+    def __get__(self, turn: Turn, owner: type | None = None) -> T: ...
+    def __set__(self, turn: Turn, value: T) -> None: ...
 
 
-def _with(values: tuple[Any, ...] | None, i: int, value: Any) -> tuple[Any, ...] | None:
-    """`values` (the shared packed values) with item `i` set to `value`."""
-    old = values if values is not None else _NO_VALUES
-    if old[i] is value:
-        return values
-    new = (*old[:i], value, *old[i + 1 :])
-    return None if new == _NO_VALUES else new
+def _side_property(name: str, doc: str) -> Any:
+    """A `Turn` property kept in its side: read at C speed (`attrgetter`), written there after
+    copying a shared side."""
+    field = getattr(TurnSide, name)  # the slot's descriptor
+
+    def set_(turn: Turn, value: Any) -> None:
+        side = turn.side
+        if side.shared:
+            side = turn.side = side.copy()
+        field.__set__(side, value)
+
+    return property(attrgetter(f"side.{name}"), set_, doc=doc)
 
 
 class Turn:
     """The stored form of a turn: references and packed bytes only.
 
-    Kept small, since a graph holds one per turn: the id is derived from the index unless
-    the caller chose another (`ident`); a single child is held bare; the shared packed values
-    (system part, tools, sampling and requested sampling parameters) are one tuple that the
-    graph interns, so turns with the same values share it; the token fields live in a
-    `TurnTokens` only when the turn has some. The fields of both are read and written
-    through properties of the same names.
+    Kept small, since a graph holds one per turn (9 slots): the id is derived from the index
+    unless the caller chose another (`ident`); a single child is held bare; the link kind is
+    two bits of `flags`; the tail, the request's digest, its index key and its message count
+    are one bytes object (`data`); the scalar fields, shared values and token fields are a
+    `TurnSide`, one for every turn alike. All of them read and write through properties of
+    the names they had as fields.
     """
 
-    __slots__ = (
-        "base",
-        "data",
-        "flags",
-        "ident",
-        "index",
-        "kids",
-        "link",
-        "meta",
-        "parent",
-        "response",
-        "rkey",
-        "tokens",
-        "values",
-    )
+    __slots__ = ("base", "data", "flags", "ident", "index", "kids", "parent", "response", "side")
 
     ident: str | None  # the node id when it is not the default `turn-{index}`
     index: int
     parent: Turn | None
     kids: Turn | tuple[Turn, ...] | None  # the children: one bare, several as a tuple
-    link: LinkKind
-    flags: int  # TurnFlag bits
-    meta: TurnMeta  # interned per graph
+    flags: int  # TurnFlag bits, and the link kind
     base: Turn | None  # the turn whose non-system request this one extends
     response: bytes | None
-    # system, tools, sampling, requested: packed values shared via ValueTable, interned
-    values: tuple[bytes | None, bytes | None, bytes | None, bytes | None] | None
-    tokens: TurnTokens | None
-    # the tail (packed non-system messages after the base's), the digest if known and the
-    # number of non-system messages: one bytes object where there were two bytes objects and
-    # an int (see the `tail`, `digest` and `n_rest` properties)
+    # tail + [digest] + [index key] + n_rest (see the properties of those names)
     data: bytes
-    rkey: int | None  # the key its request is filed under (None: not filed)
+    side: TurnSide
 
     def __init__(self) -> None:
         self.data = _NO_REQUEST
         self.ident = None
         self.kids = None
-        self.values = None
-        self.tokens = None
-        self.rkey = None
+        self.side = TurnSide()  # its own until the graph finds one alike (see TurnSide)
 
-    # -- identity and children
+    # -- identity, link and children
 
     @property
     def node_id(self) -> str:
@@ -207,6 +280,15 @@ class Turn:
         self.ident = None if node_id == f"turn-{self.index}" else node_id
 
     @property
+    def link(self) -> LinkKind:
+        """How the turn was linked to its parent."""
+        return _LINK_KINDS[(self.flags & _LINK_MASK) >> _LINK_SHIFT]
+
+    @link.setter
+    def link(self, link: LinkKind) -> None:
+        self.flags = (self.flags & ~_LINK_MASK) | (int(link) << _LINK_SHIFT)
+
+    @property
     def children(self) -> tuple[Turn, ...] | None:
         kids = self.kids
         if kids is None or isinstance(kids, tuple):
@@ -217,8 +299,51 @@ class Turn:
     def children(self, children: tuple[Turn, ...] | None) -> None:
         self.kids = children[0] if children is not None and len(children) == 1 else children
 
-    # -- the tail, the digest and n_rest, kept as one bytes object:
-    #    tail + digest (DIGEST_SIZE bytes, when HAS_DIGEST) + n_rest (4 bytes, little-endian)
+    # -- the request: tail + digest (DIGEST_SIZE bytes, when HAS_DIGEST) + index key
+    #    (8 bytes, when HAS_KEY: only one the digest does not give) + n_rest (4 bytes)
+
+    def set_request(self, tail_parts: Sequence[bytes], n_rest: int) -> None:
+        """Set the tail (`tail_parts` joined) and `n_rest` in one copy; no digest and no
+        key (set them afterwards)."""
+        self.flags &= ~(TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY)
+        self.data = b"".join((*tail_parts, _n_rest_bytes(n_rest)))
+
+    def file_under(self, key: int | None, digest: bytes | None) -> None:
+        """Set the index key and the digest at once (one copy of the tail at most)."""
+        flags = self.flags
+        if (
+            digest is not None
+            and not flags & (TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY)
+            and len(digest) == DIGEST_SIZE
+            and key == digest_key(digest)
+        ):  # the common case: a fresh turn filed under its digest's key
+            data = self.data
+            self.data = b"".join((memoryview(data)[:-4], digest, data[-4:]))
+            self.flags = flags | TurnFlag.HAS_DIGEST
+        else:
+            self._set_trailer(digest, key)
+
+    def _set_trailer(self, digest: bytes | None, key: int | None) -> None:
+        data = self.data
+        # a view: the tail is copied once, into the new bytes (a long tail is not held twice)
+        tail, n_rest = memoryview(data)[: len(data) - _trailer_size(self.flags)], data[-4:]
+        flags = self.flags & ~(TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY)
+        parts: list[bytes | memoryview] = [tail]
+        if digest is not None:
+            if len(digest) != DIGEST_SIZE:  # it would cut the tail short
+                raise RolloutStoreError(
+                    f"a request digest has {DIGEST_SIZE} bytes, not {len(digest)}"
+                )
+            parts.append(digest)
+            flags |= TurnFlag.HAS_DIGEST
+        if key is not None and (digest is None or digest_key(digest) != key):
+            if not 0 <= key < 1 << (8 * _KEY_SIZE):
+                raise RolloutStoreError(f"index key {key} is not a 64-bit key")
+            parts.append(key.to_bytes(_KEY_SIZE, "little"))
+            flags |= TurnFlag.HAS_KEY
+        parts.append(n_rest)
+        self.data = b"".join(parts)
+        self.flags = flags
 
     @property
     def tail(self) -> bytes:
@@ -229,12 +354,6 @@ class Turn:
     def tail(self, tail: bytes) -> None:
         data = self.data
         self.data = tail + data[len(data) - _trailer_size(self.flags) :]
-
-    def set_request(self, tail_parts: Sequence[bytes], n_rest: int) -> None:
-        """Set the tail (`tail_parts` joined) and `n_rest` in one copy; no digest (set it
-        afterwards)."""
-        self.flags &= ~TurnFlag.HAS_DIGEST
-        self.data = b"".join((*tail_parts, _n_rest_bytes(n_rest)))
 
     @property
     def n_rest(self) -> int:
@@ -250,24 +369,33 @@ class Turn:
     def digest(self) -> bytes | None:
         """BLAKE3 of the plain packing of the non-system messages; None until known (a turn
         read from a file gets it when a byte comparison first confirms it)."""
-        if self.flags & TurnFlag.HAS_DIGEST:
-            return self.data[-4 - DIGEST_SIZE : -4]
-        return None
+        flags = self.flags
+        if not flags & TurnFlag.HAS_DIGEST:
+            return None
+        end = len(self.data) - 4 - (_KEY_SIZE if flags & TurnFlag.HAS_KEY else 0)
+        return self.data[end - DIGEST_SIZE : end]
 
     @digest.setter
     def digest(self, digest: bytes | None) -> None:
+        self._set_trailer(digest, self.rkey)
+
+    @property
+    def rkey(self) -> int | None:
+        """The key its request is filed under (None: not filed): the digest's key, unless
+        another was given (a file's)."""
+        flags = self.flags
         data = self.data
-        tail, n_rest = data[: -_trailer_size(self.flags)], data[-4:]
-        if digest is None:
-            self.data = tail + n_rest
-            self.flags &= ~TurnFlag.HAS_DIGEST
-        else:
-            if len(digest) != DIGEST_SIZE:  # it would cut the tail short
-                raise RolloutStoreError(
-                    f"a request digest has {DIGEST_SIZE} bytes, not {len(digest)}"
-                )
-            self.data = tail + digest + n_rest
-            self.flags |= TurnFlag.HAS_DIGEST
+        if flags & TurnFlag.HAS_KEY:
+            end = len(data) - 4
+            return int.from_bytes(data[end - _KEY_SIZE : end], "little")
+        if flags & TurnFlag.HAS_DIGEST:
+            end = len(data) - 4
+            return digest_key(data[end - DIGEST_SIZE : end])
+        return None
+
+    @rkey.setter
+    def rkey(self, key: int | None) -> None:
+        self._set_trailer(self.digest, key)
 
     # -- derived from the request's fields (see finish_tail)
 
@@ -286,106 +414,28 @@ class Turn:
             len(ECHO_PACKED) if self.flags & TurnFlag.TAIL_ECHO else 0
         )
 
-    # -- shared packed values
+    # -- the side: scalar fields, shared values, token fields
 
-    @property
-    def system(self) -> bytes | None:
-        """Packed leading system messages (a stream)."""
-        values = self.values
-        return values[0] if values is not None else None
-
-    @system.setter
-    def system(self, value: bytes | None) -> None:
-        self.values = _with(self.values, 0, value)
-
-    @property
-    def tools(self) -> bytes | None:
-        values = self.values
-        return values[1] if values is not None else None
-
-    @tools.setter
-    def tools(self, value: bytes | None) -> None:
-        self.values = _with(self.values, 1, value)
-
-    @property
-    def sampling(self) -> bytes | None:
-        values = self.values
-        return values[2] if values is not None else None
-
-    @sampling.setter
-    def sampling(self, value: bytes | None) -> None:
-        self.values = _with(self.values, 2, value)
-
-    @property
-    def requested(self) -> bytes | None:
-        """requested_sampling_params."""
-        values = self.values
-        return values[3] if values is not None else None
-
-    @requested.setter
-    def requested(self, value: bytes | None) -> None:
-        self.values = _with(self.values, 3, value)
+    meta: _SideField[TurnMeta] = _side_property("meta", "The scalar fields (interned).")
+    system: _SideField[bytes | None] = _side_property("system", "Packed leading system messages.")
+    tools: _SideField[bytes | None] = _side_property("tools", "Packed request tools, shared.")
+    sampling: _SideField[bytes | None] = _side_property("sampling", "Packed sampling parameters.")
+    requested: _SideField[bytes | None] = _side_property(
+        "requested", "Packed requested_sampling_params, shared."
+    )
+    prompt: _SideField[TokenRun | None] = _side_property("prompt", "Prompt token runs, if any.")
+    sampled: _SideField[Any] = _side_property("sampled", "Sampled ids: array | tuple | None.")
+    full: _SideField[TokenRun | None] = _side_property("full", "prompt + sampled, if any.")
+    logprobs: _SideField[Any] = _side_property("logprobs", "array('d') | packed bytes | None.")
 
     def share_values(
         self, tools: bytes | None, sampling: bytes | None, requested: bytes | None
     ) -> None:
-        """Set tools, sampling and requested at once (the system part is kept)."""
-        system = self.system
-        if system is None and tools is None and sampling is None and requested is None:
-            self.values = None
-        else:
-            self.values = (system, tools, sampling, requested)
-
-    # -- token fields
-
-    def _tokens(self) -> TurnTokens:
-        tokens = self.tokens
-        if tokens is None:
-            tokens = self.tokens = TurnTokens()
-        return tokens
-
-    @property
-    def prompt(self) -> TokenRun | None:
-        tokens = self.tokens
-        return tokens.prompt if tokens is not None else None
-
-    @prompt.setter
-    def prompt(self, value: TokenRun | None) -> None:
-        if value is not None or self.tokens is not None:
-            self._tokens().prompt = value
-
-    @property
-    def sampled(self) -> Any:
-        """array | tuple | None."""
-        tokens = self.tokens
-        return tokens.sampled if tokens is not None else None
-
-    @sampled.setter
-    def sampled(self, value: Any) -> None:
-        if value is not None or self.tokens is not None:
-            self._tokens().sampled = value
-
-    @property
-    def full(self) -> TokenRun | None:
-        """prompt + sampled, the prefix a child's prompt extends."""
-        tokens = self.tokens
-        return tokens.full if tokens is not None else None
-
-    @full.setter
-    def full(self, value: TokenRun | None) -> None:
-        if value is not None or self.tokens is not None:
-            self._tokens().full = value
-
-    @property
-    def logprobs(self) -> Any:
-        """array('d') | packed bytes | None."""
-        tokens = self.tokens
-        return tokens.logprobs if tokens is not None else None
-
-    @logprobs.setter
-    def logprobs(self, value: Any) -> None:
-        if value is not None or self.tokens is not None:
-            self._tokens().logprobs = value
+        """Set tools, sampling and requested at once."""
+        side = self.side
+        if side.shared:
+            side = self.side = side.copy()
+        side.tools, side.sampling, side.requested = tools, sampling, requested
 
 
 def is_above(ancestor: Turn, turn: Turn) -> bool:

@@ -10,11 +10,12 @@ import random
 from typing import Any
 
 import blake3
+import msgpack
 import pytest
 from support import assert_same, assert_same_json
 
 from rollout_store import InvalidValueError, RawJSON, RolloutGraph, TurnNode
-from rollout_store.confirm import ALIGN, CHUNK_HIGH, WINDOW, Probe
+from rollout_store.confirm import ALIGN, CHUNK_HIGH, WINDOW, Probe, mark_length
 from rollout_store.encoding import new_packer
 from rollout_store.intake import token_array
 from rollout_store.stored import TurnFlag
@@ -55,7 +56,11 @@ def test_probe_digests_are_blake3_of_the_plain_packings(seed: int) -> None:
     # given the message counts of stored requests, digests only there (and at the end);
     # any other one asked for is worked out in full
     lengths = {j for j in range(len(messages) + 1) if rng.random() < 0.3}
-    probe = Probe(messages, new_packer(), window, lengths)
+    bits = bytearray()
+    for j in lengths:
+        mark_length(bits, j)
+    assert [j for j in range(len(bits) * 8) if bits[j >> 3] >> (j & 7) & 1] == sorted(lengths)
+    probe = Probe(messages, new_packer(), window, bits)
     for j in range(probe.low, len(messages) + 1):
         known = j in lengths or j == len(messages)
         assert probe.digests[j] == (want[j] if known else None), (seed, j)
@@ -269,3 +274,31 @@ def test_messages_whose_length_byte_looks_like_an_ext_type_skip_the_walk() -> No
     assert stored.tail.endswith(b"".join(pack(m) for m in messages))
     assert not stored.flags & (TurnFlag.TAIL_REFS | TurnFlag.TAIL_SPECIAL)
     assert_same(graph.request_messages(view.node_id), messages)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b"",
+        b"x" * 200,
+        bytearray(b"x"),
+        msgpack.Timestamp(5, 0),
+        msgpack.Timestamp(2**33, 7),
+        msgpack.Timestamp(2**40, 1),
+        msgpack.ExtType(3, b"ab"),
+    ],
+    ids=repr,
+)
+def test_short_messages_holding_no_json_value_are_refused(bad: Any) -> None:
+    """A value that packs to a bin or ext type (a timestamp too, which unpacking decodes
+    without the hook) is refused in a short message, a long one and a response."""
+    graph = RolloutGraph()
+    for messages in (
+        [{"role": "user", "content": "z" * 200, "bad": bad}],
+        [{"role": "user", "content": "z" * 5000, "bad": bad}],
+    ):
+        with pytest.raises(InvalidValueError):
+            graph.add_turn(TurnNode(request_messages=messages))
+    with pytest.raises(InvalidValueError):
+        graph.add_turn(TurnNode(response_message={"role": "assistant", "bad": bad}))
+    assert len(graph) == 0

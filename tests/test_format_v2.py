@@ -649,8 +649,8 @@ def test_content_flags_are_derived_not_written(tmp_path: Path, threshold: int, h
         graph = RolloutGraph(share_threshold=threshold)
         build_rollout(graph, turns=4)
         graph.save(path)
-    # the request digest is known once computed (a loaded turn learns it when it is needed)
-    unknown = ~TurnFlag.HAS_DIGEST
+    # the request digest and key are kept once computed (a loaded turn learns them later)
+    unknown = ~(TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY)
     live = [entry.turn.flags & unknown for entry in graph.journal_entries()]
     assert any(f & _CONTENT_FLAGS for f in live)  # the rollout holds what the flags say
     on_disk = _turn_flags_on_disk(path.read_bytes())

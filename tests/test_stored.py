@@ -1,12 +1,21 @@
-"""The compact stored turn: default ids kept as no string, a single child held bare, shared
-values interned per graph, token fields only where there are tokens; all behave as before."""
+"""The compact stored turn: default ids kept as no string, a single child held bare, the link
+in the flags, tail + digest + key + message count in one bytes object, one side (scalars,
+shared values, token fields) for all turns alike; all behave as before."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from support import chat_turns, token_turns
 
-from rollout_store import DuplicateNodeError, RolloutGraph, TurnNode, UnknownNodeError
+from rollout_store import (
+    DuplicateNodeError,
+    RolloutGraph,
+    RolloutStoreError,
+    TurnNode,
+    UnknownNodeError,
+)
 
 
 def _turns(graph: RolloutGraph) -> list:
@@ -89,31 +98,108 @@ def test_children_one_bare_several_as_a_tuple() -> None:
     assert graph.forks() == [(root.node_id, [first.node_id, second.node_id])]
 
 
-def test_shared_values_are_one_tuple_and_tokens_only_where_given() -> None:
+def test_turns_alike_share_one_side_and_token_turns_have_their_own() -> None:
     graph = RolloutGraph()
     tools = [{"type": "function", "function": {"name": "f"}}]
     for fields in chat_turns(3):
         graph.add_turn(TurnNode(request_tools=tools, sampling_params={"t": 1}, **fields))
     stored = _turns(graph)
-    assert stored[0].values is not None
-    assert all(t.values is stored[0].values for t in stored)
-    # sampled_ids=[] by default: every such turn shares one record of its empty tokens
-    assert all(t.tokens is stored[0].tokens and t.prompt is None for t in stored)
-    assert stored[0].tokens is not None and len(stored[0].sampled) == 0
+    # sampled_ids=[] by default: its empty segment is as good as any other
+    assert stored[0].side is not None and stored[0].side.shared
+    assert all(t.side is stored[0].side and t.prompt is None for t in stored)
+    assert len(stored[0].sampled) == 0
     assert graph.get("turn-2").sampled_ids == [] and graph.get("turn-2").prompt_ids == []
     assert graph.get("turn-2").request_tools == tools
     assert graph.get("turn-2").sampling_params == {"t": 1}
-
-    plain = RolloutGraph()
-    bare = TurnNode(request_messages=[{"role": "user", "content": "hi"}], sampled_ids=None)
-    bare.sampling_params = bare.requested_sampling_params = None
-    plain.add_turn(bare)
-    assert _turns(plain)[0].values is None  # no shared value at all: no tuple
-    assert _turns(plain)[0].tokens is None  # no token field at all: no record
-    assert plain.get("turn-0").sampled_ids is None
+    other = graph.add_turn(TurnNode(model="another", **chat_turns(1, tag="x")[0]))
+    assert _turns(graph)[3].side is not stored[0].side  # other scalars: a side of its own
+    assert graph.get(other.node_id).model == "another" and graph.get("turn-2").model is None
 
     tokens = RolloutGraph()
-    for fields in token_turns(2):
+    for fields in token_turns(3):
         tokens.add_turn(TurnNode(**fields))
-    assert all(t.tokens is not None for t in _turns(tokens))
-    assert tokens.get("turn-1").sampled_logprobs == token_turns(2)[1]["sampled_logprobs"]
+    sides = [t.side for t in _turns(tokens)]
+    assert all(s is not None and not s.shared for s in sides) and len(set(map(id, sides))) == 3
+    assert tokens.get("turn-1").sampled_logprobs == token_turns(3)[1]["sampled_logprobs"]
+    assert tokens.get("turn-2").prompt_ids == token_turns(3)[2]["prompt_ids"]
+
+
+def test_a_shared_side_is_copied_before_a_change() -> None:
+    from rollout_store.stored import Turn, TurnSide
+
+    side = TurnSide()
+    side.system, side.shared = b"\x90", True  # as the graph interns it
+    first, second = Turn(), Turn()
+    first.side = second.side = side
+    second.tools = b"\x91\x01"  # a change to one turn: its side is copied first
+    assert first.side is side and second.side is not side and not second.side.shared
+    assert (first.system, first.tools) == (b"\x90", None)
+    assert (second.system, second.tools) == (b"\x90", b"\x91\x01")
+    third = Turn()  # a new turn has a side of its own until the graph finds one alike
+    assert not third.side.shared and third.prompt is None and third.meta is None
+
+
+def test_request_tail_digest_key_and_count_in_one_bytes_object() -> None:
+    from rollout_store.confirm import digest_key
+    from rollout_store.stored import Turn, TurnFlag
+
+    turn = Turn()
+    turn.index, turn.flags = 0, 0
+    turn.set_request((b"\x92", b"ab"), 700)
+    assert (turn.tail, turn.n_rest, turn.digest, turn.rkey) == (b"\x92ab", 700, None, None)
+    turn.rkey = 2**64 - 1  # a key from a file, before the digest is known
+    assert (turn.tail, turn.n_rest, turn.rkey) == (b"\x92ab", 700, 2**64 - 1)
+    digest = bytes(range(32))
+    turn.digest = digest  # another key than the digest's: kept beside it
+    assert (turn.tail, turn.digest, turn.rkey, turn.n_rest) == (b"\x92ab", digest, 2**64 - 1, 700)
+    assert turn.flags & TurnFlag.HAS_KEY
+    turn.rkey = digest_key(digest)  # the digest's own key: not kept twice
+    assert not turn.flags & TurnFlag.HAS_KEY and turn.rkey == digest_key(digest)
+    assert len(turn.data) == 3 + 32 + 4
+    turn.tail = b"\x91c"
+    turn.n_rest = 3
+    assert (turn.tail, turn.digest, turn.n_rest) == (b"\x91c", digest, 3)
+    turn.digest = None  # the key it is filed under stays
+    assert (turn.tail, turn.digest, turn.rkey, turn.n_rest) == (
+        b"\x91c",
+        None,
+        digest_key(digest),
+        3,
+    )
+    turn.rkey = None
+    assert (turn.tail, turn.rkey, turn.data) == (b"\x91c", None, b"\x91c\x03\x00\x00\x00")
+    for bad in (-1, 2**32):
+        with pytest.raises(RolloutStoreError):
+            turn.n_rest = bad
+    with pytest.raises(RolloutStoreError):
+        turn.rkey = 2**64
+    with pytest.raises(RolloutStoreError):
+        turn.digest = b"short"
+    assert (turn.tail, turn.n_rest) == (b"\x91c", 3)  # a refused value changes nothing
+
+
+def test_the_link_is_kept_in_the_flags() -> None:
+    from rollout_store.stored import LinkKind, Turn, TurnFlag
+
+    turn = Turn()
+    turn.flags = TurnFlag.TAIL_ECHO
+    for kind in (LinkKind.EXPLICIT, LinkKind.MESSAGES, LinkKind.TOKENS, LinkKind.NONE):
+        turn.link = kind
+        assert turn.link is kind and turn.flags & ~(TurnFlag.LINK_LOW | TurnFlag.LINK_HIGH) == 32
+
+
+def test_loaded_turns_are_found_again_by_their_file_keys(tmp_path: Path) -> None:
+    graph = RolloutGraph()
+    turns = chat_turns(4)
+    for fields in turns[:3]:
+        graph.add_turn(TurnNode(**fields))
+    path = tmp_path / "g.rls"
+    graph.save(path)
+    back = RolloutGraph.load(path)
+    loaded = _turns(back)
+    assert all(t.digest is None and t.rkey is not None for t in loaded)
+    assert [t.rkey for t in loaded] == [t.rkey for t in _turns(graph)]
+    node = back.add_turn(TurnNode(**turns[3]))  # continues the loaded conversation
+    assert node.parent_id == "turn-2" and back.link_kind(node.node_id) == "messages"
+    assert loaded[2].digest == _turns(graph)[2].digest  # confirmed by bytes, then known
+    assert loaded[2].rkey == _turns(graph)[2].rkey
