@@ -128,7 +128,13 @@ _CONTENT_FLAGS = (
 _DERIVED_FLAGS = TurnFlag.TAIL_SLOW | TurnFlag.PREFIX_SPECIAL | _CONTENT_FLAGS
 # bits of Turn.flags that say how the turn is kept in memory (its link is a field of the
 # record): never written, and a file that has them is damaged
-_IN_MEMORY_FLAGS = TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY | TurnFlag.LINK_LOW | TurnFlag.LINK_HIGH
+_IN_MEMORY_FLAGS = (
+    TurnFlag.HAS_DIGEST
+    | TurnFlag.HAS_KEY
+    | TurnFlag.HAS_RESPONSE
+    | TurnFlag.LINK_LOW
+    | TurnFlag.LINK_HIGH
+)
 #: Bits a turn record's flags may hold, and those of a request with messages.
 _MESSAGE_FLAGS = TurnFlag.TAIL_ECHO | TurnFlag.MESSAGES_TUPLE
 _STORED_FLAGS = _MESSAGE_FLAGS | (

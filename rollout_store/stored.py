@@ -6,6 +6,7 @@ compared. Request storage, linking, the graph and its files all work on these.
 
 from __future__ import annotations
 
+import struct
 from array import array
 from collections.abc import Sequence
 from enum import IntEnum
@@ -72,6 +73,8 @@ class TurnFlag(IntEnum):
     # the link kind (`Turn.link`), two bits: a file stores it in a field of its own
     LINK_LOW = 8192
     LINK_HIGH = 16384
+    # `Turn.data` holds a response (see Turn.response)
+    HAS_RESPONSE = 32768
 
 
 class LinkKind(IntEnum):
@@ -114,22 +117,17 @@ T = TypeVar("T")  # a side field's type
 
 _NO_REQUEST = bytes(4)  # no tail, no digest, n_rest 0 (immutable: every new turn starts so)
 _KEY_SIZE = 8  # an index key kept in `Turn.data` (unsigned, little-endian)
+_U32 = struct.Struct("<I")
+_DIGEST_AND_KEY = TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY
+_DIGEST_SHIFT = 11  # HAS_DIGEST, and HAS_KEY right above it
+# bytes of digest and key in `Turn.data`, by those two flags shifted down
+_EXTRA = (0, DIGEST_SIZE, _KEY_SIZE, DIGEST_SIZE + _KEY_SIZE)
 
 
 def _n_rest_bytes(n_rest: int) -> bytes:
     if not 0 <= n_rest < 1 << 32:
         raise RolloutStoreError(f"a request of {n_rest} messages cannot be stored")
     return n_rest.to_bytes(4, "little")
-
-
-def _trailer_size(flags: int) -> int:
-    """Bytes of `Turn.data` after the tail: digest, key, n_rest."""
-    size = 4
-    if flags & TurnFlag.HAS_DIGEST:
-        size += DIGEST_SIZE
-    if flags & TurnFlag.HAS_KEY:
-        size += _KEY_SIZE
-    return size
 
 
 _LINK_SHIFT = 13  # TurnFlag.LINK_LOW
@@ -240,15 +238,16 @@ def _side_property(name: str, doc: str) -> Any:
 class Turn:
     """The stored form of a turn: references and packed bytes only.
 
-    Kept small, since a graph holds one per turn (9 slots): the id is derived from the index
+    Kept small, since a graph holds one per turn (8 slots): the id is derived from the index
     unless the caller chose another (`ident`); a single child is held bare; the link kind is
-    two bits of `flags`; the tail, the request's digest, its index key and its message count
-    are one bytes object (`data`); the scalar fields, shared values and token fields are a
+    two bits of `flags`; the tail, the response, the request's digest, its index key and its
+    message count are one bytes object (`data`); the scalar fields, shared values and token
+    fields are a
     `TurnSide`, one for every turn alike. All of them read and write through properties of
     the names they had as fields.
     """
 
-    __slots__ = ("base", "data", "flags", "ident", "index", "kids", "parent", "response", "side")
+    __slots__ = ("base", "data", "flags", "ident", "index", "kids", "parent", "side")
 
     ident: str | None  # the node id when it is not the default `turn-{index}`
     index: int
@@ -256,8 +255,7 @@ class Turn:
     kids: Turn | tuple[Turn, ...] | None  # the children: one bare, several as a tuple
     flags: int  # TurnFlag bits, and the link kind
     base: Turn | None  # the turn whose non-system request this one extends
-    response: bytes | None
-    # tail + [digest] + [index key] + n_rest (see the properties of those names)
+    # tail, response, digest, index key, n_rest (see the properties of those names)
     data: bytes
     side: TurnSide
 
@@ -299,36 +297,35 @@ class Turn:
     def children(self, children: tuple[Turn, ...] | None) -> None:
         self.kids = children[0] if children is not None and len(children) == 1 else children
 
-    # -- the request: tail + digest (DIGEST_SIZE bytes, when HAS_DIGEST) + index key
-    #    (8 bytes, when HAS_KEY: only one the digest does not give) + n_rest (4 bytes)
+    # -- the request and the response in one bytes object, `data`:
+    #    tail | response | digest (32, HAS_DIGEST) | key (8, HAS_KEY: only one the digest does
+    #    not give) | response length (4, HAS_RESPONSE) | n_rest (4); integers little-endian
 
-    def set_request(self, tail_parts: Sequence[bytes], n_rest: int) -> None:
-        """Set the tail (`tail_parts` joined) and `n_rest` in one copy; no digest and no
-        key (set them afterwards)."""
-        self.flags &= ~(TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY)
-        self.data = b"".join((*tail_parts, _n_rest_bytes(n_rest)))
-
-    def file_under(self, key: int | None, digest: bytes | None) -> None:
-        """Set the index key and the digest at once (one copy of the tail at most)."""
-        flags = self.flags
-        if (
-            digest is not None
-            and not flags & (TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY)
-            and len(digest) == DIGEST_SIZE
-            and key == digest_key(digest)
-        ):  # the common case: a fresh turn filed under its digest's key
-            data = self.data
-            self.data = b"".join((memoryview(data)[:-4], digest, data[-4:]))
-            self.flags = flags | TurnFlag.HAS_DIGEST
+    def _ends(self) -> tuple[int, int]:
+        """Where the tail ends and where the response ends (= where the trailer begins)."""
+        data, flags = self.data, self.flags
+        if flags & TurnFlag.HAS_RESPONSE:
+            end = len(data) - 8
+            size = _U32.unpack_from(data, end)[0]
         else:
-            self._set_trailer(digest, key)
+            end, size = len(data) - 4, 0
+        end -= _EXTRA[(flags & _DIGEST_AND_KEY) >> _DIGEST_SHIFT]
+        return end - size, end
 
-    def _set_trailer(self, digest: bytes | None, key: int | None) -> None:
-        data = self.data
-        # a view: the tail is copied once, into the new bytes (a long tail is not held twice)
-        tail, n_rest = memoryview(data)[: len(data) - _trailer_size(self.flags)], data[-4:]
-        flags = self.flags & ~(TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY)
-        parts: list[bytes | memoryview] = [tail]
+    def _store(
+        self,
+        tail: bytes | memoryview,
+        response: bytes | memoryview | None,
+        digest: bytes | memoryview | None,
+        key: int | None,
+        n_rest: bytes | memoryview,
+    ) -> None:
+        """Build `data` from its parts (views of the old data are copied once, here)."""
+        flags = self.flags & ~(TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY | TurnFlag.HAS_RESPONSE)
+        parts = [tail]
+        if response is not None:
+            parts.append(response)
+            flags |= TurnFlag.HAS_RESPONSE
         if digest is not None:
             if len(digest) != DIGEST_SIZE:  # it would cut the tail short
                 raise RolloutStoreError(
@@ -336,30 +333,92 @@ class Turn:
                 )
             parts.append(digest)
             flags |= TurnFlag.HAS_DIGEST
-        if key is not None and (digest is None or digest_key(digest) != key):
+        if key is not None and (digest is None or digest_key(bytes(digest)) != key):
             if not 0 <= key < 1 << (8 * _KEY_SIZE):
                 raise RolloutStoreError(f"index key {key} is not a 64-bit key")
             parts.append(key.to_bytes(_KEY_SIZE, "little"))
             flags |= TurnFlag.HAS_KEY
+        if response is not None:
+            parts.append(len(response).to_bytes(4, "little"))
         parts.append(n_rest)
         self.data = b"".join(parts)
         self.flags = flags
 
+    def _parts(
+        self,
+    ) -> tuple[memoryview, memoryview | None, memoryview | None, int | None, memoryview]:
+        """tail, response, digest, key and n_rest (views of `data`; a key the digest gives
+        is None)."""
+        view, flags = memoryview(self.data), self.flags
+        tail_end, end = self._ends()
+        response = view[tail_end:end] if flags & TurnFlag.HAS_RESPONSE else None
+        digest = view[end : end + DIGEST_SIZE] if flags & TurnFlag.HAS_DIGEST else None
+        key = None
+        if flags & TurnFlag.HAS_KEY:
+            start = end + (DIGEST_SIZE if digest is not None else 0)
+            key = int.from_bytes(view[start : start + _KEY_SIZE], "little")
+        return view[:tail_end], response, digest, key, view[len(view) - 4 :]
+
+    def set_request(self, tail_parts: Sequence[bytes], n_rest: int) -> None:
+        """Set the tail (`tail_parts` joined) and `n_rest`; no digest and no key (set them
+        afterwards). One copy: the response, if any, comes after."""
+        if self.flags & TurnFlag.HAS_RESPONSE:
+            _, response, _, _, _ = self._parts()
+            self._store(b"".join(tail_parts), response, None, None, _n_rest_bytes(n_rest))
+            return
+        self.flags &= ~(TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY)
+        self.data = b"".join((*tail_parts, _n_rest_bytes(n_rest)))
+
+    def file_under(self, key: int | None, digest: bytes | None) -> None:
+        """Set the index key and the digest at once (one copy)."""
+        flags = self.flags
+        if (
+            digest is not None
+            and not flags & _DIGEST_AND_KEY
+            and len(digest) == DIGEST_SIZE
+            and key == digest_key(digest)
+        ):  # the common case: a fresh turn filed under its digest's key
+            data = self.data
+            at = len(data) - (8 if flags & TurnFlag.HAS_RESPONSE else 4)
+            view = memoryview(data)
+            self.data = b"".join((view[:at], digest, view[at:]))
+            self.flags = flags | TurnFlag.HAS_DIGEST
+            return
+        tail, response, _, _, n_rest = self._parts()
+        self._store(tail, response, digest, key, n_rest)
+
     @property
     def tail(self) -> bytes:
         """The packed non-system messages after the base's."""
-        return self.data[: -_trailer_size(self.flags)]
+        return self.data[: self._ends()[0]]
 
     @tail.setter
     def tail(self, tail: bytes) -> None:
+        _, response, digest, key, n_rest = self._parts()
+        self._store(tail, response, digest, key, n_rest)
+
+    @property
+    def response(self) -> bytes | None:
+        """The packed response message (None: none)."""
+        flags = self.flags
+        if not flags & TurnFlag.HAS_RESPONSE:
+            return None
         data = self.data
-        self.data = tail + data[len(data) - _trailer_size(self.flags) :]
+        end = len(data) - 8
+        start = end - _U32.unpack_from(data, end)[0]
+        shift = _EXTRA[(flags & _DIGEST_AND_KEY) >> _DIGEST_SHIFT]
+        return data[start - shift : end - shift]
+
+    @response.setter
+    def response(self, response: bytes | None) -> None:
+        tail, _, digest, key, n_rest = self._parts()
+        self._store(tail, response, digest, key, n_rest)
 
     @property
     def n_rest(self) -> int:
         """The number of non-system request messages."""
         data = self.data
-        return int.from_bytes(data[len(data) - 4 :], "little")
+        return _U32.unpack_from(data, len(data) - 4)[0]  # type: ignore[no-any-return]
 
     @n_rest.setter
     def n_rest(self, n_rest: int) -> None:
@@ -369,33 +428,34 @@ class Turn:
     def digest(self) -> bytes | None:
         """BLAKE3 of the plain packing of the non-system messages; None until known (a turn
         read from a file gets it when a byte comparison first confirms it)."""
-        flags = self.flags
-        if not flags & TurnFlag.HAS_DIGEST:
+        if not self.flags & TurnFlag.HAS_DIGEST:
             return None
-        end = len(self.data) - 4 - (_KEY_SIZE if flags & TurnFlag.HAS_KEY else 0)
-        return self.data[end - DIGEST_SIZE : end]
+        end = self._ends()[1]
+        return self.data[end : end + DIGEST_SIZE]
 
     @digest.setter
     def digest(self, digest: bytes | None) -> None:
-        self._set_trailer(digest, self.rkey)
+        tail, response, _, _, n_rest = self._parts()
+        self._store(tail, response, digest, self.rkey, n_rest)
 
     @property
     def rkey(self) -> int | None:
         """The key its request is filed under (None: not filed): the digest's key, unless
         another was given (a file's)."""
         flags = self.flags
-        data = self.data
-        if flags & TurnFlag.HAS_KEY:
-            end = len(data) - 4
-            return int.from_bytes(data[end - _KEY_SIZE : end], "little")
+        if not flags & (TurnFlag.HAS_KEY | TurnFlag.HAS_DIGEST):
+            return None
+        end = self._ends()[1]
         if flags & TurnFlag.HAS_DIGEST:
-            end = len(data) - 4
-            return digest_key(data[end - DIGEST_SIZE : end])
-        return None
+            if not flags & TurnFlag.HAS_KEY:
+                return digest_key(self.data[end : end + DIGEST_SIZE])
+            end += DIGEST_SIZE
+        return int.from_bytes(self.data[end : end + _KEY_SIZE], "little")
 
     @rkey.setter
     def rkey(self, key: int | None) -> None:
-        self._set_trailer(self.digest, key)
+        tail, response, digest, _, n_rest = self._parts()
+        self._store(tail, response, digest, key, n_rest)
 
     # -- derived from the request's fields (see finish_tail)
 

@@ -203,3 +203,38 @@ def test_loaded_turns_are_found_again_by_their_file_keys(tmp_path: Path) -> None
     assert node.parent_id == "turn-2" and back.link_kind(node.node_id) == "messages"
     assert loaded[2].digest == _turns(graph)[2].digest  # confirmed by bytes, then known
     assert loaded[2].rkey == _turns(graph)[2].rkey
+
+
+def test_the_response_is_kept_in_the_request_bytes() -> None:
+    from rollout_store.confirm import digest_key
+    from rollout_store.stored import Turn, TurnFlag
+
+    turn = Turn()
+    turn.index, turn.flags = 0, 0
+    assert turn.response is None
+    turn.set_request((b"\x91", b"a"), 300)
+    turn.response = b"\x81\xa1r\xa1s"
+    digest = bytes(range(1, 33))
+    turn.file_under(7, digest)  # a key the digest does not give: kept too
+    assert (turn.tail, turn.response, turn.digest, turn.rkey, turn.n_rest) == (
+        b"\x91a",
+        b"\x81\xa1r\xa1s",
+        digest,
+        7,
+        300,
+    )
+    assert len(turn.data) == 2 + 5 + 32 + 8 + 4 + 4
+    turn.set_request((b"\x92ab",), 5)  # a new request: the response stays, digest and key go
+    assert (turn.tail, turn.response, turn.digest, turn.rkey, turn.n_rest) == (
+        b"\x92ab",
+        b"\x81\xa1r\xa1s",
+        None,
+        None,
+        5,
+    )
+    turn.file_under(digest_key(digest), digest)
+    turn.response = b""  # an empty packing is a response, not None
+    assert (turn.response, turn.digest, turn.rkey) == (b"", digest, digest_key(digest))
+    turn.response = None
+    assert turn.response is None and not turn.flags & TurnFlag.HAS_RESPONSE
+    assert (turn.tail, turn.digest, turn.n_rest) == (b"\x92ab", digest, 5)
