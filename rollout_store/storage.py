@@ -591,6 +591,9 @@ class _Loader:
             raise ValueError("bad moves or reference counts")
         if not (type(refs[0]) is type(refs[1]) is int and refs[0] >= 0 and refs[1] >= 0):
             raise ValueError("bad reference counts")
+        # the turn holds copies of the record's bytes: let the record's go before filing it
+        payload.clear()
+        del record
         self.graph.blobs.count_references(refs[0], refs[1])
         self.restore.commit(turn, keys, moves)
         self.writer.note_runs(turn)
@@ -623,17 +626,18 @@ class _Loader:
         flags that say what the tail and response hold are derived from them."""
         carried = turn.flags & _CONTENT_FLAGS
         turn.flags &= ~_CONTENT_FLAGS
-        self._tail(turn, record, n_blobs)
         response = record.response
         if response is not None:
             info = self.check(response, n_blobs)
             turn.flags |= (TurnFlag.RESPONSE_REFS if info.refs else 0) | (
                 TurnFlag.RESPONSE_SPECIAL if info.special else 0
             )
+            # set before the tail: the turn's bytes are then built once with the tail
+            turn.response = response
+        self._tail(turn, record, n_blobs)
         if turn.flags & _CONTENT_FLAGS & ~carried and carried:
             # a record written before these flags were derived carries them all
             raise ValueError("the flags of a turn record do not say what its request holds")
-        turn.response = response
         value = self._value_ref
         turn.share_values(value(record.tools), value(record.sampling), value(record.requested))
 
