@@ -466,6 +466,7 @@ class _Loader:
         self.writer = _Writer()
         self.value_is_list: list[bool] = []  # system parts must be arrays of messages
         self.quick = QuickCheck(self.blob_surrogates)
+        self.unfiled: list[tuple[bytes, bytes | None]] = []  # values of the turn being read
 
     def check(self, packed: Any, n_blobs: int, echo_ok: bool = False) -> PackedInfo:
         """Check a stored value once, without building it (see `packed.check_packed`)."""
@@ -572,7 +573,23 @@ class _Loader:
         plain = None
         if not info.special:  # its plain packing, spliced: the value is never decoded
             plain = splice_blobs(payload, info.blob_refs, lambda i: blobs.string(i).encode())
-        self.restore.add_value(payload, plain)
+        self.unfiled.append((payload, plain))
+
+    def mark(self) -> tuple[tuple[int, int, int], int]:
+        """Where the blobs and values stand before a turn's records are applied."""
+        return self.graph.blobs.mark(), len(self.writer.value_objects)
+
+    def rollback(self, mark: tuple[tuple[int, int, int], int]) -> None:
+        """Forget the blobs and values of a turn whose record failed: a recovered graph
+        keeps only what its turns refer to (else a later turn could share a value whose
+        blob references name blobs that are gone)."""
+        blobs_mark, n_values = mark
+        self.graph.blobs.rollback(blobs_mark)
+        writer = self.writer
+        for stored in writer.value_objects[n_values:]:
+            del writer.values[id(stored)]
+        del writer.value_objects[n_values:], self.value_is_list[n_values:]
+        self.unfiled.clear()
 
     def turn(self, payload: Any) -> None:
         """Check one turn record, build the stored turn and commit it to the graph."""
@@ -597,6 +614,9 @@ class _Loader:
         self.graph.blobs.count_references(refs[0], refs[1])
         self.restore.commit(turn, keys, moves)
         self.writer.note_runs(turn)
+        for stored, plain in self.unfiled:  # the values it brought, found again from now on
+            self.restore.add_value(stored, plain)
+        self.unfiled.clear()
 
     def _identity(self, record: TurnRecord) -> Turn:
         """A new turn with its id, position, parent, link, flags and scalar fields."""
@@ -888,9 +908,14 @@ class _Records:
         if kind in (KIND_BLOB, KIND_VALUE, KIND_BLOB_REF):
             self.pending.append((kind, body, start, record))
         elif kind == KIND_TURN:
-            self.apply_pending(loader)
-            self.at = (start, record)
-            loader.turn(body)
+            mark = loader.mark()
+            try:
+                self.apply_pending(loader)
+                self.at = (start, record)
+                loader.turn(body)
+            except BaseException:
+                loader.rollback(mark)
+                raise
             self.report.turns += 1
         elif kind == KIND_END:
             _check_end(body, self.pending, self.report)

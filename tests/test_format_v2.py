@@ -14,6 +14,8 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_storage import build_rollout, snapshot
 
 from rollout_store import (
@@ -675,3 +677,97 @@ def test_records_that_carry_content_flags_still_load(tmp_path: Path) -> None:
         graph = RolloutGraph.load(path)
         assert graph.journal_entries()[0].turn.flags & _CONTENT_FLAGS == 1 | 64
         _usable_graph(graph)
+
+
+# ---------------------------------------------------------------- packed fields, re-chained
+
+
+def _records_of(data: bytes) -> list[tuple[int, bytes]]:
+    reader = framing.FrameReader(data, len(MAGIC_V2), digest_kinds=frozenset({1}), max_kind=5)
+    return [(f.kind, bytes(f.payload)) for f in reader]
+
+
+def _rechained(records: list[tuple[int, bytes]]) -> bytes:
+    """A version-2 file of these records (the header's first), each frame chained right."""
+    out, chain = [MAGIC_V2], 0
+    for kind, payload in records:
+        if kind == 1:
+            parts, chain = framing.encode_blob_frame(kind, payload[:16], payload[16:], chain)
+            out.extend(parts)
+        else:
+            frame, chain = encode_frame(kind, payload, chain)
+            out.append(frame)
+    return b"".join(out)
+
+
+_TAIL = storage.TurnRecord._fields.index("tail")
+_RESPONSE = storage.TurnRecord._fields.index("response")
+
+
+@pytest.fixture(scope="module")
+def rollout_records(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, bytes]]:
+    path = tmp_path_factory.mktemp("records") / "log.rls"
+    with RolloutGraph.open(path, share_threshold=8, fsync="never") as graph:
+        build_rollout(graph, turns=3)
+    return _records_of(path.read_bytes())
+
+
+@given(st.data())
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_a_damaged_packed_field_fails_verify_or_loads_usable(
+    rollout_records: list[tuple[int, bytes]], tmp_path: Path, data: st.DataObject
+) -> None:
+    """Verify means usable, past every frame check: a turn's tail or response changed and the
+    file chained again (what a crafted file can do) either fails verify at its record, or
+    loads, answers every query and exports."""
+    turns = [i for i, (kind, _) in enumerate(rollout_records) if kind == 3]
+    at = data.draw(st.sampled_from(turns))
+    record = msgpack.unpackb(rollout_records[at][1], raw=False, unicode_errors="surrogatepass")
+    field = data.draw(st.sampled_from([_TAIL, _RESPONSE]))
+    packed = record[field]
+    if not packed:
+        return
+    packed = bytearray(packed)
+    where = data.draw(st.integers(0, len(packed) - 1))
+    packed[where] = data.draw(st.integers(0, 255))
+    record[field] = bytes(packed)
+    records = list(rollout_records)
+    records[at] = (3, msgpack.packb(record, use_bin_type=True, unicode_errors="surrogatepass"))
+    path = tmp_path / "damaged.rls"
+    path.write_bytes(_rechained(records))
+    report = storage.verify(path)
+    if not report.ok:
+        assert report.error_offset is not None and report.error_offset > len(MAGIC_V2)
+        return
+    graph = RolloutGraph.load(path)
+    for node_id in graph.node_ids():
+        graph.get(node_id)
+        graph.sequence_for(node_id)
+    json.dumps(export_session(graph, include_messages=True, include_discarded=True))
+
+
+def test_a_recovered_graph_keeps_no_blob_or_value_of_the_turn_that_failed(
+    rollout_records: list[tuple[int, bytes]], tmp_path: Path
+) -> None:
+    """A turn record that fails after its blob and value records were read left those in the
+    recovered graph: saved again, the graph gave a file whose end record did not match."""
+    kinds = [kind for kind, _ in rollout_records]
+    # a turn record right after blob and value records of its own
+    at = next(i for i in range(2, len(kinds)) if kinds[i] == 3 and kinds[i - 1] == 2 and i > 12)
+    record = msgpack.unpackb(rollout_records[at][1], raw=False, unicode_errors="surrogatepass")
+    record[_TAIL] = b"\xc1"  # not msgpack
+    records = list(rollout_records)
+    records[at] = (3, msgpack.packb(record, use_bin_type=True, unicode_errors="surrogatepass"))
+    path = tmp_path / "damaged.rls"
+    path.write_bytes(_rechained(records))
+    kept = RolloutGraph.load(path, recover=True)
+    intact = tmp_path / "intact.rls"
+    end = next(i for i in range(at, 0, -1) if kinds[i - 1] == 3)  # after the turn before
+    intact.write_bytes(_rechained(records[:end]))
+    reference = RolloutGraph.load(intact)
+    assert len(kept) == len(reference) and len(kept.blobs) == len(reference.blobs)
+    assert kept.stats() == reference.stats()
+    kept.save(tmp_path / "again.rls")
+    assert snapshot(RolloutGraph.load(tmp_path / "again.rls")) == snapshot(reference)
