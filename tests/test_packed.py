@@ -196,6 +196,8 @@ def test_quick_check_agrees_on_damaged_values(value: object, data: st.DataObject
         b"\x82\xa1a\x01\xa1a\x02",  # a repeated key (decoded, it packs shorter)
         b"\xd9\x01a",  # a non-canonical string header
         b"\xca\x00\x00\x00\x00",  # a 32-bit float
+        b"\x91\xd6\xff\x00\x00\x00\x01",  # a msgpack timestamp (ext -1: no hook sees it)
+        b"\x91\xd7\xff" + bytes(8),  # a 64-bit timestamp
         b"\x91" * MAX_DEPTH + b"\x90",  # nesting deeper than MAX_DEPTH
         b"\x92" + msgpack.packb("x" * (QUICK_LIMIT + 1)) + b"\x01",  # too long to decode
     ],
