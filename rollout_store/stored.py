@@ -1,7 +1,9 @@
 """The stored form of a turn and what it is made of: flags, link kinds, scalar fields.
 
 A `Turn` holds references and packed bytes only; its `flags` say how its packed parts must be
-compared. Request storage, linking, the graph and its files all work on these.
+compared. It is kept small (a graph holds one per turn): its request, response, digest and
+message count are one bytes object, and what turns alike have in common is one shared
+`TurnSide`. Request storage, linking, the graph and its files all work on these.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support import chat_turns, token_turns
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support import FUZZ, chat_turns, token_turns
 
 from rollout_store import (
     DuplicateNodeError,
@@ -238,3 +240,58 @@ def test_the_response_is_kept_in_the_request_bytes() -> None:
     turn.response = None
     assert turn.response is None and not turn.flags & TurnFlag.HAS_RESPONSE
     assert (turn.tail, turn.digest, turn.n_rest) == (b"\x92ab", digest, 5)
+
+
+_DIGESTS = st.binary(min_size=32, max_size=32)
+_CHANGES = st.lists(
+    st.one_of(
+        st.tuples(st.just("request"), st.binary(max_size=40), st.integers(0, 2**32 - 1)),
+        st.tuples(st.just("tail"), st.binary(max_size=40)),
+        st.tuples(st.just("n_rest"), st.integers(0, 2**32 - 1)),
+        st.tuples(st.just("response"), st.none() | st.binary(max_size=40)),
+        st.tuples(st.just("digest"), st.none() | _DIGESTS),
+        st.tuples(st.just("rkey"), st.none() | st.integers(0, 2**64 - 1)),
+        st.tuples(st.just("file"), st.none() | st.integers(0, 2**64 - 1), st.none() | _DIGESTS),
+    ),
+    max_size=12,
+)
+
+
+@given(_CHANGES, st.sampled_from([0, 32, 64 | 32, 256]))
+@settings(FUZZ)
+def test_request_bytes_agree_with_separate_fields(changes: list, other_flags: int) -> None:
+    """Any order of changes reads back as if tail, n_rest, response, digest and key were
+    fields of their own (the key of a turn with a digest and no key of its own is the
+    digest's; set_request drops digest and key; other flags never change)."""
+    from rollout_store.confirm import digest_key
+    from rollout_store.stored import Turn, TurnFlag
+
+    turn = Turn()
+    turn.index, turn.flags = 0, other_flags
+    model: dict = {"tail": b"", "n_rest": 0, "response": None, "digest": None, "key": None}
+    for change in changes:
+        kind = change[0]
+        if kind == "request":
+            turn.set_request((change[1],), change[2])
+            model.update(tail=change[1], n_rest=change[2], digest=None, key=None)
+        elif kind == "file":
+            turn.file_under(change[1], change[2])
+            model.update(key=change[1], digest=change[2])
+        elif kind == "rkey":
+            turn.rkey = change[1]
+            model["key"] = change[1]
+        elif kind == "digest":
+            if model["key"] is None and model["digest"] is not None:
+                model["key"] = digest_key(model["digest"])  # filed under it: the key stays
+            turn.digest = change[1]
+            model["digest"] = change[1]
+        else:
+            setattr(turn, kind, change[1])
+            model[kind] = change[1]
+        key = model["key"]
+        if key is None and model["digest"] is not None:
+            key = digest_key(model["digest"])
+        got = (turn.tail, turn.n_rest, turn.response, turn.digest, turn.rkey)
+        assert got == (model["tail"], model["n_rest"], model["response"], model["digest"], key)
+        in_memory = TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY | TurnFlag.HAS_RESPONSE
+        assert turn.flags & ~in_memory == other_flags
