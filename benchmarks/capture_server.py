@@ -5,18 +5,28 @@ run concurrently against the stub engine: directly, through `rollout-store serve
 through two baselines that forward the same way: *anchor* (the well-known capture server's
 scheme: decode every request and keep it, with its response, per session, in memory) and
 *forward-only* (records nothing: the floor every recorder pays for proxying). Every scheme
-runs in a fresh server process; the schemes take turns over several rounds in one run.
+runs in fresh server processes; the schemes take turns over several rounds in one run.
 
-Reported: each server's RSS growth over the group (after a small warm-up) against the
-group's unique content (benchmarks/workloads.py's definition), also net of forward-only's
-growth (what recording itself keeps), and the per-request latency each adds over calling
-the stub directly, median and p99, with 16 rollouts in flight: from separate runs, and
-paired (each rollout makes every call to the stub and then through the server, so both
-see the same load; the figure is the difference per call, and the targets use it).
+Memory: each server's RSS growth over a group, from the same server idle (warmed up by a
+group of the same width with other content, and with the group's sessions created), against
+the group's unique content (benchmarks/workloads.py's definition), also net of forward-only's
+growth. Two groups: the GRPO group above (0.3 MiB of unique content, so fixed costs weigh),
+and a large group where every turn brings a new 100 KiB screenshot (content dominates).
+Memory servers run with glibc's mmap threshold fixed at 64 KiB, so a request's large buffers
+go back to the system when freed and RSS shows what a server keeps, not its peak of transient
+buffers; the same for every scheme.
+
+Latency: per-request latency each server adds over calling the stub directly, median and
+p99, with 16 rollouts in flight, paired (each rollout makes every call to the stub and then
+through the server, so both see the same load; the figure is the difference per call), on
+the default allocator. Twice: in front of a stub answering at once (every process competes
+for the 2 CPUs: a stress figure) and in front of one taking an engine's generation time
+(--engine-ms, 100 by default, each answer 0.5-1.5 times that as its length would make it;
+still far less than a real engine's seconds).
 Writes out/capture_server.json (results/ with --update-results; a --quick run writes nothing);
 ends with PASS/MISS lines for the targets and a one-line count of targets met and missed.
 
-    python benchmarks/capture_server.py [--quick] [--rounds N]
+    python benchmarks/capture_server.py [--quick] [--rounds N] [--engine-ms MS]
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import gc
 import json
 import os
 import random
@@ -34,11 +45,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -59,9 +71,14 @@ IMAGE_BYTES = 150 * 1024  # 200 KiB of base64
 TARGET_RSS_OVER_UNIQUE = 1.5
 TARGET_MEDIAN_MS, TARGET_P99_MS = 2.0, 10.0
 WAIT_S = 30.0
-# Servers run with glibc's mmap threshold fixed at 64 KiB, so a request's large buffers go
-# back to the system when freed and RSS shows what a server keeps, not its peak of
-# transient buffers (16 requests of 270 KiB in flight); the same for every scheme.
+#: The large group: a new screenshot of this many bytes each turn, for this many turns.
+LARGE_IMAGE_BYTES, LARGE_TURNS = 75 * 1024, 10
+#: The generation time of the second stub, in front of which latency is measured too, and
+#: how much it varies either way (a fraction fixed by each answer, as with its length).
+ENGINE_MS, ENGINE_JITTER = 100.0, 0.5
+GROUPS = ("group", "large")
+JSON = {"content-type": "application/json"}
+# Memory servers run with glibc's mmap threshold fixed at 64 KiB (see the docstring).
 MALLOC_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "65536"}
 
 SYSTEM = {"role": "system", "content": "You operate a browser for the user. " * 120}
@@ -105,15 +122,18 @@ def baseline_app(upstream: str, keep: bool) -> Any:
     from starlette.routing import Route
 
     kept: dict[str, list[tuple[Any, Any]]] = {}
-    limits = httpx.Limits(max_keepalive_connections=64, keepalive_expiry=2.0)  # as the server
-    client = httpx.AsyncClient(base_url=upstream, timeout=600, limits=limits)
+    clients: list[aiohttp.ClientSession] = []  # made in the server's loop, as the server's
 
     async def chat(request: Request) -> Response:
+        if not clients:
+            clients.append(_client())
         key = request.headers.get("authorization", "")[7:]
         body = json.loads(await request.body())
         upstream_body = {**body, "stream": False, "return_token_ids": True, "logprobs": True}
-        answer = await client.post("/v1/chat/completions", content=json.dumps(upstream_body))
-        response = json.loads(answer.content)
+        _, answer = await _post(
+            clients[0], f"{upstream}/v1/chat/completions", json.dumps(upstream_body).encode()
+        )
+        response = json.loads(answer)
         if keep:
             kept.setdefault(key, []).append((body, response))
         response.pop("prompt_token_ids", None)
@@ -150,8 +170,8 @@ def serve_baseline(argv: list[str]) -> int:
 
 
 class Child:
-    def __init__(self, args: list[str]) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), **MALLOC_ENV}
+    def __init__(self, args: list[str], malloc: bool = True) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **(MALLOC_ENV if malloc else {})}
         self.proc = subprocess.Popen(
             [sys.executable, *args], stdout=subprocess.PIPE, text=True, env=env
         )
@@ -180,7 +200,7 @@ class Child:
 
 
 @contextlib.contextmanager
-def server_for(scheme: str, stub: str, data: Path) -> Iterator[Child]:
+def server_for(scheme: str, stub: str, data: Path, malloc: bool = True) -> Iterator[Child]:
     if scheme == "rollout_store":
         args = ["-m", "rollout_store.cli", "serve", "--upstream", stub, "--port", "0"]
     elif scheme == "rollout_store+log":
@@ -188,7 +208,7 @@ def server_for(scheme: str, stub: str, data: Path) -> Iterator[Child]:
         args += ["--data", str(data), "--fsync", "turn"]
     else:
         args = [str(Path(__file__).resolve()), "--serve-baseline", stub, scheme]
-    child = Child(args)
+    child = Child(args, malloc=malloc)
     try:
         yield child
     finally:
@@ -198,8 +218,33 @@ def server_for(scheme: str, stub: str, data: Path) -> Iterator[Child]:
 # ---------------------------------------------------------------- the group
 
 
+def screenshot(seed: int, step: int) -> str:
+    """A new screenshot of its own for each turn of each rollout (the large group)."""
+    data = random.Random(seed * 1000 + step + 1).randbytes(LARGE_IMAGE_BYTES)
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def _client() -> aiohttp.ClientSession:
+    """The benchmark's HTTP client (and the baselines' upstream client, as the server's):
+    aiohttp, whose own CPU time per call adds the least noise to the figures."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0),
+        timeout=aiohttp.ClientTimeout(total=WAIT_S),
+    )
+
+
+async def _post(
+    client: aiohttp.ClientSession, url: str, content: bytes, headers: dict[str, str] | None = None
+) -> tuple[int, bytes]:
+    async with client.post(url, data=content, headers=headers) as answer:
+        data = await answer.read()
+        if answer.status != 200:
+            raise RuntimeError(f"{url} answered {answer.status}: {data[:300]!r}")
+        return answer.status, data
+
+
 async def rollout(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     url: str,
     key: str,
     seed: int,
@@ -210,6 +255,7 @@ async def rollout(
     first: str = "",
     pair: str | None = None,
     added: list[float] | None = None,
+    screenshots: bool = False,
 ) -> None:
     messages = task() if not first else [{"role": "user", "content": first}]
     headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
@@ -222,20 +268,19 @@ async def rollout(
             "temperature": 1.0,
         }
         sent = {**body, "return_token_ids": True, "logprobs": True} if direct else body
-        content = json.dumps(sent)
+        content = json.dumps(sent).encode()
         paired = 0.0
         if pair is not None:  # the same call to the stub first, under the same load
-            tokens = json.dumps({**body, "return_token_ids": True, "logprobs": True})
+            tokens = json.dumps({**body, "return_token_ids": True, "logprobs": True}).encode()
             start = time.perf_counter()
-            (await client.post(f"{pair}/v1/chat/completions", content=tokens)).raise_for_status()
+            await _post(client, f"{pair}/v1/chat/completions", tokens, JSON)
             paired = time.perf_counter() - start
         start = time.perf_counter()
-        answer = await client.post(f"{url}/v1/chat/completions", content=content, headers=headers)
+        _, answer = await _post(client, f"{url}/v1/chat/completions", content, headers)
         latencies.append(time.perf_counter() - start)
         if added is not None:
             added.append(latencies[-1] - paired)
-        answer.raise_for_status()
-        response = answer.json()
+        response = json.loads(answer)
         choice = response["choices"][0]
         message = choice["message"]
         if bodies is not None:
@@ -247,6 +292,8 @@ async def rollout(
                     "prompt_ids": response.get("prompt_token_ids"),
                     "sampled_ids": choice.get("token_ids"),
                     "sampled_logprobs": [e["logprob"] for e in choice["logprobs"]["content"]],
+                    "seed": seed,
+                    "finish_reason": choice.get("finish_reason"),
                 }
             )
         message = {k: v for k, v in message.items() if v is not None}
@@ -254,8 +301,21 @@ async def rollout(
         if message.get("tool_calls"):
             call_id = message["tool_calls"][0]["id"]
             messages.append({"role": "tool", "tool_call_id": call_id, "content": f"ok {k}"})
-        else:
+        if screenshots:  # the page after the action: a new screenshot
+            page = {"type": "image_url", "image_url": {"url": screenshot(seed, k)}}
+            messages.append(
+                {"role": "user", "content": [{"type": "text", "text": f"Step {k}."}, page]}
+            )
+        elif not message.get("tool_calls"):
             messages.append({"role": "user", "content": f"Continue (step {k})."})
+
+
+async def new_keys(client: aiohttp.ClientSession, url: str, sessions: int) -> list[str]:
+    keys = []
+    for _ in range(sessions):
+        _, made = await _post(client, f"{url}/sessions", b"{}", JSON)
+        keys.append(json.loads(made)["api_key"])
+    return keys
 
 
 async def run_group(
@@ -267,17 +327,13 @@ async def run_group(
     warmup: bool = False,
     pair: str | None = None,
     added: list[float] | None = None,
+    screenshots: bool = False,
+    keys: list[str] | None = None,
 ) -> list[float]:
     latencies: list[float] = []
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64, keepalive_expiry=2.0)
-    async with httpx.AsyncClient(timeout=WAIT_S, limits=limits) as client:
-        keys = []
-        for _ in range(sessions):
-            if direct:
-                keys.append("direct")
-            else:
-                made = await client.post(f"{url}/sessions", json={})
-                keys.append(made.json()["api_key"])
+    async with _client() as client:
+        if keys is None:
+            keys = ["direct"] * sessions if direct else await new_keys(client, url, sessions)
         await asyncio.gather(
             *(
                 rollout(
@@ -292,6 +348,7 @@ async def run_group(
                     first="warm up please" if warmup else "",
                     pair=pair,
                     added=added,
+                    screenshots=screenshots,
                 )
                 for seed, key in enumerate(keys)
             )
@@ -304,6 +361,86 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def memory_run(
+    scheme: str, stub: str, sessions: int, turns: int, screenshots: bool, latencies: list[float]
+) -> int:
+    """RSS growth of a fresh server over one group, measured from the same server idle: warmed
+    up by a group of the same width (other content) and with the group's sessions created."""
+    with tempfile.TemporaryDirectory() as tmp, server_for(scheme, stub, Path(tmp)) as server:
+        asyncio.run(run_group(server.url, False, sessions, 3, warmup=True))
+
+        async def measured() -> int:
+            async with _client() as client:
+                keys = await new_keys(client, server.url, sessions)
+            await asyncio.sleep(0.2)
+            before = server.rss()
+            latencies.extend(
+                await run_group(
+                    server.url, False, sessions, turns, screenshots=screenshots, keys=keys
+                )
+            )
+            await asyncio.sleep(0.2)
+            return server.rss() - before
+
+        return asyncio.run(measured())
+
+
+def latency_run(scheme: str, stub: str, sessions: int, turns: int, added: list[float]) -> None:
+    """Paired added latency through a fresh server (default allocator, as users run it)."""
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        server_for(scheme, stub, Path(tmp), malloc=False) as server,
+    ):
+        asyncio.run(run_group(server.url, False, sessions, 3, warmup=True))
+        asyncio.run(run_group(server.url, False, sessions, turns, pair=stub, added=added))
+
+
+def traced_sessions(bodies: list[dict[str, Any]]) -> int:
+    """Bytes the sessions of a group retain (tracemalloc, in this process): each rollout's
+    calls recorded as the server records them (raw messages and tools) into sessions that
+    share one memory store. What the library keeps, without allocator or server overhead."""
+    from rollout_store import RawJSON, TurnNode
+    from rollout_store.sessions import Sessions
+
+    rollouts: dict[int, list[dict[str, Any]]] = {}
+    for body in bodies:
+        rollouts.setdefault(body["seed"], []).append(body)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        sessions = Sessions()
+        by_seed = {seed: sessions.create() for seed in rollouts}
+        gc.collect()
+        base = tracemalloc.get_traced_memory()[0]
+        for seed, calls in rollouts.items():
+            for call in calls:
+                node = TurnNode(
+                    prompt_ids=RawJSON(json.dumps(call["prompt_ids"]).encode()),
+                    sampled_ids=RawJSON(json.dumps(call["sampled_ids"]).encode()),
+                    sampled_logprobs=call["sampled_logprobs"],
+                    model="policy",
+                    finish_reason=call["finish_reason"],
+                    request_messages=RawJSON(json.dumps(call["messages"]).encode()),
+                    request_tools=RawJSON(json.dumps(call["tools"]).encode()),
+                    sampling_params={"seed": seed, "temperature": 1.0},
+                    response_message=call["response"],
+                )
+                with by_seed[seed].use() as graph:
+                    graph.add_turn(node)
+        gc.collect()
+        retained = tracemalloc.get_traced_memory()[0] - base
+        sessions.close()
+        return retained
+    finally:
+        tracemalloc.stop()
+
+
+def _ms(values: list[float], q: float | None = None) -> float:
+    if not values:
+        return float("nan")
+    return (statistics.median(values) if q is None else percentile(values, q)) * 1000
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--serve-baseline"]:
@@ -311,83 +448,97 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 sessions x 6 turns, 1 round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--engine-ms",
+        type=float,
+        default=ENGINE_MS,
+        help="generation time of the second stub (the latency runs in front of an engine)",
+    )
     add_results_option(parser)
     args = parser.parse_args(argv)
     sessions, turns, rounds = (4, 6, 1) if args.quick else (SESSIONS, TURNS, args.rounds)
-    schemes = ["direct", "rollout_store", "rollout_store+log", "anchor", "forward-only"]
-
-    stub = Child(["-m", "rollout_store.stub_engine", "--port", "0"])
-    latencies: dict[str, list[float]] = {s: [] for s in schemes}
-    rss: dict[str, list[int]] = {s: [] for s in schemes if s != "direct"}
-    added: dict[str, list[float]] = {s: [] for s in schemes if s != "direct"}
-    bodies: list[dict[str, Any]] = []
+    large_turns = 4 if args.quick else LARGE_TURNS
+    servers = ["rollout_store", "rollout_store+log", "anchor", "forward-only"]
+    engines = {"instant": 0.0, "engine": args.engine_ms}
+    stubs = {
+        name: Child(
+            ["-m", "rollout_store.stub_engine", "--port", "0", "--latency-ms", str(ms)]
+            + ["--jitter", str(ENGINE_JITTER if ms else 0.0)],
+            malloc=False,
+        )
+        for name, ms in engines.items()
+    }
+    direct: dict[str, list[float]] = {name: [] for name in engines}
+    through: dict[str, list[float]] = {s: [] for s in servers}
+    rss: dict[str, dict[str, list[int]]] = {g: {s: [] for s in servers} for g in GROUPS}
+    added: dict[str, dict[str, list[float]]] = {e: {s: [] for s in servers} for e in engines}
+    bodies: dict[str, list[dict[str, Any]]] = {g: [] for g in GROUPS}
+    instant = stubs["instant"].url
     try:
-        asyncio.run(run_group(stub.url, True, sessions, turns, bodies))  # content + warm stub
+        # the groups' content (and a warm stub)
+        asyncio.run(run_group(instant, True, sessions, turns, bodies["group"]))
+        asyncio.run(
+            run_group(instant, True, sessions, large_turns, bodies["large"], screenshots=True)
+        )
         for r in range(rounds):
-            order = schemes[r % len(schemes) :] + schemes[: r % len(schemes)]
+            for name, stub in stubs.items():
+                direct[name] += asyncio.run(run_group(stub.url, True, sessions, turns))
+            order = servers[r % len(servers) :] + servers[: r % len(servers)]
             for scheme in order:
-                if scheme == "direct":
-                    latencies[scheme] += asyncio.run(run_group(stub.url, True, sessions, turns))
-                    continue
-                with (
-                    tempfile.TemporaryDirectory() as tmp,
-                    server_for(scheme, stub.url, Path(tmp)) as server,
-                ):
-                    asyncio.run(run_group(server.url, False, 2, 3, warmup=True))
-                    before = server.rss()
-                    latencies[scheme] += asyncio.run(run_group(server.url, False, sessions, turns))
-                    rss[scheme].append(server.rss() - before)
-                    # paired: each call made to the stub, then through the server, in turn
-                    asyncio.run(
-                        run_group(
-                            server.url,
-                            False,
-                            sessions,
-                            turns,
-                            pair=stub.url,
-                            added=added[scheme],
-                        )
-                    )
+                rss["group"][scheme].append(
+                    memory_run(scheme, instant, sessions, turns, False, through[scheme])
+                )
+                rss["large"][scheme].append(
+                    memory_run(scheme, instant, sessions, large_turns, True, [])
+                )
+                for name, stub in stubs.items():
+                    latency_run(scheme, stub.url, sessions, turns, added[name][scheme])
                 print(f"round {r + 1}/{rounds}: {scheme} done", file=sys.stderr)
     finally:
-        stub.stop()
+        for stub in stubs.values():
+            stub.stop()
 
-    unique = UniqueContent()
-    for body in bodies:
-        unique.add(body)
-    direct_median = statistics.median(latencies["direct"]) * 1000
-    direct_p99 = percentile(latencies["direct"], 0.99) * 1000
+    unique: dict[str, int] = {}
+    for group, collected in bodies.items():
+        counter = UniqueContent()
+        for body in collected:
+            counter.add(body)
+        unique[group] = counter.bytes
+    traced = {group: traced_sessions(collected) for group, collected in bodies.items()}
     rows: dict[str, Any] = {}
-    for scheme in schemes:
-        median = statistics.median(latencies[scheme]) * 1000
-        p99 = percentile(latencies[scheme], 0.99) * 1000
+    for scheme in servers:
         row: dict[str, Any] = {
-            "requests": len(latencies[scheme]),
-            "median_ms": median,
-            "p99_ms": p99,
-            "added_median_ms": median - direct_median,
-            "added_p99_ms": p99 - direct_p99,
+            "requests": len(through[scheme]),
+            "median_ms": _ms(through[scheme]),
+            "p99_ms": _ms(through[scheme], 0.99),
         }
-        if scheme in added:
-            row["paired_added_median_ms"] = statistics.median(added[scheme]) * 1000
-            row["paired_added_p99_ms"] = percentile(added[scheme], 0.99) * 1000
-        if scheme in rss:
-            growth = statistics.median(rss[scheme])
-            row["rss_growth_bytes"] = growth
-            row["rss_growth_runs"] = rss[scheme]
-            row["rss_over_unique"] = growth / unique.bytes
+        for name in engines:
+            row[f"paired_added_median_ms_{name}"] = _ms(added[name][scheme])
+            row[f"paired_added_p99_ms_{name}"] = _ms(added[name][scheme], 0.99)
+        for group in GROUPS:
+            growth = statistics.median(rss[group][scheme])
+            row[f"rss_growth_bytes_{group}"] = growth
+            row[f"rss_growth_runs_{group}"] = rss[group][scheme]
+            row[f"rss_over_unique_{group}"] = growth / unique[group]
         rows[scheme] = row
-    floor = rows["forward-only"]["rss_growth_bytes"]
-    for scheme in ("rollout_store", "rollout_store+log", "anchor"):
-        rows[scheme]["rss_over_forward_only_over_unique"] = (
-            rows[scheme]["rss_growth_bytes"] - floor
-        ) / unique.bytes
+    for scheme in servers:
+        for group in GROUPS:
+            floor = rows["forward-only"][f"rss_growth_bytes_{group}"]
+            rows[scheme][f"rss_over_forward_only_over_unique_{group}"] = (
+                rows[scheme][f"rss_growth_bytes_{group}"] - floor
+            ) / unique[group]
     result = {
         "commit": library_commit(),
         "sessions": sessions,
         "turns": turns,
+        "large_turns": large_turns,
         "rounds": rounds,
-        "unique_bytes": unique.bytes,
+        "engine_ms": args.engine_ms,
+        "unique_bytes": unique,
+        "traced_sessions_bytes": traced,
+        "traced_over_unique": {group: traced[group] / unique[group] for group in GROUPS},
+        "direct_median_ms": {name: _ms(v) for name, v in direct.items()},
+        "direct_p99_ms": {name: _ms(v, 0.99) for name, v in direct.items()},
         "cpus": os.cpu_count(),
         "load_average": os.getloadavg(),
         "schemes": rows,
@@ -397,42 +548,77 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(result, indent=2) + "\n")
 
     print(f"GRPO group: {sessions} sessions x {turns} turns, {rounds} rounds")
-    print(f"unique content: {unique.bytes / MiB:.2f} MiB; load average {os.getloadavg()[0]:.1f}")
     print(
-        f"{'scheme':<18} {'RSS growth MiB':>14} {'x unique':>9} {'net x':>7} {'median ms':>10} "
-        f"{'p99 ms':>8} {'+median':>8} {'+p99':>8} {'paired +median':>15} {'paired +p99':>12}"
+        f"unique content: group {unique['group'] / MiB:.2f} MiB; large group (a new "
+        f"screenshot each turn, {large_turns} turns) {unique['large'] / MiB:.2f} MiB; "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        "retained by the sessions' graphs in process (tracemalloc): "
+        + ", ".join(
+            f"{group} {traced[group] / MiB:.2f} MiB = {traced[group] / unique[group]:.2f}x unique"
+            for group in GROUPS
+        )
+    )
+    print(
+        "direct calls to the stub, median / p99 ms: "
+        + ", ".join(
+            f"{name} ({engines[name]:g} ms) {_ms(direct[name]):.2f} / {_ms(direct[name], 0.99):.2f}"
+            for name in engines
+        )
+    )
+    print(
+        f"{'scheme':<18} {'RSS MiB':>8} {'x unique':>9} {'net x':>7} "
+        f"{'large MiB':>10} {'x unique':>9} {'net x':>7} "
+        f"{'+med inst':>10} {'+p99 inst':>10} {'+med eng':>9} {'+p99 eng':>9}"
     )
     for scheme, row in rows.items():
-        growth = row.get("rss_growth_bytes")
-        mib = f"{growth / MiB:.2f}" if growth is not None else "-"
-        over = f"{row['rss_over_unique']:.2f}" if growth is not None else "-"
-        net = row.get("rss_over_forward_only_over_unique")
-        net_text = f"{net:.2f}" if net is not None else "-"
-        print(
-            f"{scheme:<18} {mib:>14} {over:>9} {net_text:>7} "
-            f"{row['median_ms']:>10.2f} {row['p99_ms']:>8.2f} "
-            f"{row['added_median_ms']:>8.2f} {row['added_p99_ms']:>8.2f} "
-            f"{row.get('paired_added_median_ms', 0.0):>15.2f} "
-            f"{row.get('paired_added_p99_ms', 0.0):>12.2f}"
+        cells = []
+        for group in GROUPS:
+            cells += [
+                f"{row[f'rss_growth_bytes_{group}'] / MiB:>{8 if group == 'group' else 10}.2f}",
+                f"{row[f'rss_over_unique_{group}']:>9.2f}",
+                f"{row[f'rss_over_forward_only_over_unique_{group}']:>7.2f}",
+            ]
+        cells += [
+            f"{row['paired_added_median_ms_instant']:>10.2f}",
+            f"{row['paired_added_p99_ms_instant']:>10.2f}",
+            f"{row['paired_added_median_ms_engine']:>9.2f}",
+            f"{row['paired_added_p99_ms_engine']:>9.2f}",
+        ]
+        print(f"{scheme:<18} " + " ".join(cells))
+    ours, anchor = rows["rollout_store"], rows["anchor"]
+    checks = []
+    for group, what in (("group", "the GRPO group"), ("large", "the large group")):
+        value = ours[f"rss_over_unique_{group}"]
+        checks.append(
+            (
+                f"server RSS growth for {what} <= {TARGET_RSS_OVER_UNIQUE}x unique content",
+                value <= TARGET_RSS_OVER_UNIQUE,
+                f"{value:.2f}x (anchor {anchor[f'rss_over_unique_{group}']:.2f}x; net of "
+                f"forward-only {ours[f'rss_over_forward_only_over_unique_{group}']:.2f}x)",
+            )
         )
-    ours = rows["rollout_store"]
-    checks = [
-        (
-            f"server RSS growth <= {TARGET_RSS_OVER_UNIQUE}x unique content",
-            ours["rss_over_unique"] <= TARGET_RSS_OVER_UNIQUE,
-            f"{ours['rss_over_unique']:.2f}x (anchor {rows['anchor']['rss_over_unique']:.2f}x)",
-        ),
-        (
-            f"added median latency (paired) <= {TARGET_MEDIAN_MS} ms",
-            ours["paired_added_median_ms"] <= TARGET_MEDIAN_MS,
-            f"{ours['paired_added_median_ms']:.2f} ms",
-        ),
-        (
-            f"added p99 latency (paired) <= {TARGET_P99_MS} ms",
-            ours["paired_added_p99_ms"] <= TARGET_P99_MS,
-            f"{ours['paired_added_p99_ms']:.2f} ms",
-        ),
-    ]
+    for name, what in (("instant", "a stub answering at once"), ("engine", "an engine")):
+        label = f"{what} ({engines[name]:g} ms)"
+        median = ours[f"paired_added_median_ms_{name}"]
+        p99 = ours[f"paired_added_p99_ms_{name}"]
+        checks.append(
+            (
+                f"added median latency (paired, {label}) <= {TARGET_MEDIAN_MS} ms",
+                median <= TARGET_MEDIAN_MS,
+                f"{median:.2f} ms (forward-only "
+                f"{rows['forward-only'][f'paired_added_median_ms_{name}']:.2f} ms)",
+            )
+        )
+        checks.append(
+            (
+                f"added p99 latency (paired, {label}) <= {TARGET_P99_MS} ms",
+                p99 <= TARGET_P99_MS,
+                f"{p99:.2f} ms (forward-only "
+                f"{rows['forward-only'][f'paired_added_p99_ms_{name}']:.2f} ms)",
+            )
+        )
     lines = [f"{'PASS' if ok else 'MISS'}: {name}: {value}" for name, ok, value in checks]
     print("\n".join(lines))
     load = os.getloadavg()[0]

@@ -16,6 +16,12 @@ session, unknown keys get 401 unless the server runs in open mode. `GET /session
 `capture_level=...`; the level defaults to "tokens" when every turn carries token ids, else
 "text"), `GET /sessions/{id}/trace.jsonl` and `DELETE /sessions/{id}` manage them.
 
+The conversation is never decoded here: the body is split with msgspec into its top-level
+fields, the messages (and tools, and Anthropic's system) reach the graph as `RawJSON` spans
+of the body, and the upstream gets the body's own bytes with the capture keys added. A body
+msgspec cannot read exactly as json.loads would is decoded by json.loads instead, so every
+body is accepted, refused and recorded as json.loads reads it.
+
 A turn is acknowledged (the client gets its answer) only after the graph accepted it, and,
 with a data directory and `fsync="turn"`, after it is on disk. Bad requests get a 4xx with a
 one-line reason and record nothing; upstream errors pass through with their status and are
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import queue
@@ -38,8 +45,9 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
+import aiohttp
 import anyio.to_thread
-import httpx
+import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
@@ -49,12 +57,15 @@ from .content import ContentStore, StringCache
 from .errors import InvalidValueError, RolloutStoreError
 from .export import write_session_json, write_trace_jsonl
 from .nodes import TurnNode
+from .raw import RawJSON
 from .sessions import Session, SessionError, Sessions, clean_session_id
 from .sse import SSE_HEADERS, anthropic_events, chat_chunks, sse_data, sse_event
-from .stores import STORE_HELP, open_store, store_spec
+from .stores import STORE_HELP, MemoryStore, open_store, store_spec
 from .viewer import Viewer
 
 __all__ = [
+    "CHAT_RAW_FIELDS",
+    "MESSAGES_RAW_FIELDS",
     "CaptureConfig",
     "add_serve_arguments",
     "chat_turn",
@@ -62,6 +73,7 @@ __all__ = [
     "main",
     "messages_turn",
     "open_store",
+    "split_body",
     "upstream_body",
 ]
 
@@ -111,8 +123,11 @@ class CaptureConfig:
 
 
 # ---------------------------------------------------------------------- requests to turns
-# The only code that hands a request's messages to the graph; a raw-bytes intake replaces
-# these two functions (and the json.loads before them) without touching the routes.
+# A request body arrives as bytes. `split_body` splits it with msgspec into its top-level
+# fields without decoding the large ones (the conversation, the tools, Anthropic's system):
+# those reach the graph as `RawJSON` spans of the body, which confirms a re-sent prefix by
+# its bytes, and the upstream gets the body's own bytes. A body msgspec cannot split exactly
+# as json.loads would read it is decoded by json.loads, as before.
 
 
 def _token_list(value: Any) -> Any:
@@ -130,7 +145,8 @@ def _choice_logprobs(logprobs: Any) -> list[Any] | None:
 
 
 def chat_turn(body: dict[str, Any], response: dict[str, Any], harness: str | None) -> TurnNode:
-    """The turn for a Chat Completions request (decoded) and the upstream's complete answer."""
+    """The turn for a Chat Completions request (as `split_body` gives it, or decoded) and the
+    upstream's complete answer."""
     choices = response.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise _Refusal(502, "the upstream's answer has no choices")
@@ -155,6 +171,14 @@ def chat_turn(body: dict[str, Any], response: dict[str, Any], harness: str | Non
     )
 
 
+def _with_system(system: Any, messages: Any) -> Any:
+    """`[{"role": "system", "content": system}, *messages]`, spliced as text when raw."""
+    if type(messages) is RawJSON and type(system) is RawJSON:
+        head = b'[{"role": "system", "content": ' + _text(system) + b"}, "
+        return RawJSON(head + _text(messages)[1:])  # a non-empty array: "[" then an item
+    return [{"role": "system", "content": _value(system)}, *_value(messages)]
+
+
 def messages_turn(body: dict[str, Any], response: dict[str, Any], harness: str | None) -> TurnNode:
     """The turn for an Anthropic Messages request and answer.
 
@@ -167,7 +191,7 @@ def messages_turn(body: dict[str, Any], response: dict[str, Any], harness: str |
         raise _Refusal(502, "the upstream's answer has no content array")
     messages = body["messages"]
     if body.get("system") is not None:
-        messages = [{"role": "system", "content": body["system"]}, *messages]
+        messages = _with_system(body["system"], messages)
     model = body.get("model")
     stop = response.get("stop_reason")
     params = {k: v for k, v in body.items() if k not in _MESSAGES_FIELDS}
@@ -187,16 +211,81 @@ def messages_turn(body: dict[str, Any], response: dict[str, Any], harness: str |
 # ---------------------------------------------------------------------- request checks
 
 
+class _Role(msgspec.Struct):
+    """What the shape check needs of a message (msgspec skips the rest unread)."""
+
+    role: str
+
+
+_split_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_split_roles = msgspec.json.Decoder(list[_Role]).decode
+#: Top-level fields handed on undecoded when they are arrays (or, for `system`, strings):
+#: those of Chat Completions, and of Anthropic Messages (its `system` is the first message).
+CHAT_RAW_FIELDS = frozenset({"messages", "tools"})
+MESSAGES_RAW_FIELDS = frozenset({"messages", "tools", "system"})
+
+
+def _text(raw: RawJSON) -> bytes:
+    data = raw.data
+    return data if isinstance(data, bytes) else data.encode("utf-8", "surrogatepass")
+
+
+def _value(value: Any) -> Any:
+    return value.decode() if type(value) is RawJSON else value
+
+
+def split_body(
+    raw: bytes, raw_fields: frozenset[str] = MESSAGES_RAW_FIELDS
+) -> dict[str, Any] | None:
+    """The top-level fields of a request body, or None when only json.loads can read it.
+
+    Every field is decoded (exactly as json.loads would) except those named in `raw_fields`
+    that hold an array (or, for `system`, a string): they stay `RawJSON` spans of `raw`. A
+    raw `messages` is already checked to be a non-empty array of objects with a string role.
+    None: the body is not a JSON object msgspec reads as json.loads would (not JSON at all,
+    NaN, lone-surrogate escapes, a byte order mark, nesting too deep, a message whose role
+    is not a plain string...): decode it with json.loads, which accepts it or says why not.
+    """
+    try:
+        spans = _split_fields(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeError):
+        return None
+    if not raw.isascii():
+        # msgspec does not check the UTF-8 of what it skips; json.loads refuses bad UTF-8
+        # (and reads UTF-8-encoded surrogates, which a strict decode leaves to it)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    fields: dict[str, Any] = {}
+    for key, span in spans.items():
+        data = bytes(span)
+        first = data[:1]
+        if key in raw_fields and (first == b"[" or (first == b'"' and key == "system")):
+            if key == "messages":
+                try:
+                    if not _split_roles(data):
+                        fields[key] = []  # refused by the shape check
+                        continue
+                except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+                    return None
+            fields[key] = RawJSON(data)
+        else:
+            fields[key] = RawJSON(data).decode()
+    return fields
+
+
 def _check_messages(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise _Refusal(400, f"the body must be a JSON object, not {type(body).__name__}")
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _Refusal(400, "messages must be a non-empty array of message objects")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise _Refusal(400, f"messages[{i}] must be an object with a string role")
-    if "tools" in body and not isinstance(body["tools"], list):
+    if type(messages) is not RawJSON:  # raw messages were checked when split
+        if not isinstance(messages, list) or not messages:
+            raise _Refusal(400, "messages must be a non-empty array of message objects")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise _Refusal(400, f"messages[{i}] must be an object with a string role")
+    if "tools" in body and not isinstance(body["tools"], list | RawJSON):
         raise _Refusal(400, "tools must be an array")
     if "stream" in body and not isinstance(body["stream"], bool):
         raise _Refusal(400, "stream must be true or false")
@@ -219,12 +308,16 @@ def _check_chat(value: Any) -> dict[str, Any]:
 def _check_anthropic(value: Any) -> dict[str, Any]:
     body = _check_messages(value)
     system = body.get("system")
-    if system is not None and not isinstance(system, str | list):
+    if system is not None and not isinstance(system, str | list | RawJSON):
         raise _Refusal(400, "system must be a string or an array of content blocks")
     return body
 
 
-def _decode(raw: bytes) -> Any:
+def _decode(raw: bytes, raw_fields: frozenset[str]) -> Any:
+    """The body's fields (`split_body`), or json.loads of it, or the refusal json.loads gives."""
+    fields = split_body(raw, raw_fields)
+    if fields is not None:
+        return fields
     try:
         return json.loads(raw)
     except RecursionError:
@@ -361,8 +454,9 @@ def upstream_body(raw: bytes, body: dict[str, Any], extra: dict[str, Any]) -> by
     """The body sent upstream: the client's with `extra` set and `stream_options` dropped.
 
     When the client's body has none of those keys, `extra` is appended to its own bytes (no
-    key repeats, nothing re-encoded: re-encoding a large conversation costs more than
-    decoding it); otherwise the body is encoded anew.
+    key repeats, nothing re-encoded); otherwise the body is written anew from its fields in
+    their order, a `RawJSON` field (see `split_body`) as its own text: re-encoding a large
+    conversation costs more than decoding it.
     """
     if "stream_options" not in body and not any(key in body for key in extra):
         text = raw.rstrip()
@@ -372,7 +466,13 @@ def upstream_body(raw: bytes, body: dict[str, Any], extra: dict[str, Any]) -> by
             return head + (b", " if not head.endswith(b"{") else b"") + items + b"}"
     merged = {k: v for k, v in body.items() if k != "stream_options"}
     merged.update(extra)
-    return json.dumps(merged).encode("ascii")
+    parts = [
+        json.dumps(key).encode("ascii")
+        + b": "
+        + (_text(value) if type(value) is RawJSON else json.dumps(value).encode("ascii"))
+        for key, value in merged.items()
+    ]
+    return b"{" + b", ".join(parts) + b"}"
 
 
 async def _events(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
@@ -390,25 +490,37 @@ class _Server:
         if upstream.endswith("/v1"):
             upstream = upstream[: -len("/v1")]
         self.upstream = upstream
-        self._client: httpx.AsyncClient | None = None
+        self._client: aiohttp.ClientSession | None = None
+        #: Turns are added in the event loop when adding one waits for nothing (a memory
+        #: store and no log to sync): a worker thread's wait for the GIL would cost more
+        #: than the turn. With a log synced per turn or a store over the network, a thread.
+        self.inline = isinstance(sessions.store, MemoryStore) and (
+            sessions.data is None or sessions.fsync == "never"
+        )
 
     @property
-    def client(self) -> httpx.AsyncClient:
+    def client(self) -> aiohttp.ClientSession:
+        """The upstream's client: aiohttp, whose C parser costs a fraction of httpx's time
+        per call (made on first use, inside the server's event loop)."""
         if self._client is None:
-            self._client = httpx.AsyncClient(
-                base_url=self.upstream,
-                timeout=httpx.Timeout(self.config.upstream_timeout),
+            self._client = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.config.upstream_timeout),
                 # idle connections are dropped before a uvicorn upstream (vLLM, SGLang)
                 # closes them at 5 s: reusing one it is closing fails the call
-                limits=httpx.Limits(
-                    max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0
-                ),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0),
+                auto_decompress=True,
+                skip_auto_headers=("User-Agent",),
             )
         return self._client
 
+    async def _get(self, method: str, path: str, **kwargs: Any) -> tuple[int, Any, bytes]:
+        """One call to the upstream: status, headers and the whole body."""
+        async with self.client.request(method, self.upstream + path, **kwargs) as answer:
+            return answer.status, answer.headers, await answer.read()
+
     async def aclose(self) -> None:
         if self._client is not None:
-            await self._client.aclose()
+            await self._client.close()
             self._client = None
         await anyio.to_thread.run_sync(self.sessions.close)
 
@@ -435,23 +547,25 @@ class _Server:
 
     async def _forward(self, path: str, content: bytes, headers: dict[str, str]) -> Any:
         try:
-            answer = await self.client.post(path, content=content, headers=headers)
-        except httpx.TimeoutException:
+            status, answer_headers, answer = await self._get(
+                "POST", path, data=content, headers=headers
+            )
+        except TimeoutError:
             raise _Refusal(
                 504, f"the upstream did not answer within {self.config.upstream_timeout:g} s"
             ) from None
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
             raise _Refusal(502, f"the upstream cannot be reached: {type(exc).__name__}") from None
-        if not 200 <= answer.status_code < 300:
+        if not 200 <= status < 300:
             keep = {
                 k: v
-                for k, v in answer.headers.items()
+                for k, v in answer_headers.items()
                 if k.lower() in ("content-type", "retry-after")
             }
-            raise _Passthrough(Response(answer.content, answer.status_code, headers=keep))
+            raise _Passthrough(Response(answer, status, headers=keep))
         try:
-            payload = json.loads(answer.content)
-        except ValueError:
+            payload = RawJSON(answer).decode()  # msgspec's speed, json.loads's values
+        except (ValueError, RecursionError):
             raise _Refusal(502, "the upstream answered with a body that is not JSON") from None
         if not isinstance(payload, dict):
             raise _Refusal(502, "the upstream answered with JSON that is not an object")
@@ -481,7 +595,15 @@ class _Server:
     async def _record(self, session: Session, node: TurnNode) -> None:
         try:
             with session.use() as graph:
-                await anyio.to_thread.run_sync(graph.add_turn, node)
+                # in the loop only if no other thread holds the graph: an export that holds
+                # it may be waiting for this loop to take what it wrote
+                if self.inline and graph.lock.acquire(blocking=False):
+                    try:
+                        graph.add_turn(node)
+                    finally:
+                        graph.lock.release()
+                else:
+                    await anyio.to_thread.run_sync(graph.add_turn, node)
         except InvalidValueError as exc:
             session.rejected += 1
             if exc.path.split(".")[0].split("[")[0] in (
@@ -594,7 +716,8 @@ class _Server:
         try:
             session = self._session(request)
             raw = await self._read_body(request)
-            return session, raw, check(_decode(raw))
+            raw_fields = MESSAGES_RAW_FIELDS if anthropic else CHAT_RAW_FIELDS
+            return session, raw, check(_decode(raw, raw_fields))
         except _Refusal as refusal:
             error = _error_body(anthropic, refusal.status, refusal.reason)
             return JSONResponse(error, refusal.status)
@@ -654,17 +777,13 @@ class _Server:
 
     async def models(self, request: Request) -> Response:
         try:
-            answer = await self.client.get("/v1/models")
-        except httpx.HTTPError as exc:
+            status, headers, answer = await self._get("GET", "/v1/models")
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
             return JSONResponse(
                 _error_body(False, 502, f"the upstream cannot be reached: {type(exc).__name__}"),
                 502,
             )
-        return Response(
-            answer.content,
-            answer.status_code,
-            media_type=answer.headers.get("content-type", "application/json"),
-        )
+        return Response(answer, status, media_type=headers.get("content-type", "application/json"))
 
     # -- sessions
 
@@ -967,6 +1086,10 @@ def serve(args: argparse.Namespace) -> int:
         idle_seconds=args.idle_seconds,
     )
     sock = listen_socket(args.host, args.port)
+    # what was made at start (modules, the reopened sessions' graphs) lives as long as the
+    # process: out of the collector's way, a full collection no longer walks all of it
+    gc.collect()
+    gc.freeze()
     host, port = sock.getsockname()[:2]
     sessions: Sessions = app.state.sessions
     print(

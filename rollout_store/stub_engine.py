@@ -13,7 +13,7 @@ OpenAI-style error, `stub-500` answers 500, `stub-garbage` answers 200 with a bo
 not JSON. `stub-tools` (or any request with `tools` whose last message is a user message)
 answers with a tool call.
 
-    python -m rollout_store.stub_engine --port 8000
+    python -m rollout_store.stub_engine --port 8000 [--latency-ms 100 [--jitter 0.5]]
 """
 
 from __future__ import annotations
@@ -248,6 +248,15 @@ async def _body(request: Request) -> dict[str, Any] | Response:
     return body
 
 
+async def _generation(request: Request, response: dict[str, Any]) -> None:
+    """Wait as long as the app's engine takes to generate this answer: `latency` seconds,
+    give or take `jitter` of it, fixed by the answer (`create_stub_app(latency, jitter)`)."""
+    latency: float = request.app.state.latency
+    if latency > 0:
+        spread = xxhash.xxh32_intdigest(response["id"].encode()) / 0xFFFFFFFF * 2 - 1
+        await asyncio.sleep(latency * (1 + request.app.state.jitter * spread))
+
+
 async def _chat(request: Request) -> Response:
     body = await _body(request)
     if isinstance(body, Response):
@@ -256,6 +265,7 @@ async def _chat(request: Request) -> Response:
     if special is not None:
         return special
     response = chat_response(body)
+    await _generation(request, response)
     if body.get("stream") is True:
         options = body.get("stream_options") or {}
         chunks = chat_chunks(
@@ -275,6 +285,7 @@ async def _messages(request: Request) -> Response:
     if special is not None:
         return special
     response = messages_response(body)
+    await _generation(request, response)
     if body.get("stream") is True:
         return StreamingResponse(
             anthropic_events(response), media_type="text/event-stream", headers=SSE_HEADERS
@@ -286,15 +297,24 @@ async def _models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [{"id": "stub", "object": "model"}]})
 
 
-def create_stub_app() -> Starlette:
-    """The stub engine as an ASGI app."""
-    return Starlette(
+def create_stub_app(latency: float = 0.0, jitter: float = 0.0) -> Starlette:
+    """The stub engine as an ASGI app. Each model call waits `latency` seconds before it
+    answers (an engine's generation time; 0 answers at once), varied by up to `jitter` times
+    that either way, by a fraction fixed by the answer (generation time varies with it)."""
+    if not latency >= 0:
+        raise ValueError("latency must be 0 or positive")
+    if not 0 <= jitter <= 1:
+        raise ValueError("jitter must be between 0 and 1")
+    app = Starlette(
         routes=[
             Route("/v1/chat/completions", _chat, methods=["POST"]),
             Route("/v1/messages", _messages, methods=["POST"]),
             Route("/v1/models", _models, methods=["GET"]),
         ]
     )
+    app.state.latency = latency
+    app.state.jitter = jitter
+    return app
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -307,11 +327,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rollout_store.stub_engine")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--latency-ms", type=float, default=0.0, help="each model call's generation time"
+    )
+    parser.add_argument(
+        "--jitter",
+        type=float,
+        default=0.0,
+        help="vary each call's time by up to this fraction of --latency-ms either way",
+    )
     args = parser.parse_args(argv)
     sock = listen_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     print(f"stub engine on http://{host}:{port}", flush=True)
-    config = uvicorn.Config(create_stub_app(), log_level="warning", access_log=False)
+    app = create_stub_app(latency=args.latency_ms / 1000, jitter=args.jitter)
+    config = uvicorn.Config(app, log_level="warning", access_log=False)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 

@@ -50,8 +50,8 @@ def serve_app(app: Any) -> Iterator[str]:
 class Process:
     """A child process serving on loopback; `url` is read from its first line of output."""
 
-    def __init__(self, args: list[str], pattern: str) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    def __init__(self, args: list[str], pattern: str, env: dict[str, str] | None = None) -> None:
+        env = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(
             [sys.executable, *args],
             stdout=subprocess.PIPE,
@@ -89,10 +89,12 @@ class Process:
         return self.proc.returncode
 
 
-def start_server_process(upstream: str, *extra: str) -> Process:
+def start_server_process(upstream: str, *extra: str, env: dict[str, str] | None = None) -> Process:
+    """`rollout-store serve` in a child process (`env`: variables added to this one's)."""
     return Process(
         ["-m", "rollout_store.cli", "serve", "--upstream", upstream, "--port", "0", *extra],
         r"serve: (http://127\.0\.0\.1:\d+)",
+        env,
     )
 
 

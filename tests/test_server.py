@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -526,7 +529,8 @@ def test_sessions_over_a_directory_store_reopen_from_logs_of_references(
     assert json.dumps(after[0]["turns"][0]["request_messages"]) == json.dumps(CONVERSATION)
 
 
-def test_open_store_names() -> None:
+def test_open_store_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the directory store is made where the test runs
     assert isinstance(open_store("memory"), MemoryStore)
     assert isinstance(open_store("dir:objects-here"), DirectoryStore)
     for bad in ("disk", "dir:", "s3://", "ftp://x"):
@@ -706,3 +710,53 @@ def test_a_live_session_is_viewed_at_its_own_route(server: Any) -> None:
     assert script in turn.text  # carried as data for textContent, never as markup
     assert httpx.get(f"{url}/sessions/viewed/view/api/nothing").status_code == 404
     assert httpx.get(f"{url}/sessions/nope/view/").status_code == 404
+
+
+def test_a_turn_waits_off_the_loop_while_another_thread_holds_the_graph(stub: Any) -> None:
+    # a memory server adds turns in its event loop, but never waits there for the graph's
+    # lock: an export holding it may be waiting for the loop to take what it wrote
+    app = create_app(stub[0])
+    with serve_app(app) as url:
+        session = new_session(url)
+        graph = _graph(app, session["session_id"])
+        done: list[Any] = []
+        with graph.lock:
+            call = threading.Thread(
+                target=lambda: done.append(
+                    _openai(session).chat.completions.create(model="m", messages=CONVERSATION)
+                )
+            )
+            call.start()
+            time.sleep(0.3)
+            health = httpx.get(f"{url}/health", timeout=5)  # the loop still answers
+            assert health.status_code == 200 and not done and len(graph) == 0
+        call.join(10)
+        assert len(done) == 1 and len(graph) == 1
+
+
+@pytest.mark.parametrize("store", ["memory", "directory"])
+def test_an_idle_session_keeps_a_bounded_few_kib(tmp_path: Path, store: str) -> None:
+    """An idle session over a log holds its counts only, however long it is: its graph goes,
+    and the next use reopens it from the log (which re-links as before). What stays is in
+    the shared content store, counted apart (a directory store keeps it on disk). Measured
+    in a child process: this suite's fixtures keep every graph a test makes alive."""
+    child = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("idle_memory.py")), str(tmp_path), store],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    figures = {int(k): v for k, v in json.loads(child.stdout).items()}
+    for turns, (loaded, retained, relinked) in figures.items():
+        assert relinked, turns  # the reopened graph links its last turn by tokens
+        assert loaded > 10 * retained, figures
+    (_, small, _), (_, large, _) = figures[4], figures[40]
+    assert large < 8 * 1024 and abs(large - small) < 2 * 1024, figures
+
+
+def test_the_stub_refuses_a_bad_generation_time() -> None:
+    for latency, jitter in ((-1.0, 0.0), (0.1, 1.5), (float("nan"), 0.0)):
+        with pytest.raises(ValueError):
+            create_stub_app(latency=latency, jitter=jitter)

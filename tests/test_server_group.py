@@ -214,6 +214,7 @@ def _kill_loop(tmp_path: Path, restarts: int, n_sessions: int) -> None:
                 server = start_server_process(stub, "--data", str(data))
             acked = sum(len(r.acked) for r in rollouts)
             assert acked > restarts * n_sessions  # the loop did record between kills
+            print(f"{acked} acknowledged turns over {restarts} kill -9 restarts")
             for rollout in rollouts:
                 sid = rollout.session["session_id"]
                 answer = httpx.get(
