@@ -18,9 +18,8 @@ from array import array
 from collections.abc import Callable, Iterator
 
 from .blobs import BlobTable, Handle, content_digest
-from .content import ContentStore, StringCache, TextStore, content_key
+from .content import KEY_SIZE, ContentStore, StringCache, TextStore, content_key
 from .errors import InvalidArgumentError
-from .index import index_add, index_members, index_remove
 
 __all__ = ["DEFAULT_GRAPH_CACHE_BYTES", "StoreBlobTable"]
 
@@ -30,6 +29,9 @@ SHARE_PACKED_BYTES = 1024
 #: The cache of a graph over an out-of-process store when none is given.
 DEFAULT_GRAPH_CACHE_BYTES = 8 * 1024 * 1024
 
+#: Bytes of a blob's xxh3 digest.
+DIGEST_BYTES = 16
+
 
 class StoreBlobTable(BlobTable):
     """A `BlobTable` whose strings are kept in `store` (see the module docstring).
@@ -37,16 +39,22 @@ class StoreBlobTable(BlobTable):
     Adding a blob puts it into the store at once; a store error propagates (the graph rolls
     the turn back). Objects put for a turn that is then rejected stay in the store,
     unreferenced: content-addressed objects are immutable and harmless.
+
+    What a blob costs the graph is kept compact, in a few flat tables rather than objects
+    per blob: its store key (32 bytes) and xxh3 digest (16 bytes) in two `bytearray`s, its
+    size and surrogate flag in one `array`, and one entry in the index from the digest's
+    first 8 bytes (an int) to the blob's number. `Handle`s are made when asked for.
     """
 
     __slots__ = (
         "_cache",
         "_digests",
-        "_handles_",
+        "_index",
         "_keys",
         "_nbytes",
         "_refbytes",
         "_refs",
+        "_sizes",
         "_text_store",
         "_xxh",
         "store",
@@ -70,9 +78,12 @@ class StoreBlobTable(BlobTable):
         else:
             self._cache = cache if cache is not None else StringCache(DEFAULT_GRAPH_CACHE_BYTES)
         self._xxh = hasher
-        self._keys: list[bytes] = []
-        self._handles_: list[Handle] = []
-        self._digests: dict[bytes, Handle | list[Handle]] = {}
+        self._keys = bytearray()  # blob i's store key at [32 i, 32 i + 32)
+        self._digests = bytearray()  # its xxh3 digest at [16 i, 16 i + 16)
+        self._sizes = array("Q")  # its UTF-8 bytes << 1 | (it holds lone surrogates)
+        # the digest's first 8 bytes -> the blob's number, or a list of them when several
+        # blobs share those bytes (each candidate is confirmed by content or key)
+        self._index: dict[int, int | list[int]] = {}
         self._nbytes = 0
         self._refs = 0
         self._refbytes = 0
@@ -82,11 +93,16 @@ class StoreBlobTable(BlobTable):
         return self._cache
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._sizes)
 
     def key(self, index: int) -> bytes:
         """The store key of blob `index`."""
-        return self._keys[index]
+        if not 0 <= index < len(self._sizes):
+            raise IndexError(index)
+        return bytes(self._keys[KEY_SIZE * index : KEY_SIZE * index + KEY_SIZE])
+
+    def _digest(self, index: int) -> bytes:
+        return bytes(self._digests[DIGEST_BYTES * index : DIGEST_BYTES * index + DIGEST_BYTES])
 
     def intern(self, text: str) -> Handle:
         try:
@@ -98,12 +114,12 @@ class StoreBlobTable(BlobTable):
         digest = self._xxh(data)
         self._refs += 1
         self._refbytes += len(data)
-        found = self._digests.get(digest)
+        found = self._index.get(_slot(digest))
         if found is not None:
             sha: list[bytes] = []
-            for handle in index_members(found):
-                if self._same(handle, text, data, sha):
-                    return handle
+            for index in (found,) if type(found) is int else found:  # type: ignore[union-attr]
+                if self._digest(index) == digest and self._same(index, text, data, sha):
+                    return self.handle(index)
         if self._text_store is not None:
             key = self._text_store.put_text(text, data)
         else:
@@ -112,8 +128,8 @@ class StoreBlobTable(BlobTable):
                 self._cache.put(key, text, len(data))
         return self._add(key, digest, len(data), surrogates)
 
-    def _same(self, handle: Handle, text: str, data: bytes, sha: list[bytes]) -> bool:
-        key = self._keys[handle.index]
+    def _same(self, index: int, text: str, data: bytes, sha: list[bytes]) -> bool:
+        key = self.key(index)
         if self._text_store is not None:
             return self._text_store.get_text(key) == text
         cached = self._cache.get(key) if self._cache is not None else None
@@ -128,12 +144,24 @@ class StoreBlobTable(BlobTable):
         return True
 
     def _add(self, key: bytes, digest: bytes, size: int, surrogates: bool) -> Handle:
-        handle = Handle(digest, len(self._keys), size, surrogates)
-        self._keys.append(key)
-        self._handles_.append(handle)
+        if len(key) != KEY_SIZE or len(digest) != DIGEST_BYTES:
+            raise InvalidArgumentError(
+                f"a blob needs a {KEY_SIZE}-byte key and a {DIGEST_BYTES}-byte digest"
+            )
+        index = len(self._sizes)
+        self._keys += key
+        self._digests += digest
+        self._sizes.append(size << 1 | surrogates)
         self._nbytes += size
-        index_add(self._digests, digest, handle)
-        return handle
+        slot = _slot(digest)
+        found = self._index.get(slot)
+        if found is None:
+            self._index[slot] = index
+        elif type(found) is int:
+            self._index[slot] = [found, index]
+        else:
+            found.append(index)  # type: ignore[union-attr]
+        return Handle(digest, index, size, surrogates)
 
     def add_verified(self, text: str, digest: bytes, data_len: int, surrogates: bool) -> Handle:
         """A blob read back from a self-contained file: put into the store, then referenced."""
@@ -177,7 +205,7 @@ class StoreBlobTable(BlobTable):
 
     def string(self, index: int) -> str:
         """The string of blob `index`, read from the store (or the cache), verified."""
-        key = self._keys[index]
+        key = self.key(index)
         if self._text_store is not None:
             return self._text_store.get_text(key)
         cache = self._cache
@@ -186,34 +214,49 @@ class StoreBlobTable(BlobTable):
             if text is not None:
                 return text
         data = self.store.get(key)  # verified against the key by the store
-        handle = self._handles_[index]
-        text = data.decode("utf-8", "surrogatepass") if handle.surrogates else data.decode()
+        text = data.decode("utf-8", "surrogatepass") if self._sizes[index] & 1 else data.decode()
         if cache is not None:
             cache.put(key, text, len(data))
         return text
 
     def handle(self, index: int) -> Handle:
-        return self._handles_[index]
+        """A `Handle` of blob `index` (a new object each time; equal fields)."""
+        packed = self._sizes[index]
+        return Handle(self._digest(index), index, packed >> 1, bool(packed & 1))
 
     def __iter__(self) -> Iterator[Handle]:
-        return iter(self._handles_)
+        return (self.handle(i) for i in range(len(self._sizes)))
 
     def mark(self) -> tuple[int, int, int]:
-        return (len(self._keys), self._refs, self._refbytes)
+        return (len(self._sizes), self._refs, self._refbytes)
 
     def rollback(self, mark: tuple[int, int, int]) -> None:
         n, self._refs, self._refbytes = mark
-        while len(self._keys) > n:
-            handle = self._handles_.pop()
-            self._keys.pop()
-            self._nbytes -= handle.size
-            index_remove(self._digests, handle.digest, handle)
+        while len(self._sizes) > n:
+            index = len(self._sizes) - 1
+            slot = _slot(self._digest(index))
+            found = self._index[slot]
+            if type(found) is int:
+                del self._index[slot]
+            else:
+                found.remove(index)  # type: ignore[union-attr]
+                if len(found) == 1:  # type: ignore[arg-type]
+                    self._index[slot] = found[0]  # type: ignore[index]
+            self._nbytes -= self._sizes.pop() >> 1
+        del self._keys[KEY_SIZE * n :]
+        del self._digests[DIGEST_BYTES * n :]
 
     def stats(self) -> dict[str, int]:
+        digests = {self._digest(i) for i in range(len(self._sizes))}
         return {
-            "blobs": len(self._keys),
+            "blobs": len(self._sizes),
             "blob_bytes": self._nbytes,
             "blob_references": self._refs,
             "blob_bytes_saved": self._refbytes - self._nbytes,
-            "collisions": sum(len(v) - 1 for v in self._digests.values() if isinstance(v, list)),
+            "collisions": len(self._sizes) - len(digests),
         }
+
+
+def _slot(digest: bytes) -> int:
+    """Where a digest is filed in the index: its first 8 bytes."""
+    return int.from_bytes(digest[:8], "little")
