@@ -58,6 +58,7 @@ MAX_RESYNC_RATIO = 1.5  # time per damaged byte, 32 MiB of damage over 4 MiB
 DAMAGE_SIZES = (4 << 20, 32 << 20)
 EMPTY_MAPS_FILE = 4 << 20  # bytes of the many-empty-maps file
 STREAM_TURN_FACTOR = 2  # streaming peak <= retained + this x the largest turn
+DATA = Path(__file__).resolve().parent.parent / "tests" / "data"  # version-1 files
 
 
 class AppendRecorder(RolloutStoreRecorder):
@@ -142,9 +143,8 @@ def measure_sizes(graph: RolloutGraph, texts: list[str], unique: int, tmp: Path)
     }
 
 
-def measure_speed(graph: RolloutGraph, tmp: Path) -> dict:
-    path, floor_path = tmp / "timed.rls", tmp / "floor.msgpack"
-    blobs = [graph.blobs.string(i) for i in range(len(graph.blobs))]
+def speed_cases(graph: RolloutGraph, path: Path, floor_path: Path, blobs: list[str]) -> dict:
+    """The timed cases of `measure_speed`: (fn, untimed setup) by name."""
     packed = msgpack.packb(blobs, use_bin_type=True)
 
     def save_no_fsync() -> None:
@@ -169,18 +169,22 @@ def measure_speed(graph: RolloutGraph, tmp: Path) -> dict:
     def unlink_floor() -> None:
         floor_path.unlink(missing_ok=True)
 
-    best = best_times(
-        {
-            "packb_s": (lambda: msgpack.packb(blobs, use_bin_type=True), None),
-            "unpackb_s": (lambda: msgpack.unpackb(packed, raw=False), None),
-            "save_s": (lambda: graph.save(path), unlink),
-            "save_no_fsync_s": (save_no_fsync, unlink),
-            "packb_write_s": (packb_write, unlink_floor),
-            # the save and packb_write cases above leave these two files in place
-            "load_s": (lambda: RolloutGraph.load(path), None),
-            "read_unpackb_s": (read_unpackb, None),
-        }
-    )
+    return {
+        "packb_s": (lambda: msgpack.packb(blobs, use_bin_type=True), None),
+        "unpackb_s": (lambda: msgpack.unpackb(packed, raw=False), None),
+        "save_s": (lambda: graph.save(path), unlink),
+        "save_no_fsync_s": (save_no_fsync, unlink),
+        "packb_write_s": (packb_write, unlink_floor),
+        # the save and packb_write cases above leave these two files in place
+        "load_s": (lambda: RolloutGraph.load(path), None),
+        "read_unpackb_s": (read_unpackb, None),
+    }
+
+
+def measure_speed(graph: RolloutGraph, tmp: Path) -> dict:
+    path, floor_path = tmp / "timed.rls", tmp / "floor.msgpack"
+    blobs = [graph.blobs.string(i) for i in range(len(graph.blobs))]
+    best = best_times(speed_cases(graph, path, floor_path, blobs))
     loaded = RolloutGraph.load(path)
     for include_messages in (False, True):
         assert export_text(loaded, include_messages) == export_text(graph, include_messages), (
@@ -271,23 +275,34 @@ def _empty_maps_file(path: Path) -> None:
     graph.save(path)
 
 
+def memory_files(graph: RolloutGraph, tmp: Path) -> dict[str, Path]:
+    """The files whose verify and load memory is measured: the multimodal snapshot, the
+    many-empty-maps value, a log torn inside a 4 MiB token turn (loaded with recover=True),
+    and the version-1 files the tests keep."""
+    files = {"multimodal": tmp / "memory.rls", "empty_maps": tmp / "empty-maps.rls"}
+    graph.save(files["multimodal"])
+    _empty_maps_file(files["empty_maps"])
+    files["torn_turn"] = tmp / "memory-torn.rls"
+    _torn_token_turn(files["torn_turn"], DAMAGE_SIZES[0])
+    for name in ("v1_snapshot", "v1_log"):
+        files[name] = DATA / f"{name}.rls"
+    return files
+
+
 def measure_load_memory(graph: RolloutGraph, tmp: Path) -> dict:
     """Peak traced bytes of verify() and load() above the traced bytes before them, and what
-    the loaded graph retains, on the multimodal snapshot and on the many-empty-maps file."""
+    the loaded graph retains, on each of `memory_files`."""
     out: dict[str, Any] = {}
-    snapshot = tmp / "memory.rls"
-    graph.save(snapshot)
-    empty_maps = tmp / "empty-maps.rls"
-    _empty_maps_file(empty_maps)
-    storage.verify(snapshot)  # lazy imports before the baseline
+    files = memory_files(graph, tmp)
+    storage.verify(files["multimodal"])  # lazy imports before the baseline
     tracemalloc.start()
     try:
-        for name, path in (("multimodal", snapshot), ("empty_maps", empty_maps)):
+        for name, path in files.items():
             size = path.stat().st_size
             verify_peak, _ = traced_delta(lambda p=path: storage.verify(p))
             gc.collect()
             before = tracemalloc.get_traced_memory()[0]
-            load_peak, loaded = traced_delta(lambda p=path: RolloutGraph.load(p))
+            load_peak, loaded = traced_delta(lambda p=path: RolloutGraph.load(p, recover=True))
             gc.collect()
             retained = tracemalloc.get_traced_memory()[0] - before
             del loaded
@@ -396,6 +411,12 @@ def _ms(s: float) -> str:
 
 def print_report(turns: int, sizes: dict, speed: dict, memory: dict) -> None:
     print(f"rollout_store file format, multimodal workload, {turns} turns\n")
+    print_sizes(sizes)
+    print_speed(speed)
+    print_export_memory(memory)
+
+
+def print_sizes(sizes: dict) -> None:
     print("File size")
     print(f"  unique content                      {_mib(sizes['unique_bytes'])}")
     print(
@@ -410,6 +431,9 @@ def print_report(turns: int, sizes: dict, speed: dict, memory: dict) -> None:
         f"  plain JSON export with messages     {_mib(sizes['plain_export_bytes'])}"
         f"   {sizes['plain_over_file']:.1f}x the snapshot file"
     )
+
+
+def print_speed(speed: dict) -> None:
     print(f"\nSpeed (best of {REPEAT}; floor: msgpack of the {speed['blobs']} unique blob strings)")
     print(f"  msgpack.packb(blobs)                {_ms(speed['packb_s'])}")
     print(
@@ -438,6 +462,9 @@ def print_report(turns: int, sizes: dict, speed: dict, memory: dict) -> None:
         "  (cases interleaved per round; gc.collect() before each; each save writes a new file,"
         "\n  the previous one unlinked untimed; os.fsync a no-op covers the file and its folder)"
     )
+
+
+def print_export_memory(memory: dict) -> None:
     print("\nExport memory (tracemalloc; peaks are above the traced memory before the call)")
     print(f"  graph retained                      {_mib(memory['retained_bytes'])}")
     print(
@@ -552,54 +579,62 @@ def check_targets(
     return lines
 
 
+STEPS = (
+    "unique content",
+    "record graph",
+    "file sizes",
+    "save/load speed",
+    "export memory",
+    "load memory",
+    "resync",
+)
+
+
+def measure_all(texts: list[str], profile: bool) -> dict:
+    """Every measurement of the report, by section (and the profile text, or None)."""
+    out: dict[str, Any] = {}
+    with tqdm(total=len(STEPS), file=sys.stderr, unit="step", dynamic_ncols=True) as bar:
+
+        def step(name: str) -> None:
+            bar.update(name != STEPS[0])
+            bar.set_description(name)
+
+        step(STEPS[0])
+        unique = unique_content_bytes(json.loads(text) for text in texts)
+        step(STEPS[1])
+        recorder, retained = record_traced(RolloutStoreRecorder, texts, [len(texts)])
+        graph = recorder.graph
+        with tempfile.TemporaryDirectory() as tmp_name:
+            tmp = Path(tmp_name)
+            step(STEPS[2])
+            out["sizes"] = measure_sizes(graph, texts, unique, tmp)
+            step(STEPS[3])
+            out["speed"] = measure_speed(graph, tmp)
+            step(STEPS[4])
+            out["memory"] = measure_memory(graph, retained[len(texts)], tmp)
+            step(STEPS[5])
+            out["load_memory"] = measure_load_memory(graph, tmp)
+            step(STEPS[6])
+            out["resync"] = measure_resync(tmp)
+            bar.update()
+            out["profile"] = profiles(graph, tmp) if profile else None
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     texts = list(iter_texts(multimodal, args.turns))
-    steps = [
-        "unique content",
-        "record graph",
-        "file sizes",
-        "save/load speed",
-        "export memory",
-        "load memory",
-        "resync",
-    ]
-    with tqdm(total=len(steps), file=sys.stderr, unit="step", dynamic_ncols=True) as bar:
-        bar.set_description(steps[0])
-        unique = unique_content_bytes(json.loads(text) for text in texts)
-        bar.update()
-        bar.set_description(steps[1])
-        recorder, retained = record_traced(RolloutStoreRecorder, texts, [len(texts)])
-        graph = recorder.graph
-        bar.update()
-        with tempfile.TemporaryDirectory() as tmp_name:
-            tmp = Path(tmp_name)
-            bar.set_description(steps[2])
-            sizes = measure_sizes(graph, texts, unique, tmp)
-            bar.update()
-            bar.set_description(steps[3])
-            speed = measure_speed(graph, tmp)
-            bar.update()
-            bar.set_description(steps[4])
-            memory = measure_memory(graph, retained[len(texts)], tmp)
-            bar.update()
-            bar.set_description(steps[5])
-            load_memory = measure_load_memory(graph, tmp)
-            bar.update()
-            bar.set_description(steps[6])
-            resync = measure_resync(tmp)
-            bar.update()
-            profile_text = profiles(graph, tmp) if args.profile else None
-
+    m = measure_all(texts, args.profile)
+    sizes, speed, memory = m["sizes"], m["speed"], m["memory"]
+    load_memory, resync = m["load_memory"], m["resync"]
     print_report(args.turns, sizes, speed, memory)
     print_file_checks(load_memory, resync)
     checks = check_targets(sizes, speed, memory, load_memory, resync)
     print("\nTargets:")
     for line in checks:
         print("  " + line)
-    if profile_text:
-        print(profile_text)
-
+    if m["profile"]:
+        print(m["profile"])
     report = {
         "commit": library_commit(),
         "workload": "multimodal",

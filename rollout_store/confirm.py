@@ -126,17 +126,17 @@ class Probe:
                 if carry:
                     need = ALIGN - len(carry)
                     if len(data) < need:
-                        carry += data
+                        carry = b"".join((carry, data))
                         data = data[:0]
                     else:
-                        update(carry + data[:need])
+                        update(b"".join((carry, data[:need])))
                         data = data[need:]
                         carry = b""
                 cut = len(data) - len(data) % ALIGN
                 if cut:
                     update(data[:cut])
-                if cut < len(data):
-                    carry += data[cut:]
+                if cut < len(data):  # carry is empty here: a view, no copy
+                    carry = data[cut:]
                 if size < CHUNK_LOW:
                     step = step * 2 if size * 4 > CHUNK_LOW else step * 4
                 elif size > CHUNK_HIGH and step > 1:
@@ -146,6 +146,7 @@ class Probe:
         plains: list[bytes | None] = [None] * low
         plains.extend(last)
         digest = hasher.digest
+        join = b"".join
         if lengths is None:
             digests: list[bytes | None] = [None] * low
             digests.append(digest())
@@ -154,18 +155,23 @@ class Probe:
                 digests.append(digest())
         else:  # digests only where a stored request may end, and at the end
             digests = [None] * (n + 1)
-            size = len(lengths)
-            if low >> 3 < size and lengths[low >> 3] >> (low & 7) & 1:
+            # the bitmap's bits from `low` to `n` as one int (bit 0: `low`)
+            first = low >> 3
+            bits = int.from_bytes(lengths[first : (n >> 3) + 1], "little") >> (low - (first << 3))
+            if bits & 1:
                 digests[low] = digest()
-            pending: list[bytes] = []  # packings not hashed yet: one update per digest
-            for j in range(low + 1, n + 1):
-                pending.append(last[j - low - 1])
-                if j == n or (j >> 3 < size and lengths[j >> 3] >> (j & 7) & 1):
-                    update(pending[0] if len(pending) == 1 else b"".join(pending))
-                    pending.clear()
-                    digests[j] = digest()
-            if digests[n] is None:  # no message after `low`: the end is `low` itself
-                digests[n] = digest()
+            # boundaries strictly between `low` and `n`, lowest first: one update per digest
+            inner = (bits >> 1) & ((1 << (n - low - 1)) - 1) if n - low > 1 else 0
+            done = 0  # packings of `last` hashed so far
+            while inner:
+                bit = inner & -inner
+                inner ^= bit
+                j = bit.bit_length()  # boundary low + j
+                update(join(last[done:j]))
+                done = j
+                digests[low + j] = digest()
+            update(join(last[done:]))
+            digests[n] = digest()
         self.plains = plains
         self.digests = digests
         self.low = low

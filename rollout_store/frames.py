@@ -2,12 +2,15 @@
 
 A version-1 frame is kind (1 byte), payload length (4 bytes LE), xxh3-64 of the payload
 seeded with kind and length (8 bytes LE), then the payload; it is read, and written only to
-extend a version-1 log (version 2 is in `framing`). Record kinds, the msgpack packing of
-records, and token and logprob arrays (little-endian bytes) are shared by both versions.
+extend a version-1 log (version 2 is in `framing`). Damage in a version-1 log is told from a
+torn tail by `intact_end_after` in time linear in the damaged bytes. Record kinds, the msgpack
+packing of records, and token and logprob arrays (little-endian bytes) are shared by both
+versions.
 """
 
 from __future__ import annotations
 
+import re
 import struct
 import sys
 from array import array
@@ -39,6 +42,7 @@ __all__ = [
     "decode_segment",
     "encode_segment",
     "frame",
+    "intact_end_after",
     "pack",
     "unpack_payload",
 ]
@@ -71,6 +75,52 @@ def checksum(kind: int, payload: bytes | memoryview) -> int:
 
 def frame(kind: int, payload: bytes) -> bytes:
     return FRAME.pack(kind, len(payload), checksum(kind, payload)) + payload
+
+
+#: Bytes that may start a version-1 frame (its kind).
+_KIND_BYTE = re.compile(b"[\\x00-\\x04]")
+#: What `intact_end_after` may hash before it takes the damage as followed by records: this
+#: many times the bytes after it, plus a constant.
+_HASH_BUDGET = (2, 1 << 20)
+
+
+def _zeros_from(data: bytes | memoryview, start: int) -> int:
+    """The offset from which `data` holds only zero bytes to its end (at least `start`)."""
+    end = len(data)
+    while end > start:
+        chunk = bytes(data[max(start, end - (64 << 10)) : end])
+        kept = len(chunk.rstrip(b"\0"))
+        if kept:
+            return end - len(chunk) + kept
+        end -= len(chunk)
+    return start
+
+
+def intact_end_after(data: bytes | memoryview, start: int) -> bool:
+    """Whether intact records follow the damaged version-1 frame at `start`: whether the
+    file ends with a frame whose checksum holds (zero bytes may follow it) that starts after
+    `start`. If not, the damage is a torn last write (a cut, garbage or zeros to the end).
+
+    Linear in the bytes after `start`: each offset is looked at once, and only a frame that
+    would end at the end of the file (or where only zeros follow) is hashed. A tail crafted
+    to hold more such candidates than a bounded multiple of its size is taken as followed by
+    records (so `repair` refuses rather than cut what might be intact)."""
+    size = len(data)
+    zeros_from = _zeros_from(data, start + 1)
+    budget = _HASH_BUDGET[0] * (size - start) + _HASH_BUDGET[1]
+    header = FRAME
+    for match in _KIND_BYTE.finditer(data, start + 1, size - header.size + 1):
+        pos = match.start()
+        kind, length, expected = header.unpack_from(data, pos)
+        end = pos + header.size + length
+        if end < zeros_from or end > size:
+            continue
+        budget -= length
+        if budget < 0:
+            return True
+        if checksum(kind, data[pos + header.size : end]) == expected:
+            return True
+    return False
 
 
 def bin_header(n: int) -> bytes:

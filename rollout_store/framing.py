@@ -160,21 +160,9 @@ def _check(
 
     `whole`: search a blob's text for the marker too (resync needs it to stay linear; in
     order, the loader's UTF-8 check of the text stands for it)."""
-    size = len(data)
-    if size - offset < HEADER.size:
-        raise _damage("file ends inside a frame header", offset, record)
-    sync, kind_byte, length, prev, expected = HEADER.unpack_from(data, offset)
-    if sync != SYNC:
-        raise _damage("no frame marker where a frame must start", offset, record)
-    kind = kind_byte & 0x7F
-    if kind > reader.max_kind:
-        raise _damage(f"unknown record kind {kind}", offset, record)
-    start = offset + HEADER.size
+    kind_byte, length, prev, expected, start = _header(data, offset, record, reader)
     end = start + length
-    if end > size:
-        message = f"file ends inside a record: {size - start} of {length} bytes present"
-        raise _damage(message, offset, record)
-    is_blob = kind in reader.digest_kinds
+    is_blob = kind_byte & 0x7F in reader.digest_kinds
     searched = end if whole or not is_blob else min(end, start + DIGEST_SIZE + len(SYNC))
     counters = reader.counters
     if counters is not None:
@@ -190,18 +178,42 @@ def _check(
         raise _damage("blob record shorter than its digest", offset, record)
     hashed = payload[:DIGEST_SIZE] if is_blob else payload
     if counters is not None:
-        counters.hashed_bytes += len(hashed)
+        counters.hashed_bytes += len(hashed) + (len(payload) - DIGEST_SIZE if is_blob else 0)
     actual = chain_value(kind_byte, length, prev, hashed)
     if actual != expected:
         raise _Damage(ChecksumMismatch("record", expected, actual, offset=offset, record=record))
     if is_blob:
-        stored = bytes(payload[:DIGEST_SIZE])
-        if counters is not None:
-            counters.hashed_bytes += len(payload) - DIGEST_SIZE
-        digest = content_digest(payload[DIGEST_SIZE:])
-        if digest != stored:
-            raise _Damage(ChecksumMismatch("blob", stored, digest, offset=offset, record=record))
-    return Frame(kind, payload, offset, end, record, expected), prev
+        _check_digest(payload, offset, record)
+    return Frame(kind_byte & 0x7F, payload, offset, end, record, expected), prev
+
+
+def _header(
+    data: bytes, offset: int, record: int, reader: _Options
+) -> tuple[int, int, int, int, int]:
+    """(kind byte, length, previous chain, chain, payload start) of the frame header at
+    `offset`, which must be whole, start with the marker, name a known kind and a payload
+    the file holds. Raises `_Damage`."""
+    size = len(data)
+    if size - offset < HEADER.size:
+        raise _damage("file ends inside a frame header", offset, record)
+    sync, kind_byte, length, prev, expected = HEADER.unpack_from(data, offset)
+    if sync != SYNC:
+        raise _damage("no frame marker where a frame must start", offset, record)
+    if kind_byte & 0x7F > reader.max_kind:
+        raise _damage(f"unknown record kind {kind_byte & 0x7F}", offset, record)
+    start = offset + HEADER.size
+    if start + length > size:
+        message = f"file ends inside a record: {size - start} of {length} bytes present"
+        raise _damage(message, offset, record)
+    return kind_byte, length, prev, expected, start
+
+
+def _check_digest(payload: memoryview, offset: int, record: int) -> None:
+    """A blob's text must hash to the digest its payload starts with."""
+    stored = bytes(payload[:DIGEST_SIZE])
+    digest = content_digest(payload[DIGEST_SIZE:])
+    if digest != stored:
+        raise _Damage(ChecksumMismatch("blob", stored, digest, offset=offset, record=record))
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import threading
 from array import array
 from collections.abc import Callable, Iterator
@@ -74,11 +75,18 @@ _RAW_FIELDS = (
 )
 
 
+_raw_fields = operator.attrgetter(*_RAW_FIELDS)
+_scalar_fields = operator.attrgetter(*SCALAR_NAMES)
+_STR_OR_NONE = frozenset((str, type(None)))
+
+
 def _without_raw(node: TurnNode) -> TurnNode:
     """`node`, or a copy of it with every `RawJSON` field decoded as `json.loads` would."""
+    values = _raw_fields(node)  # one C call for all of them
+    if RawJSON not in map(type, values) and type(node.request_tools) is not list:
+        return node  # the common case: no raw field, no tool list that may hold raw items
     changes: dict[str, Any] = {}
-    for name in _RAW_FIELDS:
-        value = getattr(node, name)
+    for name, value in zip(_RAW_FIELDS, values, strict=True):
         if type(value) is RawJSON or (name == "request_tools" and type(value) is list):
             decoded = resolve_raw(value, name)
             if decoded is not value:
@@ -376,10 +384,13 @@ class Graph:
             explicit = self._find(node.parent_id)
             if explicit is None:
                 raise InvalidValueError(f"unknown parent {node.parent_id!r}", "parent_id")
-        scalars = (node.model, node.finish_reason, node.harness_session_id, node.system_digest)
-        for name, scalar in zip(SCALAR_NAMES, scalars, strict=True):
-            if scalar is not None and not isinstance(scalar, str):
-                raise InvalidValueError(f"expected str or None, got {type(scalar).__name__}", name)
+        scalars = _scalar_fields(node)
+        if not _STR_OR_NONE.issuperset(map(type, scalars)):  # str subclasses are checked here
+            for name, scalar in zip(SCALAR_NAMES, scalars, strict=True):
+                if scalar is not None and not isinstance(scalar, str):
+                    raise InvalidValueError(
+                        f"expected str or None, got {type(scalar).__name__}", name
+                    )
         n_tools = node.n_tools
         if n_tools is not None and not (type(n_tools) is int and 0 <= n_tools < 2**63):
             raise InvalidValueError(
@@ -468,7 +479,7 @@ class Graph:
         side, meta = turn.side, turn.meta  # its own side: sides are shared below
         side.meta = self._meta.setdefault(meta, meta)
         self._turns.append(turn)
-        self._blob_marks.append(len(self.blobs))
+        self._blob_marks.append(len(self._blobs))
         if turn.ident is not None:
             self._by_id[turn.ident] = turn
         last = self._last_side
@@ -484,7 +495,7 @@ class Graph:
                 turn.side = self._last_side = found
         parent = turn.parent
         if parent is not None:
-            if parent.children is None:
+            if parent.kids is None:
                 requests.note_parent(parent)
             add_child(parent, turn)
         requests.file(turn, keys.request, request)  # sets its digest: a flag

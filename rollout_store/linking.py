@@ -69,7 +69,11 @@ class Linker:
     # ------------------------------------------------------------------ tokens
 
     def prepare_tokens(self, turn: Turn, node: TurnNode, scratch: Scratch) -> None:
-        """Store the turn's token fields as shared runs; find its parent by tokens."""
+        """Store the turn's token fields as shared runs; find its parent by tokens.
+
+        `turn` is fresh: its side has no token fields yet."""
+        if node.prompt_ids is None and node.sampled_ids is None and node.sampled_logprobs is None:
+            return  # no token fields at all: nothing to set, nothing to link by
         prompt = None if node.prompt_ids is None else token_array(node.prompt_ids, "prompt_ids")
         sampled = None if node.sampled_ids is None else token_array(node.sampled_ids, "sampled_ids")
         if prompt is not None and not len(prompt):
@@ -195,20 +199,17 @@ class Linker:
         """The longest stored request that this one extends and whose response is echoed
         right after it (an exact echo preferred to a loose one)."""
         store = self.requests
-        for n in range(min(request.n_valid, len(request.messages) - 1), -1, -1):
+        for n in request.boundaries(min(request.n_valid, len(request.messages) - 1)):
             members = request.stored_prefixes(n)
             if not members:
                 continue
             message, plain = request.messages[n], request.plain(n)
-            parent = next(
-                (c for c in members if store.is_echo(c, message, plain) and request.extends(c)),
-                None,
-            ) or next(
-                (c for c in members if store.echoes(c, message, plain) and request.extends(c)),
-                None,
-            )
-            if parent is not None:
-                return parent
+            for c in members:
+                if store.is_echo(c, message, plain) and request.extends(c):
+                    return c
+            for c in members:
+                if store.echoes(c, message, plain) and request.extends(c):
+                    return c
         return None
 
     # ------------------------------------------------------------------ filing

@@ -7,6 +7,11 @@ array, unknown extension types, blob references out of range, big ints and strin
 not decode. It allocates no Python object per item (a count is checked against the bytes left
 before anything is read), so memory stays flat whatever the value holds, and it records where
 blob references are, so a value's plain packing is spliced from bytes instead of decoded.
+
+`quick_check` answers the same question for a short value at C speed, or says it cannot tell:
+msgpack decodes it (bounded by its size) and packs it again, and only a value that comes back
+byte for byte, with nothing it would have to look at more closely, is accepted there; every
+other value goes through `check_packed`, which decides.
 """
 
 from __future__ import annotations
@@ -14,11 +19,20 @@ from __future__ import annotations
 import struct
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field
+
+import msgpack
 
 from .encoding import EXT_BIGINT, EXT_BLOB, EXT_ECHO, EXT_SURROGATE, EXT_TUPLE
 
-__all__ = ["PackedInfo", "check_int_array", "check_packed", "splice_blobs"]
+__all__ = [
+    "QUICK_LIMIT",
+    "PackedInfo",
+    "QuickCheck",
+    "check_int_array",
+    "check_packed",
+    "quick_check",
+    "splice_blobs",
+]
 
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
@@ -75,14 +89,17 @@ def _kind(b: int) -> int:
 _KINDS = tuple(_kind(b) for b in range(256))
 
 
-@dataclass(slots=True)
 class PackedInfo:
     """What `check_packed` found in one value."""
 
-    top_items: int  # items of the top-level array, or -1 when the value is not an array
-    special: bool = False  # a tuple, big int, lone surrogate, or a blob holding surrogates
-    echoes: int = 0
-    blob_refs: array[int] = field(default_factory=lambda: array("I"))  # offsets of blob references
+    __slots__ = ("blob_refs", "echoes", "refs", "special", "top_items")
+
+    def __init__(self, top_items: int, blob_refs: array[int] | None = None) -> None:
+        self.top_items = top_items  # items of the top-level array, or -1 if not an array
+        self.special = False  # a tuple, big int, lone surrogate, or a blob holding surrogates
+        self.echoes = 0
+        self.refs = 0  # number of blob references
+        self.blob_refs = blob_refs  # their offsets, where recorded (`check_packed` does)
 
 
 #: Strings checked as UTF-8 together (their views are then freed: memory stays flat).
@@ -97,7 +114,7 @@ def _utf8(spans: list[memoryview]) -> None:
         spans.clear()
 
 
-def _length(data: bytes, pos: int, width: int) -> int:
+def _length(data: bytes | memoryview, pos: int, width: int) -> int:
     if width == 1:
         return data[pos]
     if width == 2:
@@ -106,7 +123,7 @@ def _length(data: bytes, pos: int, width: int) -> int:
 
 
 def check_packed(
-    data: bytes,
+    data: bytes | memoryview,
     n_blobs: int,
     max_depth: int,
     *,
@@ -118,151 +135,325 @@ def check_packed(
     """Check one packed value (see the module docstring); raises ValueError naming the byte
     offset inside the value. `n_blobs`: blob references must be below it.
 
+    `data` may be a memoryview (of a file's bytes: no copy).
+
     `record=True` checks a file's own record instead of a JSON value: bytes are allowed,
     extension types are not, strings are not decoded (ids may hold lone surrogates), and at
     most `max_containers` containers may open, so decoding it afterwards stays bounded."""
-    if not isinstance(data, bytes):
+    if not isinstance(data, bytes | memoryview):
         raise ValueError("a packed value must be bytes")
-    size = len(data)
-    view = memoryview(data)
-    info = PackedInfo(-1)
-    refs = info.blob_refs
-    pos = 0
-    # one entry per open container: items still to read (a map counts keys and values)
-    remaining: list[int] = []
-    is_map: list[bool] = []
-    left = 1  # items still to read at the current level (the top value)
-    in_map = False
-    first = False  # the next item is the first of an array (where a tuple marker may be)
-    depth = 0
-    kinds = _KINDS
-    spans: list[memoryview] = []  # every string's bytes, checked as UTF-8 at the end
+    walk = _Walk(data, n_blobs, max_depth, blob_surrogates, echo_ok, record, max_containers)
     try:
-        while True:
-            while left == 0:
-                if not remaining:
-                    if pos != size:
-                        raise ValueError(f"{size - pos} bytes after the value")
-                    _utf8(spans)
-                    return info
-                left = remaining.pop()
-                in_map = is_map.pop()
-                depth -= 1
-            key = in_map and not left & 1
-            left -= 1
-            b = data[pos]
-            kind = kinds[b]
-            if kind == _K_STR:  # fixstr, the most common item
-                end = pos + 1 + (b & 0x1F)
-                if end > size:
-                    raise ValueError("a string runs past the end")
-                if end - pos > 1 and not record:
-                    spans.append(view[pos + 1 : end])
-                    if len(spans) >= _SPANS:
-                        _utf8(spans)
-                pos = end
-                first = False
-                continue
-            if kind == _K_ONE:  # fixint, nil, bool
-                pos += 1
-                first = False
-                continue
-            if _K_FIXMAP <= kind <= _K_CONTAINER:
-                if key:
-                    raise ValueError("a container as a dict key")
-                if kind == _K_CONTAINER:
-                    width = 2 if b in (0xDC, 0xDE) else 4
-                    n = _length(data, pos + 1, width)
-                    pos += 1 + width
-                    map_ = b >= 0xDE
-                else:
-                    n, pos, map_ = b & 0x0F, pos + 1, kind == _K_FIXMAP
-                items = 2 * n if map_ else n
-                if items > size - pos:  # every item takes at least one byte
-                    raise ValueError("a container claims more items than bytes are left")
-                if depth >= max_depth:
-                    raise ValueError(f"nesting deeper than {max_depth} levels")
-                if max_containers is not None:
-                    max_containers -= 1
-                    if max_containers < 0:
-                        raise ValueError("more containers than the record can hold")
-                if depth == 0 and not map_:
-                    info.top_items = n
-                remaining.append(left)
-                is_map.append(in_map)
-                left, in_map, depth = items, map_, depth + 1
-                first = not map_
-                continue
-            at_first, first = first, False
-            if kind == _K_FIXED:
-                pos += _FIXED[b]
-                if pos > size:
-                    raise ValueError("a number runs past the end")
-                continue
-            if kind == _K_LONGSTR or (kind == _K_BIN and record):
-                width = _STRLEN[b] if kind == _K_LONGSTR else _BINLEN[b]
-                start = pos + 1 + width
-                end = start + _length(data, pos + 1, width)
-                if end > size:
-                    raise ValueError("a string runs past the end")
-                if end > start and not record:
-                    spans.append(view[start:end])
-                    if len(spans) >= _SPANS:
-                        _utf8(spans)
-                pos = end
-                continue
-            if kind == _K_EXT and not record:
-                if b in _FIXEXT:
-                    n, start = _FIXEXT[b], pos + 2
-                else:
-                    width = _EXTLEN[b]
-                    n = _length(data, pos + 1, width)
-                    start = pos + 2 + width
-                end = start + n
-                if end > size:
-                    raise ValueError("an extension runs past the end")
-                code = data[start - 1]
-                payload = data[start:end]
-                if code == EXT_BLOB:
-                    index = int.from_bytes(payload, "big")
-                    if n != 4 or index >= n_blobs:
-                        raise ValueError(f"blob reference {index} out of range ({n_blobs} blobs)")
-                    refs.append(pos)
-                    if blob_surrogates is not None and blob_surrogates(index):
-                        info.special = True
-                elif code == EXT_TUPLE and n == 0 and at_first and not key:
-                    info.special = True
-                elif code == EXT_ECHO and n == 0 and echo_ok and not key:
-                    info.echoes += 1
-                elif code == EXT_BIGINT and n:
-                    text = payload.decode("ascii")
-                    if not text.lstrip("-").isdigit():
-                        raise ValueError("a big int that is not a decimal number")
-                    int(text)
-                    info.special = True
-                elif code == EXT_SURROGATE:
-                    payload.decode("utf-8", "surrogatepass")
-                    info.special = True
-                else:
-                    raise ValueError(f"extension type {code} is not allowed here")
-                pos = end
-                continue
-            if kind == _K_BIN:
-                raise ValueError("bytes, which JSON cannot carry")
-            if kind == _K_EXT:
-                raise ValueError("an extension type is not allowed in a record")
-            raise ValueError(f"type byte {b:#04x} is not msgpack")
+        walk.run()
     except (IndexError, struct.error):
-        raise ValueError(f"the value is cut short (at byte {pos})") from None
+        raise ValueError(f"the value is cut short (at byte {walk.pos})") from None
     except UnicodeDecodeError:
-        raise ValueError(f"a string that is not UTF-8 (at byte {pos})") from None
+        raise ValueError(f"a string that is not UTF-8 (at byte {walk.pos})") from None
     except ValueError as exc:
         if "at byte" in str(exc):
             raise
-        raise ValueError(f"{exc} (at byte {pos})") from None
+        raise ValueError(f"{exc} (at byte {walk.pos})") from None
+    return walk.info
 
 
-def splice_blobs(data: bytes, refs: array[int], text_of: Callable[[int], bytes]) -> bytes:
+class _Walk:
+    """The state of one `check_packed` walk: the position, and the strings to check."""
+
+    __slots__ = (
+        "containers",
+        "data",
+        "echo_ok",
+        "info",
+        "max_depth",
+        "n_blobs",
+        "offsets",
+        "pos",
+        "record",
+        "spans",
+        "surrogates",
+        "view",
+    )
+
+    def __init__(
+        self,
+        data: bytes | memoryview,
+        n_blobs: int,
+        max_depth: int,
+        surrogates: Callable[[int], bool] | None,
+        echo_ok: bool,
+        record: bool,
+        max_containers: int | None,
+    ) -> None:
+        self.data, self.view, self.pos = data, memoryview(data), 0
+        self.n_blobs, self.max_depth, self.surrogates = n_blobs, max_depth, surrogates
+        self.echo_ok, self.record, self.containers = echo_ok, record, max_containers
+        self.offsets: array[int] = array("I")  # of blob references
+        self.info = PackedInfo(-1, self.offsets)
+        self.spans: list[memoryview] = []  # strings' bytes, checked as UTF-8 in batches
+
+    def run(self) -> None:
+        """Walk the items in order. Strings, one-byte items and containers (most items) are
+        taken here; the rest in `scalar`. On error `pos` is where the item starts."""
+        data, size, kinds, record = self.data, len(self.data), _KINDS, self.record
+        max_depth, counted = self.max_depth, self.containers is not None
+        # per open container: items still to read there (a map counts keys and values)
+        remaining: list[int] = []
+        is_map: list[bool] = []
+        left, in_map, first, pos = 1, False, False, 0  # first: the first item of an array
+        try:
+            while True:
+                while left == 0:
+                    if not remaining:
+                        return self.finish(pos)
+                    left, in_map = remaining.pop(), is_map.pop()
+                key = in_map and not left & 1
+                left -= 1
+                b = data[pos]
+                kind = kinds[b]
+                if kind == _K_STR:  # fixstr, the most common item
+                    end = pos + 1 + (b & 0x1F)
+                    if end - pos > 1 and not record:
+                        self.string(pos + 1, end)
+                    pos, first = end, False
+                elif kind == _K_ONE:  # fixint, nil, bool
+                    pos, first = pos + 1, False
+                elif _K_FIXMAP <= kind <= _K_CONTAINER:
+                    if key:
+                        raise ValueError("a container as a dict key")
+                    if kind == _K_CONTAINER:
+                        n, start, map_ = self.long_container(b, pos)
+                    else:
+                        n, start, map_ = b & 0x0F, pos + 1, kind == _K_FIXMAP
+                    items, depth = 2 * n if map_ else n, len(remaining)
+                    if items > size - start or depth >= max_depth or counted or not depth:
+                        self.open(n, map_, start, depth)
+                    pos, first = start, items > 0 and not map_  # an empty one: no first
+                    if items:
+                        remaining.append(left)
+                        is_map.append(in_map)
+                        left, in_map = items, map_
+                else:
+                    pos = self.scalar(b, kind, pos, key, first)
+                    first = False
+        except Exception:
+            self.pos = pos
+            raise
+
+    def long_container(self, b: int, pos: int) -> tuple[int, int, bool]:
+        """(items, position after the header, is a map) of an array 16/32 or map 16/32."""
+        width = 2 if b in (0xDC, 0xDE) else 4
+        return _length(self.data, pos + 1, width), pos + 1 + width, b >= 0xDE
+
+    def open(self, n: int, map_: bool, pos: int, depth: int) -> None:
+        """Checks before a container of `n` items (pairs for a map) is entered."""
+        if (2 * n if map_ else n) > len(self.data) - pos:  # every item takes a byte at least
+            raise ValueError("a container claims more items than bytes are left")
+        if depth >= self.max_depth:
+            raise ValueError(f"nesting deeper than {self.max_depth} levels")
+        if self.containers is not None:
+            self.containers -= 1
+            if self.containers < 0:
+                raise ValueError("more containers than the record can hold")
+        if depth == 0 and not map_:
+            self.info.top_items = n
+
+    def string(self, start: int, end: int) -> None:
+        """A string's bytes, to check as UTF-8 with the next ones."""
+        spans = self.spans
+        spans.append(self.view[start:end])
+        if len(spans) >= _SPANS:
+            _utf8(spans)
+
+    def scalar(self, b: int, kind: int, pos: int, key: bool, at_first: bool) -> int:
+        """A number, a long string or bytes, or an extension type: the position after it."""
+        data, size = self.data, len(self.data)
+        if kind == _K_FIXED:
+            pos += _FIXED[b]
+            if pos > size:
+                raise ValueError("a number runs past the end")
+            return pos
+        if kind == _K_LONGSTR or (kind == _K_BIN and self.record):
+            width = _STRLEN[b] if kind == _K_LONGSTR else _BINLEN[b]
+            start = pos + 1 + width
+            end = start + _length(data, pos + 1, width)
+            if end > size:
+                raise ValueError("a string runs past the end")
+            if end > start and not self.record:
+                self.string(start, end)
+            return end
+        if kind == _K_EXT and not self.record:
+            return self.ext(b, pos, key, at_first)
+        if kind == _K_BIN:
+            raise ValueError("bytes, which JSON cannot carry")
+        if kind == _K_EXT:
+            raise ValueError("an extension type is not allowed in a record")
+        raise ValueError(f"type byte {b:#04x} is not msgpack")
+
+    def ext(self, b: int, pos: int, key: bool, at_first: bool) -> int:
+        """An extension type (only those the library writes, where it writes them)."""
+        data = self.data
+        if b in _FIXEXT:
+            n, start = _FIXEXT[b], pos + 2
+        else:
+            width = _EXTLEN[b]
+            n = _length(data, pos + 1, width)
+            start = pos + 2 + width
+        end = start + n
+        if end > len(data):
+            raise ValueError("an extension runs past the end")
+        code = data[start - 1]
+        payload = bytes(data[start:end])
+        info = self.info
+        if code == EXT_BLOB:
+            self.blob(payload, pos)
+        elif code == EXT_TUPLE and n == 0 and at_first and not key:
+            info.special = True
+        elif code == EXT_ECHO and n == 0 and self.echo_ok and not key:
+            info.echoes += 1
+        elif code == EXT_BIGINT and n:
+            text = payload.decode("ascii")
+            if not text.lstrip("-").isdigit():
+                raise ValueError("a big int that is not a decimal number")
+            int(text)
+            info.special = True
+        elif code == EXT_SURROGATE:
+            payload.decode("utf-8", "surrogatepass")
+            info.special = True
+        else:
+            raise ValueError(f"extension type {code} is not allowed here")
+        return end
+
+    def blob(self, payload: bytes, pos: int) -> None:
+        """A blob reference at `pos`: in range, and noted (a blob with surrogates is special)."""
+        index = int.from_bytes(payload, "big")
+        if len(payload) != 4 or index >= self.n_blobs:
+            raise ValueError(f"blob reference {index} out of range ({self.n_blobs} blobs)")
+        info = self.info
+        self.offsets.append(pos)
+        info.refs += 1
+        if self.surrogates is not None and self.surrogates(index):
+            info.special = True
+
+    def finish(self, pos: int) -> None:
+        """The end of the top value: nothing may follow it, and its strings must decode."""
+        if pos > len(self.data):
+            raise ValueError("a string runs past the end")
+        if pos != len(self.data):
+            raise ValueError(f"{len(self.data) - pos} bytes after the value")
+        _utf8(self.spans)
+
+
+#: Longest value `quick_check` decodes: what it allocates stays below a fixed bound (a
+#: decoded object costs at most about 80 bytes per packed byte).
+QUICK_LIMIT = 16 << 10
+#: Every byte but those that start a container: deleting them leaves at most as many bytes
+#: as the value opens containers, a bound on its nesting.
+_NOT_CONTAINER = bytes(b for b in range(256) if not (0x80 <= b <= 0x9F or 0xDC <= b <= 0xDF))
+#: An empty bin: the only bytes object `max_bin_len=0` lets through.
+_EMPTY_BIN = b"\xc4\x00"
+
+
+class _Unsure(Exception):
+    """`quick_check` cannot tell: the value holds something `check_packed` must look at."""
+
+
+class QuickCheck:
+    """`quick_check` with what it reuses from one value to the next (a packer; not
+    thread-safe: one per reader)."""
+
+    __slots__ = ("_echo_ok", "_exts", "_info", "_n_blobs", "_pack", "blob_surrogates")
+
+    def __init__(self, blob_surrogates: Callable[[int], bool] | None = None) -> None:
+        self.blob_surrogates = blob_surrogates
+        # a small buffer to start with (it grows to QUICK_LIMIT at most)
+        self._pack = msgpack.Packer(use_bin_type=True, buf_size=1024).pack
+        self._info = PackedInfo(-1)
+        self._n_blobs = 0
+        self._echo_ok = False
+        # the blob references met so far, made once each (what the packer packs back)
+        self._exts: dict[bytes, msgpack.ExtType] = {}
+
+    def __call__(
+        self, data: bytes, n_blobs: int, max_depth: int, echo_ok: bool = False
+    ) -> PackedInfo | None:
+        """What `check_packed` would find in `data` (`blob_refs` not recorded), or None when
+        this quick look cannot tell (then `check_packed` must decide).
+
+        Accepted here only: a value of at most `QUICK_LIMIT` bytes, with fewer container
+        bytes than `max_depth`, holding no bytes, that msgpack decodes with blob references
+        in range and at most one echo (where `echo_ok`) as its only extension types, and that
+        packs back to exactly `data`: its bytes are then canonical msgpack of a tree
+        `check_packed` passes. The echo must be the first item of a top-level array (where
+        a request tail holds it)."""
+        if type(data) is not bytes or len(data) > QUICK_LIMIT or _EMPTY_BIN in data:
+            return None
+        if len(data) > max_depth and len(data.translate(None, _NOT_CONTAINER)) > max_depth:
+            return None
+        info = self._info = PackedInfo(-1)
+        self._n_blobs, self._echo_ok = n_blobs, echo_ok
+        try:
+            # timestamp=1: a msgpack timestamp (ext -1, which no hook sees) decodes as a float,
+            # which never packs back to its bytes
+            value = msgpack.unpackb(
+                data,
+                raw=False,
+                strict_map_key=False,
+                ext_hook=self._ext,
+                max_bin_len=0,
+                timestamp=1,
+            )
+            if self._pack(value) != data:
+                return None
+        except Exception:  # malformed, or something to look at closely: check_packed decides
+            return None
+        if type(value) is list:
+            info.top_items = len(value)
+            if info.echoes and value[0] is not _ECHO:
+                return None  # an echo elsewhere (a dict key, say): check_packed decides
+        elif info.echoes:
+            return None
+        return info
+
+    def _ext(self, code: int, payload: bytes) -> msgpack.ExtType:
+        info = self._info
+        if code == EXT_BLOB and len(payload) == 4:
+            index = int.from_bytes(payload, "big")
+            if index >= self._n_blobs:
+                raise _Unsure
+            info.refs += 1
+            if self.blob_surrogates is not None and self.blob_surrogates(index):
+                info.special = True
+        elif code == EXT_ECHO and self._echo_ok and not payload and not info.echoes:
+            info.echoes = 1
+        else:
+            raise _Unsure
+        ext = self._exts.get(payload) if code == EXT_BLOB else _ECHO
+        if ext is None:
+            if len(self._exts) >= _MAX_EXTS:  # memory stays flat, whatever the file holds
+                self._exts.clear()
+            ext = self._exts[payload] = msgpack.ExtType(code, payload)
+        return ext
+
+
+_ECHO = msgpack.ExtType(EXT_ECHO, b"")
+#: Blob references `QuickCheck` keeps made at most.
+_MAX_EXTS = 4096
+
+
+def quick_check(
+    data: bytes,
+    n_blobs: int,
+    max_depth: int,
+    *,
+    blob_surrogates: Callable[[int], bool] | None = None,
+    echo_ok: bool = False,
+) -> PackedInfo | None:
+    """`check_packed` at C speed for a short value, or None when it cannot tell (see
+    `QuickCheck.__call__`)."""
+    return QuickCheck(blob_surrogates)(data, n_blobs, max_depth, echo_ok)
+
+
+def splice_blobs(data: bytes, refs: array[int] | None, text_of: Callable[[int], bytes]) -> bytes:
     """The plain packing of a checked value: each blob reference (6 bytes at an offset in
     `refs`) replaced by the packed string `text_of(index)` returns (its UTF-8 bytes)."""
     if not refs:

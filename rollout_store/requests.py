@@ -7,6 +7,8 @@ are stored once per graph.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from itertools import chain
 from typing import Any, Final
 
 import msgpack
@@ -50,15 +52,27 @@ _new_tuple: Final = tuple.__new__
 _NOT_JSON = bytes((*range(0xC4, 0xCA), *range(0xD4, 0xD9)))
 
 
-#: What unpacking with `_refuse_ext` lets through: an empty bin, and msgpack's timestamps
-#: (ext type -1 in a fixext 4, fixext 8 or ext 8 of 12 bytes), decoded without the hook
-_PASSED_UNPACK = (b"\xc4\x00", b"\xd6\xff", b"\xd7\xff", b"\xc7\x0c\xff")
-_EMPTY_BIN = _PASSED_UNPACK[0]
-_unpack_json = msgpack.unpackb
+#: The one thing a refusing unpack (`_refusing_unpack`) lets through: an empty bin
+_EMPTY_BIN = b"\xc4\x00"
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
     raise ValueError("an ext type")
+
+
+def _refusing_unpack(data: bytes) -> None:
+    """Unpack at C speed, refusing every ext type and every non-empty bin: ext types with data
+    by their length (msgpack's timestamps too, which never reach the hook), empty ones by the
+    hook. Strings stay bytes: their UTF-8 is the packer's, and not decoding them halves the
+    time."""
+    msgpack.unpackb(
+        data,
+        max_bin_len=0,
+        max_ext_len=0,
+        ext_hook=_refuse_ext,
+        strict_map_key=False,
+        raw=True,
+    )
 
 
 def _json_only(plain: bytes) -> bool:
@@ -67,19 +81,15 @@ def _json_only(plain: bytes) -> bool:
 
     The bytes that begin those types are looked for first; where some occur (often a length
     byte or a letter, not a type), unpacking at C speed tells, refusing every ext type and
-    every non-empty bin; the bytes of an empty bin or a timestamp anywhere send the value to
-    the walk.
+    every non-empty bin; the bytes of an empty bin anywhere send the value to the walk.
     """
     if len(plain.translate(None, _NOT_JSON)) == len(plain):  # none of them (a C scan)
         return True
     try:
-        _unpack_json(plain, max_bin_len=0, ext_hook=_refuse_ext, strict_map_key=False)
+        _refusing_unpack(plain)
     except Exception:  # an ext or bin type (or too deep for the unpacker): the walk decides
         return False
-    # an empty bin passes `max_bin_len`, and a timestamp (ext type -1) never reaches the
-    # hook: where their bytes occur, the walk decides (the three timestamp markers all hold
-    # 0xff, which no UTF-8 text holds: two C scans instead of a loop over the markers)
-    return b"\xff" not in plain and _EMPTY_BIN not in plain
+    return _EMPTY_BIN not in plain
 
 
 def _all_json(plains: list[bytes | None], limit: int) -> bool:
@@ -93,15 +103,10 @@ def _all_json(plains: list[bytes | None], limit: int) -> bool:
     if len(joined.translate(None, _NOT_JSON)) == len(joined):
         return True
     try:  # each packing is one whole item: as an array they unpack item by item
-        _unpack_json(
-            array_header(len(plains)) + joined,
-            max_bin_len=0,
-            ext_hook=_refuse_ext,
-            strict_map_key=False,
-        )
+        _refusing_unpack(array_header(len(plains)) + joined)
     except Exception:
         return False
-    return b"\xff" not in joined and _EMPTY_BIN not in joined
+    return _EMPTY_BIN not in joined
 
 
 _NOT_FAST = object()  # _prepare_raw: decode the whole text instead
@@ -221,8 +226,8 @@ class FreshRequest:
         probe = self._probe
         if n > self.n_valid:
             ok = False
-        elif probe is not None and stored.digest is not None:
-            ok = stored.digest == probe.digest(n)
+        elif probe is not None and (digest := stored.digest) is not None:
+            ok = digest == probe.digest(n)
         else:  # compare bytes with the stored tails (a turn read from a file, once)
             ok = self._store.matches(stored, self.plains(), self.messages)
             if ok and probe is not None:
@@ -241,6 +246,16 @@ class FreshRequest:
             return []
         n = self.n_valid
         return [c for c in self._store.twins(self.key(n), n) if self.extends(c)]
+
+    def boundaries(self, high: int) -> Iterable[int]:
+        """Message counts from `high` down to 0 where a stored request may end (every count
+        but those of the probe's window that no filed request has: see `Probe`)."""
+        probe = self._probe
+        if probe is None or high < probe.low:
+            return range(high, -1, -1)
+        digests, low = probe.digests, probe.low
+        known = [n for n in range(high, low - 1, -1) if digests[n] is not None]
+        return chain(known, range(low - 1, -1, -1)) if low else known
 
     def stored_prefixes(self, n: int) -> list[Turn] | tuple[Turn, ...]:
         """Stored turns whose non-system request is as long as the first `n` messages and
@@ -570,7 +585,7 @@ class RequestStore:
 
     def _base(self, request: FreshRequest) -> Turn | None:
         """The longest stored request that `request` extends (its storage base)."""
-        for n in range(request.n_valid, -1, -1):
+        for n in request.boundaries(request.n_valid):
             for candidate in request.stored_prefixes(n):
                 if request.extends(candidate):
                     return candidate

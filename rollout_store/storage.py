@@ -13,9 +13,10 @@ from __future__ import annotations
 import contextlib
 import os
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import partial
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
@@ -23,7 +24,7 @@ from . import framing
 from .atomic import fsync_dir, lock_log, replace_file
 from .blobs import BlobTable, content_digest
 from .content import ContentStore, StringCache
-from .encoding import ECHO_PACKED
+from .encoding import ECHO_PACKED, array_header
 from .errors import (
     ChecksumMismatch,
     CorruptFileError,
@@ -54,12 +55,13 @@ from .frames import (
     decode_segment,
     encode_segment,
     frame,
+    intact_end_after,
     pack,
     unpack_payload,
 )
 from .graph import Graph, GraphRestorer, JournalEntry
 from .intake import MAX_DEPTH, token_array
-from .packed import PackedInfo, check_int_array, check_packed, splice_blobs
+from .packed import PackedInfo, QuickCheck, check_int_array, check_packed, splice_blobs
 from .shared_blobs import StoreBlobTable
 from .stored import IndexKeys, LinkKind, Turn, TurnFlag, TurnMeta, finish_tail, full_run, is_above
 from .tokens import TokenRun, run_list
@@ -99,8 +101,8 @@ class TurnRecord(NamedTuple):
     node_id: str
     parent: int | None  # an earlier turn (a later parent re-links its child by `moves`)
     link: int  # LinkKind, 0 without parent
-    flags: int  # Turn.flags without the derived bits
-    meta: list[Any]  # TurnMeta as an array
+    flags: int  # Turn.flags without the derived bits (`_DERIVED_FLAGS`)
+    meta: Sequence[Any]  # TurnMeta as an array
     system: int | None  # value holding the leading system messages
     base: int | None  # the turn whose request this one extends
     tail: bytes  # packed request messages after the base's
@@ -111,14 +113,19 @@ class TurnRecord(NamedTuple):
     prompt: list[Any] | None  # [PromptKind, ...]
     sampled: list[Any] | None  # segment
     logprobs: list[Any] | None  # segment, or ["j", packed JSON value]
-    keys: list[Any]  # IndexKeys as an array
+    keys: Sequence[Any]  # IndexKeys as an array
     refs: list[int]  # blob references and their bytes since the previous turn record
     moves: list[list[int]]  # [turn, link] of earlier turns re-linked under this one
     requested: int | None = None  # value holding requested_sampling_params
 
 
-#: Bits of Turn.flags that are derived on load, never written.
-_DERIVED_FLAGS = TurnFlag.TAIL_SLOW | TurnFlag.PREFIX_SPECIAL
+#: Bits of Turn.flags that say what the packed tail and response hold: derived on load from
+#: those fields, never written (records written before they were derived carry them).
+_CONTENT_FLAGS = (
+    TurnFlag.TAIL_REFS | TurnFlag.RESPONSE_REFS | TurnFlag.TAIL_SPECIAL | TurnFlag.RESPONSE_SPECIAL
+)
+#: Bits derived on load, never written (a version-1 writer also wrote TurnFlag.TAIL_SLOW).
+_DERIVED_FLAGS = TurnFlag.TAIL_SLOW | TurnFlag.PREFIX_SPECIAL | _CONTENT_FLAGS
 # bits of Turn.flags that say how the turn is kept in memory (its link is a field of the
 # record): never written, and a file that has them is damaged
 _IN_MEMORY_FLAGS = (
@@ -128,17 +135,10 @@ _IN_MEMORY_FLAGS = (
     | TurnFlag.LINK_LOW
     | TurnFlag.LINK_HIGH
 )
-#: Bits a turn record's flags may hold (a version-1 writer also wrote TurnFlag.TAIL_SLOW).
-_STORED_FLAGS = (
-    TurnFlag.TAIL_REFS
-    | TurnFlag.RESPONSE_REFS
-    | TurnFlag.MESSAGES_TUPLE
-    | TurnFlag.LOGPROBS_PACKED
-    | TurnFlag.NO_MESSAGES
-    | TurnFlag.TAIL_ECHO
-    | TurnFlag.TAIL_SPECIAL
-    | TurnFlag.RESPONSE_SPECIAL
-    | TurnFlag.EMPTY_PROMPT
+#: Bits a turn record's flags may hold, and those of a request with messages.
+_MESSAGE_FLAGS = TurnFlag.TAIL_ECHO | TurnFlag.MESSAGES_TUPLE
+_STORED_FLAGS = _MESSAGE_FLAGS | (
+    TurnFlag.LOGPROBS_PACKED | TurnFlag.NO_MESSAGES | TurnFlag.EMPTY_PROMPT
 )
 
 #: How a file holds long strings: inline (self-contained) or as keys into a content store.
@@ -228,62 +228,93 @@ class _Writer:
     ) -> tuple[list[bytes], Callable[[], None]]:
         """Frames (as byte parts) for the turn's new blobs, new values and the turn itself,
         and a function to call once they are written."""
-        turn, blobs_end = entry.turn, entry.blobs_end
+        turn = entry.turn
         refs = self.refs if entry.references is None else entry.references
         chain = [self.chain]  # advanced frame by frame; kept only once the frames are written
-        frames = self.blob_frames(blobs, blobs_end, chain)
-        new_values: list[bytes] = []
-
-        def value_ref(stored: bytes | None) -> int | None:
-            if stored is None:
-                return None
-            ordinal = self.values.get(id(stored))
-            if ordinal is None:
-                for i, pending in enumerate(new_values):
-                    if pending is stored:
-                        return len(self.value_objects) + i
-                new_values.append(stored)
-                frames.append(self.frame(KIND_VALUE, pack(stored), chain))
-                return len(self.value_objects) + len(new_values) - 1
-            return ordinal
-
-        parent = turn.parent
-        parent_index = parent.index if parent is not None and parent.index < turn.index else None
-        record = TurnRecord(
-            node_id=turn.node_id,
-            parent=parent_index,
-            link=int(turn.link) if parent_index is not None else 0,
-            flags=turn.flags & ~(_DERIVED_FLAGS | _IN_MEMORY_FLAGS),
-            meta=list(turn.meta),
-            system=value_ref(turn.system),
-            base=turn.base.index if turn.base is not None else None,
-            tail=turn.tail,
-            n_rest=turn.n_rest,
-            response=turn.response,
-            tools=value_ref(turn.tools),
-            sampling=value_ref(turn.sampling),
-            prompt=self._prompt_spec(turn),
-            sampled=encode_segment(turn.sampled),
-            logprobs=encode_segment(turn.logprobs)
-            if isinstance(turn.logprobs, array)
-            else (["j", turn.logprobs] if turn.logprobs is not None else None),
-            keys=list(entry.keys),
-            refs=[refs[0] - self.refs[0], refs[1] - self.refs[1]],
-            moves=[[other.index, int(link)] for other, link in entry.moves],
-            requested=value_ref(turn.requested),
+        frames = (
+            self.blob_frames(blobs, entry.blobs_end, chain)
+            if entry.blobs_end > self.blobs_written
+            else []
         )
+        new_values: list[bytes] = []
+        known, value_ref = self.values, self._value_ref
+        values = [
+            known.get(id(stored))
+            if stored is not None and id(stored) in known
+            # (a value written before is found by its id; the rest go through _value_ref)
+            else value_ref(stored, new_values, frames, chain)
+            for stored in (turn.system, turn.tools, turn.sampling, turn.requested)
+        ]
+        record = self._record(entry, values, refs)
         frames.append(self.frame(KIND_TURN, pack(list(record)), chain))
+        return frames, partial(self._commit, chain, entry.blobs_end, new_values, refs, turn)
 
-        def commit() -> None:
-            self.chain = chain[0]
-            self.blobs_written = blobs_end
-            for stored in new_values:
-                self.values[id(stored)] = len(self.value_objects)
-                self.value_objects.append(stored)
-            self.refs = refs
-            self.note_runs(turn)
+    def _value_ref(
+        self, stored: bytes | None, new: list[bytes], frames: list[bytes], chain: list[int]
+    ) -> int | None:
+        """The ordinal of a shared value; a value not written yet gets its frame."""
+        if stored is None:
+            return None
+        ordinal = self.values.get(id(stored))
+        if ordinal is not None:
+            return ordinal
+        for i, pending in enumerate(new):
+            if pending is stored:
+                return len(self.value_objects) + i
+        new.append(stored)
+        frames.append(self.frame(KIND_VALUE, pack(stored), chain))
+        return len(self.value_objects) + len(new) - 1
 
-        return frames, commit
+    def _record(
+        self, entry: JournalEntry, values: list[int | None], refs: tuple[int, int]
+    ) -> TurnRecord:
+        """The turn record of `entry`, its shared values at `values` (system, tools,
+        sampling, requested)."""
+        turn = entry.turn
+        parent, base, logprobs = turn.parent, turn.base, turn.logprobs
+        parent_index = parent.index if parent is not None and parent.index < turn.index else None
+        if isinstance(logprobs, array):
+            logprobs = encode_segment(logprobs)
+        elif logprobs is not None:
+            logprobs = ["j", logprobs]
+        return TurnRecord(
+            turn.node_id,
+            parent_index,
+            int(turn.link) if parent_index is not None else 0,
+            turn.flags & ~(_DERIVED_FLAGS | _IN_MEMORY_FLAGS),
+            turn.meta,  # a NamedTuple: packed as an array
+            values[0],
+            base.index if base is not None else None,
+            turn.tail,
+            turn.n_rest,
+            turn.response,
+            values[1],
+            values[2],
+            self._prompt_spec(turn),
+            encode_segment(turn.sampled),
+            logprobs,
+            entry.keys,  # a NamedTuple: packed as an array
+            [refs[0] - self.refs[0], refs[1] - self.refs[1]],
+            [[other.index, int(link)] for other, link in entry.moves] if entry.moves else [],
+            values[3],
+        )
+
+    def _commit(
+        self,
+        chain: list[int],
+        blobs_end: int,
+        new_values: list[bytes],
+        refs: tuple[int, int],
+        turn: Turn,
+    ) -> None:
+        """The turn's frames are written: what later records refer back to."""
+        self.chain = chain[0]
+        self.blobs_written = blobs_end
+        for stored in new_values:
+            self.values[id(stored)] = len(self.value_objects)
+            self.value_objects.append(stored)
+        self.refs = refs
+        self.note_runs(turn)
 
     def note_runs(self, turn: Turn) -> None:
         if turn.prompt is not None:
@@ -404,6 +435,13 @@ class LoadReport:
     good_chain: int = 0  # version 2: the chain value of the frame ending at good_bytes
 
     def fail(self, exc: CorruptFileError, truncated: bool = False) -> None:
+        # the report outlives the read: its error keeps no frames (they hold the file's bytes)
+        link: BaseException | None = exc
+        for _ in range(8):  # the chain is short; a bound keeps a cycle from looping
+            if link is None:
+                break
+            link.__traceback__ = None
+            link = link.__cause__ or link.__context__
         self.exception = exc
         self.error = str(exc)
         self.error_offset = exc.offset
@@ -427,19 +465,21 @@ class _Loader:
         self.restore: GraphRestorer = self.graph._restorer()
         self.writer = _Writer()
         self.value_is_list: list[bool] = []  # system parts must be arrays of messages
+        self.quick = QuickCheck(self.blob_surrogates)
+        self.unfiled: list[tuple[bytes, bytes | None]] = []  # values of the turn being read
 
     def check(self, packed: Any, n_blobs: int, echo_ok: bool = False) -> PackedInfo:
         """Check a stored value once, without building it (see `packed.check_packed`)."""
         if not isinstance(packed, bytes):
             raise ValueError("a packed value must be bytes")
-        blobs = self.graph.blobs
-        return check_packed(
-            packed,
-            n_blobs,
-            MAX_DEPTH,
-            blob_surrogates=lambda i: blobs.handle(i).surrogates,
-            echo_ok=echo_ok,
-        )
+        info = self.quick(packed, n_blobs, MAX_DEPTH, echo_ok)
+        if info is not None:
+            return info
+        surrogates = self.blob_surrogates
+        return check_packed(packed, n_blobs, MAX_DEPTH, blob_surrogates=surrogates, echo_ok=echo_ok)
+
+    def blob_surrogates(self, index: int) -> bool:
+        return self.graph.blobs.handle(index).surrogates
 
     def blob_v2(self, payload: memoryview) -> None:
         """A version-2 blob frame's payload: digest, then text (the frame reader checked the
@@ -523,6 +563,9 @@ class _Loader:
 
     def value(self, payload: Any) -> None:
         info = self.check(payload, len(self.graph.blobs))
+        if info.refs and not info.blob_refs:  # where they are, to splice them
+            n_blobs, surrogates = len(self.graph.blobs), self.blob_surrogates
+            info = check_packed(payload, n_blobs, MAX_DEPTH, blob_surrogates=surrogates)
         self.value_is_list.append(info.top_items >= 0)
         self.writer.values[id(payload)] = len(self.writer.value_objects)
         self.writer.value_objects.append(payload)
@@ -530,7 +573,23 @@ class _Loader:
         plain = None
         if not info.special:  # its plain packing, spliced: the value is never decoded
             plain = splice_blobs(payload, info.blob_refs, lambda i: blobs.string(i).encode())
-        self.restore.add_value(payload, plain)
+        self.unfiled.append((payload, plain))
+
+    def mark(self) -> tuple[tuple[int, int, int], int]:
+        """Where the blobs and values stand before a turn's records are applied."""
+        return self.graph.blobs.mark(), len(self.writer.value_objects)
+
+    def rollback(self, mark: tuple[tuple[int, int, int], int]) -> None:
+        """Forget the blobs and values of a turn whose record failed: a recovered graph
+        keeps only what its turns refer to (else a later turn could share a value whose
+        blob references name blobs that are gone)."""
+        blobs_mark, n_values = mark
+        self.graph.blobs.rollback(blobs_mark)
+        writer = self.writer
+        for stored in writer.value_objects[n_values:]:
+            del writer.values[id(stored)]
+        del writer.value_objects[n_values:], self.value_is_list[n_values:]
+        self.unfiled.clear()
 
     def turn(self, payload: Any) -> None:
         """Check one turn record, build the stored turn and commit it to the graph."""
@@ -547,11 +606,17 @@ class _Loader:
         refs = record.refs
         if not (isinstance(refs, list) and len(refs) == 2):
             raise ValueError("bad moves or reference counts")
-        if not all(type(r) is int and r >= 0 for r in refs):
+        if not (type(refs[0]) is type(refs[1]) is int and refs[0] >= 0 and refs[1] >= 0):
             raise ValueError("bad reference counts")
+        # the turn holds copies of the record's bytes: let the record's go before filing it
+        payload.clear()
+        del record
         self.graph.blobs.count_references(refs[0], refs[1])
         self.restore.commit(turn, keys, moves)
         self.writer.note_runs(turn)
+        for stored, plain in self.unfiled:  # the values it brought, found again from now on
+            self.restore.add_value(stored, plain)
+        self.unfiled.clear()
 
     def _identity(self, record: TurnRecord) -> Turn:
         """A new turn with its id, position, parent, link, flags and scalar fields."""
@@ -561,67 +626,78 @@ class _Loader:
         turn = Turn()
         turn.index = len(self.graph)
         turn.node_id = node_id
-        turn.children = None
         turn.parent = self._ref(record.parent)
         link = _link_kind(record.link)
         flags = record.flags
         if not isinstance(flags, int) or flags < 0 or flags & ~(_STORED_FLAGS | _DERIVED_FLAGS):
             raise ValueError("bad flags")
-        turn.flags = flags & ~_DERIVED_FLAGS
+        turn.flags = flags & ~(_DERIVED_FLAGS & ~_CONTENT_FLAGS)  # content flags: see _request
         turn.link = link if turn.parent is not None else LinkKind.NONE  # two bits of flags
         meta = record.meta
         if not (isinstance(meta, list) and len(meta) == len(TurnMeta._fields)):
             raise ValueError("bad meta")
-        if not all(m is None or isinstance(m, str) for m in meta[:4]) or not (
-            meta[4] is None or type(meta[4]) is int
-        ):
+        if not set(map(type, meta[:4])) <= _STR_OR_NONE or type(meta[4]) not in _INT_OR_NONE:
             raise ValueError("bad meta")
         turn.meta = self.restore.meta(TurnMeta(*meta))
         return turn
 
     def _request(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
-        """The request (system part, base, tail), the response and the shared values."""
+        """The request (system part, base, tail), the response and the shared values; the
+        flags that say what the tail and response hold are derived from them."""
+        carried = turn.flags & _CONTENT_FLAGS
+        turn.flags &= ~_CONTENT_FLAGS
+        response = record.response
+        if response is not None:
+            info = self.check(response, n_blobs)
+            turn.flags |= (TurnFlag.RESPONSE_REFS if info.refs else 0) | (
+                TurnFlag.RESPONSE_SPECIAL if info.special else 0
+            )
+            # set before the tail: the turn's bytes are then built once with the tail
+            turn.response = response
+        self._tail(turn, record, n_blobs)
+        if turn.flags & _CONTENT_FLAGS & ~carried and carried:
+            # a record written before these flags were derived carries them all
+            raise ValueError("the flags of a turn record do not say what its request holds")
+        value = self._value_ref
+        turn.share_values(value(record.tools), value(record.sampling), value(record.requested))
+
+    def _tail(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
+        """The system part, the base and the messages after the base's."""
         flags, tail, n_rest, system = turn.flags, record.tail, record.n_rest, record.system
         turn.system = self._value_ref(system)
-        turn.base = self._ref(record.base)
-        if turn.base is not None and (turn.base.flags | flags) & TurnFlag.NO_MESSAGES:
+        base = turn.base = self._ref(record.base)
+        first = base.n_rest if base is not None else 0  # the first message the tail holds
+        if base is not None and (base.flags | flags) & TurnFlag.NO_MESSAGES:
             raise ValueError("a request without messages has no base, and is no base")
-        if not isinstance(tail, bytes) or not isinstance(n_rest, int):
+        if type(tail) is not bytes or type(n_rest) is not int:
             raise ValueError("bad request tail")
-        if n_rest < (turn.base.n_rest if turn.base is not None else 0):
+        if n_rest < first:
             raise ValueError("request shorter than its base")
-        turn.set_request((tail,), n_rest)
-        finish_tail(turn)
-        if flags & TurnFlag.NO_MESSAGES:
-            if (
-                tail
-                or n_rest
-                or system is not None
-                or flags & (TurnFlag.TAIL_ECHO | TurnFlag.MESSAGES_TUPLE)
-            ):
-                raise ValueError("a request without messages has messages")
-        else:
-            info = self.check(tail, n_blobs, echo_ok=True)
-            if info.top_items != n_rest - turn.first:
-                raise ValueError("request tail does not hold its messages")
-            echo = bool(flags & TurnFlag.TAIL_ECHO)
-            at_start = tail[turn.body_start - len(ECHO_PACKED) : turn.body_start] == ECHO_PACKED
-            if info.echoes != echo or (echo and (turn.base is None or not at_start)):
-                raise ValueError("misplaced echo in a request tail")
-            if echo and turn.base is not None and turn.base.response is None:
-                raise ValueError("an echo of a base turn that has no response")
-            _flags_cover(flags, info, TurnFlag.TAIL_REFS, TurnFlag.TAIL_SPECIAL, "request tail")
         if system is not None and not self.value_is_list[system]:
             raise ValueError("system messages must be an array")
-        if record.response is not None:
-            info = self.check(record.response, n_blobs)
-            _flags_cover(flags, info, TurnFlag.RESPONSE_REFS, TurnFlag.RESPONSE_SPECIAL, "response")
-        elif flags & (TurnFlag.RESPONSE_REFS | TurnFlag.RESPONSE_SPECIAL):
-            raise ValueError("response flags without a response")
-        turn.response = record.response
-        turn.tools = self._value_ref(record.tools)
-        turn.sampling = self._value_ref(record.sampling)
-        turn.requested = self._value_ref(record.requested)
+        turn.set_request((tail,), n_rest)
+        if flags & TurnFlag.NO_MESSAGES:
+            if tail or n_rest or system is not None or flags & _MESSAGE_FLAGS:
+                raise ValueError("a request without messages has messages")
+            finish_tail(turn)
+            return
+        info = self.check(tail, n_blobs, echo_ok=True)
+        if info.refs or info.special:
+            turn.flags |= (TurnFlag.TAIL_REFS if info.refs else 0) | (
+                TurnFlag.TAIL_SPECIAL if info.special else 0
+            )
+        finish_tail(turn)
+        if info.top_items != n_rest - first:
+            raise ValueError("request tail does not hold its messages")
+        echo = flags & TurnFlag.TAIL_ECHO
+        if info.echoes != bool(echo):
+            raise ValueError("misplaced echo in a request tail")
+        if echo:  # it must be the first message: right after the array header
+            start = len(array_header(n_rest - first))
+            if base is None or tail[start : start + len(ECHO_PACKED)] != ECHO_PACKED:
+                raise ValueError("misplaced echo in a request tail")
+            if base.response is None:
+                raise ValueError("an echo of a base turn that has no response")
 
     def _tokens(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
         """Prompt, sampled ids and logprobs."""
@@ -710,28 +786,24 @@ def _segment(spec: Any) -> Any:
     return decode_segment(spec)
 
 
-def _flags_cover(flags: int, info: PackedInfo, refs: int, special: int, what: str) -> None:
-    """A packed part's flags must say what it holds: blob references, special values."""
-    if info.blob_refs and not flags & refs:
-        raise ValueError(f"the {what} holds blob references its flags do not announce")
-    if info.special and not flags & special:
-        raise ValueError(f"the {what} holds tuples, big ints or surrogates, unflagged")
-
-
 def _link_kind(link: Any) -> LinkKind:
     if not (isinstance(link, int) and 0 <= link <= LinkKind.EXPLICIT):
         raise ValueError("bad link kind")
     return LinkKind(link)
 
 
+_INT = frozenset({int})
+_INT_OR_NONE = frozenset({int, type(None)})
+_STR_OR_NONE = frozenset({str, type(None)})
+
+
 def _index_keys(keys: Any) -> IndexKeys:
     if not (isinstance(keys, list) and len(keys) == len(IndexKeys._fields)):
         raise ValueError("bad index keys")
-    if not all(k is None or type(k) is int for k in keys[:3]):
+    if not {type(keys[0]), type(keys[1]), type(keys[2])} <= _INT_OR_NONE:
         raise ValueError("bad index keys")
-    if keys[3] is not None and not (
-        isinstance(keys[3], list) and all(type(k) is int for k in keys[3])
-    ):
+    roots = keys[3]
+    if roots is not None and not (isinstance(roots, list) and set(map(type, roots)) <= _INT):
         raise ValueError("bad index keys")
     return IndexKeys(*keys)
 
@@ -757,14 +829,14 @@ def _frames_v1(data: bytes, report: LoadReport) -> _Frames:
         if length > size - offset:
             message = f"file ends inside a record: {size - offset} of {length} bytes present"
             failure = CorruptFileError(message, offset=start, record=record)
-            report.fail(failure, truncated=not _frame_after_v1(view, start))
+            report.fail(failure, truncated=not intact_end_after(view, start))
             return
         payload = view[offset : offset + length]  # a view: blob data is not copied
         offset += length
         actual = checksum(kind, payload)
         if actual != expected:
             failure = ChecksumMismatch("record", expected, actual, offset=start, record=record)
-            report.fail(failure, truncated=not _frame_after_v1(view, start))
+            report.fail(failure, truncated=not intact_end_after(view, start))
             return
         yield kind, payload, start, record, offset, 0
         record += 1
@@ -787,7 +859,7 @@ def _decode(payload: memoryview, max_containers: int) -> Any:
     """A record's msgpack body; one long enough to allocate much is walked and bounded first
     (nesting, number of containers), so decoding it costs a bounded multiple of its size."""
     if len(payload) > _SMALL_RECORD:
-        check_packed(bytes(payload), 0, _RECORD_DEPTH, record=True, max_containers=max_containers)
+        check_packed(payload, 0, _RECORD_DEPTH, record=True, max_containers=max_containers)
     return unpack_payload(payload)
 
 
@@ -836,9 +908,14 @@ class _Records:
         if kind in (KIND_BLOB, KIND_VALUE, KIND_BLOB_REF):
             self.pending.append((kind, body, start, record))
         elif kind == KIND_TURN:
-            self.apply_pending(loader)
-            self.at = (start, record)
-            loader.turn(body)
+            mark = loader.mark()
+            try:
+                self.apply_pending(loader)
+                self.at = (start, record)
+                loader.turn(body)
+            except BaseException:
+                loader.rollback(mark)
+                raise
             self.report.turns += 1
         elif kind == KIND_END:
             _check_end(body, self.pending, self.report)
@@ -935,23 +1012,6 @@ def _check_end(body: Any, pending: list[Any], report: LoadReport) -> None:
         and all(type(r) is int and r >= 0 for r in references)
     ):
         raise ValueError("bad reference counts in the end record")
-
-
-def _frame_after_v1(data: memoryview, start: int) -> bool:
-    """Whether a whole, valid version-1 frame begins anywhere after `start`.
-
-    Damage with no valid frame after it is a torn last write (a cut, garbage or zeros to
-    the end), which `repair` may cut off; damage followed by intact records is not. (A
-    checksum at every offset: version 2 replaces this with a linear search for its marker.)
-    """
-    size = len(data)
-    for pos in range(start + 1, size - FRAME.size + 1):
-        kind, length, expected = FRAME.unpack_from(data, pos)
-        if kind <= KIND_END and length <= size - pos - FRAME.size:
-            payload = data[pos + FRAME.size : pos + FRAME.size + length]
-            if checksum(kind, payload) == expected:
-                return True
-    return False
 
 
 def _read_header(
@@ -1128,52 +1188,80 @@ def open_append(
     if mode == BLOBS_STORE and store is None:
         raise InvalidArgumentError('open(blobs="store") needs a content store: pass store=...')
     target = Path(path)
-    while True:
-        fp = open(target, "a+b")  # noqa: SIM115 - owned by the returned graph
-        try:
-            if lock_log(fp, target):
-                break
-        except BaseException:
-            fp.close()
-            raise
-        fp.close()  # a save replaced the file between open and lock: open the new one
+    fp = _open_locked(target)
     try:
-        fp.seek(0)
-        data = fp.read()
-        if data:
-            loader, report = _scan(data, os.fspath(target), None, store, cache)
-            if report.mode == MODE_SNAPSHOT:
-                raise CorruptFileError(f"{target} is a snapshot written by save(), not a log")
-            if report.error is not None:
-                if not (repair and report.truncated):
-                    _raise_for(report)
-                # repair: cut the torn tail (a file torn inside its header starts anew)
-                keep = report.good_bytes if report.records > 0 else 0
-                os.ftruncate(fp.fileno(), keep)
-                os.fsync(fp.fileno())
-                if not keep:
-                    data = b""
-        if data:
-            graph = loader.graph
-            graph.load_report = report
-            writer = loader.writer
-            writer.version = report.version or FORMAT_VERSION  # a version-1 log stays one
-            writer.chain = report.good_chain
-            writer.blobs_written = len(graph.blobs)
-            writer.refs = graph.blobs.mark()[1:]
-        else:
+        resumed = _resume(fp, target, repair, store, cache)
+        if resumed is None:
             graph = RolloutGraph(share_threshold=share_threshold, store=store, cache=cache)
-            writer = _Writer(blobs=mode)
-            fp.write(writer.header(graph, MODE_LOG))
-            fp.flush()
-            os.fsync(fp.fileno())
-            fsync_dir(target)
+            writer = _start_log(fp, target, graph, mode)
+        else:
+            graph, writer = resumed
         fp.seek(0, os.SEEK_END)
     except BaseException:
         fp.close()
         raise
     graph.attach_journal(_AppendLog(fp, os.path.realpath(target), graph.blobs, writer, every))
     return graph
+
+
+def _open_locked(target: Path) -> IO[bytes]:
+    """`target` opened for appending (created if missing) under the appender's lock."""
+    while True:
+        fp = open(target, "a+b")  # noqa: SIM115 - owned by the returned graph
+        try:
+            if lock_log(fp, target):
+                return fp
+        except BaseException:
+            fp.close()
+            raise
+        fp.close()  # a save replaced the file between open and lock: open the new one
+
+
+def _resume(
+    fp: IO[bytes],
+    target: Path,
+    repair: bool,
+    store: ContentStore | None,
+    cache: StringCache | None,
+) -> tuple[RolloutGraph, _Writer] | None:
+    """The graph of an existing log and a writer that extends it, or None for an empty file
+    (or one torn inside its header and repaired to nothing). A torn tail raises, or is cut
+    off with `repair`."""
+    fp.seek(0)
+    data = fp.read()
+    if not data:
+        return None
+    loader, report = _scan(data, os.fspath(target), None, store, cache)
+    del data
+    if report.mode == MODE_SNAPSHOT:
+        raise CorruptFileError(f"{target} is a snapshot written by save(), not a log")
+    if report.error is not None:
+        if not (repair and report.truncated):
+            _raise_for(report)
+        # repair: cut the torn tail (a file torn inside its header starts anew)
+        keep = report.good_bytes if report.records > 0 else 0
+        os.ftruncate(fp.fileno(), keep)
+        os.fsync(fp.fileno())
+        if not keep:
+            return None
+    graph = loader.graph
+    graph.load_report = report
+    writer = loader.writer
+    writer.version = report.version or FORMAT_VERSION  # a version-1 log stays one
+    writer.chain = report.good_chain
+    writer.blobs_written = len(graph.blobs)
+    writer.refs = graph.blobs.mark()[1:]
+    return graph, writer
+
+
+def _start_log(fp: IO[bytes], target: Path, graph: RolloutGraph, blobs: str) -> _Writer:
+    """Write the header of a new log, durably; the writer that continues it."""
+    writer = _Writer(blobs=blobs)
+    fp.write(writer.header(graph, MODE_LOG))
+    fp.flush()
+    os.fsync(fp.fileno())
+    fsync_dir(target)
+    return writer
 
 
 class RolloutGraph(Graph):

@@ -122,6 +122,11 @@ _KEY_SIZE = 8  # an index key kept in `Turn.data` (unsigned, little-endian)
 _U32 = struct.Struct("<I")
 _DIGEST_AND_KEY = TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY
 _PARTS_AFTER_TAIL = TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY | TurnFlag.HAS_RESPONSE
+_KEY_AND_RESPONSE = TurnFlag.HAS_KEY | TurnFlag.HAS_RESPONSE
+# bytes after the digest in `Turn.data`, by the HAS_KEY and HAS_RESPONSE bits: the key (if
+# any), the response length (if any) and n_rest
+_TRAILER = {0: 4, TurnFlag.HAS_KEY: _KEY_SIZE + 4, TurnFlag.HAS_RESPONSE: 8}
+_TRAILER[_KEY_AND_RESPONSE] = _KEY_SIZE + 8
 _DIGEST_SHIFT = 11  # HAS_DIGEST, and HAS_KEY right above it
 # bytes of digest and key in `Turn.data`, by those two flags shifted down
 _EXTRA = (0, DIGEST_SIZE, _KEY_SIZE, DIGEST_SIZE + _KEY_SIZE)
@@ -440,10 +445,13 @@ class Turn:
     def digest(self) -> bytes | None:
         """BLAKE3 of the plain packing of the non-system messages; None until known (a turn
         read from a file gets it when a byte comparison first confirms it)."""
-        if not self.flags & TurnFlag.HAS_DIGEST:
+        flags = self.flags
+        if not flags & TurnFlag.HAS_DIGEST:
             return None
-        end = self._ends()[1]
-        return self.data[end : end + DIGEST_SIZE]
+        # counted from the end: the digest comes before the key (if any) and the trailer
+        data = self.data
+        end = len(data) - _TRAILER[flags & _KEY_AND_RESPONSE]
+        return data[end - DIGEST_SIZE : end]
 
     @digest.setter
     def digest(self, digest: bytes | None) -> None:
@@ -455,14 +463,13 @@ class Turn:
         """The key its request is filed under (None: not filed): the digest's key, unless
         another was given (a file's)."""
         flags = self.flags
-        if not flags & (TurnFlag.HAS_KEY | TurnFlag.HAS_DIGEST):
+        if not flags & _DIGEST_AND_KEY:
             return None
-        end = self._ends()[1]
-        if flags & TurnFlag.HAS_DIGEST:
-            if not flags & TurnFlag.HAS_KEY:
-                return digest_key(self.data[end : end + DIGEST_SIZE])
-            end += DIGEST_SIZE
-        return int.from_bytes(self.data[end : end + _KEY_SIZE], "little")
+        data = self.data
+        end = len(data) - _TRAILER[flags & _KEY_AND_RESPONSE]  # where the digest ends
+        if flags & TurnFlag.HAS_KEY:  # the key right after it
+            return int.from_bytes(data[end : end + _KEY_SIZE], "little")
+        return int.from_bytes(data[end - DIGEST_SIZE : end - DIGEST_SIZE + 8], "little")
 
     @rkey.setter
     def rkey(self, key: int | None) -> None:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_storage import build_rollout, snapshot
 
 from rollout_store import (
@@ -23,12 +25,14 @@ from rollout_store import (
     RolloutStoreError,
     TurnNode,
     export_session,
+    frames,
     framing,
     storage,
     write_session_json,
 )
 from rollout_store.cli import main as cli_main
 from rollout_store.framing import HEADER, MAGIC_V2, SYNC, encode_frame
+from rollout_store.stored import TurnFlag
 
 DATA = Path(__file__).parent / "data"
 
@@ -95,6 +99,124 @@ def test_a_version_1_log_keeps_appending(tmp_path: Path) -> None:
         n = len(graph)
         graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "more"}]))
     assert len(RolloutGraph.load(path)) == n + 1
+
+
+def _torn_v1_log(tmp_path: Path, n_ids: int) -> tuple[Path, int, int]:
+    """A version-1 log whose last turn (`n_ids` token ids) was cut short: (path, turns
+    before it, bytes of the damaged tail)."""
+    path = tmp_path / f"torn-{n_ids}.rls"
+    path.write_bytes((DATA / "v1_log.rls").read_bytes())
+    with RolloutGraph.open(path, share_threshold=64, fsync="never") as graph:
+        kept = len(graph)
+        good = path.stat().st_size
+        graph.add_turn(TurnNode(prompt_ids=list(range(n_ids)), sampled_ids=[1]))
+    assert path.read_bytes().startswith(frames.MAGIC)  # a version-1 log stays one
+    with open(path, "r+b") as fp:
+        fp.truncate(path.stat().st_size - 64)
+    return path, kept, path.stat().st_size - good
+
+
+def _hashed_by_repair(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
+    """(bytes, calls) of version-1 checksums computed while `open(repair=True)` reads it."""
+    counted = [0, 0]
+    real = frames.checksum
+
+    def counting(kind: int, payload: bytes | memoryview) -> int:
+        counted[0] += len(payload)
+        counted[1] += 1
+        return real(kind, payload)
+
+    monkeypatch.setattr(frames, "checksum", counting)
+    monkeypatch.setattr(storage, "checksum", counting)
+    with RolloutGraph.open(path, share_threshold=64, repair=True):
+        pass
+    monkeypatch.undo()
+    return counted[0], counted[1]
+
+
+def test_repair_of_a_torn_version_1_turn_is_linear(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 10, break 3 for version 1: repair checksummed a candidate frame at every offset
+    of the damage (a torn token turn holds a plausible frame header every few bytes). Work is
+    counted, not timed: the bytes hashed grow with the damage, not with its square."""
+    work = []
+    for n_ids in (1 << 14, 1 << 17):
+        path, kept, damaged = _torn_v1_log(tmp_path, n_ids)
+        before = path.stat().st_size
+        hashed, _ = _hashed_by_repair(path, monkeypatch)
+        assert len(RolloutGraph.load(path)) == kept and path.stat().st_size < before
+        work.append((hashed - (before - damaged), damaged))  # what the damage cost to hash
+    for extra, damaged in work:
+        assert extra <= 2 * damaged, (extra, damaged)
+    (small, small_damage), (big, big_damage) = work
+    assert big <= 2 * small * big_damage / small_damage + (1 << 16)
+
+
+def test_a_recovered_graph_does_not_keep_the_file_bytes(tmp_path: Path) -> None:
+    """The load report of a damaged file kept the error's traceback, whose frames held the
+    whole file read in memory, for as long as the recovered graph lived."""
+    path = tmp_path / "torn.rls"
+    with RolloutGraph.open(path, share_threshold=64, fsync="never") as graph:
+        graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "a"}]))
+        graph.add_turn(TurnNode(prompt_ids=list(range(1 << 20)), sampled_ids=[1]))
+    with open(path, "r+b") as fp:
+        fp.truncate(path.stat().st_size - 64)
+    size = path.stat().st_size
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        recovered = RolloutGraph.load(path, recover=True)
+        gc.collect()
+        retained = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(recovered) == 1 and recovered.load_report is not None
+    assert recovered.load_report.exception is not None
+    assert retained < size // 8, (retained, size)
+
+
+def test_version_1_repair_refuses_a_tail_crafted_to_hold_many_candidate_frames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Frame headers every 13 bytes, each claiming to end at the end of the file: hashing
+    them all would be quadratic, so past a bounded multiple of the tail the damage is taken
+    as followed by records, and repair refuses rather than cut what might be intact."""
+    path = tmp_path / "crafted.rls"
+    data = (DATA / "v1_log.rls").read_bytes()
+    n = 1 << 16
+    tail = bytearray(b"\xff" * (n * frames.FRAME.size))
+    for i in range(n):
+        at = i * frames.FRAME.size
+        remaining = len(tail) - at - frames.FRAME.size
+        frames.FRAME.pack_into(tail, at, 4, remaining, 0)
+    path.write_bytes(data + b"\x01" + bytes(tail))  # a frame of kind 1 cut after its kind
+    counted = [0]
+    real = frames.checksum
+
+    def counting(kind: int, payload: bytes | memoryview) -> int:
+        counted[0] += len(payload)
+        return real(kind, payload)
+
+    monkeypatch.setattr(frames, "checksum", counting)
+    report = storage.verify(path)
+    assert not report.ok and not report.truncated
+    assert counted[0] <= 2 * len(tail) + (2 << 20) + len(data)
+    with pytest.raises(CorruptFileError):
+        RolloutGraph.open(path, repair=True)
+
+
+def test_version_1_repair_keeps_refusing_damage_followed_by_an_intact_last_record(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "log.rls"
+    data = bytearray((DATA / "v1_log.rls").read_bytes())
+    data[len(frames.MAGIC) + 20] ^= 0xFF  # inside the header record
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptFileError):
+        RolloutGraph.open(path, repair=True)
+    assert path.read_bytes() == bytes(data)
 
 
 def test_saved_files_are_version_2(tmp_path: Path) -> None:
@@ -383,16 +505,18 @@ CRAFTED = {
     "array flag, packed logprobs": turn_record(
         sampled=["I", b"\1\0\0\0"], logprobs=["j", b"\x91\x01"]
     ),
-    "references without the flag": [
+    "carried flags that do not cover the references": [
         (1, bytes(16) + b"x" * 10),
-        turn_record(tail=b"\x91\xd6\x04\x00\x00\x00\x00", n_rest=1),
+        turn_record(flags=2, tail=b"\x91\xd6\x04\x00\x00\x00\x00", n_rest=1),
     ],
     "bytes in a message": turn_record(tail=b"\x91\xc4\x01x", n_rest=1),
     "list as a key": turn_record(tail=b"\x91\x81\x90\x01", n_rest=1),
     "tuple marker second": turn_record(tail=b"\x91\x92\x01\xc7\x00\x01", n_rest=1),
     "unknown flags": turn_record(flags=1 << 12),
     "no messages but a tail": turn_record(flags=16, tail=b"\x91\x01", n_rest=1),
-    "tuple without flag": turn_record(tail=b"\x91\x92\xc7\x00\x01\x01", n_rest=1),
+    "carried flags that do not cover the tuple": turn_record(
+        flags=1, tail=b"\x91\x92\xc7\x00\x01\x01", n_rest=1
+    ),
     "echo of a base without response": [
         (3, turn_record(node_id="a")),
         (3, turn_record(node_id="b", base=0, flags=32, tail=b"\x91\xc7\x00\x05", n_rest=1)),
@@ -501,3 +625,149 @@ def test_save_survives_short_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     graph.save(tmp_path / "s.rls")
     monkeypatch.undo()
     assert snapshot(RolloutGraph.load(tmp_path / "s.rls")) == snapshot(graph)
+
+
+# ---------------------------------------------------------------- derived flags (issue 7)
+
+_CONTENT_FLAGS = 1 | 2 | 64 | 128  # TAIL_REFS, RESPONSE_REFS, TAIL_SPECIAL, RESPONSE_SPECIAL
+
+
+def _turn_flags_on_disk(data: bytes) -> list[int]:
+    reader = framing.FrameReader(data, len(MAGIC_V2), digest_kinds=frozenset({1}), max_kind=5)
+    records = [msgpack.unpackb(f.payload, raw=False) for f in reader if f.kind == 3]
+    return [record[storage.TurnRecord._fields.index("flags")] for record in records]
+
+
+@pytest.mark.parametrize("threshold", [8, 1024])
+@pytest.mark.parametrize("how", ["save", "log"])
+def test_content_flags_are_derived_not_written(tmp_path: Path, threshold: int, how: str) -> None:
+    """Issue 7: no derivable bit on disk. What the tail and response hold (blob references,
+    tuples, big ints, surrogates) is read from them on load, exactly as intake set it."""
+    path = tmp_path / "f.rls"
+    if how == "log":
+        with RolloutGraph.open(path, share_threshold=threshold, fsync="never") as graph:
+            build_rollout(graph, turns=4)
+    else:
+        graph = RolloutGraph(share_threshold=threshold)
+        build_rollout(graph, turns=4)
+        graph.save(path)
+    # the request digest and key are kept once computed (a loaded turn learns them later)
+    unknown = ~(TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY)
+    live = [entry.turn.flags & unknown for entry in graph.journal_entries()]
+    assert any(f & _CONTENT_FLAGS for f in live)  # the rollout holds what the flags say
+    on_disk = _turn_flags_on_disk(path.read_bytes())
+    assert len(on_disk) == len(live) and not any(f & _CONTENT_FLAGS for f in on_disk)
+    loaded = RolloutGraph.load(path)
+    assert [entry.turn.flags & unknown for entry in loaded.journal_entries()] == live
+    assert json.dumps(export_session(loaded, include_messages=True)) == json.dumps(
+        export_session(graph, include_messages=True)
+    )
+
+
+def test_records_that_carry_content_flags_still_load(tmp_path: Path) -> None:
+    """A record written before the flags were derived carries them: checked, then derived."""
+    from rollout_store.blobs import content_digest
+
+    text = b"x" * 10
+    tail = b"\x91\x92\xc7\x00\x01\xd6\x04\x00\x00\x00\x00"  # a tuple of a blob reference
+    for flags in (0, 1 | 64):
+        blob = (1, content_digest(text) + text)
+        path = crafted_v2(tmp_path, [blob, (3, turn_record(flags=flags, tail=tail, n_rest=1))])
+        assert storage.verify(path).ok
+        graph = RolloutGraph.load(path)
+        assert graph.journal_entries()[0].turn.flags & _CONTENT_FLAGS == 1 | 64
+        _usable_graph(graph)
+
+
+# ---------------------------------------------------------------- packed fields, re-chained
+
+
+def _records_of(data: bytes) -> list[tuple[int, bytes]]:
+    reader = framing.FrameReader(data, len(MAGIC_V2), digest_kinds=frozenset({1}), max_kind=5)
+    return [(f.kind, bytes(f.payload)) for f in reader]
+
+
+def _rechained(records: list[tuple[int, bytes]]) -> bytes:
+    """A version-2 file of these records (the header's first), each frame chained right."""
+    out, chain = [MAGIC_V2], 0
+    for kind, payload in records:
+        if kind == 1:
+            parts, chain = framing.encode_blob_frame(kind, payload[:16], payload[16:], chain)
+            out.extend(parts)
+        else:
+            frame, chain = encode_frame(kind, payload, chain)
+            out.append(frame)
+    return b"".join(out)
+
+
+_TAIL = storage.TurnRecord._fields.index("tail")
+_RESPONSE = storage.TurnRecord._fields.index("response")
+
+
+@pytest.fixture(scope="module")
+def rollout_records(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, bytes]]:
+    path = tmp_path_factory.mktemp("records") / "log.rls"
+    with RolloutGraph.open(path, share_threshold=8, fsync="never") as graph:
+        build_rollout(graph, turns=3)
+    return _records_of(path.read_bytes())
+
+
+@given(st.data())
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_a_damaged_packed_field_fails_verify_or_loads_usable(
+    rollout_records: list[tuple[int, bytes]], tmp_path: Path, data: st.DataObject
+) -> None:
+    """Verify means usable, past every frame check: a turn's tail or response changed and the
+    file chained again (what a crafted file can do) either fails verify at its record, or
+    loads, answers every query and exports."""
+    turns = [i for i, (kind, _) in enumerate(rollout_records) if kind == 3]
+    at = data.draw(st.sampled_from(turns))
+    record = msgpack.unpackb(rollout_records[at][1], raw=False, unicode_errors="surrogatepass")
+    field = data.draw(st.sampled_from([_TAIL, _RESPONSE]))
+    packed = record[field]
+    if not packed:
+        return
+    packed = bytearray(packed)
+    where = data.draw(st.integers(0, len(packed) - 1))
+    packed[where] = data.draw(st.integers(0, 255))
+    record[field] = bytes(packed)
+    records = list(rollout_records)
+    records[at] = (3, msgpack.packb(record, use_bin_type=True, unicode_errors="surrogatepass"))
+    path = tmp_path / "damaged.rls"
+    path.write_bytes(_rechained(records))
+    report = storage.verify(path)
+    if not report.ok:
+        assert report.error_offset is not None and report.error_offset > len(MAGIC_V2)
+        return
+    graph = RolloutGraph.load(path)
+    for node_id in graph.node_ids():
+        graph.get(node_id)
+        graph.sequence_for(node_id)
+    json.dumps(export_session(graph, include_messages=True, include_discarded=True))
+
+
+def test_a_recovered_graph_keeps_no_blob_or_value_of_the_turn_that_failed(
+    rollout_records: list[tuple[int, bytes]], tmp_path: Path
+) -> None:
+    """A turn record that fails after its blob and value records were read left those in the
+    recovered graph: saved again, the graph gave a file whose end record did not match."""
+    kinds = [kind for kind, _ in rollout_records]
+    # a turn record right after blob and value records of its own
+    at = next(i for i in range(2, len(kinds)) if kinds[i] == 3 and kinds[i - 1] == 2 and i > 12)
+    record = msgpack.unpackb(rollout_records[at][1], raw=False, unicode_errors="surrogatepass")
+    record[_TAIL] = b"\xc1"  # not msgpack
+    records = list(rollout_records)
+    records[at] = (3, msgpack.packb(record, use_bin_type=True, unicode_errors="surrogatepass"))
+    path = tmp_path / "damaged.rls"
+    path.write_bytes(_rechained(records))
+    kept = RolloutGraph.load(path, recover=True)
+    intact = tmp_path / "intact.rls"
+    end = next(i for i in range(at, 0, -1) if kinds[i - 1] == 3)  # after the turn before
+    intact.write_bytes(_rechained(records[:end]))
+    reference = RolloutGraph.load(intact)
+    assert len(kept) == len(reference) and len(kept.blobs) == len(reference.blobs)
+    assert kept.stats() == reference.stats()
+    kept.save(tmp_path / "again.rls")
+    assert snapshot(RolloutGraph.load(tmp_path / "again.rls")) == snapshot(reference)

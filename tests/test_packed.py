@@ -15,7 +15,13 @@ from rollout_store import MAX_DEPTH
 from rollout_store.blobs import BlobTable
 from rollout_store.encoding import unpack
 from rollout_store.intake import Encoder
-from rollout_store.packed import check_int_array, check_packed, splice_blobs
+from rollout_store.packed import (
+    QUICK_LIMIT,
+    check_int_array,
+    check_packed,
+    quick_check,
+    splice_blobs,
+)
 
 
 @given(json_like)
@@ -50,6 +56,7 @@ def test_whatever_passes_decodes_and_dumps(data: bytes) -> None:
         (b"\x91\xc4\x00", "bytes"),
         (b"\x81\x90\x01", "dict key"),  # a list as a key
         (b"\x92\x01\xc7\x00\x01", "not allowed"),  # a tuple marker second in an array
+        (b"\x93\x90\xc7\x00\x01\x01", "not allowed"),  # a tuple marker after an empty array
         (b"\x81\xc7\x00\x01\x01", "not allowed"),  # a tuple marker as a key
         (b"\xd6\x04\x00\x00\x00\x09", "out of range"),
         (b"\xc7\x00\x05", "not allowed"),  # an echo where none may be
@@ -133,3 +140,104 @@ def test_many_short_strings_check_in_flat_memory() -> None:
     finally:
         tracemalloc.stop()
     assert peak < 128 << 10  # not a per-string allocation (the strings are 128 KiB)
+
+
+def _agrees(data: bytes, n_blobs: int, echo_ok: bool = False) -> bool:
+    """quick_check never accepts what check_packed refuses, and finds what it finds; True
+    when quick_check could tell."""
+    quick = quick_check(data, n_blobs, MAX_DEPTH, echo_ok=echo_ok)
+    if quick is None:
+        return False
+    slow = check_packed(data, n_blobs, MAX_DEPTH, echo_ok=echo_ok)  # raises if it refuses
+    assert (quick.top_items, quick.special, quick.echoes) == (
+        slow.top_items,
+        slow.special,
+        slow.echoes,
+    )
+    assert quick.refs == slow.refs == len(slow.blob_refs)
+    return True
+
+
+@given(json_like)
+def test_quick_check_agrees_on_stored_values(value: object) -> None:
+    blobs = BlobTable()
+    stored, special = Encoder(blobs, 8).encode(value, "v")
+    if _agrees(stored, len(blobs)):
+        assert not special
+    if not special and len(stored) <= QUICK_LIMIT and b"\xc4\x00" not in stored:
+        # an ordinary stored value is what the quick look exists for
+        assert quick_check(stored, len(blobs), MAX_DEPTH) is not None
+
+
+@given(st.binary(max_size=60), st.booleans())
+def test_quick_check_never_accepts_what_check_packed_refuses(data: bytes, echo_ok: bool) -> None:
+    _agrees(data, 2, echo_ok)
+
+
+@given(json_like, st.data())
+def test_quick_check_agrees_on_damaged_values(value: object, data: st.DataObject) -> None:
+    stored = bytearray(Encoder(BlobTable(), 8).encode(value, "v")[0])
+    at = data.draw(st.integers(0, len(stored) - 1))
+    stored[at] = data.draw(st.integers(0, 255))
+    _agrees(bytes(stored), 2)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\xc4\x01x",  # bytes
+        b"\x91\xc4\x00",  # empty bytes
+        b"\x91\xc5\x00\x00",  # empty bytes, bin 16
+        b"\x81\x90\x01",  # a list as a key
+        b"\x92\x01\xc7\x00\x01",  # a tuple marker
+        b"\xd6\x04\x00\x00\x00\x09",  # a blob out of range
+        b"\xc7\x00\x05",  # an echo where none may be
+        b"\x92\xc7\x00\x05\xc7\x00\x05",  # two echoes
+        b"\x82\xa1a\x01\xa1a\x02",  # a repeated key (decoded, it packs shorter)
+        b"\xd9\x01a",  # a non-canonical string header
+        b"\xca\x00\x00\x00\x00",  # a 32-bit float
+        b"\x91\xd6\xff\x00\x00\x00\x01",  # a msgpack timestamp (ext -1: no hook sees it)
+        b"\x91\xd7\xff" + bytes(8),  # a 64-bit timestamp
+        b"\x91" * MAX_DEPTH + b"\x90",  # nesting deeper than MAX_DEPTH
+        b"\x92" + msgpack.packb("x" * (QUICK_LIMIT + 1)) + b"\x01",  # too long to decode
+    ],
+)
+def test_quick_check_leaves_the_close_looks_to_check_packed(data: bytes) -> None:
+    assert quick_check(data, 1, MAX_DEPTH) is None
+
+
+def test_quick_check_counts_blob_references_and_one_echo() -> None:
+    blob = msgpack.packb(msgpack.ExtType(4, b"\x00\x00\x00\x01"))
+    echo = msgpack.packb(msgpack.ExtType(5, b""))
+    data = b"\x93" + echo + b"\x81\xa1k" + blob + blob
+    info = quick_check(data, 2, MAX_DEPTH, echo_ok=True, blob_surrogates=lambda i: i == 1)
+    assert info is not None
+    assert (info.top_items, info.refs, info.echoes, info.special) == (3, 2, 1, True)
+    assert quick_check(data, 2, MAX_DEPTH) is None  # no echo allowed
+    assert quick_check(data, 1, MAX_DEPTH, echo_ok=True) is None  # blob 1 out of range
+    echo_key = b"\x81" + echo + b"\xc0"  # an echo as a dict key: check_packed refuses it
+    assert quick_check(echo_key, 1, MAX_DEPTH, echo_ok=True) is None
+    assert quick_check(b"\x91\x91" + echo, 1, MAX_DEPTH, echo_ok=True) is None  # nested
+
+
+_ext = st.builds(
+    msgpack.ExtType,
+    st.integers(0, 7),
+    st.sampled_from([b"", b"\x00\x00\x00\x00", b"\x00\x00\x00\x01", b"\x00\x00\x00\x09", b"12"]),
+)
+_raw_trees = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(),
+              st.text(max_size=40), st.binary(max_size=3), _ext),
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.dictionaries(
+            st.one_of(st.text(max_size=3), st.integers(-9, 9), _ext), children, max_size=3
+        ),
+    ),
+    max_leaves=12,
+)  # fmt: skip
+
+
+@given(_raw_trees, st.booleans())
+def test_quick_check_agrees_on_trees_with_any_extension_types(tree: object, echo_ok: bool) -> None:
+    _agrees(msgpack.packb(tree, use_bin_type=True), 2, echo_ok)
