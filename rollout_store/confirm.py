@@ -117,8 +117,7 @@ class Probe:
         if low:
             mean = sum(map(len, last)) // len(last) + 1
             start, step = 0, CHUNK_LOW // mean + 1
-            # bytes not yet hashed, so that every update is a multiple of ALIGN
-            carry: bytes | memoryview = b""
+            carry: bytes | memoryview = b""  # not yet hashed: every update a multiple of ALIGN
             while start < low:
                 stop = start + step if start + step < low else low
                 chunk = pack(messages[start:stop])  # an array: its header, then the packings

@@ -303,20 +303,19 @@ class Graph:
         and `ValueError`) naming the path of a bad value, or `DuplicateNodeError`; on any
         error the graph is exactly as before.
         """
-        if not isinstance(node, TurnNode):
+        if type(node) is not TurnNode and not isinstance(node, TurnNode):  # ABC check last
             raise InvalidArgumentError(f"add_turn expects a TurnNode, got {type(node).__name__}")
         with self._lock:
             if self._closed:
                 raise RolloutStoreError("the graph's file is closed: reopen it to add turns")
-            mark = self.blobs.mark()
+            blobs = self._blobs
+            mark = blobs.mark()
             try:
                 turn, scratch = self._prepare(node)
-                # a turn never moves under its own descendant (no cycles, whatever links)
-                scratch.moves = [
-                    move
-                    for move in self._linker.find_moves(turn, scratch)
-                    if not is_above(move[0], turn)
-                ]
+                moves = self._linker.find_moves(turn, scratch)
+                if moves:  # a turn never moves under its own descendant (no cycles)
+                    moves = [move for move in moves if not is_above(move[0], turn)]
+                scratch.moves = moves
                 keys = scratch.keys()
                 journal = self._journal
                 if journal is not None:
@@ -324,7 +323,7 @@ class Graph:
                     entry = JournalEntry(turn, keys, scratch.moves, references[0], references[1:])
                     journal.append(entry)
             except BaseException:
-                self.blobs.rollback(mark)
+                blobs.rollback(mark)
                 raise
             finally:
                 self._requests.reset_packer()

@@ -651,8 +651,9 @@ class RequestStore:
 
     def note_parent(self, turn: Turn) -> None:
         """`turn` got its first child (a bucket of identical requests lists its parents)."""
-        if turn.rkey is not None:
-            found = self.request_index.get(turn.rkey)
+        key = turn.rkey
+        if key is not None:
+            found = self.request_index.get(key)
             if type(found) is _Bucket:
                 found.parents.append(turn)
 

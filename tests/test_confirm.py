@@ -302,3 +302,34 @@ def test_short_messages_holding_no_json_value_are_refused(bad: Any) -> None:
     with pytest.raises(InvalidValueError):
         graph.add_turn(TurnNode(response_message={"role": "assistant", "bad": bad}))
     assert len(graph) == 0
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b"",
+        b"x" * 3,
+        msgpack.Timestamp(5, 0),
+        msgpack.Timestamp(2**33, 7),
+        msgpack.Timestamp(2**40, 1),
+        msgpack.ExtType(3, b""),
+        msgpack.ExtType(3, b"ab"),
+    ],
+    ids=repr,
+)
+def test_a_continuation_s_fresh_messages_are_checked_together_and_each(bad: Any) -> None:
+    """The new messages of a continuation are checked for bin and ext types in one pass: one
+    bad value among several short messages (after the echo) is refused, and the graph keeps
+    only the first turn; good messages around it, alone, are stored as their packings."""
+    graph = RolloutGraph()
+    reply = {"role": "assistant", "content": "r" * 200}
+    first = [{"role": "user", "content": "a" * 200}]
+    graph.add_turn(TurnNode(request_messages=first, response_message=reply))
+    fresh = [{"role": "user", "content": c * 200} for c in "bcd"]
+    with pytest.raises(InvalidValueError):
+        bad_fresh = [fresh[0], {"role": "user", "content": "e" * 200, "bad": bad}, fresh[2]]
+        graph.add_turn(TurnNode(request_messages=[*first, reply, *bad_fresh]))
+    assert len(graph) == 1
+    view = graph.add_turn(TurnNode(request_messages=[*first, reply, *fresh]))
+    assert view.parent_id == graph.node_ids()[0]
+    assert_same(graph.request_messages(view.node_id), [*first, reply, *fresh])
