@@ -24,7 +24,7 @@ INLINE_KEY_LIMIT = 1024
 class ValueTable:
     """Stored packed values, found by the exact plain packing of a fresh value."""
 
-    __slots__ = ("_expand", "_hashed", "_inline", "_keyed", "_limit")
+    __slots__ = ("_exact", "_expand", "_hashed", "_inline", "_keyed", "_limit")
 
     def __init__(
         self,
@@ -38,18 +38,18 @@ class ValueTable:
         self._limit = min(INLINE_KEY_LIMIT, share_threshold or INLINE_KEY_LIMIT)
         self._expand = expand
         self._inline: dict[bytes, bytes] = {}
-        self._keyed: dict[bytes, list[bytes]] = {}
+        self._keyed: dict[bytes, list[bytes]] = {}  # xxh3-128 -> values with that digest
+        self._exact: dict[bytes, bytes] = {}  # SHA-256 -> the one value (`hashed`)
 
     def __len__(self) -> int:
-        return len(self._inline) + sum(len(v) for v in self._keyed.values())
+        return len(self._inline) + len(self._exact) + sum(len(v) for v in self._keyed.values())
 
     def find(self, plain: bytes) -> bytes | None:
         """The stored value whose plain packing equals `plain`, or None."""
         if len(plain) < self._limit:
             return self._inline.get(plain)
         if self._hashed:
-            found = self._keyed.get(content_key(plain))
-            return found[0] if found else None
+            return self._exact.get(content_key(plain))
         for stored in self._keyed.get(xxhash.xxh3_128_digest(plain), ()):
             if stored == plain or self._expand(stored) == plain:
                 return stored
@@ -61,6 +61,6 @@ class ValueTable:
             # a stored form equal to its plain packing is the key too: one object, not two
             self._inline[stored if stored == plain else plain] = stored
         elif self._hashed:
-            self._keyed[content_key(plain)] = [stored]
+            self._exact[content_key(plain)] = stored
         else:
             self._keyed.setdefault(xxhash.xxh3_128_digest(plain), []).append(stored)
