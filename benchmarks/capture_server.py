@@ -13,8 +13,9 @@ the group's unique content (benchmarks/workloads.py's definition: each distinct 
 tool list and response counts its JSON text once; token ids 4 bytes per node of the trie of
 all turns' prompt + sampled ids, so the task's prompt that every rollout repeats counts once;
 logprobs 8 bytes, a float64 as the engine sent it, per sampled token of each distinct turn),
-also net of forward-only's growth. Two groups: the GRPO group above (0.3 MiB of unique content, so fixed costs weigh),
-and a large group where every turn brings a new 100 KiB screenshot (content dominates).
+also net of forward-only's growth. Two groups: the GRPO group above (0.3 MiB of unique
+content, so fixed costs weigh), and a large group where every turn brings a new 100 KiB
+screenshot (content dominates).
 Memory servers run with glibc's mmap threshold fixed at 64 KiB, so a request's large buffers
 go back to the system when freed and RSS shows what a server keeps, not its peak of transient
 buffers; the same for every scheme.
