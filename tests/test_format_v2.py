@@ -771,3 +771,32 @@ def test_a_recovered_graph_keeps_no_blob_or_value_of_the_turn_that_failed(
     assert kept.stats() == reference.stats()
     kept.save(tmp_path / "again.rls")
     assert snapshot(RolloutGraph.load(tmp_path / "again.rls")) == snapshot(reference)
+
+
+@pytest.mark.parametrize("how", ["save", "log"])
+def test_a_blob_with_lone_surrogates_is_special_after_load(tmp_path: Path, how: str) -> None:
+    """The only special content is a long string with a lone surrogate, kept as a blob: the
+    loader learns it from the blob table (a caller's ExtType imitating it must still be
+    walked), so the loaded flags equal intake's."""
+    path = tmp_path / "s.rls"
+    messages = [{"role": "user", "content": "look \ud800 " * 20}]
+    response = {"role": "assistant", "content": "seen \udfff " * 20}
+
+    def record(graph: RolloutGraph) -> None:
+        graph.add_turn(TurnNode(request_messages=messages, response_message=response))
+        graph.add_turn(
+            TurnNode(request_messages=[*messages, response, {"role": "user", "content": "go"}])
+        )
+
+    if how == "log":
+        with RolloutGraph.open(path, share_threshold=8, fsync="never") as graph:
+            record(graph)
+    else:
+        graph = RolloutGraph(share_threshold=8)
+        record(graph)
+        graph.save(path)
+    special = TurnFlag.TAIL_SPECIAL | TurnFlag.RESPONSE_SPECIAL | TurnFlag.PREFIX_SPECIAL
+    live = [entry.turn.flags & special for entry in graph.journal_entries()]
+    assert live[0] & TurnFlag.TAIL_SPECIAL and live[0] & TurnFlag.RESPONSE_SPECIAL
+    loaded = RolloutGraph.load(path)
+    assert [entry.turn.flags & special for entry in loaded.journal_entries()] == live
