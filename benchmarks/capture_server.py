@@ -70,6 +70,8 @@ from measure import (  # noqa: E402
 )
 from workloads import UniqueContent  # noqa: E402
 
+from rollout_store.loopback import stop_process  # noqa: E402
+
 SESSIONS, TURNS = 16, 20
 IMAGE_BYTES = 150 * 1024  # 200 KiB of base64
 TARGET_RSS_OVER_UNIQUE = 1.5
@@ -195,12 +197,7 @@ class Child:
         raise RuntimeError("no VmRSS")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(WAIT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(WAIT_S)
+        stop_process(self.proc, WAIT_S)
 
 
 @contextlib.contextmanager

@@ -17,12 +17,33 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from .errors import StoreUnavailableError
 
-__all__ = ["LoopbackServer", "MotoServer", "RedisServer", "free_port", "wait_for_port"]
+__all__ = [
+    "LoopbackServer",
+    "MotoServer",
+    "RedisServer",
+    "free_port",
+    "stop_process",
+    "wait_for_port",
+]
 
 HOST = "127.0.0.1"
+
+
+def stop_process(process: subprocess.Popen[Any], timeout: float = 10.0) -> int:
+    """Stop `process`: SIGTERM, then SIGKILL if it has not exited within `timeout` seconds.
+    Returns its exit status (at once if it had already exited)."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout)
+    return process.returncode
 
 
 def free_port() -> int:
@@ -80,12 +101,7 @@ class LoopbackServer:
     def stop(self) -> None:
         process, self.process = self.process, None
         if process is not None:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
+            stop_process(process)
 
     def __enter__(self) -> LoopbackServer:
         self.start()

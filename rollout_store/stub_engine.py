@@ -22,7 +22,7 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
@@ -257,15 +257,27 @@ async def _generation(request: Request, response: dict[str, Any]) -> None:
         await asyncio.sleep(latency * (1 + request.app.state.jitter * spread))
 
 
-async def _chat(request: Request) -> Response:
+async def _answer(
+    request: Request, respond: Callable[[dict[str, Any]], dict[str, Any]]
+) -> tuple[dict[str, Any], dict[str, Any]] | Response:
+    """The request body and the answer `respond` makes of it, after the generation time; or
+    the response that ends the call first (a bad body, or a behaviour the body asks for)."""
     body = await _body(request)
     if isinstance(body, Response):
         return body
     special = await _behaviour(request, body)
     if special is not None:
         return special
-    response = chat_response(body)
+    response = respond(body)
     await _generation(request, response)
+    return body, response
+
+
+async def _chat(request: Request) -> Response:
+    answer = await _answer(request, chat_response)
+    if isinstance(answer, Response):
+        return answer
+    body, response = answer
     if body.get("stream") is True:
         options = body.get("stream_options") or {}
         chunks = chat_chunks(
@@ -278,14 +290,10 @@ async def _chat(request: Request) -> Response:
 
 
 async def _messages(request: Request) -> Response:
-    body = await _body(request)
-    if isinstance(body, Response):
-        return body
-    special = await _behaviour(request, body)
-    if special is not None:
-        return special
-    response = messages_response(body)
-    await _generation(request, response)
+    answer = await _answer(request, messages_response)
+    if isinstance(answer, Response):
+        return answer
+    body, response = answer
     if body.get("stream") is True:
         return StreamingResponse(
             anthropic_events(response), media_type="text/event-stream", headers=SSE_HEADERS

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import uvicorn
 
+from rollout_store.loopback import stop_process
 from rollout_store.server import listen_socket
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,14 +80,7 @@ class Process:
         self.proc.wait(WAIT_S)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(WAIT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(WAIT_S)
-        return self.proc.returncode
+        return stop_process(self.proc, WAIT_S)
 
 
 def start_server_process(upstream: str, *extra: str, env: dict[str, str] | None = None) -> Process:
