@@ -64,7 +64,7 @@ from .intake import MAX_DEPTH, token_array
 from .packed import PackedInfo, QuickCheck, check_int_array, check_packed, splice_blobs
 from .shared_blobs import StoreBlobTable
 from .stored import IndexKeys, LinkKind, Turn, TurnFlag, TurnMeta, finish_tail, full_run, is_above
-from .tokens import TokenRun, run_list
+from .tokens import ArrayRun, TokenRun, run_list
 
 __all__ = [
     "FORMAT_VERSION",
@@ -771,9 +771,9 @@ class _Loader:
             other = self._ref(spec[1])
             if other is None or other.full is None:
                 raise ValueError("prompt extends a turn without tokens")
-            return TokenRun(other.full, _segment(spec[2]))
+            return ArrayRun(other.full, _segment(spec[2]))
         if kind == PromptKind.NEW and len(spec) == 2:
-            return TokenRun(None, _segment(spec[1]))
+            return ArrayRun(None, _segment(spec[1]))
         raise ValueError("bad prompt spec")
 
 
