@@ -100,6 +100,7 @@ class ArrayRun(TokenRun):
 # the sampled ids as array('I') bytes and the logprobs as array('d') bytes.
 _HEAD = struct.Struct("<Qiii")
 _HEAD_SIZE = _HEAD.size
+_LENGTH = struct.Struct("<Q")
 
 
 def _ids(data: bytes, start: int, n: int) -> array[int]:
@@ -130,7 +131,7 @@ class PackedPrompt(TokenRun):
 
     @property
     def length(self) -> int:
-        length: int = _HEAD.unpack_from(self.data)[0]
+        length: int = _LENGTH.unpack_from(self.data)[0]
         return length
 
     @property
@@ -172,8 +173,8 @@ class PackedFull(TokenRun):
 
     @property
     def length(self) -> int:
-        prompt = self.prev
-        return prompt.length + prompt.n_sampled
+        length, _, n_sampled, _ = _HEAD.unpack_from(self.prev.data)
+        return length + max(n_sampled, 0)  # type: ignore[no-any-return]
 
     @property
     def seg(self) -> array[int]:
@@ -204,18 +205,31 @@ def run_bytes(run: TokenRun) -> bytes:
 
 def run_matches(run: TokenRun, data: bytes) -> bool:
     """Whether `data` (array('I') bytes) starts with exactly the tokens of `run`."""
-    if run.length * 4 > len(data):
-        return False
     end = run.length * 4
+    if end > len(data):
+        return False
     node: TokenRun | None = run
     while node is not None:
-        seg = node.seg
-        n = len(seg) * 4
-        if n:
-            if not (isinstance(seg, array) and seg.typecode == "I"):
+        kind = type(node)
+        if kind is PackedPrompt:  # its new ids, compared in place
+            packed = node.data  # type: ignore[attr-defined]
+            n = _HEAD.unpack_from(packed)[1] * 4
+            if n and packed[_HEAD_SIZE : _HEAD_SIZE + n] != data[end - n : end]:
                 return False
-            if not data.startswith(seg, end - n):
+        elif kind is PackedFull:  # the sampled ids its prompt holds
+            packed = node.prev.data  # type: ignore[union-attr]
+            _, n_new, n_sampled, _ = _HEAD.unpack_from(packed)
+            start, n = _HEAD_SIZE + 4 * n_new, 4 * max(n_sampled, 0)
+            if n and packed[start : start + n] != data[end - n : end]:
                 return False
+        else:
+            seg = node.seg
+            n = len(seg) * 4
+            if n:
+                if not (isinstance(seg, array) and seg.typecode == "I"):
+                    return False
+                if not data.startswith(seg, end - n):
+                    return False
         end -= n
         node = node.prev
     return True
