@@ -124,6 +124,10 @@ class TurnRecord(NamedTuple):
 _CONTENT_FLAGS = (
     TurnFlag.TAIL_REFS | TurnFlag.RESPONSE_REFS | TurnFlag.TAIL_SPECIAL | TurnFlag.RESPONSE_SPECIAL
 )
+#: Bits of Turn.flags that the other fields of a turn record give (logprobs tagged "j", an
+#: empty tail, an echo in the tail): derived on load, and written only to extend a file whose
+#: header lacks `derived_flags` (whose every record carries them, agreeing with its fields).
+_FIELD_FLAGS = TurnFlag.LOGPROBS_PACKED | TurnFlag.NO_MESSAGES | TurnFlag.TAIL_ECHO
 #: Bits derived on load, never written (a version-1 writer also wrote TurnFlag.TAIL_SLOW).
 _DERIVED_FLAGS = TurnFlag.TAIL_SLOW | TurnFlag.PREFIX_SPECIAL | _CONTENT_FLAGS
 # bits of Turn.flags that say how the turn is kept in memory (its link is a field of the
@@ -135,11 +139,8 @@ _IN_MEMORY_FLAGS = (
     | TurnFlag.LINK_LOW
     | TurnFlag.LINK_HIGH
 )
-#: Bits a turn record's flags may hold, and those of a request with messages.
-_MESSAGE_FLAGS = TurnFlag.TAIL_ECHO | TurnFlag.MESSAGES_TUPLE
-_STORED_FLAGS = _MESSAGE_FLAGS | (
-    TurnFlag.LOGPROBS_PACKED | TurnFlag.NO_MESSAGES | TurnFlag.EMPTY_PROMPT
-)
+#: Bits a turn record's flags may hold (`_FIELD_FLAGS` only where its file says so).
+_STORED_FLAGS = TurnFlag.MESSAGES_TUPLE | TurnFlag.EMPTY_PROMPT | _FIELD_FLAGS
 
 #: How a file holds long strings: inline (self-contained) or as keys into a content store.
 BLOBS_INLINE, BLOBS_STORE = "inline", "store"
@@ -169,6 +170,9 @@ class _Writer:
         self, version: int = FORMAT_VERSION, chain: int = 0, blobs: str = BLOBS_INLINE
     ) -> None:
         self.version = version
+        # write `_FIELD_FLAGS` into turn records: only to extend a file whose records carry
+        # them (its header has no `derived_flags`), so that every record of a file agrees
+        self.carry_flags = version == _V1
         self.chain = chain
         self.blobs_mode = blobs  # BLOBS_STORE: blob records name store keys, no text
         self.blobs_written = 0
@@ -191,6 +195,8 @@ class _Writer:
         if self.version == _V1:
             return MAGIC + frame(KIND_HEADER, pack(fields))
         fields["file_id"] = framing.new_file_id()
+        if not self.carry_flags:
+            fields["derived_flags"] = True
         data, self.chain = framing.encode_frame(KIND_HEADER, pack(fields), 0)
         return framing.MAGIC_V2 + data
 
@@ -281,7 +287,7 @@ class _Writer:
             turn.node_id,
             parent_index,
             int(turn.link) if parent_index is not None else 0,
-            turn.flags & ~(_DERIVED_FLAGS | _IN_MEMORY_FLAGS),
+            turn.flags & self.written_flags,
             turn.meta,  # a NamedTuple: packed as an array
             values[0],
             base.index if base is not None else None,
@@ -298,6 +304,12 @@ class _Writer:
             [[other.index, int(link)] for other, link in entry.moves] if entry.moves else [],
             values[3],
         )
+
+    @property
+    def written_flags(self) -> int:
+        """The bits of Turn.flags a turn record holds."""
+        kept = ~(_DERIVED_FLAGS | _IN_MEMORY_FLAGS)
+        return kept if self.carry_flags else kept & ~_FIELD_FLAGS
 
     def _commit(
         self,
@@ -467,6 +479,8 @@ class _Loader:
         self.value_is_list: list[bool] = []  # system parts must be arrays of messages
         self.quick = QuickCheck(self.blob_surrogates)
         self.unfiled: list[tuple[bytes, bytes | None]] = []  # values of the turn being read
+        # the file's turn records carry `_FIELD_FLAGS` (its header has no `derived_flags`)
+        self.carries_flags = False
 
     def check(self, packed: Any, n_blobs: int, echo_ok: bool = False) -> PackedInfo:
         """Check a stored value once, without building it (see `packed.check_packed`)."""
@@ -601,6 +615,8 @@ class _Loader:
         turn = self._identity(record)
         self._request(turn, record, n_blobs)
         self._tokens(turn, record, n_blobs)
+        if self.carries_flags and turn.flags & _FIELD_FLAGS != record.flags & _FIELD_FLAGS:
+            raise ValueError("the flags of a turn record do not agree with its fields")
         keys = _index_keys(record.keys)
         moves = self._moves(turn, record.moves)
         refs = record.refs
@@ -631,7 +647,10 @@ class _Loader:
         flags = record.flags
         if not isinstance(flags, int) or flags < 0 or flags & ~(_STORED_FLAGS | _DERIVED_FLAGS):
             raise ValueError("bad flags")
-        turn.flags = flags & ~(_DERIVED_FLAGS & ~_CONTENT_FLAGS)  # content flags: see _request
+        if flags & _FIELD_FLAGS and not self.carries_flags:
+            raise ValueError("a turn record carries flags that its file derives")
+        # content flags: see _request; field flags: derived, and compared in `turn`
+        turn.flags = flags & ~(_DERIVED_FLAGS & ~_CONTENT_FLAGS) & ~_FIELD_FLAGS
         turn.link = link if turn.parent is not None else LinkKind.NONE  # two bits of flags
         meta = record.meta
         if not (isinstance(meta, list) and len(meta) == len(TurnMeta._fields)):
@@ -662,35 +681,38 @@ class _Loader:
         turn.share_values(value(record.tools), value(record.sampling), value(record.requested))
 
     def _tail(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
-        """The system part, the base and the messages after the base's."""
-        flags, tail, n_rest, system = turn.flags, record.tail, record.n_rest, record.system
+        """The system part, the base and the messages after the base's. A request without
+        messages has an empty tail (NO_MESSAGES); an echo in the tail sets TAIL_ECHO."""
+        tail, n_rest, system = record.tail, record.n_rest, record.system
         turn.system = self._value_ref(system)
         base = turn.base = self._ref(record.base)
         first = base.n_rest if base is not None else 0  # the first message the tail holds
-        if base is not None and (base.flags | flags) & TurnFlag.NO_MESSAGES:
-            raise ValueError("a request without messages has no base, and is no base")
         if type(tail) is not bytes or type(n_rest) is not int:
             raise ValueError("bad request tail")
+        if base is not None and (not tail or base.flags & TurnFlag.NO_MESSAGES):
+            raise ValueError("a request without messages has no base, and is no base")
         if n_rest < first:
             raise ValueError("request shorter than its base")
         if system is not None and not self.value_is_list[system]:
             raise ValueError("system messages must be an array")
         turn.set_request((tail,), n_rest)
-        if flags & TurnFlag.NO_MESSAGES:
-            if tail or n_rest or system is not None or flags & _MESSAGE_FLAGS:
+        if not tail:  # no messages
+            if n_rest or system is not None or turn.flags & TurnFlag.MESSAGES_TUPLE:
                 raise ValueError("a request without messages has messages")
+            turn.flags |= TurnFlag.NO_MESSAGES
             finish_tail(turn)
             return
         info = self.check(tail, n_blobs, echo_ok=True)
-        if info.refs or info.special:
-            turn.flags |= (TurnFlag.TAIL_REFS if info.refs else 0) | (
-                TurnFlag.TAIL_SPECIAL if info.special else 0
-            )
+        echo = info.echoes > 0
+        turn.flags |= (
+            (TurnFlag.TAIL_REFS if info.refs else 0)
+            | (TurnFlag.TAIL_SPECIAL if info.special else 0)
+            | (TurnFlag.TAIL_ECHO if echo else 0)
+        )
         finish_tail(turn)
         if info.top_items != n_rest - first:
             raise ValueError("request tail does not hold its messages")
-        echo = flags & TurnFlag.TAIL_ECHO
-        if info.echoes != bool(echo):
+        if info.echoes > 1:
             raise ValueError("misplaced echo in a request tail")
         if echo:  # it must be the first message: right after the array header
             start = len(array_header(n_rest - first))
@@ -708,22 +730,16 @@ class _Loader:
         ):
             raise ValueError("bad sampled ids")
         turn.full = full_run(turn.prompt, turn.sampled)
-        logprobs = record.logprobs
-        packed = bool(turn.flags & TurnFlag.LOGPROBS_PACKED)
+        logprobs = record.logprobs  # packed (LOGPROBS_PACKED) if tagged "j"
         if logprobs is None:
-            if packed:
-                raise ValueError("logprobs flagged as packed, but there are none")
             turn.logprobs = None
         elif not (isinstance(logprobs, list) and len(logprobs) == 2):
             raise ValueError("bad logprobs")
         elif logprobs[0] == "j":
-            if not packed:
-                raise ValueError("packed logprobs without the flag that says so")
             self.check(logprobs[1], n_blobs)
             turn.logprobs = logprobs[1]
+            turn.flags |= TurnFlag.LOGPROBS_PACKED
         elif logprobs[0] == "d":
-            if packed:
-                raise ValueError("logprobs flagged as packed, but stored as floats")
             turn.logprobs = decode_segment(logprobs, "d")
         else:
             raise ValueError("bad logprobs")
@@ -1052,8 +1068,13 @@ def _read_header(
         raise StoreRequiredError(
             f"{path} keeps its long strings in a content store: read it with store=..."
         )
+    derived = body.get("derived_flags", False)
+    if derived is not False and (derived is not True or version < 2):
+        raise ValueError(f"bad derived_flags {derived!r}")
     loader = _Loader(threshold, store, cache)
     loader.writer.blobs_mode = blobs
+    # records of a file without it carry the flags their fields give: so do those appended
+    loader.carries_flags = loader.writer.carry_flags = not derived
     return loader, mode
 
 
