@@ -521,8 +521,14 @@ class _Loader:
     def blob_v2(self, payload: memoryview) -> None:
         """A version-2 blob frame's payload: digest, then text (the frame reader checked the
         digest, the only hash over the text)."""
-        digest = bytes(payload[: framing.DIGEST_SIZE])
-        self._add_blob(payload[framing.DIGEST_SIZE :], digest)
+        data = payload[framing.DIGEST_SIZE :]
+        try:
+            text, surrogates = str(data, "utf-8"), False
+        except UnicodeDecodeError:
+            text, surrogates = str(data, "utf-8", "surrogatepass"), True
+        self.graph.blobs.add_verified(
+            text, bytes(payload[: framing.DIGEST_SIZE]), len(data), surrogates
+        )
 
     def _add_blob(self, data: memoryview, digest: bytes) -> None:
         try:
@@ -648,23 +654,41 @@ class _Loader:
             raise ValueError("bad flags")
         if flags & _FIELD_FLAGS and not self.carries_flags:
             raise ValueError("a turn record carries flags that its file derives")
-        link = record.link
+        link, parent = record.link, record.parent
         if not 0 <= link <= LinkKind.EXPLICIT:
             raise ValueError("bad link kind")
         turn = Turn()
         turn.index = index
         if node_id != f"turn-{index}":
             turn.ident = node_id
-        parent = turn.parent = self._ref(record.parent)
         # derived bits are set below, from the fields; the link is two bits of the flags
         turn.flags = flags & _KEPT_FLAGS
         if parent is not None:
+            turn.parent = self._ref(parent)
             turn.link = _LINK_KINDS[link]
+        else:
+            turn.parent = None
         side = turn.side
         side.meta = restore.meta(TurnMeta(*record.meta))
-        value = self._value_ref
-        side.tools, side.sampling = value(record.tools), value(record.sampling)
-        side.requested = value(record.requested)
+        values = writer.value_objects  # value records in file order
+        n_values = len(values)
+        system, tools, sampling, requested = (
+            record.system,
+            record.tools,
+            record.sampling,
+            record.requested,
+        )
+        if (
+            (system is not None and system >= n_values)
+            or (tools is not None and tools >= n_values)
+            or (sampling is not None and sampling >= n_values)
+            or (requested is not None and requested >= n_values)
+        ):
+            raise ValueError("value reference out of range")
+        side.system = None if system is None else values[system]
+        side.tools = None if tools is None else values[tools]
+        side.sampling = None if sampling is None else values[sampling]
+        side.requested = None if requested is None else values[requested]
         self._request(turn, record, n_blobs)
         self._tokens(turn, side, record, n_blobs)
         derived = turn.flags
@@ -692,15 +716,15 @@ class _Loader:
         references, special values, an echo) sets the flags that say so; a request without
         messages has an empty tail (NO_MESSAGES)."""
         tail, n_rest, system, response = record.tail, record.n_rest, record.system, record.response
-        flags = turn.flags
+        flags, quick = turn.flags, self.quick
         if response is not None:
-            info = self.check(response, n_blobs)
+            info = quick(response, n_blobs, MAX_DEPTH) or self.check(response, n_blobs)
             if info.refs:
                 flags |= TurnFlag.RESPONSE_REFS
             if info.special:
                 flags |= TurnFlag.RESPONSE_SPECIAL
-        turn.system = self._value_ref(system)
-        base = turn.base = self._ref(record.base)
+        base_index = record.base
+        base = turn.base = None if base_index is None else self._ref(base_index)
         first = base.n_rest if base is not None else 0  # the first message the tail holds
         if base is not None and (not tail or base.flags & TurnFlag.NO_MESSAGES):
             raise ValueError("a request without messages has no base, and is no base")
@@ -715,7 +739,7 @@ class _Loader:
             turn.build((tail,), n_rest, response)
             finish_tail(turn)
             return
-        info = self.check(tail, n_blobs, echo_ok=True)
+        info = quick(tail, n_blobs, MAX_DEPTH, True) or self.check(tail, n_blobs, echo_ok=True)
         if info.top_items != n_rest - first:
             raise ValueError("request tail does not hold its messages")
         if info.refs:
@@ -911,8 +935,7 @@ def _frames_v2(data: bytes, report: LoadReport) -> _Frames:
         data, len(framing.MAGIC_V2), digest_kinds=_DIGEST_KINDS, max_kind=KIND_BLOB_REF
     )
     try:
-        for f in reader:
-            yield f.kind, f.payload, f.offset, f.record, f.end, f.chain
+        yield from reader.tuples()
     except CorruptFileError as exc:
         report.fail(exc, truncated=reader.cut)
         report.resync_offset = reader.resync
