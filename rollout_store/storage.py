@@ -20,6 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Annotated, Any, NamedTuple
 
+import msgpack
 import msgspec
 
 from . import framing
@@ -204,6 +205,11 @@ class _Writer:
         self.prompt_of: dict[int, int] = {}  # id(TokenRun) -> index of a turn whose prompt it is
         self.full_of: dict[int, int] = {}  # id(TokenRun) -> index of a turn whose full it is
         self.refs = (0, 0)  # blob references and their bytes counted so far
+        # this writer's own packer (record fields are str that may hold lone surrogates); a
+        # small buffer to start with: a loader holds a writer too
+        self.pack = msgpack.Packer(
+            use_bin_type=True, unicode_errors="surrogatepass", buf_size=1024
+        ).pack
 
     def header(self, graph: Graph, mode: str) -> bytes:
         """The magic and header frame of a new file (which starts this writer's chain)."""
@@ -242,14 +248,16 @@ class _Writer:
                 ref = [handle.digest, blobs.key(index), handle.size, handle.surrogates]
                 frames.append(self.frame(KIND_BLOB_REF, pack(ref), chain))
             return frames
+        string, handle_of, v1 = blobs.string, blobs.handle, self.version == _V1
+        encode_blob, prev = framing.encode_blob_frame, chain[0]
         for index in range(self.blobs_written, end):
-            data = blobs.string(index).encode("utf-8", "surrogatepass")
-            digest = blobs.handle(index).digest
-            if self.version == _V1:
-                frames.extend(blob_frame(digest, data))
+            data = string(index).encode("utf-8", "surrogatepass")
+            if v1:
+                frames.extend(blob_frame(handle_of(index).digest, data))
             else:
-                parts, chain[0] = framing.encode_blob_frame(KIND_BLOB, digest, data, chain[0])
+                parts, prev = encode_blob(KIND_BLOB, handle_of(index).digest, data, prev)
                 frames.extend(parts)
+        chain[0] = prev
         return frames
 
     def turn_frames(
@@ -275,7 +283,7 @@ class _Writer:
             for stored in (turn.system, turn.tools, turn.sampling, turn.requested)
         ]
         record = self._record(entry, values, refs)
-        frames.append(self.frame(KIND_TURN, pack(list(record)), chain))
+        frames.append(self.frame(KIND_TURN, self.pack(record), chain))
         return frames, partial(self._commit, chain, entry.blobs_end, new_values, refs, turn)
 
     def _value_ref(
@@ -291,7 +299,7 @@ class _Writer:
             if pending is stored:
                 return len(self.value_objects) + i
         new.append(stored)
-        frames.append(self.frame(KIND_VALUE, pack(stored), chain))
+        frames.append(self.frame(KIND_VALUE, self.pack(stored), chain))
         return len(self.value_objects) + len(new) - 1
 
     def _record(
@@ -391,13 +399,18 @@ class _Gather:
             self.flush()
 
     def flush(self) -> None:
-        parts = self.parts
-        while parts:
-            written = os.writev(self.fd, parts[: self.MAX_PARTS])
-            while parts and written >= len(parts[0]):
-                written -= len(parts.pop(0))
+        parts, done, n = self.parts, 0, len(self.parts)
+        while done < n:
+            batch = parts[done : done + self.MAX_PARTS]
+            written = os.writev(self.fd, batch)
+            for part in batch:
+                if written < len(part):
+                    break
+                written -= len(part)
+                done += 1
             if written:  # a part written in part
-                parts[0] = parts[0][written:]
+                parts[done] = parts[done][written:]
+        parts.clear()
         self.size = 0
 
 
