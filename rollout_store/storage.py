@@ -514,6 +514,9 @@ class _Loader:
         self.writer = _Writer()
         self.value_is_list: list[bool] = []  # system parts must be arrays of messages
         self.quick = QuickCheck(self.blob_surrogates)
+        self.handle = self.graph.blobs.handle
+        # the graph's interned TurnMeta of each meta field read so far (most turns share one)
+        self.metas: dict[tuple[Any, ...], TurnMeta] = {}
         self.unfiled: list[tuple[bytes, bytes | None]] = []  # values of the turn being read
         # the file's turn records carry `_FIELD_FLAGS` (its header has no `derived_flags`)
         self.carries_flags = False
@@ -529,7 +532,7 @@ class _Loader:
         return check_packed(packed, n_blobs, MAX_DEPTH, blob_surrogates=surrogates, echo_ok=echo_ok)
 
     def blob_surrogates(self, index: int) -> bool:
-        return self.graph.blobs.handle(index).surrogates
+        return self.handle(index).surrogates
 
     def blob_v2(self, payload: memoryview) -> None:
         """A version-2 blob frame's payload: digest, then text (the frame reader checked the
@@ -682,7 +685,10 @@ class _Loader:
         else:
             turn.parent = None
         side = turn.side
-        side.meta = restore.meta(TurnMeta(*record.meta))
+        meta = self.metas.get(record.meta)
+        if meta is None:
+            meta = self.metas[record.meta] = restore.meta(TurnMeta(*record.meta))
+        side.meta = meta
         values = writer.value_objects  # value records in file order
         n_values = len(values)
         system, tools, sampling, requested = (
@@ -905,7 +911,7 @@ def _untyped_record(body: Any) -> TurnRecord:
             raise ValueError("bad move")
         if move[0] is None or type(move[1]) is not int:
             raise ValueError("bad move")
-    return record
+    return record._replace(meta=tuple(meta))  # as msgspec gives it (a key of `metas`)
 
 
 _Frames = Iterator[tuple[int, memoryview, int, int, int, int]]
