@@ -911,7 +911,10 @@ def _untyped_record(body: Any) -> TurnRecord:
             raise ValueError("bad move")
         if move[0] is None or type(move[1]) is not int:
             raise ValueError("bad move")
-    return record._replace(meta=tuple(meta))  # as msgspec gives it (a key of `metas`)
+    # the shapes msgspec gives (a meta field is a key of `_Loader.metas`)
+    return record._replace(
+        meta=tuple(meta), keys=tuple(keys), refs=tuple(refs), moves=[tuple(m) for m in moves]
+    )
 
 
 _Frames = Iterator[tuple[int, memoryview, int, int, int, int]]

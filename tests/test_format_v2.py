@@ -13,6 +13,7 @@ import tracemalloc
 from pathlib import Path
 
 import msgpack
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -949,3 +950,63 @@ def test_a_blob_with_lone_surrogates_is_special_after_load(tmp_path: Path, how: 
     assert live[0] & TurnFlag.TAIL_SPECIAL and live[0] & TurnFlag.RESPONSE_SPECIAL
     loaded = RolloutGraph.load(path)
     assert [entry.turn.flags & special for entry in loaded.journal_entries()] == live
+
+
+# ---------------------------------------------------------------- the turn record's two decoders
+
+
+def _decoded(payload: bytes) -> tuple[str, object]:
+    """("typed", record) from msgspec, ("untyped", record) from the fallback, or the error."""
+    try:
+        return "typed", storage._RECORD_DECODER.decode(payload)
+    except msgspec.DecodeError:
+        pass
+    try:
+        return "untyped", storage._untyped_record(frames.unpack_payload(payload))
+    except ValueError as exc:
+        return "refused", str(exc)
+
+
+_ODD_FIELDS = [None, True, False, -1, 0, 7, 2**64 - 1, 1.5, "x", b"x", [], [1], [None] * 5]
+
+
+def test_the_typed_record_decoder_and_its_fallback_agree(tmp_path: Path) -> None:
+    """msgspec checks a turn record's field types; msgpack and a field-by-field check take
+    what it refuses. Both must accept exactly the same records, as the same values: every
+    record of a rollout, and each with one field replaced by an odd value."""
+    path = tmp_path / "f.rls"
+    graph = RolloutGraph(share_threshold=64)
+    _field_flag_rollout(graph)
+    graph.save(path)
+    records = [p for kind, p in _records_of(path.read_bytes()) if kind == 3]
+    assert records
+    outcomes = {"typed": 0, "refused": 0}
+    for payload in records:
+        body = msgpack.unpackb(payload, raw=False)
+        assert storage._untyped_record(list(body)) == storage._RECORD_DECODER.decode(payload)
+        for at, odd in itertools.product(range(len(body) + 1), _ODD_FIELDS):
+            changed = [*body, odd] if at == len(body) else [*body[:at], odd, *body[at + 1 :]]
+            data = msgpack.packb(changed, use_bin_type=True)
+            how, typed = _decoded(data)
+            assert how != "untyped", (at, odd)  # no lone surrogates here: msgspec decides
+            try:
+                fallback: object = storage._untyped_record(frames.unpack_payload(data))
+            except ValueError:
+                fallback = None
+            assert (how == "typed") == (fallback is not None), (at, odd, typed)
+            if how == "typed":
+                assert fallback == typed, (at, odd)
+            outcomes[how] += 1
+    assert outcomes["typed"] and outcomes["refused"]  # both kinds were tried
+
+
+def test_a_record_with_lone_surrogates_takes_the_fallback(tmp_path: Path) -> None:
+    path = tmp_path / "s.rls"
+    graph = RolloutGraph()
+    graph.add_turn(TurnNode(node_id="a\ud800", model="m\udc00", request_messages=[]))
+    graph.save(path)
+    (payload,) = [p for kind, p in _records_of(path.read_bytes()) if kind == 3]
+    how, record = _decoded(payload)
+    assert how == "untyped" and isinstance(record, storage.TurnRecord)
+    assert record.node_id == "a\ud800" and record.meta[0] == "m\udc00"
+    assert RolloutGraph.load(path).node_ids() == ["a\ud800"]
