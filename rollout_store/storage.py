@@ -160,6 +160,9 @@ _IN_MEMORY_FLAGS = (
     | TurnFlag.LINK_LOW
     | TurnFlag.LINK_HIGH
 )
+#: Bits of Turn.flags a turn record holds (in a file whose records carry `_FIELD_FLAGS`).
+_WRITTEN_CARRYING = ~(_DERIVED_FLAGS | _IN_MEMORY_FLAGS)
+_WRITTEN = _WRITTEN_CARRYING & ~_FIELD_FLAGS
 #: Bits a turn record's flags may hold (`_FIELD_FLAGS` only where its file says so), and
 #: those of them a loaded turn keeps as they are (the others are derived from the fields).
 _STORED_FLAGS = TurnFlag.MESSAGES_TUPLE | TurnFlag.EMPTY_PROMPT | _FIELD_FLAGS
@@ -274,13 +277,13 @@ class _Writer:
             else []
         )
         new_values: list[bytes] = []
-        known, value_ref = self.values, self._value_ref
+        known, value_ref, side = self.values, self._value_ref, turn.side
         values = [
             known.get(id(stored))
             if stored is not None and id(stored) in known
             # (a value written before is found by its id; the rest go through _value_ref)
             else value_ref(stored, new_values, frames, chain)
-            for stored in (turn.system, turn.tools, turn.sampling, turn.requested)
+            for stored in (side.system, side.tools, side.sampling, side.requested)
         ]
         record = self._record(entry, values, refs)
         frames.append(self.frame(KIND_TURN, self.pack(record), chain))
@@ -308,8 +311,9 @@ class _Writer:
         """The turn record of `entry`, its shared values at `values` (system, tools,
         sampling, requested)."""
         turn = entry.turn
-        parent, base, logprobs = turn.parent, turn.base, turn.logprobs
+        parent, base, side = turn.parent, turn.base, turn.side
         parent_index = parent.index if parent is not None and parent.index < turn.index else None
+        logprobs, sampled = side.logprobs, side.sampled
         if isinstance(logprobs, array):
             logprobs = encode_segment(logprobs)
         elif logprobs is not None:
@@ -318,7 +322,7 @@ class _Writer:
             turn.node_id,
             parent_index,
             int(turn.link) if parent_index is not None else 0,
-            turn.flags & self.written_flags,
+            turn.flags & (_WRITTEN_CARRYING if self.carry_flags else _WRITTEN),
             turn.meta,  # a NamedTuple: packed as an array
             values[0],
             base.index if base is not None else None,
@@ -327,20 +331,14 @@ class _Writer:
             turn.response,
             values[1],
             values[2],
-            self._prompt_spec(turn),
-            encode_segment(turn.sampled),
+            None if side.prompt is None else self._prompt_spec(turn),
+            None if sampled is None else encode_segment(sampled),
             logprobs,
             entry.keys,  # a NamedTuple: packed as an array
             (refs[0] - self.refs[0], refs[1] - self.refs[1]),
             [(other.index, int(link)) for other, link in entry.moves] if entry.moves else [],
             values[3],
         )
-
-    @property
-    def written_flags(self) -> int:
-        """The bits of Turn.flags a turn record holds."""
-        kept = ~(_DERIVED_FLAGS | _IN_MEMORY_FLAGS)
-        return kept if self.carry_flags else kept & ~_FIELD_FLAGS
 
     def _commit(
         self,
