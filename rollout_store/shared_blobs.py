@@ -123,10 +123,8 @@ class StoreBlobTable(BlobTable):
                     return self.handle(index)
         if self._text_store is not None:
             key = self._text_store.put_text(text, data)
-        else:
+        else:  # not cached: the cache holds what is read (recording reads nothing back)
             key = self.store.put(data)
-            if self._cache is not None:
-                self._cache.put(key, text, len(data))
         return self._add(key, digest, len(data), surrogates)
 
     def _same(self, index: int, text: str, data: bytes, sha: list[bytes]) -> bool:
@@ -138,11 +136,7 @@ class StoreBlobTable(BlobTable):
             return cached == text
         if not sha:  # computed once per intern, only when a candidate is not at hand
             sha.append(content_key(data))
-        if sha[0] != key:
-            return False
-        if self._cache is not None:
-            self._cache.put(key, text, len(data))
-        return True
+        return sha[0] == key
 
     def _add(self, key: bytes, digest: bytes, size: int, surrogates: bool) -> Handle:
         if len(key) != KEY_SIZE or len(digest) != DIGEST_BYTES:
