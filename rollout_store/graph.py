@@ -361,7 +361,7 @@ class Graph:
         linker.prepare_tokens(turn, node, scratch)
         system_plain = requests.prepare(turn, node, scratch)
         linker.prepare_messages(turn, node, scratch)
-        turn.response = requests.encode_response(node.response_message, turn)
+        requests.build(turn, scratch, requests.encode_response(node.response_message, turn))
         turn.share_values(
             requests.shared_value(node.request_tools, "request_tools", pending),
             requests.shared_value(node.sampling_params, "sampling_params", pending),

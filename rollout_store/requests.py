@@ -7,7 +7,7 @@ are stored once per graph.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from itertools import chain
 from typing import Any, Final
 
@@ -119,12 +119,15 @@ class Scratch:
         "full_data",
         "message_parent",
         "moves",
+        "n_rest",
         "pending",
         "prompt_key",
         "raw_tip",
         "request",
         "request_digest",
+        "request_sum",
         "root_keys",
+        "tail_parts",
         "token_key",
         "token_parent",
         "twins",
@@ -137,7 +140,11 @@ class Scratch:
         self.token_key: int | None = None  # block digest of prompt+sampled at its last block
         self.prompt_key: int | None = None
         self.message_parent: Turn | None = None
-        self.request_digest: int | None = None
+        self.request_digest: int | None = None  # the request's index key
+        self.request_sum: bytes | None = None  # its digest, when known without `request`
+        # the stored request, built into the turn once with its response (see `build`)
+        self.tail_parts: Sequence[bytes] = (b"",)
+        self.n_rest = 0
         # keys of this request's shorter prefixes, under which it waits as a message root
         # for an earlier turn that arrives late
         self.root_keys: list[int] | None = None
@@ -443,7 +450,7 @@ class RequestStore:
                 raw = data
             messages = decode_raw(messages, "request_messages")
         if messages is None:
-            turn.system, turn.base, turn.tail, turn.n_rest = None, None, b"", 0
+            turn.system, turn.base = None, None  # the tail b"" and no messages: see Scratch
             turn.flags |= TurnFlag.NO_MESSAGES
             return None
         if not isinstance(messages, list | tuple):
@@ -456,8 +463,8 @@ class RequestStore:
             # a token turn without messages (the default []): linked by its tokens, and no
             # base of anything, so it stays out of the request index (which would otherwise
             # hold every such turn under one key)
-            turn.system, turn.base, turn.n_rest = None, None, 0
-            turn.tail = array_header(0)
+            turn.system, turn.base = None, None
+            scratch.tail_parts = (array_header(0),)
             finish_tail(turn)
             return None
         n_sys = leading_system_count(messages)
@@ -567,10 +574,11 @@ class RequestStore:
             pieces.append(packed)
         turn.system = base.system
         turn.base = base
-        turn.set_request((array_header(len(pieces)), *pieces), base.n_rest + len(fresh))
+        scratch.tail_parts = (array_header(len(pieces)), *pieces)
+        scratch.n_rest = base.n_rest + len(fresh)
         finish_tail(turn)
-        turn.digest = state.digest()
-        scratch.request_digest = digest_key(turn.digest)
+        digest = scratch.request_sum = state.digest()
+        scratch.request_digest = digest_key(digest)
         scratch.message_parent = base
         hasher.update(memoryview(data)[tip.end : end])
         new_tip = RawTip(turn, data, end, hasher.digest(), state, tip.system_plain, tip.n_sys)
@@ -615,8 +623,21 @@ class RequestStore:
                 pieces.append(packed)
         pieces[0] = array_header(len(pieces) - 1)
         turn.base = base
-        turn.set_request(pieces, n)
+        scratch.tail_parts, scratch.n_rest = pieces, n
         finish_tail(turn)
+
+    def build(self, turn: Turn, scratch: Scratch, response: bytes | None) -> None:
+        """Build the turn's stored request and response at once (one copy), with the digest
+        and key it will be filed under at commit (`file` then finds them there)."""
+        key = scratch.request_digest
+        digest = None
+        if key is not None and not turn.flags & TurnFlag.NO_MESSAGES:
+            digest = scratch.request_sum
+            if digest is None and scratch.request is not None:
+                digest = scratch.request.digest()
+        else:
+            key = None
+        turn.build(scratch.tail_parts, scratch.n_rest, response, digest, key)
 
     def file(self, turn: Turn, key: int | None, request: FreshRequest | None = None) -> None:
         """File a committed turn's request under `key` (its digest), if it has messages;
@@ -633,7 +654,8 @@ class RequestStore:
             bucket = index[key] = _Bucket((found, turn))
             if found.children:
                 bucket.parents.append(found)
-        turn.file_under(key, request.digest() if request is not None else turn.digest)
+        if turn.rkey != key:  # else built with it (`build`, or a file's reader)
+            turn.file_under(key, request.digest() if request is not None else turn.digest)
         mark_length(self._lengths, turn.n_rest)
 
     def note_parent(self, turn: Turn) -> None:

@@ -63,7 +63,6 @@ class StoreBlobTable(BlobTable):
         "_refs",
         "_sizes",
         "_text_store",
-        "_xxh",
         "store",
     )
 
@@ -85,7 +84,7 @@ class StoreBlobTable(BlobTable):
             self._cache = cache  # only if asked for: the store holds str objects already
         else:
             self._cache = cache if cache is not None else StringCache(DEFAULT_GRAPH_CACHE_BYTES)
-        self._xxh = hasher
+        self._hasher = hasher
         self._keys = bytearray()  # blob i's store key at [32 i, 32 i + 32)
         self._digests = bytearray()  # its xxh3 digest at [16 i, 16 i + 16)
         self._sizes = array("Q")  # its UTF-8 bytes << 1 | (it holds lone surrogates)
@@ -120,7 +119,7 @@ class StoreBlobTable(BlobTable):
         except UnicodeEncodeError:
             data = text.encode("utf-8", "surrogatepass")
             surrogates = True
-        digest = self._xxh(data)
+        digest = self._hasher(data)
         self._refs += 1
         self._refbytes += len(data)
         sha: list[bytes] = []

@@ -599,9 +599,9 @@ class _Loader:
         record = TurnRecord(*payload)
         n_blobs = len(self.graph.blobs)
         turn = self._identity(record)
-        self._request(turn, record, n_blobs)
-        self._tokens(turn, record, n_blobs)
         keys = _index_keys(record.keys)
+        self._request(turn, record, n_blobs, keys.request)
+        self._tokens(turn, record, n_blobs)
         moves = self._moves(turn, record.moves)
         refs = record.refs
         if not (isinstance(refs, list) and len(refs) == 2):
@@ -641,9 +641,10 @@ class _Loader:
         turn.meta = self.restore.meta(TurnMeta(*meta))
         return turn
 
-    def _request(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
-        """The request (system part, base, tail), the response and the shared values; the
-        flags that say what the tail and response hold are derived from them."""
+    def _request(self, turn: Turn, record: TurnRecord, n_blobs: int, key: int | None) -> None:
+        """The request (system part, base, tail, filed under `key`), the response and the
+        shared values; the flags that say what the tail and response hold are derived from
+        them."""
         carried = turn.flags & _CONTENT_FLAGS
         turn.flags &= ~_CONTENT_FLAGS
         response = record.response
@@ -652,17 +653,23 @@ class _Loader:
             turn.flags |= (TurnFlag.RESPONSE_REFS if info.refs else 0) | (
                 TurnFlag.RESPONSE_SPECIAL if info.special else 0
             )
-            # set before the tail: the turn's bytes are then built once with the tail
-            turn.response = response
-        self._tail(turn, record, n_blobs)
+        self._tail(turn, record, n_blobs, response, key)
         if turn.flags & _CONTENT_FLAGS & ~carried and carried:
             # a record written before these flags were derived carries them all
             raise ValueError("the flags of a turn record do not say what its request holds")
         value = self._value_ref
         turn.share_values(value(record.tools), value(record.sampling), value(record.requested))
 
-    def _tail(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
-        """The system part, the base and the messages after the base's."""
+    def _tail(
+        self,
+        turn: Turn,
+        record: TurnRecord,
+        n_blobs: int,
+        response: bytes | None,
+        key: int | None,
+    ) -> None:
+        """The system part, the base and the messages after the base's; the turn's bytes
+        built once with its response and index key."""
         flags, tail, n_rest, system = turn.flags, record.tail, record.n_rest, record.system
         turn.system = self._value_ref(system)
         base = turn.base = self._ref(record.base)
@@ -675,7 +682,7 @@ class _Loader:
             raise ValueError("request shorter than its base")
         if system is not None and not self.value_is_list[system]:
             raise ValueError("system messages must be an array")
-        turn.set_request((tail,), n_rest)
+        turn.build((tail,), n_rest, response, None, None if flags & TurnFlag.NO_MESSAGES else key)
         if flags & TurnFlag.NO_MESSAGES:
             if tail or n_rest or system is not None or flags & _MESSAGE_FLAGS:
                 raise ValueError("a request without messages has messages")

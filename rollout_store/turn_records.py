@@ -75,9 +75,7 @@ class TurnRecords:
         if keys is None or type(turn) is not RemoteTurn:
             return
         record_key, response_key = keys
-        _set_tail(turn, record_key)
-        if response_key is not None:
-            _set_response(turn, response_key)
+        turn.build((record_key,), turn.n_rest, response_key, turn.digest, turn.rkey)
         turn.records = self
 
     def fetch(self, key: bytes, has_response: bool) -> tuple[bytes, bytes | None]:
@@ -136,8 +134,7 @@ class RemoteTurn(Turn):
         if self.records is not None:
             tail, response = self._record()
             self.records = None
-            _set_tail(self, tail)
-            _set_response(self, response)
+            self.build((tail,), self.n_rest, response, self.digest, self.rkey)
 
     @property
     def tail(self) -> bytes:
