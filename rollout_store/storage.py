@@ -77,7 +77,7 @@ from .stored import (
     full_run,
     is_above,
 )
-from .tokens import TokenRun, run_list
+from .tokens import ArrayRun, TokenRun, run_list
 
 __all__ = [
     "FORMAT_VERSION",
@@ -841,9 +841,9 @@ class _Loader:
             other = self._ref(spec[1])
             if other is None or other.full is None:
                 raise ValueError("prompt extends a turn without tokens")
-            return TokenRun(other.full, _segment(spec[2]))
+            return ArrayRun(other.full, _segment(spec[2]))
         if kind == PromptKind.NEW and len(spec) == 2:
-            return TokenRun(None, _segment(spec[1]))
+            return ArrayRun(None, _segment(spec[1]))
         raise ValueError("bad prompt spec")
 
 
