@@ -67,6 +67,7 @@ from .intake import MAX_DEPTH, token_array
 from .packed import PackedInfo, QuickCheck, check_int_array, check_packed, splice_blobs
 from .shared_blobs import StoreBlobTable
 from .stored import (
+    PACKED,
     IndexKeys,
     LinkKind,
     Turn,
@@ -286,7 +287,7 @@ class _Writer:
             for stored in (side.system, side.tools, side.sampling, side.requested)
         ]
         record = self._record(entry, values, refs)
-        frames.append(self.frame(KIND_TURN, self.pack(record), chain))
+        frames.append(self.frame(KIND_TURN, pack(list(record)), chain))
         return frames, partial(self._commit, chain, entry.blobs_end, new_values, refs, turn)
 
     def _value_ref(
@@ -314,6 +315,8 @@ class _Writer:
         parent, base, side = turn.parent, turn.base, turn.side
         parent_index = parent.index if parent is not None and parent.index < turn.index else None
         logprobs, sampled = side.logprobs, side.sampled
+        if sampled is PACKED or logprobs is PACKED:  # kept in the side's PackedPrompt
+            logprobs, sampled = turn.logprobs, turn.sampled
         if isinstance(logprobs, array):
             logprobs = encode_segment(logprobs)
         elif logprobs is not None:
