@@ -7,25 +7,30 @@ are stored once per graph.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from itertools import chain
 from typing import Any, Final
 
+import blake3
 import msgpack
 
 from .blobs import BlobTable
 from .confirm import (
     WINDOW,
+    Hole,
     Probe,
     RawTip,
     RawTips,
+    Tip,
+    Tips,
     digest_key,
+    holes_of,
+    hollowed,
     mark_length,
     prefix_digest,
     prefix_keys,
     raw_end,
 )
-from .content import content_key
 from .encoding import (
     ECHO_PACKED,
     NotPackable,
@@ -41,6 +46,7 @@ from .messages import leading_system_count, link_key, response_link_key
 from .nodes import TurnNode
 from .raw import RawJSON, decode_array, decode_raw, resolve_raw
 from .stored import IndexKeys, LinkKind, Turn, TurnFlag, finish_tail
+from .turn_records import echo_by_key
 from .values import ValueTable
 
 __all__ = ["FreshRequest", "RequestStore", "Scratch"]
@@ -119,13 +125,15 @@ class Scratch:
         "full_data",
         "message_parent",
         "moves",
+        "n_rest",
         "pending",
         "prompt_key",
         "raw_tip",
         "request",
         "request_digest",
+        "request_sum",
         "root_keys",
-        "tail_key",
+        "tail_parts",
         "token_key",
         "token_parent",
         "twins",
@@ -138,12 +146,15 @@ class Scratch:
         self.token_key: int | None = None  # block digest of prompt+sampled at its last block
         self.prompt_key: int | None = None
         self.message_parent: Turn | None = None
-        self.request_digest: int | None = None
+        self.request_digest: int | None = None  # the request's index key
+        self.request_sum: bytes | None = None  # its digest, when known without `request`
+        # the stored request, built into the turn once with its response (see `build`)
+        self.tail_parts: Sequence[bytes] = (b"",)
+        self.n_rest = 0
         # keys of this request's shorter prefixes, under which it waits as a message root
         # for an earlier turn that arrives late
         self.root_keys: list[int] | None = None
         self.request: FreshRequest | None = None  # its non-system messages, if any
-        self.tail_key: bytes | None = None  # SHA-256 of the tail's plain packings
         self.raw_tip: tuple[RawTip, RawTip | None] | None = None  # filed at commit
         self.twins: list[Turn] = []  # stored turns with exactly this request, and children
         self.moves: list[tuple[Turn, LinkKind]] = []  # earlier turns it adopts
@@ -172,6 +183,7 @@ class FreshRequest:
         "_store",
         "messages",
         "n_valid",
+        "next_tip",
     )
 
     def __init__(self, store: RequestStore, messages: Messages, probe: Probe | None) -> None:
@@ -182,6 +194,7 @@ class FreshRequest:
         self._prefixes: dict[int, list[Turn] | tuple[Turn, ...]] = {}
         self._plains: list[bytes | None] | None = None
         self._keys: list[int] | None = None
+        self.next_tip: Tip | None = None  # what its turn leaves for the next (see `build`)
         if probe is not None:
             self.n_valid = len(messages)
         else:
@@ -224,19 +237,23 @@ class FreshRequest:
             return ok
         n = stored.n_rest
         probe = self._probe
+        digest = stored.digest
+        by_digest = digest is not None and (probe is not None or n <= self.n_valid)
         if n > self.n_valid:
             ok = False
-        elif probe is not None and (digest := stored.digest) is not None:
+        elif probe is not None and digest is not None:
             ok = digest == probe.digest(n)
+        elif digest is not None:  # the first n messages have their plain packings
+            ok = digest == prefix_digest(b"".join(self._plains[:n]))  # type: ignore[arg-type, index]
         else:  # compare bytes with the stored tails (a turn read from a file, once)
             ok = self._store.matches(stored, self.plains(), self.messages)
             if ok and probe is not None:
                 stored.digest = probe.digest(n)
-        if ok and probe is not None and stored.flags & TurnFlag.PREFIX_SPECIAL:
+        if ok and (probe is not None or by_digest) and stored.flags & TurnFlag.PREFIX_SPECIAL:
             # a digest match of tuples, big ints or lone surrogates: the fresh messages must
             # be those values, not msgpack.ExtType objects packing alike
             valid = self._store.valid
-            ok = all(valid(self.messages[i], probe.plain(i)) for i in range(n))
+            ok = all(valid(self.messages[i], self.plain(i)) for i in range(n))
         confirmed[stored.index] = ok
         return ok
 
@@ -319,7 +336,7 @@ class RequestStore:
         "blobs",
         "raw_tips",
         "request_index",
-        "tail_keys",
+        "tips",
         "values",
     )
 
@@ -330,15 +347,16 @@ class RequestStore:
         self._pack_plain = new_packer()
         self._encoder = Encoder(blobs, share_threshold)
         self._canonical = Encoder(None, None)  # plain packing by the validating walk
-        # over an out-of-process store: tails and values holding blob references are matched
-        # by the SHA-256 of their plain packings (turn index -> digest), never by fetching
-        fetches = blobs.fetches
-        self.tail_keys: dict[int, bytes] | None = {} if fetches else None
-        self.values = ValueTable(self.expand, share_threshold, hashed=fetches)
+        # over an out-of-process store: values holding blob references are matched by the
+        # SHA-256 of their plain packings, never by fetching (requests by their digests)
+        self.values = ValueTable(self.expand, share_threshold, hashed=blobs.fetches)
         self.request_index: dict[int, Any] = {}  # digest of non-system request -> turn(s)
         # plain packings shorter than this can hold no blob and no nesting beyond MAX_DEPTH
         self._plain_limit = min(share_threshold or MAX_DEPTH, MAX_DEPTH)
         self.raw_tips = RawTips()  # the latest raw turns, for raw continuations
+        # the latest decoded turns whose requests hold blobs: their strings are compared, not
+        # hashed again (not over an out-of-process store: its strings are fetched)
+        self.tips: Tips | None = None if blobs.fetches else Tips()
         self._window = WINDOW  # trailing boundaries a request is probed at first
         # bit n set: some filed request has n messages (a request can only extend one whose
         # count is among these: the boundaries worth a digest); a bit per count, not per turn
@@ -428,11 +446,6 @@ class RequestStore:
         for plain, stored in pending:
             self.values.add(plain, stored)
 
-    def add_tail_key(self, index: int, key: bytes) -> None:
-        """Remember the digest a committed turn's tail is matched by (see `tail_keys`)."""
-        if self.tail_keys is not None:
-            self.tail_keys[index] = key
-
     def prepare(self, turn: Turn, node: TurnNode, scratch: Scratch) -> bytes | None:
         """Store the request as system part + base turn + tail; return the system plain.
 
@@ -449,7 +462,7 @@ class RequestStore:
                 raw = data
             messages = decode_raw(messages, "request_messages")
         if messages is None:
-            turn.system, turn.base, turn.tail, turn.n_rest = None, None, b"", 0
+            turn.system, turn.base = None, None  # the tail b"" and no messages: see Scratch
             turn.flags |= TurnFlag.NO_MESSAGES
             return None
         if not isinstance(messages, list | tuple):
@@ -462,8 +475,8 @@ class RequestStore:
             # a token turn without messages (the default []): linked by its tokens, and no
             # base of anything, so it stays out of the request index (which would otherwise
             # hold every such turn under one key)
-            turn.system, turn.base, turn.n_rest = None, None, 0
-            turn.tail = array_header(0)
+            turn.system, turn.base = None, None
+            scratch.tail_parts = (array_header(0),)
             finish_tail(turn)
             return None
         n_sys = leading_system_count(messages)
@@ -471,7 +484,11 @@ class RequestStore:
         pack = self._pack_plain
         probe: Probe | None
         try:
-            probe = Probe(rest, pack, self._window, self._lengths)
+            tips = self.tips
+            if tips and type(rest) is list:
+                probe = Probe.continuing(tips, rest, pack, self._window, self._lengths)
+            else:
+                probe = Probe(rest, pack, self._window, self._lengths)
         except Exception:  # some message needs the validating walk, or is RawJSON
             probe = None
             if any(type(m) is RawJSON for m in messages):
@@ -573,10 +590,11 @@ class RequestStore:
             pieces.append(packed)
         turn.system = base.system
         turn.base = base
-        turn.set_request((array_header(len(pieces)), *pieces), base.n_rest + len(fresh))
+        scratch.tail_parts = (array_header(len(pieces)), *pieces)
+        scratch.n_rest = base.n_rest + len(fresh)
         finish_tail(turn)
-        turn.digest = state.digest()
-        scratch.request_digest = digest_key(turn.digest)
+        digest = scratch.request_sum = state.digest()
+        scratch.request_digest = digest_key(digest)
         scratch.message_parent = base
         hasher.update(memoryview(data)[tip.end : end])
         new_tip = RawTip(turn, data, end, hasher.digest(), state, tip.system_plain, tip.n_sys)
@@ -620,16 +638,106 @@ class RequestStore:
                     turn.flags |= TurnFlag.TAIL_SPECIAL
                 pieces.append(packed)
         pieces[0] = array_header(len(pieces) - 1)
-        if self.tail_keys is not None and turn.flags & TurnFlag.TAIL_REFS:
-            # its strings are out of the process: match it later by the SHA-256 of its plain
-            # packings rather than by fetching them
-            first = start + (1 if turn.flags & TurnFlag.TAIL_ECHO else 0)
-            body = [request.plain(i) for i in range(first, len(rest))]
-            if None not in body:
-                scratch.tail_key = content_key(b"".join(body))  # type: ignore[arg-type]
         turn.base = base
-        turn.set_request(pieces, n)
+        scratch.tail_parts, scratch.n_rest = pieces, n
         finish_tail(turn)
+
+    def build(self, turn: Turn, scratch: Scratch, response: bytes | None) -> None:
+        """Build the turn's stored request and response at once (one copy), with the digest
+        and key it will be filed under at commit (`file` then finds them there)."""
+        key = scratch.request_digest
+        digest = None
+        if key is not None and not turn.flags & TurnFlag.NO_MESSAGES:
+            digest = scratch.request_sum
+            if digest is None and scratch.request is not None:
+                digest = scratch.request.digest()
+        else:
+            key = None
+        turn.build(scratch.tail_parts, scratch.n_rest, response, digest, key)
+        request = scratch.request
+        if digest is not None and request is not None and self.tips is not None:
+            try:
+                request.next_tip = self._next_tip(turn, request, scratch)
+            except Exception:  # whatever it is, the next turn is confirmed as usual
+                request.next_tip = None
+
+    def _next_tip(self, turn: Turn, request: FreshRequest, scratch: Scratch) -> Tip | None:
+        """The tip this turn leaves for its conversation: its base's tip (or none, for a
+        first turn) extended by its new messages, with holes where their packings hold long
+        blob strings."""
+        probe = request._probe
+        tips = self.tips
+        flags = turn.flags
+        if probe is None or tips is None or flags & TurnFlag.PREFIX_SPECIAL:
+            return None
+        base = turn.base
+        messages = request.messages
+        n = len(messages)
+        if not n:
+            return None
+        holes: list[tuple[int, list[Hole]]] = []
+        hollow: Any = None  # None: the plain state (no holes yet)
+        start = 0
+        previous = None
+        if base is not None:
+            previous = tips.of(base)
+            if previous is None:
+                return None
+            start, holes = base.n_rest, previous.holes
+            if holes:
+                hollow = probe.hollow if probe.tip is previous else previous.hollow_state.copy()
+        echo_refs = (
+            flags & TurnFlag.TAIL_ECHO and base is not None and base.flags & TurnFlag.RESPONSE_REFS
+        )
+        if flags & TurnFlag.TAIL_REFS or echo_refs:  # new blobs, maybe long ones
+            new = self._new_holes(turn, request, scratch, start)
+            if new is None:
+                return None
+            parts, found = new
+            if found or holes:
+                if hollow is None:  # the hollowed packing so far is the plain one
+                    hollow = previous.plain_state.copy() if previous else blake3.blake3()
+                hollow.update(b"".join(parts))
+                holes = [*holes, *found]
+        elif holes:
+            hollow.update(b"".join(request.plain_slice(start, n)))  # type: ignore[arg-type]
+        plain_state = probe.hasher
+        return Tip(turn, n, probe.plain(n - 1), holes, hollow or plain_state, plain_state)
+
+    def _new_holes(
+        self, turn: Turn, request: FreshRequest, scratch: Scratch, start: int
+    ) -> tuple[list[bytes], list[tuple[int, list[Hole]]]] | None:
+        """The hollowed packings of a turn's new messages and the holes among them (None:
+        something does not pack plainly)."""
+        plains = request.plain_slice(start, len(request.messages))
+        pieces = scratch.tail_parts[1:]  # after the array header: one a message
+        if len(pieces) != len(plains):
+            return None
+        base = turn.base
+        parts: list[bytes] = []
+        found: list[tuple[int, list[Hole]]] = []
+        for k, (piece, plain) in enumerate(zip(pieces, plains, strict=True)):
+            if plain is None:
+                return None
+            if piece is plain or piece == plain:  # stored as packed: no blob
+                parts.append(plain)
+                continue
+            stored: bytes | None = piece
+            if k == 0 and turn.flags & TurnFlag.TAIL_ECHO:  # the base's response
+                stored = base.response if base is not None else None
+                if stored is None or not base.flags & TurnFlag.RESPONSE_REFS:  # type: ignore[union-attr]
+                    parts.append(plain)
+                    continue
+            holes = holes_of(stored, self.blobs.string)  # type: ignore[arg-type]
+            if not holes:  # no long blob string as a value: hashed whole, which is exact
+                parts.append(plain)
+                continue
+            hollow = hollowed(request.messages[start + k], holes)
+            if hollow is None:
+                return None
+            parts.append(self._pack_plain(hollow))
+            found.append((start + k, holes))
+        return parts, found
 
     def file(self, turn: Turn, key: int | None, request: FreshRequest | None = None) -> None:
         """File a committed turn's request under `key` (its digest), if it has messages;
@@ -646,7 +754,11 @@ class RequestStore:
             bucket = index[key] = _Bucket((found, turn))
             if found.children:
                 bucket.parents.append(found)
-        turn.file_under(key, request.digest() if request is not None else turn.digest)
+        if turn.rkey != key:  # else built with it (`build`, or a file's reader)
+            turn.file_under(key, request.digest() if request is not None else turn.digest)
+        if request is not None and request.next_tip is not None and self.tips is not None:
+            base = turn.base
+            self.tips.add(request.next_tip, self.tips.of(base) if base is not None else None)
         mark_length(self._lengths, turn.n_rest)
 
     def note_parent(self, turn: Turn) -> None:
@@ -688,6 +800,9 @@ class RequestStore:
         if plain is None:
             return False
         flags = base.flags
+        by_key = echo_by_key(base, plain)  # a response kept in a store: no fetch
+        if by_key is not None:
+            return by_key and (not flags & TurnFlag.RESPONSE_SPECIAL or self.valid(message, plain))
         response = base.response
         if response is None:
             return False
@@ -703,8 +818,9 @@ class RequestStore:
             return False
         if self.is_echo(turn, message, plain):
             return True
+        response = turn.response  # (may be fetched from a store: its errors propagate)
         try:
-            return bool(response_link_key(value(turn.response, self.blobs)) == link_key(message))
+            return bool(response_link_key(value(response, self.blobs)) == link_key(message))
         except Exception:  # a malformed fresh message simply does not match
             return False
 
@@ -761,14 +877,7 @@ class RequestStore:
             if i >= end or base is None or not self.is_echo(base, messages[i], plains[i]):
                 return False
             i += 1
-        key = self.tail_keys.get(turn.index) if self.tail_keys is not None else None
-        if key is not None:
-            try:
-                if content_key(b"".join(plains[i:end])) != key:  # type: ignore[arg-type]
-                    return False
-            except TypeError:  # a message with no plain packing
-                return False
-        elif turn.flags & TurnFlag.TAIL_REFS:
+        if turn.flags & TurnFlag.TAIL_REFS:
             # blob references: rebuild the values (blobs are the table's own strings, no
             # copy) and pack them with every string inline, then compare bytes
             try:

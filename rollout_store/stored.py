@@ -371,17 +371,31 @@ class Turn:
         end -= _EXTRA[(flags & _DIGEST_AND_KEY) >> _DIGEST_SHIFT]
         return end - size, end
 
+    def build(
+        self,
+        tail_parts: Sequence[bytes | memoryview],
+        n_rest: int,
+        response: bytes | memoryview | None = None,
+        digest: bytes | memoryview | None = None,
+        key: int | None = None,
+    ) -> None:
+        """Set every part of `data` at once, in one copy: the tail (`tail_parts` joined), the
+        response (None: none), the request's digest and index key (None: not filed; a key the
+        digest gives is not kept twice) and the message count. What add_turn and a file's
+        reader call once per turn; the setters below rebuild `data` for one part each."""
+        self._store(tail_parts, response, digest, key, _n_rest_bytes(n_rest))
+
     def _store(
         self,
-        tail: bytes | memoryview,
+        tail_parts: Sequence[bytes | memoryview],
         response: bytes | memoryview | None,
         digest: bytes | memoryview | None,
         key: int | None,
         n_rest: bytes | memoryview,
     ) -> None:
         """Build `data` from its parts (views of the old data are copied once, here)."""
-        flags = self.flags & ~(TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY | TurnFlag.HAS_RESPONSE)
-        parts = [tail]
+        flags = self.flags & ~_PARTS_AFTER_TAIL
+        parts = list(tail_parts)
         if response is not None:
             parts.append(response)
             flags |= TurnFlag.HAS_RESPONSE
@@ -423,7 +437,7 @@ class Turn:
         afterwards). One copy: the response, if any, comes after."""
         if self.flags & TurnFlag.HAS_RESPONSE:
             _, response, _, _, _ = self._parts()
-            self._store(b"".join(tail_parts), response, None, None, _n_rest_bytes(n_rest))
+            self._store(tail_parts, response, None, None, _n_rest_bytes(n_rest))
             return
         self.flags &= ~(TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY)
         self.data = b"".join((*tail_parts, _n_rest_bytes(n_rest)))
@@ -444,7 +458,7 @@ class Turn:
             self.flags = flags | TurnFlag.HAS_DIGEST
             return
         tail, response, _, _, n_rest = self._parts()
-        self._store(tail, response, digest, key, n_rest)
+        self._store((tail,), response, digest, key, n_rest)
 
     @property
     def tail(self) -> bytes:
@@ -454,7 +468,7 @@ class Turn:
     @tail.setter
     def tail(self, tail: bytes) -> None:
         _, response, digest, key, n_rest = self._parts()
-        self._store(tail, response, digest, key, n_rest)
+        self._store((tail,), response, digest, key, n_rest)
 
     @property
     def response(self) -> bytes | None:
@@ -480,7 +494,7 @@ class Turn:
             self.flags = flags | TurnFlag.HAS_RESPONSE
             return
         tail, _, digest, key, n_rest = self._parts()
-        self._store(tail, response, digest, key, n_rest)
+        self._store((tail,), response, digest, key, n_rest)
 
     @property
     def n_rest(self) -> int:
@@ -507,7 +521,7 @@ class Turn:
     @digest.setter
     def digest(self, digest: bytes | None) -> None:
         tail, response, _, _, n_rest = self._parts()
-        self._store(tail, response, digest, self.rkey, n_rest)
+        self._store((tail,), response, digest, self.rkey, n_rest)
 
     @property
     def rkey(self) -> int | None:
@@ -525,7 +539,7 @@ class Turn:
     @rkey.setter
     def rkey(self, key: int | None) -> None:
         tail, response, digest, _, n_rest = self._parts()
-        self._store(tail, response, digest, key, n_rest)
+        self._store((tail,), response, digest, key, n_rest)
 
     # -- derived from the request's fields (see finish_tail)
 

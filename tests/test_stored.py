@@ -180,6 +180,74 @@ def test_request_tail_digest_key_and_count_in_one_bytes_object() -> None:
     assert (turn.tail, turn.n_rest) == (b"\x91c", 3)  # a refused value changes nothing
 
 
+def test_one_builder_sets_every_part_at_once() -> None:
+    from rollout_store.confirm import digest_key
+    from rollout_store.stored import Turn, TurnFlag
+
+    digest = bytes(range(2, 34))
+    cases = [  # tail parts, n_rest, response, digest, key -> what rkey reads
+        ((b"\x92", b"a", b"b"), 2, b"\x81\xa1r\xa1s", digest, digest_key(digest)),
+        ((b"\x91c",), 2**32 - 1, None, digest, 7),  # a key the digest does not give
+        ((b"\x90",), 0, b"", None, 2**64 - 1),  # a file's key, digest not yet known
+        ((), 0, None, None, None),
+    ]
+    for parts, n_rest, response, dig, key in cases:
+        turn = Turn()
+        turn.index, turn.flags = 0, TurnFlag.TAIL_ECHO
+        turn.set_request((b"\x91old",), 9)  # whatever it held before is replaced
+        turn.response = b"\xa3old"
+        turn.build(parts, n_rest, response, dig, key)
+        got = (turn.tail, turn.n_rest, turn.response, turn.digest, turn.rkey)
+        assert got == (b"".join(parts), n_rest, response, dig, key)
+        assert turn.flags & TurnFlag.TAIL_ECHO  # other flags untouched
+        own_key = key is not None and (dig is None or key != digest_key(dig))
+        assert bool(turn.flags & TurnFlag.HAS_KEY) == own_key  # the digest's key: not twice
+    turn = Turn()
+    turn.index, turn.flags = 0, 0
+    turn.build((b"\x91a",), 1, b"\xa1r", digest, digest_key(digest))
+    assert turn.data == b"\x91a" + b"\xa1r" + digest + (2).to_bytes(4, "little") + bytes(
+        (1, 0, 0, 0)
+    )
+    before = (turn.data, turn.flags)
+    for bad in (
+        lambda: turn.build((b"",), 2**32, None, None, None),
+        lambda: turn.build((b"",), 0, None, b"short", None),
+        lambda: turn.build((b"",), 0, None, None, 2**64),
+    ):
+        with pytest.raises(RolloutStoreError):
+            bad()
+        assert (turn.data, turn.flags) == before  # a refused part changes nothing
+
+
+def test_add_turn_and_load_build_each_turn_once(tmp_path: Path, monkeypatch) -> None:
+    """add_turn and a file's reader set a turn's bytes once (`Turn.build`), with the digest
+    and key it is filed under: no setter rebuilds them afterwards."""
+    from rollout_store.stored import Turn
+
+    builds: list[int] = []
+    original = Turn._store
+
+    def counting(self, *args):  # type: ignore[no-untyped-def]
+        builds.append(id(self))
+        return original(self, *args)
+
+    graph = RolloutGraph()
+    path = tmp_path / "g.rls"
+    monkeypatch.setattr(Turn, "_store", counting)
+    for fields in chat_turns(4):
+        graph.add_turn(TurnNode(**fields))
+    assert len(builds) == 4 and len(set(builds)) == 4
+    assert all(t.digest is not None and t.rkey is not None for t in _turns(graph))
+    monkeypatch.setattr(Turn, "_store", original)
+    graph.save(path)
+    monkeypatch.setattr(Turn, "_store", counting)
+    builds.clear()
+    back = RolloutGraph.load(path)
+    assert len(builds) == 4 and len(set(builds)) == 4
+    assert [t.rkey for t in _turns(back)] == [t.rkey for t in _turns(graph)]
+    assert [t.response for t in _turns(back)] == [t.response for t in _turns(graph)]
+
+
 def test_the_link_is_kept_in_the_flags() -> None:
     from rollout_store.stored import LinkKind, Turn, TurnFlag
 
@@ -252,6 +320,14 @@ _CHANGES = st.lists(
         st.tuples(st.just("digest"), st.none() | _DIGESTS),
         st.tuples(st.just("rkey"), st.none() | st.integers(0, 2**64 - 1)),
         st.tuples(st.just("file"), st.none() | st.integers(0, 2**64 - 1), st.none() | _DIGESTS),
+        st.tuples(
+            st.just("build"),
+            st.lists(st.binary(max_size=20), max_size=3),
+            st.integers(0, 2**32 - 1),
+            st.none() | st.binary(max_size=40),
+            st.none() | _DIGESTS,
+            st.none() | st.integers(0, 2**64 - 1),
+        ),
     ),
     max_size=12,
 )
@@ -274,6 +350,12 @@ def test_request_bytes_agree_with_separate_fields(changes: list, other_flags: in
         if kind == "request":
             turn.set_request((change[1],), change[2])
             model.update(tail=change[1], n_rest=change[2], digest=None, key=None)
+        elif kind == "build":
+            _, parts, n_rest, response, digest, key = change
+            turn.build(parts, n_rest, response, digest, key)
+            model.update(
+                tail=b"".join(parts), n_rest=n_rest, response=response, digest=digest, key=key
+            )
         elif kind == "file":
             turn.file_under(change[1], change[2])
             model.update(key=change[1], digest=change[2])
