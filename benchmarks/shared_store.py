@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -197,6 +198,18 @@ def distinct_long_strings(texts: list[list[str]]) -> int:
     return len(seen)
 
 
+def distinct_turn_records(texts: list[list[str]]) -> int:
+    """Turn records an out-of-process store gets (see rollout_store.turn_records): one per
+    distinct turn, i.e. per distinct (request, response) (each turn of this group packs its
+    tail and response to far more than MIN_RECORD_BYTES, and no response holds a long
+    string)."""
+    seen = set()
+    for _, text in interleaved(texts):
+        body = json.loads(text)
+        seen.add((json.dumps(body["messages"]), json.dumps(body["response"])))
+    return len(seen)
+
+
 def distinct_tool_lists(texts: list[list[str]]) -> int:
     return len({json.dumps(json.loads(t)["tools"]) for _, t in interleaved(texts)} - {"null"})
 
@@ -225,15 +238,37 @@ def over(make_store: Callable[[], Any], cache_bytes: int | None) -> Make:
     return make
 
 
-WARM_UP_OBJECTS = (b"warm-up", bytes(200 * 1024))
+#: Calls made under tracemalloc before a baseline: more than the 128 entries of
+#: `urllib.parse`'s `urlsplit` cache, which botocore's per-request URLs fill (about 55 KiB),
+#: and enough for the interpreter's type-attribute cache to hold botocore's per-call
+#: attribute names (about 30 KiB). Both are bounded and shared by the whole process, whatever
+#: the number of graphs: filled while traced, what they later drop is counted too, so they
+#: add nothing at their steady size (filled before tracing, every new entry would count and
+#: no dropped one).
+WARM_UP_CALLS = 300
+WARM_UP_OBJECTS = (
+    b"warm-up",
+    bytes(200 * 1024),
+    *(b"warm-up %d" % i for i in range(WARM_UP_CALLS)),
+)
 WARM_UP_KEYS = {rs.content_key(data) for data in WARM_UP_OBJECTS}
 
 
 def warm_up(store: Any) -> None:
-    """Every call a graph makes, once, so what a client loads lazily is loaded already."""
+    """Every call a graph makes, so what a client loads lazily is loaded already and the
+    process's bounded caches are at their steady size (see WARM_UP_CALLS)."""
     for data in WARM_UP_OBJECTS:
         store.contains(store.put(data))
+        store.put(data)  # present already: the refused put-if-absent
         store.get(rs.content_key(data))
+
+
+def steady_baseline(measured: Any, store: Any) -> None:
+    """Warm `store`'s client up under tracemalloc, then take the baseline (WARM_UP_CALLS)."""
+    if store is not None:
+        warm_up(store)
+    gc.collect()
+    measured.baseline = tracemalloc.get_traced_memory()[0]
 
 
 def retained(make: Make, texts: list[list[str]]) -> tuple[int, Any, list[Any]]:
@@ -242,6 +277,7 @@ def retained(make: Make, texts: list[list[str]]) -> tuple[int, Any, list[Any]]:
     if store is not None:
         warm_up(store)
     with traced() as measured:
+        steady_baseline(measured, store)
         graphs, store = make(len(texts))
         for r, text in interleaved(texts):
             body = json.loads(text)
@@ -293,6 +329,7 @@ def capture_server(
     store = make_store()
     warm_up(store)
     with traced() as measured:
+        steady_baseline(measured, store)
         cache = rs.StringCache(cache_bytes) if cache_bytes is not None else None
         graphs = [rs.RolloutGraph(store=store, cache=cache) for _ in range(sessions)]
         for t in range(turns):
@@ -368,7 +405,7 @@ def four_processes(spec: list[Any], store: Any, texts: list[list[str]]) -> dict[
     return {
         "exit_codes": codes,
         "objects": len(keys),
-        "distinct_contents": distinct_long_strings(texts),
+        "distinct_contents": distinct_long_strings(texts) + distinct_turn_records(texts),
         "image_stored_once": image_key in keys,
     }
 
@@ -447,9 +484,12 @@ def main(argv: list[str] | None = None) -> int:
             row: dict[str, Any] = {"retained": size, "over_unique": size / unique}
             if store is not None:
                 row["objects"] = len(set(store.keys()) - WARM_UP_KEYS)
-                # the memory store also holds each distinct large plain value (the tool list)
+                # the memory store also holds each distinct large plain value (the tool list);
+                # out-of-process stores hold each distinct turn record
                 row["distinct_contents"] = distinct + (
-                    distinct_tool_lists(texts) if isinstance(store, rs.MemoryStore) else 0
+                    distinct_tool_lists(texts)
+                    if isinstance(store, rs.MemoryStore)
+                    else distinct_turn_records(texts)
                 )
                 row["blob_references"] = sum(g.stats()["blobs"] for g in graphs)
             del graphs, store

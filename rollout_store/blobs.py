@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterator
-from typing import Final
 
 import xxhash
 
@@ -65,7 +64,7 @@ class BlobTable:
     )
 
     def __init__(self, hasher: Callable[[bytes], bytes] = content_digest) -> None:
-        self._hasher: Final = hasher
+        self._hasher: Callable[[bytes], bytes] = hasher  # never changed
         self._strings: list[str] = []
         self._handles: list[Handle] = []
         # A digest maps to one handle, or to a list of them when different strings collide.

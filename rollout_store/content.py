@@ -193,6 +193,23 @@ class StringCache:
             value = entry[0]
             return value if type(value) is str else None
 
+    def get_bytes(self, key: bytes) -> bytes | None:
+        """The bytes object cached under `key` (a turn record), or None."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or type(entry[0]) is not bytes:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return entry[0]
+
+    def put_bytes(self, key: bytes, data: bytes) -> None:
+        """Remember `data`, the verified object stored under `key` (a turn record)."""
+        if len(data) <= self.max_bytes:
+            with self._lock:
+                self._insert(key, data, len(data))
+
     def put(self, key: bytes, text: str, nbytes: int) -> None:
         """Remember `text` (`nbytes` UTF-8 bytes) under `key`, evicting the oldest entries."""
         if nbytes <= self.max_bytes:

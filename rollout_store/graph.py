@@ -49,6 +49,7 @@ from .stored import (
 )
 from .tokens import run_list
 from .training import TrainingSequence
+from .turn_records import TurnRecords
 from .views import NodeView
 
 __all__ = [
@@ -205,6 +206,12 @@ class Graph:
         self._blobs = table
         self._requests = RequestStore(table, self.share_threshold)  # messages and values
         self._linker = Linker(self._requests, self._turns)  # parents and adoptions
+        # over an out-of-process store, each turn's tail and response too (turn_records)
+        self._records = (
+            TurnRecords(table.store, table.cache)
+            if isinstance(table, StoreBlobTable) and table.fetches
+            else None
+        )
 
     # ------------------------------------------------------------------ the file door
     # The file layer (`storage`) sits above this module and drives it through these:
@@ -317,6 +324,8 @@ class Graph:
                     moves = [move for move in moves if not is_above(move[0], turn)]
                 scratch.moves = moves
                 keys = scratch.keys()
+                records = self._records
+                sealed = records.put(turn) if records is not None else None
                 journal = self._journal
                 if journal is not None:
                     references = self._blobs.mark()
@@ -327,12 +336,13 @@ class Graph:
                 raise
             finally:
                 self._requests.reset_packer()
+            if records is not None:
+                records.seal(turn, sealed)
             self._commit(
                 turn,
                 keys,
                 scratch.moves,
                 scratch.pending,
-                scratch.tail_key,
                 scratch.request,
                 scratch.raw_tip,
             )
@@ -373,7 +383,7 @@ class Graph:
             raise InvalidValueError(f"expected str, got {type(node_id).__name__}", "node_id")
         elif self._find(node_id) is not None:
             raise DuplicateNodeError(f"node_id {node_id!r} is already in the graph")
-        turn = Turn()
+        turn = Turn() if self._records is None else self._records.new_turn()
         turn.index = len(self._turns)
         if node_id is not None:  # else the default id of its index, free (no chosen ids)
             turn.node_id = node_id
@@ -467,14 +477,11 @@ class Graph:
         keys: IndexKeys,
         moves: list[tuple[Turn, LinkKind]],
         pending: list[tuple[bytes, bytes]] | tuple[()] = (),
-        tail_key: bytes | None = None,
         request: FreshRequest | None = None,
         raw_tip: Any = None,
     ) -> None:
         requests = self._requests
         requests.add_values(pending)
-        if tail_key is not None:
-            requests.add_tail_key(turn.index, tail_key)
         side, meta = turn.side, turn.meta  # its own side: sides are shared below
         side.meta = self._meta.setdefault(meta, meta)
         self._turns.append(turn)

@@ -31,7 +31,6 @@ from .confirm import (
     prefix_keys,
     raw_end,
 )
-from .content import content_key
 from .encoding import (
     ECHO_PACKED,
     NotPackable,
@@ -47,6 +46,7 @@ from .messages import leading_system_count, link_key, response_link_key
 from .nodes import TurnNode
 from .raw import RawJSON, decode_array, decode_raw, resolve_raw
 from .stored import IndexKeys, LinkKind, Turn, TurnFlag, finish_tail
+from .turn_records import echo_by_key
 from .values import ValueTable
 
 __all__ = ["FreshRequest", "RequestStore", "Scratch"]
@@ -133,7 +133,6 @@ class Scratch:
         "request_digest",
         "request_sum",
         "root_keys",
-        "tail_key",
         "tail_parts",
         "token_key",
         "token_parent",
@@ -156,7 +155,6 @@ class Scratch:
         # for an earlier turn that arrives late
         self.root_keys: list[int] | None = None
         self.request: FreshRequest | None = None  # its non-system messages, if any
-        self.tail_key: bytes | None = None  # SHA-256 of the tail's plain packings
         self.raw_tip: tuple[RawTip, RawTip | None] | None = None  # filed at commit
         self.twins: list[Turn] = []  # stored turns with exactly this request, and children
         self.moves: list[tuple[Turn, LinkKind]] = []  # earlier turns it adopts
@@ -239,19 +237,23 @@ class FreshRequest:
             return ok
         n = stored.n_rest
         probe = self._probe
+        digest = stored.digest
+        by_digest = digest is not None and (probe is not None or n <= self.n_valid)
         if n > self.n_valid:
             ok = False
-        elif probe is not None and (digest := stored.digest) is not None:
+        elif probe is not None and digest is not None:
             ok = digest == probe.digest(n)
+        elif digest is not None:  # the first n messages have their plain packings
+            ok = digest == prefix_digest(b"".join(self._plains[:n]))  # type: ignore[arg-type, index]
         else:  # compare bytes with the stored tails (a turn read from a file, once)
             ok = self._store.matches(stored, self.plains(), self.messages)
             if ok and probe is not None:
                 stored.digest = probe.digest(n)
-        if ok and probe is not None and stored.flags & TurnFlag.PREFIX_SPECIAL:
+        if ok and (probe is not None or by_digest) and stored.flags & TurnFlag.PREFIX_SPECIAL:
             # a digest match of tuples, big ints or lone surrogates: the fresh messages must
             # be those values, not msgpack.ExtType objects packing alike
             valid = self._store.valid
-            ok = all(valid(self.messages[i], probe.plain(i)) for i in range(n))
+            ok = all(valid(self.messages[i], self.plain(i)) for i in range(n))
         confirmed[stored.index] = ok
         return ok
 
@@ -334,7 +336,6 @@ class RequestStore:
         "blobs",
         "raw_tips",
         "request_index",
-        "tail_keys",
         "tips",
         "values",
     )
@@ -346,18 +347,16 @@ class RequestStore:
         self._pack_plain = new_packer()
         self._encoder = Encoder(blobs, share_threshold)
         self._canonical = Encoder(None, None)  # plain packing by the validating walk
-        # over an out-of-process store: tails and values holding blob references are matched
-        # by the SHA-256 of their plain packings (turn index -> digest), never by fetching
-        fetches = blobs.fetches
-        self.tail_keys: dict[int, bytes] | None = {} if fetches else None
-        self.values = ValueTable(self.expand, share_threshold, hashed=fetches)
+        # over an out-of-process store: values holding blob references are matched by the
+        # SHA-256 of their plain packings, never by fetching (requests by their digests)
+        self.values = ValueTable(self.expand, share_threshold, hashed=blobs.fetches)
         self.request_index: dict[int, Any] = {}  # digest of non-system request -> turn(s)
         # plain packings shorter than this can hold no blob and no nesting beyond MAX_DEPTH
         self._plain_limit = min(share_threshold or MAX_DEPTH, MAX_DEPTH)
         self.raw_tips = RawTips()  # the latest raw turns, for raw continuations
         # the latest decoded turns whose requests hold blobs: their strings are compared, not
         # hashed again (not over an out-of-process store: its strings are fetched)
-        self.tips: Tips | None = None if fetches else Tips()
+        self.tips: Tips | None = None if blobs.fetches else Tips()
         self._window = WINDOW  # trailing boundaries a request is probed at first
         # bit n set: some filed request has n messages (a request can only extend one whose
         # count is among these: the boundaries worth a digest); a bit per count, not per turn
@@ -446,11 +445,6 @@ class RequestStore:
         """Remember the shared values a committed turn stored first."""
         for plain, stored in pending:
             self.values.add(plain, stored)
-
-    def add_tail_key(self, index: int, key: bytes) -> None:
-        """Remember the digest a committed turn's tail is matched by (see `tail_keys`)."""
-        if self.tail_keys is not None:
-            self.tail_keys[index] = key
 
     def prepare(self, turn: Turn, node: TurnNode, scratch: Scratch) -> bytes | None:
         """Store the request as system part + base turn + tail; return the system plain.
@@ -644,13 +638,6 @@ class RequestStore:
                     turn.flags |= TurnFlag.TAIL_SPECIAL
                 pieces.append(packed)
         pieces[0] = array_header(len(pieces) - 1)
-        if self.tail_keys is not None and turn.flags & TurnFlag.TAIL_REFS:
-            # its strings are out of the process: match it later by the SHA-256 of its plain
-            # packings rather than by fetching them
-            first = start + (1 if turn.flags & TurnFlag.TAIL_ECHO else 0)
-            body = [request.plain(i) for i in range(first, len(rest))]
-            if None not in body:
-                scratch.tail_key = content_key(b"".join(body))  # type: ignore[arg-type]
         turn.base = base
         scratch.tail_parts, scratch.n_rest = pieces, n
         finish_tail(turn)
@@ -813,6 +800,9 @@ class RequestStore:
         if plain is None:
             return False
         flags = base.flags
+        by_key = echo_by_key(base, plain)  # a response kept in a store: no fetch
+        if by_key is not None:
+            return by_key and (not flags & TurnFlag.RESPONSE_SPECIAL or self.valid(message, plain))
         response = base.response
         if response is None:
             return False
@@ -828,8 +818,9 @@ class RequestStore:
             return False
         if self.is_echo(turn, message, plain):
             return True
+        response = turn.response  # (may be fetched from a store: its errors propagate)
         try:
-            return bool(response_link_key(value(turn.response, self.blobs)) == link_key(message))
+            return bool(response_link_key(value(response, self.blobs)) == link_key(message))
         except Exception:  # a malformed fresh message simply does not match
             return False
 
@@ -886,14 +877,7 @@ class RequestStore:
             if i >= end or base is None or not self.is_echo(base, messages[i], plains[i]):
                 return False
             i += 1
-        key = self.tail_keys.get(turn.index) if self.tail_keys is not None else None
-        if key is not None:
-            try:
-                if content_key(b"".join(plains[i:end])) != key:  # type: ignore[arg-type]
-                    return False
-            except TypeError:  # a message with no plain packing
-                return False
-        elif turn.flags & TurnFlag.TAIL_REFS:
+        if turn.flags & TurnFlag.TAIL_REFS:
             # blob references: rebuild the values (blobs are the table's own strings, no
             # copy) and pack them with every string inline, then compare bytes
             try:

@@ -33,6 +33,11 @@ DEFAULT_GRAPH_CACHE_BYTES = 8 * 1024 * 1024
 #: Bytes of a blob's xxh3 digest.
 DIGEST_BYTES = 16
 
+#: A table of fewer blobs finds a digest by scanning its digests (`bytearray.find`, C speed:
+#: about 3 microseconds per 1,000 blobs); from this many on it keeps an index (about 60 bytes
+#: a blob), so a large graph never scans far.
+INDEX_FROM = 2048
+
 
 class StoreBlobTable(BlobTable):
     """A `BlobTable` whose strings are kept in `store` (see the module docstring).
@@ -43,7 +48,8 @@ class StoreBlobTable(BlobTable):
 
     What a blob costs the graph is kept compact, in a few flat tables rather than objects
     per blob: its store key (32 bytes) and xxh3 digest (16 bytes) in two `bytearray`s, its
-    size and surrogate flag in one `array`, and one entry in the index from the digest's
+    size and surrogate flag in one `array`. A digest is found by scanning the digests while
+    the table is small (`INDEX_FROM`); a larger table also keeps an index from the digest's
     first 30 bits (an int) to the blob's number. `Handle`s are made when asked for.
     """
 
@@ -57,7 +63,6 @@ class StoreBlobTable(BlobTable):
         "_refs",
         "_sizes",
         "_text_store",
-        "_xxh",
         "store",
     )
 
@@ -67,7 +72,8 @@ class StoreBlobTable(BlobTable):
         cache: StringCache | None = None,
         hasher: Callable[[bytes], bytes] = content_digest,
     ) -> None:
-        super().__init__(hasher)
+        # (the private table's lists and dict are not made: every method using them is
+        # replaced here)
         if not isinstance(store, ContentStore):
             raise InvalidArgumentError(
                 f"store must be a ContentStore (put, get, contains), got {type(store).__name__}"
@@ -78,13 +84,14 @@ class StoreBlobTable(BlobTable):
             self._cache = cache  # only if asked for: the store holds str objects already
         else:
             self._cache = cache if cache is not None else StringCache(DEFAULT_GRAPH_CACHE_BYTES)
-        self._xxh = hasher
+        self._hasher = hasher
         self._keys = bytearray()  # blob i's store key at [32 i, 32 i + 32)
         self._digests = bytearray()  # its xxh3 digest at [16 i, 16 i + 16)
         self._sizes = array("Q")  # its UTF-8 bytes << 1 | (it holds lone surrogates)
-        # the digest's first 30 bits -> the blob's number, or a list of them when several
-        # blobs share those bytes (each candidate is confirmed by content or key)
-        self._index: dict[int, int | list[int]] = {}
+        # from INDEX_FROM blobs on: the digest's first 30 bits -> the blob's number, or a list
+        # of them when several blobs share those bytes (each candidate is confirmed by content
+        # or key); None while the digests are scanned
+        self._index: dict[int, int | list[int]] | None = None
         self._nbytes = 0
         self._refs = 0
         self._refbytes = 0
@@ -112,22 +119,33 @@ class StoreBlobTable(BlobTable):
         except UnicodeEncodeError:
             data = text.encode("utf-8", "surrogatepass")
             surrogates = True
-        digest = self._xxh(data)
+        digest = self._hasher(data)
         self._refs += 1
         self._refbytes += len(data)
-        found = self._index.get(_slot(digest))
-        if found is not None:
-            sha: list[bytes] = []
-            for index in (found,) if type(found) is int else found:  # type: ignore[union-attr]
-                if self._digest(index) == digest and self._same(index, text, data, sha):
-                    return self.handle(index)
+        sha: list[bytes] = []
+        for index in self._candidates(digest):
+            if self._digest(index) == digest and self._same(index, text, data, sha):
+                return self.handle(index)
         if self._text_store is not None:
             key = self._text_store.put_text(text, data)
-        else:
+        else:  # not cached: the cache holds what is read (recording reads nothing back)
             key = self.store.put(data)
-            if self._cache is not None:
-                self._cache.put(key, text, len(data))
         return self._add(key, digest, len(data), surrogates)
+
+    def _candidates(self, digest: bytes) -> Iterator[int]:
+        """The blobs that may have `digest` (each is checked against it)."""
+        index = self._index
+        if index is not None:
+            found = index.get(_slot(digest))
+            if found is not None:
+                yield from (found,) if type(found) is int else found  # type: ignore[misc]
+            return
+        digests = self._digests
+        at = digests.find(digest)
+        while at >= 0:
+            if at % DIGEST_BYTES == 0:
+                yield at // DIGEST_BYTES
+            at = digests.find(digest, at + 1)
 
     def _same(self, index: int, text: str, data: bytes, sha: list[bytes]) -> bool:
         key = self.key(index)
@@ -138,11 +156,7 @@ class StoreBlobTable(BlobTable):
             return cached == text
         if not sha:  # computed once per intern, only when a candidate is not at hand
             sha.append(content_key(data))
-        if sha[0] != key:
-            return False
-        if self._cache is not None:
-            self._cache.put(key, text, len(data))
-        return True
+        return sha[0] == key
 
     def _add(self, key: bytes, digest: bytes, size: int, surrogates: bool) -> Handle:
         if len(key) != KEY_SIZE or len(digest) != DIGEST_BYTES:
@@ -154,14 +168,12 @@ class StoreBlobTable(BlobTable):
         self._digests += digest
         self._sizes.append(size << 1 | surrogates)
         self._nbytes += size
-        slot = _slot(digest)
-        found = self._index.get(slot)
-        if found is None:
-            self._index[slot] = index
-        elif type(found) is int:
-            self._index[slot] = [found, index]
-        else:
-            found.append(index)  # type: ignore[union-attr]
+        if self._index is not None:
+            _file(self._index, digest, index)
+        elif index + 1 >= INDEX_FROM:
+            self._index = {}
+            for i in range(index + 1):
+                _file(self._index, self._digest(i), i)
         return Handle(digest, index, size, surrogates)
 
     def add_verified(self, text: str, digest: bytes, data_len: int, surrogates: bool) -> Handle:
@@ -235,16 +247,18 @@ class StoreBlobTable(BlobTable):
 
     def rollback(self, mark: tuple[int, int, int]) -> None:
         n, self._refs, self._refbytes = mark
+        index_of = self._index
         while len(self._sizes) > n:
             index = len(self._sizes) - 1
-            slot = _slot(self._digest(index))
-            found = self._index[slot]
-            if type(found) is int:
-                del self._index[slot]
-            else:
-                found.remove(index)  # type: ignore[union-attr]
-                if len(found) == 1:  # type: ignore[arg-type]
-                    self._index[slot] = found[0]  # type: ignore[index]
+            if index_of is not None:
+                slot = _slot(self._digest(index))
+                found = index_of[slot]
+                if type(found) is int:
+                    del index_of[slot]
+                else:
+                    found.remove(index)  # type: ignore[union-attr]
+                    if len(found) == 1:  # type: ignore[arg-type]
+                        index_of[slot] = found[0]  # type: ignore[index]
             self._nbytes -= self._sizes.pop() >> 1
         del self._keys[KEY_SIZE * n :]
         del self._digests[DIGEST_BYTES * n :]
@@ -258,6 +272,18 @@ class StoreBlobTable(BlobTable):
             "blob_bytes_saved": self._refbytes - self._nbytes,
             "collisions": len(self._sizes) - len(digests),
         }
+
+
+def _file(index: dict[int, int | list[int]], digest: bytes, number: int) -> None:
+    """File blob `number` under its digest's slot in `index`."""
+    slot = _slot(digest)
+    found = index.get(slot)
+    if found is None:
+        index[slot] = number
+    elif type(found) is int:
+        index[slot] = [found, number]
+    else:
+        found.append(number)  # type: ignore[union-attr]
 
 
 def _slot(digest: bytes) -> int:

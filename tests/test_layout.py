@@ -32,7 +32,10 @@ LAYERS: list[tuple[str, set[str]]] = [
     ),
     ("values and blobs", {"content", "blobs", "shared_blobs", "values"}),
     ("intake", {"intake"}),
-    ("stored turns and indexes", {"stored", "confirm", "keys", "materialize", "views"}),
+    (
+        "stored turns and indexes",
+        {"stored", "turn_records", "confirm", "keys", "materialize", "views"},
+    ),
     ("request storage and linking", {"requests", "linking"}),
     ("graph", {"graph"}),
     ("export", {"checks", "jsonstream", "export", "figures"}),
