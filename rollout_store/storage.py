@@ -77,7 +77,7 @@ from .stored import (
     full_run,
     is_above,
 )
-from .tokens import TokenRun, run_list
+from .tokens import ArrayRun, TokenRun, run_list
 
 __all__ = [
     "FORMAT_VERSION",
@@ -313,7 +313,8 @@ class _Writer:
         turn = entry.turn
         parent, base, side = turn.parent, turn.base, turn.side
         parent_index = parent.index if parent is not None and parent.index < turn.index else None
-        logprobs, sampled = side.logprobs, side.sampled
+        # (through the turn: a side may keep them in its packed prompt)
+        logprobs, sampled = turn.logprobs, turn.sampled
         if isinstance(logprobs, array):
             logprobs = encode_segment(logprobs)
         elif logprobs is not None:
@@ -841,9 +842,9 @@ class _Loader:
             other = self._ref(spec[1])
             if other is None or other.full is None:
                 raise ValueError("prompt extends a turn without tokens")
-            return TokenRun(other.full, _segment(spec[2]))
+            return ArrayRun(other.full, _segment(spec[2]))
         if kind == PromptKind.NEW and len(spec) == 2:
-            return TokenRun(None, _segment(spec[1]))
+            return ArrayRun(None, _segment(spec[1]))
         raise ValueError("bad prompt spec")
 
 
