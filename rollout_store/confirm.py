@@ -9,6 +9,13 @@ one message: buckets would grow with content that many rollouts share): its firs
 the index key, and all 32 confirm the match. xxh3 collisions can be crafted, BLAKE3 collisions
 cannot, so a digest match stands for a byte comparison. Packed msgpack items are
 self-delimiting, so equal prefix bytes mean equal leading messages.
+
+Long strings need not be hashed again on every turn: the latest turn of a conversation is a
+`Tip` that remembers where its blobs are (message and path, and the blob's own string) and a
+BLAKE3 digest of its request "hollowed" (each blob string replaced by a placeholder). A fresh
+request is confirmed against a tip by comparing each such string with the blob (`==` on two
+`str`: memcmp speed) and the digest of its own hollowed packing with the tip's; its plain
+digest then continues from the tip's BLAKE3 state, so only the new messages are hashed whole.
 """
 
 from __future__ import annotations
@@ -17,21 +24,28 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import blake3
+import msgpack
 import xxhash
 
-from .encoding import array_header
+from .encoding import array_header, no_echo, unpack
 
 __all__ = [
     "ALIGN",
     "CHUNK_HIGH",
     "CHUNK_LOW",
     "MAX_RAW_TIPS",
+    "MAX_TIPS",
     "RAW_HEAD",
     "WINDOW",
+    "Hole",
     "Probe",
     "RawTip",
     "RawTips",
+    "Tip",
+    "Tips",
     "digest_key",
+    "hollowed",
+    "holes_of",
     "mark_length",
     "prefix_digest",
     "prefix_keys",
@@ -91,7 +105,7 @@ class Probe:
     validating path).
     """
 
-    __slots__ = ("_pack", "digests", "hasher", "low", "messages", "n", "plains")
+    __slots__ = ("_pack", "digests", "hasher", "hollow", "low", "messages", "n", "plains", "tip")
 
     def __init__(
         self,
@@ -99,6 +113,7 @@ class Probe:
         pack: Callable[[Any], bytes],
         window: int = WINDOW,
         lengths: bytearray | None = None,
+        last: list[bytes] | None = None,
     ) -> None:
         if type(messages) is not list:
             messages = list(messages)
@@ -107,9 +122,12 @@ class Probe:
         self.n = n
         self.messages = messages
         self._pack = pack
+        self.tip: Tip | None = None  # the tip it continues (see `continuing`)
+        self.hollow: Any = None  # then: the BLAKE3 state of its hollowed packing
         # the last messages one by one (their packings are needed anyway), first: their
         # mean size tells how many earlier messages make a chunk of the right size
-        last = [pack(message) for message in messages[low:]]
+        if last is None:
+            last = [pack(message) for message in messages[low:]]
         hasher = blake3.blake3()
         update = hasher.update
         # the messages before the last as arrays of CHUNK_LOW to CHUNK_HIGH bytes (as many
@@ -176,6 +194,47 @@ class Probe:
         self.digests = digests
         self.low = low
         self.hasher = hasher  # has seen every message: where a continuation's digest starts
+
+    @classmethod
+    def continuing(
+        cls,
+        tips: Tips,
+        messages: list[Any],
+        pack: Callable[[Any], bytes],
+        window: int,
+        lengths: bytearray,
+    ) -> Probe:
+        """A probe of `messages` that continues a tip with holes (confirmed as `Tip` says),
+        else a usual one.
+
+        Only the messages after the tip's are packed and hashed whole; `low` is the tip's
+        message count, so every boundary below it takes `extend`, as in a usual probe."""
+        n = len(messages)
+        low = n - window if n > window else 0
+        last = [pack(message) for message in messages[low:]]
+        for j in range(n, low, -1):
+            for tip in tips.find(j, last[j - 1 - low]):
+                hollow = tip.confirm(messages, pack)
+                if hollow is None:
+                    continue
+                probe = cls.__new__(cls)
+                probe.n, probe.messages, probe._pack = n, messages, pack
+                probe.tip, probe.hollow = tip, hollow
+                plains: list[bytes | None] = [None] * low
+                plains.extend(last)
+                digests: list[bytes | None] = [None] * (n + 1)
+                digests[j] = tip.turn.digest
+                hasher = tip.plain_state.copy()
+                # boundaries after the tip where a stored request may end, and the end
+                done = j
+                for k in range(j + 1, n + 1):
+                    if k == n or (k >> 3 < len(lengths) and lengths[k >> 3] >> (k & 7) & 1):
+                        hasher.update(b"".join(last[done - low : k - low]))
+                        done = k
+                        digests[k] = hasher.digest()
+                probe.plains, probe.digests, probe.low, probe.hasher = plains, digests, j, hasher
+                return probe
+        return cls(messages, pack, window, lengths, last)
 
     def extend(self) -> None:
         """Know the plains and digests of every boundary."""
@@ -331,3 +390,197 @@ class RawTips:
                 self._short_ends[tip.end] = left
             else:
                 del self._short_ends[tip.end]
+
+
+#: Tips kept per graph (the latest decoded turn of each conversation, oldest dropped first).
+MAX_TIPS = 64
+#: What stands for a blob string in a hollowed packing (never stored: only hashed).
+_HOLE = msgpack.ExtType(127, b"")
+#: Plain packings of at most this many messages at a time while hashing a hollowed request.
+_RUN = 256
+#: Blob strings shorter than this stay in the hollowed packing (hashed whole): comparing one
+#: costs a few Python calls, which hashing saves only on long strings (measured: a 64 KiB
+#: screenshot gains several microseconds, an 8 KiB tool output none).
+HOLE_MIN = 1 << 14
+
+#: One blob string of a message: the path to it (keys and indexes) and the blob's string.
+Hole = tuple[tuple[Any, ...], str]
+
+
+def holes_of(stored: bytes, string: Callable[[int], str]) -> list[Hole]:
+    """The blob strings of one stored packing (a message or a response) at least HOLE_MIN
+    long, and their paths.
+
+    Others (shorter ones, and blob strings as dict keys) are not listed: a hollowed packing
+    keeps them whole, which is exact too."""
+    blobs: dict[int, str] = {}
+
+    def lookup(index: int) -> str:
+        text = string(index)
+        blobs[id(text)] = text
+        return text
+
+    value = unpack(stored, lookup, no_echo)
+    found: list[Hole] = []
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    while stack:
+        node, path = stack.pop()
+        items = node.items() if type(node) is dict else enumerate(node)
+        for key, child in items:
+            kind = type(child)
+            if kind is str:
+                if id(child) in blobs and len(child) >= HOLE_MIN:
+                    found.append(((*path, key), child))
+            elif kind is dict or kind is list:
+                stack.append((child, (*path, key)))
+    return found
+
+
+def hollowed(message: Any, holes: list[Hole]) -> Any:
+    """A copy of `message` with each hole's string replaced by the placeholder, copying only
+    the containers on the way; None unless every hole holds exactly its blob's string."""
+    copies: dict[int, Any] = {}
+    root = _copy(message, copies)
+    if root is None:
+        return None
+    for path, blob in holes:
+        node, copy = message, root
+        last = len(path) - 1
+        for depth, key in enumerate(path):
+            try:
+                child = node[key]
+            except (KeyError, IndexError, TypeError):
+                return None
+            if depth == last:
+                if type(child) is not str or child != blob:
+                    return None
+                copy[key] = _HOLE
+                break
+            child_copy = _copy(child, copies)
+            if child_copy is None:
+                return None
+            copy[key] = child_copy
+            node, copy = child, child_copy
+    return root
+
+
+def _copy(node: Any, copies: dict[int, Any]) -> Any:
+    found = copies.get(id(node))
+    if found is None:
+        kind = type(node)
+        if kind is dict:
+            found = dict(node)
+        elif kind is list:
+            found = list(node)
+        else:
+            return None
+        copies[id(node)] = found
+    return found
+
+
+class Tip:
+    """The latest decoded turn of a conversation, and what confirms a request that re-sends
+    it: its message count, where its long blob strings are (`holes`: message index and that
+    message's holes, in order), the BLAKE3 state after its hollowed packing and after its
+    plain packing (the turn's digest). Without holes both are one state, and only a tip with
+    holes is found by `Tips.find` (for the others a usual probe costs the same)."""
+
+    __slots__ = ("holes", "hollow_digest", "hollow_state", "key", "n", "plain_state", "turn")
+
+    def __init__(
+        self,
+        turn: Any,
+        n: int,
+        last_plain: bytes,
+        holes: list[tuple[int, list[Hole]]],
+        hollow_state: Any,
+        plain_state: Any,
+    ) -> None:
+        self.turn = turn
+        self.n = n
+        self.holes = holes
+        self.hollow_state = hollow_state
+        self.plain_state = plain_state
+        self.key: tuple[int, int] | None = None
+        self.hollow_digest = b""
+        if holes:
+            self.key = (n, xxhash.xxh3_64_intdigest(last_plain))  # a filter: `confirm` decides
+            self.hollow_digest = hollow_state.digest()
+
+    def confirm(self, messages: list[Any], pack: Callable[[Any], bytes]) -> Any:
+        """The BLAKE3 state after the hollowed packing of `messages[:n]` when it equals this
+        tip's (each blob string compared whole, the rest by the digest), else None."""
+        n = self.n
+        if n > len(messages):
+            return None
+        hasher = blake3.blake3()
+        parts: list[bytes | memoryview] = []
+        size = 0
+        start = 0
+        try:
+            for i, holes in (*self.holes, (n, None)):
+                while start < i:  # the messages between holes, packed plainly in runs
+                    stop = min(i, start + _RUN)
+                    run = pack(messages[start:stop])
+                    parts.append(memoryview(run)[len(array_header(stop - start)) :])
+                    size += len(run)
+                    start = stop
+                if holes is None:
+                    break
+                hollow = hollowed(messages[i], holes)
+                if hollow is None:
+                    return None
+                packed = pack(hollow)
+                parts.append(packed)
+                size += len(packed)
+                start = i + 1
+                if size > ALIGN:
+                    hasher.update(b"".join(parts))
+                    parts, size = [], 0
+        except Exception:  # something that does not pack plainly: not this tip's request
+            return None
+        hasher.update(b"".join(parts))
+        return hasher if hasher.digest() == self.hollow_digest else None
+
+
+class Tips:
+    """A graph's tips (at most MAX_TIPS), found by message count and the xxh3 of the last
+    message's plain packing (a filter only: a tip confirms), and by their turn."""
+
+    __slots__ = ("_by_key", "_by_turn")
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple[int, int], list[Tip]] = {}  # tips with holes only
+        self._by_turn: dict[int, Tip] = {}  # by the turn's index, oldest first
+
+    def __bool__(self) -> bool:
+        """Whether some tip has holes (only then is a request tried against tips)."""
+        return bool(self._by_key)
+
+    def find(self, n: int, last_plain: bytes) -> list[Tip]:
+        """Tips of `n` messages whose last message may pack as `last_plain`."""
+        found = self._by_key.get((n, xxhash.xxh3_64_intdigest(last_plain)))
+        return found if found is not None else []
+
+    def of(self, turn: Any) -> Tip | None:
+        """The tip of this very turn, if it is one."""
+        return self._by_turn.get(turn.index)
+
+    def add(self, tip: Tip, replaces: Tip | None) -> None:
+        if replaces is not None:
+            self._drop(replaces)
+        if tip.key is not None:
+            self._by_key.setdefault(tip.key, []).append(tip)
+        self._by_turn[tip.turn.index] = tip
+        while len(self._by_turn) > MAX_TIPS:
+            self._drop(next(iter(self._by_turn.values())))
+
+    def _drop(self, tip: Tip) -> None:
+        if self._by_turn.get(tip.turn.index) is not tip:
+            return
+        del self._by_turn[tip.turn.index]
+        if tip.key is not None:
+            tips = self._by_key[tip.key]
+            tips.remove(tip)
+            if not tips:
+                del self._by_key[tip.key]

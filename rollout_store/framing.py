@@ -75,10 +75,12 @@ def unescape(stored: bytes | memoryview) -> bytes:
     return bytes(stored).replace(_ESCAPED_PAIR, ESCAPE)
 
 
+_hash64 = xxhash.xxh3_64_intdigest
+
+
 def chain_value(kind_byte: int, length: int, prev: int, hashed: bytes | memoryview) -> int:
     """The chain value of a frame: `hashed` is its payload (a blob's: its digest)."""
-    seed = xxhash.xxh3_64_intdigest(_LINK.pack(kind_byte, length, prev))
-    return xxhash.xxh3_64_intdigest(hashed, seed=seed)
+    return _hash64(hashed, seed=_hash64(_LINK.pack(kind_byte, length, prev)))
 
 
 def encode_frame(kind: int, payload: bytes, prev: int) -> tuple[bytes, int]:
@@ -277,30 +279,88 @@ class FrameReader:
         self.resync: int | None = None
 
     def __iter__(self) -> Iterator[Frame]:
-        data, view = self.data, memoryview(self.data)
-        while self.offset < len(data):
-            try:
-                frame, prev = _check(
-                    data, view, self.offset, self.records, self.options, whole=False
+        for kind, payload, offset, record, end, chain in self.tuples():
+            yield Frame(kind, payload, offset, end, record, chain)
+
+    def tuples(self) -> Iterator[tuple[int, memoryview, int, int, int, int]]:
+        """What iterating yields, as plain tuples (kind, payload, offset, record, end,
+        chain): a loader's fast path.
+
+        A frame that is plainly whole (marker, known kind, unescaped payload the file holds
+        with no marker inside, chained to the frame before, hashing to its chain value, a
+        blob's digest right) is taken here in one step; any other goes through `_check`,
+        which decides and names the damage."""
+        data, view, size = self.data, memoryview(self.data), len(self.data)
+        options = self.options
+        digest_kinds, max_kind = options.digest_kinds, options.max_kind
+        fast = options.counters is None  # counting work: every frame through `_check`
+        unpack, find, link, hash64 = HEADER.unpack_from, data.find, _LINK.pack, _hash64
+        header_size, digest_end = HEADER.size, DIGEST_SIZE + len(SYNC)
+        offset, chain, record = self.offset, self.chain, self.records
+        while offset < size:
+            frame = None
+            if fast and size - offset >= header_size:
+                sync, kind, length, prev, expected = unpack(data, offset)
+                start = offset + header_size
+                end = start + length
+                if sync == SYNC and kind <= max_kind and end <= size and prev == chain:
+                    if kind in digest_kinds:
+                        if (
+                            length >= DIGEST_SIZE
+                            and find(SYNC, start, min(end, start + digest_end)) == -1
+                            and hash64(
+                                view[start : start + DIGEST_SIZE],
+                                seed=hash64(link(kind, length, prev)),
+                            )
+                            == expected
+                            and content_digest(view[start + DIGEST_SIZE : end])
+                            == data[start : start + DIGEST_SIZE]
+                        ):
+                            frame = view[start:end]
+                    elif (
+                        find(SYNC, start, end) == -1
+                        and hash64(view[start:end], seed=hash64(link(kind, length, prev)))
+                        == expected
+                    ):
+                        frame = view[start:end]
+            if frame is not None:
+                yield kind, frame, offset, record, end, expected
+                chain, offset = expected, end
+            else:
+                self.offset, self.chain, self.records = offset, chain, record
+                checked = self._checked(view)
+                yield (
+                    checked.kind,
+                    checked.payload,
+                    checked.offset,
+                    checked.record,
+                    checked.end,
+                    checked.chain,
                 )
-                if prev != self.chain:
-                    message = (
-                        "record out of place: it does not follow the record before it "
-                        "(frames reordered, duplicated, dropped or taken from another file)"
-                    )
-                    raise _damage(message, self.offset, self.records)
-            except _Damage as damage:
-                options = self.options
-                self.resync = next_frame(
-                    data,
-                    self.offset,
-                    digest_kinds=options.digest_kinds,
-                    max_kind=options.max_kind,
-                    counters=options.counters,
+                chain, offset = checked.chain, checked.end
+            record += 1
+            self.offset, self.chain, self.records = offset, chain, record
+
+    def _checked(self, view: memoryview) -> Frame:
+        """The frame at `offset`, checked in full; on damage, where the next whole frame
+        starts (`resync`) and `CorruptFileError`."""
+        try:
+            frame, prev = _check(self.data, view, self.offset, self.records, self.options, False)
+            if prev != self.chain:
+                message = (
+                    "record out of place: it does not follow the record before it "
+                    "(frames reordered, duplicated, dropped or taken from another file)"
                 )
-                self.cut = self.resync is None
-                raise damage.error from None
-            yield frame
-            self.chain = frame.chain
-            self.offset = frame.end
-            self.records += 1
+                raise _damage(message, self.offset, self.records)
+        except _Damage as damage:
+            options = self.options
+            self.resync = next_frame(
+                self.data,
+                self.offset,
+                digest_kinds=options.digest_kinds,
+                max_kind=options.max_kind,
+                counters=options.counters,
+            )
+            self.cut = self.resync is None
+            raise damage.error from None
+        return frame

@@ -18,8 +18,12 @@ from .requests import FreshRequest, RequestStore, Scratch
 from .stored import LinkKind, Turn, TurnFlag, add_child, full_run, sampled_any
 from .tokens import (
     BLOCK,
+    ArrayRun,
+    PackedFull,
+    PackedPrompt,
     TokenRun,
     block_digests,
+    packable,
     prefix_digest,
     run_bytes,
     run_matches,
@@ -103,7 +107,7 @@ class Linker:
             return
         if not (isinstance(prompt, array) and prompt.typecode == "I"):
             # ids beyond 32 bits: stored exactly, never linked by tokens
-            turn.prompt = TokenRun(None, prompt)
+            turn.prompt = ArrayRun(None, prompt)
             turn.full = full_run(turn.prompt, sampled)
             return
         data = prompt.tobytes()
@@ -113,13 +117,23 @@ class Linker:
         scratch.token_parent = parent
         scratch.prompt_key = key = xxhash.xxh3_64_intdigest(data)
         run = self._stored_prompt(key, data, len(prompt))
-        if run is None:
-            if parent is not None and parent.full is not None:
-                run = TokenRun(parent.full, prompt[parent.full.length :])
-            else:  # a root prompt: graphs over one memory store share it
-                run = TokenRun(None, self.requests.blobs.share_tokens(prompt))
+        packed = None
+        if run is None and parent is not None and parent.full is not None:
+            new = prompt[parent.full.length :]
+            if packable(new, sampled, turn.logprobs):
+                # the common case: new ids, sampled ids and logprobs in one object
+                run = packed = PackedPrompt(parent.full, new, sampled, turn.logprobs)
+            else:
+                run = ArrayRun(parent.full, new)
+        elif run is None:  # a root prompt: graphs over one memory store share it
+            run = ArrayRun(None, self.requests.blobs.share_tokens(prompt))
         turn.prompt = run
-        full = turn.full = full_run(run, sampled)
+        full: TokenRun | None
+        if packed is not None:
+            full = PackedFull(packed) if sampled is not None and len(sampled) else packed
+            turn.pack_tokens(packed, full)
+        else:
+            full = turn.full = full_run(run, sampled)
         if full is not None and full.compact:
             full_data = data if full is run else data + sampled.tobytes()  # type: ignore[union-attr]
             scratch.full_data = full_data

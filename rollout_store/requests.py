@@ -11,15 +11,21 @@ from collections.abc import Iterable, Sequence
 from itertools import chain
 from typing import Any, Final
 
+import blake3
 import msgpack
 
 from .blobs import BlobTable
 from .confirm import (
     WINDOW,
+    Hole,
     Probe,
     RawTip,
     RawTips,
+    Tip,
+    Tips,
     digest_key,
+    holes_of,
+    hollowed,
     mark_length,
     prefix_digest,
     prefix_keys,
@@ -177,6 +183,7 @@ class FreshRequest:
         "_store",
         "messages",
         "n_valid",
+        "next_tip",
     )
 
     def __init__(self, store: RequestStore, messages: Messages, probe: Probe | None) -> None:
@@ -187,6 +194,7 @@ class FreshRequest:
         self._prefixes: dict[int, list[Turn] | tuple[Turn, ...]] = {}
         self._plains: list[bytes | None] | None = None
         self._keys: list[int] | None = None
+        self.next_tip: Tip | None = None  # what its turn leaves for the next (see `build`)
         if probe is not None:
             self.n_valid = len(messages)
         else:
@@ -328,6 +336,7 @@ class RequestStore:
         "blobs",
         "raw_tips",
         "request_index",
+        "tips",
         "values",
     )
 
@@ -345,6 +354,9 @@ class RequestStore:
         # plain packings shorter than this can hold no blob and no nesting beyond MAX_DEPTH
         self._plain_limit = min(share_threshold or MAX_DEPTH, MAX_DEPTH)
         self.raw_tips = RawTips()  # the latest raw turns, for raw continuations
+        # the latest decoded turns whose requests hold blobs: their strings are compared, not
+        # hashed again (not over an out-of-process store: its strings are fetched)
+        self.tips: Tips | None = None if blobs.fetches else Tips()
         self._window = WINDOW  # trailing boundaries a request is probed at first
         # bit n set: some filed request has n messages (a request can only extend one whose
         # count is among these: the boundaries worth a digest); a bit per count, not per turn
@@ -472,7 +484,11 @@ class RequestStore:
         pack = self._pack_plain
         probe: Probe | None
         try:
-            probe = Probe(rest, pack, self._window, self._lengths)
+            tips = self.tips
+            if tips and type(rest) is list:
+                probe = Probe.continuing(tips, rest, pack, self._window, self._lengths)
+            else:
+                probe = Probe(rest, pack, self._window, self._lengths)
         except Exception:  # some message needs the validating walk, or is RawJSON
             probe = None
             if any(type(m) is RawJSON for m in messages):
@@ -638,6 +654,90 @@ class RequestStore:
         else:
             key = None
         turn.build(scratch.tail_parts, scratch.n_rest, response, digest, key)
+        request = scratch.request
+        if digest is not None and request is not None and self.tips is not None:
+            try:
+                request.next_tip = self._next_tip(turn, request, scratch)
+            except Exception:  # whatever it is, the next turn is confirmed as usual
+                request.next_tip = None
+
+    def _next_tip(self, turn: Turn, request: FreshRequest, scratch: Scratch) -> Tip | None:
+        """The tip this turn leaves for its conversation: its base's tip (or none, for a
+        first turn) extended by its new messages, with holes where their packings hold long
+        blob strings."""
+        probe = request._probe
+        tips = self.tips
+        flags = turn.flags
+        if probe is None or tips is None or flags & TurnFlag.PREFIX_SPECIAL:
+            return None
+        base = turn.base
+        messages = request.messages
+        n = len(messages)
+        if not n:
+            return None
+        holes: list[tuple[int, list[Hole]]] = []
+        hollow: Any = None  # None: the plain state (no holes yet)
+        start = 0
+        previous = None
+        if base is not None:
+            previous = tips.of(base)
+            if previous is None:
+                return None
+            start, holes = base.n_rest, previous.holes
+            if holes:
+                hollow = probe.hollow if probe.tip is previous else previous.hollow_state.copy()
+        echo_refs = (
+            flags & TurnFlag.TAIL_ECHO and base is not None and base.flags & TurnFlag.RESPONSE_REFS
+        )
+        if flags & TurnFlag.TAIL_REFS or echo_refs:  # new blobs, maybe long ones
+            new = self._new_holes(turn, request, scratch, start)
+            if new is None:
+                return None
+            parts, found = new
+            if found or holes:
+                if hollow is None:  # the hollowed packing so far is the plain one
+                    hollow = previous.plain_state.copy() if previous else blake3.blake3()
+                hollow.update(b"".join(parts))
+                holes = [*holes, *found]
+        elif holes:
+            hollow.update(b"".join(request.plain_slice(start, n)))  # type: ignore[arg-type]
+        plain_state = probe.hasher
+        return Tip(turn, n, probe.plain(n - 1), holes, hollow or plain_state, plain_state)
+
+    def _new_holes(
+        self, turn: Turn, request: FreshRequest, scratch: Scratch, start: int
+    ) -> tuple[list[bytes], list[tuple[int, list[Hole]]]] | None:
+        """The hollowed packings of a turn's new messages and the holes among them (None:
+        something does not pack plainly)."""
+        plains = request.plain_slice(start, len(request.messages))
+        pieces = scratch.tail_parts[1:]  # after the array header: one a message
+        if len(pieces) != len(plains):
+            return None
+        base = turn.base
+        parts: list[bytes] = []
+        found: list[tuple[int, list[Hole]]] = []
+        for k, (piece, plain) in enumerate(zip(pieces, plains, strict=True)):
+            if plain is None:
+                return None
+            if piece is plain or piece == plain:  # stored as packed: no blob
+                parts.append(plain)
+                continue
+            stored: bytes | None = piece
+            if k == 0 and turn.flags & TurnFlag.TAIL_ECHO:  # the base's response
+                stored = base.response if base is not None else None
+                if stored is None or not base.flags & TurnFlag.RESPONSE_REFS:  # type: ignore[union-attr]
+                    parts.append(plain)
+                    continue
+            holes = holes_of(stored, self.blobs.string)  # type: ignore[arg-type]
+            if not holes:  # no long blob string as a value: hashed whole, which is exact
+                parts.append(plain)
+                continue
+            hollow = hollowed(request.messages[start + k], holes)
+            if hollow is None:
+                return None
+            parts.append(self._pack_plain(hollow))
+            found.append((start + k, holes))
+        return parts, found
 
     def file(self, turn: Turn, key: int | None, request: FreshRequest | None = None) -> None:
         """File a committed turn's request under `key` (its digest), if it has messages;
@@ -656,6 +756,9 @@ class RequestStore:
                 bucket.parents.append(found)
         if turn.rkey != key:  # else built with it (`build`, or a file's reader)
             turn.file_under(key, request.digest() if request is not None else turn.digest)
+        if request is not None and request.next_tip is not None and self.tips is not None:
+            base = turn.base
+            self.tips.add(request.next_tip, self.tips.of(base) if base is not None else None)
         mark_length(self._lengths, turn.n_rest)
 
     def note_parent(self, turn: Turn) -> None:

@@ -13,12 +13,15 @@ from __future__ import annotations
 import contextlib
 import os
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import IntEnum
 from functools import partial
 from pathlib import Path
-from typing import IO, Any, NamedTuple
+from typing import IO, Annotated, Any, NamedTuple
+
+import msgpack
+import msgspec
 
 from . import framing
 from .atomic import fsync_dir, lock_log, replace_file
@@ -63,8 +66,18 @@ from .graph import Graph, GraphRestorer, JournalEntry
 from .intake import MAX_DEPTH, token_array
 from .packed import PackedInfo, QuickCheck, check_int_array, check_packed, splice_blobs
 from .shared_blobs import StoreBlobTable
-from .stored import IndexKeys, LinkKind, Turn, TurnFlag, TurnMeta, finish_tail, full_run, is_above
-from .tokens import TokenRun, run_list
+from .stored import (
+    IndexKeys,
+    LinkKind,
+    Turn,
+    TurnFlag,
+    TurnMeta,
+    TurnSide,
+    finish_tail,
+    full_run,
+    is_above,
+)
+from .tokens import ArrayRun, TokenRun, run_list
 
 __all__ = [
     "FORMAT_VERSION",
@@ -89,34 +102,42 @@ class PromptKind(IntEnum):
     NEW = 2  # [NEW, segment]: the tokens whole
 
 
+#: A position in the file (of a turn or a value record) or a count: never negative.
+_Index = Annotated[int, msgspec.Meta(ge=0)]
+
+
 class TurnRecord(NamedTuple):
     """The payload of a turn frame: an array of these 19 fields, in this order.
 
     Files written before `requested` existed have the first 18; it reads as None.
 
-    Written by `_Writer.turn_frames` and read by `_Loader.turn`. Turns, values and blobs
+    Written by `_Writer.turn_frames` and read by `_Loader.turn`, which decodes it into this
+    type with msgspec (so the field types below are checked in C). Turns, values and blobs
     are referred to by their position in the file.
     """
 
     node_id: str
-    parent: int | None  # an earlier turn (a later parent re-links its child by `moves`)
+    parent: _Index | None  # an earlier turn (a later parent re-links its child by `moves`)
     link: int  # LinkKind, 0 without parent
     flags: int  # Turn.flags without the derived bits (`_DERIVED_FLAGS`)
-    meta: Sequence[Any]  # TurnMeta as an array
-    system: int | None  # value holding the leading system messages
-    base: int | None  # the turn whose request this one extends
+    meta: tuple[str | None, str | None, str | None, str | None, int | None]  # TurnMeta
+    system: _Index | None  # value holding the leading system messages
+    base: _Index | None  # the turn whose request this one extends
     tail: bytes  # packed request messages after the base's
-    n_rest: int  # number of non-system request messages
+    n_rest: _Index  # number of non-system request messages
     response: bytes | None
-    tools: int | None  # value
-    sampling: int | None  # value
+    tools: _Index | None  # value
+    sampling: _Index | None  # value
     prompt: list[Any] | None  # [PromptKind, ...]
     sampled: list[Any] | None  # segment
     logprobs: list[Any] | None  # segment, or ["j", packed JSON value]
-    keys: Sequence[Any]  # IndexKeys as an array
-    refs: list[int]  # blob references and their bytes since the previous turn record
-    moves: list[list[int]]  # [turn, link] of earlier turns re-linked under this one
-    requested: int | None = None  # value holding requested_sampling_params
+    keys: tuple[int | None, int | None, int | None, list[int] | None]  # IndexKeys
+    refs: tuple[_Index, _Index]  # blob references and their bytes since the last turn record
+    moves: list[tuple[_Index, int]]  # (turn, link) of earlier turns re-linked under this one
+    requested: _Index | None = None  # value holding requested_sampling_params
+
+
+_RECORD_DECODER = msgspec.msgpack.Decoder(TurnRecord)
 
 
 #: Bits of Turn.flags that say what the packed tail and response hold: derived on load from
@@ -124,6 +145,10 @@ class TurnRecord(NamedTuple):
 _CONTENT_FLAGS = (
     TurnFlag.TAIL_REFS | TurnFlag.RESPONSE_REFS | TurnFlag.TAIL_SPECIAL | TurnFlag.RESPONSE_SPECIAL
 )
+#: Bits of Turn.flags that the other fields of a turn record give (logprobs tagged "j", an
+#: empty tail, an echo in the tail): derived on load, and written only to extend a file whose
+#: header lacks `derived_flags` (whose every record carries them, agreeing with its fields).
+_FIELD_FLAGS = TurnFlag.LOGPROBS_PACKED | TurnFlag.NO_MESSAGES | TurnFlag.TAIL_ECHO
 #: Bits derived on load, never written (a version-1 writer also wrote TurnFlag.TAIL_SLOW).
 _DERIVED_FLAGS = TurnFlag.TAIL_SLOW | TurnFlag.PREFIX_SPECIAL | _CONTENT_FLAGS
 # bits of Turn.flags that say how the turn is kept in memory (its link is a field of the
@@ -135,11 +160,14 @@ _IN_MEMORY_FLAGS = (
     | TurnFlag.LINK_LOW
     | TurnFlag.LINK_HIGH
 )
-#: Bits a turn record's flags may hold, and those of a request with messages.
-_MESSAGE_FLAGS = TurnFlag.TAIL_ECHO | TurnFlag.MESSAGES_TUPLE
-_STORED_FLAGS = _MESSAGE_FLAGS | (
-    TurnFlag.LOGPROBS_PACKED | TurnFlag.NO_MESSAGES | TurnFlag.EMPTY_PROMPT
-)
+#: Bits of Turn.flags a turn record holds (in a file whose records carry `_FIELD_FLAGS`).
+_WRITTEN_CARRYING = ~(_DERIVED_FLAGS | _IN_MEMORY_FLAGS)
+_WRITTEN = _WRITTEN_CARRYING & ~_FIELD_FLAGS
+#: Bits a turn record's flags may hold (`_FIELD_FLAGS` only where its file says so), and
+#: those of them a loaded turn keeps as they are (the others are derived from the fields).
+_STORED_FLAGS = TurnFlag.MESSAGES_TUPLE | TurnFlag.EMPTY_PROMPT | _FIELD_FLAGS
+_KEPT_FLAGS = TurnFlag.MESSAGES_TUPLE | TurnFlag.EMPTY_PROMPT
+_LINK_KINDS = tuple(LinkKind)
 
 #: How a file holds long strings: inline (self-contained) or as keys into a content store.
 BLOBS_INLINE, BLOBS_STORE = "inline", "store"
@@ -169,6 +197,9 @@ class _Writer:
         self, version: int = FORMAT_VERSION, chain: int = 0, blobs: str = BLOBS_INLINE
     ) -> None:
         self.version = version
+        # write `_FIELD_FLAGS` into turn records: only to extend a file whose records carry
+        # them (its header has no `derived_flags`), so that every record of a file agrees
+        self.carry_flags = version == _V1
         self.chain = chain
         self.blobs_mode = blobs  # BLOBS_STORE: blob records name store keys, no text
         self.blobs_written = 0
@@ -177,6 +208,11 @@ class _Writer:
         self.prompt_of: dict[int, int] = {}  # id(TokenRun) -> index of a turn whose prompt it is
         self.full_of: dict[int, int] = {}  # id(TokenRun) -> index of a turn whose full it is
         self.refs = (0, 0)  # blob references and their bytes counted so far
+        # this writer's own packer (record fields are str that may hold lone surrogates); a
+        # small buffer to start with: a loader holds a writer too
+        self.pack = msgpack.Packer(
+            use_bin_type=True, unicode_errors="surrogatepass", buf_size=1024
+        ).pack
 
     def header(self, graph: Graph, mode: str) -> bytes:
         """The magic and header frame of a new file (which starts this writer's chain)."""
@@ -191,6 +227,8 @@ class _Writer:
         if self.version == _V1:
             return MAGIC + frame(KIND_HEADER, pack(fields))
         fields["file_id"] = framing.new_file_id()
+        if not self.carry_flags:
+            fields["derived_flags"] = True
         data, self.chain = framing.encode_frame(KIND_HEADER, pack(fields), 0)
         return framing.MAGIC_V2 + data
 
@@ -213,14 +251,16 @@ class _Writer:
                 ref = [handle.digest, blobs.key(index), handle.size, handle.surrogates]
                 frames.append(self.frame(KIND_BLOB_REF, pack(ref), chain))
             return frames
+        string, handle_of, v1 = blobs.string, blobs.handle, self.version == _V1
+        encode_blob, prev = framing.encode_blob_frame, chain[0]
         for index in range(self.blobs_written, end):
-            data = blobs.string(index).encode("utf-8", "surrogatepass")
-            digest = blobs.handle(index).digest
-            if self.version == _V1:
-                frames.extend(blob_frame(digest, data))
+            data = string(index).encode("utf-8", "surrogatepass")
+            if v1:
+                frames.extend(blob_frame(handle_of(index).digest, data))
             else:
-                parts, chain[0] = framing.encode_blob_frame(KIND_BLOB, digest, data, chain[0])
+                parts, prev = encode_blob(KIND_BLOB, handle_of(index).digest, data, prev)
                 frames.extend(parts)
+        chain[0] = prev
         return frames
 
     def turn_frames(
@@ -237,16 +277,16 @@ class _Writer:
             else []
         )
         new_values: list[bytes] = []
-        known, value_ref = self.values, self._value_ref
+        known, value_ref, side = self.values, self._value_ref, turn.side
         values = [
             known.get(id(stored))
             if stored is not None and id(stored) in known
             # (a value written before is found by its id; the rest go through _value_ref)
             else value_ref(stored, new_values, frames, chain)
-            for stored in (turn.system, turn.tools, turn.sampling, turn.requested)
+            for stored in (side.system, side.tools, side.sampling, side.requested)
         ]
         record = self._record(entry, values, refs)
-        frames.append(self.frame(KIND_TURN, pack(list(record)), chain))
+        frames.append(self.frame(KIND_TURN, self.pack(record), chain))
         return frames, partial(self._commit, chain, entry.blobs_end, new_values, refs, turn)
 
     def _value_ref(
@@ -262,7 +302,7 @@ class _Writer:
             if pending is stored:
                 return len(self.value_objects) + i
         new.append(stored)
-        frames.append(self.frame(KIND_VALUE, pack(stored), chain))
+        frames.append(self.frame(KIND_VALUE, self.pack(stored), chain))
         return len(self.value_objects) + len(new) - 1
 
     def _record(
@@ -271,8 +311,9 @@ class _Writer:
         """The turn record of `entry`, its shared values at `values` (system, tools,
         sampling, requested)."""
         turn = entry.turn
-        parent, base, logprobs = turn.parent, turn.base, turn.logprobs
+        parent, base, side = turn.parent, turn.base, turn.side
         parent_index = parent.index if parent is not None and parent.index < turn.index else None
+        logprobs, sampled = side.logprobs, side.sampled
         if isinstance(logprobs, array):
             logprobs = encode_segment(logprobs)
         elif logprobs is not None:
@@ -281,7 +322,7 @@ class _Writer:
             turn.node_id,
             parent_index,
             int(turn.link) if parent_index is not None else 0,
-            turn.flags & ~(_DERIVED_FLAGS | _IN_MEMORY_FLAGS),
+            turn.flags & (_WRITTEN_CARRYING if self.carry_flags else _WRITTEN),
             turn.meta,  # a NamedTuple: packed as an array
             values[0],
             base.index if base is not None else None,
@@ -290,12 +331,12 @@ class _Writer:
             turn.response,
             values[1],
             values[2],
-            self._prompt_spec(turn),
-            encode_segment(turn.sampled),
+            None if side.prompt is None else self._prompt_spec(turn),
+            None if sampled is None else encode_segment(sampled),
             logprobs,
             entry.keys,  # a NamedTuple: packed as an array
-            [refs[0] - self.refs[0], refs[1] - self.refs[1]],
-            [[other.index, int(link)] for other, link in entry.moves] if entry.moves else [],
+            (refs[0] - self.refs[0], refs[1] - self.refs[1]),
+            [(other.index, int(link)) for other, link in entry.moves] if entry.moves else [],
             values[3],
         )
 
@@ -356,13 +397,18 @@ class _Gather:
             self.flush()
 
     def flush(self) -> None:
-        parts = self.parts
-        while parts:
-            written = os.writev(self.fd, parts[: self.MAX_PARTS])
-            while parts and written >= len(parts[0]):
-                written -= len(parts.pop(0))
+        parts, done, n = self.parts, 0, len(self.parts)
+        while done < n:
+            batch = parts[done : done + self.MAX_PARTS]
+            written = os.writev(self.fd, batch)
+            for part in batch:
+                if written < len(part):
+                    break
+                written -= len(part)
+                done += 1
             if written:  # a part written in part
-                parts[0] = parts[0][written:]
+                parts[done] = parts[done][written:]
+        parts.clear()
         self.size = 0
 
 
@@ -466,7 +512,12 @@ class _Loader:
         self.writer = _Writer()
         self.value_is_list: list[bool] = []  # system parts must be arrays of messages
         self.quick = QuickCheck(self.blob_surrogates)
+        self.handle = self.graph.blobs.handle
+        # the graph's interned TurnMeta of each meta field read so far (most turns share one)
+        self.metas: dict[tuple[Any, ...], TurnMeta] = {}
         self.unfiled: list[tuple[bytes, bytes | None]] = []  # values of the turn being read
+        # the file's turn records carry `_FIELD_FLAGS` (its header has no `derived_flags`)
+        self.carries_flags = False
 
     def check(self, packed: Any, n_blobs: int, echo_ok: bool = False) -> PackedInfo:
         """Check a stored value once, without building it (see `packed.check_packed`)."""
@@ -479,13 +530,19 @@ class _Loader:
         return check_packed(packed, n_blobs, MAX_DEPTH, blob_surrogates=surrogates, echo_ok=echo_ok)
 
     def blob_surrogates(self, index: int) -> bool:
-        return self.graph.blobs.handle(index).surrogates
+        return self.handle(index).surrogates
 
     def blob_v2(self, payload: memoryview) -> None:
         """A version-2 blob frame's payload: digest, then text (the frame reader checked the
         digest, the only hash over the text)."""
-        digest = bytes(payload[: framing.DIGEST_SIZE])
-        self._add_blob(payload[framing.DIGEST_SIZE :], digest)
+        data = payload[framing.DIGEST_SIZE :]
+        try:
+            text, surrogates = str(data, "utf-8"), False
+        except UnicodeDecodeError:
+            text, surrogates = str(data, "utf-8", "surrogatepass"), True
+        self.graph.blobs.add_verified(
+            text, bytes(payload[: framing.DIGEST_SIZE]), len(data), surrogates
+        )
 
     def _add_blob(self, data: memoryview, digest: bytes) -> None:
         try:
@@ -591,162 +648,168 @@ class _Loader:
         del writer.value_objects[n_values:], self.value_is_list[n_values:]
         self.unfiled.clear()
 
-    def turn(self, payload: Any) -> None:
-        """Check one turn record, build the stored turn and commit it to the graph."""
-        n_fields = len(TurnRecord._fields)
-        if not (isinstance(payload, list) and len(payload) in (n_fields - 1, n_fields)):
-            raise ValueError(f"turn record must be a list of {n_fields} fields")
-        record = TurnRecord(*payload)
-        n_blobs = len(self.graph.blobs)
-        turn = self._identity(record)
-        keys = _index_keys(record.keys)
-        self._request(turn, record, n_blobs, keys.request)
-        self._tokens(turn, record, n_blobs)
-        moves = self._moves(turn, record.moves)
-        refs = record.refs
-        if not (isinstance(refs, list) and len(refs) == 2):
-            raise ValueError("bad moves or reference counts")
-        if not (type(refs[0]) is type(refs[1]) is int and refs[0] >= 0 and refs[1] >= 0):
-            raise ValueError("bad reference counts")
-        # the turn holds copies of the record's bytes: let the record's go before filing it
-        payload.clear()
-        del record
-        self.graph.blobs.count_references(refs[0], refs[1])
-        self.restore.commit(turn, keys, moves)
-        self.writer.note_runs(turn)
-        for stored, plain in self.unfiled:  # the values it brought, found again from now on
-            self.restore.add_value(stored, plain)
-        self.unfiled.clear()
+    def turn(self, payload: memoryview) -> None:
+        """Check one turn record, build the stored turn and commit it to the graph.
 
-    def _identity(self, record: TurnRecord) -> Turn:
-        """A new turn with its id, position, parent, link, flags and scalar fields."""
-        node_id = record.node_id
-        if not isinstance(node_id, str) or node_id in self.graph:
+        The record is decoded into `TurnRecord` by msgspec, which checks every field's type
+        in C; what it refuses (lone surrogates in an id, say) is decoded by msgpack and its
+        fields checked one by one (`_untyped_record`). Then each reference is checked against
+        what came before, and the turn is built once and committed."""
+        try:
+            record = _RECORD_DECODER.decode(payload)
+        except msgspec.DecodeError:
+            record = _untyped_record(unpack_payload(payload))
+        graph, restore, writer = self.graph, self.restore, self.writer
+        n_blobs, index = len(graph.blobs), len(graph)
+        node_id, flags = record.node_id, record.flags
+        if node_id in graph:
             raise ValueError(f"bad or repeated node id {node_id!r}")
-        turn = Turn()
-        turn.index = len(self.graph)
-        turn.node_id = node_id
-        turn.parent = self._ref(record.parent)
-        link = _link_kind(record.link)
-        flags = record.flags
-        if not isinstance(flags, int) or flags < 0 or flags & ~(_STORED_FLAGS | _DERIVED_FLAGS):
+        if flags < 0 or flags & ~(_STORED_FLAGS | _DERIVED_FLAGS):
             raise ValueError("bad flags")
-        turn.flags = flags & ~(_DERIVED_FLAGS & ~_CONTENT_FLAGS)  # content flags: see _request
-        turn.link = link if turn.parent is not None else LinkKind.NONE  # two bits of flags
-        meta = record.meta
-        if not (isinstance(meta, list) and len(meta) == len(TurnMeta._fields)):
-            raise ValueError("bad meta")
-        if not set(map(type, meta[:4])) <= _STR_OR_NONE or type(meta[4]) not in _INT_OR_NONE:
-            raise ValueError("bad meta")
-        turn.meta = self.restore.meta(TurnMeta(*meta))
-        return turn
-
-    def _request(self, turn: Turn, record: TurnRecord, n_blobs: int, key: int | None) -> None:
-        """The request (system part, base, tail, filed under `key`), the response and the
-        shared values; the flags that say what the tail and response hold are derived from
-        them."""
-        carried = turn.flags & _CONTENT_FLAGS
-        turn.flags &= ~_CONTENT_FLAGS
-        response = record.response
-        if response is not None:
-            info = self.check(response, n_blobs)
-            turn.flags |= (TurnFlag.RESPONSE_REFS if info.refs else 0) | (
-                TurnFlag.RESPONSE_SPECIAL if info.special else 0
-            )
-        self._tail(turn, record, n_blobs, response, key)
-        if turn.flags & _CONTENT_FLAGS & ~carried and carried:
+        if flags & _FIELD_FLAGS and not self.carries_flags:
+            raise ValueError("a turn record carries flags that its file derives")
+        link, parent = record.link, record.parent
+        if not 0 <= link <= LinkKind.EXPLICIT:
+            raise ValueError("bad link kind")
+        turn = Turn()
+        turn.index = index
+        if node_id != f"turn-{index}":
+            turn.ident = node_id
+        # derived bits are set below, from the fields; the link is two bits of the flags
+        turn.flags = flags & _KEPT_FLAGS
+        if parent is not None:
+            turn.parent = self._ref(parent)
+            turn.link = _LINK_KINDS[link]
+        else:
+            turn.parent = None
+        side = turn.side
+        meta = self.metas.get(record.meta)
+        if meta is None:
+            meta = self.metas[record.meta] = restore.meta(TurnMeta(*record.meta))
+        side.meta = meta
+        values = writer.value_objects  # value records in file order
+        n_values = len(values)
+        system, tools, sampling, requested = (
+            record.system,
+            record.tools,
+            record.sampling,
+            record.requested,
+        )
+        if (
+            (system is not None and system >= n_values)
+            or (tools is not None and tools >= n_values)
+            or (sampling is not None and sampling >= n_values)
+            or (requested is not None and requested >= n_values)
+        ):
+            raise ValueError("value reference out of range")
+        side.system = None if system is None else values[system]
+        side.tools = None if tools is None else values[tools]
+        side.sampling = None if sampling is None else values[sampling]
+        side.requested = None if requested is None else values[requested]
+        self._request(turn, record, n_blobs)
+        self._tokens(turn, side, record, n_blobs)
+        derived = turn.flags
+        if self.carries_flags and derived & _FIELD_FLAGS != flags & _FIELD_FLAGS:
+            raise ValueError("the flags of a turn record do not agree with its fields")
+        carried = flags & _CONTENT_FLAGS
+        if carried and derived & _CONTENT_FLAGS & ~carried:
             # a record written before these flags were derived carries them all
             raise ValueError("the flags of a turn record do not say what its request holds")
-        value = self._value_ref
-        turn.share_values(value(record.tools), value(record.sampling), value(record.requested))
+        moves = self._moves(turn, record.moves) if record.moves else []
+        keys = record.keys
+        roots = keys[3]
+        refs = record.refs
+        del record  # the turn holds copies of the record's bytes: let them go before filing it
+        graph.blobs.count_references(refs[0], refs[1])
+        restore.commit(turn, IndexKeys(keys[0], keys[1], keys[2], roots), moves)
+        writer.note_runs(turn)
+        for stored, plain in self.unfiled:  # the values it brought, found again from now on
+            restore.add_value(stored, plain)
+        self.unfiled.clear()
 
-    def _tail(
-        self,
-        turn: Turn,
-        record: TurnRecord,
-        n_blobs: int,
-        response: bytes | None,
-        key: int | None,
-    ) -> None:
-        """The system part, the base and the messages after the base's; the turn's bytes
-        built once with its response and index key."""
-        flags, tail, n_rest, system = turn.flags, record.tail, record.n_rest, record.system
-        turn.system = self._value_ref(system)
-        base = turn.base = self._ref(record.base)
+    def _request(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
+        """The system part, the base, the tail and the response: the turn's bytes built once,
+        filed under the record's request key. What the tail and the response hold (blob
+        references, special values, an echo) sets the flags that say so; a request without
+        messages has an empty tail (NO_MESSAGES)."""
+        tail, n_rest, system, response = record.tail, record.n_rest, record.system, record.response
+        flags, quick = turn.flags, self.quick
+        if response is not None:
+            info = quick(response, n_blobs, MAX_DEPTH) or self.check(response, n_blobs)
+            if info.refs:
+                flags |= TurnFlag.RESPONSE_REFS
+            if info.special:
+                flags |= TurnFlag.RESPONSE_SPECIAL
+        base_index = record.base
+        base = turn.base = None if base_index is None else self._ref(base_index)
         first = base.n_rest if base is not None else 0  # the first message the tail holds
-        if base is not None and (base.flags | flags) & TurnFlag.NO_MESSAGES:
+        if base is not None and (not tail or base.flags & TurnFlag.NO_MESSAGES):
             raise ValueError("a request without messages has no base, and is no base")
-        if type(tail) is not bytes or type(n_rest) is not int:
-            raise ValueError("bad request tail")
         if n_rest < first:
             raise ValueError("request shorter than its base")
         if system is not None and not self.value_is_list[system]:
             raise ValueError("system messages must be an array")
-        turn.build((tail,), n_rest, response, None, None if flags & TurnFlag.NO_MESSAGES else key)
-        if flags & TurnFlag.NO_MESSAGES:
-            if tail or n_rest or system is not None or flags & _MESSAGE_FLAGS:
+        if not tail:  # no messages
+            if n_rest or system is not None or flags & TurnFlag.MESSAGES_TUPLE:
                 raise ValueError("a request without messages has messages")
+            turn.flags = flags | TurnFlag.NO_MESSAGES
+            turn.build((tail,), n_rest, response)
             finish_tail(turn)
             return
-        info = self.check(tail, n_blobs, echo_ok=True)
-        if info.refs or info.special:
-            turn.flags |= (TurnFlag.TAIL_REFS if info.refs else 0) | (
-                TurnFlag.TAIL_SPECIAL if info.special else 0
-            )
-        finish_tail(turn)
+        info = quick(tail, n_blobs, MAX_DEPTH, True) or self.check(tail, n_blobs, echo_ok=True)
         if info.top_items != n_rest - first:
             raise ValueError("request tail does not hold its messages")
-        echo = flags & TurnFlag.TAIL_ECHO
-        if info.echoes != bool(echo):
-            raise ValueError("misplaced echo in a request tail")
-        if echo:  # it must be the first message: right after the array header
+        if info.refs:
+            flags |= TurnFlag.TAIL_REFS
+        if info.special:
+            flags |= TurnFlag.TAIL_SPECIAL
+        if info.echoes:  # one, the first message: right after the array header
             start = len(array_header(n_rest - first))
-            if base is None or tail[start : start + len(ECHO_PACKED)] != ECHO_PACKED:
+            if (
+                info.echoes > 1
+                or base is None
+                or tail[start : start + len(ECHO_PACKED)] != ECHO_PACKED
+            ):
                 raise ValueError("misplaced echo in a request tail")
-            if base.response is None:
+            if not base.flags & TurnFlag.HAS_RESPONSE:
                 raise ValueError("an echo of a base turn that has no response")
+            flags |= TurnFlag.TAIL_ECHO
+        turn.flags = flags
+        turn.build((tail,), n_rest, response, None, record.keys[0])
+        finish_tail(turn)
 
-    def _tokens(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
-        """Prompt, sampled ids and logprobs."""
-        turn.prompt = self._prompt(record.prompt)
-        turn.sampled = _segment(record.sampled)
-        if turn.sampled is not None and not (
-            isinstance(turn.sampled, tuple) or turn.sampled.typecode in "Iq"
-        ):
-            raise ValueError("bad sampled ids")
-        turn.full = full_run(turn.prompt, turn.sampled)
+    def _tokens(self, turn: Turn, side: TurnSide, record: TurnRecord, n_blobs: int) -> None:
+        """Prompt, sampled ids and logprobs (packed if tagged "j": LOGPROBS_PACKED)."""
+        prompt = side.prompt = self._prompt(record.prompt)
+        sampled = record.sampled
+        if sampled is not None:
+            sampled = _segment(sampled)
+            if not (type(sampled) is tuple or sampled.typecode in "Iq"):
+                raise ValueError("bad sampled ids")
+        side.sampled = sampled
+        side.full = full_run(prompt, sampled)
         logprobs = record.logprobs
-        packed = bool(turn.flags & TurnFlag.LOGPROBS_PACKED)
         if logprobs is None:
-            if packed:
-                raise ValueError("logprobs flagged as packed, but there are none")
-            turn.logprobs = None
-        elif not (isinstance(logprobs, list) and len(logprobs) == 2):
+            return
+        if len(logprobs) != 2:
             raise ValueError("bad logprobs")
-        elif logprobs[0] == "j":
-            if not packed:
-                raise ValueError("packed logprobs without the flag that says so")
+        if logprobs[0] == "j":
             self.check(logprobs[1], n_blobs)
-            turn.logprobs = logprobs[1]
+            side.logprobs = logprobs[1]
+            turn.flags |= TurnFlag.LOGPROBS_PACKED
         elif logprobs[0] == "d":
-            if packed:
-                raise ValueError("logprobs flagged as packed, but stored as floats")
-            turn.logprobs = decode_segment(logprobs, "d")
+            side.logprobs = decode_segment(logprobs, "d")
         else:
             raise ValueError("bad logprobs")
 
-    def _moves(self, turn: Turn, moves: Any) -> list[tuple[Turn, LinkKind]]:
+    def _moves(self, turn: Turn, moves: list[tuple[int, int]]) -> list[tuple[Turn, LinkKind]]:
         """Earlier turns that this one re-linked under itself."""
-        if not isinstance(moves, list):
-            raise ValueError("bad moves or reference counts")
         out: list[tuple[Turn, LinkKind]] = []
-        for move in moves:
-            if not (isinstance(move, list) and len(move) == 2 and isinstance(move[1], int)):
+        for other_index, link in moves:
+            other = self._ref(other_index)
+            if other is None or not 0 < link <= LinkKind.EXPLICIT or is_above(other, turn):
                 raise ValueError("bad move")
-            other = self._ref(move[0])
-            if other is None or not 0 < move[1] <= LinkKind.EXPLICIT or is_above(other, turn):
-                raise ValueError("bad move")
-            out.append((other, LinkKind(move[1])))
+            out.append((other, _LINK_KINDS[link]))
         return out
 
     def _value_ref(self, ordinal: Any) -> bytes | None:
@@ -778,9 +841,9 @@ class _Loader:
             other = self._ref(spec[1])
             if other is None or other.full is None:
                 raise ValueError("prompt extends a turn without tokens")
-            return TokenRun(other.full, _segment(spec[2]))
+            return ArrayRun(other.full, _segment(spec[2]))
         if kind == PromptKind.NEW and len(spec) == 2:
-            return TokenRun(None, _segment(spec[1]))
+            return ArrayRun(None, _segment(spec[1]))
         raise ValueError("bad prompt spec")
 
 
@@ -793,18 +856,42 @@ def _segment(spec: Any) -> Any:
     return decode_segment(spec)
 
 
-def _link_kind(link: Any) -> LinkKind:
-    if not (isinstance(link, int) and 0 <= link <= LinkKind.EXPLICIT):
-        raise ValueError("bad link kind")
-    return LinkKind(link)
-
-
 _INT = frozenset({int})
 _INT_OR_NONE = frozenset({int, type(None)})
 _STR_OR_NONE = frozenset({str, type(None)})
 
 
-def _index_keys(keys: Any) -> IndexKeys:
+def _is_index(value: Any) -> bool:
+    return value is None or (type(value) is int and value >= 0)
+
+
+def _untyped_record(body: Any) -> TurnRecord:
+    """A turn record that msgpack decoded (strings may hold lone surrogates), its fields
+    checked to the types `TurnRecord` declares, as msgspec checks them."""
+    n_fields = len(TurnRecord._fields)
+    if not (isinstance(body, list) and len(body) in (n_fields - 1, n_fields)):
+        raise ValueError(f"turn record must be a list of {n_fields} fields")
+    record = TurnRecord(*body)
+    if type(record.node_id) is not str:
+        raise ValueError(f"bad node id {record.node_id!r}")
+    if type(record.link) is not int or type(record.flags) is not int:
+        raise ValueError("bad link kind or flags")
+    meta = record.meta
+    if not (isinstance(meta, list) and len(meta) == len(TurnMeta._fields)):
+        raise ValueError("bad meta")
+    if not set(map(type, meta[:4])) <= _STR_OR_NONE or type(meta[4]) not in _INT_OR_NONE:
+        raise ValueError("bad meta")
+    positions = (record.parent, record.system, record.base, record.tools, record.sampling)
+    if not all(map(_is_index, (*positions, record.requested))):
+        raise ValueError("bad reference to an earlier record")
+    if type(record.tail) is not bytes or type(record.n_rest) is not int or record.n_rest < 0:
+        raise ValueError("bad request tail")
+    if record.response is not None and type(record.response) is not bytes:
+        raise ValueError("a packed value must be bytes")
+    for spec in (record.prompt, record.sampled, record.logprobs):
+        if spec is not None and type(spec) is not list:
+            raise ValueError("bad token ids or logprobs")
+    keys = record.keys
     if not (isinstance(keys, list) and len(keys) == len(IndexKeys._fields)):
         raise ValueError("bad index keys")
     if not {type(keys[0]), type(keys[1]), type(keys[2])} <= _INT_OR_NONE:
@@ -812,7 +899,20 @@ def _index_keys(keys: Any) -> IndexKeys:
     roots = keys[3]
     if roots is not None and not (isinstance(roots, list) and set(map(type, roots)) <= _INT):
         raise ValueError("bad index keys")
-    return IndexKeys(*keys)
+    refs, moves = record.refs, record.moves
+    if not (isinstance(refs, list) and len(refs) == 2 and all(map(_is_index, refs))):
+        raise ValueError("bad reference counts")
+    if None in refs or not isinstance(moves, list):
+        raise ValueError("bad moves or reference counts")
+    for move in moves:
+        if not (isinstance(move, list) and len(move) == 2 and _is_index(move[0])):
+            raise ValueError("bad move")
+        if move[0] is None or type(move[1]) is not int:
+            raise ValueError("bad move")
+    # the shapes msgspec gives (a meta field is a key of `_Loader.metas`)
+    return record._replace(
+        meta=tuple(meta), keys=tuple(keys), refs=tuple(refs), moves=[tuple(m) for m in moves]
+    )
 
 
 _Frames = Iterator[tuple[int, memoryview, int, int, int, int]]
@@ -855,8 +955,7 @@ def _frames_v2(data: bytes, report: LoadReport) -> _Frames:
         data, len(framing.MAGIC_V2), digest_kinds=_DIGEST_KINDS, max_kind=KIND_BLOB_REF
     )
     try:
-        for f in reader:
-            yield f.kind, f.payload, f.offset, f.record, f.end, f.chain
+        yield from reader.tuples()
     except CorruptFileError as exc:
         report.fail(exc, truncated=reader.cut)
         report.resync_offset = reader.resync
@@ -899,8 +998,14 @@ class _Records:
         self.at = (start, record)
         if kind == KIND_BLOB:
             body: Any = payload
-        else:
+        elif kind == KIND_TURN:  # decoded by the loader, once bounded
             # a turn holds at most its fixed containers plus one per earlier turn moved
+            if len(payload) > _SMALL_RECORD:
+                check_packed(
+                    payload, 0, _RECORD_DEPTH, record=True, max_containers=16 + self.report.turns
+                )
+            body = payload
+        else:
             body = _decode(payload, 16 + self.report.turns)
         if self.ended:
             raise ValueError("records after the end record")
@@ -1059,8 +1164,13 @@ def _read_header(
         raise StoreRequiredError(
             f"{path} keeps its long strings in a content store: read it with store=..."
         )
+    derived = body.get("derived_flags", False)
+    if derived is not False and (derived is not True or version < 2):
+        raise ValueError(f"bad derived_flags {derived!r}")
     loader = _Loader(threshold, store, cache)
     loader.writer.blobs_mode = blobs
+    # records of a file without it carry the flags their fields give: so do those appended
+    loader.carries_flags = loader.writer.carry_flags = not derived
     return loader, mode
 
 

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar, overload
 from .confirm import digest_key
 from .encoding import ECHO_PACKED, array_header
 from .errors import RolloutStoreError
-from .tokens import TokenRun
+from .tokens import ArrayRun, PackedPrompt, TokenRun
 
 __all__ = [
     "SCALAR_NAMES",
@@ -243,6 +243,48 @@ def _side_property(name: str, doc: str) -> Any:
     return property(attrgetter(f"side.{name}"), set_, doc=doc)
 
 
+class _Packed:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "PACKED"
+
+
+#: What a side holds for sampled ids and logprobs that its `PackedPrompt` holds.
+PACKED: Any = _Packed()
+
+
+def _unpack(side: TurnSide) -> None:
+    """Sampled ids and logprobs kept in the side's `PackedPrompt` moved into the side, as
+    fresh arrays (before any token field of the side changes)."""
+    if side.sampled is PACKED:
+        prompt: PackedPrompt = side.prompt  # type: ignore[assignment]
+        side.sampled, side.logprobs = prompt.sampled(), prompt.logprobs()
+
+
+def _token_property(name: str, doc: str) -> Any:
+    """A `Turn` token field kept in its side; sampled ids and logprobs marked `PACKED` there
+    are read from its `PackedPrompt` (as fresh arrays)."""
+    field = getattr(TurnSide, name)  # the slot's descriptor
+    read = {"sampled": PackedPrompt.sampled, "logprobs": PackedPrompt.logprobs}.get(name)
+
+    def get(turn: Turn) -> Any:
+        side = turn.side
+        value = field.__get__(side)
+        if value is PACKED and read is not None:
+            return read(side.prompt)  # type: ignore[arg-type]
+        return value
+
+    def set_(turn: Turn, value: Any) -> None:
+        side = turn.side
+        if side.shared:
+            side = turn.side = side.copy()
+        _unpack(side)
+        field.__set__(side, value)
+
+    return property(get, set_, doc=doc)
+
+
 class Turn:
     """The stored form of a turn: references and packed bytes only.
 
@@ -272,6 +314,15 @@ class Turn:
         self.ident = None
         self.kids = None
         self.side = TurnSide()  # its own until the graph finds one alike (see TurnSide)
+
+    def pack_tokens(self, prompt: PackedPrompt, full: TokenRun) -> None:
+        """Set the token fields to a `PackedPrompt` that holds the sampled ids and logprobs
+        too, and `full` (a `PackedFull` over it, or the prompt when nothing was sampled)."""
+        side = self.side
+        if side.shared:
+            side = self.side = side.copy()
+        side.prompt, side.full = prompt, full
+        side.sampled = side.logprobs = PACKED
 
     # -- identity, link and children
 
@@ -516,10 +567,10 @@ class Turn:
     requested: _SideField[bytes | None] = _side_property(
         "requested", "Packed requested_sampling_params, shared."
     )
-    prompt: _SideField[TokenRun | None] = _side_property("prompt", "Prompt token runs, if any.")
-    sampled: _SideField[Any] = _side_property("sampled", "Sampled ids: array | tuple | None.")
-    full: _SideField[TokenRun | None] = _side_property("full", "prompt + sampled, if any.")
-    logprobs: _SideField[Any] = _side_property("logprobs", "array('d') | packed bytes | None.")
+    prompt: _SideField[TokenRun | None] = _token_property("prompt", "Prompt token runs, if any.")
+    sampled: _SideField[Any] = _token_property("sampled", "Sampled ids: array | tuple | None.")
+    full: _SideField[TokenRun | None] = _token_property("full", "prompt + sampled, if any.")
+    logprobs: _SideField[Any] = _token_property("logprobs", "array('d') | packed bytes | None.")
 
     def share_values(
         self, tools: bytes | None, sampling: bytes | None, requested: bytes | None
@@ -569,7 +620,7 @@ def finish_tail(turn: Turn) -> None:
 
 def full_run(prompt: TokenRun | None, sampled: Any) -> TokenRun | None:
     """The run a child's prompt extends: prompt + sampled (the prompt itself if none)."""
-    return TokenRun(prompt, sampled) if sampled is not None and len(sampled) else prompt
+    return ArrayRun(prompt, sampled) if sampled is not None and len(sampled) else prompt
 
 
 def add_child(parent: Turn, child: Turn) -> None:

@@ -7,12 +7,24 @@ taken every `BLOCK` tokens so a parent is found without scanning stored turns.
 
 from __future__ import annotations
 
+import struct
 from array import array
-from typing import TypeAlias, cast
+from typing import Any, TypeAlias, cast
 
 import xxhash
 
-__all__ = ["BLOCK", "Segment", "TokenRun", "block_digests", "run_bytes", "run_list"]
+__all__ = [
+    "BLOCK",
+    "ArrayRun",
+    "PackedFull",
+    "PackedPrompt",
+    "Segment",
+    "TokenRun",
+    "block_digests",
+    "packable",
+    "run_bytes",
+    "run_list",
+]
 
 #: Tokens per prefix-digest block.
 BLOCK = 64
@@ -23,22 +35,35 @@ Segment: TypeAlias = "array[int] | tuple[int, ...]"
 
 
 class TokenRun:
-    """A node of a token chain: the tokens of `prev`, then `seg`. Shared between turns."""
+    """A node of a token chain: the tokens of `prev`, then its own `seg`. Shared between turns.
 
-    __slots__ = ("length", "prev", "seg")
+    Two kinds: an `ArrayRun` holds its segment as it came; a turn's packed runs
+    (`PackedPrompt`, `PackedFull`) keep its new prompt ids, sampled ids and logprobs in one
+    bytes object (see `pack_turn`), for a graph holds one chain node per turn.
+    """
 
-    def __init__(self, prev: TokenRun | None, seg: Segment) -> None:
-        self.prev = prev
-        self.seg = seg
-        self.length: int = (prev.length if prev is not None else 0) + len(seg)
+    __slots__ = ("prev",)
+
+    prev: TokenRun | None
+
+    @property
+    def length(self) -> int:
+        """The number of tokens of the chain up to and including this node."""
+        raise NotImplementedError
+
+    @property
+    def seg(self) -> Segment:
+        """This node's own tokens."""
+        raise NotImplementedError
 
     def segments(self) -> list[Segment]:
         """The segments of the chain, first to last."""
         out: list[Segment] = []
         run: TokenRun | None = self
         while run is not None:
-            if len(run.seg):
-                out.append(run.seg)
+            seg = run.seg
+            if len(seg):
+                out.append(seg)
             run = run.prev
         out.reverse()
         return out
@@ -48,11 +73,122 @@ class TokenRun:
         """True when every segment is array('I'), so the run can be matched by bytes."""
         run: TokenRun | None = self
         while run is not None:
-            seg = run.seg
-            if len(seg) and not (isinstance(seg, array) and seg.typecode == "I"):
-                return False
+            if type(run) is ArrayRun:
+                seg = run.seg
+                if len(seg) and not (isinstance(seg, array) and seg.typecode == "I"):
+                    return False
             run = run.prev
         return True
+
+
+class ArrayRun(TokenRun):
+    """A chain node holding its own segment (array('I'), array('q') or a tuple)."""
+
+    __slots__ = ("length", "seg")
+
+    length: int
+    seg: Segment
+
+    def __init__(self, prev: TokenRun | None, seg: Segment) -> None:
+        self.prev = prev
+        self.seg = seg
+        self.length = (prev.length if prev is not None else 0) + len(seg)
+
+
+# A packed turn's bytes: its prompt's length, how many of those tokens are new (after
+# `prev`), the counts of sampled ids and logprobs (-1: None), then the new prompt ids and
+# the sampled ids as array('I') bytes and the logprobs as array('d') bytes.
+_HEAD = struct.Struct("<Qiii")
+_HEAD_SIZE = _HEAD.size
+_LENGTH = struct.Struct("<Q")
+
+
+def _ids(data: bytes, start: int, n: int) -> array[int]:
+    out = array("I")
+    out.frombytes(data[start : start + 4 * n])
+    return out
+
+
+class PackedPrompt(TokenRun):
+    """A turn's prompt as one chain node (the tokens of `prev`, then its new ids), with the
+    turn's sampled ids and logprobs in the same bytes object: one object per turn, not five
+    (a run, an array of new ids, a run for prompt + sampled, the sampled and logprob
+    arrays). `PackedFull` is the turn's prompt + sampled run over it."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, prev: TokenRun | None, new: array[int], sampled: Any, logprobs: Any) -> None:
+        self.prev = prev
+        length = (prev.length if prev is not None else 0) + len(new)
+        n_sampled = -1 if sampled is None else len(sampled)
+        n_logprobs = -1 if logprobs is None else len(logprobs)
+        parts = [_HEAD.pack(length, len(new), n_sampled, n_logprobs), new.tobytes()]
+        if sampled is not None:
+            parts.append(sampled.tobytes())
+        if logprobs is not None:
+            parts.append(logprobs.tobytes())
+        self.data = b"".join(parts)
+
+    @property
+    def length(self) -> int:
+        length: int = _LENGTH.unpack_from(self.data)[0]
+        return length
+
+    @property
+    def seg(self) -> array[int]:
+        _, n_new, _, _ = _HEAD.unpack_from(self.data)
+        return _ids(self.data, _HEAD_SIZE, n_new)
+
+    @property
+    def n_sampled(self) -> int:
+        """The number of sampled ids (0 when there are none)."""
+        n_sampled: int = _HEAD.unpack_from(self.data)[2]
+        return max(n_sampled, 0)
+
+    def sampled(self) -> array[int] | None:
+        """The turn's sampled ids (a fresh array), or None."""
+        _, n_new, n_sampled, _ = _HEAD.unpack_from(self.data)
+        return None if n_sampled < 0 else _ids(self.data, _HEAD_SIZE + 4 * n_new, n_sampled)
+
+    def logprobs(self) -> array[float] | None:
+        """The turn's logprobs (a fresh array('d')), or None."""
+        _, n_new, n_sampled, n_logprobs = _HEAD.unpack_from(self.data)
+        if n_logprobs < 0:
+            return None
+        start = _HEAD_SIZE + 4 * (n_new + max(n_sampled, 0))
+        out = array("d")
+        out.frombytes(self.data[start : start + 8 * n_logprobs])
+        return out
+
+
+class PackedFull(TokenRun):
+    """A packed turn's prompt + sampled run: its segment is the sampled ids its prompt holds."""
+
+    __slots__ = ()
+
+    prev: PackedPrompt
+
+    def __init__(self, prompt: PackedPrompt) -> None:
+        self.prev = prompt
+
+    @property
+    def length(self) -> int:
+        length, _, n_sampled, _ = _HEAD.unpack_from(self.prev.data)
+        return length + max(n_sampled, 0)  # type: ignore[no-any-return]
+
+    @property
+    def seg(self) -> array[int]:
+        return self.prev.sampled() or array("I")
+
+
+def packable(new: Any, sampled: Any, logprobs: Any) -> bool:
+    """Whether a turn's new prompt ids, sampled ids and logprobs fit a `PackedPrompt`."""
+    return (
+        type(new) is array
+        and new.typecode == "I"
+        and (sampled is None or (type(sampled) is array and sampled.typecode == "I"))
+        and (logprobs is None or (type(logprobs) is array and logprobs.typecode == "d"))
+    )
 
 
 def run_list(run: TokenRun) -> list[int]:
@@ -69,18 +205,31 @@ def run_bytes(run: TokenRun) -> bytes:
 
 def run_matches(run: TokenRun, data: bytes) -> bool:
     """Whether `data` (array('I') bytes) starts with exactly the tokens of `run`."""
-    if run.length * 4 > len(data):
-        return False
     end = run.length * 4
+    if end > len(data):
+        return False
     node: TokenRun | None = run
     while node is not None:
-        seg = node.seg
-        n = len(seg) * 4
-        if n:
-            if not (isinstance(seg, array) and seg.typecode == "I"):
+        kind = type(node)
+        if kind is PackedPrompt:  # its new ids, compared in place
+            packed = node.data  # type: ignore[attr-defined]
+            n = _HEAD.unpack_from(packed)[1] * 4
+            if n and packed[_HEAD_SIZE : _HEAD_SIZE + n] != data[end - n : end]:
                 return False
-            if not data.startswith(seg, end - n):
+        elif kind is PackedFull:  # the sampled ids its prompt holds
+            packed = node.prev.data  # type: ignore[union-attr]
+            _, n_new, n_sampled, _ = _HEAD.unpack_from(packed)
+            start, n = _HEAD_SIZE + 4 * n_new, 4 * max(n_sampled, 0)
+            if n and packed[start : start + n] != data[end - n : end]:
                 return False
+        else:
+            seg = node.seg
+            n = len(seg) * 4
+            if n:
+                if not (isinstance(seg, array) and seg.typecode == "I"):
+                    return False
+                if not data.startswith(seg, end - n):
+                    return False
         end -= n
         node = node.prev
     return True

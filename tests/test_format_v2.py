@@ -13,6 +13,7 @@ import tracemalloc
 from pathlib import Path
 
 import msgpack
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -442,14 +443,16 @@ def test_save_over_a_log_another_process_appends_to_is_refused(tmp_path: Path) -
 # ---------------------------------------------------------------- verify means usable
 
 
-def crafted_v2(tmp_path: Path, records: list[tuple[int, object]]) -> Path:
-    """A version-2 log of a header and the given records (bodies packed), chained right."""
+def crafted_v2(tmp_path: Path, records: list[tuple[int, object]], **header_fields: object) -> Path:
+    """A version-2 log of a header (plus `header_fields`) and the given records (bodies
+    packed), chained right."""
     header = {
         "format": "rollout_store",
         "version": 2,
         "mode": "log",
         "share_threshold": 8,
         "file_id": 7,
+        **header_fields,
     }
     out, chain = [MAGIC_V2], 0
     for kind, body in [(0, header), *records]:
@@ -679,6 +682,153 @@ def test_records_that_carry_content_flags_still_load(tmp_path: Path) -> None:
         _usable_graph(graph)
 
 
+# ------------------------------------------- flags the fields give (issue 7), files of main
+
+_FIELD_FLAGS = 8 | 16 | 32  # LOGPROBS_PACKED, NO_MESSAGES, TAIL_ECHO
+
+
+def _field_flag_rollout(graph: RolloutGraph) -> None:
+    """A rollout whose turns have each of the field flags: an echo of the base's response,
+    requests without messages, packed logprobs."""
+    build_rollout(graph, turns=2)
+    messages = [{"role": "user", "content": "hello " * 50}]
+    response = {"role": "assistant", "content": "hi there " * 40}
+    graph.add_turn(TurnNode(request_messages=messages, response_message=response))
+    echoed = [*messages, response, {"role": "user", "content": "more"}]
+    graph.add_turn(TurnNode(request_messages=echoed, response_message={"role": "assistant"}))
+    ids = {"prompt_ids": [1, 2, 3], "sampled_ids": [4, 5], "sampled_logprobs": [1, -0.5]}
+    graph.add_turn(TurnNode(request_messages=None, **ids))  # type: ignore[arg-type]
+    graph.add_turn(TurnNode(request_messages=None, response_message={"role": "assistant"}))
+
+
+def _header_of(data: bytes) -> dict[str, object]:
+    reader = framing.FrameReader(data, len(MAGIC_V2), digest_kinds=frozenset({1}), max_kind=5)
+    header = msgpack.unpackb(next(iter(reader)).payload, raw=False)
+    assert isinstance(header, dict)
+    return header
+
+
+@pytest.mark.parametrize("how", ["save", "log"])
+def test_field_flags_are_derived_not_written(tmp_path: Path, how: str) -> None:
+    """Issue 7: packed logprobs, a request without messages and an echo in the tail are
+    given by the record's fields: not written, derived on load exactly as intake set them."""
+    path = tmp_path / "f.rls"
+    if how == "log":
+        with RolloutGraph.open(path, share_threshold=64, fsync="never") as graph:
+            _field_flag_rollout(graph)
+    else:
+        graph = RolloutGraph(share_threshold=64)
+        _field_flag_rollout(graph)
+        graph.save(path)
+    unknown = ~(TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY)
+    live = [entry.turn.flags & unknown for entry in graph.journal_entries()]
+    for bit in (8, 16, 32):  # the rollout holds each of them
+        assert any(f & bit for f in live), bit
+    data = path.read_bytes()
+    assert _header_of(data)["derived_flags"] is True
+    on_disk = _turn_flags_on_disk(data)
+    assert len(on_disk) == len(live) and not any(f & _FIELD_FLAGS for f in on_disk)
+    loaded = RolloutGraph.load(path)
+    assert [entry.turn.flags & unknown for entry in loaded.journal_entries()] == live
+    assert snapshot(loaded) == snapshot(graph)
+
+
+@pytest.mark.parametrize("name", ["v2_snapshot.rls", "v2_log.rls"])
+def test_version_2_files_of_an_earlier_main_load(tmp_path: Path, name: str) -> None:
+    """Files written before the field flags were derived: their records carry them."""
+    data = (DATA / name).read_bytes()
+    assert "derived_flags" not in _header_of(data)
+    assert any(f & _FIELD_FLAGS for f in _turn_flags_on_disk(data))
+    assert storage.verify(DATA / name).ok
+    loaded = RolloutGraph.load(DATA / name)
+    expected = (DATA / f"{name}.expected").read_text()
+    assert snapshot(loaded) == expected
+    rewritten = tmp_path / "new.rls"
+    loaded.save(rewritten)
+    assert not any(f & _FIELD_FLAGS for f in _turn_flags_on_disk(rewritten.read_bytes()))
+    assert snapshot(RolloutGraph.load(rewritten)) == expected
+
+
+def test_an_earlier_log_keeps_carrying_the_field_flags(tmp_path: Path) -> None:
+    """Appending to a log whose records carry the flags goes on writing them (every record
+    of a file agrees with its header), and the whole log loads."""
+    path = tmp_path / "log.rls"
+    path.write_bytes((DATA / "v2_log.rls").read_bytes())
+    with RolloutGraph.open(path, share_threshold=64, fsync="never") as graph:
+        n = len(graph)
+        _field_flag_rollout(graph)
+        live = [entry.turn.flags & _FIELD_FLAGS for entry in graph.journal_entries()]
+    data = path.read_bytes()
+    assert "derived_flags" not in _header_of(data)
+    assert [f & _FIELD_FLAGS for f in _turn_flags_on_disk(data)[n:]] == live[n:]
+    assert any(live[n:])
+    loaded = RolloutGraph.load(path)
+    assert [entry.turn.flags & _FIELD_FLAGS for entry in loaded.journal_entries()] == live
+    assert snapshot(loaded) == snapshot(graph)
+
+
+_BLOB_TEXT = b"x" * 10
+_ECHO_TAIL = b"\x92\xc7\x00\x05\x01"  # [echo of the base's response, 1]
+FIELD_FLAG_CASES = {
+    # name: (records, the flags the loaded last turn has)
+    "packed logprobs": ([turn_record(logprobs=["j", b"\x91\x01"])], 8),
+    "no messages": ([turn_record(tail=b"")], 16),
+    "echo": (
+        [
+            turn_record(node_id="a", response=b"\x81\xa1r\x01"),
+            turn_record(node_id="b", base=0, tail=_ECHO_TAIL, n_rest=2),
+        ],
+        32,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(FIELD_FLAG_CASES))
+def test_field_flags_carried_by_an_earlier_record_must_agree(tmp_path: Path, name: str) -> None:
+    records, bits = FIELD_FLAG_CASES[name]
+    *before, last = records
+    flags_at = storage.TurnRecord._fields.index("flags")
+
+    def with_flags(flags: int) -> list[tuple[int, object]]:
+        changed = list(last)
+        changed[flags_at] = flags
+        return [(3, r) for r in [*before, changed]]
+
+    # a file whose header says the flags are derived: records without them load
+    path = crafted_v2(tmp_path, with_flags(0), derived_flags=True)
+    assert storage.verify(path).ok, storage.verify(path).error
+    graph = RolloutGraph.load(path)
+    assert graph.journal_entries()[-1].turn.flags & _FIELD_FLAGS == bits
+    _usable_graph(graph)
+    # ... and records that carry them are refused: nothing writes them there
+    report = storage.verify(crafted_v2(tmp_path, with_flags(bits), derived_flags=True))
+    assert not report.ok and "carries flags" in (report.error or ""), report.error
+    # an earlier file: records carry them, agreeing with the fields
+    path = crafted_v2(tmp_path, with_flags(bits))
+    assert storage.verify(path).ok, storage.verify(path).error
+    graph = RolloutGraph.load(path)
+    assert graph.journal_entries()[-1].turn.flags & _FIELD_FLAGS == bits
+    _usable_graph(graph)
+    # ... or they are refused at their record's offset, whether missing or extra
+    for flags in (0, bits | (_FIELD_FLAGS & ~bits & (8 | 16))):
+        path = crafted_v2(tmp_path, with_flags(flags))
+        report = storage.verify(path)
+        assert not report.ok and "invalid turn record" in (report.error or ""), flags
+        assert report.error_offset == frame_offsets(path.read_bytes())[-1]
+        with pytest.raises(CorruptFileError):
+            RolloutGraph.load(path)
+
+
+@pytest.mark.parametrize("value", [False, 1, "yes", None])
+def test_a_bad_derived_flags_header_is_refused(tmp_path: Path, value: object) -> None:
+    path = crafted_v2(tmp_path, [(3, turn_record())], derived_flags=value)
+    if value is False:  # the default, written out
+        assert storage.verify(path).ok
+        return
+    report = storage.verify(path)
+    assert not report.ok and "derived_flags" in (report.error or ""), report.error
+
+
 # ---------------------------------------------------------------- packed fields, re-chained
 
 
@@ -800,3 +950,63 @@ def test_a_blob_with_lone_surrogates_is_special_after_load(tmp_path: Path, how: 
     assert live[0] & TurnFlag.TAIL_SPECIAL and live[0] & TurnFlag.RESPONSE_SPECIAL
     loaded = RolloutGraph.load(path)
     assert [entry.turn.flags & special for entry in loaded.journal_entries()] == live
+
+
+# ---------------------------------------------------------------- the turn record's two decoders
+
+
+def _decoded(payload: bytes) -> tuple[str, object]:
+    """("typed", record) from msgspec, ("untyped", record) from the fallback, or the error."""
+    try:
+        return "typed", storage._RECORD_DECODER.decode(payload)
+    except msgspec.DecodeError:
+        pass
+    try:
+        return "untyped", storage._untyped_record(frames.unpack_payload(payload))
+    except ValueError as exc:
+        return "refused", str(exc)
+
+
+_ODD_FIELDS = [None, True, False, -1, 0, 7, 2**64 - 1, 1.5, "x", b"x", [], [1], [None] * 5]
+
+
+def test_the_typed_record_decoder_and_its_fallback_agree(tmp_path: Path) -> None:
+    """msgspec checks a turn record's field types; msgpack and a field-by-field check take
+    what it refuses. Both must accept exactly the same records, as the same values: every
+    record of a rollout, and each with one field replaced by an odd value."""
+    path = tmp_path / "f.rls"
+    graph = RolloutGraph(share_threshold=64)
+    _field_flag_rollout(graph)
+    graph.save(path)
+    records = [p for kind, p in _records_of(path.read_bytes()) if kind == 3]
+    assert records
+    outcomes = {"typed": 0, "refused": 0}
+    for payload in records:
+        body = msgpack.unpackb(payload, raw=False)
+        assert storage._untyped_record(list(body)) == storage._RECORD_DECODER.decode(payload)
+        for at, odd in itertools.product(range(len(body) + 1), _ODD_FIELDS):
+            changed = [*body, odd] if at == len(body) else [*body[:at], odd, *body[at + 1 :]]
+            data = msgpack.packb(changed, use_bin_type=True)
+            how, typed = _decoded(data)
+            assert how != "untyped", (at, odd)  # no lone surrogates here: msgspec decides
+            try:
+                fallback: object = storage._untyped_record(frames.unpack_payload(data))
+            except ValueError:
+                fallback = None
+            assert (how == "typed") == (fallback is not None), (at, odd, typed)
+            if how == "typed":
+                assert fallback == typed, (at, odd)
+            outcomes[how] += 1
+    assert outcomes["typed"] and outcomes["refused"]  # both kinds were tried
+
+
+def test_a_record_with_lone_surrogates_takes_the_fallback(tmp_path: Path) -> None:
+    path = tmp_path / "s.rls"
+    graph = RolloutGraph()
+    graph.add_turn(TurnNode(node_id="a\ud800", model="m\udc00", request_messages=[]))
+    graph.save(path)
+    (payload,) = [p for kind, p in _records_of(path.read_bytes()) if kind == 3]
+    how, record = _decoded(payload)
+    assert how == "untyped" and isinstance(record, storage.TurnRecord)
+    assert record.node_id == "a\ud800" and record.meta[0] == "m\udc00"
+    assert RolloutGraph.load(path).node_ids() == ["a\ud800"]

@@ -1,0 +1,220 @@
+"""Tips: a re-sent request holding long blob strings is confirmed by comparing those strings
+with the blobs and hashing the rest, never by trusting xxh3; an edit anywhere (inside a long
+string, beside it, between them) is never taken for the stored request, and everything
+links and round-trips as without tips."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+from support import assert_same
+
+from rollout_store import InvalidValueError, RolloutGraph, TurnNode
+from rollout_store import confirm as confirm_module
+from rollout_store.confirm import HOLE_MIN, MAX_TIPS, WINDOW, holes_of, hollowed
+
+IMAGE = HOLE_MIN + 100  # long enough to be a hole
+
+
+def _image(rng: random.Random) -> str:
+    return "data:image/png;base64," + "".join(rng.choices("ABCDEFGHIJ+/0123", k=IMAGE))
+
+
+def _conversation(n_turns: int, seed: int) -> list[tuple[list[Any], dict[str, Any]]]:
+    """An agent that sees a screenshot each turn (and, now and then, two or none)."""
+    rng = random.Random(seed)
+    history: list[Any] = [{"role": "system", "content": "sys"}]
+    out = []
+    for t in range(n_turns):
+        content: list[Any] = [{"type": "text", "text": f"step {t} {seed}"}]
+        for _ in range(rng.choice([0, 1, 1, 2])):
+            content.append({"type": "image_url", "image_url": {"url": _image(rng)}})
+        history.append({"role": "user", "content": content})
+        if rng.random() < 0.3:
+            history.append({"role": "user", "content": "short " * rng.randrange(1, 5)})
+        response = {"role": "assistant", "content": f"reply {t} {seed}"}
+        out.append((list(history), response))
+        history.append(response)
+    return out
+
+
+def _add_all(graph: RolloutGraph, turns: list[tuple[list[Any], dict[str, Any]]]) -> list[str]:
+    ids = []
+    for messages, response in turns:
+        fresh = json.loads(json.dumps(messages))  # new objects, as a decoded body gives
+        ids.append(graph.add_turn(TurnNode(request_messages=fresh, response_message=response)))
+    return [view.node_id for view in ids]
+
+
+def _tips(graph: RolloutGraph) -> Any:
+    return graph._requests.tips  # the graph's tips, to check they are used
+
+
+def test_a_conversation_with_long_strings_continues_its_tip() -> None:
+    graph = RolloutGraph()
+    turns = _conversation(14, 1)
+    ids = _add_all(graph, turns)
+    assert graph.path_ids(ids[-1]) == ids
+    for node_id, (messages, response) in zip(ids, turns, strict=True):
+        assert_same(graph.request_messages(node_id), messages)
+        assert_same(graph.get(node_id).response_message, response)
+    tips = list(_tips(graph)._by_turn.values())
+    assert len(tips) == 1 and tips[0].holes  # one tip, where its images are
+
+
+def _edit_char(text: str, rng: random.Random) -> str:
+    k = rng.randrange(len(text))
+    return text[:k] + ("#" if text[k] != "#" else "%") + text[k + 1 :]
+
+
+@pytest.mark.parametrize("what", ["inside an image", "beside an image", "between images"])
+@pytest.mark.parametrize("seed", range(3))
+def test_an_edit_in_a_resent_request_with_long_strings_never_matches(what: str, seed: int) -> None:
+    rng = random.Random(seed)
+    graph = RolloutGraph()
+    turns = _conversation(12, 10 + seed)
+    _add_all(graph, turns)
+    last, response = turns[-1]
+    resent = json.loads(json.dumps([*last, response, {"role": "user", "content": "next"}]))
+    edited = json.loads(json.dumps(resent))
+    with_images = [
+        i
+        for i, m in enumerate(edited[1 : len(last) - WINDOW], 1)
+        if isinstance(m["content"], list) and len(m["content"]) > 1
+    ]
+    where = rng.choice(with_images)
+    message = edited[where]
+    if what == "inside an image":
+        url = message["content"][1]["image_url"]
+        url["url"] = _edit_char(url["url"], rng)
+    elif what == "beside an image":
+        message["content"][0]["text"] = _edit_char(message["content"][0]["text"], rng)
+    else:
+        where = rng.choice([i for i in range(1, len(last) - 1) if i not in with_images])
+        edited[where] = {**edited[where], "role": edited[where]["role"] + "!"}
+    view = graph.add_turn(TurnNode(request_messages=edited))
+    stored = graph._turn(view.node_id)
+    assert stored.base is None or stored.base.n_rest + 1 <= where  # no base beyond the edit
+    parent = graph.parent(view.node_id)
+    assert parent is None or graph._turn(parent).n_rest + 1 <= where
+    assert_same(graph.request_messages(view.node_id), edited)
+    # the unedited continuation still finds its parent (through the tip)
+    view = graph.add_turn(TurnNode(request_messages=resent))
+    assert graph.parent(view.node_id) == f"turn-{len(turns) - 1}"
+    assert_same(graph.request_messages(view.node_id), resent)
+
+
+def test_crafted_xxh3_collisions_of_tips_never_match(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tip filed under one key (as a crafted xxh3 collision of last messages would):
+    conversations of the same shape still continue their own turns only."""
+
+    class Colliding:
+        @staticmethod
+        def xxh3_64_intdigest(data: Any) -> int:
+            return 0
+
+    monkeypatch.setattr(confirm_module, "xxhash", Colliding)
+    graph = RolloutGraph()
+    a, b = _conversation(8, 5), _conversation(8, 5)
+    # b: same shape and text, other images (and one that differs in one character only)
+    rng = random.Random(9)
+    for messages, _ in b:
+        for m in messages:
+            if isinstance(m["content"], list):
+                for part in m["content"][1:]:
+                    part["image_url"]["url"] = _edit_char(part["image_url"]["url"], rng)
+    ids_a, ids_b = [], []
+    for (ma, ra), (mb, rb) in zip(a, b, strict=True):
+        ids_a.append(graph.add_turn(TurnNode(request_messages=ma, response_message=ra)).node_id)
+        ids_b.append(graph.add_turn(TurnNode(request_messages=mb, response_message=rb)).node_id)
+    assert graph.path_ids(ids_a[-1]) == ids_a
+    assert graph.path_ids(ids_b[-1]) == ids_b
+    for node_id, (messages, _) in zip(ids_a + ids_b, a + b, strict=True):
+        assert_same(graph.request_messages(node_id), messages)
+
+
+def test_a_tip_confirms_only_the_very_strings_it_holds() -> None:
+    graph = RolloutGraph()
+    turns = _conversation(6, 2)
+    _add_all(graph, turns)
+    (tip,) = _tips(graph)._by_turn.values()
+    messages = json.loads(json.dumps(turns[-1][0][1:]))  # its non-system messages
+    pack = graph._requests._pack_plain
+    assert tip.confirm(messages, pack) is not None
+    i, holes = tip.holes[0]
+    path, blob = holes[0]
+    node = messages[i]
+    for key in path[:-1]:
+        node = node[key]
+    for other in (
+        _edit_char(blob, random.Random(0)),
+        blob + " ",
+        [blob],
+        msgpack.ExtType(127, b""),  # what stands for a hole: never taken for one
+        None,
+    ):
+        node[path[-1]] = other
+        assert tip.confirm(messages, pack) is None, other
+    node[path[-1]] = blob
+    assert tip.confirm(messages, pack) is not None
+    messages[i]["extra"] = 1  # anything else changed in the message: the digest differs
+    assert tip.confirm(messages, pack) is None
+
+
+def test_a_placeholder_in_a_fresh_request_is_refused_and_changes_nothing() -> None:
+    graph = RolloutGraph()
+    turns = _conversation(5, 3)
+    _add_all(graph, turns)
+    before = graph.stats()
+    messages = json.loads(json.dumps(turns[-1][0]))
+    for m in messages:
+        if isinstance(m["content"], list) and len(m["content"]) > 1:
+            m["content"][1]["image_url"]["url"] = msgpack.ExtType(127, b"")
+            break
+    with pytest.raises(InvalidValueError):
+        graph.add_turn(TurnNode(request_messages=messages))
+    assert graph.stats() == before and len(graph) == len(turns)
+
+
+def test_holes_are_long_blob_strings_as_values() -> None:
+    graph = RolloutGraph()
+    long = "x" * HOLE_MIN
+    message = {"a": [1, {"b": long}], "c": "y" * 2000, "d": long, long: 1}
+    graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "hi"}, message]))
+    stored = graph._requests.encode(message, "m")[0]  # its blobs are in the table now
+    holes = holes_of(stored, graph.blobs.string)
+    assert sorted(path for path, _ in holes) == [("a", 1, "b"), ("d",)]
+    assert all(blob == long for _, blob in holes)
+    hollow = hollowed(message, holes)
+    assert hollow["a"][1]["b"] == hollow["d"] == msgpack.ExtType(127, b"")
+    assert message["a"][1]["b"] == long and message["d"] == long  # the message is untouched
+    assert hollow["c"] is message["c"] and list(hollow) == list(message)
+
+
+def test_more_conversations_than_tips(tmp_path: Path) -> None:
+    """Conversations beyond MAX_TIPS evict the oldest tips; every one still links, and the
+    graph saves and loads (continuing there without tips)."""
+    graph = RolloutGraph()
+    conversations = [_conversation(3, 100 + k) for k in range(MAX_TIPS + 6)]
+    ids: list[list[str]] = [[] for _ in conversations]
+    for step in range(3):
+        for k, turns in enumerate(conversations):
+            messages, response = turns[step]
+            view = graph.add_turn(TurnNode(request_messages=messages, response_message=response))
+            ids[k].append(view.node_id)
+    assert len(_tips(graph)._by_turn) == MAX_TIPS
+    for chain in ids:
+        assert graph.path_ids(chain[-1]) == chain
+    path = tmp_path / "g.rls"
+    graph.save(path)
+    back = RolloutGraph.load(path)
+    more = _conversation(5, 100)  # the first conversation, two more turns
+    for messages, response in more[3:]:
+        view = back.add_turn(TurnNode(request_messages=messages, response_message=response))
+        assert_same(back.request_messages(view.node_id), messages)
+    assert back.path_ids(view.node_id) == [*ids[0], f"turn-{len(graph)}", view.node_id]

@@ -1,0 +1,158 @@
+"""A turn's token fields packed in one object: its new prompt ids, sampled ids and logprobs
+in one bytes object (`PackedPrompt`, with `PackedFull` over it), read back exactly, matched in
+place, unpacked when a field is set, and a bounded memory per turn."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from array import array
+from pathlib import Path
+
+from support import token_turns
+
+from rollout_store import RolloutGraph, TurnNode
+from rollout_store.stored import Turn
+from rollout_store.tokens import (
+    ArrayRun,
+    PackedFull,
+    PackedPrompt,
+    run_bytes,
+    run_list,
+    run_matches,
+)
+
+
+def _turns(graph: RolloutGraph) -> list[Turn]:
+    return graph._turns  # type: ignore[attr-defined]  # the stored turns, to check how they are kept
+
+
+def test_a_continuation_keeps_its_token_fields_in_one_packed_prompt() -> None:
+    turns = token_turns(4, n_new=5, n_sampled=7)
+    graph = RolloutGraph()
+    for fields in turns:
+        graph.add_turn(TurnNode(**fields))
+    stored = _turns(graph)
+    assert type(stored[0].prompt) is ArrayRun  # a root prompt: shared through the store
+    for k in (1, 2, 3):
+        turn = stored[k]
+        assert type(turn.prompt) is PackedPrompt and type(turn.full) is PackedFull
+        assert turn.full.prev is turn.prompt and turn.prompt.prev is stored[k - 1].full
+        assert run_list(turn.prompt) == turns[k]["prompt_ids"]
+        assert run_list(turn.full) == turns[k]["prompt_ids"] + turns[k]["sampled_ids"]
+        assert turn.prompt.length == len(turns[k]["prompt_ids"])
+        assert turn.sampled == array("I", turns[k]["sampled_ids"])
+        assert turn.logprobs == array("d", turns[k]["sampled_logprobs"])
+        node = graph.get(f"turn-{k}")
+        assert node.prompt_ids == turns[k]["prompt_ids"]
+        assert node.sampled_ids == turns[k]["sampled_ids"]
+        assert json.dumps(node.sampled_logprobs) == json.dumps(turns[k]["sampled_logprobs"])
+    sequence = graph.sequence_for("turn-3")
+    assert sequence.input_ids == turns[3]["prompt_ids"] + turns[3]["sampled_ids"]
+    assert sum(sequence.loss_mask) == 4 * 7
+
+
+def test_packed_runs_match_by_bytes_exactly() -> None:
+    turns = token_turns(3, n_new=3, n_sampled=4)
+    graph = RolloutGraph()
+    for fields in turns:
+        graph.add_turn(TurnNode(**fields))
+    full = _turns(graph)[2].full
+    data = array("I", turns[2]["prompt_ids"] + turns[2]["sampled_ids"]).tobytes()
+    assert full.compact and run_bytes(full) == data
+    assert run_matches(full, data) and run_matches(full, data + b"\x01\x00\x00\x00")
+    assert not run_matches(full, data[:-4])  # shorter than the run
+    for at in (0, len(data) - 4, len(data) - 20):  # a different id anywhere
+        changed = bytearray(data)
+        changed[at] ^= 1
+        assert not run_matches(full, bytes(changed)), at
+
+
+def test_a_turn_without_sampled_ids_or_logprobs_packs_them_as_none() -> None:
+    turns = token_turns(2)
+    graph = RolloutGraph()
+    graph.add_turn(TurnNode(**turns[0]))
+    failed = {"prompt_ids": turns[1]["prompt_ids"], "sampled_ids": [], "sampled_logprobs": None}
+    graph.add_turn(TurnNode(**failed))
+    turn = _turns(graph)[1]
+    assert type(turn.prompt) is PackedPrompt and turn.full is turn.prompt
+    assert turn.sampled == array("I") and turn.logprobs is None
+    node = graph.get("turn-1")
+    assert node.sampled_ids == [] and node.sampled_logprobs is None
+    no_ids = {
+        "prompt_ids": turns[1]["prompt_ids"] + [7],
+        "sampled_ids": None,
+        "sampled_logprobs": [-1.5],
+    }
+    graph.add_turn(TurnNode(**no_ids))
+    assert graph.get("turn-2").sampled_ids is None
+    assert graph.get("turn-2").sampled_logprobs == [-1.5]
+
+
+def test_a_retry_shares_the_packed_prompt_and_keeps_its_own_sampled_ids() -> None:
+    turns = token_turns(2, n_sampled=3)
+    graph = RolloutGraph()
+    graph.add_turn(TurnNode(**turns[0]))
+    graph.add_turn(TurnNode(**turns[1]))
+    retry = {**turns[1], "sampled_ids": [1, 2, 3, 4], "sampled_logprobs": [-0.5] * 4}
+    graph.add_turn(TurnNode(**retry))
+    first, second = _turns(graph)[1], _turns(graph)[2]
+    assert second.prompt is first.prompt and type(second.full) is ArrayRun
+    assert graph.get("turn-1").sampled_ids == turns[1]["sampled_ids"]
+    assert graph.get("turn-2").sampled_ids == [1, 2, 3, 4]
+    assert graph.get("turn-2").sampled_logprobs == [-0.5] * 4
+    assert graph.child_ids("turn-0") == ["turn-1", "turn-2"]
+
+
+def test_setting_a_token_field_of_a_packed_turn_unpacks_the_others() -> None:
+    turns = token_turns(2, n_sampled=5)
+    graph = RolloutGraph()
+    for fields in turns:
+        graph.add_turn(TurnNode(**fields))
+    turn = _turns(graph)[1]
+    prompt = turn.prompt
+    turn.logprobs = None
+    assert turn.prompt is prompt and turn.sampled == array("I", turns[1]["sampled_ids"])
+    assert turn.logprobs is None
+
+
+def _token_fields(graph: RolloutGraph) -> str:
+    nodes = [graph.get(n) for n in graph.node_ids()]
+    return json.dumps([[n.prompt_ids, n.sampled_ids, n.sampled_logprobs] for n in nodes])
+
+
+def test_packed_turns_survive_a_file(tmp_path: Path) -> None:
+    turns = token_turns(5, n_new=6, n_sampled=9)
+    path = tmp_path / "tokens.rls"
+    graph = RolloutGraph.open(path)
+    for fields in turns:
+        graph.add_turn(TurnNode(**fields))
+    expected = _token_fields(graph)
+    assert expected == json.dumps(
+        [[t["prompt_ids"], t["sampled_ids"], t["sampled_logprobs"]] for t in turns]
+    )
+    graph.close()
+    reopened = RolloutGraph.open(path)
+    assert _token_fields(reopened) == expected
+    assert reopened.get("turn-4").parent_id == "turn-3"
+    reopened.close()
+
+
+def test_a_token_turn_keeps_a_bounded_memory() -> None:
+    """What a graph keeps per continuation turn (8 new prompt ids, 16 sampled ids with
+    logprobs, a short message and response: 224 bytes of token content), by tracemalloc in a
+    child process (this suite's fixtures keep every graph alive). Two runs and three arrays a
+    turn kept 1,207 bytes here; packed, 935."""
+    child = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("token_memory.py")), "300"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    figures = json.loads(child.stdout)
+    assert figures["content"] == 224
+    assert figures["per_turn"] <= 1050, figures
