@@ -286,7 +286,7 @@ class _Writer:
             for stored in (side.system, side.tools, side.sampling, side.requested)
         ]
         record = self._record(entry, values, refs)
-        frames.append(self.frame(KIND_TURN, self.pack(record), chain))
+        frames.append(self.frame(KIND_TURN, pack(list(record)), chain))
         return frames, partial(self._commit, chain, entry.blobs_end, new_values, refs, turn)
 
     def _value_ref(
