@@ -313,7 +313,8 @@ class _Writer:
         turn = entry.turn
         parent, base, side = turn.parent, turn.base, turn.side
         parent_index = parent.index if parent is not None and parent.index < turn.index else None
-        logprobs, sampled = side.logprobs, side.sampled
+        # (through the turn: a side may keep them in its packed prompt)
+        logprobs, sampled = turn.logprobs, turn.sampled
         if isinstance(logprobs, array):
             logprobs = encode_segment(logprobs)
         elif logprobs is not None:
