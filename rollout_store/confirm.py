@@ -138,6 +138,10 @@ class Probe:
             mean = sum(map(len, last)) // len(last) + 1
             start, step = 0, CHUNK_LOW // mean + 1
             carry: bytes | memoryview = b""  # not yet hashed: every update a multiple of ALIGN
+            if step >= low:  # the common case: one chunk, hashed at once
+                chunk = pack(messages[:low])
+                update(memoryview(chunk)[len(array_header(low)) :])
+                start = low
             while start < low:
                 stop = start + step if start + step < low else low
                 chunk = pack(messages[start:stop])  # an array: its header, then the packings
