@@ -41,6 +41,7 @@ __all__ = [
     "Probe",
     "RawTip",
     "RawTips",
+    "TextHole",
     "Tip",
     "Tips",
     "array_items",
@@ -48,6 +49,8 @@ __all__ = [
     "hollow_hasher",
     "hollowed",
     "holes_of",
+    "hollow_text",
+    "text_holes",
     "mark_length",
     "prefix_digest",
     "prefix_keys",
@@ -310,12 +313,76 @@ def raw_end(data: bytes) -> int | None:
     return end if end > 1 else None
 
 
+#: A long blob string in a messages text: where its UTF-8 bytes are, and the blob's string.
+TextHole = tuple[int, int, str]
+
+
+def text_holes(data: bytes, start: int, end: int, blobs: Sequence[str]) -> list[TextHole]:
+    """Where the UTF-8 bytes of these long blob strings occur in `data[start:end]` (each
+    occurrence, in order, none overlapping; a string written with escapes is not found, and
+    stays hashed)."""
+    found: list[TextHole] = []
+    for blob in dict.fromkeys(blobs):  # each string once, in order
+        if len(blob) < HOLE_MIN:
+            continue
+        try:
+            needle = blob.encode("utf-8")
+        except UnicodeEncodeError:
+            continue
+        at = data.find(needle, start, end)
+        while at >= 0:
+            found.append((at, at + len(needle), blob))
+            at = data.find(needle, at + len(needle), end)
+    found.sort()
+    holes: list[TextHole] = []
+    for hole in found:
+        if not holes or hole[0] >= holes[-1][1]:
+            holes.append(hole)
+    return holes
+
+
+def hollow_text(
+    data: bytes, start: int, end: int, holes: Sequence[TextHole], hasher: Any = None
+) -> Any:
+    """A BLAKE3 state that has seen `data[start:end]` but the holes (continuing `hasher`),
+    or None when a hole does not hold its blob's very bytes. The holes' places are fixed, so
+    equal digests and equal holes mean equal texts."""
+    for hole_start, hole_end, blob in holes:  # every hole first: a mismatch hashes nothing
+        needle = blob.encode("utf-8")
+        if hole_end > end or hole_end - hole_start != len(needle):
+            return None
+        if not data.startswith(needle, hole_start):  # memcmp in place, no copy
+            return None
+    view = memoryview(data)
+    if hasher is None:
+        hasher = blake3.blake3()
+    at = start
+    for hole_start, hole_end, _ in holes:
+        if hole_start > at:
+            hasher.update(view[at:hole_start])
+        at = hole_end
+    if end > at:
+        hasher.update(view[at:end])
+    return hasher
+
+
 class RawTip:
     """The latest raw turn of a conversation: where its messages text ended, the digest of
-    that text, and the BLAKE3 state after its plain packing (so a raw continuation gets its
-    plain digest, and is found by decoded turns, without packing what it re-sends)."""
+    that text (its long blob strings cut out, at `holes`: they are compared), and the BLAKE3
+    state after its plain packing (so a raw continuation gets its plain digest, and is found
+    by decoded turns, without packing what it re-sends)."""
 
-    __slots__ = ("check", "digest", "end", "head", "n_sys", "plain_state", "system_plain", "turn")
+    __slots__ = (
+        "check",
+        "digest",
+        "end",
+        "head",
+        "holes",
+        "n_sys",
+        "plain_state",
+        "system_plain",
+        "turn",
+    )
 
     def __init__(
         self,
@@ -326,10 +393,12 @@ class RawTip:
         plain_state: Any,
         system_plain: bytes | None,
         n_sys: int,
+        holes: list[TextHole] | None = None,
     ) -> None:
         self.turn = turn
         self.n_sys = n_sys
         self.end = end
+        self.holes: list[TextHole] = holes or []
         self.head = xxhash.xxh3_64_intdigest(memoryview(data)[: min(end, RAW_HEAD)])
         self.check = xxhash.xxh3_64_intdigest(memoryview(data)[max(end - _CHECK, 0) : end])
         self.digest = digest
@@ -350,7 +419,8 @@ class RawTips:
 
     def find(self, data: bytes) -> tuple[RawTip, Any] | None:
         """The longest tip whose messages text `data` extends by at least one item, and a
-        BLAKE3 hasher that has seen `data` up to that tip's end (confirmed by its digest)."""
+        BLAKE3 hasher that has seen `data` up to that tip's end but its holes (confirmed by
+        its digest and the holes' bytes)."""
         view = memoryview(data)
         n = len(data)
         sizes = sorted((e for e in self._short_ends if e < n), reverse=True)
@@ -366,7 +436,12 @@ class RawTips:
                     continue
                 if xxhash.xxh3_64_intdigest(view[max(end - _CHECK, 0) : end]) != tip.check:
                     continue
-                hasher = blake3.blake3(view[:end])
+                if tip.holes:
+                    hasher = hollow_text(data, 0, end, tip.holes)
+                    if hasher is None:
+                        continue
+                else:
+                    hasher = blake3.blake3(view[:end])
                 if hasher.digest() == tip.digest:
                     best = (tip, hasher)
             if best is not None:
