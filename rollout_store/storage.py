@@ -708,7 +708,8 @@ class _Loader:
         side.sampling = None if sampling is None else values[sampling]
         side.requested = None if requested is None else values[requested]
         self._request(turn, record, n_blobs)
-        self._tokens(turn, side, record, n_blobs)
+        if record.prompt is not None or record.sampled is not None or record.logprobs is not None:
+            self._tokens(turn, side, record, n_blobs)
         derived = turn.flags
         if self.carries_flags and derived & _FIELD_FLAGS != flags & _FIELD_FLAGS:
             raise ValueError("the flags of a turn record do not agree with its fields")
@@ -721,9 +722,11 @@ class _Loader:
         roots = keys[3]
         refs = record.refs
         del record  # the turn holds copies of the record's bytes: let them go before filing it
-        graph.blobs.count_references(refs[0], refs[1])
+        if refs[0] or refs[1]:  # (a snapshot counts them in its end record)
+            graph.blobs.count_references(refs[0], refs[1])
         restore.commit(turn, IndexKeys(keys[0], keys[1], keys[2], roots), moves)
-        writer.note_runs(turn)
+        if side.prompt is not None or side.full is not None:
+            writer.note_runs(turn)
         for stored, plain in self.unfiled:  # the values it brought, found again from now on
             restore.add_value(stored, plain)
         self.unfiled.clear()
