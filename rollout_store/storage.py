@@ -67,6 +67,7 @@ from .intake import MAX_DEPTH, token_array
 from .packed import PackedInfo, QuickCheck, check_int_array, check_packed, splice_blobs
 from .shared_blobs import StoreBlobTable
 from .stored import (
+    PACKED,
     IndexKeys,
     LinkKind,
     Turn,
@@ -313,8 +314,9 @@ class _Writer:
         turn = entry.turn
         parent, base, side = turn.parent, turn.base, turn.side
         parent_index = parent.index if parent is not None and parent.index < turn.index else None
-        # (through the turn: a side may keep them in its packed prompt)
-        logprobs, sampled = turn.logprobs, turn.sampled
+        logprobs, sampled = side.logprobs, side.sampled
+        if sampled is PACKED or logprobs is PACKED:  # kept in the side's PackedPrompt
+            logprobs, sampled = turn.logprobs, turn.sampled
         if isinstance(logprobs, array):
             logprobs = encode_segment(logprobs)
         elif logprobs is not None:
