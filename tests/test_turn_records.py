@@ -130,6 +130,10 @@ def test_a_graph_over_a_store_reads_back_exactly_and_records_without_fetching(
     add_all(graph, turns)
     assert store.gets == 0  # echoes confirmed by key, requests by digest: nothing read back
     assert len(record_keys(store, turns)) == 8  # one record a turn
+    assert graph.stats() == private_twin(turns).stats()
+    # the counts, the tails' bytes too, are known without a fetch; only the root's prompt is
+    # read (its system prompt and record), to tell retries of it apart
+    assert store.gets == 2
     assert snapshot(graph) == snapshot(private_twin(turns))
     assert store.gets > 0
     for k, turn in enumerate(turns):
