@@ -857,9 +857,21 @@ class GraphRestorer:
         """The graph's interned copy of `meta`."""
         return self._graph._meta.setdefault(meta, meta)
 
+    def new_turn(self) -> Turn:
+        """A fresh turn for the reader to build (over an out-of-process store, one whose
+        record can be kept there: see `turn_records`)."""
+        records = self._graph._records
+        return Turn() if records is None else records.new_turn()
+
     def commit(self, turn: Turn, keys: IndexKeys, moves: list[tuple[Turn, LinkKind]]) -> None:
-        """File a fully built turn: indexes, children, re-links, as `add_turn` does."""
-        self._graph._commit(turn, keys, moves)
+        """File a fully built turn: indexes, children, re-links, as `add_turn` does. Over an
+        out-of-process store its record is put there first (a store error propagates: the
+        graph being read is dropped)."""
+        graph = self._graph
+        records = graph._records
+        if records is not None:
+            records.seal(turn, records.put(turn))
+        graph._commit(turn, keys, moves)
 
 
 _FIELDS: dict[str, Callable[[Graph, Turn], Any]] = {

@@ -674,7 +674,7 @@ class _Loader:
         link, parent = record.link, record.parent
         if not 0 <= link <= LinkKind.EXPLICIT:
             raise ValueError("bad link kind")
-        turn = Turn()
+        turn = restore.new_turn()
         turn.index = index
         if node_id != f"turn-{index}":
             turn.ident = node_id
