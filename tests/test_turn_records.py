@@ -79,7 +79,7 @@ class CountingStore:
     """A directory store that counts gets and can fail puts (after n more, or all)."""
 
     def __init__(self, path: Path) -> None:
-        self.inner = DirectoryStore(path)
+        self.inner = DirectoryStore(path, fsync=False)
         self.gets = 0
         self.puts = 0
         self.puts_left: int | None = None
@@ -356,3 +356,27 @@ def _turns(graph: RolloutGraph) -> list[Any]:
 def add_all_from(graph: RolloutGraph, turns: list[dict[str, Any]], first: int) -> None:
     for k in range(first, len(turns)):
         graph.add_turn(TurnNode(node_id=f"t{k}", **turns[k]))
+
+
+def test_rollouts_of_one_task_in_one_graph_link_without_fetching(tmp_path: Path) -> None:
+    """Four rollouts sharing their first request (twins), interleaved: each continuation
+    finds its parent among the twins by its echo, told by key."""
+    rollouts = [tool_rollout(5, tag=f"r{r}") for r in range(4)]
+    for rollout in rollouts[1:]:  # one task: the same first request
+        for turn in rollout:
+            turn["request_messages"][:2] = json.loads(
+                json.dumps(rollouts[0][0]["request_messages"][:2])
+            )
+    store = CountingStore(tmp_path / "objects")
+    graph = RolloutGraph(store=store, cache=StringCache(0))
+    private = RolloutGraph()
+    for k in range(5):
+        for r, rollout in enumerate(rollouts):
+            for g in (graph, private):
+                g.add_turn(TurnNode(node_id=f"r{r}t{k}", **json.loads(json.dumps(rollout[k]))))
+    assert store.gets == 0
+    assert [graph.parent(n) for n in graph.node_ids()] == [
+        private.parent(n) for n in private.node_ids()
+    ]
+    assert graph.parent("r2t3") == "r2t2"
+    assert snapshot(graph) == snapshot(private)
