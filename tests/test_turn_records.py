@@ -380,3 +380,38 @@ def test_rollouts_of_one_task_in_one_graph_link_without_fetching(tmp_path: Path)
     ]
     assert graph.parent("r2t3") == "r2t2"
     assert snapshot(graph) == snapshot(private)
+
+
+def odd_rollout(n: int) -> list[dict[str, Any]]:
+    """Responses of odd JSON values (lone surrogates, big ints, -0.0, NaN, 1 and 1.0 and
+    True, empty containers, key order), each echoed by the next request."""
+    odd = json.loads(
+        '{"z": "\\ud800 lone", "a": 1, "b": 1.0, "c": true, "d": -0.0, "e": NaN, '
+        '"f": 123456789012345678901234567890, "g": [], "h": {}, "i": 1e400}'
+    )
+    history: list[Any] = [{"role": "user", "content": "go " * 50}]
+    turns = []
+    for k in range(n):
+        response = {"role": "assistant", "content": f"step {k} " * 30, "odd": odd, "k": k}
+        turns.append(
+            {
+                "request_messages": json.loads(json.dumps(history)),
+                "response_message": json.loads(json.dumps(response)),
+            }
+        )
+        history = history + [response, {"role": "user", "content": f"more {k} " * 30}]
+    return turns
+
+
+def test_odd_responses_over_a_store_export_byte_identical(tmp_path: Path) -> None:
+    turns = odd_rollout(5)
+    store = CountingStore(tmp_path / "objects")
+    graph = RolloutGraph(store=store, cache=StringCache(0))
+    add_all(graph, turns)
+    assert store.gets == 0 and len(record_keys(store, turns)) == 5
+    private = private_twin(turns)
+    assert [graph.parent(n) for n in graph.node_ids()] == [None, "t0", "t1", "t2", "t3"]
+    assert snapshot(graph) == snapshot(private)
+    for k, turn in enumerate(turns):
+        assert json.dumps(graph.response_message(f"t{k}")) == json.dumps(turn["response_message"])
+        assert json.dumps(graph.request_messages(f"t{k}")) == json.dumps(turn["request_messages"])
