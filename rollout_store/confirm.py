@@ -43,7 +43,9 @@ __all__ = [
     "RawTips",
     "Tip",
     "Tips",
+    "array_items",
     "digest_key",
+    "hollow_hasher",
     "hollowed",
     "holes_of",
     "mark_length",
@@ -136,6 +138,10 @@ class Probe:
             mean = sum(map(len, last)) // len(last) + 1
             start, step = 0, CHUNK_LOW // mean + 1
             carry: bytes | memoryview = b""  # not yet hashed: every update a multiple of ALIGN
+            if step >= low:  # the common case: one chunk, hashed at once
+                chunk = pack(messages[:low])
+                update(memoryview(chunk)[len(array_header(low)) :])
+                start = low
             while start < low:
                 stop = start + step if start + step < low else low
                 chunk = pack(messages[start:stop])  # an array: its header, then the packings
@@ -479,11 +485,10 @@ def _copy(node: Any, copies: dict[int, Any]) -> Any:
 
 
 class Tip:
-    """The latest decoded turn of a conversation, and what confirms a request that re-sends
-    it: its message count, where its long blob strings are (`holes`: message index and that
-    message's holes, in order), the BLAKE3 state after its hollowed packing and after its
-    plain packing (the turn's digest). Without holes both are one state, and only a tip with
-    holes is found by `Tips.find` (for the others a usual probe costs the same)."""
+    """The latest decoded turn of a conversation whose request holds long blob strings, and
+    what confirms a request that re-sends it: its message count, where those strings are
+    (`holes`: message index and that message's holes, in order), the BLAKE3 state after its
+    hollowed packing and after its plain packing (the turn's digest)."""
 
     __slots__ = ("holes", "hollow_digest", "hollow_state", "key", "n", "plain_state", "turn")
 
@@ -501,46 +506,67 @@ class Tip:
         self.holes = holes
         self.hollow_state = hollow_state
         self.plain_state = plain_state
-        self.key: tuple[int, int] | None = None
-        self.hollow_digest = b""
-        if holes:
-            self.key = (n, xxhash.xxh3_64_intdigest(last_plain))  # a filter: `confirm` decides
-            self.hollow_digest = hollow_state.digest()
+        self.key = (n, xxhash.xxh3_64_intdigest(last_plain))  # a filter: `confirm` decides
+        self.hollow_digest = hollow_state.digest()
 
     def confirm(self, messages: list[Any], pack: Callable[[Any], bytes]) -> Any:
         """The BLAKE3 state after the hollowed packing of `messages[:n]` when it equals this
         tip's (each blob string compared whole, the rest by the digest), else None."""
-        n = self.n
-        if n > len(messages):
+        if self.n > len(messages):
             return None
-        hasher = blake3.blake3()
-        parts: list[bytes | memoryview] = []
-        size = 0
-        start = 0
-        try:
-            for i, holes in (*self.holes, (n, None)):
-                while start < i:  # the messages between holes, packed plainly in runs
-                    stop = min(i, start + _RUN)
-                    run = pack(messages[start:stop])
-                    parts.append(memoryview(run)[len(array_header(stop - start)) :])
-                    size += len(run)
-                    start = stop
-                if holes is None:
-                    break
-                hollow = hollowed(messages[i], holes)
-                if hollow is None:
-                    return None
-                packed = pack(hollow)
-                parts.append(packed)
-                size += len(packed)
-                start = i + 1
-                if size > ALIGN:
-                    hasher.update(b"".join(parts))
-                    parts, size = [], 0
-        except Exception:  # something that does not pack plainly: not this tip's request
-            return None
-        hasher.update(b"".join(parts))
-        return hasher if hasher.digest() == self.hollow_digest else None
+        hasher = hollow_hasher(messages, self.n, self.holes, pack)
+        return hasher if hasher is not None and hasher.digest() == self.hollow_digest else None
+
+
+def hollow_hasher(
+    messages: list[Any], n: int, holes: list[tuple[int, list[Hole]]], pack: Callable[[Any], bytes]
+) -> Any:
+    """The BLAKE3 state after the hollowed packing of `messages[:n]` with these holes (the
+    messages between them packed plainly), or None when a hole does not hold its blob's very
+    string or something does not pack plainly."""
+    hasher = blake3.blake3()
+    parts: list[bytes | memoryview] = []
+    size = 0
+    start = 0
+    try:
+        for i, message_holes in (*holes, (n, None)):
+            while start < i:  # the messages between holes, packed plainly in runs
+                stop = min(i, start + _RUN)
+                run = pack(messages[start:stop])
+                parts.append(memoryview(run)[len(array_header(stop - start)) :])
+                size += len(run)
+                start = stop
+            if message_holes is None:
+                break
+            hollow = hollowed(messages[i], message_holes)
+            if hollow is None:
+                return None
+            packed = pack(hollow)
+            parts.append(packed)
+            size += len(packed)
+            start = i + 1
+            if size > ALIGN:
+                hasher.update(b"".join(parts))
+                parts, size = [], 0
+    except Exception:  # something that does not pack plainly: not this request
+        return None
+    hasher.update(b"".join(parts))
+    return hasher
+
+
+def array_items(data: bytes) -> list[bytes]:
+    """The packed items of a packed array (a stored tail), each as its bytes."""
+    unpacker = msgpack.Unpacker(raw=True, strict_map_key=False, max_buffer_size=len(data) + 1)
+    unpacker.feed(data)
+    items = []
+    start = 0
+    for _ in range(unpacker.read_array_header()):
+        start = start or unpacker.tell()
+        unpacker.skip()
+        end = unpacker.tell()
+        items.append(data[start:end])
+        start = end
+    return items
 
 
 class Tips:
@@ -550,12 +576,11 @@ class Tips:
     __slots__ = ("_by_key", "_by_turn")
 
     def __init__(self) -> None:
-        self._by_key: dict[tuple[int, int], list[Tip]] = {}  # tips with holes only
+        self._by_key: dict[tuple[int, int], list[Tip]] = {}
         self._by_turn: dict[int, Tip] = {}  # by the turn's index, oldest first
 
     def __bool__(self) -> bool:
-        """Whether some tip has holes (only then is a request tried against tips)."""
-        return bool(self._by_key)
+        return bool(self._by_turn)
 
     def find(self, n: int, last_plain: bytes) -> list[Tip]:
         """Tips of `n` messages whose last message may pack as `last_plain`."""
@@ -569,8 +594,7 @@ class Tips:
     def add(self, tip: Tip, replaces: Tip | None) -> None:
         if replaces is not None:
             self._drop(replaces)
-        if tip.key is not None:
-            self._by_key.setdefault(tip.key, []).append(tip)
+        self._by_key.setdefault(tip.key, []).append(tip)
         self._by_turn[tip.turn.index] = tip
         while len(self._by_turn) > MAX_TIPS:
             self._drop(next(iter(self._by_turn.values())))
@@ -579,8 +603,7 @@ class Tips:
         if self._by_turn.get(tip.turn.index) is not tip:
             return
         del self._by_turn[tip.turn.index]
-        if tip.key is not None:
-            tips = self._by_key[tip.key]
-            tips.remove(tip)
-            if not tips:
-                del self._by_key[tip.key]
+        tips = self._by_key[tip.key]
+        tips.remove(tip)
+        if not tips:
+            del self._by_key[tip.key]

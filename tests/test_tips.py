@@ -218,3 +218,59 @@ def test_more_conversations_than_tips(tmp_path: Path) -> None:
         view = back.add_turn(TurnNode(request_messages=messages, response_message=response))
         assert_same(back.request_messages(view.node_id), messages)
     assert back.path_ids(view.node_id) == [*ids[0], f"turn-{len(graph)}", view.node_id]
+
+
+def _late_images(n_turns: int, first_image: int, seed: int) -> list[tuple[list[Any], Any]]:
+    """Short text for the first turns, then a screenshot each turn (and a tool output of a
+    few KiB, a blob too short to be a hole)."""
+    rng = random.Random(seed)
+    history: list[Any] = [{"role": "system", "content": "sys"}]
+    out = []
+    for t in range(n_turns):
+        content: list[Any] = [{"type": "text", "text": f"step {t}"}]
+        if t >= first_image:
+            content.append({"type": "image_url", "image_url": {"url": _image(rng)}})
+        history.append({"role": "user", "content": content})
+        history.append({"role": "tool", "content": "out " * 1000 + str(t)})
+        response = {"role": "assistant", "content": f"reply {t}"}
+        out.append((list(history), response))
+        history.append(response)
+    return out
+
+
+def test_a_tip_is_worked_out_whole_where_long_strings_first_appear(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No tip while a conversation holds no long string; its first one makes a tip from the
+    stored tails (a loaded graph's too), which the next turns continue."""
+    confirmed: list[bool] = []
+    original = confirm_module.Tip.confirm
+
+    def counting(self: Any, messages: Any, pack: Any) -> Any:
+        result = original(self, messages, pack)
+        confirmed.append(result is not None)
+        return result
+
+    monkeypatch.setattr(confirm_module.Tip, "confirm", counting)
+    turns = _late_images(12, 4, 7)
+    graph = RolloutGraph()
+    ids = _add_all(graph, turns[:4])
+    assert not _tips(graph)  # nothing long yet
+    ids += _add_all(graph, turns[4:8])
+    (tip,) = _tips(graph)._by_turn.values()
+    assert [i for i, _ in tip.holes] == [3 * k for k in range(4, 8)]  # the images only
+    assert confirmed == [True, True, True]  # turns 5 to 7 continued the tip of turn 4
+    assert graph.path_ids(ids[-1]) == ids
+    path = tmp_path / "g.rls"
+    graph.save(path)
+    back = RolloutGraph.load(path)
+    assert not _tips(back)
+    confirmed.clear()
+    more = _add_all(back, turns[8:])
+    assert confirmed == [True, True, True]  # a tip from the loaded tails at turn 8
+    (tip,) = _tips(back)._by_turn.values()
+    assert [i for i, _ in tip.holes] == [3 * k for k in range(4, 12)]
+    assert back.path_ids(more[-1]) == ids + more
+    for node_id, (messages, response) in zip(ids + more, turns, strict=True):
+        assert_same(back.request_messages(node_id), messages)
+        assert_same(back.get(node_id).response_message, response)
