@@ -318,26 +318,22 @@ TextHole = tuple[int, int, str]
 
 
 def text_holes(data: bytes, start: int, end: int, blobs: Sequence[str]) -> list[TextHole]:
-    """Where the UTF-8 bytes of these long blob strings occur in `data[start:end]` (each
-    occurrence, in order, none overlapping; a string written with escapes is not found, and
-    stays hashed)."""
-    found: list[TextHole] = []
-    for blob in dict.fromkeys(blobs):  # each string once, in order
+    """Where the UTF-8 bytes of these long blob strings (in the order they are written)
+    occur in `data[start:end]`, each looked for after the one before (one pass over the
+    text); a string written with escapes is not found, and stays hashed."""
+    holes: list[TextHole] = []
+    at = start
+    for blob in blobs:
         if len(blob) < HOLE_MIN:
             continue
         try:
             needle = blob.encode("utf-8")
         except UnicodeEncodeError:
             continue
-        at = data.find(needle, start, end)
-        while at >= 0:
-            found.append((at, at + len(needle), blob))
-            at = data.find(needle, at + len(needle), end)
-    found.sort()
-    holes: list[TextHole] = []
-    for hole in found:
-        if not holes or hole[0] >= holes[-1][1]:
-            holes.append(hole)
+        found = data.find(needle, at, end)
+        if found >= 0:
+            at = found + len(needle)
+            holes.append((found, at, blob))
     return holes
 
 
@@ -503,18 +499,27 @@ def holes_of(stored: bytes, string: Callable[[int], str]) -> list[Hole]:
 
     value = unpack(stored, lookup, no_echo)
     found: list[Hole] = []
-    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    if type(value) is not dict and type(value) is not list:
+        return found
+    # in the order they are written (a stack of iterators: no recursion)
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(_items(value), ())]
     while stack:
-        node, path = stack.pop()
-        items = node.items() if type(node) is dict else enumerate(node)
+        items, path = stack[-1]
         for key, child in items:
             kind = type(child)
             if kind is str:
                 if id(child) in blobs and len(child) >= HOLE_MIN:
                     found.append(((*path, key), child))
             elif kind is dict or kind is list:
-                stack.append((child, (*path, key)))
+                stack.append((_items(child), (*path, key)))
+                break
+        else:
+            stack.pop()
     return found
+
+
+def _items(node: Any) -> Any:
+    return iter(node.items()) if type(node) is dict else enumerate(node)
 
 
 def hollowed(message: Any, holes: list[Hole]) -> Any:
