@@ -41,11 +41,16 @@ __all__ = [
     "Probe",
     "RawTip",
     "RawTips",
+    "TextHole",
     "Tip",
     "Tips",
+    "array_items",
     "digest_key",
+    "hollow_hasher",
     "hollowed",
     "holes_of",
+    "hollow_text",
+    "text_holes",
     "mark_length",
     "prefix_digest",
     "prefix_keys",
@@ -136,6 +141,10 @@ class Probe:
             mean = sum(map(len, last)) // len(last) + 1
             start, step = 0, CHUNK_LOW // mean + 1
             carry: bytes | memoryview = b""  # not yet hashed: every update a multiple of ALIGN
+            if step >= low:  # the common case: one chunk, hashed at once
+                chunk = pack(messages[:low])
+                update(memoryview(chunk)[len(array_header(low)) :])
+                start = low
             while start < low:
                 stop = start + step if start + step < low else low
                 chunk = pack(messages[start:stop])  # an array: its header, then the packings
@@ -304,12 +313,72 @@ def raw_end(data: bytes) -> int | None:
     return end if end > 1 else None
 
 
+#: A long blob string in a messages text: where its UTF-8 bytes are, and the blob's string.
+TextHole = tuple[int, int, str]
+
+
+def text_holes(data: bytes, start: int, end: int, blobs: Sequence[str]) -> list[TextHole]:
+    """Where the UTF-8 bytes of these long blob strings (in the order they are written)
+    occur in `data[start:end]`, each looked for after the one before (one pass over the
+    text); a string written with escapes is not found, and stays hashed."""
+    holes: list[TextHole] = []
+    at = start
+    for blob in blobs:
+        if len(blob) < HOLE_MIN:
+            continue
+        try:
+            needle = blob.encode("utf-8")
+        except UnicodeEncodeError:
+            continue
+        found = data.find(needle, at, end)
+        if found >= 0:
+            at = found + len(needle)
+            holes.append((found, at, blob))
+    return holes
+
+
+def hollow_text(
+    data: bytes, start: int, end: int, holes: Sequence[TextHole], hasher: Any = None
+) -> Any:
+    """A BLAKE3 state that has seen `data[start:end]` but the holes (continuing `hasher`),
+    or None when a hole does not hold its blob's very bytes. The holes' places are fixed, so
+    equal digests and equal holes mean equal texts."""
+    for hole_start, hole_end, blob in holes:  # every hole first: a mismatch hashes nothing
+        needle = blob.encode("utf-8")
+        if hole_end > end or hole_end - hole_start != len(needle):
+            return None
+        if not data.startswith(needle, hole_start):  # memcmp in place, no copy
+            return None
+    view = memoryview(data)
+    if hasher is None:
+        hasher = blake3.blake3()
+    at = start
+    for hole_start, hole_end, _ in holes:
+        if hole_start > at:
+            hasher.update(view[at:hole_start])
+        at = hole_end
+    if end > at:
+        hasher.update(view[at:end])
+    return hasher
+
+
 class RawTip:
     """The latest raw turn of a conversation: where its messages text ended, the digest of
-    that text, and the BLAKE3 state after its plain packing (so a raw continuation gets its
-    plain digest, and is found by decoded turns, without packing what it re-sends)."""
+    that text (its long blob strings cut out, at `holes`: they are compared), and the BLAKE3
+    state after its plain packing (so a raw continuation gets its plain digest, and is found
+    by decoded turns, without packing what it re-sends)."""
 
-    __slots__ = ("check", "digest", "end", "head", "n_sys", "plain_state", "system_plain", "turn")
+    __slots__ = (
+        "check",
+        "digest",
+        "end",
+        "head",
+        "holes",
+        "n_sys",
+        "plain_state",
+        "system_plain",
+        "turn",
+    )
 
     def __init__(
         self,
@@ -320,10 +389,12 @@ class RawTip:
         plain_state: Any,
         system_plain: bytes | None,
         n_sys: int,
+        holes: list[TextHole] | None = None,
     ) -> None:
         self.turn = turn
         self.n_sys = n_sys
         self.end = end
+        self.holes: list[TextHole] = holes or []
         self.head = xxhash.xxh3_64_intdigest(memoryview(data)[: min(end, RAW_HEAD)])
         self.check = xxhash.xxh3_64_intdigest(memoryview(data)[max(end - _CHECK, 0) : end])
         self.digest = digest
@@ -344,7 +415,8 @@ class RawTips:
 
     def find(self, data: bytes) -> tuple[RawTip, Any] | None:
         """The longest tip whose messages text `data` extends by at least one item, and a
-        BLAKE3 hasher that has seen `data` up to that tip's end (confirmed by its digest)."""
+        BLAKE3 hasher that has seen `data` up to that tip's end but its holes (confirmed by
+        its digest and the holes' bytes)."""
         view = memoryview(data)
         n = len(data)
         sizes = sorted((e for e in self._short_ends if e < n), reverse=True)
@@ -360,7 +432,12 @@ class RawTips:
                     continue
                 if xxhash.xxh3_64_intdigest(view[max(end - _CHECK, 0) : end]) != tip.check:
                     continue
-                hasher = blake3.blake3(view[:end])
+                if tip.holes:
+                    hasher = hollow_text(data, 0, end, tip.holes)
+                    if hasher is None:
+                        continue
+                else:
+                    hasher = blake3.blake3(view[:end])
                 if hasher.digest() == tip.digest:
                     best = (tip, hasher)
             if best is not None:
@@ -422,18 +499,27 @@ def holes_of(stored: bytes, string: Callable[[int], str]) -> list[Hole]:
 
     value = unpack(stored, lookup, no_echo)
     found: list[Hole] = []
-    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    if type(value) is not dict and type(value) is not list:
+        return found
+    # in the order they are written (a stack of iterators: no recursion)
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(_items(value), ())]
     while stack:
-        node, path = stack.pop()
-        items = node.items() if type(node) is dict else enumerate(node)
+        items, path = stack[-1]
         for key, child in items:
             kind = type(child)
             if kind is str:
                 if id(child) in blobs and len(child) >= HOLE_MIN:
                     found.append(((*path, key), child))
             elif kind is dict or kind is list:
-                stack.append((child, (*path, key)))
+                stack.append((_items(child), (*path, key)))
+                break
+        else:
+            stack.pop()
     return found
+
+
+def _items(node: Any) -> Any:
+    return iter(node.items()) if type(node) is dict else enumerate(node)
 
 
 def hollowed(message: Any, holes: list[Hole]) -> Any:
@@ -479,11 +565,10 @@ def _copy(node: Any, copies: dict[int, Any]) -> Any:
 
 
 class Tip:
-    """The latest decoded turn of a conversation, and what confirms a request that re-sends
-    it: its message count, where its long blob strings are (`holes`: message index and that
-    message's holes, in order), the BLAKE3 state after its hollowed packing and after its
-    plain packing (the turn's digest). Without holes both are one state, and only a tip with
-    holes is found by `Tips.find` (for the others a usual probe costs the same)."""
+    """The latest decoded turn of a conversation whose request holds long blob strings, and
+    what confirms a request that re-sends it: its message count, where those strings are
+    (`holes`: message index and that message's holes, in order), the BLAKE3 state after its
+    hollowed packing and after its plain packing (the turn's digest)."""
 
     __slots__ = ("holes", "hollow_digest", "hollow_state", "key", "n", "plain_state", "turn")
 
@@ -501,46 +586,67 @@ class Tip:
         self.holes = holes
         self.hollow_state = hollow_state
         self.plain_state = plain_state
-        self.key: tuple[int, int] | None = None
-        self.hollow_digest = b""
-        if holes:
-            self.key = (n, xxhash.xxh3_64_intdigest(last_plain))  # a filter: `confirm` decides
-            self.hollow_digest = hollow_state.digest()
+        self.key = (n, xxhash.xxh3_64_intdigest(last_plain))  # a filter: `confirm` decides
+        self.hollow_digest = hollow_state.digest()
 
     def confirm(self, messages: list[Any], pack: Callable[[Any], bytes]) -> Any:
         """The BLAKE3 state after the hollowed packing of `messages[:n]` when it equals this
         tip's (each blob string compared whole, the rest by the digest), else None."""
-        n = self.n
-        if n > len(messages):
+        if self.n > len(messages):
             return None
-        hasher = blake3.blake3()
-        parts: list[bytes | memoryview] = []
-        size = 0
-        start = 0
-        try:
-            for i, holes in (*self.holes, (n, None)):
-                while start < i:  # the messages between holes, packed plainly in runs
-                    stop = min(i, start + _RUN)
-                    run = pack(messages[start:stop])
-                    parts.append(memoryview(run)[len(array_header(stop - start)) :])
-                    size += len(run)
-                    start = stop
-                if holes is None:
-                    break
-                hollow = hollowed(messages[i], holes)
-                if hollow is None:
-                    return None
-                packed = pack(hollow)
-                parts.append(packed)
-                size += len(packed)
-                start = i + 1
-                if size > ALIGN:
-                    hasher.update(b"".join(parts))
-                    parts, size = [], 0
-        except Exception:  # something that does not pack plainly: not this tip's request
-            return None
-        hasher.update(b"".join(parts))
-        return hasher if hasher.digest() == self.hollow_digest else None
+        hasher = hollow_hasher(messages, self.n, self.holes, pack)
+        return hasher if hasher is not None and hasher.digest() == self.hollow_digest else None
+
+
+def hollow_hasher(
+    messages: list[Any], n: int, holes: list[tuple[int, list[Hole]]], pack: Callable[[Any], bytes]
+) -> Any:
+    """The BLAKE3 state after the hollowed packing of `messages[:n]` with these holes (the
+    messages between them packed plainly), or None when a hole does not hold its blob's very
+    string or something does not pack plainly."""
+    hasher = blake3.blake3()
+    parts: list[bytes | memoryview] = []
+    size = 0
+    start = 0
+    try:
+        for i, message_holes in (*holes, (n, None)):
+            while start < i:  # the messages between holes, packed plainly in runs
+                stop = min(i, start + _RUN)
+                run = pack(messages[start:stop])
+                parts.append(memoryview(run)[len(array_header(stop - start)) :])
+                size += len(run)
+                start = stop
+            if message_holes is None:
+                break
+            hollow = hollowed(messages[i], message_holes)
+            if hollow is None:
+                return None
+            packed = pack(hollow)
+            parts.append(packed)
+            size += len(packed)
+            start = i + 1
+            if size > ALIGN:
+                hasher.update(b"".join(parts))
+                parts, size = [], 0
+    except Exception:  # something that does not pack plainly: not this request
+        return None
+    hasher.update(b"".join(parts))
+    return hasher
+
+
+def array_items(data: bytes) -> list[bytes]:
+    """The packed items of a packed array (a stored tail), each as its bytes."""
+    unpacker = msgpack.Unpacker(raw=True, strict_map_key=False, max_buffer_size=len(data) + 1)
+    unpacker.feed(data)
+    items = []
+    start = 0
+    for _ in range(unpacker.read_array_header()):
+        start = start or unpacker.tell()
+        unpacker.skip()
+        end = unpacker.tell()
+        items.append(data[start:end])
+        start = end
+    return items
 
 
 class Tips:
@@ -550,12 +656,11 @@ class Tips:
     __slots__ = ("_by_key", "_by_turn")
 
     def __init__(self) -> None:
-        self._by_key: dict[tuple[int, int], list[Tip]] = {}  # tips with holes only
+        self._by_key: dict[tuple[int, int], list[Tip]] = {}
         self._by_turn: dict[int, Tip] = {}  # by the turn's index, oldest first
 
     def __bool__(self) -> bool:
-        """Whether some tip has holes (only then is a request tried against tips)."""
-        return bool(self._by_key)
+        return bool(self._by_turn)
 
     def find(self, n: int, last_plain: bytes) -> list[Tip]:
         """Tips of `n` messages whose last message may pack as `last_plain`."""
@@ -569,8 +674,7 @@ class Tips:
     def add(self, tip: Tip, replaces: Tip | None) -> None:
         if replaces is not None:
             self._drop(replaces)
-        if tip.key is not None:
-            self._by_key.setdefault(tip.key, []).append(tip)
+        self._by_key.setdefault(tip.key, []).append(tip)
         self._by_turn[tip.turn.index] = tip
         while len(self._by_turn) > MAX_TIPS:
             self._drop(next(iter(self._by_turn.values())))
@@ -579,8 +683,7 @@ class Tips:
         if self._by_turn.get(tip.turn.index) is not tip:
             return
         del self._by_turn[tip.turn.index]
-        if tip.key is not None:
-            tips = self._by_key[tip.key]
-            tips.remove(tip)
-            if not tips:
-                del self._by_key[tip.key]
+        tips = self._by_key[tip.key]
+        tips.remove(tip)
+        if not tips:
+            del self._by_key[tip.key]

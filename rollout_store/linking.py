@@ -222,7 +222,14 @@ class Linker:
         if request.n_valid == len(rest):
             scratch.twins = request.twins()
         if node.parent_id is None and turn.prompt is None:  # no token ids
-            scratch.message_parent = self._message_parent(request)
+            base = turn.base
+            if base is not None and turn.flags & TurnFlag.TAIL_ECHO:
+                # the common case: its storage base is the longest stored request it extends
+                # (the first of its bucket that it extends), and that one's response comes
+                # right after, exactly: what `_message_parent` would find first
+                scratch.message_parent = base
+            else:
+                scratch.message_parent = self._message_parent(request)
 
     def _message_parent(self, request: FreshRequest) -> Turn | None:
         """The longest stored request that this one extends and whose response is echoed

@@ -11,7 +11,6 @@ from collections.abc import Iterable, Sequence
 from itertools import chain
 from typing import Any, Final
 
-import blake3
 import msgpack
 
 from .blobs import BlobTable
@@ -23,13 +22,17 @@ from .confirm import (
     RawTips,
     Tip,
     Tips,
+    array_items,
     digest_key,
     holes_of,
+    hollow_hasher,
+    hollow_text,
     hollowed,
     mark_length,
     prefix_digest,
     prefix_keys,
     raw_end,
+    text_holes,
 )
 from .encoding import (
     ECHO_PACKED,
@@ -117,6 +120,14 @@ def _all_json(plains: list[bytes | None], limit: int) -> bool:
 
 _NOT_FAST = object()  # _prepare_raw: decode the whole text instead
 
+#: The longest chain of bases walked to find the long strings of a request (`_chain_holes`).
+_MAX_CHAIN = 4096
+
+
+def _has_ext(packed: bytes) -> bool:
+    """Whether a stored packing may hold an ext type (a blob reference): a quick filter."""
+    return len(packed.translate(None, _NOT_JSON)) != len(packed)
+
 
 class Scratch:
     """What add_turn works out before committing a turn; dropped afterwards."""
@@ -128,6 +139,7 @@ class Scratch:
         "n_rest",
         "pending",
         "prompt_key",
+        "raw_text",
         "raw_tip",
         "request",
         "request_digest",
@@ -156,6 +168,8 @@ class Scratch:
         self.root_keys: list[int] | None = None
         self.request: FreshRequest | None = None  # its non-system messages, if any
         self.raw_tip: tuple[RawTip, RawTip | None] | None = None  # filed at commit
+        # a raw text decoded whole: its tip is made once its long strings are known
+        self.raw_text: tuple[bytes, int, Any, bytes | None, int] | None = None
         self.twins: list[Turn] = []  # stored turns with exactly this request, and children
         self.moves: list[tuple[Turn, LinkKind]] = []  # earlier turns it adopts
 
@@ -526,10 +540,8 @@ class RequestStore:
         self._store_tail(turn, request, base, n_sys, scratch)
         if raw is not None and probe is not None and rest and isinstance(messages, list):
             end = raw_end(raw)
-            if end is not None:  # later raw turns of this conversation start here
-                digest = prefix_digest(memoryview(raw)[:end])
-                tip = RawTip(turn, raw, end, digest, probe.hasher, system_plain, n_sys)
-                scratch.raw_tip = (tip, None)
+            if end is not None:  # later raw turns of this conversation start here (`build`)
+                scratch.raw_text = (raw, end, probe.hasher, system_plain, n_sys)
         return system_plain
 
     def _prepare_raw(self, turn: Turn, scratch: Scratch, data: bytes) -> bytes | object | None:
@@ -575,6 +587,11 @@ class RequestStore:
         pieces = [ECHO_PACKED]
         turn.flags |= TurnFlag.TAIL_ECHO
         limit = self._plain_limit
+        # packings holding blob references, for their long strings (in-process blobs only:
+        # over a store they would be fetched)
+        long: list[bytes] | None = [] if self.tips is not None else None
+        if long is not None and base.flags & TurnFlag.RESPONSE_REFS and base.response:
+            long.append(base.response)
         for i in range(1, len(fresh)):
             plain = plains[i]
             if len(plain) < limit and _json_only(plain):
@@ -585,6 +602,8 @@ class RequestStore:
             packed, special = self.encode(fresh[i], f"request_messages[{first + i}]")
             if packed != plains[i]:
                 turn.flags |= TurnFlag.TAIL_REFS
+                if long is not None:
+                    long.append(packed)
             if special:
                 turn.flags |= TurnFlag.TAIL_SPECIAL
             pieces.append(packed)
@@ -596,8 +615,14 @@ class RequestStore:
         digest = scratch.request_sum = state.digest()
         scratch.request_digest = digest_key(digest)
         scratch.message_parent = base
-        hasher.update(memoryview(data)[tip.end : end])
+        blobs = [blob for packed in long or () for _, blob in holes_of(packed, self.blobs.string)]
+        holes = text_holes(data, tip.end, end, blobs) if blobs else []
+        hollow = hollow_text(data, tip.end, end, holes, hasher)
+        if hollow is None:  # (never: the holes were found there) hashed whole then
+            holes = []
+            hasher.update(memoryview(data)[tip.end : end])
         new_tip = RawTip(turn, data, end, hasher.digest(), state, tip.system_plain, tip.n_sys)
+        new_tip.holes = tip.holes + holes if holes else tip.holes
         scratch.raw_tip = (new_tip, tip)
         return tip.system_plain
 
@@ -660,49 +685,92 @@ class RequestStore:
                 request.next_tip = self._next_tip(turn, request, scratch)
             except Exception:  # whatever it is, the next turn is confirmed as usual
                 request.next_tip = None
+        if scratch.raw_text is not None:
+            raw, end, plain_state, system_plain, n_sys = scratch.raw_text
+            tip = request.next_tip if request is not None else None
+            blobs = [blob for _, holes in tip.holes for _, blob in holes] if tip else []
+            text = text_holes(raw, 0, end, blobs) if blobs else []
+            hollow = hollow_text(raw, 0, end, text)
+            if hollow is not None:  # (it always is: the holes were found there)
+                raw_tip = RawTip(turn, raw, end, hollow.digest(), plain_state, system_plain, n_sys)
+                raw_tip.holes = text
+                scratch.raw_tip = (raw_tip, None)
 
     def _next_tip(self, turn: Turn, request: FreshRequest, scratch: Scratch) -> Tip | None:
-        """The tip this turn leaves for its conversation: its base's tip (or none, for a
-        first turn) extended by its new messages, with holes where their packings hold long
-        blob strings."""
+        """The tip this turn leaves for its conversation, when its request holds long blob
+        strings: its base's tip extended by its new messages, or one worked out whole."""
         probe = request._probe
         tips = self.tips
         flags = turn.flags
         if probe is None or tips is None or flags & TurnFlag.PREFIX_SPECIAL:
             return None
         base = turn.base
-        messages = request.messages
-        n = len(messages)
-        if not n:
-            return None
-        holes: list[tuple[int, list[Hole]]] = []
-        hollow: Any = None  # None: the plain state (no holes yet)
-        start = 0
-        previous = None
-        if base is not None:
-            previous = tips.of(base)
-            if previous is None:
-                return None
-            start, holes = base.n_rest, previous.holes
-            if holes:
-                hollow = probe.hollow if probe.tip is previous else previous.hollow_state.copy()
-        echo_refs = (
+        previous = tips.of(base) if tips and base is not None else None
+        refs = flags & TurnFlag.TAIL_REFS or (
             flags & TurnFlag.TAIL_ECHO and base is not None and base.flags & TurnFlag.RESPONSE_REFS
         )
-        if flags & TurnFlag.TAIL_REFS or echo_refs:  # new blobs, maybe long ones
+        if previous is None and not refs:  # the common case: no long string anywhere new
+            return None
+        messages = request.messages
+        n = len(messages)
+        start = base.n_rest if base is not None else 0
+        if not refs:
+            parts: list[bytes] = request.plain_slice(start, n)  # type: ignore[assignment]
+            found: list[tuple[int, list[Hole]]] = []
+        else:
             new = self._new_holes(turn, request, scratch, start)
             if new is None:
                 return None
             parts, found = new
-            if found or holes:
-                if hollow is None:  # the hollowed packing so far is the plain one
-                    hollow = previous.plain_state.copy() if previous else blake3.blake3()
-                hollow.update(b"".join(parts))
-                holes = [*holes, *found]
-        elif holes:
-            hollow.update(b"".join(request.plain_slice(start, n)))  # type: ignore[arg-type]
-        plain_state = probe.hasher
-        return Tip(turn, n, probe.plain(n - 1), holes, hollow or plain_state, plain_state)
+        if previous is not None:
+            holes = previous.holes
+            hollow = probe.hollow if probe.tip is previous else previous.hollow_state.copy()
+        elif not found:
+            return None
+        else:  # the first long string of this conversation (or its tip was dropped)
+            earlier = self._chain_holes(base) if base is not None else []
+            if earlier is None:
+                return None
+            holes = earlier
+            hollow = hollow_hasher(probe.messages, start, earlier, self._pack_plain)
+            if hollow is None:
+                return None
+        hollow.update(b"".join(parts))
+        if found:
+            holes = [*holes, *found]
+        return Tip(turn, n, probe.plain(n - 1), holes, hollow, probe.hasher)
+
+    def _chain_holes(self, turn: Turn) -> list[tuple[int, list[Hole]]] | None:
+        """The holes of the request of a stored turn, from its tails and its bases' (None:
+        a chain too long to walk, or something unusual)."""
+        found: list[list[tuple[int, list[Hole]]]] = []  # each tail's, the latest first
+        node: Turn | None = turn
+        steps = 0
+        while node is not None:
+            steps += 1
+            if steps > _MAX_CHAIN or node.flags & TurnFlag.NO_MESSAGES:
+                return None
+            base = node.base
+            echo_refs = (
+                node.flags & TurnFlag.TAIL_ECHO
+                and base is not None
+                and base.flags & TurnFlag.RESPONSE_REFS
+            )
+            if node.flags & TurnFlag.TAIL_REFS or echo_refs:
+                items = array_items(node.tail)
+                first = node.first
+                here = []
+                for k, item in enumerate(items):
+                    stored: bytes | None = item
+                    if k == 0 and node.flags & TurnFlag.TAIL_ECHO:
+                        stored = base.response if echo_refs else None  # type: ignore[union-attr]
+                    if stored is not None and _has_ext(stored):
+                        holes = holes_of(stored, self.blobs.string)
+                        if holes:
+                            here.append((first + k, holes))
+                found.append(here)
+            node = base
+        return [hole for here in reversed(found) for hole in here]
 
     def _new_holes(
         self, turn: Turn, request: FreshRequest, scratch: Scratch, start: int
