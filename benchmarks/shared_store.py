@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -238,14 +239,8 @@ def over(make_store: Callable[[], Any], cache_bytes: int | None) -> Make:
     return make
 
 
-#: Calls made under tracemalloc before a baseline: more than the 128 entries of
-#: `urllib.parse`'s `urlsplit` cache, which botocore's per-request URLs fill (about 55 KiB),
-#: and enough for the interpreter's type-attribute cache to hold botocore's per-call
-#: attribute names (about 30 KiB). Both are bounded and shared by the whole process, whatever
-#: the number of graphs: filled while traced, what they later drop is counted too, so they
-#: add nothing at their steady size (filled before tracing, every new entry would count and
-#: no dropped one).
-WARM_UP_CALLS = 300
+#: Calls made before a baseline, so that what a client loads or caches lazily is there.
+WARM_UP_CALLS = 3
 WARM_UP_OBJECTS = (
     b"warm-up",
     bytes(200 * 1024),
@@ -255,18 +250,29 @@ WARM_UP_KEYS = {rs.content_key(data) for data in WARM_UP_OBJECTS}
 
 
 def warm_up(store: Any) -> None:
-    """Every call a graph makes, so what a client loads lazily is loaded already and the
-    process's bounded caches are at their steady size (see WARM_UP_CALLS)."""
+    """Every call a graph makes, so what a client loads lazily is loaded already."""
     for data in WARM_UP_OBJECTS:
         store.contains(store.put(data))
         store.put(data)  # present already: the refused put-if-absent
         store.get(rs.content_key(data))
 
 
+def clear_process_caches() -> None:
+    """Empty the caches the whole process shares, whatever the number of graphs, that a
+    store client's calls fill: the interpreter's type-attribute cache (up to 4,096 entries,
+    each holding an attribute name: botocore looks its handlers up by names it builds per
+    call) and `urllib.parse`'s cache of 128 split URLs (botocore's per-request URLs). Done
+    at the baseline and before reading what is retained, so neither counts."""
+    sys._clear_type_cache()
+    urllib.parse.clear_cache()
+
+
 def steady_baseline(measured: Any, store: Any) -> None:
-    """Warm `store`'s client up under tracemalloc, then take the baseline (WARM_UP_CALLS)."""
+    """Warm `store`'s client up under tracemalloc, then take the baseline with the process's
+    shared caches empty (see clear_process_caches)."""
     if store is not None:
         warm_up(store)
+    clear_process_caches()
     gc.collect()
     measured.baseline = tracemalloc.get_traced_memory()[0]
 
@@ -283,6 +289,7 @@ def retained(make: Make, texts: list[list[str]]) -> tuple[int, Any, list[Any]]:
             body = json.loads(text)
             graphs[r].add_turn(turn_node(body, f"rollout-{r}"))
             del body
+        clear_process_caches()
     return measured.bytes, store, graphs
 
 
@@ -335,6 +342,7 @@ def capture_server(
         for t in range(turns):
             for i, graph in enumerate(graphs):
                 graph.add_turn(turn_node(json.loads(texts[i % len(texts)][t]), f"s{i}"))
+        clear_process_caches()
     size = measured.bytes
     in_store = getattr(store, "nbytes", 0)
     return {

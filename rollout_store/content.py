@@ -15,8 +15,9 @@ answer after its bounded retries (`RetryPolicy`). Keys are cryptographic because
 shared across rollouts, processes or machines: whoever controls a tool output could craft
 two strings with one xxh3 digest, never two with one SHA-256.
 
-`StringCache` is the byte-bounded cache of strings read from a store. It is an object of its
-own so that graphs can share one explicitly (a capture server passes one to every session).
+`StringCache` is the byte-bounded cache of strings (and turn records) read from a store. It
+is an object of its own so that graphs can share one explicitly (a capture server passes one
+to every session).
 
 This module is the low layer: the blob table depends on this protocol only; the backends
 (`stores`, `redis_store`, `s3_store`) live above the files layer.
@@ -160,7 +161,8 @@ DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
 
 
 class StringCache:
-    """Strings read from a store, least recently used first out, at most `max_bytes` in all.
+    """Strings and turn records read from a store, least recently used first out, at most
+    `max_bytes` in all (what a graph puts is not cached: recording reads nothing back).
 
     Sizes are UTF-8 bytes. Thread-safe; share one between graphs to bound their total.
     `max_bytes=0` caches nothing. `share_bytes` also lets the graphs sharing the cache share

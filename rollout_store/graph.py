@@ -49,7 +49,7 @@ from .stored import (
 )
 from .tokens import run_list
 from .training import TrainingSequence
-from .turn_records import TurnRecords
+from .turn_records import TurnRecords, tail_bytes
 from .views import NodeView
 
 __all__ = [
@@ -798,7 +798,7 @@ class Graph:
             if turn.system is not None:
                 count = system_counts.get(id(turn.system))
                 if count is None:
-                    count = len(unpack(turn.system, self.blobs.string))
+                    count = len(unpack(turn.system, _no_string))  # (no blob is read)
                     system_counts[id(turn.system)] = count
                 messages_received += count
             messages_received += turn.n_rest
@@ -817,7 +817,7 @@ class Graph:
             "n_forks": sum(1 for t in self._turns if t.children and len(t.children) > 1),
             "n_discarded": len(self.discarded_ids()),
             "messages_received": messages_received,
-            "message_bytes_stored": sum(len(t.tail) for t in self._turns),
+            "message_bytes_stored": tail_bytes(self._turns, self._records),
             "shared_values": len(self._requests.values),
             "tokens_received": tokens_received,
             "tokens_stored": stored_tokens,
@@ -857,9 +857,21 @@ class GraphRestorer:
         """The graph's interned copy of `meta`."""
         return self._graph._meta.setdefault(meta, meta)
 
+    def new_turn(self) -> Turn:
+        """A fresh turn for the reader to build (over an out-of-process store, one whose
+        record can be kept there: see `turn_records`)."""
+        records = self._graph._records
+        return Turn() if records is None else records.new_turn()
+
     def commit(self, turn: Turn, keys: IndexKeys, moves: list[tuple[Turn, LinkKind]]) -> None:
-        """File a fully built turn: indexes, children, re-links, as `add_turn` does."""
-        self._graph._commit(turn, keys, moves)
+        """File a fully built turn: indexes, children, re-links, as `add_turn` does. Over an
+        out-of-process store its record is put there first (a store error propagates: the
+        graph being read is dropped)."""
+        graph = self._graph
+        records = graph._records
+        if records is not None:
+            records.seal(turn, records.put(turn))
+        graph._commit(turn, keys, moves)
 
 
 _FIELDS: dict[str, Callable[[Graph, Turn], Any]] = {
@@ -872,3 +884,8 @@ _FIELDS: dict[str, Callable[[Graph, Turn], Any]] = {
     "requested_sampling_params": lambda g, t: materialize.value(t.requested, g.blobs),
     "response_message": lambda g, t: materialize.value(t.response, g.blobs),
 }
+
+
+def _no_string(index: int) -> str:
+    """A blob lookup for counting messages: what the strings are does not matter."""
+    return ""

@@ -38,6 +38,15 @@ TOKEN_WINDOW = 64
 Move = tuple[Turn, LinkKind]
 
 
+def _sibling_prompt(parent: Turn, data: bytes, n: int) -> TokenRun | None:
+    """The prompt of a child of `parent` holding exactly these `n` tokens, if any."""
+    for child in parent.children or ():
+        run = child.prompt
+        if run is not None and run.length == n and run_matches(run, data):
+            return run
+    return None
+
+
 class Linker:
     """Finds each new turn's parent and the earlier turns it adopts; owns the token
     indexes and the roots waiting for a late ancestor.
@@ -115,8 +124,14 @@ class Linker:
         digests: list[int | None] = tail_block_digests(data, TOKEN_WINDOW)
         parent = self._token_parent(data, digests, len(prompt))
         scratch.token_parent = parent
-        scratch.prompt_key = key = xxhash.xxh3_64_intdigest(data)
+        key = xxhash.xxh3_64_intdigest(data)
         run = self._stored_prompt(key, data, len(prompt))
+        if parent is None or run is not None:  # filed at commit (a root's), or found filed
+            scratch.prompt_key = key
+        elif parent.children is not None:
+            # a retry of a continuation finds its prompt among its parent's children: only
+            # prompts without a token parent are filed (a key and a slot fewer a turn)
+            run = _sibling_prompt(parent, data, len(prompt))
         packed = None
         if run is None and parent is not None and parent.full is not None:
             new = prompt[parent.full.length :]

@@ -882,7 +882,7 @@ class RequestStore:
 
     def echoes(self, turn: Turn, message: Any, plain: bytes | None) -> bool:
         """Whether `message` is the echo of the turn's response (exactly or loosely)."""
-        if turn.response is None:
+        if not turn.flags & TurnFlag.HAS_RESPONSE:  # (no fetch for a response in a store)
             return False
         if self.is_echo(turn, message, plain):
             return True

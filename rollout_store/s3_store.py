@@ -73,6 +73,10 @@ class S3Store:
                 connect_timeout=timeout,
                 read_timeout=timeout,
                 retries={"max_attempts": 1, "mode": "standard"},
+                # the store builds every request itself (a bucket, a key, bytes): checking
+                # them against the service model only costs time, and leaves per-call
+                # strings in the interpreter's attribute cache
+                parameter_validation=False,
             )
             client = boto3.client("s3", endpoint_url=endpoint_url, config=config, **client_options)
         self._client = client

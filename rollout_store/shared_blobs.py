@@ -6,7 +6,7 @@ reads the store's own `str` objects, shared by every graph over it. Over any oth
 string is fetched on read (verified against its key by the store) through a `StringCache`
 bounded in bytes, which graphs may share.
 
-Finding a string again: the graph's xxh3 index gives candidates; a candidate is the same
+Finding a string again: the graph's xxh3 digests give candidates; a candidate is the same
 string only if its cached or stored string equals the new one, or (when it is not at hand)
 if the new string's SHA-256 equals the candidate's key. So two strings with one xxh3 digest
 stay apart, each under its own key, in every store.

@@ -20,7 +20,6 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Annotated, Any, NamedTuple
 
-import msgpack
 import msgspec
 
 from . import framing
@@ -209,11 +208,6 @@ class _Writer:
         self.prompt_of: dict[int, int] = {}  # id(TokenRun) -> index of a turn whose prompt it is
         self.full_of: dict[int, int] = {}  # id(TokenRun) -> index of a turn whose full it is
         self.refs = (0, 0)  # blob references and their bytes counted so far
-        # this writer's own packer (record fields are str that may hold lone surrogates); a
-        # small buffer to start with: a loader holds a writer too
-        self.pack = msgpack.Packer(
-            use_bin_type=True, unicode_errors="surrogatepass", buf_size=1024
-        ).pack
 
     def header(self, graph: Graph, mode: str) -> bytes:
         """The magic and header frame of a new file (which starts this writer's chain)."""
@@ -303,7 +297,7 @@ class _Writer:
             if pending is stored:
                 return len(self.value_objects) + i
         new.append(stored)
-        frames.append(self.frame(KIND_VALUE, self.pack(stored), chain))
+        frames.append(self.frame(KIND_VALUE, pack(stored), chain))
         return len(self.value_objects) + len(new) - 1
 
     def _record(
@@ -405,9 +399,10 @@ class _Gather:
             batch = parts[done : done + self.MAX_PARTS]
             written = os.writev(self.fd, batch)
             for part in batch:
-                if written < len(part):
+                size = len(part)
+                if written < size:
                     break
-                written -= len(part)
+                written -= size
                 done += 1
             if written:  # a part written in part
                 parts[done] = parts[done][written:]
@@ -538,14 +533,7 @@ class _Loader:
     def blob_v2(self, payload: memoryview) -> None:
         """A version-2 blob frame's payload: digest, then text (the frame reader checked the
         digest, the only hash over the text)."""
-        data = payload[framing.DIGEST_SIZE :]
-        try:
-            text, surrogates = str(data, "utf-8"), False
-        except UnicodeDecodeError:
-            text, surrogates = str(data, "utf-8", "surrogatepass"), True
-        self.graph.blobs.add_verified(
-            text, bytes(payload[: framing.DIGEST_SIZE]), len(data), surrogates
-        )
+        self._add_blob(payload[framing.DIGEST_SIZE :], bytes(payload[: framing.DIGEST_SIZE]))
 
     def _add_blob(self, data: memoryview, digest: bytes) -> None:
         try:
@@ -662,9 +650,31 @@ class _Loader:
             record = _RECORD_DECODER.decode(payload)
         except msgspec.DecodeError:
             record = _untyped_record(unpack_payload(payload))
-        graph, restore, writer = self.graph, self.restore, self.writer
-        n_blobs, index = len(graph.blobs), len(graph)
-        node_id, flags = record.node_id, record.flags
+        n_blobs = len(self.graph.blobs)
+        turn = self._identity(record)
+        side = turn.side
+        self._values(side, record)
+        self._request(turn, record, n_blobs)
+        if record.prompt is not None or record.sampled is not None or record.logprobs is not None:
+            self._tokens(turn, side, record, n_blobs)
+        _check_carried(record.flags, turn.flags, self.carries_flags)
+        moves = self._moves(turn, record.moves) if record.moves else []
+        keys, refs = record.keys, record.refs
+        del record  # the turn holds copies of the record's bytes: let them go before filing it
+        if refs[0] or refs[1]:  # (a snapshot counts them in its end record)
+            self.graph.blobs.count_references(refs[0], refs[1])
+        restore = self.restore
+        restore.commit(turn, IndexKeys(keys[0], keys[1], keys[2], keys[3]), moves)
+        if side.prompt is not None or side.full is not None:
+            self.writer.note_runs(turn)
+        for stored, plain in self.unfiled:  # the values it brought, found again from now on
+            restore.add_value(stored, plain)
+        self.unfiled.clear()
+
+    def _identity(self, record: TurnRecord) -> Turn:
+        """A new turn with its id, position, parent, link, stored flags and scalar fields
+        (the derived flags are set from the other fields)."""
+        graph, node_id, flags = self.graph, record.node_id, record.flags
         if node_id in graph:
             raise ValueError(f"bad or repeated node id {node_id!r}")
         if flags < 0 or flags & ~(_STORED_FLAGS | _DERIVED_FLAGS):
@@ -674,23 +684,25 @@ class _Loader:
         link, parent = record.link, record.parent
         if not 0 <= link <= LinkKind.EXPLICIT:
             raise ValueError("bad link kind")
-        turn = Turn()
-        turn.index = index
+        turn = self.restore.new_turn()
+        index = turn.index = len(graph)
         if node_id != f"turn-{index}":
             turn.ident = node_id
-        # derived bits are set below, from the fields; the link is two bits of the flags
         turn.flags = flags & _KEPT_FLAGS
         if parent is not None:
             turn.parent = self._ref(parent)
-            turn.link = _LINK_KINDS[link]
+            turn.link = _LINK_KINDS[link]  # two bits of the flags
         else:
             turn.parent = None
-        side = turn.side
         meta = self.metas.get(record.meta)
         if meta is None:
-            meta = self.metas[record.meta] = restore.meta(TurnMeta(*record.meta))
-        side.meta = meta
-        values = writer.value_objects  # value records in file order
+            meta = self.metas[record.meta] = self.restore.meta(TurnMeta(*record.meta))
+        turn.side.meta = meta
+        return turn
+
+    def _values(self, side: TurnSide, record: TurnRecord) -> None:
+        """The shared values the record refers to (value records read before it)."""
+        values = self.writer.value_objects  # value records in file order
         n_values = len(values)
         system, tools, sampling, requested = (
             record.system,
@@ -709,26 +721,6 @@ class _Loader:
         side.tools = None if tools is None else values[tools]
         side.sampling = None if sampling is None else values[sampling]
         side.requested = None if requested is None else values[requested]
-        self._request(turn, record, n_blobs)
-        self._tokens(turn, side, record, n_blobs)
-        derived = turn.flags
-        if self.carries_flags and derived & _FIELD_FLAGS != flags & _FIELD_FLAGS:
-            raise ValueError("the flags of a turn record do not agree with its fields")
-        carried = flags & _CONTENT_FLAGS
-        if carried and derived & _CONTENT_FLAGS & ~carried:
-            # a record written before these flags were derived carries them all
-            raise ValueError("the flags of a turn record do not say what its request holds")
-        moves = self._moves(turn, record.moves) if record.moves else []
-        keys = record.keys
-        roots = keys[3]
-        refs = record.refs
-        del record  # the turn holds copies of the record's bytes: let them go before filing it
-        graph.blobs.count_references(refs[0], refs[1])
-        restore.commit(turn, IndexKeys(keys[0], keys[1], keys[2], roots), moves)
-        writer.note_runs(turn)
-        for stored, plain in self.unfiled:  # the values it brought, found again from now on
-            restore.add_value(stored, plain)
-        self.unfiled.clear()
 
     def _request(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
         """The system part, the base, the tail and the response: the turn's bytes built once,
@@ -815,14 +807,6 @@ class _Loader:
             out.append((other, _LINK_KINDS[link]))
         return out
 
-    def _value_ref(self, ordinal: Any) -> bytes | None:
-        if ordinal is None:
-            return None
-        values = self.writer.value_objects  # value records in file order
-        if not isinstance(ordinal, int) or not 0 <= ordinal < len(values):
-            raise ValueError("value reference out of range")
-        return values[ordinal]
-
     def _ref(self, index: Any) -> Turn | None:
         """The earlier turn at `index`, or None."""
         if index is None:
@@ -862,6 +846,17 @@ def _segment(spec: Any) -> Any:
 _INT = frozenset({int})
 _INT_OR_NONE = frozenset({int, type(None)})
 _STR_OR_NONE = frozenset({str, type(None)})
+
+
+def _check_carried(stored: int, derived: int, carries: bool) -> None:
+    """Flags a turn record carries must agree with those derived from its fields: exactly
+    for `_FIELD_FLAGS` (where its file carries them), and covering what the fields hold for
+    `_CONTENT_FLAGS` (records written before those were derived carry them all)."""
+    if carries and derived & _FIELD_FLAGS != stored & _FIELD_FLAGS:
+        raise ValueError("the flags of a turn record do not agree with its fields")
+    carried = stored & _CONTENT_FLAGS
+    if carried and derived & _CONTENT_FLAGS & ~carried:
+        raise ValueError("the flags of a turn record do not say what its request holds")
 
 
 def _is_index(value: Any) -> bool:

@@ -29,7 +29,7 @@ from .content import KEY_SIZE, ContentStore, StringCache, content_key
 from .errors import CorruptObjectError
 from .stored import Turn, TurnFlag
 
-__all__ = ["MIN_RECORD_BYTES", "RemoteTurn", "TurnRecords", "echo_by_key"]
+__all__ = ["MIN_RECORD_BYTES", "RemoteTurn", "TurnRecords", "echo_by_key", "tail_bytes"]
 
 #: A turn's tail and response are put into the store when they pack to at least this many
 #: bytes (below, the two keys a turn then keeps and the round trip cost more than they save).
@@ -46,11 +46,12 @@ class TurnRecords:
     """The records of one graph's turns in `store`, read through `cache` (see the module
     docstring). Used under the graph's lock; the store and the cache are thread-safe."""
 
-    __slots__ = ("cache", "store")
+    __slots__ = ("cache", "sealed_tail_bytes", "store")
 
     def __init__(self, store: ContentStore, cache: StringCache | None) -> None:
         self.store = store
         self.cache = cache
+        self.sealed_tail_bytes = 0  # bytes of the tails in the store (stats, with no fetch)
 
     def new_turn(self) -> RemoteTurn:
         """A fresh turn that can be sealed (its record kept in the store)."""
@@ -75,6 +76,7 @@ class TurnRecords:
         if keys is None or type(turn) is not RemoteTurn:
             return
         record_key, response_key = keys
+        self.sealed_tail_bytes += len(turn.tail)
         turn.build((record_key,), turn.n_rest, response_key, turn.digest, turn.rkey)
         turn.records = self
 
@@ -131,8 +133,10 @@ class RemoteTurn(Turn):
 
     def unseal(self) -> None:
         """Bring the tail and the response back into `data` (a fetch)."""
-        if self.records is not None:
+        records = self.records
+        if records is not None:
             tail, response = self._record()
+            records.sealed_tail_bytes -= len(tail)
             self.records = None
             self.build((tail,), self.n_rest, response, self.digest, self.rkey)
 
@@ -157,6 +161,15 @@ class RemoteTurn(Turn):
     def response(self, response: bytes | None) -> None:
         self.unseal()
         _set_response(self, response)
+
+
+def tail_bytes(turns: list[Turn], records: TurnRecords | None) -> int:
+    """The bytes of the request tails of `turns` (a graph's, over `records`), reading none
+    from the store."""
+    if records is None:
+        return sum(len(turn.tail) for turn in turns)
+    kept = (t for t in turns if type(t) is not RemoteTurn or t.records is None)
+    return sum(len(turn.tail) for turn in kept) + records.sealed_tail_bytes
 
 
 def echo_by_key(turn: Turn, plain: bytes) -> bool | None:

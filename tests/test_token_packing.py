@@ -144,7 +144,7 @@ def test_a_token_turn_keeps_a_bounded_memory() -> None:
     """What a graph keeps per continuation turn (8 new prompt ids, 16 sampled ids with
     logprobs, a short message and response: 224 bytes of token content), by tracemalloc in a
     child process (this suite's fixtures keep every graph alive). Two runs and three arrays a
-    turn kept 1,207 bytes here; packed, 935."""
+    turn, its prompt filed by its key, kept 1,207 bytes here; packed and unfiled, 869."""
     child = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("token_memory.py")), "300"],
         capture_output=True,
@@ -155,4 +155,35 @@ def test_a_token_turn_keeps_a_bounded_memory() -> None:
     assert child.returncode == 0, child.stderr[-2000:]
     figures = json.loads(child.stdout)
     assert figures["content"] == 224
-    assert figures["per_turn"] <= 1050, figures
+    assert figures["per_turn"] <= 1000, figures
+
+
+def test_a_retry_after_reopening_shares_the_prompt_and_a_saved_copy_equals_the_log(
+    tmp_path: Path,
+) -> None:
+    turns = token_turns(3, n_sampled=4)
+    retry = {**turns[2], "sampled_ids": [7, 8], "sampled_logprobs": [-1.0, -2.0]}
+    path = tmp_path / "log.rls"
+    graph = RolloutGraph.open(path)
+    for fields in (*turns, retry):
+        graph.add_turn(TurnNode(**fields))
+    graph.save(tmp_path / "saved.rls")
+    graph.close()
+    for name in ("log.rls", "saved.rls"):
+        opened = RolloutGraph.open if name == "log.rls" else RolloutGraph.load
+        reopened = opened(tmp_path / name)
+        reopened.add_turn(TurnNode(**{**turns[2], "sampled_ids": [9], "sampled_logprobs": [-3.0]}))
+        stored = _turns(reopened)
+        assert stored[4].prompt is stored[2].prompt, name
+        assert reopened.child_ids("turn-1") == ["turn-2", "turn-3", "turn-4"], name
+        assert _token_fields(reopened) == json.dumps(
+            [
+                [t["prompt_ids"], t["sampled_ids"], t["sampled_logprobs"]]
+                for t in (
+                    *turns,
+                    retry,
+                    {**turns[2], "sampled_ids": [9], "sampled_logprobs": [-3.0]},
+                )
+            ]
+        ), name
+        reopened.close()

@@ -79,7 +79,7 @@ class CountingStore:
     """A directory store that counts gets and can fail puts (after n more, or all)."""
 
     def __init__(self, path: Path) -> None:
-        self.inner = DirectoryStore(path)
+        self.inner = DirectoryStore(path, fsync=False)
         self.gets = 0
         self.puts = 0
         self.puts_left: int | None = None
@@ -130,6 +130,10 @@ def test_a_graph_over_a_store_reads_back_exactly_and_records_without_fetching(
     add_all(graph, turns)
     assert store.gets == 0  # echoes confirmed by key, requests by digest: nothing read back
     assert len(record_keys(store, turns)) == 8  # one record a turn
+    assert graph.stats() == private_twin(turns).stats()
+    # the counts, the tails' bytes too, are known without a fetch; only the root's prompt is
+    # read (its system prompt and record), to tell retries of it apart
+    assert store.gets == 2
     assert snapshot(graph) == snapshot(private_twin(turns))
     assert store.gets > 0
     for k, turn in enumerate(turns):
@@ -301,3 +305,113 @@ def test_graphs_over_a_memory_store_keep_their_records() -> None:
     add_all(graph, turns)
     assert not any(isinstance(o, RemoteTurn) for o in reachable(graph).values())
     assert len(store) > 0 and record_keys(store, turns) == set()
+
+
+def test_a_graph_read_from_a_file_over_a_store_keeps_references(tmp_path: Path) -> None:
+    store = CountingStore(tmp_path / "objects")
+    turns = tool_rollout(6)
+    graph = RolloutGraph(store=store)
+    add_all(graph, turns[:4])
+    graph.save(tmp_path / "refs.rls", blobs="store")
+    graph.save(tmp_path / "whole.rls")
+    marker = b"thinking about it thinking"
+    for name in ("refs.rls", "whole.rls"):
+        back = RolloutGraph.load(tmp_path / name, store=store, cache=StringCache(0))
+        held = [o for o in reachable(back).values() if type(o) is bytes and marker in o]
+        assert not held, name
+        add_all_from(back, turns, 4)  # continuations of turns read back (confirmed by bytes)
+        assert snapshot(back) == snapshot(private_twin(turns)), name
+
+
+def test_a_log_reopened_over_a_store_keeps_references(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path / "objects")
+    turns = tool_rollout(6)
+    path = tmp_path / "log.rls"
+    with RolloutGraph.open(path, store=store, blobs="store") as graph:
+        add_all(graph, turns[:3])
+    with RolloutGraph.open(path, store=store) as graph:
+        kept = _turns(graph)
+        assert len(kept) == 3 and all(isinstance(o, RemoteTurn) for o in kept)
+        add_all_from(graph, turns, 3)
+        assert snapshot(graph) == snapshot(private_twin(turns))
+    assert snapshot(RolloutGraph.load(path, store=store)) == snapshot(private_twin(turns))
+
+
+def test_reading_a_file_into_a_store_that_is_down_fails_clearly(tmp_path: Path) -> None:
+    turns = tool_rollout(3)
+    private_twin(turns).save(tmp_path / "whole.rls")
+    store = CountingStore(tmp_path / "objects")
+    store.puts_left = 0
+    with pytest.raises(StoreUnavailableError):
+        RolloutGraph.load(tmp_path / "whole.rls", store=store)
+    store.puts_left = None
+    back = RolloutGraph.load(tmp_path / "whole.rls", store=store)
+    assert snapshot(back) == snapshot(private_twin(turns))
+
+
+def _turns(graph: RolloutGraph) -> list[Any]:
+    return [o for o in reachable(graph).values() if type(o).__name__.endswith("Turn")]
+
+
+def add_all_from(graph: RolloutGraph, turns: list[dict[str, Any]], first: int) -> None:
+    for k in range(first, len(turns)):
+        graph.add_turn(TurnNode(node_id=f"t{k}", **turns[k]))
+
+
+def test_rollouts_of_one_task_in_one_graph_link_without_fetching(tmp_path: Path) -> None:
+    """Four rollouts sharing their first request (twins), interleaved: each continuation
+    finds its parent among the twins by its echo, told by key."""
+    rollouts = [tool_rollout(5, tag=f"r{r}") for r in range(4)]
+    for rollout in rollouts[1:]:  # one task: the same first request
+        for turn in rollout:
+            turn["request_messages"][:2] = json.loads(
+                json.dumps(rollouts[0][0]["request_messages"][:2])
+            )
+    store = CountingStore(tmp_path / "objects")
+    graph = RolloutGraph(store=store, cache=StringCache(0))
+    private = RolloutGraph()
+    for k in range(5):
+        for r, rollout in enumerate(rollouts):
+            for g in (graph, private):
+                g.add_turn(TurnNode(node_id=f"r{r}t{k}", **json.loads(json.dumps(rollout[k]))))
+    assert store.gets == 0
+    assert [graph.parent(n) for n in graph.node_ids()] == [
+        private.parent(n) for n in private.node_ids()
+    ]
+    assert graph.parent("r2t3") == "r2t2"
+    assert snapshot(graph) == snapshot(private)
+
+
+def odd_rollout(n: int) -> list[dict[str, Any]]:
+    """Responses of odd JSON values (lone surrogates, big ints, -0.0, NaN, 1 and 1.0 and
+    True, empty containers, key order), each echoed by the next request."""
+    odd = json.loads(
+        '{"z": "\\ud800 lone", "a": 1, "b": 1.0, "c": true, "d": -0.0, "e": NaN, '
+        '"f": 123456789012345678901234567890, "g": [], "h": {}, "i": 1e400}'
+    )
+    history: list[Any] = [{"role": "user", "content": "go " * 50}]
+    turns = []
+    for k in range(n):
+        response = {"role": "assistant", "content": f"step {k} " * 30, "odd": odd, "k": k}
+        turns.append(
+            {
+                "request_messages": json.loads(json.dumps(history)),
+                "response_message": json.loads(json.dumps(response)),
+            }
+        )
+        history = history + [response, {"role": "user", "content": f"more {k} " * 30}]
+    return turns
+
+
+def test_odd_responses_over_a_store_export_byte_identical(tmp_path: Path) -> None:
+    turns = odd_rollout(5)
+    store = CountingStore(tmp_path / "objects")
+    graph = RolloutGraph(store=store, cache=StringCache(0))
+    add_all(graph, turns)
+    assert store.gets == 0 and len(record_keys(store, turns)) == 5
+    private = private_twin(turns)
+    assert [graph.parent(n) for n in graph.node_ids()] == [None, "t0", "t1", "t2", "t3"]
+    assert snapshot(graph) == snapshot(private)
+    for k, turn in enumerate(turns):
+        assert json.dumps(graph.response_message(f"t{k}")) == json.dumps(turn["response_message"])
+        assert json.dumps(graph.request_messages(f"t{k}")) == json.dumps(turn["request_messages"])
