@@ -61,9 +61,11 @@ __all__ = [
 WINDOW = 8
 #: The messages before the window are packed in chunks of about these sizes, so the packer's
 #: buffer stays below the size the allocator maps fresh pages for (measured: a fresh multi-MiB
-#: buffer a turn costs more in page faults than the packing itself).
-CHUNK_LOW = 1 << 16
-CHUNK_HIGH = 1 << 17
+#: buffer a turn costs more in page faults than the packing itself; with chunks of 64-128 KiB
+#: the packer's buffer still reached the allocator's threshold, and the median add_turn of
+#: tool-heavy turns 25-34 was 1.7x its fastest, 1.1x with these).
+CHUNK_LOW = 1 << 15
+CHUNK_HIGH = 1 << 16
 #: BLAKE3 runs at full speed only on updates of many whole 1 KiB chunks starting at a multiple
 #: of their count (measured: 1.4-4 GB/s on updates of other sizes, 7-10 GB/s on multiples of
 #: 16-64 KiB), so the chunks are hashed in multiples of this many bytes.
@@ -318,26 +320,22 @@ TextHole = tuple[int, int, str]
 
 
 def text_holes(data: bytes, start: int, end: int, blobs: Sequence[str]) -> list[TextHole]:
-    """Where the UTF-8 bytes of these long blob strings occur in `data[start:end]` (each
-    occurrence, in order, none overlapping; a string written with escapes is not found, and
-    stays hashed)."""
-    found: list[TextHole] = []
-    for blob in dict.fromkeys(blobs):  # each string once, in order
+    """Where the UTF-8 bytes of these long blob strings (in the order they are written)
+    occur in `data[start:end]`, each looked for after the one before (one pass over the
+    text); a string written with escapes is not found, and stays hashed."""
+    holes: list[TextHole] = []
+    at = start
+    for blob in blobs:
         if len(blob) < HOLE_MIN:
             continue
         try:
             needle = blob.encode("utf-8")
         except UnicodeEncodeError:
             continue
-        at = data.find(needle, start, end)
-        while at >= 0:
-            found.append((at, at + len(needle), blob))
-            at = data.find(needle, at + len(needle), end)
-    found.sort()
-    holes: list[TextHole] = []
-    for hole in found:
-        if not holes or hole[0] >= holes[-1][1]:
-            holes.append(hole)
+        found = data.find(needle, at, end)
+        if found >= 0:
+            at = found + len(needle)
+            holes.append((found, at, blob))
     return holes
 
 
@@ -503,18 +501,27 @@ def holes_of(stored: bytes, string: Callable[[int], str]) -> list[Hole]:
 
     value = unpack(stored, lookup, no_echo)
     found: list[Hole] = []
-    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    if type(value) is not dict and type(value) is not list:
+        return found
+    # in the order they are written (a stack of iterators: no recursion)
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(_items(value), ())]
     while stack:
-        node, path = stack.pop()
-        items = node.items() if type(node) is dict else enumerate(node)
+        items, path = stack[-1]
         for key, child in items:
             kind = type(child)
             if kind is str:
                 if id(child) in blobs and len(child) >= HOLE_MIN:
                     found.append(((*path, key), child))
             elif kind is dict or kind is list:
-                stack.append((child, (*path, key)))
+                stack.append((_items(child), (*path, key)))
+                break
+        else:
+            stack.pop()
     return found
+
+
+def _items(node: Any) -> Any:
+    return iter(node.items()) if type(node) is dict else enumerate(node)
 
 
 def hollowed(message: Any, holes: list[Hole]) -> Any:
@@ -562,10 +569,11 @@ def _copy(node: Any, copies: dict[int, Any]) -> Any:
 class Tip:
     """The latest decoded turn of a conversation whose request holds long blob strings, and
     what confirms a request that re-sends it: its message count, where those strings are
-    (`holes`: message index and that message's holes, in order), the BLAKE3 state after its
-    hollowed packing and after its plain packing (the turn's digest)."""
+    (`holes`: message index and that message's holes, in order), the BLAKE3 digest of its
+    hollowed packing and the BLAKE3 state after its plain packing (the turn's digest; one
+    state a tip, about 2 KB: a continuation's hollowed state is its own)."""
 
-    __slots__ = ("holes", "hollow_digest", "hollow_state", "key", "n", "plain_state", "turn")
+    __slots__ = ("holes", "hollow_digest", "key", "n", "plain_state", "turn")
 
     def __init__(
         self,
@@ -579,7 +587,6 @@ class Tip:
         self.turn = turn
         self.n = n
         self.holes = holes
-        self.hollow_state = hollow_state
         self.plain_state = plain_state
         self.key = (n, xxhash.xxh3_64_intdigest(last_plain))  # a filter: `confirm` decides
         self.hollow_digest = hollow_state.digest()

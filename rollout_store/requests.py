@@ -587,8 +587,10 @@ class RequestStore:
         pieces = [ECHO_PACKED]
         turn.flags |= TurnFlag.TAIL_ECHO
         limit = self._plain_limit
-        long: list[bytes] = []  # packings holding blob references: their long strings
-        if base.flags & TurnFlag.RESPONSE_REFS and base.response is not None:
+        # packings holding blob references, for their long strings (in-process blobs only:
+        # over a store they would be fetched)
+        long: list[bytes] | None = [] if self.tips is not None else None
+        if long is not None and base.flags & TurnFlag.RESPONSE_REFS and base.response:
             long.append(base.response)
         for i in range(1, len(fresh)):
             plain = plains[i]
@@ -600,7 +602,8 @@ class RequestStore:
             packed, special = self.encode(fresh[i], f"request_messages[{first + i}]")
             if packed != plains[i]:
                 turn.flags |= TurnFlag.TAIL_REFS
-                long.append(packed)
+                if long is not None:
+                    long.append(packed)
             if special:
                 turn.flags |= TurnFlag.TAIL_SPECIAL
             pieces.append(packed)
@@ -612,7 +615,7 @@ class RequestStore:
         digest = scratch.request_sum = state.digest()
         scratch.request_digest = digest_key(digest)
         scratch.message_parent = base
-        blobs = [blob for packed in long for _, blob in holes_of(packed, self.blobs.string)]
+        blobs = [blob for packed in long or () for _, blob in holes_of(packed, self.blobs.string)]
         holes = text_holes(data, tip.end, end, blobs) if blobs else []
         hollow = hollow_text(data, tip.end, end, holes, hasher)
         if hollow is None:  # (never: the holes were found there) hashed whole then
@@ -721,7 +724,11 @@ class RequestStore:
             parts, found = new
         if previous is not None:
             holes = previous.holes
-            hollow = probe.hollow if probe.tip is previous else previous.hollow_state.copy()
+            hollow = probe.hollow if probe.tip is previous else None
+            if hollow is None:  # its base was confirmed by the plain digest: hollow it once
+                hollow = hollow_hasher(probe.messages, start, holes, self._pack_plain)
+                if hollow is None or hollow.digest() != previous.hollow_digest:
+                    return None
         elif not found:
             return None
         else:  # the first long string of this conversation (or its tip was dropped)

@@ -684,7 +684,7 @@ class _Loader:
         link, parent = record.link, record.parent
         if not 0 <= link <= LinkKind.EXPLICIT:
             raise ValueError("bad link kind")
-        turn = self.restore.new_turn()  # (over an out-of-process store, one it can seal)
+        turn = self.restore.new_turn()
         index = turn.index = len(graph)
         if node_id != f"turn-{index}":
             turn.ident = node_id
