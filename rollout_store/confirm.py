@@ -41,6 +41,7 @@ __all__ = [
     "Probe",
     "RawTip",
     "RawTips",
+    "TextHole",
     "Tip",
     "Tips",
     "array_items",
@@ -48,6 +49,8 @@ __all__ = [
     "hollow_hasher",
     "hollowed",
     "holes_of",
+    "hollow_text",
+    "text_holes",
     "mark_length",
     "prefix_digest",
     "prefix_keys",
@@ -58,9 +61,11 @@ __all__ = [
 WINDOW = 8
 #: The messages before the window are packed in chunks of about these sizes, so the packer's
 #: buffer stays below the size the allocator maps fresh pages for (measured: a fresh multi-MiB
-#: buffer a turn costs more in page faults than the packing itself).
-CHUNK_LOW = 1 << 16
-CHUNK_HIGH = 1 << 17
+#: buffer a turn costs more in page faults than the packing itself; with chunks of 64-128 KiB
+#: the packer's buffer still reached the allocator's threshold, and the median add_turn of
+#: tool-heavy turns 25-34 was 1.7x its fastest, 1.1x with these).
+CHUNK_LOW = 1 << 15
+CHUNK_HIGH = 1 << 16
 #: BLAKE3 runs at full speed only on updates of many whole 1 KiB chunks starting at a multiple
 #: of their count (measured: 1.4-4 GB/s on updates of other sizes, 7-10 GB/s on multiples of
 #: 16-64 KiB), so the chunks are hashed in multiples of this many bytes.
@@ -310,12 +315,72 @@ def raw_end(data: bytes) -> int | None:
     return end if end > 1 else None
 
 
+#: A long blob string in a messages text: where its UTF-8 bytes are, and the blob's string.
+TextHole = tuple[int, int, str]
+
+
+def text_holes(data: bytes, start: int, end: int, blobs: Sequence[str]) -> list[TextHole]:
+    """Where the UTF-8 bytes of these long blob strings (in the order they are written)
+    occur in `data[start:end]`, each looked for after the one before (one pass over the
+    text); a string written with escapes is not found, and stays hashed."""
+    holes: list[TextHole] = []
+    at = start
+    for blob in blobs:
+        if len(blob) < HOLE_MIN:
+            continue
+        try:
+            needle = blob.encode("utf-8")
+        except UnicodeEncodeError:
+            continue
+        found = data.find(needle, at, end)
+        if found >= 0:
+            at = found + len(needle)
+            holes.append((found, at, blob))
+    return holes
+
+
+def hollow_text(
+    data: bytes, start: int, end: int, holes: Sequence[TextHole], hasher: Any = None
+) -> Any:
+    """A BLAKE3 state that has seen `data[start:end]` but the holes (continuing `hasher`),
+    or None when a hole does not hold its blob's very bytes. The holes' places are fixed, so
+    equal digests and equal holes mean equal texts."""
+    for hole_start, hole_end, blob in holes:  # every hole first: a mismatch hashes nothing
+        needle = blob.encode("utf-8")
+        if hole_end > end or hole_end - hole_start != len(needle):
+            return None
+        if not data.startswith(needle, hole_start):  # memcmp in place, no copy
+            return None
+    view = memoryview(data)
+    if hasher is None:
+        hasher = blake3.blake3()
+    at = start
+    for hole_start, hole_end, _ in holes:
+        if hole_start > at:
+            hasher.update(view[at:hole_start])
+        at = hole_end
+    if end > at:
+        hasher.update(view[at:end])
+    return hasher
+
+
 class RawTip:
     """The latest raw turn of a conversation: where its messages text ended, the digest of
-    that text, and the BLAKE3 state after its plain packing (so a raw continuation gets its
-    plain digest, and is found by decoded turns, without packing what it re-sends)."""
+    that text (its long blob strings cut out, at `holes`: they are compared), and the BLAKE3
+    state after its plain packing (so a raw continuation gets its plain digest, and is found
+    by decoded turns, without packing what it re-sends)."""
 
-    __slots__ = ("check", "digest", "end", "head", "n_sys", "plain_state", "system_plain", "turn")
+    __slots__ = (
+        "check",
+        "digest",
+        "end",
+        "head",
+        "holes",
+        "n_sys",
+        "plain_state",
+        "system_plain",
+        "turn",
+    )
 
     def __init__(
         self,
@@ -326,10 +391,12 @@ class RawTip:
         plain_state: Any,
         system_plain: bytes | None,
         n_sys: int,
+        holes: list[TextHole] | None = None,
     ) -> None:
         self.turn = turn
         self.n_sys = n_sys
         self.end = end
+        self.holes: list[TextHole] = holes or []
         self.head = xxhash.xxh3_64_intdigest(memoryview(data)[: min(end, RAW_HEAD)])
         self.check = xxhash.xxh3_64_intdigest(memoryview(data)[max(end - _CHECK, 0) : end])
         self.digest = digest
@@ -350,7 +417,8 @@ class RawTips:
 
     def find(self, data: bytes) -> tuple[RawTip, Any] | None:
         """The longest tip whose messages text `data` extends by at least one item, and a
-        BLAKE3 hasher that has seen `data` up to that tip's end (confirmed by its digest)."""
+        BLAKE3 hasher that has seen `data` up to that tip's end but its holes (confirmed by
+        its digest and the holes' bytes)."""
         view = memoryview(data)
         n = len(data)
         sizes = sorted((e for e in self._short_ends if e < n), reverse=True)
@@ -366,7 +434,12 @@ class RawTips:
                     continue
                 if xxhash.xxh3_64_intdigest(view[max(end - _CHECK, 0) : end]) != tip.check:
                     continue
-                hasher = blake3.blake3(view[:end])
+                if tip.holes:
+                    hasher = hollow_text(data, 0, end, tip.holes)
+                    if hasher is None:
+                        continue
+                else:
+                    hasher = blake3.blake3(view[:end])
                 if hasher.digest() == tip.digest:
                     best = (tip, hasher)
             if best is not None:
@@ -428,18 +501,27 @@ def holes_of(stored: bytes, string: Callable[[int], str]) -> list[Hole]:
 
     value = unpack(stored, lookup, no_echo)
     found: list[Hole] = []
-    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    if type(value) is not dict and type(value) is not list:
+        return found
+    # in the order they are written (a stack of iterators: no recursion)
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(_items(value), ())]
     while stack:
-        node, path = stack.pop()
-        items = node.items() if type(node) is dict else enumerate(node)
+        items, path = stack[-1]
         for key, child in items:
             kind = type(child)
             if kind is str:
                 if id(child) in blobs and len(child) >= HOLE_MIN:
                     found.append(((*path, key), child))
             elif kind is dict or kind is list:
-                stack.append((child, (*path, key)))
+                stack.append((_items(child), (*path, key)))
+                break
+        else:
+            stack.pop()
     return found
+
+
+def _items(node: Any) -> Any:
+    return iter(node.items()) if type(node) is dict else enumerate(node)
 
 
 def hollowed(message: Any, holes: list[Hole]) -> Any:

@@ -26,11 +26,13 @@ from .confirm import (
     digest_key,
     holes_of,
     hollow_hasher,
+    hollow_text,
     hollowed,
     mark_length,
     prefix_digest,
     prefix_keys,
     raw_end,
+    text_holes,
 )
 from .encoding import (
     ECHO_PACKED,
@@ -137,6 +139,7 @@ class Scratch:
         "n_rest",
         "pending",
         "prompt_key",
+        "raw_text",
         "raw_tip",
         "request",
         "request_digest",
@@ -165,6 +168,8 @@ class Scratch:
         self.root_keys: list[int] | None = None
         self.request: FreshRequest | None = None  # its non-system messages, if any
         self.raw_tip: tuple[RawTip, RawTip | None] | None = None  # filed at commit
+        # a raw text decoded whole: its tip is made once its long strings are known
+        self.raw_text: tuple[bytes, int, Any, bytes | None, int] | None = None
         self.twins: list[Turn] = []  # stored turns with exactly this request, and children
         self.moves: list[tuple[Turn, LinkKind]] = []  # earlier turns it adopts
 
@@ -535,10 +540,8 @@ class RequestStore:
         self._store_tail(turn, request, base, n_sys, scratch)
         if raw is not None and probe is not None and rest and isinstance(messages, list):
             end = raw_end(raw)
-            if end is not None:  # later raw turns of this conversation start here
-                digest = prefix_digest(memoryview(raw)[:end])
-                tip = RawTip(turn, raw, end, digest, probe.hasher, system_plain, n_sys)
-                scratch.raw_tip = (tip, None)
+            if end is not None:  # later raw turns of this conversation start here (`build`)
+                scratch.raw_text = (raw, end, probe.hasher, system_plain, n_sys)
         return system_plain
 
     def _prepare_raw(self, turn: Turn, scratch: Scratch, data: bytes) -> bytes | object | None:
@@ -584,6 +587,11 @@ class RequestStore:
         pieces = [ECHO_PACKED]
         turn.flags |= TurnFlag.TAIL_ECHO
         limit = self._plain_limit
+        # packings holding blob references, for their long strings (in-process blobs only:
+        # over a store they would be fetched)
+        long: list[bytes] | None = [] if self.tips is not None else None
+        if long is not None and base.flags & TurnFlag.RESPONSE_REFS and base.response:
+            long.append(base.response)
         for i in range(1, len(fresh)):
             plain = plains[i]
             if len(plain) < limit and _json_only(plain):
@@ -594,6 +602,8 @@ class RequestStore:
             packed, special = self.encode(fresh[i], f"request_messages[{first + i}]")
             if packed != plains[i]:
                 turn.flags |= TurnFlag.TAIL_REFS
+                if long is not None:
+                    long.append(packed)
             if special:
                 turn.flags |= TurnFlag.TAIL_SPECIAL
             pieces.append(packed)
@@ -605,8 +615,14 @@ class RequestStore:
         digest = scratch.request_sum = state.digest()
         scratch.request_digest = digest_key(digest)
         scratch.message_parent = base
-        hasher.update(memoryview(data)[tip.end : end])
+        blobs = [blob for packed in long or () for _, blob in holes_of(packed, self.blobs.string)]
+        holes = text_holes(data, tip.end, end, blobs) if blobs else []
+        hollow = hollow_text(data, tip.end, end, holes, hasher)
+        if hollow is None:  # (never: the holes were found there) hashed whole then
+            holes = []
+            hasher.update(memoryview(data)[tip.end : end])
         new_tip = RawTip(turn, data, end, hasher.digest(), state, tip.system_plain, tip.n_sys)
+        new_tip.holes = tip.holes + holes if holes else tip.holes
         scratch.raw_tip = (new_tip, tip)
         return tip.system_plain
 
@@ -669,6 +685,16 @@ class RequestStore:
                 request.next_tip = self._next_tip(turn, request, scratch)
             except Exception:  # whatever it is, the next turn is confirmed as usual
                 request.next_tip = None
+        if scratch.raw_text is not None:
+            raw, end, plain_state, system_plain, n_sys = scratch.raw_text
+            tip = request.next_tip if request is not None else None
+            blobs = [blob for _, holes in tip.holes for _, blob in holes] if tip else []
+            text = text_holes(raw, 0, end, blobs) if blobs else []
+            hollow = hollow_text(raw, 0, end, text)
+            if hollow is not None:  # (it always is: the holes were found there)
+                raw_tip = RawTip(turn, raw, end, hollow.digest(), plain_state, system_plain, n_sys)
+                raw_tip.holes = text
+                scratch.raw_tip = (raw_tip, None)
 
     def _next_tip(self, turn: Turn, request: FreshRequest, scratch: Scratch) -> Tip | None:
         """The tip this turn leaves for its conversation, when its request holds long blob

@@ -20,7 +20,6 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Annotated, Any, NamedTuple
 
-import msgpack
 import msgspec
 
 from . import framing
@@ -209,11 +208,6 @@ class _Writer:
         self.prompt_of: dict[int, int] = {}  # id(TokenRun) -> index of a turn whose prompt it is
         self.full_of: dict[int, int] = {}  # id(TokenRun) -> index of a turn whose full it is
         self.refs = (0, 0)  # blob references and their bytes counted so far
-        # this writer's own packer (record fields are str that may hold lone surrogates); a
-        # small buffer to start with: a loader holds a writer too
-        self.pack = msgpack.Packer(
-            use_bin_type=True, unicode_errors="surrogatepass", buf_size=1024
-        ).pack
 
     def header(self, graph: Graph, mode: str) -> bytes:
         """The magic and header frame of a new file (which starts this writer's chain)."""
@@ -303,7 +297,7 @@ class _Writer:
             if pending is stored:
                 return len(self.value_objects) + i
         new.append(stored)
-        frames.append(self.frame(KIND_VALUE, self.pack(stored), chain))
+        frames.append(self.frame(KIND_VALUE, pack(stored), chain))
         return len(self.value_objects) + len(new) - 1
 
     def _record(
@@ -405,9 +399,10 @@ class _Gather:
             batch = parts[done : done + self.MAX_PARTS]
             written = os.writev(self.fd, batch)
             for part in batch:
-                if written < len(part):
+                size = len(part)
+                if written < size:
                     break
-                written -= len(part)
+                written -= size
                 done += 1
             if written:  # a part written in part
                 parts[done] = parts[done][written:]

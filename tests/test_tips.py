@@ -14,7 +14,7 @@ import msgpack
 import pytest
 from support import assert_same
 
-from rollout_store import InvalidValueError, RolloutGraph, TurnNode
+from rollout_store import InvalidValueError, RawJSON, RolloutGraph, TurnNode
 from rollout_store import confirm as confirm_module
 from rollout_store.confirm import HOLE_MIN, MAX_TIPS, WINDOW, holes_of, hollowed
 
@@ -129,9 +129,11 @@ def test_crafted_xxh3_collisions_of_tips_never_match(monkeypatch: pytest.MonkeyP
                 for part in m["content"][1:]:
                     part["image_url"]["url"] = _edit_char(part["image_url"]["url"], rng)
     ids_a, ids_b = [], []
-    for (ma, ra), (mb, rb) in zip(a, b, strict=True):
-        ids_a.append(graph.add_turn(TurnNode(request_messages=ma, response_message=ra)).node_id)
-        ids_b.append(graph.add_turn(TurnNode(request_messages=mb, response_message=rb)).node_id)
+    # b's first turn, then all of a (each finds b's tip first), then the rest of b
+    for ids, turns in ((ids_b, b[:1]), (ids_a, a), (ids_b, b[1:])):
+        for messages, response in turns:
+            view = graph.add_turn(TurnNode(request_messages=messages, response_message=response))
+            ids.append(view.node_id)
     assert graph.path_ids(ids_a[-1]) == ids_a
     assert graph.path_ids(ids_b[-1]) == ids_b
     for node_id, (messages, _) in zip(ids_a + ids_b, a + b, strict=True):
@@ -274,3 +276,91 @@ def test_a_tip_is_worked_out_whole_where_long_strings_first_appear(
     for node_id, (messages, response) in zip(ids + more, turns, strict=True):
         assert_same(back.request_messages(node_id), messages)
         assert_same(back.get(node_id).response_message, response)
+
+
+def _raw(messages: list[Any]) -> RawJSON:
+    return RawJSON(json.dumps(messages).encode())
+
+
+def _raw_tips(graph: RolloutGraph) -> list[Any]:
+    return list(graph._requests.raw_tips._order.values())
+
+
+def test_raw_turns_compare_long_strings_and_hash_the_rest() -> None:
+    graph = RolloutGraph()
+    turns = _conversation(10, 21)
+    ids = []
+    for messages, response in turns:
+        view = graph.add_turn(TurnNode(request_messages=_raw(messages), response_message=response))
+        ids.append(view.node_id)
+    assert graph.path_ids(ids[-1]) == ids
+    for node_id, (messages, _) in zip(ids, turns, strict=True):
+        assert_same(graph.request_messages(node_id), messages)
+    (tip,) = _raw_tips(graph)
+    images = [
+        part["image_url"]["url"]
+        for m in turns[-1][0]
+        if isinstance(m["content"], list)
+        for part in m["content"][1:]
+    ]
+    assert [blob for _, _, blob in tip.holes] == images  # each image, in order
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_an_edit_inside_a_long_string_of_a_raw_text_never_matches(seed: int) -> None:
+    rng = random.Random(seed)
+    graph = RolloutGraph()
+    turns = _conversation(10, 30 + seed)
+    for messages, response in turns:
+        graph.add_turn(TurnNode(request_messages=_raw(messages), response_message=response))
+    last, response = turns[-1]
+    resent = json.loads(json.dumps([*last, response, {"role": "user", "content": "next"}]))
+    edited = json.loads(json.dumps(resent))
+    with_images = [
+        i for i, m in enumerate(edited) if isinstance(m["content"], list) and len(m["content"]) > 1
+    ]
+    where = rng.choice(with_images[:-1])
+    url = edited[where]["content"][1]["image_url"]
+    url["url"] = _edit_char(url["url"], rng)
+    view = graph.add_turn(TurnNode(request_messages=_raw(edited)))
+    stored = graph._turn(view.node_id)
+    assert stored.base is None or stored.base.n_rest + 1 <= where  # (where counts the system)
+    parent = graph.parent(view.node_id)
+    assert parent is None or graph._turn(parent).n_rest + 1 <= where
+    assert_same(graph.request_messages(view.node_id), edited)
+    view = graph.add_turn(TurnNode(request_messages=_raw(resent)))
+    assert graph.parent(view.node_id) == f"turn-{len(turns) - 1}"
+    assert_same(graph.request_messages(view.node_id), resent)
+
+
+def test_crafted_xxh3_collisions_of_raw_tips_never_match(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every raw tip under one head key and one check (as crafted xxh3 collisions would
+    make them): texts that differ in an image only continue their own turns."""
+
+    class Colliding:
+        @staticmethod
+        def xxh3_64_intdigest(data: Any) -> int:
+            return 0
+
+    monkeypatch.setattr(confirm_module, "xxhash", Colliding)
+    graph = RolloutGraph()
+    a, b = _conversation(6, 40), _conversation(6, 40)
+    rng = random.Random(3)
+    for messages, _ in b:
+        for m in messages:
+            if isinstance(m["content"], list):
+                for part in m["content"][1:]:
+                    part["image_url"]["url"] = _edit_char(part["image_url"]["url"], rng)
+    ids_a: list[Any] = []
+    ids_b: list[Any] = []
+    # b's first turn, then all of a (each finds b's tip first), then the rest of b
+    for ids, turns in ((ids_b, b[:1]), (ids_a, a), (ids_b, b[1:])):
+        for messages, response in turns:
+            ids.append(
+                graph.add_turn(TurnNode(request_messages=_raw(messages), response_message=response))
+            )
+    for views, turns in ((ids_a, a), (ids_b, b)):
+        chain = [view.node_id for view in views]
+        assert graph.path_ids(chain[-1]) == chain
+        for node_id, (messages, _) in zip(chain, turns, strict=True):
+            assert_same(graph.request_messages(node_id), messages)
