@@ -569,10 +569,11 @@ def _copy(node: Any, copies: dict[int, Any]) -> Any:
 class Tip:
     """The latest decoded turn of a conversation whose request holds long blob strings, and
     what confirms a request that re-sends it: its message count, where those strings are
-    (`holes`: message index and that message's holes, in order), the BLAKE3 state after its
-    hollowed packing and after its plain packing (the turn's digest)."""
+    (`holes`: message index and that message's holes, in order), the BLAKE3 digest of its
+    hollowed packing and the BLAKE3 state after its plain packing (the turn's digest; one
+    state a tip, about 2 KB: a continuation's hollowed state is its own)."""
 
-    __slots__ = ("holes", "hollow_digest", "hollow_state", "key", "n", "plain_state", "turn")
+    __slots__ = ("holes", "hollow_digest", "key", "n", "plain_state", "turn")
 
     def __init__(
         self,
@@ -586,7 +587,6 @@ class Tip:
         self.turn = turn
         self.n = n
         self.holes = holes
-        self.hollow_state = hollow_state
         self.plain_state = plain_state
         self.key = (n, xxhash.xxh3_64_intdigest(last_plain))  # a filter: `confirm` decides
         self.hollow_digest = hollow_state.digest()
