@@ -724,7 +724,11 @@ class RequestStore:
             parts, found = new
         if previous is not None:
             holes = previous.holes
-            hollow = probe.hollow if probe.tip is previous else previous.hollow_state.copy()
+            hollow = probe.hollow if probe.tip is previous else None
+            if hollow is None:  # its base was confirmed by the plain digest: hollow it once
+                hollow = hollow_hasher(probe.messages, start, holes, self._pack_plain)
+                if hollow is None or hollow.digest() != previous.hollow_digest:
+                    return None
         elif not found:
             return None
         else:  # the first long string of this conversation (or its tip was dropped)

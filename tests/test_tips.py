@@ -364,3 +364,23 @@ def test_crafted_xxh3_collisions_of_raw_tips_never_match(monkeypatch: pytest.Mon
         assert graph.path_ids(chain[-1]) == chain
         for node_id, (messages, _) in zip(chain, turns, strict=True):
             assert_same(graph.request_messages(node_id), messages)
+
+
+def test_a_tip_continues_past_a_turn_that_adds_more_than_the_window() -> None:
+    """A turn adding more messages than the probed window is confirmed by the plain digest;
+    the tip it leaves is hollowed again from its messages and later turns continue it."""
+    graph = RolloutGraph()
+    turns = _conversation(4, 50)
+    ids = _add_all(graph, turns)
+    messages, response = turns[-1]
+    many = [{"role": "user", "content": f"note {k}"} for k in range(WINDOW + 4)]
+    longer = [*messages, response, *many]
+    ids.append(graph.add_turn(TurnNode(request_messages=longer, response_message=response)).node_id)
+    (tip,) = _tips(graph)._by_turn.values()
+    assert tip.turn is graph._turn(ids[-1]) and tip.n == len(longer) - 1
+    following = [*longer, response, {"role": "user", "content": "and then"}]
+    view = graph.add_turn(TurnNode(request_messages=json.loads(json.dumps(following))))
+    assert graph.path_ids(view.node_id) == [*ids, view.node_id]
+    (tip,) = _tips(graph)._by_turn.values()
+    assert tip.turn is graph._turn(view.node_id)
+    assert_same(graph.request_messages(view.node_id), following)
