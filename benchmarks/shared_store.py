@@ -10,7 +10,8 @@ prompt prefix, then diverging tokens) to the memory-store figures.
 Measured side by side in one run (retained bytes by tracemalloc, see measure.py):
 - 16 private graphs (today), one graph holding all 16, 16 graphs over one MemoryStore, over
   Redis and over S3 with one bounded StringCache: retained bytes / the group's unique content;
-- objects in each store vs distinct contents that went there;
+- objects in each store vs distinct contents that went there (long strings; the shared tool
+  list in the memory store; one record per distinct turn in the out-of-process stores);
 - add_turn time of each against 16 private graphs;
 - 4 processes x 4 rollouts over one Directory / Redis / S3 store: the image stored once.
 

@@ -325,7 +325,11 @@ class Graph:
                 scratch.moves = moves
                 keys = scratch.keys()
                 records = self._records
-                sealed = records.put(turn) if records is not None else None
+                sealed = (
+                    records.put(turn, lambda: self._response_plain(node))
+                    if records is not None
+                    else None
+                )
                 journal = self._journal
                 if journal is not None:
                     references = self._blobs.mark()
@@ -372,6 +376,10 @@ class Graph:
         turn.side.meta = self._turn_meta(node, system_plain)  # its own side until commit
         self._link(turn, explicit, scratch)
         return turn, scratch
+
+    def _response_plain(self, node: TurnNode) -> bytes | None:
+        """The plain packing of the response of `node` (every string inline)."""
+        return self._requests.plain(resolve_raw(node.response_message, "response_message"))
 
     def _new_turn(self, node: TurnNode) -> tuple[Turn, Turn | None]:
         """A turn with its id and place, and the explicit parent named; the scalar fields

@@ -10,14 +10,19 @@ graph's store before the turn is committed, and the turn keeps two 32-byte keys 
   holds the key);
 - the SHA-256 of the response's plain packing, where the response was. A re-sent request
   echoes the base turn's response: the echo is confirmed by the SHA-256 of its fresh plain
-  packing, with no fetch (the same key a request tail with blob references is matched by).
+  packing, with no fetch.
 
 Reading a tail or a response (`turn.tail`, `turn.response` of a `RemoteTurn`) fetches the
 record through the graph's `StringCache`, verified against its key by the store. A turn
-whose response holds blob references, or whose record is shorter than `MIN_RECORD_BYTES`,
-stays as it was (in the process). A put that fails raises in `add_turn` before anything is
-committed (the graph and its file stay as they were); an object left unreferenced by a
-rejected turn is harmless, as for blobs.
+whose record is shorter than `MIN_RECORD_BYTES` stays as it was (in the process), unless its
+response holds blob references: then its echo could only be confirmed in the process by
+fetching those strings, and it is kept in the store whatever its size. A turn read from a
+file whose response holds blob references stays in the process (its plain packing, which
+its echo is confirmed by, is not at hand without fetching the strings).
+
+A put that fails raises in `add_turn` before anything is committed (the graph and its file
+stay as they were); an object left unreferenced by a rejected turn is harmless, as for
+blobs.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from .stored import Turn, TurnFlag
 __all__ = ["MIN_RECORD_BYTES", "RemoteTurn", "TurnRecords", "echo_by_key", "tail_bytes"]
 
 #: A turn's tail and response are put into the store when they pack to at least this many
-#: bytes (below, the two keys a turn then keeps and the round trip cost more than they save).
+#: bytes (below, the two keys a turn then keeps and the round trip cost more than they save),
+#: or when its response holds blob references (see the module docstring).
 MIN_RECORD_BYTES = 128
 
 _U32 = struct.Struct("<I")
@@ -57,19 +63,29 @@ class TurnRecords:
         """A fresh turn that can be sealed (its record kept in the store)."""
         return RemoteTurn()
 
-    def put(self, turn: Turn) -> tuple[bytes, bytes | None] | None:
+    def put(
+        self, turn: Turn, response_plain: Callable[[], bytes | None] | None = None
+    ) -> tuple[bytes, bytes | None] | None:
         """Put the record of `turn` (built, not yet committed) into the store; returns what
-        `seal` needs, or None when the turn stays in the process. Store errors propagate."""
+        `seal` needs, or None when the turn stays in the process. Store errors propagate.
+
+        A response holding blob references is not its plain packing: `response_plain` gives
+        that (from the fresh value), whose SHA-256 its echo is confirmed by; without it such
+        a turn stays in the process."""
         if type(turn) is not RemoteTurn or turn.records is not None:
             return None
-        if turn.flags & TurnFlag.RESPONSE_REFS:
-            return None  # its echo could not be confirmed by the key of its stored bytes
         tail, response = turn.tail, turn.response
-        if len(tail) + (len(response) if response is not None else 0) < MIN_RECORD_BYTES:
+        refs = response is not None and turn.flags & TurnFlag.RESPONSE_REFS
+        if not refs and len(tail) + (len(response or b"")) < MIN_RECORD_BYTES:
             return None
+        plain = response
+        if refs:
+            plain = response_plain() if response_plain is not None else None
+            if plain is None:
+                return None
         record = b"".join((_U32.pack(len(tail)), tail, response or b""))
         key = self.store.put(record)
-        return key, (content_key(response) if response is not None else None)
+        return key, (content_key(plain) if plain is not None else None)
 
     def seal(self, turn: Turn, keys: tuple[bytes, bytes | None] | None) -> None:
         """Keep only the keys `put` returned in `turn` (the commit: nothing can fail)."""

@@ -415,3 +415,27 @@ def test_odd_responses_over_a_store_export_byte_identical(tmp_path: Path) -> Non
     for k, turn in enumerate(turns):
         assert json.dumps(graph.response_message(f"t{k}")) == json.dumps(turn["response_message"])
         assert json.dumps(graph.request_messages(f"t{k}")) == json.dumps(turn["request_messages"])
+
+
+def test_long_responses_are_kept_in_the_store_and_echo_by_key(tmp_path: Path) -> None:
+    """A response with a long string (a blob) is sealed too: its echo is confirmed by the
+    SHA-256 of its plain packing, with nothing fetched."""
+    history: list[Any] = [{"role": "user", "content": "think hard"}]
+    turns = []
+    for k in range(5):
+        response = {"role": "assistant", "content": f"reasoning {k} " * 200}  # ~2.6 KB
+        turns.append(
+            {
+                "request_messages": json.loads(json.dumps(history)),
+                "response_message": json.loads(json.dumps(response)),
+            }
+        )
+        history = history + [response, {"role": "user", "content": f"go on {k}"}]
+    store = CountingStore(tmp_path / "objects")
+    graph = RolloutGraph(store=store, cache=StringCache(0))
+    add_all(graph, turns)
+    assert store.gets == 0
+    assert len(record_keys(store, turns)) == 5
+    assert [graph.parent(n) for n in graph.node_ids()] == [None, "t0", "t1", "t2", "t3"]
+    assert not any(isinstance(o, bytes) and b"reasoning" in o for o in reachable(graph).values())
+    assert snapshot(graph) == snapshot(private_twin(turns))
