@@ -509,7 +509,9 @@ class _Loader:
         self.restore: GraphRestorer = self.graph._restorer()
         self.writer = _Writer()
         self.value_is_list: list[bool] = []  # system parts must be arrays of messages
-        self.quick = QuickCheck(self.blob_surrogates)
+        # asks which blobs hold lone surrogates once one does (`surrogate_blob`)
+        self.quick = QuickCheck()
+        self.ids: set[str] = set()  # of the turns read: the graph's node ids
         self.handle = self.graph.blobs.handle
         # the graph's interned TurnMeta of each meta field read so far (most turns share one)
         self.metas: dict[tuple[Any, ...], TurnMeta] = {}
@@ -540,7 +542,13 @@ class _Loader:
             text, surrogates = str(data, "utf-8"), False
         except UnicodeDecodeError:
             text, surrogates = str(data, "utf-8", "surrogatepass"), True
+            self.surrogate_blob()
         self.graph.blobs.add_verified(text, digest, len(data), surrogates)
+
+    def surrogate_blob(self) -> None:
+        """A blob with lone surrogates is read: from now on the quick check asks which blobs
+        hold them (a value referring to one is special). Until then none does."""
+        self.quick.blob_surrogates = self.blob_surrogates
 
     def blob(self, payload: memoryview, offset: int, record: int) -> None:
         """A blob frame's payload, read in place: prefix, digest, bin header, data."""
@@ -605,6 +613,8 @@ class _Loader:
             text, has_surrogates = data.decode("utf-8", "surrogatepass"), True
         if has_surrogates != surrogates:
             raise ValueError("blob reference's surrogate flag does not match its object")
+        if surrogates:
+            self.surrogate_blob()
         blobs.add_reference(key, digest, size, surrogates)
         if blobs.cache is not None:
             blobs.cache.put(key, text, size)
@@ -659,12 +669,13 @@ class _Loader:
             self._tokens(turn, side, record, n_blobs)
         _check_carried(record.flags, turn.flags, self.carries_flags)
         moves = self._moves(turn, record.moves) if record.moves else []
-        keys, refs = record.keys, record.refs
+        keys, refs, node_id = record.keys, record.refs, record.node_id
         del record  # the turn holds copies of the record's bytes: let them go before filing it
         if refs[0] or refs[1]:  # (a snapshot counts them in its end record)
             self.graph.blobs.count_references(refs[0], refs[1])
         restore = self.restore
         restore.commit(turn, IndexKeys(keys[0], keys[1], keys[2], keys[3]), moves)
+        self.ids.add(node_id)
         if side.prompt is not None or side.full is not None:
             self.writer.note_runs(turn)
         for stored, plain in self.unfiled:  # the values it brought, found again from now on
@@ -675,7 +686,7 @@ class _Loader:
         """A new turn with its id, position, parent, link, stored flags and scalar fields
         (the derived flags are set from the other fields)."""
         graph, node_id, flags = self.graph, record.node_id, record.flags
-        if node_id in graph:
+        if node_id in self.ids:
             raise ValueError(f"bad or repeated node id {node_id!r}")
         if flags < 0 or flags & ~(_STORED_FLAGS | _DERIVED_FLAGS):
             raise ValueError("bad flags")

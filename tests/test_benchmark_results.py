@@ -54,3 +54,26 @@ def test_every_benchmark_ends_with_the_targets_summary(script: str) -> None:
     assert "targets_summary(" in text
     if "write_text(" in text:  # writes results: to the untracked folder unless asked
         assert "results_dir(args.update_results)" in text and "add_results_option(" in text
+
+
+def test_the_capture_servers_warm_up_group_shares_no_content_with_the_measured_one() -> None:
+    """The memory runs warm up with a group of the same shape: nothing in it may be a long
+    string (or a tool list) of the measured group, or the store would hold it before the
+    measured group comes and the figure would miss it."""
+    import capture_server
+
+    def strings(value: object) -> set[str]:
+        if isinstance(value, str):
+            return {value} if len(value) >= 64 else set()
+        if isinstance(value, dict):
+            return set().union(*map(strings, value.values())) if value else set()
+        if isinstance(value, list):
+            return set().union(*map(strings, value)) if value else set()
+        return set()
+
+    measured, warm = capture_server.task(0), capture_server.task(1)
+    assert len(str(warm)) == pytest.approx(len(str(measured)), rel=0.05)  # the same shape
+    assert not strings(measured) & strings(warm)
+    assert capture_server.OTHER_TOOLS != capture_server.TOOLS
+    for seed in range(capture_server.SESSIONS):  # screenshots of the large group too
+        assert capture_server.screenshot(seed + 100, 0) != capture_server.screenshot(seed, 0)

@@ -1010,3 +1010,20 @@ def test_a_record_with_lone_surrogates_takes_the_fallback(tmp_path: Path) -> Non
     assert how == "untyped" and isinstance(record, storage.TurnRecord)
     assert record.node_id == "a\ud800" and record.meta[0] == "m\udc00"
     assert RolloutGraph.load(path).node_ids() == ["a\ud800"]
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [["a", "a"], ["turn-0", "turn-0"], ["turn-1", "turn-1"], ["x", "turn-1", "x"]],
+)
+def test_a_repeated_node_id_is_refused_at_its_record(tmp_path: Path, ids: list[str]) -> None:
+    """An id a turn read before has (named, or the default of its index) is refused at the
+    record repeating it; the turns before it load."""
+    path = crafted_v2(tmp_path, [(3, turn_record(node_id=node_id)) for node_id in ids])
+    report = storage.verify(path)
+    assert not report.ok and "repeated node id" in (report.error or ""), report.error
+    assert report.error_offset == frame_offsets(path.read_bytes())[len(ids)]
+    recovered = RolloutGraph.load(path, recover=True)
+    assert recovered.node_ids() == ids[:-1]
+    ok = crafted_v2(tmp_path, [(3, turn_record(node_id=n)) for n in ["turn-1", "turn-0"]])
+    assert RolloutGraph.load(ok).node_ids() == ["turn-1", "turn-0"]
