@@ -77,7 +77,7 @@ from .stored import (
     full_run,
     is_above,
 )
-from .tokens import ArrayRun, TokenRun, run_list
+from .tokens import ArrayRun, PackedFull, PackedPrompt, TokenRun, packable, run_list
 
 __all__ = [
     "FORMAT_VERSION",
@@ -795,18 +795,29 @@ class _Loader:
         side.sampled = sampled
         side.full = full_run(prompt, sampled)
         logprobs = record.logprobs
-        if logprobs is None:
-            return
-        if len(logprobs) != 2:
-            raise ValueError("bad logprobs")
-        if logprobs[0] == "j":
-            self.check(logprobs[1], n_blobs)
-            side.logprobs = logprobs[1]
-            turn.flags |= TurnFlag.LOGPROBS_PACKED
-        elif logprobs[0] == "d":
-            side.logprobs = decode_segment(logprobs, "d")
-        else:
-            raise ValueError("bad logprobs")
+        if logprobs is not None:
+            if len(logprobs) != 2:
+                raise ValueError("bad logprobs")
+            if logprobs[0] == "j":
+                self.check(logprobs[1], n_blobs)
+                side.logprobs = logprobs[1]
+                turn.flags |= TurnFlag.LOGPROBS_PACKED
+            elif logprobs[0] == "d":
+                side.logprobs = decode_segment(logprobs, "d")
+            else:
+                raise ValueError("bad logprobs")
+        spec = record.prompt
+        if (
+            type(prompt) is ArrayRun
+            and spec is not None
+            and spec[0] == PromptKind.EXTENDS  # a run of its own, shared with no turn
+            and isinstance(prompt.seg, array)
+            and packable(prompt.seg, sampled, side.logprobs)
+        ):  # as add_turn keeps it: new ids, sampled ids and logprobs in one object
+            packed = PackedPrompt(prompt.prev, prompt.seg, sampled, side.logprobs)
+            side.prompt = packed
+            side.full = PackedFull(packed) if sampled is not None and len(sampled) else packed
+            side.sampled = side.logprobs = PACKED
 
     def _moves(self, turn: Turn, moves: list[tuple[int, int]]) -> list[tuple[Turn, LinkKind]]:
         """Earlier turns that this one re-linked under itself."""

@@ -137,6 +137,10 @@ def test_packed_turns_survive_a_file(tmp_path: Path) -> None:
     reopened = RolloutGraph.open(path)
     assert _token_fields(reopened) == expected
     assert reopened.get("turn-4").parent_id == "turn-3"
+    # read back as add_turn keeps them: a continuation's token fields packed
+    stored = _turns(reopened)
+    assert [type(t.prompt) for t in stored] == [ArrayRun] + [PackedPrompt] * 4
+    assert all(type(t.full) is PackedFull and t.full.prev is t.prompt for t in stored[1:])
     reopened.close()
 
 
