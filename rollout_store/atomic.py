@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
-from .errors import FileLockedError
+from .errors import FileLockedError, FileWriteError, RolloutStoreError
 
-__all__ = ["fsync_dir", "lock_log", "replace_file"]
+__all__ = ["fsync_dir", "lock_log", "replace_file", "write_error"]
 
 
 def fsync_dir(path: Path) -> None:
@@ -79,11 +79,22 @@ def replace_file(target: Path, write: Callable[[IO[bytes]], None]) -> None:
             os.fsync(fp.fileno())
         with _lock_existing(target):
             os.replace(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if isinstance(exc, OSError) and not isinstance(exc, RolloutStoreError):
+            raise write_error(exc, target) from exc
         raise
     fsync_dir(target)
+
+
+def write_error(exc: OSError, path: str | os.PathLike[str]) -> FileWriteError:
+    """The library's error for a failed write of `path` (the file is left as it was)."""
+    return FileWriteError(
+        exc.errno or 0,
+        f"{exc.strerror or exc}: writing {os.fspath(path)} failed and nothing of it was kept; "
+        "free space or fix the file, then try again",
+    )
 
 
 @contextlib.contextmanager

@@ -2,6 +2,8 @@
 
 Every error raised on purpose derives from `RolloutStoreError`; errors from dependencies
 (msgpack, the file system layer) are re-raised as one of these, naming where the problem is.
+A file that cannot be opened at all raises the standard `OSError`, as `open()` would; a write
+that fails once the library has the file (a full disk) is a `FileWriteError`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ __all__ = [
     "StoreRequiredError",
     "StoreObjectError",
     "FileLockedError",
+    "FileWriteError",
     "InvalidArgumentError",
     "ReadOnlyError",
     "RecordTooLargeError",
@@ -146,6 +149,13 @@ class StoreObjectError(CorruptFileError):
 class FileLockedError(RolloutStoreError, OSError):
     """A rollout file is already open for appending by another process (nothing is damaged:
     close the other graph, or open another file)."""
+
+
+class FileWriteError(RolloutStoreError, OSError):
+    """Writing a rollout file failed (a full disk, a quota, an I/O error). Nothing of the
+    failed write is kept: the file, and the graph, are as they were before the call. It is an
+    `OSError` with the system's `errno` and `strerror`; free space or fix the file, then call
+    again."""
 
 
 class InvalidArgumentError(RolloutStoreError, TypeError, ValueError):

@@ -23,7 +23,7 @@ from typing import IO, Annotated, Any, NamedTuple
 import msgspec
 
 from . import framing
-from .atomic import fsync_dir, lock_log, replace_file
+from .atomic import fsync_dir, lock_log, replace_file, write_error
 from .blobs import BlobTable, content_digest
 from .content import ContentStore, StringCache
 from .encoding import ECHO_PACKED, array_header
@@ -1272,11 +1272,13 @@ class _AppendLog:
             if self.fsync_every and self.unsynced >= self.fsync_every:
                 os.fsync(fd)
                 self.unsynced = 0
-        except BaseException:
+        except BaseException as exc:
             # leave the file exactly as it was before this turn
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, size)
                 os.lseek(fd, size, os.SEEK_SET)
+            if isinstance(exc, OSError):
+                raise write_error(exc, self._path or "the append log") from exc
             raise
         commit()
 

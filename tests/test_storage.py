@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import json
 import os
 import random
@@ -20,6 +21,7 @@ from rollout_store import (
     ChecksumMismatch,
     CorruptFileError,
     FileLockedError,
+    FileWriteError,
     InvalidValueError,
     RolloutGraph,
     RolloutStoreError,
@@ -213,6 +215,37 @@ def test_append_write_failure_rolls_back(tmp_path: Path, monkeypatch: pytest.Mon
         assert g.stats() == stats
         g.add_turn(turn)
     assert len(RolloutGraph.load(path)) == len(g)
+
+
+def test_a_failed_write_is_the_librarys_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk while appending or saving raises `FileWriteError` (an `OSError` in the
+    library's tree, with the system's errno), and leaves the log, the graph and the target
+    of the save as they were."""
+    log, snapshot = tmp_path / "log.rls", tmp_path / "s.rls"
+    with RolloutGraph.open(log) as g:
+        build_rollout(g, turns=2)
+        g.save(snapshot)
+        before, saved, stats = log.read_bytes(), snapshot.read_bytes(), g.stats()
+
+        def full_disk(fd: int, data: object) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "write", full_disk)
+        monkeypatch.setattr(os, "writev", full_disk)
+        turn = TurnNode(request_messages=[{"role": "user", "content": "full"}])
+        with pytest.raises(FileWriteError, match="No space") as appended:
+            g.add_turn(turn)
+        assert isinstance(appended.value, RolloutStoreError)
+        assert appended.value.errno == errno.ENOSPC and str(log) in str(appended.value)
+        with pytest.raises(FileWriteError, match="No space") as replaced:
+            g.save(snapshot)
+        assert replaced.value.errno == errno.ENOSPC
+        monkeypatch.undo()
+        assert log.read_bytes() == before and snapshot.read_bytes() == saved
+        assert g.stats() == stats
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["log.rls", "s.rls"]
 
 
 def test_second_appender_is_refused(tmp_path: Path) -> None:
