@@ -122,6 +122,9 @@ _NOT_FAST = object()  # _prepare_raw: decode the whole text instead
 
 #: The longest chain of bases walked to find the long strings of a request (`_chain_holes`).
 _MAX_CHAIN = 4096
+#: A reused packer grows its buffer to its largest packing and keeps it: past this size it is
+#: replaced, so that a query over a long request leaves no copy-sized buffer behind
+_KEPT_PACKER_BUFFER = 64 * 1024
 
 
 def _has_ext(packed: bytes) -> bool:
@@ -983,6 +986,8 @@ class RequestStore:
         """
         try:
             packed: bytes = self._pack_plain(value)
+            if len(packed) > _KEPT_PACKER_BUFFER:  # a query's packer keeps no large buffer
+                self.reset_packer()
             return packed
         except (NotPackable, ValueError, TypeError, OverflowError, RecursionError, BufferError):
             pass

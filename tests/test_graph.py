@@ -6,6 +6,7 @@ import copy
 import itertools
 import json
 import math
+import tracemalloc
 from typing import Any
 
 import pytest
@@ -874,3 +875,27 @@ def test_a_request_of_system_messages_only_adopts_its_continuation(late_first):
     for node in (later, first) if late_first else (first, later):
         graph.add_turn(node)
     assert graph.parent("C") == "E"
+
+
+def test_queries_over_a_long_request_keep_no_buffer_of_its_size() -> None:
+    """`stats()` and `discarded_ids()` pack each root's request to compare prompts; the
+    graph's reused packer must not keep a buffer of that size afterwards (16 graphs over one
+    store each kept 425 KiB after one export, 6x the group's unique content)."""
+    image = "data:image/png;base64," + "QUJD" * 60_000  # 240 KB, stored once as a blob
+    graph = RolloutGraph()
+    for k in range(3):  # three roots of one prompt: a retried first call among them
+        graph.add_turn(
+            TurnNode(
+                request_messages=[{"role": "user", "content": [image, f"task {k % 2}"]}],
+                response_message={"role": "assistant", "content": "ok"},
+            )
+        )
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        graph.stats()
+        graph.discarded_ids()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 32 * 1024, f"queries kept {kept} bytes"
