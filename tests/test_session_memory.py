@@ -6,9 +6,8 @@ import gc
 import json
 import tracemalloc
 
-from rollout_store import RawJSON, TurnNode
+from rollout_store import RawJSON, TurnNode, values
 from rollout_store.sessions import Sessions
-from rollout_store import values
 from rollout_store.values import ValueTable
 
 # A short tool list (about 350 bytes packed), as a browser agent sends with every call.
