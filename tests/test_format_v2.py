@@ -10,6 +10,7 @@ import os
 import struct
 import threading
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
@@ -641,19 +642,28 @@ def _turn_flags_on_disk(data: bytes) -> list[int]:
     return [record[storage.TurnRecord._fields.index("flags")] for record in records]
 
 
+def _recorded(
+    path: Path, how: str, threshold: int, record: Callable[[RolloutGraph], object]
+) -> RolloutGraph:
+    """A graph that `record` filled, written to `path` as an append log (`how == "log"`, the
+    log closed) or as a saved snapshot."""
+    if how == "log":
+        with RolloutGraph.open(path, share_threshold=threshold, fsync="never") as graph:
+            record(graph)
+        return graph
+    graph = RolloutGraph(share_threshold=threshold)
+    record(graph)
+    graph.save(path)
+    return graph
+
+
 @pytest.mark.parametrize("threshold", [8, 1024])
 @pytest.mark.parametrize("how", ["save", "log"])
 def test_content_flags_are_derived_not_written(tmp_path: Path, threshold: int, how: str) -> None:
     """Issue 7: no derivable bit on disk. What the tail and response hold (blob references,
     tuples, big ints, surrogates) is read from them on load, exactly as intake set it."""
     path = tmp_path / "f.rls"
-    if how == "log":
-        with RolloutGraph.open(path, share_threshold=threshold, fsync="never") as graph:
-            build_rollout(graph, turns=4)
-    else:
-        graph = RolloutGraph(share_threshold=threshold)
-        build_rollout(graph, turns=4)
-        graph.save(path)
+    graph = _recorded(path, how, threshold, lambda g: build_rollout(g, turns=4))
     # the request digest and key are kept once computed (a loaded turn learns them later)
     unknown = ~(TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY)
     live = [entry.turn.flags & unknown for entry in graph.journal_entries()]
@@ -713,13 +723,7 @@ def test_field_flags_are_derived_not_written(tmp_path: Path, how: str) -> None:
     """Issue 7: packed logprobs, a request without messages and an echo in the tail are
     given by the record's fields: not written, derived on load exactly as intake set them."""
     path = tmp_path / "f.rls"
-    if how == "log":
-        with RolloutGraph.open(path, share_threshold=64, fsync="never") as graph:
-            _field_flag_rollout(graph)
-    else:
-        graph = RolloutGraph(share_threshold=64)
-        _field_flag_rollout(graph)
-        graph.save(path)
+    graph = _recorded(path, how, 64, _field_flag_rollout)
     unknown = ~(TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY)
     live = [entry.turn.flags & unknown for entry in graph.journal_entries()]
     for bit in (8, 16, 32):  # the rollout holds each of them
@@ -938,13 +942,7 @@ def test_a_blob_with_lone_surrogates_is_special_after_load(tmp_path: Path, how: 
             TurnNode(request_messages=[*messages, response, {"role": "user", "content": "go"}])
         )
 
-    if how == "log":
-        with RolloutGraph.open(path, share_threshold=8, fsync="never") as graph:
-            record(graph)
-    else:
-        graph = RolloutGraph(share_threshold=8)
-        record(graph)
-        graph.save(path)
+    graph = _recorded(path, how, 8, record)
     special = TurnFlag.TAIL_SPECIAL | TurnFlag.RESPONSE_SPECIAL | TurnFlag.PREFIX_SPECIAL
     live = [entry.turn.flags & special for entry in graph.journal_entries()]
     assert live[0] & TurnFlag.TAIL_SPECIAL and live[0] & TurnFlag.RESPONSE_SPECIAL

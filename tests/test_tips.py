@@ -72,6 +72,23 @@ def _edit_char(text: str, rng: random.Random) -> str:
     return text[:k] + ("#" if text[k] != "#" else "%") + text[k + 1 :]
 
 
+class _Colliding:
+    """Stands in for `xxhash` in `confirm`: every digest 0, as crafted collisions would give."""
+
+    @staticmethod
+    def xxh3_64_intdigest(data: Any) -> int:
+        return 0
+
+
+def _edit_images(turns: list[tuple[list[Any], Any]], rng: random.Random) -> None:
+    """Change one character of every image after the first text part of each message."""
+    for messages, _ in turns:
+        for m in messages:
+            if isinstance(m["content"], list):
+                for part in m["content"][1:]:
+                    part["image_url"]["url"] = _edit_char(part["image_url"]["url"], rng)
+
+
 @pytest.mark.parametrize("what", ["inside an image", "beside an image", "between images"])
 @pytest.mark.parametrize("seed", range(3))
 def test_an_edit_in_a_resent_request_with_long_strings_never_matches(what: str, seed: int) -> None:
@@ -113,21 +130,11 @@ def test_crafted_xxh3_collisions_of_tips_never_match(monkeypatch: pytest.MonkeyP
     """Every tip filed under one key (as a crafted xxh3 collision of last messages would):
     conversations of the same shape still continue their own turns only."""
 
-    class Colliding:
-        @staticmethod
-        def xxh3_64_intdigest(data: Any) -> int:
-            return 0
-
-    monkeypatch.setattr(confirm_module, "xxhash", Colliding)
+    monkeypatch.setattr(confirm_module, "xxhash", _Colliding)
     graph = RolloutGraph()
     a, b = _conversation(8, 5), _conversation(8, 5)
     # b: same shape and text, other images (and one that differs in one character only)
-    rng = random.Random(9)
-    for messages, _ in b:
-        for m in messages:
-            if isinstance(m["content"], list):
-                for part in m["content"][1:]:
-                    part["image_url"]["url"] = _edit_char(part["image_url"]["url"], rng)
+    _edit_images(b, random.Random(9))
     ids_a, ids_b = [], []
     # b's first turn, then all of a (each finds b's tip first), then the rest of b
     for ids, turns in ((ids_b, b[:1]), (ids_a, a), (ids_b, b[1:])):
@@ -337,20 +344,10 @@ def test_crafted_xxh3_collisions_of_raw_tips_never_match(monkeypatch: pytest.Mon
     """Every raw tip under one head key and one check (as crafted xxh3 collisions would
     make them): texts that differ in an image only continue their own turns."""
 
-    class Colliding:
-        @staticmethod
-        def xxh3_64_intdigest(data: Any) -> int:
-            return 0
-
-    monkeypatch.setattr(confirm_module, "xxhash", Colliding)
+    monkeypatch.setattr(confirm_module, "xxhash", _Colliding)
     graph = RolloutGraph()
     a, b = _conversation(6, 40), _conversation(6, 40)
-    rng = random.Random(3)
-    for messages, _ in b:
-        for m in messages:
-            if isinstance(m["content"], list):
-                for part in m["content"][1:]:
-                    part["image_url"]["url"] = _edit_char(part["image_url"]["url"], rng)
+    _edit_images(b, random.Random(3))
     ids_a: list[Any] = []
     ids_b: list[Any] = []
     # b's first turn, then all of a (each finds b's tip first), then the rest of b
