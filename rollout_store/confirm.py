@@ -434,12 +434,9 @@ class RawTips:
                     continue
                 if xxhash.xxh3_64_intdigest(view[max(end - _CHECK, 0) : end]) != tip.check:
                     continue
-                if tip.holes:
-                    hasher = hollow_text(data, 0, end, tip.holes)
-                    if hasher is None:
-                        continue
-                else:
-                    hasher = blake3.blake3(view[:end])
+                hasher = hollow_text(data, 0, end, tip.holes)  # no holes: all of it hashed
+                if hasher is None:
+                    continue
                 if hasher.digest() == tip.digest:
                     best = (tip, hasher)
             if best is not None:

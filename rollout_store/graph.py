@@ -381,6 +381,11 @@ class Graph:
         """The plain packing of the response of `node` (every string inline)."""
         return self._requests.plain(resolve_raw(node.response_message, "response_message"))
 
+    def _blank_turn(self) -> Turn:
+        """An empty turn of the kind this graph keeps (over an out-of-process store, one whose
+        record can be kept there: see `turn_records`)."""
+        return Turn() if self._records is None else self._records.new_turn()
+
     def _new_turn(self, node: TurnNode) -> tuple[Turn, Turn | None]:
         """A turn with its id and place, and the explicit parent named; the scalar fields
         checked."""
@@ -391,7 +396,7 @@ class Graph:
             raise InvalidValueError(f"expected str, got {type(node_id).__name__}", "node_id")
         elif self._find(node_id) is not None:
             raise DuplicateNodeError(f"node_id {node_id!r} is already in the graph")
-        turn = Turn() if self._records is None else self._records.new_turn()
+        turn = self._blank_turn()
         turn.index = len(self._turns)
         if node_id is not None:  # else the default id of its index, free (no chosen ids)
             turn.node_id = node_id
@@ -868,8 +873,7 @@ class GraphRestorer:
     def new_turn(self) -> Turn:
         """A fresh turn for the reader to build (over an out-of-process store, one whose
         record can be kept there: see `turn_records`)."""
-        records = self._graph._records
-        return Turn() if records is None else records.new_turn()
+        return self._graph._blank_turn()
 
     def commit(self, turn: Turn, keys: IndexKeys, moves: list[tuple[Turn, LinkKind]]) -> None:
         """File a fully built turn: indexes, children, re-links, as `add_turn` does. Over an

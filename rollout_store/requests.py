@@ -582,9 +582,11 @@ class RequestStore:
         if base.rkey is None or type(index.get(base.rkey)) is _Bucket:
             return _NOT_FAST
         state = tip.plain_state.copy()
+        digest = None  # the state's digest after the last plain: the request's
         for plain in plains:
             state.update(plain)
-            if digest_key(state.digest()) in index:
+            digest = state.digest()
+            if digest_key(digest) in index:
                 return _NOT_FAST
         first = tip.n_sys + base.n_rest
         pieces = [ECHO_PACKED]
@@ -615,7 +617,7 @@ class RequestStore:
         scratch.tail_parts = (array_header(len(pieces)), *pieces)
         scratch.n_rest = base.n_rest + len(fresh)
         finish_tail(turn)
-        digest = scratch.request_sum = state.digest()
+        digest = scratch.request_sum = state.digest() if digest is None else digest
         scratch.request_digest = digest_key(digest)
         scratch.message_parent = base
         blobs = [blob for packed in long or () for _, blob in holes_of(packed, self.blobs.string)]

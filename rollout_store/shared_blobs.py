@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from .blobs import BlobTable, Handle, content_digest
 from .content import KEY_SIZE, ContentStore, StringCache, TextStore, content_key
 from .errors import InvalidArgumentError
+from .index import index_add, index_members
 
 __all__ = ["DEFAULT_GRAPH_CACHE_BYTES", "StoreBlobTable"]
 
@@ -136,9 +137,7 @@ class StoreBlobTable(BlobTable):
         """The blobs that may have `digest` (each is checked against it)."""
         index = self._index
         if index is not None:
-            found = index.get(_slot(digest))
-            if found is not None:
-                yield from (found,) if type(found) is int else found  # type: ignore[misc]
+            yield from index_members(index.get(_slot(digest)))
             return
         digests = self._digests
         at = digests.find(digest)
@@ -169,11 +168,11 @@ class StoreBlobTable(BlobTable):
         self._sizes.append(size << 1 | surrogates)
         self._nbytes += size
         if self._index is not None:
-            _file(self._index, digest, index)
+            index_add(self._index, _slot(digest), index)
         elif index + 1 >= INDEX_FROM:
             self._index = {}
             for i in range(index + 1):
-                _file(self._index, self._digest(i), i)
+                index_add(self._index, _slot(self._digest(i)), i)
         return Handle(digest, index, size, surrogates)
 
     def add_verified(self, text: str, digest: bytes, data_len: int, surrogates: bool) -> Handle:
@@ -272,18 +271,6 @@ class StoreBlobTable(BlobTable):
             "blob_bytes_saved": self._refbytes - self._nbytes,
             "collisions": len(self._sizes) - len(digests),
         }
-
-
-def _file(index: dict[int, int | list[int]], digest: bytes, number: int) -> None:
-    """File blob `number` under its digest's slot in `index`."""
-    slot = _slot(digest)
-    found = index.get(slot)
-    if found is None:
-        index[slot] = number
-    elif type(found) is int:
-        index[slot] = [found, number]
-    else:
-        found.append(number)  # type: ignore[union-attr]
 
 
 def _slot(digest: bytes) -> int:
