@@ -54,6 +54,19 @@ from .values import ValueTable
 
 __all__ = ["FreshRequest", "RequestStore", "Scratch"]
 
+# TurnFlag bits tested on every turn, read as module globals: an enum attribute costs about
+# five times as much (measured: 57 ns against 12 for `flags & TurnFlag.X`)
+_HAS_RESPONSE: Final = TurnFlag.HAS_RESPONSE
+_MESSAGES_TUPLE: Final = TurnFlag.MESSAGES_TUPLE
+_NO_MESSAGES: Final = TurnFlag.NO_MESSAGES
+_PREFIX_SPECIAL: Final = TurnFlag.PREFIX_SPECIAL
+_RESPONSE_REFS: Final = TurnFlag.RESPONSE_REFS
+_RESPONSE_SPECIAL: Final = TurnFlag.RESPONSE_SPECIAL
+_TAIL_ECHO: Final = TurnFlag.TAIL_ECHO
+_TAIL_REFS: Final = TurnFlag.TAIL_REFS
+_TAIL_SLOW: Final = TurnFlag.TAIL_SLOW
+_TAIL_SPECIAL: Final = TurnFlag.TAIL_SPECIAL
+
 
 _new_tuple: Final = tuple.__new__
 
@@ -266,7 +279,7 @@ class FreshRequest:
             ok = self._store.matches(stored, self.plains(), self.messages)
             if ok and probe is not None:
                 stored.digest = probe.digest(n)
-        if ok and (probe is not None or by_digest) and stored.flags & TurnFlag.PREFIX_SPECIAL:
+        if ok and (probe is not None or by_digest) and stored.flags & _PREFIX_SPECIAL:
             # a digest match of tuples, big ints or lone surrogates: the fresh messages must
             # be those values, not msgpack.ExtType objects packing alike
             valid = self._store.valid
@@ -410,9 +423,9 @@ class RequestStore:
         if packed is plain:
             return packed
         if self._encoder.last_refs:  # else the packing is the plain one, nothing to expand
-            turn.flags |= TurnFlag.RESPONSE_REFS
+            turn.flags |= _RESPONSE_REFS
         if special:
-            turn.flags |= TurnFlag.RESPONSE_SPECIAL
+            turn.flags |= _RESPONSE_SPECIAL
         return packed
 
     def _shared(
@@ -480,14 +493,14 @@ class RequestStore:
             messages = decode_raw(messages, "request_messages")
         if messages is None:
             turn.system, turn.base = None, None  # the tail b"" and no messages: see Scratch
-            turn.flags |= TurnFlag.NO_MESSAGES
+            turn.flags |= _NO_MESSAGES
             return None
         if not isinstance(messages, list | tuple):
             raise InvalidValueError(
                 f"expected a list of messages, got {type(messages).__name__}", "request_messages"
             )
         if isinstance(messages, tuple):
-            turn.flags |= TurnFlag.MESSAGES_TUPLE
+            turn.flags |= _MESSAGES_TUPLE
         if not messages and turn.prompt is not None:
             # a token turn without messages (the default []): linked by its tokens, and no
             # base of anything, so it stays out of the request index (which would otherwise
@@ -560,7 +573,7 @@ class RequestStore:
         tip, hasher = found
         base = tip.turn
         end = raw_end(data)
-        if end is None or end <= tip.end or not base.n_rest or base.flags & TurnFlag.MESSAGES_TUPLE:
+        if end is None or end <= tip.end or not base.n_rest or base.flags & _MESSAGES_TUPLE:
             return _NOT_FAST
         tail_text = data[tip.end : end].lstrip(b" \t\r\n")
         # the new messages decoded in one call, exactly as json.loads would where msgspec
@@ -590,12 +603,12 @@ class RequestStore:
                 return _NOT_FAST
         first = tip.n_sys + base.n_rest
         pieces = [ECHO_PACKED]
-        turn.flags |= TurnFlag.TAIL_ECHO
+        turn.flags |= _TAIL_ECHO
         limit = self._plain_limit
         # packings holding blob references, for their long strings (in-process blobs only:
         # over a store they would be fetched)
         long: list[bytes] | None = [] if self.tips is not None else None
-        if long is not None and base.flags & TurnFlag.RESPONSE_REFS and base.response:
+        if long is not None and base.flags & _RESPONSE_REFS and base.response:
             long.append(base.response)
         for i in range(1, len(fresh)):
             plain = plains[i]
@@ -606,11 +619,11 @@ class RequestStore:
                 continue
             packed, special = self.encode(fresh[i], f"request_messages[{first + i}]")
             if packed != plains[i]:
-                turn.flags |= TurnFlag.TAIL_REFS
+                turn.flags |= _TAIL_REFS
                 if long is not None:
                     long.append(packed)
             if special:
-                turn.flags |= TurnFlag.TAIL_SPECIAL
+                turn.flags |= _TAIL_SPECIAL
             pieces.append(packed)
         turn.system = base.system
         turn.base = base
@@ -650,7 +663,7 @@ class RequestStore:
         pieces: list[bytes] = [b""]  # the array header, set below
         if base is not None and start < n and self.is_echo(base, rest[start], request.plain(start)):
             pieces.append(ECHO_PACKED)
-            turn.flags |= TurnFlag.TAIL_ECHO
+            turn.flags |= _TAIL_ECHO
             first += 1
         plains = request.plain_slice(first, n)
         limit = self._plain_limit
@@ -663,9 +676,9 @@ class RequestStore:
                     continue
                 packed, special = self._encoder.encode(rest[i], f"request_messages[{n_sys + i}]")
                 if packed != p:
-                    turn.flags |= TurnFlag.TAIL_REFS
+                    turn.flags |= _TAIL_REFS
                 if special:
-                    turn.flags |= TurnFlag.TAIL_SPECIAL
+                    turn.flags |= _TAIL_SPECIAL
                 pieces.append(packed)
         pieces[0] = array_header(len(pieces) - 1)
         turn.base = base
@@ -677,7 +690,7 @@ class RequestStore:
         and key it will be filed under at commit (`file` then finds them there)."""
         key = scratch.request_digest
         digest = None
-        if key is not None and not turn.flags & TurnFlag.NO_MESSAGES:
+        if key is not None and not turn.flags & _NO_MESSAGES:
             digest = scratch.request_sum
             if digest is None and scratch.request is not None:
                 digest = scratch.request.digest()
@@ -707,12 +720,12 @@ class RequestStore:
         probe = request._probe
         tips = self.tips
         flags = turn.flags
-        if probe is None or tips is None or flags & TurnFlag.PREFIX_SPECIAL:
+        if probe is None or tips is None or flags & _PREFIX_SPECIAL:
             return None
         base = turn.base
         previous = tips.of(base) if tips and base is not None else None
-        refs = flags & TurnFlag.TAIL_REFS or (
-            flags & TurnFlag.TAIL_ECHO and base is not None and base.flags & TurnFlag.RESPONSE_REFS
+        refs = flags & _TAIL_REFS or (
+            flags & _TAIL_ECHO and base is not None and base.flags & _RESPONSE_REFS
         )
         if previous is None and not refs:  # the common case: no long string anywhere new
             return None
@@ -757,21 +770,17 @@ class RequestStore:
         steps = 0
         while node is not None:
             steps += 1
-            if steps > _MAX_CHAIN or node.flags & TurnFlag.NO_MESSAGES:
+            if steps > _MAX_CHAIN or node.flags & _NO_MESSAGES:
                 return None
             base = node.base
-            echo_refs = (
-                node.flags & TurnFlag.TAIL_ECHO
-                and base is not None
-                and base.flags & TurnFlag.RESPONSE_REFS
-            )
-            if node.flags & TurnFlag.TAIL_REFS or echo_refs:
+            echo_refs = node.flags & _TAIL_ECHO and base is not None and base.flags & _RESPONSE_REFS
+            if node.flags & _TAIL_REFS or echo_refs:
                 items = array_items(node.tail)
                 first = node.first
                 here = []
                 for k, item in enumerate(items):
                     stored: bytes | None = item
-                    if k == 0 and node.flags & TurnFlag.TAIL_ECHO:
+                    if k == 0 and node.flags & _TAIL_ECHO:
                         stored = base.response if echo_refs else None  # type: ignore[union-attr]
                     if stored is not None and _has_ext(stored):
                         holes = holes_of(stored, self.blobs.string)
@@ -800,9 +809,9 @@ class RequestStore:
                 parts.append(plain)
                 continue
             stored: bytes | None = piece
-            if k == 0 and turn.flags & TurnFlag.TAIL_ECHO:  # the base's response
+            if k == 0 and turn.flags & _TAIL_ECHO:  # the base's response
                 stored = base.response if base is not None else None
-                if stored is None or not base.flags & TurnFlag.RESPONSE_REFS:  # type: ignore[union-attr]
+                if stored is None or not base.flags & _RESPONSE_REFS:  # type: ignore[union-attr]
                     parts.append(plain)
                     continue
             holes = holes_of(stored, self.blobs.string)  # type: ignore[arg-type]
@@ -819,7 +828,7 @@ class RequestStore:
     def file(self, turn: Turn, key: int | None, request: FreshRequest | None = None) -> None:
         """File a committed turn's request under `key` (its digest), if it has messages;
         `request` (when the turn was just added) gives the digest that confirms it."""
-        if key is None or turn.flags & TurnFlag.NO_MESSAGES:
+        if key is None or turn.flags & _NO_MESSAGES:
             return
         index = self.request_index
         found = index.get(key)
@@ -879,19 +888,19 @@ class RequestStore:
         flags = base.flags
         by_key = echo_by_key(base, plain)  # a response kept in a store: no fetch
         if by_key is not None:
-            return by_key and (not flags & TurnFlag.RESPONSE_SPECIAL or self.valid(message, plain))
+            return by_key and (not flags & _RESPONSE_SPECIAL or self.valid(message, plain))
         response = base.response
         if response is None:
             return False
-        if flags & TurnFlag.RESPONSE_REFS:
+        if flags & _RESPONSE_REFS:
             response = self.expand(response)
         if plain != response:
             return False
-        return not flags & TurnFlag.RESPONSE_SPECIAL or self.valid(message, plain)
+        return not flags & _RESPONSE_SPECIAL or self.valid(message, plain)
 
     def echoes(self, turn: Turn, message: Any, plain: bytes | None) -> bool:
         """Whether `message` is the echo of the turn's response (exactly or loosely)."""
-        if not turn.flags & TurnFlag.HAS_RESPONSE:  # (no fetch for a response in a store)
+        if not turn.flags & _HAS_RESPONSE:  # (no fetch for a response in a store)
             return False
         if self.is_echo(turn, message, plain):
             return True
@@ -911,7 +920,7 @@ class RequestStore:
         if end > len(plains):
             return False
         join = b"".join
-        slow_bit, echo_bit = TurnFlag.TAIL_SLOW, TurnFlag.TAIL_ECHO
+        slow_bit, echo_bit = _TAIL_SLOW, _TAIL_ECHO
         node: Turn | None = turn
         try:
             while node is not None:
@@ -948,13 +957,13 @@ class RequestStore:
         """Whether the tail of `turn` is exactly `messages[start:end]`."""
         tail = turn.tail
         i = start
-        echo = turn.flags & TurnFlag.TAIL_ECHO
+        echo = turn.flags & _TAIL_ECHO
         if echo:
             base = turn.base
             if i >= end or base is None or not self.is_echo(base, messages[i], plains[i]):
                 return False
             i += 1
-        if turn.flags & TurnFlag.TAIL_REFS:
+        if turn.flags & _TAIL_REFS:
             # blob references: rebuild the values (blobs are the table's own strings, no
             # copy) and pack them with every string inline, then compare bytes
             try:
@@ -976,7 +985,7 @@ class RequestStore:
             overhead = len(array_header(end - start)) + (i - start) * len(ECHO_PACKED)
             if len(joined) + overhead != len(tail) or not tail.endswith(joined):
                 return False
-        if turn.flags & TurnFlag.TAIL_SPECIAL:
+        if turn.flags & _TAIL_SPECIAL:
             return all(self.valid(messages[k], plains[k]) for k in range(i, end))
         return True
 
@@ -1007,6 +1016,6 @@ class RequestStore:
 
     def response_plain(self, turn: Turn) -> bytes | None:
         response = turn.response
-        if response is None or not turn.flags & TurnFlag.RESPONSE_REFS:
+        if response is None or not turn.flags & _RESPONSE_REFS:
             return response
         return self.expand(response)
