@@ -294,6 +294,9 @@ class Linker:
     def find_moves(self, new: Turn, scratch: Scratch) -> list[Move]:
         """Turns that arrived before `new` but continue it: they move under it at commit."""
         moves: list[Move] = []
+        parent = new.parent
+        if new.prompt is None and not scratch.twins and parent is not None and parent.kids is None:
+            return moves  # the common case: no token ids, no twin, its parent's first child
         if new.link == LinkKind.EXPLICIT:
             return moves
         moves.extend(self._token_moves(new, scratch))
