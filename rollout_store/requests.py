@@ -728,9 +728,8 @@ class RequestStore:
         if digests[b] != base.digest:
             return None
         # no longer stored request may be one this one extends, and no twin of it
-        for k in range(b + 1, n + 1):
-            digest = digests[k]
-            if digest is not None and digest_key(digest) in index:
+        for digest in digests[b + 1 :]:
+            if digest is not None and int.from_bytes(digest[:8], "little") in index:
                 return None
         return probe, base
 
