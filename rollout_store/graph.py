@@ -363,6 +363,8 @@ class Graph:
                 scratch.request,
                 scratch.raw_tip,
             )
+            if scratch.raw_seen:  # only now: the turn's own texts stay known until here
+                self._requests.remember_raw(scratch.raw_seen)
             # as the capture graph does: the node given gets its place in the graph
             node.index = turn.index
             node.parent_id = turn.parent.node_id if turn.parent is not None else None
@@ -380,15 +382,16 @@ class Graph:
         system_plain = requests.prepare(turn, node, scratch)
         linker.prepare_messages(turn, node, scratch)
         requests.build(turn, scratch, requests.encode_response(node.response_message, turn))
-        shared = requests.shared_value
+        shared, seen = requests.shared_value, scratch.raw_seen
         turn.share_values(
-            shared(node.request_tools, "request_tools", pending, given.request_tools),
-            shared(node.sampling_params, "sampling_params", pending, given.sampling_params),
+            shared(node.request_tools, "request_tools", pending, given.request_tools, seen),
+            shared(node.sampling_params, "sampling_params", pending, given.sampling_params, seen),
             shared(
                 node.requested_sampling_params,
                 "requested_sampling_params",
                 pending,
                 given.requested_sampling_params,
+                seen,
             ),
         )
         turn.side.meta = self._turn_meta(node, system_plain)  # its own side until commit

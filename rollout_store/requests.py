@@ -186,6 +186,7 @@ class Scratch:
         "n_rest",
         "pending",
         "prompt_key",
+        "raw_seen",
         "raw_text",
         "raw_tip",
         "request",
@@ -200,6 +201,9 @@ class Scratch:
 
     def __init__(self) -> None:
         self.pending: list[tuple[bytes, bytes]] = []
+        # raw texts of shared values the graph holds, remembered at commit (`remember_raw`):
+        # remembered earlier, one could push out a text this very turn was taken by
+        self.raw_seen: list[tuple[bytes | str, Any, int | None]] = []
         self.token_parent: Turn | None = None
         self.full_data: bytes | None = None  # prompt + sampled as array('I') bytes
         self.token_key: int | None = None  # block digest of prompt+sampled at its last block
@@ -517,11 +521,17 @@ class RequestStore:
         return stored
 
     def shared_value(
-        self, value: Any, path: str, pending: list[tuple[bytes, bytes]], given: Any = None
+        self,
+        value: Any,
+        path: str,
+        pending: list[tuple[bytes, bytes]],
+        given: Any = None,
+        seen: list[tuple[bytes | str, Any, int | None]] | None = None,
     ) -> Any:
         """The stored form of a shared value (found, or stored once at commit). `given` is
-        the field as the caller gave it: when `RawJSON`, its text is remembered for a value
-        the graph holds already (`raw_shared`), and a text remembered so stands for it."""
+        the field as the caller gave it: when `RawJSON` and the graph holds its value, its
+        text is added to `seen` (remembered at commit: `remember_raw`), and a text
+        remembered so (`raw_shared`) stands for its value."""
         if value is None:
             return None
         if type(value) is RawJSON:  # a text remembered so (see `raw_shared`)
@@ -530,18 +540,19 @@ class RequestStore:
         if plain is not None:  # the common case first: a value the graph holds already
             found = self.values.find(plain)
             if found is not None:
-                if type(given) is RawJSON:
-                    self._remember_raw(given.data, found, value)
+                if type(given) is RawJSON and seen is not None:
+                    seen.append((given.data, found, len(value) if type(value) is list else None))
                 return found
         return self._shared([value], path, [plain], pending, as_array=False)
 
-    def _remember_raw(self, text: bytes | str, stored: Any, value: Any) -> None:
-        """Remember that the JSON text `text` is the stored shared value `stored` (a value
-        committed before: the text decoded to it, byte for byte the same text decodes to it
-        again)."""
+    def remember_raw(self, seen: list[tuple[bytes | str, Any, int | None]]) -> None:
+        """Remember each JSON text of `seen` as the stored shared value it decoded to (one
+        committed before, so byte for byte the same text decodes to it again), with its item
+        count; the oldest texts are dropped past MAX_RAW_SHARED."""
         known = self.raw_shared
-        known[text] = (stored, len(value) if type(value) is list else None)
-        if len(known) > MAX_RAW_SHARED:
+        for text, stored, n_items in seen:
+            known[text] = (stored, n_items)
+        while len(known) > MAX_RAW_SHARED:
             del known[next(iter(known))]
 
     def add_values(self, pending: list[tuple[bytes, bytes]] | tuple[()]) -> None:
