@@ -341,3 +341,96 @@ def test_raw_texts_belong_to_their_graph() -> None:
     finally:
         tracemalloc.stop()
     assert held < 64 * 1024, held
+
+
+# ---------------------------------------------------------------- colliding blob digests
+
+
+def _colliding(_: bytes) -> bytes:
+    return b"\0" * 16  # every string's digest alike: only a content comparison tells
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_colliding_blob_digests_through_the_fast_paths(raw: bool) -> None:
+    """Long strings (past HOLE_MIN, so raw tips hold them as holes) of equal length and one
+    digest, re-sent turn after turn and swapped: each turn exports what it was given, and
+    links as with every fast path off."""
+    from rollout_store import BlobTable
+
+    size = 1 << 15  # past HOLE_MIN
+    longs = [chr(0x61 + i) * size for i in range(4)]
+    system = {"role": "system", "content": "s"}
+    request: list[Any] = [system, {"role": "user", "content": longs[0]}]
+    turns = []
+    for k in range(6):
+        reply = {"role": "assistant", "content": f"r{k}"}
+        turns.append({"request_messages": json_copy(request), "response_message": reply})
+        request = [*request, reply, {"role": "user", "content": longs[(k + 1) % 4]}]
+    # a re-sent prefix whose long string is another one of one digest and length
+    swapped = json_copy(turns[-1]["request_messages"])
+    swapped[1]["content"] = longs[3]
+    turns.append(
+        {
+            "request_messages": [*swapped, turns[-1]["response_message"], {"role": "user"}],
+            "response_message": {"role": "assistant", "content": "last"},
+        }
+    )
+
+    def feed() -> RolloutGraph:
+        graph = RolloutGraph(share_threshold=64)
+        graph.blobs = BlobTable(hasher=_colliding)
+        for fields in turns:
+            node = dict(fields)
+            if raw:
+                text = json.dumps(fields["request_messages"]).encode()
+                node["request_messages"] = RawJSON(text)
+            graph.add_turn(TurnNode(prompt_ids=None, sampled_ids=None, **node))
+        return graph
+
+    fast = feed()
+    with pytest.MonkeyPatch.context() as patch:
+        _usual_only(patch)
+        usual = feed()
+    assert _fingerprint(fast) == _fingerprint(usual)
+    for node_id, fields in zip(fast.node_ids(), turns, strict=True):
+        assert json.dumps(fast.request_messages(node_id)) == json.dumps(fields["request_messages"])
+    assert fast.parent("turn-6") is None  # its prefix differs: not the same content
+
+
+def test_a_request_changed_after_add_turn_changes_nothing_recorded() -> None:
+    """The caller's lists and dicts are theirs: changing them after add_turn (a harness
+    appends to its history in place) alters no recorded turn, on the continuation path
+    too, and the next request is compared with what was recorded, not with the objects."""
+    system = {"role": "system", "content": "s"}
+    history: list[Any] = [system, {"role": "user", "content": "q0", "n": 1}]
+    tools: list[Any] = [{"name": "f"}]
+    sent = []
+    graph = RolloutGraph()
+    for k in range(5):
+        reply = {"role": "assistant", "content": f"r{k}", "n": 1}
+        graph.add_turn(
+            TurnNode(
+                request_messages=history,
+                response_message=reply,
+                request_tools=tools,
+                prompt_ids=None,
+                sampled_ids=None,
+            )
+        )
+        sent.append(json.dumps(history))
+        history.append(reply)  # the same objects, extended in place
+        history.append({"role": "user", "content": f"q{k + 1}", "n": 1})
+        if k % 2:
+            reply["n"] = 1.0  # ... and the echo changed after it was recorded
+        tools.append({"name": f"g{k}"})
+    for k, text in enumerate(sent):
+        assert json.dumps(graph.request_messages(f"turn-{k}")) == text
+        assert json.dumps(graph.request_tools(f"turn-{k}")) == json.dumps(
+            [{"name": "f"}] + [{"name": f"g{j}"} for j in range(k)]
+        )
+    for k in range(5):  # the responses as recorded, not as changed since
+        want = {"role": "assistant", "content": f"r{k}", "n": 1}
+        assert json.dumps(graph.response_message(f"turn-{k}")) == json.dumps(want)
+    # an exact echo links its turn to the one before; a changed one (1.0) does not exactly
+    assert graph.parent("turn-1") == "turn-0"
+    assert graph.parent("turn-3") == "turn-2"
