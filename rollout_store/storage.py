@@ -20,6 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Annotated, Any, NamedTuple
 
+import msgpack
 import msgspec
 
 from . import framing
@@ -284,6 +285,56 @@ class _Writer:
         frames.append(self.frame(KIND_TURN, pack(list(record)), chain))
         return frames, partial(self._commit, chain, entry.blobs_end, new_values, refs, turn)
 
+    def write_snapshot(self, blobs: BlobTable, entries: list[JournalEntry], out: _Gather) -> None:
+        """Every turn's frames (version 2) into `out`, doing what `turn_frames` and its commit
+        do for each, in one loop: a snapshot is written whole or not at all (its temporary
+        file is dropped on error), so no turn needs undoing. References are counted in the
+        end record."""
+        chain = [self.chain]
+        known, objects, refs = self.values, self.value_objects, self.refs
+        pack = msgpack.Packer(use_bin_type=True, unicode_errors="surrogatepass").pack
+        encode, encode_blob = framing.encode_frame, framing.encode_blob_frame
+        record_of, note_runs, parts = self._record, self.note_runs, out.parts
+        string, handle_of, inline = blobs.string, blobs.handle, self.blobs_mode == BLOBS_INLINE
+        values: list[int | None] = [None, None, None, None]
+        last_side: TurnSide | None = None  # whose shared values `values` holds
+        prev, written = self.chain, self.blobs_written
+        for entry in entries:
+            turn, end = entry.turn, entry.blobs_end
+            if end > written:
+                if inline:
+                    for index in range(written, end):
+                        data = string(index).encode("utf-8", "surrogatepass")
+                        blob, prev = encode_blob(KIND_BLOB, handle_of(index).digest, data, prev)
+                        parts += blob
+                        out.size += len(data)
+                else:
+                    chain[0] = prev
+                    parts += self.blob_frames(blobs, end, chain)
+                    prev = chain[0]
+                written = self.blobs_written = end
+            side = turn.side
+            if side is not last_side:  # (turns alike share one side: most share the last one)
+                last_side = side
+                for i, stored in enumerate(
+                    (side.system, side.tools, side.sampling, side.requested)
+                ):
+                    ordinal = None
+                    if stored is not None:
+                        ordinal = known.get(id(stored))
+                        if ordinal is None:
+                            ordinal = known[id(stored)] = len(objects)
+                            objects.append(stored)
+                            value, prev = encode(KIND_VALUE, pack(stored), prev)
+                            parts.append(value)
+                    values[i] = ordinal
+            record, prev = encode(KIND_TURN, pack(record_of(entry, values, refs)), prev)
+            parts.append(record)
+            note_runs(turn)
+            if len(parts) >= out.MAX_PARTS or out.size >= out.MAX_BYTES:
+                out.flush()
+        self.chain = prev
+
     def _value_ref(
         self, stored: bytes | None, new: list[bytes], frames: list[bytes], chain: list[int]
     ) -> int | None:
@@ -440,11 +491,7 @@ def save(graph: Graph, path: str | os.PathLike[str], *, blobs: str = "inline") -
         out = _Gather(fp.fileno())
         out.add([writer.header(graph, MODE_SNAPSHOT)])
         entries = graph.journal_entries()
-        for entry in entries:
-            # references are counted in the end record of a snapshot
-            frames, commit = writer.turn_frames(graph.blobs, entry)
-            out.add(frames)
-            commit()
+        writer.write_snapshot(graph.blobs, entries, out)
         references = list(graph.blobs.mark()[1:])
         end = {"turns": len(entries), "blobs": len(graph.blobs), "references": references}
         out.add([writer.frame(KIND_END, pack(end), [writer.chain])])
