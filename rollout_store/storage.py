@@ -330,7 +330,8 @@ class _Writer:
                     values[i] = ordinal
             record, prev = encode(KIND_TURN, pack(record_of(entry, values, refs)), prev)
             parts.append(record)
-            note_runs(turn)
+            if side.prompt is not None or side.full is not None:
+                note_runs(turn)
             if len(parts) >= out.MAX_PARTS or out.size >= out.MAX_BYTES:
                 out.flush()
         self.chain = prev
