@@ -20,7 +20,6 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Annotated, Any, NamedTuple
 
-import msgpack
 import msgspec
 
 from . import framing
@@ -292,7 +291,6 @@ class _Writer:
         end record."""
         chain = [self.chain]
         known, objects, refs = self.values, self.value_objects, self.refs
-        pack = msgpack.Packer(use_bin_type=True, unicode_errors="surrogatepass").pack
         encode, encode_blob = framing.encode_frame, framing.encode_blob_frame
         record_of, note_runs, parts = self._record, self.note_runs, out.parts
         string, handle_of, inline = blobs.string, blobs.handle, self.blobs_mode == BLOBS_INLINE
@@ -328,7 +326,7 @@ class _Writer:
                             value, prev = encode(KIND_VALUE, pack(stored), prev)
                             parts.append(value)
                     values[i] = ordinal
-            record, prev = encode(KIND_TURN, pack(record_of(entry, values, refs)), prev)
+            record, prev = encode(KIND_TURN, pack(list(record_of(entry, values, refs))), prev)
             parts.append(record)
             if side.prompt is not None or side.full is not None:
                 note_runs(turn)
@@ -450,6 +448,9 @@ class _Gather:
         while done < n:
             batch = parts[done : done + self.MAX_PARTS]
             written = os.writev(self.fd, batch)
+            if written == sum(map(len, batch)):  # mostly: the whole batch at once
+                done += len(batch)
+                continue
             for part in batch:
                 size = len(part)
                 if written < size:
