@@ -430,7 +430,9 @@ class _Gather:
     buffer, and no system call per part."""
 
     MAX_PARTS = 512  # below every system's IOV_MAX
-    MAX_BYTES = 8 << 20
+    # written and freed by the MiB: the encoded text's memory is reused from one batch to the
+    # next instead of faulted in afresh for the whole file (measured: 8 MiB batches were slower)
+    MAX_BYTES = 1 << 20
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
