@@ -145,7 +145,7 @@ class Probe:
             carry: bytes | memoryview = b""  # not yet hashed: every update a multiple of ALIGN
             if step >= low:  # the common case: one chunk, hashed at once
                 chunk = pack(messages[:low])
-                update(memoryview(chunk)[len(array_header(low)) :])
+                update(memoryview(chunk)[1 if low < 16 else 3 if low < 1 << 16 else 5 :])
                 start = low
             while start < low:
                 stop = start + step if start + step < low else low
@@ -171,7 +171,8 @@ class Probe:
                 elif size > CHUNK_HIGH and step > 1:
                     step //= 2
                 start = stop
-            update(carry)
+            if carry:
+                update(carry)
         plains: list[bytes | None] = [None] * low
         plains.extend(last)
         digest = hasher.digest
