@@ -15,6 +15,7 @@ import msgpack
 
 from .blobs import BlobTable
 from .confirm import (
+    TIP_MIN_BYTES,
     WINDOW,
     Hole,
     Probe,
@@ -789,6 +790,11 @@ class RequestStore:
         else:  # the first long string of this conversation (or its tip was dropped)
             earlier = self._chain_holes(base) if base is not None else []
             if earlier is None:
+                return None
+            size = sum(
+                len(text) for _, found_holes in (*earlier, *found) for _, text in found_holes
+            )
+            if size < TIP_MIN_BYTES:  # hashed again at no measurable cost: no state kept
                 return None
             holes = earlier
             hollow = hollow_hasher(probe.messages, start, earlier, self._pack_plain)

@@ -359,7 +359,7 @@ class _Writer:
         parent, base, side = turn.parent, turn.base, turn.side
         parent_index = parent.index if parent is not None and parent.index < turn.index else None
         logprobs, sampled = side.logprobs, side.sampled
-        if sampled is PACKED or logprobs is PACKED:  # kept in the side's PackedPrompt
+        if sampled is PACKED or logprobs is PACKED:  # kept in the turn's PackedPrompt
             logprobs, sampled = turn.logprobs, turn.sampled
         if isinstance(logprobs, array):
             logprobs = encode_segment(logprobs)
@@ -378,7 +378,7 @@ class _Writer:
             turn.response,
             values[1],
             values[2],
-            None if side.prompt is None else self._prompt_spec(turn),
+            None if turn.prompt is None else self._prompt_spec(turn),
             None if sampled is None else encode_segment(sampled),
             logprobs,
             entry.keys,  # a NamedTuple: packed as an array
@@ -727,7 +727,7 @@ class _Loader:
         restore = self.restore
         restore.commit(turn, IndexKeys(keys[0], keys[1], keys[2], keys[3]), moves)
         self.ids.add(node_id)
-        if side.prompt is not None or side.full is not None:
+        if turn.prompt is not None or turn.full is not None:
             self.writer.note_runs(turn)
         for stored, plain in self.unfiled:  # the values it brought, found again from now on
             restore.add_value(stored, plain)
@@ -866,9 +866,9 @@ class _Loader:
             and packable(prompt.seg, sampled, side.logprobs)
         ):  # as add_turn keeps it: new ids, sampled ids and logprobs in one object
             packed = PackedPrompt(prompt.prev, prompt.seg, sampled, side.logprobs)
-            side.prompt = packed
-            side.full = PackedFull(packed) if sampled is not None and len(sampled) else packed
-            side.sampled = side.logprobs = PACKED
+            turn.pack_tokens(
+                packed, PackedFull(packed) if sampled is not None and len(sampled) else packed
+            )
 
     def _moves(self, turn: Turn, moves: list[tuple[int, int]]) -> list[tuple[Turn, LinkKind]]:
         """Earlier turns that this one re-linked under itself."""

@@ -18,7 +18,7 @@ from typing import Any, Final, NamedTuple, Protocol, TypeVar, overload
 from .confirm import digest_key
 from .encoding import ECHO_PACKED, array_header
 from .errors import RolloutStoreError
-from .tokens import ArrayRun, PackedPrompt, TokenRun
+from .tokens import ArrayRun, PackedFull, PackedPrompt, TokenRun
 
 __all__ = [
     "SCALAR_NAMES",
@@ -160,11 +160,11 @@ _LINK_KINDS = tuple(LinkKind)
 
 class TurnSide:
     """What a turn holds besides its place and its request: the scalar fields, the shared
-    packed values and the token fields.
+    packed values and the token fields (but a packed turn's: see `Turn.pack_tokens`).
 
-    Turns without token ids have equal sides, mostly (one model, one session, one system
-    prompt, one tool list): the graph interns those at commit, and an interned side is
-    `shared` and never changed again (a `Turn` setter copies it first).
+    Turns have equal sides, mostly (one model, one session, one system prompt, one tool
+    list; token ids packed in the turn, or none): the graph interns those at commit, and an
+    interned side is `shared` and never changed again (a `Turn` setter copies it first).
     """
 
     __slots__ = (
@@ -201,7 +201,8 @@ class TurnSide:
         return side
 
     def same_as(self, other: TurnSide) -> bool:
-        """Whether this side holds the very objects `other` holds, and no token ids."""
+        """Whether this side holds the very objects `other` holds, and no token ids (a
+        packed turn's are in the turn)."""
         return (
             self.meta is other.meta
             and self.system is other.system
@@ -218,13 +219,16 @@ class TurnSide:
 
     def sharing_key(self) -> tuple[Any, ...] | None:
         """What makes sides interchangeable, for one without token ids (None: has some).
-        Empty token segments are never mutated, so one stands for any of its kind."""
+        Empty token segments are never mutated, so one stands for any of its kind; a packed
+        turn's are in the turn (`PACKED` here)."""
         if self.prompt is not None or self.full is not None:
             return None
         shape = []
         for segment in (self.sampled, self.logprobs):
             if segment is None:
                 shape.append("none")
+            elif segment is PACKED:
+                shape.append("packed")
             elif type(segment) is array and not segment:
                 shape.append(segment.typecode)
             elif type(segment) is tuple and not segment:
@@ -265,37 +269,49 @@ class _Packed:
         return "PACKED"
 
 
-#: What a side holds for sampled ids and logprobs that its `PackedPrompt` holds.
+#: What a side holds for sampled ids and logprobs that its turn's `PackedPrompt` holds.
 PACKED: Any = _Packed()
 
 
-def _unpack(side: TurnSide) -> None:
-    """Sampled ids and logprobs kept in the side's `PackedPrompt` moved into the side, as
-    fresh arrays (before any token field of the side changes)."""
-    if side.sampled is PACKED:
-        prompt: PackedPrompt = side.prompt  # type: ignore[assignment]
+def _packed_prompt(run: TokenRun) -> PackedPrompt:
+    """The `PackedPrompt` of a packed turn's run (`Turn.packed`: its prompt + sampled run)."""
+    return run.prev if type(run) is PackedFull else run  # type: ignore[return-value]
+
+
+def _unpack(turn: Turn) -> TurnSide:
+    """The turn's own side, holding its token fields: a packed turn's moved there (sampled
+    ids and logprobs as fresh arrays), before any token field changes."""
+    side = turn.side
+    if side.shared:
+        side = turn.side = side.copy()
+    run = turn.packed
+    if run is not None:
+        prompt = _packed_prompt(run)
+        side.prompt, side.full = prompt, run
         side.sampled, side.logprobs = prompt.sampled(), prompt.logprobs()
+        turn.packed = None
+    return side
 
 
 def _token_property(name: str, doc: str) -> Any:
-    """A `Turn` token field kept in its side; sampled ids and logprobs marked `PACKED` there
-    are read from its `PackedPrompt` (as fresh arrays)."""
+    """A `Turn` token field kept in its side, or, for a packed turn, read from its runs
+    (sampled ids and logprobs as fresh arrays from its `PackedPrompt`)."""
     field = getattr(TurnSide, name)  # the slot's descriptor
-    read = {"sampled": PackedPrompt.sampled, "logprobs": PackedPrompt.logprobs}.get(name)
+    read: Any = {
+        "prompt": _packed_prompt,
+        "full": lambda run: run,
+        "sampled": lambda run: _packed_prompt(run).sampled(),
+        "logprobs": lambda run: _packed_prompt(run).logprobs(),
+    }[name]
 
     def get(turn: Turn) -> Any:
-        side = turn.side
-        value = field.__get__(side)
-        if value is PACKED and read is not None:
-            return read(side.prompt)  # type: ignore[arg-type]
-        return value
+        run = turn.packed
+        if run is not None:
+            return read(run)
+        return field.__get__(turn.side)
 
     def set_(turn: Turn, value: Any) -> None:
-        side = turn.side
-        if side.shared:
-            side = turn.side = side.copy()
-        _unpack(side)
-        field.__set__(side, value)
+        field.__set__(_unpack(turn), value)
 
     return property(get, set_, doc=doc)
 
@@ -308,11 +324,12 @@ class Turn:
     two bits of `flags`; the tail, the response, the request's digest, its index key and its
     message count are one bytes object (`data`); the scalar fields, shared values and token
     fields are a
-    `TurnSide`, one for every turn alike. All of them read and write through properties of
-    the names they had as fields.
+    `TurnSide`, one for every turn alike; a packed turn's token runs are `packed` (so its
+    side is alike too). All of them read and write through properties of the names they had
+    as fields.
     """
 
-    __slots__ = ("base", "data", "flags", "ident", "index", "kids", "parent", "side")
+    __slots__ = ("base", "data", "flags", "ident", "index", "kids", "packed", "parent", "side")
 
     ident: str | None  # the node id when it is not the default `turn-{index}`
     index: int
@@ -323,21 +340,28 @@ class Turn:
     # tail, response, digest, index key, n_rest (see the properties of those names)
     data: bytes
     side: TurnSide
+    # a packed turn's prompt + sampled run (see pack_tokens), else None
+    packed: TokenRun | None
 
     def __init__(self) -> None:
         self.data = _NO_REQUEST
         self.ident = None
         self.kids = None
+        self.packed = None
         self.side = TurnSide()  # its own until the graph finds one alike (see TurnSide)
 
     def pack_tokens(self, prompt: PackedPrompt, full: TokenRun) -> None:
         """Set the token fields to a `PackedPrompt` that holds the sampled ids and logprobs
-        too, and `full` (a `PackedFull` over it, or the prompt when nothing was sampled)."""
+        too, and `full` (a `PackedFull` over it, or the prompt when nothing was sampled).
+
+        Both are kept in the turn (`packed`: `full`, which gives the prompt), not in its
+        side, so turns alike but for their tokens share one side."""
         side = self.side
         if side.shared:
             side = self.side = side.copy()
-        side.prompt, side.full = prompt, full
+        side.prompt = side.full = None
         side.sampled = side.logprobs = PACKED
+        self.packed = full
 
     # -- identity, link and children
 
