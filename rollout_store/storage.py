@@ -328,7 +328,7 @@ class _Writer:
                     values[i] = ordinal
             record, prev = encode(KIND_TURN, pack(list(record_of(entry, values, refs))), prev)
             parts.append(record)
-            if side.prompt is not None or side.full is not None:
+            if turn.prompt is not None or turn.full is not None:
                 note_runs(turn)
             if len(parts) >= out.MAX_PARTS or out.size >= out.MAX_BYTES:
                 out.flush()
