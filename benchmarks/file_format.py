@@ -61,6 +61,7 @@ DAMAGE_SIZES = (4 << 20, 32 << 20)
 EMPTY_MAPS_FILE = 4 << 20  # bytes of the many-empty-maps file
 STREAM_TURN_FACTOR = 2  # streaming peak <= retained + this x the largest turn
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"  # version-1 files
+IOV_PARTS = 1024  # IOV_MAX on Linux: one writev takes at most this many parts
 
 
 class AppendRecorder(RolloutStoreRecorder):
@@ -180,7 +181,8 @@ def framed_save_floor(path: Path, blobs: list[str], frames: list[tuple[int, byte
     """The least work any writer of a version-2 snapshot must do, in pure Python, with every
     turn record already built: encode each blob's text and frame it, pack each turn record
     (msgpack, as the library does) and frame it and every other record, and write it all to
-    a new file with one writev (no temporary file, rename or fsync)."""
+    a new file with one writev (no temporary file, rename or fsync; past `IOV_PARTS` parts,
+    with one write of the parts joined)."""
     pack = msgpack.Packer(use_bin_type=True, unicode_errors="surrogatepass").pack
     parts: list[bytes] = [framing.MAGIC_V2]
     chain, texts = 0, iter(blobs)
@@ -196,9 +198,15 @@ def framed_save_floor(path: Path, blobs: list[str], frames: list[tuple[int, byte
                 payload = pack(payload)
             frame, chain = framing.encode_frame(kind, payload, chain)
             parts.append(frame)
+    data = b"".join(parts) if len(parts) > IOV_PARTS else None  # --turns beyond IOV_MAX
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.writev(fd, parts)
+        written = os.writev(fd, parts) if data is None else os.write(fd, data)
+        total = sum(map(len, parts))
+        if written < total:  # a short write (never seen for a regular file): the rest
+            rest = memoryview(b"".join(parts))[written:]
+            while rest:
+                rest = rest[os.write(fd, rest) :]
     finally:
         os.close(fd)
 
