@@ -7,7 +7,7 @@ are stored once per graph.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
 from typing import Any, Final
 
@@ -147,6 +147,16 @@ def _all_json(plains: list[bytes | None], limit: int) -> bool:
 
 _NOT_FAST = object()  # _prepare_raw: decode the whole text instead
 
+#: A latest turn whose request `_continuation` leaves to the usual path: its prefix or its
+#: response needs more than bytes compared, or it has no messages
+_NOT_CONTINUED: Final = (
+    TurnFlag.NO_MESSAGES
+    | TurnFlag.PREFIX_SPECIAL
+    | TurnFlag.RESPONSE_REFS
+    | TurnFlag.RESPONSE_SPECIAL
+    | TurnFlag.MESSAGES_TUPLE
+)
+
 #: The longest chain of bases walked to find the long strings of a request (`_chain_holes`).
 _MAX_CHAIN = 4096
 #: A reused packer grows its buffer to its largest packing and keeps it: past this size it is
@@ -283,6 +293,10 @@ class FreshRequest:
             return self._probe.key(n)
         return self._keys[n]  # type: ignore[index]
 
+    def confirmed(self, stored: Turn) -> None:
+        """Note that this request is known to extend `stored` (see `extends`)."""
+        self._confirmed[stored.index] = True
+
     def extends(self, stored: Turn) -> bool:
         """Whether this request starts with exactly the non-system request of `stored`."""
         confirmed = self._confirmed
@@ -383,6 +397,7 @@ class RequestStore:
     __slots__ = (
         "_canonical",
         "_encoder",
+        "_last",
         "_lengths",
         "_pack_plain",
         "_plain_limit",
@@ -415,6 +430,9 @@ class RequestStore:
         # bit n set: some filed request has n messages (a request can only extend one whose
         # count is among these: the boundaries worth a digest); a bit per count, not per turn
         self._lengths = bytearray()
+        # the latest turn filed: the base `_continuation` tries first (most turns continue
+        # the turn just before them)
+        self._last: Turn | None = None
 
     def reset_packer(self) -> None:
         self._pack_plain = new_packer()
@@ -537,9 +555,14 @@ class RequestStore:
         rest = messages[n_sys:]
         pack = self._pack_plain
         probe: Probe | None
+        tips = self.tips
+        # the common case first: the turn just before, re-sent with its response and a few
+        # new messages (its base then, confirmed already)
+        continued = self._continuation(rest, pack) if not tips and type(rest) is list else None
         try:
-            tips = self.tips
-            if tips and type(rest) is list:
+            if continued is not None:
+                probe = continued[0]
+            elif tips and type(rest) is list:
                 probe = Probe.continuing(tips, rest, pack, self._window, self._lengths)
             else:
                 probe = Probe(rest, pack, self._window, self._lengths)
@@ -572,12 +595,17 @@ class RequestStore:
         scratch.request = request
         if request.n_valid == len(request.messages):
             scratch.request_digest = request.key(request.n_valid)
-        base = self._base(request)
+        base: Turn | None
+        if continued is not None:
+            base = continued[1]
+            request.confirmed(base)
+        else:
+            base = self._base(request)
         if base is not None and probe is not None:
             # the next request is probed at as many boundaries as bases lately lay back (and
             # at every boundary when its base lies further back: see `Probe`)
             self._window = min(WINDOW, max(len(rest) - base.n_rest + 2, self._window - 1))
-        self._store_tail(turn, request, base, n_sys, scratch)
+        self._store_tail(turn, request, base, n_sys, scratch, continued is not None)
         if raw is not None and probe is not None and rest and isinstance(messages, list):
             end = raw_end(raw)
             if end is not None:  # later raw turns of this conversation start here (`build`)
@@ -668,6 +696,45 @@ class RequestStore:
         scratch.raw_tip = (new_tip, tip)
         return tip.system_plain
 
+    def _continuation(
+        self, rest: list[Any], pack: Callable[[Any], bytes]
+    ) -> tuple[Probe, Turn] | None:
+        """A probe of `rest` and its base when `rest` re-sends the request of the latest turn
+        filed, then its response exactly, then new messages, and no longer stored request
+        (no twin either) is among its prefixes: what `Probe` and `_base` would find, for
+        less. None when any of that is not so (or something needs the validating walk)."""
+        last = self._last
+        # (not a turn whose record may be kept in a store: `is_echo` asks that one)
+        if last is None or last.__class__ is not Turn or last.flags & _NOT_CONTINUED:
+            return None
+        base: Turn = last
+        b, n = base.n_rest, len(rest)
+        if not b < n or not base.flags & _HAS_RESPONSE:
+            return None
+        index = self.request_index
+        try:
+            echo = pack(rest[b])
+            if echo != base.response:  # the cheap test first: mostly another conversation
+                return None
+            key = base.rkey
+            if key is None or index.get(key) is not base:  # twins: `_base` picks among them
+                return None
+            chunk = pack(rest[:b])
+            plains = [echo]
+            plains.extend([pack(message) for message in rest[b + 1 :]])
+        except Exception:  # something to walk: the usual path says what
+            return None
+        probe = Probe.at_base(rest, pack, chunk, plains, b, self._lengths)
+        digests = probe.digests
+        if digests[b] != base.digest:
+            return None
+        # no longer stored request may be one this one extends, and no twin of it
+        for k in range(b + 1, n + 1):
+            digest = digests[k]
+            if digest is not None and digest_key(digest) in index:
+                return None
+        return probe, base
+
     def _base(self, request: FreshRequest) -> Turn | None:
         """The longest stored request that `request` extends (its storage base)."""
         probe = request._probe
@@ -691,15 +758,24 @@ class RequestStore:
         return None
 
     def _store_tail(
-        self, turn: Turn, request: FreshRequest, base: Turn | None, n_sys: int, scratch: Scratch
+        self,
+        turn: Turn,
+        request: FreshRequest,
+        base: Turn | None,
+        n_sys: int,
+        scratch: Scratch,
+        echoed: bool = False,
     ) -> None:
-        """Pack the messages after the base's (the echo of its response as a placeholder)."""
+        """Pack the messages after the base's (the echo of its response as a placeholder;
+        `echoed`: the first of them is known to be that echo)."""
         rest = request.messages
         n = len(rest)
         start = base.n_rest if base is not None else 0
         first = start  # the first message packed (after the echo)
         pieces: list[bytes] = [b""]  # the array header, set below
-        if base is not None and start < n and self.is_echo(base, rest[start], request.plain(start)):
+        if echoed or (
+            base is not None and start < n and self.is_echo(base, rest[start], request.plain(start))
+        ):
             pieces.append(ECHO_PACKED)
             turn.flags |= _TAIL_ECHO
             first += 1
@@ -892,6 +968,7 @@ class RequestStore:
         lengths = self._lengths
         if n >> 3 >= len(lengths) or not lengths[n >> 3] >> (n & 7) & 1:
             mark_length(lengths, n)
+        self._last = turn
 
     def note_parent(self, turn: Turn) -> None:
         """`turn` got its first child (a bucket of identical requests lists its parents)."""
