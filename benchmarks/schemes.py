@@ -139,6 +139,7 @@ class RolloutStoreRecorder:
 
     def __init__(self) -> None:
         rs = _import_rollout_store()
+        self._turn_node = rs.TurnNode
         self.graph = rs.RolloutGraph(share_threshold=SHARE_THRESHOLD)
 
     @property
@@ -146,7 +147,22 @@ class RolloutStoreRecorder:
         return self.graph
 
     def add(self, body: dict, session_id: str = "s") -> object:
-        return self.graph.add_turn(turn_node(body, session_id))
+        # the node built in place (as `turn_node` does, without its dict and keyword
+        # unpacking): the timed add is add_turn's, not the harness's
+        get = body.get
+        node = self._turn_node(
+            request_messages=body["messages"],
+            request_tools=body["tools"],
+            response_message=body["response"],
+            sampling_params=body["sampling_params"],
+            prompt_ids=get("prompt_ids"),
+            sampled_ids=get("sampled_ids"),
+            sampled_logprobs=get("sampled_logprobs"),
+            model=body["model"],
+            finish_reason=body["finish_reason"],
+            harness_session_id=session_id,
+        )
+        return self.graph.add_turn(node)
 
     def close(self) -> None:
         close = getattr(self.graph, "close", None)

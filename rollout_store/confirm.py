@@ -146,7 +146,7 @@ class Probe:
             carry: bytes | memoryview = b""  # not yet hashed: every update a multiple of ALIGN
             if step >= low:  # the common case: one chunk, hashed at once
                 chunk = pack(messages[:low])
-                update(memoryview(chunk)[len(array_header(low)) :])
+                update(memoryview(chunk)[1 if low < 16 else 3 if low < 1 << 16 else 5 :])
                 start = low
             while start < low:
                 stop = start + step if start + step < low else low
@@ -172,7 +172,8 @@ class Probe:
                 elif size > CHUNK_HIGH and step > 1:
                     step //= 2
                 start = stop
-            update(carry)
+            if carry:
+                update(carry)
         plains: list[bytes | None] = [None] * low
         plains.extend(last)
         digest = hasher.digest
@@ -247,6 +248,39 @@ class Probe:
                 probe.plains, probe.digests, probe.low, probe.hasher = plains, digests, j, hasher
                 return probe
         return cls(messages, pack, window, lengths, last)
+
+    @classmethod
+    def at_base(
+        cls,
+        messages: list[Any],
+        pack: Callable[[Any], bytes],
+        chunk: bytes,
+        last: list[bytes],
+        low: int,
+        lengths: bytearray,
+    ) -> Probe:
+        """A probe of `messages` whose first `low` are packed in `chunk` (one array of them)
+        and the others in `last`, one by one: the digest at `low` is known, as are those at
+        the end and at every count of `lengths` between (a turn's base at `low`, found by
+        other means, is then confirmed by it)."""
+        n = len(messages)
+        probe = cls.__new__(cls)
+        probe.n, probe.messages, probe._pack = n, messages, pack
+        probe.tip, probe.hollow = None, None
+        hasher = blake3.blake3(memoryview(chunk)[len(array_header(low)) :])
+        digests: list[bytes | None] = [None] * (n + 1)
+        digests[low] = hasher.digest()
+        update, join = hasher.update, b"".join
+        done = low  # messages hashed so far
+        for k in range(low + 1, n + 1):
+            if k == n or (k >> 3 < len(lengths) and lengths[k >> 3] >> (k & 7) & 1):
+                update(join(last[done - low : k - low]))
+                done = k
+                digests[k] = hasher.digest()
+        plains: list[bytes | None] = [None] * low
+        plains.extend(last)
+        probe.plains, probe.digests, probe.low, probe.hasher = plains, digests, low, hasher
+        return probe
 
     def extend(self) -> None:
         """Know the plains and digests of every boundary."""

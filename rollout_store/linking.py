@@ -5,7 +5,7 @@ turns that arrived early moved under an ancestor that arrives late.
 from __future__ import annotations
 
 from array import array
-from typing import Any
+from typing import Any, Final
 
 import xxhash
 
@@ -31,6 +31,13 @@ from .tokens import (
 )
 
 __all__ = ["Linker"]
+
+# TurnFlag bits tested on every turn, read as module globals: an enum attribute costs about
+# five times as much (measured: 57 ns against 12 for `flags & TurnFlag.X`)
+_EMPTY_PROMPT: Final = TurnFlag.EMPTY_PROMPT
+_LOGPROBS_PACKED: Final = TurnFlag.LOGPROBS_PACKED
+_NO_MESSAGES: Final = TurnFlag.NO_MESSAGES
+_TAIL_ECHO: Final = TurnFlag.TAIL_ECHO
 
 #: Block digests computed first (the last blocks of a prompt; the rest only if needed).
 TOKEN_WINDOW = 64
@@ -92,7 +99,7 @@ class Linker:
         if prompt is not None and not len(prompt):
             # no token ids came back (a hosted provider): link by messages, keep the []
             prompt = None
-            turn.flags |= TurnFlag.EMPTY_PROMPT
+            turn.flags |= _EMPTY_PROMPT
         logprobs: object = node.sampled_logprobs
         if logprobs is not None:
             logprobs = plain_numbers(logprobs, "sampled_logprobs")
@@ -104,7 +111,7 @@ class Linker:
                 turn.logprobs = packed_floats
             else:
                 turn.logprobs = self.requests.encode(logprobs, "sampled_logprobs")[0]
-                turn.flags |= TurnFlag.LOGPROBS_PACKED
+                turn.flags |= _LOGPROBS_PACKED
         if type(sampled) is array and not sampled:
             sampled = self._no_ids
         if type(turn.logprobs) is array and not turn.logprobs:
@@ -223,7 +230,7 @@ class Linker:
             scratch.twins = request.twins()
         if node.parent_id is None and turn.prompt is None:  # no token ids
             base = turn.base
-            if base is not None and turn.flags & TurnFlag.TAIL_ECHO:
+            if base is not None and turn.flags & _TAIL_ECHO:
                 # the common case: its storage base is the longest stored request it extends
                 # (the first of its bucket that it extends), and that one's response comes
                 # right after, exactly: what `_message_parent` would find first
@@ -287,6 +294,9 @@ class Linker:
     def find_moves(self, new: Turn, scratch: Scratch) -> list[Move]:
         """Turns that arrived before `new` but continue it: they move under it at commit."""
         moves: list[Move] = []
+        parent = new.parent
+        if new.prompt is None and not scratch.twins and parent is not None and parent.kids is None:
+            return moves  # the common case: no token ids, no twin, its parent's first child
         if new.link == LinkKind.EXPLICIT:
             return moves
         moves.extend(self._token_moves(new, scratch))
@@ -376,7 +386,7 @@ class Linker:
         message-linked turns is not worked out)."""
         moves: list[Move] = []
         parent = new.parent
-        if new.flags & TurnFlag.NO_MESSAGES:
+        if new.flags & _NO_MESSAGES:
             return moves
         if parent is not None and new.prompt is None:
             candidates = list(parent.children or ())

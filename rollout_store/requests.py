@@ -7,7 +7,7 @@ are stored once per graph.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
 from typing import Any, Final
 
@@ -55,6 +55,19 @@ from .values import ValueTable
 
 __all__ = ["FreshRequest", "RequestStore", "Scratch"]
 
+# TurnFlag bits tested on every turn, read as module globals: an enum attribute costs about
+# five times as much (measured: 57 ns against 12 for `flags & TurnFlag.X`)
+_HAS_RESPONSE: Final = TurnFlag.HAS_RESPONSE
+_MESSAGES_TUPLE: Final = TurnFlag.MESSAGES_TUPLE
+_NO_MESSAGES: Final = TurnFlag.NO_MESSAGES
+_PREFIX_SPECIAL: Final = TurnFlag.PREFIX_SPECIAL
+_RESPONSE_REFS: Final = TurnFlag.RESPONSE_REFS
+_RESPONSE_SPECIAL: Final = TurnFlag.RESPONSE_SPECIAL
+_TAIL_ECHO: Final = TurnFlag.TAIL_ECHO
+_TAIL_REFS: Final = TurnFlag.TAIL_REFS
+_TAIL_SLOW: Final = TurnFlag.TAIL_SLOW
+_TAIL_SPECIAL: Final = TurnFlag.TAIL_SPECIAL
+
 
 _new_tuple: Final = tuple.__new__
 
@@ -64,6 +77,12 @@ _NOT_JSON = bytes((*range(0xC4, 0xCA), *range(0xD4, 0xD9)))
 
 #: The one thing a refusing unpack (`_refusing_unpack`) lets through: an empty bin
 _EMPTY_BIN = b"\xc4\x00"
+_BIN8 = b"\xc4"  # its type byte: looked for first (one byte is a memchr, two are not)
+
+
+def _no_empty_bin(data: bytes) -> bool:
+    """Whether `data` holds no empty bin's bytes (`_EMPTY_BIN not in data`, mostly faster)."""
+    return _BIN8 not in data or _EMPTY_BIN not in data
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
@@ -85,21 +104,28 @@ def _refusing_unpack(data: bytes) -> None:
     )
 
 
+#: Packings shorter than this are unpacked at once, not scanned first: the scan costs about
+#: what the unpack does there, and short messages often hold those bytes anyway (a string of
+#: 196-201 bytes has one as its length: measured 0.5 us a scan, 0.55 an unpack of 1 KB)
+_SCAN_FROM = 4096
+
+
 def _json_only(plain: bytes) -> bool:
     """Whether a plain packing holds no ext and no bin type (JSON values never pack to them:
     a tuple, a big int, `bytes` or a caller's `msgpack.ExtType` does).
 
-    The bytes that begin those types are looked for first; where some occur (often a length
-    byte or a letter, not a type), unpacking at C speed tells, refusing every ext type and
-    every non-empty bin; the bytes of an empty bin anywhere send the value to the walk.
+    In a long packing the bytes that begin those types are looked for first; where some
+    occur (often a length byte or a letter, not a type), and in a short one at once, unpacking
+    at C speed tells, refusing every ext type and every non-empty bin; the bytes of an empty
+    bin anywhere send the value to the walk.
     """
-    if len(plain.translate(None, _NOT_JSON)) == len(plain):  # none of them (a C scan)
-        return True
+    if len(plain) >= _SCAN_FROM and len(plain.translate(None, _NOT_JSON)) == len(plain):
+        return True  # none of them (a C scan)
     try:
         _refusing_unpack(plain)
     except Exception:  # an ext or bin type (or too deep for the unpacker): the walk decides
         return False
-    return _EMPTY_BIN not in plain
+    return _no_empty_bin(plain)
 
 
 def _all_json(plains: list[bytes | None], limit: int) -> bool:
@@ -110,16 +136,26 @@ def _all_json(plains: list[bytes | None], limit: int) -> bool:
     if None in plains or max(map(len, plains)) >= limit:  # type: ignore[arg-type]
         return False
     joined = b"".join(plains)  # type: ignore[arg-type]
-    if len(joined.translate(None, _NOT_JSON)) == len(joined):
+    if len(joined) >= _SCAN_FROM and len(joined.translate(None, _NOT_JSON)) == len(joined):
         return True
     try:  # each packing is one whole item: as an array they unpack item by item
         _refusing_unpack(array_header(len(plains)) + joined)
     except Exception:
         return False
-    return _EMPTY_BIN not in joined
+    return _no_empty_bin(joined)
 
 
 _NOT_FAST = object()  # _prepare_raw: decode the whole text instead
+
+#: A latest turn whose request `_continuation` leaves to the usual path: its prefix or its
+#: response needs more than bytes compared, or it has no messages
+_NOT_CONTINUED: Final = (
+    TurnFlag.NO_MESSAGES
+    | TurnFlag.PREFIX_SPECIAL
+    | TurnFlag.RESPONSE_REFS
+    | TurnFlag.RESPONSE_SPECIAL
+    | TurnFlag.MESSAGES_TUPLE
+)
 
 #: The longest chain of bases walked to find the long strings of a request (`_chain_holes`).
 _MAX_CHAIN = 4096
@@ -194,6 +230,7 @@ class FreshRequest:
 
     __slots__ = (
         "_confirmed",
+        "_full_key",
         "_keys",
         "_plains",
         "_prefixes",
@@ -212,6 +249,7 @@ class FreshRequest:
         self._prefixes: dict[int, list[Turn] | tuple[Turn, ...]] = {}
         self._plains: list[bytes | None] | None = None
         self._keys: list[int] | None = None
+        self._full_key: int | None = None  # `key(n_valid)`, once asked
         self.next_tip: Tip | None = None  # what its turn leaves for the next (see `build`)
         if probe is not None:
             self.n_valid = len(messages)
@@ -243,9 +281,21 @@ class FreshRequest:
 
     def key(self, n: int) -> int:
         """The index key of the first `n` messages (n <= n_valid)."""
+        if n == self.n_valid:  # asked by prepare, twins and linking: worked out once
+            key = self._full_key
+            if key is None:
+                key = self._full_key = self._key(n)
+            return key
+        return self._key(n)
+
+    def _key(self, n: int) -> int:
         if self._probe is not None:
             return self._probe.key(n)
         return self._keys[n]  # type: ignore[index]
+
+    def confirmed(self, stored: Turn) -> None:
+        """Note that this request is known to extend `stored` (see `extends`)."""
+        self._confirmed[stored.index] = True
 
     def extends(self, stored: Turn) -> bool:
         """Whether this request starts with exactly the non-system request of `stored`."""
@@ -267,7 +317,7 @@ class FreshRequest:
             ok = self._store.matches(stored, self.plains(), self.messages)
             if ok and probe is not None:
                 stored.digest = probe.digest(n)
-        if ok and (probe is not None or by_digest) and stored.flags & TurnFlag.PREFIX_SPECIAL:
+        if ok and (probe is not None or by_digest) and stored.flags & _PREFIX_SPECIAL:
             # a digest match of tuples, big ints or lone surrogates: the fresh messages must
             # be those values, not msgpack.ExtType objects packing alike
             valid = self._store.valid
@@ -347,6 +397,7 @@ class RequestStore:
     __slots__ = (
         "_canonical",
         "_encoder",
+        "_last",
         "_lengths",
         "_pack_plain",
         "_plain_limit",
@@ -379,6 +430,9 @@ class RequestStore:
         # bit n set: some filed request has n messages (a request can only extend one whose
         # count is among these: the boundaries worth a digest); a bit per count, not per turn
         self._lengths = bytearray()
+        # the latest turn filed: the base `_continuation` tries first (most turns continue
+        # the turn just before them)
+        self._last: Turn | None = None
 
     def reset_packer(self) -> None:
         self._pack_plain = new_packer()
@@ -411,9 +465,9 @@ class RequestStore:
         if packed is plain:
             return packed
         if self._encoder.last_refs:  # else the packing is the plain one, nothing to expand
-            turn.flags |= TurnFlag.RESPONSE_REFS
+            turn.flags |= _RESPONSE_REFS
         if special:
-            turn.flags |= TurnFlag.RESPONSE_SPECIAL
+            turn.flags |= _RESPONSE_SPECIAL
         return packed
 
     def _shared(
@@ -481,14 +535,14 @@ class RequestStore:
             messages = decode_raw(messages, "request_messages")
         if messages is None:
             turn.system, turn.base = None, None  # the tail b"" and no messages: see Scratch
-            turn.flags |= TurnFlag.NO_MESSAGES
+            turn.flags |= _NO_MESSAGES
             return None
         if not isinstance(messages, list | tuple):
             raise InvalidValueError(
                 f"expected a list of messages, got {type(messages).__name__}", "request_messages"
             )
         if isinstance(messages, tuple):
-            turn.flags |= TurnFlag.MESSAGES_TUPLE
+            turn.flags |= _MESSAGES_TUPLE
         if not messages and turn.prompt is not None:
             # a token turn without messages (the default []): linked by its tokens, and no
             # base of anything, so it stays out of the request index (which would otherwise
@@ -501,9 +555,14 @@ class RequestStore:
         rest = messages[n_sys:]
         pack = self._pack_plain
         probe: Probe | None
+        tips = self.tips
+        # the common case first: the turn just before, re-sent with its response and a few
+        # new messages (its base then, confirmed already)
+        continued = self._continuation(rest, pack) if not tips and type(rest) is list else None
         try:
-            tips = self.tips
-            if tips and type(rest) is list:
+            if continued is not None:
+                probe = continued[0]
+            elif tips and type(rest) is list:
                 probe = Probe.continuing(tips, rest, pack, self._window, self._lengths)
             else:
                 probe = Probe(rest, pack, self._window, self._lengths)
@@ -536,12 +595,17 @@ class RequestStore:
         scratch.request = request
         if request.n_valid == len(request.messages):
             scratch.request_digest = request.key(request.n_valid)
-        base = self._base(request)
+        base: Turn | None
+        if continued is not None:
+            base = continued[1]
+            request.confirmed(base)
+        else:
+            base = self._base(request)
         if base is not None and probe is not None:
             # the next request is probed at as many boundaries as bases lately lay back (and
             # at every boundary when its base lies further back: see `Probe`)
             self._window = min(WINDOW, max(len(rest) - base.n_rest + 2, self._window - 1))
-        self._store_tail(turn, request, base, n_sys, scratch)
+        self._store_tail(turn, request, base, n_sys, scratch, continued is not None)
         if raw is not None and probe is not None and rest and isinstance(messages, list):
             end = raw_end(raw)
             if end is not None:  # later raw turns of this conversation start here (`build`)
@@ -561,7 +625,7 @@ class RequestStore:
         tip, hasher = found
         base = tip.turn
         end = raw_end(data)
-        if end is None or end <= tip.end or not base.n_rest or base.flags & TurnFlag.MESSAGES_TUPLE:
+        if end is None or end <= tip.end or not base.n_rest or base.flags & _MESSAGES_TUPLE:
             return _NOT_FAST
         tail_text = data[tip.end : end].lstrip(b" \t\r\n")
         # the new messages decoded in one call, exactly as json.loads would where msgspec
@@ -591,12 +655,12 @@ class RequestStore:
                 return _NOT_FAST
         first = tip.n_sys + base.n_rest
         pieces = [ECHO_PACKED]
-        turn.flags |= TurnFlag.TAIL_ECHO
+        turn.flags |= _TAIL_ECHO
         limit = self._plain_limit
         # packings holding blob references, for their long strings (in-process blobs only:
         # over a store they would be fetched)
         long: list[bytes] | None = [] if self.tips is not None else None
-        if long is not None and base.flags & TurnFlag.RESPONSE_REFS and base.response:
+        if long is not None and base.flags & _RESPONSE_REFS and base.response:
             long.append(base.response)
         for i in range(1, len(fresh)):
             plain = plains[i]
@@ -607,11 +671,11 @@ class RequestStore:
                 continue
             packed, special = self.encode(fresh[i], f"request_messages[{first + i}]")
             if packed != plains[i]:
-                turn.flags |= TurnFlag.TAIL_REFS
+                turn.flags |= _TAIL_REFS
                 if long is not None:
                     long.append(packed)
             if special:
-                turn.flags |= TurnFlag.TAIL_SPECIAL
+                turn.flags |= _TAIL_SPECIAL
             pieces.append(packed)
         turn.system = base.system
         turn.base = base
@@ -632,26 +696,88 @@ class RequestStore:
         scratch.raw_tip = (new_tip, tip)
         return tip.system_plain
 
+    def _continuation(
+        self, rest: list[Any], pack: Callable[[Any], bytes]
+    ) -> tuple[Probe, Turn] | None:
+        """A probe of `rest` and its base when `rest` re-sends the request of the latest turn
+        filed, then its response exactly, then new messages, and no longer stored request
+        (no twin either) is among its prefixes: what `Probe` and `_base` would find, for
+        less. None when any of that is not so (or something needs the validating walk)."""
+        last = self._last
+        # (not a turn whose record may be kept in a store: `is_echo` asks that one)
+        if last is None or last.__class__ is not Turn or last.flags & _NOT_CONTINUED:
+            return None
+        base: Turn = last
+        b, n = base.n_rest, len(rest)
+        if not b < n or not base.flags & _HAS_RESPONSE:
+            return None
+        index = self.request_index
+        try:
+            echo = pack(rest[b])
+            if echo != base.response:  # the cheap test first: mostly another conversation
+                return None
+            key = base.rkey
+            if key is None or index.get(key) is not base:  # twins: `_base` picks among them
+                return None
+            chunk = pack(rest[:b])
+            plains = [echo]
+            plains.extend([pack(message) for message in rest[b + 1 :]])
+        except Exception:  # something to walk: the usual path says what
+            return None
+        probe = Probe.at_base(rest, pack, chunk, plains, b, self._lengths)
+        digests = probe.digests
+        if digests[b] != base.digest:
+            return None
+        # no longer stored request may be one this one extends, and no twin of it
+        for k in range(b + 1, n + 1):
+            digest = digests[k]
+            if digest is not None and digest_key(digest) in index:
+                return None
+        return probe, base
+
     def _base(self, request: FreshRequest) -> Turn | None:
         """The longest stored request that `request` extends (its storage base)."""
-        for n in request.boundaries(request.n_valid):
+        probe = request._probe
+        high = request.n_valid
+        if probe is not None and high >= probe.low:
+            # the common case inline: the probe's window, where its digests say a stored
+            # request may end (`boundaries` and `stored_prefixes` without their calls)
+            digests, index = probe.digests, self.request_index
+            for n in range(high, probe.low - 1, -1):
+                digest = digests[n]
+                if digest is None or index.get(int.from_bytes(digest[:8], "little")) is None:
+                    continue
+                for candidate in request.stored_prefixes(n):
+                    if request.extends(candidate):
+                        return candidate
+            high = probe.low - 1
+        for n in request.boundaries(high):
             for candidate in request.stored_prefixes(n):
                 if request.extends(candidate):
                     return candidate
         return None
 
     def _store_tail(
-        self, turn: Turn, request: FreshRequest, base: Turn | None, n_sys: int, scratch: Scratch
+        self,
+        turn: Turn,
+        request: FreshRequest,
+        base: Turn | None,
+        n_sys: int,
+        scratch: Scratch,
+        echoed: bool = False,
     ) -> None:
-        """Pack the messages after the base's (the echo of its response as a placeholder)."""
+        """Pack the messages after the base's (the echo of its response as a placeholder;
+        `echoed`: the first of them is known to be that echo)."""
         rest = request.messages
         n = len(rest)
         start = base.n_rest if base is not None else 0
         first = start  # the first message packed (after the echo)
         pieces: list[bytes] = [b""]  # the array header, set below
-        if base is not None and start < n and self.is_echo(base, rest[start], request.plain(start)):
+        if echoed or (
+            base is not None and start < n and self.is_echo(base, rest[start], request.plain(start))
+        ):
             pieces.append(ECHO_PACKED)
-            turn.flags |= TurnFlag.TAIL_ECHO
+            turn.flags |= _TAIL_ECHO
             first += 1
         plains = request.plain_slice(first, n)
         limit = self._plain_limit
@@ -664,9 +790,9 @@ class RequestStore:
                     continue
                 packed, special = self._encoder.encode(rest[i], f"request_messages[{n_sys + i}]")
                 if packed != p:
-                    turn.flags |= TurnFlag.TAIL_REFS
+                    turn.flags |= _TAIL_REFS
                 if special:
-                    turn.flags |= TurnFlag.TAIL_SPECIAL
+                    turn.flags |= _TAIL_SPECIAL
                 pieces.append(packed)
         pieces[0] = array_header(len(pieces) - 1)
         turn.base = base
@@ -678,7 +804,7 @@ class RequestStore:
         and key it will be filed under at commit (`file` then finds them there)."""
         key = scratch.request_digest
         digest = None
-        if key is not None and not turn.flags & TurnFlag.NO_MESSAGES:
+        if key is not None and not turn.flags & _NO_MESSAGES:
             digest = scratch.request_sum
             if digest is None and scratch.request is not None:
                 digest = scratch.request.digest()
@@ -708,12 +834,12 @@ class RequestStore:
         probe = request._probe
         tips = self.tips
         flags = turn.flags
-        if probe is None or tips is None or flags & TurnFlag.PREFIX_SPECIAL:
+        if probe is None or tips is None or flags & _PREFIX_SPECIAL:
             return None
         base = turn.base
         previous = tips.of(base) if tips and base is not None else None
-        refs = flags & TurnFlag.TAIL_REFS or (
-            flags & TurnFlag.TAIL_ECHO and base is not None and base.flags & TurnFlag.RESPONSE_REFS
+        refs = flags & _TAIL_REFS or (
+            flags & _TAIL_ECHO and base is not None and base.flags & _RESPONSE_REFS
         )
         if previous is None and not refs:  # the common case: no long string anywhere new
             return None
@@ -763,21 +889,17 @@ class RequestStore:
         steps = 0
         while node is not None:
             steps += 1
-            if steps > _MAX_CHAIN or node.flags & TurnFlag.NO_MESSAGES:
+            if steps > _MAX_CHAIN or node.flags & _NO_MESSAGES:
                 return None
             base = node.base
-            echo_refs = (
-                node.flags & TurnFlag.TAIL_ECHO
-                and base is not None
-                and base.flags & TurnFlag.RESPONSE_REFS
-            )
-            if node.flags & TurnFlag.TAIL_REFS or echo_refs:
+            echo_refs = node.flags & _TAIL_ECHO and base is not None and base.flags & _RESPONSE_REFS
+            if node.flags & _TAIL_REFS or echo_refs:
                 items = array_items(node.tail)
                 first = node.first
                 here = []
                 for k, item in enumerate(items):
                     stored: bytes | None = item
-                    if k == 0 and node.flags & TurnFlag.TAIL_ECHO:
+                    if k == 0 and node.flags & _TAIL_ECHO:
                         stored = base.response if echo_refs else None  # type: ignore[union-attr]
                     if stored is not None and _has_ext(stored):
                         holes = holes_of(stored, self.blobs.string)
@@ -806,9 +928,9 @@ class RequestStore:
                 parts.append(plain)
                 continue
             stored: bytes | None = piece
-            if k == 0 and turn.flags & TurnFlag.TAIL_ECHO:  # the base's response
+            if k == 0 and turn.flags & _TAIL_ECHO:  # the base's response
                 stored = base.response if base is not None else None
-                if stored is None or not base.flags & TurnFlag.RESPONSE_REFS:  # type: ignore[union-attr]
+                if stored is None or not base.flags & _RESPONSE_REFS:  # type: ignore[union-attr]
                     parts.append(plain)
                     continue
             holes = holes_of(stored, self.blobs.string)  # type: ignore[arg-type]
@@ -825,7 +947,7 @@ class RequestStore:
     def file(self, turn: Turn, key: int | None, request: FreshRequest | None = None) -> None:
         """File a committed turn's request under `key` (its digest), if it has messages;
         `request` (when the turn was just added) gives the digest that confirms it."""
-        if key is None or turn.flags & TurnFlag.NO_MESSAGES:
+        if key is None or turn.flags & _NO_MESSAGES:
             return
         index = self.request_index
         found = index.get(key)
@@ -842,7 +964,11 @@ class RequestStore:
         if request is not None and request.next_tip is not None and self.tips is not None:
             base = turn.base
             self.tips.add(request.next_tip, self.tips.of(base) if base is not None else None)
-        mark_length(self._lengths, turn.n_rest)
+        n = turn.n_rest
+        lengths = self._lengths
+        if n >> 3 >= len(lengths) or not lengths[n >> 3] >> (n & 7) & 1:
+            mark_length(lengths, n)
+        self._last = turn
 
     def note_parent(self, turn: Turn) -> None:
         """`turn` got its first child (a bucket of identical requests lists its parents)."""
@@ -885,19 +1011,19 @@ class RequestStore:
         flags = base.flags
         by_key = echo_by_key(base, plain)  # a response kept in a store: no fetch
         if by_key is not None:
-            return by_key and (not flags & TurnFlag.RESPONSE_SPECIAL or self.valid(message, plain))
+            return by_key and (not flags & _RESPONSE_SPECIAL or self.valid(message, plain))
         response = base.response
         if response is None:
             return False
-        if flags & TurnFlag.RESPONSE_REFS:
+        if flags & _RESPONSE_REFS:
             response = self.expand(response)
         if plain != response:
             return False
-        return not flags & TurnFlag.RESPONSE_SPECIAL or self.valid(message, plain)
+        return not flags & _RESPONSE_SPECIAL or self.valid(message, plain)
 
     def echoes(self, turn: Turn, message: Any, plain: bytes | None) -> bool:
         """Whether `message` is the echo of the turn's response (exactly or loosely)."""
-        if not turn.flags & TurnFlag.HAS_RESPONSE:  # (no fetch for a response in a store)
+        if not turn.flags & _HAS_RESPONSE:  # (no fetch for a response in a store)
             return False
         if self.is_echo(turn, message, plain):
             return True
@@ -917,7 +1043,7 @@ class RequestStore:
         if end > len(plains):
             return False
         join = b"".join
-        slow_bit, echo_bit = TurnFlag.TAIL_SLOW, TurnFlag.TAIL_ECHO
+        slow_bit, echo_bit = _TAIL_SLOW, _TAIL_ECHO
         node: Turn | None = turn
         try:
             while node is not None:
@@ -954,13 +1080,13 @@ class RequestStore:
         """Whether the tail of `turn` is exactly `messages[start:end]`."""
         tail = turn.tail
         i = start
-        echo = turn.flags & TurnFlag.TAIL_ECHO
+        echo = turn.flags & _TAIL_ECHO
         if echo:
             base = turn.base
             if i >= end or base is None or not self.is_echo(base, messages[i], plains[i]):
                 return False
             i += 1
-        if turn.flags & TurnFlag.TAIL_REFS:
+        if turn.flags & _TAIL_REFS:
             # blob references: rebuild the values (blobs are the table's own strings, no
             # copy) and pack them with every string inline, then compare bytes
             try:
@@ -982,7 +1108,7 @@ class RequestStore:
             overhead = len(array_header(end - start)) + (i - start) * len(ECHO_PACKED)
             if len(joined) + overhead != len(tail) or not tail.endswith(joined):
                 return False
-        if turn.flags & TurnFlag.TAIL_SPECIAL:
+        if turn.flags & _TAIL_SPECIAL:
             return all(self.valid(messages[k], plains[k]) for k in range(i, end))
         return True
 
@@ -1013,6 +1139,6 @@ class RequestStore:
 
     def response_plain(self, turn: Turn) -> bytes | None:
         response = turn.response
-        if response is None or not turn.flags & TurnFlag.RESPONSE_REFS:
+        if response is None or not turn.flags & _RESPONSE_REFS:
             return response
         return self.expand(response)

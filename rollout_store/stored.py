@@ -13,7 +13,7 @@ from array import array
 from collections.abc import Sequence
 from enum import IntEnum
 from operator import attrgetter
-from typing import Any, NamedTuple, Protocol, TypeVar, overload
+from typing import Any, Final, NamedTuple, Protocol, TypeVar, overload
 
 from .confirm import digest_key
 from .encoding import ECHO_PACKED, array_header
@@ -77,6 +77,21 @@ class TurnFlag(IntEnum):
     LINK_HIGH = 16384
     # `Turn.data` holds a response (see Turn.response)
     HAS_RESPONSE = 32768
+
+
+# bits tested on every turn, read as module globals: an enum attribute costs about five
+# times as much (measured: 57 ns against 12 for `flags & TurnFlag.X`)
+_HAS_DIGEST: Final = TurnFlag.HAS_DIGEST
+_HAS_KEY: Final = TurnFlag.HAS_KEY
+_HAS_RESPONSE: Final = TurnFlag.HAS_RESPONSE
+_NO_MESSAGES: Final = TurnFlag.NO_MESSAGES
+_PREFIX_SPECIAL: Final = TurnFlag.PREFIX_SPECIAL
+_RESPONSE_REFS: Final = TurnFlag.RESPONSE_REFS
+_RESPONSE_SPECIAL: Final = TurnFlag.RESPONSE_SPECIAL
+_TAIL_ECHO: Final = TurnFlag.TAIL_ECHO
+_TAIL_REFS: Final = TurnFlag.TAIL_REFS
+_TAIL_SLOW: Final = TurnFlag.TAIL_SLOW
+_TAIL_SPECIAL: Final = TurnFlag.TAIL_SPECIAL
 
 
 class LinkKind(IntEnum):
@@ -387,7 +402,7 @@ class Turn:
     def _ends(self) -> tuple[int, int]:
         """Where the tail ends and where the response ends (= where the trailer begins)."""
         data, flags = self.data, self.flags
-        if flags & TurnFlag.HAS_RESPONSE:
+        if flags & _HAS_RESPONSE:
             end = len(data) - 8
             size = _U32.unpack_from(data, end)[0]
         else:
@@ -422,19 +437,19 @@ class Turn:
         parts = list(tail_parts)
         if response is not None:
             parts.append(response)
-            flags |= TurnFlag.HAS_RESPONSE
+            flags |= _HAS_RESPONSE
         if digest is not None:
             if len(digest) != DIGEST_SIZE:  # it would cut the tail short
                 raise RolloutStoreError(
                     f"a request digest has {DIGEST_SIZE} bytes, not {len(digest)}"
                 )
             parts.append(digest)
-            flags |= TurnFlag.HAS_DIGEST
+            flags |= _HAS_DIGEST
         if key is not None and (digest is None or digest_key(bytes(digest)) != key):
             if not 0 <= key < 1 << (8 * _KEY_SIZE):
                 raise RolloutStoreError(f"index key {key} is not a 64-bit key")
             parts.append(key.to_bytes(_KEY_SIZE, "little"))
-            flags |= TurnFlag.HAS_KEY
+            flags |= _HAS_KEY
         if response is not None:
             parts.append(len(response).to_bytes(4, "little"))
         parts.append(n_rest)
@@ -448,10 +463,10 @@ class Turn:
         is None)."""
         view, flags = memoryview(self.data), self.flags
         tail_end, end = self._ends()
-        response = view[tail_end:end] if flags & TurnFlag.HAS_RESPONSE else None
-        digest = view[end : end + DIGEST_SIZE] if flags & TurnFlag.HAS_DIGEST else None
+        response = view[tail_end:end] if flags & _HAS_RESPONSE else None
+        digest = view[end : end + DIGEST_SIZE] if flags & _HAS_DIGEST else None
         key = None
-        if flags & TurnFlag.HAS_KEY:
+        if flags & _HAS_KEY:
             start = end + (DIGEST_SIZE if digest is not None else 0)
             key = int.from_bytes(view[start : start + _KEY_SIZE], "little")
         return view[:tail_end], response, digest, key, view[len(view) - 4 :]
@@ -459,11 +474,11 @@ class Turn:
     def set_request(self, tail_parts: Sequence[bytes], n_rest: int) -> None:
         """Set the tail (`tail_parts` joined) and `n_rest`; no digest and no key (set them
         afterwards). One copy: the response, if any, comes after."""
-        if self.flags & TurnFlag.HAS_RESPONSE:
+        if self.flags & _HAS_RESPONSE:
             _, response, _, _, _ = self._parts()
             self._store(tail_parts, response, None, None, _n_rest_bytes(n_rest))
             return
-        self.flags &= ~(TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY)
+        self.flags &= ~(_HAS_DIGEST | _HAS_KEY)
         self.data = b"".join((*tail_parts, _n_rest_bytes(n_rest)))
 
     def file_under(self, key: int | None, digest: bytes | None) -> None:
@@ -476,10 +491,10 @@ class Turn:
             and key == digest_key(digest)
         ):  # the common case: a fresh turn filed under its digest's key
             data = self.data
-            at = len(data) - (8 if flags & TurnFlag.HAS_RESPONSE else 4)
+            at = len(data) - (8 if flags & _HAS_RESPONSE else 4)
             view = memoryview(data)
             self.data = b"".join((view[:at], digest, view[at:]))
-            self.flags = flags | TurnFlag.HAS_DIGEST
+            self.flags = flags | _HAS_DIGEST
             return
         tail, response, _, _, n_rest = self._parts()
         self._store((tail,), response, digest, key, n_rest)
@@ -498,7 +513,7 @@ class Turn:
     def response(self) -> bytes | None:
         """The packed response message (None: none)."""
         flags = self.flags
-        if not flags & TurnFlag.HAS_RESPONSE:
+        if not flags & _HAS_RESPONSE:
             return None
         data = self.data
         end = len(data) - 8
@@ -515,7 +530,7 @@ class Turn:
             at = len(view) - 4
             size = len(response).to_bytes(4, "little")
             self.data = b"".join((view[:at], response, size, view[at:]))
-            self.flags = flags | TurnFlag.HAS_RESPONSE
+            self.flags = flags | _HAS_RESPONSE
             return
         tail, _, digest, key, n_rest = self._parts()
         self._store((tail,), response, digest, key, n_rest)
@@ -535,7 +550,7 @@ class Turn:
         """BLAKE3 of the plain packing of the non-system messages; None until known (a turn
         read from a file gets it when a byte comparison first confirms it)."""
         flags = self.flags
-        if not flags & TurnFlag.HAS_DIGEST:
+        if not flags & _HAS_DIGEST:
             return None
         # counted from the end: the digest comes before the key (if any) and the trailer
         data = self.data
@@ -556,7 +571,7 @@ class Turn:
             return None
         data = self.data
         end = len(data) - _TRAILER[flags & _KEY_AND_RESPONSE]  # where the digest ends
-        if flags & TurnFlag.HAS_KEY:  # the key right after it
+        if flags & _HAS_KEY:  # the key right after it
             return int.from_bytes(data[end : end + _KEY_SIZE], "little")
         return int.from_bytes(data[end - DIGEST_SIZE : end - DIGEST_SIZE + 8], "little")
 
@@ -576,10 +591,10 @@ class Turn:
     @property
     def body_start(self) -> int:
         """Where in the tail the packed messages after the echo begin."""
-        if self.flags & TurnFlag.NO_MESSAGES:
+        if self.flags & _NO_MESSAGES:
             return 0
         return len(array_header(self.n_rest - self.first)) + (
-            len(ECHO_PACKED) if self.flags & TurnFlag.TAIL_ECHO else 0
+            len(ECHO_PACKED) if self.flags & _TAIL_ECHO else 0
         )
 
     # -- the side: scalar fields, shared values, token fields
@@ -625,20 +640,18 @@ def sampled_any(turn: Turn) -> bool:
 def finish_tail(turn: Turn) -> None:
     """Derive what the byte comparison of a tail needs from the stored fields."""
     base = turn.base
-    echo = turn.flags & TurnFlag.TAIL_ECHO
-    slow = turn.flags & (TurnFlag.TAIL_REFS | TurnFlag.TAIL_SPECIAL) or (
-        echo and (base is None or base.flags & (TurnFlag.RESPONSE_REFS | TurnFlag.RESPONSE_SPECIAL))
+    echo = turn.flags & _TAIL_ECHO
+    slow = turn.flags & (_TAIL_REFS | _TAIL_SPECIAL) or (
+        echo and (base is None or base.flags & (_RESPONSE_REFS | _RESPONSE_SPECIAL))
     )
     special = (
-        turn.flags & TurnFlag.TAIL_SPECIAL
-        or (echo and base is not None and base.flags & TurnFlag.RESPONSE_SPECIAL)
-        or (base is not None and base.flags & TurnFlag.PREFIX_SPECIAL)
+        turn.flags & _TAIL_SPECIAL
+        or (echo and base is not None and base.flags & _RESPONSE_SPECIAL)
+        or (base is not None and base.flags & _PREFIX_SPECIAL)
     )
-    derived = TurnFlag.TAIL_SLOW | TurnFlag.PREFIX_SPECIAL
+    derived = _TAIL_SLOW | _PREFIX_SPECIAL
     turn.flags = (
-        (turn.flags & ~derived)
-        | (TurnFlag.TAIL_SLOW if slow else 0)
-        | (TurnFlag.PREFIX_SPECIAL if special else 0)
+        (turn.flags & ~derived) | (_TAIL_SLOW if slow else 0) | (_PREFIX_SPECIAL if special else 0)
     )
 
 
