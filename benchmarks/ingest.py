@@ -29,10 +29,13 @@ import json
 import random
 import statistics
 import sys
+from array import array
 from collections.abc import Callable, Iterator
 from time import perf_counter
 from typing import Any
 
+import blake3
+import msgpack
 import msgspec
 from measure import (
     add_results_option,
@@ -109,6 +112,229 @@ def _median_time(fn: Callable[[], Any], repeat: int = 3) -> tuple[Any, float]:
     return out, statistics.median(times)
 
 
+# ---------------------------------------------------------------- floors
+#
+# The least work any implementation must do on a body, measured as C calls on that very body
+# (a lower bound, not a target): where it is above a target, no Python-level change can meet
+# the target. Each component is necessary, and each is timed alone, without the Python an
+# implementation needs around it (building a hollowed copy, finding spans, the strict checks
+# of ints and JSON-only values), so the bound is if anything low. Where two schemes can do
+# the work, the floor is the cheaper of them on that body.
+#
+# decoded: every message is visited (a decoded object may differ anywhere), and the fastest
+#   exact C visitor is a strict msgpack packing (json.dumps is slower, `==` cannot tell 1,
+#   1.0 and True apart). Either the whole packing is hashed by BLAKE3 (packed at once or in
+#   chunks of 64 messages, whichever is faster), or the strings the graph keeps as blobs
+#   (1,024 characters or more) are compared with `==` with its copies (memcmp, one C call
+#   for all) and the rest is packed with a placeholder for each, and hashed. BLAKE3 confirms
+#   the re-sent part and keys the request with O(1) memory (no copy of earlier requests).
+#   The response and the tools are packed too.
+# raw: the re-sent bytes (the previous request's messages text, which the new text extends)
+#   are read once: hashed by BLAKE3, or the blob strings' spans compared by memcmp with
+#   their UTF-8 (made beforehand, untimed) and the rest hashed. Only the new messages are
+#   decoded (msgspec, one call), packed and hashed; the response is packed, the tools text
+#   hashed. No split of the whole text into spans: the library confirms by byte offsets.
+# kept: as above, but the re-sent part compared by one memcmp with a kept copy of the
+#   previous request's text or packing, which costs a copy of every live conversation's
+#   last request in memory: below every scheme, as any must read the re-sent part once.
+# tokens (both): prompt and sampled ids made compact (array('I'), one C call each; the
+#   logprobs array('d')) and the prompt's bytes compared with the parent's tokens (memcmp).
+# Plus one stored turn object (the library's own slotted class) appended to a list.
+
+_floor_pack = msgpack.Packer(use_bin_type=True, strict_types=True).pack
+_floor_decode = msgspec.json.decode
+_floor_turns: list[Any] = []
+_BLOB_MIN = 1024  # a RolloutGraph's default share threshold: longer strings are blobs
+_HOLE = msgpack.ExtType(1, b"")
+
+
+def _floor_common(fields: dict[str, Any], parent_tokens: bytes | None) -> None:
+    """What both floors do apart from the messages: response, tokens, one turn object."""
+    _floor_pack(fields["response"])
+    prompt = fields.get("prompt_ids")
+    if prompt:
+        prompt_bytes = array("I", prompt).tobytes()
+        if parent_tokens is not None:
+            prompt_bytes.startswith(parent_tokens)
+    if fields.get("sampled_ids"):
+        array("I", fields["sampled_ids"])
+    if fields.get("sampled_logprobs"):
+        array("d", fields["sampled_logprobs"])
+    _floor_turns.append(rs.stored.Turn())
+    _floor_turns.clear()
+
+
+def _array_header_size(n: int) -> int:
+    return 1 if n < 16 else 3 if n < 1 << 16 else 5
+
+
+def _items(messages: list[Any]) -> bytes:
+    """The packing of `messages` without its array header."""
+    return _floor_pack(messages)[_array_header_size(len(messages)) :]
+
+
+def _tokens_of(body: dict[str, Any]) -> bytes | None:
+    ids = (body.get("prompt_ids") or []) + (body.get("sampled_ids") or [])
+    return array("I", ids).tobytes() if ids else None
+
+
+def _hollow(value: Any, strings: list[str]) -> Any:
+    """`value` with each blob-long string value replaced by a placeholder (kept in order)."""
+    if type(value) is str and len(value) >= _BLOB_MIN:
+        strings.append(value)
+        return _HOLE
+    if type(value) is dict:
+        return {k: _hollow(v, strings) for k, v in value.items()}
+    if type(value) is list:
+        return [_hollow(v, strings) for v in value]
+    return value
+
+
+def _copy(s: str) -> str:
+    return (s + ".")[:-1]  # equal, not the same object: `==` compares the characters
+
+
+def _pack_hash(messages: list[Any], kept: bytes | None) -> None:
+    """Messages packed and hashed (or their items compared with `kept`, the new ones hashed)."""
+    packed = _floor_pack(messages)
+    header = _array_header_size(len(messages))
+    if kept is None:
+        blake3.blake3(packed).digest()
+    else:
+        packed.startswith(kept, header)
+        blake3.blake3(memoryview(packed)[header + len(kept) :]).digest()
+
+
+def _pack_hash_chunks(messages: list[Any]) -> None:
+    hasher = blake3.blake3()
+    for start in range(0, len(messages), 64):
+        chunk = messages[start : start + 64]
+        hasher.update(memoryview(_floor_pack(chunk))[_array_header_size(len(chunk)) :])
+    hasher.digest()
+
+
+Schemes = dict[str, Callable[[], None]]
+
+
+def _decoded_schemes(fields: dict[str, Any], n_resent: int, kept: bool) -> Schemes:
+    """Ways to do the decoded floor's message work on this body (see above), by name."""
+    messages = fields["messages"]
+    schemes: Schemes
+    if kept:
+        items = _items(messages[:n_resent])
+        schemes = {"kept_pack": lambda: _pack_hash(messages, items)}
+    else:
+        schemes = {
+            "pack": lambda: _pack_hash(messages, None),
+            "pack_chunks": lambda: _pack_hash_chunks(messages),
+        }
+    strings: list[str] = []
+    hollow = _hollow(messages, strings)
+    if strings:
+        copies = [_copy(x) for x in strings]
+        hollow_items = _items(hollow[:n_resent]) if kept else None
+
+        def holes() -> None:
+            _pack_hash(hollow, hollow_items)
+            strings == copies  # noqa: B015 (the comparison is the work)
+
+        schemes["kept_holes" if kept else "holes"] = holes
+    return schemes
+
+
+def _raw_schemes(messages: bytes, resent: int, kept: bytes | None) -> Schemes:
+    """Ways to read the re-sent bytes of a raw text once (see above), by name."""
+    view = memoryview(messages)
+    if kept is not None:
+        return {"kept_memcmp": lambda: messages.startswith(kept)}
+    schemes: Schemes = {"blake3": lambda: blake3.blake3(view[:resent]).digest()}
+    strings: list[str] = []
+    _hollow(json.loads(messages[:resent] + b"]"), strings)
+    needles, at, rest, found = [], [], [], 0
+    for string in strings:  # their spans in the text, in order
+        needle = string.encode("utf-8")
+        where = messages.find(needle, found, resent)
+        if where < 0:
+            continue  # written with escapes: hashed with the rest
+        rest.append(view[found:where])
+        needles.append(needle)
+        at.append(where)
+        found = where + len(needle)
+    rest.append(view[found:resent])
+    if needles:
+        others = b"".join(rest)  # one update for all of them (joined beforehand)
+
+        def holes() -> None:
+            blake3.blake3(others).digest()
+            list(map(messages.startswith, needles, at))
+
+        schemes["holes"] = holes
+    return schemes
+
+
+def _floor_raw_rest(
+    fields: dict[str, Any],
+    messages: bytes,
+    resent: int,
+    tools: bytes | None,
+    parent_tokens: bytes | None,
+) -> None:
+    """The raw floor's work after the re-sent bytes."""
+    new = _floor_decode(b"[" + memoryview(messages)[resent + 1 :])  # after the comma
+    blake3.blake3(_floor_pack(new)).digest()
+    if tools is not None:
+        blake3.blake3(tools).digest()
+    _floor_common(fields, parent_tokens)
+
+
+def _time_floor(fn: Callable[[], Any]) -> float:
+    return min(_median_time(fn)[1], _median_time(fn)[1])
+
+
+FLOORS = ("floor_decoded", "floor_decoded_kept", "floor_raw", "floor_raw_kept")
+
+
+def _floors(
+    text: str, before: dict[str, Any], texts: _MessageTexts, by_scheme: dict[str, list[float]]
+) -> dict[str, float]:
+    """The floors of one body (seconds), given the turn before it (see above); each scheme's
+    figure is added to `by_scheme`. A kept floor is at most the O(1) one (it may do that)."""
+    fields = json.loads(text)
+    parent_tokens = _tokens_of(before)
+    n_resent = len(before["messages"])
+    rest = [lambda: _floor_pack(fields["tools"])]
+    rest.append(lambda: _floor_common(fields, parent_tokens))
+    fixed = sum(_time_floor(fn) for fn in rest)
+    timed: dict[str, float] = {}
+    for kept in (False, True):
+        for scheme, fn in _decoded_schemes(fields, n_resent, kept).items():
+            timed[f"decoded_{scheme}"] = fixed + _time_floor(fn)
+    parts = _split_body(text.encode("utf-8"))
+    messages = bytes(parts.messages)
+    previous = texts.of(before["messages"])
+    resent = len(previous) - 1  # the previous text but its closing bracket
+    if messages[:resent] == previous[:resent]:  # (always in these workloads)
+        tools = None if bytes(parts.tools) == b"null" else bytes(parts.tools)
+        raw_fields = json.loads(text)
+        after = _time_floor(
+            lambda: _floor_raw_rest(raw_fields, messages, resent, tools, parent_tokens)
+        )
+        for copy in (None, previous[:resent]):
+            for scheme, fn in _raw_schemes(messages, resent, copy).items():
+                timed[f"raw_{scheme}"] = after + _time_floor(fn)
+    for name, seconds in timed.items():
+        by_scheme.setdefault(name, []).append(seconds)
+    out = {}
+    for kind in ("decoded", "raw"):
+        every = [t for name, t in timed.items() if name.startswith(kind + "_")]
+        if every:
+            out[f"floor_{kind}"] = min(
+                t for name, t in timed.items() if name.startswith(kind + "_") and "kept" not in name
+            )
+            out[f"floor_{kind}_kept"] = min(every)
+    return out
+
+
 def long_run(name: str, raw: bool) -> dict[str, Any]:
     """One decoded graph and (if `raw`) one raw graph fed the same workload turn by turn."""
     checkpoints = LONG_CHECKPOINTS[name]
@@ -117,9 +343,10 @@ def long_run(name: str, raw: bool) -> dict[str, Any]:
     decoded_graph = rs.RolloutGraph()
     raw_graph = rs.RolloutGraph() if raw else None
     texts = _MessageTexts()
-    samples: dict[int, dict[str, list[float]]] = {
-        c: {"decoded": [], "raw": [], "split_raw": []} for c in checkpoints
-    }
+    kinds = ("decoded", "raw", "split_raw", *FLOORS)
+    samples: dict[int, dict[str, list[float]]] = {c: {k: [] for k in kinds} for c in checkpoints}
+    previous: dict[str, Any] | None = None
+    schemes: dict[int, dict[str, list[float]]] = {c: {} for c in checkpoints}  # floors
     raw_error = None
     gc.collect()
     gc.disable()
@@ -127,6 +354,7 @@ def long_run(name: str, raw: bool) -> dict[str, Any]:
         for turn, body in enumerate(WORKLOADS[name](n_turns), 1):
             tools = json.dumps(body["tools"]).encode() if body["tools"] is not None else None
             checkpoint = timed.get(turn)
+            before, previous = previous, body
             if checkpoint is None:
                 decoded_graph.add_turn(_decoded_node(body))
                 if raw_graph is not None and raw_error is None:
@@ -148,8 +376,13 @@ def long_run(name: str, raw: bool) -> dict[str, Any]:
                 parts = _split_body(data)
                 split = perf_counter() - start
                 raw_tools = bytes(parts.tools)
+                # the other fields freshly decoded, as a capture server has them (the
+                # generator's own lists hold ints made over many turns, scattered in memory:
+                # visiting them costs more than visiting a fresh decode's)
                 node = _raw_node(
-                    body, bytes(parts.messages), None if raw_tools == b"null" else raw_tools
+                    json.loads(text),
+                    bytes(parts.messages),
+                    None if raw_tools == b"null" else raw_tools,
                 )
                 start = perf_counter()
                 try:
@@ -160,12 +393,21 @@ def long_run(name: str, raw: bool) -> dict[str, Any]:
                 add = perf_counter() - start
                 samples[checkpoint]["raw"].append(add / loads)
                 samples[checkpoint]["split_raw"].append((add + split) / loads)
+            if before is not None:
+                by_scheme: dict[str, list[float]] = {}
+                for kind, floor in _floors(text, before, texts, by_scheme).items():
+                    samples[checkpoint][kind].append(floor / loads)
+                for scheme, seconds in by_scheme.items():
+                    schemes[checkpoint].setdefault(scheme, []).extend(t / loads for t in seconds)
     finally:
         gc.enable()
     out: dict[str, Any] = {"workload": name, "turns": n_turns, "raw_error": raw_error}
     out["checkpoints"] = {
         c: {kind: statistics.median(v) if v else None for kind, v in s.items()}
         for c, s in samples.items()
+    }
+    out["floor_schemes"] = {  # each way of doing a floor's work, / json.loads (see floors)
+        c: {scheme: statistics.median(v) for scheme, v in s.items()} for c, s in schemes.items()
     }
     return out
 
@@ -360,10 +602,16 @@ def check(
             for kind, limit in limits:
                 value = v[kind]
                 verdict = "SKIP" if value is None else ("PASS" if value <= limit else "MISS")
-                lines.append(
+                line = (
                     f"{verdict}  {r['workload']} turn {c} {kind} add_turn/json.loads"
                     f" {_fmt(value).strip()} <= {limit}"
                 )
+                floor = v.get(f"floor_{kind}")
+                if verdict == "MISS" and floor is not None:
+                    kept = v.get(f"floor_{kind}_kept")
+                    line += f" (floor {floor:.3f}, kept {kept:.3f}"
+                    line += ": the floor itself is above the target)" if floor > limit else ")"
+                lines.append(line)
     for s in soak:
         verdict = "PASS" if s["ratio"] <= MAX_SOAK else "MISS"
         lines.append(
@@ -390,15 +638,21 @@ def main(argv: list[str] | None = None) -> int:
 
     long: list[dict[str, Any]] = []
     if not args.no_long:
-        print("add_turn / json.loads of the same body (median of 9 turns around each turn)")
-        print(f"{'workload':<12}{'turn':>6}{'decoded':>9}{'raw':>9}{'split+raw':>10}")
+        print("add_turn / json.loads of the same body (median of 9 turns around each turn);")
+        print("floor: the least work any implementation must do on that body, with O(1) memory")
+        print("(kept: with a copy of the previous request kept), measured, not a target")
+        print(
+            f"{'workload':<12}{'turn':>6}{'decoded':>9}{'floor':>9}{'kept':>9}"
+            f"{'raw':>9}{'floor':>9}{'kept':>9}{'split+raw':>10}"
+        )
         for name in workloads:
             r = long_run(name, raw=not args.no_raw)
             long.append(r)
             for c, v in r["checkpoints"].items():
                 print(
-                    f"{name:<12}{c:>6}{_fmt(v['decoded'])} {_fmt(v['raw'])}"
-                    f"  {_fmt(v['split_raw'])}",
+                    f"{name:<12}{c:>6}{_fmt(v['decoded'])} {_fmt(v['floor_decoded'])}"
+                    f" {_fmt(v['floor_decoded_kept'])} {_fmt(v['raw'])} {_fmt(v['floor_raw'])}"
+                    f" {_fmt(v['floor_raw_kept'])}  {_fmt(v['split_raw'])}",
                     flush=True,
                 )
             if r["raw_error"]:

@@ -33,6 +33,7 @@ __all__ = [
     "ALIGN",
     "CHUNK_HIGH",
     "CHUNK_LOW",
+    "HOLE_MIN",
     "MAX_RAW_TIPS",
     "MAX_TIPS",
     "TIP_MIN_BYTES",

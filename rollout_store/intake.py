@@ -64,7 +64,7 @@ def _pack_default(obj: object) -> msgpack.ExtType:
 class _Walker:
     """One validating walk; `special` tells whether the packing holds a forgeable ext type."""
 
-    __slots__ = ("blobs", "refs", "short", "special", "threshold")
+    __slots__ = ("blobs", "longest", "refs", "short", "special", "threshold")
 
     def __init__(self, blobs: BlobTable | None, threshold: int | None) -> None:
         self.blobs = blobs
@@ -73,6 +73,7 @@ class _Walker:
         self.short = min(64, self.threshold or 64)
         self.special = False
         self.refs = False  # a long string became a blob reference
+        self.longest = 0  # the length of the longest string that did
 
     def string(self, s: str) -> Any:
         if type(s) is not str:
@@ -81,6 +82,8 @@ class _Walker:
         if threshold is not None and len(s) >= threshold:
             handle = self.blobs.intern(s)  # type: ignore[union-attr]
             self.refs = True
+            if len(s) > self.longest:
+                self.longest = len(s)
             if handle.surrogates:  # its plain packing is an EXT_SURROGATE
                 self.special = True
             return handle
@@ -200,7 +203,7 @@ class Encoder:
     Not thread-safe: the graph uses it under its lock.
     """
 
-    __slots__ = ("_packer", "blobs", "last_refs", "threshold")
+    __slots__ = ("_packer", "blobs", "last_longest", "last_refs", "threshold")
 
     def __init__(self, blobs: BlobTable | None, threshold: int | None) -> None:
         self.blobs = blobs
@@ -208,6 +211,7 @@ class Encoder:
         self._packer: msgpack.Packer | None = None  # made at first use: most graphs' plain
         # encoder never packs
         self.last_refs = False  # whether the last packing holds blob references
+        self.last_longest = 0  # the length of its longest string held as a reference
 
     def encode(self, value: object, path: str) -> tuple[bytes, bool]:
         """The packing of `value` and whether it holds a tuple, a big int or a lone
@@ -226,6 +230,7 @@ class Encoder:
         # do not keep a large buffer alive
         self._packer = None if len(packed) > _KEEP_BUFFER else packer
         self.last_refs = walker.refs
+        self.last_longest = walker.longest
         return packed, walker.special
 
 

@@ -15,6 +15,7 @@ import msgpack
 
 from .blobs import BlobTable
 from .confirm import (
+    HOLE_MIN,
     TIP_MIN_BYTES,
     WINDOW,
     Hole,
@@ -128,7 +129,7 @@ def _json_only(plain: bytes) -> bool:
     return _no_empty_bin(plain)
 
 
-def _all_json(plains: list[bytes | None], limit: int) -> bool:
+def _all_json(plains: Sequence[bytes | None], limit: int) -> bool:
     """Whether every plain packing is shorter than `limit` and holds no ext and no bin type
     (`_json_only` of each, in one pass: a few C calls for all)."""
     if not plains:
@@ -174,6 +175,7 @@ class Scratch:
 
     __slots__ = (
         "full_data",
+        "long_refs",
         "message_parent",
         "moves",
         "n_rest",
@@ -210,6 +212,7 @@ class Scratch:
         self.raw_tip: tuple[RawTip, RawTip | None] | None = None  # filed at commit
         # a raw text decoded whole: its tip is made once its long strings are known
         self.raw_text: tuple[bytes, int, Any, bytes | None, int] | None = None
+        self.long_refs = False  # its tail holds a blob string of HOLE_MIN or more
         self.twins: list[Turn] = []  # stored turns with exactly this request, and children
         self.moves: list[tuple[Turn, LinkKind]] = []  # earlier turns it adopts
 
@@ -647,42 +650,62 @@ class RequestStore:
         if base.rkey is None or type(index.get(base.rkey)) is _Bucket:
             return _NOT_FAST
         state = tip.plain_state.copy()
-        digest = None  # the state's digest after the last plain: the request's
-        for plain in plains:
-            state.update(plain)
-            digest = state.digest()
-            if digest_key(digest) in index:
+        # digests only where a stored request may end (a message count some filed request
+        # has: see `mark_length`) and at the end, one update each
+        start = base.n_rest
+        n = start + len(plains)
+        lengths = self._lengths
+        first_byte = (start + 1) >> 3
+        bits = int.from_bytes(lengths[first_byte : (n >> 3) + 1], "little")
+        inner = (bits >> (start + 1 - (first_byte << 3))) & ((1 << (n - start - 1)) - 1)
+        done = 0
+        join = b"".join
+        while inner:
+            bit = inner & -inner
+            inner ^= bit
+            j = bit.bit_length()  # boundary start + j
+            state.update(join(plains[done:j]))
+            done = j
+            if digest_key(state.digest()) in index:
                 return _NOT_FAST
+        state.update(join(plains[done:]))
+        digest = state.digest()  # the request's
+        if digest_key(digest) in index:
+            return _NOT_FAST
         first = tip.n_sys + base.n_rest
-        pieces = [ECHO_PACKED]
         turn.flags |= _TAIL_ECHO
         limit = self._plain_limit
-        # packings holding blob references, for their long strings (in-process blobs only:
-        # over a store they would be fetched)
+        # packings holding long blob strings (in-process blobs only: over a store they would
+        # be fetched)
         long: list[bytes] | None = [] if self.tips is not None else None
         if long is not None and base.flags & _RESPONSE_REFS and base.response:
             long.append(base.response)
-        for i in range(1, len(fresh)):
-            plain = plains[i]
-            if len(plain) < limit and _json_only(plain):
-                # short enough for no blob and no nesting beyond MAX_DEPTH, no ext type (a
-                # big int): the walk would agree
-                pieces.append(plain)
-                continue
-            packed, special = self.encode(fresh[i], f"request_messages[{first + i}]")
-            if packed != plains[i]:
-                turn.flags |= _TAIL_REFS
-                if long is not None:
-                    long.append(packed)
-            if special:
-                turn.flags |= _TAIL_SPECIAL
-            pieces.append(packed)
+        if _all_json(plains[1:], limit):
+            # the common case: each short enough for no blob and no nesting beyond
+            # MAX_DEPTH, no ext type (a big int): the walk would agree
+            pieces = [ECHO_PACKED, *plains[1:]]
+        else:
+            pieces = [ECHO_PACKED]
+            encoder = self._encoder
+            for i in range(1, len(fresh)):
+                plain = plains[i]
+                if len(plain) < limit and _json_only(plain):
+                    pieces.append(plain)
+                    continue
+                packed, special = encoder.encode(fresh[i], f"request_messages[{first + i}]")
+                if packed != plain:
+                    turn.flags |= _TAIL_REFS
+                    if long is not None and encoder.last_longest >= HOLE_MIN:
+                        long.append(packed)
+                if special:
+                    turn.flags |= _TAIL_SPECIAL
+                pieces.append(packed)
         turn.system = base.system
         turn.base = base
         scratch.tail_parts = (array_header(len(pieces)), *pieces)
-        scratch.n_rest = base.n_rest + len(fresh)
+        scratch.n_rest = n
         finish_tail(turn)
-        digest = scratch.request_sum = state.digest() if digest is None else digest
+        scratch.request_sum = digest
         scratch.request_digest = digest_key(digest)
         scratch.message_parent = base
         blobs = [blob for packed in long or () for _, blob in holes_of(packed, self.blobs.string)]
@@ -788,9 +811,12 @@ class RequestStore:
                 if p is not None and len(p) < limit and _json_only(p):  # `stored_form`, inline
                     pieces.append(p)
                     continue
-                packed, special = self._encoder.encode(rest[i], f"request_messages[{n_sys + i}]")
+                encoder = self._encoder
+                packed, special = encoder.encode(rest[i], f"request_messages[{n_sys + i}]")
                 if packed != p:
                     turn.flags |= _TAIL_REFS
+                    if encoder.last_longest >= HOLE_MIN:
+                        scratch.long_refs = True
                 if special:
                     turn.flags |= _TAIL_SPECIAL
                 pieces.append(packed)
@@ -838,7 +864,8 @@ class RequestStore:
             return None
         base = turn.base
         previous = tips.of(base) if tips and base is not None else None
-        refs = flags & _TAIL_REFS or (
+        # (a tail whose blob strings are all shorter than HOLE_MIN has no holes)
+        refs = (flags & _TAIL_REFS and scratch.long_refs) or (
             flags & _TAIL_ECHO and base is not None and base.flags & _RESPONSE_REFS
         )
         if previous is None and not refs:  # the common case: no long string anywhere new

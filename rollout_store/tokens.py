@@ -209,18 +209,21 @@ def run_matches(run: TokenRun, data: bytes) -> bool:
     if end > len(data):
         return False
     node: TokenRun | None = run
+    startswith = data.startswith  # a memcmp in place: no slice of `data` is copied
     while node is not None:
         kind = type(node)
         if kind is PackedPrompt:  # its new ids, compared in place
             packed = node.data  # type: ignore[attr-defined]
             n = _HEAD.unpack_from(packed)[1] * 4
-            if n and packed[_HEAD_SIZE : _HEAD_SIZE + n] != data[end - n : end]:
+            ids = memoryview(packed)[_HEAD_SIZE : _HEAD_SIZE + n]
+            if n and (len(ids) != n or not startswith(ids, end - n)):
                 return False
         elif kind is PackedFull:  # the sampled ids its prompt holds
             packed = node.prev.data  # type: ignore[union-attr]
             _, n_new, n_sampled, _ = _HEAD.unpack_from(packed)
             start, n = _HEAD_SIZE + 4 * n_new, 4 * max(n_sampled, 0)
-            if n and packed[start : start + n] != data[end - n : end]:
+            ids = memoryview(packed)[start : start + n]
+            if n and (len(ids) != n or not startswith(ids, end - n)):
                 return False
         else:
             seg = node.seg

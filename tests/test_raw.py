@@ -429,3 +429,29 @@ def test_digest_match_of_special_values_is_validated() -> None:
             )
         )
     assert len(graph) == 1
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_raw_continuation_past_a_stored_request_takes_the_longer_base(k: int) -> None:
+    """A raw text continues a raw tip, and a decoded turn stored since then ends at message
+    k, inside the new messages: that one is the base and the parent, as for decoded input."""
+    from rollout_store import RolloutGraph, TurnNode
+
+    history: list[Any] = [{"role": "system", "content": "s"}]
+    history += [{"role": "user" if i % 2 else "assistant", "content": f"m{i}"} for i in range(7)]
+    turns = [
+        (history[:2], history[2], True),  # the raw tip: one non-system message
+        (history[: k + 1], history[k + 1], False),  # a decoded turn of k messages
+        (history[:6], {"role": "assistant", "content": "r"}, True),  # five messages
+    ]
+    graph, plain = RolloutGraph(), RolloutGraph()
+    for messages, response, raw in turns:
+        text = json.dumps(messages)
+        given: Any = RawJSON(text.encode()) if raw else json.loads(text)
+        graph.add_turn(TurnNode(request_messages=given, response_message=response))
+        plain.add_turn(TurnNode(request_messages=json.loads(text), response_message=response))
+    assert graph.parent("turn-2") == plain.parent("turn-2") == "turn-1"
+    assert graph._turns[2].base is graph._turns[1]
+    assert graph.stats()["message_bytes_stored"] == plain.stats()["message_bytes_stored"]
+    for node_id in graph.node_ids():
+        assert_same_json(graph.request_messages(node_id), plain.request_messages(node_id))
