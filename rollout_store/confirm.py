@@ -380,23 +380,27 @@ def hollow_text(
 ) -> Any:
     """A BLAKE3 state that has seen `data[start:end]` but the holes (continuing `hasher`),
     or None when a hole does not hold its blob's very bytes. The holes' places are fixed, so
-    equal digests and equal holes mean equal texts."""
-    for hole_start, hole_end, blob in holes:  # every hole first: a mismatch hashes nothing
+    equal digests and equal holes mean equal texts.
+
+    Every hole is checked first (a mismatch hashes nothing), one at a time (so one blob's
+    UTF-8 copy is alive at once); the bytes between them are joined (they are short next to
+    the blobs) and hashed in one update."""
+    if hasher is None:
+        hasher = blake3.blake3()
+    if not holes:
+        if end > start:
+            hasher.update(memoryview(data)[start:end])
+        return hasher
+    startswith = data.startswith
+    for hole_start, hole_end, blob in holes:
         needle = blob.encode("utf-8")
         if hole_end > end or hole_end - hole_start != len(needle):
             return None
-        if not data.startswith(needle, hole_start):  # memcmp in place, no copy
+        if not startswith(needle, hole_start):  # memcmp in place, no copy
             return None
+    starts, ends, _ = zip(*holes, strict=True)
     view = memoryview(data)
-    if hasher is None:
-        hasher = blake3.blake3()
-    at = start
-    for hole_start, hole_end, _ in holes:
-        if hole_start > at:
-            hasher.update(view[at:hole_start])
-        at = hole_end
-    if end > at:
-        hasher.update(view[at:end])
+    hasher.update(b"".join(map(view.__getitem__, map(slice, (start, *ends), (*starts, end)))))
     return hasher
 
 
