@@ -272,12 +272,20 @@ class Probe:
         digests: list[bytes | None] = [None] * (n + 1)
         digests[low] = hasher.digest()
         update, join = hasher.update, b"".join
-        done = low  # messages hashed so far
-        for k in range(low + 1, n + 1):
-            if k == n or (k >> 3 < len(lengths) and lengths[k >> 3] >> (k & 7) & 1):
-                update(join(last[done - low : k - low]))
-                done = k
-                digests[k] = hasher.digest()
+        # counts strictly between `low` and `n` that stored requests have, as bits (mostly none)
+        first = low >> 3
+        inner = int.from_bytes(lengths[first : (n >> 3) + 1], "little") >> (low - (first << 3) + 1)
+        inner &= (1 << (n - low - 1)) - 1 if n - low > 1 else 0
+        done = 0  # packings of `last` hashed so far
+        while inner:
+            bit = inner & -inner
+            inner ^= bit
+            j = bit.bit_length()  # count low + j
+            update(join(last[done:j]))
+            done = j
+            digests[low + j] = hasher.digest()
+        update(join(last[done:]))
+        digests[n] = hasher.digest()
         plains: list[bytes | None] = [None] * low
         plains.extend(last)
         probe.plains, probe.digests, probe.low, probe.hasher = plains, digests, low, hasher

@@ -752,9 +752,8 @@ class RequestStore:
         if digests[b] != base.digest:
             return None
         # no longer stored request may be one this one extends, and no twin of it
-        for k in range(b + 1, n + 1):
-            digest = digests[k]
-            if digest is not None and digest_key(digest) in index:
+        for digest in digests[b + 1 :]:
+            if digest is not None and int.from_bytes(digest[:8], "little") in index:
                 return None
         return probe, base
 
@@ -838,7 +837,18 @@ class RequestStore:
             key = None
         turn.build(scratch.tail_parts, scratch.n_rest, response, digest, key)
         request = scratch.request
-        if digest is not None and request is not None and self.tips is not None:
+        tips, flags, base = self.tips, turn.flags, turn.base
+        if (
+            digest is not None
+            and request is not None
+            and tips is not None
+            # `_next_tip` leaves none without a tip before or a long string new (inline)
+            and (
+                tips
+                or flags & _TAIL_REFS
+                or (flags & _TAIL_ECHO and base is not None and base.flags & _RESPONSE_REFS)
+            )
+        ):
             try:
                 request.next_tip = self._next_tip(turn, request, scratch)
             except Exception:  # whatever it is, the next turn is confirmed as usual
