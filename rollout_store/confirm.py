@@ -54,6 +54,7 @@ __all__ = [
     "hollow_text",
     "text_holes",
     "mark_length",
+    "packed_hasher",
     "prefix_digest",
     "prefix_keys",
     "raw_end",
@@ -101,6 +102,50 @@ def mark_length(lengths: bytearray, n: int) -> None:
     lengths[n >> 3] |= 1 << (n & 7)
 
 
+def packed_hasher(messages: list[Any], low: int, pack: Callable[[Any], bytes], mean: int) -> Any:
+    """A BLAKE3 state that has seen the plain packings of `messages[:low]`, packed
+    as arrays of CHUNK_LOW to CHUNK_HIGH bytes (as many messages as that takes, starting
+    from `mean`, their expected size, and adapting as it goes) and hashed in multiples of
+    ALIGN bytes: never one buffer of the whole prefix. Raises what the packer raises."""
+    hasher = blake3.blake3()
+    if not low:
+        return hasher
+    update = hasher.update
+    start, step = 0, CHUNK_LOW // mean + 1
+    carry: bytes | memoryview = b""  # not yet hashed: every update a multiple of ALIGN
+    if step >= low:  # the common case: one chunk, hashed at once
+        chunk = pack(messages[:low])
+        update(memoryview(chunk)[1 if low < 16 else 3 if low < 1 << 16 else 5 :])
+        return hasher
+    while start < low:
+        stop = start + step if start + step < low else low
+        chunk = pack(messages[start:stop])  # an array: its header, then the packings
+        data = memoryview(chunk)[len(array_header(stop - start)) :]
+        size = len(chunk)
+        if carry:
+            need = ALIGN - len(carry)
+            if len(data) < need:
+                carry = b"".join((carry, data))
+                data = data[:0]
+            else:
+                update(b"".join((carry, data[:need])))
+                data = data[need:]
+                carry = b""
+        cut = len(data) - len(data) % ALIGN
+        if cut:
+            update(data[:cut])
+        if cut < len(data):  # carry is empty here: a view, no copy
+            carry = data[cut:]
+        if size < CHUNK_LOW:
+            step = step * 2 if size * 4 > CHUNK_LOW else step * 4
+        elif size > CHUNK_HIGH and step > 1:
+            step //= 2
+        start = stop
+    if carry:
+        update(carry)
+    return hasher
+
+
 class Probe:
     """One request's non-system messages, packed once, with keys and digests of its prefixes.
 
@@ -137,44 +182,9 @@ class Probe:
         # mean size tells how many earlier messages make a chunk of the right size
         if last is None:
             last = [pack(message) for message in messages[low:]]
-        hasher = blake3.blake3()
+        mean = sum(map(len, last)) // len(last) + 1 if last else 1
+        hasher = packed_hasher(messages, low, pack, mean)
         update = hasher.update
-        # the messages before the last as arrays of CHUNK_LOW to CHUNK_HIGH bytes (as many
-        # messages as that takes, adapting as it goes), hashed in multiples of ALIGN bytes
-        if low:
-            mean = sum(map(len, last)) // len(last) + 1
-            start, step = 0, CHUNK_LOW // mean + 1
-            carry: bytes | memoryview = b""  # not yet hashed: every update a multiple of ALIGN
-            if step >= low:  # the common case: one chunk, hashed at once
-                chunk = pack(messages[:low])
-                update(memoryview(chunk)[1 if low < 16 else 3 if low < 1 << 16 else 5 :])
-                start = low
-            while start < low:
-                stop = start + step if start + step < low else low
-                chunk = pack(messages[start:stop])  # an array: its header, then the packings
-                data = memoryview(chunk)[len(array_header(stop - start)) :]
-                size = len(chunk)
-                if carry:
-                    need = ALIGN - len(carry)
-                    if len(data) < need:
-                        carry = b"".join((carry, data))
-                        data = data[:0]
-                    else:
-                        update(b"".join((carry, data[:need])))
-                        data = data[need:]
-                        carry = b""
-                cut = len(data) - len(data) % ALIGN
-                if cut:
-                    update(data[:cut])
-                if cut < len(data):  # carry is empty here: a view, no copy
-                    carry = data[cut:]
-                if size < CHUNK_LOW:
-                    step = step * 2 if size * 4 > CHUNK_LOW else step * 4
-                elif size > CHUNK_HIGH and step > 1:
-                    step //= 2
-                start = stop
-            if carry:
-                update(carry)
         plains: list[bytes | None] = [None] * low
         plains.extend(last)
         digest = hasher.digest
@@ -255,20 +265,19 @@ class Probe:
         cls,
         messages: list[Any],
         pack: Callable[[Any], bytes],
-        chunk: bytes,
+        hasher: Any,
         last: list[bytes],
         low: int,
         lengths: bytearray,
     ) -> Probe:
-        """A probe of `messages` whose first `low` are packed in `chunk` (one array of them)
-        and the others in `last`, one by one: the digest at `low` is known, as are those at
-        the end and at every count of `lengths` between (a turn's base at `low`, found by
-        other means, is then confirmed by it)."""
+        """A probe of `messages` whose first `low` a BLAKE3 `hasher` has seen packed (see
+        `packed_hasher`) and the others packed in `last`, one by one: the digest at `low`
+        is known, as are those at the end and at every count of `lengths` between (a turn's
+        base at `low`, found by other means, is then confirmed by it)."""
         n = len(messages)
         probe = cls.__new__(cls)
         probe.n, probe.messages, probe._pack = n, messages, pack
         probe.tip, probe.hollow = None, None
-        hasher = blake3.blake3(memoryview(chunk)[len(array_header(low)) :])
         digests: list[bytes | None] = [None] * (n + 1)
         digests[low] = hasher.digest()
         update, join = hasher.update, b"".join

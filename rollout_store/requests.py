@@ -31,6 +31,7 @@ from .confirm import (
     hollow_text,
     hollowed,
     mark_length,
+    packed_hasher,
     prefix_digest,
     prefix_keys,
     raw_end,
@@ -742,12 +743,15 @@ class RequestStore:
             key = base.rkey
             if key is None or index.get(key) is not base:  # twins: `_base` picks among them
                 return None
-            chunk = pack(rest[:b])
             plains = [echo]
             plains.extend([pack(message) for message in rest[b + 1 :]])
+            # the prefix in chunks (one packing of a long prefix costs more in page faults
+            # and buffer growth than the packing itself)
+            mean = sum(map(len, plains)) // len(plains) + 1
+            hasher = packed_hasher(rest, b, pack, mean)
         except Exception:  # something to walk: the usual path says what
             return None
-        probe = Probe.at_base(rest, pack, chunk, plains, b, self._lengths)
+        probe = Probe.at_base(rest, pack, hasher, plains, b, self._lengths)
         digests = probe.digests
         if digests[b] != base.digest:
             return None
