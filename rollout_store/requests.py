@@ -15,6 +15,7 @@ import msgpack
 
 from .blobs import BlobTable
 from .confirm import (
+    CHUNK_HIGH,
     HOLE_MIN,
     TIP_MIN_BYTES,
     WINDOW,
@@ -739,6 +740,8 @@ class RequestStore:
         try:
             echo = pack(rest[b])
             if echo != base.response:  # the cheap test first: mostly another conversation
+                return None
+            if len(echo) * b >= CHUNK_HIGH:  # a long request: `Probe` packs it in chunks
                 return None
             key = base.rkey
             if key is None or index.get(key) is not base:  # twins: `_base` picks among them
