@@ -440,6 +440,13 @@ class RequestStore:
     def reset_packer(self) -> None:
         self._pack_plain = new_packer()
 
+    def drop_tips(self) -> None:
+        """Let go of the tips, decoded and raw (a BLAKE3 state of about 2 KB each): they
+        only spare a conversation's next turn hashing again what it re-sends."""
+        self.raw_tips = RawTips()
+        if self.tips is not None:
+            self.tips = Tips()
+
     # ------------------------------------------------------------------ intake
 
     def encode(self, value: Any, path: str) -> tuple[bytes, bool]:
