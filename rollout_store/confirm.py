@@ -54,6 +54,7 @@ __all__ = [
     "hollow_text",
     "text_holes",
     "mark_length",
+    "packed_hasher",
     "prefix_digest",
     "prefix_keys",
     "raw_end",
@@ -101,6 +102,50 @@ def mark_length(lengths: bytearray, n: int) -> None:
     lengths[n >> 3] |= 1 << (n & 7)
 
 
+def packed_hasher(messages: list[Any], low: int, pack: Callable[[Any], bytes], mean: int) -> Any:
+    """A BLAKE3 state that has seen the plain packings of `messages[:low]`, packed
+    as arrays of CHUNK_LOW to CHUNK_HIGH bytes (as many messages as that takes, starting
+    from `mean`, their expected size, and adapting as it goes) and hashed in multiples of
+    ALIGN bytes: never one buffer of the whole prefix. Raises what the packer raises."""
+    hasher = blake3.blake3()
+    if not low:
+        return hasher
+    update = hasher.update
+    start, step = 0, CHUNK_LOW // mean + 1
+    carry: bytes | memoryview = b""  # not yet hashed: every update a multiple of ALIGN
+    if step >= low:  # the common case: one chunk, hashed at once
+        chunk = pack(messages[:low])
+        update(memoryview(chunk)[1 if low < 16 else 3 if low < 1 << 16 else 5 :])
+        return hasher
+    while start < low:
+        stop = start + step if start + step < low else low
+        chunk = pack(messages[start:stop])  # an array: its header, then the packings
+        data = memoryview(chunk)[len(array_header(stop - start)) :]
+        size = len(chunk)
+        if carry:
+            need = ALIGN - len(carry)
+            if len(data) < need:
+                carry = b"".join((carry, data))
+                data = data[:0]
+            else:
+                update(b"".join((carry, data[:need])))
+                data = data[need:]
+                carry = b""
+        cut = len(data) - len(data) % ALIGN
+        if cut:
+            update(data[:cut])
+        if cut < len(data):  # carry is empty here: a view, no copy
+            carry = data[cut:]
+        if size < CHUNK_LOW:
+            step = step * 2 if size * 4 > CHUNK_LOW else step * 4
+        elif size > CHUNK_HIGH and step > 1:
+            step //= 2
+        start = stop
+    if carry:
+        update(carry)
+    return hasher
+
+
 class Probe:
     """One request's non-system messages, packed once, with keys and digests of its prefixes.
 
@@ -137,44 +182,9 @@ class Probe:
         # mean size tells how many earlier messages make a chunk of the right size
         if last is None:
             last = [pack(message) for message in messages[low:]]
-        hasher = blake3.blake3()
+        mean = sum(map(len, last)) // len(last) + 1 if last else 1
+        hasher = packed_hasher(messages, low, pack, mean)
         update = hasher.update
-        # the messages before the last as arrays of CHUNK_LOW to CHUNK_HIGH bytes (as many
-        # messages as that takes, adapting as it goes), hashed in multiples of ALIGN bytes
-        if low:
-            mean = sum(map(len, last)) // len(last) + 1
-            start, step = 0, CHUNK_LOW // mean + 1
-            carry: bytes | memoryview = b""  # not yet hashed: every update a multiple of ALIGN
-            if step >= low:  # the common case: one chunk, hashed at once
-                chunk = pack(messages[:low])
-                update(memoryview(chunk)[1 if low < 16 else 3 if low < 1 << 16 else 5 :])
-                start = low
-            while start < low:
-                stop = start + step if start + step < low else low
-                chunk = pack(messages[start:stop])  # an array: its header, then the packings
-                data = memoryview(chunk)[len(array_header(stop - start)) :]
-                size = len(chunk)
-                if carry:
-                    need = ALIGN - len(carry)
-                    if len(data) < need:
-                        carry = b"".join((carry, data))
-                        data = data[:0]
-                    else:
-                        update(b"".join((carry, data[:need])))
-                        data = data[need:]
-                        carry = b""
-                cut = len(data) - len(data) % ALIGN
-                if cut:
-                    update(data[:cut])
-                if cut < len(data):  # carry is empty here: a view, no copy
-                    carry = data[cut:]
-                if size < CHUNK_LOW:
-                    step = step * 2 if size * 4 > CHUNK_LOW else step * 4
-                elif size > CHUNK_HIGH and step > 1:
-                    step //= 2
-                start = stop
-            if carry:
-                update(carry)
         plains: list[bytes | None] = [None] * low
         plains.extend(last)
         digest = hasher.digest
@@ -255,29 +265,36 @@ class Probe:
         cls,
         messages: list[Any],
         pack: Callable[[Any], bytes],
-        chunk: bytes,
+        hasher: Any,
         last: list[bytes],
         low: int,
         lengths: bytearray,
     ) -> Probe:
-        """A probe of `messages` whose first `low` are packed in `chunk` (one array of them)
-        and the others in `last`, one by one: the digest at `low` is known, as are those at
-        the end and at every count of `lengths` between (a turn's base at `low`, found by
-        other means, is then confirmed by it)."""
+        """A probe of `messages` whose first `low` a BLAKE3 `hasher` has seen packed (see
+        `packed_hasher`) and the others packed in `last`, one by one: the digest at `low`
+        is known, as are those at the end and at every count of `lengths` between (a turn's
+        base at `low`, found by other means, is then confirmed by it)."""
         n = len(messages)
         probe = cls.__new__(cls)
         probe.n, probe.messages, probe._pack = n, messages, pack
         probe.tip, probe.hollow = None, None
-        hasher = blake3.blake3(memoryview(chunk)[len(array_header(low)) :])
         digests: list[bytes | None] = [None] * (n + 1)
         digests[low] = hasher.digest()
         update, join = hasher.update, b"".join
-        done = low  # messages hashed so far
-        for k in range(low + 1, n + 1):
-            if k == n or (k >> 3 < len(lengths) and lengths[k >> 3] >> (k & 7) & 1):
-                update(join(last[done - low : k - low]))
-                done = k
-                digests[k] = hasher.digest()
+        # counts strictly between `low` and `n` that stored requests have, as bits (mostly none)
+        first = low >> 3
+        inner = int.from_bytes(lengths[first : (n >> 3) + 1], "little") >> (low - (first << 3) + 1)
+        inner &= (1 << (n - low - 1)) - 1 if n - low > 1 else 0
+        done = 0  # packings of `last` hashed so far
+        while inner:
+            bit = inner & -inner
+            inner ^= bit
+            j = bit.bit_length()  # count low + j
+            update(join(last[done:j]))
+            done = j
+            digests[low + j] = hasher.digest()
+        update(join(last[done:]))
+        digests[n] = hasher.digest()
         plains: list[bytes | None] = [None] * low
         plains.extend(last)
         probe.plains, probe.digests, probe.low, probe.hasher = plains, digests, low, hasher
@@ -380,23 +397,27 @@ def hollow_text(
 ) -> Any:
     """A BLAKE3 state that has seen `data[start:end]` but the holes (continuing `hasher`),
     or None when a hole does not hold its blob's very bytes. The holes' places are fixed, so
-    equal digests and equal holes mean equal texts."""
-    for hole_start, hole_end, blob in holes:  # every hole first: a mismatch hashes nothing
+    equal digests and equal holes mean equal texts.
+
+    Every hole is checked first (a mismatch hashes nothing), one at a time (so one blob's
+    UTF-8 copy is alive at once); the bytes between them are joined (they are short next to
+    the blobs) and hashed in one update."""
+    if hasher is None:
+        hasher = blake3.blake3()
+    if not holes:
+        if end > start:
+            hasher.update(memoryview(data)[start:end])
+        return hasher
+    startswith = data.startswith
+    for hole_start, hole_end, blob in holes:
         needle = blob.encode("utf-8")
         if hole_end > end or hole_end - hole_start != len(needle):
             return None
-        if not data.startswith(needle, hole_start):  # memcmp in place, no copy
+        if not startswith(needle, hole_start):  # memcmp in place, no copy
             return None
+    starts, ends, _ = zip(*holes, strict=True)
     view = memoryview(data)
-    if hasher is None:
-        hasher = blake3.blake3()
-    at = start
-    for hole_start, hole_end, _ in holes:
-        if hole_start > at:
-            hasher.update(view[at:hole_start])
-        at = hole_end
-    if end > at:
-        hasher.update(view[at:end])
+    hasher.update(b"".join(map(view.__getitem__, map(slice, (start, *ends), (*starts, end)))))
     return hasher
 
 

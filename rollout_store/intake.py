@@ -327,7 +327,10 @@ def plain_numbers(values: object, path: str) -> object:
     Other items are left as they are (they are recorded as JSON values).
     """
     values = _as_sequence(values, path)
-    if isinstance(values, list | tuple) and any(map(_is_numpy, values)):
+    if isinstance(values, list | tuple) and any(
+        kind.__module__.split(".")[0] == "numpy"
+        for kind in set(map(type, values))  # each kind once (mostly: float alone)
+    ):
         converted = [x.item() if _is_numpy(x) and hasattr(x, "item") else x for x in values]
         return tuple(converted) if isinstance(values, tuple) else converted
     return values

@@ -15,6 +15,7 @@ import msgpack
 
 from .blobs import BlobTable
 from .confirm import (
+    CHUNK_HIGH,
     HOLE_MIN,
     TIP_MIN_BYTES,
     WINDOW,
@@ -31,6 +32,7 @@ from .confirm import (
     hollow_text,
     hollowed,
     mark_length,
+    packed_hasher,
     prefix_digest,
     prefix_keys,
     raw_end,
@@ -746,22 +748,26 @@ class RequestStore:
             echo = pack(rest[b])
             if echo != base.response:  # the cheap test first: mostly another conversation
                 return None
+            if len(echo) * b >= CHUNK_HIGH:  # a long request: `Probe` packs it in chunks
+                return None
             key = base.rkey
             if key is None or index.get(key) is not base:  # twins: `_base` picks among them
                 return None
-            chunk = pack(rest[:b])
             plains = [echo]
             plains.extend([pack(message) for message in rest[b + 1 :]])
+            # the prefix in chunks (one packing of a long prefix costs more in page faults
+            # and buffer growth than the packing itself)
+            mean = sum(map(len, plains)) // len(plains) + 1
+            hasher = packed_hasher(rest, b, pack, mean)
         except Exception:  # something to walk: the usual path says what
             return None
-        probe = Probe.at_base(rest, pack, chunk, plains, b, self._lengths)
+        probe = Probe.at_base(rest, pack, hasher, plains, b, self._lengths)
         digests = probe.digests
         if digests[b] != base.digest:
             return None
         # no longer stored request may be one this one extends, and no twin of it
-        for k in range(b + 1, n + 1):
-            digest = digests[k]
-            if digest is not None and digest_key(digest) in index:
+        for digest in digests[b + 1 :]:
+            if digest is not None and int.from_bytes(digest[:8], "little") in index:
                 return None
         return probe, base
 
@@ -845,7 +851,18 @@ class RequestStore:
             key = None
         turn.build(scratch.tail_parts, scratch.n_rest, response, digest, key)
         request = scratch.request
-        if digest is not None and request is not None and self.tips is not None:
+        tips, flags, base = self.tips, turn.flags, turn.base
+        if (
+            digest is not None
+            and request is not None
+            and tips is not None
+            # `_next_tip` leaves none without a tip before or a long string new (inline)
+            and (
+                tips
+                or flags & _TAIL_REFS
+                or (flags & _TAIL_ECHO and base is not None and base.flags & _RESPONSE_REFS)
+            )
+        ):
             try:
                 request.next_tip = self._next_tip(turn, request, scratch)
             except Exception:  # whatever it is, the next turn is confirmed as usual

@@ -412,3 +412,52 @@ def test_a_tip_continues_past_a_turn_that_adds_more_than_the_window() -> None:
     (tip,) = _tips(graph)._by_turn.values()
     assert tip.turn is graph._turn(view.node_id)
     assert_same(graph.request_messages(view.node_id), following)
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_blob_strings_shorter_than_holes_make_no_tip_until_a_long_one(
+    raw: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tool outputs kept as blobs but shorter than HOLE_MIN are hashed with the rest (no tip,
+    no hole); the first long string makes a tip holding it alone, which later turns
+    continue, and everything round-trips."""
+    confirmed: list[bool] = []
+    original = confirm_module.Tip.confirm
+
+    def counting(self: Any, messages: Any, pack: Any) -> Any:
+        result = original(self, messages, pack)
+        confirmed.append(result is not None)
+        return result
+
+    monkeypatch.setattr(confirm_module.Tip, "confirm", counting)
+    rng = random.Random(5)
+    history: list[Any] = [{"role": "system", "content": "sys"}]
+    turns = []
+    for t in range(8):
+        output = "".join(rng.choices("abcdef ", k=HOLE_MIN // 2))  # a blob, not a hole
+        history.append({"role": "tool", "tool_call_id": f"c{t}", "content": output})
+        if t == 4:
+            history.append({"role": "user", "content": [{"type": "text", "text": _image(rng)}]})
+        response = {"role": "assistant", "content": f"reply {t}"}
+        turns.append((list(history), response))
+        history.append(response)
+    graph = RolloutGraph()
+    ids = []
+    for t, (messages, response) in enumerate(turns):
+        given: Any = _raw(messages) if raw else json.loads(json.dumps(messages))
+        ids.append(graph.add_turn(TurnNode(request_messages=given, response_message=response)))
+        holes = [h for tip in _raw_tips(graph) for h in tip.holes] if raw else None
+        if raw:
+            assert len(holes) == (t >= 4)  # the long string alone
+        elif t < 4:
+            assert not _tips(graph)
+        else:
+            (tip,) = _tips(graph)._by_turn.values()
+            assert [i for i, _ in tip.holes] == [9]  # the long string's message alone
+    if not raw:
+        assert confirmed == [True, True, True]  # turns 5 to 7 continued the tip of turn 4
+    node_ids = [view.node_id for view in ids]
+    assert graph.path_ids(node_ids[-1]) == node_ids
+    for node_id, (messages, response) in zip(node_ids, turns, strict=True):
+        assert_same(graph.request_messages(node_id), messages)
+        assert_same(graph.get(node_id).response_message, response)
