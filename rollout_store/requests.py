@@ -451,6 +451,15 @@ class RequestStore:
     def reset_packer(self) -> None:
         self._pack_plain = new_packer()
 
+    def drop_caches(self) -> None:
+        """Let go of the tips, decoded and raw (a BLAKE3 state of about 2 KB each), and of
+        the raw texts of shared values remembered (`raw_shared`): they only spare the next
+        turn hashing again what it re-sends, or decoding a tool list again."""
+        self.raw_tips = RawTips()
+        if self.tips is not None:
+            self.tips = Tips()
+        self.raw_shared = {}
+
     # ------------------------------------------------------------------ intake
 
     def encode(self, value: Any, path: str) -> tuple[bytes, bool]:

@@ -313,9 +313,8 @@ def _token_property(name: str, doc: str) -> Any:
     def set_(turn: Turn, value: Any) -> None:
         field.__set__(_unpack(turn), value)
 
-    # prompt and full are never PACKED: read at C speed, as the side properties are (they are
-    # read several times on every turn)
-    return property(get if read is not None else attrgetter(f"side.{name}"), set_, doc=doc)
+    # (a packed turn's prompt and full are its runs, not its side's: read through `get`)
+    return property(get, set_, doc=doc)
 
 
 class Turn:
