@@ -8,12 +8,12 @@ indexes, every hit confirmed by exact comparison.
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import functools
 import operator
 import threading
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import xxhash
@@ -76,23 +76,36 @@ _RAW_FIELDS = (
 )
 
 
+#: The fields stored as shared values: a raw text of one that the graph stored before is taken
+#: as that value without decoding it
+_SHARED_FIELDS = frozenset(("request_tools", "sampling_params", "requested_sampling_params"))
+_copy_node = copy.copy
 _raw_fields = operator.attrgetter(*_RAW_FIELDS)
 _scalar_fields = operator.attrgetter(*SCALAR_NAMES)
 _STR_OR_NONE = frozenset((str, type(None)))
 
 
-def _without_raw(node: TurnNode) -> TurnNode:
-    """`node`, or a copy of it with every `RawJSON` field decoded as `json.loads` would."""
+def _without_raw(node: TurnNode, known: Container[bytes | str] = ()) -> TurnNode:
+    """`node`, or a copy of it with every `RawJSON` field decoded as `json.loads` would, but
+    those of the shared fields whose text is `known` (stored before, byte for byte: see
+    `RequestStore.raw_shared`), which stay `RawJSON`."""
     values = _raw_fields(node)  # one C call for all of them
     if RawJSON not in map(type, values) and type(node.request_tools) is not list:
         return node  # the common case: no raw field, no tool list that may hold raw items
     changes: dict[str, Any] = {}
     for name, value in zip(_RAW_FIELDS, values, strict=True):
+        if type(value) is RawJSON and name in _SHARED_FIELDS and value.data in known:
+            continue
         if type(value) is RawJSON or (name == "request_tools" and type(value) is list):
             decoded = resolve_raw(value, name)
             if decoded is not value:
                 changes[name] = decoded
-    return dataclasses.replace(node, **changes) if changes else node
+    if not changes:
+        return node
+    copy = _copy_node(node)  # (dataclasses.replace runs __init__: four times the cost)
+    for name, value in changes.items():
+        setattr(copy, name, value)
+    return copy
 
 
 def _locked(method: _F) -> _F:
@@ -357,20 +370,25 @@ class Graph:
 
     def _prepare(self, node: TurnNode) -> tuple[Turn, Scratch]:
         """Check `node` and build its stored turn, linked; nothing in the graph changes."""
-        node = _without_raw(node)
+        requests, linker = self._requests, self._linker
+        given = node
+        node = _without_raw(node, requests.raw_shared)
         turn, explicit = self._new_turn(node)
         scratch = Scratch()
         pending = scratch.pending
-        requests, linker = self._requests, self._linker
         linker.prepare_tokens(turn, node, scratch)
         system_plain = requests.prepare(turn, node, scratch)
         linker.prepare_messages(turn, node, scratch)
         requests.build(turn, scratch, requests.encode_response(node.response_message, turn))
+        shared = requests.shared_value
         turn.share_values(
-            requests.shared_value(node.request_tools, "request_tools", pending),
-            requests.shared_value(node.sampling_params, "sampling_params", pending),
-            requests.shared_value(
-                node.requested_sampling_params, "requested_sampling_params", pending
+            shared(node.request_tools, "request_tools", pending, given.request_tools),
+            shared(node.sampling_params, "sampling_params", pending, given.sampling_params),
+            shared(
+                node.requested_sampling_params,
+                "requested_sampling_params",
+                pending,
+                given.requested_sampling_params,
             ),
         )
         turn.side.meta = self._turn_meta(node, system_plain)  # its own side until commit
@@ -423,8 +441,12 @@ class Graph:
     def _turn_meta(self, node: TurnNode, system_plain: bytes | None) -> TurnMeta:
         """The scalar fields, with n_tools and system_digest filled in when not given."""
         n_tools = node.n_tools
-        if n_tools is None and isinstance(node.request_tools, list | tuple):
-            n_tools = len(node.request_tools)
+        if n_tools is None:
+            tools = node.request_tools
+            if isinstance(tools, list | tuple):
+                n_tools = len(tools)
+            elif type(tools) is RawJSON:  # a text stored before (see `_without_raw`)
+                n_tools = self._requests.raw_shared[tools.data][1]
         system_digest = node.system_digest
         if system_digest is None and system_plain is not None:
             system_digest = xxhash.xxh3_128_hexdigest(system_plain)

@@ -171,6 +171,10 @@ def _has_ext(packed: bytes) -> bool:
     return len(packed.translate(None, _NOT_JSON)) != len(packed)
 
 
+#: Raw texts of shared values remembered per graph (the oldest is dropped first).
+MAX_RAW_SHARED = 16
+
+
 class Scratch:
     """What add_turn works out before committing a turn; dropped afterwards."""
 
@@ -406,6 +410,7 @@ class RequestStore:
         "_plain_limit",
         "_window",
         "blobs",
+        "raw_shared",
         "raw_tips",
         "request_index",
         "tips",
@@ -433,6 +438,10 @@ class RequestStore:
         # bit n set: some filed request has n messages (a request can only extend one whose
         # count is among these: the boundaries worth a digest); a bit per count, not per turn
         self._lengths = bytearray()
+        # raw texts of shared values (tools, sampling parameters) the graph holds, and their
+        # stored form and item count: a capture server re-sends the same tools text each
+        # call, taken then without decoding or packing it (`shared_value`)
+        self.raw_shared: dict[bytes | str, tuple[Any, int | None]] = {}
 
     def reset_packer(self) -> None:
         self._pack_plain = new_packer()
@@ -503,15 +512,33 @@ class RequestStore:
             pending.append((plain, stored))
         return stored
 
-    def shared_value(self, value: Any, path: str, pending: list[tuple[bytes, bytes]]) -> Any:
+    def shared_value(
+        self, value: Any, path: str, pending: list[tuple[bytes, bytes]], given: Any = None
+    ) -> Any:
+        """The stored form of a shared value (found, or stored once at commit). `given` is
+        the field as the caller gave it: when `RawJSON`, its text is remembered for a value
+        the graph holds already (`raw_shared`), and a text remembered so stands for it."""
         if value is None:
             return None
+        if type(value) is RawJSON:  # a text remembered so (see `raw_shared`)
+            return self.raw_shared[value.data][0]
         plain = self.plain(value)
         if plain is not None:  # the common case first: a value the graph holds already
             found = self.values.find(plain)
             if found is not None:
+                if type(given) is RawJSON:
+                    self._remember_raw(given.data, found, value)
                 return found
         return self._shared([value], path, [plain], pending, as_array=False)
+
+    def _remember_raw(self, text: bytes | str, stored: Any, value: Any) -> None:
+        """Remember that the JSON text `text` is the stored shared value `stored` (a value
+        committed before: the text decoded to it, byte for byte the same text decodes to it
+        again)."""
+        known = self.raw_shared
+        known[text] = (stored, len(value) if type(value) is list else None)
+        if len(known) > MAX_RAW_SHARED:
+            del known[next(iter(known))]
 
     def add_values(self, pending: list[tuple[bytes, bytes]] | tuple[()]) -> None:
         """Remember the shared values a committed turn stored first."""

@@ -455,3 +455,54 @@ def test_raw_continuation_past_a_stored_request_takes_the_longer_base(k: int) ->
     assert graph.stats()["message_bytes_stored"] == plain.stats()["message_bytes_stored"]
     for node_id in graph.node_ids():
         assert_same_json(graph.request_messages(node_id), plain.request_messages(node_id))
+
+
+def test_a_raw_tools_text_stored_before_is_not_decoded_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same raw tools text each call: decoded until the graph holds its value, then
+    taken as that value (same stored tools, same n_tools, same export); another spelling of
+    the value, or another text, is decoded as usual."""
+    import rollout_store.graph as graph_module
+    from rollout_store import RolloutGraph, TurnNode
+
+    tools = [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": {}}} for i in range(3)
+    ]
+    text = json.dumps(tools).encode()
+    decoded: list[str] = []
+    original = graph_module.resolve_raw
+
+    def counting(value: Any, path: str) -> Any:
+        if path == "request_tools":
+            decoded.append(value.data if type(value) is RawJSON else "list")
+        return original(value, path)
+
+    monkeypatch.setattr(graph_module, "resolve_raw", counting)
+    graph = RolloutGraph()
+    given = [text, text, text, json.dumps(tools, indent=1).encode(), text, b'[{"a": 1}]']
+    for i, tools_text in enumerate(given):
+        graph.add_turn(
+            TurnNode(
+                request_messages=[{"role": "user", "content": f"q{i}"}],
+                request_tools=RawJSON(tools_text),
+                sampling_params=RawJSON(b'{"temperature": 0.5}'),
+                n_tools=None,  # counted from the tools
+            )
+        )
+    # turns 0 and 1 decode it (turn 1 finds the value stored, and remembers the text), turn 2
+    # and 4 take it as stored; the indented spelling and the other text are decoded
+    assert decoded == [text, text, given[3], given[5]]
+    for i, node_id in enumerate(graph.node_ids()):
+        node = graph.get(node_id)
+        expected = json.loads(given[i])
+        assert json.dumps(graph.request_tools(node_id)) == json.dumps(expected)
+        assert node.n_tools == len(expected)
+        assert node.sampling_params == {"temperature": 0.5}
+    ids = graph.node_ids()
+    assert graph._turns[2].tools is graph._turns[1].tools is graph._turns[4].tools
+    # a bad text is refused as ever, naming the field, and changes nothing
+    with pytest.raises(InvalidValueError) as err:
+        graph.add_turn(TurnNode(request_messages=[], request_tools=RawJSON(text[:-1])))
+    assert err.value.path == "request_tools"
+    assert graph.node_ids() == ids
