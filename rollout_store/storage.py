@@ -837,14 +837,14 @@ class _Loader:
 
     def _tokens(self, turn: Turn, side: TurnSide, record: TurnRecord, n_blobs: int) -> None:
         """Prompt, sampled ids and logprobs (packed if tagged "j": LOGPROBS_PACKED)."""
-        prompt = side.prompt = self._prompt(record.prompt)
+        prompt = turn.prompt = self._prompt(record.prompt)
         sampled = record.sampled
         if sampled is not None:
             sampled = _segment(sampled)
             if not (type(sampled) is tuple or sampled.typecode in "Iq"):
                 raise ValueError("bad sampled ids")
         side.sampled = sampled
-        side.full = full_run(prompt, sampled)
+        turn.full = full_run(prompt, sampled)
         logprobs = record.logprobs
         if logprobs is not None:
             if len(logprobs) != 2:

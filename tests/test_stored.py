@@ -19,6 +19,7 @@ from rollout_store import (
     TurnNode,
     UnknownNodeError,
 )
+from rollout_store.tokens import PackedPrompt
 
 
 def _turns(graph: RolloutGraph) -> list:
@@ -124,7 +125,7 @@ def test_turns_alike_share_one_side_and_token_turns_keep_their_own_tokens() -> N
         tokens.add_turn(TurnNode(**turn_fields))
     stored = _turns(tokens)
     # continuations keep their packed token ids in the turn: alike otherwise, one side
-    assert all(t.packed is not None for t in stored[1:]) and stored[1].side.shared
+    assert all(type(t.prompt) is PackedPrompt for t in stored[1:]) and stored[1].side.shared
     assert all(t.side is stored[1].side for t in stored[1:])
     for k, turn_fields in enumerate(fields):
         got = tokens.get(f"turn-{k}")
@@ -134,11 +135,11 @@ def test_turns_alike_share_one_side_and_token_turns_keep_their_own_tokens() -> N
     # a change to one turn's tokens is its own: its side is copied, the others keep theirs
     changed = [-0.5] * len(fields[2]["sampled_ids"])
     stored[2].logprobs = array("d", changed)
-    assert stored[2].side is not stored[1].side and stored[2].packed is None
+    assert stored[2].side is not stored[1].side and not stored[2].side.shared
     assert tokens.get("turn-2").sampled_logprobs == changed
     assert tokens.get("turn-2").sampled_ids == fields[2]["sampled_ids"]
     assert tokens.get("turn-2").prompt_ids == fields[2]["prompt_ids"]
-    assert stored[3].side is stored[1].side and stored[3].packed is not None
+    assert stored[3].side is stored[1].side and type(stored[3].prompt) is PackedPrompt
     assert tokens.get("turn-3").sampled_ids == fields[3]["sampled_ids"]
     assert tokens.get("turn-1").sampled_logprobs == fields[1]["sampled_logprobs"]
 
