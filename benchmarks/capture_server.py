@@ -24,10 +24,12 @@ Latency: per-request latency each server adds over calling the stub directly, me
 p99, with 16 rollouts in flight, paired (each rollout makes every call to the stub and then
 through the server, so both see the same load; the figure is the difference per call), on
 the default allocator; the p1 of the differences is shown too (below 0: the noise one pair
-carries, which is in the p99 as well). Twice: in front of a stub answering at once (every
-process competes for the 2 CPUs: a stress figure) and in front of one taking an engine's
-generation time (--engine-ms, 100 by default, each answer 0.5-1.5 times that as its length
-would make it; still far less than a real engine's seconds).
+carries, which is in the p99 as well), and so is the *null pair*: the same pairing with the
+stub in the server's place (each call made to the stub twice), whose differences are the
+measurement's own noise on the machine at the time, with no server at all. Twice: in front
+of a stub answering at once (every process competes for the 2 CPUs: a stress figure) and in
+front of one taking an engine's generation time (--engine-ms, 100 by default, each answer
+0.5-1.5 times that as its length would make it; still far less than a real engine's seconds).
 Writes out/capture_server.json (results/ with --update-results; a --quick run writes nothing);
 ends with PASS/MISS lines for the targets and a one-line count of targets met and missed.
 
@@ -533,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, ms in engines.items()
     }
     direct: dict[str, list[float]] = {name: [] for name in engines}
+    null: dict[str, list[float]] = {name: [] for name in engines}  # the stub paired with itself
     through: dict[str, list[float]] = {s: [] for s in servers}
     rss: dict[str, dict[str, list[int]]] = {g: {s: [] for s in servers} for g in GROUPS}
     added: dict[str, dict[str, list[float]]] = {e: {s: [] for s in servers} for e in engines}
@@ -547,6 +550,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(rounds):
             for name, stub in stubs.items():
                 direct[name] += asyncio.run(run_group(stub.url, True, sessions, turns))
+                asyncio.run(
+                    run_group(stub.url, True, sessions, turns, pair=stub.url, added=null[name])
+                )
             order = servers[r % len(servers) :] + servers[: r % len(servers)]
             for scheme in order:
                 rss["group"][scheme].append(
@@ -611,6 +617,9 @@ def main(argv: list[str] | None = None) -> int:
         "traced_over_unique": {group: traced[group] / unique[group] for group in GROUPS},
         "direct_median_ms": {name: _ms(v) for name, v in direct.items()},
         "direct_p99_ms": {name: _ms(v, 0.99) for name, v in direct.items()},
+        "null_pair_median_ms": {name: _ms(v) for name, v in null.items()},
+        "null_pair_p99_ms": {name: _ms(v, 0.99) for name, v in null.items()},
+        "null_pair_p1_ms": {name: _ms(v, 0.01) for name, v in null.items()},
         "cpus": os.cpu_count(),
         "load_average": os.getloadavg(),
         "schemes": rows,
@@ -636,6 +645,15 @@ def main(argv: list[str] | None = None) -> int:
         "direct calls to the stub, median / p99 ms: "
         + ", ".join(
             f"{name} ({engines[name]:g} ms) {_ms(direct[name]):.2f} / {_ms(direct[name], 0.99):.2f}"
+            for name in engines
+        )
+    )
+    print(
+        "null pair (each call to the stub twice: the measurement's own noise), added median / "
+        "p99 / p1 ms: "
+        + ", ".join(
+            f"{name} {_ms(null[name]):.2f} / {_ms(null[name], 0.99):.2f} / "
+            f"{_ms(null[name], 0.01):.2f}"
             for name in engines
         )
     )
@@ -689,7 +707,8 @@ def main(argv: list[str] | None = None) -> int:
                 p99 <= TARGET_P99_MS,
                 f"{p99:.2f} ms (forward-only "
                 f"{rows['forward-only'][f'paired_added_p99_ms_{name}']:.2f} ms; p1 "
-                f"{ours[f'paired_added_p1_ms_{name}']:.2f} ms, the noise of a pair)",
+                f"{ours[f'paired_added_p1_ms_{name}']:.2f} ms, the noise of a pair; null pair "
+                f"p99 {_ms(null[name], 0.99):.2f} ms)",
             )
         )
     lines = [f"{'PASS' if ok else 'MISS'}: {name}: {value}" for name, ok, value in checks]

@@ -24,6 +24,7 @@ from time import perf_counter
 from typing import Any
 
 import msgpack
+import msgspec
 from measure import (
     MiB,
     add_results_option,
@@ -45,6 +46,7 @@ from rollout_store import (
     storage,
     write_session_json,
 )
+from rollout_store.frames import KIND_BLOB, KIND_BLOB_REF, KIND_TURN
 
 DEFAULT_TURNS = 100
 QUICK_TURNS = 25
@@ -59,6 +61,7 @@ DAMAGE_SIZES = (4 << 20, 32 << 20)
 EMPTY_MAPS_FILE = 4 << 20  # bytes of the many-empty-maps file
 STREAM_TURN_FACTOR = 2  # streaming peak <= retained + this x the largest turn
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"  # version-1 files
+IOV_PARTS = 1024  # IOV_MAX on Linux: one writev takes at most this many parts
 
 
 class AppendRecorder(RolloutStoreRecorder):
@@ -143,9 +146,82 @@ def measure_sizes(graph: RolloutGraph, texts: list[str], unique: int, tmp: Path)
     }
 
 
+def file_frames(path: Path) -> list[tuple[int, bytes]]:
+    """(kind, payload) of every frame of a version-2 file (blob payloads hold the digest)."""
+    data = path.read_bytes()
+    reader = framing.FrameReader(
+        data, len(framing.MAGIC_V2), digest_kinds=frozenset({KIND_BLOB}), max_kind=KIND_BLOB_REF
+    )
+    return [(kind, bytes(payload)) for kind, payload, *_ in reader.tuples()]
+
+
+def checked_load_floor(path: Path) -> list[Any]:
+    """The least work any loader of a version-2 file that checks every frame must do, in
+    pure Python: read the file, check every frame (marker, chain, a blob's digest over its
+    text) with the library's frame reader, decode every blob's text to a str and every turn
+    record with msgspec into `TurnRecord` (its field types checked in C). Nothing checked
+    inside the records (references, packed values), no turn built, no graph."""
+    with open(path, "rb") as fp:
+        data = fp.read()
+    decode = msgspec.msgpack.Decoder(storage.TurnRecord).decode
+    digest = framing.DIGEST_SIZE
+    reader = framing.FrameReader(
+        data, len(framing.MAGIC_V2), digest_kinds=frozenset({KIND_BLOB}), max_kind=KIND_BLOB_REF
+    )
+    out: list[Any] = []
+    for kind, payload, *_ in reader.tuples():
+        if kind == KIND_BLOB:
+            out.append(str(payload[digest:], "utf-8"))
+        elif kind == KIND_TURN:
+            out.append(decode(payload))
+    return out
+
+
+def framed_save_floor(path: Path, blobs: list[str], frames: list[tuple[int, bytes]]) -> None:
+    """The least work any writer of a version-2 snapshot must do, in pure Python, with every
+    turn record already built: encode each blob's text and frame it, pack each turn record
+    (msgpack, as the library does) and frame it and every other record, and write it all to
+    a new file with one writev (no temporary file, rename or fsync; past `IOV_PARTS` parts,
+    with one write of the parts joined)."""
+    pack = msgpack.Packer(use_bin_type=True, unicode_errors="surrogatepass").pack
+    parts: list[bytes] = [framing.MAGIC_V2]
+    chain, texts = 0, iter(blobs)
+    for kind, payload in frames:
+        if kind == KIND_BLOB:
+            data = next(texts).encode("utf-8", "surrogatepass")
+            blob, chain = framing.encode_blob_frame(
+                kind, payload[: framing.DIGEST_SIZE], data, chain
+            )
+            parts += blob
+        else:
+            if kind == KIND_TURN:
+                payload = pack(payload)
+            frame, chain = framing.encode_frame(kind, payload, chain)
+            parts.append(frame)
+    data = b"".join(parts) if len(parts) > IOV_PARTS else None  # --turns beyond IOV_MAX
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        written = os.writev(fd, parts) if data is None else os.write(fd, data)
+        total = sum(map(len, parts))
+        if written < total:  # a short write (never seen for a regular file): the rest
+            rest = memoryview(b"".join(parts))[written:]
+            while rest:
+                rest = rest[os.write(fd, rest) :]
+    finally:
+        os.close(fd)
+
+
 def speed_cases(graph: RolloutGraph, path: Path, floor_path: Path, blobs: list[str]) -> dict:
     """The timed cases of `measure_speed`: (fn, untimed setup) by name."""
     packed = msgpack.packb(blobs, use_bin_type=True)
+    graph.save(path)
+    # the records of the file as the save floor packs them: turn records decoded (built)
+    decode = msgspec.msgpack.Decoder(storage.TurnRecord).decode
+    frames: list[tuple[int, Any]] = [
+        (kind, decode(payload) if kind == KIND_TURN else payload)
+        for kind, payload in file_frames(path)
+    ]
+    save_floor_path = floor_path.with_suffix(".framed")
 
     def save_no_fsync() -> None:
         real = os.fsync
@@ -169,15 +245,23 @@ def speed_cases(graph: RolloutGraph, path: Path, floor_path: Path, blobs: list[s
     def unlink_floor() -> None:
         floor_path.unlink(missing_ok=True)
 
+    def unlink_save_floor() -> None:
+        save_floor_path.unlink(missing_ok=True)
+
     return {
         "packb_s": (lambda: msgpack.packb(blobs, use_bin_type=True), None),
         "unpackb_s": (lambda: msgpack.unpackb(packed, raw=False), None),
         "save_s": (lambda: graph.save(path), unlink),
         "save_no_fsync_s": (save_no_fsync, unlink),
         "packb_write_s": (packb_write, unlink_floor),
+        "framed_save_floor_s": (
+            lambda: framed_save_floor(save_floor_path, blobs, frames),
+            unlink_save_floor,
+        ),
         # the save and packb_write cases above leave these two files in place
         "load_s": (lambda: RolloutGraph.load(path), None),
         "read_unpackb_s": (read_unpackb, None),
+        "checked_load_floor_s": (lambda: checked_load_floor(path), None),
     }
 
 
@@ -199,6 +283,10 @@ def measure_speed(graph: RolloutGraph, tmp: Path) -> dict:
         "load_over_unpackb": best["load_s"] / best["unpackb_s"],
         "save_no_fsync_over_packb_write": best["save_no_fsync_s"] / best["packb_write_s"],
         "load_over_read_unpackb": best["load_s"] / best["read_unpackb_s"],
+        "save_floor_over_packb_write": best["framed_save_floor_s"] / best["packb_write_s"],
+        "save_no_fsync_over_save_floor": best["save_no_fsync_s"] / best["framed_save_floor_s"],
+        "load_floor_over_read_unpackb": best["checked_load_floor_s"] / best["read_unpackb_s"],
+        "load_over_load_floor": best["load_s"] / best["checked_load_floor_s"],
     }
 
 
@@ -457,6 +545,19 @@ def print_speed(speed: dict) -> None:
     print(
         f"  read the file + unpackb             {_ms(speed['read_unpackb_s'])}"
         f"   load is {speed['load_over_read_unpackb']:.2f}x this"
+    )
+    print(
+        "  pure-Python floors of this format (labelled floors, not targets; see their docstrings):"
+    )
+    print(
+        f"  framed save floor, records built    {_ms(speed['framed_save_floor_s'])}"
+        f"   {speed['save_floor_over_packb_write']:.2f}x packb + write;"
+        f" save (os.fsync a no-op) is {speed['save_no_fsync_over_save_floor']:.2f}x this"
+    )
+    print(
+        f"  checked load floor, no turn built   {_ms(speed['checked_load_floor_s'])}"
+        f"   {speed['load_floor_over_read_unpackb']:.2f}x read + unpackb;"
+        f" load is {speed['load_over_load_floor']:.2f}x this"
     )
     print(
         "  (cases interleaved per round; gc.collect() before each; each save writes a new file,"

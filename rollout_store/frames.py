@@ -145,9 +145,17 @@ def blob_frame(digest: bytes, data: bytes) -> list[bytes]:
     return [FRAME.pack(KIND_BLOB, length, hasher.intdigest()), prefix, data]
 
 
+#: First buffer of the packer `pack` makes (it grows as a record needs): msgpack's default,
+#: 256 KiB, makes a packer for a record of a few hundred bytes cost half as much again.
+_PACK_BUFFER = 1024
+
+
 def pack(obj: Any) -> bytes:
     # record fields are str (node ids, model names) that may hold lone surrogates
-    packed: bytes = msgpack.packb(obj, use_bin_type=True, unicode_errors="surrogatepass")
+    packer = msgpack.Packer(
+        use_bin_type=True, unicode_errors="surrogatepass", buf_size=_PACK_BUFFER
+    )
+    packed: bytes = packer.pack(obj)
     return packed
 
 

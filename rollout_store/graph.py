@@ -254,6 +254,14 @@ class Graph:
                 self._closed = True
                 journal.close()
 
+    def drop_caches(self) -> None:
+        """Let go of what only speeds up the next turn of a conversation (its tips, see
+        `confirm`, and the raw texts of tool lists it has seen): that turn then confirms what
+        it re-sends by hashing all of it. The turns, their links and every query are
+        unchanged (a capture server calls this for sessions left idle)."""
+        with self._lock:
+            self._requests.drop_caches()
+
     def __enter__(self) -> Graph:
         return self
 

@@ -17,6 +17,7 @@ from .blobs import BlobTable
 from .confirm import (
     CHUNK_HIGH,
     HOLE_MIN,
+    TIP_MIN_BYTES,
     WINDOW,
     Hole,
     Probe,
@@ -409,7 +410,6 @@ class RequestStore:
     __slots__ = (
         "_canonical",
         "_encoder",
-        "_last",
         "_lengths",
         "_pack_plain",
         "_plain_limit",
@@ -447,12 +447,18 @@ class RequestStore:
         # stored form and item count: a capture server re-sends the same tools text each
         # call, taken then without decoding or packing it (`shared_value`)
         self.raw_shared: dict[bytes | str, tuple[Any, int | None]] = {}
-        # the latest turn filed: the base `_continuation` tries first (most turns continue
-        # the turn just before them)
-        self._last: Turn | None = None
 
     def reset_packer(self) -> None:
         self._pack_plain = new_packer()
+
+    def drop_caches(self) -> None:
+        """Let go of the tips, decoded and raw (a BLAKE3 state of about 2 KB each), and of
+        the raw texts of shared values remembered (`raw_shared`): they only spare the next
+        turn hashing again what it re-sends, or decoding a tool list again."""
+        self.raw_tips = RawTips()
+        if self.tips is not None:
+            self.tips = Tips()
+        self.raw_shared = {}
 
     # ------------------------------------------------------------------ intake
 
@@ -762,18 +768,21 @@ class RequestStore:
         self, rest: list[Any], pack: Callable[[Any], bytes]
     ) -> tuple[Probe, Turn] | None:
         """A probe of `rest` and its base when `rest` re-sends the request of the latest turn
-        filed, then its response exactly, then new messages, and no longer stored request
-        (no twin either) is among its prefixes: what `Probe` and `_base` would find, for
-        less. None when any of that is not so (or something needs the validating walk)."""
-        last = self._last
-        # (not a turn whose record may be kept in a store: `is_echo` asks that one)
+        filed under a new key, then its response exactly, then new messages, and no longer
+        stored request (no twin either) is among its prefixes: what `Probe` and `_base` would
+        find, for less. None when any of that is not so (or something needs the validating
+        walk). Most turns continue the turn just before them: the index's last entry (a dict
+        keeps insertion order), so no reference of its own is kept."""
+        index = self.request_index
+        last = next(reversed(index.values()), None)
+        # not a bucket of twins (`_base` picks among them), nor a turn whose record may be
+        # kept in a store (`is_echo` asks that one)
         if last is None or last.__class__ is not Turn or last.flags & _NOT_CONTINUED:
             return None
         base: Turn = last
         b, n = base.n_rest, len(rest)
         if not b < n or not base.flags & _HAS_RESPONSE:
             return None
-        index = self.request_index
         try:
             echo = pack(rest[b])
             if echo != base.response:  # the cheap test first: mostly another conversation
@@ -948,6 +957,11 @@ class RequestStore:
             earlier = self._chain_holes(base) if base is not None else []
             if earlier is None:
                 return None
+            size = sum(
+                len(text) for _, found_holes in (*earlier, *found) for _, text in found_holes
+            )
+            if size < TIP_MIN_BYTES:  # hashed again at no measurable cost: no state kept
+                return None
             holes = earlier
             hollow = hollow_hasher(probe.messages, start, earlier, self._pack_plain)
             if hollow is None:
@@ -1044,7 +1058,6 @@ class RequestStore:
         lengths = self._lengths
         if n >> 3 >= len(lengths) or not lengths[n >> 3] >> (n & 7) & 1:
             mark_length(lengths, n)
-        self._last = turn
 
     def note_parent(self, turn: Turn) -> None:
         """`turn` got its first child (a bucket of identical requests lists its parents)."""

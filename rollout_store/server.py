@@ -83,7 +83,8 @@ MAX_BODY_BYTES = 64 << 20
 UPSTREAM_TIMEOUT = 600.0
 #: Seconds a streaming client waits for the upstream before keep-alive comments begin.
 STREAM_KEEPALIVE = 10.0
-#: Seconds after which an unused session over a log lets its graph go (reopened on use).
+#: Seconds after which an unused session over a log lets its graph go (reopened on use), or
+#: one in memory only lets its graph's caches go.
 IDLE_SECONDS = 600.0
 
 # Request fields that are not parameters of the call (the rest are recorded as sampling_params).
@@ -939,7 +940,8 @@ def create_app(
     not say. `stream_keepalive`: seconds before a streaming client that is still waiting
     gets SSE comments (and then an error event rather than a status if the call fails).
     `idle_seconds`: with `data`, a session unused this long lets its graph go (its log keeps
-    everything; the next use reopens it); 0 keeps every graph open.
+    everything; the next use reopens it); without, its graph lets its caches go (the tips
+    that spare its next turn hashing what it re-sends, about 2 KB); 0 keeps everything.
     """
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be positive")
@@ -960,14 +962,17 @@ def create_app(
     sessions = Sessions(data, fsync=fsync, open_mode=open_mode, store=store, cache=cache)
     server = _Server(config, sessions)
 
+    # over a log an idle session lets its graph go; in memory only its graph's caches
+    release = sessions.release_idle if data is not None else sessions.drop_idle_caches
+
     async def sweep() -> None:
         while True:
             await asyncio.sleep(min(idle_seconds / 4, 30.0))
-            await anyio.to_thread.run_sync(sessions.release_idle, idle_seconds)
+            await anyio.to_thread.run_sync(release, idle_seconds)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        sweeper = asyncio.ensure_future(sweep()) if data is not None and idle_seconds else None
+        sweeper = asyncio.ensure_future(sweep()) if idle_seconds else None
         try:
             yield
         finally:
@@ -1057,7 +1062,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--idle-seconds",
         type=float,
         default=IDLE_SECONDS,
-        help="with --data: a session unused this long is closed until its next call (0: never)",
+        help="a session unused this long is closed until its next call (with --data), or "
+        "lets its caches go (without); 0: never",
     )
     parser.add_argument(
         "--no-token-capture",

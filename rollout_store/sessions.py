@@ -67,6 +67,7 @@ class Session:
     users: int = 0
     _graph: RolloutGraph | None = None
     _counts: dict[str, Any] | None = None
+    _cold: bool = False  # its graph's caches were let go while it was idle
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -87,6 +88,7 @@ class Session:
         """The graph, held: an idle sweep does not let it go while it is in use."""
         with self._lock:
             self.users += 1
+            self._cold = False
         try:
             yield self.graph
         finally:
@@ -107,6 +109,17 @@ class Session:
             self._counts = _counts(graph)
             self._graph = None
         graph.close()
+        return True
+
+    def drop_caches_if_idle(self, idle_seconds: float) -> bool:
+        """Let the graph's caches go (see `RolloutGraph.drop_caches`) if unused for
+        `idle_seconds`: a session that has no log to reopen its graph from keeps the graph."""
+        with self._lock:
+            graph = self._graph
+            if graph is None or self.users or self._cold or self.idle_seconds < idle_seconds:
+                return False
+            self._cold = True
+        graph.drop_caches()
         return True
 
     def close(self) -> None:
@@ -367,3 +380,8 @@ class Sessions:
         if self.data is None:
             return 0
         return sum(session.release_if_idle(idle_seconds) for session in self.all())
+
+    def drop_idle_caches(self, idle_seconds: float) -> int:
+        """Let go of the caches of the graphs of sessions unused for `idle_seconds` (what a
+        server without a data directory does for idle sessions: their graphs stay)."""
+        return sum(session.drop_caches_if_idle(idle_seconds) for session in self.all())

@@ -284,6 +284,56 @@ class _Writer:
         frames.append(self.frame(KIND_TURN, pack(list(record)), chain))
         return frames, partial(self._commit, chain, entry.blobs_end, new_values, refs, turn)
 
+    def write_snapshot(self, blobs: BlobTable, entries: list[JournalEntry], out: _Gather) -> None:
+        """Every turn's frames (version 2) into `out`, doing what `turn_frames` and its commit
+        do for each, in one loop: a snapshot is written whole or not at all (its temporary
+        file is dropped on error), so no turn needs undoing. References are counted in the
+        end record."""
+        chain = [self.chain]
+        known, objects, refs = self.values, self.value_objects, self.refs
+        encode, encode_blob = framing.encode_frame, framing.encode_blob_frame
+        record_of, note_runs, parts = self._record, self.note_runs, out.parts
+        string, handle_of, inline = blobs.string, blobs.handle, self.blobs_mode == BLOBS_INLINE
+        values: list[int | None] = [None, None, None, None]
+        last_side: TurnSide | None = None  # whose shared values `values` holds
+        prev, written = self.chain, self.blobs_written
+        for entry in entries:
+            turn, end = entry.turn, entry.blobs_end
+            if end > written:
+                if inline:
+                    for index in range(written, end):
+                        data = string(index).encode("utf-8", "surrogatepass")
+                        blob, prev = encode_blob(KIND_BLOB, handle_of(index).digest, data, prev)
+                        parts += blob
+                        out.size += len(data)
+                else:
+                    chain[0] = prev
+                    parts += self.blob_frames(blobs, end, chain)
+                    prev = chain[0]
+                written = self.blobs_written = end
+            side = turn.side
+            if side is not last_side:  # (turns alike share one side: most share the last one)
+                last_side = side
+                for i, stored in enumerate(
+                    (side.system, side.tools, side.sampling, side.requested)
+                ):
+                    ordinal = None
+                    if stored is not None:
+                        ordinal = known.get(id(stored))
+                        if ordinal is None:
+                            ordinal = known[id(stored)] = len(objects)
+                            objects.append(stored)
+                            value, prev = encode(KIND_VALUE, pack(stored), prev)
+                            parts.append(value)
+                    values[i] = ordinal
+            record, prev = encode(KIND_TURN, pack(list(record_of(entry, values, refs))), prev)
+            parts.append(record)
+            if turn.prompt is not None or turn.full is not None:
+                note_runs(turn)
+            if len(parts) >= out.MAX_PARTS or out.size >= out.MAX_BYTES:
+                out.flush()
+        self.chain = prev
+
     def _value_ref(
         self, stored: bytes | None, new: list[bytes], frames: list[bytes], chain: list[int]
     ) -> int | None:
@@ -309,7 +359,7 @@ class _Writer:
         parent, base, side = turn.parent, turn.base, turn.side
         parent_index = parent.index if parent is not None and parent.index < turn.index else None
         logprobs, sampled = side.logprobs, side.sampled
-        if sampled is PACKED or logprobs is PACKED:  # kept in the side's PackedPrompt
+        if sampled is PACKED or logprobs is PACKED:  # kept in the turn's PackedPrompt
             logprobs, sampled = turn.logprobs, turn.sampled
         if isinstance(logprobs, array):
             logprobs = encode_segment(logprobs)
@@ -328,7 +378,7 @@ class _Writer:
             turn.response,
             values[1],
             values[2],
-            None if side.prompt is None else self._prompt_spec(turn),
+            None if turn.prompt is None else self._prompt_spec(turn),
             None if sampled is None else encode_segment(sampled),
             logprobs,
             entry.keys,  # a NamedTuple: packed as an array
@@ -380,7 +430,9 @@ class _Gather:
     buffer, and no system call per part."""
 
     MAX_PARTS = 512  # below every system's IOV_MAX
-    MAX_BYTES = 8 << 20
+    # written and freed by the MiB: the encoded text's memory is reused from one batch to the
+    # next instead of faulted in afresh for the whole file, and a save holds about 1 MiB of it
+    MAX_BYTES = 1 << 20
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -398,6 +450,9 @@ class _Gather:
         while done < n:
             batch = parts[done : done + self.MAX_PARTS]
             written = os.writev(self.fd, batch)
+            if written == sum(map(len, batch)):  # mostly: the whole batch at once
+                done += len(batch)
+                continue
             for part in batch:
                 size = len(part)
                 if written < size:
@@ -440,11 +495,7 @@ def save(graph: Graph, path: str | os.PathLike[str], *, blobs: str = "inline") -
         out = _Gather(fp.fileno())
         out.add([writer.header(graph, MODE_SNAPSHOT)])
         entries = graph.journal_entries()
-        for entry in entries:
-            # references are counted in the end record of a snapshot
-            frames, commit = writer.turn_frames(graph.blobs, entry)
-            out.add(frames)
-            commit()
+        writer.write_snapshot(graph.blobs, entries, out)
         references = list(graph.blobs.mark()[1:])
         end = {"turns": len(entries), "blobs": len(graph.blobs), "references": references}
         out.add([writer.frame(KIND_END, pack(end), [writer.chain])])
@@ -676,7 +727,7 @@ class _Loader:
         restore = self.restore
         restore.commit(turn, IndexKeys(keys[0], keys[1], keys[2], keys[3]), moves)
         self.ids.add(node_id)
-        if side.prompt is not None or side.full is not None:
+        if turn.prompt is not None or turn.full is not None:
             self.writer.note_runs(turn)
         for stored, plain in self.unfiled:  # the values it brought, found again from now on
             restore.add_value(stored, plain)
@@ -786,14 +837,14 @@ class _Loader:
 
     def _tokens(self, turn: Turn, side: TurnSide, record: TurnRecord, n_blobs: int) -> None:
         """Prompt, sampled ids and logprobs (packed if tagged "j": LOGPROBS_PACKED)."""
-        prompt = side.prompt = self._prompt(record.prompt)
+        prompt = turn.prompt = self._prompt(record.prompt)
         sampled = record.sampled
         if sampled is not None:
             sampled = _segment(sampled)
             if not (type(sampled) is tuple or sampled.typecode in "Iq"):
                 raise ValueError("bad sampled ids")
         side.sampled = sampled
-        side.full = full_run(prompt, sampled)
+        turn.full = full_run(prompt, sampled)
         logprobs = record.logprobs
         if logprobs is not None:
             if len(logprobs) != 2:
@@ -815,9 +866,9 @@ class _Loader:
             and packable(prompt.seg, sampled, side.logprobs)
         ):  # as add_turn keeps it: new ids, sampled ids and logprobs in one object
             packed = PackedPrompt(prompt.prev, prompt.seg, sampled, side.logprobs)
-            side.prompt = packed
-            side.full = PackedFull(packed) if sampled is not None and len(sampled) else packed
-            side.sampled = side.logprobs = PACKED
+            turn.pack_tokens(
+                packed, PackedFull(packed) if sampled is not None and len(sampled) else packed
+            )
 
     def _moves(self, turn: Turn, moves: list[tuple[int, int]]) -> list[tuple[Turn, LinkKind]]:
         """Earlier turns that this one re-linked under itself."""

@@ -159,19 +159,19 @@ _LINK_KINDS = tuple(LinkKind)
 
 
 class TurnSide:
-    """What a turn holds besides its place and its request: the scalar fields, the shared
-    packed values and the token fields.
+    """What a turn holds besides its place, its request and its token runs: the scalar
+    fields, the shared packed values, the sampled ids and the logprobs (`PACKED` when its
+    prompt holds them: see `Turn.pack_tokens`).
 
-    Turns without token ids have equal sides, mostly (one model, one session, one system
-    prompt, one tool list): the graph interns those at commit, and an interned side is
-    `shared` and never changed again (a `Turn` setter copies it first).
+    Turns have equal sides, mostly (one model, one session, one system prompt, one tool
+    list; sampled ids and logprobs packed in the prompt, or none): the graph interns those at
+    commit, and an interned side is `shared` and never changed again (a `Turn` setter copies
+    it first).
     """
 
     __slots__ = (
-        "full",
         "logprobs",
         "meta",
-        "prompt",
         "requested",
         "sampled",
         "sampling",
@@ -186,9 +186,7 @@ class TurnSide:
         self.tools: bytes | None = None
         self.sampling: bytes | None = None
         self.requested: bytes | None = None  # requested_sampling_params
-        self.prompt: TokenRun | None = None
         self.sampled: Any = None  # array | tuple | None
-        self.full: TokenRun | None = None  # prompt + sampled, what a child's prompt extends
         self.logprobs: Any = None  # array('d') | packed bytes | None
         self.shared = False
 
@@ -196,12 +194,12 @@ class TurnSide:
         side = TurnSide()
         side.meta, side.system, side.tools = self.meta, self.system, self.tools
         side.sampling, side.requested = self.sampling, self.requested
-        side.prompt, side.sampled, side.full = self.prompt, self.sampled, self.full
-        side.logprobs = self.logprobs
+        side.sampled, side.logprobs = self.sampled, self.logprobs
         return side
 
     def same_as(self, other: TurnSide) -> bool:
-        """Whether this side holds the very objects `other` holds, and no token ids."""
+        """Whether this side holds the very objects `other` holds, and no token ids of its
+        own (a packed turn's are in its prompt)."""
         return (
             self.meta is other.meta
             and self.system is other.system
@@ -210,21 +208,20 @@ class TurnSide:
             and self.requested is other.requested
             and self.sampled is other.sampled
             and self.logprobs is other.logprobs
-            and self.prompt is None
-            and other.prompt is None
-            and self.full is None
-            and other.full is None
+            and _no_ids_of_its_own(self.sampled)
+            and _no_ids_of_its_own(self.logprobs)
         )
 
     def sharing_key(self) -> tuple[Any, ...] | None:
-        """What makes sides interchangeable, for one without token ids (None: has some).
-        Empty token segments are never mutated, so one stands for any of its kind."""
-        if self.prompt is not None or self.full is not None:
-            return None
+        """What makes sides interchangeable, for one without token ids of its own (None: has
+        some). Empty token segments are never mutated, so one stands for any of its kind; a
+        packed turn's are in its prompt (`PACKED` here)."""
         shape = []
         for segment in (self.sampled, self.logprobs):
             if segment is None:
                 shape.append("none")
+            elif segment is PACKED:
+                shape.append("packed")
             elif type(segment) is array and not segment:
                 shape.append(segment.typecode)
             elif type(segment) is tuple and not segment:
@@ -265,56 +262,71 @@ class _Packed:
         return "PACKED"
 
 
-#: What a side holds for sampled ids and logprobs that its `PackedPrompt` holds.
+#: What a side holds for sampled ids and logprobs that its turn's `PackedPrompt` holds.
 PACKED: Any = _Packed()
 
 
-def _unpack(side: TurnSide) -> None:
-    """Sampled ids and logprobs kept in the side's `PackedPrompt` moved into the side, as
-    fresh arrays (before any token field of the side changes)."""
+def _no_ids_of_its_own(segment: Any) -> bool:
+    """A side's sampled ids or logprobs that other turns may share: none, its turn's prompt's
+    (`PACKED`) or an empty segment (never mutated)."""
+    return segment is None or segment is PACKED or (type(segment) in (array, tuple) and not segment)
+
+
+def _unpack(turn: Turn) -> TurnSide:
+    """The turn's own side, holding its sampled ids and logprobs: a packed turn's moved there
+    from its `PackedPrompt` (as fresh arrays), before either changes."""
+    side = turn.side
+    if side.shared:
+        side = turn.side = side.copy()
     if side.sampled is PACKED:
-        prompt: PackedPrompt = side.prompt  # type: ignore[assignment]
+        prompt: PackedPrompt = turn.prompt  # type: ignore[assignment]
         side.sampled, side.logprobs = prompt.sampled(), prompt.logprobs()
+    return side
 
 
 def _token_property(name: str, doc: str) -> Any:
-    """A `Turn` token field kept in its side; sampled ids and logprobs marked `PACKED` there
-    are read from its `PackedPrompt` (as fresh arrays)."""
+    """A `Turn` token field kept in its side; marked `PACKED` there, it is read from the
+    turn's `PackedPrompt` (as a fresh array)."""
     field = getattr(TurnSide, name)  # the slot's descriptor
-    read = {"sampled": PackedPrompt.sampled, "logprobs": PackedPrompt.logprobs}.get(name)
+    read = {"sampled": PackedPrompt.sampled, "logprobs": PackedPrompt.logprobs}[name]
 
     def get(turn: Turn) -> Any:
-        side = turn.side
-        value = field.__get__(side)
-        if value is PACKED and read is not None:
-            return read(side.prompt)  # type: ignore[arg-type]
+        value = field.__get__(turn.side)
+        if value is PACKED:
+            return read(turn.prompt)  # type: ignore[arg-type]
         return value
 
     def set_(turn: Turn, value: Any) -> None:
-        side = turn.side
-        if side.shared:
-            side = turn.side = side.copy()
-        _unpack(side)
-        field.__set__(side, value)
+        field.__set__(_unpack(turn), value)
 
-    # prompt and full are never PACKED: read at C speed, as the side properties are (they are
-    # read several times on every turn)
-    return property(get if read is not None else attrgetter(f"side.{name}"), set_, doc=doc)
+    return property(get, set_, doc=doc)
 
 
 class Turn:
     """The stored form of a turn: references and packed bytes only.
 
-    Kept small, since a graph holds one per turn (8 slots): the id is derived from the index
+    Kept small, since a graph holds one per turn (10 slots): the id is derived from the index
     unless the caller chose another (`ident`); a single child is held bare; the link kind is
     two bits of `flags`; the tail, the response, the request's digest, its index key and its
     message count are one bytes object (`data`); the scalar fields, shared values and token
     fields are a
-    `TurnSide`, one for every turn alike. All of them read and write through properties of
-    the names they had as fields.
+    `TurnSide`, one for every turn alike; its token runs (`prompt`, and `full`: prompt +
+    sampled) are its own slots, so turns alike but for their tokens share a side. All of
+    them read and write through properties of the names they had as fields.
     """
 
-    __slots__ = ("base", "data", "flags", "ident", "index", "kids", "parent", "side")
+    __slots__ = (
+        "base",
+        "data",
+        "flags",
+        "full",
+        "ident",
+        "index",
+        "kids",
+        "parent",
+        "prompt",
+        "side",
+    )
 
     ident: str | None  # the node id when it is not the default `turn-{index}`
     index: int
@@ -325,21 +337,29 @@ class Turn:
     # tail, response, digest, index key, n_rest (see the properties of those names)
     data: bytes
     side: TurnSide
+    prompt: TokenRun | None  # prompt token runs, if any
+    # prompt + sampled, what a child's prompt extends (the prompt when nothing was sampled)
+    full: TokenRun | None
 
     def __init__(self) -> None:
         self.data = _NO_REQUEST
         self.ident = None
         self.kids = None
+        self.prompt = self.full = None
         self.side = TurnSide()  # its own until the graph finds one alike (see TurnSide)
 
     def pack_tokens(self, prompt: PackedPrompt, full: TokenRun) -> None:
         """Set the token fields to a `PackedPrompt` that holds the sampled ids and logprobs
-        too, and `full` (a `PackedFull` over it, or the prompt when nothing was sampled)."""
+        too, and `full` (a `PackedFull` over it, or the prompt when nothing was sampled).
+
+        While its side says `PACKED`, its sampled ids and logprobs are its prompt's: setting
+        either moves them into a side of its own first, and its prompt is not changed after
+        this."""
         side = self.side
         if side.shared:
             side = self.side = side.copy()
-        side.prompt, side.full = prompt, full
         side.sampled = side.logprobs = PACKED
+        self.prompt, self.full = prompt, full
 
     # -- identity, link and children
 
@@ -584,9 +604,7 @@ class Turn:
     requested: _SideField[bytes | None] = _side_property(
         "requested", "Packed requested_sampling_params, shared."
     )
-    prompt: _SideField[TokenRun | None] = _token_property("prompt", "Prompt token runs, if any.")
     sampled: _SideField[Any] = _token_property("sampled", "Sampled ids: array | tuple | None.")
-    full: _SideField[TokenRun | None] = _token_property("full", "prompt + sampled, if any.")
     logprobs: _SideField[Any] = _token_property("logprobs", "array('d') | packed bytes | None.")
 
     def share_values(

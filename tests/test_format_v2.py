@@ -1025,3 +1025,46 @@ def test_a_repeated_node_id_is_refused_at_its_record(tmp_path: Path, ids: list[s
     assert recovered.node_ids() == ids[:-1]
     ok = crafted_v2(tmp_path, [(3, turn_record(node_id=n)) for n in ["turn-1", "turn-0"]])
     assert RolloutGraph.load(ok).node_ids() == ["turn-1", "turn-0"]
+
+
+_REFS = storage.TurnRecord._fields.index("refs")
+
+
+def _comparable(records: list[tuple[int, bytes]]) -> list[tuple[int, object]]:
+    """A file's records but its header and end record, each turn record's reference counts
+    blanked (a log counts them per turn, a snapshot in its end record)."""
+    out: list[tuple[int, object]] = []
+    for kind, payload in records[1:]:
+        if kind == frames.KIND_TURN:
+            body = frames.unpack_payload(payload)
+            body[_REFS] = None
+            out.append((kind, body))
+        elif kind != frames.KIND_END:
+            out.append((kind, payload))
+    return out
+
+
+@pytest.mark.parametrize("threshold", [8, 1024])
+def test_a_snapshot_holds_the_records_that_appending_its_turns_writes(
+    tmp_path: Path, threshold: int
+) -> None:
+    """save() makes a snapshot's frames in a loop of its own; its records are those that
+    appending the same turns one by one writes: the same blobs and values in the same order,
+    prompts referred back to the same turns, the same turn records."""
+    log, snap = tmp_path / "log.rls", tmp_path / "snap.rls"
+    with RolloutGraph.open(log, share_threshold=threshold, fsync="never") as graph:
+        build_rollout(graph, turns=4)
+        small = small_graph()
+        for node_id in small.node_ids():
+            node = small.get(node_id)
+            graph.add_turn(
+                TurnNode(
+                    node_id=f"small-{node_id}",
+                    request_messages=node.request_messages,
+                    sampling_params=node.sampling_params,
+                )
+            )
+        graph.save(snap)
+    logged, saved = _records_of(log.read_bytes()), _records_of(snap.read_bytes())
+    assert sum(kind == frames.KIND_TURN for kind, _ in saved) == len(graph)
+    assert _comparable(saved) == _comparable(logged)

@@ -506,3 +506,30 @@ def test_a_raw_tools_text_stored_before_is_not_decoded_again(
         graph.add_turn(TurnNode(request_messages=[], request_tools=RawJSON(text[:-1])))
     assert err.value.path == "request_tools"
     assert graph.node_ids() == ids
+
+
+def test_dropped_caches_cost_a_raw_conversation_nothing_but_speed() -> None:
+    from rollout_store import RolloutGraph, TurnNode
+
+    graph = RolloutGraph()
+    tools = [{"type": "function", "function": {"name": "click", "description": "x " * 200}}]
+    history: list[Any] = [{"role": "user", "content": "q0"}]
+    for i in range(3):
+        response = {"role": "assistant", "content": f"a{i}"}
+        graph.add_turn(
+            TurnNode(
+                request_messages=RawJSON(json.dumps(history).encode()),
+                request_tools=RawJSON(json.dumps(tools).encode()),
+                response_message=response,
+            )
+        )
+        history = [*history, response, {"role": "user", "content": f"q{i + 1}"}]
+        if i == 1:  # the conversation's tip and its tool list's text are remembered: let go
+            assert graph._requests.raw_tips._order and graph._requests.raw_shared
+            graph.drop_caches()
+            assert not graph._requests.raw_tips._order and not graph._requests.raw_shared
+    ids = graph.node_ids()
+    assert graph.parent(ids[2]) == ids[1] and graph.link_kind(ids[2]) == "messages"
+    assert graph._requests.raw_tips._order  # the turn after leaves a tip again
+    assert json.dumps(graph.request_messages(ids[2])) == json.dumps(history[:-2])
+    assert json.dumps(graph.get(ids[2]).request_tools) == json.dumps(tools)

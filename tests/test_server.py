@@ -634,6 +634,31 @@ def test_an_idle_session_lets_its_graph_go_and_reopens_on_the_next_call(
         assert export(url, session["session_id"])["stats"]["n_turns"] == 2
 
 
+def test_an_idle_session_in_memory_lets_its_caches_go_and_links_as_before(stub: Any) -> None:
+    # no token ids: turns link by their messages, raw, and each leaves its conversation a tip
+    app = create_app(stub[0], idle_seconds=0.2, capture_tokens=False)
+    with serve_app(app) as url:
+        session = new_session(url)
+        sid = session["session_id"]
+        messages: list[Any] = [{"role": "user", "content": "first " * 200}]
+        reply = _openai(session).chat.completions.create(model="m", messages=messages)
+        graph, state = _graph(app, sid), app.state.sessions.get(sid)
+        tips = graph._requests.raw_tips  # the conversation's tip, a hashing state
+        assert tips._order
+        deadline = time.monotonic() + 10
+        while graph._requests.raw_tips is tips and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not graph._requests.raw_tips._order and state.loaded  # the graph stays
+        messages += [reply.choices[0].message.model_dump(exclude_none=True)]
+        messages += [{"role": "user", "content": "second"}]
+        _openai(session).chat.completions.create(model="m", messages=messages)
+        first, second = graph.node_ids()
+        assert graph.parent(second) == first and graph.link_kind(second) == "messages"
+        doc = export(url, sid)
+        assert doc["stats"]["n_turns"] == 2
+        assert json.dumps(graph.request_messages(second)) == json.dumps(messages)
+
+
 def test_serve_refuses_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
     from rollout_store.cli import main
 

@@ -4,6 +4,7 @@ shared values, token fields) for all turns alike; all behave as before."""
 
 from __future__ import annotations
 
+from array import array
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from rollout_store import (
     TurnNode,
     UnknownNodeError,
 )
+from rollout_store.tokens import PackedPrompt
 
 
 def _turns(graph: RolloutGraph) -> list:
@@ -100,7 +102,7 @@ def test_children_one_bare_several_as_a_tuple() -> None:
     assert graph.forks() == [(root.node_id, [first.node_id, second.node_id])]
 
 
-def test_turns_alike_share_one_side_and_token_turns_have_their_own() -> None:
+def test_turns_alike_share_one_side_and_token_turns_keep_their_own_tokens() -> None:
     graph = RolloutGraph()
     tools = [{"type": "function", "function": {"name": "f"}}]
     for fields in chat_turns(3):
@@ -118,12 +120,28 @@ def test_turns_alike_share_one_side_and_token_turns_have_their_own() -> None:
     assert graph.get(other.node_id).model == "another" and graph.get("turn-2").model is None
 
     tokens = RolloutGraph()
-    for fields in token_turns(3):
-        tokens.add_turn(TurnNode(**fields))
-    sides = [t.side for t in _turns(tokens)]
-    assert all(s is not None and not s.shared for s in sides) and len(set(map(id, sides))) == 3
-    assert tokens.get("turn-1").sampled_logprobs == token_turns(3)[1]["sampled_logprobs"]
-    assert tokens.get("turn-2").prompt_ids == token_turns(3)[2]["prompt_ids"]
+    fields = token_turns(4)
+    for turn_fields in fields:
+        tokens.add_turn(TurnNode(**turn_fields))
+    stored = _turns(tokens)
+    # continuations keep their packed token ids in the turn: alike otherwise, one side
+    assert all(type(t.prompt) is PackedPrompt for t in stored[1:]) and stored[1].side.shared
+    assert all(t.side is stored[1].side for t in stored[1:])
+    for k, turn_fields in enumerate(fields):
+        got = tokens.get(f"turn-{k}")
+        assert got.prompt_ids == turn_fields["prompt_ids"]
+        assert got.sampled_ids == turn_fields["sampled_ids"]
+        assert got.sampled_logprobs == turn_fields["sampled_logprobs"]
+    # a change to one turn's tokens is its own: its side is copied, the others keep theirs
+    changed = [-0.5] * len(fields[2]["sampled_ids"])
+    stored[2].logprobs = array("d", changed)
+    assert stored[2].side is not stored[1].side and not stored[2].side.shared
+    assert tokens.get("turn-2").sampled_logprobs == changed
+    assert tokens.get("turn-2").sampled_ids == fields[2]["sampled_ids"]
+    assert tokens.get("turn-2").prompt_ids == fields[2]["prompt_ids"]
+    assert stored[3].side is stored[1].side and type(stored[3].prompt) is PackedPrompt
+    assert tokens.get("turn-3").sampled_ids == fields[3]["sampled_ids"]
+    assert tokens.get("turn-1").sampled_logprobs == fields[1]["sampled_logprobs"]
 
 
 def test_a_shared_side_is_copied_before_a_change() -> None:

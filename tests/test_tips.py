@@ -16,6 +16,7 @@ from support import assert_same
 
 from rollout_store import InvalidValueError, RawJSON, RolloutGraph, TurnNode
 from rollout_store import confirm as confirm_module
+from rollout_store import requests as requests_module
 from rollout_store.confirm import HOLE_MIN, MAX_TIPS, WINDOW, holes_of, hollowed
 
 IMAGE = HOLE_MIN + 100  # long enough to be a hole
@@ -53,6 +54,36 @@ def _add_all(graph: RolloutGraph, turns: list[tuple[list[Any], dict[str, Any]]])
 
 def _tips(graph: RolloutGraph) -> Any:
     return graph._requests.tips  # the graph's tips, to check they are used
+
+
+@pytest.fixture(autouse=True)
+def _tips_from_the_first_hole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tips for every conversation with a long string, so these short images exercise them
+    (a graph keeps one only from TIP_MIN_BYTES of such strings on: see the tests below)."""
+    monkeypatch.setattr(requests_module, "TIP_MIN_BYTES", 0)
+
+
+def test_a_tip_is_kept_only_once_its_long_strings_are_worth_its_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(requests_module, "TIP_MIN_BYTES", 3 * IMAGE)
+    turns = _conversation(14, 1)
+    counts = []  # images (of IMAGE characters and a data URL's prefix) each request holds
+    graph = RolloutGraph()
+    tip_counts, ids = [], []
+    for messages, response in turns:
+        counts.append(json.dumps(messages).count("data:image/png"))
+        fresh = json.loads(json.dumps(messages))
+        view = graph.add_turn(TurnNode(request_messages=fresh, response_message=response))
+        ids.append(view.node_id)
+        tip_counts.append(len(_tips(graph)._by_turn))
+    assert counts[0] < 3 <= counts[-1]  # the conversation crosses the threshold
+    assert tip_counts == [0 if c < 3 else 1 for c in counts]
+    # and every turn is kept and linked as with a tip from the first image on
+    assert graph.path_ids(ids[-1]) == ids
+    for node_id, (messages, response) in zip(ids, turns, strict=True):
+        assert_same(graph.request_messages(node_id), messages)
+        assert_same(graph.get(node_id).response_message, response)
 
 
 def test_a_conversation_with_long_strings_continues_its_tip() -> None:
