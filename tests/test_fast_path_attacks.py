@@ -434,3 +434,46 @@ def test_a_request_changed_after_add_turn_changes_nothing_recorded() -> None:
     # an exact echo links its turn to the one before; a changed one (1.0) does not exactly
     assert graph.parent("turn-1") == "turn-0"
     assert graph.parent("turn-3") == "turn-2"
+
+
+_BAD = [{"k": b"bytes"}, {"k": {1, 2}}, {"k": object()}, {"k": bytearray(b"a")}, {"k": 1 + 2j}]
+
+
+@pytest.mark.parametrize("raw_tools", [False, True])
+@pytest.mark.parametrize("bad", _BAD, ids=[type(b["k"]).__name__ for b in _BAD])
+def test_a_bad_continuation_changes_no_graph_and_no_file(
+    tmp_path: Any, bad: dict[str, Any], raw_tools: bool
+) -> None:
+    """A request that continues the latest turn exactly but ends in a value JSON has no
+    form for is refused naming it, on the continuation path, and leaves the graph, its
+    remembered texts and its file as they were; the next good turn goes on as before."""
+    from rollout_store import InvalidValueError
+
+    path = tmp_path / "g.rls"
+    system, reply = {"role": "system", "content": "s"}, {"role": "assistant", "content": "r"}
+    first = [system, {"role": "user", "content": "q"}]
+    tools_text = json.dumps(_TOOLS)
+
+    def turn(messages: list[Any]) -> TurnNode:
+        tools = RawJSON(tools_text) if raw_tools else _TOOLS
+        return TurnNode(request_messages=messages, response_message=reply, request_tools=tools)
+
+    with RolloutGraph.open(path) as graph:
+        graph.add_turn(turn(first))
+        graph.add_turn(turn([*first, reply, {"role": "user", "content": "q1"}]))
+        continued = [*first, reply, {"role": "user", "content": "q1"}, reply]
+        size, ids = path.stat().st_size, graph.node_ids()
+        stats, known = graph.stats(), dict(graph._requests.raw_shared)
+        with pytest.raises(InvalidValueError) as err:
+            graph.add_turn(turn([*continued, bad]))
+        assert err.value.path.startswith("request_messages[5]")
+        assert path.stat().st_size == size
+        assert graph.node_ids() == ids and graph.stats() == stats
+        assert graph._requests.raw_shared == known
+        good = graph.add_turn(turn([*continued, {"role": "user", "content": "q2"}]))
+        assert good.parent_id == ids[-1]
+    with RolloutGraph.open(path) as graph:
+        assert len(graph) == 3
+        assert json.dumps(graph.request_messages(good.node_id)) == json.dumps(
+            [*continued, {"role": "user", "content": "q2"}]
+        )
