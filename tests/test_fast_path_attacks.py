@@ -477,3 +477,50 @@ def test_a_bad_continuation_changes_no_graph_and_no_file(
         assert json.dumps(graph.request_messages(good.node_id)) == json.dumps(
             [*continued, {"role": "user", "content": "q2"}]
         )
+
+
+# new messages as a client may spell them: duplicate keys (the last wins), NaN and
+# Infinity literals, ints past 64 bits, lone-surrogate escapes, -0.0, 1E400, odd spacing
+_ODD_TEXTS = [
+    '{"role": "user", "content": "a", "content": "b"}',
+    '{"role":"user","n":NaN,"m":-Infinity}',
+    '{"role": "user", "n": 123456789012345678901234567890}',
+    '{"role": "user", "content": "\\ud800 and \\udfff"}',
+    '{"role": "user", "n": -0.0, "m": 1E400, "k": 1.0, "t": true}',
+    '  {"role" : "user" ,\n "content" : [ ] , "x": {}}  ',
+]
+
+
+@pytest.mark.parametrize("odd", _ODD_TEXTS)
+def test_raw_continuations_of_odd_texts_decode_as_json_loads(odd: str) -> None:
+    """A raw conversation whose new messages are spelled oddly: each turn stores what
+    json.loads of its text gives (byte-identical under json.dumps) and links as with every
+    fast path off; a turn that then echoes one of them re-sends it as recorded."""
+    reply_text = '{"role": "assistant", "content": "r", "n": 1}'
+    pieces = ['{"role": "system", "content": "s"}', '{"role": "user", "content": "q"}']
+    texts = []
+    for k in range(4):
+        texts.append("[" + ", ".join(pieces) + "]")
+        pieces = [*pieces, reply_text, odd if k % 2 == 0 else '{"role": "user", "n": 2}']
+
+    def feed() -> RolloutGraph:
+        graph = RolloutGraph()
+        for text in texts:
+            graph.add_turn(
+                TurnNode(
+                    request_messages=RawJSON(text.encode()),
+                    response_message=json.loads(reply_text),
+                    prompt_ids=None,
+                    sampled_ids=None,
+                )
+            )
+        return graph
+
+    fast = feed()
+    with pytest.MonkeyPatch.context() as patch:
+        _usual_only(patch)
+        usual = feed()
+    assert _fingerprint(fast) == _fingerprint(usual)
+    for node_id, text in zip(fast.node_ids(), texts, strict=True):
+        assert_same_json(fast.request_messages(node_id), json.loads(text))
+    assert fast.parent("turn-3") == "turn-2"
