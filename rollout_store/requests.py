@@ -172,8 +172,12 @@ def _has_ext(packed: bytes) -> bool:
     return len(packed.translate(None, _NOT_JSON)) != len(packed)
 
 
-#: Raw texts of shared values remembered per graph (the oldest is dropped first).
+#: Raw texts of shared values remembered per graph (the least recently used is dropped first).
 MAX_RAW_SHARED = 16
+#: Longer raw texts are never remembered: a graph keeps each long string once, and a kept
+#: text would be a second copy of what it stands for; decoding such a text again is cheap
+#: next to its size.
+MAX_RAW_SHARED_TEXT = 16 * 1024
 
 
 class Scratch:
@@ -541,12 +545,19 @@ class RequestStore:
         if value is None:
             return None
         if type(value) is RawJSON:  # a text remembered so (see `raw_shared`)
-            return self.raw_shared[value.data][0]
+            stored, n_items = self.raw_shared[value.data]
+            if seen is not None:  # used again: remembered anew at commit, so kept longest
+                seen.append((value.data, stored, n_items))
+            return stored
         plain = self.plain(value)
         if plain is not None:  # the common case first: a value the graph holds already
             found = self.values.find(plain)
             if found is not None:
-                if type(given) is RawJSON and seen is not None:
+                if (
+                    type(given) is RawJSON
+                    and seen is not None
+                    and len(given.data) <= MAX_RAW_SHARED_TEXT
+                ):
                     seen.append((given.data, found, len(value) if type(value) is list else None))
                 return found
         return self._shared([value], path, [plain], pending, as_array=False)
@@ -554,9 +565,11 @@ class RequestStore:
     def remember_raw(self, seen: list[tuple[bytes | str, Any, int | None]]) -> None:
         """Remember each JSON text of `seen` as the stored shared value it decoded to (one
         committed before, so byte for byte the same text decodes to it again), with its item
-        count; the oldest texts are dropped past MAX_RAW_SHARED."""
+        count; a text used again moves to the end, and the least recently used texts are
+        dropped past MAX_RAW_SHARED."""
         known = self.raw_shared
         for text, stored, n_items in seen:
+            known.pop(text, None)
             known[text] = (stored, n_items)
         while len(known) > MAX_RAW_SHARED:
             del known[next(iter(known))]

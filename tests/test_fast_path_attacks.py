@@ -14,7 +14,7 @@ from support import assert_same_json, dumps_or_error
 
 from rollout_store import RawJSON, RolloutGraph, TurnNode
 from rollout_store.graph import Graph
-from rollout_store.requests import _NOT_FAST, MAX_RAW_SHARED, RequestStore
+from rollout_store.requests import _NOT_FAST, MAX_RAW_SHARED, MAX_RAW_SHARED_TEXT, RequestStore
 
 # ---------------------------------------------------------------- the usual path, as reference
 
@@ -330,17 +330,51 @@ def test_raw_texts_belong_to_their_graph() -> None:
         baseline = tracemalloc.get_traced_memory()[0]
         # the in-memory graph itself: the suite keeps every RolloutGraph for its round trip
         graph = Graph()
-        big = [{"name": "f", "description": "d" * 100} for _ in range(20_000)]  # ~2.5 MB
-        big_text = json.dumps(big).encode()
-        for i in range(2):
-            graph.add_turn(_tools_turn(i, RawJSON(big_text), _PARAMS))
-        assert big_text in graph._requests.raw_shared
-        del graph, big
+        texts = [  # as many texts as are remembered, each as long as is remembered
+            json.dumps([{"name": f"f{i}", "description": "d" * 100}] * 120).encode()
+            for i in range(MAX_RAW_SHARED)
+        ]
+        assert all(12 * 1024 < len(text) <= MAX_RAW_SHARED_TEXT for text in texts)
+        for i, text in enumerate(texts * 2):
+            graph.add_turn(_tools_turn(i, RawJSON(text), _PARAMS))
+        assert all(text in graph._requests.raw_shared for text in texts)
+        kept = sum(map(len, texts))
+        del graph
         gc.collect()
-        held = tracemalloc.get_traced_memory()[0] - baseline - len(big_text)
+        held = tracemalloc.get_traced_memory()[0] - baseline - kept
     finally:
         tracemalloc.stop()
     assert held < 64 * 1024, held
+
+
+def test_a_long_raw_text_is_not_kept_beside_what_it_stands_for() -> None:
+    """A raw text longer than MAX_RAW_SHARED_TEXT is decoded each time it comes and never
+    remembered: the graph keeps its value's long strings once, not a second copy in text."""
+    graph = RolloutGraph()
+    big = [{"name": "f", "description": "d" * 100} for _ in range(1_000)]  # ~120 KB
+    big_text = json.dumps(big).encode()
+    assert len(big_text) > MAX_RAW_SHARED_TEXT
+    for i in range(3):
+        view = graph.add_turn(_tools_turn(i, RawJSON(big_text), _PARAMS))
+        assert json.dumps(view.request_tools) == json.dumps(big)
+        assert view.n_tools == len(big)
+    assert big_text not in graph._requests.raw_shared
+
+
+def test_a_raw_text_used_again_is_kept_longest() -> None:
+    """The texts are dropped least recently used first: a text that every turn sends stays
+    remembered while MAX_RAW_SHARED others come and go."""
+    graph = RolloutGraph()
+    hot = json.dumps(_PARAMS, indent=2)
+    others = [json.dumps(_TOOLS, indent=k) for k in range(2 * MAX_RAW_SHARED)]
+    graph.add_turn(_tools_turn(-1, _TOOLS, _PARAMS))
+    for i, text in enumerate(others):
+        graph.add_turn(_tools_turn(i, RawJSON(text), RawJSON(hot)))
+        assert hot in graph._requests.raw_shared
+    assert len(graph._requests.raw_shared) == MAX_RAW_SHARED
+    assert others[0] not in graph._requests.raw_shared
+    for node_id in graph.node_ids():
+        assert json.dumps(graph.get(node_id).sampling_params) == json.dumps(_PARAMS)
 
 
 # ---------------------------------------------------------------- colliding blob digests
