@@ -54,6 +54,7 @@ __all__ = [
     "hollow_text",
     "text_holes",
     "mark_length",
+    "marked_between",
     "packed_hasher",
     "prefix_digest",
     "prefix_keys",
@@ -100,6 +101,23 @@ def mark_length(lengths: bytearray, n: int) -> None:
     if n >> 3 >= len(lengths):
         lengths.extend(bytes((n >> 3) + 1 - len(lengths)))
     lengths[n >> 3] |= 1 << (n & 7)
+
+
+def marked_between(lengths: bytearray, low: int, n: int) -> list[int]:
+    """The offsets j, lowest first, of the counts low + j strictly between `low` and `n`
+    that the bitmap `lengths` marks (see `mark_length`): mostly none. One int is cut from
+    the bitmap and its set bits taken lowest first, so the cost is that of the marks."""
+    if n - low < 2:
+        return []
+    first = (low + 1) >> 3
+    bits = int.from_bytes(lengths[first : (n >> 3) + 1], "little") >> (low + 1 - (first << 3))
+    bits &= (1 << (n - low - 1)) - 1
+    offsets = []
+    while bits:
+        bit = bits & -bits
+        bits ^= bit
+        offsets.append(bit.bit_length())  # bit b stands for the count low + 1 + b
+    return offsets
 
 
 def packed_hasher(messages: list[Any], low: int, pack: Callable[[Any], bytes], mean: int) -> Any:
@@ -197,18 +215,10 @@ class Probe:
                 digests.append(digest())
         else:  # digests only where a stored request may end, and at the end
             digests = [None] * (n + 1)
-            # the bitmap's bits from `low` to `n` as one int (bit 0: `low`)
-            first = low >> 3
-            bits = int.from_bytes(lengths[first : (n >> 3) + 1], "little") >> (low - (first << 3))
-            if bits & 1:
+            if low >> 3 < len(lengths) and lengths[low >> 3] >> (low & 7) & 1:
                 digests[low] = digest()
-            # boundaries strictly between `low` and `n`, lowest first: one update per digest
-            inner = (bits >> 1) & ((1 << (n - low - 1)) - 1) if n - low > 1 else 0
-            done = 0  # packings of `last` hashed so far
-            while inner:
-                bit = inner & -inner
-                inner ^= bit
-                j = bit.bit_length()  # boundary low + j
+            done = 0  # packings of `last` hashed so far: one update per digest
+            for j in marked_between(lengths, low, n):
                 update(join(last[done:j]))
                 done = j
                 digests[low + j] = digest()
@@ -281,15 +291,8 @@ class Probe:
         digests: list[bytes | None] = [None] * (n + 1)
         digests[low] = hasher.digest()
         update, join = hasher.update, b"".join
-        # counts strictly between `low` and `n` that stored requests have, as bits (mostly none)
-        first = low >> 3
-        inner = int.from_bytes(lengths[first : (n >> 3) + 1], "little") >> (low - (first << 3) + 1)
-        inner &= (1 << (n - low - 1)) - 1 if n - low > 1 else 0
         done = 0  # packings of `last` hashed so far
-        while inner:
-            bit = inner & -inner
-            inner ^= bit
-            j = bit.bit_length()  # count low + j
+        for j in marked_between(lengths, low, n):  # counts stored requests have, mostly none
             update(join(last[done:j]))
             done = j
             digests[low + j] = hasher.digest()

@@ -32,6 +32,7 @@ from .confirm import (
     hollow_text,
     hollowed,
     mark_length,
+    marked_between,
     packed_hasher,
     prefix_digest,
     prefix_keys,
@@ -712,16 +713,9 @@ class RequestStore:
         # has: see `mark_length`) and at the end, one update each
         start = base.n_rest
         n = start + len(plains)
-        lengths = self._lengths
-        first_byte = (start + 1) >> 3
-        bits = int.from_bytes(lengths[first_byte : (n >> 3) + 1], "little")
-        inner = (bits >> (start + 1 - (first_byte << 3))) & ((1 << (n - start - 1)) - 1)
         done = 0
         join = b"".join
-        while inner:
-            bit = inner & -inner
-            inner ^= bit
-            j = bit.bit_length()  # boundary start + j
+        for j in marked_between(self._lengths, start, n):  # boundary start + j
             state.update(join(plains[done:j]))
             done = j
             if digest_key(state.digest()) in index:

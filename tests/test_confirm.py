@@ -12,10 +12,12 @@ from typing import Any
 import blake3
 import msgpack
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from support import assert_same, assert_same_json
 
 from rollout_store import InvalidValueError, RawJSON, RolloutGraph, TurnNode
-from rollout_store.confirm import ALIGN, CHUNK_HIGH, WINDOW, Probe, mark_length
+from rollout_store.confirm import ALIGN, CHUNK_HIGH, WINDOW, Probe, mark_length, marked_between
 from rollout_store.encoding import new_packer
 from rollout_store.intake import token_array
 from rollout_store.stored import TurnFlag
@@ -333,3 +335,20 @@ def test_a_continuation_s_fresh_messages_are_checked_together_and_each(bad: Any)
     view = graph.add_turn(TurnNode(request_messages=[*first, reply, *fresh]))
     assert view.parent_id == graph.node_ids()[0]
     assert_same(graph.request_messages(view.node_id), [*first, reply, *fresh])
+
+
+@given(
+    marks=st.sets(st.integers(min_value=0, max_value=200), max_size=40),
+    low=st.integers(min_value=0, max_value=210),
+    span=st.integers(min_value=0, max_value=60),
+)
+def test_marked_between_lists_the_marked_counts_strictly_between(
+    marks: set[int], low: int, span: int
+) -> None:
+    """The offsets of the counts low < k < low + span that are marked, lowest first, the same
+    as asking bit by bit (bitmaps shorter than the range included)."""
+    lengths = bytearray()
+    for k in marks:
+        mark_length(lengths, k)
+    n = low + span
+    assert marked_between(lengths, low, n) == [k - low for k in sorted(marks) if low < k < n]
