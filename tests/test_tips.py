@@ -278,11 +278,8 @@ def _late_images(n_turns: int, first_image: int, seed: int) -> list[tuple[list[A
     return out
 
 
-def test_a_tip_is_worked_out_whole_where_long_strings_first_appear(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """No tip while a conversation holds no long string; its first one makes a tip from the
-    stored tails (a loaded graph's too), which the next turns continue."""
+def _count_tip_confirms(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """A list that gets, for every `Tip.confirm` call from now on, whether it confirmed."""
     confirmed: list[bool] = []
     original = confirm_module.Tip.confirm
 
@@ -292,6 +289,15 @@ def test_a_tip_is_worked_out_whole_where_long_strings_first_appear(
         return result
 
     monkeypatch.setattr(confirm_module.Tip, "confirm", counting)
+    return confirmed
+
+
+def test_a_tip_is_worked_out_whole_where_long_strings_first_appear(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No tip while a conversation holds no long string; its first one makes a tip from the
+    stored tails (a loaded graph's too), which the next turns continue."""
+    confirmed = _count_tip_confirms(monkeypatch)
     turns = _late_images(12, 4, 7)
     graph = RolloutGraph()
     ids = _add_all(graph, turns[:4])
@@ -421,15 +427,7 @@ def test_blob_strings_shorter_than_holes_make_no_tip_until_a_long_one(
     """Tool outputs kept as blobs but shorter than HOLE_MIN are hashed with the rest (no tip,
     no hole); the first long string makes a tip holding it alone, which later turns
     continue, and everything round-trips."""
-    confirmed: list[bool] = []
-    original = confirm_module.Tip.confirm
-
-    def counting(self: Any, messages: Any, pack: Any) -> Any:
-        result = original(self, messages, pack)
-        confirmed.append(result is not None)
-        return result
-
-    monkeypatch.setattr(confirm_module.Tip, "confirm", counting)
+    confirmed = _count_tip_confirms(monkeypatch)
     rng = random.Random(5)
     history: list[Any] = [{"role": "system", "content": "sys"}]
     turns = []
