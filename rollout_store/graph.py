@@ -102,10 +102,10 @@ def _without_raw(node: TurnNode, known: Container[bytes | str] = ()) -> TurnNode
                 changes[name] = decoded
     if not changes:
         return node
-    copy = _copy_node(node)  # (dataclasses.replace runs __init__: four times the cost)
+    copied = _copy_node(node)  # (dataclasses.replace runs __init__: four times the cost)
     for name, value in changes.items():
-        setattr(copy, name, value)
-    return copy
+        setattr(copied, name, value)
+    return copied
 
 
 def _locked(method: _F) -> _F:
