@@ -546,6 +546,9 @@ def test_open_store_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         b'{"messages": [], "stream": true, "stream_options": {"include_usage": true}}',
         b'{"messages": [], "logprobs": false}',
         b'{"messages": [], "n": 1e400, "x": NaN, "s": "\\ud800"}',
+        b"{}",
+        b" { }\t\r\n",
+        b'{"messages": [{"role": "user", "content": " } "}] \n}\n',
     ],
 )
 def test_upstream_body_is_the_request_with_the_capture_keys(raw: bytes) -> None:
@@ -785,3 +788,59 @@ def test_the_stub_refuses_a_bad_generation_time() -> None:
     for latency, jitter in ((-1.0, 0.0), (0.1, 1.5), (float("nan"), 0.0)):
         with pytest.raises(ValueError):
             create_stub_app(latency=latency, jitter=jitter)
+
+
+class Reformatted:
+    """An ASGI wrapper handing on the stub's JSON answers in a spelling of their own (indented,
+    non-ASCII escaped), as an engine's own bytes can differ from a re-encoding."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        sent: list[Any] = []
+
+        async def keep(message: Any) -> None:
+            sent.append(message)
+
+        await self.app(scope, receive, keep)
+        start, *bodies = sent
+        body = b"".join(m.get("body", b"") for m in bodies)
+        if start["status"] == 200 and body[:1] == b"{":
+            value = json.loads(body)
+            value["note"] = "caf\u00e9"
+            body = json.dumps(value, indent=1).encode()
+        headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({**start, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def test_an_answer_with_nothing_to_take_out_is_the_upstreams_own_bytes() -> None:
+    with serve_app(Reformatted(create_stub_app())) as upstream:
+        app = create_app(upstream, upstream_timeout=5)
+        with serve_app(app) as url:
+            session = new_session(url)
+            auth = {"authorization": f"Bearer {session['api_key']}"}
+            messages = [{"role": "user", "content": "hello"}]
+            asked = {"model": "m", "messages": messages, "return_token_ids": True, "logprobs": True}
+            direct = httpx.post(f"{upstream}/v1/chat/completions", json=asked, timeout=10)
+            through = httpx.post(f"{url}/v1/chat/completions", json=asked, headers=auth, timeout=10)
+            assert through.status_code == 200 and direct.content.startswith(b"{\n")
+            assert through.content == direct.content  # the client asked for everything
+            anthropic_body = {"model": "m", "max_tokens": 5, "messages": messages}
+            direct = httpx.post(f"{upstream}/v1/messages", json=anthropic_body, timeout=10)
+            through = httpx.post(
+                f"{url}/v1/messages", json=anthropic_body, headers=auth, timeout=10
+            )
+            assert through.content == direct.content
+            # the capture keys the server added are taken out: the answer is written anew
+            plain = {"model": "m", "messages": messages}
+            through = httpx.post(f"{url}/v1/chat/completions", json=plain, headers=auth, timeout=10)
+            answer = through.json()
+            assert "prompt_token_ids" not in answer and answer["choices"][0]["logprobs"] is None
+            assert answer["note"] == "caf\u00e9" and not through.content.startswith(b"{\n")
+            graph = _graph(app, session["session_id"])
+            assert len(graph) == 3
