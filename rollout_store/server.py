@@ -527,6 +527,9 @@ class _Server:
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0),
                 auto_decompress=True,
                 skip_auto_headers=("User-Agent",),
+                # one client serves every session: a cookie the upstream set in one session's
+                # answer must not go out with the others' calls
+                cookie_jar=aiohttp.DummyCookieJar(),
             )
         return self._client
 

@@ -844,3 +844,40 @@ def test_an_answer_with_nothing_to_take_out_is_the_upstreams_own_bytes() -> None
             assert answer["note"] == "caf\u00e9" and not through.content.startswith(b"{\n")
             graph = _graph(app, session["session_id"])
             assert len(graph) == 3
+
+
+class Cookies:
+    """An ASGI wrapper setting a cookie in every answer and noting the cookies each request
+    brings."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.sent: list[str | None] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        self.sent.append(headers[b"cookie"].decode() if b"cookie" in headers else None)
+
+        async def with_cookie(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                cookie = (b"set-cookie", f"seen={len(self.sent)}; Path=/".encode())
+                message = {**message, "headers": [*message["headers"], cookie]}
+            await send(message)
+
+        await self.app(scope, receive, with_cookie)
+
+
+def test_a_cookie_the_upstream_sets_goes_out_with_no_later_call() -> None:
+    cookies = Cookies(create_stub_app())
+    with serve_app(cookies) as upstream:
+        # by its name: aiohttp's default jar keeps no cookies of an IP address
+        upstream = upstream.replace("127.0.0.1", "localhost")
+        with serve_app(create_app(upstream)) as url:
+            for _ in range(2):  # two sessions of one server, one upstream client
+                session = new_session(url)
+                _openai(session).chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "hi"}]
+                )
+    assert cookies.sent == [None, None]
