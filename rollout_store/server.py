@@ -675,7 +675,10 @@ class _Server:
         Until `stream_keepalive` seconds have passed the answer is not begun, so an upstream
         error still reaches the client with its own status; after that the stream starts
         (200) with SSE comments, and a failure arrives as an error event. A call that does
-        not stream is awaited in this task (no task of its own to schedule and wait for).
+        not stream is awaited in this task: a task of its own cost two turns of the event
+        loop (one to start it, one to wake this handler when it ends), each waiting behind
+        whatever else was ready; measured in the server on the loaded 2-core machine, 0.46
+        and 1.14 ms at the median, 9 and 17 ms at the 90th percentile.
         """
         if not stream:
             try:
