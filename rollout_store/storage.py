@@ -63,6 +63,7 @@ from .frames import (
 )
 from .graph import Graph, GraphRestorer, JournalEntry
 from .intake import MAX_DEPTH, token_array
+from .key_check import KeyCheck
 from .packed import PackedInfo, QuickCheck, check_int_array, check_packed, splice_blobs
 from .shared_blobs import StoreBlobTable
 from .stored import (
@@ -555,6 +556,7 @@ class _Loader:
         share_threshold: int | None,
         store: ContentStore | None = None,
         cache: StringCache | None = None,
+        check_keys: bool = False,
     ) -> None:
         self.graph = RolloutGraph(share_threshold=share_threshold, store=store, cache=cache)
         self.restore: GraphRestorer = self.graph._restorer()
@@ -569,6 +571,10 @@ class _Loader:
         self.unfiled: list[tuple[bytes, bytes | None]] = []  # values of the turn being read
         # the file's turn records carry `_FIELD_FLAGS` (its header has no `derived_flags`)
         self.carries_flags = False
+        # `verify`: each turn's index keys recomputed from its content (`load` trusts them)
+        self.key_check = KeyCheck(self.graph.blobs, share_threshold) if check_keys else None
+        # a version-1 file: its keys are of an earlier scheme, and recomputed on load
+        self.derive_keys = False
 
     def check(self, packed: Any, n_blobs: int, echo_ok: bool = False) -> PackedInfo:
         """Check a stored value once, without building it (see `packed.check_packed`)."""
@@ -700,8 +706,9 @@ class _Loader:
         del writer.value_objects[n_values:], self.value_is_list[n_values:]
         self.unfiled.clear()
 
-    def turn(self, payload: memoryview) -> None:
-        """Check one turn record, build the stored turn and commit it to the graph.
+    def turn(self, payload: memoryview, offset: int = 0, index: int = 0) -> None:
+        """Check one turn record (at `offset`, record `index` of the file), build the stored
+        turn and commit it to the graph.
 
         The record is decoded into `TurnRecord` by msgspec, which checks every field's type
         in C; what it refuses (lone surrogates in an id, say) is decoded by msgpack and its
@@ -725,7 +732,14 @@ class _Loader:
         if refs[0] or refs[1]:  # (a snapshot counts them in its end record)
             self.graph.blobs.count_references(refs[0], refs[1])
         restore = self.restore
-        restore.commit(turn, IndexKeys(keys[0], keys[1], keys[2], keys[3]), moves)
+        index_keys = IndexKeys(keys[0], keys[1], keys[2], keys[3])
+        key_check = self.key_check
+        if key_check is not None:
+            if self.derive_keys:
+                index_keys = key_check.derived(turn, index_keys)
+            else:
+                key_check.check(turn, index_keys, offset, index)
+        restore.commit(turn, index_keys, moves)
         self.ids.add(node_id)
         if turn.prompt is not None or turn.full is not None:
             self.writer.note_runs(turn)
@@ -1054,12 +1068,14 @@ class _Records:
         path: str,
         store: ContentStore | None,
         cache: StringCache | None,
+        check_keys: bool = False,
     ) -> None:
         self.report = report
         self.version = version
         self.path = path
         self.store = store
         self.cache = cache
+        self.check_keys = check_keys
         self.loader: _Loader | None = None
         self.ended = False
         self.pending: list[tuple[int, Any, int, int]] = []  # (kind, body, offset, record)
@@ -1082,7 +1098,14 @@ class _Records:
             raise ValueError("records after the end record")
         if record == 0:
             self.loader, self.report.mode = _read_header(
-                kind, body, start, self.version, self.path, self.store, self.cache
+                kind,
+                body,
+                start,
+                self.version,
+                self.path,
+                self.store,
+                self.cache,
+                self.check_keys,
             )
             return
         loader = self.loader
@@ -1095,7 +1118,7 @@ class _Records:
             try:
                 self.apply_pending(loader)
                 self.at = (start, record)
-                loader.turn(body)
+                loader.turn(body, start, record)
             except BaseException:
                 loader.rollback(mark)
                 raise
@@ -1134,6 +1157,11 @@ class _Records:
             elif report.mode == MODE_SNAPSHOT and not self.ended:
                 message = "snapshot ends before its end record"
                 report.fail(CorruptFileError(message, offset=report.file_size), truncated=True)
+            elif self.loader.key_check is not None:
+                try:
+                    self.loader.key_check.finish()
+                except CorruptFileError as exc:
+                    report.fail(exc)
         return self.loader if self.loader is not None else _Loader(None)
 
 
@@ -1143,9 +1171,11 @@ def _scan(
     progress: Callable[[int], None] | None = None,
     store: ContentStore | None = None,
     cache: StringCache | None = None,
+    check_keys: bool = False,
 ) -> tuple[_Loader, LoadReport]:
     """Read frames until the end or the first damage; never raises for damage (a content
-    store that cannot be reached is not damage: its error propagates)."""
+    store that cannot be reached is not damage: its error propagates). `check_keys`: each
+    turn's index keys are recomputed from its content (`verify`; see `key_check`)."""
     size = len(data)
     report = LoadReport(path, size, 0, 0, 0, 0)
     head = bytes(data[: len(MAGIC)])
@@ -1158,7 +1188,7 @@ def _scan(
         return _Loader(None), report
     report.version = version
     frames = _frames_v1(data, report) if version == _V1 else _frames_v2(data, report)
-    records = _Records(report, version, path, store, cache)
+    records = _Records(report, version, path, store, cache, check_keys)
     for kind, payload, start, record, end, chain in frames:
         try:
             records.apply(kind, payload, start, record)
@@ -1205,6 +1235,7 @@ def _read_header(
     path: str = "",
     store: ContentStore | None = None,
     cache: StringCache | None = None,
+    check_keys: bool = False,
 ) -> tuple[_Loader, str]:
     if kind != KIND_HEADER or not isinstance(body, dict):
         raise ValueError("the first record is not a header")
@@ -1238,7 +1269,8 @@ def _read_header(
     derived = body.get("derived_flags", False)
     if derived is not False and (derived is not True or version < 2):
         raise ValueError(f"bad derived_flags {derived!r}")
-    loader = _Loader(threshold, store, cache)
+    loader = _Loader(threshold, store, cache, check_keys or version == _V1)
+    loader.derive_keys = version == _V1
     loader.writer.blobs_mode = blobs
     # records of a file without it carry the flags their fields give: so do those appended
     loader.carries_flags = loader.writer.carry_flags = not derived
@@ -1263,7 +1295,7 @@ def verify(
 ) -> LoadReport:
     """Check every frame, blob digest and reference of a file; never raises for damage
     (a file of store references needs its `store`, whose objects are checked too)."""
-    return _scan(_read(path), os.fspath(path), progress, store)[1]
+    return _scan(_read(path), os.fspath(path), progress, store, check_keys=True)[1]
 
 
 def load(

@@ -13,6 +13,7 @@ import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
+import blake3
 import msgpack
 import msgspec
 import pytest
@@ -469,13 +470,25 @@ def crafted_v2(tmp_path: Path, records: list[tuple[int, object]], **header_field
     return path
 
 
+def request_key(*plains: bytes) -> int:
+    """The request key of non-system messages with these plain packings (BLAKE3 of them)."""
+    return int.from_bytes(blake3.blake3(b"".join(plains)).digest()[:8], "little")
+
+
 def turn_record(**changes: object) -> list[object]:
+    """A turn record; without `keys`, those its content gives when its tail is an array of
+    fewer than 16 messages that holds no blob reference or echo, and it has no base."""
     fields = dict.fromkeys(storage.TurnRecord._fields)
     fields.update(
         node_id="n", link=0, flags=0, meta=[None] * 5, tail=b"\x90", n_rest=0,
         keys=[None] * 4, refs=[0, 0], moves=[],
     )  # fmt: skip
     fields.update(changes)
+    tail = fields["tail"]
+    if "keys" not in changes and tail and fields["base"] is None:
+        assert isinstance(tail, bytes)
+        waits = fields["parent"] is None and fields["prompt"] is None and fields["n_rest"] == 1
+        fields["keys"] = [request_key(tail[1:]), None, None, [request_key()] if waits else None]
     return list(fields.values())
 
 
@@ -683,9 +696,11 @@ def test_records_that_carry_content_flags_still_load(tmp_path: Path) -> None:
 
     text = b"x" * 10
     tail = b"\x91\x92\xc7\x00\x01\xd6\x04\x00\x00\x00\x00"  # a tuple of a blob reference
+    keys = [request_key(b"\x92\xc7\x00\x01\xaa" + text), None, None, [request_key()]]
     for flags in (0, 1 | 64):
         blob = (1, content_digest(text) + text)
-        path = crafted_v2(tmp_path, [blob, (3, turn_record(flags=flags, tail=tail, n_rest=1))])
+        record = turn_record(flags=flags, tail=tail, n_rest=1, keys=keys)
+        path = crafted_v2(tmp_path, [blob, (3, record)])
         assert storage.verify(path).ok
         graph = RolloutGraph.load(path)
         assert graph.journal_entries()[0].turn.flags & _CONTENT_FLAGS == 1 | 64
@@ -780,7 +795,18 @@ FIELD_FLAG_CASES = {
     "echo": (
         [
             turn_record(node_id="a", response=b"\x81\xa1r\x01"),
-            turn_record(node_id="b", base=0, tail=_ECHO_TAIL, n_rest=2),
+            turn_record(
+                node_id="b",
+                base=0,
+                tail=_ECHO_TAIL,
+                n_rest=2,
+                keys=[
+                    request_key(b"\x81\xa1r\x01", b"\x01"),
+                    None,
+                    None,
+                    [request_key(), request_key(b"\x81\xa1r\x01")],
+                ],
+            ),
         ],
         32,
     ),
