@@ -862,12 +862,12 @@ def test_a_bad_derived_flags_header_is_refused(tmp_path: Path, value: object) ->
 # ---------------------------------------------------------------- packed fields, re-chained
 
 
-def _records_of(data: bytes) -> list[tuple[int, bytes]]:
+def records_of(data: bytes) -> list[tuple[int, bytes]]:
     reader = framing.FrameReader(data, len(MAGIC_V2), digest_kinds=frozenset({1}), max_kind=5)
     return [(f.kind, bytes(f.payload)) for f in reader]
 
 
-def _rechained(records: list[tuple[int, bytes]]) -> bytes:
+def rechained(records: list[tuple[int, bytes]]) -> bytes:
     """A version-2 file of these records (the header's first), each frame chained right."""
     out, chain = [MAGIC_V2], 0
     for kind, payload in records:
@@ -889,7 +889,7 @@ def rollout_records(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int,
     path = tmp_path_factory.mktemp("records") / "log.rls"
     with RolloutGraph.open(path, share_threshold=8, fsync="never") as graph:
         build_rollout(graph, turns=3)
-    return _records_of(path.read_bytes())
+    return records_of(path.read_bytes())
 
 
 @given(st.data())
@@ -916,7 +916,7 @@ def test_a_damaged_packed_field_fails_verify_or_loads_usable(
     records = list(rollout_records)
     records[at] = (3, msgpack.packb(record, use_bin_type=True, unicode_errors="surrogatepass"))
     path = tmp_path / "damaged.rls"
-    path.write_bytes(_rechained(records))
+    path.write_bytes(rechained(records))
     report = storage.verify(path)
     if not report.ok:
         assert report.error_offset is not None and report.error_offset > len(MAGIC_V2)
@@ -941,11 +941,11 @@ def test_a_recovered_graph_keeps_no_blob_or_value_of_the_turn_that_failed(
     records = list(rollout_records)
     records[at] = (3, msgpack.packb(record, use_bin_type=True, unicode_errors="surrogatepass"))
     path = tmp_path / "damaged.rls"
-    path.write_bytes(_rechained(records))
+    path.write_bytes(rechained(records))
     kept = RolloutGraph.load(path, recover=True)
     intact = tmp_path / "intact.rls"
     end = next(i for i in range(at, 0, -1) if kinds[i - 1] == 3)  # after the turn before
-    intact.write_bytes(_rechained(records[:end]))
+    intact.write_bytes(rechained(records[:end]))
     reference = RolloutGraph.load(intact)
     assert len(kept) == len(reference) and len(kept.blobs) == len(reference.blobs)
     assert kept.stats() == reference.stats()
@@ -1002,7 +1002,7 @@ def test_the_typed_record_decoder_and_its_fallback_agree(tmp_path: Path) -> None
     graph = RolloutGraph(share_threshold=64)
     _field_flag_rollout(graph)
     graph.save(path)
-    records = [p for kind, p in _records_of(path.read_bytes()) if kind == 3]
+    records = [p for kind, p in records_of(path.read_bytes()) if kind == 3]
     assert records
     outcomes = {"typed": 0, "refused": 0}
     for payload in records:
@@ -1029,7 +1029,7 @@ def test_a_record_with_lone_surrogates_takes_the_fallback(tmp_path: Path) -> Non
     graph = RolloutGraph()
     graph.add_turn(TurnNode(node_id="a\ud800", model="m\udc00", request_messages=[]))
     graph.save(path)
-    (payload,) = [p for kind, p in _records_of(path.read_bytes()) if kind == 3]
+    (payload,) = [p for kind, p in records_of(path.read_bytes()) if kind == 3]
     how, record = _decoded(payload)
     assert how == "untyped" and isinstance(record, storage.TurnRecord)
     assert record.node_id == "a\ud800" and record.meta[0] == "m\udc00"
@@ -1091,6 +1091,6 @@ def test_a_snapshot_holds_the_records_that_appending_its_turns_writes(
                 )
             )
         graph.save(snap)
-    logged, saved = _records_of(log.read_bytes()), _records_of(snap.read_bytes())
+    logged, saved = records_of(log.read_bytes()), records_of(snap.read_bytes())
     assert sum(kind == frames.KIND_TURN for kind, _ in saved) == len(graph)
     assert _comparable(saved) == _comparable(logged)
