@@ -34,11 +34,11 @@ import xxhash
 
 from .blobs import BlobTable
 from .confirm import digest_key, prefix_keys
-from .encoding import ECHO_PACKED, array_header
+from .encoding import ECHO_PACKED, EXT_ECHO, array_header, unpack
 from .errors import IndexKeyMismatch
 from .intake import MAX_DEPTH
 from .keys import short_key
-from .packed import check_packed
+from .packed import QUICK_LIMIT, check_packed
 from .requests import RequestStore
 from .stored import IndexKeys, Turn, TurnFlag
 from .tokens import BLOCK, TokenRun
@@ -55,6 +55,7 @@ _TAIL_REFS: Final = TurnFlag.TAIL_REFS
 _TAIL_ECHO: Final = TurnFlag.TAIL_ECHO
 _RESPONSE_REFS: Final = TurnFlag.RESPONSE_REFS
 _EMPTY: Final = blake3.blake3()  # never updated: copied
+_ECHO: Final = msgpack.ExtType(EXT_ECHO, b"")  # packs back to ECHO_PACKED
 _MISSING: Final = object()
 
 # (xxh3-64 state over the run's whole blocks, the bytes after them) or None: not compact
@@ -153,7 +154,7 @@ class KeyCheck:
             node = node.base
         plains: list[bytes] = []
         for owner in reversed(chain):
-            body = self._tail_plain(owner)
+            body = b"".join(self._tail_plain(owner))
             unpacker = msgpack.Unpacker(max_buffer_size=max(len(body), 1))
             unpacker.feed(body)
             start = 0
@@ -181,16 +182,17 @@ class KeyCheck:
             node = node.base
         for node in reversed(chain):
             state = state.copy()
-            state.update(self._tail_plain(node))
+            for part in self._tail_plain(node):
+                state.update(part)
             states[node.index] = state
             if len(states) > KEPT_STATES:
                 states.popitem(last=False)
         return state
 
-    def _tail_plain(self, turn: Turn) -> bytes:
-        """The plain packings of the messages of the turn's tail, one after the other: its
-        packed form with each blob reference replaced by the string's plain packing, and the
-        echo placeholder by the base's response."""
+    def _tail_plain(self, turn: Turn) -> tuple[bytes | memoryview, ...]:
+        """The plain packings of the messages of the turn's tail, one after the other (in
+        parts, not copied): its packed form with each blob reference replaced by the
+        string's plain packing, and the echo placeholder by the base's response."""
         tail = turn.tail
         flags, base = turn.flags, turn.base
         if flags & _TAIL_REFS:
@@ -200,13 +202,21 @@ class KeyCheck:
             echo = base.response
             if echo is not None and base.flags & _RESPONSE_REFS:
                 echo = self._spliced(echo, False)
-            return b"".join((echo or b"", tail[start + len(ECHO_PACKED) :]))
-        return tail[start:]
+            return (echo or b"", memoryview(tail)[start + len(ECHO_PACKED) :])
+        return (memoryview(tail)[start:],)
 
     def _spliced(self, packed: bytes, echo_ok: bool) -> bytes:
         """A stored value's plain packing: each blob reference (6 bytes) replaced by the plain
-        packing of its string (a lone surrogate packs as it does inline)."""
+        packing of its string (a lone surrogate packs as it does inline); an echo placeholder
+        stays. A short value is decoded and packed again in C (what that allocates is
+        bounded by `QUICK_LIMIT`), a longer one spliced where `check_packed` finds its
+        references (never decoded: a crafted one could allocate many times its size)."""
         blobs = self.blobs
+        if len(packed) <= QUICK_LIMIT:
+            plain = self.plain(unpack(packed, blobs.string, _echo))
+            if plain is None:  # (a stored value always packs)
+                raise ValueError("a stored value without a plain packing")
+            return plain
         info = check_packed(
             packed, len(blobs), MAX_DEPTH, blob_surrogates=self._surrogates, echo_ok=echo_ok
         )
@@ -281,6 +291,10 @@ class KeyCheck:
             if len(runs) > KEPT_STATES:
                 runs.popitem(last=False)
         return state
+
+
+def _echo() -> msgpack.ExtType:
+    return _ECHO
 
 
 def _waits(turn: Turn, request: int | None) -> bool:

@@ -401,6 +401,33 @@ def _seeded_turns(rng: random.Random) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
+def test_long_tails_with_blob_references_verify(tmp_path: Path) -> None:
+    """Tails and responses longer than `QUICK_LIMIT` that hold blob references (one of a
+    string with a lone surrogate) and an echo: spliced where `check_packed` finds them."""
+    from rollout_store.packed import QUICK_LIMIT
+
+    many = ["short"] * (QUICK_LIMIT // 4)
+    history: list[Any] = []
+    path = tmp_path / "log.rls"
+    with RolloutGraph.open(path, share_threshold=64, fsync="never") as graph:
+        for k in range(3):
+            history.append(
+                {"role": "user", "content": [*many, image_url(k, 500), "\ud800" * 70 + str(k)]}
+            )
+            response = {"role": "assistant", "content": [*many, image_url(k + 9, 300)]}
+            graph.add_turn(
+                TurnNode(request_messages=copy.deepcopy(history), response_message=response)
+            )
+            history.append(copy.deepcopy(response))
+        graph.save(tmp_path / "s.rls")
+    assert len(records_of(path.read_bytes())[-1][1]) > 2 * QUICK_LIMIT
+    assert storage.verify(path).ok and storage.verify(tmp_path / "s.rls").ok
+    records = records_of(path.read_bytes())
+    at = max(i for i, (kind, _) in enumerate(records) if kind == KIND_TURN)
+    write(path, with_key(records, at, "request", keys_of(records, at)[0] ^ 1))
+    assert_refused(path, "request", at)
+
+
 def _add(graph: RolloutGraph, turns: list[tuple[str, dict[str, Any]]], raw: bool) -> None:
     names = [name for name, _ in turns]
     for i, (name, fields) in enumerate(turns):
