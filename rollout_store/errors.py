@@ -114,9 +114,10 @@ class IndexKeyMismatch(CorruptFileError):
         record: int,
     ) -> None:
         super().__init__(
-            f"{message}: the record was changed after it was written; restore the file from "
-            "a copy (its content is intact and exports exactly, but turns added to the "
-            "loaded graph could link to a wrong parent)",
+            f"{message}: the record was changed after it was written (its content is intact, "
+            "but turns added to the loaded graph could link to a wrong parent); restore the "
+            "file from a copy, or load it with recover=True, which recomputes every key, "
+            "and save it",
             offset=offset,
             record=record,
         )

@@ -80,6 +80,7 @@ class KeyCheck:
         # roots without token ids whose records name no prefix keys: (turn, offset, record);
         # such a turn must be re-linked under a later one by the end of the file
         self.unfiled_roots: list[tuple[Turn, int, int]] = []
+        self.rekeyed_turns = 0  # (see `rekeyed`)
 
     # ------------------------------------------------------------------ the checks
 
@@ -110,11 +111,17 @@ class KeyCheck:
         if sorted(roots) != sorted(expected):
             raise _mismatch(turn, "roots", roots, expected, offset, record)
 
-    def derived(self, turn: Turn, keys: IndexKeys) -> IndexKeys:
-        """The keys of a turn of a version-1 file, which were computed by an earlier scheme:
+    def rekeyed(self, turn: Turn, keys: IndexKeys, offset: int, record: int) -> IndexKeys:
+        """The keys to file a turn under when they are recomputed rather than checked (a
+        version-1 file, whose keys are of an earlier scheme, or a load with `recover=True`):
         each from the turn's content, the prompt key where the record names one, and the
         prefix keys of every root without token ids (a root re-linked later leaves them
-        again, as when it was added)."""
+        again, as when it was added). `rekeyed_turns` counts the turns whose records named
+        other keys."""
+        try:
+            self.check(turn, keys, offset, record)
+        except IndexKeyMismatch:
+            self.rekeyed_turns += 1
         request = self.request_key(turn)
         prompt_run = turn.prompt
         token = prompt = None
@@ -124,6 +131,14 @@ class KeyCheck:
                 prompt = self._prompt_key(prompt_run)
         roots = self.prefix_keys(turn) if _waits(turn, request) else None
         return IndexKeys(request, token, prompt, roots)
+
+    def finish_rekeyed(self) -> int:
+        """`finish` for keys recomputed: the number of turns whose records named other keys
+        (a root that stayed one without its prefix keys is filed under them: counted)."""
+        roots = self.unfiled_roots
+        self.rekeyed_turns += sum(1 for turn, _, _ in roots if turn.parent is None)
+        roots.clear()
+        return self.rekeyed_turns
 
     def finish(self) -> None:
         """Every root without token ids whose record named no prefix keys was re-linked

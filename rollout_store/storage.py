@@ -4,8 +4,9 @@ A file is a magic string and a sequence of frames; version 2 (`framing`) binds e
 to the ones before it, version 1 (`frames`) is still read (and appended to). Saving writes a
 temporary file, fsyncs and renames it (`atomic`); append mode writes one turn's frames with
 one write call and fsyncs by policy. Loading checks every frame, blob digest and stored value
-(`packed`) and stops at the first damage, naming its offset. The format is described in
-README.md.
+(`packed`) and stops at the first damage, naming its offset; it trusts the index keys turn
+records carry, which `verify` recomputes from their content (`key_check`). The format is
+described in README.md.
 """
 
 from __future__ import annotations
@@ -172,6 +173,9 @@ _LINK_KINDS = tuple(LinkKind)
 
 #: How a file holds long strings: inline (self-contained) or as keys into a content store.
 BLOBS_INLINE, BLOBS_STORE = "inline", "store"
+
+#: `_scan(check_keys=...)`: index keys recomputed from each turn's content and used.
+_REKEY = "rekey"
 
 #: The version this library writes; it reads 1 and 2.
 FORMAT_VERSION = 2
@@ -529,6 +533,9 @@ class LoadReport:
     version: int | None = None  # the file's format version
     resync_offset: int | None = None  # where the next intact frame after the damage starts
     good_chain: int = 0  # version 2: the chain value of the frame ending at good_bytes
+    # turns whose records named other index keys than their content gives, filed under the
+    # recomputed ones (`load(recover=True)`, and every load of a version-1 file)
+    keys_recomputed: int = 0
 
     def fail(self, exc: CorruptFileError, truncated: bool = False) -> None:
         # the report outlives the read: its error keeps no frames (they hold the file's bytes)
@@ -573,8 +580,9 @@ class _Loader:
         self.carries_flags = False
         # `verify`: each turn's index keys recomputed from its content (`load` trusts them)
         self.key_check = KeyCheck(self.graph.blobs, share_threshold) if check_keys else None
-        # a version-1 file: its keys are of an earlier scheme, and recomputed on load
-        self.derive_keys = False
+        # keys recomputed rather than checked: a version-1 file (an earlier scheme of keys)
+        # or a load with recover=True
+        self.rekey = False
 
     def check(self, packed: Any, n_blobs: int, echo_ok: bool = False) -> PackedInfo:
         """Check a stored value once, without building it (see `packed.check_packed`)."""
@@ -735,8 +743,8 @@ class _Loader:
         index_keys = IndexKeys(keys[0], keys[1], keys[2], keys[3])
         key_check = self.key_check
         if key_check is not None:
-            if self.derive_keys:
-                index_keys = key_check.derived(turn, index_keys)
+            if self.rekey:
+                index_keys = key_check.rekeyed(turn, index_keys, offset, index)
             else:
                 key_check.check(turn, index_keys, offset, index)
         restore.commit(turn, index_keys, moves)
@@ -1068,7 +1076,7 @@ class _Records:
         path: str,
         store: ContentStore | None,
         cache: StringCache | None,
-        check_keys: bool = False,
+        check_keys: bool | str = False,
     ) -> None:
         self.report = report
         self.version = version
@@ -1157,11 +1165,13 @@ class _Records:
             elif report.mode == MODE_SNAPSHOT and not self.ended:
                 message = "snapshot ends before its end record"
                 report.fail(CorruptFileError(message, offset=report.file_size), truncated=True)
-            elif self.loader.key_check is not None:
+            elif self.loader.key_check is not None and not self.loader.rekey:
                 try:
                     self.loader.key_check.finish()
                 except CorruptFileError as exc:
                     report.fail(exc)
+        if self.loader is not None and self.loader.rekey and self.loader.key_check is not None:
+            report.keys_recomputed = self.loader.key_check.finish_rekeyed()
         return self.loader if self.loader is not None else _Loader(None)
 
 
@@ -1171,11 +1181,12 @@ def _scan(
     progress: Callable[[int], None] | None = None,
     store: ContentStore | None = None,
     cache: StringCache | None = None,
-    check_keys: bool = False,
+    check_keys: bool | str = False,
 ) -> tuple[_Loader, LoadReport]:
     """Read frames until the end or the first damage; never raises for damage (a content
     store that cannot be reached is not damage: its error propagates). `check_keys`: each
-    turn's index keys are recomputed from its content (`verify`; see `key_check`)."""
+    turn's index keys are checked against those its content gives (True: `verify`), or
+    recomputed and used (`_REKEY`: `load(recover=True)`; see `key_check`)."""
     size = len(data)
     report = LoadReport(path, size, 0, 0, 0, 0)
     head = bytes(data[: len(MAGIC)])
@@ -1235,7 +1246,7 @@ def _read_header(
     path: str = "",
     store: ContentStore | None = None,
     cache: StringCache | None = None,
-    check_keys: bool = False,
+    check_keys: bool | str = False,
 ) -> tuple[_Loader, str]:
     if kind != KIND_HEADER or not isinstance(body, dict):
         raise ValueError("the first record is not a header")
@@ -1269,8 +1280,9 @@ def _read_header(
     derived = body.get("derived_flags", False)
     if derived is not False and (derived is not True or version < 2):
         raise ValueError(f"bad derived_flags {derived!r}")
-    loader = _Loader(threshold, store, cache, check_keys or version == _V1)
-    loader.derive_keys = version == _V1
+    rekey = version == _V1 or check_keys == _REKEY
+    loader = _Loader(threshold, store, cache, bool(check_keys) or rekey)
+    loader.rekey = rekey
     loader.writer.blobs_mode = blobs
     # records of a file without it carry the flags their fields give: so do those appended
     loader.carries_flags = loader.writer.carry_flags = not derived
@@ -1293,8 +1305,10 @@ def verify(
     *,
     store: ContentStore | None = None,
 ) -> LoadReport:
-    """Check every frame, blob digest and reference of a file; never raises for damage
-    (a file of store references needs its `store`, whose objects are checked too)."""
+    """Check every frame, blob digest and reference of a file, and recompute every index key
+    its turn records carry from their content (`key_check`: a mismatch is an
+    `IndexKeyMismatch`); never raises for damage (a file of store references needs its
+    `store`, whose objects are checked too). `load` trusts the keys."""
     return _scan(_read(path), os.fspath(path), progress, store, check_keys=True)[1]
 
 
@@ -1309,7 +1323,11 @@ def load(
     """Read a rollout file. Damage raises `CorruptFileError` naming its offset.
 
     With `recover=True` every complete turn before the first damage is loaded instead, and
-    `graph.load_report` says where the file was cut or damaged.
+    `graph.load_report` says where the file was cut or damaged; each turn's index keys are
+    then recomputed from its content rather than trusted (`keys_recomputed` in the report
+    counts the turns whose records named others), so saving the graph repairs a file that
+    `verify` refuses with `IndexKeyMismatch`. A version-1 file's keys, of an earlier scheme,
+    are always recomputed.
 
     `store`: the graph keeps its long strings in this content store (and `cache`, see
     `RolloutGraph`). Required for a file saved with ``blobs="store"`` (else
@@ -1317,7 +1335,8 @@ def load(
     damaged one raises `StoreObjectError` naming its key and the record's offset. A
     self-contained file read with a store puts its strings into it.
     """
-    loader, report = _scan(_read(path), os.fspath(path), progress, store, cache)
+    rekey = _REKEY if recover else False
+    loader, report = _scan(_read(path), os.fspath(path), progress, store, cache, rekey)
     if report.error is not None and not (recover and report.records > 0):
         _raise_for(report)
     loader.graph.load_report = report

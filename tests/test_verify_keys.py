@@ -557,3 +557,36 @@ def test_a_failed_append_over_a_content_store_leaves_its_record_unreferenced(
     graph.close()
     assert RolloutGraph.load(log, store=store).node_ids() == ["m0", "m1", "m2"]
     assert storage.verify(log, store=store).ok
+
+
+# ---------------------------------------------------------------- what to do: recover
+
+
+def test_recover_recomputes_the_keys_and_keeps_every_turn(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The content of a file with a wrong key is intact: the command's advice is `recover`,
+    which loads every turn with its keys recomputed and writes a file that verifies."""
+    path = tmp_path / "log.rls"
+    turns = chat_log(path)
+    records = records_of(path.read_bytes())
+    at = turn_at(records, "m3")
+    write(path, with_key(records, at, "request", keys_of(records, turn_at(records, "m1"))[0]))
+    before = path.read_bytes()
+    assert cli_main(["verify", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "its request index key" in err and f"rollout-store recover {path} -o OUT" in err
+    recovered = RolloutGraph.load(path, recover=True)
+    assert recovered.load_report.ok and recovered.load_report.keys_recomputed == 1
+    assert recovered.add_turn(continuation(turns[3])).parent_id == "m3"
+    out = tmp_path / "fixed.rls"
+    assert cli_main(["recover", str(path), "-o", str(out)]) == 0
+    assert "1 of them with their index keys recomputed" in capsys.readouterr().out
+    assert path.read_bytes() == before
+    assert storage.verify(out).ok
+    fixed = RolloutGraph.load(out)
+    assert fixed.node_ids() == [f"m{k}" for k in range(5)]
+    assert fixed.add_turn(continuation(turns[3])).parent_id == "m3"
+    # a file main wrote has nothing to recompute
+    write(path, records)
+    assert RolloutGraph.load(path, recover=True).load_report.keys_recomputed == 0
