@@ -449,7 +449,18 @@ def test_files_main_writes_verify(tmp_path: Path, store_kind: str, raw: bool) ->
     """Seeded rollouts written as logs and snapshots, from decoded and raw intake, with and
     without a content store: every one verifies (the keys main writes are those the check
     recomputes), and so does each file once loaded and saved again."""
-    for seed in range(6):
+    _write_and_verify(tmp_path, store_kind, raw, range(6))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("store_kind", STORES)
+@pytest.mark.parametrize("raw", [False, True], ids=["decoded", "raw"])
+def test_files_main_writes_verify_many_seeds(tmp_path: Path, store_kind: str, raw: bool) -> None:
+    _write_and_verify(tmp_path, store_kind, raw, range(6, 60))
+
+
+def _write_and_verify(tmp_path: Path, store_kind: str, raw: bool, seeds: range) -> None:
+    for seed in seeds:
         rng = random.Random(seed)
         turns = _seeded_turns(rng)
         store: Any = None
@@ -472,6 +483,26 @@ def test_files_main_writes_verify(tmp_path: Path, store_kind: str, raw: bool) ->
             again = tmp_path / "again.rls"
             RolloutGraph.load(path, store=store).save(again, blobs=blobs)
             assert storage.verify(again, store=store).ok, (seed, path.name)
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["decoded", "raw"])
+def test_conversations_in_order_verify(tmp_path: Path, raw: bool) -> None:
+    """Each turn re-sending the one before, with screenshots of 16 KiB and more: the
+    continuation fast paths (tips, raw tips) give the keys the check recomputes."""
+    path = tmp_path / "log.rls"
+    with RolloutGraph.open(path, fsync="never") as graph:
+        for tag in ("a", "b"):
+            turns = chat_turns(6, tag=tag, images=[image_url(k, 20_000 + k) for k in range(6)])
+            for k, fields in enumerate(turns):
+                fields = copy.deepcopy(fields)
+                if raw:
+                    fields["request_messages"] = RawJSON(
+                        json.dumps(fields["request_messages"]).encode()
+                    )
+                graph.add_turn(TurnNode(node_id=f"{tag}{k}", **fields))
+        assert [graph.parent(f"a{k}") for k in range(6)] == [None, "a0", "a1", "a2", "a3", "a4"]
+        graph.save(tmp_path / "s.rls")
+    assert storage.verify(path).ok and storage.verify(tmp_path / "s.rls").ok
 
 
 def test_build_rollout_files_verify(tmp_path: Path) -> None:
