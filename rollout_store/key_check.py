@@ -20,6 +20,10 @@ What is exact: the request and token keys (None exactly where `add_turn` files n
 the prompt key when given (`add_turn` leaves it out where a parent was found by tokens,
 which the record cannot tell), the prefix keys of a root when given, and, at the end of
 the file, that every turn still a root without token ids is filed under its prefixes.
+
+`rekeyed` gives the keys to file a turn under instead, recomputed the same way (a load with
+`recover=True`, which so repairs such a file, and every load of a version-1 file, whose keys
+are of an earlier scheme), and counts the turns whose records named others.
 """
 
 from __future__ import annotations
@@ -56,7 +60,6 @@ _TAIL_ECHO: Final = TurnFlag.TAIL_ECHO
 _RESPONSE_REFS: Final = TurnFlag.RESPONSE_REFS
 _EMPTY: Final = blake3.blake3()  # never updated: copied
 _ECHO: Final = msgpack.ExtType(EXT_ECHO, b"")  # packs back to ECHO_PACKED
-_MISSING: Final = object()
 
 # (xxh3-64 state over the run's whole blocks, the bytes after them) or None: not compact
 _RunState = tuple[Any, bytes] | None
@@ -66,7 +69,8 @@ class KeyCheck:
     """Recomputes the index keys of each turn read from one file (see the module docstring).
 
     `check` is given every turn, in file order, once it is built and before it is filed;
-    `finish` once the last record is read. Both raise `IndexKeyMismatch`."""
+    `finish` once the last record is read. Both raise `IndexKeyMismatch`. Where keys are
+    recomputed rather than checked, `rekeyed` and `finish_rekeyed` take their places."""
 
     def __init__(self, blobs: BlobTable, share_threshold: int | None) -> None:
         self.blobs = blobs
