@@ -184,22 +184,23 @@ def test_a_request_key_on_a_turn_without_messages_is_refused(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("n_new", [2, 70], ids=["under a block", "whole blocks"])
 def test_a_token_key_changed_is_refused(tmp_path: Path, n_new: int) -> None:
-    """Turn k3 filed under k1's token key: its next call links to k1 under a plain load."""
+    """Turn k3 filed under k1's token key: under a plain load, the next call of k3 links to
+    an older ancestor (k2, the longest prefix it still finds)."""
     path = tmp_path / "log.rls"
-    turns = token_log(path, n_new=n_new)
+    turns = token_log(path, n=4, n_new=n_new)
     records = records_of(path.read_bytes())
     at = turn_at(records, "k3")
     older = keys_of(records, turn_at(records, "k1"))[1]
     assert older is not None and older != keys_of(records, at)[1]
     write(path, with_key(records, at, "token", older))
     after = token_turns(5, n_new=n_new)[4]
+    assert after["prompt_ids"][: len(turns[3]["prompt_ids"])] == turns[3]["prompt_ids"]
     trusted = RolloutGraph.load(path)
-    assert trusted.add_turn(TurnNode(**copy.deepcopy(after))).parent_id != "k3"
+    assert trusted.add_turn(TurnNode(**copy.deepcopy(after))).parent_id == "k2"
     assert_refused(path, "token", at)
     write(path, records)
     assert storage.verify(path).ok
     assert RolloutGraph.load(path).add_turn(TurnNode(**after)).parent_id == "k3"
-    assert len(turns) == 5
 
 
 def test_a_token_key_dropped_is_refused(tmp_path: Path) -> None:
