@@ -37,7 +37,7 @@ import msgpack
 import xxhash
 
 from .blobs import BlobTable
-from .confirm import digest_key, prefix_keys
+from .confirm import digest_key
 from .encoding import ECHO_PACKED, EXT_ECHO, array_header, unpack
 from .errors import IndexKeyMismatch
 from .intake import MAX_DEPTH
@@ -171,18 +171,21 @@ class KeyCheck:
         while node is not None:
             chain.append(node)
             node = node.base
-        plains: list[bytes] = []
+        hasher = blake3.blake3()
+        keys = [digest_key(hasher.digest())]
+        left = turn.n_rest - 1  # messages to hash: the whole request's key is not among them
         for owner in reversed(chain):
-            body = b"".join(self._tail_plain(owner))
-            unpacker = msgpack.Unpacker(max_buffer_size=max(len(body), 1))
-            unpacker.feed(body)
-            start = 0
-            for _ in range(owner.n_rest - (owner.base.n_rest if owner.base is not None else 0)):
-                unpacker.skip()
-                end = unpacker.tell()
-                plains.append(body[start:end])
-                start = end
-        return prefix_keys(plains[:-1])
+            base = owner.base
+            count = min(owner.n_rest - (base.n_rest if base is not None else 0), left)
+            if count <= 0:
+                continue
+            left -= count
+            parts = self._tail_plain(owner)
+            body = memoryview(parts[0] if len(parts) == 1 else b"".join(parts))
+            for span in _spans(body, count):
+                hasher.update(span)
+                keys.append(digest_key(hasher.digest()))
+        return keys
 
     def _request_state(self, turn: Turn) -> Any:
         """The BLAKE3 state of the turn's non-system messages' plain packings: its base's
@@ -310,6 +313,32 @@ class KeyCheck:
             if len(runs) > KEPT_STATES:
                 runs.popitem(last=False)
         return state
+
+
+#: Bytes fed to the unpacker that finds message boundaries at a time (it holds at most one
+#: message more than this).
+_SPAN_CHUNK = 1 << 16
+
+
+def _spans(body: memoryview, count: int) -> list[memoryview]:
+    """The first `count` packed values of `body`, each as a view of its bytes (the unpacker
+    skips them without building them, fed a chunk at a time)."""
+    unpacker = msgpack.Unpacker(max_buffer_size=max(len(body), 1))
+    spans: list[memoryview] = []
+    start = fed = 0
+    while len(spans) < count:
+        try:
+            unpacker.skip()
+        except msgpack.OutOfData:
+            if fed >= len(body):
+                raise ValueError("a request tail holds fewer messages than its turn") from None
+            unpacker.feed(body[fed : fed + _SPAN_CHUNK])
+            fed += _SPAN_CHUNK
+            continue
+        end = unpacker.tell()
+        spans.append(body[start:end])
+        start = end
+    return spans
 
 
 def _echo() -> msgpack.ExtType:

@@ -224,18 +224,20 @@ def test_a_prompt_key_changed_is_refused(tmp_path: Path) -> None:
     assert error.recorded == key ^ 1 and error.expected == key
 
 
-def test_root_keys_changed_are_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pad", [0, 150_000], ids=["short", "messages over 64 KiB"])
+def test_root_keys_changed_are_refused(tmp_path: Path, pad: int) -> None:
     """A root without token ids waits under its request's shorter prefixes (for an ancestor
     that arrives late): one of them changed, or one added, is refused."""
     path = tmp_path / "log.rls"
-    turns = chat_turns(4)
-    with RolloutGraph.open(path, fsync="never") as graph:
+    turns = chat_turns(4, pad=pad)
+    with RolloutGraph.open(path, share_threshold=None, fsync="never") as graph:
         graph.add_turn(TurnNode(node_id="late", **copy.deepcopy(turns[3])))  # a root, for now
         graph.add_turn(TurnNode(node_id="first", **copy.deepcopy(turns[0])))
     records = records_of(path.read_bytes())
     at = turn_at(records, "late")
     roots = keys_of(records, at)[3]
     assert isinstance(roots, list) and len(roots) == 7  # prefixes of 0 to 6 messages
+    assert storage.verify(path).ok
     write(path, with_key(records, at, "roots", [*roots[:-1], roots[-1] ^ 1]))
     assert_refused(path, "roots", at)
     write(path, with_key(records, at, "roots", [*roots, 99]))
