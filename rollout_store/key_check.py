@@ -5,9 +5,10 @@ the request key (BLAKE3 of its non-system messages' plain packings), the token k
 block digest of its prompt + sampled ids), the prompt key (xxh3-64 of its prompt ids) and,
 for a root without token ids, the keys of its request's shorter prefixes (under which it
 waits for an ancestor that arrives late). `load` trusts them, so a file is read without
-hashing its content again; a key changed in a crafted or damaged file whose frames are
-consistent would then file the turn where no later turn finds it, and a turn added to the
-loaded graph would link to an older ancestor than its true parent.
+computing a key (blobs are hashed once, to check their digests); a key changed in a crafted
+or damaged file whose frames are consistent would then file the turn where no later turn
+finds it, and a turn added to the loaded graph would link to an older ancestor than its
+true parent.
 
 `verify` recomputes every one (`KeyCheck`, given each turn as it is read) and rejects a
 mismatch with `IndexKeyMismatch` naming the record, the field, both values and what to do.
