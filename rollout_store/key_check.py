@@ -43,7 +43,7 @@ from .encoding import ECHO_PACKED, EXT_ECHO, array_header, unpack
 from .errors import IndexKeyMismatch
 from .intake import MAX_DEPTH
 from .keys import short_key
-from .packed import QUICK_LIMIT, check_packed
+from .packed import MESSAGES_DEPTH, QUICK_LIMIT, check_packed
 from .requests import RequestStore
 from .stored import IndexKeys, Turn, TurnFlag
 from .tokens import BLOCK, TokenRun
@@ -240,8 +240,9 @@ class KeyCheck:
             if plain is None:  # (a stored value always packs)
                 raise ValueError("a stored value without a plain packing")
             return plain
+        depth = MESSAGES_DEPTH if echo_ok else MAX_DEPTH  # a tail, or a response
         info = check_packed(
-            packed, len(blobs), MAX_DEPTH, blob_surrogates=self._surrogates, echo_ok=echo_ok
+            packed, len(blobs), depth, blob_surrogates=self._surrogates, echo_ok=echo_ok
         )
         parts: list[bytes] = []
         pos = 0

@@ -65,7 +65,14 @@ from .frames import (
 from .graph import Graph, GraphRestorer, JournalEntry
 from .intake import MAX_DEPTH, token_array
 from .key_check import KeyCheck
-from .packed import PackedInfo, QuickCheck, check_int_array, check_packed, splice_blobs
+from .packed import (
+    MESSAGES_DEPTH,
+    PackedInfo,
+    QuickCheck,
+    check_int_array,
+    check_packed,
+    splice_blobs,
+)
 from .shared_blobs import StoreBlobTable
 from .stored import (
     PACKED,
@@ -584,15 +591,18 @@ class _Loader:
         # or a load with recover=True
         self.rekey = False
 
-    def check(self, packed: Any, n_blobs: int, echo_ok: bool = False) -> PackedInfo:
-        """Check a stored value once, without building it (see `packed.check_packed`)."""
+    def check(
+        self, packed: Any, n_blobs: int, echo_ok: bool = False, depth: int = MAX_DEPTH
+    ) -> PackedInfo:
+        """Check a stored value once, without building it (see `packed.check_packed`):
+        nested at most `depth` levels (`MESSAGES_DEPTH` for an array of messages)."""
         if not isinstance(packed, bytes):
             raise ValueError("a packed value must be bytes")
-        info = self.quick(packed, n_blobs, MAX_DEPTH, echo_ok)
+        info = self.quick(packed, n_blobs, depth, echo_ok)
         if info is not None:
             return info
         surrogates = self.blob_surrogates
-        return check_packed(packed, n_blobs, MAX_DEPTH, blob_surrogates=surrogates, echo_ok=echo_ok)
+        return check_packed(packed, n_blobs, depth, blob_surrogates=surrogates, echo_ok=echo_ok)
 
     def blob_surrogates(self, index: int) -> bool:
         return self.handle(index).surrogates
@@ -685,10 +695,11 @@ class _Loader:
             blobs.cache.put(key, text, size)
 
     def value(self, payload: Any) -> None:
-        info = self.check(payload, len(self.graph.blobs))
+        # a value may hold a request's leading system messages: an array of messages
+        info = self.check(payload, len(self.graph.blobs), depth=MESSAGES_DEPTH)
         if info.refs and not info.blob_refs:  # where they are, to splice them
             n_blobs, surrogates = len(self.graph.blobs), self.blob_surrogates
-            info = check_packed(payload, n_blobs, MAX_DEPTH, blob_surrogates=surrogates)
+            info = check_packed(payload, n_blobs, MESSAGES_DEPTH, blob_surrogates=surrogates)
         self.value_is_list.append(info.top_items >= 0)
         self.writer.values[id(payload)] = len(self.writer.value_objects)
         self.writer.value_objects.append(payload)
@@ -835,7 +846,9 @@ class _Loader:
             turn.build((tail,), n_rest, response)
             finish_tail(turn)
             return
-        info = quick(tail, n_blobs, MAX_DEPTH, True) or self.check(tail, n_blobs, echo_ok=True)
+        info = quick(tail, n_blobs, MESSAGES_DEPTH, True) or self.check(
+            tail, n_blobs, True, MESSAGES_DEPTH
+        )
         if info.top_items != n_rest - first:
             raise ValueError("request tail does not hold its messages")
         if info.refs:

@@ -580,6 +580,29 @@ def test_the_deepest_value_intake_takes_verifies_and_exports(tmp_path: Path) -> 
     _usable(path, tmp_path / "out.json")
 
 
+@pytest.mark.parametrize("role", ["system", "user"])
+@pytest.mark.parametrize("how", ["log", "save"])
+def test_the_deepest_message_intake_takes_loads(tmp_path: Path, role: str, how: str) -> None:
+    """Intake bounds each message by MAX_DEPTH; the array of messages a file stores adds a
+    level, which the reader refused: a turn was recorded whose file did not load."""
+    value: object = "leaf"
+    for _ in range(MAX_DEPTH - 1):
+        value = [value]
+    messages = [{"role": role, "content": value}, {"role": "user", "content": "then"}]
+    path = tmp_path / "deep.rls"
+    graph = RolloutGraph.open(path) if how == "log" else RolloutGraph()
+    graph.add_turn(TurnNode(request_messages=messages))
+    with pytest.raises(RolloutStoreError):  # one level deeper is refused at intake
+        graph.add_turn(TurnNode(request_messages=[{"role": role, "content": [value]}]))
+    if how == "save":
+        graph.save(path)
+    graph.close()
+    report = storage.verify(path)
+    assert report.ok, report.error
+    assert RolloutGraph.load(path).get("turn-0").request_messages == messages
+    _usable(path, tmp_path / "out.json")
+
+
 def test_crafted_deep_nesting_fails_verify_with_its_offset(tmp_path: Path) -> None:
     path = crafted_v2(tmp_path, [(3, CRAFTED["990 deep"])])
     report = storage.verify(path)
