@@ -33,6 +33,7 @@ from rollout_store import (
     RolloutGraph,
     StringCache,
     TurnNode,
+    frames,
     storage,
 )
 from rollout_store.cli import main as cli_main
@@ -624,3 +625,36 @@ def test_recover_recomputes_the_keys_and_keeps_every_turn(
     # a file main wrote has nothing to recompute
     write(path, records)
     assert RolloutGraph.load(path, recover=True).load_report.keys_recomputed == 0
+
+
+def _v1_records(data: bytes) -> Records:
+    out, offset = [], len(frames.MAGIC)
+    while offset < len(data):
+        kind, length, _ = frames.FRAME.unpack_from(data, offset)
+        start = offset + frames.FRAME.size
+        out.append((kind, data[start : start + length]))
+        offset = start + length
+    return out
+
+
+def test_a_version_1_files_keys_are_never_trusted(tmp_path: Path) -> None:
+    """A key changed in a version-1 file (framed again) changes nothing: load recomputes
+    them all, so the continuation of the changed turn still links to it."""
+    records = _v1_records((DATA / "v1_log.rls").read_bytes())
+    turns = [i for i, (kind, _) in enumerate(records) if kind == KIND_TURN]
+    graph = RolloutGraph.load(DATA / "v1_log.rls")
+    node_id = next(
+        n
+        for n in graph.node_ids()
+        if graph.get(n).request_messages is not None
+        and graph.get(n).response_message is not None
+        and not graph.get(n).prompt_ids
+    )
+    at = next(i for i in turns if _unpacked(records[i][1])[_NODE_ID] == node_id)
+    changed = with_key(records, at, "request", 12345)
+    path = tmp_path / "v1.rls"
+    path.write_bytes(frames.MAGIC + b"".join(frames.frame(k, p) for k, p in changed))
+    assert storage.verify(path).ok
+    turn = graph.get(node_id)
+    fields = {"request_messages": turn.request_messages, "response_message": turn.response_message}
+    assert RolloutGraph.load(path).add_turn(continuation(fields)).parent_id == node_id
