@@ -205,8 +205,10 @@ class _Writer:
         self.blobs_written = 0
         self.values: dict[int, int] = {}  # id(stored value bytes) -> ordinal
         self.value_objects: list[bytes] = []  # keeps the ids above valid
-        self.prompt_of: dict[int, int] = {}  # id(TokenRun) -> index of a turn whose prompt it is
-        self.full_of: dict[int, int] = {}  # id(TokenRun) -> index of a turn whose full it is
+        # a TokenRun (by identity: runs define no equality; keyed by the run, not its id,
+        # so no int is kept per turn) -> index of a turn whose prompt / full it is
+        self.prompt_of: dict[TokenRun, int] = {}
+        self.full_of: dict[TokenRun, int] = {}
         self.refs = (0, 0)  # blob references and their bytes counted so far
 
     def header(self, graph: Graph, mode: str) -> bytes:
@@ -406,19 +408,19 @@ class _Writer:
 
     def note_runs(self, turn: Turn) -> None:
         if turn.prompt is not None:
-            self.prompt_of.setdefault(id(turn.prompt), turn.index)
+            self.prompt_of.setdefault(turn.prompt, turn.index)
         if turn.full is not None:
-            self.full_of.setdefault(id(turn.full), turn.index)
+            self.full_of.setdefault(turn.full, turn.index)
 
     def _prompt_spec(self, turn: Turn) -> list[Any] | None:
         run = turn.prompt
         if run is None:
             return None
-        same = self.prompt_of.get(id(run))
+        same = self.prompt_of.get(run)
         if same is not None:
             return [int(PromptKind.SAME), same]
         if run.prev is not None:
-            extends = self.full_of.get(id(run.prev))
+            extends = self.full_of.get(run.prev)
             if extends is not None:
                 return [int(PromptKind.EXTENDS), extends, encode_segment(run.seg)]
         # a chain this file cannot name: write the tokens whole (exact, just not shared)
