@@ -110,6 +110,11 @@ class BlobTable:
         a private table shares nothing."""
         return tokens
 
+    def share_text(self, text: bytes) -> bytes:
+        """`text` (a raw JSON text the graph remembers, see `RequestStore.raw_shared`) or an
+        equal object other graphs hold; a private table shares nothing."""
+        return text
+
     def share_packed(self, packed: bytes) -> bytes:
         """`packed` (a plain packing, no blob references) or an equal object shared with other
         graphs; a private table shares nothing."""

@@ -195,6 +195,15 @@ class StoreBlobTable(BlobTable):
             return self._text_store.share_tokens(tokens)
         return tokens
 
+    def share_text(self, text: bytes) -> bytes:
+        """Over the memory store with a cache the graphs share (a capture server's sessions):
+        one object for their equal raw texts (the tool list every session re-sends), which
+        the cache confirms equal; it may forget it, the graphs keep theirs. Elsewhere the
+        graph keeps its own: a cache of fetched strings is not filled with texts."""
+        if self._text_store is not None and self._cache is not None:
+            return self._cache.share_bytes(text)
+        return text
+
     def share_packed(self, packed: bytes) -> bytes:
         """A large packing shared with other graphs: the memory store's own object, or else
         the one held by the cache the graphs share (graphs that store one tool list share

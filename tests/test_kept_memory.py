@@ -1,11 +1,16 @@
-"""The index of token roots is built at the first lookup that has a root to find: a graph of
-one rollout keeps none, and a late ancestor still finds every root that waits for it."""
+"""What a graph keeps between turns, beyond its content: no packers, and no index of token
+roots until a lookup has a root to find (a late ancestor still finds every root that waits
+for it)."""
 
 from __future__ import annotations
 
+import json
+from array import array
 from pathlib import Path
+from typing import Any
 
-from rollout_store import RolloutGraph, TurnNode
+from rollout_store import RawJSON, RolloutGraph, TurnNode
+from rollout_store.sessions import Sessions
 
 
 def _prompt(n: int, start: int = 1000) -> list[int]:
@@ -49,3 +54,64 @@ def test_a_graph_loaded_from_a_file_finds_its_waiting_root(tmp_path: Path) -> No
     loaded = RolloutGraph.load(tmp_path / "g.rls")
     first = loaded.add_turn(TurnNode(prompt_ids=head, sampled_ids=[1, 2]))
     assert loaded.parent(late.node_id) == first.node_id
+
+
+def test_no_packer_is_kept_between_turns() -> None:
+    graph = RolloutGraph()
+    history: list[Any] = [{"role": "system", "content": "s" * 3000}]
+    for i in range(3):
+        history = [*history, {"role": "user", "content": f"q{i} " + "x" * 2000}]
+        for messages in (history, RawJSON(json.dumps(history).encode())):
+            graph.add_turn(
+                TurnNode(
+                    request_messages=messages,
+                    response_message={"role": "assistant", "content": f"a{i}"},
+                    request_tools=[{"type": "function", "function": {"name": "f"}}],
+                )
+            )
+            requests = graph._requests
+            assert requests._pack_plain is None
+            assert requests._encoder._packer is None and requests._canonical._packer is None
+        history = [*history, {"role": "assistant", "content": f"a{i}"}]
+    assert graph.request_messages(graph.leaf_ids()[-1]) == history[:-1]
+
+
+def test_graphs_of_one_server_keep_one_copy_of_a_tools_text() -> None:
+    """Sessions over one memory store and cache remember the tool list every call re-sends
+    as one object; each graph still exports exactly what it was sent."""
+    sessions = Sessions()
+    tools = [{"type": "function", "function": {"name": f"tool{i}"}} for i in range(5)]
+    graphs = [sessions.create().graph for _ in range(3)]
+    for n, graph in enumerate(graphs):
+        history: list[Any] = [{"role": "user", "content": f"task {n}"}]
+        for i in range(3):
+            graph.add_turn(
+                TurnNode(
+                    request_messages=RawJSON(json.dumps(history).encode()),
+                    request_tools=RawJSON(json.dumps(tools).encode()),
+                    response_message={"role": "assistant", "content": f"a{i}"},
+                )
+            )
+            history = [*history, {"role": "assistant", "content": f"a{i}"}]
+            history = [*history, {"role": "user", "content": f"q{i}"}]
+    texts = [next(iter(graph._requests.raw_shared)) for graph in graphs]
+    assert texts[0] == json.dumps(tools).encode()
+    assert all(text is texts[0] for text in texts)
+    for graph in graphs:
+        assert all(graph.request_tools(node) == tools for node in graph.node_ids())
+    private = RolloutGraph()  # a graph of its own keeps the text it was given
+    copy = bytes(bytearray(texts[0]))
+    for _ in range(2):
+        private.add_turn(TurnNode(request_messages=[], request_tools=RawJSON(copy)))
+    assert next(iter(private._requests.raw_shared)) is copy
+
+
+def test_token_runs_compare_by_identity() -> None:
+    """A file writer keys runs by the objects themselves (no int per turn): equal tokens in
+    two runs must stay two keys."""
+    from rollout_store.tokens import ArrayRun, PackedFull, PackedPrompt, TokenRun
+
+    for kind in (TokenRun, ArrayRun, PackedPrompt, PackedFull):
+        assert kind.__eq__ is object.__eq__ and kind.__hash__ is object.__hash__
+    a, b = ArrayRun(None, array("I", [1, 2])), ArrayRun(None, array("I", [1, 2]))
+    assert len({a: 0, b: 1}) == 2
