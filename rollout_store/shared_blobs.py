@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from .blobs import BlobTable, Handle, content_digest
 from .content import KEY_SIZE, ContentStore, StringCache, TextStore, content_key
 from .errors import InvalidArgumentError
-from .index import index_add, index_members
+from .index import OneOrMany, index_add, index_members
 
 __all__ = ["DEFAULT_GRAPH_CACHE_BYTES", "StoreBlobTable"]
 
@@ -92,7 +92,7 @@ class StoreBlobTable(BlobTable):
         # from INDEX_FROM blobs on: the digest's first 30 bits -> the blob's number, or a list
         # of them when several blobs share those bytes (each candidate is confirmed by content
         # or key); None while the digests are scanned
-        self._index: dict[int, int | list[int]] | None = None
+        self._index: OneOrMany[int, int] | None = None
         self._nbytes = 0
         self._refs = 0
         self._refbytes = 0

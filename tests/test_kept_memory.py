@@ -115,3 +115,48 @@ def test_token_runs_compare_by_identity() -> None:
         assert kind.__eq__ is object.__eq__ and kind.__hash__ is object.__hash__
     a, b = ArrayRun(None, array("I", [1, 2])), ArrayRun(None, array("I", [1, 2]))
     assert len({a: 0, b: 1}) == 2
+
+
+def test_one_or_many_index_matches_lists_of_items() -> None:
+    """Random adds and removes against a dict of lists: the same members in the same order,
+    one item bare, a few as an exact tuple, more than SMALL as a list."""
+    import random
+
+    from rollout_store.index import SMALL, index_add, index_members, index_remove
+
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    items = [object() for _ in range(40)]
+    index: dict[int, Any] = {}
+    reference: dict[int, list[object]] = {}
+    for _ in range(3000):
+        key = rng.randrange(4)
+        members = reference.setdefault(key, [])
+        if len(members) == len(items) or (members and rng.random() < 0.45):
+            item = rng.choice(members)
+            members.remove(item)
+            index_remove(index, key, item)
+        else:
+            item = rng.choice([i for i in items if i not in members])
+            members.append(item)
+            index_add(index, key, item)
+        index_remove(index, key, object())  # an item not there changes nothing
+        for k, expected in reference.items():
+            found = index.get(k)
+            assert list(index_members(found)) == expected, seed
+            if not expected:
+                assert found is None, seed
+            elif len(expected) == 1:
+                assert found is expected[0], seed
+            elif type(found) is tuple:
+                assert len(found) <= SMALL, seed
+            else:
+                assert type(found) is list, seed
+    many: dict[int, Any] = {}
+    for item in items[: SMALL + 2]:
+        index_add(many, 0, item)
+    assert type(many[0]) is list and many[0] == items[: SMALL + 2]
+    small: dict[int, Any] = {}
+    index_add(small, 0, items[0])
+    index_add(small, 0, items[1])
+    assert small[0] == (items[0], items[1])
