@@ -160,3 +160,25 @@ def test_one_or_many_index_matches_lists_of_items() -> None:
     index_add(small, 0, items[0])
     index_add(small, 0, items[1])
     assert small[0] == (items[0], items[1])
+
+
+def test_a_value_table_keeps_values_whose_digests_collide(monkeypatch: Any) -> None:
+    """A long value is kept bare under its digest; values whose digests collide are all
+    found, each confirmed by its bytes."""
+    import types
+
+    from rollout_store import values
+
+    monkeypatch.setattr(
+        values, "xxhash", types.SimpleNamespace(xxh3_128_digest=lambda data: b"\0" * 16)
+    )
+    table = values.ValueTable(lambda stored: stored, None)
+    long_values = [bytes([65 + i]) * 2000 for i in range(3)]
+    table.add(long_values[0], long_values[0])
+    assert table._keyed[b"\0" * 16] is long_values[0]  # one value: bare, no list
+    for value in long_values[1:]:
+        assert table.find(value) is None
+        table.add(value, value)
+    assert len(table) == 3
+    assert all(table.find(bytes(bytearray(v))) is v for v in long_values)
+    assert table.find(b"D" * 2000) is None
