@@ -1399,7 +1399,9 @@ def open_append(
 def _open_locked(target: Path) -> IO[bytes]:
     """`target` opened for appending (created if missing) under the appender's lock."""
     while True:
-        fp = open(target, "a+b")  # noqa: SIM115 - owned by the returned graph
+        # unbuffered: the log is read whole once and written with os.write, so a buffer
+        # (4-8 KiB a session, for as long as the log is open) would serve nothing
+        fp = open(target, "a+b", buffering=0)  # noqa: SIM115 - owned by the returned graph
         try:
             if lock_log(fp, target):
                 return fp
@@ -1449,9 +1451,10 @@ def _resume(
 def _start_log(fp: IO[bytes], target: Path, graph: RolloutGraph, blobs: str) -> _Writer:
     """Write the header of a new log, durably; the writer that continues it."""
     writer = _Writer(blobs=blobs)
-    fp.write(writer.header(graph, MODE_LOG))
-    fp.flush()
-    os.fsync(fp.fileno())
+    fd, view = fp.fileno(), memoryview(writer.header(graph, MODE_LOG))
+    while view:  # the file is unbuffered: a write may take part of it
+        view = view[os.write(fd, view) :]
+    os.fsync(fd)
     fsync_dir(target)
     return writer
 

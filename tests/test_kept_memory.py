@@ -182,3 +182,22 @@ def test_a_value_table_keeps_values_whose_digests_collide(monkeypatch: Any) -> N
     assert len(table) == 3
     assert all(table.find(bytes(bytearray(v))) is v for v in long_values)
     assert table.find(b"D" * 2000) is None
+
+
+def test_an_appending_graph_keeps_no_file_buffer(tmp_path: Path) -> None:
+    """The log is read whole once and written with os.write: its file is unbuffered, and
+    what was appended is read back after a reopen."""
+    import io
+
+    path = tmp_path / "a.rls"
+    graph = RolloutGraph.open(path)
+    assert type(graph._journal.fp) is io.FileIO
+    messages: list[Any] = [{"role": "user", "content": "hi " * 3000}]
+    graph.add_turn(TurnNode(request_messages=messages, prompt_ids=[1, 2], sampled_ids=[3]))
+    graph.close()
+    again = RolloutGraph.open(path)
+    assert type(again._journal.fp) is io.FileIO
+    assert len(again) == 1 and again.request_messages("turn-0") == messages
+    again.add_turn(TurnNode(request_messages=[*messages, {"role": "user", "content": "more"}]))
+    again.close()
+    assert len(RolloutGraph.load(path)) == 2
