@@ -206,7 +206,8 @@ class _Writer:
         self.values: dict[int, int] = {}  # id(stored value bytes) -> ordinal
         self.value_objects: list[bytes] = []  # keeps the ids above valid
         # a TokenRun (by identity: runs define no equality; keyed by the run, not its id,
-        # so no int is kept per turn) -> index of a turn whose prompt / full it is
+        # so no int is kept per turn) -> index of the first turn whose prompt / full it is;
+        # a PackedFull is not kept (see `_full_index`)
         self.prompt_of: dict[TokenRun, int] = {}
         self.full_of: dict[TokenRun, int] = {}
         self.refs = (0, 0)  # blob references and their bytes counted so far
@@ -409,8 +410,18 @@ class _Writer:
     def note_runs(self, turn: Turn) -> None:
         if turn.prompt is not None:
             self.prompt_of.setdefault(turn.prompt, turn.index)
-        if turn.full is not None:
-            self.full_of.setdefault(turn.full, turn.index)
+        full = turn.full
+        if full is not None and type(full) is not PackedFull:
+            self.full_of.setdefault(full, turn.index)
+
+    def _full_index(self, run: TokenRun) -> int | None:
+        """The index of the first turn whose full run is `run`. A `PackedFull` is the full of
+        the one turn that packed its prompt, the first turn whose prompt that is (a retry
+        that shares the prompt has a full of its own): found through `prompt_of`, so a log
+        keeps no entry for it (most turns' fulls)."""
+        if type(run) is PackedFull:
+            return self.prompt_of.get(run.prev)
+        return self.full_of.get(run)
 
     def _prompt_spec(self, turn: Turn) -> list[Any] | None:
         run = turn.prompt
@@ -420,7 +431,7 @@ class _Writer:
         if same is not None:
             return [int(PromptKind.SAME), same]
         if run.prev is not None:
-            extends = self.full_of.get(run.prev)
+            extends = self._full_index(run.prev)
             if extends is not None:
                 return [int(PromptKind.EXTENDS), extends, encode_segment(run.seg)]
         # a chain this file cannot name: write the tokens whole (exact, just not shared)

@@ -201,3 +201,28 @@ def test_an_appending_graph_keeps_no_file_buffer(tmp_path: Path) -> None:
     again.add_turn(TurnNode(request_messages=[*messages, {"role": "user", "content": "more"}]))
     again.close()
     assert len(RolloutGraph.load(path)) == 2
+
+
+def test_a_log_names_packed_prompts_without_keeping_their_fulls(tmp_path: Path) -> None:
+    """A log's writer finds the turn whose packed full run a continuation extends through
+    the prompt that turn packed: it keeps no entry for it, and the log still stores each
+    turn's new tokens only (a long shared prompt is written once)."""
+    from rollout_store.tokens import PackedFull
+
+    path = tmp_path / "c.rls"
+    graph = RolloutGraph.open(path)
+    prompt, sequences = _prompt(2000), []
+    for step in range(6):
+        sampled = [7 + step, 8 + step, 9 + step]
+        graph.add_turn(TurnNode(prompt_ids=prompt, sampled_ids=sampled))
+        sequences.append((prompt, sampled))
+        prompt = [*prompt, *sampled, *_prompt(20, 5000 + 100 * step)]
+    writer = graph._journal.writer
+    assert not any(type(run) is PackedFull for run in writer.full_of)
+    assert len(writer.full_of) <= 1  # the root's
+    graph.close()
+    assert path.stat().st_size < 4 * 2000 + 6 * 1000  # the prompt once, then new ids
+    loaded = RolloutGraph.load(path)
+    for i, (prompt_ids, sampled) in enumerate(sequences):
+        node = loaded.get(f"turn-{i}")
+        assert list(node.prompt_ids) == prompt_ids and list(node.sampled_ids) == sampled
