@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import xxhash
 
 from .errors import ReadOnlyError
-from .index import index_add, index_members, index_remove
+from .index import OneOrMany, index_add, index_members, index_remove
 
 __all__ = ["BlobTable", "Handle", "content_digest"]
 
@@ -68,7 +68,7 @@ class BlobTable:
         self._strings: list[str] = []
         self._handles: list[Handle] = []
         # A digest maps to one handle, or to a list of them when different strings collide.
-        self._by_digest: dict[bytes, Handle | list[Handle]] = {}
+        self._by_digest: OneOrMany[bytes, Handle] = {}
         self._total_bytes = 0
         self._references = 0
         self._referenced_bytes = 0
@@ -109,6 +109,11 @@ class BlobTable:
         """`tokens` (never changed once stored) or an equal array shared with other graphs;
         a private table shares nothing."""
         return tokens
+
+    def share_text(self, text: bytes) -> bytes:
+        """`text` (a raw JSON text the graph remembers, see `RequestStore.raw_shared`) or an
+        equal object other graphs hold; a private table shares nothing."""
+        return text
 
     def share_packed(self, packed: bytes) -> bytes:
         """`packed` (a plain packing, no blob references) or an equal object shared with other
@@ -154,5 +159,7 @@ class BlobTable:
             "blob_bytes": self._total_bytes,
             "blob_references": self._references,
             "blob_bytes_saved": self._referenced_bytes - self._total_bytes,
-            "collisions": sum(len(v) - 1 for v in self._by_digest.values() if isinstance(v, list)),
+            "collisions": sum(
+                len(v) - 1 for v in self._by_digest.values() if isinstance(v, tuple | list)
+            ),
         }

@@ -213,6 +213,10 @@ class Encoder:
         self.last_refs = False  # whether the last packing holds blob references
         self.last_longest = 0  # the length of its longest string held as a reference
 
+    def release(self) -> None:
+        """Let the packer go (the graph's turn is done): the next `encode` makes one."""
+        self._packer = None
+
     def encode(self, value: object, path: str) -> tuple[bytes, bool]:
         """The packing of `value` and whether it holds a tuple, a big int or a lone
         surrogate (the ext types a caller's own `msgpack.ExtType` objects could imitate).

@@ -65,6 +65,7 @@ class Linker:
     __slots__ = (
         "_no_ids",
         "_no_logprobs",
+        "_unindexed_roots",
         "message_roots",
         "prompt_index",
         "requests",
@@ -79,7 +80,10 @@ class Linker:
         self.turns = turns
         self.token_index: dict[int, Any] = {}  # block digest of prompt+sampled -> turn(s)
         self.prompt_index: dict[int, Any] = {}  # digest of a whole prompt -> TokenRun(s)
-        self.token_roots: dict[int, Any] = {}  # block digests of token roots' prompts
+        # heads and block digests of token roots' prompts, built at the first lookup that
+        # has a root to find (see `_token_roots`): until then only counted
+        self.token_roots: dict[int, Any] | None = None
+        self._unindexed_roots = 0
         self.short_lengths: set[int] = set()  # lengths under one block that turns have
         self.message_roots: dict[int, Any] = {}  # request keys of message roots' prefixes
         # one empty array of each kind for every turn that sampled nothing (never mutated)
@@ -272,6 +276,9 @@ class Linker:
     def register_root(self, turn: Turn, root_keys: list[int] | None) -> None:
         """File a root under its prefixes, for a later turn it continues to find it."""
         if turn.prompt is not None:
+            if self.token_roots is None:  # filed when a lookup first needs the index
+                self._unindexed_roots += 1
+                return
             for key in root_token_keys(turn.prompt):
                 index_add(self.token_roots, key, turn)
         elif root_keys:
@@ -280,6 +287,9 @@ class Linker:
 
     def _unregister_root(self, turn: Turn) -> None:
         if turn.prompt is not None:
+            if self.token_roots is None:
+                self._unindexed_roots -= 1
+                return
             for key in root_token_keys(turn.prompt):
                 index_remove(self.token_roots, key, turn)
         elif turn.n_rest > 0:
@@ -333,16 +343,36 @@ class Linker:
         parent, length = new.parent, len(data) // 4
         if parent is not None:
             candidates = list(parent.children or ())
+        elif (roots := self._token_roots()) is None:
+            candidates = []  # no root committed yet: none to move
         elif length >= BLOCK:
-            candidates = list(index_members(self.token_roots.get(scratch.token_key)))  # type: ignore[arg-type]
+            candidates = list(index_members(roots.get(scratch.token_key)))  # type: ignore[arg-type]
         else:  # the roots that share its first tokens, as many as a head holds
             head = max(h for h in HEADS if h <= length)
-            candidates = list(index_members(self.token_roots.get(short_key(data, head))))
+            candidates = list(index_members(roots.get(short_key(data, head))))
         # and children of turns whose tokens end inside this turn's sampled ones (a
         # shorter retry of the same call): their continuations may continue this one
         for shorter in self._prefixes_within(new, data):
             candidates.extend(shorter.children or ())
         return candidates
+
+    def _token_roots(self) -> dict[int, Any] | None:
+        """The token roots by the keys of their prompts' heads and whole blocks (None while
+        no root with token ids is committed). Built at the first lookup that has one to find,
+        from the committed roots in order, as registering them one by one would have: a
+        graph of one rollout has one root, which no lookup of its own turns needs, and keeps
+        no index of it (its heads and blocks were about 20 keys a graph)."""
+        roots = self.token_roots
+        if roots is None:
+            if not self._unindexed_roots:
+                return None
+            roots = self.token_roots = {}
+            for turn in self.turns:
+                if turn.parent is None and turn.prompt is not None:
+                    for key in root_token_keys(turn.prompt):
+                        index_add(roots, key, turn)
+            self._unindexed_roots = 0
+        return roots
 
     def _prefixes_within(self, new: Turn, data: bytes) -> list[Turn]:
         """Stored turns whose prompt + sampled tokens are a prefix of `new`'s, longer than its

@@ -429,9 +429,10 @@ class RequestStore:
 
     def __init__(self, blobs: BlobTable, share_threshold: int | None) -> None:
         self.blobs = blobs
-        # a reusable packer (packb builds one per call); replaced after each turn by
-        # `reset_packer` so a large message's buffer is not kept
-        self._pack_plain = new_packer()
+        # a reusable packer (packb builds one per call), made at first use (`_packer`) and
+        # let go after each turn by `reset_packer`: a graph keeps no packer or buffer between
+        # turns (a large message's buffer, or a few hundred bytes a session)
+        self._pack_plain: Callable[[Any], bytes] | None = None
         self._encoder = Encoder(blobs, share_threshold)
         self._canonical = Encoder(None, None)  # plain packing by the validating walk
         # over an out-of-process store: values holding blob references are matched by the
@@ -454,7 +455,17 @@ class RequestStore:
         self.raw_shared: dict[bytes | str, tuple[Any, int | None]] = {}
 
     def reset_packer(self) -> None:
-        self._pack_plain = new_packer()
+        """Let the packers go (a turn is done): the next use makes new ones."""
+        self._pack_plain = None
+        self._encoder.release()
+        self._canonical.release()
+
+    def _packer(self) -> Callable[[Any], bytes]:
+        """The plain packer, made at first use since the last `reset_packer`."""
+        pack = self._pack_plain
+        if pack is None:
+            pack = self._pack_plain = new_packer()
+        return pack
 
     def drop_caches(self) -> None:
         """Let go of the tips, decoded and raw (a BLAKE3 state of about 2 KB each), and of
@@ -486,7 +497,7 @@ class RequestStore:
         if value is None:
             return None
         try:
-            plain: bytes | None = self._pack_plain(value)
+            plain: bytes | None = self._packer()(value)
         except Exception:  # the validating walk says what is wrong
             plain = None
         packed, special = self.stored_form(value, plain, "response_message")
@@ -568,10 +579,11 @@ class RequestStore:
         committed before, so byte for byte the same text decodes to it again), with its item
         count; a text used again moves to the end, and the least recently used texts are
         dropped past MAX_RAW_SHARED."""
-        known = self.raw_shared
+        known, share = self.raw_shared, self.blobs.share_text
         for text, stored, n_items in seen:
             known.pop(text, None)
-            known[text] = (stored, n_items)
+            # graphs over one memory store keep one object of a text they all remember
+            known[share(text) if type(text) is bytes else text] = (stored, n_items)
         while len(known) > MAX_RAW_SHARED:
             del known[next(iter(known))]
 
@@ -615,7 +627,7 @@ class RequestStore:
             return None
         n_sys = leading_system_count(messages)
         rest = messages[n_sys:]
-        pack = self._pack_plain
+        pack = self._packer()
         probe: Probe | None
         tips = self.tips
         # the common case first: the turn just before, re-sent with its response and a few
@@ -694,7 +706,7 @@ class RequestStore:
         # accepts the text (else the whole text's decode says what is wrong, and where)
         try:
             fresh = decode_array(b"[" + tail_text[1:] + b"]")
-            pack = self._pack_plain
+            pack = self._packer()
             plains = [pack(message) for message in fresh]
         except Exception:
             return _NOT_FAST
@@ -955,7 +967,7 @@ class RequestStore:
             holes = previous.holes
             hollow = probe.hollow if probe.tip is previous else None
             if hollow is None:  # its base was confirmed by the plain digest: hollow it once
-                hollow = hollow_hasher(probe.messages, start, holes, self._pack_plain)
+                hollow = hollow_hasher(probe.messages, start, holes, self._packer())
                 if hollow is None or hollow.digest() != previous.hollow_digest:
                     return None
         elif not found:
@@ -970,7 +982,7 @@ class RequestStore:
             if size < TIP_MIN_BYTES:  # hashed again at no measurable cost: no state kept
                 return None
             holes = earlier
-            hollow = hollow_hasher(probe.messages, start, earlier, self._pack_plain)
+            hollow = hollow_hasher(probe.messages, start, earlier, self._packer())
             if hollow is None:
                 return None
         hollow.update(b"".join(parts))
@@ -1037,7 +1049,7 @@ class RequestStore:
             hollow = hollowed(request.messages[start + k], holes)
             if hollow is None:
                 return None
-            parts.append(self._pack_plain(hollow))
+            parts.append(self._packer()(hollow))
             found.append((start + k, holes))
         return parts, found
 
@@ -1215,7 +1227,7 @@ class RequestStore:
         tuples take the validating walk (with no blob table) instead.
         """
         try:
-            packed: bytes = self._pack_plain(value)
+            packed: bytes = self._packer()(value)
             if len(packed) > _KEPT_PACKER_BUFFER:  # a query's packer keeps no large buffer
                 self.reset_packer()
             return packed

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from .blobs import BlobTable, Handle, content_digest
 from .content import KEY_SIZE, ContentStore, StringCache, TextStore, content_key
 from .errors import InvalidArgumentError
-from .index import index_add, index_members
+from .index import OneOrMany, index_add, index_members
 
 __all__ = ["DEFAULT_GRAPH_CACHE_BYTES", "StoreBlobTable"]
 
@@ -92,7 +92,7 @@ class StoreBlobTable(BlobTable):
         # from INDEX_FROM blobs on: the digest's first 30 bits -> the blob's number, or a list
         # of them when several blobs share those bytes (each candidate is confirmed by content
         # or key); None while the digests are scanned
-        self._index: dict[int, int | list[int]] | None = None
+        self._index: OneOrMany[int, int] | None = None
         self._nbytes = 0
         self._refs = 0
         self._refbytes = 0
@@ -194,6 +194,15 @@ class StoreBlobTable(BlobTable):
         if self._text_store is not None and len(tokens) * 4 >= SHARE_PACKED_BYTES:
             return self._text_store.share_tokens(tokens)
         return tokens
+
+    def share_text(self, text: bytes) -> bytes:
+        """Over the memory store with a cache the graphs share (a capture server's sessions):
+        one object for their equal raw texts (the tool list every session re-sends), which
+        the cache confirms equal; it may forget it, the graphs keep theirs. Elsewhere the
+        graph keeps its own: a cache of fetched strings is not filled with texts."""
+        if self._text_store is not None and self._cache is not None:
+            return self._cache.share_bytes(text)
+        return text
 
     def share_packed(self, packed: bytes) -> bytes:
         """A large packing shared with other graphs: the memory store's own object, or else

@@ -217,8 +217,11 @@ class _Writer:
         self.blobs_written = 0
         self.values: dict[int, int] = {}  # id(stored value bytes) -> ordinal
         self.value_objects: list[bytes] = []  # keeps the ids above valid
-        self.prompt_of: dict[int, int] = {}  # id(TokenRun) -> index of a turn whose prompt it is
-        self.full_of: dict[int, int] = {}  # id(TokenRun) -> index of a turn whose full it is
+        # a TokenRun (by identity: runs define no equality; keyed by the run, not its id,
+        # so no int is kept per turn) -> index of the first turn whose prompt / full it is;
+        # a PackedFull is not kept (see `_full_index`)
+        self.prompt_of: dict[TokenRun, int] = {}
+        self.full_of: dict[TokenRun, int] = {}
         self.refs = (0, 0)  # blob references and their bytes counted so far
 
     def header(self, graph: Graph, mode: str) -> bytes:
@@ -418,19 +421,29 @@ class _Writer:
 
     def note_runs(self, turn: Turn) -> None:
         if turn.prompt is not None:
-            self.prompt_of.setdefault(id(turn.prompt), turn.index)
-        if turn.full is not None:
-            self.full_of.setdefault(id(turn.full), turn.index)
+            self.prompt_of.setdefault(turn.prompt, turn.index)
+        full = turn.full
+        if full is not None and type(full) is not PackedFull:
+            self.full_of.setdefault(full, turn.index)
+
+    def _full_index(self, run: TokenRun) -> int | None:
+        """The index of the first turn whose full run is `run`. A `PackedFull` is the full of
+        the one turn that packed its prompt, the first turn whose prompt that is (a retry
+        that shares the prompt has a full of its own): found through `prompt_of`, so a log
+        keeps no entry for it (most turns' fulls)."""
+        if type(run) is PackedFull:
+            return self.prompt_of.get(run.prev)
+        return self.full_of.get(run)
 
     def _prompt_spec(self, turn: Turn) -> list[Any] | None:
         run = turn.prompt
         if run is None:
             return None
-        same = self.prompt_of.get(id(run))
+        same = self.prompt_of.get(run)
         if same is not None:
             return [int(PromptKind.SAME), same]
         if run.prev is not None:
-            extends = self.full_of.get(id(run.prev))
+            extends = self._full_index(run.prev)
             if extends is not None:
                 return [int(PromptKind.EXTENDS), extends, encode_segment(run.seg)]
         # a chain this file cannot name: write the tokens whole (exact, just not shared)
@@ -1461,7 +1474,9 @@ def open_append(
 def _open_locked(target: Path) -> IO[bytes]:
     """`target` opened for appending (created if missing) under the appender's lock."""
     while True:
-        fp = open(target, "a+b")  # noqa: SIM115 - owned by the returned graph
+        # unbuffered: the log is read whole once and written with os.write, so a buffer
+        # (4-8 KiB a session, for as long as the log is open) would serve nothing
+        fp = open(target, "a+b", buffering=0)  # noqa: SIM115 - owned by the returned graph
         try:
             if lock_log(fp, target):
                 return fp
@@ -1511,9 +1526,10 @@ def _resume(
 def _start_log(fp: IO[bytes], target: Path, graph: RolloutGraph, blobs: str) -> _Writer:
     """Write the header of a new log, durably; the writer that continues it."""
     writer = _Writer(blobs=blobs)
-    fp.write(writer.header(graph, MODE_LOG))
-    fp.flush()
-    os.fsync(fp.fileno())
+    fd, view = fp.fileno(), memoryview(writer.header(graph, MODE_LOG))
+    while view:  # the file is unbuffered: a write may take part of it
+        view = view[os.write(fd, view) :]
+    os.fsync(fd)
     fsync_dir(target)
     return writer
 

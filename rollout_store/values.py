@@ -14,6 +14,7 @@ from collections.abc import Callable
 import xxhash
 
 from .content import content_key
+from .index import OneOrMany, index_add, index_members
 
 __all__ = ["ValueTable"]
 
@@ -38,11 +39,13 @@ class ValueTable:
         self._limit = min(INLINE_KEY_LIMIT, share_threshold or INLINE_KEY_LIMIT)
         self._expand = expand
         self._inline: dict[bytes, bytes] = {}
-        self._keyed: dict[bytes, list[bytes]] = {}  # xxh3-128 -> values with that digest
+        # xxh3-128 -> the value (or values, see `index`) with that digest
+        self._keyed: OneOrMany[bytes, bytes] = {}
         self._exact: dict[bytes, bytes] = {}  # SHA-256 -> the one value (`hashed`)
 
     def __len__(self) -> int:
-        return len(self._inline) + len(self._exact) + sum(len(v) for v in self._keyed.values())
+        keyed = sum(len(index_members(v)) for v in self._keyed.values())
+        return len(self._inline) + len(self._exact) + keyed
 
     def find(self, plain: bytes) -> bytes | None:
         """The stored value whose plain packing equals `plain`, or None."""
@@ -50,7 +53,7 @@ class ValueTable:
             return self._inline.get(plain)
         if self._hashed:
             return self._exact.get(content_key(plain))
-        for stored in self._keyed.get(xxhash.xxh3_128_digest(plain), ()):
+        for stored in index_members(self._keyed.get(xxhash.xxh3_128_digest(plain))):
             if stored == plain or self._expand(stored) == plain:
                 return stored
         return None
@@ -63,4 +66,4 @@ class ValueTable:
         elif self._hashed:
             self._exact[content_key(plain)] = stored
         else:
-            self._keyed.setdefault(xxhash.xxh3_128_digest(plain), []).append(stored)
+            index_add(self._keyed, xxhash.xxh3_128_digest(plain), stored)

@@ -184,7 +184,7 @@ def test_a_tip_confirms_only_the_very_strings_it_holds() -> None:
     _add_all(graph, turns)
     (tip,) = _tips(graph)._by_turn.values()
     messages = json.loads(json.dumps(turns[-1][0][1:]))  # its non-system messages
-    pack = graph._requests._pack_plain
+    pack = graph._requests._packer()
     assert tip.confirm(messages, pack) is not None
     i, holes = tip.holes[0]
     path, blob = holes[0]

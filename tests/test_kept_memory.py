@@ -1,0 +1,228 @@
+"""What a graph keeps between turns, beyond its content: no packers, and no index of token
+roots until a lookup has a root to find (a late ancestor still finds every root that waits
+for it)."""
+
+from __future__ import annotations
+
+import json
+from array import array
+from pathlib import Path
+from typing import Any
+
+from rollout_store import RawJSON, RolloutGraph, TurnNode
+from rollout_store.sessions import Sessions
+
+
+def _prompt(n: int, start: int = 1000) -> list[int]:
+    return list(range(start, start + n))
+
+
+def test_one_rollout_keeps_no_index_of_its_root() -> None:
+    graph = RolloutGraph()
+    prompt = _prompt(200)
+    for step in range(5):
+        sampled = [7 + step, 8 + step]
+        graph.add_turn(TurnNode(prompt_ids=prompt, sampled_ids=sampled))
+        prompt = [*prompt, *sampled, *_prompt(30, 5000 + 100 * step)]
+    assert len(graph.root_ids()) == 1
+    assert graph._linker.token_roots is None
+
+
+def test_late_ancestors_find_roots_committed_before_the_index() -> None:
+    """Two continuations arrive before their ancestors (long and short prompts): the first
+    is committed before any index exists, the second is filed in the index its own lookup
+    built; each ancestor finds its waiting root."""
+    graph = RolloutGraph()
+    long_head, short_head = _prompt(150), [5, 6, 7, 8, 9, 10]
+    late_long = graph.add_turn(TurnNode(prompt_ids=[*long_head, 1, 2, 3, 4], sampled_ids=[9]))
+    assert graph._linker.token_roots is None  # a root, but no lookup needed the index yet
+    # a second root looks for roots it continues: the index is built, with the first
+    late_short = graph.add_turn(TurnNode(prompt_ids=[*short_head, 11, 12, 13], sampled_ids=[1]))
+    assert graph._linker.token_roots is not None
+    first_long = graph.add_turn(TurnNode(prompt_ids=long_head[:-2], sampled_ids=long_head[-2:]))
+    assert graph.parent(late_long.node_id) == first_long.node_id
+    first_short = graph.add_turn(TurnNode(prompt_ids=short_head, sampled_ids=[11, 12]))
+    assert graph.parent(late_short.node_id) == first_short.node_id
+    assert sorted(graph.root_ids()) == sorted([first_long.node_id, first_short.node_id])
+
+
+def test_a_graph_loaded_from_a_file_finds_its_waiting_root(tmp_path: Path) -> None:
+    graph = RolloutGraph()
+    head = _prompt(100)
+    late = graph.add_turn(TurnNode(prompt_ids=[*head, 1, 2], sampled_ids=[3]))
+    graph.save(tmp_path / "g.rls")
+    loaded = RolloutGraph.load(tmp_path / "g.rls")
+    first = loaded.add_turn(TurnNode(prompt_ids=head, sampled_ids=[1, 2]))
+    assert loaded.parent(late.node_id) == first.node_id
+
+
+def test_no_packer_is_kept_between_turns() -> None:
+    graph = RolloutGraph()
+    history: list[Any] = [{"role": "system", "content": "s" * 3000}]
+    for i in range(3):
+        history = [*history, {"role": "user", "content": f"q{i} " + "x" * 2000}]
+        for messages in (history, RawJSON(json.dumps(history).encode())):
+            graph.add_turn(
+                TurnNode(
+                    request_messages=messages,
+                    response_message={"role": "assistant", "content": f"a{i}"},
+                    request_tools=[{"type": "function", "function": {"name": "f"}}],
+                )
+            )
+            requests = graph._requests
+            assert requests._pack_plain is None
+            assert requests._encoder._packer is None and requests._canonical._packer is None
+        history = [*history, {"role": "assistant", "content": f"a{i}"}]
+    assert graph.request_messages(graph.leaf_ids()[-1]) == history[:-1]
+
+
+def test_graphs_of_one_server_keep_one_copy_of_a_tools_text() -> None:
+    """Sessions over one memory store and cache remember the tool list every call re-sends
+    as one object; each graph still exports exactly what it was sent."""
+    sessions = Sessions()
+    tools = [{"type": "function", "function": {"name": f"tool{i}"}} for i in range(5)]
+    graphs = [sessions.create().graph for _ in range(3)]
+    for n, graph in enumerate(graphs):
+        history: list[Any] = [{"role": "user", "content": f"task {n}"}]
+        for i in range(3):
+            graph.add_turn(
+                TurnNode(
+                    request_messages=RawJSON(json.dumps(history).encode()),
+                    request_tools=RawJSON(json.dumps(tools).encode()),
+                    response_message={"role": "assistant", "content": f"a{i}"},
+                )
+            )
+            history = [*history, {"role": "assistant", "content": f"a{i}"}]
+            history = [*history, {"role": "user", "content": f"q{i}"}]
+    texts = [next(iter(graph._requests.raw_shared)) for graph in graphs]
+    assert texts[0] == json.dumps(tools).encode()
+    assert all(text is texts[0] for text in texts)
+    for graph in graphs:
+        assert all(graph.request_tools(node) == tools for node in graph.node_ids())
+    private = RolloutGraph()  # a graph of its own keeps the text it was given
+    copy = bytes(bytearray(texts[0]))
+    for _ in range(2):
+        private.add_turn(TurnNode(request_messages=[], request_tools=RawJSON(copy)))
+    assert next(iter(private._requests.raw_shared)) is copy
+
+
+def test_token_runs_compare_by_identity() -> None:
+    """A file writer keys runs by the objects themselves (no int per turn): equal tokens in
+    two runs must stay two keys."""
+    from rollout_store.tokens import ArrayRun, PackedFull, PackedPrompt, TokenRun
+
+    for kind in (TokenRun, ArrayRun, PackedPrompt, PackedFull):
+        assert kind.__eq__ is object.__eq__ and kind.__hash__ is object.__hash__
+    a, b = ArrayRun(None, array("I", [1, 2])), ArrayRun(None, array("I", [1, 2]))
+    assert len({a: 0, b: 1}) == 2
+
+
+def test_one_or_many_index_matches_lists_of_items() -> None:
+    """Random adds and removes against a dict of lists: the same members in the same order,
+    one item bare, a few as an exact tuple, more than SMALL as a list."""
+    import random
+
+    from rollout_store.index import SMALL, index_add, index_members, index_remove
+
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    items = [object() for _ in range(40)]
+    index: dict[int, Any] = {}
+    reference: dict[int, list[object]] = {}
+    for _ in range(3000):
+        key = rng.randrange(4)
+        members = reference.setdefault(key, [])
+        if len(members) == len(items) or (members and rng.random() < 0.45):
+            item = rng.choice(members)
+            members.remove(item)
+            index_remove(index, key, item)
+        else:
+            item = rng.choice([i for i in items if i not in members])
+            members.append(item)
+            index_add(index, key, item)
+        index_remove(index, key, object())  # an item not there changes nothing
+        for k, expected in reference.items():
+            found = index.get(k)
+            assert list(index_members(found)) == expected, seed
+            if not expected:
+                assert found is None, seed
+            elif len(expected) == 1:
+                assert found is expected[0], seed
+            elif type(found) is tuple:
+                assert len(found) <= SMALL, seed
+            else:
+                assert type(found) is list, seed
+    many: dict[int, Any] = {}
+    for item in items[: SMALL + 2]:
+        index_add(many, 0, item)
+    assert type(many[0]) is list and many[0] == items[: SMALL + 2]
+    small: dict[int, Any] = {}
+    index_add(small, 0, items[0])
+    index_add(small, 0, items[1])
+    assert small[0] == (items[0], items[1])
+
+
+def test_a_value_table_keeps_values_whose_digests_collide(monkeypatch: Any) -> None:
+    """A long value is kept bare under its digest; values whose digests collide are all
+    found, each confirmed by its bytes."""
+    import types
+
+    from rollout_store import values
+
+    monkeypatch.setattr(
+        values, "xxhash", types.SimpleNamespace(xxh3_128_digest=lambda data: b"\0" * 16)
+    )
+    table = values.ValueTable(lambda stored: stored, None)
+    long_values = [bytes([65 + i]) * 2000 for i in range(3)]
+    table.add(long_values[0], long_values[0])
+    assert table._keyed[b"\0" * 16] is long_values[0]  # one value: bare, no list
+    for value in long_values[1:]:
+        assert table.find(value) is None
+        table.add(value, value)
+    assert len(table) == 3
+    assert all(table.find(bytes(bytearray(v))) is v for v in long_values)
+    assert table.find(b"D" * 2000) is None
+
+
+def test_an_appending_graph_keeps_no_file_buffer(tmp_path: Path) -> None:
+    """The log is read whole once and written with os.write: its file is unbuffered, and
+    what was appended is read back after a reopen."""
+    import io
+
+    path = tmp_path / "a.rls"
+    graph = RolloutGraph.open(path)
+    assert type(graph._journal.fp) is io.FileIO
+    messages: list[Any] = [{"role": "user", "content": "hi " * 3000}]
+    graph.add_turn(TurnNode(request_messages=messages, prompt_ids=[1, 2], sampled_ids=[3]))
+    graph.close()
+    again = RolloutGraph.open(path)
+    assert type(again._journal.fp) is io.FileIO
+    assert len(again) == 1 and again.request_messages("turn-0") == messages
+    again.add_turn(TurnNode(request_messages=[*messages, {"role": "user", "content": "more"}]))
+    again.close()
+    assert len(RolloutGraph.load(path)) == 2
+
+
+def test_a_log_names_packed_prompts_without_keeping_their_fulls(tmp_path: Path) -> None:
+    """A log's writer finds the turn whose packed full run a continuation extends through
+    the prompt that turn packed: it keeps no entry for it, and the log still stores each
+    turn's new tokens only (a long shared prompt is written once)."""
+    from rollout_store.tokens import PackedFull
+
+    path = tmp_path / "c.rls"
+    graph = RolloutGraph.open(path)
+    prompt, sequences = _prompt(2000), []
+    for step in range(6):
+        sampled = [7 + step, 8 + step, 9 + step]
+        graph.add_turn(TurnNode(prompt_ids=prompt, sampled_ids=sampled))
+        sequences.append((prompt, sampled))
+        prompt = [*prompt, *sampled, *_prompt(20, 5000 + 100 * step)]
+    writer = graph._journal.writer
+    assert not any(type(run) is PackedFull for run in writer.full_of)
+    assert len(writer.full_of) <= 1  # the root's
+    graph.close()
+    assert path.stat().st_size < 4 * 2000 + 6 * 1000  # the prompt once, then new ids
+    loaded = RolloutGraph.load(path)
+    for i, (prompt_ids, sampled) in enumerate(sequences):
+        node = loaded.get(f"turn-{i}")
+        assert list(node.prompt_ids) == prompt_ids and list(node.sampled_ids) == sampled
