@@ -416,6 +416,7 @@ class RequestStore:
         "_canonical",
         "_encoder",
         "_lengths",
+        "_longest",
         "_pack_plain",
         "_plain_limit",
         "_window",
@@ -448,6 +449,7 @@ class RequestStore:
         # bit n set: some filed request has n messages (a request can only extend one whose
         # count is among these: the boundaries worth a digest); a bit per count, not per turn
         self._lengths = bytearray()
+        self._longest = -1  # the highest count marked there (none: -1)
         # raw texts of shared values (tools, sampling parameters) the graph holds, and their
         # stored form and item count: a capture server re-sends the same tools text each
         # call, taken then without decoding or packing it (`shared_value`)
@@ -783,7 +785,8 @@ class RequestStore:
         index = self.request_index
         last = next(reversed(index.values()), None)
         # not a bucket of twins (`_base` picks among them), nor a turn whose record may be
-        # kept in a store (`is_echo` asks that one)
+        # kept in a store (`is_echo` asks that one); a bare turn is the only one under its
+        # key (every filing goes through `file`, which keeps a turn's `rkey` its key)
         if last is None or last.__class__ is not Turn or last.flags & _NOT_CONTINUED:
             return None
         base: Turn = last
@@ -796,24 +799,26 @@ class RequestStore:
                 return None
             if len(echo) * b >= CHUNK_HIGH:  # a long request: `Probe` packs it in chunks
                 return None
-            key = base.rkey
-            if key is None or index.get(key) is not base:  # twins: `_base` picks among them
-                return None
             plains = [echo]
-            plains.extend([pack(message) for message in rest[b + 1 :]])
+            plains += [pack(message) for message in rest[b + 1 :]]
             # the prefix in chunks (one packing of a long prefix costs more in page faults
             # and buffer growth than the packing itself)
-            mean = sum(map(len, plains)) // len(plains) + 1
-            hasher = packed_hasher(rest, b, pack, mean)
+            size = sum(map(len, plains))
+            hasher, hashed = packed_hasher(rest, b, pack, size // len(plains) + 1)
         except Exception:  # something to walk: the usual path says what
             return None
-        probe = Probe.at_base(rest, pack, hasher, plains, b, self._lengths)
+        # counts between b and n that some filed request has (mostly none: in one
+        # conversation the longest filed request is the base)
+        marks = marked_between(self._lengths, b, n) if self._longest > b + 1 else []
+        probe = Probe.at_base(rest, pack, hasher, plains, b, marks, size + hashed)
         digests = probe.digests
         if digests[b] != base.digest:
             return None
         # no longer stored request may be one this one extends, and no twin of it
-        for digest in digests[b + 1 :]:
-            if digest is not None and int.from_bytes(digest[:8], "little") in index:
+        if digest_key(digests[n]) in index:  # type: ignore[arg-type]
+            return None
+        for j in marks:
+            if digest_key(digests[b + j]) in index:  # type: ignore[arg-type]
                 return None
         return probe, base
 
@@ -940,6 +945,11 @@ class RequestStore:
         )
         if previous is None and not refs:  # the common case: no long string anywhere new
             return None
+        if previous is None and probe.size is not None and probe.size < TIP_MIN_BYTES:
+            # a first tip needs TIP_MIN_BYTES of long strings, which are in the request's
+            # plain packings: no need to look for them (each turn of a conversation would
+            # unpack every tail of its request again)
+            return None
         messages = request.messages
         n = len(messages)
         start = base.n_rest if base is not None else 0
@@ -1065,6 +1075,8 @@ class RequestStore:
         lengths = self._lengths
         if n >> 3 >= len(lengths) or not lengths[n >> 3] >> (n & 7) & 1:
             mark_length(lengths, n)
+            if n > self._longest:
+                self._longest = n
 
     def note_parent(self, turn: Turn) -> None:
         """`turn` got its first child (a bucket of identical requests lists its parents)."""
