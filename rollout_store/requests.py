@@ -421,6 +421,7 @@ class RequestStore:
         "_plain_limit",
         "_window",
         "blobs",
+        "buckets",
         "raw_shared",
         "raw_tips",
         "request_index",
@@ -439,6 +440,7 @@ class RequestStore:
         # SHA-256 of their plain packings, never by fetching (requests by their digests)
         self.values = ValueTable(self.expand, share_threshold, hashed=blobs.fetches)
         self.request_index: dict[int, Any] = {}  # digest of non-system request -> turn(s)
+        self.buckets = 0  # keys of the request index that hold several turns (a `_Bucket`)
         # plain packings shorter than this can hold no blob and no nesting beyond MAX_DEPTH
         self._plain_limit = min(share_threshold or MAX_DEPTH, MAX_DEPTH)
         self.raw_tips = RawTips()  # the latest raw turns, for raw continuations
@@ -809,7 +811,7 @@ class RequestStore:
             return None
         # counts between b and n that some filed request has (mostly none: in one
         # conversation the longest filed request is the base)
-        marks = marked_between(self._lengths, b, n) if self._longest > b + 1 else []
+        marks = marked_between(self._lengths, b, n) if self._longest > b else []
         probe = Probe.at_base(rest, pack, hasher, plains, b, marks, size + hashed)
         digests = probe.digests
         if digests[b] != base.digest:
@@ -1064,10 +1066,12 @@ class RequestStore:
             found.append(turn)
         else:  # a second turn with this very request: a bucket that tracks its parents
             bucket = index[key] = _Bucket((found, turn))
+            self.buckets += 1
             if found.children:
                 bucket.parents.append(found)
-        if turn.rkey != key:  # else built with it (`build`, or a file's reader)
-            turn.file_under(key, request.digest() if request is not None else turn.digest)
+        # a turn just added was built with its key (`build`); a file's reader gives its own
+        if request is None and turn.rkey != key:
+            turn.file_under(key, turn.digest)
         if request is not None and request.next_tip is not None and self.tips is not None:
             base = turn.base
             self.tips.add(request.next_tip, self.tips.of(base) if base is not None else None)
