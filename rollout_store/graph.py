@@ -531,8 +531,7 @@ class Graph:
         requests = self._requests
         if pending:
             requests.add_values(pending)
-        side = turn.side  # its own: sides are shared below
-        meta = side.meta
+        side, meta = turn.side, turn.meta  # its own side: sides are shared below
         side.meta = self._meta.setdefault(meta, meta)
         self._turns.append(turn)
         self._blob_marks.append(len(self._blobs))
