@@ -591,24 +591,26 @@ class RequestStore:
         """
         messages = node.request_messages
         raw: bytes | None = None
-        if type(messages) is RawJSON:
-            data = messages.data
-            if type(data) is bytes and turn.prompt is None and node.parent_id is None:
-                done = self._prepare_raw(turn, scratch, data)
-                if done is not _NOT_FAST:
-                    return done  # type: ignore[return-value]
-                raw = data
-            messages = decode_raw(messages, "request_messages")
-        if messages is None:
-            turn.system, turn.base = None, None  # the tail b"" and no messages: see Scratch
-            turn.flags |= _NO_MESSAGES
-            return None
-        if not isinstance(messages, list | tuple):
-            raise InvalidValueError(
-                f"expected a list of messages, got {type(messages).__name__}", "request_messages"
-            )
-        if isinstance(messages, tuple):
-            turn.flags |= _MESSAGES_TUPLE
+        if type(messages) is not list:  # (a list is the common case)
+            if type(messages) is RawJSON:
+                data = messages.data
+                if type(data) is bytes and turn.prompt is None and node.parent_id is None:
+                    done = self._prepare_raw(turn, scratch, data)
+                    if done is not _NOT_FAST:
+                        return done  # type: ignore[return-value]
+                    raw = data
+                messages = decode_raw(messages, "request_messages")
+            if messages is None:
+                turn.system, turn.base = None, None  # the tail b"" and no messages: Scratch
+                turn.flags |= _NO_MESSAGES
+                return None
+            if not isinstance(messages, list | tuple):
+                raise InvalidValueError(
+                    f"expected a list of messages, got {type(messages).__name__}",
+                    "request_messages",
+                )
+            if isinstance(messages, tuple):
+                turn.flags |= _MESSAGES_TUPLE
         if not messages and turn.prompt is not None:
             # a token turn without messages (the default []): linked by its tokens, and no
             # base of anything, so it stays out of the request index (which would otherwise
@@ -625,6 +627,8 @@ class RequestStore:
         # the common case first: the turn just before, re-sent with its response and a few
         # new messages (its base then, confirmed already)
         continued = self._continuation(rest, pack) if not tips and type(rest) is list else None
+        if continued is not None and n_sys == 1 and raw is None:
+            return self._continue(turn, messages[0], rest, continued, scratch)
         try:
             if continued is not None:
                 probe = continued[0]
@@ -676,6 +680,46 @@ class RequestStore:
             end = raw_end(raw)
             if end is not None:  # later raw turns of this conversation start here (`build`)
                 scratch.raw_text = (raw, end, probe.hasher, system_plain, n_sys)
+        return system_plain
+
+    def _continue(
+        self,
+        turn: Turn,
+        system: Any,
+        rest: list[Any],
+        continued: tuple[Probe, Turn],
+        scratch: Scratch,
+    ) -> bytes | None:
+        """What `prepare` does for a request of one system message whose other messages
+        continue the latest turn (`_continuation` found it), without asking again what that
+        answered: its base is that turn, its tail that turn's echoed response and the new
+        messages' plain packings. Returns the system plain."""
+        probe, base = continued
+        try:
+            system_plain: bytes | None = self._pack_plain(system)
+        except Exception:  # the slow path finds what is wrong
+            system_plain = self.plain(system)
+        plains = [system_plain]
+        turn.system = self._shared([system], "request_messages", plains, scratch.pending, True)
+        request = FreshRequest(self, rest, probe)
+        scratch.request = request
+        n = len(rest)
+        scratch.request_digest = request.key(n)
+        request.confirmed(base)
+        b = probe.low  # the base's message count
+        window = self._window - 1
+        if n - b + 2 > window:
+            window = n - b + 2
+        self._window = window if window < WINDOW else WINDOW
+        new = probe.plains[b + 1 :]
+        turn.flags |= _TAIL_ECHO
+        if _all_json(new, self._plain_limit):  # the common case: no walk (see `_store_tail`)
+            turn.base = base
+            scratch.tail_parts = [array_header(n - b), ECHO_PACKED, *new]  # type: ignore[list-item]
+            scratch.n_rest = n
+            finish_tail(turn)
+        else:
+            self._store_tail(turn, request, base, 1, scratch, True)
         return system_plain
 
     def _prepare_raw(self, turn: Turn, scratch: Scratch, data: bytes) -> bytes | object | None:
