@@ -393,11 +393,19 @@ class Graph:
         linker.prepare_messages(turn, node, scratch)
         requests.build(turn, scratch, requests.encode_response(node.response_message, turn))
         shared, seen = requests.shared_value, scratch.raw_seen
-        turn.share_values(
-            shared(node.request_tools, "request_tools", pending, given.request_tools, seen),
-            shared(node.sampling_params, "sampling_params", pending, given.sampling_params, seen),
-            shared(
-                node.requested_sampling_params,
+        tools, sampling = node.request_tools, node.sampling_params
+        requested = node.requested_sampling_params
+        turn.share_values(  # (`shared_value` of None is None)
+            None
+            if tools is None
+            else shared(tools, "request_tools", pending, given.request_tools, seen),
+            None
+            if sampling is None
+            else shared(sampling, "sampling_params", pending, given.sampling_params, seen),
+            None
+            if requested is None
+            else shared(
+                requested,
                 "requested_sampling_params",
                 pending,
                 given.requested_sampling_params,

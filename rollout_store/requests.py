@@ -955,9 +955,9 @@ class RequestStore:
             and tips is not None
             # `_next_tip` leaves none without a tip before or a long string new (inline)
             and (
-                tips
-                or flags & _TAIL_REFS
+                flags & _TAIL_REFS
                 or (flags & _TAIL_ECHO and base is not None and base.flags & _RESPONSE_REFS)
+                or tips
             )
         ):
             try:

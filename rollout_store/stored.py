@@ -138,6 +138,7 @@ _U32 = struct.Struct("<I")
 _DIGEST_AND_KEY = TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY
 _PARTS_AFTER_TAIL = TurnFlag.HAS_DIGEST | TurnFlag.HAS_KEY | TurnFlag.HAS_RESPONSE
 _KEY_AND_RESPONSE = TurnFlag.HAS_KEY | TurnFlag.HAS_RESPONSE
+_DIGEST_AND_RESPONSE = TurnFlag.HAS_DIGEST | TurnFlag.HAS_RESPONSE
 # bytes after the digest in `Turn.data`, by the HAS_KEY and HAS_RESPONSE bits: the key (if
 # any), the response length (if any) and n_rest
 _TRAILER = {0: 4, TurnFlag.HAS_KEY: _KEY_SIZE + 4, TurnFlag.HAS_RESPONSE: 8}
@@ -420,6 +421,17 @@ class Turn:
         response (None: none), the request's digest and index key (None: not filed; a key the
         digest gives is not kept twice) and the message count. What add_turn and a file's
         reader call once per turn; the setters below rebuild `data` for one part each."""
+        if (
+            response is not None
+            and type(digest) is bytes
+            and len(digest) == DIGEST_SIZE
+            and key == int.from_bytes(digest[:_KEY_SIZE], "little")
+        ):  # the common case: a fresh turn with a response, filed under its digest's key
+            count = _n_rest_bytes(n_rest)  # (raises before anything changes)
+            size = len(response).to_bytes(4, "little")
+            self.data = b"".join((*tail_parts, response, digest, size, count))
+            self.flags = (self.flags & ~_PARTS_AFTER_TAIL) | _DIGEST_AND_RESPONSE
+            return
         self._store(tail_parts, response, digest, key, _n_rest_bytes(n_rest))
 
     def _store(
