@@ -421,17 +421,6 @@ class Turn:
         response (None: none), the request's digest and index key (None: not filed; a key the
         digest gives is not kept twice) and the message count. What add_turn and a file's
         reader call once per turn; the setters below rebuild `data` for one part each."""
-        if (
-            response is not None
-            and type(digest) is bytes
-            and len(digest) == DIGEST_SIZE
-            and key == int.from_bytes(digest[:_KEY_SIZE], "little")
-        ):  # the common case: a fresh turn with a response, filed under its digest's key
-            count = _n_rest_bytes(n_rest)  # (raises before anything changes)
-            size = len(response).to_bytes(4, "little")
-            self.data = b"".join((*tail_parts, response, digest, size, count))
-            self.flags = (self.flags & ~_PARTS_AFTER_TAIL) | _DIGEST_AND_RESPONSE
-            return
         self._store(tail_parts, response, digest, key, _n_rest_bytes(n_rest))
 
     def _store(
@@ -443,6 +432,16 @@ class Turn:
         n_rest: bytes | memoryview,
     ) -> None:
         """Build `data` from its parts (views of the old data are copied once, here)."""
+        if (
+            response is not None
+            and type(digest) is bytes
+            and len(digest) == DIGEST_SIZE
+            and key == int.from_bytes(digest[:_KEY_SIZE], "little")
+        ):  # the common case: a fresh turn with a response, filed under its digest's key
+            size = len(response).to_bytes(4, "little")
+            self.data = b"".join((*tail_parts, response, digest, size, n_rest))
+            self.flags = (self.flags & ~_PARTS_AFTER_TAIL) | _DIGEST_AND_RESPONSE
+            return
         flags = self.flags & ~_PARTS_AFTER_TAIL
         parts = list(tail_parts)
         if response is not None:
