@@ -710,7 +710,9 @@ class RequestStore:
         request = FreshRequest(self, rest, probe)
         scratch.request = request
         n = len(rest)
-        scratch.request_digest = request.key(n)
+        digest: bytes = probe.digests[n]  # type: ignore[assignment]
+        scratch.request_sum = digest  # (what `build` would ask the request for)
+        scratch.request_digest = request._full_key = digest_key(digest)  # `request.key(n)`
         request.confirmed(base)
         request.unique = True  # (`_continuation` found no stored request with its key)
         b = probe.low  # the base's message count
