@@ -377,7 +377,7 @@ class FreshRequest:
                 if digest is None:  # no stored request has n messages
                     self._prefixes[n] = ()
                     return ()
-                key = int.from_bytes(digest[:8], "little")
+                key = digest_key(digest)
             else:
                 key = self.key(n)
             hit = self._store.request_index.get(key)
@@ -887,7 +887,7 @@ class RequestStore:
             digests, index = probe.digests, self.request_index
             for n in range(high, probe.low - 1, -1):
                 digest = digests[n]
-                if digest is None or index.get(int.from_bytes(digest[:8], "little")) is None:
+                if digest is None or index.get(digest_key(digest)) is None:
                     continue
                 for candidate in request.stored_prefixes(n):
                     if request.extends(candidate):
