@@ -54,24 +54,27 @@ from .materialize import Messages, value
 from .messages import leading_system_count, link_key, response_link_key
 from .nodes import TurnNode
 from .raw import RawJSON, decode_array, decode_raw, resolve_raw
-from .stored import IndexKeys, LinkKind, Turn, TurnFlag, finish_tail
+from .stored import (
+    HAS_RESPONSE,
+    MESSAGES_TUPLE,
+    NO_MESSAGES,
+    PREFIX_SPECIAL,
+    RESPONSE_REFS,
+    RESPONSE_SPECIAL,
+    TAIL_ECHO,
+    TAIL_REFS,
+    TAIL_SLOW,
+    TAIL_SPECIAL,
+    IndexKeys,
+    LinkKind,
+    Turn,
+    TurnFlag,
+    finish_tail,
+)
 from .turn_records import echo_by_key
 from .values import ValueTable
 
 __all__ = ["FreshRequest", "RequestStore", "Scratch"]
-
-# TurnFlag bits tested on every turn, read as module globals: an enum attribute costs about
-# five times as much (measured: 57 ns against 12 for `flags & TurnFlag.X`)
-_HAS_RESPONSE: Final = TurnFlag.HAS_RESPONSE
-_MESSAGES_TUPLE: Final = TurnFlag.MESSAGES_TUPLE
-_NO_MESSAGES: Final = TurnFlag.NO_MESSAGES
-_PREFIX_SPECIAL: Final = TurnFlag.PREFIX_SPECIAL
-_RESPONSE_REFS: Final = TurnFlag.RESPONSE_REFS
-_RESPONSE_SPECIAL: Final = TurnFlag.RESPONSE_SPECIAL
-_TAIL_ECHO: Final = TurnFlag.TAIL_ECHO
-_TAIL_REFS: Final = TurnFlag.TAIL_REFS
-_TAIL_SLOW: Final = TurnFlag.TAIL_SLOW
-_TAIL_SPECIAL: Final = TurnFlag.TAIL_SPECIAL
 
 
 _new_tuple: Final = tuple.__new__
@@ -341,7 +344,7 @@ class FreshRequest:
             ok = self._store.matches(stored, self.plains(), self.messages)
             if ok and probe is not None:
                 stored.digest = probe.digest(n)
-        if ok and (probe is not None or by_digest) and stored.flags & _PREFIX_SPECIAL:
+        if ok and (probe is not None or by_digest) and stored.flags & PREFIX_SPECIAL:
             # a digest match of tuples, big ints or lone surrogates: the fresh messages must
             # be those values, not msgpack.ExtType objects packing alike
             valid = self._store.valid
@@ -503,9 +506,9 @@ class RequestStore:
         if packed is plain:
             return packed
         if self._encoder.last_refs:  # else the packing is the plain one, nothing to expand
-            turn.flags |= _RESPONSE_REFS
+            turn.flags |= RESPONSE_REFS
         if special:
-            turn.flags |= _RESPONSE_SPECIAL
+            turn.flags |= RESPONSE_SPECIAL
         return packed
 
     def _shared(
@@ -608,7 +611,7 @@ class RequestStore:
                 messages = decode_raw(messages, "request_messages")
             if messages is None:
                 turn.system, turn.base = None, None  # the tail b"" and no messages: Scratch
-                turn.flags |= _NO_MESSAGES
+                turn.flags |= NO_MESSAGES
                 return None
             if not isinstance(messages, list | tuple):
                 raise InvalidValueError(
@@ -616,7 +619,7 @@ class RequestStore:
                     "request_messages",
                 )
             if isinstance(messages, tuple):
-                turn.flags |= _MESSAGES_TUPLE
+                turn.flags |= MESSAGES_TUPLE
         if not messages and turn.prompt is not None:
             # a token turn without messages (the default []): linked by its tokens, and no
             # base of anything, so it stays out of the request index (which would otherwise
@@ -721,7 +724,7 @@ class RequestStore:
             window = n - b + 2
         self._window = window if window < WINDOW else WINDOW
         new = probe.plains[b + 1 :]
-        turn.flags |= _TAIL_ECHO
+        turn.flags |= TAIL_ECHO
         if _all_json(new, self._plain_limit):  # the common case: no walk (see `_store_tail`)
             turn.base = base
             scratch.tail_parts = [array_header(n - b), ECHO_PACKED, *new]  # type: ignore[list-item]
@@ -744,7 +747,7 @@ class RequestStore:
         tip, hasher = found
         base = tip.turn
         end = raw_end(data)
-        if end is None or end <= tip.end or not base.n_rest or base.flags & _MESSAGES_TUPLE:
+        if end is None or end <= tip.end or not base.n_rest or base.flags & MESSAGES_TUPLE:
             return _NOT_FAST
         tail_text = data[tip.end : end].lstrip(b" \t\r\n")
         # the new messages decoded in one call, exactly as json.loads would where msgspec
@@ -782,12 +785,12 @@ class RequestStore:
         if digest_key(digest) in index:
             return _NOT_FAST
         first = tip.n_sys + base.n_rest
-        turn.flags |= _TAIL_ECHO
+        turn.flags |= TAIL_ECHO
         limit = self._plain_limit
         # packings holding long blob strings (in-process blobs only: over a store they would
         # be fetched)
         long: list[bytes] | None = [] if self.tips is not None else None
-        if long is not None and base.flags & _RESPONSE_REFS and base.response:
+        if long is not None and base.flags & RESPONSE_REFS and base.response:
             long.append(base.response)
         if _all_json(plains[1:], limit):
             # the common case: each short enough for no blob and no nesting beyond
@@ -803,11 +806,11 @@ class RequestStore:
                     continue
                 packed, special = encoder.encode(fresh[i], f"request_messages[{first + i}]")
                 if packed != plain:
-                    turn.flags |= _TAIL_REFS
+                    turn.flags |= TAIL_REFS
                     if long is not None and encoder.last_longest >= HOLE_MIN:
                         long.append(packed)
                 if special:
-                    turn.flags |= _TAIL_SPECIAL
+                    turn.flags |= TAIL_SPECIAL
                 pieces.append(packed)
         turn.system = base.system
         turn.base = base
@@ -846,7 +849,7 @@ class RequestStore:
             return None
         base: Turn = last
         b, n = base.n_rest, len(rest)
-        if not b < n or not base.flags & _HAS_RESPONSE:
+        if not b < n or not base.flags & HAS_RESPONSE:
             return None
         try:
             echo = pack(rest[b])
@@ -919,7 +922,7 @@ class RequestStore:
             base is not None and start < n and self.is_echo(base, rest[start], request.plain(start))
         ):
             pieces.append(ECHO_PACKED)
-            turn.flags |= _TAIL_ECHO
+            turn.flags |= TAIL_ECHO
             first += 1
         plains = request.plain_slice(first, n)
         limit = self._plain_limit
@@ -933,11 +936,11 @@ class RequestStore:
                 encoder = self._encoder
                 packed, special = encoder.encode(rest[i], f"request_messages[{n_sys + i}]")
                 if packed != p:
-                    turn.flags |= _TAIL_REFS
+                    turn.flags |= TAIL_REFS
                     if encoder.last_longest >= HOLE_MIN:
                         scratch.long_refs = True
                 if special:
-                    turn.flags |= _TAIL_SPECIAL
+                    turn.flags |= TAIL_SPECIAL
                 pieces.append(packed)
         pieces[0] = array_header(len(pieces) - 1)
         turn.base = base
@@ -949,7 +952,7 @@ class RequestStore:
         and key it will be filed under at commit (`file` then finds them there)."""
         key = scratch.request_digest
         digest = None
-        if key is not None and not turn.flags & _NO_MESSAGES:
+        if key is not None and not turn.flags & NO_MESSAGES:
             digest = scratch.request_sum
             if digest is None and scratch.request is not None:
                 digest = scratch.request.digest()
@@ -964,8 +967,8 @@ class RequestStore:
             and tips is not None
             # `_next_tip` leaves none without a tip before or a long string new (inline)
             and (
-                flags & _TAIL_REFS
-                or (flags & _TAIL_ECHO and base is not None and base.flags & _RESPONSE_REFS)
+                flags & TAIL_REFS
+                or (flags & TAIL_ECHO and base is not None and base.flags & RESPONSE_REFS)
                 or tips
             )
         ):
@@ -990,13 +993,13 @@ class RequestStore:
         probe = request._probe
         tips = self.tips
         flags = turn.flags
-        if probe is None or tips is None or flags & _PREFIX_SPECIAL:
+        if probe is None or tips is None or flags & PREFIX_SPECIAL:
             return None
         base = turn.base
         previous = tips.of(base) if tips and base is not None else None
         # (a tail whose blob strings are all shorter than HOLE_MIN has no holes)
-        refs = (flags & _TAIL_REFS and scratch.long_refs) or (
-            flags & _TAIL_ECHO and base is not None and base.flags & _RESPONSE_REFS
+        refs = (flags & TAIL_REFS and scratch.long_refs) or (
+            flags & TAIL_ECHO and base is not None and base.flags & RESPONSE_REFS
         )
         if previous is None and not refs:  # the common case: no long string anywhere new
             return None
@@ -1051,17 +1054,17 @@ class RequestStore:
         steps = 0
         while node is not None:
             steps += 1
-            if steps > _MAX_CHAIN or node.flags & _NO_MESSAGES:
+            if steps > _MAX_CHAIN or node.flags & NO_MESSAGES:
                 return None
             base = node.base
-            echo_refs = node.flags & _TAIL_ECHO and base is not None and base.flags & _RESPONSE_REFS
-            if node.flags & _TAIL_REFS or echo_refs:
+            echo_refs = node.flags & TAIL_ECHO and base is not None and base.flags & RESPONSE_REFS
+            if node.flags & TAIL_REFS or echo_refs:
                 items = array_items(node.tail)
                 first = node.first
                 here = []
                 for k, item in enumerate(items):
                     stored: bytes | None = item
-                    if k == 0 and node.flags & _TAIL_ECHO:
+                    if k == 0 and node.flags & TAIL_ECHO:
                         stored = base.response if echo_refs else None  # type: ignore[union-attr]
                     if stored is not None and _has_ext(stored):
                         holes = holes_of(stored, self.blobs.string)
@@ -1090,9 +1093,9 @@ class RequestStore:
                 parts.append(plain)
                 continue
             stored: bytes | None = piece
-            if k == 0 and turn.flags & _TAIL_ECHO:  # the base's response
+            if k == 0 and turn.flags & TAIL_ECHO:  # the base's response
                 stored = base.response if base is not None else None
-                if stored is None or not base.flags & _RESPONSE_REFS:  # type: ignore[union-attr]
+                if stored is None or not base.flags & RESPONSE_REFS:  # type: ignore[union-attr]
                     parts.append(plain)
                     continue
             holes = holes_of(stored, self.blobs.string)  # type: ignore[arg-type]
@@ -1109,7 +1112,7 @@ class RequestStore:
     def file(self, turn: Turn, key: int | None, request: FreshRequest | None = None) -> None:
         """File a committed turn's request under `key` (its digest), if it has messages;
         `request` (when the turn was just added) gives the digest that confirms it."""
-        if key is None or turn.flags & _NO_MESSAGES:
+        if key is None or turn.flags & NO_MESSAGES:
             return
         index = self.request_index
         found = index.get(key)
@@ -1176,19 +1179,19 @@ class RequestStore:
         flags = base.flags
         by_key = echo_by_key(base, plain)  # a response kept in a store: no fetch
         if by_key is not None:
-            return by_key and (not flags & _RESPONSE_SPECIAL or self.valid(message, plain))
+            return by_key and (not flags & RESPONSE_SPECIAL or self.valid(message, plain))
         response = base.response
         if response is None:
             return False
-        if flags & _RESPONSE_REFS:
+        if flags & RESPONSE_REFS:
             response = self.expand(response)
         if plain != response:
             return False
-        return not flags & _RESPONSE_SPECIAL or self.valid(message, plain)
+        return not flags & RESPONSE_SPECIAL or self.valid(message, plain)
 
     def echoes(self, turn: Turn, message: Any, plain: bytes | None) -> bool:
         """Whether `message` is the echo of the turn's response (exactly or loosely)."""
-        if not turn.flags & _HAS_RESPONSE:  # (no fetch for a response in a store)
+        if not turn.flags & HAS_RESPONSE:  # (no fetch for a response in a store)
             return False
         if self.is_echo(turn, message, plain):
             return True
@@ -1208,7 +1211,7 @@ class RequestStore:
         if end > len(plains):
             return False
         join = b"".join
-        slow_bit, echo_bit = _TAIL_SLOW, _TAIL_ECHO
+        slow_bit, echo_bit = TAIL_SLOW, TAIL_ECHO
         node: Turn | None = turn
         try:
             while node is not None:
@@ -1245,13 +1248,13 @@ class RequestStore:
         """Whether the tail of `turn` is exactly `messages[start:end]`."""
         tail = turn.tail
         i = start
-        echo = turn.flags & _TAIL_ECHO
+        echo = turn.flags & TAIL_ECHO
         if echo:
             base = turn.base
             if i >= end or base is None or not self.is_echo(base, messages[i], plains[i]):
                 return False
             i += 1
-        if turn.flags & _TAIL_REFS:
+        if turn.flags & TAIL_REFS:
             # blob references: rebuild the values (blobs are the table's own strings, no
             # copy) and pack them with every string inline, then compare bytes
             try:
@@ -1273,7 +1276,7 @@ class RequestStore:
             overhead = len(array_header(end - start)) + (i - start) * len(ECHO_PACKED)
             if len(joined) + overhead != len(tail) or not tail.endswith(joined):
                 return False
-        if turn.flags & _TAIL_SPECIAL:
+        if turn.flags & TAIL_SPECIAL:
             return all(self.valid(messages[k], plains[k]) for k in range(i, end))
         return True
 
@@ -1304,6 +1307,6 @@ class RequestStore:
 
     def response_plain(self, turn: Turn) -> bytes | None:
         response = turn.response
-        if response is None or not turn.flags & _RESPONSE_REFS:
+        if response is None or not turn.flags & RESPONSE_REFS:
             return response
         return self.expand(response)
