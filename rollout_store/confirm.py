@@ -126,15 +126,17 @@ def packed_hasher(
     """A BLAKE3 state that has seen the plain packings of `messages[:low]`, packed
     as arrays of CHUNK_LOW to CHUNK_HIGH bytes (as many messages as that takes, starting
     from `mean`, their expected size, and adapting as it goes) and hashed in multiples of
-    ALIGN bytes: never one buffer of the whole prefix; and how many bytes it hashed.
+    ALIGN bytes: never one buffer of the whole prefix, unless it is expected to be no
+    longer than a chunk (then packed and hashed at once: measured 7-10 us faster on a
+    tool-heavy request of 40 KB, chunked before as 35 + 5); and how many bytes it hashed.
     Raises what the packer raises."""
     if not low:
         return blake3.blake3(), 0
-    start, step = 0, CHUNK_LOW // mean + 1
-    if step >= low:  # the common case: one chunk, hashed at once
+    if mean * low <= CHUNK_HIGH:  # the common case: no longer than a chunk, hashed at once
         chunk = pack(messages[:low])
         header = 1 if low < 16 else 3 if low < 1 << 16 else 5
         return blake3.blake3(memoryview(chunk)[header:]), len(chunk) - header
+    start, step = 0, CHUNK_LOW // mean + 1
     hasher = blake3.blake3()
     update = hasher.update
     hashed = 0
