@@ -90,8 +90,10 @@ def _without_raw(node: TurnNode, known: Container[bytes | str] = ()) -> TurnNode
     those of the shared fields whose text is `known` (stored before, byte for byte: see
     `RequestStore.raw_shared`), which stay `RawJSON`."""
     values = _raw_fields(node)  # one C call for all of them
-    if RawJSON not in map(type, values) and type(node.request_tools) is not list:
-        return node  # the common case: no raw field, no tool list that may hold raw items
+    if RawJSON not in map(type, values):
+        tools = node.request_tools
+        if type(tools) is not list or RawJSON not in map(type, tools):
+            return node  # the common case: no raw field, no raw item in a tool list
     changes: dict[str, Any] = {}
     for name, value in zip(_RAW_FIELDS, values, strict=True):
         if type(value) is RawJSON and name in _SHARED_FIELDS and value.data in known:
@@ -391,11 +393,19 @@ class Graph:
         linker.prepare_messages(turn, node, scratch)
         requests.build(turn, scratch, requests.encode_response(node.response_message, turn))
         shared, seen = requests.shared_value, scratch.raw_seen
-        turn.share_values(
-            shared(node.request_tools, "request_tools", pending, given.request_tools, seen),
-            shared(node.sampling_params, "sampling_params", pending, given.sampling_params, seen),
-            shared(
-                node.requested_sampling_params,
+        tools, sampling = node.request_tools, node.sampling_params
+        requested = node.requested_sampling_params
+        turn.share_values(  # (`shared_value` of None is None)
+            None
+            if tools is None
+            else shared(tools, "request_tools", pending, given.request_tools, seen),
+            None
+            if sampling is None
+            else shared(sampling, "sampling_params", pending, given.sampling_params, seen),
+            None
+            if requested is None
+            else shared(
+                requested,
                 "requested_sampling_params",
                 pending,
                 given.requested_sampling_params,
@@ -527,7 +537,8 @@ class Graph:
         raw_tip: Any = None,
     ) -> None:
         requests = self._requests
-        requests.add_values(pending)
+        if pending:
+            requests.add_values(pending)
         side, meta = turn.side, turn.meta  # its own side: sides are shared below
         side.meta = self._meta.setdefault(meta, meta)
         self._turns.append(turn)
@@ -548,20 +559,24 @@ class Graph:
         parent = turn.parent
         if parent is not None:
             if parent.kids is None:
-                requests.note_parent(parent)
-            add_child(parent, turn)
+                if requests.buckets:  # (a bucket of identical requests lists its parents)
+                    requests.note_parent(parent)
+                parent.kids = turn  # `add_child` of a first child
+            else:
+                add_child(parent, turn)
         requests.file(turn, keys.request, request)  # sets its digest: a flag
         # flags above 256 are int objects of their own: one per distinct value, not per turn
         turn.flags = self._flag_values.setdefault(turn.flags, turn.flags)
         if raw_tip is not None:
             requests.raw_tips.add(*raw_tip)
         linker = self._linker
-        linker.file(turn, keys.token, keys.prompt)
-        for other, link in moves:
-            linker.move(other, turn, link)
+        if keys.token is not None or keys.prompt is not None:  # (else `file` files nothing)
+            linker.file(turn, keys.token, keys.prompt)
         if moves:
+            for other, link in moves:
+                linker.move(other, turn, link)
             requests.note_parent(turn)
-        if turn.parent is None:
+        if parent is None:
             linker.register_root(turn, keys.roots)
 
     # ------------------------------------------------------------------ materialize

@@ -7,6 +7,7 @@ are stored once per graph.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
 from typing import Any, Final
@@ -53,24 +54,27 @@ from .materialize import Messages, value
 from .messages import leading_system_count, link_key, response_link_key
 from .nodes import TurnNode
 from .raw import RawJSON, decode_array, decode_raw, resolve_raw
-from .stored import IndexKeys, LinkKind, Turn, TurnFlag, finish_tail
+from .stored import (
+    HAS_RESPONSE,
+    MESSAGES_TUPLE,
+    NO_MESSAGES,
+    PREFIX_SPECIAL,
+    RESPONSE_REFS,
+    RESPONSE_SPECIAL,
+    TAIL_ECHO,
+    TAIL_REFS,
+    TAIL_SLOW,
+    TAIL_SPECIAL,
+    IndexKeys,
+    LinkKind,
+    Turn,
+    TurnFlag,
+    finish_tail,
+)
 from .turn_records import echo_by_key
 from .values import ValueTable
 
 __all__ = ["FreshRequest", "RequestStore", "Scratch"]
-
-# TurnFlag bits tested on every turn, read as module globals: an enum attribute costs about
-# five times as much (measured: 57 ns against 12 for `flags & TurnFlag.X`)
-_HAS_RESPONSE: Final = TurnFlag.HAS_RESPONSE
-_MESSAGES_TUPLE: Final = TurnFlag.MESSAGES_TUPLE
-_NO_MESSAGES: Final = TurnFlag.NO_MESSAGES
-_PREFIX_SPECIAL: Final = TurnFlag.PREFIX_SPECIAL
-_RESPONSE_REFS: Final = TurnFlag.RESPONSE_REFS
-_RESPONSE_SPECIAL: Final = TurnFlag.RESPONSE_SPECIAL
-_TAIL_ECHO: Final = TurnFlag.TAIL_ECHO
-_TAIL_REFS: Final = TurnFlag.TAIL_REFS
-_TAIL_SLOW: Final = TurnFlag.TAIL_SLOW
-_TAIL_SPECIAL: Final = TurnFlag.TAIL_SPECIAL
 
 
 _new_tuple: Final = tuple.__new__
@@ -93,19 +97,18 @@ def _refuse_ext(code: int, data: bytes) -> Any:
     raise ValueError("an ext type")
 
 
-def _refusing_unpack(data: bytes) -> None:
-    """Unpack at C speed, refusing every ext type and every non-empty bin: ext types with data
-    by their length (msgpack's timestamps too, which never reach the hook), empty ones by the
-    hook. Strings stay bytes: their UTF-8 is the packer's, and not decoding them halves the
-    time."""
-    msgpack.unpackb(
-        data,
-        max_bin_len=0,
-        max_ext_len=0,
-        ext_hook=_refuse_ext,
-        strict_map_key=False,
-        raw=True,
-    )
+#: Unpack at C speed, refusing every ext type and every non-empty bin: ext types with data by
+#: their length (msgpack's timestamps too, which never reach the hook), empty ones by the hook.
+#: Strings stay bytes: their UTF-8 is the packer's, and not decoding them halves the time. (A
+#: partial, not a function: one Python call fewer on every turn.)
+_refusing_unpack: Final = functools.partial(
+    msgpack.unpackb,
+    max_bin_len=0,
+    max_ext_len=0,
+    ext_hook=_refuse_ext,
+    strict_map_key=False,
+    raw=True,
+)
 
 
 #: Packings shorter than this are unpacked at once, not scanned first: the scan costs about
@@ -139,14 +142,18 @@ def _all_json(plains: Sequence[bytes | None], limit: int) -> bool:
         return True
     if None in plains or max(map(len, plains)) >= limit:  # type: ignore[arg-type]
         return False
-    joined = b"".join(plains)  # type: ignore[arg-type]
-    if len(joined) >= _SCAN_FROM and len(joined.translate(None, _NOT_JSON)) == len(joined):
-        return True
-    try:  # each packing is one whole item: as an array they unpack item by item
-        _refusing_unpack(array_header(len(plains)) + joined)
+    header = array_header(len(plains))
+    # each packing is one whole item: as an array they unpack item by item
+    data = b"".join((header, *plains))  # type: ignore[arg-type]
+    start = len(header)
+    if len(data) - start >= _SCAN_FROM and len(data.translate(None, _NOT_JSON)) == len(data):
+        return True  # none of them, header included (a C scan)
+    try:
+        _refusing_unpack(data)
     except Exception:
         return False
-    return _no_empty_bin(joined)
+    # (`_no_empty_bin` of the packings, after the header)
+    return data.find(_BIN8, start) < 0 or data.find(_EMPTY_BIN, start) < 0
 
 
 _NOT_FAST = object()  # _prepare_raw: decode the whole text instead
@@ -257,6 +264,7 @@ class FreshRequest:
         "messages",
         "n_valid",
         "next_tip",
+        "unique",
     )
 
     def __init__(self, store: RequestStore, messages: Messages, probe: Probe | None) -> None:
@@ -269,6 +277,7 @@ class FreshRequest:
         self._keys: list[int] | None = None
         self._full_key: int | None = None  # `key(n_valid)`, once asked
         self.next_tip: Tip | None = None  # what its turn leaves for the next (see `build`)
+        self.unique = False  # known to be filed under no stored request's key: no twins
         if probe is not None:
             self.n_valid = len(messages)
         else:
@@ -335,7 +344,7 @@ class FreshRequest:
             ok = self._store.matches(stored, self.plains(), self.messages)
             if ok and probe is not None:
                 stored.digest = probe.digest(n)
-        if ok and (probe is not None or by_digest) and stored.flags & _PREFIX_SPECIAL:
+        if ok and (probe is not None or by_digest) and stored.flags & PREFIX_SPECIAL:
             # a digest match of tuples, big ints or lone surrogates: the fresh messages must
             # be those values, not msgpack.ExtType objects packing alike
             valid = self._store.valid
@@ -345,7 +354,7 @@ class FreshRequest:
 
     def twins(self) -> list[Turn]:
         """Stored turns with exactly this request that have children (confirmed)."""
-        if self.n_valid != len(self.messages):
+        if self.unique or self.n_valid != len(self.messages):
             return []
         n = self.n_valid
         return [c for c in self._store.twins(self.key(n), n) if self.extends(c)]
@@ -371,7 +380,7 @@ class FreshRequest:
                 if digest is None:  # no stored request has n messages
                     self._prefixes[n] = ()
                     return ()
-                key = int.from_bytes(digest[:8], "little")
+                key = digest_key(digest)
             else:
                 key = self.key(n)
             hit = self._store.request_index.get(key)
@@ -416,10 +425,12 @@ class RequestStore:
         "_canonical",
         "_encoder",
         "_lengths",
+        "_longest",
         "_pack_plain",
         "_plain_limit",
         "_window",
         "blobs",
+        "buckets",
         "raw_shared",
         "raw_tips",
         "request_index",
@@ -439,6 +450,7 @@ class RequestStore:
         # SHA-256 of their plain packings, never by fetching (requests by their digests)
         self.values = ValueTable(self.expand, share_threshold, hashed=blobs.fetches)
         self.request_index: dict[int, Any] = {}  # digest of non-system request -> turn(s)
+        self.buckets = 0  # keys of the request index that hold several turns (a `_Bucket`)
         # plain packings shorter than this can hold no blob and no nesting beyond MAX_DEPTH
         self._plain_limit = min(share_threshold or MAX_DEPTH, MAX_DEPTH)
         self.raw_tips = RawTips()  # the latest raw turns, for raw continuations
@@ -449,6 +461,7 @@ class RequestStore:
         # bit n set: some filed request has n messages (a request can only extend one whose
         # count is among these: the boundaries worth a digest); a bit per count, not per turn
         self._lengths = bytearray()
+        self._longest = -1  # the highest count marked there (none: -1)
         # raw texts of shared values (tools, sampling parameters) the graph holds, and their
         # stored form and item count: a capture server re-sends the same tools text each
         # call, taken then without decoding or packing it (`shared_value`)
@@ -504,9 +517,9 @@ class RequestStore:
         if packed is plain:
             return packed
         if self._encoder.last_refs:  # else the packing is the plain one, nothing to expand
-            turn.flags |= _RESPONSE_REFS
+            turn.flags |= RESPONSE_REFS
         if special:
-            turn.flags |= _RESPONSE_SPECIAL
+            turn.flags |= RESPONSE_SPECIAL
         return packed
 
     def _shared(
@@ -599,24 +612,26 @@ class RequestStore:
         """
         messages = node.request_messages
         raw: bytes | None = None
-        if type(messages) is RawJSON:
-            data = messages.data
-            if type(data) is bytes and turn.prompt is None and node.parent_id is None:
-                done = self._prepare_raw(turn, scratch, data)
-                if done is not _NOT_FAST:
-                    return done  # type: ignore[return-value]
-                raw = data
-            messages = decode_raw(messages, "request_messages")
-        if messages is None:
-            turn.system, turn.base = None, None  # the tail b"" and no messages: see Scratch
-            turn.flags |= _NO_MESSAGES
-            return None
-        if not isinstance(messages, list | tuple):
-            raise InvalidValueError(
-                f"expected a list of messages, got {type(messages).__name__}", "request_messages"
-            )
-        if isinstance(messages, tuple):
-            turn.flags |= _MESSAGES_TUPLE
+        if type(messages) is not list:  # (a list is the common case)
+            if type(messages) is RawJSON:
+                data = messages.data
+                if type(data) is bytes and turn.prompt is None and node.parent_id is None:
+                    done = self._prepare_raw(turn, scratch, data)
+                    if done is not _NOT_FAST:
+                        return done  # type: ignore[return-value]
+                    raw = data
+                messages = decode_raw(messages, "request_messages")
+            if messages is None:
+                turn.system, turn.base = None, None  # the tail b"" and no messages: Scratch
+                turn.flags |= NO_MESSAGES
+                return None
+            if not isinstance(messages, list | tuple):
+                raise InvalidValueError(
+                    f"expected a list of messages, got {type(messages).__name__}",
+                    "request_messages",
+                )
+            if isinstance(messages, tuple):
+                turn.flags |= MESSAGES_TUPLE
         if not messages and turn.prompt is not None:
             # a token turn without messages (the default []): linked by its tokens, and no
             # base of anything, so it stays out of the request index (which would otherwise
@@ -633,6 +648,8 @@ class RequestStore:
         # the common case first: the turn just before, re-sent with its response and a few
         # new messages (its base then, confirmed already)
         continued = self._continuation(rest, pack) if not tips and type(rest) is list else None
+        if continued is not None and n_sys == 1 and raw is None:
+            return self._continue(turn, messages[0], rest, continued, scratch)
         try:
             if continued is not None:
                 probe = continued[0]
@@ -686,6 +703,49 @@ class RequestStore:
                 scratch.raw_text = (raw, end, probe.hasher, system_plain, n_sys)
         return system_plain
 
+    def _continue(
+        self,
+        turn: Turn,
+        system: Any,
+        rest: list[Any],
+        continued: tuple[Probe, Turn],
+        scratch: Scratch,
+    ) -> bytes | None:
+        """What `prepare` does for a request of one system message whose other messages
+        continue the latest turn (`_continuation` found it), without asking again what that
+        answered: its base is that turn, its tail that turn's echoed response and the new
+        messages' plain packings. Returns the system plain."""
+        probe, base = continued
+        try:
+            system_plain: bytes | None = self._pack_plain(system)
+        except Exception:  # the slow path finds what is wrong
+            system_plain = self.plain(system)
+        plains = [system_plain]
+        turn.system = self._shared([system], "request_messages", plains, scratch.pending, True)
+        request = FreshRequest(self, rest, probe)
+        scratch.request = request
+        n = len(rest)
+        digest: bytes = probe.digests[n]  # type: ignore[assignment]
+        scratch.request_sum = digest  # (what `build` would ask the request for)
+        scratch.request_digest = request._full_key = digest_key(digest)  # `request.key(n)`
+        request.confirmed(base)
+        request.unique = True  # (`_continuation` found no stored request with its key)
+        b = probe.low  # the base's message count
+        window = self._window - 1
+        if n - b + 2 > window:
+            window = n - b + 2
+        self._window = window if window < WINDOW else WINDOW
+        new = probe.plains[b + 1 :]
+        turn.flags |= TAIL_ECHO
+        if _all_json(new, self._plain_limit):  # the common case: no walk (see `_store_tail`)
+            turn.base = base
+            scratch.tail_parts = [array_header(n - b), ECHO_PACKED, *new]  # type: ignore[list-item]
+            scratch.n_rest = n
+            finish_tail(turn)
+        else:
+            self._store_tail(turn, request, base, 1, scratch, True)
+        return system_plain
+
     def _prepare_raw(self, turn: Turn, scratch: Scratch, data: bytes) -> bytes | object | None:
         """Store a raw messages text that continues a raw tip, decoding only what is new.
 
@@ -699,7 +759,7 @@ class RequestStore:
         tip, hasher = found
         base = tip.turn
         end = raw_end(data)
-        if end is None or end <= tip.end or not base.n_rest or base.flags & _MESSAGES_TUPLE:
+        if end is None or end <= tip.end or not base.n_rest or base.flags & MESSAGES_TUPLE:
             return _NOT_FAST
         tail_text = data[tip.end : end].lstrip(b" \t\r\n")
         # the new messages decoded in one call, exactly as json.loads would where msgspec
@@ -737,12 +797,12 @@ class RequestStore:
         if digest_key(digest) in index:
             return _NOT_FAST
         first = tip.n_sys + base.n_rest
-        turn.flags |= _TAIL_ECHO
+        turn.flags |= TAIL_ECHO
         limit = self._plain_limit
         # packings holding long blob strings (in-process blobs only: over a store they would
         # be fetched)
         long: list[bytes] | None = [] if self.tips is not None else None
-        if long is not None and base.flags & _RESPONSE_REFS and base.response:
+        if long is not None and base.flags & RESPONSE_REFS and base.response:
             long.append(base.response)
         if _all_json(plains[1:], limit):
             # the common case: each short enough for no blob and no nesting beyond
@@ -758,11 +818,11 @@ class RequestStore:
                     continue
                 packed, special = encoder.encode(fresh[i], f"request_messages[{first + i}]")
                 if packed != plain:
-                    turn.flags |= _TAIL_REFS
+                    turn.flags |= TAIL_REFS
                     if long is not None and encoder.last_longest >= HOLE_MIN:
                         long.append(packed)
                 if special:
-                    turn.flags |= _TAIL_SPECIAL
+                    turn.flags |= TAIL_SPECIAL
                 pieces.append(packed)
         turn.system = base.system
         turn.base = base
@@ -795,12 +855,13 @@ class RequestStore:
         index = self.request_index
         last = next(reversed(index.values()), None)
         # not a bucket of twins (`_base` picks among them), nor a turn whose record may be
-        # kept in a store (`is_echo` asks that one)
+        # kept in a store (`is_echo` asks that one); a bare turn is the only one under its
+        # key (every filing goes through `file`, which keeps a turn's `rkey` its key)
         if last is None or last.__class__ is not Turn or last.flags & _NOT_CONTINUED:
             return None
         base: Turn = last
         b, n = base.n_rest, len(rest)
-        if not b < n or not base.flags & _HAS_RESPONSE:
+        if not b < n or not base.flags & HAS_RESPONSE:
             return None
         try:
             echo = pack(rest[b])
@@ -808,24 +869,26 @@ class RequestStore:
                 return None
             if len(echo) * b >= CHUNK_HIGH:  # a long request: `Probe` packs it in chunks
                 return None
-            key = base.rkey
-            if key is None or index.get(key) is not base:  # twins: `_base` picks among them
-                return None
             plains = [echo]
-            plains.extend([pack(message) for message in rest[b + 1 :]])
+            plains += [pack(message) for message in rest[b + 1 :]]
             # the prefix in chunks (one packing of a long prefix costs more in page faults
             # and buffer growth than the packing itself)
-            mean = sum(map(len, plains)) // len(plains) + 1
-            hasher = packed_hasher(rest, b, pack, mean)
+            size = sum(map(len, plains))
+            hasher, hashed = packed_hasher(rest, b, pack, size // len(plains) + 1)
         except Exception:  # something to walk: the usual path says what
             return None
-        probe = Probe.at_base(rest, pack, hasher, plains, b, self._lengths)
+        # counts between b and n that some filed request has (mostly none: in one
+        # conversation the longest filed request is the base)
+        marks = marked_between(self._lengths, b, n) if self._longest > b else []
+        probe = Probe.at_base(rest, pack, hasher, plains, b, marks, size + hashed)
         digests = probe.digests
         if digests[b] != base.digest:
             return None
         # no longer stored request may be one this one extends, and no twin of it
-        for digest in digests[b + 1 :]:
-            if digest is not None and int.from_bytes(digest[:8], "little") in index:
+        if digest_key(digests[n]) in index:  # type: ignore[arg-type]
+            return None
+        for j in marks:
+            if digest_key(digests[b + j]) in index:  # type: ignore[arg-type]
                 return None
         return probe, base
 
@@ -839,7 +902,7 @@ class RequestStore:
             digests, index = probe.digests, self.request_index
             for n in range(high, probe.low - 1, -1):
                 digest = digests[n]
-                if digest is None or index.get(int.from_bytes(digest[:8], "little")) is None:
+                if digest is None or index.get(digest_key(digest)) is None:
                     continue
                 for candidate in request.stored_prefixes(n):
                     if request.extends(candidate):
@@ -871,7 +934,7 @@ class RequestStore:
             base is not None and start < n and self.is_echo(base, rest[start], request.plain(start))
         ):
             pieces.append(ECHO_PACKED)
-            turn.flags |= _TAIL_ECHO
+            turn.flags |= TAIL_ECHO
             first += 1
         plains = request.plain_slice(first, n)
         limit = self._plain_limit
@@ -885,11 +948,11 @@ class RequestStore:
                 encoder = self._encoder
                 packed, special = encoder.encode(rest[i], f"request_messages[{n_sys + i}]")
                 if packed != p:
-                    turn.flags |= _TAIL_REFS
+                    turn.flags |= TAIL_REFS
                     if encoder.last_longest >= HOLE_MIN:
                         scratch.long_refs = True
                 if special:
-                    turn.flags |= _TAIL_SPECIAL
+                    turn.flags |= TAIL_SPECIAL
                 pieces.append(packed)
         pieces[0] = array_header(len(pieces) - 1)
         turn.base = base
@@ -901,7 +964,7 @@ class RequestStore:
         and key it will be filed under at commit (`file` then finds them there)."""
         key = scratch.request_digest
         digest = None
-        if key is not None and not turn.flags & _NO_MESSAGES:
+        if key is not None and not turn.flags & NO_MESSAGES:
             digest = scratch.request_sum
             if digest is None and scratch.request is not None:
                 digest = scratch.request.digest()
@@ -916,9 +979,9 @@ class RequestStore:
             and tips is not None
             # `_next_tip` leaves none without a tip before or a long string new (inline)
             and (
-                tips
-                or flags & _TAIL_REFS
-                or (flags & _TAIL_ECHO and base is not None and base.flags & _RESPONSE_REFS)
+                flags & TAIL_REFS
+                or (flags & TAIL_ECHO and base is not None and base.flags & RESPONSE_REFS)
+                or tips
             )
         ):
             try:
@@ -942,15 +1005,20 @@ class RequestStore:
         probe = request._probe
         tips = self.tips
         flags = turn.flags
-        if probe is None or tips is None or flags & _PREFIX_SPECIAL:
+        if probe is None or tips is None or flags & PREFIX_SPECIAL:
             return None
         base = turn.base
         previous = tips.of(base) if tips and base is not None else None
         # (a tail whose blob strings are all shorter than HOLE_MIN has no holes)
-        refs = (flags & _TAIL_REFS and scratch.long_refs) or (
-            flags & _TAIL_ECHO and base is not None and base.flags & _RESPONSE_REFS
+        refs = (flags & TAIL_REFS and scratch.long_refs) or (
+            flags & TAIL_ECHO and base is not None and base.flags & RESPONSE_REFS
         )
         if previous is None and not refs:  # the common case: no long string anywhere new
+            return None
+        if previous is None and probe.size is not None and probe.size < TIP_MIN_BYTES:
+            # a first tip needs TIP_MIN_BYTES of long strings, which are in the request's
+            # plain packings: no need to look for them (each turn of a conversation would
+            # unpack every tail of its request again)
             return None
         messages = request.messages
         n = len(messages)
@@ -998,17 +1066,17 @@ class RequestStore:
         steps = 0
         while node is not None:
             steps += 1
-            if steps > _MAX_CHAIN or node.flags & _NO_MESSAGES:
+            if steps > _MAX_CHAIN or node.flags & NO_MESSAGES:
                 return None
             base = node.base
-            echo_refs = node.flags & _TAIL_ECHO and base is not None and base.flags & _RESPONSE_REFS
-            if node.flags & _TAIL_REFS or echo_refs:
+            echo_refs = node.flags & TAIL_ECHO and base is not None and base.flags & RESPONSE_REFS
+            if node.flags & TAIL_REFS or echo_refs:
                 items = array_items(node.tail)
                 first = node.first
                 here = []
                 for k, item in enumerate(items):
                     stored: bytes | None = item
-                    if k == 0 and node.flags & _TAIL_ECHO:
+                    if k == 0 and node.flags & TAIL_ECHO:
                         stored = base.response if echo_refs else None  # type: ignore[union-attr]
                     if stored is not None and _has_ext(stored):
                         holes = holes_of(stored, self.blobs.string)
@@ -1037,9 +1105,9 @@ class RequestStore:
                 parts.append(plain)
                 continue
             stored: bytes | None = piece
-            if k == 0 and turn.flags & _TAIL_ECHO:  # the base's response
+            if k == 0 and turn.flags & TAIL_ECHO:  # the base's response
                 stored = base.response if base is not None else None
-                if stored is None or not base.flags & _RESPONSE_REFS:  # type: ignore[union-attr]
+                if stored is None or not base.flags & RESPONSE_REFS:  # type: ignore[union-attr]
                     parts.append(plain)
                     continue
             holes = holes_of(stored, self.blobs.string)  # type: ignore[arg-type]
@@ -1056,7 +1124,7 @@ class RequestStore:
     def file(self, turn: Turn, key: int | None, request: FreshRequest | None = None) -> None:
         """File a committed turn's request under `key` (its digest), if it has messages;
         `request` (when the turn was just added) gives the digest that confirms it."""
-        if key is None or turn.flags & _NO_MESSAGES:
+        if key is None or turn.flags & NO_MESSAGES:
             return
         index = self.request_index
         found = index.get(key)
@@ -1066,10 +1134,12 @@ class RequestStore:
             found.append(turn)
         else:  # a second turn with this very request: a bucket that tracks its parents
             bucket = index[key] = _Bucket((found, turn))
+            self.buckets += 1
             if found.children:
                 bucket.parents.append(found)
-        if turn.rkey != key:  # else built with it (`build`, or a file's reader)
-            turn.file_under(key, request.digest() if request is not None else turn.digest)
+        # a turn just added was built with its key (`build`); a file's reader gives its own
+        if request is None and turn.rkey != key:
+            turn.file_under(key, turn.digest)
         if request is not None and request.next_tip is not None and self.tips is not None:
             base = turn.base
             self.tips.add(request.next_tip, self.tips.of(base) if base is not None else None)
@@ -1077,6 +1147,8 @@ class RequestStore:
         lengths = self._lengths
         if n >> 3 >= len(lengths) or not lengths[n >> 3] >> (n & 7) & 1:
             mark_length(lengths, n)
+            if n > self._longest:
+                self._longest = n
 
     def note_parent(self, turn: Turn) -> None:
         """`turn` got its first child (a bucket of identical requests lists its parents)."""
@@ -1119,19 +1191,19 @@ class RequestStore:
         flags = base.flags
         by_key = echo_by_key(base, plain)  # a response kept in a store: no fetch
         if by_key is not None:
-            return by_key and (not flags & _RESPONSE_SPECIAL or self.valid(message, plain))
+            return by_key and (not flags & RESPONSE_SPECIAL or self.valid(message, plain))
         response = base.response
         if response is None:
             return False
-        if flags & _RESPONSE_REFS:
+        if flags & RESPONSE_REFS:
             response = self.expand(response)
         if plain != response:
             return False
-        return not flags & _RESPONSE_SPECIAL or self.valid(message, plain)
+        return not flags & RESPONSE_SPECIAL or self.valid(message, plain)
 
     def echoes(self, turn: Turn, message: Any, plain: bytes | None) -> bool:
         """Whether `message` is the echo of the turn's response (exactly or loosely)."""
-        if not turn.flags & _HAS_RESPONSE:  # (no fetch for a response in a store)
+        if not turn.flags & HAS_RESPONSE:  # (no fetch for a response in a store)
             return False
         if self.is_echo(turn, message, plain):
             return True
@@ -1151,7 +1223,7 @@ class RequestStore:
         if end > len(plains):
             return False
         join = b"".join
-        slow_bit, echo_bit = _TAIL_SLOW, _TAIL_ECHO
+        slow_bit, echo_bit = TAIL_SLOW, TAIL_ECHO
         node: Turn | None = turn
         try:
             while node is not None:
@@ -1188,13 +1260,13 @@ class RequestStore:
         """Whether the tail of `turn` is exactly `messages[start:end]`."""
         tail = turn.tail
         i = start
-        echo = turn.flags & _TAIL_ECHO
+        echo = turn.flags & TAIL_ECHO
         if echo:
             base = turn.base
             if i >= end or base is None or not self.is_echo(base, messages[i], plains[i]):
                 return False
             i += 1
-        if turn.flags & _TAIL_REFS:
+        if turn.flags & TAIL_REFS:
             # blob references: rebuild the values (blobs are the table's own strings, no
             # copy) and pack them with every string inline, then compare bytes
             try:
@@ -1216,7 +1288,7 @@ class RequestStore:
             overhead = len(array_header(end - start)) + (i - start) * len(ECHO_PACKED)
             if len(joined) + overhead != len(tail) or not tail.endswith(joined):
                 return False
-        if turn.flags & _TAIL_SPECIAL:
+        if turn.flags & TAIL_SPECIAL:
             return all(self.valid(messages[k], plains[k]) for k in range(i, end))
         return True
 
@@ -1247,6 +1319,6 @@ class RequestStore:
 
     def response_plain(self, turn: Turn) -> bytes | None:
         response = turn.response
-        if response is None or not turn.flags & _RESPONSE_REFS:
+        if response is None or not turn.flags & RESPONSE_REFS:
             return response
         return self.expand(response)

@@ -41,6 +41,19 @@ def test_a_longer_stored_request_is_the_base_not_the_latest_turn() -> None:
     assert turn.parent_id == longer.node_id
 
 
+def test_a_stored_request_one_message_past_the_base_is_found() -> None:
+    """The count right after the latest turn's is probed too: a stored request of its
+    request plus its echoed response (which arrived first) is the longer base and parent."""
+    graph = RolloutGraph()
+    a, ra, rb = _user("a"), _reply("ra"), _reply("rb")
+    longer = _add(graph, [SYSTEM, a, ra], rb)  # arrives before its ancestor
+    latest = _add(graph, [SYSTEM, a], ra)
+    assert graph.get(longer.node_id).parent_id == latest.node_id  # adopted
+    turn = _add(graph, [SYSTEM, a, ra, rb], _reply("rc"))
+    assert turn.parent_id == longer.node_id
+    assert graph.request_messages(turn.node_id) == [SYSTEM, a, ra, rb]
+
+
 def test_twins_of_the_latest_turn_take_the_usual_path() -> None:
     graph = RolloutGraph()
     a, ra = _user("a"), _reply("ra")
