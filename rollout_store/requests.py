@@ -717,7 +717,7 @@ class RequestStore:
         messages' plain packings. Returns the system plain."""
         probe, base = continued
         try:
-            system_plain: bytes | None = self._pack_plain(system)
+            system_plain: bytes | None = self._packer()(system)
         except Exception:  # the slow path finds what is wrong
             system_plain = self.plain(system)
         plains = [system_plain]
