@@ -22,7 +22,7 @@ from typing import IO, Any
 
 from . import __version__, storage
 from .content import ContentStore
-from .errors import CorruptFileError, RolloutStoreError, StoreRequiredError
+from .errors import CorruptFileError, IndexKeyMismatch, RolloutStoreError, StoreRequiredError
 from .export import write_session_json, write_trace_jsonl
 from .figures import plain_export_bytes, store_figures
 from .storage import RolloutGraph
@@ -105,6 +105,11 @@ def _where_next(report: storage.LoadReport) -> str:
 
 
 def _what_applies(report: storage.LoadReport, path: str) -> str:
+    if isinstance(report.exception, IndexKeyMismatch):
+        return (
+            f"the content is intact: `rollout-store recover {path} -o OUT` writes every turn "
+            "to a new file with its index keys recomputed"
+        )
     if report.turns == 0 and not (report.truncated and report.mode == "log"):
         return "no complete turn precedes the damage: nothing can be recovered"
     keep = f"the {report.turns} complete turn{'s' if report.turns != 1 else ''} before it"
@@ -207,11 +212,15 @@ def _recover(args: argparse.Namespace) -> int:
             f"damaged: {report.error}; no complete turn precedes it, nothing written"
         )
     graph.save(args.output)
+    rekeyed = report.keys_recomputed if report is not None else 0
+    keys = f"; {rekeyed} of them with their index keys recomputed (their records named others)"
     if report is not None and not report.ok:
         print(
             f"recovered {len(graph)} turns from before the damage at offset "
-            f"{report.error_offset} ({report.error}); wrote {args.output}"
+            f"{report.error_offset} ({report.error}){keys if rekeyed else ''}; wrote {args.output}"
         )
+    elif rekeyed:
+        print(f"recovered all {len(graph)} turns of {args.file}{keys}; wrote {args.output}")
     else:
         print(
             f"{args.file} is not damaged; wrote a snapshot of its {len(graph)} turns "
@@ -329,7 +338,9 @@ def _parser() -> argparse.ArgumentParser:
 
     command("info", "turns, structure, bytes received against stored, and the saving", _info)
     command(
-        "verify", "check every record and blob digest; exit 1 and the reason if damaged", _verify
+        "verify",
+        "check every record, blob digest and index key; exit 1 and the reason if damaged",
+        _verify,
     )
     export = command("export", "the session as JSON (default) or the trace as JSONL", _export)
     export.add_argument(

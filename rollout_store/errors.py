@@ -15,6 +15,7 @@ __all__ = [
     "CorruptFileError",
     "ChecksumMismatch",
     "UnsupportedVersionError",
+    "IndexKeyMismatch",
     "StoreError",
     "StoreUnavailableError",
     "MissingObjectError",
@@ -94,6 +95,36 @@ class ChecksumMismatch(CorruptFileError):
 
 class UnsupportedVersionError(CorruptFileError):
     """The file was written by a newer or unknown version of the format."""
+
+
+class IndexKeyMismatch(CorruptFileError):
+    """A turn record names an index key its content does not give (`verify` recomputes
+    them; `load` trusts them). `field` is the key ("request", "token", "prompt" or "roots"),
+    `node_id` the turn, `recorded` the record's value and `expected` the recomputed one."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str,
+        node_id: str,
+        recorded: object,
+        expected: object,
+        offset: int,
+        record: int,
+    ) -> None:
+        super().__init__(
+            f"{message}: the record was changed after it was written (its content is intact, "
+            "but turns added to the loaded graph could link to a wrong parent); restore the "
+            "file from a copy, or load it with recover=True, which recomputes every key, "
+            "and save it",
+            offset=offset,
+            record=record,
+        )
+        self.field = field
+        self.node_id = node_id
+        self.recorded = recorded
+        self.expected = expected
 
 
 # ---------------------------------------------------------------- content stores

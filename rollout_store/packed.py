@@ -23,8 +23,10 @@ from collections.abc import Callable
 import msgpack
 
 from .encoding import EXT_BIGINT, EXT_BLOB, EXT_ECHO, EXT_SURROGATE, EXT_TUPLE
+from .intake import MAX_DEPTH
 
 __all__ = [
+    "MESSAGES_DEPTH",
     "QUICK_LIMIT",
     "PackedInfo",
     "QuickCheck",
@@ -33,6 +35,10 @@ __all__ = [
     "quick_check",
     "splice_blobs",
 ]
+
+#: The nesting a packed array of request messages (a turn's tail, its system part) may
+#: reach: intake bounds each message by `MAX_DEPTH`, and the array adds a level.
+MESSAGES_DEPTH = MAX_DEPTH + 1
 
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")

@@ -4,8 +4,9 @@ A file is a magic string and a sequence of frames; version 2 (`framing`) binds e
 to the ones before it, version 1 (`frames`) is still read (and appended to). Saving writes a
 temporary file, fsyncs and renames it (`atomic`); append mode writes one turn's frames with
 one write call and fsyncs by policy. Loading checks every frame, blob digest and stored value
-(`packed`) and stops at the first damage, naming its offset. The format is described in
-README.md.
+(`packed`) and stops at the first damage, naming its offset; it trusts the index keys turn
+records carry, which `verify` recomputes from their content (`key_check`). The format is
+described in README.md.
 """
 
 from __future__ import annotations
@@ -63,7 +64,15 @@ from .frames import (
 )
 from .graph import Graph, GraphRestorer, JournalEntry
 from .intake import MAX_DEPTH, token_array
-from .packed import PackedInfo, QuickCheck, check_int_array, check_packed, splice_blobs
+from .key_check import KeyCheck
+from .packed import (
+    MESSAGES_DEPTH,
+    PackedInfo,
+    QuickCheck,
+    check_int_array,
+    check_packed,
+    splice_blobs,
+)
 from .shared_blobs import StoreBlobTable
 from .stored import (
     PACKED,
@@ -171,6 +180,9 @@ _LINK_KINDS = tuple(LinkKind)
 
 #: How a file holds long strings: inline (self-contained) or as keys into a content store.
 BLOBS_INLINE, BLOBS_STORE = "inline", "store"
+
+#: `_scan(check_keys=...)`: index keys recomputed from each turn's content and used.
+_REKEY = "rekey"
 
 #: The version this library writes; it reads 1 and 2.
 FORMAT_VERSION = 2
@@ -528,6 +540,9 @@ class LoadReport:
     version: int | None = None  # the file's format version
     resync_offset: int | None = None  # where the next intact frame after the damage starts
     good_chain: int = 0  # version 2: the chain value of the frame ending at good_bytes
+    # turns whose records named other index keys than their content gives, filed under the
+    # recomputed ones (`load(recover=True)`, and every load of a version-1 file)
+    keys_recomputed: int = 0
 
     def fail(self, exc: CorruptFileError, truncated: bool = False) -> None:
         # the report outlives the read: its error keeps no frames (they hold the file's bytes)
@@ -555,6 +570,7 @@ class _Loader:
         share_threshold: int | None,
         store: ContentStore | None = None,
         cache: StringCache | None = None,
+        check_keys: bool = False,
     ) -> None:
         self.graph = RolloutGraph(share_threshold=share_threshold, store=store, cache=cache)
         self.restore: GraphRestorer = self.graph._restorer()
@@ -569,16 +585,24 @@ class _Loader:
         self.unfiled: list[tuple[bytes, bytes | None]] = []  # values of the turn being read
         # the file's turn records carry `_FIELD_FLAGS` (its header has no `derived_flags`)
         self.carries_flags = False
+        # `verify`: each turn's index keys recomputed from its content (`load` trusts them)
+        self.key_check = KeyCheck(self.graph.blobs, share_threshold) if check_keys else None
+        # keys recomputed rather than checked: a version-1 file (an earlier scheme of keys)
+        # or a load with recover=True
+        self.rekey = False
 
-    def check(self, packed: Any, n_blobs: int, echo_ok: bool = False) -> PackedInfo:
-        """Check a stored value once, without building it (see `packed.check_packed`)."""
+    def check(
+        self, packed: Any, n_blobs: int, echo_ok: bool = False, depth: int = MAX_DEPTH
+    ) -> PackedInfo:
+        """Check a stored value once, without building it (see `packed.check_packed`):
+        nested at most `depth` levels (`MESSAGES_DEPTH` for an array of messages)."""
         if not isinstance(packed, bytes):
             raise ValueError("a packed value must be bytes")
-        info = self.quick(packed, n_blobs, MAX_DEPTH, echo_ok)
+        info = self.quick(packed, n_blobs, depth, echo_ok)
         if info is not None:
             return info
         surrogates = self.blob_surrogates
-        return check_packed(packed, n_blobs, MAX_DEPTH, blob_surrogates=surrogates, echo_ok=echo_ok)
+        return check_packed(packed, n_blobs, depth, blob_surrogates=surrogates, echo_ok=echo_ok)
 
     def blob_surrogates(self, index: int) -> bool:
         return self.handle(index).surrogates
@@ -671,10 +695,11 @@ class _Loader:
             blobs.cache.put(key, text, size)
 
     def value(self, payload: Any) -> None:
-        info = self.check(payload, len(self.graph.blobs))
+        # a value may hold a request's leading system messages: an array of messages
+        info = self.check(payload, len(self.graph.blobs), depth=MESSAGES_DEPTH)
         if info.refs and not info.blob_refs:  # where they are, to splice them
             n_blobs, surrogates = len(self.graph.blobs), self.blob_surrogates
-            info = check_packed(payload, n_blobs, MAX_DEPTH, blob_surrogates=surrogates)
+            info = check_packed(payload, n_blobs, MESSAGES_DEPTH, blob_surrogates=surrogates)
         self.value_is_list.append(info.top_items >= 0)
         self.writer.values[id(payload)] = len(self.writer.value_objects)
         self.writer.value_objects.append(payload)
@@ -700,8 +725,9 @@ class _Loader:
         del writer.value_objects[n_values:], self.value_is_list[n_values:]
         self.unfiled.clear()
 
-    def turn(self, payload: memoryview) -> None:
-        """Check one turn record, build the stored turn and commit it to the graph.
+    def turn(self, payload: memoryview, offset: int = 0, index: int = 0) -> None:
+        """Check one turn record (at `offset`, record `index` of the file), build the stored
+        turn and commit it to the graph.
 
         The record is decoded into `TurnRecord` by msgspec, which checks every field's type
         in C; what it refuses (lone surrogates in an id, say) is decoded by msgpack and its
@@ -725,7 +751,14 @@ class _Loader:
         if refs[0] or refs[1]:  # (a snapshot counts them in its end record)
             self.graph.blobs.count_references(refs[0], refs[1])
         restore = self.restore
-        restore.commit(turn, IndexKeys(keys[0], keys[1], keys[2], keys[3]), moves)
+        index_keys = IndexKeys(keys[0], keys[1], keys[2], keys[3])
+        key_check = self.key_check
+        if key_check is not None:
+            if self.rekey:
+                index_keys = key_check.rekeyed(turn, index_keys, offset, index)
+            else:
+                key_check.check(turn, index_keys, offset, index)
+        restore.commit(turn, index_keys, moves)
         self.ids.add(node_id)
         if turn.prompt is not None or turn.full is not None:
             self.writer.note_runs(turn)
@@ -813,7 +846,9 @@ class _Loader:
             turn.build((tail,), n_rest, response)
             finish_tail(turn)
             return
-        info = quick(tail, n_blobs, MAX_DEPTH, True) or self.check(tail, n_blobs, echo_ok=True)
+        info = quick(tail, n_blobs, MESSAGES_DEPTH, True) or self.check(
+            tail, n_blobs, True, MESSAGES_DEPTH
+        )
         if info.top_items != n_rest - first:
             raise ValueError("request tail does not hold its messages")
         if info.refs:
@@ -1054,12 +1089,14 @@ class _Records:
         path: str,
         store: ContentStore | None,
         cache: StringCache | None,
+        check_keys: bool | str = False,
     ) -> None:
         self.report = report
         self.version = version
         self.path = path
         self.store = store
         self.cache = cache
+        self.check_keys = check_keys
         self.loader: _Loader | None = None
         self.ended = False
         self.pending: list[tuple[int, Any, int, int]] = []  # (kind, body, offset, record)
@@ -1082,7 +1119,14 @@ class _Records:
             raise ValueError("records after the end record")
         if record == 0:
             self.loader, self.report.mode = _read_header(
-                kind, body, start, self.version, self.path, self.store, self.cache
+                kind,
+                body,
+                start,
+                self.version,
+                self.path,
+                self.store,
+                self.cache,
+                self.check_keys,
             )
             return
         loader = self.loader
@@ -1095,7 +1139,7 @@ class _Records:
             try:
                 self.apply_pending(loader)
                 self.at = (start, record)
-                loader.turn(body)
+                loader.turn(body, start, record)
             except BaseException:
                 loader.rollback(mark)
                 raise
@@ -1134,6 +1178,13 @@ class _Records:
             elif report.mode == MODE_SNAPSHOT and not self.ended:
                 message = "snapshot ends before its end record"
                 report.fail(CorruptFileError(message, offset=report.file_size), truncated=True)
+            elif self.loader.key_check is not None and not self.loader.rekey:
+                try:
+                    self.loader.key_check.finish()
+                except CorruptFileError as exc:
+                    report.fail(exc)
+        if self.loader is not None and self.loader.rekey and self.loader.key_check is not None:
+            report.keys_recomputed = self.loader.key_check.finish_rekeyed()
         return self.loader if self.loader is not None else _Loader(None)
 
 
@@ -1143,9 +1194,12 @@ def _scan(
     progress: Callable[[int], None] | None = None,
     store: ContentStore | None = None,
     cache: StringCache | None = None,
+    check_keys: bool | str = False,
 ) -> tuple[_Loader, LoadReport]:
     """Read frames until the end or the first damage; never raises for damage (a content
-    store that cannot be reached is not damage: its error propagates)."""
+    store that cannot be reached is not damage: its error propagates). `check_keys`: each
+    turn's index keys are checked against those its content gives (True: `verify`), or
+    recomputed and used (`_REKEY`: `load(recover=True)`; see `key_check`)."""
     size = len(data)
     report = LoadReport(path, size, 0, 0, 0, 0)
     head = bytes(data[: len(MAGIC)])
@@ -1158,7 +1212,7 @@ def _scan(
         return _Loader(None), report
     report.version = version
     frames = _frames_v1(data, report) if version == _V1 else _frames_v2(data, report)
-    records = _Records(report, version, path, store, cache)
+    records = _Records(report, version, path, store, cache, check_keys)
     for kind, payload, start, record, end, chain in frames:
         try:
             records.apply(kind, payload, start, record)
@@ -1205,6 +1259,7 @@ def _read_header(
     path: str = "",
     store: ContentStore | None = None,
     cache: StringCache | None = None,
+    check_keys: bool | str = False,
 ) -> tuple[_Loader, str]:
     if kind != KIND_HEADER or not isinstance(body, dict):
         raise ValueError("the first record is not a header")
@@ -1238,7 +1293,9 @@ def _read_header(
     derived = body.get("derived_flags", False)
     if derived is not False and (derived is not True or version < 2):
         raise ValueError(f"bad derived_flags {derived!r}")
-    loader = _Loader(threshold, store, cache)
+    rekey = version == _V1 or check_keys == _REKEY
+    loader = _Loader(threshold, store, cache, bool(check_keys) or rekey)
+    loader.rekey = rekey
     loader.writer.blobs_mode = blobs
     # records of a file without it carry the flags their fields give: so do those appended
     loader.carries_flags = loader.writer.carry_flags = not derived
@@ -1261,9 +1318,11 @@ def verify(
     *,
     store: ContentStore | None = None,
 ) -> LoadReport:
-    """Check every frame, blob digest and reference of a file; never raises for damage
-    (a file of store references needs its `store`, whose objects are checked too)."""
-    return _scan(_read(path), os.fspath(path), progress, store)[1]
+    """Check every frame, blob digest and reference of a file, and recompute every index key
+    its turn records carry from their content (`key_check`: a mismatch is an
+    `IndexKeyMismatch`); never raises for damage (a file of store references needs its
+    `store`, whose objects are checked too). `load` trusts the keys."""
+    return _scan(_read(path), os.fspath(path), progress, store, check_keys=True)[1]
 
 
 def load(
@@ -1277,7 +1336,11 @@ def load(
     """Read a rollout file. Damage raises `CorruptFileError` naming its offset.
 
     With `recover=True` every complete turn before the first damage is loaded instead, and
-    `graph.load_report` says where the file was cut or damaged.
+    `graph.load_report` says where the file was cut or damaged; each turn's index keys are
+    then recomputed from its content rather than trusted (`keys_recomputed` in the report
+    counts the turns whose records named others), so saving the graph repairs a file that
+    `verify` refuses with `IndexKeyMismatch`. A version-1 file's keys, of an earlier scheme,
+    are always recomputed.
 
     `store`: the graph keeps its long strings in this content store (and `cache`, see
     `RolloutGraph`). Required for a file saved with ``blobs="store"`` (else
@@ -1285,7 +1348,8 @@ def load(
     damaged one raises `StoreObjectError` naming its key and the record's offset. A
     self-contained file read with a store puts its strings into it.
     """
-    loader, report = _scan(_read(path), os.fspath(path), progress, store, cache)
+    rekey = _REKEY if recover else False
+    loader, report = _scan(_read(path), os.fspath(path), progress, store, cache, rekey)
     if report.error is not None and not (recover and report.records > 0):
         _raise_for(report)
     loader.graph.load_report = report

@@ -22,7 +22,11 @@ its echo is confirmed by, is not at hand without fetching the strings).
 
 A put that fails raises in `add_turn` before anything is committed (the graph and its file
 stay as they were); an object left unreferenced by a rejected turn is harmless, as for
-blobs.
+blobs. The put comes before the turn is appended to the graph's file: a file write that then
+fails (`FileWriteError`) leaves the graph, its references and the file as they were, and the
+store keeps that complete record, referenced by nothing (adding the turn again reuses it).
+That is the one accepted leftover: putting the record after the write could leave a file
+naming an object the store lacks, which is worse.
 """
 
 from __future__ import annotations

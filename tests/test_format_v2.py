@@ -13,6 +13,7 @@ import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
+import blake3
 import msgpack
 import msgspec
 import pytest
@@ -469,13 +470,25 @@ def crafted_v2(tmp_path: Path, records: list[tuple[int, object]], **header_field
     return path
 
 
+def request_key(*plains: bytes) -> int:
+    """The request key of non-system messages with these plain packings (BLAKE3 of them)."""
+    return int.from_bytes(blake3.blake3(b"".join(plains)).digest()[:8], "little")
+
+
 def turn_record(**changes: object) -> list[object]:
+    """A turn record; without `keys`, those its content gives when its tail is an array of
+    fewer than 16 messages that holds no blob reference or echo, and it has no base."""
     fields = dict.fromkeys(storage.TurnRecord._fields)
     fields.update(
         node_id="n", link=0, flags=0, meta=[None] * 5, tail=b"\x90", n_rest=0,
         keys=[None] * 4, refs=[0, 0], moves=[],
     )  # fmt: skip
     fields.update(changes)
+    tail = fields["tail"]
+    if "keys" not in changes and tail and fields["base"] is None:
+        assert isinstance(tail, bytes)
+        waits = fields["parent"] is None and fields["prompt"] is None and fields["n_rest"] == 1
+        fields["keys"] = [request_key(tail[1:]), None, None, [request_key()] if waits else None]
     return list(fields.values())
 
 
@@ -564,6 +577,29 @@ def test_the_deepest_value_intake_takes_verifies_and_exports(tmp_path: Path) -> 
     path = tmp_path / "deep.rls"
     graph.save(path)
     assert storage.verify(path).ok
+    _usable(path, tmp_path / "out.json")
+
+
+@pytest.mark.parametrize("role", ["system", "user"])
+@pytest.mark.parametrize("how", ["log", "save"])
+def test_the_deepest_message_intake_takes_loads(tmp_path: Path, role: str, how: str) -> None:
+    """Intake bounds each message by MAX_DEPTH; the array of messages a file stores adds a
+    level, which the reader refused: a turn was recorded whose file did not load."""
+    value: object = "leaf"
+    for _ in range(MAX_DEPTH - 1):
+        value = [value]
+    messages = [{"role": role, "content": value}, {"role": "user", "content": "then"}]
+    path = tmp_path / "deep.rls"
+    graph = RolloutGraph.open(path) if how == "log" else RolloutGraph()
+    graph.add_turn(TurnNode(request_messages=messages))
+    with pytest.raises(RolloutStoreError):  # one level deeper is refused at intake
+        graph.add_turn(TurnNode(request_messages=[{"role": role, "content": [value]}]))
+    if how == "save":
+        graph.save(path)
+    graph.close()
+    report = storage.verify(path)
+    assert report.ok, report.error
+    assert RolloutGraph.load(path).get("turn-0").request_messages == messages
     _usable(path, tmp_path / "out.json")
 
 
@@ -683,9 +719,11 @@ def test_records_that_carry_content_flags_still_load(tmp_path: Path) -> None:
 
     text = b"x" * 10
     tail = b"\x91\x92\xc7\x00\x01\xd6\x04\x00\x00\x00\x00"  # a tuple of a blob reference
+    keys = [request_key(b"\x92\xc7\x00\x01\xaa" + text), None, None, [request_key()]]
     for flags in (0, 1 | 64):
         blob = (1, content_digest(text) + text)
-        path = crafted_v2(tmp_path, [blob, (3, turn_record(flags=flags, tail=tail, n_rest=1))])
+        record = turn_record(flags=flags, tail=tail, n_rest=1, keys=keys)
+        path = crafted_v2(tmp_path, [blob, (3, record)])
         assert storage.verify(path).ok
         graph = RolloutGraph.load(path)
         assert graph.journal_entries()[0].turn.flags & _CONTENT_FLAGS == 1 | 64
@@ -780,7 +818,18 @@ FIELD_FLAG_CASES = {
     "echo": (
         [
             turn_record(node_id="a", response=b"\x81\xa1r\x01"),
-            turn_record(node_id="b", base=0, tail=_ECHO_TAIL, n_rest=2),
+            turn_record(
+                node_id="b",
+                base=0,
+                tail=_ECHO_TAIL,
+                n_rest=2,
+                keys=[
+                    request_key(b"\x81\xa1r\x01", b"\x01"),
+                    None,
+                    None,
+                    [request_key(), request_key(b"\x81\xa1r\x01")],
+                ],
+            ),
         ],
         32,
     ),
@@ -836,12 +885,12 @@ def test_a_bad_derived_flags_header_is_refused(tmp_path: Path, value: object) ->
 # ---------------------------------------------------------------- packed fields, re-chained
 
 
-def _records_of(data: bytes) -> list[tuple[int, bytes]]:
+def records_of(data: bytes) -> list[tuple[int, bytes]]:
     reader = framing.FrameReader(data, len(MAGIC_V2), digest_kinds=frozenset({1}), max_kind=5)
     return [(f.kind, bytes(f.payload)) for f in reader]
 
 
-def _rechained(records: list[tuple[int, bytes]]) -> bytes:
+def rechained(records: list[tuple[int, bytes]]) -> bytes:
     """A version-2 file of these records (the header's first), each frame chained right."""
     out, chain = [MAGIC_V2], 0
     for kind, payload in records:
@@ -863,7 +912,7 @@ def rollout_records(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int,
     path = tmp_path_factory.mktemp("records") / "log.rls"
     with RolloutGraph.open(path, share_threshold=8, fsync="never") as graph:
         build_rollout(graph, turns=3)
-    return _records_of(path.read_bytes())
+    return records_of(path.read_bytes())
 
 
 @given(st.data())
@@ -890,7 +939,7 @@ def test_a_damaged_packed_field_fails_verify_or_loads_usable(
     records = list(rollout_records)
     records[at] = (3, msgpack.packb(record, use_bin_type=True, unicode_errors="surrogatepass"))
     path = tmp_path / "damaged.rls"
-    path.write_bytes(_rechained(records))
+    path.write_bytes(rechained(records))
     report = storage.verify(path)
     if not report.ok:
         assert report.error_offset is not None and report.error_offset > len(MAGIC_V2)
@@ -915,11 +964,11 @@ def test_a_recovered_graph_keeps_no_blob_or_value_of_the_turn_that_failed(
     records = list(rollout_records)
     records[at] = (3, msgpack.packb(record, use_bin_type=True, unicode_errors="surrogatepass"))
     path = tmp_path / "damaged.rls"
-    path.write_bytes(_rechained(records))
+    path.write_bytes(rechained(records))
     kept = RolloutGraph.load(path, recover=True)
     intact = tmp_path / "intact.rls"
     end = next(i for i in range(at, 0, -1) if kinds[i - 1] == 3)  # after the turn before
-    intact.write_bytes(_rechained(records[:end]))
+    intact.write_bytes(rechained(records[:end]))
     reference = RolloutGraph.load(intact)
     assert len(kept) == len(reference) and len(kept.blobs) == len(reference.blobs)
     assert kept.stats() == reference.stats()
@@ -976,7 +1025,7 @@ def test_the_typed_record_decoder_and_its_fallback_agree(tmp_path: Path) -> None
     graph = RolloutGraph(share_threshold=64)
     _field_flag_rollout(graph)
     graph.save(path)
-    records = [p for kind, p in _records_of(path.read_bytes()) if kind == 3]
+    records = [p for kind, p in records_of(path.read_bytes()) if kind == 3]
     assert records
     outcomes = {"typed": 0, "refused": 0}
     for payload in records:
@@ -1003,7 +1052,7 @@ def test_a_record_with_lone_surrogates_takes_the_fallback(tmp_path: Path) -> Non
     graph = RolloutGraph()
     graph.add_turn(TurnNode(node_id="a\ud800", model="m\udc00", request_messages=[]))
     graph.save(path)
-    (payload,) = [p for kind, p in _records_of(path.read_bytes()) if kind == 3]
+    (payload,) = [p for kind, p in records_of(path.read_bytes()) if kind == 3]
     how, record = _decoded(payload)
     assert how == "untyped" and isinstance(record, storage.TurnRecord)
     assert record.node_id == "a\ud800" and record.meta[0] == "m\udc00"
@@ -1065,6 +1114,6 @@ def test_a_snapshot_holds_the_records_that_appending_its_turns_writes(
                 )
             )
         graph.save(snap)
-    logged, saved = _records_of(log.read_bytes()), _records_of(snap.read_bytes())
+    logged, saved = records_of(log.read_bytes()), records_of(snap.read_bytes())
     assert sum(kind == frames.KIND_TURN for kind, _ in saved) == len(graph)
     assert _comparable(saved) == _comparable(logged)

@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("request storage and linking", {"requests", "linking"}),
     ("graph", {"graph"}),
     ("export", {"checks", "jsonstream", "export", "figures"}),
-    ("files", {"atomic", "packed", "frames", "framing", "storage"}),
+    ("files", {"atomic", "packed", "frames", "framing", "key_check", "storage"}),
     ("stores", {"stores", "redis_store", "s3_store"}),
     ("viewer", {"viewer"}),
     ("server", {"sse", "sessions", "server", "stub_engine"}),
