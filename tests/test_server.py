@@ -549,6 +549,17 @@ def test_open_store_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         b"{}",
         b" { }\t\r\n",
         b'{"messages": [{"role": "user", "content": " } "}] \n}\n',
+        # json.loads reads UTF-16 and UTF-32 too: the capture keys cannot be appended as
+        # UTF-8 bytes (big-endian, the text ends in the byte of its brace)
+        pytest.param(
+            '{"messages": [{"role": "user", "content": "a"}]}'.encode("utf-16-be"), id="utf-16-be"
+        ),
+        pytest.param(
+            '{"messages": [{"role": "user", "content": "a"}]}'.encode("utf-32-be"), id="utf-32-be"
+        ),
+        pytest.param(
+            '{"messages": [{"role": "user", "content": "a"}]}'.encode("utf-16-le"), id="utf-16-le"
+        ),
     ],
 )
 def test_upstream_body_is_the_request_with_the_capture_keys(raw: bytes) -> None:
