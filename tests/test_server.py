@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -892,3 +893,42 @@ def test_a_cookie_the_upstream_sets_goes_out_with_no_later_call() -> None:
                     model="m", messages=[{"role": "user", "content": "hi"}]
                 )
     assert cookies.sent == [None, None]
+
+
+def test_a_client_that_leaves_a_call_that_does_not_stream_leaves_a_consistent_session(
+    server: Any, stub: tuple[str, Counting]
+) -> None:
+    """The call, awaited in its handler's task, is not abandoned with the client: the upstream's
+    answer is recorded once, and the next call continues it."""
+    url, app = server
+    calls = stub[1].calls
+    session = new_session(url)
+    body = {"model": "stub-slow", "messages": [{"role": "user", "content": "left early"}]}
+    content = json.dumps(body).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            + f"authorization: Bearer {session['api_key']}\r\n".encode()
+            + f"content-length: {len(content)}\r\n\r\n".encode()
+            + content
+        )
+        for _ in range(500):  # the stub answers a second after the call reaches it
+            if stub[1].calls > calls:
+                break
+            time.sleep(0.01)
+        assert stub[1].calls == calls + 1  # hang up while the upstream works
+    info = f"{url}/sessions/{session['session_id']}"
+    for _ in range(100):
+        if httpx.get(info).json()["turns"]:
+            break
+        time.sleep(0.1)
+    time.sleep(0.3)  # (nothing more arrives)
+    doc = httpx.get(info).json()
+    assert doc["turns"] == 1 and doc["upstream_errors"] == 0 and doc["rejected"] == 0
+    graph = _graph(app, session["session_id"])
+    (first,) = graph.node_ids()
+    messages = body["messages"] + [chat_response(body)["choices"][0]["message"]]
+    messages += [{"role": "user", "content": "back"}]
+    _openai(session).chat.completions.create(model="m", messages=messages)
+    assert graph.parent(graph.node_ids()[1]) == first
