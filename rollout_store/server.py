@@ -492,9 +492,13 @@ def upstream_body(raw: bytes, body: dict[str, Any], extra: dict[str, Any]) -> by
     return b"{" + b", ".join(parts) + b"}"
 
 
-def _json_bytes(answer: bytes) -> Response:
-    """The upstream's own JSON answer, byte for byte (nothing decoded and encoded again)."""
-    return Response(answer, media_type="application/json")
+def _json_bytes(response: dict[str, Any], answer: bytes) -> Response:
+    """The upstream's own JSON answer, byte for byte (nothing decoded and encoded again),
+    when it is UTF-8; else `response`, its decoded value, written anew (json.loads reads
+    UTF-16 and UTF-32, which an answer that names no charset cannot be)."""
+    if json.detect_encoding(answer) in ("utf-8", "utf-8-sig"):
+        return Response(answer, media_type="application/json")
+    return JSONResponse(response)
 
 
 async def _events(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
@@ -788,7 +792,7 @@ class _Server:
 
         def reply(response: dict[str, Any], answer: bytes) -> Response:
             if not (inject_ids or inject_logprobs):  # nothing to take out: the engine's bytes
-                return _json_bytes(answer)
+                return _json_bytes(response, answer)
             _strip_injected(response, inject_ids, inject_logprobs)
             return JSONResponse(response)
 
@@ -819,7 +823,7 @@ class _Server:
             call,
             True,
             body.get("stream") is True,
-            lambda _, answer: _json_bytes(answer),
+            _json_bytes,
             anthropic_events,
         )
 

@@ -932,3 +932,51 @@ def test_a_client_that_leaves_a_call_that_does_not_stream_leaves_a_consistent_se
     messages += [{"role": "user", "content": "back"}]
     _openai(session).chat.completions.create(model="m", messages=messages)
     assert graph.parent(graph.node_ids()[1]) == first
+
+
+class Utf16:
+    """An ASGI wrapper handing on the stub's JSON answers in UTF-16 (which json.loads reads),
+    saying so in their content type."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        sent: list[Any] = []
+
+        async def keep(message: Any) -> None:
+            sent.append(message)
+
+        await self.app(scope, receive, keep)
+        start, *bodies = sent
+        body = b"".join(m.get("body", b"") for m in bodies)
+        headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
+        if start["status"] == 200 and body[:1] == b"{":
+            body = body.decode().encode("utf-16")
+            headers = [(k, v) for k, v in headers if k.lower() != b"content-type"]
+            headers.append((b"content-type", b"application/json; charset=utf-16"))
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({**start, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def test_an_answer_that_is_not_utf8_reaches_the_client_as_utf8() -> None:
+    """The engine's own bytes are handed on only when they are UTF-8: the server's answer says
+    no charset, so another encoding is written anew (as the server did before)."""
+    with serve_app(Utf16(create_stub_app())) as upstream:
+        app = create_app(upstream, upstream_timeout=5)
+        with serve_app(app) as url:
+            session = new_session(url)
+            auth = {"authorization": f"Bearer {session['api_key']}"}
+            messages = [{"role": "user", "content": "caf\u00e9"}]
+            asked = {"model": "m", "messages": messages, "return_token_ids": True, "logprobs": True}
+            anthropic_body = {"model": "m", "max_tokens": 5, "messages": messages}
+            for path, body in (("chat/completions", asked), ("messages", anthropic_body)):
+                direct = httpx.post(f"{upstream}/v1/{path}", json=body, timeout=10)
+                assert direct.content[:2] == b"\xff\xfe"
+                through = httpx.post(f"{url}/v1/{path}", json=body, headers=auth, timeout=10)
+                assert through.status_code == 200
+                assert json.loads(through.content.decode("utf-8")) == direct.json()
+            assert len(_graph(app, session["session_id"])) == 2
