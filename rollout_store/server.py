@@ -483,13 +483,17 @@ def upstream_body(raw: bytes, body: dict[str, Any], extra: dict[str, Any]) -> by
             return b"".join((memoryview(raw)[:head], comma, items, b"}"))
     merged = {k: v for k, v in body.items() if k != "stream_options"}
     merged.update(extra)
-    parts = [
-        json.dumps(key).encode("ascii")
-        + b": "
-        + (_text(value) if type(value) is RawJSON else json.dumps(value).encode("ascii"))
-        for key, value in merged.items()
-    ]
-    return b"{" + b", ".join(parts) + b"}"
+    parts = [b"{"]
+    for key, value in merged.items():
+        if len(parts) > 1:
+            parts.append(b", ")
+        parts += (
+            json.dumps(key).encode("ascii"),
+            b": ",
+            _text(value) if type(value) is RawJSON else json.dumps(value).encode("ascii"),
+        )
+    parts.append(b"}")
+    return b"".join(parts)
 
 
 def _json_bytes(response: dict[str, Any], answer: bytes) -> Response:
