@@ -232,14 +232,16 @@ class KeyCheck:
         """A stored value's plain packing: each blob reference (6 bytes) replaced by the plain
         packing of its string (a lone surrogate packs as it does inline); an echo placeholder
         stays. A short value is decoded and packed again in C (what that allocates is
-        bounded by `QUICK_LIMIT`), a longer one spliced where `check_packed` finds its
-        references (never decoded: a crafted one could allocate many times its size)."""
+        bounded by `QUICK_LIMIT`), a longer one, or a short one msgpack cannot pack with its
+        echo placeholder, spliced where `check_packed` finds its references (never decoded:
+        a crafted one could allocate many times its size)."""
         blobs = self.blobs
         if len(packed) <= QUICK_LIMIT:
             plain = self.plain(unpack(packed, blobs.string, _echo))
-            if plain is None:  # (a stored value always packs)
-                raise ValueError("a stored value without a plain packing")
-            return plain
+            if plain is not None:
+                return plain
+            # msgpack cannot pack it (a lone surrogate, say) and the validating walk takes
+            # no echo placeholder: spliced as a long one is
         depth = MESSAGES_DEPTH if echo_ok else MAX_DEPTH  # a tail, or a response
         info = check_packed(
             packed, len(blobs), depth, blob_surrogates=self._surrogates, echo_ok=echo_ok

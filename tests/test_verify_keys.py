@@ -658,3 +658,37 @@ def test_a_version_1_files_keys_are_never_trusted(tmp_path: Path) -> None:
     turn = graph.get(node_id)
     fields = {"request_messages": turn.request_messages, "response_message": turn.response_message}
     assert RolloutGraph.load(path).add_turn(continuation(fields)).parent_id == node_id
+
+
+def test_a_short_tail_with_an_echo_a_blob_and_a_lone_surrogate_verifies(tmp_path: Path) -> None:
+    """A tail that re-sends the answer before it (an echo placeholder), holds a blob reference
+    and a string msgpack cannot pack (a lone surrogate): its plain packing is spliced (the
+    validating walk takes no placeholder). verify refused such a file, and recover dropped
+    the turn as damaged."""
+    path = tmp_path / "log.rls"
+    messages: list[Any] = [{"role": "user", "content": "hello"}]
+    answer = {"role": "assistant", "content": "ok"}
+    with RolloutGraph.open(path, share_threshold=64, fsync="never") as graph:
+        graph.add_turn(
+            TurnNode(
+                node_id="a",
+                request_messages=copy.deepcopy(messages),
+                response_message=copy.deepcopy(answer),
+            )
+        )
+        messages += [answer, {"role": "user", "content": ["\ud800", "x" * 100]}]
+        graph.add_turn(
+            TurnNode(
+                node_id="b",
+                request_messages=copy.deepcopy(messages),
+                response_message=copy.deepcopy(answer),
+            )
+        )
+        assert graph.parent("b") == "a"
+        graph.save(tmp_path / "s.rls")
+    for name in ("log.rls", "s.rls"):
+        report = storage.verify(tmp_path / name)
+        assert report.ok, report.error
+        recovered = RolloutGraph.load(tmp_path / name, recover=True)
+        assert recovered.load_report.ok, recovered.load_report.error
+        assert recovered.node_ids() == ["a", "b"] and recovered.load_report.keys_recomputed == 0
