@@ -198,7 +198,6 @@ class KeyCheck:
         while node is not None:
             found = states.get(node.index)
             if found is not None:
-                states.move_to_end(node.index)
                 state = found
                 break
             chain.append(node)
@@ -207,9 +206,14 @@ class KeyCheck:
             state = state.copy()
             for part in self._tail_plain(node):
                 state.update(part)
-            states[node.index] = state
-            if len(states) > KEPT_STATES:
-                states.popitem(last=False)
+            # kept: the turn's state and its base's (its siblings', a retry's, may follow);
+            # an older base's only where there is room: making room for it would push out
+            # the state of another conversation's latest turn, whose next turn would then
+            # hash its whole chain again, and so on
+            if node is turn or node is turn.base or len(states) < KEPT_STATES:
+                states[node.index] = state
+                if len(states) > KEPT_STATES:
+                    states.popitem(last=False)
         return state
 
     def _tail_plain(self, turn: Turn) -> tuple[bytes | memoryview, ...]:
@@ -296,7 +300,6 @@ class KeyCheck:
         while node is not None:
             found = runs.get(id(node))
             if found is not None:
-                runs.move_to_end(id(node))
                 state = found[1]
                 break
             chain.append(node)
@@ -313,9 +316,10 @@ class KeyCheck:
                 whole = len(data) - len(data) % _BLOCK_BYTES
                 hasher.update(memoryview(data)[:whole])
                 state = (hasher, data[whole:])
-            runs[id(node)] = (node, state)
-            if len(runs) > KEPT_STATES:
-                runs.popitem(last=False)
+            if node is run or node is run.prev or len(runs) < KEPT_STATES:  # (as for requests)
+                runs[id(node)] = (node, state)
+                if len(runs) > KEPT_STATES:
+                    runs.popitem(last=False)
         return state
 
 

@@ -692,3 +692,40 @@ def test_a_short_tail_with_an_echo_a_blob_and_a_lone_surrogate_verifies(tmp_path
         recovered = RolloutGraph.load(tmp_path / name, recover=True)
         assert recovered.load_report.ok, recovered.load_report.error
         assert recovered.node_ids() == ["a", "b"] and recovered.load_report.keys_recomputed == 0
+
+
+def test_interleaved_conversations_hash_each_tail_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As many conversations advancing in turn as hash states are kept: each turn's base
+    state is still kept when its next turn comes, so every tail is hashed once (a count of
+    work, not a timing). A base found was moved to the newest end, each conversation so held
+    two states, and a miss kept every state of the chain hashed again, pushing out others':
+    the tails were hashed again and again along their chains."""
+    from rollout_store import key_check
+
+    monkeypatch.setattr(key_check, "KEPT_STATES", 16)
+    calls = 0
+    tail_plain = key_check.KeyCheck._tail_plain
+
+    def counted(self: key_check.KeyCheck, turn: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return tail_plain(self, turn)
+
+    monkeypatch.setattr(key_check.KeyCheck, "_tail_plain", counted)
+    path = tmp_path / "log.rls"
+    n_conversations, n_turns = 16, 12
+    conversations: list[list[Any]] = [
+        [{"role": "user", "content": f"conversation {c}"}] for c in range(n_conversations)
+    ]
+    with RolloutGraph.open(path, fsync="never") as graph:
+        for k in range(n_turns):
+            for c, messages in enumerate(conversations):
+                answer = {"role": "assistant", "content": f"answer {c} {k}"}
+                graph.add_turn(
+                    TurnNode(request_messages=copy.deepcopy(messages), response_message=answer)
+                )
+                messages += [answer, {"role": "user", "content": f"more {k}"}]
+    assert storage.verify(path).ok
+    assert calls == n_conversations * n_turns  # (a root of one message has no prefix to hash)
