@@ -316,7 +316,9 @@ class KeyCheck:
                 whole = len(data) - len(data) % _BLOCK_BYTES
                 hasher.update(memoryview(data)[:whole])
                 state = (hasher, data[whole:])
-            if node is run or node is run.prev or len(runs) < KEPT_STATES:  # (as for requests)
+            # (as for requests; a turn's prompt is a node of its own, whose state its siblings
+            # do not need: they extend its parent's full run)
+            if node is run or len(runs) < KEPT_STATES:
                 runs[id(node)] = (node, state)
                 if len(runs) > KEPT_STATES:
                     runs.popitem(last=False)

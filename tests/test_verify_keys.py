@@ -729,3 +729,51 @@ def test_interleaved_conversations_hash_each_tail_once(
                 messages += [answer, {"role": "user", "content": f"more {k}"}]
     assert storage.verify(path).ok
     assert calls == n_conversations * n_turns  # (a root of one message has no prefix to hash)
+
+
+def test_interleaved_token_rollouts_hash_each_run_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for token ids: a turn's prompt and its prompt + sampled run are two nodes of
+    a chain, and keeping both pushed out other rollouts' states at half as many rollouts as
+    states kept; each new segment is now hashed once (counted as copies of the xxh3 state)."""
+    import xxhash
+
+    from rollout_store import key_check
+
+    copies = 0
+
+    class Counted:
+        def __init__(self, inner: Any = None) -> None:
+            self.inner = xxhash.xxh3_64() if inner is None else inner
+
+        def copy(self) -> Counted:
+            nonlocal copies
+            copies += 1
+            return Counted(self.inner.copy())
+
+        def update(self, data: Any) -> None:
+            self.inner.update(data)
+
+        def intdigest(self) -> int:
+            return int(self.inner.intdigest())
+
+    class CountedModule:
+        xxh3_64 = Counted
+
+    monkeypatch.setattr(key_check, "KEPT_STATES", 16)
+    monkeypatch.setattr(key_check, "xxhash", CountedModule)
+    path = tmp_path / "log.rls"
+    n_rollouts, n_turns = 16, 10
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000) for _ in range(50)] for _ in range(n_rollouts)]
+    with RolloutGraph.open(path, fsync="never") as graph:
+        for _ in range(n_turns):
+            for prompt in prompts:
+                sampled = [rng.randrange(1000) for _ in range(30)]
+                graph.add_turn(TurnNode(prompt_ids=list(prompt), sampled_ids=sampled))
+                prompt += sampled + [rng.randrange(1000) for _ in range(20)]
+    assert storage.verify(path).ok
+    # a turn's two segments, each root's prompt key once more, and a few runs hashed again
+    # while the first turns' prompts still fill the states kept (1776 copies before)
+    assert copies <= 2 * n_rollouts * n_turns + n_rollouts + 3 * n_rollouts
