@@ -777,3 +777,24 @@ def test_interleaved_token_rollouts_hash_each_run_once(
     # a turn's two segments, each root's prompt key once more, and a few runs hashed again
     # while the first turns' prompts still fill the states kept (1776 copies before)
     assert copies <= 2 * n_rollouts * n_turns + n_rollouts + 3 * n_rollouts
+
+
+def test_the_advice_for_a_wrong_key_promises_no_turn_past_later_damage(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """verify stops at the wrong key: a torn tail after it is not seen, and recover keeps only
+    the turns before that, so the advice does not say every turn is written."""
+    path = tmp_path / "log.rls"
+    chat_log(path)
+    records = records_of(path.read_bytes())
+    at = turn_at(records, "m1")
+    data = write(
+        path, with_key(records, at, "request", keys_of(records, turn_at(records, "m0"))[0])
+    )
+    path.write_bytes(data[:-7])  # and a torn tail
+    assert cli_main(["verify", str(path)]) == 1
+    advice = capsys.readouterr().err
+    assert "its request index key" in advice and "before any later damage" in advice
+    assert cli_main(["recover", str(path), "-o", str(tmp_path / "out.rls")]) == 0
+    assert "recovered 4 turns from before the damage" in capsys.readouterr().out
+    assert len(RolloutGraph.load(tmp_path / "out.rls")) == 4
