@@ -108,7 +108,8 @@ def _what_applies(report: storage.LoadReport, path: str) -> str:
     if isinstance(report.exception, IndexKeyMismatch):
         return (
             f"the content is intact: `rollout-store recover {path} -o OUT` writes every turn "
-            "to a new file with its index keys recomputed"
+            "before any later damage (verify stops here) to a new file with its index keys "
+            "recomputed"
         )
     if report.turns == 0 and not (report.truncated and report.mode == "log"):
         return "no complete turn precedes the damage: nothing can be recovered"

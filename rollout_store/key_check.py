@@ -198,7 +198,6 @@ class KeyCheck:
         while node is not None:
             found = states.get(node.index)
             if found is not None:
-                states.move_to_end(node.index)
                 state = found
                 break
             chain.append(node)
@@ -207,9 +206,14 @@ class KeyCheck:
             state = state.copy()
             for part in self._tail_plain(node):
                 state.update(part)
-            states[node.index] = state
-            if len(states) > KEPT_STATES:
-                states.popitem(last=False)
+            # kept: the turn's state and its base's (its siblings', a retry's, may follow);
+            # an older base's only where there is room: making room for it would push out
+            # the state of another conversation's latest turn, whose next turn would then
+            # hash its whole chain again, and so on
+            if node is turn or node is turn.base or len(states) < KEPT_STATES:
+                states[node.index] = state
+                if len(states) > KEPT_STATES:
+                    states.popitem(last=False)
         return state
 
     def _tail_plain(self, turn: Turn) -> tuple[bytes | memoryview, ...]:
@@ -232,14 +236,16 @@ class KeyCheck:
         """A stored value's plain packing: each blob reference (6 bytes) replaced by the plain
         packing of its string (a lone surrogate packs as it does inline); an echo placeholder
         stays. A short value is decoded and packed again in C (what that allocates is
-        bounded by `QUICK_LIMIT`), a longer one spliced where `check_packed` finds its
-        references (never decoded: a crafted one could allocate many times its size)."""
+        bounded by `QUICK_LIMIT`), a longer one, or a short one msgpack cannot pack with its
+        echo placeholder, spliced where `check_packed` finds its references (never decoded:
+        a crafted one could allocate many times its size)."""
         blobs = self.blobs
         if len(packed) <= QUICK_LIMIT:
             plain = self.plain(unpack(packed, blobs.string, _echo))
-            if plain is None:  # (a stored value always packs)
-                raise ValueError("a stored value without a plain packing")
-            return plain
+            if plain is not None:
+                return plain
+            # msgpack cannot pack it (a lone surrogate, say) and the validating walk takes
+            # no echo placeholder: spliced as a long one is
         depth = MESSAGES_DEPTH if echo_ok else MAX_DEPTH  # a tail, or a response
         info = check_packed(
             packed, len(blobs), depth, blob_surrogates=self._surrogates, echo_ok=echo_ok
@@ -294,7 +300,6 @@ class KeyCheck:
         while node is not None:
             found = runs.get(id(node))
             if found is not None:
-                runs.move_to_end(id(node))
                 state = found[1]
                 break
             chain.append(node)
@@ -311,9 +316,12 @@ class KeyCheck:
                 whole = len(data) - len(data) % _BLOCK_BYTES
                 hasher.update(memoryview(data)[:whole])
                 state = (hasher, data[whole:])
-            runs[id(node)] = (node, state)
-            if len(runs) > KEPT_STATES:
-                runs.popitem(last=False)
+            # (as for requests; a turn's prompt is a node of its own, whose state its siblings
+            # do not need: they extend its parent's full run)
+            if node is run or len(runs) < KEPT_STATES:
+                runs[id(node)] = (node, state)
+                if len(runs) > KEPT_STATES:
+                    runs.popitem(last=False)
         return state
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -549,6 +550,17 @@ def test_open_store_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         b"{}",
         b" { }\t\r\n",
         b'{"messages": [{"role": "user", "content": " } "}] \n}\n',
+        # json.loads reads UTF-16 and UTF-32 too: the capture keys cannot be appended as
+        # UTF-8 bytes (big-endian, the text ends in the byte of its brace)
+        pytest.param(
+            '{"messages": [{"role": "user", "content": "a"}]}'.encode("utf-16-be"), id="utf-16-be"
+        ),
+        pytest.param(
+            '{"messages": [{"role": "user", "content": "a"}]}'.encode("utf-32-be"), id="utf-32-be"
+        ),
+        pytest.param(
+            '{"messages": [{"role": "user", "content": "a"}]}'.encode("utf-16-le"), id="utf-16-le"
+        ),
     ],
 )
 def test_upstream_body_is_the_request_with_the_capture_keys(raw: bytes) -> None:
@@ -881,3 +893,90 @@ def test_a_cookie_the_upstream_sets_goes_out_with_no_later_call() -> None:
                     model="m", messages=[{"role": "user", "content": "hi"}]
                 )
     assert cookies.sent == [None, None]
+
+
+def test_a_client_that_leaves_a_call_that_does_not_stream_leaves_a_consistent_session(
+    server: Any, stub: tuple[str, Counting]
+) -> None:
+    """The call, awaited in its handler's task, is not abandoned with the client: the upstream's
+    answer is recorded once, and the next call continues it."""
+    url, app = server
+    calls = stub[1].calls
+    session = new_session(url)
+    body = {"model": "stub-slow", "messages": [{"role": "user", "content": "left early"}]}
+    content = json.dumps(body).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            + f"authorization: Bearer {session['api_key']}\r\n".encode()
+            + f"content-length: {len(content)}\r\n\r\n".encode()
+            + content
+        )
+        for _ in range(500):  # the stub answers a second after the call reaches it
+            if stub[1].calls > calls:
+                break
+            time.sleep(0.01)
+        assert stub[1].calls == calls + 1  # hang up while the upstream works
+    info = f"{url}/sessions/{session['session_id']}"
+    for _ in range(100):
+        if httpx.get(info).json()["turns"]:
+            break
+        time.sleep(0.1)
+    time.sleep(0.3)  # (nothing more arrives)
+    doc = httpx.get(info).json()
+    assert doc["turns"] == 1 and doc["upstream_errors"] == 0 and doc["rejected"] == 0
+    graph = _graph(app, session["session_id"])
+    (first,) = graph.node_ids()
+    messages = body["messages"] + [chat_response(body)["choices"][0]["message"]]
+    messages += [{"role": "user", "content": "back"}]
+    _openai(session).chat.completions.create(model="m", messages=messages)
+    assert graph.parent(graph.node_ids()[1]) == first
+
+
+class Utf16:
+    """An ASGI wrapper handing on the stub's JSON answers in UTF-16 (which json.loads reads),
+    saying so in their content type."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        sent: list[Any] = []
+
+        async def keep(message: Any) -> None:
+            sent.append(message)
+
+        await self.app(scope, receive, keep)
+        start, *bodies = sent
+        body = b"".join(m.get("body", b"") for m in bodies)
+        headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
+        if start["status"] == 200 and body[:1] == b"{":
+            body = body.decode().encode("utf-16")
+            headers = [(k, v) for k, v in headers if k.lower() != b"content-type"]
+            headers.append((b"content-type", b"application/json; charset=utf-16"))
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({**start, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def test_an_answer_that_is_not_utf8_reaches_the_client_as_utf8() -> None:
+    """The engine's own bytes are handed on only when they are UTF-8: the server's answer says
+    no charset, so another encoding is written anew (as the server did before)."""
+    with serve_app(Utf16(create_stub_app())) as upstream:
+        app = create_app(upstream, upstream_timeout=5)
+        with serve_app(app) as url:
+            session = new_session(url)
+            auth = {"authorization": f"Bearer {session['api_key']}"}
+            messages = [{"role": "user", "content": "caf\u00e9"}]
+            asked = {"model": "m", "messages": messages, "return_token_ids": True, "logprobs": True}
+            anthropic_body = {"model": "m", "max_tokens": 5, "messages": messages}
+            for path, body in (("chat/completions", asked), ("messages", anthropic_body)):
+                direct = httpx.post(f"{upstream}/v1/{path}", json=body, timeout=10)
+                assert direct.content[:2] == b"\xff\xfe"
+                through = httpx.post(f"{url}/v1/{path}", json=body, headers=auth, timeout=10)
+                assert through.status_code == 200
+                assert json.loads(through.content.decode("utf-8")) == direct.json()
+            assert len(_graph(app, session["session_id"])) == 2

@@ -658,3 +658,143 @@ def test_a_version_1_files_keys_are_never_trusted(tmp_path: Path) -> None:
     turn = graph.get(node_id)
     fields = {"request_messages": turn.request_messages, "response_message": turn.response_message}
     assert RolloutGraph.load(path).add_turn(continuation(fields)).parent_id == node_id
+
+
+def test_a_short_tail_with_an_echo_a_blob_and_a_lone_surrogate_verifies(tmp_path: Path) -> None:
+    """A tail that re-sends the answer before it (an echo placeholder), holds a blob reference
+    and a string msgpack cannot pack (a lone surrogate): its plain packing is spliced (the
+    validating walk takes no placeholder). verify refused such a file, and recover dropped
+    the turn as damaged."""
+    path = tmp_path / "log.rls"
+    messages: list[Any] = [{"role": "user", "content": "hello"}]
+    answer = {"role": "assistant", "content": "ok"}
+    with RolloutGraph.open(path, share_threshold=64, fsync="never") as graph:
+        graph.add_turn(
+            TurnNode(
+                node_id="a",
+                request_messages=copy.deepcopy(messages),
+                response_message=copy.deepcopy(answer),
+            )
+        )
+        messages += [answer, {"role": "user", "content": ["\ud800", "x" * 100]}]
+        graph.add_turn(
+            TurnNode(
+                node_id="b",
+                request_messages=copy.deepcopy(messages),
+                response_message=copy.deepcopy(answer),
+            )
+        )
+        assert graph.parent("b") == "a"
+        graph.save(tmp_path / "s.rls")
+    for name in ("log.rls", "s.rls"):
+        report = storage.verify(tmp_path / name)
+        assert report.ok, report.error
+        recovered = RolloutGraph.load(tmp_path / name, recover=True)
+        assert recovered.load_report.ok, recovered.load_report.error
+        assert recovered.node_ids() == ["a", "b"] and recovered.load_report.keys_recomputed == 0
+
+
+def test_interleaved_conversations_hash_each_tail_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As many conversations advancing in turn as hash states are kept: each turn's base
+    state is still kept when its next turn comes, so every tail is hashed once (a count of
+    work, not a timing). A base found was moved to the newest end, each conversation so held
+    two states, and a miss kept every state of the chain hashed again, pushing out others':
+    the tails were hashed again and again along their chains."""
+    from rollout_store import key_check
+
+    monkeypatch.setattr(key_check, "KEPT_STATES", 16)
+    calls = 0
+    tail_plain = key_check.KeyCheck._tail_plain
+
+    def counted(self: key_check.KeyCheck, turn: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return tail_plain(self, turn)
+
+    monkeypatch.setattr(key_check.KeyCheck, "_tail_plain", counted)
+    path = tmp_path / "log.rls"
+    n_conversations, n_turns = 16, 12
+    conversations: list[list[Any]] = [
+        [{"role": "user", "content": f"conversation {c}"}] for c in range(n_conversations)
+    ]
+    with RolloutGraph.open(path, fsync="never") as graph:
+        for k in range(n_turns):
+            for c, messages in enumerate(conversations):
+                answer = {"role": "assistant", "content": f"answer {c} {k}"}
+                graph.add_turn(
+                    TurnNode(request_messages=copy.deepcopy(messages), response_message=answer)
+                )
+                messages += [answer, {"role": "user", "content": f"more {k}"}]
+    assert storage.verify(path).ok
+    assert calls == n_conversations * n_turns  # (a root of one message has no prefix to hash)
+
+
+def test_interleaved_token_rollouts_hash_each_run_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for token ids: a turn's prompt and its prompt + sampled run are two nodes of
+    a chain, and keeping both pushed out other rollouts' states at half as many rollouts as
+    states kept; each new segment is now hashed once (counted as copies of the xxh3 state)."""
+    import xxhash
+
+    from rollout_store import key_check
+
+    copies = 0
+
+    class Counted:
+        def __init__(self, inner: Any = None) -> None:
+            self.inner = xxhash.xxh3_64() if inner is None else inner
+
+        def copy(self) -> Counted:
+            nonlocal copies
+            copies += 1
+            return Counted(self.inner.copy())
+
+        def update(self, data: Any) -> None:
+            self.inner.update(data)
+
+        def intdigest(self) -> int:
+            return int(self.inner.intdigest())
+
+    class CountedModule:
+        xxh3_64 = Counted
+
+    monkeypatch.setattr(key_check, "KEPT_STATES", 16)
+    monkeypatch.setattr(key_check, "xxhash", CountedModule)
+    path = tmp_path / "log.rls"
+    n_rollouts, n_turns = 16, 10
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000) for _ in range(50)] for _ in range(n_rollouts)]
+    with RolloutGraph.open(path, fsync="never") as graph:
+        for _ in range(n_turns):
+            for prompt in prompts:
+                sampled = [rng.randrange(1000) for _ in range(30)]
+                graph.add_turn(TurnNode(prompt_ids=list(prompt), sampled_ids=sampled))
+                prompt += sampled + [rng.randrange(1000) for _ in range(20)]
+    assert storage.verify(path).ok
+    # a turn's two segments, each root's prompt key once more, and a few runs hashed again
+    # while the first turns' prompts still fill the states kept (1776 copies before)
+    assert copies <= 2 * n_rollouts * n_turns + n_rollouts + 3 * n_rollouts
+
+
+def test_the_advice_for_a_wrong_key_promises_no_turn_past_later_damage(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """verify stops at the wrong key: a torn tail after it is not seen, and recover keeps only
+    the turns before that, so the advice does not say every turn is written."""
+    path = tmp_path / "log.rls"
+    chat_log(path)
+    records = records_of(path.read_bytes())
+    at = turn_at(records, "m1")
+    data = write(
+        path, with_key(records, at, "request", keys_of(records, turn_at(records, "m0"))[0])
+    )
+    path.write_bytes(data[:-7])  # and a torn tail
+    assert cli_main(["verify", str(path)]) == 1
+    advice = capsys.readouterr().err
+    assert "its request index key" in advice and "before any later damage" in advice
+    assert cli_main(["recover", str(path), "-o", str(tmp_path / "out.rls")]) == 0
+    assert "recovered 4 turns from before the damage" in capsys.readouterr().out
+    assert len(RolloutGraph.load(tmp_path / "out.rls")) == 4
