@@ -13,9 +13,11 @@ true parent.
 `verify` recomputes every one (`KeyCheck`, given each turn as it is read) and rejects a
 mismatch with `IndexKeyMismatch` naming the record, the field, both values and what to do.
 Each turn's request is hashed from its base's BLAKE3 state and its own tail, and its tokens
-from its prompt's xxh3 state and its own ids, so the check costs time linear in the file:
-the states of the latest turns are kept (a bounded number), an older one is hashed again
-from the turn's content when a later turn needs it.
+from its prompt's xxh3 state and its own ids. The states of the latest turns are kept
+(`KEPT_STATES`); an older one is hashed again from the turn's content when a later turn
+needs it. So the check costs time linear in the file while at most `KEPT_STATES`
+conversations are interleaved; past that, a turn whose base's state was let go hashes its
+chain again (measured: 300 conversations x 100 turns, about 11x `load`).
 
 What is exact: the request and token keys (None exactly where `add_turn` files no key),
 the prompt key when given (`add_turn` leaves it out where a parent was found by tokens,
