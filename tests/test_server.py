@@ -802,12 +802,16 @@ def test_the_stub_refuses_a_bad_generation_time() -> None:
             create_stub_app(latency=latency, jitter=jitter)
 
 
-class Reformatted:
-    """An ASGI wrapper handing on the stub's JSON answers in a spelling of their own (indented,
-    non-ASCII escaped), as an engine's own bytes can differ from a re-encoding."""
+class Rewritten:
+    """An ASGI wrapper handing on the stub's answers rewritten by `rewrite`, which gets the
+    status, the headers (without content-length) and the whole body, and returns the headers
+    and body to send."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
+
+    def rewrite(self, status: int, headers: list[Any], body: bytes) -> tuple[list[Any], bytes]:
+        raise NotImplementedError
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -820,14 +824,23 @@ class Reformatted:
         await self.app(scope, receive, keep)
         start, *bodies = sent
         body = b"".join(m.get("body", b"") for m in bodies)
-        if start["status"] == 200 and body[:1] == b"{":
-            value = json.loads(body)
-            value["note"] = "caf\u00e9"
-            body = json.dumps(value, indent=1).encode()
         headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
+        headers, body = self.rewrite(start["status"], headers, body)
         headers.append((b"content-length", str(len(body)).encode()))
         await send({**start, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+class Reformatted(Rewritten):
+    """The stub's JSON answers in a spelling of their own (indented, non-ASCII escaped), as
+    an engine's own bytes can differ from a re-encoding."""
+
+    def rewrite(self, status: int, headers: list[Any], body: bytes) -> tuple[list[Any], bytes]:
+        if status == 200 and body[:1] == b"{":
+            value = json.loads(body)
+            value["note"] = "caf\u00e9"
+            body = json.dumps(value, indent=1).encode()
+        return headers, body
 
 
 def test_an_answer_with_nothing_to_take_out_is_the_upstreams_own_bytes() -> None:
@@ -934,32 +947,16 @@ def test_a_client_that_leaves_a_call_that_does_not_stream_leaves_a_consistent_se
     assert graph.parent(graph.node_ids()[1]) == first
 
 
-class Utf16:
-    """An ASGI wrapper handing on the stub's JSON answers in UTF-16 (which json.loads reads),
-    saying so in their content type."""
+class Utf16(Rewritten):
+    """The stub's JSON answers in UTF-16 (which json.loads reads), saying so in their
+    content type."""
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        sent: list[Any] = []
-
-        async def keep(message: Any) -> None:
-            sent.append(message)
-
-        await self.app(scope, receive, keep)
-        start, *bodies = sent
-        body = b"".join(m.get("body", b"") for m in bodies)
-        headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
-        if start["status"] == 200 and body[:1] == b"{":
+    def rewrite(self, status: int, headers: list[Any], body: bytes) -> tuple[list[Any], bytes]:
+        if status == 200 and body[:1] == b"{":
             body = body.decode().encode("utf-16")
             headers = [(k, v) for k, v in headers if k.lower() != b"content-type"]
             headers.append((b"content-type", b"application/json; charset=utf-16"))
-        headers.append((b"content-length", str(len(body)).encode()))
-        await send({**start, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        return headers, body
 
 
 def test_an_answer_that_is_not_utf8_reaches_the_client_as_utf8() -> None:
