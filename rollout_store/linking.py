@@ -370,11 +370,12 @@ class Linker:
         if roots is None:
             if not self._unindexed_roots:
                 return None
-            roots = self.token_roots = {}
+            roots = {}  # kept only once whole (a lookup that fails here leaves none)
             for turn in self.turns:
                 if turn.parent is None and turn.prompt is not None:
                     for key in root_token_keys(turn.prompt):
                         index_add(roots, key, turn)
+            self.token_roots = roots
             self._unindexed_roots = 0
         return roots
 

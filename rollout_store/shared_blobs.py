@@ -263,6 +263,9 @@ class StoreBlobTable(BlobTable):
                 found = index_of[slot]
                 if type(found) is int:
                     del index_of[slot]
+                elif type(found) is tuple:  # a few blobs of one slot (see `index`)
+                    rest = tuple(i for i in found if i != index)
+                    index_of[slot] = rest[0] if len(rest) == 1 else rest
                 else:
                     found.remove(index)  # type: ignore[union-attr]
                     if len(found) == 1:  # type: ignore[arg-type]

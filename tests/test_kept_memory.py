@@ -9,7 +9,9 @@ from array import array
 from pathlib import Path
 from typing import Any
 
-from rollout_store import RawJSON, RolloutGraph, TurnNode
+import pytest
+
+from rollout_store import RawJSON, RolloutGraph, TurnNode, linking
 from rollout_store.sessions import Sessions
 
 
@@ -44,6 +46,36 @@ def test_late_ancestors_find_roots_committed_before_the_index() -> None:
     first_short = graph.add_turn(TurnNode(prompt_ids=short_head, sampled_ids=[11, 12]))
     assert graph.parent(late_short.node_id) == first_short.node_id
     assert sorted(graph.root_ids()) == sorted([first_long.node_id, first_short.node_id])
+
+
+def test_an_index_build_cut_short_is_built_again(monkeypatch: Any, tmp_path: Path) -> None:
+    """A turn whose lookup fails while the index of roots is being built (here: an error
+    from the second root's keys) leaves no index of some roots only: the next lookup builds
+    it whole, and an ancestor still finds the root that waits for it."""
+    saved = RolloutGraph()
+    head_a, head_b = _prompt(80), _prompt(80, 3000)
+    saved.add_turn(TurnNode(node_id="a", prompt_ids=[*head_a, 1, 2], sampled_ids=[9]))
+    saved.add_turn(TurnNode(node_id="b", prompt_ids=[*head_b, 4, 5], sampled_ids=[9]))
+    saved.save(tmp_path / "g.rls")
+    graph = RolloutGraph.load(tmp_path / "g.rls")  # two roots, no index of them yet
+    assert graph._linker.token_roots is None
+    calls = []
+    real = linking.root_token_keys
+
+    def failing(prompt: Any) -> list[int]:
+        calls.append(prompt)
+        if len(calls) == 2:
+            raise RuntimeError("cut short")
+        return real(prompt)
+
+    monkeypatch.setattr(linking, "root_token_keys", failing)
+    with pytest.raises(RuntimeError):
+        graph.add_turn(TurnNode(node_id="x", prompt_ids=_prompt(90, 7000), sampled_ids=[1]))
+    monkeypatch.setattr(linking, "root_token_keys", real)
+    graph.add_turn(TurnNode(node_id="b0", prompt_ids=head_b, sampled_ids=[4, 5]))
+    assert graph.parent("b") == "b0"
+    graph.add_turn(TurnNode(node_id="a0", prompt_ids=head_a, sampled_ids=[1, 2]))
+    assert graph.parent("a") == "a0"
 
 
 def test_a_graph_loaded_from_a_file_finds_its_waiting_root(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from rollout_store import (
     BlobTable,
     CorruptObjectError,
     DirectoryStore,
+    InvalidValueError,
     MemoryStore,
     MissingObjectError,
     RedisStore,
@@ -594,3 +595,28 @@ def test_a_blob_over_an_out_of_process_store_costs_the_graph_about_its_key_and_d
     # a 32-byte key, a 16-byte digest, 8 bytes of size, an index entry; one Python object
     # per blob (a Handle, a bytes key, a digest) would cost well over 200 bytes
     assert per_blob < 160, per_blob  # 285 with one Handle, digest and key object each
+
+
+def test_a_refused_turn_over_a_store_forgets_a_blob_that_shares_an_index_slot() -> None:
+    # two strings whose xxh3 digests share their first 30 bits (the store table's index
+    # slot); from 2048 blobs on that index holds a few blobs of one slot as a tuple, and a
+    # refused turn's blob must be taken out of it (it was `list.remove`d: AttributeError)
+    a, b = "colliding blob text 00017376", "colliding blob text 00045924"
+    graph = RolloutGraph(share_threshold=16, store=MemoryStore())
+    many = [f"a distinct long string {i:06d}" for i in range(2100)] + [a]
+    graph.add_turn(
+        TurnNode(
+            node_id="t0",
+            request_messages=[{"role": "user", "content": many}],
+            response_message={"role": "assistant", "content": "ok"},
+        )
+    )
+    before = graph.stats()
+    bad = {"role": "user", "content": [b, {1, 2}]}  # B is stored, then the set refused
+    with pytest.raises(InvalidValueError):
+        graph.add_turn(TurnNode(node_id="t1", request_messages=[bad], response_message={}))
+    assert graph.stats() == before
+    node = graph.add_turn(
+        TurnNode(node_id="t1", request_messages=[{"role": "user", "content": [b, a]}])
+    )
+    assert graph.request_messages(node.node_id) == [{"role": "user", "content": [b, a]}]
