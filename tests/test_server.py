@@ -11,6 +11,8 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -843,32 +845,54 @@ class Reformatted(Rewritten):
         return headers, body
 
 
-def test_an_answer_with_nothing_to_take_out_is_the_upstreams_own_bytes() -> None:
-    with serve_app(Reformatted(create_stub_app())) as upstream:
+@dataclass
+class Through:
+    """A capture server in front of an upstream app, with one session made."""
+
+    upstream: str
+    url: str
+    app: Any
+    session: dict[str, Any]
+    auth: dict[str, str]
+
+
+@contextmanager
+def through_server(upstream_app: Any) -> Iterator[Through]:
+    """Serve `upstream_app` and a capture server in front of it, with a session made."""
+    with serve_app(upstream_app) as upstream:
         app = create_app(upstream, upstream_timeout=5)
         with serve_app(app) as url:
             session = new_session(url)
             auth = {"authorization": f"Bearer {session['api_key']}"}
-            messages = [{"role": "user", "content": "hello"}]
-            asked = {"model": "m", "messages": messages, "return_token_ids": True, "logprobs": True}
-            direct = httpx.post(f"{upstream}/v1/chat/completions", json=asked, timeout=10)
-            through = httpx.post(f"{url}/v1/chat/completions", json=asked, headers=auth, timeout=10)
-            assert through.status_code == 200 and direct.content.startswith(b"{\n")
-            assert through.content == direct.content  # the client asked for everything
-            anthropic_body = {"model": "m", "max_tokens": 5, "messages": messages}
-            direct = httpx.post(f"{upstream}/v1/messages", json=anthropic_body, timeout=10)
-            through = httpx.post(
-                f"{url}/v1/messages", json=anthropic_body, headers=auth, timeout=10
-            )
-            assert through.content == direct.content
-            # the capture keys the server added are taken out: the answer is written anew
-            plain = {"model": "m", "messages": messages}
-            through = httpx.post(f"{url}/v1/chat/completions", json=plain, headers=auth, timeout=10)
-            answer = through.json()
-            assert "prompt_token_ids" not in answer and answer["choices"][0]["logprobs"] is None
-            assert answer["note"] == "caf\u00e9" and not through.content.startswith(b"{\n")
-            graph = _graph(app, session["session_id"])
-            assert len(graph) == 3
+            yield Through(upstream, url, app, session, auth)
+
+
+def test_an_answer_with_nothing_to_take_out_is_the_upstreams_own_bytes() -> None:
+    with through_server(Reformatted(create_stub_app())) as served:
+        messages = [{"role": "user", "content": "hello"}]
+        asked = {"model": "m", "messages": messages, "return_token_ids": True, "logprobs": True}
+        direct = httpx.post(f"{served.upstream}/v1/chat/completions", json=asked, timeout=10)
+        through = httpx.post(
+            f"{served.url}/v1/chat/completions", json=asked, headers=served.auth, timeout=10
+        )
+        assert through.status_code == 200 and direct.content.startswith(b"{\n")
+        assert through.content == direct.content  # the client asked for everything
+        anthropic_body = {"model": "m", "max_tokens": 5, "messages": messages}
+        direct = httpx.post(f"{served.upstream}/v1/messages", json=anthropic_body, timeout=10)
+        through = httpx.post(
+            f"{served.url}/v1/messages", json=anthropic_body, headers=served.auth, timeout=10
+        )
+        assert through.content == direct.content
+        # the capture keys the server added are taken out: the answer is written anew
+        plain = {"model": "m", "messages": messages}
+        through = httpx.post(
+            f"{served.url}/v1/chat/completions", json=plain, headers=served.auth, timeout=10
+        )
+        answer = through.json()
+        assert "prompt_token_ids" not in answer and answer["choices"][0]["logprobs"] is None
+        assert answer["note"] == "caf\u00e9" and not through.content.startswith(b"{\n")
+        graph = _graph(served.app, served.session["session_id"])
+        assert len(graph) == 3
 
 
 class Cookies:
@@ -962,18 +986,16 @@ class Utf16(Rewritten):
 def test_an_answer_that_is_not_utf8_reaches_the_client_as_utf8() -> None:
     """The engine's own bytes are handed on only when they are UTF-8: the server's answer says
     no charset, so another encoding is written anew (as the server did before)."""
-    with serve_app(Utf16(create_stub_app())) as upstream:
-        app = create_app(upstream, upstream_timeout=5)
-        with serve_app(app) as url:
-            session = new_session(url)
-            auth = {"authorization": f"Bearer {session['api_key']}"}
-            messages = [{"role": "user", "content": "caf\u00e9"}]
-            asked = {"model": "m", "messages": messages, "return_token_ids": True, "logprobs": True}
-            anthropic_body = {"model": "m", "max_tokens": 5, "messages": messages}
-            for path, body in (("chat/completions", asked), ("messages", anthropic_body)):
-                direct = httpx.post(f"{upstream}/v1/{path}", json=body, timeout=10)
-                assert direct.content[:2] == b"\xff\xfe"
-                through = httpx.post(f"{url}/v1/{path}", json=body, headers=auth, timeout=10)
-                assert through.status_code == 200
-                assert json.loads(through.content.decode("utf-8")) == direct.json()
-            assert len(_graph(app, session["session_id"])) == 2
+    with through_server(Utf16(create_stub_app())) as served:
+        messages = [{"role": "user", "content": "caf\u00e9"}]
+        asked = {"model": "m", "messages": messages, "return_token_ids": True, "logprobs": True}
+        anthropic_body = {"model": "m", "max_tokens": 5, "messages": messages}
+        for path, body in (("chat/completions", asked), ("messages", anthropic_body)):
+            direct = httpx.post(f"{served.upstream}/v1/{path}", json=body, timeout=10)
+            assert direct.content[:2] == b"\xff\xfe"
+            through = httpx.post(
+                f"{served.url}/v1/{path}", json=body, headers=served.auth, timeout=10
+            )
+            assert through.status_code == 200
+            assert json.loads(through.content.decode("utf-8")) == direct.json()
+        assert len(_graph(served.app, served.session["session_id"])) == 2
