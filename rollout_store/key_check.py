@@ -47,7 +47,7 @@ from .intake import MAX_DEPTH
 from .keys import short_key
 from .packed import MESSAGES_DEPTH, QUICK_LIMIT, check_packed
 from .requests import RequestStore
-from .stored import IndexKeys, Turn, TurnFlag
+from .stored import NO_MESSAGES, RESPONSE_REFS, TAIL_ECHO, TAIL_REFS, IndexKeys, Turn
 from .tokens import BLOCK, TokenRun
 
 __all__ = ["KeyCheck"]
@@ -57,10 +57,6 @@ __all__ = ["KeyCheck"]
 KEPT_STATES = 256
 
 _BLOCK_BYTES: Final = BLOCK * 4
-_NO_MESSAGES: Final = TurnFlag.NO_MESSAGES
-_TAIL_REFS: Final = TurnFlag.TAIL_REFS
-_TAIL_ECHO: Final = TurnFlag.TAIL_ECHO
-_RESPONSE_REFS: Final = TurnFlag.RESPONSE_REFS
 _EMPTY: Final = blake3.blake3()  # never updated: copied
 _ECHO: Final = msgpack.ExtType(EXT_ECHO, b"")  # packs back to ECHO_PACKED
 
@@ -160,7 +156,7 @@ class KeyCheck:
 
     def request_key(self, turn: Turn) -> int | None:
         """The key `add_turn` files the turn's request under (None: not filed)."""
-        if turn.flags & _NO_MESSAGES:
+        if turn.flags & NO_MESSAGES:
             return None
         if turn.n_rest == 0 and turn.system is None and turn.prompt is not None:
             return None  # a token turn without messages: linked by its tokens only
@@ -224,12 +220,12 @@ class KeyCheck:
         string's plain packing, and the echo placeholder by the base's response."""
         tail = turn.tail
         flags, base = turn.flags, turn.base
-        if flags & _TAIL_REFS:
+        if flags & TAIL_REFS:
             tail = self._spliced(tail, True)
         start = len(array_header(turn.n_rest - (base.n_rest if base is not None else 0)))
-        if flags & _TAIL_ECHO and base is not None:
+        if flags & TAIL_ECHO and base is not None:
             echo = base.response
-            if echo is not None and base.flags & _RESPONSE_REFS:
+            if echo is not None and base.flags & RESPONSE_REFS:
                 echo = self._spliced(echo, False)
             return (echo or b"", memoryview(tail)[start + len(ECHO_PACKED) :])
         return (memoryview(tail)[start:],)
@@ -365,7 +361,7 @@ def _waits(turn: Turn, request: int | None) -> bool:
         and turn.prompt is None
         and request is not None
         and turn.n_rest > 0
-        and not turn.flags & _NO_MESSAGES
+        and not turn.flags & NO_MESSAGES
     )
 
 
