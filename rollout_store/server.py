@@ -421,6 +421,14 @@ def _error_body(anthropic: bool, status: int, reason: str) -> dict[str, Any]:
     return {"error": {"message": reason, "type": kind, "param": None, "code": None}}
 
 
+def _failure(anthropic: bool, failed: _Refusal | _Passthrough) -> Response:
+    """The answer to a call that failed before its answer began: a refusal in the error
+    shape of the route's API, or the upstream's own error as it came."""
+    if isinstance(failed, _Passthrough):
+        return failed.response
+    return JSONResponse(_error_body(anthropic, failed.status, failed.reason), failed.status)
+
+
 def _api_key(request: Request) -> str | None:
     auth = request.headers.get("authorization", "")
     if auth[:7].lower() == "bearer ":
@@ -696,11 +704,8 @@ class _Server:
         if not stream:
             try:
                 response, answer = await call
-            except _Refusal as refusal:
-                body = _error_body(anthropic, refusal.status, refusal.reason)
-                return JSONResponse(body, refusal.status)
-            except _Passthrough as passed:
-                return passed.response
+            except (_Refusal, _Passthrough) as failed:
+                return _failure(anthropic, failed)
             return reply(response, answer)
         task: asyncio.Task[tuple[dict[str, Any], bytes]] = asyncio.ensure_future(call)
         try:
@@ -711,11 +716,8 @@ class _Server:
         if done:
             try:
                 response, _ = task.result()
-            except _Refusal as refusal:
-                body = _error_body(anthropic, refusal.status, refusal.reason)
-                return JSONResponse(body, refusal.status)
-            except _Passthrough as passed:
-                return passed.response
+            except (_Refusal, _Passthrough) as failed:
+                return _failure(anthropic, failed)
             return StreamingResponse(
                 _events(events(response)), media_type="text/event-stream", headers=SSE_HEADERS
             )
@@ -769,8 +771,7 @@ class _Server:
             raw_fields = MESSAGES_RAW_FIELDS if anthropic else CHAT_RAW_FIELDS
             return session, raw, check(_decode(raw, raw_fields))
         except _Refusal as refusal:
-            error = _error_body(anthropic, refusal.status, refusal.reason)
-            return JSONResponse(error, refusal.status)
+            return _failure(anthropic, refusal)
 
     async def chat(self, request: Request) -> Response:
         accepted = await self._accept(request, _check_chat, anthropic=False)
