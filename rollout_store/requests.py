@@ -693,15 +693,19 @@ class RequestStore:
         else:
             base = self._base(request)
         if base is not None and probe is not None:
-            # the next request is probed at as many boundaries as bases lately lay back (and
-            # at every boundary when its base lies further back: see `Probe`)
-            self._window = min(WINDOW, max(len(rest) - base.n_rest + 2, self._window - 1))
+            self._adapt_window(len(rest) - base.n_rest)
         self._store_tail(turn, request, base, n_sys, scratch, continued is not None)
         if raw is not None and probe is not None and rest and isinstance(messages, list):
             end = raw_end(raw)
             if end is not None:  # later raw turns of this conversation start here (`build`)
                 scratch.raw_text = (raw, end, probe.hasher, system_plain, n_sys)
         return system_plain
+
+    def _adapt_window(self, lag: int) -> None:
+        """After a request whose base lay `lag` messages back: the next request is probed at
+        as many boundaries as bases lately lay back (and at every boundary when its base
+        lies further back: see `Probe`)."""
+        self._window = min(WINDOW, max(lag + 2, self._window - 1))
 
     def _continue(
         self,
@@ -731,10 +735,7 @@ class RequestStore:
         request.confirmed(base)
         request.unique = True  # (`_continuation` found no stored request with its key)
         b = probe.low  # the base's message count
-        window = self._window - 1
-        if n - b + 2 > window:
-            window = n - b + 2
-        self._window = window if window < WINDOW else WINDOW
+        self._adapt_window(n - b)
         new = probe.plains[b + 1 :]
         turn.flags |= TAIL_ECHO
         if _all_json(new, self._plain_limit):  # the common case: no walk (see `_store_tail`)
