@@ -544,10 +544,12 @@ class RequestStore:
                 found = next((stored for p, stored in pending if p == plain), None)
             if found is not None:
                 return found
+        # (`stored_form`: a short plain packing of JSON values is what the walk would build)
         if as_array:
-            packed = [self.encode(item, f"{path}[{i}]") for i, item in enumerate(items)]
+            form = self.stored_form
+            packed = [form(item, plains[i], f"{path}[{i}]") for i, item in enumerate(items)]
         else:
-            packed = [self.encode(items[0], path)]
+            packed = [self.stored_form(items[0], plains[0], path)]
         stored = header + b"".join(b for b, _ in packed)
         if plain is not None and not any(special for _, special in packed):
             if stored == plain:  # no blob references: other graphs may share it
@@ -656,7 +658,10 @@ class RequestStore:
             elif tips and type(rest) is list:
                 probe = Probe.continuing(tips, rest, pack, self._window, self._lengths)
             else:
-                probe = Probe(rest, pack, self._window, self._lengths)
+                # nothing filed yet (a graph's first turn): every boundary's digest in one
+                # pass, as this turn will be a root whose keys need them (see `Probe.extend`)
+                lengths = self._lengths if self._longest >= 0 else None
+                probe = Probe(rest, pack, self._window, lengths)
         except Exception:  # some message needs the validating walk, or is RawJSON
             probe = None
             if any(type(m) is RawJSON for m in messages):
