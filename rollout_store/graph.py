@@ -47,7 +47,7 @@ from .stored import (
     add_child,
     is_above,
 )
-from .tokens import run_list
+from .tokens import TokenRun, run_list
 from .training import TrainingSequence
 from .turn_records import TurnRecords, tail_bytes
 from .views import NodeView
@@ -792,10 +792,12 @@ class Graph:
         n = len(input_ids)
         mask = [0] * n
         logprobs = [0.0] * n
-        chain_runs: set[int] = set()
+        # the runs themselves, not their ids: a packed turn's full run is a view made when
+        # asked for (`Turn.full`), equal to every other view over its prompt
+        chain_runs: set[TokenRun] = set()
         run = full
         while run is not None:
-            chain_runs.add(id(run))
+            chain_runs.add(run)
             run = run.prev
         for turn in path:
             if turn.full is None or turn.prompt is None or turn.sampled is None:
@@ -804,7 +806,7 @@ class Graph:
             start = turn.prompt.length
             if end > n or end == start:
                 continue
-            if id(turn.full) not in chain_runs and input_ids[:end] != run_list(turn.full):
+            if turn.full not in chain_runs and input_ids[:end] != run_list(turn.full):
                 continue
             values = self._aligned_logprobs(turn, end - start)
             if values is None:
@@ -852,7 +854,7 @@ class Graph:
         blob table's counts.
         """
         stored_tokens = 0
-        seen: set[int] = set()
+        seen: set[TokenRun] = set()  # runs, not ids: views of packed full runs are equal
         system_counts: dict[int, int] = {}
         messages_received = tokens_received = 0
         for turn in self._turns:
@@ -867,8 +869,8 @@ class Graph:
                 tokens_received += turn.prompt.length
                 tokens_received += len(turn.sampled) if turn.sampled is not None else 0
             run = turn.full
-            while run is not None and id(run) not in seen:
-                seen.add(id(run))
+            while run is not None and run not in seen:
+                seen.add(run)
                 stored_tokens += len(run.seg)
                 run = run.prev
         out = {
