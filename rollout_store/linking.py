@@ -148,13 +148,15 @@ class Linker:
             # prompts without a token parent are filed (a key and a slot fewer a turn)
             run = _sibling_prompt(parent, data, len(prompt))
         packed = None
-        if run is None and parent is not None and parent.full is not None:
-            new = prompt[parent.full.length :]
+        # (a packed parent's full run is a view made on each read: read once)
+        before = parent.full if run is None and parent is not None else None
+        if before is not None:
+            new = prompt[before.length :]
             if packable(new, sampled, turn.logprobs):
                 # the common case: new ids, sampled ids and logprobs in one object
-                run = packed = PackedPrompt(parent.full, new, sampled, turn.logprobs)
+                run = packed = PackedPrompt(before, new, sampled, turn.logprobs)
             else:
-                run = ArrayRun(parent.full, new)
+                run = ArrayRun(before, new)
         elif run is None:  # a root prompt: graphs over one memory store share it
             run = ArrayRun(None, self.requests.blobs.share_tokens(prompt))
         turn.prompt = run

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import struct
 from array import array
+from collections.abc import Callable
 from typing import Any, TypeAlias, cast
 
 import xxhash
@@ -42,9 +43,12 @@ class TokenRun:
     bytes object (see `pack_turn`), for a graph holds one chain node per turn.
     """
 
-    __slots__ = ("prev",)
+    __slots__ = ()
 
-    prev: TokenRun | None
+    @property
+    def prev(self) -> TokenRun | None:
+        """The chain node before this one (None: the first)."""
+        raise NotImplementedError
 
     @property
     def length(self) -> int:
@@ -73,20 +77,26 @@ class TokenRun:
         """True when every segment is array('I'), so the run can be matched by bytes."""
         run: TokenRun | None = self
         while run is not None:
-            if type(run) is ArrayRun:
+            kind = type(run)
+            if kind is ArrayRun:
                 seg = run.seg
                 if len(seg) and not (isinstance(seg, array) and seg.typecode == "I"):
                     return False
-            run = run.prev
+                run = run.prev
+            elif kind is PackedPrompt:  # packed ids are array('I'): no view is made
+                run = run.after  # type: ignore[attr-defined]
+            else:
+                run = run.prev
         return True
 
 
 class ArrayRun(TokenRun):
     """A chain node holding its own segment (array('I'), array('q') or a tuple)."""
 
-    __slots__ = ("length", "seg")
+    __slots__ = ("length", "prev", "seg")
 
     length: int
+    prev: TokenRun | None
     seg: Segment
 
     def __init__(self, prev: TokenRun | None, seg: Segment) -> None:
@@ -113,12 +123,27 @@ class PackedPrompt(TokenRun):
     """A turn's prompt as one chain node (the tokens of `prev`, then its new ids), with the
     turn's sampled ids and logprobs in the same bytes object: one object per turn, not five
     (a run, an array of new ids, a run for prompt + sampled, the sampled and logprob
-    arrays). `PackedFull` is the turn's prompt + sampled run over it."""
+    arrays). `PackedFull` is the turn's prompt + sampled run over it, a view made when asked
+    for: nothing keeps one.
 
-    __slots__ = ("data",)
+    `after` is the run before its new ids as kept: a `PackedPrompt` there stands for that
+    prompt's full run (its tokens, then its sampled ids), which is what a continuation
+    extends; `prev` gives the run itself (a `PackedFull` over it when it sampled ids)."""
+
+    __slots__ = ("after", "data")
+
+    after: TokenRun | None
 
     def __init__(self, prev: TokenRun | None, new: array[int], sampled: Any, logprobs: Any) -> None:
-        self.prev = prev
+        if type(prev) is PackedFull:
+            after: TokenRun | None = prev.prompt  # its full, kept as the prompt it is over
+        elif type(prev) is PackedPrompt and prev.n_sampled:
+            # the prompt alone, not its full (a retry that sampled nothing shares its
+            # sibling's prompt as its full): kept as a run of no tokens of its own after it
+            after = ArrayRun(prev, array("I"))
+        else:
+            after = prev
+        self.after = after
         length = (prev.length if prev is not None else 0) + len(new)
         n_sampled = -1 if sampled is None else len(sampled)
         n_logprobs = -1 if logprobs is None else len(logprobs)
@@ -128,6 +153,13 @@ class PackedPrompt(TokenRun):
         if logprobs is not None:
             parts.append(logprobs.tobytes())
         self.data = b"".join(parts)
+
+    @property
+    def prev(self) -> TokenRun | None:
+        after = self.after
+        if type(after) is PackedPrompt and after.n_sampled:
+            return PackedFull(after)
+        return after
 
     @property
     def length(self) -> int:
@@ -162,23 +194,37 @@ class PackedPrompt(TokenRun):
 
 
 class PackedFull(TokenRun):
-    """A packed turn's prompt + sampled run: its segment is the sampled ids its prompt holds."""
+    """A packed turn's prompt + sampled run: its segment is the sampled ids its prompt holds.
 
-    __slots__ = ()
+    A view over the prompt, made when asked for (see `PackedPrompt`): two views over one
+    prompt are equal and hash alike, so that they stand for one run wherever runs are keys
+    (views over two prompts of equal tokens are two runs, as every other run)."""
 
-    prev: PackedPrompt
+    __slots__ = ("prompt",)
+
+    prompt: PackedPrompt
 
     def __init__(self, prompt: PackedPrompt) -> None:
-        self.prev = prompt
+        self.prompt = prompt
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is PackedFull and other.prompt is self.prompt
+
+    def __hash__(self) -> int:
+        return hash((PackedFull, id(self.prompt)))
+
+    @property
+    def prev(self) -> PackedPrompt:
+        return self.prompt
 
     @property
     def length(self) -> int:
-        length, _, n_sampled, _ = _HEAD.unpack_from(self.prev.data)
+        length, _, n_sampled, _ = _HEAD.unpack_from(self.prompt.data)
         return length + max(n_sampled, 0)  # type: ignore[no-any-return]
 
     @property
     def seg(self) -> array[int]:
-        return self.prev.sampled() or array("I")
+        return self.prompt.sampled() or array("I")
 
 
 def packable(new: Any, sampled: Any, logprobs: Any) -> bool:
@@ -212,30 +258,45 @@ def run_matches(run: TokenRun, data: bytes) -> bool:
     startswith = data.startswith  # a memcmp in place: no slice of `data` is copied
     while node is not None:
         kind = type(node)
-        if kind is PackedPrompt:  # its new ids, compared in place
-            packed = node.data  # type: ignore[attr-defined]
+        if kind is PackedPrompt or kind is PackedFull:
+            if kind is PackedFull:  # the sampled ids its prompt holds, then that prompt
+                node = node.prompt  # type: ignore[attr-defined]
+                end = _sampled_match(node.data, startswith, end)  # type: ignore[union-attr]
+                if end < 0:
+                    return False
+            packed = node.data  # type: ignore[union-attr]  # its new ids, compared in place
             n = _HEAD.unpack_from(packed)[1] * 4
             ids = memoryview(packed)[_HEAD_SIZE : _HEAD_SIZE + n]
             if n and (len(ids) != n or not startswith(ids, end - n)):
                 return False
-        elif kind is PackedFull:  # the sampled ids its prompt holds
-            packed = node.prev.data  # type: ignore[union-attr]
-            _, n_new, n_sampled, _ = _HEAD.unpack_from(packed)
-            start, n = _HEAD_SIZE + 4 * n_new, 4 * max(n_sampled, 0)
-            ids = memoryview(packed)[start : start + n]
-            if n and (len(ids) != n or not startswith(ids, end - n)):
+            end -= n
+            node = node.after  # type: ignore[union-attr]
+            if type(node) is PackedPrompt:  # it stands for its full: sampled ids first
+                end = _sampled_match(node.data, startswith, end)
+                if end < 0:
+                    return False
+            continue
+        seg = node.seg
+        n = len(seg) * 4
+        if n:
+            if not (isinstance(seg, array) and seg.typecode == "I"):
                 return False
-        else:
-            seg = node.seg
-            n = len(seg) * 4
-            if n:
-                if not (isinstance(seg, array) and seg.typecode == "I"):
-                    return False
-                if not data.startswith(seg, end - n):
-                    return False
+            if not data.startswith(seg, end - n):
+                return False
         end -= n
         node = node.prev
     return True
+
+
+def _sampled_match(packed: bytes, startswith: Callable[[Any, int], bool], end: int) -> int:
+    """Where the sampled ids a packed prompt holds begin, if they end `data` at `end`
+    (`startswith` is `data.startswith`); -1 if they do not match."""
+    _, n_new, n_sampled, _ = _HEAD.unpack_from(packed)
+    start, n = _HEAD_SIZE + 4 * n_new, 4 * max(n_sampled, 0)
+    ids = memoryview(packed)[start : start + n]
+    if n and (len(ids) != n or not startswith(ids, end - n)):
+        return -1
+    return end - n  # type: ignore[no-any-return]
 
 
 def block_digests(data: bytes | memoryview) -> list[int]:

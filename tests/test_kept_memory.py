@@ -143,10 +143,17 @@ def test_token_runs_compare_by_identity() -> None:
     two runs must stay two keys."""
     from rollout_store.tokens import ArrayRun, PackedFull, PackedPrompt, TokenRun
 
-    for kind in (TokenRun, ArrayRun, PackedPrompt, PackedFull):
+    for kind in (TokenRun, ArrayRun, PackedPrompt):
         assert kind.__eq__ is object.__eq__ and kind.__hash__ is object.__hash__
     a, b = ArrayRun(None, array("I", [1, 2])), ArrayRun(None, array("I", [1, 2]))
     assert len({a: 0, b: 1}) == 2
+    # a packed prompt's full run is a view made when asked for: views over one prompt are
+    # one key, views over two prompts of equal tokens two
+    ids, none = array("I", [3, 4]), array("I")
+    p, q = PackedPrompt(a, ids, none, None), PackedPrompt(a, ids, none, None)
+    assert PackedFull(p) == PackedFull(p) and hash(PackedFull(p)) == hash(PackedFull(p))
+    assert len({PackedFull(p): 0, PackedFull(q): 1, PackedFull(p): 2}) == 2
+    assert PackedFull(p) != p
 
 
 def test_one_or_many_index_matches_lists_of_items() -> None:
@@ -201,13 +208,11 @@ def test_a_value_table_keeps_values_whose_digests_collide(monkeypatch: Any) -> N
 
     from rollout_store import values
 
-    monkeypatch.setattr(
-        values, "xxhash", types.SimpleNamespace(xxh3_128_digest=lambda data: b"\0" * 16)
-    )
+    monkeypatch.setattr(values, "xxhash", types.SimpleNamespace(xxh3_128_intdigest=lambda data: 0))
     table = values.ValueTable(lambda stored: stored, None)
     long_values = [bytes([65 + i]) * 2000 for i in range(3)]
     table.add(long_values[0], long_values[0])
-    assert table._keyed[b"\0" * 16] is long_values[0]  # one value: bare, no list
+    assert table._found[0] is long_values[0]  # one value: bare, no list
     for value in long_values[1:]:
         assert table.find(value) is None
         table.add(value, value)

@@ -39,7 +39,11 @@ def test_a_continuation_keeps_its_token_fields_in_one_packed_prompt() -> None:
     for k in (1, 2, 3):
         turn = stored[k]
         assert type(turn.prompt) is PackedPrompt and type(turn.full) is PackedFull
-        assert turn.full.prev is turn.prompt and turn.prompt.prev is stored[k - 1].full
+        # the full run is a view over the prompt, equal to any other view over it; the
+        # prompt keeps its parent's packed prompt, standing for that one's full run
+        assert turn.full.prev is turn.prompt and turn.prompt.prev == stored[k - 1].full
+        before = stored[k - 1]  # the root's full run is a run of its own (not packed)
+        assert turn.prompt.after is (before.prompt if k > 1 else before.full)
         assert run_list(turn.prompt) == turns[k]["prompt_ids"]
         assert run_list(turn.full) == turns[k]["prompt_ids"] + turns[k]["sampled_ids"]
         assert turn.prompt.length == len(turns[k]["prompt_ids"])
