@@ -707,7 +707,11 @@ class RequestStore:
         else:
             if request.n_valid == len(request.messages):
                 scratch.request_digest = request.key(request.n_valid)
-            base = self._base(request)
+            if self.request_index:
+                base = self._base(request)
+            else:  # nothing filed (a graph's first request): no base and no twins
+                base = None
+                request.unique = True
             if base is not None and probe is not None:
                 self._adapt_window(len(rest) - base.n_rest)
             self._store_tail(turn, request, base, n_sys, scratch)
