@@ -19,6 +19,7 @@ __all__ = [
     "ArrayRun",
     "PackedFull",
     "PackedPrompt",
+    "PromptAlone",
     "Segment",
     "TokenRun",
     "block_digests",
@@ -84,7 +85,8 @@ class TokenRun:
                     return False
                 run = run.prev
             elif kind is PackedPrompt:  # packed ids are array('I'): no view is made
-                run = run.after  # type: ignore[attr-defined]
+                after = run.after  # type: ignore[attr-defined]
+                run = after.prompt if type(after) is PromptAlone else after
             else:
                 run = run.prev
         return True
@@ -132,15 +134,16 @@ class PackedPrompt(TokenRun):
 
     __slots__ = ("after", "data")
 
-    after: TokenRun | None
+    after: TokenRun | PromptAlone | None
 
     def __init__(self, prev: TokenRun | None, new: array[int], sampled: Any, logprobs: Any) -> None:
+        after: TokenRun | PromptAlone | None
         if type(prev) is PackedFull:
-            after: TokenRun | None = prev.prompt  # its full, kept as the prompt it is over
+            after = prev.prompt  # its full, kept as the prompt it is over
         elif type(prev) is PackedPrompt and prev.n_sampled:
             # the prompt alone, not its full (a retry that sampled nothing shares its
-            # sibling's prompt as its full): kept as a run of no tokens of its own after it
-            after = ArrayRun(prev, array("I"))
+            # sibling's prompt as its full): marked so
+            after = PromptAlone(prev)
         else:
             after = prev
         self.after = after
@@ -157,9 +160,11 @@ class PackedPrompt(TokenRun):
     @property
     def prev(self) -> TokenRun | None:
         after = self.after
-        if type(after) is PackedPrompt and after.n_sampled:
-            return PackedFull(after)
-        return after
+        if type(after) is PackedPrompt:
+            return PackedFull(after) if after.n_sampled else after
+        if type(after) is PromptAlone:
+            return after.prompt
+        return after  # type: ignore[return-value]
 
     @property
     def length(self) -> int:
@@ -191,6 +196,16 @@ class PackedPrompt(TokenRun):
         out = array("d")
         out.frombytes(self.data[start : start + 8 * n_logprobs])
         return out
+
+
+class PromptAlone:
+    """What a `PackedPrompt` keeps as `after` for a packed prompt that sampled ids when it
+    continues that prompt alone, not its full run (rare: see `PackedPrompt.__init__`)."""
+
+    __slots__ = ("prompt",)
+
+    def __init__(self, prompt: PackedPrompt) -> None:
+        self.prompt = prompt
 
 
 class PackedFull(TokenRun):
@@ -270,11 +285,14 @@ def run_matches(run: TokenRun, data: bytes) -> bool:
             if n and (len(ids) != n or not startswith(ids, end - n)):
                 return False
             end -= n
-            node = node.after  # type: ignore[union-attr]
-            if type(node) is PackedPrompt:  # it stands for its full: sampled ids first
-                end = _sampled_match(node.data, startswith, end)
+            after = node.after  # type: ignore[union-attr]
+            if type(after) is PackedPrompt:  # it stands for its full: sampled ids first
+                end = _sampled_match(after.data, startswith, end)
                 if end < 0:
                     return False
+            elif type(after) is PromptAlone:
+                after = after.prompt
+            node = after
             continue
         seg = node.seg
         n = len(seg) * 4

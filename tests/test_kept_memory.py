@@ -263,3 +263,28 @@ def test_a_log_names_packed_prompts_without_keeping_their_fulls(tmp_path: Path) 
     for i, (prompt_ids, sampled) in enumerate(sequences):
         node = loaded.get(f"turn-{i}")
         assert list(node.prompt_ids) == prompt_ids and list(node.sampled_ids) == sampled
+
+
+def test_graphs_without_short_prompts_share_one_empty_set_of_lengths() -> None:
+    """An empty set costs 216 bytes a graph: graphs whose turns have no prompt under one
+    block share one empty frozenset, and the first short one gets a set of its own (its
+    continuation is still linked by tokens, the other graph's lengths unchanged)."""
+    graphs = [RolloutGraph(), RolloutGraph()]
+    long_prompt = _prompt(200)
+    graphs[0].add_turn(TurnNode(prompt_ids=long_prompt, sampled_ids=[1, 2]))
+    assert graphs[0]._linker.short_lengths is graphs[1]._linker.short_lengths
+    assert not graphs[0]._linker.short_lengths
+    short = _prompt(10)
+    graphs[1].add_turn(TurnNode(prompt_ids=short, sampled_ids=[3, 4]))
+    assert graphs[1]._linker.short_lengths == {12}
+    assert not graphs[0]._linker.short_lengths
+    child = graphs[1].add_turn(TurnNode(prompt_ids=[*short, 3, 4, 5], sampled_ids=[6]))
+    assert child.parent_id == "turn-0" and graphs[1].link_kind("turn-1") == "tokens"
+
+
+def test_a_session_keeps_no_instance_dict() -> None:
+    """A server holds one `Session` per session, idle or not: its fields are slots."""
+    session = Sessions().create()
+    assert not hasattr(session, "__dict__")
+    session.recorded += 1
+    assert session.info()["turns"] == 0 and session.recorded == 1
