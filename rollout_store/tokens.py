@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import struct
 from array import array
-from collections.abc import Callable
 from typing import Any, TypeAlias, cast
 
 import xxhash
@@ -269,30 +268,39 @@ def run_matches(run: TokenRun, data: bytes) -> bool:
     end = run.length * 4
     if end > len(data):
         return False
-    node: TokenRun | None = run
+    node: Any = run
     startswith = data.startswith  # a memcmp in place: no slice of `data` is copied
+    unpack = _HEAD.unpack_from
     while node is not None:
         kind = type(node)
-        if kind is PackedPrompt or kind is PackedFull:
-            if kind is PackedFull:  # the sampled ids its prompt holds, then that prompt
-                node = node.prompt  # type: ignore[attr-defined]
-                end = _sampled_match(node.data, startswith, end)  # type: ignore[union-attr]
-                if end < 0:
+        if kind is PackedFull:  # its prompt, after the sampled ids that prompt holds
+            node, kind, sampled = node.prompt, PackedPrompt, True
+        else:
+            sampled = False
+        if kind is PackedPrompt:
+            while True:  # packed prompts, each standing for its full run when `sampled`
+                packed = node.data
+                _, n_new, n_sampled, _ = unpack(packed)
+                if sampled and n_sampled > 0:  # its sampled ids, compared in place
+                    start = _HEAD_SIZE + 4 * n_new
+                    n = 4 * n_sampled
+                    ids = memoryview(packed)[start : start + n]
+                    if len(ids) != n or not startswith(ids, end - n):
+                        return False
+                    end -= n
+                n = 4 * n_new  # its new ids
+                ids = memoryview(packed)[_HEAD_SIZE : _HEAD_SIZE + n]
+                if n and (len(ids) != n or not startswith(ids, end - n)):
                     return False
-            packed = node.data  # type: ignore[union-attr]  # its new ids, compared in place
-            n = _HEAD.unpack_from(packed)[1] * 4
-            ids = memoryview(packed)[_HEAD_SIZE : _HEAD_SIZE + n]
-            if n and (len(ids) != n or not startswith(ids, end - n)):
-                return False
-            end -= n
-            after = node.after  # type: ignore[union-attr]
-            if type(after) is PackedPrompt:  # it stands for its full: sampled ids first
-                end = _sampled_match(after.data, startswith, end)
-                if end < 0:
-                    return False
-            elif type(after) is PromptAlone:
-                after = after.prompt
-            node = after
+                end -= n
+                node = node.after
+                kind = type(node)
+                if kind is PackedPrompt:
+                    sampled = True
+                elif kind is PromptAlone:
+                    node, sampled = node.prompt, False
+                else:
+                    break
             continue
         seg = node.seg
         n = len(seg) * 4
@@ -304,17 +312,6 @@ def run_matches(run: TokenRun, data: bytes) -> bool:
         end -= n
         node = node.prev
     return True
-
-
-def _sampled_match(packed: bytes, startswith: Callable[[Any, int], bool], end: int) -> int:
-    """Where the sampled ids a packed prompt holds begin, if they end `data` at `end`
-    (`startswith` is `data.startswith`); -1 if they do not match."""
-    _, n_new, n_sampled, _ = _HEAD.unpack_from(packed)
-    start, n = _HEAD_SIZE + 4 * n_new, 4 * max(n_sampled, 0)
-    ids = memoryview(packed)[start : start + n]
-    if n and (len(ids) != n or not startswith(ids, end - n)):
-        return -1
-    return end - n  # type: ignore[no-any-return]
 
 
 def block_digests(data: bytes | memoryview) -> list[int]:
