@@ -31,10 +31,14 @@ import sys
 from pathlib import Path
 from time import thread_time_ns
 
+from measure import targets_summary
 from workloads import WORKLOADS, iter_texts
 
 HERE = Path(__file__).resolve().parent
 SHARE_THRESHOLD = 1024
+#: The target: this checkout's turns, in all (least CPU time of each, summed), at most this
+#: many times the other's (no regression beyond noise)
+MAX_SUM_RATIO = 1.05
 
 
 def work(workload: str, n_turns: int, graphs: int) -> dict[str, list[int]]:
@@ -79,7 +83,10 @@ def run_worker(library: Path, workload: str, n_turns: int, graphs: int) -> dict[
     return json.loads(out.stdout)  # type: ignore[no-any-return]
 
 
-def compare(this: Path, other: Path, workload: str, n_turns: int, graphs: int, rounds: int) -> None:
+def compare(
+    this: Path, other: Path, workload: str, n_turns: int, graphs: int, rounds: int
+) -> float:
+    """Print the table of one workload; return the ratio of the sums of the least times."""
     best: dict[str, dict[str, list[int]]] = {}
     for r in range(rounds):
         order = [("this", this), ("other", other)]
@@ -110,6 +117,7 @@ def compare(this: Path, other: Path, workload: str, n_turns: int, graphs: int, r
         f"{'sum':>6}{sa / 1e3:>10.1f}{sb / 1e3:>11.1f}{sa / sb:>7.2f}"
         f"{ma / 1e3:>10.1f}{mb / 1e3:>10.1f}{ma / mb:>7.2f}"
     )
+    return sa / sb
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -133,8 +141,17 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(names) - set(WORKLOADS)
     if unknown:
         parser.error(f"unknown workloads: {', '.join(sorted(unknown))}")
+    checks = []
     for name in names:
-        compare(HERE.parent, other, name, args.turns, args.graphs, args.rounds)
+        ratio = compare(HERE.parent, other, name, args.turns, args.graphs, args.rounds)
+        verdict = "PASS" if ratio <= MAX_SUM_RATIO else "MISS"
+        checks.append(
+            f"{verdict}  {name}: turns 1-{args.turns} {ratio:.2f}x the other checkout's"
+            f" (target: at most {MAX_SUM_RATIO}x)"
+        )
+    print()
+    print("\n".join(checks))
+    print(targets_summary(checks))
 
 
 if __name__ == "__main__":

@@ -16,8 +16,11 @@ def test_turn_cpu_prints_a_row_per_turn_and_the_sums() -> None:
     out = subprocess.run(args, capture_output=True, text=True, timeout=120, check=True).stdout
     lines = out.strip().splitlines()
     assert lines[0].startswith("chatty: add_turn thread CPU us, 2 fresh graphs x 2 rounds")
-    rows = [line.split() for line in lines[2:]]
+    rows = [line.split() for line in lines[2:6]]
     assert [row[0] for row in rows] == ["1", "2", "3", "sum"]
+    assert lines[6] == ""
+    assert lines[7].split()[:2] in (["PASS", "chatty:"], ["MISS", "chatty:"])
+    assert lines[8] in ("targets: 1 met, 0 missed (of 1)", "targets: 0 met, 1 missed (of 1)")
     for row in rows:
         this_min, other_min, ratio = (float(x) for x in row[1:4])
         assert this_min > 0 and other_min > 0
