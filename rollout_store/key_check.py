@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import blake3
 import msgpack
@@ -42,7 +42,7 @@ import xxhash
 from .blobs import BlobTable
 from .confirm import digest_key
 from .encoding import ECHO_PACKED, EXT_ECHO, array_header, unpack
-from .errors import IndexKeyMismatch
+from .errors import IndexKeyMismatch, IndexKeyRecomputeError, StoreError
 from .intake import MAX_DEPTH
 from .keys import short_key
 from .packed import MESSAGES_DEPTH, QUICK_LIMIT, check_packed
@@ -50,7 +50,7 @@ from .requests import RequestStore
 from .stored import NO_MESSAGES, RESPONSE_REFS, TAIL_ECHO, TAIL_REFS, IndexKeys, Turn
 from .tokens import BLOCK, TokenRun
 
-__all__ = ["KeyCheck"]
+__all__ = ["KeyCheck", "UnkeyedTurn"]
 
 #: Hash states kept for the latest turns (requests) and token runs; an older one is
 #: hashed again from its content when a later turn extends it.
@@ -62,6 +62,16 @@ _ECHO: Final = msgpack.ExtType(EXT_ECHO, b"")  # packs back to ECHO_PACKED
 
 # (xxh3-64 state over the run's whole blocks, the bytes after them) or None: not compact
 _RunState = tuple[Any, bytes] | None
+
+
+class UnkeyedTurn(NamedTuple):
+    """A turn whose index keys could not be recomputed from its content (`KeyCheck.rekeyed`):
+    kept, filed under the keys its record names. `cause` says what failed."""
+
+    node_id: str
+    record: int  # its turn record's index in the file
+    offset: int  # and the record's offset
+    cause: str
 
 
 class KeyCheck:
@@ -85,11 +95,22 @@ class KeyCheck:
         # such a turn must be re-linked under a later one by the end of the file
         self.unfiled_roots: list[tuple[Turn, int, int]] = []
         self.rekeyed_turns = 0  # (see `rekeyed`)
+        self.unkeyed: list[UnkeyedTurn] = []  # (see `rekeyed`)
 
     # ------------------------------------------------------------------ the checks
 
     def check(self, turn: Turn, keys: IndexKeys, offset: int, record: int) -> None:
-        """Compare the keys a turn record carries with those its content gives."""
+        """Compare the keys a turn record carries with those its content gives: a mismatch
+        raises `IndexKeyMismatch`, a key that cannot be recomputed `IndexKeyRecomputeError`
+        (a content store's error propagates: it is not the file's)."""
+        try:
+            self._check(turn, keys, offset, record)
+        except (IndexKeyMismatch, StoreError):
+            raise
+        except Exception as exc:
+            raise _unrecomputable(turn, exc, offset, record) from exc
+
+    def _check(self, turn: Turn, keys: IndexKeys, offset: int, record: int) -> None:
         request = self.request_key(turn)
         if keys.request != request:
             raise _mismatch(turn, "request", keys.request, request, offset, record)
@@ -121,19 +142,35 @@ class KeyCheck:
         each from the turn's content, the prompt key where the record names one, and the
         prefix keys of every root without token ids (a root re-linked later leaves them
         again, as when it was added). `rekeyed_turns` counts the turns whose records named
-        other keys."""
+        other keys.
+
+        A turn whose keys cannot be recomputed (`IndexKeyRecomputeError` from the check) is
+        kept all the same, filed under the keys its record names (what a plain `load`
+        trusts), and listed in `unkeyed`: it is intact, and dropping it would drop every
+        later turn with it."""
         try:
             self.check(turn, keys, offset, record)
+            changed = False
         except IndexKeyMismatch:
-            self.rekeyed_turns += 1
-        request = self.request_key(turn)
-        prompt_run = turn.prompt
-        token = prompt = None
-        if prompt_run is not None:
-            token = self._token_key(turn)
-            if keys.prompt is not None:
-                prompt = self._prompt_key(prompt_run)
-        roots = self.prefix_keys(turn) if _waits(turn, request) else None
+            changed = True
+        except IndexKeyRecomputeError as error:
+            self.unkeyed.append(UnkeyedTurn(turn.node_id, record, offset, error.cause))
+            return keys
+        try:
+            request = self.request_key(turn)
+            prompt_run = turn.prompt
+            token = prompt = None
+            if prompt_run is not None:
+                token = self._token_key(turn)
+                if keys.prompt is not None:
+                    prompt = self._prompt_key(prompt_run)
+            roots = self.prefix_keys(turn) if _waits(turn, request) else None
+        except StoreError:
+            raise
+        except Exception as exc:  # (the check recomputed all but a root's prefix keys)
+            self.unkeyed.append(UnkeyedTurn(turn.node_id, record, offset, _cause(exc)))
+            return keys
+        self.rekeyed_turns += changed
         return IndexKeys(request, token, prompt, roots)
 
     def finish_rekeyed(self) -> int:
@@ -149,7 +186,12 @@ class KeyCheck:
         under a later turn (a snapshot leaves them out of such a turn only)."""
         for turn, offset, record in self.unfiled_roots:
             if turn.parent is None:
-                expected = self.prefix_keys(turn)
+                try:
+                    expected = self.prefix_keys(turn)
+                except StoreError:
+                    raise
+                except Exception as exc:
+                    raise _unrecomputable(turn, exc, offset, record) from exc
                 raise _mismatch(turn, "roots", None, expected, offset, record)
         self.unfiled_roots.clear()
 
@@ -371,6 +413,18 @@ def _shown(key: Any) -> str:
     if isinstance(key, list):
         return f"{len(key)} prefix keys"
     return f"{key:#018x}"
+
+
+def _cause(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _unrecomputable(
+    turn: Turn, exc: BaseException, offset: int, record: int
+) -> IndexKeyRecomputeError:
+    return IndexKeyRecomputeError(
+        node_id=turn.node_id, cause=_cause(exc), offset=offset, record=record
+    )
 
 
 def _mismatch(
