@@ -20,9 +20,25 @@ conversations are interleaved; past that, a turn whose base's state was let go h
 chain again (measured: 300 conversations x 100 turns, about 11x `load`).
 
 What is exact: the request and token keys (None exactly where `add_turn` files no key),
-the prompt key when given (`add_turn` leaves it out where a parent was found by tokens,
-which the record cannot tell), the prefix keys of a root when given, and, at the end of
-the file, that every turn still a root without token ids is filed under its prefixes.
+the prefix keys of a root when given, at the end of the file that every turn still a root
+without token ids is filed under its prefixes, and the prompt key where `add_turn` names one:
+it files a root prompt (one that extends no earlier turn's tokens: a record's prompt that is
+new, or the same as such a turn's) of ids that all fit 32 bits under their xxh3-64 digest,
+and no other (a prompt that extends its token parent's is reached through that parent), so
+a record shows where the key belongs and one dropped there is refused. (A record gives such
+a prompt as extending that parent's tokens: the writer always can, the parent's record
+coming first; one it could not name would be written whole, as new, and refused here.)
+
+A prompt key on a prompt that extends another's is checked against its content but allowed:
+files of earlier versions name it, and filing such a prompt changes no link (it is only
+found again by a later turn of exactly that prompt, which then shares its ids). A dropped
+root prompt key changes no link either (a root is found by its token key): a retry of that
+prompt would keep its ids a second time.
+
+A key that cannot be recomputed at all (a record the check cannot follow, though the load
+accepts it) raises `IndexKeyRecomputeError` in `check`; `rekeyed` keeps such a turn under
+the keys its record names and lists it in `unkeyed` (a load never drops an intact turn, and
+every turn after it, over a key).
 
 `rekeyed` gives the keys to file a turn under instead, recomputed the same way (a load with
 `recover=True`, which so repairs such a file, and every load of a version-1 file, whose keys
@@ -118,10 +134,9 @@ class KeyCheck:
         token = None if prompt_run is None else self._token_key(turn)
         if keys.token != token:
             raise _mismatch(turn, "token", keys.token, token, offset, record)
-        if keys.prompt is not None:
-            prompt = None if prompt_run is None else self._prompt_key(prompt_run)
-            if keys.prompt != prompt:
-                raise _mismatch(turn, "prompt", keys.prompt, prompt, offset, record)
+        prompt = self.prompt_key(turn, keys.prompt is not None)
+        if keys.prompt != prompt:
+            raise _mismatch(turn, "prompt", keys.prompt, prompt, offset, record)
         roots = keys.roots
         waits = _waits(turn, request)
         if roots is None:
@@ -139,10 +154,10 @@ class KeyCheck:
     def rekeyed(self, turn: Turn, keys: IndexKeys, offset: int, record: int) -> IndexKeys:
         """The keys to file a turn under when they are recomputed rather than checked (a
         version-1 file, whose keys are of an earlier scheme, or a load with `recover=True`):
-        each from the turn's content, the prompt key where the record names one, and the
-        prefix keys of every root without token ids (a root re-linked later leaves them
-        again, as when it was added). `rekeyed_turns` counts the turns whose records named
-        other keys.
+        each from the turn's content, the prompt key of a root prompt and of any prompt whose
+        record names one, and the prefix keys of every root without token ids (a root
+        re-linked later leaves them again, as when it was added). `rekeyed_turns` counts the
+        turns whose records named other keys.
 
         A turn whose keys cannot be recomputed (`IndexKeyRecomputeError` from the check) is
         kept all the same, filed under the keys its record names (what a plain `load`
@@ -159,11 +174,8 @@ class KeyCheck:
         try:
             request = self.request_key(turn)
             prompt_run = turn.prompt
-            token = prompt = None
-            if prompt_run is not None:
-                token = self._token_key(turn)
-                if keys.prompt is not None:
-                    prompt = self._prompt_key(prompt_run)
+            token = None if prompt_run is None else self._token_key(turn)
+            prompt = self.prompt_key(turn, keys.prompt is not None)
             roots = self.prefix_keys(turn) if _waits(turn, request) else None
         except StoreError:
             raise
@@ -320,6 +332,17 @@ class KeyCheck:
             return short_key(rest, length)
         key: int = hasher.intdigest()
         return key
+
+    def prompt_key(self, turn: Turn, named: bool = False) -> int | None:
+        """The key `add_turn` files the turn's prompt under (None: not filed): that of a root
+        prompt (one that extends no earlier turn's tokens) of ids that all fit 32 bits, and,
+        where the record names one (`named`), that of any prompt (earlier versions filed a
+        prompt that extends another's too; filing one changes no link, see the module
+        docstring)."""
+        prompt = turn.prompt
+        if prompt is None or not (named or prompt.prev is None):
+            return None
+        return self._prompt_key(prompt)
 
     def _prompt_key(self, prompt: TokenRun) -> int | None:
         """The xxh3-64 digest of the prompt ids (a root's prompt is filed under it)."""

@@ -226,6 +226,75 @@ def test_a_prompt_key_changed_is_refused(tmp_path: Path) -> None:
     assert error.recorded == key ^ 1 and error.expected == key
 
 
+def test_a_root_prompts_key_dropped_is_refused_and_recover_files_it_again(tmp_path: Path) -> None:
+    """add_turn files every root prompt (one that extends no earlier turn's tokens, of ids
+    that fit 32 bits) under its digest, and no other: the record shows which (a prompt that
+    extends another's names that turn), so a key dropped from a root's record is refused. It
+    used to pass. What it costs a plain load: the prompt is not found again, so a retry of
+    the root keeps its ids a second time; no link changes (roots are found by their token
+    key). recover files it again, and so does the file it saves."""
+    path = tmp_path / "log.rls"
+    turns = token_log(path)
+    records = records_of(path.read_bytes())
+    at = turn_at(records, "k0")
+    key = keys_of(records, at)[2]
+    assert key is not None
+    assert [keys_of(records, turn_at(records, f"k{k}"))[2] for k in (1, 2)] == [None, None]
+    write(path, with_key(records, at, "prompt", None))
+    error = assert_refused(path, "prompt", at)
+    assert error.recorded is None and error.expected == key
+    retry = TurnNode(node_id="retry", prompt_ids=list(turns[0]["prompt_ids"]), sampled_ids=[1])
+    after = token_turns(6, n_new=70)[5]
+    trusted = RolloutGraph.load(path)
+    assert trusted.add_turn(copy.deepcopy(retry)).parent_id is None
+    assert trusted.add_turn(TurnNode(**copy.deepcopy(after))).parent_id == "k4"
+    first, *_, again, _ = (e.turn for e in trusted.journal_entries())
+    assert again.node_id == "retry" and again.prompt is not first.prompt  # not shared
+    recovered = RolloutGraph.load(path, recover=True)
+    assert recovered.load_report.keys_recomputed == 1
+    assert recovered.add_turn(copy.deepcopy(retry)).parent_id is None
+    first, *_, again = (e.turn for e in recovered.journal_entries())
+    assert again.prompt is first.prompt  # shared, as in the graph that wrote the file
+    out = tmp_path / "fixed.rls"
+    RolloutGraph.load(path, recover=True).save(out)
+    assert storage.verify(out).ok
+    assert keys_of(records_of(out.read_bytes()), at)[2] == key
+
+
+def test_a_prompt_key_of_a_prompt_that_extends_another_is_checked_when_given(
+    tmp_path: Path,
+) -> None:
+    """add_turn names none there (the prompt is reached through its parent's tokens), but
+    files of an earlier main do (tests/data/v2_*.rls): one that its content gives verifies,
+    any other is refused."""
+    from array import array
+
+    import xxhash
+
+    path = tmp_path / "log.rls"
+    turns = token_log(path)
+    records = records_of(path.read_bytes())
+    at = turn_at(records, "k2")
+    assert keys_of(records, at)[2] is None
+    key = xxhash.xxh3_64_intdigest(array("I", turns[2]["prompt_ids"]).tobytes())
+    write(path, with_key(records, at, "prompt", key))
+    assert storage.verify(path).ok
+    write(path, with_key(records, at, "prompt", key ^ 1))
+    assert assert_refused(path, "prompt", at).expected == key
+
+
+def test_a_prompt_of_ids_beyond_32_bits_names_no_key(tmp_path: Path) -> None:
+    """Such a root prompt is stored exactly and never filed: a key on it is refused."""
+    path = tmp_path / "log.rls"
+    with RolloutGraph.open(path, fsync="never") as graph:
+        graph.add_turn(TurnNode(node_id="big", prompt_ids=[2**40, 3], sampled_ids=[1]))
+    records = records_of(path.read_bytes())
+    at = turn_at(records, "big")
+    assert keys_of(records, at)[2] is None and storage.verify(path).ok
+    write(path, with_key(records, at, "prompt", 12345))
+    assert assert_refused(path, "prompt", at).expected is None
+
+
 @pytest.mark.parametrize("pad", [0, 150_000], ids=["short", "messages over 64 KiB"])
 def test_root_keys_changed_are_refused(tmp_path: Path, pad: int) -> None:
     """A root without token ids waits under its request's shorter prefixes (for an ancestor
