@@ -45,8 +45,12 @@ for the 2 CPUs and every call queues behind the others' CPU time: those rows are
 stress figure (STRESS lines), not as targets.
 Writes out/capture_server.json (results/ with --update-results; a --quick run writes nothing);
 ends with PASS/MISS lines for the targets and a one-line count of targets met and missed.
+`--memory-only` runs the memory runs alone (rollout_store and forward-only, a few seconds a
+round; the latency targets are not run) and writes nothing: for iterating on what a server
+keeps, where the RSS growth of one run varies by tens of KiB and many rounds are needed.
 
     python benchmarks/capture_server.py [--quick] [--rounds N] [--engine-ms MS]
+    python benchmarks/capture_server.py --memory-only [--rounds N] [--sites N]
 """
 
 from __future__ import annotations
@@ -535,6 +539,58 @@ def traced_sessions(bodies: list[dict[str, Any]], sites: int = 0) -> int:
         tracemalloc.stop()
 
 
+def memory_only(rounds: int, sites: int) -> int:
+    """The memory runs alone (see the docstring): each round a fresh server per scheme."""
+    schemes = ["rollout_store", "forward-only"]
+    stub = Child(
+        ["-m", "rollout_store.stub_engine", "--port", "0", "--latency-ms", "0"], malloc=False
+    )
+    bodies: dict[str, list[dict[str, Any]]] = {g: [] for g in GROUPS}
+    rss: dict[str, dict[str, list[int]]] = {g: {s: [] for s in schemes} for g in GROUPS}
+    try:
+        asyncio.run(run_group(stub.url, True, SESSIONS, TURNS, bodies["group"]))
+        asyncio.run(
+            run_group(stub.url, True, SESSIONS, LARGE_TURNS, bodies["large"], screenshots=True)
+        )
+        for r in range(rounds):
+            for scheme in schemes[r % 2 :] + schemes[: r % 2]:
+                rss["group"][scheme].append(
+                    memory_run(scheme, stub.url, SESSIONS, TURNS, False, [])
+                )
+                rss["large"][scheme].append(
+                    memory_run(scheme, stub.url, SESSIONS, LARGE_TURNS, True, [])
+                )
+    finally:
+        stub.stop()
+    lines = []
+    for group, what in (("group", "the GRPO group"), ("large", "the large group")):
+        counter = UniqueContent()
+        for body in bodies[group]:
+            counter.add(body)
+        unique = counter.bytes
+        if sites:
+            print(f"where the {group}'s sessions keep their memory:", file=sys.stderr)
+        traced = traced_sessions(bodies[group], sites)
+        runs = rss[group]["rollout_store"]
+        growth = statistics.median(runs)
+        floor = statistics.median(rss[group]["forward-only"])
+        print(
+            f"{group}: unique {unique} B; retained in process {traced} B = "
+            f"{traced / unique:.3f}x; rollout_store RSS growth median {growth:.0f} B = "
+            f"{growth / unique:.2f}x (runs {', '.join(f'{x / unique:.2f}' for x in runs)}); "
+            f"net of forward-only {(growth - floor) / unique:.2f}x"
+        )
+        ok = growth / unique <= TARGET_RSS_OVER_UNIQUE
+        lines.append(
+            f"{'PASS' if ok else 'MISS'}: server RSS growth for {what} <= "
+            f"{TARGET_RSS_OVER_UNIQUE}x unique content: {growth / unique:.2f}x"
+        )
+    lines.append("SKIP: the latency targets (not run with --memory-only)")
+    print("\n".join(lines))
+    print(targets_summary(lines))
+    return 0
+
+
 def _ms(values: list[float], q: float | None = None) -> float:
     if not values:
         return float("nan")
@@ -561,8 +617,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="print the N allocation sites of what the sessions retain in process",
     )
+    parser.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="the memory runs alone (rollout_store and forward-only), --rounds of them",
+    )
     add_results_option(parser)
     args = parser.parse_args(argv)
+    if args.memory_only:
+        return memory_only(args.rounds, args.sites)
     sessions, turns, rounds = (4, 6, 1) if args.quick else (SESSIONS, TURNS, args.rounds)
     large_turns = 4 if args.quick else LARGE_TURNS
     servers = ["rollout_store", "rollout_store+log", "anchor", "forward-only"]

@@ -335,17 +335,26 @@ class Probe:
 
     def extend(self) -> None:
         """Know the plains and digests of every boundary."""
-        if not self.low and None not in self.digests:
+        digests = self.digests
+        if not self.low and None not in digests:
             return
         pack, plains, messages = self._pack, self.plains, self.messages
+        for i in range(self.low):
+            if plains[i] is None:
+                plains[i] = pack(messages[i])
+        # hashed only up to the last boundary whose digest is not known (mostly the one
+        # before the last message: a root's keys need every prefix but the whole request,
+        # whose digest is known, and its last message is often its longest, a screenshot)
+        last = len(digests) - 1
+        while digests[last] is not None:
+            last -= 1
+            if last < 0:
+                self.low = 0
+                return
         hasher = blake3.blake3()
-        digests = self.digests
         digests[0] = hasher.digest()
-        for i in range(self.n):
-            plain = plains[i]
-            if plain is None:
-                plain = plains[i] = pack(messages[i])
-            hasher.update(plain)
+        for i in range(last):
+            hasher.update(plains[i])  # type: ignore[arg-type]
             digests[i + 1] = hasher.digest()
         self.low = 0
 

@@ -47,7 +47,7 @@ from .stored import (
     add_child,
     is_above,
 )
-from .tokens import run_list
+from .tokens import TokenRun, run_list
 from .training import TrainingSequence
 from .turn_records import TurnRecords, tail_bytes
 from .views import NodeView
@@ -182,10 +182,13 @@ class Graph:
         self._blob_marks = array("I")  # blobs stored once each turn was committed, for save
         # turns whose id is not the default `turn-{index}` (see `_find`)
         self._by_id: dict[str, Turn] = {}
-        self._sides: dict[tuple[Any, ...], TurnSide] = {}  # one for turns alike (see TurnSide)
+        # what the graph interns, in one table (a capture server's session holds a few of
+        # each kind, and one dict costs less than three): scalar fields (a TurnMeta, to
+        # itself), flag values (an int, to itself) and sides (a side's sharing key, to the
+        # one side of every turn alike: see TurnSide). Keys of two kinds never compare
+        # equal: a TurnMeta is a tuple of 5, a sharing key one of 7, a flag value an int.
+        self._interned: dict[Any, Any] = {}
         self._last_side: TurnSide | None = None  # the one the last such turn got
-        self._meta: dict[TurnMeta, TurnMeta] = {}
-        self._flag_values: dict[int, int] = {}
         self._use_blobs(BlobTable() if store is None else StoreBlobTable(store, cache))
         self._lock = threading.RLock()
         self._journal: Journal | None = None  # the file an appending graph writes to
@@ -473,7 +476,8 @@ class Graph:
             system_digest = xxhash.xxh3_128_hexdigest(system_plain)
         meta = (node.model, node.finish_reason, node.harness_session_id, system_digest, n_tools)
         # the graph's interned TurnMeta when there is one (most turns), else a new one
-        return self._meta.get(meta) or TurnMeta._make(meta)  # type: ignore[call-overload]
+        found: TurnMeta | None = self._interned.get(meta)
+        return found or TurnMeta._make(meta)
 
     def _link(self, turn: Turn, explicit: Turn | None, scratch: Scratch) -> None:
         """Link the turn: an explicit parent wins, then tokens, then messages. A root
@@ -540,7 +544,8 @@ class Graph:
         if pending:
             requests.add_values(pending)
         side, meta = turn.side, turn.meta  # its own side: sides are shared below
-        side.meta = self._meta.setdefault(meta, meta)
+        interned = self._interned
+        side.meta = interned.setdefault(meta, meta)
         self._turns.append(turn)
         self._blob_marks.append(len(self._blobs))
         if turn.ident is not None:
@@ -551,10 +556,10 @@ class Graph:
         else:
             key = side.sharing_key()
             if key is not None:  # no token ids: one side for every turn alike
-                found = self._sides.get(key)
+                found = interned.get(key)
                 if found is None:
                     side.shared = True
-                    found = self._sides[key] = side
+                    found = interned[key] = side
                 turn.side = self._last_side = found
         parent = turn.parent
         if parent is not None:
@@ -566,7 +571,7 @@ class Graph:
                 add_child(parent, turn)
         requests.file(turn, keys.request, request)  # sets its digest: a flag
         # flags above 256 are int objects of their own: one per distinct value, not per turn
-        turn.flags = self._flag_values.setdefault(turn.flags, turn.flags)
+        turn.flags = interned.setdefault(turn.flags, turn.flags)
         if raw_tip is not None:
             requests.raw_tips.add(*raw_tip)
         linker = self._linker
@@ -792,10 +797,12 @@ class Graph:
         n = len(input_ids)
         mask = [0] * n
         logprobs = [0.0] * n
-        chain_runs: set[int] = set()
+        # the runs themselves, not their ids: a packed turn's full run is a view made when
+        # asked for (`Turn.full`), equal to every other view over its prompt
+        chain_runs: set[TokenRun] = set()
         run = full
         while run is not None:
-            chain_runs.add(id(run))
+            chain_runs.add(run)
             run = run.prev
         for turn in path:
             if turn.full is None or turn.prompt is None or turn.sampled is None:
@@ -804,7 +811,7 @@ class Graph:
             start = turn.prompt.length
             if end > n or end == start:
                 continue
-            if id(turn.full) not in chain_runs and input_ids[:end] != run_list(turn.full):
+            if turn.full not in chain_runs and input_ids[:end] != run_list(turn.full):
                 continue
             values = self._aligned_logprobs(turn, end - start)
             if values is None:
@@ -852,7 +859,7 @@ class Graph:
         blob table's counts.
         """
         stored_tokens = 0
-        seen: set[int] = set()
+        seen: set[TokenRun] = set()  # runs, not ids: views of packed full runs are equal
         system_counts: dict[int, int] = {}
         messages_received = tokens_received = 0
         for turn in self._turns:
@@ -867,8 +874,8 @@ class Graph:
                 tokens_received += turn.prompt.length
                 tokens_received += len(turn.sampled) if turn.sampled is not None else 0
             run = turn.full
-            while run is not None and id(run) not in seen:
-                seen.add(id(run))
+            while run is not None and run not in seen:
+                seen.add(run)
                 stored_tokens += len(run.seg)
                 run = run.prev
         out = {
@@ -916,7 +923,8 @@ class GraphRestorer:
 
     def meta(self, meta: TurnMeta) -> TurnMeta:
         """The graph's interned copy of `meta`."""
-        return self._graph._meta.setdefault(meta, meta)
+        interned: TurnMeta = self._graph._interned.setdefault(meta, meta)
+        return interned
 
     def new_turn(self) -> Turn:
         """A fresh turn for the reader to build (over an out-of-process store, one whose

@@ -78,8 +78,9 @@ class KeyCheck:
         self.plain = RequestStore(blobs, share_threshold).plain
         # turn index -> BLAKE3 state of its non-system messages' plain packings
         self.requests: OrderedDict[int, Any] = OrderedDict()
-        # id(run) -> (the run, its state): the run is kept so that its id stays its own
-        self.runs: OrderedDict[int, tuple[TokenRun, _RunState]] = OrderedDict()
+        # run -> its state (runs compare by identity, but for the views of packed full runs
+        # that `Turn.full` makes: all views over one prompt are one key)
+        self.runs: OrderedDict[TokenRun, _RunState] = OrderedDict()
         # roots without token ids whose records name no prefix keys: (turn, offset, record);
         # such a turn must be re-linked under a later one by the end of the file
         self.unfiled_roots: list[tuple[Turn, int, int]] = []
@@ -296,9 +297,8 @@ class KeyCheck:
         node: TokenRun | None = run
         state: _RunState = (xxhash.xxh3_64(), b"")
         while node is not None:
-            found = runs.get(id(node))
-            if found is not None:
-                state = found[1]
+            if node in runs:
+                state = runs[node]
                 break
             chain.append(node)
             node = node.prev
@@ -317,7 +317,7 @@ class KeyCheck:
             # (as for requests; a turn's prompt is a node of its own, whose state its siblings
             # do not need: they extend its parent's full run)
             if node is run or len(runs) < KEPT_STATES:
-                runs[id(node)] = (node, state)
+                runs[node] = state
                 if len(runs) > KEPT_STATES:
                     runs.popitem(last=False)
         return state

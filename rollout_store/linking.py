@@ -58,6 +58,10 @@ def _sibling_prompt(parent: Turn, data: bytes, n: int) -> TokenRun | None:
     return None
 
 
+#: The short lengths of a graph none of whose turns has one (immutable, so shared).
+_NO_LENGTHS: frozenset[int] = frozenset()
+
+
 class Linker:
     """Finds each new turn's parent and the earlier turns it adopts; owns the token
     indexes and the roots waiting for a late ancestor.
@@ -88,7 +92,9 @@ class Linker:
         # has a root to find (see `_token_roots`): until then only counted
         self.token_roots: dict[int, Any] | None = None
         self._unindexed_roots = 0
-        self.short_lengths: set[int] = set()  # lengths under one block that turns have
+        # lengths under one block that turns have: one empty frozenset for every graph (an
+        # empty set costs 216 bytes) until a turn has one
+        self.short_lengths: set[int] | frozenset[int] = _NO_LENGTHS
         self.message_roots: dict[int, Any] = {}  # request keys of message roots' prefixes
         # one empty array of each kind for every turn that sampled nothing (never mutated)
         self._no_ids = array("I")
@@ -148,13 +154,15 @@ class Linker:
             # prompts without a token parent are filed (a key and a slot fewer a turn)
             run = _sibling_prompt(parent, data, len(prompt))
         packed = None
-        if run is None and parent is not None and parent.full is not None:
-            new = prompt[parent.full.length :]
+        # (a packed parent's full run is a view made on each read: read once)
+        before = parent.full if run is None and parent is not None else None
+        if before is not None:
+            new = prompt[before.length :]
             if packable(new, sampled, turn.logprobs):
                 # the common case: new ids, sampled ids and logprobs in one object
-                run = packed = PackedPrompt(parent.full, new, sampled, turn.logprobs)
+                run = packed = PackedPrompt(before, new, sampled, turn.logprobs)
             else:
-                run = ArrayRun(parent.full, new)
+                run = ArrayRun(before, new)
         elif run is None:  # a root prompt: graphs over one memory store share it
             run = ArrayRun(None, self.requests.blobs.share_tokens(prompt))
         turn.prompt = run
@@ -250,6 +258,8 @@ class Linker:
         """The longest stored request that this one extends and whose response is echoed
         right after it (an exact echo preferred to a loose one)."""
         store = self.requests
+        if not store.request_index:  # nothing filed (a graph's first request)
+            return None
         for n in request.boundaries(min(request.n_valid, len(request.messages) - 1)):
             members = request.stored_prefixes(n)
             if not members:
@@ -271,7 +281,10 @@ class Linker:
         if token_key is not None and full is not None and full.length:
             index_add(self.token_index, token_key, turn)
             if full.length < BLOCK:
-                self.short_lengths.add(full.length)
+                lengths = self.short_lengths
+                if not isinstance(lengths, set):  # the first: a set of its own
+                    lengths = self.short_lengths = set()
+                lengths.add(full.length)
         if prompt_key is not None and turn.prompt is not None:
             members = index_members(self.prompt_index.get(prompt_key))
             if not any(m is turn.prompt for m in members):

@@ -544,10 +544,12 @@ class RequestStore:
                 found = next((stored for p, stored in pending if p == plain), None)
             if found is not None:
                 return found
+        # (`stored_form`: a short plain packing of JSON values is what the walk would build)
         if as_array:
-            packed = [self.encode(item, f"{path}[{i}]") for i, item in enumerate(items)]
+            form = self.stored_form
+            packed = [form(item, plains[i], f"{path}[{i}]") for i, item in enumerate(items)]
         else:
-            packed = [self.encode(items[0], path)]
+            packed = [self.stored_form(items[0], plains[0], path)]
         stored = header + b"".join(b for b, _ in packed)
         if plain is not None and not any(special for _, special in packed):
             if stored == plain:  # no blob references: other graphs may share it
@@ -609,6 +611,10 @@ class RequestStore:
         """Store the request as system part + base turn + tail; return the system plain.
 
         Sets `scratch.request` (the fresh request, for linking) and `scratch.request_digest`.
+        One path stores every decoded request; only where its base comes from differs (the
+        latest turn, found by `_continuation`, or a search of the stored requests by the
+        probe's digests, `_base`). A raw text that continues a raw tip is taken before any
+        decoding (`_prepare_raw`).
         """
         messages = node.request_messages
         raw: bytes | None = None
@@ -645,18 +651,20 @@ class RequestStore:
         pack = self._packer()
         probe: Probe | None
         tips = self.tips
-        # the common case first: the turn just before, re-sent with its response and a few
-        # new messages (its base then, confirmed already)
+        # where the request's base is found: mostly the turn just before, re-sent with its
+        # response and a few new messages (its base then, confirmed already); else among
+        # the stored requests, by the probe's digests (see `_base`)
         continued = self._continuation(rest, pack) if not tips and type(rest) is list else None
-        if continued is not None and n_sys == 1 and raw is None:
-            return self._continue(turn, messages[0], rest, continued, scratch)
         try:
             if continued is not None:
                 probe = continued[0]
             elif tips and type(rest) is list:
                 probe = Probe.continuing(tips, rest, pack, self._window, self._lengths)
             else:
-                probe = Probe(rest, pack, self._window, self._lengths)
+                # nothing filed yet (a graph's first turn): every boundary's digest in one
+                # pass, as this turn will be a root whose keys need them (see `Probe.extend`)
+                lengths = self._lengths if self._longest >= 0 else None
+                probe = Probe(rest, pack, self._window, lengths)
         except Exception:  # some message needs the validating walk, or is RawJSON
             probe = None
             if any(type(m) is RawJSON for m in messages):
@@ -668,7 +676,9 @@ class RequestStore:
                 except Exception:
                     probe = None
         try:
-            plains: list[bytes | None] = [pack(m) for m in messages[:n_sys]]
+            plains: list[bytes | None] = (
+                [pack(messages[0])] if n_sys == 1 else [pack(m) for m in messages[:n_sys]]
+            )
         except Exception:  # some message needs the slow path: find which
             plains = [self.plain(m) for m in messages[:n_sys]]
 
@@ -680,21 +690,31 @@ class RequestStore:
                 messages[:n_sys], "request_messages", plains, scratch.pending, True
             )
             if None not in plains:
-                system_plain = b"".join(plains)  # type: ignore[arg-type]
+                system_plain = plains[0] if n_sys == 1 else b"".join(plains)  # type: ignore[arg-type]
 
         request = FreshRequest(self, rest, probe)
         scratch.request = request
-        if request.n_valid == len(request.messages):
-            scratch.request_digest = request.key(request.n_valid)
         base: Turn | None
-        if continued is not None:
-            base = continued[1]
+        if continued is not None:  # what `_continuation` answered is not asked again
+            probe, base = continued
+            digest: bytes = probe.digests[probe.n]  # type: ignore[assignment]
+            scratch.request_sum = digest  # (what `build` would ask the request for)
+            scratch.request_digest = request._full_key = digest_key(digest)  # `key(n)`
             request.confirmed(base)
+            request.unique = True  # (no stored request has its key: no twins)
+            self._adapt_window(probe.n - probe.low)  # (its base's message count: low)
+            self._store_tail(turn, request, base, n_sys, scratch, probe.low)
         else:
-            base = self._base(request)
-        if base is not None and probe is not None:
-            self._adapt_window(len(rest) - base.n_rest)
-        self._store_tail(turn, request, base, n_sys, scratch, continued is not None)
+            if request.n_valid == len(request.messages):
+                scratch.request_digest = request.key(request.n_valid)
+            if self.request_index:
+                base = self._base(request)
+            else:  # nothing filed (a graph's first request): no base and no twins
+                base = None
+                request.unique = True
+            if base is not None and probe is not None:
+                self._adapt_window(len(rest) - base.n_rest)
+            self._store_tail(turn, request, base, n_sys, scratch)
         if raw is not None and probe is not None and rest and isinstance(messages, list):
             end = raw_end(raw)
             if end is not None:  # later raw turns of this conversation start here (`build`)
@@ -706,46 +726,6 @@ class RequestStore:
         as many boundaries as bases lately lay back (and at every boundary when its base
         lies further back: see `Probe`)."""
         self._window = min(WINDOW, max(lag + 2, self._window - 1))
-
-    def _continue(
-        self,
-        turn: Turn,
-        system: Any,
-        rest: list[Any],
-        continued: tuple[Probe, Turn],
-        scratch: Scratch,
-    ) -> bytes | None:
-        """What `prepare` does for a request of one system message whose other messages
-        continue the latest turn (`_continuation` found it), without asking again what that
-        answered: its base is that turn, its tail that turn's echoed response and the new
-        messages' plain packings. Returns the system plain."""
-        probe, base = continued
-        try:
-            system_plain: bytes | None = self._packer()(system)
-        except Exception:  # the slow path finds what is wrong
-            system_plain = self.plain(system)
-        plains = [system_plain]
-        turn.system = self._shared([system], "request_messages", plains, scratch.pending, True)
-        request = FreshRequest(self, rest, probe)
-        scratch.request = request
-        n = len(rest)
-        digest: bytes = probe.digests[n]  # type: ignore[assignment]
-        scratch.request_sum = digest  # (what `build` would ask the request for)
-        scratch.request_digest = request._full_key = digest_key(digest)  # `request.key(n)`
-        request.confirmed(base)
-        request.unique = True  # (`_continuation` found no stored request with its key)
-        b = probe.low  # the base's message count
-        self._adapt_window(n - b)
-        new = probe.plains[b + 1 :]
-        turn.flags |= TAIL_ECHO
-        if _all_json(new, self._plain_limit):  # the common case: no walk (see `_store_tail`)
-            turn.base = base
-            scratch.tail_parts = [array_header(n - b), ECHO_PACKED, *new]  # type: ignore[list-item]
-            scratch.n_rest = n
-            finish_tail(turn)
-        else:
-            self._store_tail(turn, request, base, 1, scratch, True)
-        return system_plain
 
     def _prepare_raw(self, turn: Turn, scratch: Scratch, data: bytes) -> bytes | object | None:
         """Store a raw messages text that continues a raw tip, decoding only what is new.
@@ -922,16 +902,17 @@ class RequestStore:
         base: Turn | None,
         n_sys: int,
         scratch: Scratch,
-        echoed: bool = False,
+        echoed: int | None = None,
     ) -> None:
         """Pack the messages after the base's (the echo of its response as a placeholder;
-        `echoed`: the first of them is known to be that echo)."""
+        `echoed`: the base's message count, given when the message after them is known to
+        be that echo)."""
         rest = request.messages
         n = len(rest)
-        start = base.n_rest if base is not None else 0
+        start = echoed if echoed is not None else base.n_rest if base is not None else 0
         first = start  # the first message packed (after the echo)
         pieces: list[bytes] = [b""]  # the array header, set below
-        if echoed or (
+        if echoed is not None or (
             base is not None and start < n and self.is_echo(base, rest[start], request.plain(start))
         ):
             pieces.append(ECHO_PACKED)

@@ -45,7 +45,7 @@ def clean_session_id(value: Any) -> str | None:
     return None
 
 
-@dataclass
+@dataclass(slots=True)  # no instance dict: a server holds one per session, idle or not
 class Session:
     """One rollout: its key, its graph (opened on demand) and bookkeeping.
 

@@ -18,7 +18,7 @@ from typing import Any, Final, NamedTuple, Protocol, TypeVar, overload
 from .confirm import digest_key
 from .encoding import ECHO_PACKED, array_header
 from .errors import RolloutStoreError
-from .tokens import ArrayRun, PackedPrompt, TokenRun
+from .tokens import ArrayRun, PackedFull, PackedPrompt, TokenRun
 
 __all__ = [
     "EMPTY_PROMPT",
@@ -336,10 +336,10 @@ class Turn:
     """
 
     __slots__ = (
+        "_full",
         "base",
         "data",
         "flags",
-        "full",
         "ident",
         "index",
         "kids",
@@ -358,14 +358,14 @@ class Turn:
     data: bytes
     side: TurnSide
     prompt: TokenRun | None  # prompt token runs, if any
-    # prompt + sampled, what a child's prompt extends (the prompt when nothing was sampled)
-    full: TokenRun | None
+    # prompt + sampled (see `full`); `PACKED`: the `PackedFull` over its packed prompt
+    _full: TokenRun | None
 
     def __init__(self) -> None:
         self.data = _NO_REQUEST
         self.ident = None
         self.kids = None
-        self.prompt = self.full = None
+        self.prompt = self._full = None
         self.side = TurnSide()  # its own until the graph finds one alike (see TurnSide)
 
     def pack_tokens(self, prompt: PackedPrompt, full: TokenRun) -> None:
@@ -379,7 +379,25 @@ class Turn:
         if side.shared:
             side = self.side = side.copy()
         side.sampled = side.logprobs = PACKED
-        self.prompt, self.full = prompt, full
+        self.prompt = prompt
+        self.full = full
+
+    @property
+    def full(self) -> TokenRun | None:
+        """Prompt + sampled, what a child's prompt extends (the prompt when nothing was
+        sampled). A packed prompt's is a `PackedFull` view made here, for the turn keeps
+        none (a `PACKED` mark in its place): one object fewer a turn."""
+        full = self._full
+        if full is PACKED:
+            return PackedFull(self.prompt)  # type: ignore[arg-type]
+        return full
+
+    @full.setter
+    def full(self, full: TokenRun | None) -> None:
+        if type(full) is PackedFull and full.prompt is self.prompt:
+            self._full = PACKED
+        else:
+            self._full = full
 
     # -- identity, link and children
 

@@ -18,6 +18,7 @@ __all__ = [
     "ArrayRun",
     "PackedFull",
     "PackedPrompt",
+    "PromptAlone",
     "Segment",
     "TokenRun",
     "block_digests",
@@ -42,9 +43,12 @@ class TokenRun:
     bytes object (see `pack_turn`), for a graph holds one chain node per turn.
     """
 
-    __slots__ = ("prev",)
+    __slots__ = ()
 
-    prev: TokenRun | None
+    @property
+    def prev(self) -> TokenRun | None:
+        """The chain node before this one (None: the first)."""
+        raise NotImplementedError
 
     @property
     def length(self) -> int:
@@ -73,20 +77,27 @@ class TokenRun:
         """True when every segment is array('I'), so the run can be matched by bytes."""
         run: TokenRun | None = self
         while run is not None:
-            if type(run) is ArrayRun:
+            kind = type(run)
+            if kind is ArrayRun:
                 seg = run.seg
                 if len(seg) and not (isinstance(seg, array) and seg.typecode == "I"):
                     return False
-            run = run.prev
+                run = run.prev
+            elif kind is PackedPrompt:  # packed ids are array('I'): no view is made
+                after = run.after  # type: ignore[attr-defined]
+                run = after.prompt if type(after) is PromptAlone else after
+            else:
+                run = run.prev
         return True
 
 
 class ArrayRun(TokenRun):
     """A chain node holding its own segment (array('I'), array('q') or a tuple)."""
 
-    __slots__ = ("length", "seg")
+    __slots__ = ("length", "prev", "seg")
 
     length: int
+    prev: TokenRun | None
     seg: Segment
 
     def __init__(self, prev: TokenRun | None, seg: Segment) -> None:
@@ -113,12 +124,28 @@ class PackedPrompt(TokenRun):
     """A turn's prompt as one chain node (the tokens of `prev`, then its new ids), with the
     turn's sampled ids and logprobs in the same bytes object: one object per turn, not five
     (a run, an array of new ids, a run for prompt + sampled, the sampled and logprob
-    arrays). `PackedFull` is the turn's prompt + sampled run over it."""
+    arrays). `PackedFull` is the turn's prompt + sampled run over it, a view made when asked
+    for: nothing keeps one.
 
-    __slots__ = ("data",)
+    `after` is the run before its new ids as kept: a `PackedPrompt` there stands for that
+    prompt's full run (its tokens, then its sampled ids), which is what a continuation
+    extends; `prev` gives the run itself (a `PackedFull` over it when it sampled ids)."""
+
+    __slots__ = ("after", "data")
+
+    after: TokenRun | PromptAlone | None
 
     def __init__(self, prev: TokenRun | None, new: array[int], sampled: Any, logprobs: Any) -> None:
-        self.prev = prev
+        after: TokenRun | PromptAlone | None
+        if type(prev) is PackedFull:
+            after = prev.prompt  # its full, kept as the prompt it is over
+        elif type(prev) is PackedPrompt and prev.n_sampled:
+            # the prompt alone, not its full (a retry that sampled nothing shares its
+            # sibling's prompt as its full): marked so
+            after = PromptAlone(prev)
+        else:
+            after = prev
+        self.after = after
         length = (prev.length if prev is not None else 0) + len(new)
         n_sampled = -1 if sampled is None else len(sampled)
         n_logprobs = -1 if logprobs is None else len(logprobs)
@@ -128,6 +155,15 @@ class PackedPrompt(TokenRun):
         if logprobs is not None:
             parts.append(logprobs.tobytes())
         self.data = b"".join(parts)
+
+    @property
+    def prev(self) -> TokenRun | None:
+        after = self.after
+        if type(after) is PackedPrompt:
+            return PackedFull(after) if after.n_sampled else after
+        if type(after) is PromptAlone:
+            return after.prompt
+        return after  # type: ignore[return-value]
 
     @property
     def length(self) -> int:
@@ -161,24 +197,48 @@ class PackedPrompt(TokenRun):
         return out
 
 
-class PackedFull(TokenRun):
-    """A packed turn's prompt + sampled run: its segment is the sampled ids its prompt holds."""
+class PromptAlone:
+    """What a `PackedPrompt` keeps as `after` for a packed prompt that sampled ids when it
+    continues that prompt alone, not its full run (rare: see `PackedPrompt.__init__`)."""
 
-    __slots__ = ()
-
-    prev: PackedPrompt
+    __slots__ = ("prompt",)
 
     def __init__(self, prompt: PackedPrompt) -> None:
-        self.prev = prompt
+        self.prompt = prompt
+
+
+class PackedFull(TokenRun):
+    """A packed turn's prompt + sampled run: its segment is the sampled ids its prompt holds.
+
+    A view over the prompt, made when asked for (see `PackedPrompt`): two views over one
+    prompt are equal and hash alike, so that they stand for one run wherever runs are keys
+    (views over two prompts of equal tokens are two runs, as every other run)."""
+
+    __slots__ = ("prompt",)
+
+    prompt: PackedPrompt
+
+    def __init__(self, prompt: PackedPrompt) -> None:
+        self.prompt = prompt
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is PackedFull and other.prompt is self.prompt
+
+    def __hash__(self) -> int:
+        return hash((PackedFull, id(self.prompt)))
+
+    @property
+    def prev(self) -> PackedPrompt:
+        return self.prompt
 
     @property
     def length(self) -> int:
-        length, _, n_sampled, _ = _HEAD.unpack_from(self.prev.data)
+        length, _, n_sampled, _ = _HEAD.unpack_from(self.prompt.data)
         return length + max(n_sampled, 0)  # type: ignore[no-any-return]
 
     @property
     def seg(self) -> array[int]:
-        return self.prev.sampled() or array("I")
+        return self.prompt.sampled() or array("I")
 
 
 def packable(new: Any, sampled: Any, logprobs: Any) -> bool:
@@ -208,31 +268,47 @@ def run_matches(run: TokenRun, data: bytes) -> bool:
     end = run.length * 4
     if end > len(data):
         return False
-    node: TokenRun | None = run
+    node: Any = run
     startswith = data.startswith  # a memcmp in place: no slice of `data` is copied
+    unpack = _HEAD.unpack_from
     while node is not None:
         kind = type(node)
-        if kind is PackedPrompt:  # its new ids, compared in place
-            packed = node.data  # type: ignore[attr-defined]
-            n = _HEAD.unpack_from(packed)[1] * 4
-            ids = memoryview(packed)[_HEAD_SIZE : _HEAD_SIZE + n]
-            if n and (len(ids) != n or not startswith(ids, end - n)):
-                return False
-        elif kind is PackedFull:  # the sampled ids its prompt holds
-            packed = node.prev.data  # type: ignore[union-attr]
-            _, n_new, n_sampled, _ = _HEAD.unpack_from(packed)
-            start, n = _HEAD_SIZE + 4 * n_new, 4 * max(n_sampled, 0)
-            ids = memoryview(packed)[start : start + n]
-            if n and (len(ids) != n or not startswith(ids, end - n)):
-                return False
+        if kind is PackedFull:  # its prompt, after the sampled ids that prompt holds
+            node, kind, sampled = node.prompt, PackedPrompt, True
         else:
-            seg = node.seg
-            n = len(seg) * 4
-            if n:
-                if not (isinstance(seg, array) and seg.typecode == "I"):
+            sampled = False
+        if kind is PackedPrompt:
+            while True:  # packed prompts, each standing for its full run when `sampled`
+                packed = node.data
+                _, n_new, n_sampled, _ = unpack(packed)
+                if sampled and n_sampled > 0:  # its sampled ids, compared in place
+                    start = _HEAD_SIZE + 4 * n_new
+                    n = 4 * n_sampled
+                    ids = memoryview(packed)[start : start + n]
+                    if len(ids) != n or not startswith(ids, end - n):
+                        return False
+                    end -= n
+                n = 4 * n_new  # its new ids
+                ids = memoryview(packed)[_HEAD_SIZE : _HEAD_SIZE + n]
+                if n and (len(ids) != n or not startswith(ids, end - n)):
                     return False
-                if not data.startswith(seg, end - n):
-                    return False
+                end -= n
+                node = node.after
+                kind = type(node)
+                if kind is PackedPrompt:
+                    sampled = True
+                elif kind is PromptAlone:
+                    node, sampled = node.prompt, False
+                else:
+                    break
+            continue
+        seg = node.seg
+        n = len(seg) * 4
+        if n:
+            if not (isinstance(seg, array) and seg.typecode == "I"):
+                return False
+            if not data.startswith(seg, end - n):
+                return False
         end -= n
         node = node.prev
     return True

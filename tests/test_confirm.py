@@ -352,3 +352,30 @@ def test_marked_between_lists_the_marked_counts_strictly_between(
         mark_length(lengths, k)
     n = low + span
     assert marked_between(lengths, low, n) == [k - low for k in sorted(marks) if low < k < n]
+
+
+@pytest.mark.parametrize("n_rest", [1, 2, 5, WINDOW + 3])
+@pytest.mark.parametrize("long_last", [False, True])
+def test_a_graph_s_first_turn_waits_under_every_prefix(n_rest: int, long_last: bool) -> None:
+    """A graph's first turn is probed at every boundary at once (nothing filed yet) and
+    waits under the key of each shorter prefix: a late turn whose request and response are
+    any of its prefixes adopts it, with the keys a later root gets by `extend`."""
+    messages: list[Any] = [{"role": "system", "content": "sys"}]
+    for i in range(n_rest):
+        size = 70_000 if long_last and i == n_rest - 1 else 40
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": f"{i}" * size})
+    for cut in range(1, n_rest + 1):  # the late turn: messages[:cut], then its response
+        graph = RolloutGraph()
+        first = graph.add_turn(TurnNode(request_messages=messages, response_message=None))
+        late = graph.add_turn(
+            TurnNode(request_messages=messages[:cut], response_message=messages[cut])
+        )
+        assert first.parent_id == late.node_id, (n_rest, cut)
+        # a second graph whose first turn is another conversation: the root is a later one
+        graph = RolloutGraph()
+        graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "other"}]))
+        root = graph.add_turn(TurnNode(request_messages=messages, response_message=None))
+        late = graph.add_turn(
+            TurnNode(request_messages=messages[:cut], response_message=messages[cut])
+        )
+        assert root.parent_id == late.node_id, (n_rest, cut)

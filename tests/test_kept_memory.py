@@ -143,10 +143,17 @@ def test_token_runs_compare_by_identity() -> None:
     two runs must stay two keys."""
     from rollout_store.tokens import ArrayRun, PackedFull, PackedPrompt, TokenRun
 
-    for kind in (TokenRun, ArrayRun, PackedPrompt, PackedFull):
+    for kind in (TokenRun, ArrayRun, PackedPrompt):
         assert kind.__eq__ is object.__eq__ and kind.__hash__ is object.__hash__
     a, b = ArrayRun(None, array("I", [1, 2])), ArrayRun(None, array("I", [1, 2]))
     assert len({a: 0, b: 1}) == 2
+    # a packed prompt's full run is a view made when asked for: views over one prompt are
+    # one key, views over two prompts of equal tokens two
+    ids, none = array("I", [3, 4]), array("I")
+    p, q = PackedPrompt(a, ids, none, None), PackedPrompt(a, ids, none, None)
+    assert PackedFull(p) == PackedFull(p) and hash(PackedFull(p)) == hash(PackedFull(p))
+    assert len({PackedFull(p): 0, PackedFull(q): 1, PackedFull(p): 2}) == 2
+    assert PackedFull(p) != p
 
 
 def test_one_or_many_index_matches_lists_of_items() -> None:
@@ -201,13 +208,11 @@ def test_a_value_table_keeps_values_whose_digests_collide(monkeypatch: Any) -> N
 
     from rollout_store import values
 
-    monkeypatch.setattr(
-        values, "xxhash", types.SimpleNamespace(xxh3_128_digest=lambda data: b"\0" * 16)
-    )
+    monkeypatch.setattr(values, "xxhash", types.SimpleNamespace(xxh3_128_intdigest=lambda data: 0))
     table = values.ValueTable(lambda stored: stored, None)
     long_values = [bytes([65 + i]) * 2000 for i in range(3)]
     table.add(long_values[0], long_values[0])
-    assert table._keyed[b"\0" * 16] is long_values[0]  # one value: bare, no list
+    assert table._found[0] is long_values[0]  # one value: bare, no list
     for value in long_values[1:]:
         assert table.find(value) is None
         table.add(value, value)
@@ -258,3 +263,28 @@ def test_a_log_names_packed_prompts_without_keeping_their_fulls(tmp_path: Path) 
     for i, (prompt_ids, sampled) in enumerate(sequences):
         node = loaded.get(f"turn-{i}")
         assert list(node.prompt_ids) == prompt_ids and list(node.sampled_ids) == sampled
+
+
+def test_graphs_without_short_prompts_share_one_empty_set_of_lengths() -> None:
+    """An empty set costs 216 bytes a graph: graphs whose turns have no prompt under one
+    block share one empty frozenset, and the first short one gets a set of its own (its
+    continuation is still linked by tokens, the other graph's lengths unchanged)."""
+    graphs = [RolloutGraph(), RolloutGraph()]
+    long_prompt = _prompt(200)
+    graphs[0].add_turn(TurnNode(prompt_ids=long_prompt, sampled_ids=[1, 2]))
+    assert graphs[0]._linker.short_lengths is graphs[1]._linker.short_lengths
+    assert not graphs[0]._linker.short_lengths
+    short = _prompt(10)
+    graphs[1].add_turn(TurnNode(prompt_ids=short, sampled_ids=[3, 4]))
+    assert graphs[1]._linker.short_lengths == {12}
+    assert not graphs[0]._linker.short_lengths
+    child = graphs[1].add_turn(TurnNode(prompt_ids=[*short, 3, 4, 5], sampled_ids=[6]))
+    assert child.parent_id == "turn-0" and graphs[1].link_kind("turn-1") == "tokens"
+
+
+def test_a_session_keeps_no_instance_dict() -> None:
+    """A server holds one `Session` per session, idle or not: its fields are slots."""
+    session = Sessions().create()
+    assert not hasattr(session, "__dict__")
+    session.recorded += 1
+    assert session.info()["turns"] == 0 and session.recorded == 1

@@ -19,6 +19,7 @@ from rollout_store.tokens import (
     ArrayRun,
     PackedFull,
     PackedPrompt,
+    PromptAlone,
     run_bytes,
     run_list,
     run_matches,
@@ -39,7 +40,11 @@ def test_a_continuation_keeps_its_token_fields_in_one_packed_prompt() -> None:
     for k in (1, 2, 3):
         turn = stored[k]
         assert type(turn.prompt) is PackedPrompt and type(turn.full) is PackedFull
-        assert turn.full.prev is turn.prompt and turn.prompt.prev is stored[k - 1].full
+        # the full run is a view over the prompt, equal to any other view over it; the
+        # prompt keeps its parent's packed prompt, standing for that one's full run
+        assert turn.full.prev is turn.prompt and turn.prompt.prev == stored[k - 1].full
+        before = stored[k - 1]  # the root's full run is a run of its own (not packed)
+        assert turn.prompt.after is (before.prompt if k > 1 else before.full)
         assert run_list(turn.prompt) == turns[k]["prompt_ids"]
         assert run_list(turn.full) == turns[k]["prompt_ids"] + turns[k]["sampled_ids"]
         assert turn.prompt.length == len(turns[k]["prompt_ids"])
@@ -64,7 +69,7 @@ def test_packed_runs_match_by_bytes_exactly() -> None:
     assert full.compact and run_bytes(full) == data
     assert run_matches(full, data) and run_matches(full, data + b"\x01\x00\x00\x00")
     assert not run_matches(full, data[:-4])  # shorter than the run
-    for at in (0, len(data) - 4, len(data) - 20):  # a different id anywhere
+    for at in range(0, len(data), 4):  # a different id anywhere (each part of the chain)
         changed = bytearray(data)
         changed[at] ^= 1
         assert not run_matches(full, bytes(changed)), at
@@ -191,3 +196,61 @@ def test_a_retry_after_reopening_shares_the_prompt_and_a_saved_copy_equals_the_l
             ]
         ), name
         reopened.close()
+
+
+def test_a_packed_turn_keeps_no_full_run_and_each_view_is_equal() -> None:
+    """A packed turn's prompt + sampled run is a view made when asked for: the turn keeps
+    none (nor does its child's prompt, which keeps the parent's packed prompt), and every
+    view over one prompt is equal to the others, with the same tokens."""
+    import gc
+
+    turns = token_turns(4, n_new=5, n_sampled=7)
+    graph = RolloutGraph()
+    for fields in turns:
+        graph.add_turn(TurnNode(**fields))
+    gc.collect()
+    stored = _turns(graph)
+    kept = [o for o in gc.get_referents(*stored) if type(o) is PackedFull]
+    kept += [o for t in stored[1:] for o in gc.get_referents(t.prompt) if type(o) is PackedFull]
+    assert kept == []
+    for turn in stored[1:]:
+        views = turn.full, turn.full
+        assert views[0] is not views[1] and views[0] == views[1]
+        assert hash(views[0]) == hash(views[1]) and run_list(views[0]) == run_list(views[1])
+    assert stored[2].prompt.prev == stored[1].full and stored[2].prompt.prev != stored[2].full
+
+
+def test_a_continuation_of_a_retry_that_sampled_nothing_extends_the_prompt_alone(
+    tmp_path: Path,
+) -> None:
+    """A retry that sampled nothing shares its sibling's packed prompt as its full run; a
+    turn that continues the retry extends that prompt alone, not the prompt and the
+    sibling's sampled ids (which a packed prompt kept after another stands for): its tokens
+    come back exactly, linked under the retry, in memory and from a file."""
+    turns = token_turns(2, n_new=5, n_sampled=7)
+    path = tmp_path / "retry.rls"
+    graph = RolloutGraph.open(path)
+    for fields in turns:
+        graph.add_turn(TurnNode(**fields))
+    graph.add_turn(TurnNode(prompt_ids=turns[1]["prompt_ids"], sampled_ids=[]))  # turn-2
+    sibling = turns[1]["sampled_ids"]
+    extra = [90_001, 90_002, 90_003]
+    assert extra[: len(sibling)] != sibling
+    prompt = turns[1]["prompt_ids"] + extra
+    graph.add_turn(TurnNode(prompt_ids=prompt, sampled_ids=[5, 6], sampled_logprobs=[-1.0] * 2))
+    stored = _turns(graph)
+    retry, child = stored[2], stored[3]
+    assert retry.prompt is stored[1].prompt and retry.full is retry.prompt
+    assert type(child.prompt) is PackedPrompt and type(child.prompt.after) is PromptAlone
+    assert child.prompt.prev is retry.full
+    assert run_list(child.prompt) == prompt and child.prompt.length == len(prompt)
+    assert run_list(child.full) == [*prompt, 5, 6]
+    assert run_matches(child.prompt, array("I", prompt).tobytes())
+    assert not run_matches(child.prompt, array("I", turns[1]["prompt_ids"] + sibling).tobytes())
+    assert graph.get("turn-3").parent_id == "turn-2"
+    assert graph.get("turn-3").prompt_ids == prompt
+    expected = _token_fields(graph)
+    graph.close()
+    reopened = RolloutGraph.load(path)
+    assert _token_fields(reopened) == expected
+    assert reopened.get("turn-3").parent_id == "turn-2"
