@@ -1358,7 +1358,8 @@ def load(
     then recomputed from its content rather than trusted (`keys_recomputed` in the report
     counts the turns whose records named others), so saving the graph repairs a file that
     `verify` refuses with `IndexKeyMismatch`. A version-1 file's keys, of an earlier scheme,
-    are always recomputed.
+    are always recomputed. A turn whose keys cannot be recomputed is kept all the same, under
+    the keys its record names, and listed in the report's `unkeyed`.
 
     `store`: the graph keeps its long strings in this content store (and `cache`, see
     `RolloutGraph`). Required for a file saved with ``blobs="store"`` (else

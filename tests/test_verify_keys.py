@@ -938,7 +938,7 @@ def test_verify_names_a_turn_whose_keys_cannot_be_recomputed(
     assert error.node_id == "m3" and error.record == at
     assert report.error_offset == frame_offsets(before)[at] == error.offset
     assert "'m3'" in str(error) and "cannot follow this tail" in str(error)
-    assert "recover=True" in str(error)
+    assert "recover=True" in str(error) and "load_report.unkeyed" in str(error)
     assert report.turns == 3
     assert cli_main(["verify", str(path)]) == 1
     err = capsys.readouterr().err
@@ -990,3 +990,26 @@ def test_a_version_1_load_keeps_a_turn_whose_keys_cannot_be_recomputed(
         assert graph.node_ids() == node_ids
         report = graph.load_report
         assert report.ok and [u.node_id for u in report.unkeyed] == [middle]
+
+
+def test_recover_lists_every_turn_whose_keys_hash_a_tail_that_cannot_be_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A later turn's request is hashed from its base's state, so a base tail the check cannot
+    follow leaves that turn's keys unrecomputed too: each is kept and listed, none dropped."""
+    from rollout_store import key_check
+
+    path = tmp_path / "log.rls"
+    chat_log(path)
+    tail_plain = key_check.KeyCheck._tail_plain
+
+    def failing(self: key_check.KeyCheck, turn: Any) -> Any:
+        if turn.node_id == "m2":
+            raise ValueError("cannot follow this tail")
+        return tail_plain(self, turn)
+
+    monkeypatch.setattr(key_check.KeyCheck, "_tail_plain", failing)
+    recovered = RolloutGraph.load(path, recover=True)
+    assert recovered.node_ids() == [f"m{k}" for k in range(5)]
+    assert [u.node_id for u in recovered.load_report.unkeyed] == ["m2", "m3", "m4"]
+    assert [recovered.parent(f"m{k}") for k in range(5)] == [None, "m0", "m1", "m2", "m3"]
