@@ -215,7 +215,9 @@ class Linker:
         self, data: bytes, buckets: list[tuple[int, int, int]], n: int
     ) -> Turn | None:
         """The deepest turn filed under one of `buckets` (key, low, high: its tokens'
-        length in [low, high)) whose prompt + sampled tokens start `data`."""
+        length in [low, high)) whose prompt + sampled tokens start `data`. Of two as deep, one
+        that sampled wins over a failed call of its run (which it would have adopted had the
+        failed call come first: see `_token_moves`), so the parent is the same in any order."""
         for key, low, high in buckets:
             best: Turn | None = None
             best_length = -1
@@ -225,7 +227,14 @@ class Linker:
                     full is not None
                     and low <= full.length < high
                     and (full.length < n or sampled_any(candidate))
-                    and full.length > best_length
+                    and (
+                        full.length > best_length
+                        or (
+                            full.length == best_length
+                            and not sampled_any(best)  # type: ignore[arg-type]
+                            and sampled_any(candidate)
+                        )
+                    )
                     and run_matches(full, data)
                 ):
                     best, best_length = candidate, full.length
@@ -339,6 +348,12 @@ class Linker:
         full = new.full
         if data is None or full is None or not full.length:
             return moves
+        parent = new.parent
+        parent_full = None if parent is None else parent.full
+        if parent_full is not None and parent_full.length == full.length and not sampled_any(new):
+            # a failed call of its parent's very run adds no token: what continues that run
+            # stays under the parent, where it is linked when it comes after this one
+            return moves
         for other in self._token_candidates(new, scratch, data):
             prompt = other.prompt
             if (
@@ -371,6 +386,14 @@ class Linker:
         # shorter retry of the same call): their continuations may continue this one
         for shorter in self._prefixes_within(new, data):
             candidates.extend(shorter.children or ())
+        # and children of failed calls of this turn's very run (nothing sampled; a prompt as
+        # long as this turn's prompt + sampled ids): a failed call adopts nothing (see
+        # `_token_moves`), so what continues the run hangs under one only when it came first
+        for other in candidates[:]:
+            prompt = other.prompt
+            kids = other.children
+            if kids and prompt is not None and prompt.length == length and not sampled_any(other):
+                candidates.extend(kids)
         return candidates
 
     def _token_roots(self) -> dict[int, Any] | None:

@@ -6,10 +6,12 @@ loaded, recovered and verified, all agree with what was put in."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -190,3 +192,37 @@ def test_random_token_trees_read_back_from_a_log_written_in_parts(
     assert verify(path).error is None
     with RolloutGraph.open(path, fsync="never") as reopened:
         assert _snapshot(reopened) == expected
+
+
+@pytest.mark.parametrize(
+    "calls",
+    [
+        # a call, a failed call of its very run, then two that continue that run
+        {
+            "t0": ([1, 2, 3], [4]),
+            "t1": ([1, 2, 3, 4], []),
+            "t3": ([1, 2, 3, 4, 5, 6], []),
+            "t2": ([1, 2, 3, 4, 5, 6, 7, 8], [9]),
+        },
+        # the same over a block: the failed call is found by block digests
+        {
+            "t0": (list(range(1, 64)), [64]),
+            "t1": (list(range(1, 65)), []),
+            "t3": (list(range(1, 67)), [67]),
+            "t2": (list(range(1, 70)), [70]),
+        },
+    ],
+)
+def test_a_failed_call_of_a_run_links_the_same_in_every_arrival_order(
+    calls: dict[str, tuple[list[int], list[int]]],
+) -> None:
+    # Found by review: a late failed call adopted what continued its parent's run, and what
+    # hung under it was never moved to a later, deeper turn, so the links depended on order.
+    outcomes = set()
+    for order in itertools.permutations(calls):
+        graph = RolloutGraph()
+        for name in order:
+            prompt, sampled = calls[name]
+            graph.add_turn(TurnNode(prompt_ids=prompt, sampled_ids=sampled, node_id=name))
+        outcomes.add(tuple((name, graph.parent(name)) for name in sorted(calls)))
+    assert outcomes == {(("t0", None), ("t1", "t0"), ("t2", "t3"), ("t3", "t0"))}
