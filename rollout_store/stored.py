@@ -282,7 +282,7 @@ class _Packed:
         return "PACKED"
 
 
-#: What a side holds for sampled ids and logprobs that its turn's `PackedPrompt` holds.
+#: What a side holds for sampled ids and logprobs that its turn holds packed (see `Turn`).
 PACKED: Any = _Packed()
 
 
@@ -294,26 +294,25 @@ def _no_ids_of_its_own(segment: Any) -> bool:
 
 def _unpack(turn: Turn) -> TurnSide:
     """The turn's own side, holding its sampled ids and logprobs: a packed turn's moved there
-    from its `PackedPrompt` (as fresh arrays), before either changes."""
+    from its packed bytes (as fresh arrays), before either changes."""
     side = turn.side
     if side.shared:
         side = turn.side = side.copy()
     if side.sampled is PACKED:
-        prompt: PackedPrompt = turn.prompt  # type: ignore[assignment]
-        side.sampled, side.logprobs = prompt.sampled(), prompt.logprobs()
+        side.sampled, side.logprobs = turn.sampled_ids(), turn.sampled_logprobs()
     return side
 
 
 def _token_property(name: str, doc: str) -> Any:
     """A `Turn` token field kept in its side; marked `PACKED` there, it is read from the
-    turn's `PackedPrompt` (as a fresh array)."""
+    turn's packed bytes (as a fresh array)."""
     field = getattr(TurnSide, name)  # the slot's descriptor
-    read = {"sampled": PackedPrompt.sampled, "logprobs": PackedPrompt.logprobs}[name]
+    read = {"sampled": PackedPrompt.sampled_ids, "logprobs": PackedPrompt.sampled_logprobs}[name]
 
     def get(turn: Turn) -> Any:
         value = field.__get__(turn.side)
         if value is PACKED:
-            return read(turn.prompt)  # type: ignore[arg-type]
+            return read(turn)
         return value
 
     def set_(turn: Turn, value: Any) -> None:
@@ -322,17 +321,23 @@ def _token_property(name: str, doc: str) -> Any:
     return property(get, set_, doc=doc)
 
 
-class Turn:
+class Turn(PackedPrompt):
     """The stored form of a turn: references and packed bytes only.
 
-    Kept small, since a graph holds one per turn (10 slots): the id is derived from the index
+    Kept small, since a graph holds one per turn (11 slots): the id is derived from the index
     unless the caller chose another (`ident`); a single child is held bare; the link kind is
     two bits of `flags`; the tail, the response, the request's digest, its index key and its
     message count are one bytes object (`data`); the scalar fields, shared values and token
     fields are a
     `TurnSide`, one for every turn alike; its token runs (`prompt`, and `full`: prompt +
-    sampled) are its own slots, so turns alike but for their tokens share a side. All of
-    them read and write through properties of the names they had as fields.
+    sampled) are its own, so turns alike but for their tokens share a side. All of them read
+    and write through properties of the names they had as fields.
+
+    A token turn is its own prompt's chain node: a `PackedPrompt` packed by `pack_tokens`
+    (its new prompt ids, sampled ids and logprobs in `packed`, the run before them in
+    `after`), so `prompt` is the turn itself and no node is kept apart from it. Any other
+    turn's prompt run (an `ArrayRun`, another turn's prompt, or None) is kept in `after`, with
+    `packed` empty: such a turn is never a node of a chain.
     """
 
     __slots__ = (
@@ -344,7 +349,6 @@ class Turn:
         "index",
         "kids",
         "parent",
-        "prompt",
         "side",
     )
 
@@ -357,47 +361,70 @@ class Turn:
     # tail, response, digest, index key, n_rest (see the properties of those names)
     data: bytes
     side: TurnSide
-    prompt: TokenRun | None  # prompt token runs, if any
-    # prompt + sampled (see `full`); `PACKED`: the `PackedFull` over its packed prompt
+    # prompt + sampled (see `full`); `PACKED`: the `PackedFull` over its packed prompt, None
+    # in a packed turn: its prompt (it sampled nothing)
     _full: TokenRun | None
 
     def __init__(self) -> None:
         self.data = _NO_REQUEST
         self.ident = None
         self.kids = None
-        self.prompt = self._full = None
+        self.after = self._full = None
+        self.packed = b""  # not packed (see `pack_tokens`)
         self.side = TurnSide()  # its own until the graph finds one alike (see TurnSide)
 
-    def pack_tokens(self, prompt: PackedPrompt, full: TokenRun) -> None:
-        """Set the token fields to a `PackedPrompt` that holds the sampled ids and logprobs
-        too, and `full` (a `PackedFull` over it, or the prompt when nothing was sampled).
+    def pack_tokens(
+        self, before: TokenRun | None, new: array[int], sampled: Any, logprobs: Any
+    ) -> None:
+        """Make the turn its own prompt: the tokens of `before`, then `new`, with the sampled
+        ids and logprobs packed in it too (`packable` says which fit); its full run is a
+        `PackedFull` over it, or itself when nothing was sampled.
 
-        While its side says `PACKED`, its sampled ids and logprobs are its prompt's: setting
-        either moves them into a side of its own first, and its prompt is not changed after
-        this."""
+        While its side says `PACKED`, its sampled ids and logprobs are the packed ones:
+        setting either moves them into a side of its own first, and its tokens are not
+        changed after this."""
+        if self.packed:
+            raise RolloutStoreError("a turn's prompt is packed once")
+        self.pack(before, new, sampled, logprobs)
         side = self.side
         if side.shared:
             side = self.side = side.copy()
         side.sampled = side.logprobs = PACKED
-        self.prompt = prompt
-        self.full = full
+        self._full = PACKED if sampled is not None and len(sampled) else None
+
+    @property
+    def prompt(self) -> TokenRun | None:
+        """The prompt's token run (None: no token ids): the turn itself when packed."""
+        if self.packed:
+            return self
+        return self.after  # type: ignore[return-value]
+
+    @prompt.setter
+    def prompt(self, run: TokenRun | None) -> None:
+        if self.packed:
+            raise RolloutStoreError("a packed turn's prompt is not replaced")
+        self.after = run
 
     @property
     def full(self) -> TokenRun | None:
         """Prompt + sampled, what a child's prompt extends (the prompt when nothing was
-        sampled). A packed prompt's is a `PackedFull` view made here, for the turn keeps
-        none (a `PACKED` mark in its place): one object fewer a turn."""
+        sampled). A packed turn's is a `PackedFull` view made here, for the turn keeps none
+        (a `PACKED` mark in its place): one object fewer a turn."""
         full = self._full
         if full is PACKED:
-            return PackedFull(self.prompt)  # type: ignore[arg-type]
+            return PackedFull(self)
+        if full is None and self.packed:
+            return self
         return full
 
     @full.setter
     def full(self, full: TokenRun | None) -> None:
-        if type(full) is PackedFull and full.prompt is self.prompt:
-            self._full = PACKED
-        else:
+        if not self.packed:
             self._full = full
+        elif full is self or (type(full) is PackedFull and full.prompt is self):
+            self._full = PACKED if full is not self else None
+        else:
+            raise RolloutStoreError("a packed turn's full run is a view over it")
 
     # -- identity, link and children
 

@@ -83,9 +83,9 @@ class TokenRun:
                 if len(seg) and not (isinstance(seg, array) and seg.typecode == "I"):
                     return False
                 run = run.prev
-            elif kind is PackedPrompt:  # packed ids are array('I'): no view is made
-                after = run.after  # type: ignore[attr-defined]
-                run = after.prompt if type(after) is PromptAlone else after
+            elif isinstance(run, PackedPrompt):  # packed ids are array('I'): no view is made
+                after = run.after
+                run = after.prompt if isinstance(after, PromptAlone) else after
             else:
                 run = run.prev
         return True
@@ -129,23 +129,32 @@ class PackedPrompt(TokenRun):
 
     `after` is the run before its new ids as kept: a `PackedPrompt` there stands for that
     prompt's full run (its tokens, then its sampled ids), which is what a continuation
-    extends; `prev` gives the run itself (a `PackedFull` over it when it sampled ids)."""
+    extends; `prev` gives the run itself (a `PackedFull` over it when it sampled ids).
 
-    __slots__ = ("after", "data")
+    A graph's stored turn is a `PackedPrompt` itself (`stored.Turn`, packed by `pack`): its
+    prompt is the turn, so a token turn keeps no chain node apart from its turn. Code that
+    asks whether a node is packed asks `isinstance`, never `type(...) is`."""
+
+    __slots__ = ("after", "packed")
 
     after: TokenRun | PromptAlone | None
+    packed: bytes  # the head, the new ids, the sampled ids and the logprobs (see `pack`)
 
     def __init__(self, prev: TokenRun | None, new: array[int], sampled: Any, logprobs: Any) -> None:
+        self.pack(prev, new, sampled, logprobs)
+
+    def pack(self, prev: TokenRun | None, new: array[int], sampled: Any, logprobs: Any) -> None:
+        """Hold the tokens of `prev`, then `new`, and the sampled ids and logprobs (a stored
+        turn, which is a packed prompt too, is packed so: see `stored.Turn`)."""
         after: TokenRun | PromptAlone | None
         if type(prev) is PackedFull:
             after = prev.prompt  # its full, kept as the prompt it is over
-        elif type(prev) is PackedPrompt and prev.n_sampled:
+        elif isinstance(prev, PackedPrompt) and prev.n_sampled:
             # the prompt alone, not its full (a retry that sampled nothing shares its
             # sibling's prompt as its full): marked so
             after = PromptAlone(prev)
         else:
             after = prev
-        self.after = after
         length = (prev.length if prev is not None else 0) + len(new)
         n_sampled = -1 if sampled is None else len(sampled)
         n_logprobs = -1 if logprobs is None else len(logprobs)
@@ -154,12 +163,13 @@ class PackedPrompt(TokenRun):
             parts.append(sampled.tobytes())
         if logprobs is not None:
             parts.append(logprobs.tobytes())
-        self.data = b"".join(parts)
+        self.packed = b"".join(parts)
+        self.after = after
 
     @property
     def prev(self) -> TokenRun | None:
         after = self.after
-        if type(after) is PackedPrompt:
+        if isinstance(after, PackedPrompt):
             return PackedFull(after) if after.n_sampled else after
         if type(after) is PromptAlone:
             return after.prompt
@@ -167,33 +177,33 @@ class PackedPrompt(TokenRun):
 
     @property
     def length(self) -> int:
-        length: int = _LENGTH.unpack_from(self.data)[0]
+        length: int = _LENGTH.unpack_from(self.packed)[0]
         return length
 
     @property
     def seg(self) -> array[int]:
-        _, n_new, _, _ = _HEAD.unpack_from(self.data)
-        return _ids(self.data, _HEAD_SIZE, n_new)
+        _, n_new, _, _ = _HEAD.unpack_from(self.packed)
+        return _ids(self.packed, _HEAD_SIZE, n_new)
 
     @property
     def n_sampled(self) -> int:
         """The number of sampled ids (0 when there are none)."""
-        n_sampled: int = _HEAD.unpack_from(self.data)[2]
+        n_sampled: int = _HEAD.unpack_from(self.packed)[2]
         return max(n_sampled, 0)
 
-    def sampled(self) -> array[int] | None:
+    def sampled_ids(self) -> array[int] | None:
         """The turn's sampled ids (a fresh array), or None."""
-        _, n_new, n_sampled, _ = _HEAD.unpack_from(self.data)
-        return None if n_sampled < 0 else _ids(self.data, _HEAD_SIZE + 4 * n_new, n_sampled)
+        _, n_new, n_sampled, _ = _HEAD.unpack_from(self.packed)
+        return None if n_sampled < 0 else _ids(self.packed, _HEAD_SIZE + 4 * n_new, n_sampled)
 
-    def logprobs(self) -> array[float] | None:
+    def sampled_logprobs(self) -> array[float] | None:
         """The turn's logprobs (a fresh array('d')), or None."""
-        _, n_new, n_sampled, n_logprobs = _HEAD.unpack_from(self.data)
+        _, n_new, n_sampled, n_logprobs = _HEAD.unpack_from(self.packed)
         if n_logprobs < 0:
             return None
         start = _HEAD_SIZE + 4 * (n_new + max(n_sampled, 0))
         out = array("d")
-        out.frombytes(self.data[start : start + 8 * n_logprobs])
+        out.frombytes(self.packed[start : start + 8 * n_logprobs])
         return out
 
 
@@ -233,12 +243,12 @@ class PackedFull(TokenRun):
 
     @property
     def length(self) -> int:
-        length, _, n_sampled, _ = _HEAD.unpack_from(self.prompt.data)
+        length, _, n_sampled, _ = _HEAD.unpack_from(self.prompt.packed)
         return length + max(n_sampled, 0)  # type: ignore[no-any-return]
 
     @property
     def seg(self) -> array[int]:
-        return self.prompt.sampled() or array("I")
+        return self.prompt.sampled_ids() or array("I")
 
 
 def packable(new: Any, sampled: Any, logprobs: Any) -> bool:
@@ -277,9 +287,9 @@ def run_matches(run: TokenRun, data: bytes) -> bool:
             node, kind, sampled = node.prompt, PackedPrompt, True
         else:
             sampled = False
-        if kind is PackedPrompt:
+        if kind is PackedPrompt or isinstance(node, PackedPrompt):
             while True:  # packed prompts, each standing for its full run when `sampled`
-                packed = node.data
+                packed = node.packed
                 _, n_new, n_sampled, _ = unpack(packed)
                 if sampled and n_sampled > 0:  # its sampled ids, compared in place
                     start = _HEAD_SIZE + 4 * n_new
@@ -294,10 +304,9 @@ def run_matches(run: TokenRun, data: bytes) -> bool:
                     return False
                 end -= n
                 node = node.after
-                kind = type(node)
-                if kind is PackedPrompt:
+                if isinstance(node, PackedPrompt):
                     sampled = True
-                elif kind is PromptAlone:
+                elif type(node) is PromptAlone:
                     node, sampled = node.prompt, False
                 else:
                     break

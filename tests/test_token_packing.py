@@ -18,7 +18,6 @@ from rollout_store.stored import Turn
 from rollout_store.tokens import (
     ArrayRun,
     PackedFull,
-    PackedPrompt,
     PromptAlone,
     run_bytes,
     run_list,
@@ -39,7 +38,7 @@ def test_a_continuation_keeps_its_token_fields_in_one_packed_prompt() -> None:
     assert type(stored[0].prompt) is ArrayRun  # a root prompt: shared through the store
     for k in (1, 2, 3):
         turn = stored[k]
-        assert type(turn.prompt) is PackedPrompt and type(turn.full) is PackedFull
+        assert turn.prompt is turn and type(turn.full) is PackedFull
         # the full run is a view over the prompt, equal to any other view over it; the
         # prompt keeps its parent's packed prompt, standing for that one's full run
         assert turn.full.prev is turn.prompt and turn.prompt.prev == stored[k - 1].full
@@ -82,7 +81,7 @@ def test_a_turn_without_sampled_ids_or_logprobs_packs_them_as_none() -> None:
     failed = {"prompt_ids": turns[1]["prompt_ids"], "sampled_ids": [], "sampled_logprobs": None}
     graph.add_turn(TurnNode(**failed))
     turn = _turns(graph)[1]
-    assert type(turn.prompt) is PackedPrompt and turn.full is turn.prompt
+    assert turn.prompt is turn and turn.full is turn.prompt
     assert turn.sampled == array("I") and turn.logprobs is None
     node = graph.get("turn-1")
     assert node.sampled_ids == [] and node.sampled_logprobs is None
@@ -144,7 +143,7 @@ def test_packed_turns_survive_a_file(tmp_path: Path) -> None:
     assert reopened.get("turn-4").parent_id == "turn-3"
     # read back as add_turn keeps them: a continuation's token fields packed
     stored = _turns(reopened)
-    assert [type(t.prompt) for t in stored] == [ArrayRun] + [PackedPrompt] * 4
+    assert type(stored[0].prompt) is ArrayRun and all(t.prompt is t for t in stored[1:])
     assert all(type(t.full) is PackedFull and t.full.prev is t.prompt for t in stored[1:])
     reopened.close()
 
@@ -241,7 +240,7 @@ def test_a_continuation_of_a_retry_that_sampled_nothing_extends_the_prompt_alone
     stored = _turns(graph)
     retry, child = stored[2], stored[3]
     assert retry.prompt is stored[1].prompt and retry.full is retry.prompt
-    assert type(child.prompt) is PackedPrompt and type(child.prompt.after) is PromptAlone
+    assert child.prompt is child and type(child.prompt.after) is PromptAlone
     assert child.prompt.prev is retry.full
     assert run_list(child.prompt) == prompt and child.prompt.length == len(prompt)
     assert run_list(child.full) == [*prompt, 5, 6]
