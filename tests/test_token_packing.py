@@ -1,6 +1,6 @@
 """A turn's token fields packed in one object: its new prompt ids, sampled ids and logprobs
-in one bytes object (`PackedPrompt`, with `PackedFull` over it), read back exactly, matched in
-place, unpacked when a field is set, and a bounded memory per turn."""
+in one bytes object of the turn (a `PackedPrompt` itself, with `PackedFull` over it), read
+back exactly, matched in place, unpacked when a field is set, and a bounded memory per turn."""
 
 from __future__ import annotations
 
@@ -253,3 +253,64 @@ def test_a_continuation_of_a_retry_that_sampled_nothing_extends_the_prompt_alone
     reopened = RolloutGraph.load(path)
     assert _token_fields(reopened) == expected
     assert reopened.get("turn-3").parent_id == "turn-2"
+
+
+def test_a_token_turn_is_its_own_prompt_and_keeps_no_chain_node_apart() -> None:
+    """A continuation's prompt is the turn itself (its packed bytes are its new prompt ids,
+    sampled ids and logprobs): no token run object is kept besides the turns, but for the
+    root's prompt; a retry's prompt is its sibling turn, matched in place like any run."""
+    import gc
+
+    from rollout_store.tokens import TokenRun
+
+    turns = token_turns(4, n_new=5, n_sampled=7)
+    graph = RolloutGraph()
+    for fields in turns:
+        graph.add_turn(TurnNode(**fields))
+    graph.add_turn(TurnNode(prompt_ids=turns[3]["prompt_ids"], sampled_ids=[8, 9]))  # a retry
+    gc.collect()
+    stored = _turns(graph)
+    kept = [o for o in gc.get_referents(*stored) if isinstance(o, TokenRun)]
+    apart = {id(o) for o in kept if type(o) is not Turn}
+    # the root's prompt and full (its prompt + sampled, which turn-1 extends), the retry's full
+    assert apart == {id(stored[0].prompt), id(stored[0].full), id(stored[4].full)}
+    assert type(stored[0].prompt) is ArrayRun and stored[1].after is stored[0].full
+    for turn in stored[1:4]:
+        assert turn.prompt is turn and turn.packed and turn.after is not None
+    retry = stored[4]
+    assert not retry.packed and retry.prompt is stored[3] and type(retry.full) is ArrayRun
+    assert run_list(retry.full) == [*turns[3]["prompt_ids"], 8, 9]
+    assert retry.prompt.compact and run_matches(
+        retry.full, array("I", run_list(retry.full)).tobytes()
+    )
+    for k, fields in enumerate(turns):
+        node = graph.get(f"turn-{k}")
+        assert node.prompt_ids == fields["prompt_ids"]
+        assert node.sampled_ids == fields["sampled_ids"]
+        assert node.sampled_logprobs == fields["sampled_logprobs"]
+
+
+def test_a_packed_turn_keeps_its_tokens() -> None:
+    """A turn is packed once; its prompt is not replaced and its full run stays the view
+    over it (an error, not a turn whose tokens silently change)."""
+    import pytest
+
+    from rollout_store.errors import RolloutStoreError
+
+    fresh = Turn()
+    assert fresh.prompt is None and fresh.full is None and not fresh.packed
+    turns = token_turns(2, n_new=3, n_sampled=2)
+    graph = RolloutGraph()
+    for fields in turns:
+        graph.add_turn(TurnNode(**fields))
+    turn = _turns(graph)[1]
+    before = turn.after
+    with pytest.raises(RolloutStoreError):
+        turn.pack_tokens(None, array("I", [1]), None, None)
+    with pytest.raises(RolloutStoreError):
+        turn.prompt = ArrayRun(None, array("I", [1]))
+    with pytest.raises(RolloutStoreError):
+        turn.full = ArrayRun(None, array("I", [1]))
+    turn.full = PackedFull(turn)  # the view it is: kept as the mark
+    assert turn.after is before and turn.prompt is turn and type(turn.full) is PackedFull
+    assert graph.get("turn-1").prompt_ids == turns[1]["prompt_ids"]
