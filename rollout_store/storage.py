@@ -166,6 +166,7 @@ _IN_MEMORY_FLAGS = (
     TurnFlag.HAS_DIGEST
     | TurnFlag.HAS_KEY
     | TurnFlag.HAS_RESPONSE
+    | TurnFlag.HAS_TOKENS
     | TurnFlag.LINK_LOW
     | TurnFlag.LINK_HIGH
 )

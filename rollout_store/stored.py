@@ -18,7 +18,7 @@ from typing import Any, Final, NamedTuple, Protocol, TypeVar, overload
 from .confirm import digest_key
 from .encoding import ECHO_PACKED, array_header
 from .errors import RolloutStoreError
-from .tokens import ArrayRun, PackedFull, PackedPrompt, TokenRun
+from .tokens import ArrayRun, PackedFull, PackedRun, TokenRun, packed_size
 
 __all__ = [
     "EMPTY_PROMPT",
@@ -91,6 +91,9 @@ class TurnFlag(IntEnum):
     LINK_HIGH = 16384
     # `Turn.data` holds a response (see Turn.response)
     HAS_RESPONSE = 32768
+    # `Turn.data` starts with the turn's packed token ids (the turn is a packed run: see
+    # Turn.pack_tokens)
+    HAS_TOKENS = 65536
 
 
 # The TurnFlag bits as plain ints, defined here once for the code that tests them on every
@@ -111,6 +114,7 @@ PREFIX_SPECIAL: Final = int(TurnFlag.PREFIX_SPECIAL)
 HAS_DIGEST: Final = int(TurnFlag.HAS_DIGEST)
 HAS_KEY: Final = int(TurnFlag.HAS_KEY)
 HAS_RESPONSE: Final = int(TurnFlag.HAS_RESPONSE)
+HAS_TOKENS: Final = int(TurnFlag.HAS_TOKENS)
 
 
 class LinkKind(IntEnum):
@@ -307,7 +311,7 @@ def _token_property(name: str, doc: str) -> Any:
     """A `Turn` token field kept in its side; marked `PACKED` there, it is read from the
     turn's packed bytes (as a fresh array)."""
     field = getattr(TurnSide, name)  # the slot's descriptor
-    read = {"sampled": PackedPrompt.sampled_ids, "logprobs": PackedPrompt.sampled_logprobs}[name]
+    read = {"sampled": PackedRun.sampled_ids, "logprobs": PackedRun.sampled_logprobs}[name]
 
     def get(turn: Turn) -> Any:
         value = field.__get__(turn.side)
@@ -321,10 +325,10 @@ def _token_property(name: str, doc: str) -> Any:
     return property(get, set_, doc=doc)
 
 
-class Turn(PackedPrompt):
+class Turn(PackedRun):
     """The stored form of a turn: references and packed bytes only.
 
-    Kept small, since a graph holds one per turn (11 slots): the id is derived from the index
+    Kept small, since a graph holds one per turn (10 slots): the id is derived from the index
     unless the caller chose another (`ident`); a single child is held bare; the link kind is
     two bits of `flags`; the tail, the response, the request's digest, its index key and its
     message count are one bytes object (`data`); the scalar fields, shared values and token
@@ -333,11 +337,11 @@ class Turn(PackedPrompt):
     sampled) are its own, so turns alike but for their tokens share a side. All of them read
     and write through properties of the names they had as fields.
 
-    A token turn is its own prompt's chain node: a `PackedPrompt` packed by `pack_tokens`
-    (its new prompt ids, sampled ids and logprobs in `packed`, the run before them in
-    `after`), so `prompt` is the turn itself and no node is kept apart from it. Any other
-    turn's prompt run (an `ArrayRun`, another turn's prompt, or None) is kept in `after`, with
-    `packed` empty: such a turn is never a node of a chain.
+    A token turn is its own prompt's chain node: a `PackedRun` packed by `pack_tokens`, its
+    new prompt ids, sampled ids and logprobs at the start of `data` (HAS_TOKENS), the run
+    before them in `after`; so `prompt` is the turn itself and neither a node nor a bytes
+    object is kept apart from it. Any other turn's prompt run (an `ArrayRun`, another turn's
+    prompt, or None) is kept in `after`: such a turn is never a node of a chain.
     """
 
     __slots__ = (
@@ -358,7 +362,8 @@ class Turn(PackedPrompt):
     kids: Turn | tuple[Turn, ...] | None  # the children: one bare, several as a tuple
     flags: int  # TurnFlag bits, and the link kind
     base: Turn | None  # the turn whose non-system request this one extends
-    # tail, response, digest, index key, n_rest (see the properties of those names)
+    # packed tokens, tail, response, digest, index key, n_rest (see the properties of those
+    # names)
     data: bytes
     side: TurnSide
     # prompt + sampled (see `full`); `PACKED`: the `PackedFull` over its packed prompt, None
@@ -370,7 +375,7 @@ class Turn(PackedPrompt):
         self.ident = None
         self.kids = None
         self.after = self._full = None
-        self.packed = b""  # not packed (see `pack_tokens`)
+        self.flags = 0
         self.side = TurnSide()  # its own until the graph finds one alike (see TurnSide)
 
     def pack_tokens(
@@ -383,7 +388,7 @@ class Turn(PackedPrompt):
         While its side says `PACKED`, its sampled ids and logprobs are the packed ones:
         setting either moves them into a side of its own first, and its tokens are not
         changed after this."""
-        if self.packed:
+        if self.flags & HAS_TOKENS:
             raise RolloutStoreError("a turn's prompt is packed once")
         self.pack(before, new, sampled, logprobs)
         side = self.side
@@ -393,15 +398,32 @@ class Turn(PackedPrompt):
         self._full = PACKED if sampled is not None and len(sampled) else None
 
     @property
+    def packed(self) -> bytes:
+        """The packed token ids (at the start of `data`, which a packed run reads only as
+        far as its head says); empty when the turn is not packed."""
+        return self.data if self.flags & HAS_TOKENS else b""
+
+    @packed.setter
+    def packed(self, packed: bytes) -> None:
+        if self.flags & HAS_TOKENS:
+            raise RolloutStoreError("a turn's prompt is packed once")
+        self.data = packed + self.data
+        self.flags |= HAS_TOKENS
+
+    def _tokens_end(self) -> int:
+        """Where the packed token ids end in `data` (0: none)."""
+        return packed_size(self.data) if self.flags & HAS_TOKENS else 0
+
+    @property
     def prompt(self) -> TokenRun | None:
         """The prompt's token run (None: no token ids): the turn itself when packed."""
-        if self.packed:
+        if self.flags & HAS_TOKENS:
             return self
         return self.after  # type: ignore[return-value]
 
     @prompt.setter
     def prompt(self, run: TokenRun | None) -> None:
-        if self.packed:
+        if self.flags & HAS_TOKENS:
             raise RolloutStoreError("a packed turn's prompt is not replaced")
         self.after = run
 
@@ -413,13 +435,13 @@ class Turn(PackedPrompt):
         full = self._full
         if full is PACKED:
             return PackedFull(self)
-        if full is None and self.packed:
+        if full is None and self.flags & HAS_TOKENS:
             return self
         return full
 
     @full.setter
     def full(self, full: TokenRun | None) -> None:
-        if not self.packed:
+        if not self.flags & HAS_TOKENS:
             self._full = full
         elif full is self or (type(full) is PackedFull and full.prompt is self):
             self._full = PACKED if full is not self else None
@@ -458,9 +480,10 @@ class Turn(PackedPrompt):
     def children(self, children: tuple[Turn, ...] | None) -> None:
         self.kids = children[0] if children is not None and len(children) == 1 else children
 
-    # -- the request and the response in one bytes object, `data`:
-    #    tail | response | digest (32, HAS_DIGEST) | key (8, HAS_KEY: only one the digest does
-    #    not give) | response length (4, HAS_RESPONSE) | n_rest (4); integers little-endian
+    # -- the packed tokens, the request and the response in one bytes object, `data`:
+    #    packed tokens (HAS_TOKENS) | tail | response | digest (32, HAS_DIGEST) | key (8,
+    #    HAS_KEY: only one the digest does not give) | response length (4, HAS_RESPONSE) |
+    #    n_rest (4); integers little-endian
 
     def _ends(self) -> tuple[int, int]:
         """Where the tail ends and where the response ends (= where the trailer begins)."""
@@ -503,11 +526,12 @@ class Turn(PackedPrompt):
             and key == int.from_bytes(digest[:_KEY_SIZE], "little")
         ):  # the common case: a fresh turn with a response, filed under its digest's key
             size = len(response).to_bytes(4, "little")
-            self.data = b"".join((*tail_parts, response, digest, size, n_rest))
+            tokens = memoryview(self.data)[: self._tokens_end()]
+            self.data = b"".join((tokens, *tail_parts, response, digest, size, n_rest))
             self.flags = (self.flags & ~_PARTS_AFTER_TAIL) | _DIGEST_AND_RESPONSE
             return
         flags = self.flags & ~_PARTS_AFTER_TAIL
-        parts = list(tail_parts)
+        parts = [memoryview(self.data)[: self._tokens_end()], *tail_parts]
         if response is not None:
             parts.append(response)
             flags |= HAS_RESPONSE
@@ -542,7 +566,7 @@ class Turn(PackedPrompt):
         if flags & HAS_KEY:
             start = end + (DIGEST_SIZE if digest is not None else 0)
             key = int.from_bytes(view[start : start + _KEY_SIZE], "little")
-        return view[:tail_end], response, digest, key, view[len(view) - 4 :]
+        return view[self._tokens_end() : tail_end], response, digest, key, view[len(view) - 4 :]
 
     def set_request(self, tail_parts: Sequence[bytes], n_rest: int) -> None:
         """Set the tail (`tail_parts` joined) and `n_rest`; no digest and no key (set them
@@ -552,7 +576,8 @@ class Turn(PackedPrompt):
             self._store(tail_parts, response, None, None, _n_rest_bytes(n_rest))
             return
         self.flags &= ~(HAS_DIGEST | HAS_KEY)
-        self.data = b"".join((*tail_parts, _n_rest_bytes(n_rest)))
+        tokens = memoryview(self.data)[: self._tokens_end()]
+        self.data = b"".join((tokens, *tail_parts, _n_rest_bytes(n_rest)))
 
     def file_under(self, key: int | None, digest: bytes | None) -> None:
         """Set the index key and the digest at once (one copy)."""
@@ -575,6 +600,8 @@ class Turn(PackedPrompt):
     @property
     def tail(self) -> bytes:
         """The packed non-system messages after the base's."""
+        if self.flags & HAS_TOKENS:
+            return self.data[packed_size(self.data) : self._ends()[0]]
         return self.data[: self._ends()[0]]
 
     @tail.setter

@@ -314,3 +314,35 @@ def test_a_packed_turn_keeps_its_tokens() -> None:
     turn.full = PackedFull(turn)  # the view it is: kept as the mark
     assert turn.after is before and turn.prompt is turn and type(turn.full) is PackedFull
     assert graph.get("turn-1").prompt_ids == turns[1]["prompt_ids"]
+
+
+def test_a_packed_turn_keeps_its_tokens_and_its_request_in_one_bytes_object() -> None:
+    """The packed token ids are the start of the turn's own bytes: every part of the request
+    set before or after packing reads back as set, and the tokens stay as packed."""
+    import gc
+
+    from rollout_store.confirm import digest_key
+
+    before = ArrayRun(None, array("I", [1, 2, 3]))
+    turn = Turn()
+    turn.build((b"\x91\xa1a",), 1)  # a request before the tokens are packed
+    turn.pack_tokens(before, array("I", [4, 5]), array("I", [6]), array("d", [-0.5]))
+    assert turn.tail == b"\x91\xa1a" and turn.n_rest == 1 and turn.response is None
+    turn.response = b"\xa2ok"
+    digest = bytes(range(32))
+    turn.file_under(digest_key(digest), digest)
+    assert (turn.tail, turn.response, turn.digest) == (b"\x91\xa1a", b"\xa2ok", digest)
+    turn.tail = b"\x92\xa1a\xa1b"
+    turn.n_rest = 2
+    turn.rkey = 7  # a key the digest does not give
+    turn.build((b"\x92\xa1a", b"\xa1c"), 2, b"\xa1r", digest, 7)
+    for _ in range(2):
+        assert turn.tail == b"\x92\xa1a\xa1c" and turn.response == b"\xa1r"
+        assert turn.digest == digest and turn.rkey == 7 and turn.n_rest == 2
+        assert run_list(turn) == [1, 2, 3, 4, 5] and run_list(turn.full) == [1, 2, 3, 4, 5, 6]
+        assert turn.sampled == array("I", [6]) and turn.logprobs == array("d", [-0.5])
+        assert run_matches(turn.full, array("I", [1, 2, 3, 4, 5, 6, 7]).tobytes())
+        turn.set_request([b"\x92\xa1a", b"\xa1c"], 2)
+        turn.file_under(7, digest)
+    assert [o for o in gc.get_referents(turn) if type(o) is bytes] == [turn.data]
+    assert turn.data.startswith(turn.packed[:20])
