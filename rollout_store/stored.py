@@ -414,6 +414,13 @@ class Turn(PackedRun):
         """Where the packed token ids end in `data` (0: none)."""
         return packed_size(self.data) if self.flags & HAS_TOKENS else 0
 
+    def _tokens(self) -> bytes | memoryview:
+        """The packed token ids at the start of `data` (a view; empty: none)."""
+        if self.flags & HAS_TOKENS:
+            data = self.data
+            return memoryview(data)[: packed_size(data)]
+        return b""
+
     @property
     def prompt(self) -> TokenRun | None:
         """The prompt's token run (None: no token ids): the turn itself when packed."""
@@ -526,12 +533,11 @@ class Turn(PackedRun):
             and key == int.from_bytes(digest[:_KEY_SIZE], "little")
         ):  # the common case: a fresh turn with a response, filed under its digest's key
             size = len(response).to_bytes(4, "little")
-            tokens = memoryview(self.data)[: self._tokens_end()]
-            self.data = b"".join((tokens, *tail_parts, response, digest, size, n_rest))
+            self.data = b"".join((self._tokens(), *tail_parts, response, digest, size, n_rest))
             self.flags = (self.flags & ~_PARTS_AFTER_TAIL) | _DIGEST_AND_RESPONSE
             return
         flags = self.flags & ~_PARTS_AFTER_TAIL
-        parts = [memoryview(self.data)[: self._tokens_end()], *tail_parts]
+        parts = [self._tokens(), *tail_parts]
         if response is not None:
             parts.append(response)
             flags |= HAS_RESPONSE
@@ -576,8 +582,7 @@ class Turn(PackedRun):
             self._store(tail_parts, response, None, None, _n_rest_bytes(n_rest))
             return
         self.flags &= ~(HAS_DIGEST | HAS_KEY)
-        tokens = memoryview(self.data)[: self._tokens_end()]
-        self.data = b"".join((tokens, *tail_parts, _n_rest_bytes(n_rest)))
+        self.data = b"".join((self._tokens(), *tail_parts, _n_rest_bytes(n_rest)))
 
     def file_under(self, key: int | None, digest: bytes | None) -> None:
         """Set the index key and the digest at once (one copy)."""
