@@ -25,6 +25,7 @@ __all__ = [
     "HAS_DIGEST",
     "HAS_KEY",
     "HAS_RESPONSE",
+    "HAS_TOKENS",
     "LOGPROBS_PACKED",
     "MESSAGES_TUPLE",
     "NO_MESSAGES",
@@ -390,36 +391,18 @@ class Turn(PackedRun):
         changed after this."""
         if self.flags & HAS_TOKENS:
             raise RolloutStoreError("a turn's prompt is packed once")
-        self.pack(before, new, sampled, logprobs)
+        self.data = b"".join((*self.pack(before, new, sampled, logprobs), self.data))
+        self.flags |= HAS_TOKENS
         side = self.side
         if side.shared:
             side = self.side = side.copy()
         side.sampled = side.logprobs = PACKED
         self._full = PACKED if sampled is not None and len(sampled) else None
 
-    @property
-    def packed(self) -> bytes:
-        """The packed token ids (at the start of `data`, which a packed run reads only as
-        far as its head says); empty when the turn is not packed."""
-        return self.data if self.flags & HAS_TOKENS else b""
-
-    @packed.setter
-    def packed(self, packed: bytes) -> None:
-        if self.flags & HAS_TOKENS:
-            raise RolloutStoreError("a turn's prompt is packed once")
-        self.data = packed + self.data
-        self.flags |= HAS_TOKENS
-
-    def _tokens_end(self) -> int:
-        """Where the packed token ids end in `data` (0: none)."""
-        return packed_size(self.data) if self.flags & HAS_TOKENS else 0
-
-    def _tokens(self) -> bytes | memoryview:
-        """The packed token ids at the start of `data` (a view; empty: none)."""
-        if self.flags & HAS_TOKENS:
-            data = self.data
-            return memoryview(data)[: packed_size(data)]
-        return b""
+    def _tokens(self) -> memoryview:
+        """The packed token ids at the start of `data`, a view (for a token turn only)."""
+        data = self.data
+        return memoryview(data)[: packed_size(data)]
 
     @property
     def prompt(self) -> TokenRun | None:
@@ -533,11 +516,12 @@ class Turn(PackedRun):
             and key == int.from_bytes(digest[:_KEY_SIZE], "little")
         ):  # the common case: a fresh turn with a response, filed under its digest's key
             size = len(response).to_bytes(4, "little")
-            self.data = b"".join((self._tokens(), *tail_parts, response, digest, size, n_rest))
+            tokens = self._tokens() if self.flags & HAS_TOKENS else b""
+            self.data = b"".join((tokens, *tail_parts, response, digest, size, n_rest))
             self.flags = (self.flags & ~_PARTS_AFTER_TAIL) | _DIGEST_AND_RESPONSE
             return
         flags = self.flags & ~_PARTS_AFTER_TAIL
-        parts = [self._tokens(), *tail_parts]
+        parts = [self._tokens() if flags & HAS_TOKENS else b"", *tail_parts]
         if response is not None:
             parts.append(response)
             flags |= HAS_RESPONSE
@@ -572,7 +556,8 @@ class Turn(PackedRun):
         if flags & HAS_KEY:
             start = end + (DIGEST_SIZE if digest is not None else 0)
             key = int.from_bytes(view[start : start + _KEY_SIZE], "little")
-        return view[self._tokens_end() : tail_end], response, digest, key, view[len(view) - 4 :]
+        start = packed_size(view) if flags & HAS_TOKENS else 0
+        return view[start:tail_end], response, digest, key, view[len(view) - 4 :]
 
     def set_request(self, tail_parts: Sequence[bytes], n_rest: int) -> None:
         """Set the tail (`tail_parts` joined) and `n_rest`; no digest and no key (set them
@@ -582,7 +567,8 @@ class Turn(PackedRun):
             self._store(tail_parts, response, None, None, _n_rest_bytes(n_rest))
             return
         self.flags &= ~(HAS_DIGEST | HAS_KEY)
-        self.data = b"".join((self._tokens(), *tail_parts, _n_rest_bytes(n_rest)))
+        tokens = self._tokens() if self.flags & HAS_TOKENS else b""
+        self.data = b"".join((tokens, *tail_parts, _n_rest_bytes(n_rest)))
 
     def file_under(self, key: int | None, digest: bytes | None) -> None:
         """Set the index key and the digest at once (one copy)."""

@@ -133,22 +133,25 @@ class PackedRun(TokenRun):
     prompt's full run (its tokens, then its sampled ids), which is what a continuation
     extends; `prev` gives the run itself (a `PackedFull` over it when it sampled ids).
 
-    Two kinds: a `PackedPrompt` keeps its bytes in a slot of its own; a graph's stored turn
-    is a packed run itself (`stored.Turn`), its bytes the start of the turn's own bytes, so a
-    token turn keeps no chain node and no token bytes object apart from its turn. Code that
+    Two kinds: a `PackedPrompt` holds its packed bytes alone in `data`; a graph's stored turn
+    is a packed run itself (`stored.Turn`), its packed bytes the start of its own `data`, so
+    a token turn keeps no chain node and no token bytes object apart from its turn. Code that
     asks whether a node is packed asks `isinstance(node, PackedRun)`, never `type(...) is`.
     """
 
     __slots__ = ("after",)
 
     after: TokenRun | PromptAlone | None
-    # the head, the new ids, the sampled ids and the logprobs (see `pack`); a subclass keeps
-    # them (`packed` is set once)
-    packed: bytes
+    # starts with the head, the new ids, the sampled ids and the logprobs (see `pack`): a
+    # subclass's slot, which a packed run reads only as far as its head says
+    data: bytes
 
-    def pack(self, prev: TokenRun | None, new: array[int], sampled: Any, logprobs: Any) -> None:
-        """Hold the tokens of `prev`, then `new`, and the sampled ids and logprobs (a stored
-        turn, which is a packed prompt too, is packed so: see `stored.Turn`)."""
+    def pack(
+        self, prev: TokenRun | None, new: array[int], sampled: Any, logprobs: Any
+    ) -> list[Any]:
+        """Continue `prev` with `new` (sets `after`) and return the parts of the packed bytes
+        (the head, then buffers of `new`, the sampled ids and the logprobs), for the subclass
+        to join once at the start of its `data`."""
         after: TokenRun | PromptAlone | None
         if type(prev) is PackedFull:
             after = prev.prompt  # its full, kept as the prompt it is over
@@ -161,14 +164,13 @@ class PackedRun(TokenRun):
         length = (prev.length if prev is not None else 0) + len(new)
         n_sampled = -1 if sampled is None else len(sampled)
         n_logprobs = -1 if logprobs is None else len(logprobs)
-        parts = [_HEAD.pack(length, len(new), n_sampled, n_logprobs), new.tobytes()]
+        parts: list[Any] = [_HEAD.pack(length, len(new), n_sampled, n_logprobs), new]
         if sampled is not None:
-            parts.append(sampled.tobytes())
+            parts.append(sampled)
         if logprobs is not None:
-            parts.append(logprobs.tobytes())
-        # a subclass keeps it: in a slot of its own, or at the start of its bytes (stored.Turn)
-        self.packed = b"".join(parts)  # type: ignore[misc]
+            parts.append(logprobs)
         self.after = after
+        return parts
 
     @property
     def prev(self) -> TokenRun | None:
@@ -181,45 +183,45 @@ class PackedRun(TokenRun):
 
     @property
     def length(self) -> int:
-        length: int = _LENGTH.unpack_from(self.packed)[0]
+        length: int = _LENGTH.unpack_from(self.data)[0]
         return length
 
     @property
     def seg(self) -> array[int]:
-        _, n_new, _, _ = _HEAD.unpack_from(self.packed)
-        return _ids(self.packed, _HEAD_SIZE, n_new)
+        _, n_new, _, _ = _HEAD.unpack_from(self.data)
+        return _ids(self.data, _HEAD_SIZE, n_new)
 
     @property
     def n_sampled(self) -> int:
         """The number of sampled ids (0 when there are none)."""
-        n_sampled: int = _HEAD.unpack_from(self.packed)[2]
+        n_sampled: int = _HEAD.unpack_from(self.data)[2]
         return max(n_sampled, 0)
 
     def sampled_ids(self) -> array[int] | None:
         """The turn's sampled ids (a fresh array), or None."""
-        _, n_new, n_sampled, _ = _HEAD.unpack_from(self.packed)
-        return None if n_sampled < 0 else _ids(self.packed, _HEAD_SIZE + 4 * n_new, n_sampled)
+        _, n_new, n_sampled, _ = _HEAD.unpack_from(self.data)
+        return None if n_sampled < 0 else _ids(self.data, _HEAD_SIZE + 4 * n_new, n_sampled)
 
     def sampled_logprobs(self) -> array[float] | None:
         """The turn's logprobs (a fresh array('d')), or None."""
-        _, n_new, n_sampled, n_logprobs = _HEAD.unpack_from(self.packed)
+        _, n_new, n_sampled, n_logprobs = _HEAD.unpack_from(self.data)
         if n_logprobs < 0:
             return None
         start = _HEAD_SIZE + 4 * (n_new + max(n_sampled, 0))
         out = array("d")
-        out.frombytes(self.packed[start : start + 8 * n_logprobs])
+        out.frombytes(self.data[start : start + 8 * n_logprobs])
         return out
 
 
 class PackedPrompt(PackedRun):
     """A packed run that keeps its bytes in a slot of its own."""
 
-    __slots__ = ("packed",)
+    __slots__ = ("data",)
 
-    packed: bytes
+    data: bytes
 
     def __init__(self, prev: TokenRun | None, new: array[int], sampled: Any, logprobs: Any) -> None:
-        self.pack(prev, new, sampled, logprobs)
+        self.data = b"".join(self.pack(prev, new, sampled, logprobs))
 
 
 class PromptAlone:
@@ -258,7 +260,7 @@ class PackedFull(TokenRun):
 
     @property
     def length(self) -> int:
-        length, _, n_sampled, _ = _HEAD.unpack_from(self.prompt.packed)
+        length, _, n_sampled, _ = _HEAD.unpack_from(self.prompt.data)
         return length + max(n_sampled, 0)  # type: ignore[no-any-return]
 
     @property
@@ -276,7 +278,7 @@ def packable(new: Any, sampled: Any, logprobs: Any) -> bool:
     )
 
 
-def packed_size(data: bytes) -> int:
+def packed_size(data: bytes | memoryview) -> int:
     """The bytes of the packed run at the start of `data` (see `PackedRun.pack`)."""
     n_new: int
     n_sampled: int
@@ -313,7 +315,7 @@ def run_matches(run: TokenRun, data: bytes) -> bool:
             sampled = False
         if kind is PackedRun or isinstance(node, PackedRun):
             while True:  # packed prompts, each standing for its full run when `sampled`
-                packed = node.packed
+                packed = node.data
                 _, n_new, n_sampled, _ = unpack(packed)
                 if sampled and n_sampled > 0:  # its sampled ids, compared in place
                     start = _HEAD_SIZE + 4 * n_new

@@ -14,10 +14,11 @@ from pathlib import Path
 from support import token_turns
 
 from rollout_store import RolloutGraph, TurnNode
-from rollout_store.stored import Turn
+from rollout_store.stored import HAS_TOKENS, Turn
 from rollout_store.tokens import (
     ArrayRun,
     PackedFull,
+    PackedPrompt,
     PromptAlone,
     run_bytes,
     run_list,
@@ -276,9 +277,11 @@ def test_a_token_turn_is_its_own_prompt_and_keeps_no_chain_node_apart() -> None:
     assert apart == {id(stored[0].prompt), id(stored[0].full), id(stored[4].full)}
     assert type(stored[0].prompt) is ArrayRun and stored[1].after is stored[0].full
     for turn in stored[1:4]:
-        assert turn.prompt is turn and turn.packed and turn.after is not None
+        assert turn.prompt is turn and turn.flags & HAS_TOKENS and turn.after is not None
     retry = stored[4]
-    assert not retry.packed and retry.prompt is stored[3] and type(retry.full) is ArrayRun
+    assert (
+        not retry.flags & HAS_TOKENS and retry.prompt is stored[3] and type(retry.full) is ArrayRun
+    )
     assert run_list(retry.full) == [*turns[3]["prompt_ids"], 8, 9]
     assert retry.prompt.compact and run_matches(
         retry.full, array("I", run_list(retry.full)).tobytes()
@@ -298,7 +301,7 @@ def test_a_packed_turn_keeps_its_tokens() -> None:
     from rollout_store.errors import RolloutStoreError
 
     fresh = Turn()
-    assert fresh.prompt is None and fresh.full is None and not fresh.packed
+    assert fresh.prompt is None and fresh.full is None and not fresh.flags & HAS_TOKENS
     turns = token_turns(2, n_new=3, n_sampled=2)
     graph = RolloutGraph()
     for fields in turns:
@@ -345,4 +348,4 @@ def test_a_packed_turn_keeps_its_tokens_and_its_request_in_one_bytes_object() ->
         turn.set_request([b"\x92\xa1a", b"\xa1c"], 2)
         turn.file_under(7, digest)
     assert [o for o in gc.get_referents(turn) if type(o) is bytes] == [turn.data]
-    assert turn.data.startswith(turn.packed[:20])
+    assert turn.data.startswith(PackedPrompt(before, array("I", [4, 5]), None, None).data[:8])
