@@ -22,7 +22,13 @@ from typing import IO, Any
 
 from . import __version__, storage
 from .content import ContentStore
-from .errors import CorruptFileError, IndexKeyMismatch, RolloutStoreError, StoreRequiredError
+from .errors import (
+    CorruptFileError,
+    IndexKeyMismatch,
+    IndexKeyRecomputeError,
+    RolloutStoreError,
+    StoreRequiredError,
+)
 from .export import write_session_json, write_trace_jsonl
 from .figures import plain_export_bytes, store_figures
 from .storage import RolloutGraph
@@ -110,6 +116,12 @@ def _what_applies(report: storage.LoadReport, path: str) -> str:
             f"the content is intact: `rollout-store recover {path} -o OUT` writes every turn "
             "before any later damage (verify stops here) to a new file with its index keys "
             "recomputed"
+        )
+    if isinstance(report.exception, IndexKeyRecomputeError):
+        return (
+            f"the content is intact: `rollout-store recover {path} -o OUT` writes every turn "
+            "before any later damage (verify stops here) to a new file, this one under the "
+            "index keys its record names"
         )
     if report.turns == 0 and not (report.truncated and report.mode == "log"):
         return "no complete turn precedes the damage: nothing can be recovered"
@@ -214,13 +226,22 @@ def _recover(args: argparse.Namespace) -> int:
         )
     graph.save(args.output)
     rekeyed = report.keys_recomputed if report is not None else 0
-    keys = f"; {rekeyed} of them with their index keys recomputed (their records named others)"
+    unkeyed = report.unkeyed if report is not None else []
+    keys = ""
+    if rekeyed:
+        keys = f"; {rekeyed} of them with their index keys recomputed (their records named others)"
+    if unkeyed:
+        names = ", ".join(u.node_id for u in unkeyed[:5]) + (", ..." if len(unkeyed) > 5 else "")
+        keys += (
+            f"; {len(unkeyed)} of them ({names}) kept under the index keys their records name, "
+            f"which could not be recomputed ({unkeyed[0].cause})"
+        )
     if report is not None and not report.ok:
         print(
             f"recovered {len(graph)} turns from before the damage at offset "
-            f"{report.error_offset} ({report.error}){keys if rekeyed else ''}; wrote {args.output}"
+            f"{report.error_offset} ({report.error}){keys}; wrote {args.output}"
         )
-    elif rekeyed:
+    elif keys:
         print(f"recovered all {len(graph)} turns of {args.file}{keys}; wrote {args.output}")
     else:
         print(

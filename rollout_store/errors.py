@@ -16,6 +16,7 @@ __all__ = [
     "ChecksumMismatch",
     "UnsupportedVersionError",
     "IndexKeyMismatch",
+    "IndexKeyRecomputeError",
     "StoreError",
     "StoreUnavailableError",
     "MissingObjectError",
@@ -125,6 +126,26 @@ class IndexKeyMismatch(CorruptFileError):
         self.node_id = node_id
         self.recorded = recorded
         self.expected = expected
+
+
+class IndexKeyRecomputeError(CorruptFileError):
+    """`verify` could not recompute a turn record's index keys from its content (`cause`
+    says why), so it cannot vouch for them. The content is intact: `load` files the turn
+    under the keys its record names, as it files every turn, and so does `load(recover=True)`,
+    listing it in `LoadReport.unkeyed`. `node_id` is the turn, `cause` what failed."""
+
+    def __init__(self, *, node_id: str, cause: str, offset: int, record: int) -> None:
+        super().__init__(
+            f"turn {node_id!r}: its index keys cannot be recomputed from its content "
+            f"({cause}), so they are not checked; its content is intact: load (and "
+            "recover=True, which lists it in load_report.unkeyed) keeps it and every later "
+            "turn, this one filed under the keys its record names (a turn added to the "
+            "loaded graph may not find it as its parent); please report the file",
+            offset=offset,
+            record=record,
+        )
+        self.node_id = node_id
+        self.cause = cause
 
 
 # ---------------------------------------------------------------- content stores

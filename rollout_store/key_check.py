@@ -20,9 +20,25 @@ conversations are interleaved; past that, a turn whose base's state was let go h
 chain again (measured: 300 conversations x 100 turns, about 11x `load`).
 
 What is exact: the request and token keys (None exactly where `add_turn` files no key),
-the prompt key when given (`add_turn` leaves it out where a parent was found by tokens,
-which the record cannot tell), the prefix keys of a root when given, and, at the end of
-the file, that every turn still a root without token ids is filed under its prefixes.
+the prefix keys of a root when given, at the end of the file that every turn still a root
+without token ids is filed under its prefixes, and the prompt key where `add_turn` names one:
+it files a root prompt (one that extends no earlier turn's tokens: a record's prompt that is
+new, or the same as such a turn's) of ids that all fit 32 bits under their xxh3-64 digest,
+and no other (a prompt that extends its token parent's is reached through that parent), so
+a record shows where the key belongs and one dropped there is refused. (A record gives such
+a prompt as extending that parent's tokens: the writer always can, the parent's record
+coming first; one it could not name would be written whole, as new, and refused here.)
+
+A prompt key on a prompt that extends another's is checked against its content but allowed:
+files of earlier versions name it, and filing such a prompt changes no link (it is only
+found again by a later turn of exactly that prompt, which then shares its ids). A dropped
+root prompt key changes no link either (a root is found by its token key): a retry of that
+prompt would keep its ids a second time.
+
+A key that cannot be recomputed at all (a record the check cannot follow, though the load
+accepts it) raises `IndexKeyRecomputeError` in `check`; `rekeyed` keeps such a turn under
+the keys its record names and lists it in `unkeyed` (a load never drops an intact turn, and
+every turn after it, over a key).
 
 `rekeyed` gives the keys to file a turn under instead, recomputed the same way (a load with
 `recover=True`, which so repairs such a file, and every load of a version-1 file, whose keys
@@ -33,7 +49,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import blake3
 import msgpack
@@ -42,7 +58,7 @@ import xxhash
 from .blobs import BlobTable
 from .confirm import digest_key
 from .encoding import ECHO_PACKED, EXT_ECHO, array_header, unpack
-from .errors import IndexKeyMismatch
+from .errors import IndexKeyMismatch, IndexKeyRecomputeError, StoreError
 from .intake import MAX_DEPTH
 from .keys import short_key
 from .packed import MESSAGES_DEPTH, QUICK_LIMIT, check_packed
@@ -50,7 +66,7 @@ from .requests import RequestStore
 from .stored import NO_MESSAGES, RESPONSE_REFS, TAIL_ECHO, TAIL_REFS, IndexKeys, Turn
 from .tokens import BLOCK, TokenRun
 
-__all__ = ["KeyCheck"]
+__all__ = ["KeyCheck", "UnkeyedTurn"]
 
 #: Hash states kept for the latest turns (requests) and token runs; an older one is
 #: hashed again from its content when a later turn extends it.
@@ -62,6 +78,16 @@ _ECHO: Final = msgpack.ExtType(EXT_ECHO, b"")  # packs back to ECHO_PACKED
 
 # (xxh3-64 state over the run's whole blocks, the bytes after them) or None: not compact
 _RunState = tuple[Any, bytes] | None
+
+
+class UnkeyedTurn(NamedTuple):
+    """A turn whose index keys could not be recomputed from its content (`KeyCheck.rekeyed`):
+    kept, filed under the keys its record names. `cause` says what failed."""
+
+    node_id: str
+    record: int  # its turn record's index in the file
+    offset: int  # and the record's offset
+    cause: str
 
 
 class KeyCheck:
@@ -85,11 +111,22 @@ class KeyCheck:
         # such a turn must be re-linked under a later one by the end of the file
         self.unfiled_roots: list[tuple[Turn, int, int]] = []
         self.rekeyed_turns = 0  # (see `rekeyed`)
+        self.unkeyed: list[UnkeyedTurn] = []  # (see `rekeyed`)
 
     # ------------------------------------------------------------------ the checks
 
     def check(self, turn: Turn, keys: IndexKeys, offset: int, record: int) -> None:
-        """Compare the keys a turn record carries with those its content gives."""
+        """Compare the keys a turn record carries with those its content gives: a mismatch
+        raises `IndexKeyMismatch`, a key that cannot be recomputed `IndexKeyRecomputeError`
+        (a content store's error propagates: it is not the file's)."""
+        try:
+            self._check(turn, keys, offset, record)
+        except (IndexKeyMismatch, StoreError):
+            raise
+        except Exception as exc:
+            raise _unrecomputable(turn, exc, offset, record) from exc
+
+    def _check(self, turn: Turn, keys: IndexKeys, offset: int, record: int) -> None:
         request = self.request_key(turn)
         if keys.request != request:
             raise _mismatch(turn, "request", keys.request, request, offset, record)
@@ -97,10 +134,9 @@ class KeyCheck:
         token = None if prompt_run is None else self._token_key(turn)
         if keys.token != token:
             raise _mismatch(turn, "token", keys.token, token, offset, record)
-        if keys.prompt is not None:
-            prompt = None if prompt_run is None else self._prompt_key(prompt_run)
-            if keys.prompt != prompt:
-                raise _mismatch(turn, "prompt", keys.prompt, prompt, offset, record)
+        prompt = self.prompt_key(turn, keys.prompt is not None)
+        if keys.prompt != prompt:
+            raise _mismatch(turn, "prompt", keys.prompt, prompt, offset, record)
         roots = keys.roots
         waits = _waits(turn, request)
         if roots is None:
@@ -118,22 +154,35 @@ class KeyCheck:
     def rekeyed(self, turn: Turn, keys: IndexKeys, offset: int, record: int) -> IndexKeys:
         """The keys to file a turn under when they are recomputed rather than checked (a
         version-1 file, whose keys are of an earlier scheme, or a load with `recover=True`):
-        each from the turn's content, the prompt key where the record names one, and the
-        prefix keys of every root without token ids (a root re-linked later leaves them
-        again, as when it was added). `rekeyed_turns` counts the turns whose records named
-        other keys."""
+        each from the turn's content, the prompt key of a root prompt and of any prompt whose
+        record names one, and the prefix keys of every root without token ids (a root
+        re-linked later leaves them again, as when it was added). `rekeyed_turns` counts the
+        turns whose records named other keys.
+
+        A turn whose keys cannot be recomputed (`IndexKeyRecomputeError` from the check) is
+        kept all the same, filed under the keys its record names (what a plain `load`
+        trusts), and listed in `unkeyed`: it is intact, and dropping it would drop every
+        later turn with it."""
         try:
             self.check(turn, keys, offset, record)
+            changed = False
         except IndexKeyMismatch:
-            self.rekeyed_turns += 1
-        request = self.request_key(turn)
-        prompt_run = turn.prompt
-        token = prompt = None
-        if prompt_run is not None:
-            token = self._token_key(turn)
-            if keys.prompt is not None:
-                prompt = self._prompt_key(prompt_run)
-        roots = self.prefix_keys(turn) if _waits(turn, request) else None
+            changed = True
+        except IndexKeyRecomputeError as error:
+            self.unkeyed.append(UnkeyedTurn(turn.node_id, record, offset, error.cause))
+            return keys
+        try:
+            request = self.request_key(turn)
+            prompt_run = turn.prompt
+            token = None if prompt_run is None else self._token_key(turn)
+            prompt = self.prompt_key(turn, keys.prompt is not None)
+            roots = self.prefix_keys(turn) if _waits(turn, request) else None
+        except StoreError:
+            raise
+        except Exception as exc:  # (the check recomputed all but a root's prefix keys)
+            self.unkeyed.append(UnkeyedTurn(turn.node_id, record, offset, _cause(exc)))
+            return keys
+        self.rekeyed_turns += changed
         return IndexKeys(request, token, prompt, roots)
 
     def finish_rekeyed(self) -> int:
@@ -149,7 +198,12 @@ class KeyCheck:
         under a later turn (a snapshot leaves them out of such a turn only)."""
         for turn, offset, record in self.unfiled_roots:
             if turn.parent is None:
-                expected = self.prefix_keys(turn)
+                try:
+                    expected = self.prefix_keys(turn)
+                except StoreError:
+                    raise
+                except Exception as exc:
+                    raise _unrecomputable(turn, exc, offset, record) from exc
                 raise _mismatch(turn, "roots", None, expected, offset, record)
         self.unfiled_roots.clear()
 
@@ -279,6 +333,17 @@ class KeyCheck:
         key: int = hasher.intdigest()
         return key
 
+    def prompt_key(self, turn: Turn, named: bool = False) -> int | None:
+        """The key `add_turn` files the turn's prompt under (None: not filed): that of a root
+        prompt (one that extends no earlier turn's tokens) of ids that all fit 32 bits, and,
+        where the record names one (`named`), that of any prompt (earlier versions filed a
+        prompt that extends another's too; filing one changes no link, see the module
+        docstring)."""
+        prompt = turn.prompt
+        if prompt is None or not (named or prompt.prev is None):
+            return None
+        return self._prompt_key(prompt)
+
     def _prompt_key(self, prompt: TokenRun) -> int | None:
         """The xxh3-64 digest of the prompt ids (a root's prompt is filed under it)."""
         state = self._run_state(prompt)
@@ -371,6 +436,18 @@ def _shown(key: Any) -> str:
     if isinstance(key, list):
         return f"{len(key)} prefix keys"
     return f"{key:#018x}"
+
+
+def _cause(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _unrecomputable(
+    turn: Turn, exc: BaseException, offset: int, record: int
+) -> IndexKeyRecomputeError:
+    return IndexKeyRecomputeError(
+        node_id=turn.node_id, cause=_cause(exc), offset=offset, record=record
+    )
 
 
 def _mismatch(

@@ -15,7 +15,7 @@ import contextlib
 import os
 from array import array
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import partial
 from pathlib import Path
@@ -64,7 +64,7 @@ from .frames import (
 )
 from .graph import Graph, GraphRestorer, JournalEntry
 from .intake import MAX_DEPTH, token_array
-from .key_check import KeyCheck
+from .key_check import KeyCheck, UnkeyedTurn
 from .packed import (
     MESSAGES_DEPTH,
     PackedInfo,
@@ -96,6 +96,7 @@ __all__ = [
     "PromptKind",
     "RolloutGraph",
     "TurnRecord",
+    "UnkeyedTurn",
     "load",
     "open_append",
     "save",
@@ -557,6 +558,9 @@ class LoadReport:
     # turns whose records named other index keys than their content gives, filed under the
     # recomputed ones (`load(recover=True)`, and every load of a version-1 file)
     keys_recomputed: int = 0
+    # turns whose keys could not be recomputed there (each with its record and the cause):
+    # kept, filed under the keys their records name, as a plain load files every turn
+    unkeyed: list[UnkeyedTurn] = field(default_factory=list)
 
     def fail(self, exc: CorruptFileError, truncated: bool = False) -> None:
         # the report outlives the read: its error keeps no frames (they hold the file's bytes)
@@ -1196,6 +1200,7 @@ class _Records:
                     report.fail(exc)
         if self.loader is not None and self.loader.rekey and self.loader.key_check is not None:
             report.keys_recomputed = self.loader.key_check.finish_rekeyed()
+            report.unkeyed = self.loader.key_check.unkeyed
         return self.loader if self.loader is not None else _Loader(None)
 
 
@@ -1351,7 +1356,8 @@ def load(
     then recomputed from its content rather than trusted (`keys_recomputed` in the report
     counts the turns whose records named others), so saving the graph repairs a file that
     `verify` refuses with `IndexKeyMismatch`. A version-1 file's keys, of an earlier scheme,
-    are always recomputed.
+    are always recomputed. A turn whose keys cannot be recomputed is kept all the same, under
+    the keys its record names, and listed in the report's `unkeyed`.
 
     `store`: the graph keeps its long strings in this content store (and `cache`, see
     `RolloutGraph`). Required for a file saved with ``blobs="store"`` (else

@@ -28,6 +28,7 @@ from rollout_store import (
     DirectoryStore,
     FileWriteError,
     IndexKeyMismatch,
+    IndexKeyRecomputeError,
     MemoryStore,
     RawJSON,
     RolloutGraph,
@@ -223,6 +224,75 @@ def test_a_prompt_key_changed_is_refused(tmp_path: Path) -> None:
     write(path, with_key(records, at, "prompt", key ^ 1))
     error = assert_refused(path, "prompt", at)
     assert error.recorded == key ^ 1 and error.expected == key
+
+
+def test_a_root_prompts_key_dropped_is_refused_and_recover_files_it_again(tmp_path: Path) -> None:
+    """add_turn files every root prompt (one that extends no earlier turn's tokens, of ids
+    that fit 32 bits) under its digest, and no other: the record shows which (a prompt that
+    extends another's names that turn), so a key dropped from a root's record is refused. It
+    used to pass. What it costs a plain load: the prompt is not found again, so a retry of
+    the root keeps its ids a second time; no link changes (roots are found by their token
+    key). recover files it again, and so does the file it saves."""
+    path = tmp_path / "log.rls"
+    turns = token_log(path)
+    records = records_of(path.read_bytes())
+    at = turn_at(records, "k0")
+    key = keys_of(records, at)[2]
+    assert key is not None
+    assert [keys_of(records, turn_at(records, f"k{k}"))[2] for k in (1, 2)] == [None, None]
+    write(path, with_key(records, at, "prompt", None))
+    error = assert_refused(path, "prompt", at)
+    assert error.recorded is None and error.expected == key
+    retry = TurnNode(node_id="retry", prompt_ids=list(turns[0]["prompt_ids"]), sampled_ids=[1])
+    after = token_turns(6, n_new=70)[5]
+    trusted = RolloutGraph.load(path)
+    assert trusted.add_turn(copy.deepcopy(retry)).parent_id is None
+    assert trusted.add_turn(TurnNode(**copy.deepcopy(after))).parent_id == "k4"
+    first, *_, again, _ = (e.turn for e in trusted.journal_entries())
+    assert again.node_id == "retry" and again.prompt is not first.prompt  # not shared
+    recovered = RolloutGraph.load(path, recover=True)
+    assert recovered.load_report.keys_recomputed == 1
+    assert recovered.add_turn(copy.deepcopy(retry)).parent_id is None
+    first, *_, again = (e.turn for e in recovered.journal_entries())
+    assert again.prompt is first.prompt  # shared, as in the graph that wrote the file
+    out = tmp_path / "fixed.rls"
+    RolloutGraph.load(path, recover=True).save(out)
+    assert storage.verify(out).ok
+    assert keys_of(records_of(out.read_bytes()), at)[2] == key
+
+
+def test_a_prompt_key_of_a_prompt_that_extends_another_is_checked_when_given(
+    tmp_path: Path,
+) -> None:
+    """add_turn names none there (the prompt is reached through its parent's tokens), but
+    files of an earlier main do (tests/data/v2_*.rls): one that its content gives verifies,
+    any other is refused."""
+    from array import array
+
+    import xxhash
+
+    path = tmp_path / "log.rls"
+    turns = token_log(path)
+    records = records_of(path.read_bytes())
+    at = turn_at(records, "k2")
+    assert keys_of(records, at)[2] is None
+    key = xxhash.xxh3_64_intdigest(array("I", turns[2]["prompt_ids"]).tobytes())
+    write(path, with_key(records, at, "prompt", key))
+    assert storage.verify(path).ok
+    write(path, with_key(records, at, "prompt", key ^ 1))
+    assert assert_refused(path, "prompt", at).expected == key
+
+
+def test_a_prompt_of_ids_beyond_32_bits_names_no_key(tmp_path: Path) -> None:
+    """Such a root prompt is stored exactly and never filed: a key on it is refused."""
+    path = tmp_path / "log.rls"
+    with RolloutGraph.open(path, fsync="never") as graph:
+        graph.add_turn(TurnNode(node_id="big", prompt_ids=[2**40, 3], sampled_ids=[1]))
+    records = records_of(path.read_bytes())
+    at = turn_at(records, "big")
+    assert keys_of(records, at)[2] is None and storage.verify(path).ok
+    write(path, with_key(records, at, "prompt", 12345))
+    assert assert_refused(path, "prompt", at).expected is None
 
 
 @pytest.mark.parametrize("pad", [0, 150_000], ids=["short", "messages over 64 KiB"])
@@ -798,3 +868,148 @@ def test_the_advice_for_a_wrong_key_promises_no_turn_past_later_damage(
     assert cli_main(["recover", str(path), "-o", str(tmp_path / "out.rls")]) == 0
     assert "recovered 4 turns from before the damage" in capsys.readouterr().out
     assert len(RolloutGraph.load(tmp_path / "out.rls")) == 4
+
+
+# ---------------------------------------------------------------- keys that cannot be recomputed
+
+
+def _failing_request_key(monkeypatch: pytest.MonkeyPatch, node_ids: set[str]) -> None:
+    """Recomputing the request key of these turns raises (whatever the cause: a record the
+    check cannot follow, a bug in it); the turns' content is intact."""
+    from rollout_store import key_check
+
+    request_key = key_check.KeyCheck.request_key
+
+    def failing(self: key_check.KeyCheck, turn: Any) -> Any:
+        if turn.node_id in node_ids:
+            raise ValueError("cannot follow this tail")
+        return request_key(self, turn)
+
+    monkeypatch.setattr(key_check.KeyCheck, "request_key", failing)
+
+
+def test_recover_keeps_a_turn_whose_keys_cannot_be_recomputed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """recover dropped such a turn and every intact turn after it, as damage. It now keeps
+    them all: the turn filed under the keys its record names (what a plain load trusts), and
+    named in the report with the reason; the other turns' keys are recomputed as before."""
+    path = tmp_path / "log.rls"
+    turns = chat_log(path)
+    records = records_of(path.read_bytes())
+    at = turn_at(records, "m2")
+    before = path.read_bytes()
+    _failing_request_key(monkeypatch, {"m2"})
+    recovered = RolloutGraph.load(path, recover=True)
+    report = recovered.load_report
+    assert recovered.node_ids() == [f"m{k}" for k in range(5)]
+    assert report.ok, report.error
+    assert [(u.node_id, u.record, u.offset) for u in report.unkeyed] == [
+        ("m2", at, frame_offsets(before)[at])
+    ]
+    assert "cannot follow this tail" in report.unkeyed[0].cause
+    assert report.keys_recomputed == 0
+    assert [recovered.parent(f"m{k}") for k in range(5)] == [None, "m0", "m1", "m2", "m3"]
+    assert recovered.add_turn(continuation(turns[2])).parent_id == "m2"  # its record's keys
+    assert recovered.add_turn(continuation(turns[4])).parent_id == "m4"
+    assert path.read_bytes() == before
+    # the command says so, and writes every turn
+    out = tmp_path / "out.rls"
+    assert cli_main(["recover", str(path), "-o", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "recovered all 5 turns" in said and "1 of them (m2) kept under" in said
+    assert RolloutGraph.load(out).node_ids() == [f"m{k}" for k in range(5)]
+
+
+def test_verify_names_a_turn_whose_keys_cannot_be_recomputed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """verify cannot vouch for such a turn: it stops there with an error naming the turn, its
+    record and the reason, and says what recover does with it (the file is left as it was)."""
+    path = tmp_path / "log.rls"
+    chat_log(path)
+    records = records_of(path.read_bytes())
+    at = turn_at(records, "m3")
+    before = path.read_bytes()
+    _failing_request_key(monkeypatch, {"m3"})
+    report = storage.verify(path)
+    error = report.exception
+    assert isinstance(error, IndexKeyRecomputeError), report.error
+    assert error.node_id == "m3" and error.record == at
+    assert report.error_offset == frame_offsets(before)[at] == error.offset
+    assert "'m3'" in str(error) and "cannot follow this tail" in str(error)
+    assert "recover=True" in str(error) and "load_report.unkeyed" in str(error)
+    assert report.turns == 3
+    assert cli_main(["verify", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "cannot be recomputed" in err and f"rollout-store recover {path} -o OUT" in err
+    assert path.read_bytes() == before
+
+
+def test_verify_reports_prefix_keys_that_cannot_be_recomputed_at_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The end-of-file check of roots waiting without prefix keys recomputes them: an error
+    there escaped verify (which never raises for what a file holds)."""
+    from rollout_store import key_check
+
+    path = tmp_path / "log.rls"
+    turns = chat_turns(4)
+    with RolloutGraph.open(path, fsync="never") as graph:
+        graph.add_turn(TurnNode(node_id="late", **copy.deepcopy(turns[3])))
+        graph.add_turn(TurnNode(node_id="other", request_messages=[{"role": "user"}]))
+    records = records_of(path.read_bytes())
+    at = turn_at(records, "late")
+    write(path, with_key(records, at, "roots", None))
+
+    prefix_keys = key_check.KeyCheck.prefix_keys
+
+    def failing(self: key_check.KeyCheck, turn: Any) -> list[int]:
+        if turn.node_id == "late":
+            raise ValueError("cannot follow this tail")
+        return prefix_keys(self, turn)
+
+    monkeypatch.setattr(key_check.KeyCheck, "prefix_keys", failing)
+    report = storage.verify(path)
+    error = report.exception
+    assert isinstance(error, IndexKeyRecomputeError), report.error
+    assert error.node_id == "late" and error.record == at
+
+
+@pytest.mark.parametrize("name", ["v1_log.rls", "v1_snapshot.rls"])
+def test_a_version_1_load_keeps_a_turn_whose_keys_cannot_be_recomputed(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every load of a version-1 file recomputes its keys: one that cannot be recomputed
+    failed the whole load (a plain one) or dropped the turn and all after it (recover)."""
+    node_ids = RolloutGraph.load(DATA / name).node_ids()
+    middle = node_ids[len(node_ids) // 2]
+    _failing_request_key(monkeypatch, {middle})
+    for recover in (False, True):
+        graph = RolloutGraph.load(DATA / name, recover=recover)
+        assert graph.node_ids() == node_ids
+        report = graph.load_report
+        assert report.ok and [u.node_id for u in report.unkeyed] == [middle]
+
+
+def test_recover_lists_every_turn_whose_keys_hash_a_tail_that_cannot_be_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A later turn's request is hashed from its base's state, so a base tail the check cannot
+    follow leaves that turn's keys unrecomputed too: each is kept and listed, none dropped."""
+    from rollout_store import key_check
+
+    path = tmp_path / "log.rls"
+    chat_log(path)
+    tail_plain = key_check.KeyCheck._tail_plain
+
+    def failing(self: key_check.KeyCheck, turn: Any) -> Any:
+        if turn.node_id == "m2":
+            raise ValueError("cannot follow this tail")
+        return tail_plain(self, turn)
+
+    monkeypatch.setattr(key_check.KeyCheck, "_tail_plain", failing)
+    recovered = RolloutGraph.load(path, recover=True)
+    assert recovered.node_ids() == [f"m{k}" for k in range(5)]
+    assert [u.node_id for u in recovered.load_report.unkeyed] == ["m2", "m3", "m4"]
+    assert [recovered.parent(f"m{k}") for k in range(5)] == [None, "m0", "m1", "m2", "m3"]
