@@ -29,8 +29,6 @@ from .stored import (
 from .tokens import (
     BLOCK,
     ArrayRun,
-    PackedFull,
-    PackedPrompt,
     TokenRun,
     block_digests,
     packable,
@@ -153,24 +151,25 @@ class Linker:
             # a retry of a continuation finds its prompt among its parent's children: only
             # prompts without a token parent are filed (a key and a slot fewer a turn)
             run = _sibling_prompt(parent, data, len(prompt))
-        packed = None
+        packed = False
         # (a packed parent's full run is a view made on each read: read once)
         before = parent.full if run is None and parent is not None else None
         if before is not None:
             new = prompt[before.length :]
-            if packable(new, sampled, turn.logprobs):
-                # the common case: new ids, sampled ids and logprobs in one object
-                run = packed = PackedPrompt(before, new, sampled, turn.logprobs)
+            kept = turn.logprobs
+            if packable(new, sampled, kept):
+                # the common case: new ids, sampled ids and logprobs in the turn itself
+                turn.pack_tokens(before, new, sampled, kept)
+                run, packed = turn, True
             else:
                 run = ArrayRun(before, new)
         elif run is None:  # a root prompt: graphs over one memory store share it
             run = ArrayRun(None, self.requests.blobs.share_tokens(prompt))
-        turn.prompt = run
         full: TokenRun | None
-        if packed is not None:
-            full = PackedFull(packed) if sampled is not None and len(sampled) else packed
-            turn.pack_tokens(packed, full)
+        if packed:
+            full = turn.full
         else:
+            turn.prompt = run
             full = turn.full = full_run(run, sampled)
         if full is not None and full.compact:
             full_data = data if full is run else data + sampled.tobytes()  # type: ignore[union-attr]

@@ -86,7 +86,7 @@ from .stored import (
     full_run,
     is_above,
 )
-from .tokens import ArrayRun, PackedFull, PackedPrompt, TokenRun, packable, run_list
+from .tokens import ArrayRun, PackedFull, TokenRun, packable, run_list
 
 __all__ = [
     "FORMAT_VERSION",
@@ -167,6 +167,7 @@ _IN_MEMORY_FLAGS = (
     TurnFlag.HAS_DIGEST
     | TurnFlag.HAS_KEY
     | TurnFlag.HAS_RESPONSE
+    | TurnFlag.HAS_TOKENS
     | TurnFlag.LINK_LOW
     | TurnFlag.LINK_HIGH
 )
@@ -375,7 +376,7 @@ class _Writer:
         parent, base, side = turn.parent, turn.base, turn.side
         parent_index = parent.index if parent is not None and parent.index < turn.index else None
         logprobs, sampled = side.logprobs, side.sampled
-        if sampled is PACKED or logprobs is PACKED:  # kept in the turn's PackedPrompt
+        if sampled is PACKED or logprobs is PACKED:  # kept packed in the turn
             logprobs, sampled = turn.logprobs, turn.sampled
         if isinstance(logprobs, array):
             logprobs = encode_segment(logprobs)
@@ -916,11 +917,8 @@ class _Loader:
             and spec[0] == PromptKind.EXTENDS  # a run of its own, shared with no turn
             and isinstance(prompt.seg, array)
             and packable(prompt.seg, sampled, side.logprobs)
-        ):  # as add_turn keeps it: new ids, sampled ids and logprobs in one object
-            packed = PackedPrompt(prompt.prev, prompt.seg, sampled, side.logprobs)
-            turn.pack_tokens(
-                packed, PackedFull(packed) if sampled is not None and len(sampled) else packed
-            )
+        ):  # as add_turn keeps it: new ids, sampled ids and logprobs in the turn itself
+            turn.pack_tokens(prompt.prev, prompt.seg, sampled, side.logprobs)
 
     def _moves(self, turn: Turn, moves: list[tuple[int, int]]) -> list[tuple[Turn, LinkKind]]:
         """Earlier turns that this one re-linked under itself."""

@@ -18,13 +18,14 @@ from typing import Any, Final, NamedTuple, Protocol, TypeVar, overload
 from .confirm import digest_key
 from .encoding import ECHO_PACKED, array_header
 from .errors import RolloutStoreError
-from .tokens import ArrayRun, PackedFull, PackedPrompt, TokenRun
+from .tokens import ArrayRun, PackedFull, PackedRun, TokenRun, packed_size
 
 __all__ = [
     "EMPTY_PROMPT",
     "HAS_DIGEST",
     "HAS_KEY",
     "HAS_RESPONSE",
+    "HAS_TOKENS",
     "LOGPROBS_PACKED",
     "MESSAGES_TUPLE",
     "NO_MESSAGES",
@@ -91,6 +92,9 @@ class TurnFlag(IntEnum):
     LINK_HIGH = 16384
     # `Turn.data` holds a response (see Turn.response)
     HAS_RESPONSE = 32768
+    # `Turn.data` starts with the turn's packed token ids (the turn is a packed run: see
+    # Turn.pack_tokens)
+    HAS_TOKENS = 65536
 
 
 # The TurnFlag bits as plain ints, defined here once for the code that tests them on every
@@ -111,6 +115,7 @@ PREFIX_SPECIAL: Final = int(TurnFlag.PREFIX_SPECIAL)
 HAS_DIGEST: Final = int(TurnFlag.HAS_DIGEST)
 HAS_KEY: Final = int(TurnFlag.HAS_KEY)
 HAS_RESPONSE: Final = int(TurnFlag.HAS_RESPONSE)
+HAS_TOKENS: Final = int(TurnFlag.HAS_TOKENS)
 
 
 class LinkKind(IntEnum):
@@ -282,7 +287,7 @@ class _Packed:
         return "PACKED"
 
 
-#: What a side holds for sampled ids and logprobs that its turn's `PackedPrompt` holds.
+#: What a side holds for sampled ids and logprobs that its turn holds packed (see `Turn`).
 PACKED: Any = _Packed()
 
 
@@ -294,26 +299,25 @@ def _no_ids_of_its_own(segment: Any) -> bool:
 
 def _unpack(turn: Turn) -> TurnSide:
     """The turn's own side, holding its sampled ids and logprobs: a packed turn's moved there
-    from its `PackedPrompt` (as fresh arrays), before either changes."""
+    from its packed bytes (as fresh arrays), before either changes."""
     side = turn.side
     if side.shared:
         side = turn.side = side.copy()
     if side.sampled is PACKED:
-        prompt: PackedPrompt = turn.prompt  # type: ignore[assignment]
-        side.sampled, side.logprobs = prompt.sampled(), prompt.logprobs()
+        side.sampled, side.logprobs = turn.sampled_ids(), turn.sampled_logprobs()
     return side
 
 
 def _token_property(name: str, doc: str) -> Any:
     """A `Turn` token field kept in its side; marked `PACKED` there, it is read from the
-    turn's `PackedPrompt` (as a fresh array)."""
+    turn's packed bytes (as a fresh array)."""
     field = getattr(TurnSide, name)  # the slot's descriptor
-    read = {"sampled": PackedPrompt.sampled, "logprobs": PackedPrompt.logprobs}[name]
+    read = {"sampled": PackedRun.sampled_ids, "logprobs": PackedRun.sampled_logprobs}[name]
 
     def get(turn: Turn) -> Any:
         value = field.__get__(turn.side)
         if value is PACKED:
-            return read(turn.prompt)  # type: ignore[arg-type]
+            return read(turn)
         return value
 
     def set_(turn: Turn, value: Any) -> None:
@@ -322,7 +326,7 @@ def _token_property(name: str, doc: str) -> Any:
     return property(get, set_, doc=doc)
 
 
-class Turn:
+class Turn(PackedRun):
     """The stored form of a turn: references and packed bytes only.
 
     Kept small, since a graph holds one per turn (10 slots): the id is derived from the index
@@ -331,8 +335,14 @@ class Turn:
     message count are one bytes object (`data`); the scalar fields, shared values and token
     fields are a
     `TurnSide`, one for every turn alike; its token runs (`prompt`, and `full`: prompt +
-    sampled) are its own slots, so turns alike but for their tokens share a side. All of
-    them read and write through properties of the names they had as fields.
+    sampled) are its own, so turns alike but for their tokens share a side. All of them read
+    and write through properties of the names they had as fields.
+
+    A token turn is its own prompt's chain node: a `PackedRun` packed by `pack_tokens`, its
+    new prompt ids, sampled ids and logprobs at the start of `data` (HAS_TOKENS), the run
+    before them in `after`; so `prompt` is the turn itself and neither a node nor a bytes
+    object is kept apart from it. Any other turn's prompt run (an `ArrayRun`, another turn's
+    prompt, or None) is kept in `after`: such a turn is never a node of a chain.
     """
 
     __slots__ = (
@@ -344,7 +354,6 @@ class Turn:
         "index",
         "kids",
         "parent",
-        "prompt",
         "side",
     )
 
@@ -354,50 +363,80 @@ class Turn:
     kids: Turn | tuple[Turn, ...] | None  # the children: one bare, several as a tuple
     flags: int  # TurnFlag bits, and the link kind
     base: Turn | None  # the turn whose non-system request this one extends
-    # tail, response, digest, index key, n_rest (see the properties of those names)
+    # packed tokens, tail, response, digest, index key, n_rest (see the properties of those
+    # names)
     data: bytes
     side: TurnSide
-    prompt: TokenRun | None  # prompt token runs, if any
-    # prompt + sampled (see `full`); `PACKED`: the `PackedFull` over its packed prompt
+    # prompt + sampled (see `full`); `PACKED`: the `PackedFull` over its packed prompt, None
+    # in a packed turn: its prompt (it sampled nothing)
     _full: TokenRun | None
 
     def __init__(self) -> None:
         self.data = _NO_REQUEST
         self.ident = None
         self.kids = None
-        self.prompt = self._full = None
+        self.after = self._full = None
+        self.flags = 0
         self.side = TurnSide()  # its own until the graph finds one alike (see TurnSide)
 
-    def pack_tokens(self, prompt: PackedPrompt, full: TokenRun) -> None:
-        """Set the token fields to a `PackedPrompt` that holds the sampled ids and logprobs
-        too, and `full` (a `PackedFull` over it, or the prompt when nothing was sampled).
+    def pack_tokens(
+        self, before: TokenRun | None, new: array[int], sampled: Any, logprobs: Any
+    ) -> None:
+        """Make the turn its own prompt: the tokens of `before`, then `new`, with the sampled
+        ids and logprobs packed in it too (`packable` says which fit); its full run is a
+        `PackedFull` over it, or itself when nothing was sampled.
 
-        While its side says `PACKED`, its sampled ids and logprobs are its prompt's: setting
-        either moves them into a side of its own first, and its prompt is not changed after
-        this."""
+        While its side says `PACKED`, its sampled ids and logprobs are the packed ones:
+        setting either moves them into a side of its own first, and its tokens are not
+        changed after this."""
+        if self.flags & HAS_TOKENS:
+            raise RolloutStoreError("a turn's prompt is packed once")
+        self.data = b"".join((*self.pack(before, new, sampled, logprobs), self.data))
+        self.flags |= HAS_TOKENS
         side = self.side
         if side.shared:
             side = self.side = side.copy()
         side.sampled = side.logprobs = PACKED
-        self.prompt = prompt
-        self.full = full
+        self._full = PACKED if sampled is not None and len(sampled) else None
+
+    def _tokens(self) -> memoryview:
+        """The packed token ids at the start of `data`, a view (for a token turn only)."""
+        data = self.data
+        return memoryview(data)[: packed_size(data)]
+
+    @property
+    def prompt(self) -> TokenRun | None:
+        """The prompt's token run (None: no token ids): the turn itself when packed."""
+        if self.flags & HAS_TOKENS:
+            return self
+        return self.after  # type: ignore[return-value]
+
+    @prompt.setter
+    def prompt(self, run: TokenRun | None) -> None:
+        if self.flags & HAS_TOKENS:
+            raise RolloutStoreError("a packed turn's prompt is not replaced")
+        self.after = run
 
     @property
     def full(self) -> TokenRun | None:
         """Prompt + sampled, what a child's prompt extends (the prompt when nothing was
-        sampled). A packed prompt's is a `PackedFull` view made here, for the turn keeps
-        none (a `PACKED` mark in its place): one object fewer a turn."""
+        sampled). A packed turn's is a `PackedFull` view made here, for the turn keeps none
+        (a `PACKED` mark in its place): one object fewer a turn."""
         full = self._full
         if full is PACKED:
-            return PackedFull(self.prompt)  # type: ignore[arg-type]
+            return PackedFull(self)
+        if full is None and self.flags & HAS_TOKENS:
+            return self
         return full
 
     @full.setter
     def full(self, full: TokenRun | None) -> None:
-        if type(full) is PackedFull and full.prompt is self.prompt:
-            self._full = PACKED
-        else:
+        if not self.flags & HAS_TOKENS:
             self._full = full
+        elif full is self or (type(full) is PackedFull and full.prompt is self):
+            self._full = PACKED if full is not self else None
+        else:
+            raise RolloutStoreError("a packed turn's full run is a view over it")
 
     # -- identity, link and children
 
@@ -431,9 +470,10 @@ class Turn:
     def children(self, children: tuple[Turn, ...] | None) -> None:
         self.kids = children[0] if children is not None and len(children) == 1 else children
 
-    # -- the request and the response in one bytes object, `data`:
-    #    tail | response | digest (32, HAS_DIGEST) | key (8, HAS_KEY: only one the digest does
-    #    not give) | response length (4, HAS_RESPONSE) | n_rest (4); integers little-endian
+    # -- the packed tokens, the request and the response in one bytes object, `data`:
+    #    packed tokens (HAS_TOKENS) | tail | response | digest (32, HAS_DIGEST) | key (8,
+    #    HAS_KEY: only one the digest does not give) | response length (4, HAS_RESPONSE) |
+    #    n_rest (4); integers little-endian
 
     def _ends(self) -> tuple[int, int]:
         """Where the tail ends and where the response ends (= where the trailer begins)."""
@@ -476,11 +516,12 @@ class Turn:
             and key == int.from_bytes(digest[:_KEY_SIZE], "little")
         ):  # the common case: a fresh turn with a response, filed under its digest's key
             size = len(response).to_bytes(4, "little")
-            self.data = b"".join((*tail_parts, response, digest, size, n_rest))
+            tokens = self._tokens() if self.flags & HAS_TOKENS else b""
+            self.data = b"".join((tokens, *tail_parts, response, digest, size, n_rest))
             self.flags = (self.flags & ~_PARTS_AFTER_TAIL) | _DIGEST_AND_RESPONSE
             return
         flags = self.flags & ~_PARTS_AFTER_TAIL
-        parts = list(tail_parts)
+        parts = [self._tokens() if flags & HAS_TOKENS else b"", *tail_parts]
         if response is not None:
             parts.append(response)
             flags |= HAS_RESPONSE
@@ -515,7 +556,8 @@ class Turn:
         if flags & HAS_KEY:
             start = end + (DIGEST_SIZE if digest is not None else 0)
             key = int.from_bytes(view[start : start + _KEY_SIZE], "little")
-        return view[:tail_end], response, digest, key, view[len(view) - 4 :]
+        start = packed_size(view) if flags & HAS_TOKENS else 0
+        return view[start:tail_end], response, digest, key, view[len(view) - 4 :]
 
     def set_request(self, tail_parts: Sequence[bytes], n_rest: int) -> None:
         """Set the tail (`tail_parts` joined) and `n_rest`; no digest and no key (set them
@@ -525,7 +567,8 @@ class Turn:
             self._store(tail_parts, response, None, None, _n_rest_bytes(n_rest))
             return
         self.flags &= ~(HAS_DIGEST | HAS_KEY)
-        self.data = b"".join((*tail_parts, _n_rest_bytes(n_rest)))
+        tokens = self._tokens() if self.flags & HAS_TOKENS else b""
+        self.data = b"".join((tokens, *tail_parts, _n_rest_bytes(n_rest)))
 
     def file_under(self, key: int | None, digest: bytes | None) -> None:
         """Set the index key and the digest at once (one copy)."""
@@ -548,6 +591,8 @@ class Turn:
     @property
     def tail(self) -> bytes:
         """The packed non-system messages after the base's."""
+        if self.flags & HAS_TOKENS:
+            return self.data[packed_size(self.data) : self._ends()[0]]
         return self.data[: self._ends()[0]]
 
     @tail.setter

@@ -18,11 +18,13 @@ __all__ = [
     "ArrayRun",
     "PackedFull",
     "PackedPrompt",
+    "PackedRun",
     "PromptAlone",
     "Segment",
     "TokenRun",
     "block_digests",
     "packable",
+    "packed_size",
     "run_bytes",
     "run_list",
 ]
@@ -39,7 +41,7 @@ class TokenRun:
     """A node of a token chain: the tokens of `prev`, then its own `seg`. Shared between turns.
 
     Two kinds: an `ArrayRun` holds its segment as it came; a turn's packed runs
-    (`PackedPrompt`, `PackedFull`) keep its new prompt ids, sampled ids and logprobs in one
+    (`PackedRun`, `PackedFull`) keep its new prompt ids, sampled ids and logprobs in one
     bytes object (see `pack_turn`), for a graph holds one chain node per turn.
     """
 
@@ -83,9 +85,9 @@ class TokenRun:
                 if len(seg) and not (isinstance(seg, array) and seg.typecode == "I"):
                     return False
                 run = run.prev
-            elif kind is PackedPrompt:  # packed ids are array('I'): no view is made
-                after = run.after  # type: ignore[attr-defined]
-                run = after.prompt if type(after) is PromptAlone else after
+            elif isinstance(run, PackedRun):  # packed ids are array('I'): no view is made
+                after = run.after
+                run = after.prompt if isinstance(after, PromptAlone) else after
             else:
                 run = run.prev
         return True
@@ -120,46 +122,60 @@ def _ids(data: bytes, start: int, n: int) -> array[int]:
     return out
 
 
-class PackedPrompt(TokenRun):
+class PackedRun(TokenRun):
     """A turn's prompt as one chain node (the tokens of `prev`, then its new ids), with the
     turn's sampled ids and logprobs in the same bytes object: one object per turn, not five
     (a run, an array of new ids, a run for prompt + sampled, the sampled and logprob
     arrays). `PackedFull` is the turn's prompt + sampled run over it, a view made when asked
     for: nothing keeps one.
 
-    `after` is the run before its new ids as kept: a `PackedPrompt` there stands for that
+    `after` is the run before its new ids as kept: a `PackedRun` there stands for that
     prompt's full run (its tokens, then its sampled ids), which is what a continuation
-    extends; `prev` gives the run itself (a `PackedFull` over it when it sampled ids)."""
+    extends; `prev` gives the run itself (a `PackedFull` over it when it sampled ids).
 
-    __slots__ = ("after", "data")
+    Two kinds: a `PackedPrompt` holds its packed bytes alone in `data`; a graph's stored turn
+    is a packed run itself (`stored.Turn`), its packed bytes the start of its own `data`, so
+    a token turn keeps no chain node and no token bytes object apart from its turn. Code that
+    asks whether a node is packed asks `isinstance(node, PackedRun)`, never `type(...) is`.
+    """
+
+    __slots__ = ("after",)
 
     after: TokenRun | PromptAlone | None
+    # starts with the head, the new ids, the sampled ids and the logprobs (see `pack`): a
+    # subclass's slot, which a packed run reads only as far as its head says
+    data: bytes
 
-    def __init__(self, prev: TokenRun | None, new: array[int], sampled: Any, logprobs: Any) -> None:
+    def pack(
+        self, prev: TokenRun | None, new: array[int], sampled: Any, logprobs: Any
+    ) -> list[Any]:
+        """Continue `prev` with `new` (sets `after`) and return the parts of the packed bytes
+        (the head, then buffers of `new`, the sampled ids and the logprobs), for the subclass
+        to join once at the start of its `data`."""
         after: TokenRun | PromptAlone | None
         if type(prev) is PackedFull:
             after = prev.prompt  # its full, kept as the prompt it is over
-        elif type(prev) is PackedPrompt and prev.n_sampled:
+        elif isinstance(prev, PackedRun) and prev.n_sampled:
             # the prompt alone, not its full (a retry that sampled nothing shares its
             # sibling's prompt as its full): marked so
             after = PromptAlone(prev)
         else:
             after = prev
-        self.after = after
         length = (prev.length if prev is not None else 0) + len(new)
         n_sampled = -1 if sampled is None else len(sampled)
         n_logprobs = -1 if logprobs is None else len(logprobs)
-        parts = [_HEAD.pack(length, len(new), n_sampled, n_logprobs), new.tobytes()]
+        parts: list[Any] = [_HEAD.pack(length, len(new), n_sampled, n_logprobs), new]
         if sampled is not None:
-            parts.append(sampled.tobytes())
+            parts.append(sampled)
         if logprobs is not None:
-            parts.append(logprobs.tobytes())
-        self.data = b"".join(parts)
+            parts.append(logprobs)
+        self.after = after
+        return parts
 
     @property
     def prev(self) -> TokenRun | None:
         after = self.after
-        if type(after) is PackedPrompt:
+        if isinstance(after, PackedRun):
             return PackedFull(after) if after.n_sampled else after
         if type(after) is PromptAlone:
             return after.prompt
@@ -181,12 +197,12 @@ class PackedPrompt(TokenRun):
         n_sampled: int = _HEAD.unpack_from(self.data)[2]
         return max(n_sampled, 0)
 
-    def sampled(self) -> array[int] | None:
+    def sampled_ids(self) -> array[int] | None:
         """The turn's sampled ids (a fresh array), or None."""
         _, n_new, n_sampled, _ = _HEAD.unpack_from(self.data)
         return None if n_sampled < 0 else _ids(self.data, _HEAD_SIZE + 4 * n_new, n_sampled)
 
-    def logprobs(self) -> array[float] | None:
+    def sampled_logprobs(self) -> array[float] | None:
         """The turn's logprobs (a fresh array('d')), or None."""
         _, n_new, n_sampled, n_logprobs = _HEAD.unpack_from(self.data)
         if n_logprobs < 0:
@@ -197,28 +213,39 @@ class PackedPrompt(TokenRun):
         return out
 
 
+class PackedPrompt(PackedRun):
+    """A packed run that keeps its bytes in a slot of its own."""
+
+    __slots__ = ("data",)
+
+    data: bytes
+
+    def __init__(self, prev: TokenRun | None, new: array[int], sampled: Any, logprobs: Any) -> None:
+        self.data = b"".join(self.pack(prev, new, sampled, logprobs))
+
+
 class PromptAlone:
-    """What a `PackedPrompt` keeps as `after` for a packed prompt that sampled ids when it
-    continues that prompt alone, not its full run (rare: see `PackedPrompt.__init__`)."""
+    """What a `PackedRun` keeps as `after` for a packed prompt that sampled ids when it
+    continues that prompt alone, not its full run (rare: see `PackedRun.pack`)."""
 
     __slots__ = ("prompt",)
 
-    def __init__(self, prompt: PackedPrompt) -> None:
+    def __init__(self, prompt: PackedRun) -> None:
         self.prompt = prompt
 
 
 class PackedFull(TokenRun):
     """A packed turn's prompt + sampled run: its segment is the sampled ids its prompt holds.
 
-    A view over the prompt, made when asked for (see `PackedPrompt`): two views over one
+    A view over the prompt, made when asked for (see `PackedRun`): two views over one
     prompt are equal and hash alike, so that they stand for one run wherever runs are keys
     (views over two prompts of equal tokens are two runs, as every other run)."""
 
     __slots__ = ("prompt",)
 
-    prompt: PackedPrompt
+    prompt: PackedRun
 
-    def __init__(self, prompt: PackedPrompt) -> None:
+    def __init__(self, prompt: PackedRun) -> None:
         self.prompt = prompt
 
     def __eq__(self, other: object) -> bool:
@@ -228,7 +255,7 @@ class PackedFull(TokenRun):
         return hash((PackedFull, id(self.prompt)))
 
     @property
-    def prev(self) -> PackedPrompt:
+    def prev(self) -> PackedRun:
         return self.prompt
 
     @property
@@ -238,17 +265,26 @@ class PackedFull(TokenRun):
 
     @property
     def seg(self) -> array[int]:
-        return self.prompt.sampled() or array("I")
+        return self.prompt.sampled_ids() or array("I")
 
 
 def packable(new: Any, sampled: Any, logprobs: Any) -> bool:
-    """Whether a turn's new prompt ids, sampled ids and logprobs fit a `PackedPrompt`."""
+    """Whether a turn's new prompt ids, sampled ids and logprobs fit a `PackedRun`."""
     return (
         type(new) is array
         and new.typecode == "I"
         and (sampled is None or (type(sampled) is array and sampled.typecode == "I"))
         and (logprobs is None or (type(logprobs) is array and logprobs.typecode == "d"))
     )
+
+
+def packed_size(data: bytes | memoryview) -> int:
+    """The bytes of the packed run at the start of `data` (see `PackedRun.pack`)."""
+    n_new: int
+    n_sampled: int
+    n_logprobs: int
+    _, n_new, n_sampled, n_logprobs = _HEAD.unpack_from(data)
+    return _HEAD_SIZE + 4 * (n_new + max(n_sampled, 0)) + 8 * max(n_logprobs, 0)
 
 
 def run_list(run: TokenRun) -> list[int]:
@@ -274,10 +310,10 @@ def run_matches(run: TokenRun, data: bytes) -> bool:
     while node is not None:
         kind = type(node)
         if kind is PackedFull:  # its prompt, after the sampled ids that prompt holds
-            node, kind, sampled = node.prompt, PackedPrompt, True
+            node, kind, sampled = node.prompt, PackedRun, True
         else:
             sampled = False
-        if kind is PackedPrompt:
+        if kind is PackedRun or isinstance(node, PackedRun):
             while True:  # packed prompts, each standing for its full run when `sampled`
                 packed = node.data
                 _, n_new, n_sampled, _ = unpack(packed)
@@ -294,10 +330,9 @@ def run_matches(run: TokenRun, data: bytes) -> bool:
                     return False
                 end -= n
                 node = node.after
-                kind = type(node)
-                if kind is PackedPrompt:
+                if isinstance(node, PackedRun):
                     sampled = True
-                elif kind is PromptAlone:
+                elif type(node) is PromptAlone:
                     node, sampled = node.prompt, False
                 else:
                     break

@@ -19,7 +19,6 @@ from rollout_store import (
     TurnNode,
     UnknownNodeError,
 )
-from rollout_store.tokens import PackedPrompt
 
 
 def _turns(graph: RolloutGraph) -> list:
@@ -125,7 +124,7 @@ def test_turns_alike_share_one_side_and_token_turns_keep_their_own_tokens() -> N
         tokens.add_turn(TurnNode(**turn_fields))
     stored = _turns(tokens)
     # continuations keep their packed token ids in the turn: alike otherwise, one side
-    assert all(type(t.prompt) is PackedPrompt for t in stored[1:]) and stored[1].side.shared
+    assert all(t.prompt is t for t in stored[1:]) and stored[1].side.shared
     assert all(t.side is stored[1].side for t in stored[1:])
     for k, turn_fields in enumerate(fields):
         got = tokens.get(f"turn-{k}")
@@ -139,7 +138,7 @@ def test_turns_alike_share_one_side_and_token_turns_keep_their_own_tokens() -> N
     assert tokens.get("turn-2").sampled_logprobs == changed
     assert tokens.get("turn-2").sampled_ids == fields[2]["sampled_ids"]
     assert tokens.get("turn-2").prompt_ids == fields[2]["prompt_ids"]
-    assert stored[3].side is stored[1].side and type(stored[3].prompt) is PackedPrompt
+    assert stored[3].side is stored[1].side and stored[3].prompt is stored[3]
     assert tokens.get("turn-3").sampled_ids == fields[3]["sampled_ids"]
     assert tokens.get("turn-1").sampled_logprobs == fields[1]["sampled_logprobs"]
 

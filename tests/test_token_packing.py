@@ -1,6 +1,6 @@
 """A turn's token fields packed in one object: its new prompt ids, sampled ids and logprobs
-in one bytes object (`PackedPrompt`, with `PackedFull` over it), read back exactly, matched in
-place, unpacked when a field is set, and a bounded memory per turn."""
+in one bytes object of the turn (a `PackedPrompt` itself, with `PackedFull` over it), read
+back exactly, matched in place, unpacked when a field is set, and a bounded memory per turn."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 from support import token_turns
 
 from rollout_store import RolloutGraph, TurnNode
-from rollout_store.stored import Turn
+from rollout_store.stored import HAS_TOKENS, Turn
 from rollout_store.tokens import (
     ArrayRun,
     PackedFull,
@@ -39,7 +39,7 @@ def test_a_continuation_keeps_its_token_fields_in_one_packed_prompt() -> None:
     assert type(stored[0].prompt) is ArrayRun  # a root prompt: shared through the store
     for k in (1, 2, 3):
         turn = stored[k]
-        assert type(turn.prompt) is PackedPrompt and type(turn.full) is PackedFull
+        assert turn.prompt is turn and type(turn.full) is PackedFull
         # the full run is a view over the prompt, equal to any other view over it; the
         # prompt keeps its parent's packed prompt, standing for that one's full run
         assert turn.full.prev is turn.prompt and turn.prompt.prev == stored[k - 1].full
@@ -82,7 +82,7 @@ def test_a_turn_without_sampled_ids_or_logprobs_packs_them_as_none() -> None:
     failed = {"prompt_ids": turns[1]["prompt_ids"], "sampled_ids": [], "sampled_logprobs": None}
     graph.add_turn(TurnNode(**failed))
     turn = _turns(graph)[1]
-    assert type(turn.prompt) is PackedPrompt and turn.full is turn.prompt
+    assert turn.prompt is turn and turn.full is turn.prompt
     assert turn.sampled == array("I") and turn.logprobs is None
     node = graph.get("turn-1")
     assert node.sampled_ids == [] and node.sampled_logprobs is None
@@ -144,7 +144,7 @@ def test_packed_turns_survive_a_file(tmp_path: Path) -> None:
     assert reopened.get("turn-4").parent_id == "turn-3"
     # read back as add_turn keeps them: a continuation's token fields packed
     stored = _turns(reopened)
-    assert [type(t.prompt) for t in stored] == [ArrayRun] + [PackedPrompt] * 4
+    assert type(stored[0].prompt) is ArrayRun and all(t.prompt is t for t in stored[1:])
     assert all(type(t.full) is PackedFull and t.full.prev is t.prompt for t in stored[1:])
     reopened.close()
 
@@ -241,7 +241,7 @@ def test_a_continuation_of_a_retry_that_sampled_nothing_extends_the_prompt_alone
     stored = _turns(graph)
     retry, child = stored[2], stored[3]
     assert retry.prompt is stored[1].prompt and retry.full is retry.prompt
-    assert type(child.prompt) is PackedPrompt and type(child.prompt.after) is PromptAlone
+    assert child.prompt is child and type(child.prompt.after) is PromptAlone
     assert child.prompt.prev is retry.full
     assert run_list(child.prompt) == prompt and child.prompt.length == len(prompt)
     assert run_list(child.full) == [*prompt, 5, 6]
@@ -254,3 +254,98 @@ def test_a_continuation_of_a_retry_that_sampled_nothing_extends_the_prompt_alone
     reopened = RolloutGraph.load(path)
     assert _token_fields(reopened) == expected
     assert reopened.get("turn-3").parent_id == "turn-2"
+
+
+def test_a_token_turn_is_its_own_prompt_and_keeps_no_chain_node_apart() -> None:
+    """A continuation's prompt is the turn itself (its packed bytes are its new prompt ids,
+    sampled ids and logprobs): no token run object is kept besides the turns, but for the
+    root's prompt; a retry's prompt is its sibling turn, matched in place like any run."""
+    import gc
+
+    from rollout_store.tokens import TokenRun
+
+    turns = token_turns(4, n_new=5, n_sampled=7)
+    graph = RolloutGraph()
+    for fields in turns:
+        graph.add_turn(TurnNode(**fields))
+    graph.add_turn(TurnNode(prompt_ids=turns[3]["prompt_ids"], sampled_ids=[8, 9]))  # a retry
+    gc.collect()
+    stored = _turns(graph)
+    kept = [o for o in gc.get_referents(*stored) if isinstance(o, TokenRun)]
+    apart = {id(o) for o in kept if type(o) is not Turn}
+    # the root's prompt and full (its prompt + sampled, which turn-1 extends), the retry's full
+    assert apart == {id(stored[0].prompt), id(stored[0].full), id(stored[4].full)}
+    assert type(stored[0].prompt) is ArrayRun and stored[1].after is stored[0].full
+    for turn in stored[1:4]:
+        assert turn.prompt is turn and turn.flags & HAS_TOKENS and turn.after is not None
+    retry = stored[4]
+    assert (
+        not retry.flags & HAS_TOKENS and retry.prompt is stored[3] and type(retry.full) is ArrayRun
+    )
+    assert run_list(retry.full) == [*turns[3]["prompt_ids"], 8, 9]
+    assert retry.prompt.compact and run_matches(
+        retry.full, array("I", run_list(retry.full)).tobytes()
+    )
+    for k, fields in enumerate(turns):
+        node = graph.get(f"turn-{k}")
+        assert node.prompt_ids == fields["prompt_ids"]
+        assert node.sampled_ids == fields["sampled_ids"]
+        assert node.sampled_logprobs == fields["sampled_logprobs"]
+
+
+def test_a_packed_turn_keeps_its_tokens() -> None:
+    """A turn is packed once; its prompt is not replaced and its full run stays the view
+    over it (an error, not a turn whose tokens silently change)."""
+    import pytest
+
+    from rollout_store.errors import RolloutStoreError
+
+    fresh = Turn()
+    assert fresh.prompt is None and fresh.full is None and not fresh.flags & HAS_TOKENS
+    turns = token_turns(2, n_new=3, n_sampled=2)
+    graph = RolloutGraph()
+    for fields in turns:
+        graph.add_turn(TurnNode(**fields))
+    turn = _turns(graph)[1]
+    before = turn.after
+    with pytest.raises(RolloutStoreError):
+        turn.pack_tokens(None, array("I", [1]), None, None)
+    with pytest.raises(RolloutStoreError):
+        turn.prompt = ArrayRun(None, array("I", [1]))
+    with pytest.raises(RolloutStoreError):
+        turn.full = ArrayRun(None, array("I", [1]))
+    turn.full = PackedFull(turn)  # the view it is: kept as the mark
+    assert turn.after is before and turn.prompt is turn and type(turn.full) is PackedFull
+    assert graph.get("turn-1").prompt_ids == turns[1]["prompt_ids"]
+
+
+def test_a_packed_turn_keeps_its_tokens_and_its_request_in_one_bytes_object() -> None:
+    """The packed token ids are the start of the turn's own bytes: every part of the request
+    set before or after packing reads back as set, and the tokens stay as packed."""
+    import gc
+
+    from rollout_store.confirm import digest_key
+
+    before = ArrayRun(None, array("I", [1, 2, 3]))
+    turn = Turn()
+    turn.build((b"\x91\xa1a",), 1)  # a request before the tokens are packed
+    turn.pack_tokens(before, array("I", [4, 5]), array("I", [6]), array("d", [-0.5]))
+    assert turn.tail == b"\x91\xa1a" and turn.n_rest == 1 and turn.response is None
+    turn.response = b"\xa2ok"
+    digest = bytes(range(32))
+    turn.file_under(digest_key(digest), digest)
+    assert (turn.tail, turn.response, turn.digest) == (b"\x91\xa1a", b"\xa2ok", digest)
+    turn.tail = b"\x92\xa1a\xa1b"
+    turn.n_rest = 2
+    turn.rkey = 7  # a key the digest does not give
+    turn.build((b"\x92\xa1a", b"\xa1c"), 2, b"\xa1r", digest, 7)
+    for _ in range(2):
+        assert turn.tail == b"\x92\xa1a\xa1c" and turn.response == b"\xa1r"
+        assert turn.digest == digest and turn.rkey == 7 and turn.n_rest == 2
+        assert run_list(turn) == [1, 2, 3, 4, 5] and run_list(turn.full) == [1, 2, 3, 4, 5, 6]
+        assert turn.sampled == array("I", [6]) and turn.logprobs == array("d", [-0.5])
+        assert run_matches(turn.full, array("I", [1, 2, 3, 4, 5, 6, 7]).tobytes())
+        turn.set_request([b"\x92\xa1a", b"\xa1c"], 2)
+        turn.file_under(7, digest)
+    assert [o for o in gc.get_referents(turn) if type(o) is bytes] == [turn.data]
+    assert turn.data.startswith(PackedPrompt(before, array("I", [4, 5]), None, None).data[:8])
