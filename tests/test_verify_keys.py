@@ -317,9 +317,9 @@ def test_root_keys_changed_are_refused(tmp_path: Path, pad: int) -> None:
     assert_refused(path, "roots", at)
 
 
-def test_root_keys_dropped_from_a_root_that_stays_one_are_refused(tmp_path: Path) -> None:
-    """Without them the late ancestor never adopts the root: checked at the end of the file,
-    naming the root's record."""
+def _late_root_without_prefix_keys(tmp_path: Path) -> tuple[Path, list[Any], int]:
+    """A log whose root "late" (the fourth turn of `chat_turns(4)`, its ancestors not yet
+    recorded) lost its prefix keys; the log's records as written, and that turn's index."""
     path = tmp_path / "log.rls"
     turns = chat_turns(4)
     with RolloutGraph.open(path, fsync="never") as graph:
@@ -328,6 +328,14 @@ def test_root_keys_dropped_from_a_root_that_stays_one_are_refused(tmp_path: Path
     records = records_of(path.read_bytes())
     at = turn_at(records, "late")
     write(path, with_key(records, at, "roots", None))
+    return path, records, at
+
+
+def test_root_keys_dropped_from_a_root_that_stays_one_are_refused(tmp_path: Path) -> None:
+    """Without them the late ancestor never adopts the root: checked at the end of the file,
+    naming the root's record."""
+    path, records, at = _late_root_without_prefix_keys(tmp_path)
+    turns = chat_turns(4)
     trusted = RolloutGraph.load(path)
     for k in (0, 1, 2):
         trusted.add_turn(TurnNode(node_id=f"t{k}", **copy.deepcopy(turns[k])))
@@ -953,14 +961,7 @@ def test_verify_reports_prefix_keys_that_cannot_be_recomputed_at_the_end(
     there escaped verify (which never raises for what a file holds)."""
     from rollout_store import key_check
 
-    path = tmp_path / "log.rls"
-    turns = chat_turns(4)
-    with RolloutGraph.open(path, fsync="never") as graph:
-        graph.add_turn(TurnNode(node_id="late", **copy.deepcopy(turns[3])))
-        graph.add_turn(TurnNode(node_id="other", request_messages=[{"role": "user"}]))
-    records = records_of(path.read_bytes())
-    at = turn_at(records, "late")
-    write(path, with_key(records, at, "roots", None))
+    path, _, at = _late_root_without_prefix_keys(tmp_path)
 
     prefix_keys = key_check.KeyCheck.prefix_keys
 
