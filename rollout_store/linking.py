@@ -230,7 +230,8 @@ class Linker:
                         full.length > best_length
                         or (
                             full.length == best_length
-                            and not sampled_any(best)  # type: ignore[arg-type]
+                            and best is not None
+                            and not sampled_any(best)
                             and sampled_any(candidate)
                         )
                     )
@@ -348,11 +349,13 @@ class Linker:
         if data is None or full is None or not full.length:
             return moves
         parent = new.parent
-        parent_full = None if parent is None else parent.full
-        if parent_full is not None and parent_full.length == full.length and not sampled_any(new):
-            # a failed call of its parent's very run adds no token: what continues that run
-            # stays under the parent, where it is linked when it comes after this one
-            return moves
+        if parent is not None and not sampled_any(new):
+            # (a packed parent's full run is a view made on each read: asked for only here)
+            parent_full = parent.full
+            if parent_full is not None and parent_full.length == full.length:
+                # a failed call of its parent's very run adds no token: what continues that
+                # run stays under the parent, where it is linked when it comes after this one
+                return moves
         for other in self._token_candidates(new, scratch, data):
             prompt = other.prompt
             if (
