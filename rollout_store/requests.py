@@ -676,9 +676,7 @@ class RequestStore:
                 except Exception:
                     probe = None
         try:
-            plains: list[bytes | None] = (
-                [pack(messages[0])] if n_sys == 1 else [pack(m) for m in messages[:n_sys]]
-            )
+            plains: list[bytes | None] = [pack(m) for m in messages[:n_sys]]
         except Exception:  # some message needs the slow path: find which
             plains = [self.plain(m) for m in messages[:n_sys]]
 
@@ -690,7 +688,7 @@ class RequestStore:
                 messages[:n_sys], "request_messages", plains, scratch.pending, True
             )
             if None not in plains:
-                system_plain = plains[0] if n_sys == 1 else b"".join(plains)  # type: ignore[arg-type]
+                system_plain = b"".join(plains)  # type: ignore[arg-type]  # (one: itself)
 
         request = FreshRequest(self, rest, probe)
         scratch.request = request
