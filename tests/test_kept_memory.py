@@ -288,3 +288,59 @@ def test_a_session_keeps_no_instance_dict() -> None:
     assert not hasattr(session, "__dict__")
     session.recorded += 1
     assert session.info()["turns"] == 0 and session.recorded == 1
+
+
+def test_a_packed_turn_has_a_ten_byte_head() -> None:
+    """A continuation's new ids, sampled ids and logprobs sit in its turn's bytes after a
+    head of 10 bytes: nothing else of the tokens is kept there."""
+    from rollout_store.tokens import packed_size
+
+    graph = RolloutGraph()
+    prompt = _prompt(100)
+    graph.add_turn(TurnNode(prompt_ids=prompt, sampled_ids=[1, 2], sampled_logprobs=[-1.0, -2.0]))
+    prompt = [*prompt, 1, 2, 30, 31, 32]
+    graph.add_turn(TurnNode(prompt_ids=prompt, sampled_ids=[4], sampled_logprobs=[-0.5]))
+    turn = graph._turns[1]
+    assert turn.prompt is turn  # packed
+    tokens = 3 * 4 + 1 * 4 + 1 * 8
+    assert turn.data.startswith(array("I", [len(prompt)]).tobytes())
+    assert packed_size(turn.data) == 10 + tokens
+    assert (
+        turn.data[10 : 10 + tokens]
+        == array("I", [30, 31, 32, 4]).tobytes() + array("d", [-0.5]).tobytes()
+    )
+    view = graph.get(turn.node_id)
+    assert (view.prompt_ids, view.sampled_ids, view.sampled_logprobs) == (prompt, [4], [-0.5])
+
+
+@pytest.mark.parametrize(
+    ("n_new", "n_sampled"),
+    [(linking.BLOCK, 1), (1 << 16, 1), (3, 1 << 15), ((1 << 16) - 1, (1 << 15) - 1)],
+)
+def test_a_turn_whose_counts_do_not_fit_the_head_is_kept_unpacked(
+    n_new: int, n_sampled: int, tmp_path: Path
+) -> None:
+    """New ids beyond 65,535 or sampled ids beyond 32,767 do not fit a packed head: such a
+    turn keeps its runs and arrays as they came, exactly, and a file of it loads the same."""
+    from rollout_store.tokens import MAX_PACKED_NEW, MAX_PACKED_SAMPLED
+
+    graph = RolloutGraph()
+    prompt = _prompt(10)
+    graph.add_turn(TurnNode(prompt_ids=prompt, sampled_ids=[1]))
+    prompt = [*prompt, 1, *range(7, 7 + n_new)]
+    sampled = [5 + i % 1000 for i in range(n_sampled)]
+    logprobs = [-(i % 7) / 8 for i in range(n_sampled)]
+    node = graph.add_turn(
+        TurnNode(prompt_ids=prompt, sampled_ids=sampled, sampled_logprobs=logprobs)
+    )
+    turn = graph._turns[1]
+    fits = n_new <= MAX_PACKED_NEW and n_sampled <= MAX_PACKED_SAMPLED
+    assert (turn.prompt is turn) == fits
+    assert graph.parent(node.node_id) == graph._turns[0].node_id
+    path = tmp_path / "g.rls"
+    graph.save(path)
+    for kept in (graph, RolloutGraph.load(path)):
+        view = kept.get(node.node_id)
+        assert view.prompt_ids == prompt and view.sampled_ids == sampled
+        assert view.sampled_logprobs == logprobs
+        assert (kept._turns[1].prompt is kept._turns[1]) == fits

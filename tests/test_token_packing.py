@@ -348,4 +348,5 @@ def test_a_packed_turn_keeps_its_tokens_and_its_request_in_one_bytes_object() ->
         turn.set_request([b"\x92\xa1a", b"\xa1c"], 2)
         turn.file_under(7, digest)
     assert [o for o in gc.get_referents(turn) if type(o) is bytes] == [turn.data]
-    assert turn.data.startswith(PackedPrompt(before, array("I", [4, 5]), None, None).data[:8])
+    alone = PackedPrompt(before, array("I", [4, 5]), array("I", [6]), array("d", [-0.5]))
+    assert turn.data.startswith(alone.data)
