@@ -29,7 +29,7 @@ from .errors import (
     RolloutStoreError,
     UnknownNodeError,
 )
-from .index import index_members
+from .index import OneOrMany, index_add, index_members
 from .intake import real_numbers
 from .linking import Linker
 from .nodes import TurnNode
@@ -180,8 +180,9 @@ class Graph:
         self.store = store
         self._turns: list[Turn] = []
         self._blob_marks = array("I")  # blobs stored once each turn was committed, for save
-        # turns whose id is not the default `turn-{index}` (see `_find`)
-        self._by_id: dict[str, Turn] = {}
+        # turns whose id is not the default `turn-{index}`, by the id's `hash` (see `_find`):
+        # a turn keeps its id in its own bytes, so the index keeps no string of it
+        self._by_id: OneOrMany[int, Turn] = {}
         # what the graph interns, in one table (a capture server's session holds a few of
         # each kind, and one dict costs less than three): scalar fields (a TurnMeta, to
         # itself), flag values (an int, to itself) and sides (a side's sharing key, to the
@@ -440,9 +441,9 @@ class Graph:
             raise DuplicateNodeError(f"node_id {node_id!r} is already in the graph")
         turn = self._blank_turn()
         turn.index = len(self._turns)
+        turn.flags = 0  # (before the node id, which sets a flag)
         if node_id is not None:  # else the default id of its index, free (no chosen ids)
             turn.node_id = node_id
-        turn.flags = 0
         explicit = None
         if node.parent_id is not None:
             explicit = self._find(node.parent_id)
@@ -511,9 +512,13 @@ class Graph:
         id of its index (kept as None in the turn, so that it costs no string)."""
         if type(node_id) is not str:
             return None
-        found = self._by_id.get(node_id)
-        if found is not None:
-            return found
+        named = self._by_id
+        if named:
+            # an in-memory index only, never stored: the str hash, randomized per process,
+            # cannot be made to collide by chosen ids; a hit is confirmed by the id itself
+            for found in index_members(named.get(hash(node_id))):
+                if found.ident == node_id:
+                    return found
         digits = node_id[5:]
         if node_id.startswith("turn-") and digits.isdigit() and digits.isascii():
             index = int(digits)
@@ -548,8 +553,9 @@ class Graph:
         side.meta = interned.setdefault(meta, meta)
         self._turns.append(turn)
         self._blob_marks.append(len(self._blobs))
-        if turn.ident is not None:
-            self._by_id[turn.ident] = turn
+        ident = turn.ident
+        if ident is not None:
+            index_add(self._by_id, hash(ident), turn)
         last = self._last_side
         if last is not None and side.same_as(last):  # mostly: what the turn before had
             turn.side = last

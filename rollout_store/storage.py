@@ -169,6 +169,7 @@ _IN_MEMORY_FLAGS = (
     | TurnFlag.HAS_RESPONSE
     | TurnFlag.HAS_TOKENS
     | TurnFlag.FULL_APART
+    | TurnFlag.HAS_IDENT
     | TurnFlag.LINK_LOW
     | TurnFlag.LINK_HIGH
 )
@@ -800,9 +801,9 @@ class _Loader:
             raise ValueError("bad link kind")
         turn = self.restore.new_turn()
         index = turn.index = len(graph)
+        turn.flags = flags & _KEPT_FLAGS  # (before the node id, which sets a flag)
         if node_id != f"turn-{index}":
             turn.ident = node_id
-        turn.flags = flags & _KEPT_FLAGS
         if parent is not None:
             turn.parent = self._ref(parent)
             turn.link = _LINK_KINDS[link]  # two bits of the flags

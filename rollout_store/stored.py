@@ -23,6 +23,7 @@ from .tokens import ArrayRun, PackedFull, PackedRun, TokenRun, packed_size
 __all__ = [
     "EMPTY_PROMPT",
     "FULL_APART",
+    "HAS_IDENT",
     "HAS_DIGEST",
     "HAS_KEY",
     "HAS_RESPONSE",
@@ -99,6 +100,8 @@ class TurnFlag(IntEnum):
     # derived, never stored: the turn's full run is not its prompt (it sampled ids): a
     # packed turn's is a view over it, another turn's is kept in `after` (see Turn.full)
     FULL_APART = 131072
+    # `Turn.data` holds the node id after the packed tokens (see Turn.ident)
+    HAS_IDENT = 262144
 
 
 # The TurnFlag bits as plain ints, defined here once for the code that tests them on every
@@ -121,6 +124,9 @@ HAS_KEY: Final = int(TurnFlag.HAS_KEY)
 HAS_RESPONSE: Final = int(TurnFlag.HAS_RESPONSE)
 HAS_TOKENS: Final = int(TurnFlag.HAS_TOKENS)
 FULL_APART: Final = int(TurnFlag.FULL_APART)
+HAS_IDENT: Final = int(TurnFlag.HAS_IDENT)
+# what `Turn.data` holds before the tail: packed tokens, the node id
+_LEAD: Final = HAS_TOKENS | HAS_IDENT
 
 
 class LinkKind(IntEnum):
@@ -354,14 +360,12 @@ class Turn(PackedRun):
         "base",
         "data",
         "flags",
-        "ident",
         "index",
         "kids",
         "parent",
         "side",
     )
 
-    ident: str | None  # the node id when it is not the default `turn-{index}`
     index: int
     parent: Turn | None
     kids: Turn | tuple[Turn, ...] | None  # the children: one bare, several as a tuple
@@ -374,10 +378,9 @@ class Turn(PackedRun):
 
     def __init__(self) -> None:
         self.data = _NO_REQUEST
-        self.ident = None
+        self.flags = 0
         self.kids = None
         self.after = None
-        self.flags = 0
         self.side = TurnSide()  # its own until the graph finds one alike (see TurnSide)
 
     def pack_tokens(
@@ -403,10 +406,18 @@ class Turn(PackedRun):
         else:
             self.flags &= ~FULL_APART
 
-    def _tokens(self) -> memoryview:
-        """The packed token ids at the start of `data`, a view (for a token turn only)."""
-        data = self.data
-        return memoryview(data)[: packed_size(data)]
+    def _lead_end(self) -> int:
+        """Where the tail starts in `data`: after the packed tokens and the node id."""
+        flags, data = self.flags, self.data
+        at = packed_size(data) if flags & HAS_TOKENS else 0
+        if flags & HAS_IDENT:
+            at += 4 + _U32.unpack_from(data, at)[0]
+        return at
+
+    def _lead(self) -> memoryview:
+        """The packed token ids and the node id at the start of `data`, a view (for a turn
+        that has either: `_LEAD`)."""
+        return memoryview(self.data)[: self._lead_end()]
 
     @property
     def prompt(self) -> TokenRun | None:
@@ -463,9 +474,44 @@ class Turn(PackedRun):
     # -- identity, link and children
 
     @property
+    def ident(self) -> str | None:
+        """The node id when it is not the default `turn-{index}` (None: the default): kept
+        in `data` (its UTF-8 length, then its UTF-8, after the packed tokens), for most turns
+        have none and a slot for it would cost each of them 8 bytes."""
+        flags = self.flags
+        if not flags & HAS_IDENT:
+            return None
+        data = self.data
+        at = packed_size(data) if flags & HAS_TOKENS else 0
+        size: int = _U32.unpack_from(data, at)[0]
+        return data[at + 4 : at + 4 + size].decode("utf-8", "surrogatepass")
+
+    @ident.setter
+    def ident(self, ident: str | None) -> None:
+        flags = self.flags
+        if ident is None and not flags & HAS_IDENT:
+            return
+        data = self.data
+        start = packed_size(data) if flags & HAS_TOKENS else 0
+        view = memoryview(data)
+        rest = view[self._lead_end() :]
+        if ident is None:
+            self.data = b"".join((view[:start], rest))
+            self.flags = flags & ~HAS_IDENT
+            return
+        if type(ident) is not str:
+            raise RolloutStoreError(f"a node id is a str, not {type(ident).__name__}")
+        text = ident.encode("utf-8", "surrogatepass")
+        if len(text) >= 1 << 32:
+            raise RolloutStoreError("a node id of 4 GiB or more cannot be stored")
+        self.data = b"".join((view[:start], _U32.pack(len(text)), text, rest))
+        self.flags = flags | HAS_IDENT
+
+    @property
     def node_id(self) -> str:
-        ident = self.ident
-        return ident if ident is not None else f"turn-{self.index}"
+        if self.flags & HAS_IDENT:
+            return self.ident  # type: ignore[return-value]
+        return f"turn-{self.index}"
 
     @node_id.setter
     def node_id(self, node_id: str) -> None:
@@ -538,12 +584,12 @@ class Turn(PackedRun):
             and key == int.from_bytes(digest[:_KEY_SIZE], "little")
         ):  # the common case: a fresh turn with a response, filed under its digest's key
             size = len(response).to_bytes(4, "little")
-            tokens = self._tokens() if self.flags & HAS_TOKENS else b""
-            self.data = b"".join((tokens, *tail_parts, response, digest, size, n_rest))
+            lead = self._lead() if self.flags & _LEAD else b""
+            self.data = b"".join((lead, *tail_parts, response, digest, size, n_rest))
             self.flags = (self.flags & ~_PARTS_AFTER_TAIL) | _DIGEST_AND_RESPONSE
             return
         flags = self.flags & ~_PARTS_AFTER_TAIL
-        parts = [self._tokens() if flags & HAS_TOKENS else b"", *tail_parts]
+        parts = [self._lead() if flags & _LEAD else b"", *tail_parts]
         if response is not None:
             parts.append(response)
             flags |= HAS_RESPONSE
@@ -578,7 +624,7 @@ class Turn(PackedRun):
         if flags & HAS_KEY:
             start = end + (DIGEST_SIZE if digest is not None else 0)
             key = int.from_bytes(view[start : start + _KEY_SIZE], "little")
-        start = packed_size(view) if flags & HAS_TOKENS else 0
+        start = self._lead_end() if flags & _LEAD else 0
         return view[start:tail_end], response, digest, key, view[len(view) - 4 :]
 
     def set_request(self, tail_parts: Sequence[bytes], n_rest: int) -> None:
@@ -589,8 +635,8 @@ class Turn(PackedRun):
             self._store(tail_parts, response, None, None, _n_rest_bytes(n_rest))
             return
         self.flags &= ~(HAS_DIGEST | HAS_KEY)
-        tokens = self._tokens() if self.flags & HAS_TOKENS else b""
-        self.data = b"".join((tokens, *tail_parts, _n_rest_bytes(n_rest)))
+        lead = self._lead() if self.flags & _LEAD else b""
+        self.data = b"".join((lead, *tail_parts, _n_rest_bytes(n_rest)))
 
     def file_under(self, key: int | None, digest: bytes | None) -> None:
         """Set the index key and the digest at once (one copy)."""
@@ -613,8 +659,8 @@ class Turn(PackedRun):
     @property
     def tail(self) -> bytes:
         """The packed non-system messages after the base's."""
-        if self.flags & HAS_TOKENS:
-            return self.data[packed_size(self.data) : self._ends()[0]]
+        if self.flags & _LEAD:
+            return self.data[self._lead_end() : self._ends()[0]]
         return self.data[: self._ends()[0]]
 
     @tail.setter

@@ -393,3 +393,73 @@ def _run_list(run: Any) -> list[int] | None:
     from rollout_store.tokens import run_list
 
     return None if run is None else run_list(run)
+
+
+def test_a_turn_keeps_its_node_id_in_its_own_bytes() -> None:
+    """A chosen node id sits in the turn's bytes after its packed tokens (no slot, no
+    string): every other part reads back unchanged as the id is set, changed and cleared."""
+    import sys
+
+    from rollout_store.confirm import digest_key
+    from rollout_store.stored import HAS_IDENT, Turn
+    from rollout_store.tokens import ArrayRun, run_list
+
+    assert sys.getsizeof(Turn()) <= 96  # 8 slots: no `ident`, no `_full`
+    digest = bytes(range(32))
+    for packed in (False, True):
+        turn = Turn()
+        turn.index = 3
+        turn.node_id = "turn-3"  # the default: nothing kept
+        assert turn.ident is None and not turn.flags & HAS_IDENT and turn.data == bytes(4)
+        turn.node_id = "n\udc80é-1"  # a lone surrogate and a non-ASCII letter
+        if packed:
+            before = ArrayRun(None, array("I", [1, 2]))
+            turn.pack_tokens(before, array("I", [3]), array("I", [4]), array("d", [-0.5]))
+        turn.build((b"\x91\xa1a",), 1, b"\xa2ok", digest, digest_key(digest))
+        for ident in ("n\udc80é-1", "other", None, "x" * 300):
+            turn.ident = ident
+            assert turn.ident == ident and bool(turn.flags & HAS_IDENT) == (ident is not None)
+            assert turn.node_id == (ident if ident is not None else "turn-3")
+            assert (turn.tail, turn.response, turn.digest) == (b"\x91\xa1a", b"\xa2ok", digest)
+            assert turn.rkey == digest_key(digest) and turn.n_rest == 1
+            if packed:
+                assert run_list(turn) == [1, 2, 3] and run_list(turn.full) == [1, 2, 3, 4]
+                assert turn.logprobs == array("d", [-0.5])
+        turn.tail = b"\x92\xa1a\xa1b"
+        turn.n_rest = 2
+        assert turn.ident == "x" * 300 and turn.tail == b"\x92\xa1a\xa1b"
+
+
+def test_named_turns_are_found_by_their_ids_and_keep_them_through_a_file(
+    tmp_path: Path,
+) -> None:
+    """The index of chosen ids holds ints (no string): a hit is confirmed by the id the turn
+    keeps, so two ids under one key stay apart; a file keeps the ids, never the flag."""
+    from rollout_store import storage
+    from rollout_store.errors import DuplicateNodeError
+    from rollout_store.index import index_add
+    from rollout_store.stored import HAS_IDENT
+
+    graph = RolloutGraph()
+    graph.add_turn(TurnNode(node_id="a", request_messages=[{"role": "user", "content": "x"}]))
+    graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "y"}]))
+    graph.add_turn(TurnNode(node_id="b\u00e9", parent_id="a", request_messages=[]))
+    assert graph.node_ids() == ["a", "turn-1", "b\u00e9"]
+    assert all(type(key) is int for key in graph._by_id)
+    a, other, b = graph._turns
+    assert graph._find("a") is a and graph._find("b\u00e9") is b and graph._find("c") is None
+    assert graph._find("turn-1") is other and graph._find("turn-0") is None  # "a" is turn 0
+    # another turn filed under the key of "a": each id still finds its own turn
+    index_add(graph._by_id, hash("a"), b)
+    assert graph._find("a") is a and graph._find("b\u00e9") is b
+    with pytest.raises(DuplicateNodeError):
+        graph.add_turn(TurnNode(node_id="b\u00e9"))
+    assert graph.get("b\u00e9").parent_id == "a"
+    assert not HAS_IDENT & storage._WRITTEN_CARRYING
+    graph = RolloutGraph()
+    graph.add_turn(TurnNode(node_id="a", request_messages=[{"role": "user", "content": "x"}]))
+    graph.add_turn(TurnNode(node_id="b\u00e9", parent_id="a", request_messages=[]))
+    graph.save(tmp_path / "g.rls")
+    loaded = RolloutGraph.load(tmp_path / "g.rls")
+    assert loaded.node_ids() == ["a", "b\u00e9"] and loaded.get("b\u00e9").parent_id == "a"
+    assert loaded._find("b\u00e9") is loaded._turns[1]
