@@ -168,6 +168,7 @@ _IN_MEMORY_FLAGS = (
     | TurnFlag.HAS_KEY
     | TurnFlag.HAS_RESPONSE
     | TurnFlag.HAS_TOKENS
+    | TurnFlag.FULL_APART
     | TurnFlag.LINK_LOW
     | TurnFlag.LINK_HIGH
 )

@@ -344,3 +344,52 @@ def test_a_turn_whose_counts_do_not_fit_the_head_is_kept_unpacked(
         assert view.prompt_ids == prompt and view.sampled_ids == sampled
         assert view.sampled_logprobs == logprobs
         assert (kept._turns[1].prompt is kept._turns[1]) == fits
+
+
+def test_a_turn_keeps_no_slot_for_its_full_run(tmp_path: Path) -> None:
+    """A turn's full run (prompt + sampled) has no slot: a packed turn's is a view over it,
+    another turn's is kept in place of its prompt, whose run it continues; a flag says which,
+    and no file holds that flag."""
+    import sys
+
+    from rollout_store import storage
+    from rollout_store.errors import RolloutStoreError
+    from rollout_store.stored import FULL_APART, Turn
+    from rollout_store.tokens import ArrayRun
+
+    assert sys.getsizeof(Turn()) <= 104  # 9 slots: no `_full`
+    turn = Turn()
+    prompt = ArrayRun(None, array("I", [1, 2]))
+    turn.prompt = prompt
+    assert turn.full is prompt and not turn.flags & FULL_APART
+    full = ArrayRun(prompt, array("I", [3]))
+    turn.full = full
+    assert turn.prompt is prompt and turn.full is full and turn.flags & FULL_APART
+    with pytest.raises(RolloutStoreError):
+        turn.full = ArrayRun(None, array("I", [3]))  # not over its prompt
+    assert turn.prompt is prompt and turn.full is full
+    other = ArrayRun(None, array("I", [5]))
+    turn.prompt = other  # a new prompt: the full run is that prompt until set
+    assert turn.prompt is other and turn.full is other and not turn.flags & FULL_APART
+    # never written: not among the bits a file's turn record holds
+    assert not FULL_APART & storage._WRITTEN_CARRYING
+
+    graph = RolloutGraph()
+    graph.add_turn(TurnNode(prompt_ids=_prompt(20), sampled_ids=[4, 5]))
+    graph.add_turn(TurnNode(prompt_ids=[*_prompt(20), 4, 5, 6], sampled_ids=[7]))
+    graph.add_turn(TurnNode(sampled_ids=[8]))  # no prompt ids: a full of its sampled ids
+    root, child, alone = graph._turns
+    assert root.flags & FULL_APART and child.flags & FULL_APART and alone.flags & FULL_APART
+    assert alone.prompt is None and _run_list(alone.full) == [8]
+    graph.save(tmp_path / "g.rls")
+    loaded = RolloutGraph.load(tmp_path / "g.rls")
+    for a, b in zip(graph._turns, loaded._turns, strict=True):
+        assert a.flags & FULL_APART == b.flags & FULL_APART
+        assert _run_list(a.full) == _run_list(b.full)
+        assert _run_list(a.prompt) == _run_list(b.prompt)
+
+
+def _run_list(run: Any) -> list[int] | None:
+    from rollout_store.tokens import run_list
+
+    return None if run is None else run_list(run)
