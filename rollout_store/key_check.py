@@ -64,7 +64,7 @@ from .keys import short_key
 from .packed import MESSAGES_DEPTH, QUICK_LIMIT, check_packed
 from .requests import RequestStore
 from .stored import NO_MESSAGES, RESPONSE_REFS, TAIL_ECHO, TAIL_REFS, IndexKeys, Turn
-from .tokens import BLOCK, TokenRun
+from .tokens import BLOCK, TokenRun, holds_all
 
 __all__ = ["KeyCheck", "UnkeyedTurn"]
 
@@ -340,7 +340,7 @@ class KeyCheck:
         prompt that extends another's too; filing one changes no link, see the module
         docstring)."""
         prompt = turn.prompt
-        if prompt is None or not (named or prompt.prev is None):
+        if prompt is None or not (named or holds_all(prompt)):
             return None
         return self._prompt_key(prompt)
 

@@ -165,6 +165,12 @@ class Linker:
                 run = ArrayRun(before, new)
         elif run is None:  # a root prompt: graphs over one memory store share it
             run = ArrayRun(None, self.requests.blobs.share_tokens(prompt))
+            kept = turn.logprobs
+            if packable(self._no_ids, sampled, kept, len(prompt)):
+                # its sampled ids and logprobs in the turn itself, a packed run of no new
+                # ids over the shared root run (no side, arrays or full run of its own)
+                turn.pack_tokens(run, self._no_ids, sampled, kept)
+                run, packed = turn, True
         full: TokenRun | None
         if packed:
             full = turn.full

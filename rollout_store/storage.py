@@ -921,6 +921,13 @@ class _Loader:
             and packable(prompt.seg, sampled, side.logprobs, prompt.length)
         ):  # as add_turn keeps it: new ids, sampled ids and logprobs in the turn itself
             turn.pack_tokens(prompt.prev, prompt.seg, sampled, side.logprobs)
+        elif (
+            type(prompt) is ArrayRun
+            and spec is not None
+            and spec[0] == PromptKind.NEW  # a root's whole prompt
+            and packable(_NO_IDS, sampled, side.logprobs, prompt.length)
+        ):  # as add_turn keeps a root: no new ids over its prompt's run, the rest packed
+            turn.pack_tokens(prompt, _NO_IDS, sampled, side.logprobs)
 
     def _moves(self, turn: Turn, moves: list[tuple[int, int]]) -> list[tuple[Turn, LinkKind]]:
         """Earlier turns that this one re-linked under itself."""
@@ -957,6 +964,10 @@ class _Loader:
         if kind == PromptKind.NEW and len(spec) == 2:
             return ArrayRun(None, _segment(spec[1]))
         raise ValueError("bad prompt spec")
+
+
+#: The new ids of a packed root (none: see `_Restorer._tokens`); never changed.
+_NO_IDS: array[int] = array("I")
 
 
 def _segment(spec: Any) -> Any:

@@ -28,6 +28,7 @@ __all__ = [
     "Segment",
     "TokenRun",
     "block_digests",
+    "holds_all",
     "packable",
     "packed_size",
     "run_bytes",
@@ -280,6 +281,15 @@ class PackedFull(TokenRun):
     @property
     def seg(self) -> array[int]:
         return self.prompt.sampled_ids() or array("I")
+
+
+def holds_all(run: TokenRun) -> bool:
+    """Whether a prompt run extends no earlier turn's tokens (a root's prompt): a first run,
+    or a packed run of no new ids over one (a root as add_turn packs it)."""
+    prev = run.prev
+    if prev is None:
+        return True
+    return isinstance(run, PackedRun) and not len(run.seg) and prev.prev is None
 
 
 def packable(new: Any, sampled: Any, logprobs: Any, length: int) -> bool:

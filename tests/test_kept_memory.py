@@ -463,3 +463,39 @@ def test_named_turns_are_found_by_their_ids_and_keep_them_through_a_file(
     loaded = RolloutGraph.load(tmp_path / "g.rls")
     assert loaded.node_ids() == ["a", "b\u00e9"] and loaded.get("b\u00e9").parent_id == "a"
     assert loaded._find("b\u00e9") is loaded._turns[1]
+
+
+def test_a_root_packs_its_sampled_ids_over_its_prompt_run(tmp_path: Path) -> None:
+    """A root is a packed turn too: no new ids over its prompt's run (shared through the
+    store), its sampled ids and logprobs in its own bytes, so it keeps no side, arrays or full
+    run of its own; a retry shares it as its prompt; a file loads it packed the same way, and
+    a root whose sampled ids do not fit a packed head stays as it came."""
+    from rollout_store.stored import HAS_DIGEST, HAS_KEY, HAS_TOKENS
+    from rollout_store.tokens import MAX_PACKED_SAMPLED, ArrayRun, PackedFull
+
+    path = tmp_path / "g.rls"
+    graph = RolloutGraph.open(path)
+    prompt = _prompt(100)
+    graph.add_turn(TurnNode(prompt_ids=prompt, sampled_ids=[1, 2], sampled_logprobs=[-1.0, 0.0]))
+    graph.add_turn(TurnNode(prompt_ids=prompt, sampled_ids=[3], sampled_logprobs=[-3.0]))
+    big = [5] * (MAX_PACKED_SAMPLED + 1)
+    graph.add_turn(TurnNode(prompt_ids=_prompt(10, 7000), sampled_ids=big))
+    root, retry, unpacked = graph._turns
+    assert root.prompt is root and root.flags & HAS_TOKENS and len(root.seg) == 0
+    assert type(root.after) is ArrayRun and type(root.full) is PackedFull
+    assert root.side.shared  # no token ids of its own: one side for the turns alike
+    assert retry.prompt is root and retry.parent is None
+    assert type(unpacked.prompt) is ArrayRun and not unpacked.flags & HAS_TOKENS
+    live = [t.flags & ~(HAS_DIGEST | HAS_KEY) for t in graph._turns]
+    fields = [
+        (v.prompt_ids, v.sampled_ids, v.sampled_logprobs) for v in map(graph.get, graph.node_ids())
+    ]
+    assert fields[0] == (prompt, [1, 2], [-1.0, 0.0]) and fields[2][1] == big
+    graph.close()
+    loaded = RolloutGraph.load(path)
+    assert [t.flags & ~(HAS_DIGEST | HAS_KEY) for t in loaded._turns] == live
+    assert loaded._turns[1].prompt is loaded._turns[0]
+    assert [
+        (v.prompt_ids, v.sampled_ids, v.sampled_logprobs)
+        for v in map(loaded.get, loaded.node_ids())
+    ] == fields

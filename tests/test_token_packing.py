@@ -36,15 +36,20 @@ def test_a_continuation_keeps_its_token_fields_in_one_packed_prompt() -> None:
     for fields in turns:
         graph.add_turn(TurnNode(**fields))
     stored = _turns(graph)
-    assert type(stored[0].prompt) is ArrayRun  # a root prompt: shared through the store
+    # a root packs its sampled ids and logprobs too, over its prompt's run (shared through
+    # the store), with no new ids of its own
+    root = stored[0]
+    assert root.prompt is root and type(root.after) is ArrayRun and root.after.prev is None
+    assert len(root.seg) == 0 and type(root.full) is PackedFull
+    assert run_list(root.full) == turns[0]["prompt_ids"] + turns[0]["sampled_ids"]
+    assert root.sampled == array("I", turns[0]["sampled_ids"])
     for k in (1, 2, 3):
         turn = stored[k]
         assert turn.prompt is turn and type(turn.full) is PackedFull
         # the full run is a view over the prompt, equal to any other view over it; the
         # prompt keeps its parent's packed prompt, standing for that one's full run
         assert turn.full.prev is turn.prompt and turn.prompt.prev == stored[k - 1].full
-        before = stored[k - 1]  # the root's full run is a run of its own (not packed)
-        assert turn.prompt.after is (before.prompt if k > 1 else before.full)
+        assert turn.prompt.after is stored[k - 1].prompt
         assert run_list(turn.prompt) == turns[k]["prompt_ids"]
         assert run_list(turn.full) == turns[k]["prompt_ids"] + turns[k]["sampled_ids"]
         assert turn.prompt.length == len(turns[k]["prompt_ids"])
@@ -144,8 +149,8 @@ def test_packed_turns_survive_a_file(tmp_path: Path) -> None:
     assert reopened.get("turn-4").parent_id == "turn-3"
     # read back as add_turn keeps them: a continuation's token fields packed
     stored = _turns(reopened)
-    assert type(stored[0].prompt) is ArrayRun and all(t.prompt is t for t in stored[1:])
-    assert all(type(t.full) is PackedFull and t.full.prev is t.prompt for t in stored[1:])
+    assert all(t.prompt is t for t in stored) and type(stored[0].after) is ArrayRun
+    assert all(type(t.full) is PackedFull and t.full.prev is t.prompt for t in stored)
     reopened.close()
 
 
@@ -257,9 +262,10 @@ def test_a_continuation_of_a_retry_that_sampled_nothing_extends_the_prompt_alone
 
 
 def test_a_token_turn_is_its_own_prompt_and_keeps_no_chain_node_apart() -> None:
-    """A continuation's prompt is the turn itself (its packed bytes are its new prompt ids,
-    sampled ids and logprobs): no token run object is kept besides the turns, but for the
-    root's prompt; a retry's prompt is its sibling turn, matched in place like any run."""
+    """A token turn's prompt is the turn itself (its packed bytes are its new prompt ids,
+    sampled ids and logprobs; a root's, no new ids over its prompt's run): no token run
+    object is kept besides the turns, but for the root's prompt run; a retry's prompt is its
+    sibling turn, matched in place like any run."""
     import gc
 
     from rollout_store.tokens import TokenRun
@@ -273,12 +279,10 @@ def test_a_token_turn_is_its_own_prompt_and_keeps_no_chain_node_apart() -> None:
     stored = _turns(graph)
     kept = [o for o in gc.get_referents(*stored) if isinstance(o, TokenRun)]
     apart = {id(o) for o in kept if type(o) is not Turn}
-    # the root's full (its prompt + sampled, which turn-1 extends: the prompt is that run's
-    # `prev`, no slot of the turn holds it apart) and the retry's full
-    assert apart == {id(stored[0].full), id(stored[4].full)}
-    assert stored[0].full.prev is stored[0].prompt  # type: ignore[union-attr]
-    assert type(stored[0].prompt) is ArrayRun and stored[1].after is stored[0].full
-    for turn in stored[1:4]:
+    # the root's prompt run (under the root turn, packed) and the retry's full
+    assert apart == {id(stored[0].after), id(stored[4].full)}
+    assert type(stored[0].after) is ArrayRun and stored[1].after is stored[0]
+    for turn in stored[0:4]:
         assert turn.prompt is turn and turn.flags & HAS_TOKENS and turn.after is not None
     retry = stored[4]
     assert (
