@@ -437,8 +437,11 @@ class Graph:
             node_id = self._fresh_id() if self._by_id else None
         elif not isinstance(node_id, str):
             raise InvalidValueError(f"expected str, got {type(node_id).__name__}", "node_id")
-        elif self._find(node_id) is not None:
-            raise DuplicateNodeError(f"node_id {node_id!r} is already in the graph")
+        else:
+            if type(node_id) is not str:  # a subclass: its text (`_find` and the turn take str)
+                node_id = str.__str__(node_id)
+            if self._find(node_id) is not None:
+                raise DuplicateNodeError(f"node_id {node_id!r} is already in the graph")
         turn = self._blank_turn()
         turn.index = len(self._turns)
         turn.flags = 0  # (before the node id, which sets a flag)
