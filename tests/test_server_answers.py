@@ -4,11 +4,13 @@ cannot hand on is refused before anything is recorded, and one it records reache
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio.to_thread
 import httpx
 import pytest
 from capture_support import new_session, serve_app
@@ -112,3 +114,39 @@ def test_session_requests_too_deep_or_too_large_are_4xx_and_create_nothing(
                 assert reply.status_code == status, reply.text
                 assert "\n" not in reply.json()["error"]
             assert app.state.sessions.ids() == [] and list((tmp_path / "data").iterdir()) == []
+
+
+def test_a_call_in_flight_when_its_session_is_deleted_records_nowhere(tmp_path: Path) -> None:
+    """The call's turn reopened the deleted session's log and was recorded there: a session
+    created later under the same id started with it. Now the call is refused (409)."""
+    reached, release = threading.Event(), threading.Event()
+
+    async def answer(request: Request) -> Response:
+        reached.set()
+        await anyio.to_thread.run_sync(release.wait, 10)
+        return Response(b'{"choices": [{"message": {"role": "assistant", "content": "late"}}]}')
+
+    routes = [Route("/v1/chat/completions", answer, methods=["POST"])]
+    with serve_app(Starlette(routes=routes)) as upstream:
+        app = create_app(upstream, data=tmp_path / "data", upstream_timeout=20)
+        with serve_app(app) as url:
+            session = new_session(url, session_id="run-1")
+            auth = {"authorization": f"Bearer {session['api_key']}"}
+            replies: list[httpx.Response] = []
+            body = {"model": "m", "messages": [{"role": "user", "content": "q"}]}
+            caller = threading.Thread(
+                target=lambda: replies.append(
+                    httpx.post(f"{url}/v1/chat/completions", json=body, headers=auth, timeout=20)
+                )
+            )
+            caller.start()
+            try:
+                assert reached.wait(10)
+                assert httpx.delete(f"{url}/sessions/run-1", timeout=10).status_code == 200
+            finally:
+                release.set()
+                caller.join(20)
+            assert replies[0].status_code == 409, replies[0].text
+            assert list((tmp_path / "data").iterdir()) == []
+            new_session(url, session_id="run-1")
+            assert httpx.get(f"{url}/sessions/run-1", timeout=10).json()["turns"] == 0
