@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from rollout_store import InvalidValueError, RolloutGraph, TurnNode, export_session
+from rollout_store import MAX_DEPTH, InvalidValueError, RolloutGraph, TurnNode, export_session
+from rollout_store.viewer import Viewer
 
 # an int Python will not write as text (json.dumps neither): more digits than the limit
 _DIGITS = sys.get_int_max_str_digits() or 4300
@@ -47,3 +48,27 @@ def test_an_int_too_long_to_write_is_refused_where_it_is(
     json.dumps(export_session(graph, include_messages=True))
     graph.save(tmp_path / "g.rls")
     assert len(RolloutGraph.load(tmp_path / "g.rls")) == 1
+
+
+@pytest.mark.parametrize("kind", ["dict", "list"])
+def test_the_viewer_shows_a_turn_nested_as_deep_as_intake_takes(kind: str) -> None:
+    """A value nested MAX_DEPTH - 2 levels is recorded; the viewer's copy of it recursed twice
+    a level and raised RecursionError (a 500 at the capture server's view route)."""
+    value: Any = 1
+    for _ in range(MAX_DEPTH - 2):
+        value = {"a": value} if kind == "dict" else [value]
+    graph = RolloutGraph()
+    graph.add_turn(
+        TurnNode(
+            node_id="t",
+            prompt_ids=None,
+            sampled_ids=None,
+            request_messages=[{"role": "user", "content": value}],
+            response_message={"content": value},
+        )
+    )
+    answer = Viewer(graph).respond("/api/turn", "id=t")
+    assert answer.status == 200
+    shown = json.loads(answer.body)
+    assert json.dumps(shown["messages"][0]["content"]) == json.dumps(value)
+    assert json.dumps(shown["response"]["content"]) == json.dumps(value)
