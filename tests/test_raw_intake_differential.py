@@ -149,9 +149,9 @@ def _check(seeds: range, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_raw_intake_records_as_decoded_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    _check(range(40), monkeypatch)
+    _check(range(12), monkeypatch)
 
 
 @pytest.mark.slow
 def test_raw_intake_records_as_decoded_values_many(monkeypatch: pytest.MonkeyPatch) -> None:
-    _check(range(40, 1500), monkeypatch)
+    _check(range(12, 1500), monkeypatch)
