@@ -514,8 +514,9 @@ def _json_bytes(response: dict[str, Any], answer: bytes) -> Response:
 
 
 def _written_anew(response: dict[str, Any]) -> Response:
-    """An answer written anew as json.dumps writes it (ASCII): what json.loads read from the
-    upstream, NaN and lone surrogates too, which a strict writer (JSONResponse) refuses."""
+    """A document written as json.dumps writes it (ASCII): what json.loads read (from the
+    upstream, or a session's metadata), NaN and lone surrogates too, which a strict writer
+    (JSONResponse) refuses."""
     return Response(json.dumps(response, separators=(",", ":")), media_type="application/json")
 
 
@@ -914,11 +915,11 @@ class _Server:
         return session
 
     async def list_sessions(self, request: Request) -> Response:
-        return JSONResponse({"sessions": [s.info() for s in self.sessions.all()]})
+        return _written_anew({"sessions": [s.info() for s in self.sessions.all()]})
 
     async def session_info(self, request: Request) -> Response:
         found = self._lookup(request)
-        return found if isinstance(found, Response) else JSONResponse(found.info())
+        return found if isinstance(found, Response) else _written_anew(found.info())
 
     async def view_root(self, request: Request) -> Response:
         """`/sessions/{id}/view` without its slash: the page's relative URLs need one."""

@@ -150,3 +150,24 @@ def test_a_call_in_flight_when_its_session_is_deleted_records_nowhere(tmp_path: 
             assert list((tmp_path / "data").iterdir()) == []
             new_session(url, session_id="run-1")
             assert httpx.get(f"{url}/sessions/run-1", timeout=10).json()["turns"] == 0
+
+
+def test_session_metadata_json_loads_reads_is_listed_as_json_dumps_writes_it() -> None:
+    """A session made with a NaN or a lone surrogate in its metadata (json.loads reads both)
+    made GET /sessions a 500 for every session, and its own GET /sessions/{id} too."""
+    with serve_app(create_stub_app()) as upstream, serve_app(create_app(upstream)) as url:
+        bodies = {
+            "sur": b'{"session_id": "sur", "metadata": {"k": "\\ud800"}}',
+            "nan": b'{"session_id": "nan", "metadata": {"k": NaN, "i": -Infinity}}',
+        }
+        for body in bodies.values():
+            assert httpx.post(f"{url}/sessions", content=body, timeout=10).status_code == 200
+        listed = httpx.get(f"{url}/sessions", timeout=10)
+        assert listed.status_code == 200, listed.text
+        shown = {s["session_id"]: s["metadata"] for s in json.loads(listed.content)["sessions"]}
+        for session_id, body in bodies.items():
+            want = json.dumps(json.loads(body)["metadata"])
+            assert json.dumps(shown[session_id]) == want
+            info = httpx.get(f"{url}/sessions/{session_id}", timeout=10)
+            assert info.status_code == 200, info.text
+            assert json.dumps(json.loads(info.content)["metadata"]) == want
