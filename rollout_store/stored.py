@@ -352,8 +352,10 @@ class Turn(PackedRun):
     A token turn is its own prompt's chain node: a `PackedRun` packed by `pack_tokens`, its
     new prompt ids, sampled ids and logprobs at the start of `data` (HAS_TOKENS), the run
     before them in `after` (a root's: no new ids, its prompt's run in `after`); so `prompt`
-    is the turn itself and neither a node nor a bytes object is kept apart from it. Any other turn's prompt run (an `ArrayRun`, another turn's
-    prompt, or None) is kept in `after`: such a turn is never a node of a chain.
+    is the turn itself and neither a node nor a bytes object is kept apart from it. Any
+    other turn's prompt run (an `ArrayRun`, another turn's prompt, or None) is kept in
+    `after` (or under its full run there: see `full`): such a turn is never a node of a
+    chain.
     """
 
     __slots__ = (
