@@ -793,6 +793,7 @@ class _Server:
             self._upstream_headers(request, anthropic=False),
             lambda response: chat_turn(body, response, harness),
         )
+        del accepted, raw  # while the upstream answers: its body and the raw fields, no third copy
         options = body.get("stream_options") or {}
 
         def reply(response: dict[str, Any], answer: bytes) -> Response:
@@ -824,6 +825,7 @@ class _Server:
             self._upstream_headers(request, anthropic=True),
             lambda response: messages_turn(body, response, harness),
         )
+        del accepted, raw  # (as in `chat`)
         return await self._answer(
             call,
             True,
