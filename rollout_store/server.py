@@ -56,6 +56,7 @@ from starlette.routing import Route
 from .content import ContentStore, StringCache
 from .errors import InvalidValueError, RolloutStoreError
 from .export import write_session_json, write_trace_jsonl
+from .idle_trim import with_idle_trim
 from .nodes import TurnNode
 from .raw import RawJSON
 from .sessions import Session, SessionError, Sessions, clean_session_id
@@ -86,6 +87,9 @@ STREAM_KEEPALIVE = 10.0
 #: Seconds after which an unused session over a log lets its graph go (reopened on use), or
 #: one in memory only lets its graph's caches go.
 IDLE_SECONDS = 600.0
+#: Seconds with no call in flight after which `rollout-store serve` gives its heap's free
+#: pages back to the system (`idle_trim`); `--trim-idle` changes it.
+TRIM_IDLE_SECONDS = 1.0
 
 # Request fields that are not parameters of the call (the rest are recorded as sampling_params).
 _CHAT_FIELDS = frozenset({"messages", "tools", "model", "stream", "stream_options"})
@@ -1124,6 +1128,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "lets its caches go (without); 0: never",
     )
     parser.add_argument(
+        "--trim-idle",
+        type=float,
+        default=TRIM_IDLE_SECONDS,
+        metavar="S",
+        help="when no call has been in flight for S seconds, give the heap's free pages back "
+        "to the system (glibc's malloc_trim; see the README); 0: never",
+    )
+    parser.add_argument(
         "--no-token-capture",
         dest="capture_tokens",
         action="store_false",
@@ -1149,6 +1161,9 @@ def serve(args: argparse.Namespace) -> int:
         stream_keepalive=args.stream_keepalive,
         idle_seconds=args.idle_seconds,
     )
+    if not args.trim_idle >= 0:
+        raise ValueError("--trim-idle must be 0 (never) or a number of seconds")
+    served = with_idle_trim(app, args.trim_idle)  # the process's own allocator: not the app's
     sock = listen_socket(args.host, args.port)
     # what was made at start (modules, the reopened sessions' graphs) lives as long as the
     # process: out of the collector's way, a full collection no longer walks all of it
@@ -1163,7 +1178,7 @@ def serve(args: argparse.Namespace) -> int:
         else f"rollout-store serve: http://{host}:{port} -> {args.upstream}",
         flush=True,
     )
-    config = uvicorn.Config(app, log_level="warning", access_log=False)
+    config = uvicorn.Config(served, log_level="warning", access_log=False)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 
