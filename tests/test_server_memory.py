@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import platform
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -11,6 +16,7 @@ import httpx
 import pytest
 from capture_support import new_session, serve_app
 
+from rollout_store.idle_trim import IdleTrim, malloc_trim, with_idle_trim
 from rollout_store.server import create_app
 from rollout_store.stub_engine import create_stub_app
 
@@ -67,3 +73,101 @@ def test_a_call_waiting_for_the_upstream_holds_two_copies_of_its_body(route: str
         tracemalloc.stop()
     assert answer.status_code == 200, answer.text
     assert stub.copies and 1 <= stub.copies[0] <= 2, stub.copies
+
+
+# ---------------------------------------------------------------- giving pages back when idle
+
+
+async def _app(scope: Any, receive: Any, send: Any) -> None:
+    """An ASGI app whose request waits for its `release` event (in the scope) before ending."""
+    await scope["release"].wait()
+
+
+async def _request(app: Any, release: asyncio.Event) -> None:
+    await app({"type": "http", "release": release}, None, None)
+
+
+async def _until(check: Any) -> None:
+    for _ in range(500):  # bounded: a few event-loop turns suffice with a delay of 0
+        if check():
+            return
+        await asyncio.sleep(0.001)
+
+
+def test_idle_trim_runs_once_after_the_last_call_in_flight_ends() -> None:
+    calls: list[int] = []
+
+    async def scenario() -> None:
+        trimmer = IdleTrim(_app, lambda: calls.append(1) or 1, delay=0)
+        first, second = asyncio.Event(), asyncio.Event()
+        one = asyncio.ensure_future(_request(trimmer, first))
+        two = asyncio.ensure_future(_request(trimmer, second))
+        await asyncio.sleep(0.01)
+        first.set()
+        await one
+        await asyncio.sleep(0.01)
+        assert calls == []  # another call is still in flight
+        second.set()
+        await two
+        await _until(lambda: calls)
+        assert calls == [1]
+        await asyncio.sleep(0.01)
+        assert calls == [1]  # once per idle spell: nothing ran since
+        # a lifespan scope is not a call
+        await trimmer({"type": "lifespan", "release": first}, None, None)
+        await asyncio.sleep(0.01)
+        assert calls == [1] and trimmer.trims == 1
+        await _request(trimmer, first)
+        await _until(lambda: len(calls) == 2)
+        assert calls == [1, 1]
+
+    asyncio.run(scenario())
+
+
+def test_idle_trim_waits_for_its_delay() -> None:
+    calls: list[int] = []
+
+    async def scenario() -> None:
+        trimmer = IdleTrim(_app, lambda: calls.append(1) or 1, delay=3600)
+        done = asyncio.Event()
+        done.set()
+        await _request(trimmer, done)
+        await asyncio.sleep(0.05)
+        assert calls == []  # an hour has not passed
+
+    asyncio.run(scenario())
+    with pytest.raises(ValueError):
+        IdleTrim(_app, lambda: 1, delay=-1)
+
+
+def test_with_idle_trim_wraps_only_when_asked_and_on_glibc() -> None:
+    assert with_idle_trim(_app, 0) is _app
+    wrapped = with_idle_trim(_app, 1.0)
+    on_glibc = platform.libc_ver()[0] == "glibc"
+    assert isinstance(wrapped, IdleTrim) == on_glibc
+    assert (malloc_trim() is not None) == on_glibc
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_malloc_trim_gives_the_free_heap_pages_back() -> None:
+    """In a child process: 64 MiB of 32 KiB buffers (heap, below glibc's mmap threshold)
+    freed but for the last, which keeps the heap from shrinking at its top: the pages stay
+    resident until the trim gives them back."""
+    script = (
+        "import sys\n"
+        "from rollout_store.idle_trim import malloc_trim\n"
+        "def rss():\n"
+        "    return int(open('/proc/self/statm').read().split()[1]) * 4096\n"
+        "blocks = [bytearray(32 << 10) for _ in range(2048)]\n"
+        "last = blocks[-1]\n"
+        "del blocks\n"
+        "before = rss()\n"
+        "malloc_trim()()\n"
+        "print(before - rss())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) > 32 << 20  # more than half of the 64 MiB came back
