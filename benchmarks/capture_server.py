@@ -19,11 +19,11 @@ screenshot (content dominates).
 Memory servers run with glibc's mmap threshold fixed at 64 KiB, so a request's large buffers
 go back to the system when freed and RSS shows what a server keeps, not its peak of transient
 buffers; the same for every scheme. Idle is after 2.5 s without a call: every server (the
-baselines too) gives its heap's free pages back with malloc_trim after 1 s without a call in
-flight, and has closed its idle upstream connections (after 2 s) (`rollout-store serve --trim-idle`); the growth 0.2 s after the group's last call,
-before that trim, is shown beside it, and so is the peak RSS during the group (the kernel's
-VmHWM, reset at the start of the group), which the trim does not change: the pass/fail line
-is on the idle growth.
+baselines too) has given its heap's free pages back with malloc_trim, 1 s after its last call
+(`rollout-store serve --trim-idle`), and closed its idle upstream connections (after 2 s).
+The growth 0.2 s after the group's last call, before that trim, is shown beside it, and so
+is the peak RSS during the group (the kernel's VmHWM, reset at the start of the group), which
+the trim does not change: the pass/fail line is on the idle growth.
 
 Latency: per-request latency each server adds over calling the stub directly, median and
 p99, with 16 rollouts in flight, paired (each rollout makes every call to the stub and then
