@@ -41,7 +41,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -50,8 +50,15 @@ import anyio.to_thread
 import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
+from starlette.responses import (
+    JSONResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from .content import ContentStore, StringCache
 from .errors import InvalidValueError, RolloutStoreError
@@ -177,10 +184,12 @@ def chat_turn(body: dict[str, Any], response: dict[str, Any], harness: str | Non
 
 
 def _with_system(system: Any, messages: Any) -> Any:
-    """`[{"role": "system", "content": system}, *messages]`, spliced as text when raw."""
+    """`[{"role": "system", "content": system}, *messages]`, spliced as text when raw (with
+    the value, which `split_body` decoded)."""
     if type(messages) is RawJSON and type(system) is RawJSON:
         head = b'[{"role": "system", "content": ' + _text(system) + b"}, "
-        return RawJSON(head + _text(messages)[1:])  # a non-empty array: "[" then an item
+        value = [{"role": "system", "content": system.decode()}, *messages.decode()]
+        return RawJSON(head + _text(messages)[1:], value)  # non-empty: "[" then an item
     return [{"role": "system", "content": _value(system)}, *_value(messages)]
 
 
@@ -216,14 +225,8 @@ def messages_turn(body: dict[str, Any], response: dict[str, Any], harness: str |
 # ---------------------------------------------------------------------- request checks
 
 
-class _Role(msgspec.Struct):
-    """What the shape check needs of a message (msgspec skips the rest unread)."""
-
-    role: str
-
-
 _split_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
-_split_roles = msgspec.json.Decoder(list[_Role]).decode
+_decode_items = msgspec.json.Decoder(list[Any]).decode
 #: Top-level fields handed on undecoded when they are arrays (or, for `system`, strings):
 #: those of Chat Completions, and of Anthropic Messages (its `system` is the first message).
 CHAT_RAW_FIELDS = frozenset({"messages", "tools"})
@@ -246,7 +249,11 @@ def split_body(
 
     Every field is decoded (exactly as json.loads would) except those named in `raw_fields`
     that hold an array (or, for `system`, a string): they stay `RawJSON` spans of `raw`. A
-    raw `messages` is already checked to be a non-empty array of objects with a string role.
+    raw `messages` is already checked to be a non-empty array of objects with a string role,
+    and carries its decoded value (`RawJSON`'s `value`): the check had to decode it, and the
+    graph, which needs the value too unless the text continues one it holds, then does not
+    decode it again. So the body is read twice in all, once to find its fields and once to
+    decode the conversation, whichever way the graph stores it.
     None: the body is not a JSON object msgspec reads as json.loads would (not JSON at all,
     NaN, lone-surrogate escapes, a byte order mark, nesting too deep, a message whose role
     is not a plain string...): decode it with json.loads, which accepts it or says why not.
@@ -255,28 +262,39 @@ def split_body(
         spans = _split_fields(raw)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeError):
         return None
-    if not raw.isascii():
-        # msgspec does not check the UTF-8 of what it skips; json.loads refuses bad UTF-8
-        # (and reads UTF-8-encoded surrogates, which a strict decode leaves to it)
-        try:
-            raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return None
     fields: dict[str, Any] = {}
     for key, span in spans.items():
         data = bytes(span)
         first = data[:1]
         if key in raw_fields and (first == b"[" or (first == b'"' and key == "system")):
             if key == "messages":
+                # decoded, so its UTF-8 checked (msgspec refuses what json.loads reads
+                # otherwise, such as UTF-8-encoded surrogates: json.loads then decides)
                 try:
-                    if not _split_roles(data):
-                        fields[key] = []  # refused by the shape check
-                        continue
-                except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+                    messages = _decode_items(data)
+                except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeError):
+                    return None
+                if not messages:
+                    fields[key] = []  # refused by the shape check
+                    continue
+                for message in messages:
+                    if type(message) is not dict or type(message.get("role")) is not str:
+                        return None  # json.loads's reading says which message is wrong
+                fields[key] = RawJSON(data, messages)
+                continue
+            if not data.isascii():
+                # msgspec does not check the UTF-8 of what it skips; json.loads refuses bad
+                # UTF-8 (and reads UTF-8-encoded surrogates, which a strict decode leaves to it)
+                try:
+                    data.decode("utf-8")
+                except UnicodeDecodeError:
                     return None
             fields[key] = RawJSON(data)
         else:
-            fields[key] = RawJSON(data).decode()
+            try:  # (msgspec, or json.loads where msgspec cannot decode it exactly so)
+                fields[key] = RawJSON(data).decode()
+            except (ValueError, RecursionError):  # bad UTF-8, or too deep: json.loads says
+                return None
     return fields
 
 
@@ -975,6 +993,37 @@ class _Server:
         )
 
 
+class _CaptureApp(Starlette):
+    """The app: a model call goes straight to its handler, everything else through Starlette.
+
+    A `POST` to a model route skips Starlette's middleware, router and request wrapper (the
+    handler gets its `Request`, its `Response` answers by itself): the same handler and the
+    same answer, at less CPU a call, which on a machine whose cores the client and the engine
+    share is queueing every other call in flight waits through. An exception a handler
+    raises is answered 500 as Starlette's own error middleware answers it, and raised on to
+    the server, which logs it.
+    """
+
+    def __init__(
+        self, calls: dict[str, Callable[[Request], Awaitable[Response]]], **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        self._calls = calls
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = self._calls.get(scope["path"]) if scope["type"] == "http" else None
+        if handler is None or scope["method"] != "POST":
+            await super().__call__(scope, receive, send)
+            return
+        scope["app"] = self
+        try:
+            response = await handler(Request(scope, receive))
+        except Exception:
+            await PlainTextResponse("Internal Server Error", 500)(scope, receive, send)
+            raise
+        await response(scope, receive, send)  # (every response starts before its body)
+
+
 def create_app(
     upstream: str,
     *,
@@ -1044,8 +1093,11 @@ def create_app(
                     await sweeper
             await server.aclose()
 
-    app = Starlette(
+    app = _CaptureApp(
+        {"/v1/chat/completions": server.chat, "/v1/messages": server.messages},
         routes=[
+            # (POSTs to these two are answered by `_CaptureApp` before routing; the routes
+            # answer the rest: 405 to other methods, as before)
             Route("/v1/chat/completions", server.chat, methods=["POST"]),
             Route("/v1/messages", server.messages, methods=["POST"]),
             Route("/v1/models", server.models, methods=["GET"]),
