@@ -50,9 +50,13 @@ ends with PASS/MISS lines for the targets and a one-line count of targets met an
 `--memory-only` runs the memory runs alone (rollout_store and forward-only, a few seconds a
 round; the latency targets are not run) and writes nothing: for iterating on what a server
 keeps, where the RSS growth of one run varies by tens of KiB and many rounds are needed.
+`--latency-only` runs the engine rows' latency runs alone (rollout_store and forward-only in
+turns, every run's added latency and CPU a call printed) and writes nothing: for iterating on
+a server's CPU a call, whose runs on the shared machine vary by a quarter or more.
 
     python benchmarks/capture_server.py [--quick] [--rounds N] [--engine-ms MS]
     python benchmarks/capture_server.py --memory-only [--rounds N] [--sites N]
+    python benchmarks/capture_server.py --latency-only [--rounds N] [--engine-ms MS]
 """
 
 from __future__ import annotations
@@ -613,6 +617,51 @@ def memory_only(rounds: int, sites: int) -> int:
     return 0
 
 
+def latency_only(rounds: int, engine_ms: float) -> int:
+    """The engine rows' latency runs alone (see the docstring): rollout_store and
+    forward-only in turns, a fresh server each run, every run's figures printed (the
+    machine's noise shows as their spread); the null pair each round. Writes nothing."""
+    schemes = ["rollout_store", "forward-only"]
+    stub = Child(
+        ["-m", "rollout_store.stub_engine", "--port", "0", "--latency-ms", str(engine_ms)]
+        + ["--jitter", str(ENGINE_JITTER)],
+        malloc=False,
+    )
+    added: dict[str, list[float]] = {s: [] for s in schemes}
+    cpu: dict[str, list[float]] = {s: [] for s in schemes}
+    preempted: dict[str, list[float]] = {s: [] for s in schemes}
+    null: list[float] = []
+    try:
+        asyncio.run(run_group(stub.url, True, SESSIONS, 3))  # a warm stub
+        for r in range(rounds):
+            pairs: list[float] = []
+            asyncio.run(run_group(stub.url, True, SESSIONS, TURNS, pair=stub.url, added=pairs))
+            null += pairs
+            print(f"round {r + 1}: null pair {_ms(pairs):.2f} / {_ms(pairs, 0.99):.2f} ms")
+            for scheme in schemes[r % 2 :] + schemes[: r % 2]:
+                run: list[float] = []
+                latency_run(scheme, stub.url, SESSIONS, TURNS, run, cpu[scheme], preempted[scheme])
+                added[scheme] += run
+                print(
+                    f"round {r + 1}: {scheme:<14} added {_ms(run):.2f} / {_ms(run, 0.99):.2f} ms"
+                    f", cpu {cpu[scheme][-1] * 1000:.2f} ms a call, preempted "
+                    f"{preempted[scheme][-1]:.2f} a call (load {os.getloadavg()[0]:.1f})"
+                )
+    finally:
+        stub.stop()
+    print(
+        f"{SESSIONS} sessions x {TURNS} turns, engine {engine_ms:g} ms, {rounds} rounds; null "
+        f"pair {_ms(null):.2f} / {_ms(null, 0.99):.2f} ms (median / p99)"
+    )
+    for scheme in schemes:
+        print(
+            f"{scheme:<14} added median {_ms(added[scheme]):.2f} ms, p99 "
+            f"{_ms(added[scheme], 0.99):.2f} ms; cpu a call median {_ms(cpu[scheme]):.2f} ms "
+            f"(runs {', '.join(f'{c * 1000:.2f}' for c in cpu[scheme])})"
+        )
+    return 0
+
+
 def _ms(values: list[float], q: float | None = None) -> float:
     if not values:
         return float("nan")
@@ -644,10 +693,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the memory runs alone (rollout_store and forward-only), --rounds of them",
     )
+    parser.add_argument(
+        "--latency-only",
+        action="store_true",
+        help="the engine rows' latency runs alone (rollout_store and forward-only), --rounds",
+    )
     add_results_option(parser)
     args = parser.parse_args(argv)
     if args.memory_only:
         return memory_only(args.rounds, args.sites)
+    if args.latency_only:
+        return latency_only(args.rounds, args.engine_ms)
     sessions, turns, rounds = (4, 6, 1) if args.quick else (SESSIONS, TURNS, args.rounds)
     large_turns = 4 if args.quick else LARGE_TURNS
     servers = ["rollout_store", "rollout_store+log", "anchor", "forward-only"]

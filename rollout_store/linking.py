@@ -157,7 +157,7 @@ class Linker:
         if before is not None:
             new = prompt[before.length :]
             kept = turn.logprobs
-            if packable(new, sampled, kept):
+            if packable(new, sampled, kept, len(prompt)):
                 # the common case: new ids, sampled ids and logprobs in the turn itself
                 turn.pack_tokens(before, new, sampled, kept)
                 run, packed = turn, True

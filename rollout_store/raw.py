@@ -24,9 +24,6 @@ from .errors import InvalidValueError
 __all__ = ["RawJSON", "decode_array", "decode_raw", "resolve_raw", "split_array"]
 
 
-_UNSET: Any = object()  # (a `RawJSON` given no decoded value)
-
-
 class RawJSON:
     """JSON text standing for the value it encodes: `bytes` (any encoding `json.loads`
     detects) or `str`.
@@ -36,33 +33,22 @@ class RawJSON:
     message of `request_messages`). The graph stores and rebuilds exactly what
     `json.loads(data)` gives; text that is not JSON raises `InvalidValueError` naming the
     field, with `json.loads`'s message.
-
-    `value`: what `json.loads(data)` gives, when the caller decoded the text already (a
-    capture server that had to look inside it): the first `decode` hands that value over
-    instead of decoding the text a second time, and forgets it (so it is neither shared
-    with a second reader nor kept); later ones decode `data`. The caller vouches for it:
-    a value that is not exactly what `json.loads(data)` gives is recorded as given.
     """
 
-    __slots__ = ("_value", "data")
+    __slots__ = ("data",)
 
     data: bytes | str
 
-    def __init__(self, data: bytes | bytearray | memoryview | str, value: Any = _UNSET) -> None:
+    def __init__(self, data: bytes | bytearray | memoryview | str) -> None:
         if isinstance(data, bytearray | memoryview):
             data = bytes(data)
         if not isinstance(data, bytes | str):
             raise TypeError(f"RawJSON expects bytes or str, got {type(data).__name__}")
         self.data = data
-        self._value = value
 
     def decode(self) -> Any:
         """The value `json.loads(self.data)` gives (raises what `json.loads` raises)."""
-        value = self._value
-        if value is _UNSET:
-            return _loads(self.data)
-        self._value = _UNSET
-        return value
+        return _loads(self.data)
 
     def __repr__(self) -> str:
         text = self.data if len(self.data) <= 60 else self.data[:57]
@@ -95,7 +81,7 @@ def decode_raw(raw: RawJSON, path: str) -> Any:
     """Decode `raw` as `json.loads` would; text that is not JSON raises `InvalidValueError`
     naming `path` with `json.loads`'s message (the `json` error is the cause)."""
     try:
-        return raw.decode()
+        return _loads(raw.data)
     except RecursionError as exc:
         raise InvalidValueError(f"JSON text nested too deeply to decode: {exc}", path) from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError

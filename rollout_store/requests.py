@@ -135,6 +135,45 @@ def _json_only(plain: bytes) -> bool:
     return _no_empty_bin(plain)
 
 
+#: msgpack type bytes of containers (fixmap, fixarray, array 16/32, map 16/32): a packing
+#: holds at least as many of these bytes as its containers nest deep (as data bytes too)
+_CONTAINER_BYTES = bytes((*range(0x80, 0xA0), 0xDC, 0xDD, 0xDE, 0xDF))
+
+
+def _long_string_types(threshold: int | None) -> bytes | None:
+    """The msgpack type bytes of the strings that can hold `threshold` bytes or more (any
+    string of `threshold` characters or more, which the validating walk makes a blob, packs
+    under one of them); None when a fixstr can (threshold below 32: no scan tells).
+    No threshold: no string is ever a blob."""
+    if threshold is None:
+        return b""
+    if threshold > 0xFFFF:
+        return b"\xdb"  # str32
+    if threshold > 0xFF:
+        return b"\xda\xdb"  # str16, str32
+    if threshold > 31:
+        return b"\xd9\xda\xdb"  # str8 too
+    return None
+
+
+def _walk_free(plain: bytes, long_types: bytes | None) -> bool:
+    """Whether a plain packing of any length is what the validating walk would build (as
+    `_json_only` tells of a short one): no byte that begins a long string's type
+    (`long_types`, see `_long_string_types`: so no string the walk makes a blob), no ext or
+    bin type, and fewer container type bytes than MAX_DEPTH (so no nesting that deep). Each
+    is a byte scan at C speed; a byte that only looks like one (a length, a letter) sends
+    the value to the walk, which decides."""
+    if long_types is None:
+        return False
+    for byte in long_types:  # mostly found at once where a long string is (memchr)
+        if byte in plain:
+            return False
+    size = len(plain)
+    if len(plain.translate(None, _NOT_JSON)) != size:
+        return False
+    return size - len(plain.translate(None, _CONTAINER_BYTES)) < MAX_DEPTH
+
+
 def _all_json(plains: Sequence[bytes | None], limit: int) -> bool:
     """Whether every plain packing is shorter than `limit` and holds no ext and no bin type
     (`_json_only` of each, in one pass: a few C calls for all)."""
@@ -425,6 +464,7 @@ class RequestStore:
         "_canonical",
         "_encoder",
         "_lengths",
+        "_long_types",
         "_longest",
         "_pack_plain",
         "_plain_limit",
@@ -453,6 +493,8 @@ class RequestStore:
         self.buckets = 0  # keys of the request index that hold several turns (a `_Bucket`)
         # plain packings shorter than this can hold no blob and no nesting beyond MAX_DEPTH
         self._plain_limit = min(share_threshold or MAX_DEPTH, MAX_DEPTH)
+        # longer ones, where they hold no long string's type byte (see `_walk_free`)
+        self._long_types = _long_string_types(share_threshold)
         self.raw_tips = RawTips()  # the latest raw turns, for raw continuations
         # the latest decoded turns whose requests hold blobs: their strings are compared, not
         # hashed again (not over an out-of-process store: its strings are fetched)
@@ -502,7 +544,11 @@ class RequestStore:
         as MAX_DEPTH) and holds no ext or bin type (no tuple, big int, bytes or caller's
         `msgpack.ExtType`) is what the validating walk would build: the walk is skipped.
         """
-        if plain is not None and len(plain) < self._plain_limit and _json_only(plain):
+        if plain is not None and (
+            _json_only(plain)
+            if len(plain) < self._plain_limit
+            else _walk_free(plain, self._long_types)
+        ):
             return plain, False
         return self._encoder.encode(value, path)
 
@@ -789,10 +835,10 @@ class RequestStore:
             pieces = [ECHO_PACKED, *plains[1:]]
         else:
             pieces = [ECHO_PACKED]
-            encoder = self._encoder
+            encoder, long_types = self._encoder, self._long_types
             for i in range(1, len(fresh)):
                 plain = plains[i]
-                if len(plain) < limit and _json_only(plain):
+                if _json_only(plain) if len(plain) < limit else _walk_free(plain, long_types):
                     pieces.append(plain)
                     continue
                 packed, special = encoder.encode(fresh[i], f"request_messages[{first + i}]")
@@ -922,7 +968,9 @@ class RequestStore:
             pieces += plains  # type: ignore[arg-type]
         else:
             for i, p in enumerate(plains, first):
-                if p is not None and len(p) < limit and _json_only(p):  # `stored_form`, inline
+                if p is not None and (  # `stored_form`, inline
+                    _json_only(p) if len(p) < limit else _walk_free(p, self._long_types)
+                ):
                     pieces.append(p)
                     continue
                 encoder = self._encoder

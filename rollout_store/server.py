@@ -184,12 +184,10 @@ def chat_turn(body: dict[str, Any], response: dict[str, Any], harness: str | Non
 
 
 def _with_system(system: Any, messages: Any) -> Any:
-    """`[{"role": "system", "content": system}, *messages]`, spliced as text when raw (with
-    the value, which `split_body` decoded)."""
+    """`[{"role": "system", "content": system}, *messages]`, spliced as text when raw."""
     if type(messages) is RawJSON and type(system) is RawJSON:
         head = b'[{"role": "system", "content": ' + _text(system) + b"}, "
-        value = [{"role": "system", "content": system.decode()}, *messages.decode()]
-        return RawJSON(head + _text(messages)[1:], value)  # non-empty: "[" then an item
+        return RawJSON(head + _text(messages)[1:])  # a non-empty array: "[" then an item
     return [{"role": "system", "content": _value(system)}, *_value(messages)]
 
 
@@ -225,8 +223,14 @@ def messages_turn(body: dict[str, Any], response: dict[str, Any], harness: str |
 # ---------------------------------------------------------------------- request checks
 
 
+class _Role(msgspec.Struct):
+    """What the shape check needs of a message (msgspec skips the rest unread)."""
+
+    role: str
+
+
 _split_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
-_decode_items = msgspec.json.Decoder(list[Any]).decode
+_split_roles = msgspec.json.Decoder(list[_Role]).decode
 #: Top-level fields handed on undecoded when they are arrays (or, for `system`, strings):
 #: those of Chat Completions, and of Anthropic Messages (its `system` is the first message).
 CHAT_RAW_FIELDS = frozenset({"messages", "tools"})
@@ -249,11 +253,7 @@ def split_body(
 
     Every field is decoded (exactly as json.loads would) except those named in `raw_fields`
     that hold an array (or, for `system`, a string): they stay `RawJSON` spans of `raw`. A
-    raw `messages` is already checked to be a non-empty array of objects with a string role,
-    and carries its decoded value (`RawJSON`'s `value`): the check had to decode it, and the
-    graph, which needs the value too unless the text continues one it holds, then does not
-    decode it again. So the body is read twice in all, once to find its fields and once to
-    decode the conversation, whichever way the graph stores it.
+    raw `messages` is already checked to be a non-empty array of objects with a string role.
     None: the body is not a JSON object msgspec reads as json.loads would (not JSON at all,
     NaN, lone-surrogate escapes, a byte order mark, nesting too deep, a message whose role
     is not a plain string...): decode it with json.loads, which accepts it or says why not.
@@ -262,39 +262,28 @@ def split_body(
         spans = _split_fields(raw)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeError):
         return None
+    if not raw.isascii():
+        # msgspec does not check the UTF-8 of what it skips; json.loads refuses bad UTF-8
+        # (and reads UTF-8-encoded surrogates, which a strict decode leaves to it)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
     fields: dict[str, Any] = {}
     for key, span in spans.items():
         data = bytes(span)
         first = data[:1]
         if key in raw_fields and (first == b"[" or (first == b'"' and key == "system")):
             if key == "messages":
-                # decoded, so its UTF-8 checked (msgspec refuses what json.loads reads
-                # otherwise, such as UTF-8-encoded surrogates: json.loads then decides)
                 try:
-                    messages = _decode_items(data)
-                except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeError):
-                    return None
-                if not messages:
-                    fields[key] = []  # refused by the shape check
-                    continue
-                for message in messages:
-                    if type(message) is not dict or type(message.get("role")) is not str:
-                        return None  # json.loads's reading says which message is wrong
-                fields[key] = RawJSON(data, messages)
-                continue
-            if not data.isascii():
-                # msgspec does not check the UTF-8 of what it skips; json.loads refuses bad
-                # UTF-8 (and reads UTF-8-encoded surrogates, which a strict decode leaves to it)
-                try:
-                    data.decode("utf-8")
-                except UnicodeDecodeError:
+                    if not _split_roles(data):
+                        fields[key] = []  # refused by the shape check
+                        continue
+                except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
                     return None
             fields[key] = RawJSON(data)
         else:
-            try:  # (msgspec, or json.loads where msgspec cannot decode it exactly so)
-                fields[key] = RawJSON(data).decode()
-            except (ValueError, RecursionError):  # bad UTF-8, or too deep: json.loads says
-                return None
+            fields[key] = RawJSON(data).decode()
     return fields
 
 

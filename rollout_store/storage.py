@@ -168,6 +168,7 @@ _IN_MEMORY_FLAGS = (
     | TurnFlag.HAS_KEY
     | TurnFlag.HAS_RESPONSE
     | TurnFlag.HAS_TOKENS
+    | TurnFlag.FULL_APART
     | TurnFlag.LINK_LOW
     | TurnFlag.LINK_HIGH
 )
@@ -916,7 +917,7 @@ class _Loader:
             and spec is not None
             and spec[0] == PromptKind.EXTENDS  # a run of its own, shared with no turn
             and isinstance(prompt.seg, array)
-            and packable(prompt.seg, sampled, side.logprobs)
+            and packable(prompt.seg, sampled, side.logprobs, prompt.length)
         ):  # as add_turn keeps it: new ids, sampled ids and logprobs in the turn itself
             turn.pack_tokens(prompt.prev, prompt.seg, sampled, side.logprobs)
 

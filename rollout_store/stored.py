@@ -22,6 +22,7 @@ from .tokens import ArrayRun, PackedFull, PackedRun, TokenRun, packed_size
 
 __all__ = [
     "EMPTY_PROMPT",
+    "FULL_APART",
     "HAS_DIGEST",
     "HAS_KEY",
     "HAS_RESPONSE",
@@ -95,6 +96,9 @@ class TurnFlag(IntEnum):
     # `Turn.data` starts with the turn's packed token ids (the turn is a packed run: see
     # Turn.pack_tokens)
     HAS_TOKENS = 65536
+    # derived, never stored: the turn's full run is not its prompt (it sampled ids): a
+    # packed turn's is a view over it, another turn's is kept in `after` (see Turn.full)
+    FULL_APART = 131072
 
 
 # The TurnFlag bits as plain ints, defined here once for the code that tests them on every
@@ -116,6 +120,7 @@ HAS_DIGEST: Final = int(TurnFlag.HAS_DIGEST)
 HAS_KEY: Final = int(TurnFlag.HAS_KEY)
 HAS_RESPONSE: Final = int(TurnFlag.HAS_RESPONSE)
 HAS_TOKENS: Final = int(TurnFlag.HAS_TOKENS)
+FULL_APART: Final = int(TurnFlag.FULL_APART)
 
 
 class LinkKind(IntEnum):
@@ -346,7 +351,6 @@ class Turn(PackedRun):
     """
 
     __slots__ = (
-        "_full",
         "base",
         "data",
         "flags",
@@ -367,15 +371,12 @@ class Turn(PackedRun):
     # names)
     data: bytes
     side: TurnSide
-    # prompt + sampled (see `full`); `PACKED`: the `PackedFull` over its packed prompt, None
-    # in a packed turn: its prompt (it sampled nothing)
-    _full: TokenRun | None
 
     def __init__(self) -> None:
         self.data = _NO_REQUEST
         self.ident = None
         self.kids = None
-        self.after = self._full = None
+        self.after = None
         self.flags = 0
         self.side = TurnSide()  # its own until the graph finds one alike (see TurnSide)
 
@@ -397,7 +398,10 @@ class Turn(PackedRun):
         if side.shared:
             side = self.side = side.copy()
         side.sampled = side.logprobs = PACKED
-        self._full = PACKED if sampled is not None and len(sampled) else None
+        if sampled is not None and len(sampled):
+            self.flags |= FULL_APART
+        else:
+            self.flags &= ~FULL_APART
 
     def _tokens(self) -> memoryview:
         """The packed token ids at the start of `data`, a view (for a token turn only)."""
@@ -407,36 +411,54 @@ class Turn(PackedRun):
     @property
     def prompt(self) -> TokenRun | None:
         """The prompt's token run (None: no token ids): the turn itself when packed."""
-        if self.flags & HAS_TOKENS:
+        flags = self.flags
+        if flags & HAS_TOKENS:
             return self
+        if flags & FULL_APART:  # `after` holds the full run, over the prompt
+            return self.after.prev  # type: ignore[union-attr]
         return self.after  # type: ignore[return-value]
 
     @prompt.setter
     def prompt(self, run: TokenRun | None) -> None:
+        """Set the prompt run of a turn not packed; its full run is that prompt until set."""
         if self.flags & HAS_TOKENS:
             raise RolloutStoreError("a packed turn's prompt is not replaced")
         self.after = run
+        self.flags &= ~FULL_APART
 
     @property
     def full(self) -> TokenRun | None:
         """Prompt + sampled, what a child's prompt extends (the prompt when nothing was
-        sampled). A packed turn's is a `PackedFull` view made here, for the turn keeps none
-        (a `PACKED` mark in its place): one object fewer a turn."""
-        full = self._full
-        if full is PACKED:
-            return PackedFull(self)
-        if full is None and self.flags & HAS_TOKENS:
-            return self
-        return full
+        sampled). No slot holds it (FULL_APART says whether it is the prompt): a packed
+        turn's is a `PackedFull` view made here; another turn's is the `ArrayRun` of its
+        sampled ids over its prompt, kept in `after` (the prompt is that run's `prev`)."""
+        flags = self.flags
+        if flags & HAS_TOKENS:
+            return PackedFull(self) if flags & FULL_APART else self
+        return self.after  # type: ignore[return-value]  # the full run or the prompt
 
     @full.setter
     def full(self, full: TokenRun | None) -> None:
-        if not self.flags & HAS_TOKENS:
-            self._full = full
-        elif full is self or (type(full) is PackedFull and full.prompt is self):
-            self._full = PACKED if full is not self else None
+        """Set the full run: the prompt itself, or (a turn not packed) an `ArrayRun` over the
+        prompt, or (a packed turn) the `PackedFull` view over it (see `full_run`)."""
+        flags = self.flags
+        if flags & HAS_TOKENS:
+            if full is self:
+                self.flags = flags & ~FULL_APART
+            elif type(full) is PackedFull and full.prompt is self:
+                self.flags = flags | FULL_APART
+            else:
+                raise RolloutStoreError("a packed turn's full run is a view over it")
+            return
+        prompt = self.prompt
+        if full is prompt:
+            self.after = prompt
+            self.flags = flags & ~FULL_APART
+        elif type(full) is ArrayRun and full.prev is prompt:
+            self.after = full
+            self.flags = flags | FULL_APART
         else:
-            raise RolloutStoreError("a packed turn's full run is a view over it")
+            raise RolloutStoreError("a turn's full run is its prompt, or a run over it")
 
     # -- identity, link and children
 

@@ -13,8 +13,13 @@ from typing import Any, TypeAlias, cast
 
 import xxhash
 
+from .errors import RolloutStoreError
+
 __all__ = [
     "BLOCK",
+    "MAX_PACKED_LENGTH",
+    "MAX_PACKED_NEW",
+    "MAX_PACKED_SAMPLED",
     "ArrayRun",
     "PackedFull",
     "PackedPrompt",
@@ -110,10 +115,17 @@ class ArrayRun(TokenRun):
 
 # A packed turn's bytes: its prompt's length, how many of those tokens are new (after
 # `prev`), the counts of sampled ids and logprobs (-1: None), then the new prompt ids and
-# the sampled ids as array('I') bytes and the logprobs as array('d') bytes.
-_HEAD = struct.Struct("<Qiii")
+# the sampled ids as array('I') bytes and the logprobs as array('d') bytes. The head is
+# 10 bytes (a graph holds one a turn): a turn whose counts do not fit it is not packed
+# (see `packable`), and keeps its runs and arrays as they came.
+_HEAD = struct.Struct("<IHhh")
 _HEAD_SIZE = _HEAD.size
-_LENGTH = struct.Struct("<Q")
+_LENGTH = struct.Struct("<I")
+#: The most tokens a packed prompt may hold, new ids it may add, and sampled ids (and
+#: logprobs) it may hold.
+MAX_PACKED_LENGTH = (1 << 32) - 1
+MAX_PACKED_NEW = (1 << 16) - 1
+MAX_PACKED_SAMPLED = (1 << 15) - 1
 
 
 def _ids(data: bytes, start: int, n: int) -> array[int]:
@@ -162,6 +174,8 @@ class PackedRun(TokenRun):
         else:
             after = prev
         length = (prev.length if prev is not None else 0) + len(new)
+        if not packable(new, sampled, logprobs, length):
+            raise RolloutStoreError("these token ids do not fit a packed run (see packable)")
         n_sampled = -1 if sampled is None else len(sampled)
         n_logprobs = -1 if logprobs is None else len(logprobs)
         parts: list[Any] = [_HEAD.pack(length, len(new), n_sampled, n_logprobs), new]
@@ -268,13 +282,30 @@ class PackedFull(TokenRun):
         return self.prompt.sampled_ids() or array("I")
 
 
-def packable(new: Any, sampled: Any, logprobs: Any) -> bool:
-    """Whether a turn's new prompt ids, sampled ids and logprobs fit a `PackedRun`."""
+def packable(new: Any, sampled: Any, logprobs: Any, length: int) -> bool:
+    """Whether a turn's new prompt ids, sampled ids and logprobs fit a `PackedRun` whose
+    prompt holds `length` tokens (its kinds of arrays, and counts its head can hold)."""
     return (
         type(new) is array
         and new.typecode == "I"
-        and (sampled is None or (type(sampled) is array and sampled.typecode == "I"))
-        and (logprobs is None or (type(logprobs) is array and logprobs.typecode == "d"))
+        and len(new) <= MAX_PACKED_NEW
+        and length <= MAX_PACKED_LENGTH
+        and (
+            sampled is None
+            or (
+                type(sampled) is array
+                and sampled.typecode == "I"
+                and len(sampled) <= MAX_PACKED_SAMPLED
+            )
+        )
+        and (
+            logprobs is None
+            or (
+                type(logprobs) is array
+                and logprobs.typecode == "d"
+                and len(logprobs) <= MAX_PACKED_SAMPLED
+            )
+        )
     )
 
 

@@ -288,3 +288,108 @@ def test_a_session_keeps_no_instance_dict() -> None:
     assert not hasattr(session, "__dict__")
     session.recorded += 1
     assert session.info()["turns"] == 0 and session.recorded == 1
+
+
+def test_a_packed_turn_has_a_ten_byte_head() -> None:
+    """A continuation's new ids, sampled ids and logprobs sit in its turn's bytes after a
+    head of 10 bytes: nothing else of the tokens is kept there."""
+    from rollout_store.tokens import packed_size
+
+    graph = RolloutGraph()
+    prompt = _prompt(100)
+    graph.add_turn(TurnNode(prompt_ids=prompt, sampled_ids=[1, 2], sampled_logprobs=[-1.0, -2.0]))
+    prompt = [*prompt, 1, 2, 30, 31, 32]
+    graph.add_turn(TurnNode(prompt_ids=prompt, sampled_ids=[4], sampled_logprobs=[-0.5]))
+    turn = graph._turns[1]
+    assert turn.prompt is turn  # packed
+    tokens = 3 * 4 + 1 * 4 + 1 * 8
+    assert turn.data.startswith(array("I", [len(prompt)]).tobytes())
+    assert packed_size(turn.data) == 10 + tokens
+    assert (
+        turn.data[10 : 10 + tokens]
+        == array("I", [30, 31, 32, 4]).tobytes() + array("d", [-0.5]).tobytes()
+    )
+    view = graph.get(turn.node_id)
+    assert (view.prompt_ids, view.sampled_ids, view.sampled_logprobs) == (prompt, [4], [-0.5])
+
+
+@pytest.mark.parametrize(
+    ("n_new", "n_sampled"),
+    [(linking.BLOCK, 1), (1 << 16, 1), (3, 1 << 15), ((1 << 16) - 1, (1 << 15) - 1)],
+)
+def test_a_turn_whose_counts_do_not_fit_the_head_is_kept_unpacked(
+    n_new: int, n_sampled: int, tmp_path: Path
+) -> None:
+    """New ids beyond 65,535 or sampled ids beyond 32,767 do not fit a packed head: such a
+    turn keeps its runs and arrays as they came, exactly, and a file of it loads the same."""
+    from rollout_store.tokens import MAX_PACKED_NEW, MAX_PACKED_SAMPLED
+
+    graph = RolloutGraph()
+    prompt = _prompt(10)
+    graph.add_turn(TurnNode(prompt_ids=prompt, sampled_ids=[1]))
+    prompt = [*prompt, 1, *range(7, 7 + n_new)]
+    sampled = [5 + i % 1000 for i in range(n_sampled)]
+    logprobs = [-(i % 7) / 8 for i in range(n_sampled)]
+    node = graph.add_turn(
+        TurnNode(prompt_ids=prompt, sampled_ids=sampled, sampled_logprobs=logprobs)
+    )
+    turn = graph._turns[1]
+    fits = n_new <= MAX_PACKED_NEW and n_sampled <= MAX_PACKED_SAMPLED
+    assert (turn.prompt is turn) == fits
+    assert graph.parent(node.node_id) == graph._turns[0].node_id
+    path = tmp_path / "g.rls"
+    graph.save(path)
+    for kept in (graph, RolloutGraph.load(path)):
+        view = kept.get(node.node_id)
+        assert view.prompt_ids == prompt and view.sampled_ids == sampled
+        assert view.sampled_logprobs == logprobs
+        assert (kept._turns[1].prompt is kept._turns[1]) == fits
+
+
+def test_a_turn_keeps_no_slot_for_its_full_run(tmp_path: Path) -> None:
+    """A turn's full run (prompt + sampled) has no slot: a packed turn's is a view over it,
+    another turn's is kept in place of its prompt, whose run it continues; a flag says which,
+    and no file holds that flag."""
+    import sys
+
+    from rollout_store import storage
+    from rollout_store.errors import RolloutStoreError
+    from rollout_store.stored import FULL_APART, Turn
+    from rollout_store.tokens import ArrayRun
+
+    assert sys.getsizeof(Turn()) <= 104  # 9 slots: no `_full`
+    turn = Turn()
+    prompt = ArrayRun(None, array("I", [1, 2]))
+    turn.prompt = prompt
+    assert turn.full is prompt and not turn.flags & FULL_APART
+    full = ArrayRun(prompt, array("I", [3]))
+    turn.full = full
+    assert turn.prompt is prompt and turn.full is full and turn.flags & FULL_APART
+    with pytest.raises(RolloutStoreError):
+        turn.full = ArrayRun(None, array("I", [3]))  # not over its prompt
+    assert turn.prompt is prompt and turn.full is full
+    other = ArrayRun(None, array("I", [5]))
+    turn.prompt = other  # a new prompt: the full run is that prompt until set
+    assert turn.prompt is other and turn.full is other and not turn.flags & FULL_APART
+    # never written: not among the bits a file's turn record holds
+    assert not FULL_APART & storage._WRITTEN_CARRYING
+
+    graph = RolloutGraph()
+    graph.add_turn(TurnNode(prompt_ids=_prompt(20), sampled_ids=[4, 5]))
+    graph.add_turn(TurnNode(prompt_ids=[*_prompt(20), 4, 5, 6], sampled_ids=[7]))
+    graph.add_turn(TurnNode(sampled_ids=[8]))  # no prompt ids: a full of its sampled ids
+    root, child, alone = graph._turns
+    assert root.flags & FULL_APART and child.flags & FULL_APART and alone.flags & FULL_APART
+    assert alone.prompt is None and _run_list(alone.full) == [8]
+    graph.save(tmp_path / "g.rls")
+    loaded = RolloutGraph.load(tmp_path / "g.rls")
+    for a, b in zip(graph._turns, loaded._turns, strict=True):
+        assert a.flags & FULL_APART == b.flags & FULL_APART
+        assert _run_list(a.full) == _run_list(b.full)
+        assert _run_list(a.prompt) == _run_list(b.prompt)
+
+
+def _run_list(run: Any) -> list[int] | None:
+    from rollout_store.tokens import run_list
+
+    return None if run is None else run_list(run)

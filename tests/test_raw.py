@@ -197,16 +197,6 @@ def test_rawjson_type() -> None:
         RawJSON(5)  # type: ignore[arg-type]
 
 
-def test_rawjson_hands_over_a_decoded_value_once() -> None:
-    value = [{"role": "user", "content": "decoded already"}]
-    raw = RawJSON(b'[{"role": "user", "content": "hi"}]', value)
-    assert raw == RawJSON(b'[{"role": "user", "content": "hi"}]')  # the text is the identity
-    assert raw.decode() is value  # handed over, not decoded again...
-    assert raw.decode() == [{"role": "user", "content": "hi"}]  # ...once: then the text's
-    assert RawJSON(b"null", None).decode() is None
-    assert decode_raw(RawJSON(b"[1]", ["given"]), "field") == ["given"]
-
-
 def test_split_array_keeps_spans() -> None:
     spans = split_array(b'[ {"a": 1} ,2, "x" ]')
     assert spans is not None

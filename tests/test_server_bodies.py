@@ -84,8 +84,6 @@ def _same_as_json_loads(raw: bytes) -> None:
             value = value.decode()
         assert json.dumps(value) == json.dumps(loaded[key]), key
     if type(fields.get("messages")) is RawJSON:  # checked when split
-        # the value it carried was handed over above; its text decodes to the same
-        assert json.dumps(fields["messages"].decode()) == json.dumps(loaded["messages"])
         messages = loaded["messages"]
         assert isinstance(messages, list) and messages
         assert all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)

@@ -273,8 +273,10 @@ def test_a_token_turn_is_its_own_prompt_and_keeps_no_chain_node_apart() -> None:
     stored = _turns(graph)
     kept = [o for o in gc.get_referents(*stored) if isinstance(o, TokenRun)]
     apart = {id(o) for o in kept if type(o) is not Turn}
-    # the root's prompt and full (its prompt + sampled, which turn-1 extends), the retry's full
-    assert apart == {id(stored[0].prompt), id(stored[0].full), id(stored[4].full)}
+    # the root's full (its prompt + sampled, which turn-1 extends: the prompt is that run's
+    # `prev`, no slot of the turn holds it apart) and the retry's full
+    assert apart == {id(stored[0].full), id(stored[4].full)}
+    assert stored[0].full.prev is stored[0].prompt  # type: ignore[union-attr]
     assert type(stored[0].prompt) is ArrayRun and stored[1].after is stored[0].full
     for turn in stored[1:4]:
         assert turn.prompt is turn and turn.flags & HAS_TOKENS and turn.after is not None
@@ -348,4 +350,5 @@ def test_a_packed_turn_keeps_its_tokens_and_its_request_in_one_bytes_object() ->
         turn.set_request([b"\x92\xa1a", b"\xa1c"], 2)
         turn.file_under(7, digest)
     assert [o for o in gc.get_referents(turn) if type(o) is bytes] == [turn.data]
-    assert turn.data.startswith(PackedPrompt(before, array("I", [4, 5]), None, None).data[:8])
+    alone = PackedPrompt(before, array("I", [4, 5]), array("I", [6]), array("d", [-0.5]))
+    assert turn.data.startswith(alone.data)
