@@ -113,7 +113,7 @@ class _Walker:
         if _INT64_MIN <= n <= _UINT64_MAX:
             return n
         self.special = True
-        return msgpack.ExtType(EXT_BIGINT, str(n).encode("ascii"))
+        return msgpack.ExtType(EXT_BIGINT, _digits(n).encode("ascii"))
 
     def value(self, v: object, depth: int) -> Any:
         t = type(v)
@@ -174,6 +174,21 @@ class _Walker:
         if isinstance(v, float):
             return float.__float__(v)
         raise _Bad(_not_json(v))
+
+
+def _digits(n: int) -> str:
+    """`str(n)`; an int with more digits than Python writes as text is a bad value (json.dumps
+    cannot write it either)."""
+    try:
+        return str(n)
+    except ValueError:
+        raise _Bad(_TOO_MANY_DIGITS) from None
+
+
+_TOO_MANY_DIGITS = (
+    "an int with more digits than Python writes as text (sys.get_int_max_str_digits()): "
+    "json.dumps cannot write it either"
+)
 
 
 def _not_json(v: object) -> str:
@@ -322,7 +337,14 @@ def token_array(ids: object, path: str) -> array[int] | tuple[int, ...]:
     try:
         return array("q", ids)
     except OverflowError:
-        return tuple(ids)
+        pass
+    for i, x in enumerate(ids):  # beyond 64 bits: each must be an int Python writes as text
+        if not _INT64_MIN <= x <= _UINT64_MAX:
+            try:
+                str(x)
+            except ValueError:
+                raise InvalidValueError(_TOO_MANY_DIGITS, f"{path}[{i}]") from None
+    return tuple(ids)
 
 
 def plain_numbers(values: object, path: str) -> object:

@@ -521,7 +521,25 @@ def _json_bytes(response: dict[str, Any], answer: bytes) -> Response:
     UTF-16 and UTF-32, which an answer that names no charset cannot be)."""
     if json.detect_encoding(answer) in ("utf-8", "utf-8-sig"):
         return Response(answer, media_type="application/json")
-    return JSONResponse(response)
+    return _written_anew(response)
+
+
+def _written_anew(response: dict[str, Any]) -> Response:
+    """A document written as json.dumps writes it (ASCII): what json.loads read (from the
+    upstream, or a session's metadata), NaN and lone surrogates too, which a strict writer
+    (JSONResponse) refuses."""
+    return Response(json.dumps(response, separators=(",", ":")), media_type="application/json")
+
+
+def _replayed(chunks: Iterator[bytes]) -> list[bytes]:
+    """The events of a streamed answer, made before its turn is recorded: an answer of a
+    shape they cannot be made of is the upstream's fault (502), and is recorded nowhere."""
+    try:
+        return list(chunks)
+    except Exception as exc:  # any answer the replay cannot follow
+        raise _Refusal(
+            502, f"the upstream's answer cannot be replayed as a stream: {type(exc).__name__}"
+        ) from None
 
 
 async def _events(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
@@ -797,12 +815,21 @@ class _Server:
         if inject_logprobs:
             extra["logprobs"] = True
         harness = _harness_session(request, body, anthropic=False)
+        stream = body.get("stream") is True
+        replay: list[bytes] = []  # a stream's events, made before its turn is recorded
+
+        def make_turn(response: dict[str, Any]) -> TurnNode:
+            node = chat_turn(body, response, harness)
+            if stream:
+                replay[:] = _replayed(events(response))
+            return node
+
         call = self._call(
             session,
             "/v1/chat/completions",
             upstream_body(raw, body, extra),
             self._upstream_headers(request, anthropic=False),
-            lambda response: chat_turn(body, response, harness),
+            make_turn,
         )
         del accepted, raw  # while the upstream answers: its body and the raw fields, no third copy
         options = body.get("stream_options") or {}
@@ -811,7 +838,7 @@ class _Server:
             if not (inject_ids or inject_logprobs):  # nothing to take out: the engine's bytes
                 return _json_bytes(response, answer)
             _strip_injected(response, inject_ids, inject_logprobs)
-            return JSONResponse(response)
+            return _written_anew(response)
 
         def events(response: dict[str, Any]) -> Iterator[bytes]:
             _strip_injected(response, inject_ids, inject_logprobs)
@@ -821,7 +848,7 @@ class _Server:
                 token_ids=bool(body.get("return_token_ids")),
             )
 
-        return await self._answer(call, False, body.get("stream") is True, reply, events)
+        return await self._answer(call, False, stream, reply, lambda _: iter(replay))
 
     async def messages(self, request: Request) -> Response:
         accepted = await self._accept(request, _check_anthropic, anthropic=True)
@@ -829,21 +856,24 @@ class _Server:
             return accepted
         session, raw, body = accepted
         harness = _harness_session(request, body, anthropic=True)
+        stream = body.get("stream") is True
+        replay: list[bytes] = []  # a stream's events, made before its turn is recorded
+
+        def make_turn(response: dict[str, Any]) -> TurnNode:
+            node = messages_turn(body, response, harness)
+            if stream:
+                replay[:] = _replayed(anthropic_events(response))
+            return node
+
         call = self._call(
             session,
             "/v1/messages",
             upstream_body(raw, body, {"stream": False}),
             self._upstream_headers(request, anthropic=True),
-            lambda response: messages_turn(body, response, harness),
+            make_turn,
         )
         del accepted, raw  # (as in `chat`)
-        return await self._answer(
-            call,
-            True,
-            body.get("stream") is True,
-            _json_bytes,
-            anthropic_events,
-        )
+        return await self._answer(call, True, stream, _json_bytes, lambda _: iter(replay))
 
     async def models(self, request: Request) -> Response:
         try:
@@ -858,9 +888,14 @@ class _Server:
     # -- sessions
 
     async def create_session(self, request: Request) -> Response:
-        raw = await request.body()
+        try:
+            raw = await self._read_body(request)  # the model calls' limit
+        except _Refusal as refusal:
+            return JSONResponse({"error": refusal.reason}, refusal.status)
         try:
             payload = json.loads(raw) if raw.strip() else {}
+        except RecursionError:
+            return JSONResponse({"error": "the body nests too deeply"}, 400)
         except ValueError:
             return JSONResponse({"error": "the body must be JSON (or empty)"}, 400)
         if not isinstance(payload, dict):
@@ -893,11 +928,11 @@ class _Server:
         return session
 
     async def list_sessions(self, request: Request) -> Response:
-        return JSONResponse({"sessions": [s.info() for s in self.sessions.all()]})
+        return _written_anew({"sessions": [s.info() for s in self.sessions.all()]})
 
     async def session_info(self, request: Request) -> Response:
         found = self._lookup(request)
-        return found if isinstance(found, Response) else JSONResponse(found.info())
+        return found if isinstance(found, Response) else _written_anew(found.info())
 
     async def view_root(self, request: Request) -> Response:
         """`/sessions/{id}/view` without its slash: the page's relative URLs need one."""

@@ -68,6 +68,7 @@ class Session:
     _graph: RolloutGraph | None = None
     _counts: dict[str, Any] | None = None
     _cold: bool = False  # its graph's caches were let go while it was idle
+    _closed: bool = False  # deleted (or the server stopped): its graph is never reopened
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -75,6 +76,8 @@ class Session:
         """The session's graph, reopened from its log if it was let go."""
         with self._lock:
             if self._graph is None:
+                if self._closed:  # a call in flight when it was deleted records nowhere
+                    raise SessionError(f"session {self.session_id!r} was deleted")
                 self._graph = self.opener()
                 self._counts = None
             return self._graph
@@ -125,6 +128,7 @@ class Session:
     def close(self) -> None:
         with self._lock:
             graph, self._graph = self._graph, None
+            self._closed = True
         if graph is not None:
             graph.close()
 

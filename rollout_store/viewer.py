@@ -68,21 +68,39 @@ class Response(NamedTuple):
     body: bytes
 
 
-def _displayable(value: Any) -> Any:
-    """A copy JSON.parse reads as shown: non-finite floats and huge ints become text."""
+def _shown(value: Any) -> Any:
+    """A leaf JSON.parse reads as shown: non-finite floats and huge ints become text."""
     if isinstance(value, float):
         return value if math.isfinite(value) else repr(value)
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return value
     if isinstance(value, int):
         return value if -_JS_SAFE_INT <= value <= _JS_SAFE_INT else str(value)
-    if isinstance(value, dict):
-        return {
-            k if isinstance(k, str) else json.dumps(k): _displayable(v) for k, v in value.items()
-        }
-    if isinstance(value, list | tuple):
-        return [_displayable(v) for v in value]
     return repr(value)
+
+
+def _displayable(value: Any) -> Any:
+    """A copy JSON.parse reads as shown (each leaf as `_shown` gives it), made without
+    recursion: a recorded value nests up to MAX_DEPTH levels."""
+    top: list[Any] = [None]
+    # (value, the copy it goes in, its key there); items are pushed last first, so they are
+    # set in order (of two keys that show alike, the later wins, as in a dict display)
+    stack: list[tuple[Any, Any, Any]] = [(value, top, 0)]
+    while stack:
+        item, into, key = stack.pop()
+        if isinstance(item, dict):
+            copy: Any = {}
+            pairs = [(k if isinstance(k, str) else json.dumps(k), v) for k, v in item.items()]
+            for name, _ in pairs:
+                copy[name] = None
+            stack.extend((v, copy, name) for name, v in reversed(pairs))
+        elif isinstance(item, list | tuple):
+            copy = [None] * len(item)
+            stack.extend((item[i], copy, i) for i in range(len(item) - 1, -1, -1))
+        else:
+            copy = _shown(item)
+        into[key] = copy
+    return top[0]
 
 
 def _json(status: int, document: Any) -> Response:
