@@ -18,7 +18,9 @@ content, so fixed costs weigh), and a large group where every turn brings a new 
 screenshot (content dominates).
 Memory servers run with glibc's mmap threshold fixed at 64 KiB, so a request's large buffers
 go back to the system when freed and RSS shows what a server keeps, not its peak of transient
-buffers; the same for every scheme.
+buffers; the same for every scheme. The peak RSS during the group is shown too (the kernel's
+VmHWM, reset at the start of the group, less the idle RSS before it): what the calls in
+flight hold, which no trimming afterwards changes.
 
 Latency: per-request latency each server adds over calling the stub directly, median and
 p99, with 16 rollouts in flight, paired (each rollout makes every call to the stub and then
@@ -48,9 +50,13 @@ ends with PASS/MISS lines for the targets and a one-line count of targets met an
 `--memory-only` runs the memory runs alone (rollout_store and forward-only, a few seconds a
 round; the latency targets are not run) and writes nothing: for iterating on what a server
 keeps, where the RSS growth of one run varies by tens of KiB and many rounds are needed.
+`--latency-only` runs the engine rows' latency runs alone (rollout_store and forward-only in
+turns, every run's added latency and CPU a call printed) and writes nothing: for iterating on
+a server's CPU a call, whose runs on the shared machine vary by a quarter or more.
 
     python benchmarks/capture_server.py [--quick] [--rounds N] [--engine-ms MS]
     python benchmarks/capture_server.py --memory-only [--rounds N] [--sites N]
+    python benchmarks/capture_server.py --latency-only [--rounds N] [--engine-ms MS]
 """
 
 from __future__ import annotations
@@ -192,12 +198,14 @@ def baseline_app(upstream: str, keep: bool) -> Any:
 def serve_baseline(argv: list[str]) -> int:
     import uvicorn
 
-    from rollout_store.server import listen_socket
+    from rollout_store.idle_trim import with_idle_trim
+    from rollout_store.server import TRIM_IDLE_SECONDS, listen_socket
 
     upstream, mode = argv
     sock = listen_socket("127.0.0.1", 0)
     print(f"baseline serve: http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
-    app = baseline_app(upstream, keep=mode == "anchor")
+    # given back to the system when idle, as `rollout-store serve` does (the same for all)
+    app = with_idle_trim(baseline_app(upstream, keep=mode == "anchor"), TRIM_IDLE_SECONDS)
     uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
     return 0
 
@@ -219,12 +227,18 @@ class Child:
             raise RuntimeError(f"child did not start: {args} {line!r}")
         self.url = match.group(1)
 
-    def rss(self) -> int:
+    def rss(self, field: str = "VmRSS") -> int:
+        """The process's resident set (`VmHWM`: its peak since `reset_peak`), in bytes."""
         with open(f"/proc/{self.proc.pid}/status") as fp:
             for line in fp:
-                if line.startswith("VmRSS:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
-        raise RuntimeError("no VmRSS")
+        raise RuntimeError(f"no {field}")
+
+    def reset_peak(self) -> None:
+        """Start the kernel's peak-RSS count (VmHWM) afresh from the current RSS."""
+        with open(f"/proc/{self.proc.pid}/clear_refs", "w") as fp:
+            fp.write("5")
 
     def cpu(self) -> float:
         """CPU seconds (user + system) the process has used so far."""
@@ -414,9 +428,17 @@ def percentile(values: list[float], q: float) -> float:
 
 def memory_run(
     scheme: str, stub: str, sessions: int, turns: int, screenshots: bool, latencies: list[float]
-) -> int:
+) -> tuple[int, int]:
     """RSS growth of a fresh server over one group, measured from the same server idle: warmed
     up by a group of the same shape with other content, and with the group's sessions made.
+    (growth, peak growth during the group).
+
+    Both readings are taken 0.2 s after the last call, before a server's idle trim (1 s):
+    a trim before the group lowers the reading the growth counts from, and the group's calls
+    dirty again pages the trim after it cannot give back (partly used), so trimmed readings
+    gave no lower growth (forward-only's rose from about 0 to 0.07 MiB). The peak is the
+    kernel's VmHWM over the group, from the same idle reading: the calls in flight hold
+    their bodies (16 x about two 200 KiB copies for the GRPO group).
 
     The warm-up is a whole group (same sessions, turns and request sizes, nothing a store
     could share with the measured one): a server's first group of large requests raises its
@@ -434,13 +456,15 @@ def memory_run(
                 keys = await new_keys(client, server.url, sessions)
             await asyncio.sleep(0.2)
             before = server.rss()
+            server.reset_peak()
             latencies.extend(
                 await run_group(
                     server.url, False, sessions, turns, screenshots=screenshots, keys=keys
                 )
             )
+            peak = server.rss("VmHWM")
             await asyncio.sleep(0.2)
-            return server.rss() - before
+            return server.rss() - before, peak - before
 
         return asyncio.run(measured())
 
@@ -547,6 +571,7 @@ def memory_only(rounds: int, sites: int) -> int:
     )
     bodies: dict[str, list[dict[str, Any]]] = {g: [] for g in GROUPS}
     rss: dict[str, dict[str, list[int]]] = {g: {s: [] for s in schemes} for g in GROUPS}
+    peak: dict[str, dict[str, list[int]]] = {g: {s: [] for s in schemes} for g in GROUPS}
     try:
         asyncio.run(run_group(stub.url, True, SESSIONS, TURNS, bodies["group"]))
         asyncio.run(
@@ -554,12 +579,10 @@ def memory_only(rounds: int, sites: int) -> int:
         )
         for r in range(rounds):
             for scheme in schemes[r % 2 :] + schemes[: r % 2]:
-                rss["group"][scheme].append(
-                    memory_run(scheme, stub.url, SESSIONS, TURNS, False, [])
-                )
-                rss["large"][scheme].append(
-                    memory_run(scheme, stub.url, SESSIONS, LARGE_TURNS, True, [])
-                )
+                for group, turns in (("group", TURNS), ("large", LARGE_TURNS)):
+                    found = memory_run(scheme, stub.url, SESSIONS, turns, group == "large", [])
+                    for kept, value in zip((rss, peak), found, strict=True):
+                        kept[group][scheme].append(value)
     finally:
         stub.stop()
     lines = []
@@ -574,11 +597,14 @@ def memory_only(rounds: int, sites: int) -> int:
         runs = rss[group]["rollout_store"]
         growth = statistics.median(runs)
         floor = statistics.median(rss[group]["forward-only"])
+        peaks = peak[group]["rollout_store"]
         print(
             f"{group}: unique {unique} B; retained in process {traced} B = "
             f"{traced / unique:.3f}x; rollout_store RSS growth median {growth:.0f} B = "
             f"{growth / unique:.2f}x (runs {', '.join(f'{x / unique:.2f}' for x in runs)}); "
-            f"net of forward-only {(growth - floor) / unique:.2f}x"
+            f"net of forward-only {(growth - floor) / unique:.2f}x; peak during the group "
+            f"+{statistics.median(peaks) / MiB:.2f} MiB = {statistics.median(peaks) / unique:.1f}x"
+            f" (forward-only +{statistics.median(peak[group]['forward-only']) / MiB:.2f} MiB)"
         )
         ok = growth / unique <= TARGET_RSS_OVER_UNIQUE
         lines.append(
@@ -588,6 +614,51 @@ def memory_only(rounds: int, sites: int) -> int:
     lines.append("SKIP: the latency targets (not run with --memory-only)")
     print("\n".join(lines))
     print(targets_summary(lines))
+    return 0
+
+
+def latency_only(rounds: int, engine_ms: float) -> int:
+    """The engine rows' latency runs alone (see the docstring): rollout_store and
+    forward-only in turns, a fresh server each run, every run's figures printed (the
+    machine's noise shows as their spread); the null pair each round. Writes nothing."""
+    schemes = ["rollout_store", "forward-only"]
+    stub = Child(
+        ["-m", "rollout_store.stub_engine", "--port", "0", "--latency-ms", str(engine_ms)]
+        + ["--jitter", str(ENGINE_JITTER)],
+        malloc=False,
+    )
+    added: dict[str, list[float]] = {s: [] for s in schemes}
+    cpu: dict[str, list[float]] = {s: [] for s in schemes}
+    preempted: dict[str, list[float]] = {s: [] for s in schemes}
+    null: list[float] = []
+    try:
+        asyncio.run(run_group(stub.url, True, SESSIONS, 3))  # a warm stub
+        for r in range(rounds):
+            pairs: list[float] = []
+            asyncio.run(run_group(stub.url, True, SESSIONS, TURNS, pair=stub.url, added=pairs))
+            null += pairs
+            print(f"round {r + 1}: null pair {_ms(pairs):.2f} / {_ms(pairs, 0.99):.2f} ms")
+            for scheme in schemes[r % 2 :] + schemes[: r % 2]:
+                run: list[float] = []
+                latency_run(scheme, stub.url, SESSIONS, TURNS, run, cpu[scheme], preempted[scheme])
+                added[scheme] += run
+                print(
+                    f"round {r + 1}: {scheme:<14} added {_ms(run):.2f} / {_ms(run, 0.99):.2f} ms"
+                    f", cpu {cpu[scheme][-1] * 1000:.2f} ms a call, preempted "
+                    f"{preempted[scheme][-1]:.2f} a call (load {os.getloadavg()[0]:.1f})"
+                )
+    finally:
+        stub.stop()
+    print(
+        f"{SESSIONS} sessions x {TURNS} turns, engine {engine_ms:g} ms, {rounds} rounds; null "
+        f"pair {_ms(null):.2f} / {_ms(null, 0.99):.2f} ms (median / p99)"
+    )
+    for scheme in schemes:
+        print(
+            f"{scheme:<14} added median {_ms(added[scheme]):.2f} ms, p99 "
+            f"{_ms(added[scheme], 0.99):.2f} ms; cpu a call median {_ms(cpu[scheme]):.2f} ms "
+            f"(runs {', '.join(f'{c * 1000:.2f}' for c in cpu[scheme])})"
+        )
     return 0
 
 
@@ -622,10 +693,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the memory runs alone (rollout_store and forward-only), --rounds of them",
     )
+    parser.add_argument(
+        "--latency-only",
+        action="store_true",
+        help="the engine rows' latency runs alone (rollout_store and forward-only), --rounds",
+    )
     add_results_option(parser)
     args = parser.parse_args(argv)
     if args.memory_only:
         return memory_only(args.rounds, args.sites)
+    if args.latency_only:
+        return latency_only(args.rounds, args.engine_ms)
     sessions, turns, rounds = (4, 6, 1) if args.quick else (SESSIONS, TURNS, args.rounds)
     large_turns = 4 if args.quick else LARGE_TURNS
     servers = ["rollout_store", "rollout_store+log", "anchor", "forward-only"]
@@ -642,6 +720,7 @@ def main(argv: list[str] | None = None) -> int:
     null: dict[str, list[float]] = {name: [] for name in engines}  # the stub paired with itself
     through: dict[str, list[float]] = {s: [] for s in servers}
     rss: dict[str, dict[str, list[int]]] = {g: {s: [] for s in servers} for g in GROUPS}
+    peak: dict[str, dict[str, list[int]]] = {g: {s: [] for s in servers} for g in GROUPS}
     added: dict[str, dict[str, list[float]]] = {e: {s: [] for s in servers} for e in engines}
     cpu: dict[str, dict[str, list[float]]] = {e: {s: [] for s in servers} for e in engines}
     preempted: dict[str, dict[str, list[float]]] = {e: {s: [] for s in servers} for e in engines}
@@ -661,12 +740,13 @@ def main(argv: list[str] | None = None) -> int:
                 )
             order = servers[r % len(servers) :] + servers[: r % len(servers)]
             for scheme in order:
-                rss["group"][scheme].append(
-                    memory_run(scheme, instant, sessions, turns, False, through[scheme])
-                )
-                rss["large"][scheme].append(
-                    memory_run(scheme, instant, sessions, large_turns, True, [])
-                )
+                for group, n, calls in (
+                    ("group", turns, through[scheme]),
+                    ("large", large_turns, []),
+                ):
+                    found = memory_run(scheme, instant, sessions, n, group == "large", calls)
+                    for kept, value in zip((rss, peak), found, strict=True):
+                        kept[group][scheme].append(value)
                 for name, stub in stubs.items():
                     latency_run(
                         scheme,
@@ -713,6 +793,8 @@ def main(argv: list[str] | None = None) -> int:
             growth = statistics.median(rss[group][scheme])
             row[f"rss_growth_bytes_{group}"] = growth
             row[f"rss_growth_runs_{group}"] = rss[group][scheme]
+            # the peak during the group (VmHWM), from the idle RSS before it
+            row[f"rss_peak_growth_bytes_{group}"] = statistics.median(peak[group][scheme])
             row[f"rss_over_unique_{group}"] = growth / unique[group]
         rows[scheme] = row
     for scheme in servers:
@@ -796,6 +878,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['preemptions_per_call_engine']:>8.2f}",
         ]
         print(f"{scheme:<18} " + " ".join(cells))
+    print(
+        "peak RSS during the group over the idle RSS before it, MiB: "
+        + "; ".join(
+            f"{scheme} "
+            + ", ".join(
+                f"{group} +{row[f'rss_peak_growth_bytes_{group}'] / MiB:.2f}" for group in GROUPS
+            )
+            for scheme, row in rows.items()
+        )
+    )
     ours, anchor = rows["rollout_store"], rows["anchor"]
     checks = []
     for group, what in (("group", "the GRPO group"), ("large", "the large group")):
@@ -805,7 +897,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"server RSS growth for {what} <= {TARGET_RSS_OVER_UNIQUE}x unique content",
                 value <= TARGET_RSS_OVER_UNIQUE,
                 f"{value:.2f}x (anchor {anchor[f'rss_over_unique_{group}']:.2f}x; net of "
-                f"forward-only {ours[f'rss_over_forward_only_over_unique_{group}']:.2f}x)",
+                f"forward-only {ours[f'rss_over_forward_only_over_unique_{group}']:.2f}x; peak "
+                f"during the group +{ours[f'rss_peak_growth_bytes_{group}'] / MiB:.2f} MiB)",
             )
         )
     # the latency targets on the engine rows; the instant rows are a stress figure (docstring)

@@ -42,7 +42,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("files", {"atomic", "packed", "frames", "framing", "key_check", "storage"}),
     ("stores", {"stores", "redis_store", "s3_store"}),
     ("viewer", {"viewer"}),
-    ("server", {"sse", "sessions", "server", "stub_engine"}),
+    ("server", {"sse", "sessions", "server", "stub_engine", "idle_trim"}),
     ("command line and package", {"cli", "__main__", "__init__"}),
 ]
 
