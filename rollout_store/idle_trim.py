@@ -24,6 +24,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from .errors import InvalidArgumentError
+
 __all__ = ["IdleTrim", "malloc_trim", "with_idle_trim"]
 
 
@@ -53,7 +55,7 @@ class IdleTrim:
 
     def __init__(self, app: Any, trim: Callable[[], int], delay: float) -> None:
         if not delay >= 0:
-            raise ValueError("delay must be 0 or more seconds")
+            raise InvalidArgumentError("delay must be 0 or more seconds")
         self.app = app
         self.trim = trim
         self.delay = delay

@@ -61,7 +61,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from .content import ContentStore, StringCache
-from .errors import InvalidValueError, RolloutStoreError
+from .errors import InvalidArgumentError, InvalidValueError, RolloutStoreError
 from .export import write_session_json, write_trace_jsonl
 from .idle_trim import with_idle_trim
 from .nodes import TurnNode
@@ -1079,11 +1079,11 @@ def create_app(
     that spare its next turn hashing what it re-sends, about 2 KB); 0 keeps everything.
     """
     if max_body_bytes < 1:
-        raise ValueError("max_body_bytes must be positive")
+        raise InvalidArgumentError("max_body_bytes must be positive")
     if not upstream_timeout > 0:
-        raise ValueError("upstream_timeout must be positive")
+        raise InvalidArgumentError("upstream_timeout must be positive")
     if not stream_keepalive > 0:
-        raise ValueError("stream_keepalive must be positive")
+        raise InvalidArgumentError("stream_keepalive must be positive")
     if not idle_seconds >= 0:
         raise ValueError("idle_seconds must be 0 (never) or positive")
     config = CaptureConfig(
@@ -1238,7 +1238,7 @@ def serve(args: argparse.Namespace) -> int:
         idle_seconds=args.idle_seconds,
     )
     if not args.trim_idle >= 0:
-        raise ValueError("--trim-idle must be 0 (never) or a number of seconds")
+        raise InvalidArgumentError("--trim-idle must be 0 (never) or a number of seconds")
     served = with_idle_trim(app, args.trim_idle)  # the process's own allocator: not the app's
     sock = listen_socket(args.host, args.port)
     # what was made at start (modules, the reopened sessions' graphs) lives as long as the
