@@ -525,10 +525,15 @@ def _json_bytes(response: dict[str, Any], answer: bytes) -> Response:
 
 
 def _written_anew(response: dict[str, Any]) -> Response:
-    """A document written as json.dumps writes it (ASCII): what json.loads read (from the
-    upstream, or a session's metadata), NaN and lone surrogates too, which a strict writer
-    (JSONResponse) refuses."""
-    return Response(json.dumps(response, separators=(",", ":")), media_type="application/json")
+    """A document written as json.dumps writes it: what json.loads read (from the upstream, or
+    a session's metadata), NaN and lone surrogates too, which a strict writer (JSONResponse)
+    refuses. UTF-8 as JSONResponse writes it; ASCII escapes only for a document holding a lone
+    surrogate, which no UTF-8 text can carry."""
+    try:
+        text = json.dumps(response, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        text = json.dumps(response, separators=(",", ":")).encode()
+    return Response(text, media_type="application/json")
 
 
 def _replayed(chunks: Iterator[bytes]) -> list[bytes]:

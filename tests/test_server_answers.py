@@ -71,6 +71,22 @@ def test_an_answer_written_anew_reaches_the_client_as_recorded(
         assert _turns(app) == 1
 
 
+def test_an_answer_written_anew_keeps_its_text_in_utf8(tmp_path: Path) -> None:
+    """Non-ASCII text is written as UTF-8, as JSONResponse wrote it before, not as escapes."""
+    text = "h\u00e9llo \u65e5\u672c \U0001f600"
+    answer = json.dumps(
+        {"choices": [{"message": {"role": "assistant", "content": text}}]}, ensure_ascii=False
+    ).encode()
+    with _in_front_of([answer], tmp_path) as (url, app, auth):
+        body = {"model": "m", "messages": [{"role": "user", "content": "q"}]}
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, headers=auth, timeout=10)
+        assert reply.status_code == 200, reply.text
+        assert text.encode() in reply.content
+        assert b"\\u" not in reply.content
+        assert json.loads(reply.content)["choices"][0]["message"]["content"] == text
+        assert _turns(app) == 1
+
+
 # answers whose first choice (or content) records, but that cannot be replayed as a stream
 _UNREPLAYABLE = [
     ("/v1/chat/completions", b'{"choices": [{"message": {"role": "assistant"}}, "second"]}'),
