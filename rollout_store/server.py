@@ -547,6 +547,23 @@ def _replayed(chunks: Iterator[bytes]) -> list[bytes]:
         ) from None
 
 
+def _recorder(
+    turn_of: Callable[[dict[str, Any]], TurnNode],
+    events_of: Callable[[dict[str, Any]], Iterator[bytes]] | None,
+) -> tuple[Callable[[dict[str, Any]], TurnNode], list[bytes]]:
+    """The turn maker of a call, and the list its stream's events land in (`events_of`: a
+    streamed call's, None otherwise): the events are made before the turn is recorded."""
+    replay: list[bytes] = []
+
+    def make_turn(response: dict[str, Any]) -> TurnNode:
+        node = turn_of(response)
+        if events_of is not None:
+            replay[:] = _replayed(events_of(response))
+        return node
+
+    return make_turn, replay
+
+
 async def _events(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
     for chunk in chunks:
         yield chunk
@@ -821,22 +838,6 @@ class _Server:
             extra["logprobs"] = True
         harness = _harness_session(request, body, anthropic=False)
         stream = body.get("stream") is True
-        replay: list[bytes] = []  # a stream's events, made before its turn is recorded
-
-        def make_turn(response: dict[str, Any]) -> TurnNode:
-            node = chat_turn(body, response, harness)
-            if stream:
-                replay[:] = _replayed(events(response))
-            return node
-
-        call = self._call(
-            session,
-            "/v1/chat/completions",
-            upstream_body(raw, body, extra),
-            self._upstream_headers(request, anthropic=False),
-            make_turn,
-        )
-        del accepted, raw  # while the upstream answers: its body and the raw fields, no third copy
         options = body.get("stream_options") or {}
 
         def reply(response: dict[str, Any], answer: bytes) -> Response:
@@ -853,6 +854,17 @@ class _Server:
                 token_ids=bool(body.get("return_token_ids")),
             )
 
+        make_turn, replay = _recorder(
+            lambda response: chat_turn(body, response, harness), events if stream else None
+        )
+        call = self._call(
+            session,
+            "/v1/chat/completions",
+            upstream_body(raw, body, extra),
+            self._upstream_headers(request, anthropic=False),
+            make_turn,
+        )
+        del accepted, raw  # while the upstream answers: its body and the raw fields, no third copy
         return await self._answer(call, False, stream, reply, lambda _: iter(replay))
 
     async def messages(self, request: Request) -> Response:
@@ -862,14 +874,10 @@ class _Server:
         session, raw, body = accepted
         harness = _harness_session(request, body, anthropic=True)
         stream = body.get("stream") is True
-        replay: list[bytes] = []  # a stream's events, made before its turn is recorded
-
-        def make_turn(response: dict[str, Any]) -> TurnNode:
-            node = messages_turn(body, response, harness)
-            if stream:
-                replay[:] = _replayed(anthropic_events(response))
-            return node
-
+        make_turn, replay = _recorder(
+            lambda response: messages_turn(body, response, harness),
+            anthropic_events if stream else None,
+        )
         call = self._call(
             session,
             "/v1/messages",
