@@ -174,6 +174,12 @@ def _walk_free(plain: bytes, long_types: bytes | None) -> bool:
     return size - len(plain.translate(None, _CONTAINER_BYTES)) < MAX_DEPTH
 
 
+def _built_as_is(plain: bytes, limit: int, long_types: bytes | None) -> bool:
+    """Whether the validating walk would build exactly `plain`, so it is skipped: a short
+    packing (below `limit`) by `_json_only`, a longer one by `_walk_free`."""
+    return _json_only(plain) if len(plain) < limit else _walk_free(plain, long_types)
+
+
 def _all_json(plains: Sequence[bytes | None], limit: int) -> bool:
     """Whether every plain packing is shorter than `limit` and holds no ext and no bin type
     (`_json_only` of each, in one pass: a few C calls for all)."""
@@ -544,11 +550,7 @@ class RequestStore:
         as MAX_DEPTH) and holds no ext or bin type (no tuple, big int, bytes or caller's
         `msgpack.ExtType`) is what the validating walk would build: the walk is skipped.
         """
-        if plain is not None and (
-            _json_only(plain)
-            if len(plain) < self._plain_limit
-            else _walk_free(plain, self._long_types)
-        ):
+        if plain is not None and _built_as_is(plain, self._plain_limit, self._long_types):
             return plain, False
         return self._encoder.encode(value, path)
 
@@ -838,7 +840,7 @@ class RequestStore:
             encoder, long_types = self._encoder, self._long_types
             for i in range(1, len(fresh)):
                 plain = plains[i]
-                if _json_only(plain) if len(plain) < limit else _walk_free(plain, long_types):
+                if _built_as_is(plain, limit, long_types):
                     pieces.append(plain)
                     continue
                 packed, special = encoder.encode(fresh[i], f"request_messages[{first + i}]")
@@ -968,9 +970,7 @@ class RequestStore:
             pieces += plains  # type: ignore[arg-type]
         else:
             for i, p in enumerate(plains, first):
-                if p is not None and (  # `stored_form`, inline
-                    _json_only(p) if len(p) < limit else _walk_free(p, self._long_types)
-                ):
+                if p is not None and _built_as_is(p, limit, self._long_types):  # `stored_form`
                     pieces.append(p)
                     continue
                 encoder = self._encoder
