@@ -7,6 +7,7 @@ ints beyond 64 bits, strings with lone surrogates, and references to blobs.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,8 @@ __all__ = [
     "TUPLE_MARK",
     "NotPackable",
     "array_header",
+    "int_digits",
+    "int_from_digits",
     "new_packer",
     "no_echo",
     "plain_default",
@@ -33,6 +36,55 @@ EXT_BIGINT = 2  # payload: ASCII decimal text
 EXT_SURROGATE = 3  # payload: UTF-8 with surrogatepass
 EXT_BLOB = 4  # payload: blob index, 4 bytes big-endian
 EXT_ECHO = 5  # payload: empty; the response of the turn a message segment extends
+
+
+#: Digits converted by one `int()`/`str()` call: below the lowest limit Python allows
+#: (`sys.set_int_max_str_digits` refuses 1..639), so the conversions below never depend on
+#: the process's setting and never change it.
+_CHUNK_DIGITS = 600
+_DECIMAL = re.compile(rb"-?[0-9]+")
+
+
+def int_from_digits(data: bytes) -> int:
+    """The int an EXT_BIGINT payload spells, whatever `sys.get_int_max_str_digits()` is.
+
+    A file written in a process that raised the limit holds ints with more digits than a
+    default process converts in one call; it is read in pieces (high * 10**k + low), so an
+    intact file never reads as damaged. Anything but an optional minus and ASCII digits
+    raises ValueError, as damage."""
+    if len(data) <= _CHUNK_DIGITS:
+        return int(data)
+    if _DECIMAL.fullmatch(data) is None:
+        raise ValueError("a big int that is not a decimal number")
+    if data[0] == 0x2D:  # b"-"
+        return -_from_digits(data[1:])
+    return _from_digits(data)
+
+
+def _from_digits(digits: bytes) -> int:
+    if len(digits) <= _CHUNK_DIGITS:
+        return int(digits)
+    low = len(digits) // 2
+    scale: int = 10**low
+    return _from_digits(digits[:-low]) * scale + _from_digits(digits[-low:])
+
+
+def int_digits(n: int) -> str:
+    """`str(n)` for an int of any size, whatever `sys.get_int_max_str_digits()` is: what
+    `int_from_digits` reads back (a recorded int is written as it was recorded)."""
+    if n < 0:
+        return "-" + _digits(-n)
+    return _digits(n)
+
+
+def _digits(n: int) -> str:
+    # 3.32 bits a digit: a bit length under 1,900 is at most 572 digits
+    if n.bit_length() < 1900:
+        return str(n)
+    low = int(n.bit_length() * 0.30103) // 2
+    scale: int = 10**low
+    high, rest = divmod(n, scale)
+    return _digits(high) + _digits(rest).rjust(low, "0")
 
 
 class NotPackable(Exception):
@@ -91,7 +143,7 @@ def _make_hook(blob: BlobLookup, echo: Callable[[], Any] | None) -> Callable[[in
         if code == EXT_TUPLE and not data:
             return _MARK
         if code == EXT_BIGINT:
-            return int(data)
+            return int_from_digits(data)
         if code == EXT_SURROGATE:
             return data.decode("utf-8", "surrogatepass")
         if code == EXT_ECHO and echo is not None:

@@ -20,7 +20,7 @@ from typing import Any
 import msgpack
 import xxhash
 
-from .encoding import EXT_BIGINT
+from .encoding import EXT_BIGINT, int_digits, int_from_digits
 
 __all__ = [
     "BLOB_PREFIX",
@@ -182,7 +182,7 @@ def _bytes_array(typecode: str, data: bytes) -> array[Any]:
 
 def _big_default(obj: object) -> msgpack.ExtType:
     if type(obj) is int:
-        return msgpack.ExtType(EXT_BIGINT, str(obj).encode("ascii"))
+        return msgpack.ExtType(EXT_BIGINT, int_digits(obj).encode("ascii"))
     raise TypeError(type(obj).__name__)
 
 
@@ -196,7 +196,7 @@ def encode_segment(seg: Any) -> Any:
 
 def _big_hook(code: int, data: bytes) -> int:
     if code == EXT_BIGINT:
-        return int(data)
+        return int_from_digits(data)
     raise ValueError(f"unexpected extension type {code} in token ids")
 
 

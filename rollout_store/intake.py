@@ -8,6 +8,7 @@ the error propagates, so valid input pays nothing for it.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from operator import index as _as_int
 from typing import Any
 
@@ -26,6 +27,7 @@ __all__ = [
     "plain_numbers",
     "real_numbers",
     "token_array",
+    "compact_ids",
 ]
 
 #: Containers nested deeper than this are rejected (json.dumps itself fails near 1000).
@@ -330,6 +332,21 @@ def token_array(ids: object, path: str) -> array[int] | tuple[int, ...]:
                         pass
                 raise InvalidValueError(f"expected int, got {type(x).__name__}", f"{path}[{i}]")
         ids = [_as_int(x) for x in ids]
+    compact = compact_ids(ids)
+    if type(compact) is tuple:
+        for i, x in enumerate(ids):  # beyond 64 bits: each must be an int Python writes as text
+            if not _INT64_MIN <= x <= _UINT64_MAX:
+                try:
+                    str(x)
+                except ValueError:
+                    raise InvalidValueError(_TOO_MANY_DIGITS, f"{path}[{i}]") from None
+    return compact
+
+
+def compact_ids(ids: Sequence[int]) -> array[int] | tuple[int, ...]:
+    """Checked or already recorded token ids in their compact storage, without checking
+    them again: a recorded int is written as it is, even one with more digits than this
+    process writes as text (a file written where the limit was raised)."""
     try:
         return array("I", ids)
     except OverflowError:
@@ -338,12 +355,6 @@ def token_array(ids: object, path: str) -> array[int] | tuple[int, ...]:
         return array("q", ids)
     except OverflowError:
         pass
-    for i, x in enumerate(ids):  # beyond 64 bits: each must be an int Python writes as text
-        if not _INT64_MIN <= x <= _UINT64_MAX:
-            try:
-                str(x)
-            except ValueError:
-                raise InvalidValueError(_TOO_MANY_DIGITS, f"{path}[{i}]") from None
     return tuple(ids)
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import msgpack
 
-from .encoding import EXT_BIGINT, EXT_BLOB, EXT_ECHO, EXT_SURROGATE, EXT_TUPLE
+from .encoding import EXT_BIGINT, EXT_BLOB, EXT_ECHO, EXT_SURROGATE, EXT_TUPLE, int_from_digits
 from .intake import MAX_DEPTH
 
 __all__ = [
@@ -317,10 +317,9 @@ class _Walk:
         elif code == EXT_ECHO and n == 0 and self.echo_ok and not key:
             info.echoes += 1
         elif code == EXT_BIGINT and n:
-            text = payload.decode("ascii")
-            if not text.lstrip("-").isdigit():
+            if not payload.lstrip(b"-").isdigit():
                 raise ValueError("a big int that is not a decimal number")
-            int(text)
+            int_from_digits(payload)
             info.special = True
         elif code == EXT_SURROGATE:
             payload.decode("utf-8", "surrogatepass")

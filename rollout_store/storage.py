@@ -63,7 +63,7 @@ from .frames import (
     unpack_payload,
 )
 from .graph import Graph, GraphRestorer, JournalEntry
-from .intake import MAX_DEPTH, token_array
+from .intake import MAX_DEPTH, compact_ids
 from .key_check import KeyCheck, UnkeyedTurn
 from .packed import (
     MESSAGES_DEPTH,
@@ -451,7 +451,7 @@ class _Writer:
             if extends is not None:
                 return [int(PromptKind.EXTENDS), extends, encode_segment(run.seg)]
         # a chain this file cannot name: write the tokens whole (exact, just not shared)
-        return [int(PromptKind.NEW), encode_segment(token_array(run_list(run), "prompt_ids"))]
+        return [int(PromptKind.NEW), encode_segment(compact_ids(run_list(run)))]
 
 
 class _Gather:
