@@ -1,8 +1,6 @@
 """rollout_store: record LLM agent rollouts with memory proportional to unique content."""
 
-#: The package version (pyproject.toml reads it from here).
-__version__ = "0.1.0"
-
+from ._core import __version__  # the package version, Cargo's (the one version source)
 from .blobs import BlobTable, Handle
 from .content import ContentStore, RetryPolicy, StringCache, content_key
 from .errors import (

@@ -1,0 +1,31 @@
+//! `rollout_store._core`: the engine's Python bindings. Argument conversion only; the work is
+//! in the engine crate.
+
+mod content;
+mod json;
+
+use pyo3::prelude::*;
+
+pyo3::create_exception!(
+    rollout_store._core,
+    DecodeError,
+    pyo3::exceptions::PyValueError,
+    "JSON text that is not JSON (or nested too deeply); `offset` is the byte it was found at."
+);
+
+#[pymodule]
+mod _core {
+    #[pymodule_export]
+    use super::content::ContentTable;
+    #[pymodule_export]
+    use super::json::{dumps, loads};
+    #[pymodule_export]
+    use super::DecodeError;
+
+    #[allow(non_upper_case_globals)]
+    #[pymodule_export]
+    const __version__: &str = env!("CARGO_PKG_VERSION");
+
+    #[pymodule_export]
+    const DEFAULT_MAX_DEPTH: usize = engine::json::DEFAULT_MAX_DEPTH;
+}
