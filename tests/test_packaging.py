@@ -20,7 +20,9 @@ def test_wheel_builds_cleanly(tmp_path: Path) -> None:
     shutil.copytree(
         ROOT,
         source,
-        ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", "out"),
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "*.egg-info", "__pycache__", "out", "target", "*.so"
+        ),
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     wheels = tmp_path / "wheels"
