@@ -21,6 +21,19 @@ struct PySink<'py> {
 
 impl<'py> PySink<'py> {
     fn str(&self, s: Str<'_>) -> PyResult<Bound<'py, PyAny>> {
+        if s.bytes.is_ascii() {
+            let len = isize::try_from(s.bytes.len())?;
+            // SAFETY: PyUnicode_New gives a new ASCII str of `len` code units (NULL with an
+            // exception set on failure), written in full here before anyone else sees it.
+            unsafe {
+                let ptr = ffi::PyUnicode_New(len, 127);
+                if !ptr.is_null() {
+                    let data = ffi::PyUnicode_DATA(ptr).cast::<u8>();
+                    std::ptr::copy_nonoverlapping(s.bytes.as_ptr(), data, s.bytes.len());
+                }
+                return Bound::from_owned_ptr_or_err(self.py, ptr);
+            }
+        }
         if let Some(text) = s.as_str() {
             return Ok(PyString::new(self.py, text).into_any());
         }

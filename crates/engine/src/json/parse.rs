@@ -190,6 +190,34 @@ fn hex_value(c: u8) -> Option<u32> {
     }
 }
 
+const ONES: u64 = 0x0101_0101_0101_0101;
+const HIGHS: u64 = 0x8080_8080_8080_8080;
+
+/// Bytes of `word` below `n` (n <= 128) flagged in their high bit; the lowest flag is exact.
+fn below(word: u64, n: u8) -> u64 {
+    word.wrapping_sub(ONES * u64::from(n)) & !word & HIGHS
+}
+
+/// The first offset from `i` holding a quote, a backslash or a control character (the bytes
+/// a string's plain run ends at), or `b.len()`; eight bytes a step.
+fn run_end(b: &[u8], mut i: usize) -> usize {
+    while i + 8 <= b.len() {
+        let mut chunk = [0u8; 8];
+        chunk.copy_from_slice(&b[i..i + 8]);
+        let word = u64::from_le_bytes(chunk);
+        let hits =
+            below(word ^ (ONES * 0x22), 1) | below(word ^ (ONES * 0x5C), 1) | below(word, 0x20);
+        if hits != 0 {
+            return i + (hits.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
+    }
+    while i < b.len() && !matches!(b[i], b'"' | b'\\' | 0..=0x1F) {
+        i += 1;
+    }
+    i
+}
+
 /// Whether generalized UTF-8 bytes hold a surrogate (`ED A0..BF ..`).
 fn holds_surrogate(bytes: &[u8]) -> bool {
     bytes
@@ -314,26 +342,20 @@ impl<'t, S: Sink> Parser<'t, '_, S> {
         let b = self.b;
         let open = self.pos;
         let start = open + 1;
-        let mut i = start;
         // the common case: no escape, borrowed from the input
-        while let Some(&c) = b.get(i) {
-            if c == b'"' {
+        let i = run_end(b, start);
+        match b.get(i) {
+            Some(b'"') => {
                 self.pos = i + 1;
                 let bytes = &b[start..i];
                 let surrogates = self.surrogates && holds_surrogate(bytes);
                 return Ok((Cow::Borrowed(bytes), surrogates));
             }
-            if c == b'\\' {
-                break;
-            }
-            if c < 0x20 {
-                return syntax(ErrorKind::InvalidControlCharacter, i);
-            }
-            i += 1;
+            Some(b'\\') => {}
+            Some(_) => return syntax(ErrorKind::InvalidControlCharacter, i),
+            None => return syntax(ErrorKind::UnterminatedString, open),
         }
-        if i >= b.len() {
-            return syntax(ErrorKind::UnterminatedString, open);
-        }
+        let mut i = i;
         let mut out = Vec::with_capacity(i - start + 16);
         out.extend_from_slice(&b[start..i]);
         let mut surrogates = self.surrogates && holds_surrogate(&out);
@@ -375,14 +397,11 @@ impl<'t, S: Sink> Parser<'t, '_, S> {
                 c if c < 0x20 => return syntax(ErrorKind::InvalidControlCharacter, i),
                 _ => {
                     // copy the run up to the next quote, backslash or control character
-                    let run_end = b[i..]
-                        .iter()
-                        .position(|&c| c == b'"' || c == b'\\' || c < 0x20)
-                        .map_or(b.len(), |n| i + n);
-                    let run = &b[i..run_end];
+                    let end = run_end(b, i);
+                    let run = &b[i..end];
                     surrogates |= self.surrogates && holds_surrogate(run);
                     out.extend_from_slice(run);
-                    i = run_end;
+                    i = end;
                 }
             }
         }
@@ -670,6 +689,22 @@ mod tests {
         assert_eq!(err(b"tru"), (ErrorKind::ExpectingValue, 0));
         // offsets count the UTF-8 BOM
         assert_eq!(err(b"\xEF\xBB\xBF[x"), (ErrorKind::ExpectingValue, 4));
+    }
+
+    #[test]
+    fn plain_runs_end_at_the_first_special_byte() {
+        for len in 0..20 {
+            for special in [b'"', b'\\', 0x00, 0x1F] {
+                let mut text = vec![b'a'; len];
+                text.extend_from_slice(&[0xC3, 0xA9, 0x7F, 0x20]);
+                let at = text.len();
+                text.push(special);
+                text.extend_from_slice(b"\"\\x");
+                assert_eq!(run_end(&text, 0), at);
+                assert_eq!(run_end(&text, at + 1), at + 1);
+            }
+            assert_eq!(run_end(&vec![b'z'; len], 0), len);
+        }
     }
 
     #[test]
