@@ -4,6 +4,7 @@
 //! `dumps` walks Python objects in the order json's C encoder checks their types and writes
 //! with the engine's writers.
 
+use std::collections::HashMap;
 use std::ffi::c_char;
 
 use engine::json::{self as ej, Failure, Key, Sink, Str};
@@ -14,9 +15,13 @@ use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
 use crate::DecodeError;
 
+/// Keys up to this many bytes are shared within one document, as `json.loads`' memo shares them.
+const SHARED_KEY_LEN: usize = 64;
+
 /// Builds Python objects for the parser.
 struct PySink<'py> {
     py: Python<'py>,
+    keys: HashMap<Box<[u8]>, Bound<'py, PyAny>>,
 }
 
 impl<'py> PySink<'py> {
@@ -89,7 +94,16 @@ impl<'py> Sink for PySink<'py> {
     fn object(&mut self, members: Vec<(Key<'_>, Self::Value)>) -> PyResult<Self::Value> {
         let dict = PyDict::new(self.py);
         for (key, value) in members {
-            dict.set_item(self.str(key.as_str())?, value)?;
+            let key = key.as_str();
+            if key.bytes.len() > SHARED_KEY_LEN {
+                dict.set_item(self.str(key)?, value)?;
+            } else if let Some(shared) = self.keys.get(key.bytes) {
+                dict.set_item(shared, value)?;
+            } else {
+                let made = self.str(key)?;
+                dict.set_item(&made, value)?;
+                self.keys.insert(key.bytes.into(), made);
+            }
         }
         Ok(dict.into_any())
     }
@@ -99,7 +113,11 @@ impl<'py> Sink for PySink<'py> {
 #[pyfunction]
 #[pyo3(signature = (data, /, *, max_depth = ej::DEFAULT_MAX_DEPTH))]
 pub fn loads<'py>(py: Python<'py>, data: &[u8], max_depth: usize) -> PyResult<Bound<'py, PyAny>> {
-    ej::parse_with(data, max_depth, &mut PySink { py }).map_err(|failure| match failure {
+    let mut sink = PySink {
+        py,
+        keys: HashMap::new(),
+    };
+    ej::parse_with(data, max_depth, &mut sink).map_err(|failure| match failure {
         Failure::Sink(err) => err,
         Failure::Syntax(e) => {
             let err = DecodeError::new_err(e.to_string());
