@@ -3,7 +3,8 @@
 For a body at a few turns of each workload: `_core.loads(bytes)` / `json.loads(bytes)` and
 `_core.dumps(value)` / `json.dumps(value)`. Each pair is timed back to back, alternating, and
 the figure is the median of the per-pair ratios, so other load on the machine moves both
-sides. A report, never a pass/fail test.
+sides. Ends with PASS/MISS lines for the targets (the engine no slower than the standard
+library on any body) and their count. A report, never a pass/fail test.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
+from measure import targets_summary
 from schemes import _import_rollout_store
 from workloads import WORKLOADS, iter_texts
 
@@ -27,6 +29,8 @@ CHECKPOINTS = {
     "multimodal": (10, 40),
     "token_heavy": (10, 40),
 }
+#: the engine's figures may not exceed the standard library's
+MAX_RATIO = 1.0
 
 
 def _time(fn: Callable[[Any], Any], arg: Any, loops: int) -> float:
@@ -39,9 +43,9 @@ def _time(fn: Callable[[Any], Any], arg: Any, loops: int) -> float:
 def _ratio(ours: Callable[[Any], Any], theirs: Callable[[Any], Any], arg: Any) -> float:
     """Median over rounds of (ours / theirs), each round timing both back to back."""
     once = _time(theirs, arg, 1)
-    loops = max(1, int(0.01 / max(once, 1e-7)))
+    loops = max(1, int(0.05 / max(once, 1e-7)))
     ratios = []
-    for i in range(9):
+    for i in range(11):
         if i % 2:
             a = _time(ours, arg, loops)
             b = _time(theirs, arg, loops)
@@ -57,6 +61,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="only the first checkpoint")
     args = parser.parse_args()
     print(f"{'workload':<12} {'turn':>5} {'body':>10}  {'loads':>7}  {'dumps':>7}")
+    checks: list[str] = []
     for name, generator in WORKLOADS.items():
         wanted = CHECKPOINTS.get(name)
         if wanted is None:
@@ -74,7 +79,16 @@ def main() -> None:
             dumps = _ratio(_core.dumps, json.dumps, value)
             size = f"{len(data) / 1024:.1f} KiB"
             print(f"{name:<12} {turn:>5} {size:>10}  {loads:>6.2f}x  {dumps:>6.2f}x")
+            for verb, ratio in (("loads", loads), ("dumps", dumps)):
+                verdict = "PASS" if ratio <= MAX_RATIO else "MISS"
+                checks.append(
+                    f"{verdict}  _core.{verb} <= {MAX_RATIO}x json.{verb}: {name} turn {turn} "
+                    f"{ratio:.2f}x"
+                )
     print("(ratios: _core.loads / json.loads and _core.dumps / json.dumps; below 1 is faster)")
+    for line in checks:
+        print(line)
+    print(targets_summary(checks))
 
 
 if __name__ == "__main__":
