@@ -30,6 +30,8 @@ def test_release_drops_content_with_its_last_reference() -> None:
     big = bytes(range(256)) * 64  # 16 KiB: hashed with the GIL released
     h = table.intern(big)
     assert table.intern(big) == h
+    assert big in table and table.find(big) == h
+    assert big[:-1] + b"!" not in table and table.find(big[:-1] + b"!") is None
     table.release(h)
     assert table.get(h) == big
     table.release(h)

@@ -25,6 +25,16 @@ fn to_py(error: ContentError) -> PyErr {
 }
 
 impl ContentTable {
+    /// The entry equal to `data`; a large body is hashed with the GIL released.
+    fn lookup(&self, py: Python<'_>, data: &[u8]) -> Option<Handle> {
+        if data.len() >= DETACH_FROM {
+            let key = py.detach(|| content::content_key(data));
+            self.table().find_keyed(key, data)
+        } else {
+            self.table().find(data)
+        }
+    }
+
     /// The table; a panic while it was held left it consistent (the engine changes nothing
     /// before its last fallible step), so a poisoned lock is taken over.
     fn table(&self) -> MutexGuard<'_, content::ContentTable> {
@@ -64,8 +74,8 @@ impl ContentTable {
     }
 
     /// The handle of the content equal to `data`, or None.
-    fn find(&self, data: &[u8]) -> Option<u32> {
-        self.table().find(data).map(|h| h.0)
+    fn find(&self, py: Python<'_>, data: &[u8]) -> Option<u32> {
+        self.lookup(py, data).map(|h| h.0)
     }
 
     /// Drop one reference to `handle`; the content goes with its last reference.
@@ -82,8 +92,8 @@ impl ContentTable {
         self.table().len()
     }
 
-    fn __contains__(&self, data: &[u8]) -> bool {
-        self.table().find(data).is_some()
+    fn __contains__(&self, py: Python<'_>, data: &[u8]) -> bool {
+        self.lookup(py, data).is_some()
     }
 
     /// Bytes of content held, each distinct string once.

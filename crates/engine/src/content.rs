@@ -145,7 +145,8 @@ impl<H: ContentHasher> ContentTable<H> {
         self.find_keyed(self.hasher.key(bytes), bytes)
     }
 
-    fn find_keyed(&self, key: u128, bytes: &[u8]) -> Option<Handle> {
+    /// [`Self::find`] with the key already computed (by [`Self::key`]).
+    pub fn find_keyed(&self, key: u128, bytes: &[u8]) -> Option<Handle> {
         self.index.get(&key)?.iter().copied().find_map(|slot| {
             let entry = self.slots[slot as usize].as_ref()?;
             (*entry.bytes == *bytes).then_some(Handle(slot))
