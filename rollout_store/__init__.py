@@ -9,6 +9,7 @@ from .errors import (
     ChecksumMismatch,
     CorruptFileError,
     CorruptObjectError,
+    DamagedStoreObjectError,
     DuplicateNodeError,
     FileLockedError,
     FileWriteError,
@@ -17,6 +18,7 @@ from .errors import (
     InvalidArgumentError,
     InvalidValueError,
     MissingObjectError,
+    MissingStoreObjectError,
     ReadOnlyError,
     RecordTooLargeError,
     RolloutStoreError,
@@ -30,7 +32,7 @@ from .errors import (
 from .export import export_session, iter_turn_records, write_session_json, write_trace_jsonl
 from .graph import Graph
 from .intake import MAX_DEPTH
-from .nodes import TurnNode, common_prefix_len
+from .nodes import COUNT_TOOLS, TurnNode, common_prefix_len
 from .raw import RawJSON
 from .redis_store import RedisStore
 from .s3_store import S3Store
@@ -39,6 +41,7 @@ from .stores import DirectoryStore, MemoryStore
 from .training import TrainingSequence
 
 __all__ = [
+    "COUNT_TOOLS",
     "__version__",
     "MAX_DEPTH",
     "BlobTable",
@@ -53,6 +56,8 @@ __all__ = [
     "S3Store",
     "StoreError",
     "StoreObjectError",
+    "MissingStoreObjectError",
+    "DamagedStoreObjectError",
     "StoreRequiredError",
     "StoreUnavailableError",
     "StringCache",

@@ -13,8 +13,14 @@ Sessions follow the capture server this library replaces: `POST /sessions` mints
 and its API key, the key the SDK sends (`Authorization: Bearer` or `x-api-key`) names the
 session, unknown keys get 401 unless the server runs in open mode. `GET /sessions`,
 `GET /sessions/{id}`, `GET /sessions/{id}/export` (`?messages=1`, `discarded=1`,
-`capture_level=...`; the level defaults to "tokens" when every turn carries token ids, else
-"text"), `GET /sessions/{id}/trace.jsonl` and `DELETE /sessions/{id}` manage them.
+`capture_level=...`; the level defaults to "tokens" when some turn carries token ids, else
+"text", as the library's export decides), `GET /sessions/{id}/trace.jsonl` and
+`DELETE /sessions/{id}` manage them. `GET /` lists the sessions as `GET /sessions` does.
+
+Anthropic's top-level `system` (a string or an array of content blocks) is recorded as a
+leading `{"role": "system", "content": system}` message of the turn's request messages, so a
+Messages conversation reads like a Chat Completions one in exports and in the viewer; its
+`tools` are counted in each turn's `n_tools`, as Chat Completions' are.
 
 The conversation is never decoded here: the body is split with msgspec into its top-level
 fields, the messages (and tools, and Anthropic's system) reach the graph as `RawJSON` spans
@@ -62,7 +68,7 @@ from starlette.types import Receive, Scope, Send
 
 from .content import ContentStore, StringCache
 from .errors import InvalidArgumentError, InvalidValueError, RolloutStoreError
-from .export import write_session_json, write_trace_jsonl
+from .export import CAPTURE_LEVELS, write_session_json, write_trace_jsonl
 from .idle_trim import with_idle_trim
 from .nodes import TurnNode
 from .raw import RawJSON
@@ -980,8 +986,9 @@ class _Server:
         messages = flags.get("messages", "0") not in ("0", "false", "")
         discarded = flags.get("discarded", "0") not in ("0", "false", "")
         level = flags.get("capture_level") or found.capture_level()
-        if level not in ("tokens", "logprobs", "text"):
-            return JSONResponse({"error": "capture_level must be tokens, logprobs or text"}, 400)
+        if level not in CAPTURE_LEVELS:
+            message = f"capture_level must be one of {', '.join(CAPTURE_LEVELS)}"
+            return JSONResponse({"error": message}, 400)
 
         def produce(fp: IO[bytes]) -> None:
             with session.use() as graph:

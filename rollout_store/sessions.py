@@ -25,6 +25,7 @@ from typing import Any
 
 from .content import ContentStore, StringCache
 from .errors import RolloutStoreError
+from .export import held_capture_level
 from .storage import RolloutGraph
 from .stores import MemoryStore
 
@@ -133,7 +134,8 @@ class Session:
             graph.close()
 
     def capture_level(self) -> str:
-        """ "tokens" when every turn carries the engine's token ids, else "text"."""
+        """ "tokens" when some turn carries the engine's token ids, else "text"
+        (`export.held_capture_level`)."""
         counts = self._counts if self._graph is None else None
         if counts is None:
             with self.use() as graph:
@@ -162,14 +164,13 @@ class Session:
 
 def _counts(graph: RolloutGraph) -> dict[str, Any]:
     ids = graph.node_ids()
-    tokens = bool(ids) and all(graph.summary(n)["n_prompt"] > 0 for n in ids)
     return {
         "turns": len(ids),
         "roots": len(graph.root_ids()),
         "leaves": len(graph.leaf_ids()),
         "forks": len(graph.fork_ids()),
         "discarded": len(graph.discarded_ids()),
-        "capture_level": "tokens" if tokens else "text",
+        "capture_level": held_capture_level(graph),
     }
 
 
