@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
 from . import __version__, storage
+from .atomic import create_private
 from .content import ContentStore
 from .errors import (
     CorruptFileError,
@@ -267,7 +268,9 @@ def _export(args: argparse.Namespace) -> int:
         if args.output in (None, "-"):
             out = sys.stdout
         else:
-            out = stack.enter_context(open(args.output, "w", encoding="ascii"))
+            # 0600, as every file the library writes: an export holds the content
+            fd = create_private(args.output, os.O_WRONLY | os.O_TRUNC)
+            out = stack.enter_context(os.fdopen(fd, "w", encoding="ascii"))
         if args.jsonl:
             write_trace_jsonl(graph, out)
         else:

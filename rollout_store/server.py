@@ -75,7 +75,7 @@ from .raw import RawJSON
 from .sessions import Session, SessionError, Sessions, clean_session_id
 from .sse import SSE_HEADERS, anthropic_events, chat_chunks, sse_data, sse_event
 from .stores import STORE_HELP, MemoryStore, open_store, store_spec
-from .viewer import Viewer
+from .viewer import Viewer, favicon
 
 __all__ = [
     "CHAT_RAW_FIELDS",
@@ -969,9 +969,13 @@ class _Server:
         path = "/" + request.path_params["path"]
         query = request.url.query
 
+        metadata = session.metadata
+        labels = metadata.get("labels") if isinstance(metadata, dict) else None
+
         def answer() -> tuple[int, tuple[tuple[str, str], ...], bytes]:
             with session.use() as graph:
-                page = Viewer(graph, title=session.session_id).respond(path, query)
+                viewer = Viewer(graph, title=session.session_id, labels=labels)
+                page = viewer.respond(path, query)
             return page.status, page.headers, page.body
 
         status, headers, body = await anyio.to_thread.run_sync(answer)
@@ -1035,6 +1039,10 @@ class _Server:
                 "data": self.sessions.data is not None,
             }
         )
+
+
+async def _favicon(request: Request) -> Response:
+    return Response(favicon(), media_type="image/svg+xml")
 
 
 class _CaptureApp(Starlette):
@@ -1154,6 +1162,8 @@ def create_app(
             Route("/sessions/{session_id}/view", server.view_root, methods=["GET"]),
             Route("/sessions/{session_id}/view/{path:path}", server.view, methods=["GET"]),
             Route("/health", server.health, methods=["GET"]),
+            Route("/", server.list_sessions, methods=["GET"]),  # what a browser opens first
+            Route("/favicon.ico", _favicon, methods=["GET"]),
         ],
         lifespan=lifespan,
     )

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .atomic import create_private
 from .content import ContentStore, StringCache
 from .errors import RolloutStoreError
 from .export import held_capture_level
@@ -177,7 +178,8 @@ def _counts(graph: RolloutGraph) -> dict[str, Any]:
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
-        with open(tmp, "wb") as fp:
+        # 0600 (`atomic.FILE_MODE`): a session file holds the session's API key
+        with os.fdopen(create_private(tmp, os.O_WRONLY | os.O_EXCL), "wb") as fp:
             fp.write(data)
             fp.flush()
             os.fsync(fp.fileno())

@@ -24,7 +24,7 @@ from typing import IO, Annotated, Any, NamedTuple
 import msgspec
 
 from . import framing
-from .atomic import fsync_dir, lock_log, replace_file, write_error
+from .atomic import create_private, fsync_dir, lock_log, replace_file, write_error
 from .blobs import BlobTable, content_digest
 from .content import ContentStore, StringCache
 from .encoding import ECHO_PACKED, array_header
@@ -1490,7 +1490,8 @@ def open_append(
     cache: StringCache | None = None,
     blobs: str = "inline",
 ) -> RolloutGraph:
-    """A graph that writes each turn to `path` as it is added (created if missing).
+    """A graph that writes each turn to `path` as it is added (created if missing, with
+    mode 0600, as every file the library writes).
 
     An existing file is loaded first; if its last record is cut short (a crash while
     writing), `repair=True` truncates it to the last complete record, else it raises.
@@ -1525,7 +1526,9 @@ def _open_locked(target: Path) -> IO[bytes]:
     while True:
         # unbuffered: the log is read whole once and written with os.write, so a buffer
         # (4-8 KiB a session, for as long as the log is open) would serve nothing
-        fp = open(target, "a+b", buffering=0)  # noqa: SIM115 - owned by the returned graph
+        # created with FILE_MODE: a log holds content (see `atomic`)
+        fd = create_private(target, os.O_RDWR | os.O_APPEND)
+        fp = os.fdopen(fd, "a+b", buffering=0)  # owned by the returned graph
         try:
             if lock_log(fp, target):
                 return fp
@@ -1595,7 +1598,9 @@ class RolloutGraph(Graph):
     """
 
     def save(self, path: str | os.PathLike[str], *, blobs: str = "inline") -> None:
-        """Write the graph to `path` atomically (temporary file, fsync, rename).
+        """Write the graph to `path` atomically (temporary file, fsync, rename), with mode
+        0600 (only its owner reads it: it holds the rollout's content), as every file the
+        library writes, logs included.
 
         `blobs="store"`: long strings as references into the graph's content store."""
         save(self, path, blobs=blobs)
