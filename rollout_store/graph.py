@@ -868,11 +868,21 @@ class Graph:
 
     @_locked
     def stats(self) -> dict[str, int]:
-        """The graph's shape, then what it stores.
+        """The graph's shape, then what it stores, as a dict of ints:
 
-        First the capture graph's five counts: `n_turns`, `n_roots`, `n_leaves`, `n_forks`,
-        `n_discarded`; then messages and tokens received and stored, shared values and the
-        blob table's counts.
+        - `n_turns`, `n_roots`, `n_leaves`, `n_forks` (turns with more than one child),
+          `n_discarded` (retries the harness dropped): the capture graph's five counts;
+        - `messages_received`: request messages over all turns, each counted in every turn
+          that sent it; `message_bytes_stored`: bytes of the stored message tails (what each
+          turn adds to the request it extends);
+        - `shared_values`: distinct values kept once for many turns (system prompts, tools);
+        - `tokens_received`: prompt and sampled token ids over all turns;
+          `tokens_stored`: token ids kept (a prompt that extends another is kept once);
+        - the blob table's: `blobs` (distinct long strings), `blob_bytes` (their UTF-8
+          bytes), `blob_references` (times a long string was handed to the table),
+          `blob_bytes_saved` (bytes of those hand-overs beyond the first of each string:
+          a string a turn inherits from the request it extends is never handed over again,
+          so that larger saving shows in `message_bytes_stored`, not here), `collisions`.
         """
         stored_tokens = 0
         seen: set[TokenRun] = set()  # runs, not ids: views of packed full runs are equal
