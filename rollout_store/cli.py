@@ -240,6 +240,11 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bytes(n: int) -> str:
+    """`n` bytes for a reader, with the exact count when it is rounded."""
+    return f"{n} bytes" if n < 1024 else f"{human_bytes(n)} ({n} bytes)"
+
+
 def _size(n: int) -> str:
     return f"{human_bytes(n):>10}  {n}"
 
@@ -253,7 +258,7 @@ def _verify(args: argparse.Namespace) -> int:
         print(
             f"ok: format version {report.version}, {_plural(report.records, 'record')}, "
             f"{_plural(report.turns, 'turn')}, {_plural(report.blobs, 'blob')}, "
-            f"{human_bytes(report.file_size)} ({report.file_size} bytes) verified"
+            f"{_bytes(report.file_size)} verified"
         )
         return 0
     if isinstance(report.exception, MissingStoreObjectError):

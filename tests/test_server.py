@@ -1025,3 +1025,16 @@ def test_root_lists_sessions_favicon_and_n_tools_counts_the_tools_sent(server: A
         params={"id": doc["turns"][0]["node_id"]},
     )
     assert page.json()["summary"]["n_tools"] == 2
+    # Anthropic's tools are counted alike; the session's labels show in its viewer
+    labelled = new_session(url, metadata={"labels": ["nightly", "web"]})
+    _anthropic(labelled).messages.create(
+        model="claude-x",
+        max_tokens=64,
+        system="Be exact.",
+        tools=[{"name": "look", "input_schema": {"type": "object"}}],
+        messages=[{"role": "user", "content": "look"}],
+    )
+    doc = httpx.get(f"{url}/sessions/{labelled['session_id']}/export").json()
+    assert [t["n_tools"] for t in doc["turns"]] == [1]
+    figures = httpx.get(f"{url}/sessions/{labelled['session_id']}/view/api/figures").json()
+    assert figures["labels"] == ["nightly", "web"] and figures["title"] == labelled["session_id"]
