@@ -69,6 +69,9 @@ class _CountTools(int):
     def __repr__(self) -> str:
         return "COUNT_TOOLS"
 
+    def __reduce__(self) -> str:
+        return "COUNT_TOOLS"  # pickled and copied as the one constant, so `is` holds
+
 
 #: `TurnNode.n_tools`'s default: the graph counts the tools sent (`request_tools`). It is the
 #: int 0 to compare (`node.n_tools == 0` holds, as for the capture graph's node), so code

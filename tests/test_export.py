@@ -465,6 +465,15 @@ def test_n_tools_counts_the_tools_sent_unless_given() -> None:
     graph = _text_graph()
     assert [t["n_tools"] for t in export_session(graph)["turns"]] == [2, 2]
     assert TurnNode().n_tools == 0  # the default still reads as the capture graph's 0
+    import copy
+    import pickle
+
+    from rollout_store import COUNT_TOOLS
+
+    node = TurnNode(request_tools=[{}, {}, {}])
+    for twin in (pickle.loads(pickle.dumps(node)), copy.deepcopy(node)):
+        assert twin.n_tools is COUNT_TOOLS  # another process's node is counted alike
+        assert graph.add_turn(twin).n_tools == 3
     given = RolloutGraph()
     given.add_turn(TurnNode(node_id="a", request_tools=[{}, {}], n_tools=0))
     given.add_turn(TurnNode(node_id="b", request_tools=[{}, {}], n_tools=5))

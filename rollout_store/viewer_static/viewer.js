@@ -510,13 +510,13 @@ async function selectTurn(id, options) {
     });
     nodes.push(earlier, past);
     refreshEarlier = () => {
-      earlier.textContent = "show " + Math.min(start, 100) + " earlier messages (" + start + " before)";
+      earlier.textContent = "show " + plural(Math.min(start, 100), "earlier message") + " (" + start + " before)";
       earlier.hidden = start === 0;
     };
   }
   const refresh = () => {
     refreshEarlier();
-    later.textContent = "show more messages (" + (t.n_messages - stop) + " after)";
+    later.textContent = "show " + plural(Math.min(t.n_messages - stop, 100), "more message") + " (" + (t.n_messages - stop) + " after)";
     later.hidden = stop >= t.n_messages;
   };
   refresh();
