@@ -4,8 +4,12 @@ Every command that reads a file tells a missing, an empty, a foreign (not a roll
 a damaged file apart, and for a damaged one says whether `repair` (cut a torn last record off
 a log in place) or `recover` (save the complete turns before the damage to a new file)
 applies. A file saved with its long strings in a content store (`save(path, blobs="store")`)
-is read with `--store NAME`, the names `serve --store` takes. Exit status: 0 done, 1 a file
-problem, 2 a usage error. A reader closing the pipe
+is read with `--store NAME`, the names `serve --store` takes; the store is only read (a
+mistyped directory is not created), and one that lacks an object the file names is reported
+as likely the wrong store, the file as intact. Every message about a file starts with
+`rollout-store: FILE:`; `info` shows sizes for a reader (`--json`: exact byte counts).
+Exit status: 0 done, 1 a file problem, 2 a usage error (an unknown option or choice, with the
+valid ones listed). A reader closing the pipe
 (`rollout-store export f.rls | head`) ends the command quietly with status 0.
 """
 
