@@ -7,6 +7,7 @@ from .errors import (
     ChecksumMismatch,
     CorruptFileError,
     CorruptObjectError,
+    DamagedStoreObjectError,
     DuplicateNodeError,
     FileLockedError,
     FileWriteError,
@@ -15,6 +16,7 @@ from .errors import (
     InvalidArgumentError,
     InvalidValueError,
     MissingObjectError,
+    MissingStoreObjectError,
     ReadOnlyError,
     RecordTooLargeError,
     RolloutStoreError,
@@ -28,7 +30,7 @@ from .errors import (
 from .export import export_session, iter_turn_records, write_session_json, write_trace_jsonl
 from .graph import Graph
 from .intake import MAX_DEPTH
-from .nodes import TurnNode, common_prefix_len
+from .nodes import COUNT_TOOLS, TurnNode, common_prefix_len
 from .raw import RawJSON
 from .redis_store import RedisStore
 from .s3_store import S3Store
@@ -37,6 +39,7 @@ from .stores import DirectoryStore, MemoryStore
 from .training import TrainingSequence
 
 __all__ = [
+    "COUNT_TOOLS",
     "__version__",
     "MAX_DEPTH",
     "BlobTable",
@@ -51,6 +54,8 @@ __all__ = [
     "S3Store",
     "StoreError",
     "StoreObjectError",
+    "MissingStoreObjectError",
+    "DamagedStoreObjectError",
     "StoreRequiredError",
     "StoreUnavailableError",
     "StringCache",

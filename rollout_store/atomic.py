@@ -7,6 +7,12 @@ An appending graph holds an exclusive `flock` on its log (`lock_log`); `replace_
 shared one on the file it replaces across the rename, so it refuses to replace a log in use
 (saves do not exclude each other), and an appender that opened the old file just before a
 rename notices and opens the new one.
+
+File mode: every file the library creates (snapshots, logs, recovered copies, the capture
+server's session files, which hold API keys, and the CLI's exports) is created with
+`FILE_MODE`, 0600: read and written by its owner only, whatever the umask, because each holds
+recorded content. A save over an existing file gives it that mode too (the new file replaces
+it); a log appended to keeps the mode it has.
 """
 
 from __future__ import annotations
@@ -22,7 +28,15 @@ from typing import IO
 
 from .errors import FileLockedError, FileWriteError, RolloutStoreError
 
-__all__ = ["fsync_dir", "lock_log", "replace_file", "write_error"]
+__all__ = ["FILE_MODE", "create_private", "fsync_dir", "lock_log", "replace_file", "write_error"]
+
+#: The mode of every file the library creates: its owner reads and writes it, nobody else.
+FILE_MODE = 0o600
+
+
+def create_private(path: str | os.PathLike[str], flags: int) -> int:
+    """`os.open(path, flags)`, creating the file with `FILE_MODE` if it is missing."""
+    return os.open(path, flags | os.O_CREAT, FILE_MODE)
 
 
 def fsync_dir(path: Path) -> None:

@@ -4,8 +4,12 @@ Every command that reads a file tells a missing, an empty, a foreign (not a roll
 a damaged file apart, and for a damaged one says whether `repair` (cut a torn last record off
 a log in place) or `recover` (save the complete turns before the damage to a new file)
 applies. A file saved with its long strings in a content store (`save(path, blobs="store")`)
-is read with `--store NAME`, the names `serve --store` takes. Exit status: 0 done, 1 a file
-problem, 2 a usage error. A reader closing the pipe
+is read with `--store NAME`, the names `serve --store` takes; the store is only read (a
+mistyped directory is not created), and one that lacks an object the file names is reported
+as likely the wrong store, the file as intact. Every message about a file starts with
+`rollout-store: FILE:`; `info` shows sizes for a reader (`--json`: exact byte counts).
+Exit status: 0 done, 1 a file problem, 2 a usage error (an unknown option or choice, with the
+valid ones listed). A reader closing the pipe
 (`rollout-store export f.rls | head`) ends the command quietly with status 0.
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import json
 import os
 import sys
 import time
@@ -21,15 +26,17 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
 from . import __version__, storage
+from .atomic import create_private
 from .content import ContentStore
 from .errors import (
     CorruptFileError,
     IndexKeyMismatch,
     IndexKeyRecomputeError,
+    MissingStoreObjectError,
     RolloutStoreError,
     StoreRequiredError,
 )
-from .export import write_session_json, write_trace_jsonl
+from .export import CAPTURE_LEVELS, write_session_json, write_trace_jsonl
 from .figures import plain_export_bytes, store_figures
 from .storage import RolloutGraph
 from .stores import STORE_HELP, open_store, store_spec
@@ -87,8 +94,9 @@ def _check_file(path: str) -> int:
         guess = ""
         if head.lstrip()[:1] in (b"{", b"["):
             guess = " (it looks like JSON: an export is not read back; give the .rls file)"
+        magic = _MAGIC_PREFIX.decode("ascii")
         raise CommandError(
-            f"not a rollout_store file: it does not start with {_MAGIC_PREFIX!r}{guess}"
+            f"not a rollout_store file: it does not start with the {magic} magic{guess}"
         )
     return size
 
@@ -107,7 +115,11 @@ def _damage_advice(path: str, store: ContentStore | None) -> str:
 def _where_next(report: storage.LoadReport) -> str:
     if report.truncated or report.resync_offset is None:
         return ""
-    return f"the next intact frame starts at offset {report.resync_offset}; "
+    # recover keeps only what precedes the damage: turns after it refer to what it lost
+    return (
+        f"the next intact frame starts at offset {report.resync_offset}, but no turn from "
+        "there on can be kept (each refers to records the damage took); "
+    )
 
 
 def _what_applies(report: storage.LoadReport, path: str) -> str:
@@ -128,20 +140,49 @@ def _what_applies(report: storage.LoadReport, path: str) -> str:
     keep = f"the {report.turns} complete turn{'s' if report.turns != 1 else ''} before it"
     recover = f"`rollout-store recover {path} -o OUT` saves {keep} to a new file"
     if report.truncated and report.mode == "log":
+        # repair cuts back to the end of the last complete turn: the torn record and the
+        # records of its unfinished turn before it
+        cut = report.file_size - report.good_bytes
         return (
-            f"a torn tail (a crash while writing): `rollout-store repair {path}` "
-            f"cuts it off in place and keeps {keep}; or {recover}"
+            f"a torn tail (a crash while writing): `rollout-store repair {path}` cuts its "
+            f"last {_plural(cut, 'byte')} (from offset {report.good_bytes}, the end of the "
+            f"last complete turn) in place and keeps {keep}; or {recover}"
         )
     why = "the file is a snapshot" if report.mode == "snapshot" else "intact records follow it"
     return f"{recover} (repair does not apply: {why})"
 
 
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _file_store(args: argparse.Namespace) -> ContentStore | None:
+    """The `--store` given, if the file keeps its long strings in a store; else None, so a
+    self-contained file is read as it is and nothing is put into the store named."""
+    store: ContentStore | None = args.content_store
+    if store is None:
+        return None
+    return store if storage.needs_store(args.file) else None
+
+
+def _not_found(args: argparse.Namespace, exc: MissingStoreObjectError) -> str:
+    key = (exc.key or b"").hex()
+    return (
+        f"object {key} not found in store {args.store} (is it the right store?); the file "
+        f"is intact: its blob record {exc.record} (offset {exc.offset}) names that key: pass "
+        "the --store the file was saved with"
+    )
+
+
 def _load(args: argparse.Namespace, *, recover: bool = False) -> RolloutGraph:
-    path, store = args.file, args.content_store
+    path = args.file
     _check_file(path)
+    store = _file_store(args)
     try:
         with _progress(path, args.progress) as update:
             return storage.load(path, recover=recover, progress=update, store=store)
+    except MissingStoreObjectError as exc:
+        raise CommandError(_not_found(args, exc)) from None
     except CorruptFileError as exc:
         raise CommandError(f"damaged: {exc}; {_damage_advice(path, store)}") from None
 
@@ -150,23 +191,50 @@ def _ratio(a: int, b: int) -> str:
     return f"{a / b:.1f}x" if b else "-"
 
 
+def human_bytes(n: int) -> str:
+    """`n` bytes for a reader: 812 B, 20.3 KiB, 1.45 MiB."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    if unit == "B":
+        return f"{n} B"
+    return f"{value:.{1 if value >= 10 else 2}f} {unit}"
+
+
 def _info(args: argparse.Namespace) -> int:
     graph = _load(args)
     figures = store_figures(graph)
     size = os.path.getsize(args.file)
     export = plain_export_bytes(graph)
+    version = graph.load_report.version if graph.load_report else None
+    if args.json:
+        document = {
+            "file": args.file,
+            "format_version": version,
+            **{k: figures[k] for k in ("turns", "roots", "leaves", "forks", "discarded")},
+            "bytes_received": export,
+            "bytes_stored": size,
+            "unique_blob_bytes": figures["unique_blob_bytes"],
+            "tokens_received": figures["tokens_received"],
+            "tokens_stored": figures["tokens_stored"],
+        }
+        print(json.dumps(document, indent=2))
+        return 0
+    # sizes for a reader, each followed by its exact count of bytes
     lines = [
         ("file", args.file),
-        ("format version", graph.load_report.version if graph.load_report else "-"),
+        ("format version", "-" if version is None else version),
         ("turns", figures["turns"]),
         ("roots", figures["roots"]),
         ("leaves", figures["leaves"]),
         ("forks", figures["forks"]),
         ("discarded", figures["discarded"]),
-        ("bytes received (plain export)", export),
-        ("bytes stored (this file)", size),
+        ("bytes received (plain export)", _size(export)),
+        ("bytes stored (this file)", _size(size)),
         ("saving over the plain export", _ratio(export, size)),
-        ("long strings stored (unique)", figures["unique_blob_bytes"]),
+        ("long strings stored (unique)", _size(figures["unique_blob_bytes"])),
         ("tokens received", figures["tokens_received"]),
         ("tokens stored", figures["tokens_stored"]),
     ]
@@ -176,20 +244,30 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bytes(n: int) -> str:
+    """`n` bytes for a reader, with the exact count when it is rounded."""
+    return f"{n} bytes" if n < 1024 else f"{human_bytes(n)} ({n} bytes)"
+
+
+def _size(n: int) -> str:
+    return f"{human_bytes(n):>10}  {n}"
+
+
 def _verify(args: argparse.Namespace) -> int:
     _check_file(args.file)
+    store = _file_store(args)
     with _progress(args.file, args.progress) as update:
-        report = storage.verify(args.file, progress=update, store=args.content_store)
+        report = storage.verify(args.file, progress=update, store=store)
     if report.ok:
         print(
-            f"ok: format version {report.version}, {report.records} records, {report.turns} "
-            f"turns, {report.blobs} blobs, {report.file_size} bytes verified"
+            f"ok: format version {report.version}, {_plural(report.records, 'record')}, "
+            f"{_plural(report.turns, 'turn')}, {_plural(report.blobs, 'blob')}, "
+            f"{_bytes(report.file_size)} verified"
         )
         return 0
-    print(
-        f"damaged: {report.error}; {_damage_advice(args.file, args.content_store)}", file=sys.stderr
-    )
-    return 1
+    if isinstance(report.exception, MissingStoreObjectError):
+        raise CommandError(_not_found(args, report.exception))
+    raise CommandError(f"damaged: {report.error}; {_damage_advice(args.file, store)}")
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -199,7 +277,9 @@ def _export(args: argparse.Namespace) -> int:
         if args.output in (None, "-"):
             out = sys.stdout
         else:
-            out = stack.enter_context(open(args.output, "w", encoding="ascii"))
+            # 0600, as every file the library writes: an export holds the content
+            fd = create_private(args.output, os.O_WRONLY | os.O_TRUNC)
+            out = stack.enter_context(os.fdopen(fd, "w", encoding="ascii"))
         if args.jsonl:
             write_trace_jsonl(graph, out)
         else:
@@ -220,6 +300,8 @@ def _recover(args: argparse.Namespace) -> int:
         raise CommandError("-o must name a new file: recover never writes over its input")
     graph = _load(args, recover=True)
     report = graph.load_report
+    if report is not None and isinstance(report.exception, MissingStoreObjectError):
+        raise CommandError(_not_found(args, report.exception))  # the file is not damaged
     if not len(graph) and report is not None and not report.ok:
         raise CommandError(
             f"damaged: {report.error}; no complete turn precedes it, nothing written"
@@ -253,11 +335,13 @@ def _recover(args: argparse.Namespace) -> int:
 
 def _repair(args: argparse.Namespace) -> int:
     _check_file(args.file)
-    store = args.content_store
+    store = _file_store(args)
     report = storage.verify(args.file, store=store)
     if report.ok:
-        print(f"{args.file} is not damaged: {report.turns} turns, nothing to repair")
+        print(f"{args.file} is not damaged: {_plural(report.turns, 'turn')}, nothing to repair")
         return 0
+    if isinstance(report.exception, MissingStoreObjectError):
+        raise CommandError(_not_found(args, report.exception))
     if report.mode != "log" or not report.truncated:
         raise CommandError(f"damaged: {report.error}; {_damage_advice(args.file, store)}")
     before = report.file_size
@@ -268,8 +352,8 @@ def _repair(args: argparse.Namespace) -> int:
         graph.close()
     after = os.path.getsize(args.file)
     print(
-        f"repaired {args.file}: cut {before - after} bytes of a torn last record, "
-        f"{turns} turns kept"
+        f"repaired {args.file}: cut its last {_plural(before - after, 'byte')} (a torn last "
+        f"record and the rest of its unfinished turn), {_plural(turns, 'turn')} kept"
     )
     return 0
 
@@ -358,7 +442,10 @@ def _parser() -> argparse.ArgumentParser:
         sub.set_defaults(run=run)
         return sub
 
-    command("info", "turns, structure, bytes received against stored, and the saving", _info)
+    info = command("info", "turns, structure, bytes received against stored, and the saving", _info)
+    info.add_argument(
+        "--json", action="store_true", help="the figures as JSON, sizes as exact byte counts"
+    )
     command(
         "verify",
         "check every record, blob digest and index key; exit 1 and the reason if damaged",
@@ -382,8 +469,10 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--session-id", default=None, help="the session_id field of the JSON")
     export.add_argument(
         "--capture-level",
-        default="tokens",
-        help='what the engine returned: "tokens" (trainable) or lower ("logprobs", "text")',
+        default=None,
+        choices=CAPTURE_LEVELS,
+        help='what the engine returned: "tokens" (trainable) or lower ("logprobs", "text", '
+        '"messages"); default: what the file holds ("tokens" when some turn has token ids)',
     )
     export.add_argument("-o", "--output", default=None, help="output file (default: stdout)")
     recover = command(
@@ -409,7 +498,7 @@ def _parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> int:
     try:
         spec = getattr(args, "store", None)
-        args.content_store = open_store(spec) if spec is not None else None
+        args.content_store = open_store(spec, readonly=True) if spec is not None else None
         return int(args.run(args))
     except StoreRequiredError:
         message = "keeps its long strings in a content store: pass --store NAME"

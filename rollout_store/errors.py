@@ -23,6 +23,8 @@ __all__ = [
     "CorruptObjectError",
     "StoreRequiredError",
     "StoreObjectError",
+    "MissingStoreObjectError",
+    "DamagedStoreObjectError",
     "FileLockedError",
     "FileWriteError",
     "InvalidArgumentError",
@@ -189,13 +191,44 @@ class StoreRequiredError(StoreError, ValueError):
     was read without one: pass ``store=`` to `load` or `open`."""
 
 
-class StoreObjectError(CorruptFileError):
-    """A blob record of a file names an object its content store does not have, or has
-    damaged. `key` is the object's key; `offset` and `record` place the blob record."""
+class StoreObjectError(StoreError):
+    """A blob record of a file names an object its content store does not have
+    (`MissingStoreObjectError`) or has damaged (`DamagedStoreObjectError`). `key` is the
+    object's key; `offset` and `record` place the blob record in the file."""
+
+    offset: int | None  # (always set: typed as `CorruptFileError` types them)
+    record: int | None
 
     def __init__(self, message: str, *, key: bytes, offset: int, record: int) -> None:
-        super().__init__(f"{message} (key {key.hex()})", offset=offset, record=record)
+        Exception.__init__(
+            self, f"{message} (key {key.hex()}; at record {record}, offset {offset})"
+        )
         self.key = key
+        self.reason = message
+        self.offset = offset
+        self.record = record
+
+
+class MissingStoreObjectError(StoreObjectError, MissingObjectError):
+    """The content store has no object a blob record of the file names. The file is not
+    damaged: it was most likely read with another store than the one it was saved with.
+    `store` names the store as the message does."""
+
+    def __init__(self, *, key: bytes, store: str, offset: int, record: int) -> None:
+        message = f"object {key.hex()} not found in store {store} (is it the right store?)"
+        Exception.__init__(
+            self, f"{message}; the file names it at record {record}, offset {offset}"
+        )
+        self.key = key
+        self.reason = message
+        self.offset = offset
+        self.record = record
+        self.store = store
+
+
+class DamagedStoreObjectError(StoreObjectError, CorruptFileError):
+    """The object a blob record names is in the content store but damaged (it does not hash
+    to its key, or not to the record's digest)."""
 
 
 class FileLockedError(RolloutStoreError, OSError):

@@ -8,9 +8,23 @@
                  n_sequences, n_trainable_sequences, n_trainable_tokens
     sequences    one row per root-to-leaf path, labelled agent / auxiliary / discarded,
                  each with its findings and whether it is trainable
-    validation   findings about the whole rollout
+    validation   findings about the whole rollout; when no row is trainable, first the
+                 FATAL findings of the agent rows (each naming its row), so why is seen
+                 at once
     trainable    the one gate: some agent row survived and nothing about the rollout is fatal
-    capture_level, rollout_type
+    capture_level  what the engine returned: "tokens" (token ids: trainable), "logprobs",
+                 "text" or "messages"; by default what the graph holds ("tokens" when some
+                 turn carries token ids, else "text", as the capture server decides)
+    rollout_type "train" when the document is trainable, else "eval" (kept to read and
+                 evaluate, nothing to train on)
+
+Row roles. A row (one root-to-leaf path) is the *agent*'s when it is the work the rollout is
+about: when some live path's turns were sent tools, the paths with tools are the agent's and
+those without are *auxiliary* (side calls of the harness: a title generator, a summarizer,
+a classifier), never trained on. When no path was sent tools, every live path is the agent's
+(with a "tokens" capture, those with trainable tokens). A path ending in a retry the harness
+dropped is *discarded*. Each turn's `n_tools` (the number of tools sent, counted by the graph
+unless the caller gave it) decides.
 
 `write_session_json` writes the same bytes as `json.dumps(export_session(...))`, holding one
 turn's or one sequence's values at a time.
@@ -32,7 +46,10 @@ from .training import TrainingSequence
 __all__ = [
     "AGENT",
     "AUXILIARY",
+    "CAPTURE_LEVELS",
     "DISCARDED",
+    "PURPOSES",
+    "held_capture_level",
     "export_session",
     "iter_turn_records",
     "summarise",
@@ -41,6 +58,26 @@ __all__ = [
 ]
 
 AGENT, AUXILIARY, DISCARDED = "agent", "auxiliary", "discarded"
+
+#: The capture levels an export takes, most to least: only "tokens" is trainable.
+CAPTURE_LEVELS = ("tokens", "logprobs", "text", "messages")
+#: What a rollout is for: "auto" (trainable when the capture is), "train" or "eval".
+PURPOSES = ("auto", "train", "eval")
+
+
+def held_capture_level(graph: Graph) -> str:
+    """The capture level a graph's turns support: "tokens" when some turn carries the
+    engine's token ids (the rows without them are flagged, the others trainable), else
+    "text"."""
+    return "tokens" if any(graph.summary(n)["n_prompt"] > 0 for n in graph.node_ids()) else "text"
+
+
+def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
+    """`value` if it is one of `choices`, else `InvalidArgumentError` listing them."""
+    if not isinstance(value, str) or value not in choices:
+        raise InvalidArgumentError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
 
 #: The graph-shape counts of `RolloutGraph.stats()` that the document carries.
 SHAPE_KEYS = ("n_turns", "n_roots", "n_leaves", "n_forks", "n_discarded")
@@ -96,8 +133,11 @@ def _session(
     )
 
 
-def _plan(graph: Graph, discarded: set[str], trainable: bool) -> list[tuple[str, str, bool, int]]:
-    """Each leaf's (leaf, role, trainable, n_trainable), building one sequence at a time.
+def _plan(
+    graph: Graph, discarded: set[str], trainable: bool
+) -> list[tuple[str, str, bool, int, list[str]]]:
+    """Each leaf's (leaf, role, trainable, n_trainable, fatal findings of an agent row),
+    building one sequence at a time.
 
     Roles are structural: a path ending in a dropped retry is discarded; a path whose turns
     carry tools is the agent working, one without is auxiliary (a title generator, a
@@ -122,8 +162,10 @@ def _plan(graph: Graph, discarded: set[str], trainable: bool) -> list[tuple[str,
             role = AGENT if n_trainable else AUXILIARY
         else:
             role = AGENT
-        ok = trainable and role == AGENT and check_sequence(seq).ok
-        plan.append((leaf, role, ok, n_trainable))
+        fatal: list[str] = []
+        if trainable and role == AGENT:
+            fatal = [str(f) for f in check_sequence(seq).fatal]
+        plan.append((leaf, role, trainable and role == AGENT and not fatal, n_trainable, fatal))
     return plan
 
 
@@ -200,11 +242,15 @@ def _parts(
     session: _Session,
     include_messages: bool,
     include_discarded: bool,
-    capture_level: str,
+    capture_level: str | None,
     stream: bool,
 ) -> tuple[dict[str, Any], Iterator[dict[str, Any]], Iterator[dict[str, Any]], dict[str, Any]]:
     """The document's head, its turns and rows (lazy), and its tail (stats first)."""
     graph = session.graph
+    if capture_level is None:
+        capture_level = held_capture_level(graph)
+    check_choice(capture_level, "capture_level", CAPTURE_LEVELS)
+    check_choice("auto" if session.purpose is None else session.purpose, "purpose", PURPOSES)
     trainable_capture = capture_level == "tokens" and session.purpose != "eval"
     rollout = check_rollout(
         graph, capture_level=capture_level, budget_stop_count=session.budget_stop_count
@@ -217,7 +263,7 @@ def _parts(
     ]
 
     def rows() -> Iterator[dict[str, Any]]:
-        for leaf, role, _, _ in plan:
+        for leaf, role, _, _, _ in plan:
             seq = graph.sequence_for(leaf)
             report = check_sequence(seq) if trainable_capture else None
             yield _row(seq, role, report, trainable_capture)
@@ -240,11 +286,20 @@ def _parts(
         _turn_record(graph, nid, roots[nid], nid in discarded, include_messages, stream)
         for nid in graph.node_ids()
     )
+    trainable = bool(trainable_rows) and rollout.ok
+    # when no row trains, why is said first, not only inside each agent row
+    surfaced = [
+        f"{line[: line.index(']') + 1]} row {i} ({role}, ending at {leaf}): "
+        f"{line[line.index(']') + 2 :]}"
+        for i, (leaf, role, _, _, fatal) in enumerate(plan)
+        for line in fatal
+        if not trainable
+    ]
     tail = {
-        "validation": rollout.lines() + session.findings,
-        "trainable": bool(trainable_rows) and rollout.ok,
+        "validation": surfaced + rollout.lines() + session.findings,
+        "trainable": trainable,
         "capture_level": capture_level,
-        "rollout_type": "train" if trainable_capture else "eval",
+        "rollout_type": "train" if trainable else "eval",
     }
     return head, turns, rows(), {"stats": stats, **tail}
 
@@ -254,7 +309,7 @@ def export_session(
     *,
     include_discarded: bool = False,
     include_messages: bool = False,
-    capture_level: str = "tokens",
+    capture_level: str | None = None,
     session_id: Any = _UNSET,
     metadata: Any = _UNSET,
     budget_stop_count: Any = _UNSET,
@@ -269,8 +324,11 @@ def export_session(
 
     Every turn is listed, discarded retries flagged; `include_discarded` also keeps their
     rows. `include_messages` adds each turn's request messages, tools and response.
-    `capture_level` other than "tokens" (or `purpose="eval"`) makes an eval document: the
-    structure is all there, no row is trainable and every loss mask is zero.
+    `capture_level` (one of `CAPTURE_LEVELS`) defaults to what the graph holds
+    (`held_capture_level`). Any other than "tokens" (or `purpose="eval"`) makes an eval
+    document: the structure is all there, no row is trainable and every loss mask is zero.
+    An unknown `capture_level` or `purpose` raises `InvalidArgumentError` listing the valid
+    ones.
     """
     state = _session(session, session_id, metadata, budget_stop_count, findings, purpose)
     with state.graph.lock:  # one consistent snapshot, even while other threads add turns
@@ -287,7 +345,7 @@ def write_session_json(
     *,
     include_discarded: bool = False,
     include_messages: bool = False,
-    capture_level: str = "tokens",
+    capture_level: str | None = None,
     session_id: Any = _UNSET,
     metadata: Any = _UNSET,
     budget_stop_count: Any = _UNSET,
@@ -351,9 +409,11 @@ def write_trace_jsonl(graph: Graph, fp: IO[Any]) -> None:
 
 
 def summarise(document: dict[str, Any]) -> str:
-    """A few lines to read after a rollout: shape, training totals, each row, the findings.
+    """A few lines to read after a rollout, returned as one string (print it): shape,
+    training totals, each row, the findings.
 
-    Findings at INFO level are left out of the per-row lines.
+    `document` is what `export_session` returns. Findings at INFO level are left out of the
+    per-row lines.
     """
     stats = document["stats"]
     out = [

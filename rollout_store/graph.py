@@ -32,7 +32,7 @@ from .errors import (
 from .index import OneOrMany, index_add, index_members
 from .intake import real_numbers
 from .linking import Linker
-from .nodes import TurnNode
+from .nodes import COUNT_TOOLS, TurnNode
 from .raw import RawJSON, resolve_raw
 from .requests import FreshRequest, RequestStore, Scratch
 from .shared_blobs import StoreBlobTable
@@ -460,7 +460,11 @@ class Graph:
                         f"expected str or None, got {type(scalar).__name__}", name
                     )
         n_tools = node.n_tools
-        if n_tools is not None and not (type(n_tools) is int and 0 <= n_tools < 2**63):
+        if (
+            n_tools is not None
+            and n_tools is not COUNT_TOOLS
+            and not (type(n_tools) is int and 0 <= n_tools < 2**63)
+        ):
             raise InvalidValueError(
                 f"expected a non-negative int below 2**63 or None, got {n_tools!r}", "n_tools"
             )
@@ -469,12 +473,15 @@ class Graph:
     def _turn_meta(self, node: TurnNode, system_plain: bytes | None) -> TurnMeta:
         """The scalar fields, with n_tools and system_digest filled in when not given."""
         n_tools = node.n_tools
-        if n_tools is None:
+        if n_tools is None or n_tools is COUNT_TOOLS:
+            counted = n_tools
             tools = node.request_tools
             if isinstance(tools, list | tuple):
                 n_tools = len(tools)
             elif type(tools) is RawJSON:  # a text stored before (see `_without_raw`)
                 n_tools = self._requests.raw_shared[tools.data][1]
+            if n_tools is COUNT_TOOLS or (n_tools is None and counted is COUNT_TOOLS):
+                n_tools = 0  # none sent
         system_digest = node.system_digest
         if system_digest is None and system_plain is not None:
             system_digest = xxhash.xxh3_128_hexdigest(system_plain)
@@ -861,11 +868,21 @@ class Graph:
 
     @_locked
     def stats(self) -> dict[str, int]:
-        """The graph's shape, then what it stores.
+        """The graph's shape, then what it stores, as a dict of ints:
 
-        First the capture graph's five counts: `n_turns`, `n_roots`, `n_leaves`, `n_forks`,
-        `n_discarded`; then messages and tokens received and stored, shared values and the
-        blob table's counts.
+        - `n_turns`, `n_roots`, `n_leaves`, `n_forks` (turns with more than one child),
+          `n_discarded` (retries the harness dropped): the capture graph's five counts;
+        - `messages_received`: request messages over all turns, each counted in every turn
+          that sent it; `message_bytes_stored`: bytes of the stored message tails (what each
+          turn adds to the request it extends);
+        - `shared_values`: distinct values kept once for many turns (system prompts, tools);
+        - `tokens_received`: prompt and sampled token ids over all turns;
+          `tokens_stored`: token ids kept (a prompt that extends another is kept once);
+        - the blob table's: `blobs` (distinct long strings), `blob_bytes` (their UTF-8
+          bytes), `blob_references` (times a long string was handed to the table),
+          `blob_bytes_saved` (bytes of those hand-overs beyond the first of each string:
+          a string a turn inherits from the request it extends is never handed over again,
+          so that larger saving shows in `message_bytes_stored`, not here), `collisions`.
         """
         stored_tokens = 0
         seen: set[TokenRun] = set()  # runs, not ids: views of packed full runs are equal

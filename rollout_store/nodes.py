@@ -61,13 +61,33 @@ class NodeMethods:
     __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass it mirrors
 
 
+class _CountTools(int):
+    """The type of `COUNT_TOOLS`: an int 0 the graph tells apart by identity."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "COUNT_TOOLS"
+
+    def __reduce__(self) -> str:
+        return "COUNT_TOOLS"  # pickled and copied as the one constant, so `is` holds
+
+
+#: `TurnNode.n_tools`'s default: the graph counts the tools sent (`request_tools`). It is the
+#: int 0 to compare (`node.n_tools == 0` holds, as for the capture graph's node), so code
+#: that reads the field before the turn is added sees what it always saw.
+COUNT_TOOLS: int = _CountTools(0)
+
+
 @dataclass(eq=False)
 class TurnNode(NodeMethods, metaclass=ABCMeta):
     """One model call of a rollout: what the harness sent and what came back.
 
     Pass it to `RolloutGraph.add_turn`, which sets `index` (arrival order) and `parent_id`
     on it. `node_id=None` asks the graph for a fresh id; a `parent_id` given before adding
-    is an explicit parent; `n_tools=None` counts `request_tools`. An empty `prompt_ids`
+    is an explicit parent. `n_tools` is the number of tools sent: left at its default
+    (`COUNT_TOOLS`), or None, the graph counts `request_tools` (0 when none were sent); an
+    int given is kept as it is. An empty `prompt_ids`
     means the engine returned no token ids, and the turn is linked by its messages.
     Every JSON field also takes `RawJSON` (the JSON text, undecoded; the token fields too), and
     `request_messages` and `request_tools` lists take `RawJSON` items: each is stored as
@@ -84,7 +104,7 @@ class TurnNode(NodeMethods, metaclass=ABCMeta):
     finish_reason: str | None = None
     harness_session_id: str | None = None
     system_digest: str | None = None
-    n_tools: int | None = 0
+    n_tools: int | None = COUNT_TOOLS
     request_messages: list[Any] | RawJSON | None = field(default_factory=list)
     request_tools: list[Any] | RawJSON | None = None
     sampling_params: dict[str, Any] | RawJSON | None = field(default_factory=dict)

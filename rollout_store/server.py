@@ -13,8 +13,14 @@ Sessions follow the capture server this library replaces: `POST /sessions` mints
 and its API key, the key the SDK sends (`Authorization: Bearer` or `x-api-key`) names the
 session, unknown keys get 401 unless the server runs in open mode. `GET /sessions`,
 `GET /sessions/{id}`, `GET /sessions/{id}/export` (`?messages=1`, `discarded=1`,
-`capture_level=...`; the level defaults to "tokens" when every turn carries token ids, else
-"text"), `GET /sessions/{id}/trace.jsonl` and `DELETE /sessions/{id}` manage them.
+`capture_level=...`; the level defaults to "tokens" when some turn carries token ids, else
+"text", as the library's export decides), `GET /sessions/{id}/trace.jsonl` and
+`DELETE /sessions/{id}` manage them. `GET /` lists the sessions as `GET /sessions` does.
+
+Anthropic's top-level `system` (a string or an array of content blocks) is recorded as a
+leading `{"role": "system", "content": system}` message of the turn's request messages, so a
+Messages conversation reads like a Chat Completions one in exports and in the viewer; its
+`tools` are counted in each turn's `n_tools`, as Chat Completions' are.
 
 The conversation is never decoded here: the body is split with msgspec into its top-level
 fields, the messages (and tools, and Anthropic's system) reach the graph as `RawJSON` spans
@@ -62,14 +68,14 @@ from starlette.types import Receive, Scope, Send
 
 from .content import ContentStore, StringCache
 from .errors import InvalidArgumentError, InvalidValueError, RolloutStoreError
-from .export import write_session_json, write_trace_jsonl
+from .export import CAPTURE_LEVELS, write_session_json, write_trace_jsonl
 from .idle_trim import with_idle_trim
 from .nodes import TurnNode
 from .raw import RawJSON
 from .sessions import Session, SessionError, Sessions, clean_session_id
 from .sse import SSE_HEADERS, anthropic_events, chat_chunks, sse_data, sse_event
 from .stores import STORE_HELP, MemoryStore, open_store, store_spec
-from .viewer import Viewer
+from .viewer import Viewer, favicon
 
 __all__ = [
     "CHAT_RAW_FIELDS",
@@ -963,9 +969,13 @@ class _Server:
         path = "/" + request.path_params["path"]
         query = request.url.query
 
+        metadata = session.metadata
+        labels = metadata.get("labels") if isinstance(metadata, dict) else None
+
         def answer() -> tuple[int, tuple[tuple[str, str], ...], bytes]:
             with session.use() as graph:
-                page = Viewer(graph, title=session.session_id).respond(path, query)
+                viewer = Viewer(graph, title=session.session_id, labels=labels)
+                page = viewer.respond(path, query)
             return page.status, page.headers, page.body
 
         status, headers, body = await anyio.to_thread.run_sync(answer)
@@ -980,8 +990,9 @@ class _Server:
         messages = flags.get("messages", "0") not in ("0", "false", "")
         discarded = flags.get("discarded", "0") not in ("0", "false", "")
         level = flags.get("capture_level") or found.capture_level()
-        if level not in ("tokens", "logprobs", "text"):
-            return JSONResponse({"error": "capture_level must be tokens, logprobs or text"}, 400)
+        if level not in CAPTURE_LEVELS:
+            message = f"capture_level must be one of {', '.join(CAPTURE_LEVELS)}"
+            return JSONResponse({"error": message}, 400)
 
         def produce(fp: IO[bytes]) -> None:
             with session.use() as graph:
@@ -1028,6 +1039,10 @@ class _Server:
                 "data": self.sessions.data is not None,
             }
         )
+
+
+async def _favicon(request: Request) -> Response:
+    return Response(favicon(), media_type="image/svg+xml")
 
 
 class _CaptureApp(Starlette):
@@ -1147,6 +1162,8 @@ def create_app(
             Route("/sessions/{session_id}/view", server.view_root, methods=["GET"]),
             Route("/sessions/{session_id}/view/{path:path}", server.view, methods=["GET"]),
             Route("/health", server.health, methods=["GET"]),
+            Route("/", server.list_sessions, methods=["GET"]),  # what a browser opens first
+            Route("/favicon.ico", _favicon, methods=["GET"]),
         ],
         lifespan=lifespan,
     )

@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .atomic import create_private
 from .content import ContentStore, StringCache
 from .errors import RolloutStoreError
+from .export import held_capture_level
 from .storage import RolloutGraph
 from .stores import MemoryStore
 
@@ -133,7 +135,8 @@ class Session:
             graph.close()
 
     def capture_level(self) -> str:
-        """ "tokens" when every turn carries the engine's token ids, else "text"."""
+        """ "tokens" when some turn carries the engine's token ids, else "text"
+        (`export.held_capture_level`)."""
         counts = self._counts if self._graph is None else None
         if counts is None:
             with self.use() as graph:
@@ -162,21 +165,21 @@ class Session:
 
 def _counts(graph: RolloutGraph) -> dict[str, Any]:
     ids = graph.node_ids()
-    tokens = bool(ids) and all(graph.summary(n)["n_prompt"] > 0 for n in ids)
     return {
         "turns": len(ids),
         "roots": len(graph.root_ids()),
         "leaves": len(graph.leaf_ids()),
         "forks": len(graph.fork_ids()),
         "discarded": len(graph.discarded_ids()),
-        "capture_level": "tokens" if tokens else "text",
+        "capture_level": held_capture_level(graph),
     }
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
-        with open(tmp, "wb") as fp:
+        # 0600 (`atomic.FILE_MODE`): a session file holds the session's API key
+        with os.fdopen(create_private(tmp, os.O_WRONLY | os.O_EXCL), "wb") as fp:
             fp.write(data)
             fp.flush()
             os.fsync(fp.fileno())

@@ -24,7 +24,7 @@ from typing import IO, Annotated, Any, NamedTuple
 import msgspec
 
 from . import framing
-from .atomic import fsync_dir, lock_log, replace_file, write_error
+from .atomic import create_private, fsync_dir, lock_log, replace_file, write_error
 from .blobs import BlobTable, content_digest
 from .content import ContentStore, StringCache
 from .encoding import ECHO_PACKED, array_header
@@ -32,11 +32,12 @@ from .errors import (
     ChecksumMismatch,
     CorruptFileError,
     CorruptObjectError,
+    DamagedStoreObjectError,
     FileLockedError,
     InvalidArgumentError,
     MissingObjectError,
+    MissingStoreObjectError,
     StoreError,
-    StoreObjectError,
     StoreRequiredError,
     UnsupportedVersionError,
 )
@@ -553,7 +554,8 @@ class LoadReport:
     # end), which `open(repair=True)` may cut off
     truncated: bool = False
     mode: str | None = None  # "log" (append mode) or "snapshot" (save)
-    exception: CorruptFileError | None = None
+    # the first damage; or the object the file names that its content store does not have
+    exception: CorruptFileError | MissingStoreObjectError | None = None
     version: int | None = None  # the file's format version
     resync_offset: int | None = None  # where the next intact frame after the damage starts
     good_chain: int = 0  # version 2: the chain value of the frame ending at good_bytes
@@ -564,7 +566,9 @@ class LoadReport:
     # kept, filed under the keys their records name, as a plain load files every turn
     unkeyed: list[UnkeyedTurn] = field(default_factory=list)
 
-    def fail(self, exc: CorruptFileError, truncated: bool = False) -> None:
+    def fail(
+        self, exc: CorruptFileError | MissingStoreObjectError, truncated: bool = False
+    ) -> None:
         # the report outlives the read: its error keeps no frames (they hold the file's bytes)
         link: BaseException | None = exc
         for _ in range(8):  # the chain is short; a bound keeps a cycle from looping
@@ -685,14 +689,11 @@ class _Loader:
         try:
             data = blobs.store.get(key)
         except MissingObjectError:
-            raise StoreObjectError(
-                f"the content store {blobs.store!r} has no object for this blob",
-                key=key,
-                offset=offset,
-                record=record,
+            raise MissingStoreObjectError(
+                key=key, store=str(blobs.store), offset=offset, record=record
             ) from None
         except CorruptObjectError as error:
-            raise StoreObjectError(
+            raise DamagedStoreObjectError(
                 f"the object for this blob is damaged in {blobs.store!r}: {error.reason}",
                 key=key,
                 offset=offset,
@@ -1245,7 +1246,9 @@ def _scan(
     for kind, payload, start, record, end, chain in frames:
         try:
             records.apply(kind, payload, start, record)
-        except CorruptFileError as exc:
+        except (CorruptFileError, MissingStoreObjectError) as exc:
+            # (an object missing from the store is no damage in the file: the report says
+            # which, and `load` raises it as it is, a `MissingObjectError`)
             report.fail(exc)
             break
         except StoreError:  # the store is down or missing: not damage in the file
@@ -1337,6 +1340,33 @@ def _read(path: str | os.PathLike[str]) -> bytes:
         return fp.read()
 
 
+def needs_store(path: str | os.PathLike[str]) -> bool:
+    """Whether the file keeps its long strings in a content store (saved with
+    ``blobs="store"``): its header record says so. False for a file whose header cannot be
+    read (reading it says why)."""
+    with open(path, "rb") as fp:
+        data = fp.read(_HEADER_READ)
+    version = _MAGICS.get(bytes(data[: len(MAGIC)]))
+    if version is None:
+        return False
+    report = LoadReport(os.fspath(path), len(data), 0, 0, 0, 0)
+    frames = _frames_v1(data, report) if version == _V1 else _frames_v2(data, report)
+    records = _Records(report, version, os.fspath(path), None, None)
+    for kind, payload, start, record, _, _ in frames:
+        try:
+            records.apply(kind, payload, start, record)
+        except StoreRequiredError:
+            return True
+        except Exception:  # damage: the command reading the file reports it
+            return False
+        break
+    return False
+
+
+#: Bytes `needs_store` reads: a header record is far smaller.
+_HEADER_READ = 1 << 16
+
+
 def _raise_for(report: LoadReport) -> None:
     raise report.exception or CorruptFileError("damaged file")
 
@@ -1374,8 +1404,10 @@ def load(
 
     `store`: the graph keeps its long strings in this content store (and `cache`, see
     `RolloutGraph`). Required for a file saved with ``blobs="store"`` (else
-    `StoreRequiredError`): each referenced object is fetched and verified, and a missing or
-    damaged one raises `StoreObjectError` naming its key and the record's offset. A
+    `StoreRequiredError`): each referenced object is fetched and verified. An object the
+    store does not have raises `MissingStoreObjectError` (a `MissingObjectError`: the file is
+    intact, the store is likely the wrong one), a damaged one `DamagedStoreObjectError` (a
+    `CorruptFileError`), each naming its key and the record's offset. A
     self-contained file read with a store puts its strings into it.
     """
     rekey = _REKEY if recover else False
@@ -1458,7 +1490,8 @@ def open_append(
     cache: StringCache | None = None,
     blobs: str = "inline",
 ) -> RolloutGraph:
-    """A graph that writes each turn to `path` as it is added (created if missing).
+    """A graph that writes each turn to `path` as it is added (created if missing, with
+    mode 0600, as every file the library writes).
 
     An existing file is loaded first; if its last record is cut short (a crash while
     writing), `repair=True` truncates it to the last complete record, else it raises.
@@ -1493,7 +1526,9 @@ def _open_locked(target: Path) -> IO[bytes]:
     while True:
         # unbuffered: the log is read whole once and written with os.write, so a buffer
         # (4-8 KiB a session, for as long as the log is open) would serve nothing
-        fp = open(target, "a+b", buffering=0)  # noqa: SIM115 - owned by the returned graph
+        # created with FILE_MODE: a log holds content (see `atomic`)
+        fd = create_private(target, os.O_RDWR | os.O_APPEND)
+        fp = os.fdopen(fd, "a+b", buffering=0)  # owned by the returned graph
         try:
             if lock_log(fp, target):
                 return fp
@@ -1563,7 +1598,9 @@ class RolloutGraph(Graph):
     """
 
     def save(self, path: str | os.PathLike[str], *, blobs: str = "inline") -> None:
-        """Write the graph to `path` atomically (temporary file, fsync, rename).
+        """Write the graph to `path` atomically (temporary file, fsync, rename), with mode
+        0600 (only its owner reads it: it holds the rollout's content), as every file the
+        library writes, logs included.
 
         `blobs="store"`: long strings as references into the graph's content store."""
         save(self, path, blobs=blobs)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .content import ContentStore, check_key, content_key, verified
-from .errors import InvalidArgumentError, MissingObjectError, StoreUnavailableError
+from .errors import InvalidArgumentError, MissingObjectError, StoreError, StoreUnavailableError
 
 __all__ = ["STORE_HELP", "DirectoryStore", "MemoryStore", "open_store", "store_spec"]
 
@@ -122,12 +122,19 @@ class DirectoryStore:
     `<path>/tmp`, fsyncs it and hard-links it to its final name (atomic, never replaces an
     existing object); where hard links are not supported it renames instead.
     `fsync=False` skips the flushes (faster, but a power loss may lose recent objects).
+    `readonly=True` reads only: nothing is created (not even the directory, so a mistyped
+    path leaves no trace) and `put` raises `StoreError`.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = True) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, fsync: bool = True, readonly: bool = False
+    ) -> None:
         self.path = Path(path)
         self.fsync = fsync
+        self.readonly = readonly
         self._tmp = self.path / "tmp"
+        if readonly:
+            return
         try:
             self._tmp.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -137,6 +144,9 @@ class DirectoryStore:
 
     def __repr__(self) -> str:
         return f"DirectoryStore({str(self.path)!r})"
+
+    def __str__(self) -> str:
+        return f"dir:{self.path}"
 
     def _object_path(self, key: bytes) -> Path:
         name = key.hex()
@@ -148,6 +158,8 @@ class DirectoryStore:
         final = self._object_path(key)
         if final.exists():
             return key
+        if self.readonly:
+            raise StoreError(f"the directory store at {self.path} is open read-only", key=key)
         tmp: str | None = None
         try:
             final.parent.mkdir(exist_ok=True)
@@ -197,6 +209,8 @@ class DirectoryStore:
 
     def keys(self) -> Iterator[bytes]:
         """Every key, read from the directory names."""
+        if not self.path.is_dir():
+            return
         for folder in sorted(self.path.iterdir()):
             if len(folder.name) != 2 or not folder.is_dir():
                 continue
@@ -210,6 +224,8 @@ class DirectoryStore:
         """Delete temporary files left by writers killed mid-put; returns how many."""
         removed = 0
         limit = time.time() - older_than
+        if not self._tmp.is_dir():
+            return 0
         for item in self._tmp.iterdir():
             with contextlib.suppress(OSError):
                 if item.stat().st_mtime <= limit:
@@ -237,18 +253,19 @@ STORE_HELP = "memory, dir:PATH, redis://host:port/db or s3://bucket/prefix"
 _STORE_PREFIXES = ("dir:", "redis://", "rediss://", "unix://", "s3://")
 
 
-def open_store(spec: str) -> ContentStore:
+def open_store(spec: str, *, readonly: bool = False) -> ContentStore:
     """The content store a `--store` value names (the CLI's and the capture server's).
 
     `memory` (one process; logs keep their strings inline), `dir:PATH` (a directory many
     processes share), `redis://host:port/db` or `s3://bucket/prefix` (many machines; the S3
     endpoint comes from boto3's usual settings, e.g. `AWS_ENDPOINT_URL`). An unknown name
-    raises `InvalidArgumentError` (a `ValueError`).
+    raises `InvalidArgumentError` (a `ValueError`). `readonly=True` (the CLI's reading
+    commands) opens a directory store without creating anything.
     """
     if spec == "memory":
         return MemoryStore()
     if spec.startswith("dir:") and len(spec) > 4:
-        return DirectoryStore(spec[4:])
+        return DirectoryStore(spec[4:], readonly=readonly)
     if spec.startswith(("redis://", "rediss://", "unix://")):
         from .redis_store import RedisStore
 

@@ -30,7 +30,7 @@ from urllib.parse import parse_qs, urlsplit
 from .figures import plain_export_bytes, store_figures
 from .graph import Graph
 
-__all__ = ["Response", "Viewer", "asgi_app", "request_handler", "serve"]
+__all__ = ["Response", "Viewer", "asgi_app", "favicon", "request_handler", "serve"]
 
 #: Rows per `/api/rows` page, at most.
 MAX_ROWS = 500
@@ -46,7 +46,16 @@ _STATIC = {
     "/index.html": ("index.html", "text/html; charset=utf-8"),
     "/static/viewer.js": ("viewer.js", "text/javascript; charset=utf-8"),
     "/static/viewer.css": ("viewer.css", "text/css; charset=utf-8"),
+    "/static/favicon.svg": ("favicon.svg", "image/svg+xml"),
+    # browsers ask for it at the root whatever the page links (an SVG answers it)
+    "/favicon.ico": ("favicon.svg", "image/svg+xml"),
 }
+
+
+def favicon() -> bytes:
+    """The viewer's icon (SVG), also served by the capture server at its `/favicon.ico`."""
+    return resources.files(__package__).joinpath("viewer_static", "favicon.svg").read_bytes()
+
 
 _SECURITY_HEADERS = (
     (
@@ -114,7 +123,8 @@ def _error(status: int, message: str) -> Response:
 
 
 def _preview(response: Any) -> str:
-    """A short line for the tree: the response's text, or the tools it calls."""
+    """A short line for the tree: the response's text, or the tools it calls. A response
+    of an unexpected shape (an engine's bug, recorded as it came) previews what it can."""
     if not isinstance(response, dict):
         return "" if response is None else str(response)[:PREVIEW_CHARS]
     parts: list[str] = []
@@ -127,11 +137,15 @@ def _preview(response: Any) -> str:
                 parts.append(part["text"])
             elif isinstance(part, dict) and part.get("type") == "tool_use":
                 parts.append(f"-> {part.get('name')}()")
-    for call in response.get("tool_calls") or ():
-        if isinstance(call, dict):
-            function = call.get("function")
-            name = function.get("name") if isinstance(function, dict) else call.get("name")
-            parts.append(f"-> {name}()")
+    calls = response.get("tool_calls")
+    if isinstance(calls, list | tuple):
+        for call in calls:
+            if isinstance(call, dict):
+                function = call.get("function")
+                name = function.get("name") if isinstance(function, dict) else call.get("name")
+                parts.append(f"-> {name}()")
+    elif calls is not None:
+        parts.append(f"[tool_calls: {json.dumps(_displayable(calls))[:40]}]")
     text = " ".join(" ".join(parts).split())
     return text[:PREVIEW_CHARS] + ("..." if len(text) > PREVIEW_CHARS else "")
 
@@ -150,45 +164,73 @@ class Viewer:
     """
 
     def __init__(
-        self, graph: Graph, *, title: str = "rollout", file_size: int | None = None
+        self,
+        graph: Graph,
+        *,
+        title: str = "rollout",
+        file_size: int | None = None,
+        labels: Any = None,
     ) -> None:
         self.graph = graph
         self.title = title
         self.file_size = file_size
+        self.labels = labels  # shown under the title when given (a session's labels)
         self._lock = threading.Lock()
-        self._rows: list[tuple[str, int]] = []
+        self._rows: list[_Row] = []
+        self._positions: dict[str, int] = {}
         self._rows_for = -1
         self._discarded: set[str] = set()
         self._export_size: tuple[int, int] | None = None
 
     # ------------------------------------------------------------ the tree
 
-    def _tree(self) -> tuple[list[tuple[str, int]], set[str]]:
-        """Rows in depth-first order as (node id, indent): a chain stays at one indent and
-        the children of a fork go one level in, so a long rollout does not drift right."""
+    def _tree(self) -> tuple[list[_Row], set[str]]:
+        """Rows in depth-first order (see `_Row`). A fork whose children are retries (at
+        most one of them goes on) draws them as siblings one level into the chain's lane,
+        and later retries of that chain stay there: a long rollout with many retries does
+        not drift right. A fork where several children go on opens a lane per child."""
         with self._lock:
             n = len(self.graph)
             if n != self._rows_for:
                 graph = self.graph
-                rows: list[tuple[str, int]] = []
-                stack = [(root, 0) for root in reversed(graph.root_ids())]
+                rows: list[_Row] = []
+                stack = [_Row(root, 0, 0, "") for root in reversed(graph.root_ids())]
                 while stack:
-                    node_id, indent = stack.pop()
-                    rows.append((node_id, indent))
-                    children = graph.child_ids(node_id)
-                    inner = indent if len(children) == 1 else indent + 1
-                    stack.extend((child, inner) for child in reversed(children))
+                    row = stack.pop()
+                    rows.append(row)
+                    children = graph.child_ids(row.node_id)
+                    if len(children) == 1:  # the chain goes on (under a sibling: "through")
+                        through = "through" if row.branch in ("sibling", "through") else ""
+                        stack.append(_Row(children[0], row.indent, row.lane, through))
+                        continue
+                    going_on = sum(1 for child in children if graph.child_ids(child))
+                    if going_on > 1:  # a real branch: a lane per child
+                        indent = lane = row.indent + 1
+                    else:  # retries: siblings, one level into the chain's lane
+                        indent, lane = row.lane + 1, row.lane
+                    last = len(children) - 1
+                    stack.extend(
+                        _Row(child, indent, lane, "last" if i == last else "sibling")
+                        for i, child in reversed(list(enumerate(children)))
+                    )
                 self._rows = rows
+                self._positions = {row.node_id: i for i, row in enumerate(rows)}
                 self._discarded = set(graph.discarded_ids())
                 self._rows_for = n
             return self._rows, self._discarded
 
-    def _row(self, node_id: str, indent: int, discarded: set[str]) -> dict[str, Any]:
+    def _row(self, row: _Row, discarded: set[str]) -> dict[str, Any]:
         graph = self.graph
+        node_id = row.node_id
         summary = graph.summary(node_id)
+        try:
+            preview = _preview(graph.response_message(node_id))
+        except Exception as exc:  # one turn that cannot be previewed leaves the tree whole
+            preview = f"(no preview: {type(exc).__name__})"
         return {
             "id": node_id,
-            "indent": indent,
+            "indent": row.indent,
+            "branch": row.branch,
             "parent": summary["parent_id"],
             "children": len(graph.child_ids(node_id)),
             "discarded": node_id in discarded,
@@ -196,15 +238,36 @@ class Viewer:
             "n_prompt": summary["n_prompt"],
             "n_sampled": summary["n_sampled"],
             "model": summary["model"],
-            "preview": _preview(graph.response_message(node_id)),
+            "session": summary["harness_session_id"],
+            "preview": preview,
         }
+
+    def _sessions(self) -> list[dict[str, Any]]:
+        """The harness sessions the turns belong to, each with its first turn and count."""
+        found: dict[Any, dict[str, Any]] = {}
+        for node_id in self.graph.node_ids():
+            session = self.graph.summary(node_id)["harness_session_id"]
+            if session is None:
+                continue
+            entry = found.get(session)
+            if entry is None:
+                found[session] = {"id": session, "first": node_id, "turns": 1}
+            else:
+                entry["turns"] += 1
+        return list(found.values())
 
     # ------------------------------------------------------------ answers
 
     def _figures(self) -> Response:
         rows, _ = self._tree()
         figures = store_figures(self.graph)
-        figures.update(title=self.title, rows=len(rows), file_bytes=self.file_size)
+        figures.update(
+            title=self.title,
+            rows=len(rows),
+            file_bytes=self.file_size,
+            labels=self.labels,
+            sessions=self._sessions(),
+        )
         return _json(200, figures)
 
     def _rows_page(self, query: dict[str, list[str]]) -> Response:
@@ -217,7 +280,7 @@ class Viewer:
             {
                 "offset": offset,
                 "total": len(rows),
-                "rows": [self._row(node_id, indent, discarded) for node_id, indent in page],
+                "rows": [self._row(row, discarded) for row in page],
             },
         )
 
@@ -239,6 +302,7 @@ class Viewer:
         return _json(
             200,
             {
+                "position": self._positions.get(node_id),
                 "summary": summary,
                 "children": graph.child_ids(node_id),
                 "discarded": node_id in discarded,
@@ -298,6 +362,17 @@ class Viewer:
         except LookupError as exc:  # a node id the graph does not hold
             return _error(404, str(exc.args[0]) if exc.args else "no such turn")
         return _error(404, f"no page {path!r}")
+
+
+class _Row(NamedTuple):
+    """A row of the tree: the turn, how far in it is drawn, the lane (indent) its chain
+    keeps, and "sibling" or "last" for a child of a fork, "through" for a turn of the chain
+    that goes on from a "sibling" (a later sibling follows it), "" otherwise."""
+
+    node_id: str
+    indent: int
+    lane: int
+    branch: str
 
 
 class _BadQuery(ValueError):

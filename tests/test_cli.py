@@ -56,7 +56,8 @@ def test_verify_ok_and_damaged(rollout_file: Path, capsys: pytest.CaptureFixture
     rollout_file.write_bytes(bytes(data))
     assert main(["verify", str(rollout_file)]) == 1
     err = capsys.readouterr().err.strip()
-    assert err.startswith("damaged: ") and "offset" in err and "recover" in err
+    assert err.startswith(f"rollout-store: {rollout_file}: damaged: ")
+    assert "offset" in err and "recover" in err
     assert len(err.splitlines()) == 1
 
 
@@ -413,3 +414,115 @@ def test_export_reads_a_file_of_references_from_redis(
     assert main(["export", str(path), "--messages", "--store", redis_url, "-o", str(out)]) == 0
     turn = json.loads(out.read_text())["turns"][0]
     assert turn["request_messages"][0]["content"] == "kept in redis " * 200
+
+
+# ---------------------------------------------------------------- what a new user meets first
+
+
+def test_a_wrong_store_says_not_found_never_damaged_and_creates_nothing(
+    store_file: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _ = store_file
+    before = path.read_bytes()
+    typo = tmp_path / "typo"
+    for spec in (f"dir:{typo}", "memory"):
+        for command in ("info", "verify", "export", "repair", "recover"):
+            extra = ["-o", str(tmp_path / "out.rls")] if command == "recover" else []
+            err = _err(capsys, [command, str(path), "--store", spec, *extra])
+            assert err.startswith(f"rollout-store: {path}: object "), err
+            assert f"not found in store {spec} (is it the right store?)" in err
+            assert "damaged" not in err and "recovered" not in err
+    assert not typo.exists()  # nothing created for a store that was only read
+    assert not (tmp_path / "out.rls").exists()
+    assert path.read_bytes() == before
+
+
+def test_a_self_contained_file_read_with_a_store_puts_nothing_into_it(
+    rollout_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    objects = tmp_path / "objects"
+    assert main(["info", str(rollout_file), "--store", f"dir:{objects}"]) == 0
+    assert "turns" in capsys.readouterr().out and not objects.exists()
+
+
+def test_info_shows_human_sizes_and_json_the_exact_bytes(
+    rollout_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["info", str(rollout_file)]) == 0
+    lines = {line.split("  ")[0]: line for line in capsys.readouterr().out.splitlines()}
+    size = rollout_file.stat().st_size
+    assert f"{size / 1024:.2f} KiB  {size}" in lines["bytes stored (this file)"]
+    assert "1.95 KiB  2000" in lines["long strings stored (unique)"]
+    assert main(["info", str(rollout_file), "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["bytes_stored"] == size and document["turns"] == 4
+    assert document["unique_blob_bytes"] == 2000
+
+
+def test_a_foreign_file_is_named_without_a_bytes_repr(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    foreign = tmp_path / "notes.txt"
+    foreign.write_text("hello")
+    text = _err(capsys, ["verify", str(foreign)])
+    assert text.startswith(f"rollout-store: {foreign}: not a rollout_store file")
+    assert "b'" not in text and "RLSTORE magic" in text
+
+
+def test_verify_of_a_torn_log_says_the_bytes_repair_cuts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "log.rls"
+    with RolloutGraph.open(path) as graph:
+        messages: list = []
+        for k in range(4):
+            messages.append({"role": "user", "content": f"q{k} " + "y" * 3000})
+            response = {"role": "assistant", "content": f"a{k}"}
+            graph.add_turn(TurnNode(request_messages=list(messages), response_message=response))
+            messages.append(response)
+    data = path.read_bytes()
+    path.write_bytes(data[:-40])  # inside the last turn record: its blob records are whole
+    said = _err(capsys, ["verify", str(path)])
+    assert said.startswith(f"rollout-store: {path}: damaged: ")
+    assert main(["repair", str(path)]) == 0
+    cut = len(data) - 40 - path.stat().st_size
+    assert cut > 3000  # the unfinished turn's blob went too, not only the torn record
+    assert f"cuts its last {cut} bytes" in said
+    assert f"cut its last {cut} bytes" in capsys.readouterr().out
+
+
+def test_a_flipped_byte_names_no_offset_recover_would_use(
+    rollout_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = bytearray(rollout_file.read_bytes())
+    data[len(data) * 8 // 10] ^= 0xFF
+    rollout_file.write_bytes(bytes(data))
+    said = _err(capsys, ["verify", str(rollout_file)])
+    assert "next intact frame starts at offset" in said
+    assert "but no turn from there on can be kept" in said
+    out = tmp_path / "out.rls"
+    assert main(["recover", str(rollout_file), "-o", str(out)]) == 0
+    recovered = capsys.readouterr().out
+    assert recovered.startswith("recovered 2 turns from before the damage")
+    assert len(RolloutGraph.load(out)) == 2
+
+
+def test_unknown_choices_are_refused_with_the_valid_ones(
+    rollout_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", str(rollout_file), "--capture-level", "bogus"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'bogus'" in err
+    assert all(level in err for level in ("tokens", "logprobs", "text", "messages"))
+
+
+def test_export_of_a_text_rollout_says_text(
+    store_file: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, spec = store_file  # recorded without token ids
+    out = tmp_path / "export.json"
+    assert main(["export", str(path), "--store", spec, "-o", str(out)]) == 0
+    document = json.loads(out.read_text())
+    assert document["capture_level"] == "text" and document["rollout_type"] == "eval"

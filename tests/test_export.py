@@ -440,3 +440,69 @@ def test_turns_keep_arrival_order_and_roots_after_re_linking():
     assert [t["node_id"] for t in doc["turns"]] == ["t3", "t0", "t2", "t1"]
     assert [t["root_id"] for t in doc["turns"]] == ["t0"] * 4
     assert [t["index"] for t in doc["turns"]] == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------- what a new user meets first
+
+
+def _text_graph() -> RolloutGraph:
+    """Two turns recorded without token ids, sent two tools."""
+    graph = RolloutGraph()
+    tools = [{"type": "function", "function": {"name": n}} for n in ("read", "write")]
+    messages: list[Any] = [{"role": "user", "content": "hi"}]
+    for k in range(2):
+        response = {"role": "assistant", "content": f"answer {k}"}
+        graph.add_turn(
+            TurnNode(
+                request_messages=list(messages), request_tools=tools, response_message=response
+            )
+        )
+        messages += [response, {"role": "user", "content": f"more {k}"}]
+    return graph
+
+
+def test_n_tools_counts_the_tools_sent_unless_given() -> None:
+    graph = _text_graph()
+    assert [t["n_tools"] for t in export_session(graph)["turns"]] == [2, 2]
+    assert TurnNode().n_tools == 0  # the default still reads as the capture graph's 0
+    import copy
+    import pickle
+
+    from rollout_store import COUNT_TOOLS
+
+    node = TurnNode(request_tools=[{}, {}, {}])
+    for twin in (pickle.loads(pickle.dumps(node)), copy.deepcopy(node)):
+        assert twin.n_tools is COUNT_TOOLS  # another process's node is counted alike
+        assert graph.add_turn(twin).n_tools == 3
+    given = RolloutGraph()
+    given.add_turn(TurnNode(node_id="a", request_tools=[{}, {}], n_tools=0))
+    given.add_turn(TurnNode(node_id="b", request_tools=[{}, {}], n_tools=5))
+    given.add_turn(TurnNode(node_id="c"))
+    assert [given.summary(n)["n_tools"] for n in "abc"] == [0, 5, 0]
+
+
+def test_a_rollout_without_token_ids_exports_as_text_and_eval() -> None:
+    doc = export_session(_text_graph())
+    assert doc["capture_level"] == "text" and doc["rollout_type"] == "eval"
+    assert doc["trainable"] is False
+    assert [s["role"] for s in doc["sequences"]] == ["agent"]
+
+
+def test_when_no_row_trains_the_fatal_findings_come_first() -> None:
+    graph = _text_graph()
+    doc = export_session(graph, capture_level="tokens")  # said to be tokens: nothing to train
+    assert doc["trainable"] is False and doc["rollout_type"] == "eval"
+    first = doc["validation"][0]
+    assert first.startswith("[FATAL] row 0 (agent, ending at ")
+    assert "no_prompt_ids" in first
+    assert doc["sequences"][0]["validation"][0].startswith("[FATAL] invalid_training_sequence")
+
+
+def test_unknown_capture_level_or_purpose_is_refused_with_the_valid_ones() -> None:
+    from rollout_store import InvalidArgumentError
+
+    graph, _ = _graph_with_retry()
+    with pytest.raises(InvalidArgumentError, match="tokens, logprobs, text, messages; got 'bogus'"):
+        export_session(graph, capture_level="bogus")
+    with pytest.raises(InvalidArgumentError, match="auto, train, eval; got 'training'"):
+        write_session_json(graph, io.StringIO(), purpose="training")

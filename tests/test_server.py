@@ -999,3 +999,42 @@ def test_an_answer_that_is_not_utf8_reaches_the_client_as_utf8() -> None:
             assert through.status_code == 200
             assert json.loads(through.content.decode("utf-8")) == direct.json()
         assert len(_graph(served.app, served.session["session_id"])) == 2
+
+
+def test_root_lists_sessions_favicon_and_n_tools_counts_the_tools_sent(server: Any) -> None:
+    url, _ = server
+    session = new_session(url)
+    tools = [{"type": "function", "function": {"name": n}} for n in ("look", "move")]
+    _openai(session).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], tools=tools
+    )
+    listed = httpx.get(f"{url}/sessions").json()
+    root = httpx.get(f"{url}/")
+    assert root.status_code == 200
+    ignore = ("idle_s",)  # (time passes between the two calls)
+    assert [{k: v for k, v in s.items() if k not in ignore} for s in root.json()["sessions"]] == [
+        {k: v for k, v in s.items() if k not in ignore} for s in listed["sessions"]
+    ]
+    assert session["session_id"] in [s["session_id"] for s in root.json()["sessions"]]
+    icon = httpx.get(f"{url}/favicon.ico")
+    assert icon.status_code == 200 and icon.content.startswith(b"<svg")
+    doc = httpx.get(f"{url}/sessions/{session['session_id']}/export").json()
+    assert [t["n_tools"] for t in doc["turns"]] == [2]
+    page = httpx.get(
+        f"{url}/sessions/{session['session_id']}/view/api/turn",
+        params={"id": doc["turns"][0]["node_id"]},
+    )
+    assert page.json()["summary"]["n_tools"] == 2
+    # Anthropic's tools are counted alike; the session's labels show in its viewer
+    labelled = new_session(url, metadata={"labels": ["nightly", "web"]})
+    _anthropic(labelled).messages.create(
+        model="claude-x",
+        max_tokens=64,
+        system="Be exact.",
+        tools=[{"name": "look", "input_schema": {"type": "object"}}],
+        messages=[{"role": "user", "content": "look"}],
+    )
+    doc = httpx.get(f"{url}/sessions/{labelled['session_id']}/export").json()
+    assert [t["n_tools"] for t in doc["turns"]] == [1]
+    figures = httpx.get(f"{url}/sessions/{labelled['session_id']}/view/api/figures").json()
+    assert figures["labels"] == ["nightly", "web"] and figures["title"] == labelled["session_id"]

@@ -620,3 +620,29 @@ def test_a_refused_turn_over_a_store_forgets_a_blob_that_shares_an_index_slot() 
         TurnNode(node_id="t1", request_messages=[{"role": "user", "content": [b, a]}])
     )
     assert graph.request_messages(node.node_id) == [{"role": "user", "content": [b, a]}]
+
+
+def test_a_file_read_with_the_wrong_store_is_not_found_never_damaged(tmp_path: Path) -> None:
+    from rollout_store import CorruptFileError, MemoryStore, MissingStoreObjectError
+
+    graph = RolloutGraph(store=DirectoryStore(tmp_path / "objects"))
+    add_all(graph, group(1, 2)[0])
+    path = tmp_path / "refs.rls"
+    graph.save(path, blobs="store")
+    before = path.read_bytes()
+    for store in (MemoryStore(), DirectoryStore(tmp_path / "typo", readonly=True)):
+        with pytest.raises(MissingObjectError) as info:
+            RolloutGraph.load(path, store=store)
+        assert isinstance(info.value, MissingStoreObjectError)
+        assert not isinstance(info.value, CorruptFileError)
+        assert f"not found in store {store} (is it the right store?)" in str(info.value)
+        report = storage_verify(path, store=store)
+        assert isinstance(report.exception, MissingStoreObjectError)
+        assert "damaged" not in (report.error or "")
+    assert not (tmp_path / "typo").exists() and path.read_bytes() == before
+
+
+def storage_verify(path: Path, store: Any) -> Any:
+    from rollout_store import storage
+
+    return storage.verify(path, store=store)

@@ -707,3 +707,37 @@ def test_crafted_base_without_messages_is_refused(tmp_path: Path) -> None:
     ]
     with pytest.raises(CorruptFileError, match="no base"):
         RolloutGraph.load(_crafted_log(tmp_path, crafted))
+
+
+def test_every_file_the_library_writes_is_private(tmp_path: Path) -> None:
+    """Snapshots, logs, recovered copies, exports and session files (an API key): 0600."""
+    import stat
+
+    from rollout_store.cli import main as cli_main
+    from rollout_store.sessions import Sessions
+
+    def mode(path: Path) -> int:
+        return stat.S_IMODE(path.stat().st_mode)
+
+    old = os.umask(0o022)  # a common umask: files it governs would be 0644
+    try:
+        with RolloutGraph.open(tmp_path / "log.rls") as graph:
+            build_rollout(graph, turns=2)
+        graph.save(tmp_path / "snap.rls")
+        assert (
+            cli_main(["recover", str(tmp_path / "log.rls"), "-o", str(tmp_path / "rec.rls")]) == 0
+        )
+        assert cli_main(["export", str(tmp_path / "log.rls"), "-o", str(tmp_path / "x.json")]) == 0
+        sessions = Sessions(tmp_path / "data")
+        try:
+            session = sessions.create("s1")
+        finally:
+            sessions.close()
+        session_files = sorted((tmp_path / "data").iterdir())
+    finally:
+        os.umask(old)
+    for name in ("log.rls", "snap.rls", "rec.rls", "x.json"):
+        assert mode(tmp_path / name) == 0o600, name
+    assert session_files and session.api_key
+    for path in session_files:
+        assert mode(path) == 0o600, path.name

@@ -318,3 +318,20 @@ def test_string_cache_is_bounded_in_bytes() -> None:
     assert StringCache(0).max_bytes == 0
     with pytest.raises(ValueError):
         StringCache(-1)
+
+
+def test_a_read_only_directory_store_creates_nothing(tmp_path: Path) -> None:
+    from rollout_store import StoreError
+
+    missing = tmp_path / "typo"
+    store = DirectoryStore(missing, readonly=True)
+    with pytest.raises(MissingObjectError):
+        store.get(b"\0" * 32)
+    assert not store.contains(b"\0" * 32) and list(store.keys()) == []
+    with pytest.raises(StoreError, match="read-only"):
+        store.put(b"data")
+    assert store.remove_temporaries() == 0
+    assert not missing.exists()
+    writable = DirectoryStore(tmp_path / "objects")
+    key = writable.put(b"data")
+    assert DirectoryStore(tmp_path / "objects", readonly=True).get(key) == b"data"

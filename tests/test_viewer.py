@@ -180,3 +180,100 @@ def test_asgi_app_mounts_in_starlette() -> None:
         assert page.status_code == 200 and 'src="static/viewer.js"' in page.text
         rows = client.get("/viewer/api/rows", params={"offset": 0, "limit": 2}).json()
         assert [r["id"] for r in rows["rows"]] == ["t0", "t1"]
+
+
+# ---------------------------------------------------------------- what a new user meets first
+
+
+def test_a_response_whose_tool_calls_is_not_a_list_leaves_the_tree_whole() -> None:
+    graph = RolloutGraph()
+    graph.add_turn(TurnNode(node_id="ok", response_message={"role": "assistant", "content": "a"}))
+    broken = {"role": "assistant", "content": None, "tool_calls": 5}
+    graph.add_turn(TurnNode(node_id="bad", response_message=broken))
+    graph.add_turn(TurnNode(node_id="odd", response_message={"tool_calls": [5, None]}))
+    status, page = _get(Viewer(graph), "/api/rows", "offset=0&limit=10")
+    assert status == 200 and [r["id"] for r in page["rows"]] == ["ok", "bad", "odd"]
+    assert page["rows"][1]["preview"] == "[tool_calls: 5]"
+    status, turn = _get(Viewer(graph), "/api/turn", "id=bad")
+    assert status == 200 and turn["response"]["tool_calls"] == 5
+
+
+def test_retries_are_siblings_and_do_not_push_the_chain_right() -> None:
+    graph = RolloutGraph()
+    messages: list[Any] = [{"role": "user", "content": "go"}]
+    for k in range(40):
+        response = {"role": "assistant", "content": f"step {k}"}
+        if k % 5 == 4:  # a retry the harness dropped, then the turn that went on
+            graph.add_turn(
+                TurnNode(
+                    node_id=f"retry-{k}",
+                    request_messages=list(messages),
+                    response_message={"role": "assistant", "content": "dropped"},
+                )
+            )
+        graph.add_turn(
+            TurnNode(
+                node_id=f"turn-{k}", request_messages=list(messages), response_message=response
+            )
+        )
+        messages += [response, {"role": "user", "content": f"more {k}"}]
+    _, page = _get(Viewer(graph), "/api/rows", "offset=0&limit=100")
+    rows = {r["id"]: r for r in page["rows"]}
+    assert max(r["indent"] for r in page["rows"]) == 1  # not 8 levels deep after 8 retries
+    for k in range(4, 40, 5):
+        assert rows[f"retry-{k}"]["indent"] == rows[f"turn-{k}"]["indent"] == 1
+        assert {rows[f"retry-{k}"]["branch"], rows[f"turn-{k}"]["branch"]} == {"sibling", "last"}
+    assert rows["turn-38"]["indent"] == 1 and rows["turn-38"]["branch"] == ""
+
+
+def test_a_real_branch_opens_a_lane_per_child() -> None:
+    graph = RolloutGraph()
+    base = [{"role": "user", "content": "go"}]
+    graph.add_turn(TurnNode(node_id="root", request_messages=base, response_message={"c": 0}))
+    for side in ("a", "b"):
+        messages: list[Any] = [*base, {"c": 0}, {"role": "user", "content": side}]
+        for k in range(2):
+            graph.add_turn(
+                TurnNode(node_id=f"{side}{k}", request_messages=list(messages), response_message={})
+            )
+            messages += [{}, {"role": "user", "content": f"{side}{k}"}]
+    _, page = _get(Viewer(graph), "/api/rows", "offset=0&limit=10")
+    assert [(r["id"], r["indent"]) for r in page["rows"]] == [
+        ("root", 0),
+        ("a0", 1),
+        ("a1", 1),
+        ("b0", 1),
+        ("b1", 1),
+    ]
+
+
+def test_figures_name_the_sessions_and_labels_and_a_turn_its_row() -> None:
+    graph = RolloutGraph()
+    for k, session in enumerate(("s1", "s1", "s2")):
+        graph.add_turn(
+            TurnNode(
+                node_id=f"n{k}",
+                request_messages=[{"role": "user", "content": f"{session} {k}"}],
+                harness_session_id=session,
+            )
+        )
+    viewer = Viewer(graph, labels=["nightly"])
+    _, figures = _get(viewer, "/api/figures")
+    assert figures["labels"] == ["nightly"]
+    assert figures["sessions"] == [
+        {"id": "s1", "first": "n0", "turns": 2},
+        {"id": "s2", "first": "n2", "turns": 1},
+    ]
+    _, page = _get(viewer, "/api/rows")
+    assert [r["session"] for r in page["rows"]] == ["s1", "s1", "s2"]
+    _, turn = _get(viewer, "/api/turn", "id=n2")
+    assert turn["position"] == [r["id"] for r in page["rows"]].index("n2")
+
+
+def test_the_page_links_a_favicon_that_is_served() -> None:
+    viewer = Viewer(small_rollout())
+    assert 'rel="icon"' in viewer.respond("/").body.decode()
+    for path in ("/static/favicon.svg", "/favicon.ico"):
+        response = viewer.respond(path)
+        assert response.status == 200 and response.body.startswith(b"<svg")
+        assert dict(response.headers)["Content-Type"] == "image/svg+xml"

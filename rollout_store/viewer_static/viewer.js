@@ -14,6 +14,11 @@ const pages = new Map(); // page index -> rows (or a pending promise)
 let totalRows = 0;
 let selectedId = null;
 let selectedIndex = 0;
+let hasTokens = false; // whether any turn carries token ids (else no token figures)
+
+function plural(n, noun) {
+  return n + " " + noun + (n === 1 ? "" : "s");
+}
 
 function el(tag, className, text) {
   const node = document.createElement(tag);
@@ -49,9 +54,40 @@ function addFigure(list, name, value, key) {
   return item;
 }
 
+function showLabels(labels) {
+  const box = document.getElementById("labels");
+  box.replaceChildren();
+  if (labels === null || labels === undefined) return;
+  const items = Array.isArray(labels)
+    ? labels
+    : typeof labels === "object"
+      ? Object.entries(labels).map(([k, v]) => k + ": " + (typeof v === "string" ? v : JSON.stringify(v)))
+      : [labels];
+  for (const label of items) box.append(el("span", "badge label", typeof label === "string" ? label : JSON.stringify(label)));
+}
+
+function showSessions(sessions) {
+  const nav = document.getElementById("sessions");
+  nav.replaceChildren();
+  nav.hidden = !sessions || sessions.length === 0;
+  if (nav.hidden) return;
+  nav.append(el("span", "hint", plural(sessions.length, "session") + ": "));
+  for (const s of sessions) {
+    const link = el("a", "session-link", s.id);
+    link.href = "#session=" + encodeURIComponent(s.id);
+    link.title = plural(s.turns, "turn") + ", first " + s.first;
+    link.dataset.session = s.id;
+    nav.append(link, " ");
+  }
+}
+
 function showFigures(f) {
   document.getElementById("title").textContent = f.title;
   document.title = f.title + " - rollout viewer";
+  showLabels(f.labels);
+  showSessions(f.sessions);
+  hasTokens = f.tokens_received > 0;
+  document.getElementById("token-hint").hidden = !hasTokens;
   const list = document.getElementById("figures");
   list.replaceChildren();
   addFigure(list, "turns", f.turns, "turns");
@@ -61,7 +97,7 @@ function showFigures(f) {
   const exportItem = addFigure(list, "received (plain export)", "", "received");
   if (f.file_bytes !== null) addFigure(list, "stored (file)", fmtBytes(f.file_bytes), "stored");
   addFigure(list, "long strings, unique", fmtBytes(f.unique_blob_bytes), "unique");
-  addFigure(list, "tokens received / stored", f.tokens_received + " / " + f.tokens_stored);
+  if (hasTokens) addFigure(list, "tokens received / stored", f.tokens_received + " / " + f.tokens_stored, "tokens");
   const button = el("button", null, "measure");
   button.title = "Stream the plain JSON export with every message and count its bytes";
   button.addEventListener("click", async () => {
@@ -97,13 +133,25 @@ function rowElement(row, position) {
   div.dataset.id = row.id;
   if (row.id === selectedId) div.classList.add("selected");
   if (row.discarded) div.classList.add("is-discarded");
+  // a child of a fork: drawn as a branch of its parent, its siblings at the same depth
+  if (row.branch) {
+    const mark = { last: "\u2514 ", sibling: "\u251c ", through: "\u2502 " }[row.branch] || "";
+    const glyph = el("span", "branch", mark);
+    glyph.title = row.branch === "through"
+      ? "the chain goes on; a sibling of the turn it started from follows"
+      : "one of the children of " + row.parent;
+    div.append(glyph);
+  }
   if (row.indent > MAX_INDENT) div.append(el("span", "badge", "depth " + row.indent));
   if (row.parent === null) div.append(el("span", "badge root", "root"));
+  if (row.parent === null && row.session !== null && row.session !== undefined) {
+    div.append(el("span", "badge session", "session " + row.session));
+  }
   if (row.children > 1) div.append(el("span", "badge fork", "fork x" + row.children));
   if (row.discarded) div.append(el("span", "badge discarded", "discarded"));
   div.append(el("span", "id", row.id));
   if (row.parent !== null) div.append(el("span", "badge link", row.link));
-  div.append(el("span", "tokens", "p " + row.n_prompt + " s " + row.n_sampled));
+  if (row.n_prompt || row.n_sampled) div.append(el("span", "tokens", "p " + row.n_prompt + " s " + row.n_sampled));
   if (row.preview) div.append(el("span", "preview", row.preview));
   div.addEventListener("click", () => {
     selectedIndex = position;
@@ -155,10 +203,31 @@ function isDataImage(url) {
 }
 
 function image(src, alt) {
+  // a thumbnail; a click opens the image full size over the page (Escape or a click closes)
   const img = el("img", "content-image");
   img.alt = alt;
   img.src = src;
+  img.title = "click to open full size";
+  img.addEventListener("click", () => openImage(src, alt));
   return img;
+}
+
+function openImage(src, alt) {
+  const overlay = el("div", "lightbox");
+  const full = el("img", "full-image");
+  full.alt = alt;
+  full.src = src;
+  overlay.append(full, el("div", "hint", "click or press Escape to close"));
+  const close = () => {
+    overlay.remove();
+    document.removeEventListener("keydown", onKey);
+  };
+  const onKey = (event) => {
+    if (event.key === "Escape") close();
+  };
+  overlay.addEventListener("click", close);
+  document.addEventListener("keydown", onKey);
+  document.body.append(overlay);
 }
 
 function imageFromUrl(url) {
@@ -241,14 +310,18 @@ function renderMessage(message, label, extraClass) {
   if (message.tool_call_id) head += " for " + message.tool_call_id;
   box.append(el("div", "role", head));
   box.append(renderContent(message.content));
-  for (const call of message.tool_calls || []) {
+  // tool_calls of another shape than a list (an engine's bug, recorded as it came) are
+  // shown with the other fields, as they are
+  const calls = Array.isArray(message.tool_calls) ? message.tool_calls : [];
+  for (const call of calls) {
     const box2 = el("div", "call");
-    const fn = call.function || call;
-    box2.append(el("span", "name", fn.name), el("span", "hint", " " + (call.id || "")));
+    const fn = (call && typeof call === "object" && (call.function || call)) || {};
+    box2.append(el("span", "name", fn.name), el("span", "hint", " " + ((call && call.id) || "")));
     box2.append(prettyArguments(fn.arguments));
     box.append(box2);
   }
-  const known = new Set(["role", "content", "name", "tool_calls", "tool_call_id"]);
+  const known = new Set(["role", "content", "name", "tool_call_id"]);
+  if (Array.isArray(message.tool_calls)) known.add("tool_calls");
   const rest = Object.keys(message).filter((k) => !known.has(k));
   if (rest.length) {
     const extra = {};
@@ -262,15 +335,19 @@ function renderMessage(message, label, extraClass) {
 
 function renderMask(sequence) {
   const box = el("div", "sequence");
+  if (sequence.n_tokens === 0) {
+    box.append(el("div", "hint", "no token ids were recorded for this path (a text capture): there is no training sequence to show"));
+    return box;
+  }
   box.append(
     el(
       "div",
       null,
-      sequence.n_tokens + " tokens over " + sequence.n_turns + " turns, " + sequence.n_trained +
-        " trained (loss mask 1), first prompt " + sequence.prompt_len + " tokens"
+      plural(sequence.n_tokens, "token") + " over " + plural(sequence.n_turns, "turn") + ", " +
+        sequence.n_trained + " trained (loss mask 1), first prompt " + plural(sequence.prompt_len, "token")
     )
   );
-  if (sequence.n_tokens > 0) {
+  {
     const bar = el("div", "mask");
     bar.title = "grey: context (mask 0), blue: sampled tokens trained on (mask 1)";
     for (const [value, length] of sequence.mask_runs) {
@@ -280,8 +357,15 @@ function renderMask(sequence) {
       bar.append(span);
     }
     box.append(bar);
+    const legend = el("div", "mask-legend");
+    legend.append(
+      el("span", "swatch m0"), el("span", null, "context: 0, not trained (prompts, tool results)"),
+      el("span", "swatch m1"), el("span", null, "sampled by the model: 1, trained on")
+    );
+    box.append(legend);
     const runs = sequence.mask_runs.slice(0, 40).map(([v, n]) => v + "x" + n).join(" ");
     box.append(el("div", "hint mask-runs", "mask runs: " + runs + (sequence.mask_runs.length > 40 ? " ..." : "")));
+    box.append(el("div", "hint", "each run is value x length: 0x40 is 40 tokens of context, 1x3 three trained tokens, in order"));
   }
   return box;
 }
@@ -296,33 +380,147 @@ function metaTable(pairs) {
   return table;
 }
 
-async function selectTurn(id) {
+function historyLine(message, label) {
+  // an earlier message, one line (its text's start, its images as thumbnails): a click
+  // shows it whole
+  const box = el("div", "message history-line");
+  const role = message && typeof message === "object" && !Array.isArray(message) ? String(message.role || "?") : "?";
+  box.classList.add("role-" + role.replace(/[^a-z]/gi, ""));
+  const head = el("div", "role", label + role);
+  const summary = el("span", "summary-text", summaryText(message));
+  head.append(" ", summary);
+  box.append(head);
+  for (const src of imageSources(message)) box.append(image(src, "image"));
+  box.addEventListener("click", (event) => {
+    if (event.target.tagName === "IMG") return;
+    box.replaceWith(renderMessage(message, label));
+  });
+  box.title = "click to show the whole message";
+  return box;
+}
+
+function summaryText(message) {
+  if (message === null || typeof message !== "object") return String(message);
+  const parts = [];
+  const content = message.content;
+  if (typeof content === "string") parts.push(content);
+  else if (Array.isArray(content)) {
+    for (const part of content) {
+      if (typeof part === "string") parts.push(part);
+      else if (part && typeof part.text === "string") parts.push(part.text);
+      else if (part && part.type === "tool_use") parts.push("-> " + part.name + "()");
+      else if (part && part.type === "tool_result") parts.push("[result of " + part.tool_use_id + "]");
+    }
+  }
+  if (Array.isArray(message.tool_calls)) {
+    for (const call of message.tool_calls) parts.push("-> " + ((call && (call.function || call).name) || "?") + "()");
+  }
+  const text = parts.join(" ").replace(/\s+/g, " ").trim();
+  return text.length > 160 ? text.slice(0, 160) + " ..." : text;
+}
+
+function imageSources(message) {
+  const found = [];
+  const visit = (part) => {
+    if (!part || typeof part !== "object") return;
+    if (Array.isArray(part)) return part.forEach(visit);
+    if (part.type === "image_url" && part.image_url) {
+      const url = typeof part.image_url === "string" ? part.image_url : part.image_url.url;
+      if (isDataImage(url)) found.push(url);
+    } else if (part.type === "input_image" && isDataImage(part.image_url || part.url)) {
+      found.push(part.image_url || part.url);
+    } else if (part.type === "image" && part.source && part.source.type === "base64") {
+      const src = "data:" + String(part.source.media_type || "image/png") + ";base64," + part.source.data;
+      if (isDataImage(src)) found.push(src);
+    } else if ((part.inline_data || part.inlineData) && typeof (part.inline_data || part.inlineData).data === "string") {
+      const inline = part.inline_data || part.inlineData;
+      const src = "data:" + String(inline.mime_type || inline.mimeType) + ";base64," + inline.data;
+      if (isDataImage(src)) found.push(src);
+    } else if (part.type === "tool_result") {
+      visit(part.content);
+    }
+  };
+  if (message && typeof message === "object") visit(message.content);
+  return found;
+}
+
+async function selectTurn(id, options) {
   selectedId = id;
   for (const row of document.querySelectorAll(".row")) {
     row.classList.toggle("selected", row.dataset.id === id);
   }
   const t = await getJSON("api/turn", { id });
   if (selectedId !== id) return;
+  if (!(options && options.keepHash)) window.history.replaceState(null, "", "#turn=" + encodeURIComponent(id));
+  if (t.position !== null && t.position !== undefined) selectedIndex = t.position;
   const pane = document.getElementById("turn");
   const s = t.summary;
   const heading = el("h2", null, s.node_id);
   if (t.discarded) heading.append(" ", el("span", "badge discarded", "discarded"));
   if (s.parent_id === null) heading.append(" ", el("span", "badge root", "root"));
   if (t.children.length > 1) heading.append(" ", el("span", "badge fork", "fork x" + t.children.length));
+  const link = el("a", "permalink", "link to this turn");
+  link.href = "#turn=" + encodeURIComponent(id);
+  heading.append(" ", link);
   const nodes = [heading];
-  nodes.push(
-    metaTable([
-      ["parent", s.parent_id === null ? "none (root)" : s.parent_id + " (linked by " + s.link + ")"],
-      ["children", t.children.length ? t.children.join(", ") : "none"],
-      ["model", s.model],
-      ["finish reason", s.finish_reason],
-      ["session", s.harness_session_id],
-      ["prompt tokens", s.n_prompt],
-      ["sampled tokens", s.n_sampled],
-      ["request messages", t.n_messages + " (" + (t.n_messages - t.new_from) + " new in this turn)"],
-      ["tools", s.n_tools],
-    ])
-  );
+  const n_new = t.n_messages - t.new_from;
+  const meta = [
+    ["parent", s.parent_id === null ? "none (root)" : s.parent_id + " (linked by " + s.link + ")"],
+    ["children", t.children.length ? t.children.join(", ") : "none"],
+    ["model", s.model],
+    ["finish reason", s.finish_reason],
+    ["session", s.harness_session_id],
+  ];
+  if (s.n_prompt || s.n_sampled) meta.push(["prompt tokens", s.n_prompt], ["sampled tokens", s.n_sampled]);
+  meta.push(["request messages", t.n_messages + " (" + n_new + " new in this turn)"], ["tools", s.n_tools]);
+  nodes.push(metaTable(meta));
+
+  // what is new in this turn first: its new request messages, then the response
+  nodes.push(el("h3", null, n_new ? "new in this turn: " + plural(n_new, "message") + " and the response" : "the response (no new request messages)"));
+  const fresh = el("div", "messages new-messages");
+  const past = el("div", "messages history");
+  let start = t.start;
+  let stop = t.start + t.messages.length;
+  const number = (i) => "#" + i + (i >= t.new_from ? " new: " : ": ");
+  const place = (m, i) => {
+    if (i >= t.new_from) fresh.append(renderMessage(m, number(i)));
+    else past.append(historyLine(m, number(i)));
+  };
+  t.messages.forEach((m, i) => place(m, start + i));
+  const later = el("button", null, "");
+  later.addEventListener("click", async () => {
+    const r = await getJSON("api/messages", { id, start: stop, stop: stop + 100 });
+    r.messages.forEach((m, i) => place(m, stop + i));
+    stop += r.messages.length;
+    refresh();
+  });
+  nodes.push(fresh, later, renderMessage(t.response, "response: ", "response"));
+
+  // the history the turn was sent, collapsed: one line a message, opened on a click
+  let refreshEarlier = () => {};
+  if (t.new_from > 0) {
+    nodes.push(el("h3", null, "history: " + plural(t.new_from, "earlier message") + " (click one to open it)"));
+    const earlier = el("button", null, "");
+    earlier.addEventListener("click", async () => {
+      const from = Math.max(0, start - 100);
+      const r = await getJSON("api/messages", { id, start: from, stop: start });
+      past.prepend(...r.messages.map((m, i) => historyLine(m, number(from + i))));
+      start = from;
+      refresh();
+    });
+    nodes.push(earlier, past);
+    refreshEarlier = () => {
+      earlier.textContent = "show " + plural(Math.min(start, 100), "earlier message") + " (" + start + " before)";
+      earlier.hidden = start === 0;
+    };
+  }
+  const refresh = () => {
+    refreshEarlier();
+    later.textContent = "show " + plural(Math.min(t.n_messages - stop, 100), "more message") + " (" + (t.n_messages - stop) + " after)";
+    later.hidden = stop >= t.n_messages;
+  };
+  refresh();
+
   nodes.push(el("h3", null, "training sequence ending here"), renderMask(t.sequence));
   if (t.sampling_params !== null) {
     const details = el("details");
@@ -334,36 +532,6 @@ async function selectTurn(id) {
     details.append(el("summary", null, "tools (" + (Array.isArray(t.tools) ? t.tools.length : 1) + ")"), pretty(t.tools));
     nodes.push(details);
   }
-  nodes.push(el("h3", null, "request messages"));
-  const list = el("div", "messages");
-  let start = t.start;
-  let stop = t.start + t.messages.length;
-  const earlier = el("button", null, "");
-  const later = el("button", null, "");
-  const refresh = () => {
-    earlier.textContent = "show " + Math.min(start, 100) + " earlier messages (" + start + " before)";
-    earlier.hidden = start === 0;
-    later.textContent = "show more messages (" + (t.n_messages - stop) + " after)";
-    later.hidden = stop >= t.n_messages;
-  };
-  const number = (i) => "#" + i + (i >= t.new_from ? " new: " : ": ");
-  t.messages.forEach((m, i) => list.append(renderMessage(m, number(start + i))));
-  earlier.addEventListener("click", async () => {
-    const from = Math.max(0, start - 100);
-    const r = await getJSON("api/messages", { id, start: from, stop: start });
-    list.prepend(...r.messages.map((m, i) => renderMessage(m, number(from + i))));
-    start = from;
-    refresh();
-  });
-  later.addEventListener("click", async () => {
-    const r = await getJSON("api/messages", { id, start: stop, stop: stop + 100 });
-    list.append(...r.messages.map((m, i) => renderMessage(m, number(stop + i))));
-    stop += r.messages.length;
-    refresh();
-  });
-  refresh();
-  nodes.push(earlier, list, later);
-  nodes.push(el("h3", null, "response"), renderMessage(t.response, "", "response"));
   pane.replaceChildren(...nodes);
   pane.scrollTop = 0;
   pane.dataset.turn = id;
@@ -387,6 +555,39 @@ async function moveSelection(step) {
   await selectTurn(row.id);
 }
 
+// ---------------------------------------------------------------- the address
+
+// `#turn=ID` selects that turn; `#session=ID` the first turn of that harness session. The
+// page keeps the address of the turn on screen, so a reload or a shared link shows it again.
+async function followHash(figures) {
+  const params = new URLSearchParams(location.hash.slice(1));
+  let id = params.get("turn");
+  const session = params.get("session");
+  if (id === null && session !== null) {
+    const found = (figures.sessions || []).find((s) => String(s.id) === session);
+    if (!found) return false;
+    id = found.first;
+  }
+  if (id === null || id === selectedId) return id !== null;
+  try {
+    await selectTurn(id, { keepHash: session !== null });
+  } catch (error) {
+    document.getElementById("turn").replaceChildren(el("p", "error", "No turn " + id + ": " + error.message));
+    return true;
+  }
+  scrollToRow(selectedIndex);
+  await drawTree();
+  return true;
+}
+
+function scrollToRow(index) {
+  const tree = document.getElementById("tree");
+  const top = index * ROW_HEIGHT;
+  if (top < tree.scrollTop || top + ROW_HEIGHT > tree.scrollTop + tree.clientHeight) {
+    tree.scrollTop = Math.max(0, top - tree.clientHeight / 3);
+  }
+}
+
 // ---------------------------------------------------------------- start
 
 async function start() {
@@ -403,10 +604,11 @@ async function start() {
     moveSelection(step);
   });
   window.addEventListener("resize", () => drawTree());
+  window.addEventListener("hashchange", () => followHash(figures));
   await drawTree();
-  if (totalRows > 0) {
+  if (!(await followHash(figures)) && totalRows > 0) {
     const rows = await loadPage(0);
-    await selectTurn(rows[0].id);
+    await selectTurn(rows[0].id, { keepHash: true });
   }
   document.body.dataset.openMs = String(Math.round(performance.now()));
   document.body.dataset.ready = "1";
