@@ -206,6 +206,26 @@ def test_a_tampered_object_is_detected_never_returned(tmp_path: Path) -> None:
     assert graph.request_messages("t1") == turns[1]["request_messages"]
 
 
+def test_a_damaged_object_is_replaced_by_the_next_turn_that_stores_its_content(
+    tmp_path: Path,
+) -> None:
+    """One damaged object does not spoil every later turn that stores the same content: the
+    next graph to store it replaces the object, and every graph reads exactly again."""
+    store = DirectoryStore(tmp_path / "objects")
+    turns = group(1, 2)[0]
+    first = RolloutGraph(store=store, cache=StringCache(0))
+    add_all(first, turns[:1])
+    image = turns[0]["request_messages"][1]["content"][1]["image_url"]["url"]
+    name = content_key(image.encode()).hex()
+    (store.path / name[:2] / name[2:]).write_bytes(image[:-1].encode() + b"X")
+    with pytest.raises(CorruptObjectError):
+        first.request_messages("t0")
+    later = RolloutGraph(store=store, cache=StringCache(0))
+    add_all(later, turns)
+    assert snapshot(later) == snapshot(private_twin(turns))
+    assert first.request_messages("t0") == turns[0]["request_messages"]
+
+
 # ---------------------------------------------------------------- faults
 
 
