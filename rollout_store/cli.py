@@ -2,10 +2,11 @@
 
 Every command that reads a file tells a missing, an empty, a foreign (not a rollout file) and
 a damaged file apart, and for a damaged one says whether `repair` (cut a torn last record off
-a log in place) or `recover` (save the complete turns before the damage to a new file)
-applies. A file saved with its long strings in a content store (`save(path, blobs="store")`)
-is read with `--store NAME`, the names `serve --store` takes. Exit status: 0 done, 1 a file
-problem, 2 a usage error. A reader closing the pipe
+a log in place) or `recover` (save every intact turn, before and after the damage, to a new
+file) applies; `repair --rewrite` rewrites a file damaged before intact records in place,
+with every intact turn. A file saved with its long strings in a content store
+(`save(path, blobs="store")`) is read with `--store NAME`, the names `serve --store` takes.
+Exit status: 0 done, 1 a file problem, 2 a usage error. A reader closing the pipe
 (`rollout-store export f.rls | head`) ends the command quietly with status 0.
 """
 
@@ -123,17 +124,21 @@ def _what_applies(report: storage.LoadReport, path: str) -> str:
             "before any later damage (verify stops here) to a new file, this one under the "
             "index keys its record names"
         )
-    if report.turns == 0 and not (report.truncated and report.mode == "log"):
+    after = not report.truncated and report.resync_offset is not None  # (version 2)
+    if report.turns == 0 and not (report.truncated and report.mode == "log") and not after:
         return "no complete turn precedes the damage: nothing can be recovered"
     keep = f"the {report.turns} complete turn{'s' if report.turns != 1 else ''} before it"
     recover = f"`rollout-store recover {path} -o OUT` saves {keep} to a new file"
+    if after:
+        recover += ", with every intact turn after it"
     if report.truncated and report.mode == "log":
         return (
             f"a torn tail (a crash while writing): `rollout-store repair {path}` "
             f"cuts it off in place and keeps {keep}; or {recover}"
         )
     why = "the file is a snapshot" if report.mode == "snapshot" else "intact records follow it"
-    return f"{recover} (repair does not apply: {why})"
+    rewrite = f"`rollout-store repair --rewrite {path}` rewrites it in place with them"
+    return f"{recover} (repair does not apply: {why}; {rewrite})"
 
 
 def _load(args: argparse.Namespace, *, recover: bool = False) -> RolloutGraph:
@@ -222,9 +227,23 @@ def _recover(args: argparse.Namespace) -> int:
     report = graph.load_report
     if not len(graph) and report is not None and not report.ok:
         raise CommandError(
-            f"damaged: {report.error}; no complete turn precedes it, nothing written"
+            f"damaged: {report.error}; no intact turn to keep{_losses(report)}, nothing written"
         )
     graph.save(args.output)
+    said = _recovered(args.file, len(graph), report)
+    if said is None:
+        print(
+            f"{args.file} is not damaged; wrote a snapshot of its {len(graph)} turns "
+            f"to {args.output}"
+        )
+    else:
+        print(f"{said}; wrote {args.output}")
+    return 0
+
+
+def _recovered(path: str, kept: int, report: storage.LoadReport | None) -> str | None:
+    """What a recovering read kept, lost and dropped, in one line (None: the file is whole
+    and nothing was rekeyed)."""
     rekeyed = report.keys_recomputed if report is not None else 0
     unkeyed = report.unkeyed if report is not None else []
     keys = ""
@@ -237,18 +256,39 @@ def _recover(args: argparse.Namespace) -> int:
             f"which could not be recomputed ({unkeyed[0].cause})"
         )
     if report is not None and not report.ok:
-        print(
-            f"recovered {len(graph)} turns from before the damage at offset "
-            f"{report.error_offset} ({report.error}){keys}; wrote {args.output}"
+        before = report.turns_before_damage
+        if kept == before:
+            return (
+                f"recovered {kept} turns from before the damage at offset "
+                f"{report.error_offset} ({report.error}){keys}{_losses(report)}"
+            )
+        return (
+            f"recovered {kept} turns, {before} from before the damage at offset "
+            f"{report.error_offset} ({report.error}) and {kept - before} after it"
+            f"{keys}{_losses(report)}"
         )
-    elif keys:
-        print(f"recovered all {len(graph)} turns of {args.file}{keys}; wrote {args.output}")
-    else:
-        print(
-            f"{args.file} is not damaged; wrote a snapshot of its {len(graph)} turns "
-            f"to {args.output}"
+    if keys:
+        return f"recovered all {kept} turns of {path}{keys}"
+    return None
+
+
+def _losses(report: storage.LoadReport) -> str:
+    """The damaged stretches read past, the turns lost in them and those dropped."""
+    if not report.damaged:
+        return ""
+    n = len(report.damaged)
+    lost = "an unknown number of" if report.lost_unknown else str(report.lost_turns)
+    text = f"; read past {n} damaged stretch{'es' if n != 1 else ''} ({lost} turn records lost)"
+    dropped = report.dropped
+    if dropped:
+        names = ", ".join(str(d.node_id) for d in dropped[:5]) + (
+            ", ..." if len(dropped) > 5 else ""
         )
-    return 0
+        text += (
+            f"; dropped {len(dropped)} intact turn{'s' if len(dropped) != 1 else ''} whose "
+            f"parent, base, tokens, values or blobs were lost ({names})"
+        )
+    return text
 
 
 def _repair(args: argparse.Namespace) -> int:
@@ -257,6 +297,11 @@ def _repair(args: argparse.Namespace) -> int:
     report = storage.verify(args.file, store=store)
     if report.ok:
         print(f"{args.file} is not damaged: {report.turns} turns, nothing to repair")
+        return 0
+    if args.rewrite and not (report.mode == "log" and report.truncated):
+        kept = storage.rewrite_intact(args.file, store=store)
+        said = _recovered(args.file, kept.turns, kept) or f"{kept.turns} turns"
+        print(f"rewrote {args.file} in place: {said.replace('recovered', 'kept', 1)}")
         return 0
     if report.mode != "log" or not report.truncated:
         raise CommandError(f"damaged: {report.error}; {_damage_advice(args.file, store)}")
@@ -387,11 +432,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     export.add_argument("-o", "--output", default=None, help="output file (default: stdout)")
     recover = command(
-        "recover", "save every complete turn before the damage of FILE to a new file OUT", _recover
+        "recover",
+        "save every intact turn of FILE (before and after damage) to a new file OUT",
+        _recover,
     )
     recover.add_argument("-o", "--output", required=True, metavar="OUT", help="the new file")
-    command(
+    repair = command(
         "repair", "cut a torn last record (a crash while appending) off a log, in place", _repair
+    )
+    repair.add_argument(
+        "--rewrite",
+        action="store_true",
+        help="for damage followed by intact records: rewrite FILE in place with every intact "
+        "turn (what recover keeps; the damaged bytes are dropped)",
     )
     view = command("view", "show the rollout in a web page on 127.0.0.1", _view)
     view.add_argument(
