@@ -1391,14 +1391,22 @@ class _Records:
             raise ValueError(f"unknown record kind {kind}")
 
     def apply_pending(self, loader: _Loader) -> None:
-        """The blobs and values that waited for the turn record now read (past damage, a
-        value that refers to a lost blob is lost too, its place kept)."""
+        """The blobs and values that waited for the turn record now read. Recovering, a
+        blob whose object the content store lacks or has damaged is lost (its place kept:
+        the turns that use it are dropped, not the rest), and so is a value that refers to a
+        lost blob."""
         for kind, body, start, record in self.pending:
             self.at = (start, record)  # an error names this record
             try:
                 self.apply_one(loader, kind, body, start, record)
             except _LostReference:
                 loader.lose(kind)
+            except StoreObjectError as exc:
+                if not self.resync:
+                    raise
+                loader.lose(kind)
+                if self.report.error is None:
+                    self.report.fail(exc)
         self.pending.clear()
 
     def apply_one(self, loader: _Loader, kind: int, body: Any, start: int, record: int) -> None:
