@@ -441,9 +441,10 @@ def _rebuilt(
     if length < 0 or data.find(SYNC, start + HEADER.size, end) != -1:
         return None
     named = data[start + len(SYNC)]
-    kinds = [named] + [
-        k | flag for flag in (0, ESCAPED) for k in range(options.max_kind + 1) if k | flag != named
-    ]
+    kinds = [k | flag for flag in (0, ESCAPED) for k in range(options.max_kind + 1)]
+    if named in kinds:  # the kind its header names first: most damage spares it
+        kinds.remove(named)
+        kinds.insert(0, named)
     view = memoryview(data)[start + HEADER.size : end]
     escaped = data.find(ESCAPE, start + HEADER.size, end) != -1
     unescaped = memoryview(unescape(view)) if escaped else view

@@ -226,6 +226,31 @@ def test_a_damaged_object_is_replaced_by_the_next_turn_that_stores_its_content(
     assert first.request_messages("t0") == turns[0]["request_messages"]
 
 
+@pytest.mark.parametrize("kind", ["memory", "directory"])
+def test_a_graph_that_read_a_damaged_object_puts_it_again_with_its_next_turn(
+    tmp_path: Path, kind: str
+) -> None:
+    """Within one graph a repeated string is found in its own table, not put again: once a
+    read found the object damaged, the next turn that stores the string replaces it."""
+    store: Any = MemoryStore() if kind == "memory" else DirectoryStore(tmp_path / "objects")
+    graph = RolloutGraph(store=store, cache=None if kind == "memory" else StringCache(0))
+    text = "the long system prompt " * 60
+    graph.add_turn(TurnNode("a", request_messages=[{"role": "user", "content": text}]))
+    key = content_key(text.encode())
+    if kind == "memory":
+        store._objects[key] = b"damaged"
+    else:
+        name = key.hex()
+        (store.path / name[:2] / name[2:]).write_bytes(b"damaged")
+    with pytest.raises(CorruptObjectError):
+        graph.request_messages("a")
+    other = [{"role": "system", "content": text}, {"role": "user", "content": "again"}]
+    graph.add_turn(TurnNode("b", request_messages=other))
+    assert store.get(key) == text.encode()
+    assert graph.request_messages("a") == [{"role": "user", "content": text}]
+    assert graph.request_messages("b") == other
+
+
 # ---------------------------------------------------------------- faults
 
 
