@@ -1754,7 +1754,10 @@ def open_append(
     """A graph that writes each turn to `path` as it is added (created if missing).
 
     An existing file is loaded first; if its last record is cut short (a crash while
-    writing), `repair=True` truncates it to the last complete record, else it raises.
+    writing), `repair=True` truncates it to the last complete record, else it raises. Intact
+    records are never cut: a log damaged before intact records is refused (`CorruptFileError`
+    naming the damage and `rollout-store repair --rewrite`, which rewrites it with every
+    intact turn; see `rewrite_intact`), even with `repair=True`.
 
     `store`, `cache`: the graph's content store (see `RolloutGraph`). `blobs="store"` makes
     a new log write references into the store instead of the strings; an existing log keeps
