@@ -647,6 +647,7 @@ class _Loader:
         self.turn_map: list[Turn | None] | None = None
         self.blob_map: list[int | None] | None = None
         self.frozen: tuple[int, int, int] | None = None  # (turns, blobs, values) known
+        self.values_lost = False  # a value's place holds `_LOST_VALUE`
 
     def check(
         self, packed: Any, n_blobs: int, echo_ok: bool = False, depth: int = MAX_DEPTH
@@ -773,6 +774,7 @@ class _Loader:
         elif kind == KIND_VALUE:
             self.writer.value_objects.append(_LOST_VALUE)
             self.value_is_list.append(False)
+            self.values_lost = True
 
     def freeze(self) -> None:
         """A damaged stretch of unknown content: no later record's place is known."""
@@ -946,7 +948,12 @@ class _Loader:
         side.tools = None if tools is None else values[tools]
         side.sampling = None if sampling is None else values[sampling]
         side.requested = None if requested is None else values[requested]
-        if _LOST_VALUE in (side.system, side.tools, side.sampling, side.requested):
+        if self.values_lost and _LOST_VALUE in (
+            side.system,
+            side.tools,
+            side.sampling,
+            side.requested,
+        ):
             raise _LostReference("it refers to a shared value that was lost")
 
     def _request(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
