@@ -13,7 +13,6 @@ raise `StoreUnavailableError`.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -23,8 +22,9 @@ from .errors import MissingObjectError, StoreError, StoreUnavailableError
 
 __all__ = ["S3Store"]
 
-#: Objects at least this large are looked up (HEAD) before they are sent: one whose ETag is
-#: the MD5 of the content (a single-part upload's) is intact and not sent again.
+#: Objects at least this large are read back and compared before they are sent: an intact
+#: one is not sent again. (Its ETag would not do: a service's stored MD5 can outlive damage
+#: to the bytes.)
 CHECK_FIRST_BYTES = 64 * 1024
 #: Rounds of read-compare-replace a put makes while other writers keep changing the object.
 HEAL_ROUNDS = 4
@@ -154,9 +154,13 @@ class S3Store:
         data = bytes(data)
         key = content_key(data)
         name = self._name(key)
-        if len(data) >= CHECK_FIRST_BYTES and self._intact_etag(key, name, data):
-            return key
         condition: dict[str, str] = {"IfNoneMatch": "*"}
+        if len(data) >= CHECK_FIRST_BYTES:  # read back rather than sent again when intact
+            present = self._read(key, name)
+            if present is not None:
+                if present[0] == data:
+                    return key
+                condition = {"IfMatch": present[1]}
         for _ in range(HEAL_ROUNDS):
             answer = self._call(
                 "PutObject",
@@ -184,21 +188,6 @@ class S3Store:
             f"({HEAL_ROUNDS} rounds of read and conditional replace)",
             key=key,
         )
-
-    def _intact_etag(self, key: bytes, name: str, data: bytes) -> bool:
-        """Whether the object under `name` is there with the MD5 of `data` as its ETag (an
-        intact single-part upload). Another ETag (multipart, server-side encryption) proves
-        nothing: the put goes on and compares the object itself."""
-        answer = self._call(
-            "HeadObject",
-            key,
-            lambda: self._client.head_object(Bucket=self.bucket, Key=name),
-            _MISSING,
-        )
-        if isinstance(answer, _Answer):
-            return False
-        md5 = hashlib.md5(data, usedforsecurity=False).hexdigest()
-        return str(answer.get("ETag", "")).strip('"') == md5
 
     def _read(self, key: bytes, name: str) -> tuple[bytes, str] | None:
         """The object under `name` and its ETag, unverified; None if absent."""
