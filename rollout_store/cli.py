@@ -2,14 +2,15 @@
 
 Every command that reads a file tells a missing, an empty, a foreign (not a rollout file) and
 a damaged file apart, and for a damaged one says whether `repair` (cut a torn last record off
-a log in place) or `recover` (save the complete turns before the damage to a new file)
-applies. A file saved with its long strings in a content store (`save(path, blobs="store")`)
-is read with `--store NAME`, the names `serve --store` takes; the store is only read (a
-mistyped directory is not created), and one that lacks an object the file names is reported
-as likely the wrong store, the file as intact. Every message about a file starts with
-`rollout-store: FILE:`; `info` shows sizes for a reader (`--json`: exact byte counts).
-Exit status: 0 done, 1 a file problem, 2 a usage error (an unknown option or choice, with the
-valid ones listed). A reader closing the pipe
+a log in place) or `recover` (save every intact turn, before and after the damage, to a new
+file) applies; `repair --rewrite` rewrites a file damaged before intact records in place,
+with every intact turn. A file saved with its long strings in a content store
+(`save(path, blobs="store")`) is read with `--store NAME`, the names `serve --store` takes;
+the store is only read (a mistyped directory is not created), and one that lacks an object
+the file names is reported as likely the wrong store, the file as intact. Every message about
+a file starts with `rollout-store: FILE:`; `info` shows sizes for a reader (`--json`: exact
+byte counts). Exit status: 0 done, 1 a file problem, 2 a usage error (an unknown option or
+choice, with the valid ones listed). A reader closing the pipe
 (`rollout-store export f.rls | head`) ends the command quietly with status 0.
 """
 
@@ -135,10 +136,13 @@ def _what_applies(report: storage.LoadReport, path: str) -> str:
             "before any later damage (verify stops here) to a new file, this one under the "
             "index keys its record names"
         )
-    if report.turns == 0 and not (report.truncated and report.mode == "log"):
+    after = not report.truncated and report.resync_offset is not None  # (version 2)
+    if report.turns == 0 and not (report.truncated and report.mode == "log") and not after:
         return "no complete turn precedes the damage: nothing can be recovered"
     keep = f"the {report.turns} complete turn{'s' if report.turns != 1 else ''} before it"
     recover = f"`rollout-store recover {path} -o OUT` saves {keep} to a new file"
+    if after:
+        recover += ", with every intact turn after it"
     if report.truncated and report.mode == "log":
         # repair cuts back to the end of the last complete turn: the torn record and the
         # records of its unfinished turn before it
@@ -149,7 +153,8 @@ def _what_applies(report: storage.LoadReport, path: str) -> str:
             f"last complete turn) in place and keeps {keep}; or {recover}"
         )
     why = "the file is a snapshot" if report.mode == "snapshot" else "intact records follow it"
-    return f"{recover} (repair does not apply: {why})"
+    rewrite = f"`rollout-store repair --rewrite {path}` rewrites it in place with them"
+    return f"{recover} (repair does not apply: {why}; {rewrite})"
 
 
 def _plural(n: int, noun: str) -> str:
@@ -304,9 +309,23 @@ def _recover(args: argparse.Namespace) -> int:
         raise CommandError(_not_found(args, report.exception))  # the file is not damaged
     if not len(graph) and report is not None and not report.ok:
         raise CommandError(
-            f"damaged: {report.error}; no complete turn precedes it, nothing written"
+            f"damaged: {report.error}; no intact turn to keep{_losses(report)}, nothing written"
         )
     graph.save(args.output)
+    said = _recovered(args.file, len(graph), report)
+    if said is None:
+        print(
+            f"{args.file} is not damaged; wrote a snapshot of its {len(graph)} turns "
+            f"to {args.output}"
+        )
+    else:
+        print(f"{said}; wrote {args.output}")
+    return 0
+
+
+def _recovered(path: str, kept: int, report: storage.LoadReport | None) -> str | None:
+    """What a recovering read kept, lost and dropped, in one line (None: the file is whole
+    and nothing was rekeyed)."""
     rekeyed = report.keys_recomputed if report is not None else 0
     unkeyed = report.unkeyed if report is not None else []
     keys = ""
@@ -319,18 +338,39 @@ def _recover(args: argparse.Namespace) -> int:
             f"which could not be recomputed ({unkeyed[0].cause})"
         )
     if report is not None and not report.ok:
-        print(
-            f"recovered {len(graph)} turns from before the damage at offset "
-            f"{report.error_offset} ({report.error}){keys}; wrote {args.output}"
+        before = report.turns_before_damage
+        if kept == before:
+            return (
+                f"recovered {kept} turns from before the damage at offset "
+                f"{report.error_offset} ({report.error}){keys}{_losses(report)}"
+            )
+        return (
+            f"recovered {kept} turns, {before} from before the damage at offset "
+            f"{report.error_offset} ({report.error}) and {kept - before} after it"
+            f"{keys}{_losses(report)}"
         )
-    elif keys:
-        print(f"recovered all {len(graph)} turns of {args.file}{keys}; wrote {args.output}")
-    else:
-        print(
-            f"{args.file} is not damaged; wrote a snapshot of its {len(graph)} turns "
-            f"to {args.output}"
+    if keys:
+        return f"recovered all {kept} turns of {path}{keys}"
+    return None
+
+
+def _losses(report: storage.LoadReport) -> str:
+    """The damaged stretches read past, the turns lost in them and those dropped."""
+    if not report.damaged:
+        return ""
+    n = len(report.damaged)
+    lost = "an unknown number of" if report.lost_unknown else str(report.lost_turns)
+    text = f"; read past {n} damaged stretch{'es' if n != 1 else ''} ({lost} turn records lost)"
+    dropped = report.dropped
+    if dropped:
+        names = ", ".join(str(d.node_id) for d in dropped[:5]) + (
+            ", ..." if len(dropped) > 5 else ""
         )
-    return 0
+        text += (
+            f"; dropped {len(dropped)} intact turn{'s' if len(dropped) != 1 else ''} whose "
+            f"parent, base, tokens, values or blobs were lost ({names})"
+        )
+    return text
 
 
 def _repair(args: argparse.Namespace) -> int:
@@ -342,6 +382,11 @@ def _repair(args: argparse.Namespace) -> int:
         return 0
     if isinstance(report.exception, MissingStoreObjectError):
         raise CommandError(_not_found(args, report.exception))
+    if args.rewrite and not (report.mode == "log" and report.truncated):
+        kept = storage.rewrite_intact(args.file, store=store)
+        said = _recovered(args.file, kept.turns, kept) or f"{kept.turns} turns"
+        print(f"rewrote {args.file} in place: {said.replace('recovered', 'kept', 1)}")
+        return 0
     if report.mode != "log" or not report.truncated:
         raise CommandError(f"damaged: {report.error}; {_damage_advice(args.file, store)}")
     before = report.file_size
@@ -476,11 +521,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     export.add_argument("-o", "--output", default=None, help="output file (default: stdout)")
     recover = command(
-        "recover", "save every complete turn before the damage of FILE to a new file OUT", _recover
+        "recover",
+        "save every intact turn of FILE (before and after damage) to a new file OUT",
+        _recover,
     )
     recover.add_argument("-o", "--output", required=True, metavar="OUT", help="the new file")
-    command(
+    repair = command(
         "repair", "cut a torn last record (a crash while appending) off a log, in place", _repair
+    )
+    repair.add_argument(
+        "--rewrite",
+        action="store_true",
+        help="for damage followed by intact records: rewrite FILE in place with every intact "
+        "turn (what recover keeps; the damaged bytes are dropped)",
     )
     view = command("view", "show the rollout in a web page on 127.0.0.1", _view)
     view.add_argument(

@@ -3,9 +3,11 @@
 A `ContentStore` holds byte strings, each under its key, `content_key(data)`. It has three
 primitives and nothing else:
 
-- `put(data) -> key`: store `data` unless an object with its key is already there
+- `put(data) -> key`: store `data` unless an intact object with its key is already there
   (put-if-absent); the store computes the key itself, so a caller cannot file content under
-  a key of its choosing. Storing is atomic: an object is either absent or whole.
+  a key of its choosing. An object under the key that is not `data` (damaged behind the
+  store's back) is replaced: one damaged object never spoils every later put of its
+  content. Storing is atomic: an object is either absent or whole, never half-written.
 - `get(key) -> bytes`: the object's bytes, verified against the key before they are returned
   (`CorruptObjectError` if they do not hash to it, `MissingObjectError` if absent).
 - `contains(key) -> bool`.
@@ -79,7 +81,8 @@ class ContentStore(Protocol):
     """Immutable byte objects keyed by `content_key`; see the module docstring."""
 
     def put(self, data: bytes) -> bytes:
-        """Store `data` unless present; return its key."""
+        """Store `data` unless an intact object is present (a damaged one is replaced,
+        atomically); return its key."""
         ...
 
     def get(self, key: bytes) -> bytes:

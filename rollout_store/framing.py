@@ -15,6 +15,15 @@ bounded number of times and hashed at most once: resync is linear in the damaged
 
 A blob frame's payload is a 16-byte content digest and the UTF-8 text; its chain value hashes
 the digest, and the text is hashed once, for the digest (one pass over each stored byte).
+
+Between the last frame that verifies and the next one (found as above), `read_gap` says what
+the damaged bytes held: the frame that follows names the chain value of the frame before it,
+and the frame before damage gives the chain value the first damaged frame must name. So the
+damaged stretch is one frame whose header alone was hit (rebuilt from its neighbours and
+verified by its chain value: nothing is lost), or frames whose headers still link from one
+chain value to the other (their kinds are known: a reader keeps every later reference to the
+records around them right), or unknown (how many records it held cannot be told). Each
+damaged byte is hashed a bounded number of times: still linear.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ __all__ = [
     "SYNC",
     "Frame",
     "FrameReader",
+    "Gap",
     "ScanCounters",
     "chain_value",
     "encode_frame",
@@ -46,6 +56,7 @@ __all__ = [
     "escape",
     "new_file_id",
     "next_frame",
+    "read_gap",
     "unescape",
 ]
 
@@ -364,3 +375,88 @@ class FrameReader:
             self.cut = self.resync is None
             raise damage.error from None
         return frame
+
+
+@dataclass
+class Gap:
+    """Damaged bytes `[start, end)` between the last frame that verifies and the next one.
+
+    `repaired`: the one frame there, whole (only its header was damaged: it is rebuilt from
+    its neighbours and verified by its chain value). Otherwise `kinds` are the kinds of the
+    frames lost there, in order, where their headers still link the chain value before the
+    damage to the one after it; None when that cannot be told."""
+
+    start: int
+    end: int
+    kinds: list[int] | None
+    repaired: Frame | None = None
+
+
+def read_gap(
+    data: bytes,
+    start: int,
+    end: int,
+    prev: int,
+    record: int,
+    *,
+    digest_kinds: frozenset[int] = frozenset(),
+    max_kind: int = 0x7F,
+) -> Gap:
+    """What the damaged bytes `[start, end)` held: `prev` is the chain value of the frame
+    before them (the header's predecessor: 0), `end` the offset of the next frame that
+    verifies by itself, `record` the index the first damaged frame has."""
+    _, _, _, after, _ = HEADER.unpack_from(data, end)  # the chain value that frame names
+    options = _Options(digest_kinds, max_kind, None)
+    repaired = _rebuilt(data, start, end, prev, after, record, options)
+    if repaired is not None:
+        return Gap(start, end, [], repaired)
+    kinds: list[int] = []
+    pos, chain = start, prev
+    while pos < end and end - pos >= HEADER.size:
+        sync, kind_byte, length, named, value = HEADER.unpack_from(data, pos)
+        nxt = pos + HEADER.size + length
+        if sync != SYNC or kind_byte & 0x7F > max_kind or named != chain or nxt > end:
+            break
+        kinds.append(kind_byte & 0x7F)
+        pos, chain = nxt, value
+    else:
+        if pos == end and chain == after:
+            return Gap(start, end, kinds)
+    if end - start >= HEADER.size:
+        # one frame whose neighbours vouch for both its chain fields, its marker or length
+        # hit as well as its payload: its kind byte is all that is left to go by
+        _, kind_byte, _, named, value = HEADER.unpack_from(data, start)
+        if named == prev and value == after and kind_byte & 0x7F <= max_kind:
+            return Gap(start, end, [kind_byte & 0x7F])
+    return Gap(start, end, None)
+
+
+def _rebuilt(
+    data: bytes, start: int, end: int, prev: int, value: int, record: int, options: _Options
+) -> Frame | None:
+    """The frame `[start, end)` if its payload is intact: marker, length and chain fields as
+    its neighbours give them, and the kind that makes its payload hash to `value` (the one
+    its header names tried first)."""
+    length = end - start - HEADER.size
+    if length < 0 or data.find(SYNC, start + HEADER.size, end) != -1:
+        return None
+    named = data[start + len(SYNC)]
+    kinds = [k | flag for flag in (0, ESCAPED) for k in range(options.max_kind + 1)]
+    if named in kinds:  # the kind its header names first: most damage spares it
+        kinds.remove(named)
+        kinds.insert(0, named)
+    view = memoryview(data)[start + HEADER.size : end]
+    escaped = data.find(ESCAPE, start + HEADER.size, end) != -1
+    unescaped = memoryview(unescape(view)) if escaped else view
+    for kind_byte in kinds:
+        payload = unescaped if kind_byte & ESCAPED else view
+        is_blob = kind_byte & 0x7F in options.digest_kinds
+        if is_blob and len(payload) < DIGEST_SIZE:
+            continue
+        hashed = payload[:DIGEST_SIZE] if is_blob else payload
+        if chain_value(kind_byte, length, prev, hashed) != value:
+            continue
+        if is_blob and content_digest(payload[DIGEST_SIZE:]) != bytes(payload[:DIGEST_SIZE]):
+            return None
+        return Frame(kind_byte & 0x7F, payload, start, end, record, value)
+    return None

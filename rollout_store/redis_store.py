@@ -1,8 +1,11 @@
 """`RedisStore`: a content store on a Redis server (redis-py), for many processes and machines.
 
-Each object is one Redis string under `<prefix><key hex>`, written with `SET ... NX`: atomic
-and put-if-absent, so concurrent writers of one content store it once and a reader sees the
-whole value or nothing. Every read is checked against its key. Calls that fail on a dropped
+Each object is one Redis string under `<prefix><key hex>`, written by a Lua script that runs
+atomically on the server: it stores the value when the key is absent or holds other bytes
+(a damaged object: every writer of a key writes its one content), and leaves an intact object
+alone. So concurrent writers of one content store it once, a damaged object is replaced by
+the next put of its content, and a reader sees a whole value or nothing. Every read is
+checked against its key. Calls that fail on a dropped
 connection or a timeout are retried with a bounded backoff (`RetryPolicy`), then raise
 `StoreUnavailableError`.
 """
@@ -17,8 +20,19 @@ from .errors import InvalidArgumentError, MissingObjectError, StoreError
 
 __all__ = ["RedisStore"]
 
-#: Objects at least this large are looked up before they are sent (saves sending them again).
+#: Objects at least this large are read back and compared before they are sent: a present,
+#: intact one is not sent again (a Lua script's argument of that size costs the server more
+#: than the read; Redis can hash only with SHA-1, slower still).
 CHECK_FIRST_BYTES = 16 * 1024
+
+#: Put-if-absent-or-damaged: 0 the intact object was there, 1 stored, 2 replaced a damaged one.
+_PUT_SCRIPT = """
+local present = redis.call('GET', KEYS[1])
+if present == ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1])
+if present then return 2 end
+return 1
+"""
 
 
 class RedisStore:
@@ -65,6 +79,7 @@ class RedisStore:
             OSError,
         )
         self._redis_error: type[BaseException] = redis.exceptions.RedisError
+        self._put_script = client.register_script(_PUT_SCRIPT)
         self.url = url
 
     def __repr__(self) -> str:
@@ -88,11 +103,11 @@ class RedisStore:
         data = bytes(data)
         key = content_key(data)
         name = self._name(key)
-        if len(data) >= CHECK_FIRST_BYTES and self._call(
-            "EXISTS", key, lambda: self._client.exists(name)
+        if len(data) >= CHECK_FIRST_BYTES and (
+            self._call("GET", key, lambda: self._client.get(name)) == data
         ):
             return key
-        self._call("SET NX", key, lambda: self._client.set(name, data, nx=True))
+        self._call("put", key, lambda: self._put_script([name], [data]))
         return key
 
     def get(self, key: bytes) -> bytes:

@@ -3,26 +3,35 @@
 Each object is one S3 object under `<prefix><key hex>`, written with `PutObject` and
 `IfNoneMatch="*"`: S3 creates an object atomically and refuses to replace one (HTTP 412), so
 concurrent writers of one content store it once and nothing is ever half-written under a key.
-Every read is checked against its key (a tampered object in the bucket is detected and never
-returned). Connection errors, timeouts, throttling and 5xx answers are retried with a bounded
-backoff (`RetryPolicy`), then raise `StoreUnavailableError`.
+On 412 the object there is read and compared with the content: a damaged one is replaced with
+`IfMatch=<its ETag>`, so a concurrent writer's object is never overwritten unread (a changed
+ETag answers 412 again, and the object is read again). Every read is checked against its key
+(a tampered object in the bucket is detected and never returned). Connection errors,
+timeouts, throttling and 5xx answers are retried with a bounded backoff (`RetryPolicy`), then
+raise `StoreUnavailableError`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 from .content import RetryPolicy, check_key, content_key, verified
-from .errors import MissingObjectError, StoreError
+from .errors import MissingObjectError, StoreError, StoreUnavailableError
 
 __all__ = ["S3Store"]
 
-#: Objects at least this large are looked up (HEAD) before they are sent.
+#: Objects at least this large are read back and compared before they are sent: an intact
+#: one is not sent again. (Its ETag would not do: a service's stored MD5 can outlive damage
+#: to the bytes.)
 CHECK_FIRST_BYTES = 64 * 1024
+#: Rounds of read-compare-replace a put makes while other writers keep changing the object.
+HEAL_ROUNDS = 4
 
 _MISSING = {"404", "NoSuchKey", "NotFound"}
 _EXISTS = {"412", "PreconditionFailed"}
+_GONE = {"NoSuchKey"}
 _TRANSIENT = {
     "409",  # ConditionalRequestConflict: a concurrent conditional write; retry
     "ConditionalRequestConflict",
@@ -144,18 +153,51 @@ class S3Store:
     def put(self, data: bytes) -> bytes:
         data = bytes(data)
         key = content_key(data)
-        if len(data) >= CHECK_FIRST_BYTES and self.contains(key):
-            return key
         name = self._name(key)
-        self._call(
-            "PutObject",
-            key,
-            lambda: self._client.put_object(
-                Bucket=self.bucket, Key=name, Body=data, IfNoneMatch="*"
-            ),
-            _EXISTS,
+        condition: dict[str, str] = {"IfNoneMatch": "*"}
+        if len(data) >= CHECK_FIRST_BYTES:  # read back rather than sent again when intact
+            present = self._read(key, name)
+            if present is not None:
+                if present[0] == data:
+                    return key
+                condition = {"IfMatch": present[1]}
+        for _ in range(HEAL_ROUNDS):
+            answer = self._call(
+                "PutObject",
+                key,
+                partial(
+                    self._client.put_object, Bucket=self.bucket, Key=name, Body=data, **condition
+                ),
+                _EXISTS,
+                _GONE,  # (only with IfMatch: the object was deleted meanwhile)
+            )
+            if not isinstance(answer, _Answer):
+                return key
+            if answer.code in _GONE:
+                condition = {"IfNoneMatch": "*"}
+                continue
+            present = self._read(key, name)  # 412: an object is there; is it intact?
+            if present is None:
+                condition = {"IfNoneMatch": "*"}
+            elif present[0] == data:
+                return key
+            else:  # damaged: replace exactly that object
+                condition = {"IfMatch": present[1]}
+        raise StoreUnavailableError(
+            f"S3 PutObject on {self._where()}: the object kept changing under its key "
+            f"({HEAL_ROUNDS} rounds of read and conditional replace)",
+            key=key,
         )
-        return key
+
+    def _read(self, key: bytes, name: str) -> tuple[bytes, str] | None:
+        """The object under `name` and its ETag, unverified; None if absent."""
+
+        def read() -> Any:
+            answer = self._client.get_object(Bucket=self.bucket, Key=name)
+            return answer["Body"].read(), answer["ETag"]
+
+        found = self._call("GetObject", key, read, _MISSING)
+        return None if isinstance(found, _Answer) else (bytes(found[0]), str(found[1]))
 
     def get(self, key: bytes) -> bytes:
         name = self._name(check_key(key))

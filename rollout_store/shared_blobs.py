@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 from .blobs import BlobTable, Handle, content_digest
 from .content import KEY_SIZE, ContentStore, StringCache, TextStore, content_key
-from .errors import InvalidArgumentError
+from .errors import CorruptObjectError, InvalidArgumentError, MissingObjectError
 from .index import OneOrMany, index_add, index_members
 
 __all__ = ["DEFAULT_GRAPH_CACHE_BYTES", "StoreBlobTable"]
@@ -55,6 +55,7 @@ class StoreBlobTable(BlobTable):
     """
 
     __slots__ = (
+        "_broken",
         "_cache",
         "_digests",
         "_index",
@@ -96,6 +97,9 @@ class StoreBlobTable(BlobTable):
         self._nbytes = 0
         self._refs = 0
         self._refbytes = 0
+        # keys whose objects a read found damaged or missing (`string`), put again by the
+        # next turn that stores their strings; None until a read fails
+        self._broken: set[bytes] | None = None
 
     @property
     def cache(self) -> StringCache | None:
@@ -126,12 +130,32 @@ class StoreBlobTable(BlobTable):
         sha: list[bytes] = []
         for index in self._candidates(digest):
             if self._digest(index) == digest and self._same(index, text, data, sha):
+                if self._broken is not None:
+                    self._heal(index, text, data)
                 return self.handle(index)
         if self._text_store is not None:
             key = self._text_store.put_text(text, data)
         else:  # not cached: the cache holds what is read (recording reads nothing back)
             key = self.store.put(data)
         return self._add(key, digest, len(data), surrogates)
+
+    def _note_broken(self, key: bytes) -> None:
+        if self._broken is None:
+            self._broken = set()
+        self._broken.add(key)
+
+    def _heal(self, index: int, text: str, data: bytes) -> None:
+        """Put the string of blob `index` again if a read found its object damaged or gone
+        (the store replaces a damaged object atomically)."""
+        key = self.key(index)
+        broken = self._broken
+        if broken is None or key not in broken:
+            return
+        if self._text_store is not None:
+            self._text_store.put_text(text, data)
+        else:
+            self.store.put(data)
+        broken.discard(key)
 
     def _candidates(self, digest: bytes) -> Iterator[int]:
         """The blobs that may have `digest` (each is checked against it)."""
@@ -149,10 +173,14 @@ class StoreBlobTable(BlobTable):
     def _same(self, index: int, text: str, data: bytes, sha: list[bytes]) -> bool:
         key = self.key(index)
         if self._text_store is not None:
-            return self._text_store.get_text(key) == text
-        cached = self._cache.get(key) if self._cache is not None else None
-        if cached is not None:
-            return cached == text
+            try:
+                return self._text_store.get_text(key) == text
+            except (CorruptObjectError, MissingObjectError):
+                self._note_broken(key)  # decided by the key below, then put again
+        else:
+            cached = self._cache.get(key) if self._cache is not None else None
+            if cached is not None:
+                return cached == text
         if not sha:  # computed once per intern, only when a candidate is not at hand
             sha.append(content_key(data))
         return sha[0] == key
@@ -225,16 +253,22 @@ class StoreBlobTable(BlobTable):
         self._refbytes += nbytes
 
     def string(self, index: int) -> str:
-        """The string of blob `index`, read from the store (or the cache), verified."""
+        """The string of blob `index`, read from the store (or the cache), verified. A
+        damaged or missing object is remembered: the next turn that stores its string puts
+        it again (the store replaces a damaged object), so the graph heals itself."""
         key = self.key(index)
-        if self._text_store is not None:
-            return self._text_store.get_text(key)
-        cache = self._cache
-        if cache is not None:
-            text = cache.get(key)
-            if text is not None:
-                return text
-        data = self.store.get(key)  # verified against the key by the store
+        try:
+            if self._text_store is not None:
+                return self._text_store.get_text(key)
+            cache = self._cache
+            if cache is not None:
+                text = cache.get(key)
+                if text is not None:
+                    return text
+            data = self.store.get(key)  # verified against the key by the store
+        except (CorruptObjectError, MissingObjectError):
+            self._note_broken(key)
+            raise
         text = data.decode("utf-8", "surrogatepass") if self._sizes[index] & 1 else data.decode()
         if cache is not None:
             cache.put(key, text, len(data))

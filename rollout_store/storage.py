@@ -5,8 +5,12 @@ to the ones before it, version 1 (`frames`) is still read (and appended to). Sav
 temporary file, fsyncs and renames it (`atomic`); append mode writes one turn's frames with
 one write call and fsyncs by policy. Loading checks every frame, blob digest and stored value
 (`packed`) and stops at the first damage, naming its offset; it trusts the index keys turn
-records carry, which `verify` recomputes from their content (`key_check`). The format is
-described in README.md.
+records carry, which `verify` recomputes from their content (`key_check`). Recovering
+(`load(recover=True)`, `rewrite_intact`) reads a version-2 file on past damage and keeps every
+turn whose record and referents are intact: records refer to earlier ones by their place in
+the file, and `framing.read_gap` says how many records of each kind the damage held, so
+those places stay right. Opening a log damaged before intact records refuses, saying what
+to run. The format is described in README.md.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ from .tokens import ArrayRun, PackedFull, TokenRun, packable, run_list
 __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
+    "DroppedTurn",
     "FileLockedError",
     "LoadReport",
     "PromptKind",
@@ -100,6 +105,7 @@ __all__ = [
     "UnkeyedTurn",
     "load",
     "open_append",
+    "rewrite_intact",
     "save",
     "verify",
 ]
@@ -538,6 +544,17 @@ def save(graph: Graph, path: str | os.PathLike[str], *, blobs: str = "inline") -
 # ---------------------------------------------------------------- reading
 
 
+class DroppedTurn(NamedTuple):
+    """An intact turn record that `load(recover=True)` left out: a record it refers to (its
+    parent, its base, a turn whose tokens it extends, a shared value or a blob) was lost to
+    damage, or the record itself does not check. `cause` says which."""
+
+    node_id: str | None  # None when the record does not say
+    record: int  # its index in the file
+    offset: int
+    cause: str
+
+
 @dataclass
 class LoadReport:
     """What a load or verify found: how far the file is good, and the first damage."""
@@ -565,10 +582,22 @@ class LoadReport:
     # turns whose keys could not be recomputed there (each with its record and the cause):
     # kept, filed under the keys their records name, as a plain load files every turn
     unkeyed: list[UnkeyedTurn] = field(default_factory=list)
+    # `load(recover=True)` of a version-2 file reads on past damage: the damaged stretches
+    # it read past ([start, end) offsets; one frame whose header alone was hit is rebuilt,
+    # nothing of it lost), the turn records lost inside them, whether one of them could not
+    # be read as frames (how many turns it held is then unknown), and the intact turn
+    # records dropped because a record they refer to was lost (or they do not check)
+    damaged: list[tuple[int, int]] = field(default_factory=list)
+    turns_before_damage: int = 0  # of the turns kept, those read before the first damage
+    lost_turns: int = 0
+    lost_unknown: bool = False
+    dropped: list[DroppedTurn] = field(default_factory=list)
 
     def fail(
         self, exc: CorruptFileError | MissingStoreObjectError, truncated: bool = False
     ) -> None:
+        if self.error is None:
+            self.turns_before_damage = self.turns
         # the report outlives the read: its error keeps no frames (they hold the file's bytes)
         link: BaseException | None = exc
         for _ in range(8):  # the chain is short; a bound keeps a cycle from looping
@@ -614,6 +643,15 @@ class _Loader:
         # keys recomputed rather than checked: a version-1 file (an earlier scheme of keys)
         # or a load with recover=True
         self.rekey = False
+        self.node_id: str | None = None  # of the turn record being read
+        # recovering past damage: records refer to earlier ones by their place in the file,
+        # so once one is lost, these map places to what was kept (None: lost; identity while
+        # the map itself is None). Past a stretch of unknown content (`frozen`) the places
+        # of later records are unknown: only references to records before it resolve.
+        self.turn_map: list[Turn | None] | None = None
+        self.blob_map: list[int | None] | None = None
+        self.frozen: tuple[int, int, int] | None = None  # (turns, blobs, values) known
+        self.values_lost = False  # a value's place holds `_LOST_VALUE`
 
     def check(
         self, packed: Any, n_blobs: int, echo_ok: bool = False, depth: int = MAX_DEPTH
@@ -715,8 +753,75 @@ class _Loader:
         if blobs.cache is not None:
             blobs.cache.put(key, text, size)
 
+    # ---- recovering past damage (`_Records` with `resync`)
+
+    @property
+    def lossy(self) -> bool:
+        """Whether a record was lost: places in the file no longer match the graph's."""
+        return self.turn_map is not None or self.blob_map is not None or self.frozen is not None
+
+    def lose(self, kind: int) -> None:
+        """A record of `kind` is lost (damaged, or it does not check): its place is kept."""
+        if self.frozen is not None:
+            return  # places are unknown from here on: nothing refers to this one
+        if kind == KIND_TURN:
+            if self.turn_map is None:
+                self.turn_map = [self.restore.turn(i) for i in range(len(self.graph))]
+            self.turn_map.append(None)
+        elif kind in (KIND_BLOB, KIND_BLOB_REF):
+            if self.blob_map is None:
+                self.blob_map = list(range(len(self.graph.blobs)))
+            self.blob_map.append(None)
+        elif kind == KIND_VALUE:
+            self.writer.value_objects.append(_LOST_VALUE)
+            self.value_is_list.append(False)
+            self.values_lost = True
+
+    def freeze(self) -> None:
+        """A damaged stretch of unknown content: no later record's place is known."""
+        if self.frozen is None:
+            turns = len(self.turn_map) if self.turn_map is not None else len(self.graph)
+            blobs = len(self.blob_map) if self.blob_map is not None else len(self.graph.blobs)
+            self.frozen = (turns, blobs, len(self.writer.value_objects))
+
+    def placed_blob(self) -> None:
+        """A blob record was read into the graph's table (its last blob)."""
+        if self.blob_map is not None and self.frozen is None:
+            self.blob_map.append(len(self.graph.blobs) - 1)
+
+    def _remapped(self, packed: Any, depth: int) -> Any:
+        """`packed` with each blob reference (a place in the file) turned into the graph's
+        index of that blob; `_LostReference` for a blob that was lost."""
+        if not isinstance(packed, bytes) or (self.blob_map is None and self.frozen is None):
+            return packed
+        places = self.blob_map
+        n_places = self.frozen[1] if self.frozen is not None else len(places or ())
+        info = check_packed(packed, 1 << 32, depth, echo_ok=True)
+        if not info.refs or info.blob_refs is None:
+            return packed
+        out = bytearray(packed)
+        for at in info.blob_refs:
+            place = int.from_bytes(out[at + 2 : at + 6], "big")
+            index = (place if places is None else places[place]) if place < n_places else None
+            if index is None:
+                raise _LostReference(f"it refers to blob {place}, which was lost")
+            out[at + 2 : at + 6] = index.to_bytes(4, "big")
+        return bytes(out)
+
+    def _remapped_record(self, record: TurnRecord) -> TurnRecord:
+        logprobs = record.logprobs
+        if logprobs is not None and len(logprobs) == 2 and logprobs[0] == "j":
+            logprobs = ["j", self._remapped(logprobs[1], MAX_DEPTH)]
+        return record._replace(
+            tail=self._remapped(record.tail, MESSAGES_DEPTH),
+            response=self._remapped(record.response, MAX_DEPTH),
+            logprobs=logprobs,
+        )
+
     def value(self, payload: Any) -> None:
         # a value may hold a request's leading system messages: an array of messages
+        if self.blob_map is not None or self.frozen is not None:
+            payload = self._remapped(payload, MESSAGES_DEPTH)
         info = self.check(payload, len(self.graph.blobs), depth=MESSAGES_DEPTH)
         if info.refs and not info.blob_refs:  # where they are, to splice them
             n_blobs, surrogates = len(self.graph.blobs), self.blob_surrogates
@@ -758,6 +863,9 @@ class _Loader:
             record = _RECORD_DECODER.decode(payload)
         except msgspec.DecodeError:
             record = _untyped_record(unpack_payload(payload))
+        self.node_id = record.node_id
+        if self.blob_map is not None or self.frozen is not None:
+            record = self._remapped_record(record)
         n_blobs = len(self.graph.blobs)
         turn = self._identity(record)
         side = turn.side
@@ -780,6 +888,8 @@ class _Loader:
             else:
                 key_check.check(turn, index_keys, offset, index)
         restore.commit(turn, index_keys, moves)
+        if self.turn_map is not None and self.frozen is None:
+            self.turn_map.append(turn)
         self.ids.add(node_id)
         if turn.prompt is not None or turn.full is not None:
             self.writer.note_runs(turn)
@@ -819,7 +929,7 @@ class _Loader:
     def _values(self, side: TurnSide, record: TurnRecord) -> None:
         """The shared values the record refers to (value records read before it)."""
         values = self.writer.value_objects  # value records in file order
-        n_values = len(values)
+        n_values = len(values) if self.frozen is None else self.frozen[2]
         system, tools, sampling, requested = (
             record.system,
             record.tools,
@@ -832,11 +942,20 @@ class _Loader:
             or (sampling is not None and sampling >= n_values)
             or (requested is not None and requested >= n_values)
         ):
+            if self.frozen is not None:
+                raise _LostReference("it refers to a shared value after unreadable damage")
             raise ValueError("value reference out of range")
         side.system = None if system is None else values[system]
         side.tools = None if tools is None else values[tools]
         side.sampling = None if sampling is None else values[sampling]
         side.requested = None if requested is None else values[requested]
+        if self.values_lost and _LOST_VALUE in (
+            side.system,
+            side.tools,
+            side.sampling,
+            side.requested,
+        ):
+            raise _LostReference("it refers to a shared value that was lost")
 
     def _request(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
         """The system part, the base, the tail and the response: the turn's bytes built once,
@@ -931,22 +1050,37 @@ class _Loader:
             turn.pack_tokens(prompt, _NO_IDS, sampled, side.logprobs)
 
     def _moves(self, turn: Turn, moves: list[tuple[int, int]]) -> list[tuple[Turn, LinkKind]]:
-        """Earlier turns that this one re-linked under itself."""
+        """Earlier turns that this one re-linked under itself (a lost one is left out: the
+        turn itself is intact)."""
         out: list[tuple[Turn, LinkKind]] = []
         for other_index, link in moves:
-            other = self._ref(other_index)
+            try:
+                other = self._ref(other_index)
+            except _LostReference:
+                continue
             if other is None or not 0 < link <= LinkKind.EXPLICIT or is_above(other, turn):
                 raise ValueError("bad move")
             out.append((other, _LINK_KINDS[link]))
         return out
 
     def _ref(self, index: Any) -> Turn | None:
-        """The earlier turn at `index`, or None."""
+        """The earlier turn at `index` (its place in the file), or None."""
         if index is None:
             return None
-        if not isinstance(index, int) or not 0 <= index < len(self.graph):
+        places, frozen = self.turn_map, self.frozen
+        if places is None and frozen is None:
+            if not isinstance(index, int) or not 0 <= index < len(self.graph):
+                raise ValueError(f"turn reference {index!r} out of range")
+            return self.restore.turn(index)
+        limit = frozen[0] if frozen is not None else len(places or ())
+        if not isinstance(index, int) or index < 0 or (index >= limit and frozen is None):
             raise ValueError(f"turn reference {index!r} out of range")
-        return self.restore.turn(index)
+        turn = None
+        if index < limit:
+            turn = places[index] if places is not None else self.restore.turn(index)
+        if turn is None:
+            raise _LostReference(f"it refers to turn record {index}, which was lost")
+        return turn
 
     def _prompt(self, spec: Any) -> TokenRun | None:
         if spec is None:
@@ -966,6 +1100,13 @@ class _Loader:
             return ArrayRun(None, _segment(spec[1]))
         raise ValueError("bad prompt spec")
 
+
+class _LostReference(ValueError):
+    """A record refers to one that was lost to damage (`load(recover=True)` drops it)."""
+
+
+#: The place of a shared value lost to damage (compared by identity: no record is this).
+_LOST_VALUE = bytes.fromhex("c1") + b" lost value"
 
 #: The new ids of a packed root (none: see `_Restorer._tokens`); never changed.
 _NO_IDS: array[int] = array("I")
@@ -1084,16 +1225,52 @@ def _frames_v1(data: bytes, report: LoadReport) -> _Frames:
         record += 1
 
 
-def _frames_v2(data: bytes, report: LoadReport) -> _Frames:
-    """The same for a version-2 file: each frame verified and bound to the one before."""
+def _frames_v2(
+    data: bytes, report: LoadReport, on_gap: Callable[[framing.Gap], bool] | None = None
+) -> _Frames:
+    """The same for a version-2 file: each frame verified and bound to the one before.
+
+    With `on_gap`, reading goes on past damage at the next frame that verifies (each damaged
+    stretch goes to `on_gap` first, unless it was one frame whose header alone was hit: that
+    frame is rebuilt and read); `on_gap` returns False to stop there."""
     reader = framing.FrameReader(
         data, len(framing.MAGIC_V2), digest_kinds=_DIGEST_KINDS, max_kind=KIND_BLOB_REF
     )
-    try:
-        yield from reader.tuples()
-    except CorruptFileError as exc:
-        report.fail(exc, truncated=reader.cut)
-        report.resync_offset = reader.resync
+    while True:
+        try:
+            yield from reader.tuples()
+            return
+        except CorruptFileError as exc:
+            if report.error is None:
+                report.fail(exc, truncated=reader.cut)
+                report.resync_offset = reader.resync
+            resync = reader.resync
+            if on_gap is None or resync is None:
+                return
+        gap = framing.read_gap(
+            data,
+            reader.offset,
+            resync,
+            reader.chain,
+            reader.records,
+            digest_kinds=_DIGEST_KINDS,
+            max_kind=KIND_BLOB_REF,
+        )
+        report.damaged.append((gap.start, gap.end))
+        records = reader.records
+        if gap.repaired is not None:
+            frame = gap.repaired
+            yield frame.kind, frame.payload, frame.offset, frame.record, frame.end, frame.chain
+            records += 1
+        elif not on_gap(gap):
+            return
+        else:
+            records += len(gap.kinds) if gap.kinds is not None else 1
+        chain = framing.HEADER.unpack_from(data, resync)[3]
+        reader = framing.FrameReader(
+            data, resync, digest_kinds=_DIGEST_KINDS, max_kind=KIND_BLOB_REF
+        )
+        reader.chain, reader.records = chain, records
 
 
 def _decode(payload: memoryview, max_containers: int) -> Any:
@@ -1130,6 +1307,35 @@ class _Records:
         self.ended = False
         self.pending: list[tuple[int, Any, int, int]] = []  # (kind, body, offset, record)
         self.at = (0, 0)
+        # `load(recover=True)` of a version-2 file: read on past damage (see `gap`)
+        self.resync = check_keys == _REKEY and version >= 2
+        self.kept_mark: tuple[int, int, int] = (0, 0, 0)  # blobs when the last turn was kept
+
+    def gap(self, gap: framing.Gap) -> bool:
+        """Damaged frames read past (`_frames_v2`): the records that waited for a turn are
+        read, then each lost record keeps its place, so that later references stay right. A
+        stretch of unknown content leaves every later record's place unknown (`freeze`):
+        only turns that refer to nothing after it are kept. False: stop (no header)."""
+        loader = self.loader
+        if loader is None:
+            return False
+        try:
+            self.apply_pending(loader)
+        except StoreError:
+            raise
+        except Exception:  # an intact record that does not check: stop, as at any such one
+            return False
+        if gap.kinds is None:
+            loader.freeze()
+            self.report.lost_unknown = True
+            return True
+        for kind in gap.kinds:
+            if kind == KIND_END:
+                self.ended = True
+            elif kind != KIND_HEADER:
+                loader.lose(kind)
+                self.report.lost_turns += kind == KIND_TURN
+        return True
 
     def apply(self, kind: int, payload: memoryview, start: int, record: int) -> None:
         self.at = (start, record)
@@ -1165,35 +1371,64 @@ class _Records:
             self.pending.append((kind, body, start, record))
         elif kind == KIND_TURN:
             mark = loader.mark()
+            loader.node_id = None
             try:
                 self.apply_pending(loader)
                 self.at = (start, record)
                 loader.turn(body, start, record)
+            except _LostReference as exc:
+                # (only past damage) dropped, its place kept; the blobs and values read with
+                # it stay: they are intact, and a later turn may refer to them
+                loader.unfiled.clear()
+                loader.lose(KIND_TURN)
+                self.report.dropped.append(DroppedTurn(loader.node_id, record, start, str(exc)))
+                return
             except BaseException:
                 loader.rollback(mark)
                 raise
             self.report.turns += 1
+            if self.resync:
+                self.kept_mark = loader.graph.blobs.mark()
         elif kind == KIND_END:
+            self.ended = True
+            if self.resync and (loader.lossy or self.pending):
+                return  # its counts are of the records written, not of those read
             _check_end(body, self.pending, self.report)
             loader.graph.blobs.count_references(*body["references"])
-            self.ended = True
         else:
             raise ValueError(f"unknown record kind {kind}")
 
     def apply_pending(self, loader: _Loader) -> None:
-        """The blobs and values that waited for the turn record now read."""
+        """The blobs and values that waited for the turn record now read. Recovering, a
+        blob whose object the content store lacks or has damaged is lost (its place kept:
+        the turns that use it are dropped, not the rest), and so is a value that refers to a
+        lost blob."""
         for kind, body, start, record in self.pending:
             self.at = (start, record)  # an error names this record
-            if kind == KIND_BLOB_REF:
-                loader.blob_ref(body, start, record)
-            elif kind != KIND_BLOB:
-                loader.value(body)
-            elif self.version == _V1:
-                loader.blob(body, start, record)
-            else:
-                loader.blob_v2(body)
-            self.report.blobs += kind in (KIND_BLOB, KIND_BLOB_REF)
+            try:
+                self.apply_one(loader, kind, body, start, record)
+            except _LostReference:
+                loader.lose(kind)
+            except StoreObjectError as exc:
+                if not self.resync:
+                    raise
+                loader.lose(kind)
+                if self.report.error is None:
+                    self.report.fail(exc)
         self.pending.clear()
+
+    def apply_one(self, loader: _Loader, kind: int, body: Any, start: int, record: int) -> None:
+        if kind == KIND_BLOB_REF:
+            loader.blob_ref(body, start, record)
+        elif kind != KIND_BLOB:
+            loader.value(body)
+        elif self.version == _V1:
+            loader.blob(body, start, record)
+        else:
+            loader.blob_v2(body)
+        if kind != KIND_VALUE:
+            self.report.blobs += 1
+            loader.placed_blob()
 
     def finish(self) -> _Loader:
         """Damage only the end of the file shows; the loader (an empty one if none)."""
@@ -1215,6 +1450,11 @@ class _Records:
         if self.loader is not None and self.loader.rekey and self.loader.key_check is not None:
             report.keys_recomputed = self.loader.key_check.finish_rekeyed()
             report.unkeyed = self.loader.key_check.unkeyed
+        if self.resync and self.loader is not None:
+            # blobs read for turns dropped after the last kept one: no turn refers to them
+            blobs = self.loader.graph.blobs
+            if blobs.mark()[0] > self.kept_mark[0]:
+                blobs.rollback(self.kept_mark)
         return self.loader if self.loader is not None else _Loader(None)
 
 
@@ -1241,8 +1481,11 @@ def _scan(
         ) or not data.strip(b"\0")
         return _Loader(None), report
     report.version = version
-    frames = _frames_v1(data, report) if version == _V1 else _frames_v2(data, report)
     records = _Records(report, version, path, store, cache, check_keys)
+    if version == _V1:
+        frames = _frames_v1(data, report)
+    else:
+        frames = _frames_v2(data, report, records.gap if records.resync else None)
     for kind, payload, start, record, end, chain in frames:
         try:
             records.apply(kind, payload, start, record)
@@ -1261,7 +1504,7 @@ def _scan(
             )
             break
         report.records = record + 1
-        if not records.pending:
+        if not records.pending and report.error is None:
             report.good_bytes, report.good_chain = end, chain
         if progress is not None:
             progress(end)
@@ -1367,8 +1610,27 @@ def needs_store(path: str | os.PathLike[str]) -> bool:
 _HEADER_READ = 1 << 16
 
 
-def _raise_for(report: LoadReport) -> None:
-    raise report.exception or CorruptFileError("damaged file")
+def _raise_for(report: LoadReport, advice: str = "") -> None:
+    exc = report.exception or CorruptFileError("damaged file")
+    if advice:  # the same error (class and attributes), its message saying what to do
+        told = type(exc).__new__(type(exc), f"{exc}; {advice}")
+        told.__dict__.update(exc.__dict__)
+        exc = told
+    raise exc
+
+
+def _reopen_advice(report: LoadReport, target: Path) -> str:
+    """What to do about a log that cannot be opened for appending as it is."""
+    if report.truncated:  # nothing intact follows the damage
+        return (
+            f"a torn tail (a crash while writing): open it with repair=True, or run "
+            f"`rollout-store repair {target}`, to cut it off and append after the intact records"
+        )
+    return (
+        f"intact records follow the damage, so the log is not opened: appending would leave "
+        f"them behind it. `rollout-store repair --rewrite {target}` rewrites it in place with "
+        f"every intact turn, or `rollout-store recover {target} -o NEW` saves them to a new file"
+    )
 
 
 def verify(
@@ -1394,8 +1656,13 @@ def load(
 ) -> RolloutGraph:
     """Read a rollout file. Damage raises `CorruptFileError` naming its offset.
 
-    With `recover=True` every complete turn before the first damage is loaded instead, and
-    `graph.load_report` says where the file was cut or damaged; each turn's index keys are
+    With `recover=True` every intact turn is loaded instead, and `graph.load_report` says
+    where the file was cut or damaged. In a version-2 file reading goes on past damage, at
+    the next frame that verifies: a turn is kept when its own record and every record it
+    refers to (its parent, its base, the turn whose tokens it extends, its shared values and
+    blobs) are intact; one whose referent was lost is dropped and listed in the report's
+    `dropped` (`damaged`, `lost_turns` and `lost_unknown` say what the damage held). A
+    version-1 file keeps the turns before its first damage. Each turn's index keys are
     then recomputed from its content rather than trusted (`keys_recomputed` in the report
     counts the turns whose records named others), so saving the graph repairs a file that
     `verify` refuses with `IndexKeyMismatch`. A version-1 file's keys, of an earlier scheme,
@@ -1416,6 +1683,39 @@ def load(
         _raise_for(report)
     loader.graph.load_report = report
     return loader.graph
+
+
+def rewrite_intact(
+    path: str | os.PathLike[str], *, store: ContentStore | None = None
+) -> LoadReport:
+    """Rewrite a damaged file in place with every turn `load(path, recover=True)` keeps: a
+    log as a log (appendable again), a snapshot as a snapshot, each long string kept as the
+    file kept it (inline, or as store references: pass its `store`). The new file replaces
+    the old one atomically (temporary file, fsync, rename; refused while a graph appends to
+    it); the damaged bytes are gone. Returns the report of the recovering read (what was
+    lost and dropped). A file with no turn to keep raises `CorruptFileError`."""
+    target = Path(path)
+    loader, report = _scan(_read(target), os.fspath(target), None, store, None, _REKEY)
+    if report.error is not None and report.records == 0:
+        _raise_for(report)
+    graph, blobs = loader.graph, loader.writer.blobs_mode
+    if report.mode == MODE_SNAPSHOT:
+        save(graph, target, blobs=blobs)
+        return report
+
+    def write(fp: IO[bytes]) -> None:
+        writer = _Writer(blobs=blobs)
+        out = _Gather(fp.fileno())
+        out.add([writer.header(graph, MODE_LOG)])
+        for entry in graph.journal_entries():
+            frames, commit = writer.turn_frames(graph.blobs, entry)
+            out.add(frames)
+            commit()
+        out.flush()
+
+    with graph.lock:
+        replace_file(target, write)
+    return report
 
 
 class _AppendLog:
@@ -1494,7 +1794,10 @@ def open_append(
     mode 0600, as every file the library writes).
 
     An existing file is loaded first; if its last record is cut short (a crash while
-    writing), `repair=True` truncates it to the last complete record, else it raises.
+    writing), `repair=True` truncates it to the last complete record, else it raises. Intact
+    records are never cut: a log damaged before intact records is refused (`CorruptFileError`
+    naming the damage and `rollout-store repair --rewrite`, which rewrites it with every
+    intact turn; see `rewrite_intact`), even with `repair=True`.
 
     `store`, `cache`: the graph's content store (see `RolloutGraph`). `blobs="store"` makes
     a new log write references into the store instead of the strings; an existing log keeps
@@ -1558,7 +1861,7 @@ def _resume(
         raise CorruptFileError(f"{target} is a snapshot written by save(), not a log")
     if report.error is not None:
         if not (repair and report.truncated):
-            _raise_for(report)
+            _raise_for(report, _reopen_advice(report, target))
         # repair: cut the torn tail (a file torn inside its header starts anew)
         keep = report.good_bytes if report.records > 0 else 0
         os.ftruncate(fp.fileno(), keep)

@@ -4,7 +4,10 @@
 contract suite over all of them). `DirectoryStore` is for many processes on one machine: an
 object is written to a temporary file, flushed to disk, then linked under its final name, so
 a process killed at any moment leaves either the whole object or none under its key (at most
-a stray temporary file, which `remove_temporaries` deletes). Redis and S3 backends are in
+a stray temporary file, which `remove_temporaries` deletes). A put over an object that does not
+hold the content of its key (damaged behind the store's back) replaces it, atomically: every
+backend heals that way, so one damaged object never spoils the later turns that store its
+content again. Redis and S3 backends are in
 `redis_store` and `s3_store`; `open_store` opens any of them from its name on a command line.
 """
 
@@ -48,31 +51,33 @@ class MemoryStore:
     def __len__(self) -> int:
         return len(self._objects)
 
-    def _add(self, key: bytes, value: bytes | str, nbytes: int) -> None:
+    def _add(self, key: bytes, value: bytes | str, data: bytes) -> bytes | str:
+        """Store `value` (whose bytes are `data`) under `key` unless an intact object is
+        there; the object now stored. A damaged one (`_holds` fails) is replaced."""
         with self._lock:
-            if key not in self._objects:
-                self._objects[key] = value
-                self.nbytes += nbytes
+            found = self._objects.get(key)
+            if found is not None and _holds(found, data):
+                return found
+            self._objects[key] = value
+            self.nbytes += len(data) - (0 if found is None else _size(found))
+            return value
 
     def put(self, data: bytes) -> bytes:
         data = bytes(data)
         key = content_key(data)
-        self._add(key, data, len(data))
+        self._add(key, data, data)
         return key
 
     def put_text(self, text: str, data: bytes) -> bytes:
         key = content_key(data)
-        if key not in self._objects:
-            self._add(key, text, len(data))
+        found = self._objects.get(key)
+        if found is None or not (found == text if type(found) is str else found == data):
+            self._add(key, text, data)
         return key
 
     def share_bytes(self, data: bytes) -> bytes:
         key = content_key(data)
-        with self._lock:
-            found = self._objects.get(key)
-            if found is None:
-                self._objects[key] = found = bytes(data)
-                self.nbytes += len(data)
+        found = self._add(key, bytes(data), data)
         if type(found) is str:  # (only a blob table's strings are str: never equal bytes)
             return bytes(data)
         return found  # type: ignore[return-value]
@@ -115,12 +120,26 @@ class MemoryStore:
             return iter(list(self._objects))
 
 
+def _holds(found: bytes | str, data: bytes) -> bool:
+    """Whether the object `found` is the content `data` (of its key): comparing with the
+    content costs less than hashing the object again."""
+    if type(found) is str:
+        return found.encode("utf-8", "surrogatepass") == data
+    return found == data
+
+
+def _size(found: bytes | str) -> int:
+    return len(found.encode("utf-8", "surrogatepass")) if type(found) is str else len(found)
+
+
 class DirectoryStore:
     """Objects as files under `path` (`<path>/ab/cdef...`, named by the key's hex).
 
     Safe for many threads and processes at once: a put writes a temporary file in
     `<path>/tmp`, fsyncs it and hard-links it to its final name (atomic, never replaces an
-    existing object); where hard links are not supported it renames instead.
+    intact object); where hard links are not supported it renames instead. An object already
+    under the key is read and compared with the content first: a damaged one is replaced by
+    renaming the temporary file over it (atomic: a reader sees the old file or the new one).
     `fsync=False` skips the flushes (faster, but a power loss may lose recent objects).
     `readonly=True` reads only: nothing is created (not even the directory, so a mistyped
     path leaves no trace) and `put` raises `StoreError`.
@@ -156,7 +175,7 @@ class DirectoryStore:
         data = bytes(data)
         key = content_key(data)
         final = self._object_path(key)
-        if final.exists():
+        if self._intact(final, data, key):
             return key
         if self.readonly:
             raise StoreError(f"the directory store at {self.path} is open read-only", key=key)
@@ -172,7 +191,11 @@ class DirectoryStore:
             try:
                 os.link(tmp, final)
             except FileExistsError:
-                pass  # another writer stored the same content first
+                # another writer stored the content first, or a damaged object is there:
+                # replace that one (every writer renames the same content into place)
+                if not self._intact(final, data, key):
+                    os.replace(tmp, final)
+                    tmp = None
             except OSError:  # no hard links here: rename (replacing equal content is harmless)
                 os.replace(tmp, final)
                 tmp = None
@@ -188,6 +211,20 @@ class DirectoryStore:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
         return key
+
+    def _intact(self, final: Path, data: bytes, key: bytes) -> bool:
+        """Whether `final` holds `data` (absent: False)."""
+        try:
+            if final.stat().st_size != len(data):
+                return False
+            return final.read_bytes() == data
+        except FileNotFoundError:
+            return False
+        except OSError as error:
+            raise StoreUnavailableError(
+                f"reading an object from the directory store at {self.path} failed: {error}",
+                key=key,
+            ) from error
 
     def get(self, key: bytes) -> bytes:
         path = self._object_path(check_key(key))

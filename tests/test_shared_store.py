@@ -206,6 +206,51 @@ def test_a_tampered_object_is_detected_never_returned(tmp_path: Path) -> None:
     assert graph.request_messages("t1") == turns[1]["request_messages"]
 
 
+def test_a_damaged_object_is_replaced_by_the_next_turn_that_stores_its_content(
+    tmp_path: Path,
+) -> None:
+    """One damaged object does not spoil every later turn that stores the same content: the
+    next graph to store it replaces the object, and every graph reads exactly again."""
+    store = DirectoryStore(tmp_path / "objects")
+    turns = group(1, 2)[0]
+    first = RolloutGraph(store=store, cache=StringCache(0))
+    add_all(first, turns[:1])
+    image = turns[0]["request_messages"][1]["content"][1]["image_url"]["url"]
+    name = content_key(image.encode()).hex()
+    (store.path / name[:2] / name[2:]).write_bytes(image[:-1].encode() + b"X")
+    with pytest.raises(CorruptObjectError):
+        first.request_messages("t0")
+    later = RolloutGraph(store=store, cache=StringCache(0))
+    add_all(later, turns)
+    assert snapshot(later) == snapshot(private_twin(turns))
+    assert first.request_messages("t0") == turns[0]["request_messages"]
+
+
+@pytest.mark.parametrize("kind", ["memory", "directory"])
+def test_a_graph_that_read_a_damaged_object_puts_it_again_with_its_next_turn(
+    tmp_path: Path, kind: str
+) -> None:
+    """Within one graph a repeated string is found in its own table, not put again: once a
+    read found the object damaged, the next turn that stores the string replaces it."""
+    store: Any = MemoryStore() if kind == "memory" else DirectoryStore(tmp_path / "objects")
+    graph = RolloutGraph(store=store, cache=None if kind == "memory" else StringCache(0))
+    text = "the long system prompt " * 60
+    graph.add_turn(TurnNode("a", request_messages=[{"role": "user", "content": text}]))
+    key = content_key(text.encode())
+    if kind == "memory":
+        store._objects[key] = b"damaged"
+    else:
+        name = key.hex()
+        (store.path / name[:2] / name[2:]).write_bytes(b"damaged")
+    with pytest.raises(CorruptObjectError):
+        graph.request_messages("a")
+    other = [{"role": "system", "content": text}, {"role": "user", "content": "again"}]
+    graph.add_turn(TurnNode("b", request_messages=other))
+    assert store.get(key) == text.encode()
+    assert graph.request_messages("a") == [{"role": "user", "content": text}]
+    assert graph.request_messages("b") == other
+
+
 # ---------------------------------------------------------------- faults
 
 

@@ -115,6 +115,21 @@ class StoreContract:
         with pytest.raises(CorruptObjectError):
             store.get(key)
 
+    def test_a_put_over_a_damaged_object_replaces_it(self, store: Any) -> None:
+        """Put-if-absent does not trust a damaged object under the key: the next put of its
+        content replaces it (small objects, and objects large enough to be checked before
+        they are sent), and a put over an intact object leaves it as it is."""
+        for data in (b"the real content " * 100, bytes(range(256)) * 400):
+            key = store.put(data)
+            for forged in (b"forged content", data[:-1], data[:-1] + b"X", b""):
+                self.tamper(store, key, forged)
+                with pytest.raises(CorruptObjectError):
+                    store.get(key)
+                assert store.put(data) == key
+                assert store.get(key) == data
+                assert store.put(data) == key and store.get(key) == data
+            assert key in self.keys(store)
+
     def test_many_threads_put_one_content_once(self, store: Any) -> None:
         before = self.keys(store)
         rng = random.Random(5)
@@ -280,6 +295,26 @@ class TestS3Store(SharedStoreContract):
             )
         assert "PreconditionFailed" in str(info.value) or "412" in str(info.value)
         assert store.get(key) == b"first"
+
+    def test_a_heal_never_overwrites_an_object_changed_since_it_was_read(self, store: Any) -> None:
+        """The replace of a damaged object is conditional on the ETag read: when another
+        writer changes the object in between, S3 refuses it and the put reads again."""
+        data = b"content " * 50
+        key = store.put(data)
+        self.tamper(store, key, b"damaged once")
+        read, seen = store._read, []
+
+        def racing_read(*args: Any) -> Any:
+            found = read(*args)
+            if not seen:  # another writer changes the object before our replace
+                self.tamper(store, key, b"damaged twice")
+            seen.append(found[0])
+            return found
+
+        store._read = racing_read
+        assert store.put(data) == key
+        assert seen == [b"damaged once", b"damaged twice"]
+        assert store.get(key) == data
 
     def test_a_missing_bucket_is_a_store_error(self, s3_url: str) -> None:
         store = S3Store("no-such-bucket-here", endpoint_url=s3_url, **S3_CREDENTIALS)
