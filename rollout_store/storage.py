@@ -6,7 +6,7 @@ temporary file, fsyncs and renames it (`atomic`); append mode writes one turn's 
 one write call and fsyncs by policy. Loading checks every frame, blob digest and stored value
 (`packed`) and stops at the first damage, naming its offset; it trusts the index keys turn
 records carry, which `verify` recomputes from their content (`key_check`). The format is
-described in README.md.
+specified in docs/format.md.
 """
 
 from __future__ import annotations
