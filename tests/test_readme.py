@@ -40,6 +40,11 @@ def test_readme_block_runs(index: int, tmp_path: Path) -> None:
     run_python(BLOCKS[index], tmp_path, f"readme_block_{index}.py")
 
 
+def test_the_docs_have_python_examples() -> None:
+    pages = {page for page, _, _ in DOC_EXAMPLES}
+    assert {"docs/guide.md", "docs/stores.md", "docs/format.md", "docs/index.md"} <= pages
+
+
 @pytest.mark.parametrize(
     "example", DOC_EXAMPLES, ids=[f"{page}:{index}" for page, index, _ in DOC_EXAMPLES]
 )
@@ -56,11 +61,18 @@ def test_every_server_example_is_run_by_the_server_tests() -> None:
     assert [block for _, block in server_examples()] == covered
 
 
-def test_the_readme_command_line_block_runs_after_the_quick_start(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("page", "heading"), [(README, "## Command line"), (DOCS / "cli.md", "## Commands")]
+)
+def test_the_command_line_blocks_run_after_the_quick_start(
+    page: Path, heading: str, tmp_path: Path
+) -> None:
+    """Every `rollout-store` line but `view` (it serves until stopped; the viewer's tests
+    cover it) runs where the README's quick start ran, with `damaged.rls` a cut snapshot."""
     run_python(BLOCKS[0], tmp_path, "quickstart.py")  # writes episode.rls and live.rls
     episode = (tmp_path / "episode.rls").read_bytes()
-    (tmp_path / "damaged.rls").write_bytes(episode[: len(episode) - 40])  # a cut snapshot
-    (shell,) = blocks(section(README, "## Command line"), "sh")
+    (tmp_path / "damaged.rls").write_bytes(episode[: len(episode) - 40])
+    (shell,) = blocks(section(page, heading), "sh")
     commands = [argv for argv in shell_commands(shell) if "view" not in argv]
     assert len(commands) >= 6
     for argv in commands:
