@@ -5,7 +5,7 @@ start; the README stays short and names every public name."""
 from __future__ import annotations
 
 import re
-import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +21,7 @@ from doc_examples import (
 )
 
 import rollout_store
+from rollout_store import cli
 
 ALL_BLOCKS = blocks(README.read_text(), "python")
 #: The capture server's examples talk to the server its shell block starts on port 8100; the
@@ -65,21 +66,27 @@ def test_every_server_example_is_run_by_the_server_tests() -> None:
     ("page", "heading"), [(README, "## Command line"), (DOCS / "cli.md", "## Commands")]
 )
 def test_the_command_line_blocks_run_after_the_quick_start(
-    page: Path, heading: str, tmp_path: Path
+    page: Path,
+    heading: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Every `rollout-store` line but `view` (it serves until stopped; the viewer's tests
-    cover it) runs where the README's quick start ran, with `damaged.rls` a cut snapshot."""
+    cover it) runs where the README's quick start ran, with `damaged.rls` a cut snapshot.
+    The command's entry point runs in this process, in that folder."""
     run_python(BLOCKS[0], tmp_path, "quickstart.py")  # writes episode.rls and live.rls
     episode = (tmp_path / "episode.rls").read_bytes()
     (tmp_path / "damaged.rls").write_bytes(episode[: len(episode) - 40])
     (shell,) = blocks(section(page, heading), "sh")
     commands = [argv for argv in shell_commands(shell) if "view" not in argv]
     assert len(commands) >= 6
+    monkeypatch.chdir(tmp_path)
     for argv in commands:
-        proc = subprocess.run(
-            argv, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
-        )
-        assert proc.returncode == 0, f"{argv[3:]} failed:\n{proc.stdout}{proc.stderr}"
+        assert argv[:3] == [sys.executable, "-m", "rollout_store.cli"]
+        status = cli.main(argv[3:])
+        out, err = capsys.readouterr()
+        assert status == 0, f"{argv[3:]} failed:\n{out}{err}"
     assert (tmp_path / "saved.rls").exists() and (tmp_path / "trace.jsonl").exists()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from doc_examples import DOCS, README, blocks, run_server_section, section
 
 SECTION = section(DOCS / "server.md", "## Quick start")
@@ -21,6 +22,7 @@ def test_the_section_has_its_examples() -> None:
     assert len(PYTHON) == 2 and all("127.0.0.1:8100" in block for block in PYTHON)
 
 
+@pytest.mark.slow
 def test_the_quick_start_and_the_group_run_as_written(tmp_path: Path) -> None:
     outputs = run_server_section(SHELL[0], PYTHON, tmp_path)
     assert "'n_turns': 1" in outputs[0]
@@ -28,6 +30,7 @@ def test_the_quick_start_and_the_group_run_as_written(tmp_path: Path) -> None:
     assert list((tmp_path / "rollouts").glob("*.rls"))  # the server's --data folder
 
 
+@pytest.mark.slow
 def test_the_readmes_server_example_runs_as_written(tmp_path: Path) -> None:
     (shell,) = blocks(README_SECTION, "sh")
     (python,) = blocks(README_SECTION, "python")
