@@ -126,7 +126,8 @@ def _turn_shape(index: int, record: list[Any], values: int) -> Hashable:
 def shape_of(data: bytes) -> Hashable:
     """The shape of a version-2 file saved by `RolloutGraph.save`: its header without the
     file id, then per frame its kind byte (escaping included) and what the record's path
-    through save and load depends on (see the module's docstring)."""
+    through save and load depends on (see the module's docstring), runs of equal frames
+    as one."""
     assert data[:8] == _MAGIC_V2
     shape: list[Hashable] = []
     offset, turns, values, turn_values = 8, 0, 0, 0
@@ -157,7 +158,19 @@ def shape_of(data: bytes) -> Hashable:
             shape.append((kind_byte, tuple(body)))
         else:
             shape.append((kind_byte, repr(body)))
-    return tuple(shape)
+    return _runs(shape)
+
+
+def _runs(shape: list[Hashable]) -> Hashable:
+    """Consecutive equal records as one, marked once or repeated: the tenth turn of a chain
+    takes the path through save and load that the second took."""
+    runs: list[tuple[Hashable, bool]] = []
+    for item in shape:
+        if runs and runs[-1][0] == item:
+            runs[-1] = (item, True)
+        else:
+            runs.append((item, False))
+    return tuple(runs)
 
 
 class RoundTrips:

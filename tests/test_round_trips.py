@@ -58,7 +58,7 @@ def test_a_graph_of_a_checked_shape_is_saved_but_not_compared_again(tmp_path: Pa
 @pytest.mark.parametrize(
     "other",
     [
-        lambda: chain("a", turns=4),  # one more turn
+        lambda: chain("a", turns=1),  # a single turn: no chain
         lambda: chain("a", finish_reason="stop"),  # a scalar field set
         lambda: chain("a", prompt_ids=[1, 2], sampled_ids=[3]),  # token ids
         lambda: chain("a", prompt_ids=[2**40], sampled_ids=[3]),  # ids beyond 32 bits
@@ -73,6 +73,15 @@ def test_each_difference_of_shape_is_checked(other: Any, tmp_path: Path) -> None
     second = tmp_path / "second.rls"
     other().save(second)
     assert shape_of(first.read_bytes()) != shape_of(second.read_bytes())
+
+
+def test_longer_chains_of_one_shape_are_one_shape(tmp_path: Path) -> None:
+    shapes = set()
+    for turns in (3, 4, 9):
+        path = tmp_path / f"{turns}.rls"
+        chain("a", turns=turns).save(path)
+        shapes.add(shape_of(path.read_bytes()))
+    assert len(shapes) == 1
 
 
 def test_a_fork_and_a_chain_differ_in_shape(tmp_path: Path) -> None:
