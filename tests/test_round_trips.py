@@ -1,8 +1,12 @@
-"""The save/load check every test gets (conftest.py, round_trips.py): it fails on a broken
-round trip, checks every new shape of graph, and skips only a shape it checked before."""
+"""What conftest.py adds to every run: the save/load check every test gets (round_trips.py)
+fails on a broken round trip, checks every new shape of graph and skips only a shape it
+checked before; the run's summary says how many slow tests were left out."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -98,3 +102,27 @@ def test_a_fork_and_a_chain_differ_in_shape(tmp_path: Path) -> None:
     chain("a").save(tmp_path / "chain.rls")
     shapes = {shape_of((tmp_path / f"{name}.rls").read_bytes()) for name in ("fork", "chain")}
     assert len(shapes) == 2
+
+
+def test_the_run_says_how_many_slow_tests_it_left_out() -> None:
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_readme_server.py",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    line = "2 slow tests (stress, fuzz, browser, subprocess servers) were left out"
+    assert f"{line}; run them with: python -m pytest -q -m slow" in proc.stdout
