@@ -1239,7 +1239,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=TRIM_IDLE_SECONDS,
         metavar="S",
         help="when no call has been in flight for S seconds, give the heap's free pages back "
-        "to the system (glibc's malloc_trim; see the README); 0: never",
+        "to the system (glibc's malloc_trim; see docs/server.md); 0: never",
     )
     parser.add_argument(
         "--no-token-capture",

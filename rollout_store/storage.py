@@ -10,7 +10,7 @@ records carry, which `verify` recomputes from their content (`key_check`). Recov
 turn whose record and referents are intact: records refer to earlier ones by their place in
 the file, and `framing.read_gap` says how many records of each kind the damage held, so
 those places stay right. Opening a log damaged before intact records refuses, saying what
-to run. The format is described in README.md.
+to run. The format is specified in docs/format.md.
 """
 
 from __future__ import annotations

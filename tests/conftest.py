@@ -38,30 +38,33 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 # ---------------------------------------------------------------- every graph round-trips
 # Each graph a test builds is saved and loaded back when the test ends, and must come back
-# the same: export (messages, discarded turns), token fields, stats and links.
+# the same: export (messages, discarded turns), token fields, stats and links. The check runs
+# once per graph shape in a session (see round_trips.py); ROLLOUT_STORE_ROUND_TRIP=every
+# checks every graph.
 
-import json  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
+from round_trips import RoundTrips  # noqa: E402
 
-from rollout_store import RolloutGraph, export_session  # noqa: E402
-from rollout_store.blobs import content_digest  # noqa: E402
+from rollout_store import RolloutGraph  # noqa: E402
+
+_ROUND_TRIPS = pytest.StashKey[RoundTrips]()
+_SLOW_DESELECTED = pytest.StashKey[int]()
 
 
-def graph_snapshot(graph: RolloutGraph) -> str:
-    doc = export_session(graph, include_messages=True, include_discarded=True)
-    turns = [graph.get(n) for n in graph.node_ids()]
-    tokens = [(t.prompt_ids, t.sampled_ids, t.sampled_logprobs) for t in turns]
-    links = [(graph.parent(n), graph.link_kind(n)) for n in graph.node_ids()]
-    return json.dumps(doc) + repr(tokens) + repr(links) + repr(graph.stats())
+def pytest_configure(config: pytest.Config) -> None:
+    every = os.environ.get("ROLLOUT_STORE_ROUND_TRIP", "") == "every"
+    config.stash[_ROUND_TRIPS] = RoundTrips(every=every)
+    config.stash[_SLOW_DESELECTED] = 0
 
 
 @pytest.fixture(autouse=True)
 def every_graph_round_trips(
-    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
-):
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[None]:
     built: list[RolloutGraph] = []
     original = RolloutGraph.__init__
 
@@ -72,26 +75,31 @@ def every_graph_round_trips(
     monkeypatch.setattr(RolloutGraph, "__init__", recording_init)
     yield
     monkeypatch.undo()
-    # a graph may hold ints a default process cannot write as text (read from a file written
-    # where the limit was raised): the comparison below writes them, so it lifts the limit
-    limit = sys.get_int_max_str_digits()
-    sys.set_int_max_str_digits(0)
-    try:
-        _round_trip(built, tmp_path_factory)
-    finally:
-        sys.set_int_max_str_digits(limit)
+    if built:
+        round_trips = request.config.stash[_ROUND_TRIPS]
+        round_trips.check(built, tmp_path_factory.mktemp("roundtrip"))
 
 
-def _round_trip(built: list[RolloutGraph], tmp_path_factory: pytest.TempPathFactory) -> None:
-    folder: Path | None = None
-    for graph in built:
-        # graphs read from files, empty ones, and ones with an injected (colliding) hasher
-        # whose digests a file cannot verify are left out
-        if graph.load_report is not None or not len(graph):
-            continue
-        if graph.blobs._hasher is not content_digest:
-            continue
-        folder = folder or tmp_path_factory.mktemp("roundtrip")
-        path = folder / f"{len(list(folder.iterdir()))}.rls"
-        graph.save(path)
-        assert graph_snapshot(RolloutGraph.load(path)) == graph_snapshot(graph)
+# ---------------------------------------------------------------- what the run left out
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    slow = sum(1 for item in items if item.get_closest_marker("slow") is not None)
+    if items and slow:
+        items[0].config.stash[_SLOW_DESELECTED] += slow
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    slow = config.stash.get(_SLOW_DESELECTED, 0)
+    if slow:
+        terminalreporter.write_line(
+            f"{slow} slow tests (stress, fuzz, browser, subprocess servers) were left out; "
+            "run them with: python -m pytest -q -m slow"
+        )
+    round_trips = config.stash.get(_ROUND_TRIPS, None)
+    if round_trips is not None and round_trips.checked:
+        every = "every graph" if round_trips.every else "once per graph shape"
+        terminalreporter.write_line(
+            f"save/load round trips ({every}): {round_trips.checked} graphs loaded and "
+            f"compared, {round_trips.skipped} of a shape already checked saved only"
+        )

@@ -168,6 +168,7 @@ _conversations = st.builds(
 )
 
 
+@pytest.mark.slow
 @given(turns=_conversations)
 def test_decoded_conversations_store_and_link_as_the_usual_path(
     turns: list[dict[str, Any]],

@@ -331,6 +331,7 @@ def test_repair_of_a_torn_turn_whose_content_looks_like_frames(tmp_path: Path) -
 # ---------------------------------------------------------------- bounded memory
 
 
+@pytest.mark.slow
 def test_many_empty_maps_load_in_memory_bounded_by_the_file(tmp_path: Path) -> None:
     """Issue 10, break 2: a value of many empty maps peaked at about 150x the file."""
     path = tmp_path / "maps.rls"

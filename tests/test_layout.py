@@ -2,7 +2,7 @@
 import cycle (imports inside functions count), no module uses another module's private
 names except the one documented restore door, and every module says what it does.
 
-The layers are those of the README's Layout section; a new module goes into both.
+The layers are those of the Layout section of docs/internals.md; a new module goes into both.
 """
 
 from __future__ import annotations
@@ -117,7 +117,9 @@ def private_definitions(tree: ast.Module) -> set[str]:
 def test_every_module_has_a_layer() -> None:
     placed = layer_of()
     missing = sorted(set(modules()) - set(placed))
-    assert not missing, f"put {missing} in a layer: LAYERS here and the README's Layout section"
+    assert not missing, (
+        f"put {missing} in a layer: LAYERS here and the Layout section of docs/internals.md"
+    )
     gone = sorted(set(placed) - set(modules()))
     assert not gone, f"{gone} are in LAYERS but not in the package"
 

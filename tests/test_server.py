@@ -579,6 +579,7 @@ def test_upstream_body_is_the_request_with_the_capture_keys(raw: bytes) -> None:
     assert list(sent) == list(expected)
 
 
+@pytest.mark.slow
 def test_a_long_wait_streams_keep_alive_comments_then_the_answer(stub: Any) -> None:
     app = create_app(stub[0], stream_keepalive=0.2, upstream_timeout=3)
     with serve_app(app) as url:

@@ -223,6 +223,7 @@ def _depth(value: Any) -> int:
     return deepest
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
 def test_odd_bodies_are_answered_and_recorded_as_after_json_loads(
     server: tuple[str, Any], path: str

@@ -11,6 +11,7 @@ import sys
 from array import array
 from pathlib import Path
 
+import pytest
 from support import token_turns
 
 from rollout_store import RolloutGraph, TurnNode
@@ -154,6 +155,7 @@ def test_packed_turns_survive_a_file(tmp_path: Path) -> None:
     reopened.close()
 
 
+@pytest.mark.slow
 def test_a_token_turn_keeps_a_bounded_memory() -> None:
     """What a graph keeps per continuation turn (8 new prompt ids, 16 sampled ids with
     logprobs, a short message and response: 224 bytes of token content), by tracemalloc in a

@@ -51,6 +51,7 @@ _values = st.recursive(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(_values, st.sampled_from([32, 100, 256, 1024, None]))
 def test_walk_free_packing_is_what_the_walk_builds(value: Any, threshold: int | None):
