@@ -372,7 +372,7 @@ class Sessions:
         text = f"session {session_id!r} cannot be read: {exc}"
         key = getattr(exc, "key", None)
         if isinstance(key, bytes) and isinstance(self.store, DirectoryStore):
-            text += f"; the object's file is {self.store._object_path(key)}"
+            text += f"; the object's file is {self.store.object_path(key)}"
         if self.data is None:
             return text
         log = self._path(session_id, ".rls")

@@ -522,7 +522,7 @@ def test_a_damaged_object_costs_only_the_sessions_that_reference_it(
     store = DirectoryStore(objects)
     damaged = []
     for key in store.keys():  # noqa: SIM118 - a store, not a dict
-        path = store._object_path(key)
+        path = store.object_path(key)
         if b"a screenshot" in path.read_bytes():
             damaged.append((key, path, path.read_bytes()))
     ((key, path, original),) = damaged
@@ -720,3 +720,76 @@ def test_a_full_disk_is_answered_507_with_its_reason(
             ).chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
         assert caught.value.status_code == 507
         assert "disk is full" in str(caught.value)
+
+
+def test_a_session_reopened_over_a_damaged_object_is_marked_damaged_while_serving(
+    stub: tuple[str, Counting], tmp_path: Path
+) -> None:
+    """An idle session lets its graph go; its object is damaged meanwhile: the reopen that its
+    export causes fails with the repair, and marks it damaged; the server goes on."""
+    data, objects = tmp_path / "data", tmp_path / "objects"
+    long_text = "a page of logs, in words. " * 400
+    app = create_app(
+        stub[0], data=data, store=DirectoryStore(objects), idle_seconds=0.2, admin_key=ADMIN_KEY
+    )
+    with serve_app(app) as url:
+        hurt, fine = new_session(url, session_id="hurt"), new_session(url, session_id="fine")
+        assert _chat(url, hurt["api_key"], long_text).status_code == 200
+        assert _chat(url, fine["api_key"], "short").status_code == 200
+        state = app.state.sessions.get("hurt")
+        deadline = time.monotonic() + 10
+        while state.loaded and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not state.loaded
+        store = DirectoryStore(objects)
+        ((key, path, original),) = [
+            (k, store.object_path(k), store.object_path(k).read_bytes())
+            for k in store.keys()  # noqa: SIM118 - a store, not a dict
+            if b"a page of logs" in store.object_path(k).read_bytes()
+        ]
+        path.write_bytes(original.replace(b"page", b"PAGE", 1))
+        app.state.sessions.cache.clear()  # (strings read back are cached: forget them)
+        try:
+            answer = httpx.get(f"{url}/sessions/hurt/export", headers=ADMIN, timeout=WAIT_S)
+            assert answer.status_code == 500, answer.text
+            assert key.hex() in answer.json()["error"] and str(path) in answer.json()["error"]
+            assert "rollout-store recover" in answer.json()["error"]
+            assert httpx.get(f"{url}/health").json()["damaged"] == 1
+            assert _turn_texts(url, "fine") == ["short"]
+        finally:
+            path.write_bytes(original)
+
+
+def _nested(levels: int) -> Any:
+    value: Any = "x"
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "deepest"),
+    [  # the deepest value the graph records there (MAX_DEPTH 500)
+        ("/v1/chat/completions", "content", 499),  # inside a message: 1 + 499 levels
+        ("/v1/chat/completions", "tools", 500),
+        ("/v1/chat/completions", "extra", 499),  # inside the sampling parameters
+        ("/v1/messages", "system", 499),  # inside the first message
+    ],
+)
+def test_the_depth_checked_before_forwarding_is_the_one_the_graph_records(
+    stub: tuple[str, Counting], path: str, field: str, deepest: int
+) -> None:
+    app = create_app(stub[0])
+    with serve_app(app) as url:
+        made = new_session(url)
+        for levels, status in ((deepest, 200), (deepest + 1, 400)):
+            body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "q"}]}
+            if field == "content":
+                body["messages"] = [{"role": "user", "content": _nested(levels)}]
+            else:
+                body[field] = _nested(levels)
+            before = stub[1].calls
+            answer = httpx.post(url + path, json=body, headers=_bearer(made["api_key"]))
+            assert answer.status_code == status, (levels, answer.text[:300])
+            assert stub[1].calls == before + (status == 200)
+        assert len(app.state.sessions.get(made["session_id"]).graph) == 1
