@@ -69,7 +69,8 @@ class SessionDamagedError(SessionError):
 
 
 class DataDirectoryInUseError(SessionError):
-    """Another server holds the data directory (its lock file is locked)."""
+    """Another server holds the data directory (its `flock` on the directory): stop it, or
+    give this one another directory."""
 
 
 def key_digest(key: str) -> bytes:
