@@ -16,8 +16,8 @@ sessions, never opens one that has a key). `GET /sessions`, `GET /sessions/{id}`
 `GET /sessions/{id}/export` (`?messages=1`, `discarded=1`, `capture_level=...`; the level
 defaults to "tokens" when every turn carries token ids, else "text"),
 `GET /sessions/{id}/trace.jsonl`, the viewer and `DELETE /sessions/{id}` manage them; each
-needs the session's key or the server's admin key (`_Server._lookup`, the one check every
-session route makes).
+needs the session's key or the server's admin key: a route naming one session calls
+`_Server._lookup`, one gathering sessions `_Server._visible` (the only checks there are).
 
 Every request is refused unless its `Host` is a name the server answers (`hosts`), a
 browser's `Origin` too, and a body sent as anything but `application/json` is refused with
@@ -1127,19 +1127,26 @@ class _Server:
             return JSONResponse({"error": f"no session {session_id!r}"}, 404)
         return session
 
-    async def list_sessions(self, request: Request) -> Response:
-        """Every session for the admin key; a session's own key lists that session only."""
+    def _visible(self, request: Request) -> list[Session] | Response:
+        """The sessions a request may see, for routes over many sessions (the list, and any
+        route that gathers sessions): every one for the admin key, a session's own for its
+        key; else the refusal."""
         key = self._credential(request)
         if self._is_admin(key):
-            sessions = self.sessions.all()
-        elif key is None:
+            return self.sessions.all()
+        if key is None:
             return _refused(401, _NEEDS_KEY)
-        else:
-            own = self.sessions.by_key(key)
-            if own is None:
-                return _refused(403, "unknown key: send a session's api_key or the admin key")
-            sessions = [own]
-        return _written_anew({"sessions": [s.info() for s in sessions]})
+        own = self.sessions.by_key(key)
+        if own is None:
+            return _refused(403, "unknown key: send a session's api_key or the admin key")
+        return [own]
+
+    async def list_sessions(self, request: Request) -> Response:
+        """Every session for the admin key; a session's own key lists that session only."""
+        visible = self._visible(request)
+        if isinstance(visible, Response):
+            return visible
+        return _written_anew({"sessions": [s.info() for s in visible]})
 
     async def session_info(self, request: Request) -> Response:
         found = self._lookup(request)
