@@ -11,11 +11,17 @@ Nothing is tokenized here.
 
 Sessions follow the capture server this library replaces: `POST /sessions` mints a session
 and its API key, the key the SDK sends (`Authorization: Bearer` or `x-api-key`) names the
-session, unknown keys get 401 unless the server runs in open mode. `GET /sessions`,
-`GET /sessions/{id}`, `GET /sessions/{id}/export` (`?messages=1`, `discarded=1`,
-`capture_level=...`; the level defaults to "tokens" when some turn carries token ids, else
-"text", as the library's export decides), `GET /sessions/{id}/trace.jsonl` and
-`DELETE /sessions/{id}` manage them. `GET /` lists the sessions as `GET /sessions` does.
+session, unknown keys get 401 unless the server runs in open mode (which makes new open
+sessions, never opens one that has a key). `GET /sessions`, `GET /sessions/{id}`,
+`GET /sessions/{id}/export` (`?messages=1`, `discarded=1`, `capture_level=...`; the level
+defaults to "tokens" when every turn carries token ids, else "text"),
+`GET /sessions/{id}/trace.jsonl`, the viewer, `GET /` (as `GET /sessions`) and `DELETE /sessions/{id}` manage them; each
+needs the session's key or the server's admin key: a route naming one session calls
+`_Server._lookup`, one gathering sessions `_Server._visible` (the only checks there are).
+
+Every request is refused unless its `Host` is a name the server answers (`hosts`), a
+browser's `Origin` too, and a body sent as anything but `application/json` is refused with
+415: a page on another site can neither read nor write through the user's browser.
 
 Anthropic's top-level `system` (a string or an array of content blocks) is recorded as a
 leading `{"role": "system", "content": system}` message of the turn's request messages, so a
@@ -39,7 +45,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import gc
+import hmac
+import itertools
 import json
 import os
 import queue
@@ -47,15 +56,17 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from array import array
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
+from urllib.parse import quote, unquote, urlencode
 
 import aiohttp
 import anyio.to_thread
 import msgspec
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import (
     JSONResponse,
     PlainTextResponse,
@@ -67,12 +78,26 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from .content import ContentStore, StringCache
-from .errors import InvalidArgumentError, InvalidValueError, RolloutStoreError
+from .errors import (
+    InvalidArgumentError,
+    InvalidValueError,
+    RolloutStoreError,
+    StoreError,
+    StoreUnavailableError,
+)
 from .export import CAPTURE_LEVELS, write_session_json, write_trace_jsonl
+from .hosts import (
+    LOOPBACK_HOSTS,
+    WILDCARD_BINDS,
+    allowed_hosts,
+    host_allowed,
+    origin_allowed,
+)
 from .idle_trim import with_idle_trim
+from .intake import MAX_DEPTH
 from .nodes import TurnNode
-from .raw import RawJSON
-from .sessions import Session, SessionError, Sessions, clean_session_id
+from .raw import RawJSON, split_array
+from .sessions import Session, SessionDamagedError, SessionError, Sessions, clean_session_id
 from .sse import SSE_HEADERS, anthropic_events, chat_chunks, sse_data, sse_event
 from .stores import STORE_HELP, MemoryStore, open_store, store_spec
 from .viewer import Viewer, favicon
@@ -95,6 +120,15 @@ __all__ = [
 MAX_BODY_BYTES = 64 << 20
 #: Default seconds to wait for the upstream's answer before answering 504.
 UPSTREAM_TIMEOUT = 600.0
+#: Default seconds a request's whole body may take to arrive (then 408 and the connection
+#: is closed); `--body-timeout` changes it.
+BODY_TIMEOUT = 30.0
+#: The environment variable `rollout-store serve` reads its admin key from.
+ADMIN_KEY_ENV = "ROLLOUT_STORE_ADMIN_KEY"
+#: The shortest admin key accepted.
+ADMIN_KEY_MIN = 16
+#: The cookie a viewer opened with `?key=` keeps its key in (for its own path only).
+VIEW_COOKIE = "rollout_store_key"
 #: Seconds a streaming client waits for the upstream before keep-alive comments begin.
 STREAM_KEEPALIVE = 10.0
 #: Seconds after which an unused session over a log lets its graph go (reopened on use), or
@@ -120,6 +154,10 @@ class _Refusal(Exception):
         self.reason = reason
 
 
+class _Gone(Exception):
+    """The client left before its request's body arrived: there is no one to answer."""
+
+
 class _Passthrough(Exception):
     """The upstream's own error answer, handed to the client as it came."""
 
@@ -138,6 +176,11 @@ class CaptureConfig:
     upstream_timeout: float = UPSTREAM_TIMEOUT
     capture_tokens: bool = True
     stream_keepalive: float = STREAM_KEEPALIVE
+    body_timeout: float = BODY_TIMEOUT
+    #: The `Host` names answered (None: any; see `hosts.allowed_hosts`).
+    allowed_hosts: frozenset[str] | None = LOOPBACK_HOSTS
+    #: Whether an admin key was set (the key itself is kept by the server only).
+    admin: bool = False
 
 
 # ---------------------------------------------------------------------- requests to turns
@@ -345,6 +388,80 @@ def _decode(raw: bytes, raw_fields: frozenset[str]) -> Any:
         raise _Refusal(400, f"the body is not JSON: {reason}") from None
 
 
+# Depth is checked before the call goes upstream: a body the graph would refuse to record
+# (containers nested deeper than MAX_DEPTH) must not cost the engine a generation first. The
+# text is measured in C-speed passes: escaped backslashes, then escaped quotes, go; what is
+# left of strings lies between quotes; outside them, brackets are +1 and -1.
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"')
+_SIGNS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+_NOT_OPENER = bytes(b for b in range(256) if b not in b"[{")
+
+
+def _nesting(data: bytes) -> int:
+    """How deeply the containers of the UTF-8 JSON text `data` nest (0 for a scalar)."""
+    plain = data.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURE)
+    outside = b"".join(plain.split(b'"')[::2]).translate(_SIGNS)
+    return max(itertools.accumulate(array("b", outside)), default=0)
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether a field's containers nest deeper than `limit`. A `RawJSON` is measured only
+    when its text holds more brackets than that at all (one pass over it)."""
+    if type(value) is RawJSON:
+        text = _text(value)
+        return len(text.translate(None, _NOT_OPENER)) > limit and _nesting(text) > limit
+    deepest = 0
+    todo = [(value, 0)]
+    while todo:
+        item, depth = todo.pop()
+        if type(item) is RawJSON:
+            deepest = max(deepest, depth + _nesting(_text(item)))
+        elif isinstance(item, dict | list):
+            deepest = max(deepest, depth + 1)
+            todo += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return deepest > limit
+
+
+def _messages_deeper_than(value: Any, limit: int) -> bool:
+    """Whether a message of the messages array nests deeper than `limit`: a raw array with
+    that many brackets is split into its messages, and only a message holding that many is
+    measured (a long conversation is not)."""
+    if type(value) is not RawJSON:
+        return isinstance(value, list) and any(_deeper_than(m, limit) for m in value)
+    text = _text(value)
+    if len(text.translate(None, _NOT_OPENER)) <= limit:
+        return False
+    items = split_array(text)
+    if items is None:  # (a raw messages array is one msgspec has read)
+        return _nesting(text) > limit + 1
+    return any(_deeper_than(RawJSON(bytes(item)), limit) for item in items)
+
+
+def _check_depth(body: dict[str, Any], anthropic: bool) -> None:
+    """Refuse a body that holds a value the graph would refuse as nested too deeply: the
+    tools (a value of its own), the messages (each message is one: the array adds a level),
+    Anthropic's system (inside the first message: one level more) and every other recorded
+    field (inside the sampling parameters: one level more)."""
+    recorded_apart = _MESSAGES_FIELDS if anthropic else _CHAT_FIELDS
+    for key, value in body.items():
+        if key == "messages":
+            deep = _messages_deeper_than(value, MAX_DEPTH)  # each message is a value
+        elif key == "tools":
+            deep = _deeper_than(value, MAX_DEPTH)
+        elif key == "system" and anthropic:
+            deep = _deeper_than(value, MAX_DEPTH - 1)  # the content of the first message
+        elif key in recorded_apart:
+            continue  # not recorded as sent (model, stream, stream_options)
+        else:
+            deep = _deeper_than(value, MAX_DEPTH - 1)  # a value of the sampling parameters
+        if deep:
+            raise _Refusal(
+                400,
+                f"the request cannot be recorded: {key} nests deeper than {MAX_DEPTH} levels "
+                "(refused before the call went upstream)",
+            )
+
+
 # ---------------------------------------------------------------------- streaming exports
 
 
@@ -395,7 +512,7 @@ class _Pipe:
         return _END
 
 
-async def _from_thread(produce: Callable[[IO[bytes]], None]) -> AsyncIterator[bytes]:
+async def _from_thread(produce: Callable[[IO[bytes]], None]) -> AsyncGenerator[bytes, None]:
     pipe = _Pipe()
 
     def run() -> None:
@@ -428,8 +545,12 @@ async def _from_thread(produce: Callable[[IO[bytes]], None]) -> AsyncIterator[by
 def _error_body(anthropic: bool, status: int, reason: str) -> dict[str, Any]:
     kind = {
         401: "authentication_error",
+        403: "permission_error",
         404: "not_found_error",
+        408: "timeout_error",
         413: "request_too_large",
+        415: "invalid_request_error",
+        507: "api_error",
         502: "api_error",
         504: "timeout_error",
     }.get(status, "invalid_request_error")
@@ -443,7 +564,11 @@ def _failure(anthropic: bool, failed: _Refusal | _Passthrough) -> Response:
     shape of the route's API, or the upstream's own error as it came."""
     if isinstance(failed, _Passthrough):
         return failed.response
-    return JSONResponse(_error_body(anthropic, failed.status, failed.reason), failed.status)
+    # a body that did not arrive in time was not read: the connection cannot be reused
+    headers = {"connection": "close"} if failed.status == 408 else None
+    return JSONResponse(
+        _error_body(anthropic, failed.status, failed.reason), failed.status, headers=headers
+    )
 
 
 def _api_key(request: Request) -> str | None:
@@ -578,9 +703,12 @@ async def _events(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
 class _Server:
     """State and handlers of one app: configuration, sessions and the upstream client."""
 
-    def __init__(self, config: CaptureConfig, sessions: Sessions) -> None:
+    def __init__(
+        self, config: CaptureConfig, sessions: Sessions, admin_key: str | None = None
+    ) -> None:
         self.config = config
         self.sessions = sessions
+        self._admin_key = admin_key.encode("utf-8", "surrogatepass") if admin_key else None
         upstream = config.upstream.rstrip("/")
         if upstream.endswith("/v1"):
             upstream = upstream[: -len("/v1")]
@@ -638,11 +766,20 @@ class _Server:
                 )
         parts: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise _Refusal(413, f"the body is over the limit of {limit} bytes")
-            parts.append(chunk)
+        timeout = self.config.body_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise _Refusal(413, f"the body is over the limit of {limit} bytes")
+                    parts.append(chunk)
+        except TimeoutError:
+            raise _Refusal(
+                408, f"the body did not arrive within {timeout:g} s (--body-timeout)"
+            ) from None
+        except ClientDisconnect:
+            raise _Gone from None
         return b"".join(parts)
 
     async def _forward(
@@ -694,6 +831,8 @@ class _Server:
             raise _Refusal(
                 401, "unknown API key: create a session with POST /sessions and use its api_key"
             )
+        if session.damaged is not None:
+            raise _Refusal(409, f"the session cannot record: {session.damaged}")
         return session
 
     async def _record(self, session: Session, node: TurnNode) -> None:
@@ -717,6 +856,8 @@ class _Server:
             ):
                 raise _Refusal(400, f"the request cannot be recorded: {exc}") from None
             raise _Refusal(502, f"the upstream's answer cannot be recorded: {exc}") from None
+        except OSError as exc:  # FileWriteError too: a full disk, a quota, an I/O error
+            raise _Refusal(*_storage_failure("the turn cannot be recorded", exc)) from None
         except RolloutStoreError as exc:
             raise _Refusal(409, f"the session cannot record: {exc}") from None
         session.recorded += 1
@@ -826,9 +967,13 @@ class _Server:
             session = self._session(request)
             raw = await self._read_body(request)
             raw_fields = MESSAGES_RAW_FIELDS if anthropic else CHAT_RAW_FIELDS
-            return session, raw, check(_decode(raw, raw_fields))
+            body = check(_decode(raw, raw_fields))
+            _check_depth(body, anthropic)
+            return session, raw, body
         except _Refusal as refusal:
             return _failure(anthropic, refusal)
+        except _Gone:
+            return Response(status_code=400)  # not sent: the client is gone
 
     async def chat(self, request: Request) -> Response:
         accepted = await self._accept(request, _check_chat, anthropic=False)
@@ -910,7 +1055,9 @@ class _Server:
         try:
             raw = await self._read_body(request)  # the model calls' limit
         except _Refusal as refusal:
-            return JSONResponse({"error": refusal.reason}, refusal.status)
+            return _refused(refusal.status, refusal.reason)
+        except _Gone:
+            return Response(status_code=400)  # not sent: the client is gone
         try:
             payload = json.loads(raw) if raw.strip() else {}
         except RecursionError:
@@ -929,6 +1076,9 @@ class _Server:
         except SessionError as exc:
             status = 409 if "already exists" in str(exc) else 400
             return JSONResponse({"error": str(exc)}, status)
+        except OSError as exc:  # the data directory is full or failing: nothing was kept
+            status, reason = _storage_failure("the session cannot be stored", exc)
+            return JSONResponse({"error": reason}, status)
         base = str(request.base_url).rstrip("/")
         return JSONResponse(
             {
@@ -939,34 +1089,111 @@ class _Server:
             }
         )
 
-    def _lookup(self, request: Request) -> Session | Response:
+    # -- who may touch a session
+
+    def _is_admin(self, key: str | None) -> bool:
+        admin = self._admin_key
+        return (
+            admin is not None
+            and key is not None
+            and hmac.compare_digest(admin, key.encode("utf-8", "surrogatepass"))
+        )
+
+    def _credential(self, request: Request, view: bool = False) -> str | None:
+        """The key a session route was sent: `Authorization: Bearer` or `x-api-key`, or for
+        a viewer's GET the key it was opened with (`?key=`, then its cookie)."""
+        key = _api_key(request)
+        if key is None and view and request.method in ("GET", "HEAD"):
+            key = request.query_params.get("key") or unquote(request.cookies.get(VIEW_COOKIE, ""))
+        return key or None
+
+    def _lookup(self, request: Request, *, view: bool = False) -> Session | Response:
+        """The session a route names, if the request may touch it; else the refusal.
+
+        Every route that reads, lists or changes a session calls this: it needs the
+        session's own key or the server's admin key. Without either the answer is 401 (no
+        key) or 403 (another key), whether the session exists or not; with the admin key an
+        unknown session is 404."""
         session_id = request.path_params["session_id"]
+        key = self._credential(request, view)
+        if not self._is_admin(key):
+            if key is None:
+                return _refused(401, _NEEDS_KEY)
+            session = self.sessions.by_key(key)
+            if session is None or session.session_id != session_id:
+                return _refused(
+                    403,
+                    f"this key does not open session {session_id!r}: send that session's "
+                    "api_key, or the server's admin key",
+                )
+            return session
         session = self.sessions.get(session_id) if clean_session_id(session_id) else None
         if session is None:
             return JSONResponse({"error": f"no session {session_id!r}"}, 404)
         return session
 
+    def _visible(self, request: Request) -> list[Session] | Response:
+        """The sessions a request may see, for routes over many sessions (the list, and any
+        route that gathers sessions): every one for the admin key, a session's own for its
+        key; else the refusal."""
+        key = self._credential(request)
+        if self._is_admin(key):
+            return self.sessions.all()
+        if key is None:
+            return _refused(401, _NEEDS_KEY)
+        own = self.sessions.by_key(key)
+        if own is None:
+            return _refused(403, "unknown key: send a session's api_key or the admin key")
+        return [own]
+
     async def list_sessions(self, request: Request) -> Response:
-        return _written_anew({"sessions": [s.info() for s in self.sessions.all()]})
+        """Every session for the admin key; a session's own key lists that session only."""
+        visible = self._visible(request)
+        if isinstance(visible, Response):
+            return visible
+        return _written_anew({"sessions": [s.info() for s in visible]})
 
     async def session_info(self, request: Request) -> Response:
         found = self._lookup(request)
         return found if isinstance(found, Response) else _written_anew(found.info())
 
+    def _view_key_moved(self, request: Request, session: Session, path: str) -> Response | None:
+        """A viewer opened with `?key=`: the key goes into a cookie for the viewer's own path
+        (HttpOnly, SameSite=Strict) and the page is reloaded without it in its URL."""
+        key = request.query_params.get("key")
+        if key is None or _api_key(request) is not None:
+            return None
+        query = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "key"])
+        moved = RedirectResponse(path + (f"?{query}" if query else ""), status_code=303)
+        moved.set_cookie(
+            VIEW_COOKIE,
+            quote(key, safe=""),
+            path=f"/sessions/{session.session_id}/view/",
+            httponly=True,
+            samesite="strict",
+        )
+        return moved
+
     async def view_root(self, request: Request) -> Response:
         """`/sessions/{id}/view` without its slash: the page's relative URLs need one."""
-        found = self._lookup(request)
+        found = self._lookup(request, view=True)
         if isinstance(found, Response):
             return found
-        return RedirectResponse(f"/sessions/{found.session_id}/view/", status_code=307)
+        root = f"/sessions/{found.session_id}/view/"
+        return self._view_key_moved(request, found, root) or RedirectResponse(root, 307)
 
     async def view(self, request: Request) -> Response:
         """The viewer of a live session, answered from its graph (`rollout-store view`'s page)."""
-        found = self._lookup(request)
+        found = self._lookup(request, view=True)
         if isinstance(found, Response):
             return found
         session = found
+        if session.damaged is not None:
+            return _damaged(session.damaged)
         path = "/" + request.path_params["path"]
+        moved = self._view_key_moved(request, session, request.url.path)
+        if moved is not None:
+            return moved
         query = request.url.query
 
         metadata = session.metadata
@@ -978,8 +1205,46 @@ class _Server:
                 page = viewer.respond(path, query)
             return page.status, page.headers, page.body
 
-        status, headers, body = await anyio.to_thread.run_sync(answer)
+        try:
+            status, headers, body = await anyio.to_thread.run_sync(answer)
+        except (SessionDamagedError, StoreError) as exc:
+            return self._damage_answer(session, exc)
         return Response(body, status_code=status, headers=dict(headers))
+
+    def _damage_answer(self, session: Session, exc: BaseException) -> Response:
+        """The answer for a session whose log or objects cannot be read (500, with the
+        object, the file and the repair), or whose store is down (503)."""
+        if isinstance(exc, StoreUnavailableError):
+            return JSONResponse({"error": f"the content store is unavailable: {exc}"}, 503)
+        if isinstance(exc, SessionDamagedError):
+            return _damaged(str(exc))
+        return _damaged(self.sessions.damage_report(session.session_id, exc))
+
+    async def _streamed(
+        self, session: Session, produce: Callable[[IO[bytes]], None], media_type: str
+    ) -> Response:
+        """A document written by `produce` in a thread, streamed; a session that turns out
+        damaged before its first bytes gets its error as the answer."""
+        if session.damaged is not None:
+            return _damaged(session.damaged)
+        chunks = _from_thread(produce)
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = b""
+        except (SessionDamagedError, StoreError) as exc:
+            await chunks.aclose()
+            return self._damage_answer(session, exc)
+
+        async def whole() -> AsyncIterator[bytes]:
+            try:
+                yield first
+                async for chunk in chunks:
+                    yield chunk
+            finally:
+                await chunks.aclose()
+
+        return StreamingResponse(whole(), media_type=media_type)
 
     async def export(self, request: Request) -> Response:
         found = self._lookup(request)
@@ -989,7 +1254,12 @@ class _Server:
         flags = request.query_params
         messages = flags.get("messages", "0") not in ("0", "false", "")
         discarded = flags.get("discarded", "0") not in ("0", "false", "")
-        level = flags.get("capture_level") or found.capture_level()
+        if session.damaged is not None:
+            return _damaged(session.damaged)
+        try:
+            level = flags.get("capture_level") or found.capture_level()
+        except (SessionDamagedError, StoreError) as exc:
+            return self._damage_answer(session, exc)
         if level not in CAPTURE_LEVELS:
             message = f"capture_level must be one of {', '.join(CAPTURE_LEVELS)}"
             return JSONResponse({"error": message}, 400)
@@ -1006,7 +1276,7 @@ class _Server:
                     capture_level=level,
                 )
 
-        return StreamingResponse(_from_thread(produce), media_type="application/json")
+        return await self._streamed(session, produce, "application/json")
 
     async def trace(self, request: Request) -> Response:
         found = self._lookup(request)
@@ -1018,12 +1288,13 @@ class _Server:
             with session.use() as graph:
                 write_trace_jsonl(graph, fp)
 
-        return StreamingResponse(_from_thread(produce), media_type="application/x-ndjson")
+        return await self._streamed(session, produce, "application/x-ndjson")
 
     async def delete_session(self, request: Request) -> Response:
-        session_id = request.path_params["session_id"]
-        if clean_session_id(session_id) is None:
-            return JSONResponse({"error": f"no session {session_id!r}"}, 404)
+        found = self._lookup(request)
+        if isinstance(found, Response):
+            return found
+        session_id = found.session_id
         deleted = await anyio.to_thread.run_sync(self.sessions.delete, session_id)
         if not deleted:
             return JSONResponse({"error": f"no session {session_id!r}"}, 404)
@@ -1035,6 +1306,7 @@ class _Server:
                 "status": "ok",
                 "upstream": self.upstream,
                 "sessions": len(self.sessions.ids()),
+                "damaged": len(self.sessions.damaged()),
                 "open": self.sessions.open_mode,
                 "data": self.sessions.data is not None,
             }
@@ -1043,6 +1315,33 @@ class _Server:
 
 async def _favicon(request: Request) -> Response:
     return Response(favicon(), media_type="image/svg+xml")
+
+
+_NEEDS_KEY = (
+    "this route needs a key: send `Authorization: Bearer KEY` (or `x-api-key: KEY`) with the "
+    "session's api_key, or the admin key the server was started with (--admin-key or "
+    f"{ADMIN_KEY_ENV})"
+)
+
+
+def _refused(status: int, reason: str) -> Response:
+    headers = {"www-authenticate": "Bearer"} if status == 401 else None
+    if status == 408:  # the rest of the body is not read: the connection cannot be reused
+        headers = {"connection": "close"}
+    return JSONResponse({"error": reason}, status, headers=headers)
+
+
+def _damaged(reason: str) -> Response:
+    return JSONResponse({"error": reason, "damaged": True}, 500)
+
+
+def _storage_failure(what: str, exc: OSError) -> tuple[int, str]:
+    """The status and reason for a write the disk refused: 507 for a full disk or quota,
+    503 for any other I/O error."""
+    reason = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return 507, f"{what}: the disk is full ({reason}); nothing was kept: free space, retry"
+    return 503, f"{what}: writing failed ({reason}); nothing was kept"
 
 
 class _CaptureApp(Starlette):
@@ -1057,12 +1356,66 @@ class _CaptureApp(Starlette):
     """
 
     def __init__(
-        self, calls: dict[str, Callable[[Request], Awaitable[Response]]], **kwargs: Any
+        self,
+        calls: dict[str, Callable[[Request], Awaitable[Response]]],
+        hosts: frozenset[str] | None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self._calls = calls
+        self._hosts = hosts
+
+    def _refusal(self, scope: Scope) -> Response | None:
+        """The answer to a request no route may see: a `Host` or an `Origin` the server does
+        not answer (DNS rebinding, a page on another site), or a body that is not JSON."""
+        host = origin = kind = None
+        for name, value in scope["headers"]:
+            if name == b"host":
+                host = value.decode("latin-1")
+            elif name == b"origin":
+                origin = value.decode("latin-1")
+            elif name == b"content-type":
+                kind = value.decode("latin-1")
+        if not host_allowed(host, self._hosts):
+            status, reason = (
+                403,
+                (
+                    f"this server does not answer the Host {host!r}: only its own names (a request "
+                    "through another name is refused against DNS rebinding); start it with "
+                    "--allow-host NAME to accept one"
+                ),
+            )
+        elif not origin_allowed(origin, self._hosts):
+            status, reason = (
+                403,
+                (
+                    f"requests from the web origin {origin!r} are refused (a page elsewhere); "
+                    "start the server with --allow-host NAME to accept that host"
+                ),
+            )
+        elif (
+            kind is not None
+            and scope["method"] in ("POST", "PUT", "PATCH")
+            and kind.split(";", 1)[0].strip().lower() != "application/json"
+        ):
+            status, reason = (
+                415,
+                (f"the body must be sent as Content-Type: application/json, not {kind!r}"),
+            )
+        else:
+            return None
+        path = scope["path"]
+        if path.startswith("/v1/"):
+            anthropic = path == "/v1/messages"
+            return JSONResponse(_error_body(anthropic, status, reason), status)
+        return JSONResponse({"error": reason}, status)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
         handler = self._calls.get(scope["path"]) if scope["type"] == "http" else None
         if handler is None or scope["method"] != "POST":
             await super().__call__(scope, receive, send)
@@ -1090,6 +1443,9 @@ def create_app(
     capture_tokens: bool = True,
     stream_keepalive: float = STREAM_KEEPALIVE,
     idle_seconds: float = IDLE_SECONDS,
+    admin_key: str | None = None,
+    hosts: Sequence[str] | None = None,
+    body_timeout: float = BODY_TIMEOUT,
 ) -> Starlette:
     """The capture server as an ASGI app (serve it with uvicorn).
 
@@ -1105,6 +1461,12 @@ def create_app(
     `idle_seconds`: with `data`, a session unused this long lets its graph go (its log keeps
     everything; the next use reopens it); without, its graph lets its caches go (the tips
     that spare its next turn hashing what it re-sends, about 2 KB); 0 keeps everything.
+    `admin_key`: a key (at least 16 characters) that opens every session route of every
+    session, `GET /sessions` included; without it each session is reached with its own key
+    only. `hosts`: the `Host` names answered besides the loopback names (`["*"]`: any; see
+    `hosts.allowed_hosts`). `body_timeout`: seconds a request's body may take to arrive.
+    With `data`, the directory is locked until the app stops (`DataDirectoryInUseError` if
+    another server holds it).
     """
     if max_body_bytes < 1:
         raise InvalidArgumentError("max_body_bytes must be positive")
@@ -1114,6 +1476,15 @@ def create_app(
         raise InvalidArgumentError("stream_keepalive must be positive")
     if not idle_seconds >= 0:
         raise ValueError("idle_seconds must be 0 (never) or positive")
+    if not body_timeout > 0:
+        raise InvalidArgumentError("body_timeout must be positive")
+    if admin_key is not None and (
+        len(admin_key) < ADMIN_KEY_MIN or not admin_key.isprintable() or " " in admin_key
+    ):
+        raise InvalidArgumentError(
+            f"admin_key must be at least {ADMIN_KEY_MIN} printable characters without spaces "
+            '(make one with: python -c "import secrets; print(secrets.token_urlsafe(32))")'
+        )
     config = CaptureConfig(
         upstream=upstream,
         upstream_api_key=upstream_api_key,
@@ -1121,9 +1492,12 @@ def create_app(
         upstream_timeout=upstream_timeout,
         capture_tokens=capture_tokens,
         stream_keepalive=stream_keepalive,
+        body_timeout=body_timeout,
+        allowed_hosts=allowed_hosts(None, hosts or ()),
+        admin=admin_key is not None,
     )
     sessions = Sessions(data, fsync=fsync, open_mode=open_mode, store=store, cache=cache)
-    server = _Server(config, sessions)
+    server = _Server(config, sessions, admin_key)
 
     # over a log an idle session lets its graph go; in memory only its graph's caches
     release = sessions.release_idle if data is not None else sessions.drop_idle_caches
@@ -1147,6 +1521,7 @@ def create_app(
 
     app = _CaptureApp(
         {"/v1/chat/completions": server.chat, "/v1/messages": server.messages},
+        config.allowed_hosts,
         routes=[
             # (POSTs to these two are answered by `_CaptureApp` before routing; the routes
             # answer the rest: 405 to other methods, as before)
@@ -1217,7 +1592,31 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=256,
         help="one cache for strings read back from an out-of-process store (MiB)",
     )
-    parser.add_argument("--open", action="store_true", help="serve unknown API keys")
+    parser.add_argument(
+        "--open",
+        action="store_true",
+        help="serve unknown API keys (each makes an open session; keyed sessions stay keyed)",
+    )
+    parser.add_argument(
+        "--admin-key",
+        default=None,
+        help=f"a key that opens every session route, GET /sessions included (default: "
+        f"${ADMIN_KEY_ENV}; prefer the variable: arguments show in ps)",
+    )
+    parser.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also answer requests whose Host is NAME (repeatable; '*': any); the loopback "
+        "names and --host are always answered",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=BODY_TIMEOUT,
+        help="seconds a request's body may take to arrive (then 408)",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
     parser.add_argument("--upstream-timeout", type=float, default=UPSTREAM_TIMEOUT)
     parser.add_argument(
@@ -1266,6 +1665,9 @@ def serve(args: argparse.Namespace) -> int:
         capture_tokens=args.capture_tokens,
         stream_keepalive=args.stream_keepalive,
         idle_seconds=args.idle_seconds,
+        admin_key=args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None,
+        hosts=[*([] if args.host in WILDCARD_BINDS else [args.host]), *args.allow_host],
+        body_timeout=args.body_timeout,
     )
     if not args.trim_idle >= 0:
         raise InvalidArgumentError("--trim-idle must be 0 (never) or a number of seconds")

@@ -171,6 +171,10 @@ class DirectoryStore:
         name = key.hex()
         return self.path / name[:2] / name[2:]
 
+    def object_path(self, key: bytes) -> Path:
+        """The file the object under `key` is kept in (named in damage reports)."""
+        return self._object_path(check_key(key))
+
     def put(self, data: bytes) -> bytes:
         data = bytes(data)
         key = content_key(data)

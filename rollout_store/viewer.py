@@ -29,6 +29,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from .figures import plain_export_bytes, store_figures
 from .graph import Graph
+from .hosts import LOOPBACK_HOSTS, host_allowed
 
 __all__ = ["Response", "Viewer", "asgi_app", "favicon", "request_handler", "serve"]
 
@@ -433,9 +434,6 @@ def asgi_app(viewer: Viewer) -> Callable[[_Scope, _Receive, _Send], Awaitable[No
     return app
 
 
-_LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]"})
-
-
 def request_handler(viewer: Viewer) -> type[BaseHTTPRequestHandler]:
     """An `http.server` handler class answering GET requests from `viewer`.
 
@@ -447,8 +445,7 @@ def request_handler(viewer: Viewer) -> type[BaseHTTPRequestHandler]:
         server_version = "rollout-store-viewer"
 
         def do_GET(self) -> None:
-            host = (self.headers.get("Host") or "").rsplit(":", 1)[0]
-            if host not in _LOCAL_HOSTS:
+            if not host_allowed(self.headers.get("Host"), LOOPBACK_HOSTS):
                 response = _error(403, "the viewer answers loopback requests only")
             else:
                 url = urlsplit(self.path)

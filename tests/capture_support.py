@@ -22,6 +22,19 @@ from rollout_store.server import listen_socket
 
 ROOT = Path(__file__).resolve().parent.parent
 WAIT_S = 20.0
+#: The admin key the tests' servers are started with (`create_app(admin_key=ADMIN_KEY)`, and
+#: ROLLOUT_STORE_ADMIN_KEY for a server process), and the header that sends it.
+ADMIN_KEY = "test-admin-key-0123456789"
+ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
+#: The key `new_session` was given for each session id, sent by `export`.
+_KEYS: dict[str, str] = {}
+
+
+def auth(session_id: str) -> dict[str, str]:
+    """The header opening a session's routes: its own key when `new_session` made it, else
+    the admin key."""
+    key = _KEYS.get(session_id)
+    return {"authorization": f"Bearer {key}"} if key is not None else ADMIN
 
 
 @contextlib.contextmanager
@@ -52,7 +65,12 @@ class Process:
     """A child process serving on loopback; `url` is read from its first line of output."""
 
     def __init__(self, args: list[str], pattern: str, env: dict[str, str] | None = None) -> None:
-        env = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
+        env = {
+            "ROLLOUT_STORE_ADMIN_KEY": ADMIN_KEY,
+            **os.environ,
+            **(env or {}),
+            "PYTHONPATH": str(ROOT),
+        }
         self.proc = subprocess.Popen(
             [sys.executable, *args],
             stdout=subprocess.PIPE,
@@ -100,6 +118,7 @@ def new_session(base: str, **payload: Any) -> dict[str, Any]:
     answer = httpx.post(f"{base}/sessions", json=payload, timeout=WAIT_S)
     answer.raise_for_status()
     doc: dict[str, Any] = answer.json()
+    _KEYS[doc["session_id"]] = doc["api_key"]
     return doc
 
 
@@ -107,6 +126,7 @@ def export(base: str, session_id: str, messages: bool = True) -> dict[str, Any]:
     answer = httpx.get(
         f"{base}/sessions/{session_id}/export",
         params={"messages": "1" if messages else "0"},
+        headers=auth(session_id),
         timeout=WAIT_S,
     )
     answer.raise_for_status()

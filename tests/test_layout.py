@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "nodes",
             "training",
             "loopback",
+            "hosts",
         },
     ),
     ("values and blobs", {"content", "blobs", "shared_blobs", "values"}),

@@ -20,7 +20,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from capture_support import export, new_session, serve_app
+from capture_support import ADMIN, ADMIN_KEY, export, new_session, serve_app
 
 from rollout_store import DirectoryStore, MemoryStore, RolloutGraph, export_session
 from rollout_store.server import create_app, open_store, upstream_body
@@ -51,7 +51,7 @@ def stub() -> Iterator[tuple[str, Counting]]:
 
 @pytest.fixture
 def server(stub: tuple[str, Counting], tmp_path: Path) -> Iterator[tuple[str, Any]]:
-    app = create_app(stub[0], data=tmp_path / "data", upstream_timeout=5)
+    app = create_app(stub[0], data=tmp_path / "data", upstream_timeout=5, admin_key=ADMIN_KEY)
     with serve_app(app) as url:
         yield url, app
 
@@ -239,11 +239,11 @@ def test_sessions_create_list_info_export_delete(server: Any, tmp_path: Path) ->
         assert answer.status_code == 400, bad
     _openai(made).chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
 
-    listed = httpx.get(f"{url}/sessions").json()["sessions"]
+    listed = httpx.get(f"{url}/sessions", headers=ADMIN).json()["sessions"]
     assert [s["session_id"] for s in listed] == ["rollout-7"]
-    info = httpx.get(f"{url}/sessions/rollout-7").json()
+    info = httpx.get(f"{url}/sessions/rollout-7", headers=ADMIN).json()
     assert info["turns"] == 1 and info["roots"] == 1 and info["metadata"] == {"task": "t1"}
-    assert httpx.get(f"{url}/sessions/nope").status_code == 404
+    assert httpx.get(f"{url}/sessions/nope", headers=ADMIN).status_code == 404
 
     doc = export(url, "rollout-7")
     graph = _graph(app, "rollout-7")
@@ -254,22 +254,24 @@ def test_sessions_create_list_info_export_delete(server: Any, tmp_path: Path) ->
         include_messages=True,
         capture_level="tokens",
     )
-    raw = httpx.get(f"{url}/sessions/rollout-7/export", params={"messages": "1"}).content
+    raw = httpx.get(
+        f"{url}/sessions/rollout-7/export", params={"messages": "1"}, headers=ADMIN
+    ).content
     assert raw == json.dumps(expected).encode()
     assert doc["turns"][0]["request_messages"] == [{"role": "user", "content": "q"}]
     assert "request_messages" not in export(url, "rollout-7", messages=False)["turns"][0]
-    lines = httpx.get(f"{url}/sessions/rollout-7/trace.jsonl").text.splitlines()
+    lines = httpx.get(f"{url}/sessions/rollout-7/trace.jsonl", headers=ADMIN).text.splitlines()
     assert [json.loads(line)["prompt_ids"] for line in lines] == [
         prompt_ids_for([{"role": "user", "content": "q"}])
     ]
 
     data = tmp_path / "data"
     assert sorted(p.name for p in data.iterdir()) == ["rollout-7.json", "rollout-7.rls"]
-    assert httpx.delete(f"{url}/sessions/rollout-7").json() == {
+    assert httpx.delete(f"{url}/sessions/rollout-7", headers=ADMIN).json() == {
         "deleted": True,
         "session_id": "rollout-7",
     }
-    assert httpx.delete(f"{url}/sessions/rollout-7").status_code == 404
+    assert httpx.delete(f"{url}/sessions/rollout-7", headers=ADMIN).status_code == 404
     assert list(data.iterdir()) == []
     with pytest.raises(openai.AuthenticationError):
         _openai(made).chat.completions.create(
@@ -316,7 +318,7 @@ def test_unknown_key_is_refused_unless_open(stub: Any) -> None:
 def test_restarted_server_reopens_sessions_and_goes_on_recording(stub: Any, tmp_path: Path) -> None:
     data = tmp_path / "data"
     messages: list[Any] = [{"role": "user", "content": "start"}]
-    with serve_app(create_app(stub[0], data=data)) as url:
+    with serve_app(create_app(stub[0], data=data, admin_key=ADMIN_KEY)) as url:
         session = new_session(url, metadata={"k": 1})
         reply = _openai(session).chat.completions.create(model="m", messages=messages)
         messages += [reply.choices[0].message.model_dump(exclude_none=True)]
@@ -324,7 +326,7 @@ def test_restarted_server_reopens_sessions_and_goes_on_recording(stub: Any, tmp_
     log = data / f"{session['session_id']}.rls"
     with open(log, "ab") as fp:  # a torn record: a crash in the middle of a write
         fp.write(b"\x03\x40\x00\x00\x00partial")
-    app = create_app(stub[0], data=data)
+    app = create_app(stub[0], data=data, admin_key=ADMIN_KEY)
     assert app.state.sessions.reopened == [(session["session_id"], 1, 12)]
     with serve_app(app) as url:
         session["openai_base_url"] = f"{url}/v1"
@@ -332,7 +334,9 @@ def test_restarted_server_reopens_sessions_and_goes_on_recording(stub: Any, tmp_
         graph = _graph(app, session["session_id"])
         first, second = graph.node_ids()
         assert graph.parent(second) == first
-        assert httpx.get(f"{url}/sessions/{session['session_id']}").json()["metadata"] == {"k": 1}
+        assert httpx.get(f"{url}/sessions/{session['session_id']}", headers=ADMIN).json()[
+            "metadata"
+        ] == {"k": 1}
     assert len(RolloutGraph.load(log)) == 2
 
 
@@ -434,7 +438,12 @@ def test_upstream_errors_pass_through_and_record_nothing(server: Any, stream: bo
     )
     assert answer.status_code == 502 and "not JSON" in answer.json()["error"]["message"]
     assert len(_graph(app, session["session_id"])) == 0
-    assert httpx.get(f"{url}/sessions/{session['session_id']}").json()["upstream_errors"] == 3
+    assert (
+        httpx.get(f"{url}/sessions/{session['session_id']}", headers=ADMIN).json()[
+            "upstream_errors"
+        ]
+        == 3
+    )
 
 
 def test_upstream_hang_times_out_with_504(stub: Any) -> None:
@@ -483,7 +492,9 @@ def test_client_disconnect_mid_stream_leaves_a_consistent_session(server: Any) -
     graph = _graph(app, session["session_id"])
     first, second = graph.node_ids()
     assert graph.parent(second) == first
-    doc = json.loads(httpx.get(f"{url}/sessions/{session['session_id']}/export").text)
+    doc = json.loads(
+        httpx.get(f"{url}/sessions/{session['session_id']}/export", headers=ADMIN).text
+    )
     assert doc["stats"]["n_turns"] == 2
 
 
@@ -496,7 +507,10 @@ def test_an_abandoned_export_releases_the_session(server: Any) -> None:
         content = [{"type": "text", "text": f"turn {i}"}, big]
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": content}])
     with httpx.stream(
-        "GET", f"{url}/sessions/{session['session_id']}/export", params={"messages": "1"}
+        "GET",
+        f"{url}/sessions/{session['session_id']}/export",
+        params={"messages": "1"},
+        headers=ADMIN,
     ) as answer:
         next(answer.iter_raw(10))
     done = threading.Event()
@@ -631,7 +645,7 @@ def test_a_failure_after_keep_alive_arrives_as_an_error_event(stub: Any) -> None
 def test_an_idle_session_lets_its_graph_go_and_reopens_on_the_next_call(
     stub: Any, tmp_path: Path
 ) -> None:
-    app = create_app(stub[0], data=tmp_path / "data", idle_seconds=0.2)
+    app = create_app(stub[0], data=tmp_path / "data", idle_seconds=0.2, admin_key=ADMIN_KEY)
     with serve_app(app) as url:
         session = new_session(url)
         messages: list[Any] = [{"role": "user", "content": "first"}]
@@ -641,7 +655,7 @@ def test_an_idle_session_lets_its_graph_go_and_reopens_on_the_next_call(
         while state.loaded and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not state.loaded
-        info = httpx.get(f"{url}/sessions/{session['session_id']}").json()
+        info = httpx.get(f"{url}/sessions/{session['session_id']}", headers=ADMIN).json()
         assert info["turns"] == 1 and info["loaded"] is False  # counted without reopening
         messages += [reply.choices[0].message.model_dump(exclude_none=True)]
         messages += [{"role": "user", "content": "second"}]
@@ -711,7 +725,7 @@ def test_an_upstream_answer_of_the_wrong_shape_is_502_and_recorded_nowhere() -> 
 
     routes = [Route(p, answer, methods=["POST"]) for p in ("/v1/chat/completions", "/v1/messages")]
     with serve_app(Starlette(routes=routes)) as upstream:
-        app = create_app(upstream)
+        app = create_app(upstream, admin_key=ADMIN_KEY)
         with serve_app(app) as url:
             session = new_session(url)
             body = json.dumps({"messages": [{"role": "user", "content": "q"}]}).encode()
@@ -720,7 +734,12 @@ def test_an_upstream_answer_of_the_wrong_shape_is_502_and_recorded_nowhere() -> 
                 assert reply.status_code == 502, reply.text
                 assert "upstream" in reply.json()["error"]["message"]
             assert len(_graph(app, session["session_id"])) == 0
-            assert httpx.get(f"{url}/sessions/{session['session_id']}").json()["rejected"] == 1
+            assert (
+                httpx.get(f"{url}/sessions/{session['session_id']}", headers=ADMIN).json()[
+                    "rejected"
+                ]
+                == 1
+            )
 
 
 # ---------------------------------------------------------------- the viewer of a live session
@@ -735,24 +754,28 @@ def test_a_live_session_is_viewed_at_its_own_route(server: Any) -> None:
     messages = [*CONVERSATION, {"role": "user", "content": script}]
     _openai(made).chat.completions.create(model="m", messages=messages)
 
-    moved = httpx.get(f"{url}/sessions/viewed/view")
+    moved = httpx.get(f"{url}/sessions/viewed/view", headers=ADMIN)
     assert moved.status_code == 307 and moved.headers["location"] == "/sessions/viewed/view/"
-    page = httpx.get(f"{url}/sessions/viewed/view/")
+    page = httpx.get(f"{url}/sessions/viewed/view/", headers=ADMIN)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "content-security-policy" in page.headers
-    assert httpx.get(f"{url}/sessions/viewed/view/static/viewer.js").status_code == 200
+    assert (
+        httpx.get(f"{url}/sessions/viewed/view/static/viewer.js", headers=ADMIN).status_code == 200
+    )
 
     # every answer is the one the file viewer gives for the same graph, byte for byte
     local = Viewer(_graph(app, "viewed"), title="viewed")
-    rows = httpx.get(f"{url}/sessions/viewed/view/api/rows", params={"offset": 0})
+    rows = httpx.get(f"{url}/sessions/viewed/view/api/rows", params={"offset": 0}, headers=ADMIN)
     assert rows.status_code == 200
     assert rows.content == local.respond("/api/rows", "offset=0").body
     (row,) = rows.json()["rows"]
-    turn = httpx.get(f"{url}/sessions/viewed/view/api/messages", params={"id": row["id"]})
+    turn = httpx.get(
+        f"{url}/sessions/viewed/view/api/messages", params={"id": row["id"]}, headers=ADMIN
+    )
     assert turn.content == local.respond("/api/messages", f"id={row['id']}").body
     assert script in turn.text  # carried as data for textContent, never as markup
-    assert httpx.get(f"{url}/sessions/viewed/view/api/nothing").status_code == 404
-    assert httpx.get(f"{url}/sessions/nope/view/").status_code == 404
+    assert httpx.get(f"{url}/sessions/viewed/view/api/nothing", headers=ADMIN).status_code == 404
+    assert httpx.get(f"{url}/sessions/nope/view/", headers=ADMIN).status_code == 404
 
 
 def test_a_turn_waits_off_the_loop_while_another_thread_holds_the_graph(stub: Any) -> None:
@@ -946,7 +969,8 @@ def test_a_client_that_leaves_a_call_that_does_not_stream_leaves_a_consistent_se
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=5) as sock:
         sock.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            b"content-type: application/json\r\n"
             + f"authorization: Bearer {session['api_key']}\r\n".encode()
             + f"content-length: {len(content)}\r\n\r\n".encode()
             + content
@@ -958,11 +982,11 @@ def test_a_client_that_leaves_a_call_that_does_not_stream_leaves_a_consistent_se
         assert stub[1].calls == calls + 1  # hang up while the upstream works
     info = f"{url}/sessions/{session['session_id']}"
     for _ in range(100):
-        if httpx.get(info).json()["turns"]:
+        if httpx.get(info, headers=ADMIN).json()["turns"]:
             break
         time.sleep(0.1)
     time.sleep(0.3)  # (nothing more arrives)
-    doc = httpx.get(info).json()
+    doc = httpx.get(info, headers=ADMIN).json()
     assert doc["turns"] == 1 and doc["upstream_errors"] == 0 and doc["rejected"] == 0
     graph = _graph(app, session["session_id"])
     (first,) = graph.node_ids()

@@ -13,7 +13,7 @@ from typing import Any
 import anyio.to_thread
 import httpx
 import pytest
-from capture_support import new_session, serve_app
+from capture_support import ADMIN, ADMIN_KEY, new_session, serve_app
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -144,7 +144,7 @@ def test_a_call_in_flight_when_its_session_is_deleted_records_nowhere(tmp_path: 
 
     routes = [Route("/v1/chat/completions", answer, methods=["POST"])]
     with serve_app(Starlette(routes=routes)) as upstream:
-        app = create_app(upstream, data=tmp_path / "data", upstream_timeout=20)
+        app = create_app(upstream, data=tmp_path / "data", upstream_timeout=20, admin_key=ADMIN_KEY)
         with serve_app(app) as url:
             session = new_session(url, session_id="run-1")
             auth = {"authorization": f"Bearer {session['api_key']}"}
@@ -158,32 +158,40 @@ def test_a_call_in_flight_when_its_session_is_deleted_records_nowhere(tmp_path: 
             caller.start()
             try:
                 assert reached.wait(10)
-                assert httpx.delete(f"{url}/sessions/run-1", timeout=10).status_code == 200
+                assert (
+                    httpx.delete(f"{url}/sessions/run-1", headers=ADMIN, timeout=10).status_code
+                    == 200
+                )
             finally:
                 release.set()
                 caller.join(20)
             assert replies[0].status_code == 409, replies[0].text
             assert list((tmp_path / "data").iterdir()) == []
             new_session(url, session_id="run-1")
-            assert httpx.get(f"{url}/sessions/run-1", timeout=10).json()["turns"] == 0
+            assert (
+                httpx.get(f"{url}/sessions/run-1", headers=ADMIN, timeout=10).json()["turns"] == 0
+            )
 
 
 def test_session_metadata_json_loads_reads_is_listed_as_json_dumps_writes_it() -> None:
     """A session made with a NaN or a lone surrogate in its metadata (json.loads reads both)
     made GET /sessions a 500 for every session, and its own GET /sessions/{id} too."""
-    with serve_app(create_stub_app()) as upstream, serve_app(create_app(upstream)) as url:
+    with (
+        serve_app(create_stub_app()) as upstream,
+        serve_app(create_app(upstream, admin_key=ADMIN_KEY)) as url,
+    ):
         bodies = {
             "sur": b'{"session_id": "sur", "metadata": {"k": "\\ud800"}}',
             "nan": b'{"session_id": "nan", "metadata": {"k": NaN, "i": -Infinity}}',
         }
         for body in bodies.values():
             assert httpx.post(f"{url}/sessions", content=body, timeout=10).status_code == 200
-        listed = httpx.get(f"{url}/sessions", timeout=10)
+        listed = httpx.get(f"{url}/sessions", headers=ADMIN, timeout=10)
         assert listed.status_code == 200, listed.text
         shown = {s["session_id"]: s["metadata"] for s in json.loads(listed.content)["sessions"]}
         for session_id, body in bodies.items():
             want = json.dumps(json.loads(body)["metadata"])
             assert json.dumps(shown[session_id]) == want
-            info = httpx.get(f"{url}/sessions/{session_id}", timeout=10)
+            info = httpx.get(f"{url}/sessions/{session_id}", headers=ADMIN, timeout=10)
             assert info.status_code == 200, info.text
             assert json.dumps(json.loads(info.content)["metadata"]) == want

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 from capture_support import (
+    ADMIN,
     export,
     new_session,
     serve_app,
@@ -220,6 +221,7 @@ def _kill_loop(tmp_path: Path, restarts: int, n_sessions: int) -> None:
                 answer = httpx.get(
                     f"{server.url}/sessions/{sid}/export",
                     params={"messages": "1", "discarded": "1"},
+                    headers=ADMIN,
                     timeout=30,
                 )
                 doc = answer.json()
