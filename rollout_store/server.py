@@ -14,9 +14,9 @@ and its API key, the key the SDK sends (`Authorization: Bearer` or `x-api-key`) 
 session, unknown keys get 401 unless the server runs in open mode (which makes new open
 sessions, never opens one that has a key). `GET /sessions`, `GET /sessions/{id}`,
 `GET /sessions/{id}/export` (`?messages=1`, `discarded=1`, `capture_level=...`; the level
-defaults to "tokens" when every turn carries token ids, else "text"),
-`GET /sessions/{id}/trace.jsonl`, the viewer, `GET /` (as `GET /sessions`) and `DELETE /sessions/{id}` manage them; each
-needs the session's key or the server's admin key: a route naming one session calls
+defaults to "tokens" when some turn carries token ids, else "text", as the library's export
+decides), `GET /sessions/{id}/trace.jsonl`, the viewer, `GET /` (as `GET /sessions`) and
+`DELETE /sessions/{id}` manage them; each needs the session's key or the server's admin key: a route naming one session calls
 `_Server._lookup`, one gathering sessions `_Server._visible` (the only checks there are).
 
 Every request is refused unless its `Host` is a name the server answers (`hosts`), a
