@@ -11,6 +11,13 @@
     validation   findings about the whole rollout
     trainable    the one gate: some agent row survived and nothing about the rollout is fatal
     capture_level, rollout_type
+    group, labels, annotations, reward, rewards
+                 the graph's training metadata (see `metadata`), when it has any; each
+                 row then also carries its `reward` (its leaf's own, else the graph's)
+    drift        the drift audit (`Graph.drift()`: roots whose messages continue a turn
+                 their token ids do not extend), when it recorded any
+
+A graph without metadata or drift gives the document of the capture graph, key for key.
 
 `write_session_json` writes the same bytes as `json.dumps(export_session(...))`, holding one
 turn's or one sequence's values at a time.
@@ -128,7 +135,11 @@ def _plan(graph: Graph, discarded: set[str], trainable: bool) -> list[tuple[str,
 
 
 def _row(
-    seq: TrainingSequence, role: str, report: Report | None, trainable: bool
+    seq: TrainingSequence,
+    role: str,
+    report: Report | None,
+    trainable: bool,
+    reward: Any,
 ) -> dict[str, Any]:
     return {
         "role": role,
@@ -143,6 +154,7 @@ def _row(
         "logprobs": seq.logprobs,
         "trainable": bool(report is not None and report.ok and role == AGENT),
         "validation": report.lines() if report is not None else [],
+        **({} if reward is _UNSET else {"reward": reward}),
     }
 
 
@@ -210,6 +222,7 @@ def _parts(
         graph, capture_level=capture_level, budget_stop_count=session.budget_stop_count
     )
     discarded = set(graph.discarded_ids())
+    meta, drift = graph.meta, graph.drift()
     plan = [
         entry
         for entry in _plan(graph, discarded, trainable_capture)
@@ -220,7 +233,8 @@ def _parts(
         for leaf, role, _, _ in plan:
             seq = graph.sequence_for(leaf)
             report = check_sequence(seq) if trainable_capture else None
-            yield _row(seq, role, report, trainable_capture)
+            reward = _UNSET if meta.empty else meta.reward_for(leaf)
+            yield _row(seq, role, report, trainable_capture, reward)
 
     trainable_rows = [entry for entry in plan if entry[2]]
     shape = graph.stats()
@@ -245,6 +259,8 @@ def _parts(
         "trainable": bool(trainable_rows) and rollout.ok,
         "capture_level": capture_level,
         "rollout_type": "train" if trainable_capture else "eval",
+        **({} if meta.empty else meta.document()),
+        **({"drift": drift} if drift else {}),
     }
     return head, turns, rows(), {"stats": stats, **tail}
 
@@ -314,15 +330,19 @@ def write_session_json(
 def iter_turn_records(graph: Graph) -> Iterator[dict[str, Any]]:
     """Each turn in arrival order as a flat record for training pipelines.
 
-    `discarded` says whether the turn is a retry that was dropped (see `discarded_ids`).
+    `discarded` says whether the turn is a retry that was dropped (see `discarded_ids`). A
+    turn the drift audit recorded also has `drift` (its entry of `Graph.drift()`, without
+    `node_id`), and a turn given a reward of its own (`set_reward(value, leaf=...)`) `reward`.
     A generator: turns added while it runs may re-link turns not yet yielded. For one
     consistent snapshot under concurrent recording use `write_trace_jsonl`, which holds the
     graph's lock throughout.
     """
     discarded = set(graph.discarded_ids())
+    drift = {entry.pop("node_id"): entry for entry in graph.drift()}
+    rewards = graph.rewards
     for node_id in graph.node_ids():
         turn = graph.get(node_id)
-        yield {
+        record: dict[str, Any] = {
             "node_id": turn.node_id,
             "parent_id": turn.parent_id,
             "index": turn.index,
@@ -339,14 +359,32 @@ def iter_turn_records(graph: Graph) -> Iterator[dict[str, Any]]:
             "sampled_logprobs": turn.sampled_logprobs,
             "discarded": node_id in discarded,
         }
+        if node_id in drift:
+            record["drift"] = drift[node_id]
+        if node_id in rewards:
+            record["reward"] = rewards[node_id]
+        yield record
+
+
+def trace_trailer(graph: Graph) -> dict[str, Any] | None:
+    """The trace's last line when the graph carries training metadata:
+    `{"graph": {group, labels, annotations, reward, rewards}}`; else None (the trace is
+    then one line per turn, as it always was)."""
+    meta = graph.meta
+    return None if meta.empty else {"graph": meta.document()}
 
 
 def write_trace_jsonl(graph: Graph, fp: IO[Any]) -> None:
-    """One JSON line per turn (request, response, token ids, logprobs, discarded)."""
+    """One JSON line per turn (request, response, token ids, logprobs, discarded), then,
+    for a graph with training metadata, one `{"graph": ...}` line (`trace_trailer`)."""
     write = writer_for(fp)
     with graph.lock:
         for record in iter_turn_records(graph):
             write(json.dumps(record))
+            write("\n")
+        trailer = trace_trailer(graph)
+        if trailer is not None:
+            write(json.dumps(trailer))
             write("\n")
 
 

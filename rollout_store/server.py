@@ -64,6 +64,7 @@ from .content import ContentStore, StringCache
 from .errors import InvalidArgumentError, InvalidValueError, RolloutStoreError
 from .export import write_session_json, write_trace_jsonl
 from .idle_trim import with_idle_trim
+from .metadata import GraphMeta
 from .nodes import TurnNode
 from .raw import RawJSON
 from .sessions import Session, SessionError, Sessions, clean_session_id
@@ -916,9 +917,14 @@ class _Server:
         metadata = payload.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             return JSONResponse({"error": "metadata must be a JSON object"}, 400)
+        group, labels = payload.get("group"), payload.get("labels")
+        if labels is not None and not isinstance(labels, list):
+            return JSONResponse({"error": "labels must be a JSON array of strings"}, 400)
         try:
             session = await anyio.to_thread.run_sync(
-                lambda: self.sessions.create(payload.get("session_id"), metadata=metadata)
+                lambda: self.sessions.create(
+                    payload.get("session_id"), metadata=metadata, group=group, labels=labels
+                )
             )
         except SessionError as exc:
             status = 409 if "already exists" in str(exc) else 400
@@ -1008,6 +1014,73 @@ class _Server:
                 write_trace_jsonl(graph, fp)
 
         return StreamingResponse(_from_thread(produce), media_type="application/x-ndjson")
+
+    async def patch_session(self, request: Request) -> Response:
+        """Annotate and reward a session's graph, all changes or none: a JSON object with
+        any of `labels` (added), `annotations` (object), `reward` (number or null),
+        `rewards` (leaf node id -> number or null), `group`."""
+        found = self._lookup(request)
+        if isinstance(found, Response):
+            return found
+        session = found
+        try:
+            raw = await self._read_body(request)
+        except _Refusal as refusal:
+            return JSONResponse({"error": refusal.reason}, refusal.status)
+        try:
+            payload = json.loads(raw) if raw.strip() else {}
+        except RecursionError:
+            return JSONResponse({"error": "the body nests too deeply"}, 400)
+        except ValueError:
+            return JSONResponse({"error": "the body must be JSON"}, 400)
+        if not isinstance(payload, dict):
+            return JSONResponse({"error": "the body must be a JSON object"}, 400)
+        unknown = sorted(set(payload) - {"labels", "annotations", "reward", "rewards", "group"})
+        if unknown:
+            return JSONResponse(
+                {
+                    "error": f"unknown field(s) {', '.join(unknown)}: send labels, "
+                    "annotations, reward, rewards or group"
+                },
+                400,
+            )
+        labels = payload.get("labels", [])
+        if not isinstance(labels, list):
+            return JSONResponse({"error": "labels must be a JSON array of strings"}, 400)
+        group = payload.get("group", GraphMeta)
+        if group not in (GraphMeta, None) and clean_session_id(group) is None:
+            return JSONResponse(
+                {"error": "group must be a valid id (as a session id) or null"}, 400
+            )
+        changes = {
+            "labels": labels,
+            "annotations": payload.get("annotations"),
+            "reward": payload.get("reward", GraphMeta),
+            "rewards": payload.get("rewards"),
+            "group": group,
+        }
+
+        def apply() -> dict[str, Any]:
+            with session.use() as graph:
+                graph.update_metadata(**changes)
+                if group is not GraphMeta:
+                    session.group = group
+                    self.sessions.save_group(session)
+                return {"session_id": session.session_id, **graph.meta.document()}
+
+        try:
+            answer = await anyio.to_thread.run_sync(apply)
+        except (RolloutStoreError, SessionError) as exc:
+            return JSONResponse({"error": str(exc)}, 400)
+        return _written_anew(answer)
+
+    async def group_info(self, request: Request) -> Response:
+        """The sessions of a group (each as `GET /sessions/{id}` lists it)."""
+        group = request.path_params["group_id"]
+        members = self.sessions.in_group(group) if clean_session_id(group) else []
+        if not members:
+            return JSONResponse({"error": f"no session in group {group!r}"}, 404)
+        return _written_anew({"group": group, "sessions": [s.info() for s in members]})
 
     async def delete_session(self, request: Request) -> Response:
         session_id = request.path_params["session_id"]
@@ -1142,6 +1215,8 @@ def create_app(
             Route("/sessions", server.list_sessions, methods=["GET"]),
             Route("/sessions/{session_id}", server.session_info, methods=["GET"]),
             Route("/sessions/{session_id}", server.delete_session, methods=["DELETE"]),
+            Route("/sessions/{session_id}", server.patch_session, methods=["PATCH"]),
+            Route("/groups/{group_id}", server.group_info, methods=["GET"]),
             Route("/sessions/{session_id}/export", server.export, methods=["GET"]),
             Route("/sessions/{session_id}/trace.jsonl", server.trace, methods=["GET"]),
             Route("/sessions/{session_id}/view", server.view_root, methods=["GET"]),

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from .content import ContentStore, StringCache
-from .errors import RolloutStoreError
+from .errors import InvalidValueError, RolloutStoreError
+from .metadata import GraphMeta
 from .storage import RolloutGraph
 from .stores import MemoryStore
 
@@ -58,6 +59,7 @@ class Session:
     api_key: str
     opener: Callable[[], RolloutGraph]
     metadata: dict[str, Any] = field(default_factory=dict)
+    group: str | None = None  # the group (a GRPO group) it belongs to; its graph's too
     created_at: float = field(default_factory=time.time)
     last_turn_at: float | None = None
     last_used: float = field(default_factory=time.time)
@@ -157,6 +159,7 @@ class Session:
             "upstream_errors": self.upstream_errors,
             "rejected": self.rejected,
             "metadata": self.metadata,
+            "group": self.group,
         }
 
 
@@ -277,6 +280,7 @@ class Sessions:
                 key,
                 self._opener(session_id),
                 metadata=meta.get("metadata") or {},
+                group=meta.get("group") if isinstance(meta.get("group"), str) else None,
                 created_at=float(meta.get("created_at") or time.time()),
             )
             session.graph  # noqa: B018 - opened now: a damaged log stops the server at start
@@ -291,13 +295,28 @@ class Sessions:
         *,
         metadata: dict[str, Any] | None = None,
         api_key: str | None = None,
+        group: str | None = None,
+        labels: list[str] | None = None,
     ) -> Session:
-        """A new session (id minted unless given); raises `SessionError` if the id is taken."""
+        """A new session (id minted unless given); raises `SessionError` if the id is taken.
+
+        `group`: the group id (same pattern as a session id) its graph and listing carry;
+        `labels`: labels set on its graph (see `RolloutGraph.add_labels`)."""
         if session_id is not None and clean_session_id(session_id) is None:
             raise SessionError(
                 "session_id must be 1-128 letters, digits, '_', '.' or '-', starting with a "
                 "letter or digit"
             )
+        if group is not None and clean_session_id(group) is None:
+            raise SessionError(
+                "group must be 1-128 letters, digits, '_', '.' or '-', starting with a "
+                "letter or digit"
+            )
+        if labels is not None:
+            try:
+                GraphMeta().with_labels(labels, add=True)
+            except InvalidValueError as exc:
+                raise SessionError(str(exc)) from None
         with self._lock:
             sid = session_id or f"s-{secrets.token_hex(8)}"
             if sid in self._by_id:
@@ -305,18 +324,27 @@ class Sessions:
             key = api_key or f"{_KEY_PREFIX}{secrets.token_urlsafe(24)}"
             created = time.time()
             if self.data is not None:
-                doc = {
+                doc: dict[str, Any] = {
                     "session_id": sid,
                     "api_key": key,
                     "metadata": metadata or {},
                     "created_at": created,
                 }
+                if group is not None:
+                    doc["group"] = group
                 _write_atomic(self._path(sid, ".json"), json.dumps(doc).encode("ascii"))
             session = Session(
-                sid, key, self._opener(sid), metadata=metadata or {}, created_at=created
+                sid,
+                key,
+                self._opener(sid),
+                metadata=metadata or {},
+                group=group,
+                created_at=created,
             )
             try:
-                session.graph  # noqa: B018 - the log is created now
+                graph = session.graph  # the log is created now
+                if group is not None or labels:
+                    graph.update_metadata(labels=labels or (), group=group)
             except BaseException:
                 if self.data is not None:
                     with contextlib.suppress(OSError):
@@ -325,6 +353,24 @@ class Sessions:
             self._by_id[sid] = session
             self._by_key[key] = session
             return session
+
+    def save_group(self, session: Session) -> None:
+        """Write a session's changed group id to its file (with a data directory)."""
+        if self.data is None:
+            return
+        doc: dict[str, Any] = {
+            "session_id": session.session_id,
+            "api_key": session.api_key,
+            "metadata": session.metadata,
+            "created_at": session.created_at,
+        }
+        if session.group is not None:
+            doc["group"] = session.group
+        _write_atomic(self._path(session.session_id, ".json"), json.dumps(doc).encode("ascii"))
+
+    def in_group(self, group: str) -> list[Session]:
+        """The sessions created with this group id, by session id."""
+        return [session for session in self.all() if session.group == group]
 
     def get(self, session_id: str) -> Session | None:
         with self._lock:

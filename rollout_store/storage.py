@@ -27,6 +27,7 @@ from . import framing
 from .atomic import fsync_dir, lock_log, replace_file, write_error
 from .blobs import BlobTable, content_digest
 from .content import ContentStore, StringCache
+from .drift import Drift
 from .encoding import ECHO_PACKED, array_header
 from .errors import (
     ChecksumMismatch,
@@ -45,8 +46,10 @@ from .frames import (
     FRAME,
     KIND_BLOB,
     KIND_BLOB_REF,
+    KIND_DRIFT,
     KIND_END,
     KIND_HEADER,
+    KIND_META,
     KIND_NAMES,
     KIND_TURN,
     KIND_VALUE,
@@ -65,6 +68,7 @@ from .frames import (
 from .graph import Graph, GraphRestorer, JournalEntry
 from .intake import MAX_DEPTH, compact_ids
 from .key_check import KeyCheck, UnkeyedTurn
+from .metadata import GraphMeta
 from .packed import (
     MESSAGES_DEPTH,
     PackedInfo,
@@ -300,6 +304,9 @@ class _Writer:
             for stored in (side.system, side.tools, side.sampling, side.requested)
         ]
         record = self._record(entry, values, refs)
+        if entry.drift is not None and self.version != _V1:  # (a version-1 log keeps none)
+            # before its turn, as blobs are: a turn cut short leaves no drift of itself
+            frames.append(self.frame(KIND_DRIFT, pack(entry.drift.to_record()), chain))
         frames.append(self.frame(KIND_TURN, pack(list(record)), chain))
         return frames, partial(self._commit, chain, entry.blobs_end, new_values, refs, turn)
 
@@ -345,6 +352,9 @@ class _Writer:
                             value, prev = encode(KIND_VALUE, pack(stored), prev)
                             parts.append(value)
                     values[i] = ordinal
+            if entry.drift is not None:
+                drift, prev = encode(KIND_DRIFT, pack(entry.drift.to_record()), prev)
+                parts.append(drift)
             record, prev = encode(KIND_TURN, pack(list(record_of(entry, values, refs))), prev)
             parts.append(record)
             if turn.prompt is not None or turn.full is not None:
@@ -526,6 +536,10 @@ def save(graph: Graph, path: str | os.PathLike[str], *, blobs: str = "inline") -
         entries = graph.journal_entries()
         writer.write_snapshot(graph.blobs, entries, out)
         references = list(graph.blobs.mark()[1:])
+        if not graph.meta.empty:
+            chain = [writer.chain]
+            out.add([writer.frame(KIND_META, pack(graph.meta.to_record()), chain)])
+            writer.chain = chain[0]
         end = {"turns": len(entries), "blobs": len(graph.blobs), "references": references}
         out.add([writer.frame(KIND_END, pack(end), [writer.chain])])
         out.flush()
@@ -1086,7 +1100,7 @@ def _frames_v1(data: bytes, report: LoadReport) -> _Frames:
 def _frames_v2(data: bytes, report: LoadReport) -> _Frames:
     """The same for a version-2 file: each frame verified and bound to the one before."""
     reader = framing.FrameReader(
-        data, len(framing.MAGIC_V2), digest_kinds=_DIGEST_KINDS, max_kind=KIND_BLOB_REF
+        data, len(framing.MAGIC_V2), digest_kinds=_DIGEST_KINDS, max_kind=KIND_DRIFT
     )
     try:
         yield from reader.tuples()
@@ -1141,6 +1155,8 @@ class _Records:
                     payload, 0, _RECORD_DEPTH, record=True, max_containers=16 + self.report.turns
                 )
             body = payload
+        elif kind == KIND_META:  # one container an annotation: bounded by the record's size
+            body = _decode(payload, len(payload))
         else:
             body = _decode(payload, 16 + self.report.turns)
         if self.ended:
@@ -1165,13 +1181,24 @@ class _Records:
         elif kind == KIND_TURN:
             mark = loader.mark()
             try:
-                self.apply_pending(loader)
+                drift = self.apply_pending(loader)
                 self.at = (start, record)
                 loader.turn(body, start, record)
             except BaseException:
                 loader.rollback(mark)
                 raise
+            if drift is not None:
+                loader.restore.add_drift(drift)
             self.report.turns += 1
+        elif kind == KIND_DRIFT:  # the turn record after it holds its turn
+            if self.version == _V1 or any(p[0] == KIND_DRIFT for p in self.pending):
+                raise ValueError("a drift record out of place")
+            self.pending.append((kind, Drift.from_record(body, self.report.turns), start, record))
+        elif kind == KIND_META:
+            if self.pending or self.version == _V1:
+                raise ValueError("a meta record out of place (between a turn's records)")
+            contains = loader.graph.__contains__
+            loader.restore.set_metadata(GraphMeta.from_record(body, contains))
         elif kind == KIND_END:
             _check_end(body, self.pending, self.report)
             loader.graph.blobs.count_references(*body["references"])
@@ -1179,11 +1206,15 @@ class _Records:
         else:
             raise ValueError(f"unknown record kind {kind}")
 
-    def apply_pending(self, loader: _Loader) -> None:
-        """The blobs and values that waited for the turn record now read."""
+    def apply_pending(self, loader: _Loader) -> Drift | None:
+        """The blobs and values that waited for the turn record now read; the turn's drift
+        record, if one waited too (the caller files it once the turn is)."""
+        drift = None
         for kind, body, start, record in self.pending:
             self.at = (start, record)  # an error names this record
-            if kind == KIND_BLOB_REF:
+            if kind == KIND_DRIFT:
+                drift = body
+            elif kind == KIND_BLOB_REF:
                 loader.blob_ref(body, start, record)
             elif kind != KIND_BLOB:
                 loader.value(body)
@@ -1193,6 +1224,7 @@ class _Records:
                 loader.blob_v2(body)
             self.report.blobs += kind in (KIND_BLOB, KIND_BLOB_REF)
         self.pending.clear()
+        return drift
 
     def finish(self) -> _Loader:
         """Damage only the end of the file shows; the loader (an empty one if none)."""
@@ -1405,6 +1437,11 @@ class _AppendLog:
 
     def append(self, entry: JournalEntry) -> None:
         frames, commit = self.writer.turn_frames(self.blobs, entry)
+        self._write(frames)
+        commit()
+
+    def _write(self, frames: list[bytes]) -> None:
+        """Write `frames` with one call (fsync by policy), or leave the file as it was."""
         fd = self.fp.fileno()
         size = os.lseek(fd, 0, os.SEEK_END)
         try:
@@ -1425,7 +1462,15 @@ class _AppendLog:
             if isinstance(exc, OSError):
                 raise write_error(exc, self._path or "the append log") from exc
             raise
-        commit()
+
+    def write_meta(self, meta: GraphMeta) -> None:
+        if self.writer.version == _V1:
+            raise InvalidArgumentError(
+                "a version-1 log holds no metadata: save the graph (version 2) and open the copy"
+            )
+        chain = [self.writer.chain]
+        self._write([self.writer.frame(KIND_META, pack(meta.to_record()), chain)])
+        self.writer.chain = chain[0]
 
     def close(self) -> None:
         self._path = None
