@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from typing import IO, Any
 
 from .errors import InvalidArgumentError
+from .jsonstream import writer_for
 
 __all__ = ["FORMATS", "KINDS", "path_schema", "tree_schema", "write_rows"]
 
@@ -163,7 +164,8 @@ def write_rows(
     """Write `rows` (of `kind` "path" or "tree") to `target` as they come; returns how many.
 
     `format`: "parquet" or "jsonl"; by default from the file name's suffix (an open file is
-    written as JSON Lines). Parquet is written to a file name, a row group at a time.
+    written as JSON Lines unless `format="parquet"`, which needs a binary file). Parquet is
+    written a row group at a time.
     """
     if kind not in KINDS:
         raise InvalidArgumentError(f"unknown row kind {kind!r}: use one of {', '.join(KINDS)}")
@@ -173,28 +175,57 @@ def write_rows(
             with open(target, "w", encoding="ascii") as fp:
                 return _write_jsonl(rows, fp)
         return _write_jsonl(rows, target)
-    if not isinstance(target, str | os.PathLike):
-        raise InvalidArgumentError("Parquet is written to a file name, not an open file")
-    return _write_parquet(rows, target, path_schema() if kind == "path" else tree_schema())
+    schema = path_schema() if kind == "path" else tree_schema()
+    if isinstance(target, str | os.PathLike):
+        return _write_parquet(rows, os.fspath(target), schema)
+    pa, _ = _pyarrow()
+    return _write_parquet(rows, pa.PythonFile(_Sink(target), mode="w"), schema)
+
+
+class _Sink:
+    """An open binary file as a write-only stream that knows its position (what pyarrow asks
+    of a stream it writes Parquet to: a pipe cannot `tell`)."""
+
+    def __init__(self, fp: IO[bytes]) -> None:
+        self.fp = fp
+        self.position = 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        self.fp.write(bytes(data))
+        self.position += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.position
+
+    def flush(self) -> None:
+        self.fp.flush()
+
+    def close(self) -> None:
+        self.flush()
+        self.closed = True
+
+    def writable(self) -> bool:
+        return True
 
 
 def _write_jsonl(rows: Iterable[dict[str, Any]], fp: IO[Any]) -> int:
+    write = writer_for(fp)
     n = 0
     for row in rows:
-        fp.write(json.dumps({k: _plain(v) for k, v in row.items()}))
-        fp.write("\n")
+        write(json.dumps({k: _plain(v) for k, v in row.items()}))
+        write("\n")
         n += 1
     return n
 
 
-def _write_parquet(
-    rows: Iterable[dict[str, Any]], target: str | os.PathLike[str], schema: Any
-) -> int:
+def _write_parquet(rows: Iterable[dict[str, Any]], target: Any, schema: Any) -> int:
     pa, pq = _pyarrow()
     n = 0
     gathered: list[Any] = []
     size = largest = 0
-    with pq.ParquetWriter(os.fspath(target), schema, use_dictionary=False) as writer:
+    with pq.ParquetWriter(target, schema, use_dictionary=False) as writer:
         for row in rows:
             gathered.append(_batch(row, schema))
             del row  # (no name keeps a written row alive while the next one is made)

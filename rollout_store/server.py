@@ -67,6 +67,8 @@ from .idle_trim import with_idle_trim
 from .metadata import GraphMeta
 from .nodes import TurnNode
 from .raw import RawJSON
+from .row_files import FORMATS, KINDS, write_rows
+from .rows import iter_token_samples, iter_tree_samples
 from .sessions import Session, SessionError, Sessions, clean_session_id
 from .sse import SSE_HEADERS, anthropic_events, chat_chunks, sse_data, sse_event
 from .stores import STORE_HELP, MemoryStore, open_store, store_spec
@@ -1082,6 +1084,44 @@ class _Server:
             return JSONResponse({"error": f"no session in group {group!r}"}, 404)
         return _written_anew({"group": group, "sessions": [s.info() for s in members]})
 
+    async def session_samples(self, request: Request) -> Response:
+        """A session's training rows (`rows`): `?format=path|tree` (default path),
+        `?output=jsonl|parquet` (default jsonl), streamed."""
+        found = self._lookup(request)
+        if isinstance(found, Response):
+            return found
+        return self._samples(request, [found])
+
+    async def group_samples(self, request: Request) -> Response:
+        """The training rows of a group's sessions: `?format=tree` packs them as one forest,
+        `?format=path` (the default) gives every path of every session."""
+        group = request.path_params["group_id"]
+        members = self.sessions.in_group(group) if clean_session_id(group) else []
+        if not members:
+            return JSONResponse({"error": f"no session in group {group!r}"}, 404)
+        return self._samples(request, members, forest=True)
+
+    def _samples(self, request: Request, members: list[Session], forest: bool = False) -> Response:
+        kind = request.query_params.get("format", "path")
+        output = request.query_params.get("output", "jsonl")
+        if kind not in KINDS:
+            return JSONResponse({"error": f"format must be one of {', '.join(KINDS)}"}, 400)
+        if output not in FORMATS.values():
+            message = f"output must be one of {', '.join(FORMATS.values())}"
+            return JSONResponse({"error": message}, 400)
+
+        def produce(fp: IO[bytes]) -> None:
+            with contextlib.ExitStack() as stack:
+                graphs = [stack.enter_context(session.use()) for session in members]
+                if kind == "tree":
+                    rows = iter_tree_samples(graphs if forest else graphs[0])
+                else:
+                    rows = (row for graph in graphs for row in iter_token_samples(graph))
+                write_rows(rows, fp, kind, format=output)
+
+        media = "application/x-ndjson" if output == "jsonl" else "application/vnd.apache.parquet"
+        return StreamingResponse(_from_thread(produce), media_type=media)
+
     async def delete_session(self, request: Request) -> Response:
         session_id = request.path_params["session_id"]
         if clean_session_id(session_id) is None:
@@ -1217,6 +1257,8 @@ def create_app(
             Route("/sessions/{session_id}", server.delete_session, methods=["DELETE"]),
             Route("/sessions/{session_id}", server.patch_session, methods=["PATCH"]),
             Route("/groups/{group_id}", server.group_info, methods=["GET"]),
+            Route("/sessions/{session_id}/samples", server.session_samples, methods=["GET"]),
+            Route("/groups/{group_id}/samples", server.group_samples, methods=["GET"]),
             Route("/sessions/{session_id}/export", server.export, methods=["GET"]),
             Route("/sessions/{session_id}/trace.jsonl", server.trace, methods=["GET"]),
             Route("/sessions/{session_id}/view", server.view_root, methods=["GET"]),
