@@ -183,7 +183,9 @@ class Viewer:
                 self._rows_for = n
             return self._rows, self._discarded
 
-    def _row(self, node_id: str, indent: int, discarded: set[str]) -> dict[str, Any]:
+    def _row(
+        self, node_id: str, indent: int, discarded: set[str], drift: dict[str, Any]
+    ) -> dict[str, Any]:
         graph = self.graph
         summary = graph.summary(node_id)
         return {
@@ -197,6 +199,7 @@ class Viewer:
             "n_sampled": summary["n_sampled"],
             "model": summary["model"],
             "preview": _preview(graph.response_message(node_id)),
+            "drift": drift.get(node_id),
         }
 
     # ------------------------------------------------------------ answers
@@ -205,6 +208,7 @@ class Viewer:
         rows, _ = self._tree()
         figures = store_figures(self.graph)
         figures.update(title=self.title, rows=len(rows), file_bytes=self.file_size)
+        figures["drift"] = len(self.graph.drift())
         return _json(200, figures)
 
     def _rows_page(self, query: dict[str, list[str]]) -> Response:
@@ -212,12 +216,13 @@ class Viewer:
         limit = min(_int(query, "limit", 100), MAX_ROWS)
         rows, discarded = self._tree()
         page = rows[offset : offset + limit]
+        drift = {entry["node_id"]: entry for entry in self.graph.drift()}
         return _json(
             200,
             {
                 "offset": offset,
                 "total": len(rows),
-                "rows": [self._row(node_id, indent, discarded) for node_id, indent in page],
+                "rows": [self._row(node_id, indent, discarded, drift) for node_id, indent in page],
             },
         )
 
@@ -242,6 +247,7 @@ class Viewer:
                 "summary": summary,
                 "children": graph.child_ids(node_id),
                 "discarded": node_id in discarded,
+                "drift": next((d for d in graph.drift() if d["node_id"] == node_id), None),
                 "sampling_params": graph.sampling_params(node_id),
                 "tools": graph.request_tools(node_id),
                 "response": graph.response_message(node_id),
