@@ -444,7 +444,7 @@ class Graph:
         request = scratch.request
         if request is None or not request.messages:
             return None
-        parent = self._linker._message_parent(request)
+        parent = self._linker.message_continued(request)
         if parent is None or parent.full is None or parent.prompt is None:
             return None
         context = run_list(parent.full)

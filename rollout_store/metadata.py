@@ -13,14 +13,13 @@ whole graph and optionally one per leaf (keyed by the leaf's node id).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .encoding import unpack
 from .errors import InvalidValueError
-from .intake import MAX_DEPTH, encode
-from .packed import check_packed
+from .intake import encode
 
 __all__ = ["GraphMeta", "check_group", "check_label", "check_reward"]
 
@@ -170,9 +169,12 @@ class GraphMeta:
         }
 
     @classmethod
-    def from_record(cls, body: Any, known: Any) -> GraphMeta:
+    def from_record(
+        cls, body: Any, known: Callable[[str], bool], check: Callable[[bytes], object]
+    ) -> GraphMeta:
         """A `meta` record's payload read back, every field checked; `known(node_id)` says
-        whether a leaf reward names a turn of the graph. Raises ValueError."""
+        whether a leaf reward names a turn of the graph, `check(packed)` checks an
+        annotation's packing (the file layer's check of stored values). Raises ValueError."""
         if not isinstance(body, dict) or set(body) != {
             "labels",
             "annotations",
@@ -195,7 +197,7 @@ class GraphMeta:
                 and isinstance(item[1], bytes)
             ):
                 raise ValueError("bad annotation in a meta record")
-            check_packed(item[1], 0, MAX_DEPTH)
+            check(item[1])
             pairs.append((item[0], item[1]))
         leaf_rewards: list[tuple[str, int | float]] = []
         for item in rewards:

@@ -1198,7 +1198,10 @@ class _Records:
             if self.pending or self.version == _V1:
                 raise ValueError("a meta record out of place (between a turn's records)")
             contains = loader.graph.__contains__
-            loader.restore.set_metadata(GraphMeta.from_record(body, contains))
+            meta = GraphMeta.from_record(
+                body, contains, partial(check_packed, n_blobs=0, max_depth=MAX_DEPTH)
+            )
+            loader.restore.set_metadata(meta)
         elif kind == KIND_END:
             _check_end(body, self.pending, self.report)
             loader.graph.blobs.count_references(*body["references"])
