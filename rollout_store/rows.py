@@ -303,6 +303,8 @@ class _Packer:
                 else:
                     owner[id(walk)] = p  # an earlier overflowed path gives way
                 walk = walk.parent
+        if not self.n_paths:
+            return []  # nothing with token ids to pack
         tops = [self.root] if forest else list(self.root.children.values())
         return [self._row(top, ends, owner, forest) for top in tops]
 
@@ -393,8 +395,8 @@ def iter_tree_samples(source: Any, *, numpy: bool = False) -> Iterator[dict[str,
 def tree_samples(source: Any, *, numpy: bool = False) -> list[dict[str, Any]]:
     """Tree-packed rows (see the module docstring): for one graph, one row per trajectory
     (a tree of paths sharing their first token); for a list of graphs (a group), one row:
-    the forest of all their paths under a synthetic root. `numpy=True`: per-token and
-    per-node fields as numpy arrays."""
+    the forest of all their paths under a synthetic root (no row when no path has token
+    ids). `numpy=True`: per-token and per-node fields as numpy arrays."""
     return list(iter_tree_samples(source, numpy=numpy))
 
 

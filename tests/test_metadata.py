@@ -203,3 +203,13 @@ def test_export_and_trace_carry_metadata() -> None:
     assert json.loads(lines[1])["reward"] == 1  # the leaf rewarded on its own
     trailer = json.loads(lines[-1])["graph"]
     assert trailer["labels"] == ["math", "hard"] and trailer["reward"] == 0.25
+
+
+def test_streamed_document_equals_the_dict_with_metadata() -> None:
+    from rollout_store import write_session_json
+
+    graph = _graph()
+    _fill(graph)
+    out = io.StringIO()
+    write_session_json(graph, out, include_messages=True)
+    assert out.getvalue() == json.dumps(export_session(graph, include_messages=True))

@@ -395,3 +395,45 @@ def pq_rows(path: Path) -> int:
     import pyarrow.parquet as pq
 
     return int(pq.ParquetFile(path).metadata.num_rows)
+
+
+def test_graphs_without_token_ids_give_no_tree_rows() -> None:
+    graph = RolloutGraph()
+    graph.add_turn(
+        TurnNode(request_messages=[{"role": "user", "content": "q"}], response_message={})
+    )
+    assert [row["input_ids"] for row in token_samples(graph)] == [[]]
+    assert tree_samples(graph) == [] and tree_samples([graph]) == [] and tree_samples([]) == []
+    with pytest.raises(InvalidArgumentError, match="item 1"):
+        tree_samples([graph, "not a graph"])
+
+
+def test_samples_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import pyarrow.parquet as pq
+
+    from rollout_store.cli import main
+
+    files = []
+    for i, graph in enumerate(_group(3)):
+        graph.save(tmp_path / f"g{i}.rls")
+        files.append(str(tmp_path / f"g{i}.rls"))
+    loaded = [RolloutGraph.load(f) for f in files]
+    assert main(["samples", *files, "--format", "path", "-o", str(tmp_path / "p.parquet")]) == 0
+    read = pq.read_table(tmp_path / "p.parquet").to_pylist()
+    assert [r["input_ids"] for r in read] == [
+        r["input_ids"] for g in loaded for r in token_samples(g)
+    ]
+    out = tmp_path / "f.jsonl"
+    assert main(["samples", *files, "--format", "tree", "--group", "-o", str(out)]) == 0
+    (forest,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert forest == json.loads(json.dumps(tree_samples(loaded)[0]))
+    assert main(["samples", *files, "--format", "tree", "-o", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == 3  # a row per file's trajectory
+    capsys.readouterr()
+    assert main(["samples", files[0], "--group", "-o", str(out)]) == 1
+    assert "--format tree" in capsys.readouterr().err
+    assert main(["samples", files[0], "-o", str(tmp_path / "x.csv")]) == 1
+    assert ".parquet, .jsonl" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["samples", files[0], "--format", "forest", "-o", str(out)])
+    assert exit_.value.code == 2 and "'path', 'tree'" in capsys.readouterr().err
