@@ -213,3 +213,75 @@ def test_streamed_document_equals_the_dict_with_metadata() -> None:
     out = io.StringIO()
     write_session_json(graph, out, include_messages=True)
     assert out.getvalue() == json.dumps(export_session(graph, include_messages=True))
+
+
+def _drifting(graph: RolloutGraph) -> None:
+    """Three calls whose messages continue each other but whose ids drop the thinking (50),
+    then labels, annotations, rewards and a group."""
+    messages: list = [{"role": "user", "content": "q"}]
+    prompt = [1, 2, 3]
+    for k in range(3):
+        answer = {"role": "assistant", "content": f"a{k}"}
+        graph.add_turn(
+            TurnNode(
+                request_messages=list(messages),
+                response_message=answer,
+                prompt_ids=prompt,
+                sampled_ids=[50, 60 + k],
+                sampled_logprobs=[-0.5, -0.25],
+                node_id=f"d{k}",
+            )
+        )
+        messages += [answer, {"role": "user", "content": f"q{k}"}]
+        prompt = [*prompt, 60 + k, 7]
+        if k == 1:
+            graph.add_labels("x")
+            graph.annotate(k={"v": [1.0, -0.0, "\ud800"]})
+    graph.set_reward(2, leaf="d2")
+    graph.set_group("g")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["log", "snapshot"])
+def test_every_cut_and_flip_of_a_file_with_metadata_and_drift(tmp_path: Path, mode: str) -> None:
+    from rollout_store import write_session_json
+
+    def export(graph: RolloutGraph) -> str:
+        out = io.StringIO()
+        write_session_json(graph, out)
+        return out.getvalue()
+
+    def loaded(path: Path, recover: bool = False) -> RolloutGraph | None:
+        try:
+            return RolloutGraph.load(path, recover=recover)
+        except RolloutStoreError:
+            return None
+
+    path = tmp_path / "g.rls"
+    if mode == "log":
+        with RolloutGraph.open(path) as graph:
+            _drifting(graph)
+    else:
+        graph = RolloutGraph()
+        _drifting(graph)
+        graph.save(path)
+    full = RolloutGraph.load(path)
+    assert len(full.drift()) == 2 and full.group == "g"
+    want = export(full)
+    data = path.read_bytes()
+    damaged = tmp_path / "d.rls"
+    for cut in range(len(data) + 1):
+        damaged.write_bytes(data[:cut])
+        recovered = loaded(damaged, recover=True)
+        if recovered is not None:  # what was kept is what was written, drift included
+            kept = {d["node_id"] for d in recovered.drift()}
+            assert kept == {d["node_id"] for d in full.drift()} & set(recovered.node_ids())
+    for pos in range(len(data)):
+        changed = bytearray(data)
+        changed[pos] ^= 0xFF if pos % 2 else 1 << (pos // 2 % 8)
+        damaged.write_bytes(bytes(changed))
+        report = verify(damaged)
+        graph_read = loaded(damaged)
+        if report.ok or graph_read is not None:
+            assert report.ok and graph_read is not None and export(graph_read) == want, pos
+        loaded(damaged, recover=True)  # only the library's errors
