@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 from .encoding import unpack
@@ -78,10 +79,10 @@ class GraphMeta:
     reward: int | float | None = None
     leaf_rewards: tuple[tuple[str, int | float], ...] = ()
     group: str | None = None
-    _by_leaf: dict[str, int | float] = field(default_factory=dict, compare=False, repr=False)
 
-    def __post_init__(self) -> None:
-        self._by_leaf.update(self.leaf_rewards)
+    @cached_property
+    def _by_leaf(self) -> dict[str, int | float]:
+        return dict(self.leaf_rewards)
 
     @property
     def empty(self) -> bool:
@@ -101,7 +102,7 @@ class GraphMeta:
             text = check_label(label, f"labels[{i}]")
             if text not in kept:
                 kept.append(text)
-        return replace(self, labels=tuple(kept), _by_leaf={})
+        return replace(self, labels=tuple(kept))
 
     def with_annotations(self, values: Mapping[Any, Any]) -> GraphMeta:
         """Annotations set (a key given again is replaced), each value checked and packed."""
@@ -113,27 +114,27 @@ class GraphMeta:
                 )
             packed, _ = encode(value, f"annotations[{key!r}]", None, None)
             merged[str.__str__(key)] = packed
-        return replace(self, annotations=tuple(merged.items()), _by_leaf={})
+        return replace(self, annotations=tuple(merged.items()))
 
     def without_annotations(self, keys: Iterable[str]) -> GraphMeta:
         drop = set(keys)
         kept = tuple(item for item in self.annotations if item[0] not in drop)
-        return replace(self, annotations=kept, _by_leaf={})
+        return replace(self, annotations=kept)
 
     def with_reward(self, value: object, leaf: str | None) -> GraphMeta:
         """The graph's reward (`leaf` None) or one leaf's set; None clears it."""
         if leaf is None:
             reward = None if value is None else check_reward(value, "reward")
-            return replace(self, reward=reward, _by_leaf={})
+            return replace(self, reward=reward)
         rewards = dict(self.leaf_rewards)
         if value is None:
             rewards.pop(leaf, None)
         else:
             rewards[leaf] = check_reward(value, f"rewards[{leaf!r}]")
-        return replace(self, leaf_rewards=tuple(rewards.items()), _by_leaf={})
+        return replace(self, leaf_rewards=tuple(rewards.items()))
 
     def with_group(self, group: object) -> GraphMeta:
-        return replace(self, group=check_group(group), _by_leaf={})
+        return replace(self, group=check_group(group))
 
     # ------------------------------------------------------------------ reading
 

@@ -139,7 +139,7 @@ class _Node:
     """A run of tokens shared by the same paths, all of one turn (of the path that first
     brought them)."""
 
-    __slots__ = ("bits", "children", "ends", "graph", "ids", "lps", "mask", "parent", "turn")
+    __slots__ = ("bits", "children", "ends", "ids", "lps", "mask", "parent", "turn")
 
     def __init__(
         self,
@@ -148,7 +148,6 @@ class _Node:
         lps: list[Any],
         bits: bytes,
         turn: str | None,
-        graph: int,
         parent: _Node | None,
     ) -> None:
         self.ids = ids
@@ -156,7 +155,6 @@ class _Node:
         self.lps = lps
         self.bits = bits  # the logprobs as float64 bytes: compared exactly, NaN included
         self.turn = turn
-        self.graph = graph
         self.parent = parent
         self.children: dict[tuple[int, int, bytes], _Node] = {}
         self.ends: list[int] = []  # paths whose last token is this node's last
@@ -173,7 +171,6 @@ class _Node:
             self.lps[k:],
             self.bits[k * 8 :],
             self.turn,
-            self.graph,
             self,
         )
         tail.children, tail.ends = self.children, self.ends
@@ -231,7 +228,7 @@ class _Packer:
     """The prefix tree of many paths (under a synthetic root), then its rows."""
 
     def __init__(self) -> None:
-        self.root = _Node([], b"", [], b"", None, -1, None)
+        self.root = _Node([], b"", [], b"", None, None)
         self.paths: list[dict[str, Any]] = []
         self.n_paths = 0
 
@@ -243,7 +240,7 @@ class _Packer:
                 continue
             spans = _turn_spans(graph, row["node_ids"], len(ids))
             stop = row["stop_reason"]
-            self._insert(ids, bytes(row["loss_mask"]), row["rollout_logprobs"], spans, index)
+            self._insert(ids, bytes(row["loss_mask"]), row["rollout_logprobs"], spans)
             self.paths.append(
                 {
                     "leaf_id": row["leaf_id"],
@@ -256,7 +253,7 @@ class _Packer:
             )
 
     def _insert(
-        self, ids: list[int], mask: bytes, lps: list[Any], spans: list[tuple[int, str]], g: int
+        self, ids: list[int], mask: bytes, lps: list[Any], spans: list[tuple[int, str]]
     ) -> None:
         bits = array("d", map(float, lps)).tobytes()
         node, pos, n = self.root, 0, len(ids)
@@ -275,7 +272,7 @@ class _Packer:
             turn = next(t for start, t in reversed(spans) if start <= pos)
             for a, b in zip([pos, *cuts], [*cuts, n], strict=True):
                 turn = owners.get(a, turn)
-                fresh = _Node(ids[a:b], mask[a:b], lps[a:b], bits[a * 8 : b * 8], turn, g, node)
+                fresh = _Node(ids[a:b], mask[a:b], lps[a:b], bits[a * 8 : b * 8], turn, node)
                 node.children[fresh.key()] = fresh
                 node = fresh
         node.ends.append(self.n_paths)
