@@ -214,7 +214,7 @@ def streaming_memory(gib: float, folder: Path, row_tokens: int = 500_000) -> dic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gb", type=float, default=0.25, help="GiB of rows for the memory run")
+    parser.add_argument("--gb", type=float, default=1.0, help="GiB of rows for the memory run")
     add_results_option(parser)
     args = parser.parse_args()
     results: dict[str, Any] = {"commit": library_commit(), "shapes": {}}
