@@ -33,7 +33,7 @@ from .errors import (
 from .index import OneOrMany, index_add, index_members
 from .intake import real_numbers
 from .linking import Linker
-from .metadata import GraphMeta
+from .metadata import UNCHANGED, GraphMeta
 from .nodes import TurnNode
 from .raw import RawJSON, resolve_raw
 from .requests import FreshRequest, RequestStore, Scratch
@@ -1042,9 +1042,9 @@ class Graph:
         *,
         labels: Iterable[str] = (),
         annotations: Mapping[str, Any] | None = None,
-        reward: Any = GraphMeta,
+        reward: Any = UNCHANGED,
         rewards: Mapping[str, Any] | None = None,
-        group: Any = GraphMeta,
+        group: Any = UNCHANGED,
     ) -> None:
         """Several changes at once, all or none: `labels` added, `annotations` set,
         `reward` (the graph's; None clears), `rewards` (leaf node id -> reward or None) and
@@ -1069,11 +1069,11 @@ class Graph:
                     meta = meta.with_labels(given_labels, add=True)
                 if annotations:
                     meta = meta.with_annotations(annotations)
-                if reward is not GraphMeta:
+                if reward is not UNCHANGED:
                     meta = meta.with_reward(reward, None)
                 for leaf, value in leaf_rewards.items():
                     meta = meta.with_reward(value, leaf)
-                if group is not GraphMeta:
+                if group is not UNCHANGED:
                     meta = meta.with_group(group)
                 return meta
 

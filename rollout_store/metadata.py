@@ -22,10 +22,20 @@ from .encoding import unpack
 from .errors import InvalidValueError
 from .intake import encode
 
-__all__ = ["GraphMeta", "check_group", "check_label", "check_reward"]
+__all__ = ["UNCHANGED", "GraphMeta", "check_group", "check_label", "check_reward"]
 
 #: Rewards are kept as given; ints beyond this are refused (a file keeps them as msgpack ints).
 _INT_LIMIT = 2**63
+
+
+class _Unchanged:
+    """The default of an `update_metadata` argument left out (None clears a value)."""
+
+    def __repr__(self) -> str:
+        return "UNCHANGED"
+
+
+UNCHANGED: Any = _Unchanged()
 
 
 def check_reward(value: object, path: str) -> int | float:

@@ -64,7 +64,7 @@ from .content import ContentStore, StringCache
 from .errors import InvalidArgumentError, InvalidValueError, RolloutStoreError
 from .export import write_session_json, write_trace_jsonl
 from .idle_trim import with_idle_trim
-from .metadata import GraphMeta
+from .metadata import UNCHANGED
 from .nodes import TurnNode
 from .raw import RawJSON
 from .row_files import FORMATS, KINDS, write_rows
@@ -1049,15 +1049,15 @@ class _Server:
         labels = payload.get("labels", [])
         if not isinstance(labels, list):
             return JSONResponse({"error": "labels must be a JSON array of strings"}, 400)
-        group = payload.get("group", GraphMeta)
-        if group not in (GraphMeta, None) and clean_session_id(group) is None:
+        group = payload.get("group", UNCHANGED)
+        if group not in (UNCHANGED, None) and clean_session_id(group) is None:
             return JSONResponse(
                 {"error": "group must be a valid id (as a session id) or null"}, 400
             )
         changes = {
             "labels": labels,
             "annotations": payload.get("annotations"),
-            "reward": payload.get("reward", GraphMeta),
+            "reward": payload.get("reward", UNCHANGED),
             "rewards": payload.get("rewards"),
             "group": group,
         }
@@ -1065,7 +1065,7 @@ class _Server:
         def apply() -> dict[str, Any]:
             with session.use() as graph:
                 graph.update_metadata(**changes)
-                if group is not GraphMeta:
+                if group is not UNCHANGED:
                     session.group = group
                     self.sessions.save_group(session)
                 return {"session_id": session.session_id, **graph.meta.document()}
