@@ -399,7 +399,11 @@ def tree_samples(source: Any, *, numpy: bool = False) -> list[dict[str, Any]]:
 
 def tree_attention_mask(row: dict[str, Any]) -> Any:
     """The boolean (n, n) mask of a tree row: `mask[a, b]` iff token a may attend token b
-    (b's node is an ancestor-or-self of a's, and b is not after a)."""
+    (b's node is an ancestor-or-self of a's, and b is not after a).
+
+    n * n booleans: for checking and for small rows. An attention kernel tests the same
+    thing per pair from `token_node`, `node_enter` and `node_exit` (for PyTorch flex
+    attention, a `mask_mod`: ``enter[nb] <= enter[na] < exit[nb] and kv <= q``)."""
     import numpy as np
 
     node = np.asarray(row["token_node"], dtype=np.int64)
