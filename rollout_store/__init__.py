@@ -30,9 +30,18 @@ from .errors import (
 from .export import export_session, iter_turn_records, write_session_json, write_trace_jsonl
 from .graph import Graph
 from .intake import MAX_DEPTH
+from .metadata import GraphMeta
 from .nodes import COUNT_TOOLS, TurnNode, common_prefix_len
 from .raw import RawJSON
 from .redis_store import RedisStore
+from .row_files import write_rows
+from .rows import (
+    iter_token_samples,
+    iter_tree_samples,
+    token_samples,
+    tree_attention_mask,
+    tree_samples,
+)
 from .s3_store import S3Store
 from .storage import RolloutGraph
 from .stores import DirectoryStore, MemoryStore
@@ -65,6 +74,7 @@ __all__ = [
     "FileLockedError",
     "FileWriteError",
     "Graph",
+    "GraphMeta",
     "Handle",
     "IndexKeyMismatch",
     "IndexKeyRecomputeError",
@@ -81,6 +91,12 @@ __all__ = [
     "UnsupportedVersionError",
     "common_prefix_len",
     "export_session",
+    "iter_token_samples",
+    "iter_tree_samples",
+    "token_samples",
+    "tree_attention_mask",
+    "tree_samples",
+    "write_rows",
     "iter_turn_records",
     "write_session_json",
     "write_trace_jsonl",

@@ -173,4 +173,11 @@ def check_rollout(
         )
     if stats["n_forks"]:
         report.add(INFO, "forks", f"{stats['n_forks']} turn(s) have more than one child")
+    if stats.get("n_drift"):
+        report.add(
+            WARN,
+            "token_drift",
+            f"{stats['n_drift']} turn(s) continue a turn by their messages but not by their "
+            "token ids (retokenization drift): each became a root; see the document's `drift`",
+        )
     return report

@@ -243,6 +243,29 @@ def _info(args: argparse.Namespace) -> int:
         ("tokens received", figures["tokens_received"]),
         ("tokens stored", figures["tokens_stored"]),
     ]
+    drift = graph.drift()
+    if drift:  # the drift audit: continuations by messages whose token ids do not extend
+        first = drift[0]
+        where = (
+            f"message {first['message_index']}"
+            if first["message_index"] is not None
+            else f"the prompt of {first['parent_messages']} messages"
+        )
+        lines.append(
+            (
+                "token drift (roots)",
+                f"{len(drift)}: first {first['node_id']} leaves {first['would_be_parent']} "
+                f"at token {first['offset']} ({where})",
+            )
+        )
+    meta = graph.meta
+    if not meta.empty:
+        lines += [
+            ("group", meta.group if meta.group is not None else "-"),
+            ("labels", ", ".join(meta.labels) or "-"),
+            ("reward", meta.reward if meta.reward is not None else "-"),
+            ("leaf rewards", len(meta.leaf_rewards)),
+        ]
     width = max(len(name) for name, _ in lines)
     for name, value in lines:
         print(f"{name:<{width}}  {value}")
@@ -297,6 +320,43 @@ def _export(args: argparse.Namespace) -> int:
                 capture_level=args.capture_level,
             )
             out.write("\n")
+    return 0
+
+
+def _samples(args: argparse.Namespace) -> int:
+    """Training rows of every FILE, written as they are made (see `rows`, `row_files`)."""
+    from .row_files import write_rows
+    from .rows import iter_token_samples, iter_tree_samples
+
+    if args.group and args.format != "tree":
+        raise CommandError("--group packs a forest: it goes with --format tree")
+    store = args.content_store
+    for path in args.files:
+        _check_file(path)
+
+    def load(path: str) -> RolloutGraph:
+        try:
+            return storage.load(path, store=store)
+        except CorruptFileError as exc:
+            raise CommandError(f"{path}: damaged: {exc}; {_damage_advice(path, store)}") from None
+
+    def rows() -> Iterator[dict[str, Any]]:
+        if args.group:  # one forest per group id (files without one: one forest of them)
+            groups: dict[str | None, list[RolloutGraph]] = {}
+            for path in args.files:
+                graph = load(path)
+                groups.setdefault(graph.group, []).append(graph)
+            for graphs in groups.values():
+                yield from iter_tree_samples(graphs)
+            return
+        for path in args.files:  # one file in memory at a time
+            graph = load(path)
+            yield from (
+                iter_token_samples(graph) if args.format == "path" else iter_tree_samples(graph)
+            )
+
+    n = write_rows(rows(), args.output, args.format)
+    print(f"wrote {n} {args.format} row(s) to {args.output}")
     return 0
 
 
@@ -535,6 +595,40 @@ def _parser() -> argparse.ArgumentParser:
         help="for damage followed by intact records: rewrite FILE in place with every intact "
         "turn (what recover keeps; the damaged bytes are dropped)",
     )
+    samples = commands.add_parser(
+        "samples",
+        help="training rows of one or many files: per path or tree-packed, to Parquet or JSONL",
+        description="Training rows of every FILE (see rollout_store.rows): one per "
+        "root-to-leaf path (--format path) or tree-packed, each token once (--format tree).",
+    )
+    samples.add_argument("files", nargs="+", metavar="FILE", help="rollout files (.rls)")
+    samples.add_argument(
+        "--format",
+        choices=("path", "tree"),
+        default="path",
+        help="path: one row per root-to-leaf path; tree: one row per trajectory (default: path)",
+    )
+    samples.add_argument(
+        "--group",
+        action="store_true",
+        help="with --format tree: pack the files of one group id as one forest row",
+    )
+    samples.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="OUT",
+        help="the output file: OUT.parquet (needs pyarrow) or OUT.jsonl",
+    )
+    samples.add_argument(
+        "--store",
+        type=store_spec,
+        default=None,
+        metavar="NAME",
+        help=f"content store: {STORE_HELP}",
+    )
+    _progress_options(samples, argparse.SUPPRESS)
+    samples.set_defaults(run=_samples)
     view = command("view", "show the rollout in a web page on 127.0.0.1", _view)
     view.add_argument(
         "--port", type=int, default=8000, help="port to serve on (default 8000; 0: any free port)"

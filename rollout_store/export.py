@@ -17,6 +17,11 @@
                  turn carries token ids, else "text", as the capture server decides)
     rollout_type "train" when the document is trainable, else "eval" (kept to read and
                  evaluate, nothing to train on)
+    group, labels, annotations, reward, rewards
+                 the graph's training metadata (see `metadata`), when it has any; each
+                 row then also carries its `reward` (its leaf's own, else the graph's)
+    drift        the drift audit (`Graph.drift()`: roots whose messages continue a turn
+                 their token ids do not extend), when it recorded any
 
 Row roles. A row (one root-to-leaf path) is the *agent*'s when it is the work the rollout is
 about: when some live path's turns were sent tools, the paths with tools are the agent's and
@@ -25,6 +30,8 @@ a classifier), never trained on. When no path was sent tools, every live path is
 (with a "tokens" capture, those with trainable tokens). A path ending in a retry the harness
 dropped is *discarded*. Each turn's `n_tools` (the number of tools sent, counted by the graph
 unless the caller gave it) decides.
+
+A graph without metadata or drift gives the document of the capture graph, key for key.
 
 `write_session_json` writes the same bytes as `json.dumps(export_session(...))`, holding one
 turn's or one sequence's values at a time.
@@ -170,7 +177,11 @@ def _plan(
 
 
 def _row(
-    seq: TrainingSequence, role: str, report: Report | None, trainable: bool
+    seq: TrainingSequence,
+    role: str,
+    report: Report | None,
+    trainable: bool,
+    reward: Any,
 ) -> dict[str, Any]:
     return {
         "role": role,
@@ -185,6 +196,7 @@ def _row(
         "logprobs": seq.logprobs,
         "trainable": bool(report is not None and report.ok and role == AGENT),
         "validation": report.lines() if report is not None else [],
+        **({} if reward is _UNSET else {"reward": reward}),
     }
 
 
@@ -256,6 +268,7 @@ def _parts(
         graph, capture_level=capture_level, budget_stop_count=session.budget_stop_count
     )
     discarded = set(graph.discarded_ids())
+    meta, drift = graph.meta, graph.drift()
     plan = [
         entry
         for entry in _plan(graph, discarded, trainable_capture)
@@ -266,7 +279,8 @@ def _parts(
         for leaf, role, _, _, _ in plan:
             seq = graph.sequence_for(leaf)
             report = check_sequence(seq) if trainable_capture else None
-            yield _row(seq, role, report, trainable_capture)
+            reward = _UNSET if meta.empty else meta.reward_for(leaf)
+            yield _row(seq, role, report, trainable_capture, reward)
 
     trainable_rows = [entry for entry in plan if entry[2]]
     shape = graph.stats()
@@ -300,6 +314,8 @@ def _parts(
         "trainable": trainable,
         "capture_level": capture_level,
         "rollout_type": "train" if trainable else "eval",
+        **({} if meta.empty else meta.document()),
+        **({"drift": drift} if drift else {}),
     }
     return head, turns, rows(), {"stats": stats, **tail}
 
@@ -372,15 +388,19 @@ def write_session_json(
 def iter_turn_records(graph: Graph) -> Iterator[dict[str, Any]]:
     """Each turn in arrival order as a flat record for training pipelines.
 
-    `discarded` says whether the turn is a retry that was dropped (see `discarded_ids`).
+    `discarded` says whether the turn is a retry that was dropped (see `discarded_ids`). A
+    turn the drift audit recorded also has `drift` (its entry of `Graph.drift()`, without
+    `node_id`), and a turn given a reward of its own (`set_reward(value, leaf=...)`) `reward`.
     A generator: turns added while it runs may re-link turns not yet yielded. For one
     consistent snapshot under concurrent recording use `write_trace_jsonl`, which holds the
     graph's lock throughout.
     """
     discarded = set(graph.discarded_ids())
+    drift = {entry.pop("node_id"): entry for entry in graph.drift()}
+    rewards = graph.rewards
     for node_id in graph.node_ids():
         turn = graph.get(node_id)
-        yield {
+        record: dict[str, Any] = {
             "node_id": turn.node_id,
             "parent_id": turn.parent_id,
             "index": turn.index,
@@ -397,14 +417,32 @@ def iter_turn_records(graph: Graph) -> Iterator[dict[str, Any]]:
             "sampled_logprobs": turn.sampled_logprobs,
             "discarded": node_id in discarded,
         }
+        if node_id in drift:
+            record["drift"] = drift[node_id]
+        if node_id in rewards:
+            record["reward"] = rewards[node_id]
+        yield record
+
+
+def trace_trailer(graph: Graph) -> dict[str, Any] | None:
+    """The trace's last line when the graph carries training metadata:
+    `{"graph": {group, labels, annotations, reward, rewards}}`; else None (the trace is
+    then one line per turn, as it always was)."""
+    meta = graph.meta
+    return None if meta.empty else {"graph": meta.document()}
 
 
 def write_trace_jsonl(graph: Graph, fp: IO[Any]) -> None:
-    """One JSON line per turn (request, response, token ids, logprobs, discarded)."""
+    """One JSON line per turn (request, response, token ids, logprobs, discarded), then,
+    for a graph with training metadata, one `{"graph": ...}` line (`trace_trailer`)."""
     write = writer_for(fp)
     with graph.lock:
         for record in iter_turn_records(graph):
             write(json.dumps(record))
+            write("\n")
+        trailer = trace_trailer(graph)
+        if trailer is not None:
+            write(json.dumps(trailer))
             write("\n")
 
 

@@ -27,6 +27,8 @@ __all__ = [
     "FRAME",
     "KIND_BLOB",
     "KIND_BLOB_REF",
+    "KIND_DRIFT",
+    "KIND_META",
     "KIND_END",
     "KIND_HEADER",
     "KIND_NAMES",
@@ -60,9 +62,20 @@ class RecordKind(IntEnum):
     TURN = 3
     END = 4
     BLOB_REF = 5  # a blob kept in a content store: its digest, store key, size (version 2)
+    META = 6  # the graph's labels, annotations, rewards and group (version 2; the last wins)
+    DRIFT = 7  # the drift audit of the turn record just before it (version 2)
 
 
-KIND_HEADER, KIND_BLOB, KIND_VALUE, KIND_TURN, KIND_END, KIND_BLOB_REF = RecordKind
+(
+    KIND_HEADER,
+    KIND_BLOB,
+    KIND_VALUE,
+    KIND_TURN,
+    KIND_END,
+    KIND_BLOB_REF,
+    KIND_META,
+    KIND_DRIFT,
+) = RecordKind
 KIND_NAMES = {kind.value: kind.name.lower() for kind in RecordKind}
 MODE_LOG, MODE_SNAPSHOT = "log", "snapshot"
 

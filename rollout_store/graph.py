@@ -13,7 +13,7 @@ import functools
 import operator
 import threading
 from array import array
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import xxhash
@@ -21,6 +21,7 @@ import xxhash
 from . import materialize
 from .blobs import BlobTable
 from .content import ContentStore, StringCache
+from .drift import REGIONS, Drift
 from .encoding import unpack
 from .errors import (
     DuplicateNodeError,
@@ -32,6 +33,7 @@ from .errors import (
 from .index import OneOrMany, index_add, index_members
 from .intake import real_numbers
 from .linking import Linker
+from .metadata import UNCHANGED, GraphMeta
 from .nodes import COUNT_TOOLS, TurnNode
 from .raw import RawJSON, resolve_raw
 from .requests import FreshRequest, RequestStore, Scratch
@@ -130,6 +132,7 @@ class JournalEntry(NamedTuple):
     blobs_end: int  # blobs stored once the turn was committed (its new ones are below this)
     references: tuple[int, int] | None  # blob references and their bytes so far; None in a
     # snapshot, which counts them once at its end
+    drift: Drift | None = None  # the drift audit's record of the turn, if any (see `drift`)
 
 
 class Journal(Protocol):
@@ -144,6 +147,9 @@ class Journal(Protocol):
         """The real path of the file appended to, or None."""
 
     def append(self, entry: JournalEntry) -> None: ...
+
+    def write_meta(self, meta: GraphMeta) -> None:
+        """Record the graph's new metadata (raising keeps the old, as `append` does)."""
 
     def close(self) -> None: ...
 
@@ -196,6 +202,8 @@ class Graph:
         self._closed = False  # the file behind an appending graph was closed
         #: Set by `load` and `open`: how much of the file was good (a storage.LoadReport).
         self.load_report: Any = None
+        self._meta = GraphMeta()  # labels, annotations, rewards, group (see `metadata`)
+        self._drift: dict[int, Drift] = {}  # the drift audit, by turn index (see `drift`)
 
     @property
     def lock(self) -> threading.RLock:
@@ -288,8 +296,9 @@ class Graph:
                 later_children.setdefault(parent.index, []).append((turn, turn.link))
         keys = self._inverted_keys()
         marks = self._blob_marks
+        drift = self._drift
         return [
-            JournalEntry(turn, keys[i], later_children.get(i, []), marks[i], None)
+            JournalEntry(turn, keys[i], later_children.get(i, []), marks[i], None, drift.get(i))
             for i, turn in enumerate(self._turns)
         ]
 
@@ -346,6 +355,11 @@ class Graph:
             mark = blobs.mark()
             try:
                 turn, scratch = self._prepare(node)
+                drift = (
+                    self._audit(turn, scratch)
+                    if turn.parent is None and turn.prompt is not None
+                    else None
+                )
                 moves = self._linker.find_moves(turn, scratch)
                 if moves:  # a turn never moves under its own descendant (no cycles)
                     moves = [move for move in moves if not is_above(move[0], turn)]
@@ -360,7 +374,9 @@ class Graph:
                 journal = self._journal
                 if journal is not None:
                     references = self._blobs.mark()
-                    entry = JournalEntry(turn, keys, scratch.moves, references[0], references[1:])
+                    entry = JournalEntry(
+                        turn, keys, scratch.moves, references[0], references[1:], drift
+                    )
                     journal.append(entry)
             except BaseException:
                 blobs.rollback(mark)
@@ -379,6 +395,8 @@ class Graph:
             )
             if scratch.raw_seen:  # only now: the turn's own texts stay known until here
                 self._requests.remember_raw(scratch.raw_seen)
+            if drift is not None:
+                self._drift[turn.index] = drift
             # as the capture graph does: the node given gets its place in the graph
             node.index = turn.index
             node.parent_id = turn.parent.node_id if turn.parent is not None else None
@@ -419,6 +437,33 @@ class Graph:
         turn.side.meta = self._turn_meta(node, system_plain)  # its own side until commit
         self._link(turn, explicit, scratch)
         return turn, scratch
+
+    def _audit(self, turn: Turn, scratch: Scratch) -> Drift | None:
+        """The drift audit of a turn with token ids that found no parent (see `drift`): the
+        stored turn its messages continue, if that one has token ids its prompt leaves."""
+        request = scratch.request
+        if request is None or not request.messages:
+            return None
+        parent = self._linker.message_continued(request)
+        if parent is None or parent.full is None or parent.prompt is None:
+            return None
+        context = run_list(parent.full)
+        prompt = run_list(turn.prompt)  # type: ignore[arg-type]
+        n = min(len(context), len(prompt))
+        offset = next((i for i in range(n) if context[i] != prompt[i]), n)
+        if offset == len(context):
+            return None  # its tokens extend the parent's: not drift (ids beyond 32 bits)
+        n_messages = len(materialize.request_messages(parent, self._blobs) or ())
+        in_response = offset >= parent.prompt.length
+        return Drift(
+            turn.index,
+            parent.index,
+            offset,
+            int(in_response),
+            n_messages if in_response else None,
+            len(context),
+            n_messages,
+        )
 
     def _response_plain(self, node: TurnNode) -> bytes | None:
         """The plain packing of the response of `node` (every string inline)."""
@@ -882,7 +927,8 @@ class Graph:
           bytes), `blob_references` (times a long string was handed to the table),
           `blob_bytes_saved` (bytes of those hand-overs beyond the first of each string:
           a string a turn inherits from the request it extends is never handed over again,
-          so that larger saving shows in `message_bytes_stored`, not here), `collisions`.
+          so that larger saving shows in `message_bytes_stored`, not here), `collisions`;
+        - `n_drift`: roots the drift audit recorded (see `drift()`).
         """
         stored_tokens = 0
         seen: set[TokenRun] = set()  # runs, not ids: views of packed full runs are equal
@@ -915,8 +961,181 @@ class Graph:
             "shared_values": len(self._requests.values),
             "tokens_received": tokens_received,
             "tokens_stored": stored_tokens,
+            "n_drift": sum(1 for i in self._drift if self._turns[i].parent is None),
         }
         out.update(self.blobs.stats())
+        return out
+
+    # ------------------------------------------------------------------ training metadata
+    # Labels, annotations, rewards and a group id (see `metadata`): replaced whole on each
+    # change, written to an appending graph's file first, so a failed change alters nothing.
+
+    @property
+    def meta(self) -> GraphMeta:
+        """The graph's metadata as one immutable value (`GraphMeta`)."""
+        return self._meta
+
+    @property
+    def labels(self) -> list[str]:
+        """The graph's labels (strings), in the order first added."""
+        return list(self._meta.labels)
+
+    def add_labels(self, *labels: str) -> None:
+        """Add labels (non-empty strings; one already held is kept once)."""
+        self._set_meta(lambda meta: meta.with_labels(labels, add=True))
+
+    def set_labels(self, labels: Iterable[str]) -> None:
+        """Replace every label with `labels`."""
+        given = list(labels) if not isinstance(labels, str) else [labels]
+        self._set_meta(lambda meta: meta.with_labels(given, add=False))
+
+    @property
+    def annotations(self) -> dict[str, Any]:
+        """Every annotation, rebuilt: `json.dumps` of each equals that of the value given."""
+        return self._meta.annotation_values()
+
+    def annotate(self, values: Mapping[str, Any] | None = None, /, **more: Any) -> None:
+        """Set annotations: any JSON values by string key (a key set again is replaced).
+
+        `graph.annotate(judge="gpt", scores=[0.5, 1])` or `graph.annotate({"a b": 1})`. A
+        value JSON cannot carry raises `InvalidValueError` naming `annotations['key']` and
+        the place inside it; the graph is then unchanged.
+        """
+        merged: dict[Any, Any] = {}
+        if values is not None:
+            if not isinstance(values, Mapping):
+                raise InvalidArgumentError(
+                    f"annotate expects a mapping, got {type(values).__name__}"
+                )
+            merged.update(values)
+        merged.update(more)
+        self._set_meta(lambda meta: meta.with_annotations(merged))
+
+    def remove_annotations(self, *keys: str) -> None:
+        """Drop the annotations under `keys` (keys not held are ignored)."""
+        self._set_meta(lambda meta: meta.without_annotations(keys))
+
+    @property
+    def reward(self) -> int | float | None:
+        """The graph's reward (one number for the whole rollout), or None."""
+        return self._meta.reward
+
+    @property
+    def rewards(self) -> dict[str, int | float]:
+        """Per-leaf rewards, by the leaf's node id (see `set_reward`)."""
+        return dict(self._meta.leaf_rewards)
+
+    def set_reward(self, value: float | None, leaf: str | None = None) -> None:
+        """Set the graph's reward, or with `leaf` (a node id) the reward of the path ending
+        there; None clears it. A reward is an int or a finite float.
+
+        Training rows take a leaf's own reward, else the graph's (`reward_for`). A reward
+        given to a turn that later gets children stays recorded but ends no path.
+        """
+        if leaf is not None:
+            if not isinstance(leaf, str):
+                raise InvalidValueError(
+                    f"a leaf is named by its node id (a str), got {type(leaf).__name__}", "leaf"
+                )
+            with self._lock:
+                if self._find(leaf) is None:
+                    raise UnknownNodeError(f"no turn {leaf!r} in the graph to reward")
+        self._set_meta(lambda meta: meta.with_reward(value, leaf))
+
+    def reward_for(self, leaf_id: str) -> int | float | None:
+        """The reward of the path ending at `leaf_id`: its own, else the graph's, else None."""
+        return self._meta.reward_for(leaf_id)
+
+    @property
+    def group(self) -> str | None:
+        """The id of the group (a GRPO group, say) this rollout belongs to, or None."""
+        return self._meta.group
+
+    def set_group(self, group: str | None) -> None:
+        """Set the group id (a non-empty str) or clear it (None)."""
+        self._set_meta(lambda meta: meta.with_group(group))
+
+    def update_metadata(
+        self,
+        *,
+        labels: Iterable[str] = (),
+        annotations: Mapping[str, Any] | None = None,
+        reward: Any = UNCHANGED,
+        rewards: Mapping[str, Any] | None = None,
+        group: Any = UNCHANGED,
+    ) -> None:
+        """Several changes at once, all or none: `labels` added, `annotations` set,
+        `reward` (the graph's; None clears), `rewards` (leaf node id -> reward or None) and
+        `group` (None clears). Arguments left out change nothing. Any bad value raises
+        naming it (`annotations['k']`, `rewards['leaf']`, `labels[2]`) and changes nothing.
+        """
+        if annotations is not None and not isinstance(annotations, Mapping):
+            raise InvalidValueError(
+                f"expected a mapping, got {type(annotations).__name__}", "annotations"
+            )
+        if rewards is not None and not isinstance(rewards, Mapping):
+            raise InvalidValueError(f"expected a mapping, got {type(rewards).__name__}", "rewards")
+        given_labels = [labels] if isinstance(labels, str) else list(labels)
+        leaf_rewards = dict(rewards or {})
+        with self._lock:
+            for leaf in leaf_rewards:
+                if not isinstance(leaf, str) or self._find(leaf) is None:
+                    raise UnknownNodeError(f"no turn {leaf!r} in the graph to reward")
+
+            def change(meta: GraphMeta) -> GraphMeta:
+                if given_labels:
+                    meta = meta.with_labels(given_labels, add=True)
+                if annotations:
+                    meta = meta.with_annotations(annotations)
+                if reward is not UNCHANGED:
+                    meta = meta.with_reward(reward, None)
+                for leaf, value in leaf_rewards.items():
+                    meta = meta.with_reward(value, leaf)
+                if group is not UNCHANGED:
+                    meta = meta.with_group(group)
+                return meta
+
+            self._set_meta(change)
+
+    def _set_meta(self, change: Callable[[GraphMeta], GraphMeta]) -> None:
+        with self._lock:
+            if self._closed:
+                raise RolloutStoreError("the graph's file is closed: reopen it to change it")
+            meta = change(self._meta)  # raises on a bad value: nothing changed
+            if meta == self._meta:
+                return
+            journal = self._journal
+            if journal is not None:
+                journal.write_meta(meta)
+            self._meta = meta
+
+    @_locked
+    def drift(self) -> list[dict[str, Any]]:
+        """The drift audit: each root whose request messages continue a stored turn but
+        whose token ids do not extend that turn's prompt + sampled ids (see `drift`).
+
+        Each entry: `node_id`, `would_be_parent`, `offset` (the first differing token),
+        `parent_tokens`, `region` ("prompt" or "response"), `message_index` (the request
+        message the offset falls in; None inside the prompt, whose token-to-message
+        boundaries the graph does not know) and `parent_messages`.
+        """
+        out = []
+        for index in sorted(self._drift):
+            found = self._drift[index]
+            turn = self._turns[index]
+            if turn.parent is not None:  # adopted by a late ancestor since
+                continue
+            out.append(
+                {
+                    "node_id": turn.node_id,
+                    "would_be_parent": self._turns[found.parent].node_id,
+                    "offset": found.offset,
+                    "parent_tokens": found.parent_tokens,
+                    "region": REGIONS[found.region],
+                    "message_index": found.message_index,
+                    "parent_messages": found.parent_messages,
+                }
+            )
         return out
 
     def __iter__(self) -> Iterator[str]:
@@ -951,6 +1170,14 @@ class GraphRestorer:
         """The graph's interned copy of `meta`."""
         interned: TurnMeta = self._graph._interned.setdefault(meta, meta)
         return interned
+
+    def set_metadata(self, meta: GraphMeta) -> None:
+        """The graph's metadata as a file's last `meta` record gives it."""
+        self._graph._meta = meta
+
+    def add_drift(self, drift: Drift) -> None:
+        """A drift audit record read back (its turn is restored)."""
+        self._graph._drift[drift.turn] = drift
 
     def new_turn(self) -> Turn:
         """A fresh turn for the reader to build (over an out-of-process store, one whose

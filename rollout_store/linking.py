@@ -269,6 +269,11 @@ class Linker:
             else:
                 scratch.message_parent = self._message_parent(request)
 
+    def message_continued(self, request: FreshRequest) -> Turn | None:
+        """The stored turn this request continues by messages (asked by the drift audit
+        only for a turn with token ids that found no token parent)."""
+        return self._message_parent(request)
+
     def _message_parent(self, request: FreshRequest) -> Turn | None:
         """The longest stored request that this one extends and whose response is echoed
         right after it (an exact echo preferred to a loose one)."""

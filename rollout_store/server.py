@@ -95,8 +95,11 @@ from .hosts import (
 )
 from .idle_trim import with_idle_trim
 from .intake import MAX_DEPTH
+from .metadata import UNCHANGED
 from .nodes import TurnNode
 from .raw import RawJSON, split_array
+from .row_files import FORMATS, KINDS, write_rows
+from .rows import iter_token_samples, iter_tree_samples
 from .sessions import Session, SessionDamagedError, SessionError, Sessions, clean_session_id
 from .sse import SSE_HEADERS, anthropic_events, chat_chunks, sse_data, sse_event
 from .stores import STORE_HELP, MemoryStore, open_store, store_spec
@@ -1069,9 +1072,14 @@ class _Server:
         metadata = payload.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             return JSONResponse({"error": "metadata must be a JSON object"}, 400)
+        group, labels = payload.get("group"), payload.get("labels")
+        if labels is not None and not isinstance(labels, list):
+            return JSONResponse({"error": "labels must be a JSON array of strings"}, 400)
         try:
             session = await anyio.to_thread.run_sync(
-                lambda: self.sessions.create(payload.get("session_id"), metadata=metadata)
+                lambda: self.sessions.create(
+                    payload.get("session_id"), metadata=metadata, group=group, labels=labels
+                )
             )
         except SessionError as exc:
             status = 409 if "already exists" in str(exc) else 400
@@ -1289,6 +1297,122 @@ class _Server:
                 write_trace_jsonl(graph, fp)
 
         return await self._streamed(session, produce, "application/x-ndjson")
+
+    async def patch_session(self, request: Request) -> Response:
+        """Annotate and reward a session's graph, all changes or none: a JSON object with
+        any of `labels` (added), `annotations` (object), `reward` (number or null),
+        `rewards` (leaf node id -> number or null), `group`."""
+        found = self._lookup(request)
+        if isinstance(found, Response):
+            return found
+        session = found
+        try:
+            raw = await self._read_body(request)
+        except _Refusal as refusal:
+            return JSONResponse({"error": refusal.reason}, refusal.status)
+        try:
+            payload = json.loads(raw) if raw.strip() else {}
+        except RecursionError:
+            return JSONResponse({"error": "the body nests too deeply"}, 400)
+        except ValueError:
+            return JSONResponse({"error": "the body must be JSON"}, 400)
+        if not isinstance(payload, dict):
+            return JSONResponse({"error": "the body must be a JSON object"}, 400)
+        unknown = sorted(set(payload) - {"labels", "annotations", "reward", "rewards", "group"})
+        if unknown:
+            return JSONResponse(
+                {
+                    "error": f"unknown field(s) {', '.join(unknown)}: send labels, "
+                    "annotations, reward, rewards or group"
+                },
+                400,
+            )
+        labels = payload.get("labels", [])
+        if not isinstance(labels, list):
+            return JSONResponse({"error": "labels must be a JSON array of strings"}, 400)
+        group = payload.get("group", UNCHANGED)
+        if group not in (UNCHANGED, None) and clean_session_id(group) is None:
+            return JSONResponse(
+                {"error": "group must be a valid id (as a session id) or null"}, 400
+            )
+        changes = {
+            "labels": labels,
+            "annotations": payload.get("annotations"),
+            "reward": payload.get("reward", UNCHANGED),
+            "rewards": payload.get("rewards"),
+            "group": group,
+        }
+
+        def apply() -> dict[str, Any]:
+            with session.use() as graph:
+                graph.update_metadata(**changes)
+                if group is not UNCHANGED:
+                    session.group = group
+                    self.sessions.save_group(session)
+                return {"session_id": session.session_id, **graph.meta.document()}
+
+        try:
+            answer = await anyio.to_thread.run_sync(apply)
+        except (RolloutStoreError, SessionError) as exc:
+            return JSONResponse({"error": str(exc)}, 400)
+        return _written_anew(answer)
+
+    async def group_info(self, request: Request) -> Response:
+        """The sessions of a group (each as `GET /sessions/{id}` lists it)."""
+        members = self._group(request)
+        if isinstance(members, Response):
+            return members
+        group = request.path_params["group_id"]
+        return _written_anew({"group": group, "sessions": [s.info() for s in members]})
+
+    def _group(self, request: Request) -> list[Session] | Response:
+        """The sessions of the path's group that the request may see (`_visible`: all of
+        them for the admin key, a session's own for its key); 404 when there are none."""
+        visible = self._visible(request)
+        if isinstance(visible, Response):
+            return visible
+        group = request.path_params["group_id"]
+        members = [s for s in visible if s.group == group] if clean_session_id(group) else []
+        if not members:
+            return JSONResponse({"error": f"no session in group {group!r}"}, 404)
+        return members
+
+    async def session_samples(self, request: Request) -> Response:
+        """A session's training rows (`rows`): `?format=path|tree` (default path),
+        `?output=jsonl|parquet` (default jsonl), streamed."""
+        found = self._lookup(request)
+        if isinstance(found, Response):
+            return found
+        return self._samples(request, [found])
+
+    async def group_samples(self, request: Request) -> Response:
+        """The training rows of a group's sessions: `?format=tree` packs them as one forest,
+        `?format=path` (the default) gives every path of every session."""
+        members = self._group(request)
+        if isinstance(members, Response):
+            return members
+        return self._samples(request, members, forest=True)
+
+    def _samples(self, request: Request, members: list[Session], forest: bool = False) -> Response:
+        kind = request.query_params.get("format", "path")
+        output = request.query_params.get("output", "jsonl")
+        if kind not in KINDS:
+            return JSONResponse({"error": f"format must be one of {', '.join(KINDS)}"}, 400)
+        if output not in FORMATS.values():
+            message = f"output must be one of {', '.join(FORMATS.values())}"
+            return JSONResponse({"error": message}, 400)
+
+        def produce(fp: IO[bytes]) -> None:
+            with contextlib.ExitStack() as stack:
+                graphs = [stack.enter_context(session.use()) for session in members]
+                if kind == "tree":
+                    rows = iter_tree_samples(graphs if forest else graphs[0])
+                else:
+                    rows = (row for graph in graphs for row in iter_token_samples(graph))
+                write_rows(rows, fp, kind, format=output)
+
+        media = "application/x-ndjson" if output == "jsonl" else "application/vnd.apache.parquet"
+        return StreamingResponse(_from_thread(produce), media_type=media)
 
     async def delete_session(self, request: Request) -> Response:
         found = self._lookup(request)
@@ -1532,6 +1656,10 @@ def create_app(
             Route("/sessions", server.list_sessions, methods=["GET"]),
             Route("/sessions/{session_id}", server.session_info, methods=["GET"]),
             Route("/sessions/{session_id}", server.delete_session, methods=["DELETE"]),
+            Route("/sessions/{session_id}", server.patch_session, methods=["PATCH"]),
+            Route("/groups/{group_id}", server.group_info, methods=["GET"]),
+            Route("/sessions/{session_id}/samples", server.session_samples, methods=["GET"]),
+            Route("/groups/{group_id}/samples", server.group_samples, methods=["GET"]),
             Route("/sessions/{session_id}/export", server.export, methods=["GET"]),
             Route("/sessions/{session_id}/trace.jsonl", server.trace, methods=["GET"]),
             Route("/sessions/{session_id}/view", server.view_root, methods=["GET"]),

@@ -39,8 +39,15 @@ from typing import Any
 
 from .atomic import create_private
 from .content import ContentStore, StringCache
-from .errors import CorruptFileError, RolloutStoreError, StoreError, StoreUnavailableError
+from .errors import (
+    CorruptFileError,
+    InvalidValueError,
+    RolloutStoreError,
+    StoreError,
+    StoreUnavailableError,
+)
 from .export import held_capture_level
+from .metadata import GraphMeta
 from .storage import RolloutGraph, verify
 from .stores import DirectoryStore, MemoryStore
 
@@ -106,6 +113,7 @@ class Session:
     api_key: str
     opener: Callable[[], RolloutGraph]
     metadata: dict[str, Any] = field(default_factory=dict)
+    group: str | None = None  # the group (a GRPO group) it belongs to; its graph's too
     created_at: float = field(default_factory=time.time)
     last_turn_at: float | None = None
     last_used: float = field(default_factory=time.time)
@@ -227,6 +235,7 @@ class Session:
             "upstream_errors": self.upstream_errors,
             "rejected": self.rejected,
             "metadata": self.metadata,
+            "group": self.group,
         }
 
 
@@ -411,6 +420,7 @@ class Sessions:
                 key,
                 self._opener(session_id),
                 metadata=meta.get("metadata") or {},
+                group=meta.get("group") if isinstance(meta.get("group"), str) else None,
                 created_at=float(meta.get("created_at") or time.time()),
             )
             with contextlib.suppress(SessionDamagedError):  # kept, as damaged: see `damaged`
@@ -429,13 +439,28 @@ class Sessions:
         *,
         metadata: dict[str, Any] | None = None,
         api_key: str | None = None,
+        group: str | None = None,
+        labels: list[str] | None = None,
     ) -> Session:
-        """A new session (id minted unless given); raises `SessionError` if the id is taken."""
+        """A new session (id minted unless given); raises `SessionError` if the id is taken.
+
+        `group`: the group id (same pattern as a session id) its graph and listing carry;
+        `labels`: labels set on its graph (see `RolloutGraph.add_labels`)."""
         if session_id is not None and clean_session_id(session_id) is None:
             raise SessionError(
                 "session_id must be 1-128 letters, digits, '_', '.' or '-', starting with a "
                 "letter or digit"
             )
+        if group is not None and clean_session_id(group) is None:
+            raise SessionError(
+                "group must be 1-128 letters, digits, '_', '.' or '-', starting with a "
+                "letter or digit"
+            )
+        if labels is not None:
+            try:
+                GraphMeta().with_labels(labels, add=True)
+            except InvalidValueError as exc:
+                raise SessionError(str(exc)) from None
         sid = session_id or f"s-{secrets.token_hex(8)}"
         # a delete of this id finishes (its files gone) before the new session's are made
         with self._id_lock(sid):
@@ -445,18 +470,27 @@ class Sessions:
             key = api_key if api_key is not None else f"{_KEY_PREFIX}{secrets.token_urlsafe(24)}"
             created = time.time()
             if self.data is not None:
-                doc = {
+                doc: dict[str, Any] = {
                     "session_id": sid,
                     "api_key": key,
                     "metadata": metadata or {},
                     "created_at": created,
                 }
+                if group is not None:
+                    doc["group"] = group
                 _write_atomic(self._path(sid, ".json"), json.dumps(doc).encode("ascii"))
             session = Session(
-                sid, key, self._opener(sid), metadata=metadata or {}, created_at=created
+                sid,
+                key,
+                self._opener(sid),
+                metadata=metadata or {},
+                group=group,
+                created_at=created,
             )
             try:
-                session.graph  # noqa: B018 - the log is created now
+                graph = session.graph  # the log is created now
+                if group is not None or labels:
+                    graph.update_metadata(labels=labels or (), group=group)
             except BaseException:
                 if self.data is not None:
                     with contextlib.suppress(OSError):
@@ -466,6 +500,20 @@ class Sessions:
                 self._by_id[sid] = session
                 self._by_key[key_digest(key)] = session
             return session
+
+    def save_group(self, session: Session) -> None:
+        """Write a session's changed group id to its file (with a data directory)."""
+        if self.data is None:
+            return
+        doc: dict[str, Any] = {
+            "session_id": session.session_id,
+            "api_key": session.api_key,
+            "metadata": session.metadata,
+            "created_at": session.created_at,
+        }
+        if session.group is not None:
+            doc["group"] = session.group
+        _write_atomic(self._path(session.session_id, ".json"), json.dumps(doc).encode("ascii"))
 
     def get(self, session_id: str) -> Session | None:
         with self._lock:

@@ -31,6 +31,7 @@ from . import framing
 from .atomic import create_private, fsync_dir, lock_log, replace_file, write_error
 from .blobs import BlobTable, content_digest
 from .content import ContentStore, StringCache
+from .drift import Drift
 from .encoding import ECHO_PACKED, array_header
 from .errors import (
     ChecksumMismatch,
@@ -50,8 +51,10 @@ from .frames import (
     FRAME,
     KIND_BLOB,
     KIND_BLOB_REF,
+    KIND_DRIFT,
     KIND_END,
     KIND_HEADER,
+    KIND_META,
     KIND_NAMES,
     KIND_TURN,
     KIND_VALUE,
@@ -70,6 +73,7 @@ from .frames import (
 from .graph import Graph, GraphRestorer, JournalEntry
 from .intake import MAX_DEPTH, compact_ids
 from .key_check import KeyCheck, UnkeyedTurn
+from .metadata import GraphMeta
 from .packed import (
     MESSAGES_DEPTH,
     PackedInfo,
@@ -307,6 +311,9 @@ class _Writer:
             for stored in (side.system, side.tools, side.sampling, side.requested)
         ]
         record = self._record(entry, values, refs)
+        if entry.drift is not None and self.version != _V1:  # (a version-1 log keeps none)
+            # before its turn, as blobs are: a turn cut short leaves no drift of itself
+            frames.append(self.frame(KIND_DRIFT, pack(entry.drift.to_record()), chain))
         frames.append(self.frame(KIND_TURN, pack(list(record)), chain))
         return frames, partial(self._commit, chain, entry.blobs_end, new_values, refs, turn)
 
@@ -352,6 +359,9 @@ class _Writer:
                             value, prev = encode(KIND_VALUE, pack(stored), prev)
                             parts.append(value)
                     values[i] = ordinal
+            if entry.drift is not None:
+                drift, prev = encode(KIND_DRIFT, pack(entry.drift.to_record()), prev)
+                parts.append(drift)
             record, prev = encode(KIND_TURN, pack(list(record_of(entry, values, refs))), prev)
             parts.append(record)
             if turn.prompt is not None or turn.full is not None:
@@ -533,6 +543,10 @@ def save(graph: Graph, path: str | os.PathLike[str], *, blobs: str = "inline") -
         entries = graph.journal_entries()
         writer.write_snapshot(graph.blobs, entries, out)
         references = list(graph.blobs.mark()[1:])
+        if not graph.meta.empty:
+            chain = [writer.chain]
+            out.add([writer.frame(KIND_META, pack(graph.meta.to_record()), chain)])
+            writer.chain = chain[0]
         end = {"turns": len(entries), "blobs": len(graph.blobs), "references": references}
         out.add([writer.frame(KIND_END, pack(end), [writer.chain])])
         out.flush()
@@ -1234,7 +1248,7 @@ def _frames_v2(
     stretch goes to `on_gap` first, unless it was one frame whose header alone was hit: that
     frame is rebuilt and read); `on_gap` returns False to stop there."""
     reader = framing.FrameReader(
-        data, len(framing.MAGIC_V2), digest_kinds=_DIGEST_KINDS, max_kind=KIND_BLOB_REF
+        data, len(framing.MAGIC_V2), digest_kinds=_DIGEST_KINDS, max_kind=KIND_DRIFT
     )
     while True:
         try:
@@ -1254,7 +1268,7 @@ def _frames_v2(
             reader.chain,
             reader.records,
             digest_kinds=_DIGEST_KINDS,
-            max_kind=KIND_BLOB_REF,
+            max_kind=KIND_DRIFT,
         )
         report.damaged.append((gap.start, gap.end))
         records = reader.records
@@ -1268,7 +1282,7 @@ def _frames_v2(
             records += len(gap.kinds) if gap.kinds is not None else 1
         chain = framing.HEADER.unpack_from(data, resync)[3]
         reader = framing.FrameReader(
-            data, resync, digest_kinds=_DIGEST_KINDS, max_kind=KIND_BLOB_REF
+            data, resync, digest_kinds=_DIGEST_KINDS, max_kind=KIND_DRIFT
         )
         reader.chain, reader.records = chain, records
 
@@ -1348,6 +1362,8 @@ class _Records:
                     payload, 0, _RECORD_DEPTH, record=True, max_containers=16 + self.report.turns
                 )
             body = payload
+        elif kind == KIND_META:  # one container an annotation: bounded by the record's size
+            body = _decode(payload, len(payload))
         else:
             body = _decode(payload, 16 + self.report.turns)
         if self.ended:
@@ -1373,7 +1389,7 @@ class _Records:
             mark = loader.mark()
             loader.node_id = None
             try:
-                self.apply_pending(loader)
+                drift = self.apply_pending(loader)
                 self.at = (start, record)
                 loader.turn(body, start, record)
             except _LostReference as exc:
@@ -1386,9 +1402,27 @@ class _Records:
             except BaseException:
                 loader.rollback(mark)
                 raise
+            if drift is not None:
+                loader.restore.add_drift(drift)
             self.report.turns += 1
             if self.resync:
                 self.kept_mark = loader.graph.blobs.mark()
+        elif kind == KIND_DRIFT:  # the turn record after it holds its turn
+            if self.version == _V1 or any(p[0] == KIND_DRIFT for p in self.pending):
+                raise ValueError("a drift record out of place")
+            if loader.turn_map is not None or loader.frozen is not None:
+                # past damage turns keep their places, not their indexes: the audit entry of
+                # a recovered turn is not restored (the turn itself is)
+                return
+            self.pending.append((kind, Drift.from_record(body, self.report.turns), start, record))
+        elif kind == KIND_META:
+            if self.pending or self.version == _V1:
+                raise ValueError("a meta record out of place (between a turn's records)")
+            contains = loader.graph.__contains__
+            meta = GraphMeta.from_record(
+                body, contains, partial(check_packed, n_blobs=0, max_depth=MAX_DEPTH)
+            )
+            loader.restore.set_metadata(meta)
         elif kind == KIND_END:
             self.ended = True
             if self.resync and (loader.lossy or self.pending):
@@ -1398,13 +1432,18 @@ class _Records:
         else:
             raise ValueError(f"unknown record kind {kind}")
 
-    def apply_pending(self, loader: _Loader) -> None:
-        """The blobs and values that waited for the turn record now read. Recovering, a
+    def apply_pending(self, loader: _Loader) -> Drift | None:
+        """The blobs and values that waited for the turn record now read; the turn's drift
+        record, if one waited too (the caller files it once the turn is). Recovering, a
         blob whose object the content store lacks or has damaged is lost (its place kept:
         the turns that use it are dropped, not the rest), and so is a value that refers to a
         lost blob."""
+        drift = None
         for kind, body, start, record in self.pending:
             self.at = (start, record)  # an error names this record
+            if kind == KIND_DRIFT:
+                drift = body
+                continue
             try:
                 self.apply_one(loader, kind, body, start, record)
             except _LostReference:
@@ -1416,6 +1455,7 @@ class _Records:
                 if self.report.error is None:
                     self.report.fail(exc)
         self.pending.clear()
+        return drift
 
     def apply_one(self, loader: _Loader, kind: int, body: Any, start: int, record: int) -> None:
         if kind == KIND_BLOB_REF:
@@ -1737,6 +1777,11 @@ class _AppendLog:
 
     def append(self, entry: JournalEntry) -> None:
         frames, commit = self.writer.turn_frames(self.blobs, entry)
+        self._write(frames)
+        commit()
+
+    def _write(self, frames: list[bytes]) -> None:
+        """Write `frames` with one call (fsync by policy), or leave the file as it was."""
         fd = self.fp.fileno()
         size = os.lseek(fd, 0, os.SEEK_END)
         try:
@@ -1757,7 +1802,15 @@ class _AppendLog:
             if isinstance(exc, OSError):
                 raise write_error(exc, self._path or "the append log") from exc
             raise
-        commit()
+
+    def write_meta(self, meta: GraphMeta) -> None:
+        if self.writer.version == _V1:
+            raise InvalidArgumentError(
+                "a version-1 log holds no metadata: save the graph (version 2) and open the copy"
+            )
+        chain = [self.writer.chain]
+        self._write([self.writer.frame(KIND_META, pack(meta.to_record()), chain)])
+        self.writer.chain = chain[0]
 
     def close(self) -> None:
         self._path = None

@@ -220,7 +220,7 @@ class Viewer:
                 self._rows_for = n
             return self._rows, self._discarded
 
-    def _row(self, row: _Row, discarded: set[str]) -> dict[str, Any]:
+    def _row(self, row: _Row, discarded: set[str], drift: dict[str, Any]) -> dict[str, Any]:
         graph = self.graph
         node_id = row.node_id
         summary = graph.summary(node_id)
@@ -241,6 +241,7 @@ class Viewer:
             "model": summary["model"],
             "session": summary["harness_session_id"],
             "preview": preview,
+            "drift": drift.get(node_id),
         }
 
     def _sessions(self) -> list[dict[str, Any]]:
@@ -269,6 +270,7 @@ class Viewer:
             labels=self.labels,
             sessions=self._sessions(),
         )
+        figures["drift"] = len(self.graph.drift())
         return _json(200, figures)
 
     def _rows_page(self, query: dict[str, list[str]]) -> Response:
@@ -276,12 +278,13 @@ class Viewer:
         limit = min(_int(query, "limit", 100), MAX_ROWS)
         rows, discarded = self._tree()
         page = rows[offset : offset + limit]
+        drift = {entry["node_id"]: entry for entry in self.graph.drift()}
         return _json(
             200,
             {
                 "offset": offset,
                 "total": len(rows),
-                "rows": [self._row(row, discarded) for row in page],
+                "rows": [self._row(row, discarded, drift) for row in page],
             },
         )
 
@@ -307,6 +310,7 @@ class Viewer:
                 "summary": summary,
                 "children": graph.child_ids(node_id),
                 "discarded": node_id in discarded,
+                "drift": next((d for d in graph.drift() if d["node_id"] == node_id), None),
                 "sampling_params": graph.sampling_params(node_id),
                 "tools": graph.request_tools(node_id),
                 "response": graph.response_message(node_id),

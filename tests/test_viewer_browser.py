@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from viewer_support import SCRIPT_TEXT, small_rollout
 
-from rollout_store import RolloutGraph
+from rollout_store import RolloutGraph, TurnNode
 from rollout_store.viewer import Viewer, serve
 
 pytestmark = pytest.mark.slow
@@ -245,3 +245,31 @@ def test_thousand_turn_multimodal_rollout_opens_quickly(browser: Any, tmp_path: 
             f"\n1,000-turn multimodal rollout: page ready {open_ms} ms after navigation start"
             f" (performance.now), {seconds * 1000:.0f} ms from driver.get to ready"
         )
+
+
+def test_drift_shows_as_a_badge_and_a_figure(browser: Any) -> None:
+    graph = RolloutGraph()
+    messages: list[dict[str, str]] = [{"role": "user", "content": "q"}]
+    prompt = [1, 2, 3]
+    for k in range(3):
+        sampled = [50, 60 + k]  # thinking (50) the next call's history leaves out
+        answer = {"role": "assistant", "content": f"a{k}"}
+        graph.add_turn(
+            TurnNode(
+                request_messages=list(messages),
+                response_message=answer,
+                prompt_ids=prompt,
+                sampled_ids=sampled,
+                sampled_logprobs=[-0.5, -0.5],
+                node_id=f"d{k}",
+            )
+        )
+        messages += [answer, {"role": "user", "content": f"q{k}"}]
+        prompt = [*prompt, 60 + k, 7]
+    for _ in _open(browser, Viewer(graph, title="drift.rls")):
+        rows = _rows(browser)
+        assert "drift" not in rows["d0"].text and "drift @3" in rows["d1"].text
+        assert "token drift\n2" in browser.find_element("id", "figures").text
+        _select(browser, "d2")
+        heading = browser.find_element("css selector", "#turn h2 .badge.drift")
+        assert heading.text == "drift @5" and "continues d1" in heading.get_attribute("title")

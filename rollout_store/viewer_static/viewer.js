@@ -94,6 +94,7 @@ function showFigures(f) {
   addFigure(list, "roots", f.roots, "roots");
   addFigure(list, "forks", f.forks, "forks");
   addFigure(list, "discarded", f.discarded, "discarded");
+  if (f.drift) addFigure(list, "token drift", f.drift, "drift");
   const exportItem = addFigure(list, "received (plain export)", "", "received");
   if (f.file_bytes !== null) addFigure(list, "stored (file)", fmtBytes(f.file_bytes), "stored");
   addFigure(list, "long strings, unique", fmtBytes(f.unique_blob_bytes), "unique");
@@ -149,6 +150,7 @@ function rowElement(row, position) {
   }
   if (row.children > 1) div.append(el("span", "badge fork", "fork x" + row.children));
   if (row.discarded) div.append(el("span", "badge discarded", "discarded"));
+  if (row.drift) div.append(driftBadge(row.drift));
   div.append(el("span", "id", row.id));
   if (row.parent !== null) div.append(el("span", "badge link", row.link));
   if (row.n_prompt || row.n_sampled) div.append(el("span", "tokens", "p " + row.n_prompt + " s " + row.n_sampled));
@@ -444,6 +446,15 @@ function imageSources(message) {
   return found;
 }
 
+function driftBadge(d) {
+  // its messages continue a turn its token ids do not extend (see Graph.drift)
+  const badge = el("span", "badge drift", "drift @" + d.offset);
+  const where = d.message_index === null ? "the prompt" : "message " + d.message_index;
+  badge.title = "continues " + d.would_be_parent + " by messages; tokens differ at " +
+    d.offset + " of " + d.parent_tokens + " (in " + where + ")";
+  return badge;
+}
+
 async function selectTurn(id, options) {
   selectedId = id;
   for (const row of document.querySelectorAll(".row")) {
@@ -462,6 +473,7 @@ async function selectTurn(id, options) {
   const link = el("a", "permalink", "link to this turn");
   link.href = "#turn=" + encodeURIComponent(id);
   heading.append(" ", link);
+  if (t.drift) heading.append(" ", driftBadge(t.drift));
   const nodes = [heading];
   const n_new = t.n_messages - t.new_from;
   const meta = [

@@ -1,0 +1,125 @@
+"""The capture server's training routes: sessions in a group with labels, PATCH to annotate
+and reward, GET /groups/{id}, and training rows per session and per group."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from capture_support import new_session, serve_app
+
+from rollout_store import RolloutGraph, token_samples, tree_samples
+from rollout_store.server import create_app
+from rollout_store.stub_engine import create_stub_app
+
+
+@pytest.fixture(scope="module")
+def stub() -> Iterator[str]:
+    with serve_app(create_stub_app()) as url:
+        yield url
+
+
+@pytest.fixture
+def server(stub: str, tmp_path: Path) -> Iterator[tuple[str, Any]]:
+    app = create_app(stub, data=tmp_path / "data", upstream_timeout=5)
+    with serve_app(app) as url:
+        yield url, app
+
+
+def _call(session: dict[str, Any], text: str) -> None:
+    client = openai.OpenAI(
+        base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0
+    )
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": text}])
+
+
+def _graph(app: Any, session_id: str) -> RolloutGraph:
+    graph: RolloutGraph = app.state.sessions.get(session_id).graph
+    return graph
+
+
+def test_group_labels_patch_and_rows(server: tuple[str, Any], tmp_path: Path) -> None:
+    url, app = server
+    made = [
+        new_session(url, session_id=f"r{i}", group="grpo-1", labels=["math", f"k{i}"])
+        for i in range(3)
+    ]
+    new_session(url, session_id="other")
+    for i, session in enumerate(made):
+        _call(session, "the shared question")
+        _call(session, f"follow-up {i}")
+    graph = _graph(app, "r0")
+    assert graph.group == "grpo-1" and graph.labels == ["math", "k0"]
+    leaf = graph.leaf_ids()[0]
+
+    patch = {"annotations": {"judge": {"score": [1, 1.0, None]}}, "reward": 0.5}
+    patch["rewards"] = {leaf: 2}
+    answer = httpx.patch(f"{url}/sessions/r0", json=patch)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["rewards"] == {leaf: 2} and answer.json()["reward"] == 0.5
+    assert json.dumps(graph.annotations) == json.dumps({"judge": {"score": [1, 1.0, None]}})
+
+    before = graph.meta
+    for bad, word in (
+        ({"reward": "high"}, "reward"),
+        ({"rewards": {"nope": 1}}, "nope"),
+        ({"labels": ["ok", 3]}, "labels[1]"),
+        ({"annotate": {}}, "unknown field"),
+        ({"group": "../x"}, "group"),
+    ):
+        refused = httpx.patch(f"{url}/sessions/r0", json=bad)
+        assert refused.status_code == 400 and word in refused.json()["error"], bad
+        assert graph.meta == before  # all or nothing
+    assert httpx.patch(f"{url}/sessions/missing", json={}).status_code == 404
+
+    group = httpx.get(f"{url}/groups/grpo-1").json()
+    assert [s["session_id"] for s in group["sessions"]] == ["r0", "r1", "r2"]
+    assert all(s["group"] == "grpo-1" for s in group["sessions"])
+    assert httpx.get(f"{url}/groups/none").status_code == 404
+
+    lines = httpx.get(f"{url}/sessions/r0/samples").text.splitlines()
+    assert [json.loads(line) for line in lines] == json.loads(json.dumps(token_samples(graph)))
+    (forest,) = [
+        json.loads(x)
+        for x in httpx.get(f"{url}/groups/grpo-1/samples?format=tree").text.splitlines()
+    ]
+    graphs = [_graph(app, f"r{i}") for i in range(3)]
+    assert forest == json.loads(json.dumps(tree_samples(graphs)[0]))
+    assert forest["n_graphs"] == 3 and forest["group"] == "grpo-1"
+
+    import pyarrow.parquet as pq
+
+    raw = httpx.get(f"{url}/sessions/r1/samples", params={"format": "tree", "output": "parquet"})
+    assert raw.status_code == 200
+    table = pq.read_table(io.BytesIO(raw.content)).to_pylist()
+    assert [row["input_ids"] for row in table] == [
+        row["input_ids"] for row in tree_samples(_graph(app, "r1"))
+    ]
+    for query, word in (({"format": "forest"}, "path, tree"), ({"output": "csv"}, "jsonl")):
+        refused = httpx.get(f"{url}/sessions/r1/samples", params=query)
+        assert refused.status_code == 400 and word in refused.json()["error"]
+
+
+def test_group_and_metadata_survive_a_restart(stub: str, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with serve_app(create_app(stub, data=data, upstream_timeout=5)) as url:
+        session = new_session(url, session_id="s", group="g", labels=["a"])
+        _call(session, "q")
+        assert (
+            httpx.patch(f"{url}/sessions/s", json={"reward": 1, "group": "g2"}).status_code == 200
+        )
+        refused = httpx.post(f"{url}/sessions", json={"session_id": "t", "labels": "a"})
+        assert refused.status_code == 400
+        refused = httpx.post(f"{url}/sessions", json={"session_id": "t", "group": "a/b"})
+        assert refused.status_code == 400
+    app = create_app(stub, data=data, upstream_timeout=5)
+    with serve_app(app) as url:
+        assert [s["session_id"] for s in httpx.get(f"{url}/groups/g2").json()["sessions"]] == ["s"]
+        graph = _graph(app, "s")
+        assert graph.group == "g2" and graph.labels == ["a"] and graph.reward == 1
