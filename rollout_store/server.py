@@ -15,9 +15,11 @@ session, unknown keys get 401 unless the server runs in open mode (which makes n
 sessions, never opens one that has a key). `GET /sessions`, `GET /sessions/{id}`,
 `GET /sessions/{id}/export` (`?messages=1`, `discarded=1`, `capture_level=...`; the level
 defaults to "tokens" when some turn carries token ids, else "text", as the library's export
-decides), `GET /sessions/{id}/trace.jsonl`, the viewer, `GET /` (as `GET /sessions`) and
-`DELETE /sessions/{id}` manage them; each needs the session's key or the server's admin key: a route naming one session calls
-`_Server._lookup`, one gathering sessions `_Server._visible` (the only checks there are).
+decides), `GET /sessions/{id}/trace.jsonl`, the viewer, `GET /` (as `GET /sessions`),
+`PATCH /sessions/{id}`, `GET /groups/{id}`, the training rows and `DELETE /sessions/{id}`
+manage them; each needs the session's key or the server's admin key: a route naming one
+session calls `_Server._lookup`, one gathering sessions `_Server._visible` (the only checks
+there are).
 
 Every request is refused unless its `Host` is a name the server answers (`hosts`), a
 browser's `Origin` too, and a body sent as anything but `application/json` is refused with

@@ -43,6 +43,7 @@ from .errors import (
     MissingObjectError,
     MissingStoreObjectError,
     StoreError,
+    StoreObjectError,
     StoreRequiredError,
     UnsupportedVersionError,
 )
@@ -586,7 +587,7 @@ class LoadReport:
     truncated: bool = False
     mode: str | None = None  # "log" (append mode) or "snapshot" (save)
     # the first damage; or the object the file names that its content store does not have
-    exception: CorruptFileError | MissingStoreObjectError | None = None
+    exception: CorruptFileError | StoreObjectError | None = None
     version: int | None = None  # the file's format version
     resync_offset: int | None = None  # where the next intact frame after the damage starts
     good_chain: int = 0  # version 2: the chain value of the frame ending at good_bytes
@@ -607,9 +608,7 @@ class LoadReport:
     lost_unknown: bool = False
     dropped: list[DroppedTurn] = field(default_factory=list)
 
-    def fail(
-        self, exc: CorruptFileError | MissingStoreObjectError, truncated: bool = False
-    ) -> None:
+    def fail(self, exc: CorruptFileError | StoreObjectError, truncated: bool = False) -> None:
         if self.error is None:
             self.turns_before_damage = self.turns
         # the report outlives the read: its error keeps no frames (they hold the file's bytes)
@@ -1281,9 +1280,7 @@ def _frames_v2(
         else:
             records += len(gap.kinds) if gap.kinds is not None else 1
         chain = framing.HEADER.unpack_from(data, resync)[3]
-        reader = framing.FrameReader(
-            data, resync, digest_kinds=_DIGEST_KINDS, max_kind=KIND_DRIFT
-        )
+        reader = framing.FrameReader(data, resync, digest_kinds=_DIGEST_KINDS, max_kind=KIND_DRIFT)
         reader.chain, reader.records = chain, records
 
 
