@@ -20,7 +20,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from capture_support import ADMIN, ADMIN_KEY, export, new_session, serve_app
+from capture_support import ADMIN, ADMIN_KEY, auth, export, new_session, serve_app
 
 from rollout_store import DirectoryStore, MemoryStore, RolloutGraph, export_session
 from rollout_store.server import create_app, open_store, upstream_body
@@ -1033,8 +1033,8 @@ def test_root_lists_sessions_favicon_and_n_tools_counts_the_tools_sent(server: A
     _openai(session).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "hi"}], tools=tools
     )
-    listed = httpx.get(f"{url}/sessions").json()
-    root = httpx.get(f"{url}/")
+    listed = httpx.get(f"{url}/sessions", headers=ADMIN).json()
+    root = httpx.get(f"{url}/", headers=ADMIN)
     assert root.status_code == 200
     ignore = ("idle_s",)  # (time passes between the two calls)
     assert [{k: v for k, v in s.items() if k not in ignore} for s in root.json()["sessions"]] == [
@@ -1043,11 +1043,14 @@ def test_root_lists_sessions_favicon_and_n_tools_counts_the_tools_sent(server: A
     assert session["session_id"] in [s["session_id"] for s in root.json()["sessions"]]
     icon = httpx.get(f"{url}/favicon.ico")
     assert icon.status_code == 200 and icon.content.startswith(b"<svg")
-    doc = httpx.get(f"{url}/sessions/{session['session_id']}/export").json()
+    doc = httpx.get(
+        f"{url}/sessions/{session['session_id']}/export", headers=auth(session["session_id"])
+    ).json()
     assert [t["n_tools"] for t in doc["turns"]] == [2]
     page = httpx.get(
         f"{url}/sessions/{session['session_id']}/view/api/turn",
         params={"id": doc["turns"][0]["node_id"]},
+        headers=auth(session["session_id"]),
     )
     assert page.json()["summary"]["n_tools"] == 2
     # Anthropic's tools are counted alike; the session's labels show in its viewer
@@ -1059,7 +1062,9 @@ def test_root_lists_sessions_favicon_and_n_tools_counts_the_tools_sent(server: A
         tools=[{"name": "look", "input_schema": {"type": "object"}}],
         messages=[{"role": "user", "content": "look"}],
     )
-    doc = httpx.get(f"{url}/sessions/{labelled['session_id']}/export").json()
+    doc = httpx.get(f"{url}/sessions/{labelled['session_id']}/export", headers=ADMIN).json()
     assert [t["n_tools"] for t in doc["turns"]] == [1]
-    figures = httpx.get(f"{url}/sessions/{labelled['session_id']}/view/api/figures").json()
+    figures = httpx.get(
+        f"{url}/sessions/{labelled['session_id']}/view/api/figures", headers=ADMIN
+    ).json()
     assert figures["labels"] == ["nightly", "web"] and figures["title"] == labelled["session_id"]

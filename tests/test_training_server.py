@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from capture_support import new_session, serve_app
+from capture_support import ADMIN, ADMIN_KEY, new_session, serve_app
 
 from rollout_store import RolloutGraph, token_samples, tree_samples
 from rollout_store.server import create_app
@@ -27,7 +27,7 @@ def stub() -> Iterator[str]:
 
 @pytest.fixture
 def server(stub: str, tmp_path: Path) -> Iterator[tuple[str, Any]]:
-    app = create_app(stub, data=tmp_path / "data", upstream_timeout=5)
+    app = create_app(stub, data=tmp_path / "data", upstream_timeout=5, admin_key=ADMIN_KEY)
     with serve_app(app) as url:
         yield url, app
 
@@ -60,7 +60,7 @@ def test_group_labels_patch_and_rows(server: tuple[str, Any], tmp_path: Path) ->
 
     patch = {"annotations": {"judge": {"score": [1, 1.0, None]}}, "reward": 0.5}
     patch["rewards"] = {leaf: 2}
-    answer = httpx.patch(f"{url}/sessions/r0", json=patch)
+    answer = httpx.patch(f"{url}/sessions/r0", headers=ADMIN, json=patch)
     assert answer.status_code == 200, answer.text
     assert answer.json()["rewards"] == {leaf: 2} and answer.json()["reward"] == 0.5
     assert json.dumps(graph.annotations) == json.dumps({"judge": {"score": [1, 1.0, None]}})
@@ -73,21 +73,23 @@ def test_group_labels_patch_and_rows(server: tuple[str, Any], tmp_path: Path) ->
         ({"annotate": {}}, "unknown field"),
         ({"group": "../x"}, "group"),
     ):
-        refused = httpx.patch(f"{url}/sessions/r0", json=bad)
+        refused = httpx.patch(f"{url}/sessions/r0", headers=ADMIN, json=bad)
         assert refused.status_code == 400 and word in refused.json()["error"], bad
         assert graph.meta == before  # all or nothing
-    assert httpx.patch(f"{url}/sessions/missing", json={}).status_code == 404
+    assert httpx.patch(f"{url}/sessions/missing", headers=ADMIN, json={}).status_code == 404
 
-    group = httpx.get(f"{url}/groups/grpo-1").json()
+    group = httpx.get(f"{url}/groups/grpo-1", headers=ADMIN).json()
     assert [s["session_id"] for s in group["sessions"]] == ["r0", "r1", "r2"]
     assert all(s["group"] == "grpo-1" for s in group["sessions"])
-    assert httpx.get(f"{url}/groups/none").status_code == 404
+    assert httpx.get(f"{url}/groups/none", headers=ADMIN).status_code == 404
 
-    lines = httpx.get(f"{url}/sessions/r0/samples").text.splitlines()
+    lines = httpx.get(f"{url}/sessions/r0/samples", headers=ADMIN).text.splitlines()
     assert [json.loads(line) for line in lines] == json.loads(json.dumps(token_samples(graph)))
     (forest,) = [
         json.loads(x)
-        for x in httpx.get(f"{url}/groups/grpo-1/samples?format=tree").text.splitlines()
+        for x in httpx.get(
+            f"{url}/groups/grpo-1/samples?format=tree", headers=ADMIN
+        ).text.splitlines()
     ]
     graphs = [_graph(app, f"r{i}") for i in range(3)]
     assert forest == json.loads(json.dumps(tree_samples(graphs)[0]))
@@ -95,31 +97,63 @@ def test_group_labels_patch_and_rows(server: tuple[str, Any], tmp_path: Path) ->
 
     import pyarrow.parquet as pq
 
-    raw = httpx.get(f"{url}/sessions/r1/samples", params={"format": "tree", "output": "parquet"})
+    raw = httpx.get(
+        f"{url}/sessions/r1/samples", headers=ADMIN, params={"format": "tree", "output": "parquet"}
+    )
     assert raw.status_code == 200
     table = pq.read_table(io.BytesIO(raw.content)).to_pylist()
     assert [row["input_ids"] for row in table] == [
         row["input_ids"] for row in tree_samples(_graph(app, "r1"))
     ]
     for query, word in (({"format": "forest"}, "path, tree"), ({"output": "csv"}, "jsonl")):
-        refused = httpx.get(f"{url}/sessions/r1/samples", params=query)
+        refused = httpx.get(f"{url}/sessions/r1/samples", headers=ADMIN, params=query)
         assert refused.status_code == 400 and word in refused.json()["error"]
 
 
 def test_group_and_metadata_survive_a_restart(stub: str, tmp_path: Path) -> None:
     data = tmp_path / "data"
-    with serve_app(create_app(stub, data=data, upstream_timeout=5)) as url:
+    with serve_app(create_app(stub, data=data, upstream_timeout=5, admin_key=ADMIN_KEY)) as url:
         session = new_session(url, session_id="s", group="g", labels=["a"])
         _call(session, "q")
         assert (
-            httpx.patch(f"{url}/sessions/s", json={"reward": 1, "group": "g2"}).status_code == 200
+            httpx.patch(
+                f"{url}/sessions/s", headers=ADMIN, json={"reward": 1, "group": "g2"}
+            ).status_code
+            == 200
         )
         refused = httpx.post(f"{url}/sessions", json={"session_id": "t", "labels": "a"})
         assert refused.status_code == 400
         refused = httpx.post(f"{url}/sessions", json={"session_id": "t", "group": "a/b"})
         assert refused.status_code == 400
-    app = create_app(stub, data=data, upstream_timeout=5)
+    app = create_app(stub, data=data, upstream_timeout=5, admin_key=ADMIN_KEY)
     with serve_app(app) as url:
-        assert [s["session_id"] for s in httpx.get(f"{url}/groups/g2").json()["sessions"]] == ["s"]
+        assert [
+            s["session_id"] for s in httpx.get(f"{url}/groups/g2", headers=ADMIN).json()["sessions"]
+        ] == ["s"]
         graph = _graph(app, "s")
         assert graph.group == "g2" and graph.labels == ["a"] and graph.reward == 1
+
+
+def test_metadata_group_and_row_routes_need_a_key(server: tuple[str, Any]) -> None:
+    """PATCH, the group routes and the rows answer only a session's own key or the admin
+    key; a session's key sees its own session in a group, never the others."""
+    url, _ = server
+    mine = new_session(url, session_id="m0", group="grp")
+    new_session(url, session_id="m1", group="grp")
+    _call(mine, "q")
+    own = {"authorization": f"Bearer {mine['api_key']}"}
+    for method, path in (
+        ("PATCH", "/sessions/m1"),
+        ("GET", "/sessions/m1/samples"),
+        ("GET", "/groups/grp"),
+        ("GET", "/groups/grp/samples"),
+    ):
+        body = {"json": {"reward": 1}} if method == "PATCH" else {}
+        assert httpx.request(method, f"{url}{path}", **body).status_code == 401, path
+    assert httpx.patch(f"{url}/sessions/m1", json={"reward": 1}, headers=own).status_code == 403
+    assert httpx.get(f"{url}/sessions/m1/samples", headers=own).status_code == 403
+    seen = httpx.get(f"{url}/groups/grp", headers=own).json()["sessions"]
+    assert [s["session_id"] for s in seen] == ["m0"]
+    every = httpx.get(f"{url}/groups/grp", headers=ADMIN).json()["sessions"]
+    assert sorted(s["session_id"] for s in every) == ["m0", "m1"]
+    assert httpx.patch(f"{url}/sessions/m0", json={"reward": 1}, headers=own).status_code == 200
