@@ -120,7 +120,7 @@ def test_recover_writes_the_turns_after_the_damage_and_says_so(
     assert cli_main(["recover", str(path), "-o", str(out)]) == 0
     said = capsys.readouterr().out
     assert said.startswith("recovered 7 turns, 2 from before the damage at offset")
-    assert "and 5 after it" in said and "(1 turn records lost)" in said
+    assert "and 5 after it" in said and "(1 turn record lost)" in said
     assert RolloutGraph.load(out).node_ids() == ["n0", "n1", "n3", "n4", "n5", "n6", "n7"]
     assert cli_main(["verify", str(path)]) == 1
     err = capsys.readouterr().err
