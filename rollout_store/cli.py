@@ -420,7 +420,8 @@ def _losses(report: storage.LoadReport) -> str:
         return ""
     n = len(report.damaged)
     lost = "an unknown number of" if report.lost_unknown else str(report.lost_turns)
-    text = f"; read past {n} damaged stretch{'es' if n != 1 else ''} ({lost} turn records lost)"
+    records = "record" if lost == "1" else "records"
+    text = f"; read past {n} damaged stretch{'es' if n != 1 else ''} ({lost} turn {records} lost)"
     dropped = report.dropped
     if dropped:
         names = ", ".join(str(d.node_id) for d in dropped[:5]) + (
