@@ -21,7 +21,7 @@ import xxhash
 from . import materialize
 from .blobs import BlobTable
 from .content import ContentStore, StringCache
-from .encoding import unpack
+from .encoding import blob_ref_bytes, unpack
 from .errors import (
     DuplicateNodeError,
     InvalidArgumentError,
@@ -37,7 +37,11 @@ from .raw import RawJSON, resolve_raw
 from .requests import FreshRequest, RequestStore, Scratch
 from .shared_blobs import StoreBlobTable
 from .stored import (
+    LOGPROBS_PACKED,
+    RESPONSE_REFS,
     SCALAR_NAMES,
+    TAIL_ECHO,
+    TAIL_REFS,
     IndexKeys,
     LinkKind,
     Turn,
@@ -83,6 +87,14 @@ _copy_node = copy.copy
 _raw_fields = operator.attrgetter(*_RAW_FIELDS)
 _scalar_fields = operator.attrgetter(*SCALAR_NAMES)
 _STR_OR_NONE = frozenset((str, type(None)))
+
+#: A turn's entry in `Graph._sent`: the long-string bytes of its non-system request messages
+#: (those it inherits from its base included) above `_SENT_SHIFT` bits, those of its response
+#: below; a turn whose figures do not fit gets `_SENT_APART` and keeps them in `_sent_apart`.
+_SENT_SHIFT = 24
+_SENT_LOW = (1 << _SENT_SHIFT) - 1
+_SENT_HIGH = (1 << (64 - _SENT_SHIFT)) - 1
+_SENT_APART = (1 << 64) - 1
 
 
 def _without_raw(node: TurnNode, known: Container[bytes | str] = ()) -> TurnNode:
@@ -180,6 +192,13 @@ class Graph:
         self.store = store
         self._turns: list[Turn] = []
         self._blob_marks = array("I")  # blobs stored once each turn was committed, for save
+        # what content-addressing saved (`stats`), counted as turns are committed: each turn's
+        # entry (see `_SENT_SHIFT`; 8 bytes, one int of an array) gives the long-string bytes
+        # a turn extending it inherits, and the total the long-string bytes of every field of
+        # every turn, inherited messages included
+        self._sent = array("Q")
+        self._sent_apart: dict[int, tuple[int, int]] = {}
+        self._sent_total = 0
         # turns whose id is not the default `turn-{index}`, by the id's `hash` (see `_find`):
         # a turn keeps its id in its own bytes, so the index keeps no string of it
         self._by_id: OneOrMany[int, Turn] = {}
@@ -346,6 +365,7 @@ class Graph:
             mark = blobs.mark()
             try:
                 turn, scratch = self._prepare(node)
+                sent = self._sent_by(turn)  # (before its record is sealed: nothing fetched)
                 moves = self._linker.find_moves(turn, scratch)
                 if moves:  # a turn never moves under its own descendant (no cycles)
                     moves = [move for move in moves if not is_above(move[0], turn)]
@@ -373,6 +393,7 @@ class Graph:
                 turn,
                 keys,
                 scratch.moves,
+                sent,
                 scratch.pending,
                 scratch.request,
                 scratch.raw_tip,
@@ -546,11 +567,54 @@ class Graph:
 
     # ------------------------------------------------------------------ commit
 
+    def _sent_by(self, turn: Turn) -> tuple[int, int, int]:
+        """What a built turn sent in long strings (blob-sized): its non-system request
+        messages (its base's, an echo of the base's response, then its tail's), its response,
+        and in all (those, the system messages, tools, sampling parameters, logprobs).
+
+        Worked out from the base's entry and the turn's own packings (their blob references'
+        sizes: no string is read), before its record may be sealed in a store."""
+        size, flags = self._blobs.size, turn.flags
+        rest = 0
+        base = turn.base
+        if base is not None:
+            entry = self._sent[base.index]
+            if entry == _SENT_APART:
+                rest, echoed = self._sent_apart[base.index]
+            else:
+                rest, echoed = entry >> _SENT_SHIFT, entry & _SENT_LOW
+            if flags & TAIL_ECHO:
+                rest += echoed
+        if flags & TAIL_REFS:
+            rest += blob_ref_bytes(turn.tail, size)
+        response = 0
+        if flags & RESPONSE_REFS:
+            response = blob_ref_bytes(turn.response, size)  # type: ignore[arg-type]
+        total = rest + response
+        side = turn.side
+        for value in (side.system, side.tools, side.sampling, side.requested):
+            if value is not None:
+                total += blob_ref_bytes(value, size)
+        if flags & LOGPROBS_PACKED:
+            total += blob_ref_bytes(turn.logprobs, size)
+        return rest, response, total
+
+    def _note_sent(self, sent: tuple[int, int, int]) -> None:
+        """File a committed turn's `_sent_by` figures."""
+        rest, response, total = sent
+        if rest <= _SENT_HIGH and response < _SENT_LOW:
+            self._sent.append(rest << _SENT_SHIFT | response)
+        else:
+            self._sent_apart[len(self._sent)] = (rest, response)
+            self._sent.append(_SENT_APART)
+        self._sent_total += total
+
     def _commit(
         self,
         turn: Turn,
         keys: IndexKeys,
         moves: list[tuple[Turn, LinkKind]],
+        sent: tuple[int, int, int],
         pending: list[tuple[bytes, bytes]] | tuple[()] = (),
         request: FreshRequest | None = None,
         raw_tip: Any = None,
@@ -563,6 +627,7 @@ class Graph:
         side.meta = interned.setdefault(meta, meta)
         self._turns.append(turn)
         self._blob_marks.append(len(self._blobs))
+        self._note_sent(sent)
         ident = turn.ident
         if ident is not None:
             index_add(self._by_id, hash(ident), turn)
@@ -878,11 +943,20 @@ class Graph:
         - `shared_values`: distinct values kept once for many turns (system prompts, tools);
         - `tokens_received`: prompt and sampled token ids over all turns;
           `tokens_stored`: token ids kept (a prompt that extends another is kept once);
-        - the blob table's: `blobs` (distinct long strings), `blob_bytes` (their UTF-8
-          bytes), `blob_references` (times a long string was handed to the table),
-          `blob_bytes_saved` (bytes of those hand-overs beyond the first of each string:
-          a string a turn inherits from the request it extends is never handed over again,
-          so that larger saving shows in `message_bytes_stored`, not here), `collisions`.
+        - long strings (those of at least `share_threshold` characters, kept once each in
+          the blob table): `blobs` (distinct ones), `blob_bytes` (their UTF-8 bytes, what is
+          stored for them), `blob_references` (times a long string new to its turn's stored
+          parts was handed to the table: one a turn inherits from the request it extends is
+          not handed over again), `blob_bytes_saved` (`blob_bytes_sent` minus `blob_bytes`:
+          what content-addressing and turns stored as references saved), `collisions`
+          (distinct strings with one xxh3 digest), `blob_bytes_sent` (UTF-8 bytes of the long
+          strings every turn sent and got back, counted as a plain store would keep them:
+          each request whole, the messages it re-sends included, its response, system
+          messages, tools, sampling parameters and logprobs).
+
+        Every figure is kept as turns are added or read from a file: no stored turn is
+        fetched or rebuilt. (A 20-turn conversation whose first message holds an image
+        sends it 20 times: `blob_bytes_sent` is 20 times its bytes, `blob_bytes_saved` 19.)
         """
         stored_tokens = 0
         seen: set[TokenRun] = set()  # runs, not ids: views of packed full runs are equal
@@ -916,7 +990,11 @@ class Graph:
             "tokens_received": tokens_received,
             "tokens_stored": stored_tokens,
         }
-        out.update(self.blobs.stats())
+        blob_stats = self.blobs.stats()
+        sent = self._sent_total
+        blob_stats["blob_bytes_saved"] = sent - blob_stats["blob_bytes"]
+        out.update(blob_stats)
+        out["blob_bytes_sent"] = sent
         return out
 
     def __iter__(self) -> Iterator[str]:
@@ -962,10 +1040,11 @@ class GraphRestorer:
         out-of-process store its record is put there first (a store error propagates: the
         graph being read is dropped)."""
         graph = self._graph
+        sent = graph._sent_by(turn)  # (before its record is sealed: nothing fetched)
         records = graph._records
         if records is not None:
             records.seal(turn, records.put(turn))
-        graph._commit(turn, keys, moves)
+        graph._commit(turn, keys, moves, sent)
 
 
 _FIELDS: dict[str, Callable[[Graph, Turn], Any]] = {
