@@ -97,6 +97,12 @@ _SENT_HIGH = (1 << (64 - _SENT_SHIFT)) - 1
 _SENT_APART = (1 << 64) - 1
 
 
+#: What a built turn sent in long strings (see `Graph._sent_by`): in its non-system request
+#: messages (inherited ones included), in its response, in all; and its shared values with
+#: their long-string bytes. (A plain tuple: a NamedTuple's `__new__` runs in Python.)
+_Sent = tuple[int, int, int, tuple[Any, Any, Any, Any, int]]
+
+
 def _without_raw(node: TurnNode, known: Container[bytes | str] = ()) -> TurnNode:
     """`node`, or a copy of it with every `RawJSON` field decoded as `json.loads` would, but
     those of the shared fields whose text is `known` (stored before, byte for byte: see
@@ -197,8 +203,11 @@ class Graph:
         # a turn extending it inherits, and the total the long-string bytes of every field of
         # every turn, inherited messages included
         self._sent = array("Q")
-        self._sent_apart: dict[int, tuple[int, int]] = {}
+        self._sent_apart: dict[int, tuple[int, int]] | None = None  # made when needed
         self._sent_total = 0
+        # the last turn's shared values (system, tools, sampling, requested) and their
+        # long-string bytes: most turns send the same objects again, counted without a scan
+        self._sent_values: tuple[Any, Any, Any, Any, int] | None = None
         # turns whose id is not the default `turn-{index}`, by the id's `hash` (see `_find`):
         # a turn keeps its id in its own bytes, so the index keeps no string of it
         self._by_id: OneOrMany[int, Turn] = {}
@@ -567,7 +576,7 @@ class Graph:
 
     # ------------------------------------------------------------------ commit
 
-    def _sent_by(self, turn: Turn) -> tuple[int, int, int]:
+    def _sent_by(self, turn: Turn) -> _Sent:
         """What a built turn sent in long strings (blob-sized): its non-system request
         messages (its base's, an echo of the base's response, then its tail's), its response,
         and in all (those, the system messages, tools, sampling parameters, logprobs).
@@ -580,7 +589,7 @@ class Graph:
         if base is not None:
             entry = self._sent[base.index]
             if entry == _SENT_APART:
-                rest, echoed = self._sent_apart[base.index]
+                rest, echoed = self._sent_apart[base.index]  # type: ignore[index]
             else:
                 rest, echoed = entry >> _SENT_SHIFT, entry & _SENT_LOW
             if flags & TAIL_ECHO:
@@ -590,31 +599,46 @@ class Graph:
         response = 0
         if flags & RESPONSE_REFS:
             response = blob_ref_bytes(turn.response, size)  # type: ignore[arg-type]
-        total = rest + response
         side = turn.side
-        for value in (side.system, side.tools, side.sampling, side.requested):
-            if value is not None:
-                total += blob_ref_bytes(value, size)
+        system, tools, sampling, requested = side.system, side.tools, side.sampling, side.requested
+        values = self._sent_values
+        if (
+            values is None
+            or values[0] is not system
+            or values[1] is not tools
+            or values[2] is not sampling
+            or values[3] is not requested
+        ):
+            in_values = sum(
+                blob_ref_bytes(value, size)
+                for value in (system, tools, sampling, requested)
+                if value is not None
+            )
+            values = (system, tools, sampling, requested, in_values)
+        total = rest + response + values[4]
         if flags & LOGPROBS_PACKED:
             total += blob_ref_bytes(turn.logprobs, size)
-        return rest, response, total
+        return rest, response, total, values
 
-    def _note_sent(self, sent: tuple[int, int, int]) -> None:
+    def _note_sent(self, sent: _Sent) -> None:
         """File a committed turn's `_sent_by` figures."""
-        rest, response, total = sent
+        rest, response, total, values = sent
         if rest <= _SENT_HIGH and response < _SENT_LOW:
             self._sent.append(rest << _SENT_SHIFT | response)
         else:
+            if self._sent_apart is None:
+                self._sent_apart = {}
             self._sent_apart[len(self._sent)] = (rest, response)
             self._sent.append(_SENT_APART)
         self._sent_total += total
+        self._sent_values = values
 
     def _commit(
         self,
         turn: Turn,
         keys: IndexKeys,
         moves: list[tuple[Turn, LinkKind]],
-        sent: tuple[int, int, int],
+        sent: _Sent,
         pending: list[tuple[bytes, bytes]] | tuple[()] = (),
         request: FreshRequest | None = None,
         raw_tip: Any = None,
