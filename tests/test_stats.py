@@ -3,13 +3,14 @@ turns arrive and derived again when a file is read, against the long strings eac
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support import add_all, chat_turns, fresh, image_url, materialized
 
-from rollout_store import DirectoryStore, RolloutGraph, TurnNode
+from rollout_store import DirectoryStore, RawJSON, RolloutGraph, TurnNode
 
 DATA = Path(__file__).parent / "data"
 
@@ -210,3 +211,42 @@ def test_a_rejected_turn_leaves_the_figures_as_they_were() -> None:
     with pytest.raises(TypeError):
         graph.add_turn(TurnNode(**bad))
     assert figures(graph) == before
+
+
+@pytest.mark.parametrize("tools", [None, [{"name": "t", "description": "d" * 1500}]])
+def test_raw_json_texts_count_as_the_values_they_encode(tools: Any) -> None:
+    """The capture server hands each request over as its JSON text: a continuation is taken
+    without decoding what it re-sends, and counted alike."""
+    turns = chat_turns(15, images=[image_url(6), None, image_url(7)], pad=1100)
+    decoded, raw = RolloutGraph(), RolloutGraph()
+    for k, turn in enumerate(turns):
+        decoded.add_turn(TurnNode(node_id=f"t{k}", request_tools=fresh(tools), **fresh(turn)))
+        raw.add_turn(
+            TurnNode(
+                node_id=f"t{k}",
+                request_messages=RawJSON(json.dumps(turn["request_messages"]).encode()),
+                response_message=RawJSON(json.dumps(turn["response_message"]).encode()),
+                request_tools=None if tools is None else RawJSON(json.dumps(tools).encode()),
+            )
+        )
+    for turn in turns:
+        turn["request_tools"] = tools
+    want_sent, want_unique = sent(turns), unique(turns)
+    assert figures(raw) == figures(decoded) == (want_sent, want_unique, want_sent - want_unique)
+
+
+def test_a_long_answer_not_resent_is_not_counted_in_later_requests() -> None:
+    """A harness that drops the previous answer (or rewrites it) re-sends the rest only."""
+    graph = RolloutGraph()
+    question = {"role": "user", "content": "q" * 2000}
+    turns = []
+    history: list[Any] = [question]
+    for k in range(6):
+        history.append({"role": "user", "content": f"step {k}"})
+        answer = {"role": "assistant", "content": f"{k}" + "a" * 1500}
+        turns.append({"request_messages": fresh(history), "response_message": answer})
+        history.append({"role": "assistant", "content": f"summary of {k}"})  # not the answer
+    add_all(graph, turns)
+    want_sent = sent(turns)
+    assert want_sent == 6 * 2000 + 6 * 1501
+    assert figures(graph) == (want_sent, 2000 + 6 * 1501, 5 * 2000)
