@@ -11,6 +11,7 @@ import pytest
 from support import add_all, chat_turns, fresh, image_url, materialized
 
 from rollout_store import DirectoryStore, RawJSON, RolloutGraph, TurnNode
+from rollout_store import graph as graph_module
 
 DATA = Path(__file__).parent / "data"
 
@@ -250,3 +251,24 @@ def test_a_long_answer_not_resent_is_not_counted_in_later_requests() -> None:
     want_sent = sent(turns)
     assert want_sent == 6 * 2000 + 6 * 1501
     assert figures(graph) == (want_sent, 2000 + 6 * 1501, 5 * 2000)
+
+
+def test_figures_too_large_for_a_turns_entry_are_kept_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A turn's entry packs two figures into 64 bits; a response or request beyond its fields
+    (16 MiB of long strings in a response) is kept apart, counted alike. Shown with the
+    response's field narrowed to 4 bits."""
+    turns = _rollout()
+    whole = RolloutGraph()
+    add_all(whole, turns)
+    _retry_and_fork(whole, turns)
+    want = figures(whole)
+    monkeypatch.setattr(graph_module, "_SENT_SHIFT", 4)
+    monkeypatch.setattr(graph_module, "_SENT_LOW", (1 << 4) - 1)
+    narrow = RolloutGraph()
+    add_all(narrow, turns)
+    _retry_and_fork(narrow, turns)
+    assert narrow._sent_apart  # (most turns: their responses hold long strings)
+    assert figures(narrow) == want
+    assert want[2] > 0
