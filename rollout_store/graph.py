@@ -198,10 +198,9 @@ class Graph:
         self.store = store
         self._turns: list[Turn] = []
         self._blob_marks = array("I")  # blobs stored once each turn was committed, for save
-        # what content-addressing saved (`stats`), counted as turns are committed: each turn's
-        # entry (see `_SENT_SHIFT`; 8 bytes, one int of an array) gives the long-string bytes
-        # a turn extending it inherits, and the total the long-string bytes of every field of
-        # every turn, inherited messages included
+        # the long-string bytes the turns sent (`stats`), counted as each is committed: a
+        # turn's entry (8 bytes, see `_SENT_SHIFT`) says what a turn extending its request
+        # inherits; the total counts every field of every turn, inherited messages included
         self._sent = array("Q")
         self._sent_apart: dict[int, tuple[int, int]] | None = None  # made when needed
         self._sent_total = 0
@@ -968,19 +967,20 @@ class Graph:
         - `tokens_received`: prompt and sampled token ids over all turns;
           `tokens_stored`: token ids kept (a prompt that extends another is kept once);
         - long strings (those of at least `share_threshold` characters, kept once each in
-          the blob table): `blobs` (distinct ones), `blob_bytes` (their UTF-8 bytes, what is
-          stored for them), `blob_references` (times a long string new to its turn's stored
-          parts was handed to the table: one a turn inherits from the request it extends is
-          not handed over again), `blob_bytes_saved` (`blob_bytes_sent` minus `blob_bytes`:
-          what content-addressing and turns stored as references saved), `collisions`
-          (distinct strings with one xxh3 digest), `blob_bytes_sent` (UTF-8 bytes of the long
-          strings every turn sent and got back, counted as a plain store would keep them:
-          each request whole, the messages it re-sends included, its response, system
-          messages, tools, sampling parameters and logprobs).
+          the blob table): `blobs` (distinct ones), `blob_bytes` (their UTF-8 bytes: what is
+          stored for them), `blob_references` (times the graph met a long string in what it
+          stored anew: strings a turn inherits from the request it extends, or re-sends in a
+          shared value stored before, are not met again), `blob_bytes_saved`
+          (`blob_bytes_sent` minus `blob_bytes`: what content-addressing and turns stored as
+          references saved), `collisions` (strings beyond the first under one xxh3 digest),
+          `blob_bytes_sent` (UTF-8 bytes of the long strings of every turn, as a store that
+          keeps each turn whole would hold them: each request with every message it re-sends,
+          its system messages, tools and sampling parameters, the response and logprobs).
 
-        Every figure is kept as turns are added or read from a file: no stored turn is
-        fetched or rebuilt. (A 20-turn conversation whose first message holds an image
-        sends it 20 times: `blob_bytes_sent` is 20 times its bytes, `blob_bytes_saved` 19.)
+        `blob_bytes_sent` is counted as turns are added or read from a file (8 bytes a turn):
+        no stored turn is fetched for it. A 20-turn conversation whose first message holds
+        an image sends it 20 times: `blob_bytes_sent` is 20 times the image's bytes,
+        `blob_bytes_saved` 19 times.
         """
         stored_tokens = 0
         seen: set[TokenRun] = set()  # runs, not ids: views of packed full runs are equal
