@@ -137,6 +137,10 @@ class BlobTable:
     def handle(self, index: int) -> Handle:
         return self._handles[index]
 
+    def size(self, index: int) -> int:
+        """The UTF-8 bytes of blob `index` (its string is not read)."""
+        return self._handles[index].size
+
     def __iter__(self) -> Iterator[Handle]:
         return iter(self._handles)
 

@@ -222,6 +222,7 @@ def _info(args: argparse.Namespace) -> int:
             "bytes_received": export,
             "bytes_stored": size,
             "unique_blob_bytes": figures["unique_blob_bytes"],
+            "blob_bytes_sent": figures["blob_bytes_sent"],
             "tokens_received": figures["tokens_received"],
             "tokens_stored": figures["tokens_stored"],
         }
@@ -239,6 +240,7 @@ def _info(args: argparse.Namespace) -> int:
         ("bytes received (plain export)", _size(export)),
         ("bytes stored (this file)", _size(size)),
         ("saving over the plain export", _ratio(export, size)),
+        ("long strings sent (each request whole)", _size(figures["blob_bytes_sent"])),
         ("long strings stored (unique)", _size(figures["unique_blob_bytes"])),
         ("tokens received", figures["tokens_received"]),
         ("tokens stored", figures["tokens_stored"]),

@@ -52,6 +52,7 @@ def store_figures(graph: Graph) -> dict[str, Any]:
         "discarded": len(graph.discarded_ids()),
         "blobs": int(stats.get("blobs", 0)),
         "unique_blob_bytes": int(stats.get("blob_bytes", 0)),
+        "blob_bytes_sent": int(stats.get("blob_bytes_sent", 0)),
         "message_bytes_stored": int(stats.get("message_bytes_stored", 0)),
         "tokens_received": int(stats.get("tokens_received", 0)),
         "tokens_stored": int(stats.get("tokens_stored", 0)),

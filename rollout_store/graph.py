@@ -22,7 +22,7 @@ from . import materialize
 from .blobs import BlobTable
 from .content import ContentStore, StringCache
 from .drift import REGIONS, Drift
-from .encoding import unpack
+from .encoding import blob_ref_bytes, unpack
 from .errors import (
     DuplicateNodeError,
     InvalidArgumentError,
@@ -39,7 +39,11 @@ from .raw import RawJSON, resolve_raw
 from .requests import FreshRequest, RequestStore, Scratch
 from .shared_blobs import StoreBlobTable
 from .stored import (
+    LOGPROBS_PACKED,
+    RESPONSE_REFS,
     SCALAR_NAMES,
+    TAIL_ECHO,
+    TAIL_REFS,
     IndexKeys,
     LinkKind,
     Turn,
@@ -85,6 +89,20 @@ _copy_node = copy.copy
 _raw_fields = operator.attrgetter(*_RAW_FIELDS)
 _scalar_fields = operator.attrgetter(*SCALAR_NAMES)
 _STR_OR_NONE = frozenset((str, type(None)))
+
+#: A turn's entry in `Graph._sent`: the long-string bytes of its non-system request messages
+#: (those it inherits from its base included) above `_SENT_SHIFT` bits, those of its response
+#: below; a turn whose figures do not fit gets `_SENT_APART` and keeps them in `_sent_apart`.
+_SENT_SHIFT = 24
+_SENT_LOW = (1 << _SENT_SHIFT) - 1
+_SENT_HIGH = (1 << (64 - _SENT_SHIFT)) - 1
+_SENT_APART = (1 << 64) - 1
+
+
+#: What a built turn sent in long strings (see `Graph._sent_by`): in its non-system request
+#: messages (inherited ones included), in its response, in all; and its shared values with
+#: their long-string bytes. (A plain tuple: a NamedTuple's `__new__` runs in Python.)
+_Sent = tuple[int, int, int, tuple[Any, Any, Any, Any, int]]
 
 
 def _without_raw(node: TurnNode, known: Container[bytes | str] = ()) -> TurnNode:
@@ -186,6 +204,15 @@ class Graph:
         self.store = store
         self._turns: list[Turn] = []
         self._blob_marks = array("I")  # blobs stored once each turn was committed, for save
+        # the long-string bytes the turns sent (`stats`), counted as each is committed: a
+        # turn's entry (8 bytes, see `_SENT_SHIFT`) says what a turn extending its request
+        # inherits; the total counts every field of every turn, inherited messages included
+        self._sent = array("Q")
+        self._sent_apart: dict[int, tuple[int, int]] | None = None  # made when needed
+        self._sent_total = 0
+        # the last turn's shared values (system, tools, sampling, requested) and their
+        # long-string bytes: most turns send the same objects again, counted without a scan
+        self._sent_values: tuple[Any, Any, Any, Any, int] | None = None
         # turns whose id is not the default `turn-{index}`, by the id's `hash` (see `_find`):
         # a turn keeps its id in its own bytes, so the index keeps no string of it
         self._by_id: OneOrMany[int, Turn] = {}
@@ -360,6 +387,7 @@ class Graph:
                     if turn.parent is None and turn.prompt is not None
                     else None
                 )
+                sent = self._sent_by(turn)  # (before its record is sealed: nothing fetched)
                 moves = self._linker.find_moves(turn, scratch)
                 if moves:  # a turn never moves under its own descendant (no cycles)
                     moves = [move for move in moves if not is_above(move[0], turn)]
@@ -389,6 +417,7 @@ class Graph:
                 turn,
                 keys,
                 scratch.moves,
+                sent,
                 scratch.pending,
                 scratch.request,
                 scratch.raw_tip,
@@ -591,11 +620,69 @@ class Graph:
 
     # ------------------------------------------------------------------ commit
 
+    def _sent_by(self, turn: Turn) -> _Sent:
+        """What a built turn sent in long strings (blob-sized): its non-system request
+        messages (its base's, an echo of the base's response, then its tail's), its response,
+        and in all (those, the system messages, tools, sampling parameters, logprobs).
+
+        Worked out from the base's entry and the turn's own packings (their blob references'
+        sizes: no string is read), before its record may be sealed in a store."""
+        size, flags = self._blobs.size, turn.flags
+        rest = 0
+        base = turn.base
+        if base is not None:
+            entry = self._sent[base.index]
+            if entry == _SENT_APART:
+                rest, echoed = self._sent_apart[base.index]  # type: ignore[index]
+            else:
+                rest, echoed = entry >> _SENT_SHIFT, entry & _SENT_LOW
+            if flags & TAIL_ECHO:
+                rest += echoed
+        if flags & TAIL_REFS:
+            rest += blob_ref_bytes(turn.tail, size)
+        response = 0
+        if flags & RESPONSE_REFS:
+            response = blob_ref_bytes(turn.response, size)  # type: ignore[arg-type]
+        side = turn.side
+        system, tools, sampling, requested = side.system, side.tools, side.sampling, side.requested
+        values = self._sent_values
+        if (
+            values is None
+            or values[0] is not system
+            or values[1] is not tools
+            or values[2] is not sampling
+            or values[3] is not requested
+        ):
+            in_values = sum(
+                blob_ref_bytes(value, size)
+                for value in (system, tools, sampling, requested)
+                if value is not None
+            )
+            values = (system, tools, sampling, requested, in_values)
+        total = rest + response + values[4]
+        if flags & LOGPROBS_PACKED:
+            total += blob_ref_bytes(turn.logprobs, size)
+        return rest, response, total, values
+
+    def _note_sent(self, sent: _Sent) -> None:
+        """File a committed turn's `_sent_by` figures."""
+        rest, response, total, values = sent
+        if rest <= _SENT_HIGH and response < _SENT_LOW:
+            self._sent.append(rest << _SENT_SHIFT | response)
+        else:
+            if self._sent_apart is None:
+                self._sent_apart = {}
+            self._sent_apart[len(self._sent)] = (rest, response)
+            self._sent.append(_SENT_APART)
+        self._sent_total += total
+        self._sent_values = values
+
     def _commit(
         self,
         turn: Turn,
         keys: IndexKeys,
         moves: list[tuple[Turn, LinkKind]],
+        sent: _Sent,
         pending: list[tuple[bytes, bytes]] | tuple[()] = (),
         request: FreshRequest | None = None,
         raw_tip: Any = None,
@@ -608,6 +695,7 @@ class Graph:
         side.meta = interned.setdefault(meta, meta)
         self._turns.append(turn)
         self._blob_marks.append(len(self._blobs))
+        self._note_sent(sent)
         ident = turn.ident
         if ident is not None:
             index_add(self._by_id, hash(ident), turn)
@@ -923,12 +1011,22 @@ class Graph:
         - `shared_values`: distinct values kept once for many turns (system prompts, tools);
         - `tokens_received`: prompt and sampled token ids over all turns;
           `tokens_stored`: token ids kept (a prompt that extends another is kept once);
-        - the blob table's: `blobs` (distinct long strings), `blob_bytes` (their UTF-8
-          bytes), `blob_references` (times a long string was handed to the table),
-          `blob_bytes_saved` (bytes of those hand-overs beyond the first of each string:
-          a string a turn inherits from the request it extends is never handed over again,
-          so that larger saving shows in `message_bytes_stored`, not here), `collisions`;
+        - long strings (those of at least `share_threshold` characters, kept once each in
+          the blob table): `blobs` (distinct ones), `blob_bytes` (their UTF-8 bytes: what is
+          stored for them), `blob_references` (times the graph met a long string in what it
+          stored anew: strings a turn inherits from the request it extends, or re-sends in a
+          shared value stored before, are not met again), `blob_bytes_saved`
+          (`blob_bytes_sent` minus `blob_bytes`: what content-addressing and turns stored as
+          references saved), `collisions` (strings beyond the first under one xxh3 digest),
+          `blob_bytes_sent` (UTF-8 bytes of the long strings of every turn, as a store that
+          keeps each turn whole would hold them: each request with every message it re-sends,
+          its system messages, tools and sampling parameters, the response and logprobs);
         - `n_drift`: roots the drift audit recorded (see `drift()`).
+
+        `blob_bytes_sent` is counted as turns are added or read from a file (8 bytes a turn):
+        no stored turn is fetched for it. A 20-turn conversation whose first message holds
+        an image sends it 20 times: `blob_bytes_sent` is 20 times the image's bytes,
+        `blob_bytes_saved` 19 times.
         """
         stored_tokens = 0
         seen: set[TokenRun] = set()  # runs, not ids: views of packed full runs are equal
@@ -963,7 +1061,11 @@ class Graph:
             "tokens_stored": stored_tokens,
             "n_drift": sum(1 for i in self._drift if self._turns[i].parent is None),
         }
-        out.update(self.blobs.stats())
+        blob_stats = self.blobs.stats()
+        sent = self._sent_total
+        blob_stats["blob_bytes_saved"] = sent - blob_stats["blob_bytes"]
+        out.update(blob_stats)
+        out["blob_bytes_sent"] = sent
         return out
 
     # ------------------------------------------------------------------ training metadata
@@ -1189,10 +1291,11 @@ class GraphRestorer:
         out-of-process store its record is put there first (a store error propagates: the
         graph being read is dropped)."""
         graph = self._graph
+        sent = graph._sent_by(turn)  # (before its record is sealed: nothing fetched)
         records = graph._records
         if records is not None:
             records.seal(turn, records.put(turn))
-        graph._commit(turn, keys, moves)
+        graph._commit(turn, keys, moves, sent)
 
 
 _FIELDS: dict[str, Callable[[Graph, Turn], Any]] = {

@@ -281,6 +281,10 @@ class StoreBlobTable(BlobTable):
         packed = self._sizes[index]
         return Handle(self._digest(index), index, packed >> 1, bool(packed & 1))
 
+    def size(self, index: int) -> int:
+        """The UTF-8 bytes of blob `index` (nothing is fetched)."""
+        return self._sizes[index] >> 1
+
     def __iter__(self) -> Iterator[Handle]:
         return (self.handle(i) for i in range(len(self._sizes)))
 

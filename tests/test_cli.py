@@ -459,6 +459,18 @@ def test_info_shows_human_sizes_and_json_the_exact_bytes(
     assert document["unique_blob_bytes"] == 2000
 
 
+def test_info_shows_the_long_strings_every_request_sent(
+    rollout_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The 2,000-character system prompt is sent by each of the four turns, kept once."""
+    assert main(["info", str(rollout_file)]) == 0
+    lines = {line.split("  ")[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "7.81 KiB  8000" in lines["long strings sent (each request whole)"]
+    assert main(["info", str(rollout_file), "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["blob_bytes_sent"] == 4 * 2000 and document["unique_blob_bytes"] == 2000
+
+
 def test_a_foreign_file_is_named_without_a_bytes_repr(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
