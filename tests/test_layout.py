@@ -8,6 +8,7 @@ The layers are those of the Layout section of docs/internals.md; a new module go
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 from rollout_store.encoding import ECHO_PACKED
@@ -52,7 +53,9 @@ LAYERS: list[tuple[str, set[str]]] = [
 RESTORE_DOOR = ("storage", "_restorer")
 
 
+@functools.cache
 def modules() -> dict[str, ast.Module]:
+    """Each module's syntax tree, parsed once for all the tests here (none changes one)."""
     return {p.stem: ast.parse(p.read_text(), str(p)) for p in sorted(PACKAGE.glob("*.py"))}
 
 
