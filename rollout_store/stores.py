@@ -1,6 +1,6 @@
 """Content store backends of one machine: `MemoryStore` (one process) and `DirectoryStore`.
 
-`MemoryStore` is the reference every backend must match (tests/test_stores.py runs one
+`MemoryStore` is the reference every backend must match (tests/stores/test_stores.py runs one
 contract suite over all of them). `DirectoryStore` is for many processes on one machine: an
 object is written to a temporary file, flushed to disk, then linked under its final name, so
 a process killed at any moment leaves either the whole object or none under its key (at most

@@ -66,7 +66,7 @@ with open(folder + "/expected.json", "w") as out:
 def _write(tmp_path: Path) -> tuple[Path, Path, str]:
     """A snapshot and a log of the same turns, written by another process that raised its
     limit, and the export's json.dumps there."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),

@@ -20,7 +20,7 @@ import uvicorn
 from rollout_store.loopback import stop_process
 from rollout_store.server import listen_socket
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 20.0
 #: The admin key the tests' servers are started with (`create_app(admin_key=ADMIN_KEY)`, and
 #: ROLLOUT_STORE_ADMIN_KEY for a server process), and the header that sends it.

@@ -41,7 +41,7 @@ from rollout_store.cli import main as cli_main
 from rollout_store.frames import KIND_TURN
 from rollout_store.shared_blobs import StoreBlobTable
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 _KEYS = storage.TurnRecord._fields.index("keys")
 _NODE_ID = storage.TurnRecord._fields.index("node_id")
 FIELDS = ("request", "token", "prompt", "roots")

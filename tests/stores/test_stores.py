@@ -39,8 +39,8 @@ from rollout_store import (
 )
 from rollout_store.content import StringCache, content_key
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
+TESTS = Path(__file__).resolve().parents[1] / "support"
+ROOT = TESTS.parents[1]
 
 
 def worker(verb: str, spec: list[Any], seed: int) -> subprocess.Popen[str]:

@@ -1,7 +1,7 @@
 """The viewer page as a new user sees it, in headless Chromium: screenshots of each view are
 written to a temporary folder (printed) to be looked at, and what they show is asserted.
 
-Needs Debian's `chromium` and `chromium-driver`, as tests/test_viewer_browser.py does.
+Needs Debian's `chromium` and `chromium-driver`, as tests/viewer/test_viewer_browser.py does.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from services import free_port
 
 from rollout_store.loopback import wait_for_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 #: README first, then every page of the docs site (the API pages hold no code blocks).

@@ -11,7 +11,7 @@ import pytest
 
 from rollout_store import DirectoryStore, RolloutGraph, TurnNode, export_session, storage
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 FILES = ["v2_inline_snapshot.rls", "v2_store_snapshot.rls", "v2_append_log.rls"]
 
 

@@ -105,7 +105,7 @@ def test_a_fork_and_a_chain_differ_in_shape(tmp_path: Path) -> None:
 
 
 def test_the_run_says_how_many_slow_tests_it_left_out() -> None:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [
             sys.executable,
@@ -114,7 +114,7 @@ def test_the_run_says_how_many_slow_tests_it_left_out() -> None:
             "-q",
             "-p",
             "no:cacheprovider",
-            "tests/test_readme_server.py",
+            "tests/project/test_readme_server.py",
         ],
         cwd=root,
         capture_output=True,

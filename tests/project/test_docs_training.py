@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "training.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "training.md"
 
 
 def test_training_doc_example_runs(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from support import add_all, chat_turns, fresh, image_url, materialized
 from rollout_store import DirectoryStore, RawJSON, RolloutGraph, TurnNode
 from rollout_store import graph as graph_module
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 #: The fields of a turn that may hold long strings (what it sent and what it got back).
 FIELDS = (

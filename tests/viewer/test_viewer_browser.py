@@ -210,12 +210,12 @@ def test_thousand_turn_multimodal_rollout_opens_quickly(browser: Any, tmp_path: 
     path = tmp_path / "long.rls"
     # 100 screenshots of about 37 KB each. Built in a child process: the suite's fixture that
     # round-trips every graph a test builds would export all 1,000 turns again (a minute).
-    tests = Path(__file__).resolve().parent
+    tests = Path(__file__).resolve().parents[1] / "support"
     script = (
         "import sys, viewer_support; "
         "viewer_support.long_rollout(1000, image_size=96).save(sys.argv[1])"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parents[1]), str(tests)])}
     subprocess.run([sys.executable, "-c", script, str(path)], env=env, check=True, timeout=300)
     graph = RolloutGraph.load(path)
     viewer = Viewer(graph, title=path.name, file_size=path.stat().st_size)

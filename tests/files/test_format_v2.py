@@ -37,7 +37,7 @@ from rollout_store.cli import main as cli_main
 from rollout_store.framing import HEADER, MAGIC_V2, SYNC, encode_frame
 from rollout_store.stored import TurnFlag
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def frame_offsets(data: bytes) -> list[int]:

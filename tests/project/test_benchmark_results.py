@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import measure  # noqa: E402

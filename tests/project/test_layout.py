@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rollout_store.encoding import ECHO_PACKED
 
-PACKAGE = Path(__file__).resolve().parent.parent / "rollout_store"
+PACKAGE = Path(__file__).resolve().parents[2] / "rollout_store"
 
 #: Bottom to top; a module may import modules of its own layer or of the layers below.
 LAYERS: list[tuple[str, set[str]]] = [

@@ -807,11 +807,16 @@ def test_an_idle_session_keeps_a_bounded_few_kib(tmp_path: Path, store: str) -> 
     the shared content store, counted apart (a directory store keeps it on disk). Measured
     in a child process: this suite's fixtures keep every graph a test makes alive."""
     child = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("idle_memory.py")), str(tmp_path), store],
+        [
+            sys.executable,
+            str(Path(__file__).resolve().parents[1] / "support" / "idle_memory.py"),
+            str(tmp_path),
+            store,
+        ],
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
     )
     assert child.returncode == 0, child.stderr[-2000:]
     figures = {int(k): v for k, v in json.loads(child.stdout).items()}

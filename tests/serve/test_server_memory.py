@@ -170,7 +170,7 @@ def test_malloc_trim_gives_the_free_heap_pages_back() -> None:
         "malloc_trim()()\n"
         "print(before - rss())\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60
     )

@@ -20,7 +20,7 @@ from rollout_store import (
 )
 from rollout_store.storage import verify
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 ODD = {
     "s": [1, 1.0, True, -0.0, math.nan, math.inf, 2**100, "\ud800", (), {}, [], None],

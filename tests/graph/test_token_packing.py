@@ -162,11 +162,15 @@ def test_a_token_turn_keeps_a_bounded_memory() -> None:
     child process (this suite's fixtures keep every graph alive). Two runs and three arrays a
     turn, its prompt filed by its key, kept 1,207 bytes here; packed and unfiled, 869."""
     child = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("token_memory.py")), "300"],
+        [
+            sys.executable,
+            str(Path(__file__).resolve().parents[1] / "support" / "token_memory.py"),
+            "300",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
     )
     assert child.returncode == 0, child.stderr[-2000:]
     figures = json.loads(child.stdout)

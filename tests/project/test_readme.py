@@ -55,7 +55,7 @@ def test_docs_block_runs(example: tuple[str, int, str], tmp_path: Path) -> None:
 
 
 def test_every_server_example_is_run_by_the_server_tests() -> None:
-    """tests/test_readme_server.py runs the server blocks of these two sections only."""
+    """tests/project/test_readme_server.py runs the server blocks of these two sections only."""
     covered = blocks(section(README, "## Capture server"), "python") + blocks(
         section(DOCS / "server.md", "## Quick start"), "python"
     )

@@ -245,7 +245,11 @@ _DEEP_SCRIPT = textwrap.dedent(
 def test_deep_nesting_round_trips(kind, tmp_path):
     """Run in a child process: a crash (C stack overflow) must fail the test, not the run."""
     script = tmp_path / "deep.py"
-    script.write_text(_DEEP_SCRIPT.format(tests=str(__import__("pathlib").Path(__file__).parent)))
+    script.write_text(
+        _DEEP_SCRIPT.format(
+            tests=str(__import__("pathlib").Path(__file__).resolve().parents[1] / "support")
+        )
+    )
     proc = subprocess.run(
         [sys.executable, str(script), kind], capture_output=True, text=True, timeout=120
     )
