@@ -57,6 +57,7 @@ from .frames import (
     KIND_HEADER,
     KIND_META,
     KIND_NAMES,
+    KIND_TIMELINE,
     KIND_TURN,
     KIND_VALUE,
     MAGIC,
@@ -96,6 +97,7 @@ from .stored import (
     full_run,
     is_above,
 )
+from .timeline import Timeline
 from .tokens import ArrayRun, PackedFull, TokenRun, packable, run_list
 
 __all__ = [
@@ -544,6 +546,11 @@ def save(graph: Graph, path: str | os.PathLike[str], *, blobs: str = "inline") -
         entries = graph.journal_entries()
         writer.write_snapshot(graph.blobs, entries, out)
         references = list(graph.blobs.mark()[1:])
+        timelines = graph.timeline_records()
+        if timelines:
+            chain = [writer.chain]
+            out.add([writer.frame(KIND_TIMELINE, pack([i, t]), chain) for i, t in timelines])
+            writer.chain = chain[0]
         if not graph.meta.empty:
             chain = [writer.chain]
             out.add([writer.frame(KIND_META, pack(graph.meta.to_record()), chain)])
@@ -1247,7 +1254,7 @@ def _frames_v2(
     stretch goes to `on_gap` first, unless it was one frame whose header alone was hit: that
     frame is rebuilt and read); `on_gap` returns False to stop there."""
     reader = framing.FrameReader(
-        data, len(framing.MAGIC_V2), digest_kinds=_DIGEST_KINDS, max_kind=KIND_DRIFT
+        data, len(framing.MAGIC_V2), digest_kinds=_DIGEST_KINDS, max_kind=KIND_TIMELINE
     )
     while True:
         try:
@@ -1267,7 +1274,7 @@ def _frames_v2(
             reader.chain,
             reader.records,
             digest_kinds=_DIGEST_KINDS,
-            max_kind=KIND_DRIFT,
+            max_kind=KIND_TIMELINE,
         )
         report.damaged.append((gap.start, gap.end))
         records = reader.records
@@ -1280,7 +1287,7 @@ def _frames_v2(
         else:
             records += len(gap.kinds) if gap.kinds is not None else 1
         chain = framing.HEADER.unpack_from(data, resync)[3]
-        reader = framing.FrameReader(data, resync, digest_kinds=_DIGEST_KINDS, max_kind=KIND_DRIFT)
+        reader = framing.FrameReader(data, resync, digest_kinds=_DIGEST_KINDS, max_kind=KIND_TIMELINE)
         reader.chain, reader.records = chain, records
 
 
@@ -1420,6 +1427,13 @@ class _Records:
                 body, contains, partial(check_packed, n_blobs=0, max_depth=MAX_DEPTH)
             )
             loader.restore.set_metadata(meta)
+        elif kind == KIND_TIMELINE:
+            if self.pending or self.version == _V1:
+                raise ValueError("a timeline record out of place (between a turn's records)")
+            index, packed = _timeline_record(body, self.report.turns)
+            if loader.turn_map is not None or loader.frozen is not None:
+                return  # past damage turns keep their places, not their indexes (as drift)
+            loader.restore.set_timeline(index, packed)
         elif kind == KIND_END:
             self.ended = True
             if self.resync and (loader.lossy or self.pending):
@@ -1546,6 +1560,20 @@ def _scan(
         if progress is not None:
             progress(end)
     return records.finish(), report
+
+
+def _timeline_record(body: Any, turns: int) -> tuple[int, bytes]:
+    """The turn number and packed timeline of a `timeline` record (ValueError if it is not
+    one, or names a turn not before it)."""
+    if not (isinstance(body, list) and len(body) == 2 and type(body[0]) is int):
+        raise ValueError("a timeline record is not [turn number, packed timeline]")
+    index, packed = body
+    if not 0 <= index < turns:
+        raise ValueError(f"a timeline record names turn {index}, not one before it")
+    if not isinstance(packed, bytes):
+        raise ValueError("a timeline record's timeline is not bytes")
+    Timeline.unpack(packed)  # raises InvalidValueError (a ValueError) on a bad one
+    return index, packed
 
 
 def _check_end(body: Any, pending: list[Any], report: LoadReport) -> None:
@@ -1807,6 +1835,15 @@ class _AppendLog:
             )
         chain = [self.writer.chain]
         self._write([self.writer.frame(KIND_META, pack(meta.to_record()), chain)])
+        self.writer.chain = chain[0]
+
+    def write_timeline(self, index: int, packed: bytes) -> None:
+        if self.writer.version == _V1:
+            raise InvalidArgumentError(
+                "a version-1 log holds no timelines: save the graph (version 2) and open the copy"
+            )
+        chain = [self.writer.chain]
+        self._write([self.writer.frame(KIND_TIMELINE, pack([index, packed]), chain)])
         self.writer.chain = chain[0]
 
     def close(self) -> None:
