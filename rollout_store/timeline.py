@@ -19,12 +19,13 @@ sent); u32 largest chunk gap (us); u32 gap before (us; `0xFFFFFFFF`: none); u16 
 from __future__ import annotations
 
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import InvalidValueError
 
-__all__ = ["TIMELINE_SIZE", "Timeline", "TimelineTable"]
+__all__ = ["TIMELINE_SIZE", "CallClock", "Timeline", "TimelineTable", "failed_after"]
 
 _PACK = struct.Struct("<Q5III2H")
 #: Bytes of one packed timeline.
@@ -185,3 +186,65 @@ class TimelineTable:
     @property
     def nbytes(self) -> int:
         return len(self._data)
+
+
+class CallClock:
+    """The stamps of one call as the capture server takes them: a wall-clock base when the
+    request is received, then monotonic microsecond offsets from it."""
+
+    __slots__ = (
+        "_t0",
+        "_last_chunk",
+        "received",
+        "upstream_sent",
+        "first_byte",
+        "last_byte",
+        "chunks",
+        "max_gap",
+        "node_id",
+        "failed",
+    )
+
+    def __init__(self) -> None:
+        self.received = time.time_ns() // 1000
+        self._t0 = time.perf_counter_ns()
+        self.upstream_sent = self.first_byte = self.last_byte = 0
+        self.chunks = self.max_gap = self._last_chunk = 0
+        self.node_id: str | None = None  # the turn recorded, once it is
+        self.failed = 0  # the session's failed attempts before it: count << 10 | status
+
+    def now(self) -> int:
+        return min((time.perf_counter_ns() - self._t0) // 1000, _U32 - 1)
+
+    def chunk(self) -> None:
+        """A stream chunk is being sent to the client."""
+        now = self.now()
+        if self.chunks:
+            self.max_gap = max(self.max_gap, now - self._last_chunk)
+        self.chunks += 1
+        self._last_chunk = now
+
+    def timeline(self, reply_sent: int, gap_before: int | None) -> Timeline:
+        """The timeline of the call; the upstream answered unstreamed, so its first token
+        came with its first byte."""
+        sent = self.upstream_sent
+        first = max(self.first_byte, sent)
+        last = max(self.last_byte, first)
+        return Timeline(
+            self.received,
+            sent,
+            first,
+            first,
+            last,
+            max(reply_sent, last),
+            chunks=self.chunks,
+            max_chunk_gap=min(self.max_gap, _U32),
+            gap_before=gap_before if gap_before is None else min(gap_before, _NONE - 1),
+            failed_attempts=self.failed >> 10,
+            last_failed_status=(self.failed & 0x3FF) or None,
+        )
+
+
+def failed_after(failed: int, status: int) -> int:
+    """A session's failed-attempts word after one more failed attempt with `status`."""
+    return (min((failed >> 10) + 1, 63) << 10) | (status & 0x3FF)
