@@ -302,9 +302,7 @@ def _parts(
     roots = _root_ids(graph)
     timelines = graph.timelines()
     turns = (
-        _turn_record(
-            graph, nid, roots[nid], nid in discarded, include_messages, stream, timelines
-        )
+        _turn_record(graph, nid, roots[nid], nid in discarded, include_messages, stream, timelines)
         for nid in graph.node_ids()
     )
     trainable = bool(trainable_rows) and rollout.ok

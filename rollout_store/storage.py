@@ -1287,7 +1287,9 @@ def _frames_v2(
         else:
             records += len(gap.kinds) if gap.kinds is not None else 1
         chain = framing.HEADER.unpack_from(data, resync)[3]
-        reader = framing.FrameReader(data, resync, digest_kinds=_DIGEST_KINDS, max_kind=KIND_TIMELINE)
+        reader = framing.FrameReader(
+            data, resync, digest_kinds=_DIGEST_KINDS, max_kind=KIND_TIMELINE
+        )
         reader.chain, reader.records = chain, records
 
 
