@@ -45,8 +45,8 @@ from .rows import (
 )
 from .s3_store import S3Store
 from .storage import RolloutGraph
-from .timeline import Timeline
 from .stores import DirectoryStore, MemoryStore
+from .timeline import Timeline
 from .training import TrainingSequence
 
 __all__ = [

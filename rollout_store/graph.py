@@ -38,7 +38,6 @@ from .nodes import COUNT_TOOLS, TurnNode
 from .raw import RawJSON, resolve_raw
 from .requests import FreshRequest, RequestStore, Scratch
 from .shared_blobs import StoreBlobTable
-from .timeline import Timeline, TimelineTable
 from .stored import (
     SCALAR_NAMES,
     IndexKeys,
@@ -50,6 +49,7 @@ from .stored import (
     add_child,
     is_above,
 )
+from .timeline import Timeline, TimelineTable
 from .tokens import TokenRun, run_list
 from .training import TrainingSequence
 from .turn_records import TurnRecords, tail_bytes

@@ -68,6 +68,7 @@ import aiohttp
 import anyio.to_thread
 import msgspec
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import (
     JSONResponse,
@@ -76,7 +77,6 @@ from starlette.responses import (
     Response,
     StreamingResponse,
 )
-from starlette.background import BackgroundTask
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
@@ -908,15 +908,14 @@ class _Server:
                 gap = gap if gap >= 0 else None
             graph.set_timeline(node_id, clock.timeline(reply_sent, gap))
 
-        with contextlib.suppress(RolloutStoreError, OSError):
-            with session.use() as graph:
-                if self.inline and graph.lock.acquire(blocking=False):
-                    try:
-                        apply(graph)
-                    finally:
-                        graph.lock.release()
-                else:
-                    await anyio.to_thread.run_sync(apply, graph)
+        with contextlib.suppress(RolloutStoreError, OSError), session.use() as graph:
+            if self.inline and graph.lock.acquire(blocking=False):
+                try:
+                    apply(graph)
+                finally:
+                    graph.lock.release()
+            else:
+                await anyio.to_thread.run_sync(apply, graph)
 
     async def _call(
         self,
@@ -932,9 +931,9 @@ class _Server:
         session's next turn's timeline."""
         try:
             response, answer = await self._forward(path, content, headers, clock)
-        except _Passthrough as failed:
+        except _Passthrough as passed:
             session.upstream_errors += 1
-            session.failed = failed_after(session.failed, failed.response.status_code)
+            session.failed = failed_after(session.failed, passed.response.status_code)
             raise
         except _Refusal as refused:
             if refused.status in (502, 504):  # the upstream unreachable or too slow

@@ -119,11 +119,15 @@ class Timeline:
             raise InvalidValueError(
                 f"a packed timeline is {TIMELINE_SIZE} bytes, got {len(data)}", "timeline"
             )
-        received, *offsets, gap, before, chunks, failed = _PACK.unpack(data)
+        received, sent, first, token, last, reply, gap, before, chunks, failed = _PACK.unpack(data)
         count, status = failed >> 10, failed & 0x3FF
         return cls(
             received,
-            *offsets,
+            sent,
+            first,
+            token,
+            last,
+            reply,
             chunks=chunks,
             max_chunk_gap=gap,
             gap_before=None if before == _NONE else before,
@@ -193,16 +197,16 @@ class CallClock:
     request is received, then monotonic microsecond offsets from it."""
 
     __slots__ = (
-        "_t0",
         "_last_chunk",
-        "received",
-        "upstream_sent",
+        "_t0",
+        "chunks",
+        "failed",
         "first_byte",
         "last_byte",
-        "chunks",
         "max_gap",
         "node_id",
-        "failed",
+        "received",
+        "upstream_sent",
     )
 
     def __init__(self) -> None:

@@ -8,8 +8,8 @@ the library free of a web framework dependency and lets one object answer in eve
 
 The page is static HTML, JavaScript and CSS shipped in the package (no CDN, no network):
 it fetches small JSON documents (`/api/figures`, `/api/rows`, `/api/turn`, `/api/messages`,
-`/api/export-size`, `/api/timeline`) for only the rows and the turn on screen, and builds its DOM with
-`textContent`, so message content is never parsed as HTML. A Content-Security-Policy allows
+`/api/export-size`, `/api/timeline`) for only the rows and the turn on screen, and builds its
+DOM with `textContent`, so message content is never parsed as HTML. A Content-Security-Policy allows
 scripts, styles and connections to this origin only, and images from this origin or `data:`.
 The page uses relative URLs, so it works mounted under any prefix (`asgi_app` for ASGI).
 """
