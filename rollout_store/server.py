@@ -36,6 +36,11 @@ of the body, and the upstream gets the body's own bytes with the capture keys ad
 msgspec cannot read exactly as json.loads would is decoded by json.loads instead, so every
 body is accepted, refused and recorded as json.loads reads it.
 
+Each call is stamped as it passes (`timeline.CallClock`: received, sent upstream, the
+upstream's first and last byte, each stream chunk sent) and its turn gets the `Timeline`
+once the reply has been sent (a background task of the response): the upstream answers
+unstreamed, so its first token is its first byte.
+
 A turn is acknowledged (the client gets its answer) only after the graph accepted it, and,
 with a data directory and `fsync="turn"`, after it is on disk. Bad requests get a 4xx with a
 one-line reason and record nothing; upstream errors pass through with their status and are
