@@ -616,19 +616,19 @@ def _run_child(cmd: list[str], env: dict[str, str]) -> int:
 
 def _say_where(run: Any, args: argparse.Namespace) -> None:
     """Where the rollout is: the session, its file (or server) and how to export it."""
-    turns = "?"
+    turns = "? turns"
     with contextlib.suppress(RolloutStoreError):
-        turns = str(len(run.export().get("turns", [])))
+        turns = _plural(len(run.export().get("turns", [])), "turn")
     if run.log_path is not None:
         path = os.path.relpath(run.log_path)
         lines = [
-            f"rollout-store run: session {run.session_id} ({turns} turns) in {path}",
+            f"rollout-store run: session {run.session_id} ({turns}) in {path}",
             f"  export: rollout-store export {path}",
             f"  view:   rollout-store view {path}",
         ]
     else:
         lines = [
-            f"rollout-store run: session {run.session_id} ({turns} turns) on {run.server_url}",
+            f"rollout-store run: session {run.session_id} ({turns}) on {run.server_url}",
             f"  export: curl -H 'Authorization: Bearer {run.api_key}' "
             f"{run.server_url}/sessions/{run.session_id}/export",
         ]

@@ -198,6 +198,21 @@ def test_run_names_the_command_and_passes_127_for_a_missing_one(
     assert "no-such-program" in err and "(0 turns)" in err
 
 
+def test_run_on_a_named_server(
+    tmp_path: Path, stub: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rollout_store.server import create_app
+
+    (tmp_path / "agent.py").write_text(RAW_CHILD)
+    monkeypatch.chdir(tmp_path)
+    with serve_app(create_app(stub)) as url:
+        argv = ["run", "--server", url, "--label", "remote", "--", sys.executable, "agent.py"]
+        assert cli_module.main([*argv, "fail"]) == 3
+        err = capsys.readouterr().err
+        assert f"(1 turn) on {url}" in err and "curl -H 'Authorization: Bearer " in err
+    assert not (tmp_path / "rollouts").exists()  # the named server keeps it
+
+
 @pytest.mark.slow  # the anthropic SDK's import alone takes seconds
 def test_capture_with_both_sdks_from_threads_and_metadata(stub: str) -> None:
     with capture(upstream=stub, labels=["x"], group="grp") as run:
