@@ -568,10 +568,12 @@ def _run_command(args: argparse.Namespace) -> int:
     if not cmd:
         raise CommandError("run: name the command to run after --, e.g. -- python agent.py")
     local = args.server is None
+    if not local and args.data is not None:
+        raise CommandError("run: --data is for a server started for the run (--upstream)")
     started = Capture(
         server=args.server,
         upstream=args.upstream,
-        data=args.data if local else None,
+        data=(args.data or "rollouts") if local else None,
         labels=args.label,
         group=args.group,
         session_id=args.session_id,
@@ -782,7 +784,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--data",
-        default="rollouts",
+        default=None,
         help="with --upstream: the directory of session logs (default: ./rollouts)",
     )
     run.add_argument(

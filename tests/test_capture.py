@@ -211,6 +211,8 @@ def test_run_on_a_named_server(
         err = capsys.readouterr().err
         assert f"(1 turn) on {url}" in err and "curl -H 'Authorization: Bearer " in err
     assert not (tmp_path / "rollouts").exists()  # the named server keeps it
+    assert cli_module.main(["run", "--server", url, "--data", "d", "--", "true"]) == 1
+    assert "--data is for a server started for the run" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # the anthropic SDK's import alone takes seconds
