@@ -2,6 +2,7 @@
 
 from ._core import __version__  # the package version, Cargo's (the one version source)
 from .blobs import BlobTable, Handle
+from .capture import Capture, CaptureError, capture
 from .content import ContentStore, RetryPolicy, StringCache, content_key
 from .errors import (
     ChecksumMismatch,
@@ -45,6 +46,7 @@ from .rows import (
 from .s3_store import S3Store
 from .storage import RolloutGraph
 from .stores import DirectoryStore, MemoryStore
+from .timeline import Timeline
 from .training import TrainingSequence
 
 __all__ = [
@@ -52,6 +54,10 @@ __all__ = [
     "__version__",
     "MAX_DEPTH",
     "BlobTable",
+    "Capture",
+    "CaptureError",
+    "capture",
+    "Timeline",
     "ChecksumMismatch",
     "ContentStore",
     "CorruptObjectError",

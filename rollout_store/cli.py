@@ -226,6 +226,20 @@ def _info(args: argparse.Namespace) -> int:
             "tokens_received": figures["tokens_received"],
             "tokens_stored": figures["tokens_stored"],
         }
+        timelines = list(graph.timelines().values())
+        if timelines:
+            engine = [t.engine for t in timelines]
+            gaps = [t.gap_before for t in timelines if t.gap_before is not None]
+            document["timing_us"] = {
+                "calls": len(timelines),
+                "engine_p50": _percentile(engine, 0.5),
+                "engine_p99": _percentile(engine, 0.99),
+                "engine_total": sum(engine),
+                "tools_p50": _percentile(gaps, 0.5) if gaps else None,
+                "tools_p99": _percentile(gaps, 0.99) if gaps else None,
+                "tools_total": sum(gaps),
+                "failed_attempts": sum(t.failed_attempts for t in timelines),
+            }
         print(json.dumps(document, indent=2))
         return 0
     # sizes for a reader, each followed by its exact count of bytes
@@ -260,6 +274,9 @@ def _info(args: argparse.Namespace) -> int:
                 f"at token {first['offset']} ({where})",
             )
         )
+    timelines = list(graph.timelines().values())
+    if timelines:  # where the time went: the engine's, and the agent's between calls
+        lines += _timing_lines(timelines)
     meta = graph.meta
     if not meta.empty:
         lines += [
@@ -272,6 +289,44 @@ def _info(args: argparse.Namespace) -> int:
     for name, value in lines:
         print(f"{name:<{width}}  {value}")
     return 0
+
+
+def _percentile(values: list[int], q: float) -> int:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _ms(us: int) -> str:
+    return f"{us / 1000:.1f} ms"
+
+
+def _timing_lines(timelines: list[Any]) -> list[tuple[str, Any]]:
+    """`info`'s summary of the calls' timelines: engine time (request sent upstream to its
+    last byte) and the time between calls spent by the agent and its tools."""
+    engine = [t.engine for t in timelines]
+    gaps = [t.gap_before for t in timelines if t.gap_before is not None]
+    overhead = [t.reply_sent - t.engine for t in timelines]
+    lines: list[tuple[str, Any]] = [
+        ("timed calls", len(timelines)),
+        (
+            "engine time p50 / p99",
+            f"{_ms(_percentile(engine, 0.5))} / {_ms(_percentile(engine, 0.99))}",
+        ),
+        ("engine time total", _ms(sum(engine))),
+        ("server time p50 (not engine)", _ms(_percentile(overhead, 0.5))),
+    ]
+    if gaps:
+        lines += [
+            (
+                "tools time p50 / p99",
+                f"{_ms(_percentile(gaps, 0.5))} / {_ms(_percentile(gaps, 0.99))}",
+            ),
+            ("tools time total", _ms(sum(gaps))),
+        ]
+    failed = sum(t.failed_attempts for t in timelines)
+    if failed:
+        lines.append(("failed upstream attempts", failed))
+    return lines
 
 
 def _bytes(n: int) -> str:
@@ -507,6 +562,84 @@ _PROGRESS_HELP = (
 )
 
 
+def _run_command(args: argparse.Namespace) -> int:
+    from .capture import Capture, CaptureError
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise CommandError("run: name the command to run after --, e.g. -- python agent.py")
+    local = args.server is None
+    if not local and args.data is not None:
+        raise CommandError("run: --data is for a server started for the run (--upstream)")
+    started = Capture(
+        server=args.server,
+        upstream=args.upstream,
+        data=(args.data or "rollouts") if local else None,
+        labels=args.label,
+        group=args.group,
+        session_id=args.session_id,
+        admin_key=(args.admin_key or os.environ.get("ROLLOUT_STORE_ADMIN_KEY")) if local else None,
+    )
+    try:
+        started.start()
+    except (CaptureError, OSError) as exc:
+        raise CommandError(f"run: {exc}") from None
+    try:
+        code = _run_child(cmd, {**os.environ, **started.env()})
+    finally:
+        started.close()
+    _say_where(started, args)
+    return code
+
+
+def _run_child(cmd: list[str], env: dict[str, str]) -> int:
+    """Run `cmd`, forwarding SIGINT and SIGTERM to it; its exit status, as a shell gives it
+    (128 + N when signal N ended it; 127 when it cannot be started)."""
+    import signal
+    import subprocess
+
+    try:
+        child = subprocess.Popen(cmd, env=env)
+    except OSError as exc:
+        print(f"rollout-store run: {cmd[0]}: {exc.strerror or exc}", file=sys.stderr)
+        return 127
+
+    def forward(signum: int, frame: Any) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code
+
+
+def _say_where(run: Any, args: argparse.Namespace) -> None:
+    """Where the rollout is: the session, its file (or server) and how to export it."""
+    turns = "? turns"
+    with contextlib.suppress(RolloutStoreError):
+        turns = _plural(len(run.export().get("turns", [])), "turn")
+    if run.log_path is not None:
+        path = os.path.relpath(run.log_path)
+        lines = [
+            f"rollout-store run: session {run.session_id} ({turns}) in {path}",
+            f"  export: rollout-store export {path}",
+            f"  view:   rollout-store view {path}",
+        ]
+    else:
+        lines = [
+            f"rollout-store run: session {run.session_id} ({turns}) on {run.server_url}",
+            f"  export: curl -H 'Authorization: Bearer {run.api_key}' "
+            f"{run.server_url}/sessions/{run.session_id}/export",
+        ]
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
 def _progress_options(parser: argparse.ArgumentParser, default: Any) -> None:
     bar = parser.add_mutually_exclusive_group()
     bar.add_argument(
@@ -637,6 +770,39 @@ def _parser() -> argparse.ArgumentParser:
         "--port", type=int, default=8000, help="port to serve on (default 8000; 0: any free port)"
     )
     view.add_argument("--open", action="store_true", help="open the page in the default browser")
+    run = commands.add_parser(
+        "run",
+        help="record a command's model calls: run CMD with its SDKs pointed at a new session",
+        description="Run CMD with OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL and "
+        "ANTHROPIC_API_KEY set to a new capture session: on the server named (--server), or "
+        "on one started for the run (--upstream, logs in --data). Exits with CMD's status "
+        "(128 + N when signal N ended it) and says where the rollout is.",
+        usage="rollout-store run [--server URL | --upstream URL [--data DIR]] [--label L]... "
+        "[--group G] [--admin-key K] -- CMD [ARGS...]",
+    )
+    where = run.add_mutually_exclusive_group(required=True)
+    where.add_argument("--server", default=None, help="URL of a running capture server")
+    where.add_argument(
+        "--upstream", default=None, help="the engine's URL, for a server started for the run"
+    )
+    run.add_argument(
+        "--data",
+        default=None,
+        help="with --upstream: the directory of session logs (default: ./rollouts)",
+    )
+    run.add_argument(
+        "--label", action="append", default=[], metavar="L", help="a label (repeatable)"
+    )
+    run.add_argument("--group", default=None, help="the group id (a GRPO group, say)")
+    run.add_argument("--session-id", default=None, help="the session's id (default: minted)")
+    run.add_argument(
+        "--admin-key",
+        default=None,
+        help="with --upstream: the started server's admin key (default: "
+        "$ROLLOUT_STORE_ADMIN_KEY, else a random one)",
+    )
+    run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
+    run.set_defaults(run=_run_command)
     # the capture server parses its own options (it needs the server extra installed)
     serve = commands.add_parser(
         "serve", help="record agent traffic: see `serve --help`", add_help=False

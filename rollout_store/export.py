@@ -3,7 +3,8 @@
 `export_session` builds the document a trainer reads, in the capture graph's own layout:
 
     session_id, metadata, budget_stop_count
-    turns        every turn in arrival order, discarded retries flagged
+    turns        every turn in arrival order, discarded retries flagged; a turn the capture
+                 server timed also has `timeline` (`Timeline.document`)
     stats        graph shape (n_turns, n_roots, n_leaves, n_forks, n_discarded) and
                  n_sequences, n_trainable_sequences, n_trainable_tokens
     sequences    one row per root-to-leaf path, labelled agent / auxiliary / discarded,
@@ -31,7 +32,7 @@ a classifier), never trained on. When no path was sent tools, every live path is
 dropped is *discarded*. Each turn's `n_tools` (the number of tools sent, counted by the graph
 unless the caller gave it) decides.
 
-A graph without metadata or drift gives the document of the capture graph, key for key.
+A graph without metadata, drift or timelines gives the document of the capture graph, key for key.
 
 `write_session_json` writes the same bytes as `json.dumps(export_session(...))`, holding one
 turn's or one sequence's values at a time.
@@ -222,6 +223,7 @@ def _turn_record(
     discarded: bool,
     include_messages: bool,
     stream: bool,
+    timelines: dict[str, Any],
 ) -> dict[str, Any]:
     node = graph.get(node_id)  # a view: each field below is rebuilt as it is read
     info = graph.summary(node_id)
@@ -247,6 +249,8 @@ def _turn_record(
         )
         record["request_tools"] = node.request_tools
         record["response_message"] = node.response_message
+    if node_id in timelines:
+        record["timeline"] = timelines[node_id].document()
     return record
 
 
@@ -296,8 +300,9 @@ def _parts(
         "budget_stop_count": session.budget_stop_count,
     }
     roots = _root_ids(graph)
+    timelines = graph.timelines()
     turns = (
-        _turn_record(graph, nid, roots[nid], nid in discarded, include_messages, stream)
+        _turn_record(graph, nid, roots[nid], nid in discarded, include_messages, stream, timelines)
         for nid in graph.node_ids()
     )
     trainable = bool(trainable_rows) and rollout.ok
@@ -390,7 +395,8 @@ def iter_turn_records(graph: Graph) -> Iterator[dict[str, Any]]:
 
     `discarded` says whether the turn is a retry that was dropped (see `discarded_ids`). A
     turn the drift audit recorded also has `drift` (its entry of `Graph.drift()`, without
-    `node_id`), and a turn given a reward of its own (`set_reward(value, leaf=...)`) `reward`.
+    `node_id`), a turn given a reward of its own (`set_reward(value, leaf=...)`) `reward`,
+    and a turn with a timeline (`Graph.set_timeline`) `timeline`.
     A generator: turns added while it runs may re-link turns not yet yielded. For one
     consistent snapshot under concurrent recording use `write_trace_jsonl`, which holds the
     graph's lock throughout.
@@ -398,6 +404,7 @@ def iter_turn_records(graph: Graph) -> Iterator[dict[str, Any]]:
     discarded = set(graph.discarded_ids())
     drift = {entry.pop("node_id"): entry for entry in graph.drift()}
     rewards = graph.rewards
+    timelines = graph.timelines()
     for node_id in graph.node_ids():
         turn = graph.get(node_id)
         record: dict[str, Any] = {
@@ -421,6 +428,8 @@ def iter_turn_records(graph: Graph) -> Iterator[dict[str, Any]]:
             record["drift"] = drift[node_id]
         if node_id in rewards:
             record["reward"] = rewards[node_id]
+        if node_id in timelines:
+            record["timeline"] = timelines[node_id].document()
         yield record
 
 

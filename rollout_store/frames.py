@@ -29,6 +29,7 @@ __all__ = [
     "KIND_BLOB_REF",
     "KIND_DRIFT",
     "KIND_META",
+    "KIND_TIMELINE",
     "KIND_END",
     "KIND_HEADER",
     "KIND_NAMES",
@@ -64,6 +65,7 @@ class RecordKind(IntEnum):
     BLOB_REF = 5  # a blob kept in a content store: its digest, store key, size (version 2)
     META = 6  # the graph's labels, annotations, rewards and group (version 2; the last wins)
     DRIFT = 7  # the drift audit of the turn record just before it (version 2)
+    TIMELINE = 8  # one turn's call timeline: [turn number, 40 bytes] (version 2; the last wins)
 
 
 (
@@ -75,6 +77,7 @@ class RecordKind(IntEnum):
     KIND_BLOB_REF,
     KIND_META,
     KIND_DRIFT,
+    KIND_TIMELINE,
 ) = RecordKind
 KIND_NAMES = {kind.value: kind.name.lower() for kind in RecordKind}
 MODE_LOG, MODE_SNAPSHOT = "log", "snapshot"

@@ -53,6 +53,7 @@ from .stored import (
     add_child,
     is_above,
 )
+from .timeline import Timeline, TimelineTable
 from .tokens import TokenRun, run_list
 from .training import TrainingSequence
 from .turn_records import TurnRecords, tail_bytes
@@ -169,6 +170,9 @@ class Journal(Protocol):
     def write_meta(self, meta: GraphMeta) -> None:
         """Record the graph's new metadata (raising keeps the old, as `append` does)."""
 
+    def write_timeline(self, index: int, packed: bytes) -> None:
+        """Record the timeline of the turn at `index` (raising keeps the old one)."""
+
     def close(self) -> None: ...
 
 
@@ -231,6 +235,7 @@ class Graph:
         self.load_report: Any = None
         self._meta = GraphMeta()  # labels, annotations, rewards, group (see `metadata`)
         self._drift: dict[int, Drift] = {}  # the drift audit, by turn index (see `drift`)
+        self._timelines: TimelineTable | None = None  # call timings (see `set_timeline`)
 
     @property
     def lock(self) -> threading.RLock:
@@ -1211,6 +1216,65 @@ class Graph:
                 journal.write_meta(meta)
             self._meta = meta
 
+    def set_timeline(self, node_id: str, timeline: Timeline) -> None:
+        """Record when `node_id`'s call was received, sent upstream, answered and replied to
+        (see `timeline.Timeline`); a timeline set again replaces the one before. An appending
+        graph writes it to its file as a `timeline` record."""
+        if not isinstance(timeline, Timeline):
+            raise InvalidArgumentError(
+                f"set_timeline expects a Timeline, got {type(timeline).__name__}"
+            )
+        with self._lock:
+            if self._closed:
+                raise RolloutStoreError("the graph's file is closed: reopen it to change it")
+            turn = self._find(node_id)
+            if turn is None:
+                raise UnknownNodeError(f"no turn {node_id!r} in the graph to time")
+            packed = timeline.pack()
+            if self._journal is not None:
+                self._journal.write_timeline(turn.index, packed)
+            self._restore_timeline(turn.index, packed)
+
+    def _restore_timeline(self, index: int, packed: bytes) -> None:
+        if self._timelines is None:
+            self._timelines = TimelineTable()
+        self._timelines.set(index, packed)
+
+    def timeline(self, node_id: str) -> Timeline | None:
+        """The timeline of `node_id`'s call, or None if it has none."""
+        with self._lock:
+            turn = self._find(node_id)
+            if turn is None:
+                raise UnknownNodeError(f"no turn {node_id!r} in the graph")
+            return None if self._timelines is None else self._timelines.get(turn.index)
+
+    def timelines(self) -> dict[str, Timeline]:
+        """Every timeline held, by node id, in arrival order."""
+        with self._lock:
+            table = self._timelines
+            if table is None:
+                return {}
+            out: dict[str, Timeline] = {}
+            for index in table.indexes():
+                if index < len(self._turns):
+                    found = table.get(index)
+                    if found is not None:
+                        out[self._turns[index].node_id] = found
+            return out
+
+    def timeline_records(self) -> list[tuple[int, bytes]]:
+        """(turn index, packed timeline) of every turn that has one (for `save`)."""
+        with self._lock:
+            table = self._timelines
+            if table is None:
+                return []
+            out = []
+            for index in table.indexes():
+                packed = table.packed(index)
+                if packed is not None and index < len(self._turns):
+                    out.append((index, packed))
+            return out
+
     @_locked
     def drift(self) -> list[dict[str, Any]]:
         """The drift audit: each root whose request messages continue a stored turn but
@@ -1280,6 +1344,10 @@ class GraphRestorer:
     def add_drift(self, drift: Drift) -> None:
         """A drift audit record read back (its turn is restored)."""
         self._graph._drift[drift.turn] = drift
+
+    def set_timeline(self, index: int, packed: bytes) -> None:
+        """A timeline record read back (its turn is restored)."""
+        self._graph._restore_timeline(index, packed)
 
     def new_turn(self) -> Turn:
         """A fresh turn for the reader to build (over an out-of-process store, one whose

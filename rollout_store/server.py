@@ -36,6 +36,11 @@ of the body, and the upstream gets the body's own bytes with the capture keys ad
 msgspec cannot read exactly as json.loads would is decoded by json.loads instead, so every
 body is accepted, refused and recorded as json.loads reads it.
 
+Each call is stamped as it passes (`timeline.CallClock`: received, sent upstream, the
+upstream's first and last byte, each stream chunk sent) and its turn gets the `Timeline`
+once the reply has been sent (a background task of the response): the upstream answers
+unstreamed, so its first token is its first byte.
+
 A turn is acknowledged (the client gets its answer) only after the graph accepted it, and,
 with a data directory and `fsync="turn"`, after it is on disk. Bad requests get a 4xx with a
 one-line reason and record nothing; upstream errors pass through with their status and are
@@ -68,6 +73,7 @@ import aiohttp
 import anyio.to_thread
 import msgspec
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import (
     JSONResponse,
@@ -105,6 +111,7 @@ from .rows import iter_token_samples, iter_tree_samples
 from .sessions import Session, SessionDamagedError, SessionError, Sessions, clean_session_id
 from .sse import SSE_HEADERS, anthropic_events, chat_chunks, sse_data, sse_event
 from .stores import STORE_HELP, MemoryStore, open_store, store_spec
+from .timeline import CallClock, failed_after
 from .viewer import Viewer, favicon
 
 __all__ = [
@@ -700,8 +707,17 @@ def _recorder(
     return make_turn, replay
 
 
-async def _events(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
+async def _events(
+    chunks: Iterator[bytes] | AsyncIterator[bytes], clock: CallClock
+) -> AsyncIterator[bytes]:
+    """The chunks of a streamed answer, each stamped on `clock` as it goes out."""
+    if isinstance(chunks, AsyncIterator):
+        async for chunk in chunks:
+            clock.chunk()
+            yield chunk
+        return
     for chunk in chunks:
+        clock.chunk()
         yield chunk
 
 
@@ -746,10 +762,20 @@ class _Server:
             )
         return self._client
 
-    async def _get(self, method: str, path: str, **kwargs: Any) -> tuple[int, Any, bytes]:
-        """One call to the upstream: status, headers and the whole body."""
+    async def _get(
+        self, method: str, path: str, clock: CallClock | None = None, **kwargs: Any
+    ) -> tuple[int, Any, bytes]:
+        """One call to the upstream: status, headers and the whole body (stamped on
+        `clock`: sent, first byte, last byte)."""
+        if clock is not None:
+            clock.upstream_sent = clock.now()
         async with self.client.request(method, self.upstream + path, **kwargs) as answer:
-            return answer.status, answer.headers, await answer.read()
+            if clock is not None:
+                clock.first_byte = clock.now()
+            body = await answer.read()
+            if clock is not None:
+                clock.last_byte = clock.now()
+            return answer.status, answer.headers, body
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -788,13 +814,13 @@ class _Server:
         return b"".join(parts)
 
     async def _forward(
-        self, path: str, content: bytes, headers: dict[str, str]
+        self, path: str, content: bytes, headers: dict[str, str], clock: CallClock | None = None
     ) -> tuple[dict[str, Any], bytes]:
         """The upstream's answer to one call, decoded and as its bytes (or _Refusal or
         _Passthrough)."""
         try:
             status, answer_headers, answer = await self._get(
-                "POST", path, data=content, headers=headers
+                "POST", path, clock, data=content, headers=headers
             )
         except TimeoutError:
             raise _Refusal(
@@ -840,18 +866,19 @@ class _Server:
             raise _Refusal(409, f"the session cannot record: {session.damaged}")
         return session
 
-    async def _record(self, session: Session, node: TurnNode) -> None:
+    async def _record(self, session: Session, node: TurnNode) -> str:
+        """Add the turn to the session's graph; its node id."""
         try:
             with session.use() as graph:
                 # in the loop only if no other thread holds the graph: an export that holds
                 # it may be waiting for this loop to take what it wrote
                 if self.inline and graph.lock.acquire(blocking=False):
                     try:
-                        graph.add_turn(node)
+                        view = graph.add_turn(node)
                     finally:
                         graph.lock.release()
                 else:
-                    await anyio.to_thread.run_sync(graph.add_turn, node)
+                    view = await anyio.to_thread.run_sync(graph.add_turn, node)
         except InvalidValueError as exc:
             session.rejected += 1
             if exc.path.split(".")[0].split("[")[0] in (
@@ -867,6 +894,33 @@ class _Server:
             raise _Refusal(409, f"the session cannot record: {exc}") from None
         session.recorded += 1
         session.last_turn_at = time.time()
+        return str(view.node_id)
+
+    async def _timed(self, session: Session, clock: CallClock) -> None:
+        """Record a call's timeline once its reply is sent (a background task of the
+        response): best effort, the turn itself is recorded already."""
+        reply_sent = clock.now()
+        node_id = clock.node_id
+        if node_id is None:
+            return
+
+        def apply(graph: Any) -> None:
+            gap = None
+            parent = graph.parent(node_id)
+            found = graph.timeline(parent) if parent is not None else None
+            if found is not None:
+                gap = clock.received - (found.received + found.reply_sent)
+                gap = gap if gap >= 0 else None
+            graph.set_timeline(node_id, clock.timeline(reply_sent, gap))
+
+        with contextlib.suppress(RolloutStoreError, OSError), session.use() as graph:
+            if self.inline and graph.lock.acquire(blocking=False):
+                try:
+                    apply(graph)
+                finally:
+                    graph.lock.release()
+            else:
+                await anyio.to_thread.run_sync(apply, graph)
 
     async def _call(
         self,
@@ -875,15 +929,24 @@ class _Server:
         content: bytes,
         headers: dict[str, str],
         make_turn: Callable[[dict[str, Any]], TurnNode],
+        clock: CallClock,
     ) -> tuple[dict[str, Any], bytes]:
         """Forward one call, record its turn; the complete response, decoded and as the
-        upstream's bytes (or _Refusal/_Passthrough)."""
+        upstream's bytes (or _Refusal/_Passthrough). A failed attempt is counted for the
+        session's next turn's timeline."""
         try:
-            response, answer = await self._forward(path, content, headers)
-        except _Passthrough:
+            response, answer = await self._forward(path, content, headers, clock)
+        except _Passthrough as passed:
             session.upstream_errors += 1
+            session.failed = failed_after(session.failed, passed.response.status_code)
             raise
-        await self._record(session, make_turn(response))
+        except _Refusal as refused:
+            if refused.status in (502, 504):  # the upstream unreachable or too slow
+                session.failed = failed_after(session.failed, refused.status)
+            raise
+        failed = session.failed
+        clock.node_id = await self._record(session, make_turn(response))
+        clock.failed, session.failed = failed, 0
         return response, answer
 
     async def _answer(
@@ -893,6 +956,23 @@ class _Server:
         stream: bool,
         reply: Callable[[dict[str, Any], bytes], Response],
         events: Callable[[dict[str, Any]], Iterator[bytes]],
+        session: Session,
+        clock: CallClock,
+    ) -> Response:
+        """The answer to a call, its timeline recorded once it is sent (see `_answered`)."""
+        answer = await self._answered(call, anthropic, stream, reply, events, clock)
+        if clock.node_id is not None or stream:
+            answer.background = BackgroundTask(self._timed, session, clock)
+        return answer
+
+    async def _answered(
+        self,
+        call: Any,
+        anthropic: bool,
+        stream: bool,
+        reply: Callable[[dict[str, Any], bytes], Response],
+        events: Callable[[dict[str, Any]], Iterator[bytes]],
+        clock: CallClock,
     ) -> Response:
         """Wait for the call; a streaming client that waits long gets keep-alive comments.
 
@@ -922,10 +1002,12 @@ class _Server:
             except (_Refusal, _Passthrough) as failed:
                 return _failure(anthropic, failed)
             return StreamingResponse(
-                _events(events(response)), media_type="text/event-stream", headers=SSE_HEADERS
+                _events(events(response), clock),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
             )
         return StreamingResponse(
-            self._kept_alive(task, anthropic, events),
+            _events(self._kept_alive(task, anthropic, events), clock),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
@@ -981,6 +1063,7 @@ class _Server:
             return Response(status_code=400)  # not sent: the client is gone
 
     async def chat(self, request: Request) -> Response:
+        clock = CallClock()
         accepted = await self._accept(request, _check_chat, anthropic=False)
         if isinstance(accepted, Response):
             return accepted
@@ -1019,11 +1102,15 @@ class _Server:
             upstream_body(raw, body, extra),
             self._upstream_headers(request, anthropic=False),
             make_turn,
+            clock,
         )
         del accepted, raw  # while the upstream answers: its body and the raw fields, no third copy
-        return await self._answer(call, False, stream, reply, lambda _: iter(replay))
+        return await self._answer(
+            call, False, stream, reply, lambda _: iter(replay), session, clock
+        )
 
     async def messages(self, request: Request) -> Response:
+        clock = CallClock()
         accepted = await self._accept(request, _check_anthropic, anthropic=True)
         if isinstance(accepted, Response):
             return accepted
@@ -1040,9 +1127,12 @@ class _Server:
             upstream_body(raw, body, {"stream": False}),
             self._upstream_headers(request, anthropic=True),
             make_turn,
+            clock,
         )
         del accepted, raw  # (as in `chat`)
-        return await self._answer(call, True, stream, _json_bytes, lambda _: iter(replay))
+        return await self._answer(
+            call, True, stream, _json_bytes, lambda _: iter(replay), session, clock
+        )
 
     async def models(self, request: Request) -> Response:
         try:

@@ -118,6 +118,8 @@ class Session:
     last_turn_at: float | None = None
     last_used: float = field(default_factory=time.time)
     upstream_errors: int = 0
+    #: Failed upstream attempts since its last turn (`timeline.failed_after`), for that turn.
+    failed: int = 0
     recorded: int = 0
     rejected: int = 0
     users: int = 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ from .frames import (
     KIND_HEADER,
     KIND_META,
     KIND_NAMES,
+    KIND_TIMELINE,
     KIND_TURN,
     KIND_VALUE,
     MAGIC,
@@ -96,6 +98,7 @@ from .stored import (
     full_run,
     is_above,
 )
+from .timeline import TIMELINE_SIZE, Timeline
 from .tokens import ArrayRun, PackedFull, TokenRun, packable, run_list
 
 __all__ = [
@@ -203,6 +206,8 @@ _REKEY = "rekey"
 #: The version this library writes; it reads 1 and 2.
 FORMAT_VERSION = 2
 _V1 = 1
+#: Timelines a log writes in one record (`_AppendLog.write_timeline`).
+TIMELINE_BATCH = 16
 _MAGICS = {MAGIC: _V1, framing.MAGIC_V2: FORMAT_VERSION}
 _DIGEST_KINDS = frozenset({KIND_BLOB})
 #: Turn records shorter than this are decoded without a first walk (what a crafted one can
@@ -544,6 +549,11 @@ def save(graph: Graph, path: str | os.PathLike[str], *, blobs: str = "inline") -
         entries = graph.journal_entries()
         writer.write_snapshot(graph.blobs, entries, out)
         references = list(graph.blobs.mark()[1:])
+        timelines = graph.timeline_records()
+        if timelines:  # one record holds them all
+            chain = [writer.chain]
+            out.add([writer.frame(KIND_TIMELINE, timeline_payload(timelines), chain)])
+            writer.chain = chain[0]
         if not graph.meta.empty:
             chain = [writer.chain]
             out.add([writer.frame(KIND_META, pack(graph.meta.to_record()), chain)])
@@ -1247,7 +1257,7 @@ def _frames_v2(
     stretch goes to `on_gap` first, unless it was one frame whose header alone was hit: that
     frame is rebuilt and read); `on_gap` returns False to stop there."""
     reader = framing.FrameReader(
-        data, len(framing.MAGIC_V2), digest_kinds=_DIGEST_KINDS, max_kind=KIND_DRIFT
+        data, len(framing.MAGIC_V2), digest_kinds=_DIGEST_KINDS, max_kind=KIND_TIMELINE
     )
     while True:
         try:
@@ -1267,7 +1277,7 @@ def _frames_v2(
             reader.chain,
             reader.records,
             digest_kinds=_DIGEST_KINDS,
-            max_kind=KIND_DRIFT,
+            max_kind=KIND_TIMELINE,
         )
         report.damaged.append((gap.start, gap.end))
         records = reader.records
@@ -1280,7 +1290,9 @@ def _frames_v2(
         else:
             records += len(gap.kinds) if gap.kinds is not None else 1
         chain = framing.HEADER.unpack_from(data, resync)[3]
-        reader = framing.FrameReader(data, resync, digest_kinds=_DIGEST_KINDS, max_kind=KIND_DRIFT)
+        reader = framing.FrameReader(
+            data, resync, digest_kinds=_DIGEST_KINDS, max_kind=KIND_TIMELINE
+        )
         reader.chain, reader.records = chain, records
 
 
@@ -1420,6 +1432,14 @@ class _Records:
                 body, contains, partial(check_packed, n_blobs=0, max_depth=MAX_DEPTH)
             )
             loader.restore.set_metadata(meta)
+        elif kind == KIND_TIMELINE:
+            if self.pending or self.version == _V1:
+                raise ValueError("a timeline record out of place (between a turn's records)")
+            timelines = _timeline_record(body, self.report.turns)
+            if loader.turn_map is not None or loader.frozen is not None:
+                return  # past damage turns keep their places, not their indexes (as drift)
+            for index, packed in timelines:
+                loader.restore.set_timeline(index, packed)
         elif kind == KIND_END:
             self.ended = True
             if self.resync and (loader.lossy or self.pending):
@@ -1546,6 +1566,39 @@ def _scan(
         if progress is not None:
             progress(end)
     return records.finish(), report
+
+
+def timeline_payload(timelines: list[tuple[int, bytes]]) -> bytes:
+    """A `timeline` record: [turn numbers (u32 LE each), their packed timelines]."""
+    numbers = array("I", (index for index, _ in timelines))
+    if sys.byteorder != "little":
+        numbers.byteswap()
+    return pack([numbers.tobytes(), b"".join(packed for _, packed in timelines)])
+
+
+def _timeline_record(body: Any, turns: int) -> list[tuple[int, bytes]]:
+    """The (turn number, packed timeline) pairs of a `timeline` record (ValueError if it is
+    not one, or names a turn not before it)."""
+    if not (
+        isinstance(body, list)
+        and len(body) == 2
+        and isinstance(body[0], bytes)
+        and isinstance(body[1], bytes)
+        and len(body[0]) % 4 == 0
+        and len(body[1]) == len(body[0]) // 4 * TIMELINE_SIZE
+    ):
+        raise ValueError("a timeline record is not [turn numbers, packed timelines]")
+    numbers = array("I", body[0])
+    if sys.byteorder != "little":
+        numbers.byteswap()
+    out = []
+    for i, index in enumerate(numbers):
+        if index >= turns:
+            raise ValueError(f"a timeline record names turn {index}, not one before it")
+        packed = body[1][i * TIMELINE_SIZE : (i + 1) * TIMELINE_SIZE]
+        Timeline.unpack(packed)  # raises InvalidValueError (a ValueError) on a bad one
+        out.append((index, packed))
+    return out
 
 
 def _check_end(body: Any, pending: list[Any], report: LoadReport) -> None:
@@ -1767,6 +1820,7 @@ class _AppendLog:
         self.writer = writer
         self.fsync_every = fsync_every
         self.unsynced = 0
+        self.timelines: list[tuple[int, bytes]] = []  # not yet written (`write_timeline`)
 
     @property
     def path(self) -> str | None:
@@ -1777,8 +1831,9 @@ class _AppendLog:
         self._write(frames)
         commit()
 
-    def _write(self, frames: list[bytes]) -> None:
-        """Write `frames` with one call (fsync by policy), or leave the file as it was."""
+    def _write(self, frames: list[bytes], sync: bool = True) -> None:
+        """Write `frames` with one call (fsync by policy, or left to the next synced write
+        and `close` if not `sync`), or leave the file as it was."""
         fd = self.fp.fileno()
         size = os.lseek(fd, 0, os.SEEK_END)
         try:
@@ -1788,7 +1843,7 @@ class _AppendLog:
                 written = os.write(fd, view)
                 view = view[written:]
             self.unsynced += 1
-            if self.fsync_every and self.unsynced >= self.fsync_every:
+            if sync and self.fsync_every and self.unsynced >= self.fsync_every:
                 os.fsync(fd)
                 self.unsynced = 0
         except BaseException as exc:
@@ -1809,10 +1864,33 @@ class _AppendLog:
         self._write([self.writer.frame(KIND_META, pack(meta.to_record()), chain)])
         self.writer.chain = chain[0]
 
+    def write_timeline(self, index: int, packed: bytes) -> None:
+        """Timelines are written in batches of `TIMELINE_BATCH` (and when the log closes):
+        a record's 26-byte frame header is shared by the batch."""
+        if self.writer.version == _V1:
+            raise InvalidArgumentError(
+                "a version-1 log holds no timelines: save the graph (version 2) and open the copy"
+            )
+        self.timelines.append((index, packed))
+        if len(self.timelines) >= TIMELINE_BATCH:
+            self._write_timelines()
+
+    def _write_timelines(self) -> None:
+        chain = [self.writer.chain]
+        frame = self.writer.frame(KIND_TIMELINE, timeline_payload(self.timelines), chain)
+        self._write([frame], sync=False)
+        self.writer.chain = chain[0]
+        self.timelines = []
+
     def close(self) -> None:
         self._path = None
         if self.fp.closed:
             return
+        try:
+            if self.timelines:
+                self._write_timelines()
+        except OSError:  # a FileWriteError: the turns are written, only their last timings
+            pass  # are lost are written; only their last timings are lost
         try:
             if self.unsynced:
                 os.fsync(self.fp.fileno())

@@ -8,8 +8,8 @@ the library free of a web framework dependency and lets one object answer in eve
 
 The page is static HTML, JavaScript and CSS shipped in the package (no CDN, no network):
 it fetches small JSON documents (`/api/figures`, `/api/rows`, `/api/turn`, `/api/messages`,
-`/api/export-size`) for only the rows and the turn on screen, and builds its DOM with
-`textContent`, so message content is never parsed as HTML. A Content-Security-Policy allows
+`/api/export-size`, `/api/timeline`) for only the rows and the turn on screen, and builds its
+DOM with `textContent`, so message content is never parsed as HTML. A Content-Security-Policy allows
 scripts, styles and connections to this origin only, and images from this origin or `data:`.
 The page uses relative URLs, so it works mounted under any prefix (`asgi_app` for ASGI).
 """
@@ -37,6 +37,8 @@ __all__ = ["Response", "Viewer", "asgi_app", "favicon", "request_handler", "serv
 MAX_ROWS = 500
 #: Messages per `/api/turn` or `/api/messages` answer, at most.
 MAX_MESSAGES = 100
+#: Timed calls drawn in the timeline lanes, at most.
+MAX_TIMED = 5000
 #: Characters of the response shown next to a row in the tree.
 PREVIEW_CHARS = 80
 #: Ints beyond this magnitude are sent as text (JavaScript numbers would round them).
@@ -271,7 +273,45 @@ class Viewer:
             sessions=self._sessions(),
         )
         figures["drift"] = len(self.graph.drift())
+        figures["timed"] = len(self.graph.timelines())
         return _json(200, figures)
+
+    def _timeline(self) -> Response:
+        """Where the time went, a lane per harness session (turns without one share a
+        lane): each timed call's span from its request received to its reply sent, the
+        engine's part of it, and the wait before it since the call it continues (the
+        agent's and its tools' time). Milliseconds from the first call received."""
+        graph = self.graph
+        timed = graph.timelines()
+        if not timed:
+            return _json(200, {"lanes": [], "span_ms": 0, "calls": 0})
+        first = min(t.received for t in timed.values())
+        lanes: dict[Any, list[dict[str, Any]]] = {}
+        end = 0
+        for node_id, t in itertools.islice(timed.items(), MAX_TIMED):
+            start = t.received - first
+            end = max(end, start + t.reply_sent)
+            session = graph.summary(node_id)["harness_session_id"]
+            lanes.setdefault(session, []).append(
+                {
+                    "id": node_id,
+                    "start_ms": start / 1000,
+                    "engine_from_ms": (start + t.upstream_sent) / 1000,
+                    "engine_to_ms": (start + t.last_byte) / 1000,
+                    "end_ms": (start + t.reply_sent) / 1000,
+                    "tools_ms": None if t.gap_before is None else t.gap_before / 1000,
+                    "failed": t.failed_attempts,
+                    "chunks": t.chunks,
+                }
+            )
+        return _json(
+            200,
+            {
+                "lanes": [{"session": k, "calls": v} for k, v in lanes.items()],
+                "span_ms": end / 1000,
+                "calls": len(timed),
+            },
+        )
 
     def _rows_page(self, query: dict[str, list[str]]) -> Response:
         offset = _int(query, "offset", 0)
@@ -303,6 +343,7 @@ class Viewer:
         sequence = graph.sequence_for(node_id)
         mask = sequence.loss_mask
         _, discarded = self._tree()
+        timeline = graph.timeline(node_id)
         return _json(
             200,
             {
@@ -311,6 +352,7 @@ class Viewer:
                 "children": graph.child_ids(node_id),
                 "discarded": node_id in discarded,
                 "drift": next((d for d in graph.drift() if d["node_id"] == node_id), None),
+                "timeline": None if timeline is None else timeline.document(),
                 "sampling_params": graph.sampling_params(node_id),
                 "tools": graph.request_tools(node_id),
                 "response": graph.response_message(node_id),
@@ -362,6 +404,8 @@ class Viewer:
                 return self._messages(params)
             if path == "/api/export-size":
                 return self._export_bytes()
+            if path == "/api/timeline":
+                return self._timeline()
         except _BadQuery as exc:
             return _error(400, str(exc))
         except LookupError as exc:  # a node id the graph does not hold

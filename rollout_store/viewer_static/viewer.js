@@ -484,6 +484,15 @@ async function selectTurn(id, options) {
     ["session", s.harness_session_id],
   ];
   if (s.n_prompt || s.n_sampled) meta.push(["prompt tokens", s.n_prompt], ["sampled tokens", s.n_sampled]);
+  if (t.timeline) {
+    const tl = t.timeline;
+    meta.push(
+      ["engine", tl.engine_ms.toFixed(1) + " ms (first byte after " + (tl.first_byte_ms - tl.upstream_sent_ms).toFixed(1) + " ms)"],
+      ["reply sent after", tl.reply_sent_ms.toFixed(1) + " ms" + (tl.chunks ? " (" + tl.chunks + " chunks, largest gap " + tl.max_chunk_gap_ms.toFixed(1) + " ms)" : "")],
+      ["agent and tools before", tl.gap_before_ms === null ? "-" : tl.gap_before_ms.toFixed(1) + " ms"],
+    );
+    if (tl.failed_attempts) meta.push(["failed attempts before", tl.failed_attempts + " (last: HTTP " + tl.last_failed_status + ")"]);
+  }
   meta.push(["request messages", t.n_messages + " (" + n_new + " new in this turn)"], ["tools", s.n_tools]);
   nodes.push(metaTable(meta));
 
@@ -600,6 +609,52 @@ function scrollToRow(index) {
   }
 }
 
+// ---------------------------------------------------------------- timeline
+
+// A lane per harness session: each call from its request received to its reply sent (the
+// engine's part darker), the wait before it (the agent's and its tools' time) lighter.
+async function drawTimeline() {
+  const t = await getJSON("api/timeline");
+  const section = document.getElementById("timeline");
+  if (!t.calls) return;
+  const span = Math.max(t.span_ms, 0.001);
+  const pct = (ms) => (100 * ms / span).toFixed(3) + "%";
+  let engine = 0, tools = 0;
+  const lanes = t.lanes.map((lane) => {
+    const row = el("div", "lane");
+    row.append(el("span", "lane-name", lane.session === null ? "calls" : String(lane.session)));
+    const bar = el("div", "lane-bar");
+    for (const c of lane.calls) {
+      engine += c.engine_to_ms - c.engine_from_ms;
+      if (c.tools_ms !== null) {
+        tools += c.tools_ms;
+        const gap = el("span", "seg tools");
+        gap.style.left = pct(c.start_ms - c.tools_ms);
+        gap.style.width = pct(c.tools_ms);
+        gap.title = "agent and tools before " + c.id + ": " + c.tools_ms.toFixed(1) + " ms";
+        bar.append(gap);
+      }
+      const call = el("span", "seg call" + (c.failed ? " retried" : ""));
+      call.style.left = pct(c.start_ms);
+      call.style.width = pct(c.end_ms - c.start_ms);
+      const inner = el("span", "seg engine");
+      const width = Math.max(c.end_ms - c.start_ms, 0.001);
+      inner.style.left = (100 * (c.engine_from_ms - c.start_ms) / width).toFixed(3) + "%";
+      inner.style.width = (100 * (c.engine_to_ms - c.engine_from_ms) / width).toFixed(3) + "%";
+      call.append(inner);
+      call.title = c.id + ": " + (c.end_ms - c.start_ms).toFixed(1) + " ms, engine " + (c.engine_to_ms - c.engine_from_ms).toFixed(1) + " ms" + (c.chunks ? ", " + c.chunks + " chunks" : "") + (c.failed ? ", " + c.failed + " failed attempts before" : "");
+      call.dataset.id = c.id;
+      call.addEventListener("click", () => selectTurn(c.id));
+      bar.append(call);
+    }
+    row.append(bar);
+    return row;
+  });
+  const head = el("div", "lane-head", plural(t.calls, "timed call") + " over " + (span / 1000).toFixed(2) + " s: engine " + (engine / 1000).toFixed(2) + " s, agent and tools " + (tools / 1000).toFixed(2) + " s");
+  section.replaceChildren(head, ...lanes);
+  section.hidden = false;
+}
+
 // ---------------------------------------------------------------- start
 
 async function start() {
@@ -618,6 +673,7 @@ async function start() {
   window.addEventListener("resize", () => drawTree());
   window.addEventListener("hashchange", () => followHash(figures));
   await drawTree();
+  if (figures.timed) await drawTimeline();
   if (!(await followHash(figures)) && totalRows > 0) {
     const rows = await loadPage(0);
     await selectTurn(rows[0].id, { keepHash: true });

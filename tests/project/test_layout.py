@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "loopback",
             "hosts",
             "drift",
+            "timeline",
         },
     ),
     ("values and blobs", {"content", "blobs", "shared_blobs", "values"}),
@@ -45,7 +46,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("files", {"atomic", "packed", "frames", "framing", "key_check", "storage"}),
     ("stores", {"stores", "redis_store", "s3_store"}),
     ("viewer", {"viewer"}),
-    ("server", {"sse", "sessions", "server", "stub_engine", "idle_trim"}),
+    ("server", {"sse", "sessions", "server", "stub_engine", "idle_trim", "capture"}),
     ("command line and package", {"cli", "__main__", "__init__"}),
 ]
 

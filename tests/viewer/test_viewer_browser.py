@@ -273,3 +273,40 @@ def test_drift_shows_as_a_badge_and_a_figure(browser: Any) -> None:
         _select(browser, "d2")
         heading = browser.find_element("css selector", "#turn h2 .badge.drift")
         assert heading.text == "drift @5" and "continues d1" in heading.get_attribute("title")
+
+
+def test_timeline_lanes_show_engine_and_tool_time(browser: Any) -> None:
+    from rollout_store import Timeline
+
+    graph = RolloutGraph()
+    base = 1_750_000_000_000_000
+    for k, session in enumerate(["agent-a", "agent-b", "agent-a"]):
+        node = graph.add_turn(
+            TurnNode(
+                request_messages=[{"role": "user", "content": f"q{k}"}],
+                harness_session_id=session,
+                node_id=f"t{k}",
+            )
+        )
+        timeline = Timeline(base + k * 400_000, 100, 150_000, 150_000, 200_000, 210_000)
+        if k == 2:  # continues nothing here, but the wait before it is given
+            timeline = Timeline(
+                base + 800_000, 100, 150_000, 150_000, 200_000, 210_000, gap_before=190_000
+            )
+        graph.set_timeline(node.node_id, timeline)
+    for _ in _open(browser, Viewer(graph, title="timed.rls")):
+        lanes = browser.execute_script(
+            "return [...document.querySelectorAll('#timeline .lane')].map(l => ["
+            "l.querySelector('.lane-name').textContent, l.querySelectorAll('.seg.call').length,"
+            " l.querySelectorAll('.seg.engine').length, l.querySelectorAll('.seg.tools').length])"
+        )
+        assert lanes == [["agent-a", 2, 2, 1], ["agent-b", 1, 1, 0]]
+        browser.find_element("css selector", '#timeline .seg.call[data-id="t1"]').click()
+        from selenium.webdriver.support.ui import WebDriverWait
+
+        WebDriverWait(browser, TIMEOUT).until(
+            lambda d: (
+                d.execute_script("return document.getElementById('turn').dataset.turn") == "t1"
+            )
+        )
+        assert "engine" in browser.find_element("id", "turn").text
