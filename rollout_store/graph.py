@@ -1032,6 +1032,12 @@ class Graph:
         no stored turn is fetched for it. A 20-turn conversation whose first message holds
         an image sends it 20 times: `blob_bytes_sent` is 20 times the image's bytes,
         `blob_bytes_saved` 19 times.
+
+        A graph read with `load(recover=True)` past damage keeps in its blob table the long
+        strings read for turns that were then lost or dropped (a later turn may use them):
+        `blobs` and `blob_bytes` count them, `blob_bytes_sent` counts only the turns kept,
+        so `blob_bytes_saved` understates the saving and can be negative (its load report's
+        `lost_turns` or `dropped` say whether that can be so).
         """
         stored_tokens = 0
         seen: set[TokenRun] = set()  # runs, not ids: views of packed full runs are equal

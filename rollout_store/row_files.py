@@ -19,8 +19,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import IO, Any
 
+from .atomic import replace_file
 from .errors import InvalidArgumentError
 from .jsonstream import writer_for
 
@@ -166,20 +168,33 @@ def write_rows(
     `format`: "parquet" or "jsonl"; by default from the file name's suffix (an open file is
     written as JSON Lines unless `format="parquet"`, which needs a binary file). Parquet is
     written a row group at a time.
+
+    A path is written through a temporary file (mode 0600, see `atomic`) renamed over it
+    only once every row is written: an error while the rows are made or written (a damaged
+    input, a full disk) leaves a file already at the path as it was. An open file is the
+    caller's: what was written to it before an error stays there.
     """
     if kind not in KINDS:
         raise InvalidArgumentError(f"unknown row kind {kind!r}: use one of {', '.join(KINDS)}")
     chosen = _format_of(target, format)
-    if chosen == "jsonl":
-        if isinstance(target, str | os.PathLike):
-            with open(target, "w", encoding="ascii") as fp:
-                return _write_jsonl(rows, fp)
-        return _write_jsonl(rows, target)
-    schema = path_schema() if kind == "path" else tree_schema()
-    if isinstance(target, str | os.PathLike):
-        return _write_parquet(rows, os.fspath(target), schema)
+    schema = None if chosen == "jsonl" else path_schema() if kind == "path" else tree_schema()
+    if not isinstance(target, str | os.PathLike):
+        return _write(rows, target, schema)
+    written = [0]
+
+    def write(fp: IO[bytes]) -> None:
+        written[0] = _write(rows, fp, schema)
+
+    replace_file(Path(os.fspath(target)), write)
+    return written[0]
+
+
+def _write(rows: Iterable[dict[str, Any]], fp: IO[Any], schema: Any) -> int:
+    """`rows` written to the open file `fp`: JSON Lines, or Parquet of `schema` if one."""
+    if schema is None:
+        return _write_jsonl(rows, fp)
     pa, _ = _pyarrow()
-    return _write_parquet(rows, pa.PythonFile(_Sink(target), mode="w"), schema)
+    return _write_parquet(rows, pa.PythonFile(_Sink(fp), mode="w"), schema)
 
 
 class _Sink:

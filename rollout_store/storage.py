@@ -617,6 +617,16 @@ class LoadReport:
     lost_turns: int = 0
     lost_unknown: bool = False
     dropped: list[DroppedTurn] = field(default_factory=list)
+    # (the long strings read for the turns lost or dropped stay in the graph's blob table:
+    # its `stats()` count them in `blob_bytes`, so `blob_bytes_saved` may be negative)
+    # past damage a timeline or drift record names turns by their places in the file, which
+    # are mapped to the turns kept: the entries naming a turn that was lost (or one past a
+    # stretch of unknown content, whose place is unknown) are left out, and counted here
+    timelines_lost: int = 0
+    drifts_lost: int = 0
+    # the node ids of the leaf rewards of a `meta` record left out past damage, because the
+    # turn they name was lost (the rest of the metadata is kept)
+    rewards_lost: list[str] = field(default_factory=list)
 
     def fail(self, exc: CorruptFileError | StoreObjectError, truncated: bool = False) -> None:
         if self.error is None:
@@ -799,6 +809,24 @@ class _Loader:
             self.writer.value_objects.append(_LOST_VALUE)
             self.value_is_list.append(False)
             self.values_lost = True
+
+    def places(self) -> int | None:
+        """How many turn records were read so far (kept or lost), None once unknown."""
+        if self.frozen is not None:
+            return None
+        return len(self.turn_map) if self.turn_map is not None else len(self.graph)
+
+    def kept_index(self, place: int) -> int | None:
+        """The graph's index of the turn read from the `place`th turn record of the file
+        (the caller checks that one was read there), or None if it was lost or its place
+        is past a stretch of unknown content."""
+        places, frozen = self.turn_map, self.frozen
+        if frozen is not None and place >= frozen[0]:
+            return None
+        if places is None:
+            return place
+        turn = places[place]
+        return None if turn is None else turn.index
 
     def freeze(self) -> None:
         """A damaged stretch of unknown content: no later record's place is known."""
@@ -1419,15 +1447,28 @@ class _Records:
         elif kind == KIND_DRIFT:  # the turn record after it holds its turn
             if self.version == _V1 or any(p[0] == KIND_DRIFT for p in self.pending):
                 raise ValueError("a drift record out of place")
-            if loader.turn_map is not None or loader.frozen is not None:
-                # past damage turns keep their places, not their indexes: the audit entry of
-                # a recovered turn is not restored (the turn itself is)
+            places = loader.places()
+            if places is None:
+                # past a stretch of unknown content the drifted turn's place is unknown:
+                # its audit entry cannot be checked against it (the turn itself is kept)
+                self.report.drifts_lost += 1
                 return
-            self.pending.append((kind, Drift.from_record(body, self.report.turns), start, record))
+            drift = Drift.from_record(body, places)
+            parent = loader.kept_index(drift.parent)
+            if parent is None:  # the would-be parent was lost: the entry names nothing kept
+                self.report.drifts_lost += 1
+                return
+            # past damage places are mapped to indexes; the turn is the next one kept
+            drift = drift._replace(turn=self.report.turns, parent=parent)
+            self.pending.append((kind, drift, start, record))
         elif kind == KIND_META:
             if self.pending or self.version == _V1:
                 raise ValueError("a meta record out of place (between a turn's records)")
             contains = loader.graph.__contains__
+            if loader.lossy:
+                # past damage a leaf reward may name a turn that was lost: it is left out
+                # (and reported), the rest of the metadata kept
+                body = _without_lost_rewards(body, contains, self.report)
             meta = GraphMeta.from_record(
                 body, contains, partial(check_packed, n_blobs=0, max_depth=MAX_DEPTH)
             )
@@ -1435,11 +1476,16 @@ class _Records:
         elif kind == KIND_TIMELINE:
             if self.pending or self.version == _V1:
                 raise ValueError("a timeline record out of place (between a turn's records)")
-            timelines = _timeline_record(body, self.report.turns)
-            if loader.turn_map is not None or loader.frozen is not None:
-                return  # past damage turns keep their places, not their indexes (as drift)
-            for index, packed in timelines:
-                loader.restore.set_timeline(index, packed)
+            places = loader.places()
+            # (past a stretch of unknown content the places read are unknown: any is taken)
+            timelines = _timeline_record(body, (1 << 32) if places is None else places)
+            for place, packed in timelines:
+                # past damage a turn keeps its place in the file, not its index
+                index = loader.kept_index(place)
+                if index is None:
+                    self.report.timelines_lost += 1
+                else:
+                    loader.restore.set_timeline(index, packed)
         elif kind == KIND_END:
             self.ended = True
             if self.resync and (loader.lossy or self.pending):
@@ -1599,6 +1645,24 @@ def _timeline_record(body: Any, turns: int) -> list[tuple[int, bytes]]:
         Timeline.unpack(packed)  # raises InvalidValueError (a ValueError) on a bad one
         out.append((index, packed))
     return out
+
+
+def _without_lost_rewards(body: Any, known: Callable[[str], bool], report: LoadReport) -> Any:
+    """A `meta` record's payload without the leaf rewards naming a turn the graph lacks
+    (noted in `report.rewards_lost`: the last such record gives the metadata, so its lost
+    rewards are those reported); a payload of another shape is returned as it is, for
+    `GraphMeta.from_record` to refuse."""
+    report.rewards_lost = []
+    if not isinstance(body, dict) or not isinstance(body.get("rewards"), list):
+        return body
+    kept = []
+    for item in body["rewards"]:
+        named = isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
+        if named and not known(item[0]):
+            report.rewards_lost.append(item[0])
+            continue
+        kept.append(item)
+    return {**body, "rewards": kept}
 
 
 def _check_end(body: Any, pending: list[Any], report: LoadReport) -> None:

@@ -538,3 +538,26 @@ def test_export_of_a_text_rollout_says_text(
     assert main(["export", str(path), "--store", spec, "-o", str(out)]) == 0
     document = json.loads(out.read_text())
     assert document["capture_level"] == "text" and document["rollout_type"] == "eval"
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "jsonl"])
+def test_samples_failing_midway_leaves_the_output_as_it_was(
+    rollout_file: Path, tmp_path: Path, suffix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if suffix == "parquet":
+        pytest.importorskip("pyarrow")
+    damaged = tmp_path / "damaged.rls"
+    data = bytearray(rollout_file.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    damaged.write_bytes(bytes(data))
+    out = tmp_path / f"out.{suffix}"
+    assert main(["samples", str(rollout_file), "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert out.stat().st_mode & 0o777 == 0o600  # a new output file is its owner's only
+    before = out.read_bytes()
+    out.chmod(0o640)
+    assert main(["samples", str(rollout_file), str(damaged), "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"{damaged}: damaged" in err
+    assert out.read_bytes() == before and out.stat().st_mode & 0o777 == 0o640
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

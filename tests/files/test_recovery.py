@@ -15,6 +15,7 @@ from rollout_store import (
     DirectoryStore,
     RolloutGraph,
     StoreObjectError,
+    Timeline,
     TurnNode,
     content_key,
     framing,
@@ -380,3 +381,70 @@ def test_every_flipped_byte_of_independent_turns_costs_at_most_one_turn(
         kept = RolloutGraph.load(damaged, recover=True)
         assert len(kept) >= 7, at
         assert all(fields(kept, n) == fields(whole, n) for n in kept.node_ids()), at
+
+
+def _timeline(i: int) -> Timeline:
+    return Timeline(1_750_000_000_000_000 + i * 1000, 5, 100 + i, 100 + i, 200 + i, 250 + i)
+
+
+def test_damage_keeps_the_timelines_metadata_and_turns_after_it(tmp_path: Path) -> None:
+    path, damaged = tmp_path / "log.rls", tmp_path / "damaged.rls"
+    ids = [f"n{i}" for i in range(20)]  # more than a batch of timelines
+    with RolloutGraph.open(path, fsync="never") as graph:
+        for i, node_id in enumerate(ids):
+            graph.add_turn(
+                TurnNode(
+                    node_id,
+                    request_messages=[{"role": "user", "content": f"question {i}"}],
+                    response_message={"role": "assistant", "content": f"answer {i}"},
+                )
+            )
+            graph.set_timeline(node_id, _timeline(i))
+        graph.add_labels("math", "hard")
+        graph.set_reward(0.5)
+        graph.set_reward(1.0, leaf="n2")
+        graph.set_reward(-1.0, leaf="n7")
+    data = path.read_bytes()
+    start, end = turn_frames(data)[2]
+    damaged.write_bytes(flipped(data, (start + end) // 2))
+    kept = RolloutGraph.load(damaged, recover=True)
+    report = kept.load_report
+    assert report is not None and report.lost_turns == 1
+    left = [node_id for node_id in ids if node_id != "n2"]
+    assert kept.node_ids() == left
+    assert kept.labels == ["math", "hard"] and kept.reward == 0.5
+    assert kept.rewards == {"n7": -1.0}
+    assert report.rewards_lost == ["n2"] and report.timelines_lost == 1
+    assert kept.timelines() == {node_id: _timeline(int(node_id[1:])) for node_id in left}
+
+
+def test_drift_entries_after_a_lost_turn_are_mapped_to_the_turns_kept(tmp_path: Path) -> None:
+    path, damaged = tmp_path / "log.rls", tmp_path / "damaged.rls"
+    with RolloutGraph.open(path, fsync="never") as graph:
+        graph.add_turn(TurnNode("n0", request_messages=[{"role": "user", "content": "other"}]))
+        messages: list[object] = [{"role": "user", "content": "q"}]
+        prompt = [1, 2, 3]
+        for k in range(3):  # the ids drop the thinking (50): each call drifts from the last
+            answer = {"role": "assistant", "content": f"a{k}"}
+            graph.add_turn(
+                TurnNode(
+                    f"d{k}",
+                    request_messages=list(messages),
+                    response_message=answer,
+                    prompt_ids=prompt,
+                    sampled_ids=[50, 60 + k],
+                    sampled_logprobs=[-0.5, -0.25],
+                )
+            )
+            messages += [answer, {"role": "user", "content": f"q{k}"}]
+            prompt = [*prompt, 60 + k, 7]
+    whole = RolloutGraph.load(path)
+    assert len(whole.drift()) == 2
+    data = path.read_bytes()
+    start, end = turn_frames(data)[0]
+    damaged.write_bytes(flipped(data, (start + end) // 2))
+    kept = RolloutGraph.load(damaged, recover=True)
+    report = kept.load_report
+    assert report is not None and report.lost_turns == 1 and report.drifts_lost == 0
+    assert kept.node_ids() == ["d0", "d1", "d2"]
+    assert kept.drift() == whole.drift()
