@@ -120,6 +120,9 @@ class Session:
     upstream_errors: int = 0
     recorded: int = 0
     rejected: int = 0
+    #: Turns answered with `--ack fast` whose recording failed (queue full, an error, the
+    #: server stopping): counted here, in `/health` and in the export's validation.
+    dropped: int = 0
     users: int = 0
     _graph: RolloutGraph | None = None
     _counts: dict[str, Any] | None = None
@@ -234,6 +237,7 @@ class Session:
             "idle_s": round(self.idle_seconds, 3),
             "upstream_errors": self.upstream_errors,
             "rejected": self.rejected,
+            "dropped": self.dropped,
             "metadata": self.metadata,
             "group": self.group,
         }
