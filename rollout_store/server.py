@@ -106,6 +106,7 @@ from .intake import MAX_DEPTH
 from .metadata import UNCHANGED
 from .nodes import TurnNode
 from .raw import RawJSON, split_array
+from .replicas import replica_key_prefix
 from .row_files import FORMATS, KINDS, write_rows
 from .rows import iter_token_samples, iter_tree_samples
 from .sessions import Session, SessionDamagedError, SessionError, Sessions, clean_session_id
@@ -202,6 +203,8 @@ class CaptureConfig:
     #: "durable" or "fast" (see `ACK_MODES`), and the fast mode's queue bound.
     ack: str = "durable"
     ack_queue: int = ACK_QUEUE
+    #: This server's name behind a balancer (in the keys it mints), or None.
+    replica: str | None = None
 
 
 # ---------------------------------------------------------------------- requests to turns
@@ -1525,6 +1528,7 @@ class _Server:
                 "damaged": len(self.sessions.damaged()),
                 "open": self.sessions.open_mode,
                 "data": self.sessions.data is not None,
+                "replica": self.config.replica,
                 "ack": self.config.ack,
                 "ack_queue": {
                     "size": self.config.ack_queue,
@@ -1682,6 +1686,7 @@ def create_app(
     body_timeout: float = BODY_TIMEOUT,
     ack: str = "durable",
     ack_queue: int = ACK_QUEUE,
+    replica: str | None = None,
 ) -> Starlette:
     """The capture server as an ASGI app (serve it with uvicorn).
 
@@ -1705,6 +1710,8 @@ def create_app(
     turn that cannot be recorded fails the call) or "fast" (answered first, recorded right
     after through a queue of `ack_queue` turns; a dropped turn is counted in `/health`, the
     session's info and its export's validation; the queue drains when the app stops).
+    `replica`: this server's name behind a balancer: the keys it mints carry it, so the
+    balancer routes each call to the replica holding its session (`replicas`).
     With `data`, the directory is locked until the app stops (`DataDirectoryInUseError` if
     another server holds it).
     """
@@ -1741,8 +1748,16 @@ def create_app(
         admin=admin_key is not None,
         ack=ack,
         ack_queue=ack_queue,
+        replica=replica,
     )
-    sessions = Sessions(data, fsync=fsync, open_mode=open_mode, store=store, cache=cache)
+    sessions = Sessions(
+        data,
+        fsync=fsync,
+        open_mode=open_mode,
+        store=store,
+        cache=cache,
+        **({} if replica is None else {"key_prefix": replica_key_prefix(replica)}),
+    )
     server = _Server(config, sessions, admin_key)
 
     # over a log an idle session lets its graph go; in memory only its graph's caches
@@ -1882,6 +1897,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="--ack fast: turns answered but not yet recorded, at most (more are dropped, counted)",
     )
+    parser.add_argument(
+        "--replica",
+        default=None,
+        metavar="NAME",
+        help="this server's name behind a balancer (letters, digits): the keys it mints carry "
+        "it and the balancer routes on it (see docs/replicas.md)",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
     parser.add_argument("--upstream-timeout", type=float, default=UPSTREAM_TIMEOUT)
     parser.add_argument(
@@ -1935,6 +1957,7 @@ def serve(args: argparse.Namespace) -> int:
         body_timeout=args.body_timeout,
         ack=args.ack,
         ack_queue=args.ack_queue,
+        replica=args.replica,
     )
     if not args.trim_idle >= 0:
         raise InvalidArgumentError("--trim-idle must be 0 (never) or a number of seconds")

@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "loopback",
             "hosts",
             "drift",
+            "replicas",
         },
     ),
     ("values and blobs", {"content", "blobs", "shared_blobs", "values"}),
