@@ -187,6 +187,10 @@ def test_sessions_stay_whole_on_one_replica_through_haproxy(tmp_path: Path) -> N
             assert session["api_key"].startswith(replica_key_prefix(found[0].name))
             holder[sid] = found[0]
         assert {r.name for r in holder.values()} == {"r1", "r2"}  # both replicas were used
+        # a second create of a taken id is hashed to the same replica, which refuses it
+        for sid in list(done)[:4]:
+            again = httpx.post(f"{base}/sessions", json={"session_id": sid}, timeout=WAIT_S)
+            assert again.status_code == 409, (sid, again.text)
 
         # kill -9 one replica, restart it on its port and data: every acknowledged turn is back
         victim = replicas[0]
