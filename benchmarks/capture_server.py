@@ -57,6 +57,14 @@ a server's CPU a call, whose runs on the shared machine vary by a quarter or mor
     python benchmarks/capture_server.py [--quick] [--rounds N] [--engine-ms MS]
     python benchmarks/capture_server.py --memory-only [--rounds N] [--sites N]
     python benchmarks/capture_server.py --latency-only [--rounds N] [--engine-ms MS]
+    python benchmarks/capture_server.py --ack-rows [--rounds N] [--turns N] [--engine-ms MS]
+
+`--ack-rows` runs the two ways of acknowledging a turn side by side over the engine stub, at
+16 and 64 concurrent sessions: `--ack durable --fsync never` and `--ack fast`, both with a
+data directory, and forward-only as the floor, in turns in one run; each row's added latency
+(median, p99) and server CPU a call, then PASS/MISS lines against the capture-at-gateway-speed
+targets (added median <= 0.5 ms and p99 <= 3 ms with fast, <= 1 ms and <= 5 ms with durable,
+at 16 sessions; CPU a call <= 0.3 ms). Writes nothing.
 """
 
 from __future__ import annotations
@@ -99,6 +107,10 @@ from workloads import UniqueContent  # noqa: E402
 from rollout_store.loopback import stop_process  # noqa: E402
 
 SESSIONS, TURNS = 16, 20
+#: `--ack-rows`: the session counts, and the targets (ms) of each ack mode at 16 sessions.
+ACK_SESSIONS = (16, 64)
+ACK_TARGETS = {"ack-fast": (0.5, 3.0), "ack-durable": (1.0, 5.0)}
+TARGET_CPU_MS = 0.3
 IMAGE_BYTES = 150 * 1024  # 200 KiB of base64
 TARGET_RSS_OVER_UNIQUE = 1.5
 TARGET_MEDIAN_MS, TARGET_P99_MS = 2.0, 10.0
@@ -263,6 +275,9 @@ class Child:
 def server_for(scheme: str, stub: str, data: Path, malloc: bool = True) -> Iterator[Child]:
     if scheme == "rollout_store":
         args = ["-m", "rollout_store.cli", "serve", "--upstream", stub, "--port", "0"]
+    elif scheme in ("ack-durable", "ack-fast"):
+        args = ["-m", "rollout_store.cli", "serve", "--upstream", stub, "--port", "0"]
+        args += ["--data", str(data), "--fsync", "never", "--ack", scheme.removeprefix("ack-")]
     elif scheme == "rollout_store+log":
         args = ["-m", "rollout_store.cli", "serve", "--upstream", stub, "--port", "0"]
         args += ["--data", str(data), "--fsync", "turn"]
@@ -662,6 +677,68 @@ def latency_only(rounds: int, engine_ms: float) -> int:
     return 0
 
 
+def ack_rows(rounds: int, engine_ms: float, turns: int) -> int:
+    """`--ack durable --fsync never`, `--ack fast` and forward-only in turns, at each of
+    ACK_SESSIONS, a fresh server each run (see the docstring). Writes nothing."""
+    schemes = ["ack-durable", "ack-fast", "forward-only"]
+    stub = Child(
+        ["-m", "rollout_store.stub_engine", "--port", "0", "--latency-ms", str(engine_ms)]
+        + ["--jitter", str(ENGINE_JITTER)],
+        malloc=False,
+    )
+    rows = [(scheme, n) for n in ACK_SESSIONS for scheme in schemes]
+    added: dict[tuple[str, int], list[float]] = {row: [] for row in rows}
+    cpu: dict[tuple[str, int], list[float]] = {row: [] for row in rows}
+    preempted: dict[tuple[str, int], list[float]] = {row: [] for row in rows}
+    try:
+        asyncio.run(run_group(stub.url, True, max(ACK_SESSIONS), 2))  # a warm stub
+        for r in range(rounds):
+            for n in ACK_SESSIONS:
+                for scheme in schemes[r % 3 :] + schemes[: r % 3]:
+                    row = (scheme, n)
+                    run: list[float] = []
+                    latency_run(scheme, stub.url, n, turns, run, cpu[row], preempted[row])
+                    added[row] += run
+                    print(
+                        f"round {r + 1}: {scheme:<12} {n:>3} sessions: added {_ms(run):.2f} / "
+                        f"{_ms(run, 0.99):.2f} ms, cpu {cpu[row][-1] * 1000:.2f} ms a call "
+                        f"(load {os.getloadavg()[0]:.1f})",
+                        flush=True,
+                    )
+    finally:
+        stub.stop()
+    print(f"\n{turns} turns a session, engine {engine_ms:g} ms, {rounds} round(s)")
+    print(
+        f"{'server':<14}{'sessions':>9}{'added p50 ms':>14}{'added p99 ms':>14}{'cpu/call ms':>13}"
+    )
+    for scheme, n in rows:
+        print(
+            f"{scheme:<14}{n:>9}{_ms(added[scheme, n]):>14.2f}{_ms(added[scheme, n], 0.99):>14.2f}"
+            f"{_ms(cpu[scheme, n]):>13.2f}"
+        )
+    lines = []
+    for scheme, (median_target, p99_target) in ACK_TARGETS.items():
+        floor = added["forward-only", 16]
+        median, p99 = _ms(added[scheme, 16]), _ms(added[scheme, 16], 0.99)
+        lines.append(
+            f"{'PASS' if median <= median_target else 'MISS'}: {scheme} added median at 16 "
+            f"sessions <= {median_target} ms: {median:.2f} ms (forward-only {_ms(floor):.2f})"
+        )
+        lines.append(
+            f"{'PASS' if p99 <= p99_target else 'MISS'}: {scheme} added p99 at 16 sessions "
+            f"<= {p99_target} ms: {p99:.2f} ms (forward-only {_ms(floor, 0.99):.2f})"
+        )
+        per_call = _ms(cpu[scheme, 16])
+        lines.append(
+            f"{'PASS' if per_call <= TARGET_CPU_MS else 'MISS'}: {scheme} server CPU a call "
+            f"<= {TARGET_CPU_MS} ms: {per_call:.2f} ms (forward-only "
+            f"{_ms(cpu['forward-only', 16]):.2f})"
+        )
+    print("\n".join(lines))
+    print(targets_summary(lines))
+    return 0
+
+
 def _ms(values: list[float], q: float | None = None) -> float:
     if not values:
         return float("nan")
@@ -698,8 +775,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the engine rows' latency runs alone (rollout_store and forward-only), --rounds",
     )
+    parser.add_argument(
+        "--ack-rows",
+        action="store_true",
+        help="--ack durable and --ack fast against forward-only at 16 and 64 sessions, --rounds",
+    )
+    parser.add_argument("--turns", type=int, default=TURNS, help="turns a session (--ack-rows)")
     add_results_option(parser)
     args = parser.parse_args(argv)
+    if args.ack_rows:
+        return ack_rows(args.rounds, args.engine_ms, args.turns)
     if args.memory_only:
         return memory_only(args.rounds, args.sites)
     if args.latency_only:

@@ -39,12 +39,19 @@ body is accepted, refused and recorded as json.loads reads it.
 Each call is stamped as it passes (`timeline.CallClock`: received, sent upstream, the
 upstream's first and last byte, each stream chunk sent) and its turn gets the `Timeline`
 once the reply has been sent (a background task of the response): the upstream answers
-unstreamed, so its first token is its first byte.
+unstreamed, so its first token is its first byte. With `ack="fast"` no timeline is recorded
+yet: the turn is recorded after the reply, off the stamped path.
 
-A turn is acknowledged (the client gets its answer) only after the graph accepted it, and,
-with a data directory and `fsync="turn"`, after it is on disk. Bad requests get a 4xx with a
-one-line reason and record nothing; upstream errors pass through with their status and are
-recorded nowhere; an upstream that does not answer in time gets 504.
+With `ack="durable"` (the default) a turn is acknowledged (the client gets its answer) only
+after the graph accepted it, and, with a data directory and `fsync="turn"`, after it is on
+disk; a turn that cannot be recorded fails the call. With `ack="fast"` the answer goes out
+first and the turn is recorded right after, in this process, through a bounded queue: a turn
+dropped there (the queue full, a recording error, the server stopping) is counted in
+`/health`, in the session's info and in its export's validation, never silently.
+
+Bad requests get a 4xx with a one-line reason and record nothing; upstream errors pass
+through with their status and are recorded nowhere; an upstream that does not answer in time
+gets 504.
 """
 
 from __future__ import annotations
@@ -106,6 +113,7 @@ from .intake import MAX_DEPTH
 from .metadata import UNCHANGED
 from .nodes import TurnNode
 from .raw import RawJSON, split_array
+from .replicas import replica_key_prefix
 from .row_files import FORMATS, KINDS, write_rows
 from .rows import iter_token_samples, iter_tree_samples
 from .sessions import Session, SessionDamagedError, SessionError, Sessions, clean_session_id
@@ -135,6 +143,13 @@ UPSTREAM_TIMEOUT = 600.0
 #: Default seconds a request's whole body may take to arrive (then 408 and the connection
 #: is closed); `--body-timeout` changes it.
 BODY_TIMEOUT = 30.0
+#: How a turn is acknowledged: after it is recorded, or before (recorded through a queue).
+ACK_MODES = ("durable", "fast")
+#: Default bound of the queue of turns answered but not yet recorded (`--ack fast`).
+ACK_QUEUE = 1024
+#: Seconds a stopping server waits for the queued turns to be recorded (the rest are counted
+#: as dropped), and an export waits for the turns answered before it.
+ACK_DRAIN_SECONDS = 10.0
 #: The environment variable `rollout-store serve` reads its admin key from.
 ADMIN_KEY_ENV = "ROLLOUT_STORE_ADMIN_KEY"
 #: The shortest admin key accepted.
@@ -193,6 +208,11 @@ class CaptureConfig:
     allowed_hosts: frozenset[str] | None = LOOPBACK_HOSTS
     #: Whether an admin key was set (the key itself is kept by the server only).
     admin: bool = False
+    #: "durable" or "fast" (see `ACK_MODES`), and the fast mode's queue bound.
+    ack: str = "durable"
+    ack_queue: int = ACK_QUEUE
+    #: This server's name behind a balancer (in the keys it mints), or None.
+    replica: str | None = None
 
 
 # ---------------------------------------------------------------------- requests to turns
@@ -743,6 +763,12 @@ class _Server:
         self.inline = isinstance(sessions.store, MemoryStore) and (
             sessions.data is None or sessions.fsync == "never"
         )
+        #: `--ack fast`: the turns answered but not yet recorded, and their recorder (made
+        #: on first use, inside the server's event loop).
+        self._pending: asyncio.Queue[tuple[Session, TurnNode]] | None = None
+        self._recorder: asyncio.Task[None] | None = None
+        #: Turns answered with `--ack fast` and never recorded, by why.
+        self.dropped = {"queue_full": 0, "record_error": 0, "shutdown": 0}
 
     @property
     def client(self) -> aiohttp.ClientSession:
@@ -778,6 +804,7 @@ class _Server:
             return answer.status, answer.headers, body
 
     async def aclose(self) -> None:
+        await self._drain()
         if self._client is not None:
             await self._client.close()
             self._client = None
@@ -922,6 +949,63 @@ class _Server:
             else:
                 await anyio.to_thread.run_sync(apply, graph)
 
+    # -- --ack fast: answered first, recorded right after
+
+    def _drop(self, session: Session, why: str) -> None:
+        session.dropped += 1
+        self.dropped[why] += 1
+
+    def _queue_turn(self, session: Session, node: TurnNode) -> None:
+        """Hand an answered call's turn to the recorder; a full queue drops it (counted)."""
+        if self._pending is None:
+            self._pending = asyncio.Queue(self.config.ack_queue)
+        if self._recorder is None:
+            self._recorder = asyncio.ensure_future(self._record_queued(self._pending))
+        try:
+            self._pending.put_nowait((session, node))
+        except asyncio.QueueFull:
+            self._drop(session, "queue_full")
+
+    async def _record_queued(self, pending: asyncio.Queue[tuple[Session, TurnNode]]) -> None:
+        """Record the queued turns in their order (one at a time: a session's turns keep
+        the order they were answered in)."""
+        while True:
+            session, node = await pending.get()
+            try:
+                await self._record(session, node)
+            except asyncio.CancelledError:
+                self._drop(session, "shutdown")
+                pending.task_done()
+                raise
+            except Exception:  # any failure: the client has its answer, the turn is counted
+                self._drop(session, "record_error")
+            pending.task_done()
+
+    async def settled(self, timeout: float = ACK_DRAIN_SECONDS) -> bool:
+        """Wait (at most `timeout` seconds) until every turn answered so far is recorded or
+        counted as dropped; whether it was."""
+        if self._pending is None or self._recorder is None:
+            return True
+        try:
+            async with asyncio.timeout(timeout):
+                await self._pending.join()
+        except TimeoutError:
+            return False
+        return True
+
+    async def _drain(self) -> None:
+        """On stopping: record what is queued (bounded time), count the rest as dropped."""
+        await self.settled()
+        recorder, self._recorder = self._recorder, None
+        if recorder is not None:
+            recorder.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await recorder
+        pending, self._pending = self._pending, None
+        while pending is not None and not pending.empty():
+            session, _ = pending.get_nowait()
+            self._drop(session, "shutdown")
+
     async def _call(
         self,
         session: Session,
@@ -945,7 +1029,11 @@ class _Server:
                 session.failed = failed_after(session.failed, refused.status)
             raise
         failed = session.failed
-        clock.node_id = await self._record(session, make_turn(response))
+        node = make_turn(response)
+        if self.config.ack == "fast":
+            self._queue_turn(session, node)
+        else:
+            clock.node_id = await self._record(session, node)
         clock.failed, session.failed = failed, 0
         return response, answer
 
@@ -1255,6 +1343,8 @@ class _Server:
 
     async def session_info(self, request: Request) -> Response:
         found = self._lookup(request)
+        if not isinstance(found, Response):
+            await self.settled()
         return found if isinstance(found, Response) else _written_anew(found.info())
 
     def _view_key_moved(self, request: Request, session: Session, path: str) -> Response | None:
@@ -1350,6 +1440,7 @@ class _Server:
         found = self._lookup(request)
         if isinstance(found, Response):
             return found
+        await self.settled()  # (--ack fast) the turns answered before it are in it
         session, session_id, metadata = found, found.session_id, found.metadata
         flags = request.query_params
         messages = flags.get("messages", "0") not in ("0", "false", "")
@@ -1363,6 +1454,7 @@ class _Server:
         if level not in CAPTURE_LEVELS:
             message = f"capture_level must be one of {', '.join(CAPTURE_LEVELS)}"
             return JSONResponse({"error": message}, 400)
+        findings = _dropped_findings(session)
 
         def produce(fp: IO[bytes]) -> None:
             with session.use() as graph:
@@ -1374,6 +1466,7 @@ class _Server:
                     include_messages=messages,
                     include_discarded=discarded,
                     capture_level=level,
+                    findings=findings,
                 )
 
         return await self._streamed(session, produce, "application/json")
@@ -1382,6 +1475,7 @@ class _Server:
         found = self._lookup(request)
         if isinstance(found, Response):
             return found
+        await self.settled()
         session = found
 
         def produce(fp: IO[bytes]) -> None:
@@ -1525,6 +1619,14 @@ class _Server:
                 "damaged": len(self.sessions.damaged()),
                 "open": self.sessions.open_mode,
                 "data": self.sessions.data is not None,
+                "replica": self.config.replica,
+                "ack": self.config.ack,
+                "ack_queue": {
+                    "size": self.config.ack_queue,
+                    "pending": 0 if self._pending is None else self._pending.qsize(),
+                },
+                "dropped": sum(self.dropped.values()),
+                "dropped_by": dict(self.dropped),
             }
         )
 
@@ -1545,6 +1647,17 @@ def _refused(status: int, reason: str) -> Response:
     if status == 408:  # the rest of the body is not read: the connection cannot be reused
         headers = {"connection": "close"}
     return JSONResponse({"error": reason}, status, headers=headers)
+
+
+def _dropped_findings(session: Session) -> list[str]:
+    """The export's finding for turns answered with `--ack fast` and never recorded."""
+    if not session.dropped:
+        return []
+    return [
+        f"[WARN] dropped_turns: {session.dropped} turn(s) of this session were answered "
+        "(--ack fast) but not recorded (queue full, a recording error or the server "
+        "stopping): the rollout misses them; see the server's /health"
+    ]
 
 
 def _damaged(reason: str) -> Response:
@@ -1662,6 +1775,9 @@ def create_app(
     admin_key: str | None = None,
     hosts: Sequence[str] | None = None,
     body_timeout: float = BODY_TIMEOUT,
+    ack: str = "durable",
+    ack_queue: int = ACK_QUEUE,
+    replica: str | None = None,
 ) -> Starlette:
     """The capture server as an ASGI app (serve it with uvicorn).
 
@@ -1681,6 +1797,12 @@ def create_app(
     session, `GET /sessions` included; without it each session is reached with its own key
     only. `hosts`: the `Host` names answered besides the loopback names (`["*"]`: any; see
     `hosts.allowed_hosts`). `body_timeout`: seconds a request's body may take to arrive.
+    `ack`: "durable" (a call is answered once its turn is recorded, on disk per `fsync`; a
+    turn that cannot be recorded fails the call) or "fast" (answered first, recorded right
+    after through a queue of `ack_queue` turns; a dropped turn is counted in `/health`, the
+    session's info and its export's validation; the queue drains when the app stops).
+    `replica`: this server's name behind a balancer: the keys it mints carry it, so the
+    balancer routes each call to the replica holding its session (`replicas`).
     With `data`, the directory is locked until the app stops (`DataDirectoryInUseError` if
     another server holds it).
     """
@@ -1694,6 +1816,10 @@ def create_app(
         raise ValueError("idle_seconds must be 0 (never) or positive")
     if not body_timeout > 0:
         raise InvalidArgumentError("body_timeout must be positive")
+    if ack not in ACK_MODES:
+        raise InvalidArgumentError(f"ack must be one of {', '.join(ACK_MODES)}, not {ack!r}")
+    if type(ack_queue) is not int or ack_queue < 1:
+        raise InvalidArgumentError("ack_queue must be a positive number of turns")
     if admin_key is not None and (
         len(admin_key) < ADMIN_KEY_MIN or not admin_key.isprintable() or " " in admin_key
     ):
@@ -1711,8 +1837,18 @@ def create_app(
         body_timeout=body_timeout,
         allowed_hosts=allowed_hosts(None, hosts or ()),
         admin=admin_key is not None,
+        ack=ack,
+        ack_queue=ack_queue,
+        replica=replica,
     )
-    sessions = Sessions(data, fsync=fsync, open_mode=open_mode, store=store, cache=cache)
+    sessions = Sessions(
+        data,
+        fsync=fsync,
+        open_mode=open_mode,
+        store=store,
+        cache=cache,
+        **({} if replica is None else {"key_prefix": replica_key_prefix(replica)}),
+    )
     server = _Server(config, sessions, admin_key)
 
     # over a log an idle session lets its graph go; in memory only its graph's caches
@@ -1764,6 +1900,7 @@ def create_app(
     )
     app.state.config = config
     app.state.sessions = sessions
+    app.state.server = server
     return app
 
 
@@ -1837,6 +1974,27 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=BODY_TIMEOUT,
         help="seconds a request's body may take to arrive (then 408)",
     )
+    parser.add_argument(
+        "--ack",
+        choices=ACK_MODES,
+        default="durable",
+        help="durable: answer once the turn is recorded (on disk per --fsync); fast: answer "
+        "first, record right after through a queue (dropped turns are counted)",
+    )
+    parser.add_argument(
+        "--ack-queue",
+        type=int,
+        default=ACK_QUEUE,
+        metavar="N",
+        help="--ack fast: turns answered but not yet recorded, at most (more are dropped, counted)",
+    )
+    parser.add_argument(
+        "--replica",
+        default=None,
+        metavar="NAME",
+        help="this server's name behind a balancer (letters, digits): the keys it mints carry "
+        "it and the balancer routes on it (see docs/replicas.md)",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
     parser.add_argument("--upstream-timeout", type=float, default=UPSTREAM_TIMEOUT)
     parser.add_argument(
@@ -1888,6 +2046,9 @@ def serve(args: argparse.Namespace) -> int:
         admin_key=args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None,
         hosts=[*([] if args.host in WILDCARD_BINDS else [args.host]), *args.allow_host],
         body_timeout=args.body_timeout,
+        ack=args.ack,
+        ack_queue=args.ack_queue,
+        replica=args.replica,
     )
     if not args.trim_idle >= 0:
         raise InvalidArgumentError("--trim-idle must be 0 (never) or a number of seconds")

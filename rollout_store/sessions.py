@@ -122,6 +122,9 @@ class Session:
     failed: int = 0
     recorded: int = 0
     rejected: int = 0
+    #: Turns answered with `--ack fast` whose recording failed (queue full, an error, the
+    #: server stopping): counted here, in `/health` and in the export's validation.
+    dropped: int = 0
     users: int = 0
     _graph: RolloutGraph | None = None
     _counts: dict[str, Any] | None = None
@@ -236,6 +239,7 @@ class Session:
             "idle_s": round(self.idle_seconds, 3),
             "upstream_errors": self.upstream_errors,
             "rejected": self.rejected,
+            "dropped": self.dropped,
             "metadata": self.metadata,
             "group": self.group,
         }
@@ -284,7 +288,8 @@ class Sessions:
     that has a key of its own). `store`: the content store every session's graph shares (a
     new `MemoryStore` if None), `cache`: the one string cache of all sessions over an
     out-of-process store. Logs hold their strings inline over a memory store (it dies with
-    the process) and references into any other store (`blobs="store"`).
+    the process) and references into any other store (`blobs="store"`). `key_prefix`: what
+    minted keys begin with (a replica's carries its name: `replicas.replica_key_prefix`).
     """
 
     def __init__(
@@ -295,8 +300,10 @@ class Sessions:
         open_mode: bool = False,
         store: ContentStore | None = None,
         cache: StringCache | None = None,
+        key_prefix: str = _KEY_PREFIX,
     ) -> None:
         self.data = Path(data).resolve() if data is not None else None
+        self.key_prefix = key_prefix
         self.fsync = fsync
         self.open_mode = open_mode
         self.store: ContentStore = store if store is not None else MemoryStore()
@@ -469,7 +476,9 @@ class Sessions:
             with self._lock:
                 if sid in self._by_id:
                     raise SessionError(f"session {sid!r} already exists")
-            key = api_key if api_key is not None else f"{_KEY_PREFIX}{secrets.token_urlsafe(24)}"
+            key = (
+                api_key if api_key is not None else f"{self.key_prefix}{secrets.token_urlsafe(24)}"
+            )
             created = time.time()
             if self.data is not None:
                 doc: dict[str, Any] = {

@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "hosts",
             "drift",
             "timeline",
+            "replicas",
         },
     ),
     ("values and blobs", {"content", "blobs", "shared_blobs", "values"}),

@@ -1,0 +1,204 @@
+"""`--ack durable` and `--ack fast`: the same turns recorded either way; in fast mode a turn
+that cannot be recorded is still answered, and counted in /health, the session's info and its
+export's validation (queue full, a recording error, the server stopping)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import errno
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+from capture_support import ADMIN, ADMIN_KEY, auth, new_session, serve_app
+
+from rollout_store import RolloutGraph
+from rollout_store.errors import InvalidArgumentError
+from rollout_store.server import _Server, create_app
+from rollout_store.stub_engine import create_stub_app
+
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Say something, with a float 1.0 and a \u00e9."},
+]
+
+
+@pytest.fixture(scope="module")
+def stub() -> Iterator[str]:
+    with serve_app(create_stub_app()) as url:
+        yield url
+
+
+def _traffic(session: dict[str, Any]) -> None:
+    """A little of everything: chat, streamed chat, a continuation, Anthropic's Messages."""
+    client = openai.OpenAI(
+        base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0
+    )
+    messages = copy.deepcopy(CONVERSATION)
+    first = client.chat.completions.create(model="m", messages=messages, temperature=0.5)
+    messages += [first.choices[0].message.model_dump(exclude_none=True)]
+    messages += [{"role": "user", "content": "and now?"}]
+    for _ in client.chat.completions.create(model="m", messages=messages, stream=True):
+        pass
+    claude = anthropic.Anthropic(
+        base_url=session["anthropic_base_url"], api_key=session["api_key"], max_retries=0
+    )
+    claude.messages.create(
+        model="c", max_tokens=16, system="be brief", messages=[{"role": "user", "content": "hi"}]
+    )
+
+
+def _export_text(url: str, session_id: str) -> str:
+    answer = httpx.get(
+        f"{url}/sessions/{session_id}/export",
+        params={"messages": "1"},
+        headers=auth(session_id),
+        timeout=20,
+    )
+    answer.raise_for_status()
+    return answer.text
+
+
+@pytest.mark.parametrize("data", [False, True], ids=["memory", "log"])
+def test_both_ack_modes_record_the_same_bytes(stub: str, tmp_path: Path, data: bool) -> None:
+    exports = {}
+    for ack in ("durable", "fast"):
+        app = create_app(stub, data=tmp_path / ack if data else None, ack=ack, admin_key=ADMIN_KEY)
+        with serve_app(app) as url:
+            session = new_session(url, session_id="same")
+            _traffic(session)
+            exports[ack] = _export_text(url, "same")
+            info = httpx.get(f"{url}/sessions/same", headers=auth("same")).json()
+            assert info["turns"] == 3 and info["dropped"] == 0
+            health = httpx.get(f"{url}/health").json()
+            assert health["ack"] == ack and health["dropped"] == 0
+    durable, fast = json.loads(exports["durable"]), json.loads(exports["fast"])
+    assert len(durable["turns"]) == 3
+    assert exports["fast"] == exports["durable"]
+    assert not [f for f in fast["validation"] if "dropped_turns" in f]
+
+
+def _failing_add_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    def add_turn(self: RolloutGraph, node: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(RolloutGraph, "add_turn", add_turn)
+
+
+def test_durable_fails_a_call_whose_turn_cannot_be_recorded(
+    stub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = create_app(stub, data=tmp_path / "d", ack="durable", admin_key=ADMIN_KEY)
+    with serve_app(app) as url:
+        session = new_session(url)
+        _failing_add_turn(monkeypatch)
+        answer = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"model": "m", "messages": CONVERSATION},
+            headers={"authorization": f"Bearer {session['api_key']}"},
+            timeout=20,
+        )
+        assert answer.status_code == 507
+        assert "disk is full" in answer.json()["error"]["message"]
+        assert httpx.get(f"{url}/health").json()["dropped"] == 0
+
+
+def test_fast_answers_and_counts_a_turn_that_cannot_be_recorded(
+    stub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = create_app(stub, data=tmp_path / "d", ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app) as url:
+        session = new_session(url)
+        sid = session["session_id"]
+        client = openai.OpenAI(
+            base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0
+        )
+        client.chat.completions.create(model="m", messages=CONVERSATION)
+        # (info waits for the turns answered before it: this one is recorded before the patch)
+        assert httpx.get(f"{url}/sessions/{sid}", headers=auth(sid)).json()["turns"] == 1
+        with monkeypatch.context() as patch:
+            _failing_add_turn(patch)
+            reply = client.chat.completions.create(
+                model="m", messages=[*CONVERSATION, {"role": "user", "content": "again"}]
+            )
+            assert reply.choices[0].message.content  # answered all the same
+            info = httpx.get(f"{url}/sessions/{sid}", headers=auth(sid)).json()
+        assert (info["turns"], info["dropped"]) == (1, 1), info
+        health = httpx.get(f"{url}/health").json()
+        assert health["dropped"] == 1 and health["dropped_by"]["record_error"] == 1
+        doc = json.loads(_export_text(url, sid))
+        (warning,) = [f for f in doc["validation"] if "dropped_turns" in f]
+        assert warning.startswith("[WARN] dropped_turns: 1 turn(s)")
+        assert len(doc["turns"]) == 1
+
+
+def _slow_recorder(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    record = _Server._record
+
+    async def slow(self: _Server, session: Any, node: Any) -> None:
+        await asyncio.sleep(seconds)
+        await record(self, session, node)
+
+    monkeypatch.setattr(_Server, "_record", slow)
+
+
+@pytest.mark.slow
+def test_fast_counts_the_turns_a_full_queue_drops(
+    stub: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _slow_recorder(monkeypatch, 1.5)
+    app = create_app(stub, ack="fast", ack_queue=1, admin_key=ADMIN_KEY)
+    with serve_app(app) as url:
+        session = new_session(url)
+        sid = session["session_id"]
+        client = openai.OpenAI(
+            base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0
+        )
+        # the first turn is being recorded, the second waits in the queue, the third finds
+        # it full
+        for i in range(3):
+            client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": f"call {i}"}]
+            )
+        health = httpx.get(f"{url}/health").json()
+        assert health["dropped_by"]["queue_full"] == 1
+        info = httpx.get(f"{url}/sessions/{sid}", headers=auth(sid)).json()
+        assert info["turns"] == 2 and info["dropped"] == 1
+        doc = json.loads(_export_text(url, sid))
+        assert [f for f in doc["validation"] if f.startswith("[WARN] dropped_turns: 1 ")]
+
+
+@pytest.mark.slow
+def test_fast_drains_its_queue_on_shutdown(
+    stub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _slow_recorder(monkeypatch, 1.0)
+    data = tmp_path / "d"
+    with serve_app(create_app(stub, data=data, ack="fast", admin_key=ADMIN_KEY)) as url:
+        session = new_session(url, session_id="drained")
+        for i in range(4):
+            httpx.post(
+                f"{url}/v1/chat/completions",
+                json={"model": "m", "messages": [{"role": "user", "content": f"call {i}"}]},
+                headers={"authorization": f"Bearer {session['api_key']}"},
+                timeout=20,
+            ).raise_for_status()
+        # the queue still holds turns when the server is told to stop
+        assert httpx.get(f"{url}/health").json()["ack_queue"]["pending"] >= 1
+    monkeypatch.undo()
+    with serve_app(create_app(stub, data=data, admin_key=ADMIN_KEY)) as url:
+        info = httpx.get(f"{url}/sessions/drained", headers=ADMIN).json()
+        assert info["turns"] == 4
+
+
+def test_ack_arguments_are_checked(stub: str) -> None:
+    with pytest.raises(InvalidArgumentError, match="ack must be one of durable, fast"):
+        create_app(stub, ack="eventually")
+    with pytest.raises(InvalidArgumentError, match="ack_queue"):
+        create_app(stub, ack="fast", ack_queue=0)
