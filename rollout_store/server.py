@@ -1321,12 +1321,19 @@ class _Server:
         return _damaged(self.sessions.damage_report(session.session_id, exc))
 
     async def _streamed(
-        self, session: Session, produce: Callable[[IO[bytes]], None], media_type: str
+        self,
+        sessions: Session | Sequence[Session],
+        produce: Callable[[IO[bytes]], None],
+        media_type: str,
     ) -> Response:
-        """A document written by `produce` in a thread, streamed; a session that turns out
-        damaged before its first bytes gets its error as the answer."""
-        if session.damaged is not None:
-            return _damaged(session.damaged)
+        """A document written by `produce` in a thread from `sessions`, streamed; a session
+        that is or turns out damaged before the first bytes, or a store that is down, gets
+        its error as the answer."""
+        members = [sessions] if isinstance(sessions, Session) else list(sessions)
+        for member in members:
+            if member.damaged is not None:
+                return _damaged(member.damaged)
+        session = members[0]
         chunks = _from_thread(produce)
         try:
             first = await chunks.__anext__()
@@ -1475,7 +1482,7 @@ class _Server:
         found = self._lookup(request)
         if isinstance(found, Response):
             return found
-        return self._samples(request, [found])
+        return await self._samples(request, [found])
 
     async def group_samples(self, request: Request) -> Response:
         """The training rows of a group's sessions: `?format=tree` packs them as one forest,
@@ -1483,9 +1490,11 @@ class _Server:
         members = self._group(request)
         if isinstance(members, Response):
             return members
-        return self._samples(request, members, forest=True)
+        return await self._samples(request, members, forest=True)
 
-    def _samples(self, request: Request, members: list[Session], forest: bool = False) -> Response:
+    async def _samples(
+        self, request: Request, members: list[Session], forest: bool = False
+    ) -> Response:
         kind = request.query_params.get("format", "path")
         output = request.query_params.get("output", "jsonl")
         if kind not in KINDS:
@@ -1497,6 +1506,8 @@ class _Server:
         def produce(fp: IO[bytes]) -> None:
             with contextlib.ExitStack() as stack:
                 graphs = [stack.enter_context(session.use()) for session in members]
+                for graph in graphs:  # one consistent view of each: add_turn waits
+                    stack.enter_context(graph.lock)
                 if kind == "tree":
                     rows = iter_tree_samples(graphs if forest else graphs[0])
                 else:
@@ -1504,7 +1515,7 @@ class _Server:
                 write_rows(rows, fp, kind, format=output)
 
         media = "application/x-ndjson" if output == "jsonl" else "application/vnd.apache.parquet"
-        return StreamingResponse(_from_thread(produce), media_type=media)
+        return await self._streamed(members, produce, media)
 
     async def delete_session(self, request: Request) -> Response:
         found = self._lookup(request)

@@ -15,6 +15,8 @@ import pytest
 from capture_support import ADMIN, ADMIN_KEY, new_session, serve_app
 
 from rollout_store import RolloutGraph, token_samples, tree_samples
+from rollout_store import server as server_module
+from rollout_store.errors import StoreUnavailableError
 from rollout_store.server import create_app
 from rollout_store.stub_engine import create_stub_app
 
@@ -157,3 +159,27 @@ def test_metadata_group_and_row_routes_need_a_key(server: tuple[str, Any]) -> No
     every = httpx.get(f"{url}/groups/grp", headers=ADMIN).json()["sessions"]
     assert sorted(s["session_id"] for s in every) == ["m0", "m1"]
     assert httpx.patch(f"{url}/sessions/m0", json={"reward": 1}, headers=own).status_code == 200
+
+
+def test_rows_of_a_damaged_session_or_a_down_store_get_an_error_not_a_broken_stream(
+    server: tuple[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, app = server
+    for i in range(2):
+        _call(new_session(url, session_id=f"d{i}", group="dg"), "q")
+    app.state.sessions.get("d1").damaged = "object abc is damaged: run rollout-store recover"
+    for path in ("/sessions/d1/samples", "/groups/dg/samples", "/groups/dg/samples?format=tree"):
+        answer = httpx.get(f"{url}{path}", headers=ADMIN)
+        assert answer.status_code == 500, path
+        assert answer.json() == {
+            "error": "object abc is damaged: run rollout-store recover",
+            "damaged": True,
+        }
+    app.state.sessions.get("d1").damaged = None
+
+    def down(graph: Any) -> Any:
+        raise StoreUnavailableError("the store at redis://127.0.0.1:1 does not answer")
+
+    monkeypatch.setattr(server_module, "iter_token_samples", down)
+    answer = httpx.get(f"{url}/groups/dg/samples", headers=ADMIN)
+    assert answer.status_code == 503 and "does not answer" in answer.json()["error"]
