@@ -1146,7 +1146,9 @@ class _Server:
 
     # -- sessions
 
-    async def create_session(self, request: Request) -> Response:
+    async def _json_object_body(self, request: Request) -> dict[str, Any] | Response:
+        """The request's body as a JSON object (an empty body is `{}`), or the answer that
+        refuses it."""
         try:
             raw = await self._read_body(request)  # the model calls' limit
         except _Refusal as refusal:
@@ -1161,6 +1163,12 @@ class _Server:
             return JSONResponse({"error": "the body must be JSON (or empty)"}, 400)
         if not isinstance(payload, dict):
             return JSONResponse({"error": "the body must be a JSON object"}, 400)
+        return payload
+
+    async def create_session(self, request: Request) -> Response:
+        payload = await self._json_object_body(request)
+        if isinstance(payload, Response):
+            return payload
         metadata = payload.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             return JSONResponse({"error": "metadata must be a JSON object"}, 400)
@@ -1405,18 +1413,9 @@ class _Server:
         if isinstance(found, Response):
             return found
         session = found
-        try:
-            raw = await self._read_body(request)
-        except _Refusal as refusal:
-            return JSONResponse({"error": refusal.reason}, refusal.status)
-        try:
-            payload = json.loads(raw) if raw.strip() else {}
-        except RecursionError:
-            return JSONResponse({"error": "the body nests too deeply"}, 400)
-        except ValueError:
-            return JSONResponse({"error": "the body must be JSON"}, 400)
-        if not isinstance(payload, dict):
-            return JSONResponse({"error": "the body must be a JSON object"}, 400)
+        payload = await self._json_object_body(request)
+        if isinstance(payload, Response):
+            return payload
         unknown = sorted(set(payload) - {"labels", "annotations", "reward", "rewards", "group"})
         if unknown:
             return JSONResponse(
@@ -1444,14 +1443,36 @@ class _Server:
 
         def apply() -> dict[str, Any]:
             with session.use() as graph:
-                graph.update_metadata(**changes)
+                # the session file first: a log record that fails puts it back, so a
+                # failed PATCH changes nothing
+                before = session.group
                 if group is not UNCHANGED:
                     session.group = group
-                    self.sessions.save_group(session)
+                    try:
+                        self.sessions.save_group(session)
+                    except BaseException:
+                        session.group = before
+                        raise
+                try:
+                    graph.update_metadata(**changes)
+                except BaseException:
+                    if group is not UNCHANGED:
+                        session.group = before
+                        # best effort: on reopen the log's group wins over the file's
+                        with contextlib.suppress(OSError):
+                            self.sessions.save_group(session)
+                    raise
                 return {"session_id": session.session_id, **graph.meta.document()}
 
+        if session.damaged is not None:
+            return _damaged(session.damaged)
         try:
             answer = await anyio.to_thread.run_sync(apply)
+        except (SessionDamagedError, StoreError) as exc:
+            return self._damage_answer(session, exc)
+        except OSError as exc:  # FileWriteError too: a full disk, a quota, an I/O error
+            status, reason = _storage_failure("the change cannot be stored", exc)
+            return JSONResponse({"error": reason}, status)
         except (RolloutStoreError, SessionError) as exc:
             return JSONResponse({"error": str(exc)}, 400)
         return _written_anew(answer)

@@ -3,6 +3,7 @@ and reward, GET /groups/{id}, and training rows per session and per group."""
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from capture_support import ADMIN, ADMIN_KEY, new_session, serve_app
 
 from rollout_store import RolloutGraph, token_samples, tree_samples
 from rollout_store import server as server_module
-from rollout_store.errors import StoreUnavailableError
+from rollout_store.errors import FileWriteError, StoreUnavailableError
 from rollout_store.server import create_app
 from rollout_store.stub_engine import create_stub_app
 
@@ -183,3 +184,39 @@ def test_rows_of_a_damaged_session_or_a_down_store_get_an_error_not_a_broken_str
     monkeypatch.setattr(server_module, "iter_token_samples", down)
     answer = httpx.get(f"{url}/groups/dg/samples", headers=ADMIN)
     assert answer.status_code == 503 and "does not answer" in answer.json()["error"]
+
+
+def test_a_failed_patch_answers_like_the_other_routes_and_changes_nothing(
+    server: tuple[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, app = server
+    _call(new_session(url, session_id="p", group="g1"), "q")
+    graph, state = _graph(app, "p"), app.state.sessions.get("p")
+    before, file_before = graph.meta, (tmp_path / "data" / "p.json").read_bytes()
+
+    def full(self: Any, **changes: Any) -> None:
+        raise FileWriteError(errno.ENOSPC, "writing the log failed: no space left")
+
+    def down(self: Any, **changes: Any) -> None:
+        raise StoreUnavailableError("the store at redis://127.0.0.1:1 does not answer")
+
+    for failure, status, word in ((full, 507, "disk is full"), (down, 503, "does not answer")):
+        monkeypatch.setattr(RolloutGraph, "update_metadata", failure)
+        answer = httpx.patch(f"{url}/sessions/p", headers=ADMIN, json={"group": "g2"})
+        assert answer.status_code == status and word in answer.json()["error"], answer.text
+        assert graph.meta == before and state.group == "g1"
+        assert (tmp_path / "data" / "p.json").read_bytes() == file_before
+        assert httpx.get(f"{url}/groups/g2", headers=ADMIN).status_code == 404
+    monkeypatch.undo()
+    for body, word in (
+        (b"[1]", "JSON object"),
+        (b"{", "must be JSON"),
+        (b"[" * 5000, "nests too deeply"),
+    ):
+        answer = httpx.patch(f"{url}/sessions/p", headers=ADMIN, content=body)
+        assert answer.status_code == 400 and word in answer.json()["error"]
+    state.damaged = "object abc is damaged: run rollout-store recover"
+    answer = httpx.patch(f"{url}/sessions/p", headers=ADMIN, json={"reward": 1})
+    assert answer.status_code == 500 and answer.json()["damaged"] is True
+    state.damaged = None
+    assert graph.meta == before
