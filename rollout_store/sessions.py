@@ -489,14 +489,23 @@ class Sessions:
                 group=group,
                 created_at=created,
             )
+            log = self._path(sid, ".rls") if self.data is not None else None
+            log_existed = log is not None and log.exists()
             try:
                 graph = session.graph  # the log is created now
                 if group is not None or labels:
                     graph.update_metadata(labels=labels or (), group=group)
             except BaseException:
+                # nothing of the session is kept: its graph closed (its fd and flock let
+                # go), its files gone, so a later create of this id starts afresh
+                with contextlib.suppress(Exception):
+                    session.close()
                 if self.data is not None:
                     with contextlib.suppress(OSError):
                         self._path(sid, ".json").unlink()
+                    if log is not None and not log_existed:
+                        with contextlib.suppress(OSError):
+                            log.unlink()
                 raise
             with self._lock:
                 self._by_id[sid] = session

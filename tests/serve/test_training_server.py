@@ -220,3 +220,21 @@ def test_a_failed_patch_answers_like_the_other_routes_and_changes_nothing(
     assert answer.status_code == 500 and answer.json()["damaged"] is True
     state.damaged = None
     assert graph.meta == before
+
+
+def test_a_failed_create_keeps_no_log_and_lets_the_id_be_made_again(
+    server: tuple[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, app = server
+
+    def full(self: Any, **changes: Any) -> None:
+        raise FileWriteError(errno.ENOSPC, "writing the log failed: no space left")
+
+    monkeypatch.setattr(RolloutGraph, "update_metadata", full)
+    answer = httpx.post(f"{url}/sessions", json={"session_id": "c", "group": "g"})
+    assert answer.status_code == 507, answer.text
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == []
+    monkeypatch.undo()
+    made = new_session(url, session_id="c", labels=["fresh"])  # the log's lock was let go
+    _call(made, "q")
+    assert _graph(app, "c").group is None and _graph(app, "c").labels == ["fresh"]
