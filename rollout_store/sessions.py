@@ -426,7 +426,10 @@ class Sessions:
                 created_at=float(meta.get("created_at") or time.time()),
             )
             with contextlib.suppress(SessionDamagedError):  # kept, as damaged: see `damaged`
-                session.graph  # noqa: B018 - opened now: a torn tail is cut at start
+                graph = session.graph  # opened now: a torn tail is cut at start
+                # the group is in both files; a crash between their writes leaves them apart,
+                # and the log (what exports read) is the source of truth
+                session.group = graph.group
             self._by_id[session_id] = session
             self._by_key[key_digest(key)] = session
 

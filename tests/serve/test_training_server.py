@@ -238,3 +238,22 @@ def test_a_failed_create_keeps_no_log_and_lets_the_id_be_made_again(
     made = new_session(url, session_id="c", labels=["fresh"])  # the log's lock was let go
     _call(made, "q")
     assert _graph(app, "c").group is None and _graph(app, "c").labels == ["fresh"]
+
+
+def test_the_logs_group_wins_over_the_session_files_after_a_restart(
+    stub: str, tmp_path: Path
+) -> None:
+    """A crash between the session file's write and the log's meta record leaves the group
+    in two places apart: the log's is the one the routes and the export show."""
+    data = tmp_path / "data"
+    with serve_app(create_app(stub, data=data, upstream_timeout=5, admin_key=ADMIN_KEY)) as url:
+        _call(new_session(url, session_id="s", group="g1"), "q")
+    doc = json.loads((data / "s.json").read_text())
+    (data / "s.json").write_text(json.dumps({**doc, "group": "g2"}))
+    app = create_app(stub, data=data, upstream_timeout=5, admin_key=ADMIN_KEY)
+    with serve_app(app) as url:
+        members = httpx.get(f"{url}/groups/g1", headers=ADMIN).json()["sessions"]
+        assert [(s["session_id"], s["group"]) for s in members] == [("s", "g1")]
+        assert httpx.get(f"{url}/groups/g2", headers=ADMIN).status_code == 404
+        exported = httpx.get(f"{url}/sessions/s/export", headers=ADMIN).json()
+        assert exported["group"] == "g1"
