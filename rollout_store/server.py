@@ -157,6 +157,10 @@ _HARNESS_HEADERS = ("x-session-id", "proxy-x-session-id")
 _ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")
 
 
+#: How long an export waits for the timelines of calls answered just before it.
+_TIMELINE_WAIT_S = 2.0
+
+
 class _Refusal(Exception):
     """An answer other than the upstream's: status and a one-line reason."""
 
@@ -743,6 +747,9 @@ class _Server:
         self.inline = isinstance(sessions.store, MemoryStore) and (
             sessions.data is None or sessions.fsync == "never"
         )
+        #: Per session id, the calls whose timeline is still to be recorded (a task after
+        #: the reply), by when each was answered: an export waits for them, bounded.
+        self._timing: dict[str, dict[int, float]] = {}
 
     @property
     def client(self) -> aiohttp.ClientSession:
@@ -899,6 +906,30 @@ class _Server:
     async def _timed(self, session: Session, clock: CallClock) -> None:
         """Record a call's timeline once its reply is sent (a background task of the
         response): best effort, the turn itself is recorded already."""
+        try:
+            await self._record_timeline(session, clock)
+        finally:
+            pending = self._timing.get(session.session_id)
+            if pending is not None:
+                pending.pop(id(clock), None)
+                if not pending:
+                    del self._timing[session.session_id]
+
+    async def _timelines_recorded(self, session: Session) -> None:
+        """Wait (at most `_TIMELINE_WAIT_S`) for the timelines of the session's answered
+        calls, so an export taken right after a call has its timeline."""
+        deadline = time.monotonic() + _TIMELINE_WAIT_S
+        while True:
+            pending = self._timing.get(session.session_id)
+            now = time.monotonic()
+            # a reply never sent (its client gone) runs no task: its entry expires
+            if not pending or now >= deadline:
+                return
+            if all(now - answered > _TIMELINE_WAIT_S for answered in pending.values()):
+                return
+            await asyncio.sleep(0.005)
+
+    async def _record_timeline(self, session: Session, clock: CallClock) -> None:
         reply_sent = clock.now()
         node_id = clock.node_id
         if node_id is None:
@@ -962,6 +993,7 @@ class _Server:
         """The answer to a call, its timeline recorded once it is sent (see `_answered`)."""
         answer = await self._answered(call, anthropic, stream, reply, events, clock)
         if clock.node_id is not None or stream:
+            self._timing.setdefault(session.session_id, {})[id(clock)] = time.monotonic()
             answer.background = BackgroundTask(self._timed, session, clock)
         return answer
 
@@ -1366,6 +1398,7 @@ class _Server:
         if isinstance(found, Response):
             return found
         session, session_id, metadata = found, found.session_id, found.metadata
+        await self._timelines_recorded(session)
         flags = request.query_params
         messages = flags.get("messages", "0") not in ("0", "false", "")
         discarded = flags.get("discarded", "0") not in ("0", "false", "")
@@ -1398,6 +1431,7 @@ class _Server:
         if isinstance(found, Response):
             return found
         session = found
+        await self._timelines_recorded(session)
 
         def produce(fp: IO[bytes]) -> None:
             with session.use() as graph:

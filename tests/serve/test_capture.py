@@ -35,6 +35,7 @@ from rollout_store import (
     iter_turn_records,
 )
 from rollout_store import cli as cli_module
+from rollout_store import server as server_module
 from rollout_store.storage import TIMELINE_BATCH
 from rollout_store.stub_engine import create_stub_app
 from rollout_store.timeline import TIMELINE_SIZE
@@ -476,3 +477,39 @@ def test_the_viewer_and_info_show_where_the_time_went(
     timing: dict[str, Any] = json.loads(capsys.readouterr().out)["timing_us"]
     assert timing["calls"] == 3 and timing["engine_p50"] == _timeline(1).engine
     assert timing["tools_total"] == 3000
+
+
+def test_an_export_right_after_a_call_has_its_timeline(
+    stub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timeline is recorded by a task after the reply: an export (or the end of the
+    capture) right after the call waits for it."""
+    timed = server_module._Server._timed
+
+    async def late(self: Any, session: Any, clock: Any) -> None:
+        await asyncio.sleep(0.3)  # a busy server: the task runs well after the reply
+        await timed(self, session, clock)
+
+    monkeypatch.setattr(server_module._Server, "_timed", late)
+    with capture(upstream=stub, data=tmp_path / "logs") as run:
+        client = run.openai_client(max_retries=0)
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+        assert "timeline" in run.export()["turns"][0]
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "b"}])
+    assert [("timeline" in t) for t in run.export()["turns"]] == [True, True]
+    assert len(run.graph.timelines()) == 2
+
+
+def test_capture_export_params_are_url_encoded_and_admin_key_needs_a_started_server(
+    stub: str,
+) -> None:
+    with pytest.raises(InvalidArgumentError, match="admin_key="):
+        capture(server="http://127.0.0.1:9", admin_key="k")
+    with capture(upstream=stub) as run:
+        run.openai_client(max_retries=0).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "q"}]
+        )
+        # "&" and "=" inside a value stay in it: unencoded, the level would be cut at "&"
+        with pytest.raises(CaptureError, match="capture_level must be one of"):
+            run.export(capture_level="text&messages=1")
+        assert "request_messages" in str(run.export(messages="1", capture_level="text"))
