@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+from urllib.parse import urlencode
 
 from .errors import InvalidArgumentError, RolloutStoreError
 
@@ -113,6 +114,11 @@ class Capture:
             )
         if server is not None and data is not None:
             raise InvalidArgumentError("data= is for a server started for the capture only")
+        if server is not None and admin_key is not None:
+            raise InvalidArgumentError(
+                "admin_key= is for a server started for the capture only: a running server "
+                "has its own, and the session's key is used with it"
+            )
         if isinstance(labels, str):
             labels = [labels]
         self._options = {
@@ -282,7 +288,7 @@ class Capture:
             if self._document is None:
                 raise CaptureError("the session's export could not be taken when it ended")
             return self._document
-        query = "&".join(f"{k}={v}" for k, v in params.items())
+        query = urlencode(params)
         document: dict[str, Any] = self._request(
             "GET", f"/sessions/{self.session_id}/export" + (f"?{query}" if query else "")
         )

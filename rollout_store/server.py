@@ -39,8 +39,8 @@ body is accepted, refused and recorded as json.loads reads it.
 Each call is stamped as it passes (`timeline.CallClock`: received, sent upstream, the
 upstream's first and last byte, each stream chunk sent) and its turn gets the `Timeline`
 once the reply has been sent (a background task of the response): the upstream answers
-unstreamed, so its first token is its first byte. With `ack="fast"` no timeline is recorded
-yet: the turn is recorded after the reply, off the stamped path.
+unstreamed, so its first token is its first byte. With `ack="fast"` the recorder that records
+the turn after the reply records its timeline too.
 
 With `ack="durable"` (the default) a turn is acknowledged (the client gets its answer) only
 after the graph accepted it, and, with a data directory and `fsync="turn"`, after it is on
@@ -170,6 +170,10 @@ _CHAT_FIELDS = frozenset({"messages", "tools", "model", "stream", "stream_option
 _MESSAGES_FIELDS = frozenset({"messages", "tools", "model", "stream", "system"})
 _HARNESS_HEADERS = ("x-session-id", "proxy-x-session-id")
 _ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")
+
+
+#: How long an export waits for the timelines of calls answered just before it.
+_TIMELINE_WAIT_S = 2.0
 
 
 class _Refusal(Exception):
@@ -765,10 +769,13 @@ class _Server:
         )
         #: `--ack fast`: the turns answered but not yet recorded, and their recorder (made
         #: on first use, inside the server's event loop).
-        self._pending: asyncio.Queue[tuple[Session, TurnNode]] | None = None
+        self._pending: asyncio.Queue[tuple[Session, TurnNode, CallClock]] | None = None
         self._recorder: asyncio.Task[None] | None = None
         #: Turns answered with `--ack fast` and never recorded, by why.
         self.dropped = {"queue_full": 0, "record_error": 0, "shutdown": 0}
+        #: Per session id, the calls whose timeline is still to be recorded (a task after
+        #: the reply), by when each was answered: an export waits for them, bounded.
+        self._timing: dict[str, dict[int, float]] = {}
 
     @property
     def client(self) -> aiohttp.ClientSession:
@@ -925,8 +932,35 @@ class _Server:
 
     async def _timed(self, session: Session, clock: CallClock) -> None:
         """Record a call's timeline once its reply is sent (a background task of the
-        response): best effort, the turn itself is recorded already."""
-        reply_sent = clock.now()
+        response): best effort. With `--ack fast` the turn may not be recorded yet: the
+        recorder then records the timeline once it has recorded the turn."""
+        try:
+            clock.reply_sent = clock.now()
+            if clock.node_id is not None:
+                await self._record_timeline(session, clock)
+        finally:
+            pending = self._timing.get(session.session_id)
+            if pending is not None:
+                pending.pop(id(clock), None)
+                if not pending:
+                    del self._timing[session.session_id]
+
+    async def _timelines_recorded(self, session: Session) -> None:
+        """Wait (at most `_TIMELINE_WAIT_S`) for the timelines of the session's answered
+        calls, so an export taken right after a call has its timeline."""
+        deadline = time.monotonic() + _TIMELINE_WAIT_S
+        while True:
+            pending = self._timing.get(session.session_id)
+            now = time.monotonic()
+            # a reply never sent (its client gone) runs no task: its entry expires
+            if not pending or now >= deadline:
+                return
+            if all(now - answered > _TIMELINE_WAIT_S for answered in pending.values()):
+                return
+            await asyncio.sleep(0.005)
+
+    async def _record_timeline(self, session: Session, clock: CallClock) -> None:
+        reply_sent = clock.reply_sent
         node_id = clock.node_id
         if node_id is None:
             return
@@ -955,24 +989,28 @@ class _Server:
         session.dropped += 1
         self.dropped[why] += 1
 
-    def _queue_turn(self, session: Session, node: TurnNode) -> None:
+    def _queue_turn(self, session: Session, node: TurnNode, clock: CallClock) -> None:
         """Hand an answered call's turn to the recorder; a full queue drops it (counted)."""
         if self._pending is None:
             self._pending = asyncio.Queue(self.config.ack_queue)
         if self._recorder is None:
             self._recorder = asyncio.ensure_future(self._record_queued(self._pending))
         try:
-            self._pending.put_nowait((session, node))
+            self._pending.put_nowait((session, node, clock))
         except asyncio.QueueFull:
             self._drop(session, "queue_full")
 
-    async def _record_queued(self, pending: asyncio.Queue[tuple[Session, TurnNode]]) -> None:
+    async def _record_queued(
+        self, pending: asyncio.Queue[tuple[Session, TurnNode, CallClock]]
+    ) -> None:
         """Record the queued turns in their order (one at a time: a session's turns keep
-        the order they were answered in)."""
+        the order they were answered in), and the timeline of one whose reply is sent."""
         while True:
-            session, node = await pending.get()
+            session, node, clock = await pending.get()
             try:
-                await self._record(session, node)
+                clock.node_id = await self._record(session, node)
+                if clock.reply_sent >= 0:  # sent before the turn was recorded: ours to do
+                    await self._record_timeline(session, clock)
             except asyncio.CancelledError:
                 self._drop(session, "shutdown")
                 pending.task_done()
@@ -1003,7 +1041,7 @@ class _Server:
                 await recorder
         pending, self._pending = self._pending, None
         while pending is not None and not pending.empty():
-            session, _ = pending.get_nowait()
+            session, _, _ = pending.get_nowait()
             self._drop(session, "shutdown")
 
     async def _call(
@@ -1031,7 +1069,7 @@ class _Server:
         failed = session.failed
         node = make_turn(response)
         if self.config.ack == "fast":
-            self._queue_turn(session, node)
+            self._queue_turn(session, node, clock)
         else:
             clock.node_id = await self._record(session, node)
         clock.failed, session.failed = failed, 0
@@ -1049,7 +1087,8 @@ class _Server:
     ) -> Response:
         """The answer to a call, its timeline recorded once it is sent (see `_answered`)."""
         answer = await self._answered(call, anthropic, stream, reply, events, clock)
-        if clock.node_id is not None or stream:
+        if clock.node_id is not None or stream or self.config.ack == "fast":
+            self._timing.setdefault(session.session_id, {})[id(clock)] = time.monotonic()
             answer.background = BackgroundTask(self._timed, session, clock)
         return answer
 
@@ -1234,7 +1273,9 @@ class _Server:
 
     # -- sessions
 
-    async def create_session(self, request: Request) -> Response:
+    async def _json_object_body(self, request: Request) -> dict[str, Any] | Response:
+        """The request's body as a JSON object (an empty body is `{}`), or the answer that
+        refuses it."""
         try:
             raw = await self._read_body(request)  # the model calls' limit
         except _Refusal as refusal:
@@ -1249,6 +1290,12 @@ class _Server:
             return JSONResponse({"error": "the body must be JSON (or empty)"}, 400)
         if not isinstance(payload, dict):
             return JSONResponse({"error": "the body must be a JSON object"}, 400)
+        return payload
+
+    async def create_session(self, request: Request) -> Response:
+        payload = await self._json_object_body(request)
+        if isinstance(payload, Response):
+            return payload
         metadata = payload.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             return JSONResponse({"error": "metadata must be a JSON object"}, 400)
@@ -1411,12 +1458,19 @@ class _Server:
         return _damaged(self.sessions.damage_report(session.session_id, exc))
 
     async def _streamed(
-        self, session: Session, produce: Callable[[IO[bytes]], None], media_type: str
+        self,
+        sessions: Session | Sequence[Session],
+        produce: Callable[[IO[bytes]], None],
+        media_type: str,
     ) -> Response:
-        """A document written by `produce` in a thread, streamed; a session that turns out
-        damaged before its first bytes gets its error as the answer."""
-        if session.damaged is not None:
-            return _damaged(session.damaged)
+        """A document written by `produce` in a thread from `sessions`, streamed; a session
+        that is or turns out damaged before the first bytes, or a store that is down, gets
+        its error as the answer."""
+        members = [sessions] if isinstance(sessions, Session) else list(sessions)
+        for member in members:
+            if member.damaged is not None:
+                return _damaged(member.damaged)
+        session = members[0]
         chunks = _from_thread(produce)
         try:
             first = await chunks.__anext__()
@@ -1442,6 +1496,7 @@ class _Server:
             return found
         await self.settled()  # (--ack fast) the turns answered before it are in it
         session, session_id, metadata = found, found.session_id, found.metadata
+        await self._timelines_recorded(session)
         flags = request.query_params
         messages = flags.get("messages", "0") not in ("0", "false", "")
         discarded = flags.get("discarded", "0") not in ("0", "false", "")
@@ -1477,6 +1532,7 @@ class _Server:
             return found
         await self.settled()
         session = found
+        await self._timelines_recorded(session)
 
         def produce(fp: IO[bytes]) -> None:
             with session.use() as graph:
@@ -1492,18 +1548,9 @@ class _Server:
         if isinstance(found, Response):
             return found
         session = found
-        try:
-            raw = await self._read_body(request)
-        except _Refusal as refusal:
-            return JSONResponse({"error": refusal.reason}, refusal.status)
-        try:
-            payload = json.loads(raw) if raw.strip() else {}
-        except RecursionError:
-            return JSONResponse({"error": "the body nests too deeply"}, 400)
-        except ValueError:
-            return JSONResponse({"error": "the body must be JSON"}, 400)
-        if not isinstance(payload, dict):
-            return JSONResponse({"error": "the body must be a JSON object"}, 400)
+        payload = await self._json_object_body(request)
+        if isinstance(payload, Response):
+            return payload
         unknown = sorted(set(payload) - {"labels", "annotations", "reward", "rewards", "group"})
         if unknown:
             return JSONResponse(
@@ -1531,14 +1578,36 @@ class _Server:
 
         def apply() -> dict[str, Any]:
             with session.use() as graph:
-                graph.update_metadata(**changes)
+                # the session file first: a log record that fails puts it back, so a
+                # failed PATCH changes nothing
+                before = session.group
                 if group is not UNCHANGED:
                     session.group = group
-                    self.sessions.save_group(session)
+                    try:
+                        self.sessions.save_group(session)
+                    except BaseException:
+                        session.group = before
+                        raise
+                try:
+                    graph.update_metadata(**changes)
+                except BaseException:
+                    if group is not UNCHANGED:
+                        session.group = before
+                        # best effort: on reopen the log's group wins over the file's
+                        with contextlib.suppress(OSError):
+                            self.sessions.save_group(session)
+                    raise
                 return {"session_id": session.session_id, **graph.meta.document()}
 
+        if session.damaged is not None:
+            return _damaged(session.damaged)
         try:
             answer = await anyio.to_thread.run_sync(apply)
+        except (SessionDamagedError, StoreError) as exc:
+            return self._damage_answer(session, exc)
+        except OSError as exc:  # FileWriteError too: a full disk, a quota, an I/O error
+            status, reason = _storage_failure("the change cannot be stored", exc)
+            return JSONResponse({"error": reason}, status)
         except (RolloutStoreError, SessionError) as exc:
             return JSONResponse({"error": str(exc)}, 400)
         return _written_anew(answer)
@@ -1569,7 +1638,7 @@ class _Server:
         found = self._lookup(request)
         if isinstance(found, Response):
             return found
-        return self._samples(request, [found])
+        return await self._samples(request, [found])
 
     async def group_samples(self, request: Request) -> Response:
         """The training rows of a group's sessions: `?format=tree` packs them as one forest,
@@ -1577,9 +1646,11 @@ class _Server:
         members = self._group(request)
         if isinstance(members, Response):
             return members
-        return self._samples(request, members, forest=True)
+        return await self._samples(request, members, forest=True)
 
-    def _samples(self, request: Request, members: list[Session], forest: bool = False) -> Response:
+    async def _samples(
+        self, request: Request, members: list[Session], forest: bool = False
+    ) -> Response:
         kind = request.query_params.get("format", "path")
         output = request.query_params.get("output", "jsonl")
         if kind not in KINDS:
@@ -1591,6 +1662,8 @@ class _Server:
         def produce(fp: IO[bytes]) -> None:
             with contextlib.ExitStack() as stack:
                 graphs = [stack.enter_context(session.use()) for session in members]
+                for graph in graphs:  # one consistent view of each: add_turn waits
+                    stack.enter_context(graph.lock)
                 if kind == "tree":
                     rows = iter_tree_samples(graphs if forest else graphs[0])
                 else:
@@ -1598,7 +1671,7 @@ class _Server:
                 write_rows(rows, fp, kind, format=output)
 
         media = "application/x-ndjson" if output == "jsonl" else "application/vnd.apache.parquet"
-        return StreamingResponse(_from_thread(produce), media_type=media)
+        return await self._streamed(members, produce, media)
 
     async def delete_session(self, request: Request) -> Response:
         found = self._lookup(request)

@@ -433,7 +433,10 @@ class Sessions:
                 created_at=float(meta.get("created_at") or time.time()),
             )
             with contextlib.suppress(SessionDamagedError):  # kept, as damaged: see `damaged`
-                session.graph  # noqa: B018 - opened now: a torn tail is cut at start
+                graph = session.graph  # opened now: a torn tail is cut at start
+                # the group is in both files; a crash between their writes leaves them apart,
+                # and the log (what exports read) is the source of truth
+                session.group = graph.group
             self._by_id[session_id] = session
             self._by_key[key_digest(key)] = session
 
@@ -498,14 +501,23 @@ class Sessions:
                 group=group,
                 created_at=created,
             )
+            log = self._path(sid, ".rls") if self.data is not None else None
+            log_existed = log is not None and log.exists()
             try:
                 graph = session.graph  # the log is created now
                 if group is not None or labels:
                     graph.update_metadata(labels=labels or (), group=group)
             except BaseException:
+                # nothing of the session is kept: its graph closed (its fd and flock let
+                # go), its files gone, so a later create of this id starts afresh
+                with contextlib.suppress(Exception):
+                    session.close()
                 if self.data is not None:
                     with contextlib.suppress(OSError):
                         self._path(sid, ".json").unlink()
+                    if log is not None and not log_existed:
+                        with contextlib.suppress(OSError):
+                            log.unlink()
                 raise
             with self._lock:
                 self._by_id[sid] = session

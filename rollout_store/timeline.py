@@ -206,6 +206,7 @@ class CallClock:
         "max_gap",
         "node_id",
         "received",
+        "reply_sent",
         "upstream_sent",
     )
 
@@ -215,6 +216,7 @@ class CallClock:
         self.upstream_sent = self.first_byte = self.last_byte = 0
         self.chunks = self.max_gap = self._last_chunk = 0
         self.node_id: str | None = None  # the turn recorded, once it is
+        self.reply_sent = -1  # once the reply is sent (before or after the turn is recorded)
         self.failed = 0  # the session's failed attempts before it: count << 10 | status
 
     def now(self) -> int:

@@ -35,6 +35,7 @@ from rollout_store import (
     iter_turn_records,
 )
 from rollout_store import cli as cli_module
+from rollout_store import server as server_module
 from rollout_store.storage import TIMELINE_BATCH
 from rollout_store.stub_engine import create_stub_app
 from rollout_store.timeline import TIMELINE_SIZE
@@ -76,11 +77,16 @@ def _log_named(stderr: str, folder: Path) -> Path:
     return folder / line.split()[-1]
 
 
-def _assert_consistent(t: Timeline) -> None:
+def _assert_consistent(t: Timeline, parent: Timeline | None = None) -> None:
+    """`parent`: the timeline of the turn's parent, when it has a timed one."""
     assert t.received > 1_600_000_000 * 10**6  # microseconds since the epoch, now-ish
     assert 0 <= t.upstream_sent <= t.first_byte <= t.first_token <= t.last_byte <= t.reply_sent
     assert t.max_chunk_gap <= t.reply_sent
-    assert t.gap_before is None or t.gap_before >= 0
+    if parent is None:
+        assert t.gap_before is None
+    else:  # the wait since the parent's reply: within the wall time between the two calls
+        assert t.gap_before is not None
+        assert 0 <= t.gap_before <= t.received - parent.received
 
 
 SDK_CHILD = """
@@ -132,8 +138,12 @@ def test_run_records_the_real_sdks_unchanged_and_says_where(tmp_path: Path, stub
     assert len(graph) == 4 and graph.labels == ["a", "b"] and graph.group == "g1"
     timed = graph.timelines()
     assert len(timed) == 4
-    for t in timed.values():
-        _assert_consistent(t)
+    children = 0
+    for node_id, t in timed.items():
+        parent = graph.parent(node_id)
+        children += parent is not None
+        _assert_consistent(t, None if parent is None else timed[parent])
+    assert children == 1  # the follow-up: its gap was checked against its parent
     chunks = [t.chunks for t in timed.values()]
     assert chunks[0] == 0 and chunks[1] > 2 and chunks[2] == 0 and chunks[3] > 2
     assert cli_module.main(["verify", str(log)]) == 0
@@ -253,7 +263,8 @@ def test_capture_with_both_sdks_from_threads_and_metadata(stub: str) -> None:
     assert json.dumps(graph.annotations) == json.dumps(
         {"judge": "unit", "scores": [0.5, float("nan")]}
     )
-    assert run.export()["turns"][0]["timeline"]["engine_ms"] >= 0
+    # a real round trip to the engine: some time, and less than the whole call
+    assert all(0 < t.engine <= t.reply_sent for t in graph.timelines().values())
     with pytest.raises(CaptureError, match="closed"):
         run.reward(0.0)
 
@@ -301,7 +312,7 @@ def test_timeline_is_consistent_streaming_and_not_against_a_slow_stub(slow_stub:
     first, second, third = (graph.timeline(n) for n in graph.node_ids())
     assert first is not None and second is not None and third is not None
     for t in (first, second, third):
-        _assert_consistent(t)
+        _assert_consistent(t, first if t is second else None)
         assert t.engine >= LATENCY_S * 1e6 * 0.95  # the stub slept this long
     assert graph.parent(graph.node_ids()[1]) == graph.node_ids()[0]
     assert first.gap_before is None and first.chunks == 0 and first.failed_attempts == 0
@@ -377,15 +388,17 @@ def test_timelines_read_back_from_logs_and_snapshots(tmp_path: Path) -> None:
 
 
 def test_old_files_and_untimed_graphs_have_no_timeline_key() -> None:
-    fixtures = sorted((ROOT / "tests" / "data").glob("*.rls"))
-    assert fixtures
-    for path in fixtures[:6]:
-        try:
-            graph = RolloutGraph.load(path)
-        except Exception:  # fixtures of damaged or store-backed files are read elsewhere
-            continue
+    # every fixture but the store-backed one (read with its store elsewhere)
+    fixtures = sorted((ROOT / "tests" / "data").glob("v[12]_*.rls"))
+    fixtures = [path for path in fixtures if "store" not in path.name]
+    checked = 0
+    for path in fixtures:
+        graph = RolloutGraph.load(path)
+        assert len(graph) > 0, path
         assert graph.timelines() == {}
         assert all("timeline" not in r for r in iter_turn_records(graph))
+        checked += 1
+    assert checked == len(fixtures) >= 6
 
 
 def test_bad_timelines_are_refused_naming_the_field_and_change_nothing(tmp_path: Path) -> None:
@@ -464,3 +477,39 @@ def test_the_viewer_and_info_show_where_the_time_went(
     timing: dict[str, Any] = json.loads(capsys.readouterr().out)["timing_us"]
     assert timing["calls"] == 3 and timing["engine_p50"] == _timeline(1).engine
     assert timing["tools_total"] == 3000
+
+
+def test_an_export_right_after_a_call_has_its_timeline(
+    stub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timeline is recorded by a task after the reply: an export (or the end of the
+    capture) right after the call waits for it."""
+    timed = server_module._Server._timed
+
+    async def late(self: Any, session: Any, clock: Any) -> None:
+        await asyncio.sleep(0.3)  # a busy server: the task runs well after the reply
+        await timed(self, session, clock)
+
+    monkeypatch.setattr(server_module._Server, "_timed", late)
+    with capture(upstream=stub, data=tmp_path / "logs") as run:
+        client = run.openai_client(max_retries=0)
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+        assert "timeline" in run.export()["turns"][0]
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "b"}])
+    assert [("timeline" in t) for t in run.export()["turns"]] == [True, True]
+    assert len(run.graph.timelines()) == 2
+
+
+def test_capture_export_params_are_url_encoded_and_admin_key_needs_a_started_server(
+    stub: str,
+) -> None:
+    with pytest.raises(InvalidArgumentError, match="admin_key="):
+        capture(server="http://127.0.0.1:9", admin_key="k")
+    with capture(upstream=stub) as run:
+        run.openai_client(max_retries=0).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "q"}]
+        )
+        # "&" and "=" inside a value stay in it: unencoded, the level would be cut at "&"
+        with pytest.raises(CaptureError, match="capture_level must be one of"):
+            run.export(capture_level="text&messages=1")
+        assert "request_messages" in str(run.export(messages="1", capture_level="text"))

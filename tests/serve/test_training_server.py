@@ -3,6 +3,7 @@ and reward, GET /groups/{id}, and training rows per session and per group."""
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 from collections.abc import Iterator
@@ -15,6 +16,8 @@ import pytest
 from capture_support import ADMIN, ADMIN_KEY, new_session, serve_app
 
 from rollout_store import RolloutGraph, token_samples, tree_samples
+from rollout_store import server as server_module
+from rollout_store.errors import FileWriteError, StoreUnavailableError
 from rollout_store.server import create_app
 from rollout_store.stub_engine import create_stub_app
 
@@ -157,3 +160,100 @@ def test_metadata_group_and_row_routes_need_a_key(server: tuple[str, Any]) -> No
     every = httpx.get(f"{url}/groups/grp", headers=ADMIN).json()["sessions"]
     assert sorted(s["session_id"] for s in every) == ["m0", "m1"]
     assert httpx.patch(f"{url}/sessions/m0", json={"reward": 1}, headers=own).status_code == 200
+
+
+def test_rows_of_a_damaged_session_or_a_down_store_get_an_error_not_a_broken_stream(
+    server: tuple[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, app = server
+    for i in range(2):
+        _call(new_session(url, session_id=f"d{i}", group="dg"), "q")
+    app.state.sessions.get("d1").damaged = "object abc is damaged: run rollout-store recover"
+    for path in ("/sessions/d1/samples", "/groups/dg/samples", "/groups/dg/samples?format=tree"):
+        answer = httpx.get(f"{url}{path}", headers=ADMIN)
+        assert answer.status_code == 500, path
+        assert answer.json() == {
+            "error": "object abc is damaged: run rollout-store recover",
+            "damaged": True,
+        }
+    app.state.sessions.get("d1").damaged = None
+
+    def down(graph: Any) -> Any:
+        raise StoreUnavailableError("the store at redis://127.0.0.1:1 does not answer")
+
+    monkeypatch.setattr(server_module, "iter_token_samples", down)
+    answer = httpx.get(f"{url}/groups/dg/samples", headers=ADMIN)
+    assert answer.status_code == 503 and "does not answer" in answer.json()["error"]
+
+
+def test_a_failed_patch_answers_like_the_other_routes_and_changes_nothing(
+    server: tuple[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, app = server
+    _call(new_session(url, session_id="p", group="g1"), "q")
+    graph, state = _graph(app, "p"), app.state.sessions.get("p")
+    before, file_before = graph.meta, (tmp_path / "data" / "p.json").read_bytes()
+
+    def full(self: Any, **changes: Any) -> None:
+        raise FileWriteError(errno.ENOSPC, "writing the log failed: no space left")
+
+    def down(self: Any, **changes: Any) -> None:
+        raise StoreUnavailableError("the store at redis://127.0.0.1:1 does not answer")
+
+    for failure, status, word in ((full, 507, "disk is full"), (down, 503, "does not answer")):
+        monkeypatch.setattr(RolloutGraph, "update_metadata", failure)
+        answer = httpx.patch(f"{url}/sessions/p", headers=ADMIN, json={"group": "g2"})
+        assert answer.status_code == status and word in answer.json()["error"], answer.text
+        assert graph.meta == before and state.group == "g1"
+        assert (tmp_path / "data" / "p.json").read_bytes() == file_before
+        assert httpx.get(f"{url}/groups/g2", headers=ADMIN).status_code == 404
+    monkeypatch.undo()
+    for body, word in (
+        (b"[1]", "JSON object"),
+        (b"{", "must be JSON"),
+        (b"[" * 5000, "nests too deeply"),
+    ):
+        answer = httpx.patch(f"{url}/sessions/p", headers=ADMIN, content=body)
+        assert answer.status_code == 400 and word in answer.json()["error"]
+    state.damaged = "object abc is damaged: run rollout-store recover"
+    answer = httpx.patch(f"{url}/sessions/p", headers=ADMIN, json={"reward": 1})
+    assert answer.status_code == 500 and answer.json()["damaged"] is True
+    state.damaged = None
+    assert graph.meta == before
+
+
+def test_a_failed_create_keeps_no_log_and_lets_the_id_be_made_again(
+    server: tuple[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, app = server
+
+    def full(self: Any, **changes: Any) -> None:
+        raise FileWriteError(errno.ENOSPC, "writing the log failed: no space left")
+
+    monkeypatch.setattr(RolloutGraph, "update_metadata", full)
+    answer = httpx.post(f"{url}/sessions", json={"session_id": "c", "group": "g"})
+    assert answer.status_code == 507, answer.text
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == []
+    monkeypatch.undo()
+    made = new_session(url, session_id="c", labels=["fresh"])  # the log's lock was let go
+    _call(made, "q")
+    assert _graph(app, "c").group is None and _graph(app, "c").labels == ["fresh"]
+
+
+def test_the_logs_group_wins_over_the_session_files_after_a_restart(
+    stub: str, tmp_path: Path
+) -> None:
+    """A crash between the session file's write and the log's meta record leaves the group
+    in two places apart: the log's is the one the routes and the export show."""
+    data = tmp_path / "data"
+    with serve_app(create_app(stub, data=data, upstream_timeout=5, admin_key=ADMIN_KEY)) as url:
+        _call(new_session(url, session_id="s", group="g1"), "q")
+    doc = json.loads((data / "s.json").read_text())
+    (data / "s.json").write_text(json.dumps({**doc, "group": "g2"}))
+    app = create_app(stub, data=data, upstream_timeout=5, admin_key=ADMIN_KEY)
+    with serve_app(app) as url:
+        members = httpx.get(f"{url}/groups/g1", headers=ADMIN).json()["sessions"]
+        assert [(s["session_id"], s["group"]) for s in members] == [("s", "g1")]
+        assert httpx.get(f"{url}/groups/g2", headers=ADMIN).status_code == 404
+        exported = httpx.get(f"{url}/sessions/s/export", headers=ADMIN).json()
+        assert exported["group"] == "g1"
