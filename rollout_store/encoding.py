@@ -13,6 +13,8 @@ from typing import Any
 
 import msgpack
 
+from . import _core
+
 __all__ = [
     "ECHO_PACKED",
     "EXT_BIGINT",
@@ -121,47 +123,10 @@ def no_echo() -> None:
 TUPLE_MARK = msgpack.ExtType(EXT_TUPLE, b"")
 
 
-class _TupleMark:
-    """What the unpacker yields for TUPLE_MARK; `_list_hook` turns its array into a tuple."""
-
-    __slots__ = ()
-
-
-_MARK = _TupleMark()
-
-
-def _list_hook(items: list[Any]) -> Any:
-    if items and items[0] is _MARK:
-        return tuple(items[1:])
-    return items
-
-
-def _make_hook(blob: BlobLookup, echo: Callable[[], Any] | None) -> Callable[[int, bytes], Any]:
-    def hook(code: int, data: bytes) -> Any:
-        if code == EXT_BLOB:
-            return blob(int.from_bytes(data, "big"))
-        if code == EXT_TUPLE and not data:
-            return _MARK
-        if code == EXT_BIGINT:
-            return int_from_digits(data)
-        if code == EXT_SURROGATE:
-            return data.decode("utf-8", "surrogatepass")
-        if code == EXT_ECHO and echo is not None:
-            return echo()
-        raise ValueError(f"unknown extension type {code}")
-
-    return hook
-
-
 def unpack(data: bytes, blob: BlobLookup, echo: Callable[[], Any] | None = None) -> Any:
-    """Rebuild one packed value: fresh containers, blobs as the table's own `str` objects."""
-    return msgpack.unpackb(
-        data,
-        raw=False,
-        strict_map_key=False,
-        ext_hook=_make_hook(blob, echo),
-        list_hook=_list_hook,
-    )
+    """Rebuild one packed value: fresh containers, blobs as the table's own `str` objects
+    (the engine's rebuild; ValueError for bytes that are not a packed value)."""
+    return _core.unpack(data, blob, echo)
 
 
 def array_header(n: int) -> bytes:
