@@ -51,26 +51,19 @@ class Encoder:
     Not thread-safe: the graph uses it under its lock.
     """
 
-    __slots__ = ("_packer", "blobs", "threshold")
+    __slots__ = ("_packer", "blobs", "last_longest", "last_refs", "threshold")
 
     def __init__(self, blobs: BlobTable | None, threshold: int | None) -> None:
         self.blobs = blobs
         self.threshold = threshold
-        self._packer = _core.Packer(None if blobs is None else blobs.intern, threshold)
-
-    @property
-    def last_refs(self) -> bool:
-        """Whether the last packing holds blob references."""
-        return self._packer.last_refs
-
-    @property
-    def last_longest(self) -> int:
-        """The length of the last packing's longest string held as a reference."""
-        return self._packer.last_longest
+        # made at first use: a graph keeps no packer (nor its buffer) between turns
+        self._packer: _core.Packer | None = None
+        self.last_refs = False  # whether the last packing holds blob references
+        self.last_longest = 0  # the length of its longest string held as a reference
 
     def release(self) -> None:
-        """Let the packing buffer go (the graph's turn is done)."""
-        self._packer.release()
+        """Let the packer go (the graph's turn is done): the next `encode` makes one."""
+        self._packer = None
 
     def encode(self, value: object, path: str) -> tuple[bytes, bool]:
         """The packing of `value` and whether it holds a tuple, a big int or a lone
@@ -79,11 +72,20 @@ class Encoder:
         Raises `InvalidValueError` naming `path` plus the position inside `value`. The caller
         rolls the blob table back when a later step of the same turn fails.
         """
+        packer = self._packer
+        if packer is None:
+            blobs = self.blobs
+            packer = self._packer = _core.Packer(
+                None if blobs is None else blobs.intern, self.threshold
+            )
         try:
-            return self._packer.pack(value)
+            packed = packer.pack(value)
         except _core.RefusedValue as refused:
             message, where = refused.args
             raise InvalidValueError(message, path + where) from None
+        self.last_refs = packer.last_refs
+        self.last_longest = packer.last_longest
+        return packed
 
 
 def encode(
