@@ -13,7 +13,9 @@ from typing import Any
 
 import msgpack
 
-from . import _core
+# the rebuild of a packed value is the engine's: fresh containers, a tuple where one was
+# recorded, blobs as the table's own `str` objects (ValueError for bytes it cannot read)
+from ._core import unpack
 
 __all__ = [
     "ECHO_PACKED",
@@ -121,12 +123,6 @@ def no_echo() -> None:
 
 
 TUPLE_MARK = msgpack.ExtType(EXT_TUPLE, b"")
-
-
-def unpack(data: bytes, blob: BlobLookup, echo: Callable[[], Any] | None = None) -> Any:
-    """Rebuild one packed value: fresh containers, blobs as the table's own `str` objects
-    (the engine's rebuild; ValueError for bytes that are not a packed value)."""
-    return _core.unpack(data, blob, echo)
 
 
 def array_header(n: int) -> bytes:

@@ -15,7 +15,8 @@ from typing import Any
 
 import msgspec
 
-from . import _core
+# MAX_DEPTH: containers nested deeper than this are refused (json.dumps itself fails near 1000)
+from ._core import MAX_DEPTH, Packer, RefusedValue
 from .blobs import BlobTable
 from .errors import InvalidValueError
 
@@ -30,8 +31,6 @@ __all__ = [
     "compact_ids",
 ]
 
-#: Containers nested deeper than this are rejected (json.dumps itself fails near 1000).
-MAX_DEPTH: int = _core.MAX_DEPTH
 
 _INT64_MIN = -(2**63)
 _UINT64_MAX = 2**64 - 1
@@ -57,7 +56,7 @@ class Encoder:
         self.blobs = blobs
         self.threshold = threshold
         # made at first use: a graph keeps no packer (nor its buffer) between turns
-        self._packer: _core.Packer | None = None
+        self._packer: Packer | None = None
         self.last_refs = False  # whether the last packing holds blob references
         self.last_longest = 0  # the length of its longest string held as a reference
 
@@ -75,12 +74,10 @@ class Encoder:
         packer = self._packer
         if packer is None:
             blobs = self.blobs
-            packer = self._packer = _core.Packer(
-                None if blobs is None else blobs.intern, self.threshold
-            )
+            packer = self._packer = Packer(None if blobs is None else blobs.intern, self.threshold)
         try:
             packed = packer.pack(value)
-        except _core.RefusedValue as refused:
+        except RefusedValue as refused:
             message, where = refused.args
             raise InvalidValueError(message, path + where) from None
         self.last_refs = packer.last_refs
