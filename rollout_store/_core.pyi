@@ -33,13 +33,16 @@ class Packer:
 
     def __new__(cls, intern: Callable[[str], Any] | None, threshold: int | None) -> Packer: ...
     @property
+    def last_special(self) -> bool: ...
+    @property
     def last_refs(self) -> bool: ...
     @property
     def last_longest(self) -> int: ...
-    def pack(self, value: Any) -> tuple[bytes, bool]:
-        """The packing of `value` and whether it holds a tuple, a big int or a lone surrogate.
-        `RefusedValue(message, path)` for a bad value; exceptions of `intern` pass through."""
-    def _pack_then_panic(self, value: Any) -> tuple[bytes, bool]:
+    def pack(self, value: Any) -> bytes:
+        """The packing of `value`; `last_special` then tells whether it holds a tuple, a big int
+        or a lone surrogate. `RefusedValue(message, path)` for a bad value; exceptions of
+        `intern` pass through."""
+    def _pack_then_panic(self, value: Any) -> bytes:
         """Tests only: `pack`, then a Rust panic before anything is returned (blobs interned by
         the walk stay interned: the caller's rollback must undo them)."""
     def release(self) -> None:

@@ -23,10 +23,31 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from support import assert_same, assert_same_json, json_like, same
 
-from rollout_store import InvalidValueError, RolloutGraph, TurnNode, _core
+from rollout_store import InvalidValueError, _core
 from rollout_store.blobs import BlobTable
-from rollout_store.encoding import ECHO_PACKED, unpack
-from rollout_store.intake import MAX_DEPTH, Encoder
+from rollout_store.encoding import ECHO_PACKED
+from rollout_store.intake import MAX_DEPTH
+
+unpack = _core.unpack
+
+
+class Encoder:
+    """`intake.Encoder`'s interface over the engine's `Packer` (what the graph will call)."""
+
+    def __init__(self, blobs: BlobTable | None, threshold: int | None) -> None:
+        self._packer = _core.Packer(None if blobs is None else blobs.intern, threshold)
+        self.last_refs = False
+        self.last_longest = 0
+
+    def encode(self, value: Any, path: str) -> tuple[bytes, bool]:
+        try:
+            packed = self._packer.pack(value)
+        except _core.RefusedValue as refused:
+            message, where = refused.args
+            raise InvalidValueError(message, path + where) from None
+        self.last_refs = self._packer.last_refs
+        self.last_longest = self._packer.last_longest
+        return packed, self._packer.last_special
 
 
 class Text(str):
@@ -257,57 +278,11 @@ def test_json_dumps_of_a_rebuild_equals_the_recorded_text() -> None:
     assert json.dumps(unpack(packed, _no_blob)) == text
 
 
-def _state(graph: RolloutGraph) -> Any:
-    return (
-        len(graph),
-        graph.stats(),
-        [
-            (i, json.dumps(graph.request_messages(i)), json.dumps(graph.response_message(i)))
-            for i in graph.node_ids()
-        ],
-    )
-
-
-def test_a_rust_panic_in_the_walk_leaves_the_graph_as_it_was() -> None:
-    graph = RolloutGraph()
-    long = "shared system prompt text " * 20
-    graph.add_turn(
-        TurnNode(
-            request_messages=[
-                {"role": "system", "content": long},
-                {"role": "user", "content": "q"},
-            ],
-            response_message={"role": "assistant", "content": "a"},
-        )
-    )
-    before = _state(graph)
-    encoder = graph._requests._encoder
-
-    class Panicking:
-        last_refs = False
-        last_longest = 0
-
-        def __init__(self, packer: Any) -> None:
-            self.packer = packer
-
-        def pack(self, value: Any) -> Any:
-            return self.packer._pack_then_panic(value)
-
-    encoder._packer = Panicking(_core.Packer(graph.blobs.intern, graph.share_threshold))
-    question = "another question " + "z" * 4000  # long: a blob, interned by the walk
-    node = TurnNode(
-        request_messages=[
-            {"role": "system", "content": long},
-            {"role": "user", "content": question},
-        ],
-        response_message={"role": "assistant", "content": "b"},
-    )
+def test_a_rust_panic_is_a_python_exception_and_the_packer_still_works() -> None:
+    blobs = BlobTable()
+    packer = _core.Packer(blobs.intern, 8)
     with pytest.raises(BaseException) as caught:
-        graph.add_turn(node)
+        packer._pack_then_panic(["a long string here"])
     assert type(caught.value).__name__ == "PanicException"
     assert "panic for tests" in str(caught.value)
-    assert _state(graph) == before
-    assert encoder._packer is None  # let go with the turn: the next one makes its own
-    added = graph.add_turn(node)
-    assert len(graph) == 2
-    assert graph.request_messages(added.node_id)[1]["content"] == question
+    assert packer.pack(["short"]) == b"\x91\xa5short"

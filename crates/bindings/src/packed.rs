@@ -75,6 +75,8 @@ pub struct Packer {
     threshold: Option<usize>,
     ext_type: Py<PyType>,
     #[pyo3(get)]
+    last_special: bool,
+    #[pyo3(get)]
     last_refs: bool,
     #[pyo3(get)]
     last_longest: usize,
@@ -113,19 +115,21 @@ impl Packer {
             threshold: if intern.is_some() { threshold } else { None },
             intern,
             ext_type,
+            last_special: false,
             last_refs: false,
             last_longest: 0,
             buffer: Vec::new(),
         })
     }
 
-    /// The packing of `value` and whether it holds a tuple, a big int or a lone surrogate.
-    /// `RefusedValue(message, path)` for a bad value; exceptions of `intern` pass through.
+    /// The packing of `value`; `last_special` then tells whether it holds a tuple, a big int
+    /// or a lone surrogate. `RefusedValue(message, path)` for a bad value; exceptions of
+    /// `intern` pass through.
     fn pack<'py>(
         &mut self,
         py: Python<'py>,
         value: &Bound<'py, PyAny>,
-    ) -> PyResult<(Bound<'py, PyBytes>, bool)> {
+    ) -> PyResult<Bound<'py, PyBytes>> {
         self.pack_inner(py, value, false)
     }
 
@@ -135,13 +139,26 @@ impl Packer {
         &mut self,
         py: Python<'py>,
         value: &Bound<'py, PyAny>,
-    ) -> PyResult<(Bound<'py, PyBytes>, bool)> {
+    ) -> PyResult<Bound<'py, PyBytes>> {
         self.pack_inner(py, value, true)
     }
 
     /// Let the kept buffer go.
     fn release(&mut self) {
         self.buffer = Vec::new();
+    }
+
+    // the garbage collector sees `intern` (a bound method of the blob table), so a cycle
+    // through a packer is collected
+    fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        if let Some(intern) = &self.intern {
+            visit.call(intern)?;
+        }
+        visit.call(&self.ext_type)
+    }
+
+    fn __clear__(&mut self) {
+        self.intern = None;
     }
 }
 
@@ -151,7 +168,7 @@ impl Packer {
         py: Python<'py>,
         value: &Bound<'py, PyAny>,
         panic: bool,
-    ) -> PyResult<(Bound<'py, PyBytes>, bool)> {
+    ) -> PyResult<Bound<'py, PyBytes>> {
         let intern = self.intern.as_ref().map(|i| i.bind(py));
         let ext_type = self.ext_type.bind(py);
         let mut buffer = std::mem::take(&mut self.buffer);
@@ -184,12 +201,13 @@ impl Packer {
         }
         assert!(!panic, "a panic for tests, after the walk");
         let packed = PyBytes::new(py, &walk.out);
+        self.last_special = walk.special;
         self.last_refs = walk.refs;
         self.last_longest = walk.longest;
         if walk.out.capacity() <= KEEP_BUFFER {
             self.buffer = walk.out;
         }
-        Ok((packed, walk.special))
+        Ok(packed)
     }
 }
 
