@@ -1,12 +1,57 @@
-"""The compiled engine (`rollout_store._core`): content table and exact JSON."""
+"""The compiled engine (`rollout_store._core`): content table, exact JSON, packed values."""
 
+from collections.abc import Callable
 from typing import Any, Final, final
 
-__all__ = ["ContentTable", "dumps", "loads", "DecodeError", "__version__", "DEFAULT_MAX_DEPTH"]
+__all__ = [
+    "ContentTable",
+    "dumps",
+    "loads",
+    "DecodeError",
+    "__version__",
+    "DEFAULT_MAX_DEPTH",
+    "MAX_DEPTH",
+    "Packer",
+    "RefusedValue",
+    "unpack",
+]
 
 __version__: Final[str]
 #: nesting bound of `loads` and `dumps` when none is given
 DEFAULT_MAX_DEPTH: Final[int]
+
+#: containers a recorded value may nest (one more is refused)
+MAX_DEPTH: Final[int]
+
+class RefusedValue(ValueError):
+    """A value the library cannot record: `args` are the message and the path inside the value."""
+
+@final
+class Packer:
+    """Validates and packs values for one graph (not shared between threads: the graph uses it
+    under its lock)."""
+
+    def __new__(cls, intern: Callable[[str], Any] | None, threshold: int | None) -> Packer: ...
+    @property
+    def last_special(self) -> bool: ...
+    @property
+    def last_refs(self) -> bool: ...
+    @property
+    def last_longest(self) -> int: ...
+    def pack(self, value: Any) -> bytes:
+        """The packing of `value`; `last_special` then tells whether it holds a tuple, a big int
+        or a lone surrogate. `RefusedValue(message, path)` for a bad value; exceptions of
+        `intern` pass through."""
+    def _pack_then_panic(self, value: Any) -> bytes:
+        """Tests only: `pack`, then a Rust panic before anything is returned (blobs interned by
+        the walk stay interned: the caller's rollback must undo them)."""
+    def release(self) -> None:
+        """Let the kept buffer go."""
+
+def unpack(data: bytes, blob: Callable[[int], Any], echo: Callable[[], Any] | None = None) -> Any:
+    """Rebuild one packed value: fresh containers, a tuple where one was recorded, each blob
+    reference as what `blob(index)` returns (the table's own `str`), the echo placeholder as
+    what `echo()` returns (refused without one)."""
 
 class DecodeError(ValueError):
     """JSON text that is not JSON (or nested too deeply); `offset` is the byte it was found at."""

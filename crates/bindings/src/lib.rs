@@ -3,6 +3,7 @@
 
 mod content;
 mod json;
+mod packed;
 
 use pyo3::prelude::*;
 
@@ -13,6 +14,13 @@ pyo3::create_exception!(
     "JSON text that is not JSON (or nested too deeply); `offset` is the byte it was found at."
 );
 
+pyo3::create_exception!(
+    rollout_store._core,
+    RefusedValue,
+    pyo3::exceptions::PyValueError,
+    "A value the library cannot record: `args` are the message and the path inside the value."
+);
+
 #[pymodule]
 mod _core {
     #[pymodule_export]
@@ -20,7 +28,12 @@ mod _core {
     #[pymodule_export]
     use super::json::{dumps, loads};
     #[pymodule_export]
-    use super::DecodeError;
+    use super::packed::{unpack, Packer};
+    #[pymodule_export]
+    use super::{DecodeError, RefusedValue};
+
+    #[pymodule_export]
+    const MAX_DEPTH: usize = super::packed::MAX_DEPTH;
 
     #[allow(non_upper_case_globals)]
     #[pymodule_export]

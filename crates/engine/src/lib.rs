@@ -2,7 +2,10 @@
 //!
 //! - [`content`]: each distinct byte string once, keyed by xxh3-128 and confirmed byte for byte;
 //! - [`json`]: exact JSON, parsed as `json.loads` parses bytes and written as `json.dumps`
-//!   writes.
+//!   writes;
+//! - [`packed`]: the packed form of recorded values (msgpack and the library's extension
+//!   types), written and read back.
 
 pub mod content;
 pub mod json;
+pub mod packed;

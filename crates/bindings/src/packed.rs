@@ -1,0 +1,750 @@
+//! Recorded values on Python objects: `Packer` validates a value and packs it (long strings
+//! handed to the graph's blob table as references), `unpack` rebuilds one.
+//!
+//! The walk accepts what the library records: dict, list, tuple, str, int, float, bool and
+//! None, their subclasses read as the base type, dict keys of str, int, float, bool or None.
+//! A bad value raises `RefusedValue(message, path)`, the path inside the value where it is
+//! (`.content[1].image_url`); the path is assembled only while the error propagates, so valid
+//! input pays nothing for it.
+
+use std::collections::HashMap;
+use std::ffi::c_char;
+
+use engine::packed as ep;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyString, PyTuple, PyType};
+
+use crate::RefusedValue;
+
+/// Containers nested deeper than this are refused (`json.dumps` itself fails near 1000).
+pub const MAX_DEPTH: usize = 500;
+
+const TOO_MANY_DIGITS: &str = "an int with more digits than Python writes as text \
+    (sys.get_int_max_str_digits()): json.dumps cannot write it either";
+const CYCLE: &str = "reference cycle (a container contains itself)";
+
+/// A refused value: the message and the path pieces met while unwinding, innermost first.
+struct Bad {
+    message: String,
+    trail: Vec<String>,
+    /// for a cycle: how many of the outermost pieces name the place where it closes
+    keep: Option<usize>,
+}
+
+enum Fail {
+    Bad(Box<Bad>),
+    Py(PyErr),
+}
+
+impl From<PyErr> for Fail {
+    fn from(err: PyErr) -> Self {
+        Fail::Py(err)
+    }
+}
+
+fn bad(message: String) -> Fail {
+    Fail::Bad(Box::new(Bad {
+        message,
+        trail: Vec::new(),
+        keep: None,
+    }))
+}
+
+/// Adds a path piece to a refusal on its way out.
+fn within(fail: Fail, piece: impl FnOnce() -> PyResult<String>) -> Fail {
+    match fail {
+        Fail::Bad(mut b) => match piece() {
+            Ok(p) => {
+                b.trail.push(p);
+                Fail::Bad(b)
+            }
+            Err(err) => Fail::Py(err),
+        },
+        py @ Fail::Py(_) => py,
+    }
+}
+
+/// Validates and packs values for one graph (not shared between threads: the graph uses it
+/// under its lock).
+#[pyclass(module = "rollout_store._core")]
+pub struct Packer {
+    /// `blobs.intern`, or None: every string inline (the canonical plain packing)
+    intern: Option<Py<PyAny>>,
+    threshold: Option<usize>,
+    ext_type: Py<PyType>,
+    #[pyo3(get)]
+    last_special: bool,
+    #[pyo3(get)]
+    last_refs: bool,
+    #[pyo3(get)]
+    last_longest: usize,
+    /// a buffer kept from one packing to the next while it stays small
+    buffer: Vec<u8>,
+}
+
+/// A packing buffer larger than this is not kept between packings.
+const KEEP_BUFFER: usize = 1 << 12;
+
+struct Walk<'p> {
+    intern: Option<&'p Bound<'p, PyAny>>,
+    threshold: Option<usize>,
+    ext_type: &'p Bound<'p, PyType>,
+    out: Vec<u8>,
+    special: bool,
+    refs: bool,
+    longest: usize,
+    /// containers being walked, outermost first (for the cycle report)
+    open: Vec<usize>,
+}
+
+#[pymethods]
+impl Packer {
+    /// `intern`: the blob table's `intern` (str -> handle with `index` and `surrogates`), or
+    /// None for plain packings; `threshold`: strings of this many code points or more go there.
+    #[new]
+    #[pyo3(signature = (intern, threshold))]
+    fn new(py: Python<'_>, intern: Option<Py<PyAny>>, threshold: Option<usize>) -> PyResult<Self> {
+        let ext_type = py
+            .import("msgpack")?
+            .getattr("ExtType")?
+            .cast_into::<PyType>()?
+            .unbind();
+        Ok(Self {
+            threshold: if intern.is_some() { threshold } else { None },
+            intern,
+            ext_type,
+            last_special: false,
+            last_refs: false,
+            last_longest: 0,
+            buffer: Vec::new(),
+        })
+    }
+
+    /// The packing of `value`; `last_special` then tells whether it holds a tuple, a big int
+    /// or a lone surrogate. `RefusedValue(message, path)` for a bad value; exceptions of
+    /// `intern` pass through.
+    fn pack<'py>(
+        &mut self,
+        py: Python<'py>,
+        value: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        self.pack_inner(py, value, false)
+    }
+
+    /// Tests only: `pack`, then a Rust panic before anything is returned (blobs interned by
+    /// the walk stay interned: the caller's rollback must undo them).
+    fn _pack_then_panic<'py>(
+        &mut self,
+        py: Python<'py>,
+        value: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        self.pack_inner(py, value, true)
+    }
+
+    /// Let the kept buffer go.
+    fn release(&mut self) {
+        self.buffer = Vec::new();
+    }
+
+    // the garbage collector sees `intern` (a bound method of the blob table), so a cycle
+    // through a packer is collected
+    fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        if let Some(intern) = &self.intern {
+            visit.call(intern)?;
+        }
+        visit.call(&self.ext_type)
+    }
+
+    fn __clear__(&mut self) {
+        self.intern = None;
+    }
+}
+
+impl Packer {
+    fn pack_inner<'py>(
+        &mut self,
+        py: Python<'py>,
+        value: &Bound<'py, PyAny>,
+        panic: bool,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let intern = self.intern.as_ref().map(|i| i.bind(py));
+        let ext_type = self.ext_type.bind(py);
+        let mut buffer = std::mem::take(&mut self.buffer);
+        buffer.clear();
+        let mut walk = Walk {
+            intern,
+            threshold: self.threshold,
+            ext_type,
+            out: buffer,
+            special: false,
+            refs: false,
+            longest: 0,
+            open: Vec::new(),
+        };
+        match walk.value(value, 0) {
+            Ok(()) => {}
+            Err(Fail::Py(err)) => return Err(err),
+            Err(Fail::Bad(b)) => {
+                let Bad {
+                    message,
+                    mut trail,
+                    keep,
+                } = *b;
+                if let Some(keep) = keep {
+                    trail.drain(..trail.len().saturating_sub(keep));
+                }
+                let path: String = trail.iter().rev().map(String::as_str).collect();
+                return Err(RefusedValue::new_err((message, path)));
+            }
+        }
+        assert!(!panic, "a panic for tests, after the walk");
+        let packed = PyBytes::new(py, &walk.out);
+        self.last_special = walk.special;
+        self.last_refs = walk.refs;
+        self.last_longest = walk.longest;
+        if walk.out.capacity() <= KEEP_BUFFER {
+            self.buffer = walk.out;
+        }
+        Ok(packed)
+    }
+}
+
+fn type_of(obj: &Bound<'_, PyAny>) -> *mut ffi::PyTypeObject {
+    // SAFETY: a live object's type pointer, compared only
+    unsafe { ffi::Py_TYPE(obj.as_ptr()) }
+}
+
+impl Walk<'_> {
+    fn value(&mut self, v: &Bound<'_, PyAny>, depth: usize) -> Result<(), Fail> {
+        let ty = type_of(v);
+        // addresses of the interpreter's static type objects, compared only
+        let (str_t, bool_t, float_t, int_t) = (
+            &raw mut ffi::PyUnicode_Type,
+            &raw mut ffi::PyBool_Type,
+            &raw mut ffi::PyFloat_Type,
+            &raw mut ffi::PyLong_Type,
+        );
+        if ty == str_t {
+            return self.string(v.cast::<PyString>().map_err(PyErr::from)?);
+        }
+        if v.is_none() {
+            ep::write_nil(&mut self.out);
+        } else if ty == bool_t {
+            ep::write_bool(v.is_truthy()?, &mut self.out);
+        } else if ty == float_t {
+            // SAFETY: an exact float
+            ep::write_float(unsafe { ffi::PyFloat_AS_DOUBLE(v.as_ptr()) }, &mut self.out);
+        } else if ty == int_t {
+            self.integer(v)?;
+        } else if ty == self.ext_type.as_type_ptr() {
+            return Err(bad(
+                "value of type ExtType cannot be represented in JSON".into()
+            ));
+        } else if let Ok(dict) = v.cast::<PyDict>() {
+            self.enter(v, depth)?;
+            self.dict(dict, depth + 1)?;
+            self.open.pop();
+        } else if let Ok(list) = v.cast::<PyList>() {
+            self.enter(v, depth)?;
+            if v.is_exact_instance_of::<PyList>() {
+                self.items(list.iter(), list.len(), false, depth + 1)?;
+            } else {
+                let items: Vec<_> = v.try_iter()?.collect::<PyResult<_>>()?;
+                let n = items.len();
+                self.items(items.into_iter(), n, false, depth + 1)?;
+            }
+            self.open.pop();
+        } else if let Ok(tuple) = v.cast::<PyTuple>() {
+            self.enter(v, depth)?;
+            if v.is_exact_instance_of::<PyTuple>() {
+                self.items(tuple.iter(), tuple.len(), true, depth + 1)?;
+            } else {
+                let items: Vec<_> = v.try_iter()?.collect::<PyResult<_>>()?;
+                let n = items.len();
+                self.items(items.into_iter(), n, true, depth + 1)?;
+            }
+            self.open.pop();
+        } else if v.is_instance_of::<PyString>() {
+            let exact = exact_str(v)?;
+            return self.string(&exact);
+        } else if v.is_instance_of::<PyInt>() {
+            let exact = exact_int(v)?;
+            self.integer(&exact)?;
+        } else if let Ok(f) = v.cast::<pyo3::types::PyFloat>() {
+            ep::write_float(f.value(), &mut self.out);
+        } else {
+            return Err(bad(not_json(v)?));
+        }
+        Ok(())
+    }
+
+    /// Checks before a container at `depth` is walked.
+    fn enter(&mut self, v: &Bound<'_, PyAny>, depth: usize) -> Result<(), Fail> {
+        if depth >= MAX_DEPTH {
+            // only a structure this deep can be circular: report where the cycle closes
+            let open = &self.open;
+            for cut in 0..open.len() {
+                if open[..cut].contains(&open[cut]) {
+                    return Err(Fail::Bad(Box::new(Bad {
+                        message: CYCLE.into(),
+                        trail: Vec::new(),
+                        keep: Some(cut),
+                    })));
+                }
+            }
+            return Err(bad(format!("nesting deeper than {MAX_DEPTH} levels")));
+        }
+        self.open.push(v.as_ptr() as usize);
+        Ok(())
+    }
+
+    fn items<'py>(
+        &mut self,
+        items: impl Iterator<Item = Bound<'py, PyAny>>,
+        n: usize,
+        tuple: bool,
+        depth: usize,
+    ) -> Result<(), Fail> {
+        if tuple {
+            self.special = true;
+            ep::write_array_header(n + 1, &mut self.out);
+            ep::write_tuple_mark(&mut self.out);
+        } else {
+            ep::write_array_header(n, &mut self.out);
+        }
+        let mut count = 0;
+        for (i, item) in items.enumerate() {
+            self.value(&item, depth)
+                .map_err(|fail| within(fail, || Ok(format!("[{i}]"))))?;
+            count += 1;
+        }
+        if count != n {
+            return Err(PyRuntimeError::new_err("list changed size during iteration").into());
+        }
+        Ok(())
+    }
+
+    fn dict(&mut self, dict: &Bound<'_, PyDict>, depth: usize) -> Result<(), Fail> {
+        let members: Vec<(Bound<'_, PyAny>, Bound<'_, PyAny>)> =
+            if dict.is_exact_instance_of::<PyDict>() {
+                dict.iter().collect()
+            } else {
+                // a subclass is read through its own items(), as the walk always has
+                let mut members = Vec::new();
+                for pair in dict.call_method0("items")?.try_iter()? {
+                    members.push(pair?.extract()?);
+                }
+                members
+            };
+        ep::write_map_header(members.len(), &mut self.out);
+        for (k, item) in &members {
+            self.key(k)?;
+            self.value(item, depth)
+                .map_err(|fail| within(fail, || key_piece(k)))?;
+        }
+        Ok(())
+    }
+
+    fn key(&mut self, k: &Bound<'_, PyAny>) -> Result<(), Fail> {
+        if let Ok(s) = k.cast_exact::<PyString>() {
+            if let Some(ascii) = ascii_bytes(s) {
+                ep::write_str(ascii, &mut self.out);
+                return Ok(());
+            }
+            return self.string(s);
+        }
+        if k.is_instance_of::<PyString>() {
+            return self.string(&exact_str(k)?);
+        }
+        if k.is_none() {
+            ep::write_nil(&mut self.out);
+        } else if let Ok(b) = k.cast_exact::<pyo3::types::PyBool>() {
+            ep::write_bool(b.is_true(), &mut self.out);
+        } else if k.is_instance_of::<PyInt>() {
+            self.integer(&exact_int(k)?)?;
+        } else if let Ok(f) = k.cast::<pyo3::types::PyFloat>() {
+            ep::write_float(f.value(), &mut self.out);
+        } else {
+            let name = k.get_type().name()?;
+            return Err(bad(format!(
+                "dict key of type {name} (JSON keys are str, int, float, bool, None)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// An exact int: its smallest msgpack form, or `EXT_BIGINT` beyond 64 bits.
+    fn integer(&mut self, n: &Bound<'_, PyAny>) -> Result<(), Fail> {
+        if let Ok(small) = n.extract::<i64>() {
+            ep::write_int(small, &mut self.out);
+        } else if let Ok(big) = n.extract::<u64>() {
+            ep::write_uint(big, &mut self.out);
+        } else {
+            let text = match n.str() {
+                Ok(text) => text,
+                Err(err) if err.is_instance_of::<PyValueError>(n.py()) => {
+                    return Err(bad(TOO_MANY_DIGITS.into()))
+                }
+                Err(err) => return Err(err.into()),
+            };
+            self.special = true;
+            ep::write_ext(ep::EXT_BIGINT, text.to_str()?.as_bytes(), &mut self.out);
+        }
+        Ok(())
+    }
+
+    /// An exact str: a blob reference when long, else inline (`EXT_SURROGATE` with a lone
+    /// surrogate).
+    fn string(&mut self, s: &Bound<'_, PyString>) -> Result<(), Fail> {
+        // SAFETY: a live exact str
+        let len = usize::try_from(unsafe { ffi::PyUnicode_GET_LENGTH(s.as_ptr()) }).unwrap_or(0);
+        if let (Some(threshold), Some(intern)) = (self.threshold, self.intern) {
+            if len >= threshold {
+                let handle = intern.call1((s,))?;
+                let index: u32 = handle.getattr("index")?.extract()?;
+                if handle.getattr("surrogates")?.is_truthy()? {
+                    self.special = true; // its plain packing is an EXT_SURROGATE
+                }
+                self.refs = true;
+                self.longest = self.longest.max(len);
+                ep::write_blob_ref(index, &mut self.out);
+                return Ok(());
+            }
+        }
+        if let Some(ascii) = ascii_bytes(s) {
+            ep::write_str(ascii, &mut self.out);
+            return Ok(());
+        }
+        let mut bytes = Vec::with_capacity(len * 2);
+        let surrogates = utf8_of(s, &mut bytes);
+        if surrogates {
+            self.special = true;
+            ep::write_ext(ep::EXT_SURROGATE, &bytes, &mut self.out);
+        } else {
+            ep::write_str(&bytes, &mut self.out);
+        }
+        Ok(())
+    }
+}
+
+/// An ASCII str's bytes (its storage), or None.
+fn ascii_bytes<'a>(s: &'a Bound<'_, PyString>) -> Option<&'a [u8]> {
+    let ptr = s.as_ptr();
+    // SAFETY: a live str: its ASCII storage is its bytes, valid while `s` is borrowed (a str
+    // never changes)
+    unsafe {
+        if ffi::PyUnicode_IS_ASCII(ptr) == 0 {
+            return None;
+        }
+        let len = usize::try_from(ffi::PyUnicode_GET_LENGTH(ptr)).ok()?;
+        Some(std::slice::from_raw_parts(
+            ffi::PyUnicode_DATA(ptr).cast::<u8>(),
+            len,
+        ))
+    }
+}
+
+/// Generalized UTF-8 of a str (every code point on its own: `surrogatepass`) into `out`;
+/// whether it holds a surrogate.
+fn utf8_of(s: &Bound<'_, PyString>, out: &mut Vec<u8>) -> bool {
+    let ptr = s.as_ptr();
+    let mut surrogates = false;
+    let mut push = |cp: u32| {
+        if let Some(c) = char::from_u32(cp) {
+            let mut buf = [0; 4];
+            out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+        } else {
+            surrogates = true;
+            out.extend_from_slice(&[
+                0xE0 | (cp >> 12) as u8,
+                0x80 | ((cp >> 6) & 0x3F) as u8,
+                0x80 | (cp & 0x3F) as u8,
+            ]);
+        }
+    };
+    // SAFETY: a live str's canonical storage, read under the GIL
+    unsafe {
+        let len = usize::try_from(ffi::PyUnicode_GET_LENGTH(ptr)).unwrap_or(0);
+        let data = ffi::PyUnicode_DATA(ptr);
+        match ffi::PyUnicode_KIND(ptr) {
+            1 => std::slice::from_raw_parts(data.cast::<u8>(), len)
+                .iter()
+                .for_each(|&u| push(u32::from(u))),
+            2 => std::slice::from_raw_parts(data.cast::<u16>(), len)
+                .iter()
+                .for_each(|&u| push(u32::from(u))),
+            _ => std::slice::from_raw_parts(data.cast::<u32>(), len)
+                .iter()
+                .for_each(|&u| push(u)),
+        }
+    }
+    surrogates
+}
+
+/// `str.__str__(v)`: the exact str a subclass holds.
+fn exact_str<'py>(v: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
+    // SAFETY: a new reference or NULL with an exception set
+    unsafe {
+        Bound::from_owned_ptr_or_err(v.py(), ffi::PyUnicode_FromObject(v.as_ptr()))?
+            .cast_into::<PyString>()
+            .map_err(PyErr::from)
+    }
+}
+
+/// `operator.index(v)`: the exact int an int subclass holds.
+fn exact_int<'py>(v: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    // SAFETY: a new reference or NULL with an exception set
+    unsafe { Bound::from_owned_ptr_or_err(v.py(), ffi::PyNumber_Index(v.as_ptr())) }
+}
+
+/// The path piece of dict key `k`: `.name` for an identifier, else `[repr]`.
+fn key_piece(k: &Bound<'_, PyAny>) -> PyResult<String> {
+    if k.is_instance_of::<PyString>() && k.call_method0("isidentifier")?.is_truthy()? {
+        return Ok(format!(".{}", k.str()?.to_str()?));
+    }
+    Ok(format!("[{}]", k.repr()?.to_str()?))
+}
+
+/// Why `v` is refused, and what to pass instead (for the objects people pass by mistake).
+fn not_json(v: &Bound<'_, PyAny>) -> PyResult<String> {
+    let t = v.get_type();
+    let name = t.name()?;
+    let callable = |attr: &str| -> PyResult<bool> {
+        Ok(match v.getattr(attr) {
+            Ok(a) => a.is_callable(),
+            Err(_) => false,
+        })
+    };
+    if callable("model_dump")? {
+        return Ok(format!(
+            "a pydantic model ({name}) is not a JSON value: pass what the SDK would send, \
+             `value.model_dump(mode=\"json\", exclude_unset=True)`"
+        ));
+    }
+    if callable("dict")? && t.hasattr("__fields__")? {
+        return Ok(format!(
+            "a pydantic model ({name}) is not a JSON value: pass `json.loads(value.json())`"
+        ));
+    }
+    let module: String = t.getattr("__module__")?.str()?.extract()?;
+    if module.split('.').next() == Some("numpy") {
+        let ndim = match v.getattr("ndim") {
+            Ok(n) => n.gt(0)?,
+            Err(_) => false,
+        };
+        if ndim {
+            return Ok(format!(
+                "a numpy array ({name}) is not a JSON value: pass `value.tolist()`"
+            ));
+        }
+        return Ok(format!(
+            "a numpy value ({name}) is not a JSON value: pass `value.item()`"
+        ));
+    }
+    if t.hasattr("__dataclass_fields__")? {
+        return Ok(format!(
+            "a dataclass ({name}) is not a JSON value: pass `dataclasses.asdict(value)`"
+        ));
+    }
+    Ok(format!(
+        "value of type {name} cannot be represented in JSON"
+    ))
+}
+
+// ---------------------------------------------------------------------------- rebuild
+
+/// Keys up to this many bytes are made once per rebuilt value and shared.
+const SHARED_KEY_LEN: usize = 64;
+/// Digits one `int()` call converts: below the lowest limit Python allows.
+const CHUNK_DIGITS: usize = 600;
+
+struct Rebuild<'py, 'a> {
+    py: Python<'py>,
+    blob: &'a Bound<'py, PyAny>,
+    echo: Option<&'a Bound<'py, PyAny>>,
+    keys: HashMap<&'a [u8], Bound<'py, PyAny>>,
+}
+
+fn damaged(e: &ep::UnpackError) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+impl<'py, 'a> Rebuild<'py, 'a> {
+    fn item(&mut self, reader: &mut ep::Reader<'a>, depth: usize) -> PyResult<Bound<'py, PyAny>> {
+        let at = reader.pos();
+        let py = self.py;
+        Ok(match reader.next_item().map_err(|e| damaged(&e))? {
+            ep::Item::Nil => py.None().into_bound(py),
+            ep::Item::Bool(b) => pyo3::types::PyBool::new(py, b).to_owned().into_any(),
+            ep::Item::Int(n) => n.into_pyobject(py)?.into_any(),
+            ep::Item::UInt(n) => n.into_pyobject(py)?.into_any(),
+            ep::Item::Float(f) => pyo3::types::PyFloat::new(py, f).into_any(),
+            ep::Item::Str(bytes) => new_str(py, bytes)?,
+            ep::Item::Bin(bytes) => PyBytes::new(py, bytes).into_any(),
+            ep::Item::Ext(code, payload) => self.ext(code, payload, at)?,
+            ep::Item::Array(n) => {
+                if depth >= ep::MAX_UNPACK_DEPTH {
+                    return Err(PyValueError::new_err(format!(
+                        "nested too deeply (at byte {at})"
+                    )));
+                }
+                let mut items = Vec::with_capacity(n);
+                let mut tuple = false;
+                for i in 0..n {
+                    if i == 0 && reader.peek_is_tuple_mark() {
+                        reader.next_item().map_err(|e| damaged(&e))?;
+                        tuple = true;
+                        continue;
+                    }
+                    items.push(self.item(reader, depth + 1)?);
+                }
+                if tuple {
+                    PyTuple::new(py, items)?.into_any()
+                } else {
+                    PyList::new(py, items)?.into_any()
+                }
+            }
+            ep::Item::Map(n) => {
+                if depth >= ep::MAX_UNPACK_DEPTH {
+                    return Err(PyValueError::new_err(format!(
+                        "nested too deeply (at byte {at})"
+                    )));
+                }
+                let dict = PyDict::new(py);
+                for _ in 0..n {
+                    let key = self.key(reader, depth)?;
+                    let value = self.item(reader, depth + 1)?;
+                    dict.set_item(key, value)?;
+                }
+                dict.into_any()
+            }
+        })
+    }
+
+    fn key(&mut self, reader: &mut ep::Reader<'a>, depth: usize) -> PyResult<Bound<'py, PyAny>> {
+        let mut ahead = reader.clone();
+        if let Ok(ep::Item::Str(bytes)) = ahead.next_item() {
+            if bytes.len() <= SHARED_KEY_LEN {
+                *reader = ahead;
+                if let Some(shared) = self.keys.get(bytes) {
+                    return Ok(shared.clone());
+                }
+                let made = new_str(self.py, bytes)?;
+                self.keys.insert(bytes, made.clone());
+                return Ok(made);
+            }
+        }
+        self.item(reader, depth + 1)
+    }
+
+    fn ext(&mut self, code: i8, payload: &[u8], at: usize) -> PyResult<Bound<'py, PyAny>> {
+        let py = self.py;
+        match code {
+            ep::EXT_BLOB if payload.len() <= 8 => {
+                let mut index = [0u8; 8];
+                index[8 - payload.len()..].copy_from_slice(payload);
+                self.blob.call1((u64::from_be_bytes(index),))
+            }
+            ep::EXT_BIGINT => big_int(py, payload),
+            ep::EXT_SURROGATE => decode_utf8(py, payload, c"surrogatepass"),
+            ep::EXT_ECHO if self.echo.is_some() => self
+                .echo
+                .map_or_else(|| Ok(py.None().into_bound(py)), PyAnyMethods::call0),
+            _ => Err(PyValueError::new_err(format!(
+                "unknown extension type {code} (at byte {at})"
+            ))),
+        }
+    }
+}
+
+/// The int an `EXT_BIGINT` payload spells, whatever `sys.get_int_max_str_digits()` is: in
+/// pieces of at most `CHUNK_DIGITS` digits (a file written where the limit was raised reads
+/// as it was written).
+fn big_int<'py>(py: Python<'py>, text: &[u8]) -> PyResult<Bound<'py, PyAny>> {
+    let int = py.get_type::<PyInt>();
+    if text.len() <= CHUNK_DIGITS {
+        return int.call1((PyBytes::new(py, text),));
+    }
+    if !ep::is_decimal(text) {
+        return Err(PyValueError::new_err(
+            "a big int that is not a decimal number",
+        ));
+    }
+    let (negative, digits) = match text.strip_prefix(b"-") {
+        Some(rest) => (true, rest),
+        None => (false, text),
+    };
+    let mut value = int.call1((0,))?;
+    for chunk in digits.chunks(CHUNK_DIGITS) {
+        let scale = 10u8.into_pyobject(py)?.pow(chunk.len(), py.None())?;
+        value = value
+            .mul(scale)?
+            .add(int.call1((PyBytes::new(py, chunk),))?)?;
+    }
+    if negative {
+        value = value.neg()?;
+    }
+    Ok(value)
+}
+
+fn decode_utf8<'py>(
+    py: Python<'py>,
+    bytes: &[u8],
+    errors: &std::ffi::CStr,
+) -> PyResult<Bound<'py, PyAny>> {
+    let len = isize::try_from(bytes.len())?;
+    // SAFETY: the pointer and length describe a live byte slice; the result is a new
+    // reference or NULL with an exception set
+    unsafe {
+        let ptr = ffi::PyUnicode_DecodeUTF8(bytes.as_ptr().cast::<c_char>(), len, errors.as_ptr());
+        Bound::from_owned_ptr_or_err(py, ptr)
+    }
+}
+
+/// A str from UTF-8 bytes (ASCII written straight into a new str).
+fn new_str<'py>(py: Python<'py>, bytes: &[u8]) -> PyResult<Bound<'py, PyAny>> {
+    if bytes.is_ascii() {
+        let len = isize::try_from(bytes.len())?;
+        // SAFETY: PyUnicode_New gives a new ASCII str of `len` code units (NULL with an
+        // exception set on failure), written in full here before anyone else sees it.
+        unsafe {
+            let ptr = ffi::PyUnicode_New(len, 127);
+            if !ptr.is_null() {
+                let data = ffi::PyUnicode_DATA(ptr).cast::<u8>();
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), data, bytes.len());
+            }
+            return Bound::from_owned_ptr_or_err(py, ptr);
+        }
+    }
+    decode_utf8(py, bytes, c"strict")
+}
+
+/// Rebuild one packed value: fresh containers, a tuple where one was recorded, each blob
+/// reference as what `blob(index)` returns (the table's own `str`), the echo placeholder as
+/// what `echo()` returns (refused without one).
+#[pyfunction]
+#[pyo3(signature = (data, blob, echo = None))]
+pub fn unpack<'py>(
+    py: Python<'py>,
+    data: &[u8],
+    blob: &Bound<'py, PyAny>,
+    echo: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let mut rebuild = Rebuild {
+        py,
+        blob,
+        echo,
+        keys: HashMap::new(),
+    };
+    let mut reader = ep::Reader::new(data);
+    let value = rebuild.item(&mut reader, 0)?;
+    if !reader.at_end() {
+        return Err(PyValueError::new_err(format!(
+            "{} bytes after the value",
+            data.len() - reader.pos()
+        )));
+    }
+    Ok(value)
+}
