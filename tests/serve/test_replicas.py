@@ -209,7 +209,9 @@ def test_sessions_stay_whole_on_one_replica_through_haproxy(tmp_path: Path) -> N
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.2)
-            assert json.dumps(doc["turns"]) == json.dumps(before[sid]), sid
+            # every acknowledged turn, byte for byte; timelines are written in batches (a
+            # crash may lose the last ones, never a turn: docs/format.md), so not compared
+            assert json.dumps(_untimed(doc["turns"])) == json.dumps(_untimed(before[sid])), sid
 
         # memory per idle session: RSS of a replica around 1,000 sessions of one turn each
         target = replicas[1]
@@ -252,3 +254,8 @@ def test_sessions_stay_whole_on_one_replica_through_haproxy(tmp_path: Path) -> N
                 replica.process.kill()
         stub.kill()
         redis.stop()
+
+
+def _untimed(turns: list[Any]) -> list[Any]:
+    """The turns without their `timeline` key."""
+    return [{k: v for k, v in turn.items() if k != "timeline"} for turn in turns]
