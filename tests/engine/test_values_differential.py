@@ -1,6 +1,6 @@
-"""The engine's value intake and rebuild against the former pure-Python ones, byte for byte.
+"""The engine's value intake and rebuild against the package's Python ones, byte for byte.
 
-`_core.Packer` (through `intake.Encoder`) must pack every value exactly as the Python walk
+`_core.Packer` (through this file's `Encoder`) must pack every value exactly as the Python walk
 and msgpack did (the stored format is unchanged), intern the same long strings in the same
 order, and refuse every bad value with the same error class, message and path;
 `_core.unpack` must rebuild what msgpack's rebuild did, blobs as the table's own objects.
@@ -18,12 +18,13 @@ import msgpack
 import numpy as np
 import pydantic
 import pytest
-import reference_values as reference
 from hypothesis import example, given
 from hypothesis import strategies as st
 from support import assert_same, assert_same_json, json_like, same
 
 from rollout_store import InvalidValueError, _core
+from rollout_store import encoding as reference_unpack
+from rollout_store import intake as reference_intake
 from rollout_store.blobs import BlobTable
 from rollout_store.encoding import ECHO_PACKED
 from rollout_store.intake import MAX_DEPTH
@@ -96,7 +97,7 @@ def _both(value: Any, threshold: int | None) -> tuple[Any, Any]:
     """(engine, reference) results of packing `value`: packing, special, refs, longest and
     the blob table's strings, or the error's (class, message, path)."""
     results = []
-    for make in (Encoder, reference.Encoder):
+    for make in (Encoder, reference_intake.Encoder):
         blobs = BlobTable() if threshold is not None else None
         encoder = make(blobs, threshold)
         try:
@@ -117,7 +118,7 @@ def _check_packing(value: Any, threshold: int | None) -> None:
         packed, blobs = ours[0], ours[5]
         string = blobs.string if blobs is not None else None
         rebuilt = unpack(packed, string or _no_blob)
-        assert_same(rebuilt, reference.unpack(packed, string or _no_blob))
+        assert_same(rebuilt, reference_unpack.unpack(packed, string or _no_blob))
         assert_same_json(rebuilt, value)
 
 
@@ -253,7 +254,7 @@ def test_damaged_bytes_raise_value_error(data: bytes) -> None:
     with pytest.raises(ValueError):
         unpack(data, _no_blob)
     with pytest.raises(ValueError):
-        reference.unpack(data, _no_blob)
+        reference_unpack.unpack(data, _no_blob)
 
 
 def test_big_ints_beyond_the_digit_limit_rebuild_as_written() -> None:
@@ -265,7 +266,7 @@ def test_big_ints_beyond_the_digit_limit_rebuild_as_written() -> None:
     finally:
         sys.set_int_max_str_digits(old)
     assert special
-    assert unpack(packed, _no_blob) == [n, -n] == reference.unpack(packed, _no_blob)
+    assert unpack(packed, _no_blob) == [n, -n] == reference_unpack.unpack(packed, _no_blob)
 
 
 def test_json_dumps_of_a_rebuild_equals_the_recorded_text() -> None:
