@@ -20,26 +20,13 @@ import anthropic
 import httpx
 import openai
 import pytest
-from capture_support import ADMIN, ADMIN_KEY, auth, export, new_session, serve_app
+from capture_support import ADMIN, ADMIN_KEY, Counting, auth, export, new_session, serve_app
 
 from rollout_store import DirectoryStore, MemoryStore, RolloutGraph, export_session
 from rollout_store.server import create_app, open_store, upstream_body
 from rollout_store.stub_engine import chat_response, create_stub_app, logprob_of, prompt_ids_for
 
 IMAGE = "data:image/png;base64," + "iVBORw0KGgo" * 2000
-
-
-class Counting:
-    """An ASGI wrapper counting the requests that reach the stub."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.calls = 0
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            self.calls += 1
-        await self.app(scope, receive, send)
 
 
 @pytest.fixture(scope="module")

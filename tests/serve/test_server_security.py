@@ -29,6 +29,7 @@ from capture_support import (
     ADMIN,
     ADMIN_KEY,
     WAIT_S,
+    Counting,
     new_session,
     serve_app,
     start_server_process,
@@ -41,19 +42,6 @@ from rollout_store.hosts import allowed_hosts, host_allowed, host_name, origin_a
 from rollout_store.server import add_serve_arguments, create_app
 from rollout_store.sessions import DataDirectoryInUseError, Sessions
 from rollout_store.stub_engine import create_stub_app
-
-
-class Counting:
-    """An ASGI wrapper counting the requests that reach the stub."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.calls = 0
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            self.calls += 1
-        await self.app(scope, receive, send)
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,19 @@ def auth(session_id: str) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"} if key is not None else ADMIN
 
 
+class Counting:
+    """An ASGI wrapper counting the requests that reach the stub."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.calls = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            self.calls += 1
+        await self.app(scope, receive, send)
+
+
 @contextlib.contextmanager
 def serve_app(app: Any) -> Iterator[str]:
     """Serve `app` with uvicorn in a thread on a free loopback port; yields its base URL."""
