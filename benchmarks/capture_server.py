@@ -104,7 +104,7 @@ from measure import (  # noqa: E402
 )
 from workloads import UniqueContent  # noqa: E402
 
-from rollout_store.loopback import stop_process  # noqa: E402
+from rollout_store.serve.loopback import stop_process  # noqa: E402
 
 SESSIONS, TURNS = 16, 20
 #: `--ack-rows`: the session counts, and the targets (ms) of each ack mode at 16 sessions.
@@ -210,8 +210,8 @@ def baseline_app(upstream: str, keep: bool) -> Any:
 def serve_baseline(argv: list[str]) -> int:
     import uvicorn
 
-    from rollout_store.idle_trim import with_idle_trim
-    from rollout_store.server import TRIM_IDLE_SECONDS, listen_socket
+    from rollout_store.serve.idle_trim import with_idle_trim
+    from rollout_store.serve.server import TRIM_IDLE_SECONDS, listen_socket
 
     upstream, mode = argv
     sock = listen_socket("127.0.0.1", 0)
@@ -552,7 +552,7 @@ def traced_sessions(bodies: list[dict[str, Any]], sites: int = 0) -> int:
     dropped inside `_record_call`, as the server drops it after `add_turn`: a node left in a
     local variable here would count the last request's body (the screenshot again) as
     retained. Through the server the figure is the same within a few KiB."""
-    from rollout_store.sessions import Sessions
+    from rollout_store.serve.sessions import Sessions
 
     rollouts: dict[int, list[dict[str, Any]]] = {}
     for body in bodies:
@@ -582,7 +582,7 @@ def memory_only(rounds: int, sites: int) -> int:
     """The memory runs alone (see the docstring): each round a fresh server per scheme."""
     schemes = ["rollout_store", "forward-only"]
     stub = Child(
-        ["-m", "rollout_store.stub_engine", "--port", "0", "--latency-ms", "0"], malloc=False
+        ["-m", "rollout_store.serve.stub_engine", "--port", "0", "--latency-ms", "0"], malloc=False
     )
     bodies: dict[str, list[dict[str, Any]]] = {g: [] for g in GROUPS}
     rss: dict[str, dict[str, list[int]]] = {g: {s: [] for s in schemes} for g in GROUPS}
@@ -638,7 +638,7 @@ def latency_only(rounds: int, engine_ms: float) -> int:
     machine's noise shows as their spread); the null pair each round. Writes nothing."""
     schemes = ["rollout_store", "forward-only"]
     stub = Child(
-        ["-m", "rollout_store.stub_engine", "--port", "0", "--latency-ms", str(engine_ms)]
+        ["-m", "rollout_store.serve.stub_engine", "--port", "0", "--latency-ms", str(engine_ms)]
         + ["--jitter", str(ENGINE_JITTER)],
         malloc=False,
     )
@@ -682,7 +682,7 @@ def ack_rows(rounds: int, engine_ms: float, turns: int) -> int:
     ACK_SESSIONS, a fresh server each run (see the docstring). Writes nothing."""
     schemes = ["ack-durable", "ack-fast", "forward-only"]
     stub = Child(
-        ["-m", "rollout_store.stub_engine", "--port", "0", "--latency-ms", str(engine_ms)]
+        ["-m", "rollout_store.serve.stub_engine", "--port", "0", "--latency-ms", str(engine_ms)]
         + ["--jitter", str(ENGINE_JITTER)],
         malloc=False,
     )
@@ -795,7 +795,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = {"instant": 0.0, "engine": args.engine_ms}
     stubs = {
         name: Child(
-            ["-m", "rollout_store.stub_engine", "--port", "0", "--latency-ms", str(ms)]
+            ["-m", "rollout_store.serve.stub_engine", "--port", "0", "--latency-ms", str(ms)]
             + ["--jitter", str(ENGINE_JITTER if ms else 0.0)],
             malloc=False,
         )

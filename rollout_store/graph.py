@@ -18,27 +18,15 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 import xxhash
 
-from . import materialize
-from .blobs import BlobTable
-from .content import ContentStore, StringCache
-from .drift import REGIONS, Drift
-from .encoding import blob_ref_bytes, unpack
-from .errors import (
-    DuplicateNodeError,
-    InvalidArgumentError,
-    InvalidValueError,
-    RolloutStoreError,
-    UnknownNodeError,
-)
-from .index import OneOrMany, index_add, index_members
-from .intake import real_numbers
-from .linking import Linker
-from .metadata import UNCHANGED, GraphMeta
-from .nodes import COUNT_TOOLS, TurnNode
-from .raw import RawJSON, resolve_raw
-from .requests import FreshRequest, RequestStore, Scratch
-from .shared_blobs import StoreBlobTable
-from .stored import (
+from .engine import materialize
+from .engine.blobs import BlobTable
+from .engine.encoding import blob_ref_bytes, unpack
+from .engine.index import OneOrMany, index_add, index_members
+from .engine.intake import real_numbers
+from .engine.linking import Linker
+from .engine.requests import FreshRequest, RequestStore, Scratch
+from .engine.shared_blobs import StoreBlobTable
+from .engine.stored import (
     LOGPROBS_PACKED,
     RESPONSE_REFS,
     SCALAR_NAMES,
@@ -53,10 +41,22 @@ from .stored import (
     add_child,
     is_above,
 )
-from .timeline import Timeline, TimelineTable
-from .tokens import TokenRun, run_list
-from .training import TrainingSequence
-from .turn_records import TurnRecords, tail_bytes
+from .engine.tokens import TokenRun, run_list
+from .engine.turn_records import TurnRecords, tail_bytes
+from .errors import (
+    DuplicateNodeError,
+    InvalidArgumentError,
+    InvalidValueError,
+    RolloutStoreError,
+    UnknownNodeError,
+)
+from .metadata import UNCHANGED, GraphMeta
+from .model.drift import REGIONS, Drift
+from .model.nodes import COUNT_TOOLS, TurnNode
+from .model.raw import RawJSON, resolve_raw
+from .model.timeline import Timeline, TimelineTable
+from .model.training import TrainingSequence
+from .stores.content import ContentStore, StringCache
 from .views import NodeView
 
 __all__ = [

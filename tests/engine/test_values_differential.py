@@ -23,11 +23,11 @@ from hypothesis import strategies as st
 from support import assert_same, assert_same_json, json_like, same
 
 from rollout_store import InvalidValueError, _core
-from rollout_store import encoding as reference_unpack
-from rollout_store import intake as reference_intake
-from rollout_store.blobs import BlobTable
-from rollout_store.encoding import ECHO_PACKED
-from rollout_store.intake import MAX_DEPTH
+from rollout_store.engine import encoding as reference_unpack
+from rollout_store.engine import intake as reference_intake
+from rollout_store.engine.blobs import BlobTable
+from rollout_store.engine.encoding import ECHO_PACKED
+from rollout_store.engine.intake import MAX_DEPTH
 
 unpack = _core.unpack
 

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from round_trips import RoundTrips, shape_of
 
-from rollout_store import RolloutGraph, TurnNode, storage
+from rollout_store import RolloutGraph, TurnNode
+from rollout_store.files import storage
 
 
 def chain(text: str, turns: int = 3, **fields: Any) -> RolloutGraph:

@@ -83,8 +83,8 @@ def test_turns_read_from_a_file_are_confirmed_once_by_bytes(tmp_path: Any) -> No
 def test_token_parent_beyond_the_digest_window() -> None:
     """A continuation that adds more than TOKEN_WINDOW blocks of tokens still finds its
     parent (the earlier blocks are digested when the window holds none)."""
-    from rollout_store.linking import TOKEN_WINDOW
-    from rollout_store.tokens import BLOCK
+    from rollout_store.engine.linking import TOKEN_WINDOW
+    from rollout_store.engine.tokens import BLOCK
 
     graph = RolloutGraph()
     first = graph.add_turn(TurnNode(prompt_ids=list(range(100)), sampled_ids=[7, 8]))

@@ -23,8 +23,13 @@ import pytest
 from capture_support import ADMIN, ADMIN_KEY, Counting, auth, export, new_session, serve_app
 
 from rollout_store import DirectoryStore, MemoryStore, RolloutGraph, export_session
-from rollout_store.server import create_app, open_store, upstream_body
-from rollout_store.stub_engine import chat_response, create_stub_app, logprob_of, prompt_ids_for
+from rollout_store.serve.server import create_app, open_store, upstream_body
+from rollout_store.serve.stub_engine import (
+    chat_response,
+    create_stub_app,
+    logprob_of,
+    prompt_ids_for,
+)
 
 IMAGE = "data:image/png;base64," + "iVBORw0KGgo" * 2000
 
@@ -733,7 +738,7 @@ def test_an_upstream_answer_of_the_wrong_shape_is_502_and_recorded_nowhere() -> 
 
 
 def test_a_live_session_is_viewed_at_its_own_route(server: Any) -> None:
-    from rollout_store.viewer import Viewer
+    from rollout_store.viewer.app import Viewer
 
     url, app = server
     made = new_session(url, session_id="viewed")

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import uvicorn
 
-from rollout_store.loopback import stop_process
-from rollout_store.server import listen_socket
+from rollout_store.serve.loopback import stop_process
+from rollout_store.serve.server import listen_socket
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 20.0
@@ -124,7 +124,9 @@ def start_server_process(upstream: str, *extra: str, env: dict[str, str] | None 
 
 
 def start_stub_process() -> Process:
-    return Process(["-m", "rollout_store.stub_engine", "--port", "0"], r"on (http://[\d.]+:\d+)")
+    return Process(
+        ["-m", "rollout_store.serve.stub_engine", "--port", "0"], r"on (http://[\d.]+:\d+)"
+    )
 
 
 def new_session(base: str, **payload: Any) -> dict[str, Any]:

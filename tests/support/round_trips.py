@@ -26,7 +26,7 @@ import msgpack
 import pytest
 
 from rollout_store import RolloutGraph, export_session
-from rollout_store.blobs import content_digest
+from rollout_store.engine.blobs import content_digest
 
 __all__ = ["RoundTrips", "graph_snapshot", "shape_of"]
 
