@@ -62,6 +62,7 @@ import contextlib
 import errno
 import gc
 import hmac
+import html
 import itertools
 import json
 import os
@@ -83,6 +84,7 @@ from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import (
+    HTMLResponse,
     JSONResponse,
     PlainTextResponse,
     RedirectResponse,
@@ -156,6 +158,9 @@ ADMIN_KEY_ENV = "ROLLOUT_STORE_ADMIN_KEY"
 ADMIN_KEY_MIN = 16
 #: The cookie a viewer opened with `?key=` keeps its key in (for its own path only).
 VIEW_COOKIE = "rollout_store_key"
+#: The cookie `GET /?key=` keeps its key in: the browser's list of sessions, and the viewer of
+#: every session that key opens (all of them for the admin key).
+ROOT_COOKIE = "rollout_store_root_key"
 #: Seconds a streaming client waits for the upstream before keep-alive comments begin.
 STREAM_KEEPALIVE = 10.0
 #: Seconds after which an unused session over a log lets its graph go (reopened on use), or
@@ -1339,7 +1344,11 @@ class _Server:
         a viewer's GET the key it was opened with (`?key=`, then its cookie)."""
         key = _api_key(request)
         if key is None and view and request.method in ("GET", "HEAD"):
-            key = request.query_params.get("key") or unquote(request.cookies.get(VIEW_COOKIE, ""))
+            key = (
+                request.query_params.get("key")
+                or unquote(request.cookies.get(VIEW_COOKIE, ""))
+                or unquote(request.cookies.get(ROOT_COOKIE, ""))
+            )
         return key or None
 
     def _lookup(self, request: Request, *, view: bool = False) -> Session | Response:
@@ -1367,11 +1376,11 @@ class _Server:
             return JSONResponse({"error": f"no session {session_id!r}"}, 404)
         return session
 
-    def _visible(self, request: Request) -> list[Session] | Response:
+    def _visible(self, request: Request, *, view: bool = False) -> list[Session] | Response:
         """The sessions a request may see, for routes over many sessions (the list, and any
         route that gathers sessions): every one for the admin key, a session's own for its
         key; else the refusal."""
-        key = self._credential(request)
+        key = self._credential(request, view)
         if self._is_admin(key):
             return self.sessions.all()
         if key is None:
@@ -1382,11 +1391,29 @@ class _Server:
         return [own]
 
     async def list_sessions(self, request: Request) -> Response:
-        """Every session for the admin key; a session's own key lists that session only."""
-        visible = self._visible(request)
+        """Every session for the admin key; a session's own key lists that session only.
+
+        `GET /` is what a browser opens: there the key may also come as `?key=` (moved into
+        an HttpOnly cookie, and the page reloaded without it in its URL), and a browser gets
+        the list as a page linking each session's viewer."""
+        root = request.url.path == "/"
+        if root and "key" in request.query_params and _api_key(request) is None:
+            moved = RedirectResponse("/", status_code=303)
+            moved.set_cookie(
+                ROOT_COOKIE,
+                quote(request.query_params["key"], safe=""),
+                path="/",
+                httponly=True,
+                samesite="strict",
+            )
+            return moved
+        visible = self._visible(request, view=root)
         if isinstance(visible, Response):
             return visible
-        return _written_anew({"sessions": [s.info() for s in visible]})
+        infos = [s.info() for s in visible]
+        if root and "text/html" in request.headers.get("accept", ""):
+            return HTMLResponse(_sessions_page(infos))
+        return _written_anew({"sessions": infos})
 
     async def session_info(self, request: Request) -> Response:
         found = self._lookup(request)
@@ -1713,6 +1740,27 @@ _NEEDS_KEY = (
     "session's api_key, or the admin key the server was started with (--admin-key or "
     f"{ADMIN_KEY_ENV})"
 )
+
+
+def _sessions_page(infos: list[dict[str, Any]]) -> str:
+    """The sessions as a browser's page: each linked to its viewer, with its counts."""
+    rows = "".join(
+        '<tr><td><a href="/sessions/{0}/view/">{0}</a></td><td>{1}</td><td>{2}</td>'
+        "<td>{3}</td></tr>".format(
+            html.escape(str(info["session_id"])),
+            html.escape(str(info.get("turns", info.get("damaged", "")))),
+            html.escape(str(info.get("capture_level", ""))),
+            html.escape(json.dumps(info.get("metadata") or {})),
+        )
+        for info in infos
+    )
+    return (
+        '<!doctype html><meta charset="utf-8"><title>rollout_store sessions</title>'
+        '<link rel="icon" href="/favicon.ico">'
+        f"<h1>Sessions ({len(infos)})</h1>"
+        "<table><tr><th>session</th><th>turns</th><th>capture level</th><th>metadata</th></tr>"
+        f"{rows}</table>"
+    )
 
 
 def _refused(status: int, reason: str) -> Response:
