@@ -13,6 +13,10 @@ from typing import Any
 
 import msgpack
 
+# the rebuild of a packed value is the engine's: fresh containers, a tuple where one was
+# recorded, blobs as the table's own `str` objects (ValueError for bytes it cannot read)
+from .._core import unpack
+
 __all__ = [
     "ECHO_PACKED",
     "EXT_BIGINT",
@@ -102,9 +106,6 @@ def plain_default(obj: object) -> Any:
     raise NotPackable(type(obj).__name__)
 
 
-BlobLookup = Callable[[int], str]
-
-
 def new_packer() -> Callable[[Any], bytes]:
     """A reusable plain packer: exact types only, anything else raises `NotPackable`."""
     packer = msgpack.Packer(
@@ -120,49 +121,6 @@ def no_echo() -> None:
 
 
 TUPLE_MARK = msgpack.ExtType(EXT_TUPLE, b"")
-
-
-class _TupleMark:
-    """What the unpacker yields for TUPLE_MARK; `_list_hook` turns its array into a tuple."""
-
-    __slots__ = ()
-
-
-_MARK = _TupleMark()
-
-
-def _list_hook(items: list[Any]) -> Any:
-    if items and items[0] is _MARK:
-        return tuple(items[1:])
-    return items
-
-
-def _make_hook(blob: BlobLookup, echo: Callable[[], Any] | None) -> Callable[[int, bytes], Any]:
-    def hook(code: int, data: bytes) -> Any:
-        if code == EXT_BLOB:
-            return blob(int.from_bytes(data, "big"))
-        if code == EXT_TUPLE and not data:
-            return _MARK
-        if code == EXT_BIGINT:
-            return int_from_digits(data)
-        if code == EXT_SURROGATE:
-            return data.decode("utf-8", "surrogatepass")
-        if code == EXT_ECHO and echo is not None:
-            return echo()
-        raise ValueError(f"unknown extension type {code}")
-
-    return hook
-
-
-def unpack(data: bytes, blob: BlobLookup, echo: Callable[[], Any] | None = None) -> Any:
-    """Rebuild one packed value: fresh containers, blobs as the table's own `str` objects."""
-    return msgpack.unpackb(
-        data,
-        raw=False,
-        strict_map_key=False,
-        ext_hook=_make_hook(blob, echo),
-        list_hook=_list_hook,
-    )
 
 
 #: How a blob reference starts in a packing (a fixext 4 of type EXT_BLOB): a packing without

@@ -10,7 +10,7 @@ from typing import Any
 import xxhash
 
 from ..model.nodes import TurnNode
-from .index import index_add, index_members, index_remove
+from .index import index_add, index_members, index_remove, sized_add, sized_members, sized_remove
 from .intake import float_array, plain_numbers, token_array
 from .keys import HEADS, request_keys, root_token_keys, short_key
 from .materialize import rest_values
@@ -55,6 +55,24 @@ def _sibling_prompt(parent: Turn, data: bytes, n: int) -> TokenRun | None:
             return run
     return None
 
+
+def _full_length(turn: Turn) -> int:
+    """The length a turn is filed with in the token index: its prompt + sampled tokens'."""
+    return turn.full.length  # type: ignore[union-attr]
+
+
+def _prompt_length(turn: Turn) -> int:
+    """The length a root is filed with among the token roots: its prompt's."""
+    return turn.prompt.length  # type: ignore[union-attr]
+
+
+def _head(length: int) -> int:
+    """The longest head a run of `length` tokens (fewer than a block) has."""
+    return max(h for h in HEADS if h <= length)
+
+
+#: No upper bound on a length (a scan of the token roots).
+_NO_LENGTH_LIMIT = 1 << 62
 
 #: The short lengths of a graph none of whose turns has one (immutable, so shared).
 _NO_LENGTHS: frozenset[int] = frozenset()
@@ -226,7 +244,8 @@ class Linker:
         for key, low, high in buckets:
             best: Turn | None = None
             best_length = -1
-            for candidate in index_members(self.token_index.get(key)):
+            # (a parent's tokens are a prefix of the prompt: n of them at most)
+            for candidate in sized_members(self.token_index.get(key), low, min(high, n + 1)):
                 full = candidate.full
                 if (
                     full is not None
@@ -299,7 +318,7 @@ class Linker:
         """File a committed turn's tokens under their keys."""
         full = turn.full
         if token_key is not None and full is not None and full.length:
-            index_add(self.token_index, token_key, turn)
+            sized_add(self.token_index, token_key, turn, _full_length)
             if full.length < BLOCK:
                 lengths = self.short_lengths
                 if not isinstance(lengths, set):  # the first: a set of its own
@@ -317,7 +336,7 @@ class Linker:
                 self._unindexed_roots += 1
                 return
             for key in root_token_keys(turn.prompt):
-                index_add(self.token_roots, key, turn)
+                sized_add(self.token_roots, key, turn, _prompt_length)
         elif root_keys:
             for key in root_keys:
                 index_add(self.message_roots, key, turn)
@@ -328,7 +347,7 @@ class Linker:
                 self._unindexed_roots -= 1
                 return
             for key in root_token_keys(turn.prompt):
-                index_remove(self.token_roots, key, turn)
+                sized_remove(self.token_roots, key, turn, _prompt_length)
         elif turn.n_rest > 0:
             plain = self.requests.plain
             plains = [plain(m) for m in rest_values(turn, self.requests.blobs)]
@@ -390,11 +409,10 @@ class Linker:
             candidates = list(parent.children or ())
         elif (roots := self._token_roots()) is None:
             candidates = []  # no root committed yet: none to move
-        elif length >= BLOCK:
-            candidates = list(index_members(roots.get(scratch.token_key)))  # type: ignore[arg-type]
-        else:  # the roots that share its first tokens, as many as a head holds
-            head = max(h for h in HEADS if h <= length)
-            candidates = list(index_members(roots.get(short_key(data, head))))
+        else:
+            # a root continues `new` only with a prompt at least as long as its tokens
+            key = scratch.token_key if length >= BLOCK else short_key(data, _head(length))
+            candidates = list(sized_members(roots.get(key), length, _NO_LENGTH_LIMIT))  # type: ignore[arg-type]
         # and children of turns whose tokens end inside this turn's sampled ones (a
         # shorter retry of the same call): their continuations may continue this one
         for shorter in self._prefixes_within(new, data):
@@ -423,7 +441,7 @@ class Linker:
             for turn in self.turns:
                 if turn.parent is None and turn.prompt is not None:
                     for key in root_token_keys(turn.prompt):
-                        index_add(roots, key, turn)
+                        sized_add(roots, key, turn, _prompt_length)
             self.token_roots = roots
             self._unindexed_roots = 0
         return roots
@@ -449,7 +467,8 @@ class Linker:
             keys = []
         keys += [(short_key(data, n), n, n + 1) for n in self.short_lengths if low <= n < high]
         for key, start, stop in keys:
-            for other in index_members(self.token_index.get(key)):
+            in_range = sized_members(self.token_index.get(key), max(start, low), min(stop, high))
+            for other in in_range:
                 full = other.full
                 if (
                     other is not new
