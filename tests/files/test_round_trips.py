@@ -115,6 +115,11 @@ def test_a_fork_and_a_chain_differ_in_shape(tmp_path: Path) -> None:
         ([1, [2]], [1, [3]], False),
         ("\ud800", "\ud800", True),
         ([1, 2], (1, 2), False),  # dumped alike, stored (and counted) apart
+        ([1, 2, 3], [1, 2.0, 3], False),  # lists of scalars, compared whole
+        ([1, True], [1, 1], False),
+        ([0.5, 0.0], [0.5, -0.0], False),
+        ([0.5, float("nan")], [0.5, float("nan")], True),
+        (["a", None, 7], ["a", None, 7], True),
     ],
 )
 def test_the_comparison_is_that_of_the_snapshots(one: Any, other: Any, alike: bool) -> None:
