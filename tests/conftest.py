@@ -113,8 +113,9 @@ def one_tls_context_for_http_clients() -> Iterator[None]:
                 transports = importlib.import_module(name)
             except ImportError:  # httpx2 comes with the anthropic SDK's newer releases
                 continue
-            once = _made_once(transports.create_ssl_context)
-            patch.setattr(transports, "create_ssl_context", once)
+            create = getattr(transports, "create_ssl_context", None)
+            if create is not None:  # (else a release that makes them otherwise: left alone)
+                patch.setattr(transports, "create_ssl_context", _made_once(create))
         yield
 
 
