@@ -618,7 +618,7 @@ class LoadReport:
     lost_unknown: bool = False
     dropped: list[DroppedTurn] = field(default_factory=list)
     # (the long strings read for the turns lost or dropped stay in the graph's blob table:
-    # its `stats()` count them in `blob_bytes`, so `blob_bytes_saved` may be negative)
+    # its `stats()` count them in `blob_bytes`, not in `blob_bytes_saved`)
     # past damage a timeline or drift record names turns by their places in the file, which
     # are mapped to the turns kept: the entries naming a turn that was lost (or one past a
     # stretch of unknown content, whose place is unknown) are left out, and counted here

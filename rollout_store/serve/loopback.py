@@ -138,9 +138,9 @@ class RedisServer(LoopbackServer):
 
 
 class MotoServer(LoopbackServer):
-    """moto's S3 server on a free loopback port (`pip install 'moto[server]'`)."""
+    """moto's S3 server on a free loopback port (`pip install 'moto[s3]' flask flask-cors`)."""
 
-    install = "pip install 'moto[server]'"
+    install = "pip install 'moto[s3]' flask flask-cors"
     start_timeout = 30.0
 
     @property
