@@ -23,6 +23,7 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::ops::Range;
 
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64, xxh3_64_with_seed};
 
@@ -557,9 +558,10 @@ pub fn read_gap(
     prev: u64,
     record: u64,
     kinds: Kinds,
+    counters: &mut Counters,
 ) -> Gap {
     let after = u64_at(data, end + 10); // the chain value the frame at `end` names
-    if let Some(frame) = rebuilt(data, start, end, prev, after, record, kinds) {
+    if let Some(frame) = rebuilt(data, start..end, (prev, after), record, kinds, counters) {
         return Gap {
             start,
             end,
@@ -616,16 +618,16 @@ pub fn read_gap(
 }
 
 /// The frame `[start, end)` if its payload is intact: marker, length and chain fields as its
-/// neighbours give them, and the kind that makes its payload hash to `value` (the one its
-/// header names tried first). Hashes the payload at most twice per kind.
+/// neighbours give them (`links`: the chain value before it, its own), and the kind that
+/// makes its payload hash to its value (the one its header names tried first). Hashes the
+/// payload at most twice per kind.
 fn rebuilt(
     data: &[u8],
-    start: usize,
-    end: usize,
-    prev: u64,
-    value: u64,
+    Range { start, end }: Range<usize>,
+    (prev, value): (u64, u64),
     record: u64,
     kinds: Kinds,
+    counters: &mut Counters,
 ) -> Option<Frame> {
     if end < start + HEADER_SIZE {
         return None;
@@ -663,9 +665,11 @@ fn rebuilt(
         } else {
             payload
         };
+        counters.hashed_bytes += hashed.len() as u64;
         if chain_value(kind_byte, length, prev, hashed) != value {
             continue;
         }
+        counters.hashed_bytes += (payload.len() - hashed.len()) as u64;
         if is_blob && check_digest(payload).is_err() {
             return None;
         }
@@ -930,7 +934,13 @@ mod tests {
             let stop = got.stop.unwrap();
             assert_eq!(stop.resync, Some(offsets[4]));
             let gap = read_gap(
-                &changed, got.offset, offsets[4], got.chain, got.record, KINDS,
+                &changed,
+                got.offset,
+                offsets[4],
+                got.chain,
+                got.record,
+                KINDS,
+                &mut Counters::default(),
             );
             let frame = gap.repaired.expect("rebuilt");
             assert_eq!((frame.kind, frame.record, frame.offset), (3, 3, offsets[3]));
@@ -947,7 +957,13 @@ mod tests {
         let got = read(&changed);
         assert_eq!(got.stop.as_ref().unwrap().resync, Some(offsets[3]));
         let gap = read_gap(
-            &changed, got.offset, offsets[3], got.chain, got.record, KINDS,
+            &changed,
+            got.offset,
+            offsets[3],
+            got.chain,
+            got.record,
+            KINDS,
+            &mut Counters::default(),
         );
         assert_eq!(gap.kinds, Some(vec![2, BLOB]));
         assert!(gap.repaired.is_none());
@@ -962,6 +978,7 @@ mod tests {
             got.chain,
             got.record,
             KINDS,
+            &mut Counters::default(),
         );
         assert_eq!(gap.kinds, None);
     }
