@@ -1013,4 +1013,45 @@ mod tests {
             "a record of 5 bytes is larger than a frame can hold"
         );
     }
+
+    #[test]
+    fn a_blob_whose_real_digest_holds_the_escape_bytes_reads_back() {
+        let text = b"a blob whose digest is unlucky 39074337"; // found by search
+        let digest = blob_digest(text);
+        assert!(find(&digest, &ESCAPE).is_some());
+        let (BlobFrame::Whole(data), chain) = encode_blob_frame(BLOB, &digest, text, 0).unwrap()
+        else {
+            panic!("escaped blob frames are written whole");
+        };
+        let got = read(&data);
+        assert!(got.stop.is_none());
+        assert_eq!(got.frames[0].chain, chain);
+        assert_eq!(&got.frames[0].payload(&data)[DIGEST_SIZE..], text);
+    }
+
+    #[test]
+    fn rebuilding_a_frame_hashes_it_a_bounded_number_of_times() {
+        let (data, offsets, _) = build(&records());
+        let mut changed = data.clone();
+        changed[offsets[3] + 5] = 0x7F; // the escaped turn's kind byte: every kind is tried
+        let got = read(&changed);
+        let mut counters = Counters::default();
+        let end = got.stop.unwrap().resync.unwrap();
+        let gap = read_gap(
+            &changed,
+            got.offset,
+            end,
+            got.chain,
+            got.record,
+            KINDS,
+            &mut counters,
+        );
+        let frame = gap.repaired.expect("rebuilt");
+        assert_eq!(
+            (frame.kind, frame.offset, frame.end),
+            (3, offsets[3], offsets[4])
+        );
+        let stored = (offsets[4] - offsets[3] - HEADER_SIZE) as u64;
+        assert!(counters.hashed_bytes <= 2 * (u64::from(KINDS.max) + 1) * stored);
+    }
 }
