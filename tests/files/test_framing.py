@@ -240,3 +240,17 @@ def test_the_one_step_path_reads_what_the_full_check_reads() -> None:
     for variant in variants:
         assert _outcome(variant, None) == _outcome(variant, ScanCounters())
     assert _outcome(data, None)[1] == "" and len(_outcome(data, None)[0]) == len(offsets)
+
+
+def test_places_outside_the_data_get_answers_not_engine_panics() -> None:
+    """The engine's scanner is handed offsets by Python: ones past the data find nothing,
+    and a gap that does not end at a whole frame header is refused with a ValueError."""
+    from rollout_store.files.framing import read_gap
+
+    data, offsets = build(RECORDS)
+    assert next_frame(data, 2**64 - 1) is None
+    assert list(FrameReader(data, len(data) + 10)) == []
+    with pytest.raises(ValueError, match="whole frame header"):
+        read_gap(data, offsets[1], len(data) - 3, 0, 1)
+    with pytest.raises(ValueError, match="whole frame header"):
+        read_gap(data, offsets[2], offsets[1], 0, 1)

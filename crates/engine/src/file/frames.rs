@@ -443,7 +443,7 @@ pub fn next_frame(
     kinds: Kinds,
     counters: &mut Counters,
 ) -> Option<usize> {
-    let mut pos = after + 1;
+    let mut pos = after.saturating_add(1);
     let finder = memchr::memmem::Finder::new(&SYNC);
     loop {
         if pos > data.len() {
