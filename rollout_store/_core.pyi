@@ -1,4 +1,5 @@
-"""The compiled engine (`rollout_store._core`): content table, exact JSON, packed values."""
+"""The compiled engine (`rollout_store._core`): content table, exact JSON, packed values,
+version-2 file frames."""
 
 from collections.abc import Callable
 from typing import Any, Final, final
@@ -8,6 +9,13 @@ __all__ = [
     "dumps",
     "loads",
     "DecodeError",
+    "encode_blob_frame",
+    "encode_frame",
+    "frame_chain_value",
+    "FrameScan",
+    "FrameTooLarge",
+    "next_frame",
+    "read_gap",
     "__version__",
     "DEFAULT_MAX_DEPTH",
     "MAX_DEPTH",
@@ -92,3 +100,71 @@ class ContentTable:
     def _panic_for_tests(self, data: bytes) -> None:
         """Tests only: look `data` up with the lock held, then panic before storing it (a
         `pyo3_runtime.PanicException`, a `BaseException`); the table stays as it was."""
+
+class FrameTooLarge(ValueError):
+    """A record or string larger than a frame can hold (the message says which and its size)."""
+
+def frame_chain_value(kind_byte: int, length: int, prev: int, hashed: bytes) -> int:
+    """The chain value of a frame (`hashed`: its unescaped payload, a blob's: its digest)."""
+
+def encode_frame(kind: int, payload: bytes, prev: int) -> tuple[bytes, int]:
+    """(frame bytes, its chain value) for a record of `kind` after the frame valued `prev`."""
+
+def encode_blob_frame(kind: int, digest: bytes, data: bytes, prev: int) -> tuple[list[bytes], int]:
+    """A blob frame as parts (header, digest, text: the objects given, never copied) and its
+    chain value; a whole escaped frame when the digest holds the escape bytes."""
+
+def next_frame(
+    data: bytes, after: int, digest_kinds: int, max_kind: int
+) -> tuple[int | None, int, int, int]:
+    """`(offset or None, hashed bytes, searched bytes, candidates)`: the first whole frame that
+    verifies by itself after `after`, found with the GIL released."""
+
+def read_gap(
+    data: bytes,
+    start: int,
+    end: int,
+    prev: int,
+    record: int,
+    digest_kinds: int,
+    max_kind: int,
+) -> tuple[int, int, list[int] | None, tuple[int, memoryview, int, int, int, int] | None, int]:
+    """`(start, end, kinds or None, repaired frame tuple or None, hashed bytes)`: what the
+    damaged bytes `[start, end)` held (`prev`: the chain value before them, `record`: the
+    number of the first damaged frame), found with the GIL released."""
+
+@final
+class FrameScan:
+    """The frames of a version-2 file from `start`, verified in order (each bound to the one
+    before it) with the GIL released when the scan is made; iterating yields them as
+    (kind, payload, offset, record, end, chain) and stops at the end or at the first damage,
+    which `damage` then describes."""
+
+    def __new__(
+        cls, data: bytes, start: int, chain: int, record: int, digest_kinds: int, max_kind: int
+    ) -> FrameScan: ...
+    def __iter__(self) -> FrameScan: ...
+    def __next__(self) -> tuple[int, memoryview, int, int, int, int]: ...
+    @property
+    def offset(self) -> int:
+        """Where the frame after the last one read starts."""
+    @property
+    def chain(self) -> int:
+        """The chain value the frame at `offset` must name."""
+    @property
+    def records(self) -> int:
+        """The record number of the frame at `offset`."""
+    @property
+    def damage(
+        self,
+    ) -> tuple[str, int, int, tuple[str, int, int] | tuple[str, bytes, bytes] | None] | None:
+        """None, or `(message, offset, record, checksum)` of the first damaged frame;
+        `checksum` is None or `(what, expected, actual)` for a checksum that does not match
+        (ints for a record's chain value, bytes for a blob's digest)."""
+    @property
+    def resync(self) -> int | None:
+        """Where the next whole frame after the damage starts (None: a torn tail, or no
+        damage)."""
+    @property
+    def counters(self) -> tuple[int, int, int]:
+        """`(hashed bytes, searched bytes, candidates)`: the work the scan did."""

@@ -2,6 +2,7 @@
 //! in the engine crate.
 
 mod content;
+mod frames;
 mod json;
 mod packed;
 
@@ -21,16 +22,27 @@ pyo3::create_exception!(
     "A value the library cannot record: `args` are the message and the path inside the value."
 );
 
+pyo3::create_exception!(
+    rollout_store._core,
+    FrameTooLarge,
+    pyo3::exceptions::PyValueError,
+    "A record or string larger than a frame can hold (the message says which and its size)."
+);
+
 #[pymodule]
 mod _core {
     #[pymodule_export]
     use super::content::ContentTable;
     #[pymodule_export]
+    use super::frames::{
+        encode_blob_frame, encode_frame, frame_chain_value, next_frame, read_gap, FrameScan,
+    };
+    #[pymodule_export]
     use super::json::{dumps, loads};
     #[pymodule_export]
     use super::packed::{unpack, Packer};
     #[pymodule_export]
-    use super::{DecodeError, RefusedValue};
+    use super::{DecodeError, FrameTooLarge, RefusedValue};
 
     #[pymodule_export]
     const MAX_DEPTH: usize = super::packed::MAX_DEPTH;

@@ -1,11 +1,13 @@
 //! `rollout_store`'s engine: the data a recording holds, with no Python in it.
 //!
 //! - [`content`]: each distinct byte string once, keyed by xxh3-128 and confirmed byte for byte;
+//! - [`file`]: rollout files (the frames of format version 2);
 //! - [`json`]: exact JSON, parsed as `json.loads` parses bytes and written as `json.dumps`
 //!   writes;
 //! - [`packed`]: the packed form of recorded values (msgpack and the library's extension
 //!   types), written and read back.
 
 pub mod content;
+pub mod file;
 pub mod json;
 pub mod packed;

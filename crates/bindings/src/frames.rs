@@ -1,0 +1,305 @@
+//! Version-2 frames for the file layer: the encoders, and `FrameScan`, which verifies the
+//! frames of a file with the GIL released and then hands them out one by one.
+//!
+//! Damage is handed back as plain values (`FrameScan.damage`, `FrameTooLarge`'s message):
+//! `rollout_store.files.framing` raises the library's errors from them.
+
+use engine::file::frames::{self as ef, BlobFrame, Counters, DamageKind, Frame, Kinds, Scan};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyMemoryView, PySlice, PyTuple};
+
+use crate::FrameTooLarge;
+
+/// Payloads from this size on are encoded with the GIL released.
+const DETACH_FROM: usize = 64 * 1024;
+
+fn kinds(digest_kinds: u128, max_kind: u8) -> Kinds {
+    Kinds {
+        digest: digest_kinds,
+        max: max_kind.min(0x7F),
+    }
+}
+
+fn too_large(error: ef::EncodeError) -> PyErr {
+    FrameTooLarge::new_err(error.to_string())
+}
+
+/// The chain value of a frame (`hashed`: its unescaped payload, a blob's: its digest).
+#[pyfunction]
+pub fn frame_chain_value(kind_byte: u8, length: u32, prev: u64, hashed: &[u8]) -> u64 {
+    ef::chain_value(kind_byte, length, prev, hashed)
+}
+
+/// (frame bytes, its chain value) for a record of `kind` after the frame valued `prev`.
+#[pyfunction]
+pub fn encode_frame<'py>(
+    py: Python<'py>,
+    kind: u8,
+    payload: &[u8],
+    prev: u64,
+) -> PyResult<(Bound<'py, PyBytes>, u64)> {
+    let encoded = if payload.len() >= DETACH_FROM {
+        py.detach(|| ef::encode_frame(kind, payload, prev))
+    } else {
+        ef::encode_frame(kind, payload, prev)
+    };
+    let (frame, value) = encoded.map_err(too_large)?;
+    Ok((PyBytes::new(py, &frame), value))
+}
+
+/// A blob frame as parts (header, digest, text: the objects given, never copied) and its
+/// chain value; a whole escaped frame when the digest holds the escape bytes.
+#[pyfunction]
+pub fn encode_blob_frame<'py>(
+    py: Python<'py>,
+    kind: u8,
+    digest: &Bound<'py, PyBytes>,
+    data: &Bound<'py, PyBytes>,
+    prev: u64,
+) -> PyResult<(Bound<'py, PyList>, u64)> {
+    let (frame, value) =
+        ef::encode_blob_frame(kind, digest.as_bytes(), data.as_bytes(), prev).map_err(too_large)?;
+    let parts = match frame {
+        BlobFrame::Parts(header) => PyList::new(
+            py,
+            [
+                PyBytes::new(py, &header).into_any(),
+                digest.clone().into_any(),
+                data.clone().into_any(),
+            ],
+        )?,
+        BlobFrame::Whole(bytes) => PyList::new(py, [PyBytes::new(py, &bytes)])?,
+    };
+    Ok((parts, value))
+}
+
+/// `(offset or None, hashed bytes, searched bytes, candidates)`: the first whole frame that
+/// verifies by itself after `after`, found with the GIL released.
+#[pyfunction]
+pub fn next_frame(
+    py: Python<'_>,
+    data: &[u8],
+    after: usize,
+    digest_kinds: u128,
+    max_kind: u8,
+) -> (Option<usize>, u64, u64, u64) {
+    let mut counters = Counters::default();
+    let found =
+        py.detach(|| ef::next_frame(data, after, kinds(digest_kinds, max_kind), &mut counters));
+    (
+        found,
+        counters.hashed_bytes,
+        counters.searched_bytes,
+        counters.candidates,
+    )
+}
+
+/// The frame tuple Python reads: (kind, payload, offset, record, end, chain); the payload a
+/// memoryview of `data` or, for an escaped frame, of its unescaped bytes.
+fn frame_tuple<'py>(
+    py: Python<'py>,
+    view: &Bound<'py, PyAny>,
+    frame: &Frame,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let payload = match &frame.unescaped {
+        Some(bytes) => PyMemoryView::from(&PyBytes::new(py, bytes).into_any())?.into_any(),
+        // offsets inside a bytes object, which holds at most isize::MAX bytes
+        None => view.get_item(PySlice::new(
+            py,
+            isize::try_from(frame.start).unwrap_or(isize::MAX),
+            isize::try_from(frame.end).unwrap_or(isize::MAX),
+            1,
+        ))?,
+    };
+    (
+        frame.kind,
+        payload,
+        frame.offset,
+        frame.record,
+        frame.end,
+        frame.chain,
+    )
+        .into_pyobject(py)
+}
+
+/// `(start, end, kinds or None, repaired frame tuple or None, hashed bytes)`: what the
+/// damaged bytes `[start, end)` held (`prev`: the chain value before them, `record`: the
+/// number of the first damaged frame), found with the GIL released.
+#[pyfunction]
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+pub fn read_gap<'py>(
+    py: Python<'py>,
+    data: &Bound<'py, PyBytes>,
+    start: usize,
+    end: usize,
+    prev: u64,
+    record: u64,
+    digest_kinds: u128,
+    max_kind: u8,
+) -> PyResult<(
+    usize,
+    usize,
+    Option<Vec<u8>>,
+    Option<Bound<'py, PyTuple>>,
+    u64,
+)> {
+    let bytes = data.as_bytes();
+    if start > end
+        || end
+            .checked_add(ef::HEADER_SIZE)
+            .is_none_or(|e| e > bytes.len())
+    {
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "read_gap: `end` must be the offset of a whole frame header after `start`",
+        ));
+    }
+    let mut counters = Counters::default();
+    let gap = py.detach(|| {
+        ef::read_gap(
+            bytes,
+            start,
+            end,
+            prev,
+            record,
+            kinds(digest_kinds, max_kind),
+            &mut counters,
+        )
+    });
+    let repaired = match &gap.repaired {
+        Some(frame) => {
+            let view = PyMemoryView::from(data.as_any())?.into_any();
+            Some(frame_tuple(py, &view, frame)?)
+        }
+        None => None,
+    };
+    Ok((
+        gap.start,
+        gap.end,
+        gap.kinds,
+        repaired,
+        counters.hashed_bytes,
+    ))
+}
+
+/// The frames of a version-2 file from `start`, verified in order (each bound to the one
+/// before it) with the GIL released when the scan is made; iterating yields them as
+/// (kind, payload, offset, record, end, chain) and stops at the end or at the first damage,
+/// which `damage` then describes.
+#[pyclass(module = "rollout_store._core")]
+pub struct FrameScan {
+    view: Py<PyAny>,
+    scan: Scan,
+    next: usize,
+    counters: Counters,
+}
+
+#[pymethods]
+impl FrameScan {
+    #[new]
+    #[pyo3(signature = (data, start, chain, record, digest_kinds, max_kind))]
+    fn new(
+        py: Python<'_>,
+        data: &Bound<'_, PyBytes>,
+        start: usize,
+        chain: u64,
+        record: u64,
+        digest_kinds: u128,
+        max_kind: u8,
+    ) -> PyResult<Self> {
+        let bytes = data.as_bytes();
+        let mut counters = Counters::default();
+        let scan = py.detach(|| {
+            ef::scan(
+                bytes,
+                start,
+                chain,
+                record,
+                kinds(digest_kinds, max_kind),
+                &mut counters,
+            )
+        });
+        let view = PyMemoryView::from(data.as_any())?.into_any().unbind();
+        Ok(Self {
+            view,
+            scan,
+            next: 0,
+            counters,
+        })
+    }
+
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__<'py>(&mut self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        let Some(frame) = self.scan.frames.get(self.next) else {
+            return Ok(None);
+        };
+        self.next += 1;
+        frame_tuple(py, self.view.bind(py), frame).map(Some)
+    }
+
+    /// Where the frame after the last one read starts.
+    #[getter]
+    fn offset(&self) -> usize {
+        self.scan.offset
+    }
+
+    /// The chain value the frame at `offset` must name.
+    #[getter]
+    fn chain(&self) -> u64 {
+        self.scan.chain
+    }
+
+    /// The record number of the frame at `offset`.
+    #[getter]
+    fn records(&self) -> u64 {
+        self.scan.record
+    }
+
+    /// None, or `(message, offset, record, checksum)` of the first damaged frame; `checksum`
+    /// is None or `(what, expected, actual)` for a checksum that does not match (ints for a
+    /// record's chain value, bytes for a blob's digest).
+    #[getter]
+    #[allow(clippy::type_complexity)]
+    fn damage<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Option<(String, usize, u64, Option<Bound<'py, PyTuple>>)>> {
+        let Some(stop) = &self.scan.stop else {
+            return Ok(None);
+        };
+        let damage = &stop.damage;
+        let checksum = match &damage.kind {
+            DamageKind::Checksum { expected, actual } => {
+                Some(("record", *expected, *actual).into_pyobject(py)?)
+            }
+            DamageKind::BlobDigest { expected, actual } => Some(
+                ("blob", PyBytes::new(py, expected), PyBytes::new(py, actual)).into_pyobject(py)?,
+            ),
+            _ => None,
+        };
+        Ok(Some((
+            damage.kind.to_string(),
+            damage.offset,
+            damage.record,
+            checksum,
+        )))
+    }
+
+    /// Where the next whole frame after the damage starts (None: a torn tail, or no damage).
+    #[getter]
+    fn resync(&self) -> Option<usize> {
+        self.scan.stop.as_ref().and_then(|s| s.resync)
+    }
+
+    /// `(hashed bytes, searched bytes, candidates)`: the work the scan did.
+    #[getter]
+    fn counters(&self) -> (u64, u64, u64) {
+        (
+            self.counters.hashed_bytes,
+            self.counters.searched_bytes,
+            self.counters.candidates,
+        )
+    }
+}
