@@ -2,6 +2,7 @@
 //! in the engine crate.
 
 mod content;
+mod data_plane;
 mod json;
 mod packed;
 
@@ -25,6 +26,8 @@ pyo3::create_exception!(
 mod _core {
     #[pymodule_export]
     use super::content::ContentTable;
+    #[pymodule_export]
+    use super::data_plane::DataPlane;
     #[pymodule_export]
     use super::json::{dumps, loads};
     #[pymodule_export]
