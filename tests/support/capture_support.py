@@ -28,6 +28,10 @@ ADMIN_KEY = "test-admin-key-0123456789"
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 #: The key `new_session` was given for each session id, sent by `export`.
 _KEYS: dict[str, str] = {}
+#: `rust`: the capture servers the tests start serve their model routes with the engine's
+#: data plane (`rollout-store serve --data-plane rust`; `serve_app` puts it in front of a
+#: `create_app` app); anything else: the Python app alone.
+DATA_PLANE = os.environ.get("ROLLOUT_STORE_DATA_PLANE", "python")
 
 
 def auth(session_id: str) -> dict[str, str]:
@@ -66,6 +70,12 @@ def serve_app(app: Any) -> Iterator[str]:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.01)
+    plane = None
+    if DATA_PLANE == "rust" and hasattr(getattr(app, "state", None), "server"):
+        from rollout_store.data_plane import RustDataPlane
+
+        plane = RustDataPlane(app, host="127.0.0.1", port=0, backend_port=port)
+        port = plane.port  # the app's lifespan stops the plane
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -116,8 +126,9 @@ class Process:
 
 def start_server_process(upstream: str, *extra: str, env: dict[str, str] | None = None) -> Process:
     """`rollout-store serve` in a child process (`env`: variables added to this one's)."""
+    plane = ["--data-plane", "rust"] if DATA_PLANE == "rust" else []
     return Process(
-        ["-m", "rollout_store.cli", "serve", "--upstream", upstream, "--port", "0", *extra],
+        ["-m", "rollout_store.cli", "serve", "--upstream", upstream, "--port", "0", *plane, *extra],
         r"serve: (http://127\.0\.0\.1:\d+)",
         env,
     )
