@@ -29,9 +29,11 @@ fn server_error() -> Reply {
     }
 }
 
+/// A reply as the control plane gives it: status, headers, the body's chunks, streamed.
+type PyReply = (u16, Vec<(Vec<u8>, Vec<u8>)>, Vec<Vec<u8>>, bool);
+
 fn reply_of(value: &Bound<'_, PyAny>) -> PyResult<Reply> {
-    let (status, headers, chunks, stream): (u16, Vec<(Vec<u8>, Vec<u8>)>, Vec<Vec<u8>>, bool) =
-        value.extract()?;
+    let (status, headers, chunks, stream): PyReply = value.extract()?;
     Ok(Reply {
         status,
         headers: headers
@@ -132,7 +134,10 @@ impl Control for PyControl {
 
     fn record(&self, ticket: &Py<PyAny>) {
         Python::attach(|py| {
-            if let Err(error) = self.control.call_method1(py, "record", (ticket.clone_ref(py),)) {
+            if let Err(error) = self
+                .control
+                .call_method1(py, "record", (ticket.clone_ref(py),))
+            {
                 error.print(py);
             }
         });
@@ -185,7 +190,9 @@ fn seconds(value: f64, name: &str) -> PyResult<Duration> {
     Duration::try_from_secs_f64(value)
         .ok()
         .filter(|d| !d.is_zero())
-        .ok_or_else(|| PyValueError::new_err(format!("{name} must be a positive number of seconds")))
+        .ok_or_else(|| {
+            PyValueError::new_err(format!("{name} must be a positive number of seconds"))
+        })
 }
 
 #[pymethods]

@@ -4,6 +4,7 @@
 //! separators=(",", ":"))`), so a client cannot tell which plane answered.
 
 use std::collections::HashSet;
+use std::fmt::Write as _;
 
 /// The names of the loopback interface a browser sends in `Host`.
 pub const LOOPBACK_HOSTS: [&str; 3] = ["127.0.0.1", "localhost", "[::1]"];
@@ -55,7 +56,8 @@ pub fn host_name(value: &str) -> String {
         };
     }
     if text.matches(':').count() == 1 {
-        text.rsplit_once(':').map_or(text.clone(), |(host, _)| host.to_string())
+        text.rsplit_once(':')
+            .map_or(text.clone(), |(host, _)| host.to_string())
     } else {
         text
     }
@@ -137,10 +139,10 @@ pub fn py_repr(text: &str) -> String {
                 out.push(c);
             }
             c if (c as u32) < 0x20 || c as u32 == 0x7f => {
-                out.push_str(&format!("\\x{:02x}", c as u32));
+                let _ = write!(out, "\\x{:02x}", c as u32);
             }
             c if (0x80..=0xa0).contains(&(c as u32)) || c as u32 == 0xad => {
-                out.push_str(&format!("\\x{:02x}", c as u32));
+                let _ = write!(out, "\\x{:02x}", c as u32);
             }
             c => out.push(c),
         }
@@ -161,7 +163,9 @@ pub fn json_str(text: &str, out: &mut String) {
             '\t' => out.push_str("\\t"),
             '\u{8}' => out.push_str("\\b"),
             '\u{c}' => out.push_str("\\f"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
             c => out.push(c),
         }
     }
@@ -181,7 +185,7 @@ fn error_kind(status: u16) -> &'static str {
     }
 }
 
-/// A refusal's body in the error shape of the route's API (OpenAI's or Anthropic's).
+/// A refusal's body in the error shape of the route's API (`OpenAI`'s or `Anthropic`'s).
 pub fn error_body(anthropic: bool, status: u16, reason: &str) -> String {
     let kind = error_kind(status);
     let mut out = String::with_capacity(reason.len() + 80);
@@ -292,7 +296,13 @@ mod tests {
             refusal(&hosts, Some("localhost"), None, Some("text/plain")).unwrap();
         assert_eq!(status, 415);
         assert!(reason.ends_with("not 'text/plain'"));
-        assert!(refusal(&hosts, Some("localhost"), None, Some("Application/JSON; x=1")).is_none());
+        assert!(refusal(
+            &hosts,
+            Some("localhost"),
+            None,
+            Some("Application/JSON; x=1")
+        )
+        .is_none());
         let (_, reason) = refusal(&hosts, None, None, None).unwrap();
         assert!(reason.contains("the Host None:"));
     }
@@ -322,8 +332,14 @@ mod tests {
     #[test]
     fn keys_come_from_bearer_or_x_api_key() {
         assert_eq!(api_key(Some("Bearer  k1 "), None).as_deref(), Some("k1"));
-        assert_eq!(api_key(Some("bearer k1"), Some("k2")).as_deref(), Some("k1"));
-        assert_eq!(api_key(Some("Basic xyz"), Some("k2")).as_deref(), Some("k2"));
+        assert_eq!(
+            api_key(Some("bearer k1"), Some("k2")).as_deref(),
+            Some("k1")
+        );
+        assert_eq!(
+            api_key(Some("Basic xyz"), Some("k2")).as_deref(),
+            Some("k2")
+        );
         assert_eq!(api_key(Some("Bearer "), Some("k2")), None);
         assert_eq!(api_key(None, Some("")), None);
     }

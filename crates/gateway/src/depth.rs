@@ -182,7 +182,10 @@ mod tests {
     #[test]
     fn each_field_is_refused_one_level_past_its_limit() {
         let body = format!(r#"{{"messages": [{}]}}"#, message_of(501));
-        assert_eq!(too_deep(body.as_bytes(), false).as_deref(), Some("messages"));
+        assert_eq!(
+            too_deep(body.as_bytes(), false).as_deref(),
+            Some("messages")
+        );
         let body = format!(r#"{{"messages": [], "tools": {}}}"#, nested(501));
         assert_eq!(too_deep(body.as_bytes(), false).as_deref(), Some("tools"));
         let body = format!(r#"{{"messages": [], "system": {}}}"#, nested(500));
@@ -204,14 +207,20 @@ mod tests {
     #[test]
     fn bodies_past_the_parsers_bound_name_their_field() {
         let body = format!(r#"{{"a": 1, "messages": [{}]}}"#, message_of(600));
-        assert_eq!(too_deep(body.as_bytes(), false).as_deref(), Some("messages"));
+        assert_eq!(
+            too_deep(body.as_bytes(), false).as_deref(),
+            Some("messages")
+        );
         let body = format!(r#"{{"x": "[[[", "deep": {}}}"#, nested(2000));
         assert_eq!(too_deep(body.as_bytes(), false).as_deref(), Some("deep"));
     }
 
     #[test]
     fn brackets_inside_strings_do_not_count() {
-        let body = format!(r#"{{"messages": [{{"role": "user", "content": "{}"}}]}}"#, "[".repeat(900));
+        let body = format!(
+            r#"{{"messages": [{{"role": "user", "content": "{}"}}]}}"#,
+            "[".repeat(900)
+        );
         assert_eq!(too_deep(body.as_bytes(), false), None);
     }
 

@@ -10,11 +10,14 @@ use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::Arc;
 
+/// The keys under one hash, each with the session it opens.
+type Bucket = Vec<(Box<[u8]>, Arc<str>)>;
+
 /// Keys (UTF-8 bytes, as the Python server encodes them) to the session each opens.
 #[derive(Default)]
 pub struct KeyTable {
     seed: RandomState,
-    buckets: HashMap<u64, Vec<(Box<[u8]>, Arc<str>)>>,
+    buckets: HashMap<u64, Bucket>,
     len: usize,
 }
 

@@ -51,8 +51,8 @@ use crate::keys::KeyTable;
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type Out = BoxBody<Bytes, BoxError>;
 
-/// Seconds an idle pooled connection is kept: dropped before a uvicorn upstream (vLLM,
-/// SGLang) closes it at 5 s, since reusing one it is closing fails the call.
+/// Seconds an idle pooled connection is kept: dropped before a uvicorn upstream (`vLLM`,
+/// `SGLang`) closes it at 5 s, since reusing one it is closing fails the call.
 const POOL_IDLE: Duration = Duration::from_secs(2);
 
 /// What the gateway is started with.
@@ -215,7 +215,9 @@ fn micros_since(t0: Instant) -> u32 {
 }
 
 fn full(body: impl Into<Bytes>) -> Out {
-    Full::new(body.into()).map_err(|never| match never {}).boxed()
+    Full::new(body.into())
+        .map_err(|never| match never {})
+        .boxed()
 }
 
 fn json_reply(status: u16, body: String, close: bool) -> Response<Out> {
@@ -251,6 +253,9 @@ fn header_text(headers: &HeaderMap, name: &HeaderName) -> Option<String> {
     headers.get(name).map(|v| checks::latin1(v.as_bytes()))
 }
 
+/// Where a reply reports that it was sent, and for which call.
+type Done<C> = (Arc<Shared<C>>, Arc<<C as Control>::Ticket>);
+
 /// The reply's body: its chunks, each stamped as it goes out when they are stream events,
 /// and the recorder told when the last one went.
 struct ReplyBody<C: Control> {
@@ -259,7 +264,7 @@ struct ReplyBody<C: Control> {
     t0: Instant,
     sent: Sent,
     last_chunk: u32,
-    done: Option<(Arc<Shared<C>>, Arc<C::Ticket>)>,
+    done: Option<Done<C>>,
 }
 
 impl<C: Control> Body for ReplyBody<C> {
@@ -275,19 +280,35 @@ impl<C: Control> Body for ReplyBody<C> {
             if this.stream {
                 let now = micros_since(this.t0);
                 if this.sent.chunks > 0 {
-                    this.sent.max_chunk_gap =
-                        this.sent.max_chunk_gap.max(now.saturating_sub(this.last_chunk));
+                    this.sent.max_chunk_gap = this
+                        .sent
+                        .max_chunk_gap
+                        .max(now.saturating_sub(this.last_chunk));
                 }
                 this.sent.chunks += 1;
                 this.last_chunk = now;
             }
+            if this.chunks.is_empty() {
+                this.finished();
+            }
             return Poll::Ready(Some(Ok(Frame::data(chunk))));
         }
-        if let Some((shared, ticket)) = this.done.take() {
-            this.sent.reply_sent = micros_since(this.t0);
-            shared.send(Job::Sent(ticket, this.sent));
-        }
+        this.finished();
         Poll::Ready(None)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.chunks.is_empty() && self.done.is_none()
+    }
+}
+
+impl<C: Control> ReplyBody<C> {
+    /// The last chunk is handed to the connection: the reply is sent.
+    fn finished(&mut self) {
+        if let Some((shared, ticket)) = self.done.take() {
+            self.sent.reply_sent = micros_since(self.t0);
+            shared.send(Job::Sent(ticket, self.sent));
+        }
     }
 }
 
@@ -303,7 +324,9 @@ impl<C: Control> Shared<C> {
         work: impl FnOnce(&C) -> R + Send + 'static,
     ) -> Option<R> {
         let control = self.control.clone();
-        tokio::task::spawn_blocking(move || work(&control)).await.ok()
+        tokio::task::spawn_blocking(move || work(&control))
+            .await
+            .ok()
     }
 
     async fn handle(self: Arc<Self>, request: Request<Incoming>) -> Response<Out> {
@@ -317,7 +340,11 @@ impl<C: Control> Shared<C> {
         self.proxy(request).await
     }
 
-    async fn read_body(&self, body: Incoming, declared: Option<&HeaderValue>) -> Result<Bytes, Option<(u16, String)>> {
+    async fn read_body(
+        &self,
+        body: Incoming,
+        declared: Option<&HeaderValue>,
+    ) -> Result<Bytes, Option<(u16, String)>> {
         let limit = self.config.max_body_bytes;
         if let Some(value) = declared {
             let text = checks::latin1(value.as_bytes());
@@ -368,7 +395,11 @@ impl<C: Control> Shared<C> {
         }
     }
 
-    async fn model_call(self: Arc<Self>, request: Request<Incoming>, anthropic: bool) -> Response<Out> {
+    async fn model_call(
+        self: Arc<Self>,
+        request: Request<Incoming>,
+        anthropic: bool,
+    ) -> Response<Out> {
         let t0 = Instant::now();
         let received_us = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -378,9 +409,12 @@ impl<C: Control> Shared<C> {
         let host = header_text(headers, &HOST);
         let origin = header_text(headers, &http::header::ORIGIN);
         let kind = header_text(headers, &CONTENT_TYPE);
-        if let Some((status, reason)) =
-            checks::refusal(&self.config.hosts, host.as_deref(), origin.as_deref(), kind.as_deref())
-        {
+        if let Some((status, reason)) = checks::refusal(
+            &self.config.hosts,
+            host.as_deref(),
+            origin.as_deref(),
+            kind.as_deref(),
+        ) {
             return refused(anthropic, status, &reason);
         }
         let key = checks::api_key(
@@ -436,7 +470,11 @@ impl<C: Control> Shared<C> {
         };
         if finished.queue && !self.queue(&ticket) {
             let held = ticket.clone();
-            if self.blocking(move |c| c.dropped(&held, "queue_full")).await.is_none() {
+            if self
+                .blocking(move |c| c.dropped(&held, "queue_full"))
+                .await
+                .is_none()
+            {
                 return internal_error();
             }
         }
@@ -543,7 +581,11 @@ impl<C: Control> Shared<C> {
             .path_and_query()
             .map_or("/", http::uri::PathAndQuery::as_str);
         let Ok(uri) = format!("http://{}{}", self.config.backend, target).parse::<Uri>() else {
-            return json_reply(400, "{\"error\":\"the request's target is not a path\"}".into(), false);
+            return json_reply(
+                400,
+                "{\"error\":\"the request's target is not a path\"}".into(),
+                false,
+            );
         };
         parts.uri = uri;
         strip_hop_headers(&mut parts.headers);
@@ -573,7 +615,14 @@ impl<C: Control> Shared<C> {
 }
 
 fn strip_hop_headers(headers: &mut HeaderMap) {
-    for name in ["connection", "keep-alive", "proxy-connection", "te", "trailer", "upgrade"] {
+    for name in [
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "upgrade",
+    ] {
         headers.remove(name);
     }
 }
@@ -692,7 +741,10 @@ impl<C: Control> Gateway<C> {
     }
 
     fn keys(&self) -> std::sync::RwLockWriteGuard<'_, KeyTable> {
-        self.shared.keys.write().unwrap_or_else(PoisonError::into_inner)
+        self.shared
+            .keys
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     pub fn set_open_mode(&self, open: bool) {
