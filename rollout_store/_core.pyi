@@ -98,7 +98,9 @@ class ContentTable:
 class DataPlane:
     """The data plane: the model routes served by hyper on a runtime of its own, the rest
     proxied to the control plane's listener; the control plane's callbacks (`prepare`,
-    `finish`, `record`, `dropped`, `sent`) are methods of `control`. `stop` ends it."""
+    `finish`, `record`, `dropped`, `sent`) are methods of `control`. `stop` ends it.
+    `forward_only`: a floor for benchmarks (calls go upstream and come back as they came,
+    with no key, no callback and nothing recorded)."""
 
     def __new__(
         cls,
@@ -117,6 +119,7 @@ class DataPlane:
         fast: bool,
         ack_queue: int,
         workers: int = 2,
+        forward_only: bool = False,
     ) -> DataPlane: ...
     @property
     def port(self) -> int:

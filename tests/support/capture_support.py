@@ -72,7 +72,7 @@ def serve_app(app: Any) -> Iterator[str]:
         time.sleep(0.01)
     plane = None
     if DATA_PLANE == "rust" and hasattr(getattr(app, "state", None), "server"):
-        from rollout_store.data_plane import RustDataPlane
+        from rollout_store.server import RustDataPlane
 
         plane = RustDataPlane(app, host="127.0.0.1", port=0, backend_port=port)
         port = plane.port  # the app's lifespan stops the plane

@@ -170,6 +170,8 @@ impl Control for PyControl {
 /// The data plane: the model routes served by hyper on a runtime of its own, the rest
 /// proxied to the control plane's listener; the control plane's callbacks (`prepare`,
 /// `finish`, `record`, `dropped`, `sent`) are methods of `control`. `stop` ends it.
+/// `forward_only`: a floor for benchmarks (calls go upstream and come back as they came,
+/// with no key, no callback and nothing recorded).
 #[pyclass(frozen, module = "rollout_store._core")]
 pub struct DataPlane {
     gateway: Mutex<Option<Gateway<PyControl>>>,
@@ -200,7 +202,8 @@ impl DataPlane {
     #[new]
     #[pyo3(signature = (
         control, *, host, port, backend_port, upstream, hosts, open_mode, max_body_bytes,
-        body_timeout, body_timeout_text, upstream_timeout, fast, ack_queue, workers = 2
+        body_timeout, body_timeout_text, upstream_timeout, fast, ack_queue, workers = 2,
+        forward_only = false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -219,6 +222,7 @@ impl DataPlane {
         fast: bool,
         ack_queue: usize,
         workers: usize,
+        forward_only: bool,
     ) -> PyResult<Self> {
         let listen = (host.trim_start_matches('[').trim_end_matches(']'), port)
             .to_socket_addrs()?
@@ -237,6 +241,7 @@ impl DataPlane {
             fast,
             ack_queue: ack_queue.max(1),
             workers,
+            forward_only,
         };
         let gateway = py.detach(|| Gateway::start(config, PyControl { control }))?;
         let port = gateway.local_addr().port();

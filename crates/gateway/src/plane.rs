@@ -76,6 +76,9 @@ pub struct Config {
     pub fast: bool,
     pub ack_queue: usize,
     pub workers: usize,
+    /// A floor for benchmarks: a model call that passes the gate goes upstream as it came
+    /// and its answer comes back as it came; no key, no control plane, nothing recorded.
+    pub forward_only: bool,
 }
 
 /// A model call that passed the gate, for the control to prepare.
@@ -417,6 +420,9 @@ impl<C: Control> Shared<C> {
         ) {
             return refused(anthropic, status, &reason);
         }
+        if self.config.forward_only {
+            return self.forwarded(body, anthropic, t0).await;
+        }
         let key = checks::api_key(
             header_text(headers, &http::header::AUTHORIZATION).as_deref(),
             header_text(headers, &HeaderName::from_static("x-api-key")).as_deref(),
@@ -480,6 +486,33 @@ impl<C: Control> Shared<C> {
         }
         let done = finished.timed.then_some(ticket);
         self.reply(finished.reply, t0, done)
+    }
+
+    /// A call forwarded as it came, answered as the upstream answered (`forward_only`).
+    async fn forwarded(&self, body: Incoming, anthropic: bool, t0: Instant) -> Response<Out> {
+        let raw = match self.read_body(body, None).await {
+            Ok(raw) => raw,
+            Err(Some((status, reason))) => return refused(anthropic, status, &reason),
+            Err(None) => return json_reply(400, String::new(), true),
+        };
+        let path = if anthropic {
+            "/v1/messages"
+        } else {
+            "/v1/chat/completions"
+        };
+        let headers = [("content-type".to_string(), "application/json".to_string())];
+        let answer = self.upstream(path, raw, &headers, t0).await;
+        if answer.error.is_some() {
+            return refused(anthropic, 502, "the upstream cannot be reached");
+        }
+        let mut response = Response::new(full(answer.body));
+        *response.status_mut() = StatusCode::from_u16(answer.status).unwrap_or(StatusCode::OK);
+        if let Some(kind) = answer.content_type {
+            if let Ok(kind) = HeaderValue::from_maybe_shared(kind) {
+                response.headers_mut().insert(CONTENT_TYPE, kind);
+            }
+        }
+        response
     }
 
     /// Queue a turn for the recorder; false when the queue is full (or closed).

@@ -164,6 +164,7 @@ fn setup() -> Setup {
         fast: true,
         ack_queue: 16,
         workers: 1,
+        forward_only: false,
     };
     let gateway = Gateway::start(config, Probe(control.clone())).unwrap();
     gateway.set_key(b"key-a", "a");
