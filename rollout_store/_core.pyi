@@ -129,7 +129,7 @@ class DataPlane:
     def remove_key(self, key: bytes) -> bool:
         """Forget `key`; whether it was known."""
     def pending(self) -> int:
-        """Turns queued (`fast`) and not yet recorded."""
+        """Turns queued (`fast`) and waiting for the recorder."""
     def settle(self, timeout: float) -> bool:
         """Wait at most `timeout` seconds until every queued turn is recorded or dropped;
         whether it was."""

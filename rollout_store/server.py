@@ -814,8 +814,11 @@ class _Server:
         #: Per session id, the calls whose timeline is still to be recorded (a task after
         #: the reply), by when each was answered: an export waits for them, bounded.
         self._timing: dict[str, dict[int, float]] = {}
-        #: The Rust data plane serving the model routes, when one does (`data_plane`).
+        #: The Rust data plane serving the model routes, when one does (`RustDataPlane`),
+        #: and the app's event loop once it runs (where that plane's queued turns are
+        #: recorded, as this server's own recorder records them).
         self.plane: Any = None
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def client(self) -> aiohttp.ClientSession:
@@ -2045,6 +2048,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        server.loop = asyncio.get_running_loop()
         sweeper = asyncio.ensure_future(sweep()) if idle_seconds else None
         try:
             yield
@@ -2283,10 +2287,17 @@ class RustDataPlane:
         """Record a turn answered with `--ack fast` (on the engine's recorder thread)."""
         plan, node = call.plan, call.node
         session, clock = plan.session, plan.clock
+        server = self._server
         try:
             if node is None:
                 raise RuntimeError("a queued call without its turn")
-            clock.node_id = self._server.record_now(session, node)
+            loop = server.loop
+            if loop is not None and loop.is_running():
+                # the Python server's recorder does it in its event loop: so does this one
+                recording = asyncio.run_coroutine_threadsafe(server._record(session, node), loop)
+                clock.node_id = recording.result()
+            else:
+                clock.node_id = server.record_now(session, node)
             if clock.reply_sent >= 0:  # sent before the turn was recorded: ours to do
                 self._server.record_timeline_now(session, clock)
         except Exception:  # any failure: the client has its answer, the turn is counted

@@ -267,7 +267,7 @@ impl DataPlane {
         self.with(|g| g.remove_key(key))
     }
 
-    /// Turns queued (`fast`) and not yet recorded.
+    /// Turns queued (`fast`) and waiting for the recorder.
     fn pending(&self) -> PyResult<usize> {
         self.with(Gateway::pending)
     }

@@ -172,21 +172,47 @@ enum Job<T> {
     Sent(Arc<T>, Sent),
 }
 
-/// The turns queued and not yet recorded, which `settle` waits for.
+/// The turns queued: those waiting for the recorder (what the bound counts, as the Python
+/// server's queue does), and those not yet recorded, the one being recorded too (what
+/// `settle` waits for).
 #[derive(Default)]
 struct Pending {
-    count: Mutex<usize>,
+    counts: Mutex<Counts>,
     changed: Condvar,
 }
 
+#[derive(Clone, Copy, Default)]
+struct Counts {
+    waiting: usize,
+    unfinished: usize,
+}
+
 impl Pending {
-    fn count(&self) -> std::sync::MutexGuard<'_, usize> {
-        self.count.lock().unwrap_or_else(PoisonError::into_inner)
+    fn counts(&self) -> std::sync::MutexGuard<'_, Counts> {
+        self.counts.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// One more turn queued, unless `bound` are waiting.
+    fn add(&self, bound: usize) -> bool {
+        let mut counts = self.counts();
+        if counts.waiting >= bound {
+            return false;
+        }
+        counts.waiting += 1;
+        counts.unfinished += 1;
+        true
+    }
+
+    /// The recorder took a turn.
+    fn taken(&self) {
+        let mut counts = self.counts();
+        counts.waiting = counts.waiting.saturating_sub(1);
+    }
+
+    /// A turn queued is recorded (or dropped).
     fn done(&self) {
-        let mut count = self.count();
-        *count = count.saturating_sub(1);
+        let mut counts = self.counts();
+        counts.unfinished = counts.unfinished.saturating_sub(1);
         self.changed.notify_all();
     }
 }
@@ -517,16 +543,13 @@ impl<C: Control> Shared<C> {
 
     /// Queue a turn for the recorder; false when the queue is full (or closed).
     fn queue(&self, ticket: &Arc<C::Ticket>) -> bool {
-        {
-            let mut count = self.pending.count();
-            if *count >= self.config.ack_queue {
-                return false;
-            }
-            *count += 1;
+        if !self.pending.add(self.config.ack_queue) {
+            return false;
         }
         if self.send(Job::Record(ticket.clone())) {
             return true;
         }
+        self.pending.taken();
         self.pending.done();
         false
     }
@@ -784,21 +807,21 @@ impl<C: Control> Gateway<C> {
         self.shared.open_mode.store(open, Ordering::Relaxed);
     }
 
-    /// Turns queued and not yet recorded.
+    /// Turns queued and waiting for the recorder.
     pub fn pending(&self) -> usize {
-        *self.shared.pending.count()
+        self.shared.pending.counts().waiting
     }
 
     /// Wait (at most `timeout`) until every queued turn is recorded or dropped; whether it
     /// was.
     pub fn settle(&self, timeout: Duration) -> bool {
         let pending = &self.shared.pending;
-        let count = pending.count();
-        let (count, _) = pending
+        let counts = pending.counts();
+        let (counts, _) = pending
             .changed
-            .wait_timeout_while(count, timeout, |n| *n > 0)
+            .wait_timeout_while(counts, timeout, |c| c.unfinished > 0)
             .unwrap_or_else(PoisonError::into_inner);
-        *count == 0
+        counts.unfinished == 0
     }
 
     /// Stop: no new connection, calls in flight cut after a second, the queued turns
@@ -842,6 +865,7 @@ fn record_loop<C: Control>(shared: &Shared<C>, jobs: &mpsc::Receiver<Job<C::Tick
         let control = &shared.control;
         match job {
             Job::Record(ticket) => {
+                shared.pending.taken();
                 let why = if late { "shutdown" } else { "" };
                 let _ = catch_unwind(AssertUnwindSafe(|| {
                     if late {
