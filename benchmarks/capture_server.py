@@ -230,6 +230,7 @@ def serve_rust_floor(upstream: str) -> int:
         body_timeout=30.0,
         body_timeout_text="30",
         upstream_timeout=600.0,
+        stream_keepalive=10.0,
         fast=False,
         ack_queue=1,
         forward_only=True,

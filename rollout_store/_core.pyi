@@ -116,6 +116,7 @@ class DataPlane:
         body_timeout: float,
         body_timeout_text: str,
         upstream_timeout: float,
+        stream_keepalive: float,
         fast: bool,
         ack_queue: int,
         workers: int = 2,

@@ -2166,6 +2166,7 @@ class RustDataPlane:
             body_timeout=config.body_timeout,
             body_timeout_text=f"{config.body_timeout:g}",
             upstream_timeout=config.upstream_timeout,
+            stream_keepalive=config.stream_keepalive,
             fast=config.ack == "fast",
             ack_queue=config.ack_queue,
             workers=workers,
@@ -2206,7 +2207,10 @@ class RustDataPlane:
         headers: list[tuple[str, bytes]],
         body: bytes,
         received_us: int,
-    ) -> tuple[_Call, str, bytes, list[tuple[str, str]]] | tuple[None, _Reply]:
+    ) -> (
+        tuple[_Call, str, bytes, list[tuple[str, str]], list[tuple[bytes, bytes]] | None]
+        | tuple[None, _Reply]
+    ):
         """A call that passed the engine's gate: its upstream call, or the refusal."""
         clock = CallClock()
         clock.received = received_us
@@ -2222,7 +2226,8 @@ class RustDataPlane:
             )
         except _Refusal as refusal:
             return None, _reply(_failure(anthropic, refusal))
-        return _Call(plan), plan.path, plan.content, list(plan.headers.items())
+        stream = _SSE_HEADERS if plan.stream else None
+        return _Call(plan), plan.path, plan.content, list(plan.headers.items()), stream
 
     def finish(
         self,
@@ -2233,9 +2238,12 @@ class RustDataPlane:
         retry_after: bytes | None,
         answer: bytes,
         stamps: tuple[int, int, int],
+        started: bool = False,
     ) -> tuple[_Reply, bool, bool]:
         """The reply to a call the upstream answered (or failed), whether its turn is to be
-        queued, and whether its timeline is to be recorded once the reply is sent."""
+        queued, and whether its timeline is to be recorded once the reply is sent.
+        `started`: the reply's stream began (keep-alive comments) while the upstream had
+        not answered: it goes on with the answer's events, or an error event."""
         server, plan = self._server, call.plan
         session, clock = plan.session, plan.clock
         clock.upstream_sent, clock.first_byte, clock.last_byte = stamps
@@ -2257,11 +2265,11 @@ class RustDataPlane:
         except _Passthrough as passed:
             session.upstream_errors += 1
             session.failed = failed_after(session.failed, passed.response.status_code)
-            return self._timed(call, _reply(passed.response), False)
+            return self._timed(call, self._failed(plan, passed, started), False)
         except _Refusal as refused:
             if refused.status in (502, 504):  # the upstream unreachable or too slow
                 session.failed = failed_after(session.failed, refused.status)
-            return self._timed(call, _reply(_failure(plan.anthropic, refused)), False)
+            return self._timed(call, self._failed(plan, refused, started), False)
         try:
             failed = session.failed
             call.node = plan.make_turn(response)
@@ -2271,10 +2279,28 @@ class RustDataPlane:
                 clock.node_id = server.record_now(session, call.node)
             clock.failed, session.failed = failed, 0
         except _Refusal as refused:
-            return self._timed(call, _reply(_failure(plan.anthropic, refused)), False)
+            return self._timed(call, self._failed(plan, refused, started), False)
         if plan.stream:
             return self._timed(call, (200, _SSE_HEADERS, list(plan.replay), True), queue)
         return self._timed(call, _reply(plan.reply(response, answer)), queue)
+
+    @staticmethod
+    def _failed(plan: _Plan, failed: _Refusal | _Passthrough, started: bool) -> _Reply:
+        """A failed call's answer: the route's error, or an error event of a begun stream
+        (as `_Server._kept_alive` sends it)."""
+        if not started:
+            return _reply(_failure(plan.anthropic, failed))
+        if isinstance(failed, _Refusal):
+            status, reason = failed.status, failed.reason
+        else:
+            status = failed.response.status_code
+            reason = (
+                f"the upstream answered {status}: "
+                + bytes(failed.response.body).decode("utf-8", "replace").replace("\n", " ")[:500]
+            )
+        error = _error_body(plan.anthropic, status, reason)
+        event = sse_event("error", error) if plan.anthropic else sse_data(error)
+        return 200, _SSE_HEADERS, [event], True
 
     def _timed(self, call: _Call, reply: _Reply, queue: bool) -> tuple[_Reply, bool, bool]:
         plan = call.plan

@@ -76,11 +76,18 @@ impl PyControl {
         let path: String = out.get_item(1)?.extract()?;
         let body: Vec<u8> = out.get_item(2)?.extract()?;
         let headers: Vec<(String, String)> = out.get_item(3)?.extract()?;
+        let stream: Option<Vec<(Vec<u8>, Vec<u8>)>> = out.get_item(4)?.extract()?;
         Ok(Prepared::Forward {
             path,
             body: Bytes::from(body),
             headers,
             ticket: ticket.unbind(),
+            stream: stream.map(|headers| {
+                headers
+                    .into_iter()
+                    .map(|(n, v)| (Bytes::from(n), Bytes::from(v)))
+                    .collect()
+            }),
         })
     }
 
@@ -96,6 +103,7 @@ impl PyControl {
                 bytes_or_none(py, up.retry_after.as_ref()),
                 PyBytes::new(py, &up.body),
                 (up.upstream_sent, up.first_byte, up.last_byte),
+                up.started,
             ),
         )?;
         let out = out.bind(py);
@@ -202,7 +210,7 @@ impl DataPlane {
     #[new]
     #[pyo3(signature = (
         control, *, host, port, backend_port, upstream, hosts, open_mode, max_body_bytes,
-        body_timeout, body_timeout_text, upstream_timeout, fast, ack_queue, workers = 2,
+        body_timeout, body_timeout_text, upstream_timeout, stream_keepalive, fast, ack_queue, workers = 2,
         forward_only = false
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -219,6 +227,7 @@ impl DataPlane {
         body_timeout: f64,
         body_timeout_text: &str,
         upstream_timeout: f64,
+        stream_keepalive: f64,
         fast: bool,
         ack_queue: usize,
         workers: usize,
@@ -238,6 +247,7 @@ impl DataPlane {
             body_timeout: seconds(body_timeout, "body_timeout")?,
             body_timeout_text: body_timeout_text.to_string(),
             upstream_timeout: seconds(upstream_timeout, "upstream_timeout")?,
+            stream_keepalive: seconds(stream_keepalive, "stream_keepalive")?,
             fast,
             ack_queue: ack_queue.max(1),
             workers,

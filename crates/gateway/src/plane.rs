@@ -72,6 +72,9 @@ pub struct Config {
     /// `body_timeout` as the refusal names it (`f"{seconds:g}"`).
     pub body_timeout_text: String,
     pub upstream_timeout: Duration,
+    /// How long a streaming client waits before its stream begins with keep-alive comments
+    /// (then a failure arrives as an error event).
+    pub stream_keepalive: Duration,
     /// `--ack fast`: turns are recorded after the reply, through the bounded queue.
     pub fast: bool,
     pub ack_queue: usize,
@@ -115,6 +118,8 @@ pub enum Prepared<T> {
         body: Bytes,
         headers: Vec<(String, String)>,
         ticket: T,
+        /// A streaming call: the headers its stream is answered with.
+        stream: Option<Vec<(Bytes, Bytes)>>,
     },
 }
 
@@ -132,6 +137,9 @@ pub struct Upstream {
     pub upstream_sent: u32,
     pub first_byte: u32,
     pub last_byte: u32,
+    /// The reply's stream had begun (with keep-alive comments) before the upstream
+    /// answered: a failure is to be an event of it.
+    pub started: bool,
 }
 
 /// What the control made of the upstream's answer.
@@ -285,15 +293,25 @@ fn header_text(headers: &HeaderMap, name: &HeaderName) -> Option<String> {
 /// Where a reply reports that it was sent, and for which call.
 type Done<C> = (Arc<Shared<C>>, Arc<<C as Control>::Ticket>);
 
-/// The reply's body: its chunks, each stamped as it goes out when they are stream events,
-/// and the recorder told when the last one went.
+/// What feeds a stream begun before its call was answered: chunks, then the call's ticket
+/// when its timeline is to be recorded.
+enum Piece<T> {
+    Chunk(Bytes),
+    Timed(Arc<T>),
+}
+
+/// The reply's body: its chunks (or those a begun stream is fed), each stamped as it goes
+/// out when they are stream events, and the recorder told when the last one went.
 struct ReplyBody<C: Control> {
     chunks: VecDeque<Bytes>,
+    feed: Option<tokio::sync::mpsc::Receiver<Piece<C::Ticket>>>,
     stream: bool,
     t0: Instant,
     sent: Sent,
     last_chunk: u32,
     done: Option<Done<C>>,
+    /// Where a fed stream reports it was sent, once it knows it is timed.
+    shared: Option<Arc<Shared<C>>>,
 }
 
 impl<C: Control> Body for ReplyBody<C> {
@@ -302,9 +320,22 @@ impl<C: Control> Body for ReplyBody<C> {
 
     fn poll_frame(
         self: Pin<&mut Self>,
-        _: &mut Context<'_>,
+        cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
+        while this.chunks.is_empty() {
+            let Some(feed) = this.feed.as_mut() else {
+                break;
+            };
+            match feed.poll_recv(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Piece::Chunk(chunk))) => this.chunks.push_back(chunk),
+                Poll::Ready(Some(Piece::Timed(ticket))) => {
+                    this.done = this.shared.clone().map(|shared| (shared, ticket));
+                }
+                Poll::Ready(None) => this.feed = None,
+            }
+        }
         if let Some(chunk) = this.chunks.pop_front() {
             if this.stream {
                 let now = micros_since(this.t0);
@@ -317,7 +348,7 @@ impl<C: Control> Body for ReplyBody<C> {
                 this.sent.chunks += 1;
                 this.last_chunk = now;
             }
-            if this.chunks.is_empty() {
+            if this.chunks.is_empty() && this.feed.is_none() {
                 this.finished();
             }
             return Poll::Ready(Some(Ok(Frame::data(chunk))));
@@ -327,7 +358,7 @@ impl<C: Control> Body for ReplyBody<C> {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.chunks.is_empty() && self.done.is_none()
+        self.chunks.is_empty() && self.feed.is_none() && self.done.is_none()
     }
 }
 
@@ -486,16 +517,38 @@ impl<C: Control> Shared<C> {
         let Some(prepared) = self.blocking(move |c| c.prepare(call)).await else {
             return internal_error();
         };
-        let (path, content, upstream_headers, ticket) = match prepared {
+        let (path, content, upstream_headers, ticket, stream) = match prepared {
             Prepared::Refuse(reply) => return self.reply(reply, t0, None),
             Prepared::Forward {
                 path,
                 body,
                 headers,
                 ticket,
-            } => (path, body, headers, Arc::new(ticket)),
+                stream,
+            } => (path, body, headers, Arc::new(ticket), stream),
         };
-        let answer = self.upstream(&path, content, &upstream_headers, t0).await;
+        let answer = if let Some(stream_headers) = stream {
+            let shared = self.clone();
+            let mut call = tokio::spawn(async move {
+                shared.upstream(&path, content, &upstream_headers, t0).await
+            });
+            match tokio::time::timeout(self.config.stream_keepalive, &mut call).await {
+                Ok(answer) => answer.unwrap_or_else(|_| lost()),
+                Err(_) => return self.kept_alive(call, stream_headers, ticket, t0),
+            }
+        } else {
+            self.upstream(&path, content, &upstream_headers, t0).await
+        };
+        self.finish(answer, ticket, t0).await
+    }
+
+    /// The rest of a call whose upstream answered: the control's reply, its turn queued.
+    async fn finish(
+        self: &Arc<Self>,
+        answer: Upstream,
+        ticket: Arc<C::Ticket>,
+        t0: Instant,
+    ) -> Response<Out> {
         let held = ticket.clone();
         let Some(finished) = self.blocking(move |c| c.finish(&held, answer)).await else {
             return internal_error();
@@ -512,6 +565,66 @@ impl<C: Control> Shared<C> {
         }
         let done = finished.timed.then_some(ticket);
         self.reply(finished.reply, t0, done)
+    }
+
+    /// A streaming call still waiting after `stream_keepalive`: its stream begins now with
+    /// a keep-alive comment, one more each `stream_keepalive`, then the control's events
+    /// (or its error event). A client that leaves abandons the call.
+    fn kept_alive(
+        self: &Arc<Self>,
+        mut call: tokio::task::JoinHandle<Upstream>,
+        headers: Vec<(Bytes, Bytes)>,
+        ticket: Arc<C::Ticket>,
+        t0: Instant,
+    ) -> Response<Out> {
+        const KEEP_ALIVE: &[u8] = b": keep-alive\n\n";
+        let (feed, receiver) = tokio::sync::mpsc::channel(16);
+        let shared = self.clone();
+        tokio::spawn(async move {
+            let answer = loop {
+                if feed
+                    .send(Piece::Chunk(Bytes::from_static(KEEP_ALIVE)))
+                    .await
+                    .is_err()
+                {
+                    call.abort(); // the client left before the answer
+                    return;
+                }
+                let waited = tokio::time::timeout(shared.config.stream_keepalive, &mut call).await;
+                if let Ok(answer) = waited {
+                    break answer.unwrap_or_else(|_| lost());
+                }
+            };
+            let answer = Upstream {
+                started: true,
+                ..answer
+            };
+            let held = ticket.clone();
+            let Some(finished) = shared.blocking(move |c| c.finish(&held, answer)).await else {
+                return;
+            };
+            if finished.queue && !shared.queue(&ticket) {
+                let held = ticket.clone();
+                let _ = shared
+                    .blocking(move |c| c.dropped(&held, "queue_full"))
+                    .await;
+            }
+            for chunk in finished.reply.chunks {
+                if feed.send(Piece::Chunk(chunk)).await.is_err() {
+                    return;
+                }
+            }
+            if finished.timed {
+                let _ = feed.send(Piece::Timed(ticket)).await;
+            }
+        });
+        let begun = Reply {
+            status: 200,
+            headers,
+            chunks: Vec::new(),
+            stream: true,
+        };
+        self.reply_fed(begun, t0, None, Some(receiver))
     }
 
     /// A call forwarded as it came, answered as the upstream answered (`forward_only`).
@@ -560,8 +673,20 @@ impl<C: Control> Shared<C> {
         t0: Instant,
         done: Option<Arc<C::Ticket>>,
     ) -> Response<Out> {
+        self.reply_fed(reply, t0, done, None)
+    }
+
+    fn reply_fed(
+        self: &Arc<Self>,
+        reply: Reply,
+        t0: Instant,
+        done: Option<Arc<C::Ticket>>,
+        feed: Option<tokio::sync::mpsc::Receiver<Piece<C::Ticket>>>,
+    ) -> Response<Out> {
         let body = ReplyBody {
             chunks: reply.chunks.into(),
+            shared: feed.is_some().then(|| self.clone()),
+            feed,
             stream: reply.stream,
             t0,
             sent: Sent::default(),
@@ -667,6 +792,14 @@ impl<C: Control> Shared<C> {
                 false,
             ),
         }
+    }
+}
+
+/// The answer of an upstream call whose task was lost (it panicked).
+fn lost() -> Upstream {
+    Upstream {
+        error: Some("ServerDisconnectedError".into()),
+        ..Upstream::default()
     }
 }
 

@@ -112,6 +112,7 @@ impl Control for Probe {
             body: call.body,
             headers: vec![("content-type".into(), "application/json".into())],
             ticket: format!("{}:{body}", call.session.unwrap_or_default()),
+            stream: None,
         }
     }
 
@@ -161,6 +162,7 @@ fn setup() -> Setup {
         body_timeout: Duration::from_secs(5),
         body_timeout_text: "5".into(),
         upstream_timeout: Duration::from_secs(5),
+        stream_keepalive: Duration::from_secs(5),
         fast: true,
         ack_queue: 16,
         workers: 1,
