@@ -86,7 +86,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import tracemalloc
 from collections.abc import Iterator, Sequence
@@ -213,16 +212,20 @@ def baseline_app(upstream: str, keep: bool) -> Any:
 
 
 def serve_rust_floor(upstream: str) -> int:
-    """The Rust data plane forwarding each call as it came, recording nothing."""
-    import signal
+    """The Rust data plane forwarding each call as it came, recording nothing; the other
+    routes (the benchmark's `POST /sessions`) go to the forward-only baseline app behind it,
+    as the Rust plane's control routes go to the Python app."""
+    import uvicorn
 
     from rollout_store import _core
+    from rollout_store.server import listen_socket
 
+    sock = listen_socket("127.0.0.1", 0)
     plane = _core.DataPlane(
         None,
         host="127.0.0.1",
         port=0,
-        backend_port=1,  # (no other route is asked of it)
+        backend_port=sock.getsockname()[1],
         upstream=upstream,
         hosts=None,
         open_mode=False,
@@ -236,11 +239,13 @@ def serve_rust_floor(upstream: str) -> int:
         forward_only=True,
     )
     print(f"baseline serve: http://127.0.0.1:{plane.port}", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    plane.stop(0.0)
+    app = baseline_app(upstream, keep=False)
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(
+            sockets=[sock]
+        )
+    finally:
+        plane.stop(0.0)
     return 0
 
 
