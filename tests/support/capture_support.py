@@ -55,8 +55,10 @@ class Counting:
 
 
 @contextlib.contextmanager
-def serve_app(app: Any) -> Iterator[str]:
-    """Serve `app` with uvicorn in a thread on a free loopback port; yields its base URL."""
+def serve_app(app: Any, data_plane: str | None = None) -> Iterator[str]:
+    """Serve `app` with uvicorn in a thread on a free loopback port; yields its base URL.
+    `data_plane` ("python", "rust"; default `DATA_PLANE`): for a capture server's app, who
+    serves its model routes."""
     sock = listen_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     config = uvicorn.Config(
@@ -71,7 +73,7 @@ def serve_app(app: Any) -> Iterator[str]:
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.01)
     plane = None
-    if DATA_PLANE == "rust" and hasattr(getattr(app, "state", None), "server"):
+    if (data_plane or DATA_PLANE) == "rust" and hasattr(getattr(app, "state", None), "server"):
         from rollout_store.server import RustDataPlane
 
         plane = RustDataPlane(app, host="127.0.0.1", port=0, backend_port=port)
