@@ -108,7 +108,7 @@ from measure import (  # noqa: E402
 )
 from workloads import UniqueContent  # noqa: E402
 
-from rollout_store.loopback import stop_process  # noqa: E402
+from rollout_store.serve.loopback import stop_process  # noqa: E402
 
 SESSIONS, TURNS = 16, 20
 #: `--ack-rows`: the session counts, and the targets (ms) of each ack mode at 16 sessions.
@@ -218,7 +218,7 @@ def serve_rust_floor(upstream: str) -> int:
     import uvicorn
 
     from rollout_store import _core
-    from rollout_store.server import listen_socket
+    from rollout_store.serve.server import listen_socket
 
     sock = listen_socket("127.0.0.1", 0)
     plane = _core.DataPlane(
@@ -252,8 +252,8 @@ def serve_rust_floor(upstream: str) -> int:
 def serve_baseline(argv: list[str]) -> int:
     import uvicorn
 
-    from rollout_store.idle_trim import with_idle_trim
-    from rollout_store.server import TRIM_IDLE_SECONDS, listen_socket
+    from rollout_store.serve.idle_trim import with_idle_trim
+    from rollout_store.serve.server import TRIM_IDLE_SECONDS, listen_socket
 
     upstream, mode = argv
     if mode == "rust-forward-only":
@@ -599,7 +599,7 @@ def traced_sessions(bodies: list[dict[str, Any]], sites: int = 0) -> int:
     dropped inside `_record_call`, as the server drops it after `add_turn`: a node left in a
     local variable here would count the last request's body (the screenshot again) as
     retained. Through the server the figure is the same within a few KiB."""
-    from rollout_store.sessions import Sessions
+    from rollout_store.serve.sessions import Sessions
 
     rollouts: dict[int, list[dict[str, Any]]] = {}
     for body in bodies:
@@ -629,7 +629,7 @@ def memory_only(rounds: int, sites: int) -> int:
     """The memory runs alone (see the docstring): each round a fresh server per scheme."""
     schemes = ["rollout_store", "forward-only"]
     stub = Child(
-        ["-m", "rollout_store.stub_engine", "--port", "0", "--latency-ms", "0"], malloc=False
+        ["-m", "rollout_store.serve.stub_engine", "--port", "0", "--latency-ms", "0"], malloc=False
     )
     bodies: dict[str, list[dict[str, Any]]] = {g: [] for g in GROUPS}
     rss: dict[str, dict[str, list[int]]] = {g: {s: [] for s in schemes} for g in GROUPS}
@@ -685,7 +685,7 @@ def latency_only(rounds: int, engine_ms: float) -> int:
     machine's noise shows as their spread); the null pair each round. Writes nothing."""
     schemes = ["rollout_store", "forward-only"]
     stub = Child(
-        ["-m", "rollout_store.stub_engine", "--port", "0", "--latency-ms", str(engine_ms)]
+        ["-m", "rollout_store.serve.stub_engine", "--port", "0", "--latency-ms", str(engine_ms)]
         + ["--jitter", str(ENGINE_JITTER)],
         malloc=False,
     )
@@ -741,7 +741,7 @@ def ack_rows(
         schemes += ["rust-durable", "rust-fast", "rust-forward-only"]
     counts = tuple(session_counts)
     stub = Child(
-        ["-m", "rollout_store.stub_engine", "--port", "0", "--latency-ms", str(engine_ms)]
+        ["-m", "rollout_store.serve.stub_engine", "--port", "0", "--latency-ms", str(engine_ms)]
         + ["--jitter", str(ENGINE_JITTER)],
         malloc=False,
     )
@@ -880,7 +880,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = {"instant": 0.0, "engine": args.engine_ms}
     stubs = {
         name: Child(
-            ["-m", "rollout_store.stub_engine", "--port", "0", "--latency-ms", str(ms)]
+            ["-m", "rollout_store.serve.stub_engine", "--port", "0", "--latency-ms", str(ms)]
             + ["--jitter", str(ENGINE_JITTER if ms else 0.0)],
             malloc=False,
         )

@@ -38,15 +38,9 @@ from schemes import SHARE_THRESHOLD, RolloutStoreRecorder
 from tqdm import tqdm
 from workloads import iter_texts, multimodal, unique_content_bytes
 
-from rollout_store import (
-    RolloutGraph,
-    TurnNode,
-    export_session,
-    framing,
-    storage,
-    write_session_json,
-)
-from rollout_store.frames import KIND_BLOB, KIND_BLOB_REF, KIND_TURN
+from rollout_store import RolloutGraph, TurnNode, export_session, write_session_json
+from rollout_store.files import framing, storage
+from rollout_store.files.frames import KIND_BLOB, KIND_BLOB_REF, KIND_TURN
 
 DEFAULT_TURNS = 100
 QUICK_TURNS = 25

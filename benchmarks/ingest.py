@@ -10,8 +10,10 @@ one right after the other, so other load on the machine moves both):
   server would. Each figure is the median over the 9 turns around the checkpoint.
 * soak: 20,000 turns in one graph for each shape that makes index buckets grow (shared
   observation text, one prompt sampled many times with token ids and by messages, short-prompt
-  independent calls, groups of 8 rollouts by messages and by tokens). Figure: median add time
-  of turns 19,981-20,000 over that of turns 91-110, samples pooled over the builds.
+  independent calls, groups of 8 rollouts by messages and by tokens, one prompt sampled
+  20,000 times whose completions repeat: 1,000 distinct answers, by messages and with token
+  ids). Printed: the median add time of the 20 turns around turns 100, 1,000, 5,000 and of
+  the last 20; the figure checked: the last over turns 91-110, samples pooled over the builds.
 
 Also retained memory over unique content at 200 turns of every workload (tracemalloc, as
 memory_per_turn.py measures it).
@@ -519,6 +521,41 @@ def groups_of_8_tokens(n: int) -> Iterator[dict[str, Any]]:
                 prompts[k] = prompt + sampled + _tokens(rng, 10)
 
 
+def _completions(rng: random.Random, n: int) -> list[dict[str, Any]]:
+    return [{"role": "assistant", "content": f"The answer is {_text(rng, 12)}."} for _ in range(n)]
+
+
+def repeating_completions(n: int) -> Iterator[dict[str, Any]]:
+    """One request (by messages) sampled n times; its completions repeat: 1,000 distinct."""
+    rng = random.Random(17)
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Answer in one word: " + _text(rng, 100)},
+    ]
+    answers = _completions(rng, 1000)
+    for _ in range(n):
+        yield {"request_messages": messages, "response_message": rng.choice(answers)}
+
+
+def repeating_completions_tokens(n: int) -> Iterator[dict[str, Any]]:
+    """`repeating_completions` with token ids: one prompt, 1,000 distinct sampled runs."""
+    rng = random.Random(18)
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Answer in one word: " + _text(rng, 100)},
+    ]
+    prompt = _tokens(rng, 300)
+    answers = [(a, _tokens(rng, 8)) for a in _completions(rng, 1000)]
+    for _ in range(n):
+        answer, sampled = rng.choice(answers)
+        yield {
+            "request_messages": messages,
+            "response_message": answer,
+            "prompt_ids": prompt,
+            "sampled_ids": sampled,
+        }
+
+
 SOAK_SHAPES: dict[str, Callable[[int], Iterator[dict[str, Any]]]] = {
     "shared_observation": shared_observation,
     "same_prompt_tokens": same_prompt_tokens,
@@ -526,13 +563,19 @@ SOAK_SHAPES: dict[str, Callable[[int], Iterator[dict[str, Any]]]] = {
     "same_prompt_messages": same_prompt_messages,
     "groups_of_8_messages": groups_of_8_messages,
     "groups_of_8_tokens": groups_of_8_tokens,
+    "repeating_completions": repeating_completions,
+    "repeating_completions_tokens": repeating_completions_tokens,
 }
+#: turns whose add time the soak prints (the median of the 20 turns around each)
+SOAK_CHECKPOINTS = (100, 1000, 5000)
 
 
 def soak_run(name: str, n_turns: int, builds: int) -> dict[str, Any]:
     late = range(n_turns - 19, n_turns + 1)
+    windows = {c: range(c - 9, c + 11) for c in SOAK_CHECKPOINTS if c + 10 < n_turns - 19}
     early_t: list[float] = []
     late_t: list[float] = []
+    at: dict[int, list[float]] = {c: [] for c in windows}
     for _ in range(builds):
         turns = list(SOAK_SHAPES[name](n_turns))
         graph = rs.RolloutGraph()
@@ -548,6 +591,9 @@ def soak_run(name: str, n_turns: int, builds: int) -> dict[str, Any]:
                     early_t.append(elapsed)
                 elif turn in late:
                     late_t.append(elapsed)
+                for c, window in windows.items():
+                    if turn in window:
+                        at[c].append(elapsed)
         finally:
             gc.enable()
         del graph, turns
@@ -557,6 +603,7 @@ def soak_run(name: str, n_turns: int, builds: int) -> dict[str, Any]:
         "turns": n_turns,
         "early_us": 1e6 * early,
         "late_us": 1e6 * late_median,
+        "at_us": {c: 1e6 * statistics.median(t) for c, t in at.items()},
         "ratio": late_median / early,
     }
 
@@ -666,9 +713,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in shapes:
             s = soak_run(name, args.soak_turns, args.builds)
             soak.append(s)
+            at = "".join(f"  turn {c} {t:8.1f}" for c, t in s["at_us"].items())
             print(
-                f"  {name:<22} early {s['early_us']:8.1f} us  late {s['late_us']:8.1f} us"
-                f"  ratio {s['ratio']:6.2f}",
+                f"  {name:<28} turns 91-110 {s['early_us']:8.1f}{at}"
+                f"  turn {s['turns']} {s['late_us']:8.1f} us  ratio {s['ratio']:6.2f}",
                 flush=True,
             )
     memory: list[dict[str, Any]] = []

@@ -53,7 +53,7 @@ from schemes import _import_rollout_store, turn_node
 from workloads import UniqueContent, random_text
 
 rs = _import_rollout_store()
-from rollout_store.loopback import MotoServer, RedisServer  # noqa: E402 - after the path is set
+from rollout_store.serve.loopback import MotoServer, RedisServer  # noqa: E402 - after the path is set
 
 ROLLOUTS = 16
 TURNS = 20
@@ -201,7 +201,7 @@ def distinct_long_strings(texts: list[list[str]]) -> int:
 
 
 def distinct_turn_records(texts: list[list[str]]) -> int:
-    """Turn records an out-of-process store gets (see rollout_store.turn_records): one per
+    """Turn records an out-of-process store gets (see rollout_store.engine.turn_records): one per
     distinct turn, i.e. per distinct (request, response) (each turn of this group packs its
     tail and response to far more than MIN_RECORD_BYTES, and no response holds a long
     string)."""

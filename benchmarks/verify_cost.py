@@ -1,7 +1,7 @@
 """What `verify` costs over a plain `load` of the same file, on each workload.
 
 `verify` checks everything `load` does and recomputes every turn record's index keys from
-its content (`rollout_store.key_check`); `load` trusts them. Each workload is recorded into
+its content (`rollout_store.files.key_check`); `load` trusts them. Each workload is recorded into
 one graph, saved as a snapshot and appended as a log; verify and load of each file are timed
 side by side (best of REPEAT, interleaved round by round), and the ratio verify / load is the
 figure (target: at most MAX_VERIFY_OVER_LOAD). Uses only the public API, so the same script
@@ -25,7 +25,8 @@ from measure import add_results_option, library_commit, results_dir, shown, targ
 from schemes import SHARE_THRESHOLD, turn_node
 from workloads import WORKLOADS, iter_bodies
 
-from rollout_store import RolloutGraph, storage
+from rollout_store import RolloutGraph
+from rollout_store.files import storage
 
 REPEAT = 15
 #: verify checks what load checks and hashes every stored message byte once more (BLAKE3)

@@ -1,9 +1,8 @@
 """rollout_store: record LLM agent rollouts with memory proportional to unique content."""
 
 from ._core import __version__  # the package version, Cargo's (the one version source)
-from .blobs import BlobTable, Handle
-from .capture import Capture, CaptureError, capture
-from .content import ContentStore, RetryPolicy, StringCache, content_key
+from .engine.blobs import BlobTable, Handle
+from .engine.intake import MAX_DEPTH
 from .errors import (
     ChecksumMismatch,
     CorruptFileError,
@@ -28,26 +27,32 @@ from .errors import (
     UnknownNodeError,
     UnsupportedVersionError,
 )
-from .export import export_session, iter_turn_records, write_session_json, write_trace_jsonl
-from .graph import Graph
-from .intake import MAX_DEPTH
-from .metadata import GraphMeta
-from .nodes import COUNT_TOOLS, TurnNode, common_prefix_len
-from .raw import RawJSON
-from .redis_store import RedisStore
-from .row_files import write_rows
-from .rows import (
+from .export.document import (
+    export_session,
+    iter_turn_records,
+    write_session_json,
+    write_trace_jsonl,
+)
+from .export.row_files import write_rows
+from .export.rows import (
     iter_token_samples,
     iter_tree_samples,
     token_samples,
     tree_attention_mask,
     tree_samples,
 )
-from .s3_store import S3Store
-from .storage import RolloutGraph
-from .stores import DirectoryStore, MemoryStore
-from .timeline import Timeline
-from .training import TrainingSequence
+from .files.storage import RolloutGraph
+from .graph import Graph
+from .metadata import GraphMeta
+from .model.nodes import COUNT_TOOLS, TurnNode, common_prefix_len
+from .model.raw import RawJSON
+from .model.timeline import Timeline
+from .model.training import TrainingSequence
+from .serve.capture import Capture, CaptureError, capture
+from .stores.content import ContentStore, RetryPolicy, StringCache, content_key
+from .stores.local import DirectoryStore, MemoryStore
+from .stores.redis_store import RedisStore
+from .stores.s3_store import S3Store
 
 __all__ = [
     "COUNT_TOOLS",

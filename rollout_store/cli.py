@@ -26,9 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
-from . import __version__, storage
-from .atomic import create_private
-from .content import ContentStore
+from . import __version__
 from .errors import (
     CorruptFileError,
     IndexKeyMismatch,
@@ -37,10 +35,13 @@ from .errors import (
     RolloutStoreError,
     StoreRequiredError,
 )
-from .export import CAPTURE_LEVELS, write_session_json, write_trace_jsonl
-from .figures import plain_export_bytes, store_figures
-from .storage import RolloutGraph
-from .stores import STORE_HELP, open_store, store_spec
+from .export.document import CAPTURE_LEVELS, write_session_json, write_trace_jsonl
+from .export.figures import plain_export_bytes, store_figures
+from .files import storage
+from .files.atomic import create_private
+from .files.storage import RolloutGraph
+from .stores.content import ContentStore
+from .stores.local import STORE_HELP, open_store, store_spec
 
 __all__ = ["main"]
 
@@ -382,8 +383,8 @@ def _export(args: argparse.Namespace) -> int:
 
 def _samples(args: argparse.Namespace) -> int:
     """Training rows of every FILE, written as they are made (see `rows`, `row_files`)."""
-    from .row_files import write_rows
-    from .rows import iter_token_samples, iter_tree_samples
+    from .export.row_files import write_rows
+    from .export.rows import iter_token_samples, iter_tree_samples
 
     if args.group and args.format != "tree":
         raise CommandError("--group packs a forest: it goes with --format tree")
@@ -522,7 +523,7 @@ def _repair(args: argparse.Namespace) -> int:
 
 
 def _view(args: argparse.Namespace) -> int:
-    from .viewer import Viewer, serve
+    from .viewer.app import Viewer, serve
 
     graph = _load(args)
     viewer = Viewer(graph, title=os.path.basename(args.file), file_size=os.path.getsize(args.file))
@@ -548,7 +549,7 @@ def _view(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        from . import server
+        from .serve import server
     except ImportError as exc:
         print(f"rollout-store serve needs the server extra ({exc})", file=sys.stderr)
         return 1
@@ -563,7 +564,7 @@ _PROGRESS_HELP = (
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    from .capture import Capture, CaptureError
+    from .serve.capture import Capture, CaptureError
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
@@ -734,7 +735,7 @@ def _parser() -> argparse.ArgumentParser:
     samples = commands.add_parser(
         "samples",
         help="training rows of one or many files: per path or tree-packed, to Parquet or JSONL",
-        description="Training rows of every FILE (see rollout_store.rows): one per "
+        description="Training rows of every FILE (see rollout_store.export.rows): one per "
         "root-to-leaf path (--format path) or tree-packed, each token once (--format tree).",
     )
     samples.add_argument("files", nargs="+", metavar="FILE", help="rollout files (.rls)")

@@ -18,27 +18,15 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 import xxhash
 
-from . import materialize
-from .blobs import BlobTable
-from .content import ContentStore, StringCache
-from .drift import REGIONS, Drift
-from .encoding import blob_ref_bytes, unpack
-from .errors import (
-    DuplicateNodeError,
-    InvalidArgumentError,
-    InvalidValueError,
-    RolloutStoreError,
-    UnknownNodeError,
-)
-from .index import OneOrMany, index_add, index_members
-from .intake import real_numbers
-from .linking import Linker
-from .metadata import UNCHANGED, GraphMeta
-from .nodes import COUNT_TOOLS, TurnNode
-from .raw import RawJSON, resolve_raw
-from .requests import FreshRequest, RequestStore, Scratch
-from .shared_blobs import StoreBlobTable
-from .stored import (
+from .engine import materialize
+from .engine.blobs import BlobTable
+from .engine.encoding import blob_ref_bytes, unpack
+from .engine.index import OneOrMany, index_add, index_members
+from .engine.intake import real_numbers
+from .engine.linking import Linker
+from .engine.requests import FreshRequest, RequestStore, Scratch
+from .engine.shared_blobs import StoreBlobTable
+from .engine.stored import (
     LOGPROBS_PACKED,
     RESPONSE_REFS,
     SCALAR_NAMES,
@@ -53,10 +41,22 @@ from .stored import (
     add_child,
     is_above,
 )
-from .timeline import Timeline, TimelineTable
-from .tokens import TokenRun, run_list
-from .training import TrainingSequence
-from .turn_records import TurnRecords, tail_bytes
+from .engine.tokens import TokenRun, run_list
+from .engine.turn_records import TurnRecords, tail_bytes
+from .errors import (
+    DuplicateNodeError,
+    InvalidArgumentError,
+    InvalidValueError,
+    RolloutStoreError,
+    UnknownNodeError,
+)
+from .metadata import UNCHANGED, GraphMeta
+from .model.drift import REGIONS, Drift
+from .model.nodes import COUNT_TOOLS, TurnNode
+from .model.raw import RawJSON, resolve_raw
+from .model.timeline import Timeline, TimelineTable
+from .model.training import TrainingSequence
+from .stores.content import ContentStore, StringCache
 from .views import NodeView
 
 __all__ = [
@@ -102,8 +102,10 @@ _SENT_APART = (1 << 64) - 1
 
 #: What a built turn sent in long strings (see `Graph._sent_by`): in its non-system request
 #: messages (inherited ones included), in its response, in all; and its shared values with
-#: their long-string bytes. (A plain tuple: a NamedTuple's `__new__` runs in Python.)
-_Sent = tuple[int, int, int, tuple[Any, Any, Any, Any, int]]
+#: their long-string bytes; the blobs its own packings refer to (those it inherits were
+#: listed for the turn they came from). (A plain tuple: a NamedTuple's `__new__` runs in
+#: Python.)
+_Sent = tuple[int, int, int, tuple[Any, Any, Any, Any, int], list[int]]
 
 
 def _without_raw(node: TurnNode, known: Container[bytes | str] = ()) -> TurnNode:
@@ -214,6 +216,11 @@ class Graph:
         self._sent = array("Q")
         self._sent_apart: dict[int, tuple[int, int]] | None = None  # made when needed
         self._sent_total = 0
+        # the blobs the committed turns refer to (a byte each) and their UTF-8 bytes: those
+        # `blob_bytes_saved` subtracts (a graph recovered past damage also holds blobs read
+        # for turns it lost, which no turn refers to)
+        self._blobs_used = bytearray()
+        self._blob_bytes_used = 0
         # the last turn's shared values (system, tools, sampling, requested) and their
         # long-string bytes: most turns send the same objects again, counted without a scan
         self._sent_values: tuple[Any, Any, Any, Any, int] | None = None
@@ -632,7 +639,13 @@ class Graph:
 
         Worked out from the base's entry and the turn's own packings (their blob references'
         sizes: no string is read), before its record may be sealed in a store."""
-        size, flags = self._blobs.size, turn.flags
+        sizes, flags = self._blobs.size, turn.flags
+        used: list[int] = []
+
+        def size(index: int) -> int:
+            used.append(index)
+            return sizes(index)
+
         rest = 0
         base = turn.base
         if base is not None:
@@ -667,11 +680,11 @@ class Graph:
         total = rest + response + values[4]
         if flags & LOGPROBS_PACKED:
             total += blob_ref_bytes(turn.logprobs, size)
-        return rest, response, total, values
+        return rest, response, total, values, used
 
     def _note_sent(self, sent: _Sent) -> None:
         """File a committed turn's `_sent_by` figures."""
-        rest, response, total, values = sent
+        rest, response, total, values, used = sent
         if rest <= _SENT_HIGH and response < _SENT_LOW:
             self._sent.append(rest << _SENT_SHIFT | response)
         else:
@@ -681,6 +694,14 @@ class Graph:
             self._sent.append(_SENT_APART)
         self._sent_total += total
         self._sent_values = values
+        if used:
+            flags = self._blobs_used
+            for index in used:
+                if index >= len(flags):
+                    flags.extend(bytes(index + 1 - len(flags)))
+                if not flags[index]:
+                    flags[index] = 1
+                    self._blob_bytes_used += self._blobs.size(index)
 
     def _commit(
         self,
@@ -1021,8 +1042,10 @@ class Graph:
           stored for them), `blob_references` (times the graph met a long string in what it
           stored anew: strings a turn inherits from the request it extends, or re-sends in a
           shared value stored before, are not met again), `blob_bytes_saved`
-          (`blob_bytes_sent` minus `blob_bytes`: what content-addressing and turns stored as
-          references saved), `collisions` (strings beyond the first under one xxh3 digest),
+          (`blob_bytes_sent` minus the UTF-8 bytes of the distinct long strings the turns
+          refer to: what content-addressing and turns stored as references saved; never
+          negative, as each string counted once was sent at least once), `collisions`
+          (strings beyond the first under one xxh3 digest),
           `blob_bytes_sent` (UTF-8 bytes of the long strings of every turn, as a store that
           keeps each turn whole would hold them: each request with every message it re-sends,
           its system messages, tools and sampling parameters, the response and logprobs);
@@ -1035,9 +1058,8 @@ class Graph:
 
         A graph read with `load(recover=True)` past damage keeps in its blob table the long
         strings read for turns that were then lost or dropped (a later turn may use them):
-        `blobs` and `blob_bytes` count them, `blob_bytes_sent` counts only the turns kept,
-        so `blob_bytes_saved` understates the saving and can be negative (its load report's
-        `lost_turns` or `dropped` say whether that can be so).
+        `blobs` and `blob_bytes` count them; `blob_bytes_sent` and `blob_bytes_saved` count
+        only what the turns kept refer to.
         """
         stored_tokens = 0
         seen: set[TokenRun] = set()  # runs, not ids: views of packed full runs are equal
@@ -1074,7 +1096,7 @@ class Graph:
         }
         blob_stats = self.blobs.stats()
         sent = self._sent_total
-        blob_stats["blob_bytes_saved"] = sent - blob_stats["blob_bytes"]
+        blob_stats["blob_bytes_saved"] = sent - self._blob_bytes_used
         out.update(blob_stats)
         out["blob_bytes_sent"] = sent
         return out

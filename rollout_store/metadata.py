@@ -18,9 +18,9 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
-from .encoding import unpack
+from .engine.encoding import unpack
+from .engine.intake import encode
 from .errors import InvalidValueError
-from .intake import encode
 
 __all__ = ["UNCHANGED", "GraphMeta", "check_group", "check_label", "check_reward"]
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
+from .engine.stored import Turn
 from .errors import ReadOnlyError
-from .nodes import FIELD_NAMES, NodeMethods, TurnNode
-from .stored import Turn
+from .model.nodes import FIELD_NAMES, NodeMethods, TurnNode
 
 __all__ = ["NodeSource", "NodeView"]
 

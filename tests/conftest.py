@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 from hypothesis import HealthCheck, settings
@@ -43,6 +44,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 # checks every graph.
 
 from collections.abc import Iterator  # noqa: E402
+from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 from round_trips import RoundTrips  # noqa: E402
@@ -78,6 +80,55 @@ def every_graph_round_trips(
     if built:
         round_trips = request.config.stash[_ROUND_TRIPS]
         round_trips.check(built, tmp_path_factory.mktemp("roundtrip"))
+
+
+# ---------------------------------------------------------------- one TLS context
+# Every httpx client (the tests' own calls; the openai SDK's; the anthropic SDK's, through its
+# fork httpx2) loads the CA bundle into a new TLS context when it is made: 30 ms of CPU, paid
+# about a thousand times a run by clients that only speak plain HTTP to loopback. The run
+# makes one per setting and hands it to every client.
+
+
+def _made_once(create: Any) -> Any:
+    made: dict[Any, Any] = {}
+
+    def once(verify: Any = True, cert: Any = None, trust_env: bool = True) -> Any:
+        if verify is not True or cert is not None:
+            return create(verify=verify, cert=cert, trust_env=trust_env)
+        key = (trust_env, *(os.environ.get(k) for k in ("SSL_CERT_FILE", "SSL_CERT_DIR")))
+        if key not in made:
+            made[key] = create(verify=True, trust_env=trust_env)
+        return made[key]
+
+    return once
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_tls_context_for_http_clients() -> Iterator[None]:
+    import importlib
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("httpx._transports.default", "httpx2._transports.default"):
+            try:
+                transports = importlib.import_module(name)
+            except ImportError:  # httpx2 comes with the anthropic SDK's newer releases
+                continue
+            create = getattr(transports, "create_ssl_context", None)
+            if create is not None:  # (else a release that makes them otherwise: left alone)
+                patch.setattr(transports, "create_ssl_context", _made_once(create))
+        yield
+
+
+# ---------------------------------------------------------------- a heap collected once
+# Collecting the suite imports the SDKs, hypothesis and the test modules: some 300,000 objects
+# that live as long as the run. Each full collection walked them all again (a tenth to half a
+# second: the memory tests collect before they measure, and the collector runs on its own).
+# Once collected, they are set aside (`gc.freeze`): later collections walk what tests made.
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    gc.collect()
+    gc.freeze()
 
 
 # ---------------------------------------------------------------- what the run left out

@@ -28,13 +28,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))  # the package of this checkout
 
-from rollout_store import (  # noqa: E402
-    DirectoryStore,
-    RolloutGraph,
-    TurnNode,
-    export_session,
-    framing,
-)
+from rollout_store import DirectoryStore, RolloutGraph, TurnNode, export_session  # noqa: E402
+from rollout_store.files import framing  # noqa: E402
 
 SHARE = 16  # share_threshold: short strings already go to the blob table
 ODD = [1, 1.0, True, -0.0, float("nan"), float("inf"), -float("inf"), 2**70, -(10**40), {}, []]

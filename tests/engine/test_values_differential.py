@@ -1,17 +1,21 @@
-"""The engine's value intake and rebuild against the package's Python ones, byte for byte.
+"""The engine's value intake and rebuild (`_core.Packer`, `_core.unpack`) against references
+that share no code with it.
 
-`_core.Packer` (through this file's `Encoder`) must pack every value exactly as the Python walk
-and msgpack did (the stored format is unchanged), intern the same long strings in the same
-order, and refuse every bad value with the same error class, message and path;
-`_core.unpack` must rebuild what msgpack's rebuild did, blobs as the table's own objects.
+The plain format is msgpack's (`msgpack.packb(use_bin_type=True)` writes the same bytes); the
+library's extension types are checked against bytes spelled out here; every packing rebuilds
+to a value `json.dumps` writes exactly as it wrote what was put in (type for type: 1 / 1.0 /
+True, float bits, key order, tuples); long strings land in the blob table in the order the
+value holds them; refusals name the exact message and path.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import json
 import sys
+import tracemalloc
 from typing import Any
 
 import msgpack
@@ -20,35 +24,14 @@ import pydantic
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
-from support import assert_same, assert_same_json, json_like, same
+from support import assert_same, assert_same_json, json_like
 
 from rollout_store import InvalidValueError, _core
-from rollout_store import encoding as reference_unpack
-from rollout_store import intake as reference_intake
-from rollout_store.blobs import BlobTable
-from rollout_store.encoding import ECHO_PACKED
-from rollout_store.intake import MAX_DEPTH
+from rollout_store.engine.blobs import BlobTable
+from rollout_store.engine.encoding import ECHO_PACKED
+from rollout_store.engine.intake import MAX_DEPTH, Encoder
 
 unpack = _core.unpack
-
-
-class Encoder:
-    """`intake.Encoder`'s interface over the engine's `Packer` (what the graph will call)."""
-
-    def __init__(self, blobs: BlobTable | None, threshold: int | None) -> None:
-        self._packer = _core.Packer(None if blobs is None else blobs.intern, threshold)
-        self.last_refs = False
-        self.last_longest = 0
-
-    def encode(self, value: Any, path: str) -> tuple[bytes, bool]:
-        try:
-            packed = self._packer.pack(value)
-        except _core.RefusedValue as refused:
-            message, where = refused.args
-            raise InvalidValueError(message, path + where) from None
-        self.last_refs = self._packer.last_refs
-        self.last_longest = self._packer.last_longest
-        return packed, self._packer.last_special
 
 
 class Text(str):
@@ -93,37 +76,103 @@ def _subclassed(value: Any) -> Any:
     return value
 
 
-def _both(value: Any, threshold: int | None) -> tuple[Any, Any]:
-    """(engine, reference) results of packing `value`: packing, special, refs, longest and
-    the blob table's strings, or the error's (class, message, path)."""
-    results = []
-    for make in (Encoder, reference_intake.Encoder):
-        blobs = BlobTable() if threshold is not None else None
-        encoder = make(blobs, threshold)
-        try:
-            packed, special = encoder.encode(value, "request_messages[3]")
-        except InvalidValueError as error:
-            results.append((type(error), str(error), error.path, error.reason))
-            continue
-        strings = [] if blobs is None else [blobs.string(i) for i in range(len(blobs))]
-        results.append((packed, special, encoder.last_refs, encoder.last_longest, strings, blobs))
-    return results[0], results[1]
+def _long_strings(value: Any, threshold: int | None) -> list[str]:
+    """The strings a packing of `value` holds as blob references, in the order it meets them
+    (each once): strings of `threshold` code points or more, dict keys among them unless an
+    exact ASCII str (a key is short, and an ASCII one is written inline)."""
+    found: dict[str, None] = {}
+
+    def walk(v: Any) -> None:
+        if isinstance(v, str):
+            if threshold is not None and len(v) >= threshold:
+                found.setdefault(str(v))
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                if isinstance(k, str) and not (type(k) is str and k.isascii()):
+                    walk(k)
+                walk(item)
+        elif isinstance(v, list | tuple):
+            for item in v:
+                walk(item)
+
+    walk(value)
+    return list(found)
+
+
+def _has_special(value: Any, blobs: list[str]) -> bool:
+    """Whether a packing of `value` holds an extension type a caller could imitate: a tuple,
+    an int beyond 64 bits or a string with a lone surrogate (inline or as a blob)."""
+
+    def special(v: Any) -> bool:
+        if isinstance(v, tuple):
+            return True
+        if isinstance(v, bool) or v is None or isinstance(v, float):
+            return False
+        if isinstance(v, int):
+            return not -(2**63) <= v < 2**64
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+            return False
+        if isinstance(v, dict):
+            return any(special(k) or special(item) for k, item in v.items())
+        return any(special(item) for item in v)
+
+    return special(value) or any(special(s) for s in blobs)
+
+
+def _plain_msgpack(value: Any) -> bytes | None:
+    """msgpack's own packing of `value`, or None when it needs an extension type."""
+    try:
+        packed: bytes = msgpack.packb(value, use_bin_type=True, strict_types=True)
+    except (TypeError, ValueError, OverflowError):  # a tuple, a surrogate, a big int
+        return None
+    return packed
 
 
 def _check_packing(value: Any, threshold: int | None) -> None:
-    ours, theirs = _both(value, threshold)
-    assert ours[:4] == theirs[:4]
-    if len(ours) > 4:
-        assert same(ours[4], theirs[4])
-        packed, blobs = ours[0], ours[5]
-        string = blobs.string if blobs is not None else None
-        rebuilt = unpack(packed, string or _no_blob)
-        assert_same(rebuilt, reference_unpack.unpack(packed, string or _no_blob))
-        assert_same_json(rebuilt, value)
+    blobs = BlobTable() if threshold is not None else None
+    encoder = Encoder(blobs, threshold)
+    packed, special = encoder.encode(value, "request_messages[3]")
+    strings = [] if blobs is None else [blobs.string(i) for i in range(len(blobs))]
+    assert strings == _long_strings(value, threshold)
+    assert special == _has_special(value, strings)
+    assert encoder.last_refs == bool(strings)
+    assert encoder.last_longest == max(map(len, strings), default=0)
+    if not strings:
+        plain = _plain_msgpack(value)
+        if plain is not None:
+            assert packed == plain
+    rebuilt = unpack(packed, blobs.string if blobs is not None else _no_blob)
+    assert_same(rebuilt, value)
+    assert_same_json(rebuilt, value)
 
 
 def _no_blob(index: int) -> str:
     raise AssertionError(f"blob {index} read from a plain packing")
+
+
+plain_json = st.recursive(
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(min_value=-(2**63), max_value=2**64 - 1),
+        st.floats(),
+        st.text(st.characters(exclude_categories=["Cs"])),
+    ),
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.dictionaries(st.text(max_size=8), children, max_size=4),
+    ),
+    max_leaves=24,
+)
+
+
+@given(plain_json)
+def test_plain_values_pack_as_msgpack_does(value: Any) -> None:
+    assert Encoder(None, None).encode(value, "v") == (msgpack.packb(value), False)
 
 
 @given(json_like, st.sampled_from([None, 1, 8, 64]))
@@ -132,13 +181,63 @@ def _no_blob(index: int) -> str:
 @example({1: "a", 1.5: "b", None: "c", False: "d", 2**80: "e"}, 8)
 @example({"\ud800" * 20: "\udfff" * 20, "é" * 20: ["x" * 20, "x" * 20]}, 8)
 @example(((), [], {}, ((),)), None)
-def test_packing_and_rebuild_equal_the_python_walk(value: Any, threshold: int | None) -> None:
+def test_packing_rebuilds_exactly_and_interns_the_long_strings(
+    value: Any, threshold: int | None
+) -> None:
     _check_packing(value, threshold)
+
+
+def _ext(code: int, payload: bytes) -> bytes:
+    """An extension item as msgpack writes it: fixext for 1, 2, 4, 8 and 16 bytes, else ext8
+    or ext16 (a big endian length, then the type)."""
+    fixed = {1: 0xD4, 2: 0xD5, 4: 0xD6, 8: 0xD7, 16: 0xD8}
+    if len(payload) in fixed:
+        return bytes((fixed[len(payload)], code)) + payload
+    if len(payload) < 256:
+        return bytes((0xC7, len(payload), code)) + payload
+    return b"\xc8" + len(payload).to_bytes(2, "big") + bytes((code,)) + payload
+
+
+@pytest.mark.parametrize(
+    ("value", "threshold", "packed"),
+    [
+        ((), None, b"\x91" + _ext(1, b"")),
+        ((1, "a"), None, b"\x93" + _ext(1, b"") + b"\x01\xa1a"),
+        ([(None,)], None, b"\x91\x92" + _ext(1, b"") + b"\xc0"),
+        (2**64, None, _ext(2, b"18446744073709551616")),
+        (-(2**63) - 1, None, _ext(2, b"-9223372036854775809")),
+        ({2**70: 1}, None, b"\x81" + _ext(2, b"1180591620717411303424") + b"\x01"),
+        ("a\ud800", None, _ext(3, b"a\xed\xa0\x80")),
+        ({"\udfff": 0}, None, b"\x81" + _ext(3, b"\xed\xbf\xbf") + b"\x00"),
+        (["long text", "long text"], 8, b"\x92" + _ext(4, bytes(4)) * 2),
+        (
+            ["short", "long text", "other text"],
+            8,
+            b"\x93\xa5short" + _ext(4, bytes(4)) + _ext(4, b"\0\0\0\1"),
+        ),
+        ("\ud800" * 8, 8, _ext(4, bytes(4))),
+    ],
+)
+def test_the_extension_types_are_packed_as_specified(
+    value: Any, threshold: int | None, packed: bytes
+) -> None:
+    blobs = BlobTable() if threshold is not None else None
+    got, special = Encoder(blobs, threshold).encode(value, "v")
+    assert got == packed
+    # a tuple, a big int or a surrogate (inline or in a blob) is special; a blob is not
+    assert special == (not isinstance(value, list) or threshold is None)
+    assert_same(unpack(got, blobs.string if blobs is not None else _no_blob), value)
 
 
 @given(json_like, st.sampled_from([None, 8]))
 def test_subclasses_pack_as_their_bases(value: Any, threshold: int | None) -> None:
-    _check_packing(_subclassed(value), threshold)
+    subclassed = _subclassed(value)
+    if threshold is None:
+        assert Encoder(None, None).encode(subclassed, "v") == Encoder(None, None).encode(value, "v")
+    else:
+        blobs = BlobTable()
+        packed, _ = Encoder(blobs, threshold).encode(subclassed, "v")
+        assert_same(unpack(packed, blobs.string), value)
 
 
 @pytest.mark.parametrize("depth", [MAX_DEPTH - 1, MAX_DEPTH, MAX_DEPTH + 1])
@@ -147,10 +246,15 @@ def test_nesting_near_the_bound(depth: int, kind: str) -> None:
     value: Any = "leaf"
     for i in range(depth):
         value = [value] if kind == "list" else {f"k{i % 3}": value} if kind == "dict" else (value,)
-    ours, theirs = _both(value, 8)
-    assert ours[:4] == theirs[:4]
+    encoder = Encoder(BlobTable(), 8)
     # MAX_DEPTH containers nest; one more is refused
-    assert (len(ours) == 4) == (depth > MAX_DEPTH)
+    if depth > MAX_DEPTH:
+        with pytest.raises(InvalidValueError) as caught:
+            encoder.encode(value, "v")
+        assert caught.value.reason == f"nesting deeper than {MAX_DEPTH} levels"
+    else:
+        packed, _ = encoder.encode(value, "v")
+        assert_same(unpack(packed, _no_blob), value)
 
 
 class Model(pydantic.BaseModel):
@@ -201,12 +305,63 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("value", BAD, ids=lambda v: type(v).__name__)
+_SET = "value of type set cannot be represented in JSON"
+_DIGITS = (
+    "an int with more digits than Python writes as text (sys.get_int_max_str_digits()): "
+    "json.dumps cannot write it either"
+)
+_CYCLE = "reference cycle (a container contains itself)"
+_NUMPY_VALUE = "is not a JSON value: pass `value.item()`"
+
+#: what each of BAD is refused with: the path after the field's name, and the reason
+REFUSALS = [
+    ("", _SET),
+    ("", "value of type frozenset cannot be represented in JSON"),
+    ("", "value of type bytes cannot be represented in JSON"),
+    ("", "value of type bytearray cannot be represented in JSON"),
+    ("", "value of type object cannot be represented in JSON"),
+    (
+        "",
+        "a pydantic model (Model) is not a JSON value: pass what the SDK would send, "
+        '`value.model_dump(mode="json", exclude_unset=True)`',
+    ),
+    ("", "a dataclass (Point) is not a JSON value: pass `dataclasses.asdict(value)`"),
+    ("", f"a numpy value (float32) {_NUMPY_VALUE}"),
+    ("", f"a numpy value (int64) {_NUMPY_VALUE}"),
+    ("", f"a numpy value (bool) {_NUMPY_VALUE}"),
+    ("", "a numpy array (ndarray) is not a JSON value: pass `value.tolist()`"),
+    ("", "a numpy array (ndarray) is not a JSON value: pass `value.tolist()`"),
+    ("", "value of type ExtType cannot be represented in JSON"),
+    ("", "value of type complex cannot be represented in JSON"),
+    (".content[1].image_url.url", "value of type bytes cannot be represented in JSON"),
+    (".a", "dict key of type tuple (JSON keys are str, int, float, bool, None)"),
+    (".a[1]", "dict key of type frozenset (JSON keys are str, int, float, bool, None)"),
+    ("['key with space'][0]", "value of type object cannot be represented in JSON"),
+    (".if[1].ok", _SET),
+    ("[1][0][2.5][0][None][0][True][0]", _SET),
+    ("[0]", _DIGITS),
+    (".n", _DIGITS),
+    ("[0]", _CYCLE),
+    (".messages[0].content[0]", _CYCLE),
+    ("[0][0][0]", _CYCLE),
+    ("[0][1].x", _CYCLE),
+]
+
+
+@pytest.mark.parametrize(
+    ("value", "refusal"), list(zip(BAD, REFUSALS, strict=True)), ids=lambda v: type(v).__name__
+)
 @pytest.mark.parametrize("threshold", [None, 4])
-def test_bad_values_are_refused_as_before(value: Any, threshold: int | None) -> None:
-    ours, theirs = _both(value, threshold)
-    assert len(ours) == 4, ours
-    assert ours == theirs
+def test_bad_values_are_refused_with_their_path(
+    value: Any, refusal: tuple[str, str], threshold: int | None
+) -> None:
+    blobs = BlobTable() if threshold is not None else None
+    with pytest.raises(InvalidValueError) as caught:
+        Encoder(blobs, threshold).encode(value, "request_messages[3]")
+    assert (caught.value.path, caught.value.reason) == (
+        "request_messages[3]" + refusal[0],
+        refusal[1],
+    )
 
 
 def test_the_path_names_the_bad_value() -> None:
@@ -253,8 +408,6 @@ def test_the_echo_is_what_echo_returns_and_refused_without_one() -> None:
 def test_damaged_bytes_raise_value_error(data: bytes) -> None:
     with pytest.raises(ValueError):
         unpack(data, _no_blob)
-    with pytest.raises(ValueError):
-        reference_unpack.unpack(data, _no_blob)
 
 
 def test_big_ints_beyond_the_digit_limit_rebuild_as_written() -> None:
@@ -263,10 +416,12 @@ def test_big_ints_beyond_the_digit_limit_rebuild_as_written() -> None:
     sys.set_int_max_str_digits(0)
     try:
         packed, special = Encoder(None, None).encode([n, -n], "v")
+        digits = str(n).encode("ascii")
     finally:
         sys.set_int_max_str_digits(old)
     assert special
-    assert unpack(packed, _no_blob) == [n, -n] == reference_unpack.unpack(packed, _no_blob)
+    assert packed == b"\x92" + _ext(2, digits) + _ext(2, b"-" + digits)
+    assert unpack(packed, _no_blob) == [n, -n]
 
 
 def test_json_dumps_of_a_rebuild_equals_the_recorded_text() -> None:
@@ -287,3 +442,28 @@ def test_a_rust_panic_is_a_python_exception_and_the_packer_still_works() -> None
     assert type(caught.value).__name__ == "PanicException"
     assert "panic for tests" in str(caught.value)
     assert packer.pack(["short"]) == b"\x91\xa5short"
+
+
+def test_packing_leaves_nothing_behind_in_the_interpreter() -> None:
+    """Packers made and dropped turn after turn, each handing long strings to the blob table,
+    leave no interpreter memory behind once the table goes (the attribute names the engine
+    reads on each handle are interned strings, not a fresh str per call that the type's
+    attribute cache would keep)."""
+
+    def turns(n: int) -> None:
+        blobs = BlobTable()
+        for i in range(n):
+            packer = _core.Packer(blobs.intern, 8)
+            packer.pack({"role": "user", "content": f"a long string {i}", "items": [i, 1.5]})
+
+    turns(50)  # the caches a first use fills
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        turns(3000)
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 2048, kept

@@ -6,8 +6,15 @@ import math
 
 import pytest
 
-from rollout_store.checks import FATAL, INFO, WARN, Finding, check_rollout, check_sequence
-from rollout_store.training import TrainingSequence
+from rollout_store.export.checks import (
+    FATAL,
+    INFO,
+    WARN,
+    Finding,
+    check_rollout,
+    check_sequence,
+)
+from rollout_store.model.training import TrainingSequence
 
 
 def seq(ids, mask, logprobs, prompt_len=2) -> TrainingSequence:

@@ -402,7 +402,7 @@ def test_streaming_writers_accept_gzip_files(tmp_path):
 
 
 def test_summarise_reads_the_document():
-    from rollout_store.export import summarise
+    from rollout_store.export.document import summarise
 
     graph, _ = _graph_with_retry()
     doc = export_session(graph, session_id="s-1", include_discarded=True)

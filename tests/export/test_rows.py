@@ -21,7 +21,7 @@ from rollout_store import (
     tree_samples,
     write_rows,
 )
-from rollout_store.rows import OVERFLOW_STOP_REASONS
+from rollout_store.export.rows import OVERFLOW_STOP_REASONS
 
 TOKEN_FIELDS = ("input_ids", "loss_mask", "rollout_logprobs", "position_ids")
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout_store import DirectoryStore, RolloutGraph, TurnNode, export_session, storage
+from rollout_store import DirectoryStore, RolloutGraph, TurnNode, export_session
+from rollout_store.files import storage
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 FILES = ["v2_inline_snapshot.rls", "v2_store_snapshot.rls", "v2_append_log.rls"]

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout_store import RolloutGraph, RolloutStoreError, TurnNode, storage, write_session_json
+from rollout_store import RolloutGraph, RolloutStoreError, TurnNode, write_session_json
+from rollout_store.files import storage
 
 _LONG = "L" * 40
 

@@ -28,14 +28,12 @@ from rollout_store import (
     RolloutStoreError,
     TurnNode,
     export_session,
-    frames,
-    framing,
-    storage,
     write_session_json,
 )
 from rollout_store.cli import main as cli_main
-from rollout_store.framing import HEADER, MAGIC_V2, SYNC, encode_frame
-from rollout_store.stored import TurnFlag
+from rollout_store.engine.stored import TurnFlag
+from rollout_store.files import frames, framing, storage
+from rollout_store.files.framing import HEADER, MAGIC_V2, SYNC, encode_frame
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -549,7 +547,7 @@ def test_what_verify_accepts_loads_queries_and_exports(tmp_path: Path, name: str
     records = case if isinstance(case[0], tuple) else [case]
     records = [r if isinstance(r, tuple) else (3, r) for r in records]  # type: ignore[misc]
     if records[0][0] == 1:  # a blob: its digest must be right for the case to be about the turn
-        from rollout_store.blobs import content_digest
+        from rollout_store.engine.blobs import content_digest
 
         text = records[0][1][16:]  # type: ignore[index]
         records[0] = (1, content_digest(text) + text)  # type: ignore[operator]
@@ -716,7 +714,7 @@ def test_content_flags_are_derived_not_written(tmp_path: Path, threshold: int, h
 
 def test_records_that_carry_content_flags_still_load(tmp_path: Path) -> None:
     """A record written before the flags were derived carries them: checked, then derived."""
-    from rollout_store.blobs import content_digest
+    from rollout_store.engine.blobs import content_digest
 
     text = b"x" * 10
     tail = b"\x91\x92\xc7\x00\x01\xd6\x04\x00\x00\x00\x00"  # a tuple of a blob reference

@@ -9,8 +9,8 @@ import random
 import pytest
 
 from rollout_store import ChecksumMismatch, CorruptFileError
-from rollout_store.blobs import content_digest
-from rollout_store.framing import (
+from rollout_store.engine.blobs import content_digest
+from rollout_store.files.framing import (
     ESCAPE,
     HEADER,
     SYNC,
@@ -197,7 +197,7 @@ def test_each_stored_byte_is_hashed_once() -> None:
 def test_a_blob_whose_digest_holds_the_escape_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """About 13 in 2**32 digests hold the marker's first bytes: such a blob frame is escaped
     and still chained over its digest."""
-    from rollout_store import framing
+    from rollout_store.files import framing
 
     text = b"a blob whose digest is unlucky"
     unlucky = b"\x01" * 6 + ESCAPE + b"\x02" * 6

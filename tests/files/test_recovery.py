@@ -18,11 +18,10 @@ from rollout_store import (
     Timeline,
     TurnNode,
     content_key,
-    framing,
-    storage,
 )
 from rollout_store.cli import main as cli_main
-from rollout_store.framing import HEADER, MAGIC_V2
+from rollout_store.files import framing, storage
+from rollout_store.files.framing import HEADER, MAGIC_V2
 
 
 def frames_of(data: bytes) -> list[tuple[int, int, int]]:

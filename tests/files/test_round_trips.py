@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from round_trips import RoundTrips, shape_of
+from round_trips import RoundTrips, graph_snapshot, same_answers, shape_of
 
-from rollout_store import RolloutGraph, TurnNode, storage
+from rollout_store import RolloutGraph, TurnNode
+from rollout_store.files import storage
 
 
 def chain(text: str, turns: int = 3, **fields: Any) -> RolloutGraph:
@@ -102,6 +103,31 @@ def test_a_fork_and_a_chain_differ_in_shape(tmp_path: Path) -> None:
     chain("a").save(tmp_path / "chain.rls")
     shapes = {shape_of((tmp_path / f"{name}.rls").read_bytes()) for name in ("fork", "chain")}
     assert len(shapes) == 2
+
+
+@pytest.mark.parametrize(
+    ("one", "other", "alike"),
+    [
+        (1, 1.0, False),  # equal in Python, not in JSON
+        (True, 1, False),
+        (0.0, -0.0, False),
+        (float("nan"), float("nan"), True),  # unequal in Python, alike in JSON
+        ({"a": 1, "b": 2}, {"b": 2, "a": 1}, False),  # key order
+        ([1, [2]], [1, [3]], False),
+        ("\ud800", "\ud800", True),
+        ([1, 2], (1, 2), False),  # dumped alike, stored (and counted) apart
+        ([1, 2, 3], [1, 2.0, 3], False),  # lists of scalars, compared whole
+        ([1, True], [1, 1], False),
+        ([0.5, 0.0], [0.5, -0.0], False),
+        ([0.5, float("nan")], [0.5, float("nan")], True),
+        (["a", None, 7], ["a", None, 7], True),
+    ],
+)
+def test_the_comparison_is_that_of_the_snapshots(one: Any, other: Any, alike: bool) -> None:
+    """`same_answers` (what the check runs) says what comparing `graph_snapshot`s says."""
+    graphs = [chain("a", request_tools=[{"type": "function", "x": v}]) for v in (one, other)]
+    assert (graph_snapshot(graphs[0]) == graph_snapshot(graphs[1])) is alike
+    assert same_answers(*graphs) is alike
 
 
 def test_the_run_says_how_many_slow_tests_it_left_out() -> None:

@@ -28,10 +28,8 @@ from rollout_store import (
     TurnNode,
     UnsupportedVersionError,
     export_session,
-    frames,
-    framing,
-    storage,
 )
+from rollout_store.files import frames, framing, storage
 
 ODD = [1, 1.0, True, -0.0, float("nan"), float("inf"), -float("inf"), 2**70, -(2**65)]
 
@@ -714,7 +712,7 @@ def test_every_file_the_library_writes_is_private(tmp_path: Path) -> None:
     import stat
 
     from rollout_store.cli import main as cli_main
-    from rollout_store.sessions import Sessions
+    from rollout_store.serve.sessions import Sessions
 
     def mode(path: Path) -> int:
         return stat.S_IMODE(path.stat().st_mode)

@@ -25,7 +25,7 @@ from rollout_store import (
     content_key,
     export_session,
 )
-from rollout_store.turn_records import MIN_RECORD_BYTES, RemoteTurn, TurnRecords
+from rollout_store.engine.turn_records import MIN_RECORD_BYTES, RemoteTurn, TurnRecords
 
 
 def snapshot(graph: RolloutGraph) -> str:

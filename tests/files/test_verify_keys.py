@@ -34,12 +34,11 @@ from rollout_store import (
     RolloutGraph,
     StringCache,
     TurnNode,
-    frames,
-    storage,
 )
 from rollout_store.cli import main as cli_main
-from rollout_store.frames import KIND_TURN
-from rollout_store.shared_blobs import StoreBlobTable
+from rollout_store.engine.shared_blobs import StoreBlobTable
+from rollout_store.files import frames, storage
+from rollout_store.files.frames import KIND_TURN
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 _KEYS = storage.TurnRecord._fields.index("keys")
@@ -486,7 +485,7 @@ def _seeded_turns(rng: random.Random) -> list[tuple[str, dict[str, Any]]]:
 def test_long_tails_with_blob_references_verify(tmp_path: Path) -> None:
     """Tails and responses longer than `QUICK_LIMIT` that hold blob references (one of a
     string with a lone surrogate) and an echo: spliced where `check_packed` finds them."""
-    from rollout_store.packed import QUICK_LIMIT
+    from rollout_store.files.packed import QUICK_LIMIT
 
     many = ["short"] * (QUICK_LIMIT // 4)
     history: list[Any] = []
@@ -780,7 +779,7 @@ def test_interleaved_conversations_hash_each_tail_once(
     work, not a timing). A base found was moved to the newest end, each conversation so held
     two states, and a miss kept every state of the chain hashed again, pushing out others':
     the tails were hashed again and again along their chains."""
-    from rollout_store import key_check
+    from rollout_store.files import key_check
 
     monkeypatch.setattr(key_check, "KEPT_STATES", 16)
     calls = 0
@@ -817,7 +816,7 @@ def test_interleaved_token_rollouts_hash_each_run_once(
     states kept; each new segment is now hashed once (counted as copies of the xxh3 state)."""
     import xxhash
 
-    from rollout_store import key_check
+    from rollout_store.files import key_check
 
     copies = 0
 
@@ -884,7 +883,7 @@ def test_the_advice_for_a_wrong_key_promises_no_turn_past_later_damage(
 def _failing_request_key(monkeypatch: pytest.MonkeyPatch, node_ids: set[str]) -> None:
     """Recomputing the request key of these turns raises (whatever the cause: a record the
     check cannot follow, a bug in it); the turns' content is intact."""
-    from rollout_store import key_check
+    from rollout_store.files import key_check
 
     request_key = key_check.KeyCheck.request_key
 
@@ -959,7 +958,7 @@ def test_verify_reports_prefix_keys_that_cannot_be_recomputed_at_the_end(
 ) -> None:
     """The end-of-file check of roots waiting without prefix keys recomputes them: an error
     there escaped verify (which never raises for what a file holds)."""
-    from rollout_store import key_check
+    from rollout_store.files import key_check
 
     path, _, at = _late_root_without_prefix_keys(tmp_path)
 
@@ -998,7 +997,7 @@ def test_recover_lists_every_turn_whose_keys_hash_a_tail_that_cannot_be_followed
 ) -> None:
     """A later turn's request is hashed from its base's state, so a base tail the check cannot
     follow leaves that turn's keys unrecomputed too: each is kept and listed, none dropped."""
-    from rollout_store import key_check
+    from rollout_store.files import key_check
 
     path = tmp_path / "log.rls"
     chat_log(path)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from rollout_store import MAX_DEPTH, InvalidValueError, RolloutGraph, TurnNode, export_session
-from rollout_store.viewer import Viewer
+from rollout_store.viewer.app import Viewer
 
 # an int Python will not write as text (json.dumps neither): more digits than the limit
 _DIGITS = sys.get_int_max_str_digits() or 4300

@@ -8,7 +8,7 @@ import pytest
 from support import add_all, chat_turns, fresh, materialized, same
 
 from rollout_store import BlobTable, Handle, RolloutGraph, TurnNode
-from rollout_store.blobs import content_digest
+from rollout_store.engine.blobs import content_digest
 
 
 def _colliding(_: bytes) -> bytes:

@@ -17,10 +17,17 @@ from hypothesis import strategies as st
 from support import assert_same, assert_same_json
 
 from rollout_store import InvalidValueError, RawJSON, RolloutGraph, TurnNode
-from rollout_store.confirm import ALIGN, CHUNK_HIGH, WINDOW, Probe, mark_length, marked_between
-from rollout_store.encoding import new_packer
-from rollout_store.intake import token_array
-from rollout_store.stored import TurnFlag
+from rollout_store.engine.confirm import (
+    ALIGN,
+    CHUNK_HIGH,
+    WINDOW,
+    Probe,
+    mark_length,
+    marked_between,
+)
+from rollout_store.engine.encoding import new_packer
+from rollout_store.engine.intake import token_array
+from rollout_store.engine.stored import TurnFlag
 
 SIZES = (0, 1, 30, 200, 1000, 5000, ALIGN - 7, ALIGN + 3, CHUNK_HIGH + 11, 3 * ALIGN)
 

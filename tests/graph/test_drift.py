@@ -10,8 +10,8 @@ import pytest
 
 from rollout_store import RolloutGraph, TurnNode, export_session, write_trace_jsonl
 from rollout_store.cli import main
-from rollout_store.storage import verify
-from rollout_store.viewer import Viewer
+from rollout_store.files.storage import verify
+from rollout_store.viewer.app import Viewer
 
 GEN, GEN_AGAIN, THINK = 900, 901, 950
 

@@ -403,7 +403,7 @@ def test_files_keep_requested_sampling_params_and_empty_prompts(tmp_path):
 
 def test_files_written_before_requested_sampling_params_still_load(tmp_path, monkeypatch):
     """Turn records of 18 fields (no requested_sampling_params) read back with it as None."""
-    from rollout_store import storage
+    from rollout_store.files import storage
 
     original = storage.pack
 

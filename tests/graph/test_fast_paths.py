@@ -13,8 +13,13 @@ from hypothesis import strategies as st
 from support import assert_same_json, dumps_or_error
 
 from rollout_store import RawJSON, RolloutGraph, TurnNode
+from rollout_store.engine.requests import (
+    _NOT_FAST,
+    MAX_RAW_SHARED,
+    MAX_RAW_SHARED_TEXT,
+    RequestStore,
+)
 from rollout_store.graph import Graph
-from rollout_store.requests import _NOT_FAST, MAX_RAW_SHARED, MAX_RAW_SHARED_TEXT, RequestStore
 
 # ---------------------------------------------------------------- the usual path, as reference
 

@@ -3,9 +3,15 @@ small on shapes many rollouts share, and turns read from a file confirmed once b
 
 from __future__ import annotations
 
+import random
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
+
 from rollout_store import RolloutGraph, TurnNode
+from rollout_store.engine import linking
+from rollout_store.engine.index import ByLength, index_members
 
 
 def _user(text: str) -> dict[str, Any]:
@@ -83,8 +89,8 @@ def test_turns_read_from_a_file_are_confirmed_once_by_bytes(tmp_path: Any) -> No
 def test_token_parent_beyond_the_digest_window() -> None:
     """A continuation that adds more than TOKEN_WINDOW blocks of tokens still finds its
     parent (the earlier blocks are digested when the window holds none)."""
-    from rollout_store.linking import TOKEN_WINDOW
-    from rollout_store.tokens import BLOCK
+    from rollout_store.engine.linking import TOKEN_WINDOW
+    from rollout_store.engine.tokens import BLOCK
 
     graph = RolloutGraph()
     first = graph.add_turn(TurnNode(prompt_ids=list(range(100)), sampled_ids=[7, 8]))
@@ -93,3 +99,69 @@ def test_token_parent_beyond_the_digest_window() -> None:
     assert graph.parent(child.node_id) == first.node_id
     near = graph.add_turn(TurnNode(prompt_ids=[*range(100), 7, 8, *extra, 1, 5], sampled_ids=[2]))
     assert graph.parent(near.node_id) == child.node_id
+
+
+def test_one_prompt_sampled_thousands_of_times_costs_each_turn_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One 300-token prompt sampled 1,600 times, 100 distinct completions: every turn files
+    its tokens under one key, yet a turn's token lookups (its parent, the roots it may
+    adopt) visit as many stored turns and compare as many runs at turn 1,600 as at turn 100
+    (a large key's turns are grouped by length, and no group lies in those lookups' range).
+    Linking is as before: every sample is a root, and a continuation of completion 7 hangs
+    under the first turn that sampled it."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(150_000) for _ in range(300)]
+    answers = [[rng.randrange(150_000) for _ in range(8)] for _ in range(100)]
+    work = [0]
+    sized_members = linking.sized_members
+
+    def visiting(found: Any, low: int, high: int) -> Iterator[Any]:
+        for member in sized_members(found, low, high):
+            work[0] += 1
+            yield member
+
+    def counted(name: str) -> None:
+        real = getattr(linking, name)
+
+        def call(*args: Any) -> Any:
+            work[0] += 1
+            return real(*args)
+
+        monkeypatch.setattr(linking, name, call)
+
+    monkeypatch.setattr(linking, "sized_members", visiting)
+    counted("sampled_any")
+    counted("run_matches")
+    graph = RolloutGraph()
+    per_turn = []
+    first_of_7 = None
+    for turn in range(1600):
+        k = rng.randrange(100) if turn else 7
+        before = work[0]
+        view = graph.add_turn(TurnNode(prompt_ids=prompt, sampled_ids=answers[k]))
+        per_turn.append(work[0] - before)
+        assert graph.parent(view.node_id) is None
+        if k == 7 and first_of_7 is None:
+            first_of_7 = view.node_id
+    early, late = per_turn[90:110], per_turn[1580:1600]
+    assert max(late) <= max(early), (early, late)
+    child = graph.add_turn(TurnNode(prompt_ids=[*prompt, *answers[7], 1, 2], sampled_ids=[3]))
+    assert graph.parent(child.node_id) == first_of_7
+
+
+def test_many_roots_under_one_key_move_under_their_late_ancestor() -> None:
+    """Twelve roots whose prompts share their first block (a key grouped by length) all move
+    under the turn they continue when it arrives, and leave the roots' index."""
+    base = list(range(1000, 1070))
+    graph = RolloutGraph()
+    early = [
+        graph.add_turn(TurnNode(prompt_ids=[*base, i], sampled_ids=[5])).node_id for i in range(12)
+    ]
+    graph.add_turn(TurnNode(prompt_ids=[1, 2, 3], sampled_ids=[4]))  # a lookup builds the index
+    roots = graph._linker.token_roots
+    assert roots is not None and any(type(found) is ByLength for found in roots.values())
+    ancestor = graph.add_turn(TurnNode(prompt_ids=base[:60], sampled_ids=base[60:]))
+    assert [graph.parent(node_id) for node_id in early] == [ancestor.node_id] * 12
+    left = {turn.node_id for found in roots.values() for turn in index_members(found)}
+    assert not left & set(early)

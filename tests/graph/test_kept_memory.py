@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from rollout_store import RawJSON, RolloutGraph, TurnNode, linking
-from rollout_store.sessions import Sessions
+from rollout_store import RawJSON, RolloutGraph, TurnNode
+from rollout_store.engine import linking
+from rollout_store.serve.sessions import Sessions
 
 
 def _prompt(n: int, start: int = 1000) -> list[int]:
@@ -141,7 +142,7 @@ def test_graphs_of_one_server_keep_one_copy_of_a_tools_text() -> None:
 def test_token_runs_compare_by_identity() -> None:
     """A file writer keys runs by the objects themselves (no int per turn): equal tokens in
     two runs must stay two keys."""
-    from rollout_store.tokens import ArrayRun, PackedFull, PackedPrompt, TokenRun
+    from rollout_store.engine.tokens import ArrayRun, PackedFull, PackedPrompt, TokenRun
 
     for kind in (TokenRun, ArrayRun, PackedPrompt):
         assert kind.__eq__ is object.__eq__ and kind.__hash__ is object.__hash__
@@ -161,7 +162,7 @@ def test_one_or_many_index_matches_lists_of_items() -> None:
     one item bare, a few as an exact tuple, more than SMALL as a list."""
     import random
 
-    from rollout_store.index import SMALL, index_add, index_members, index_remove
+    from rollout_store.engine.index import SMALL, index_add, index_members, index_remove
 
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
@@ -206,7 +207,7 @@ def test_a_value_table_keeps_values_whose_digests_collide(monkeypatch: Any) -> N
     found, each confirmed by its bytes."""
     import types
 
-    from rollout_store import values
+    from rollout_store.engine import values
 
     monkeypatch.setattr(values, "xxhash", types.SimpleNamespace(xxh3_128_intdigest=lambda data: 0))
     table = values.ValueTable(lambda stored: stored, None)
@@ -244,7 +245,7 @@ def test_a_log_names_packed_prompts_without_keeping_their_fulls(tmp_path: Path) 
     """A log's writer finds the turn whose packed full run a continuation extends through
     the prompt that turn packed: it keeps no entry for it, and the log still stores each
     turn's new tokens only (a long shared prompt is written once)."""
-    from rollout_store.tokens import PackedFull
+    from rollout_store.engine.tokens import PackedFull
 
     path = tmp_path / "c.rls"
     graph = RolloutGraph.open(path)
@@ -293,7 +294,7 @@ def test_a_session_keeps_no_instance_dict() -> None:
 def test_a_packed_turn_has_a_ten_byte_head() -> None:
     """A continuation's new ids, sampled ids and logprobs sit in its turn's bytes after a
     head of 10 bytes: nothing else of the tokens is kept there."""
-    from rollout_store.tokens import packed_size
+    from rollout_store.engine.tokens import packed_size
 
     graph = RolloutGraph()
     prompt = _prompt(100)
@@ -322,7 +323,7 @@ def test_a_turn_whose_counts_do_not_fit_the_head_is_kept_unpacked(
 ) -> None:
     """New ids beyond 65,535 or sampled ids beyond 32,767 do not fit a packed head: such a
     turn keeps its runs and arrays as they came, exactly, and a file of it loads the same."""
-    from rollout_store.tokens import MAX_PACKED_NEW, MAX_PACKED_SAMPLED
+    from rollout_store.engine.tokens import MAX_PACKED_NEW, MAX_PACKED_SAMPLED
 
     graph = RolloutGraph()
     prompt = _prompt(10)
@@ -352,10 +353,10 @@ def test_a_turn_keeps_no_slot_for_its_full_run(tmp_path: Path) -> None:
     and no file holds that flag."""
     import sys
 
-    from rollout_store import storage
+    from rollout_store.engine.stored import FULL_APART, Turn
+    from rollout_store.engine.tokens import ArrayRun
     from rollout_store.errors import RolloutStoreError
-    from rollout_store.stored import FULL_APART, Turn
-    from rollout_store.tokens import ArrayRun
+    from rollout_store.files import storage
 
     assert sys.getsizeof(Turn()) <= 104  # 9 slots: no `_full`
     turn = Turn()
@@ -390,7 +391,7 @@ def test_a_turn_keeps_no_slot_for_its_full_run(tmp_path: Path) -> None:
 
 
 def _run_list(run: Any) -> list[int] | None:
-    from rollout_store.tokens import run_list
+    from rollout_store.engine.tokens import run_list
 
     return None if run is None else run_list(run)
 
@@ -400,9 +401,9 @@ def test_a_turn_keeps_its_node_id_in_its_own_bytes() -> None:
     string): every other part reads back unchanged as the id is set, changed and cleared."""
     import sys
 
-    from rollout_store.confirm import digest_key
-    from rollout_store.stored import HAS_IDENT, Turn
-    from rollout_store.tokens import ArrayRun, run_list
+    from rollout_store.engine.confirm import digest_key
+    from rollout_store.engine.stored import HAS_IDENT, Turn
+    from rollout_store.engine.tokens import ArrayRun, run_list
 
     assert sys.getsizeof(Turn()) <= 96  # 8 slots: no `ident`, no `_full`
     digest = bytes(range(32))
@@ -435,10 +436,10 @@ def test_named_turns_are_found_by_their_ids_and_keep_them_through_a_file(
 ) -> None:
     """The index of chosen ids holds ints (no string): a hit is confirmed by the id the turn
     keeps, so two ids under one key stay apart; a file keeps the ids, never the flag."""
-    from rollout_store import storage
+    from rollout_store.engine.index import index_add
+    from rollout_store.engine.stored import HAS_IDENT
     from rollout_store.errors import DuplicateNodeError
-    from rollout_store.index import index_add
-    from rollout_store.stored import HAS_IDENT
+    from rollout_store.files import storage
 
     graph = RolloutGraph()
     graph.add_turn(TurnNode(node_id="a", request_messages=[{"role": "user", "content": "x"}]))
@@ -470,8 +471,8 @@ def test_a_root_packs_its_sampled_ids_over_its_prompt_run(tmp_path: Path) -> Non
     store), its sampled ids and logprobs in its own bytes, so it keeps no side, arrays or full
     run of its own; a retry shares it as its prompt; a file loads it packed the same way, and
     a root whose sampled ids do not fit a packed head stays as it came."""
-    from rollout_store.stored import HAS_DIGEST, HAS_KEY, HAS_TOKENS
-    from rollout_store.tokens import MAX_PACKED_SAMPLED, ArrayRun, PackedFull
+    from rollout_store.engine.stored import HAS_DIGEST, HAS_KEY, HAS_TOKENS
+    from rollout_store.engine.tokens import MAX_PACKED_SAMPLED, ArrayRun, PackedFull
 
     path = tmp_path / "g.rls"
     graph = RolloutGraph.open(path)

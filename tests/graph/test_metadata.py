@@ -18,7 +18,7 @@ from rollout_store import (
     export_session,
     write_trace_jsonl,
 )
-from rollout_store.storage import verify
+from rollout_store.files.storage import verify
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 

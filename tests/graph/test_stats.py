@@ -272,3 +272,43 @@ def test_figures_too_large_for_a_turns_entry_are_kept_apart(
     assert narrow._sent_apart  # (most turns: their responses hold long strings)
     assert figures(narrow) == want
     assert want[2] > 0
+
+
+@pytest.mark.parametrize("how", ["snapshot", "log"])
+def test_a_graph_recovered_past_damage_counts_only_the_strings_its_turns_refer_to(
+    tmp_path: Path, how: str
+) -> None:
+    """The first turn's record is damaged, its long string (a blob frame before it) is not:
+    the recovered graph still holds that string, which no turn kept refers to. What the
+    kept turns sent, less one copy of each string they refer to, is what was saved."""
+    path = tmp_path / "r.rls"
+    turns = [
+        {
+            "request_messages": [{"role": "user", "content": f"{i}" * (8000 if i == 0 else 3000)}],
+            "response_message": {"role": "assistant", "content": f"lost-or-kept-{i}"},
+        }
+        for i in range(3)
+    ]
+    turns[2]["request_messages"].append({"role": "user", "content": "2" * 3000})  # again
+    if how == "log":
+        with RolloutGraph.open(path) as graph:
+            for i, turn in enumerate(turns):
+                graph.add_turn(TurnNode(node_id=f"turn-id-{i}", **fresh(turn)))
+    else:
+        graph = RolloutGraph()
+        for i, turn in enumerate(turns):
+            graph.add_turn(TurnNode(node_id=f"turn-id-{i}", **fresh(turn)))
+        graph.save(path)
+    data = bytearray(path.read_bytes())
+    at = data.index(b"turn-id-0")
+    assert data.index(b"0" * 8000) < at  # its string comes before its record
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+    kept = RolloutGraph.load(path, recover=True)
+    assert kept.node_ids() == ["turn-id-1", "turn-id-2"]
+    recorded = [materialized(kept, n) for n in kept.node_ids()]
+    stats = kept.stats()
+    assert stats["blob_bytes"] == unique(turns)  # the lost turn's string is still held
+    assert stats["blob_bytes_sent"] == sent(recorded)
+    assert stats["blob_bytes_saved"] == sent(recorded) - unique(recorded) == 3000
+    assert stats["blob_bytes"] > stats["blob_bytes_sent"]  # (what made it negative)

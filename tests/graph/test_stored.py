@@ -144,7 +144,7 @@ def test_turns_alike_share_one_side_and_token_turns_keep_their_own_tokens() -> N
 
 
 def test_a_shared_side_is_copied_before_a_change() -> None:
-    from rollout_store.stored import Turn, TurnSide
+    from rollout_store.engine.stored import Turn, TurnSide
 
     side = TurnSide()
     side.system, side.shared = b"\x90", True  # as the graph interns it
@@ -159,8 +159,8 @@ def test_a_shared_side_is_copied_before_a_change() -> None:
 
 
 def test_request_tail_digest_key_and_count_in_one_bytes_object() -> None:
-    from rollout_store.confirm import digest_key
-    from rollout_store.stored import Turn, TurnFlag
+    from rollout_store.engine.confirm import digest_key
+    from rollout_store.engine.stored import Turn, TurnFlag
 
     turn = Turn()
     turn.index, turn.flags = 0, 0
@@ -198,8 +198,8 @@ def test_request_tail_digest_key_and_count_in_one_bytes_object() -> None:
 
 
 def test_one_builder_sets_every_part_at_once() -> None:
-    from rollout_store.confirm import digest_key
-    from rollout_store.stored import Turn, TurnFlag
+    from rollout_store.engine.confirm import digest_key
+    from rollout_store.engine.stored import Turn, TurnFlag
 
     digest = bytes(range(2, 34))
     cases = [  # tail parts, n_rest, response, digest, key -> what rkey reads
@@ -239,7 +239,7 @@ def test_one_builder_sets_every_part_at_once() -> None:
 def test_add_turn_and_load_build_each_turn_once(tmp_path: Path, monkeypatch) -> None:
     """add_turn and a file's reader set a turn's bytes once (`Turn.build`), with the digest
     and key it is filed under: no setter rebuilds them afterwards."""
-    from rollout_store.stored import Turn
+    from rollout_store.engine.stored import Turn
 
     builds: list[int] = []
     original = Turn._store
@@ -266,7 +266,7 @@ def test_add_turn_and_load_build_each_turn_once(tmp_path: Path, monkeypatch) -> 
 
 
 def test_the_link_is_kept_in_the_flags() -> None:
-    from rollout_store.stored import LinkKind, Turn, TurnFlag
+    from rollout_store.engine.stored import LinkKind, Turn, TurnFlag
 
     turn = Turn()
     turn.flags = TurnFlag.TAIL_ECHO
@@ -293,8 +293,8 @@ def test_loaded_turns_are_found_again_by_their_file_keys(tmp_path: Path) -> None
 
 
 def test_the_response_is_kept_in_the_request_bytes() -> None:
-    from rollout_store.confirm import digest_key
-    from rollout_store.stored import Turn, TurnFlag
+    from rollout_store.engine.confirm import digest_key
+    from rollout_store.engine.stored import Turn, TurnFlag
 
     turn = Turn()
     turn.index, turn.flags = 0, 0
@@ -356,8 +356,8 @@ def test_request_bytes_agree_with_separate_fields(changes: list, other_flags: in
     """Any order of changes reads back as if tail, n_rest, response, digest and key were
     fields of their own (the key of a turn with a digest and no key of its own is the
     digest's; set_request drops digest and key; other flags never change)."""
-    from rollout_store.confirm import digest_key
-    from rollout_store.stored import Turn, TurnFlag
+    from rollout_store.engine.confirm import digest_key
+    from rollout_store.engine.stored import Turn, TurnFlag
 
     turn = Turn()
     turn.index, turn.flags = 0, other_flags

@@ -15,9 +15,9 @@ import pytest
 from support import assert_same
 
 from rollout_store import InvalidValueError, RawJSON, RolloutGraph, TurnNode
-from rollout_store import confirm as confirm_module
-from rollout_store import requests as requests_module
-from rollout_store.confirm import HOLE_MIN, MAX_TIPS, WINDOW, holes_of, hollowed
+from rollout_store.engine import confirm as confirm_module
+from rollout_store.engine import requests as requests_module
+from rollout_store.engine.confirm import HOLE_MIN, MAX_TIPS, WINDOW, holes_of, hollowed
 
 IMAGE = HOLE_MIN + 100  # long enough to be a hole
 

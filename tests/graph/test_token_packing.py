@@ -15,8 +15,8 @@ import pytest
 from support import token_turns
 
 from rollout_store import RolloutGraph, TurnNode
-from rollout_store.stored import HAS_TOKENS, Turn
-from rollout_store.tokens import (
+from rollout_store.engine.stored import HAS_TOKENS, Turn
+from rollout_store.engine.tokens import (
     ArrayRun,
     PackedFull,
     PackedPrompt,
@@ -274,7 +274,7 @@ def test_a_token_turn_is_its_own_prompt_and_keeps_no_chain_node_apart() -> None:
     sibling turn, matched in place like any run."""
     import gc
 
-    from rollout_store.tokens import TokenRun
+    from rollout_store.engine.tokens import TokenRun
 
     turns = token_turns(4, n_new=5, n_sampled=7)
     graph = RolloutGraph()
@@ -336,7 +336,7 @@ def test_a_packed_turn_keeps_its_tokens_and_its_request_in_one_bytes_object() ->
     set before or after packing reads back as set, and the tokens stay as packed."""
     import gc
 
-    from rollout_store.confirm import digest_key
+    from rollout_store.engine.confirm import digest_key
 
     before = ArrayRun(None, array("I", [1, 2, 3]))
     turn = Turn()

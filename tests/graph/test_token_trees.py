@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rollout_store import RolloutGraph, TurnNode
-from rollout_store.storage import verify
+from rollout_store.files.storage import verify
 
 Fields = dict[str, Any]
 

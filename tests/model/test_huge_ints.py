@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from rollout_store import RolloutGraph, export_session
-from rollout_store.encoding import int_digits, int_from_digits
-from rollout_store.storage import verify
+from rollout_store.engine.encoding import int_digits, int_from_digits
+from rollout_store.files.storage import verify
 
 
 def _raised() -> Iterator[None]:

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from support import json_like
 
 from rollout_store import MAX_DEPTH
-from rollout_store.blobs import BlobTable
-from rollout_store.encoding import unpack
-from rollout_store.intake import Encoder
-from rollout_store.packed import (
+from rollout_store.engine.blobs import BlobTable
+from rollout_store.engine.encoding import unpack
+from rollout_store.engine.intake import Encoder
+from rollout_store.files.packed import (
     QUICK_LIMIT,
     check_int_array,
     check_packed,

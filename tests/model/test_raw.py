@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from support import FUZZ, assert_same, assert_same_json, json_like
 
 from rollout_store import InvalidValueError, RawJSON
-from rollout_store.raw import decode_raw, resolve_raw, split_array
+from rollout_store.model.raw import decode_raw, resolve_raw, split_array
 
 # JSON documents as json.loads produces them: lists, str keys (json.dumps turns other keys
 # into strings, so the decoded value has str keys)

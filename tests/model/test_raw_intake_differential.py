@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from rollout_store import RolloutGraph, write_session_json
-from rollout_store.requests import _NOT_FAST, RequestStore
-from rollout_store.server import CHAT_RAW_FIELDS, chat_turn, split_body
+from rollout_store.engine.requests import _NOT_FAST, RequestStore
+from rollout_store.serve.server import CHAT_RAW_FIELDS, chat_turn, split_body
 
 _THRESHOLD = 64
 _ODD: list[Any] = [

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollout_store import InvalidValueError, RolloutGraph, TurnNode
-from rollout_store.blobs import BlobTable
-from rollout_store.encoding import new_packer
-from rollout_store.intake import MAX_DEPTH, Encoder
-from rollout_store.requests import _long_string_types, _walk_free
+from rollout_store.engine.blobs import BlobTable
+from rollout_store.engine.encoding import new_packer
+from rollout_store.engine.intake import MAX_DEPTH, Encoder
+from rollout_store.engine.requests import _long_string_types, _walk_free
 
 
 def test_long_string_types_by_threshold():

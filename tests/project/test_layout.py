@@ -3,6 +3,7 @@ import cycle (imports inside functions count), no module uses another module's p
 names except the one documented restore door, and every module says what it does.
 
 The layers are those of the Layout section of docs/internals.md; a new module goes into both.
+Modules are named by their dotted path inside the package (`engine.requests`).
 """
 
 from __future__ import annotations
@@ -11,88 +12,121 @@ import ast
 import functools
 from pathlib import Path
 
-from rollout_store.encoding import ECHO_PACKED
+from rollout_store.engine.encoding import ECHO_PACKED
 
 PACKAGE = Path(__file__).resolve().parents[2] / "rollout_store"
 
-#: Bottom to top; a module may import modules of its own layer or of the layers below.
+#: Bottom to top; a module may import modules of its own layer or of the layers below. A
+#: wing (a subpackage) is one layer or several consecutive ones; its `__init__` sits in its
+#: first.
 LAYERS: list[tuple[str, set[str]]] = [
+    ("errors", {"errors"}),
+    ("model", {"model.nodes", "model.raw", "model.training", "model.timeline", "model.drift"}),
+    ("stores", {"stores.content", "stores.local", "stores.redis_store", "stores.s3_store"}),
     (
-        "foundations",
+        "engine: foundations",
+        {"engine.encoding", "engine.index", "engine.tokens", "engine.messages"},
+    ),
+    ("engine: values and blobs", {"engine.blobs", "engine.shared_blobs", "engine.values"}),
+    ("engine: intake", {"engine.intake"}),
+    (
+        "engine: stored turns and indexes",
         {
-            "errors",
-            "encoding",
-            "index",
-            "tokens",
-            "messages",
-            "raw",
-            "nodes",
-            "training",
-            "loopback",
-            "hosts",
-            "drift",
-            "timeline",
-            "replicas",
+            "engine.stored",
+            "engine.turn_records",
+            "engine.confirm",
+            "engine.keys",
+            "engine.materialize",
         },
     ),
-    ("values and blobs", {"content", "blobs", "shared_blobs", "values"}),
-    ("intake", {"intake", "metadata"}),
+    ("engine: request storage and linking", {"engine.requests", "engine.linking"}),
+    ("graph", {"metadata", "views", "graph"}),
     (
-        "stored turns and indexes",
-        {"stored", "turn_records", "confirm", "keys", "materialize", "views"},
+        "files",
+        {"files.atomic", "files.packed", "files.frames", "files.framing", "files.key_check"}
+        | {"files.storage"},
     ),
-    ("request storage and linking", {"requests", "linking"}),
-    ("graph", {"graph"}),
-    ("export", {"checks", "jsonstream", "export", "figures", "rows"}),
-    ("files", {"atomic", "packed", "frames", "framing", "key_check", "storage", "row_files"}),
-    ("stores", {"stores", "redis_store", "s3_store"}),
-    ("viewer", {"viewer"}),
-    ("server", {"sse", "sessions", "server", "stub_engine", "idle_trim", "capture"}),
+    (
+        "export",
+        {"export.checks", "export.jsonstream", "export.document", "export.figures"}
+        | {"export.rows", "export.row_files"},
+    ),
+    ("viewer", {"viewer.hosts", "viewer.app"}),
+    (
+        "serve",
+        {"serve.loopback", "serve.replicas", "serve.sse", "serve.sessions", "serve.server"}
+        | {"serve.stub_engine", "serve.idle_trim", "serve.capture"},
+    ),
     ("command line and package", {"cli", "__main__", "__init__"}),
 ]
+WINGS = ("model", "stores", "engine", "files", "export", "viewer", "serve")
+for _wing in WINGS:
+    next(names for _, names in LAYERS if any(n.startswith(f"{_wing}.") for n in names)).add(
+        f"{_wing}.__init__"
+    )
 
 #: The one private name a module may use from another: storage rebuilds a graph through it.
-RESTORE_DOOR = ("storage", "_restorer")
+RESTORE_DOOR = ("files.storage", "_restorer")
+
+
+def dotted(path: Path) -> str:
+    """`engine/requests.py` -> `engine.requests`; the package's own `__init__` stays `__init__`."""
+    return ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
 
 
 @functools.cache
 def modules() -> dict[str, ast.Module]:
     """Each module's syntax tree, parsed once for all the tests here (none changes one)."""
-    return {p.stem: ast.parse(p.read_text(), str(p)) for p in sorted(PACKAGE.glob("*.py"))}
+    return {dotted(p): ast.parse(p.read_text(), str(p)) for p in sorted(PACKAGE.rglob("*.py"))}
 
 
 def layer_of() -> dict[str, int]:
     return {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
 
 
-def imported(tree: ast.Module, known: set[str]) -> set[str]:
-    """Package modules `tree` imports anywhere: module level, in functions, under
-    TYPE_CHECKING, relative or absolute."""
-    found: set[str] = set()
+def _known(parts: list[str], known: set[str]) -> str | None:
+    """The module a dotted target names: itself, its package's `__init__`, or its parent
+    (an attribute of a module)."""
+    for end in range(len(parts), 0, -1):
+        name = ".".join(parts[:end])
+        if name in known:
+            return name
+        if f"{name}.__init__" in known:
+            return f"{name}.__init__"
+    return "__init__" if not parts else None
+
+
+def imported(tree: ast.Module, known: set[str], here: str = "__init__") -> set[str]:
+    """Package modules `tree` (the module `here`) imports anywhere: module level, in
+    functions, under TYPE_CHECKING, relative or absolute."""
+    here_pkg = here.split(".")[:-1]
+    targets: list[list[str]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1 and node.module:
-                found.add(node.module.split(".")[0])
-            elif node.level == 1:  # from . import x
-                found.update(alias.name for alias in node.names)
-            elif node.module == "rollout_store":
-                found.update(alias.name for alias in node.names)
-                found.add("__init__")
-            elif node.module and node.module.startswith("rollout_store."):
-                found.add(node.module.split(".")[1])
+            if node.level:
+                base = here_pkg[: len(here_pkg) - (node.level - 1)]
+            elif node.module == "rollout_store" or (node.module or "").startswith("rollout_store."):
+                base = []
+            else:
+                continue
+            module = (node.module or "").split(".") if node.module else []
+            if not node.level:
+                module = module[1:]
+            targets.append(base + module)
+            targets += [base + module + [alias.name] for alias in node.names]
         elif isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name == "rollout_store":
-                    found.add("__init__")
-                elif alias.name.startswith("rollout_store."):
-                    found.add(alias.name.split(".")[1])
-    return found & known
+                parts = alias.name.split(".")
+                if parts[0] == "rollout_store":
+                    targets.append(parts[1:])
+    found = {_known(t, known) for t in targets}
+    return {name for name in found if name is not None}
 
 
 def import_graph() -> dict[str, set[str]]:
     trees = modules()
     known = set(trees)
-    return {name: imported(tree, known) - {name} for name, tree in trees.items()}
+    return {name: imported(tree, known, name) - {name} for name, tree in trees.items()}
 
 
 def is_private(name: str) -> bool:
@@ -201,7 +235,7 @@ def test_no_module_uses_another_modules_private_names() -> None:
 def test_the_restore_door_is_used_and_documented_where_it_is_defined() -> None:
     graph = (PACKAGE / "graph.py").read_text()
     assert "def _restorer(" in graph and "RESTORE DOOR" in graph
-    assert "._restorer()" in (PACKAGE / "storage.py").read_text()
+    assert "._restorer()" in (PACKAGE / "files" / "storage.py").read_text()
 
 
 def test_every_module_says_what_it_does_and_asserts_nothing_at_import() -> None:

@@ -46,7 +46,7 @@ def test_wheel_builds_cleanly(tmp_path: Path) -> None:
         names = set(archive.namelist())
         metadata = next(archive.read(n) for n in names if n.endswith(".dist-info/METADATA"))
     for name in ("index.html", "viewer.js", "viewer.css"):
-        assert f"rollout_store/viewer_static/{name}" in names
+        assert f"rollout_store/viewer/static/{name}" in names
     assert "rollout_store/__main__.py" in names and "rollout_store/py.typed" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     text = metadata.decode()

@@ -35,11 +35,11 @@ from rollout_store import (
     iter_turn_records,
 )
 from rollout_store import cli as cli_module
-from rollout_store import server as server_module
-from rollout_store.storage import TIMELINE_BATCH
-from rollout_store.stub_engine import create_stub_app
-from rollout_store.timeline import TIMELINE_SIZE
-from rollout_store.viewer import Viewer
+from rollout_store.files.storage import TIMELINE_BATCH
+from rollout_store.model.timeline import TIMELINE_SIZE
+from rollout_store.serve import server as server_module
+from rollout_store.serve.stub_engine import create_stub_app
+from rollout_store.viewer.app import Viewer
 
 LATENCY_S = 0.2  # the slow stub's generation time
 TOOL_S = 0.3  # what the test's "tool" sleeps between two calls
@@ -211,7 +211,7 @@ def test_run_names_the_command_and_passes_127_for_a_missing_one(
 def test_run_on_a_named_server(
     tmp_path: Path, stub: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rollout_store.server import create_app
+    from rollout_store.serve.server import create_app
 
     (tmp_path / "agent.py").write_text(RAW_CHILD)
     monkeypatch.chdir(tmp_path)

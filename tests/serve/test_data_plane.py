@@ -13,8 +13,8 @@ import httpx
 import pytest
 from capture_support import ADMIN_KEY, auth, new_session, serve_app
 
-from rollout_store.server import create_app
-from rollout_store.stub_engine import create_stub_app
+from rollout_store.serve.server import create_app
+from rollout_store.serve.stub_engine import create_stub_app
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},

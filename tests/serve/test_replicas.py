@@ -21,9 +21,9 @@ from capture_support import ADMIN, Process, start_server_process, start_stub_pro
 from services import RedisServer, started, unavailable
 
 from rollout_store.errors import InvalidArgumentError, StoreUnavailableError
-from rollout_store.loopback import free_port, wait_for_port
-from rollout_store.replicas import haproxy_config, replica_key_prefix
-from rollout_store.server import create_app
+from rollout_store.serve.loopback import free_port, wait_for_port
+from rollout_store.serve.replicas import haproxy_config, replica_key_prefix
+from rollout_store.serve.server import create_app
 
 ROOT = Path(__file__).resolve().parents[2]
 SESSIONS = 16

@@ -23,8 +23,13 @@ import pytest
 from capture_support import ADMIN, ADMIN_KEY, Counting, auth, export, new_session, serve_app
 
 from rollout_store import DirectoryStore, MemoryStore, RolloutGraph, export_session
-from rollout_store.server import create_app, open_store, upstream_body
-from rollout_store.stub_engine import chat_response, create_stub_app, logprob_of, prompt_ids_for
+from rollout_store.serve.server import create_app, open_store, upstream_body
+from rollout_store.serve.stub_engine import (
+    chat_response,
+    create_stub_app,
+    logprob_of,
+    prompt_ids_for,
+)
 
 IMAGE = "data:image/png;base64," + "iVBORw0KGgo" * 2000
 
@@ -733,7 +738,7 @@ def test_an_upstream_answer_of_the_wrong_shape_is_502_and_recorded_nowhere() -> 
 
 
 def test_a_live_session_is_viewed_at_its_own_route(server: Any) -> None:
-    from rollout_store.viewer import Viewer
+    from rollout_store.viewer.app import Viewer
 
     url, app = server
     made = new_session(url, session_id="viewed")
@@ -1060,3 +1065,34 @@ def test_root_lists_sessions_favicon_and_n_tools_counts_the_tools_sent(server: A
         f"{url}/sessions/{labelled['session_id']}/view/api/figures", headers=ADMIN
     ).json()
     assert figures["labels"] == ["nightly", "web"] and figures["title"] == labelled["session_id"]
+
+
+def test_a_browser_opens_the_root_with_a_key_and_gets_the_sessions_as_a_page(server: Any) -> None:
+    """A browser sends no headers: `/?key=` moves the key into an HttpOnly cookie and reloads
+    without it; the page lists the sessions the key opens, each linked to its viewer, which
+    the same cookie opens."""
+    url, _ = server
+    session = new_session(url)
+    _openai(session).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}]
+    )
+    browser = {"accept": "text/html,application/xhtml+xml,*/*;q=0.8"}
+    assert httpx.get(f"{url}/", headers=browser).status_code == 401
+    with httpx.Client(base_url=url, headers=browser) as client:
+        moved = client.get("/", params={"key": ADMIN["authorization"].split()[1]})
+        assert moved.status_code == 303 and moved.headers["location"] == "/"
+        assert "key=" not in moved.headers["location"]
+        cookie = moved.headers["set-cookie"].lower()
+        assert "httponly" in cookie and "samesite=strict" in cookie and "path=/" in cookie
+        page = client.get("/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        sid = session["session_id"]
+        assert f'href="/sessions/{sid}/view/"' in page.text
+        viewer = client.get(f"/sessions/{sid}/view/")
+        assert viewer.status_code == 200 and "<html" in viewer.text.lower()
+    with httpx.Client(base_url=url, headers=browser) as other:
+        other.get("/", params={"key": session["api_key"]})
+        own = other.get("/")
+        assert own.status_code == 200 and f"/sessions/{sid}/view/" in own.text
+        # the cookie opens the root and the viewers only
+        assert other.get("/sessions").status_code == 401

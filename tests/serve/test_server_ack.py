@@ -20,8 +20,8 @@ from capture_support import ADMIN, ADMIN_KEY, auth, new_session, serve_app
 
 from rollout_store import RolloutGraph
 from rollout_store.errors import InvalidArgumentError
-from rollout_store.server import _Server, create_app
-from rollout_store.stub_engine import create_stub_app
+from rollout_store.serve.server import _Server, create_app
+from rollout_store.serve.stub_engine import create_stub_app
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},

@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from rollout_store.server import create_app
-from rollout_store.stub_engine import create_stub_app
+from rollout_store.serve.server import create_app
+from rollout_store.serve.stub_engine import create_stub_app
 
 
 @contextmanager

@@ -19,8 +19,14 @@ import pytest
 from capture_support import export, new_session, serve_app
 
 from rollout_store import MAX_DEPTH, RawJSON
-from rollout_store.server import chat_turn, create_app, messages_turn, split_body, upstream_body
-from rollout_store.stub_engine import chat_response, create_stub_app
+from rollout_store.serve.server import (
+    chat_turn,
+    create_app,
+    messages_turn,
+    split_body,
+    upstream_body,
+)
+from rollout_store.serve.stub_engine import chat_response, create_stub_app
 
 BASE = {
     "model": "m",

@@ -21,8 +21,8 @@ from capture_support import (
 )
 
 from rollout_store import MemoryStore, RolloutGraph, content_key
-from rollout_store.server import create_app
-from rollout_store.stub_engine import create_stub_app
+from rollout_store.serve.server import create_app
+from rollout_store.serve.stub_engine import create_stub_app
 
 SYSTEM = {"role": "system", "content": "You are a careful agent. " * 40}
 TOOLS = [

@@ -16,9 +16,9 @@ import httpx
 import pytest
 from capture_support import new_session, serve_app
 
-from rollout_store.idle_trim import IdleTrim, malloc_trim, with_idle_trim
-from rollout_store.server import create_app
-from rollout_store.stub_engine import create_stub_app
+from rollout_store.serve.idle_trim import IdleTrim, malloc_trim, with_idle_trim
+from rollout_store.serve.server import create_app
+from rollout_store.serve.stub_engine import create_stub_app
 
 IMAGE = "data:image/png;base64," + "iVBORw0KGgo" * 30_000  # 330 KB: the body's bulk
 
@@ -41,8 +41,7 @@ class Snapshotting:
                     trace.size
                     for trace in snapshot.traces
                     if trace.size >= self.size // 2
-                    and Path(trace.traceback[0].filename).parts[-2:]
-                    == ("rollout_store", "server.py")
+                    and Path(trace.traceback[0].filename).parts[-2:] == ("serve", "server.py")
                 ]
             )
         await self.app(scope, receive, send)
@@ -160,7 +159,7 @@ def test_malloc_trim_gives_the_free_heap_pages_back() -> None:
     resident until the trim gives them back."""
     script = (
         "import sys\n"
-        "from rollout_store.idle_trim import malloc_trim\n"
+        "from rollout_store.serve.idle_trim import malloc_trim\n"
         "def rss():\n"
         "    return int(open('/proc/self/statm').read().split()[1]) * 4096\n"
         "blocks = [bytearray(32 << 10) for _ in range(2048)]\n"

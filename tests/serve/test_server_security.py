@@ -38,10 +38,10 @@ from capture_support import (
 
 from rollout_store import DirectoryStore, RolloutGraph
 from rollout_store.errors import FileWriteError
-from rollout_store.hosts import allowed_hosts, host_allowed, host_name, origin_allowed
-from rollout_store.server import add_serve_arguments, create_app
-from rollout_store.sessions import DataDirectoryInUseError, Sessions
-from rollout_store.stub_engine import create_stub_app
+from rollout_store.serve.server import add_serve_arguments, create_app
+from rollout_store.serve.sessions import DataDirectoryInUseError, Sessions
+from rollout_store.serve.stub_engine import create_stub_app
+from rollout_store.viewer.hosts import allowed_hosts, host_allowed, host_name, origin_allowed
 
 
 @pytest.fixture(scope="module")
@@ -340,7 +340,7 @@ def test_the_host_check_is_the_viewers() -> None:
     assert not origin_allowed("http://attacker.example", loopback)
     assert not origin_allowed("null", loopback)
 
-    from rollout_store.viewer import Viewer, serve
+    from rollout_store.viewer.app import Viewer, serve
 
     with serve(Viewer(RolloutGraph())) as viewer:
         port = viewer.server_address[1]
@@ -678,7 +678,7 @@ def test_a_client_leaving_mid_body_logs_no_traceback(stub: tuple[str, Counting],
 def test_a_full_disk_is_answered_507_with_its_reason(
     stub: tuple[str, Counting], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import rollout_store.sessions as sessions_module
+    import rollout_store.serve.sessions as sessions_module
 
     app = create_app(stub[0], data=tmp_path / "data", admin_key=ADMIN_KEY)
     with serve_app(app) as url:

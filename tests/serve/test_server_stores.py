@@ -25,9 +25,9 @@ from capture_support import export, new_session, serve_app, start_server_process
 from services import S3_CREDENTIALS
 
 from rollout_store import RolloutGraph, content_key
-from rollout_store.redis_store import RedisStore
-from rollout_store.s3_store import S3Store
-from rollout_store.stub_engine import create_stub_app
+from rollout_store.serve.stub_engine import create_stub_app
+from rollout_store.stores.redis_store import RedisStore
+from rollout_store.stores.s3_store import S3Store
 
 pytestmark = pytest.mark.slow
 

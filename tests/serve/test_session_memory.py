@@ -6,9 +6,10 @@ import gc
 import json
 import tracemalloc
 
-from rollout_store import RawJSON, TurnNode, values
-from rollout_store.sessions import Sessions
-from rollout_store.values import ValueTable
+from rollout_store import RawJSON, TurnNode
+from rollout_store.engine import values
+from rollout_store.engine.values import ValueTable
+from rollout_store.serve.sessions import Sessions
 
 # A short tool list (about 350 bytes packed), as a browser agent sends with every call.
 TOOLS = [

@@ -16,10 +16,10 @@ import pytest
 from capture_support import ADMIN, ADMIN_KEY, new_session, serve_app
 
 from rollout_store import RolloutGraph, token_samples, tree_samples
-from rollout_store import server as server_module
 from rollout_store.errors import FileWriteError, StoreUnavailableError
-from rollout_store.server import create_app
-from rollout_store.stub_engine import create_stub_app
+from rollout_store.serve import server as server_module
+from rollout_store.serve.server import create_app
+from rollout_store.serve.stub_engine import create_stub_app
 
 
 @pytest.fixture(scope="module")

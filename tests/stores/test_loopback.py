@@ -1,4 +1,4 @@
-"""The loopback service launcher the tests and benchmarks share (`rollout_store.loopback`)."""
+"""The loopback service launcher the tests and benchmarks share (`rollout_store.serve.loopback`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from services import started
 
 from rollout_store import RedisStore, StoreUnavailableError, content_key
-from rollout_store.loopback import MotoServer, RedisServer, free_port, wait_for_port
+from rollout_store.serve.loopback import MotoServer, RedisServer, free_port, wait_for_port
 
 
 def test_a_missing_program_says_how_to_install_it(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ from rollout_store import (
     content_key,
     export_session,
 )
-from rollout_store.shared_blobs import StoreBlobTable
+from rollout_store.engine.shared_blobs import StoreBlobTable
 
 LONG = 2000
 
@@ -550,7 +550,7 @@ def test_graphs_over_one_memory_store_share_a_long_root_prompt() -> None:
 
 
 def test_verify_checks_the_objects_a_file_refers_to(tmp_path: Path) -> None:
-    from rollout_store.storage import verify
+    from rollout_store.files.storage import verify
 
     store = DirectoryStore(tmp_path / "objects")
     graph = RolloutGraph(store=store)
@@ -688,6 +688,6 @@ def test_a_file_read_with_the_wrong_store_is_not_found_never_damaged(tmp_path: P
 
 
 def storage_verify(path: Path, store: Any) -> Any:
-    from rollout_store import storage
+    from rollout_store.files import storage
 
     return storage.verify(path, store=store)

@@ -37,7 +37,7 @@ from rollout_store import (
     StoreError,
     StoreUnavailableError,
 )
-from rollout_store.content import StringCache, content_key
+from rollout_store.stores.content import StringCache, content_key
 
 TESTS = Path(__file__).resolve().parents[1] / "support"
 ROOT = TESTS.parents[1]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from services import free_port
 
-from rollout_store.loopback import wait_for_port
+from rollout_store.serve.loopback import wait_for_port
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_store import DirectoryStore, MemoryStore, TurnNode
-from rollout_store.sessions import Session, Sessions
+from rollout_store.serve.sessions import Session, Sessions
 
 INTERNING = pathlib.__file__
 

@@ -2,7 +2,7 @@
 
 CI (`.ci/run`) starts both and exports their URLs in ROLLOUT_STORE_REDIS_URL and
 ROLLOUT_STORE_S3_URL; without them a fixture starts its own instance for the session
-(`rollout_store.loopback`, which the benchmarks use too). With CI=true a service that cannot
+(`rollout_store.serve.loopback`, which the benchmarks use too). With CI=true a service that cannot
 be reached or started fails the test, never skips it.
 """
 
@@ -16,7 +16,7 @@ from typing import TypeVar
 import pytest
 
 from rollout_store import StoreUnavailableError
-from rollout_store.loopback import LoopbackServer, MotoServer, RedisServer, free_port
+from rollout_store.serve.loopback import LoopbackServer, MotoServer, RedisServer, free_port
 
 __all__ = ["IN_CI", "S3_CREDENTIALS", "RedisServer", "free_port", "started", "unavailable"]
 

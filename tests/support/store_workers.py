@@ -11,10 +11,10 @@ import random
 import sys
 from typing import Any
 
-from rollout_store.content import ContentStore
-from rollout_store.redis_store import RedisStore
-from rollout_store.s3_store import S3Store
-from rollout_store.stores import DirectoryStore
+from rollout_store.stores.content import ContentStore
+from rollout_store.stores.local import DirectoryStore
+from rollout_store.stores.redis_store import RedisStore
+from rollout_store.stores.s3_store import S3Store
 
 S3_CREDENTIALS = {
     "aws_access_key_id": "test",

@@ -13,8 +13,8 @@ import pytest
 from viewer_support import SCRIPT_TEXT, long_rollout, small_rollout
 
 from rollout_store import RolloutGraph, TurnNode, export_session
-from rollout_store.figures import plain_export_bytes
-from rollout_store.viewer import MAX_MESSAGES, Viewer, serve
+from rollout_store.export.figures import plain_export_bytes
+from rollout_store.viewer.app import MAX_MESSAGES, Viewer, serve
 
 
 def _get(viewer: Viewer, path: str, query: str = "") -> tuple[int, Any]:
@@ -95,7 +95,7 @@ def test_figures_and_export_size() -> None:
 
 
 def test_static_page_builds_no_html_from_content_and_needs_no_network() -> None:
-    static = resources.files("rollout_store").joinpath("viewer_static")
+    static = resources.files("rollout_store").joinpath("viewer", "static")
     page = viewer_js = ""
     for name in ("index.html", "viewer.js", "viewer.css"):
         text = static.joinpath(name).read_text()
@@ -151,7 +151,7 @@ def _asgi_get(app: Any, path: str, root_path: str = "") -> tuple[int, dict[bytes
 
 
 def test_asgi_app_answers_under_a_mount_prefix() -> None:
-    from rollout_store.viewer import asgi_app
+    from rollout_store.viewer.app import asgi_app
 
     app = asgi_app(Viewer(small_rollout()))
     status, headers, body = _asgi_get(app, "/viewer/api/figures", root_path="/viewer")
@@ -172,7 +172,7 @@ def test_asgi_app_mounts_in_starlette() -> None:
     from starlette.routing import Mount
     from starlette.testclient import TestClient
 
-    from rollout_store.viewer import asgi_app
+    from rollout_store.viewer.app import asgi_app
 
     app = Starlette(routes=[Mount("/viewer", app=asgi_app(Viewer(small_rollout())))])
     with TestClient(app) as client:

@@ -20,7 +20,7 @@ import pytest
 from viewer_support import SCRIPT_TEXT, small_rollout
 
 from rollout_store import RolloutGraph, TurnNode
-from rollout_store.viewer import Viewer, serve
+from rollout_store.viewer.app import Viewer, serve
 
 pytestmark = pytest.mark.slow
 

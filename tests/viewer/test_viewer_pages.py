@@ -16,7 +16,7 @@ from test_viewer_browser import TIMEOUT, _rows, _select, browser  # noqa: F401 -
 from viewer_support import data_url, small_rollout
 
 from rollout_store import RolloutGraph, TurnNode
-from rollout_store.viewer import Viewer, serve
+from rollout_store.viewer.app import Viewer, serve
 
 pytestmark = pytest.mark.slow
 

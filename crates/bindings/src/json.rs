@@ -172,10 +172,10 @@ fn write_pyint(value: &Bound<'_, PyAny>, out: &mut Vec<u8>) -> PyResult<()> {
         ej::write_int(small, out);
         return Ok(());
     }
-    let text = value
-        .py()
+    let py = value.py();
+    let text = py
         .get_type::<PyInt>()
-        .getattr("__repr__")?
+        .getattr(pyo3::intern!(py, "__repr__"))?
         .call1((value,))?;
     out.extend_from_slice(text.cast::<PyString>()?.to_str()?.as_bytes());
     Ok(())

@@ -13,6 +13,7 @@ use std::ffi::c_char;
 use engine::packed as ep;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::ffi;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyString, PyTuple, PyType};
 
@@ -107,8 +108,8 @@ impl Packer {
     #[pyo3(signature = (intern, threshold))]
     fn new(py: Python<'_>, intern: Option<Py<PyAny>>, threshold: Option<usize>) -> PyResult<Self> {
         let ext_type = py
-            .import("msgpack")?
-            .getattr("ExtType")?
+            .import(intern!(py, "msgpack"))?
+            .getattr(intern!(py, "ExtType"))?
             .cast_into::<PyType>()?
             .unbind();
         Ok(Self {
@@ -333,7 +334,7 @@ impl Walk<'_> {
             } else {
                 // a subclass is read through its own items(), as the walk always has
                 let mut members = Vec::new();
-                for pair in dict.call_method0("items")?.try_iter()? {
+                for pair in dict.call_method0(intern!(dict.py(), "items"))?.try_iter()? {
                     members.push(pair?.extract()?);
                 }
                 members
@@ -403,8 +404,9 @@ impl Walk<'_> {
         if let (Some(threshold), Some(intern)) = (self.threshold, self.intern) {
             if len >= threshold {
                 let handle = intern.call1((s,))?;
-                let index: u32 = handle.getattr("index")?.extract()?;
-                if handle.getattr("surrogates")?.is_truthy()? {
+                let py = s.py();
+                let index: u32 = handle.getattr(intern!(py, "index"))?.extract()?;
+                if handle.getattr(intern!(py, "surrogates"))?.is_truthy()? {
                     self.special = true; // its plain packing is an EXT_SURROGATE
                 }
                 self.refs = true;
@@ -501,7 +503,10 @@ fn exact_int<'py>(v: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
 
 /// The path piece of dict key `k`: `.name` for an identifier, else `[repr]`.
 fn key_piece(k: &Bound<'_, PyAny>) -> PyResult<String> {
-    if k.is_instance_of::<PyString>() && k.call_method0("isidentifier")?.is_truthy()? {
+    if k.is_instance_of::<PyString>()
+        && k.call_method0(intern!(k.py(), "isidentifier"))?
+            .is_truthy()?
+    {
         return Ok(format!(".{}", k.str()?.to_str()?));
     }
     Ok(format!("[{}]", k.repr()?.to_str()?))
@@ -509,28 +514,29 @@ fn key_piece(k: &Bound<'_, PyAny>) -> PyResult<String> {
 
 /// Why `v` is refused, and what to pass instead (for the objects people pass by mistake).
 fn not_json(v: &Bound<'_, PyAny>) -> PyResult<String> {
+    let py = v.py();
     let t = v.get_type();
     let name = t.name()?;
-    let callable = |attr: &str| -> PyResult<bool> {
+    let callable = |attr: &Bound<'_, PyString>| -> PyResult<bool> {
         Ok(match v.getattr(attr) {
             Ok(a) => a.is_callable(),
             Err(_) => false,
         })
     };
-    if callable("model_dump")? {
+    if callable(intern!(py, "model_dump"))? {
         return Ok(format!(
             "a pydantic model ({name}) is not a JSON value: pass what the SDK would send, \
              `value.model_dump(mode=\"json\", exclude_unset=True)`"
         ));
     }
-    if callable("dict")? && t.hasattr("__fields__")? {
+    if callable(intern!(py, "dict"))? && t.hasattr(intern!(py, "__fields__"))? {
         return Ok(format!(
             "a pydantic model ({name}) is not a JSON value: pass `json.loads(value.json())`"
         ));
     }
-    let module: String = t.getattr("__module__")?.str()?.extract()?;
+    let module: String = t.getattr(intern!(py, "__module__"))?.str()?.extract()?;
     if module.split('.').next() == Some("numpy") {
-        let ndim = match v.getattr("ndim") {
+        let ndim = match v.getattr(intern!(py, "ndim")) {
             Ok(n) => n.gt(0)?,
             Err(_) => false,
         };
@@ -543,7 +549,7 @@ fn not_json(v: &Bound<'_, PyAny>) -> PyResult<String> {
             "a numpy value ({name}) is not a JSON value: pass `value.item()`"
         ));
     }
-    if t.hasattr("__dataclass_fields__")? {
+    if t.hasattr(intern!(py, "__dataclass_fields__"))? {
         return Ok(format!(
             "a dataclass ({name}) is not a JSON value: pass `dataclasses.asdict(value)`"
         ));

@@ -1,0 +1,169 @@
+"""The content-addressed blob table that a graph owns, and the handle type.
+
+Long strings are keyed by xxh3-128 of their UTF-8 bytes (surrogatepass). xxh3 collisions
+can be crafted, so a digest hit is shared only after comparing content; two different
+strings with one digest are both kept, each under its own handle.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Iterator
+
+import xxhash
+
+from ..errors import ReadOnlyError
+from .index import OneOrMany, index_add, index_members, index_remove
+
+__all__ = ["BlobTable", "Handle", "content_digest"]
+
+
+def content_digest(data: bytes | memoryview) -> bytes:
+    """The 16-byte xxh3-128 digest used as a blob's key."""
+    return xxhash.xxh3_128_digest(data)
+
+
+class Handle:
+    """A small immutable reference to one blob; one object per blob, shared by all references."""
+
+    __slots__ = ("digest", "index", "size", "surrogates")
+
+    digest: bytes
+    index: int
+    size: int  # UTF-8 bytes (surrogatepass)
+    surrogates: bool  # the string holds lone surrogates
+
+    def __init__(self, digest: bytes, index: int, size: int, surrogates: bool = False) -> None:
+        object.__setattr__(self, "digest", digest)
+        object.__setattr__(self, "index", index)
+        object.__setattr__(self, "size", size)
+        object.__setattr__(self, "surrogates", surrogates)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise ReadOnlyError("Handle is immutable")
+
+    def __repr__(self) -> str:
+        return f"Handle({self.digest.hex()[:16]}..., index={self.index}, size={self.size})"
+
+
+class BlobTable:
+    """Long strings stored once each, addressed by content.
+
+    Additions are transactional: `mark()` before a change and `rollback(mark)` undoes every
+    blob added since, so a rejected turn leaves no orphan blob.
+    """
+
+    __slots__ = (
+        "_by_digest",
+        "_handles",
+        "_hasher",
+        "_referenced_bytes",
+        "_references",
+        "_strings",
+        "_total_bytes",
+    )
+
+    def __init__(self, hasher: Callable[[bytes], bytes] = content_digest) -> None:
+        self._hasher: Callable[[bytes], bytes] = hasher  # never changed
+        self._strings: list[str] = []
+        self._handles: list[Handle] = []
+        # A digest maps to one handle, or to a list of them when different strings collide.
+        self._by_digest: OneOrMany[bytes, Handle] = {}
+        self._total_bytes = 0
+        self._references = 0
+        self._referenced_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._strings)
+
+    def intern(self, text: str) -> Handle:
+        """The handle of `text`, adding it when no stored string equals it."""
+        try:
+            data = text.encode("utf-8")
+            surrogates = False
+        except UnicodeEncodeError:  # lone surrogates, as json.loads('"\\ud800"') gives
+            data = text.encode("utf-8", "surrogatepass")
+            surrogates = True
+        digest = self._hasher(data)
+        self._references += 1
+        self._referenced_bytes += len(data)
+        for handle in index_members(self._by_digest.get(digest)):
+            if self._strings[handle.index] == text:
+                return handle
+        return self._append(text, digest, len(data), surrogates)
+
+    def add_verified(self, text: str, digest: bytes, data_len: int, surrogates: bool) -> Handle:
+        """Append a blob read back from a file (`data_len` UTF-8 bytes), digest checked."""
+        return self._append(text, digest, data_len, surrogates)
+
+    def _append(self, text: str, digest: bytes, data_len: int, surrogates: bool) -> Handle:
+        handle = Handle(digest, len(self._strings), data_len, surrogates)
+        self._strings.append(text)
+        self._handles.append(handle)
+        self._total_bytes += data_len
+        # a second string with this digest is a collision: both kept
+        index_add(self._by_digest, digest, handle)
+        return handle
+
+    def share_tokens(self, tokens: array[int]) -> array[int]:
+        """`tokens` (never changed once stored) or an equal array shared with other graphs;
+        a private table shares nothing."""
+        return tokens
+
+    def share_text(self, text: bytes) -> bytes:
+        """`text` (a raw JSON text the graph remembers, see `RequestStore.raw_shared`) or an
+        equal object other graphs hold; a private table shares nothing."""
+        return text
+
+    def share_packed(self, packed: bytes) -> bytes:
+        """`packed` (a plain packing, no blob references) or an equal object shared with other
+        graphs; a private table shares nothing."""
+        return packed
+
+    @property
+    def fetches(self) -> bool:
+        """Whether reading a blob may fetch it from outside the process."""
+        return False
+
+    def count_references(self, n: int, nbytes: int) -> None:
+        """Record `n` more references, `nbytes` in all, to stored blobs (a file being loaded)."""
+        self._references += n
+        self._referenced_bytes += nbytes
+
+    def string(self, index: int) -> str:
+        """The stored string of blob `index`: always the same object."""
+        return self._strings[index]
+
+    def handle(self, index: int) -> Handle:
+        return self._handles[index]
+
+    def size(self, index: int) -> int:
+        """The UTF-8 bytes of blob `index` (its string is not read)."""
+        return self._handles[index].size
+
+    def __iter__(self) -> Iterator[Handle]:
+        return iter(self._handles)
+
+    def mark(self) -> tuple[int, int, int]:
+        return (len(self._strings), self._references, self._referenced_bytes)
+
+    def rollback(self, mark: tuple[int, int, int]) -> None:
+        """Forget every blob added since `mark` (the caller holds the graph's lock)."""
+        n, self._references, self._referenced_bytes = mark
+        while len(self._strings) > n:
+            handle = self._handles.pop()
+            self._strings.pop()
+            self._total_bytes -= handle.size
+            index_remove(self._by_digest, handle.digest, handle)
+
+    def stats(self) -> dict[str, int]:
+        """Number of blobs, their UTF-8 bytes, references to them, and bytes sharing saved."""
+        return {
+            "blobs": len(self._strings),
+            "blob_bytes": self._total_bytes,
+            "blob_references": self._references,
+            "blob_bytes_saved": self._referenced_bytes - self._total_bytes,
+            "collisions": sum(
+                len(v) - 1 for v in self._by_digest.values() if isinstance(v, tuple | list)
+            ),
+        }

@@ -1,0 +1,131 @@
+"""The one-or-many index: a dict whose value is one item, or a tuple or list when several
+share a key.
+
+Most keys of the graph's digest indexes (and of the blob table) hold a single item; storing
+it bare instead of in a one-item list saves a list per key. A few items share a key as a
+tuple of exactly their number (a list keeps room to grow: a key of two or three turns, as a
+conversation's consecutive turns often are under one token block, costs about half), and
+more than `SMALL` as a list, so adding stays constant time. Items are compared by identity
+and must never be tuples or lists themselves.
+
+The token indexes file each turn with a length (its tokens', or its prompt's) and every scan
+of theirs wants a range of lengths. A key of theirs holding more than `SMALL` items holds
+them grouped by length (`ByLength`), so a scan visits the groups in its range only: one
+prompt sampled thousands of times files every turn under one key, and a lookup none of
+whose lengths fit visits none of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any, TypeVar
+
+__all__ = [
+    "SMALL",
+    "ByLength",
+    "OneOrMany",
+    "index_add",
+    "index_members",
+    "index_remove",
+    "sized_add",
+    "sized_members",
+    "sized_remove",
+]
+
+K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
+
+#: The most items a key holds as a tuple (rebuilt on each add); beyond, a list.
+SMALL = 8
+
+#: The type of such an index, e.g. ``OneOrMany[int, Turn]``.
+OneOrMany = dict[K, T | tuple[T, ...] | list[T]]
+
+
+class ByLength(dict[int, Any]):
+    """The items of one key grouped by length (each length's items one-or-many, in the
+    order they were filed)."""
+
+    __slots__ = ()
+
+
+def index_members(found: T | tuple[T, ...] | list[T] | None) -> Sequence[T]:
+    """The items of one key, given what `index.get(key)` returned."""
+    if found is None:
+        return ()
+    if isinstance(found, tuple | list):
+        return found
+    if type(found) is ByLength:
+        groups: ByLength = found  # type: ignore[assignment]
+        return [item for group in groups.values() for item in index_members(group)]
+    return (found,)
+
+
+def sized_members(found: Any, low: int, high: int) -> Iterator[Any]:
+    """The items of one key of a sized index that may have a length in [low, high): every
+    item of a small key (the caller checks each), the groups in range of a large one."""
+    if type(found) is ByLength:
+        for length, group in found.items():
+            if low <= length < high:
+                yield from index_members(group)
+    else:
+        yield from index_members(found)
+
+
+def sized_add(index: dict[Any, Any], key: Any, item: Any, length_of: Callable[[Any], int]) -> None:
+    """File `item` under `key` in a sized index (`length_of` gives an item's length, which
+    never changes while it is filed)."""
+    found = index.get(key)
+    if type(found) is ByLength:
+        index_add(found, length_of(item), item)
+    elif isinstance(found, tuple) and len(found) == SMALL:
+        grouped = ByLength()
+        for member in (*found, item):
+            index_add(grouped, length_of(member), member)
+        index[key] = grouped
+    else:
+        index_add(index, key, item)
+
+
+def sized_remove(
+    index: dict[Any, Any], key: Any, item: Any, length_of: Callable[[Any], int]
+) -> None:
+    """Take `item` from under `key` of a sized index, if it is there."""
+    found = index.get(key)
+    if type(found) is ByLength:
+        index_remove(found, length_of(item), item)
+        if not found:
+            del index[key]
+    else:
+        index_remove(index, key, item)
+
+
+def index_add(index: dict[K, T | tuple[T, ...] | list[T]], key: K, item: T) -> None:
+    """File `item` under `key` as well."""
+    found = index.get(key)
+    if found is None:
+        index[key] = item
+    elif isinstance(found, list):
+        found.append(item)
+    elif isinstance(found, tuple):
+        index[key] = (*found, item) if len(found) < SMALL else [*found, item]
+    else:
+        index[key] = (found, item)
+
+
+def index_remove(index: dict[K, T | tuple[T, ...] | list[T]], key: K, item: T) -> None:
+    """Take `item` (this very object) from under `key`, if it is there."""
+    found = index.get(key)
+    if found is item:
+        del index[key]
+    elif isinstance(found, tuple | list):
+        for i, member in enumerate(found):
+            if member is item:
+                rest = [*found[:i], *found[i + 1 :]]
+                if len(rest) == 1:
+                    index[key] = rest[0]
+                elif isinstance(found, list):
+                    del found[i]
+                else:
+                    index[key] = tuple(rest)
+                break

@@ -1,0 +1,545 @@
+"""Linking turns: token prompts stored as chains, parents found by prefix digests, and
+turns that arrived early moved under an ancestor that arrives late.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any
+
+import xxhash
+
+from ..model.nodes import TurnNode
+from .index import index_add, index_members, index_remove, sized_add, sized_members, sized_remove
+from .intake import float_array, plain_numbers, token_array
+from .keys import HEADS, request_keys, root_token_keys, short_key
+from .materialize import rest_values
+from .requests import FreshRequest, RequestStore, Scratch
+from .stored import (
+    EMPTY_PROMPT,
+    LOGPROBS_PACKED,
+    NO_MESSAGES,
+    TAIL_ECHO,
+    LinkKind,
+    Turn,
+    add_child,
+    full_run,
+    sampled_any,
+)
+from .tokens import (
+    BLOCK,
+    ArrayRun,
+    TokenRun,
+    block_digests,
+    packable,
+    prefix_digest,
+    run_bytes,
+    run_matches,
+    tail_block_digests,
+)
+
+__all__ = ["Linker"]
+
+
+#: Block digests computed first (the last blocks of a prompt; the rest only if needed).
+TOKEN_WINDOW = 64
+
+Move = tuple[Turn, LinkKind]
+
+
+def _sibling_prompt(parent: Turn, data: bytes, n: int) -> TokenRun | None:
+    """The prompt of a child of `parent` holding exactly these `n` tokens, if any."""
+    for child in parent.children or ():
+        run = child.prompt
+        if run is not None and run.length == n and run_matches(run, data):
+            return run
+    return None
+
+
+def _full_length(turn: Turn) -> int:
+    """The length a turn is filed with in the token index: its prompt + sampled tokens'."""
+    return turn.full.length  # type: ignore[union-attr]
+
+
+def _prompt_length(turn: Turn) -> int:
+    """The length a root is filed with among the token roots: its prompt's."""
+    return turn.prompt.length  # type: ignore[union-attr]
+
+
+def _head(length: int) -> int:
+    """The longest head a run of `length` tokens (fewer than a block) has."""
+    return max(h for h in HEADS if h <= length)
+
+
+#: No upper bound on a length (a scan of the token roots).
+_NO_LENGTH_LIMIT = 1 << 62
+
+#: The short lengths of a graph none of whose turns has one (immutable, so shared).
+_NO_LENGTHS: frozenset[int] = frozenset()
+
+
+class Linker:
+    """Finds each new turn's parent and the earlier turns it adopts; owns the token
+    indexes and the roots waiting for a late ancestor.
+
+    Given the graph's request store (to compare messages) and its list of turns (read only,
+    for the rare scan of every root). Not thread-safe: the graph uses it under its lock.
+    """
+
+    __slots__ = (
+        "_no_ids",
+        "_no_logprobs",
+        "_unindexed_roots",
+        "message_roots",
+        "prompt_index",
+        "requests",
+        "short_lengths",
+        "token_index",
+        "token_roots",
+        "turns",
+    )
+
+    def __init__(self, requests: RequestStore, turns: list[Turn]) -> None:
+        self.requests = requests
+        self.turns = turns
+        self.token_index: dict[int, Any] = {}  # block digest of prompt+sampled -> turn(s)
+        self.prompt_index: dict[int, Any] = {}  # digest of a whole prompt -> TokenRun(s)
+        # heads and block digests of token roots' prompts, built at the first lookup that
+        # has a root to find (see `_token_roots`): until then only counted
+        self.token_roots: dict[int, Any] | None = None
+        self._unindexed_roots = 0
+        # lengths under one block that turns have: one empty frozenset for every graph (an
+        # empty set costs 216 bytes) until a turn has one
+        self.short_lengths: set[int] | frozenset[int] = _NO_LENGTHS
+        self.message_roots: dict[int, Any] = {}  # request keys of message roots' prefixes
+        # one empty array of each kind for every turn that sampled nothing (never mutated)
+        self._no_ids = array("I")
+        self._no_logprobs = array("d")
+
+    # ------------------------------------------------------------------ tokens
+
+    def prepare_tokens(self, turn: Turn, node: TurnNode, scratch: Scratch) -> None:
+        """Store the turn's token fields as shared runs; find its parent by tokens.
+
+        `turn` is fresh: its side has no token fields yet."""
+        if node.prompt_ids is None and node.sampled_ids is None and node.sampled_logprobs is None:
+            return  # no token fields at all: nothing to set, nothing to link by
+        prompt = None if node.prompt_ids is None else token_array(node.prompt_ids, "prompt_ids")
+        sampled = None if node.sampled_ids is None else token_array(node.sampled_ids, "sampled_ids")
+        if prompt is not None and not len(prompt):
+            # no token ids came back (a hosted provider): link by messages, keep the []
+            prompt = None
+            turn.flags |= EMPTY_PROMPT
+        logprobs: object = node.sampled_logprobs
+        if logprobs is not None:
+            logprobs = plain_numbers(logprobs, "sampled_logprobs")
+        if logprobs is None:
+            turn.logprobs = None
+        else:
+            packed_floats = float_array(logprobs, "sampled_logprobs")
+            if packed_floats is not None:
+                turn.logprobs = packed_floats
+            else:
+                turn.logprobs = self.requests.encode(logprobs, "sampled_logprobs")[0]
+                turn.flags |= LOGPROBS_PACKED
+        if type(sampled) is array and not sampled:
+            sampled = self._no_ids
+        if type(turn.logprobs) is array and not turn.logprobs:
+            turn.logprobs = self._no_logprobs
+        turn.sampled = sampled
+        if prompt is None:
+            turn.prompt = None
+            turn.full = full_run(None, sampled)
+            return
+        if not (isinstance(prompt, array) and prompt.typecode == "I"):
+            # ids beyond 32 bits: stored exactly, never linked by tokens
+            turn.prompt = ArrayRun(None, prompt)
+            turn.full = full_run(turn.prompt, sampled)
+            return
+        data = prompt.tobytes()
+        # a parent ends within the last blocks, mostly: the others are digested if not
+        digests: list[int | None] = tail_block_digests(data, TOKEN_WINDOW)
+        parent = self._token_parent(data, digests, len(prompt))
+        scratch.token_parent = parent
+        key = xxhash.xxh3_64_intdigest(data)
+        run = self._stored_prompt(key, data, len(prompt))
+        if parent is None or run is not None:  # filed at commit (a root's), or found filed
+            scratch.prompt_key = key
+        elif parent.children is not None:
+            # a retry of a continuation finds its prompt among its parent's children: only
+            # prompts without a token parent are filed (a key and a slot fewer a turn)
+            run = _sibling_prompt(parent, data, len(prompt))
+        packed = False
+        # (a packed parent's full run is a view made on each read: read once)
+        before = parent.full if run is None and parent is not None else None
+        if before is not None:
+            new = prompt[before.length :]
+            kept = turn.logprobs
+            if packable(new, sampled, kept, len(prompt)):
+                # the common case: new ids, sampled ids and logprobs in the turn itself
+                turn.pack_tokens(before, new, sampled, kept)
+                run, packed = turn, True
+            else:
+                run = ArrayRun(before, new)
+        elif run is None:  # a root prompt: graphs over one memory store share it
+            run = ArrayRun(None, self.requests.blobs.share_tokens(prompt))
+            kept = turn.logprobs
+            if packable(self._no_ids, sampled, kept, len(prompt)):
+                # its sampled ids and logprobs in the turn itself, a packed run of no new
+                # ids over the shared root run (no side, arrays or full run of its own)
+                turn.pack_tokens(run, self._no_ids, sampled, kept)
+                run, packed = turn, True
+        full: TokenRun | None
+        if packed:
+            full = turn.full
+        else:
+            turn.prompt = run
+            full = turn.full = full_run(run, sampled)
+        if full is not None and full.compact:
+            full_data = data if full is run else data + sampled.tobytes()  # type: ignore[union-attr]
+            scratch.full_data = full_data
+            length = full.length
+            if length < BLOCK:
+                scratch.token_key = short_key(full_data, length)
+            elif full is run:
+                scratch.token_key = digests[length // BLOCK]
+            else:
+                scratch.token_key = prefix_digest(full_data, length)
+
+    def _stored_prompt(self, key: int, data: bytes, n: int) -> TokenRun | None:
+        """A stored run holding exactly these prompt tokens (roots with one prompt share)."""
+        for candidate in index_members(self.prompt_index.get(key)):
+            if candidate.length == n and run_matches(candidate, data):
+                return candidate  # type: ignore[no-any-return]
+        return None
+
+    def _token_parent(self, data: bytes, digests: list[int | None], n: int) -> Turn | None:
+        # Turns whose tokens fill j whole blocks are found by the digest of those blocks,
+        # deepest first; shorter ones (under one block) by their exact length.
+        low = digests.count(None)  # the blocks before the window (a leading run of None)
+        buckets: list[tuple[int, int, int]] = [
+            (digests[j], j * BLOCK, (j + 1) * BLOCK)  # type: ignore[misc]
+            for j in range(len(digests) - 1, max(low, 1) - 1, -1)
+        ]
+        if low > 0:  # blocks before the window, digested only when the window holds none
+            found = self._token_parent_in(data, buckets, n)
+            if found is not None:
+                return found
+            full = block_digests(data)
+            buckets = [(full[j], j * BLOCK, (j + 1) * BLOCK) for j in range(low - 1, 0, -1)]
+        buckets += [
+            (short_key(data, length), length, length + 1)
+            for length in sorted(self.short_lengths, reverse=True)
+            if length <= n
+        ]
+        return self._token_parent_in(data, buckets, n)
+
+    def _token_parent_in(
+        self, data: bytes, buckets: list[tuple[int, int, int]], n: int
+    ) -> Turn | None:
+        """The deepest turn filed under one of `buckets` (key, low, high: its tokens'
+        length in [low, high)) whose prompt + sampled tokens start `data`. Of two as deep, one
+        that sampled wins over a failed call of its run (which it would have adopted had the
+        failed call come first: see `_token_moves`), so the parent is the same in any order."""
+        for key, low, high in buckets:
+            best: Turn | None = None
+            best_length = -1
+            # (a parent's tokens are a prefix of the prompt: n of them at most)
+            for candidate in sized_members(self.token_index.get(key), low, min(high, n + 1)):
+                full = candidate.full
+                if (
+                    full is not None
+                    and low <= full.length < high
+                    and (full.length < n or sampled_any(candidate))
+                    and (
+                        full.length > best_length
+                        or (
+                            full.length == best_length
+                            and best is not None
+                            and not sampled_any(best)
+                            and sampled_any(candidate)
+                        )
+                    )
+                    and run_matches(full, data)
+                ):
+                    best, best_length = candidate, full.length
+            if best is not None:
+                return best
+        return None
+
+    # ------------------------------------------------------------------ messages
+
+    def prepare_messages(self, turn: Turn, node: TurnNode, scratch: Scratch) -> None:
+        """Find the parent by messages (for a turn without token ids or explicit parent),
+        and the stored turns with exactly this request (their continuations may move)."""
+        request = scratch.request
+        if request is None:
+            return
+        rest = request.messages
+        if request.n_valid == len(rest):
+            scratch.twins = request.twins()
+        if node.parent_id is None and turn.prompt is None:  # no token ids
+            base = turn.base
+            if base is not None and turn.flags & TAIL_ECHO:
+                # the common case: its storage base is the longest stored request it extends
+                # (the first of its bucket that it extends), and that one's response comes
+                # right after, exactly: what `_message_parent` would find first
+                scratch.message_parent = base
+            else:
+                scratch.message_parent = self._message_parent(request)
+
+    def message_continued(self, request: FreshRequest) -> Turn | None:
+        """The stored turn this request continues by messages (asked by the drift audit
+        only for a turn with token ids that found no token parent)."""
+        return self._message_parent(request)
+
+    def _message_parent(self, request: FreshRequest) -> Turn | None:
+        """The longest stored request that this one extends and whose response is echoed
+        right after it (an exact echo preferred to a loose one)."""
+        store = self.requests
+        if not store.request_index:  # nothing filed (a graph's first request)
+            return None
+        for n in request.boundaries(min(request.n_valid, len(request.messages) - 1)):
+            members = request.stored_prefixes(n)
+            if not members:
+                continue
+            message, plain = request.messages[n], request.plain(n)
+            for c in members:
+                if store.is_echo(c, message, plain) and request.extends(c):
+                    return c
+            for c in members:
+                if store.echoes(c, message, plain) and request.extends(c):
+                    return c
+        return None
+
+    # ------------------------------------------------------------------ filing
+
+    def file(self, turn: Turn, token_key: int | None, prompt_key: int | None) -> None:
+        """File a committed turn's tokens under their keys."""
+        full = turn.full
+        if token_key is not None and full is not None and full.length:
+            sized_add(self.token_index, token_key, turn, _full_length)
+            if full.length < BLOCK:
+                lengths = self.short_lengths
+                if not isinstance(lengths, set):  # the first: a set of its own
+                    lengths = self.short_lengths = set()
+                lengths.add(full.length)
+        if prompt_key is not None and turn.prompt is not None:
+            members = index_members(self.prompt_index.get(prompt_key))
+            if not any(m is turn.prompt for m in members):
+                index_add(self.prompt_index, prompt_key, turn.prompt)
+
+    def register_root(self, turn: Turn, root_keys: list[int] | None) -> None:
+        """File a root under its prefixes, for a later turn it continues to find it."""
+        if turn.prompt is not None:
+            if self.token_roots is None:  # filed when a lookup first needs the index
+                self._unindexed_roots += 1
+                return
+            for key in root_token_keys(turn.prompt):
+                sized_add(self.token_roots, key, turn, _prompt_length)
+        elif root_keys:
+            for key in root_keys:
+                index_add(self.message_roots, key, turn)
+
+    def _unregister_root(self, turn: Turn) -> None:
+        if turn.prompt is not None:
+            if self.token_roots is None:
+                self._unindexed_roots -= 1
+                return
+            for key in root_token_keys(turn.prompt):
+                sized_remove(self.token_roots, key, turn, _prompt_length)
+        elif turn.n_rest > 0:
+            plain = self.requests.plain
+            plains = [plain(m) for m in rest_values(turn, self.requests.blobs)]
+            if None not in plains:
+                for key in request_keys(plains[:-1]):  # type: ignore[arg-type]
+                    index_remove(self.message_roots, key, turn)
+
+    # ------------------------------------------------------------------ late ancestors
+
+    def find_moves(self, new: Turn, scratch: Scratch) -> list[Move]:
+        """Turns that arrived before `new` but continue it: they move under it at commit."""
+        moves: list[Move] = []
+        parent = new.parent
+        if new.prompt is None and not scratch.twins and parent is not None and parent.kids is None:
+            return moves  # the common case: no token ids, no twin, its parent's first child
+        if new.link == LinkKind.EXPLICIT:
+            return moves
+        moves.extend(self._token_moves(new, scratch))
+        moves.extend(self._message_moves(new, scratch))
+        return moves
+
+    def _token_moves(self, new: Turn, scratch: Scratch) -> list[Move]:
+        """Turns whose prompt extends the tokens of `new` and that hang shallower."""
+        moves: list[Move] = []
+        if new.prompt is None:
+            return moves
+        data = scratch.full_data  # set when the tokens are all array('I'), else no moves
+        full = new.full
+        if data is None or full is None or not full.length:
+            return moves
+        parent = new.parent
+        if parent is not None and not sampled_any(new):
+            # (a packed parent's full run is a view made on each read: asked for only here)
+            parent_full = parent.full
+            if parent_full is not None and parent_full.length == full.length:
+                # a failed call of its parent's very run adds no token: what continues that
+                # run stays under the parent, where it is linked when it comes after this one
+                return moves
+        for other in self._token_candidates(new, scratch, data):
+            prompt = other.prompt
+            if (
+                other is new
+                or other.link not in (LinkKind.TOKENS, LinkKind.NONE)
+                or prompt is None
+                or prompt.length < full.length
+                or (prompt.length == full.length and not sampled_any(new))
+                or not prompt.compact
+            ):
+                continue
+            if run_bytes(prompt).startswith(data):
+                moves.append((other, LinkKind.TOKENS))
+        return moves
+
+    def _token_candidates(self, new: Turn, scratch: Scratch, data: bytes) -> list[Turn]:
+        """Turns that may continue `new`: its siblings (or the roots sharing its first
+        tokens), and children of shorter retries of the same call."""
+        parent, length = new.parent, len(data) // 4
+        if parent is not None:
+            candidates = list(parent.children or ())
+        elif (roots := self._token_roots()) is None:
+            candidates = []  # no root committed yet: none to move
+        else:
+            # a root continues `new` only with a prompt at least as long as its tokens
+            key = scratch.token_key if length >= BLOCK else short_key(data, _head(length))
+            candidates = list(sized_members(roots.get(key), length, _NO_LENGTH_LIMIT))  # type: ignore[arg-type]
+        # and children of turns whose tokens end inside this turn's sampled ones (a
+        # shorter retry of the same call): their continuations may continue this one
+        for shorter in self._prefixes_within(new, data):
+            candidates.extend(shorter.children or ())
+        # and children of failed calls of this turn's very run (nothing sampled; a prompt as
+        # long as this turn's prompt + sampled ids): a failed call adopts nothing (see
+        # `_token_moves`), so what continues the run hangs under one only when it came first
+        for other in candidates[:]:
+            prompt = other.prompt
+            kids = other.children
+            if kids and prompt is not None and prompt.length == length and not sampled_any(other):
+                candidates.extend(kids)
+        return candidates
+
+    def _token_roots(self) -> dict[int, Any] | None:
+        """The token roots by the keys of their prompts' heads and whole blocks (None while
+        no root with token ids is committed). Built at the first lookup that has one to find,
+        from the committed roots in order, as registering them one by one would have: a
+        graph of one rollout has one root, which no lookup of its own turns needs, and keeps
+        no index of it (its heads and blocks were about 20 keys a graph)."""
+        roots = self.token_roots
+        if roots is None:
+            if not self._unindexed_roots:
+                return None
+            roots = {}  # kept only once whole (a lookup that fails here leaves none)
+            for turn in self.turns:
+                if turn.parent is None and turn.prompt is not None:
+                    for key in root_token_keys(turn.prompt):
+                        sized_add(roots, key, turn, _prompt_length)
+            self.token_roots = roots
+            self._unindexed_roots = 0
+        return roots
+
+    def _prefixes_within(self, new: Turn, data: bytes) -> list[Turn]:
+        """Stored turns whose prompt + sampled tokens are a prefix of `new`'s, longer than its
+        prompt and shorter than its prompt + sampled tokens, and failed calls (nothing
+        sampled) of its very prompt: their continuations may continue `new`."""
+        low = new.prompt.length  # type: ignore[union-attr]
+        high = new.full.length  # type: ignore[union-attr]
+        if high <= low:
+            return []
+        found: list[Turn] = []
+        first = max(low // BLOCK, 1)
+        view = memoryview(data)
+        hasher = xxhash.xxh3_64()
+        hasher.update(view[: first * BLOCK * 4])  # one pass over the tokens, not one a block
+        keys = [(hasher.intdigest(), first * BLOCK, (first + 1) * BLOCK)]
+        for j in range(first + 1, high // BLOCK + 1):
+            hasher.update(view[(j - 1) * BLOCK * 4 : j * BLOCK * 4])
+            keys.append((hasher.intdigest(), j * BLOCK, (j + 1) * BLOCK))
+        if first * BLOCK > high:
+            keys = []
+        keys += [(short_key(data, n), n, n + 1) for n in self.short_lengths if low <= n < high]
+        for key, start, stop in keys:
+            in_range = sized_members(self.token_index.get(key), max(start, low), min(stop, high))
+            for other in in_range:
+                full = other.full
+                if (
+                    other is not new
+                    and full is not None
+                    and full.length < high
+                    # longer than the prompt, or a failed call of the very prompt
+                    and (full.length > low or (full.length == low and not sampled_any(other)))
+                    and start <= full.length < stop
+                    and run_matches(full, data)
+                ):
+                    found.append(other)
+        return found
+
+    def _message_moves(self, new: Turn, scratch: Scratch) -> list[Move]:
+        """Message-linked turns whose request continues `new` and that hang shallower.
+
+        For a turn linked by tokens only message roots are candidates (its place among
+        message-linked turns is not worked out)."""
+        moves: list[Move] = []
+        parent = new.parent
+        if new.flags & NO_MESSAGES:
+            return moves
+        if parent is not None and new.prompt is None:
+            candidates = list(parent.children or ())
+        elif scratch.request_digest is not None:
+            candidates = list(index_members(self.message_roots.get(scratch.request_digest)))
+        else:
+            return moves
+        moves.extend(self._twin_moves(new, scratch.twins))
+        store = self.requests
+        mine = None
+        for other in candidates:
+            if (
+                other is new
+                or other.link not in (LinkKind.MESSAGES, LinkKind.NONE)
+                or other.prompt is not None
+                or other.n_rest <= new.n_rest
+            ):
+                continue
+            if mine is None:
+                mine = rest_values(new, store.blobs)
+            theirs = rest_values(other, store.blobs)
+            if store.plain(theirs[: new.n_rest]) == store.plain(mine):
+                echo = theirs[new.n_rest]
+                if store.echoes(new, echo, store.plain(echo)):
+                    moves.append((other, LinkKind.MESSAGES))
+        return moves
+
+    def _twin_moves(self, new: Turn, twins: list[Turn]) -> list[Move]:
+        """Continuations linked loosely to a stored turn with exactly this request that echo
+        this turn's response exactly and the twin's only loosely: they move here."""
+        moves: list[Move] = []
+        store = self.requests
+        for twin in twins:
+            for other in list(twin.children or ()):
+                if other.link != LinkKind.MESSAGES or other.prompt is not None:
+                    continue
+                values = rest_values(other, store.blobs)
+                echo = store.plain(values[new.n_rest]) if new.n_rest < len(values) else None
+                exact_here = echo is not None and echo == store.response_plain(new)
+                if exact_here and echo != store.response_plain(twin):
+                    moves.append((other, LinkKind.MESSAGES))
+        return moves
+
+    def move(self, turn: Turn, parent: Turn, link: LinkKind) -> None:
+        """Re-link `turn` under `parent` (it arrived before its ancestor)."""
+        old = turn.parent
+        if old is not None and old.children is not None:
+            old.children = tuple(c for c in old.children if c is not turn) or None
+        else:
+            self._unregister_root(turn)
+        turn.parent = parent
+        turn.link = link
+        add_child(parent, turn)

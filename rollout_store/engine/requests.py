@@ -1,0 +1,1352 @@
+"""Request storage: a turn's messages as an earlier turn's request plus a packed tail.
+
+Fresh messages are packed at C speed and compared byte for byte with what is stored; only new
+content takes the validating walk. Shared values (system messages, tools, sampling parameters)
+are stored once per graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from itertools import chain
+from typing import Any, Final
+
+import msgpack
+
+from ..errors import InvalidValueError
+from ..model.nodes import TurnNode
+from ..model.raw import RawJSON, decode_array, decode_raw, resolve_raw
+from .blobs import BlobTable
+from .confirm import (
+    CHUNK_HIGH,
+    HOLE_MIN,
+    TIP_MIN_BYTES,
+    WINDOW,
+    Hole,
+    Probe,
+    RawTip,
+    RawTips,
+    Tip,
+    Tips,
+    array_items,
+    digest_key,
+    holes_of,
+    hollow_hasher,
+    hollow_text,
+    hollowed,
+    mark_length,
+    marked_between,
+    packed_hasher,
+    prefix_digest,
+    prefix_keys,
+    raw_end,
+    text_holes,
+)
+from .encoding import (
+    ECHO_PACKED,
+    NotPackable,
+    array_header,
+    new_packer,
+    no_echo,
+    unpack,
+)
+from .intake import MAX_DEPTH, Encoder
+from .materialize import Messages, value
+from .messages import leading_system_count, link_key, response_link_key
+from .stored import (
+    HAS_RESPONSE,
+    MESSAGES_TUPLE,
+    NO_MESSAGES,
+    PREFIX_SPECIAL,
+    RESPONSE_REFS,
+    RESPONSE_SPECIAL,
+    TAIL_ECHO,
+    TAIL_REFS,
+    TAIL_SLOW,
+    TAIL_SPECIAL,
+    IndexKeys,
+    LinkKind,
+    Turn,
+    TurnFlag,
+    finish_tail,
+)
+from .turn_records import echo_by_key
+from .values import ValueTable
+
+__all__ = ["FreshRequest", "RequestStore", "Scratch"]
+
+
+_new_tuple: Final = tuple.__new__
+
+#: msgpack type bytes of ext and bin values, which JSON values never pack to by themselves
+_NOT_JSON = bytes((*range(0xC4, 0xCA), *range(0xD4, 0xD9)))
+
+
+#: The one thing a refusing unpack (`_refusing_unpack`) lets through: an empty bin
+_EMPTY_BIN = b"\xc4\x00"
+_BIN8 = b"\xc4"  # its type byte: looked for first (one byte is a memchr, two are not)
+
+
+def _no_empty_bin(data: bytes) -> bool:
+    """Whether `data` holds no empty bin's bytes (`_EMPTY_BIN not in data`, mostly faster)."""
+    return _BIN8 not in data or _EMPTY_BIN not in data
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ValueError("an ext type")
+
+
+#: Unpack at C speed, refusing every ext type and every non-empty bin: ext types with data by
+#: their length (msgpack's timestamps too, which never reach the hook), empty ones by the hook.
+#: Strings stay bytes: their UTF-8 is the packer's, and not decoding them halves the time. (A
+#: partial, not a function: one Python call fewer on every turn.)
+_refusing_unpack: Final = functools.partial(
+    msgpack.unpackb,
+    max_bin_len=0,
+    max_ext_len=0,
+    ext_hook=_refuse_ext,
+    strict_map_key=False,
+    raw=True,
+)
+
+
+#: Packings shorter than this are unpacked at once, not scanned first: the scan costs about
+#: what the unpack does there, and short messages often hold those bytes anyway (a string of
+#: 196-201 bytes has one as its length: measured 0.5 us a scan, 0.55 an unpack of 1 KB)
+_SCAN_FROM = 4096
+
+
+def _json_only(plain: bytes) -> bool:
+    """Whether a plain packing holds no ext and no bin type (JSON values never pack to them:
+    a tuple, a big int, `bytes` or a caller's `msgpack.ExtType` does).
+
+    In a long packing the bytes that begin those types are looked for first; where some
+    occur (often a length byte or a letter, not a type), and in a short one at once, unpacking
+    at C speed tells, refusing every ext type and every non-empty bin; the bytes of an empty
+    bin anywhere send the value to the walk.
+    """
+    if len(plain) >= _SCAN_FROM and len(plain.translate(None, _NOT_JSON)) == len(plain):
+        return True  # none of them (a C scan)
+    try:
+        _refusing_unpack(plain)
+    except Exception:  # an ext or bin type (or too deep for the unpacker): the walk decides
+        return False
+    return _no_empty_bin(plain)
+
+
+#: msgpack type bytes of containers (fixmap, fixarray, array 16/32, map 16/32): a packing
+#: holds at least as many of these bytes as its containers nest deep (as data bytes too)
+_CONTAINER_BYTES = bytes((*range(0x80, 0xA0), 0xDC, 0xDD, 0xDE, 0xDF))
+
+
+def _long_string_types(threshold: int | None) -> bytes | None:
+    """The msgpack type bytes of the strings that can hold `threshold` bytes or more (any
+    string of `threshold` characters or more, which the validating walk makes a blob, packs
+    under one of them); None when a fixstr can (threshold below 32: no scan tells).
+    No threshold: no string is ever a blob."""
+    if threshold is None:
+        return b""
+    if threshold > 0xFFFF:
+        return b"\xdb"  # str32
+    if threshold > 0xFF:
+        return b"\xda\xdb"  # str16, str32
+    if threshold > 31:
+        return b"\xd9\xda\xdb"  # str8 too
+    return None
+
+
+def _walk_free(plain: bytes, long_types: bytes | None) -> bool:
+    """Whether a plain packing of any length is what the validating walk would build (as
+    `_json_only` tells of a short one): no byte that begins a long string's type
+    (`long_types`, see `_long_string_types`: so no string the walk makes a blob), no ext or
+    bin type, and fewer container type bytes than MAX_DEPTH (so no nesting that deep). Each
+    is a byte scan at C speed; a byte that only looks like one (a length, a letter) sends
+    the value to the walk, which decides."""
+    if long_types is None:
+        return False
+    for byte in long_types:  # mostly found at once where a long string is (memchr)
+        if byte in plain:
+            return False
+    size = len(plain)
+    if len(plain.translate(None, _NOT_JSON)) != size:
+        return False
+    return size - len(plain.translate(None, _CONTAINER_BYTES)) < MAX_DEPTH
+
+
+def _built_as_is(plain: bytes, limit: int, long_types: bytes | None) -> bool:
+    """Whether the validating walk would build exactly `plain`, so it is skipped: a short
+    packing (below `limit`) by `_json_only`, a longer one by `_walk_free`."""
+    return _json_only(plain) if len(plain) < limit else _walk_free(plain, long_types)
+
+
+def _all_json(plains: Sequence[bytes | None], limit: int) -> bool:
+    """Whether every plain packing is shorter than `limit` and holds no ext and no bin type
+    (`_json_only` of each, in one pass: a few C calls for all)."""
+    if not plains:
+        return True
+    if None in plains or max(map(len, plains)) >= limit:  # type: ignore[arg-type]
+        return False
+    header = array_header(len(plains))
+    # each packing is one whole item: as an array they unpack item by item
+    data = b"".join((header, *plains))  # type: ignore[arg-type]
+    start = len(header)
+    if len(data) - start >= _SCAN_FROM and len(data.translate(None, _NOT_JSON)) == len(data):
+        return True  # none of them, header included (a C scan)
+    try:
+        _refusing_unpack(data)
+    except Exception:
+        return False
+    # (`_no_empty_bin` of the packings, after the header)
+    return data.find(_BIN8, start) < 0 or data.find(_EMPTY_BIN, start) < 0
+
+
+_NOT_FAST = object()  # _prepare_raw: decode the whole text instead
+
+#: A latest turn whose request `_continuation` leaves to the usual path: its prefix or its
+#: response needs more than bytes compared, or it has no messages
+_NOT_CONTINUED: Final = (
+    TurnFlag.NO_MESSAGES
+    | TurnFlag.PREFIX_SPECIAL
+    | TurnFlag.RESPONSE_REFS
+    | TurnFlag.RESPONSE_SPECIAL
+    | TurnFlag.MESSAGES_TUPLE
+)
+
+#: The longest chain of bases walked to find the long strings of a request (`_chain_holes`).
+_MAX_CHAIN = 4096
+#: A reused packer grows its buffer to its largest packing and keeps it: past this size it is
+#: replaced, so that a query over a long request leaves no copy-sized buffer behind
+_KEPT_PACKER_BUFFER = 64 * 1024
+
+
+def _has_ext(packed: bytes) -> bool:
+    """Whether a stored packing may hold an ext type (a blob reference): a quick filter."""
+    return len(packed.translate(None, _NOT_JSON)) != len(packed)
+
+
+#: Raw texts of shared values remembered per graph (the least recently used is dropped first).
+MAX_RAW_SHARED = 16
+#: Longer raw texts are never remembered: a graph keeps each long string once, and a kept
+#: text would be a second copy of what it stands for; decoding such a text again is cheap
+#: next to its size.
+MAX_RAW_SHARED_TEXT = 16 * 1024
+
+
+class Scratch:
+    """What add_turn works out before committing a turn; dropped afterwards."""
+
+    __slots__ = (
+        "full_data",
+        "long_refs",
+        "message_parent",
+        "moves",
+        "n_rest",
+        "pending",
+        "prompt_key",
+        "raw_seen",
+        "raw_text",
+        "raw_tip",
+        "request",
+        "request_digest",
+        "request_sum",
+        "root_keys",
+        "tail_parts",
+        "token_key",
+        "token_parent",
+        "twins",
+    )
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[bytes, bytes]] = []
+        # raw texts of shared values the graph holds, remembered at commit (`remember_raw`):
+        # remembered earlier, one could push out a text this very turn was taken by
+        self.raw_seen: list[tuple[bytes | str, Any, int | None]] = []
+        self.token_parent: Turn | None = None
+        self.full_data: bytes | None = None  # prompt + sampled as array('I') bytes
+        self.token_key: int | None = None  # block digest of prompt+sampled at its last block
+        self.prompt_key: int | None = None
+        self.message_parent: Turn | None = None
+        self.request_digest: int | None = None  # the request's index key
+        self.request_sum: bytes | None = None  # its digest, when known without `request`
+        # the stored request, built into the turn once with its response (see `build`)
+        self.tail_parts: Sequence[bytes] = (b"",)
+        self.n_rest = 0
+        # keys of this request's shorter prefixes, under which it waits as a message root
+        # for an earlier turn that arrives late
+        self.root_keys: list[int] | None = None
+        self.request: FreshRequest | None = None  # its non-system messages, if any
+        self.raw_tip: tuple[RawTip, RawTip | None] | None = None  # filed at commit
+        # a raw text decoded whole: its tip is made once its long strings are known
+        self.raw_text: tuple[bytes, int, Any, bytes | None, int] | None = None
+        self.long_refs = False  # its tail holds a blob string of HOLE_MIN or more
+        self.twins: list[Turn] = []  # stored turns with exactly this request, and children
+        self.moves: list[tuple[Turn, LinkKind]] = []  # earlier turns it adopts
+
+    def keys(self) -> IndexKeys:
+        keys = (self.request_digest, self.token_key, self.prompt_key, self.root_keys)
+        return _new_tuple(IndexKeys, keys)  # IndexKeys(*keys) without its Python-level __new__
+
+
+class FreshRequest:
+    """The non-system messages of a request being added, and which stored requests it
+    was found to extend (each checked once, however many questions ask).
+
+    Packed at once by a `Probe` when every message packs plainly: stored requests are then
+    found by the digest of the whole prefix they would be, and confirmed by it. Otherwise
+    each message gets its own plain packing (None for an invalid one) and stored requests are
+    confirmed by comparing bytes with their tails.
+    """
+
+    __slots__ = (
+        "_confirmed",
+        "_full_key",
+        "_keys",
+        "_plains",
+        "_prefixes",
+        "_probe",
+        "_store",
+        "messages",
+        "n_valid",
+        "next_tip",
+        "unique",
+    )
+
+    def __init__(self, store: RequestStore, messages: Messages, probe: Probe | None) -> None:
+        self._store = store
+        self.messages = messages
+        self._probe = probe
+        self._confirmed: dict[int, bool] = {}
+        self._prefixes: dict[int, list[Turn] | tuple[Turn, ...]] = {}
+        self._plains: list[bytes | None] | None = None
+        self._keys: list[int] | None = None
+        self._full_key: int | None = None  # `key(n_valid)`, once asked
+        self.next_tip: Tip | None = None  # what its turn leaves for the next (see `build`)
+        self.unique = False  # known to be filed under no stored request's key: no twins
+        if probe is not None:
+            self.n_valid = len(messages)
+        else:
+            plains = self._plains = [store.plain(m) for m in messages]
+            # the messages before the first without a plain packing (only those can match)
+            self.n_valid = plains.index(None) if None in plains else len(plains)
+            self._keys = prefix_keys(plains[: self.n_valid])  # type: ignore[arg-type]
+
+    def plain(self, i: int) -> bytes | None:
+        """The plain packing of message `i` (None when it has none)."""
+        if self._probe is not None:
+            return self._probe.plain(i)
+        return self._plains[i]  # type: ignore[index]
+
+    def plain_slice(self, start: int, stop: int) -> list[bytes | None]:
+        """The plain packings of messages `start` to `stop` (None for one that has none)."""
+        probe = self._probe
+        if probe is not None:
+            if start < probe.low:
+                probe.extend()
+            return probe.plains[start:stop]
+        return self._plains[start:stop]  # type: ignore[index]
+
+    def plains(self) -> list[bytes | None]:
+        if self._probe is not None:
+            return self._probe.all_plains()  # type: ignore[return-value]
+        return self._plains  # type: ignore[return-value]
+
+    def key(self, n: int) -> int:
+        """The index key of the first `n` messages (n <= n_valid)."""
+        if n == self.n_valid:  # asked by prepare, twins and linking: worked out once
+            key = self._full_key
+            if key is None:
+                key = self._full_key = self._key(n)
+            return key
+        return self._key(n)
+
+    def _key(self, n: int) -> int:
+        if self._probe is not None:
+            return self._probe.key(n)
+        return self._keys[n]  # type: ignore[index]
+
+    def confirmed(self, stored: Turn) -> None:
+        """Note that this request is known to extend `stored` (see `extends`)."""
+        self._confirmed[stored.index] = True
+
+    def extends(self, stored: Turn) -> bool:
+        """Whether this request starts with exactly the non-system request of `stored`."""
+        confirmed = self._confirmed
+        ok = confirmed.get(stored.index)
+        if ok is not None:
+            return ok
+        n = stored.n_rest
+        probe = self._probe
+        digest = stored.digest
+        by_digest = digest is not None and (probe is not None or n <= self.n_valid)
+        if n > self.n_valid:
+            ok = False
+        elif probe is not None and digest is not None:
+            ok = digest == probe.digest(n)
+        elif digest is not None:  # the first n messages have their plain packings
+            ok = digest == prefix_digest(b"".join(self._plains[:n]))  # type: ignore[arg-type, index]
+        else:  # compare bytes with the stored tails (a turn read from a file, once)
+            ok = self._store.matches(stored, self.plains(), self.messages)
+            if ok and probe is not None:
+                stored.digest = probe.digest(n)
+        if ok and (probe is not None or by_digest) and stored.flags & PREFIX_SPECIAL:
+            # a digest match of tuples, big ints or lone surrogates: the fresh messages must
+            # be those values, not msgpack.ExtType objects packing alike
+            valid = self._store.valid
+            ok = all(valid(self.messages[i], self.plain(i)) for i in range(n))
+        confirmed[stored.index] = ok
+        return ok
+
+    def twins(self) -> list[Turn]:
+        """Stored turns with exactly this request that have children (confirmed)."""
+        if self.unique or self.n_valid != len(self.messages):
+            return []
+        n = self.n_valid
+        return [c for c in self._store.twins(self.key(n), n) if self.extends(c)]
+
+    def boundaries(self, high: int) -> Iterable[int]:
+        """Message counts from `high` down to 0 where a stored request may end (every count
+        but those of the probe's window that no filed request has: see `Probe`)."""
+        probe = self._probe
+        if probe is None or high < probe.low:
+            return range(high, -1, -1)
+        digests, low = probe.digests, probe.low
+        known = [n for n in range(high, low - 1, -1) if digests[n] is not None]
+        return chain(known, range(low - 1, -1, -1)) if low else known
+
+    def stored_prefixes(self, n: int) -> list[Turn] | tuple[Turn, ...]:
+        """Stored turns whose non-system request is as long as the first `n` messages and
+        filed under their key (not yet confirmed: see `extends`)."""
+        found = self._prefixes.get(n)
+        if found is None:
+            probe = self._probe
+            if probe is not None and n >= probe.low:  # `key`, inline (the common case)
+                digest = probe.digests[n]
+                if digest is None:  # no stored request has n messages
+                    self._prefixes[n] = ()
+                    return ()
+                key = digest_key(digest)
+            else:
+                key = self.key(n)
+            hit = self._store.request_index.get(key)
+            found = () if hit is None else hit if type(hit) is _Bucket else (hit,)
+            self._prefixes[n] = found
+        return found
+
+    def root_keys(self) -> list[int]:
+        """Keys of every shorter prefix, the empty one too (a root waits under them)."""
+        if self._probe is not None:
+            return self._probe.keys()[:-1]
+        return self._keys[:-1]  # type: ignore[index]
+
+    def digest(self) -> bytes | None:
+        """The digest of the whole request, when every message has a plain packing."""
+        if self._probe is not None:
+            return self._probe.digest(self._probe.n)
+        if self.n_valid != len(self.messages):
+            return None
+        return prefix_digest(b"".join(self._plains))  # type: ignore[arg-type]
+
+
+class _Bucket(list[Turn]):
+    """Turns filed under one request key (identical requests, barring a collision), and
+    those of them that have had children, so twins are found without a scan."""
+
+    __slots__ = ("parents",)
+
+    def __init__(self, turns: tuple[Turn, ...]) -> None:
+        super().__init__(turns)
+        self.parents: list[Turn] = []
+
+
+class RequestStore:
+    """The request messages, responses and shared values of a graph's turns.
+
+    Owns the packers, the shared-value table and the index of stored requests; rebuilds
+    what it stores. Not thread-safe: the graph uses it under its lock.
+    """
+
+    __slots__ = (
+        "_canonical",
+        "_encoder",
+        "_lengths",
+        "_long_types",
+        "_longest",
+        "_pack_plain",
+        "_plain_limit",
+        "_window",
+        "blobs",
+        "buckets",
+        "raw_shared",
+        "raw_tips",
+        "request_index",
+        "tips",
+        "values",
+    )
+
+    def __init__(self, blobs: BlobTable, share_threshold: int | None) -> None:
+        self.blobs = blobs
+        # a reusable packer (packb builds one per call), made at first use (`_packer`) and
+        # let go after each turn by `reset_packer`: a graph keeps no packer or buffer between
+        # turns (a large message's buffer, or a few hundred bytes a session)
+        self._pack_plain: Callable[[Any], bytes] | None = None
+        self._encoder = Encoder(blobs, share_threshold)
+        self._canonical = Encoder(None, None)  # plain packing by the validating walk
+        # over an out-of-process store: values holding blob references are matched by the
+        # SHA-256 of their plain packings, never by fetching (requests by their digests)
+        self.values = ValueTable(self.expand, share_threshold, hashed=blobs.fetches)
+        self.request_index: dict[int, Any] = {}  # digest of non-system request -> turn(s)
+        self.buckets = 0  # keys of the request index that hold several turns (a `_Bucket`)
+        # plain packings shorter than this can hold no blob and no nesting beyond MAX_DEPTH
+        self._plain_limit = min(share_threshold or MAX_DEPTH, MAX_DEPTH)
+        # longer ones, where they hold no long string's type byte (see `_walk_free`)
+        self._long_types = _long_string_types(share_threshold)
+        self.raw_tips = RawTips()  # the latest raw turns, for raw continuations
+        # the latest decoded turns whose requests hold blobs: their strings are compared, not
+        # hashed again (not over an out-of-process store: its strings are fetched)
+        self.tips: Tips | None = None if blobs.fetches else Tips()
+        self._window = WINDOW  # trailing boundaries a request is probed at first
+        # bit n set: some filed request has n messages (a request can only extend one whose
+        # count is among these: the boundaries worth a digest); a bit per count, not per turn
+        self._lengths = bytearray()
+        self._longest = -1  # the highest count marked there (none: -1)
+        # raw texts of shared values (tools, sampling parameters) the graph holds, and their
+        # stored form and item count: a capture server re-sends the same tools text each
+        # call, taken then without decoding or packing it (`shared_value`)
+        self.raw_shared: dict[bytes | str, tuple[Any, int | None]] = {}
+
+    def reset_packer(self) -> None:
+        """Let the packers go (a turn is done): the next use makes new ones."""
+        self._pack_plain = None
+        self._encoder.release()
+        self._canonical.release()
+
+    def _packer(self) -> Callable[[Any], bytes]:
+        """The plain packer, made at first use since the last `reset_packer`."""
+        pack = self._pack_plain
+        if pack is None:
+            pack = self._pack_plain = new_packer()
+        return pack
+
+    def drop_caches(self) -> None:
+        """Let go of the tips, decoded and raw (a BLAKE3 state of about 2 KB each), and of
+        the raw texts of shared values remembered (`raw_shared`): they only spare the next
+        turn hashing again what it re-sends, or decoding a tool list again."""
+        self.raw_tips = RawTips()
+        if self.tips is not None:
+            self.tips = Tips()
+        self.raw_shared = {}
+
+    # ------------------------------------------------------------------ intake
+
+    def encode(self, value: Any, path: str) -> tuple[bytes, bool]:
+        """The stored packing of a fresh value and whether it holds forgeable ext types."""
+        return self._encoder.encode(value, path)
+
+    def stored_form(self, value: Any, plain: bytes | None, path: str) -> tuple[bytes, bool]:
+        """`encode(value, path)`, taking the plain packing as it is where it must be equal.
+
+        A plain packing that is short (no string long enough to be a blob, no nesting as deep
+        as MAX_DEPTH) and holds no ext or bin type (no tuple, big int, bytes or caller's
+        `msgpack.ExtType`) is what the validating walk would build: the walk is skipped.
+        """
+        if plain is not None and _built_as_is(plain, self._plain_limit, self._long_types):
+            return plain, False
+        return self._encoder.encode(value, path)
+
+    def encode_response(self, value: Any, turn: Turn) -> bytes | None:
+        if value is None:
+            return None
+        try:
+            plain: bytes | None = self._packer()(value)
+        except Exception:  # the validating walk says what is wrong
+            plain = None
+        packed, special = self.stored_form(value, plain, "response_message")
+        if packed is plain:
+            return packed
+        if self._encoder.last_refs:  # else the packing is the plain one, nothing to expand
+            turn.flags |= RESPONSE_REFS
+        if special:
+            turn.flags |= RESPONSE_SPECIAL
+        return packed
+
+    def _shared(
+        self,
+        items: Messages,
+        path: str,
+        plains: list[bytes | None],
+        pending: list[tuple[bytes, bytes]],
+        as_array: bool,
+    ) -> bytes:
+        """Items packed (as one array, or the single item), stored once per graph.
+
+        Found again by the plain packing. Values holding tuples, big ints or lone surrogates
+        are never shared this way, so a hit can never be imitated by a caller's own
+        `msgpack.ExtType` objects.
+        """
+        header = array_header(len(items)) if as_array else b""
+        plain = None if None in plains else header + b"".join(plains)  # type: ignore[arg-type]
+        if plain is not None:
+            found = self.values.find(plain)
+            if found is None:
+                found = next((stored for p, stored in pending if p == plain), None)
+            if found is not None:
+                return found
+        # (`stored_form`: a short plain packing of JSON values is what the walk would build)
+        if as_array:
+            form = self.stored_form
+            packed = [form(item, plains[i], f"{path}[{i}]") for i, item in enumerate(items)]
+        else:
+            packed = [self.stored_form(items[0], plains[0], path)]
+        stored = header + b"".join(b for b, _ in packed)
+        if plain is not None and not any(special for _, special in packed):
+            if stored == plain:  # no blob references: other graphs may share it
+                stored = self.blobs.share_packed(stored)
+            pending.append((plain, stored))
+        return stored
+
+    def shared_value(
+        self,
+        value: Any,
+        path: str,
+        pending: list[tuple[bytes, bytes]],
+        given: Any = None,
+        seen: list[tuple[bytes | str, Any, int | None]] | None = None,
+    ) -> Any:
+        """The stored form of a shared value (found, or stored once at commit). `given` is
+        the field as the caller gave it: when `RawJSON` and the graph holds its value, its
+        text is added to `seen` (remembered at commit: `remember_raw`), and a text
+        remembered so (`raw_shared`) stands for its value."""
+        if value is None:
+            return None
+        if type(value) is RawJSON:  # a text remembered so (see `raw_shared`)
+            stored, n_items = self.raw_shared[value.data]
+            if seen is not None:  # used again: remembered anew at commit, so kept longest
+                seen.append((value.data, stored, n_items))
+            return stored
+        plain = self.plain(value)
+        if plain is not None:  # the common case first: a value the graph holds already
+            found = self.values.find(plain)
+            if found is not None:
+                if (
+                    type(given) is RawJSON
+                    and seen is not None
+                    and len(given.data) <= MAX_RAW_SHARED_TEXT
+                ):
+                    seen.append((given.data, found, len(value) if type(value) is list else None))
+                return found
+        return self._shared([value], path, [plain], pending, as_array=False)
+
+    def remember_raw(self, seen: list[tuple[bytes | str, Any, int | None]]) -> None:
+        """Remember each JSON text of `seen` as the stored shared value it decoded to (one
+        committed before, so byte for byte the same text decodes to it again), with its item
+        count; a text used again moves to the end, and the least recently used texts are
+        dropped past MAX_RAW_SHARED."""
+        known, share = self.raw_shared, self.blobs.share_text
+        for text, stored, n_items in seen:
+            known.pop(text, None)
+            # graphs over one memory store keep one object of a text they all remember
+            known[share(text) if type(text) is bytes else text] = (stored, n_items)
+        while len(known) > MAX_RAW_SHARED:
+            del known[next(iter(known))]
+
+    def add_values(self, pending: list[tuple[bytes, bytes]] | tuple[()]) -> None:
+        """Remember the shared values a committed turn stored first."""
+        for plain, stored in pending:
+            self.values.add(plain, stored)
+
+    def prepare(self, turn: Turn, node: TurnNode, scratch: Scratch) -> bytes | None:
+        """Store the request as system part + base turn + tail; return the system plain.
+
+        Sets `scratch.request` (the fresh request, for linking) and `scratch.request_digest`.
+        One path stores every decoded request; only where its base comes from differs (the
+        latest turn, found by `_continuation`, or a search of the stored requests by the
+        probe's digests, `_base`). A raw text that continues a raw tip is taken before any
+        decoding (`_prepare_raw`).
+        """
+        messages = node.request_messages
+        raw: bytes | None = None
+        if type(messages) is not list:  # (a list is the common case)
+            if type(messages) is RawJSON:
+                data = messages.data
+                if type(data) is bytes and turn.prompt is None and node.parent_id is None:
+                    done = self._prepare_raw(turn, scratch, data)
+                    if done is not _NOT_FAST:
+                        return done  # type: ignore[return-value]
+                    raw = data
+                messages = decode_raw(messages, "request_messages")
+            if messages is None:
+                turn.system, turn.base = None, None  # the tail b"" and no messages: Scratch
+                turn.flags |= NO_MESSAGES
+                return None
+            if not isinstance(messages, list | tuple):
+                raise InvalidValueError(
+                    f"expected a list of messages, got {type(messages).__name__}",
+                    "request_messages",
+                )
+            if isinstance(messages, tuple):
+                turn.flags |= MESSAGES_TUPLE
+        if not messages and turn.prompt is not None:
+            # a token turn without messages (the default []): linked by its tokens, and no
+            # base of anything, so it stays out of the request index (which would otherwise
+            # hold every such turn under one key)
+            turn.system, turn.base = None, None
+            scratch.tail_parts = (array_header(0),)
+            finish_tail(turn)
+            return None
+        n_sys = leading_system_count(messages)
+        rest = messages[n_sys:]
+        pack = self._packer()
+        probe: Probe | None
+        tips = self.tips
+        # where the request's base is found: mostly the turn just before, re-sent with its
+        # response and a few new messages (its base then, confirmed already); else among
+        # the stored requests, by the probe's digests (see `_base`)
+        continued = self._continuation(rest, pack) if not tips and type(rest) is list else None
+        try:
+            if continued is not None:
+                probe = continued[0]
+            elif tips and type(rest) is list:
+                probe = Probe.continuing(tips, rest, pack, self._window, self._lengths)
+            else:
+                # nothing filed yet (a graph's first turn): every boundary's digest in one
+                # pass, as this turn will be a root whose keys need them (see `Probe.extend`)
+                lengths = self._lengths if self._longest >= 0 else None
+                probe = Probe(rest, pack, self._window, lengths)
+        except Exception:  # some message needs the validating walk, or is RawJSON
+            probe = None
+            if any(type(m) is RawJSON for m in messages):
+                messages = resolve_raw(messages, "request_messages")
+                n_sys = leading_system_count(messages)
+                rest = messages[n_sys:]
+                try:
+                    probe = Probe(rest, pack, self._window, self._lengths)
+                except Exception:
+                    probe = None
+        try:
+            plains: list[bytes | None] = [pack(m) for m in messages[:n_sys]]
+        except Exception:  # some message needs the slow path: find which
+            plains = [self.plain(m) for m in messages[:n_sys]]
+
+        # system part: shared whole through the value table
+        system_plain = None
+        turn.system = None
+        if n_sys:
+            turn.system = self._shared(
+                messages[:n_sys], "request_messages", plains, scratch.pending, True
+            )
+            if None not in plains:
+                system_plain = b"".join(plains)  # type: ignore[arg-type]  # (one: itself)
+
+        request = FreshRequest(self, rest, probe)
+        scratch.request = request
+        base: Turn | None
+        if continued is not None:  # what `_continuation` answered is not asked again
+            probe, base = continued
+            digest: bytes = probe.digests[probe.n]  # type: ignore[assignment]
+            scratch.request_sum = digest  # (what `build` would ask the request for)
+            scratch.request_digest = request._full_key = digest_key(digest)  # `key(n)`
+            request.confirmed(base)
+            request.unique = True  # (no stored request has its key: no twins)
+            self._adapt_window(probe.n - probe.low)  # (its base's message count: low)
+            self._store_tail(turn, request, base, n_sys, scratch, probe.low)
+        else:
+            if request.n_valid == len(request.messages):
+                scratch.request_digest = request.key(request.n_valid)
+            if self.request_index:
+                base = self._base(request)
+            else:  # nothing filed (a graph's first request): no base and no twins
+                base = None
+                request.unique = True
+            if base is not None and probe is not None:
+                self._adapt_window(len(rest) - base.n_rest)
+            self._store_tail(turn, request, base, n_sys, scratch)
+        if raw is not None and probe is not None and rest and isinstance(messages, list):
+            end = raw_end(raw)
+            if end is not None:  # later raw turns of this conversation start here (`build`)
+                scratch.raw_text = (raw, end, probe.hasher, system_plain, n_sys)
+        return system_plain
+
+    def _adapt_window(self, lag: int) -> None:
+        """After a request whose base lay `lag` messages back: the next request is probed at
+        as many boundaries as bases lately lay back (and at every boundary when its base
+        lies further back: see `Probe`)."""
+        self._window = min(WINDOW, max(lag + 2, self._window - 1))
+
+    def _prepare_raw(self, turn: Turn, scratch: Scratch, data: bytes) -> bytes | object | None:
+        """Store a raw messages text that continues a raw tip, decoding only what is new.
+
+        The re-sent part is confirmed by the BLAKE3 digest of its bytes; the new messages
+        are split out with msgspec and decoded as json.loads would. Returns the system plain,
+        or `_NOT_FAST` when the text must be decoded whole (no tip it continues, no exact
+        echo of the tip's response right after it, or anything unusual)."""
+        found = self.raw_tips.find(data)
+        if found is None:
+            return _NOT_FAST
+        tip, hasher = found
+        base = tip.turn
+        end = raw_end(data)
+        if end is None or end <= tip.end or not base.n_rest or base.flags & MESSAGES_TUPLE:
+            return _NOT_FAST
+        tail_text = data[tip.end : end].lstrip(b" \t\r\n")
+        # the new messages decoded in one call, exactly as json.loads would where msgspec
+        # accepts the text (else the whole text's decode says what is wrong, and where)
+        try:
+            fresh = decode_array(b"[" + tail_text[1:] + b"]")
+            pack = self._packer()
+            plains = [pack(message) for message in fresh]
+        except Exception:
+            return _NOT_FAST
+        if not fresh:
+            return _NOT_FAST
+        if not self.is_echo(base, fresh[0], plains[0]):
+            return _NOT_FAST
+        # the base must be the longest stored request this one extends, and the only one
+        # with its request (else the decoded path's choices apply): no stored request at any
+        # boundary after it, and no twin of it
+        index = self.request_index
+        if base.rkey is None or type(index.get(base.rkey)) is _Bucket:
+            return _NOT_FAST
+        state = tip.plain_state.copy()
+        # digests only where a stored request may end (a message count some filed request
+        # has: see `mark_length`) and at the end, one update each
+        start = base.n_rest
+        n = start + len(plains)
+        done = 0
+        join = b"".join
+        for j in marked_between(self._lengths, start, n):  # boundary start + j
+            state.update(join(plains[done:j]))
+            done = j
+            if digest_key(state.digest()) in index:
+                return _NOT_FAST
+        state.update(join(plains[done:]))
+        digest = state.digest()  # the request's
+        if digest_key(digest) in index:
+            return _NOT_FAST
+        first = tip.n_sys + base.n_rest
+        turn.flags |= TAIL_ECHO
+        limit = self._plain_limit
+        # packings holding long blob strings (in-process blobs only: over a store they would
+        # be fetched)
+        long: list[bytes] | None = [] if self.tips is not None else None
+        if long is not None and base.flags & RESPONSE_REFS and base.response:
+            long.append(base.response)
+        if _all_json(plains[1:], limit):
+            # the common case: each short enough for no blob and no nesting beyond
+            # MAX_DEPTH, no ext type (a big int): the walk would agree
+            pieces = [ECHO_PACKED, *plains[1:]]
+        else:
+            pieces = [ECHO_PACKED]
+            encoder, long_types = self._encoder, self._long_types
+            for i in range(1, len(fresh)):
+                plain = plains[i]
+                if _built_as_is(plain, limit, long_types):
+                    pieces.append(plain)
+                    continue
+                packed, special = encoder.encode(fresh[i], f"request_messages[{first + i}]")
+                if packed != plain:
+                    turn.flags |= TAIL_REFS
+                    if long is not None and encoder.last_longest >= HOLE_MIN:
+                        long.append(packed)
+                if special:
+                    turn.flags |= TAIL_SPECIAL
+                pieces.append(packed)
+        turn.system = base.system
+        turn.base = base
+        scratch.tail_parts = (array_header(len(pieces)), *pieces)
+        scratch.n_rest = n
+        finish_tail(turn)
+        scratch.request_sum = digest
+        scratch.request_digest = digest_key(digest)
+        scratch.message_parent = base
+        blobs = [blob for packed in long or () for _, blob in holes_of(packed, self.blobs.string)]
+        holes = text_holes(data, tip.end, end, blobs) if blobs else []
+        hollow = hollow_text(data, tip.end, end, holes, hasher)
+        if hollow is None:  # (never: the holes were found there) hashed whole then
+            holes = []
+            hasher.update(memoryview(data)[tip.end : end])
+        new_tip = RawTip(turn, data, end, hasher.digest(), state, tip.system_plain, tip.n_sys)
+        new_tip.holes = tip.holes + holes if holes else tip.holes
+        scratch.raw_tip = (new_tip, tip)
+        return tip.system_plain
+
+    def _continuation(
+        self, rest: list[Any], pack: Callable[[Any], bytes]
+    ) -> tuple[Probe, Turn] | None:
+        """A probe of `rest` and its base when `rest` re-sends the request of the latest turn
+        filed under a new key, then its response exactly, then new messages, and no longer
+        stored request (no twin either) is among its prefixes: what `Probe` and `_base` would
+        find, for less. None when any of that is not so (or something needs the validating
+        walk). Most turns continue the turn just before them: the index's last entry (a dict
+        keeps insertion order), so no reference of its own is kept."""
+        index = self.request_index
+        last = next(reversed(index.values()), None)
+        # not a bucket of twins (`_base` picks among them), nor a turn whose record may be
+        # kept in a store (`is_echo` asks that one); a bare turn is the only one under its
+        # key (every filing goes through `file`, which keeps a turn's `rkey` its key)
+        if last is None or last.__class__ is not Turn or last.flags & _NOT_CONTINUED:
+            return None
+        base: Turn = last
+        b, n = base.n_rest, len(rest)
+        if not b < n or not base.flags & HAS_RESPONSE:
+            return None
+        try:
+            echo = pack(rest[b])
+            if echo != base.response:  # the cheap test first: mostly another conversation
+                return None
+            if len(echo) * b >= CHUNK_HIGH:  # a long request: `Probe` packs it in chunks
+                return None
+            plains = [echo]
+            plains += [pack(message) for message in rest[b + 1 :]]
+            # the prefix in chunks (one packing of a long prefix costs more in page faults
+            # and buffer growth than the packing itself)
+            size = sum(map(len, plains))
+            hasher, hashed = packed_hasher(rest, b, pack, size // len(plains) + 1)
+        except Exception:  # something to walk: the usual path says what
+            return None
+        # counts between b and n that some filed request has (mostly none: in one
+        # conversation the longest filed request is the base)
+        marks = marked_between(self._lengths, b, n) if self._longest > b else []
+        probe = Probe.at_base(rest, pack, hasher, plains, b, marks, size + hashed)
+        digests = probe.digests
+        if digests[b] != base.digest:
+            return None
+        # no longer stored request may be one this one extends, and no twin of it
+        if digest_key(digests[n]) in index:  # type: ignore[arg-type]
+            return None
+        for j in marks:
+            if digest_key(digests[b + j]) in index:  # type: ignore[arg-type]
+                return None
+        return probe, base
+
+    def _base(self, request: FreshRequest) -> Turn | None:
+        """The longest stored request that `request` extends (its storage base)."""
+        probe = request._probe
+        high = request.n_valid
+        if probe is not None and high >= probe.low:
+            # the common case inline: the probe's window, where its digests say a stored
+            # request may end (`boundaries` and `stored_prefixes` without their calls)
+            digests, index = probe.digests, self.request_index
+            for n in range(high, probe.low - 1, -1):
+                digest = digests[n]
+                if digest is None or index.get(digest_key(digest)) is None:
+                    continue
+                for candidate in request.stored_prefixes(n):
+                    if request.extends(candidate):
+                        return candidate
+            high = probe.low - 1
+        for n in request.boundaries(high):
+            for candidate in request.stored_prefixes(n):
+                if request.extends(candidate):
+                    return candidate
+        return None
+
+    def _store_tail(
+        self,
+        turn: Turn,
+        request: FreshRequest,
+        base: Turn | None,
+        n_sys: int,
+        scratch: Scratch,
+        echoed: int | None = None,
+    ) -> None:
+        """Pack the messages after the base's (the echo of its response as a placeholder;
+        `echoed`: the base's message count, given when the message after them is known to
+        be that echo)."""
+        rest = request.messages
+        n = len(rest)
+        start = echoed if echoed is not None else base.n_rest if base is not None else 0
+        first = start  # the first message packed (after the echo)
+        pieces: list[bytes] = [b""]  # the array header, set below
+        if echoed is not None or (
+            base is not None and start < n and self.is_echo(base, rest[start], request.plain(start))
+        ):
+            pieces.append(ECHO_PACKED)
+            turn.flags |= TAIL_ECHO
+            first += 1
+        plains = request.plain_slice(first, n)
+        limit = self._plain_limit
+        if _all_json(plains, limit):  # the common case: every packing as `stored_form` keeps it
+            pieces += plains  # type: ignore[arg-type]
+        else:
+            for i, p in enumerate(plains, first):
+                if p is not None and _built_as_is(p, limit, self._long_types):  # `stored_form`
+                    pieces.append(p)
+                    continue
+                encoder = self._encoder
+                packed, special = encoder.encode(rest[i], f"request_messages[{n_sys + i}]")
+                if packed != p:
+                    turn.flags |= TAIL_REFS
+                    if encoder.last_longest >= HOLE_MIN:
+                        scratch.long_refs = True
+                if special:
+                    turn.flags |= TAIL_SPECIAL
+                pieces.append(packed)
+        pieces[0] = array_header(len(pieces) - 1)
+        turn.base = base
+        scratch.tail_parts, scratch.n_rest = pieces, n
+        finish_tail(turn)
+
+    def build(self, turn: Turn, scratch: Scratch, response: bytes | None) -> None:
+        """Build the turn's stored request and response at once (one copy), with the digest
+        and key it will be filed under at commit (`file` then finds them there)."""
+        key = scratch.request_digest
+        digest = None
+        if key is not None and not turn.flags & NO_MESSAGES:
+            digest = scratch.request_sum
+            if digest is None and scratch.request is not None:
+                digest = scratch.request.digest()
+        else:
+            key = None
+        turn.build(scratch.tail_parts, scratch.n_rest, response, digest, key)
+        request = scratch.request
+        tips, flags, base = self.tips, turn.flags, turn.base
+        if (
+            digest is not None
+            and request is not None
+            and tips is not None
+            # `_next_tip` leaves none without a tip before or a long string new (inline)
+            and (
+                flags & TAIL_REFS
+                or (flags & TAIL_ECHO and base is not None and base.flags & RESPONSE_REFS)
+                or tips
+            )
+        ):
+            try:
+                request.next_tip = self._next_tip(turn, request, scratch)
+            except Exception:  # whatever it is, the next turn is confirmed as usual
+                request.next_tip = None
+        if scratch.raw_text is not None:
+            raw, end, plain_state, system_plain, n_sys = scratch.raw_text
+            tip = request.next_tip if request is not None else None
+            blobs = [blob for _, holes in tip.holes for _, blob in holes] if tip else []
+            text = text_holes(raw, 0, end, blobs) if blobs else []
+            hollow = hollow_text(raw, 0, end, text)
+            if hollow is not None:  # (it always is: the holes were found there)
+                raw_tip = RawTip(turn, raw, end, hollow.digest(), plain_state, system_plain, n_sys)
+                raw_tip.holes = text
+                scratch.raw_tip = (raw_tip, None)
+
+    def _next_tip(self, turn: Turn, request: FreshRequest, scratch: Scratch) -> Tip | None:
+        """The tip this turn leaves for its conversation, when its request holds long blob
+        strings: its base's tip extended by its new messages, or one worked out whole."""
+        probe = request._probe
+        tips = self.tips
+        flags = turn.flags
+        if probe is None or tips is None or flags & PREFIX_SPECIAL:
+            return None
+        base = turn.base
+        previous = tips.of(base) if tips and base is not None else None
+        # (a tail whose blob strings are all shorter than HOLE_MIN has no holes)
+        refs = (flags & TAIL_REFS and scratch.long_refs) or (
+            flags & TAIL_ECHO and base is not None and base.flags & RESPONSE_REFS
+        )
+        if previous is None and not refs:  # the common case: no long string anywhere new
+            return None
+        if previous is None and probe.size is not None and probe.size < TIP_MIN_BYTES:
+            # a first tip needs TIP_MIN_BYTES of long strings, which are in the request's
+            # plain packings: no need to look for them (each turn of a conversation would
+            # unpack every tail of its request again)
+            return None
+        messages = request.messages
+        n = len(messages)
+        start = base.n_rest if base is not None else 0
+        if not refs:
+            parts: list[bytes] = request.plain_slice(start, n)  # type: ignore[assignment]
+            found: list[tuple[int, list[Hole]]] = []
+        else:
+            new = self._new_holes(turn, request, scratch, start)
+            if new is None:
+                return None
+            parts, found = new
+        if previous is not None:
+            holes = previous.holes
+            hollow = probe.hollow if probe.tip is previous else None
+            if hollow is None:  # its base was confirmed by the plain digest: hollow it once
+                hollow = hollow_hasher(probe.messages, start, holes, self._packer())
+                if hollow is None or hollow.digest() != previous.hollow_digest:
+                    return None
+        elif not found:
+            return None
+        else:  # the first long string of this conversation (or its tip was dropped)
+            earlier = self._chain_holes(base) if base is not None else []
+            if earlier is None:
+                return None
+            size = sum(
+                len(text) for _, found_holes in (*earlier, *found) for _, text in found_holes
+            )
+            if size < TIP_MIN_BYTES:  # hashed again at no measurable cost: no state kept
+                return None
+            holes = earlier
+            hollow = hollow_hasher(probe.messages, start, earlier, self._packer())
+            if hollow is None:
+                return None
+        hollow.update(b"".join(parts))
+        if found:
+            holes = [*holes, *found]
+        return Tip(turn, n, probe.plain(n - 1), holes, hollow, probe.hasher)
+
+    def _chain_holes(self, turn: Turn) -> list[tuple[int, list[Hole]]] | None:
+        """The holes of the request of a stored turn, from its tails and its bases' (None:
+        a chain too long to walk, or something unusual)."""
+        found: list[list[tuple[int, list[Hole]]]] = []  # each tail's, the latest first
+        node: Turn | None = turn
+        steps = 0
+        while node is not None:
+            steps += 1
+            if steps > _MAX_CHAIN or node.flags & NO_MESSAGES:
+                return None
+            base = node.base
+            echo_refs = node.flags & TAIL_ECHO and base is not None and base.flags & RESPONSE_REFS
+            if node.flags & TAIL_REFS or echo_refs:
+                items = array_items(node.tail)
+                first = node.first
+                here = []
+                for k, item in enumerate(items):
+                    stored: bytes | None = item
+                    if k == 0 and node.flags & TAIL_ECHO:
+                        stored = base.response if echo_refs else None  # type: ignore[union-attr]
+                    if stored is not None and _has_ext(stored):
+                        holes = holes_of(stored, self.blobs.string)
+                        if holes:
+                            here.append((first + k, holes))
+                found.append(here)
+            node = base
+        return [hole for here in reversed(found) for hole in here]
+
+    def _new_holes(
+        self, turn: Turn, request: FreshRequest, scratch: Scratch, start: int
+    ) -> tuple[list[bytes], list[tuple[int, list[Hole]]]] | None:
+        """The hollowed packings of a turn's new messages and the holes among them (None:
+        something does not pack plainly)."""
+        plains = request.plain_slice(start, len(request.messages))
+        pieces = scratch.tail_parts[1:]  # after the array header: one a message
+        if len(pieces) != len(plains):
+            return None
+        base = turn.base
+        parts: list[bytes] = []
+        found: list[tuple[int, list[Hole]]] = []
+        for k, (piece, plain) in enumerate(zip(pieces, plains, strict=True)):
+            if plain is None:
+                return None
+            if piece is plain or piece == plain:  # stored as packed: no blob
+                parts.append(plain)
+                continue
+            stored: bytes | None = piece
+            if k == 0 and turn.flags & TAIL_ECHO:  # the base's response
+                stored = base.response if base is not None else None
+                if stored is None or not base.flags & RESPONSE_REFS:  # type: ignore[union-attr]
+                    parts.append(plain)
+                    continue
+            holes = holes_of(stored, self.blobs.string)  # type: ignore[arg-type]
+            if not holes:  # no long blob string as a value: hashed whole, which is exact
+                parts.append(plain)
+                continue
+            hollow = hollowed(request.messages[start + k], holes)
+            if hollow is None:
+                return None
+            parts.append(self._packer()(hollow))
+            found.append((start + k, holes))
+        return parts, found
+
+    def file(self, turn: Turn, key: int | None, request: FreshRequest | None = None) -> None:
+        """File a committed turn's request under `key` (its digest), if it has messages;
+        `request` (when the turn was just added) gives the digest that confirms it."""
+        if key is None or turn.flags & NO_MESSAGES:
+            return
+        index = self.request_index
+        found = index.get(key)
+        if found is None:
+            index[key] = turn
+        elif type(found) is _Bucket:
+            found.append(turn)
+        else:  # a second turn with this very request: a bucket that tracks its parents
+            bucket = index[key] = _Bucket((found, turn))
+            self.buckets += 1
+            if found.children:
+                bucket.parents.append(found)
+        # a turn just added was built with its key (`build`); a file's reader gives its own
+        if request is None and turn.rkey != key:
+            turn.file_under(key, turn.digest)
+        if request is not None and request.next_tip is not None and self.tips is not None:
+            base = turn.base
+            self.tips.add(request.next_tip, self.tips.of(base) if base is not None else None)
+        n = turn.n_rest
+        lengths = self._lengths
+        if n >> 3 >= len(lengths) or not lengths[n >> 3] >> (n & 7) & 1:
+            mark_length(lengths, n)
+            if n > self._longest:
+                self._longest = n
+
+    def note_parent(self, turn: Turn) -> None:
+        """`turn` got its first child (a bucket of identical requests lists its parents)."""
+        key = turn.rkey
+        if key is not None:
+            found = self.request_index.get(key)
+            if type(found) is _Bucket:
+                found.parents.append(turn)
+
+    def twins(self, key: int, n_rest: int) -> tuple[Turn, ...] | list[Turn]:
+        """Stored turns filed under `key` with `n_rest` messages that have (had) children;
+        not yet confirmed."""
+        found = self.request_index.get(key)
+        if found is None:
+            return ()
+        members = found.parents if type(found) is _Bucket else (found,)
+        return [c for c in members if c.children and c.n_rest == n_rest]
+
+    # ------------------------------------------------------------------ matching
+
+    def candidates(self, key: int, n_rest: int) -> list[Turn] | tuple[Turn, ...]:
+        """Stored turns filed under request key `key` (with `n_rest` non-system messages,
+        unless keys of different prefixes collide: `FreshRequest.extends` checks)."""
+        found = self.request_index.get(key)
+        if found is None:
+            return ()
+        return found if type(found) is _Bucket else (found,)
+
+    def valid(self, value: Any, plain: bytes | None) -> bool:
+        """Whether `plain` is the packing of `value` by the validating walk."""
+        try:
+            return plain is not None and self._canonical.encode(value, "")[0] == plain
+        except InvalidValueError:
+            return False
+
+    def is_echo(self, base: Turn, message: Any, plain: bytes | None) -> bool:
+        """Whether `message` is exactly the response of `base`."""
+        if plain is None:
+            return False
+        flags = base.flags
+        by_key = echo_by_key(base, plain)  # a response kept in a store: no fetch
+        if by_key is not None:
+            return by_key and (not flags & RESPONSE_SPECIAL or self.valid(message, plain))
+        response = base.response
+        if response is None:
+            return False
+        if flags & RESPONSE_REFS:
+            response = self.expand(response)
+        if plain != response:
+            return False
+        return not flags & RESPONSE_SPECIAL or self.valid(message, plain)
+
+    def echoes(self, turn: Turn, message: Any, plain: bytes | None) -> bool:
+        """Whether `message` is the echo of the turn's response (exactly or loosely)."""
+        if not turn.flags & HAS_RESPONSE:  # (no fetch for a response in a store)
+            return False
+        if self.is_echo(turn, message, plain):
+            return True
+        response = turn.response  # (may be fetched from a store: its errors propagate)
+        try:
+            return bool(response_link_key(value(response, self.blobs)) == link_key(message))
+        except Exception:  # a malformed fresh message simply does not match
+            return False
+
+    def matches(self, turn: Turn, plains: list[bytes | None], messages: Messages) -> bool:
+        """Whether the non-system request of `turn` is exactly `messages[:turn.n_rest]`.
+
+        `plains` are the messages' plain packings; the stored tails are compared with them
+        byte for byte, after rebuilding tails that hold blob references.
+        """
+        end = turn.n_rest
+        if end > len(plains):
+            return False
+        join = b"".join
+        slow_bit, echo_bit = TAIL_SLOW, TAIL_ECHO
+        node: Turn | None = turn
+        try:
+            while node is not None:
+                start = node.first
+                if node.flags & slow_bit:
+                    if not self._tail_matches(node, plains, messages, start, end):
+                        return False
+                else:
+                    # the common case inline: a plain tail, maybe after the echo of the
+                    # base's plain response
+                    if node.flags & echo_bit:
+                        if start >= end or plains[start] != node.base.response:  # type: ignore[union-attr]
+                            return False
+                        body = join(plains[start + 1 : end])  # type: ignore[arg-type]
+                    else:
+                        body = join(plains[start:end])  # type: ignore[arg-type]
+                    tail = node.tail
+                    if len(body) + node.body_start != len(tail) or not tail.endswith(body):
+                        return False
+                end = start
+                node = node.base
+        except TypeError:  # a message with no plain packing never matches
+            return False
+        return end == 0
+
+    def _tail_matches(
+        self,
+        turn: Turn,
+        plains: list[bytes | None],
+        messages: Messages,
+        start: int,
+        end: int,
+    ) -> bool:
+        """Whether the tail of `turn` is exactly `messages[start:end]`."""
+        tail = turn.tail
+        i = start
+        echo = turn.flags & TAIL_ECHO
+        if echo:
+            base = turn.base
+            if i >= end or base is None or not self.is_echo(base, messages[i], plains[i]):
+                return False
+            i += 1
+        if turn.flags & TAIL_REFS:
+            # blob references: rebuild the values (blobs are the table's own strings, no
+            # copy) and pack them with every string inline, then compare bytes
+            try:
+                values = unpack(tail, self.blobs.string, no_echo)
+            except ValueError:  # a stored value that cannot be rebuilt never matches
+                return False
+            if echo:
+                del values[0]
+            if len(values) != end - i:
+                return False
+            plain = self.plain
+            if any(plain(value) != plains[k] for k, value in enumerate(values, i)):
+                return False
+        else:
+            try:
+                joined = b"".join(plains[i:end])  # type: ignore[arg-type]
+            except TypeError:  # a message with no plain packing
+                return False
+            overhead = len(array_header(end - start)) + (i - start) * len(ECHO_PACKED)
+            if len(joined) + overhead != len(tail) or not tail.endswith(joined):
+                return False
+        if turn.flags & TAIL_SPECIAL:
+            return all(self.valid(messages[k], plains[k]) for k in range(i, end))
+        return True
+
+    def plain(self, value: Any) -> bytes | None:
+        """The exact packing of a value with every string inline, or None if it is invalid.
+
+        msgpack packs almost every value at C speed; lone surrogates, subclasses and very deep
+        tuples take the validating walk (with no blob table) instead.
+        """
+        try:
+            packed: bytes = self._packer()(value)
+            if len(packed) > _KEPT_PACKER_BUFFER:  # a query's packer keeps no large buffer
+                self.reset_packer()
+            return packed
+        except (NotPackable, ValueError, TypeError, OverflowError, RecursionError, BufferError):
+            pass
+        try:
+            return self._canonical.encode(value, "")[0]
+        except (InvalidValueError, RecursionError):
+            return None
+
+    def expand(self, stored: bytes) -> bytes | None:
+        """The plain packing of a stored value: its blobs inline again."""
+        try:
+            return self.plain(unpack(stored, self.blobs.string))
+        except ValueError:
+            return None
+
+    def response_plain(self, turn: Turn) -> bytes | None:
+        response = turn.response
+        if response is None or not turn.flags & RESPONSE_REFS:
+            return response
+        return self.expand(response)

@@ -1,0 +1,329 @@
+"""The blob table of a graph over a content store: references in memory, strings in the store.
+
+A graph made with `RolloutGraph(store=...)` keeps, per blob, a handle and the blob's store key
+(SHA-256); the string lives in the store. Over a `TextStore` (the memory store) the graph
+reads the store's own `str` objects, shared by every graph over it. Over any other store a
+string is fetched on read (verified against its key by the store) through a `StringCache`
+bounded in bytes, which graphs may share.
+
+Finding a string again: the graph's xxh3 digests give candidates; a candidate is the same
+string only if its cached or stored string equals the new one, or (when it is not at hand)
+if the new string's SHA-256 equals the candidate's key. So two strings with one xxh3 digest
+stay apart, each under its own key, in every store.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Iterator
+
+from ..errors import CorruptObjectError, InvalidArgumentError, MissingObjectError
+from ..stores.content import KEY_SIZE, ContentStore, StringCache, TextStore, content_key
+from .blobs import BlobTable, Handle, content_digest
+from .index import OneOrMany, index_add, index_members
+
+__all__ = ["DEFAULT_GRAPH_CACHE_BYTES", "StoreBlobTable"]
+
+#: Plain packings of shared values at least this large are shared through a memory store
+#: (a three-tool list packs to about 350 bytes: every session of a group keeps one object).
+SHARE_PACKED_BYTES = 256
+
+#: The cache of a graph over an out-of-process store when none is given.
+DEFAULT_GRAPH_CACHE_BYTES = 8 * 1024 * 1024
+
+#: Bytes of a blob's xxh3 digest.
+DIGEST_BYTES = 16
+
+#: A table of fewer blobs finds a digest by scanning its digests (`bytearray.find`, C speed:
+#: about 3 microseconds per 1,000 blobs); from this many on it keeps an index (about 60 bytes
+#: a blob), so a large graph never scans far.
+INDEX_FROM = 2048
+
+
+class StoreBlobTable(BlobTable):
+    """A `BlobTable` whose strings are kept in `store` (see the module docstring).
+
+    Adding a blob puts it into the store at once; a store error propagates (the graph rolls
+    the turn back). Objects put for a turn that is then rejected stay in the store,
+    unreferenced: content-addressed objects are immutable and harmless.
+
+    What a blob costs the graph is kept compact, in a few flat tables rather than objects
+    per blob: its store key (32 bytes) and xxh3 digest (16 bytes) in two `bytearray`s, its
+    size and surrogate flag in one `array`. A digest is found by scanning the digests while
+    the table is small (`INDEX_FROM`); a larger table also keeps an index from the digest's
+    first 30 bits (an int) to the blob's number. `Handle`s are made when asked for.
+    """
+
+    __slots__ = (
+        "_broken",
+        "_cache",
+        "_digests",
+        "_index",
+        "_keys",
+        "_nbytes",
+        "_refbytes",
+        "_refs",
+        "_sizes",
+        "_text_store",
+        "store",
+    )
+
+    def __init__(
+        self,
+        store: ContentStore,
+        cache: StringCache | None = None,
+        hasher: Callable[[bytes], bytes] = content_digest,
+    ) -> None:
+        # (the private table's lists and dict are not made: every method using them is
+        # replaced here)
+        if not isinstance(store, ContentStore):
+            raise InvalidArgumentError(
+                f"store must be a ContentStore (put, get, contains), got {type(store).__name__}"
+            )
+        self.store = store
+        self._text_store = store if isinstance(store, TextStore) else None
+        if self._text_store is not None:
+            self._cache = cache  # only if asked for: the store holds str objects already
+        else:
+            self._cache = cache if cache is not None else StringCache(DEFAULT_GRAPH_CACHE_BYTES)
+        self._hasher = hasher
+        self._keys = bytearray()  # blob i's store key at [32 i, 32 i + 32)
+        self._digests = bytearray()  # its xxh3 digest at [16 i, 16 i + 16)
+        self._sizes = array("Q")  # its UTF-8 bytes << 1 | (it holds lone surrogates)
+        # from INDEX_FROM blobs on: the digest's first 30 bits -> the blob's number, or a list
+        # of them when several blobs share those bytes (each candidate is confirmed by content
+        # or key); None while the digests are scanned
+        self._index: OneOrMany[int, int] | None = None
+        self._nbytes = 0
+        self._refs = 0
+        self._refbytes = 0
+        # keys whose objects a read found damaged or missing (`string`), put again by the
+        # next turn that stores their strings; None until a read fails
+        self._broken: set[bytes] | None = None
+
+    @property
+    def cache(self) -> StringCache | None:
+        return self._cache
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def key(self, index: int) -> bytes:
+        """The store key of blob `index`."""
+        if not 0 <= index < len(self._sizes):
+            raise IndexError(index)
+        return bytes(self._keys[KEY_SIZE * index : KEY_SIZE * index + KEY_SIZE])
+
+    def _digest(self, index: int) -> bytes:
+        return bytes(self._digests[DIGEST_BYTES * index : DIGEST_BYTES * index + DIGEST_BYTES])
+
+    def intern(self, text: str) -> Handle:
+        try:
+            data = text.encode("utf-8")
+            surrogates = False
+        except UnicodeEncodeError:
+            data = text.encode("utf-8", "surrogatepass")
+            surrogates = True
+        digest = self._hasher(data)
+        self._refs += 1
+        self._refbytes += len(data)
+        sha: list[bytes] = []
+        for index in self._candidates(digest):
+            if self._digest(index) == digest and self._same(index, text, data, sha):
+                if self._broken is not None:
+                    self._heal(index, text, data)
+                return self.handle(index)
+        if self._text_store is not None:
+            key = self._text_store.put_text(text, data)
+        else:  # not cached: the cache holds what is read (recording reads nothing back)
+            key = self.store.put(data)
+        return self._add(key, digest, len(data), surrogates)
+
+    def _note_broken(self, key: bytes) -> None:
+        if self._broken is None:
+            self._broken = set()
+        self._broken.add(key)
+
+    def _heal(self, index: int, text: str, data: bytes) -> None:
+        """Put the string of blob `index` again if a read found its object damaged or gone
+        (the store replaces a damaged object atomically)."""
+        key = self.key(index)
+        broken = self._broken
+        if broken is None or key not in broken:
+            return
+        if self._text_store is not None:
+            self._text_store.put_text(text, data)
+        else:
+            self.store.put(data)
+        broken.discard(key)
+
+    def _candidates(self, digest: bytes) -> Iterator[int]:
+        """The blobs that may have `digest` (each is checked against it)."""
+        index = self._index
+        if index is not None:
+            yield from index_members(index.get(_slot(digest)))
+            return
+        digests = self._digests
+        at = digests.find(digest)
+        while at >= 0:
+            if at % DIGEST_BYTES == 0:
+                yield at // DIGEST_BYTES
+            at = digests.find(digest, at + 1)
+
+    def _same(self, index: int, text: str, data: bytes, sha: list[bytes]) -> bool:
+        key = self.key(index)
+        if self._text_store is not None:
+            try:
+                return self._text_store.get_text(key) == text
+            except (CorruptObjectError, MissingObjectError):
+                self._note_broken(key)  # decided by the key below, then put again
+        else:
+            cached = self._cache.get(key) if self._cache is not None else None
+            if cached is not None:
+                return cached == text
+        if not sha:  # computed once per intern, only when a candidate is not at hand
+            sha.append(content_key(data))
+        return sha[0] == key
+
+    def _add(self, key: bytes, digest: bytes, size: int, surrogates: bool) -> Handle:
+        if len(key) != KEY_SIZE or len(digest) != DIGEST_BYTES:
+            raise InvalidArgumentError(
+                f"a blob needs a {KEY_SIZE}-byte key and a {DIGEST_BYTES}-byte digest"
+            )
+        index = len(self._sizes)
+        self._keys += key
+        self._digests += digest
+        self._sizes.append(size << 1 | surrogates)
+        self._nbytes += size
+        if self._index is not None:
+            index_add(self._index, _slot(digest), index)
+        elif index + 1 >= INDEX_FROM:
+            self._index = {}
+            for i in range(index + 1):
+                index_add(self._index, _slot(self._digest(i)), i)
+        return Handle(digest, index, size, surrogates)
+
+    def add_verified(self, text: str, digest: bytes, data_len: int, surrogates: bool) -> Handle:
+        """A blob read back from a self-contained file: put into the store, then referenced."""
+        data = text.encode("utf-8", "surrogatepass")
+        if self._text_store is not None:
+            key = self._text_store.put_text(text, data)
+        else:
+            key = self.store.put(data)
+        return self._add(key, digest, data_len, surrogates)
+
+    def add_reference(self, key: bytes, digest: bytes, data_len: int, surrogates: bool) -> Handle:
+        """A blob whose string is already in the store under `key` (a file of references)."""
+        return self._add(key, digest, data_len, surrogates)
+
+    def share_tokens(self, tokens: array[int]) -> array[int]:
+        """Over the memory store, a long root prompt is one array for every graph (a GRPO
+        group's shared prompt prefix). Elsewhere the graph keeps its own."""
+        if self._text_store is not None and len(tokens) * 4 >= SHARE_PACKED_BYTES:
+            return self._text_store.share_tokens(tokens)
+        return tokens
+
+    def share_text(self, text: bytes) -> bytes:
+        """Over the memory store with a cache the graphs share (a capture server's sessions):
+        one object for their equal raw texts (the tool list every session re-sends), which
+        the cache confirms equal; it may forget it, the graphs keep theirs. Elsewhere the
+        graph keeps its own: a cache of fetched strings is not filled with texts."""
+        if self._text_store is not None and self._cache is not None:
+            return self._cache.share_bytes(text)
+        return text
+
+    def share_packed(self, packed: bytes) -> bytes:
+        """A large packing shared with other graphs: the memory store's own object, or else
+        the one held by the cache the graphs share (graphs that store one tool list share
+        it). With neither, the graph keeps its own copy."""
+        if len(packed) < SHARE_PACKED_BYTES:
+            return packed
+        if self._text_store is not None:
+            return self._text_store.share_bytes(packed)
+        if self._cache is not None:
+            return self._cache.share_bytes(packed)
+        return packed
+
+    @property
+    def fetches(self) -> bool:
+        return self._text_store is None
+
+    def count_references(self, n: int, nbytes: int) -> None:
+        self._refs += n
+        self._refbytes += nbytes
+
+    def string(self, index: int) -> str:
+        """The string of blob `index`, read from the store (or the cache), verified. A
+        damaged or missing object is remembered: the next turn that stores its string puts
+        it again (the store replaces a damaged object), so the graph heals itself."""
+        key = self.key(index)
+        try:
+            if self._text_store is not None:
+                return self._text_store.get_text(key)
+            cache = self._cache
+            if cache is not None:
+                text = cache.get(key)
+                if text is not None:
+                    return text
+            data = self.store.get(key)  # verified against the key by the store
+        except (CorruptObjectError, MissingObjectError):
+            self._note_broken(key)
+            raise
+        text = data.decode("utf-8", "surrogatepass") if self._sizes[index] & 1 else data.decode()
+        if cache is not None:
+            cache.put(key, text, len(data))
+        return text
+
+    def handle(self, index: int) -> Handle:
+        """A `Handle` of blob `index` (a new object each time; equal fields)."""
+        if not 0 <= index < len(self._sizes):
+            raise IndexError(index)
+        packed = self._sizes[index]
+        return Handle(self._digest(index), index, packed >> 1, bool(packed & 1))
+
+    def size(self, index: int) -> int:
+        """The UTF-8 bytes of blob `index` (nothing is fetched)."""
+        return self._sizes[index] >> 1
+
+    def __iter__(self) -> Iterator[Handle]:
+        return (self.handle(i) for i in range(len(self._sizes)))
+
+    def mark(self) -> tuple[int, int, int]:
+        return (len(self._sizes), self._refs, self._refbytes)
+
+    def rollback(self, mark: tuple[int, int, int]) -> None:
+        n, self._refs, self._refbytes = mark
+        index_of = self._index
+        while len(self._sizes) > n:
+            index = len(self._sizes) - 1
+            if index_of is not None:
+                slot = _slot(self._digest(index))
+                found = index_of[slot]
+                if type(found) is int:
+                    del index_of[slot]
+                elif type(found) is tuple:  # a few blobs of one slot (see `index`)
+                    rest = tuple(i for i in found if i != index)
+                    index_of[slot] = rest[0] if len(rest) == 1 else rest
+                else:
+                    found.remove(index)  # type: ignore[union-attr]
+                    if len(found) == 1:  # type: ignore[arg-type]
+                        index_of[slot] = found[0]  # type: ignore[index]
+            self._nbytes -= self._sizes.pop() >> 1
+        del self._keys[KEY_SIZE * n :]
+        del self._digests[DIGEST_BYTES * n :]
+
+    def stats(self) -> dict[str, int]:
+        digests = {self._digest(i) for i in range(len(self._sizes))}
+        return {
+            "blobs": len(self._sizes),
+            "blob_bytes": self._nbytes,
+            "blob_references": self._refs,
+            "blob_bytes_saved": self._refbytes - self._nbytes,
+            "collisions": len(self._sizes) - len(digests),
+        }
+
+
+def _slot(digest: bytes) -> int:
+    """Where a digest is filed in the index: its first 30 bits (an int of one 30-bit digit,
+    the smallest int object; blobs that share a slot are told apart by their digests)."""
+    return int.from_bytes(digest[:4], "little") >> 2

@@ -1,0 +1,3 @@
+"""Rollout files: frames, the writer and the loader (`save`, `load`, append logs), verify,
+recover and repair.
+"""

@@ -1,0 +1,2602 @@
+"""The capture server: an OpenAI / Anthropic endpoint that records every call as a turn.
+
+An agent points its SDK at this server (base URL) with a session's API key and changes nothing
+else. Each `POST /v1/chat/completions` or `POST /v1/messages` is forwarded to the upstream
+engine as one complete (non-streaming) call; the answer is recorded in the session's rollout
+graph and then handed back, replayed as server-sent events when the client asked for
+`stream: true`. Token ids and logprobs come from the engine's own fields (vLLM's
+`return_token_ids` and `logprobs`, requested upstream unless the client set them itself and
+removed from the reply when the client did not ask); without them turns link by messages.
+Nothing is tokenized here.
+
+Sessions follow the capture server this library replaces: `POST /sessions` mints a session
+and its API key, the key the SDK sends (`Authorization: Bearer` or `x-api-key`) names the
+session, unknown keys get 401 unless the server runs in open mode (which makes new open
+sessions, never opens one that has a key). `GET /sessions`, `GET /sessions/{id}`,
+`GET /sessions/{id}/export` (`?messages=1`, `discarded=1`, `capture_level=...`; the level
+defaults to "tokens" when some turn carries token ids, else "text", as the library's export
+decides), `GET /sessions/{id}/trace.jsonl`, the viewer, `GET /` (as `GET /sessions`),
+`PATCH /sessions/{id}`, `GET /groups/{id}`, the training rows and `DELETE /sessions/{id}`
+manage them; each needs the session's key or the server's admin key: a route naming one
+session calls `_Server._lookup`, one gathering sessions `_Server._visible` (the only checks
+there are).
+
+Every request is refused unless its `Host` is a name the server answers (`hosts`), a
+browser's `Origin` too, and a body sent as anything but `application/json` is refused with
+415: a page on another site can neither read nor write through the user's browser.
+
+Anthropic's top-level `system` (a string or an array of content blocks) is recorded as a
+leading `{"role": "system", "content": system}` message of the turn's request messages, so a
+Messages conversation reads like a Chat Completions one in exports and in the viewer; its
+`tools` are counted in each turn's `n_tools`, as Chat Completions' are.
+
+The conversation is never decoded here: the body is split with msgspec into its top-level
+fields, the messages (and tools, and Anthropic's system) reach the graph as `RawJSON` spans
+of the body, and the upstream gets the body's own bytes with the capture keys added. A body
+msgspec cannot read exactly as json.loads would is decoded by json.loads instead, so every
+body is accepted, refused and recorded as json.loads reads it.
+
+Each call is stamped as it passes (`timeline.CallClock`: received, sent upstream, the
+upstream's first and last byte, each stream chunk sent) and its turn gets the `Timeline`
+once the reply has been sent (a background task of the response): the upstream answers
+unstreamed, so its first token is its first byte. With `ack="fast"` the recorder that records
+the turn after the reply records its timeline too.
+
+With `ack="durable"` (the default) a turn is acknowledged (the client gets its answer) only
+after the graph accepted it, and, with a data directory and `fsync="turn"`, after it is on
+disk; a turn that cannot be recorded fails the call. With `ack="fast"` the answer goes out
+first and the turn is recorded right after, in this process, through a bounded queue: a turn
+dropped there (the queue full, a recording error, the server stopping) is counted in
+`/health`, in the session's info and in its export's validation, never silently.
+
+`rollout-store serve --data-plane rust` puts the engine's data plane (`RustDataPlane`, hyper
+on tokio) on the public port in front of this app: it serves the model routes, calling back
+into this module's own code to plan, record and reply, and passes every other request to the
+app on a private loopback port.
+
+Bad requests get a 4xx with a one-line reason and record nothing; upstream errors pass
+through with their status and are recorded nowhere; an upstream that does not answer in time
+gets 504.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno
+import functools
+import gc
+import hmac
+import html
+import itertools
+import json
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+from array import array
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from dataclasses import dataclass
+from typing import IO, Any
+from urllib.parse import quote, unquote, urlencode
+
+import aiohttp
+import anyio.to_thread
+import msgspec
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import (
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from .._core import DataPlane
+from ..engine.intake import MAX_DEPTH
+from ..errors import (
+    InvalidArgumentError,
+    InvalidValueError,
+    RolloutStoreError,
+    StoreError,
+    StoreUnavailableError,
+)
+from ..export.document import CAPTURE_LEVELS, write_session_json, write_trace_jsonl
+from ..export.row_files import FORMATS, KINDS, write_rows
+from ..export.rows import iter_token_samples, iter_tree_samples
+from ..metadata import UNCHANGED
+from ..model.nodes import TurnNode
+from ..model.raw import RawJSON, split_array
+from ..model.timeline import CallClock, failed_after
+from ..stores.content import ContentStore, StringCache
+from ..stores.local import STORE_HELP, MemoryStore, open_store, store_spec
+from ..viewer.app import Viewer, favicon
+from ..viewer.hosts import (
+    LOOPBACK_HOSTS,
+    WILDCARD_BINDS,
+    allowed_hosts,
+    host_allowed,
+    origin_allowed,
+)
+from .idle_trim import with_idle_trim
+from .replicas import replica_key_prefix
+from .sessions import Session, SessionDamagedError, SessionError, Sessions, clean_session_id
+from .sse import SSE_HEADERS, anthropic_events, chat_chunks, sse_data, sse_event
+
+__all__ = [
+    "CHAT_RAW_FIELDS",
+    "MESSAGES_RAW_FIELDS",
+    "CaptureConfig",
+    "DATA_PLANES",
+    "RustDataPlane",
+    "add_serve_arguments",
+    "chat_turn",
+    "create_app",
+    "main",
+    "messages_turn",
+    "open_store",
+    "split_body",
+    "upstream_body",
+]
+
+#: Default cap on a request body (64 MiB); `--max-body-bytes` changes it.
+MAX_BODY_BYTES = 64 << 20
+#: Default seconds to wait for the upstream's answer before answering 504.
+UPSTREAM_TIMEOUT = 600.0
+#: Default seconds a request's whole body may take to arrive (then 408 and the connection
+#: is closed); `--body-timeout` changes it.
+BODY_TIMEOUT = 30.0
+#: How a turn is acknowledged: after it is recorded, or before (recorded through a queue).
+ACK_MODES = ("durable", "fast")
+#: Default bound of the queue of turns answered but not yet recorded (`--ack fast`).
+ACK_QUEUE = 1024
+#: Seconds a stopping server waits for the queued turns to be recorded (the rest are counted
+#: as dropped), and an export waits for the turns answered before it.
+ACK_DRAIN_SECONDS = 10.0
+#: The environment variable `rollout-store serve` reads its admin key from.
+ADMIN_KEY_ENV = "ROLLOUT_STORE_ADMIN_KEY"
+#: The shortest admin key accepted.
+ADMIN_KEY_MIN = 16
+#: The cookie a viewer opened with `?key=` keeps its key in (for its own path only).
+VIEW_COOKIE = "rollout_store_key"
+#: The cookie `GET /?key=` keeps its key in: the browser's list of sessions, and the viewer of
+#: every session that key opens (all of them for the admin key).
+ROOT_COOKIE = "rollout_store_root_key"
+#: Seconds a streaming client waits for the upstream before keep-alive comments begin.
+STREAM_KEEPALIVE = 10.0
+#: Seconds after which an unused session over a log lets its graph go (reopened on use), or
+#: one in memory only lets its graph's caches go.
+IDLE_SECONDS = 600.0
+#: Seconds with no call in flight after which `rollout-store serve` gives its heap's free
+#: pages back to the system (`idle_trim`); `--trim-idle` changes it.
+TRIM_IDLE_SECONDS = 1.0
+
+# Request fields that are not parameters of the call (the rest are recorded as sampling_params).
+_CHAT_FIELDS = frozenset({"messages", "tools", "model", "stream", "stream_options"})
+_MESSAGES_FIELDS = frozenset({"messages", "tools", "model", "stream", "system"})
+_HARNESS_HEADERS = ("x-session-id", "proxy-x-session-id")
+_ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")
+
+
+#: How long an export waits for the timelines of calls answered just before it.
+_TIMELINE_WAIT_S = 2.0
+
+
+class _Refusal(Exception):
+    """An answer other than the upstream's: status and a one-line reason."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+class _Gone(Exception):
+    """The client left before its request's body arrived: there is no one to answer."""
+
+
+class _Passthrough(Exception):
+    """The upstream's own error answer, handed to the client as it came."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """What `create_app` was given (kept on `app.state.config`)."""
+
+    upstream: str
+    upstream_api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    upstream_timeout: float = UPSTREAM_TIMEOUT
+    capture_tokens: bool = True
+    stream_keepalive: float = STREAM_KEEPALIVE
+    body_timeout: float = BODY_TIMEOUT
+    #: The `Host` names answered (None: any; see `hosts.allowed_hosts`).
+    allowed_hosts: frozenset[str] | None = LOOPBACK_HOSTS
+    #: Whether an admin key was set (the key itself is kept by the server only).
+    admin: bool = False
+    #: "durable" or "fast" (see `ACK_MODES`), and the fast mode's queue bound.
+    ack: str = "durable"
+    ack_queue: int = ACK_QUEUE
+    #: This server's name behind a balancer (in the keys it mints), or None.
+    replica: str | None = None
+
+
+# ---------------------------------------------------------------------- requests to turns
+# A request body arrives as bytes. `split_body` splits it with msgspec into its top-level
+# fields without decoding the large ones (the conversation, the tools, Anthropic's system):
+# those reach the graph as `RawJSON` spans of the body, which confirms a re-sent prefix by
+# its bytes, and the upstream gets the body's own bytes. A body msgspec cannot split exactly
+# as json.loads would read it is decoded by json.loads, as before.
+
+
+def _token_list(value: Any) -> Any:
+    # an engine without ids sends nothing or an empty list: link by messages then
+    return value if isinstance(value, list) and value else None
+
+
+def _choice_logprobs(logprobs: Any) -> list[Any] | None:
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list) or not content:
+        return None
+    values = [entry.get("logprob") if isinstance(entry, dict) else None for entry in content]
+    # a missing value makes the turn untrainable, not unrecordable
+    return None if any(v is None for v in values) else values
+
+
+def chat_turn(body: dict[str, Any], response: dict[str, Any], harness: str | None) -> TurnNode:
+    """The turn for a Chat Completions request (as `split_body` gives it, or decoded) and the
+    upstream's complete answer."""
+    choices = response.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise _Refusal(502, "the upstream's answer has no choices")
+    choice = choices[0]
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        raise _Refusal(502, "the upstream's answer has no choices[0].message object")
+    model = body.get("model")
+    finish = choice.get("finish_reason")
+    params = {k: v for k, v in body.items() if k not in _CHAT_FIELDS}
+    return TurnNode(
+        prompt_ids=_token_list(response.get("prompt_token_ids")),
+        sampled_ids=_token_list(choice.get("token_ids")),
+        sampled_logprobs=_choice_logprobs(choice.get("logprobs")),
+        model=model if isinstance(model, str) else None,
+        finish_reason=finish if isinstance(finish, str) else None,
+        harness_session_id=harness,
+        request_messages=body["messages"],
+        request_tools=body.get("tools"),
+        sampling_params=params or None,
+        response_message=message,
+    )
+
+
+def _with_system(system: Any, messages: Any) -> Any:
+    """`[{"role": "system", "content": system}, *messages]`, spliced as text when raw."""
+    if type(messages) is RawJSON and type(system) is RawJSON:
+        head = b'[{"role": "system", "content": ' + _text(system) + b"}, "
+        return RawJSON(head + _text(messages)[1:])  # a non-empty array: "[" then an item
+    return [{"role": "system", "content": _value(system)}, *_value(messages)]
+
+
+def messages_turn(body: dict[str, Any], response: dict[str, Any], harness: str | None) -> TurnNode:
+    """The turn for an Anthropic Messages request and answer.
+
+    The top-level `system` is recorded as a leading `{"role": "system", "content": system}`
+    message (stored once per graph, ignored by linking); the answer's content blocks are the
+    response message `{"role": "assistant", "content": [...]}`.
+    """
+    content = response.get("content")
+    if not isinstance(content, list):
+        raise _Refusal(502, "the upstream's answer has no content array")
+    messages = body["messages"]
+    if body.get("system") is not None:
+        messages = _with_system(body["system"], messages)
+    model = body.get("model")
+    stop = response.get("stop_reason")
+    params = {k: v for k, v in body.items() if k not in _MESSAGES_FIELDS}
+    return TurnNode(
+        prompt_ids=_token_list(response.get("prompt_token_ids")),
+        sampled_ids=_token_list(response.get("token_ids")),
+        model=model if isinstance(model, str) else None,
+        finish_reason=stop if isinstance(stop, str) else None,
+        harness_session_id=harness,
+        request_messages=messages,
+        request_tools=body.get("tools"),
+        sampling_params=params or None,
+        response_message={"role": response.get("role", "assistant"), "content": content},
+    )
+
+
+# ---------------------------------------------------------------------- request checks
+
+
+class _Role(msgspec.Struct):
+    """What the shape check needs of a message (msgspec skips the rest unread)."""
+
+    role: str
+
+
+_split_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_split_roles = msgspec.json.Decoder(list[_Role]).decode
+#: Top-level fields handed on undecoded when they are arrays (or, for `system`, strings):
+#: those of Chat Completions, and of Anthropic Messages (its `system` is the first message).
+CHAT_RAW_FIELDS = frozenset({"messages", "tools"})
+MESSAGES_RAW_FIELDS = frozenset({"messages", "tools", "system"})
+
+
+def _text(raw: RawJSON) -> bytes:
+    data = raw.data
+    return data if isinstance(data, bytes) else data.encode("utf-8", "surrogatepass")
+
+
+def _value(value: Any) -> Any:
+    return value.decode() if type(value) is RawJSON else value
+
+
+def split_body(
+    raw: bytes, raw_fields: frozenset[str] = MESSAGES_RAW_FIELDS
+) -> dict[str, Any] | None:
+    """The top-level fields of a request body, or None when only json.loads can read it.
+
+    Every field is decoded (exactly as json.loads would) except those named in `raw_fields`
+    that hold an array (or, for `system`, a string): they stay `RawJSON` spans of `raw`. A
+    raw `messages` is already checked to be a non-empty array of objects with a string role.
+    None: the body is not a JSON object msgspec reads as json.loads would (not JSON at all,
+    NaN, lone-surrogate escapes, a byte order mark, nesting too deep, a message whose role
+    is not a plain string...): decode it with json.loads, which accepts it or says why not.
+    """
+    try:
+        spans = _split_fields(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeError):
+        return None
+    if not raw.isascii():
+        # msgspec does not check the UTF-8 of what it skips; json.loads refuses bad UTF-8
+        # (and reads UTF-8-encoded surrogates, which a strict decode leaves to it)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    fields: dict[str, Any] = {}
+    for key, span in spans.items():
+        data = bytes(span)
+        first = data[:1]
+        if key in raw_fields and (first == b"[" or (first == b'"' and key == "system")):
+            if key == "messages":
+                try:
+                    if not _split_roles(data):
+                        fields[key] = []  # refused by the shape check
+                        continue
+                except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+                    return None
+            fields[key] = RawJSON(data)
+        else:
+            fields[key] = RawJSON(data).decode()
+    return fields
+
+
+def _check_messages(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise _Refusal(400, f"the body must be a JSON object, not {type(body).__name__}")
+    messages = body.get("messages")
+    if type(messages) is not RawJSON:  # raw messages were checked when split
+        if not isinstance(messages, list) or not messages:
+            raise _Refusal(400, "messages must be a non-empty array of message objects")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise _Refusal(400, f"messages[{i}] must be an object with a string role")
+    if "tools" in body and not isinstance(body["tools"], list | RawJSON):
+        raise _Refusal(400, "tools must be an array")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise _Refusal(400, "stream must be true or false")
+    if "model" in body and not isinstance(body["model"], str):
+        raise _Refusal(400, "model must be a string")
+    return body
+
+
+def _check_chat(value: Any) -> dict[str, Any]:
+    body = _check_messages(value)
+    n = body.get("n")
+    if n is not None and (type(n) is not int or n != 1):
+        raise _Refusal(400, "n must be 1: the capture server records one completion per call")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _Refusal(400, "stream_options must be an object")
+    return body
+
+
+def _check_anthropic(value: Any) -> dict[str, Any]:
+    body = _check_messages(value)
+    system = body.get("system")
+    if system is not None and not isinstance(system, str | list | RawJSON):
+        raise _Refusal(400, "system must be a string or an array of content blocks")
+    return body
+
+
+def _decode(raw: bytes, raw_fields: frozenset[str]) -> Any:
+    """The body's fields (`split_body`), or json.loads of it, or the refusal json.loads gives."""
+    fields = split_body(raw, raw_fields)
+    if fields is not None:
+        return fields
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise _Refusal(400, "the body nests too deeply to record") from None
+    except ValueError as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise _Refusal(400, f"the body is not JSON: {reason}") from None
+
+
+# Depth is checked before the call goes upstream: a body the graph would refuse to record
+# (containers nested deeper than MAX_DEPTH) must not cost the engine a generation first. The
+# text is measured in C-speed passes: escaped backslashes, then escaped quotes, go; what is
+# left of strings lies between quotes; outside them, brackets are +1 and -1.
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"')
+_SIGNS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+_NOT_OPENER = bytes(b for b in range(256) if b not in b"[{")
+
+
+def _nesting(data: bytes) -> int:
+    """How deeply the containers of the UTF-8 JSON text `data` nest (0 for a scalar)."""
+    plain = data.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURE)
+    outside = b"".join(plain.split(b'"')[::2]).translate(_SIGNS)
+    return max(itertools.accumulate(array("b", outside)), default=0)
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether a field's containers nest deeper than `limit`. A `RawJSON` is measured only
+    when its text holds more brackets than that at all (one pass over it)."""
+    if type(value) is RawJSON:
+        text = _text(value)
+        return len(text.translate(None, _NOT_OPENER)) > limit and _nesting(text) > limit
+    deepest = 0
+    todo = [(value, 0)]
+    while todo:
+        item, depth = todo.pop()
+        if type(item) is RawJSON:
+            deepest = max(deepest, depth + _nesting(_text(item)))
+        elif isinstance(item, dict | list):
+            deepest = max(deepest, depth + 1)
+            todo += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return deepest > limit
+
+
+def _messages_deeper_than(value: Any, limit: int) -> bool:
+    """Whether a message of the messages array nests deeper than `limit`: a raw array with
+    that many brackets is split into its messages, and only a message holding that many is
+    measured (a long conversation is not)."""
+    if type(value) is not RawJSON:
+        return isinstance(value, list) and any(_deeper_than(m, limit) for m in value)
+    text = _text(value)
+    if len(text.translate(None, _NOT_OPENER)) <= limit:
+        return False
+    items = split_array(text)
+    if items is None:  # (a raw messages array is one msgspec has read)
+        return _nesting(text) > limit + 1
+    return any(_deeper_than(RawJSON(bytes(item)), limit) for item in items)
+
+
+def _check_depth(body: dict[str, Any], anthropic: bool) -> None:
+    """Refuse a body that holds a value the graph would refuse as nested too deeply: the
+    tools (a value of its own), the messages (each message is one: the array adds a level),
+    Anthropic's system (inside the first message: one level more) and every other recorded
+    field (inside the sampling parameters: one level more)."""
+    recorded_apart = _MESSAGES_FIELDS if anthropic else _CHAT_FIELDS
+    for key, value in body.items():
+        if key == "messages":
+            deep = _messages_deeper_than(value, MAX_DEPTH)  # each message is a value
+        elif key == "tools":
+            deep = _deeper_than(value, MAX_DEPTH)
+        elif key == "system" and anthropic:
+            deep = _deeper_than(value, MAX_DEPTH - 1)  # the content of the first message
+        elif key in recorded_apart:
+            continue  # not recorded as sent (model, stream, stream_options)
+        else:
+            deep = _deeper_than(value, MAX_DEPTH - 1)  # a value of the sampling parameters
+        if deep:
+            raise _Refusal(
+                400,
+                f"the request cannot be recorded: {key} nests deeper than {MAX_DEPTH} levels "
+                "(refused before the call went upstream)",
+            )
+
+
+# ---------------------------------------------------------------------- streaming exports
+
+
+_END = object()
+
+
+class _Pipe:
+    """A file a worker thread writes an export to, read by the response as it streams.
+
+    When the client goes away the reader closes the pipe and the writer's next write raises,
+    so an abandoned export releases its session's graph at once.
+    """
+
+    CHUNK = 1 << 16
+
+    def __init__(self) -> None:
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=16)
+        self.buffer = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes) -> int:
+        self.buffer += data
+        if len(self.buffer) >= self.CHUNK:
+            self.flush()
+        return len(data)
+
+    def flush(self) -> None:
+        if self.buffer:
+            self.put(bytes(self.buffer))
+            self.buffer.clear()
+
+    def put(self, item: Any) -> None:
+        while True:
+            if self.closed:
+                raise BrokenPipeError("the client stopped reading")
+            try:
+                self.queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def get(self) -> Any:
+        while not self.closed:
+            try:
+                return self.queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        return _END
+
+
+async def _from_thread(produce: Callable[[IO[bytes]], None]) -> AsyncGenerator[bytes, None]:
+    pipe = _Pipe()
+
+    def run() -> None:
+        try:
+            produce(pipe)  # type: ignore[arg-type]
+            pipe.flush()
+            pipe.put(_END)
+        except BrokenPipeError:
+            pass
+        except BaseException as exc:  # handed to the reader, which ends the response
+            with contextlib.suppress(BrokenPipeError):
+                pipe.put(exc)
+
+    threading.Thread(target=run, name="rollout-store-export", daemon=True).start()
+    try:
+        while True:
+            item = await anyio.to_thread.run_sync(pipe.get)
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        pipe.closed = True
+
+
+# ---------------------------------------------------------------------- the app
+
+
+def _error_body(anthropic: bool, status: int, reason: str) -> dict[str, Any]:
+    kind = {
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        408: "timeout_error",
+        413: "request_too_large",
+        415: "invalid_request_error",
+        507: "api_error",
+        502: "api_error",
+        504: "timeout_error",
+    }.get(status, "invalid_request_error")
+    if anthropic:
+        return {"type": "error", "error": {"type": kind, "message": reason}}
+    return {"error": {"message": reason, "type": kind, "param": None, "code": None}}
+
+
+def _failure(anthropic: bool, failed: _Refusal | _Passthrough) -> Response:
+    """The answer to a call that failed before its answer began: a refusal in the error
+    shape of the route's API, or the upstream's own error as it came."""
+    if isinstance(failed, _Passthrough):
+        return failed.response
+    # a body that did not arrive in time was not read: the connection cannot be reused
+    headers = {"connection": "close"} if failed.status == 408 else None
+    return JSONResponse(
+        _error_body(anthropic, failed.status, failed.reason), failed.status, headers=headers
+    )
+
+
+def _api_key(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip() or None
+    return request.headers.get("x-api-key") or None
+
+
+def _harness_session(
+    headers: Mapping[str, str], body: dict[str, Any], anthropic: bool
+) -> str | None:
+    for name in _HARNESS_HEADERS:
+        found = clean_session_id(headers.get(name))
+        if found is not None:
+            return found
+    if anthropic:
+        meta = body.get("metadata")
+        return clean_session_id(meta.get("user_id")) if isinstance(meta, dict) else None
+    return clean_session_id(body.get("user"))
+
+
+def _strip_injected(response: dict[str, Any], token_ids: bool, logprobs: bool) -> None:
+    """Remove from a Chat Completions answer what the server asked for and the client did not."""
+    if token_ids:
+        response.pop("prompt_token_ids", None)
+    for choice in response.get("choices") or ():
+        if isinstance(choice, dict):
+            if token_ids:
+                choice.pop("token_ids", None)
+            if logprobs and "logprobs" in choice:
+                choice["logprobs"] = None
+
+
+def _end_of_text(raw: bytes, end: int) -> int:
+    """Where the JSON whitespace before `end` in `raw` begins (`end` when there is none)."""
+    while end and raw[end - 1] in b" \t\r\n":
+        end -= 1
+    return end
+
+
+def upstream_body(raw: bytes, body: dict[str, Any], extra: dict[str, Any]) -> bytes:
+    """The body sent upstream: the client's with `extra` set and `stream_options` dropped.
+
+    When the client's body is UTF-8 and has none of those keys, `extra` is appended to its
+    own bytes (no key repeats, nothing re-encoded); otherwise (json.loads also reads UTF-16
+    and UTF-32) the body is written anew from its fields in their order, a `RawJSON` field
+    (see `split_body`) as its own text: re-encoding a large conversation costs more than
+    decoding it. Either way the body is made in one `join`:
+    each `+` of a large body would be a copy of its own, and each new buffer over glibc's
+    mmap threshold costs a page fault per 4 KiB (measured here: three `+` of a 200 KiB
+    body, 140-330 us; one `join`, 2 us).
+    """
+    if (
+        "stream_options" not in body
+        and not any(key in body for key in extra)
+        and json.detect_encoding(raw) in ("utf-8", "utf-8-sig")
+    ):
+        end = _end_of_text(raw, len(raw))
+        if raw[end - 1 : end] == b"}":
+            head = _end_of_text(raw, end - 1)
+            items = json.dumps(extra)[1:-1].encode("ascii")
+            comma = b", " if raw[head - 1 : head] != b"{" else b""
+            return b"".join((memoryview(raw)[:head], comma, items, b"}"))
+    merged = {k: v for k, v in body.items() if k != "stream_options"}
+    merged.update(extra)
+    parts = [b"{"]
+    for key, value in merged.items():
+        if len(parts) > 1:
+            parts.append(b", ")
+        parts += (
+            json.dumps(key).encode("ascii"),
+            b": ",
+            _text(value) if type(value) is RawJSON else json.dumps(value).encode("ascii"),
+        )
+    parts.append(b"}")
+    return b"".join(parts)
+
+
+def _json_bytes(response: dict[str, Any], answer: bytes) -> Response:
+    """The upstream's own JSON answer, byte for byte (nothing decoded and encoded again),
+    when it is UTF-8; else `response`, its decoded value, written anew (json.loads reads
+    UTF-16 and UTF-32, which an answer that names no charset cannot be)."""
+    if json.detect_encoding(answer) in ("utf-8", "utf-8-sig"):
+        return Response(answer, media_type="application/json")
+    return _written_anew(response)
+
+
+def _written_anew(response: dict[str, Any]) -> Response:
+    """A document written as json.dumps writes it: what json.loads read (from the upstream, or
+    a session's metadata), NaN and lone surrogates too, which a strict writer (JSONResponse)
+    refuses. UTF-8 as JSONResponse writes it; ASCII escapes only for a document holding a lone
+    surrogate, which no UTF-8 text can carry."""
+    try:
+        text = json.dumps(response, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        text = json.dumps(response, separators=(",", ":")).encode()
+    return Response(text, media_type="application/json")
+
+
+def _replayed(chunks: Iterator[bytes]) -> list[bytes]:
+    """The events of a streamed answer, made before its turn is recorded: an answer of a
+    shape they cannot be made of is the upstream's fault (502), and is recorded nowhere."""
+    try:
+        return list(chunks)
+    except Exception as exc:  # any answer the replay cannot follow
+        raise _Refusal(
+            502, f"the upstream's answer cannot be replayed as a stream: {type(exc).__name__}"
+        ) from None
+
+
+def _recorder(
+    turn_of: Callable[[dict[str, Any]], TurnNode],
+    events_of: Callable[[dict[str, Any]], Iterator[bytes]] | None,
+) -> tuple[Callable[[dict[str, Any]], TurnNode], list[bytes]]:
+    """The turn maker of a call, and the list its stream's events land in (`events_of`: a
+    streamed call's, None otherwise): the events are made before the turn is recorded."""
+    replay: list[bytes] = []
+
+    def make_turn(response: dict[str, Any]) -> TurnNode:
+        node = turn_of(response)
+        if events_of is not None:
+            replay[:] = _replayed(events_of(response))
+        return node
+
+    return make_turn, replay
+
+
+async def _events(
+    chunks: Iterator[bytes] | AsyncIterator[bytes], clock: CallClock
+) -> AsyncIterator[bytes]:
+    """The chunks of a streamed answer, each stamped on `clock` as it goes out."""
+    if isinstance(chunks, AsyncIterator):
+        async for chunk in chunks:
+            clock.chunk()
+            yield chunk
+        return
+    for chunk in chunks:
+        clock.chunk()
+        yield chunk
+
+
+@dataclass
+class _Plan:
+    """A model call ready to go upstream: its session, where and what to send, how its
+    answer becomes a turn (`make_turn`, which also fills `replay` with a streamed call's
+    events) and a reply (`reply`), and its clock."""
+
+    session: Session
+    anthropic: bool
+    stream: bool
+    path: str
+    content: bytes
+    headers: dict[str, str]
+    make_turn: Callable[[dict[str, Any]], TurnNode]
+    reply: Callable[[dict[str, Any], bytes], Response]
+    replay: list[bytes]
+    clock: CallClock
+
+
+class _Server:
+    """State and handlers of one app: configuration, sessions and the upstream client."""
+
+    def __init__(
+        self, config: CaptureConfig, sessions: Sessions, admin_key: str | None = None
+    ) -> None:
+        self.config = config
+        self.sessions = sessions
+        self._admin_key = admin_key.encode("utf-8", "surrogatepass") if admin_key else None
+        upstream = config.upstream.rstrip("/")
+        if upstream.endswith("/v1"):
+            upstream = upstream[: -len("/v1")]
+        self.upstream = upstream
+        self._client: aiohttp.ClientSession | None = None
+        #: Turns are added in the event loop when adding one waits for nothing (a memory
+        #: store and no log to sync): a worker thread's wait for the GIL would cost more
+        #: than the turn (measured in the benchmark's GRPO group: 2.7-3.0 ms of server CPU a
+        #: call with the turn in a thread, 2.0-2.5 inline, side by side). With a log synced
+        #: per turn or a store over the network, a thread.
+        self.inline = isinstance(sessions.store, MemoryStore) and (
+            sessions.data is None or sessions.fsync == "never"
+        )
+        #: `--ack fast`: the turns answered but not yet recorded, and their recorder (made
+        #: on first use, inside the server's event loop).
+        self._pending: asyncio.Queue[tuple[Session, TurnNode, CallClock]] | None = None
+        self._recorder: asyncio.Task[None] | None = None
+        #: Turns answered with `--ack fast` and never recorded, by why.
+        self.dropped = {"queue_full": 0, "record_error": 0, "shutdown": 0}
+        #: Per session id, the calls whose timeline is still to be recorded (a task after
+        #: the reply), by when each was answered: an export waits for them, bounded.
+        self._timing: dict[str, dict[int, float]] = {}
+        #: The Rust data plane serving the model routes, when one does (`RustDataPlane`),
+        #: and the app's event loop once it runs (where that plane's queued turns are
+        #: recorded, as this server's own recorder records them).
+        self.plane: Any = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def client(self) -> aiohttp.ClientSession:
+        """The upstream's client: aiohttp, whose C parser costs a fraction of httpx's time
+        per call (made on first use, inside the server's event loop)."""
+        if self._client is None:
+            self._client = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.config.upstream_timeout),
+                # idle connections are dropped before a uvicorn upstream (vLLM, SGLang)
+                # closes them at 5 s: reusing one it is closing fails the call
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0),
+                auto_decompress=True,
+                skip_auto_headers=("User-Agent",),
+                # one client serves every session: a cookie the upstream set in one session's
+                # answer must not go out with the others' calls
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
+        return self._client
+
+    async def _get(
+        self, method: str, path: str, clock: CallClock | None = None, **kwargs: Any
+    ) -> tuple[int, Any, bytes]:
+        """One call to the upstream: status, headers and the whole body (stamped on
+        `clock`: sent, first byte, last byte)."""
+        if clock is not None:
+            clock.upstream_sent = clock.now()
+        async with self.client.request(method, self.upstream + path, **kwargs) as answer:
+            if clock is not None:
+                clock.first_byte = clock.now()
+            body = await answer.read()
+            if clock is not None:
+                clock.last_byte = clock.now()
+            return answer.status, answer.headers, body
+
+    async def aclose(self) -> None:
+        plane, self.plane = self.plane, None
+        if plane is not None:  # its queued turns are recorded before the sessions close
+            await anyio.to_thread.run_sync(plane.close)
+        await self._drain()
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+        await anyio.to_thread.run_sync(self.sessions.close)
+
+    # -- proxy
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise _Refusal(400, "Content-Length is not a number")
+            if int(declared) > limit:
+                raise _Refusal(
+                    413, f"the body of {declared} bytes is over the limit of {limit} bytes"
+                )
+        parts: list[bytes] = []
+        size = 0
+        timeout = self.config.body_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise _Refusal(413, f"the body is over the limit of {limit} bytes")
+                    parts.append(chunk)
+        except TimeoutError:
+            raise _Refusal(
+                408, f"the body did not arrive within {timeout:g} s (--body-timeout)"
+            ) from None
+        except ClientDisconnect:
+            raise _Gone from None
+        return b"".join(parts)
+
+    async def _forward(
+        self, path: str, content: bytes, headers: dict[str, str], clock: CallClock | None = None
+    ) -> tuple[dict[str, Any], bytes]:
+        """The upstream's answer to one call, decoded and as its bytes (or _Refusal or
+        _Passthrough)."""
+        try:
+            status, answer_headers, answer = await self._get(
+                "POST", path, clock, data=content, headers=headers
+            )
+        except TimeoutError:
+            raise _Refusal(
+                504, f"the upstream did not answer within {self.config.upstream_timeout:g} s"
+            ) from None
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            raise _Refusal(502, f"the upstream cannot be reached: {type(exc).__name__}") from None
+        return self._upstream_answer(status, answer_headers, answer)
+
+    def _upstream_answer(
+        self, status: int, answer_headers: Mapping[str, str], answer: bytes
+    ) -> tuple[dict[str, Any], bytes]:
+        """The upstream's complete answer decoded (or _Refusal or _Passthrough)."""
+        if not 200 <= status < 300:
+            keep = {
+                k: v
+                for k, v in answer_headers.items()
+                if k.lower() in ("content-type", "retry-after")
+            }
+            raise _Passthrough(Response(answer, status, headers=keep))
+        try:
+            payload = RawJSON(answer).decode()  # msgspec's speed, json.loads's values
+        except (ValueError, RecursionError):
+            raise _Refusal(502, "the upstream answered with a body that is not JSON") from None
+        if not isinstance(payload, dict):
+            raise _Refusal(502, "the upstream answered with JSON that is not an object")
+        return payload, answer
+
+    def _upstream_headers(self, sent: Mapping[str, str], anthropic: bool) -> dict[str, str]:
+        headers = {"content-type": "application/json"}
+        key = self.config.upstream_api_key
+        if anthropic:
+            for name in _ANTHROPIC_HEADERS:
+                if name in sent:
+                    headers[name] = sent[name]
+            if key:
+                headers["x-api-key"] = key
+        elif key:
+            headers["authorization"] = f"Bearer {key}"
+        return headers
+
+    def _session(self, key: str | None) -> Session:
+        """The session a model call's key opens (or the refusal)."""
+        session = self.sessions.resolve(key)
+        if session is None:
+            raise _Refusal(
+                401, "unknown API key: create a session with POST /sessions and use its api_key"
+            )
+        if session.damaged is not None:
+            raise _Refusal(409, f"the session cannot record: {session.damaged}")
+        return session
+
+    async def _record(self, session: Session, node: TurnNode) -> str:
+        """Add the turn to the session's graph; its node id."""
+        try:
+            with session.use() as graph:
+                # in the loop only if no other thread holds the graph: an export that holds
+                # it may be waiting for this loop to take what it wrote
+                if self.inline and graph.lock.acquire(blocking=False):
+                    try:
+                        view = graph.add_turn(node)
+                    finally:
+                        graph.lock.release()
+                else:
+                    view = await anyio.to_thread.run_sync(graph.add_turn, node)
+        except (OSError, RolloutStoreError) as exc:
+            raise _not_recorded(session, exc) from None
+        return _recorded(session, view)
+
+    def record_now(self, session: Session, node: TurnNode) -> str:
+        """`_record` in the calling thread (the Rust data plane's): the node id."""
+        try:
+            with session.use() as graph:
+                view = graph.add_turn(node)
+        except (OSError, RolloutStoreError) as exc:
+            raise _not_recorded(session, exc) from None
+        return _recorded(session, view)
+
+    async def _timed(self, session: Session, clock: CallClock) -> None:
+        """Record a call's timeline once its reply is sent (a background task of the
+        response): best effort. With `--ack fast` the turn may not be recorded yet: the
+        recorder then records the timeline once it has recorded the turn."""
+        try:
+            clock.reply_sent = clock.now()
+            if clock.node_id is not None:
+                await self._record_timeline(session, clock)
+        finally:
+            self.timed(session, clock)
+
+    async def _timelines_recorded(self, session: Session) -> None:
+        """Wait (at most `_TIMELINE_WAIT_S`) for the timelines of the session's answered
+        calls, so an export taken right after a call has its timeline."""
+        deadline = time.monotonic() + _TIMELINE_WAIT_S
+        while True:
+            pending = self._timing.get(session.session_id)
+            now = time.monotonic()
+            # a reply never sent (its client gone) runs no task: its entry expires
+            if not pending or now >= deadline:
+                return
+            if all(now - answered > _TIMELINE_WAIT_S for answered in list(pending.values())):
+                return
+            await asyncio.sleep(0.005)
+
+    async def _record_timeline(self, session: Session, clock: CallClock) -> None:
+        if clock.node_id is None:
+            return
+        apply = functools.partial(_apply_timeline, clock=clock)
+        with contextlib.suppress(RolloutStoreError, OSError), session.use() as graph:
+            if self.inline and graph.lock.acquire(blocking=False):
+                try:
+                    apply(graph)
+                finally:
+                    graph.lock.release()
+            else:
+                await anyio.to_thread.run_sync(apply, graph)
+
+    def record_timeline_now(self, session: Session, clock: CallClock) -> None:
+        """`_record_timeline` in the calling thread (the Rust data plane's)."""
+        if clock.node_id is None:
+            return
+        with contextlib.suppress(RolloutStoreError, OSError), session.use() as graph:
+            _apply_timeline(graph, clock)
+
+    def timing(self, session: Session, clock: CallClock) -> None:
+        """A call whose timeline is recorded once its reply is sent (an export waits)."""
+        self._timing.setdefault(session.session_id, {})[id(clock)] = time.monotonic()
+
+    def timed(self, session: Session, clock: CallClock) -> None:
+        """That call's reply is sent and its timeline recorded (or let go)."""
+        pending = self._timing.get(session.session_id)
+        if pending is not None:
+            pending.pop(id(clock), None)
+            if not pending:
+                self._timing.pop(session.session_id, None)
+
+    # -- --ack fast: answered first, recorded right after
+
+    def _drop(self, session: Session, why: str) -> None:
+        session.dropped += 1
+        self.dropped[why] += 1
+
+    def _queue_turn(self, session: Session, node: TurnNode, clock: CallClock) -> None:
+        """Hand an answered call's turn to the recorder; a full queue drops it (counted)."""
+        if self._pending is None:
+            self._pending = asyncio.Queue(self.config.ack_queue)
+        if self._recorder is None:
+            self._recorder = asyncio.ensure_future(self._record_queued(self._pending))
+        try:
+            self._pending.put_nowait((session, node, clock))
+        except asyncio.QueueFull:
+            self._drop(session, "queue_full")
+
+    async def _record_queued(
+        self, pending: asyncio.Queue[tuple[Session, TurnNode, CallClock]]
+    ) -> None:
+        """Record the queued turns in their order (one at a time: a session's turns keep
+        the order they were answered in), and the timeline of one whose reply is sent."""
+        while True:
+            session, node, clock = await pending.get()
+            try:
+                clock.node_id = await self._record(session, node)
+                if clock.reply_sent >= 0:  # sent before the turn was recorded: ours to do
+                    await self._record_timeline(session, clock)
+            except asyncio.CancelledError:
+                self._drop(session, "shutdown")
+                pending.task_done()
+                raise
+            except Exception:  # any failure: the client has its answer, the turn is counted
+                self._drop(session, "record_error")
+            pending.task_done()
+
+    async def settled(self, timeout: float = ACK_DRAIN_SECONDS) -> bool:
+        """Wait (at most `timeout` seconds) until every turn answered so far is recorded or
+        counted as dropped; whether it was."""
+        if self.plane is not None:
+            return await anyio.to_thread.run_sync(self.plane.settle, timeout)
+        if self._pending is None or self._recorder is None:
+            return True
+        try:
+            async with asyncio.timeout(timeout):
+                await self._pending.join()
+        except TimeoutError:
+            return False
+        return True
+
+    async def _drain(self) -> None:
+        """On stopping: record what is queued (bounded time), count the rest as dropped."""
+        await self.settled()
+        recorder, self._recorder = self._recorder, None
+        if recorder is not None:
+            recorder.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await recorder
+        pending, self._pending = self._pending, None
+        while pending is not None and not pending.empty():
+            session, _, _ = pending.get_nowait()
+            self._drop(session, "shutdown")
+
+    async def _call(
+        self,
+        session: Session,
+        path: str,
+        content: bytes,
+        headers: dict[str, str],
+        make_turn: Callable[[dict[str, Any]], TurnNode],
+        clock: CallClock,
+    ) -> tuple[dict[str, Any], bytes]:
+        """Forward one call, record its turn; the complete response, decoded and as the
+        upstream's bytes (or _Refusal/_Passthrough). A failed attempt is counted for the
+        session's next turn's timeline."""
+        try:
+            response, answer = await self._forward(path, content, headers, clock)
+        except _Passthrough as passed:
+            session.upstream_errors += 1
+            session.failed = failed_after(session.failed, passed.response.status_code)
+            raise
+        except _Refusal as refused:
+            if refused.status in (502, 504):  # the upstream unreachable or too slow
+                session.failed = failed_after(session.failed, refused.status)
+            raise
+        failed = session.failed
+        node = make_turn(response)
+        if self.config.ack == "fast":
+            self._queue_turn(session, node, clock)
+        else:
+            clock.node_id = await self._record(session, node)
+        clock.failed, session.failed = failed, 0
+        return response, answer
+
+    async def _answer(
+        self,
+        call: Any,
+        anthropic: bool,
+        stream: bool,
+        reply: Callable[[dict[str, Any], bytes], Response],
+        events: Callable[[dict[str, Any]], Iterator[bytes]],
+        session: Session,
+        clock: CallClock,
+    ) -> Response:
+        """The answer to a call, its timeline recorded once it is sent (see `_answered`)."""
+        answer = await self._answered(call, anthropic, stream, reply, events, clock)
+        if clock.node_id is not None or stream or self.config.ack == "fast":
+            self.timing(session, clock)
+            answer.background = BackgroundTask(self._timed, session, clock)
+        return answer
+
+    async def _answered(
+        self,
+        call: Any,
+        anthropic: bool,
+        stream: bool,
+        reply: Callable[[dict[str, Any], bytes], Response],
+        events: Callable[[dict[str, Any]], Iterator[bytes]],
+        clock: CallClock,
+    ) -> Response:
+        """Wait for the call; a streaming client that waits long gets keep-alive comments.
+
+        Until `stream_keepalive` seconds have passed the answer is not begun, so an upstream
+        error still reaches the client with its own status; after that the stream starts
+        (200) with SSE comments, and a failure arrives as an error event. A call that does
+        not stream is awaited in this task: a task of its own cost two turns of the event
+        loop (one to start it, one to wake this handler when it ends), each waiting behind
+        whatever else was ready; measured in the server on the loaded 2-core machine, 0.46
+        and 1.14 ms at the median, 9 and 17 ms at the 90th percentile.
+        """
+        if not stream:
+            try:
+                response, answer = await call
+            except (_Refusal, _Passthrough) as failed:
+                return _failure(anthropic, failed)
+            return reply(response, answer)
+        task: asyncio.Task[tuple[dict[str, Any], bytes]] = asyncio.ensure_future(call)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self.config.stream_keepalive)
+        except BaseException:
+            task.cancel()
+            raise
+        if done:
+            try:
+                response, _ = task.result()
+            except (_Refusal, _Passthrough) as failed:
+                return _failure(anthropic, failed)
+            return StreamingResponse(
+                _events(events(response), clock),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+            )
+        return StreamingResponse(
+            _events(self._kept_alive(task, anthropic, events), clock),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+
+    async def _kept_alive(
+        self,
+        task: asyncio.Task[tuple[dict[str, Any], bytes]],
+        anthropic: bool,
+        events: Callable[[dict[str, Any]], Iterator[bytes]],
+    ) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                yield b": keep-alive\n\n"
+                done, _ = await asyncio.wait({task}, timeout=self.config.stream_keepalive)
+                if done:
+                    break
+            try:
+                response, _ = task.result()
+            except (_Refusal, _Passthrough) as failed:
+                if isinstance(failed, _Refusal):
+                    status, reason = failed.status, failed.reason
+                else:
+                    status = failed.response.status_code
+                    reason = (
+                        f"the upstream answered {status}: "
+                        + bytes(failed.response.body)
+                        .decode("utf-8", "replace")
+                        .replace("\n", " ")[:500]
+                    )
+                error = _error_body(anthropic, status, reason)
+                yield sse_event("error", error) if anthropic else sse_data(error)
+                return
+            for chunk in events(response):
+                yield chunk
+        finally:
+            task.cancel()  # the client left before the answer: the call is abandoned
+
+    async def _accept(
+        self, request: Request, *, anthropic: bool
+    ) -> tuple[Session, bytes] | Response:
+        """The session and raw body of a model call, or the refusal to answer (in the error
+        shape of the route's API) when either is wrong."""
+        try:
+            session = self._session(_api_key(request))
+            return session, await self._read_body(request)
+        except _Refusal as refusal:
+            return _failure(anthropic, refusal)
+        except _Gone:
+            return Response(status_code=400)  # not sent: the client is gone
+
+    def plan(
+        self,
+        anthropic: bool,
+        headers: Mapping[str, str],
+        session: Session,
+        raw: bytes,
+        clock: CallClock,
+    ) -> _Plan:
+        """A model call's body checked and its upstream call made ready (or _Refusal)."""
+        raw_fields = MESSAGES_RAW_FIELDS if anthropic else CHAT_RAW_FIELDS
+        body = (_check_anthropic if anthropic else _check_chat)(_decode(raw, raw_fields))
+        _check_depth(body, anthropic)
+        harness = _harness_session(headers, body, anthropic=anthropic)
+        stream = body.get("stream") is True
+        upstream_headers = self._upstream_headers(headers, anthropic=anthropic)
+        if anthropic:
+            make_turn, replay = _recorder(
+                lambda response: messages_turn(body, response, harness),
+                anthropic_events if stream else None,
+            )
+            return _Plan(
+                session,
+                anthropic,
+                stream,
+                "/v1/messages",
+                upstream_body(raw, body, {"stream": False}),
+                upstream_headers,
+                make_turn,
+                _json_bytes,
+                replay,
+                clock,
+            )
+        inject_ids = self.config.capture_tokens and "return_token_ids" not in body
+        inject_logprobs = self.config.capture_tokens and "logprobs" not in body
+        extra: dict[str, Any] = {"stream": False}
+        if inject_ids:
+            extra["return_token_ids"] = True
+        if inject_logprobs:
+            extra["logprobs"] = True
+        options = body.get("stream_options") or {}
+
+        def reply(response: dict[str, Any], answer: bytes) -> Response:
+            if not (inject_ids or inject_logprobs):  # nothing to take out: the engine's bytes
+                return _json_bytes(response, answer)
+            _strip_injected(response, inject_ids, inject_logprobs)
+            return _written_anew(response)
+
+        def events(response: dict[str, Any]) -> Iterator[bytes]:
+            _strip_injected(response, inject_ids, inject_logprobs)
+            return chat_chunks(
+                response,
+                include_usage=bool(options.get("include_usage")),
+                token_ids=bool(body.get("return_token_ids")),
+            )
+
+        make_turn, replay = _recorder(
+            lambda response: chat_turn(body, response, harness), events if stream else None
+        )
+        return _Plan(
+            session,
+            anthropic,
+            stream,
+            "/v1/chat/completions",
+            upstream_body(raw, body, extra),
+            upstream_headers,
+            make_turn,
+            reply,
+            replay,
+            clock,
+        )
+
+    async def _model_call(self, request: Request, anthropic: bool) -> Response:
+        clock = CallClock()
+        accepted = await self._accept(request, anthropic=anthropic)
+        if isinstance(accepted, Response):
+            return accepted
+        session, raw = accepted
+        try:
+            plan = self.plan(anthropic, request.headers, session, raw, clock)
+        except _Refusal as refusal:
+            return _failure(anthropic, refusal)
+        call = self._call(session, plan.path, plan.content, plan.headers, plan.make_turn, clock)
+        # while the upstream answers: its body and the raw fields, no third copy
+        del accepted, raw
+        replay = plan.replay
+        return await self._answer(
+            call, anthropic, plan.stream, plan.reply, lambda _: iter(replay), session, clock
+        )
+
+    async def chat(self, request: Request) -> Response:
+        return await self._model_call(request, anthropic=False)
+
+    async def messages(self, request: Request) -> Response:
+        return await self._model_call(request, anthropic=True)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            status, headers, answer = await self._get("GET", "/v1/models")
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            return JSONResponse(
+                _error_body(False, 502, f"the upstream cannot be reached: {type(exc).__name__}"),
+                502,
+            )
+        return Response(answer, status, media_type=headers.get("content-type", "application/json"))
+
+    # -- sessions
+
+    async def _json_object_body(self, request: Request) -> dict[str, Any] | Response:
+        """The request's body as a JSON object (an empty body is `{}`), or the answer that
+        refuses it."""
+        try:
+            raw = await self._read_body(request)  # the model calls' limit
+        except _Refusal as refusal:
+            return _refused(refusal.status, refusal.reason)
+        except _Gone:
+            return Response(status_code=400)  # not sent: the client is gone
+        try:
+            payload = json.loads(raw) if raw.strip() else {}
+        except RecursionError:
+            return JSONResponse({"error": "the body nests too deeply"}, 400)
+        except ValueError:
+            return JSONResponse({"error": "the body must be JSON (or empty)"}, 400)
+        if not isinstance(payload, dict):
+            return JSONResponse({"error": "the body must be a JSON object"}, 400)
+        return payload
+
+    async def create_session(self, request: Request) -> Response:
+        payload = await self._json_object_body(request)
+        if isinstance(payload, Response):
+            return payload
+        metadata = payload.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            return JSONResponse({"error": "metadata must be a JSON object"}, 400)
+        group, labels = payload.get("group"), payload.get("labels")
+        if labels is not None and not isinstance(labels, list):
+            return JSONResponse({"error": "labels must be a JSON array of strings"}, 400)
+        try:
+            session = await anyio.to_thread.run_sync(
+                lambda: self.sessions.create(
+                    payload.get("session_id"), metadata=metadata, group=group, labels=labels
+                )
+            )
+        except SessionError as exc:
+            status = 409 if "already exists" in str(exc) else 400
+            return JSONResponse({"error": str(exc)}, status)
+        except OSError as exc:  # the data directory is full or failing: nothing was kept
+            status, reason = _storage_failure("the session cannot be stored", exc)
+            return JSONResponse({"error": reason}, status)
+        base = str(request.base_url).rstrip("/")
+        return JSONResponse(
+            {
+                "session_id": session.session_id,
+                "api_key": session.api_key,
+                "openai_base_url": f"{base}/v1",
+                "anthropic_base_url": base,
+            }
+        )
+
+    # -- who may touch a session
+
+    def _is_admin(self, key: str | None) -> bool:
+        admin = self._admin_key
+        return (
+            admin is not None
+            and key is not None
+            and hmac.compare_digest(admin, key.encode("utf-8", "surrogatepass"))
+        )
+
+    def _credential(self, request: Request, view: bool = False) -> str | None:
+        """The key a session route was sent: `Authorization: Bearer` or `x-api-key`, or for
+        a viewer's GET the key it was opened with (`?key=`, then its cookie)."""
+        key = _api_key(request)
+        if key is None and view and request.method in ("GET", "HEAD"):
+            key = (
+                request.query_params.get("key")
+                or unquote(request.cookies.get(VIEW_COOKIE, ""))
+                or unquote(request.cookies.get(ROOT_COOKIE, ""))
+            )
+        return key or None
+
+    def _lookup(self, request: Request, *, view: bool = False) -> Session | Response:
+        """The session a route names, if the request may touch it; else the refusal.
+
+        Every route that reads, lists or changes a session calls this: it needs the
+        session's own key or the server's admin key. Without either the answer is 401 (no
+        key) or 403 (another key), whether the session exists or not; with the admin key an
+        unknown session is 404."""
+        session_id = request.path_params["session_id"]
+        key = self._credential(request, view)
+        if not self._is_admin(key):
+            if key is None:
+                return _refused(401, _NEEDS_KEY)
+            session = self.sessions.by_key(key)
+            if session is None or session.session_id != session_id:
+                return _refused(
+                    403,
+                    f"this key does not open session {session_id!r}: send that session's "
+                    "api_key, or the server's admin key",
+                )
+            return session
+        session = self.sessions.get(session_id) if clean_session_id(session_id) else None
+        if session is None:
+            return JSONResponse({"error": f"no session {session_id!r}"}, 404)
+        return session
+
+    def _visible(self, request: Request, *, view: bool = False) -> list[Session] | Response:
+        """The sessions a request may see, for routes over many sessions (the list, and any
+        route that gathers sessions): every one for the admin key, a session's own for its
+        key; else the refusal."""
+        key = self._credential(request, view)
+        if self._is_admin(key):
+            return self.sessions.all()
+        if key is None:
+            return _refused(401, _NEEDS_KEY)
+        own = self.sessions.by_key(key)
+        if own is None:
+            return _refused(403, "unknown key: send a session's api_key or the admin key")
+        return [own]
+
+    async def list_sessions(self, request: Request) -> Response:
+        """Every session for the admin key; a session's own key lists that session only.
+
+        `GET /` is what a browser opens: there the key may also come as `?key=` (moved into
+        an HttpOnly cookie, and the page reloaded without it in its URL), and a browser gets
+        the list as a page linking each session's viewer."""
+        root = request.url.path == "/"
+        if root and "key" in request.query_params and _api_key(request) is None:
+            moved = RedirectResponse("/", status_code=303)
+            moved.set_cookie(
+                ROOT_COOKIE,
+                quote(request.query_params["key"], safe=""),
+                path="/",
+                httponly=True,
+                samesite="strict",
+            )
+            return moved
+        visible = self._visible(request, view=root)
+        if isinstance(visible, Response):
+            return visible
+        infos = [s.info() for s in visible]
+        if root and "text/html" in request.headers.get("accept", ""):
+            return HTMLResponse(_sessions_page(infos))
+        return _written_anew({"sessions": infos})
+
+    async def session_info(self, request: Request) -> Response:
+        found = self._lookup(request)
+        if not isinstance(found, Response):
+            await self.settled()
+        return found if isinstance(found, Response) else _written_anew(found.info())
+
+    def _view_key_moved(self, request: Request, session: Session, path: str) -> Response | None:
+        """A viewer opened with `?key=`: the key goes into a cookie for the viewer's own path
+        (HttpOnly, SameSite=Strict) and the page is reloaded without it in its URL."""
+        key = request.query_params.get("key")
+        if key is None or _api_key(request) is not None:
+            return None
+        query = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "key"])
+        moved = RedirectResponse(path + (f"?{query}" if query else ""), status_code=303)
+        moved.set_cookie(
+            VIEW_COOKIE,
+            quote(key, safe=""),
+            path=f"/sessions/{session.session_id}/view/",
+            httponly=True,
+            samesite="strict",
+        )
+        return moved
+
+    async def view_root(self, request: Request) -> Response:
+        """`/sessions/{id}/view` without its slash: the page's relative URLs need one."""
+        found = self._lookup(request, view=True)
+        if isinstance(found, Response):
+            return found
+        root = f"/sessions/{found.session_id}/view/"
+        return self._view_key_moved(request, found, root) or RedirectResponse(root, 307)
+
+    async def view(self, request: Request) -> Response:
+        """The viewer of a live session, answered from its graph (`rollout-store view`'s page)."""
+        found = self._lookup(request, view=True)
+        if isinstance(found, Response):
+            return found
+        session = found
+        if session.damaged is not None:
+            return _damaged(session.damaged)
+        path = "/" + request.path_params["path"]
+        moved = self._view_key_moved(request, session, request.url.path)
+        if moved is not None:
+            return moved
+        query = request.url.query
+
+        metadata = session.metadata
+        labels = metadata.get("labels") if isinstance(metadata, dict) else None
+
+        def answer() -> tuple[int, tuple[tuple[str, str], ...], bytes]:
+            with session.use() as graph:
+                viewer = Viewer(graph, title=session.session_id, labels=labels)
+                page = viewer.respond(path, query)
+            return page.status, page.headers, page.body
+
+        try:
+            status, headers, body = await anyio.to_thread.run_sync(answer)
+        except (SessionDamagedError, StoreError) as exc:
+            return self._damage_answer(session, exc)
+        return Response(body, status_code=status, headers=dict(headers))
+
+    def _damage_answer(self, session: Session, exc: BaseException) -> Response:
+        """The answer for a session whose log or objects cannot be read (500, with the
+        object, the file and the repair), or whose store is down (503)."""
+        if isinstance(exc, StoreUnavailableError):
+            return JSONResponse({"error": f"the content store is unavailable: {exc}"}, 503)
+        if isinstance(exc, SessionDamagedError):
+            return _damaged(str(exc))
+        return _damaged(self.sessions.damage_report(session.session_id, exc))
+
+    async def _streamed(
+        self,
+        sessions: Session | Sequence[Session],
+        produce: Callable[[IO[bytes]], None],
+        media_type: str,
+    ) -> Response:
+        """A document written by `produce` in a thread from `sessions`, streamed; a session
+        that is or turns out damaged before the first bytes, or a store that is down, gets
+        its error as the answer."""
+        members = [sessions] if isinstance(sessions, Session) else list(sessions)
+        for member in members:
+            if member.damaged is not None:
+                return _damaged(member.damaged)
+        session = members[0]
+        chunks = _from_thread(produce)
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = b""
+        except (SessionDamagedError, StoreError) as exc:
+            await chunks.aclose()
+            return self._damage_answer(session, exc)
+
+        async def whole() -> AsyncIterator[bytes]:
+            try:
+                yield first
+                async for chunk in chunks:
+                    yield chunk
+            finally:
+                await chunks.aclose()
+
+        return StreamingResponse(whole(), media_type=media_type)
+
+    async def export(self, request: Request) -> Response:
+        found = self._lookup(request)
+        if isinstance(found, Response):
+            return found
+        await self.settled()  # (--ack fast) the turns answered before it are in it
+        session, session_id, metadata = found, found.session_id, found.metadata
+        await self._timelines_recorded(session)
+        flags = request.query_params
+        messages = flags.get("messages", "0") not in ("0", "false", "")
+        discarded = flags.get("discarded", "0") not in ("0", "false", "")
+        if session.damaged is not None:
+            return _damaged(session.damaged)
+        try:
+            level = flags.get("capture_level") or found.capture_level()
+        except (SessionDamagedError, StoreError) as exc:
+            return self._damage_answer(session, exc)
+        if level not in CAPTURE_LEVELS:
+            message = f"capture_level must be one of {', '.join(CAPTURE_LEVELS)}"
+            return JSONResponse({"error": message}, 400)
+        findings = _dropped_findings(session)
+
+        def produce(fp: IO[bytes]) -> None:
+            with session.use() as graph:
+                write_session_json(
+                    graph,
+                    fp,
+                    session_id=session_id,
+                    metadata=metadata,
+                    include_messages=messages,
+                    include_discarded=discarded,
+                    capture_level=level,
+                    findings=findings,
+                )
+
+        return await self._streamed(session, produce, "application/json")
+
+    async def trace(self, request: Request) -> Response:
+        found = self._lookup(request)
+        if isinstance(found, Response):
+            return found
+        await self.settled()
+        session = found
+        await self._timelines_recorded(session)
+
+        def produce(fp: IO[bytes]) -> None:
+            with session.use() as graph:
+                write_trace_jsonl(graph, fp)
+
+        return await self._streamed(session, produce, "application/x-ndjson")
+
+    async def patch_session(self, request: Request) -> Response:
+        """Annotate and reward a session's graph, all changes or none: a JSON object with
+        any of `labels` (added), `annotations` (object), `reward` (number or null),
+        `rewards` (leaf node id -> number or null), `group`."""
+        found = self._lookup(request)
+        if isinstance(found, Response):
+            return found
+        session = found
+        payload = await self._json_object_body(request)
+        if isinstance(payload, Response):
+            return payload
+        unknown = sorted(set(payload) - {"labels", "annotations", "reward", "rewards", "group"})
+        if unknown:
+            return JSONResponse(
+                {
+                    "error": f"unknown field(s) {', '.join(unknown)}: send labels, "
+                    "annotations, reward, rewards or group"
+                },
+                400,
+            )
+        labels = payload.get("labels", [])
+        if not isinstance(labels, list):
+            return JSONResponse({"error": "labels must be a JSON array of strings"}, 400)
+        group = payload.get("group", UNCHANGED)
+        if group not in (UNCHANGED, None) and clean_session_id(group) is None:
+            return JSONResponse(
+                {"error": "group must be a valid id (as a session id) or null"}, 400
+            )
+        changes = {
+            "labels": labels,
+            "annotations": payload.get("annotations"),
+            "reward": payload.get("reward", UNCHANGED),
+            "rewards": payload.get("rewards"),
+            "group": group,
+        }
+
+        def apply() -> dict[str, Any]:
+            with session.use() as graph:
+                # the session file first: a log record that fails puts it back, so a
+                # failed PATCH changes nothing
+                before = session.group
+                if group is not UNCHANGED:
+                    session.group = group
+                    try:
+                        self.sessions.save_group(session)
+                    except BaseException:
+                        session.group = before
+                        raise
+                try:
+                    graph.update_metadata(**changes)
+                except BaseException:
+                    if group is not UNCHANGED:
+                        session.group = before
+                        # best effort: on reopen the log's group wins over the file's
+                        with contextlib.suppress(OSError):
+                            self.sessions.save_group(session)
+                    raise
+                return {"session_id": session.session_id, **graph.meta.document()}
+
+        if session.damaged is not None:
+            return _damaged(session.damaged)
+        try:
+            answer = await anyio.to_thread.run_sync(apply)
+        except (SessionDamagedError, StoreError) as exc:
+            return self._damage_answer(session, exc)
+        except OSError as exc:  # FileWriteError too: a full disk, a quota, an I/O error
+            status, reason = _storage_failure("the change cannot be stored", exc)
+            return JSONResponse({"error": reason}, status)
+        except (RolloutStoreError, SessionError) as exc:
+            return JSONResponse({"error": str(exc)}, 400)
+        return _written_anew(answer)
+
+    async def group_info(self, request: Request) -> Response:
+        """The sessions of a group (each as `GET /sessions/{id}` lists it)."""
+        members = self._group(request)
+        if isinstance(members, Response):
+            return members
+        group = request.path_params["group_id"]
+        return _written_anew({"group": group, "sessions": [s.info() for s in members]})
+
+    def _group(self, request: Request) -> list[Session] | Response:
+        """The sessions of the path's group that the request may see (`_visible`: all of
+        them for the admin key, a session's own for its key); 404 when there are none."""
+        visible = self._visible(request)
+        if isinstance(visible, Response):
+            return visible
+        group = request.path_params["group_id"]
+        members = [s for s in visible if s.group == group] if clean_session_id(group) else []
+        if not members:
+            return JSONResponse({"error": f"no session in group {group!r}"}, 404)
+        return members
+
+    async def session_samples(self, request: Request) -> Response:
+        """A session's training rows (`rows`): `?format=path|tree` (default path),
+        `?output=jsonl|parquet` (default jsonl), streamed."""
+        found = self._lookup(request)
+        if isinstance(found, Response):
+            return found
+        return await self._samples(request, [found])
+
+    async def group_samples(self, request: Request) -> Response:
+        """The training rows of a group's sessions: `?format=tree` packs them as one forest,
+        `?format=path` (the default) gives every path of every session."""
+        members = self._group(request)
+        if isinstance(members, Response):
+            return members
+        return await self._samples(request, members, forest=True)
+
+    async def _samples(
+        self, request: Request, members: list[Session], forest: bool = False
+    ) -> Response:
+        kind = request.query_params.get("format", "path")
+        output = request.query_params.get("output", "jsonl")
+        if kind not in KINDS:
+            return JSONResponse({"error": f"format must be one of {', '.join(KINDS)}"}, 400)
+        if output not in FORMATS.values():
+            message = f"output must be one of {', '.join(FORMATS.values())}"
+            return JSONResponse({"error": message}, 400)
+
+        def produce(fp: IO[bytes]) -> None:
+            with contextlib.ExitStack() as stack:
+                graphs = [stack.enter_context(session.use()) for session in members]
+                for graph in graphs:  # one consistent view of each: add_turn waits
+                    stack.enter_context(graph.lock)
+                if kind == "tree":
+                    rows = iter_tree_samples(graphs if forest else graphs[0])
+                else:
+                    rows = (row for graph in graphs for row in iter_token_samples(graph))
+                write_rows(rows, fp, kind, format=output)
+
+        media = "application/x-ndjson" if output == "jsonl" else "application/vnd.apache.parquet"
+        return await self._streamed(members, produce, media)
+
+    async def delete_session(self, request: Request) -> Response:
+        found = self._lookup(request)
+        if isinstance(found, Response):
+            return found
+        session_id = found.session_id
+        deleted = await anyio.to_thread.run_sync(self.sessions.delete, session_id)
+        if not deleted:
+            return JSONResponse({"error": f"no session {session_id!r}"}, 404)
+        return JSONResponse({"deleted": True, "session_id": session_id})
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse(
+            {
+                "status": "ok",
+                "upstream": self.upstream,
+                "sessions": len(self.sessions.ids()),
+                "damaged": len(self.sessions.damaged()),
+                "open": self.sessions.open_mode,
+                "data": self.sessions.data is not None,
+                "replica": self.config.replica,
+                "ack": self.config.ack,
+                "ack_queue": {
+                    "size": self.config.ack_queue,
+                    "pending": (
+                        self.plane.pending()
+                        if self.plane is not None
+                        else 0
+                        if self._pending is None
+                        else self._pending.qsize()
+                    ),
+                },
+                "dropped": sum(self.dropped.values()),
+                "dropped_by": dict(self.dropped),
+            }
+        )
+
+
+async def _favicon(request: Request) -> Response:
+    return Response(favicon(), media_type="image/svg+xml")
+
+
+_NEEDS_KEY = (
+    "this route needs a key: send `Authorization: Bearer KEY` (or `x-api-key: KEY`) with the "
+    "session's api_key, or the admin key the server was started with (--admin-key or "
+    f"{ADMIN_KEY_ENV})"
+)
+
+
+def _sessions_page(infos: list[dict[str, Any]]) -> str:
+    """The sessions as a browser's page: each linked to its viewer, with its counts."""
+    rows = "".join(
+        '<tr><td><a href="/sessions/{0}/view/">{0}</a></td><td>{1}</td><td>{2}</td>'
+        "<td>{3}</td></tr>".format(
+            html.escape(str(info["session_id"])),
+            html.escape(str(info.get("turns", info.get("damaged", "")))),
+            html.escape(str(info.get("capture_level", ""))),
+            html.escape(json.dumps(info.get("metadata") or {})),
+        )
+        for info in infos
+    )
+    return (
+        '<!doctype html><meta charset="utf-8"><title>rollout_store sessions</title>'
+        '<link rel="icon" href="/favicon.ico">'
+        f"<h1>Sessions ({len(infos)})</h1>"
+        "<table><tr><th>session</th><th>turns</th><th>capture level</th><th>metadata</th></tr>"
+        f"{rows}</table>"
+    )
+
+
+def _refused(status: int, reason: str) -> Response:
+    headers = {"www-authenticate": "Bearer"} if status == 401 else None
+    if status == 408:  # the rest of the body is not read: the connection cannot be reused
+        headers = {"connection": "close"}
+    return JSONResponse({"error": reason}, status, headers=headers)
+
+
+def _dropped_findings(session: Session) -> list[str]:
+    """The export's finding for turns answered with `--ack fast` and never recorded."""
+    if not session.dropped:
+        return []
+    return [
+        f"[WARN] dropped_turns: {session.dropped} turn(s) of this session were answered "
+        "(--ack fast) but not recorded (queue full, a recording error or the server "
+        "stopping): the rollout misses them; see the server's /health"
+    ]
+
+
+def _damaged(reason: str) -> Response:
+    return JSONResponse({"error": reason, "damaged": True}, 500)
+
+
+def _not_recorded(session: Session, exc: OSError | RolloutStoreError) -> _Refusal:
+    """The refusal of a call whose turn the graph did not take."""
+    if isinstance(exc, InvalidValueError):
+        session.rejected += 1
+        if exc.path.split(".")[0].split("[")[0] in (
+            "request_messages",
+            "request_tools",
+            "sampling_params",
+        ):
+            return _Refusal(400, f"the request cannot be recorded: {exc}")
+        return _Refusal(502, f"the upstream's answer cannot be recorded: {exc}")
+    if isinstance(exc, OSError):  # FileWriteError too: a full disk, a quota, an I/O error
+        return _Refusal(*_storage_failure("the turn cannot be recorded", exc))
+    return _Refusal(409, f"the session cannot record: {exc}")
+
+
+def _recorded(session: Session, view: Any) -> str:
+    session.recorded += 1
+    session.last_turn_at = time.time()
+    return str(view.node_id)
+
+
+def _apply_timeline(graph: Any, clock: CallClock) -> None:
+    """Set a recorded call's timeline, with the gap since its parent's reply."""
+    node_id = clock.node_id
+    gap = None
+    parent = graph.parent(node_id)
+    found = graph.timeline(parent) if parent is not None else None
+    if found is not None:
+        gap = clock.received - (found.received + found.reply_sent)
+        gap = gap if gap >= 0 else None
+    graph.set_timeline(node_id, clock.timeline(clock.reply_sent, gap))
+
+
+def _storage_failure(what: str, exc: OSError) -> tuple[int, str]:
+    """The status and reason for a write the disk refused: 507 for a full disk or quota,
+    503 for any other I/O error."""
+    reason = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return 507, f"{what}: the disk is full ({reason}); nothing was kept: free space, retry"
+    return 503, f"{what}: writing failed ({reason}); nothing was kept"
+
+
+class _CaptureApp(Starlette):
+    """The app: a model call goes straight to its handler, everything else through Starlette.
+
+    A `POST` to a model route skips Starlette's middleware, router and request wrapper (the
+    handler gets its `Request`, its `Response` answers by itself): the same handler and the
+    same answer, at less CPU a call, which on a machine whose cores the client and the engine
+    share is queueing every other call in flight waits through. An exception a handler
+    raises is answered 500 as Starlette's own error middleware answers it, and raised on to
+    the server, which logs it.
+    """
+
+    def __init__(
+        self,
+        calls: dict[str, Callable[[Request], Awaitable[Response]]],
+        hosts: frozenset[str] | None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self._calls = calls
+        self._hosts = hosts
+
+    def _refusal(self, scope: Scope) -> Response | None:
+        """The answer to a request no route may see: a `Host` or an `Origin` the server does
+        not answer (DNS rebinding, a page on another site), or a body that is not JSON."""
+        host = origin = kind = None
+        for name, value in scope["headers"]:
+            if name == b"host":
+                host = value.decode("latin-1")
+            elif name == b"origin":
+                origin = value.decode("latin-1")
+            elif name == b"content-type":
+                kind = value.decode("latin-1")
+        if not host_allowed(host, self._hosts):
+            status, reason = (
+                403,
+                (
+                    f"this server does not answer the Host {host!r}: only its own names (a request "
+                    "through another name is refused against DNS rebinding); start it with "
+                    "--allow-host NAME to accept one"
+                ),
+            )
+        elif not origin_allowed(origin, self._hosts):
+            status, reason = (
+                403,
+                (
+                    f"requests from the web origin {origin!r} are refused (a page elsewhere); "
+                    "start the server with --allow-host NAME to accept that host"
+                ),
+            )
+        elif (
+            kind is not None
+            and scope["method"] in ("POST", "PUT", "PATCH")
+            and kind.split(";", 1)[0].strip().lower() != "application/json"
+        ):
+            status, reason = (
+                415,
+                (f"the body must be sent as Content-Type: application/json, not {kind!r}"),
+            )
+        else:
+            return None
+        path = scope["path"]
+        if path.startswith("/v1/"):
+            anthropic = path == "/v1/messages"
+            return JSONResponse(_error_body(anthropic, status, reason), status)
+        return JSONResponse({"error": reason}, status)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        handler = self._calls.get(scope["path"]) if scope["type"] == "http" else None
+        if handler is None or scope["method"] != "POST":
+            await super().__call__(scope, receive, send)
+            return
+        scope["app"] = self
+        try:
+            response = await handler(Request(scope, receive))
+        except Exception:
+            await PlainTextResponse("Internal Server Error", 500)(scope, receive, send)
+            raise
+        await response(scope, receive, send)  # (every response starts before its body)
+
+
+def create_app(
+    upstream: str,
+    *,
+    data: str | os.PathLike[str] | None = None,
+    fsync: str | int = "turn",
+    store: ContentStore | None = None,
+    cache: StringCache | None = None,
+    open_mode: bool = False,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    upstream_timeout: float = UPSTREAM_TIMEOUT,
+    upstream_api_key: str | None = None,
+    capture_tokens: bool = True,
+    stream_keepalive: float = STREAM_KEEPALIVE,
+    idle_seconds: float = IDLE_SECONDS,
+    admin_key: str | None = None,
+    hosts: Sequence[str] | None = None,
+    body_timeout: float = BODY_TIMEOUT,
+    ack: str = "durable",
+    ack_queue: int = ACK_QUEUE,
+    replica: str | None = None,
+) -> Starlette:
+    """The capture server as an ASGI app (serve it with uvicorn).
+
+    `upstream`: base URL of an OpenAI-compatible engine (`http://host:port`, a trailing `/v1`
+    is dropped); `/v1/messages` goes to the same host. `data`: directory of session logs
+    (None: in memory); existing sessions there are reopened now. `fsync`: "turn", N or
+    "never". `store`: the content store all sessions share (default: a new `MemoryStore`);
+    `cache`: the string cache they share over an out-of-process store. `open_mode`: serve
+    unknown API keys (a key that is a valid session id becomes that session).
+    `capture_tokens`: ask the upstream for vLLM's token ids and logprobs when the client did
+    not say. `stream_keepalive`: seconds before a streaming client that is still waiting
+    gets SSE comments (and then an error event rather than a status if the call fails).
+    `idle_seconds`: with `data`, a session unused this long lets its graph go (its log keeps
+    everything; the next use reopens it); without, its graph lets its caches go (the tips
+    that spare its next turn hashing what it re-sends, about 2 KB); 0 keeps everything.
+    `admin_key`: a key (at least 16 characters) that opens every session route of every
+    session, `GET /sessions` included; without it each session is reached with its own key
+    only. `hosts`: the `Host` names answered besides the loopback names (`["*"]`: any; see
+    `hosts.allowed_hosts`). `body_timeout`: seconds a request's body may take to arrive.
+    `ack`: "durable" (a call is answered once its turn is recorded, on disk per `fsync`; a
+    turn that cannot be recorded fails the call) or "fast" (answered first, recorded right
+    after through a queue of `ack_queue` turns; a dropped turn is counted in `/health`, the
+    session's info and its export's validation; the queue drains when the app stops).
+    `replica`: this server's name behind a balancer: the keys it mints carry it, so the
+    balancer routes each call to the replica holding its session (`replicas`).
+    With `data`, the directory is locked until the app stops (`DataDirectoryInUseError` if
+    another server holds it).
+    """
+    if max_body_bytes < 1:
+        raise InvalidArgumentError("max_body_bytes must be positive")
+    if not upstream_timeout > 0:
+        raise InvalidArgumentError("upstream_timeout must be positive")
+    if not stream_keepalive > 0:
+        raise InvalidArgumentError("stream_keepalive must be positive")
+    if not idle_seconds >= 0:
+        raise ValueError("idle_seconds must be 0 (never) or positive")
+    if not body_timeout > 0:
+        raise InvalidArgumentError("body_timeout must be positive")
+    if ack not in ACK_MODES:
+        raise InvalidArgumentError(f"ack must be one of {', '.join(ACK_MODES)}, not {ack!r}")
+    if type(ack_queue) is not int or ack_queue < 1:
+        raise InvalidArgumentError("ack_queue must be a positive number of turns")
+    if admin_key is not None and (
+        len(admin_key) < ADMIN_KEY_MIN or not admin_key.isprintable() or " " in admin_key
+    ):
+        raise InvalidArgumentError(
+            f"admin_key must be at least {ADMIN_KEY_MIN} printable characters without spaces "
+            '(make one with: python -c "import secrets; print(secrets.token_urlsafe(32))")'
+        )
+    config = CaptureConfig(
+        upstream=upstream,
+        upstream_api_key=upstream_api_key,
+        max_body_bytes=max_body_bytes,
+        upstream_timeout=upstream_timeout,
+        capture_tokens=capture_tokens,
+        stream_keepalive=stream_keepalive,
+        body_timeout=body_timeout,
+        allowed_hosts=allowed_hosts(None, hosts or ()),
+        admin=admin_key is not None,
+        ack=ack,
+        ack_queue=ack_queue,
+        replica=replica,
+    )
+    sessions = Sessions(
+        data,
+        fsync=fsync,
+        open_mode=open_mode,
+        store=store,
+        cache=cache,
+        **({} if replica is None else {"key_prefix": replica_key_prefix(replica)}),
+    )
+    server = _Server(config, sessions, admin_key)
+
+    # over a log an idle session lets its graph go; in memory only its graph's caches
+    release = sessions.release_idle if data is not None else sessions.drop_idle_caches
+
+    async def sweep() -> None:
+        while True:
+            await asyncio.sleep(min(idle_seconds / 4, 30.0))
+            await anyio.to_thread.run_sync(release, idle_seconds)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        server.loop = asyncio.get_running_loop()
+        sweeper = asyncio.ensure_future(sweep()) if idle_seconds else None
+        try:
+            yield
+        finally:
+            if sweeper is not None:
+                sweeper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sweeper
+            await server.aclose()
+
+    app = _CaptureApp(
+        {"/v1/chat/completions": server.chat, "/v1/messages": server.messages},
+        config.allowed_hosts,
+        routes=[
+            # (POSTs to these two are answered by `_CaptureApp` before routing; the routes
+            # answer the rest: 405 to other methods, as before)
+            Route("/v1/chat/completions", server.chat, methods=["POST"]),
+            Route("/v1/messages", server.messages, methods=["POST"]),
+            Route("/v1/models", server.models, methods=["GET"]),
+            Route("/sessions", server.create_session, methods=["POST"]),
+            Route("/sessions", server.list_sessions, methods=["GET"]),
+            Route("/sessions/{session_id}", server.session_info, methods=["GET"]),
+            Route("/sessions/{session_id}", server.delete_session, methods=["DELETE"]),
+            Route("/sessions/{session_id}", server.patch_session, methods=["PATCH"]),
+            Route("/groups/{group_id}", server.group_info, methods=["GET"]),
+            Route("/sessions/{session_id}/samples", server.session_samples, methods=["GET"]),
+            Route("/groups/{group_id}/samples", server.group_samples, methods=["GET"]),
+            Route("/sessions/{session_id}/export", server.export, methods=["GET"]),
+            Route("/sessions/{session_id}/trace.jsonl", server.trace, methods=["GET"]),
+            Route("/sessions/{session_id}/view", server.view_root, methods=["GET"]),
+            Route("/sessions/{session_id}/view/{path:path}", server.view, methods=["GET"]),
+            Route("/health", server.health, methods=["GET"]),
+            Route("/", server.list_sessions, methods=["GET"]),  # what a browser opens first
+            Route("/favicon.ico", _favicon, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.config = config
+    app.state.sessions = sessions
+    app.state.server = server
+    return app
+
+
+# ---------------------------------------------------------------------- the Rust data plane
+# The Rust data plane of the capture server (`rollout-store serve --data-plane rust`).
+#
+# The engine's `DataPlane` listens on the public port and serves the model routes
+# (`POST /v1/chat/completions`, `POST /v1/messages`) with hyper on a tokio runtime of its own:
+# the `Host`, `Origin` and `Content-Type` gate, the session key against a key table, the
+# body's size and time bounds and its depth, then the upstream call through a pooled client.
+# Every other request is proxied to the app `create_app` made, listening on a private loopback
+# socket: sessions, export, trace, viewer and health stay this package's Python, unchanged.
+#
+# `RustDataPlane` is the control plane's side: it keeps the engine's key table current (the
+# sessions' keys as they are created, reopened and deleted), and answers the engine's
+# callbacks with the Python server's own code, so both planes refuse, record and reply alike:
+# `prepare` resolves the session and makes the upstream call ready (`_Server.plan`),
+# `finish` turns the upstream's answer into the reply and records the turn (`--ack durable`)
+# or hands it back to be queued (`--ack fast`), `record` records a queued turn on the engine's
+# recorder thread, `dropped` counts a queued turn that will not be, and `sent` records a
+# call's timeline once its reply is out. Each callback runs on an engine thread holding the
+# GIL. `close` stops the engine: no new call, the queued turns recorded (bounded), the rest
+# counted as dropped.
+
+#: The data planes `rollout-store serve --data-plane` offers.
+DATA_PLANES = ("python", "rust")
+
+_Reply = tuple[int, list[tuple[bytes, bytes]], list[bytes], bool]
+_SSE_HEADERS = StreamingResponse(
+    iter(()), media_type="text/event-stream", headers=SSE_HEADERS
+).raw_headers
+
+
+def _reply(response: Response) -> _Reply:
+    return response.status_code, response.raw_headers, [bytes(response.body)], False
+
+
+class _Call:
+    """One model call between the engine's callbacks: its plan and, once answered, its turn."""
+
+    __slots__ = ("node", "plan")
+
+    def __init__(self, plan: _Plan) -> None:
+        self.plan = plan
+        self.node: TurnNode | None = None
+
+
+class RustDataPlane:
+    """The engine's data plane in front of the app `create_app` made (`app`), which serves
+    on loopback port `backend_port`; the public listener binds `host`:`port` (0: a free
+    one, then `port` says which)."""
+
+    def __init__(
+        self, app: Starlette, *, host: str, port: int, backend_port: int, workers: int = 2
+    ) -> None:
+        server: _Server = app.state.server
+        config = server.config
+        if not server.upstream.startswith("http://"):
+            raise InvalidArgumentError(
+                f"the Rust data plane calls http:// upstreams only, not {server.upstream!r}: "
+                "use --data-plane python for this upstream"
+            )
+        self._server = server
+        self._sessions = server.sessions
+        hosts = config.allowed_hosts
+        self._engine = DataPlane(
+            self,
+            host=host,
+            port=port,
+            backend_port=backend_port,
+            upstream=server.upstream,
+            hosts=None if hosts is None else sorted(hosts),
+            open_mode=self._sessions.open_mode,
+            max_body_bytes=config.max_body_bytes,
+            body_timeout=config.body_timeout,
+            body_timeout_text=f"{config.body_timeout:g}",
+            upstream_timeout=config.upstream_timeout,
+            stream_keepalive=config.stream_keepalive,
+            fast=config.ack == "fast",
+            ack_queue=config.ack_queue,
+            workers=workers,
+        )
+        self.port: int = self._engine.port
+        self._sessions.watch_keys(self._key_changed)
+        server.plane = self
+
+    def _key_changed(self, key: str, session_id: str | None) -> None:
+        data = key.encode("utf-8", "surrogatepass")
+        if session_id is None:
+            self._engine.remove_key(data)
+        else:
+            self._engine.set_key(data, session_id)
+
+    # -- for the control plane
+
+    def pending(self) -> int:
+        """Turns answered (`--ack fast`) and not yet recorded."""
+        return int(self._engine.pending())
+
+    def settle(self, timeout: float) -> bool:
+        """Wait (at most `timeout` seconds) for the queued turns; whether all were taken."""
+        return bool(self._engine.settle(timeout))
+
+    def close(self) -> None:
+        """Stop serving; the queued turns are recorded first (bounded), the rest counted."""
+        self._sessions.watch_keys(None)
+        self._engine.stop(ACK_DRAIN_SECONDS)
+
+    # -- the engine's callbacks
+
+    def prepare(
+        self,
+        anthropic: bool,
+        session_id: str | None,
+        key: str | None,
+        headers: list[tuple[str, bytes]],
+        body: bytes,
+        received_us: int,
+    ) -> (
+        tuple[_Call, str, bytes, list[tuple[str, str]], list[tuple[bytes, bytes]] | None]
+        | tuple[None, _Reply]
+    ):
+        """A call that passed the engine's gate: its upstream call, or the refusal."""
+        clock = CallClock()
+        clock.received = received_us
+        server = self._server
+        try:
+            session = server._session(key)
+            plan = server.plan(
+                anthropic,
+                Headers(raw=[(name.encode("latin-1"), value) for name, value in headers]),
+                session,
+                body,
+                clock,
+            )
+        except _Refusal as refusal:
+            return None, _reply(_failure(anthropic, refusal))
+        stream = _SSE_HEADERS if plan.stream else None
+        return _Call(plan), plan.path, plan.content, list(plan.headers.items()), stream
+
+    def finish(
+        self,
+        call: _Call,
+        status: int,
+        error: str | None,
+        content_type: bytes | None,
+        retry_after: bytes | None,
+        answer: bytes,
+        stamps: tuple[int, int, int],
+        started: bool = False,
+    ) -> tuple[_Reply, bool, bool]:
+        """The reply to a call the upstream answered (or failed), whether its turn is to be
+        queued, and whether its timeline is to be recorded once the reply is sent.
+        `started`: the reply's stream began (keep-alive comments) while the upstream had
+        not answered: it goes on with the answer's events, or an error event."""
+        server, plan = self._server, call.plan
+        session, clock = plan.session, plan.clock
+        clock.upstream_sent, clock.first_byte, clock.last_byte = stamps
+        fast = server.config.ack == "fast"
+        queue = False
+        try:
+            if error == "timeout":
+                raise _Refusal(
+                    504, f"the upstream did not answer within {server.config.upstream_timeout:g} s"
+                )
+            if error is not None:
+                raise _Refusal(502, f"the upstream cannot be reached: {error}")
+            headers = {}
+            if content_type is not None:
+                headers["content-type"] = content_type.decode("latin-1")
+            if retry_after is not None:
+                headers["retry-after"] = retry_after.decode("latin-1")
+            response, answer = server._upstream_answer(status, headers, answer)
+        except _Passthrough as passed:
+            session.upstream_errors += 1
+            session.failed = failed_after(session.failed, passed.response.status_code)
+            return self._timed(call, self._failed(plan, passed, started), False)
+        except _Refusal as refused:
+            if refused.status in (502, 504):  # the upstream unreachable or too slow
+                session.failed = failed_after(session.failed, refused.status)
+            return self._timed(call, self._failed(plan, refused, started), False)
+        try:
+            failed = session.failed
+            call.node = plan.make_turn(response)
+            if fast:
+                queue = True
+            else:
+                clock.node_id = server.record_now(session, call.node)
+            clock.failed, session.failed = failed, 0
+        except _Refusal as refused:
+            return self._timed(call, self._failed(plan, refused, started), False)
+        if plan.stream:
+            return self._timed(call, (200, _SSE_HEADERS, list(plan.replay), True), queue)
+        return self._timed(call, _reply(plan.reply(response, answer)), queue)
+
+    @staticmethod
+    def _failed(plan: _Plan, failed: _Refusal | _Passthrough, started: bool) -> _Reply:
+        """A failed call's answer: the route's error, or an error event of a begun stream
+        (as `_Server._kept_alive` sends it)."""
+        if not started:
+            return _reply(_failure(plan.anthropic, failed))
+        if isinstance(failed, _Refusal):
+            status, reason = failed.status, failed.reason
+        else:
+            status = failed.response.status_code
+            reason = (
+                f"the upstream answered {status}: "
+                + bytes(failed.response.body).decode("utf-8", "replace").replace("\n", " ")[:500]
+            )
+        error = _error_body(plan.anthropic, status, reason)
+        event = sse_event("error", error) if plan.anthropic else sse_data(error)
+        return 200, _SSE_HEADERS, [event], True
+
+    def _timed(self, call: _Call, reply: _Reply, queue: bool) -> tuple[_Reply, bool, bool]:
+        plan = call.plan
+        timed = plan.clock.node_id is not None or plan.stream or queue
+        if timed:
+            self._server.timing(plan.session, plan.clock)
+        return reply, queue, timed
+
+    def record(self, call: _Call) -> None:
+        """Record a turn answered with `--ack fast` (on the engine's recorder thread)."""
+        plan, node = call.plan, call.node
+        session, clock = plan.session, plan.clock
+        server = self._server
+        try:
+            if node is None:
+                raise RuntimeError("a queued call without its turn")
+            loop = server.loop
+            if loop is not None and loop.is_running():
+                # the Python server's recorder does it in its event loop: so does this one
+                recording = asyncio.run_coroutine_threadsafe(server._record(session, node), loop)
+                clock.node_id = recording.result()
+            else:
+                clock.node_id = server.record_now(session, node)
+            if clock.reply_sent >= 0:  # sent before the turn was recorded: ours to do
+                self._server.record_timeline_now(session, clock)
+        except Exception:  # any failure: the client has its answer, the turn is counted
+            self._server._drop(session, "record_error")
+        call.node = None
+
+    def dropped(self, call: _Call, why: str) -> None:
+        """A queued turn that will not be recorded (`queue_full`, `shutdown`)."""
+        session: Session = call.plan.session
+        self._server._drop(session, why)
+        call.node = None
+
+    def sent(self, call: _Call, reply_sent: int, chunks: int, max_gap: int) -> None:
+        """A timed call's reply is out: record its timeline (once its turn is recorded)."""
+        plan = call.plan
+        clock = plan.clock
+        clock.reply_sent = reply_sent
+        clock.chunks, clock.max_gap = chunks, max_gap
+        try:
+            self._server.record_timeline_now(plan.session, clock)
+        finally:
+            self._server.timed(plan.session, clock)
+
+
+# ---------------------------------------------------------------------- rollout-store serve
+
+
+def _fsync_arg(value: str) -> str | int:
+    if value in ("turn", "never"):
+        return value
+    if value.isdigit() and int(value) >= 1:
+        return int(value)
+    raise argparse.ArgumentTypeError("expected 'turn', 'never' or a positive number of turns")
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket for uvicorn (`port` 0 picks a free one).
+
+    Made with `IPPROTO_TCP` on purpose: asyncio turns Nagle's algorithm off only on accepted
+    sockets of that protocol, and without it every keep-alive request waits ~40 ms for a
+    delayed ACK.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)  # connections queue from now on, before uvicorn takes over
+    return sock
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `rollout-store serve`."""
+    parser.add_argument("--upstream", required=True, help="base URL of the engine (vLLM, SGLang)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100, help="0 picks a free port")
+    parser.add_argument("--data", default=None, help="directory of session logs (default: memory)")
+    parser.add_argument("--fsync", type=_fsync_arg, default="turn", help="turn, never or N")
+    parser.add_argument(
+        "--store",
+        type=store_spec,
+        default="memory",
+        help=f"content store all sessions share: {STORE_HELP}",
+    )
+    parser.add_argument(
+        "--cache-mib",
+        type=int,
+        default=256,
+        help="one cache for strings read back from an out-of-process store (MiB)",
+    )
+    parser.add_argument(
+        "--open",
+        action="store_true",
+        help="serve unknown API keys (each makes an open session; keyed sessions stay keyed)",
+    )
+    parser.add_argument(
+        "--admin-key",
+        default=None,
+        help=f"a key that opens every session route, GET /sessions included (default: "
+        f"${ADMIN_KEY_ENV}; prefer the variable: arguments show in ps)",
+    )
+    parser.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also answer requests whose Host is NAME (repeatable; '*': any); the loopback "
+        "names and --host are always answered",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=BODY_TIMEOUT,
+        help="seconds a request's body may take to arrive (then 408)",
+    )
+    parser.add_argument(
+        "--ack",
+        choices=ACK_MODES,
+        default="durable",
+        help="durable: answer once the turn is recorded (on disk per --fsync); fast: answer "
+        "first, record right after through a queue (dropped turns are counted)",
+    )
+    parser.add_argument(
+        "--ack-queue",
+        type=int,
+        default=ACK_QUEUE,
+        metavar="N",
+        help="--ack fast: turns answered but not yet recorded, at most (more are dropped, counted)",
+    )
+    parser.add_argument(
+        "--replica",
+        default=None,
+        metavar="NAME",
+        help="this server's name behind a balancer (letters, digits): the keys it mints carry "
+        "it and the balancer routes on it (see docs/replicas.md)",
+    )
+    parser.add_argument(
+        "--data-plane",
+        choices=DATA_PLANES,
+        default="python",
+        help="who serves the model routes: this process's Python app, or the engine's Rust "
+        "listener in front of it (the other routes stay in Python; see docs/server.md)",
+    )
+    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
+    parser.add_argument("--upstream-timeout", type=float, default=UPSTREAM_TIMEOUT)
+    parser.add_argument(
+        "--stream-keepalive",
+        type=float,
+        default=STREAM_KEEPALIVE,
+        help="seconds before a waiting streaming client gets keep-alive comments",
+    )
+    parser.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=IDLE_SECONDS,
+        help="a session unused this long is closed until its next call (with --data), or "
+        "lets its caches go (without); 0: never",
+    )
+    parser.add_argument(
+        "--trim-idle",
+        type=float,
+        default=TRIM_IDLE_SECONDS,
+        metavar="S",
+        help="when no call has been in flight for S seconds, give the heap's free pages back "
+        "to the system (glibc's malloc_trim; see docs/server.md); 0: never",
+    )
+    parser.add_argument(
+        "--no-token-capture",
+        dest="capture_tokens",
+        action="store_false",
+        help="do not ask the upstream for token ids and logprobs (hosted providers)",
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the server until interrupted; prints its address first."""
+    import uvicorn
+
+    app = create_app(
+        args.upstream,
+        data=args.data,
+        fsync=args.fsync,
+        store=open_store(args.store),
+        cache=StringCache(max_bytes=args.cache_mib << 20),
+        open_mode=args.open,
+        max_body_bytes=args.max_body_bytes,
+        upstream_timeout=args.upstream_timeout,
+        upstream_api_key=os.environ.get("ROLLOUT_STORE_UPSTREAM_KEY") or None,
+        capture_tokens=args.capture_tokens,
+        stream_keepalive=args.stream_keepalive,
+        idle_seconds=args.idle_seconds,
+        admin_key=args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None,
+        hosts=[*([] if args.host in WILDCARD_BINDS else [args.host]), *args.allow_host],
+        body_timeout=args.body_timeout,
+        ack=args.ack,
+        ack_queue=args.ack_queue,
+        replica=args.replica,
+    )
+    if not args.trim_idle >= 0:
+        raise InvalidArgumentError("--trim-idle must be 0 (never) or a number of seconds")
+    served = with_idle_trim(app, args.trim_idle)  # the process's own allocator: not the app's
+    if getattr(args, "data_plane", "python") == "rust":
+        # the app listens on a private loopback port; the engine on the public one
+        sock = listen_socket("127.0.0.1", 0)
+        try:
+            plane = RustDataPlane(
+                app, host=args.host, port=args.port, backend_port=sock.getsockname()[1]
+            )
+        except BaseException:
+            sock.close()
+            app.state.sessions.close()
+            raise
+        host, port = args.host, plane.port
+    else:
+        sock = listen_socket(args.host, args.port)
+        host, port = sock.getsockname()[:2]
+    # what was made at start (modules, the reopened sessions' graphs) lives as long as the
+    # process: out of the collector's way, a full collection no longer walks all of it
+    gc.collect()
+    gc.freeze()
+    sessions: Sessions = app.state.sessions
+    print(
+        f"rollout-store serve: http://{host}:{port} -> {args.upstream} "
+        f"({len(sessions.ids())} sessions reopened)"
+        if sessions.ids()
+        else f"rollout-store serve: http://{host}:{port} -> {args.upstream}",
+        flush=True,
+    )
+    config = uvicorn.Config(served, log_level="warning", access_log=False)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`rollout-store serve ...` (also `python -m rollout_store.serve.server ...`)."""
+    parser = argparse.ArgumentParser(
+        prog="rollout-store serve", description=__doc__.splitlines()[0]
+    )
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return serve(args)
+    except (RolloutStoreError, OSError, ValueError, ImportError) as exc:
+        print(f"rollout-store serve: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
