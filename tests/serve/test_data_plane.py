@@ -11,7 +11,14 @@ from typing import Any
 
 import httpx
 import pytest
-from capture_support import ADMIN_KEY, auth, new_session, serve_app
+from capture_support import (
+    ADMIN_KEY,
+    auth,
+    new_session,
+    serve_app,
+    start_server_process,
+    start_stub_process,
+)
 
 from rollout_store.serve.server import create_app
 from rollout_store.serve.stub_engine import create_stub_app
@@ -133,3 +140,35 @@ def test_open_mode_resolves_unknown_keys_in_the_control_plane(stub: str) -> None
         # a keyed session's id is never a key in open mode
         sneaking = {"authorization": f"Bearer {keyed['session_id']}"}
         assert httpx.post(call, json=body, headers=sneaking).status_code == 401
+
+
+@pytest.mark.slow
+def test_serve_with_the_rust_plane_stops_with_every_answered_turn_recorded(tmp_path: Any) -> None:
+    stub = start_stub_process()
+    data = str(tmp_path / "d")
+    try:
+        server = start_server_process(
+            stub.url, "--data", data, "--data-plane", "rust", "--ack", "fast"
+        )
+        try:
+            made = new_session(server.url)
+            bearer = {"authorization": f"Bearer {made['api_key']}"}
+            for i in range(3):
+                answer = httpx.post(
+                    f"{server.url}/v1/chat/completions",
+                    json={"model": "m", "messages": [{"role": "user", "content": f"call {i}"}]},
+                    headers=bearer,
+                    timeout=20,
+                )
+                assert answer.status_code == 200 and "server" not in answer.headers
+            assert httpx.get(f"{server.url}/health").json()["ack"] == "fast"
+        finally:
+            server.stop()  # SIGTERM: the queued turns are recorded before it exits
+        again = start_server_process(stub.url, "--data", data, "--data-plane", "python")
+        try:
+            info = httpx.get(f"{again.url}/sessions/{made['session_id']}", headers=bearer).json()
+            assert info["turns"] == 3 and info["dropped"] == 0
+        finally:
+            again.stop()
+    finally:
+        stub.kill()
