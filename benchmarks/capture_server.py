@@ -64,7 +64,11 @@ a server's CPU a call, whose runs on the shared machine vary by a quarter or mor
 data directory, and forward-only as the floor, in turns in one run; each row's added latency
 (median, p99) and server CPU a call, then PASS/MISS lines against the capture-at-gateway-speed
 targets (added median <= 0.5 ms and p99 <= 3 ms with fast, <= 1 ms and <= 5 ms with durable,
-at 16 sessions; CPU a call <= 0.3 ms). Writes nothing.
+at 16 sessions; CPU a call <= 0.3 ms). With `--planes python,rust` (the default) the same
+rows run through the Rust data plane too (`serve --data-plane rust`: `rust-durable`,
+`rust-fast`) beside its own floor, `rust-forward-only` (the same hyper listener and pooled
+client, forwarding each call as it came and recording nothing), in the same turns;
+`--sessions 16` keeps to the 16-session rows. Writes nothing.
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +211,44 @@ def baseline_app(upstream: str, keep: bool) -> Any:
     )
 
 
+def serve_rust_floor(upstream: str) -> int:
+    """The Rust data plane forwarding each call as it came, recording nothing; the other
+    routes (the benchmark's `POST /sessions`) go to the forward-only baseline app behind it,
+    as the Rust plane's control routes go to the Python app."""
+    import uvicorn
+
+    from rollout_store import _core
+    from rollout_store.serve.server import listen_socket
+
+    sock = listen_socket("127.0.0.1", 0)
+    plane = _core.DataPlane(
+        None,
+        host="127.0.0.1",
+        port=0,
+        backend_port=sock.getsockname()[1],
+        upstream=upstream,
+        hosts=None,
+        open_mode=False,
+        max_body_bytes=64 << 20,
+        body_timeout=30.0,
+        body_timeout_text="30",
+        upstream_timeout=600.0,
+        stream_keepalive=10.0,
+        fast=False,
+        ack_queue=1,
+        forward_only=True,
+    )
+    print(f"baseline serve: http://127.0.0.1:{plane.port}", flush=True)
+    app = baseline_app(upstream, keep=False)
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(
+            sockets=[sock]
+        )
+    finally:
+        plane.stop(0.0)
+    return 0
+
+
 def serve_baseline(argv: list[str]) -> int:
     import uvicorn
 
@@ -214,6 +256,8 @@ def serve_baseline(argv: list[str]) -> int:
     from rollout_store.serve.server import TRIM_IDLE_SECONDS, listen_socket
 
     upstream, mode = argv
+    if mode == "rust-forward-only":
+        return serve_rust_floor(upstream)
     sock = listen_socket("127.0.0.1", 0)
     print(f"baseline serve: http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
     # given back to the system when idle, as `rollout-store serve` does (the same for all)
@@ -275,9 +319,12 @@ class Child:
 def server_for(scheme: str, stub: str, data: Path, malloc: bool = True) -> Iterator[Child]:
     if scheme == "rollout_store":
         args = ["-m", "rollout_store.cli", "serve", "--upstream", stub, "--port", "0"]
-    elif scheme in ("ack-durable", "ack-fast"):
+    elif scheme in ("ack-durable", "ack-fast", "rust-durable", "rust-fast"):
         args = ["-m", "rollout_store.cli", "serve", "--upstream", stub, "--port", "0"]
-        args += ["--data", str(data), "--fsync", "never", "--ack", scheme.removeprefix("ack-")]
+        ack = scheme.split("-")[1]
+        args += ["--data", str(data), "--fsync", "never", "--ack", ack]
+        if scheme.startswith("rust-"):
+            args += ["--data-plane", "rust"]
     elif scheme == "rollout_store+log":
         args = ["-m", "rollout_store.cli", "serve", "--upstream", stub, "--port", "0"]
         args += ["--data", str(data), "--fsync", "turn"]
@@ -677,24 +724,36 @@ def latency_only(rounds: int, engine_ms: float) -> int:
     return 0
 
 
-def ack_rows(rounds: int, engine_ms: float, turns: int) -> int:
+def ack_rows(
+    rounds: int,
+    engine_ms: float,
+    turns: int,
+    planes: Sequence[str] = ("python", "rust"),
+    session_counts: Sequence[int] = ACK_SESSIONS,
+) -> int:
     """`--ack durable --fsync never`, `--ack fast` and forward-only in turns, at each of
-    ACK_SESSIONS, a fresh server each run (see the docstring). Writes nothing."""
-    schemes = ["ack-durable", "ack-fast", "forward-only"]
+    `session_counts`, a fresh server each run, for each data plane of `planes` (see the
+    docstring). Writes nothing."""
+    schemes = []
+    if "python" in planes:
+        schemes += ["ack-durable", "ack-fast", "forward-only"]
+    if "rust" in planes:
+        schemes += ["rust-durable", "rust-fast", "rust-forward-only"]
+    counts = tuple(session_counts)
     stub = Child(
         ["-m", "rollout_store.serve.stub_engine", "--port", "0", "--latency-ms", str(engine_ms)]
         + ["--jitter", str(ENGINE_JITTER)],
         malloc=False,
     )
-    rows = [(scheme, n) for n in ACK_SESSIONS for scheme in schemes]
+    rows = [(scheme, n) for n in counts for scheme in schemes]
     added: dict[tuple[str, int], list[float]] = {row: [] for row in rows}
     cpu: dict[tuple[str, int], list[float]] = {row: [] for row in rows}
     preempted: dict[tuple[str, int], list[float]] = {row: [] for row in rows}
     try:
-        asyncio.run(run_group(stub.url, True, max(ACK_SESSIONS), 2))  # a warm stub
+        asyncio.run(run_group(stub.url, True, max(counts), 2))  # a warm stub
         for r in range(rounds):
-            for n in ACK_SESSIONS:
-                for scheme in schemes[r % 3 :] + schemes[: r % 3]:
+            for n in counts:
+                for scheme in schemes[r % len(schemes) :] + schemes[: r % len(schemes)]:
                     row = (scheme, n)
                     run: list[float] = []
                     latency_run(scheme, stub.url, n, turns, run, cpu[row], preempted[row])
@@ -717,22 +776,32 @@ def ack_rows(rounds: int, engine_ms: float, turns: int) -> int:
             f"{_ms(cpu[scheme, n]):>13.2f}"
         )
     lines = []
-    for scheme, (median_target, p99_target) in ACK_TARGETS.items():
-        floor = added["forward-only", 16]
+    targets = {
+        f"{prefix}{mode}": target
+        for prefix, floor_name in (("ack-", "forward-only"), ("rust-", "rust-forward-only"))
+        for mode, target in (
+            ("fast", ACK_TARGETS["ack-fast"]),
+            ("durable", ACK_TARGETS["ack-durable"]),
+        )
+        if floor_name in schemes
+    }
+    for scheme, (median_target, p99_target) in targets.items():
+        floor_name = "rust-forward-only" if scheme.startswith("rust-") else "forward-only"
+        floor = added[floor_name, 16]
         median, p99 = _ms(added[scheme, 16]), _ms(added[scheme, 16], 0.99)
         lines.append(
             f"{'PASS' if median <= median_target else 'MISS'}: {scheme} added median at 16 "
-            f"sessions <= {median_target} ms: {median:.2f} ms (forward-only {_ms(floor):.2f})"
+            f"sessions <= {median_target} ms: {median:.2f} ms ({floor_name} {_ms(floor):.2f})"
         )
         lines.append(
             f"{'PASS' if p99 <= p99_target else 'MISS'}: {scheme} added p99 at 16 sessions "
-            f"<= {p99_target} ms: {p99:.2f} ms (forward-only {_ms(floor, 0.99):.2f})"
+            f"<= {p99_target} ms: {p99:.2f} ms ({floor_name} {_ms(floor, 0.99):.2f})"
         )
         per_call = _ms(cpu[scheme, 16])
         lines.append(
             f"{'PASS' if per_call <= TARGET_CPU_MS else 'MISS'}: {scheme} server CPU a call "
-            f"<= {TARGET_CPU_MS} ms: {per_call:.2f} ms (forward-only "
-            f"{_ms(cpu['forward-only', 16]):.2f})"
+            f"<= {TARGET_CPU_MS} ms: {per_call:.2f} ms ({floor_name} "
+            f"{_ms(cpu[floor_name, 16]):.2f})"
         )
     print("\n".join(lines))
     print(targets_summary(lines))
@@ -781,10 +850,26 @@ def main(argv: list[str] | None = None) -> int:
         help="--ack durable and --ack fast against forward-only at 16 and 64 sessions, --rounds",
     )
     parser.add_argument("--turns", type=int, default=TURNS, help="turns a session (--ack-rows)")
+    parser.add_argument(
+        "--planes",
+        default="python,rust",
+        help="--ack-rows: the data planes measured, comma-separated (python, rust)",
+    )
+    parser.add_argument(
+        "--sessions",
+        default=",".join(map(str, ACK_SESSIONS)),
+        help="--ack-rows: the concurrent session counts, comma-separated (16 is needed)",
+    )
     add_results_option(parser)
     args = parser.parse_args(argv)
     if args.ack_rows:
-        return ack_rows(args.rounds, args.engine_ms, args.turns)
+        return ack_rows(
+            args.rounds,
+            args.engine_ms,
+            args.turns,
+            planes=args.planes.split(","),
+            session_counts=[int(n) for n in args.sessions.split(",")],
+        )
     if args.memory_only:
         return memory_only(args.rounds, args.sites)
     if args.latency_only:

@@ -6,6 +6,7 @@ from typing import Any, Final, final
 
 __all__ = [
     "ContentTable",
+    "DataPlane",
     "dumps",
     "loads",
     "DecodeError",
@@ -168,3 +169,47 @@ class FrameScan:
     @property
     def counters(self) -> tuple[int, int, int]:
         """`(hashed bytes, searched bytes, candidates)`: the work the scan did."""
+
+@final
+class DataPlane:
+    """The data plane: the model routes served by hyper on a runtime of its own, the rest
+    proxied to the control plane's listener; the control plane's callbacks (`prepare`,
+    `finish`, `record`, `dropped`, `sent`) are methods of `control`. `stop` ends it.
+    `forward_only`: a floor for benchmarks (calls go upstream and come back as they came,
+    with no key, no callback and nothing recorded)."""
+
+    def __new__(
+        cls,
+        control: object,
+        *,
+        host: str,
+        port: int,
+        backend_port: int,
+        upstream: str,
+        hosts: list[str] | None,
+        open_mode: bool,
+        max_body_bytes: int,
+        body_timeout: float,
+        body_timeout_text: str,
+        upstream_timeout: float,
+        stream_keepalive: float,
+        fast: bool,
+        ack_queue: int,
+        workers: int = 2,
+        forward_only: bool = False,
+    ) -> DataPlane: ...
+    @property
+    def port(self) -> int:
+        """The port the listener is bound to."""
+    def set_key(self, key: bytes, session_id: str) -> None:
+        """Let `key` (UTF-8 bytes) open the session `session_id`."""
+    def remove_key(self, key: bytes) -> bool:
+        """Forget `key`; whether it was known."""
+    def pending(self) -> int:
+        """Turns queued (`fast`) and waiting for the recorder."""
+    def settle(self, timeout: float) -> bool:
+        """Wait at most `timeout` seconds until every queued turn is recorded or dropped;
+        whether it was."""
+    def stop(self, drain: float = 10.0) -> None:
+        """Stop serving; the queued turns are recorded for at most `drain` seconds (the rest
+        are reported dropped). Stopping twice does nothing."""

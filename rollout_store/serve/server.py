@@ -49,6 +49,11 @@ first and the turn is recorded right after, in this process, through a bounded q
 dropped there (the queue full, a recording error, the server stopping) is counted in
 `/health`, in the session's info and in its export's validation, never silently.
 
+`rollout-store serve --data-plane rust` puts the engine's data plane (`RustDataPlane`, hyper
+on tokio) on the public port in front of this app: it serves the model routes, calling back
+into this module's own code to plan, record and reply, and passes every other request to the
+app on a private loopback port.
+
 Bad requests get a 4xx with a one-line reason and record nothing; upstream errors pass
 through with their status and are recorded nowhere; an upstream that does not answer in time
 gets 504.
@@ -60,6 +65,7 @@ import argparse
 import asyncio
 import contextlib
 import errno
+import functools
 import gc
 import hmac
 import html
@@ -72,7 +78,15 @@ import sys
 import threading
 import time
 from array import array
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from typing import IO, Any
 from urllib.parse import quote, unquote, urlencode
@@ -82,6 +96,7 @@ import anyio.to_thread
 import msgspec
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import (
     HTMLResponse,
@@ -94,6 +109,7 @@ from starlette.responses import (
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from .._core import DataPlane
 from ..engine.intake import MAX_DEPTH
 from ..errors import (
     InvalidArgumentError,
@@ -128,6 +144,8 @@ __all__ = [
     "CHAT_RAW_FIELDS",
     "MESSAGES_RAW_FIELDS",
     "CaptureConfig",
+    "DATA_PLANES",
+    "RustDataPlane",
     "add_serve_arguments",
     "chat_turn",
     "create_app",
@@ -619,9 +637,11 @@ def _api_key(request: Request) -> str | None:
     return request.headers.get("x-api-key") or None
 
 
-def _harness_session(request: Request, body: dict[str, Any], anthropic: bool) -> str | None:
+def _harness_session(
+    headers: Mapping[str, str], body: dict[str, Any], anthropic: bool
+) -> str | None:
     for name in _HARNESS_HEADERS:
-        found = clean_session_id(request.headers.get(name))
+        found = clean_session_id(headers.get(name))
         if found is not None:
             return found
     if anthropic:
@@ -750,6 +770,24 @@ async def _events(
         yield chunk
 
 
+@dataclass
+class _Plan:
+    """A model call ready to go upstream: its session, where and what to send, how its
+    answer becomes a turn (`make_turn`, which also fills `replay` with a streamed call's
+    events) and a reply (`reply`), and its clock."""
+
+    session: Session
+    anthropic: bool
+    stream: bool
+    path: str
+    content: bytes
+    headers: dict[str, str]
+    make_turn: Callable[[dict[str, Any]], TurnNode]
+    reply: Callable[[dict[str, Any], bytes], Response]
+    replay: list[bytes]
+    clock: CallClock
+
+
 class _Server:
     """State and handlers of one app: configuration, sessions and the upstream client."""
 
@@ -781,6 +819,11 @@ class _Server:
         #: Per session id, the calls whose timeline is still to be recorded (a task after
         #: the reply), by when each was answered: an export waits for them, bounded.
         self._timing: dict[str, dict[int, float]] = {}
+        #: The Rust data plane serving the model routes, when one does (`RustDataPlane`),
+        #: and the app's event loop once it runs (where that plane's queued turns are
+        #: recorded, as this server's own recorder records them).
+        self.plane: Any = None
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def client(self) -> aiohttp.ClientSession:
@@ -816,6 +859,9 @@ class _Server:
             return answer.status, answer.headers, body
 
     async def aclose(self) -> None:
+        plane, self.plane = self.plane, None
+        if plane is not None:  # its queued turns are recorded before the sessions close
+            await anyio.to_thread.run_sync(plane.close)
         await self._drain()
         if self._client is not None:
             await self._client.close()
@@ -867,6 +913,12 @@ class _Server:
             ) from None
         except (aiohttp.ClientError, OSError, ValueError) as exc:
             raise _Refusal(502, f"the upstream cannot be reached: {type(exc).__name__}") from None
+        return self._upstream_answer(status, answer_headers, answer)
+
+    def _upstream_answer(
+        self, status: int, answer_headers: Mapping[str, str], answer: bytes
+    ) -> tuple[dict[str, Any], bytes]:
+        """The upstream's complete answer decoded (or _Refusal or _Passthrough)."""
         if not 200 <= status < 300:
             keep = {
                 k: v
@@ -882,21 +934,22 @@ class _Server:
             raise _Refusal(502, "the upstream answered with JSON that is not an object")
         return payload, answer
 
-    def _upstream_headers(self, request: Request, anthropic: bool) -> dict[str, str]:
+    def _upstream_headers(self, sent: Mapping[str, str], anthropic: bool) -> dict[str, str]:
         headers = {"content-type": "application/json"}
         key = self.config.upstream_api_key
         if anthropic:
             for name in _ANTHROPIC_HEADERS:
-                if name in request.headers:
-                    headers[name] = request.headers[name]
+                if name in sent:
+                    headers[name] = sent[name]
             if key:
                 headers["x-api-key"] = key
         elif key:
             headers["authorization"] = f"Bearer {key}"
         return headers
 
-    def _session(self, request: Request) -> Session:
-        session = self.sessions.resolve(_api_key(request))
+    def _session(self, key: str | None) -> Session:
+        """The session a model call's key opens (or the refusal)."""
+        session = self.sessions.resolve(key)
         if session is None:
             raise _Refusal(
                 401, "unknown API key: create a session with POST /sessions and use its api_key"
@@ -918,22 +971,18 @@ class _Server:
                         graph.lock.release()
                 else:
                     view = await anyio.to_thread.run_sync(graph.add_turn, node)
-        except InvalidValueError as exc:
-            session.rejected += 1
-            if exc.path.split(".")[0].split("[")[0] in (
-                "request_messages",
-                "request_tools",
-                "sampling_params",
-            ):
-                raise _Refusal(400, f"the request cannot be recorded: {exc}") from None
-            raise _Refusal(502, f"the upstream's answer cannot be recorded: {exc}") from None
-        except OSError as exc:  # FileWriteError too: a full disk, a quota, an I/O error
-            raise _Refusal(*_storage_failure("the turn cannot be recorded", exc)) from None
-        except RolloutStoreError as exc:
-            raise _Refusal(409, f"the session cannot record: {exc}") from None
-        session.recorded += 1
-        session.last_turn_at = time.time()
-        return str(view.node_id)
+        except (OSError, RolloutStoreError) as exc:
+            raise _not_recorded(session, exc) from None
+        return _recorded(session, view)
+
+    def record_now(self, session: Session, node: TurnNode) -> str:
+        """`_record` in the calling thread (the Rust data plane's): the node id."""
+        try:
+            with session.use() as graph:
+                view = graph.add_turn(node)
+        except (OSError, RolloutStoreError) as exc:
+            raise _not_recorded(session, exc) from None
+        return _recorded(session, view)
 
     async def _timed(self, session: Session, clock: CallClock) -> None:
         """Record a call's timeline once its reply is sent (a background task of the
@@ -944,11 +993,7 @@ class _Server:
             if clock.node_id is not None:
                 await self._record_timeline(session, clock)
         finally:
-            pending = self._timing.get(session.session_id)
-            if pending is not None:
-                pending.pop(id(clock), None)
-                if not pending:
-                    del self._timing[session.session_id]
+            self.timed(session, clock)
 
     async def _timelines_recorded(self, session: Session) -> None:
         """Wait (at most `_TIMELINE_WAIT_S`) for the timelines of the session's answered
@@ -960,25 +1005,14 @@ class _Server:
             # a reply never sent (its client gone) runs no task: its entry expires
             if not pending or now >= deadline:
                 return
-            if all(now - answered > _TIMELINE_WAIT_S for answered in pending.values()):
+            if all(now - answered > _TIMELINE_WAIT_S for answered in list(pending.values())):
                 return
             await asyncio.sleep(0.005)
 
     async def _record_timeline(self, session: Session, clock: CallClock) -> None:
-        reply_sent = clock.reply_sent
-        node_id = clock.node_id
-        if node_id is None:
+        if clock.node_id is None:
             return
-
-        def apply(graph: Any) -> None:
-            gap = None
-            parent = graph.parent(node_id)
-            found = graph.timeline(parent) if parent is not None else None
-            if found is not None:
-                gap = clock.received - (found.received + found.reply_sent)
-                gap = gap if gap >= 0 else None
-            graph.set_timeline(node_id, clock.timeline(reply_sent, gap))
-
+        apply = functools.partial(_apply_timeline, clock=clock)
         with contextlib.suppress(RolloutStoreError, OSError), session.use() as graph:
             if self.inline and graph.lock.acquire(blocking=False):
                 try:
@@ -987,6 +1021,25 @@ class _Server:
                     graph.lock.release()
             else:
                 await anyio.to_thread.run_sync(apply, graph)
+
+    def record_timeline_now(self, session: Session, clock: CallClock) -> None:
+        """`_record_timeline` in the calling thread (the Rust data plane's)."""
+        if clock.node_id is None:
+            return
+        with contextlib.suppress(RolloutStoreError, OSError), session.use() as graph:
+            _apply_timeline(graph, clock)
+
+    def timing(self, session: Session, clock: CallClock) -> None:
+        """A call whose timeline is recorded once its reply is sent (an export waits)."""
+        self._timing.setdefault(session.session_id, {})[id(clock)] = time.monotonic()
+
+    def timed(self, session: Session, clock: CallClock) -> None:
+        """That call's reply is sent and its timeline recorded (or let go)."""
+        pending = self._timing.get(session.session_id)
+        if pending is not None:
+            pending.pop(id(clock), None)
+            if not pending:
+                self._timing.pop(session.session_id, None)
 
     # -- --ack fast: answered first, recorded right after
 
@@ -1027,6 +1080,8 @@ class _Server:
     async def settled(self, timeout: float = ACK_DRAIN_SECONDS) -> bool:
         """Wait (at most `timeout` seconds) until every turn answered so far is recorded or
         counted as dropped; whether it was."""
+        if self.plane is not None:
+            return await anyio.to_thread.run_sync(self.plane.settle, timeout)
         if self._pending is None or self._recorder is None:
             return True
         try:
@@ -1093,7 +1148,7 @@ class _Server:
         """The answer to a call, its timeline recorded once it is sent (see `_answered`)."""
         answer = await self._answered(call, anthropic, stream, reply, events, clock)
         if clock.node_id is not None or stream or self.config.ack == "fast":
-            self._timing.setdefault(session.session_id, {})[id(clock)] = time.monotonic()
+            self.timing(session, clock)
             answer.background = BackgroundTask(self._timed, session, clock)
         return answer
 
@@ -1178,28 +1233,50 @@ class _Server:
             task.cancel()  # the client left before the answer: the call is abandoned
 
     async def _accept(
-        self, request: Request, check: Callable[[Any], dict[str, Any]], *, anthropic: bool
-    ) -> tuple[Session, bytes, dict[str, Any]] | Response:
-        """The session, raw body and checked body of a model call, or the refusal to answer
-        (in the error shape of the route's API) when any of them is wrong."""
+        self, request: Request, *, anthropic: bool
+    ) -> tuple[Session, bytes] | Response:
+        """The session and raw body of a model call, or the refusal to answer (in the error
+        shape of the route's API) when either is wrong."""
         try:
-            session = self._session(request)
-            raw = await self._read_body(request)
-            raw_fields = MESSAGES_RAW_FIELDS if anthropic else CHAT_RAW_FIELDS
-            body = check(_decode(raw, raw_fields))
-            _check_depth(body, anthropic)
-            return session, raw, body
+            session = self._session(_api_key(request))
+            return session, await self._read_body(request)
         except _Refusal as refusal:
             return _failure(anthropic, refusal)
         except _Gone:
             return Response(status_code=400)  # not sent: the client is gone
 
-    async def chat(self, request: Request) -> Response:
-        clock = CallClock()
-        accepted = await self._accept(request, _check_chat, anthropic=False)
-        if isinstance(accepted, Response):
-            return accepted
-        session, raw, body = accepted
+    def plan(
+        self,
+        anthropic: bool,
+        headers: Mapping[str, str],
+        session: Session,
+        raw: bytes,
+        clock: CallClock,
+    ) -> _Plan:
+        """A model call's body checked and its upstream call made ready (or _Refusal)."""
+        raw_fields = MESSAGES_RAW_FIELDS if anthropic else CHAT_RAW_FIELDS
+        body = (_check_anthropic if anthropic else _check_chat)(_decode(raw, raw_fields))
+        _check_depth(body, anthropic)
+        harness = _harness_session(headers, body, anthropic=anthropic)
+        stream = body.get("stream") is True
+        upstream_headers = self._upstream_headers(headers, anthropic=anthropic)
+        if anthropic:
+            make_turn, replay = _recorder(
+                lambda response: messages_turn(body, response, harness),
+                anthropic_events if stream else None,
+            )
+            return _Plan(
+                session,
+                anthropic,
+                stream,
+                "/v1/messages",
+                upstream_body(raw, body, {"stream": False}),
+                upstream_headers,
+                make_turn,
+                _json_bytes,
+                replay,
+                clock,
+            )
         inject_ids = self.config.capture_tokens and "return_token_ids" not in body
         inject_logprobs = self.config.capture_tokens and "logprobs" not in body
         extra: dict[str, Any] = {"stream": False}
@@ -1207,8 +1284,6 @@ class _Server:
             extra["return_token_ids"] = True
         if inject_logprobs:
             extra["logprobs"] = True
-        harness = _harness_session(request, body, anthropic=False)
-        stream = body.get("stream") is True
         options = body.get("stream_options") or {}
 
         def reply(response: dict[str, Any], answer: bytes) -> Response:
@@ -1228,43 +1303,42 @@ class _Server:
         make_turn, replay = _recorder(
             lambda response: chat_turn(body, response, harness), events if stream else None
         )
-        call = self._call(
+        return _Plan(
             session,
+            anthropic,
+            stream,
             "/v1/chat/completions",
             upstream_body(raw, body, extra),
-            self._upstream_headers(request, anthropic=False),
+            upstream_headers,
             make_turn,
+            reply,
+            replay,
             clock,
-        )
-        del accepted, raw  # while the upstream answers: its body and the raw fields, no third copy
-        return await self._answer(
-            call, False, stream, reply, lambda _: iter(replay), session, clock
         )
 
-    async def messages(self, request: Request) -> Response:
+    async def _model_call(self, request: Request, anthropic: bool) -> Response:
         clock = CallClock()
-        accepted = await self._accept(request, _check_anthropic, anthropic=True)
+        accepted = await self._accept(request, anthropic=anthropic)
         if isinstance(accepted, Response):
             return accepted
-        session, raw, body = accepted
-        harness = _harness_session(request, body, anthropic=True)
-        stream = body.get("stream") is True
-        make_turn, replay = _recorder(
-            lambda response: messages_turn(body, response, harness),
-            anthropic_events if stream else None,
-        )
-        call = self._call(
-            session,
-            "/v1/messages",
-            upstream_body(raw, body, {"stream": False}),
-            self._upstream_headers(request, anthropic=True),
-            make_turn,
-            clock,
-        )
-        del accepted, raw  # (as in `chat`)
+        session, raw = accepted
+        try:
+            plan = self.plan(anthropic, request.headers, session, raw, clock)
+        except _Refusal as refusal:
+            return _failure(anthropic, refusal)
+        call = self._call(session, plan.path, plan.content, plan.headers, plan.make_turn, clock)
+        # while the upstream answers: its body and the raw fields, no third copy
+        del accepted, raw
+        replay = plan.replay
         return await self._answer(
-            call, True, stream, _json_bytes, lambda _: iter(replay), session, clock
+            call, anthropic, plan.stream, plan.reply, lambda _: iter(replay), session, clock
         )
+
+    async def chat(self, request: Request) -> Response:
+        return await self._model_call(request, anthropic=False)
+
+    async def messages(self, request: Request) -> Response:
+        return await self._model_call(request, anthropic=True)
 
     async def models(self, request: Request) -> Response:
         try:
@@ -1723,7 +1797,13 @@ class _Server:
                 "ack": self.config.ack,
                 "ack_queue": {
                     "size": self.config.ack_queue,
-                    "pending": 0 if self._pending is None else self._pending.qsize(),
+                    "pending": (
+                        self.plane.pending()
+                        if self.plane is not None
+                        else 0
+                        if self._pending is None
+                        else self._pending.qsize()
+                    ),
                 },
                 "dropped": sum(self.dropped.values()),
                 "dropped_by": dict(self.dropped),
@@ -1783,6 +1863,40 @@ def _dropped_findings(session: Session) -> list[str]:
 
 def _damaged(reason: str) -> Response:
     return JSONResponse({"error": reason, "damaged": True}, 500)
+
+
+def _not_recorded(session: Session, exc: OSError | RolloutStoreError) -> _Refusal:
+    """The refusal of a call whose turn the graph did not take."""
+    if isinstance(exc, InvalidValueError):
+        session.rejected += 1
+        if exc.path.split(".")[0].split("[")[0] in (
+            "request_messages",
+            "request_tools",
+            "sampling_params",
+        ):
+            return _Refusal(400, f"the request cannot be recorded: {exc}")
+        return _Refusal(502, f"the upstream's answer cannot be recorded: {exc}")
+    if isinstance(exc, OSError):  # FileWriteError too: a full disk, a quota, an I/O error
+        return _Refusal(*_storage_failure("the turn cannot be recorded", exc))
+    return _Refusal(409, f"the session cannot record: {exc}")
+
+
+def _recorded(session: Session, view: Any) -> str:
+    session.recorded += 1
+    session.last_turn_at = time.time()
+    return str(view.node_id)
+
+
+def _apply_timeline(graph: Any, clock: CallClock) -> None:
+    """Set a recorded call's timeline, with the gap since its parent's reply."""
+    node_id = clock.node_id
+    gap = None
+    parent = graph.parent(node_id)
+    found = graph.timeline(parent) if parent is not None else None
+    if found is not None:
+        gap = clock.received - (found.received + found.reply_sent)
+        gap = gap if gap >= 0 else None
+    graph.set_timeline(node_id, clock.timeline(clock.reply_sent, gap))
 
 
 def _storage_failure(what: str, exc: OSError) -> tuple[int, str]:
@@ -1982,6 +2096,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        server.loop = asyncio.get_running_loop()
         sweeper = asyncio.ensure_future(sweep()) if idle_seconds else None
         try:
             yield
@@ -2023,6 +2138,262 @@ def create_app(
     app.state.sessions = sessions
     app.state.server = server
     return app
+
+
+# ---------------------------------------------------------------------- the Rust data plane
+# The Rust data plane of the capture server (`rollout-store serve --data-plane rust`).
+#
+# The engine's `DataPlane` listens on the public port and serves the model routes
+# (`POST /v1/chat/completions`, `POST /v1/messages`) with hyper on a tokio runtime of its own:
+# the `Host`, `Origin` and `Content-Type` gate, the session key against a key table, the
+# body's size and time bounds and its depth, then the upstream call through a pooled client.
+# Every other request is proxied to the app `create_app` made, listening on a private loopback
+# socket: sessions, export, trace, viewer and health stay this package's Python, unchanged.
+#
+# `RustDataPlane` is the control plane's side: it keeps the engine's key table current (the
+# sessions' keys as they are created, reopened and deleted), and answers the engine's
+# callbacks with the Python server's own code, so both planes refuse, record and reply alike:
+# `prepare` resolves the session and makes the upstream call ready (`_Server.plan`),
+# `finish` turns the upstream's answer into the reply and records the turn (`--ack durable`)
+# or hands it back to be queued (`--ack fast`), `record` records a queued turn on the engine's
+# recorder thread, `dropped` counts a queued turn that will not be, and `sent` records a
+# call's timeline once its reply is out. Each callback runs on an engine thread holding the
+# GIL. `close` stops the engine: no new call, the queued turns recorded (bounded), the rest
+# counted as dropped.
+
+#: The data planes `rollout-store serve --data-plane` offers.
+DATA_PLANES = ("python", "rust")
+
+_Reply = tuple[int, list[tuple[bytes, bytes]], list[bytes], bool]
+_SSE_HEADERS = StreamingResponse(
+    iter(()), media_type="text/event-stream", headers=SSE_HEADERS
+).raw_headers
+
+
+def _reply(response: Response) -> _Reply:
+    return response.status_code, response.raw_headers, [bytes(response.body)], False
+
+
+class _Call:
+    """One model call between the engine's callbacks: its plan and, once answered, its turn."""
+
+    __slots__ = ("node", "plan")
+
+    def __init__(self, plan: _Plan) -> None:
+        self.plan = plan
+        self.node: TurnNode | None = None
+
+
+class RustDataPlane:
+    """The engine's data plane in front of the app `create_app` made (`app`), which serves
+    on loopback port `backend_port`; the public listener binds `host`:`port` (0: a free
+    one, then `port` says which)."""
+
+    def __init__(
+        self, app: Starlette, *, host: str, port: int, backend_port: int, workers: int = 2
+    ) -> None:
+        server: _Server = app.state.server
+        config = server.config
+        if not server.upstream.startswith("http://"):
+            raise InvalidArgumentError(
+                f"the Rust data plane calls http:// upstreams only, not {server.upstream!r}: "
+                "use --data-plane python for this upstream"
+            )
+        self._server = server
+        self._sessions = server.sessions
+        hosts = config.allowed_hosts
+        self._engine = DataPlane(
+            self,
+            host=host,
+            port=port,
+            backend_port=backend_port,
+            upstream=server.upstream,
+            hosts=None if hosts is None else sorted(hosts),
+            open_mode=self._sessions.open_mode,
+            max_body_bytes=config.max_body_bytes,
+            body_timeout=config.body_timeout,
+            body_timeout_text=f"{config.body_timeout:g}",
+            upstream_timeout=config.upstream_timeout,
+            stream_keepalive=config.stream_keepalive,
+            fast=config.ack == "fast",
+            ack_queue=config.ack_queue,
+            workers=workers,
+        )
+        self.port: int = self._engine.port
+        self._sessions.watch_keys(self._key_changed)
+        server.plane = self
+
+    def _key_changed(self, key: str, session_id: str | None) -> None:
+        data = key.encode("utf-8", "surrogatepass")
+        if session_id is None:
+            self._engine.remove_key(data)
+        else:
+            self._engine.set_key(data, session_id)
+
+    # -- for the control plane
+
+    def pending(self) -> int:
+        """Turns answered (`--ack fast`) and not yet recorded."""
+        return int(self._engine.pending())
+
+    def settle(self, timeout: float) -> bool:
+        """Wait (at most `timeout` seconds) for the queued turns; whether all were taken."""
+        return bool(self._engine.settle(timeout))
+
+    def close(self) -> None:
+        """Stop serving; the queued turns are recorded first (bounded), the rest counted."""
+        self._sessions.watch_keys(None)
+        self._engine.stop(ACK_DRAIN_SECONDS)
+
+    # -- the engine's callbacks
+
+    def prepare(
+        self,
+        anthropic: bool,
+        session_id: str | None,
+        key: str | None,
+        headers: list[tuple[str, bytes]],
+        body: bytes,
+        received_us: int,
+    ) -> (
+        tuple[_Call, str, bytes, list[tuple[str, str]], list[tuple[bytes, bytes]] | None]
+        | tuple[None, _Reply]
+    ):
+        """A call that passed the engine's gate: its upstream call, or the refusal."""
+        clock = CallClock()
+        clock.received = received_us
+        server = self._server
+        try:
+            session = server._session(key)
+            plan = server.plan(
+                anthropic,
+                Headers(raw=[(name.encode("latin-1"), value) for name, value in headers]),
+                session,
+                body,
+                clock,
+            )
+        except _Refusal as refusal:
+            return None, _reply(_failure(anthropic, refusal))
+        stream = _SSE_HEADERS if plan.stream else None
+        return _Call(plan), plan.path, plan.content, list(plan.headers.items()), stream
+
+    def finish(
+        self,
+        call: _Call,
+        status: int,
+        error: str | None,
+        content_type: bytes | None,
+        retry_after: bytes | None,
+        answer: bytes,
+        stamps: tuple[int, int, int],
+        started: bool = False,
+    ) -> tuple[_Reply, bool, bool]:
+        """The reply to a call the upstream answered (or failed), whether its turn is to be
+        queued, and whether its timeline is to be recorded once the reply is sent.
+        `started`: the reply's stream began (keep-alive comments) while the upstream had
+        not answered: it goes on with the answer's events, or an error event."""
+        server, plan = self._server, call.plan
+        session, clock = plan.session, plan.clock
+        clock.upstream_sent, clock.first_byte, clock.last_byte = stamps
+        fast = server.config.ack == "fast"
+        queue = False
+        try:
+            if error == "timeout":
+                raise _Refusal(
+                    504, f"the upstream did not answer within {server.config.upstream_timeout:g} s"
+                )
+            if error is not None:
+                raise _Refusal(502, f"the upstream cannot be reached: {error}")
+            headers = {}
+            if content_type is not None:
+                headers["content-type"] = content_type.decode("latin-1")
+            if retry_after is not None:
+                headers["retry-after"] = retry_after.decode("latin-1")
+            response, answer = server._upstream_answer(status, headers, answer)
+        except _Passthrough as passed:
+            session.upstream_errors += 1
+            session.failed = failed_after(session.failed, passed.response.status_code)
+            return self._timed(call, self._failed(plan, passed, started), False)
+        except _Refusal as refused:
+            if refused.status in (502, 504):  # the upstream unreachable or too slow
+                session.failed = failed_after(session.failed, refused.status)
+            return self._timed(call, self._failed(plan, refused, started), False)
+        try:
+            failed = session.failed
+            call.node = plan.make_turn(response)
+            if fast:
+                queue = True
+            else:
+                clock.node_id = server.record_now(session, call.node)
+            clock.failed, session.failed = failed, 0
+        except _Refusal as refused:
+            return self._timed(call, self._failed(plan, refused, started), False)
+        if plan.stream:
+            return self._timed(call, (200, _SSE_HEADERS, list(plan.replay), True), queue)
+        return self._timed(call, _reply(plan.reply(response, answer)), queue)
+
+    @staticmethod
+    def _failed(plan: _Plan, failed: _Refusal | _Passthrough, started: bool) -> _Reply:
+        """A failed call's answer: the route's error, or an error event of a begun stream
+        (as `_Server._kept_alive` sends it)."""
+        if not started:
+            return _reply(_failure(plan.anthropic, failed))
+        if isinstance(failed, _Refusal):
+            status, reason = failed.status, failed.reason
+        else:
+            status = failed.response.status_code
+            reason = (
+                f"the upstream answered {status}: "
+                + bytes(failed.response.body).decode("utf-8", "replace").replace("\n", " ")[:500]
+            )
+        error = _error_body(plan.anthropic, status, reason)
+        event = sse_event("error", error) if plan.anthropic else sse_data(error)
+        return 200, _SSE_HEADERS, [event], True
+
+    def _timed(self, call: _Call, reply: _Reply, queue: bool) -> tuple[_Reply, bool, bool]:
+        plan = call.plan
+        timed = plan.clock.node_id is not None or plan.stream or queue
+        if timed:
+            self._server.timing(plan.session, plan.clock)
+        return reply, queue, timed
+
+    def record(self, call: _Call) -> None:
+        """Record a turn answered with `--ack fast` (on the engine's recorder thread)."""
+        plan, node = call.plan, call.node
+        session, clock = plan.session, plan.clock
+        server = self._server
+        try:
+            if node is None:
+                raise RuntimeError("a queued call without its turn")
+            loop = server.loop
+            if loop is not None and loop.is_running():
+                # the Python server's recorder does it in its event loop: so does this one
+                recording = asyncio.run_coroutine_threadsafe(server._record(session, node), loop)
+                clock.node_id = recording.result()
+            else:
+                clock.node_id = server.record_now(session, node)
+            if clock.reply_sent >= 0:  # sent before the turn was recorded: ours to do
+                self._server.record_timeline_now(session, clock)
+        except Exception:  # any failure: the client has its answer, the turn is counted
+            self._server._drop(session, "record_error")
+        call.node = None
+
+    def dropped(self, call: _Call, why: str) -> None:
+        """A queued turn that will not be recorded (`queue_full`, `shutdown`)."""
+        session: Session = call.plan.session
+        self._server._drop(session, why)
+        call.node = None
+
+    def sent(self, call: _Call, reply_sent: int, chunks: int, max_gap: int) -> None:
+        """A timed call's reply is out: record its timeline (once its turn is recorded)."""
+        plan = call.plan
+        clock = plan.clock
+        clock.reply_sent = reply_sent
+        clock.chunks, clock.max_gap = chunks, max_gap
+        try:
+            self._server.record_timeline_now(plan.session, clock)
+        finally:
+            self._server.timed(plan.session, clock)
 
 
 # ---------------------------------------------------------------------- rollout-store serve
@@ -2116,6 +2487,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="this server's name behind a balancer (letters, digits): the keys it mints carry "
         "it and the balancer routes on it (see docs/replicas.md)",
     )
+    parser.add_argument(
+        "--data-plane",
+        choices=DATA_PLANES,
+        default="python",
+        help="who serves the model routes: this process's Python app, or the engine's Rust "
+        "listener in front of it (the other routes stay in Python; see docs/server.md)",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
     parser.add_argument("--upstream-timeout", type=float, default=UPSTREAM_TIMEOUT)
     parser.add_argument(
@@ -2174,12 +2552,25 @@ def serve(args: argparse.Namespace) -> int:
     if not args.trim_idle >= 0:
         raise InvalidArgumentError("--trim-idle must be 0 (never) or a number of seconds")
     served = with_idle_trim(app, args.trim_idle)  # the process's own allocator: not the app's
-    sock = listen_socket(args.host, args.port)
+    if getattr(args, "data_plane", "python") == "rust":
+        # the app listens on a private loopback port; the engine on the public one
+        sock = listen_socket("127.0.0.1", 0)
+        try:
+            plane = RustDataPlane(
+                app, host=args.host, port=args.port, backend_port=sock.getsockname()[1]
+            )
+        except BaseException:
+            sock.close()
+            app.state.sessions.close()
+            raise
+        host, port = args.host, plane.port
+    else:
+        sock = listen_socket(args.host, args.port)
+        host, port = sock.getsockname()[:2]
     # what was made at start (modules, the reopened sessions' graphs) lives as long as the
     # process: out of the collector's way, a full collection no longer walks all of it
     gc.collect()
     gc.freeze()
-    host, port = sock.getsockname()[:2]
     sessions: Sessions = app.state.sessions
     print(
         f"rollout-store serve: http://{host}:{port} -> {args.upstream} "

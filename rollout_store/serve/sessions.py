@@ -311,6 +311,9 @@ class Sessions:
         self.blobs = "inline" if isinstance(self.store, MemoryStore) else "store"
         self._by_id: dict[str, Session] = {}
         self._by_key: dict[bytes, Session] = {}
+        #: Told of every key added (key, session id) and removed (key, None): the Rust data
+        #: plane's key table (`watch_keys`).
+        self._key_watcher: Callable[[str, str | None], None] | None = None
         self._lock = threading.Lock()
         self._id_locks = [threading.Lock() for _ in range(_ID_LOCKS)]
         self._unlock: Callable[[], Any] | None = None
@@ -522,6 +525,8 @@ class Sessions:
             with self._lock:
                 self._by_id[sid] = session
                 self._by_key[key_digest(key)] = session
+                if self._key_watcher is not None:
+                    self._key_watcher(key, sid)
             return session
 
     def save_group(self, session: Session) -> None:
@@ -537,6 +542,15 @@ class Sessions:
         if session.group is not None:
             doc["group"] = session.group
         _write_atomic(self._path(session.session_id, ".json"), json.dumps(doc).encode("ascii"))
+
+    def watch_keys(self, watcher: Callable[[str, str | None], None] | None) -> None:
+        """Tell `watcher` every session's key now (key, session id), then each key added
+        and removed (key, None) until it is replaced (None: no one)."""
+        with self._lock:
+            self._key_watcher = watcher
+            if watcher is not None:
+                for session in self._by_id.values():
+                    watcher(session.api_key, session.session_id)
 
     def get(self, session_id: str) -> Session | None:
         with self._lock:
@@ -592,6 +606,8 @@ class Sessions:
                 if session is None:
                     return False
                 self._by_key.pop(key_digest(session.api_key), None)
+                if self._key_watcher is not None:
+                    self._key_watcher(session.api_key, None)
             session.close()
             if self.data is not None:
                 for suffix in (".json", ".rls"):

@@ -29,6 +29,10 @@ ADMIN_KEY = "test-admin-key-0123456789"
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 #: The key `new_session` was given for each session id, sent by `export`.
 _KEYS: dict[str, str] = {}
+#: `rust`: the capture servers the tests start serve their model routes with the engine's
+#: data plane (`rollout-store serve --data-plane rust`; `serve_app` puts it in front of a
+#: `create_app` app); anything else: the Python app alone.
+DATA_PLANE = os.environ.get("ROLLOUT_STORE_DATA_PLANE", "python")
 
 
 def auth(session_id: str) -> dict[str, str]:
@@ -91,8 +95,10 @@ class _Server(uvicorn.Server):
 
 
 @contextlib.contextmanager
-def serve_app(app: Any) -> Iterator[str]:
-    """Serve `app` with uvicorn in a thread on a free loopback port; yields its base URL."""
+def serve_app(app: Any, data_plane: str | None = None) -> Iterator[str]:
+    """Serve `app` with uvicorn in a thread on a free loopback port; yields its base URL.
+    `data_plane` ("python", "rust"; default `DATA_PLANE`): for a capture server's app, who
+    serves its model routes."""
     sock = listen_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     config = uvicorn.Config(
@@ -106,6 +112,11 @@ def serve_app(app: Any) -> Iterator[str]:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.002)
+    if (data_plane or DATA_PLANE) == "rust" and hasattr(getattr(app, "state", None), "server"):
+        from rollout_store.serve.server import RustDataPlane
+
+        port = RustDataPlane(app, host="127.0.0.1", port=0, backend_port=port).port
+        # (the app's lifespan stops the plane)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -156,8 +167,9 @@ class Process:
 
 def start_server_process(upstream: str, *extra: str, env: dict[str, str] | None = None) -> Process:
     """`rollout-store serve` in a child process (`env`: variables added to this one's)."""
+    plane = ["--data-plane", "rust"] if DATA_PLANE == "rust" else []
     return Process(
-        ["-m", "rollout_store.cli", "serve", "--upstream", upstream, "--port", "0", *extra],
+        ["-m", "rollout_store.cli", "serve", "--upstream", upstream, "--port", "0", *plane, *extra],
         r"serve: (http://127\.0\.0\.1:\d+)",
         env,
     )

@@ -2,6 +2,7 @@
 //! in the engine crate.
 
 mod content;
+mod data_plane;
 mod frames;
 mod json;
 mod packed;
@@ -33,6 +34,8 @@ pyo3::create_exception!(
 mod _core {
     #[pymodule_export]
     use super::content::ContentTable;
+    #[pymodule_export]
+    use super::data_plane::DataPlane;
     #[pymodule_export]
     use super::frames::{
         encode_blob_frame, encode_frame, frame_chain_value, next_frame, read_gap, FrameScan,

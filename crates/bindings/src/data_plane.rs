@@ -1,0 +1,306 @@
+//! `DataPlane`: the gateway crate's data plane, owned (and stopped) by a Python object, its
+//! control plane called back through the GIL. Argument conversion only.
+
+use std::net::ToSocketAddrs;
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use gateway::checks::Hosts;
+use gateway::{Call, Config, Control, Finished, Gateway, Prepared, Reply, Sent, Upstream};
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyTuple};
+
+/// The Python control plane, as the gateway calls it.
+struct PyControl {
+    control: Py<PyAny>,
+}
+
+fn server_error() -> Reply {
+    Reply {
+        status: 500,
+        headers: vec![(
+            Bytes::from_static(b"content-type"),
+            Bytes::from_static(b"text/plain; charset=utf-8"),
+        )],
+        chunks: vec![Bytes::from_static(b"Internal Server Error")],
+        stream: false,
+    }
+}
+
+/// A reply as the control plane gives it: status, headers, the body's chunks, streamed.
+type PyReply = (u16, Vec<(Vec<u8>, Vec<u8>)>, Vec<Vec<u8>>, bool);
+
+fn reply_of(value: &Bound<'_, PyAny>) -> PyResult<Reply> {
+    let (status, headers, chunks, stream): PyReply = value.extract()?;
+    Ok(Reply {
+        status,
+        headers: headers
+            .into_iter()
+            .map(|(n, v)| (Bytes::from(n), Bytes::from(v)))
+            .collect(),
+        chunks: chunks.into_iter().map(Bytes::from).collect(),
+        stream,
+    })
+}
+
+fn bytes_or_none<'py>(py: Python<'py>, value: Option<&Bytes>) -> Option<Bound<'py, PyBytes>> {
+    value.map(|v| PyBytes::new(py, v))
+}
+
+impl PyControl {
+    fn try_prepare(&self, py: Python<'_>, call: Call) -> PyResult<Prepared<Py<PyAny>>> {
+        let headers: Vec<(String, Bound<'_, PyBytes>)> = call
+            .headers
+            .iter()
+            .map(|(n, v)| (n.clone(), PyBytes::new(py, v)))
+            .collect();
+        let out = self.control.call_method1(
+            py,
+            "prepare",
+            (
+                call.anthropic,
+                call.session,
+                call.key,
+                headers,
+                PyBytes::new(py, &call.body),
+                call.received_us,
+            ),
+        )?;
+        let out = out.bind(py).cast::<PyTuple>()?.clone();
+        let ticket = out.get_item(0)?;
+        if ticket.is_none() {
+            return Ok(Prepared::Refuse(reply_of(&out.get_item(1)?)?));
+        }
+        let path: String = out.get_item(1)?.extract()?;
+        let body: Vec<u8> = out.get_item(2)?.extract()?;
+        let headers: Vec<(String, String)> = out.get_item(3)?.extract()?;
+        let stream: Option<Vec<(Vec<u8>, Vec<u8>)>> = out.get_item(4)?.extract()?;
+        Ok(Prepared::Forward {
+            path,
+            body: Bytes::from(body),
+            headers,
+            ticket: ticket.unbind(),
+            stream: stream.map(|headers| {
+                headers
+                    .into_iter()
+                    .map(|(n, v)| (Bytes::from(n), Bytes::from(v)))
+                    .collect()
+            }),
+        })
+    }
+
+    fn try_finish(&self, py: Python<'_>, ticket: &Py<PyAny>, up: &Upstream) -> PyResult<Finished> {
+        let out = self.control.call_method1(
+            py,
+            "finish",
+            (
+                ticket.clone_ref(py),
+                up.status,
+                up.error.clone(),
+                bytes_or_none(py, up.content_type.as_ref()),
+                bytes_or_none(py, up.retry_after.as_ref()),
+                PyBytes::new(py, &up.body),
+                (up.upstream_sent, up.first_byte, up.last_byte),
+                up.started,
+            ),
+        )?;
+        let out = out.bind(py);
+        Ok(Finished {
+            reply: reply_of(&out.get_item(0)?)?,
+            queue: out.get_item(1)?.extract()?,
+            timed: out.get_item(2)?.extract()?,
+        })
+    }
+}
+
+impl Control for PyControl {
+    type Ticket = Py<PyAny>;
+
+    fn prepare(&self, call: Call) -> Prepared<Py<PyAny>> {
+        Python::attach(|py| {
+            self.try_prepare(py, call).unwrap_or_else(|error| {
+                error.print(py);
+                Prepared::Refuse(server_error())
+            })
+        })
+    }
+
+    fn finish(&self, ticket: &Py<PyAny>, upstream: Upstream) -> Finished {
+        Python::attach(|py| {
+            self.try_finish(py, ticket, &upstream)
+                .unwrap_or_else(|error| {
+                    error.print(py);
+                    Finished {
+                        reply: server_error(),
+                        ..Finished::default()
+                    }
+                })
+        })
+    }
+
+    fn record(&self, ticket: &Py<PyAny>) {
+        Python::attach(|py| {
+            if let Err(error) = self
+                .control
+                .call_method1(py, "record", (ticket.clone_ref(py),))
+            {
+                error.print(py);
+            }
+        });
+    }
+
+    fn dropped(&self, ticket: &Py<PyAny>, why: &'static str) {
+        Python::attach(|py| {
+            let args = (ticket.clone_ref(py), why);
+            if let Err(error) = self.control.call_method1(py, "dropped", args) {
+                error.print(py);
+            }
+        });
+    }
+
+    fn sent(&self, ticket: &Py<PyAny>, sent: Sent) {
+        Python::attach(|py| {
+            let args = (
+                ticket.clone_ref(py),
+                sent.reply_sent,
+                sent.chunks,
+                sent.max_chunk_gap,
+            );
+            if let Err(error) = self.control.call_method1(py, "sent", args) {
+                error.print(py);
+            }
+        });
+    }
+}
+
+/// The data plane: the model routes served by hyper on a runtime of its own, the rest
+/// proxied to the control plane's listener; the control plane's callbacks (`prepare`,
+/// `finish`, `record`, `dropped`, `sent`) are methods of `control`. `stop` ends it.
+/// `forward_only`: a floor for benchmarks (calls go upstream and come back as they came,
+/// with no key, no callback and nothing recorded).
+#[pyclass(frozen, module = "rollout_store._core")]
+pub struct DataPlane {
+    gateway: Mutex<Option<Gateway<PyControl>>>,
+    port: u16,
+}
+
+impl DataPlane {
+    fn with<R>(&self, work: impl FnOnce(&Gateway<PyControl>) -> R) -> PyResult<R> {
+        let gateway = self.gateway.lock().unwrap_or_else(PoisonError::into_inner);
+        gateway
+            .as_ref()
+            .map(work)
+            .ok_or_else(|| PyRuntimeError::new_err("the data plane is stopped"))
+    }
+}
+
+fn seconds(value: f64, name: &str) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(value)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| {
+            PyValueError::new_err(format!("{name} must be a positive number of seconds"))
+        })
+}
+
+#[pymethods]
+impl DataPlane {
+    #[new]
+    #[pyo3(signature = (
+        control, *, host, port, backend_port, upstream, hosts, open_mode, max_body_bytes,
+        body_timeout, body_timeout_text, upstream_timeout, stream_keepalive, fast, ack_queue, workers = 2,
+        forward_only = false
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        control: Py<PyAny>,
+        host: &str,
+        port: u16,
+        backend_port: u16,
+        upstream: &str,
+        hosts: Option<Vec<String>>,
+        open_mode: bool,
+        max_body_bytes: u64,
+        body_timeout: f64,
+        body_timeout_text: &str,
+        upstream_timeout: f64,
+        stream_keepalive: f64,
+        fast: bool,
+        ack_queue: usize,
+        workers: usize,
+        forward_only: bool,
+    ) -> PyResult<Self> {
+        let listen = (host.trim_start_matches('[').trim_end_matches(']'), port)
+            .to_socket_addrs()?
+            .next()
+            .ok_or_else(|| PyOSError::new_err(format!("no address for {host:?}")))?;
+        let config = Config {
+            listen,
+            upstream: upstream.trim_end_matches('/').to_string(),
+            backend: ([127, 0, 0, 1], backend_port).into(),
+            hosts: hosts.map_or_else(Hosts::any, Hosts::only),
+            open_mode,
+            max_body_bytes,
+            body_timeout: seconds(body_timeout, "body_timeout")?,
+            body_timeout_text: body_timeout_text.to_string(),
+            upstream_timeout: seconds(upstream_timeout, "upstream_timeout")?,
+            stream_keepalive: seconds(stream_keepalive, "stream_keepalive")?,
+            fast,
+            ack_queue: ack_queue.max(1),
+            workers,
+            forward_only,
+        };
+        let gateway = py.detach(|| Gateway::start(config, PyControl { control }))?;
+        let port = gateway.local_addr().port();
+        Ok(Self {
+            gateway: Mutex::new(Some(gateway)),
+            port,
+        })
+    }
+
+    /// The port the listener is bound to.
+    #[getter]
+    fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Let `key` (UTF-8 bytes) open the session `session_id`.
+    fn set_key(&self, key: &[u8], session_id: &str) -> PyResult<()> {
+        self.with(|g| g.set_key(key, session_id))
+    }
+
+    /// Forget `key`; whether it was known.
+    fn remove_key(&self, key: &[u8]) -> PyResult<bool> {
+        self.with(|g| g.remove_key(key))
+    }
+
+    /// Turns queued (`fast`) and waiting for the recorder.
+    fn pending(&self) -> PyResult<usize> {
+        self.with(Gateway::pending)
+    }
+
+    /// Wait at most `timeout` seconds until every queued turn is recorded or dropped;
+    /// whether it was.
+    fn settle(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
+        let timeout = Duration::try_from_secs_f64(timeout.max(0.0)).unwrap_or(Duration::ZERO);
+        py.detach(|| self.with(|g| g.settle(timeout)))
+    }
+
+    /// Stop serving; the queued turns are recorded for at most `drain` seconds (the rest are
+    /// reported dropped). Stopping twice does nothing.
+    #[pyo3(signature = (drain = 10.0))]
+    fn stop(&self, py: Python<'_>, drain: f64) {
+        let drain = Duration::try_from_secs_f64(drain.max(0.0)).unwrap_or(Duration::ZERO);
+        let taken = self
+            .gateway
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(mut gateway) = taken {
+            py.detach(move || gateway.stop(drain));
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! The session keys the data plane checks a call's key against, kept current by the control
+//! plane (sessions created, reopened, deleted).
+//!
+//! A key is found by a hash under a per-table random seed (so a lookup's timing says nothing
+//! the caller can steer about the stored keys' text) and confirmed by a constant-time
+//! comparison of the bytes, as `hmac.compare_digest` does in the Python server.
+
+use std::collections::hash_map::RandomState;
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::sync::Arc;
+
+/// The keys under one hash, each with the session it opens.
+type Bucket = Vec<(Box<[u8]>, Arc<str>)>;
+
+/// Keys (UTF-8 bytes, as the Python server encodes them) to the session each opens.
+#[derive(Default)]
+pub struct KeyTable {
+    seed: RandomState,
+    buckets: HashMap<u64, Bucket>,
+    len: usize,
+}
+
+/// Whether `a` equals `b`, in a time that depends on their lengths only.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    std::hint::black_box(diff) == 0
+}
+
+impl KeyTable {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn slot(&self, key: &[u8]) -> u64 {
+        self.seed.hash_one(key)
+    }
+
+    /// Let `key` open `session` (a key already there now opens this session).
+    pub fn insert(&mut self, key: &[u8], session: &str) {
+        let slot = self.slot(key);
+        let bucket = self.buckets.entry(slot).or_default();
+        if let Some(entry) = bucket.iter_mut().find(|(k, _)| constant_time_eq(k, key)) {
+            entry.1 = session.into();
+            return;
+        }
+        bucket.push((key.into(), session.into()));
+        self.len += 1;
+    }
+
+    /// Forget `key`; whether it was there.
+    pub fn remove(&mut self, key: &[u8]) -> bool {
+        let slot = self.slot(key);
+        let Some(bucket) = self.buckets.get_mut(&slot) else {
+            return false;
+        };
+        let before = bucket.len();
+        bucket.retain(|(k, _)| !constant_time_eq(k, key));
+        let removed = bucket.len() < before;
+        if bucket.is_empty() {
+            self.buckets.remove(&slot);
+        }
+        if removed {
+            self.len -= 1;
+        }
+        removed
+    }
+
+    /// The session `key` opens.
+    pub fn lookup(&self, key: &[u8]) -> Option<Arc<str>> {
+        let bucket = self.buckets.get(&self.slot(key))?;
+        let mut found = None;
+        // every key of the bucket is compared: which one matched does not show in the time
+        for (k, session) in bucket {
+            if constant_time_eq(k, key) {
+                found = Some(session.clone());
+            }
+        }
+        found
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_opens_its_session_only() {
+        let mut table = KeyTable::new();
+        table.insert(b"key-a", "a");
+        table.insert(b"key-b", "b");
+        assert_eq!(table.lookup(b"key-a").as_deref(), Some("a"));
+        assert_eq!(table.lookup(b"key-b").as_deref(), Some("b"));
+        assert_eq!(table.lookup(b"key-"), None);
+        assert_eq!(table.lookup(b"key-a "), None);
+        assert_eq!(table.lookup(b"a"), None);
+        assert_eq!(table.lookup(b""), None);
+        assert_eq!(table.len(), 2);
+    }
+
+    #[test]
+    fn removed_keys_open_nothing_and_reinserted_keys_move() {
+        let mut table = KeyTable::new();
+        table.insert(b"k", "a");
+        table.insert(b"k", "b");
+        assert_eq!(table.len(), 1);
+        assert_eq!(table.lookup(b"k").as_deref(), Some("b"));
+        assert!(table.remove(b"k"));
+        assert!(!table.remove(b"k"));
+        assert_eq!(table.lookup(b"k"), None);
+        assert!(table.is_empty());
+    }
+
+    #[test]
+    fn constant_time_comparison_is_equality() {
+        assert!(constant_time_eq(b"", b""));
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"ab"));
+        assert!(!constant_time_eq(b"\x00", b"\x01"));
+    }
+
+    #[test]
+    fn many_keys_stay_apart() {
+        let mut table = KeyTable::new();
+        for i in 0..2000 {
+            table.insert(format!("key-{i}").as_bytes(), &format!("s{i}"));
+        }
+        for i in 0..2000 {
+            let found = table.lookup(format!("key-{i}").as_bytes());
+            assert_eq!(found.as_deref(), Some(format!("s{i}").as_str()));
+        }
+        assert_eq!(table.lookup(b"key-2000"), None);
+    }
+}

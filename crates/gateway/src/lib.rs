@@ -1,0 +1,17 @@
+//! `rollout_store`'s data plane: the capture server's model routes served by hyper on tokio,
+//! with no Python in it.
+//!
+//! - [`checks`]: the gate every model call passes first (its `Host`, `Origin` and
+//!   `Content-Type`, its key), with the refusals in the shapes the Python server answers;
+//! - [`keys`]: the table of session keys the control plane keeps current, compared in
+//!   constant time;
+//! - [`depth`]: the depth check a body passes before it goes upstream;
+//! - [`plane`]: the listener, the pooled upstream client, the reverse proxy to the control
+//!   plane and the recorder thread, owned by a [`Gateway`] its owner stops.
+
+pub mod checks;
+pub mod depth;
+pub mod keys;
+pub mod plane;
+
+pub use plane::{Call, Config, Control, Finished, Gateway, Prepared, Reply, Sent, Upstream};

@@ -1,0 +1,1019 @@
+//! The data plane: a hyper listener on the public port, a pooled upstream client, a reverse
+//! proxy to the control plane and one recorder thread, all owned by a [`Gateway`].
+//!
+//! A model call (`POST /v1/chat/completions`, `POST /v1/messages`) passes the gate (`Host`,
+//! `Origin`, `Content-Type`, its key against the [`KeyTable`]), its body is read (size bound,
+//! time bound) and depth-checked, then the [`Control`] (the Python control plane, through the
+//! bindings) prepares the upstream call or refuses it; the call goes upstream through the
+//! pooled client; the control finishes it (records the turn with `--ack durable`, or hands it
+//! back to be queued with `--ack fast`) and gives the reply. Every other request is proxied,
+//! streamed both ways, to the control plane's own listener on loopback.
+//!
+//! The control's calls may block (they take the GIL): they run on tokio's blocking pool, and a
+//! panic in one answers that call 500 while the server goes on. Recording with `--ack fast`
+//! and every call's timeline go through one channel to the recorder thread, in the order the
+//! calls were answered; the queue of turns not yet recorded is bounded (`ack_queue`), a turn
+//! past it is dropped and reported to the control, as one the recorder could not record in
+//! time when the gateway stops.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::io;
+use std::net::SocketAddr;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex, PoisonError, RwLock};
+use std::task::{Context, Poll};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE, HOST};
+use http::{HeaderMap, Method, Request, Response, StatusCode, Uri};
+use http_body::{Body, Frame};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::net::TcpSocket;
+use tokio::runtime::Runtime;
+
+use crate::checks::{self, Hosts};
+use crate::depth;
+use crate::keys::KeyTable;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type Out = BoxBody<Bytes, BoxError>;
+
+/// Seconds an idle pooled connection is kept: dropped before a uvicorn upstream (`vLLM`,
+/// `SGLang`) closes it at 5 s, since reusing one it is closing fails the call.
+const POOL_IDLE: Duration = Duration::from_secs(2);
+
+/// What the gateway is started with.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Where the public listener binds (port 0 picks a free one).
+    pub listen: SocketAddr,
+    /// The upstream's base, `http://host:port[/prefix]` (no trailing slash).
+    pub upstream: String,
+    /// The control plane's own listener (loopback).
+    pub backend: SocketAddr,
+    pub hosts: Hosts,
+    /// Keys that name no session may record (`--open`): the control plane resolves them.
+    pub open_mode: bool,
+    pub max_body_bytes: u64,
+    pub body_timeout: Duration,
+    /// `body_timeout` as the refusal names it (`f"{seconds:g}"`).
+    pub body_timeout_text: String,
+    pub upstream_timeout: Duration,
+    /// How long a streaming client waits before its stream begins with keep-alive comments
+    /// (then a failure arrives as an error event).
+    pub stream_keepalive: Duration,
+    /// `--ack fast`: turns are recorded after the reply, through the bounded queue.
+    pub fast: bool,
+    pub ack_queue: usize,
+    pub workers: usize,
+    /// A floor for benchmarks: a model call that passes the gate goes upstream as it came
+    /// and its answer comes back as it came; no key, no control plane, nothing recorded.
+    pub forward_only: bool,
+}
+
+/// A model call that passed the gate, for the control to prepare.
+#[derive(Debug)]
+pub struct Call {
+    pub anthropic: bool,
+    /// The session the key opens, when the key table knows it.
+    pub session: Option<String>,
+    /// The key sent (the control resolves an unknown one in open mode).
+    pub key: Option<String>,
+    /// The request's headers, names lowercased, values as sent.
+    pub headers: Vec<(String, Bytes)>,
+    pub body: Bytes,
+    /// Microseconds since the Unix epoch when the request arrived.
+    pub received_us: u64,
+}
+
+/// An answer made by the control: status, headers, and the chunks of the body (one for a
+/// plain reply, the events of a replayed stream).
+#[derive(Debug, Default)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: Vec<(Bytes, Bytes)>,
+    pub chunks: Vec<Bytes>,
+    /// The chunks are stream events (each stamped as it goes out).
+    pub stream: bool,
+}
+
+/// What the control made of a call: a refusal, or the upstream call to make.
+pub enum Prepared<T> {
+    Refuse(Reply),
+    Forward {
+        path: String,
+        body: Bytes,
+        headers: Vec<(String, String)>,
+        ticket: T,
+        /// A streaming call: the headers its stream is answered with.
+        stream: Option<Vec<(Bytes, Bytes)>>,
+    },
+}
+
+/// The upstream's answer to a call (or why there is none), with the call's stamps.
+#[derive(Debug, Default)]
+pub struct Upstream {
+    /// 0 when the upstream did not answer (`error` says why).
+    pub status: u16,
+    /// `"timeout"`, or the kind of failure that kept the call from the upstream.
+    pub error: Option<String>,
+    pub content_type: Option<Bytes>,
+    pub retry_after: Option<Bytes>,
+    pub body: Bytes,
+    /// Microseconds since the call was received: sent upstream, first byte, last byte.
+    pub upstream_sent: u32,
+    pub first_byte: u32,
+    pub last_byte: u32,
+    /// The reply's stream had begun (with keep-alive comments) before the upstream
+    /// answered: a failure is to be an event of it.
+    pub started: bool,
+}
+
+/// What the control made of the upstream's answer.
+#[derive(Debug, Default)]
+pub struct Finished {
+    pub reply: Reply,
+    /// `--ack fast`: the turn is to be recorded through the queue.
+    pub queue: bool,
+    /// The call's timeline is to be recorded once the reply is sent.
+    pub timed: bool,
+}
+
+/// The stamps of a reply once it is sent.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Sent {
+    /// Microseconds since the call was received.
+    pub reply_sent: u32,
+    pub chunks: u32,
+    pub max_chunk_gap: u32,
+}
+
+/// The control plane, as the data plane calls it. Its calls may block.
+pub trait Control: Send + Sync + 'static {
+    /// What a call carries from `prepare` to its recording.
+    type Ticket: Send + Sync + 'static;
+    fn prepare(&self, call: Call) -> Prepared<Self::Ticket>;
+    fn finish(&self, ticket: &Self::Ticket, upstream: Upstream) -> Finished;
+    /// Record a turn queued with `--ack fast` (the control counts a failure itself).
+    fn record(&self, ticket: &Self::Ticket);
+    /// A queued turn that will not be recorded, and why (`queue_full`, `shutdown`).
+    fn dropped(&self, ticket: &Self::Ticket, why: &'static str);
+    /// The reply of a timed call was sent.
+    fn sent(&self, ticket: &Self::Ticket, sent: Sent);
+}
+
+enum Job<T> {
+    Record(Arc<T>),
+    Sent(Arc<T>, Sent),
+}
+
+/// The turns queued: those waiting for the recorder (what the bound counts, as the Python
+/// server's queue does), and those not yet recorded, the one being recorded too (what
+/// `settle` waits for).
+#[derive(Default)]
+struct Pending {
+    counts: Mutex<Counts>,
+    changed: Condvar,
+}
+
+#[derive(Clone, Copy, Default)]
+struct Counts {
+    waiting: usize,
+    unfinished: usize,
+}
+
+impl Pending {
+    fn counts(&self) -> std::sync::MutexGuard<'_, Counts> {
+        self.counts.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// One more turn queued, unless `bound` are waiting.
+    fn add(&self, bound: usize) -> bool {
+        let mut counts = self.counts();
+        if counts.waiting >= bound {
+            return false;
+        }
+        counts.waiting += 1;
+        counts.unfinished += 1;
+        true
+    }
+
+    /// The recorder took a turn.
+    fn taken(&self) {
+        let mut counts = self.counts();
+        counts.waiting = counts.waiting.saturating_sub(1);
+    }
+
+    /// A turn queued is recorded (or dropped).
+    fn done(&self) {
+        let mut counts = self.counts();
+        counts.unfinished = counts.unfinished.saturating_sub(1);
+        self.changed.notify_all();
+    }
+}
+
+struct Shared<C: Control> {
+    config: Config,
+    control: Arc<C>,
+    keys: RwLock<KeyTable>,
+    open_mode: AtomicBool,
+    client: Client<HttpConnector, Out>,
+    jobs: Mutex<Option<mpsc::Sender<Job<C::Ticket>>>>,
+    pending: Pending,
+    /// When the recorder is to stop recording (set by `stop`).
+    deadline: Mutex<Option<Instant>>,
+}
+
+/// The data plane: its runtime, listener, upstream client and recorder thread. Dropping it
+/// stops it (`stop` says how long the queued turns may take).
+pub struct Gateway<C: Control> {
+    shared: Arc<Shared<C>>,
+    runtime: Option<Runtime>,
+    accepting: Option<tokio::task::JoinHandle<()>>,
+    recorder: Option<JoinHandle<()>>,
+    local: SocketAddr,
+}
+
+fn micros_since(t0: Instant) -> u32 {
+    u32::try_from(t0.elapsed().as_micros()).unwrap_or(u32::MAX - 1)
+}
+
+fn full(body: impl Into<Bytes>) -> Out {
+    Full::new(body.into())
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+fn json_reply(status: u16, body: String, close: bool) -> Response<Out> {
+    let mut response = Response::new(full(body));
+    *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST);
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if close {
+        headers.insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    response
+}
+
+fn refused(anthropic: bool, status: u16, reason: &str) -> Response<Out> {
+    json_reply(
+        status,
+        checks::error_body(anthropic, status, reason),
+        status == 408,
+    )
+}
+
+fn internal_error() -> Response<Out> {
+    let mut response = Response::new(full("Internal Server Error"));
+    *response.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+    response.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    response
+}
+
+fn header_text(headers: &HeaderMap, name: &HeaderName) -> Option<String> {
+    headers.get(name).map(|v| checks::latin1(v.as_bytes()))
+}
+
+/// Where a reply reports that it was sent, and for which call.
+type Done<C> = (Arc<Shared<C>>, Arc<<C as Control>::Ticket>);
+
+/// What feeds a stream begun before its call was answered: chunks, then the call's ticket
+/// when its timeline is to be recorded.
+enum Piece<T> {
+    Chunk(Bytes),
+    Timed(Arc<T>),
+}
+
+/// The reply's body: its chunks (or those a begun stream is fed), each stamped as it goes
+/// out when they are stream events, and the recorder told when the last one went.
+struct ReplyBody<C: Control> {
+    chunks: VecDeque<Bytes>,
+    feed: Option<tokio::sync::mpsc::Receiver<Piece<C::Ticket>>>,
+    stream: bool,
+    t0: Instant,
+    sent: Sent,
+    last_chunk: u32,
+    done: Option<Done<C>>,
+    /// Where a fed stream reports it was sent, once it knows it is timed.
+    shared: Option<Arc<Shared<C>>>,
+}
+
+impl<C: Control> Body for ReplyBody<C> {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        while this.chunks.is_empty() {
+            let Some(feed) = this.feed.as_mut() else {
+                break;
+            };
+            match feed.poll_recv(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Piece::Chunk(chunk))) => this.chunks.push_back(chunk),
+                Poll::Ready(Some(Piece::Timed(ticket))) => {
+                    this.done = this.shared.clone().map(|shared| (shared, ticket));
+                }
+                Poll::Ready(None) => this.feed = None,
+            }
+        }
+        if let Some(chunk) = this.chunks.pop_front() {
+            if this.stream {
+                let now = micros_since(this.t0);
+                if this.sent.chunks > 0 {
+                    this.sent.max_chunk_gap = this
+                        .sent
+                        .max_chunk_gap
+                        .max(now.saturating_sub(this.last_chunk));
+                }
+                this.sent.chunks += 1;
+                this.last_chunk = now;
+            }
+            if this.chunks.is_empty() && this.feed.is_none() {
+                this.finished();
+            }
+            return Poll::Ready(Some(Ok(Frame::data(chunk))));
+        }
+        this.finished();
+        Poll::Ready(None)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.chunks.is_empty() && self.feed.is_none() && self.done.is_none()
+    }
+}
+
+impl<C: Control> ReplyBody<C> {
+    /// The last chunk is handed to the connection: the reply is sent.
+    fn finished(&mut self) {
+        if let Some((shared, ticket)) = self.done.take() {
+            self.sent.reply_sent = micros_since(self.t0);
+            shared.send(Job::Sent(ticket, self.sent));
+        }
+    }
+}
+
+impl<C: Control> Shared<C> {
+    fn send(&self, job: Job<C::Ticket>) -> bool {
+        let jobs = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
+        jobs.as_ref().is_some_and(|tx| tx.send(job).is_ok())
+    }
+
+    /// Run one of the control's calls on the blocking pool; `None` if it panicked.
+    async fn blocking<R: Send + 'static>(
+        self: &Arc<Self>,
+        work: impl FnOnce(&C) -> R + Send + 'static,
+    ) -> Option<R> {
+        let control = self.control.clone();
+        tokio::task::spawn_blocking(move || work(&control))
+            .await
+            .ok()
+    }
+
+    async fn handle(self: Arc<Self>, request: Request<Incoming>) -> Response<Out> {
+        let path = request.uri().path();
+        let anthropic = path == "/v1/messages";
+        if request.method() == Method::POST && (anthropic || path == "/v1/chat/completions") {
+            // a panic in the call answers it 500; the connection and the server go on
+            let task = tokio::spawn(self.clone().model_call(request, anthropic));
+            return task.await.unwrap_or_else(|_| internal_error());
+        }
+        self.proxy(request).await
+    }
+
+    async fn read_body(
+        &self,
+        body: Incoming,
+        declared: Option<&HeaderValue>,
+    ) -> Result<Bytes, Option<(u16, String)>> {
+        let limit = self.config.max_body_bytes;
+        if let Some(value) = declared {
+            let text = checks::latin1(value.as_bytes());
+            if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(Some((400, "Content-Length is not a number".into())));
+            }
+            if text.parse::<u64>().map_or(true, |n| n > limit) {
+                return Err(Some((
+                    413,
+                    format!("the body of {text} bytes is over the limit of {limit} bytes"),
+                )));
+            }
+        }
+        let read = async {
+            let mut body = body;
+            let mut parts = Vec::new();
+            let mut size = 0u64;
+            while let Some(frame) = body.frame().await {
+                let Ok(frame) = frame else {
+                    return Err(None); // the client left mid-body: no one to answer
+                };
+                if let Ok(data) = frame.into_data() {
+                    size += data.len() as u64;
+                    if size > limit {
+                        return Err(Some((
+                            413,
+                            format!("the body is over the limit of {limit} bytes"),
+                        )));
+                    }
+                    parts.push(data);
+                }
+            }
+            Ok(if parts.len() == 1 {
+                parts.pop().unwrap_or_default()
+            } else {
+                Bytes::from(parts.concat())
+            })
+        };
+        match tokio::time::timeout(self.config.body_timeout, read).await {
+            Ok(result) => result,
+            Err(_) => Err(Some((
+                408,
+                format!(
+                    "the body did not arrive within {} s (--body-timeout)",
+                    self.config.body_timeout_text
+                ),
+            ))),
+        }
+    }
+
+    async fn model_call(
+        self: Arc<Self>,
+        request: Request<Incoming>,
+        anthropic: bool,
+    ) -> Response<Out> {
+        let t0 = Instant::now();
+        let received_us = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+        let (parts, body) = request.into_parts();
+        let headers = &parts.headers;
+        let host = header_text(headers, &HOST);
+        let origin = header_text(headers, &http::header::ORIGIN);
+        let kind = header_text(headers, &CONTENT_TYPE);
+        if let Some((status, reason)) = checks::refusal(
+            &self.config.hosts,
+            host.as_deref(),
+            origin.as_deref(),
+            kind.as_deref(),
+        ) {
+            return refused(anthropic, status, &reason);
+        }
+        if self.config.forward_only {
+            return self.forwarded(body, anthropic, t0).await;
+        }
+        let key = checks::api_key(
+            header_text(headers, &http::header::AUTHORIZATION).as_deref(),
+            header_text(headers, &HeaderName::from_static("x-api-key")).as_deref(),
+        );
+        let session = key.as_ref().and_then(|k| {
+            let keys = self.keys.read().unwrap_or_else(PoisonError::into_inner);
+            keys.lookup(k.as_bytes()).map(|s| s.to_string())
+        });
+        if session.is_none() && !self.open_mode.load(Ordering::Relaxed) {
+            return refused(
+                anthropic,
+                401,
+                "unknown API key: create a session with POST /sessions and use its api_key",
+            );
+        }
+        let raw = match self.read_body(body, headers.get(CONTENT_LENGTH)).await {
+            Ok(raw) => raw,
+            Err(Some((status, reason))) => return refused(anthropic, status, &reason),
+            Err(None) => return json_reply(400, String::new(), true),
+        };
+        if let Some(field) = depth::too_deep(&raw, anthropic) {
+            return refused(anthropic, 400, &depth::reason(&field));
+        }
+        let call = Call {
+            anthropic,
+            session,
+            key,
+            headers: headers
+                .iter()
+                .map(|(n, v)| (n.as_str().to_string(), Bytes::copy_from_slice(v.as_bytes())))
+                .collect(),
+            body: raw,
+            received_us,
+        };
+        let Some(prepared) = self.blocking(move |c| c.prepare(call)).await else {
+            return internal_error();
+        };
+        let (path, content, upstream_headers, ticket, stream) = match prepared {
+            Prepared::Refuse(reply) => return self.reply(reply, t0, None),
+            Prepared::Forward {
+                path,
+                body,
+                headers,
+                ticket,
+                stream,
+            } => (path, body, headers, Arc::new(ticket), stream),
+        };
+        let answer = if let Some(stream_headers) = stream {
+            let shared = self.clone();
+            let mut call = tokio::spawn(async move {
+                shared.upstream(&path, content, &upstream_headers, t0).await
+            });
+            match tokio::time::timeout(self.config.stream_keepalive, &mut call).await {
+                Ok(answer) => answer.unwrap_or_else(|_| lost()),
+                Err(_) => return self.kept_alive(call, stream_headers, ticket, t0),
+            }
+        } else {
+            self.upstream(&path, content, &upstream_headers, t0).await
+        };
+        self.finish(answer, ticket, t0).await
+    }
+
+    /// The rest of a call whose upstream answered: the control's reply, its turn queued.
+    async fn finish(
+        self: &Arc<Self>,
+        answer: Upstream,
+        ticket: Arc<C::Ticket>,
+        t0: Instant,
+    ) -> Response<Out> {
+        let held = ticket.clone();
+        let Some(finished) = self.blocking(move |c| c.finish(&held, answer)).await else {
+            return internal_error();
+        };
+        if finished.queue && !self.queue(&ticket) {
+            let held = ticket.clone();
+            if self
+                .blocking(move |c| c.dropped(&held, "queue_full"))
+                .await
+                .is_none()
+            {
+                return internal_error();
+            }
+        }
+        let done = finished.timed.then_some(ticket);
+        self.reply(finished.reply, t0, done)
+    }
+
+    /// A streaming call still waiting after `stream_keepalive`: its stream begins now with
+    /// a keep-alive comment, one more each `stream_keepalive`, then the control's events
+    /// (or its error event). A client that leaves abandons the call.
+    fn kept_alive(
+        self: &Arc<Self>,
+        mut call: tokio::task::JoinHandle<Upstream>,
+        headers: Vec<(Bytes, Bytes)>,
+        ticket: Arc<C::Ticket>,
+        t0: Instant,
+    ) -> Response<Out> {
+        const KEEP_ALIVE: &[u8] = b": keep-alive\n\n";
+        let (feed, receiver) = tokio::sync::mpsc::channel(16);
+        let shared = self.clone();
+        tokio::spawn(async move {
+            let answer = loop {
+                if feed
+                    .send(Piece::Chunk(Bytes::from_static(KEEP_ALIVE)))
+                    .await
+                    .is_err()
+                {
+                    call.abort(); // the client left before the answer
+                    return;
+                }
+                let waited = tokio::time::timeout(shared.config.stream_keepalive, &mut call).await;
+                if let Ok(answer) = waited {
+                    break answer.unwrap_or_else(|_| lost());
+                }
+            };
+            let answer = Upstream {
+                started: true,
+                ..answer
+            };
+            let held = ticket.clone();
+            let Some(finished) = shared.blocking(move |c| c.finish(&held, answer)).await else {
+                return;
+            };
+            if finished.queue && !shared.queue(&ticket) {
+                let held = ticket.clone();
+                let _ = shared
+                    .blocking(move |c| c.dropped(&held, "queue_full"))
+                    .await;
+            }
+            for chunk in finished.reply.chunks {
+                if feed.send(Piece::Chunk(chunk)).await.is_err() {
+                    return;
+                }
+            }
+            if finished.timed {
+                let _ = feed.send(Piece::Timed(ticket)).await;
+            }
+        });
+        let begun = Reply {
+            status: 200,
+            headers,
+            chunks: Vec::new(),
+            stream: true,
+        };
+        self.reply_fed(begun, t0, None, Some(receiver))
+    }
+
+    /// A call forwarded as it came, answered as the upstream answered (`forward_only`).
+    async fn forwarded(&self, body: Incoming, anthropic: bool, t0: Instant) -> Response<Out> {
+        let raw = match self.read_body(body, None).await {
+            Ok(raw) => raw,
+            Err(Some((status, reason))) => return refused(anthropic, status, &reason),
+            Err(None) => return json_reply(400, String::new(), true),
+        };
+        let path = if anthropic {
+            "/v1/messages"
+        } else {
+            "/v1/chat/completions"
+        };
+        let headers = [("content-type".to_string(), "application/json".to_string())];
+        let answer = self.upstream(path, raw, &headers, t0).await;
+        if answer.error.is_some() {
+            return refused(anthropic, 502, "the upstream cannot be reached");
+        }
+        let mut response = Response::new(full(answer.body));
+        *response.status_mut() = StatusCode::from_u16(answer.status).unwrap_or(StatusCode::OK);
+        if let Some(kind) = answer.content_type {
+            if let Ok(kind) = HeaderValue::from_maybe_shared(kind) {
+                response.headers_mut().insert(CONTENT_TYPE, kind);
+            }
+        }
+        response
+    }
+
+    /// Queue a turn for the recorder; false when the queue is full (or closed).
+    fn queue(&self, ticket: &Arc<C::Ticket>) -> bool {
+        if !self.pending.add(self.config.ack_queue) {
+            return false;
+        }
+        if self.send(Job::Record(ticket.clone())) {
+            return true;
+        }
+        self.pending.taken();
+        self.pending.done();
+        false
+    }
+
+    fn reply(
+        self: &Arc<Self>,
+        reply: Reply,
+        t0: Instant,
+        done: Option<Arc<C::Ticket>>,
+    ) -> Response<Out> {
+        self.reply_fed(reply, t0, done, None)
+    }
+
+    fn reply_fed(
+        self: &Arc<Self>,
+        reply: Reply,
+        t0: Instant,
+        done: Option<Arc<C::Ticket>>,
+        feed: Option<tokio::sync::mpsc::Receiver<Piece<C::Ticket>>>,
+    ) -> Response<Out> {
+        let body = ReplyBody {
+            chunks: reply.chunks.into(),
+            shared: feed.is_some().then(|| self.clone()),
+            feed,
+            stream: reply.stream,
+            t0,
+            sent: Sent::default(),
+            last_chunk: 0,
+            done: done.map(|ticket| (self.clone(), ticket)),
+        };
+        let mut response = Response::new(body.boxed());
+        *response.status_mut() =
+            StatusCode::from_u16(reply.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let headers = response.headers_mut();
+        for (name, value) in reply.headers {
+            if let (Ok(name), Ok(value)) = (
+                HeaderName::from_bytes(&name),
+                HeaderValue::from_maybe_shared(value),
+            ) {
+                headers.append(name, value);
+            }
+        }
+        response
+    }
+
+    async fn upstream(
+        &self,
+        path: &str,
+        content: Bytes,
+        headers: &[(String, String)],
+        t0: Instant,
+    ) -> Upstream {
+        let mut answer = Upstream::default();
+        let uri = format!("{}{}", self.config.upstream, path);
+        let mut request = Request::post(uri);
+        for (name, value) in headers {
+            request = request.header(name.as_str(), value.as_str());
+        }
+        let Ok(request) = request.body(full(content)) else {
+            answer.error = Some("InvalidURL".into());
+            return answer;
+        };
+        answer.upstream_sent = micros_since(t0);
+        let call = async {
+            let response = self.client.request(request).await?;
+            let first_byte = micros_since(t0);
+            let (parts, body) = response.into_parts();
+            let body = body.collect().await?.to_bytes();
+            Ok::<_, BoxError>((parts, first_byte, body))
+        };
+        match tokio::time::timeout(self.config.upstream_timeout, call).await {
+            Err(_) => answer.error = Some("timeout".into()),
+            Ok(Err(error)) => answer.error = Some(failure_kind(&*error).into()),
+            Ok(Ok((parts, first_byte, body))) => {
+                answer.status = parts.status.as_u16();
+                answer.content_type = parts
+                    .headers
+                    .get(CONTENT_TYPE)
+                    .map(|v| Bytes::copy_from_slice(v.as_bytes()));
+                answer.retry_after = parts
+                    .headers
+                    .get(http::header::RETRY_AFTER)
+                    .map(|v| Bytes::copy_from_slice(v.as_bytes()));
+                answer.first_byte = first_byte;
+                answer.last_byte = micros_since(t0);
+                answer.body = body;
+            }
+        }
+        answer
+    }
+
+    /// Everything but the model calls: to the control plane's listener and back, streamed.
+    async fn proxy(&self, request: Request<Incoming>) -> Response<Out> {
+        let (mut parts, body) = request.into_parts();
+        let target = parts
+            .uri
+            .path_and_query()
+            .map_or("/", http::uri::PathAndQuery::as_str);
+        let Ok(uri) = format!("http://{}{}", self.config.backend, target).parse::<Uri>() else {
+            return json_reply(
+                400,
+                "{\"error\":\"the request's target is not a path\"}".into(),
+                false,
+            );
+        };
+        parts.uri = uri;
+        strip_hop_headers(&mut parts.headers);
+        let request = Request::from_parts(parts, body.map_err(BoxError::from).boxed());
+        match self.client.request(request).await {
+            Ok(response) => {
+                let (mut parts, body) = response.into_parts();
+                let close = parts
+                    .headers
+                    .get(http::header::CONNECTION)
+                    .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"));
+                strip_hop_headers(&mut parts.headers);
+                if close {
+                    parts
+                        .headers
+                        .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+                }
+                Response::from_parts(parts, body.map_err(BoxError::from).boxed())
+            }
+            Err(_) => json_reply(
+                502,
+                "{\"error\":\"the server's control plane cannot be reached\"}".into(),
+                false,
+            ),
+        }
+    }
+}
+
+/// The answer of an upstream call whose task was lost (it panicked).
+fn lost() -> Upstream {
+    Upstream {
+        error: Some("ServerDisconnectedError".into()),
+        ..Upstream::default()
+    }
+}
+
+fn strip_hop_headers(headers: &mut HeaderMap) {
+    for name in [
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "upgrade",
+    ] {
+        headers.remove(name);
+    }
+}
+
+/// The kind of failure that kept a call from the upstream, named as the Python server's
+/// client names it.
+fn failure_kind(error: &(dyn std::error::Error + 'static)) -> &'static str {
+    if let Some(error) = error.downcast_ref::<hyper_util::client::legacy::Error>() {
+        if error.is_connect() {
+            return "ClientConnectorError";
+        }
+    }
+    "ServerDisconnectedError"
+}
+
+impl<C: Control> Gateway<C> {
+    /// Bind the listener and start serving.
+    ///
+    /// # Errors
+    /// The listener cannot bind, the upstream is not an `http://` URL, or the runtime or the
+    /// recorder thread cannot start.
+    pub fn start(config: Config, control: C) -> io::Result<Self> {
+        if !config.upstream.starts_with("http://") {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "the Rust data plane calls http:// upstreams only, not {:?}: use \
+                     --data-plane python for this upstream",
+                    config.upstream
+                ),
+            ));
+        }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(config.workers.max(1))
+            .thread_name("rollout-store-gateway")
+            .enable_io()
+            .enable_time()
+            .build()?;
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(POOL_IDLE)
+            .pool_timer(TokioTimer::new())
+            .build(connector);
+        let (tx, rx) = mpsc::channel();
+        let shared = Arc::new(Shared {
+            open_mode: AtomicBool::new(config.open_mode),
+            config,
+            control: Arc::new(control),
+            keys: RwLock::new(KeyTable::new()),
+            client,
+            jobs: Mutex::new(Some(tx)),
+            pending: Pending::default(),
+            deadline: Mutex::new(None),
+        });
+        let listener = runtime.block_on(async {
+            let listen = shared.config.listen;
+            let socket = if listen.is_ipv4() {
+                TcpSocket::new_v4()?
+            } else {
+                TcpSocket::new_v6()?
+            };
+            socket.set_reuseaddr(true)?;
+            socket.bind(listen)?;
+            socket.listen(2048)
+        })?;
+        let local = listener.local_addr()?;
+        let recorder = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("rollout-store-recorder".into())
+                .spawn(move || record_loop(&shared, &rx))?
+        };
+        let serving = shared.clone();
+        let accepting = runtime.spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let _ = stream.set_nodelay(true);
+                let shared = serving.clone();
+                tokio::spawn(async move {
+                    let service = service_fn(move |request| {
+                        let shared = shared.clone();
+                        async move { Ok::<_, Infallible>(shared.handle(request).await) }
+                    });
+                    let _ = http1::Builder::new()
+                        .keep_alive(true)
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Ok(Self {
+            shared,
+            runtime: Some(runtime),
+            accepting: Some(accepting),
+            recorder: Some(recorder),
+            local,
+        })
+    }
+
+    /// Where the listener is bound.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// Let `key` open `session`.
+    pub fn set_key(&self, key: &[u8], session: &str) {
+        self.keys().insert(key, session);
+    }
+
+    /// Forget `key`; whether it was known.
+    pub fn remove_key(&self, key: &[u8]) -> bool {
+        self.keys().remove(key)
+    }
+
+    fn keys(&self) -> std::sync::RwLockWriteGuard<'_, KeyTable> {
+        self.shared
+            .keys
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub fn set_open_mode(&self, open: bool) {
+        self.shared.open_mode.store(open, Ordering::Relaxed);
+    }
+
+    /// Turns queued and waiting for the recorder.
+    pub fn pending(&self) -> usize {
+        self.shared.pending.counts().waiting
+    }
+
+    /// Wait (at most `timeout`) until every queued turn is recorded or dropped; whether it
+    /// was.
+    pub fn settle(&self, timeout: Duration) -> bool {
+        let pending = &self.shared.pending;
+        let counts = pending.counts();
+        let (counts, _) = pending
+            .changed
+            .wait_timeout_while(counts, timeout, |c| c.unfinished > 0)
+            .unwrap_or_else(PoisonError::into_inner);
+        counts.unfinished == 0
+    }
+
+    /// Stop: no new connection, calls in flight cut after a second, the queued turns
+    /// recorded for at most `drain` (the rest reported dropped), the recorder joined.
+    pub fn stop(&mut self, drain: Duration) {
+        if let Some(accepting) = self.accepting.take() {
+            accepting.abort();
+        }
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_timeout(Duration::from_secs(1));
+        }
+        *self
+            .shared
+            .deadline
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(Instant::now() + drain);
+        self.shared
+            .jobs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(recorder) = self.recorder.take() {
+            let _ = recorder.join();
+        }
+    }
+}
+
+impl<C: Control> Drop for Gateway<C> {
+    fn drop(&mut self) {
+        self.stop(Duration::from_secs(10));
+    }
+}
+
+fn record_loop<C: Control>(shared: &Shared<C>, jobs: &mpsc::Receiver<Job<C::Ticket>>) {
+    while let Ok(job) = jobs.recv() {
+        let late = shared
+            .deadline
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some_and(|at| Instant::now() > at);
+        let control = &shared.control;
+        match job {
+            Job::Record(ticket) => {
+                shared.pending.taken();
+                let why = if late { "shutdown" } else { "" };
+                let _ = catch_unwind(AssertUnwindSafe(|| {
+                    if late {
+                        control.dropped(&ticket, why);
+                    } else {
+                        control.record(&ticket);
+                    }
+                }));
+                shared.pending.done();
+            }
+            Job::Sent(ticket, sent) => {
+                if !late {
+                    let _ = catch_unwind(AssertUnwindSafe(|| control.sent(&ticket, sent)));
+                }
+            }
+        }
+    }
+}

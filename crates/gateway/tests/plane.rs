@@ -1,0 +1,262 @@
+//! The data plane end to end on loopback: a stub upstream and a stub control plane (plain
+//! HTTP/1.1 over std sockets), the gateway between them, calls made with raw requests.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use gateway::checks::{Hosts, LOOPBACK_HOSTS};
+use gateway::{Call, Config, Control, Finished, Gateway, Prepared, Reply, Sent, Upstream};
+
+/// A loopback HTTP/1.1 server answering every request with `answer` (or, for `None`, the
+/// request's own body); counts the requests.
+fn stub(answer: Option<&'static str>) -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counted = hits.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(stream) = stream else { return };
+            let hits = counted.clone();
+            std::thread::spawn(move || serve_stub(stream, answer, &hits));
+        }
+    });
+    (addr, hits)
+}
+
+fn serve_stub(stream: TcpStream, answer: Option<&str>, hits: &AtomicUsize) {
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut out = stream;
+    loop {
+        let mut length = 0usize;
+        let mut line = String::new();
+        loop {
+            line.clear();
+            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                return;
+            }
+            if line == "\r\n" {
+                break;
+            }
+            if let Some((name, value)) = line.split_once(':') {
+                if name.eq_ignore_ascii_case("content-length") {
+                    length = value.trim().parse().unwrap();
+                }
+            }
+        }
+        let mut body = vec![0; length];
+        reader.read_exact(&mut body).unwrap();
+        hits.fetch_add(1, Ordering::SeqCst);
+        let reply = answer.map_or(body, |a| a.as_bytes().to_vec());
+        let head = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            reply.len()
+        );
+        if out.write_all(head.as_bytes()).is_err() || out.write_all(&reply).is_err() {
+            return;
+        }
+    }
+}
+
+/// One request on a fresh connection: the status and the body.
+fn call(addr: SocketAddr, head: &str, body: &[u8]) -> (u16, String) {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let request = format!(
+        "{head}\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).unwrap();
+    // a refusal may come (and the connection close) before the whole body is sent
+    let _ = stream.write_all(body);
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    let status = answer[9..12].parse().unwrap();
+    let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    (status, body.to_string())
+}
+
+fn model_call(addr: SocketAddr, key: &str, body: &str) -> (u16, String) {
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n\
+         content-type: application/json\r\nauthorization: Bearer {key}"
+    );
+    call(addr, &head, body.as_bytes())
+}
+
+/// A control plane that forwards every call to the upstream as it came, answers with the
+/// upstream's body, and panics on a body holding "boom".
+#[derive(Default)]
+struct Echo {
+    recorded: Mutex<Vec<String>>,
+    sent: AtomicUsize,
+}
+
+/// The gateway's handle on the shared [`Echo`].
+struct Probe(Arc<Echo>);
+
+impl Control for Probe {
+    type Ticket = String;
+
+    fn prepare(&self, call: Call) -> Prepared<String> {
+        let body = String::from_utf8(call.body.to_vec()).unwrap();
+        assert!(!body.contains("boom"), "a bug in the control plane");
+        Prepared::Forward {
+            path: "/v1/chat/completions".into(),
+            body: call.body,
+            headers: vec![("content-type".into(), "application/json".into())],
+            ticket: format!("{}:{body}", call.session.unwrap_or_default()),
+            stream: None,
+        }
+    }
+
+    fn finish(&self, _: &String, upstream: Upstream) -> Finished {
+        let length = upstream.body.len().to_string();
+        Finished {
+            reply: Reply {
+                status: upstream.status,
+                headers: vec![(Bytes::from_static(b"content-length"), Bytes::from(length))],
+                chunks: vec![upstream.body],
+                stream: false,
+            },
+            queue: true,
+            timed: true,
+        }
+    }
+
+    fn record(&self, ticket: &String) {
+        self.0.recorded.lock().unwrap().push(ticket.clone());
+    }
+
+    fn dropped(&self, _: &String, _: &'static str) {}
+
+    fn sent(&self, _: &String, _: Sent) {
+        self.0.sent.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+struct Setup {
+    gateway: Gateway<Probe>,
+    control: Arc<Echo>,
+    upstream_hits: Arc<AtomicUsize>,
+    addr: SocketAddr,
+}
+
+fn setup() -> Setup {
+    let (upstream, upstream_hits) = stub(None);
+    let (backend, _) = stub(Some(r#"{"status":"ok"}"#));
+    let control = Arc::new(Echo::default());
+    let config = Config {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        upstream: format!("http://{upstream}"),
+        backend,
+        hosts: Hosts::only(LOOPBACK_HOSTS.iter().map(|h| (*h).to_string())),
+        open_mode: false,
+        max_body_bytes: 1 << 20,
+        body_timeout: Duration::from_secs(5),
+        body_timeout_text: "5".into(),
+        upstream_timeout: Duration::from_secs(5),
+        stream_keepalive: Duration::from_secs(5),
+        fast: true,
+        ack_queue: 16,
+        workers: 1,
+        forward_only: false,
+    };
+    let gateway = Gateway::start(config, Probe(control.clone())).unwrap();
+    gateway.set_key(b"key-a", "a");
+    let addr = gateway.local_addr();
+    Setup {
+        gateway,
+        control,
+        upstream_hits,
+        addr,
+    }
+}
+
+const BODY: &str = r#"{"messages": [{"role": "user", "content": "hi"}]}"#;
+
+#[test]
+fn a_known_key_goes_upstream_and_its_turn_is_recorded() {
+    let mut s = setup();
+    assert_eq!(model_call(s.addr, "key-a", BODY), (200, BODY.to_string()));
+    assert!(s.gateway.settle(Duration::from_secs(5)));
+    assert_eq!(
+        *s.control.recorded.lock().unwrap(),
+        vec![format!("a:{BODY}")]
+    );
+    s.gateway.stop(Duration::from_secs(5));
+    assert_eq!(s.control.sent.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn unknown_and_removed_keys_are_refused_before_the_upstream() {
+    let s = setup();
+    let (status, body) = model_call(s.addr, "key-b", BODY);
+    assert_eq!(status, 401);
+    assert!(body.contains("\"type\":\"authentication_error\""), "{body}");
+    assert!(s.gateway.remove_key(b"key-a"));
+    assert_eq!(model_call(s.addr, "key-a", BODY).0, 401);
+    assert_eq!(s.upstream_hits.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn foreign_hosts_and_non_json_bodies_are_refused() {
+    let s = setup();
+    let head = "POST /v1/chat/completions HTTP/1.1\r\nhost: evil.example\r\n\
+                content-type: application/json\r\nauthorization: Bearer key-a";
+    let (status, body) = call(s.addr, head, BODY.as_bytes());
+    assert_eq!(status, 403);
+    assert!(
+        body.contains("does not answer the Host 'evil.example'"),
+        "{body}"
+    );
+    let head = "POST /v1/messages HTTP/1.1\r\nhost: localhost:1\r\n\
+                content-type: text/plain\r\nx-api-key: key-a";
+    let (status, body) = call(s.addr, head, BODY.as_bytes());
+    assert_eq!(status, 415);
+    assert!(body.starts_with("{\"type\":\"error\""), "{body}");
+    assert_eq!(s.upstream_hits.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn deep_and_large_bodies_never_reach_the_upstream() {
+    let s = setup();
+    let deep = format!(
+        r#"{{"messages": [{{"role": "user"}}], "tools": {}1{}}}"#,
+        "[".repeat(600),
+        "]".repeat(600)
+    );
+    let (status, body) = model_call(s.addr, "key-a", &deep);
+    assert_eq!(status, 400);
+    assert!(
+        body.contains("tools nests deeper than 500 levels"),
+        "{body}"
+    );
+    let large = format!(r#"{{"x": "{}"}}"#, "a".repeat(2 << 20));
+    let (status, body) = model_call(s.addr, "key-a", &large);
+    assert_eq!(status, 413);
+    assert!(body.contains("over the limit of 1048576 bytes"), "{body}");
+    assert_eq!(s.upstream_hits.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn a_panic_answers_500_and_the_server_goes_on() {
+    let s = setup();
+    let (status, body) = model_call(s.addr, "key-a", r#"{"boom": 1}"#);
+    assert_eq!((status, body.as_str()), (500, "Internal Server Error"));
+    assert_eq!(model_call(s.addr, "key-a", BODY), (200, BODY.to_string()));
+}
+
+#[test]
+fn other_routes_go_to_the_control_plane() {
+    let s = setup();
+    let (status, body) = call(s.addr, "GET /health HTTP/1.1\r\nhost: 127.0.0.1", b"");
+    assert_eq!((status, body.as_str()), (200, r#"{"status":"ok"}"#));
+    assert_eq!(s.upstream_hits.load(Ordering::SeqCst), 0);
+}

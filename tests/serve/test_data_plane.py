@@ -1,0 +1,174 @@
+"""The Rust data plane (`serve --data-plane rust`) beside the Python server: the same bytes to
+the client, refusals included, and the same turns recorded, in both ack modes; its key table
+follows the sessions; open mode resolves unknown keys in the control plane.
+(The rest of the server's tests run against it with ROLLOUT_STORE_DATA_PLANE=rust.)"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from capture_support import (
+    ADMIN_KEY,
+    auth,
+    new_session,
+    serve_app,
+    start_server_process,
+    start_stub_process,
+)
+
+from rollout_store.serve.server import create_app
+from rollout_store.serve.stub_engine import create_stub_app
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Say something, with a float 1.0 and a \u00e9."},
+]
+
+
+@pytest.fixture(scope="module")
+def stub() -> Iterator[str]:
+    with serve_app(create_stub_app()) as url:
+        yield url
+
+
+def _calls(url: str, key: str) -> list[tuple[int, str, bytes]]:
+    """A little of every call, good and bad: each answer's status, type and bytes."""
+    bearer = {"authorization": f"Bearer {key}"}
+    deep: Any = 1
+    for _ in range(510):
+        deep = [deep]
+    sent: list[tuple[str, dict[str, str], bytes]] = [
+        ("/v1/chat/completions", bearer, json.dumps({"model": "m", "messages": MESSAGES}).encode()),
+        (
+            "/v1/chat/completions",
+            bearer,
+            json.dumps({"model": "m", "messages": MESSAGES, "stream": True}).encode(),
+        ),
+        (
+            "/v1/messages",
+            {"x-api-key": key},
+            json.dumps(
+                {"model": "m", "max_tokens": 9, "system": "Be brief.", "messages": MESSAGES[1:]}
+            ).encode(),
+        ),
+        ("/v1/chat/completions", {"authorization": "Bearer nope"}, b"{}"),
+        ("/v1/chat/completions", {**bearer, "content-type": "text/plain"}, b"{}"),
+        ("/v1/chat/completions", {**bearer, "host": "evil.example"}, b"{}"),
+        ("/v1/chat/completions", bearer, b'{"messages": [], "x": 1'),
+        ("/v1/chat/completions", bearer, json.dumps({"messages": MESSAGES, "n": 2}).encode()),
+        ("/v1/messages", bearer, json.dumps({"messages": MESSAGES, "tools": deep}).encode()),
+    ]
+    answers = []
+    for path, headers, body in sent:
+        answer = httpx.post(
+            url + path,
+            content=body,
+            headers={"content-type": "application/json", **headers},
+            timeout=20,
+        )
+        answers.append((answer.status_code, answer.headers.get("content-type", ""), answer.content))
+    return answers
+
+
+def _export(url: str, session_id: str) -> dict[str, Any]:
+    answer = httpx.get(
+        f"{url}/sessions/{session_id}/export", params={"messages": "1"}, headers=auth(session_id)
+    )
+    answer.raise_for_status()
+    doc: dict[str, Any] = answer.json()
+    for turn in doc["turns"]:
+        timeline = turn.pop("timeline")
+        assert timeline["engine_ms"] > 0  # every answered call has its timeline
+    return doc
+
+
+@pytest.mark.parametrize("ack", ["durable", "fast"])
+def test_both_planes_answer_and_record_alike(stub: str, ack: str) -> None:
+    seen = {}
+    for plane in ("python", "rust"):
+        app = create_app(stub, ack=ack, admin_key=ADMIN_KEY)
+        with serve_app(app, data_plane=plane) as url:
+            session = new_session(url, session_id="same")
+            answers = _calls(url, session["api_key"])
+            doc = _export(url, "same")
+            health = httpx.get(f"{url}/health").json()
+            assert (app.state.server.plane is None) == (plane == "python")
+        assert app.state.server.plane is None  # stopped with the app
+        assert health["dropped"] == 0 and health["ack"] == ack
+        seen[plane] = answers, doc
+    python, rust = seen["python"], seen["rust"]
+    assert [a[0] for a in rust[0]] == [200, 200, 200, 401, 415, 403, 400, 400, 400]
+    assert rust[0] == python[0]
+    assert len(rust[1]["turns"]) == 3
+    assert rust[1]["turns"] == python[1]["turns"]
+    assert rust[1]["sequences"] == python[1]["sequences"]
+
+
+def test_the_key_table_follows_the_sessions(stub: str) -> None:
+    app = create_app(stub, admin_key=ADMIN_KEY)
+    body = {"model": "m", "messages": MESSAGES}
+    with serve_app(app, data_plane="rust") as url:
+        made = new_session(url)
+        bearer = {"authorization": f"Bearer {made['api_key']}"}
+        call = f"{url}/v1/chat/completions"
+        assert httpx.post(call, json=body, headers=bearer).status_code == 200
+        deleted = httpx.delete(f"{url}/sessions/{made['session_id']}", headers=bearer)
+        assert deleted.status_code == 200
+        assert httpx.post(call, json=body, headers=bearer).status_code == 401
+        again = new_session(url, session_id=made["session_id"])
+        assert again["api_key"] != made["api_key"]
+        assert httpx.post(call, json=body, headers=bearer).status_code == 401
+        fresh = {"authorization": f"Bearer {again['api_key']}"}
+        assert httpx.post(call, json=body, headers=fresh).status_code == 200
+        info = httpx.get(f"{url}/sessions/{again['session_id']}", headers=fresh).json()
+        assert info["turns"] == 1
+
+
+def test_open_mode_resolves_unknown_keys_in_the_control_plane(stub: str) -> None:
+    app = create_app(stub, open_mode=True, admin_key=ADMIN_KEY)
+    body = {"model": "m", "messages": MESSAGES}
+    with serve_app(app, data_plane="rust") as url:
+        keyed = new_session(url)
+        call = f"{url}/v1/chat/completions"
+        made = httpx.post(call, json=body, headers={"authorization": "Bearer run-7"})
+        assert made.status_code == 200
+        assert app.state.sessions.get("run-7") is not None
+        # a keyed session's id is never a key in open mode
+        sneaking = {"authorization": f"Bearer {keyed['session_id']}"}
+        assert httpx.post(call, json=body, headers=sneaking).status_code == 401
+
+
+@pytest.mark.slow
+def test_serve_with_the_rust_plane_stops_with_every_answered_turn_recorded(tmp_path: Any) -> None:
+    stub = start_stub_process()
+    data = str(tmp_path / "d")
+    try:
+        server = start_server_process(
+            stub.url, "--data", data, "--data-plane", "rust", "--ack", "fast"
+        )
+        try:
+            made = new_session(server.url)
+            bearer = {"authorization": f"Bearer {made['api_key']}"}
+            for i in range(3):
+                answer = httpx.post(
+                    f"{server.url}/v1/chat/completions",
+                    json={"model": "m", "messages": [{"role": "user", "content": f"call {i}"}]},
+                    headers=bearer,
+                    timeout=20,
+                )
+                assert answer.status_code == 200 and "server" not in answer.headers
+            assert httpx.get(f"{server.url}/health").json()["ack"] == "fast"
+        finally:
+            server.stop()  # SIGTERM: the queued turns are recorded before it exits
+        again = start_server_process(stub.url, "--data", data, "--data-plane", "python")
+        try:
+            info = httpx.get(f"{again.url}/sessions/{made['session_id']}", headers=bearer).json()
+            assert info["turns"] == 3 and info["dropped"] == 0
+        finally:
+            again.stop()
+    finally:
+        stub.kill()
