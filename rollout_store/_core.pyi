@@ -1,5 +1,5 @@
 """The compiled engine (`rollout_store._core`): content table, exact JSON, packed values,
-version-2 file frames."""
+file frames of versions 2 and 1 and the file format's constants."""
 
 from collections.abc import Callable
 from typing import Any, Final, final
@@ -11,7 +11,10 @@ __all__ = [
     "loads",
     "DecodeError",
     "encode_blob_frame",
+    "encode_blob_frame_v1",
     "encode_frame",
+    "encode_frame_v1",
+    "intact_end_after_v1",
     "frame_chain_value",
     "FrameScan",
     "FrameTooLarge",
@@ -20,6 +23,19 @@ __all__ = [
     "__version__",
     "DEFAULT_MAX_DEPTH",
     "MAX_DEPTH",
+    "BLOB_PREFIX_V1",
+    "DIGEST_SIZE",
+    "ESCAPE",
+    "ESCAPED",
+    "HEADER_LAYOUT",
+    "HEADER_LAYOUT_V1",
+    "HEADER_SIZE",
+    "HEADER_SIZE_V1",
+    "MAGIC_V1",
+    "MAGIC_V2",
+    "MAX_PAYLOAD",
+    "MAX_PAYLOAD_V1",
+    "SYNC",
     "Packer",
     "RefusedValue",
     "unpack",
@@ -31,6 +47,31 @@ DEFAULT_MAX_DEPTH: Final[int]
 
 #: containers a recorded value may nest (one more is refused)
 MAX_DEPTH: Final[int]
+
+#: the magic a version-1 file starts with
+MAGIC_V1: Final[bytes]
+#: the magic a version-2 file starts with
+MAGIC_V2: Final[bytes]
+#: bytes valid UTF-8 never holds: a version-2 payload holding them is written escaped
+ESCAPE: Final[bytes]
+#: the marker every version-2 frame starts with
+SYNC: Final[bytes]
+#: kind bit of a version-2 frame: the payload is escaped on disk
+ESCAPED: Final[int]
+#: a version-2 frame header as a `struct` format: sync, kind, length, previous chain, chain
+HEADER_LAYOUT: Final[str]
+HEADER_SIZE: Final[int]
+#: a version-1 frame header as a `struct` format: kind, length, checksum
+HEADER_LAYOUT_V1: Final[str]
+HEADER_SIZE_V1: Final[int]
+#: the largest payload a version-2 frame holds on disk
+MAX_PAYLOAD: Final[int]
+#: the largest payload a version-1 frame holds
+MAX_PAYLOAD_V1: Final[int]
+#: a blob payload's leading digest (xxh3-128)
+DIGEST_SIZE: Final[int]
+#: how a version-1 blob payload starts: a msgpack array of 2, then `bin` of 16 (the digest)
+BLOB_PREFIX_V1: Final[bytes]
 
 class RefusedValue(ValueError):
     """A value the library cannot record: `args` are the message and the path inside the value."""
@@ -134,16 +175,32 @@ def read_gap(
     damaged bytes `[start, end)` held (`prev`: the chain value before them, `record`: the
     number of the first damaged frame), found with the GIL released."""
 
+def encode_frame_v1(kind: int, payload: bytes) -> bytes:
+    """The version-1 frame of a record of `kind` (to extend a version-1 log)."""
+
+def encode_blob_frame_v1(kind: int, digest: bytes, data: bytes) -> list[bytes]:
+    """A version-1 blob frame as parts: its header and payload up to the text, then the text
+    (the object given, never copied)."""
+
+def intact_end_after_v1(data: bytes, start: int) -> tuple[bool, int, int, int]:
+    """`(intact, hashed bytes, searched bytes, candidates)`: whether the version-1 file `data`
+    ends with an intact frame that starts after the damaged one at `start`, found with the
+    GIL released."""
+
 @final
 class FrameScan:
-    """The frames of a version-2 file from `start`, verified in order (each bound to the one
-    before it) with the GIL released when the scan is made; iterating yields them as
-    (kind, payload, offset, record, end, chain) and stops at the end or at the first damage,
-    which `damage` then describes."""
+    """The frames of a file from `start`, verified in order with the GIL released when the scan
+    is made (version 2: each bound to the one before it; `FrameScan.v1`: version 1, each by
+    its own checksum); iterating yields them as (kind, payload, offset, record, end, chain)
+    and stops at the end or at the first damage, which `damage` then describes."""
 
     def __new__(
         cls, data: bytes, start: int, chain: int, record: int, digest_kinds: int, max_kind: int
     ) -> FrameScan: ...
+    @staticmethod
+    def v1(data: bytes, start: int, record: int) -> FrameScan:
+        """The frames of a version-1 file from `start` (numbered from `record`), each verified
+        by its checksum (chain values 0); at damage, `torn` says whether it is a torn tail."""
     def __iter__(self) -> FrameScan: ...
     def __next__(self) -> tuple[int, memoryview, int, int, int, int]: ...
     @property
@@ -166,6 +223,9 @@ class FrameScan:
     def resync(self) -> int | None:
         """Where the next whole frame after the damage starts (None: a torn tail, or no
         damage)."""
+    @property
+    def torn(self) -> bool:
+        """Whether the damage is a torn tail: no intact frame follows it (False: no damage)."""
     @property
     def counters(self) -> tuple[int, int, int]:
         """`(hashed bytes, searched bytes, candidates)`: the work the scan did."""

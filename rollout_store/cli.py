@@ -46,7 +46,7 @@ from .stores.local import STORE_HELP, open_store, store_spec
 __all__ = ["main"]
 
 #: What the magic of every format version starts with.
-_MAGIC_PREFIX = b"RLSTORE"
+_MAGIC_PREFIX = storage.MAGIC[:-1]  # (less its version byte)
 #: Files at least this large get a progress bar when stderr is a terminal.
 PROGRESS_MIN_BYTES = 32 << 20
 

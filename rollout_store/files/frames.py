@@ -2,25 +2,31 @@
 
 A version-1 frame is kind (1 byte), payload length (4 bytes LE), xxh3-64 of the payload
 seeded with kind and length (8 bytes LE), then the payload; it is read, and written only to
-extend a version-1 log (version 2 is in `framing`). Damage in a version-1 log is told from a
-torn tail by `intact_end_after` in time linear in the damaged bytes. Record kinds, the msgpack
-packing of records, and token and logprob arrays (little-endian bytes) are shared by both
-versions.
+extend a version-1 log (version 2 is in `framing`). The engine (`rollout_store._core`)
+encodes and verifies these frames and tells damage from a torn tail in time linear in the
+damaged bytes; this module gives its results the library's shapes and errors. Record kinds,
+the msgpack packing of records, and token and logprob arrays (little-endian bytes) are shared
+by both versions.
 """
 
 from __future__ import annotations
 
-import re
 import struct
 import sys
 from array import array
+from collections.abc import Iterator
 from enum import IntEnum
 from typing import Any
 
 import msgpack
-import xxhash
 
+from .._core import BLOB_PREFIX_V1, HEADER_LAYOUT_V1, MAGIC_V1, FrameScan, FrameTooLarge
+from .._core import encode_blob_frame_v1 as _encode_blob_frame
+from .._core import encode_frame_v1 as _encode_frame
+from .._core import intact_end_after_v1 as _intact_end_after
 from ..engine.encoding import EXT_BIGINT, int_digits, int_from_digits
+from ..errors import RecordTooLargeError
+from .framing import FrameTuple, ScanCounters, damage_error
 
 __all__ = [
     "BLOB_PREFIX",
@@ -38,10 +44,9 @@ __all__ = [
     "MAGIC",
     "MODE_LOG",
     "MODE_SNAPSHOT",
+    "FrameReader",
     "RecordKind",
-    "bin_header",
     "blob_frame",
-    "checksum",
     "decode_segment",
     "encode_segment",
     "frame",
@@ -50,8 +55,8 @@ __all__ = [
     "unpack_payload",
 ]
 
-MAGIC = b"RLSTORE\x00"  # version 1
-FRAME = struct.Struct("<BIQ")  # kind, payload length, xxh3-64 of payload seeded by kind+length
+MAGIC = MAGIC_V1
+FRAME = struct.Struct(HEADER_LAYOUT_V1)  # kind, payload length, xxh3-64 seeded by kind+length
 
 
 class RecordKind(IntEnum):
@@ -85,80 +90,64 @@ MODE_LOG, MODE_SNAPSHOT = "log", "snapshot"
 _LITTLE = sys.byteorder == "little"
 
 
-def checksum(kind: int, payload: bytes | memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(payload, seed=(kind << 32) | len(payload))
-
-
 def frame(kind: int, payload: bytes) -> bytes:
-    return FRAME.pack(kind, len(payload), checksum(kind, payload)) + payload
-
-
-#: Bytes that may start a version-1 frame (its kind).
-_KIND_BYTE = re.compile(b"[\\x00-\\x04]")
-#: What `intact_end_after` may hash before it takes the damage as followed by records: this
-#: many times the bytes after it, plus a constant.
-_HASH_BUDGET = (2, 1 << 20)
-
-
-def _zeros_from(data: bytes | memoryview, start: int) -> int:
-    """The offset from which `data` holds only zero bytes to its end (at least `start`)."""
-    end = len(data)
-    while end > start:
-        chunk = bytes(data[max(start, end - (64 << 10)) : end])
-        kept = len(chunk.rstrip(b"\0"))
-        if kept:
-            return end - len(chunk) + kept
-        end -= len(chunk)
-    return start
-
-
-def intact_end_after(data: bytes | memoryview, start: int) -> bool:
-    """Whether intact records follow the damaged version-1 frame at `start`: whether the
-    file ends with a frame whose checksum holds (zero bytes may follow it) that starts after
-    `start`. If not, the damage is a torn last write (a cut, garbage or zeros to the end).
-
-    Linear in the bytes after `start`: each offset is looked at once, and only a frame that
-    would end at the end of the file (or where only zeros follow) is hashed. A tail crafted
-    to hold more such candidates than a bounded multiple of its size is taken as followed by
-    records (so `repair` refuses rather than cut what might be intact)."""
-    size = len(data)
-    zeros_from = _zeros_from(data, start + 1)
-    budget = _HASH_BUDGET[0] * (size - start) + _HASH_BUDGET[1]
-    header = FRAME
-    for match in _KIND_BYTE.finditer(data, start + 1, size - header.size + 1):
-        pos = match.start()
-        kind, length, expected = header.unpack_from(data, pos)
-        end = pos + header.size + length
-        if end < zeros_from or end > size:
-            continue
-        budget -= length
-        if budget < 0:
-            return True
-        if checksum(kind, data[pos + header.size : end]) == expected:
-            return True
-    return False
-
-
-def bin_header(n: int) -> bytes:
-    if n < 1 << 8:
-        return b"\xc4" + n.to_bytes(1, "big")
-    if n < 1 << 16:
-        return b"\xc5" + n.to_bytes(2, "big")
-    return b"\xc6" + n.to_bytes(4, "big")
+    """The version-1 frame of a record of `kind`."""
+    try:
+        return _encode_frame(kind, payload)
+    except FrameTooLarge as exc:
+        raise RecordTooLargeError(str(exc)) from None
 
 
 # A blob payload is the msgpack array [digest (bin 16), data (bin)]: this prefix, then data.
-BLOB_PREFIX = b"\x92\xc4\x10"
+BLOB_PREFIX = BLOB_PREFIX_V1
 
 
 def blob_frame(digest: bytes, data: bytes) -> list[bytes]:
     """A blob frame as parts, so the (large) data is never copied into a joined payload."""
-    prefix = BLOB_PREFIX + digest + bin_header(len(data))
-    length = len(prefix) + len(data)
-    hasher = xxhash.xxh3_64(seed=(KIND_BLOB << 32) | length)
-    hasher.update(prefix)
-    hasher.update(data)
-    return [FRAME.pack(KIND_BLOB, length, hasher.intdigest()), prefix, data]
+    try:
+        return _encode_blob_frame(KIND_BLOB, digest, data)
+    except FrameTooLarge as exc:
+        raise RecordTooLargeError(str(exc)) from None
+
+
+def intact_end_after(data: bytes, start: int, *, counters: ScanCounters | None = None) -> bool:
+    """Whether intact records follow the damaged version-1 frame at `start`: whether the
+    file ends with a frame whose checksum holds (zero bytes may follow it) that starts after
+    `start`. If not, the damage is a torn last write (a cut, garbage or zeros to the end).
+    Linear in the bytes after `start`; a tail crafted to hold more candidate frames than a
+    bounded multiple of its size is taken as followed by records."""
+    intact, hashed, searched, candidates = _intact_end_after(data, start)
+    if counters is not None:
+        counters.add(hashed, searched, candidates)
+    return intact
+
+
+class FrameReader:
+    """Reads the frames of a version-1 file in order, each verified by its own checksum.
+    Iterating stops at the end of the file or raises `CorruptFileError` at the first frame
+    that does not verify; `cut` then says whether the damage is a torn tail (no intact
+    frame ends the file after it)."""
+
+    def __init__(self, data: bytes, start: int, *, counters: ScanCounters | None = None) -> None:
+        self.data = data
+        self.offset = start
+        self.counters = counters
+        self.records = 0
+        self.cut = False
+
+    def tuples(self) -> Iterator[FrameTuple]:
+        """(kind, payload, offset, record, end, 0) of each frame: the engine verifies every
+        frame up to the end or the first damage before the first is yielded."""
+        scan = FrameScan.v1(self.data, self.offset, self.records)
+        if self.counters is not None:
+            self.counters.add(*scan.counters)
+        for frame in scan:
+            yield frame
+            self.offset, self.records = frame[4], frame[3] + 1
+        damage = scan.damage
+        if damage is not None:
+            self.cut = scan.torn
+            raise damage_error(damage)
 
 
 #: First buffer of the packer `pack` makes (it grows as a record needs): msgpack's default,

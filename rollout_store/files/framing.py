@@ -14,7 +14,18 @@ import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from .._core import FrameScan, FrameTooLarge, frame_chain_value
+from .._core import (
+    DIGEST_SIZE,
+    ESCAPE,
+    ESCAPED,
+    HEADER_LAYOUT,
+    MAGIC_V2,
+    MAX_PAYLOAD,
+    SYNC,
+    FrameScan,
+    FrameTooLarge,
+    frame_chain_value,
+)
 from .._core import encode_blob_frame as _encode_blob_frame
 from .._core import encode_frame as _encode_frame
 from .._core import next_frame as _next_frame
@@ -34,6 +45,7 @@ __all__ = [
     "Gap",
     "ScanCounters",
     "chain_value",
+    "damage_error",
     "encode_frame",
     "encode_blob_frame",
     "new_file_id",
@@ -41,17 +53,15 @@ __all__ = [
     "read_gap",
 ]
 
-MAGIC_V2 = b"RLSTORE\x02"
-#: Bytes that valid UTF-8 never holds: a payload holding them is written escaped.
-ESCAPE = b"\xfe\xf7\xfb\xfd"
-SYNC = ESCAPE + b"\x02"
-ESCAPED = 0x80  # kind bit: the payload is escaped on disk
-HEADER = struct.Struct("<5sBIQQ")  # sync, kind, length on disk, previous chain, chain
-MAX_PAYLOAD = (1 << 31) - 1
-DIGEST_SIZE = 16
+# The format's constants are the engine's (`MAGIC_V2`; `ESCAPE`, bytes valid UTF-8 never
+# holds, which a payload holding them is written escaped for; `SYNC`, the marker; the kind
+# bit `ESCAPED`; `MAX_PAYLOAD`; a blob's `DIGEST_SIZE`).
+HEADER = struct.Struct(HEADER_LAYOUT)  # sync, kind, length on disk, previous chain, chain
 
 #: (kind, payload, offset, record, end, chain): a frame as `FrameReader.tuples` yields it
 FrameTuple = tuple[int, memoryview, int, int, int, int]
+#: (message, offset, record, checksum): the damage a `FrameScan` stopped at
+Damage = tuple[str, int, int, tuple[str, int, int] | tuple[str, bytes, bytes] | None]
 
 
 def new_file_id() -> int:
@@ -174,11 +184,16 @@ class FrameReader:
             return
         self.resync = scan.resync
         self.cut = self.resync is None
-        message, offset, record, checksum = damage
-        if checksum is None:
-            raise CorruptFileError(message, offset=offset, record=record)
-        what, expected, actual = checksum
-        raise ChecksumMismatch(what, expected, actual, offset=offset, record=record)
+        raise damage_error(damage)
+
+
+def damage_error(damage: Damage) -> CorruptFileError:
+    """The library's error for the damage a `FrameScan` stopped at."""
+    message, offset, record, checksum = damage
+    if checksum is None:
+        return CorruptFileError(message, offset=offset, record=record)
+    what, expected, actual = checksum
+    return ChecksumMismatch(what, expected, actual, offset=offset, record=record)
 
 
 @dataclass

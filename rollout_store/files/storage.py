@@ -68,7 +68,6 @@ from . import framing
 from .atomic import create_private, fsync_dir, lock_log, replace_file, write_error
 from .frames import (
     BLOB_PREFIX,
-    FRAME,
     KIND_BLOB,
     KIND_BLOB_REF,
     KIND_DRIFT,
@@ -82,12 +81,11 @@ from .frames import (
     MAGIC,
     MODE_LOG,
     MODE_SNAPSHOT,
+    FrameReader,
     blob_frame,
-    checksum,
     decode_segment,
     encode_segment,
     frame,
-    intact_end_after,
     pack,
     unpack_payload,
 )
@@ -1247,33 +1245,12 @@ _Frames = Iterator[tuple[int, memoryview, int, int, int, int]]
 
 def _frames_v1(data: bytes, report: LoadReport) -> _Frames:
     """(kind, payload, offset, record, end, 0) of each version-1 frame whose checksum holds;
-    on damage the report says what and stops."""
-    view = memoryview(data)
-    size = len(data)
-    offset = len(MAGIC)
-    record = 0
-    while offset < size:
-        start = offset
-        if size - offset < FRAME.size:
-            message = "file ends inside a frame header"
-            report.fail(CorruptFileError(message, offset=start, record=record), truncated=True)
-            return
-        kind, length, expected = FRAME.unpack_from(data, offset)
-        offset += FRAME.size
-        if length > size - offset:
-            message = f"file ends inside a record: {size - offset} of {length} bytes present"
-            failure = CorruptFileError(message, offset=start, record=record)
-            report.fail(failure, truncated=not intact_end_after(view, start))
-            return
-        payload = view[offset : offset + length]  # a view: blob data is not copied
-        offset += length
-        actual = checksum(kind, payload)
-        if actual != expected:
-            failure = ChecksumMismatch("record", expected, actual, offset=start, record=record)
-            report.fail(failure, truncated=not intact_end_after(view, start))
-            return
-        yield kind, payload, start, record, offset, 0
-        record += 1
+    on damage the report says what (and whether it is a torn tail) and stops."""
+    reader = FrameReader(data, len(MAGIC))
+    try:
+        yield from reader.tuples()
+    except CorruptFileError as exc:
+        report.fail(exc, truncated=reader.cut)
 
 
 def _frames_v2(

@@ -11,6 +11,7 @@ import struct
 import threading
 import tracemalloc
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import blake3
@@ -118,21 +119,15 @@ def _torn_v1_log(tmp_path: Path, n_ids: int) -> tuple[Path, int, int]:
 
 
 def _hashed_by_repair(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
-    """(bytes, calls) of version-1 checksums computed while `open(repair=True)` reads it."""
-    counted = [0, 0]
-    real = frames.checksum
-
-    def counting(kind: int, payload: bytes | memoryview) -> int:
-        counted[0] += len(payload)
-        counted[1] += 1
-        return real(kind, payload)
-
-    monkeypatch.setattr(frames, "checksum", counting)
-    monkeypatch.setattr(storage, "checksum", counting)
+    """(bytes, frames and candidates) of version-1 checksums computed while
+    `open(repair=True)` reads it: the engine counts what it hashes, and every reader the
+    loader makes reports to one count."""
+    counters = framing.ScanCounters()
+    monkeypatch.setattr(storage, "FrameReader", partial(frames.FrameReader, counters=counters))
     with RolloutGraph.open(path, share_threshold=64, repair=True):
         pass
     monkeypatch.undo()
-    return counted[0], counted[1]
+    return counters.hashed_bytes, counters.candidates
 
 
 def test_repair_of_a_torn_version_1_turn_is_linear(
@@ -193,17 +188,12 @@ def test_version_1_repair_refuses_a_tail_crafted_to_hold_many_candidate_frames(
         remaining = len(tail) - at - frames.FRAME.size
         frames.FRAME.pack_into(tail, at, 4, remaining, 0)
     path.write_bytes(data + b"\x01" + bytes(tail))  # a frame of kind 1 cut after its kind
-    counted = [0]
-    real = frames.checksum
-
-    def counting(kind: int, payload: bytes | memoryview) -> int:
-        counted[0] += len(payload)
-        return real(kind, payload)
-
-    monkeypatch.setattr(frames, "checksum", counting)
+    counters = framing.ScanCounters()  # the engine counts what it hashes
+    monkeypatch.setattr(storage, "FrameReader", partial(frames.FrameReader, counters=counters))
     report = storage.verify(path)
     assert not report.ok and not report.truncated
-    assert counted[0] <= 2 * len(tail) + (2 << 20) + len(data)
+    assert len(data) < counters.hashed_bytes <= 2 * len(tail) + (2 << 20) + len(data)
+    monkeypatch.undo()
     with pytest.raises(CorruptFileError):
         RolloutGraph.open(path, repair=True)
 

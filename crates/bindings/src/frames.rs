@@ -1,10 +1,11 @@
-//! Version-2 frames for the file layer: the encoders, and `FrameScan`, which verifies the
-//! frames of a file with the GIL released and then hands them out one by one.
+//! File frames for the file layer: the encoders of versions 2 and 1, and `FrameScan`, which
+//! verifies the frames of a file with the GIL released and then hands them out one by one.
 //!
 //! Damage is handed back as plain values (`FrameScan.damage`, `FrameTooLarge`'s message):
 //! `rollout_store.files.framing` raises the library's errors from them.
 
 use engine::file::frames::{self as ef, BlobFrame, Counters, DamageKind, Frame, Kinds, Scan};
+use engine::file::frames_v1 as v1;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyMemoryView, PySlice, PyTuple};
 
@@ -71,6 +72,65 @@ pub fn encode_blob_frame<'py>(
         BlobFrame::Whole(bytes) => PyList::new(py, [PyBytes::new(py, &bytes)])?,
     };
     Ok((parts, value))
+}
+
+/// The version-1 frame of a record of `kind` (to extend a version-1 log).
+#[pyfunction]
+pub fn encode_frame_v1<'py>(
+    py: Python<'py>,
+    kind: u8,
+    payload: &[u8],
+) -> PyResult<Bound<'py, PyBytes>> {
+    let encoded = if payload.len() >= DETACH_FROM {
+        py.detach(|| v1::encode_frame(kind, payload))
+    } else {
+        v1::encode_frame(kind, payload)
+    };
+    Ok(PyBytes::new(py, &encoded.map_err(too_large)?))
+}
+
+/// A version-1 blob frame as parts: its header and payload up to the text, then the text
+/// (the object given, never copied).
+#[pyfunction]
+pub fn encode_blob_frame_v1<'py>(
+    py: Python<'py>,
+    kind: u8,
+    digest: &[u8],
+    data: &Bound<'py, PyBytes>,
+) -> PyResult<Bound<'py, PyList>> {
+    let digest: &[u8; ef::DIGEST_SIZE] = digest.try_into().map_err(|_| {
+        pyo3::exceptions::PyValueError::new_err(format!(
+            "a blob digest is {} bytes, not {}",
+            ef::DIGEST_SIZE,
+            digest.len()
+        ))
+    })?;
+    let text = data.as_bytes();
+    let head = if text.len() >= DETACH_FROM {
+        py.detach(|| v1::encode_blob_frame(kind, digest, text))
+    } else {
+        v1::encode_blob_frame(kind, digest, text)
+    }
+    .map_err(too_large)?;
+    PyList::new(
+        py,
+        [PyBytes::new(py, &head).into_any(), data.clone().into_any()],
+    )
+}
+
+/// `(intact, hashed bytes, searched bytes, candidates)`: whether the version-1 file `data`
+/// ends with an intact frame that starts after the damaged one at `start`, found with the
+/// GIL released.
+#[pyfunction]
+pub fn intact_end_after_v1(py: Python<'_>, data: &[u8], start: usize) -> (bool, u64, u64, u64) {
+    let mut counters = Counters::default();
+    let intact = py.detach(|| v1::intact_end_after(data, start, &mut counters));
+    (
+        intact,
+        counters.hashed_bytes,
+        counters.searched_bytes,
+        counters.candidates,
+    )
 }
 
 /// `(offset or None, hashed bytes, searched bytes, candidates)`: the first whole frame that
@@ -181,10 +241,10 @@ pub fn read_gap<'py>(
     ))
 }
 
-/// The frames of a version-2 file from `start`, verified in order (each bound to the one
-/// before it) with the GIL released when the scan is made; iterating yields them as
-/// (kind, payload, offset, record, end, chain) and stops at the end or at the first damage,
-/// which `damage` then describes.
+/// The frames of a file from `start`, verified in order with the GIL released when the scan
+/// is made (version 2: each bound to the one before it; `FrameScan.v1`: version 1, each by
+/// its own checksum); iterating yields them as (kind, payload, offset, record, end, chain)
+/// and stops at the end or at the first damage, which `damage` then describes.
 #[pyclass(module = "rollout_store._core")]
 pub struct FrameScan {
     view: Py<PyAny>,
@@ -218,6 +278,23 @@ impl FrameScan {
                 &mut counters,
             )
         });
+        let view = PyMemoryView::from(data.as_any())?.into_any().unbind();
+        Ok(Self {
+            view,
+            scan,
+            next: 0,
+            counters,
+        })
+    }
+
+    /// The frames of a version-1 file from `start` (numbered from `record`), each verified
+    /// by its checksum (chain values 0); at damage, `torn` says whether it is a torn tail.
+    #[staticmethod]
+    #[pyo3(signature = (data, start, record))]
+    fn v1(py: Python<'_>, data: &Bound<'_, PyBytes>, start: usize, record: u64) -> PyResult<Self> {
+        let bytes = data.as_bytes();
+        let mut counters = Counters::default();
+        let scan = py.detach(|| v1::scan(bytes, start, record, &mut counters));
         let view = PyMemoryView::from(data.as_any())?.into_any().unbind();
         Ok(Self {
             view,
@@ -291,6 +368,12 @@ impl FrameScan {
     #[getter]
     fn resync(&self) -> Option<usize> {
         self.scan.stop.as_ref().and_then(|s| s.resync)
+    }
+
+    /// Whether the damage is a torn tail: no intact frame follows it (False: no damage).
+    #[getter]
+    fn torn(&self) -> bool {
+        self.scan.stop.as_ref().is_some_and(|s| s.torn)
     }
 
     /// `(hashed bytes, searched bytes, candidates)`: the work the scan did.

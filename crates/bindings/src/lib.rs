@@ -38,7 +38,8 @@ mod _core {
     use super::data_plane::DataPlane;
     #[pymodule_export]
     use super::frames::{
-        encode_blob_frame, encode_frame, frame_chain_value, next_frame, read_gap, FrameScan,
+        encode_blob_frame, encode_blob_frame_v1, encode_frame, encode_frame_v1, frame_chain_value,
+        intact_end_after_v1, next_frame, read_gap, FrameScan,
     };
     #[pymodule_export]
     use super::json::{dumps, loads};
@@ -56,4 +57,32 @@ mod _core {
 
     #[pymodule_export]
     const DEFAULT_MAX_DEPTH: usize = engine::json::DEFAULT_MAX_DEPTH;
+
+    // the file format's constants, written once: the Python file layer reads them from here
+    #[pymodule_export]
+    const MAGIC_V1: &[u8] = engine::file::frames_v1::MAGIC_V1;
+    #[pymodule_export]
+    const MAGIC_V2: &[u8] = engine::file::frames::MAGIC_V2;
+    #[pymodule_export]
+    const ESCAPE: &[u8] = &engine::file::frames::ESCAPE;
+    #[pymodule_export]
+    const SYNC: &[u8] = &engine::file::frames::SYNC;
+    #[pymodule_export]
+    const ESCAPED: u8 = engine::file::frames::ESCAPED;
+    #[pymodule_export]
+    const HEADER_LAYOUT: &str = engine::file::frames::HEADER_LAYOUT;
+    #[pymodule_export]
+    const HEADER_SIZE: usize = engine::file::frames::HEADER_SIZE;
+    #[pymodule_export]
+    const HEADER_LAYOUT_V1: &str = engine::file::frames_v1::HEADER_LAYOUT_V1;
+    #[pymodule_export]
+    const HEADER_SIZE_V1: usize = engine::file::frames_v1::HEADER_SIZE_V1;
+    #[pymodule_export]
+    const MAX_PAYLOAD: usize = engine::file::frames::MAX_PAYLOAD;
+    #[pymodule_export]
+    const MAX_PAYLOAD_V1: usize = engine::file::frames_v1::MAX_PAYLOAD_V1;
+    #[pymodule_export]
+    const DIGEST_SIZE: usize = engine::file::frames::DIGEST_SIZE;
+    #[pymodule_export]
+    const BLOB_PREFIX_V1: &[u8] = &engine::file::frames_v1::BLOB_PREFIX_V1;
 }

@@ -38,6 +38,8 @@ pub const SYNC: [u8; 5] = [0xFE, 0xF7, 0xFB, 0xFD, 0x02];
 pub const ESCAPED: u8 = 0x80;
 /// Sync, kind, length on disk, previous chain value, chain value.
 pub const HEADER_SIZE: usize = 26;
+/// The header's fields as a Python `struct` format (the library reads headers with it).
+pub const HEADER_LAYOUT: &str = "<5sBIQQ";
 /// The largest payload a frame holds on disk.
 pub const MAX_PAYLOAD: usize = (1 << 31) - 1;
 /// A blob payload's leading xxh3-128 digest.
@@ -319,11 +321,11 @@ struct Head {
     start: usize,
 }
 
-fn u32_at(data: &[u8], at: usize) -> u32 {
+pub(crate) fn u32_at(data: &[u8], at: usize) -> u32 {
     u32::from_le_bytes(data[at..at + 4].try_into().expect("4 bytes"))
 }
 
-fn u64_at(data: &[u8], at: usize) -> u64 {
+pub(crate) fn u64_at(data: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(data[at..at + 8].try_into().expect("8 bytes"))
 }
 
@@ -467,8 +469,10 @@ pub fn next_frame(
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Stop {
     pub damage: Damage,
-    /// Where the next whole frame starts (None: the damage is a torn tail).
+    /// Where the next whole frame starts (None: none does, or the format has no resync).
     pub resync: Option<usize>,
+    /// Whether the damage is a torn tail: no intact frame follows it.
+    pub torn: bool,
 }
 
 /// The frames of a file from `start` in order, each verified and bound to the one before
@@ -524,6 +528,7 @@ pub fn scan(
                         record: out.record,
                     },
                     resync,
+                    torn: resync.is_none(),
                 });
                 break;
             }
