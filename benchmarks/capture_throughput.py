@@ -3,8 +3,10 @@
 Both modes run each server in a fresh process (`capture_server.py`'s helpers), for each data
 plane (`--planes python,rust`): `--ack durable --fsync never` and `--ack fast` with a data
 directory, and the same plane recording nothing (forward-only: the Python baseline proxy, or
-`rust-forward-only`, the Rust listener and pooled client forwarding each call as it came),
-in turns within one run, beside direct calls to the stub (the ceiling).
+`rust-forward-only`, the Rust listener and pooled client forwarding each call as it came, so
+its client asks for token ids and logprobs itself, as direct calls do, for the stub to do the
+same work as for the recording servers), in turns within one run, beside direct calls to the
+stub (the ceiling).
 
 `--throughput`: the GRPO group's bodies (a 200 KiB screenshot each) against a stub answering
 at once, `--sessions` concurrent sessions x `--turns` turns. Each row: calls a second (wall
@@ -144,7 +146,10 @@ def throughput(planes: Sequence[str], sessions: int, turns: int, rounds: int) ->
                     calls = sessions * turns
                     before = server.cpu()
                     start = time.perf_counter()
-                    asyncio.run(run_group(server.url, False, sessions, turns))
+                    # rust-forward-only forwards a body as it came: the client asks for
+                    # token ids and logprobs, so the stub does the same work
+                    ask = scheme == "rust-forward-only"
+                    asyncio.run(run_group(server.url, False, sessions, turns, ask_ids=ask))
                     rate[scheme].append(calls / (time.perf_counter() - start))
                     cpu[scheme].append((server.cpu() - before) / calls)
                 print(
@@ -230,7 +235,7 @@ async def replay_session(
     key: str,
     seed: int,
     plan: tuple[list[dict[str, Any]], list[tuple[int, str]]],
-    direct: bool,
+    ask_ids: bool,
 ) -> tuple[int, float]:
     """(words of context sent, seconds for the session's played turns)."""
     messages, played = plan
@@ -245,7 +250,7 @@ async def replay_session(
             "temperature": 1.0,
             "seed": seed,
         }
-        if direct:
+        if ask_ids:  # what a recording server asks the engine for
             body |= {"return_token_ids": True, "logprobs": True}
         sent_words += sum(len(str(m["content"]).split()) for m in messages)
         _, answer = await _post(
@@ -260,7 +265,10 @@ async def replay_session(
 
 
 async def replay_run(
-    url: str, direct: bool, plans: list[tuple[list[dict[str, Any]], list[tuple[int, str]]]]
+    url: str,
+    direct: bool,
+    plans: list[tuple[list[dict[str, Any]], list[tuple[int, str]]]],
+    ask_ids: bool = False,
 ) -> tuple[float, float, int]:
     """(calls a second summed over the sessions, calls a second over the run's wall time,
     words of context sent)."""
@@ -269,7 +277,7 @@ async def replay_run(
         start = time.perf_counter()
         found = await asyncio.gather(
             *(
-                replay_session(client, url, key, seed, plan, direct)
+                replay_session(client, url, key, seed, plan, direct or ask_ids)
                 for seed, (key, plan) in enumerate(zip(keys, plans, strict=True))
             )
         )
@@ -308,7 +316,11 @@ def replay(
                     ):
                         asyncio.run(run_group(server.url, False, 4, 2, warmup=True))
                         before = server.cpu()
-                        steady, whole, _ = asyncio.run(replay_run(server.url, False, plans))
+                        # rust-forward-only forwards a body as it came: the client asks
+                        # for token ids and logprobs, so the stub does the same work
+                        steady, whole, _ = asyncio.run(
+                            replay_run(server.url, False, plans, scheme == "rust-forward-only")
+                        )
                         rate.setdefault((scheme, n), []).append(steady)
                         wall.setdefault((scheme, n), []).append(whole)
                         cpu.setdefault((scheme, n), []).append((server.cpu() - before) / calls)
