@@ -69,6 +69,8 @@ rows run through the Rust data plane too (`serve --data-plane rust`: `rust-durab
 `rust-fast`) beside its own floor, `rust-forward-only` (the same hyper listener and pooled
 client, forwarding each call as it came and recording nothing), in the same turns;
 `--sessions 16` keeps to the 16-session rows. Writes nothing.
+
+Throughput against an instant stub and the agentic replay are `capture_throughput.py`'s.
 """
 
 from __future__ import annotations
@@ -379,6 +381,7 @@ async def rollout(
     added: list[float] | None = None,
     screenshots: bool = False,
     variant: int = 0,
+    ask_ids: bool = False,
 ) -> None:
     messages = task(variant) if not first else [{"role": "user", "content": first}]
     tools = OTHER_TOOLS if variant else TOOLS
@@ -391,7 +394,8 @@ async def rollout(
             "seed": seed,
             "temperature": 1.0,
         }
-        sent = {**body, "return_token_ids": True, "logprobs": True} if direct else body
+        ask = direct or ask_ids  # a proxy forwarding bodies as they came needs them asked for
+        sent = {**body, "return_token_ids": True, "logprobs": True} if ask else body
         content = json.dumps(sent).encode()
         paired = 0.0
         if pair is not None:  # the same call to the stub first, under the same load
@@ -455,6 +459,7 @@ async def run_group(
     screenshots: bool = False,
     keys: list[str] | None = None,
     variant: int = 0,
+    ask_ids: bool = False,
 ) -> list[float]:
     latencies: list[float] = []
     async with _client() as client:
@@ -476,6 +481,7 @@ async def run_group(
                     added=added,
                     screenshots=screenshots,
                     variant=variant,
+                    ask_ids=ask_ids,
                 )
                 for seed, key in enumerate(keys)
             )

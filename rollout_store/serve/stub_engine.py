@@ -14,6 +14,11 @@ not JSON. `stub-tools` (or any request with `tools` whose last message is a user
 answers with a tool call.
 
     python -m rollout_store.serve.stub_engine --port 8000 [--latency-ms 100 [--jitter 0.5]]
+        [--fill-max-tokens] [--ms-per-token 2]
+
+For benchmarks shaped like real traffic, `--fill-max-tokens` makes a plain-text reply exactly
+the request's `max_tokens` words long, and `--ms-per-token` adds that many milliseconds of
+generation time per sampled token, so a call takes as long as its output makes it.
 """
 
 from __future__ import annotations
@@ -167,11 +172,55 @@ async def _behaviour(request: Request, body: dict[str, Any]) -> Response | None:
     return None
 
 
-def chat_response(body: dict[str, Any]) -> dict[str, Any]:
-    """The stub's Chat Completions answer to `body` (a decoded request)."""
+FILL_WORDS = [
+    "the",
+    "function",
+    "returns",
+    "a",
+    "value",
+    "that",
+    "the",
+    "caller",
+    "checks",
+    "before",
+    "it",
+    "writes",
+    "the",
+    "file",
+    "to",
+    "disk",
+    "and",
+    "then",
+    "runs",
+    "tests",
+    "again",
+    "after",
+    "reading",
+    "its",
+    "output",
+    "carefully",
+]
+
+
+def _filled(text: str, body: dict[str, Any]) -> str:
+    """`text` made exactly `max_tokens` words long (the `--fill-max-tokens` option)."""
+    wanted = body.get("max_tokens")
+    if not isinstance(wanted, int) or isinstance(wanted, bool) or wanted <= 0:
+        return text
+    words = text.split()[:wanted]
+    start = xxhash.xxh32_intdigest(text.encode())
+    words += [FILL_WORDS[(start + 7 * i) % len(FILL_WORDS)] for i in range(wanted - len(words))]
+    return " ".join(words)
+
+
+def chat_response(body: dict[str, Any], fill: bool = False) -> dict[str, Any]:
+    """The stub's Chat Completions answer to `body` (a decoded request); with `fill`, a
+    plain-text reply is `max_tokens` words long."""
     messages = body.get("messages") or []
     prompt = prompt_ids_for(messages)
     text, tool, arguments = _reply(prompt, body)
+    if fill and tool is None:
+        text = _filled(text, body)
     message: dict[str, Any] = {"role": "assistant", "content": text or None}
     if tool is not None:
         call_id = "call_" + xxhash.xxh3_64_hexdigest(json.dumps(arguments).encode())[:12]
@@ -214,11 +263,14 @@ def chat_response(body: dict[str, Any]) -> dict[str, Any]:
     return response
 
 
-def messages_response(body: dict[str, Any]) -> dict[str, Any]:
-    """The stub's Anthropic Messages answer to `body` (a decoded request)."""
+def messages_response(body: dict[str, Any], fill: bool = False) -> dict[str, Any]:
+    """The stub's Anthropic Messages answer to `body` (a decoded request); with `fill`, a
+    plain-text reply is `max_tokens` words long."""
     messages = body.get("messages") or []
     prompt = prompt_ids_for(messages, body.get("system"))
     text, tool, arguments = _reply(prompt, body)
+    if fill and tool is None:
+        text = _filled(text, body)
     content: list[dict[str, Any]]
     if tool is not None:
         tool_id = "toolu_" + xxhash.xxh3_64_hexdigest(json.dumps(arguments).encode())[:16]
@@ -250,15 +302,21 @@ async def _body(request: Request) -> dict[str, Any] | Response:
 
 async def _generation(request: Request, response: dict[str, Any]) -> None:
     """Wait as long as the app's engine takes to generate this answer: `latency` seconds,
-    give or take `jitter` of it, fixed by the answer (`create_stub_app(latency, jitter)`)."""
+    give or take `jitter` of it, fixed by the answer, plus `per_token` seconds per sampled
+    token (`create_stub_app(latency, jitter, per_token)`)."""
     latency: float = request.app.state.latency
+    usage = response.get("usage") or {}
+    tokens = usage.get("completion_tokens", usage.get("output_tokens", 0))
+    wait = request.app.state.per_token * tokens
     if latency > 0:
         spread = xxhash.xxh32_intdigest(response["id"].encode()) / 0xFFFFFFFF * 2 - 1
-        await asyncio.sleep(latency * (1 + request.app.state.jitter * spread))
+        wait += latency * (1 + request.app.state.jitter * spread)
+    if wait > 0:
+        await asyncio.sleep(wait)
 
 
 async def _answer(
-    request: Request, respond: Callable[[dict[str, Any]], dict[str, Any]]
+    request: Request, respond: Callable[[dict[str, Any], bool], dict[str, Any]]
 ) -> tuple[dict[str, Any], dict[str, Any]] | Response:
     """The request body and the answer `respond` makes of it, after the generation time; or
     the response that ends the call first (a bad body, or a behaviour the body asks for)."""
@@ -268,7 +326,7 @@ async def _answer(
     special = await _behaviour(request, body)
     if special is not None:
         return special
-    response = respond(body)
+    response = respond(body, request.app.state.fill)
     await _generation(request, response)
     return body, response
 
@@ -305,10 +363,16 @@ async def _models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [{"id": "stub", "object": "model"}]})
 
 
-def create_stub_app(latency: float = 0.0, jitter: float = 0.0) -> Starlette:
+def create_stub_app(
+    latency: float = 0.0, jitter: float = 0.0, per_token: float = 0.0, fill: bool = False
+) -> Starlette:
     """The stub engine as an ASGI app. Each model call waits `latency` seconds before it
     answers (an engine's generation time; 0 answers at once), varied by up to `jitter` times
-    that either way, by a fraction fixed by the answer (generation time varies with it)."""
+    that either way, by a fraction fixed by the answer (generation time varies with it), plus
+    `per_token` seconds per sampled token. With `fill`, a plain-text reply is the request's
+    `max_tokens` words long."""
+    if not per_token >= 0:
+        raise ValueError("per_token must be 0 or positive")
     if not latency >= 0:
         raise ValueError("latency must be 0 or positive")
     if not 0 <= jitter <= 1:
@@ -322,6 +386,8 @@ def create_stub_app(latency: float = 0.0, jitter: float = 0.0) -> Starlette:
     )
     app.state.latency = latency
     app.state.jitter = jitter
+    app.state.per_token = per_token
+    app.state.fill = fill
     return app
 
 
@@ -344,11 +410,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0.0,
         help="vary each call's time by up to this fraction of --latency-ms either way",
     )
+    parser.add_argument(
+        "--ms-per-token",
+        type=float,
+        default=0.0,
+        help="generation time added per sampled token (a call lasts as its output makes it)",
+    )
+    parser.add_argument(
+        "--fill-max-tokens",
+        action="store_true",
+        help="make a plain-text reply exactly the request's max_tokens words long",
+    )
     args = parser.parse_args(argv)
     sock = listen_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     print(f"stub engine on http://{host}:{port}", flush=True)
-    app = create_stub_app(latency=args.latency_ms / 1000, jitter=args.jitter)
+    app = create_stub_app(
+        latency=args.latency_ms / 1000,
+        jitter=args.jitter,
+        per_token=args.ms_per_token / 1000,
+        fill=args.fill_max_tokens,
+    )
     config = uvicorn.Config(app, log_level="warning", access_log=False)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
