@@ -185,11 +185,11 @@ def baseline_app(upstream: str, keep: bool) -> Any:
 
     async def chat(request: Request) -> Response:
         if not clients:
-            clients.append(_client())
+            clients.append(http_client())
         key = request.headers.get("authorization", "")[7:]
         body = json.loads(await request.body())
         upstream_body = {**body, "stream": False, "return_token_ids": True, "logprobs": True}
-        _, answer = await _post(
+        _, answer = await post_json(
             clients[0], f"{upstream}/v1/chat/completions", json.dumps(upstream_body).encode()
         )
         response = json.loads(answer)
@@ -347,7 +347,7 @@ def screenshot(seed: int, step: int) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
-def _client() -> aiohttp.ClientSession:
+def http_client() -> aiohttp.ClientSession:
     """The benchmark's HTTP client (and the baselines' upstream client, as the server's):
     aiohttp, whose own CPU time per call adds the least noise to the figures."""
     return aiohttp.ClientSession(
@@ -356,7 +356,7 @@ def _client() -> aiohttp.ClientSession:
     )
 
 
-async def _post(
+async def post_json(
     client: aiohttp.ClientSession, url: str, content: bytes, headers: dict[str, str] | None = None
 ) -> tuple[int, bytes]:
     async with client.post(url, data=content, headers=headers) as answer:
@@ -400,10 +400,10 @@ async def rollout(
         if pair is not None:  # the same call to the stub first, under the same load
             tokens = json.dumps({**body, "return_token_ids": True, "logprobs": True}).encode()
             start = time.perf_counter()
-            await _post(client, f"{pair}/v1/chat/completions", tokens, JSON)
+            await post_json(client, f"{pair}/v1/chat/completions", tokens, JSON)
             paired = time.perf_counter() - start
         start = time.perf_counter()
-        _, answer = await _post(client, f"{url}/v1/chat/completions", content, headers)
+        _, answer = await post_json(client, f"{url}/v1/chat/completions", content, headers)
         latencies.append(time.perf_counter() - start)
         if added is not None:
             added.append(latencies[-1] - paired)
@@ -441,7 +441,7 @@ async def rollout(
 async def new_keys(client: aiohttp.ClientSession, url: str, sessions: int) -> list[str]:
     keys = []
     for _ in range(sessions):
-        _, made = await _post(client, f"{url}/sessions", b"{}", JSON)
+        _, made = await post_json(client, f"{url}/sessions", b"{}", JSON)
         keys.append(json.loads(made)["api_key"])
     return keys
 
@@ -461,7 +461,7 @@ async def run_group(
     ask_ids: bool = False,
 ) -> list[float]:
     latencies: list[float] = []
-    async with _client() as client:
+    async with http_client() as client:
         if keys is None:
             keys = ["direct"] * sessions if direct else await new_keys(client, url, sessions)
         await asyncio.gather(
@@ -519,7 +519,7 @@ def memory_run(
         )
 
         async def measured() -> int:
-            async with _client() as client:
+            async with http_client() as client:
                 keys = await new_keys(client, server.url, sessions)
             await asyncio.sleep(0.2)
             before = server.rss()

@@ -58,9 +58,9 @@ sys.path.insert(0, str(HERE))
 
 from capture_server import (  # noqa: E402
     Child,
-    _client,
-    _post,
+    http_client,
     new_keys,
+    post_json,
     run_group,
     server_for,
 )
@@ -111,7 +111,7 @@ def schemes_for(planes: Sequence[str]) -> list[str]:
     return found
 
 
-def _stub(*extra: str) -> Child:
+def start_stub(*extra: str) -> Child:
     return Child(["-m", "rollout_store.serve.stub_engine", "--port", "0", *extra], malloc=False)
 
 
@@ -128,7 +128,7 @@ def load() -> str:
 
 def throughput(planes: Sequence[str], sessions: int, turns: int, rounds: int) -> dict[str, Any]:
     schemes = schemes_for(planes)
-    stub = _stub("--latency-ms", "0")
+    stub = start_stub("--latency-ms", "0")
     rate: dict[str, list[float]] = {s: [] for s in ["direct", *schemes]}
     cpu: dict[str, list[float]] = {s: [] for s in schemes}
     try:
@@ -253,7 +253,7 @@ async def replay_session(
         if ask_ids:  # what a recording server asks the engine for
             body |= {"return_token_ids": True, "logprobs": True}
         sent_words += sum(len(str(m["content"]).split()) for m in messages)
-        _, answer = await _post(
+        _, answer = await post_json(
             client, f"{url}/v1/chat/completions", json.dumps(body).encode(), headers
         )
         reply = json.loads(answer)["choices"][0]["message"]
@@ -272,7 +272,7 @@ async def replay_run(
 ) -> tuple[float, float, int]:
     """(calls a second summed over the sessions, calls a second over the run's wall time,
     words of context sent)."""
-    async with _client() as client:
+    async with http_client() as client:
         keys = ["direct"] * len(plans) if direct else await new_keys(client, url, len(plans))
         start = time.perf_counter()
         found = await asyncio.gather(
@@ -293,7 +293,7 @@ def replay(
     planes: Sequence[str], counts: Sequence[int], window: int, rounds: int
 ) -> dict[str, Any]:
     schemes = schemes_for(planes)
-    stub = _stub("--fill-max-tokens", "--ms-per-token", str(MS_PER_TOKEN))
+    stub = start_stub("--fill-max-tokens", "--ms-per-token", str(MS_PER_TOKEN))
     rate: dict[tuple[str, int], list[float]] = {}
     wall: dict[tuple[str, int], list[float]] = {}
     cpu: dict[tuple[str, int], list[float]] = {}

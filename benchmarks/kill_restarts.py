@@ -40,8 +40,8 @@ import aiohttp
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from capture_server import JSON, Child, _client, _post  # noqa: E402
-from capture_throughput import _stub, load  # noqa: E402
+from capture_server import JSON, Child, http_client, post_json  # noqa: E402
+from capture_throughput import load, start_stub  # noqa: E402
 from measure import add_results_option, library_commit, results_dir, targets_summary  # noqa: E402
 
 ACKS = ("durable", "fast")
@@ -91,7 +91,9 @@ async def _calls(client: aiohttp.ClientSession, url: str, session: Session, flig
         content = json.dumps({"model": "policy", "messages": messages, "seed": session.index})
         flight.now += 1
         try:
-            _, answer = await _post(client, f"{url}/v1/chat/completions", content.encode(), headers)
+            _, answer = await post_json(
+                client, f"{url}/v1/chat/completions", content.encode(), headers
+            )
             message = json.loads(answer)["choices"][0]["message"]
         except RuntimeError:  # a status other than 200
             flight.failed += 1
@@ -111,7 +113,7 @@ async def _round(server: Child, sessions: list[Session], flight: Flight, delay: 
         flight.at_kills.append(flight.now)
         server.proc.kill()
 
-    async with _client() as client:
+    async with http_client() as client:
         await asyncio.gather(kill(), *(_calls(client, server.url, s, flight) for s in sessions))
     server.proc.wait(30)
 
@@ -129,7 +131,7 @@ async def _check(url: str, sessions: list[Session]) -> dict[str, Any]:
     restarted server counts as dropped."""
     missing, listed, findings, exported = 0, 0, 0, 0
     examples: list[str] = []
-    async with _client() as client:
+    async with http_client() as client:
         for session in sessions:
             base = f"{url}/sessions/{session.session_id}"
             doc = await _get(client, f"{base}/export?messages=1&discarded=1", session.key)
@@ -198,8 +200,8 @@ def run(ack: str, plane: str, restarts: int, n_sessions: int, stub: str, seed: i
 
 
 async def _made(url: str, session_id: str) -> dict[str, Any]:
-    async with _client() as client:
-        _, made = await _post(
+    async with http_client() as client:
+        _, made = await post_json(
             client, f"{url}/sessions", json.dumps({"session_id": session_id}).encode(), JSON
         )
     answer: dict[str, Any] = json.loads(made)
@@ -245,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     add_results_option(parser)
     args = parser.parse_args(argv)
     rows = []
-    stub = _stub("--latency-ms", "20", "--jitter", "0.5")
+    stub = start_stub("--latency-ms", "20", "--jitter", "0.5")
     try:
         for ack in args.acks.split(","):
             for plane in args.planes.split(","):
