@@ -52,6 +52,7 @@ from workloads import SAMPLING_PARAMS, SYSTEM_PROMPT, WORKLOADS, UniqueContent, 
 from workloads import random_text as _text
 
 rs = _import_rollout_store()
+from rollout_store.engine.stored import Turn as _Turn  # noqa: E402  (imported once rs is on the path)
 
 LONG_CHECKPOINTS = {
     "chatty": (10, 100, 1000, 2000),
@@ -162,7 +163,7 @@ def _floor_common(fields: dict[str, Any], parent_tokens: bytes | None) -> None:
         array("I", fields["sampled_ids"])
     if fields.get("sampled_logprobs"):
         array("d", fields["sampled_logprobs"])
-    _floor_turns.append(rs.stored.Turn())
+    _floor_turns.append(_Turn())
     _floor_turns.clear()
 
 
