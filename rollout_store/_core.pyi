@@ -5,6 +5,7 @@ from collections.abc import Callable
 from typing import Any, Final, final
 
 __all__ = [
+    "Blake3",
     "ContentTable",
     "DataPlane",
     "dumps",
@@ -97,6 +98,24 @@ class Packer:
         the walk stay interned: the caller's rollback must undo them)."""
     def release(self) -> None:
         """Let the kept buffer go."""
+    def hash_prefix(self, messages: list[Any], low: int) -> tuple[Blake3, int]:
+        """A `Blake3` state that has seen the packings of `messages[:low]` one after the other
+        (the items of `pack(messages[:low])` without its array header), and how many bytes
+        that is. Packed and hashed in pieces: no buffer of the whole prefix is made, and the
+        hashing of each piece releases the GIL. Raises what `pack` raises (the path names the
+        message: `[i]...`)."""
+
+@final
+class Blake3:
+    """A BLAKE3 state: `update` with bytes-like objects, `copy`, `digest` (32 bytes)."""
+
+    def __new__(cls, data: bytes | memoryview | None = None) -> Blake3: ...
+    def update(self, data: bytes | memoryview) -> None:
+        """Feed the bytes of a contiguous bytes-like object (bytes, a memoryview of bytes)."""
+    def copy(self) -> Blake3:
+        """A state of its own that has seen what this one has."""
+    def digest(self) -> bytes:
+        """The digest of everything fed so far (the state goes on)."""
 
 def unpack(data: bytes, blob: Callable[[int], Any], echo: Callable[[], Any] | None = None) -> Any:
     """Rebuild one packed value: fresh containers, a tuple where one was recorded, each blob

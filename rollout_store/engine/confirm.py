@@ -1,10 +1,12 @@
-"""Confirming re-sent messages at C speed: one packing of a request, prefix keys at its message
+"""Confirming re-sent messages: one packing of a request, prefix keys at its message
 boundaries, and cryptographic digests of packed prefixes.
 
 A request re-sends, byte for byte, an earlier request plus a few new messages. The request's
-non-system messages before its last few are packed once, as msgpack arrays of many messages,
-and hashed as they go; the last few are packed one by one, so the digests at their boundaries
-are known. A stored request is found by the BLAKE3 digest of its whole packed prefix (never of
+non-system messages before its last few are packed and hashed by the engine in one call
+(`Packer.hash_prefix`: no buffer of the whole prefix is made); the last few are packed one by
+one, so the digests at their boundaries are known. Plain packings are the engine's canonical
+packing (`Packer(None, None)`: every string inline), the same bytes msgpack writes for plain
+JSON values. A stored request is found by the BLAKE3 digest of its whole packed prefix (never of
 one message: buckets would grow with content that many rollouts share): its first 8 bytes are
 the index key, and all 32 confirm the match. xxh3 collisions can be crafted, BLAKE3 collisions
 cannot, so a digest match stands for a byte comparison. Packed msgpack items are
@@ -23,16 +25,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import blake3
 import msgpack
 import xxhash
 
+from .._core import Blake3, Packer
 from .encoding import array_header, no_echo, unpack
 
 __all__ = [
-    "ALIGN",
-    "CHUNK_HIGH",
-    "CHUNK_LOW",
     "HOLE_MIN",
     "MAX_RAW_TIPS",
     "MAX_TIPS",
@@ -55,7 +54,6 @@ __all__ = [
     "text_holes",
     "mark_length",
     "marked_between",
-    "packed_hasher",
     "prefix_digest",
     "prefix_keys",
     "raw_end",
@@ -63,22 +61,11 @@ __all__ = [
 
 #: How many trailing message boundaries are probed, at most, before every boundary is.
 WINDOW = 8
-#: The messages before the window are packed in chunks of about these sizes, so the packer's
-#: buffer stays below the size the allocator maps fresh pages for (measured: a fresh multi-MiB
-#: buffer a turn costs more in page faults than the packing itself; with chunks of 64-128 KiB
-#: the packer's buffer still reached the allocator's threshold, and the median add_turn of
-#: tool-heavy turns 25-34 was 1.7x its fastest, 1.1x with these).
-CHUNK_LOW = 1 << 15
-CHUNK_HIGH = 1 << 16
-#: BLAKE3 runs at full speed only on updates of many whole 1 KiB chunks starting at a multiple
-#: of their count (measured: 1.4-4 GB/s on updates of other sizes, 7-10 GB/s on multiples of
-#: 16-64 KiB), so the chunks are hashed in multiples of this many bytes.
-ALIGN = 1 << 16
 
 
 def prefix_digest(data: bytes | memoryview) -> bytes:
     """The BLAKE3 digest (32 bytes) of a packed request prefix."""
-    return blake3.blake3(data).digest()
+    return Blake3(data).digest()
 
 
 def digest_key(digest: bytes) -> int:
@@ -88,7 +75,7 @@ def digest_key(digest: bytes) -> int:
 
 def prefix_keys(plains: Sequence[bytes]) -> list[int]:
     """Index keys of every prefix of a request: keys[m] is that of its first m messages."""
-    hasher = blake3.blake3()
+    hasher = Blake3()
     keys = [digest_key(hasher.digest())]
     for plain in plains:
         hasher.update(plain)
@@ -118,57 +105,6 @@ def marked_between(lengths: bytearray, low: int, n: int) -> list[int]:
         bits ^= bit
         offsets.append(bit.bit_length())  # bit b stands for the count low + 1 + b
     return offsets
-
-
-def packed_hasher(
-    messages: list[Any], low: int, pack: Callable[[Any], bytes], mean: int
-) -> tuple[Any, int]:
-    """A BLAKE3 state that has seen the plain packings of `messages[:low]`, packed
-    as arrays of CHUNK_LOW to CHUNK_HIGH bytes (as many messages as that takes, starting
-    from `mean`, their expected size, and adapting as it goes) and hashed in multiples of
-    ALIGN bytes: never one buffer of the whole prefix, unless it is expected to be no
-    longer than a chunk (then packed and hashed at once: measured 7-10 us faster on a
-    tool-heavy request of 40 KB, chunked before as 35 + 5); and how many bytes it hashed.
-    Raises what the packer raises."""
-    if not low:
-        return blake3.blake3(), 0
-    if mean * low <= CHUNK_HIGH:  # the common case: no longer than a chunk, hashed at once
-        chunk = pack(messages[:low])
-        header = 1 if low < 16 else 3 if low < 1 << 16 else 5
-        return blake3.blake3(memoryview(chunk)[header:]), len(chunk) - header
-    start, step = 0, CHUNK_LOW // mean + 1
-    hasher = blake3.blake3()
-    update = hasher.update
-    hashed = 0
-    carry: bytes | memoryview = b""  # not yet hashed: every update a multiple of ALIGN
-    while start < low:
-        stop = start + step if start + step < low else low
-        chunk = pack(messages[start:stop])  # an array: its header, then the packings
-        data = memoryview(chunk)[len(array_header(stop - start)) :]
-        size = len(chunk)
-        hashed += len(data)
-        if carry:
-            need = ALIGN - len(carry)
-            if len(data) < need:
-                carry = b"".join((carry, data))
-                data = data[:0]
-            else:
-                update(b"".join((carry, data[:need])))
-                data = data[need:]
-                carry = b""
-        cut = len(data) - len(data) % ALIGN
-        if cut:
-            update(data[:cut])
-        if cut < len(data):  # carry is empty here: a view, no copy
-            carry = data[cut:]
-        if size < CHUNK_LOW:
-            step = step * 2 if size * 4 > CHUNK_LOW else step * 4
-        elif size > CHUNK_HIGH and step > 1:
-            step //= 2
-        start = stop
-    if carry:
-        update(carry)
-    return hasher, hashed
 
 
 class Probe:
@@ -201,7 +137,7 @@ class Probe:
     def __init__(
         self,
         messages: Sequence[Any],
-        pack: Callable[[Any], bytes],
+        packer: Packer,
         window: int = WINDOW,
         lengths: bytearray | None = None,
         last: list[bytes] | None = None,
@@ -212,16 +148,14 @@ class Probe:
         low = n - window if n > window else 0
         self.n = n
         self.messages = messages
+        pack: Callable[[Any], bytes] = packer.pack
         self._pack = pack
         self.tip: Tip | None = None  # the tip it continues (see `continuing`)
         self.hollow: Any = None  # then: the BLAKE3 state of its hollowed packing
-        # the last messages one by one (their packings are needed anyway), first: their
-        # mean size tells how many earlier messages make a chunk of the right size
-        if last is None:
+        if last is None:  # the last messages one by one (their packings are needed anyway)
             last = [pack(message) for message in messages[low:]]
         size = sum(map(len, last))
-        mean = size // len(last) + 1 if last else 1
-        hasher, hashed = packed_hasher(messages, low, pack, mean)
+        hasher, hashed = packer.hash_prefix(messages, low)
         self.size: int | None = size + hashed
         update = hasher.update
         plains: list[bytes | None] = [None] * low
@@ -255,7 +189,7 @@ class Probe:
         cls,
         tips: Tips,
         messages: list[Any],
-        pack: Callable[[Any], bytes],
+        packer: Packer,
         window: int,
         lengths: bytearray,
     ) -> Probe:
@@ -266,6 +200,7 @@ class Probe:
         message count, so every boundary below it takes `extend`, as in a usual probe."""
         n = len(messages)
         low = n - window if n > window else 0
+        pack = packer.pack
         last = [pack(message) for message in messages[low:]]
         for j in range(n, low, -1):
             for tip in tips.find(j, last[j - 1 - low]):
@@ -290,7 +225,7 @@ class Probe:
                         digests[k] = hasher.digest()
                 probe.plains, probe.digests, probe.low, probe.hasher = plains, digests, j, hasher
                 return probe
-        return cls(messages, pack, window, lengths, last)
+        return cls(messages, packer, window, lengths, last)
 
     @classmethod
     def at_base(
@@ -304,7 +239,7 @@ class Probe:
         size: int,
     ) -> Probe:
         """A probe of `messages` whose first `low` a BLAKE3 `hasher` has seen packed (see
-        `packed_hasher`) and the others packed in `last`, one by one: the digest at `low`
+        `Packer.hash_prefix`) and the others packed in `last`, one by one: the digest at `low`
         is known, as are those at the end and at every count low + j between for j in
         `marks` (the counts stored requests have there, lowest first: `marked_between`); a
         turn's base at `low`, found by other means, is then confirmed by it. `size`: the
@@ -351,7 +286,7 @@ class Probe:
             if last < 0:
                 self.low = 0
                 return
-        hasher = blake3.blake3()
+        hasher = Blake3()
         digests[0] = hasher.digest()
         for i in range(last):
             hasher.update(plains[i])  # type: ignore[arg-type]
@@ -445,7 +380,7 @@ def hollow_text(
     UTF-8 copy is alive at once); the bytes between them are joined (they are short next to
     the blobs) and hashed in one update."""
     if hasher is None:
-        hasher = blake3.blake3()
+        hasher = Blake3()
     if not holes:
         if end > start:
             hasher.update(memoryview(data)[start:end])
@@ -575,8 +510,9 @@ MAX_TIPS = 64
 #: one 200 KiB screenshot, 590 us median with tips, 599 without; of one with a new 100 KiB
 #: screenshot each turn, up to 1.2 MiB a request, no faster with them either).
 TIP_MIN_BYTES = 1 << 20
-#: What stands for a blob string in a hollowed packing (never stored: only hashed).
-_HOLE = msgpack.ExtType(127, b"")
+#: What stands for a blob string in a hollowed packing (never stored: only hashed). Any
+#: fixed value does: the string at each hole is compared with its blob before the digests.
+_HOLE = None
 #: Plain packings of at most this many messages at a time while hashing a hollowed request.
 _RUN = 256
 #: Blob strings shorter than this stay in the hollowed packing (hashed whole): comparing one
@@ -708,33 +644,25 @@ def hollow_hasher(
     """The BLAKE3 state after the hollowed packing of `messages[:n]` with these holes (the
     messages between them packed plainly), or None when a hole does not hold its blob's very
     string or something does not pack plainly."""
-    hasher = blake3.blake3()
-    parts: list[bytes | memoryview] = []
-    size = 0
+    hasher = Blake3()
+    update = hasher.update
     start = 0
     try:
         for i, message_holes in (*holes, (n, None)):
             while start < i:  # the messages between holes, packed plainly in runs
                 stop = min(i, start + _RUN)
                 run = pack(messages[start:stop])
-                parts.append(memoryview(run)[len(array_header(stop - start)) :])
-                size += len(run)
+                update(memoryview(run)[len(array_header(stop - start)) :])
                 start = stop
             if message_holes is None:
                 break
             hollow = hollowed(messages[i], message_holes)
             if hollow is None:
                 return None
-            packed = pack(hollow)
-            parts.append(packed)
-            size += len(packed)
+            update(pack(hollow))
             start = i + 1
-            if size > ALIGN:
-                hasher.update(b"".join(parts))
-                parts, size = [], 0
-    except Exception:  # something that does not pack plainly: not this request
+    except ValueError:  # something that does not pack plainly: not this request
         return None
-    hasher.update(b"".join(parts))
     return hasher
 
 

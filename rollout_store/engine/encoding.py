@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
 
 import msgpack
 
@@ -24,15 +23,11 @@ __all__ = [
     "EXT_ECHO",
     "EXT_SURROGATE",
     "EXT_TUPLE",
-    "TUPLE_MARK",
-    "NotPackable",
     "array_header",
     "blob_ref_bytes",
     "int_digits",
     "int_from_digits",
-    "new_packer",
     "no_echo",
-    "plain_default",
     "unpack",
 ]
 
@@ -92,35 +87,9 @@ def _digits(n: int) -> str:
     return _digits(high) + _digits(rest).rjust(low, "0")
 
 
-class NotPackable(Exception):
-    """The value needs the validating walk of `intake` (not an error by itself)."""
-
-
-def plain_default(obj: object) -> Any:
-    # strict_types sends every non-exact type here: accept only what packs unambiguously.
-    if type(obj) is tuple:
-        # [TUPLE_MARK, *items]: no nested packing, so no recursion through C for deep tuples
-        return [TUPLE_MARK, *obj]
-    if type(obj) is int:
-        return msgpack.ExtType(EXT_BIGINT, str(obj).encode("ascii"))
-    raise NotPackable(type(obj).__name__)
-
-
-def new_packer() -> Callable[[Any], bytes]:
-    """A reusable plain packer: exact types only, anything else raises `NotPackable`."""
-    packer = msgpack.Packer(
-        use_bin_type=True, strict_types=True, default=plain_default, buf_size=256
-    )
-    pack: Callable[[Any], bytes] = packer.pack
-    return pack
-
-
 def no_echo() -> None:
     """The echo placeholder rebuilt as None (where its value does not matter)."""
     return None
-
-
-TUPLE_MARK = msgpack.ExtType(EXT_TUPLE, b"")
 
 
 #: How a blob reference starts in a packing (a fixext 4 of type EXT_BLOB): a packing without

@@ -8,18 +8,18 @@ are stored once per graph.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from itertools import chain
 from typing import Any, Final
 
 import msgpack
 
+from .._core import Packer
 from ..errors import InvalidValueError
 from ..model.nodes import TurnNode
 from ..model.raw import RawJSON, decode_array, decode_raw, resolve_raw
 from .blobs import BlobTable
 from .confirm import (
-    CHUNK_HIGH,
     HOLE_MIN,
     TIP_MIN_BYTES,
     WINDOW,
@@ -37,7 +37,6 @@ from .confirm import (
     hollowed,
     mark_length,
     marked_between,
-    packed_hasher,
     prefix_digest,
     prefix_keys,
     raw_end,
@@ -45,9 +44,7 @@ from .confirm import (
 )
 from .encoding import (
     ECHO_PACKED,
-    NotPackable,
     array_header,
-    new_packer,
     no_echo,
     unpack,
 )
@@ -215,9 +212,6 @@ _NOT_CONTINUED: Final = (
 
 #: The longest chain of bases walked to find the long strings of a request (`_chain_holes`).
 _MAX_CHAIN = 4096
-#: A reused packer grows its buffer to its largest packing and keeps it: past this size it is
-#: replaced, so that a query over a long request leaves no copy-sized buffer behind
-_KEPT_PACKER_BUFFER = 64 * 1024
 
 
 def _has_ext(packed: bytes) -> bool:
@@ -467,13 +461,12 @@ class RequestStore:
     """
 
     __slots__ = (
-        "_canonical",
         "_encoder",
         "_lengths",
         "_long_types",
         "_longest",
-        "_pack_plain",
         "_plain_limit",
+        "_plain_packer",
         "_window",
         "blobs",
         "buckets",
@@ -486,12 +479,11 @@ class RequestStore:
 
     def __init__(self, blobs: BlobTable, share_threshold: int | None) -> None:
         self.blobs = blobs
-        # a reusable packer (packb builds one per call), made at first use (`_packer`) and
-        # let go after each turn by `reset_packer`: a graph keeps no packer or buffer between
-        # turns (a large message's buffer, or a few hundred bytes a session)
-        self._pack_plain: Callable[[Any], bytes] | None = None
+        # the plain packer (the engine's canonical packing: every string inline), made at
+        # first use (`_packer`) and let go after each turn by `reset_packer`: a graph keeps
+        # no packer or buffer between turns
+        self._plain_packer: Packer | None = None
         self._encoder = Encoder(blobs, share_threshold)
-        self._canonical = Encoder(None, None)  # plain packing by the validating walk
         # over an out-of-process store: values holding blob references are matched by the
         # SHA-256 of their plain packings, never by fetching (requests by their digests)
         self.values = ValueTable(self.expand, share_threshold, hashed=blobs.fetches)
@@ -517,16 +509,15 @@ class RequestStore:
 
     def reset_packer(self) -> None:
         """Let the packers go (a turn is done): the next use makes new ones."""
-        self._pack_plain = None
+        self._plain_packer = None
         self._encoder.release()
-        self._canonical.release()
 
-    def _packer(self) -> Callable[[Any], bytes]:
+    def _packer(self) -> Packer:
         """The plain packer, made at first use since the last `reset_packer`."""
-        pack = self._pack_plain
-        if pack is None:
-            pack = self._pack_plain = new_packer()
-        return pack
+        packer = self._plain_packer
+        if packer is None:
+            packer = self._plain_packer = Packer(None, None)
+        return packer
 
     def drop_caches(self) -> None:
         """Let go of the tips, decoded and raw (a BLAKE3 state of about 2 KB each), and of
@@ -558,8 +549,8 @@ class RequestStore:
         if value is None:
             return None
         try:
-            plain: bytes | None = self._packer()(value)
-        except Exception:  # the validating walk says what is wrong
+            plain: bytes | None = self._packer().pack(value)
+        except ValueError:  # the validating walk says what is wrong
             plain = None
         packed, special = self.stored_form(value, plain, "response_message")
         if packed is plain:
@@ -696,23 +687,24 @@ class RequestStore:
             return None
         n_sys = leading_system_count(messages)
         rest = messages[n_sys:]
-        pack = self._packer()
+        packer = self._packer()
+        pack = packer.pack
         probe: Probe | None
         tips = self.tips
         # where the request's base is found: mostly the turn just before, re-sent with its
         # response and a few new messages (its base then, confirmed already); else among
         # the stored requests, by the probe's digests (see `_base`)
-        continued = self._continuation(rest, pack) if not tips and type(rest) is list else None
+        continued = self._continuation(rest, packer) if not tips and type(rest) is list else None
         try:
             if continued is not None:
                 probe = continued[0]
             elif tips and type(rest) is list:
-                probe = Probe.continuing(tips, rest, pack, self._window, self._lengths)
+                probe = Probe.continuing(tips, rest, packer, self._window, self._lengths)
             else:
                 # nothing filed yet (a graph's first turn): every boundary's digest in one
                 # pass, as this turn will be a root whose keys need them (see `Probe.extend`)
                 lengths = self._lengths if self._longest >= 0 else None
-                probe = Probe(rest, pack, self._window, lengths)
+                probe = Probe(rest, packer, self._window, lengths)
         except Exception:  # some message needs the validating walk, or is RawJSON
             probe = None
             if any(type(m) is RawJSON for m in messages):
@@ -720,7 +712,7 @@ class RequestStore:
                 n_sys = leading_system_count(messages)
                 rest = messages[n_sys:]
                 try:
-                    probe = Probe(rest, pack, self._window, self._lengths)
+                    probe = Probe(rest, packer, self._window, self._lengths)
                 except Exception:
                     probe = None
         try:
@@ -793,7 +785,7 @@ class RequestStore:
         # accepts the text (else the whole text's decode says what is wrong, and where)
         try:
             fresh = decode_array(b"[" + tail_text[1:] + b"]")
-            pack = self._packer()
+            pack = self._packer().pack
             plains = [pack(message) for message in fresh]
         except Exception:
             return _NOT_FAST
@@ -870,9 +862,7 @@ class RequestStore:
         scratch.raw_tip = (new_tip, tip)
         return tip.system_plain
 
-    def _continuation(
-        self, rest: list[Any], pack: Callable[[Any], bytes]
-    ) -> tuple[Probe, Turn] | None:
+    def _continuation(self, rest: list[Any], packer: Packer) -> tuple[Probe, Turn] | None:
         """A probe of `rest` and its base when `rest` re-sends the request of the latest turn
         filed under a new key, then its response exactly, then new messages, and no longer
         stored request (no twin either) is among its prefixes: what `Probe` and `_base` would
@@ -890,19 +880,16 @@ class RequestStore:
         b, n = base.n_rest, len(rest)
         if not b < n or not base.flags & HAS_RESPONSE:
             return None
+        pack = packer.pack
         try:
             echo = pack(rest[b])
             if echo != base.response:  # the cheap test first: mostly another conversation
                 return None
-            if len(echo) * b >= CHUNK_HIGH:  # a long request: `Probe` packs it in chunks
-                return None
             plains = [echo]
             plains += [pack(message) for message in rest[b + 1 :]]
-            # the prefix in chunks (one packing of a long prefix costs more in page faults
-            # and buffer growth than the packing itself)
             size = sum(map(len, plains))
-            hasher, hashed = packed_hasher(rest, b, pack, size // len(plains) + 1)
-        except Exception:  # something to walk: the usual path says what
+            hasher, hashed = packer.hash_prefix(rest, b)
+        except ValueError:  # something to walk: the usual path says what
             return None
         # counts between b and n that some filed request has (mostly none: in one
         # conversation the longest filed request is the base)
@@ -1063,7 +1050,7 @@ class RequestStore:
             holes = previous.holes
             hollow = probe.hollow if probe.tip is previous else None
             if hollow is None:  # its base was confirmed by the plain digest: hollow it once
-                hollow = hollow_hasher(probe.messages, start, holes, self._packer())
+                hollow = hollow_hasher(probe.messages, start, holes, self._packer().pack)
                 if hollow is None or hollow.digest() != previous.hollow_digest:
                     return None
         elif not found:
@@ -1078,7 +1065,7 @@ class RequestStore:
             if size < TIP_MIN_BYTES:  # hashed again at no measurable cost: no state kept
                 return None
             holes = earlier
-            hollow = hollow_hasher(probe.messages, start, earlier, self._packer())
+            hollow = hollow_hasher(probe.messages, start, earlier, self._packer().pack)
             if hollow is None:
                 return None
         hollow.update(b"".join(parts))
@@ -1145,7 +1132,7 @@ class RequestStore:
             hollow = hollowed(request.messages[start + k], holes)
             if hollow is None:
                 return None
-            parts.append(self._packer()(hollow))
+            parts.append(self._packer().pack(hollow))
             found.append((start + k, holes))
         return parts, found
 
@@ -1208,8 +1195,8 @@ class RequestStore:
     def valid(self, value: Any, plain: bytes | None) -> bool:
         """Whether `plain` is the packing of `value` by the validating walk."""
         try:
-            return plain is not None and self._canonical.encode(value, "")[0] == plain
-        except InvalidValueError:
+            return plain is not None and self._packer().pack(value) == plain
+        except ValueError:
             return False
 
     def is_echo(self, base: Turn, message: Any, plain: bytes | None) -> bool:
@@ -1321,22 +1308,13 @@ class RequestStore:
         return True
 
     def plain(self, value: Any) -> bytes | None:
-        """The exact packing of a value with every string inline, or None if it is invalid.
-
-        msgpack packs almost every value at C speed; lone surrogates, subclasses and very deep
-        tuples take the validating walk (with no blob table) instead.
-        """
+        """The exact packing of a value with every string inline (the engine's canonical
+        packing), or None if it is invalid."""
         try:
-            packed: bytes = self._packer()(value)
-            if len(packed) > _KEPT_PACKER_BUFFER:  # a query's packer keeps no large buffer
-                self.reset_packer()
-            return packed
-        except (NotPackable, ValueError, TypeError, OverflowError, RecursionError, BufferError):
-            pass
-        try:
-            return self._canonical.encode(value, "")[0]
-        except (InvalidValueError, RecursionError):
+            packed: bytes = self._packer().pack(value)
+        except ValueError:  # (the engine's RefusedValue)
             return None
+        return packed
 
     def expand(self, stored: bytes) -> bytes | None:
         """The plain packing of a stored value: its blobs inline again."""

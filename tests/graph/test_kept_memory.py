@@ -103,8 +103,8 @@ def test_no_packer_is_kept_between_turns() -> None:
                 )
             )
             requests = graph._requests
-            assert requests._pack_plain is None
-            assert requests._encoder._packer is None and requests._canonical._packer is None
+            assert requests._plain_packer is None
+            assert requests._encoder._packer is None
         history = [*history, {"role": "assistant", "content": f"a{i}"}]
     assert graph.request_messages(graph.leaf_ids()[-1]) == history[:-1]
 

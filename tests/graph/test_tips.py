@@ -17,7 +17,7 @@ from support import assert_same
 from rollout_store import InvalidValueError, RawJSON, RolloutGraph, TurnNode
 from rollout_store.engine import confirm as confirm_module
 from rollout_store.engine import requests as requests_module
-from rollout_store.engine.confirm import HOLE_MIN, MAX_TIPS, WINDOW, holes_of, hollowed
+from rollout_store.engine.confirm import _HOLE, HOLE_MIN, MAX_TIPS, WINDOW, holes_of, hollowed
 
 IMAGE = HOLE_MIN + 100  # long enough to be a hole
 
@@ -184,7 +184,7 @@ def test_a_tip_confirms_only_the_very_strings_it_holds() -> None:
     _add_all(graph, turns)
     (tip,) = _tips(graph)._by_turn.values()
     messages = json.loads(json.dumps(turns[-1][0][1:]))  # its non-system messages
-    pack = graph._requests._packer()
+    pack = graph._requests._packer().pack
     assert tip.confirm(messages, pack) is not None
     i, holes = tip.holes[0]
     path, blob = holes[0]
@@ -231,7 +231,7 @@ def test_holes_are_long_blob_strings_as_values() -> None:
     assert sorted(path for path, _ in holes) == [("a", 1, "b"), ("d",)]
     assert all(blob == long for _, blob in holes)
     hollow = hollowed(message, holes)
-    assert hollow["a"][1]["b"] == hollow["d"] == msgpack.ExtType(127, b"")
+    assert hollow["a"][1]["b"] is _HOLE and hollow["d"] is _HOLE
     assert message["a"][1]["b"] == long and message["d"] == long  # the message is untouched
     assert hollow["c"] is message["c"] and list(hollow) == list(message)
 

@@ -4,6 +4,7 @@
 mod content;
 mod data_plane;
 mod frames;
+mod hashing;
 mod json;
 mod packed;
 
@@ -41,6 +42,8 @@ mod _core {
         encode_blob_frame, encode_blob_frame_v1, encode_frame, encode_frame_v1, frame_chain_value,
         intact_end_after_v1, next_frame, read_gap, FrameScan,
     };
+    #[pymodule_export]
+    use super::hashing::Blake3;
     #[pymodule_export]
     use super::json::{dumps, loads};
     #[pymodule_export]

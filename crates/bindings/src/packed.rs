@@ -17,7 +17,9 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyString, PyTuple, PyType};
 
+use crate::hashing::Blake3;
 use crate::RefusedValue;
+use engine::digest::{PrefixHasher, ALIGN};
 
 /// Containers nested deeper than this are refused (`json.dumps` itself fails near 1000).
 pub const MAX_DEPTH: usize = 500;
@@ -149,6 +151,54 @@ impl Packer {
         self.buffer = Vec::new();
     }
 
+    /// A `Blake3` state that has seen the packings of `messages[:low]` one after the other
+    /// (the items of `pack(messages[:low])` without its array header), and how many bytes
+    /// that is. Packed and hashed in pieces: no buffer of the whole prefix is made, and the
+    /// hashing of each piece releases the GIL. Raises what `pack` raises (the path names the
+    /// message: `[i]...`).
+    fn hash_prefix(
+        &mut self,
+        py: Python<'_>,
+        messages: &Bound<'_, PyList>,
+        low: usize,
+    ) -> PyResult<(Blake3, u64)> {
+        let intern = self.intern.as_ref().map(|i| i.bind(py));
+        let ext_type = self.ext_type.bind(py);
+        let mut buffer = std::mem::take(&mut self.buffer);
+        buffer.clear();
+        let mut walk = Walk {
+            intern,
+            threshold: self.threshold,
+            ext_type,
+            out: buffer,
+            special: false,
+            refs: false,
+            longest: 0,
+            open: Vec::new(),
+        };
+        let mut hasher = PrefixHasher::new();
+        let low = low.min(messages.len());
+        for i in 0..low {
+            let message = messages.get_item(i)?;
+            walk.value(&message, 1)
+                .map_err(|fail| into_py_err(within(fail, || Ok(format!("[{i}]")))))?;
+            if walk.out.len() >= ALIGN {
+                let out = &mut walk.out;
+                py.detach(|| hasher.drain(out));
+            }
+        }
+        let out = &mut walk.out;
+        py.detach(|| hasher.drain(out));
+        let fed = hasher.fed();
+        self.last_special = walk.special;
+        self.last_refs = walk.refs;
+        self.last_longest = walk.longest;
+        if walk.out.capacity() <= KEEP_BUFFER {
+            self.buffer = walk.out;
+        }
+        Ok((Blake3::from_state(hasher.finish()), fed))
+    }
+
     // the garbage collector sees `intern` (a bound method of the blob table), so a cycle
     // through a packer is collected
     fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
@@ -184,22 +234,7 @@ impl Packer {
             longest: 0,
             open: Vec::new(),
         };
-        match walk.value(value, 0) {
-            Ok(()) => {}
-            Err(Fail::Py(err)) => return Err(err),
-            Err(Fail::Bad(b)) => {
-                let Bad {
-                    message,
-                    mut trail,
-                    keep,
-                } = *b;
-                if let Some(keep) = keep {
-                    trail.drain(..trail.len().saturating_sub(keep));
-                }
-                let path: String = trail.iter().rev().map(String::as_str).collect();
-                return Err(RefusedValue::new_err((message, path)));
-            }
-        }
+        walk.value(value, 0).map_err(into_py_err)?;
         assert!(!panic, "a panic for tests, after the walk");
         let packed = PyBytes::new(py, &walk.out);
         self.last_special = walk.special;
@@ -209,6 +244,25 @@ impl Packer {
             self.buffer = walk.out;
         }
         Ok(packed)
+    }
+}
+
+/// A refusal as the exception Python sees: `RefusedValue(message, path)`.
+fn into_py_err(fail: Fail) -> PyErr {
+    match fail {
+        Fail::Py(err) => err,
+        Fail::Bad(b) => {
+            let Bad {
+                message,
+                mut trail,
+                keep,
+            } = *b;
+            if let Some(keep) = keep {
+                trail.drain(..trail.len().saturating_sub(keep));
+            }
+            let path: String = trail.iter().rev().map(String::as_str).collect();
+            RefusedValue::new_err((message, path))
+        }
     }
 }
 
@@ -328,17 +382,25 @@ impl Walk<'_> {
     }
 
     fn dict(&mut self, dict: &Bound<'_, PyDict>, depth: usize) -> Result<(), Fail> {
-        let members: Vec<(Bound<'_, PyAny>, Bound<'_, PyAny>)> =
-            if dict.is_exact_instance_of::<PyDict>() {
-                dict.iter().collect()
-            } else {
-                // a subclass is read through its own items(), as the walk always has
-                let mut members = Vec::new();
-                for pair in dict.call_method0(intern!(dict.py(), "items"))?.try_iter()? {
-                    members.push(pair?.extract()?);
-                }
-                members
-            };
+        if dict.is_exact_instance_of::<PyDict>() {
+            // walked in place: nothing the walk calls (the blob table's `intern`) changes a
+            // caller's dict, and a change by another thread ends in PyO3's size check
+            ep::write_map_header(dict.len(), &mut self.out);
+            for (k, item) in dict.iter() {
+                self.key(&k)?;
+                self.value(&item, depth)
+                    .map_err(|fail| within(fail, || key_piece(&k)))?;
+            }
+            return Ok(());
+        }
+        let members: Vec<(Bound<'_, PyAny>, Bound<'_, PyAny>)> = {
+            // a subclass is read through its own items(), as the walk always has
+            let mut members = Vec::new();
+            for pair in dict.call_method0(intern!(dict.py(), "items"))?.try_iter()? {
+                members.push(pair?.extract()?);
+            }
+            members
+        };
         ep::write_map_header(members.len(), &mut self.out);
         for (k, item) in &members {
             self.key(k)?;

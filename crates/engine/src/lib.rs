@@ -1,6 +1,7 @@
 //! `rollout_store`'s engine: the data a recording holds, with no Python in it.
 //!
 //! - [`content`]: each distinct byte string once, keyed by xxh3-128 and confirmed byte for byte;
+//! - [`digest`]: BLAKE3 digests of packed request prefixes, fed in aligned pieces;
 //! - [`file`]: rollout files (the frames of format version 2);
 //! - [`json`]: exact JSON, parsed as `json.loads` parses bytes and written as `json.dumps`
 //!   writes;
@@ -8,6 +9,7 @@
 //!   types), written and read back.
 
 pub mod content;
+pub mod digest;
 pub mod file;
 pub mod json;
 pub mod packed;
