@@ -557,6 +557,54 @@ def repeating_completions_tokens(n: int) -> Iterator[dict[str, Any]]:
         }
 
 
+def sampled_mid_conversation(n: int) -> Iterator[dict[str, Any]]:
+    """A conversation's 6th call sampled n times after its first 5 (best-of-n at one step):
+    the samples are siblings under one parent; their completions repeat, 1,000 distinct."""
+    rng = random.Random(19)
+    history: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Task: " + _text(rng, 120)},
+    ]
+    for _ in range(5):
+        response = {"role": "assistant", "content": _text(rng, 60)}
+        yield {"request_messages": list(history), "response_message": response}
+        n -= 1
+        if n == 0:
+            return
+        history += [response, {"role": "user", "content": "continue: " + _text(rng, 30)}]
+    answers = _completions(rng, 1000)
+    for _ in range(n):
+        yield {"request_messages": history, "response_message": rng.choice(answers)}
+
+
+def sampled_mid_conversation_tokens(n: int) -> Iterator[dict[str, Any]]:
+    """`sampled_mid_conversation` with token ids: the 6th call's prompt extends the 5th's
+    tokens; 1,000 distinct sampled runs."""
+    rng = random.Random(20)
+    prompt = _tokens(rng, 200)
+    for step in range(5):
+        sampled = _tokens(rng, 30)
+        yield {
+            "request_messages": [{"role": "user", "content": f"step {step}"}],
+            "response_message": {"role": "assistant", "content": "ok"},
+            "prompt_ids": list(prompt),
+            "sampled_ids": sampled,
+        }
+        n -= 1
+        if n == 0:
+            return
+        prompt = prompt + sampled + _tokens(rng, 10)
+    answers = [(a, _tokens(rng, 8)) for a in _completions(rng, 1000)]
+    for _ in range(n):
+        answer, sampled = rng.choice(answers)
+        yield {
+            "request_messages": [{"role": "user", "content": "step 5"}],
+            "response_message": answer,
+            "prompt_ids": prompt,
+            "sampled_ids": sampled,
+        }
+
+
 SOAK_SHAPES: dict[str, Callable[[int], Iterator[dict[str, Any]]]] = {
     "shared_observation": shared_observation,
     "same_prompt_tokens": same_prompt_tokens,
@@ -566,6 +614,8 @@ SOAK_SHAPES: dict[str, Callable[[int], Iterator[dict[str, Any]]]] = {
     "groups_of_8_tokens": groups_of_8_tokens,
     "repeating_completions": repeating_completions,
     "repeating_completions_tokens": repeating_completions_tokens,
+    "sampled_mid_conversation": sampled_mid_conversation,
+    "sampled_mid_conversation_tokens": sampled_mid_conversation_tokens,
 }
 #: turns whose add time the soak prints (the median of the 20 turns around each)
 SOAK_CHECKPOINTS = (100, 1000, 5000)

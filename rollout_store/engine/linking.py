@@ -24,6 +24,10 @@ from .stored import (
     Turn,
     add_child,
     full_run,
+    longer_requests,
+    prompts_from,
+    prompts_of,
+    remove_child,
     sampled_any,
 )
 from .tokens import (
@@ -49,7 +53,7 @@ Move = tuple[Turn, LinkKind]
 
 def _sibling_prompt(parent: Turn, data: bytes, n: int) -> TokenRun | None:
     """The prompt of a child of `parent` holding exactly these `n` tokens, if any."""
-    for child in parent.children or ():
+    for child in prompts_of(parent, n):
         run = child.prompt
         if run is not None and run.length == n and run_matches(run, data):
             return run
@@ -406,7 +410,8 @@ class Linker:
         tokens), and children of shorter retries of the same call."""
         parent, length = new.parent, len(data) // 4
         if parent is not None:
-            candidates = list(parent.children or ())
+            # (a candidate's prompt is at least as long as this turn's tokens: `_token_moves`)
+            candidates = list(prompts_from(parent, length))
         elif (roots := self._token_roots()) is None:
             candidates = []  # no root committed yet: none to move
         else:
@@ -492,7 +497,7 @@ class Linker:
         if new.flags & NO_MESSAGES:
             return moves
         if parent is not None and new.prompt is None:
-            candidates = list(parent.children or ())
+            candidates = list(longer_requests(parent, new.n_rest))
         elif scratch.request_digest is not None:
             candidates = list(index_members(self.message_roots.get(scratch.request_digest)))
         else:
@@ -536,8 +541,8 @@ class Linker:
     def move(self, turn: Turn, parent: Turn, link: LinkKind) -> None:
         """Re-link `turn` under `parent` (it arrived before its ancestor)."""
         old = turn.parent
-        if old is not None and old.children is not None:
-            old.children = tuple(c for c in old.children if c is not turn) or None
+        if old is not None and old.kids is not None:
+            remove_child(old, turn)
         else:
             self._unregister_root(turn)
         turn.parent = parent

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 from array import array
+from bisect import bisect_right
 from collections.abc import Sequence
 from enum import IntEnum
 from operator import attrgetter
@@ -45,7 +46,13 @@ __all__ = [
     "TurnFlag",
     "TurnMeta",
     "TurnSide",
+    "MANY_KIDS",
+    "Kids",
     "add_child",
+    "longer_requests",
+    "prompts_from",
+    "prompts_of",
+    "remove_child",
     "finish_tail",
     "full_run",
     "is_above",
@@ -370,7 +377,8 @@ class Turn(PackedRun):
 
     index: int
     parent: Turn | None
-    kids: Turn | tuple[Turn, ...] | None  # the children: one bare, several as a tuple
+    # the children: one bare, a few as a tuple, many as `Kids`
+    kids: Turn | tuple[Turn, ...] | Kids | None
     flags: int  # TurnFlag bits, and the link kind
     base: Turn | None  # the turn whose non-system request this one extends
     # packed tokens, tail, response, digest, index key, n_rest (see the properties of those
@@ -530,15 +538,13 @@ class Turn(PackedRun):
         self.flags = (self.flags & ~_LINK_MASK) | (int(link) << _LINK_SHIFT)
 
     @property
-    def children(self) -> tuple[Turn, ...] | None:
+    def children(self) -> Sequence[Turn] | None:
+        """The children in arrival order (read only: `add_child` and `remove_child` change
+        them)."""
         kids = self.kids
-        if kids is None or isinstance(kids, tuple):
+        if kids is None or isinstance(kids, tuple | Kids):
             return kids
         return (kids,)
-
-    @children.setter
-    def children(self, children: tuple[Turn, ...] | None) -> None:
-        self.kids = children[0] if children is not None and len(children) == 1 else children
 
     # -- the packed tokens, the request and the response in one bytes object, `data`:
     #    packed tokens (HAS_TOKENS) | tail | response | digest (32, HAS_DIGEST) | key (8,
@@ -819,14 +825,131 @@ def full_run(prompt: TokenRun | None, sampled: Any) -> TokenRun | None:
     return ArrayRun(prompt, sampled) if sampled is not None and len(sampled) else prompt
 
 
+#: A turn with more children than this keeps them as `Kids`.
+MANY_KIDS = 8
+
+_index_of = attrgetter("index")
+
+
+def _insert(kids: list[Turn], kid: Turn) -> None:
+    """Insert `kid` into a list kept in arrival order (mostly: appended)."""
+    if not kids or kids[-1].index < kid.index:
+        kids.append(kid)
+    else:
+        kids.insert(bisect_right(kids, kid.index, key=_index_of), kid)
+
+
+def _ungroup(groups: dict[int, list[Turn]], length: int, kid: Turn) -> None:
+    group = groups[length]
+    group.remove(kid)
+    if not group:
+        del groups[length]
+
+
+class Kids(list["Turn"]):
+    """The children of a turn that has many, in arrival order, grouped by the length of their
+    requests (`n_rest`) and of their prompts: linking a new child visits only the siblings
+    whose lengths let them continue it, so a call sampled thousands of times at one step of a
+    conversation costs each sample the same. Lengths never change once a turn is a child."""
+
+    __slots__ = ("by_prompt", "by_rest")
+
+    def __init__(self, kids: Sequence[Turn]) -> None:
+        super().__init__()
+        self.by_rest: dict[int, list[Turn]] = {}
+        self.by_prompt: dict[int, list[Turn]] = {}
+        for kid in kids:
+            self.add(kid)
+
+    def add(self, kid: Turn) -> None:
+        _insert(self, kid)
+        _insert(self.by_rest.setdefault(kid.n_rest, []), kid)
+        prompt = kid.prompt
+        if prompt is not None:
+            _insert(self.by_prompt.setdefault(prompt.length, []), kid)
+
+    def discard(self, kid: Turn) -> None:
+        prompt = kid.prompt
+        _ungroup(self.by_rest, kid.n_rest, kid)
+        if prompt is not None:
+            _ungroup(self.by_prompt, prompt.length, kid)
+        self.remove(kid)
+
+    def longer_requests(self, n_rest: int) -> list[Turn]:
+        """The children whose requests hold more than `n_rest` messages, in arrival order."""
+        found = [kid for n, group in self.by_rest.items() if n > n_rest for kid in group]
+        return sorted(found, key=_index_of) if len(self.by_rest) > 1 else found
+
+    def prompts_from(self, length: int) -> list[Turn]:
+        """The children whose prompts hold at least `length` tokens, in arrival order."""
+        found = [kid for n, group in self.by_prompt.items() if n >= length for kid in group]
+        return sorted(found, key=_index_of) if len(self.by_prompt) > 1 else found
+
+    def prompts_of(self, length: int) -> list[Turn]:
+        """The children whose prompts hold exactly `length` tokens, in arrival order."""
+        return self.by_prompt.get(length, [])
+
+
+def longer_requests(parent: Turn, n_rest: int) -> Sequence[Turn]:
+    """The children of `parent` that may hold more than `n_rest` request messages (all of a
+    few: the caller checks each)."""
+    kids = parent.kids
+    if type(kids) is Kids:
+        return kids.longer_requests(n_rest)
+    return parent.children or ()
+
+
+def prompts_from(parent: Turn, length: int) -> Sequence[Turn]:
+    """The children of `parent` that may have prompts of at least `length` tokens (all of a
+    few: the caller checks each)."""
+    kids = parent.kids
+    if type(kids) is Kids:
+        return kids.prompts_from(length)
+    return parent.children or ()
+
+
+def prompts_of(parent: Turn, length: int) -> Sequence[Turn]:
+    """The children of `parent` that may have prompts of exactly `length` tokens."""
+    kids = parent.kids
+    if type(kids) is Kids:
+        return kids.prompts_of(length)
+    return parent.children or ()
+
+
+def _siblings(kids: Turn | tuple[Turn, ...]) -> tuple[Turn, ...]:
+    return kids if isinstance(kids, tuple) else (kids,)
+
+
 def add_child(parent: Turn, child: Turn) -> None:
     """Add `child` to the children of `parent`, kept in arrival order."""
     kids = parent.kids
     if kids is None:
         parent.kids = child
+    elif isinstance(kids, Kids):
+        kids.add(child)
     else:
-        siblings = kids if isinstance(kids, tuple) else (kids,)
-        parent.kids = tuple(sorted((*siblings, child), key=lambda t: t.index))
+        siblings = _siblings(kids)
+        if len(siblings) >= MANY_KIDS:
+            parent.kids = Kids((*siblings, child))  # (sorted by `add`)
+        elif siblings[-1].index < child.index:
+            parent.kids = (*siblings, child)
+        else:
+            parent.kids = tuple(sorted((*siblings, child), key=_index_of))
+
+
+def remove_child(parent: Turn, child: Turn) -> None:
+    """Take `child` out of the children of `parent` (it moves under another turn)."""
+    kids = parent.kids
+    if kids is None:
+        return
+    if isinstance(kids, Kids):
+        kids.discard(child)
+        if len(kids) > MANY_KIDS:
+            return
+        rest = tuple(kids)
+    else:
+        rest = tuple(c for c in _siblings(kids) if c is not child)
+    parent.kids = rest[0] if len(rest) == 1 else (rest or None)
 
 
 def seg_list(seg: Any) -> list[int] | None:

@@ -12,6 +12,7 @@ import pytest
 from rollout_store import RolloutGraph, TurnNode
 from rollout_store.engine import linking
 from rollout_store.engine.index import ByLength, index_members
+from rollout_store.engine.stored import Turn
 
 
 def _user(text: str) -> dict[str, Any]:
@@ -165,3 +166,71 @@ def test_many_roots_under_one_key_move_under_their_late_ancestor() -> None:
     assert [graph.parent(node_id) for node_id in early] == [ancestor.node_id] * 12
     left = {turn.node_id for found in roots.values() for turn in index_members(found)}
     assert not left & set(early)
+
+
+def _count_reads(monkeypatch: pytest.MonkeyPatch, work: list[int], *names: str) -> None:
+    """Count reads of these properties of stored turns (what linking asks of each sibling)."""
+    for name in names:
+        prop = getattr(Turn, name)
+
+        def read(turn: Turn, _get: Any = prop.fget) -> Any:
+            work[0] += 1
+            return _get(turn)
+
+        monkeypatch.setattr(Turn, name, property(read, prop.fset))
+
+
+@pytest.mark.parametrize("tokens", [False, True])
+def test_one_call_sampled_thousands_of_times_at_one_step_costs_each_sample_the_same(
+    monkeypatch: pytest.MonkeyPatch, tokens: bool
+) -> None:
+    """A conversation's 4th call sampled 1,200 times, 40 distinct completions: the samples are
+    siblings under the 3rd turn, yet linking a sample asks as much of stored turns at sample
+    1,200 as at sample 100 (a parent's many children are grouped by the lengths of their
+    requests and prompts, and no sibling's lengths let it continue another sample). Linking
+    is as before: a continuation that arrives before the sample it continues moves under it
+    when that sample arrives, however many siblings there are."""
+    rng = random.Random(8)
+    history: list[Any] = [{"role": "user", "content": "task"}]
+    prompt = [rng.randrange(150_000) for _ in range(100)]
+    graph = RolloutGraph()
+
+    def node(messages: list[Any], response: str, sampled: list[int]) -> TurnNode:
+        fields: dict[str, Any] = {}
+        if tokens:
+            fields = {"prompt_ids": list(prompt), "sampled_ids": sampled}
+        return TurnNode(
+            request_messages=list(messages),
+            response_message={"role": "assistant", "content": response},
+            **fields,
+        )
+
+    for step in range(3):
+        sampled = [rng.randrange(150_000) for _ in range(20)]
+        parent = graph.add_turn(node(history, f"step {step}", sampled))
+        history += [
+            {"role": "assistant", "content": f"step {step}"},
+            {"role": "user", "content": "go"},
+        ]
+        prompt += [*sampled, 5, 6]
+    answers = [(f"answer {k}", [rng.randrange(150_000) for _ in range(8)]) for k in range(40)]
+    work = [0]
+    _count_reads(monkeypatch, work, "n_rest", "prompt", "link")
+    per_sample = []
+    for _ in range(1200):
+        before = work[0]
+        view = graph.add_turn(node(history, *rng.choice(answers)))
+        per_sample.append(work[0] - before)
+        assert graph.parent(view.node_id) == parent.node_id
+    early, late = per_sample[90:110], per_sample[1180:1200]
+    assert max(late) <= max(early), (early, late)
+    # a continuation of a sample yet to come waits as a sibling, then moves under it
+    fresh, fresh_ids = "a new answer", [7, 7, 7]
+    later = [*history, {"role": "assistant", "content": fresh}, {"role": "user", "content": "more"}]
+    saved = list(prompt)
+    prompt += [*fresh_ids, 9]
+    early_child = graph.add_turn(node(later, "done", [1]))
+    prompt = saved
+    sample = graph.add_turn(node(history, fresh, fresh_ids))
+    assert graph.parent(early_child.node_id) == sample.node_id
+    assert len(graph.children(parent.node_id)) == 1201
