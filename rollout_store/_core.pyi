@@ -6,6 +6,7 @@ from typing import Any, Final, final
 
 __all__ = [
     "Blake3",
+    "check_packed",
     "ContentTable",
     "DataPlane",
     "dumps",
@@ -116,6 +117,21 @@ class Blake3:
         """A state of its own that has seen what this one has."""
     def digest(self) -> bytes:
         """The digest of everything fed so far (the state goes on)."""
+
+def check_packed(
+    data: bytes | memoryview,
+    n_blobs: int,
+    max_depth: int,
+    *,
+    blob_surrogates: Callable[[int], bool] | None = None,
+    echo_ok: bool = False,
+    record: bool = False,
+    max_containers: int | None = None,
+) -> tuple[int, bool, int, bytes]:
+    """Check one stored packed value without building it (see the engine's `packed_check`):
+    `(top_items, special, echoes, blob_refs)`, `blob_refs` the offsets of the blob references
+    as native-endian u32 (an `array('I')`'s bytes). `blob_surrogates(index)` tells whether a
+    blob holds a lone surrogate. `ValueError` naming what is wrong and its byte offset."""
 
 def unpack(data: bytes, blob: Callable[[int], Any], echo: Callable[[], Any] | None = None) -> Any:
     """Rebuild one packed value: fresh containers, a tuple where one was recorded, each blob

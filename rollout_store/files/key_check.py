@@ -64,9 +64,9 @@ from ..engine.requests import RequestStore
 from ..engine.stored import NO_MESSAGES, RESPONSE_REFS, TAIL_ECHO, TAIL_REFS, IndexKeys, Turn
 from ..engine.tokens import BLOCK, TokenRun, holds_all
 from ..errors import IndexKeyMismatch, IndexKeyRecomputeError, StoreError
-from .packed import MESSAGES_DEPTH, QUICK_LIMIT, check_packed
+from .packed import MESSAGES_DEPTH, check_packed
 
-__all__ = ["KeyCheck", "UnkeyedTurn"]
+__all__ = ["DECODE_LIMIT", "KeyCheck", "UnkeyedTurn"]
 
 #: Hash states kept for the latest turns (requests) and token runs; an older one is
 #: hashed again from its content when a later turn extends it.
@@ -78,6 +78,9 @@ _ECHO: Final = msgpack.ExtType(EXT_ECHO, b"")  # packs back to ECHO_PACKED
 
 # (xxh3-64 state over the run's whole blocks, the bytes after them) or None: not compact
 _RunState = tuple[Any, bytes] | None
+#: Longest stored value `_spliced` decodes to pack again (a decoded object costs at most about
+#: 80 bytes per packed byte: what that allocates stays bounded); longer ones are spliced.
+DECODE_LIMIT = 16 << 10
 
 
 class UnkeyedTurn(NamedTuple):
@@ -288,12 +291,12 @@ class KeyCheck:
     def _spliced(self, packed: bytes, echo_ok: bool) -> bytes:
         """A stored value's plain packing: each blob reference (6 bytes) replaced by the plain
         packing of its string (a lone surrogate packs as it does inline); an echo placeholder
-        stays. A short value is decoded and packed again in C (what that allocates is
-        bounded by `QUICK_LIMIT`), a longer one, or a short one msgpack cannot pack with its
+        stays. A short value is decoded and packed again (what that allocates is bounded by
+        `DECODE_LIMIT`), a longer one, or a short one msgpack cannot pack with its
         echo placeholder, spliced where `check_packed` finds its references (never decoded:
         a crafted one could allocate many times its size)."""
         blobs = self.blobs
-        if len(packed) <= QUICK_LIMIT:
+        if len(packed) <= DECODE_LIMIT:
             plain = self.plain(unpack(packed, blobs.string, _echo))
             if plain is not None:
                 return plain

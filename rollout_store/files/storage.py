@@ -93,7 +93,6 @@ from .key_check import KeyCheck, UnkeyedTurn
 from .packed import (
     MESSAGES_DEPTH,
     PackedInfo,
-    QuickCheck,
     check_int_array,
     check_packed,
     splice_blobs,
@@ -661,7 +660,7 @@ class _Loader:
         self.writer = _Writer()
         self.value_is_list: list[bool] = []  # system parts must be arrays of messages
         # asks which blobs hold lone surrogates once one does (`surrogate_blob`)
-        self.quick = QuickCheck()
+        self.surrogates: Callable[[int], bool] | None = None
         self.ids: set[str] = set()  # of the turns read: the graph's node ids
         self.handle = self.graph.blobs.handle
         # the graph's interned TurnMeta of each meta field read so far (most turns share one)
@@ -691,11 +690,9 @@ class _Loader:
         nested at most `depth` levels (`MESSAGES_DEPTH` for an array of messages)."""
         if not isinstance(packed, bytes):
             raise ValueError("a packed value must be bytes")
-        info = self.quick(packed, n_blobs, depth, echo_ok)
-        if info is not None:
-            return info
-        surrogates = self.blob_surrogates
-        return check_packed(packed, n_blobs, depth, blob_surrogates=surrogates, echo_ok=echo_ok)
+        return check_packed(
+            packed, n_blobs, depth, blob_surrogates=self.surrogates, echo_ok=echo_ok
+        )
 
     def blob_surrogates(self, index: int) -> bool:
         return self.handle(index).surrogates
@@ -714,9 +711,9 @@ class _Loader:
         self.graph.blobs.add_verified(text, digest, len(data), surrogates)
 
     def surrogate_blob(self) -> None:
-        """A blob with lone surrogates is read: from now on the quick check asks which blobs
-        hold them (a value referring to one is special). Until then none does."""
-        self.quick.blob_surrogates = self.blob_surrogates
+        """A blob with lone surrogates is read: from now on the check asks which blobs hold
+        them (a value referring to one is special). Until then none does."""
+        self.surrogates = self.blob_surrogates
 
     def blob(self, payload: memoryview, offset: int, record: int) -> None:
         """A blob frame's payload, read in place: prefix, digest, bin header, data."""
@@ -1012,9 +1009,9 @@ class _Loader:
         references, special values, an echo) sets the flags that say so; a request without
         messages has an empty tail (NO_MESSAGES)."""
         tail, n_rest, system, response = record.tail, record.n_rest, record.system, record.response
-        flags, quick = turn.flags, self.quick
+        flags = turn.flags
         if response is not None:
-            info = quick(response, n_blobs, MAX_DEPTH) or self.check(response, n_blobs)
+            info = self.check(response, n_blobs)
             if info.refs:
                 flags |= TurnFlag.RESPONSE_REFS
             if info.special:
@@ -1035,9 +1032,7 @@ class _Loader:
             turn.build((tail,), n_rest, response)
             finish_tail(turn)
             return
-        info = quick(tail, n_blobs, MESSAGES_DEPTH, True) or self.check(
-            tail, n_blobs, True, MESSAGES_DEPTH
-        )
+        info = self.check(tail, n_blobs, True, MESSAGES_DEPTH)
         if info.top_items != n_rest - first:
             raise ValueError("request tail does not hold its messages")
         if info.refs:

@@ -1,9 +1,11 @@
-"""check_packed: every value the library stores passes; what it passes decodes and dumps."""
+"""check_packed (the engine's): every value the library stores passes; what it passes decodes
+and dumps; where msgpack's own decoder can vouch for a value, the engine finds what it finds."""
 
 from __future__ import annotations
 
 import json
 import tracemalloc
+from collections.abc import Callable
 
 import msgpack
 import pytest
@@ -13,15 +15,71 @@ from support import json_like
 
 from rollout_store import MAX_DEPTH
 from rollout_store.engine.blobs import BlobTable
-from rollout_store.engine.encoding import unpack
+from rollout_store.engine.encoding import EXT_BLOB, EXT_ECHO, unpack
 from rollout_store.engine.intake import Encoder
 from rollout_store.files.packed import (
-    QUICK_LIMIT,
+    PackedInfo,
     check_int_array,
     check_packed,
-    quick_check,
     splice_blobs,
 )
+
+#: The longest value the msgpack reference decodes.
+QUICK_LIMIT = 16 << 10
+
+
+class _Unsure(Exception):
+    pass
+
+
+def quick_check(
+    data: bytes,
+    n_blobs: int,
+    max_depth: int,
+    *,
+    blob_surrogates: Callable[[int], bool] | None = None,
+    echo_ok: bool = False,
+) -> PackedInfo | None:
+    """A reference that shares no code with the engine: what msgpack's own decoder finds in
+    a short value that packs back to exactly its bytes, holding no bytes, blob references in
+    range and at most one echo (first in a top-level array) as its only extension types;
+    None when it cannot vouch for the value (then only the engine decides)."""
+    if len(data) > QUICK_LIMIT or b"\xc4\x00" in data:
+        return None
+    containers = sum(1 for b in data if 0x80 <= b <= 0x9F or 0xDC <= b <= 0xDF)
+    if containers >= max_depth:
+        return None
+    info = PackedInfo(-1)
+
+    def ext(code: int, payload: bytes) -> msgpack.ExtType:
+        if code == EXT_BLOB and len(payload) == 4:
+            index = int.from_bytes(payload, "big")
+            if index >= n_blobs:
+                raise _Unsure
+            info.refs += 1
+            if blob_surrogates is not None and blob_surrogates(index):
+                info.special = True
+        elif code == EXT_ECHO and echo_ok and not payload and not info.echoes:
+            info.echoes = 1
+        else:
+            raise _Unsure
+        return msgpack.ExtType(code, payload)
+
+    try:
+        value = msgpack.unpackb(
+            data, raw=False, strict_map_key=False, ext_hook=ext, max_bin_len=0, timestamp=1
+        )
+        if msgpack.packb(value, use_bin_type=True) != data:
+            return None
+    except Exception:
+        return None
+    if type(value) is list:
+        info.top_items = len(value)
+        if info.echoes and value[0] != msgpack.ExtType(EXT_ECHO, b""):
+            return None
+    elif info.echoes:
+        return None
+    return info
 
 
 @given(json_like)

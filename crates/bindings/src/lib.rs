@@ -47,7 +47,7 @@ mod _core {
     #[pymodule_export]
     use super::json::{dumps, loads};
     #[pymodule_export]
-    use super::packed::{unpack, Packer};
+    use super::packed::{check_packed, unpack, Packer};
     #[pymodule_export]
     use super::{DecodeError, FrameTooLarge, RefusedValue};
 

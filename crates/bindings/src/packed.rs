@@ -816,3 +816,70 @@ pub fn unpack<'py>(
     }
     Ok(value)
 }
+
+/// Check one stored packed value without building it (see the engine's `packed_check`):
+/// `(top_items, special, echoes, blob_refs)`, `blob_refs` the offsets of the blob references
+/// as native-endian u32 (an `array('I')`'s bytes). `blob_surrogates(index)` tells whether a
+/// blob holds a lone surrogate. `ValueError` naming what is wrong and its byte offset.
+#[pyfunction]
+#[pyo3(signature = (data, n_blobs, max_depth, *, blob_surrogates = None, echo_ok = false, record = false, max_containers = None))]
+#[allow(clippy::too_many_arguments)]
+pub fn check_packed<'py>(
+    py: Python<'py>,
+    data: &Bound<'py, PyAny>,
+    n_blobs: u64,
+    max_depth: usize,
+    blob_surrogates: Option<&Bound<'py, PyAny>>,
+    echo_ok: bool,
+    record: bool,
+    max_containers: Option<usize>,
+) -> PyResult<(i64, bool, u32, Bound<'py, PyBytes>)> {
+    let buffer = pyo3::buffer::PyBuffer::<u8>::get(data)
+        .map_err(|_| PyValueError::new_err("a packed value must be bytes"))?;
+    if !buffer.is_c_contiguous() {
+        return Err(PyValueError::new_err("a packed value must be bytes"));
+    }
+    // SAFETY: a contiguous buffer of `len_bytes` bytes, held until the end of this call; the
+    // library passes bytes and views of bytes (immutable)
+    let bytes =
+        unsafe { std::slice::from_raw_parts(buffer.buf_ptr().cast::<u8>(), buffer.len_bytes()) };
+    let limits = engine::packed_check::Limits {
+        n_blobs,
+        max_depth,
+        echo_ok,
+        record,
+        max_containers,
+    };
+    let mut failed: Option<PyErr> = None;
+    let result = match blob_surrogates {
+        Some(ask) => engine::packed_check::check(bytes, limits, &mut |index| match ask
+            .call1((index,))
+            .and_then(|answer| answer.is_truthy())
+        {
+            Ok(answer) => answer,
+            Err(err) => {
+                failed.get_or_insert(err);
+                false
+            }
+        }),
+        None if buffer.readonly() && bytes.len() >= 1 << 16 => {
+            py.detach(|| engine::packed_check::check(bytes, limits, &mut |_| false))
+        }
+        None => engine::packed_check::check(bytes, limits, &mut |_| false),
+    };
+    if let Some(err) = failed {
+        return Err(err);
+    }
+    let found = result.map_err(|err| PyValueError::new_err(err.to_string()))?;
+    let refs: Vec<u8> = found
+        .blob_refs
+        .iter()
+        .flat_map(|offset| offset.to_ne_bytes())
+        .collect();
+    Ok((
+        found.top_items,
+        found.special,
+        found.echoes,
+        PyBytes::new(py, &refs),
+    ))
+}

@@ -6,10 +6,12 @@
 //! - [`json`]: exact JSON, parsed as `json.loads` parses bytes and written as `json.dumps`
 //!   writes;
 //! - [`packed`]: the packed form of recorded values (msgpack and the library's extension
-//!   types), written and read back.
+//!   types), written and read back;
+//! - [`packed_check`]: a stored packed value checked without building it (what a loader trusts).
 
 pub mod content;
 pub mod digest;
 pub mod file;
 pub mod json;
 pub mod packed;
+pub mod packed_check;
