@@ -135,6 +135,7 @@ from ..viewer.hosts import (
     host_allowed,
     origin_allowed,
 )
+from .ack_ledger import KILLED
 from .idle_trim import with_idle_trim
 from .replicas import replica_key_prefix
 from .sessions import Session, SessionDamagedError, SessionError, Sessions, clean_session_id
@@ -814,8 +815,11 @@ class _Server:
         #: on first use, inside the server's event loop).
         self._pending: asyncio.Queue[tuple[Session, TurnNode, CallClock]] | None = None
         self._recorder: asyncio.Task[None] | None = None
-        #: Turns answered with `--ack fast` and never recorded, by why.
-        self.dropped = {"queue_full": 0, "record_error": 0, "shutdown": 0}
+        #: Turns answered with `--ack fast` and never recorded, by why (`killed`: by a server
+        #: killed before recording them, counted at this start from the ack ledger).
+        self.dropped = {"queue_full": 0, "record_error": 0, "shutdown": 0, KILLED: 0}
+        for why, n in sessions.lost_at_start.items():
+            self.dropped[why] = self.dropped.get(why, 0) + n
         #: Per session id, the calls whose timeline is still to be recorded (a task after
         #: the reply), by when each was answered: an export waits for them, bounded.
         self._timing: dict[str, dict[int, float]] = {}
@@ -1046,6 +1050,7 @@ class _Server:
     def _drop(self, session: Session, why: str) -> None:
         session.dropped += 1
         self.dropped[why] += 1
+        self.sessions.not_recorded(session, why)
 
     def _queue_turn(self, session: Session, node: TurnNode, clock: CallClock) -> None:
         """Hand an answered call's turn to the recorder; a full queue drops it (counted)."""
@@ -1053,6 +1058,9 @@ class _Server:
             self._pending = asyncio.Queue(self.config.ack_queue)
         if self._recorder is None:
             self._recorder = asyncio.ensure_future(self._record_queued(self._pending))
+        # in the ack ledger before the answer goes out: a kill before it is recorded
+        # leaves it counted by the next start
+        self.sessions.answered(session)
         try:
             self._pending.put_nowait((session, node, clock))
         except asyncio.QueueFull:
@@ -1807,6 +1815,9 @@ class _Server:
                 },
                 "dropped": sum(self.dropped.values()),
                 "dropped_by": dict(self.dropped),
+                "ack_ledger_errors": (
+                    0 if self.sessions.ledger is None else self.sessions.ledger.errors
+                ),
             }
         )
 
@@ -1856,8 +1867,9 @@ def _dropped_findings(session: Session) -> list[str]:
         return []
     return [
         f"[WARN] dropped_turns: {session.dropped} turn(s) of this session were answered "
-        "(--ack fast) but not recorded (queue full, a recording error or the server "
-        "stopping): the rollout misses them; see the server's /health"
+        "(--ack fast) but not recorded (queue full, a recording error, the server "
+        "stopping, or the server killed before recording them): the rollout misses them; "
+        "see the server's /health"
     ]
 
 
@@ -2328,9 +2340,14 @@ class RustDataPlane:
             clock.failed, session.failed = failed, 0
         except _Refusal as refused:
             return self._timed(call, self._failed(plan, refused, started), False)
-        if plan.stream:
-            return self._timed(call, (200, _SSE_HEADERS, list(plan.replay), True), queue)
-        return self._timed(call, _reply(plan.reply(response, answer)), queue)
+        reply = (
+            (200, _SSE_HEADERS, list(plan.replay), True)
+            if plan.stream
+            else _reply(plan.reply(response, answer))
+        )
+        if queue:  # in the ack ledger before the engine sends the reply (`_queue_turn`)
+            server.sessions.answered(session)
+        return self._timed(call, reply, queue)
 
     @staticmethod
     def _failed(plan: _Plan, failed: _Refusal | _Passthrough, started: bool) -> _Reply:

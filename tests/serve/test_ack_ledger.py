@@ -1,0 +1,133 @@
+"""The `--ack fast` ledger: turns answered and lost with a killed server are counted by the next
+start (in /health, the session's info and its export's validation), at every later start the
+same, and a clean stop leaves nothing counted and no ledger behind."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from capture_support import (
+    ADMIN_KEY,
+    DATA_PLANE,
+    WAIT_S,
+    Process,
+    auth,
+    export,
+    new_session,
+    serve_app,
+    start_server_process,
+)
+
+from rollout_store.serve.ack_ledger import LEDGER_NAME, SessionTally, read_ledger
+from rollout_store.serve.server import create_app
+from rollout_store.serve.stub_engine import create_stub_app
+
+STALLER = Path(__file__).resolve().parents[1] / "support" / "stalled_recorder.py"
+
+
+@pytest.fixture(scope="module")
+def stub() -> Iterator[str]:
+    with serve_app(create_stub_app()) as url:
+        yield url
+
+
+def _call(url: str, session: dict[str, Any], text: str) -> None:
+    answer = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": text}]},
+        headers={"authorization": f"Bearer {session['api_key']}"},
+        timeout=WAIT_S,
+    )
+    answer.raise_for_status()
+    assert answer.json()["choices"][0]["message"]["content"]
+
+
+def _counted(url: str, sid: str) -> tuple[int, dict[str, int], int, int, list[str]]:
+    """What a server counts of a session: /health's dropped and dropped_by (non-zero), the
+    session's info (turns, dropped) and its export's dropped_turns findings."""
+    health = httpx.get(f"{url}/health", timeout=WAIT_S).json()
+    info = httpx.get(f"{url}/sessions/{sid}", headers=auth(sid), timeout=WAIT_S).json()
+    doc = export(url, sid)
+    assert len(doc["turns"]) == info["turns"]
+    findings = [f for f in doc["validation"] if "dropped_turns" in f]
+    by = {k: v for k, v in health["dropped_by"].items() if v}
+    return health["dropped"], by, info["turns"], info["dropped"], findings
+
+
+def test_the_ledger_reads_what_a_kill_or_a_power_loss_leaves() -> None:
+    data = (
+        b"b s1 4\nc s1 queue_full 2\n"  # carried from an earlier start
+        b"a s1\na s1\nd s1 record_error\na s1\n"  # three answered, one dropped
+        b"a s2\nn s2\na s2\n"  # s2 deleted and made again: one answered since
+        b"a s3\n\x00\x00\x00\na s3"  # a power loss's zeros, a line without its newline
+    )
+    tallies = read_ledger(data)
+    assert tallies["s1"] == SessionTally(4, 2, Counter(queue_full=2, record_error=1))
+    assert tallies["s2"] == SessionTally(0, 1)
+    assert tallies["s3"] == SessionTally(0, 1)
+    tallies["s1"].settle(5)  # one of its two pending turns made it to the log
+    assert tallies["s1"] == SessionTally(5, 0, Counter(queue_full=2, record_error=1, killed=1))
+    tallies["s2"].settle(1)  # it did
+    assert tallies["s2"] == SessionTally(1, 0)
+
+
+def test_a_clean_stop_leaves_nothing_counted_and_no_ledger(stub: str, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    app = create_app(stub, data=data, ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app) as url:
+        session = new_session(url, session_id="clean")
+        for i in range(3):
+            _call(url, session, f"call {i}")
+        # each answered turn has its line, written before its answer
+        assert (data / LEDGER_NAME).read_bytes().count(b"a clean\n") == 3
+    assert not (data / LEDGER_NAME).exists()
+    with serve_app(create_app(stub, data=data, ack="fast", admin_key=ADMIN_KEY)) as url:
+        assert _counted(url, "clean") == (0, {}, 3, 0, [])
+        _call(url, session, "after the restart")
+        assert _counted(url, "clean")[2:4] == (4, 0)
+    assert sorted(p.name for p in data.iterdir()) == ["clean.json", "clean.rls"]
+
+
+def test_durable_writes_no_ledger(stub: str, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with serve_app(create_app(stub, data=data, admin_key=ADMIN_KEY)) as url:
+        _call(url, new_session(url, session_id="d"), "q")
+        assert not (data / LEDGER_NAME).exists()
+
+
+def test_lines_a_killed_server_left_are_counted_once_and_kept(stub: str, tmp_path: Path) -> None:
+    """The ledger as a server killed with turns answered and not recorded leaves it (written
+    here), read by the next starts in either mode: counted the same at every start, turns
+    recorded since not counted, all forgotten with the session."""
+    data = tmp_path / "data"
+    with serve_app(create_app(stub, data=data, ack="fast", admin_key=ADMIN_KEY)) as url:
+        session = new_session(url, session_id="k")
+        new_session(url, session_id="other")
+        _call(url, session, "recorded")
+    # k's log held 1 turn; 3 more were answered, one dropped (queue full), none recorded
+    (data / LEDGER_NAME).write_bytes(b"b k 1\na k\na k\nd k queue_full\na k\n")
+    turns = 1
+    for ack in ("fast", "durable", "fast"):
+        with serve_app(create_app(stub, data=data, ack=ack, admin_key=ADMIN_KEY)) as url:
+            dropped, by, held, info_dropped, findings = _counted(url, "k")
+            assert (dropped, by, held, info_dropped) == (3, {"queue_full": 1, "killed": 2}, turns, 3)
+            assert [f[:34] for f in findings] == ["[WARN] dropped_turns: 3 turn(s) of"]
+            assert _counted(url, "other") == (3, by, 0, 0, [])
+            _call(url, session, f"under {ack}")  # recorded: nothing more to count
+            turns += 1
+            assert _counted(url, "k")[2:4] == (turns, 3)
+        tally = read_ledger((data / LEDGER_NAME).read_bytes())["k"]
+        assert tally == SessionTally(turns, 0, Counter(queue_full=1, killed=2))
+    with serve_app(create_app(stub, data=data, admin_key=ADMIN_KEY)) as url:
+        httpx.delete(f"{url}/sessions/k", headers=auth("k"), timeout=WAIT_S).raise_for_status()
+        new_session(url, session_id="k")
+    with serve_app(create_app(stub, data=data, admin_key=ADMIN_KEY)) as url:
+        assert _counted(url, "k") == (0, {}, 0, 0, [])
+    assert not (data / LEDGER_NAME).exists()
