@@ -4,7 +4,6 @@ same, and a clean stop leaves nothing counted and no ledger behind."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -117,7 +116,8 @@ def test_lines_a_killed_server_left_are_counted_once_and_kept(stub: str, tmp_pat
     for ack in ("fast", "durable", "fast"):
         with serve_app(create_app(stub, data=data, ack=ack, admin_key=ADMIN_KEY)) as url:
             dropped, by, held, info_dropped, findings = _counted(url, "k")
-            assert (dropped, by, held, info_dropped) == (3, {"queue_full": 1, "killed": 2}, turns, 3)
+            assert (dropped, held, info_dropped) == (3, turns, 3)
+            assert by == {"queue_full": 1, "killed": 2}
             assert [f[:34] for f in findings] == ["[WARN] dropped_turns: 3 turn(s) of"]
             assert _counted(url, "other") == (3, by, 0, 0, [])
             _call(url, session, f"under {ack}")  # recorded: nothing more to count
@@ -131,3 +131,78 @@ def test_lines_a_killed_server_left_are_counted_once_and_kept(stub: str, tmp_pat
     with serve_app(create_app(stub, data=data, admin_key=ADMIN_KEY)) as url:
         assert _counted(url, "k") == (0, {}, 0, 0, [])
     assert not (data / LEDGER_NAME).exists()
+
+
+def _health(url: str) -> dict[str, Any]:
+    answer: dict[str, Any] = httpx.get(f"{url}/health", timeout=WAIT_S).json()
+    return answer
+
+
+def _queue_taken(url: str, pending: int) -> None:
+    """Wait (bounded) until the recorder has taken the queued turns but `pending`."""
+    deadline = time.monotonic() + WAIT_S
+    while _health(url)["ack_queue"]["pending"] != pending:
+        assert time.monotonic() < deadline, _health(url)
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_turns_queued_when_the_server_is_killed_are_counted_at_every_restart(
+    stub: str, tmp_path: Path
+) -> None:
+    data, gate = tmp_path / "data", tmp_path / "gate"
+    args = ["--data", str(data), "--ack", "fast", "--ack-queue", "1"]
+    plane = ["--data-plane", "rust"] if DATA_PLANE == "rust" else []
+    server = Process(
+        [str(STALLER), str(gate), "serve", "--upstream", stub, "--port", "0", *plane, *args],
+        r"serve: (http://127\.0\.0\.1:\d+)",
+    )
+    try:
+        url = server.url
+        session = new_session(url, session_id="killed")
+        new_session(url, session_id="whole")
+        for i in range(2):
+            _call(url, session, f"recorded {i}")
+        assert _counted(url, "killed")[2:4] == (2, 0)
+        gate.touch()  # from here the recorder waits: answered turns stay queued
+        _call(url, session, "taken by the recorder, not recorded")
+        _queue_taken(url, 0)
+        _call(url, session, "queued")
+        _call(url, session, "the queue is full: dropped")
+        health = _health(url)
+        assert health["ack_queue"]["pending"] == 1 and health["dropped_by"]["queue_full"] == 1
+        server.kill()
+        gate.unlink()
+        expected = (3, {"queue_full": 1, "killed": 2}, 2, 3)
+        for restart in range(3):
+            server = start_server_process(stub, *args)
+            url = server.url
+            dropped, by, turns, info_dropped, findings = _counted(url, "killed")
+            assert (dropped, by, turns, info_dropped) == expected, restart
+            assert [f[:34] for f in findings] == ["[WARN] dropped_turns: 3 turn(s) of"]
+            assert _counted(url, "whole") == (3, by, 0, 0, [])
+            if restart == 0:
+                server.kill()  # a second kill counts nothing more
+            else:
+                server.stop()  # nor does a clean stop (SIGTERM), which keeps what it carries
+                tally = read_ledger((data / LEDGER_NAME).read_bytes())["killed"]
+                assert tally == SessionTally(2, 0, Counter(queue_full=1, killed=2))
+    finally:
+        server.kill()
+
+
+@pytest.mark.slow
+def test_a_fast_server_stopped_cleanly_counts_nothing(stub: str, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    args = ["--data", str(data), "--ack", "fast"]
+    server = start_server_process(stub, *args)
+    try:
+        session = new_session(server.url, session_id="s")
+        for i in range(5):
+            _call(server.url, session, f"call {i}")
+        server.stop()  # SIGTERM: the queue drained, the ledger has nothing to carry
+        assert not (data / LEDGER_NAME).exists()
+        server = start_server_process(stub, *args)
+        assert _counted(server.url, "s") == (0, {}, 5, 0, [])
+    finally:
+        server.kill()
