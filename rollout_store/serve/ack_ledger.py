@@ -15,8 +15,9 @@ the ledger is rewritten (atomically, synced) with one line per session, `b SID T
 log's turn count now: later lines count from there) and `c SID REASON N` (the turns lost so
 far, by reason), and counted again at every later start, never twice. A clean stop rewrites
 it the same way once the queue is drained; a ledger with nothing to carry is removed. A
-session made or deleted while a ledger exists appends `n SID`: what came before is another
-session's.
+running server keeps what its lines say in memory too, and rewrites the ledger from it (the
+same lines, summed) once it grew by `COMPACT_BYTES`. A session made or deleted while a
+ledger exists appends `n SID`: what came before is another session's.
 
 Lines: `b SID TURNS`, `n SID`, `a SID`, `d SID REASON`, `c SID REASON N`, `p SID N` (answered
 turns of a session whose log could not be read at the rewrite, still to be reconciled). A
@@ -42,6 +43,9 @@ __all__ = ["KILLED", "LEDGER_NAME", "AckLedger", "SessionTally", "read_ledger"]
 LEDGER_NAME = "acks.ledger"
 #: The reason of turns answered, then lost with the process (kill -9, a crash).
 KILLED = "killed"
+#: A running server rewrites its ledger (one line per session and count, as at a start) once
+#: this many bytes were appended since the last rewrite: a long run keeps it small.
+COMPACT_BYTES = 1 << 20
 
 
 @dataclass(slots=True)
@@ -53,6 +57,19 @@ class SessionTally:
     base: int = 0
     pending: int = 0
     lost: Counter[str] = field(default_factory=Counter)
+
+    def apply(self, line: list[str]) -> None:
+        """One ledger line's change (`a`, `d`, `c`, `p`) to this session's tally."""
+        kind = line[0]
+        if kind == "a" and len(line) == 2:
+            self.pending += 1
+        elif kind == "d" and len(line) == 3:
+            self.pending -= 1
+            self.lost[line[2]] += 1
+        elif kind == "c" and len(line) == 4:
+            self.lost[line[2]] += int(line[3])
+        elif kind == "p" and len(line) == 3:
+            self.pending += int(line[2])
 
     def settle(self, turns: int) -> None:
         """The log holds `turns` turns: the pending turns it does not hold were lost."""
@@ -68,25 +85,23 @@ def read_ledger(data: bytes) -> dict[str, SessionTally]:
     for line in data.split(b"\n")[:-1]:  # a last line without its newline was cut
         parts = line.decode("ascii", "replace").split(" ")
         try:
-            kind, sid = parts[0], parts[1]
-            if kind in ("a", "d"):
-                tally = tallies.setdefault(sid, SessionTally())
-                if kind == "a" and len(parts) == 2:
-                    tally.pending += 1
-                elif kind == "d" and len(parts) == 3:
-                    tally.pending -= 1
-                    tally.lost[parts[2]] += 1
-            elif kind == "n" and len(parts) == 2:
-                tallies[sid] = SessionTally()
-            elif kind == "b" and len(parts) == 3:
-                tallies[sid] = SessionTally(base=int(parts[2]))
-            elif kind == "c" and len(parts) == 4:
-                tallies.setdefault(sid, SessionTally()).lost[parts[2]] += int(parts[3])
-            elif kind == "p" and len(parts) == 3:
-                tallies.setdefault(sid, SessionTally()).pending += int(parts[2])
+            _apply(tallies, parts)
         except (IndexError, ValueError):
             continue
     return tallies
+
+
+def _apply(tallies: dict[str, SessionTally], line: list[str]) -> None:
+    kind, sid = line[0], line[1]
+    if kind == "n" and len(line) == 2:
+        tallies[sid] = SessionTally()
+    elif kind == "b" and len(line) == 3:
+        tallies[sid] = SessionTally(base=int(line[2]))
+    elif kind in ("a", "d", "c", "p"):
+        tally = tallies.get(sid)
+        if tally is None:
+            tally = tallies[sid] = SessionTally()
+        tally.apply(line)
 
 
 def _lines(tallies: Mapping[str, SessionTally]) -> bytes:
@@ -108,6 +123,10 @@ class AckLedger:
         self._write_atomic = write_atomic
         self._lock = threading.Lock()
         self._fd: int | None = None
+        #: What the ledger's lines say, by session (kept from the last rewrite on), and how
+        #: many bytes were appended since that rewrite.
+        self._tallies: dict[str, SessionTally] = {}
+        self._appended = 0
         #: Writes that failed (a full disk): those turns are answered all the same.
         self.errors = 0
 
@@ -120,6 +139,7 @@ class AckLedger:
         by reason. Sessions not in `turns` (deleted) are forgotten."""
         with self._lock:
             self._close_fd()
+            self._tallies, self._appended = {}, 0
             try:
                 tallies = read_ledger(self.path.read_bytes())
             except FileNotFoundError:
@@ -137,7 +157,8 @@ class AckLedger:
                 for sid, count in turns.items():
                     if sid not in kept and count is not None:
                         kept[sid] = SessionTally(base=count)
-                self._write_atomic(self.path, _lines(dict(sorted(kept.items()))))
+                self._tallies = dict(sorted(kept.items()))
+                self._write_atomic(self.path, _lines(self._tallies))
             else:
                 self.path.unlink()
                 fsync_dir(self.path)
@@ -146,20 +167,22 @@ class AckLedger:
     def answered(self, session_id: str, turns: Callable[[], Mapping[str, int | None]]) -> None:
         """A turn of `session_id` is about to be answered before it is recorded. `turns`:
         every session's turn count now, asked only to begin a new ledger."""
-        self._append(f"a {session_id}\n", turns)
+        self._append(["a", session_id], turns)
 
     def dropped(self, session_id: str, reason: str) -> None:
         """One of those turns will not be recorded (`reason`), and is counted now."""
         if self.exists():
-            self._append(f"d {session_id} {reason}\n", None)
+            self._append(["d", session_id, reason], None)
 
     def forget(self, session_id: str) -> None:
         """`session_id` is made or deleted: the lines before are another session's."""
         if self.exists():
-            self._append(f"n {session_id}\n", None)
+            self._append(["n", session_id], None)
 
-    def _append(self, line: str, turns: Callable[[], Mapping[str, int | None]] | None) -> None:
-        data = line.encode("ascii")
+    def _append(
+        self, line: list[str], turns: Callable[[], Mapping[str, int | None]] | None
+    ) -> None:
+        data = (" ".join(line) + "\n").encode("ascii")
         with self._lock:
             try:
                 if self._fd is None:
@@ -168,15 +191,26 @@ class AckLedger:
                     if fresh and turns is not None:
                         # the counts every later line starts from: no turn is recorded in
                         # fast mode before its `a` line, so none is on its way now
-                        data = (
-                            "".join(
-                                f"b {sid} {n}\n" for sid, n in sorted(turns().items()) if n
-                            ).encode("ascii")
-                            + data
-                        )
+                        bases = {sid: n for sid, n in sorted(turns().items()) if n}
+                        self._tallies = {sid: SessionTally(base=n) for sid, n in bases.items()}
+                        header = "".join(f"b {sid} {n}\n" for sid, n in bases.items())
+                        data = header.encode("ascii") + data
                 os.write(self._fd, data)  # one write: a kill cannot tear it
             except OSError:
                 self.errors += 1
+                return
+            _apply(self._tallies, line)
+            self._appended += len(data)
+            if self._appended >= COMPACT_BYTES:
+                self._compact()
+
+    def _compact(self) -> None:
+        """Rewrite the ledger as the sum of its lines (the same counts, a line or three per
+        session): what the file says is unchanged, whenever it is cut."""
+        self._appended = 0
+        with contextlib.suppress(OSError):  # a failed rewrite leaves the file as it was
+            self._write_atomic(self.path, _lines(self._tallies))
+            self._close_fd()  # (the next line goes to the new file)
 
     def _close_fd(self) -> None:
         fd, self._fd = self._fd, None

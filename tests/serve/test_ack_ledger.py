@@ -24,8 +24,10 @@ from capture_support import (
     start_server_process,
 )
 
-from rollout_store.serve.ack_ledger import LEDGER_NAME, SessionTally, read_ledger
+from rollout_store.serve import ack_ledger
+from rollout_store.serve.ack_ledger import LEDGER_NAME, AckLedger, SessionTally, read_ledger
 from rollout_store.serve.server import create_app
+from rollout_store.serve.sessions import _write_atomic
 from rollout_store.serve.stub_engine import create_stub_app
 
 STALLER = Path(__file__).resolve().parents[1] / "support" / "stalled_recorder.py"
@@ -75,6 +77,27 @@ def test_the_ledger_reads_what_a_kill_or_a_power_loss_leaves() -> None:
     assert tallies["s1"] == SessionTally(5, 0, Counter(queue_full=2, record_error=1, killed=1))
     tallies["s2"].settle(1)  # it did
     assert tallies["s2"] == SessionTally(1, 0)
+
+
+def test_a_long_run_keeps_the_ledger_small(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ack_ledger, "COMPACT_BYTES", 200)
+    ledger = AckLedger(tmp_path, _write_atomic)
+    path = tmp_path / LEDGER_NAME
+    sizes = []
+    for i in range(300):
+        ledger.answered("s1", lambda: {"s1": 7, "s2": 0})
+        if i % 10 == 0:
+            ledger.dropped("s1", "queue_full")
+        sizes.append(path.stat().st_size)
+    ledger.answered("s2", dict)
+    assert max(sizes) < 300 and len(set(sizes)) > 20  # rewritten as it grew, not once
+    tallies = read_ledger(path.read_bytes())
+    assert tallies["s1"] == SessionTally(7, 270, Counter(queue_full=30))
+    assert tallies["s2"] == SessionTally(0, 1)
+    ledger.close()
+    # at the next start, 100 of s1's pending turns in its log: 170 lost with the process
+    lost = AckLedger(tmp_path, _write_atomic).reconcile({"s1": 107, "s2": 1})
+    assert lost == {"s1": Counter(queue_full=30, killed=170)}
 
 
 def test_a_clean_stop_leaves_nothing_counted_and_no_ledger(stub: str, tmp_path: Path) -> None:
