@@ -47,7 +47,9 @@ after the graph accepted it, and, with a data directory and `fsync="turn"`, afte
 disk; a turn that cannot be recorded fails the call. With `ack="fast"` the answer goes out
 first and the turn is recorded right after, in this process, through a bounded queue: a turn
 dropped there (the queue full, a recording error, the server stopping) is counted in
-`/health`, in the session's info and in its export's validation, never silently.
+`/health`, in the session's info and in its export's validation, never silently. With a data
+directory each such answer is preceded by its line in the ack ledger (`ack_ledger`), so the
+turns a killed server answered and never recorded are counted the same way by the next start.
 
 `rollout-store serve --data-plane rust` puts the engine's data plane (`RustDataPlane`, hyper
 on tokio) on the public port in front of this app: it serves the model routes, calling back
@@ -2047,7 +2049,8 @@ def create_app(
     `ack`: "durable" (a call is answered once its turn is recorded, on disk per `fsync`; a
     turn that cannot be recorded fails the call) or "fast" (answered first, recorded right
     after through a queue of `ack_queue` turns; a dropped turn is counted in `/health`, the
-    session's info and its export's validation; the queue drains when the app stops).
+    session's info and its export's validation; the queue drains when the app stops; with
+    `data`, turns lost with a killed server are counted by the next start: `ack_ledger`).
     `replica`: this server's name behind a balancer: the keys it mints carry it, so the
     balancer routes each call to the replica holding its session (`replicas`).
     With `data`, the directory is locked until the app stops (`DataDirectoryInUseError` if
@@ -2488,7 +2491,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=ACK_MODES,
         default="durable",
         help="durable: answer once the turn is recorded (on disk per --fsync); fast: answer "
-        "first, record right after through a queue (dropped turns are counted)",
+        "first, record right after through a queue (dropped turns are counted; with --data, "
+        "so are those lost to a kill, by the next start)",
     )
     parser.add_argument(
         "--ack-queue",
