@@ -93,8 +93,8 @@ def read_ledger(data: bytes) -> dict[str, SessionTally]:
 
 def _apply(tallies: dict[str, SessionTally], line: list[str]) -> None:
     kind, sid = line[0], line[1]
-    if kind == "n" and len(line) == 2:
-        tallies[sid] = SessionTally()
+    if kind == "n" and len(line) == 2:  # (a session made or deleted since: none of it kept)
+        tallies.pop(sid, None)
     elif kind == "b" and len(line) == 3:
         tallies[sid] = SessionTally(base=int(line[2]))
     elif kind in ("a", "d", "c", "p"):

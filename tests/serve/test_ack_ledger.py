@@ -83,6 +83,8 @@ def test_a_long_run_keeps_the_ledger_small(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setattr(ack_ledger, "COMPACT_BYTES", 200)
     ledger = AckLedger(tmp_path, _write_atomic)
     path = tmp_path / LEDGER_NAME
+    ledger.answered("gone", lambda: {"s1": 7, "s2": 0, "gone": 3})
+    ledger.forget("gone")  # deleted: a rewrite keeps nothing of it
     sizes = []
     for i in range(300):
         ledger.answered("s1", lambda: {"s1": 7, "s2": 0})
@@ -94,6 +96,7 @@ def test_a_long_run_keeps_the_ledger_small(tmp_path: Path, monkeypatch: pytest.M
     tallies = read_ledger(path.read_bytes())
     assert tallies["s1"] == SessionTally(7, 270, Counter(queue_full=30))
     assert tallies["s2"] == SessionTally(0, 1)
+    assert "gone" not in tallies
     ledger.close()
     # at the next start, 100 of s1's pending turns in its log: 170 lost with the process
     lost = AckLedger(tmp_path, _write_atomic).reconcile({"s1": 107, "s2": 1})
