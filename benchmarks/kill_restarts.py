@@ -12,10 +12,11 @@ request and that response for every acknowledged call.
 
 `durable`: acknowledged turns missing (target 0). `fast`: acknowledged turns missing, and what
 the restarted server counts as dropped (`/health`, each session's info, its export's
-`dropped_turns` finding). A fast server killed with -9 dies with its queue: what it had
-answered and not yet written is gone with the process that would have counted it, so the
-restarted server reports nothing of it (the docs say so). PASS/MISS: durable loses none;
-fast counts every acknowledged turn it lost.
+`dropped_turns` finding). A fast server killed with -9 dies with its queue; the turns it had
+answered and not yet recorded are counted by the next start from the data directory's ack
+ledger (docs/server.md), which may count a few more than the client saw acknowledged: a
+reply the kill cut after its ledger line was written. PASS/MISS: durable loses none; fast
+counts every acknowledged turn it lost.
 
 Writes out/kill_restarts.json (results/ with --update-results).
 

@@ -47,7 +47,9 @@ after the graph accepted it, and, with a data directory and `fsync="turn"`, afte
 disk; a turn that cannot be recorded fails the call. With `ack="fast"` the answer goes out
 first and the turn is recorded right after, in this process, through a bounded queue: a turn
 dropped there (the queue full, a recording error, the server stopping) is counted in
-`/health`, in the session's info and in its export's validation, never silently.
+`/health`, in the session's info and in its export's validation, never silently. With a data
+directory each such answer is preceded by its line in the ack ledger (`ack_ledger`), so the
+turns a killed server answered and never recorded are counted the same way by the next start.
 
 `rollout-store serve --data-plane rust` puts the engine's data plane (`RustDataPlane`, hyper
 on tokio) on the public port in front of this app: it serves the model routes, calling back
@@ -135,6 +137,7 @@ from ..viewer.hosts import (
     host_allowed,
     origin_allowed,
 )
+from .ack_ledger import KILLED
 from .idle_trim import with_idle_trim
 from .replicas import replica_key_prefix
 from .sessions import Session, SessionDamagedError, SessionError, Sessions, clean_session_id
@@ -814,8 +817,11 @@ class _Server:
         #: on first use, inside the server's event loop).
         self._pending: asyncio.Queue[tuple[Session, TurnNode, CallClock]] | None = None
         self._recorder: asyncio.Task[None] | None = None
-        #: Turns answered with `--ack fast` and never recorded, by why.
-        self.dropped = {"queue_full": 0, "record_error": 0, "shutdown": 0}
+        #: Turns answered with `--ack fast` and never recorded, by why (`killed`: by a server
+        #: killed before recording them, counted at this start from the ack ledger).
+        self.dropped = {"queue_full": 0, "record_error": 0, "shutdown": 0, KILLED: 0}
+        for why, n in sessions.lost_at_start.items():
+            self.dropped[why] = self.dropped.get(why, 0) + n
         #: Per session id, the calls whose timeline is still to be recorded (a task after
         #: the reply), by when each was answered: an export waits for them, bounded.
         self._timing: dict[str, dict[int, float]] = {}
@@ -1046,6 +1052,7 @@ class _Server:
     def _drop(self, session: Session, why: str) -> None:
         session.dropped += 1
         self.dropped[why] += 1
+        self.sessions.not_recorded(session, why)
 
     def _queue_turn(self, session: Session, node: TurnNode, clock: CallClock) -> None:
         """Hand an answered call's turn to the recorder; a full queue drops it (counted)."""
@@ -1053,6 +1060,9 @@ class _Server:
             self._pending = asyncio.Queue(self.config.ack_queue)
         if self._recorder is None:
             self._recorder = asyncio.ensure_future(self._record_queued(self._pending))
+        # in the ack ledger before the answer goes out: a kill before it is recorded
+        # leaves it counted by the next start
+        self.sessions.answered(session)
         try:
             self._pending.put_nowait((session, node, clock))
         except asyncio.QueueFull:
@@ -1807,6 +1817,9 @@ class _Server:
                 },
                 "dropped": sum(self.dropped.values()),
                 "dropped_by": dict(self.dropped),
+                "ack_ledger_errors": (
+                    0 if self.sessions.ledger is None else self.sessions.ledger.errors
+                ),
             }
         )
 
@@ -1856,8 +1869,9 @@ def _dropped_findings(session: Session) -> list[str]:
         return []
     return [
         f"[WARN] dropped_turns: {session.dropped} turn(s) of this session were answered "
-        "(--ack fast) but not recorded (queue full, a recording error or the server "
-        "stopping): the rollout misses them; see the server's /health"
+        "(--ack fast) but not recorded (queue full, a recording error, the server "
+        "stopping, or the server killed before recording them): the rollout misses them; "
+        "see the server's /health"
     ]
 
 
@@ -2035,7 +2049,8 @@ def create_app(
     `ack`: "durable" (a call is answered once its turn is recorded, on disk per `fsync`; a
     turn that cannot be recorded fails the call) or "fast" (answered first, recorded right
     after through a queue of `ack_queue` turns; a dropped turn is counted in `/health`, the
-    session's info and its export's validation; the queue drains when the app stops).
+    session's info and its export's validation; the queue drains when the app stops; with
+    `data`, turns lost with a killed server are counted by the next start: `ack_ledger`).
     `replica`: this server's name behind a balancer: the keys it mints carry it, so the
     balancer routes each call to the replica holding its session (`replicas`).
     With `data`, the directory is locked until the app stops (`DataDirectoryInUseError` if
@@ -2328,9 +2343,14 @@ class RustDataPlane:
             clock.failed, session.failed = failed, 0
         except _Refusal as refused:
             return self._timed(call, self._failed(plan, refused, started), False)
-        if plan.stream:
-            return self._timed(call, (200, _SSE_HEADERS, list(plan.replay), True), queue)
-        return self._timed(call, _reply(plan.reply(response, answer)), queue)
+        reply = (
+            (200, _SSE_HEADERS, list(plan.replay), True)
+            if plan.stream
+            else _reply(plan.reply(response, answer))
+        )
+        if queue:  # in the ack ledger before the engine sends the reply (`_queue_turn`)
+            server.sessions.answered(session)
+        return self._timed(call, reply, queue)
 
     @staticmethod
     def _failed(plan: _Plan, failed: _Refusal | _Passthrough, started: bool) -> _Reply:
@@ -2471,7 +2491,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=ACK_MODES,
         default="durable",
         help="durable: answer once the turn is recorded (on disk per --fsync); fast: answer "
-        "first, record right after through a queue (dropped turns are counted)",
+        "first, record right after through a queue (dropped turns are counted; with --data, "
+        "so are those lost to a kill, by the next start)",
     )
     parser.add_argument(
         "--ack-queue",

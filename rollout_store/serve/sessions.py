@@ -16,6 +16,11 @@ deleted id never sees the deleted one's turns nor loses its own to the deleted f
 session whose log cannot be read (a damaged record, or an object of the shared store it
 references that is missing or damaged) is kept as damaged, with the reason and the repair;
 the others open as usual.
+
+With `--ack fast` the data directory also holds the sessions' ack ledger (`ack_ledger`): a
+line per turn answered before it is recorded, so that turns a killed server answered and
+never recorded are counted by the next start (in each session's `dropped`, and by reason in
+`lost_at_start`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import secrets
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +56,7 @@ from ..files.storage import RolloutGraph, verify
 from ..metadata import GraphMeta
 from ..stores.content import ContentStore, StringCache
 from ..stores.local import DirectoryStore, MemoryStore
+from .ack_ledger import AckLedger
 
 __all__ = [
     "DataDirectoryInUseError",
@@ -198,6 +205,20 @@ class Session:
         graph.drop_caches()
         return True
 
+    def turns(self) -> int | None:
+        """How many turns its log holds (without reopening an idle session); None when
+        it is damaged."""
+        with self._lock:
+            if self.damaged is not None:
+                return None
+            if self._graph is not None:
+                return len(self._graph)
+            return None if self._counts is None else int(self._counts["turns"])
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         with self._lock:
             graph, self._graph = self._graph, None
@@ -319,11 +340,19 @@ class Sessions:
         self._unlock: Callable[[], Any] | None = None
         #: Sessions reopened from the data directory: (id, turns, repaired bytes or 0).
         self.reopened: list[tuple[str, int, int]] = []
+        #: The turns answered with `--ack fast` and never recorded that the ack ledger
+        #: carries from earlier runs, by reason (`killed`: lost with a killed process).
+        self.lost_at_start: Counter[str] = Counter()
+        self.ledger: AckLedger | None = None
         if self.data is not None:
             self.data.mkdir(parents=True, exist_ok=True)
             self._lock_data()
             try:
                 self._reopen_all()
+                self.ledger = AckLedger(self.data, _write_atomic)
+                for sid, lost in self.ledger.reconcile(self._turn_counts()).items():
+                    self._by_id[sid].dropped += lost.total()
+                    self.lost_at_start += lost
             except BaseException:
                 self._unlock_data()
                 raise
@@ -412,6 +441,22 @@ class Sessions:
             f"{store}`, which saves {keep} to OUT, and move OUT over {log.name}"
         )
 
+    def _turn_counts(self) -> dict[str, int | None]:
+        with self._lock:
+            sessions = list(self._by_id.values())
+        return {session.session_id: session.turns() for session in sessions}
+
+    def answered(self, session: Session) -> None:
+        """(`--ack fast`) A turn of `session` is about to be answered before it is
+        recorded: the ack ledger has its line first (with a data directory)."""
+        if self.ledger is not None:
+            self.ledger.answered(session.session_id, self._turn_counts)
+
+    def not_recorded(self, session: Session, reason: str) -> None:
+        """(`--ack fast`) One of those turns is dropped, counted now (`reason`)."""
+        if self.ledger is not None and not session.closed:
+            self.ledger.dropped(session.session_id, reason)
+
     def _reopen_all(self) -> None:
         assert self.data is not None
         for meta_path in sorted(self.data.glob("*.json")):
@@ -486,6 +531,8 @@ class Sessions:
                 api_key if api_key is not None else f"{self.key_prefix}{secrets.token_urlsafe(24)}"
             )
             created = time.time()
+            if self.ledger is not None:  # an earlier session of this id's lines end here
+                self.ledger.forget(sid)
             if self.data is not None:
                 doc: dict[str, Any] = {
                     "session_id": sid,
@@ -609,6 +656,8 @@ class Sessions:
                 if self._key_watcher is not None:
                     self._key_watcher(session.api_key, None)
             session.close()
+            if self.ledger is not None:  # its lines end here (made again, it starts afresh)
+                self.ledger.forget(session_id)
             if self.data is not None:
                 for suffix in (".json", ".rls"):
                     with contextlib.suppress(FileNotFoundError):
@@ -617,8 +666,13 @@ class Sessions:
 
     def close(self) -> None:
         """Flush and close every session's log (the server is stopping), then let the data
-        directory go."""
+        directory go. The ack ledger is rewritten first (every queued turn is recorded or
+        counted by now): only what it carries is kept."""
         try:
+            if self.ledger is not None:
+                with contextlib.suppress(OSError):
+                    self.ledger.reconcile(self._turn_counts())
+                self.ledger.close()
             for session in self.all():
                 session.close()
         finally:

@@ -54,8 +54,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("viewer", {"viewer.hosts", "viewer.app"}),
     (
         "serve",
-        {"serve.loopback", "serve.replicas", "serve.sse", "serve.sessions", "serve.server"}
-        | {"serve.stub_engine", "serve.idle_trim", "serve.capture"},
+        {"serve.loopback", "serve.replicas", "serve.sse", "serve.ack_ledger", "serve.sessions"}
+        | {"serve.server", "serve.stub_engine", "serve.idle_trim", "serve.capture"},
     ),
     ("command line and package", {"cli", "__main__", "__init__"}),
 ]
