@@ -557,6 +557,47 @@ def repeating_completions_tokens(n: int) -> Iterator[dict[str, Any]]:
         }
 
 
+def group_of_1000_messages(n: int) -> Iterator[dict[str, Any]]:
+    """A group of 1,000 rollouts of one task, by messages, a turn of each in turn (step by
+    step): every continuation looks among 1,000 samples of one request for its own."""
+    rng = random.Random(21)
+    task = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Task: " + _text(rng, 80)},
+    ]
+    histories = [list(task) for _ in range(1000)]
+    while True:
+        for history in histories:
+            response = {"role": "assistant", "content": _text(rng, rng.randrange(20, 60))}
+            yield {"request_messages": list(history), "response_message": response}
+            n -= 1
+            if n == 0:
+                return
+            history += [response, {"role": "user", "content": "continue"}]
+
+
+def group_of_1000_tokens(n: int) -> Iterator[dict[str, Any]]:
+    """`group_of_1000_messages` with token ids: every continuation's prompt extends the
+    tokens of one of 1,000 samples of one prompt."""
+    rng = random.Random(22)
+    task = _tokens(rng, 200)
+    prompts = [list(task) for _ in range(1000)]
+    turn = 0
+    while True:
+        for k, prompt in enumerate(prompts):
+            sampled = _tokens(rng, 30)
+            yield {
+                "request_messages": [{"role": "user", "content": f"t{turn}"}],
+                "response_message": {"role": "assistant", "content": "ok"},
+                "prompt_ids": list(prompt),
+                "sampled_ids": sampled,
+            }
+            turn += 1
+            if turn == n:
+                return
+            prompts[k] = prompt + sampled + _tokens(rng, 10)
+
+
 def sampled_mid_conversation(n: int) -> Iterator[dict[str, Any]]:
     """A conversation's 6th call sampled n times after its first 5 (best-of-n at one step):
     the samples are siblings under one parent; their completions repeat, 1,000 distinct."""
@@ -614,6 +655,8 @@ SOAK_SHAPES: dict[str, Callable[[int], Iterator[dict[str, Any]]]] = {
     "groups_of_8_tokens": groups_of_8_tokens,
     "repeating_completions": repeating_completions,
     "repeating_completions_tokens": repeating_completions_tokens,
+    "group_of_1000_messages": group_of_1000_messages,
+    "group_of_1000_tokens": group_of_1000_tokens,
     "sampled_mid_conversation": sampled_mid_conversation,
     "sampled_mid_conversation_tokens": sampled_mid_conversation_tokens,
 }

@@ -13,6 +13,12 @@ of theirs wants a range of lengths. A key of theirs holding more than `SMALL` it
 them grouped by length (`ByLength`), so a scan visits the groups in its range only: one
 prompt sampled thousands of times files every turn under one key, and a lookup none of
 whose lengths fit visits none of them.
+
+A length group can itself grow large: a group of a thousand rollouts sampled from one prompt
+files a thousand turns of one length under one key, and a continuation looks among them for
+the one whose tokens start its prompt. A group of more than `SMALL` items, given what an
+item's content is (`content_of`), holds them by that content's digest (`ByContent`), so such
+a lookup asks for the one digest its own tokens have at that length (`sized_exact`).
 """
 
 from __future__ import annotations
@@ -22,12 +28,14 @@ from typing import Any, TypeVar
 
 __all__ = [
     "SMALL",
+    "ByContent",
     "ByLength",
     "OneOrMany",
     "index_add",
     "index_members",
     "index_remove",
     "sized_add",
+    "sized_exact",
     "sized_members",
     "sized_remove",
 ]
@@ -49,14 +57,21 @@ class ByLength(dict[int, Any]):
     __slots__ = ()
 
 
+class ByContent(dict[int, Any]):
+    """The items of one length group keyed by the digest of their content (each digest's
+    items one-or-many, in the order they were filed)."""
+
+    __slots__ = ()
+
+
 def index_members(found: T | tuple[T, ...] | list[T] | None) -> Sequence[T]:
     """The items of one key, given what `index.get(key)` returned."""
     if found is None:
         return ()
     if isinstance(found, tuple | list):
         return found
-    if type(found) is ByLength:
-        groups: ByLength = found  # type: ignore[assignment]
+    if type(found) is ByLength or type(found) is ByContent:
+        groups: dict[int, Any] = found  # type: ignore[assignment]
         return [item for group in groups.values() for item in index_members(group)]
     return (found,)
 
@@ -72,12 +87,43 @@ def sized_members(found: Any, low: int, high: int) -> Iterator[Any]:
         yield from index_members(found)
 
 
-def sized_add(index: dict[Any, Any], key: Any, item: Any, length_of: Callable[[Any], int]) -> None:
+def sized_exact(found: Any, low: int, high: int, content_at: Callable[[int], int]) -> Iterator[Any]:
+    """`sized_members`, but of a group held by content only the items whose content digest
+    is `content_at(length)` (the caller still checks each)."""
+    if type(found) is ByLength:
+        for length, group in found.items():
+            if low <= length < high:
+                if type(group) is ByContent:
+                    yield from index_members(group.get(content_at(length)))
+                else:
+                    yield from index_members(group)
+    else:
+        yield from index_members(found)
+
+
+def sized_add(
+    index: dict[Any, Any],
+    key: Any,
+    item: Any,
+    length_of: Callable[[Any], int],
+    content_of: Callable[[Any], int] | None = None,
+) -> None:
     """File `item` under `key` in a sized index (`length_of` gives an item's length, which
-    never changes while it is filed)."""
+    never changes while it is filed; `content_of`, if given, the digest of its content, for
+    a large length group to be held by it)."""
     found = index.get(key)
     if type(found) is ByLength:
-        index_add(found, length_of(item), item)
+        length = length_of(item)
+        group = found.get(length)
+        if type(group) is ByContent:
+            index_add(group, content_of(item), item)  # type: ignore[misc]
+        elif content_of is not None and isinstance(group, list) and len(group) >= SMALL:
+            by_content = ByContent()
+            for member in (*group, item):
+                index_add(by_content, content_of(member), member)
+            found[length] = by_content
+        else:
+            index_add(found, length, item)
     elif isinstance(found, tuple) and len(found) == SMALL:
         grouped = ByLength()
         for member in (*found, item):
@@ -93,7 +139,17 @@ def sized_remove(
     """Take `item` from under `key` of a sized index, if it is there."""
     found = index.get(key)
     if type(found) is ByLength:
-        index_remove(found, length_of(item), item)
+        length = length_of(item)
+        group = found.get(length)
+        if type(group) is ByContent:
+            for digest, members in list(group.items()):
+                if any(member is item for member in index_members(members)):
+                    index_remove(group, digest, item)
+                    break
+            if not group:
+                del found[length]
+        else:
+            index_remove(found, length, item)
         if not found:
             del index[key]
     else:

@@ -10,7 +10,15 @@ from typing import Any
 import xxhash
 
 from ..model.nodes import TurnNode
-from .index import index_add, index_members, index_remove, sized_add, sized_members, sized_remove
+from .index import (
+    index_add,
+    index_members,
+    index_remove,
+    sized_add,
+    sized_exact,
+    sized_members,
+    sized_remove,
+)
 from .intake import float_array, plain_numbers, token_array
 from .keys import HEADS, request_keys, root_token_keys, short_key
 from .materialize import rest_values
@@ -63,6 +71,12 @@ def _sibling_prompt(parent: Turn, data: bytes, n: int) -> TokenRun | None:
 def _full_length(turn: Turn) -> int:
     """The length a turn is filed with in the token index: its prompt + sampled tokens'."""
     return turn.full.length  # type: ignore[union-attr]
+
+
+def _full_content(turn: Turn) -> int:
+    """The digest a turn is held by in a large length group of the token index: xxh3 of its
+    prompt + sampled tokens (compact: only such turns are filed there)."""
+    return xxhash.xxh3_64_intdigest(run_bytes(turn.full))  # type: ignore[arg-type]
 
 
 def _prompt_length(turn: Turn) -> int:
@@ -245,11 +259,18 @@ class Linker:
         length in [low, high)) whose prompt + sampled tokens start `data`. Of two as deep, one
         that sampled wins over a failed call of its run (which it would have adopted had the
         failed call come first: see `_token_moves`), so the parent is the same in any order."""
+        view = memoryview(data)
+
+        def content_at(length: int) -> int:
+            return xxhash.xxh3_64_intdigest(view[: length * 4])
+
         for key, low, high in buckets:
             best: Turn | None = None
             best_length = -1
-            # (a parent's tokens are a prefix of the prompt: n of them at most)
-            for candidate in sized_members(self.token_index.get(key), low, min(high, n + 1)):
+            # (a parent's tokens are a prefix of the prompt: n of them at most; of a large
+            # group of one length only those whose tokens are the prompt's first ones)
+            found = self.token_index.get(key)
+            for candidate in sized_exact(found, low, min(high, n + 1), content_at):
                 full = candidate.full
                 if (
                     full is not None
@@ -308,10 +329,10 @@ class Linker:
             if not members:
                 continue
             message, plain = request.messages[n], request.plain(n)
-            for c in members:
+            for c in store.echo_candidates(members, message, plain, loose=False):
                 if store.is_echo(c, message, plain) and request.extends(c):
                     return c
-            for c in members:
+            for c in store.echo_candidates(members, message, plain, loose=True):
                 if store.echoes(c, message, plain) and request.extends(c):
                     return c
         return None
@@ -322,7 +343,7 @@ class Linker:
         """File a committed turn's tokens under their keys."""
         full = turn.full
         if token_key is not None and full is not None and full.length:
-            sized_add(self.token_index, token_key, turn, _full_length)
+            sized_add(self.token_index, token_key, turn, _full_length, _full_content)
             if full.length < BLOCK:
                 lengths = self.short_lengths
                 if not isinstance(lengths, set):  # the first: a set of its own

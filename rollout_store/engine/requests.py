@@ -10,9 +10,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Sequence
 from itertools import chain
+from operator import attrgetter
 from typing import Any, Final
 
 import msgpack
+import xxhash
 
 from .._core import Packer
 from ..errors import InvalidValueError
@@ -48,6 +50,7 @@ from .encoding import (
     no_echo,
     unpack,
 )
+from .index import SMALL, index_add, index_members
 from .intake import MAX_DEPTH, Encoder
 from .materialize import Messages, value
 from .messages import leading_system_count, link_key, response_link_key
@@ -68,7 +71,7 @@ from .stored import (
     TurnFlag,
     finish_tail,
 )
-from .turn_records import echo_by_key
+from .turn_records import RemoteTurn, echo_by_key
 from .values import ValueTable
 
 __all__ = ["FreshRequest", "RequestStore", "Scratch"]
@@ -444,13 +447,37 @@ class FreshRequest:
 
 class _Bucket(list[Turn]):
     """Turns filed under one request key (identical requests, barring a collision), and
-    those of them that have had children, so twins are found without a scan."""
+    those of them that have had children, so twins are found without a scan.
 
-    __slots__ = ("parents",)
+    A large bucket (a group of rollouts sampled from one request) also holds its turns by
+    their responses, made at its first lookup (`RequestStore.echo_candidates`): a
+    continuation finds the sample whose response it echoes without comparing every one."""
+
+    __slots__ = ("by_response", "parents")
 
     def __init__(self, turns: tuple[Turn, ...]) -> None:
         super().__init__(turns)
         self.parents: list[Turn] = []
+        self.by_response: dict[Any, Any] | None = None
+
+
+#: Where a bucket's turns whose responses are kept in a store are held by response: always
+#: candidates (their responses are not fetched to be held by them).
+_UNKEYED: Final = ("unkeyed",)
+
+
+_index_of = attrgetter("index")
+
+
+def _frozen(value: Any) -> Any:
+    """A hashable stand-in for a link key, equal where the keys are equal (`==`)."""
+    if isinstance(value, dict):
+        return ("dict", frozenset((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return ("list", tuple(_frozen(v) for v in value))
+    if isinstance(value, tuple):
+        return ("tuple", tuple(_frozen(v) for v in value))
+    return value
 
 
 class RequestStore:
@@ -1147,6 +1174,8 @@ class RequestStore:
             index[key] = turn
         elif type(found) is _Bucket:
             found.append(turn)
+            if found.by_response is not None:
+                self._hold_by_response(found.by_response, turn)
         else:  # a second turn with this very request: a bucket that tracks its parents
             bucket = index[key] = _Bucket((found, turn))
             self.buckets += 1
@@ -1172,6 +1201,51 @@ class RequestStore:
             found = self.request_index.get(key)
             if type(found) is _Bucket:
                 found.parents.append(turn)
+
+    def echo_candidates(
+        self, members: Sequence[Turn], message: Any, plain: bytes | None, loose: bool
+    ) -> Sequence[Turn]:
+        """Of the turns filed under one request key, in order, those whose response may be
+        echoed by `message` (packed as `plain`) exactly, or (`loose`) loosely: all of a few;
+        of a large bucket those held under its exact or its loose key, and those whose
+        responses are kept in a store (`is_echo` and `echoes` decide)."""
+        if type(members) is not _Bucket or len(members) <= SMALL:
+            return members
+        held = members.by_response
+        if held is None:
+            held = members.by_response = {}
+            for turn in members:
+                self._hold_by_response(held, turn)
+        keys: list[Any] = [_UNKEYED]
+        if plain is not None:
+            keys.append(("exact", xxhash.xxh3_64_intdigest(plain)))
+        if loose:  # (an exact echo is a loose one too)
+            try:
+                key = ("loose", _frozen(link_key(message)))
+                hash(key)
+            except TypeError:  # (never for JSON values) every turn, as without the index
+                return members
+            keys.append(key)
+        found = {id(turn): turn for key in keys for turn in index_members(held.get(key))}
+        return sorted(found.values(), key=_index_of) if len(found) > 1 else [*found.values()]
+
+    def _hold_by_response(self, held: dict[Any, Any], turn: Turn) -> None:
+        """Hold a bucket's turn under the keys of its response (none without one)."""
+        if not turn.flags & HAS_RESPONSE:
+            return
+        if type(turn) is RemoteTurn and turn.echo_key() is not None:  # kept in a store
+            index_add(held, _UNKEYED, turn)
+            return
+        plain = self.response_plain(turn)
+        if plain is not None:
+            index_add(held, ("exact", xxhash.xxh3_64_intdigest(plain)), turn)
+        try:
+            key = ("loose", _frozen(response_link_key(value(turn.response, self.blobs))))
+            hash(key)
+        except TypeError:
+            index_add(held, _UNKEYED, turn)
+            return
+        index_add(held, key, turn)
 
     def twins(self, key: int, n_rest: int) -> tuple[Turn, ...] | list[Turn]:
         """Stored turns filed under `key` with `n_rest` messages that have (had) children;
