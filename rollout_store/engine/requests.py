@@ -687,7 +687,13 @@ class RequestStore:
         if type(messages) is not list:  # (a list is the common case)
             if type(messages) is RawJSON:
                 data = messages.data
-                if type(data) is bytes and turn.prompt is None and node.parent_id is None:
+                # (a turn with token ids is linked by them: it takes this path once its
+                # tokens found their parent, so no drift audit asks for its messages)
+                if (
+                    type(data) is bytes
+                    and node.parent_id is None
+                    and (turn.prompt is None or scratch.token_parent is not None)
+                ):
                     done = self._prepare_raw(turn, scratch, data)
                     if done is not _NOT_FAST:
                         return done  # type: ignore[return-value]
