@@ -2,17 +2,26 @@
 
 `json.dumps` of a dict is its keys and values joined by ", " and ": " inside braces; a
 list is its items joined by ", " inside brackets. `write_document` produces exactly that
-while pulling list items from iterators, so only one item is alive at a time.
+while pulling list items from iterators, so only one item is alive at a time. Each piece is
+written by the engine's `dumps` (`_core.dumps`, equal to `json.dumps` for JSON values and
+several times as fast).
 """
 
 from __future__ import annotations
 
 import io
-import json
 from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any
 
+from .._core import dumps
+
 __all__ = ["Streamed", "write_document", "writer_for"]
+
+
+#: The nesting a document's pieces may reach: a recorded value (at most `MAX_DEPTH`) inside
+#: the few levels of the document around it; `json.dumps` writes deeper ones too, up to the
+#: interpreter's recursion limit.
+_DEPTH = 900
 
 
 class Streamed:
@@ -56,13 +65,13 @@ def _chunks(value: Any) -> Iterator[str]:
         sep = ""
         for key, item in value.items():
             yield sep
-            yield json.dumps(key)
+            yield dumps(key, max_depth=_DEPTH)
             yield ": "
             yield from _chunks(item)
             sep = ", "
         yield "}"
     else:
-        yield json.dumps(value)
+        yield dumps(value, max_depth=_DEPTH)
 
 
 def write_document(fp: IO[Any], document: Any) -> None:
