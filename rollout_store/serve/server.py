@@ -2432,14 +2432,14 @@ class RustDataPlane:
         self, call: _Call, events: bytes, error: str | None, stamps: tuple[int, int, int]
     ) -> tuple[_Reply, bool, bool, bool]:
         """The end of a stream the engine passed on: whether its turn is to be queued, its
-        timeline recorded, and the events it held back (the last, with `--ack durable`)
-        released; or the error event that ends the stream instead.
+        timeline recorded, and the events it held back (its last) released; or the error
+        event that ends the stream instead.
 
         `error` says why the stream did not end with its last event (see the engine's
         `Streamed`). A stream that broke off records nothing (the client got an error event
         and will call again); one whose events cannot be read or whose turn cannot be
-        recorded ends with an error event (`--ack durable`: in place of its last event) or,
-        with `--ack fast` (its last event sent), is counted as dropped."""
+        recorded ends with an error event in place of its last event (`--ack durable`), or
+        as it came, counted as dropped (`--ack fast`)."""
         try:
             if error != "abandoned":
                 self._after_streams(call)
@@ -2482,9 +2482,9 @@ class RustDataPlane:
             clock.failed, session.failed = failed, 0
         except _Refusal as refused:
             call.node = None
-            if fast:  # the client has the whole stream: the turn is counted as dropped
+            if fast:  # fail-open: the stream ends as it came, the turn counted as dropped
                 server._drop(session, "record_error")
-                return (*self._timed(call, (200, _SSE_HEADERS, [], True), False), False)
+                return (*self._timed(call, (200, _SSE_HEADERS, [], True), False), True)
             return (*self._timed(call, self._failed(plan, refused, True), False), False)
         return (*self._timed(call, (200, _SSE_HEADERS, [], True), fast), True)
 

@@ -185,7 +185,7 @@ pub struct Finished {
     pub queue: bool,
     /// The call's timeline is to be recorded once the reply is sent.
     pub timed: bool,
-    /// A passed-through stream: the events held back (its last, with `--ack durable`) are
+    /// A passed-through stream: the events held back (its last one) are
     /// to be sent, before the reply's own chunks.
     pub release: bool,
 }
@@ -758,8 +758,9 @@ impl<C: Control> Shared<C> {
 
     /// Pass an upstream's event stream on as it arrives, event by event (the capture fields
     /// the client did not ask for taken out), keeping its bytes; at its end the control
-    /// makes the turn of them. With `--ack durable` the stream's last event (`[DONE]`,
-    /// `message_stop`) is held back until the turn is recorded. Until the stream's first
+    /// makes the turn of them. The stream's last event (`[DONE]`, `message_stop`) is held
+    /// back until the turn is recorded (`--ack durable`) or queued (`--ack fast`): a client
+    /// that has it finds its turn in an export. Until the stream's first
     /// byte the client gets keep-alive comments each `stream_keepalive`; after it, a gap of
     /// `upstream_timeout` breaks the stream off. A client that leaves does not stop the
     /// call: the stream is read to its end and recorded, as a call that does not stream is.
@@ -771,7 +772,6 @@ impl<C: Control> Shared<C> {
             t0,
             upstream_sent,
         } = pumped;
-        let durable = !self.config.fast;
         let mut kept = Vec::new();
         let mut splitter = Splitter::default();
         let mut held = Vec::new();
@@ -782,7 +782,7 @@ impl<C: Control> Shared<C> {
         let waiting_since = Instant::now();
         let pass = |event: Bytes, ended: &mut bool, held: &mut Vec<Bytes>| {
             *ended |= sse::is_last(&event, streaming.anthropic);
-            if durable && *ended {
+            if *ended {
                 held.push(sse::strip(event, streaming.strip));
                 None
             } else {
