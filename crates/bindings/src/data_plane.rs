@@ -35,6 +35,10 @@ fn server_error() -> Reply {
 /// A reply as the control plane gives it: status, headers, the body's chunks, streamed.
 type PyReply = (u16, Vec<(Vec<u8>, Vec<u8>)>, Vec<Vec<u8>>, bool);
 
+/// A streaming call as the control plane prepares it: its stream's headers, whether it is
+/// Anthropic's, and whether its events lose their token ids and their logprobs.
+type PyStreaming = (Vec<(Vec<u8>, Vec<u8>)>, bool, bool, bool);
+
 fn reply_of(value: &Bound<'_, PyAny>) -> PyResult<Reply> {
     let (status, headers, chunks, stream): PyReply = value.extract()?;
     Ok(Reply {
@@ -79,9 +83,6 @@ impl PyControl {
         let path: String = out.get_item(1)?.extract()?;
         let body: Vec<u8> = out.get_item(2)?.extract()?;
         let headers: Vec<(String, String)> = out.get_item(3)?.extract()?;
-        // a streaming call: its stream's headers, whether it is Anthropic's, and whether its
-        // events lose their token ids and their logprobs
-        type PyStreaming = (Vec<(Vec<u8>, Vec<u8>)>, bool, bool, bool);
         let stream: Option<PyStreaming> = out.get_item(4)?.extract()?;
         Ok(Prepared::Forward {
             path,

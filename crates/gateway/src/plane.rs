@@ -348,6 +348,68 @@ struct Pumped<T> {
     upstream_sent: u32,
 }
 
+/// An event stream on its way to the client: its bytes kept, split into events, each passed
+/// on (the capture fields the client did not ask for taken out) until the last, which is
+/// held back with what follows it.
+struct Passage<T> {
+    streaming: Streaming,
+    feed: tokio::sync::mpsc::Sender<Piece<T>>,
+    splitter: Splitter,
+    kept: Vec<Bytes>,
+    held: Vec<Bytes>,
+    /// The stream's last event came.
+    ended: bool,
+    /// The client is still there.
+    client: bool,
+}
+
+impl<T> Passage<T> {
+    fn new(streaming: Streaming, feed: tokio::sync::mpsc::Sender<Piece<T>>) -> Self {
+        Self {
+            streaming,
+            feed,
+            splitter: Splitter::default(),
+            kept: Vec::new(),
+            held: Vec::new(),
+            ended: false,
+            client: true,
+        }
+    }
+
+    async fn send(&mut self, chunk: Bytes) {
+        if self.client {
+            self.client = self.feed.send(Piece::Chunk(chunk)).await.is_ok();
+        }
+    }
+
+    async fn event(&mut self, event: Bytes) {
+        self.ended |= sse::is_last(&event, self.streaming.anthropic);
+        let out = sse::strip(event, self.streaming.strip);
+        if self.ended {
+            self.held.push(out);
+        } else {
+            self.send(out).await;
+        }
+    }
+
+    async fn data(&mut self, data: Bytes) {
+        let events = self.splitter.push(&data);
+        self.kept.push(data);
+        for event in events {
+            self.event(event).await;
+        }
+    }
+
+    /// The stream's end: an event it cut off counts only as (or after) its last one (as it
+    /// came: a client ignores it too).
+    async fn end(&mut self) {
+        let rest = self.splitter.rest();
+        if !rest.is_empty() && (self.ended || sse::is_last(&rest, self.streaming.anthropic)) {
+            self.event(rest).await;
+        }
+    }
+}
+
 /// Where a reply reports that it was sent, and for which call.
 type Done<C> = (Arc<Shared<C>>, Arc<<C as Control>::Ticket>);
 
@@ -764,7 +826,11 @@ impl<C: Control> Shared<C> {
     /// byte the client gets keep-alive comments each `stream_keepalive`; after it, a gap of
     /// `upstream_timeout` breaks the stream off. A client that leaves does not stop the
     /// call: the stream is read to its end and recorded, as a call that does not stream is.
-    async fn pump(self: Arc<Self>, pumped: Pumped<C::Ticket>, feed: tokio::sync::mpsc::Sender<Piece<C::Ticket>>) {
+    async fn pump(
+        self: Arc<Self>,
+        pumped: Pumped<C::Ticket>,
+        feed: tokio::sync::mpsc::Sender<Piece<C::Ticket>>,
+    ) {
         let Pumped {
             mut body,
             streaming,
@@ -772,23 +838,10 @@ impl<C: Control> Shared<C> {
             t0,
             upstream_sent,
         } = pumped;
-        let mut kept = Vec::new();
-        let mut splitter = Splitter::default();
-        let mut held = Vec::new();
-        let mut ended = false;
-        let mut client = true;
+        let mut passage = Passage::new(streaming, feed);
         let mut first_byte = 0u32;
         let mut error: Option<String> = None;
         let waiting_since = Instant::now();
-        let pass = |event: Bytes, ended: &mut bool, held: &mut Vec<Bytes>| {
-            *ended |= sse::is_last(&event, streaming.anthropic);
-            if *ended {
-                held.push(sse::strip(event, streaming.strip));
-                None
-            } else {
-                Some(sse::strip(event, streaming.strip))
-            }
-        };
         loop {
             let left = self
                 .config
@@ -801,10 +854,7 @@ impl<C: Control> Shared<C> {
             };
             match tokio::time::timeout(wait, body.frame()).await {
                 Err(_) if first_byte == 0 && !left.is_zero() && wait < left => {
-                    if client {
-                        let comment = Piece::Chunk(Bytes::from_static(KEEP_ALIVE));
-                        client = feed.send(comment).await.is_ok();
-                    }
+                    passage.send(Bytes::from_static(KEEP_ALIVE)).await;
                 }
                 Err(_) => {
                     error = Some("timeout".into());
@@ -816,44 +866,23 @@ impl<C: Control> Shared<C> {
                     break;
                 }
                 Ok(Some(Ok(frame))) => {
-                    let Ok(data) = frame.into_data() else {
-                        continue;
-                    };
-                    if data.is_empty() {
-                        continue;
-                    }
-                    if first_byte == 0 {
-                        first_byte = micros_since(t0).max(1);
-                    }
-                    let events = splitter.push(&data);
-                    kept.push(data);
-                    for event in events {
-                        if let Some(out) = pass(event, &mut ended, &mut held) {
-                            if client {
-                                client = feed.send(Piece::Chunk(out)).await.is_ok();
-                            }
+                    if let Ok(data) = frame.into_data() {
+                        if !data.is_empty() && first_byte == 0 {
+                            first_byte = micros_since(t0).max(1);
                         }
+                        passage.data(data).await;
                     }
                 }
             }
         }
-        let rest = splitter.rest();
-        // an event cut off by the stream's end is passed on only after the last one (as it
-        // came: a client ignores it too)
-        if !rest.is_empty() && (ended || sse::is_last(&rest, streaming.anthropic)) {
-            if let Some(out) = pass(rest, &mut ended, &mut held) {
-                if client {
-                    let _ = feed.send(Piece::Chunk(out)).await;
-                }
-            }
-        }
-        if ended {
+        passage.end().await;
+        if passage.ended {
             error = None; // whatever came after the last event is nothing to the turn
         } else if error.is_none() {
             error = Some("unfinished".into());
         }
         let streamed = Streamed {
-            events: Bytes::from(kept.concat()),
+            events: Bytes::from(passage.kept.concat()),
             error,
             upstream_sent,
             first_byte,
@@ -866,7 +895,8 @@ impl<C: Control> Shared<C> {
         else {
             return;
         };
-        self.ended(finished, held, &feed, ticket).await;
+        let held = std::mem::take(&mut passage.held);
+        self.ended(finished, held, &passage.feed, ticket).await;
     }
 
     /// A call forwarded as it came, answered as the upstream answered (`forward_only`).
@@ -996,8 +1026,7 @@ impl<C: Control> Shared<C> {
         };
         answer.upstream_sent = micros_since(t0);
         let deadline = tokio::time::Instant::now() + self.config.upstream_timeout;
-        let response = match tokio::time::timeout_at(deadline, self.client.request(request)).await
-        {
+        let response = match tokio::time::timeout_at(deadline, self.client.request(request)).await {
             Err(_) => {
                 answer.error = Some("timeout".into());
                 return Opened::Answer(answer);
@@ -1108,16 +1137,17 @@ fn is_event_stream(headers: &HeaderMap) -> bool {
 fn failure_kind(error: &(dyn std::error::Error + 'static)) -> String {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
     while let Some(error) = source {
-        let tls = error.downcast_ref::<rustls::Error>().or_else(|| {
-            error
-                .downcast_ref::<io::Error>()
-                .and_then(io::Error::get_ref)
-                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
-        });
-        if let Some(tls) = tls {
+        if let Some(tls) = error.downcast_ref::<rustls::Error>() {
             return format!("TLS handshake failed ({tls})");
         }
-        source = error.source();
+        // an io::Error's source is its inner error's source: its inner error is looked at
+        source = match error
+            .downcast_ref::<io::Error>()
+            .and_then(io::Error::get_ref)
+        {
+            Some(inner) => Some(inner),
+            None => error.source(),
+        };
     }
     if let Some(error) = error.downcast_ref::<hyper_util::client::legacy::Error>() {
         if error.is_connect() {
@@ -1345,5 +1375,22 @@ fn record_loop<C: Control>(shared: &Shared<C>, jobs: &mpsc::Receiver<Job<C::Tick
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tls_failure_is_named_however_deep_it_is_wrapped() {
+        let tls = rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer);
+        let wrapped = io::Error::other(io::Error::new(io::ErrorKind::InvalidData, tls));
+        assert_eq!(
+            failure_kind(&wrapped),
+            "TLS handshake failed (invalid peer certificate: UnknownIssuer)"
+        );
+        let plain = io::Error::other("connection reset");
+        assert_eq!(failure_kind(&plain), "ServerDisconnectedError");
     }
 }

@@ -42,9 +42,10 @@ fn event_end(text: &[u8], from: usize) -> Option<usize> {
                 return Some(i + 3);
             }
             b'\r' if text.get(i + 1) == Some(&b'\r') => return Some(i + 2),
-            b'\r' if text.get(i + 1) == Some(&b'\n')
-                && text.get(i + 2) == Some(&b'\r')
-                && text.get(i + 3) == Some(&b'\n') =>
+            b'\r'
+                if text.get(i + 1) == Some(&b'\n')
+                    && text.get(i + 2) == Some(&b'\r')
+                    && text.get(i + 3) == Some(&b'\n') =>
             {
                 return Some(i + 4);
             }
@@ -254,7 +255,8 @@ fn skip_value(text: &[u8], i: usize) -> Option<usize> {
         }
         _ => {
             let mut j = i;
-            while j < text.len() && !matches!(text[j], b',' | b'}' | b']' | b' ' | b'\t' | b'\r' | b'\n')
+            while j < text.len()
+                && !matches!(text[j], b',' | b'}' | b']' | b' ' | b'\t' | b'\r' | b'\n')
             {
                 j += 1;
             }
@@ -403,7 +405,11 @@ mod tests {
         assert_eq!(stripped(event, false, false), event);
         // fields first, last, side by side, and alone
         assert_eq!(
-            stripped("data: {\"prompt_token_ids\":[1],\"choices\":[{\"token_ids\":[2]}]}\n\n", true, true),
+            stripped(
+                "data: {\"prompt_token_ids\":[1],\"choices\":[{\"token_ids\":[2]}]}\n\n",
+                true,
+                true
+            ),
             "data: {\"choices\":[{}]}\n\n"
         );
         assert_eq!(
