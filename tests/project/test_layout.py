@@ -55,7 +55,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     (
         "serve",
         {"serve.loopback", "serve.replicas", "serve.sse", "serve.sessions", "serve.server"}
-        | {"serve.stub_engine", "serve.idle_trim", "serve.capture"},
+        | {"serve.stub_engine", "serve.idle_trim", "serve.capture", "serve.assemble"},
     ),
     ("command line and package", {"cli", "__main__", "__init__"}),
 ]
