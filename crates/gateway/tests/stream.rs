@@ -74,8 +74,11 @@ fn answer(stream: TcpStream) {
 /// stream's end brought it.
 struct Streams {
     release: bool,
-    streamed: Arc<Mutex<Vec<(Bytes, Option<String>)>>>,
+    streamed: Arc<Mutex<Vec<Kept>>>,
 }
+
+/// A stream's bytes and why it did not end with its last event.
+type Kept = (Bytes, Option<String>);
 
 impl Control for Streams {
     type Ticket = ();
@@ -145,7 +148,7 @@ fn unchunked(mut data: &str) -> String {
     }
 }
 
-fn streamed_call(release: bool) -> (String, Vec<(Bytes, Option<String>)>) {
+fn streamed_call(release: bool) -> (String, Vec<Kept>) {
     let streamed = Arc::new(Mutex::new(Vec::new()));
     let control = Streams {
         release,
