@@ -4,7 +4,8 @@ An agent points its SDK at this server (base URL) with a session's API key and c
 else. Each `POST /v1/chat/completions` or `POST /v1/messages` is forwarded to the upstream
 engine as one complete (non-streaming) call; the answer is recorded in the session's rollout
 graph and then handed back, replayed as server-sent events when the client asked for
-`stream: true`. Token ids and logprobs come from the engine's own fields (vLLM's
+`stream: true` (the Rust data plane passes the upstream's own stream through instead, and
+records the answer its events add up to, `assemble`). Token ids and logprobs come from the engine's own fields (vLLM's
 `return_token_ids` and `logprobs`, requested upstream unless the client set them itself and
 removed from the reply when the client did not ask); without them turns link by messages.
 Nothing is tokenized here.
@@ -38,8 +39,8 @@ body is accepted, refused and recorded as json.loads reads it.
 
 Each call is stamped as it passes (`timeline.CallClock`: received, sent upstream, the
 upstream's first and last byte, each stream chunk sent) and its turn gets the `Timeline`
-once the reply has been sent (a background task of the response): the upstream answers
-unstreamed, so its first token is its first byte. With `ack="fast"` the recorder that records
+once the reply has been sent (a background task of the response): an upstream that answers
+unstreamed has its first token at its first byte. With `ack="fast"` the recorder that records
 the turn after the reply records its timeline too.
 
 With `ack="durable"` (the default) a turn is acknowledged (the client gets its answer) only
@@ -2178,7 +2179,9 @@ def create_app(
 # callbacks with the Python server's own code, so both planes refuse, record and reply alike:
 # `prepare` resolves the session and makes the upstream call ready (`_Server.plan`),
 # `finish` turns the upstream's answer into the reply and records the turn (`--ack durable`)
-# or hands it back to be queued (`--ack fast`), `record` records a queued turn on the engine's
+# or hands it back to be queued (`--ack fast`), `finish_stream` does the same for a stream the
+# engine passed through (its turn made of its events; the engine holds its last event until
+# then), `record` records a queued turn on the engine's
 # recorder thread, `dropped` counts a queued turn that will not be, and `sent` records a
 # call's timeline once its reply is out. Each callback runs on an engine thread holding the
 # GIL. `close` stops the engine: no new call, the queued turns recorded (bounded), the rest
