@@ -49,6 +49,7 @@ class Engine:
         self.events = events
         self.hold_at = hold_at
         self.end = "done"
+        self.linger = False  # after its last event, wait at the gate before it ends
         self.gate = threading.Event()
         self.bodies: list[dict[str, Any]] = []
         self.sent_all = threading.Event()
@@ -65,6 +66,8 @@ class Engine:
                 await self._wait()
             yield event
         self.sent_all.set()
+        if self.linger:
+            await self._wait()
         if self.end == "break":
             raise RuntimeError("the engine fell over mid-stream (on purpose)")
 
@@ -411,6 +414,24 @@ def test_a_stream_the_engine_breaks_off_ends_with_an_error_event_and_records_not
         ).json()
         (turn,) = export["turns"]
         assert turn["timeline"]["failed_attempts"] == 1
+
+
+def test_the_stream_ends_at_its_last_event_even_when_the_upstream_lingers(
+    tmp_path: Path,
+) -> None:
+    engine = Engine(_chat_answer(), _chat_events())
+    engine.linger = True
+    body = {"model": "m", "messages": MESSAGES, "stream": True}
+    with _through(engine, tmp_path) as (url, app, session):
+        headers = {"authorization": f"Bearer {session['api_key']}"}
+        with httpx.stream(
+            "POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=GATE_S / 2
+        ) as answer:
+            received = b"".join(answer.iter_raw())
+        assert received.endswith(b"data: [DONE]\n\n")
+        assert not engine.gate.is_set()  # the engine had not ended its answer
+        assert len(_turns(app, session["session_id"])) == 1
+        engine.gate.set()
 
 
 def test_an_upstream_error_before_the_stream_passes_through(tmp_path: Path) -> None:

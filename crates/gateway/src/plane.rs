@@ -872,6 +872,15 @@ impl<C: Control> Shared<C> {
                         }
                         passage.data(data).await;
                     }
+                    if passage.ended {
+                        // the turn is complete: what the upstream may still send is read
+                        // (its connection back to the pool) but waited for by no one
+                        let timeout = self.config.upstream_timeout;
+                        tokio::spawn(tokio::time::timeout(timeout, async move {
+                            while let Some(Ok(_)) = body.frame().await {}
+                        }));
+                        break;
+                    }
                 }
             }
         }
