@@ -5,9 +5,10 @@ else. Each `POST /v1/chat/completions` or `POST /v1/messages` is forwarded to th
 engine as one complete (non-streaming) call; the answer is recorded in the session's rollout
 graph and then handed back, replayed as server-sent events when the client asked for
 `stream: true` (the Rust data plane passes the upstream's own stream through instead, and
-records the answer its events add up to, `assemble`). Token ids and logprobs come from the engine's own fields (vLLM's
-`return_token_ids` and `logprobs`, requested upstream unless the client set them itself and
-removed from the reply when the client did not ask); without them turns link by messages.
+records the answer its events add up to, `assemble`). Token ids and logprobs come from the
+engine's own fields (vLLM's `return_token_ids` and `logprobs`, requested upstream unless the
+client set them itself and removed from the reply when the client did not ask); without them
+turns link by messages.
 Nothing is tokenized here.
 
 Sessions follow the capture server this library replaces: `POST /sessions` mints a session
@@ -2181,9 +2182,8 @@ def create_app(
 # `finish` turns the upstream's answer into the reply and records the turn (`--ack durable`)
 # or hands it back to be queued (`--ack fast`), `finish_stream` does the same for a stream the
 # engine passed through (its turn made of its events; the engine holds its last event until
-# then), `record` records a queued turn on the engine's
-# recorder thread, `dropped` counts a queued turn that will not be, and `sent` records a
-# call's timeline once its reply is out. Each callback runs on an engine thread holding the
+# then), `record` records a queued turn on the engine's recorder thread, `dropped` counts a
+# queued turn that will not be, and `sent` records a call's timeline once its reply is out. Each callback runs on an engine thread holding the
 # GIL. `close` stops the engine: no new call, the queued turns recorded (bounded), the rest
 # counted as dropped.
 
