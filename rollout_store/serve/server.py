@@ -2183,9 +2183,9 @@ def create_app(
 # or hands it back to be queued (`--ack fast`), `finish_stream` does the same for a stream the
 # engine passed through (its turn made of its events; the engine holds its last event until
 # then), `record` records a queued turn on the engine's recorder thread, `dropped` counts a
-# queued turn that will not be, and `sent` records a call's timeline once its reply is out. Each callback runs on an engine thread holding the
-# GIL. `close` stops the engine: no new call, the queued turns recorded (bounded), the rest
-# counted as dropped.
+# queued turn that will not be, and `sent` records a call's timeline once its reply is out.
+# Each callback runs on an engine thread holding the GIL. `close` stops the engine: no new
+# call, the queued turns recorded (bounded), the rest counted as dropped.
 
 #: The data planes `rollout-store serve --data-plane` offers.
 DATA_PLANES = ("python", "rust")
