@@ -185,8 +185,8 @@ pub struct Finished {
     pub queue: bool,
     /// The call's timeline is to be recorded once the reply is sent.
     pub timed: bool,
-    /// A passed-through stream: the events held back (its last one) are
-    /// to be sent, before the reply's own chunks.
+    /// A passed-through stream: the events held back (its last one) are to be sent, before
+    /// the reply's own chunks.
     pub release: bool,
 }
 
@@ -205,9 +205,9 @@ pub trait Control: Send + Sync + 'static {
     type Ticket: Send + Sync + 'static;
     fn prepare(&self, call: Call) -> Prepared<Self::Ticket>;
     fn finish(&self, ticket: &Self::Ticket, upstream: Upstream) -> Finished;
-    /// The end of a stream passed through: its turn made of its events and recorded (with
-    /// `--ack durable`, then the held-back last event is released) or queued; or, when it
-    /// broke off or cannot be recorded, the error event that ends it.
+    /// The end of a stream passed through: its turn made of its events and recorded
+    /// (`--ack durable`) or queued (`--ack fast`), then its held-back last event released;
+    /// or, when it broke off or cannot be recorded, the error event that ends it.
     fn finish_stream(&self, ticket: &Self::Ticket, streamed: Streamed) -> Finished;
     /// Record a turn queued with `--ack fast` (the control counts a failure itself).
     fn record(&self, ticket: &Self::Ticket);
