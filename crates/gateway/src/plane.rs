@@ -6,8 +6,12 @@
 //! time bound) and depth-checked, then the [`Control`] (the Python control plane, through the
 //! bindings) prepares the upstream call or refuses it; the call goes upstream through the
 //! pooled client; the control finishes it (records the turn with `--ack durable`, or hands it
-//! back to be queued with `--ack fast`) and gives the reply. Every other request is proxied,
-//! streamed both ways, to the control plane's own listener on loopback.
+//! back to be queued with `--ack fast`) and gives the reply. A streaming call's upstream is
+//! called streaming: its events are passed on as they arrive, its bytes kept, its last event
+//! held back until the control has made (and recorded or queued) the turn of them
+//! (`finish_stream`). The upstream client speaks `http://` and `https://` (rustls). Every
+//! other request is proxied, streamed both ways, to the control plane's own listener on
+//! loopback.
 //!
 //! The control's calls may block (they take the GIL): they run on tokio's blocking pool, and a
 //! panic in one answers that call 500 while the server goes on. Recording with `--ack fast`
