@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import errno
 import json
+import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -21,12 +23,14 @@ import httpx
 import pytest
 import uvicorn
 from capture_support import ADMIN_KEY, auth, new_session, serve_app
+from services import free_port, unavailable
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from rollout_store.files.storage import RolloutGraph
+from rollout_store.serve.loopback import wait_for_port
 from rollout_store.serve.server import create_app, listen_socket
 from rollout_store.serve.sse import SSE_HEADERS, anthropic_events, chat_chunks, sse_data, sse_event
 from rollout_store.serve.stub_engine import chat_response, create_stub_app
@@ -578,3 +582,52 @@ def test_an_untrusted_https_upstream_fails_the_call_naming_tls(
                 message = answer.json()["error"]["message"]
                 assert "TLS" in message and "certificate" in message, message
                 assert _turns(app, session["session_id"]) == []
+
+
+@pytest.mark.slow
+def test_an_https_upstream_offering_http2_is_called_over_http2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HAProxy terminates TLS with ALPN `h2, http/1.1` in front of the stub; its log names
+    the protocol each call came in with."""
+    trustme = pytest.importorskip("trustme")
+    binary = shutil.which("haproxy")
+    if binary is None:
+        unavailable("haproxy is not installed (apt-get install haproxy)")
+    assert binary is not None
+    authority = trustme.CA()
+    pem = tmp_path / "upstream.pem"
+    pem.write_bytes(authority.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.bytes())
+    roots = tmp_path / "roots.pem"
+    roots.write_bytes(authority.cert_pem.bytes())
+    monkeypatch.setenv("SSL_CERT_FILE", str(roots))
+    port = free_port()
+    with serve_app(create_stub_app()) as stub:
+        config = tmp_path / "haproxy.cfg"
+        config.write_text(
+            "global\n    log stdout format raw local0\n"
+            "defaults\n    mode http\n    log global\n    timeout connect 5s\n"
+            "    timeout client 30s\n    timeout server 30s\n"
+            f"frontend tls\n    bind 127.0.0.1:{port} ssl crt {pem} alpn h2,http/1.1\n"
+            '    log-format "alpn=%[ssl_fc_alpn] %HM %HU %ST"\n    default_backend stub\n'
+            f"backend stub\n    server stub {stub.removeprefix('http://')}\n"
+        )
+        proc = subprocess.Popen(
+            [binary, "-db", "-f", str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        try:
+            wait_for_port(port, 20)
+            app = create_app(f"https://127.0.0.1:{port}", admin_key=ADMIN_KEY)
+            with serve_app(app, data_plane="rust") as url:
+                session = new_session(url)
+                body = {"model": "m", "messages": MESSAGES}
+                answer = _post(url, "/v1/chat/completions", session, body)
+                assert answer.status_code == 200 and answer.json() == chat_response(body)
+                streamed = _post(url, "/v1/chat/completions", session, {**body, "stream": True})
+                assert streamed.content.endswith(b"data: [DONE]\n\n")
+                assert len(_turns(app, session["session_id"])) == 2
+        finally:
+            proc.terminate()
+            log, _ = proc.communicate(timeout=20)
+    calls = [line for line in log.decode().splitlines() if line.startswith("alpn=")]
+    assert calls == ["alpn=h2 POST " + f"https://127.0.0.1:{port}/v1/chat/completions 200"] * 2
