@@ -515,6 +515,50 @@ def test_a_client_that_leaves_mid_stream_leaves_the_turn_recorded(tmp_path: Path
         assert _post(url, "/v1/chat/completions", session, body).status_code == 200
 
 
+def test_a_call_continuing_a_stream_whose_end_is_not_recorded_waits_for_it(
+    tmp_path: Path,
+) -> None:
+    """A client that stops reading at the last delta and calls again at once: its next turn
+    is recorded after the stream's, which it continues (and links to)."""
+    engine = Engine(_chat_answer(), _chat_events(), hold_at=len(_chat_events()) - 1)
+    body = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "stream": True}
+    with _through(engine, tmp_path) as (url, app, session):
+        headers = {"authorization": f"Bearer {session['api_key']}"}
+        received = b""
+        with httpx.stream(
+            "POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=5
+        ) as answer:
+            chunks = answer.iter_raw()
+            while b'"finish_reason": "tool_calls"' not in received:
+                received += next(chunks)
+        message = _chat_answer()["choices"][0]["message"]
+        later = {
+            "model": "m",
+            "messages": [*MESSAGES, message, {"role": "user", "content": "and then?"}],
+            "tools": TOOLS,
+        }
+        answered: list[int] = []
+        thread = threading.Thread(
+            target=lambda: answered.append(
+                _post(url, "/v1/chat/completions", session, later).status_code
+            )
+        )
+        thread.start()
+        for _ in range(500):
+            if len(engine.bodies) == 2:
+                break
+            time.sleep(0.01)
+        assert len(engine.bodies) == 2  # the next call went upstream
+        time.sleep(0.3)
+        assert thread.is_alive()  # and waits for the stream's turn
+        engine.gate.set()
+        thread.join(10)
+        assert answered == [200]
+        first, second = _turns(app, session["session_id"])
+        assert first.request_messages == MESSAGES
+        assert len(second.request_messages) == 3
+
+
 # ---------------------------------------------------------------------- https upstreams
 
 
