@@ -229,7 +229,8 @@ impl Control for PyControl {
 
 /// The data plane: the model routes served by hyper on a runtime of its own, the rest
 /// proxied to the control plane's listener; the control plane's callbacks (`prepare`,
-/// `finish`, `finish_stream`, `record`, `dropped`, `sent`) are methods of `control`. `stop` ends it.
+/// `finish`, `finish_stream`, `record`, `dropped`, `sent`) are methods of `control`. `stop`
+/// ends it.
 /// `forward_only`: a floor for benchmarks (calls go upstream and come back as they came,
 /// with no key, no callback and nothing recorded).
 #[pyclass(frozen, module = "rollout_store._core")]
