@@ -1172,13 +1172,35 @@ fn failure_kind(error: &(dyn std::error::Error + 'static)) -> String {
 
 /// The TLS settings of the upstream client: rustls with ring; the roots are the system's
 /// (`SSL_CERT_FILE` and `SSL_CERT_DIR` as OpenSSL reads them), or Mozilla's bundled roots
-/// when the system has none. Roots are loaded only for an `https://` upstream.
+/// when the system has none and neither variable is set. Roots are loaded only for an
+/// `https://` upstream.
 fn tls_config(https: bool) -> io::Result<rustls::ClientConfig> {
     let mut roots = rustls::RootCertStore::empty();
     if https {
         let native = rustls_native_certs::load_native_certs();
         roots.add_parsable_certificates(native.certs);
         if roots.is_empty() {
+            let chosen: Vec<&str> = ["SSL_CERT_FILE", "SSL_CERT_DIR"]
+                .into_iter()
+                .filter(|name| std::env::var_os(name).is_some())
+                .collect();
+            if !chosen.is_empty() {
+                let why: Vec<String> = native.errors.iter().map(ToString::to_string).collect();
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!(
+                        "no TLS root certificate could be read from {} ({}): point {it} at PEM \
+                         certificates, or unset {it} to use the system's roots",
+                        chosen.join(" and "),
+                        if why.is_empty() {
+                            "no certificate in it".to_string()
+                        } else {
+                            why.join("; ")
+                        },
+                        it = if chosen.len() > 1 { "them" } else { "it" },
+                    ),
+                ));
+            }
             roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
         }
     }

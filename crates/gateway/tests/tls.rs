@@ -125,8 +125,8 @@ impl Control for Plain {
     fn sent(&self, (): &(), _: Sent) {}
 }
 
-fn call_through(upstream: SocketAddr) -> (u16, String) {
-    let config = Config {
+fn config(upstream: SocketAddr) -> Config {
+    Config {
         listen: "127.0.0.1:0".parse().unwrap(),
         upstream: format!("https://{upstream}"),
         backend: "127.0.0.1:9".parse().unwrap(),
@@ -141,8 +141,11 @@ fn call_through(upstream: SocketAddr) -> (u16, String) {
         ack_queue: 16,
         workers: 1,
         forward_only: false,
-    };
-    let mut gateway = Gateway::start(config, Plain).unwrap();
+    }
+}
+
+fn call_through(upstream: SocketAddr) -> (u16, String) {
+    let mut gateway = Gateway::start(config(upstream), Plain).unwrap();
     let body = r#"{"messages": []}"#;
     let mut client = TcpStream::connect(gateway.local_addr()).unwrap();
     client
@@ -175,5 +178,15 @@ fn an_https_upstream_is_trusted_by_the_roots_of_ssl_cert_file_only() {
     assert!(
         body.starts_with("TLS handshake failed (invalid peer certificate"),
         "{body}"
+    );
+    // a file of no certificate: the gateway does not start
+    std::env::set_var("SSL_CERT_FILE", data("server-key.pem"));
+    let Err(refused) = Gateway::start(config(upstream), Plain) else {
+        panic!("a gateway started with no root certificate");
+    };
+    let message = refused.to_string();
+    assert!(
+        message.starts_with("no TLS root certificate could be read from SSL_CERT_FILE"),
+        "{message}"
     );
 }
