@@ -269,7 +269,8 @@ class FrameScan:
 class DataPlane:
     """The data plane: the model routes served by hyper on a runtime of its own, the rest
     proxied to the control plane's listener; the control plane's callbacks (`prepare`,
-    `finish`, `record`, `dropped`, `sent`) are methods of `control`. `stop` ends it.
+    `finish`, `finish_stream`, `record`, `dropped`, `sent`) are methods of `control`. `stop`
+    ends it.
     `forward_only`: a floor for benchmarks (calls go upstream and come back as they came,
     with no key, no callback and nothing recorded)."""
 

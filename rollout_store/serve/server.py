@@ -4,9 +4,11 @@ An agent points its SDK at this server (base URL) with a session's API key and c
 else. Each `POST /v1/chat/completions` or `POST /v1/messages` is forwarded to the upstream
 engine as one complete (non-streaming) call; the answer is recorded in the session's rollout
 graph and then handed back, replayed as server-sent events when the client asked for
-`stream: true`. Token ids and logprobs come from the engine's own fields (vLLM's
-`return_token_ids` and `logprobs`, requested upstream unless the client set them itself and
-removed from the reply when the client did not ask); without them turns link by messages.
+`stream: true` (the Rust data plane passes the upstream's own stream through instead, and
+records the answer its events add up to, `assemble`). Token ids and logprobs come from the
+engine's own fields (vLLM's `return_token_ids` and `logprobs`, requested upstream unless the
+client set them itself and removed from the reply when the client did not ask); without them
+turns link by messages.
 Nothing is tokenized here.
 
 Sessions follow the capture server this library replaces: `POST /sessions` mints a session
@@ -38,8 +40,8 @@ body is accepted, refused and recorded as json.loads reads it.
 
 Each call is stamped as it passes (`timeline.CallClock`: received, sent upstream, the
 upstream's first and last byte, each stream chunk sent) and its turn gets the `Timeline`
-once the reply has been sent (a background task of the response): the upstream answers
-unstreamed, so its first token is its first byte. With `ack="fast"` the recorder that records
+once the reply has been sent (a background task of the response): an upstream that answers
+unstreamed has its first token at its first byte. With `ack="fast"` the recorder that records
 the turn after the reply records its timeline too.
 
 With `ack="durable"` (the default) a turn is acknowledged (the client gets its answer) only
@@ -138,6 +140,7 @@ from ..viewer.hosts import (
     origin_allowed,
 )
 from .ack_ledger import KILLED
+from .assemble import assembled, holds_error
 from .idle_trim import with_idle_trim
 from .replicas import replica_key_prefix
 from .sessions import Session, SessionDamagedError, SessionError, Sessions, clean_session_id
@@ -672,8 +675,14 @@ def _end_of_text(raw: bytes, end: int) -> int:
     return end
 
 
-def upstream_body(raw: bytes, body: dict[str, Any], extra: dict[str, Any]) -> bytes:
-    """The body sent upstream: the client's with `extra` set and `stream_options` dropped.
+def upstream_body(
+    raw: bytes,
+    body: dict[str, Any],
+    extra: dict[str, Any],
+    drop: tuple[str, ...] = ("stream_options",),
+) -> bytes:
+    """The body sent upstream: the client's with `extra` set and the fields `drop` names
+    (`stream_options`, unless the upstream is to stream) dropped.
 
     When the client's body is UTF-8 and has none of those keys, `extra` is appended to its
     own bytes (no key repeats, nothing re-encoded); otherwise (json.loads also reads UTF-16
@@ -685,7 +694,7 @@ def upstream_body(raw: bytes, body: dict[str, Any], extra: dict[str, Any]) -> by
     body, 140-330 us; one `join`, 2 us).
     """
     if (
-        "stream_options" not in body
+        not any(key in body for key in drop)
         and not any(key in body for key in extra)
         and json.detect_encoding(raw) in ("utf-8", "utf-8-sig")
     ):
@@ -695,7 +704,7 @@ def upstream_body(raw: bytes, body: dict[str, Any], extra: dict[str, Any]) -> by
             items = json.dumps(extra)[1:-1].encode("ascii")
             comma = b", " if raw[head - 1 : head] != b"{" else b""
             return b"".join((memoryview(raw)[:head], comma, items, b"}"))
-    merged = {k: v for k, v in body.items() if k != "stream_options"}
+    merged = {k: v for k, v in body.items() if k not in drop}
     merged.update(extra)
     parts = [b"{"]
     for key, value in merged.items():
@@ -777,7 +786,8 @@ async def _events(
 class _Plan:
     """A model call ready to go upstream: its session, where and what to send, how its
     answer becomes a turn (`make_turn`, which also fills `replay` with a streamed call's
-    events) and a reply (`reply`), and its clock."""
+    events; `turn_of`, the turn alone) and a reply (`reply`), its clock, and the capture
+    fields the server asked for that the client did not (`injected`: token ids, logprobs)."""
 
     session: Session
     anthropic: bool
@@ -789,6 +799,9 @@ class _Plan:
     reply: Callable[[dict[str, Any], bytes], Response]
     replay: list[bytes]
     clock: CallClock
+    turn_of: Callable[[dict[str, Any]], TurnNode]
+    injected: tuple[bool, bool] = (False, False)
+    messages: Any = None
 
 
 class _Server:
@@ -1262,34 +1275,42 @@ class _Server:
         session: Session,
         raw: bytes,
         clock: CallClock,
+        passthrough: bool = False,
     ) -> _Plan:
-        """A model call's body checked and its upstream call made ready (or _Refusal)."""
+        """A model call's body checked and its upstream call made ready (or _Refusal).
+        `passthrough`: a streaming call asks the upstream for its stream (the Rust data
+        plane passes it on), with the client's `stream_options`; otherwise the upstream is
+        asked for the whole answer."""
         raw_fields = MESSAGES_RAW_FIELDS if anthropic else CHAT_RAW_FIELDS
         body = (_check_anthropic if anthropic else _check_chat)(_decode(raw, raw_fields))
         _check_depth(body, anthropic)
         harness = _harness_session(headers, body, anthropic=anthropic)
         stream = body.get("stream") is True
+        streamed = stream and passthrough
         upstream_headers = self._upstream_headers(headers, anthropic=anthropic)
         if anthropic:
-            make_turn, replay = _recorder(
-                lambda response: messages_turn(body, response, harness),
-                anthropic_events if stream else None,
-            )
+
+            def message_turn(response: dict[str, Any]) -> TurnNode:
+                return messages_turn(body, response, harness)
+
+            make_turn, replay = _recorder(message_turn, anthropic_events if stream else None)
             return _Plan(
                 session,
                 anthropic,
                 stream,
                 "/v1/messages",
-                upstream_body(raw, body, {"stream": False}),
+                upstream_body(raw, body, {"stream": streamed}),
                 upstream_headers,
                 make_turn,
                 _json_bytes,
                 replay,
                 clock,
+                message_turn,
+                messages=body["messages"],
             )
         inject_ids = self.config.capture_tokens and "return_token_ids" not in body
         inject_logprobs = self.config.capture_tokens and "logprobs" not in body
-        extra: dict[str, Any] = {"stream": False}
+        extra: dict[str, Any] = {"stream": streamed}
         if inject_ids:
             extra["return_token_ids"] = True
         if inject_logprobs:
@@ -1310,20 +1331,24 @@ class _Server:
                 token_ids=bool(body.get("return_token_ids")),
             )
 
-        make_turn, replay = _recorder(
-            lambda response: chat_turn(body, response, harness), events if stream else None
-        )
+        def turn(response: dict[str, Any]) -> TurnNode:
+            return chat_turn(body, response, harness)
+
+        make_turn, replay = _recorder(turn, events if stream else None)
         return _Plan(
             session,
             anthropic,
             stream,
             "/v1/chat/completions",
-            upstream_body(raw, body, extra),
+            upstream_body(raw, body, extra, () if streamed else ("stream_options",)),
             upstream_headers,
             make_turn,
             reply,
             replay,
             clock,
+            turn,
+            (inject_ids, inject_logprobs),
+            body["messages"],
         )
 
     async def _model_call(self, request: Request, anthropic: bool) -> Response:
@@ -2170,16 +2195,20 @@ def create_app(
 # callbacks with the Python server's own code, so both planes refuse, record and reply alike:
 # `prepare` resolves the session and makes the upstream call ready (`_Server.plan`),
 # `finish` turns the upstream's answer into the reply and records the turn (`--ack durable`)
-# or hands it back to be queued (`--ack fast`), `record` records a queued turn on the engine's
-# recorder thread, `dropped` counts a queued turn that will not be, and `sent` records a
-# call's timeline once its reply is out. Each callback runs on an engine thread holding the
-# GIL. `close` stops the engine: no new call, the queued turns recorded (bounded), the rest
-# counted as dropped.
+# or hands it back to be queued (`--ack fast`), `finish_stream` does the same for a stream the
+# engine passed through (its turn made of its events; the engine holds its last event until
+# then), `record` records a queued turn on the engine's recorder thread, `dropped` counts a
+# queued turn that will not be, and `sent` records a call's timeline once its reply is out.
+# Each callback runs on an engine thread holding the GIL. `close` stops the engine: no new
+# call, the queued turns recorded (bounded), the rest counted as dropped.
 
 #: The data planes `rollout-store serve --data-plane` offers.
 DATA_PLANES = ("python", "rust")
 
 _Reply = tuple[int, list[tuple[bytes, bytes]], list[bytes], bool]
+#: How a streaming call's stream is answered: its headers, whether it is Anthropic's, and
+#: whether its events lose their token ids and their logprobs.
+_Streaming = tuple[list[tuple[bytes, bytes]], bool, bool, bool]
 _SSE_HEADERS = StreamingResponse(
     iter(()), media_type="text/event-stream", headers=SSE_HEADERS
 ).raw_headers
@@ -2190,13 +2219,28 @@ def _reply(response: Response) -> _Reply:
 
 
 class _Call:
-    """One model call between the engine's callbacks: its plan and, once answered, its turn."""
+    """One model call between the engine's callbacks: its plan, once answered its turn, and
+    (a passed-through stream) when its turn is recorded or let go."""
 
-    __slots__ = ("node", "plan")
+    __slots__ = ("ended", "node", "plan")
 
     def __init__(self, plan: _Plan) -> None:
         self.plan = plan
         self.node: TurnNode | None = None
+        self.ended = threading.Event()
+
+
+def _continues(later: Any, earlier: Any) -> bool:
+    """Whether the messages `later` go on from the messages `earlier` (as their raw text, or
+    their values)."""
+    if type(later) is RawJSON and type(earlier) is RawJSON:
+        before, after = _text(earlier), _text(later)
+        head = before[: _end_of_text(before, len(before)) - 1]  # without its closing bracket
+        rest = after[len(head) :].lstrip(b" \t\r\n")
+        return len(head) > 1 and after.startswith(head) and rest[:1] == b","
+    if isinstance(later, list) and isinstance(earlier, list):
+        return 0 < len(earlier) < len(later) and later[: len(earlier)] == earlier
+    return False
 
 
 class RustDataPlane:
@@ -2209,10 +2253,9 @@ class RustDataPlane:
     ) -> None:
         server: _Server = app.state.server
         config = server.config
-        if not server.upstream.startswith("http://"):
+        if not server.upstream.startswith(("http://", "https://")):
             raise InvalidArgumentError(
-                f"the Rust data plane calls http:// upstreams only, not {server.upstream!r}: "
-                "use --data-plane python for this upstream"
+                f"the upstream must be an http:// or https:// URL, not {server.upstream!r}"
             )
         self._server = server
         self._sessions = server.sessions
@@ -2235,6 +2278,9 @@ class RustDataPlane:
             workers=workers,
         )
         self.port: int = self._engine.port
+        #: Per session, its streams passed through whose turn is not recorded yet.
+        self._streams: dict[str, list[_Call]] = {}
+        self._streams_lock = threading.Lock()
         self._sessions.watch_keys(self._key_changed)
         server.plane = self
 
@@ -2270,11 +2316,11 @@ class RustDataPlane:
         headers: list[tuple[str, bytes]],
         body: bytes,
         received_us: int,
-    ) -> (
-        tuple[_Call, str, bytes, list[tuple[str, str]], list[tuple[bytes, bytes]] | None]
-        | tuple[None, _Reply]
-    ):
-        """A call that passed the engine's gate: its upstream call, or the refusal."""
+    ) -> tuple[_Call, str, bytes, list[tuple[str, str]], _Streaming | None] | tuple[None, _Reply]:
+        """A call that passed the engine's gate: its upstream call, or the refusal. A
+        streaming call's upstream is asked to stream: the engine passes its events on (with
+        the capture fields the client did not ask for taken out) and hands them to
+        `finish_stream` at the end, or, for any other answer, calls `finish`."""
         clock = CallClock()
         clock.received = received_us
         server = self._server
@@ -2286,11 +2332,44 @@ class RustDataPlane:
                 session,
                 body,
                 clock,
+                passthrough=True,
             )
         except _Refusal as refusal:
             return None, _reply(_failure(anthropic, refusal))
-        stream = _SSE_HEADERS if plan.stream else None
-        return _Call(plan), plan.path, plan.content, list(plan.headers.items()), stream
+        call = _Call(plan)
+        stream = None
+        if plan.stream:
+            stream = (_SSE_HEADERS, anthropic, *plan.injected)
+            with self._streams_lock:
+                self._streams.setdefault(session.session_id, []).append(call)
+        return call, plan.path, plan.content, list(plan.headers.items()), stream
+
+    def _after_streams(self, call: _Call) -> None:
+        """Wait (at most `--upstream-timeout`) for the turns of the session's streams that
+        this call continues: a client may read a stream's answer and call again before the
+        stream's end is recorded (it left early, or stopped reading at the last delta), and
+        its next turn must find that one in the graph to link to it."""
+        plan = call.plan
+        with self._streams_lock:
+            earlier = [
+                other
+                for other in self._streams.get(plan.session.session_id, ())
+                if other is not call and _continues(plan.messages, other.plan.messages)
+            ]
+        deadline = time.monotonic() + self._server.config.upstream_timeout
+        for other in earlier:
+            other.ended.wait(max(0.0, deadline - time.monotonic()))
+
+    def _stream_ended(self, call: _Call) -> None:
+        """A stream's turn is recorded (or queued, or let go)."""
+        session_id = call.plan.session.session_id
+        with self._streams_lock:
+            streams = self._streams.get(session_id)
+            if streams is not None and call in streams:
+                streams.remove(call)
+                if not streams:
+                    del self._streams[session_id]
+        call.ended.set()
 
     def finish(
         self,
@@ -2307,6 +2386,26 @@ class RustDataPlane:
         queued, and whether its timeline is to be recorded once the reply is sent.
         `started`: the reply's stream began (keep-alive comments) while the upstream had
         not answered: it goes on with the answer's events, or an error event."""
+        try:
+            self._after_streams(call)
+            return self._finished(
+                call, status, error, content_type, retry_after, answer, stamps, started
+            )
+        finally:
+            if call.plan.stream:
+                self._stream_ended(call)
+
+    def _finished(
+        self,
+        call: _Call,
+        status: int,
+        error: str | None,
+        content_type: bytes | None,
+        retry_after: bytes | None,
+        answer: bytes,
+        stamps: tuple[int, int, int],
+        started: bool,
+    ) -> tuple[_Reply, bool, bool]:
         server, plan = self._server, call.plan
         session, clock = plan.session, plan.clock
         clock.upstream_sent, clock.first_byte, clock.last_byte = stamps
@@ -2351,6 +2450,69 @@ class RustDataPlane:
         if queue:  # in the ack ledger before the engine sends the reply (`_queue_turn`)
             server.sessions.answered(session)
         return self._timed(call, reply, queue)
+
+    def finish_stream(
+        self, call: _Call, events: bytes, error: str | None, stamps: tuple[int, int, int]
+    ) -> tuple[_Reply, bool, bool, bool]:
+        """The end of a stream the engine passed on: whether its turn is to be queued, its
+        timeline recorded, and the events it held back (its last) released; or the error
+        event that ends the stream instead.
+
+        `error` says why the stream did not end with its last event (see the engine's
+        `Streamed`). A stream that broke off records nothing (the client got an error event
+        and will call again); one whose events cannot be read or whose turn cannot be
+        recorded ends with an error event in place of its last event (`--ack durable`), or
+        as it came, counted as dropped (`--ack fast`)."""
+        try:
+            if error != "abandoned":
+                self._after_streams(call)
+            return self._stream_finished(call, events, error, stamps)
+        finally:
+            self._stream_ended(call)
+
+    def _stream_finished(
+        self, call: _Call, events: bytes, error: str | None, stamps: tuple[int, int, int]
+    ) -> tuple[_Reply, bool, bool, bool]:
+        server, plan = self._server, call.plan
+        session, clock = plan.session, plan.clock
+        clock.upstream_sent, clock.first_byte, clock.last_byte = stamps
+        fast = server.config.ack == "fast"
+        if error == "abandoned":  # the client left before the upstream answered
+            return (200, _SSE_HEADERS, [], True), False, False, False
+        if error is not None:
+            timeout = server.config.upstream_timeout
+            refused = (
+                _Refusal(504, f"the upstream's stream stopped: nothing came for {timeout:g} s")
+                if error == "timeout"
+                else _Refusal(502, "the upstream's stream ended before its last event")
+                if error == "unfinished"
+                else _Refusal(502, f"the upstream's stream broke off: {error}")
+            )
+            session.failed = failed_after(session.failed, refused.status)
+            if holds_error(events, plan.anthropic):
+                session.upstream_errors += 1  # its own error event has reached the client
+                return (*self._timed(call, (200, _SSE_HEADERS, [], True), False), False)
+            return (*self._timed(call, self._failed(plan, refused, True), False), False)
+        try:
+            try:
+                response = assembled(events, plan.anthropic)
+            except InvalidValueError as exc:
+                raise _Refusal(502, f"the upstream's stream cannot be read: {exc}") from None
+            failed = session.failed
+            call.node = plan.turn_of(response)
+            if not fast:
+                clock.node_id = server.record_now(session, call.node)
+            clock.failed, session.failed = failed, 0
+        except _Refusal as refused:
+            call.node = None
+            if fast:  # fail-open: the stream ends as it came, the turn counted as dropped
+                server.sessions.answered(session)
+                server._drop(session, "record_error")
+                return (*self._timed(call, (200, _SSE_HEADERS, [], True), False), True)
+            return (*self._timed(call, self._failed(plan, refused, True), False), False)
+        if fast:  # in the ack ledger before the engine releases the stream's last event
+            server.sessions.answered(session)
+        return (*self._timed(call, (200, _SSE_HEADERS, [], True), fast), True)
 
     @staticmethod
     def _failed(plan: _Plan, failed: _Refusal | _Passthrough, started: bool) -> _Reply:

@@ -55,7 +55,13 @@ LAYERS: list[tuple[str, set[str]]] = [
     (
         "serve",
         {"serve.loopback", "serve.replicas", "serve.sse", "serve.ack_ledger", "serve.sessions"}
-        | {"serve.server", "serve.stub_engine", "serve.idle_trim", "serve.capture"},
+        | {
+            "serve.server",
+            "serve.stub_engine",
+            "serve.idle_trim",
+            "serve.capture",
+            "serve.assemble",
+        },
     ),
     ("command line and package", {"cli", "__main__", "__init__"}),
 ]

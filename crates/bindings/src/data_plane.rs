@@ -7,7 +7,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use gateway::checks::Hosts;
-use gateway::{Call, Config, Control, Finished, Gateway, Prepared, Reply, Sent, Upstream};
+use gateway::sse::Strip;
+use gateway::{
+    Call, Config, Control, Finished, Gateway, Prepared, Reply, Sent, Streamed, Streaming, Upstream,
+};
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
@@ -31,6 +34,10 @@ fn server_error() -> Reply {
 
 /// A reply as the control plane gives it: status, headers, the body's chunks, streamed.
 type PyReply = (u16, Vec<(Vec<u8>, Vec<u8>)>, Vec<Vec<u8>>, bool);
+
+/// A streaming call as the control plane prepares it: its stream's headers, whether it is
+/// Anthropic's, and whether its events lose their token ids and their logprobs.
+type PyStreaming = (Vec<(Vec<u8>, Vec<u8>)>, bool, bool, bool);
 
 fn reply_of(value: &Bound<'_, PyAny>) -> PyResult<Reply> {
     let (status, headers, chunks, stream): PyReply = value.extract()?;
@@ -76,18 +83,52 @@ impl PyControl {
         let path: String = out.get_item(1)?.extract()?;
         let body: Vec<u8> = out.get_item(2)?.extract()?;
         let headers: Vec<(String, String)> = out.get_item(3)?.extract()?;
-        let stream: Option<Vec<(Vec<u8>, Vec<u8>)>> = out.get_item(4)?.extract()?;
+        let stream: Option<PyStreaming> = out.get_item(4)?.extract()?;
         Ok(Prepared::Forward {
             path,
             body: Bytes::from(body),
             headers,
             ticket: ticket.unbind(),
-            stream: stream.map(|headers| {
-                headers
+            stream: stream.map(|(headers, anthropic, token_ids, logprobs)| Streaming {
+                headers: headers
                     .into_iter()
                     .map(|(n, v)| (Bytes::from(n), Bytes::from(v)))
-                    .collect()
+                    .collect(),
+                anthropic,
+                strip: Strip {
+                    token_ids,
+                    logprobs,
+                },
             }),
+        })
+    }
+
+    fn try_finish_stream(
+        &self,
+        py: Python<'_>,
+        ticket: &Py<PyAny>,
+        streamed: &Streamed,
+    ) -> PyResult<Finished> {
+        let out = self.control.call_method1(
+            py,
+            "finish_stream",
+            (
+                ticket.clone_ref(py),
+                PyBytes::new(py, &streamed.events),
+                streamed.error.clone(),
+                (
+                    streamed.upstream_sent,
+                    streamed.first_byte,
+                    streamed.last_byte,
+                ),
+            ),
+        )?;
+        let out = out.bind(py);
+        Ok(Finished {
+            reply: reply_of(&out.get_item(0)?)?,
+            queue: out.get_item(1)?.extract()?,
+            timed: out.get_item(2)?.extract()?,
+            release: out.get_item(3)?.extract()?,
         })
     }
 
@@ -111,6 +152,7 @@ impl PyControl {
             reply: reply_of(&out.get_item(0)?)?,
             queue: out.get_item(1)?.extract()?,
             timed: out.get_item(2)?.extract()?,
+            release: false,
         })
     }
 }
@@ -136,6 +178,16 @@ impl Control for PyControl {
                         reply: server_error(),
                         ..Finished::default()
                     }
+                })
+        })
+    }
+
+    fn finish_stream(&self, ticket: &Py<PyAny>, streamed: Streamed) -> Finished {
+        Python::attach(|py| {
+            self.try_finish_stream(py, ticket, &streamed)
+                .unwrap_or_else(|error| {
+                    error.print(py);
+                    Finished::default()
                 })
         })
     }
@@ -177,7 +229,8 @@ impl Control for PyControl {
 
 /// The data plane: the model routes served by hyper on a runtime of its own, the rest
 /// proxied to the control plane's listener; the control plane's callbacks (`prepare`,
-/// `finish`, `record`, `dropped`, `sent`) are methods of `control`. `stop` ends it.
+/// `finish`, `finish_stream`, `record`, `dropped`, `sent`) are methods of `control`. `stop`
+/// ends it.
 /// `forward_only`: a floor for benchmarks (calls go upstream and come back as they came,
 /// with no key, no callback and nothing recorded).
 #[pyclass(frozen, module = "rollout_store._core")]

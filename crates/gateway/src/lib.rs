@@ -6,6 +6,8 @@
 //! - [`keys`]: the table of session keys the control plane keeps current, compared in
 //!   constant time;
 //! - [`depth`]: the depth check a body passes before it goes upstream;
+//! - [`sse`]: the upstream's event stream split into events as it passes through, its last
+//!   event told apart, capture fields the client did not ask for taken out;
 //! - [`plane`]: the listener, the pooled upstream client, the reverse proxy to the control
 //!   plane and the recorder thread, owned by a [`Gateway`] its owner stops.
 
@@ -13,5 +15,8 @@ pub mod checks;
 pub mod depth;
 pub mod keys;
 pub mod plane;
+pub mod sse;
 
-pub use plane::{Call, Config, Control, Finished, Gateway, Prepared, Reply, Sent, Upstream};
+pub use plane::{
+    Call, Config, Control, Finished, Gateway, Prepared, Reply, Sent, Streamed, Streaming, Upstream,
+};

@@ -6,8 +6,12 @@
 //! time bound) and depth-checked, then the [`Control`] (the Python control plane, through the
 //! bindings) prepares the upstream call or refuses it; the call goes upstream through the
 //! pooled client; the control finishes it (records the turn with `--ack durable`, or hands it
-//! back to be queued with `--ack fast`) and gives the reply. Every other request is proxied,
-//! streamed both ways, to the control plane's own listener on loopback.
+//! back to be queued with `--ack fast`) and gives the reply. A streaming call's upstream is
+//! called streaming: its events are passed on as they arrive, its bytes kept, its last event
+//! held back until the control has made (and recorded or queued) the turn of them
+//! (`finish_stream`). The upstream client speaks `http://` and `https://` (rustls). Every
+//! other request is proxied, streamed both ways, to the control plane's own listener on
+//! loopback.
 //!
 //! The control's calls may block (they take the GIL): they run on tokio's blocking pool, and a
 //! panic in one answers that call 500 while the server goes on. Recording with `--ack fast`
@@ -38,6 +42,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
+use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -47,9 +52,13 @@ use tokio::runtime::Runtime;
 use crate::checks::{self, Hosts};
 use crate::depth;
 use crate::keys::KeyTable;
+use crate::sse::{self, Splitter, Strip};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type Out = BoxBody<Bytes, BoxError>;
+
+/// The comment a stream waiting for its upstream is kept alive with.
+const KEEP_ALIVE: &[u8] = b": keep-alive\n\n";
 
 /// Seconds an idle pooled connection is kept: dropped before a uvicorn upstream (`vLLM`,
 /// `SGLang`) closes it at 5 s, since reusing one it is closing fails the call.
@@ -60,7 +69,8 @@ const POOL_IDLE: Duration = Duration::from_secs(2);
 pub struct Config {
     /// Where the public listener binds (port 0 picks a free one).
     pub listen: SocketAddr,
-    /// The upstream's base, `http://host:port[/prefix]` (no trailing slash).
+    /// The upstream's base, `http://host:port[/prefix]` or `https://...` (no trailing
+    /// slash).
     pub upstream: String,
     /// The control plane's own listener (loopback).
     pub backend: SocketAddr,
@@ -118,9 +128,38 @@ pub enum Prepared<T> {
         body: Bytes,
         headers: Vec<(String, String)>,
         ticket: T,
-        /// A streaming call: the headers its stream is answered with.
-        stream: Option<Vec<(Bytes, Bytes)>>,
+        /// A streaming call: how its stream is answered.
+        stream: Option<Streaming>,
     },
+}
+
+/// How a streaming call's stream is answered: the upstream is called streaming, and when it
+/// answers with events they are passed on as they arrive.
+#[derive(Clone, Debug, Default)]
+pub struct Streaming {
+    /// The headers the stream is answered with.
+    pub headers: Vec<(Bytes, Bytes)>,
+    /// An Anthropic Messages stream (it ends with `message_stop`, not `[DONE]`).
+    pub anthropic: bool,
+    /// The capture fields to take out of each event (the client did not ask for them).
+    pub strip: Strip,
+}
+
+/// A stream the upstream sent (or began to), for the control to make its turn of.
+#[derive(Debug, Default)]
+pub struct Streamed {
+    /// Its bytes, as they came.
+    pub events: Bytes,
+    /// Why it did not end with its last event: `"timeout"` (nothing came for
+    /// `upstream_timeout`), `"unfinished"` (it ended before its last event), `"abandoned"`
+    /// (its client left before the upstream answered: the call was dropped, nothing is to
+    /// be sent), or the kind of failure that broke it off.
+    pub error: Option<String>,
+    /// Microseconds since the call was received: sent upstream, first byte of the stream,
+    /// last byte.
+    pub upstream_sent: u32,
+    pub first_byte: u32,
+    pub last_byte: u32,
 }
 
 /// The upstream's answer to a call (or why there is none), with the call's stamps.
@@ -150,6 +189,9 @@ pub struct Finished {
     pub queue: bool,
     /// The call's timeline is to be recorded once the reply is sent.
     pub timed: bool,
+    /// A passed-through stream: the events held back (its last one) are to be sent, before
+    /// the reply's own chunks.
+    pub release: bool,
 }
 
 /// The stamps of a reply once it is sent.
@@ -167,6 +209,10 @@ pub trait Control: Send + Sync + 'static {
     type Ticket: Send + Sync + 'static;
     fn prepare(&self, call: Call) -> Prepared<Self::Ticket>;
     fn finish(&self, ticket: &Self::Ticket, upstream: Upstream) -> Finished;
+    /// The end of a stream passed through: its turn made of its events and recorded
+    /// (`--ack durable`) or queued (`--ack fast`), then its held-back last event released;
+    /// or, when it broke off or cannot be recorded, the error event that ends it.
+    fn finish_stream(&self, ticket: &Self::Ticket, streamed: Streamed) -> Finished;
     /// Record a turn queued with `--ack fast` (the control counts a failure itself).
     fn record(&self, ticket: &Self::Ticket);
     /// A queued turn that will not be recorded, and why (`queue_full`, `shutdown`).
@@ -230,7 +276,7 @@ struct Shared<C: Control> {
     control: Arc<C>,
     keys: RwLock<KeyTable>,
     open_mode: AtomicBool,
-    client: Client<HttpConnector, Out>,
+    client: Client<HttpsConnector<HttpConnector>, Out>,
     jobs: Mutex<Option<mpsc::Sender<Job<C::Ticket>>>>,
     pending: Pending,
     /// When the recorder is to stop recording (set by `stop`).
@@ -288,6 +334,84 @@ fn internal_error() -> Response<Out> {
 
 fn header_text(headers: &HeaderMap, name: &HeaderName) -> Option<String> {
     headers.get(name).map(|v| checks::latin1(v.as_bytes()))
+}
+
+/// A streaming call's upstream, once it answered: its event stream (and when the call went
+/// upstream), or any other answer, read whole (or why there is none).
+enum Opened {
+    Events(Incoming, u32),
+    Answer(Upstream),
+}
+
+/// An event stream to pass on, and its call.
+struct Pumped<T> {
+    body: Incoming,
+    streaming: Streaming,
+    ticket: Arc<T>,
+    t0: Instant,
+    upstream_sent: u32,
+}
+
+/// An event stream on its way to the client: its bytes kept, split into events, each passed
+/// on (the capture fields the client did not ask for taken out) until the last, which is
+/// held back with what follows it.
+struct Passage<T> {
+    streaming: Streaming,
+    feed: tokio::sync::mpsc::Sender<Piece<T>>,
+    splitter: Splitter,
+    kept: Vec<Bytes>,
+    held: Vec<Bytes>,
+    /// The stream's last event came.
+    ended: bool,
+    /// The client is still there.
+    client: bool,
+}
+
+impl<T> Passage<T> {
+    fn new(streaming: Streaming, feed: tokio::sync::mpsc::Sender<Piece<T>>) -> Self {
+        Self {
+            streaming,
+            feed,
+            splitter: Splitter::default(),
+            kept: Vec::new(),
+            held: Vec::new(),
+            ended: false,
+            client: true,
+        }
+    }
+
+    async fn send(&mut self, chunk: Bytes) {
+        if self.client {
+            self.client = self.feed.send(Piece::Chunk(chunk)).await.is_ok();
+        }
+    }
+
+    async fn event(&mut self, event: Bytes) {
+        self.ended |= sse::is_last(&event, self.streaming.anthropic);
+        let out = sse::strip(event, self.streaming.strip);
+        if self.ended {
+            self.held.push(out);
+        } else {
+            self.send(out).await;
+        }
+    }
+
+    async fn data(&mut self, data: Bytes) {
+        let events = self.splitter.push(&data);
+        self.kept.push(data);
+        for event in events {
+            self.event(event).await;
+        }
+    }
+
+    /// The stream's end: an event it cut off counts only as (or after) its last one (as it
+    /// came: a client ignores it too).
+    async fn end(&mut self) {
+        let rest = self.splitter.rest();
+        if !rest.is_empty() && (self.ended || sse::is_last(&rest, self.streaming.anthropic)) {
+            self.event(rest).await;
+        }
+    }
 }
 
 /// Where a reply reports that it was sent, and for which call.
@@ -527,19 +651,57 @@ impl<C: Control> Shared<C> {
                 stream,
             } => (path, body, headers, Arc::new(ticket), stream),
         };
-        let answer = if let Some(stream_headers) = stream {
-            let shared = self.clone();
-            let mut call = tokio::spawn(async move {
-                shared.upstream(&path, content, &upstream_headers, t0).await
-            });
-            match tokio::time::timeout(self.config.stream_keepalive, &mut call).await {
-                Ok(answer) => answer.unwrap_or_else(|_| lost()),
-                Err(_) => return self.kept_alive(call, stream_headers, ticket, t0),
-            }
-        } else {
-            self.upstream(&path, content, &upstream_headers, t0).await
-        };
+        if let Some(streaming) = stream {
+            return self
+                .streamed(path, content, upstream_headers, streaming, ticket, t0)
+                .await;
+        }
+        let answer = self.upstream(&path, content, &upstream_headers, t0).await;
         self.finish(answer, ticket, t0).await
+    }
+
+    /// A streaming call: the upstream is called streaming. Events it answers with are passed
+    /// on as they arrive ([`Self::pump`]); any other answer (an error status, a body that is
+    /// not an event stream) is finished as a call that does not stream, its stream replayed
+    /// by the control. A call still waiting after `stream_keepalive` begins its stream with
+    /// keep-alive comments ([`Self::kept_alive`]).
+    async fn streamed(
+        self: &Arc<Self>,
+        path: String,
+        content: Bytes,
+        upstream_headers: Vec<(String, String)>,
+        streaming: Streaming,
+        ticket: Arc<C::Ticket>,
+        t0: Instant,
+    ) -> Response<Out> {
+        let shared = self.clone();
+        let mut call =
+            tokio::spawn(async move { shared.open(&path, content, &upstream_headers, t0).await });
+        let opened = match tokio::time::timeout(self.config.stream_keepalive, &mut call).await {
+            Ok(opened) => opened.unwrap_or_else(|_| Opened::Answer(lost())),
+            Err(_) => return self.kept_alive(call, streaming, ticket, t0),
+        };
+        match opened {
+            Opened::Answer(answer) => self.finish(answer, ticket, t0).await,
+            Opened::Events(body, upstream_sent) => {
+                let (feed, receiver) = tokio::sync::mpsc::channel(16);
+                let begun = Reply {
+                    status: 200,
+                    headers: streaming.headers.clone(),
+                    chunks: Vec::new(),
+                    stream: true,
+                };
+                let pumped = Pumped {
+                    body,
+                    streaming,
+                    ticket,
+                    t0,
+                    upstream_sent,
+                };
+                tokio::spawn(self.clone().pump(pumped, feed));
+                self.reply_fed(begun, t0, None, Some(receiver))
+            }
+        }
     }
 
     /// The rest of a call whose upstream answered: the control's reply, its turn queued.
@@ -568,31 +730,57 @@ impl<C: Control> Shared<C> {
     }
 
     /// A streaming call still waiting after `stream_keepalive`: its stream begins now with
-    /// a keep-alive comment, one more each `stream_keepalive`, then the control's events
-    /// (or its error event). A client that leaves abandons the call.
+    /// a keep-alive comment, one more each `stream_keepalive`, then the upstream's events
+    /// (or the control's, or its error event). A client that leaves before the upstream
+    /// answers abandons the call.
     fn kept_alive(
         self: &Arc<Self>,
-        mut call: tokio::task::JoinHandle<Upstream>,
-        headers: Vec<(Bytes, Bytes)>,
+        mut call: tokio::task::JoinHandle<Opened>,
+        streaming: Streaming,
         ticket: Arc<C::Ticket>,
         t0: Instant,
     ) -> Response<Out> {
-        const KEEP_ALIVE: &[u8] = b": keep-alive\n\n";
         let (feed, receiver) = tokio::sync::mpsc::channel(16);
         let shared = self.clone();
+        let begun = Reply {
+            status: 200,
+            headers: streaming.headers.clone(),
+            chunks: Vec::new(),
+            stream: true,
+        };
         tokio::spawn(async move {
-            let answer = loop {
+            let opened = loop {
                 if feed
                     .send(Piece::Chunk(Bytes::from_static(KEEP_ALIVE)))
                     .await
                     .is_err()
                 {
                     call.abort(); // the client left before the answer
+                    let abandoned = Streamed {
+                        error: Some("abandoned".into()),
+                        ..Streamed::default()
+                    };
+                    let _ = shared
+                        .blocking(move |c| c.finish_stream(&ticket, abandoned))
+                        .await;
                     return;
                 }
                 let waited = tokio::time::timeout(shared.config.stream_keepalive, &mut call).await;
-                if let Ok(answer) = waited {
-                    break answer.unwrap_or_else(|_| lost());
+                if let Ok(opened) = waited {
+                    break opened.unwrap_or_else(|_| Opened::Answer(lost()));
+                }
+            };
+            let answer = match opened {
+                Opened::Answer(answer) => answer,
+                Opened::Events(body, upstream_sent) => {
+                    let pumped = Pumped {
+                        body,
+                        streaming,
+                        ticket,
+                        t0,
+                        upstream_sent,
+                    };
+                    return shared.pump(pumped, feed).await;
                 }
             };
             let answer = Upstream {
@@ -603,28 +791,125 @@ impl<C: Control> Shared<C> {
             let Some(finished) = shared.blocking(move |c| c.finish(&held, answer)).await else {
                 return;
             };
-            if finished.queue && !shared.queue(&ticket) {
-                let held = ticket.clone();
-                let _ = shared
-                    .blocking(move |c| c.dropped(&held, "queue_full"))
-                    .await;
+            shared.ended(finished, Vec::new(), &feed, ticket).await;
+        });
+        self.reply_fed(begun, t0, None, Some(receiver))
+    }
+
+    /// What follows a stream's control call: its turn queued (`--ack fast`), the events held
+    /// back released (when the control says so), the control's chunks, and the ticket, when
+    /// the call is timed, for the reply body to report it sent.
+    async fn ended(
+        &self,
+        finished: Finished,
+        held: Vec<Bytes>,
+        feed: &tokio::sync::mpsc::Sender<Piece<C::Ticket>>,
+        ticket: Arc<C::Ticket>,
+    ) {
+        if finished.queue && !self.queue(&ticket) {
+            let held = ticket.clone();
+            let control = self.control.clone();
+            let _ = tokio::task::spawn_blocking(move || control.dropped(&held, "queue_full")).await;
+        }
+        let released = if finished.release { held } else { Vec::new() };
+        for chunk in released.into_iter().chain(finished.reply.chunks) {
+            if feed.send(Piece::Chunk(chunk)).await.is_err() {
+                return;
             }
-            for chunk in finished.reply.chunks {
-                if feed.send(Piece::Chunk(chunk)).await.is_err() {
-                    return;
+        }
+        if finished.timed {
+            let _ = feed.send(Piece::Timed(ticket)).await;
+        }
+    }
+
+    /// Pass an upstream's event stream on as it arrives, event by event (the capture fields
+    /// the client did not ask for taken out), keeping its bytes; at its end the control
+    /// makes the turn of them. The stream's last event (`[DONE]`, `message_stop`) is held
+    /// back until the turn is recorded (`--ack durable`) or queued (`--ack fast`): a client
+    /// that has it finds its turn in an export. Until the stream's first
+    /// byte the client gets keep-alive comments each `stream_keepalive`; after it, a gap of
+    /// `upstream_timeout` breaks the stream off. A client that leaves does not stop the
+    /// call: the stream is read to its end and recorded, as a call that does not stream is.
+    async fn pump(
+        self: Arc<Self>,
+        pumped: Pumped<C::Ticket>,
+        feed: tokio::sync::mpsc::Sender<Piece<C::Ticket>>,
+    ) {
+        let Pumped {
+            mut body,
+            streaming,
+            ticket,
+            t0,
+            upstream_sent,
+        } = pumped;
+        let mut passage = Passage::new(streaming, feed);
+        let mut first_byte = 0u32;
+        let mut error: Option<String> = None;
+        let waiting_since = Instant::now();
+        loop {
+            let left = self
+                .config
+                .upstream_timeout
+                .saturating_sub(waiting_since.elapsed());
+            let wait = if first_byte == 0 {
+                left.min(self.config.stream_keepalive)
+            } else {
+                self.config.upstream_timeout
+            };
+            match tokio::time::timeout(wait, body.frame()).await {
+                Err(_) if first_byte == 0 && !left.is_zero() && wait < left => {
+                    passage.send(Bytes::from_static(KEEP_ALIVE)).await;
+                }
+                Err(_) => {
+                    error = Some("timeout".into());
+                    break;
+                }
+                Ok(None) => break,
+                Ok(Some(Err(failure))) => {
+                    error = Some(failure_kind(&failure));
+                    break;
+                }
+                Ok(Some(Ok(frame))) => {
+                    if let Ok(data) = frame.into_data() {
+                        if !data.is_empty() && first_byte == 0 {
+                            first_byte = micros_since(t0).max(1);
+                        }
+                        passage.data(data).await;
+                    }
+                    if passage.ended {
+                        // the turn is complete: what the upstream may still send is read
+                        // (its connection back to the pool) but waited for by no one
+                        let timeout = self.config.upstream_timeout;
+                        tokio::spawn(tokio::time::timeout(timeout, async move {
+                            while let Some(Ok(_)) = body.frame().await {}
+                        }));
+                        break;
+                    }
                 }
             }
-            if finished.timed {
-                let _ = feed.send(Piece::Timed(ticket)).await;
-            }
-        });
-        let begun = Reply {
-            status: 200,
-            headers,
-            chunks: Vec::new(),
-            stream: true,
+        }
+        passage.end().await;
+        if passage.ended {
+            error = None; // whatever came after the last event is nothing to the turn
+        } else if error.is_none() {
+            error = Some("unfinished".into());
+        }
+        let streamed = Streamed {
+            events: Bytes::from(passage.kept.concat()),
+            error,
+            upstream_sent,
+            first_byte,
+            last_byte: micros_since(t0),
         };
-        self.reply_fed(begun, t0, None, Some(receiver))
+        let control = ticket.clone();
+        let Some(finished) = self
+            .blocking(move |c| c.finish_stream(&control, streamed))
+            .await
+        else {
+            return;
+        };
+        let held = std::mem::take(&mut passage.held);
+        self.ended(finished, held, &passage.feed, ticket).await;
     }
 
     /// A call forwarded as it came, answered as the upstream answered (`forward_only`).
@@ -708,6 +993,7 @@ impl<C: Control> Shared<C> {
         response
     }
 
+    /// The upstream's whole answer to a call (or why there is none).
     async fn upstream(
         &self,
         path: &str,
@@ -715,6 +1001,32 @@ impl<C: Control> Shared<C> {
         headers: &[(String, String)],
         t0: Instant,
     ) -> Upstream {
+        match self.call_upstream(path, content, headers, t0, false).await {
+            Opened::Answer(answer) => answer,
+            Opened::Events(..) => lost(),
+        }
+    }
+
+    /// A streaming call's upstream: its event stream once its head arrived, or any other
+    /// answer read whole.
+    async fn open(
+        &self,
+        path: &str,
+        content: Bytes,
+        headers: &[(String, String)],
+        t0: Instant,
+    ) -> Opened {
+        self.call_upstream(path, content, headers, t0, true).await
+    }
+
+    async fn call_upstream(
+        &self,
+        path: &str,
+        content: Bytes,
+        headers: &[(String, String)],
+        t0: Instant,
+        events: bool,
+    ) -> Opened {
         let mut answer = Upstream::default();
         let uri = format!("{}{}", self.config.upstream, path);
         let mut request = Request::post(uri);
@@ -723,20 +1035,30 @@ impl<C: Control> Shared<C> {
         }
         let Ok(request) = request.body(full(content)) else {
             answer.error = Some("InvalidURL".into());
-            return answer;
+            return Opened::Answer(answer);
         };
         answer.upstream_sent = micros_since(t0);
-        let call = async {
-            let response = self.client.request(request).await?;
-            let first_byte = micros_since(t0);
-            let (parts, body) = response.into_parts();
-            let body = body.collect().await?.to_bytes();
-            Ok::<_, BoxError>((parts, first_byte, body))
+        let deadline = tokio::time::Instant::now() + self.config.upstream_timeout;
+        let response = match tokio::time::timeout_at(deadline, self.client.request(request)).await {
+            Err(_) => {
+                answer.error = Some("timeout".into());
+                return Opened::Answer(answer);
+            }
+            Ok(Err(error)) => {
+                answer.error = Some(failure_kind(&error));
+                return Opened::Answer(answer);
+            }
+            Ok(Ok(response)) => response,
         };
-        match tokio::time::timeout(self.config.upstream_timeout, call).await {
+        let first_byte = micros_since(t0);
+        let (parts, body) = response.into_parts();
+        if events && parts.status.is_success() && is_event_stream(&parts.headers) {
+            return Opened::Events(body, answer.upstream_sent);
+        }
+        match tokio::time::timeout_at(deadline, body.collect()).await {
             Err(_) => answer.error = Some("timeout".into()),
-            Ok(Err(error)) => answer.error = Some(failure_kind(&*error).into()),
-            Ok(Ok((parts, first_byte, body))) => {
+            Ok(Err(error)) => answer.error = Some(failure_kind(&error)),
+            Ok(Ok(body)) => {
                 answer.status = parts.status.as_u16();
                 answer.content_type = parts
                     .headers
@@ -748,10 +1070,10 @@ impl<C: Control> Shared<C> {
                     .map(|v| Bytes::copy_from_slice(v.as_bytes()));
                 answer.first_byte = first_byte;
                 answer.last_byte = micros_since(t0);
-                answer.body = body;
+                answer.body = body.to_bytes();
             }
         }
-        answer
+        Opened::Answer(answer)
     }
 
     /// Everything but the model calls: to the control plane's listener and back, streamed.
@@ -816,34 +1138,101 @@ fn strip_hop_headers(headers: &mut HeaderMap) {
     }
 }
 
-/// The kind of failure that kept a call from the upstream, named as the Python server's
-/// client names it.
-fn failure_kind(error: &(dyn std::error::Error + 'static)) -> &'static str {
+fn is_event_stream(headers: &HeaderMap) -> bool {
+    headers.get(CONTENT_TYPE).is_some_and(|kind| {
+        let kind = kind.as_bytes();
+        kind.len() >= 17 && kind[..17].eq_ignore_ascii_case(b"text/event-stream")
+    })
+}
+
+/// The kind of failure that kept a call from the upstream (or broke its stream off), named
+/// as the Python server's client names it; a TLS failure says what TLS refused.
+fn failure_kind(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(error) = source {
+        if let Some(tls) = error.downcast_ref::<rustls::Error>() {
+            return format!("TLS handshake failed ({tls})");
+        }
+        // an io::Error's source is its inner error's source: its inner error is looked at
+        source = match error
+            .downcast_ref::<io::Error>()
+            .and_then(io::Error::get_ref)
+        {
+            Some(inner) => Some(inner),
+            None => error.source(),
+        };
+    }
     if let Some(error) = error.downcast_ref::<hyper_util::client::legacy::Error>() {
         if error.is_connect() {
-            return "ClientConnectorError";
+            return "ClientConnectorError".into();
         }
     }
-    "ServerDisconnectedError"
+    "ServerDisconnectedError".into()
+}
+
+/// The TLS settings of the upstream client: rustls with ring; the roots are the system's
+/// (`SSL_CERT_FILE` and `SSL_CERT_DIR` as OpenSSL reads them), or Mozilla's bundled roots
+/// when the system has none and neither variable is set. Roots are loaded only for an
+/// `https://` upstream.
+fn tls_config(https: bool) -> io::Result<rustls::ClientConfig> {
+    let mut roots = rustls::RootCertStore::empty();
+    if https {
+        let native = rustls_native_certs::load_native_certs();
+        roots.add_parsable_certificates(native.certs);
+        if roots.is_empty() {
+            let chosen: Vec<&str> = ["SSL_CERT_FILE", "SSL_CERT_DIR"]
+                .into_iter()
+                .filter(|name| std::env::var_os(name).is_some())
+                .collect();
+            if !chosen.is_empty() {
+                let why: Vec<String> = native.errors.iter().map(ToString::to_string).collect();
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!(
+                        "no TLS root certificate could be read from {} ({}): point {it} at PEM \
+                         certificates, or unset {it} to use the system's roots",
+                        chosen.join(" and "),
+                        if why.is_empty() {
+                            "no certificate in it".to_string()
+                        } else {
+                            why.join("; ")
+                        },
+                        it = if chosen.len() > 1 { "them" } else { "it" },
+                    ),
+                ));
+            }
+            roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+        }
+    }
+    // ring, not aws-lc-rs: no C toolchain beyond cc and no cmake in the build; its lack of
+    // post-quantum key exchange is rustls's reason to deprecate it
+    #[allow(deprecated)]
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    Ok(rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(io::Error::other)?
+        .with_root_certificates(roots)
+        .with_no_client_auth())
 }
 
 impl<C: Control> Gateway<C> {
     /// Bind the listener and start serving.
     ///
     /// # Errors
-    /// The listener cannot bind, the upstream is not an `http://` URL, or the runtime or the
-    /// recorder thread cannot start.
+    /// The listener cannot bind, the upstream is not an `http://` or `https://` URL, or the
+    /// runtime or the recorder thread cannot start.
     pub fn start(config: Config, control: C) -> io::Result<Self> {
-        if !config.upstream.starts_with("http://") {
+        let https = config.upstream.starts_with("https://");
+        if !https && !config.upstream.starts_with("http://") {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!(
-                    "the Rust data plane calls http:// upstreams only, not {:?}: use \
-                     --data-plane python for this upstream",
+                    "the upstream must be an http:// or https:// URL, not {:?}",
                     config.upstream
                 ),
             ));
         }
+        let tls = tls_config(https)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.workers.max(1))
             .thread_name("rollout-store-gateway")
@@ -852,6 +1241,12 @@ impl<C: Control> Gateway<C> {
             .build()?;
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
+        connector.enforce_http(false);
+        let connector = HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_all_versions()
+            .wrap_connector(connector);
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(POOL_IDLE)
             .pool_timer(TokioTimer::new())
@@ -1015,5 +1410,22 @@ fn record_loop<C: Control>(shared: &Shared<C>, jobs: &mpsc::Receiver<Job<C::Tick
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tls_failure_is_named_however_deep_it_is_wrapped() {
+        let tls = rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer);
+        let wrapped = io::Error::other(io::Error::new(io::ErrorKind::InvalidData, tls));
+        assert_eq!(
+            failure_kind(&wrapped),
+            "TLS handshake failed (invalid peer certificate: UnknownIssuer)"
+        );
+        let plain = io::Error::other("connection reset");
+        assert_eq!(failure_kind(&plain), "ServerDisconnectedError");
     }
 }

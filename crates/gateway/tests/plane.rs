@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use gateway::checks::{Hosts, LOOPBACK_HOSTS};
-use gateway::{Call, Config, Control, Finished, Gateway, Prepared, Reply, Sent, Upstream};
+use gateway::{
+    Call, Config, Control, Finished, Gateway, Prepared, Reply, Sent, Streamed, Upstream,
+};
 
 /// A loopback HTTP/1.1 server answering every request with `answer` (or, for `None`, the
 /// request's own body); counts the requests.
@@ -127,7 +129,12 @@ impl Control for Probe {
             },
             queue: true,
             timed: true,
+            release: false,
         }
+    }
+
+    fn finish_stream(&self, _: &String, _: Streamed) -> Finished {
+        Finished::default()
     }
 
     fn record(&self, ticket: &String) {

@@ -1,0 +1,437 @@
+//! The upstream's server-sent events as the data plane passes them through: split into
+//! events as they arrive, the stream's last event told apart (`--ack durable` holds it back
+//! until the turn is recorded), and the capture fields the client did not ask for taken out
+//! of a Chat Completions chunk (the rest of the event as the engine sent it).
+
+use bytes::{Bytes, BytesMut};
+
+/// The events of a stream, split as its bytes arrive: an event ends with a blank line
+/// (`\n\n`, `\r\n\r\n` or `\r\r`, as the SSE grammar allows).
+#[derive(Default)]
+pub struct Splitter {
+    partial: BytesMut,
+}
+
+impl Splitter {
+    /// The events `data` completes (each with its blank line), in order.
+    pub fn push(&mut self, data: &[u8]) -> Vec<Bytes> {
+        let scanned = self.partial.len().saturating_sub(3);
+        self.partial.extend_from_slice(data);
+        let mut events = Vec::new();
+        let mut from = scanned;
+        while let Some(end) = event_end(&self.partial[..], from) {
+            events.push(self.partial.split_to(end).freeze());
+            from = 0;
+        }
+        events
+    }
+
+    /// The bytes after the last complete event (an event the stream did not finish).
+    pub fn rest(&mut self) -> Bytes {
+        self.partial.split().freeze()
+    }
+}
+
+/// Where the first event of `text` ends (past its blank line), looking from `from` on.
+fn event_end(text: &[u8], from: usize) -> Option<usize> {
+    let mut i = from;
+    while i < text.len() {
+        match text[i] {
+            b'\n' if text.get(i + 1) == Some(&b'\n') => return Some(i + 2),
+            b'\n' if text.get(i + 1) == Some(&b'\r') && text.get(i + 2) == Some(&b'\n') => {
+                return Some(i + 3);
+            }
+            b'\r' if text.get(i + 1) == Some(&b'\r') => return Some(i + 2),
+            b'\r'
+                if text.get(i + 1) == Some(&b'\n')
+                    && text.get(i + 2) == Some(&b'\r')
+                    && text.get(i + 3) == Some(&b'\n') =>
+            {
+                return Some(i + 4);
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    None
+}
+
+/// The lines of an event, without their line ends.
+fn lines(event: &[u8]) -> impl Iterator<Item = &[u8]> {
+    event
+        .split(|b| *b == b'\n' || *b == b'\r')
+        .filter(|line| !line.is_empty())
+}
+
+/// A field's value (`name: value`, the one space after the colon not part of it).
+fn field<'a>(line: &'a [u8], name: &[u8]) -> Option<&'a [u8]> {
+    let value = line.strip_prefix(name)?.strip_prefix(b":")?;
+    Some(value.strip_prefix(b" ").unwrap_or(value))
+}
+
+/// Whether `event` ends its stream: Chat Completions' `data: [DONE]`, or Anthropic's
+/// `message_stop`.
+pub fn is_last(event: &[u8], anthropic: bool) -> bool {
+    lines(event).any(|line| {
+        if anthropic {
+            field(line, b"event") == Some(b"message_stop")
+        } else {
+            field(line, b"data") == Some(b"[DONE]")
+        }
+    })
+}
+
+/// What to take out of a Chat Completions chunk: the capture fields the server asked the
+/// engine for and the client did not.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Strip {
+    /// vLLM's `prompt_token_ids` (top level) and each choice's `token_ids`.
+    pub token_ids: bool,
+    /// Each choice's `logprobs`, made `null`.
+    pub logprobs: bool,
+}
+
+impl Strip {
+    pub fn any(self) -> bool {
+        self.token_ids || self.logprobs
+    }
+}
+
+/// `event` with what `strip` names taken out of its `data:` chunk; the event as it came
+/// when there is nothing to take out (or it is not one `data:` line holding an object).
+pub fn strip(event: Bytes, strip: Strip) -> Bytes {
+    if !strip.any() {
+        return event;
+    }
+    let Some(start) = find(&event, b"data:") else {
+        return event;
+    };
+    if start != 0 && !matches!(event[start - 1], b'\n' | b'\r') {
+        return event;
+    }
+    let mut at = start + 5;
+    if event.get(at) == Some(&b' ') {
+        at += 1;
+    }
+    let Some(edits) = chunk_edits(&event, at, strip) else {
+        return event;
+    };
+    if edits.is_empty() {
+        return event;
+    }
+    let mut out = Vec::with_capacity(event.len());
+    let mut from = 0;
+    for (begin, end, with) in edits {
+        out.extend_from_slice(&event[from..begin]);
+        out.extend_from_slice(with);
+        from = end;
+    }
+    out.extend_from_slice(&event[from..]);
+    Bytes::from(out)
+}
+
+fn find(text: &[u8], what: &[u8]) -> Option<usize> {
+    text.windows(what.len()).position(|w| w == what)
+}
+
+/// One member of an object: where its key begins, its key's text, where its value begins
+/// and ends.
+struct Member<'a> {
+    key_start: usize,
+    key: &'a [u8],
+    value_start: usize,
+    value_end: usize,
+}
+
+type Edit = (usize, usize, &'static [u8]);
+
+/// The edits (in order, not overlapping) that take `strip`'s fields out of the chunk at
+/// `at`; `None` when it is not a JSON object.
+fn chunk_edits(text: &[u8], at: usize, strip: Strip) -> Option<Vec<Edit>> {
+    let (members, _) = object(text, at)?;
+    let mut drop = Vec::new();
+    let mut edits = Vec::new();
+    for (i, member) in members.iter().enumerate() {
+        if strip.token_ids && member.key == b"prompt_token_ids" {
+            drop.push(i);
+        } else if member.key == b"choices" && text.get(member.value_start) == Some(&b'[') {
+            for choice in array(text, member.value_start)? {
+                if text[choice] != b'{' {
+                    continue;
+                }
+                let (fields, _) = object(text, choice)?;
+                let mut dropped = Vec::new();
+                let mut nulled = Vec::new();
+                for (j, f) in fields.iter().enumerate() {
+                    if strip.token_ids && f.key == b"token_ids" {
+                        dropped.push(j);
+                    } else if strip.logprobs
+                        && f.key == b"logprobs"
+                        && &text[f.value_start..f.value_end] != b"null"
+                    {
+                        nulled.push((f.value_start, f.value_end, &b"null"[..]));
+                    }
+                }
+                let mut inner = removals(&fields, &dropped);
+                inner.extend(nulled);
+                inner.sort_unstable_by_key(|e| e.0);
+                edits.extend(merge(inner));
+            }
+        }
+    }
+    let mut all = removals(&members, &drop);
+    all.extend(edits);
+    all.sort_unstable_by_key(|e| e.0);
+    Some(merge(all))
+}
+
+/// The edits removing members `drop` (indexes, ascending) of an object, with the commas
+/// that separated them.
+fn removals(members: &[Member<'_>], drop: &[usize]) -> Vec<Edit> {
+    let mut edits = Vec::new();
+    let kept: Vec<usize> = (0..members.len()).filter(|i| !drop.contains(i)).collect();
+    for &i in drop {
+        // from the end of the kept member before it (its comma with it), or, when none is
+        // kept before it, up to the key of the next kept member
+        let before = kept.iter().rev().find(|&&k| k < i);
+        let after = kept.iter().find(|&&k| k > i);
+        let (begin, end) = match (before, after) {
+            (Some(&k), _) => (members[k].value_end, members[i].value_end),
+            (None, Some(&k)) => (members[i].key_start, members[k].key_start),
+            (None, None) => (members[i].key_start, members[i].value_end),
+        };
+        edits.push((begin, end, &b""[..]));
+    }
+    edits
+}
+
+/// Sorted edits with the overlapping ones (two removals of neighbours) joined.
+fn merge(edits: Vec<Edit>) -> Vec<Edit> {
+    let mut out: Vec<Edit> = Vec::with_capacity(edits.len());
+    for edit in edits {
+        if let Some(last) = out.last_mut() {
+            if edit.0 < last.1 {
+                last.1 = last.1.max(edit.1);
+                continue;
+            }
+        }
+        out.push(edit);
+    }
+    out
+}
+
+fn skip_space(text: &[u8], mut i: usize) -> usize {
+    while matches!(text.get(i), Some(b' ' | b'\t' | b'\r' | b'\n')) {
+        i += 1;
+    }
+    i
+}
+
+/// Where the JSON value at `i` ends.
+fn skip_value(text: &[u8], i: usize) -> Option<usize> {
+    match text.get(i)? {
+        b'"' => skip_string(text, i),
+        b'{' | b'[' => {
+            let mut depth = 0usize;
+            let mut j = i;
+            while j < text.len() {
+                match text[j] {
+                    b'"' => {
+                        j = skip_string(text, j)?;
+                        continue;
+                    }
+                    b'{' | b'[' => depth += 1,
+                    b'}' | b']' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            return Some(j + 1);
+                        }
+                    }
+                    _ => {}
+                }
+                j += 1;
+            }
+            None
+        }
+        _ => {
+            let mut j = i;
+            while j < text.len()
+                && !matches!(text[j], b',' | b'}' | b']' | b' ' | b'\t' | b'\r' | b'\n')
+            {
+                j += 1;
+            }
+            (j > i).then_some(j)
+        }
+    }
+}
+
+fn skip_string(text: &[u8], i: usize) -> Option<usize> {
+    let mut j = i + 1;
+    while j < text.len() {
+        match text[j] {
+            b'\\' => j += 2,
+            b'"' => return Some(j + 1),
+            _ => j += 1,
+        }
+    }
+    None
+}
+
+/// The members of the object at `i` and where it ends.
+fn object(text: &[u8], i: usize) -> Option<(Vec<Member<'_>>, usize)> {
+    if text.get(i) != Some(&b'{') {
+        return None;
+    }
+    let mut members = Vec::new();
+    let mut j = skip_space(text, i + 1);
+    if text.get(j) == Some(&b'}') {
+        return Some((members, j + 1));
+    }
+    loop {
+        let key_start = j;
+        let key_end = skip_string(text, j).filter(|_| text.get(j) == Some(&b'"'))?;
+        j = skip_space(text, key_end);
+        if text.get(j) != Some(&b':') {
+            return None;
+        }
+        let value_start = skip_space(text, j + 1);
+        let value_end = skip_value(text, value_start)?;
+        members.push(Member {
+            key_start,
+            key: &text[key_start + 1..key_end - 1],
+            value_start,
+            value_end,
+        });
+        j = skip_space(text, value_end);
+        match text.get(j)? {
+            b',' => j = skip_space(text, j + 1),
+            b'}' => return Some((members, j + 1)),
+            _ => return None,
+        }
+    }
+}
+
+/// Where the items of the array at `i` begin.
+fn array(text: &[u8], i: usize) -> Option<Vec<usize>> {
+    let mut items = Vec::new();
+    let mut j = skip_space(text, i + 1);
+    if text.get(j) == Some(&b']') {
+        return Some(items);
+    }
+    loop {
+        items.push(j);
+        j = skip_space(text, skip_value(text, j)?);
+        match text.get(j)? {
+            b',' => j = skip_space(text, j + 1),
+            b']' => return Some(items),
+            _ => return None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_split_wherever_the_bytes_break() {
+        let stream = b"data: {\"a\": 1}\n\n: keep\n\ndata: [DONE]\n\n";
+        for cut in 0..stream.len() {
+            let mut splitter = Splitter::default();
+            let mut events = splitter.push(&stream[..cut]);
+            events.extend(splitter.push(&stream[cut..]));
+            let events: Vec<&[u8]> = events.iter().map(|e| &e[..]).collect();
+            assert_eq!(
+                events,
+                vec![
+                    &b"data: {\"a\": 1}\n\n"[..],
+                    &b": keep\n\n"[..],
+                    &b"data: [DONE]\n\n"[..]
+                ],
+                "cut at {cut}"
+            );
+            assert!(splitter.rest().is_empty());
+        }
+        let mut splitter = Splitter::default();
+        let events = splitter.push(b"event: a\r\ndata: 1\r\n\r\nevent: b\rdata: 2\r\rdata: 3");
+        assert_eq!(events.len(), 2);
+        assert_eq!(&splitter.rest()[..], b"data: 3");
+    }
+
+    #[test]
+    fn the_last_event_is_told_apart() {
+        assert!(is_last(b"data: [DONE]\n\n", false));
+        assert!(is_last(b"data:[DONE]\n\n", false));
+        assert!(!is_last(b"data: {\"x\": \"[DONE]\"}\n\n", false));
+        assert!(is_last(
+            b"event: message_stop\ndata: {\"type\": \"message_stop\"}\n\n",
+            true
+        ));
+        assert!(!is_last(b"event: message_delta\ndata: {}\n\n", true));
+        assert!(!is_last(b"data: [DONE]\n\n", true));
+    }
+
+    fn stripped(event: &str, token_ids: bool, logprobs: bool) -> String {
+        let out = strip(
+            Bytes::copy_from_slice(event.as_bytes()),
+            Strip {
+                token_ids,
+                logprobs,
+            },
+        );
+        String::from_utf8(out.to_vec()).unwrap()
+    }
+
+    #[test]
+    fn capture_fields_the_client_did_not_ask_for_are_taken_out() {
+        let event = "data: {\"id\": \"c\", \"prompt_token_ids\": [1, 2], \"choices\": [{\"index\": 0, \
+                     \"delta\": {\"content\": \"}\\\"\"}, \"logprobs\": {\"content\": [{\"t\": \"]\"}]}, \
+                     \"token_ids\": [5], \"finish_reason\": null}]}\n\n";
+        assert_eq!(
+            stripped(event, true, true),
+            "data: {\"id\": \"c\", \"choices\": [{\"index\": 0, \"delta\": {\"content\": \"}\\\"\"}, \
+             \"logprobs\": null, \"finish_reason\": null}]}\n\n"
+        );
+        assert_eq!(
+            stripped(event, false, true),
+            event.replace("{\"content\": [{\"t\": \"]\"}]}", "null")
+        );
+        assert_eq!(
+            stripped(event, true, false),
+            event
+                .replace(", \"prompt_token_ids\": [1, 2]", "")
+                .replace(", \"token_ids\": [5]", "")
+        );
+        assert_eq!(stripped(event, false, false), event);
+        // fields first, last, side by side, and alone
+        assert_eq!(
+            stripped(
+                "data: {\"prompt_token_ids\":[1],\"choices\":[{\"token_ids\":[2]}]}\n\n",
+                true,
+                true
+            ),
+            "data: {\"choices\":[{}]}\n\n"
+        );
+        assert_eq!(
+            stripped(
+                "data: {\"choices\":[{\"a\":1,\"token_ids\":[2],\"logprobs\":{}},{\"logprobs\":null}]}\n\n",
+                true,
+                true
+            ),
+            "data: {\"choices\":[{\"a\":1,\"logprobs\":null},{\"logprobs\":null}]}\n\n"
+        );
+    }
+
+    #[test]
+    fn what_is_not_a_chunk_passes_as_it_came() {
+        for event in [
+            "data: [DONE]\n\n",
+            ": keep-alive\n\n",
+            "data: {\"choices\": [1, {\"token_ids\": [\n\n",
+            "data: not json\n\n",
+            "event: x\ndata: \"text\"\n\n",
+        ] {
+            assert_eq!(stripped(event, true, true), event);
+        }
+    }
+}
