@@ -120,6 +120,33 @@ def test_a_clean_stop_leaves_nothing_counted_and_no_ledger(stub: str, tmp_path: 
     assert sorted(p.name for p in data.iterdir()) == ["clean.json", "clean.rls"]
 
 
+def test_a_streamed_call_has_its_line_before_its_stream_ends(stub: str, tmp_path: Path) -> None:
+    """A streamed call answered before its turn is recorded (on the Rust plane its events
+    are passed on as the engine sends them) has its line in the ledger, as any other."""
+    data = tmp_path / "data"
+    with serve_app(create_app(stub, data=data, ack="fast", admin_key=ADMIN_KEY)) as url:
+        session = new_session(url, session_id="streamed")
+        for i in range(2):
+            with httpx.stream(
+                "POST",
+                f"{url}/v1/chat/completions",
+                json={
+                    "model": "m",
+                    "stream": True,
+                    "messages": [{"role": "user", "content": f"{i}"}],
+                },
+                headers={"authorization": f"Bearer {session['api_key']}"},
+                timeout=WAIT_S,
+            ) as answer:
+                text = b"".join(answer.iter_bytes())
+            assert answer.status_code == 200 and text.rstrip().endswith(b"data: [DONE]")
+        assert (data / LEDGER_NAME).read_bytes().count(b"a streamed\n") == 2
+        deadline = time.monotonic() + WAIT_S
+        while _counted(url, "streamed")[2] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _counted(url, "streamed") == (0, {}, 2, 0, [])
+
+
 def test_durable_writes_no_ledger(stub: str, tmp_path: Path) -> None:
     data = tmp_path / "data"
     with serve_app(create_app(stub, data=data, admin_key=ADMIN_KEY)) as url:
