@@ -744,6 +744,8 @@ class Graph:
                 parent.kids = turn  # `add_child` of a first child
             else:
                 add_child(parent, turn)
+            if requests.buckets:  # (a bucket keeps its turns' loosely linked children)
+                requests.note_linked(parent, turn, request)
         requests.file(turn, keys.request, request)  # sets its digest: a flag
         # flags above 256 are int objects of their own: one per distinct value, not per turn
         turn.flags = interned.setdefault(turn.flags, turn.flags)

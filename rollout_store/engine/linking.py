@@ -523,7 +523,7 @@ class Linker:
             candidates = list(index_members(self.message_roots.get(scratch.request_digest)))
         else:
             return moves
-        moves.extend(self._twin_moves(new, scratch.twins))
+        moves.extend(self._twin_moves(new, scratch.request))
         store = self.requests
         mine = None
         for other in candidates:
@@ -543,20 +543,31 @@ class Linker:
                     moves.append((other, LinkKind.MESSAGES))
         return moves
 
-    def _twin_moves(self, new: Turn, twins: list[Turn]) -> list[Move]:
-        """Continuations linked loosely to a stored turn with exactly this request that echo
-        this turn's response exactly and the twin's only loosely: they move here."""
+    def _twin_moves(self, new: Turn, request: FreshRequest | None) -> list[Move]:
+        """Continuations linked loosely to a stored turn with exactly this request (a twin)
+        that echo this turn's response exactly and the twin's only loosely: they move here."""
         moves: list[Move] = []
         store = self.requests
-        for twin in twins:
-            for other in list(twin.children or ()):
-                if other.link != LinkKind.MESSAGES or other.prompt is not None:
-                    continue
-                values = rest_values(other, store.blobs)
-                echo = store.plain(values[new.n_rest]) if new.n_rest < len(values) else None
-                exact_here = echo is not None and echo == store.response_plain(new)
-                if exact_here and echo != store.response_plain(twin):
-                    moves.append((other, LinkKind.MESSAGES))
+        if request is None or not request.twins():
+            return moves
+        echo_here = store.response_plain(new)  # (asked only now: it may be fetched)
+        if echo_here is None:
+            return moves
+        key, n = request.key(request.n_valid), new.n_rest
+        for other in list(store.echoing_children(key, echo_here)):
+            twin = other.parent
+            if (
+                twin is None
+                or twin.n_rest != n
+                or other.link != LinkKind.MESSAGES
+                or other.prompt is not None
+                or not request.extends(twin)
+            ):
+                continue
+            values = rest_values(other, store.blobs)
+            echo = store.plain(values[n]) if n < len(values) else None
+            if echo is not None and echo == echo_here and echo != store.response_plain(twin):
+                moves.append((other, LinkKind.MESSAGES))
         return moves
 
     def move(self, turn: Turn, parent: Turn, link: LinkKind) -> None:
@@ -564,8 +575,10 @@ class Linker:
         old = turn.parent
         if old is not None and old.kids is not None:
             remove_child(old, turn)
+            self.requests.note_unlinked(old, turn)
         else:
             self._unregister_root(turn)
         turn.parent = parent
         turn.link = link
         add_child(parent, turn)
+        self.requests.note_linked(parent, turn)

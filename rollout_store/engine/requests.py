@@ -50,9 +50,9 @@ from .encoding import (
     no_echo,
     unpack,
 )
-from .index import SMALL, index_add, index_members
+from .index import SMALL, index_add, index_members, index_remove
 from .intake import MAX_DEPTH, Encoder
-from .materialize import Messages, value
+from .materialize import Messages, rest_values, value
 from .messages import leading_system_count, link_key, response_link_key
 from .stored import (
     HAS_RESPONSE,
@@ -277,7 +277,7 @@ class Scratch:
         # a raw text decoded whole: its tip is made once its long strings are known
         self.raw_text: tuple[bytes, int, Any, bytes | None, int] | None = None
         self.long_refs = False  # its tail holds a blob string of HOLE_MIN or more
-        self.twins: list[Turn] = []  # stored turns with exactly this request, and children
+        self.twins = False  # stored turns with exactly this request have children a twin may take
         self.moves: list[tuple[Turn, LinkKind]] = []  # earlier turns it adopts
 
     def keys(self) -> IndexKeys:
@@ -394,12 +394,12 @@ class FreshRequest:
         confirmed[stored.index] = ok
         return ok
 
-    def twins(self) -> list[Turn]:
-        """Stored turns with exactly this request that have children (confirmed)."""
+    def twins(self) -> bool:
+        """Whether stored turns filed under this request's key have children a twin may
+        take (not confirmed: `Linker._twin_moves` finds and confirms them)."""
         if self.unique or self.n_valid != len(self.messages):
-            return []
-        n = self.n_valid
-        return [c for c in self._store.twins(self.key(n), n) if self.extends(c)]
+            return False
+        return self._store.twins(self.key(self.n_valid))
 
     def boundaries(self, high: int) -> Iterable[int]:
         """Message counts from `high` down to 0 where a stored request may end (every count
@@ -453,12 +453,15 @@ class _Bucket(list[Turn]):
     their responses, made at its first lookup (`RequestStore.echo_candidates`): a
     continuation finds the sample whose response it echoes without comparing every one."""
 
-    __slots__ = ("by_response", "parents")
+    __slots__ = ("by_response", "loose", "parents")
 
     def __init__(self, turns: tuple[Turn, ...]) -> None:
         super().__init__(turns)
         self.parents: list[Turn] = []
         self.by_response: dict[Any, Any] | None = None
+        # its turns' children linked to them by a loose echo (the only ones a twin may take:
+        # see `Linker._twin_moves`), made at the first lookup of twins, then kept current
+        self.loose: dict[int, Any] | None = None  # by the xxh3 of the echo
 
 
 #: Where a bucket's turns whose responses are kept in a store are held by response: always
@@ -1253,14 +1256,83 @@ class RequestStore:
             return
         index_add(held, key, turn)
 
-    def twins(self, key: int, n_rest: int) -> tuple[Turn, ...] | list[Turn]:
-        """Stored turns filed under `key` with `n_rest` messages that have (had) children;
-        not yet confirmed."""
+    def twins(self, key: int) -> bool:
+        """Whether stored turns filed under `key` have children a twin may take (of a
+        bucket: children linked to them by a loose echo)."""
+        found = self.request_index.get(key)
+        if found is None:
+            return False
+        if type(found) is not _Bucket:
+            return found.children is not None
+        return bool(self._loose_of(found))
+
+    def echoing_children(self, key: int, echo: bytes) -> Sequence[Turn]:
+        """Children of stored turns filed under `key` that a twin of theirs whose response
+        packs as `echo` may take: of a bucket those linked loosely whose echo may be `echo`
+        (by its digest); of a single turn, all its children (the caller checks each)."""
         found = self.request_index.get(key)
         if found is None:
             return ()
-        members = found.parents if type(found) is _Bucket else (found,)
-        return [c for c in members if c.children and c.n_rest == n_rest]
+        if type(found) is not _Bucket:
+            return found.children or ()
+        return index_members(self._loose_of(found).get(xxhash.xxh3_64_intdigest(echo)))
+
+    def note_linked(self, parent: Turn, child: Turn, request: FreshRequest | None = None) -> None:
+        """`child` was linked under `parent` (committed, or moved there): a bucket holding
+        `parent` that keeps its loosely linked children notes it if it is one."""
+        bucket = self._bucket_of(parent)
+        loose = None if bucket is None else bucket.loose
+        if loose is not None:
+            echo = self._loose_echo(parent, child, request)
+            if echo is not None:
+                index_add(loose, xxhash.xxh3_64_intdigest(echo), child)
+
+    def note_unlinked(self, parent: Turn, child: Turn) -> None:
+        """`child` moved away from `parent`."""
+        bucket = self._bucket_of(parent)
+        loose = None if bucket is None else bucket.loose
+        if loose is not None:
+            for key, children in list(loose.items()):
+                if any(c is child for c in index_members(children)):
+                    index_remove(loose, key, child)
+
+    def _bucket_of(self, turn: Turn) -> _Bucket | None:
+        key = turn.rkey if self.buckets else None
+        found = None if key is None else self.request_index.get(key)
+        return found if type(found) is _Bucket else None
+
+    def _loose_of(self, bucket: _Bucket) -> dict[int, Any]:
+        loose = bucket.loose
+        if loose is None:
+            loose = bucket.loose = {}
+            for parent in bucket.parents:
+                for child in parent.children or ():
+                    echo = self._loose_echo(parent, child)
+                    if echo is not None:
+                        index_add(loose, xxhash.xxh3_64_intdigest(echo), child)
+        return loose
+
+    def _loose_echo(
+        self, parent: Turn, child: Turn, request: FreshRequest | None = None
+    ) -> bytes | None:
+        """The plain packing of the echo by which `child` is linked to `parent`, when that
+        is a message link by an echo that is not exactly the response of `parent` (else
+        None; `request`: the child's, when it was just added)."""
+        if child.link != LinkKind.MESSAGES or child.prompt is not None:
+            return None
+        if child.flags & TAIL_ECHO and child.base is parent:
+            return None  # its tail starts with the echo of that very response
+        n = parent.n_rest
+        if request is not None and n < request.n_valid:
+            echo = request.plain(n)
+        else:
+            values = rest_values(child, self.blobs)
+            echo = self.plain(values[n]) if n < len(values) else None
+        if echo is None:
+            return None
+        by_key = echo_by_key(parent, echo)  # a response kept in a store: not fetched
+        exact = by_key if by_key is not None else echo == self.response_plain(parent)
+        return None if exact else echo
 
     # ------------------------------------------------------------------ matching
 

@@ -240,18 +240,21 @@ def test_one_call_sampled_thousands_of_times_at_one_step_costs_each_sample_the_s
 def test_a_large_group_of_rollouts_links_each_turn_at_the_same_cost(
     monkeypatch: pytest.MonkeyPatch, echo: str
 ) -> None:
-    """600 rollouts sampled from one request, each continued: a continuation finds the
-    sample it continues (by the response it echoes, exactly or loosely, or by its tokens)
-    asking as much of stored turns at rollout 600 as at rollout 50 (a large bucket of one
-    request holds its turns by their responses; a large group of one token length holds
-    them by their tokens)."""
+    """600 rollouts sampled from one request, each continued before the next is sampled: a
+    continuation finds the sample it continues (by the response it echoes, exactly or
+    loosely, or by its tokens), and a new sample looks for continuations it may take from
+    its twins, asking as much of stored turns at rollout 600 as at rollout 50 (a large
+    bucket of one request holds its turns by their responses, and keeps its turns' children
+    linked by a loose echo, the only ones a twin may take; a large group of one token
+    length holds its turns by their tokens)."""
     rng = random.Random(11)
     task = [{"role": "user", "content": "task"}]
     prompt = [rng.randrange(150_000) for _ in range(100)]
     graph = RolloutGraph()
     work = [0]
     _count_reads(monkeypatch, work, "n_rest", "prompt", "link", "response", "full")
-    per_turn = []
+    per_turn: list[int] = []
+    per_sample: list[int] = []
     for k in range(600):
         response = {"content": f"answer {k}"}  # no role: a loose echo names it
         if echo != "loose":
@@ -260,9 +263,11 @@ def test_a_large_group_of_rollouts_links_each_turn_at_the_same_cost(
         tokens: dict[str, Any] = {}
         if echo == "tokens":
             tokens = {"prompt_ids": prompt, "sampled_ids": sampled}
+        before = work[0]
         sample = graph.add_turn(
             TurnNode(request_messages=task, response_message=response, **tokens)
         )
+        per_sample.append(work[0] - before)
         if echo == "tokens":
             tokens = {"prompt_ids": [*prompt, *sampled, 1], "sampled_ids": [2]}
         echoed = {"role": "assistant", **response}
@@ -272,5 +277,6 @@ def test_a_large_group_of_rollouts_links_each_turn_at_the_same_cost(
         )
         per_turn.append(work[0] - before)
         assert graph.parent(view.node_id) == sample.node_id
-    early, late = per_turn[40:60], per_turn[580:600]
-    assert max(late) <= max(early), (early, late)
+    for counts in (per_turn, per_sample):
+        early, late = counts[40:60], counts[580:600]
+        assert max(late) <= max(early), (early, late)
