@@ -69,7 +69,8 @@ MAX_DECODED_DEEP = 0.5  # turns >= 100, every workload
 MAX_DECODED_CHATTY_10 = 1.0
 MAX_RAW_DEEP = 0.25
 MAX_SOAK = 1.5
-MAX_CHATTY_RETAINED = 1.25  # retained / unique content at 200 chatty turns
+# retained / unique content at MEMORY_TURNS turns, by workload (issue 24)
+MAX_RETAINED = {"chatty": 1.10, "tool_heavy": 1.05, "multimodal": 1.05, "token_heavy": 1.05}
 MEMORY_TURNS = 200
 
 
@@ -631,13 +632,15 @@ def check(
 ) -> list[str]:
     lines = []
     for m in memory:
-        if m["workload"] == "chatty":
-            ratio = m["retained"] / m["unique"]
-            verdict = "PASS" if ratio <= MAX_CHATTY_RETAINED else "MISS"
-            lines.append(
-                f"{verdict}  chatty retained/unique at {m['turns']} turns {ratio:.3f}"
-                f" <= {MAX_CHATTY_RETAINED}"
-            )
+        limit = MAX_RETAINED.get(m["workload"])
+        if limit is None:
+            continue
+        ratio = m["retained"] / m["unique"]
+        verdict = "PASS" if ratio <= limit else "MISS"
+        lines.append(
+            f"{verdict}  {m['workload']} retained/unique at {m['turns']} turns {ratio:.3f}"
+            f" <= {limit}"
+        )
     for r in long:
         for c, v in r["checkpoints"].items():
             c = int(c)
