@@ -15,8 +15,8 @@ one right after the other, so other load on the machine moves both):
   ids). Printed: the median add time of the 20 turns around turns 100, 1,000, 5,000 and of
   the last 20; the figure checked: the last over turns 91-110, samples pooled over the builds.
 
-Also retained memory over unique content at 200 turns of every workload (tracemalloc, as
-memory_per_turn.py measures it).
+Also retained memory over unique content at 200 turns of every workload (tracemalloc and the
+engine's own byte count, as memory_per_turn.py measures it).
 
 Writes out/ingest.json (out/ingest.partial.json for partial runs; results/ with
 --update-results); ends with PASS/MISS lines for the targets and a one-line count of targets
@@ -725,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     memory: list[dict[str, Any]] = []
     if not args.no_memory:
-        print(f"\nretained memory at {MEMORY_TURNS} turns (tracemalloc)")
+        print(f"\nretained memory at {MEMORY_TURNS} turns (tracemalloc + the engine's bytes)")
         for name in workloads:
             m = memory_run(name, MEMORY_TURNS)
             memory.append(m)

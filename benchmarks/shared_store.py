@@ -33,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import tracemalloc
 import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
@@ -274,8 +273,7 @@ def steady_baseline(measured: Any, store: Any) -> None:
     if store is not None:
         warm_up(store)
     clear_process_caches()
-    gc.collect()
-    measured.baseline = tracemalloc.get_traced_memory()[0]
+    measured.rebase()
 
 
 def retained(

@@ -14,6 +14,7 @@ from typing import Any, Final
 
 import msgpack
 
+from .._core import KeyIndex
 from ..errors import InvalidValueError
 from ..model.nodes import TurnNode
 from ..model.raw import RawJSON, decode_array, decode_raw, resolve_raw
@@ -495,7 +496,9 @@ class RequestStore:
         # over an out-of-process store: values holding blob references are matched by the
         # SHA-256 of their plain packings, never by fetching (requests by their digests)
         self.values = ValueTable(self.expand, share_threshold, hashed=blobs.fetches)
-        self.request_index: dict[int, Any] = {}  # digest of non-system request -> turn(s)
+        # digest of non-system request -> turn(s); no int object per key (a dict's would be
+        # a third of a short turn's bookkeeping)
+        self.request_index = KeyIndex()
         self.buckets = 0  # keys of the request index that hold several turns (a `_Bucket`)
         # plain packings shorter than this can hold no blob and no nesting beyond MAX_DEPTH
         self._plain_limit = min(share_threshold or MAX_DEPTH, MAX_DEPTH)
@@ -877,10 +880,10 @@ class RequestStore:
         filed under a new key, then its response exactly, then new messages, and no longer
         stored request (no twin either) is among its prefixes: what `Probe` and `_base` would
         find, for less. None when any of that is not so (or something needs the validating
-        walk). Most turns continue the turn just before them: the index's last entry (a dict
+        walk). Most turns continue the turn just before them: the index's last entry (it
         keeps insertion order), so no reference of its own is kept."""
         index = self.request_index
-        last = next(reversed(index.values()), None)
+        last = index.last()
         # not a bucket of twins (`_base` picks among them), nor a turn whose record may be
         # kept in a store (`is_echo` asks that one); a bare turn is the only one under its
         # key (every filing goes through `file`, which keeps a turn's `rkey` its key)

@@ -5,6 +5,7 @@ mod content;
 mod data_plane;
 mod frames;
 mod json;
+mod key_index;
 mod packed;
 
 use pyo3::prelude::*;
@@ -43,6 +44,8 @@ mod _core {
     };
     #[pymodule_export]
     use super::json::{dumps, loads};
+    #[pymodule_export]
+    use super::key_index::KeyIndex;
     #[pymodule_export]
     use super::packed::{unpack, Packer};
     #[pymodule_export]

@@ -1,0 +1,264 @@
+//! An insertion-ordered map from 64-bit keys to values, held compactly.
+//!
+//! A graph files every turn's request under a 64-bit key (the first 8 bytes of its digest).
+//! Kept in a Python `dict`, each key is an int object of its own (36 bytes) beside the
+//! dict's entry (24 bytes and its share of the index); here an entry is the key and the
+//! value side by side in one vector, in insertion order, and the hash table holds only a
+//! `u32` position per slot: about 20 to 35 bytes an entry with the vector's and the table's
+//! spare room counted. There is no removal (the graph never unfiles a request); replacing
+//! a key's value keeps its position, as a `dict` does.
+
+use std::mem::size_of;
+
+/// Slots hold an entry's position plus one; 0 marks an empty slot.
+const EMPTY: u32 = 0;
+/// The table grows when it would be more than 3/4 full (linear probing stays short).
+const LOAD_NUM: usize = 3;
+const LOAD_DEN: usize = 4;
+/// The smallest table (a power of two).
+const MIN_SLOTS: usize = 8;
+
+/// Too many entries for a `u32` position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Full;
+
+impl std::fmt::Display for Full {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the key index holds 2**32 - 1 entries, its most")
+    }
+}
+
+impl std::error::Error for Full {}
+
+/// Keys to values, iterated in the order the keys were first inserted.
+#[derive(Debug, Clone)]
+pub struct KeyIndex<V> {
+    entries: Vec<(u64, V)>,
+    /// Open addressing with linear probing: a power-of-two number of slots, or none yet.
+    slots: Vec<u32>,
+}
+
+impl<V> Default for KeyIndex<V> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Where a key's probe sequence starts. Keys are mostly digest bytes already, but a file
+/// may name any key: the multiply spreads keys that differ only in their high bits.
+fn home(key: u64, mask: usize) -> usize {
+    (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize & mask
+}
+
+impl<V> KeyIndex<V> {
+    /// An empty index; it allocates nothing until the first insertion.
+    pub fn new() -> Self {
+        Self {
+            entries: Vec::new(),
+            slots: Vec::new(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The slot holding `key`'s entry, or the empty slot where it would go.
+    fn find_slot(&self, key: u64) -> (usize, Option<usize>) {
+        let mask = self.slots.len() - 1;
+        let mut at = home(key, mask);
+        loop {
+            let slot = self.slots[at];
+            if slot == EMPTY {
+                return (at, None);
+            }
+            let position = (slot - 1) as usize;
+            if self.entries[position].0 == key {
+                return (at, Some(position));
+            }
+            at = (at + 1) & mask;
+        }
+    }
+
+    pub fn get(&self, key: u64) -> Option<&V> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        self.find_slot(key)
+            .1
+            .map(|position| &self.entries[position].1)
+    }
+
+    pub fn contains_key(&self, key: u64) -> bool {
+        self.get(key).is_some()
+    }
+
+    /// Set `key`'s value, returning the one it replaces (the key keeps its position) or None
+    /// (the key goes last). Nothing changes when it fails.
+    ///
+    /// # Errors
+    /// [`Full`] when the index already holds `u32::MAX - 1` entries.
+    pub fn insert(&mut self, key: u64, value: V) -> Result<Option<V>, Full> {
+        if !self.slots.is_empty() {
+            if let (_, Some(position)) = self.find_slot(key) {
+                return Ok(Some(std::mem::replace(
+                    &mut self.entries[position].1,
+                    value,
+                )));
+            }
+        }
+        if self.entries.len() >= (u32::MAX - 1) as usize {
+            return Err(Full);
+        }
+        if (self.entries.len() + 1) * LOAD_DEN > self.slots.len() * LOAD_NUM {
+            self.grow();
+        }
+        self.entries.push((key, value));
+        let (at, _) = self.find_slot(key);
+        // the position plus one fits: checked against u32::MAX - 1 above
+        self.slots[at] = self.entries.len() as u32;
+        Ok(None)
+    }
+
+    /// Double the table (or make the first one) and place every entry again.
+    fn grow(&mut self) {
+        let size = (self.slots.len() * 2).max(MIN_SLOTS);
+        self.slots = vec![EMPTY; size];
+        let mask = size - 1;
+        for (position, (key, _)) in self.entries.iter().enumerate() {
+            let mut at = home(*key, mask);
+            while self.slots[at] != EMPTY {
+                at = (at + 1) & mask;
+            }
+            self.slots[at] = position as u32 + 1;
+        }
+    }
+
+    /// The value inserted last (a replaced value keeps its key's place).
+    pub fn last(&self) -> Option<&V> {
+        self.entries.last().map(|(_, value)| value)
+    }
+
+    /// Entries in insertion order.
+    pub fn iter(&self) -> impl DoubleEndedIterator<Item = (u64, &V)> + ExactSizeIterator {
+        self.entries.iter().map(|(key, value)| (*key, value))
+    }
+
+    /// Values in insertion order.
+    pub fn values(&self) -> impl DoubleEndedIterator<Item = &V> + ExactSizeIterator {
+        self.entries.iter().map(|(_, value)| value)
+    }
+
+    /// Bytes of heap the index holds (the values' own heap, if any, not counted).
+    pub fn nbytes(&self) -> usize {
+        self.entries.capacity() * size_of::<(u64, V)>() + self.slots.capacity() * size_of::<u32>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    /// A small deterministic generator (xorshift), so the tests need no crate.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            let mut x = self.0;
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            self.0 = x;
+            x
+        }
+    }
+
+    #[test]
+    fn empty_index_finds_nothing_and_holds_no_heap() {
+        let index: KeyIndex<u32> = KeyIndex::new();
+        assert!(index.is_empty());
+        assert_eq!(index.get(0), None);
+        assert_eq!(index.get(u64::MAX), None);
+        assert_eq!(index.last(), None);
+        assert_eq!(index.nbytes(), 0);
+    }
+
+    #[test]
+    fn agrees_with_a_hash_map_and_keeps_insertion_order() {
+        let mut rng = Rng(0x1234_5678_9abc_def1);
+        let mut index = KeyIndex::new();
+        let mut reference = HashMap::new();
+        let mut order = Vec::new();
+        for i in 0..20_000u32 {
+            // a quarter of the insertions replace the value of a key seen before
+            let key = if i % 4 == 3 && !order.is_empty() {
+                order[(rng.next() % order.len() as u64) as usize]
+            } else {
+                rng.next()
+            };
+            let replaced = index.insert(key, i).unwrap();
+            let before = reference.insert(key, i);
+            assert_eq!(replaced, before);
+            if before.is_none() {
+                order.push(key);
+            }
+        }
+        assert_eq!(index.len(), reference.len());
+        for (key, value) in &reference {
+            assert_eq!(index.get(*key), Some(value));
+        }
+        let keys: Vec<u64> = index.iter().map(|(key, _)| key).collect();
+        assert_eq!(keys, order);
+        assert_eq!(index.last(), Some(&reference[order.last().unwrap()]));
+        for _ in 0..1000 {
+            let key = rng.next();
+            assert_eq!(index.get(key), reference.get(&key));
+        }
+    }
+
+    #[test]
+    fn keys_that_share_their_low_or_high_bits_are_kept_apart() {
+        let mut index = KeyIndex::new();
+        for i in 1..5000u64 {
+            index.insert(i << 40, i).unwrap(); // the low 40 bits all zero
+            index.insert(i, i + 1_000_000).unwrap(); // the high 51 bits all zero
+        }
+        assert_eq!(index.len(), 2 * 4999);
+        for i in 1..5000u64 {
+            assert_eq!(index.get(i << 40), Some(&i));
+            assert_eq!(index.get(i), Some(&(i + 1_000_000)));
+        }
+        assert_eq!(index.get(0), None);
+        assert_eq!(index.get(5000 << 40), None);
+    }
+
+    #[test]
+    fn replacing_keeps_the_place_and_last_is_the_newest_key() {
+        let mut index = KeyIndex::new();
+        index.insert(7, "a").unwrap();
+        index.insert(9, "b").unwrap();
+        assert_eq!(index.insert(7, "c").unwrap(), Some("a"));
+        assert_eq!(index.last(), Some(&"b"));
+        let items: Vec<(u64, &str)> = index.iter().map(|(k, v)| (k, *v)).collect();
+        assert_eq!(items, vec![(7, "c"), (9, "b")]);
+        let reversed: Vec<&str> = index.values().rev().copied().collect();
+        assert_eq!(reversed, vec!["b", "c"]);
+    }
+
+    #[test]
+    fn stays_compact() {
+        let mut rng = Rng(99);
+        let mut index = KeyIndex::new();
+        for i in 0..100_000u64 {
+            index.insert(rng.next(), i).unwrap();
+        }
+        // entries of 16 bytes with at most doubling spare, slots at least a quarter used
+        assert!(index.nbytes() <= 100_000 * (2 * 16 + 4 * 4));
+        assert!(index.slots.len() * LOAD_NUM >= index.len() * LOAD_DEN);
+    }
+}
