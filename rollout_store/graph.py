@@ -21,7 +21,7 @@ import xxhash
 from .engine import materialize
 from .engine.blobs import BlobTable
 from .engine.encoding import blob_ref_bytes, unpack
-from .engine.index import OneOrMany, index_add, index_members
+from .engine.index import NOT_YET, OneOrMany, index_add, index_members
 from .engine.intake import real_numbers
 from .engine.linking import Linker
 from .engine.requests import FreshRequest, RequestStore, Scratch
@@ -50,7 +50,7 @@ from .errors import (
     RolloutStoreError,
     UnknownNodeError,
 )
-from .metadata import UNCHANGED, GraphMeta
+from .metadata import NO_META, UNCHANGED, GraphMeta
 from .model.drift import REGIONS, Drift
 from .model.nodes import COUNT_TOOLS, TurnNode
 from .model.raw import RawJSON, resolve_raw
@@ -226,7 +226,7 @@ class Graph:
         self._sent_values: tuple[Any, Any, Any, Any, int] | None = None
         # turns whose id is not the default `turn-{index}`, by the id's `hash` (see `_find`):
         # a turn keeps its id in its own bytes, so the index keeps no string of it
-        self._by_id: OneOrMany[int, Turn] = {}
+        self._by_id: OneOrMany[int, Turn] = NOT_YET  # a dict at the first such turn
         # what the graph interns, in one table (a capture server's session holds a few of
         # each kind, and one dict costs less than three): scalar fields (a TurnMeta, to
         # itself), flag values (an int, to itself) and sides (a side's sharing key, to the
@@ -240,8 +240,9 @@ class Graph:
         self._closed = False  # the file behind an appending graph was closed
         #: Set by `load` and `open`: how much of the file was good (a storage.LoadReport).
         self.load_report: Any = None
-        self._meta = GraphMeta()  # labels, annotations, rewards, group (see `metadata`)
-        self._drift: dict[int, Drift] = {}  # the drift audit, by turn index (see `drift`)
+        self._meta = NO_META  # labels, annotations, rewards, group (see `metadata`)
+        # the drift audit, by turn index (see `drift`); a dict at its first record
+        self._drift: dict[int, Drift] = NOT_YET
         self._timelines: TimelineTable | None = None  # call timings (see `set_timeline`)
 
     @property
@@ -437,6 +438,8 @@ class Graph:
             if scratch.raw_seen:  # only now: the turn's own texts stay known until here
                 self._requests.remember_raw(scratch.raw_seen)
             if drift is not None:
+                if self._drift is NOT_YET:
+                    self._drift = {}
                 self._drift[turn.index] = drift
             # as the capture graph does: the node given gets its place in the graph
             node.index = turn.index
@@ -724,6 +727,8 @@ class Graph:
         self._note_sent(sent)
         ident = turn.ident
         if ident is not None:
+            if self._by_id is NOT_YET:
+                self._by_id = {}
             index_add(self._by_id, hash(ident), turn)
         last = self._last_side
         if last is not None and side.same_as(last):  # mostly: what the turn before had
@@ -1371,7 +1376,10 @@ class GraphRestorer:
 
     def add_drift(self, drift: Drift) -> None:
         """A drift audit record read back (its turn is restored)."""
-        self._graph._drift[drift.turn] = drift
+        graph = self._graph
+        if graph._drift is NOT_YET:
+            graph._drift = {}
+        graph._drift[drift.turn] = drift
 
     def set_timeline(self, index: int, packed: bytes) -> None:
         """A timeline record read back (its turn is restored)."""

@@ -112,11 +112,19 @@ class Linker:
         # empty set costs 216 bytes) until a turn has one
         self.short_lengths: set[int] | frozenset[int] = _NO_LENGTHS
         self.message_roots: dict[int, Any] = {}  # request keys of message roots' prefixes
-        # one empty array of each kind for every turn that sampled nothing (never mutated)
-        self._no_ids = array("I")
-        self._no_logprobs = array("d")
+        # one empty array of each kind for every turn that sampled nothing (never mutated),
+        # made at the first such turn (see `_empty`)
+        self._no_ids: array[int] | None = None
+        self._no_logprobs: array[float] | None = None
 
     # ------------------------------------------------------------------ tokens
+
+    def _empty_ids(self) -> array[int]:
+        """The graph's one empty array of token ids (see `__init__`)."""
+        ids = self._no_ids
+        if ids is None:
+            ids = self._no_ids = array("I")
+        return ids
 
     def prepare_tokens(self, turn: Turn, node: TurnNode, scratch: Scratch) -> None:
         """Store the turn's token fields as shared runs; find its parent by tokens.
@@ -143,8 +151,10 @@ class Linker:
                 turn.logprobs = self.requests.encode(logprobs, "sampled_logprobs")[0]
                 turn.flags |= LOGPROBS_PACKED
         if type(sampled) is array and not sampled:
-            sampled = self._no_ids
+            sampled = self._empty_ids()
         if type(turn.logprobs) is array and not turn.logprobs:
+            if self._no_logprobs is None:
+                self._no_logprobs = array("d")
             turn.logprobs = self._no_logprobs
         turn.sampled = sampled
         if prompt is None:
@@ -184,10 +194,11 @@ class Linker:
         elif run is None:  # a root prompt: graphs over one memory store share it
             run = ArrayRun(None, self.requests.blobs.share_tokens(prompt))
             kept = turn.logprobs
-            if packable(self._no_ids, sampled, kept, len(prompt)):
+            no_ids = self._empty_ids()
+            if packable(no_ids, sampled, kept, len(prompt)):
                 # its sampled ids and logprobs in the turn itself, a packed run of no new
                 # ids over the shared root run (no side, arrays or full run of its own)
-                turn.pack_tokens(run, self._no_ids, sampled, kept)
+                turn.pack_tokens(run, no_ids, sampled, kept)
                 run, packed = turn, True
         full: TokenRun | None
         if packed:

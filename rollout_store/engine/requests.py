@@ -52,6 +52,7 @@ from .encoding import (
     no_echo,
     unpack,
 )
+from .index import NOT_YET
 from .intake import MAX_DEPTH, Encoder
 from .materialize import Messages, value
 from .messages import leading_system_count, link_key, response_link_key
@@ -516,7 +517,8 @@ class RequestStore:
         # raw texts of shared values (tools, sampling parameters) the graph holds, and their
         # stored form and item count: a capture server re-sends the same tools text each
         # call, taken then without decoding or packing it (`shared_value`)
-        self.raw_shared: dict[bytes | str, tuple[Any, int | None]] = {}
+        # (a dict at the first one)
+        self.raw_shared: dict[bytes | str, tuple[Any, int | None]] = NOT_YET
 
     def reset_packer(self) -> None:
         """Let the packers go (a turn is done): the next use makes new ones."""
@@ -538,7 +540,7 @@ class RequestStore:
         self.raw_tips = RawTips()
         if self.tips is not None:
             self.tips = Tips()
-        self.raw_shared = {}
+        self.raw_shared = NOT_YET
 
     # ------------------------------------------------------------------ intake
 
@@ -646,6 +648,8 @@ class RequestStore:
         count; a text used again moves to the end, and the least recently used texts are
         dropped past MAX_RAW_SHARED."""
         known, share = self.raw_shared, self.blobs.share_text
+        if known is NOT_YET:
+            known = self.raw_shared = {}
         for text, stored, n_items in seen:
             known.pop(text, None)
             # graphs over one memory store keep one object of a text they all remember
