@@ -10,7 +10,15 @@ from typing import Any
 import xxhash
 
 from ..model.nodes import TurnNode
-from .index import index_add, index_members, index_remove, sized_add, sized_members, sized_remove
+from .index import (
+    NOT_YET,
+    index_add,
+    index_members,
+    index_remove,
+    sized_add,
+    sized_members,
+    sized_remove,
+)
 from .intake import float_array, plain_numbers, token_array
 from .keys import HEADS, request_keys, root_token_keys, short_key
 from .materialize import rest_values
@@ -102,8 +110,10 @@ class Linker:
     def __init__(self, requests: RequestStore, turns: list[Turn]) -> None:
         self.requests = requests
         self.turns = turns
-        self.token_index: dict[int, Any] = {}  # block digest of prompt+sampled -> turn(s)
-        self.prompt_index: dict[int, Any] = {}  # digest of a whole prompt -> TokenRun(s)
+        # block digest of prompt+sampled -> turn(s); digest of a whole prompt -> TokenRun(s):
+        # dicts at the first token turn (a graph of messages alone never makes them)
+        self.token_index: dict[int, Any] = NOT_YET
+        self.prompt_index: dict[int, Any] = NOT_YET
         # heads and block digests of token roots' prompts, built at the first lookup that
         # has a root to find (see `_token_roots`): until then only counted
         self.token_roots: dict[int, Any] | None = None
@@ -329,6 +339,8 @@ class Linker:
         """File a committed turn's tokens under their keys."""
         full = turn.full
         if token_key is not None and full is not None and full.length:
+            if self.token_index is NOT_YET:
+                self.token_index = {}
             sized_add(self.token_index, token_key, turn, _full_length)
             if full.length < BLOCK:
                 lengths = self.short_lengths
@@ -338,6 +350,8 @@ class Linker:
         if prompt_key is not None and turn.prompt is not None:
             members = index_members(self.prompt_index.get(prompt_key))
             if not any(m is turn.prompt for m in members):
+                if self.prompt_index is NOT_YET:
+                    self.prompt_index = {}
                 index_add(self.prompt_index, prompt_key, turn.prompt)
 
     def register_root(self, turn: Turn, root_keys: list[int] | None) -> None:

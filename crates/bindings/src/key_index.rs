@@ -72,6 +72,23 @@ impl KeyIndex {
             .map_err(|full| PyOverflowError::new_err(full.to_string()))
     }
 
+    /// Take `key` out (`KeyError` when it is not there): the key set last at once, any
+    /// other in time linear in the keys.
+    fn __delitem__(&self, key: &Bound<'_, PyAny>) -> PyResult<()> {
+        let removed = key
+            .extract::<u64>()
+            .ok()
+            .and_then(|k| self.index().remove(k));
+        // the value is dropped here, with the lock let go
+        match removed {
+            Some(value) => {
+                drop(value);
+                Ok(())
+            }
+            None => Err(PyKeyError::new_err(key.clone().unbind())),
+        }
+    }
+
     fn __contains__(&self, key: &Bound<'_, PyAny>) -> bool {
         key.extract::<u64>()
             .is_ok_and(|key| self.index().contains_key(key))

@@ -5,8 +5,9 @@
 //! dict's entry (24 bytes and its share of the index); here an entry is the key and the
 //! value side by side in one vector, in insertion order, and the hash table holds only a
 //! `u32` position per slot: about 20 to 35 bytes an entry with the vector's and the table's
-//! spare room counted. There is no removal (the graph never unfiles a request); replacing
-//! a key's value keeps its position, as a `dict` does.
+//! spare room counted. Replacing a key's value keeps its position, as a `dict` does;
+//! removing the key set last (a rolled-back addition) costs constant time, any other key
+//! time linear in the entries.
 
 use std::mem::size_of;
 
@@ -17,6 +18,8 @@ const LOAD_NUM: usize = 3;
 const LOAD_DEN: usize = 4;
 /// The smallest table (a power of two).
 const MIN_SLOTS: usize = 8;
+/// The fewest entries room is made for at once.
+const MIN_ENTRIES: usize = 4;
 
 /// Too many entries for a `u32` position.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -117,6 +120,12 @@ impl<V> KeyIndex<V> {
         if (self.entries.len() + 1) * LOAD_DEN > self.slots.len() * LOAD_NUM {
             self.grow();
         }
+        if self.entries.len() == self.entries.capacity() {
+            // by half again, not double: a graph's index of a few dozen turns keeps less
+            // spare room (one per capture session, thousands in a server)
+            let more = (self.entries.len() / 2).max(MIN_ENTRIES);
+            self.entries.reserve_exact(more);
+        }
         self.entries.push((key, value));
         let (at, _) = self.find_slot(key);
         // the position plus one fits: checked against u32::MAX - 1 above
@@ -124,9 +133,56 @@ impl<V> KeyIndex<V> {
         Ok(None)
     }
 
+    /// Take `key` out, returning its value. The key set last (the one a rollback takes
+    /// out first) goes in constant time; any other in time linear in the entries (the
+    /// entries after it move up one place, keeping their order).
+    pub fn remove(&mut self, key: u64) -> Option<V> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let (at, position) = self.find_slot(key);
+        let position = position?;
+        if position + 1 == self.entries.len() {
+            self.clear_slot(at);
+            return self.entries.pop().map(|(_, value)| value);
+        }
+        let (_, value) = self.entries.remove(position);
+        self.place_all(self.slots.len());
+        Some(value)
+    }
+
+    /// Empty slot `at` and move up the entries of its probe run that would no longer be
+    /// found past the gap (deletion without tombstones under linear probing).
+    fn clear_slot(&mut self, mut at: usize) {
+        let mask = self.slots.len() - 1;
+        self.slots[at] = EMPTY;
+        let mut next = (at + 1) & mask;
+        while self.slots[next] != EMPTY {
+            let slot = self.slots[next];
+            let want = home(self.entries[(slot - 1) as usize].0, mask);
+            // the entry at `next` may fill the gap unless its home lies cyclically in
+            // (at, next]: then the gap does not break its probe run
+            let stays = if at <= next {
+                at < want && want <= next
+            } else {
+                at < want || want <= next
+            };
+            if !stays {
+                self.slots[at] = slot;
+                self.slots[next] = EMPTY;
+                at = next;
+            }
+            next = (next + 1) & mask;
+        }
+    }
+
     /// Double the table (or make the first one) and place every entry again.
     fn grow(&mut self) {
-        let size = (self.slots.len() * 2).max(MIN_SLOTS);
+        self.place_all((self.slots.len() * 2).max(MIN_SLOTS));
+    }
+
+    /// A table of `size` slots (a power of two) with every entry placed again.
+    fn place_all(&mut self, size: usize) {
         self.slots = vec![EMPTY; size];
         let mask = size - 1;
         for (position, (key, _)) in self.entries.iter().enumerate() {
@@ -251,14 +307,53 @@ mod tests {
     }
 
     #[test]
+    fn removals_agree_with_a_hash_map_and_keep_the_order() {
+        let mut rng = Rng(0xfeed_beef);
+        let mut index = KeyIndex::new();
+        let mut reference: Vec<(u64, u64)> = Vec::new();
+        for step in 0..6000u64 {
+            // keys from a small range (their homes crowd together) and, now and then, the
+            // key set last or one from the middle taken out
+            let choice = rng.next() % 10;
+            if choice < 2 && !reference.is_empty() {
+                let (key, value) = reference.pop().unwrap();
+                assert_eq!(index.remove(key), Some(value));
+            } else if choice == 2 && !reference.is_empty() {
+                let at = (rng.next() % reference.len() as u64) as usize;
+                let (key, value) = reference.remove(at);
+                assert_eq!(index.remove(key), Some(value));
+            } else {
+                let key = rng.next() % 4096;
+                let replaced = index.insert(key, step).unwrap();
+                match reference.iter_mut().find(|(k, _)| *k == key) {
+                    Some(entry) => {
+                        assert_eq!(replaced, Some(std::mem::replace(&mut entry.1, step)))
+                    }
+                    None => {
+                        assert_eq!(replaced, None);
+                        reference.push((key, step));
+                    }
+                }
+            }
+            assert_eq!(index.remove(u64::MAX), None);
+        }
+        let items: Vec<(u64, u64)> = index.iter().map(|(k, v)| (k, *v)).collect();
+        assert_eq!(items, reference);
+        for key in 0..4096 {
+            let expected = reference.iter().find(|(k, _)| *k == key).map(|(_, v)| v);
+            assert_eq!(index.get(key), expected);
+        }
+    }
+
+    #[test]
     fn stays_compact() {
         let mut rng = Rng(99);
         let mut index = KeyIndex::new();
         for i in 0..100_000u64 {
             index.insert(rng.next(), i).unwrap();
         }
-        // entries of 16 bytes with at most doubling spare, slots at least a quarter used
-        assert!(index.nbytes() <= 100_000 * (2 * 16 + 4 * 4));
+        // entries of 16 bytes with at most half spare, slots at least three eighths used
+        assert!(index.nbytes() <= 100_000 * (16 * 3 / 2 + 4 * 8 / 3 + 1));
         assert!(index.slots.len() * LOAD_NUM >= index.len() * LOAD_DEN);
     }
 }
