@@ -325,14 +325,11 @@ mod tests {
             } else {
                 let key = rng.next() % 4096;
                 let replaced = index.insert(key, step).unwrap();
-                match reference.iter_mut().find(|(k, _)| *k == key) {
-                    Some(entry) => {
-                        assert_eq!(replaced, Some(std::mem::replace(&mut entry.1, step)))
-                    }
-                    None => {
-                        assert_eq!(replaced, None);
-                        reference.push((key, step));
-                    }
+                if let Some(entry) = reference.iter_mut().find(|(k, _)| *k == key) {
+                    assert_eq!(replaced, Some(std::mem::replace(&mut entry.1, step)));
+                } else {
+                    assert_eq!(replaced, None);
+                    reference.push((key, step));
                 }
             }
             assert_eq!(index.remove(u64::MAX), None);
