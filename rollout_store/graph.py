@@ -753,7 +753,7 @@ class Graph:
         # flags above 256 are int objects of their own: one per distinct value, not per turn
         turn.flags = interned.setdefault(turn.flags, turn.flags)
         if raw_tip is not None:
-            requests.raw_tips.add(*raw_tip)
+            requests.add_raw_tip(*raw_tip)
         linker = self._linker
         if keys.token is not None or keys.prompt is not None:  # (else `file` files nothing)
             linker.file(turn, keys.token, keys.prompt)

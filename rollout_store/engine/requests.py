@@ -461,6 +461,30 @@ class _Bucket(list[Turn]):
         self.parents: list[Turn] = []
 
 
+class _NoTips(Tips):
+    """The tips of a graph that has kept none yet: one object for every such graph (two
+    empty dicts each would cost 176 bytes a graph, a capture session), never changed: a graph
+    makes its own before it adds a tip."""
+
+    __slots__ = ()
+
+    def add(self, tip: Tip, replaces: Tip | None) -> None:
+        raise AssertionError("the shared empty tips are never changed")
+
+
+class _NoRawTips(RawTips):
+    """The raw tips of a graph that has kept none yet (as `_NoTips`: 248 bytes a graph)."""
+
+    __slots__ = ()
+
+    def add(self, tip: RawTip, replaces: RawTip | None) -> None:
+        raise AssertionError("the shared empty raw tips are never changed")
+
+
+_NO_TIPS: Final = _NoTips()
+_NO_RAW_TIPS: Final = _NoRawTips()
+
+
 class RequestStore:
     """The request messages, responses and shared values of a graph's turns.
 
@@ -505,10 +529,11 @@ class RequestStore:
         self._plain_limit = min(share_threshold or MAX_DEPTH, MAX_DEPTH)
         # longer ones, where they hold no long string's type byte (see `_walk_free`)
         self._long_types = _long_string_types(share_threshold)
-        self.raw_tips = RawTips()  # the latest raw turns, for raw continuations
+        # the latest raw turns, for raw continuations (the graph's own at the first one)
+        self.raw_tips: RawTips = _NO_RAW_TIPS
         # the latest decoded turns whose requests hold blobs: their strings are compared, not
         # hashed again (not over an out-of-process store: its strings are fetched)
-        self.tips: Tips | None = None if blobs.fetches else Tips()
+        self.tips: Tips | None = None if blobs.fetches else _NO_TIPS
         self._window = WINDOW  # trailing boundaries a request is probed at first
         # bit n set: some filed request has n messages (a request can only extend one whose
         # count is among these: the boundaries worth a digest); a bit per count, not per turn
@@ -519,6 +544,12 @@ class RequestStore:
         # call, taken then without decoding or packing it (`shared_value`)
         # (a dict at the first one)
         self.raw_shared: dict[bytes | str, tuple[Any, int | None]] = NOT_YET
+
+    def add_raw_tip(self, tip: RawTip, replaces: RawTip | None) -> None:
+        """Keep a committed raw turn as a tip (see `RawTips.add`)."""
+        if self.raw_tips is _NO_RAW_TIPS:
+            self.raw_tips = RawTips()
+        self.raw_tips.add(tip, replaces)
 
     def reset_packer(self) -> None:
         """Let the packers go (a turn is done): the next use makes new ones."""
@@ -537,9 +568,9 @@ class RequestStore:
         """Let go of the tips, decoded and raw (a BLAKE3 state of about 2 KB each), and of
         the raw texts of shared values remembered (`raw_shared`): they only spare the next
         turn hashing again what it re-sends, or decoding a tool list again."""
-        self.raw_tips = RawTips()
+        self.raw_tips = _NO_RAW_TIPS
         if self.tips is not None:
-            self.tips = Tips()
+            self.tips = _NO_TIPS
         self.raw_shared = NOT_YET
 
     # ------------------------------------------------------------------ intake
@@ -1175,9 +1206,12 @@ class RequestStore:
         # a turn just added was built with its key (`build`); a file's reader gives its own
         if request is None and turn.rkey != key:
             turn.file_under(key, turn.digest)
-        if request is not None and request.next_tip is not None and self.tips is not None:
+        tips = self.tips
+        if request is not None and request.next_tip is not None and tips is not None:
+            if tips is _NO_TIPS:
+                tips = self.tips = Tips()
             base = turn.base
-            self.tips.add(request.next_tip, self.tips.of(base) if base is not None else None)
+            tips.add(request.next_tip, tips.of(base) if base is not None else None)
         n = turn.n_rest
         lengths = self._lengths
         if n >> 3 >= len(lengths) or not lengths[n >> 3] >> (n & 7) & 1:
