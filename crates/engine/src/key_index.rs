@@ -4,8 +4,8 @@
 //! Kept in a Python `dict`, each key is an int object of its own (36 bytes) beside the
 //! dict's entry (24 bytes and its share of the index); here an entry is the key and the
 //! value side by side in one vector, in insertion order, and the hash table holds only a
-//! `u32` position per slot: about 20 to 35 bytes an entry with the vector's and the table's
-//! spare room counted. Replacing a key's value keeps its position, as a `dict` does;
+//! position per slot (2 bytes while positions fit, else 4): about 20 to 30 bytes an entry
+//! with the vector's and the table's spare room counted. Replacing a key's value keeps its position, as a `dict` does;
 //! removing the key set last (a rolled-back addition) costs constant time, any other key
 //! time linear in the entries.
 
@@ -33,12 +33,60 @@ impl std::fmt::Display for Full {
 
 impl std::error::Error for Full {}
 
+/// The hash table's slots: each an entry's position plus one (0: empty), two bytes each
+/// while the positions fit, four after.
+#[derive(Debug, Clone)]
+enum Slots {
+    Narrow(Vec<u16>),
+    Wide(Vec<u32>),
+}
+
+impl Slots {
+    /// `size` empty slots, wide enough for positions up to `entries`.
+    fn empty(size: usize, entries: usize) -> Self {
+        if entries < usize::from(u16::MAX) {
+            Slots::Narrow(vec![0; size])
+        } else {
+            Slots::Wide(vec![EMPTY; size])
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Slots::Narrow(slots) => slots.len(),
+            Slots::Wide(slots) => slots.len(),
+        }
+    }
+
+    fn get(&self, at: usize) -> u32 {
+        match self {
+            Slots::Narrow(slots) => u32::from(slots[at]),
+            Slots::Wide(slots) => slots[at],
+        }
+    }
+
+    /// Set slot `at` (the caller made the slots wide enough for `slot`).
+    fn set(&mut self, at: usize, slot: u32) {
+        match self {
+            Slots::Narrow(slots) => slots[at] = slot as u16,
+            Slots::Wide(slots) => slots[at] = slot,
+        }
+    }
+
+    fn nbytes(&self) -> usize {
+        match self {
+            Slots::Narrow(slots) => slots.capacity() * size_of::<u16>(),
+            Slots::Wide(slots) => slots.capacity() * size_of::<u32>(),
+        }
+    }
+}
+
 /// Keys to values, iterated in the order the keys were first inserted.
 #[derive(Debug, Clone)]
 pub struct KeyIndex<V> {
     entries: Vec<(u64, V)>,
     /// Open addressing with linear probing: a power-of-two number of slots, or none yet.
-    slots: Vec<u32>,
+    slots: Slots,
 }
 
 impl<V> Default for KeyIndex<V> {
@@ -58,7 +106,7 @@ impl<V> KeyIndex<V> {
     pub fn new() -> Self {
         Self {
             entries: Vec::new(),
-            slots: Vec::new(),
+            slots: Slots::Narrow(Vec::new()),
         }
     }
 
@@ -75,7 +123,7 @@ impl<V> KeyIndex<V> {
         let mask = self.slots.len() - 1;
         let mut at = home(key, mask);
         loop {
-            let slot = self.slots[at];
+            let slot = self.slots.get(at);
             if slot == EMPTY {
                 return (at, None);
             }
@@ -88,7 +136,7 @@ impl<V> KeyIndex<V> {
     }
 
     pub fn get(&self, key: u64) -> Option<&V> {
-        if self.slots.is_empty() {
+        if self.slots.len() == 0 {
             return None;
         }
         self.find_slot(key)
@@ -106,7 +154,7 @@ impl<V> KeyIndex<V> {
     /// # Errors
     /// [`Full`] when the index already holds `u32::MAX - 1` entries.
     pub fn insert(&mut self, key: u64, value: V) -> Result<Option<V>, Full> {
-        if !self.slots.is_empty() {
+        if self.slots.len() != 0 {
             if let (_, Some(position)) = self.find_slot(key) {
                 return Ok(Some(std::mem::replace(
                     &mut self.entries[position].1,
@@ -119,17 +167,21 @@ impl<V> KeyIndex<V> {
         }
         if (self.entries.len() + 1) * LOAD_DEN > self.slots.len() * LOAD_NUM {
             self.grow();
+        } else if self.entries.len() + 1 >= usize::from(u16::MAX) {
+            if let Slots::Narrow(_) = self.slots {
+                self.place_all(self.slots.len()); // its position needs wide slots
+            }
         }
         if self.entries.len() == self.entries.capacity() {
-            // by half again, not double: a graph's index of a few dozen turns keeps less
+            // by a quarter, not double: a graph's index of a few dozen turns keeps less
             // spare room (one per capture session, thousands in a server)
-            let more = (self.entries.len() / 2).max(MIN_ENTRIES);
+            let more = (self.entries.len() / 4).max(MIN_ENTRIES);
             self.entries.reserve_exact(more);
         }
         self.entries.push((key, value));
         let (at, _) = self.find_slot(key);
         // the position plus one fits: checked against u32::MAX - 1 above
-        self.slots[at] = self.entries.len() as u32;
+        self.slots.set(at, self.entries.len() as u32);
         Ok(None)
     }
 
@@ -137,7 +189,7 @@ impl<V> KeyIndex<V> {
     /// out first) goes in constant time; any other in time linear in the entries (the
     /// entries after it move up one place, keeping their order).
     pub fn remove(&mut self, key: u64) -> Option<V> {
-        if self.slots.is_empty() {
+        if self.slots.len() == 0 {
             return None;
         }
         let (at, position) = self.find_slot(key);
@@ -155,10 +207,10 @@ impl<V> KeyIndex<V> {
     /// found past the gap (deletion without tombstones under linear probing).
     fn clear_slot(&mut self, mut at: usize) {
         let mask = self.slots.len() - 1;
-        self.slots[at] = EMPTY;
+        self.slots.set(at, EMPTY);
         let mut next = (at + 1) & mask;
-        while self.slots[next] != EMPTY {
-            let slot = self.slots[next];
+        while self.slots.get(next) != EMPTY {
+            let slot = self.slots.get(next);
             let want = home(self.entries[(slot - 1) as usize].0, mask);
             // the entry at `next` may fill the gap unless its home lies cyclically in
             // (at, next]: then the gap does not break its probe run
@@ -168,8 +220,8 @@ impl<V> KeyIndex<V> {
                 at < want || want <= next
             };
             if !stays {
-                self.slots[at] = slot;
-                self.slots[next] = EMPTY;
+                self.slots.set(at, slot);
+                self.slots.set(next, EMPTY);
                 at = next;
             }
             next = (next + 1) & mask;
@@ -183,14 +235,15 @@ impl<V> KeyIndex<V> {
 
     /// A table of `size` slots (a power of two) with every entry placed again.
     fn place_all(&mut self, size: usize) {
-        self.slots = vec![EMPTY; size];
+        // wide enough for one more entry than now (the one `insert` is about to add)
+        self.slots = Slots::empty(size, self.entries.len() + 1);
         let mask = size - 1;
         for (position, (key, _)) in self.entries.iter().enumerate() {
             let mut at = home(*key, mask);
-            while self.slots[at] != EMPTY {
+            while self.slots.get(at) != EMPTY {
                 at = (at + 1) & mask;
             }
-            self.slots[at] = position as u32 + 1;
+            self.slots.set(at, position as u32 + 1);
         }
     }
 
@@ -211,7 +264,7 @@ impl<V> KeyIndex<V> {
 
     /// Bytes of heap the index holds (the values' own heap, if any, not counted).
     pub fn nbytes(&self) -> usize {
-        self.entries.capacity() * size_of::<(u64, V)>() + self.slots.capacity() * size_of::<u32>()
+        self.entries.capacity() * size_of::<(u64, V)>() + self.slots.nbytes()
     }
 }
 
@@ -343,14 +396,53 @@ mod tests {
     }
 
     #[test]
+    fn slots_widen_when_positions_outgrow_two_bytes() {
+        let mut index = KeyIndex::new();
+        let n = u64::from(u16::MAX) + 100;
+        for key in 0..n {
+            index
+                .insert(key.wrapping_mul(0x2545_F491_4F6C_DD1D), key)
+                .unwrap();
+            if key == 1000 {
+                assert!(matches!(index.slots, Slots::Narrow(_)));
+            }
+        }
+        assert!(matches!(index.slots, Slots::Wide(_)));
+        for key in 0..n {
+            assert_eq!(
+                index.get(key.wrapping_mul(0x2545_F491_4F6C_DD1D)),
+                Some(&key)
+            );
+        }
+        // the last one out and one from the middle, past the two-byte positions
+        let last = (n - 1).wrapping_mul(0x2545_F491_4F6C_DD1D);
+        assert_eq!(index.remove(last), Some(n - 1));
+        assert_eq!(
+            index.remove(5u64.wrapping_mul(0x2545_F491_4F6C_DD1D)),
+            Some(5)
+        );
+        assert_eq!(index.len() as u64, n - 2);
+        assert_eq!(
+            index.get(70_000u64.wrapping_mul(0x2545_F491_4F6C_DD1D)),
+            None
+        );
+        assert_eq!(
+            index.get(65_600u64.wrapping_mul(0x2545_F491_4F6C_DD1D)),
+            Some(&65_600)
+        );
+    }
+
+    #[test]
     fn stays_compact() {
         let mut rng = Rng(99);
         let mut index = KeyIndex::new();
         for i in 0..100_000u64 {
             index.insert(rng.next(), i).unwrap();
         }
-        // entries of 16 bytes with at most half spare, slots at least three eighths used
-        assert!(index.nbytes() <= 100_000 * (16 * 3 / 2 + 4 * 8 / 3 + 1));
+        // entries of 16 bytes with at most a quarter spare, (wide) slots at least three
+        // eighths used
+        assert!(index.nbytes() <= 100_000 * (16 * 5 / 4 + 4 * 8 / 3 + 1));
+        assert!(matches!(index.slots, Slots::Wide(_)));
         assert!(index.slots.len() * LOAD_NUM >= index.len() * LOAD_DEN);
     }
 }
