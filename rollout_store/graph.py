@@ -575,9 +575,21 @@ class Graph:
         if system_digest is None and system_plain is not None:
             system_digest = xxhash.xxh3_128_hexdigest(system_plain)
         meta = (node.model, node.finish_reason, node.harness_session_id, system_digest, n_tools)
-        # the graph's interned TurnMeta when there is one (most turns), else a new one
+        # the graph's interned TurnMeta when there is one (most turns), else a new one, its
+        # names shared with the other graphs over one memory store (the session id is the
+        # graph's own)
         found: TurnMeta | None = self._interned.get(meta)
-        return found or TurnMeta._make(meta)
+        if found is not None:
+            return found
+        share = self._blobs.share_name
+        model, finish, digest = node.model, node.finish_reason, system_digest
+        return TurnMeta(
+            share(model) if type(model) is str else model,
+            share(finish) if type(finish) is str else finish,
+            node.harness_session_id,
+            share(digest) if type(digest) is str else digest,
+            n_tools,
+        )
 
     def _link(self, turn: Turn, explicit: Turn | None, scratch: Scratch) -> None:
         """Link the turn: an explicit parent wins, then tokens, then messages. A root

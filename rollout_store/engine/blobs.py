@@ -128,6 +128,11 @@ class BlobTable:
         graphs; a private table shares nothing."""
         return packed
 
+    def share_name(self, text: str) -> str:
+        """`text` (a model name, a finish reason, a system digest) or an equal object shared
+        with other graphs; a private table shares nothing."""
+        return text
+
     @property
     def fetches(self) -> bool:
         """Whether reading a blob may fetch it from outside the process."""
