@@ -209,10 +209,13 @@ class Graph:
         self.share_threshold = share_threshold
         self.store = store
         self._turns: list[Turn] = []
-        self._blob_marks = array("I")  # blobs stored once each turn was committed, for save
+        # blobs stored once each turn was committed, for save: the last len(_blob_marks)
+        # turns' (the turns before them stored none: a graph without blobs keeps no entry)
+        self._blob_marks = array("I")
         # the long-string bytes the turns sent (`stats`), counted as each is committed: a
         # turn's entry (8 bytes, see `_SENT_SHIFT`) says what a turn extending its request
         # inherits; the total counts every field of every turn, inherited messages included
+        # (turns past its end have entry 0: a graph whose turns send no long string keeps none)
         self._sent = array("Q")
         self._sent_apart: dict[int, tuple[int, int]] | None = None  # made when needed
         self._sent_total = 0
@@ -336,9 +339,17 @@ class Graph:
                 later_children.setdefault(parent.index, []).append((turn, turn.link))
         keys = self._inverted_keys()
         marks = self._blob_marks
+        first = len(self._turns) - len(marks)  # the turns before stored no blob
         drift = self._drift
         return [
-            JournalEntry(turn, keys[i], later_children.get(i, []), marks[i], None, drift.get(i))
+            JournalEntry(
+                turn,
+                keys[i],
+                later_children.get(i, []),
+                marks[i - first] if i >= first else 0,
+                None,
+                drift.get(i),
+            )
             for i, turn in enumerate(self._turns)
         ]
 
@@ -664,7 +675,8 @@ class Graph:
         rest = 0
         base = turn.base
         if base is not None:
-            entry = self._sent[base.index]
+            sent = self._sent
+            entry = sent[base.index] if base.index < len(sent) else 0
             if entry == _SENT_APART:
                 rest, echoed = self._sent_apart[base.index]  # type: ignore[index]
             else:
@@ -700,13 +712,19 @@ class Graph:
     def _note_sent(self, sent: _Sent) -> None:
         """File a committed turn's `_sent_by` figures."""
         rest, response, total, values, used = sent
+        index = len(self._turns) - 1  # the turn's (committed: in the list)
         if rest <= _SENT_HIGH and response < _SENT_LOW:
-            self._sent.append(rest << _SENT_SHIFT | response)
+            entry = rest << _SENT_SHIFT | response
         else:
             if self._sent_apart is None:
                 self._sent_apart = {}
-            self._sent_apart[len(self._sent)] = (rest, response)
-            self._sent.append(_SENT_APART)
+            self._sent_apart[index] = (rest, response)
+            entry = _SENT_APART
+        if entry:  # (0 past the end: see `__init__`)
+            entries = self._sent
+            if len(entries) < index:
+                entries.frombytes(bytes(entries.itemsize * (index - len(entries))))
+            entries.append(entry)
         self._sent_total += total
         self._sent_values = values
         if used:
@@ -735,7 +753,9 @@ class Graph:
         interned = self._interned
         side.meta = interned.setdefault(meta, meta)
         self._turns.append(turn)
-        self._blob_marks.append(len(self._blobs))
+        n_blobs = len(self._blobs)
+        if n_blobs or self._blob_marks:  # (see `__init__`)
+            self._blob_marks.append(n_blobs)
         self._note_sent(sent)
         ident = turn.ident
         if ident is not None:
