@@ -12,8 +12,9 @@ Cases, over rollouts of the multimodal workload (independent rollouts one after 
 so a finished rollout's generator state is freed and what stays is what was recorded):
 
 * graph: a `RolloutGraph` records every turn. The engine's fixed bytes per turn are the
-  engine bytes the graph holds between turns, over the turns (the turn table is not yet in
-  the engine: the graph holds no engine object between turns, which the worker checks).
+  engine bytes the graph holds between turns, over the turns: its `_core.KeyIndex`es (the
+  request index, the blob table's index). It holds no packer between turns, which the worker
+  checks.
 * content table: every turn's messages (their JSON text) interned into one
   `_core.ContentTable`; its fixed bytes per entry (slots and index, beyond the content) are
   printed too.
@@ -58,7 +59,7 @@ def _engine_objects() -> list[Any]:
     """The engine's objects alive in this process (reachable by the garbage collector)."""
     from rollout_store import _core
 
-    kinds = (_core.ContentTable, _core.Packer)
+    kinds = (_core.ContentTable, _core.Packer, _core.KeyIndex)
     return [o for o in gc.get_objects() if isinstance(o, kinds)]
 
 
@@ -76,10 +77,13 @@ def _graph(rollouts: int, turns: int) -> tuple[object, int]:
             rs.TurnNode(request_messages=body["messages"], response_message=body["response"])
         )
         del body
+    from rollout_store import _core
+
     held = _engine_objects()
     engine = sum(getattr(o, "nbytes", 0) for o in held)
-    if held:
-        engine = -len(held)  # reported: the graph was meant to hold none
+    packers = sum(isinstance(o, _core.Packer) for o in held)
+    if packers:
+        engine = -packers  # reported: the graph was meant to hold none between turns
     return graph, engine
 
 
@@ -144,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         traced = run(case, True, args.rollouts, args.turns)
         rss = run(case, False, args.rollouts, args.turns)
         if traced["engine"] < 0:
-            print(f"{case}: the graph holds {-traced['engine']} engine objects between turns")
+            print(f"{case}: the graph holds {-traced['engine']} packers between turns")
             return 1
         total = traced["bytes"] + traced["engine"]
         print(

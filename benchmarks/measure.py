@@ -1,4 +1,5 @@
-"""Measuring a recorder: bytes it retains (tracemalloc) and time per add (perf_counter).
+"""Measuring a recorder: bytes it retains (tracemalloc and the engine's own count) and time
+per add (perf_counter).
 
 Both feed it JSON texts decoded one turn at a time, so no two turns share objects.
 """
@@ -10,6 +11,7 @@ import gc
 import json
 import statistics
 import subprocess
+import sys
 import tracemalloc
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -20,17 +22,38 @@ MiB = 1024 * 1024
 LOADS_REPEAT_BELOW = 1 << 20  # texts shorter than this are decoded 3 times for their timing
 
 
+def engine_bytes() -> int:
+    """Bytes the compiled engine's objects alive in this process hold (their `nbytes`), which
+    tracemalloc does not see: Rust allocates through its own allocator."""
+    core = sys.modules.get("rollout_store._core")
+    if core is None:
+        return 0
+    kinds = tuple(
+        getattr(core, name) for name in ("KeyIndex", "ContentTable") if hasattr(core, name)
+    )
+    return sum(o.nbytes for o in gc.get_objects() if isinstance(o, kinds))
+
+
 class Traced:
-    """What `traced()` measured: `retained()` is the traced bytes now minus the baseline."""
+    """What `traced()` measured: `retained()` is the traced bytes now minus the baseline,
+    plus the engine's bytes (see `engine_bytes`) now minus its baseline."""
 
     def __init__(self, baseline: int) -> None:
         self.baseline = baseline
+        self.engine_baseline = engine_bytes()
         self.bytes = 0
 
-    def retained(self) -> int:
-        """Bytes traced now (after gc.collect) above the baseline."""
+    def rebase(self) -> None:
+        """Take both baselines again, now (after gc.collect)."""
         gc.collect()
-        return tracemalloc.get_traced_memory()[0] - self.baseline
+        self.baseline = tracemalloc.get_traced_memory()[0]
+        self.engine_baseline = engine_bytes()
+
+    def retained(self) -> int:
+        """Bytes traced now (after gc.collect) above the baseline, and the engine's."""
+        gc.collect()
+        traced_now = tracemalloc.get_traced_memory()[0] - self.baseline
+        return traced_now + engine_bytes() - self.engine_baseline
 
 
 @contextmanager

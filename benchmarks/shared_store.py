@@ -33,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import tracemalloc
 import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
@@ -73,7 +72,7 @@ TIME_ROUNDS = 5
 CAPTURE_SESSIONS = 1000
 CAPTURE_TURNS = 5
 
-MAX_MEMORY_OVER_UNIQUE = 1.3
+MAX_MEMORY_OVER_UNIQUE = 1.15  # 16 graphs over one MemoryStore, with token ids or without
 MAX_REMOTE_OVER_UNIQUE = 0.2
 MAX_MEMORY_TIME_RATIO = 1.2
 
@@ -274,8 +273,7 @@ def steady_baseline(measured: Any, store: Any) -> None:
     if store is not None:
         warm_up(store)
     clear_process_caches()
-    gc.collect()
-    measured.baseline = tracemalloc.get_traced_memory()[0]
+    measured.rebase()
 
 
 def retained(

@@ -21,7 +21,7 @@ import xxhash
 from .engine import materialize
 from .engine.blobs import BlobTable
 from .engine.encoding import blob_ref_bytes, unpack
-from .engine.index import OneOrMany, index_add, index_members
+from .engine.index import NOT_YET, OneOrMany, index_add, index_members
 from .engine.intake import real_numbers
 from .engine.linking import Linker
 from .engine.requests import FreshRequest, RequestStore, Scratch
@@ -50,7 +50,7 @@ from .errors import (
     RolloutStoreError,
     UnknownNodeError,
 )
-from .metadata import UNCHANGED, GraphMeta
+from .metadata import NO_META, UNCHANGED, GraphMeta
 from .model.drift import REGIONS, Drift
 from .model.nodes import COUNT_TOOLS, TurnNode
 from .model.raw import RawJSON, resolve_raw
@@ -209,10 +209,13 @@ class Graph:
         self.share_threshold = share_threshold
         self.store = store
         self._turns: list[Turn] = []
-        self._blob_marks = array("I")  # blobs stored once each turn was committed, for save
+        # blobs stored once each turn was committed, for save: the last len(_blob_marks)
+        # turns' (the turns before them stored none: a graph without blobs keeps no entry)
+        self._blob_marks = array("I")
         # the long-string bytes the turns sent (`stats`), counted as each is committed: a
         # turn's entry (8 bytes, see `_SENT_SHIFT`) says what a turn extending its request
         # inherits; the total counts every field of every turn, inherited messages included
+        # (turns past its end have entry 0: a graph whose turns send no long string keeps none)
         self._sent = array("Q")
         self._sent_apart: dict[int, tuple[int, int]] | None = None  # made when needed
         self._sent_total = 0
@@ -226,7 +229,7 @@ class Graph:
         self._sent_values: tuple[Any, Any, Any, Any, int] | None = None
         # turns whose id is not the default `turn-{index}`, by the id's `hash` (see `_find`):
         # a turn keeps its id in its own bytes, so the index keeps no string of it
-        self._by_id: OneOrMany[int, Turn] = {}
+        self._by_id: OneOrMany[int, Turn] = NOT_YET  # a dict at the first such turn
         # what the graph interns, in one table (a capture server's session holds a few of
         # each kind, and one dict costs less than three): scalar fields (a TurnMeta, to
         # itself), flag values (an int, to itself) and sides (a side's sharing key, to the
@@ -240,8 +243,9 @@ class Graph:
         self._closed = False  # the file behind an appending graph was closed
         #: Set by `load` and `open`: how much of the file was good (a storage.LoadReport).
         self.load_report: Any = None
-        self._meta = GraphMeta()  # labels, annotations, rewards, group (see `metadata`)
-        self._drift: dict[int, Drift] = {}  # the drift audit, by turn index (see `drift`)
+        self._meta = NO_META  # labels, annotations, rewards, group (see `metadata`)
+        # the drift audit, by turn index (see `drift`); a dict at its first record
+        self._drift: dict[int, Drift] = NOT_YET
         self._timelines: TimelineTable | None = None  # call timings (see `set_timeline`)
 
     @property
@@ -335,9 +339,17 @@ class Graph:
                 later_children.setdefault(parent.index, []).append((turn, turn.link))
         keys = self._inverted_keys()
         marks = self._blob_marks
+        first = len(self._turns) - len(marks)  # the turns before stored no blob
         drift = self._drift
         return [
-            JournalEntry(turn, keys[i], later_children.get(i, []), marks[i], None, drift.get(i))
+            JournalEntry(
+                turn,
+                keys[i],
+                later_children.get(i, []),
+                marks[i - first] if i >= first else 0,
+                None,
+                drift.get(i),
+            )
             for i, turn in enumerate(self._turns)
         ]
 
@@ -437,6 +449,8 @@ class Graph:
             if scratch.raw_seen:  # only now: the turn's own texts stay known until here
                 self._requests.remember_raw(scratch.raw_seen)
             if drift is not None:
+                if self._drift is NOT_YET:
+                    self._drift = {}
                 self._drift[turn.index] = drift
             # as the capture graph does: the node given gets its place in the graph
             node.index = turn.index
@@ -572,9 +586,21 @@ class Graph:
         if system_digest is None and system_plain is not None:
             system_digest = xxhash.xxh3_128_hexdigest(system_plain)
         meta = (node.model, node.finish_reason, node.harness_session_id, system_digest, n_tools)
-        # the graph's interned TurnMeta when there is one (most turns), else a new one
+        # the graph's interned TurnMeta when there is one (most turns), else a new one, its
+        # names shared with the other graphs over one memory store (the session id is the
+        # graph's own)
         found: TurnMeta | None = self._interned.get(meta)
-        return found or TurnMeta._make(meta)
+        if found is not None:
+            return found
+        share = self._blobs.share_name
+        model, finish, digest = node.model, node.finish_reason, system_digest
+        return TurnMeta(
+            share(model) if type(model) is str else model,
+            share(finish) if type(finish) is str else finish,
+            node.harness_session_id,
+            share(digest) if type(digest) is str else digest,
+            n_tools,
+        )
 
     def _link(self, turn: Turn, explicit: Turn | None, scratch: Scratch) -> None:
         """Link the turn: an explicit parent wins, then tokens, then messages. A root
@@ -649,7 +675,8 @@ class Graph:
         rest = 0
         base = turn.base
         if base is not None:
-            entry = self._sent[base.index]
+            sent = self._sent
+            entry = sent[base.index] if base.index < len(sent) else 0
             if entry == _SENT_APART:
                 rest, echoed = self._sent_apart[base.index]  # type: ignore[index]
             else:
@@ -685,13 +712,19 @@ class Graph:
     def _note_sent(self, sent: _Sent) -> None:
         """File a committed turn's `_sent_by` figures."""
         rest, response, total, values, used = sent
+        index = len(self._turns) - 1  # the turn's (committed: in the list)
         if rest <= _SENT_HIGH and response < _SENT_LOW:
-            self._sent.append(rest << _SENT_SHIFT | response)
+            entry = rest << _SENT_SHIFT | response
         else:
             if self._sent_apart is None:
                 self._sent_apart = {}
-            self._sent_apart[len(self._sent)] = (rest, response)
-            self._sent.append(_SENT_APART)
+            self._sent_apart[index] = (rest, response)
+            entry = _SENT_APART
+        if entry:  # (0 past the end: see `__init__`)
+            entries = self._sent
+            if len(entries) < index:
+                entries.frombytes(bytes(entries.itemsize * (index - len(entries))))
+            entries.append(entry)
         self._sent_total += total
         self._sent_values = values
         if used:
@@ -720,10 +753,14 @@ class Graph:
         interned = self._interned
         side.meta = interned.setdefault(meta, meta)
         self._turns.append(turn)
-        self._blob_marks.append(len(self._blobs))
+        n_blobs = len(self._blobs)
+        if n_blobs or self._blob_marks:  # (see `__init__`)
+            self._blob_marks.append(n_blobs)
         self._note_sent(sent)
         ident = turn.ident
         if ident is not None:
+            if self._by_id is NOT_YET:
+                self._by_id = {}
             index_add(self._by_id, hash(ident), turn)
         last = self._last_side
         if last is not None and side.same_as(last):  # mostly: what the turn before had
@@ -750,7 +787,7 @@ class Graph:
         # flags above 256 are int objects of their own: one per distinct value, not per turn
         turn.flags = interned.setdefault(turn.flags, turn.flags)
         if raw_tip is not None:
-            requests.raw_tips.add(*raw_tip)
+            requests.add_raw_tip(*raw_tip)
         linker = self._linker
         if keys.token is not None or keys.prompt is not None:  # (else `file` files nothing)
             linker.file(turn, keys.token, keys.prompt)
@@ -1373,7 +1410,10 @@ class GraphRestorer:
 
     def add_drift(self, drift: Drift) -> None:
         """A drift audit record read back (its turn is restored)."""
-        self._graph._drift[drift.turn] = drift
+        graph = self._graph
+        if graph._drift is NOT_YET:
+            graph._drift = {}
+        graph._drift[drift.turn] = drift
 
     def set_timeline(self, index: int, packed: bytes) -> None:
         """A timeline record read back (its turn is restored)."""

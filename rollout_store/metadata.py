@@ -22,7 +22,7 @@ from .engine.encoding import unpack
 from .engine.intake import encode
 from .errors import InvalidValueError
 
-__all__ = ["UNCHANGED", "GraphMeta", "check_group", "check_label", "check_reward"]
+__all__ = ["NO_META", "UNCHANGED", "GraphMeta", "check_group", "check_label", "check_reward"]
 
 #: Rewards are kept as given; ints beyond this are refused (a file keeps them as msgpack ints).
 _INT_LIMIT = 2**63
@@ -228,3 +228,8 @@ class GraphMeta:
         if len(set(meta.labels)) != len(meta.labels) or len(dict(pairs)) != len(pairs):
             raise ValueError("a repeated label or annotation key in a meta record")
         return meta
+
+
+#: The metadata of a graph that has none: one immutable object for every such graph (every
+#: change makes a new `GraphMeta`), rather than one of about 350 bytes each.
+NO_META = GraphMeta()

@@ -12,8 +12,9 @@ from collections.abc import Callable, Iterator
 
 import xxhash
 
+from .._core import KeyIndex
 from ..errors import ReadOnlyError
-from .index import OneOrMany, index_add, index_members, index_remove
+from .index import index_add, index_members, index_remove
 
 __all__ = ["BlobTable", "Handle", "content_digest"]
 
@@ -21,6 +22,11 @@ __all__ = ["BlobTable", "Handle", "content_digest"]
 def content_digest(data: bytes | memoryview) -> bytes:
     """The 16-byte xxh3-128 digest used as a blob's key."""
     return xxhash.xxh3_128_digest(data)
+
+
+def _key(digest: bytes) -> int:
+    """The key a digest is filed under in a `BlobTable`: its first 8 bytes."""
+    return int.from_bytes(digest[:8], "little")
 
 
 class Handle:
@@ -67,8 +73,9 @@ class BlobTable:
         self._hasher: Callable[[bytes], bytes] = hasher  # never changed
         self._strings: list[str] = []
         self._handles: list[Handle] = []
-        # A digest maps to one handle, or to a list of them when different strings collide.
-        self._by_digest: OneOrMany[bytes, Handle] = {}
+        # The first 8 bytes of a digest (an int key, held without an int object) map to one
+        # handle, or to several when different strings share them (each is compared).
+        self._by_digest = KeyIndex()
         self._total_bytes = 0
         self._references = 0
         self._referenced_bytes = 0
@@ -87,9 +94,10 @@ class BlobTable:
         digest = self._hasher(data)
         self._references += 1
         self._referenced_bytes += len(data)
-        for handle in index_members(self._by_digest.get(digest)):
-            if self._strings[handle.index] == text:
-                return handle
+        found: Handle
+        for found in index_members(self._by_digest.get(_key(digest))):
+            if self._strings[found.index] == text:
+                return found
         return self._append(text, digest, len(data), surrogates)
 
     def add_verified(self, text: str, digest: bytes, data_len: int, surrogates: bool) -> Handle:
@@ -101,8 +109,8 @@ class BlobTable:
         self._strings.append(text)
         self._handles.append(handle)
         self._total_bytes += data_len
-        # a second string with this digest is a collision: both kept
-        index_add(self._by_digest, digest, handle)
+        # a second string with this digest (or its first 8 bytes) is a collision: both kept
+        index_add(self._by_digest, _key(digest), handle)  # type: ignore[arg-type]  # (a KeyIndex)
         return handle
 
     def share_tokens(self, tokens: array[int]) -> array[int]:
@@ -119,6 +127,11 @@ class BlobTable:
         """`packed` (a plain packing, no blob references) or an equal object shared with other
         graphs; a private table shares nothing."""
         return packed
+
+    def share_name(self, text: str) -> str:
+        """`text` (a model name, a finish reason, a system digest) or an equal object shared
+        with other graphs; a private table shares nothing."""
+        return text
 
     @property
     def fetches(self) -> bool:
@@ -154,7 +167,12 @@ class BlobTable:
             handle = self._handles.pop()
             self._strings.pop()
             self._total_bytes -= handle.size
-            index_remove(self._by_digest, handle.digest, handle)
+            index_remove(self._by_digest, _key(handle.digest), handle)  # type: ignore[arg-type]
+
+    def _collisions(self) -> int:
+        """Blobs whose digest another blob has too (different strings, both kept)."""
+        shared = (v for v in self._by_digest.values() if isinstance(v, tuple | list))
+        return sum(len(handles) - len({h.digest for h in handles}) for handles in shared)
 
     def stats(self) -> dict[str, int]:
         """Number of blobs, their UTF-8 bytes, references to them, and bytes sharing saved."""
@@ -163,7 +181,5 @@ class BlobTable:
             "blob_bytes": self._total_bytes,
             "blob_references": self._references,
             "blob_bytes_saved": self._referenced_bytes - self._total_bytes,
-            "collisions": sum(
-                len(v) - 1 for v in self._by_digest.values() if isinstance(v, tuple | list)
-            ),
+            "collisions": self._collisions(),
         }

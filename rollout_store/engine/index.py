@@ -24,9 +24,11 @@ a lookup asks for the one digest its own tokens have at that length (`sized_exac
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 __all__ = [
+    "NOT_YET",
     "SMALL",
     "ByContent",
     "ByLength",
@@ -39,6 +41,12 @@ __all__ = [
     "sized_members",
     "sized_remove",
 ]
+
+#: An empty, read-only mapping that stands for a dict not made yet: read like an empty dict,
+#: replaced by a dict of its own at the first write (`if d is NOT_YET: d = {}`). An empty
+#: dict costs 64 bytes, and a graph has several that most graphs never fill (one capture
+#: session each, thousands in a server). Typed Any so a dict-typed field can hold it.
+NOT_YET: Any = MappingProxyType({})
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")

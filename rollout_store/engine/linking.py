@@ -11,6 +11,7 @@ import xxhash
 
 from ..model.nodes import TurnNode
 from .index import (
+    NOT_YET,
     index_add,
     index_members,
     index_remove,
@@ -120,8 +121,10 @@ class Linker:
     def __init__(self, requests: RequestStore, turns: list[Turn]) -> None:
         self.requests = requests
         self.turns = turns
-        self.token_index: dict[int, Any] = {}  # block digest of prompt+sampled -> turn(s)
-        self.prompt_index: dict[int, Any] = {}  # digest of a whole prompt -> TokenRun(s)
+        # block digest of prompt+sampled -> turn(s); digest of a whole prompt -> TokenRun(s):
+        # dicts at the first token turn (a graph of messages alone never makes them)
+        self.token_index: dict[int, Any] = NOT_YET
+        self.prompt_index: dict[int, Any] = NOT_YET
         # heads and block digests of token roots' prompts, built at the first lookup that
         # has a root to find (see `_token_roots`): until then only counted
         self.token_roots: dict[int, Any] | None = None
@@ -130,11 +133,19 @@ class Linker:
         # empty set costs 216 bytes) until a turn has one
         self.short_lengths: set[int] | frozenset[int] = _NO_LENGTHS
         self.message_roots: dict[int, Any] = {}  # request keys of message roots' prefixes
-        # one empty array of each kind for every turn that sampled nothing (never mutated)
-        self._no_ids = array("I")
-        self._no_logprobs = array("d")
+        # one empty array of each kind for every turn that sampled nothing (never mutated),
+        # made at the first such turn (see `_empty`)
+        self._no_ids: array[int] | None = None
+        self._no_logprobs: array[float] | None = None
 
     # ------------------------------------------------------------------ tokens
+
+    def _empty_ids(self) -> array[int]:
+        """The graph's one empty array of token ids (see `__init__`)."""
+        ids = self._no_ids
+        if ids is None:
+            ids = self._no_ids = array("I")
+        return ids
 
     def prepare_tokens(self, turn: Turn, node: TurnNode, scratch: Scratch) -> None:
         """Store the turn's token fields as shared runs; find its parent by tokens.
@@ -161,8 +172,10 @@ class Linker:
                 turn.logprobs = self.requests.encode(logprobs, "sampled_logprobs")[0]
                 turn.flags |= LOGPROBS_PACKED
         if type(sampled) is array and not sampled:
-            sampled = self._no_ids
+            sampled = self._empty_ids()
         if type(turn.logprobs) is array and not turn.logprobs:
+            if self._no_logprobs is None:
+                self._no_logprobs = array("d")
             turn.logprobs = self._no_logprobs
         turn.sampled = sampled
         if prompt is None:
@@ -202,10 +215,11 @@ class Linker:
         elif run is None:  # a root prompt: graphs over one memory store share it
             run = ArrayRun(None, self.requests.blobs.share_tokens(prompt))
             kept = turn.logprobs
-            if packable(self._no_ids, sampled, kept, len(prompt)):
+            no_ids = self._empty_ids()
+            if packable(no_ids, sampled, kept, len(prompt)):
                 # its sampled ids and logprobs in the turn itself, a packed run of no new
                 # ids over the shared root run (no side, arrays or full run of its own)
-                turn.pack_tokens(run, self._no_ids, sampled, kept)
+                turn.pack_tokens(run, no_ids, sampled, kept)
                 run, packed = turn, True
         full: TokenRun | None
         if packed:
@@ -343,6 +357,8 @@ class Linker:
         """File a committed turn's tokens under their keys."""
         full = turn.full
         if token_key is not None and full is not None and full.length:
+            if self.token_index is NOT_YET:
+                self.token_index = {}
             sized_add(self.token_index, token_key, turn, _full_length, _full_content)
             if full.length < BLOCK:
                 lengths = self.short_lengths
@@ -352,6 +368,8 @@ class Linker:
         if prompt_key is not None and turn.prompt is not None:
             members = index_members(self.prompt_index.get(prompt_key))
             if not any(m is turn.prompt for m in members):
+                if self.prompt_index is NOT_YET:
+                    self.prompt_index = {}
                 index_add(self.prompt_index, prompt_key, turn.prompt)
 
     def register_root(self, turn: Turn, root_keys: list[int] | None) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Final
 import msgpack
 import xxhash
 
-from .._core import Packer
+from .._core import KeyIndex, Packer
 from ..errors import InvalidValueError
 from ..model.nodes import TurnNode
 from ..model.raw import RawJSON, decode_array, decode_raw, resolve_raw
@@ -50,7 +50,7 @@ from .encoding import (
     no_echo,
     unpack,
 )
-from .index import SMALL, index_add, index_members, index_remove
+from .index import NOT_YET, SMALL, index_add, index_members, index_remove
 from .intake import MAX_DEPTH, Encoder
 from .materialize import Messages, rest_values, value
 from .messages import leading_system_count, link_key, response_link_key
@@ -483,6 +483,30 @@ def _frozen(value: Any) -> Any:
     return value
 
 
+class _NoTips(Tips):
+    """The tips of a graph that has kept none yet: one object for every such graph (two
+    empty dicts each would cost 176 bytes a graph, a capture session), never changed: a graph
+    makes its own before it adds a tip."""
+
+    __slots__ = ()
+
+    def add(self, tip: Tip, replaces: Tip | None) -> None:
+        raise AssertionError("the shared empty tips are never changed")
+
+
+class _NoRawTips(RawTips):
+    """The raw tips of a graph that has kept none yet (as `_NoTips`: 248 bytes a graph)."""
+
+    __slots__ = ()
+
+    def add(self, tip: RawTip, replaces: RawTip | None) -> None:
+        raise AssertionError("the shared empty raw tips are never changed")
+
+
+_NO_TIPS: Final = _NoTips()
+_NO_RAW_TIPS: Final = _NoRawTips()
+
+
 class RequestStore:
     """The request messages, responses and shared values of a graph's turns.
 
@@ -517,16 +541,19 @@ class RequestStore:
         # over an out-of-process store: values holding blob references are matched by the
         # SHA-256 of their plain packings, never by fetching (requests by their digests)
         self.values = ValueTable(self.expand, share_threshold, hashed=blobs.fetches)
-        self.request_index: dict[int, Any] = {}  # digest of non-system request -> turn(s)
+        # digest of non-system request -> turn(s); no int object per key (a dict's would be
+        # a third of a short turn's bookkeeping)
+        self.request_index = KeyIndex()
         self.buckets = 0  # keys of the request index that hold several turns (a `_Bucket`)
         # plain packings shorter than this can hold no blob and no nesting beyond MAX_DEPTH
         self._plain_limit = min(share_threshold or MAX_DEPTH, MAX_DEPTH)
         # longer ones, where they hold no long string's type byte (see `_walk_free`)
         self._long_types = _long_string_types(share_threshold)
-        self.raw_tips = RawTips()  # the latest raw turns, for raw continuations
+        # the latest raw turns, for raw continuations (the graph's own at the first one)
+        self.raw_tips: RawTips = _NO_RAW_TIPS
         # the latest decoded turns whose requests hold blobs: their strings are compared, not
         # hashed again (not over an out-of-process store: its strings are fetched)
-        self.tips: Tips | None = None if blobs.fetches else Tips()
+        self.tips: Tips | None = None if blobs.fetches else _NO_TIPS
         self._window = WINDOW  # trailing boundaries a request is probed at first
         # bit n set: some filed request has n messages (a request can only extend one whose
         # count is among these: the boundaries worth a digest); a bit per count, not per turn
@@ -535,7 +562,14 @@ class RequestStore:
         # raw texts of shared values (tools, sampling parameters) the graph holds, and their
         # stored form and item count: a capture server re-sends the same tools text each
         # call, taken then without decoding or packing it (`shared_value`)
-        self.raw_shared: dict[bytes | str, tuple[Any, int | None]] = {}
+        # (a dict at the first one)
+        self.raw_shared: dict[bytes | str, tuple[Any, int | None]] = NOT_YET
+
+    def add_raw_tip(self, tip: RawTip, replaces: RawTip | None) -> None:
+        """Keep a committed raw turn as a tip (see `RawTips.add`)."""
+        if self.raw_tips is _NO_RAW_TIPS:
+            self.raw_tips = RawTips()
+        self.raw_tips.add(tip, replaces)
 
     def reset_packer(self) -> None:
         """Let the packers go (a turn is done): the next use makes new ones."""
@@ -553,10 +587,10 @@ class RequestStore:
         """Let go of the tips, decoded and raw (a BLAKE3 state of about 2 KB each), and of
         the raw texts of shared values remembered (`raw_shared`): they only spare the next
         turn hashing again what it re-sends, or decoding a tool list again."""
-        self.raw_tips = RawTips()
+        self.raw_tips = _NO_RAW_TIPS
         if self.tips is not None:
-            self.tips = Tips()
-        self.raw_shared = {}
+            self.tips = _NO_TIPS
+        self.raw_shared = NOT_YET
 
     # ------------------------------------------------------------------ intake
 
@@ -664,6 +698,8 @@ class RequestStore:
         count; a text used again moves to the end, and the least recently used texts are
         dropped past MAX_RAW_SHARED."""
         known, share = self.raw_shared, self.blobs.share_text
+        if known is NOT_YET:
+            known = self.raw_shared = {}
         for text, stored, n_items in seen:
             known.pop(text, None)
             # graphs over one memory store keep one object of a text they all remember
@@ -903,10 +939,10 @@ class RequestStore:
         filed under a new key, then its response exactly, then new messages, and no longer
         stored request (no twin either) is among its prefixes: what `Probe` and `_base` would
         find, for less. None when any of that is not so (or something needs the validating
-        walk). Most turns continue the turn just before them: the index's last entry (a dict
+        walk). Most turns continue the turn just before them: the index's last entry (it
         keeps insertion order), so no reference of its own is kept."""
         index = self.request_index
-        last = next(reversed(index.values()), None)
+        last = index.last()
         # not a bucket of twins (`_base` picks among them), nor a turn whose record may be
         # kept in a store (`is_echo` asks that one); a bare turn is the only one under its
         # key (every filing goes through `file`, which keeps a turn's `rkey` its key)
@@ -1193,9 +1229,12 @@ class RequestStore:
         # a turn just added was built with its key (`build`); a file's reader gives its own
         if request is None and turn.rkey != key:
             turn.file_under(key, turn.digest)
-        if request is not None and request.next_tip is not None and self.tips is not None:
+        tips = self.tips
+        if request is not None and request.next_tip is not None and tips is not None:
+            if tips is _NO_TIPS:
+                tips = self.tips = Tips()
             base = turn.base
-            self.tips.add(request.next_tip, self.tips.of(base) if base is not None else None)
+            tips.add(request.next_tip, tips.of(base) if base is not None else None)
         n = turn.n_rest
         lengths = self._lengths
         if n >> 3 >= len(lengths) or not lengths[n >> 3] >> (n & 7) & 1:

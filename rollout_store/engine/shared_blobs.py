@@ -237,12 +237,23 @@ class StoreBlobTable(BlobTable):
         the one held by the cache the graphs share (graphs that store one tool list share
         it). With neither, the graph keeps its own copy."""
         if len(packed) < SHARE_PACKED_BYTES:
-            return packed
+            return self._share_small(packed)  # type: ignore[return-value]
         if self._text_store is not None:
             return self._text_store.share_bytes(packed)
         if self._cache is not None:
             return self._cache.share_bytes(packed)
         return packed
+
+    def share_name(self, text: str) -> str:
+        """Over the memory store, one object for the equal names of every graph over it (the
+        model and finish reason every session of a group sends). Elsewhere the graph's own."""
+        return self._share_small(text)  # type: ignore[return-value]
+
+    def _share_small(self, value: bytes | str) -> bytes | str:
+        """A short value shared through the memory store (`MemoryStore.share_small`: not an
+        object of the store), else `value` itself."""
+        share = getattr(self._text_store, "share_small", None)  # (a TextStore may lack it)
+        return value if share is None else share(value)
 
     @property
     def fetches(self) -> bool:

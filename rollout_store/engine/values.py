@@ -15,7 +15,7 @@ from collections.abc import Callable
 import xxhash
 
 from ..stores.content import content_key
-from .index import OneOrMany, index_add, index_members
+from .index import NOT_YET, OneOrMany, index_add, index_members
 
 __all__ = ["ValueTable"]
 
@@ -43,7 +43,8 @@ class ValueTable:
         # -> the value (or values, see `index`) with that digest: one dict, not two (a
         # capture server's session holds a value or two of each kind)
         self._found: OneOrMany[bytes | int, bytes] = {}
-        self._exact: dict[bytes, bytes] = {}  # SHA-256 -> the one value (`hashed`)
+        # SHA-256 -> the one value (`hashed`); a dict at the first such value
+        self._exact: dict[bytes, bytes] = NOT_YET
 
     def __len__(self) -> int:
         found = sum(len(index_members(v)) for v in self._found.values())
@@ -66,6 +67,8 @@ class ValueTable:
             # a stored form equal to its plain packing is the key too: one object, not two
             self._found[stored if stored == plain else plain] = stored
         elif self._hashed:
+            if self._exact is NOT_YET:
+                self._exact = {}
             self._exact[content_key(plain)] = stored
         else:
             index_add(self._found, xxhash.xxh3_128_intdigest(plain), stored)

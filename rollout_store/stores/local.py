@@ -42,6 +42,7 @@ class MemoryStore:
     def __init__(self) -> None:
         self._objects: dict[bytes, bytes | str] = {}
         self._tokens: dict[bytes, array[int]] = {}  # shared token arrays, by SHA-256
+        self._small: dict[bytes | str, bytes | str] = {}  # see `share_small`
         self._lock = threading.Lock()
         self.nbytes = 0  # bytes of all objects (UTF-8 for strings)
 
@@ -89,6 +90,13 @@ class MemoryStore:
             if found is None or found.typecode != tokens.typecode:
                 self._tokens[key] = found = tokens
         return found
+
+    def share_small(self, value: bytes | str) -> bytes | str:
+        """An object equal to `value` (a short packed value such as sampling parameters, or a
+        model name) that every graph over this store holds: the first one given. Not an
+        object of the store (nothing to put, get or verify), as `share_tokens`."""
+        with self._lock:
+            return self._small.setdefault(value, value)
 
     def _value(self, key: bytes) -> bytes | str:
         value = self._objects.get(check_key(key))

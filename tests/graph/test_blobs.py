@@ -200,3 +200,23 @@ def test_no_sharing_when_threshold_is_none():
 def test_share_threshold_must_be_positive_int_or_none(bad):
     with pytest.raises(ValueError):
         RolloutGraph(share_threshold=bad)
+
+
+def test_digests_that_share_their_first_8_bytes_are_no_collision():
+    """The table files blobs under their digest's first 8 bytes: strings whose digests
+    differ only after them stay apart, each found again, and count as no collision."""
+
+    def hasher(data: bytes) -> bytes:
+        return b"\1" * 8 + content_digest(data)[8:]
+
+    table = BlobTable(hasher=hasher)
+    texts = [c * 300 for c in "abcdef"]
+    handles = [table.intern(t) for t in texts]
+    assert len({h.index for h in handles}) == 6
+    assert [table.intern("".join(list(t))) for t in texts] == handles
+    assert table.stats()["collisions"] == 0
+    mark = table.mark()
+    added = table.intern("g" * 300)
+    table.rollback(mark)  # the newest key mate goes, the others stay
+    assert len(table) == 6 and [table.intern(t) for t in texts] == handles
+    assert table.intern("g" * 300).index == added.index

@@ -6,6 +6,7 @@ mod data_plane;
 mod frames;
 mod hashing;
 mod json;
+mod key_index;
 mod packed;
 
 use pyo3::prelude::*;
@@ -46,6 +47,8 @@ mod _core {
     use super::hashing::Blake3;
     #[pymodule_export]
     use super::json::{dumps, loads};
+    #[pymodule_export]
+    use super::key_index::KeyIndex;
     #[pymodule_export]
     use super::packed::{check_packed, unpack, Packer};
     #[pymodule_export]

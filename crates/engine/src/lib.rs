@@ -5,6 +5,8 @@
 //! - [`file`]: rollout files (the frames of format version 2);
 //! - [`json`]: exact JSON, parsed as `json.loads` parses bytes and written as `json.dumps`
 //!   writes;
+//! - [`key_index`]: 64-bit keys to values in insertion order, held compactly (a graph's
+//!   request index);
 //! - [`packed`]: the packed form of recorded values (msgpack and the library's extension
 //!   types), written and read back;
 //! - [`packed_check`]: a stored packed value checked without building it (what a loader trusts).
@@ -13,5 +15,6 @@ pub mod content;
 pub mod digest;
 pub mod file;
 pub mod json;
+pub mod key_index;
 pub mod packed;
 pub mod packed_check;
