@@ -219,11 +219,6 @@ class Graph:
         self._sent = array("Q")
         self._sent_apart: dict[int, tuple[int, int]] | None = None  # made when needed
         self._sent_total = 0
-        # the blobs the committed turns refer to (a byte each) and their UTF-8 bytes: those
-        # `blob_bytes_saved` subtracts (a graph recovered past damage also holds blobs read
-        # for turns it lost, which no turn refers to)
-        self._blobs_used = bytearray()
-        self._blob_bytes_used = 0
         # the last turn's shared values (system, tools, sampling, requested) and their
         # long-string bytes: most turns send the same objects again, counted without a scan
         self._sent_values: tuple[Any, Any, Any, Any, int] | None = None
@@ -728,13 +723,9 @@ class Graph:
         self._sent_total += total
         self._sent_values = values
         if used:
-            flags = self._blobs_used
-            for index in used:
-                if index >= len(flags):
-                    flags.extend(bytes(index + 1 - len(flags)))
-                if not flags[index]:
-                    flags[index] = 1
-                    self._blob_bytes_used += self._blobs.size(index)
+            # the blobs `blob_bytes_saved` subtracts one copy of (a graph recovered past
+            # damage also holds blobs read for turns it lost, which no turn refers to)
+            self._blobs.note_used(used)
 
     def _commit(
         self,
@@ -1135,7 +1126,7 @@ class Graph:
         }
         blob_stats = self.blobs.stats()
         sent = self._sent_total
-        blob_stats["blob_bytes_saved"] = sent - self._blob_bytes_used
+        blob_stats["blob_bytes_saved"] = sent - self._blobs.used_bytes
         out.update(blob_stats)
         out["blob_bytes_sent"] = sent
         return out

@@ -8,7 +8,7 @@ strings with one digest are both kept, each under its own handle.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import xxhash
 
@@ -67,6 +67,8 @@ class BlobTable:
         "_references",
         "_strings",
         "_total_bytes",
+        "_used",
+        "_used_bytes",
     )
 
     def __init__(self, hasher: Callable[[bytes], bytes] = content_digest) -> None:
@@ -79,6 +81,10 @@ class BlobTable:
         self._total_bytes = 0
         self._references = 0
         self._referenced_bytes = 0
+        # the blobs something refers to (a byte each; see `note_used`) and their UTF-8 bytes:
+        # one copy of each is what `blob_bytes_saved` subtracts
+        self._used = bytearray()
+        self._used_bytes = 0
 
     def __len__(self) -> int:
         return len(self._strings)
@@ -98,7 +104,9 @@ class BlobTable:
         for found in index_members(self._by_digest.get(_key(digest))):
             if self._strings[found.index] == text:
                 return found
-        return self._append(text, digest, len(data), surrogates)
+        handle = self._append(text, digest, len(data), surrogates)
+        self.note_used((handle.index,))
+        return handle
 
     def add_verified(self, text: str, digest: bytes, data_len: int, surrogates: bool) -> Handle:
         """Append a blob read back from a file (`data_len` UTF-8 bytes), digest checked."""
@@ -138,6 +146,31 @@ class BlobTable:
         """Whether reading a blob may fetch it from outside the process."""
         return False
 
+    def note_used(self, indices: Iterable[int]) -> None:
+        """Count the blobs `indices` as referred to (a committed turn's, or one just interned).
+
+        A table read back past damage holds blobs only lost turns used: no turn notes them,
+        and `blob_bytes_saved` does not subtract them."""
+        flags = self._used
+        for index in indices:
+            if index >= len(flags):
+                flags.extend(bytes(index + 1 - len(flags)))
+            if not flags[index]:
+                flags[index] = 1
+                self._used_bytes += self.size(index)
+
+    @property
+    def used_bytes(self) -> int:
+        """The UTF-8 bytes of the distinct blobs referred to (see `note_used`)."""
+        return self._used_bytes
+
+    def _forget_used(self, n: int) -> None:
+        """Drop the used flags of the blobs from `n` on (removed by `rollback`)."""
+        flags = self._used
+        if len(flags) > n:
+            self._used_bytes -= sum(self.size(i) for i in range(n, len(flags)) if flags[i])
+            del flags[n:]
+
     def count_references(self, n: int, nbytes: int) -> None:
         """Record `n` more references, `nbytes` in all, to stored blobs (a file being loaded)."""
         self._references += n
@@ -163,6 +196,7 @@ class BlobTable:
     def rollback(self, mark: tuple[int, int, int]) -> None:
         """Forget every blob added since `mark` (the caller holds the graph's lock)."""
         n, self._references, self._referenced_bytes = mark
+        self._forget_used(n)
         while len(self._strings) > n:
             handle = self._handles.pop()
             self._strings.pop()
@@ -175,11 +209,16 @@ class BlobTable:
         return sum(len(handles) - len({h.digest for h in handles}) for handles in shared)
 
     def stats(self) -> dict[str, int]:
-        """Number of blobs, their UTF-8 bytes, references to them, and bytes sharing saved."""
+        """Number of blobs, their UTF-8 bytes, references to them, and bytes sharing saved.
+
+        `blob_bytes_saved` is the bytes of the references less one copy of each blob
+        referred to (see `note_used`), never negative: a table read back past damage may
+        hold blobs no kept turn refers to, which it does not subtract, and one read from a
+        damaged snapshot does not know its references (their count is 0)."""
         return {
             "blobs": len(self._strings),
             "blob_bytes": self._total_bytes,
             "blob_references": self._references,
-            "blob_bytes_saved": self._referenced_bytes - self._total_bytes,
+            "blob_bytes_saved": max(self._referenced_bytes - self._used_bytes, 0),
             "collisions": self._collisions(),
         }

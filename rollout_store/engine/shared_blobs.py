@@ -97,6 +97,8 @@ class StoreBlobTable(BlobTable):
         self._nbytes = 0
         self._refs = 0
         self._refbytes = 0
+        self._used = bytearray()  # (see `BlobTable.note_used`)
+        self._used_bytes = 0
         # keys whose objects a read found damaged or missing (`string`), put again by the
         # next turn that stores their strings; None until a read fails
         self._broken: set[bytes] | None = None
@@ -137,7 +139,9 @@ class StoreBlobTable(BlobTable):
             key = self._text_store.put_text(text, data)
         else:  # not cached: the cache holds what is read (recording reads nothing back)
             key = self.store.put(data)
-        return self._add(key, digest, len(data), surrogates)
+        handle = self._add(key, digest, len(data), surrogates)
+        self.note_used((handle.index,))
+        return handle
 
     def _note_broken(self, key: bytes) -> None:
         if self._broken is None:
@@ -304,6 +308,7 @@ class StoreBlobTable(BlobTable):
 
     def rollback(self, mark: tuple[int, int, int]) -> None:
         n, self._refs, self._refbytes = mark
+        self._forget_used(n)
         index_of = self._index
         while len(self._sizes) > n:
             index = len(self._sizes) - 1
@@ -329,7 +334,7 @@ class StoreBlobTable(BlobTable):
             "blobs": len(self._sizes),
             "blob_bytes": self._nbytes,
             "blob_references": self._refs,
-            "blob_bytes_saved": self._refbytes - self._nbytes,
+            "blob_bytes_saved": max(self._refbytes - self._used_bytes, 0),
             "collisions": len(self._sizes) - len(digests),
         }
 

@@ -274,14 +274,10 @@ def test_figures_too_large_for_a_turns_entry_are_kept_apart(
     assert want[2] > 0
 
 
-@pytest.mark.parametrize("how", ["snapshot", "log"])
-def test_a_graph_recovered_past_damage_counts_only_the_strings_its_turns_refer_to(
-    tmp_path: Path, how: str
-) -> None:
-    """The first turn's record is damaged, its long string (a blob frame before it) is not:
-    the recovered graph still holds that string, which no turn kept refers to. What the
-    kept turns sent, less one copy of each string they refer to, is what was saved."""
-    path = tmp_path / "r.rls"
+def _recovered_past_damage(path: Path, how: str) -> tuple[RolloutGraph, list[dict[str, Any]]]:
+    """A graph of three turns written to `path` (as a snapshot or a log) whose first turn's
+    record is then damaged, its long string (a blob frame before it) not, read back with
+    `load(recover=True)`; and the turns as added."""
     turns = [
         {
             "request_messages": [{"role": "user", "content": f"{i}" * (8000 if i == 0 else 3000)}],
@@ -306,9 +302,39 @@ def test_a_graph_recovered_past_damage_counts_only_the_strings_its_turns_refer_t
     path.write_bytes(bytes(data))
     kept = RolloutGraph.load(path, recover=True)
     assert kept.node_ids() == ["turn-id-1", "turn-id-2"]
+    return kept, turns
+
+
+@pytest.mark.parametrize("how", ["snapshot", "log"])
+def test_a_graph_recovered_past_damage_counts_only_the_strings_its_turns_refer_to(
+    tmp_path: Path, how: str
+) -> None:
+    """The first turn's record is damaged, its long string (a blob frame before it) is not:
+    the recovered graph still holds that string, which no turn kept refers to. What the
+    kept turns sent, less one copy of each string they refer to, is what was saved."""
+    kept, turns = _recovered_past_damage(tmp_path / "r.rls", how)
     recorded = [materialized(kept, n) for n in kept.node_ids()]
     stats = kept.stats()
     assert stats["blob_bytes"] == unique(turns)  # the lost turn's string is still held
     assert stats["blob_bytes_sent"] == sent(recorded)
     assert stats["blob_bytes_saved"] == sent(recorded) - unique(recorded) == 3000
     assert stats["blob_bytes"] > stats["blob_bytes_sent"]  # (what made it negative)
+
+
+@pytest.mark.parametrize("how", ["snapshot", "log"])
+def test_the_blob_table_of_a_graph_recovered_past_damage_subtracts_only_the_strings_referred_to(
+    tmp_path: Path, how: str
+) -> None:
+    """The blob table's own `blob_bytes_saved` (its references' bytes less one copy of each
+    string referred to) leaves out the string only the lost turn used, as the graph's does:
+    the kept turns refer to "1" * 3000 once and "2" * 3000 twice, 3000 bytes saved. A
+    damaged snapshot's references are not all known (its end record's counts are of the
+    turns written): never more is counted saved, nor less than nothing."""
+    kept, turns = _recovered_past_damage(tmp_path / "r.rls", how)
+    table = kept.blobs.stats()
+    assert table["blob_bytes"] == unique(turns) == 14000
+    if how == "log":
+        assert table["blob_references"] == 3
+        assert table["blob_bytes_saved"] == 3000
+    else:
+        assert 0 <= table["blob_bytes_saved"] <= 3000
