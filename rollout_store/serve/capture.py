@@ -89,6 +89,13 @@ class _LocalServer:
 class Capture:
     """One captured session: where the agent sends its calls, and its metadata and export.
 
+    Made by `capture(...)` (this class under the name a harness calls): `server`, the URL
+    of a running capture server; or `upstream`, the engine's URL, for a server started in
+    this process for the capture (`data`: the directory of its session logs; None keeps the
+    session in memory, readable as `run.graph` afterwards; `admin_key` its admin key,
+    random if None; `fsync` as for `serve`). `labels`, `group` and `session_id` are given
+    to the new session.
+
     `base_url` is the OpenAI base URL (it ends in `/v1`), `anthropic_base_url` the
     Anthropic one (the server's root), `api_key` the session's key (both SDKs send it),
     `session_id` its id, `server_url` the server's root and `log_path` the session's log
@@ -341,32 +348,6 @@ class Capture:
         return kind(base_url=self.anthropic_base_url, api_key=self.api_key, **kwargs)
 
 
-def capture(
-    *,
-    server: str | None = None,
-    upstream: str | None = None,
-    data: str | Path | None = None,
-    labels: list[str] | tuple[str, ...] = (),
-    group: str | None = None,
-    session_id: str | None = None,
-    admin_key: str | None = None,
-    fsync: str = "turn",
-) -> Capture:
-    """A capture of one session, to use as `with capture(...) as run:` (or `async with`).
-
-    `server`: the URL of a running capture server; or `upstream`: the engine's URL, for a
-    server started in this process for the capture (`data`: the directory of its session
-    logs; None keeps the session in memory, readable as `run.graph` afterwards; `admin_key`
-    its admin key, random if None; `fsync` as for `serve`). `labels`, `group` and
-    `session_id` are given to the new session.
-    """
-    return Capture(
-        server=server,
-        upstream=upstream,
-        data=data,
-        labels=labels,
-        group=group,
-        session_id=session_id,
-        admin_key=admin_key,
-        fsync=fsync,
-    )
+capture = Capture
+"""A capture of one session, to use as `with capture(...) as run:` (or `async with`): the
+class `Capture` under the name a harness calls, taking its options."""

@@ -23,6 +23,7 @@ import pytest
 from capture_support import ROOT, WAIT_S, serve_app
 
 from rollout_store import (
+    Capture,
     CaptureError,
     CorruptFileError,
     InvalidArgumentError,
@@ -513,3 +514,13 @@ def test_capture_export_params_are_url_encoded_and_admin_key_needs_a_started_ser
         with pytest.raises(CaptureError, match="capture_level must be one of"):
             run.export(capture_level="text&messages=1")
         assert "request_messages" in str(run.export(messages="1", capture_level="text"))
+
+
+def test_capture_is_the_capture_class_so_its_options_are_defined_once() -> None:
+    """`capture(...)` takes exactly `Capture`'s options, as one definition: the call makes a
+    `Capture`, and a wrong combination is refused by the one check."""
+    assert capture is Capture
+    made = capture(server="http://127.0.0.1:9", labels="one")  # nothing is started yet
+    assert type(made) is Capture
+    with pytest.raises(InvalidArgumentError, match="data= is for a server started"):
+        capture(server="http://127.0.0.1:9", data="rollouts")
