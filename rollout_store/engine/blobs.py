@@ -164,7 +164,7 @@ class BlobTable:
         """The UTF-8 bytes of the distinct blobs referred to (see `note_used`)."""
         return self._used_bytes
 
-    def _forget_used(self, n: int) -> None:
+    def forget_used(self, n: int) -> None:
         """Drop the used flags of the blobs from `n` on (removed by `rollback`)."""
         flags = self._used
         if len(flags) > n:
@@ -196,7 +196,7 @@ class BlobTable:
     def rollback(self, mark: tuple[int, int, int]) -> None:
         """Forget every blob added since `mark` (the caller holds the graph's lock)."""
         n, self._references, self._referenced_bytes = mark
-        self._forget_used(n)
+        self.forget_used(n)
         while len(self._strings) > n:
             handle = self._handles.pop()
             self._strings.pop()

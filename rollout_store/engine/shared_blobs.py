@@ -308,7 +308,7 @@ class StoreBlobTable(BlobTable):
 
     def rollback(self, mark: tuple[int, int, int]) -> None:
         n, self._refs, self._refbytes = mark
-        self._forget_used(n)
+        self.forget_used(n)
         index_of = self._index
         while len(self._sizes) > n:
             index = len(self._sizes) - 1
