@@ -92,7 +92,7 @@ from collections.abc import (
     Sequence,
 )
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 from urllib.parse import quote, unquote, urlencode
 
 import aiohttp
@@ -203,6 +203,9 @@ _ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")
 
 #: How long an export waits for the timelines of calls answered just before it.
 _TIMELINE_WAIT_S = 2.0
+
+
+_T = TypeVar("_T")
 
 
 class _Refusal(Exception):
@@ -977,25 +980,28 @@ class _Server:
             raise _Refusal(409, f"the session cannot record: {session.damaged}")
         return session
 
+    async def _on_graph(self, session: Session, work: Callable[[], _T]) -> _T:
+        """`work()`, which uses the session's graph (held meanwhile): in the loop if no other
+        thread holds the graph (an export that holds it may be waiting for this loop to take
+        what it wrote), else in a worker thread."""
+        with session.use() as graph:
+            if self.inline and graph.lock.acquire(blocking=False):
+                try:
+                    return work()
+                finally:
+                    graph.lock.release()
+            return await anyio.to_thread.run_sync(work)
+
     async def _record(self, session: Session, node: TurnNode) -> str:
-        """Add the turn to the session's graph; its node id."""
+        """`record_now`, run by `_on_graph`: the node id."""
         try:
-            with session.use() as graph:
-                # in the loop only if no other thread holds the graph: an export that holds
-                # it may be waiting for this loop to take what it wrote
-                if self.inline and graph.lock.acquire(blocking=False):
-                    try:
-                        view = graph.add_turn(node)
-                    finally:
-                        graph.lock.release()
-                else:
-                    view = await anyio.to_thread.run_sync(graph.add_turn, node)
-        except (OSError, RolloutStoreError) as exc:
+            return await self._on_graph(session, functools.partial(self.record_now, session, node))
+        except (OSError, RolloutStoreError) as exc:  # (the session's graph not reopened)
             raise _not_recorded(session, exc) from None
-        return _recorded(session, view)
 
     def record_now(self, session: Session, node: TurnNode) -> str:
-        """`_record` in the calling thread (the Rust data plane's): the node id."""
+        """Add the turn to the session's graph in the calling thread (the Rust data plane's,
+        or the one `_record` picks): the node id."""
         try:
             with session.use() as graph:
                 view = graph.add_turn(node)
@@ -1029,20 +1035,17 @@ class _Server:
             await asyncio.sleep(0.005)
 
     async def _record_timeline(self, session: Session, clock: CallClock) -> None:
+        """`record_timeline_now`, run by `_on_graph`."""
         if clock.node_id is None:
             return
-        apply = functools.partial(_apply_timeline, clock=clock)
-        with contextlib.suppress(RolloutStoreError, OSError), session.use() as graph:
-            if self.inline and graph.lock.acquire(blocking=False):
-                try:
-                    apply(graph)
-                finally:
-                    graph.lock.release()
-            else:
-                await anyio.to_thread.run_sync(apply, graph)
+        with contextlib.suppress(RolloutStoreError, OSError):
+            await self._on_graph(
+                session, functools.partial(self.record_timeline_now, session, clock)
+            )
 
     def record_timeline_now(self, session: Session, clock: CallClock) -> None:
-        """`_record_timeline` in the calling thread (the Rust data plane's)."""
+        """Set a recorded call's timeline in the calling thread (the Rust data plane's, or
+        the one `_record_timeline` picks): best effort."""
         if clock.node_id is None:
             return
         with contextlib.suppress(RolloutStoreError, OSError), session.use() as graph:
