@@ -214,7 +214,8 @@ class BlobTable:
         `blob_bytes_saved` is the bytes of the references less one copy of each blob
         referred to (see `note_used`), never negative: a table read back past damage may
         hold blobs no kept turn refers to, which it does not subtract, and one read from a
-        damaged snapshot does not know its references (their count is 0)."""
+        damaged snapshot counts none of the references its turns make (the snapshot's count
+        of them is of the turns written)."""
         return {
             "blobs": len(self._strings),
             "blob_bytes": self._total_bytes,
