@@ -1,0 +1,148 @@
+"""Linking a large group of rollouts takes shortcuts (a parent's many children grouped by
+length, a large bucket of one request held by its responses and its loosely linked
+children, a large token length group held by its tokens): the same turns, added in the same
+order, link exactly as they do with those shortcuts never taken, and as eagerly as can be,
+over every kind of graph (in memory, over a memory or directory store, saved and loaded
+half way). Plans are random (`linking_plan`): groups of 8 to 40 samples with duplicate
+responses, exact and loose echoes, retries, failed calls, token ids, requests as JSON text,
+and descendants arriving before their ancestors."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from linking_plan import add_plan, make_plan, outcome
+
+from rollout_store import DirectoryStore, MemoryStore, RawJSON, RolloutGraph, TurnNode
+from rollout_store.engine import index, requests, stored
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+@contextmanager
+def _thresholds(small: int, many_kids: int) -> Iterator[None]:
+    """Large groups from `small` items (index and buckets), many children from
+    `many_kids`."""
+    saved = index.SMALL, requests.SMALL, stored.MANY_KIDS
+    index.SMALL = requests.SMALL = small
+    stored.MANY_KIDS = many_kids
+    try:
+        yield
+    finally:
+        index.SMALL, requests.SMALL, stored.MANY_KIDS = saved
+
+
+def _run(plan: list[dict[str, Any]], kind: str, tmp: Path) -> dict[str, Any]:
+    store: Any = None
+    if kind == "memory":
+        store = MemoryStore()
+    elif kind == "directory":
+        tmp.mkdir()
+        store = DirectoryStore(tmp, fsync=False)
+    graph = RolloutGraph(store=store)
+    if kind == "reloaded":
+        half = len(plan) // 2
+        errors = add_plan(graph, plan[:half], TurnNode, RawJSON)
+        graph.save(tmp)
+        graph = RolloutGraph.load(tmp)  # its lazily built indexes start empty
+        errors += add_plan(graph, plan[half:], TurnNode, RawJSON)
+    else:
+        errors = add_plan(graph, plan, TurnNode, RawJSON)
+    result = outcome(graph)
+    result["errors"] = errors
+    result["stats"] = graph.stats()
+    return result
+
+
+def _check(seed: int, kind: str, tmp: Path) -> None:
+    plan = make_plan(seed)
+    usual = _run(plan, kind, tmp / "usual")
+    assert not usual["errors"]
+    assert any(parent is not None for parent in usual["parents"])
+    with _thresholds(10**9, 10**9):  # no shortcut taken
+        plain = _run(plan, kind, tmp / "plain")
+    with _thresholds(2, 1):  # every shortcut taken as early as it can be
+        eager = _run(plan, kind, tmp / "eager")
+    for other in (plain, eager):
+        for field in ("parents", "links", "content", "stats", "errors"):
+            assert other[field] == usual[field], (seed, kind, field)
+
+
+@pytest.mark.parametrize("kind", ["memory_graph", "memory", "directory", "reloaded"])
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_large_groups_link_as_without_their_shortcuts(
+    kind: str, seed: int, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    _check(seed, kind, tmp_path_factory.mktemp("plan"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["memory_graph", "memory", "directory", "reloaded"])
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_large_groups_link_as_without_their_shortcuts_many_plans(
+    kind: str, seed: int, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    _check(seed, kind, tmp_path_factory.mktemp("plan"))
+
+
+@pytest.mark.parametrize("seed", [3, 17, 41])
+def test_a_plan_links_as_the_invariants_say(seed: int) -> None:
+    """Each turn's parent holds the longest request + response its own request starts with,
+    or the longest prompt + sampled ids its prompt starts with (tokens first); a turn that
+    none extends is a root."""
+    plan = make_plan(seed)
+    graph = RolloutGraph()
+    assert not add_plan(graph, plan, TurnNode, RawJSON)
+    ids = graph.node_ids()
+    turns = [graph.get(node_id) for node_id in ids]
+    for turn in turns:
+        parent_id, kind = graph.parent(turn.node_id), graph.link_kind(turn.node_id)
+        assert turn.node_id is not None
+        if parent_id is None:
+            assert kind == "none"
+            continue
+        parent = graph.get(parent_id)
+        if kind == "tokens":
+            full = [*parent.prompt_ids, *parent.sampled_ids]  # type: ignore[misc]
+            assert turn.prompt_ids[: len(full)] == full  # type: ignore[index]
+        else:
+            assert kind == "messages"
+            n = len(parent.request_messages)  # type: ignore[arg-type]
+            assert json.dumps(turn.request_messages[:n]) == json.dumps(parent.request_messages)  # type: ignore[index]
+            assert len(turn.request_messages) > n  # type: ignore[arg-type]
+
+
+def test_turns_of_a_fixture_written_earlier_are_continued_by_new_turns(tmp_path: Path) -> None:
+    """A file written by an earlier version holds request keys made by its packing: a new
+    turn re-sending an old turn's request and response (JSON text too) links under it."""
+    graph = RolloutGraph.load(DATA / "v2_inline_snapshot.rls")
+    old = [
+        graph.get(node_id)
+        for node_id in graph.node_ids()
+        if graph.get(node_id).request_messages and graph.get(node_id).response_message
+    ]
+    assert len(old) >= 3
+    for k, turn in enumerate(old):
+        messages = [
+            *copy.deepcopy(list(turn.request_messages)),  # type: ignore[arg-type]
+            copy.deepcopy(turn.response_message),
+            {"role": "user", "content": f"more {k}"},
+        ]
+        request: Any = messages
+        if k % 2:
+            request = RawJSON(json.dumps(messages).encode())
+        view = graph.add_turn(
+            TurnNode(request_messages=request, response_message={"content": "ok"})
+        )
+        assert graph.parent(view.node_id) == turn.node_id, (k, turn.node_id)
+        assert graph.link_kind(view.node_id) == "messages"
