@@ -146,3 +146,32 @@ def test_turns_of_a_fixture_written_earlier_are_continued_by_new_turns(tmp_path:
         )
         assert graph.parent(view.node_id) == turn.node_id, (k, turn.node_id)
         assert graph.link_kind(view.node_id) == "messages"
+
+
+def test_a_deeply_nested_tool_call_in_a_large_bucket_leaves_its_linking_as_it_was() -> None:
+    """A response whose tool call's arguments are deeply nested JSON text, among a large
+    bucket of samples: holding the bucket's turns by their responses must not make a valid
+    turn fail (the loose comparison of such a response is simply no match, as before), nor
+    leave the bucket half held: every later continuation finds the sample it echoes."""
+    deep = "[" * 600 + "]" * 600
+    task = [{"role": "user", "content": "task"}]
+    graph = RolloutGraph()
+    samples, responses = [], []
+    for k in range(10):
+        response: dict[str, Any] = {"content": f"a{k}"}  # no role: an echo names it
+        if k == 3:
+            call = {"name": "f", "arguments": deep}
+            response["tool_calls"] = [{"id": "c", "type": "function", "function": call}]
+        responses.append(response)
+        samples.append(graph.add_turn(TurnNode(request_messages=task, response_message=response)))
+    echoes = [
+        ({"role": "assistant", "content": "a8"}, 8),  # loose
+        (copy.deepcopy(responses[3]), 3),  # exact, deep
+        ({"role": "assistant", **copy.deepcopy(responses[3])}, 3),  # loose, deep
+        ({"content": "a5"}, 5),  # exact
+    ]
+    for echo, k in echoes:
+        request = [*task, echo, {"role": "user", "content": "go"}]
+        view = graph.add_turn(TurnNode(request_messages=request))
+        assert graph.parent(view.node_id) == samples[k].node_id, (echo, k)
+        assert graph.link_kind(view.node_id) == "messages"
