@@ -1261,9 +1261,10 @@ class RequestStore:
             return members
         held = members.by_response
         if held is None:
-            held = members.by_response = {}
+            held = {}
             for turn in members:
                 self._hold_by_response(held, turn)
+            members.by_response = held  # (only once whole: the next lookup trusts it)
         keys: list[Any] = [_UNKEYED]
         if plain is not None:
             keys.append(("exact", xxhash.xxh3_64_intdigest(plain)))
@@ -1271,8 +1272,8 @@ class RequestStore:
             try:
                 key = ("loose", _frozen(link_key(message)))
                 hash(key)
-            except TypeError:  # (never for JSON values) every turn, as without the index
-                return members
+            except Exception:  # (deeply nested arguments text) every turn, as without the
+                return members  # index: `echoes` decides each, as it does
             keys.append(key)
         found = {id(turn): turn for key in keys for turn in index_members(held.get(key))}
         return sorted(found.values(), key=_index_of) if len(found) > 1 else [*found.values()]
@@ -1290,8 +1291,8 @@ class RequestStore:
         try:
             key = ("loose", _frozen(response_link_key(value(turn.response, self.blobs))))
             hash(key)
-        except TypeError:
-            index_add(held, _UNKEYED, turn)
+        except Exception:  # (deeply nested arguments text) always a candidate: `echoes`
+            index_add(held, _UNKEYED, turn)  # decides, as it does without the index
             return
         index_add(held, key, turn)
 
