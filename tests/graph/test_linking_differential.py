@@ -21,7 +21,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from linking_plan import add_plan, make_plan, outcome
 
-from rollout_store import DirectoryStore, MemoryStore, RawJSON, RolloutGraph, TurnNode
+from rollout_store import (
+    DirectoryStore,
+    MemoryStore,
+    RawJSON,
+    RolloutGraph,
+    StringCache,
+    TurnNode,
+)
 from rollout_store.engine import index, requests, stored
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -175,3 +182,55 @@ def test_a_deeply_nested_tool_call_in_a_large_bucket_leaves_its_linking_as_it_wa
         view = graph.add_turn(TurnNode(request_messages=request))
         assert graph.parent(view.node_id) == samples[k].node_id, (echo, k)
         assert graph.link_kind(view.node_id) == "messages"
+
+
+class _CountingStore:
+    """A directory store that counts its gets."""
+
+    def __init__(self, path: Path) -> None:
+        self.inner = DirectoryStore(path, fsync=False)
+        self.gets = 0
+
+    def put(self, data: bytes) -> bytes:
+        return self.inner.put(data)
+
+    def get(self, key: bytes) -> bytes:
+        self.gets += 1
+        return self.inner.get(key)
+
+    def contains(self, key: bytes) -> bool:
+        return self.inner.contains(key)
+
+    def keys(self) -> Any:
+        return self.inner.keys()
+
+
+def test_a_twin_of_a_turn_whose_children_are_linked_by_tokens_fetches_nothing(
+    tmp_path: Path,
+) -> None:
+    """A second turn with a stored turn's very request looks for continuations it may take
+    from its twin: those linked by messages only. Its twin's children are linked by tokens,
+    so nothing is compared, and its own response (a long string in the store) is not
+    fetched back."""
+    store = _CountingStore(tmp_path)
+    graph = RolloutGraph(store=store, cache=StringCache(0))
+    task = [{"role": "user", "content": "task"}]
+    first = {"role": "assistant", "content": "first " + "x" * 2000}
+    sample = graph.add_turn(
+        TurnNode(request_messages=task, response_message=first, prompt_ids=[1, 2], sampled_ids=[3])
+    )
+    child = graph.add_turn(
+        TurnNode(
+            request_messages=[*task, first, {"role": "user", "content": "go"}],
+            response_message={"content": "ok"},
+            prompt_ids=[1, 2, 3, 4],
+            sampled_ids=[5],
+        )
+    )
+    assert graph.parent(child.node_id) == sample.node_id
+    assert graph.link_kind(child.node_id) == "tokens"
+    before = store.gets
+    twin = {"role": "assistant", "content": "twin " + "y" * 2000}
+    graph.add_turn(TurnNode(request_messages=task, response_message=twin))
+    assert store.gets == before
+    assert graph.parent(child.node_id) == sample.node_id
