@@ -1303,7 +1303,11 @@ class RequestStore:
         if found is None:
             return False
         if type(found) is not _Bucket:
-            return found.children is not None
+            # (a child linked by tokens is no twin's to take: then the twin's response,
+            # which may be fetched, is not asked for)
+            return any(
+                c.link == LinkKind.MESSAGES and c.prompt is None for c in found.children or ()
+            )
         return bool(self._loose_of(found))
 
     def echoing_children(self, key: int, echo: bytes) -> Sequence[Turn]:
