@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -234,3 +235,39 @@ def test_a_twin_of_a_turn_whose_children_are_linked_by_tokens_fetches_nothing(
     graph.add_turn(TurnNode(request_messages=task, response_message=twin))
     assert store.gets == before
     assert graph.parent(child.node_id) == sample.node_id
+
+
+class _CommitReadsStore(_CountingStore):
+    """A counting store that also counts the gets made while a turn is being committed
+    (past the point where a failing get could still leave the graph as it was)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.in_commit = 0
+
+    def get(self, key: bytes) -> bytes:
+        if any(frame.name == "_commit" for frame in traceback.extract_stack()):
+            self.in_commit += 1
+        return super().get(key)
+
+
+def test_a_continuation_moving_between_twins_is_committed_without_a_read(
+    tmp_path: Path,
+) -> None:
+    """A continuation linked loosely to one sample moves to a later twin it echoes exactly:
+    the echo it moves by was read before the commit, so committing the move reads nothing
+    from the store (its record is kept there), even with no cache."""
+    store = _CommitReadsStore(tmp_path)
+    graph = RolloutGraph(store=store, cache=StringCache(0))
+    task = [{"role": "user", "content": "task"}]
+    text = "hello " + "h" * 300  # records kept in the store, no long string
+    first = graph.add_turn(TurnNode(request_messages=task, response_message={"content": "a"}))
+    loose = graph.add_turn(TurnNode(request_messages=task, response_message={"content": text}))
+    echo = {"role": "assistant", "content": text}
+    request = [*task, echo, {"role": "user", "content": "go " + "g" * 300}]
+    child = graph.add_turn(TurnNode(request_messages=request, response_message={"content": "b"}))
+    assert graph.parent(child.node_id) == loose.node_id
+    exact = graph.add_turn(TurnNode(request_messages=task, response_message=dict(echo)))
+    assert graph.parent(child.node_id) == exact.node_id
+    assert first.node_id != exact.node_id
+    assert store.in_commit == 0

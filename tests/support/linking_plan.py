@@ -22,6 +22,8 @@ def _response(rng: random.Random, k: int) -> dict[str, Any]:
         text = f"long {k} " + "x" * 1100  # a blob reference in the stored response
     elif kind == 2:
         text = f"surrogate {k} \ud800 end"
+    elif kind == 6:
+        text = f"medium {k} " + "m" * 300  # a record kept in a store (no blob in it)
     response: dict[str, Any] = {"role": "assistant", "content": text}
     if kind == 3:
         response["score"] = math.nan
