@@ -1321,13 +1321,20 @@ class RequestStore:
             return found.children or ()
         return index_members(self._loose_of(found).get(xxhash.xxh3_64_intdigest(echo)))
 
-    def note_linked(self, parent: Turn, child: Turn, request: FreshRequest | None = None) -> None:
+    def note_linked(
+        self,
+        parent: Turn,
+        child: Turn,
+        request: FreshRequest | None = None,
+        echo: bytes | None = None,
+    ) -> None:
         """`child` was linked under `parent` (committed, or moved there): a bucket holding
-        `parent` that keeps its loosely linked children notes it if it is one."""
+        `parent` that keeps its loosely linked children notes it if it is one (`echo`: the
+        plain packing of the message of `child` that echoes `parent`, when known)."""
         bucket = self._bucket_of(parent)
         loose = None if bucket is None else bucket.loose
         if loose is not None:
-            echo = self._loose_echo(parent, child, request)
+            echo = self._loose_echo(parent, child, request, echo)
             if echo is not None:
                 index_add(loose, xxhash.xxh3_64_intdigest(echo), child)
 
@@ -1357,17 +1364,25 @@ class RequestStore:
         return loose
 
     def _loose_echo(
-        self, parent: Turn, child: Turn, request: FreshRequest | None = None
+        self,
+        parent: Turn,
+        child: Turn,
+        request: FreshRequest | None = None,
+        known: bytes | None = None,
     ) -> bytes | None:
         """The plain packing of the echo by which `child` is linked to `parent`, when that
         is a message link by an echo that is not exactly the response of `parent` (else
-        None; `request`: the child's, when it was just added)."""
+        None; `request`: the child's, when it was just added; `known`: that echo's plain
+        packing, when the caller has it: the child's tail, which may be in a store, is not
+        read)."""
         if child.link != LinkKind.MESSAGES or child.prompt is not None:
             return None
         if child.flags & TAIL_ECHO and child.base is parent:
             return None  # its tail starts with the echo of that very response
         n = parent.n_rest
-        if request is not None and n < request.n_valid:
+        if known is not None:
+            echo: bytes | None = known
+        elif request is not None and n < request.n_valid:
             echo = request.plain(n)
         else:
             values = rest_values(child, self.blobs)
