@@ -106,6 +106,7 @@ class Linker:
     """
 
     __slots__ = (
+        "_move_echoes",
         "_no_ids",
         "_no_logprobs",
         "_unindexed_roots",
@@ -133,6 +134,10 @@ class Linker:
         # empty set costs 216 bytes) until a turn has one
         self.short_lengths: set[int] | frozenset[int] = _NO_LENGTHS
         self.message_roots: dict[int, Any] = {}  # request keys of message roots' prefixes
+        # the echo (plain) by which each turn found to move by messages continues the new
+        # turn, by the moving turn's id: `move` hands it on, so that committing a move reads
+        # no stored tail (one may be kept in a store); set by each `find_moves`
+        self._move_echoes: dict[int, bytes] | None = None
         # one empty array of each kind for every turn that sampled nothing (never mutated),
         # made at the first such turn (see `_empty`)
         self._no_ids: array[int] | None = None
@@ -403,6 +408,7 @@ class Linker:
     def find_moves(self, new: Turn, scratch: Scratch) -> list[Move]:
         """Turns that arrived before `new` but continue it: they move under it at commit."""
         moves: list[Move] = []
+        self._move_echoes = None
         parent = new.parent
         if new.prompt is None and not scratch.twins and parent is not None and parent.kids is None:
             return moves  # the common case: no token ids, no twin, its parent's first child
@@ -557,8 +563,10 @@ class Linker:
             theirs = rest_values(other, store.blobs)
             if store.plain(theirs[: new.n_rest]) == store.plain(mine):
                 echo = theirs[new.n_rest]
-                if store.echoes(new, echo, store.plain(echo)):
+                echo_plain = store.plain(echo)
+                if store.echoes(new, echo, echo_plain):
                     moves.append((other, LinkKind.MESSAGES))
+                    self._note_move_echo(other, echo_plain)
         return moves
 
     def _twin_moves(self, new: Turn, request: FreshRequest | None) -> list[Move]:
@@ -586,7 +594,15 @@ class Linker:
             echo = store.plain(values[n]) if n < len(values) else None
             if echo is not None and echo == echo_here and echo != store.response_plain(twin):
                 moves.append((other, LinkKind.MESSAGES))
+                self._note_move_echo(other, echo)
         return moves
+
+    def _note_move_echo(self, turn: Turn, echo: bytes | None) -> None:
+        """Keep the echo by which `turn`, found to move by messages, continues the new turn."""
+        if echo is not None:
+            if self._move_echoes is None:
+                self._move_echoes = {}
+            self._move_echoes[id(turn)] = echo
 
     def move(self, turn: Turn, parent: Turn, link: LinkKind) -> None:
         """Re-link `turn` under `parent` (it arrived before its ancestor)."""
@@ -599,4 +615,6 @@ class Linker:
         turn.parent = parent
         turn.link = link
         add_child(parent, turn)
-        self.requests.note_linked(parent, turn)
+        echoes = self._move_echoes
+        echo = echoes.get(id(turn)) if echoes is not None else None
+        self.requests.note_linked(parent, turn, echo=echo)

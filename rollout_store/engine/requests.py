@@ -1261,9 +1261,10 @@ class RequestStore:
             return members
         held = members.by_response
         if held is None:
-            held = members.by_response = {}
+            held = {}
             for turn in members:
                 self._hold_by_response(held, turn)
+            members.by_response = held  # (only once whole: the next lookup trusts it)
         keys: list[Any] = [_UNKEYED]
         if plain is not None:
             keys.append(("exact", xxhash.xxh3_64_intdigest(plain)))
@@ -1271,8 +1272,8 @@ class RequestStore:
             try:
                 key = ("loose", _frozen(link_key(message)))
                 hash(key)
-            except TypeError:  # (never for JSON values) every turn, as without the index
-                return members
+            except Exception:  # (deeply nested arguments text) every turn, as without the
+                return members  # index: `echoes` decides each, as it does
             keys.append(key)
         found = {id(turn): turn for key in keys for turn in index_members(held.get(key))}
         return sorted(found.values(), key=_index_of) if len(found) > 1 else [*found.values()]
@@ -1290,8 +1291,8 @@ class RequestStore:
         try:
             key = ("loose", _frozen(response_link_key(value(turn.response, self.blobs))))
             hash(key)
-        except TypeError:
-            index_add(held, _UNKEYED, turn)
+        except Exception:  # (deeply nested arguments text) always a candidate: `echoes`
+            index_add(held, _UNKEYED, turn)  # decides, as it does without the index
             return
         index_add(held, key, turn)
 
@@ -1302,7 +1303,11 @@ class RequestStore:
         if found is None:
             return False
         if type(found) is not _Bucket:
-            return found.children is not None
+            # (a child linked by tokens is no twin's to take: then the twin's response,
+            # which may be fetched, is not asked for)
+            return any(
+                c.link == LinkKind.MESSAGES and c.prompt is None for c in found.children or ()
+            )
         return bool(self._loose_of(found))
 
     def echoing_children(self, key: int, echo: bytes) -> Sequence[Turn]:
@@ -1316,13 +1321,20 @@ class RequestStore:
             return found.children or ()
         return index_members(self._loose_of(found).get(xxhash.xxh3_64_intdigest(echo)))
 
-    def note_linked(self, parent: Turn, child: Turn, request: FreshRequest | None = None) -> None:
+    def note_linked(
+        self,
+        parent: Turn,
+        child: Turn,
+        request: FreshRequest | None = None,
+        echo: bytes | None = None,
+    ) -> None:
         """`child` was linked under `parent` (committed, or moved there): a bucket holding
-        `parent` that keeps its loosely linked children notes it if it is one."""
+        `parent` that keeps its loosely linked children notes it if it is one (`echo`: the
+        plain packing of the message of `child` that echoes `parent`, when known)."""
         bucket = self._bucket_of(parent)
         loose = None if bucket is None else bucket.loose
         if loose is not None:
-            echo = self._loose_echo(parent, child, request)
+            echo = self._loose_echo(parent, child, request, echo)
             if echo is not None:
                 index_add(loose, xxhash.xxh3_64_intdigest(echo), child)
 
@@ -1352,17 +1364,25 @@ class RequestStore:
         return loose
 
     def _loose_echo(
-        self, parent: Turn, child: Turn, request: FreshRequest | None = None
+        self,
+        parent: Turn,
+        child: Turn,
+        request: FreshRequest | None = None,
+        known: bytes | None = None,
     ) -> bytes | None:
         """The plain packing of the echo by which `child` is linked to `parent`, when that
         is a message link by an echo that is not exactly the response of `parent` (else
-        None; `request`: the child's, when it was just added)."""
+        None; `request`: the child's, when it was just added; `known`: that echo's plain
+        packing, when the caller has it: the child's tail, which may be in a store, is not
+        read)."""
         if child.link != LinkKind.MESSAGES or child.prompt is not None:
             return None
         if child.flags & TAIL_ECHO and child.base is parent:
             return None  # its tail starts with the echo of that very response
         n = parent.n_rest
-        if request is not None and n < request.n_valid:
+        if known is not None:
+            echo: bytes | None = known
+        elif request is not None and n < request.n_valid:
             echo = request.plain(n)
         else:
             values = rest_values(child, self.blobs)
