@@ -162,20 +162,13 @@ impl Packer {
         messages: &Bound<'_, PyList>,
         low: usize,
     ) -> PyResult<(Blake3, u64)> {
-        let intern = self.intern.as_ref().map(|i| i.bind(py));
-        let ext_type = self.ext_type.bind(py);
-        let mut buffer = std::mem::take(&mut self.buffer);
-        buffer.clear();
-        let mut walk = Walk {
-            intern,
-            threshold: self.threshold,
-            ext_type,
-            out: buffer,
-            special: false,
-            refs: false,
-            longest: 0,
-            open: Vec::new(),
-        };
+        let buffer = std::mem::take(&mut self.buffer);
+        let mut walk = Walk::new(
+            self.intern.as_ref().map(|i| i.bind(py)),
+            self.threshold,
+            self.ext_type.bind(py),
+            buffer,
+        );
         let mut hasher = PrefixHasher::new();
         let low = low.min(messages.len());
         for i in 0..low {
@@ -190,12 +183,7 @@ impl Packer {
         let out = &mut walk.out;
         py.detach(|| hasher.drain(out));
         let fed = hasher.fed();
-        self.last_special = walk.special;
-        self.last_refs = walk.refs;
-        self.last_longest = walk.longest;
-        if walk.out.capacity() <= KEEP_BUFFER {
-            self.buffer = walk.out;
-        }
+        self.keep(walk.finish());
         Ok((Blake3::from_state(hasher.finish()), fed))
     }
 
@@ -220,31 +208,37 @@ impl Packer {
         value: &Bound<'py, PyAny>,
         panic: bool,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let intern = self.intern.as_ref().map(|i| i.bind(py));
-        let ext_type = self.ext_type.bind(py);
-        let mut buffer = std::mem::take(&mut self.buffer);
-        buffer.clear();
-        let mut walk = Walk {
-            intern,
-            threshold: self.threshold,
-            ext_type,
-            out: buffer,
-            special: false,
-            refs: false,
-            longest: 0,
-            open: Vec::new(),
-        };
+        let buffer = std::mem::take(&mut self.buffer);
+        let mut walk = Walk::new(
+            self.intern.as_ref().map(|i| i.bind(py)),
+            self.threshold,
+            self.ext_type.bind(py),
+            buffer,
+        );
         walk.value(value, 0).map_err(into_py_err)?;
         assert!(!panic, "a panic for tests, after the walk");
         let packed = PyBytes::new(py, &walk.out);
-        self.last_special = walk.special;
-        self.last_refs = walk.refs;
-        self.last_longest = walk.longest;
-        if walk.out.capacity() <= KEEP_BUFFER {
-            self.buffer = walk.out;
-        }
+        self.keep(walk.finish());
         Ok(packed)
     }
+
+    /// What a walk found (`last_*`), and its buffer while it stays small.
+    fn keep(&mut self, outcome: Outcome) {
+        self.last_special = outcome.special;
+        self.last_refs = outcome.refs;
+        self.last_longest = outcome.longest;
+        if outcome.out.capacity() <= KEEP_BUFFER {
+            self.buffer = outcome.out;
+        }
+    }
+}
+
+/// What a finished walk found, with its buffer (the walk's borrows of the packer end).
+struct Outcome {
+    special: bool,
+    refs: bool,
+    longest: usize,
+    out: Vec<u8>,
 }
 
 /// A refusal as the exception Python sees: `RefusedValue(message, path)`.
@@ -269,6 +263,36 @@ fn into_py_err(fail: Fail) -> PyErr {
 fn type_of(obj: &Bound<'_, PyAny>) -> *mut ffi::PyTypeObject {
     // SAFETY: a live object's type pointer, compared only
     unsafe { ffi::Py_TYPE(obj.as_ptr()) }
+}
+
+impl<'p> Walk<'p> {
+    fn new(
+        intern: Option<&'p Bound<'p, PyAny>>,
+        threshold: Option<usize>,
+        ext_type: &'p Bound<'p, PyType>,
+        mut out: Vec<u8>,
+    ) -> Self {
+        out.clear();
+        Self {
+            intern,
+            threshold,
+            ext_type,
+            out,
+            special: false,
+            refs: false,
+            longest: 0,
+            open: Vec::new(),
+        }
+    }
+
+    fn finish(self) -> Outcome {
+        Outcome {
+            special: self.special,
+            refs: self.refs,
+            longest: self.longest,
+            out: self.out,
+        }
+    }
 }
 
 impl Walk<'_> {
