@@ -241,6 +241,7 @@ class Scratch:
         "n_rest",
         "pending",
         "prompt_key",
+        "raw_found",
         "raw_seen",
         "raw_text",
         "raw_tip",
@@ -276,6 +277,9 @@ class Scratch:
         self.raw_tip: tuple[RawTip, RawTip | None] | None = None  # filed at commit
         # a raw text decoded whole: its tip is made once its long strings are known
         self.raw_text: tuple[bytes, int, Any, bytes | None, int] | None = None
+        # the raw tip such a text continues (found, but not taken by `_prepare_raw`): its
+        # tip replaces that one, as a turn taken there replaces the tip it continues
+        self.raw_found: RawTip | None = None
         self.long_refs = False  # its tail holds a blob string of HOLE_MIN or more
         self.twins = False  # stored turns with exactly this request have children a twin may take
         self.moves: list[tuple[Turn, LinkKind]] = []  # earlier turns it adopts
@@ -828,6 +832,13 @@ class RequestStore:
         if raw is not None and probe is not None and rest and isinstance(messages, list):
             end = raw_end(raw)
             if end is not None:  # later raw turns of this conversation start here (`build`)
+                # one object for the system part of a conversation's tips, and of the
+                # conversations of graphs over one store
+                found = scratch.raw_found
+                if found is not None and found.system_plain == system_plain:
+                    system_plain = found.system_plain
+                elif system_plain is not None:
+                    system_plain = self.blobs.share_packed(system_plain)
                 scratch.raw_text = (raw, end, probe.hasher, system_plain, n_sys)
         return system_plain
 
@@ -848,6 +859,7 @@ class RequestStore:
         if found is None:
             return _NOT_FAST
         tip, hasher = found
+        scratch.raw_found = tip
         base = tip.turn
         end = raw_end(data)
         if end is None or end <= tip.end or not base.n_rest or base.flags & MESSAGES_TUPLE:
@@ -1084,7 +1096,7 @@ class RequestStore:
             if hollow is not None:  # (it always is: the holes were found there)
                 raw_tip = RawTip(turn, raw, end, hollow.digest(), plain_state, system_plain, n_sys)
                 raw_tip.holes = text
-                scratch.raw_tip = (raw_tip, None)
+                scratch.raw_tip = (raw_tip, scratch.raw_found)
 
     def _next_tip(self, turn: Turn, request: FreshRequest, scratch: Scratch) -> Tip | None:
         """The tip this turn leaves for its conversation, when its request holds long blob

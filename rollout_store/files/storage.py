@@ -1857,6 +1857,10 @@ class _AppendLog:
         self.fsync_every = fsync_every
         self.unsynced = 0
         self.timelines: list[tuple[int, bytes]] = []  # not yet written (`write_timeline`)
+        # where the file ends: this log is its only writer, so a write need not ask the
+        # system (a call that lets the GIL go, which under load costs more than the write);
+        # None after a failed write that could not be undone: asked again then
+        self.size: int | None = None
 
     @property
     def path(self) -> str | None:
@@ -1871,22 +1875,27 @@ class _AppendLog:
         """Write `frames` with one call (fsync by policy, or left to the next synced write
         and `close` if not `sync`), or leave the file as it was."""
         fd = self.fp.fileno()
-        size = os.lseek(fd, 0, os.SEEK_END)
+        size = self.size
+        if size is None:
+            size = os.lseek(fd, 0, os.SEEK_END)
         try:
             data = b"".join(frames)
             view = memoryview(data)
             while view:
                 written = os.write(fd, view)
                 view = view[written:]
+            self.size = size + len(data)
             self.unsynced += 1
             if sync and self.fsync_every and self.unsynced >= self.fsync_every:
                 os.fsync(fd)
                 self.unsynced = 0
         except BaseException as exc:
             # leave the file exactly as it was before this turn
+            self.size = None
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, size)
                 os.lseek(fd, size, os.SEEK_SET)
+                self.size = size
             if isinstance(exc, OSError):
                 raise write_error(exc, self._path or "the append log") from exc
             raise
@@ -1925,8 +1934,8 @@ class _AppendLog:
         try:
             if self.timelines:
                 self._write_timelines()
-        except OSError:  # a FileWriteError: the turns are written, only their last timings
-            pass  # are lost are written; only their last timings are lost
+        except OSError:  # a FileWriteError: the turns are written, only their last
+            pass  # timings are lost
         try:
             if self.unsynced:
                 os.fsync(self.fp.fileno())

@@ -27,7 +27,7 @@ def test_equal_bytes_share_one_entry() -> None:
 
 def test_release_drops_content_with_its_last_reference() -> None:
     table = _core.ContentTable()
-    big = bytes(range(256)) * 64  # 16 KiB: hashed with the GIL released
+    big = bytes(range(256)) * 4096  # 1 MiB: hashed with the GIL released
     h = table.intern(big)
     assert table.intern(big) == h
     assert big in table and table.find(big) == h

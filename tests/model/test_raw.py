@@ -364,6 +364,41 @@ def test_raw_conversation_keeps_one_tip_and_confirms_by_digest() -> None:
     assert graph.parent(view.node_id) == "turn-5"
 
 
+def test_loosely_echoed_raw_conversation_keeps_one_tip() -> None:
+    """A harness that drops the response's null fields re-sends a loose echo: each turn is
+    decoded whole (the raw path takes exact echoes only), and its tip still replaces the
+    one it continues, sharing that tip's system packing (a server's session kept one tip
+    and one system packing per turn before)."""
+    from rollout_store import RolloutGraph, TurnNode
+
+    graph = RolloutGraph()
+    history: list[dict[str, object]] = [{"role": "system", "content": "s" * 500}]
+    for i in range(6):
+        history = [*history, {"role": "user", "content": f"q{i}"}]
+        response = {"role": "assistant", "content": f"a{i}", "refusal": None}
+        graph.add_turn(
+            TurnNode(
+                request_messages=RawJSON(json.dumps(history).encode()), response_message=response
+            )
+        )
+        history = [*history, {"role": "assistant", "content": f"a{i}"}]
+    tips = list(graph._requests.raw_tips._order.values())
+    assert [tip.turn.node_id for tip in tips] == ["turn-5"]
+    assert graph.path_ids("turn-5") == [f"turn-{i}" for i in range(6)]
+    # the next turn of the conversation finds that tip, and shares its system packing
+    history = [*history, {"role": "user", "content": "q6"}]
+    graph.add_turn(
+        TurnNode(
+            request_messages=RawJSON(json.dumps(history).encode()),
+            response_message={"role": "assistant", "content": "a6"},
+        )
+    )
+    (tip,) = graph._requests.raw_tips._order.values()
+    assert tip.turn.node_id == "turn-6"
+    assert tip.system_plain is tips[0].system_plain
+    assert_same_json(graph.request_messages("turn-6"), history)
+
+
 def test_tampered_raw_prefix_is_not_confirmed() -> None:
     """Same length, same first and last bytes, one byte changed in the middle: the digest
     refuses the tip and the text is decoded whole (its own content is kept)."""

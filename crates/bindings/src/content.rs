@@ -7,8 +7,7 @@ use pyo3::exceptions::{PyKeyError, PyOverflowError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-/// Bodies from this size on are hashed with the GIL released (as hashlib does).
-const DETACH_FROM: usize = 2048;
+use crate::DETACH_FROM;
 
 /// Distinct byte strings, each stored once: xxh3-128 keys, every hit confirmed by comparing
 /// the bytes, reference counted.

@@ -9,10 +9,7 @@ use engine::file::frames_v1 as v1;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyMemoryView, PySlice, PyTuple};
 
-use crate::FrameTooLarge;
-
-/// Payloads from this size on are encoded with the GIL released.
-const DETACH_FROM: usize = 64 * 1024;
+use crate::{FrameTooLarge, DETACH_FROM};
 
 fn kinds(digest_kinds: u128, max_kind: u8) -> Kinds {
     Kinds {

@@ -9,8 +9,7 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-/// Updates from this size on are hashed with the GIL released.
-const DETACH_FROM: usize = 1 << 16;
+use crate::DETACH_FROM;
 
 /// A BLAKE3 state: `update` with bytes-like objects, `copy`, `digest` (32 bytes).
 #[pyclass(frozen, module = "rollout_store._core")]

@@ -18,7 +18,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyString, PyTuple, PyType};
 
 use crate::hashing::Blake3;
-use crate::RefusedValue;
+use crate::{RefusedValue, DETACH_FROM};
 use engine::digest::{PrefixHasher, ALIGN};
 
 /// Containers nested deeper than this are refused (`json.dumps` itself fails near 1000).
@@ -154,8 +154,8 @@ impl Packer {
     /// A `Blake3` state that has seen the packings of `messages[:low]` one after the other
     /// (the items of `pack(messages[:low])` without its array header), and how many bytes
     /// that is. Packed and hashed in pieces: no buffer of the whole prefix is made, and the
-    /// hashing of each piece releases the GIL. Raises what `pack` raises (the path names the
-    /// message: `[i]...`).
+    /// hashing of a piece of at least `DETACH_FROM` bytes releases the GIL. Raises what
+    /// `pack` raises (the path names the message: `[i]...`).
     fn hash_prefix(
         &mut self,
         py: Python<'_>,
@@ -176,12 +176,10 @@ impl Packer {
             walk.value(&message, 1)
                 .map_err(|fail| into_py_err(within(fail, || Ok(format!("[{i}]")))))?;
             if walk.out.len() >= ALIGN {
-                let out = &mut walk.out;
-                py.detach(|| hasher.drain(out));
+                drain(py, &mut hasher, &mut walk.out);
             }
         }
-        let out = &mut walk.out;
-        py.detach(|| hasher.drain(out));
+        drain(py, &mut hasher, &mut walk.out);
         let fed = hasher.fed();
         self.keep(walk.finish());
         Ok((Blake3::from_state(hasher.finish()), fed))
@@ -816,6 +814,15 @@ fn new_str<'py>(py: Python<'py>, bytes: &[u8]) -> PyResult<Bound<'py, PyAny>> {
 /// Rebuild one packed value: fresh containers, a tuple where one was recorded, each blob
 /// reference as what `blob(index)` returns (the table's own `str`), the echo placeholder as
 /// what `echo()` returns (refused without one).
+/// Hashes the packed bytes in `out` (emptying it), without the GIL when they are many.
+fn drain(py: Python<'_>, hasher: &mut PrefixHasher, out: &mut Vec<u8>) {
+    if out.len() >= DETACH_FROM {
+        py.detach(|| hasher.drain(out));
+    } else {
+        hasher.drain(out);
+    }
+}
+
 #[pyfunction]
 #[pyo3(signature = (data, blob, echo = None))]
 pub fn unpack<'py>(
@@ -886,7 +893,7 @@ pub fn check_packed<'py>(
                 false
             }
         }),
-        None if buffer.readonly() && bytes.len() >= 1 << 16 => {
+        None if buffer.readonly() && bytes.len() >= DETACH_FROM => {
             py.detach(|| engine::packed_check::check(bytes, limits, &mut |_| false))
         }
         None => engine::packed_check::check(bytes, limits, &mut |_| false),
