@@ -364,39 +364,62 @@ def test_raw_conversation_keeps_one_tip_and_confirms_by_digest() -> None:
     assert graph.parent(view.node_id) == "turn-5"
 
 
-def test_loosely_echoed_raw_conversation_keeps_one_tip() -> None:
-    """A harness that drops the response's null fields re-sends a loose echo: each turn is
-    decoded whole (the raw path takes exact echoes only), and its tip still replaces the
-    one it continues, sharing that tip's system packing (a server's session kept one tip
-    and one system packing per turn before)."""
+@pytest.mark.parametrize("long", [False, True])
+def test_loosely_echoed_raw_conversation_is_taken_raw(
+    long: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A harness that drops the response's null fields re-sends a loose echo: the raw path
+    takes it without decoding the re-sent text (kept as sent, not as an echo), with the
+    links, messages and stored bytes the decoded path gives, and one tip a conversation
+    (its system packing shared by its tips). A retry of a turn (a twin) is decoded whole
+    and linked as decoded input is."""
     from rollout_store import RolloutGraph, TurnNode
+    from rollout_store.engine import requests
 
-    graph = RolloutGraph()
-    history: list[dict[str, object]] = [{"role": "system", "content": "s" * 500}]
+    decoded_whole: list[int] = []
+    real = requests.decode_raw
+
+    def counting(raw: RawJSON, path: str) -> Any:
+        decoded_whole.append(len(raw.data))
+        return real(raw, path)
+
+    monkeypatch.setattr(requests, "decode_raw", counting)
+    raw, decoded = RolloutGraph(), RolloutGraph()
+    blob = "screenshot " * (3000 if long else 1)
+    history: list[dict[str, Any]] = [
+        {"role": "system", "content": "s" * 500},
+        {"role": "user", "content": [{"type": "text", "text": blob}]},
+    ]
+
+    def add(messages: list[dict[str, Any]], response: dict[str, Any]) -> None:
+        text = json.dumps(messages).encode()
+        raw.add_turn(TurnNode(request_messages=RawJSON(text), response_message=response))
+        decoded.add_turn(TurnNode(request_messages=json.loads(text), response_message=response))
+
     for i in range(6):
-        history = [*history, {"role": "user", "content": f"q{i}"}]
-        response = {"role": "assistant", "content": f"a{i}", "refusal": None}
-        graph.add_turn(
-            TurnNode(
-                request_messages=RawJSON(json.dumps(history).encode()), response_message=response
-            )
-        )
-        history = [*history, {"role": "assistant", "content": f"a{i}"}]
-    tips = list(graph._requests.raw_tips._order.values())
-    assert [tip.turn.node_id for tip in tips] == ["turn-5"]
-    assert graph.path_ids("turn-5") == [f"turn-{i}" for i in range(6)]
-    # the next turn of the conversation finds that tip, and shares its system packing
-    history = [*history, {"role": "user", "content": "q6"}]
-    graph.add_turn(
-        TurnNode(
-            request_messages=RawJSON(json.dumps(history).encode()),
-            response_message={"role": "assistant", "content": "a6"},
-        )
-    )
-    (tip,) = graph._requests.raw_tips._order.values()
-    assert tip.turn.node_id == "turn-6"
-    assert tip.system_plain is tips[0].system_plain
-    assert_same_json(graph.request_messages("turn-6"), history)
+        call = {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        response = {"role": "assistant", "content": None, "refusal": None, "tool_calls": [call]}
+        add(history, response)
+        if i == 3:  # a retry of the same call: decoded whole, linked as decoded input is
+            add(history, {**response, "content": "again"})
+        history = [*history, {"role": "assistant", "tool_calls": [call]}]
+        history = [*history, {"role": "tool", "tool_call_id": f"c{i}", "content": f"ok {i}"}]
+    assert len(decoded_whole) == 3  # the first turn, the retry and the turn after it
+    assert raw.node_ids() == decoded.node_ids()
+    for node_id in raw.node_ids():
+        assert raw.parent(node_id) == decoded.parent(node_id)
+        assert_same_json(raw.request_messages(node_id), decoded.request_messages(node_id))
+    assert raw.path_ids("turn-6") == ["turn-0", "turn-1", "turn-2", "turn-3", "turn-5", "turn-6"]
+    assert raw.stats()["message_bytes_stored"] == decoded.stats()["message_bytes_stored"]
+    # one tip a branch: the retry's, and the conversation's latest turn's
+    tips = list(raw._requests.raw_tips._order.values())
+    assert [tip.turn.node_id for tip in tips] == ["turn-4", "turn-6"]
+    # a turn replaces the tip it continues, and shares its system packing
+    add(history, {"role": "assistant", "content": "done", "refusal": None})
+    now = list(raw._requests.raw_tips._order.values())
+    assert [tip.turn.node_id for tip in now] == ["turn-4", "turn-7"]
+    assert now[1].system_plain is tips[1].system_plain
+    assert len(decoded_whole) == 3
 
 
 def test_tampered_raw_prefix_is_not_confirmed() -> None:
