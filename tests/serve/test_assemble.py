@@ -4,6 +4,8 @@ named."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from rollout_store.errors import InvalidValueError
@@ -106,6 +108,16 @@ def test_an_event_that_cannot_be_read_is_named(stream: bytes, anthropic: bool, w
     with pytest.raises(InvalidValueError) as caught:
         assembled(stream, anthropic=anthropic)
     assert where in caught.value.path
+
+
+@pytest.mark.parametrize("anthropic", [False, True])
+def test_an_event_nesting_deeper_than_python_reads_is_named(anthropic: bool) -> None:
+    depth = sys.getrecursionlimit() + 100
+    deep = b"data: " + b"[" * depth + b"]" * depth + b"\n\n"
+    with pytest.raises(InvalidValueError, match="nests too deeply") as caught:
+        assembled(deep, anthropic=anthropic)
+    assert caught.value.path == "event 0"
+    assert not holds_error(deep, anthropic=False)  # not an error event: no RecursionError
 
 
 def test_events_and_errors_are_read_as_the_sse_grammar_says() -> None:
