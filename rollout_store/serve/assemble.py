@@ -246,6 +246,10 @@ def _messages(data: bytes) -> dict[str, Any]:
                     blocks[index]["input"] = json.loads(inputs.pop(index))
                 except (ValueError, KeyError):
                     raise InvalidValueError("a tool input is not JSON", where) from None
+                except RecursionError:
+                    raise InvalidValueError(
+                        "a tool input nests too deeply to be read", where
+                    ) from None
         elif kind == "message_delta" and message is not None:
             delta = event.get("delta")
             if isinstance(delta, dict):

@@ -120,6 +120,25 @@ def test_an_event_nesting_deeper_than_python_reads_is_named(anthropic: bool) -> 
     assert not holds_error(deep, anthropic=False)  # not an error event: no RecursionError
 
 
+def test_a_tool_input_nesting_deeper_than_python_reads_is_named() -> None:
+    """Each piece of a tool input is shallow; the input they join to is not."""
+    depth = sys.getrecursionlimit() + 100
+    start = {"type": "message_start", "message": {"role": "assistant", "content": []}}
+    block = {"type": "tool_use", "id": "t", "name": "look", "input": {}}
+    stream = sse_event("message_start", start) + sse_event(
+        "content_block_start", {"type": "content_block_start", "index": 0, "content_block": block}
+    )
+    for part in ("[" * depth, "]" * depth):
+        delta = {"type": "input_json_delta", "partial_json": part}
+        stream += sse_event(
+            "content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}
+        )
+    stream += sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    with pytest.raises(InvalidValueError, match="nests too deeply") as caught:
+        assembled(stream, anthropic=True)
+    assert caught.value.path == "event 4 (content_block_stop)"
+
+
 def test_events_and_errors_are_read_as_the_sse_grammar_says() -> None:
     stream = b": comment\r\nevent: x\r\ndata: 1\r\ndata: 2\r\n\r\ndata:3\n\n"
     assert list(events_of(stream)) == [("x", "1\n2"), ("message", "3")]
