@@ -24,7 +24,10 @@ LOADS_REPEAT_BELOW = 1 << 20  # texts shorter than this are decoded 3 times for 
 
 def engine_bytes() -> int:
     """Bytes the compiled engine's objects alive in this process hold (their `nbytes`), which
-    tracemalloc does not see: Rust allocates through its own allocator."""
+    tracemalloc does not see: Rust allocates through its own allocator. An engine object's
+    own fields are inside its Python object, which the interpreter allocates and tracemalloc
+    traces: a `Blake3` (a graph's tips keep one each) holds its whole BLAKE3 state there and
+    nothing on the heap, so it is counted by tracemalloc, once, and has no `nbytes`."""
     core = sys.modules.get("rollout_store._core")
     if core is None:
         return 0

@@ -59,7 +59,7 @@ def holds_error(data: bytes, anthropic: bool) -> bool:
             try:
                 if "error" in json.loads(payload):
                     return True
-            except ValueError:
+            except (ValueError, RecursionError):  # not an error event of the upstream's
                 continue
     return False
 
@@ -78,6 +78,10 @@ def _payloads(data: bytes) -> Iterator[tuple[int, str, Any]]:
             value = json.loads(payload)
         except ValueError:
             raise InvalidValueError("the event's data is not JSON", f"event {number}") from None
+        except RecursionError:
+            raise InvalidValueError(
+                "the event's data nests too deeply to be read", f"event {number}"
+            ) from None
         if not isinstance(value, dict):
             raise InvalidValueError("the event's data is not an object", f"event {number}")
         yield number, name, value
@@ -242,6 +246,10 @@ def _messages(data: bytes) -> dict[str, Any]:
                     blocks[index]["input"] = json.loads(inputs.pop(index))
                 except (ValueError, KeyError):
                     raise InvalidValueError("a tool input is not JSON", where) from None
+                except RecursionError:
+                    raise InvalidValueError(
+                        "a tool input nests too deeply to be read", where
+                    ) from None
         elif kind == "message_delta" and message is not None:
             delta = event.get("delta")
             if isinstance(delta, dict):

@@ -23,14 +23,28 @@ from capture_support import (
     serve_app,
     start_server_process,
 )
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
 
 from rollout_store.serve import ack_ledger
 from rollout_store.serve.ack_ledger import LEDGER_NAME, AckLedger, SessionTally, read_ledger
 from rollout_store.serve.server import create_app
 from rollout_store.serve.sessions import _write_atomic
+from rollout_store.serve.sse import SSE_HEADERS
 from rollout_store.serve.stub_engine import create_stub_app
 
 STALLER = Path(__file__).resolve().parents[1] / "support" / "stalled_recorder.py"
+FAILER = Path(__file__).resolve().parents[1] / "support" / "failing_recorder.py"
+SERVE_RE = r"serve: (http://127\.0\.0\.1:\d+)"
+#: A stream that ends with its last event but whose events make no turn (one is not JSON).
+UNREADABLE = [
+    b'data: {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m", '
+    b'"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"}}]}\n\n',
+    b'data: {"id": "c1", "choices": [ cut here\n\n',
+    b"data: [DONE]\n\n",
+]
 
 
 @pytest.fixture(scope="module")
@@ -259,3 +273,115 @@ def test_a_fast_server_stopped_cleanly_counts_nothing(stub: str, tmp_path: Path)
         assert _counted(server.url, "s") == (0, {}, 5, 0, [])
     finally:
         server.kill()
+
+
+def _unreadable_upstream() -> Starlette:
+    """An upstream whose every answer is the stream `UNREADABLE`."""
+
+    async def chat(request: Request) -> StreamingResponse:
+        await request.body()
+
+        async def events() -> Any:
+            for event in UNREADABLE:
+                yield event
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+def _stream(url: str, session: dict[str, Any]) -> tuple[int, bytes]:
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/chat/completions",
+        json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]},
+        headers={"authorization": f"Bearer {session['api_key']}"},
+        timeout=WAIT_S,
+    ) as answer:
+        return answer.status_code, b"".join(answer.iter_raw())
+
+
+def _dropped_then_killed(server: Process, upstream: str, plane: str, data: Path) -> bytes:
+    """One streamed call to `server` (`--ack fast`, `--data data`) whose turn it drops for a
+    recording error: counted as such while it runs, after it is killed and at every start
+    after; the stream's bytes."""
+    expected = (1, {"record_error": 1}, 0, 1)
+    finding = "[WARN] dropped_turns: 1 turn(s) of"
+    try:
+        session = new_session(server.url, session_id="dropped")
+        new_session(server.url, session_id="bystander")
+        status, streamed = _stream(server.url, session)
+        assert status == 200
+        deadline = time.monotonic() + WAIT_S
+        while _health(server.url)["dropped"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        dropped, by, turns, info_dropped, findings = _counted(server.url, "dropped")
+        assert (dropped, by, turns, info_dropped) == expected
+        assert [f[: len(finding)] for f in findings] == [finding]
+        # the ledger says what became of the answered turn before anything else happens
+        assert (data / LEDGER_NAME).read_bytes() == b"a dropped\nd dropped record_error\n"
+        server.kill()
+        assert (data / LEDGER_NAME).read_bytes() == b"a dropped\nd dropped record_error\n"
+        for ack in ("fast", "durable"):
+            args = ["--data-plane", plane, "--data", str(data), "--ack", ack]
+            server = start_server_process(upstream, *args)
+            dropped, by, turns, info_dropped, findings = _counted(server.url, "dropped")
+            assert (dropped, by, turns, info_dropped) == expected, ack  # not killed
+            assert [f[: len(finding)] for f in findings] == [finding]
+            assert _counted(server.url, "bystander") == (1, by, 0, 0, [])
+            server.stop()  # a clean stop carries it (and counts nothing more)
+            tally = read_ledger((data / LEDGER_NAME).read_bytes())["dropped"]
+            assert tally == SessionTally(0, 0, Counter(record_error=1))
+    finally:
+        server.kill()
+    return streamed
+
+
+@pytest.mark.slow
+def test_a_fast_stream_whose_events_make_no_turn_is_dropped_and_counted_after_a_kill(
+    tmp_path: Path,
+) -> None:
+    """The Rust plane passes a stream through; with `--ack fast` one whose events cannot be
+    read into a turn ends as it came, counted as dropped (`record_error`): its `d` line makes
+    a start after a kill count it for that reason, not as killed."""
+    data = tmp_path / "data"
+    with serve_app(_unreadable_upstream()) as upstream:
+        server = Process(
+            [
+                "-m",
+                "rollout_store.cli",
+                "serve",
+                "--upstream",
+                upstream,
+                "--port",
+                "0",
+                "--data-plane",
+                "rust",
+                "--data",
+                str(data),
+                "--ack",
+                "fast",
+            ],
+            SERVE_RE,
+        )
+        streamed = _dropped_then_killed(server, upstream, "rust", data)
+    assert streamed == b"".join(UNREADABLE)  # as it came: no error event in place of [DONE]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plane", ["python", "rust"])
+def test_a_fast_stream_whose_turn_cannot_be_recorded_is_counted_after_a_kill(
+    stub: str, tmp_path: Path, plane: str
+) -> None:
+    """Either plane answers a streamed call whose turn then fails to record (a full disk)
+    and counts it as dropped (`record_error`) with its `d` line: a start after a kill counts
+    it for that reason, not as killed."""
+    data = tmp_path / "data"
+    server = Process(
+        [str(FAILER), "serve", "--upstream", stub, "--port", "0", "--data-plane", plane]
+        + ["--data", str(data), "--ack", "fast"],
+        SERVE_RE,
+    )
+    streamed = _dropped_then_killed(server, stub, plane, data)
+    assert streamed.endswith(b"data: [DONE]\n\n") and b'"error"' not in streamed
+    assert streamed.count(b"data: ") > 2

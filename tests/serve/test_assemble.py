@@ -4,6 +4,8 @@ named."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from rollout_store.errors import InvalidValueError
@@ -106,6 +108,35 @@ def test_an_event_that_cannot_be_read_is_named(stream: bytes, anthropic: bool, w
     with pytest.raises(InvalidValueError) as caught:
         assembled(stream, anthropic=anthropic)
     assert where in caught.value.path
+
+
+@pytest.mark.parametrize("anthropic", [False, True])
+def test_an_event_nesting_deeper_than_python_reads_is_named(anthropic: bool) -> None:
+    depth = sys.getrecursionlimit() + 100
+    deep = b"data: " + b"[" * depth + b"]" * depth + b"\n\n"
+    with pytest.raises(InvalidValueError, match="nests too deeply") as caught:
+        assembled(deep, anthropic=anthropic)
+    assert caught.value.path == "event 0"
+    assert not holds_error(deep, anthropic=False)  # not an error event: no RecursionError
+
+
+def test_a_tool_input_nesting_deeper_than_python_reads_is_named() -> None:
+    """Each piece of a tool input is shallow; the input they join to is not."""
+    depth = sys.getrecursionlimit() + 100
+    start = {"type": "message_start", "message": {"role": "assistant", "content": []}}
+    block = {"type": "tool_use", "id": "t", "name": "look", "input": {}}
+    stream = sse_event("message_start", start) + sse_event(
+        "content_block_start", {"type": "content_block_start", "index": 0, "content_block": block}
+    )
+    for part in ("[" * depth, "]" * depth):
+        delta = {"type": "input_json_delta", "partial_json": part}
+        stream += sse_event(
+            "content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}
+        )
+    stream += sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    with pytest.raises(InvalidValueError, match="nests too deeply") as caught:
+        assembled(stream, anthropic=True)
+    assert caught.value.path == "event 4 (content_block_stop)"
 
 
 def test_events_and_errors_are_read_as_the_sse_grammar_says() -> None:

@@ -13,6 +13,7 @@ import errno
 import json
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -675,3 +676,32 @@ def test_an_https_upstream_offering_http2_is_called_over_http2(
             log, _ = proc.communicate(timeout=20)
     calls = [line for line in log.decode().splitlines() if line.startswith("alpn=")]
     assert calls == ["alpn=h2 POST " + f"https://127.0.0.1:{port}/v1/chat/completions 200"] * 2
+
+
+@pytest.mark.parametrize("ack", ["durable", "fast"])
+def test_a_stream_nesting_deeper_than_python_reads_ends_as_one_that_cannot_be_read(
+    tmp_path: Path, ack: str
+) -> None:
+    """An event too deep for Python's JSON reader makes no turn like any unreadable event:
+    with `--ack durable` an error event says so in place of `[DONE]`; with `--ack fast` the
+    stream ends as it came and the turn is counted as dropped (never a stream cut short of
+    its last event with nothing said or counted)."""
+    depth = sys.getrecursionlimit() + 100
+    deep = b'data: {"id": "c1", "x": ' + b"[" * depth + b"]" * depth + b"}\n\n"
+    engine = Engine(_chat_answer(), [*_chat_events()[:2], deep, b"data: [DONE]\n\n"])
+    body = {"model": "m", "messages": MESSAGES, "stream": True}
+    with _through(engine, tmp_path, ack=ack) as (url, app, session):
+        answer = _post(url, "/v1/chat/completions", session, body)
+        assert app.state.server.plane.settle(5)
+        events = _events(answer.content)
+        assert len(events) == len(engine.events)
+        assert events[1:-1] == engine.events[1:-1]  # (the first: capture fields taken out)
+        health = httpx.get(f"{url}/health").json()
+        if ack == "durable":
+            error = json.loads(events[-1][len(b"data: ") :])["error"]
+            assert "cannot be read: the event's data nests too deeply" in error["message"]
+            assert health["dropped"] == 0
+        else:
+            assert events[-1] == b"data: [DONE]\n\n"
+            assert health["dropped_by"]["record_error"] == health["dropped"] == 1
+        assert _turns(app, session["session_id"]) == []

@@ -14,6 +14,8 @@ use crate::DETACH_FROM;
 /// A BLAKE3 state: `update` with bytes-like objects, `copy`, `digest` (32 bytes).
 #[pyclass(frozen, module = "rollout_store._core")]
 pub struct Blake3 {
+    // about 1.9 KB owning no heap, inside the Python object the interpreter allocates:
+    // `tracemalloc` counts it, so there is no `nbytes` to add for it
     inner: Mutex<blake3::Hasher>,
 }
 
