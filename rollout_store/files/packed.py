@@ -22,6 +22,7 @@ from ..engine.intake import MAX_DEPTH
 __all__ = [
     "MESSAGES_DEPTH",
     "PackedInfo",
+    "blob_indexes",
     "check_int_array",
     "check_packed",
     "splice_blobs",
@@ -41,11 +42,17 @@ class PackedInfo:
 
     __slots__ = ("blob_refs", "echoes", "refs", "special", "top_items")
 
-    def __init__(self, top_items: int, blob_refs: array[int] | None = None) -> None:
+    def __init__(
+        self,
+        top_items: int,
+        blob_refs: array[int] | None = None,
+        special: bool = False,
+        echoes: int = 0,
+    ) -> None:
         self.top_items = top_items  # items of the top-level array, or -1 if not an array
-        self.special = False  # a tuple, big int, lone surrogate, or a blob holding surrogates
-        self.echoes = 0
-        self.refs = 0  # number of blob references
+        self.special = special  # a tuple, big int, lone surrogate, or a blob holding surrogates
+        self.echoes = echoes
+        self.refs = len(blob_refs) if blob_refs else 0  # number of blob references
         self.blob_refs = blob_refs  # their offsets
 
 
@@ -75,7 +82,7 @@ def check_packed(
     `record=True` checks a file's own record instead of a JSON value: bytes are allowed,
     extension types are not, strings are not decoded (ids may hold lone surrogates), and at
     most `max_containers` containers may open, so decoding it afterwards stays bounded."""
-    if not isinstance(data, bytes | memoryview):
+    if type(data) is not bytes and not isinstance(data, bytes | memoryview):
         raise ValueError("a packed value must be bytes")
     top_items, special, echoes, refs = _check(
         data,
@@ -86,11 +93,12 @@ def check_packed(
         record=record,
         max_containers=max_containers,
     )
-    offsets: array[int] = array("I")
-    offsets.frombytes(refs)
-    info = PackedInfo(top_items, offsets)
-    info.special, info.echoes, info.refs = special, echoes, len(offsets)
-    return info
+    return PackedInfo(top_items, array("I", refs), special, echoes)
+
+
+def blob_indexes(data: bytes, offsets: array[int] | None) -> list[int]:
+    """The blob each reference at `offsets` (a checked value's `blob_refs`) names, in order."""
+    return [int.from_bytes(data[at + 2 : at + 6], "big") for at in offsets or ()]
 
 
 def splice_blobs(data: bytes, refs: array[int] | None, text_of: Callable[[int], bytes]) -> bytes:

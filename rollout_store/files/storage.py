@@ -93,6 +93,7 @@ from .key_check import KeyCheck, UnkeyedTurn
 from .packed import (
     MESSAGES_DEPTH,
     PackedInfo,
+    blob_indexes,
     check_int_array,
     check_packed,
     splice_blobs,
@@ -916,7 +917,7 @@ class _Loader:
         turn = self._identity(record)
         side = turn.side
         self._values(side, record)
-        self._request(turn, record, n_blobs)
+        blob_refs = self._request(turn, record, n_blobs)
         if record.prompt is not None or record.sampled is not None or record.logprobs is not None:
             self._tokens(turn, side, record, n_blobs)
         _check_carried(record.flags, turn.flags, self.carries_flags)
@@ -933,7 +934,7 @@ class _Loader:
                 index_keys = key_check.rekeyed(turn, index_keys, offset, index)
             else:
                 key_check.check(turn, index_keys, offset, index)
-        restore.commit(turn, index_keys, moves)
+        restore.commit(turn, index_keys, moves, blob_refs)
         if self.turn_map is not None and self.frozen is None:
             self.turn_map.append(turn)
         self.ids.add(node_id)
@@ -1003,17 +1004,23 @@ class _Loader:
         ):
             raise _LostReference("it refers to a shared value that was lost")
 
-    def _request(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
+    def _request(self, turn: Turn, record: TurnRecord, n_blobs: int) -> tuple[list[int], list[int]]:
         """The system part, the base, the tail and the response: the turn's bytes built once,
         filed under the record's request key. What the tail and the response hold (blob
         references, special values, an echo) sets the flags that say so; a request without
-        messages has an empty tail (NO_MESSAGES)."""
+        messages has an empty tail (NO_MESSAGES). Returns the blobs the tail and the response
+        refer to (the check found them: the commit does not walk them again).
+
+        The record's decoder gave the tail and the response as bytes."""
         tail, n_rest, system, response = record.tail, record.n_rest, record.system, record.response
         flags = turn.flags
+        surrogates = self.surrogates
+        response_refs: list[int] = []
         if response is not None:
-            info = self.check(response, n_blobs)
+            info = check_packed(response, n_blobs, MAX_DEPTH, blob_surrogates=surrogates)
             if info.refs:
                 flags |= TurnFlag.RESPONSE_REFS
+                response_refs = blob_indexes(response, info.blob_refs)
             if info.special:
                 flags |= TurnFlag.RESPONSE_SPECIAL
         base_index = record.base
@@ -1031,12 +1038,14 @@ class _Loader:
             turn.flags = flags | TurnFlag.NO_MESSAGES
             turn.build((tail,), n_rest, response)
             finish_tail(turn)
-            return
-        info = self.check(tail, n_blobs, True, MESSAGES_DEPTH)
+            return [], response_refs
+        info = check_packed(tail, n_blobs, MESSAGES_DEPTH, blob_surrogates=surrogates, echo_ok=True)
         if info.top_items != n_rest - first:
             raise ValueError("request tail does not hold its messages")
+        tail_refs: list[int] = []
         if info.refs:
             flags |= TurnFlag.TAIL_REFS
+            tail_refs = blob_indexes(tail, info.blob_refs)
         if info.special:
             flags |= TurnFlag.TAIL_SPECIAL
         if info.echoes:  # one, the first message: right after the array header
@@ -1053,6 +1062,7 @@ class _Loader:
         turn.flags = flags
         turn.build((tail,), n_rest, response, None, record.keys[0])
         finish_tail(turn)
+        return tail_refs, response_refs
 
     def _tokens(self, turn: Turn, side: TurnSide, record: TurnRecord, n_blobs: int) -> None:
         """Prompt, sampled ids and logprobs (packed if tagged "j": LOGPROBS_PACKED)."""
