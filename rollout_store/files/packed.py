@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import struct
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .._core import check_packed as _check
 from ..engine.encoding import EXT_BIGINT
@@ -45,7 +45,7 @@ class PackedInfo:
     def __init__(
         self,
         top_items: int,
-        blob_refs: array[int] | None = None,
+        blob_refs: Sequence[int] | None = None,
         special: bool = False,
         echoes: int = 0,
     ) -> None:
@@ -53,7 +53,7 @@ class PackedInfo:
         self.special = special  # a tuple, big int, lone surrogate, or a blob holding surrogates
         self.echoes = echoes
         self.refs = len(blob_refs) if blob_refs else 0  # number of blob references
-        self.blob_refs = blob_refs  # their offsets
+        self.blob_refs = blob_refs  # their offsets (`array('I')`; an empty tuple for none)
 
 
 def _length(data: bytes | memoryview, pos: int, width: int) -> int:
@@ -84,24 +84,32 @@ def check_packed(
     most `max_containers` containers may open, so decoding it afterwards stays bounded."""
     if type(data) is not bytes and not isinstance(data, bytes | memoryview):
         raise ValueError("a packed value must be bytes")
-    top_items, special, echoes, refs = _check(
-        data,
-        n_blobs,
-        max_depth,
-        blob_surrogates=blob_surrogates,
-        echo_ok=echo_ok,
-        record=record,
-        max_containers=max_containers,
-    )
-    return PackedInfo(top_items, array("I", refs), special, echoes)
+    if record or max_containers is not None:
+        found = _check(
+            data,
+            n_blobs,
+            max_depth,
+            blob_surrogates=blob_surrogates,
+            echo_ok=echo_ok,
+            record=True,
+            max_containers=max_containers,
+        )
+    else:  # (the engine's defaults for the rest: each keyword passed costs)
+        found = _check(data, n_blobs, max_depth, blob_surrogates=blob_surrogates, echo_ok=echo_ok)
+    top_items, special, echoes, refs = found
+    return PackedInfo(top_items, array("I", refs) if refs else (), special, echoes)
 
 
-def blob_indexes(data: bytes, offsets: array[int] | None) -> list[int]:
+def blob_indexes(data: bytes, offsets: Sequence[int] | None) -> list[int]:
     """The blob each reference at `offsets` (a checked value's `blob_refs`) names, in order."""
-    return [int.from_bytes(data[at + 2 : at + 6], "big") for at in offsets or ()]
+    out: list[int] = []
+    # a plain loop: most values hold one or two, which a comprehension's own call outweighs
+    for at in offsets or ():
+        out.append(_U32.unpack_from(data, at + 2)[0])
+    return out
 
 
-def splice_blobs(data: bytes, refs: array[int] | None, text_of: Callable[[int], bytes]) -> bytes:
+def splice_blobs(data: bytes, refs: Sequence[int] | None, text_of: Callable[[int], bytes]) -> bytes:
     """The plain packing of a checked value: each blob reference (6 bytes at an offset in
     `refs`) replaced by the packed string `text_of(index)` returns (its UTF-8 bytes)."""
     if not refs:
