@@ -91,7 +91,7 @@ def check_packed(
             max_depth,
             blob_surrogates=blob_surrogates,
             echo_ok=echo_ok,
-            record=True,
+            record=record,
             max_containers=max_containers,
         )
     else:  # (the engine's defaults for the rest: each keyword passed costs)
