@@ -13,7 +13,7 @@ import functools
 import operator
 import threading
 from array import array
-from collections.abc import Callable, Container, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import xxhash
@@ -106,6 +106,8 @@ _SENT_APART = (1 << 64) - 1
 #: listed for the turn they came from). (A plain tuple: a NamedTuple's `__new__` runs in
 #: Python.)
 _Sent = tuple[int, int, int, tuple[Any, Any, Any, Any, int], list[int]]
+#: The blobs a turn's tail and its response refer to, each reference once (see `_sent_by`).
+_Refs = tuple[Sequence[int], Sequence[int]]
 
 
 def _without_raw(node: TurnNode, known: Container[bytes | str] = ()) -> TurnNode:
@@ -653,13 +655,15 @@ class Graph:
 
     # ------------------------------------------------------------------ commit
 
-    def _sent_by(self, turn: Turn) -> _Sent:
+    def _sent_by(self, turn: Turn, refs: _Refs | None = None) -> _Sent:
         """What a built turn sent in long strings (blob-sized): its non-system request
         messages (its base's, an echo of the base's response, then its tail's), its response,
         and in all (those, the system messages, tools, sampling parameters, logprobs).
 
         Worked out from the base's entry and the turn's own packings (their blob references'
-        sizes: no string is read), before its record may be sealed in a store."""
+        sizes: no string is read), before its record may be sealed in a store. `refs`: the
+        blobs its tail and its response refer to, when the caller found them (a file's
+        reader, checking those packings): they are not walked again."""
         sizes, flags = self._blobs.size, turn.flags
         used: list[int] = []
 
@@ -679,10 +683,13 @@ class Graph:
             if flags & TAIL_ECHO:
                 rest += echoed
         if flags & TAIL_REFS:
-            rest += blob_ref_bytes(turn.tail, size)
+            rest += blob_ref_bytes(turn.tail, size) if refs is None else sum(map(size, refs[0]))
         response = 0
         if flags & RESPONSE_REFS:
-            response = blob_ref_bytes(turn.response, size)  # type: ignore[arg-type]
+            if refs is None:
+                response = blob_ref_bytes(turn.response, size)  # type: ignore[arg-type]
+            else:
+                response = sum(map(size, refs[1]))
         side = turn.side
         system, tools, sampling, requested = side.system, side.tools, side.sampling, side.requested
         values = self._sent_values
@@ -1415,12 +1422,19 @@ class GraphRestorer:
         record can be kept there: see `turn_records`)."""
         return self._graph._blank_turn()
 
-    def commit(self, turn: Turn, keys: IndexKeys, moves: list[tuple[Turn, LinkKind]]) -> None:
+    def commit(
+        self,
+        turn: Turn,
+        keys: IndexKeys,
+        moves: list[tuple[Turn, LinkKind]],
+        refs: _Refs | None = None,
+    ) -> None:
         """File a fully built turn: indexes, children, re-links, as `add_turn` does. Over an
         out-of-process store its record is put there first (a store error propagates: the
-        graph being read is dropped)."""
+        graph being read is dropped). `refs`: the blobs its tail and its response refer to,
+        each reference once, as the reader's check of them found (else they are walked)."""
         graph = self._graph
-        sent = graph._sent_by(turn)  # (before its record is sealed: nothing fetched)
+        sent = graph._sent_by(turn, refs)  # (before its record is sealed: nothing fetched)
         records = graph._records
         if records is not None:
             records.seal(turn, records.put(turn))

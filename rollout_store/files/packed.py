@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import struct
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .._core import check_packed as _check
 from ..engine.encoding import EXT_BIGINT
@@ -22,6 +22,7 @@ from ..engine.intake import MAX_DEPTH
 __all__ = [
     "MESSAGES_DEPTH",
     "PackedInfo",
+    "blob_indexes",
     "check_int_array",
     "check_packed",
     "splice_blobs",
@@ -41,12 +42,18 @@ class PackedInfo:
 
     __slots__ = ("blob_refs", "echoes", "refs", "special", "top_items")
 
-    def __init__(self, top_items: int, blob_refs: array[int] | None = None) -> None:
+    def __init__(
+        self,
+        top_items: int,
+        blob_refs: Sequence[int] | None = None,
+        special: bool = False,
+        echoes: int = 0,
+    ) -> None:
         self.top_items = top_items  # items of the top-level array, or -1 if not an array
-        self.special = False  # a tuple, big int, lone surrogate, or a blob holding surrogates
-        self.echoes = 0
-        self.refs = 0  # number of blob references
-        self.blob_refs = blob_refs  # their offsets
+        self.special = special  # a tuple, big int, lone surrogate, or a blob holding surrogates
+        self.echoes = echoes
+        self.refs = len(blob_refs) if blob_refs else 0  # number of blob references
+        self.blob_refs = blob_refs  # their offsets (`array('I')`; an empty tuple for none)
 
 
 def _length(data: bytes | memoryview, pos: int, width: int) -> int:
@@ -75,25 +82,34 @@ def check_packed(
     `record=True` checks a file's own record instead of a JSON value: bytes are allowed,
     extension types are not, strings are not decoded (ids may hold lone surrogates), and at
     most `max_containers` containers may open, so decoding it afterwards stays bounded."""
-    if not isinstance(data, bytes | memoryview):
+    if type(data) is not bytes and not isinstance(data, bytes | memoryview):
         raise ValueError("a packed value must be bytes")
-    top_items, special, echoes, refs = _check(
-        data,
-        n_blobs,
-        max_depth,
-        blob_surrogates=blob_surrogates,
-        echo_ok=echo_ok,
-        record=record,
-        max_containers=max_containers,
-    )
-    offsets: array[int] = array("I")
-    offsets.frombytes(refs)
-    info = PackedInfo(top_items, offsets)
-    info.special, info.echoes, info.refs = special, echoes, len(offsets)
-    return info
+    if record or max_containers is not None:
+        found = _check(
+            data,
+            n_blobs,
+            max_depth,
+            blob_surrogates=blob_surrogates,
+            echo_ok=echo_ok,
+            record=record,
+            max_containers=max_containers,
+        )
+    else:  # (the engine's defaults for the rest: each keyword passed costs)
+        found = _check(data, n_blobs, max_depth, blob_surrogates=blob_surrogates, echo_ok=echo_ok)
+    top_items, special, echoes, refs = found
+    return PackedInfo(top_items, array("I", refs) if refs else (), special, echoes)
 
 
-def splice_blobs(data: bytes, refs: array[int] | None, text_of: Callable[[int], bytes]) -> bytes:
+def blob_indexes(data: bytes, offsets: Sequence[int] | None) -> list[int]:
+    """The blob each reference at `offsets` (a checked value's `blob_refs`) names, in order."""
+    out: list[int] = []
+    # a plain loop: most values hold one or two, which a comprehension's own call outweighs
+    for at in offsets or ():
+        out.append(_U32.unpack_from(data, at + 2)[0])
+    return out
+
+
+def splice_blobs(data: bytes, refs: Sequence[int] | None, text_of: Callable[[int], bytes]) -> bytes:
     """The plain packing of a checked value: each blob reference (6 bytes at an offset in
     `refs`) replaced by the packed string `text_of(index)` returns (its UTF-8 bytes)."""
     if not refs:

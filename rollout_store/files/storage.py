@@ -33,7 +33,16 @@ from ..engine.encoding import ECHO_PACKED, array_header
 from ..engine.intake import MAX_DEPTH, compact_ids
 from ..engine.shared_blobs import StoreBlobTable
 from ..engine.stored import (
+    HAS_RESPONSE,
+    LOGPROBS_PACKED,
+    MESSAGES_TUPLE,
+    NO_MESSAGES,
     PACKED,
+    RESPONSE_REFS,
+    RESPONSE_SPECIAL,
+    TAIL_ECHO,
+    TAIL_REFS,
+    TAIL_SPECIAL,
     IndexKeys,
     LinkKind,
     Turn,
@@ -93,6 +102,7 @@ from .key_check import KeyCheck, UnkeyedTurn
 from .packed import (
     MESSAGES_DEPTH,
     PackedInfo,
+    blob_indexes,
     check_int_array,
     check_packed,
     splice_blobs,
@@ -193,6 +203,7 @@ _WRITTEN = _WRITTEN_CARRYING & ~_FIELD_FLAGS
 _STORED_FLAGS = TurnFlag.MESSAGES_TUPLE | TurnFlag.EMPTY_PROMPT | _FIELD_FLAGS
 _KEPT_FLAGS = TurnFlag.MESSAGES_TUPLE | TurnFlag.EMPTY_PROMPT
 _LINK_KINDS = tuple(LinkKind)
+_EXPLICIT = int(LinkKind.EXPLICIT)
 
 #: How a file holds long strings: inline (self-contained) or as keys into a content store.
 BLOBS_INLINE, BLOBS_STORE = "inline", "store"
@@ -662,7 +673,8 @@ class _Loader:
         # asks which blobs hold lone surrogates once one does (`surrogate_blob`)
         self.surrogates: Callable[[int], bool] | None = None
         self.ids: set[str] = set()  # of the turns read: the graph's node ids
-        self.handle = self.graph.blobs.handle
+        self.blobs = self.graph.blobs  # (the graph's own table: never replaced)
+        self.handle = self.blobs.handle
         # the graph's interned TurnMeta of each meta field read so far (most turns share one)
         self.metas: dict[tuple[Any, ...], TurnMeta] = {}
         self.unfiled: list[tuple[bytes, bytes | None]] = []  # values of the turn being read
@@ -708,7 +720,7 @@ class _Loader:
         except UnicodeDecodeError:
             text, surrogates = str(data, "utf-8", "surrogatepass"), True
             self.surrogate_blob()
-        self.graph.blobs.add_verified(text, digest, len(data), surrogates)
+        self.blobs.add_verified(text, digest, len(data), surrogates)
 
     def surrogate_blob(self) -> None:
         """A blob with lone surrogates is read: from now on the check asks which blobs hold
@@ -883,7 +895,7 @@ class _Loader:
 
     def mark(self) -> tuple[tuple[int, int, int], int]:
         """Where the blobs and values stand before a turn's records are applied."""
-        return self.graph.blobs.mark(), len(self.writer.value_objects)
+        return self.blobs.mark(), len(self.writer.value_objects)
 
     def rollback(self, mark: tuple[tuple[int, int, int], int]) -> None:
         """Forget the blobs and values of a turn whose record failed: a recovered graph
@@ -912,36 +924,44 @@ class _Loader:
         self.node_id = record.node_id
         if self.blob_map is not None or self.frozen is not None:
             record = self._remapped_record(record)
-        n_blobs = len(self.graph.blobs)
+        blobs = self.blobs
+        n_blobs = len(blobs)
         turn = self._identity(record)
         side = turn.side
         self._values(side, record)
-        self._request(turn, record, n_blobs)
-        if record.prompt is not None or record.sampled is not None or record.logprobs is not None:
+        blob_refs = self._request(turn, record, n_blobs)
+        tokens = (
+            record.prompt is not None or record.sampled is not None or record.logprobs is not None
+        )
+        if tokens:
             self._tokens(turn, side, record, n_blobs)
-        _check_carried(record.flags, turn.flags, self.carries_flags)
+        stored_flags = record.flags
+        if self.carries_flags or stored_flags & _CONTENT_FLAGS:  # (else nothing to check)
+            _check_carried(stored_flags, turn.flags, self.carries_flags)
         moves = self._moves(turn, record.moves) if record.moves else []
         keys, refs, node_id = record.keys, record.refs, record.node_id
         del record  # the turn holds copies of the record's bytes: let them go before filing it
         if refs[0] or refs[1]:  # (a snapshot counts them in its end record)
-            self.graph.blobs.count_references(refs[0], refs[1])
+            blobs.count_references(refs[0], refs[1])
         restore = self.restore
-        index_keys = IndexKeys(keys[0], keys[1], keys[2], keys[3])
+        index_keys = IndexKeys._make(keys)
         key_check = self.key_check
         if key_check is not None:
             if self.rekey:
                 index_keys = key_check.rekeyed(turn, index_keys, offset, index)
             else:
                 key_check.check(turn, index_keys, offset, index)
-        restore.commit(turn, index_keys, moves)
+        restore.commit(turn, index_keys, moves, blob_refs)
         if self.turn_map is not None and self.frozen is None:
             self.turn_map.append(turn)
         self.ids.add(node_id)
-        if turn.prompt is not None or turn.full is not None:
+        if tokens:  # (a turn without token fields has no runs)
             self.writer.note_runs(turn)
-        for stored, plain in self.unfiled:  # the values it brought, found again from now on
-            restore.add_value(stored, plain)
-        self.unfiled.clear()
+        unfiled = self.unfiled
+        if unfiled:
+            for stored, plain in unfiled:  # the values it brought, found again from now on
+                restore.add_value(stored, plain)
+            unfiled.clear()
 
     def _identity(self, record: TurnRecord) -> Turn:
         """A new turn with its id, position, parent, link, stored flags and scalar fields
@@ -954,7 +974,7 @@ class _Loader:
         if flags & _FIELD_FLAGS and not self.carries_flags:
             raise ValueError("a turn record carries flags that its file derives")
         link, parent = record.link, record.parent
-        if not 0 <= link <= LinkKind.EXPLICIT:
+        if not 0 <= link <= _EXPLICIT:
             raise ValueError("bad link kind")
         turn = self.restore.new_turn()
         index = turn.index = len(graph)
@@ -1003,56 +1023,61 @@ class _Loader:
         ):
             raise _LostReference("it refers to a shared value that was lost")
 
-    def _request(self, turn: Turn, record: TurnRecord, n_blobs: int) -> None:
+    def _request(self, turn: Turn, record: TurnRecord, n_blobs: int) -> tuple[list[int], list[int]]:
         """The system part, the base, the tail and the response: the turn's bytes built once,
         filed under the record's request key. What the tail and the response hold (blob
         references, special values, an echo) sets the flags that say so; a request without
-        messages has an empty tail (NO_MESSAGES)."""
+        messages has an empty tail (NO_MESSAGES). Returns the blobs the tail and the response
+        refer to (the check found them: the commit does not walk them again).
+
+        The record's decoder gave the tail and the response as bytes."""
         tail, n_rest, system, response = record.tail, record.n_rest, record.system, record.response
         flags = turn.flags
+        surrogates = self.surrogates
+        response_refs: list[int] = []
         if response is not None:
-            info = self.check(response, n_blobs)
+            info = check_packed(response, n_blobs, MAX_DEPTH, blob_surrogates=surrogates)
             if info.refs:
-                flags |= TurnFlag.RESPONSE_REFS
+                flags |= RESPONSE_REFS
+                response_refs = blob_indexes(response, info.blob_refs)
             if info.special:
-                flags |= TurnFlag.RESPONSE_SPECIAL
+                flags |= RESPONSE_SPECIAL
         base_index = record.base
         base = turn.base = None if base_index is None else self._ref(base_index)
         first = base.n_rest if base is not None else 0  # the first message the tail holds
-        if base is not None and (not tail or base.flags & TurnFlag.NO_MESSAGES):
+        if base is not None and (not tail or base.flags & NO_MESSAGES):
             raise ValueError("a request without messages has no base, and is no base")
         if n_rest < first:
             raise ValueError("request shorter than its base")
         if system is not None and not self.value_is_list[system]:
             raise ValueError("system messages must be an array")
         if not tail:  # no messages
-            if n_rest or system is not None or flags & TurnFlag.MESSAGES_TUPLE:
+            if n_rest or system is not None or flags & MESSAGES_TUPLE:
                 raise ValueError("a request without messages has messages")
-            turn.flags = flags | TurnFlag.NO_MESSAGES
+            turn.flags = flags | NO_MESSAGES
             turn.build((tail,), n_rest, response)
             finish_tail(turn)
-            return
-        info = self.check(tail, n_blobs, True, MESSAGES_DEPTH)
+            return [], response_refs
+        info = check_packed(tail, n_blobs, MESSAGES_DEPTH, blob_surrogates=surrogates, echo_ok=True)
         if info.top_items != n_rest - first:
             raise ValueError("request tail does not hold its messages")
+        tail_refs: list[int] = []
         if info.refs:
-            flags |= TurnFlag.TAIL_REFS
+            flags |= TAIL_REFS
+            tail_refs = blob_indexes(tail, info.blob_refs)
         if info.special:
-            flags |= TurnFlag.TAIL_SPECIAL
+            flags |= TAIL_SPECIAL
         if info.echoes:  # one, the first message: right after the array header
             start = len(array_header(n_rest - first))
-            if (
-                info.echoes > 1
-                or base is None
-                or tail[start : start + len(ECHO_PACKED)] != ECHO_PACKED
-            ):
+            if info.echoes > 1 or base is None or not tail.startswith(ECHO_PACKED, start):
                 raise ValueError("misplaced echo in a request tail")
-            if not base.flags & TurnFlag.HAS_RESPONSE:
+            if not base.flags & HAS_RESPONSE:
                 raise ValueError("an echo of a base turn that has no response")
-            flags |= TurnFlag.TAIL_ECHO
+            flags |= TAIL_ECHO
         turn.flags = flags
         turn.build((tail,), n_rest, response, None, record.keys[0])
         finish_tail(turn)
+        return tail_refs, response_refs
 
     def _tokens(self, turn: Turn, side: TurnSide, record: TurnRecord, n_blobs: int) -> None:
         """Prompt, sampled ids and logprobs (packed if tagged "j": LOGPROBS_PACKED)."""
@@ -1071,7 +1096,7 @@ class _Loader:
             if logprobs[0] == "j":
                 self.check(logprobs[1], n_blobs)
                 side.logprobs = logprobs[1]
-                turn.flags |= TurnFlag.LOGPROBS_PACKED
+                turn.flags |= LOGPROBS_PACKED
             elif logprobs[0] == "d":
                 side.logprobs = decode_segment(logprobs, "d")
             else:
@@ -1493,16 +1518,17 @@ class _Records:
         return drift
 
     def apply_one(self, loader: _Loader, kind: int, body: Any, start: int, record: int) -> None:
-        if kind == KIND_BLOB_REF:
+        if kind == KIND_BLOB and self.version != _V1:
+            loader.blob_v2(body)
+        elif kind == KIND_BLOB_REF:
             loader.blob_ref(body, start, record)
         elif kind != KIND_BLOB:
             loader.value(body)
-        elif self.version == _V1:
-            loader.blob(body, start, record)
+            return
         else:
-            loader.blob_v2(body)
-        if kind != KIND_VALUE:
-            self.report.blobs += 1
+            loader.blob(body, start, record)
+        self.report.blobs += 1
+        if loader.blob_map is not None:  # (recovering past damage)
             loader.placed_blob()
 
     def finish(self) -> _Loader:

@@ -19,6 +19,7 @@ from rollout_store.engine.encoding import EXT_BLOB, EXT_ECHO, unpack
 from rollout_store.engine.intake import Encoder
 from rollout_store.files.packed import (
     PackedInfo,
+    blob_indexes,
     check_int_array,
     check_packed,
     splice_blobs,
@@ -95,6 +96,17 @@ def test_every_stored_value_passes_and_splices_to_its_plain_packing(value: objec
     )
     if not info.special:
         assert spliced == plain
+
+
+@given(json_like)
+def test_blob_indexes_name_the_blobs_a_value_refers_to_in_order(value: object) -> None:
+    blobs = BlobTable()
+    stored, _ = Encoder(blobs, 8).encode(value, "v")
+    info = check_packed(stored, len(blobs), MAX_DEPTH)
+    named: list[int] = []
+    unpack(stored, lambda i: named.append(i) or "blob")
+    assert blob_indexes(stored, info.blob_refs) == named
+    assert len(named) == info.refs
 
 
 @given(st.binary(max_size=60))
