@@ -370,32 +370,17 @@ def text_holes(data: bytes, start: int, end: int, blobs: Sequence[str]) -> list[
 
 
 def hollow_text(
-    data: bytes, start: int, end: int, holes: Sequence[TextHole], hasher: Any = None
+    data: bytes, start: int, end: int, holes: list[TextHole], hasher: Any = None
 ) -> Any:
     """A BLAKE3 state that has seen `data[start:end]` but the holes (continuing `hasher`),
     or None when a hole does not hold its blob's very bytes. The holes' places are fixed, so
     equal digests and equal holes mean equal texts.
 
-    Every hole is checked first (a mismatch hashes nothing), one at a time (so one blob's
-    UTF-8 copy is alive at once); the bytes between them are joined (they are short next to
-    the blobs) and hashed in one update."""
+    Every hole is checked first (a mismatch hashes nothing), in place by the engine (no
+    copy of an ASCII blob's text), then the bytes between them are hashed."""
     if hasher is None:
         hasher = Blake3()
-    if not holes:
-        if end > start:
-            hasher.update(memoryview(data)[start:end])
-        return hasher
-    startswith = data.startswith
-    for hole_start, hole_end, blob in holes:
-        needle = blob.encode("utf-8")
-        if hole_end > end or hole_end - hole_start != len(needle):
-            return None
-        if not startswith(needle, hole_start):  # memcmp in place, no copy
-            return None
-    starts, ends, _ = zip(*holes, strict=True)
-    view = memoryview(data)
-    hasher.update(b"".join(map(view.__getitem__, map(slice, (start, *ends), (*starts, end)))))
-    return hasher
+    return hasher if hasher.update_hollow(data, start, end, holes) else None
 
 
 class RawTip:

@@ -5,9 +5,11 @@
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use pyo3::buffer::PyBuffer;
-use pyo3::exceptions::PyBufferError;
+use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyInt, PyList, PyString};
+
+use crate::packed::ascii_bytes;
 
 /// Updates from this size on are hashed with the GIL released.
 const DETACH_FROM: usize = 1 << 16;
@@ -68,6 +70,54 @@ impl Blake3 {
         Ok(())
     }
 
+    /// Feed `data[start:end]` but its holes, when each hole `(hole_start, hole_end, text)`
+    /// of `holes` (in order, inside that range) holds exactly the UTF-8 of its `str`; else
+    /// False, and nothing is fed. An ASCII text is compared in place (no copy of it).
+    fn update_hollow(
+        &self,
+        py: Python<'_>,
+        data: &Bound<'_, PyBytes>,
+        start: usize,
+        end: usize,
+        holes: &Bound<'_, PyList>,
+    ) -> PyResult<bool> {
+        let bytes = data.as_bytes();
+        if start > end || end > bytes.len() {
+            return Err(PyValueError::new_err(
+                "Blake3.update_hollow: the range is outside the data",
+            ));
+        }
+        let mut spans = Vec::with_capacity(holes.len() + 1);
+        let mut at = start;
+        for hole in holes.iter() {
+            let (hole_start, hole_end, text): (usize, usize, Bound<'_, PyString>) =
+                hole.extract()?;
+            if hole_start < at
+                || hole_end < hole_start
+                || hole_end > end
+                || !holds_text(&bytes[hole_start..hole_end], &text)
+            {
+                return Ok(false);
+            }
+            spans.push(at..hole_start);
+            at = hole_end;
+        }
+        spans.push(at..end);
+        let size: usize = spans.iter().map(ExactSizeIterator::len).sum();
+        let feed = || {
+            let mut state = self.state();
+            for span in spans {
+                state.update(&bytes[span]);
+            }
+        };
+        if size >= DETACH_FROM {
+            py.detach(feed);
+        } else {
+            feed();
+        }
+        Ok(true)
+    }
+
     /// A state of its own that has seen what this one has.
     fn copy(&self) -> Self {
         Self::from_state(self.state().clone())
@@ -77,4 +127,31 @@ impl Blake3 {
     fn digest<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         PyBytes::new(py, self.state().finalize().as_bytes())
     }
+}
+
+/// Whether `span` is exactly the UTF-8 of `text` (an ASCII text compared in place; another
+/// encoded first, and never equal with a lone surrogate).
+fn holds_text(span: &[u8], text: &Bound<'_, PyString>) -> bool {
+    if let Some(ascii) = ascii_bytes(text) {
+        return ascii == span;
+    }
+    text.encode_utf8().is_ok_and(|utf8| utf8.as_bytes() == span)
+}
+
+/// Token ids as native-endian u32 (an `array('I')`'s bytes) when `ids` holds only exact
+/// ints in [0, 2**32); else None (a bool, an int subclass, anything else: the caller's own
+/// checks say what it is). One pass, no list of checked ids made.
+#[pyfunction]
+pub fn u32_ids<'py>(py: Python<'py>, ids: &Bound<'py, PyList>) -> Option<Bound<'py, PyBytes>> {
+    let mut out = Vec::with_capacity(ids.len() * 4);
+    for id in ids.iter() {
+        if !id.is_exact_instance_of::<PyInt>() {
+            return None;
+        }
+        let Ok(value) = id.extract::<u32>() else {
+            return None;
+        };
+        out.extend_from_slice(&value.to_ne_bytes());
+    }
+    Some(PyBytes::new(py, &out))
 }
