@@ -6,8 +6,9 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyBufferError, PyValueError};
+use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyInt, PyList, PyString};
+use pyo3::types::{PyBytes, PyList, PyString};
 
 use crate::packed::ascii_bytes;
 
@@ -143,15 +144,31 @@ fn holds_text(span: &[u8], text: &Bound<'_, PyString>) -> bool {
 /// checks say what it is). One pass, no list of checked ids made.
 #[pyfunction]
 pub fn u32_ids<'py>(py: Python<'py>, ids: &Bound<'py, PyList>) -> Option<Bound<'py, PyBytes>> {
-    let mut out = Vec::with_capacity(ids.len() * 4);
-    for id in ids.iter() {
-        if !id.is_exact_instance_of::<PyInt>() {
-            return None;
+    let list = ids.as_ptr();
+    let int_t = &raw mut ffi::PyLong_Type;
+    let mut fits = true;
+    let packed = PyBytes::new_with(py, ids.len() * 4, |out| {
+        for (slot, i) in out.chunks_exact_mut(4).zip(0..) {
+            // SAFETY: `i` is below the list's length, which nothing changes meanwhile (no
+            // Python code runs: an exact int converts without any); the item is borrowed
+            let item = unsafe { ffi::PyList_GET_ITEM(list, i) };
+            // SAFETY: a live object's type pointer, compared only
+            if unsafe { ffi::Py_TYPE(item) } != int_t {
+                fits = false;
+                break;
+            }
+            // SAFETY: an exact int (an error, for a negative or too large one, is cleared below)
+            let Ok(value) = u32::try_from(unsafe { ffi::PyLong_AsUnsignedLong(item) }) else {
+                fits = false;
+                break;
+            };
+            slot.copy_from_slice(&value.to_ne_bytes());
         }
-        let Ok(value) = id.extract::<u32>() else {
-            return None;
-        };
-        out.extend_from_slice(&value.to_ne_bytes());
+        Ok(())
+    });
+    if !fits {
+        drop(PyErr::take(py));
+        return None;
     }
-    Some(PyBytes::new(py, &out))
+    packed.ok()
 }
