@@ -362,11 +362,31 @@ def text_holes(data: bytes, start: int, end: int, blobs: Sequence[str]) -> list[
             needle = blob.encode("utf-8")
         except UnicodeEncodeError:
             continue
-        found = data.find(needle, at, end)
+        found = _find_long(data, needle, at, end)
         if found >= 0:
             at = found + len(needle)
             holes.append((found, at, blob))
     return holes
+
+
+#: A long string is looked for by its first bytes, and compared whole (a memcmp) where they
+#: occur: `bytes.find` of the whole string first reads all of it through (the preprocessing
+#: of its two-way search, which costs more than the search itself in a short text). After a
+#: few places that begin alike but differ, `bytes.find` decides (so no crafted text makes
+#: the search quadratic).
+_PROBE = 64
+_PROBE_TRIES = 8
+
+
+def _find_long(data: bytes, needle: bytes, start: int, end: int) -> int:
+    """`data.find(needle, start, end)`, mostly in a memchr-like scan and one memcmp."""
+    probe = needle[:_PROBE]
+    found = data.find(probe, start, end)
+    for _ in range(_PROBE_TRIES):
+        if found < 0 or data.startswith(needle, found, end):
+            return found
+        found = data.find(probe, found + 1, end)
+    return data.find(needle, found, end) if found >= 0 else -1
 
 
 def hollow_text(
