@@ -143,12 +143,24 @@ def test_update_hollow_compares_utf8_not_a_texts_storage() -> None:
     assert hasher.digest() == blake3.blake3(b"").digest()
 
 
-def test_update_hollow_of_a_large_text_releases_the_gil_and_hashes_the_same() -> None:
-    blob = "y" * 100_000
-    data = b"a" * 70_000 + blob.encode() + b"b" * 70_000
+@pytest.mark.parametrize(
+    "sizes",
+    [(70_000, 70_000), (5, 20_000, 7, 1, 40_000, 3), (20_000, 3, 5, 16_383, 16_384, 0)],
+)
+def test_update_hollow_of_short_and_long_pieces_hashes_the_same(sizes: tuple[int, ...]) -> None:
+    """Pieces between holes, short ones hashed gathered and long ones as they are (the
+    GIL released for a large text), give the digest of the pieces one after the other."""
+    pieces = [bytes([65 + k % 26]) * size for k, size in enumerate(sizes)]
+    data, holes = b"", []
+    for k, piece in enumerate(pieces):
+        data += piece
+        if k < len(pieces) - 1:
+            text = f"<{k}>" * 3
+            holes.append((len(data), len(data) + len(text), text))
+            data += text.encode()
     hasher = _core.Blake3()
-    assert hasher.update_hollow(data, 0, len(data), [(70_000, 170_000, blob)])
-    assert hasher.digest() == blake3.blake3(b"a" * 70_000 + b"b" * 70_000).digest()
+    assert hasher.update_hollow(data, 0, len(data), holes)
+    assert hasher.digest() == blake3.blake3(b"".join(pieces)).digest()
 
 
 @given(st.lists(st.integers(0, 2**32 - 1), max_size=50))

@@ -15,6 +15,9 @@ use crate::packed::ascii_bytes;
 /// Updates from this size on are hashed with the GIL released.
 const DETACH_FROM: usize = 1 << 16;
 
+/// Pieces of a hollowed text shorter than this are hashed gathered (`update_hollow`).
+const GATHER_BELOW: usize = 1 << 14;
+
 /// A BLAKE3 state: `update` with bytes-like objects, `copy`, `digest` (32 bytes).
 #[pyclass(frozen, module = "rollout_store._core")]
 pub struct Blake3 {
@@ -107,9 +110,22 @@ impl Blake3 {
         let size: usize = spans.iter().map(ExactSizeIterator::len).sum();
         let feed = || {
             let mut state = self.state();
+            // short pieces (the text between long strings) gathered into one update: BLAKE3
+            // hashes a run of whole chunks at once, a short update chunk by chunk
+            let mut short = Vec::new();
             for span in spans {
-                state.update(&bytes[span]);
+                let piece = &bytes[span];
+                if piece.len() < GATHER_BELOW {
+                    short.extend_from_slice(piece);
+                    continue;
+                }
+                if !short.is_empty() {
+                    state.update(&short);
+                    short.clear();
+                }
+                state.update(piece);
             }
+            state.update(&short);
         };
         if size >= DETACH_FROM {
             py.detach(feed);
