@@ -42,6 +42,7 @@ __all__ = [
     "Packer",
     "RefusedValue",
     "unpack",
+    "u32_ids",
 ]
 
 __version__: Final[str]
@@ -114,10 +115,20 @@ class Blake3:
     def __new__(cls, data: bytes | memoryview | None = None) -> Blake3: ...
     def update(self, data: bytes | memoryview) -> None:
         """Feed the bytes of a contiguous bytes-like object (bytes, a memoryview of bytes)."""
+    def update_hollow(
+        self, data: bytes, start: int, end: int, holes: list[tuple[int, int, str]]
+    ) -> bool:
+        """Feed `data[start:end]` but its holes, when each hole `(hole_start, hole_end, text)`
+        (in order, inside that range) holds exactly the UTF-8 of its `str`; else False, and
+        nothing is fed. An ASCII text is compared in place (no copy of it)."""
     def copy(self) -> Blake3:
         """A state of its own that has seen what this one has."""
     def digest(self) -> bytes:
         """The digest of everything fed so far (the state goes on)."""
+
+def u32_ids(ids: list[Any]) -> bytes | None:
+    """Token ids as native-endian u32 (an `array('I')`'s bytes) when `ids` holds only exact
+    ints in [0, 2**32); else None (a bool, an int subclass, anything else). One pass."""
 
 def check_packed(
     data: bytes | memoryview,

@@ -362,40 +362,45 @@ def text_holes(data: bytes, start: int, end: int, blobs: Sequence[str]) -> list[
             needle = blob.encode("utf-8")
         except UnicodeEncodeError:
             continue
-        found = data.find(needle, at, end)
+        found = _find_long(data, needle, at, end)
         if found >= 0:
             at = found + len(needle)
             holes.append((found, at, blob))
     return holes
 
 
+#: A long string is looked for by its first bytes, and compared whole (a memcmp) where they
+#: occur: `bytes.find` of the whole string first reads all of it through (the preprocessing
+#: of its two-way search, which costs more than the search itself in a short text). After a
+#: few places that begin alike but differ, `bytes.find` decides (so no crafted text makes
+#: the search quadratic).
+_PROBE = 64
+_PROBE_TRIES = 8
+
+
+def _find_long(data: bytes, needle: bytes, start: int, end: int) -> int:
+    """`data.find(needle, start, end)`, mostly in a memchr-like scan and one memcmp."""
+    probe = needle[:_PROBE]
+    found = data.find(probe, start, end)
+    for _ in range(_PROBE_TRIES):
+        if found < 0 or data.startswith(needle, found, end):
+            return found
+        found = data.find(probe, found + 1, end)
+    return data.find(needle, found, end) if found >= 0 else -1
+
+
 def hollow_text(
-    data: bytes, start: int, end: int, holes: Sequence[TextHole], hasher: Any = None
+    data: bytes, start: int, end: int, holes: list[TextHole], hasher: Any = None
 ) -> Any:
     """A BLAKE3 state that has seen `data[start:end]` but the holes (continuing `hasher`),
     or None when a hole does not hold its blob's very bytes. The holes' places are fixed, so
     equal digests and equal holes mean equal texts.
 
-    Every hole is checked first (a mismatch hashes nothing), one at a time (so one blob's
-    UTF-8 copy is alive at once); the bytes between them are joined (they are short next to
-    the blobs) and hashed in one update."""
+    Every hole is checked first (a mismatch hashes nothing), in place by the engine (no
+    copy of an ASCII blob's text), then the bytes between them are hashed."""
     if hasher is None:
         hasher = Blake3()
-    if not holes:
-        if end > start:
-            hasher.update(memoryview(data)[start:end])
-        return hasher
-    startswith = data.startswith
-    for hole_start, hole_end, blob in holes:
-        needle = blob.encode("utf-8")
-        if hole_end > end or hole_end - hole_start != len(needle):
-            return None
-        if not startswith(needle, hole_start):  # memcmp in place, no copy
-            return None
-    starts, ends, _ = zip(*holes, strict=True)
-    view = memoryview(data)
-    hasher.update(b"".join(map(view.__getitem__, map(slice, (start, *ends), (*starts, end)))))
-    return hasher
+    return hasher if hasher.update_hollow(data, start, end, holes) else None
 
 
 class RawTip:

@@ -3,6 +3,7 @@ that share no code with them: the `blake3` package over msgpack's own packings."
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import blake3
@@ -80,3 +81,100 @@ def test_a_refused_message_is_named_by_its_place() -> None:
     hasher, size = _core.Packer(None, None).hash_prefix(messages, 1)
     assert hasher.digest() == blake3.blake3(msgpack.packb(messages[0])).digest()
     assert size == len(msgpack.packb(messages[0]))
+
+
+#: texts of each storage kind a str has (ASCII, Latin-1, 2-byte, 4-byte code points)
+_hole_texts = st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=30)
+
+
+@given(st.lists(st.tuples(st.binary(max_size=20), _hole_texts), max_size=6), st.binary())
+def test_update_hollow_hashes_the_text_but_its_holes(
+    pieces: list[tuple[bytes, str]], after: bytes
+) -> None:
+    data, holes, between = b">", [], []
+    for before, text in pieces:
+        data += before
+        between.append(before)
+        start = len(data)
+        data += text.encode("utf-8")
+        holes.append((start, len(data), text))
+    data += after + b"<"
+    between.append(after)
+    hasher = _core.Blake3(b"head")
+    assert hasher.update_hollow(data, 1, len(data) - 1, holes)
+    assert hasher.digest() == blake3.blake3(b"head" + b"".join(between)).digest()
+
+
+@pytest.mark.parametrize("text", ["abc", "caf\xe9", "\u20ac!", "\U0001f600x"])
+def test_update_hollow_refuses_a_hole_that_differs_and_feeds_nothing(text: str) -> None:
+    utf8 = text.encode("utf-8")
+    data = b"[" + utf8 + b"]" + utf8 + b"!"
+    hole = (1, 1 + len(utf8), text)
+    later = (2 + len(utf8), 2 + 2 * len(utf8), text)
+    hasher = _core.Blake3(b"x")
+    assert hasher.update_hollow(data, 0, len(data), [hole, later])
+    assert hasher.digest() == blake3.blake3(b"x[]!").digest()
+    refused = [
+        [(hole[0], hole[1], text[:-1] + "?")],  # other text
+        [(hole[0] + 1, hole[1] + 1, text)],  # other place
+        [(hole[0], hole[1] - 1, text)],  # other length
+        [later, hole],  # out of order
+        [(0, 4, "[abc")],  # before the range fed (below)
+        [(len(data) - 2, len(data) + 1, "!")],  # past its end
+        [(hole[0], hole[1], "\ud800")],  # a lone surrogate has no UTF-8
+    ]
+    for holes in refused:
+        hasher = _core.Blake3(b"x")
+        assert not hasher.update_hollow(data, 1, len(data), holes)
+        assert hasher.digest() == blake3.blake3(b"x").digest()
+    with pytest.raises(ValueError):
+        _core.Blake3().update_hollow(data, 0, len(data) + 1, [])
+    with pytest.raises(ValueError):
+        _core.Blake3().update_hollow(data, 3, 2, [])
+    with pytest.raises(TypeError):
+        _core.Blake3().update_hollow(data, 0, 1, [(0, 1, b"[")])  # type: ignore[list-item]
+
+
+def test_update_hollow_compares_utf8_not_a_texts_storage() -> None:
+    latin = "caf\xe9"  # stored one byte a character: its Latin-1 bytes are not its UTF-8
+    data = b"[" + latin.encode("latin-1") + b"]"
+    hasher = _core.Blake3()
+    assert not hasher.update_hollow(data, 0, len(data), [(1, 5, latin)])
+    assert hasher.digest() == blake3.blake3(b"").digest()
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [(70_000, 70_000), (5, 20_000, 7, 1, 40_000, 3), (20_000, 3, 5, 16_383, 16_384, 0)],
+)
+def test_update_hollow_of_short_and_long_pieces_hashes_the_same(sizes: tuple[int, ...]) -> None:
+    """Pieces between holes, short ones hashed gathered and long ones as they are (the
+    GIL released for a large text), give the digest of the pieces one after the other."""
+    pieces = [bytes([65 + k % 26]) * size for k, size in enumerate(sizes)]
+    data, holes = b"", []
+    for k, piece in enumerate(pieces):
+        data += piece
+        if k < len(pieces) - 1:
+            text = f"<{k}>" * 3
+            holes.append((len(data), len(data) + len(text), text))
+            data += text.encode()
+    hasher = _core.Blake3()
+    assert hasher.update_hollow(data, 0, len(data), holes)
+    assert hasher.digest() == blake3.blake3(b"".join(pieces)).digest()
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=50))
+def test_u32_ids_are_an_arrays_bytes(ids: list[int]) -> None:
+    assert _core.u32_ids(ids) == array("I", ids).tobytes()
+
+
+class _Id(int):
+    pass
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [[1, True], [False], [1, 2.0], [2**32], [-1], [2**70], [1, _Id(3)], ["1"], [None], [1j]],
+)
+def test_u32_ids_leave_anything_but_exact_32_bit_ints_to_the_caller(ids: list[Any]) -> None:
+    assert _core.u32_ids(ids) is None

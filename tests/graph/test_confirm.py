@@ -19,10 +19,12 @@ from support import assert_same, assert_same_json
 from rollout_store import InvalidValueError, RawJSON, RolloutGraph, TurnNode
 from rollout_store._core import Packer
 from rollout_store.engine.confirm import (
+    HOLE_MIN,
     WINDOW,
     Probe,
     mark_length,
     marked_between,
+    text_holes,
 )
 from rollout_store.engine.intake import token_array
 from rollout_store.engine.stored import TurnFlag
@@ -391,3 +393,30 @@ def test_a_graph_s_first_turn_waits_under_every_prefix(n_rest: int, long_last: b
             TurnNode(request_messages=messages[:cut], response_message=messages[cut])
         )
         assert root.parent_id == late.node_id, (n_rest, cut)
+
+
+#: a long string whose first bytes occur nowhere else in it, and one where they occur at
+#: every place
+_HEADS = ("".join(random.Random(0).choices("abcdefghij", k=HOLE_MIN)), "x" * HOLE_MIN)
+
+
+@given(
+    st.sampled_from(_HEADS),
+    st.lists(st.sampled_from([b"a", b"b", b"\xc3\xa9"]), max_size=6),
+    st.integers(0, 12),
+    st.integers(0, 3),
+    st.booleans(),
+)
+def test_text_holes_are_where_find_finds_each_blob(
+    head: str, tail: list[bytes], decoys: int, cut: int, present: bool
+) -> None:
+    """Blobs are found where `bytes.find` finds them, also after many places that begin
+    alike but differ (more than are compared before `bytes.find` decides)."""
+    blob = head + "".join(t.decode() for t in tail) + "end"
+    needle = blob.encode()
+    alike = needle[: len(needle) - 1 - cut] + b"?"  # same first bytes, another last one
+    data = b"[" + b",".join([alike] * decoys + ([needle] if present else []) + [b"z"]) + b"]"
+    want = data.find(needle, 1, len(data) - 1)
+    holes = text_holes(data, 1, len(data) - 1, [blob])
+    assert holes == ([(want, want + len(needle), blob)] if want >= 0 else [])
+    assert (want >= 0) == present

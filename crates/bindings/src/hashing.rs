@@ -5,11 +5,17 @@
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use pyo3::buffer::PyBuffer;
-use pyo3::exceptions::PyBufferError;
+use pyo3::exceptions::{PyBufferError, PyValueError};
+use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyList, PyString};
+
+use crate::packed::ascii_bytes;
 
 use crate::DETACH_FROM;
+
+/// Pieces of a hollowed text shorter than this are hashed gathered (`update_hollow`).
+const GATHER_BELOW: usize = 1 << 14;
 
 /// A BLAKE3 state: `update` with bytes-like objects, `copy`, `digest` (32 bytes).
 #[pyclass(frozen, module = "rollout_store._core")]
@@ -69,6 +75,67 @@ impl Blake3 {
         Ok(())
     }
 
+    /// Feed `data[start:end]` but its holes, when each hole `(hole_start, hole_end, text)`
+    /// of `holes` (in order, inside that range) holds exactly the UTF-8 of its `str`; else
+    /// False, and nothing is fed. An ASCII text is compared in place (no copy of it).
+    fn update_hollow(
+        &self,
+        py: Python<'_>,
+        data: &Bound<'_, PyBytes>,
+        start: usize,
+        end: usize,
+        holes: &Bound<'_, PyList>,
+    ) -> PyResult<bool> {
+        let bytes = data.as_bytes();
+        if start > end || end > bytes.len() {
+            return Err(PyValueError::new_err(
+                "Blake3.update_hollow: the range is outside the data",
+            ));
+        }
+        let mut spans = Vec::with_capacity(holes.len() + 1);
+        let mut at = start;
+        for hole in holes.iter() {
+            let (hole_start, hole_end, text): (usize, usize, Bound<'_, PyString>) =
+                hole.extract()?;
+            if hole_start < at
+                || hole_end < hole_start
+                || hole_end > end
+                || !holds_text(&bytes[hole_start..hole_end], &text)
+            {
+                return Ok(false);
+            }
+            spans.push(at..hole_start);
+            at = hole_end;
+        }
+        spans.push(at..end);
+        let size: usize = spans.iter().map(ExactSizeIterator::len).sum();
+        let feed = || {
+            let mut state = self.state();
+            // short pieces (the text between long strings) gathered into one update: BLAKE3
+            // hashes a run of whole chunks at once, a short update chunk by chunk
+            let mut short = Vec::new();
+            for span in spans {
+                let piece = &bytes[span];
+                if piece.len() < GATHER_BELOW {
+                    short.extend_from_slice(piece);
+                    continue;
+                }
+                if !short.is_empty() {
+                    state.update(&short);
+                    short.clear();
+                }
+                state.update(piece);
+            }
+            state.update(&short);
+        };
+        if size >= DETACH_FROM {
+            py.detach(feed);
+        } else {
+            feed();
+        }
+        Ok(true)
+    }
+
     /// A state of its own that has seen what this one has.
     fn copy(&self) -> Self {
         Self::from_state(self.state().clone())
@@ -78,4 +145,47 @@ impl Blake3 {
     fn digest<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         PyBytes::new(py, self.state().finalize().as_bytes())
     }
+}
+
+/// Whether `span` is exactly the UTF-8 of `text` (an ASCII text compared in place; another
+/// encoded first, and never equal with a lone surrogate).
+fn holds_text(span: &[u8], text: &Bound<'_, PyString>) -> bool {
+    if let Some(ascii) = ascii_bytes(text) {
+        return ascii == span;
+    }
+    text.encode_utf8().is_ok_and(|utf8| utf8.as_bytes() == span)
+}
+
+/// Token ids as native-endian u32 (an `array('I')`'s bytes) when `ids` holds only exact
+/// ints in [0, 2**32); else None (a bool, an int subclass, anything else: the caller's own
+/// checks say what it is). One pass, no list of checked ids made.
+#[pyfunction]
+pub fn u32_ids<'py>(py: Python<'py>, ids: &Bound<'py, PyList>) -> Option<Bound<'py, PyBytes>> {
+    let list = ids.as_ptr();
+    let int_t = &raw mut ffi::PyLong_Type;
+    let mut fits = true;
+    let packed = PyBytes::new_with(py, ids.len() * 4, |out| {
+        for (slot, i) in out.chunks_exact_mut(4).zip(0..) {
+            // SAFETY: `i` is below the list's length, which nothing changes meanwhile (no
+            // Python code runs: an exact int converts without any); the item is borrowed
+            let item = unsafe { ffi::PyList_GET_ITEM(list, i) };
+            // SAFETY: a live object's type pointer, compared only
+            if unsafe { ffi::Py_TYPE(item) } != int_t {
+                fits = false;
+                break;
+            }
+            // SAFETY: an exact int (an error, for a negative or too large one, is cleared below)
+            let Ok(value) = u32::try_from(unsafe { ffi::PyLong_AsUnsignedLong(item) }) else {
+                fits = false;
+                break;
+            };
+            slot.copy_from_slice(&value.to_ne_bytes());
+        }
+        Ok(())
+    });
+    if !fits {
+        drop(PyErr::take(py));
+        return None;
+    }
+    packed.ok()
 }

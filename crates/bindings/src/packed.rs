@@ -516,7 +516,7 @@ impl Walk<'_> {
 }
 
 /// An ASCII str's bytes (its storage), or None.
-fn ascii_bytes<'a>(s: &'a Bound<'_, PyString>) -> Option<&'a [u8]> {
+pub(crate) fn ascii_bytes<'a>(s: &'a Bound<'_, PyString>) -> Option<&'a [u8]> {
     let ptr = s.as_ptr();
     // SAFETY: a live str: its ASCII storage is its bytes, valid while `s` is borrowed (a str
     // never changes)
