@@ -275,6 +275,7 @@ def _fingerprint(graph: RolloutGraph) -> list[Any]:
             graph.path_ids(n),
             json.dumps(graph.request_messages(n)),
             json.dumps(graph.response_message(n)),
+            graph.summary(n),
         )
         for n in ids
     ]
@@ -420,8 +421,8 @@ def _session(graph: RolloutGraph, raw: bool, tag: str) -> None:
     for i in range(4):
         response = {"role": "assistant", "content": f"a{i} {tag}", "refusal": None}
         text = json.dumps(history).encode()
-        given: Any = RawJSON(text) if raw else json.loads(text)
-        graph.add_turn(TurnNode(request_messages=given, response_message=response))
+        request: Any = RawJSON(text) if raw else json.loads(text)
+        graph.add_turn(TurnNode(request_messages=request, response_message=response))
         echo = response if i % 2 else {k: v for k, v in response.items() if v is not None}
         history = [*history, echo, {"role": "user", "content": f"next {i}"}]
 
@@ -458,3 +459,169 @@ def test_raw_tips_of_graphs_sharing_a_cache_share_their_system_part() -> None:
     tips = [tip for g in graphs for tip in g._requests.raw_tips._order.values()]
     assert len(tips) == 3 and tips[0].system_plain is not None
     assert all(tip.system_plain is tips[0].system_plain for tip in tips)
+
+
+_ASK: list[Any] = [{"role": "system", "content": "s"}, {"role": "user", "content": "go"}]
+_WITH_NULLS = {"role": "assistant", "content": "x", "refusal": None}
+_WITHOUT = {"role": "assistant", "content": "x"}
+
+
+@pytest.mark.parametrize(
+    "order",
+    [
+        ("a", "b", "twin", "c"),  # the twin takes b (it echoes the twin exactly)
+        ("a", "twin", "b", "c"),  # b finds the twin's exact echo first
+        ("a", "b", "loose twin", "c"),  # another loose twin: b stays
+        ("a", "b", "c", "twin", "loose twin", "d"),
+    ],
+)
+@pytest.mark.parametrize("raw_twins", [True, False])
+def test_twins_of_a_call_continued_loosely_by_raw_texts(
+    order: tuple[str, ...], raw_twins: bool, taken: list[str]
+) -> None:
+    """A call's harness drops null fields (b echoes a loosely); a retry of the call (a twin)
+    whose response b echoes exactly takes b, as for decoded input; c and d continue b."""
+    b = [*_ASK, _WITHOUT, {"role": "user", "content": "more"}]
+    c = [*b, {"role": "assistant", "content": "y"}, {"role": "user", "content": "again"}]
+    d = [*c, {"role": "assistant", "content": "z"}, {"role": "user", "content": "last"}]
+    turns = {
+        "a": (_ASK, _WITH_NULLS, True),
+        "twin": (_ASK, _WITHOUT, raw_twins),
+        "loose twin": (_ASK, {**_WITHOUT, "audio": None}, raw_twins),
+        "b": (b, {"role": "assistant", "content": "y", "refusal": None}, True),
+        "c": (c, {"role": "assistant", "content": "z"}, True),
+        "d": (d, {"role": "assistant", "content": "w"}, True),
+    }
+    graphs = RolloutGraph(), RolloutGraph()
+    for name in order:
+        messages, response, raw = turns[name]
+        text = json.dumps(messages).encode()
+        for graph, as_raw in zip(graphs, (raw, False), strict=True):
+            request: Any = RawJSON(text) if as_raw else json.loads(text)
+            node = TurnNode(request_messages=request, response_message=response, node_id=name)
+            graph.add_turn(node)
+    assert _fingerprint(graphs[0]) == _fingerprint(graphs[1])
+    if order[:2] == ("a", "b"):
+        assert "loose" in taken  # b was taken by the raw path
+    if "twin" in order:
+        assert graphs[0].parent("b") == "twin"
+
+
+_CALL = {"name": "look", "arguments": '{"at": [1, 2], "why": null}'}
+_RESPONSES: dict[str, dict[str, Any]] = {
+    "tools": {
+        "role": "assistant",
+        "content": None,
+        "refusal": None,
+        "tool_calls": [{"id": "c1", "type": "function", "function": _CALL, "index": None}],
+        "audio": None,
+    },
+    "text": {"content": "seen", "refusal": None, "annotations": [], "meta": {"x": None}},
+}
+
+
+def _respaced(message: dict[str, Any]) -> dict[str, Any]:
+    message = json.loads(json.dumps(message))
+    for call in message["tool_calls"]:
+        arguments = json.loads(call["function"]["arguments"])
+        call["function"]["arguments"] = json.dumps(arguments, indent=2)
+    return message
+
+
+_ECHOES: dict[str, tuple[str, Any, bool]] = {
+    # name: (response, the echo made of it, whether it is a loose echo)
+    "top nulls": ("tools", lambda m: {k: v for k, v in m.items() if v is not None}, True),
+    "nested nulls": ("tools", _drop_nulls, True),
+    "reordered": ("tools", lambda m: dict(reversed(list(m.items()))), True),
+    "empty content": ("tools", lambda m: {**m, "content": ""}, True),
+    "arguments respaced": ("tools", _respaced, True),
+    "role added": ("text", lambda m: {"role": "assistant", **m}, True),
+    "role and nulls": ("text", lambda m: {"role": "assistant", **_drop_nulls(m)}, True),
+    "content parts": (
+        "text",
+        lambda m: {"role": "assistant", **m, "content": [{"type": "text", "text": "seen"}]},
+        True,
+    ),
+    "exact": ("text", lambda m: m, False),
+    "content edited": ("text", lambda m: {**m, "content": "unseen"}, False),
+    "other arguments": (
+        "tools",
+        lambda m: {**m, "tool_calls": [{**m["tool_calls"][0], "function": {"name": "look"}}]},
+        False,
+    ),
+    "user role": ("text", lambda m: {**m, "role": "user"}, False),
+    "not a message": ("text", lambda m: ["seen"], False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ECHOES))
+@pytest.mark.parametrize("spelling", range(len(_SPELLINGS)))
+def test_each_kind_of_echo_raw_and_decoded(name: str, spelling: int, taken: list[str]) -> None:
+    """Every kind of loose echo `echoes` accepts is taken by the raw path (stored as sent),
+    the others are decoded whole; raw texts and the same messages decoded give the same
+    graph, and the turns after (exact echoes) continue it the same way."""
+    which, make, loose = _ECHOES[name]
+    response = _RESPONSES[which]
+    history: list[Any] = [*_ASK]
+    turns = []
+    for i in range(4):
+        turns.append((history, response if i == 0 else {"role": "assistant", "content": f"r{i}"}))
+        echo = make(json.loads(json.dumps(response))) if i == 0 else turns[-1][1]
+        history = [*history, echo, {"role": "user", "content": f"q{i}", "n": [2**53, -0.0]}]
+    graphs = RolloutGraph(), RolloutGraph()
+    for messages, reply in turns:
+        text = json.dumps(messages, **_SPELLINGS[spelling]).encode()
+        for graph, raw in zip(graphs, (True, False), strict=True):
+            request: Any = RawJSON(text) if raw else json.loads(text)
+            graph.add_turn(TurnNode(request_messages=request, response_message=reply))
+    assert _fingerprint(graphs[0]) == _fingerprint(graphs[1])
+    linked = graphs[0].parent("turn-1") == "turn-0"
+    assert linked == (loose or name == "exact")
+    # (the first text continues no tip: decoded whole)
+    first = "loose" if loose else "exact" if name == "exact" else "decoded"
+    assert taken == ["decoded", first, "exact", "exact"]
+
+
+_DEEP = b'{"role": "user", "content": ' + b"[" * 600 + b"]" * 600 + b"}"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b', {"role": "assistant", "content": "x"}, {"role": "user", "content": }]',
+        b', {"role": "assistant", "content": "x",}, {"role": "user"}]',
+        b', {"role": "assistant", "content": "x"}, {"role": "user"},]',
+        b', {"role": "assistant", "content": "x"}, {"role": "user", "content": "\xff"}]',
+        b', {"role": "assistant", "content": "x"} {"role": "user"}]',
+        b', {"role": "assistant", "content": "x"}, ' + _DEEP + b"]",
+        b', {"role": "assistant", "content": "x"}, {"role": "user"}]]',
+        b', {"role": "assistant", "content": "x"}, {"role": "user"}] x',
+    ],
+)
+def test_a_bad_raw_continuation_is_refused_as_decoded_and_changes_nothing(
+    bad: bytes, taken: list[str]
+) -> None:
+    """A text that continues a raw tip (after a loose echo) but is bad in its new part:
+    the error json.loads or the decoded messages give, naming the field, and nothing
+    changed: the tip still takes the next good text."""
+    graph, decoded = RolloutGraph(), RolloutGraph()
+    first = json.dumps(_ASK).encode()
+    for g, request in ((graph, RawJSON(first)), (decoded, json.loads(first))):
+        g.add_turn(TurnNode(request_messages=request, response_message=_WITH_NULLS))
+    before = _fingerprint(graph)
+    text = first[:-1] + bad
+    try:
+        decoded.add_turn(TurnNode(request_messages=json.loads(text)))
+    except (ValueError, RecursionError) as error:
+        expected = str(error)
+    with pytest.raises(InvalidValueError) as refused:
+        graph.add_turn(TurnNode(request_messages=RawJSON(text)))
+    assert refused.value.path.startswith("request_messages")
+    assert expected in str(refused.value)
+    assert _fingerprint(graph) == before == _fingerprint(decoded)
+    good = [*_ASK, _WITHOUT, {"role": "user", "content": "fine"}]
+    text = json.dumps(good).encode()
+    graph.add_turn(TurnNode(request_messages=RawJSON(text)))
+    decoded.add_turn(TurnNode(request_messages=json.loads(text)))
+    assert taken[-1] == "loose"
+    assert _fingerprint(graph) == _fingerprint(decoded)
