@@ -24,6 +24,8 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import messages as supported_messages
+from support import small_json
 
 from rollout_store import (
     DirectoryStore,
@@ -625,3 +627,58 @@ def test_a_bad_raw_continuation_is_refused_as_decoded_and_changes_nothing(
     decoded.add_turn(TurnNode(request_messages=json.loads(text)))
     assert taken[-1] == "loose"
     assert _fingerprint(graph) == _fingerprint(decoded)
+
+
+_values = small_json.map(lambda v: json.loads(json.dumps(v)))
+
+
+@st.composite
+def _loose_cases(draw: st.DrawFn) -> tuple[dict[str, Any], Any, list[Any], int]:
+    """A response with null fields, what a harness sends back for it (dropping nulls at top
+    level or nested, reordering keys, naming the role, writing null content as "" or not at
+    all; or changing it), the new messages after it, and a spelling of the texts."""
+    response: dict[str, Any] = {}
+    if draw(st.booleans()):
+        response["role"] = "assistant"
+    response["content"] = draw(st.one_of(st.none(), st.just("said"), _values))
+    if draw(st.booleans()):
+        arguments = json.dumps(draw(_values))
+        call = {"name": "f", "arguments": arguments, "extra": draw(st.none() | _values)}
+        response["tool_calls"] = [{"id": "c", "type": "function", "function": call}]
+    extras = draw(st.dictionaries(st.sampled_from(["refusal", "audio", "meta", "x"]), _values))
+    response.update({k: v for k, v in extras.items() if k not in response})
+    echo: Any = json.loads(json.dumps(response))
+    for op in draw(st.lists(st.sampled_from(["top", "nested", "reverse", "role", "content"]))):
+        if not isinstance(echo, dict):
+            break
+        if op == "top":
+            echo = {k: v for k, v in echo.items() if v is not None}
+        elif op == "nested":
+            echo = _drop_nulls(echo)
+        elif op == "reverse":
+            echo = dict(reversed(list(echo.items())))
+        elif op == "role":
+            echo = {"role": "assistant", **echo}
+        elif echo.get("content") is None:
+            echo["content"] = draw(st.sampled_from(["", None, "other"]))
+    if draw(st.integers(0, 9)) == 0:
+        echo = draw(_values)  # anything at all
+    fresh = draw(st.lists(supported_messages.map(lambda m: json.loads(json.dumps(m))), max_size=3))
+    return response, echo, fresh, draw(st.integers(0, len(_SPELLINGS) - 1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=_loose_cases())
+def test_loose_echoes_raw_and_decoded(case: tuple[dict[str, Any], Any, list[Any], int]) -> None:
+    response, echo, fresh, spelling = case
+    first: list[Any] = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    second = [*first, echo, *fresh, {"role": "user", "content": "then"}]
+    later = {"role": "assistant", "content": "later", "refusal": None}
+    third = [*second, {"role": "assistant", "content": "later"}, {"role": "user", "content": "on"}]
+    graphs = RolloutGraph(share_threshold=64), RolloutGraph(share_threshold=64)
+    for messages, reply in ((first, response), (second, later), (third, None)):
+        text = json.dumps(messages, **_SPELLINGS[spelling]).encode("utf-8", "surrogatepass")
+        for graph, raw in zip(graphs, (True, False), strict=True):
+            request: Any = RawJSON(text) if raw else json.loads(text)
+            graph.add_turn(TurnNode(request_messages=request, response_message=reply))
+    assert _fingerprint(graphs[0]) == _fingerprint(graphs[1])
