@@ -278,10 +278,12 @@ def _fingerprint(graph: RolloutGraph) -> list[Any]:
             json.dumps(graph.request_messages(n)),
             json.dumps(graph.response_message(n)),
             graph.summary(n),
+            graph.get(n).prompt_ids,
+            graph.get(n).sampled_ids,
         )
         for n in ids
     ]
-    out += [sorted(graph.discarded_ids()), graph.fork_ids(), graph.stats()]
+    out += [sorted(graph.discarded_ids()), graph.fork_ids(), graph.stats(), graph.drift()]
     text = io.StringIO()
     write_session_json(graph, text, include_messages=True, include_discarded=True)
     return [*out, text.getvalue()]
@@ -682,3 +684,43 @@ def test_loose_echoes_raw_and_decoded(case: tuple[dict[str, Any], Any, list[Any]
             request: Any = RawJSON(text) if raw else json.loads(text)
             graph.add_turn(TurnNode(request_messages=request, response_message=reply))
     assert _fingerprint(graphs[0]) == _fingerprint(graphs[1])
+
+
+def test_a_group_with_token_ids_raw_and_decoded(taken: list[str]) -> None:
+    """A group sampled from one prompt with token ids, its harness dropping null fields:
+    continuations whose tokens extend their parent's (taken raw after loose echoes), one
+    whose tokens continue nothing (the drift audit names the turn its messages continue),
+    and retries; raw texts and decoded messages give the same graph."""
+    prompt = [5, 6, 7]
+    turns: list[tuple[list[Any], dict[str, Any], list[int], list[int]]] = []
+    for k in range(4):  # the group: one request, four samples
+        response = {"role": "assistant", "content": f"a{k % 3}", "refusal": None}
+        turns.append((_ASK, response, prompt, [10 + k % 3]))
+    for j, k in enumerate((0, 1, 1, 3)):  # continuations (of sample 1 twice: a retry)
+        messages, response, tokens, sampled = turns[k]
+        echo = {key: v for key, v in response.items() if v is not None}
+        ask = [*messages, echo, {"role": "user", "content": f"more {min(j, 1)}"}]
+        reply = {"role": "assistant", "content": f"b{k}", "audio": None}
+        turns.append((ask, reply, [*tokens, *sampled, 8], [20 + k]))
+    messages, response, tokens, sampled = turns[4]
+    echo = {"role": "assistant", "content": response["content"]}
+    ask = [*messages, echo, {"role": "user", "content": "last"}]
+    turns.append((ask, {"role": "assistant", "content": "c"}, [*tokens, *sampled, 9], [30]))
+    turns.append((ask, {"role": "assistant", "content": "d"}, [1, 2], [31]))  # drifted
+    graphs = RolloutGraph(), RolloutGraph()
+    for messages, response, tokens, sampled in turns:
+        text = json.dumps(messages).encode()
+        for graph, raw in zip(graphs, (True, False), strict=True):
+            request: Any = RawJSON(text) if raw else json.loads(text)
+            graph.add_turn(
+                TurnNode(
+                    request_messages=request,
+                    response_message=response,
+                    prompt_ids=list(tokens),
+                    sampled_ids=list(sampled),
+                )
+            )
+    assert _fingerprint(graphs[0]) == _fingerprint(graphs[1])
+    assert "loose" in taken
+    assert graphs[0].parent("turn-8") == "turn-4" and graphs[0].link_kind("turn-8") == "tokens"
+    assert [d["node_id"] for d in graphs[0].drift()] == ["turn-9"]
