@@ -144,6 +144,11 @@ class BlobTable:
         graphs; a private table shares nothing."""
         return packed
 
+    def share_plain(self, packed: bytes) -> bytes:
+        """`packed` (a plain packing that no stored value is: a raw tip's system part) or an
+        equal object other graphs hold; a private table shares nothing."""
+        return packed
+
     def share_name(self, text: str) -> str:
         """`text` (a model name, a finish reason, a system digest) or an equal object shared
         with other graphs; a private table shares nothing."""

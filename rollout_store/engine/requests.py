@@ -833,12 +833,12 @@ class RequestStore:
             end = raw_end(raw)
             if end is not None:  # later raw turns of this conversation start here (`build`)
                 # one object for the system part of a conversation's tips, and of the
-                # conversations of graphs over one store
+                # conversations of graphs sharing a cache
                 found = scratch.raw_found
                 if found is not None and found.system_plain == system_plain:
                     system_plain = found.system_plain
                 elif system_plain is not None:
-                    system_plain = self.blobs.share_packed(system_plain)
+                    system_plain = self.blobs.share_plain(system_plain)
                 scratch.raw_text = (raw, end, probe.hasher, system_plain, n_sys)
         return system_plain
 

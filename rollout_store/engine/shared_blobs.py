@@ -248,6 +248,16 @@ class StoreBlobTable(BlobTable):
             return self._cache.share_bytes(packed)
         return packed
 
+    def share_plain(self, packed: bytes) -> bytes:
+        """A packing that no stored value is (a raw tip's system part) shared with other
+        graphs as `share_packed` shares one, but never put into the store: there it would be
+        an object no turn refers to, which the same messages decoded do not leave."""
+        if len(packed) < SHARE_PACKED_BYTES:
+            return self._share_small(packed)  # type: ignore[return-value]
+        if self._cache is not None:
+            return self._cache.share_bytes(packed)
+        return packed
+
     def share_name(self, text: str) -> str:
         """Over the memory store, one object for the equal names of every graph over it (the
         model and finish reason every session of a group sends). Elsewhere the graph's own."""
