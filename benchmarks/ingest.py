@@ -420,6 +420,14 @@ def long_run(name: str, raw: bool) -> dict[str, Any]:
 # ---------------------------------------------------------------- soak shapes
 
 
+def _asked(rng: random.Random, lead: str, words: int) -> list[dict[str, Any]]:
+    """A request's messages: the system prompt, then `lead` and `words` random words."""
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": lead + _text(rng, words)},
+    ]
+
+
 def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(150_000) for _ in range(n)]
 
@@ -429,10 +437,7 @@ def shared_observation(n: int) -> Iterator[dict[str, Any]]:
     rng = random.Random(11)
     turn = 0
     while True:
-        history = [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": f"Task {turn}: " + _text(rng, 60)},
-        ]
+        history = _asked(rng, f"Task {turn}: ", 60)
         for step in range(10):
             response = {"role": "assistant", "content": _text(rng, rng.randrange(20, 80))}
             yield {"request_messages": list(history), "response_message": response}
@@ -471,10 +476,7 @@ def short_prompt_calls(n: int) -> Iterator[dict[str, Any]]:
 def same_prompt_messages(n: int) -> Iterator[dict[str, Any]]:
     """One request (by messages, no token ids) sampled n times."""
     rng = random.Random(14)
-    messages = [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": "Solve: " + _text(rng, 100)},
-    ]
+    messages = _asked(rng, "Solve: ", 100)
     for _ in range(n):
         yield {
             "request_messages": messages,
@@ -488,10 +490,7 @@ def _message_groups(n: int, seed: int, size: int, steps: int | None) -> Iterator
     rng = random.Random(seed)
     turn = 0
     while True:
-        task = [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": "Task: " + _text(rng, 80)},
-        ]
+        task = _asked(rng, "Task: ", 80)
         histories = [list(task) for _ in range(size)]
         for _step in itertools.count() if steps is None else range(steps):
             for history in histories:
@@ -542,10 +541,7 @@ def _completions(rng: random.Random, n: int) -> list[dict[str, Any]]:
 def repeating_completions(n: int) -> Iterator[dict[str, Any]]:
     """One request (by messages) sampled n times; its completions repeat: 1,000 distinct."""
     rng = random.Random(17)
-    messages = [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": "Answer in one word: " + _text(rng, 100)},
-    ]
+    messages = _asked(rng, "Answer in one word: ", 100)
     answers = _completions(rng, 1000)
     for _ in range(n):
         yield {"request_messages": messages, "response_message": rng.choice(answers)}
@@ -554,10 +550,7 @@ def repeating_completions(n: int) -> Iterator[dict[str, Any]]:
 def repeating_completions_tokens(n: int) -> Iterator[dict[str, Any]]:
     """`repeating_completions` with token ids: one prompt, 1,000 distinct sampled runs."""
     rng = random.Random(18)
-    messages = [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": "Answer in one word: " + _text(rng, 100)},
-    ]
+    messages = _asked(rng, "Answer in one word: ", 100)
     prompt = _tokens(rng, 300)
     answers = [(a, _tokens(rng, 8)) for a in _completions(rng, 1000)]
     for _ in range(n):
@@ -586,10 +579,7 @@ def sampled_mid_conversation(n: int) -> Iterator[dict[str, Any]]:
     """A conversation's 6th call sampled n times after its first 5 (best-of-n at one step):
     the samples are siblings under one parent; their completions repeat, 1,000 distinct."""
     rng = random.Random(19)
-    history: list[dict[str, Any]] = [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": "Task: " + _text(rng, 120)},
-    ]
+    history: list[dict[str, Any]] = _asked(rng, "Task: ", 120)
     for _ in range(5):
         response = {"role": "assistant", "content": _text(rng, 60)}
         yield {"request_messages": list(history), "response_message": response}
