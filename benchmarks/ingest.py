@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import random
 import statistics
@@ -419,6 +420,14 @@ def long_run(name: str, raw: bool) -> dict[str, Any]:
 # ---------------------------------------------------------------- soak shapes
 
 
+def _asked(rng: random.Random, lead: str, words: int) -> list[dict[str, Any]]:
+    """A request's messages: the system prompt, then `lead` and `words` random words."""
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": lead + _text(rng, words)},
+    ]
+
+
 def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(150_000) for _ in range(n)]
 
@@ -428,10 +437,7 @@ def shared_observation(n: int) -> Iterator[dict[str, Any]]:
     rng = random.Random(11)
     turn = 0
     while True:
-        history = [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": f"Task {turn}: " + _text(rng, 60)},
-        ]
+        history = _asked(rng, f"Task {turn}: ", 60)
         for step in range(10):
             response = {"role": "assistant", "content": _text(rng, rng.randrange(20, 80))}
             yield {"request_messages": list(history), "response_message": response}
@@ -470,10 +476,7 @@ def short_prompt_calls(n: int) -> Iterator[dict[str, Any]]:
 def same_prompt_messages(n: int) -> Iterator[dict[str, Any]]:
     """One request (by messages, no token ids) sampled n times."""
     rng = random.Random(14)
-    messages = [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": "Solve: " + _text(rng, 100)},
-    ]
+    messages = _asked(rng, "Solve: ", 100)
     for _ in range(n):
         yield {
             "request_messages": messages,
@@ -481,17 +484,15 @@ def same_prompt_messages(n: int) -> Iterator[dict[str, Any]]:
         }
 
 
-def groups_of_8_messages(n: int) -> Iterator[dict[str, Any]]:
-    """GRPO-like: groups of 8 rollouts x 10 turns of one task, turns interleaved in a group."""
-    rng = random.Random(15)
+def _message_groups(n: int, seed: int, size: int, steps: int | None) -> Iterator[dict[str, Any]]:
+    """Groups of `size` rollouts of one task by messages, a turn of each in turn, `steps`
+    turns each before the next group's task (`None`: one group that never ends)."""
+    rng = random.Random(seed)
     turn = 0
     while True:
-        task = [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": "Task: " + _text(rng, 80)},
-        ]
-        histories = [list(task) for _ in range(8)]
-        for _step in range(10):
+        task = _asked(rng, "Task: ", 80)
+        histories = [list(task) for _ in range(size)]
+        for _step in itertools.count() if steps is None else range(steps):
             for history in histories:
                 response = {"role": "assistant", "content": _text(rng, rng.randrange(20, 60))}
                 yield {"request_messages": list(history), "response_message": response}
@@ -501,14 +502,14 @@ def groups_of_8_messages(n: int) -> Iterator[dict[str, Any]]:
                 history += [response, {"role": "user", "content": "continue"}]
 
 
-def groups_of_8_tokens(n: int) -> Iterator[dict[str, Any]]:
-    """Groups of 8 rollouts x 10 turns with token ids: a prompt extends its parent's tokens."""
-    rng = random.Random(16)
+def _token_groups(n: int, seed: int, size: int, steps: int | None) -> Iterator[dict[str, Any]]:
+    """`_message_groups` with token ids: a continuation's prompt extends its parent's tokens."""
+    rng = random.Random(seed)
     turn = 0
     while True:
         task = _tokens(rng, 200)
-        prompts = [list(task) for _ in range(8)]
-        for _step in range(10):
+        prompts = [list(task) for _ in range(size)]
+        for _step in itertools.count() if steps is None else range(steps):
             for k, prompt in enumerate(prompts):
                 sampled = _tokens(rng, 30)
                 yield {
@@ -523,6 +524,16 @@ def groups_of_8_tokens(n: int) -> Iterator[dict[str, Any]]:
                 prompts[k] = prompt + sampled + _tokens(rng, 10)
 
 
+def groups_of_8_messages(n: int) -> Iterator[dict[str, Any]]:
+    """GRPO-like: groups of 8 rollouts x 10 turns of one task, turns interleaved in a group."""
+    return _message_groups(n, seed=15, size=8, steps=10)
+
+
+def groups_of_8_tokens(n: int) -> Iterator[dict[str, Any]]:
+    """Groups of 8 rollouts x 10 turns with token ids: a prompt extends its parent's tokens."""
+    return _token_groups(n, seed=16, size=8, steps=10)
+
+
 def _completions(rng: random.Random, n: int) -> list[dict[str, Any]]:
     return [{"role": "assistant", "content": f"The answer is {_text(rng, 12)}."} for _ in range(n)]
 
@@ -530,10 +541,7 @@ def _completions(rng: random.Random, n: int) -> list[dict[str, Any]]:
 def repeating_completions(n: int) -> Iterator[dict[str, Any]]:
     """One request (by messages) sampled n times; its completions repeat: 1,000 distinct."""
     rng = random.Random(17)
-    messages = [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": "Answer in one word: " + _text(rng, 100)},
-    ]
+    messages = _asked(rng, "Answer in one word: ", 100)
     answers = _completions(rng, 1000)
     for _ in range(n):
         yield {"request_messages": messages, "response_message": rng.choice(answers)}
@@ -542,10 +550,7 @@ def repeating_completions(n: int) -> Iterator[dict[str, Any]]:
 def repeating_completions_tokens(n: int) -> Iterator[dict[str, Any]]:
     """`repeating_completions` with token ids: one prompt, 1,000 distinct sampled runs."""
     rng = random.Random(18)
-    messages = [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": "Answer in one word: " + _text(rng, 100)},
-    ]
+    messages = _asked(rng, "Answer in one word: ", 100)
     prompt = _tokens(rng, 300)
     answers = [(a, _tokens(rng, 8)) for a in _completions(rng, 1000)]
     for _ in range(n):
@@ -561,52 +566,20 @@ def repeating_completions_tokens(n: int) -> Iterator[dict[str, Any]]:
 def group_of_1000_messages(n: int) -> Iterator[dict[str, Any]]:
     """A group of 1,000 rollouts of one task, by messages, a turn of each in turn (step by
     step): every continuation looks among 1,000 samples of one request for its own."""
-    rng = random.Random(21)
-    task = [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": "Task: " + _text(rng, 80)},
-    ]
-    histories = [list(task) for _ in range(1000)]
-    while True:
-        for history in histories:
-            response = {"role": "assistant", "content": _text(rng, rng.randrange(20, 60))}
-            yield {"request_messages": list(history), "response_message": response}
-            n -= 1
-            if n == 0:
-                return
-            history += [response, {"role": "user", "content": "continue"}]
+    return _message_groups(n, seed=21, size=1000, steps=None)
 
 
 def group_of_1000_tokens(n: int) -> Iterator[dict[str, Any]]:
     """`group_of_1000_messages` with token ids: every continuation's prompt extends the
     tokens of one of 1,000 samples of one prompt."""
-    rng = random.Random(22)
-    task = _tokens(rng, 200)
-    prompts = [list(task) for _ in range(1000)]
-    turn = 0
-    while True:
-        for k, prompt in enumerate(prompts):
-            sampled = _tokens(rng, 30)
-            yield {
-                "request_messages": [{"role": "user", "content": f"t{turn}"}],
-                "response_message": {"role": "assistant", "content": "ok"},
-                "prompt_ids": list(prompt),
-                "sampled_ids": sampled,
-            }
-            turn += 1
-            if turn == n:
-                return
-            prompts[k] = prompt + sampled + _tokens(rng, 10)
+    return _token_groups(n, seed=22, size=1000, steps=None)
 
 
 def sampled_mid_conversation(n: int) -> Iterator[dict[str, Any]]:
     """A conversation's 6th call sampled n times after its first 5 (best-of-n at one step):
     the samples are siblings under one parent; their completions repeat, 1,000 distinct."""
     rng = random.Random(19)
-    history: list[dict[str, Any]] = [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": "Task: " + _text(rng, 120)},
-    ]
+    history: list[dict[str, Any]] = _asked(rng, "Task: ", 120)
     for _ in range(5):
         response = {"role": "assistant", "content": _text(rng, 60)}
         yield {"request_messages": list(history), "response_message": response}

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from counting_store import CountingStore
 from support import add_all, reachable
 
 from rollout_store import (
@@ -73,34 +74,6 @@ def private_twin(turns: list[dict[str, Any]]) -> RolloutGraph:
     graph = RolloutGraph()
     add_all(graph, turns)
     return graph
-
-
-class CountingStore:
-    """A directory store that counts gets and can fail puts (after n more, or all)."""
-
-    def __init__(self, path: Path) -> None:
-        self.inner = DirectoryStore(path, fsync=False)
-        self.gets = 0
-        self.puts = 0
-        self.puts_left: int | None = None
-
-    def put(self, data: bytes) -> bytes:
-        if self.puts_left is not None:
-            if self.puts_left == 0:
-                raise StoreUnavailableError("the test made this put fail")
-            self.puts_left -= 1
-        self.puts += 1
-        return self.inner.put(data)
-
-    def get(self, key: bytes) -> bytes:
-        self.gets += 1
-        return self.inner.get(key)
-
-    def contains(self, key: bytes) -> bool:
-        return self.inner.contains(key)
-
-    def keys(self) -> Any:
-        return self.inner.keys()
 
 
 def record_keys(store: Any, turns: list[dict[str, Any]]) -> set[bytes]:

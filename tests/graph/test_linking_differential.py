@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from counting_store import CountingStore
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from linking_plan import add_plan, make_plan, outcome
@@ -185,27 +186,6 @@ def test_a_deeply_nested_tool_call_in_a_large_bucket_leaves_its_linking_as_it_wa
         assert graph.link_kind(view.node_id) == "messages"
 
 
-class _CountingStore:
-    """A directory store that counts its gets."""
-
-    def __init__(self, path: Path) -> None:
-        self.inner = DirectoryStore(path, fsync=False)
-        self.gets = 0
-
-    def put(self, data: bytes) -> bytes:
-        return self.inner.put(data)
-
-    def get(self, key: bytes) -> bytes:
-        self.gets += 1
-        return self.inner.get(key)
-
-    def contains(self, key: bytes) -> bool:
-        return self.inner.contains(key)
-
-    def keys(self) -> Any:
-        return self.inner.keys()
-
-
 def test_a_twin_of_a_turn_whose_children_are_linked_by_tokens_fetches_nothing(
     tmp_path: Path,
 ) -> None:
@@ -213,7 +193,7 @@ def test_a_twin_of_a_turn_whose_children_are_linked_by_tokens_fetches_nothing(
     from its twin: those linked by messages only. Its twin's children are linked by tokens,
     so nothing is compared, and its own response (a long string in the store) is not
     fetched back."""
-    store = _CountingStore(tmp_path)
+    store = CountingStore(tmp_path)
     graph = RolloutGraph(store=store, cache=StringCache(0))
     task = [{"role": "user", "content": "task"}]
     first = {"role": "assistant", "content": "first " + "x" * 2000}
@@ -237,7 +217,7 @@ def test_a_twin_of_a_turn_whose_children_are_linked_by_tokens_fetches_nothing(
     assert graph.parent(child.node_id) == sample.node_id
 
 
-class _CommitReadsStore(_CountingStore):
+class _CommitReadsStore(CountingStore):
     """A counting store that also counts the gets made while a turn is being committed
     (past the point where a failing get could still leave the graph as it was)."""
 

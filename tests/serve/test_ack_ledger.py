@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,6 @@ from rollout_store.serve.ack_ledger import LEDGER_NAME, AckLedger, SessionTally,
 from rollout_store.serve.server import create_app
 from rollout_store.serve.sessions import _write_atomic
 from rollout_store.serve.sse import SSE_HEADERS
-from rollout_store.serve.stub_engine import create_stub_app
 
 STALLER = Path(__file__).resolve().parents[1] / "support" / "stalled_recorder.py"
 FAILER = Path(__file__).resolve().parents[1] / "support" / "failing_recorder.py"
@@ -45,12 +43,6 @@ UNREADABLE = [
     b'data: {"id": "c1", "choices": [ cut here\n\n',
     b"data: [DONE]\n\n",
 ]
-
-
-@pytest.fixture(scope="module")
-def stub() -> Iterator[str]:
-    with serve_app(create_stub_app()) as url:
-        yield url
 
 
 def _call(url: str, session: dict[str, Any], text: str) -> None:

@@ -47,12 +47,6 @@ TOOL_S = 0.3  # what the test's "tool" sleeps between two calls
 
 
 @pytest.fixture(scope="module")
-def stub() -> Iterator[str]:
-    with serve_app(create_stub_app()) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
 def slow_stub() -> Iterator[str]:
     with serve_app(create_stub_app(latency=LATENCY_S)) as url:
         yield url

@@ -6,7 +6,6 @@ follows the sessions; open mode resolves unknown keys in the control plane.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -21,18 +20,11 @@ from capture_support import (
 )
 
 from rollout_store.serve.server import create_app
-from rollout_store.serve.stub_engine import create_stub_app
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Say something, with a float 1.0 and a \u00e9."},
 ]
-
-
-@pytest.fixture(scope="module")
-def stub() -> Iterator[str]:
-    with serve_app(create_stub_app()) as url:
-        yield url
 
 
 def _calls(url: str, key: str) -> list[tuple[int, str, bytes]]:

@@ -8,7 +8,6 @@ import asyncio
 import copy
 import errno
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +20,11 @@ from capture_support import ADMIN, ADMIN_KEY, auth, new_session, serve_app
 from rollout_store import RolloutGraph
 from rollout_store.errors import InvalidArgumentError
 from rollout_store.serve.server import _Server, create_app
-from rollout_store.serve.stub_engine import create_stub_app
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Say something, with a float 1.0 and a \u00e9."},
 ]
-
-
-@pytest.fixture(scope="module")
-def stub() -> Iterator[str]:
-    with serve_app(create_stub_app()) as url:
-        yield url
 
 
 def _traffic(session: dict[str, Any]) -> None:

@@ -13,7 +13,6 @@ import json
 import random
 import threading
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -21,11 +20,10 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import openai
 import pytest
-from capture_support import export, new_session, serve_app, start_server_process
+from capture_support import export, new_session, start_server_process
 from services import S3_CREDENTIALS
 
 from rollout_store import RolloutGraph, content_key
-from rollout_store.serve.stub_engine import create_stub_app
 from rollout_store.stores.redis_store import RedisStore
 from rollout_store.stores.s3_store import S3Store
 
@@ -125,12 +123,6 @@ def _exports(base: str, rollouts: list[tuple[dict[str, Any], list[bytes]]]) -> l
         assert doc["capture_level"] == "tokens" and len(doc["sequences"]) == 1
         docs.append(json.dumps(doc))
     return docs
-
-
-@pytest.fixture(scope="module")
-def stub() -> Iterator[str]:
-    with serve_app(create_stub_app()) as url:
-        yield url
 
 
 @pytest.mark.parametrize("kind", ["redis", "s3"])

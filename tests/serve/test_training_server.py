@@ -19,13 +19,6 @@ from rollout_store import RolloutGraph, token_samples, tree_samples
 from rollout_store.errors import FileWriteError, StoreUnavailableError
 from rollout_store.serve import server as server_module
 from rollout_store.serve.server import create_app
-from rollout_store.serve.stub_engine import create_stub_app
-
-
-@pytest.fixture(scope="module")
-def stub() -> Iterator[str]:
-    with serve_app(create_stub_app()) as url:
-        yield url
 
 
 @pytest.fixture

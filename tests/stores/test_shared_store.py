@@ -64,6 +64,20 @@ def private_twin(turns: list[dict[str, Any]]) -> RolloutGraph:
     return graph
 
 
+def saved_by_reference(
+    tmp_path: Path,
+) -> tuple[DirectoryStore, RolloutGraph, list[dict[str, Any]], Path]:
+    """A rollout of two turns (`group`) added over a directory store and saved with its long
+    strings as references into it: the store, the graph, the turns and the file."""
+    store = DirectoryStore(tmp_path / "objects")
+    graph = RolloutGraph(store=store)
+    turns = group(1, 2)[0]
+    add_all(graph, turns)
+    path = tmp_path / "refs.rls"
+    graph.save(path, blobs="store")
+    return store, graph, turns, path
+
+
 # ---------------------------------------------------------------- one process
 
 
@@ -456,12 +470,7 @@ def test_save_blobs_store_needs_a_store(tmp_path: Path) -> None:
 
 
 def test_a_missing_or_damaged_object_names_its_key_and_offset(tmp_path: Path) -> None:
-    store = DirectoryStore(tmp_path / "objects")
-    graph = RolloutGraph(store=store)
-    turns = group(1, 2)[0]
-    add_all(graph, turns)
-    path = tmp_path / "refs.rls"
-    graph.save(path, blobs="store")
+    store, graph, turns, path = saved_by_reference(tmp_path)
     image = turns[0]["request_messages"][1]["content"][1]["image_url"]["url"]
     key = content_key(image.encode())
     name = key.hex()
@@ -552,12 +561,7 @@ def test_graphs_over_one_memory_store_share_a_long_root_prompt() -> None:
 def test_verify_checks_the_objects_a_file_refers_to(tmp_path: Path) -> None:
     from rollout_store.files.storage import verify
 
-    store = DirectoryStore(tmp_path / "objects")
-    graph = RolloutGraph(store=store)
-    turns = group(1, 2)[0]
-    add_all(graph, turns)
-    path = tmp_path / "refs.rls"
-    graph.save(path, blobs="store")
+    store, _graph, turns, path = saved_by_reference(tmp_path)
     assert verify(path, store=store).ok
     with pytest.raises(StoreRequiredError):
         verify(path)
@@ -670,10 +674,7 @@ def test_a_refused_turn_over_a_store_forgets_a_blob_that_shares_an_index_slot() 
 def test_a_file_read_with_the_wrong_store_is_not_found_never_damaged(tmp_path: Path) -> None:
     from rollout_store import CorruptFileError, MemoryStore, MissingStoreObjectError
 
-    graph = RolloutGraph(store=DirectoryStore(tmp_path / "objects"))
-    add_all(graph, group(1, 2)[0])
-    path = tmp_path / "refs.rls"
-    graph.save(path, blobs="store")
+    *_, path = saved_by_reference(tmp_path)
     before = path.read_bytes()
     for store in (MemoryStore(), DirectoryStore(tmp_path / "typo", readonly=True)):
         with pytest.raises(MissingObjectError) as info:

@@ -52,6 +52,17 @@ fn reply_of(value: &Bound<'_, PyAny>) -> PyResult<Reply> {
     })
 }
 
+/// What `finish` or `finish_stream` answered, `(reply, queue, timed)`; a stream's answer
+/// also says whether its held-back last event is released (`stream`).
+fn finished_of(out: &Bound<'_, PyAny>, stream: bool) -> PyResult<Finished> {
+    Ok(Finished {
+        reply: reply_of(&out.get_item(0)?)?,
+        queue: out.get_item(1)?.extract()?,
+        timed: out.get_item(2)?.extract()?,
+        release: stream && out.get_item(3)?.extract()?,
+    })
+}
+
 fn bytes_or_none<'py>(py: Python<'py>, value: Option<&Bytes>) -> Option<Bound<'py, PyBytes>> {
     value.map(|v| PyBytes::new(py, v))
 }
@@ -123,13 +134,7 @@ impl PyControl {
                 ),
             ),
         )?;
-        let out = out.bind(py);
-        Ok(Finished {
-            reply: reply_of(&out.get_item(0)?)?,
-            queue: out.get_item(1)?.extract()?,
-            timed: out.get_item(2)?.extract()?,
-            release: out.get_item(3)?.extract()?,
-        })
+        finished_of(out.bind(py), true)
     }
 
     fn try_finish(&self, py: Python<'_>, ticket: &Py<PyAny>, up: &Upstream) -> PyResult<Finished> {
@@ -147,13 +152,7 @@ impl PyControl {
                 up.started,
             ),
         )?;
-        let out = out.bind(py);
-        Ok(Finished {
-            reply: reply_of(&out.get_item(0)?)?,
-            queue: out.get_item(1)?.extract()?,
-            timed: out.get_item(2)?.extract()?,
-            release: false,
-        })
+        finished_of(out.bind(py), false)
     }
 }
 

@@ -250,6 +250,27 @@ pub struct FrameScan {
     counters: Counters,
 }
 
+impl FrameScan {
+    /// The frames `scan` finds in `data` (run with the GIL released), handed out from the
+    /// first.
+    fn scanned(
+        py: Python<'_>,
+        data: &Bound<'_, PyBytes>,
+        scan: impl FnOnce(&[u8], &mut Counters) -> Scan + Send,
+    ) -> PyResult<Self> {
+        let bytes = data.as_bytes();
+        let mut counters = Counters::default();
+        let scan = py.detach(|| scan(bytes, &mut counters));
+        let view = PyMemoryView::from(data.as_any())?.into_any().unbind();
+        Ok(Self {
+            view,
+            scan,
+            next: 0,
+            counters,
+        })
+    }
+}
+
 #[pymethods]
 impl FrameScan {
     #[new]
@@ -263,24 +284,15 @@ impl FrameScan {
         digest_kinds: u128,
         max_kind: u8,
     ) -> PyResult<Self> {
-        let bytes = data.as_bytes();
-        let mut counters = Counters::default();
-        let scan = py.detach(|| {
+        Self::scanned(py, data, |bytes, counters| {
             ef::scan(
                 bytes,
                 start,
                 chain,
                 record,
                 kinds(digest_kinds, max_kind),
-                &mut counters,
+                counters,
             )
-        });
-        let view = PyMemoryView::from(data.as_any())?.into_any().unbind();
-        Ok(Self {
-            view,
-            scan,
-            next: 0,
-            counters,
         })
     }
 
@@ -289,15 +301,8 @@ impl FrameScan {
     #[staticmethod]
     #[pyo3(signature = (data, start, record))]
     fn v1(py: Python<'_>, data: &Bound<'_, PyBytes>, start: usize, record: u64) -> PyResult<Self> {
-        let bytes = data.as_bytes();
-        let mut counters = Counters::default();
-        let scan = py.detach(|| v1::scan(bytes, start, record, &mut counters));
-        let view = PyMemoryView::from(data.as_any())?.into_any().unbind();
-        Ok(Self {
-            view,
-            scan,
-            next: 0,
-            counters,
+        Self::scanned(py, data, |bytes, counters| {
+            v1::scan(bytes, start, record, counters)
         })
     }
 

@@ -324,25 +324,11 @@ impl Walk<'_> {
             self.dict(dict, depth + 1)?;
             self.open.pop();
         } else if let Ok(list) = v.cast::<PyList>() {
-            self.enter(v, depth)?;
-            if v.is_exact_instance_of::<PyList>() {
-                self.items(list.iter(), list.len(), false, depth + 1)?;
-            } else {
-                let items: Vec<_> = v.try_iter()?.collect::<PyResult<_>>()?;
-                let n = items.len();
-                self.items(items.into_iter(), n, false, depth + 1)?;
-            }
-            self.open.pop();
+            let exact = v.is_exact_instance_of::<PyList>();
+            self.sequence(v, exact.then(|| (list.iter(), list.len())), false, depth)?;
         } else if let Ok(tuple) = v.cast::<PyTuple>() {
-            self.enter(v, depth)?;
-            if v.is_exact_instance_of::<PyTuple>() {
-                self.items(tuple.iter(), tuple.len(), true, depth + 1)?;
-            } else {
-                let items: Vec<_> = v.try_iter()?.collect::<PyResult<_>>()?;
-                let n = items.len();
-                self.items(items.into_iter(), n, true, depth + 1)?;
-            }
-            self.open.pop();
+            let exact = v.is_exact_instance_of::<PyTuple>();
+            self.sequence(v, exact.then(|| (tuple.iter(), tuple.len())), true, depth)?;
         } else if v.is_instance_of::<PyString>() {
             let exact = exact_str(v)?;
             return self.string(&exact);
@@ -374,6 +360,27 @@ impl Walk<'_> {
             return Err(bad(format!("nesting deeper than {MAX_DEPTH} levels")));
         }
         self.open.push(v.as_ptr() as usize);
+        Ok(())
+    }
+
+    /// A list or tuple at `depth`: an exact one by `exact` (its items and their number), a
+    /// subclass by what iterating it yields.
+    fn sequence<'py>(
+        &mut self,
+        v: &Bound<'py, PyAny>,
+        exact: Option<(impl Iterator<Item = Bound<'py, PyAny>>, usize)>,
+        tuple: bool,
+        depth: usize,
+    ) -> Result<(), Fail> {
+        self.enter(v, depth)?;
+        if let Some((items, n)) = exact {
+            self.items(items, n, tuple, depth + 1)?;
+        } else {
+            let items: Vec<_> = v.try_iter()?.collect::<PyResult<_>>()?;
+            let n = items.len();
+            self.items(items.into_iter(), n, tuple, depth + 1)?;
+        }
+        self.open.pop();
         Ok(())
     }
 

@@ -685,12 +685,7 @@ impl<C: Control> Shared<C> {
             Opened::Answer(answer) => self.finish(answer, ticket, t0).await,
             Opened::Events(body, upstream_sent) => {
                 let (feed, receiver) = tokio::sync::mpsc::channel(16);
-                let begun = Reply {
-                    status: 200,
-                    headers: streaming.headers.clone(),
-                    chunks: Vec::new(),
-                    stream: true,
-                };
+                let begun = begun(&streaming);
                 let pumped = Pumped {
                     body,
                     streaming,
@@ -742,12 +737,7 @@ impl<C: Control> Shared<C> {
     ) -> Response<Out> {
         let (feed, receiver) = tokio::sync::mpsc::channel(16);
         let shared = self.clone();
-        let begun = Reply {
-            status: 200,
-            headers: streaming.headers.clone(),
-            chunks: Vec::new(),
-            stream: true,
-        };
+        let begun = begun(&streaming);
         tokio::spawn(async move {
             let opened = loop {
                 if feed
@@ -1114,6 +1104,16 @@ impl<C: Control> Shared<C> {
                 false,
             ),
         }
+    }
+}
+
+/// The reply a streaming call's stream begins with: its headers, no chunk yet.
+fn begun(streaming: &Streaming) -> Reply {
+    Reply {
+        status: 200,
+        headers: streaming.headers.clone(),
+        chunks: Vec::new(),
+        stream: true,
     }
 }
 

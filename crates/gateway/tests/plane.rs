@@ -1,57 +1,32 @@
 //! The data plane end to end on loopback: a stub upstream and a stub control plane (plain
 //! HTTP/1.1 over std sockets), the gateway between them, calls made with raw requests.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::io::{BufReader, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use gateway::checks::{Hosts, LOOPBACK_HOSTS};
 use gateway::{
     Call, Config, Control, Finished, Gateway, Prepared, Reply, Sent, Streamed, Upstream,
 };
 
+mod common;
+
 /// A loopback HTTP/1.1 server answering every request with `answer` (or, for `None`, the
 /// request's own body); counts the requests.
 fn stub(answer: Option<&'static str>) -> (SocketAddr, Arc<AtomicUsize>) {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
     let hits = Arc::new(AtomicUsize::new(0));
     let counted = hits.clone();
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(stream) = stream else { return };
-            let hits = counted.clone();
-            std::thread::spawn(move || serve_stub(stream, answer, &hits));
-        }
-    });
+    let addr = common::serve(move |stream| serve_stub(stream, answer, &counted));
     (addr, hits)
 }
 
 fn serve_stub(stream: TcpStream, answer: Option<&str>, hits: &AtomicUsize) {
     let mut reader = BufReader::new(stream.try_clone().unwrap());
     let mut out = stream;
-    loop {
-        let mut length = 0usize;
-        let mut line = String::new();
-        loop {
-            line.clear();
-            if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                return;
-            }
-            if line == "\r\n" {
-                break;
-            }
-            if let Some((name, value)) = line.split_once(':') {
-                if name.eq_ignore_ascii_case("content-length") {
-                    length = value.trim().parse().unwrap();
-                }
-            }
-        }
-        let mut body = vec![0; length];
-        reader.read_exact(&mut body).unwrap();
+    while let Some(body) = common::read_request(&mut reader) {
         hits.fetch_add(1, Ordering::SeqCst);
         let reply = answer.map_or(body, |a| a.as_bytes().to_vec());
         let head = format!(
@@ -66,30 +41,11 @@ fn serve_stub(stream: TcpStream, answer: Option<&str>, hits: &AtomicUsize) {
 
 /// One request on a fresh connection: the status and the body.
 fn call(addr: SocketAddr, head: &str, body: &[u8]) -> (u16, String) {
-    let mut stream = TcpStream::connect(addr).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    let request = format!(
-        "{head}\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).unwrap();
-    // a refusal may come (and the connection close) before the whole body is sent
-    let _ = stream.write_all(body);
-    let mut answer = String::new();
-    stream.read_to_string(&mut answer).unwrap();
-    let status = answer[9..12].parse().unwrap();
-    let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
-    (status, body.to_string())
+    common::status_and_body(&common::exchange(addr, head, body))
 }
 
 fn model_call(addr: SocketAddr, key: &str, body: &str) -> (u16, String) {
-    let head = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n\
-         content-type: application/json\r\nauthorization: Bearer {key}"
-    );
-    call(addr, &head, body.as_bytes())
+    call(addr, &common::model_head(key), body.as_bytes())
 }
 
 /// A control plane that forwards every call to the upstream as it came, answers with the
@@ -109,13 +65,8 @@ impl Control for Probe {
     fn prepare(&self, call: Call) -> Prepared<String> {
         let body = String::from_utf8(call.body.to_vec()).unwrap();
         assert!(!body.contains("boom"), "a bug in the control plane");
-        Prepared::Forward {
-            path: "/v1/chat/completions".into(),
-            body: call.body,
-            headers: vec![("content-type".into(), "application/json".into())],
-            ticket: format!("{}:{body}", call.session.unwrap_or_default()),
-            stream: None,
-        }
+        let ticket = format!("{}:{body}", call.session.as_deref().unwrap_or_default());
+        common::forward(call, ticket, None)
     }
 
     fn finish(&self, _: &String, upstream: Upstream) -> Finished {
@@ -160,20 +111,10 @@ fn setup() -> Setup {
     let (backend, _) = stub(Some(r#"{"status":"ok"}"#));
     let control = Arc::new(Echo::default());
     let config = Config {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        upstream: format!("http://{upstream}"),
         backend,
-        hosts: Hosts::only(LOOPBACK_HOSTS.iter().map(|h| (*h).to_string())),
         open_mode: false,
-        max_body_bytes: 1 << 20,
-        body_timeout: Duration::from_secs(5),
-        body_timeout_text: "5".into(),
-        upstream_timeout: Duration::from_secs(5),
-        stream_keepalive: Duration::from_secs(5),
         fast: true,
-        ack_queue: 16,
-        workers: 1,
-        forward_only: false,
+        ..common::config(format!("http://{upstream}"))
     };
     let gateway = Gateway::start(config, Probe(control.clone())).unwrap();
     gateway.set_key(b"key-a", "a");

@@ -2,17 +2,16 @@
 //! cut anywhere, the gateway passing each on whole, keeping the bytes for the control and
 //! holding the last event back until the control says what ends the stream.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::io::{BufReader, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use gateway::checks::{Hosts, LOOPBACK_HOSTS};
 use gateway::sse::Strip;
-use gateway::{
-    Call, Config, Control, Finished, Gateway, Prepared, Reply, Sent, Streamed, Streaming, Upstream,
-};
+use gateway::{Call, Control, Finished, Prepared, Reply, Sent, Streamed, Streaming, Upstream};
+
+mod common;
 
 /// The upstream's stream, in the pieces it is sent in (cut inside events and lines).
 const PIECES: [&str; 4] = [
@@ -25,38 +24,15 @@ const PIECES: [&str; 4] = [
 /// A loopback upstream answering each request with `PIECES` as an event stream, one HTTP
 /// chunk a piece.
 fn upstream() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(stream) = stream else { return };
-            std::thread::spawn(move || answer(stream));
-        }
-    });
-    addr
+    common::serve(answer)
 }
 
 fn answer(stream: TcpStream) {
     let mut reader = BufReader::new(stream.try_clone().unwrap());
     let mut out = stream;
-    let mut length = 0usize;
-    let mut line = String::new();
-    loop {
-        line.clear();
-        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-            return;
-        }
-        if line == "\r\n" {
-            break;
-        }
-        if let Some((name, value)) = line.split_once(':') {
-            if name.eq_ignore_ascii_case("content-length") {
-                length = value.trim().parse().unwrap();
-            }
-        }
+    if common::read_request(&mut reader).is_none() {
+        return;
     }
-    let mut body = vec![0; length];
-    reader.read_exact(&mut body).unwrap();
     let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
                 transfer-encoding: chunked\r\n\r\n";
     let _ = out.write_all(head.as_bytes());
@@ -84,23 +60,18 @@ impl Control for Streams {
     type Ticket = ();
 
     fn prepare(&self, call: Call) -> Prepared<()> {
-        Prepared::Forward {
-            path: "/v1/chat/completions".into(),
-            body: call.body,
-            headers: vec![("content-type".into(), "application/json".into())],
-            ticket: (),
-            stream: Some(Streaming {
-                headers: vec![(
-                    Bytes::from_static(b"content-type"),
-                    Bytes::from_static(b"text/event-stream"),
-                )],
-                anthropic: false,
-                strip: Strip {
-                    token_ids: true,
-                    logprobs: false,
-                },
-            }),
-        }
+        let stream = Streaming {
+            headers: vec![(
+                Bytes::from_static(b"content-type"),
+                Bytes::from_static(b"text/event-stream"),
+            )],
+            anthropic: false,
+            strip: Strip {
+                token_ids: true,
+                logprobs: false,
+            },
+        };
+        common::forward(call, (), Some(stream))
     }
 
     fn finish(&self, (): &(), _: Upstream) -> Finished {
@@ -154,38 +125,8 @@ fn streamed_call(release: bool) -> (String, Vec<Kept>) {
         release,
         streamed: streamed.clone(),
     };
-    let config = Config {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        upstream: format!("http://{}", upstream()),
-        backend: "127.0.0.1:9".parse().unwrap(),
-        hosts: Hosts::only(LOOPBACK_HOSTS.iter().map(|h| (*h).to_string())),
-        open_mode: true,
-        max_body_bytes: 1 << 20,
-        body_timeout: Duration::from_secs(5),
-        body_timeout_text: "5".into(),
-        upstream_timeout: Duration::from_secs(5),
-        stream_keepalive: Duration::from_secs(5),
-        fast: false,
-        ack_queue: 16,
-        workers: 1,
-        forward_only: false,
-    };
-    let mut gateway = Gateway::start(config, control).unwrap();
-    let body = r#"{"messages": [], "stream": true}"#;
-    let mut client = TcpStream::connect(gateway.local_addr()).unwrap();
-    client
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    let request = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n\
-         content-type: application/json\r\nauthorization: Bearer k\r\n\
-         connection: close\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    client.write_all(request.as_bytes()).unwrap();
-    let mut answer = String::new();
-    client.read_to_string(&mut answer).unwrap();
-    gateway.stop(Duration::from_secs(1));
+    let config = common::config(format!("http://{}", upstream()));
+    let answer = common::call_through(config, control, r#"{"messages": [], "stream": true}"#);
     let (head, chunks) = answer.split_once("\r\n\r\n").unwrap();
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     let kept = streamed.lock().unwrap().clone();

@@ -4,19 +4,19 @@
 //!
 //! (Its own test binary: it sets `SSL_CERT_FILE` in the process's environment.)
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::io::{BufReader, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
-use gateway::checks::{Hosts, LOOPBACK_HOSTS};
 use gateway::{
     Call, Config, Control, Finished, Gateway, Prepared, Reply, Sent, Streamed, Upstream,
 };
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+mod common;
 
 const ANSWER: &str = r#"{"choices": [{"message": {"role": "assistant", "content": "over TLS"}}]}"#;
 
@@ -43,37 +43,16 @@ fn upstream() -> SocketAddr {
             .with_single_cert(certs, key)
             .unwrap(),
     );
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(stream) = stream else { return };
-            let config = config.clone();
-            std::thread::spawn(move || answer(stream, config));
-        }
-    });
-    addr
+    common::serve(move |stream| answer(stream, config.clone()))
 }
 
 fn answer(stream: TcpStream, config: Arc<rustls::ServerConfig>) {
     let connection = rustls::ServerConnection::new(config).unwrap();
     let mut tls = rustls::StreamOwned::new(connection, stream);
-    let mut request = Vec::new();
-    let mut byte = [0u8; 1];
-    while !request.ends_with(b"\r\n\r\n") {
-        // a client that refuses the certificate ends here
-        if tls.read(&mut byte).unwrap_or(0) == 0 {
-            return;
-        }
-        request.push(byte[0]);
+    // a client that refuses the certificate ends here
+    if common::read_request(&mut BufReader::new(&mut tls)).is_none() {
+        return;
     }
-    let head = String::from_utf8_lossy(&request).to_lowercase();
-    let length: usize = head
-        .lines()
-        .find_map(|line| line.strip_prefix("content-length:"))
-        .map_or(0, |v| v.trim().parse().unwrap());
-    let mut body = vec![0; length];
-    tls.read_exact(&mut body).unwrap();
     let reply = format!(
         "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
          connection: close\r\n\r\n{ANSWER}",
@@ -91,13 +70,7 @@ impl Control for Plain {
     type Ticket = ();
 
     fn prepare(&self, call: Call) -> Prepared<()> {
-        Prepared::Forward {
-            path: "/v1/chat/completions".into(),
-            body: call.body,
-            headers: vec![("content-type".into(), "application/json".into())],
-            ticket: (),
-            stream: None,
-        }
+        common::forward(call, (), None)
     }
 
     fn finish(&self, (): &(), upstream: Upstream) -> Finished {
@@ -126,44 +99,12 @@ impl Control for Plain {
 }
 
 fn config(upstream: SocketAddr) -> Config {
-    Config {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        upstream: format!("https://{upstream}"),
-        backend: "127.0.0.1:9".parse().unwrap(),
-        hosts: Hosts::only(LOOPBACK_HOSTS.iter().map(|h| (*h).to_string())),
-        open_mode: true,
-        max_body_bytes: 1 << 20,
-        body_timeout: Duration::from_secs(5),
-        body_timeout_text: "5".into(),
-        upstream_timeout: Duration::from_secs(5),
-        stream_keepalive: Duration::from_secs(5),
-        fast: false,
-        ack_queue: 16,
-        workers: 1,
-        forward_only: false,
-    }
+    common::config(format!("https://{upstream}"))
 }
 
 fn call_through(upstream: SocketAddr) -> (u16, String) {
-    let mut gateway = Gateway::start(config(upstream), Plain).unwrap();
-    let body = r#"{"messages": []}"#;
-    let mut client = TcpStream::connect(gateway.local_addr()).unwrap();
-    client
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    let request = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n\
-         content-type: application/json\r\nauthorization: Bearer k\r\n\
-         connection: close\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    client.write_all(request.as_bytes()).unwrap();
-    let mut answer = String::new();
-    client.read_to_string(&mut answer).unwrap();
-    gateway.stop(Duration::from_secs(1));
-    let status = answer[9..12].parse().unwrap();
-    let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
-    (status, body.to_string())
+    let answer = common::call_through(config(upstream), Plain, r#"{"messages": []}"#);
+    common::status_and_body(&answer)
 }
 
 #[test]
