@@ -903,7 +903,7 @@ class RequestStore:
         if digest_key(digest) in index:
             return _NOT_FAST
         first = tip.n_sys + base.n_rest
-        skip = 0  # the fresh messages stored as an echo
+        skip = 0  # fresh messages kept as an echo reference: the first, when exact
         if exact:
             turn.flags |= TAIL_ECHO
             skip = 1
