@@ -8,6 +8,8 @@ import asyncio
 import copy
 import errno
 import json
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from capture_support import ADMIN, ADMIN_KEY, auth, new_session, serve_app
+from capture_support import ADMIN, ADMIN_KEY, auth, export, new_session, serve_app
 
 from rollout_store import RolloutGraph
 from rollout_store.errors import InvalidArgumentError
@@ -190,6 +192,47 @@ def test_fast_drains_its_queue_on_shutdown(
     with serve_app(create_app(stub, data=data, admin_key=ADMIN_KEY)) as url:
         info = httpx.get(f"{url}/sessions/drained", headers=ADMIN).json()
         assert info["turns"] == 4
+
+
+def test_fast_records_the_turns_queued_meanwhile_together_in_order(
+    stub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Turns answered while the recorder waits on a sync are recorded together: each
+    session's log synced once for its turns among them, not once a turn, and each session's
+    turns in the order they were answered."""
+    data = tmp_path / "d"
+    app = create_app(stub, data=data, ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane="python") as url:
+        sessions = [new_session(url, session_id=f"group-{k}") for k in range(3)]
+        gate, synced = threading.Event(), []
+        real_fsync = os.fsync
+
+        def fsync(fd: int) -> None:
+            if os.readlink(f"/proc/self/fd/{fd}").endswith(".rls"):
+                synced.append(fd)
+                gate.wait(20)  # the first sync holds the recorder until every call is answered
+            real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        calls = 6
+        for i in range(calls):
+            for session in sessions:
+                httpx.post(
+                    f"{url}/v1/chat/completions",
+                    json={"model": "m", "messages": [{"role": "user", "content": f"call {i}"}]},
+                    headers={"authorization": f"Bearer {session['api_key']}"},
+                    timeout=20,
+                ).raise_for_status()
+        gate.set()
+        for session in sessions:
+            doc = export(url, session["session_id"])  # (waits for the turns answered before)
+            asked = [turn["request_messages"][-1]["content"] for turn in doc["turns"]]
+            assert asked == [f"call {i}" for i in range(calls)]
+        turns = calls * len(sessions)
+        # the first turn alone, then the other 17 as one group: one sync per session
+        assert len(synced) <= 1 + len(sessions) < turns, synced
+        health = httpx.get(f"{url}/health").json()
+        assert health["dropped"] == 0 and health["ack_queue"]["pending"] == 0
 
 
 def test_ack_arguments_are_checked(stub: str) -> None:
