@@ -1103,18 +1103,37 @@ class _Server:
             if len(group) > 1 and not self.inline:
                 await self._record_group(pending, group)
                 continue
-            for session, node, clock in group:
-                try:
-                    clock.node_id = await self._record(session, node)
-                    if clock.reply_sent >= 0:  # sent before the turn was recorded: ours to do
-                        await self._record_timeline(session, clock)
-                except asyncio.CancelledError:
-                    self._drop(session, "shutdown")
-                    pending.task_done()
-                    raise
-                except Exception:  # any failure: the client has its answer, the turn is counted
-                    self._drop(session, "record_error")
+            for k, (session, node, clock) in enumerate(group):
+                cancelled = await self._record_one(session, node, clock)
                 pending.task_done()
+                if cancelled:  # a stopping server: the turns taken and not begun are dropped
+                    for later, _, _ in group[k + 1 :]:
+                        self._drop(later, "shutdown")
+                        pending.task_done()
+                    raise asyncio.CancelledError
+
+    async def _record_one(self, session: Session, node: TurnNode, clock: CallClock) -> bool:
+        """Record one queued turn (`_record`), and its timeline if its reply is sent: whether
+        a stopping server cancelled this meanwhile. The recording begun is waited for all
+        the same, so the turn is counted as what it became, recorded or not."""
+        recording = asyncio.ensure_future(self._record(session, node))
+        cancelled = False
+        try:
+            await asyncio.wait([recording])  # (cancelling the wait leaves the recording be)
+        except asyncio.CancelledError:
+            cancelled = True
+            await asyncio.wait([recording])
+        try:
+            clock.node_id = recording.result()
+        except Exception:  # any failure: the client has its answer, the turn is counted
+            self._drop(session, "record_error")
+            return cancelled
+        if clock.reply_sent >= 0 and not cancelled:  # sent before it was recorded: ours
+            try:
+                await self._record_timeline(session, clock)
+            except asyncio.CancelledError:
+                return True
+        return cancelled
 
     async def _record_group(
         self,
