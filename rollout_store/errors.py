@@ -27,6 +27,7 @@ __all__ = [
     "DamagedStoreObjectError",
     "FileLockedError",
     "FileWriteError",
+    "FileSyncError",
     "InvalidArgumentError",
     "ReadOnlyError",
     "RecordTooLargeError",
@@ -241,6 +242,13 @@ class FileWriteError(RolloutStoreError, OSError):
     failed write is kept: the file, and the graph, are as they were before the call. It is an
     `OSError` with the system's `errno` and `strerror`; free space or fix the file, then call
     again."""
+
+
+class FileSyncError(RolloutStoreError, OSError):
+    """Syncing a rollout file's writes to disk failed at the end of a `group_commit` (an I/O
+    error). Unlike a `FileWriteError`, what was written stays in the file and in the graph,
+    not known to be on disk yet: the next synced write, or `close`, syncs it again. It is an
+    `OSError` with the system's `errno` and `strerror`."""
 
 
 class InvalidArgumentError(RolloutStoreError, TypeError, ValueError):

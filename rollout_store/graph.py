@@ -8,6 +8,7 @@ indexes, every hit confirmed by exact comparison.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import operator
@@ -177,6 +178,13 @@ class Journal(Protocol):
     def write_timeline(self, index: int, packed: bytes) -> None:
         """Record the timeline of the turn at `index` (raising keeps the old one)."""
 
+    def hold_sync(self) -> None:
+        """Leave the syncs of the writes from now on to `release_sync` (nested: counted)."""
+
+    def release_sync(self) -> None:
+        """End a `hold_sync`: the last one syncs what its policy says is due (raising an
+        `OSError`-based error if that fails: what was written stays written)."""
+
     def close(self) -> None: ...
 
 
@@ -296,6 +304,27 @@ class Graph:
         """The real path of the file this graph appends to, while it is open."""
         journal = self._journal
         return journal.path if journal is not None else None
+
+    @contextlib.contextmanager
+    def group_commit(self) -> Iterator[None]:
+        """Turns added in the block are written to an appending graph's file one by one, as
+        ever, and synced together when it ends: one `fsync` for the group where
+        `fsync="turn"` would make one per turn (with N, when the count is due). The block
+        holds the graph's lock (other threads' turns wait, so theirs are never left
+        unsynced). A sync that fails at the end raises `FileSyncError`; the turns stay
+        added and written, and the next synced write or `close` syncs them. A no-op for a
+        graph without a file.
+        """
+        with self._lock:
+            journal = self._journal
+            if journal is None:
+                yield
+                return
+            journal.hold_sync()
+            try:
+                yield
+            finally:
+                journal.release_sync()
 
     def close(self) -> None:
         """Flush and close the file behind an appending graph (a no-op otherwise).

@@ -60,6 +60,7 @@ from ..errors import (
     CorruptObjectError,
     DamagedStoreObjectError,
     FileLockedError,
+    FileSyncError,
     InvalidArgumentError,
     MissingObjectError,
     MissingStoreObjectError,
@@ -1882,6 +1883,7 @@ class _AppendLog:
         self.writer = writer
         self.fsync_every = fsync_every
         self.unsynced = 0
+        self.held = 0  # `hold_sync` blocks open: their writes are synced when the last ends
         self.timelines: list[tuple[int, bytes]] = []  # not yet written (`write_timeline`)
         # where the file ends: this log is its only writer, so a write need not ask the
         # system (a call that lets the GIL go, which under load costs more than the write);
@@ -1912,7 +1914,7 @@ class _AppendLog:
                 view = view[written:]
             self.size = size + len(data)
             self.unsynced += 1
-            if sync and self.fsync_every and self.unsynced >= self.fsync_every:
+            if sync and not self.held and self.fsync_every and self.unsynced >= self.fsync_every:
                 os.fsync(fd)
                 self.unsynced = 0
         except BaseException as exc:
@@ -1925,6 +1927,24 @@ class _AppendLog:
             if isinstance(exc, OSError):
                 raise write_error(exc, self._path or "the append log") from exc
             raise
+
+    def hold_sync(self) -> None:
+        self.held += 1
+
+    def release_sync(self) -> None:
+        self.held -= 1
+        if self.held or not self.fsync_every or self.unsynced < self.fsync_every:
+            return
+        try:
+            os.fsync(self.fp.fileno())
+        except OSError as exc:  # the writes stay: the next synced write or `close` tries again
+            path = self._path or "the append log"
+            raise FileSyncError(
+                exc.errno or 0,
+                f"{exc.strerror or exc}: syncing {path} failed; what was written is kept and "
+                "synced again by the next synced write or close",
+            ) from exc
+        self.unsynced = 0
 
     def write_meta(self, meta: GraphMeta) -> None:
         if self.writer.version == _V1:

@@ -173,6 +173,9 @@ BODY_TIMEOUT = 30.0
 ACK_MODES = ("durable", "fast")
 #: Default bound of the queue of turns answered but not yet recorded (`--ack fast`).
 ACK_QUEUE = 1024
+#: At most this many queued turns are recorded together (`--ack fast`): one worker call, each
+#: session's log synced once for its turns among them.
+ACK_GROUP = 64
 #: Seconds a stopping server waits for the queued turns to be recorded (the rest are counted
 #: as dropped), and an export waits for the turns answered before it.
 ACK_DRAIN_SECONDS = 10.0
@@ -1087,21 +1090,121 @@ class _Server:
     async def _record_queued(
         self, pending: asyncio.Queue[tuple[Session, TurnNode, CallClock]]
     ) -> None:
-        """Record the queued turns in their order (one at a time: a session's turns keep
-        the order they were answered in), and the timeline of one whose reply is sent."""
+        """Record the queued turns in their order (a session's turns keep the order they
+        were answered in), and the timeline of each one whose reply is sent. One turn
+        waiting, or turns added in the loop (`inline`), go one at a time; several waiting
+        go together to one worker thread (`_record_group`): each session's log synced once
+        for its turns of the group, not once a turn, so the recorder keeps up with answers
+        that come faster than one sync each."""
         while True:
-            session, node, clock = await pending.get()
-            try:
-                clock.node_id = await self._record(session, node)
-                if clock.reply_sent >= 0:  # sent before the turn was recorded: ours to do
-                    await self._record_timeline(session, clock)
-            except asyncio.CancelledError:
-                self._drop(session, "shutdown")
+            group = [await pending.get()]
+            while len(group) < ACK_GROUP and not pending.empty():
+                group.append(pending.get_nowait())
+            if len(group) > 1 and not self.inline:
+                await self._record_group(pending, group)
+                continue
+            for k, (session, node, clock) in enumerate(group):
+                cancelled = await self._record_one(session, node, clock)
                 pending.task_done()
-                raise
-            except Exception:  # any failure: the client has its answer, the turn is counted
+                if cancelled:  # a stopping server: the turns taken and not begun are dropped
+                    for later, _, _ in group[k + 1 :]:
+                        self._drop(later, "shutdown")
+                        pending.task_done()
+                    raise asyncio.CancelledError
+
+    async def _record_one(self, session: Session, node: TurnNode, clock: CallClock) -> bool:
+        """Record one queued turn (`_record`), and its timeline if its reply is sent: whether
+        a stopping server cancelled this meanwhile. The recording begun is waited for all
+        the same, so the turn is counted as what it became, recorded or not."""
+        recording = asyncio.ensure_future(self._record(session, node))
+        cancelled = False
+        try:
+            await asyncio.wait([recording])  # (cancelling the wait leaves the recording be)
+        except asyncio.CancelledError:
+            cancelled = True
+            await asyncio.wait([recording])
+        try:
+            clock.node_id = recording.result()
+        except Exception:  # any failure: the client has its answer, the turn is counted
+            self._drop(session, "record_error")
+            return cancelled
+        if clock.reply_sent >= 0 and not cancelled:  # sent before it was recorded: ours
+            try:
+                await self._record_timeline(session, clock)
+            except asyncio.CancelledError:
+                return True
+        return cancelled
+
+    async def _record_group(
+        self,
+        pending: asyncio.Queue[tuple[Session, TurnNode, CallClock]],
+        group: list[tuple[Session, TurnNode, CallClock]],
+    ) -> None:
+        """Record `group`, each session's turns in a worker thread of their own
+        (`record_group_now`; the sessions' logs are synced side by side), then the
+        timelines of its calls whose replies are sent. A stopping server that cancels this
+        waits for the threads: each turn is then counted as what it became, recorded or
+        not."""
+        parts: dict[int, list[int]] = {}
+        for i, (session, _, _) in enumerate(group):
+            parts.setdefault(id(session), []).append(i)
+        work = asyncio.gather(
+            *(
+                anyio.to_thread.run_sync(self.record_group_now, [group[i] for i in part])
+                for part in parts.values()
+            )
+        )
+        cancelled = False
+        try:
+            done = await asyncio.shield(work)
+        except asyncio.CancelledError:
+            cancelled = True
+            done = await work
+        ids: list[str | None] = [None] * len(group)
+        for part, part_ids in zip(parts.values(), done, strict=True):
+            for i, node_id in zip(part, part_ids, strict=True):
+                ids[i] = node_id
+        sent: list[tuple[Session, CallClock]] = []
+        for (session, _, clock), node_id in zip(group, ids, strict=True):
+            if node_id is None:  # any failure: the client has its answer, the turn is counted
                 self._drop(session, "record_error")
-            pending.task_done()
+                continue
+            clock.node_id = node_id
+            if clock.reply_sent >= 0:  # sent before the turn was recorded: ours to do
+                sent.append((session, clock))
+        try:
+            if sent and not cancelled:
+                with contextlib.suppress(Exception):  # timelines are best effort
+                    await anyio.to_thread.run_sync(self._record_timelines_now, sent)
+        finally:
+            for _ in group:
+                pending.task_done()
+        if cancelled:
+            raise asyncio.CancelledError
+
+    def record_group_now(
+        self, group: Sequence[tuple[Session, TurnNode, CallClock]]
+    ) -> list[str | None]:
+        """Add each turn of `group` to its session's graph in the calling thread, each
+        session's turns in their order inside one `group_commit` (its log synced once for
+        them): each turn's node id, or None for a turn that could not be recorded."""
+        ids: list[str | None] = [None] * len(group)
+        by_session: dict[int, list[int]] = {}
+        for i, (session, _, _) in enumerate(group):
+            by_session.setdefault(id(session), []).append(i)
+        for turns in by_session.values():
+            session = group[turns[0]][0]
+            # a failed sync at the end keeps the turns written and recorded (the next
+            # sync or close syncs them): only what never got in is counted
+            with contextlib.suppress(Exception), session.use() as graph, graph.group_commit():
+                for i in turns:
+                    with contextlib.suppress(Exception):
+                        ids[i] = self.record_now(session, group[i][1])
+        return ids
+
+    def _record_timelines_now(self, sent: list[tuple[Session, CallClock]]) -> None:
+        for session, clock in sent:
+            self.record_timeline_now(session, clock)
 
     async def settled(self, timeout: float = ACK_DRAIN_SECONDS) -> bool:
         """Wait (at most `timeout` seconds) until every turn answered so far is recorded or

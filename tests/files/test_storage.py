@@ -21,6 +21,7 @@ from rollout_store import (
     ChecksumMismatch,
     CorruptFileError,
     FileLockedError,
+    FileSyncError,
     FileWriteError,
     InvalidValueError,
     RolloutGraph,
@@ -175,6 +176,67 @@ def test_append_mode_writes_every_turn(tmp_path: Path, fsync: str | int) -> None
         build_rollout(g, seed=5, turns=2)
     build_rollout(reference, seed=5, turns=2)
     assert_same_graph(RolloutGraph.load(path), reference)
+
+
+def _counting_fsync(monkeypatch: pytest.MonkeyPatch, path: Path, fail: bool = False) -> list[int]:
+    """Count the syncs of `path` (and fail them as an I/O error would, if `fail`)."""
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.path.samefile(f"/proc/self/fd/{fd}", path):
+            synced.append(fd)
+            if fail:
+                raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return synced
+
+
+@pytest.mark.parametrize(("fsync", "syncs"), [("turn", 1), (2, 1), (1000, 0), ("never", 0)])
+def test_a_group_commit_syncs_its_turns_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsync: str | int, syncs: int
+) -> None:
+    path, reference = tmp_path / "log.rls", RolloutGraph()
+    build_rollout(reference)
+    with RolloutGraph.open(path, fsync=fsync) as g:
+        synced = _counting_fsync(monkeypatch, path)
+        with g.group_commit():
+            build_rollout(g)
+            assert synced == []  # written one by one, synced at the end
+            assert_same_graph(RolloutGraph.load(path), reference)
+        assert len(synced) == syncs
+        g.add_turn(TurnNode(request_messages=[{"role": "user", "content": "after"}]))
+        if fsync == "turn":  # the policy as before
+            assert len(synced) == syncs + 1
+    assert len(RolloutGraph.load(path)) == len(reference) + 1
+    with RolloutGraph().group_commit():  # no file: nothing to sync
+        pass
+
+
+def test_a_group_commit_whose_sync_fails_keeps_its_turns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed sync at the end of a group raises `FileSyncError` (an `OSError` in the
+    library's tree): the turns stay in the graph and the file, synced again at close."""
+    path = tmp_path / "log.rls"
+    with RolloutGraph.open(path) as g:
+        with monkeypatch.context() as patch:
+            failed = _counting_fsync(patch, path, fail=True)
+            with (
+                pytest.raises(FileSyncError, match="Input/output error") as error,
+                g.group_commit(),
+            ):
+                build_rollout(g, turns=2)
+            assert len(failed) == 1 and error.value.errno == errno.EIO
+            assert isinstance(error.value, RolloutStoreError) and str(path) in str(error.value)
+        reference = RolloutGraph()
+        build_rollout(reference, turns=2)
+        assert_same_graph(g, reference)
+        assert_same_graph(RolloutGraph.load(path), reference)
+        synced = _counting_fsync(monkeypatch, path)
+    assert len(synced) == 1  # close syncs what the failed sync left
 
 
 def test_append_rejected_turn_leaves_file_unchanged(tmp_path: Path) -> None:

@@ -8,6 +8,9 @@ import asyncio
 import copy
 import errno
 import json
+import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from capture_support import ADMIN, ADMIN_KEY, auth, new_session, serve_app
+from capture_support import ADMIN, ADMIN_KEY, auth, export, new_session, serve_app
 
 from rollout_store import RolloutGraph
 from rollout_store.errors import InvalidArgumentError
@@ -190,6 +193,123 @@ def test_fast_drains_its_queue_on_shutdown(
     with serve_app(create_app(stub, data=data, admin_key=ADMIN_KEY)) as url:
         info = httpx.get(f"{url}/sessions/drained", headers=ADMIN).json()
         assert info["turns"] == 4
+
+
+def test_fast_records_the_turns_queued_meanwhile_together_in_order(
+    stub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Turns answered while the recorder waits on a sync are recorded together: each
+    session's log synced once for its turns among them, not once a turn, and each session's
+    turns in the order they were answered."""
+    data = tmp_path / "d"
+    app = create_app(stub, data=data, ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane="python") as url:
+        sessions = [new_session(url, session_id=f"group-{k}") for k in range(3)]
+        gate, synced = threading.Event(), []
+        real_fsync = os.fsync
+
+        def fsync(fd: int) -> None:
+            if os.readlink(f"/proc/self/fd/{fd}").endswith(".rls"):
+                synced.append(fd)
+                gate.wait(20)  # the first sync holds the recorder until every call is answered
+            real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        calls = 6
+        for i in range(calls):
+            for session in sessions:
+                httpx.post(
+                    f"{url}/v1/chat/completions",
+                    json={"model": "m", "messages": [{"role": "user", "content": f"call {i}"}]},
+                    headers={"authorization": f"Bearer {session['api_key']}"},
+                    timeout=20,
+                ).raise_for_status()
+        gate.set()
+        for session in sessions:
+            doc = export(url, session["session_id"])  # (waits for the turns answered before)
+            asked = [turn["request_messages"][-1]["content"] for turn in doc["turns"]]
+            assert asked == [f"call {i}" for i in range(calls)]
+        turns = calls * len(sessions)
+        # the first turn alone, then the other 17 as one group: one sync per session
+        assert len(synced) <= 1 + len(sessions) < turns, synced
+        health = httpx.get(f"{url}/health").json()
+        assert health["dropped"] == 0 and health["ack_queue"]["pending"] == 0
+
+
+class _GatedSyncs:
+    """`os.fsync` of the sessions' logs held: the first until `first` is set, the others
+    until `rest` is; `synced` counts them as they begin."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.first, self.rest = threading.Event(), threading.Event()
+        self.synced: list[int] = []
+        real_fsync = os.fsync
+
+        def fsync(fd: int) -> None:
+            if os.readlink(f"/proc/self/fd/{fd}").endswith(".rls"):
+                self.synced.append(fd)
+                (self.first if len(self.synced) == 1 else self.rest).wait(20)
+            real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+
+    def wait_for(self, n: int) -> None:
+        deadline = time.monotonic() + 20
+        while len(self.synced) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(self.synced) == n, self.synced
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cut", ["alone", "group"])
+def test_a_stop_cutting_the_recorder_counts_each_turn_as_what_it_became(
+    stub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cut: str
+) -> None:
+    """A stopping server whose queue did not drain in time cancels its recorder in the
+    middle of recording one turn (`alone`) or a group of them (`group`): what was being
+    recorded is waited for and counted recorded, the turns still queued are counted
+    dropped (`shutdown`), none both, none neither."""
+    data = tmp_path / "d"
+    settled = _Server.settled
+    with monkeypatch.context() as patch:
+        # the drain gives up at once: the recorder is cancelled with a turn in hand
+        patch.setattr(_Server, "settled", lambda self, timeout=0.2: settled(self, 0.2))
+        app = create_app(stub, data=data, ack="fast", admin_key=ADMIN_KEY)
+        with serve_app(app, data_plane="python") as url:
+            sessions = [new_session(url, session_id=f"cut-{k}") for k in range(2)]
+            syncs = _GatedSyncs(patch)
+
+            def call(k: int, i: int) -> None:
+                httpx.post(
+                    f"{url}/v1/chat/completions",
+                    json={"model": "m", "messages": [{"role": "user", "content": f"call {i}"}]},
+                    headers={"authorization": f"Bearer {sessions[k]['api_key']}"},
+                    timeout=20,
+                ).raise_for_status()
+
+            call(0, 0)
+            syncs.wait_for(1)  # cut-0's first turn, alone, is being synced
+            for i in range(1, 4):
+                call(0, i)
+                call(1, i)
+            if cut == "group":  # then the 6 turns queued meanwhile, as one group
+                syncs.first.set()
+                syncs.wait_for(3)  # (one sync per session, side by side)
+                call(0, 4)
+                call(1, 4)
+            # the syncs under way end once the server is stopping and has cancelled them
+            threading.Timer(1.5, syncs.first.set).start()
+            threading.Timer(1.5, syncs.rest.set).start()
+    with serve_app(create_app(stub, data=data, admin_key=ADMIN_KEY)) as url:
+        infos = [httpx.get(f"{url}/sessions/cut-{k}", headers=ADMIN).json() for k in (0, 1)]
+        health = httpx.get(f"{url}/health").json()
+    recorded = [info["turns"] for info in infos]
+    dropped = [info["dropped"] for info in infos]
+    if cut == "alone":
+        assert (recorded, dropped) == ([1, 0], [3, 3]), infos
+    else:
+        assert (recorded, dropped) == ([4, 3], [1, 1]), infos
+    assert health["dropped"] == sum(dropped) == health["dropped_by"]["shutdown"]
 
 
 def test_ack_arguments_are_checked(stub: str) -> None:
