@@ -364,13 +364,14 @@ def _value(value: Any) -> Any:
 
 
 def split_body(
-    raw: bytes, raw_fields: frozenset[str] = MESSAGES_RAW_FIELDS
+    raw: bytes, raw_fields: frozenset[str] = MESSAGES_RAW_FIELDS, shaped: bool = False
 ) -> dict[str, Any] | None:
     """The top-level fields of a request body, or None when only json.loads can read it.
 
     Every field is decoded (exactly as json.loads would) except those named in `raw_fields`
     that hold an array (or, for `system`, a string): they stay `RawJSON` spans of `raw`. A
-    raw `messages` is already checked to be a non-empty array of objects with a string role.
+    raw `messages` is already checked to be a non-empty array of objects with a string role
+    (here, unless `shaped` says the caller has checked that of this body).
     None: the body is not a JSON object msgspec reads as json.loads would (not JSON at all,
     NaN, lone-surrogate escapes, a byte order mark, nesting too deep, a message whose role
     is not a plain string...): decode it with json.loads, which accepts it or says why not.
@@ -391,7 +392,7 @@ def split_body(
         data = bytes(span)
         first = data[:1]
         if key in raw_fields and (first == b"[" or (first == b'"' and key == "system")):
-            if key == "messages":
+            if key == "messages" and not shaped:
                 try:
                     if not _split_roles(data):
                         fields[key] = []  # refused by the shape check
@@ -442,9 +443,9 @@ def _check_anthropic(value: Any) -> dict[str, Any]:
     return body
 
 
-def _decode(raw: bytes, raw_fields: frozenset[str]) -> Any:
+def _decode(raw: bytes, raw_fields: frozenset[str], shaped: bool = False) -> Any:
     """The body's fields (`split_body`), or json.loads of it, or the refusal json.loads gives."""
-    fields = split_body(raw, raw_fields)
+    fields = split_body(raw, raw_fields, shaped)
     if fields is not None:
         return fields
     try:
@@ -969,9 +970,10 @@ class _Server:
             headers["authorization"] = f"Bearer {key}"
         return headers
 
-    def _session(self, key: str | None) -> Session:
-        """The session a model call's key opens (or the refusal)."""
-        session = self.sessions.resolve(key)
+    def _session(self, key: str | None, session_id: str | None = None) -> Session:
+        """The session a model call's key opens (or the refusal); `session_id`: the one the
+        Rust data plane's key table names for it."""
+        session = self.sessions.resolve(key, session_id)
         if session is None:
             raise _Refusal(
                 401, "unknown API key: create a session with POST /sessions and use its api_key"
@@ -1279,14 +1281,20 @@ class _Server:
         raw: bytes,
         clock: CallClock,
         passthrough: bool = False,
+        measured: bool = False,
+        shaped: bool = False,
     ) -> _Plan:
         """A model call's body checked and its upstream call made ready (or _Refusal).
         `passthrough`: a streaming call asks the upstream for its stream (the Rust data
         plane passes it on), with the client's `stream_options`; otherwise the upstream is
-        asked for the whole answer."""
+        asked for the whole answer. Checks the Rust data plane made of the body already:
+        `measured`, its depth (with the limits of `_check_depth`); `shaped`, the shape of its
+        messages (see `split_body`)."""
         raw_fields = MESSAGES_RAW_FIELDS if anthropic else CHAT_RAW_FIELDS
-        body = (_check_anthropic if anthropic else _check_chat)(_decode(raw, raw_fields))
-        _check_depth(body, anthropic)
+        fields = _decode(raw, raw_fields, shaped)
+        body = (_check_anthropic if anthropic else _check_chat)(fields)
+        if not measured:
+            _check_depth(body, anthropic)
         harness = _harness_session(headers, body, anthropic=anthropic)
         stream = body.get("stream") is True
         streamed = stream and passthrough
@@ -2319,16 +2327,21 @@ class RustDataPlane:
         headers: list[tuple[str, bytes]],
         body: bytes,
         received_us: int,
+        measured: bool,
+        shaped: bool,
     ) -> tuple[_Call, str, bytes, list[tuple[str, str]], _Streaming | None] | tuple[None, _Reply]:
         """A call that passed the engine's gate: its upstream call, or the refusal. A
         streaming call's upstream is asked to stream: the engine passes its events on (with
         the capture fields the client did not ask for taken out) and hands them to
-        `finish_stream` at the end, or, for any other answer, calls `finish`."""
+        `finish_stream` at the end, or, for any other answer, calls `finish`. The engine
+        read the body whole when it could: `measured`, every field is within its depth
+        limit; `shaped`, its messages are a non-empty array of objects with a string role
+        (what it could not read is checked here)."""
         clock = CallClock()
         clock.received = received_us
         server = self._server
         try:
-            session = server._session(key)
+            session = server._session(key, session_id)
             plan = server.plan(
                 anthropic,
                 Headers(raw=[(name.encode("latin-1"), value) for name, value in headers]),
@@ -2336,6 +2349,8 @@ class RustDataPlane:
                 body,
                 clock,
                 passthrough=True,
+                measured=measured,
+                shaped=shaped,
             )
         except _Refusal as refusal:
             return None, _reply(_failure(anthropic, refusal))

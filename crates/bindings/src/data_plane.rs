@@ -84,6 +84,8 @@ impl PyControl {
                 headers,
                 PyBytes::new(py, &call.body),
                 call.received_us,
+                call.measured,
+                call.shaped,
             ),
         )?;
         let out = out.bind(py).cast::<PyTuple>()?.clone();

@@ -105,6 +105,12 @@ pub struct Call {
     /// The request's headers, names lowercased, values as sent.
     pub headers: Vec<(String, Bytes)>,
     pub body: Bytes,
+    /// The body's depth is within every field's limit (`depth::Depth::Within`): the control
+    /// need not measure it again.
+    pub measured: bool,
+    /// Its `messages` is a non-empty array of objects with a string `role` (read by the
+    /// depth check): the control need not check that shape again.
+    pub shaped: bool,
     /// Microseconds since the Unix epoch when the request arrived.
     pub received_us: u64,
 }
@@ -624,9 +630,13 @@ impl<C: Control> Shared<C> {
             Err(Some((status, reason))) => return refused(anthropic, status, &reason),
             Err(None) => return json_reply(400, String::new(), true),
         };
-        if let Some(field) = depth::too_deep(&raw, anthropic) {
-            return refused(anthropic, 400, &depth::reason(&field));
-        }
+        let (measured, shaped) = match depth::measure(&raw, anthropic) {
+            depth::Depth::TooDeep(field) => {
+                return refused(anthropic, 400, &depth::reason(&field));
+            }
+            depth::Depth::Within { shaped } => (true, shaped),
+            depth::Depth::Unread => (false, false),
+        };
         let call = Call {
             anthropic,
             session,
@@ -636,6 +646,8 @@ impl<C: Control> Shared<C> {
                 .map(|(n, v)| (n.as_str().to_string(), Bytes::copy_from_slice(v.as_bytes())))
                 .collect(),
             body: raw,
+            measured,
+            shaped,
             received_us,
         };
         let Some(prepared) = self.blocking(move |c| c.prepare(call)).await else {
