@@ -86,6 +86,7 @@ impl PyControl {
                 call.received_us,
                 call.measured,
                 call.shaped,
+                call.utf8,
             ),
         )?;
         let out = out.bind(py).cast::<PyTuple>()?.clone();

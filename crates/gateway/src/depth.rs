@@ -63,6 +63,8 @@ const SCALAR: Measure = Measure {
 #[derive(Default)]
 struct Depths {
     members: Vec<(Option<String>, Measure)>,
+    /// A string or key holds a surrogate code point (escaped, or in the body's bytes).
+    surrogates: bool,
 }
 
 impl Sink for Depths {
@@ -86,6 +88,7 @@ impl Sink for Depths {
     }
     fn string(&mut self, text: Str<'_>) -> Result<Measure, Infallible> {
         let kind = if text.surrogates {
+            self.surrogates = true;
             Kind::Other
         } else {
             Kind::Text
@@ -105,6 +108,7 @@ impl Sink for Depths {
     }
     fn object(&mut self, members: Vec<(Key<'_>, Measure)>) -> Result<Measure, Infallible> {
         let deepest = members.iter().map(|(_, m)| m.depth).max().unwrap_or(0);
+        self.surrogates |= members.iter().any(|(k, _)| k.surrogates);
         // (members come deduplicated: a repeated `role` is its last value, as in a dict)
         let message = members
             .iter()
@@ -127,8 +131,9 @@ impl Sink for Depths {
 pub enum Depth {
     /// Read as a JSON object whose every field is within its limit: the control plane need
     /// not measure it again. `shaped`: its `messages` is a non-empty array of objects with a
-    /// string `role` (the shape the control plane checks).
-    Within { shaped: bool },
+    /// string `role` (the shape the control plane checks); `utf8`: the body is strict UTF-8
+    /// (no byte order mark, no surrogate code point), as `bytes.decode("utf-8")` reads it.
+    Within { shaped: bool, utf8: bool },
     /// The first field (in the body's order) nested deeper than it may be, by name.
     TooDeep(String),
     /// Not a JSON object this check can read whole (the control plane reads it, refuses it
@@ -161,7 +166,12 @@ pub fn measure(body: &[u8], anthropic: bool) -> Depth {
             match deep {
                 Some(name) => Depth::TooDeep(name),
                 None if unread => Depth::Unread,
-                None => Depth::Within { shaped },
+                None => Depth::Within {
+                    shaped,
+                    // UTF-16 and UTF-32 hold a NUL in the first two bytes (json.loads reads
+                    // them); outside strings, the text parsed is ASCII
+                    utf8: body.get(1) != Some(&0) && !depths.surrogates,
+                },
             }
         }
         Err(Failure::Syntax(error)) if matches!(error.kind, ErrorKind::TooDeep(_)) => {
@@ -332,7 +342,10 @@ mod tests {
         let within = |body: &str| measure(body.as_bytes(), false);
         assert_eq!(
             within(r#"{"messages": [{"role": "user", "content": "[["}], "n": 1}"#),
-            Depth::Within { shaped: true }
+            Depth::Within {
+                shaped: true,
+                utf8: true
+            }
         );
         for body in [
             r#"{"messages": []}"#,
@@ -342,17 +355,46 @@ mod tests {
             r#"{"messages": [{"content": "user"}]}"#,
             r#"{"model": "m"}"#,
         ] {
-            assert_eq!(within(body), Depth::Within { shaped: false }, "{body}");
+            assert_eq!(
+                within(body),
+                Depth::Within {
+                    shaped: false,
+                    utf8: true
+                },
+                "{body}"
+            );
         }
         // a repeated key is its last value, as json.loads reads it
         assert_eq!(
             within(r#"{"messages": [{"role": "user", "r\u006fle": 2}]}"#),
-            Depth::Within { shaped: false }
+            Depth::Within {
+                shaped: false,
+                utf8: true
+            }
         );
         assert_eq!(
             within(r#"{"messages": [{"role": 2, "role": "user"}]}"#),
-            Depth::Within { shaped: true }
+            Depth::Within {
+                shaped: true,
+                utf8: true
+            }
         );
+    }
+
+    #[test]
+    fn a_body_read_whole_says_whether_it_is_strict_utf8() {
+        let utf8 = |body: &[u8]| match measure(body, false) {
+            Depth::Within { utf8, .. } => utf8,
+            other => panic!("{other:?}"),
+        };
+        assert!(utf8(
+            "{\"messages\": [{\"role\": \"caf\u{e9}\"}]}".as_bytes()
+        ));
+        assert!(utf8(br#"{"a": "\u00e9\ud83d\ude00"}"#));
+        assert!(!utf8(br#"{"a": ["\ud800"]}"#));
+        assert!(!utf8(br#"{"a": {"\udfff": 1}}"#));
+        assert!(!utf8(b"{\"a\": \"\xed\xa0\x80\"}"));
+        assert!(!utf8(b"{\x00}\x00"));
     }
 
     #[test]

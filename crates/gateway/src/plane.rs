@@ -111,6 +111,8 @@ pub struct Call {
     /// Its `messages` is a non-empty array of objects with a string `role` (read by the
     /// depth check): the control need not check that shape again.
     pub shaped: bool,
+    /// The body is strict UTF-8 (read by the depth check): the control need not check it.
+    pub utf8: bool,
     /// Microseconds since the Unix epoch when the request arrived.
     pub received_us: u64,
 }
@@ -630,12 +632,12 @@ impl<C: Control> Shared<C> {
             Err(Some((status, reason))) => return refused(anthropic, status, &reason),
             Err(None) => return json_reply(400, String::new(), true),
         };
-        let (measured, shaped) = match depth::measure(&raw, anthropic) {
+        let (measured, shaped, utf8) = match depth::measure(&raw, anthropic) {
             depth::Depth::TooDeep(field) => {
                 return refused(anthropic, 400, &depth::reason(&field));
             }
-            depth::Depth::Within { shaped } => (true, shaped),
-            depth::Depth::Unread => (false, false),
+            depth::Depth::Within { shaped, utf8 } => (true, shaped, utf8),
+            depth::Depth::Unread => (false, false, false),
         };
         let call = Call {
             anthropic,
@@ -648,6 +650,7 @@ impl<C: Control> Shared<C> {
             body: raw,
             measured,
             shaped,
+            utf8,
             received_us,
         };
         let Some(prepared) = self.blocking(move |c| c.prepare(call)).await else {
