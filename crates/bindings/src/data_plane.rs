@@ -84,9 +84,9 @@ impl PyControl {
                 headers,
                 PyBytes::new(py, &call.body),
                 call.received_us,
-                call.measured,
-                call.shaped,
-                call.utf8,
+                call.checked.depth,
+                call.checked.shape,
+                call.checked.utf8,
             ),
         )?;
         let out = out.bind(py).cast::<PyTuple>()?.clone();

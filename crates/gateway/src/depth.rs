@@ -141,6 +141,18 @@ pub enum Depth {
     Unread,
 }
 
+/// What a body read whole was found to be, that the control plane need not check again
+/// (all false: not known).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Checked {
+    /// Every field is within its depth limit.
+    pub depth: bool,
+    /// `messages` is a non-empty array of objects with a string `role`.
+    pub shape: bool,
+    /// The body is strict UTF-8.
+    pub utf8: bool,
+}
+
 /// The depth check of a body (see [`Depth`]).
 pub fn measure(body: &[u8], anthropic: bool) -> Depth {
     let Some(start) = body.iter().position(|b| !b" \t\r\n".contains(b)) else {

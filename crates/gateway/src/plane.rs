@@ -105,14 +105,8 @@ pub struct Call {
     /// The request's headers, names lowercased, values as sent.
     pub headers: Vec<(String, Bytes)>,
     pub body: Bytes,
-    /// The body's depth is within every field's limit (`depth::Depth::Within`): the control
-    /// need not measure it again.
-    pub measured: bool,
-    /// Its `messages` is a non-empty array of objects with a string `role` (read by the
-    /// depth check): the control need not check that shape again.
-    pub shaped: bool,
-    /// The body is strict UTF-8 (read by the depth check): the control need not check it.
-    pub utf8: bool,
+    /// What the depth check's reading of the body found: the control need not check it again.
+    pub checked: depth::Checked,
     /// Microseconds since the Unix epoch when the request arrived.
     pub received_us: u64,
 }
@@ -632,12 +626,16 @@ impl<C: Control> Shared<C> {
             Err(Some((status, reason))) => return refused(anthropic, status, &reason),
             Err(None) => return json_reply(400, String::new(), true),
         };
-        let (measured, shaped, utf8) = match depth::measure(&raw, anthropic) {
+        let checked = match depth::measure(&raw, anthropic) {
             depth::Depth::TooDeep(field) => {
                 return refused(anthropic, 400, &depth::reason(&field));
             }
-            depth::Depth::Within { shaped, utf8 } => (true, shaped, utf8),
-            depth::Depth::Unread => (false, false, false),
+            depth::Depth::Within { shaped, utf8 } => depth::Checked {
+                depth: true,
+                shape: shaped,
+                utf8,
+            },
+            depth::Depth::Unread => depth::Checked::default(),
         };
         let call = Call {
             anthropic,
@@ -648,9 +646,7 @@ impl<C: Control> Shared<C> {
                 .map(|(n, v)| (n.as_str().to_string(), Bytes::copy_from_slice(v.as_bytes())))
                 .collect(),
             body: raw,
-            measured,
-            shaped,
-            utf8,
+            checked,
             received_us,
         };
         let Some(prepared) = self.blocking(move |c| c.prepare(call)).await else {
