@@ -20,6 +20,7 @@ from capture_support import (
 )
 
 from rollout_store.serve.server import create_app
+from rollout_store.serve.sessions import Sessions
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -162,6 +163,20 @@ def test_the_key_table_follows_the_sessions(stub: str) -> None:
         assert httpx.post(call, json=body, headers=fresh).status_code == 200
         info = httpx.get(f"{url}/sessions/{again['session_id']}", headers=fresh).json()
         assert info["turns"] == 1
+
+
+def test_the_key_tables_session_is_taken_only_when_the_key_is_its_own() -> None:
+    sessions = Sessions()
+    try:
+        a, b = sessions.create("a"), sessions.create("b")
+        assert sessions.by_key(a.api_key, "a") is a
+        assert sessions.by_key(a.api_key, "b") is a  # a stale table: found by the key itself
+        assert sessions.by_key(a.api_key, "gone") is a
+        assert sessions.by_key(b.api_key + "x", "b") is None
+        assert sessions.resolve(b.api_key, "a") is b
+        assert sessions.resolve("nope", "a") is None
+    finally:
+        sessions.close()
 
 
 def test_open_mode_resolves_unknown_keys_in_the_control_plane(stub: str) -> None:
