@@ -2216,7 +2216,9 @@ def create_app(
 # `RustDataPlane` is the control plane's side: it keeps the engine's key table current (the
 # sessions' keys as they are created, reopened and deleted), and answers the engine's
 # callbacks with the Python server's own code, so both planes refuse, record and reply alike:
-# `prepare` resolves the session and makes the upstream call ready (`_Server.plan`),
+# `prepare` resolves the session and makes the upstream call ready (`_Server.plan`; what the
+# engine's reading of the body checked already, its depth, its messages' shape and its UTF-8,
+# is not checked again: `_Checked`),
 # `finish` turns the upstream's answer into the reply and records the turn (`--ack durable`)
 # or hands it back to be queued (`--ack fast`), `finish_stream` does the same for a stream the
 # engine passed through (its turn made of its events; the engine holds its last event until
