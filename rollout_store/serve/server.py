@@ -92,7 +92,7 @@ from collections.abc import (
     Sequence,
 )
 from dataclasses import dataclass
-from typing import IO, Any, TypeVar
+from typing import IO, Any, NamedTuple, TypeVar
 from urllib.parse import quote, unquote, urlencode
 
 import aiohttp
@@ -366,14 +366,29 @@ def _value(value: Any) -> Any:
     return value.decode() if type(value) is RawJSON else value
 
 
+class _Checked(NamedTuple):
+    """What the Rust data plane's reading of a body (`crates/gateway/src/depth.rs`) found
+    already, so that it is not checked twice: `depth`, every field within its depth limit
+    (`_check_depth`); `shape`, the messages a non-empty array of objects with a string role;
+    `utf8`, the body strict UTF-8. False: not known (the check is made here)."""
+
+    depth: bool = False
+    shape: bool = False
+    utf8: bool = False
+
+
+_UNCHECKED = _Checked()
+
+
 def split_body(
-    raw: bytes, raw_fields: frozenset[str] = MESSAGES_RAW_FIELDS
+    raw: bytes, raw_fields: frozenset[str] = MESSAGES_RAW_FIELDS, checked: _Checked = _UNCHECKED
 ) -> dict[str, Any] | None:
     """The top-level fields of a request body, or None when only json.loads can read it.
 
     Every field is decoded (exactly as json.loads would) except those named in `raw_fields`
     that hold an array (or, for `system`, a string): they stay `RawJSON` spans of `raw`. A
-    raw `messages` is already checked to be a non-empty array of objects with a string role.
+    raw `messages` is already checked to be a non-empty array of objects with a string role
+    (here, unless `checked.shape` says so already).
     None: the body is not a JSON object msgspec reads as json.loads would (not JSON at all,
     NaN, lone-surrogate escapes, a byte order mark, nesting too deep, a message whose role
     is not a plain string...): decode it with json.loads, which accepts it or says why not.
@@ -382,7 +397,7 @@ def split_body(
         spans = _split_fields(raw)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeError):
         return None
-    if not raw.isascii():
+    if not checked.utf8 and not raw.isascii():
         # msgspec does not check the UTF-8 of what it skips; json.loads refuses bad UTF-8
         # (and reads UTF-8-encoded surrogates, which a strict decode leaves to it)
         try:
@@ -394,7 +409,7 @@ def split_body(
         data = bytes(span)
         first = data[:1]
         if key in raw_fields and (first == b"[" or (first == b'"' and key == "system")):
-            if key == "messages":
+            if key == "messages" and not checked.shape:
                 try:
                     if not _split_roles(data):
                         fields[key] = []  # refused by the shape check
@@ -445,9 +460,9 @@ def _check_anthropic(value: Any) -> dict[str, Any]:
     return body
 
 
-def _decode(raw: bytes, raw_fields: frozenset[str]) -> Any:
+def _decode(raw: bytes, raw_fields: frozenset[str], checked: _Checked = _UNCHECKED) -> Any:
     """The body's fields (`split_body`), or json.loads of it, or the refusal json.loads gives."""
-    fields = split_body(raw, raw_fields)
+    fields = split_body(raw, raw_fields, checked)
     if fields is not None:
         return fields
     try:
@@ -972,9 +987,10 @@ class _Server:
             headers["authorization"] = f"Bearer {key}"
         return headers
 
-    def _session(self, key: str | None) -> Session:
-        """The session a model call's key opens (or the refusal)."""
-        session = self.sessions.resolve(key)
+    def _session(self, key: str | None, session_id: str | None = None) -> Session:
+        """The session a model call's key opens (or the refusal); `session_id`: the one the
+        Rust data plane's key table names for it."""
+        session = self.sessions.resolve(key, session_id)
         if session is None:
             raise _Refusal(
                 401, "unknown API key: create a session with POST /sessions and use its api_key"
@@ -1382,14 +1398,18 @@ class _Server:
         raw: bytes,
         clock: CallClock,
         passthrough: bool = False,
+        checked: _Checked = _UNCHECKED,
     ) -> _Plan:
         """A model call's body checked and its upstream call made ready (or _Refusal).
         `passthrough`: a streaming call asks the upstream for its stream (the Rust data
         plane passes it on), with the client's `stream_options`; otherwise the upstream is
-        asked for the whole answer."""
+        asked for the whole answer. `checked`: what the Rust data plane checked of the body
+        already."""
         raw_fields = MESSAGES_RAW_FIELDS if anthropic else CHAT_RAW_FIELDS
-        body = (_check_anthropic if anthropic else _check_chat)(_decode(raw, raw_fields))
-        _check_depth(body, anthropic)
+        fields = _decode(raw, raw_fields, checked)
+        body = (_check_anthropic if anthropic else _check_chat)(fields)
+        if not checked.depth:
+            _check_depth(body, anthropic)
         harness = _harness_session(headers, body, anthropic=anthropic)
         stream = body.get("stream") is True
         streamed = stream and passthrough
@@ -2299,7 +2319,9 @@ def create_app(
 # `RustDataPlane` is the control plane's side: it keeps the engine's key table current (the
 # sessions' keys as they are created, reopened and deleted), and answers the engine's
 # callbacks with the Python server's own code, so both planes refuse, record and reply alike:
-# `prepare` resolves the session and makes the upstream call ready (`_Server.plan`),
+# `prepare` resolves the session and makes the upstream call ready (`_Server.plan`; what the
+# engine's reading of the body checked already, its depth, its messages' shape and its UTF-8,
+# is not checked again: `_Checked`),
 # `finish` turns the upstream's answer into the reply and records the turn (`--ack durable`)
 # or hands it back to be queued (`--ack fast`), `finish_stream` does the same for a stream the
 # engine passed through (its turn made of its events; the engine holds its last event until
@@ -2422,16 +2444,20 @@ class RustDataPlane:
         headers: list[tuple[str, bytes]],
         body: bytes,
         received_us: int,
+        depth: bool = False,
+        shape: bool = False,
+        utf8: bool = False,
     ) -> tuple[_Call, str, bytes, list[tuple[str, str]], _Streaming | None] | tuple[None, _Reply]:
         """A call that passed the engine's gate: its upstream call, or the refusal. A
         streaming call's upstream is asked to stream: the engine passes its events on (with
         the capture fields the client did not ask for taken out) and hands them to
-        `finish_stream` at the end, or, for any other answer, calls `finish`."""
+        `finish_stream` at the end, or, for any other answer, calls `finish`. `depth`,
+        `shape`, `utf8`: what the engine's reading of the body found (see `_Checked`)."""
         clock = CallClock()
         clock.received = received_us
         server = self._server
         try:
-            session = server._session(key)
+            session = server._session(key, session_id)
             plan = server.plan(
                 anthropic,
                 Headers(raw=[(name.encode("latin-1"), value) for name, value in headers]),
@@ -2439,6 +2465,7 @@ class RustDataPlane:
                 body,
                 clock,
                 passthrough=True,
+                checked=_Checked(depth, shape, utf8),
             )
         except _Refusal as refusal:
             return None, _reply(_failure(anthropic, refusal))

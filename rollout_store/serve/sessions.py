@@ -603,20 +603,25 @@ class Sessions:
         with self._lock:
             return self._by_id.get(session_id)
 
-    def by_key(self, api_key: str | None) -> Session | None:
-        """The session whose key is `api_key` (never creates one)."""
+    def by_key(self, api_key: str | None, session_id: str | None = None) -> Session | None:
+        """The session whose key is `api_key` (never creates one). `session_id`: the session
+        a table of keys kept by `watch_keys` names for it, tried first."""
         if api_key is None:
             return None
         with self._lock:
+            found = self._by_id.get(session_id) if session_id is not None else None
+            if found is not None and found.key_matches(api_key):
+                return found
             found = self._by_key.get(key_digest(api_key))
         return found if found is not None and found.key_matches(api_key) else None
 
-    def resolve(self, api_key: str | None) -> Session | None:
+    def resolve(self, api_key: str | None, session_id: str | None = None) -> Session | None:
         """The session an API key names; in open mode an unknown valid key creates one.
+        `session_id`: as for `by_key`.
 
         Open mode serves only open sessions (those made from a key): a key that is the id of
         a session with a key of its own is refused, never let into that session."""
-        found = self.by_key(api_key) if api_key else None
+        found = self.by_key(api_key, session_id) if api_key else None
         if found is not None or not self.open_mode:
             return found
         sid = clean_session_id(api_key) if api_key else "default"

@@ -20,6 +20,7 @@ from capture_support import (
 )
 
 from rollout_store.serve.server import create_app
+from rollout_store.serve.sessions import Sessions
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -100,6 +101,50 @@ def test_both_planes_answer_and_record_alike(stub: str, ack: str) -> None:
     assert rust[1]["sequences"] == python[1]["sequences"]
 
 
+def _read_whole_or_not() -> list[bytes]:
+    """Bodies on either side of what the engine's reading tells the control plane it checked
+    (depth, the messages' shape, strict UTF-8)."""
+    deep = "[" * 2000 + "1" + "]" * 2000
+    return [
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi", "role": 2}]}',
+        b'{"model": "m", "messages": [{"role": 2, "content": "hi", "r\\u006fle": "user"}]}',
+        b'{"model": "m", "messages": [{"role": "user", "content": "\xed\xa0\x80 caf\xc3\xa9"}]}',
+        b'{"model": "m", "messages": [{"role": "user", "content": "\xff"}]}',
+        b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}',
+        b'{"model": "m", "messages": []}',
+        b'{"model": "m", "messages": [{"role": "user"}, 1]}',
+        b'{"model": "m", "messages": {"role": "user"}}',
+        b'{"model": "m", "x\\ud800": 1, "messages": [{"role": "user", "content": "hi"}]}',
+        b'{"model": "m", "d\\u0065ep": ' + deep.encode() + b', "messages": [{"role": "user"}]}',
+        json.dumps({"model": "m", "messages": MESSAGES}).encode("utf-16"),
+    ]
+
+
+def test_what_the_engine_read_of_a_body_is_answered_as_the_python_plane_answers(
+    stub: str,
+) -> None:
+    seen = {}
+    for plane in ("python", "rust"):
+        app = create_app(stub, admin_key=ADMIN_KEY)
+        with serve_app(app, data_plane=plane) as url:
+            session = new_session(url, session_id="same")
+            bearer = {"authorization": f"Bearer {session['api_key']}"}
+            answers = []
+            for body in _read_whole_or_not():
+                answer = httpx.post(
+                    f"{url}/v1/chat/completions",
+                    content=body,
+                    headers={"content-type": "application/json", **bearer},
+                    timeout=20,
+                )
+                answers.append((answer.status_code, answer.content))
+            seen[plane] = answers, _export(url, "same")["turns"]
+    python, rust = seen["python"], seen["rust"]
+    assert [a[0] for a in rust[0]] == [400, 200, 200, 400, 200, 400, 400, 400, 200, 400, 200]
+    assert rust[0] == python[0]
+    assert len(rust[1]) == 5 and rust[1] == python[1]
+
+
 def test_the_key_table_follows_the_sessions(stub: str) -> None:
     app = create_app(stub, admin_key=ADMIN_KEY)
     body = {"model": "m", "messages": MESSAGES}
@@ -118,6 +163,20 @@ def test_the_key_table_follows_the_sessions(stub: str) -> None:
         assert httpx.post(call, json=body, headers=fresh).status_code == 200
         info = httpx.get(f"{url}/sessions/{again['session_id']}", headers=fresh).json()
         assert info["turns"] == 1
+
+
+def test_the_key_tables_session_is_taken_only_when_the_key_is_its_own() -> None:
+    sessions = Sessions()
+    try:
+        a, b = sessions.create("a"), sessions.create("b")
+        assert sessions.by_key(a.api_key, "a") is a
+        assert sessions.by_key(a.api_key, "b") is a  # a stale table: found by the key itself
+        assert sessions.by_key(a.api_key, "gone") is a
+        assert sessions.by_key(b.api_key + "x", "b") is None
+        assert sessions.resolve(b.api_key, "a") is b
+        assert sessions.resolve("nope", "a") is None
+    finally:
+        sessions.close()
 
 
 def test_open_mode_resolves_unknown_keys_in_the_control_plane(stub: str) -> None:

@@ -13,6 +13,7 @@ use gateway::{
 };
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyTuple};
 
 /// The Python control plane, as the gateway calls it.
@@ -84,6 +85,9 @@ impl PyControl {
                 headers,
                 PyBytes::new(py, &call.body),
                 call.received_us,
+                call.checked.depth,
+                call.checked.shape,
+                call.checked.utf8,
             ),
         )?;
         let out = out.bind(py).cast::<PyTuple>()?.clone();
@@ -92,12 +96,13 @@ impl PyControl {
             return Ok(Prepared::Refuse(reply_of(&out.get_item(1)?)?));
         }
         let path: String = out.get_item(1)?.extract()?;
-        let body: Vec<u8> = out.get_item(2)?.extract()?;
+        // the body is sent from the Python bytes themselves (not a copy of them)
+        let body: PyBackedBytes = out.get_item(2)?.extract()?;
         let headers: Vec<(String, String)> = out.get_item(3)?.extract()?;
         let stream: Option<PyStreaming> = out.get_item(4)?.extract()?;
         Ok(Prepared::Forward {
             path,
-            body: Bytes::from(body),
+            body: Bytes::from_owner(body),
             headers,
             ticket: ticket.unbind(),
             stream: stream.map(|(headers, anthropic, token_ids, logprobs)| Streaming {

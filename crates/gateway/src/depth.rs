@@ -8,6 +8,10 @@
 //! not recorded as sent. The body is read by the engine's exact parser (a repeated key keeps
 //! its first position and last value, as the Python dict does); one too deep for the parser's
 //! own bound is measured by a plain scan of its brackets.
+//!
+//! The same reading says whether `messages` has the shape the control plane requires (a
+//! non-empty array of objects with a string `role`), and whether the body was read whole:
+//! the control plane then checks neither again (see [`Depth`]).
 
 use std::convert::Infallible;
 
@@ -30,47 +34,162 @@ fn limit(field: &str, anthropic: bool) -> Option<u32> {
     }
 }
 
-/// The depth of every value, and the members of the last object closed (the body's own,
-/// when the body is an object).
+/// What the shape check of `messages` needs of a value.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Other,
+    /// A string (a `str`: no lone surrogate).
+    Text,
+    /// An object whose `role` is a string.
+    Message,
+    /// A non-empty array of such objects.
+    Messages,
+}
+
+/// A value's depth and kind.
+#[derive(Clone, Copy)]
+struct Measure {
+    depth: u32,
+    kind: Kind,
+}
+
+const SCALAR: Measure = Measure {
+    depth: 0,
+    kind: Kind::Other,
+};
+
+/// The depth and kind of every value, and the members of the last object closed (the
+/// body's own, when the body is an object).
 #[derive(Default)]
 struct Depths {
-    members: Vec<(Option<String>, u32)>,
+    members: Vec<(Option<String>, Measure)>,
+    /// A string or key holds a surrogate code point (escaped, or in the body's bytes).
+    surrogates: bool,
 }
 
 impl Sink for Depths {
-    type Value = u32;
+    type Value = Measure;
     type Error = Infallible;
 
-    fn null(&mut self) -> Result<u32, Infallible> {
-        Ok(0)
+    fn null(&mut self) -> Result<Measure, Infallible> {
+        Ok(SCALAR)
     }
-    fn bool(&mut self, _: bool) -> Result<u32, Infallible> {
-        Ok(0)
+    fn bool(&mut self, _: bool) -> Result<Measure, Infallible> {
+        Ok(SCALAR)
     }
-    fn int(&mut self, _: i64) -> Result<u32, Infallible> {
-        Ok(0)
+    fn int(&mut self, _: i64) -> Result<Measure, Infallible> {
+        Ok(SCALAR)
     }
-    fn big_int(&mut self, _: &str) -> Result<u32, Infallible> {
-        Ok(0)
+    fn big_int(&mut self, _: &str) -> Result<Measure, Infallible> {
+        Ok(SCALAR)
     }
-    fn float(&mut self, _: f64) -> Result<u32, Infallible> {
-        Ok(0)
+    fn float(&mut self, _: f64) -> Result<Measure, Infallible> {
+        Ok(SCALAR)
     }
-    fn string(&mut self, _: Str<'_>) -> Result<u32, Infallible> {
-        Ok(0)
+    fn string(&mut self, text: Str<'_>) -> Result<Measure, Infallible> {
+        let kind = if text.surrogates {
+            self.surrogates = true;
+            Kind::Other
+        } else {
+            Kind::Text
+        };
+        Ok(Measure { depth: 0, kind })
     }
-    fn array(&mut self, items: Vec<u32>) -> Result<u32, Infallible> {
-        Ok(1 + items.into_iter().max().unwrap_or(0))
+    fn array(&mut self, items: Vec<Measure>) -> Result<Measure, Infallible> {
+        let messages = !items.is_empty() && items.iter().all(|m| m.kind == Kind::Message);
+        Ok(Measure {
+            depth: 1 + items.iter().map(|m| m.depth).max().unwrap_or(0),
+            kind: if messages {
+                Kind::Messages
+            } else {
+                Kind::Other
+            },
+        })
     }
-    fn object(&mut self, members: Vec<(Key<'_>, u32)>) -> Result<u32, Infallible> {
-        let deepest = members.iter().map(|(_, d)| *d).max().unwrap_or(0);
+    fn object(&mut self, members: Vec<(Key<'_>, Measure)>) -> Result<Measure, Infallible> {
+        let deepest = members.iter().map(|(_, m)| m.depth).max().unwrap_or(0);
+        self.surrogates |= members.iter().any(|(k, _)| k.surrogates);
+        // (members come deduplicated: a repeated `role` is its last value, as in a dict)
+        let message = members
+            .iter()
+            .any(|(k, m)| k.as_str().as_str() == Some("role") && m.kind == Kind::Text);
         self.members.clear();
         self.members.extend(
             members
                 .iter()
-                .map(|(k, d)| (k.as_str().as_str().map(str::to_string), *d)),
+                .map(|(k, m)| (k.as_str().as_str().map(str::to_string), *m)),
         );
-        Ok(1 + deepest)
+        Ok(Measure {
+            depth: 1 + deepest,
+            kind: if message { Kind::Message } else { Kind::Other },
+        })
+    }
+}
+
+/// What the depth check made of a body.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Depth {
+    /// Read as a JSON object whose every field is within its limit: the control plane need
+    /// not measure it again. `shaped`: its `messages` is a non-empty array of objects with a
+    /// string `role` (the shape the control plane checks); `utf8`: the body is strict UTF-8
+    /// (no byte order mark, no surrogate code point), as `bytes.decode("utf-8")` reads it.
+    Within { shaped: bool, utf8: bool },
+    /// The first field (in the body's order) nested deeper than it may be, by name.
+    TooDeep(String),
+    /// Not a JSON object this check can read whole (the control plane reads it, refuses it
+    /// with its own reason or measures it itself).
+    Unread,
+}
+
+/// What a body read whole was found to be, that the control plane need not check again
+/// (all false: not known).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Checked {
+    /// Every field is within its depth limit.
+    pub depth: bool,
+    /// `messages` is a non-empty array of objects with a string `role`.
+    pub shape: bool,
+    /// The body is strict UTF-8.
+    pub utf8: bool,
+}
+
+/// The depth check of a body (see [`Depth`]).
+pub fn measure(body: &[u8], anthropic: bool) -> Depth {
+    let Some(start) = body.iter().position(|b| !b" \t\r\n".contains(b)) else {
+        return Depth::Unread;
+    };
+    if body[start] != b'{' {
+        return Depth::Unread; // not an object (or not UTF-8 without a BOM)
+    }
+    let mut depths = Depths::default();
+    match parse_with(body, PARSE_BOUND, &mut depths) {
+        Ok(_) => {
+            // a key no `str` holds (a lone surrogate) is not measured here: the control
+            // plane measures the body when no other field is too deep
+            let unread = depths.members.iter().any(|(name, _)| name.is_none());
+            let shaped = depths
+                .members
+                .iter()
+                .any(|(name, m)| name.as_deref() == Some("messages") && m.kind == Kind::Messages);
+            let deep = depths.members.into_iter().find_map(|(name, m)| {
+                let name = name?;
+                (m.depth > limit(&name, anthropic)?).then_some(name)
+            });
+            match deep {
+                Some(name) => Depth::TooDeep(name),
+                None if unread => Depth::Unread,
+                None => Depth::Within {
+                    shaped,
+                    // UTF-16 and UTF-32 hold a NUL in the first two bytes (json.loads reads
+                    // them); outside strings, the text parsed is ASCII
+                    utf8: body.get(1) != Some(&0) && !depths.surrogates,
+                },
+            }
+        }
+        Err(Failure::Syntax(error)) if matches!(error.kind, ErrorKind::TooDeep(_)) => {
+            scanned(body, anthropic).map_or(Depth::Unread, Depth::TooDeep)
+        }
+        Err(_) => Depth::Unread,
     }
 }
 
@@ -78,20 +197,9 @@ impl Sink for Depths {
 /// every field is within its limit, or the body is not a JSON object this check can read
 /// (the Python control plane then reads and refuses it with its own reason).
 pub fn too_deep(body: &[u8], anthropic: bool) -> Option<String> {
-    let start = body.iter().position(|b| !b" \t\r\n".contains(b))?;
-    if body[start] != b'{' {
-        return None; // not an object (or not UTF-8 without a BOM): the control plane reads it
-    }
-    let mut depths = Depths::default();
-    match parse_with(body, PARSE_BOUND, &mut depths) {
-        Ok(_) => depths.members.into_iter().find_map(|(name, depth)| {
-            let name = name?;
-            (depth > limit(&name, anthropic)?).then_some(name)
-        }),
-        Err(Failure::Syntax(error)) if matches!(error.kind, ErrorKind::TooDeep(_)) => {
-            scanned(body, anthropic)
-        }
-        Err(_) => None,
+    match measure(body, anthropic) {
+        Depth::TooDeep(name) => Some(name),
+        Depth::Within { .. } | Depth::Unread => None,
     }
 }
 
@@ -239,5 +347,82 @@ mod tests {
         assert_eq!(too_deep(body.as_bytes(), false), None);
         let body = format!(r#"{{"tools": [], "tools": {}}}"#, nested(501));
         assert_eq!(too_deep(body.as_bytes(), false).as_deref(), Some("tools"));
+    }
+
+    #[test]
+    fn a_body_read_whole_says_whether_its_messages_have_their_shape() {
+        let within = |body: &str| measure(body.as_bytes(), false);
+        assert_eq!(
+            within(r#"{"messages": [{"role": "user", "content": "[["}], "n": 1}"#),
+            Depth::Within {
+                shaped: true,
+                utf8: true
+            }
+        );
+        for body in [
+            r#"{"messages": []}"#,
+            r#"{"messages": [{"role": 1}]}"#,
+            r#"{"messages": [{"role": "user"}, "x"]}"#,
+            r#"{"messages": {"role": "user"}}"#,
+            r#"{"messages": [{"content": "user"}]}"#,
+            r#"{"model": "m"}"#,
+        ] {
+            assert_eq!(
+                within(body),
+                Depth::Within {
+                    shaped: false,
+                    utf8: true
+                },
+                "{body}"
+            );
+        }
+        // a repeated key is its last value, as json.loads reads it
+        assert_eq!(
+            within(r#"{"messages": [{"role": "user", "r\u006fle": 2}]}"#),
+            Depth::Within {
+                shaped: false,
+                utf8: true
+            }
+        );
+        assert_eq!(
+            within(r#"{"messages": [{"role": 2, "role": "user"}]}"#),
+            Depth::Within {
+                shaped: true,
+                utf8: true
+            }
+        );
+    }
+
+    #[test]
+    fn a_body_read_whole_says_whether_it_is_strict_utf8() {
+        let utf8 = |body: &[u8]| match measure(body, false) {
+            Depth::Within { utf8, .. } => utf8,
+            other => panic!("{other:?}"),
+        };
+        assert!(utf8(
+            "{\"messages\": [{\"role\": \"caf\u{e9}\"}]}".as_bytes()
+        ));
+        assert!(utf8(br#"{"a": "\u00e9\ud83d\ude00"}"#));
+        assert!(!utf8(br#"{"a": ["\ud800"]}"#));
+        assert!(!utf8(br#"{"a": {"\udfff": 1}}"#));
+        assert!(!utf8(b"{\"a\": \"\xed\xa0\x80\"}"));
+        assert!(!utf8(b"{\x00}\x00"));
+    }
+
+    #[test]
+    fn what_the_check_cannot_read_whole_is_left_unread() {
+        assert_eq!(measure(b"[1]", false), Depth::Unread);
+        assert_eq!(measure(b"{\"messages\": [", false), Depth::Unread);
+        assert_eq!(measure(b"  ", false), Depth::Unread);
+        let surrogate_key = r#"{"\ud800": 1, "messages": [{"role": "user"}]}"#;
+        assert_eq!(measure(surrogate_key.as_bytes(), false), Depth::Unread);
+        // past the parser's bound with no field named too deep: an escaped key
+        let body = format!(r#"{{"d\u0065ep": {}}}"#, nested(2000));
+        assert_eq!(measure(body.as_bytes(), false), Depth::Unread);
+        let body = format!(r#"{{"messages": [{}]}}"#, message_of(600));
+        assert_eq!(
+            measure(body.as_bytes(), false),
+            Depth::TooDeep("messages".to_string())
+        );
     }
 }

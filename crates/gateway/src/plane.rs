@@ -105,6 +105,8 @@ pub struct Call {
     /// The request's headers, names lowercased, values as sent.
     pub headers: Vec<(String, Bytes)>,
     pub body: Bytes,
+    /// What the depth check's reading of the body found: the control need not check it again.
+    pub checked: depth::Checked,
     /// Microseconds since the Unix epoch when the request arrived.
     pub received_us: u64,
 }
@@ -624,9 +626,17 @@ impl<C: Control> Shared<C> {
             Err(Some((status, reason))) => return refused(anthropic, status, &reason),
             Err(None) => return json_reply(400, String::new(), true),
         };
-        if let Some(field) = depth::too_deep(&raw, anthropic) {
-            return refused(anthropic, 400, &depth::reason(&field));
-        }
+        let checked = match depth::measure(&raw, anthropic) {
+            depth::Depth::TooDeep(field) => {
+                return refused(anthropic, 400, &depth::reason(&field));
+            }
+            depth::Depth::Within { shaped, utf8 } => depth::Checked {
+                depth: true,
+                shape: shaped,
+                utf8,
+            },
+            depth::Depth::Unread => depth::Checked::default(),
+        };
         let call = Call {
             anthropic,
             session,
@@ -636,6 +646,7 @@ impl<C: Control> Shared<C> {
                 .map(|(n, v)| (n.as_str().to_string(), Bytes::copy_from_slice(v.as_bytes())))
                 .collect(),
             body: raw,
+            checked,
             received_us,
         };
         let Some(prepared) = self.blocking(move |c| c.prepare(call)).await else {
