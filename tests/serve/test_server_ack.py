@@ -49,6 +49,16 @@ def _traffic(session: dict[str, Any]) -> None:
     )
 
 
+def _call(url: str, session: dict[str, Any], content: str) -> None:
+    """One model call of `session` whose messages are a user's `content`, answered 200."""
+    httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": content}]},
+        headers={"authorization": f"Bearer {session['api_key']}"},
+        timeout=20,
+    ).raise_for_status()
+
+
 def _export_text(url: str, session_id: str) -> str:
     answer = httpx.get(
         f"{url}/sessions/{session_id}/export",
@@ -181,12 +191,7 @@ def test_fast_drains_its_queue_on_shutdown(
     with serve_app(create_app(stub, data=data, ack="fast", admin_key=ADMIN_KEY)) as url:
         session = new_session(url, session_id="drained")
         for i in range(4):
-            httpx.post(
-                f"{url}/v1/chat/completions",
-                json={"model": "m", "messages": [{"role": "user", "content": f"call {i}"}]},
-                headers={"authorization": f"Bearer {session['api_key']}"},
-                timeout=20,
-            ).raise_for_status()
+            _call(url, session, f"call {i}")
         # the queue still holds turns when the server is told to stop
         assert httpx.get(f"{url}/health").json()["ack_queue"]["pending"] >= 1
     monkeypatch.undo()
@@ -218,12 +223,7 @@ def test_fast_records_the_turns_queued_meanwhile_together_in_order(
         calls = 6
         for i in range(calls):
             for session in sessions:
-                httpx.post(
-                    f"{url}/v1/chat/completions",
-                    json={"model": "m", "messages": [{"role": "user", "content": f"call {i}"}]},
-                    headers={"authorization": f"Bearer {session['api_key']}"},
-                    timeout=20,
-                ).raise_for_status()
+                _call(url, session, f"call {i}")
         gate.set()
         for session in sessions:
             doc = export(url, session["session_id"])  # (waits for the turns answered before)
@@ -280,12 +280,7 @@ def test_a_stop_cutting_the_recorder_counts_each_turn_as_what_it_became(
             syncs = _GatedSyncs(patch)
 
             def call(k: int, i: int) -> None:
-                httpx.post(
-                    f"{url}/v1/chat/completions",
-                    json={"model": "m", "messages": [{"role": "user", "content": f"call {i}"}]},
-                    headers={"authorization": f"Bearer {sessions[k]['api_key']}"},
-                    timeout=20,
-                ).raise_for_status()
+                _call(url, sessions[k], f"call {i}")
 
             call(0, 0)
             syncs.wait_for(1)  # cut-0's first turn, alone, is being synced

@@ -163,12 +163,7 @@ impl Packer {
         low: usize,
     ) -> PyResult<(Blake3, u64)> {
         let buffer = std::mem::take(&mut self.buffer);
-        let mut walk = Walk::new(
-            self.intern.as_ref().map(|i| i.bind(py)),
-            self.threshold,
-            self.ext_type.bind(py),
-            buffer,
-        );
+        let mut walk = self.walk(py, buffer);
         let mut hasher = PrefixHasher::new();
         let low = low.min(messages.len());
         for i in 0..low {
@@ -200,6 +195,16 @@ impl Packer {
 }
 
 impl Packer {
+    /// A walk with this packer's settings, writing into `buffer` (its kept one: see `keep`).
+    fn walk<'a>(&'a self, py: Python<'a>, buffer: Vec<u8>) -> Walk<'a> {
+        Walk::new(
+            self.intern.as_ref().map(|i| i.bind(py)),
+            self.threshold,
+            self.ext_type.bind(py),
+            buffer,
+        )
+    }
+
     fn pack_inner<'py>(
         &mut self,
         py: Python<'py>,
@@ -207,12 +212,7 @@ impl Packer {
         panic: bool,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let buffer = std::mem::take(&mut self.buffer);
-        let mut walk = Walk::new(
-            self.intern.as_ref().map(|i| i.bind(py)),
-            self.threshold,
-            self.ext_type.bind(py),
-            buffer,
-        );
+        let mut walk = self.walk(py, buffer);
         walk.value(value, 0).map_err(into_py_err)?;
         assert!(!panic, "a panic for tests, after the walk");
         let packed = PyBytes::new(py, &walk.out);
