@@ -208,3 +208,79 @@ fn other_routes_go_to_the_control_plane() {
     assert_eq!((status, body.as_str()), (200, r#"{"status":"ok"}"#));
     assert_eq!(s.upstream_hits.load(Ordering::SeqCst), 0);
 }
+
+/// A control plane whose call with a body holding "first" finishes only once another call
+/// has finished (as a call continuing a stream waits for the stream's turn), and says so in
+/// `waits`.
+#[derive(Default)]
+struct Ordered {
+    others_finished: Mutex<usize>,
+    changed: std::sync::Condvar,
+}
+
+struct OrderedProbe(Arc<Ordered>);
+
+impl Control for OrderedProbe {
+    type Ticket = bool;
+
+    fn waits(&self, first: &bool) -> bool {
+        *first
+    }
+
+    fn prepare(&self, call: Call) -> Prepared<bool> {
+        let first = call.body.windows(5).any(|w| w == b"first");
+        common::forward(call, first, None)
+    }
+
+    fn finish(&self, first: &bool, upstream: Upstream) -> Finished {
+        let mut finished = self.0.others_finished.lock().unwrap();
+        if *first {
+            let (after, _) = self
+                .0
+                .changed
+                .wait_timeout_while(finished, Duration::from_secs(10), |n| *n == 0)
+                .unwrap();
+            finished = after;
+        } else {
+            *finished += 1;
+            self.0.changed.notify_all();
+        }
+        let status = if *finished > 0 { upstream.status } else { 504 };
+        Finished {
+            reply: Reply {
+                status,
+                headers: Vec::new(),
+                chunks: vec![upstream.body],
+                stream: false,
+            },
+            ..Finished::default()
+        }
+    }
+
+    fn finish_stream(&self, _: &bool, _: Streamed) -> Finished {
+        Finished::default()
+    }
+
+    fn record(&self, _: &bool) {}
+
+    fn dropped(&self, _: &bool, _: &'static str) {}
+
+    fn sent(&self, _: &bool, _: Sent) {}
+}
+
+#[test]
+fn a_call_that_waits_for_another_holds_up_no_caller_thread() {
+    let (upstream, _) = stub(None);
+    let config = Config {
+        callers: 1,
+        ..common::config(format!("http://{upstream}"))
+    };
+    let gateway = Gateway::start(config, OrderedProbe(Arc::default())).unwrap();
+    let addr = gateway.local_addr();
+    let waiting =
+        std::thread::spawn(move || model_call(addr, "any", r#"{"messages": [], "first": 1}"#));
+    std::thread::sleep(Duration::from_millis(200)); // its finish waits by now
+    assert_eq!(model_call(addr, "any", BODY).0, 200);
+    let (status, _) = waiting.join().unwrap();
+    assert_eq!(status, 200, "the waiting call never saw the other finish");
+}
