@@ -1491,15 +1491,11 @@ fn call_loop<C: Control>(control: &C, calls: &Mutex<mpsc::Receiver<Work<C>>>) {
     }
 }
 
+/// The recorder: one job at a time, each taking the GIL for itself, so that the caller
+/// threads (whose calls a reply waits for) win it between them.
 fn record_loop<C: Control>(shared: &Shared<C>, jobs: &mpsc::Receiver<Job<C::Ticket>>) {
-    while let Ok(first) = jobs.recv() {
-        let mut next = Some(first);
-        shared.control.batch(&mut || {
-            while let Some(job) = next.take() {
-                record_job(shared, job);
-                next = jobs.try_recv().ok();
-            }
-        });
+    while let Ok(job) = jobs.recv() {
+        record_job(shared, job);
     }
 }
 
