@@ -103,6 +103,7 @@ sys.path.insert(0, str(HERE))
 from measure import (  # noqa: E402
     MiB,
     add_results_option,
+    engine_bytes,
     library_commit,
     results_dir,
     targets_summary,
@@ -598,7 +599,9 @@ def _print_sites(
 def traced_sessions(bodies: list[dict[str, Any]], sites: int = 0) -> int:
     """Bytes the sessions of a group retain (tracemalloc, in this process): each rollout's
     calls recorded as the server records them (raw messages and tools) into sessions that
-    share one memory store. What the library keeps, without allocator or server overhead.
+    share one memory store. What the library keeps, without allocator or server overhead:
+    tracemalloc's count plus the engine's own (`engine_bytes`: Rust's allocations, which
+    tracemalloc does not see).
 
     Each turn's node (and the request bytes it holds, the whole conversation) is made and
     dropped inside `_record_call`, as the server drops it after `add_turn`: a node left in a
@@ -617,11 +620,12 @@ def traced_sessions(bodies: list[dict[str, Any]], sites: int = 0) -> int:
         gc.collect()
         before = tracemalloc.take_snapshot() if sites else None
         base = tracemalloc.get_traced_memory()[0]
+        engine_base = engine_bytes()
         for seed, calls in rollouts.items():
             for call in calls:
                 _record_call(by_seed[seed], seed, call)
         gc.collect()
-        retained = tracemalloc.get_traced_memory()[0] - base
+        retained = tracemalloc.get_traced_memory()[0] - base + engine_bytes() - engine_base
         if before is not None:
             _print_sites(before, tracemalloc.take_snapshot(), sites, len(bodies))
         sessions.close()
@@ -1008,7 +1012,7 @@ def main(argv: list[str] | None = None) -> int:
         f"load average {os.getloadavg()[0]:.1f}"
     )
     print(
-        "retained by the sessions' graphs in process (tracemalloc): "
+        "retained by the sessions' graphs in process (tracemalloc + the engine's bytes): "
         + ", ".join(
             f"{group} {traced[group] / MiB:.2f} MiB = {traced[group] / unique[group]:.2f}x unique"
             for group in GROUPS
