@@ -5,6 +5,7 @@ turns that arrived early moved under an ancestor that arrives late.
 from __future__ import annotations
 
 from array import array
+from operator import itemgetter
 from typing import Any
 
 import xxhash
@@ -89,6 +90,9 @@ def _head(length: int) -> int:
     """The longest head a run of `length` tokens (fewer than a block) has."""
     return max(h for h in HEADS if h <= length)
 
+
+#: A ranked candidate's length.
+_first = itemgetter(0)
 
 #: No upper bound on a length (a scan of the token roots).
 _NO_LENGTH_LIMIT = 1 << 62
@@ -283,30 +287,37 @@ class Linker:
         def content_at(length: int) -> int:
             return xxhash.xxh3_64_intdigest(view[: length * 4])
 
+        token_index = self.token_index
         for key, low, high in buckets:
-            best: Turn | None = None
-            best_length = -1
+            found = token_index.get(key)
+            if found is None:
+                continue
             # (a parent's tokens are a prefix of the prompt: n of them at most; of a large
             # group of one length only those whose tokens are the prompt's first ones)
-            found = self.token_index.get(key)
+            ranked: list[tuple[int, Turn, TokenRun]] = []
             for candidate in sized_exact(found, low, min(high, n + 1), content_at):
                 full = candidate.full
-                if (
-                    full is not None
-                    and low <= full.length < high
-                    and (full.length < n or sampled_any(candidate))
-                    and (
-                        full.length > best_length
-                        or (
-                            full.length == best_length
-                            and best is not None
-                            and not sampled_any(best)
-                            and sampled_any(candidate)
-                        )
-                    )
-                    and run_matches(full, data)
-                ):
-                    best, best_length = candidate, full.length
+                if full is not None:
+                    length = full.length
+                    if low <= length < high and (length < n or sampled_any(candidate)):
+                        ranked.append((length, candidate, full))
+            if not ranked:
+                continue
+            if len(ranked) > 1:  # deepest first; as filed among those as deep (a stable sort)
+                ranked.sort(key=_first, reverse=True)
+            # the deepest that matches; of those as deep, the first that sampled, else the first
+            best: Turn | None = None
+            best_length = -1
+            for length, candidate, full in ranked:
+                if best is not None:
+                    if length < best_length:
+                        break
+                    if not sampled_any(candidate):
+                        continue
+                if run_matches(full, data):
+                    if sampled_any(candidate):
+                        return candidate
+                    best, best_length = candidate, length
             if best is not None:
                 return best
         return None
@@ -520,13 +531,14 @@ class Linker:
             in_range = sized_members(self.token_index.get(key), max(start, low), min(stop, high))
             for other in in_range:
                 full = other.full
+                if other is new or full is None:
+                    continue
+                length = full.length
                 if (
-                    other is not new
-                    and full is not None
-                    and full.length < high
+                    low <= length < high
                     # longer than the prompt, or a failed call of the very prompt
-                    and (full.length > low or (full.length == low and not sampled_any(other)))
-                    and start <= full.length < stop
+                    and (length > low or not sampled_any(other))
+                    and start <= length < stop
                     and run_matches(full, data)
                 ):
                     found.append(other)

@@ -799,7 +799,10 @@ def is_above(ancestor: Turn, turn: Turn) -> bool:
 def sampled_any(turn: Turn) -> bool:
     """A turn that sampled nothing is a failed call: one with its very prompt is a retry
     (a sibling), not a continuation."""
-    return turn.sampled is not None and len(turn.sampled) > 0
+    sampled = turn.side.sampled
+    if sampled is PACKED:  # counted in its packed head: no array made to be measured
+        return turn.n_sampled > 0
+    return sampled is not None and len(sampled) > 0
 
 
 def finish_tail(turn: Turn) -> None:

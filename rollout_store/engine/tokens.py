@@ -358,18 +358,14 @@ def run_matches(run: TokenRun, data: bytes) -> bool:
             while True:  # packed prompts, each standing for its full run when `sampled`
                 packed = node.data
                 _, n_new, n_sampled, _ = unpack(packed)
-                if sampled and n_sampled > 0:  # its sampled ids, compared in place
-                    start = _HEAD_SIZE + 4 * n_new
-                    n = 4 * n_sampled
-                    ids = memoryview(packed)[start : start + n]
+                # its new ids, then its sampled ids when its full run is meant: one span, in
+                # its bytes as in the tokens, compared in place
+                n = 4 * (n_new + n_sampled) if sampled and n_sampled > 0 else 4 * n_new
+                if n:
+                    ids = packed[_HEAD_SIZE : _HEAD_SIZE + n]
                     if len(ids) != n or not startswith(ids, end - n):
                         return False
                     end -= n
-                n = 4 * n_new  # its new ids
-                ids = memoryview(packed)[_HEAD_SIZE : _HEAD_SIZE + n]
-                if n and (len(ids) != n or not startswith(ids, end - n)):
-                    return False
-                end -= n
                 node = node.after
                 if isinstance(node, PackedRun):
                     sampled = True
