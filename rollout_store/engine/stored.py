@@ -19,7 +19,7 @@ from typing import Any, Final, NamedTuple, Protocol, TypeVar, overload
 from ..errors import RolloutStoreError
 from .confirm import digest_key
 from .encoding import ECHO_PACKED, array_header
-from .tokens import ArrayRun, PackedFull, PackedRun, TokenRun, packed_size
+from .tokens import ArrayRun, PackedFull, PackedRun, TokenRun, packed_full_length, packed_size
 
 __all__ = [
     "EMPTY_PROMPT",
@@ -480,6 +480,16 @@ class Turn(PackedRun):
             self.flags = flags | FULL_APART
         else:
             raise RolloutStoreError("a turn's full run is its prompt, or a run over it")
+
+    @property
+    def full_length(self) -> int | None:
+        """The tokens of `full` (None: no token ids), read without making a packed turn's
+        view."""
+        flags = self.flags
+        if flags & HAS_TOKENS:
+            return packed_full_length(self.data) if flags & FULL_APART else self.length
+        full: TokenRun | None = self.after  # type: ignore[assignment]  # the full run or the prompt
+        return None if full is None else full.length
 
     # -- identity, link and children
 
