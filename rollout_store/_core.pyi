@@ -311,8 +311,9 @@ class FrameScan:
 class DataPlane:
     """The data plane: the model routes served by hyper on a runtime of its own, the rest
     proxied to the control plane's listener; the control plane's callbacks (`prepare`,
-    `finish`, `finish_stream`, `record`, `dropped`, `sent`) are methods of `control`. `stop`
-    ends it.
+    `waits`, `finish`, `finish_stream`, `record`, `dropped`, `sent`) are methods of
+    `control`. `stop` ends it.
+    `callers`: threads the callbacks run on (one when a callback never waits on I/O).
     `forward_only`: a floor for benchmarks (calls go upstream and come back as they came,
     with no key, no callback and nothing recorded)."""
 
@@ -334,6 +335,7 @@ class DataPlane:
         fast: bool,
         ack_queue: int,
         workers: int = 2,
+        callers: int = 1,
         forward_only: bool = False,
     ) -> DataPlane: ...
     @property

@@ -179,6 +179,9 @@ ACK_GROUP = 64
 #: Seconds a stopping server waits for the queued turns to be recorded (the rest are counted
 #: as dropped), and an export waits for the turns answered before it.
 ACK_DRAIN_SECONDS = 10.0
+#: Threads the Rust data plane runs its callbacks on when adding a turn may wait on I/O (a
+#: log synced per turn, a store over the network).
+CALLERS = 8
 #: The environment variable `rollout-store serve` reads its admin key from.
 ADMIN_KEY_ENV = "ROLLOUT_STORE_ADMIN_KEY"
 #: The shortest admin key accepted.
@@ -2350,12 +2353,14 @@ class _Call:
     """One model call between the engine's callbacks: its plan, once answered its turn, and
     (a passed-through stream) when its turn is recorded or let go."""
 
-    __slots__ = ("ended", "node", "plan")
+    __slots__ = ("after", "ended", "node", "plan")
 
     def __init__(self, plan: _Plan) -> None:
         self.plan = plan
         self.node: TurnNode | None = None
         self.ended = threading.Event()
+        #: The session's streams, not ended, that this call continues (`waits`).
+        self.after: list[_Call] = []
 
 
 def _continues(later: Any, earlier: Any) -> bool:
@@ -2404,6 +2409,9 @@ class RustDataPlane:
             fast=config.ack == "fast",
             ack_queue=config.ack_queue,
             workers=workers,
+            # one thread when a turn is added without waiting (as the Python plane adds it
+            # in its event loop), else enough that one waiting holds up few others
+            callers=1 if server.inline else CALLERS,
         )
         self.port: int = self._engine.port
         #: Per session, its streams passed through whose turn is not recorded yet.
@@ -2477,20 +2485,30 @@ class RustDataPlane:
                 self._streams.setdefault(session.session_id, []).append(call)
         return call, plan.path, plan.content, list(plan.headers.items()), stream
 
-    def _after_streams(self, call: _Call) -> None:
-        """Wait (at most `--upstream-timeout`) for the turns of the session's streams that
-        this call continues: a client may read a stream's answer and call again before the
-        stream's end is recorded (it left early, or stopped reading at the last delta), and
-        its next turn must find that one in the graph to link to it."""
+    def waits(self, call: _Call) -> bool:
+        """Whether the call's `finish` (or `finish_stream`) is to wait first for the turns
+        of the session's streams that it continues, not recorded yet: a client may read a
+        stream's answer and call again before the stream's end is recorded (it left early,
+        or stopped reading at the last delta), and its next turn must find that one in the
+        graph to link to it. The engine then calls it on a thread where the wait holds up
+        no other call."""
+        if not self._streams:
+            return False
         plan = call.plan
         with self._streams_lock:
-            earlier = [
+            call.after = [
                 other
                 for other in self._streams.get(plan.session.session_id, ())
-                if other is not call and _continues(plan.messages, other.plan.messages)
+                if other is not call
+                and not other.ended.is_set()
+                and _continues(plan.messages, other.plan.messages)
             ]
+        return bool(call.after)
+
+    def _after_streams(self, call: _Call) -> None:
+        """Wait (at most `--upstream-timeout`) for the streams `waits` found."""
         deadline = time.monotonic() + self._server.config.upstream_timeout
-        for other in earlier:
+        for other in call.after:
             other.ended.wait(max(0.0, deadline - time.monotonic()))
 
     def _stream_ended(self, call: _Call) -> None:
@@ -2680,13 +2698,7 @@ class RustDataPlane:
         try:
             if node is None:
                 raise RuntimeError("a queued call without its turn")
-            loop = server.loop
-            if loop is not None and loop.is_running():
-                # the Python server's recorder does it in its event loop: so does this one
-                recording = asyncio.run_coroutine_threadsafe(server._record(session, node), loop)
-                clock.node_id = recording.result()
-            else:
-                clock.node_id = server.record_now(session, node)
+            clock.node_id = server.record_now(session, node)
             if clock.reply_sent >= 0:  # sent before the turn was recorded: ours to do
                 self._server.record_timeline_now(session, clock)
         except Exception:  # any failure: the client has its answer, the turn is counted

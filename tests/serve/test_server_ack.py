@@ -22,7 +22,7 @@ from capture_support import ADMIN, ADMIN_KEY, auth, export, new_session, serve_a
 
 from rollout_store import RolloutGraph
 from rollout_store.errors import InvalidArgumentError
-from rollout_store.serve.server import _Server, create_app
+from rollout_store.serve.server import RustDataPlane, _Server, create_app
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
@@ -147,13 +147,21 @@ def test_fast_answers_and_counts_a_turn_that_cannot_be_recorded(
 
 
 def _slow_recorder(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Each queued turn is recorded `seconds` late: by the Python plane's recorder (in the
+    event loop) or the Rust plane's (in its own thread)."""
     record = _Server._record
+    record_queued = RustDataPlane.record
 
     async def slow(self: _Server, session: Any, node: Any) -> None:
         await asyncio.sleep(seconds)
         await record(self, session, node)
 
+    def slow_queued(self: RustDataPlane, call: Any) -> None:
+        time.sleep(seconds)
+        record_queued(self, call)
+
     monkeypatch.setattr(_Server, "_record", slow)
+    monkeypatch.setattr(RustDataPlane, "record", slow_queued)
 
 
 @pytest.mark.slow

@@ -516,14 +516,16 @@ def test_a_client_that_leaves_mid_stream_leaves_the_turn_recorded(tmp_path: Path
         assert _post(url, "/v1/chat/completions", session, body).status_code == 200
 
 
+@pytest.mark.parametrize("fsync", ["turn", "never"])
 def test_a_call_continuing_a_stream_whose_end_is_not_recorded_waits_for_it(
-    tmp_path: Path,
+    tmp_path: Path, fsync: str
 ) -> None:
     """A client that stops reading at the last delta and calls again at once: its next turn
-    is recorded after the stream's, which it continues (and links to)."""
+    is recorded after the stream's, which it continues (and links to). With `fsync` never,
+    the engine runs its callbacks on one thread: the wait must not hold that one up."""
     engine = Engine(_chat_answer(), _chat_events(), hold_at=len(_chat_events()) - 1)
     body = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "stream": True}
-    with _through(engine, tmp_path) as (url, app, session):
+    with _through(engine, tmp_path, fsync=fsync) as (url, app, session):
         headers = {"authorization": f"Bearer {session['api_key']}"}
         received = b""
         with httpx.stream(

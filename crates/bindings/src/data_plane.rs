@@ -164,6 +164,22 @@ impl PyControl {
 impl Control for PyControl {
     type Ticket = Py<PyAny>;
 
+    fn batch(&self, work: &mut dyn FnMut()) {
+        Python::attach(|_| work());
+    }
+
+    fn waits(&self, ticket: &Py<PyAny>) -> bool {
+        Python::attach(|py| {
+            self.control
+                .call_method1(py, "waits", (ticket.clone_ref(py),))
+                .and_then(|out| out.extract(py))
+                .unwrap_or_else(|error| {
+                    error.print(py);
+                    false
+                })
+        })
+    }
+
     fn prepare(&self, call: Call) -> Prepared<Py<PyAny>> {
         Python::attach(|py| {
             self.try_prepare(py, call).unwrap_or_else(|error| {
@@ -233,8 +249,9 @@ impl Control for PyControl {
 
 /// The data plane: the model routes served by hyper on a runtime of its own, the rest
 /// proxied to the control plane's listener; the control plane's callbacks (`prepare`,
-/// `finish`, `finish_stream`, `record`, `dropped`, `sent`) are methods of `control`. `stop`
-/// ends it.
+/// `waits`, `finish`, `finish_stream`, `record`, `dropped`, `sent`) are methods of
+/// `control`. `stop` ends it.
+/// `callers`: threads the callbacks run on (one when a callback never waits on I/O).
 /// `forward_only`: a floor for benchmarks (calls go upstream and come back as they came,
 /// with no key, no callback and nothing recorded).
 #[pyclass(frozen, module = "rollout_store._core")]
@@ -268,7 +285,7 @@ impl DataPlane {
     #[pyo3(signature = (
         control, *, host, port, backend_port, upstream, hosts, open_mode, max_body_bytes,
         body_timeout, body_timeout_text, upstream_timeout, stream_keepalive, fast, ack_queue, workers = 2,
-        forward_only = false
+        callers = 1, forward_only = false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -288,6 +305,7 @@ impl DataPlane {
         fast: bool,
         ack_queue: usize,
         workers: usize,
+        callers: usize,
         forward_only: bool,
     ) -> PyResult<Self> {
         let listen = (host.trim_start_matches('[').trim_end_matches(']'), port)
@@ -308,6 +326,7 @@ impl DataPlane {
             fast,
             ack_queue: ack_queue.max(1),
             workers,
+            callers,
             forward_only,
         };
         let gateway = py.detach(|| Gateway::start(config, PyControl { control }))?;

@@ -13,12 +13,17 @@
 //! other request is proxied, streamed both ways, to the control plane's own listener on
 //! loopback.
 //!
-//! The control's calls may block (they take the GIL): they run on tokio's blocking pool, and a
-//! panic in one answers that call 500 while the server goes on. Recording with `--ack fast`
-//! and every call's timeline go through one channel to the recorder thread, in the order the
-//! calls were answered; the queue of turns not yet recorded is bounded (`ack_queue`), a turn
-//! past it is dropped and reported to the control, as one the recorder could not record in
-//! time when the gateway stops.
+//! The control's calls may block (they take the GIL): they run on the gateway's caller
+//! threads (`callers` of them), one call after another, in batches the control may run
+//! under one hold of its lock ([`Control::batch`]); threads that each took the GIL for one
+//! call would spend more on passing it between them than on the calls. A call that must
+//! first wait for another one's end ([`Control::waits`]) runs on tokio's blocking pool
+//! instead, where its wait holds up no other call. A panic in a call answers that call 500
+//! while the server goes on. Recording with `--ack fast` and every call's timeline go
+//! through one channel to the recorder thread, in the order the calls were answered; the
+//! queue of turns not yet recorded is bounded (`ack_queue`), a turn past it is dropped and
+//! reported to the control, as one the recorder could not record in time when the gateway
+//! stops.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -89,6 +94,9 @@ pub struct Config {
     pub fast: bool,
     pub ack_queue: usize,
     pub workers: usize,
+    /// Threads the control's calls run on (see the module's note): one when a call never
+    /// waits on I/O, more when it may (a log synced per turn, a store over the network).
+    pub callers: usize,
     /// A floor for benchmarks: a model call that passes the gate goes upstream as it came
     /// and its answer comes back as it came; no key, no control plane, nothing recorded.
     pub forward_only: bool,
@@ -209,6 +217,16 @@ pub struct Sent {
 pub trait Control: Send + Sync + 'static {
     /// What a call carries from `prepare` to its recording.
     type Ticket: Send + Sync + 'static;
+    /// Run `work`, a run of the control's calls one after another (the bindings take the
+    /// GIL once for all of them).
+    fn batch(&self, work: &mut dyn FnMut()) {
+        work();
+    }
+    /// Whether the call's `finish` (or `finish_stream`) would first wait for another call's
+    /// end; asked right before it, in the same batch.
+    fn waits(&self, _ticket: &Self::Ticket) -> bool {
+        false
+    }
     fn prepare(&self, call: Call) -> Prepared<Self::Ticket>;
     fn finish(&self, ticket: &Self::Ticket, upstream: Upstream) -> Finished;
     /// The end of a stream passed through: its turn made of its events and recorded
@@ -227,6 +245,9 @@ enum Job<T> {
     Record(Arc<T>),
     Sent(Arc<T>, Sent),
 }
+
+/// One of the control's calls, for a caller thread.
+type Work<C> = Box<dyn FnOnce(&C) + Send>;
 
 /// The turns queued: those waiting for the recorder (what the bound counts, as the Python
 /// server's queue does), and those not yet recorded, the one being recorded too (what
@@ -280,6 +301,8 @@ struct Shared<C: Control> {
     open_mode: AtomicBool,
     client: Client<HttpsConnector<HttpConnector>, Out>,
     jobs: Mutex<Option<mpsc::Sender<Job<C::Ticket>>>>,
+    /// The caller threads' queue (`None` once stopping).
+    calls: Mutex<Option<mpsc::Sender<Work<C>>>>,
     pending: Pending,
     /// When the recorder is to stop recording (set by `stop`).
     deadline: Mutex<Option<Instant>>,
@@ -292,6 +315,7 @@ pub struct Gateway<C: Control> {
     runtime: Option<Runtime>,
     accepting: Option<tokio::task::JoinHandle<()>>,
     recorder: Option<JoinHandle<()>>,
+    callers: Vec<JoinHandle<()>>,
     local: SocketAddr,
 }
 
@@ -504,15 +528,54 @@ impl<C: Control> Shared<C> {
         jobs.as_ref().is_some_and(|tx| tx.send(job).is_ok())
     }
 
-    /// Run one of the control's calls on the blocking pool; `None` if it panicked.
-    async fn blocking<R: Send + 'static>(
-        self: &Arc<Self>,
+    /// Run one of the control's calls on a caller thread; `None` if it panicked or the
+    /// gateway is stopping.
+    async fn call<R: Send + 'static>(
+        &self,
         work: impl FnOnce(&C) -> R + Send + 'static,
     ) -> Option<R> {
-        let control = self.control.clone();
-        tokio::task::spawn_blocking(move || work(&control))
-            .await
-            .ok()
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let work: Work<C> = Box::new(move |control| {
+            let _ = tx.send(work(control));
+        });
+        let sent = {
+            let calls = self.calls.lock().unwrap_or_else(PoisonError::into_inner);
+            calls.as_ref().is_some_and(|tx| tx.send(work).is_ok())
+        };
+        if !sent {
+            return None;
+        }
+        rx.await.ok()
+    }
+
+    /// The control's `finish` or `finish_stream` (`work`) of a call: on a caller thread, or
+    /// on tokio's blocking pool when it must first wait for another call's end.
+    async fn finish_call<A: Send + 'static>(
+        &self,
+        ticket: &Arc<C::Ticket>,
+        argument: A,
+        work: fn(&C, &C::Ticket, A) -> Finished,
+    ) -> Option<Finished> {
+        let held = ticket.clone();
+        let first = self
+            .call(move |c| {
+                if c.waits(&held) {
+                    Err(argument)
+                } else {
+                    Ok(work(c, &held, argument))
+                }
+            })
+            .await?;
+        match first {
+            Ok(finished) => Some(finished),
+            Err(argument) => {
+                let control = self.control.clone();
+                let held = ticket.clone();
+                tokio::task::spawn_blocking(move || work(&control, &held, argument))
+                    .await
+                    .ok()
+            }
+        }
     }
 
     async fn handle(self: Arc<Self>, request: Request<Incoming>) -> Response<Out> {
@@ -649,7 +712,7 @@ impl<C: Control> Shared<C> {
             checked,
             received_us,
         };
-        let Some(prepared) = self.blocking(move |c| c.prepare(call)).await else {
+        let Some(prepared) = self.call(move |c| c.prepare(call)).await else {
             return internal_error();
         };
         let (path, content, upstream_headers, ticket, stream) = match prepared {
@@ -717,14 +780,13 @@ impl<C: Control> Shared<C> {
         ticket: Arc<C::Ticket>,
         t0: Instant,
     ) -> Response<Out> {
-        let held = ticket.clone();
-        let Some(finished) = self.blocking(move |c| c.finish(&held, answer)).await else {
+        let Some(finished) = self.finish_call(&ticket, answer, C::finish).await else {
             return internal_error();
         };
         if finished.queue && !self.queue(&ticket) {
             let held = ticket.clone();
             if self
-                .blocking(move |c| c.dropped(&held, "queue_full"))
+                .call(move |c| c.dropped(&held, "queue_full"))
                 .await
                 .is_none()
             {
@@ -762,7 +824,7 @@ impl<C: Control> Shared<C> {
                         ..Streamed::default()
                     };
                     let _ = shared
-                        .blocking(move |c| c.finish_stream(&ticket, abandoned))
+                        .finish_call(&ticket, abandoned, C::finish_stream)
                         .await;
                     return;
                 }
@@ -788,8 +850,7 @@ impl<C: Control> Shared<C> {
                 started: true,
                 ..answer
             };
-            let held = ticket.clone();
-            let Some(finished) = shared.blocking(move |c| c.finish(&held, answer)).await else {
+            let Some(finished) = shared.finish_call(&ticket, answer, C::finish).await else {
                 return;
             };
             shared.ended(finished, Vec::new(), &feed, ticket).await;
@@ -809,8 +870,7 @@ impl<C: Control> Shared<C> {
     ) {
         if finished.queue && !self.queue(&ticket) {
             let held = ticket.clone();
-            let control = self.control.clone();
-            let _ = tokio::task::spawn_blocking(move || control.dropped(&held, "queue_full")).await;
+            let _ = self.call(move |c| c.dropped(&held, "queue_full")).await;
         }
         let released = if finished.release { held } else { Vec::new() };
         for chunk in released.into_iter().chain(finished.reply.chunks) {
@@ -902,11 +962,7 @@ impl<C: Control> Shared<C> {
             first_byte,
             last_byte: micros_since(t0),
         };
-        let control = ticket.clone();
-        let Some(finished) = self
-            .blocking(move |c| c.finish_stream(&control, streamed))
-            .await
-        else {
+        let Some(finished) = self.finish_call(&ticket, streamed, C::finish_stream).await else {
             return;
         };
         let held = std::mem::take(&mut passage.held);
@@ -1263,6 +1319,7 @@ impl<C: Control> Gateway<C> {
             .pool_timer(TokioTimer::new())
             .build(connector);
         let (tx, rx) = mpsc::channel();
+        let (calls_tx, calls_rx) = mpsc::channel();
         let shared = Arc::new(Shared {
             open_mode: AtomicBool::new(config.open_mode),
             config,
@@ -1270,6 +1327,7 @@ impl<C: Control> Gateway<C> {
             keys: RwLock::new(KeyTable::new()),
             client,
             jobs: Mutex::new(Some(tx)),
+            calls: Mutex::new(Some(calls_tx)),
             pending: Pending::default(),
             deadline: Mutex::new(None),
         });
@@ -1291,6 +1349,16 @@ impl<C: Control> Gateway<C> {
                 .name("rollout-store-recorder".into())
                 .spawn(move || record_loop(&shared, &rx))?
         };
+        let calls_rx = Arc::new(Mutex::new(calls_rx));
+        let callers = (0..shared.config.callers.max(1))
+            .map(|_| {
+                let control = shared.control.clone();
+                let calls = calls_rx.clone();
+                std::thread::Builder::new()
+                    .name("rollout-store-caller".into())
+                    .spawn(move || call_loop(&*control, &calls))
+            })
+            .collect::<io::Result<Vec<_>>>()?;
         let serving = shared.clone();
         let accepting = runtime.spawn(async move {
             loop {
@@ -1316,6 +1384,7 @@ impl<C: Control> Gateway<C> {
             runtime: Some(runtime),
             accepting: Some(accepting),
             recorder: Some(recorder),
+            callers,
             local,
         })
     }
@@ -1363,14 +1432,23 @@ impl<C: Control> Gateway<C> {
         counts.unfinished == 0
     }
 
-    /// Stop: no new connection, calls in flight cut after a second, the queued turns
-    /// recorded for at most `drain` (the rest reported dropped), the recorder joined.
+    /// Stop: no new connection, calls in flight cut after a second, the control's calls
+    /// queued meanwhile made, the queued turns recorded for at most `drain` (the rest
+    /// reported dropped), the caller threads and the recorder joined.
     pub fn stop(&mut self, drain: Duration) {
         if let Some(accepting) = self.accepting.take() {
             accepting.abort();
         }
         if let Some(runtime) = self.runtime.take() {
             runtime.shutdown_timeout(Duration::from_secs(1));
+        }
+        self.shared
+            .calls
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        for caller in self.callers.drain(..) {
+            let _ = caller.join();
         }
         *self
             .shared
@@ -1394,31 +1472,60 @@ impl<C: Control> Drop for Gateway<C> {
     }
 }
 
-fn record_loop<C: Control>(shared: &Shared<C>, jobs: &mpsc::Receiver<Job<C::Ticket>>) {
-    while let Ok(job) = jobs.recv() {
-        let late = shared
-            .deadline
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .is_some_and(|at| Instant::now() > at);
-        let control = &shared.control;
-        match job {
-            Job::Record(ticket) => {
-                shared.pending.taken();
-                let why = if late { "shutdown" } else { "" };
-                let _ = catch_unwind(AssertUnwindSafe(|| {
-                    if late {
-                        control.dropped(&ticket, why);
-                    } else {
-                        control.record(&ticket);
-                    }
-                }));
-                shared.pending.done();
+/// A caller thread: the control's calls, as they come, those queued meanwhile in one batch.
+/// The queue is shared by the caller threads; one waits on it while the others work.
+fn call_loop<C: Control>(control: &C, calls: &Mutex<mpsc::Receiver<Work<C>>>) {
+    loop {
+        let first = calls.lock().unwrap_or_else(PoisonError::into_inner).recv();
+        let Ok(first) = first else {
+            return;
+        };
+        let mut next = Some(first);
+        control.batch(&mut || {
+            while let Some(work) = next.take() {
+                let _ = catch_unwind(AssertUnwindSafe(|| work(control)));
+                // a queue another thread waits on ends the batch: never wait for it here
+                next = calls.try_lock().ok().and_then(|rx| rx.try_recv().ok());
             }
-            Job::Sent(ticket, sent) => {
-                if !late {
-                    let _ = catch_unwind(AssertUnwindSafe(|| control.sent(&ticket, sent)));
+        });
+    }
+}
+
+fn record_loop<C: Control>(shared: &Shared<C>, jobs: &mpsc::Receiver<Job<C::Ticket>>) {
+    while let Ok(first) = jobs.recv() {
+        let mut next = Some(first);
+        shared.control.batch(&mut || {
+            while let Some(job) = next.take() {
+                record_job(shared, job);
+                next = jobs.try_recv().ok();
+            }
+        });
+    }
+}
+
+fn record_job<C: Control>(shared: &Shared<C>, job: Job<C::Ticket>) {
+    let late = shared
+        .deadline
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .is_some_and(|at| Instant::now() > at);
+    let control = &shared.control;
+    match job {
+        Job::Record(ticket) => {
+            shared.pending.taken();
+            let why = if late { "shutdown" } else { "" };
+            let _ = catch_unwind(AssertUnwindSafe(|| {
+                if late {
+                    control.dropped(&ticket, why);
+                } else {
+                    control.record(&ticket);
                 }
+            }));
+            shared.pending.done();
+        }
+        Job::Sent(ticket, sent) => {
+            if !late {
+                let _ = catch_unwind(AssertUnwindSafe(|| control.sent(&ticket, sent)));
             }
         }
     }

@@ -79,6 +79,7 @@ pub fn config(upstream: String) -> Config {
         fast: false,
         ack_queue: 16,
         workers: 1,
+        callers: 1,
         forward_only: false,
     }
 }
