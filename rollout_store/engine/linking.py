@@ -55,8 +55,8 @@ from .tokens import (
 __all__ = ["Linker"]
 
 
-#: Block digests of a prompt computed together after its deepest two, when those find no
-#: parent (the blocks before them; the rest only if needed: see `deep_block_digests`).
+#: How many block digests of a prompt, below its deepest two, are computed together when
+#: those two find no parent (see `deep_block_digests`).
 TOKEN_WINDOW = 64
 
 Move = tuple[Turn, LinkKind]
@@ -235,9 +235,9 @@ class Linker:
         else:
             turn.prompt = run
             full = turn.full = full_run(run, sampled)
-        # compact (`full.compact`, without a walk of the chain) when its sampled ids are: the
-        # prompt's run always is here, its ids array('I') over a run they matched (a run that
-        # `run_matches` finds is compact) or over none
+        # compact (what `full.compact` finds, with no walk of the chain) unless its sampled
+        # ids are not array('I'): its prompt's run is, its ids array('I') over none or over a
+        # run that `run_matches` found (which only a compact run passes)
         if full is not None and (
             not sampled or (isinstance(sampled, array) and sampled.typecode == "I")
         ):

@@ -370,8 +370,8 @@ def run_matches(run: TokenRun, data: bytes) -> bool:
             while True:  # packed prompts, each standing for its full run when `sampled`
                 packed = node.data
                 _, n_new, n_sampled, _ = unpack(packed)
-                # its new ids, then its sampled ids when its full run is meant: one span, in
-                # its bytes as in the tokens, compared in place
+                # its new ids, then its sampled ids when its full run is meant: one span,
+                # in its bytes as in the tokens
                 n = 4 * (n_new + n_sampled) if sampled and n_sampled > 0 else 4 * n_new
                 if n:
                     ids = packed[_HEAD_SIZE : _HEAD_SIZE + n]
