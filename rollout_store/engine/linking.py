@@ -5,6 +5,8 @@ turns that arrived early moved under an ancestor that arrives late.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterator
+from operator import itemgetter
 from typing import Any
 
 import xxhash
@@ -43,18 +45,18 @@ from .tokens import (
     BLOCK,
     ArrayRun,
     TokenRun,
-    block_digests,
+    deep_block_digests,
     packable,
     prefix_digest,
     run_bytes,
     run_matches,
-    tail_block_digests,
 )
 
 __all__ = ["Linker"]
 
 
-#: Block digests computed first (the last blocks of a prompt; the rest only if needed).
+#: How many block digests of a prompt, below its deepest two, are computed together when
+#: those two find no parent (see `deep_block_digests`).
 TOKEN_WINDOW = 64
 
 Move = tuple[Turn, LinkKind]
@@ -71,7 +73,7 @@ def _sibling_prompt(parent: Turn, data: bytes, n: int) -> TokenRun | None:
 
 def _full_length(turn: Turn) -> int:
     """The length a turn is filed with in the token index: its prompt + sampled tokens'."""
-    return turn.full.length  # type: ignore[union-attr]
+    return turn.full_length  # type: ignore[return-value]
 
 
 def _full_content(turn: Turn) -> int:
@@ -89,6 +91,9 @@ def _head(length: int) -> int:
     """The longest head a run of `length` tokens (fewer than a block) has."""
     return max(h for h in HEADS if h <= length)
 
+
+#: A ranked candidate's length.
+_first = itemgetter(0)
 
 #: No upper bound on a length (a scan of the token roots).
 _NO_LENGTH_LIMIT = 1 << 62
@@ -193,9 +198,7 @@ class Linker:
             turn.full = full_run(turn.prompt, sampled)
             return
         data = prompt.tobytes()
-        # a parent ends within the last blocks, mostly: the others are digested if not
-        digests: list[int | None] = tail_block_digests(data, TOKEN_WINDOW)
-        parent = self._token_parent(data, digests, len(prompt))
+        parent = self._token_parent_in(data, self._token_buckets(data, len(prompt)), len(prompt))
         scratch.token_parent = parent
         key = xxhash.xxh3_64_intdigest(data)
         run = self._stored_prompt(key, data, len(prompt))
@@ -232,14 +235,17 @@ class Linker:
         else:
             turn.prompt = run
             full = turn.full = full_run(run, sampled)
-        if full is not None and full.compact:
+        # compact (what `full.compact` finds, with no walk of the chain) unless its sampled
+        # ids are not array('I'): its prompt's run is, its ids array('I') over none or over a
+        # run that `run_matches` found (which only a compact run passes)
+        if full is not None and (
+            not sampled or (isinstance(sampled, array) and sampled.typecode == "I")
+        ):
             full_data = data if full is run else data + sampled.tobytes()  # type: ignore[union-attr]
             scratch.full_data = full_data
             length = full.length
             if length < BLOCK:
                 scratch.token_key = short_key(full_data, length)
-            elif full is run:
-                scratch.token_key = digests[length // BLOCK]
             else:
                 scratch.token_key = prefix_digest(full_data, length)
 
@@ -250,29 +256,19 @@ class Linker:
                 return candidate  # type: ignore[no-any-return]
         return None
 
-    def _token_parent(self, data: bytes, digests: list[int | None], n: int) -> Turn | None:
-        # Turns whose tokens fill j whole blocks are found by the digest of those blocks,
-        # deepest first; shorter ones (under one block) by their exact length.
-        low = digests.count(None)  # the blocks before the window (a leading run of None)
-        buckets: list[tuple[int, int, int]] = [
-            (digests[j], j * BLOCK, (j + 1) * BLOCK)  # type: ignore[misc]
-            for j in range(len(digests) - 1, max(low, 1) - 1, -1)
-        ]
-        if low > 0:  # blocks before the window, digested only when the window holds none
-            found = self._token_parent_in(data, buckets, n)
-            if found is not None:
-                return found
-            full = block_digests(data)
-            buckets = [(full[j], j * BLOCK, (j + 1) * BLOCK) for j in range(low - 1, 0, -1)]
-        buckets += [
-            (short_key(data, length), length, length + 1)
-            for length in sorted(self.short_lengths, reverse=True)
-            if length <= n
-        ]
-        return self._token_parent_in(data, buckets, n)
+    def _token_buckets(self, data: bytes, n: int) -> Iterator[tuple[int, int, int]]:
+        """Where a parent of these `n` prompt tokens may be filed, deepest first (key, low,
+        high: its tokens' length in [low, high)): turns whose tokens fill j whole blocks by
+        the digest of those blocks, shorter ones (under one block) by their exact length.
+        Lazy: a parent ends within the last blocks, mostly, and the others are not hashed."""
+        for j, key in deep_block_digests(data, TOKEN_WINDOW):
+            yield key, j * BLOCK, (j + 1) * BLOCK
+        for length in sorted(self.short_lengths, reverse=True):
+            if length <= n:
+                yield short_key(data, length), length, length + 1
 
     def _token_parent_in(
-        self, data: bytes, buckets: list[tuple[int, int, int]], n: int
+        self, data: bytes, buckets: Iterator[tuple[int, int, int]], n: int
     ) -> Turn | None:
         """The deepest turn filed under one of `buckets` (key, low, high: its tokens'
         length in [low, high)) whose prompt + sampled tokens start `data`. Of two as deep, one
@@ -283,30 +279,39 @@ class Linker:
         def content_at(length: int) -> int:
             return xxhash.xxh3_64_intdigest(view[: length * 4])
 
+        token_index = self.token_index
         for key, low, high in buckets:
-            best: Turn | None = None
-            best_length = -1
+            found = token_index.get(key)
+            if found is None:
+                continue
             # (a parent's tokens are a prefix of the prompt: n of them at most; of a large
             # group of one length only those whose tokens are the prompt's first ones)
-            found = self.token_index.get(key)
+            ranked: list[tuple[int, Turn]] = []
             for candidate in sized_exact(found, low, min(high, n + 1), content_at):
-                full = candidate.full
+                length = candidate.full_length
                 if (
-                    full is not None
-                    and low <= full.length < high
-                    and (full.length < n or sampled_any(candidate))
-                    and (
-                        full.length > best_length
-                        or (
-                            full.length == best_length
-                            and best is not None
-                            and not sampled_any(best)
-                            and sampled_any(candidate)
-                        )
-                    )
-                    and run_matches(full, data)
+                    length is not None
+                    and low <= length < high
+                    and (length < n or sampled_any(candidate))
                 ):
-                    best, best_length = candidate, full.length
+                    ranked.append((length, candidate))
+            if not ranked:
+                continue
+            if len(ranked) > 1:  # deepest first; as filed among those as deep (a stable sort)
+                ranked.sort(key=_first, reverse=True)
+            # the deepest that matches; of those as deep, the first that sampled, else the first
+            best: Turn | None = None
+            best_length = -1
+            for length, candidate in ranked:
+                if best is not None:
+                    if length < best_length:
+                        break
+                    if not sampled_any(candidate):
+                        continue
+                if run_matches(candidate.full, data):  # type: ignore[arg-type]
+                    if sampled_any(candidate):
+                        return candidate
+                    best, best_length = candidate, length
             if best is not None:
                 return best
         return None
@@ -360,16 +365,16 @@ class Linker:
 
     def file(self, turn: Turn, token_key: int | None, prompt_key: int | None) -> None:
         """File a committed turn's tokens under their keys."""
-        full = turn.full
-        if token_key is not None and full is not None and full.length:
+        length = turn.full_length
+        if token_key is not None and length:
             if self.token_index is NOT_YET:
                 self.token_index = {}
             sized_add(self.token_index, token_key, turn, _full_length, _full_content)
-            if full.length < BLOCK:
+            if length < BLOCK:
                 lengths = self.short_lengths
                 if not isinstance(lengths, set):  # the first: a set of its own
                     lengths = self.short_lengths = set()
-                lengths.add(full.length)
+                lengths.add(length)
         if prompt_key is not None and turn.prompt is not None:
             members = index_members(self.prompt_index.get(prompt_key))
             if not any(m is turn.prompt for m in members):
@@ -424,25 +429,22 @@ class Linker:
         if new.prompt is None:
             return moves
         data = scratch.full_data  # set when the tokens are all array('I'), else no moves
-        full = new.full
-        if data is None or full is None or not full.length:
+        length = new.full_length
+        if data is None or not length:
             return moves
         parent = new.parent
-        if parent is not None and not sampled_any(new):
-            # (a packed parent's full run is a view made on each read: asked for only here)
-            parent_full = parent.full
-            if parent_full is not None and parent_full.length == full.length:
-                # a failed call of its parent's very run adds no token: what continues that
-                # run stays under the parent, where it is linked when it comes after this one
-                return moves
+        if parent is not None and not sampled_any(new) and parent.full_length == length:
+            # a failed call of its parent's very run adds no token: what continues that run
+            # stays under the parent, where it is linked when it comes after this one
+            return moves
         for other in self._token_candidates(new, scratch, data):
             prompt = other.prompt
             if (
                 other is new
                 or other.link not in (LinkKind.TOKENS, LinkKind.NONE)
                 or prompt is None
-                or prompt.length < full.length
-                or (prompt.length == full.length and not sampled_any(new))
+                or prompt.length < length
+                or (prompt.length == length and not sampled_any(new))
                 or not prompt.compact
             ):
                 continue
@@ -501,7 +503,7 @@ class Linker:
         prompt and shorter than its prompt + sampled tokens, and failed calls (nothing
         sampled) of its very prompt: their continuations may continue `new`."""
         low = new.prompt.length  # type: ignore[union-attr]
-        high = new.full.length  # type: ignore[union-attr]
+        high: int = new.full_length  # type: ignore[assignment]
         if high <= low:
             return []
         found: list[Turn] = []
@@ -519,15 +521,15 @@ class Linker:
         for key, start, stop in keys:
             in_range = sized_members(self.token_index.get(key), max(start, low), min(stop, high))
             for other in in_range:
-                full = other.full
+                length = other.full_length
                 if (
                     other is not new
-                    and full is not None
-                    and full.length < high
+                    and length is not None
+                    and low <= length < high
                     # longer than the prompt, or a failed call of the very prompt
-                    and (full.length > low or (full.length == low and not sampled_any(other)))
-                    and start <= full.length < stop
-                    and run_matches(full, data)
+                    and (length > low or not sampled_any(other))
+                    and start <= length < stop
+                    and run_matches(other.full, data)
                 ):
                     found.append(other)
         return found

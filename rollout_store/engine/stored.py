@@ -19,7 +19,7 @@ from typing import Any, Final, NamedTuple, Protocol, TypeVar, overload
 from ..errors import RolloutStoreError
 from .confirm import digest_key
 from .encoding import ECHO_PACKED, array_header
-from .tokens import ArrayRun, PackedFull, PackedRun, TokenRun, packed_size
+from .tokens import ArrayRun, PackedFull, PackedRun, TokenRun, packed_full_length, packed_size
 
 __all__ = [
     "EMPTY_PROMPT",
@@ -481,6 +481,16 @@ class Turn(PackedRun):
         else:
             raise RolloutStoreError("a turn's full run is its prompt, or a run over it")
 
+    @property
+    def full_length(self) -> int | None:
+        """The tokens of `full` (None: no token ids), read without making a packed turn's
+        view."""
+        flags = self.flags
+        if flags & HAS_TOKENS:
+            return packed_full_length(self.data) if flags & FULL_APART else self.length
+        full: TokenRun | None = self.after  # type: ignore[assignment]  # the full run or the prompt
+        return None if full is None else full.length
+
     # -- identity, link and children
 
     @property
@@ -799,7 +809,10 @@ def is_above(ancestor: Turn, turn: Turn) -> bool:
 def sampled_any(turn: Turn) -> bool:
     """A turn that sampled nothing is a failed call: one with its very prompt is a retry
     (a sibling), not a continuation."""
-    return turn.sampled is not None and len(turn.sampled) > 0
+    sampled = turn.side.sampled
+    if sampled is PACKED:  # counted in its packed head: no array made to be measured
+        return turn.n_sampled > 0
+    return sampled is not None and len(sampled) > 0
 
 
 def finish_tail(turn: Turn) -> None:

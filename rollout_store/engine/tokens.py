@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import struct
 from array import array
+from collections.abc import Iterator
 from typing import Any, TypeAlias, cast
 
 import xxhash
@@ -28,8 +29,10 @@ __all__ = [
     "Segment",
     "TokenRun",
     "block_digests",
+    "deep_block_digests",
     "holds_all",
     "packable",
+    "packed_full_length",
     "packed_size",
     "run_bytes",
     "run_list",
@@ -319,6 +322,15 @@ def packable(new: Any, sampled: Any, logprobs: Any, length: int) -> bool:
     )
 
 
+def packed_full_length(data: bytes) -> int:
+    """The tokens of the full run of the packed prompt at the start of `data` (its prompt's,
+    then its sampled ids): `PackedFull(...).length`, with no view made."""
+    length: int
+    n_sampled: int
+    length, _, n_sampled, _ = _HEAD.unpack_from(data)
+    return length + max(n_sampled, 0)
+
+
 def packed_size(data: bytes | memoryview) -> int:
     """The bytes of the packed run at the start of `data` (see `PackedRun.pack`)."""
     n_new: int
@@ -358,18 +370,14 @@ def run_matches(run: TokenRun, data: bytes) -> bool:
             while True:  # packed prompts, each standing for its full run when `sampled`
                 packed = node.data
                 _, n_new, n_sampled, _ = unpack(packed)
-                if sampled and n_sampled > 0:  # its sampled ids, compared in place
-                    start = _HEAD_SIZE + 4 * n_new
-                    n = 4 * n_sampled
-                    ids = memoryview(packed)[start : start + n]
+                # its new ids, then its sampled ids when its full run is meant: one span,
+                # in its bytes as in the tokens
+                n = 4 * (n_new + n_sampled) if sampled and n_sampled > 0 else 4 * n_new
+                if n:
+                    ids = packed[_HEAD_SIZE : _HEAD_SIZE + n]
                     if len(ids) != n or not startswith(ids, end - n):
                         return False
                     end -= n
-                n = 4 * n_new  # its new ids
-                ids = memoryview(packed)[_HEAD_SIZE : _HEAD_SIZE + n]
-                if n and (len(ids) != n or not startswith(ids, end - n)):
-                    return False
-                end -= n
                 node = node.after
                 if isinstance(node, PackedRun):
                     sampled = True
@@ -401,20 +409,37 @@ def block_digests(data: bytes | memoryview) -> list[int]:
     return out
 
 
-def tail_block_digests(data: bytes | memoryview, window: int) -> list[int | None]:
-    """`block_digests(data)` for the last `window` blocks only (None before them): the
-    tokens before are hashed in one call."""
+def deep_block_digests(data: bytes | memoryview, window: int) -> Iterator[tuple[int, int]]:
+    """(j, the digest of the first j blocks of `data`), for j from its whole blocks down to 1:
+    `block_digests(data)` deepest first, each hashed only when asked for. The deepest two come
+    from one pass over the tokens; the `window` blocks before them go on from where that pass
+    crossed them (a copy of its state); the blocks before the window take a pass of their own."""
     view = memoryview(data)
-    n_blocks = len(view) // _BLOCK_BYTES
-    first = max(n_blocks - window, 0)
+    top = len(view) // _BLOCK_BYTES
+    if not top:
+        return
+    first = max(top - window, 1)  # the window: blocks first .. top
+    near = max(top - 1, first)
     hasher = xxhash.xxh3_64()
     hasher.update(view[: first * _BLOCK_BYTES])
-    out: list[int | None] = [None] * first
-    out.append(hasher.intdigest())
-    for start in range(first * _BLOCK_BYTES, n_blocks * _BLOCK_BYTES, _BLOCK_BYTES):
-        hasher.update(view[start : start + _BLOCK_BYTES])
-        out.append(hasher.intdigest())
-    return out
+    at_first = hasher.copy()
+    hasher.update(view[first * _BLOCK_BYTES : near * _BLOCK_BYTES])
+    at_near = hasher.intdigest()
+    if top > near:
+        hasher.update(view[near * _BLOCK_BYTES : top * _BLOCK_BYTES])
+        yield top, hasher.intdigest()
+    yield near, at_near
+    if near > first:
+        digests = [at_first.intdigest()]
+        for start in range(first * _BLOCK_BYTES, (near - 1) * _BLOCK_BYTES, _BLOCK_BYTES):
+            at_first.update(view[start : start + _BLOCK_BYTES])
+            digests.append(at_first.intdigest())
+        for j in range(near - 1, first - 1, -1):
+            yield j, digests[j - first]
+    if first > 1:
+        before = block_digests(view[: (first - 1) * _BLOCK_BYTES])
+        for j in range(first - 1, 0, -1):
+            yield j, before[j]
 
 
 def prefix_digest(data: bytes | memoryview, n_tokens: int) -> int:

@@ -102,6 +102,48 @@ def test_token_parent_beyond_the_digest_window() -> None:
     assert graph.parent(near.node_id) == child.node_id
 
 
+@pytest.mark.parametrize("n_tokens", [0, 63, 64, 65, 130, 64 * 5 + 3, 64 * 70, 64 * 140 + 5])
+@pytest.mark.parametrize("window", [1, 2, 3, 64])
+def test_block_digests_deepest_first_are_the_block_digests(n_tokens: int, window: int) -> None:
+    """The lazy digests a parent is looked up by are those of every whole-block prefix,
+    deepest first, whichever stage of them (deepest two, window, before it) computes each."""
+    from array import array
+
+    from rollout_store.engine.tokens import block_digests, deep_block_digests
+
+    data = array("I", random.Random(n_tokens).choices(range(1 << 32), k=n_tokens)).tobytes()
+    every = block_digests(data)
+    expected = [(j, every[j]) for j in range(len(every) - 1, 0, -1)]
+    assert list(deep_block_digests(data, window)) == expected
+
+
+@pytest.mark.parametrize("order", [0, 1, 2, 3, 4, 5])
+def test_token_parent_is_the_deepest_match_of_a_bucket_in_any_filing_order(order: int) -> None:
+    """Turns whose tokens end in one block are one bucket: the parent is the deepest whose
+    tokens start the prompt (not a deeper sibling branch, nor a shallower ancestor), whatever
+    order they were filed in; of two as deep, the one that sampled over a failed call."""
+    import itertools
+
+    base = list(range(1000, 1070))
+    graph = RolloutGraph()
+    graph.add_turn(TurnNode(node_id="root", prompt_ids=base, sampled_ids=[1, 2, 3]))
+    full = [*base, 1, 2, 3]
+    kept = {  # each a continuation of the root's run, its tokens ending in block 1
+        "deep": ([*full, 10, 11, 12, 13, 14], [15, 16, 17]),
+        "sibling": ([*full, 20, 21, 22, 23, 24, 25, 26], [27, 28]),  # deeper, other tokens
+        "failed": ([*full, 10, 11, 12, 13, 14, 15, 16, 17], []),  # as deep as `deep`'s run
+    }
+    names = list(itertools.permutations(kept))[order]
+    for name in names:
+        prompt, sampled = kept[name]
+        graph.add_turn(TurnNode(node_id=name, prompt_ids=prompt, sampled_ids=sampled))
+    deep_full = [*kept["deep"][0], *kept["deep"][1]]
+    child = graph.add_turn(TurnNode(node_id="child", prompt_ids=[*deep_full, 30], sampled_ids=[31]))
+    assert child.parent_id == "deep"
+    shallow = graph.add_turn(TurnNode(node_id="shallow", prompt_ids=[*full, 40], sampled_ids=[41]))
+    assert shallow.parent_id == "root"
+
+
 def test_one_prompt_sampled_thousands_of_times_costs_each_turn_the_same(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
