@@ -1342,6 +1342,15 @@ class Graph:
                 raise UnknownNodeError(f"no turn {node_id!r} in the graph")
             return None if self._timelines is None else self._timelines.get(turn.index)
 
+    def parent_replied(self, node_id: str) -> int | None:
+        """When the reply to the call `node_id` continues was sent (its parent's `received`
+        plus `reply_sent`, microseconds since the epoch), or None: a root, or a parent
+        without a timeline. What `set_timeline`'s `gap_before` is measured from."""
+        with self._lock:
+            parent = self._turn(node_id).parent
+            table = self._timelines
+            return None if parent is None or table is None else table.replied(parent.index)
+
     def timelines(self) -> dict[str, Timeline]:
         """Every timeline held, by node id, in arrival order."""
         with self._lock:

@@ -28,6 +28,8 @@ from ..errors import InvalidValueError
 __all__ = ["TIMELINE_SIZE", "CallClock", "Timeline", "TimelineTable", "failed_after"]
 
 _PACK = struct.Struct("<Q5III2H")
+#: `received` and `reply_sent` of a packed timeline (the first and the sixth field).
+_REPLIED = struct.Struct("<Q16xI")
 #: Bytes of one packed timeline.
 TIMELINE_SIZE = _PACK.size
 _U32 = 0xFFFFFFFF
@@ -178,6 +180,15 @@ class TimelineTable:
     def get(self, index: int) -> Timeline | None:
         slot = self.packed(index)
         return None if slot is None else Timeline.unpack(slot)
+
+    def replied(self, index: int) -> int | None:
+        """When turn `index`'s reply was sent (microseconds since the epoch), if it has a
+        timeline: read in place, no `Timeline` made."""
+        start = index * TIMELINE_SIZE
+        if len(self._data) < start + TIMELINE_SIZE:
+            return None
+        received, reply_sent = _REPLIED.unpack_from(self._data, start)
+        return received + reply_sent if received else None
 
     def indexes(self) -> list[int]:
         data = self._data

@@ -2059,10 +2059,9 @@ def _apply_timeline(graph: Any, clock: CallClock) -> None:
     """Set a recorded call's timeline, with the gap since its parent's reply."""
     node_id = clock.node_id
     gap = None
-    parent = graph.parent(node_id)
-    found = graph.timeline(parent) if parent is not None else None
-    if found is not None:
-        gap = clock.received - (found.received + found.reply_sent)
+    replied = graph.parent_replied(node_id)
+    if replied is not None:
+        gap = clock.received - replied
         gap = gap if gap >= 0 else None
     graph.set_timeline(node_id, clock.timeline(clock.reply_sent, gap))
 

@@ -382,6 +382,29 @@ def test_timelines_read_back_from_logs_and_snapshots(tmp_path: Path) -> None:
     assert "timeline" not in records[4] and records[5]["timeline"] == want[ids[5]].document()
 
 
+def test_parent_replied_is_the_parents_reply_sent_as_its_timeline_says() -> None:
+    graph = RolloutGraph()
+    first = graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "q"}]))
+    reply = {"role": "assistant", "content": "a"}
+    messages = [{"role": "user", "content": "q"}, reply, {"role": "user", "content": "r"}]
+    graph.add_turn(
+        TurnNode(request_messages=[{"role": "user", "content": "q"}], response_message=reply)
+    )
+    second = graph.add_turn(TurnNode(request_messages=messages))
+    parent = graph.parent(second.node_id)
+    assert parent is not None and parent != first.node_id
+    assert graph.parent_replied(second.node_id) is None  # the parent has no timeline yet
+    assert graph.parent_replied(first.node_id) is None  # a root
+    graph.set_timeline(parent, _timeline(3))
+    want = graph.timeline(parent)
+    assert want is not None
+    assert graph.parent_replied(second.node_id) == want.received + want.reply_sent
+    graph.set_timeline(parent, _timeline(5))  # set again: the last wins
+    assert graph.parent_replied(second.node_id) == _timeline(5).received + 255
+    with pytest.raises(UnknownNodeError):
+        graph.parent_replied("turn-99")
+
+
 def test_old_files_and_untimed_graphs_have_no_timeline_key() -> None:
     # every fixture but the store-backed one (read with its store elsewhere)
     fixtures = sorted((ROOT / "tests" / "data").glob("v[12]_*.rls"))
