@@ -2352,14 +2352,22 @@ class _Call:
     """One model call between the engine's callbacks: its plan, once answered its turn, and
     (a passed-through stream) when its turn is recorded or let go."""
 
-    __slots__ = ("after", "ended", "node", "plan")
+    __slots__ = ("_ended", "after", "node", "plan")
 
     def __init__(self, plan: _Plan) -> None:
         self.plan = plan
         self.node: TurnNode | None = None
-        self.ended = threading.Event()
+        # only a stream's end is waited for: the other calls never make their Event
+        self._ended = threading.Event() if plan.stream else None
         #: The session's streams, not ended, that this call continues (`waits`).
-        self.after: list[_Call] = []
+        self.after: Sequence[_Call] = ()
+
+    @property
+    def ended(self) -> threading.Event:
+        """Set once a passed-through stream's turn is recorded or let go."""
+        if self._ended is None:
+            self._ended = threading.Event()
+        return self._ended
 
 
 def _continues(later: Any, earlier: Any) -> bool:
