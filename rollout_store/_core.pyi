@@ -17,6 +17,8 @@ __all__ = [
     "encode_frame",
     "encode_frame_v1",
     "intact_end_after_v1",
+    "json_member_ids",
+    "json_u32_ids",
     "frame_chain_value",
     "FrameScan",
     "FrameTooLarge",
@@ -125,6 +127,18 @@ class Blake3:
         """A state of its own that has seen what this one has."""
     def digest(self) -> bytes:
         """The digest of everything fed so far (the state goes on)."""
+
+def json_member_ids(text: bytes, key: str) -> tuple[int, int, bytes] | None:
+    """`(start, end, ids)`: where the last top-level member `key` (written without escapes) of
+    the JSON object `text` holds its array of ids, packed as `json_u32_ids` packs them; None
+    when it holds anything else, or is missing, or `text` is not an object the scan can
+    follow. The other members are skipped, not checked: decode `text` with that span put out
+    of the way, which checks them. The GIL is released for texts from `DETACH_FROM` bytes."""
+
+def json_u32_ids(text: bytes) -> bytes | None:
+    """Token ids as native-endian u32 (an `array('I')`'s bytes) read from `text`, a JSON array
+    of ints in [0, 2**32) as JSON writes them; else None (decode it as `json.loads` would).
+    The GIL is released for texts from `DETACH_FROM` bytes."""
 
 def u32_ids(ids: list[Any]) -> bytes | None:
     """Token ids as native-endian u32 (an `array('I')`'s bytes) when `ids` holds only exact

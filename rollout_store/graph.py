@@ -23,7 +23,7 @@ from .engine import materialize
 from .engine.blobs import BlobTable
 from .engine.encoding import blob_ref_bytes, unpack
 from .engine.index import NOT_YET, OneOrMany, index_add, index_members
-from .engine.intake import real_numbers
+from .engine.intake import packed_ids, real_numbers
 from .engine.linking import Linker
 from .engine.requests import FreshRequest, RequestStore, Scratch
 from .engine.shared_blobs import StoreBlobTable
@@ -87,6 +87,8 @@ _RAW_FIELDS = (
 #: The fields stored as shared values: a raw text of one that the graph stored before is taken
 #: as that value without decoding it
 _SHARED_FIELDS = frozenset(("request_tools", "sampling_params", "requested_sampling_params"))
+#: The token id fields: a raw text of one is read straight into packed ids (`packed_ids`)
+_ID_FIELDS = frozenset(("prompt_ids", "sampled_ids"))
 _copy_node = copy.copy
 _raw_fields = operator.attrgetter(*_RAW_FIELDS)
 _scalar_fields = operator.attrgetter(*SCALAR_NAMES)
@@ -124,6 +126,11 @@ def _without_raw(node: TurnNode, known: Container[bytes | str] = ()) -> TurnNode
     for name, value in zip(_RAW_FIELDS, values, strict=True):
         if type(value) is RawJSON and name in _SHARED_FIELDS and value.data in known:
             continue
+        if type(value) is RawJSON and name in _ID_FIELDS and type(value.data) is bytes:
+            ids = packed_ids(value.data)  # (None: decoded below, which says what is wrong)
+            if ids is not None:
+                changes[name] = ids
+                continue
         if type(value) is RawJSON or (name == "request_tools" and type(value) is list):
             decoded = resolve_raw(value, name)
             if decoded is not value:

@@ -13,19 +13,21 @@ from collections.abc import Sequence
 from operator import index as _as_int
 
 # MAX_DEPTH: containers nested deeper than this are refused (json.dumps itself fails near 1000)
-from .._core import MAX_DEPTH, Packer, RefusedValue, u32_ids
+from .._core import MAX_DEPTH, Packer, RefusedValue, json_u32_ids, u32_ids
 from ..errors import InvalidValueError
 from .blobs import BlobTable
 
 __all__ = [
     "MAX_DEPTH",
     "Encoder",
+    "PackedIds",
     "encode",
     "float_array",
     "plain_numbers",
     "real_numbers",
     "token_array",
     "compact_ids",
+    "packed_ids",
 ]
 
 _INT64_MIN = -(2**63)
@@ -101,13 +103,45 @@ def _as_sequence(values: object, path: str) -> object:
     return values
 
 
+class PackedIds:
+    """Token ids read from their JSON text straight into an `array('I')`'s bytes (`data`), by
+    `packed_ids`: what a raw token field (a long context's ids, as an engine wrote them)
+    becomes without one Python int per id. Made inside the library only."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data) // 4
+
+    def tolist(self) -> list[int]:
+        """The ids as the list `json.loads` would have read."""
+        return self.array().tolist()
+
+    def array(self) -> array[int]:
+        ids = array("I")
+        ids.frombytes(self.data)
+        return ids
+
+
+def packed_ids(text: bytes) -> PackedIds | None:
+    """The token ids of a JSON array text, when they are ints in [0, 2**32) written as JSON
+    writes them; else None (decode the text as `json.loads` would: its values or its error)."""
+    data = json_u32_ids(text)
+    return None if data is None else PackedIds(data)
+
+
 def token_array(ids: object, path: str) -> array[int] | tuple[int, ...]:
     """Token ids as compact typed storage: array('I') when they fit, else exact ints.
 
-    Accepts a list or tuple of ints (numpy integer scalars too) or a 1-D numpy array.
-    Raises `InvalidValueError` for anything else (bools included: they would come back as
-    0 and 1).
+    Accepts a list or tuple of ints (numpy integer scalars too), a 1-D numpy array, or the
+    library's own `PackedIds`. Raises `InvalidValueError` for anything else (bools included:
+    they would come back as 0 and 1).
     """
+    if type(ids) is PackedIds:
+        return ids.array()
     if type(ids) is list:
         # the common case in one pass at C speed: exact ints (no bool), all of them 32-bit
         packed = u32_ids(ids)

@@ -113,8 +113,8 @@ from starlette.responses import (
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from .._core import DataPlane
-from ..engine.intake import MAX_DEPTH
+from .._core import DataPlane, json_member_ids
+from ..engine.intake import MAX_DEPTH, PackedIds
 from ..errors import (
     InvalidArgumentError,
     InvalidValueError,
@@ -267,6 +267,8 @@ class CaptureConfig:
 
 def _token_list(value: Any) -> Any:
     # an engine without ids sends nothing or an empty list: link by messages then
+    if type(value) is PackedIds:
+        return value if len(value) else None
     return value if isinstance(value, list) and value else None
 
 
@@ -680,6 +682,33 @@ def _harness_session(
     return clean_session_id(body.get("user"))
 
 
+_PROMPT_IDS = "prompt_token_ids"
+
+
+def _decoded_answer(answer: bytes) -> Any:
+    """An upstream's complete answer as json.loads reads it (msgspec's speed, json.loads's
+    values), but a top-level `prompt_token_ids` of ints in [0, 2**32) written as JSON writes
+    them (a long context's ids) is read straight into packed ids (`PackedIds`): one engine
+    pass, not one Python int an id. `_plain_answer` makes them a list again."""
+    found = json_member_ids(answer, _PROMPT_IDS) if b'"prompt_token_ids"' in answer else None
+    if found is not None:
+        start, end, ids = found
+        # the rest decoded (and checked) with the ids out of the way
+        payload = RawJSON(answer[:start] + b"null" + answer[end:]).decode()
+        if type(payload) is dict:  # (no key is escaped: the null put there is the value)
+            payload[_PROMPT_IDS] = PackedIds(ids)
+            return payload
+    return RawJSON(answer).decode()
+
+
+def _plain_answer(response: dict[str, Any]) -> dict[str, Any]:
+    """`response` with packed ids (`_decoded_answer`) a list again, to be written anew."""
+    ids = response.get("prompt_token_ids")
+    if type(ids) is PackedIds:
+        return {**response, "prompt_token_ids": ids.tolist()}
+    return response
+
+
 def _strip_injected(response: dict[str, Any], token_ids: bool, logprobs: bool) -> None:
     """Remove from a Chat Completions answer what the server asked for and the client did not."""
     if token_ids:
@@ -749,7 +778,7 @@ def _json_bytes(response: dict[str, Any], answer: bytes) -> Response:
     UTF-16 and UTF-32, which an answer that names no charset cannot be)."""
     if json.detect_encoding(answer) in ("utf-8", "utf-8-sig"):
         return Response(answer, media_type="application/json")
-    return _written_anew(response)
+    return _written_anew(_plain_answer(response))
 
 
 def _written_anew(response: dict[str, Any]) -> Response:
@@ -970,7 +999,7 @@ class _Server:
             }
             raise _Passthrough(Response(answer, status, headers=keep))
         try:
-            payload = RawJSON(answer).decode()  # msgspec's speed, json.loads's values
+            payload = _decoded_answer(answer)
         except (ValueError, RecursionError):
             raise _Refusal(502, "the upstream answered with a body that is not JSON") from None
         if not isinstance(payload, dict):
@@ -1450,12 +1479,12 @@ class _Server:
             if not (inject_ids or inject_logprobs):  # nothing to take out: the engine's bytes
                 return _json_bytes(response, answer)
             _strip_injected(response, inject_ids, inject_logprobs)
-            return _written_anew(response)
+            return _written_anew(_plain_answer(response))
 
         def events(response: dict[str, Any]) -> Iterator[bytes]:
             _strip_injected(response, inject_ids, inject_logprobs)
             return chat_chunks(
-                response,
+                _plain_answer(response),
                 include_usage=bool(options.get("include_usage")),
                 token_ids=bool(body.get("return_token_ids")),
             )

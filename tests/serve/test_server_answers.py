@@ -195,3 +195,43 @@ def test_session_metadata_json_loads_reads_is_listed_as_json_dumps_writes_it() -
             info = httpx.get(f"{url}/sessions/{session_id}", headers=ADMIN, timeout=10)
             assert info.status_code == 200, info.text
             assert json.dumps(json.loads(info.content)["metadata"]) == want
+
+
+def _with_ids(prompt_ids: str) -> bytes:
+    """A vLLM answer whose `prompt_token_ids` is the text `prompt_ids`."""
+    return (
+        b'{"id": "c", "prompt_token_ids": ' + prompt_ids.encode() + b', "choices": [{"index": 0,'
+        b' "message": {"role": "assistant", "content": "ok"}, "token_ids": [7, 8],'
+        b' "logprobs": {"content": [{"token": "ok", "logprob": -0.5}]},'
+        b' "finish_reason": "stop"}]}'
+    )
+
+
+@pytest.mark.parametrize(
+    "prompt_ids",
+    ["[1, 2, 4294967295]", "[ 5 ]", "[4294967296, 1]", "[-0, 3]", "[]"],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answers_prompt_ids_reach_the_client_and_the_turn_as_sent(
+    prompt_ids: str, stream: bool, tmp_path: Path
+) -> None:
+    """However the engine wrote its prompt ids (read as packed ids, or decoded), a client that
+    asked for them gets them back with the rest written anew (the server asked for the
+    logprobs), and the turn records the ids json.loads reads."""
+    expected = json.loads(prompt_ids)
+    with _in_front_of([_with_ids(prompt_ids)], tmp_path) as (url, app, auth):
+        body = {"model": "m", "messages": [{"role": "user", "content": "q"}]}
+        body |= {"return_token_ids": True, "stream": stream}
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, headers=auth, timeout=10)
+        assert reply.status_code == 200, reply.text
+        if stream:
+            first = reply.text.split("\n\n")[0].removeprefix("data: ")
+            got = json.loads(first)
+        else:
+            got = json.loads(reply.content)
+            assert got["choices"][0]["logprobs"] is None  # asked by the server, taken out
+        assert json.dumps(got["prompt_token_ids"]) == json.dumps(expected)
+        (session,) = app.state.sessions.all()
+        (turn,) = [session.graph.get(n) for n in session.graph.node_ids()]
+        assert json.dumps(turn.prompt_ids) == json.dumps(expected or None)
+        assert turn.sampled_ids == [7, 8]

@@ -156,6 +156,38 @@ fn holds_text(span: &[u8], text: &Bound<'_, PyString>) -> bool {
     text.encode_utf8().is_ok_and(|utf8| utf8.as_bytes() == span)
 }
 
+/// Token ids as native-endian u32 (an `array('I')`'s bytes) read from `text`, a JSON array
+/// of ints in [0, 2**32) as JSON writes them; else None (decode it as `json.loads` would).
+/// The GIL is released for texts from `DETACH_FROM` bytes.
+#[pyfunction]
+pub fn json_u32_ids<'py>(py: Python<'py>, text: &[u8]) -> Option<Bound<'py, PyBytes>> {
+    let packed = if text.len() >= DETACH_FROM {
+        py.detach(|| engine::json::u32_ids(text))
+    } else {
+        engine::json::u32_ids(text)
+    };
+    packed.map(|out| PyBytes::new(py, &out))
+}
+
+/// `(start, end, ids)`: where the last top-level member `key` (written without escapes) of
+/// the JSON object `text` holds its array of ids, packed as `json_u32_ids` packs them; None
+/// when it holds anything else, or is missing, or `text` is not an object the scan can
+/// follow. The other members are skipped, not checked: decode `text` with that span put out
+/// of the way, which checks them. The GIL is released for texts from `DETACH_FROM` bytes.
+#[pyfunction]
+pub fn json_member_ids<'py>(
+    py: Python<'py>,
+    text: &[u8],
+    key: &str,
+) -> Option<(usize, usize, Bound<'py, PyBytes>)> {
+    let found = if text.len() >= DETACH_FROM {
+        py.detach(|| engine::json::member_ids(text, key.as_bytes()))
+    } else {
+        engine::json::member_ids(text, key.as_bytes())
+    };
+    found.map(|f| (f.start, f.end, PyBytes::new(py, &f.packed)))
+}
+
 /// Token ids as native-endian u32 (an `array('I')`'s bytes) when `ids` holds only exact
 /// ints in [0, 2**32); else None (a bool, an int subclass, anything else: the caller's own
 /// checks say what it is). One pass, no list of checked ids made.

@@ -5,6 +5,7 @@
 Each CI run of a target starts from its seeds instead of from nothing (see `.ci/run`, which
 copies them to a scratch directory so that a run adds no file here):
 
+- `json_ids`: the JSON texts below and token id arrays, alone and as an object's member;
 - `json_parse`, `json_roundtrip`: JSON texts with what `json.loads` reads its own way (lone
   and paired surrogate escapes, ints beyond 64 bits, 1e400, NaN and the infinities, -0.0,
   duplicate keys, nesting at and past the parser's depth limit) and cut or broken ones;
@@ -40,6 +41,20 @@ DATA = ROOT / "tests" / "data"
 MAX_SEED = 4096  # bytes
 DEPTH_LIMIT = 500  # the parser's DEFAULT_MAX_DEPTH (crates/engine/src/json/parse.rs)
 KIND_BLOB, KIND_VALUE, KIND_TURN, KIND_TIMELINE = 1, 2, 3, 8
+
+
+def id_seeds() -> dict[str, bytes]:
+    """Token id arrays as engines write them, alone and as an answer's member `ids`."""
+    ids = [0, 7, 4294967295, 151643, 12]
+    texts = {
+        "ids_spaced": json.dumps(ids),
+        "ids_compact": json.dumps(ids, separators=(",", ":")),
+        "ids_empty": "[]",
+        "ids_out_of_range": "[4294967296, -1, 01, 1.0, 1e3]",
+        "member_ids": json.dumps({"id": "c", "choices": [{"ids": [9]}], "ids": ids}),
+        "member_ids_twice": '{"ids": [1], "x": "\\"}", "ids": [2, 3]}',
+    }
+    return {f"{name}.json": text.encode() for name, text in texts.items()}
 
 
 def json_seeds() -> dict[str, bytes]:
@@ -202,6 +217,7 @@ def main() -> None:
     corpora = {
         "json_parse": json_texts,
         "json_roundtrip": json_texts,
+        "json_ids": {**json_texts, **id_seeds()},
         "packed_unpack": unpack,
         "packed_check": check,
         "frame_reader": frame_seeds(2),

@@ -7,12 +7,14 @@
 
 mod encoding;
 mod float;
+mod ids;
 mod parse;
 mod value;
 mod write;
 
 pub use encoding::{decode_text, Text};
 pub use float::write_float;
+pub use ids::{member_ids, u32_ids, MemberIds};
 pub use parse::{parse, parse_with, ErrorKind, Failure, Key, ParseError, Sink, DEFAULT_MAX_DEPTH};
 pub use value::{JsonStr, Str, Value, ValueBuilder};
 pub use write::{
