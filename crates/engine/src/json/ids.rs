@@ -82,8 +82,8 @@ fn ids_at(text: &[u8], mut i: usize) -> Option<(Vec<u8>, usize)> {
     if text.get(i) != Some(&b'[') {
         return None;
     }
-    // an upper bound on the count, so the array allocates once: "1," is two bytes an id
-    let mut out = Vec::with_capacity((text.len() - i) / 2 * 4);
+    // about the count of ids written as "151643, " (more is grown into)
+    let mut out = Vec::with_capacity((text.len() - i) / 2);
     i = skip_space(text, i + 1);
     if text.get(i) == Some(&b']') {
         return Some((out, i + 1));
@@ -111,23 +111,28 @@ fn ids_at(text: &[u8], mut i: usize) -> Option<(Vec<u8>, usize)> {
 
 /// The int at `i` (digits only, no leading zero) and where it ends; `None` past 2**32 - 1.
 fn int(text: &[u8], i: usize) -> Option<(u32, usize)> {
-    let digits = text.get(i..)?;
-    let n = digits
-        .iter()
-        .take(11)
-        .position(|b| !b.is_ascii_digit())
-        .unwrap_or(digits.len().min(11));
-    if n == 0 || n > 10 || (n > 1 && digits[0] == b'0') {
-        return None; // no digit, too many for 32 bits, or a leading zero (not JSON)
+    let mut value = 0u64;
+    let mut j = i;
+    while let Some(&byte) = text.get(j) {
+        let digit = byte.wrapping_sub(b'0');
+        if digit > 9 {
+            break;
+        }
+        if j - i == 10 {
+            return None; // more digits than 32 bits hold
+        }
+        value = value * 10 + u64::from(digit);
+        j += 1;
+    }
+    let n = j - i;
+    if n == 0 || (n > 1 && text[i] == b'0') {
+        return None; // no digit, or a leading zero (not JSON)
     }
     // a fraction or an exponent makes it a float
-    if matches!(digits.get(n), Some(b'.' | b'e' | b'E')) {
+    if matches!(text.get(j), Some(b'.' | b'e' | b'E')) {
         return None;
     }
-    let value = digits[..n]
-        .iter()
-        .fold(0u64, |v, &b| v * 10 + u64::from(b - b'0'));
-    Some((u32::try_from(value).ok()?, i + n))
+    Some((u32::try_from(value).ok()?, j))
 }
 
 /// Where the JSON string at `i` (its opening quote) ends, past its closing quote.
