@@ -2353,7 +2353,7 @@ class _Call:
     """One model call between the engine's callbacks: its plan, once answered its turn, and
     (a passed-through stream) when its turn is recorded or let go."""
 
-    __slots__ = ("after", "ended", "node", "plan")
+    __slots__ = ("after", "ended", "held", "node", "plan")
 
     def __init__(self, plan: _Plan) -> None:
         self.plan = plan
@@ -2361,6 +2361,9 @@ class _Call:
         self.ended = threading.Event()
         #: The session's streams, not ended, that this call continues (`waits`).
         self.after: list[_Call] = []
+        #: Its session's graph lock, taken by `waits` for `finish` to record in (which lets
+        #: it go).
+        self.held: threading.RLock | None = None
 
 
 def _continues(later: Any, earlier: Any) -> bool:
@@ -2486,24 +2489,42 @@ class RustDataPlane:
         return call, plan.path, plan.content, list(plan.headers.items()), stream
 
     def waits(self, call: _Call) -> bool:
-        """Whether the call's `finish` (or `finish_stream`) is to wait first for the turns
-        of the session's streams that it continues, not recorded yet: a client may read a
-        stream's answer and call again before the stream's end is recorded (it left early,
-        or stopped reading at the last delta), and its next turn must find that one in the
-        graph to link to it. The engine then calls it on a thread where the wait holds up
-        no other call."""
-        if not self._streams:
-            return False
+        """Whether the call's `finish` (or `finish_stream`) is to wait first, on a thread
+        where the wait holds up no other call: for the turns of the session's streams that
+        it continues, not recorded yet (a client may read a stream's answer and call again
+        before the stream's end is recorded, when it left early or stopped reading at the
+        last delta, and its next turn must find that one in the graph to link to it); or,
+        to record its turn (`--ack durable`), for the session's graph, which another thread
+        holds (an export being read). Otherwise the graph is taken now, for `finish` to
+        record in: the engine calls it next, on this thread."""
         plan = call.plan
-        with self._streams_lock:
-            call.after = [
-                other
-                for other in self._streams.get(plan.session.session_id, ())
-                if other is not call
-                and not other.ended.is_set()
-                and _continues(plan.messages, other.plan.messages)
-            ]
-        return bool(call.after)
+        if self._streams:
+            with self._streams_lock:
+                call.after = [
+                    other
+                    for other in self._streams.get(plan.session.session_id, ())
+                    if other is not call
+                    and not other.ended.is_set()
+                    and _continues(plan.messages, other.plan.messages)
+                ]
+            if call.after:
+                return True
+        if self._server.config.ack == "fast":
+            return False  # its `finish` only queues the turn
+        try:
+            lock = plan.session.graph.lock
+        except (OSError, RolloutStoreError):
+            return False  # (`finish` answers why it cannot record)
+        if not lock.acquire(blocking=False):
+            return True
+        call.held = lock
+        return False
+
+    def _let_go(self, call: _Call) -> None:
+        """Release the graph `waits` took for the call."""
+        held, call.held = call.held, None
+        if held is not None:
+            held.release()
 
     def _after_streams(self, call: _Call) -> None:
         """Wait (at most `--upstream-timeout`) for the streams `waits` found."""
@@ -2543,6 +2564,7 @@ class RustDataPlane:
                 call, status, error, content_type, retry_after, answer, stamps, started
             )
         finally:
+            self._let_go(call)
             if call.plan.stream:
                 self._stream_ended(call)
 
@@ -2619,6 +2641,7 @@ class RustDataPlane:
                 self._after_streams(call)
             return self._stream_finished(call, events, error, stamps)
         finally:
+            self._let_go(call)
             self._stream_ended(call)
 
     def _stream_finished(

@@ -6,6 +6,9 @@ follows the sessions; open mode resolves unknown keys in the control plane.
 from __future__ import annotations
 
 import json
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,7 +22,7 @@ from capture_support import (
     start_stub_process,
 )
 
-from rollout_store.serve.server import create_app
+from rollout_store.serve.server import CALLERS, _Server, create_app
 from rollout_store.serve.sessions import Sessions
 
 MESSAGES = [
@@ -223,3 +226,56 @@ def test_serve_with_the_rust_plane_stops_with_every_answered_turn_recorded(tmp_p
             again.stop()
     finally:
         stub.kill()
+
+
+def _chat(url: str, key: str, text: str, timeout: float = 20) -> int:
+    answer = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": text}]},
+        headers={"authorization": f"Bearer {key}"},
+        timeout=timeout,
+    )
+    return answer.status_code
+
+
+@pytest.mark.parametrize("plane", ["python", "rust"])
+@pytest.mark.parametrize("fsync", ["never", "turn"])
+def test_a_session_whose_graph_is_held_holds_up_no_other_session(
+    stub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plane: str, fsync: str
+) -> None:
+    """While a thread holds one session's graph (as an export read slowly holds it), that
+    session's calls wait for it and every other session's are answered: with one thread for
+    the Rust plane's callbacks (`fsync` never: a turn added without waiting on I/O), and
+    with more calls waiting than it has threads (`fsync` turn)."""
+    recording = [0]
+    record_now = _Server.record_now
+
+    def counted(self: _Server, session: Any, node: Any) -> str:
+        recording[0] += 1
+        return record_now(self, session, node)
+
+    monkeypatch.setattr(_Server, "record_now", counted)
+    waiting = 1 if fsync == "never" else CALLERS + 1
+    app = create_app(stub, data=tmp_path, fsync=fsync, admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane=plane) as url:
+        held, free = new_session(url, session_id="held"), new_session(url, session_id="free")
+        statuses: list[int] = []
+        with app.state.server.sessions.get("held").graph.lock:
+            calls = [
+                threading.Thread(
+                    target=lambda i=i: statuses.append(_chat(url, held["api_key"], f"held {i}"))
+                )
+                for i in range(waiting)
+            ]
+            for call in calls:
+                call.start()
+            deadline = time.monotonic() + 5
+            while recording[0] < waiting and time.monotonic() < deadline:
+                time.sleep(0.01)  # until each waits for the graph
+            assert _chat(url, free["api_key"], "free", timeout=5) == 200
+            assert all(call.is_alive() for call in calls)  # still waiting: the graph is held
+        for call in calls:
+            call.join(20)
+        assert statuses == [200] * waiting
+        assert len(_export(url, "held")["turns"]) == waiting
+        assert len(_export(url, "free")["turns"]) == 1
