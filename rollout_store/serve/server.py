@@ -2361,9 +2361,9 @@ class _Call:
         self.ended = threading.Event()
         #: The session's streams, not ended, that this call continues (`waits`).
         self.after: list[_Call] = []
-        #: Its session's graph lock, taken by `waits` for `finish` to record in (which lets
-        #: it go).
-        self.held: threading.RLock | None = None
+        #: Its session's graph, in use and locked by `waits` for `finish` to record in
+        #: (which lets it go).
+        self.held: contextlib.ExitStack | None = None
 
 
 def _continues(later: Any, earlier: Any) -> bool:
@@ -2511,20 +2511,25 @@ class RustDataPlane:
                 return True
         if self._server.config.ack == "fast":
             return False  # its `finish` only queues the turn
+        held = contextlib.ExitStack()
         try:
-            lock = plan.session.graph.lock
+            # in use first, as `record_now` takes it: an idle sweep, which locks the graph
+            # inside the session's own lock, then leaves it be
+            graph = held.enter_context(plan.session.use())
         except (OSError, RolloutStoreError):
             return False  # (`finish` answers why it cannot record)
-        if not lock.acquire(blocking=False):
+        if not graph.lock.acquire(blocking=False):
+            held.close()
             return True
-        call.held = lock
+        held.callback(graph.lock.release)
+        call.held = held
         return False
 
     def _let_go(self, call: _Call) -> None:
-        """Release the graph `waits` took for the call."""
+        """Let go of the graph `waits` took for the call."""
         held, call.held = call.held, None
         if held is not None:
-            held.release()
+            held.close()
 
     def _after_streams(self, call: _Call) -> None:
         """Wait (at most `--upstream-timeout`) for the streams `waits` found."""

@@ -279,3 +279,32 @@ def test_a_session_whose_graph_is_held_holds_up_no_other_session(
         assert statuses == [200] * waiting
         assert len(_export(url, "held")["turns"]) == waiting
         assert len(_export(url, "free")["turns"]) == 1
+
+
+@pytest.mark.parametrize("plane", ["python", "rust"])
+@pytest.mark.parametrize("fsync", ["never", "turn"])
+def test_an_idle_sweep_while_a_turn_is_recorded_neither_waits_nor_loses_it(
+    stub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plane: str, fsync: str
+) -> None:
+    """An idle sweep of a session (`release_if_idle`) that comes while one of its turns is
+    being recorded: it is not held up by the recording (which would wait for it in turn),
+    and the turn is recorded."""
+    swept: list[bool] = []
+    record_now = _Server.record_now
+
+    def swept_first(self: _Server, session: Any, node: Any) -> str:
+        sweep = threading.Thread(target=lambda: swept.append(session.release_if_idle(0)))
+        sweep.start()
+        sweep.join(2)
+        if sweep.is_alive():  # it waits for this thread: end the call for it to go on
+            raise RuntimeError("the idle sweep waits for the recording")
+        return record_now(self, session, node)
+
+    monkeypatch.setattr(_Server, "record_now", swept_first)
+    app = create_app(stub, data=tmp_path, fsync=fsync, admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane=plane) as url:
+        made = new_session(url, session_id="swept")
+        assert _chat(url, made["api_key"], "recorded while swept") == 200
+        monkeypatch.undo()
+        assert len(swept) == 1
+        assert len(_export(url, "swept")["turns"]) == 1
