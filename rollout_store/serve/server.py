@@ -2420,6 +2420,9 @@ class RustDataPlane:
         #: Per session, its streams passed through whose turn is not recorded yet.
         self._streams: dict[str, list[_Call]] = {}
         self._streams_lock = threading.Lock()
+        #: Calls whose turn (`--ack fast`) is in the ack ledger and not yet taken by the
+        #: recorder: those a stopping engine never queued are counted at `close`.
+        self._answered: set[_Call] = set()
         self._sessions.watch_keys(self._key_changed)
         server.plane = self
 
@@ -2441,9 +2444,12 @@ class RustDataPlane:
         return bool(self._engine.settle(timeout))
 
     def close(self) -> None:
-        """Stop serving; the queued turns are recorded first (bounded), the rest counted."""
+        """Stop serving; the queued turns are recorded first (bounded), the rest counted, as
+        are those of calls the stop cut between their answer and its queueing."""
         self._sessions.watch_keys(None)
         self._engine.stop(ACK_DRAIN_SECONDS)
+        for call in list(self._answered):
+            self.dropped(call, "shutdown")
 
     # -- the engine's callbacks
 
@@ -2627,6 +2633,7 @@ class RustDataPlane:
         )
         if queue:  # in the ack ledger before the engine sends the reply (`_queue_turn`)
             server.sessions.answered(session)
+            self._answered.add(call)
         return self._timed(call, reply, queue)
 
     def finish_stream(
@@ -2691,6 +2698,7 @@ class RustDataPlane:
             return (*self._timed(call, self._failed(plan, refused, True), False), False)
         if fast:  # in the ack ledger before the engine releases the stream's last event
             server.sessions.answered(session)
+            self._answered.add(call)
         return (*self._timed(call, (200, _SSE_HEADERS, [], True), fast), True)
 
     @staticmethod
@@ -2723,6 +2731,7 @@ class RustDataPlane:
         plan, node = call.plan, call.node
         session, clock = plan.session, plan.clock
         server = self._server
+        self._answered.discard(call)
         try:
             if node is None:
                 raise RuntimeError("a queued call without its turn")
@@ -2735,6 +2744,7 @@ class RustDataPlane:
 
     def dropped(self, call: _Call, why: str) -> None:
         """A queued turn that will not be recorded (`queue_full`, `shutdown`)."""
+        self._answered.discard(call)
         session: Session = call.plan.session
         self._server._drop(session, why)
         call.node = None

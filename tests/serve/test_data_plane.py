@@ -5,6 +5,7 @@ follows the sessions; open mode resolves unknown keys in the control plane.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -22,7 +23,7 @@ from capture_support import (
     start_stub_process,
 )
 
-from rollout_store.serve.server import CALLERS, _Server, create_app
+from rollout_store.serve.server import CALLERS, RustDataPlane, _Server, create_app
 from rollout_store.serve.sessions import Sessions
 
 MESSAGES = [
@@ -308,3 +309,47 @@ def test_an_idle_sweep_while_a_turn_is_recorded_neither_waits_nor_loses_it(
         monkeypatch.undo()
         assert len(swept) == 1
         assert len(_export(url, "swept")["turns"]) == 1
+
+
+def test_a_stopping_rust_plane_counts_the_fast_turns_of_the_calls_it_cut(
+    stub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Calls in flight when the server stops are cut: a turn answered into the ack ledger
+    and never queued is counted as dropped at the stop (`shutdown`), never as a turn lost
+    with a killed process at the next start."""
+    finished: list[bool] = []
+    begun = threading.Event()
+    finish = RustDataPlane.finish
+
+    def slow(self: RustDataPlane, call: Any, *args: Any) -> Any:
+        begun.set()
+        time.sleep(0.3)  # the stop comes meanwhile
+        answer = finish(self, call, *args)
+        finished.append(answer[1])
+        return answer
+
+    monkeypatch.setattr(RustDataPlane, "finish", slow)
+    app = create_app(stub, data=tmp_path, fsync="never", ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane="rust") as url:
+        made = new_session(url, session_id="cut")
+
+        def cut_call(i: int) -> None:
+            with contextlib.suppress(httpx.HTTPError):  # (cut: no answer)
+                _chat(url, made["api_key"], f"cut {i}", 5)
+
+        calls = [threading.Thread(target=cut_call, args=(i,)) for i in range(4)]
+        for call in calls:
+            call.start()
+        assert begun.wait(5)
+    for call in calls:
+        call.join(20)
+    monkeypatch.undo()
+    cut = app.state.server.dropped["shutdown"]
+    assert cut == sum(finished) >= 1  # answered, never queued: each counted
+    again = create_app(stub, data=tmp_path, admin_key=ADMIN_KEY)
+    with serve_app(again, data_plane="rust") as url:
+        health = httpx.get(f"{url}/health").json()
+        info = httpx.get(f"{url}/sessions/cut", headers=auth("cut")).json()
+    assert health["dropped_by"]["killed"] == 0
+    assert health["dropped_by"]["shutdown"] == cut == info["dropped"]
+    assert info["turns"] == 0

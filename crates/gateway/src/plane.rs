@@ -560,7 +560,11 @@ impl<C: Control> Shared<C> {
     ) -> Option<R> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let work: Work<C> = Box::new(move |control| {
-            let _ = tx.send(work(control));
+            // a call whose caller is gone (its runtime shut down: the gateway stopping) is
+            // answered to no one: not made
+            if !tx.is_closed() {
+                let _ = tx.send(work(control));
+            }
         });
         let sent = {
             let calls = self.calls.lock().unwrap_or_else(PoisonError::into_inner);
@@ -1455,9 +1459,10 @@ impl<C: Control> Gateway<C> {
         Queued(self.shared.pending.clone())
     }
 
-    /// Stop: no new connection, calls in flight cut after a second, the control's calls
-    /// queued meanwhile made, the queued turns recorded for at most `drain` (the rest
-    /// reported dropped), the caller threads and the recorder joined.
+    /// Stop: no new connection, calls in flight cut (the control's calls they queued not
+    /// made; those begun end, waited for at most a second on the blocking pool), the queued
+    /// turns recorded for at most `drain` (the rest reported dropped), the caller threads
+    /// and the recorder joined.
     pub fn stop(&mut self, drain: Duration) {
         if let Some(accepting) = self.accepting.take() {
             accepting.abort();
