@@ -2381,7 +2381,7 @@ class _Call:
     """One model call between the engine's callbacks: its plan, once answered its turn, and
     (a passed-through stream) when its turn is recorded or let go."""
 
-    __slots__ = ("_ended", "after", "node", "plan")
+    __slots__ = ("_ended", "after", "held", "node", "plan")
 
     def __init__(self, plan: _Plan) -> None:
         self.plan = plan
@@ -2390,6 +2390,9 @@ class _Call:
         self._ended = threading.Event() if plan.stream else None
         #: The session's streams, not ended, that this call continues (`waits`).
         self.after: Sequence[_Call] = ()
+        #: Its session's graph, in use and locked by `waits` for `finish` to record in
+        #: (which lets it go).
+        self.held: contextlib.ExitStack | None = None
 
     @property
     def ended(self) -> threading.Event:
@@ -2453,6 +2456,9 @@ class RustDataPlane:
         #: Per session, its streams passed through whose turn is not recorded yet.
         self._streams: dict[str, list[_Call]] = {}
         self._streams_lock = threading.Lock()
+        #: Calls whose turn (`--ack fast`) is in the ack ledger and not yet taken by the
+        #: recorder: those a stopping engine never queued are counted at `close`.
+        self._answered: set[_Call] = set()
         self._sessions.watch_keys(self._key_changed)
         server.plane = self
 
@@ -2474,9 +2480,12 @@ class RustDataPlane:
         return bool(self._engine.settle(timeout))
 
     def close(self) -> None:
-        """Stop serving; the queued turns are recorded first (bounded), the rest counted."""
+        """Stop serving; the queued turns are recorded first (bounded), the rest counted, as
+        are those of calls the stop cut between their answer and its queueing."""
         self._sessions.watch_keys(None)
         self._engine.stop(ACK_DRAIN_SECONDS)
+        for call in list(self._answered):
+            self.dropped(call, "shutdown")
 
     # -- the engine's callbacks
 
@@ -2522,24 +2531,47 @@ class RustDataPlane:
         return call, plan.path, plan.content, list(plan.headers.items()), stream
 
     def waits(self, call: _Call) -> bool:
-        """Whether the call's `finish` (or `finish_stream`) is to wait first for the turns
-        of the session's streams that it continues, not recorded yet: a client may read a
-        stream's answer and call again before the stream's end is recorded (it left early,
-        or stopped reading at the last delta), and its next turn must find that one in the
-        graph to link to it. The engine then calls it on a thread where the wait holds up
-        no other call."""
-        if not self._streams:
-            return False
+        """Whether the call's `finish` (or `finish_stream`) is to wait first, on a thread
+        where the wait holds up no other call: for the turns of the session's streams that
+        it continues, not recorded yet (a client may read a stream's answer and call again
+        before the stream's end is recorded, when it left early or stopped reading at the
+        last delta, and its next turn must find that one in the graph to link to it); or,
+        to record its turn (`--ack durable`), for the session's graph, which another thread
+        holds (an export being read). Otherwise the graph is taken now, for `finish` to
+        record in: the engine calls it next, on this thread."""
         plan = call.plan
-        with self._streams_lock:
-            call.after = [
-                other
-                for other in self._streams.get(plan.session.session_id, ())
-                if other is not call
-                and not other.ended.is_set()
-                and _continues(plan.messages, other.plan.messages)
-            ]
-        return bool(call.after)
+        if self._streams:
+            with self._streams_lock:
+                call.after = [
+                    other
+                    for other in self._streams.get(plan.session.session_id, ())
+                    if other is not call
+                    and not other.ended.is_set()
+                    and _continues(plan.messages, other.plan.messages)
+                ]
+            if call.after:
+                return True
+        if self._server.config.ack == "fast":
+            return False  # its `finish` only queues the turn
+        held = contextlib.ExitStack()
+        try:
+            # in use first, as `record_now` takes it: an idle sweep, which locks the graph
+            # inside the session's own lock, then leaves it be
+            graph = held.enter_context(plan.session.use())
+        except (OSError, RolloutStoreError):
+            return False  # (`finish` answers why it cannot record)
+        if not graph.lock.acquire(blocking=False):
+            held.close()
+            return True
+        held.callback(graph.lock.release)
+        call.held = held
+        return False
+
+    def _let_go(self, call: _Call) -> None:
+        """Let go of the graph `waits` took for the call."""
+        held, call.held = call.held, None
+        if held is not None:
+            held.close()
 
     def _after_streams(self, call: _Call) -> None:
         """Wait (at most `--upstream-timeout`) for the streams `waits` found."""
@@ -2579,6 +2611,7 @@ class RustDataPlane:
                 call, status, error, content_type, retry_after, answer, stamps, started
             )
         finally:
+            self._let_go(call)
             if call.plan.stream:
                 self._stream_ended(call)
 
@@ -2636,6 +2669,7 @@ class RustDataPlane:
         )
         if queue:  # in the ack ledger before the engine sends the reply (`_queue_turn`)
             server.sessions.answered(session)
+            self._answered.add(call)
         return self._timed(call, reply, queue)
 
     def finish_stream(
@@ -2655,6 +2689,7 @@ class RustDataPlane:
                 self._after_streams(call)
             return self._stream_finished(call, events, error, stamps)
         finally:
+            self._let_go(call)
             self._stream_ended(call)
 
     def _stream_finished(
@@ -2699,6 +2734,7 @@ class RustDataPlane:
             return (*self._timed(call, self._failed(plan, refused, True), False), False)
         if fast:  # in the ack ledger before the engine releases the stream's last event
             server.sessions.answered(session)
+            self._answered.add(call)
         return (*self._timed(call, (200, _SSE_HEADERS, [], True), fast), True)
 
     @staticmethod
@@ -2731,6 +2767,7 @@ class RustDataPlane:
         plan, node = call.plan, call.node
         session, clock = plan.session, plan.clock
         server = self._server
+        self._answered.discard(call)
         try:
             if node is None:
                 raise RuntimeError("a queued call without its turn")
@@ -2743,6 +2780,7 @@ class RustDataPlane:
 
     def dropped(self, call: _Call, why: str) -> None:
         """A queued turn that will not be recorded (`queue_full`, `shutdown`)."""
+        self._answered.discard(call)
         session: Session = call.plan.session
         self._server._drop(session, why)
         call.node = None

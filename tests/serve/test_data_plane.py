@@ -5,7 +5,11 @@ follows the sessions; open mode resolves unknown keys in the control plane.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,7 +23,7 @@ from capture_support import (
     start_stub_process,
 )
 
-from rollout_store.serve.server import create_app
+from rollout_store.serve.server import CALLERS, RustDataPlane, _Server, create_app
 from rollout_store.serve.sessions import Sessions
 
 MESSAGES = [
@@ -223,3 +227,129 @@ def test_serve_with_the_rust_plane_stops_with_every_answered_turn_recorded(tmp_p
             again.stop()
     finally:
         stub.kill()
+
+
+def _chat(url: str, key: str, text: str, timeout: float = 20) -> int:
+    answer = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": text}]},
+        headers={"authorization": f"Bearer {key}"},
+        timeout=timeout,
+    )
+    return answer.status_code
+
+
+@pytest.mark.parametrize("plane", ["python", "rust"])
+@pytest.mark.parametrize("fsync", ["never", "turn"])
+def test_a_session_whose_graph_is_held_holds_up_no_other_session(
+    stub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plane: str, fsync: str
+) -> None:
+    """While a thread holds one session's graph (as an export read slowly holds it), that
+    session's calls wait for it and every other session's are answered: with one thread for
+    the Rust plane's callbacks (`fsync` never: a turn added without waiting on I/O), and
+    with more calls waiting than it has threads (`fsync` turn)."""
+    recording = [0]
+    record_now = _Server.record_now
+
+    def counted(self: _Server, session: Any, node: Any) -> str:
+        recording[0] += 1
+        return record_now(self, session, node)
+
+    monkeypatch.setattr(_Server, "record_now", counted)
+    waiting = 1 if fsync == "never" else CALLERS + 1
+    app = create_app(stub, data=tmp_path, fsync=fsync, admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane=plane) as url:
+        held, free = new_session(url, session_id="held"), new_session(url, session_id="free")
+        statuses: list[int] = []
+        with app.state.server.sessions.get("held").graph.lock:
+            calls = [
+                threading.Thread(
+                    target=lambda i=i: statuses.append(_chat(url, held["api_key"], f"held {i}"))
+                )
+                for i in range(waiting)
+            ]
+            for call in calls:
+                call.start()
+            deadline = time.monotonic() + 5
+            while recording[0] < waiting and time.monotonic() < deadline:
+                time.sleep(0.01)  # until each waits for the graph
+            assert _chat(url, free["api_key"], "free", timeout=5) == 200
+            assert all(call.is_alive() for call in calls)  # still waiting: the graph is held
+        for call in calls:
+            call.join(20)
+        assert statuses == [200] * waiting
+        assert len(_export(url, "held")["turns"]) == waiting
+        assert len(_export(url, "free")["turns"]) == 1
+
+
+@pytest.mark.parametrize("plane", ["python", "rust"])
+@pytest.mark.parametrize("fsync", ["never", "turn"])
+def test_an_idle_sweep_while_a_turn_is_recorded_neither_waits_nor_loses_it(
+    stub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plane: str, fsync: str
+) -> None:
+    """An idle sweep of a session (`release_if_idle`) that comes while one of its turns is
+    being recorded: it is not held up by the recording (which would wait for it in turn),
+    and the turn is recorded."""
+    swept: list[bool] = []
+    record_now = _Server.record_now
+
+    def swept_first(self: _Server, session: Any, node: Any) -> str:
+        sweep = threading.Thread(target=lambda: swept.append(session.release_if_idle(0)))
+        sweep.start()
+        sweep.join(2)
+        if sweep.is_alive():  # it waits for this thread: end the call for it to go on
+            raise RuntimeError("the idle sweep waits for the recording")
+        return record_now(self, session, node)
+
+    monkeypatch.setattr(_Server, "record_now", swept_first)
+    app = create_app(stub, data=tmp_path, fsync=fsync, admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane=plane) as url:
+        made = new_session(url, session_id="swept")
+        assert _chat(url, made["api_key"], "recorded while swept") == 200
+        monkeypatch.undo()
+        assert len(swept) == 1
+        assert len(_export(url, "swept")["turns"]) == 1
+
+
+def test_a_stopping_rust_plane_counts_the_fast_turns_of_the_calls_it_cut(
+    stub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Calls in flight when the server stops are cut: a turn answered into the ack ledger
+    and never queued is counted as dropped at the stop (`shutdown`), never as a turn lost
+    with a killed process at the next start."""
+    finished: list[bool] = []
+    begun = threading.Event()
+    finish = RustDataPlane.finish
+
+    def slow(self: RustDataPlane, call: Any, *args: Any) -> Any:
+        begun.set()
+        time.sleep(0.3)  # the stop comes meanwhile
+        answer = finish(self, call, *args)
+        finished.append(answer[1])
+        return answer
+
+    monkeypatch.setattr(RustDataPlane, "finish", slow)
+    app = create_app(stub, data=tmp_path, fsync="never", ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane="rust") as url:
+        made = new_session(url, session_id="cut")
+
+        def cut_call(i: int) -> None:
+            with contextlib.suppress(httpx.HTTPError):  # (cut: no answer)
+                _chat(url, made["api_key"], f"cut {i}", 5)
+
+        calls = [threading.Thread(target=cut_call, args=(i,)) for i in range(4)]
+        for call in calls:
+            call.start()
+        assert begun.wait(5)
+    for call in calls:
+        call.join(20)
+    monkeypatch.undo()
+    cut = app.state.server.dropped["shutdown"]
+    assert cut == sum(finished) >= 1  # answered, never queued: each counted
+    again = create_app(stub, data=tmp_path, admin_key=ADMIN_KEY)
+    with serve_app(again, data_plane="rust") as url:
+        health = httpx.get(f"{url}/health").json()
+        info = httpx.get(f"{url}/sessions/cut", headers=auth("cut")).json()
+    assert health["dropped_by"]["killed"] == 0
+    assert health["dropped_by"]["shutdown"] == cut == info["dropped"]
+    assert info["turns"] == 0

@@ -164,6 +164,52 @@ def _slow_recorder(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     monkeypatch.setattr(RustDataPlane, "record", slow_queued)
 
 
+def test_the_server_answers_while_an_export_waits_for_the_queued_turns(
+    stub: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An export waits for the turns answered before it; meanwhile /health, a new session
+    and another session's call are answered, and the export has the turn once it is in."""
+    gate = threading.Event()
+    settling = threading.Event()
+    record = _Server._record
+    record_queued = RustDataPlane.record
+    settled = _Server.settled
+
+    async def gated(self: _Server, session: Any, node: Any) -> str:
+        await asyncio.to_thread(gate.wait, 20)
+        return await record(self, session, node)
+
+    def gated_queued(self: RustDataPlane, call: Any) -> None:
+        gate.wait(20)
+        record_queued(self, call)
+
+    async def settling_first(self: _Server, timeout: float = 10.0) -> bool:
+        settling.set()
+        return await settled(self, timeout)
+
+    monkeypatch.setattr(_Server, "_record", gated)
+    monkeypatch.setattr(RustDataPlane, "record", gated_queued)
+    monkeypatch.setattr(_Server, "settled", settling_first)
+    app = create_app(stub, ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app) as url:
+        session = new_session(url, session_id="waited")
+        _call(url, session, "queued")
+        exported: list[str] = []
+        exporting = threading.Thread(target=lambda: exported.append(_export_text(url, "waited")))
+        exporting.start()
+        assert settling.wait(5)
+        time.sleep(0.05)  # (the export's wait begun)
+        health = httpx.get(f"{url}/health", timeout=5)
+        made = httpx.post(f"{url}/sessions", json={}, headers=ADMIN, timeout=5)
+        assert health.status_code == 200 and made.status_code == 200
+        other = {"api_key": made.json()["api_key"]}
+        _call(url, other, "not queued behind the export")
+        assert exporting.is_alive()  # its turn is not in yet
+        gate.set()
+        exporting.join(20)
+    assert len(json.loads(exported[0])["turns"]) == 1
+
+
 @pytest.mark.slow
 def test_fast_counts_the_turns_a_full_queue_drops(
     stub: str, monkeypatch: pytest.MonkeyPatch

@@ -9,7 +9,8 @@ use bytes::Bytes;
 use gateway::checks::Hosts;
 use gateway::sse::Strip;
 use gateway::{
-    Call, Config, Control, Finished, Gateway, Prepared, Reply, Sent, Streamed, Streaming, Upstream,
+    Call, Config, Control, Finished, Gateway, Prepared, Queued, Reply, Sent, Streamed, Streaming,
+    Upstream,
 };
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -257,6 +258,9 @@ impl Control for PyControl {
 #[pyclass(frozen, module = "rollout_store._core")]
 pub struct DataPlane {
     gateway: Mutex<Option<Gateway<PyControl>>>,
+    /// Its queue of turns, waited for (`settle`) without holding `gateway`, which a key's
+    /// change takes with the GIL held.
+    queued: Queued,
     port: u16,
 }
 
@@ -332,6 +336,7 @@ impl DataPlane {
         let gateway = py.detach(|| Gateway::start(config, PyControl { control }))?;
         let port = gateway.local_addr().port();
         Ok(Self {
+            queued: gateway.queued(),
             gateway: Mutex::new(Some(gateway)),
             port,
         })
@@ -355,14 +360,15 @@ impl DataPlane {
 
     /// Turns queued (`fast`) and waiting for the recorder.
     fn pending(&self) -> PyResult<usize> {
-        self.with(Gateway::pending)
+        self.with(|_| self.queued.waiting())
     }
 
     /// Wait at most `timeout` seconds until every queued turn is recorded or dropped;
     /// whether it was.
     fn settle(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
         let timeout = Duration::try_from_secs_f64(timeout.max(0.0)).unwrap_or(Duration::ZERO);
-        py.detach(|| self.with(|g| g.settle(timeout)))
+        self.with(|_| ())?;
+        Ok(py.detach(|| self.queued.settle(timeout)))
     }
 
     /// Stop serving; the queued turns are recorded for at most `drain` seconds (the rest are

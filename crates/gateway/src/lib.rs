@@ -18,5 +18,6 @@ pub mod plane;
 pub mod sse;
 
 pub use plane::{
-    Call, Config, Control, Finished, Gateway, Prepared, Reply, Sent, Streamed, Streaming, Upstream,
+    Call, Config, Control, Finished, Gateway, Prepared, Queued, Reply, Sent, Streamed, Streaming,
+    Upstream,
 };

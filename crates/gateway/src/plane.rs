@@ -294,6 +294,30 @@ impl Pending {
     }
 }
 
+/// The gateway's queue of turns (`--ack fast`), apart from the gateway: whoever holds the
+/// gateway to set a key or stop it is not held up by a wait for the queue to empty.
+#[derive(Clone)]
+pub struct Queued(Arc<Pending>);
+
+impl Queued {
+    /// Turns queued and waiting for the recorder.
+    pub fn waiting(&self) -> usize {
+        self.0.counts().waiting
+    }
+
+    /// Wait (at most `timeout`) until every queued turn is recorded or dropped; whether it
+    /// was.
+    pub fn settle(&self, timeout: Duration) -> bool {
+        let counts = self.0.counts();
+        let (counts, _) = self
+            .0
+            .changed
+            .wait_timeout_while(counts, timeout, |c| c.unfinished > 0)
+            .unwrap_or_else(PoisonError::into_inner);
+        counts.unfinished == 0
+    }
+}
+
 struct Shared<C: Control> {
     config: Config,
     control: Arc<C>,
@@ -303,7 +327,7 @@ struct Shared<C: Control> {
     jobs: Mutex<Option<mpsc::Sender<Job<C::Ticket>>>>,
     /// The caller threads' queue (`None` once stopping).
     calls: Mutex<Option<mpsc::Sender<Work<C>>>>,
-    pending: Pending,
+    pending: Arc<Pending>,
     /// When the recorder is to stop recording (set by `stop`).
     deadline: Mutex<Option<Instant>>,
 }
@@ -536,7 +560,11 @@ impl<C: Control> Shared<C> {
     ) -> Option<R> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let work: Work<C> = Box::new(move |control| {
-            let _ = tx.send(work(control));
+            // a call whose caller is gone (its runtime shut down: the gateway stopping) is
+            // answered to no one: not made
+            if !tx.is_closed() {
+                let _ = tx.send(work(control));
+            }
         });
         let sent = {
             let calls = self.calls.lock().unwrap_or_else(PoisonError::into_inner);
@@ -1328,7 +1356,7 @@ impl<C: Control> Gateway<C> {
             client,
             jobs: Mutex::new(Some(tx)),
             calls: Mutex::new(Some(calls_tx)),
-            pending: Pending::default(),
+            pending: Arc::default(),
             deadline: Mutex::new(None),
         });
         let listener = runtime.block_on(async {
@@ -1417,24 +1445,24 @@ impl<C: Control> Gateway<C> {
 
     /// Turns queued and waiting for the recorder.
     pub fn pending(&self) -> usize {
-        self.shared.pending.counts().waiting
+        self.queued().waiting()
     }
 
     /// Wait (at most `timeout`) until every queued turn is recorded or dropped; whether it
     /// was.
     pub fn settle(&self, timeout: Duration) -> bool {
-        let pending = &self.shared.pending;
-        let counts = pending.counts();
-        let (counts, _) = pending
-            .changed
-            .wait_timeout_while(counts, timeout, |c| c.unfinished > 0)
-            .unwrap_or_else(PoisonError::into_inner);
-        counts.unfinished == 0
+        self.queued().settle(timeout)
     }
 
-    /// Stop: no new connection, calls in flight cut after a second, the control's calls
-    /// queued meanwhile made, the queued turns recorded for at most `drain` (the rest
-    /// reported dropped), the caller threads and the recorder joined.
+    /// The queue of turns, to be read and waited for apart from the gateway.
+    pub fn queued(&self) -> Queued {
+        Queued(self.shared.pending.clone())
+    }
+
+    /// Stop: no new connection, calls in flight cut (the control's calls they queued not
+    /// made; those begun end, waited for at most a second on the blocking pool), the queued
+    /// turns recorded for at most `drain` (the rest reported dropped), the caller threads
+    /// and the recorder joined.
     pub fn stop(&mut self, drain: Duration) {
         if let Some(accepting) = self.accepting.take() {
             accepting.abort();

@@ -284,3 +284,65 @@ fn a_call_that_waits_for_another_holds_up_no_caller_thread() {
     let (status, _) = waiting.join().unwrap();
     assert_eq!(status, 200, "the waiting call never saw the other finish");
 }
+
+/// A control plane whose `prepare` takes a while, counting the calls it makes.
+#[derive(Default)]
+struct SlowPrepare {
+    prepared: AtomicUsize,
+}
+
+struct SlowProbe(Arc<SlowPrepare>);
+
+impl Control for SlowProbe {
+    type Ticket = u8;
+
+    fn prepare(&self, call: Call) -> Prepared<u8> {
+        self.0.prepared.fetch_add(1, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(500));
+        common::forward(call, 0, None)
+    }
+
+    fn finish(&self, _: &u8, upstream: Upstream) -> Finished {
+        Finished {
+            reply: Reply {
+                status: upstream.status,
+                headers: Vec::new(),
+                chunks: vec![upstream.body],
+                stream: false,
+            },
+            ..Finished::default()
+        }
+    }
+
+    fn finish_stream(&self, _: &u8, _: Streamed) -> Finished {
+        Finished::default()
+    }
+
+    fn record(&self, _: &u8) {}
+
+    fn dropped(&self, _: &u8, _: &'static str) {}
+
+    fn sent(&self, _: &u8, _: Sent) {}
+}
+
+#[test]
+fn a_stopping_gateway_makes_none_of_the_calls_queued_for_its_cut_calls() {
+    let (upstream, _) = stub(None);
+    let control = Arc::new(SlowPrepare::default());
+    let mut gateway = Gateway::start(
+        common::config(format!("http://{upstream}")),
+        SlowProbe(control.clone()),
+    )
+    .unwrap();
+    gateway.set_key(b"key-a", "a");
+    let addr = gateway.local_addr();
+    let calls: Vec<_> = (0..4)
+        .map(|_| std::thread::spawn(move || model_call(addr, "key-a", BODY)))
+        .collect();
+    std::thread::sleep(Duration::from_millis(200)); // one prepare begun, three queued
+    gateway.stop(Duration::from_secs(1));
+    for call in calls {
+        let _ = call.join();
+    }
+    assert_eq!(control.prepared.load(Ordering::SeqCst), 1);
+}
