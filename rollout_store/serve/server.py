@@ -2535,7 +2535,9 @@ class RustDataPlane:
         where the wait holds up no other call: for the turns of the session's streams that
         it continues, not recorded yet (a client may read a stream's answer and call again
         before the stream's end is recorded, when it left early or stopped reading at the
-        last delta, and its next turn must find that one in the graph to link to it); or,
+        last delta, and its next turn must find that one in the graph to link to it; with
+        `--ack fast`, until the recorder has recorded that turn, so that this call's turn
+        is queued after it); or,
         to record its turn (`--ack durable`), for the session's graph, which another thread
         holds (an export being read). Otherwise the graph is taken now, for `finish` to
         record in: the engine calls it next, on this thread."""
@@ -2612,8 +2614,8 @@ class RustDataPlane:
             )
         finally:
             self._let_go(call)
-            if call.plan.stream:
-                self._stream_ended(call)
+            if call.plan.stream and call not in self._answered:
+                self._stream_ended(call)  # (a queued turn's stream ends when it is recorded)
 
     def _finished(
         self,
@@ -2690,7 +2692,8 @@ class RustDataPlane:
             return self._stream_finished(call, events, error, stamps)
         finally:
             self._let_go(call)
-            self._stream_ended(call)
+            if call not in self._answered:
+                self._stream_ended(call)  # (a queued turn's stream ends when it is recorded)
 
     def _stream_finished(
         self, call: _Call, events: bytes, error: str | None, stamps: tuple[int, int, int]
@@ -2777,6 +2780,8 @@ class RustDataPlane:
         except Exception:  # any failure: the client has its answer, the turn is counted
             self._server._drop(session, "record_error")
         call.node = None
+        if plan.stream:  # only now: a call continuing it is queued after it (`waits`)
+            self._stream_ended(call)
 
     def dropped(self, call: _Call, why: str) -> None:
         """A queued turn that will not be recorded (`queue_full`, `shutdown`)."""
@@ -2784,6 +2789,8 @@ class RustDataPlane:
         session: Session = call.plan.session
         self._server._drop(session, why)
         call.node = None
+        if call.plan.stream:
+            self._stream_ended(call)
 
     def sent(self, call: _Call, reply_sent: int, chunks: int, max_gap: int) -> None:
         """A timed call's reply is out: record its timeline (once its turn is recorded)."""

@@ -32,7 +32,7 @@ from starlette.routing import Route
 
 from rollout_store.files.storage import RolloutGraph
 from rollout_store.serve.loopback import wait_for_port
-from rollout_store.serve.server import create_app, listen_socket
+from rollout_store.serve.server import RustDataPlane, create_app, listen_socket
 from rollout_store.serve.sse import SSE_HEADERS, anthropic_events, chat_chunks, sse_data, sse_event
 from rollout_store.serve.stub_engine import chat_response, create_stub_app
 
@@ -559,6 +559,60 @@ def test_a_call_continuing_a_stream_whose_end_is_not_recorded_waits_for_it(
         assert answered == [200]
         first, second = _turns(app, session["session_id"])
         assert first.request_messages == MESSAGES
+        assert len(second.request_messages) == 3
+
+
+def test_a_fast_call_continuing_a_stream_is_recorded_after_the_streams_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `--ack fast`, a call continuing a stream whose turn is not recorded yet is queued
+    after that turn, however late the stream's turn reaches the queue, so that it can link to
+    it (recorded first, it would be a branch the agent did not take)."""
+    finish_stream = RustDataPlane.finish_stream
+
+    def queued_late(self: RustDataPlane, *args: Any) -> Any:
+        out = finish_stream(self, *args)
+        time.sleep(0.5)  # the stream's turn reaches the queue this late
+        return out
+
+    monkeypatch.setattr(RustDataPlane, "finish_stream", queued_late)
+    engine = Engine(_chat_answer(), _chat_events(), hold_at=len(_chat_events()) - 1)
+    body = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "stream": True}
+    with _through(engine, tmp_path, ack="fast") as (url, app, session):
+        headers = {"authorization": f"Bearer {session['api_key']}"}
+        received = b""
+        with httpx.stream(
+            "POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=5
+        ) as answer:
+            chunks = answer.iter_raw()
+            while b'"finish_reason": "tool_calls"' not in received:
+                received += next(chunks)
+            message = _chat_answer()["choices"][0]["message"]
+            later = {
+                "model": "m",
+                "messages": [*MESSAGES, message, {"role": "user", "content": "and then?"}],
+                "tools": TOOLS,
+            }
+            answered: list[int] = []
+            thread = threading.Thread(
+                target=lambda: answered.append(
+                    _post(url, "/v1/chat/completions", session, later).status_code
+                )
+            )
+            thread.start()
+            for _ in range(500):
+                if len(engine.bodies) == 2:
+                    break
+                time.sleep(0.01)
+            engine.gate.set()
+            thread.join(10)
+        assert answered == [200]
+        for _ in range(500):
+            if len(_turns(app, session["session_id"])) == 2:
+                break
+            time.sleep(0.01)
+        first, second = _turns(app, session["session_id"])
+        assert first.request_messages == MESSAGES  # the stream's turn, recorded first
         assert len(second.request_messages) == 3
 
 
