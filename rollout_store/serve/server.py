@@ -2765,23 +2765,37 @@ class RustDataPlane:
             self._server.timing(plan.session, plan.clock)
         return reply, queue, timed
 
-    def record(self, call: _Call) -> None:
-        """Record a turn answered with `--ack fast` (on the engine's recorder thread)."""
-        plan, node = call.plan, call.node
-        session, clock = plan.session, plan.clock
+    def record(self, calls: list[_Call]) -> None:
+        """Record turns answered with `--ack fast` (on the engine's recorder thread), those
+        queued meanwhile together: each session's log synced once for its turns among them
+        (`record_group_now`). A turn that cannot be recorded is counted; its client has its
+        answer."""
         server = self._server
-        self._answered.discard(call)
+        group: list[tuple[_Call, TurnNode]] = []
+        for call in calls:
+            self._answered.discard(call)
+            if call.node is None:  # (a queued call always has its turn)
+                server._drop(call.plan.session, "record_error")
+            else:
+                group.append((call, call.node))
         try:
-            if node is None:
-                raise RuntimeError("a queued call without its turn")
-            clock.node_id = server.record_now(session, node)
-            if clock.reply_sent >= 0:  # sent before the turn was recorded: ours to do
-                self._server.record_timeline_now(session, clock)
-        except Exception:  # any failure: the client has its answer, the turn is counted
-            self._server._drop(session, "record_error")
-        call.node = None
-        if plan.stream:  # only now: a call continuing it is queued after it (`waits`)
-            self._stream_ended(call)
+            ids = server.record_group_now(
+                [(call.plan.session, node, call.plan.clock) for call, node in group]
+            )
+        except Exception:  # any failure: each turn of the group is counted
+            ids = [None] * len(group)
+        for (call, _), node_id in zip(group, ids, strict=True):
+            session, clock = call.plan.session, call.plan.clock
+            if node_id is None:
+                server._drop(session, "record_error")
+            else:
+                clock.node_id = node_id
+                if clock.reply_sent >= 0:  # sent before the turn was recorded: ours to do
+                    server.record_timeline_now(session, clock)
+            call.node = None
+        for call in calls:
+            if call.plan.stream:  # only now: a call continuing it is queued after it (`waits`)
+                self._stream_ended(call)
 
     def dropped(self, call: _Call, why: str) -> None:
         """A queued turn that will not be recorded (`queue_full`, `shutdown`)."""

@@ -156,9 +156,9 @@ def _slow_recorder(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
         await asyncio.sleep(seconds)
         await record(self, session, node)
 
-    def slow_queued(self: RustDataPlane, call: Any) -> None:
+    def slow_queued(self: RustDataPlane, calls: Any) -> None:
         time.sleep(seconds)
-        record_queued(self, call)
+        record_queued(self, calls)
 
     monkeypatch.setattr(_Server, "_record", slow)
     monkeypatch.setattr(RustDataPlane, "record", slow_queued)
@@ -254,15 +254,16 @@ def test_fast_drains_its_queue_on_shutdown(
         assert info["turns"] == 4
 
 
+@pytest.mark.parametrize("plane", ["python", "rust"])
 def test_fast_records_the_turns_queued_meanwhile_together_in_order(
-    stub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    stub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plane: str
 ) -> None:
     """Turns answered while the recorder waits on a sync are recorded together: each
     session's log synced once for its turns among them, not once a turn, and each session's
     turns in the order they were answered."""
     data = tmp_path / "d"
     app = create_app(stub, data=data, ack="fast", admin_key=ADMIN_KEY)
-    with serve_app(app, data_plane="python") as url:
+    with serve_app(app, data_plane=plane) as url:
         sessions = [new_session(url, session_id=f"group-{k}") for k in range(3)]
         gate, synced = threading.Event(), []
         real_fsync = os.fsync

@@ -31,11 +31,11 @@ def stall_recorder(gate: Path) -> None:
             await asyncio.sleep(0.01)
         return await record(self, session, node)
 
-    def stalled_queued(self: RustDataPlane, call: Any) -> None:
+    def stalled_queued(self: RustDataPlane, calls: Any) -> None:
         deadline = time.monotonic() + STALL_S
         while gate.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
-        record_queued(self, call)
+        record_queued(self, calls)
 
     _Server._record = stalled  # type: ignore[method-assign]
     RustDataPlane.record = stalled_queued  # type: ignore[method-assign]

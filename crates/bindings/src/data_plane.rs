@@ -213,12 +213,10 @@ impl Control for PyControl {
         })
     }
 
-    fn record(&self, ticket: &Py<PyAny>) {
+    fn record(&self, tickets: &[&Py<PyAny>]) {
         Python::attach(|py| {
-            if let Err(error) = self
-                .control
-                .call_method1(py, "record", (ticket.clone_ref(py),))
-            {
+            let calls: Vec<Py<PyAny>> = tickets.iter().map(|t| t.clone_ref(py)).collect();
+            if let Err(error) = self.control.call_method1(py, "record", (calls,)) {
                 error.print(py);
             }
         });

@@ -233,8 +233,10 @@ pub trait Control: Send + Sync + 'static {
     /// (`--ack durable`) or queued (`--ack fast`), then its held-back last event released;
     /// or, when it broke off or cannot be recorded, the error event that ends it.
     fn finish_stream(&self, ticket: &Self::Ticket, streamed: Streamed) -> Finished;
-    /// Record a turn queued with `--ack fast` (the control counts a failure itself).
-    fn record(&self, ticket: &Self::Ticket);
+    /// Record turns queued with `--ack fast`, in their order: those queued meanwhile come
+    /// together, so that a session's log can be synced once for them (the control counts
+    /// a failure itself).
+    fn record(&self, tickets: &[&Self::Ticket]);
     /// A queued turn that will not be recorded, and why (`queue_full`, `shutdown`).
     fn dropped(&self, ticket: &Self::Ticket, why: &'static str);
     /// The reply of a timed call was sent.
@@ -1519,38 +1521,63 @@ fn call_loop<C: Control>(control: &C, calls: &Mutex<mpsc::Receiver<Work<C>>>) {
     }
 }
 
-/// The recorder: one job at a time, each taking the GIL for itself, so that the caller
-/// threads (whose calls a reply waits for) win it between them.
+/// The recorder: the jobs queued meanwhile (at most `RECORD_GROUP`), their turns recorded
+/// together, then their timelines, one job at a time otherwise: each call into the control
+/// takes the GIL for itself, so that the caller threads (whose calls a reply waits for) win
+/// it between them.
 fn record_loop<C: Control>(shared: &Shared<C>, jobs: &mpsc::Receiver<Job<C::Ticket>>) {
-    while let Ok(job) = jobs.recv() {
-        record_job(shared, job);
+    while let Ok(first) = jobs.recv() {
+        let mut batch = vec![first];
+        while batch.len() < RECORD_GROUP {
+            let Ok(job) = jobs.try_recv() else {
+                break;
+            };
+            batch.push(job);
+        }
+        record_batch(shared, batch);
     }
 }
 
-fn record_job<C: Control>(shared: &Shared<C>, job: Job<C::Ticket>) {
+/// Jobs the recorder takes at once, at most.
+const RECORD_GROUP: usize = 64;
+
+fn record_batch<C: Control>(shared: &Shared<C>, batch: Vec<Job<C::Ticket>>) {
     let late = shared
         .deadline
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .is_some_and(|at| Instant::now() > at);
     let control = &shared.control;
-    match job {
-        Job::Record(ticket) => {
-            shared.pending.taken();
-            let why = if late { "shutdown" } else { "" };
-            let _ = catch_unwind(AssertUnwindSafe(|| {
-                if late {
-                    control.dropped(&ticket, why);
-                } else {
-                    control.record(&ticket);
+    let mut turns = Vec::new();
+    let mut sent = Vec::new();
+    for job in batch {
+        match job {
+            Job::Record(ticket) => {
+                shared.pending.taken();
+                turns.push(ticket);
+            }
+            // a timeline comes after its turn's job: recorded after the turns, it still is
+            Job::Sent(ticket, stamps) => sent.push((ticket, stamps)),
+        }
+    }
+    if !turns.is_empty() {
+        let tickets: Vec<&C::Ticket> = turns.iter().map(|t| &**t).collect();
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            if late {
+                for ticket in &tickets {
+                    control.dropped(ticket, "shutdown");
                 }
-            }));
+            } else {
+                control.record(&tickets);
+            }
+        }));
+        for _ in &turns {
             shared.pending.done();
         }
-        Job::Sent(ticket, sent) => {
-            if !late {
-                let _ = catch_unwind(AssertUnwindSafe(|| control.sent(&ticket, sent)));
-            }
+    }
+    if !late {
+        for (ticket, stamps) in sent {
+            let _ = catch_unwind(AssertUnwindSafe(|| control.sent(&ticket, stamps)));
         }
     }
 }

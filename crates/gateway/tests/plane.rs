@@ -88,8 +88,9 @@ impl Control for Probe {
         Finished::default()
     }
 
-    fn record(&self, ticket: &String) {
-        self.0.recorded.lock().unwrap().push(ticket.clone());
+    fn record(&self, tickets: &[&String]) {
+        let mut recorded = self.0.recorded.lock().unwrap();
+        recorded.extend(tickets.iter().map(|t| (*t).clone()));
     }
 
     fn dropped(&self, _: &String, _: &'static str) {}
@@ -261,7 +262,7 @@ impl Control for OrderedProbe {
         Finished::default()
     }
 
-    fn record(&self, _: &bool) {}
+    fn record(&self, _: &[&bool]) {}
 
     fn dropped(&self, _: &bool, _: &'static str) {}
 
@@ -318,7 +319,7 @@ impl Control for SlowProbe {
         Finished::default()
     }
 
-    fn record(&self, _: &u8) {}
+    fn record(&self, _: &[&u8]) {}
 
     fn dropped(&self, _: &u8, _: &'static str) {}
 

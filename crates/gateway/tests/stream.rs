@@ -100,7 +100,7 @@ impl Control for Streams {
         }
     }
 
-    fn record(&self, (): &()) {}
+    fn record(&self, _: &[&()]) {}
     fn dropped(&self, (): &(), _: &'static str) {}
     fn sent(&self, (): &(), _: Sent) {}
 }

@@ -93,7 +93,7 @@ impl Control for Plain {
     fn finish_stream(&self, (): &(), _: Streamed) -> Finished {
         Finished::default()
     }
-    fn record(&self, (): &()) {}
+    fn record(&self, _: &[&()]) {}
     fn dropped(&self, (): &(), _: &'static str) {}
     fn sent(&self, (): &(), _: Sent) {}
 }
