@@ -516,6 +516,41 @@ def test_a_client_that_leaves_mid_stream_leaves_the_turn_recorded(tmp_path: Path
         assert _post(url, "/v1/chat/completions", session, body).status_code == 200
 
 
+def _again_before_the_streams_end(
+    url: str, session: dict[str, Any], engine: Engine
+) -> tuple[threading.Thread, list[int]]:
+    """A client reads the stream of a call up to its last delta, leaves, and calls again at
+    once, continuing it: the thread making that call (once the call went upstream) and the
+    status it will get."""
+    body = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "stream": True}
+    headers = {"authorization": f"Bearer {session['api_key']}"}
+    received = b""
+    with httpx.stream(
+        "POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=5
+    ) as answer:
+        chunks = answer.iter_raw()
+        while b'"finish_reason": "tool_calls"' not in received:
+            received += next(chunks)
+    message = _chat_answer()["choices"][0]["message"]
+    later = {
+        "model": "m",
+        "messages": [*MESSAGES, message, {"role": "user", "content": "and then?"}],
+        "tools": TOOLS,
+    }
+    answered: list[int] = []
+    thread = threading.Thread(
+        target=lambda: answered.append(
+            _post(url, "/v1/chat/completions", session, later).status_code
+        )
+    )
+    thread.start()
+    for _ in range(500):
+        if len(engine.bodies) == 2:
+            break
+        time.sleep(0.01)
+    return thread, answered
+
+
 @pytest.mark.parametrize("fsync", ["turn", "never"])
 def test_a_call_continuing_a_stream_whose_end_is_not_recorded_waits_for_it(
     tmp_path: Path, fsync: str
@@ -524,33 +559,8 @@ def test_a_call_continuing_a_stream_whose_end_is_not_recorded_waits_for_it(
     is recorded after the stream's, which it continues (and links to). With `fsync` never,
     the engine runs its callbacks on one thread: the wait must not hold that one up."""
     engine = Engine(_chat_answer(), _chat_events(), hold_at=len(_chat_events()) - 1)
-    body = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "stream": True}
     with _through(engine, tmp_path, fsync=fsync) as (url, app, session):
-        headers = {"authorization": f"Bearer {session['api_key']}"}
-        received = b""
-        with httpx.stream(
-            "POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=5
-        ) as answer:
-            chunks = answer.iter_raw()
-            while b'"finish_reason": "tool_calls"' not in received:
-                received += next(chunks)
-        message = _chat_answer()["choices"][0]["message"]
-        later = {
-            "model": "m",
-            "messages": [*MESSAGES, message, {"role": "user", "content": "and then?"}],
-            "tools": TOOLS,
-        }
-        answered: list[int] = []
-        thread = threading.Thread(
-            target=lambda: answered.append(
-                _post(url, "/v1/chat/completions", session, later).status_code
-            )
-        )
-        thread.start()
-        for _ in range(500):
-            if len(engine.bodies) == 2:
-                break
-            time.sleep(0.01)
+        thread, answered = _again_before_the_streams_end(url, session, engine)
         assert len(engine.bodies) == 2  # the next call went upstream
         time.sleep(0.3)
         assert thread.is_alive()  # and waits for the stream's turn
@@ -577,35 +587,10 @@ def test_a_fast_call_continuing_a_stream_is_recorded_after_the_streams_turn(
 
     monkeypatch.setattr(RustDataPlane, "finish_stream", queued_late)
     engine = Engine(_chat_answer(), _chat_events(), hold_at=len(_chat_events()) - 1)
-    body = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "stream": True}
     with _through(engine, tmp_path, ack="fast") as (url, app, session):
-        headers = {"authorization": f"Bearer {session['api_key']}"}
-        received = b""
-        with httpx.stream(
-            "POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=5
-        ) as answer:
-            chunks = answer.iter_raw()
-            while b'"finish_reason": "tool_calls"' not in received:
-                received += next(chunks)
-            message = _chat_answer()["choices"][0]["message"]
-            later = {
-                "model": "m",
-                "messages": [*MESSAGES, message, {"role": "user", "content": "and then?"}],
-                "tools": TOOLS,
-            }
-            answered: list[int] = []
-            thread = threading.Thread(
-                target=lambda: answered.append(
-                    _post(url, "/v1/chat/completions", session, later).status_code
-                )
-            )
-            thread.start()
-            for _ in range(500):
-                if len(engine.bodies) == 2:
-                    break
-                time.sleep(0.01)
-            engine.gate.set()
-            thread.join(10)
+        thread, answered = _again_before_the_streams_end(url, session, engine)
+        engine.gate.set()
+        thread.join(10)
         assert answered == [200]
         for _ in range(500):
             if len(_turns(app, session["session_id"])) == 2:

@@ -4,6 +4,7 @@
 //! of a Chat Completions chunk (the rest of the event as the engine sent it).
 
 use bytes::{Bytes, BytesMut};
+use engine::json::scan::{skip_space, string_end, value_end};
 
 /// The events of a stream, split as its bytes arrive: an event ends with a blank line
 /// (`\n\n`, `\r\n\r\n` or `\r\r`, as the SSE grammar allows).
@@ -220,63 +221,6 @@ fn merge(edits: Vec<Edit>) -> Vec<Edit> {
     out
 }
 
-fn skip_space(text: &[u8], mut i: usize) -> usize {
-    while matches!(text.get(i), Some(b' ' | b'\t' | b'\r' | b'\n')) {
-        i += 1;
-    }
-    i
-}
-
-/// Where the JSON value at `i` ends.
-fn skip_value(text: &[u8], i: usize) -> Option<usize> {
-    match text.get(i)? {
-        b'"' => skip_string(text, i),
-        b'{' | b'[' => {
-            let mut depth = 0usize;
-            let mut j = i;
-            while j < text.len() {
-                match text[j] {
-                    b'"' => {
-                        j = skip_string(text, j)?;
-                        continue;
-                    }
-                    b'{' | b'[' => depth += 1,
-                    b'}' | b']' => {
-                        depth -= 1;
-                        if depth == 0 {
-                            return Some(j + 1);
-                        }
-                    }
-                    _ => {}
-                }
-                j += 1;
-            }
-            None
-        }
-        _ => {
-            let mut j = i;
-            while j < text.len()
-                && !matches!(text[j], b',' | b'}' | b']' | b' ' | b'\t' | b'\r' | b'\n')
-            {
-                j += 1;
-            }
-            (j > i).then_some(j)
-        }
-    }
-}
-
-fn skip_string(text: &[u8], i: usize) -> Option<usize> {
-    let mut j = i + 1;
-    while j < text.len() {
-        match text[j] {
-            b'\\' => j += 2,
-            b'"' => return Some(j + 1),
-            _ => j += 1,
-        }
-    }
-    None
-}
-
 /// The members of the object at `i` and where it ends.
 fn object(text: &[u8], i: usize) -> Option<(Vec<Member<'_>>, usize)> {
     if text.get(i) != Some(&b'{') {
@@ -289,20 +233,20 @@ fn object(text: &[u8], i: usize) -> Option<(Vec<Member<'_>>, usize)> {
     }
     loop {
         let key_start = j;
-        let key_end = skip_string(text, j).filter(|_| text.get(j) == Some(&b'"'))?;
+        let key_end = string_end(text, j).filter(|_| text.get(j) == Some(&b'"'))?;
         j = skip_space(text, key_end);
         if text.get(j) != Some(&b':') {
             return None;
         }
         let value_start = skip_space(text, j + 1);
-        let value_end = skip_value(text, value_start)?;
+        let end = value_end(text, value_start)?;
         members.push(Member {
             key_start,
             key: &text[key_start + 1..key_end - 1],
             value_start,
-            value_end,
+            value_end: end,
         });
-        j = skip_space(text, value_end);
+        j = skip_space(text, end);
         match text.get(j)? {
             b',' => j = skip_space(text, j + 1),
             b'}' => return Some((members, j + 1)),
@@ -320,7 +264,7 @@ fn array(text: &[u8], i: usize) -> Option<Vec<usize>> {
     }
     loop {
         items.push(j);
-        j = skip_space(text, skip_value(text, j)?);
+        j = skip_space(text, value_end(text, j)?);
         match text.get(j)? {
             b',' => j = skip_space(text, j + 1),
             b']' => return Some(items),

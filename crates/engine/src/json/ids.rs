@@ -1,7 +1,7 @@
 //! Token ids as an engine writes them (a JSON array of ints), read straight into packed u32s:
 //! a long context's ids never become one interpreter object each.
 
-use memchr::memchr2;
+use super::scan::{skip_space, string_end, value_end};
 
 /// The ids of `text` as native-endian u32 (an `array('I')`'s bytes) when it is a JSON array
 /// of ints in [0, 2**32), each written as JSON writes an int (no sign, fraction, exponent or
@@ -133,61 +133,6 @@ fn int(text: &[u8], i: usize) -> Option<(u32, usize)> {
         return None;
     }
     Some((u32::try_from(value).ok()?, j))
-}
-
-/// Where the JSON string at `i` (its opening quote) ends, past its closing quote.
-fn string_end(text: &[u8], i: usize) -> Option<usize> {
-    let mut j = i + 1;
-    loop {
-        j += memchr2(b'"', b'\\', text.get(j..)?)?;
-        if text[j] == b'"' {
-            return Some(j + 1);
-        }
-        j += 2; // an escape: the escaped byte is not the end
-    }
-}
-
-/// Where the JSON value at `i` ends (its structure followed, its tokens not checked).
-fn value_end(text: &[u8], i: usize) -> Option<usize> {
-    match *text.get(i)? {
-        b'"' => string_end(text, i),
-        b'{' | b'[' => {
-            let mut depth = 0usize;
-            let mut j = i;
-            loop {
-                match *text.get(j)? {
-                    b'"' => {
-                        j = string_end(text, j)?;
-                        continue;
-                    }
-                    b'{' | b'[' => depth += 1,
-                    b'}' | b']' => {
-                        depth -= 1;
-                        if depth == 0 {
-                            return Some(j + 1);
-                        }
-                    }
-                    _ => {}
-                }
-                j += 1;
-            }
-        }
-        _ => {
-            let rest = &text[i..];
-            let n = rest
-                .iter()
-                .position(|b| matches!(b, b',' | b'}' | b']' | b' ' | b'\t' | b'\r' | b'\n'))
-                .unwrap_or(rest.len());
-            (n > 0).then_some(i + n)
-        }
-    }
-}
-
-fn skip_space(text: &[u8], mut i: usize) -> usize {
-    while matches!(text.get(i), Some(b' ' | b'\t' | b'\r' | b'\n')) {
-        i += 1;
-    }
-    i
 }
 
 #[cfg(test)]

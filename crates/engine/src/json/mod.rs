@@ -9,6 +9,7 @@ mod encoding;
 mod float;
 mod ids;
 mod parse;
+pub mod scan;
 mod value;
 mod write;
 
