@@ -5,6 +5,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Final, final
 
 __all__ = [
+    "AsciiText",
     "Blake3",
     "check_packed",
     "ContentTable",
@@ -243,9 +244,23 @@ def frame_chain_value(kind_byte: int, length: int, prev: int, hashed: bytes) -> 
 def encode_frame(kind: int, payload: bytes, prev: int) -> tuple[bytes, int]:
     """(frame bytes, its chain value) for a record of `kind` after the frame valued `prev`."""
 
-def encode_blob_frame(kind: int, digest: bytes, data: bytes, prev: int) -> tuple[list[bytes], int]:
-    """A blob frame as parts (header, digest, text: the objects given, never copied) and its
-    chain value; a whole escaped frame when the digest holds the escape bytes."""
+def encode_blob_frame(
+    kind: int, digest: bytes, data: bytes | str, prev: int
+) -> tuple[list[bytes | AsciiText], int]:
+    """A blob frame as parts (header, digest, text) and its chain value; a whole escaped frame
+    when the digest holds the escape bytes. The text is never copied: a `bytes` of UTF-8 is
+    the part itself, an ASCII `str` is its storage (`AsciiText`); any other `str` is encoded
+    with `surrogatepass` into a new `bytes`."""
+
+@final
+class AsciiText:
+    """A blob's ASCII text as a frame's part: the str's own storage (which is its UTF-8) as a
+    read-only buffer, so `os.writev` and `bytes.join` take it where the text would otherwise
+    be encoded into a copy first."""
+
+    def __len__(self) -> int: ...
+    def __bytes__(self) -> bytes: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
 
 def next_frame(
     data: bytes, after: int, digest_kinds: int, max_kind: int
@@ -269,9 +284,9 @@ def read_gap(
 def encode_frame_v1(kind: int, payload: bytes) -> bytes:
     """The version-1 frame of a record of `kind` (to extend a version-1 log)."""
 
-def encode_blob_frame_v1(kind: int, digest: bytes, data: bytes) -> list[bytes]:
+def encode_blob_frame_v1(kind: int, digest: bytes, data: bytes | str) -> list[bytes | AsciiText]:
     """A version-1 blob frame as parts: its header and payload up to the text, then the text
-    (the object given, never copied)."""
+    (as `encode_blob_frame` holds it)."""
 
 def intact_end_after_v1(data: bytes, start: int) -> tuple[bool, int, int, int]:
     """`(intact, hashed bytes, searched bytes, candidates)`: whether the version-1 file `data`

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-from .._core import BLOB_PREFIX_V1, HEADER_LAYOUT_V1, MAGIC_V1, FrameScan, FrameTooLarge
+from .._core import BLOB_PREFIX_V1, HEADER_LAYOUT_V1, MAGIC_V1, AsciiText, FrameScan, FrameTooLarge
 from .._core import encode_blob_frame_v1 as _encode_blob_frame
 from .._core import encode_frame_v1 as _encode_frame
 from .._core import intact_end_after_v1 as _intact_end_after
@@ -102,8 +102,9 @@ def frame(kind: int, payload: bytes) -> bytes:
 BLOB_PREFIX = BLOB_PREFIX_V1
 
 
-def blob_frame(digest: bytes, data: bytes) -> list[bytes]:
-    """A blob frame as parts, so the (large) data is never copied into a joined payload."""
+def blob_frame(digest: bytes, data: bytes | str) -> list[bytes | AsciiText]:
+    """A blob frame as parts, so the (large) data is never copied into a joined payload
+    (`data`: UTF-8, or the str itself, as `framing.encode_blob_frame` takes it)."""
     try:
         return _encode_blob_frame(KIND_BLOB, digest, data)
     except FrameTooLarge as exc:

@@ -22,6 +22,7 @@ from .._core import (
     MAGIC_V2,
     MAX_PAYLOAD,
     SYNC,
+    AsciiText,
     FrameScan,
     FrameTooLarge,
     frame_chain_value,
@@ -43,6 +44,7 @@ __all__ = [
     "Frame",
     "FrameReader",
     "Gap",
+    "Part",
     "ScanCounters",
     "chain_value",
     "damage_error",
@@ -56,7 +58,10 @@ __all__ = [
 # The format's constants are the engine's (`MAGIC_V2`; `ESCAPE`, bytes valid UTF-8 never
 # holds, which a payload holding them is written escaped for; `SYNC`, the marker; the kind
 # bit `ESCAPED`; `MAX_PAYLOAD`; a blob's `DIGEST_SIZE`).
-HEADER = struct.Struct(HEADER_LAYOUT)  # sync, kind, length on disk, previous chain, chain
+HEADER = struct.Struct(HEADER_LAYOUT)
+#: A part of a frame as the encoders give it: bytes, or a blob's ASCII text as the str's own
+#: storage (`AsciiText`, a buffer `os.writev` and `bytes.join` take as they take bytes).
+Part = bytes | AsciiText  # sync, kind, length on disk, previous chain, chain
 
 #: (kind, payload, offset, record, end, chain): a frame as `FrameReader.tuples` yields it
 FrameTuple = tuple[int, memoryview, int, int, int, int]
@@ -82,9 +87,13 @@ def encode_frame(kind: int, payload: bytes, prev: int) -> tuple[bytes, int]:
         raise RecordTooLargeError(str(exc)) from None
 
 
-def encode_blob_frame(kind: int, digest: bytes, data: bytes, prev: int) -> tuple[list[bytes], int]:
+def encode_blob_frame(
+    kind: int, digest: bytes, data: bytes | str, prev: int
+) -> tuple[list[Part], int]:
     """A blob frame as parts (the text is never copied into a joined payload) and its chain
-    value. `data` is UTF-8, which never holds `ESCAPE`; only the digest may need escaping."""
+    value. `data`: UTF-8, or the str itself (an ASCII str's storage is its UTF-8: it is the
+    part, as `AsciiText`; any other is encoded with `surrogatepass`). UTF-8 never holds
+    `ESCAPE`; only the digest may need escaping."""
     try:
         return _encode_blob_frame(kind, digest, data, prev)
     except FrameTooLarge as exc:

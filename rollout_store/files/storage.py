@@ -99,6 +99,7 @@ from .frames import (
     pack,
     unpack_payload,
 )
+from .framing import Part
 from .key_check import KeyCheck, UnkeyedTurn
 from .packed import (
     MESSAGES_DEPTH,
@@ -279,8 +280,8 @@ class _Writer:
         data, chain[0] = framing.encode_frame(kind, payload, chain[0])
         return data
 
-    def blob_frames(self, blobs: BlobTable, end: int, chain: list[int]) -> list[bytes]:
-        frames: list[bytes] = []
+    def blob_frames(self, blobs: BlobTable, end: int, chain: list[int]) -> list[Part]:
+        frames: list[Part] = []
         if self.blobs_mode == BLOBS_STORE:
             if not isinstance(blobs, StoreBlobTable):
                 raise InvalidArgumentError(
@@ -294,18 +295,18 @@ class _Writer:
         string, handle_of, v1 = blobs.string, blobs.handle, self.version == _V1
         encode_blob, prev = framing.encode_blob_frame, chain[0]
         for index in range(self.blobs_written, end):
-            data = string(index).encode("utf-8", "surrogatepass")
+            text = string(index)  # (its UTF-8 made only where its storage is not that)
             if v1:
-                frames.extend(blob_frame(handle_of(index).digest, data))
+                frames.extend(blob_frame(handle_of(index).digest, text))
             else:
-                parts, prev = encode_blob(KIND_BLOB, handle_of(index).digest, data, prev)
+                parts, prev = encode_blob(KIND_BLOB, handle_of(index).digest, text, prev)
                 frames.extend(parts)
         chain[0] = prev
         return frames
 
     def turn_frames(
         self, blobs: BlobTable, entry: JournalEntry
-    ) -> tuple[list[bytes], Callable[[], None]]:
+    ) -> tuple[list[Part], Callable[[], None]]:
         """Frames (as byte parts) for the turn's new blobs, new values and the turn itself,
         and a function to call once they are written."""
         turn = entry.turn
@@ -350,10 +351,11 @@ class _Writer:
             if end > written:
                 if inline:
                     for index in range(written, end):
-                        data = string(index).encode("utf-8", "surrogatepass")
-                        blob, prev = encode_blob(KIND_BLOB, handle_of(index).digest, data, prev)
+                        blob, prev = encode_blob(
+                            KIND_BLOB, handle_of(index).digest, string(index), prev
+                        )
                         parts += blob
-                        out.size += len(data)
+                        out.size += len(blob[-1])
                 else:
                     chain[0] = prev
                     parts += self.blob_frames(blobs, end, chain)
@@ -386,7 +388,7 @@ class _Writer:
         self.chain = prev
 
     def _value_ref(
-        self, stored: bytes | None, new: list[bytes], frames: list[bytes], chain: list[int]
+        self, stored: bytes | None, new: list[bytes], frames: list[Part], chain: list[int]
     ) -> int | None:
         """The ordinal of a shared value; a value not written yet gets its frame."""
         if stored is None:
@@ -488,7 +490,8 @@ class _Writer:
 
 class _Gather:
     """Frames' parts written with few `writev` calls: no copy of a blob's text into a joined
-    buffer, and no system call per part."""
+    buffer (an ASCII text is written from the str itself: `AsciiText`), and no system call
+    per part."""
 
     MAX_PARTS = 512  # below every system's IOV_MAX
     # written and freed by the MiB: the encoded text's memory is reused from one batch to the
@@ -497,10 +500,10 @@ class _Gather:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self.parts: list[bytes] = []
+        self.parts: list[Part] = []
         self.size = 0
 
-    def add(self, parts: list[bytes]) -> None:
+    def add(self, parts: list[Part]) -> None:
         self.parts.extend(parts)
         self.size += sum(map(len, parts))
         if len(self.parts) >= self.MAX_PARTS or self.size >= self.MAX_BYTES:
@@ -521,7 +524,7 @@ class _Gather:
                 written -= size
                 done += 1
             if written:  # a part written in part
-                parts[done] = parts[done][written:]
+                parts[done] = bytes(memoryview(parts[done])[written:])  # (rare: a short write)
         parts.clear()
         self.size = 0
 
@@ -1899,7 +1902,7 @@ class _AppendLog:
         self._write(frames)
         commit()
 
-    def _write(self, frames: list[bytes], sync: bool = True) -> None:
+    def _write(self, frames: list[Part], sync: bool = True) -> None:
         """Write `frames` with one call (fsync by policy, or left to the next synced write
         and `close` if not `sync`), or leave the file as it was."""
         fd = self.fp.fileno()

@@ -656,6 +656,44 @@ def test_save_survives_short_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert snapshot(RolloutGraph.load(tmp_path / "s.rls")) == snapshot(graph)
 
 
+@pytest.mark.parametrize(
+    "text", ["a" * 5000, "é" * 3000, "€ and 😀" * 500, "\ud800 lone", ""], ids=repr
+)
+def test_a_blob_frame_of_a_str_is_the_frame_of_its_utf8(text: str) -> None:
+    """The encoders take a blob's str as it is: the frame is byte for byte the one of its
+    UTF-8 (`surrogatepass`), and an ASCII text is its part without a copy."""
+    data = text.encode("utf-8", "surrogatepass")
+    digest = b"\x01" * framing.DIGEST_SIZE
+    parts, chain = framing.encode_blob_frame(frames.KIND_BLOB, digest, text, 7)
+    assert (b"".join(parts), chain) == (
+        b"".join(framing.encode_blob_frame(frames.KIND_BLOB, digest, data, 7)[0]),
+        framing.encode_blob_frame(frames.KIND_BLOB, digest, data, 7)[1],
+    )
+    assert b"".join(frames.blob_frame(digest, text)) == b"".join(frames.blob_frame(digest, data))
+    assert len(parts[-1]) == len(data) and bytes(parts[-1]) == data
+
+
+def test_an_ascii_blob_is_framed_and_written_without_a_copy(tmp_path: Path) -> None:
+    text = "x" * (4 << 20)
+    digest = b"\x02" * framing.DIGEST_SIZE
+    tracemalloc.start()
+    try:
+        parts, _ = framing.encode_blob_frame(frames.KIND_BLOB, digest, text, 0)
+        v1_parts = frames.blob_frame(digest, text)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 10, f"framing a 4 MiB ASCII text allocated {peak} bytes"
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        os.writev(fd, parts)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == b"".join(parts)
+    assert (tmp_path / "f").read_bytes().endswith(text.encode())
+    assert bytes(v1_parts[-1]) == text.encode()
+
+
 # ---------------------------------------------------------------- derived flags (issue 7)
 
 _CONTENT_FLAGS = 1 | 2 | 64 | 128  # TAIL_REFS, RESPONSE_REFS, TAIL_SPECIAL, RESPONSE_SPECIAL

@@ -7,8 +7,9 @@
 use engine::file::frames::{self as ef, BlobFrame, Counters, DamageKind, Frame, Kinds, Scan};
 use engine::file::frames_v1 as v1;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyMemoryView, PySlice, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyMemoryView, PySlice, PyString, PyTuple};
 
+use crate::packed::{ascii_bytes, utf8_of};
 use crate::{FrameTooLarge, DETACH_FROM};
 
 fn kinds(digest_kinds: u128, max_kind: u8) -> Kinds {
@@ -45,30 +46,125 @@ pub fn encode_frame<'py>(
     Ok((PyBytes::new(py, &frame), value))
 }
 
-/// A blob frame as parts (header, digest, text: the objects given, never copied) and its
-/// chain value; a whole escaped frame when the digest holds the escape bytes.
+/// A blob frame as parts (header, digest, text) and its chain value; a whole escaped frame
+/// when the digest holds the escape bytes. The text is never copied: a `bytes` of UTF-8 is
+/// the part itself, an ASCII `str` is its storage (`AsciiText`); any other `str` is encoded
+/// with `surrogatepass` into a new `bytes`.
 #[pyfunction]
 pub fn encode_blob_frame<'py>(
     py: Python<'py>,
     kind: u8,
     digest: &Bound<'py, PyBytes>,
-    data: &Bound<'py, PyBytes>,
+    data: &Bound<'py, PyAny>,
     prev: u64,
 ) -> PyResult<(Bound<'py, PyList>, u64)> {
+    let text = Text::of(data)?;
     let (frame, value) =
-        ef::encode_blob_frame(kind, digest.as_bytes(), data.as_bytes(), prev).map_err(too_large)?;
+        ef::encode_blob_frame(kind, digest.as_bytes(), text.bytes(), prev).map_err(too_large)?;
     let parts = match frame {
         BlobFrame::Parts(header) => PyList::new(
             py,
             [
                 PyBytes::new(py, &header).into_any(),
                 digest.clone().into_any(),
-                data.clone().into_any(),
+                text.into_part(py)?,
             ],
         )?,
         BlobFrame::Whole(bytes) => PyList::new(py, [PyBytes::new(py, &bytes)])?,
     };
     Ok((parts, value))
+}
+
+/// A blob's text as a frame holds it: the object's own bytes, or its UTF-8 made anew.
+enum Text<'a, 'py> {
+    Borrowed(&'a Bound<'py, PyAny>, &'a [u8]),
+    Encoded(Vec<u8>),
+}
+
+impl<'a, 'py> Text<'a, 'py> {
+    fn of(data: &'a Bound<'py, PyAny>) -> PyResult<Self> {
+        if let Ok(bytes) = data.cast::<PyBytes>() {
+            return Ok(Self::Borrowed(data, bytes.as_bytes()));
+        }
+        let text = data.cast::<PyString>()?;
+        if let Some(ascii) = ascii_bytes(text) {
+            return Ok(Self::Borrowed(data, ascii));
+        }
+        let mut out = Vec::new();
+        utf8_of(text, &mut out);
+        Ok(Self::Encoded(out))
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Self::Borrowed(_, bytes) => bytes,
+            Self::Encoded(bytes) => bytes,
+        }
+    }
+
+    fn into_part(self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        Ok(match self {
+            Self::Borrowed(object, _) => match object.cast::<PyString>() {
+                Ok(text) => Bound::new(
+                    py,
+                    AsciiText {
+                        text: text.clone().unbind(),
+                    },
+                )?
+                .into_any(),
+                Err(_) => object.clone(),
+            },
+            Self::Encoded(bytes) => PyBytes::new(py, &bytes).into_any(),
+        })
+    }
+}
+
+/// A blob's ASCII text as a frame's part: the str's own storage (which is its UTF-8) as a
+/// read-only buffer, so `os.writev` and `bytes.join` take it where the text would otherwise
+/// be encoded into a copy first.
+#[pyclass(frozen, module = "rollout_store._core")]
+pub struct AsciiText {
+    text: Py<PyString>,
+}
+
+#[pymethods]
+impl AsciiText {
+    fn __len__(&self, py: Python<'_>) -> usize {
+        ascii_bytes(self.text.bind(py)).map_or(0, <[u8]>::len)
+    }
+
+    fn __bytes__<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, ascii_bytes(self.text.bind(py)).unwrap_or_default())
+    }
+
+    /// # Safety
+    /// `view` is the buffer the interpreter asks this object to fill.
+    unsafe fn __getbuffer__(
+        slf: &Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: std::os::raw::c_int,
+    ) -> PyResult<()> {
+        let text = slf.get().text.bind(slf.py());
+        let bytes = ascii_bytes(text).unwrap_or_default();
+        let len = pyo3::ffi::Py_ssize_t::try_from(bytes.len())?;
+        // SAFETY: the view holds a reference to this object, which holds the str: its
+        // storage lives, unchanged (a str never changes), as long as the view
+        let filled = unsafe {
+            pyo3::ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                bytes.as_ptr().cast_mut().cast(),
+                len,
+                1,
+                flags,
+            )
+        };
+        if filled == 0 {
+            Ok(())
+        } else {
+            Err(PyErr::fetch(slf.py()))
+        }
+    }
 }
 
 /// The version-1 frame of a record of `kind` (to extend a version-1 log).
@@ -87,13 +183,13 @@ pub fn encode_frame_v1<'py>(
 }
 
 /// A version-1 blob frame as parts: its header and payload up to the text, then the text
-/// (the object given, never copied).
+/// (as `encode_blob_frame` holds it).
 #[pyfunction]
 pub fn encode_blob_frame_v1<'py>(
     py: Python<'py>,
     kind: u8,
     digest: &[u8],
-    data: &Bound<'py, PyBytes>,
+    data: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyList>> {
     let digest: &[u8; ef::DIGEST_SIZE] = digest.try_into().map_err(|_| {
         pyo3::exceptions::PyValueError::new_err(format!(
@@ -102,16 +198,17 @@ pub fn encode_blob_frame_v1<'py>(
             digest.len()
         ))
     })?;
-    let text = data.as_bytes();
-    let head = if text.len() >= DETACH_FROM {
-        py.detach(|| v1::encode_blob_frame(kind, digest, text))
+    let text = Text::of(data)?;
+    let bytes = text.bytes();
+    let head = if bytes.len() >= DETACH_FROM {
+        py.detach(|| v1::encode_blob_frame(kind, digest, bytes))
     } else {
-        v1::encode_blob_frame(kind, digest, text)
+        v1::encode_blob_frame(kind, digest, bytes)
     }
     .map_err(too_large)?;
     PyList::new(
         py,
-        [PyBytes::new(py, &head).into_any(), data.clone().into_any()],
+        [PyBytes::new(py, &head).into_any(), text.into_part(py)?],
     )
 }
 

@@ -48,7 +48,7 @@ mod _core {
     #[pymodule_export]
     use super::frames::{
         encode_blob_frame, encode_blob_frame_v1, encode_frame, encode_frame_v1, frame_chain_value,
-        intact_end_after_v1, next_frame, read_gap, FrameScan,
+        intact_end_after_v1, next_frame, read_gap, AsciiText, FrameScan,
     };
     #[pymodule_export]
     use super::hashing::{json_member_ids, json_u32_ids, u32_ids, Blake3};

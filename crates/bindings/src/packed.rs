@@ -541,7 +541,7 @@ pub(crate) fn ascii_bytes<'a>(s: &'a Bound<'_, PyString>) -> Option<&'a [u8]> {
 
 /// Generalized UTF-8 of a str (every code point on its own: `surrogatepass`) into `out`;
 /// whether it holds a surrogate.
-fn utf8_of(s: &Bound<'_, PyString>, out: &mut Vec<u8>) -> bool {
+pub(crate) fn utf8_of(s: &Bound<'_, PyString>, out: &mut Vec<u8>) -> bool {
     let ptr = s.as_ptr();
     let mut surrogates = false;
     let mut push = |cp: u32| {
