@@ -1051,11 +1051,14 @@ class _Server:
         what it wrote), else in a worker thread, which waits for the graph, or (not `wait`)
         raises `_Held` if another thread holds it."""
         with session.use() as graph:
-            if self.inline and graph.lock.acquire(blocking=False):
-                try:
-                    return work()
-                finally:
-                    graph.lock.release()
+            if self.inline:
+                if graph.lock.acquire(blocking=False):
+                    try:
+                        return work()
+                    finally:
+                        graph.lock.release()
+                if not wait:
+                    raise _Held
             if wait:
                 return await anyio.to_thread.run_sync(work)
             return await anyio.to_thread.run_sync(_unless_held, graph, work)
