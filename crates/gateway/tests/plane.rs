@@ -59,11 +59,9 @@ struct Echo {
     dropped: Mutex<Vec<(String, &'static str)>>,
 }
 
-impl Echo {
-    fn busy(&self, ticket: &str) -> bool {
-        let busy = *self.busy.lock().unwrap();
-        busy.is_some_and(|session| ticket.starts_with(&format!("{session}:")))
-    }
+/// Whether `ticket` is of the session `busy` names.
+fn of(busy: Option<&str>, ticket: &str) -> bool {
+    busy.is_some_and(|session| ticket.starts_with(&format!("{session}:")))
 }
 
 /// The gateway's handle on the shared [`Echo`].
@@ -100,9 +98,10 @@ impl Control for Probe {
 
     fn record(&self, tickets: &[&String]) -> Vec<usize> {
         let mut recorded = self.0.recorded.lock().unwrap();
+        let busy = *self.0.busy.lock().unwrap(); // (once: a session is busy for all its turns)
         let mut held = Vec::new();
         for (i, ticket) in tickets.iter().enumerate() {
-            if self.0.busy(ticket) {
+            if of(busy, ticket) {
                 held.push(i);
             } else {
                 recorded.push((*ticket).clone());
@@ -116,7 +115,7 @@ impl Control for Probe {
     }
 
     fn sent(&self, ticket: &String, _: Sent) -> bool {
-        if self.0.busy(ticket) {
+        if of(*self.0.busy.lock().unwrap(), ticket) {
             return false;
         }
         self.0.sent.fetch_add(1, Ordering::SeqCst);
