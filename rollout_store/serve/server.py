@@ -49,7 +49,9 @@ after the graph accepted it, and, with a data directory and `fsync="turn"`, afte
 disk; a turn that cannot be recorded fails the call. With `ack="fast"` the answer goes out
 first and the turn is recorded right after, in this process, through a bounded queue: a turn
 dropped there (the queue full, a recording error, the server stopping) is counted in
-`/health`, in the session's info and in its export's validation, never silently. With a data
+`/health`, in the session's info and in its export's validation, never silently. The
+recorder never waits for a session's graph another thread holds (an export being read): it
+sets that session's turns aside, in order, and records the other sessions' meanwhile. With a data
 directory each such answer is preceded by its line in the ack ledger (`ack_ledger`), so the
 turns a killed server answered and never recorded are counted the same way by the next start.
 
