@@ -341,7 +341,8 @@ class DataPlane:
     """The data plane: the model routes served by hyper on a runtime of its own, the rest
     proxied to the control plane's listener; the control plane's callbacks (`prepare`,
     `waits`, `finish`, `finish_stream`, `record`, `dropped`, `sent`) are methods of
-    `control`. `stop` ends it.
+    `control` (`record` returns the indices of the calls it set aside, `sent` False to be
+    called again). `stop` ends it.
     `callers`: threads the callbacks run on (one when a callback never waits on I/O).
     `forward_only`: a floor for benchmarks (calls go upstream and come back as they came,
     with no key, no callback and nothing recorded)."""

@@ -129,6 +129,8 @@ class AckLedger:
         self._appended = 0
         #: Writes that failed (a full disk): those turns are answered all the same.
         self.errors = 0
+        #: Closed with its server (which let the data directory go): nothing is appended.
+        self._closed = False
 
     def exists(self) -> bool:
         return self._fd is not None or self.path.exists()
@@ -184,6 +186,8 @@ class AckLedger:
     ) -> None:
         data = (" ".join(line) + "\n").encode("ascii")
         with self._lock:
+            if self._closed:
+                return
             try:
                 if self._fd is None:
                     fresh = not self.path.exists()
@@ -219,5 +223,8 @@ class AckLedger:
                 os.close(fd)
 
     def close(self) -> None:
+        """No more lines: the server stopped (a call still finishing then has no answer to
+        go out; its line would count it as killed at the next start)."""
         with self._lock:
+            self._closed = True
             self._close_fd()

@@ -49,7 +49,9 @@ after the graph accepted it, and, with a data directory and `fsync="turn"`, afte
 disk; a turn that cannot be recorded fails the call. With `ack="fast"` the answer goes out
 first and the turn is recorded right after, in this process, through a bounded queue: a turn
 dropped there (the queue full, a recording error, the server stopping) is counted in
-`/health`, in the session's info and in its export's validation, never silently. With a data
+`/health`, in the session's info and in its export's validation, never silently. The
+recorder never waits for a session's graph another thread holds (an export being read): it
+sets that session's turns aside, in order, and records the other sessions' meanwhile. With a data
 directory each such answer is preceded by its line in the ack ledger (`ack_ledger`), so the
 turns a killed server answered and never recorded are counted the same way by the next start.
 
@@ -179,6 +181,9 @@ ACK_GROUP = 64
 #: Seconds a stopping server waits for the queued turns to be recorded (the rest are counted
 #: as dropped), and an export waits for the turns answered before it.
 ACK_DRAIN_SECONDS = 10.0
+#: Seconds between the `--ack fast` recorder's tries of the graphs it found held (by an
+#: export being read): their sessions' turns wait, set aside in order, the others go on.
+ASIDE_RETRY = 0.02
 #: Threads the Rust data plane runs its callbacks on when adding a turn may wait on I/O (a
 #: log synced per turn, a store over the network).
 CALLERS = 8
@@ -225,6 +230,11 @@ class _Refusal(Exception):
 
 class _Gone(Exception):
     """The client left before its request's body arrived: there is no one to answer."""
+
+
+class _Held(Exception):
+    """Another thread holds the session's graph (an export being read): the `--ack fast`
+    recorder sets the turn aside rather than wait for it."""
 
 
 class _Passthrough(Exception):
@@ -883,6 +893,12 @@ class _Server:
         #: on first use, inside the server's event loop).
         self._pending: asyncio.Queue[tuple[Session, TurnNode, CallClock]] | None = None
         self._recorder: asyncio.Task[None] | None = None
+        #: The recorder's turns set aside, in their order, while their session's graph is
+        #: held (counted in the queue's bound; `pending.task_done` once recorded or counted),
+        #: and the timelines of recorded turns set aside likewise (a None turn).
+        self._aside: list[tuple[Session, TurnNode | None, CallClock]] = []
+        #: The recorder was stopped (`_drain`): a turn answered since is counted, not queued.
+        self._stopped = False
         #: Turns answered with `--ack fast` and never recorded, by why (`killed`: by a server
         #: killed before recording them, counted at this start from the ack ledger).
         self.dropped = {"queue_full": 0, "record_error": 0, "shutdown": 0, KILLED: 0}
@@ -1031,22 +1047,33 @@ class _Server:
             raise _Refusal(409, f"the session cannot record: {session.damaged}")
         return session
 
-    async def _on_graph(self, session: Session, work: Callable[[], _T]) -> _T:
+    async def _on_graph(self, session: Session, work: Callable[[], _T], wait: bool = True) -> _T:
         """`work()`, which uses the session's graph (held meanwhile): in the loop if no other
         thread holds the graph (an export that holds it may be waiting for this loop to take
-        what it wrote), else in a worker thread."""
+        what it wrote), else in a worker thread, which waits for the graph, or (not `wait`)
+        raises `_Held` if another thread holds it."""
         with session.use() as graph:
-            if self.inline and graph.lock.acquire(blocking=False):
-                try:
-                    return work()
-                finally:
-                    graph.lock.release()
-            return await anyio.to_thread.run_sync(work)
+            if self.inline:
+                if graph.lock.acquire(blocking=False):
+                    try:
+                        return work()
+                    finally:
+                        graph.lock.release()
+                if not wait:
+                    raise _Held
+            if wait:
+                return await anyio.to_thread.run_sync(work)
+            return await anyio.to_thread.run_sync(_unless_held, graph, work)
 
     async def _record(self, session: Session, node: TurnNode) -> str:
-        """`record_now`, run by `_on_graph`: the node id."""
+        """`record_now`, run by `_on_graph`: the node id. With `--ack fast` only the recorder
+        records, and never waits for a graph another thread holds (`_Held`)."""
         try:
-            return await self._on_graph(session, functools.partial(self.record_now, session, node))
+            return await self._on_graph(
+                session,
+                functools.partial(self.record_now, session, node),
+                wait=self.config.ack != "fast",
+            )
         except (OSError, RolloutStoreError) as exc:  # (the session's graph not reopened)
             raise _not_recorded(session, exc) from None
 
@@ -1094,13 +1121,23 @@ class _Server:
                 session, functools.partial(self.record_timeline_now, session, clock)
             )
 
-    def record_timeline_now(self, session: Session, clock: CallClock) -> None:
+    def record_timeline_now(self, session: Session, clock: CallClock, wait: bool = True) -> bool:
         """Set a recorded call's timeline in the calling thread (the Rust data plane's, or
-        the one `_record_timeline` picks): best effort."""
+        the one `_record_timeline` picks): best effort. Not `wait`: False, and nothing set,
+        when another thread holds the graph."""
         if clock.node_id is None:
-            return
+            return True
         with contextlib.suppress(RolloutStoreError, OSError), session.use() as graph:
-            _apply_timeline(graph, clock)
+            if wait:
+                _apply_timeline(graph, clock)
+            elif graph.lock.acquire(blocking=False):
+                try:
+                    _apply_timeline(graph, clock)
+                finally:
+                    graph.lock.release()
+            else:
+                return False
+        return True
 
     def timing(self, session: Session, clock: CallClock) -> None:
         """A call whose timeline is recorded once its reply is sent (an export waits)."""
@@ -1122,18 +1159,28 @@ class _Server:
         self.sessions.not_recorded(session, why)
 
     def _queue_turn(self, session: Session, node: TurnNode, clock: CallClock) -> None:
-        """Hand an answered call's turn to the recorder; a full queue drops it (counted)."""
+        """Hand an answered call's turn to the recorder; a full queue drops it (counted), as
+        does a server whose recorder has stopped (`shutdown`)."""
         if self._pending is None:
             self._pending = asyncio.Queue(self.config.ack_queue)
-        if self._recorder is None:
+        if self._recorder is None and not self._stopped:
             self._recorder = asyncio.ensure_future(self._record_queued(self._pending))
         # in the ack ledger before the answer goes out: a kill before it is recorded
         # leaves it counted by the next start
         self.sessions.answered(session)
+        if self._stopped:
+            self._drop(session, "shutdown")
+            return
+        if self._aside and self._pending.qsize() + self._aside_turns() >= self.config.ack_queue:
+            self._drop(session, "queue_full")  # (the turns set aside count in the bound)
+            return
         try:
             self._pending.put_nowait((session, node, clock))
         except asyncio.QueueFull:
             self._drop(session, "queue_full")
+
+    def _aside_turns(self) -> int:
+        return sum(node is not None for _, node, _ in self._aside)
 
     async def _record_queued(
         self, pending: asyncio.Queue[tuple[Session, TurnNode, CallClock]]
@@ -1143,27 +1190,75 @@ class _Server:
         waiting, or turns added in the loop (`inline`), go one at a time; several waiting
         go together to one worker thread (`_record_group`): each session's log synced once
         for its turns of the group, not once a turn, so the recorder keeps up with answers
-        that come faster than one sync each."""
-        while True:
-            group = [await pending.get()]
-            while len(group) < ACK_GROUP and not pending.empty():
-                group.append(pending.get_nowait())
-            if len(group) > 1 and not self.inline:
-                await self._record_group(pending, group)
-                continue
-            for k, (session, node, clock) in enumerate(group):
-                cancelled = await self._record_one(session, node, clock)
-                pending.task_done()
-                if cancelled:  # a stopping server: the turns taken and not begun are dropped
-                    for later, _, _ in group[k + 1 :]:
-                        self._drop(later, "shutdown")
-                        pending.task_done()
-                    raise asyncio.CancelledError
+        that come faster than one sync each.
 
-    async def _record_one(self, session: Session, node: TurnNode, clock: CallClock) -> bool:
-        """Record one queued turn (`_record`), and its timeline if its reply is sent: whether
-        a stopping server cancelled this meanwhile. The recording begun is waited for all
-        the same, so the turn is counted as what it became, recorded or not."""
+        A session whose graph another thread holds (an export being read) holds up no
+        other session: its turns are set aside (`_aside`), in their order, and tried again
+        before the turns queued since, every `ASIDE_RETRY` seconds; a stopping server that
+        cancels this counts those still set aside as dropped (`shutdown`)."""
+        aside = self._aside
+        try:
+            while True:
+                if not aside:
+                    taken = [await pending.get()]
+                else:
+                    if pending.empty():
+                        await asyncio.sleep(ASIDE_RETRY)
+                    taken = []
+                while len(taken) < ACK_GROUP and not pending.empty():
+                    taken.append(pending.get_nowait())
+                group: list[tuple[Session, TurnNode | None, CallClock]] = [*aside, *taken]
+                aside.clear()
+                if sum(node is not None for _, node, _ in group) > 1 and not self.inline:
+                    await self._record_group(pending, group)
+                else:
+                    await self._record_each(pending, group)
+        except asyncio.CancelledError:
+            for session, node, _ in aside:  # (a set-aside timeline is let go)
+                if node is not None:
+                    self._drop(session, "shutdown")
+                    pending.task_done()
+            aside.clear()
+            raise
+
+    async def _record_each(
+        self,
+        pending: asyncio.Queue[tuple[Session, TurnNode, CallClock]],
+        group: list[tuple[Session, TurnNode | None, CallClock]],
+    ) -> None:
+        """Record `group` one turn at a time (`_record_one`); once a session's turn is set
+        aside, so are its later ones. A stopping server's cancel sets aside the turns not
+        begun (`_record_queued` counts them)."""
+        held: set[int] = set()
+        for k, item in enumerate(group):
+            session, node, clock = item
+            if node is not None and id(session) in held:
+                self._aside.append(item)
+                continue
+            set_aside, cancelled = await self._record_one(session, node, clock)
+            if set_aside:
+                held.add(id(session))
+            elif node is not None:
+                pending.task_done()
+            if cancelled:
+                self._aside += group[k + 1 :]
+                raise asyncio.CancelledError
+
+    async def _record_one(
+        self, session: Session, node: TurnNode | None, clock: CallClock
+    ) -> tuple[bool, bool]:
+        """Record one queued turn (`_record`), and its timeline if its reply is sent (or
+        only that timeline, a None `node`): whether the turn was set aside (its graph held),
+        and whether a stopping server cancelled this meanwhile. The recording begun is
+        waited for all the same, so the turn is counted as what it became, recorded or not.
+        A timeline whose graph is held is set aside."""
+        if node is None:
+            try:
+                if not await self._timeline_free(session, clock):
+                    self._aside.append((session, None, clock))
+            except asyncio.CancelledError:
+                return False, True
+            return False, False
         recording = asyncio.ensure_future(self._record(session, node))
         cancelled = False
         try:
@@ -1173,34 +1268,55 @@ class _Server:
             await asyncio.wait([recording])
         try:
             clock.node_id = recording.result()
+        except _Held:
+            self._aside.append((session, node, clock))
+            return True, cancelled
         except Exception:  # any failure: the client has its answer, the turn is counted
             self._drop(session, "record_error")
-            return cancelled
+            return False, cancelled
         if clock.reply_sent >= 0 and not cancelled:  # sent before it was recorded: ours
             try:
-                await self._record_timeline(session, clock)
+                if not await self._timeline_free(session, clock):
+                    self._aside.append((session, None, clock))
             except asyncio.CancelledError:
-                return True
-        return cancelled
+                return False, True
+        return False, cancelled
+
+    async def _timeline_free(self, session: Session, clock: CallClock) -> bool:
+        """Record a recorded call's timeline unless another thread holds the graph (then
+        False); best effort."""
+        try:
+            await self._on_graph(
+                session, functools.partial(self.record_timeline_now, session, clock), wait=False
+            )
+        except _Held:
+            return False
+        except (RolloutStoreError, OSError):
+            pass
+        return True
 
     async def _record_group(
         self,
         pending: asyncio.Queue[tuple[Session, TurnNode, CallClock]],
-        group: list[tuple[Session, TurnNode, CallClock]],
+        group: list[tuple[Session, TurnNode | None, CallClock]],
     ) -> None:
         """Record `group`, each session's turns in a worker thread of their own
         (`record_group_now`; the sessions' logs are synced side by side), then the
-        timelines of its calls whose replies are sent. A stopping server that cancels this
-        waits for the threads: each turn is then counted as what it became, recorded or
-        not."""
+        timelines of its calls whose replies are sent; a session whose graph is held has its
+        turns set aside, as do timelines. A stopping server that cancels this waits for the
+        threads: each turn is then counted as what it became, recorded or not."""
         parts: dict[int, list[int]] = {}
-        for i, (session, _, _) in enumerate(group):
-            parts.setdefault(id(session), []).append(i)
+        for i, (session, node, _) in enumerate(group):
+            if node is not None:
+                parts.setdefault(id(session), []).append(i)
+
+        def record_part(part: list[int]) -> tuple[list[str | None], list[int]]:
+            held: list[int] = []
+            turns = [(s, n, c) for s, n, c in (group[i] for i in part) if n is not None]
+            return self.record_group_now(turns, held), held
+
         work = asyncio.gather(
-            *(
-                anyio.to_thread.run_sync(self.record_group_now, [group[i] for i in part])
-                for part in parts.values()
-            )
+            *(anyio.to_thread.run_sync(record_part, part) for part in parts.values())
         )
         cancelled = False
         try:
@@ -1209,11 +1325,22 @@ class _Server:
             cancelled = True
             done = await work
         ids: list[str | None] = [None] * len(group)
-        for part, part_ids in zip(parts.values(), done, strict=True):
+        held_at: set[int] = set()
+        for part, (part_ids, part_held) in zip(parts.values(), done, strict=True):
             for i, node_id in zip(part, part_ids, strict=True):
                 ids[i] = node_id
+            held_at.update(part[j] for j in part_held)
         sent: list[tuple[Session, CallClock]] = []
-        for (session, _, clock), node_id in zip(group, ids, strict=True):
+        finished = 0
+        for i, (session, node, clock) in enumerate(group):
+            if node is None:  # a timeline set aside
+                sent.append((session, clock))
+                continue
+            if i in held_at:
+                self._aside.append(group[i])
+                continue
+            finished += 1
+            node_id = ids[i]
             if node_id is None:  # any failure: the client has its answer, the turn is counted
                 self._drop(session, "record_error")
                 continue
@@ -1223,19 +1350,28 @@ class _Server:
         try:
             if sent and not cancelled:
                 with contextlib.suppress(Exception):  # timelines are best effort
-                    await anyio.to_thread.run_sync(self._record_timelines_now, sent)
+                    held = await anyio.to_thread.run_sync(self._record_timelines_now, sent)
+                    self._aside += [(session, None, clock) for session, clock in held]
         finally:
-            for _ in group:
+            for _ in range(finished):
                 pending.task_done()
         if cancelled:
             raise asyncio.CancelledError
 
     def record_group_now(
-        self, group: Sequence[tuple[Session, TurnNode, CallClock]]
+        self,
+        group: Sequence[tuple[Session, TurnNode, CallClock]],
+        held: list[int] | None = None,
+        timelines: bool = False,
     ) -> list[str | None]:
         """Add each turn of `group` to its session's graph in the calling thread, each
         session's turns in their order inside one `group_commit` (its log synced once for
-        them): each turn's node id, or None for a turn that could not be recorded."""
+        them): each turn's node id, or None for a turn that could not be recorded.
+
+        With a `held` list, a session whose graph another thread holds (an export being
+        read) is not waited for: its turns are left out (None) and their indices added to
+        `held`. `timelines`: a turn whose reply is sent has its timeline set too, while
+        its graph is held for it."""
         ids: list[str | None] = [None] * len(group)
         by_session: dict[int, list[int]] = {}
         for i, (session, _, _) in enumerate(group):
@@ -1244,15 +1380,34 @@ class _Server:
             session = group[turns[0]][0]
             # a failed sync at the end keeps the turns written and recorded (the next
             # sync or close syncs them): only what never got in is counted
-            with contextlib.suppress(Exception), session.use() as graph, graph.group_commit():
-                for i in turns:
-                    with contextlib.suppress(Exception):
-                        ids[i] = self.record_now(session, group[i][1])
+            with contextlib.suppress(Exception), session.use() as graph:
+                if held is not None and not graph.lock.acquire(blocking=False):
+                    held += turns
+                    continue
+                try:
+                    with graph.group_commit():
+                        for i in turns:
+                            with contextlib.suppress(Exception):
+                                ids[i] = self.record_now(session, group[i][1])
+                            clock = group[i][2]
+                            if timelines and ids[i] is not None and clock.reply_sent >= 0:
+                                clock.node_id = ids[i]
+                                with contextlib.suppress(RolloutStoreError, OSError):
+                                    _apply_timeline(graph, clock)
+                finally:
+                    if held is not None:
+                        graph.lock.release()
         return ids
 
-    def _record_timelines_now(self, sent: list[tuple[Session, CallClock]]) -> None:
-        for session, clock in sent:
-            self.record_timeline_now(session, clock)
+    def _record_timelines_now(
+        self, sent: list[tuple[Session, CallClock]]
+    ) -> list[tuple[Session, CallClock]]:
+        """Record each call's timeline unless its graph is held: those held."""
+        return [
+            (session, clock)
+            for session, clock in sent
+            if not self.record_timeline_now(session, clock, wait=False)
+        ]
 
     async def settled(self, timeout: float = ACK_DRAIN_SECONDS) -> bool:
         """Wait (at most `timeout` seconds) until every turn answered so far is recorded or
@@ -1269,8 +1424,10 @@ class _Server:
         return True
 
     async def _drain(self) -> None:
-        """On stopping: record what is queued (bounded time), count the rest as dropped."""
+        """On stopping: record what is queued (bounded time), count the rest as dropped, as
+        every turn answered from now on."""
         await self.settled()
+        self._stopped = True
         recorder, self._recorder = self._recorder, None
         if recorder is not None:
             recorder.cancel()
@@ -1995,7 +2152,7 @@ class _Server:
                         if self.plane is not None
                         else 0
                         if self._pending is None
-                        else self._pending.qsize()
+                        else self._pending.qsize() + self._aside_turns()
                     ),
                 },
                 "dropped": sum(self.dropped.values()),
@@ -2082,6 +2239,16 @@ def _recorded(session: Session, view: Any) -> str:
     session.recorded += 1
     session.last_turn_at = time.time()
     return str(view.node_id)
+
+
+def _unless_held(graph: Any, work: Callable[[], _T]) -> _T:
+    """`work()` holding `graph`'s lock, or `_Held` if another thread holds it."""
+    if not graph.lock.acquire(blocking=False):
+        raise _Held
+    try:
+        return work()
+    finally:
+        graph.lock.release()
 
 
 def _apply_timeline(graph: Any, clock: CallClock) -> None:
@@ -2457,8 +2624,11 @@ class RustDataPlane:
         self._streams: dict[str, list[_Call]] = {}
         self._streams_lock = threading.Lock()
         #: Calls whose turn (`--ack fast`) is in the ack ledger and not yet taken by the
-        #: recorder: those a stopping engine never queued are counted at `close`.
+        #: recorder: those a stopping engine never queued are counted at `close`, and so is
+        #: a turn answered after that (`_closed`: a `finish` the stop did not wait for).
         self._answered: set[_Call] = set()
+        self._answered_lock = threading.Lock()
+        self._closed = False
         self._sessions.watch_keys(self._key_changed)
         server.plane = self
 
@@ -2484,8 +2654,25 @@ class RustDataPlane:
         are those of calls the stop cut between their answer and its queueing."""
         self._sessions.watch_keys(None)
         self._engine.stop(ACK_DRAIN_SECONDS)
-        for call in list(self._answered):
+        with self._answered_lock:
+            self._closed = True
+            cut = list(self._answered)
+        for call in cut:
             self.dropped(call, "shutdown")
+
+    def _answer_fast(self, call: _Call) -> bool:
+        """Put a `--ack fast` call's turn in the ack ledger before its reply goes out, for
+        the recorder; or, once the engine stopped (a `finish` still running then, which no
+        reply follows), count it at once: whether it is to be queued."""
+        session = call.plan.session
+        with self._answered_lock:
+            self._server.sessions.answered(session)
+            if not self._closed:
+                self._answered.add(call)
+                return True
+        self._server._drop(session, "shutdown")
+        call.node = None
+        return False
 
     # -- the engine's callbacks
 
@@ -2670,8 +2857,7 @@ class RustDataPlane:
             else _reply(plan.reply(response, answer))
         )
         if queue:  # in the ack ledger before the engine sends the reply (`_queue_turn`)
-            server.sessions.answered(session)
-            self._answered.add(call)
+            queue = self._answer_fast(call)
         return self._timed(call, reply, queue)
 
     def finish_stream(
@@ -2735,10 +2921,8 @@ class RustDataPlane:
                 server._drop(session, "record_error")
                 return (*self._timed(call, (200, _SSE_HEADERS, [], True), False), True)
             return (*self._timed(call, self._failed(plan, refused, True), False), False)
-        if fast:  # in the ack ledger before the engine releases the stream's last event
-            server.sessions.answered(session)
-            self._answered.add(call)
-        return (*self._timed(call, (200, _SSE_HEADERS, [], True), fast), True)
+        queue = fast and self._answer_fast(call)  # (before the last event is released)
+        return (*self._timed(call, (200, _SSE_HEADERS, [], True), queue), True)
 
     @staticmethod
     def _failed(plan: _Plan, failed: _Refusal | _Passthrough, started: bool) -> _Reply:
@@ -2765,37 +2949,44 @@ class RustDataPlane:
             self._server.timing(plan.session, plan.clock)
         return reply, queue, timed
 
-    def record(self, calls: list[_Call]) -> None:
+    def record(self, calls: list[_Call]) -> list[int]:
         """Record turns answered with `--ack fast` (on the engine's recorder thread), those
         queued meanwhile together: each session's log synced once for its turns among them
         (`record_group_now`). A turn that cannot be recorded is counted; its client has its
-        answer."""
+        answer. A session whose graph another thread holds (an export being read) is not
+        waited for: the indices of its calls are returned, their turns set aside for the
+        engine to hand back later, before the later ones."""
         server = self._server
-        group: list[tuple[_Call, TurnNode]] = []
-        for call in calls:
+        group: list[tuple[int, _Call, TurnNode]] = []
+        for i, call in enumerate(calls):
             self._answered.discard(call)
             if call.node is None:  # (a queued call always has its turn)
                 server._drop(call.plan.session, "record_error")
             else:
-                group.append((call, call.node))
+                group.append((i, call, call.node))
+        held: list[int] = []
         try:
             ids = server.record_group_now(
-                [(call.plan.session, node, call.plan.clock) for call, node in group]
+                [(call.plan.session, node, call.plan.clock) for _, call, node in group],
+                held,
+                timelines=True,  # (a sent reply's: while the graph is held for its turn)
             )
         except Exception:  # any failure: each turn of the group is counted
-            ids = [None] * len(group)
-        for (call, _), node_id in zip(group, ids, strict=True):
-            session, clock = call.plan.session, call.plan.clock
+            ids, held = [None] * len(group), []
+        aside = {group[j][0] for j in held}
+        for (i, call, _), node_id in zip(group, ids, strict=True):
+            if i in aside:
+                continue
             if node_id is None:
-                server._drop(session, "record_error")
+                server._drop(call.plan.session, "record_error")
             else:
-                clock.node_id = node_id
-                if clock.reply_sent >= 0:  # sent before the turn was recorded: ours to do
-                    server.record_timeline_now(session, clock)
+                call.plan.clock.node_id = node_id
             call.node = None
-        for call in calls:
-            if call.plan.stream:  # only now: a call continuing it is queued after it (`waits`)
+        for i, call in enumerate(calls):
+            if call.plan.stream and i not in aside:
+                # only now: a call continuing it is queued after it (`waits`)
                 self._stream_ended(call)
+        return sorted(aside)
 
     def dropped(self, call: _Call, why: str) -> None:
         """A queued turn that will not be recorded (`queue_full`, `shutdown`)."""
@@ -2806,16 +2997,21 @@ class RustDataPlane:
         if call.plan.stream:
             self._stream_ended(call)
 
-    def sent(self, call: _Call, reply_sent: int, chunks: int, max_gap: int) -> None:
-        """A timed call's reply is out: record its timeline (once its turn is recorded)."""
+    def sent(self, call: _Call, reply_sent: int, chunks: int, max_gap: int) -> bool:
+        """A timed call's reply is out: record its timeline (once its turn is recorded).
+        False when another thread holds the session's graph (an export being read): the
+        engine calls again later rather than wait."""
         plan = call.plan
         clock = plan.clock
         clock.reply_sent = reply_sent
         clock.chunks, clock.max_gap = chunks, max_gap
+        done = True
         try:
-            self._server.record_timeline_now(plan.session, clock)
+            done = self._server.record_timeline_now(plan.session, clock, wait=False)
         finally:
-            self._server.timed(plan.session, clock)
+            if done:
+                self._server.timed(plan.session, clock)
+        return done
 
 
 # ---------------------------------------------------------------------- rollout-store serve

@@ -5,6 +5,7 @@ follows the sessions; open mode resolves unknown keys in the control plane.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import threading
@@ -23,6 +24,7 @@ from capture_support import (
     start_stub_process,
 )
 
+from rollout_store.serve import server as server_module
 from rollout_store.serve.server import CALLERS, RustDataPlane, _Server, create_app
 from rollout_store.serve.sessions import Sessions
 
@@ -353,3 +355,144 @@ def test_a_stopping_rust_plane_counts_the_fast_turns_of_the_calls_it_cut(
     assert health["dropped_by"]["killed"] == 0
     assert health["dropped_by"]["shutdown"] == cut == info["dropped"]
     assert info["turns"] == 0
+
+
+def _asked(doc: dict[str, Any]) -> list[str]:
+    return [turn["request_messages"][-1]["content"] for turn in doc["turns"]]
+
+
+@pytest.mark.parametrize("plane", ["python", "rust"])
+@pytest.mark.parametrize("fsync", ["never", "turn"])
+def test_fast_records_the_other_sessions_while_one_sessions_graph_is_held(
+    stub: str, tmp_path: Path, plane: str, fsync: str
+) -> None:
+    """With `--ack fast`, while a thread holds one session's graph (as an export read slowly
+    holds it), the recorder goes on with every other session's turns; the held session's
+    turns are recorded once its graph is free, in the order they were answered, none
+    dropped: one at a time (`fsync` never) and in groups (`fsync` turn)."""
+    app = create_app(stub, data=tmp_path, fsync=fsync, ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane=plane) as url:
+        held, free = new_session(url, session_id="held"), new_session(url, session_id="free")
+        sessions = app.state.server.sessions
+        assert _chat(url, held["api_key"], "held 0") == 200
+        assert len(_export(url, "held")["turns"]) == 1
+        held_graph, free_graph = sessions.get("held").graph, sessions.get("free").graph
+        with held_graph.lock:
+            for i in range(1, 4):
+                assert _chat(url, held["api_key"], f"held {i}") == 200
+                assert _chat(url, free["api_key"], f"free {i}") == 200
+            began = time.monotonic()
+            while len(free_graph) < 3 and time.monotonic() - began < 3:
+                time.sleep(0.01)
+            waited = time.monotonic() - began
+            assert len(free_graph) == 3, f"the free session's turns waited {waited:.1f} s"
+            assert len(held_graph) == 1  # (its turns wait for its graph)
+        assert _asked(_export(url, "held")) == [f"held {i}" for i in range(4)]
+        assert _asked(_export(url, "free")) == [f"free {i}" for i in range(1, 4)]
+        health = httpx.get(f"{url}/health").json()
+        assert health["dropped"] == 0 and health["ack_queue"]["pending"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plane", ["python", "rust"])
+def test_a_stop_while_a_sessions_graph_is_held_counts_its_set_aside_turns(
+    stub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plane: str
+) -> None:
+    """A server stopping while one session's graph is still held (past the stop's wait for
+    the queued turns): that session's turns waiting for it are counted as dropped
+    (`shutdown`), every other session's turns are recorded, and the next start counts none
+    as killed."""
+    monkeypatch.setattr(server_module, "ACK_DRAIN_SECONDS", 0.3)
+    settled = _Server.settled
+    monkeypatch.setattr(_Server, "settled", lambda self, timeout=0.3: settled(self, 0.3))
+    app = create_app(stub, data=tmp_path, ack="fast", admin_key=ADMIN_KEY)
+    holding, release = threading.Event(), threading.Event()
+    with serve_app(app, data_plane=plane) as url:
+        held, free = new_session(url, session_id="held"), new_session(url, session_id="free")
+        assert _chat(url, held["api_key"], "held 0") == 200
+        assert len(_export(url, "held")["turns"]) == 1
+        graph = app.state.server.sessions.get("held").graph
+
+        def hold() -> None:
+            with graph.lock:
+                holding.set()
+                release.wait(20)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert holding.wait(5)
+        assert _chat(url, held["api_key"], "held 1") == 200
+        assert _chat(url, held["api_key"], "held 2") == 200
+        assert _chat(url, free["api_key"], "free 1") == 200
+        time.sleep(0.3)  # (the free session's turn recorded)
+        threading.Timer(1.5, release.set).start()  # (the stop closes the graph: it waits)
+    holder.join(20)
+    monkeypatch.undo()
+    again = create_app(stub, data=tmp_path, admin_key=ADMIN_KEY)
+    with serve_app(again, data_plane=plane) as url:
+        health = httpx.get(f"{url}/health").json()
+        infos = {
+            sid: httpx.get(f"{url}/sessions/{sid}", headers=auth(sid)).json()
+            for sid in ("held", "free")
+        }
+    counts = {sid: (info["turns"], info["dropped"]) for sid, info in infos.items()}
+    assert counts == {"held": (1, 2), "free": (1, 0)}, counts
+    assert health["dropped_by"]["killed"] == 0
+    assert health["dropped_by"]["shutdown"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bound", ["within", "past"])
+@pytest.mark.parametrize("plane", ["python", "rust"])
+def test_a_clean_stop_counts_no_turn_killed_whose_finish_outlasts_it(
+    stub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plane: str, bound: str
+) -> None:
+    """A fast call whose answer is still being made when the server stops (the Rust plane:
+    its `finish` on the blocking pool, where it waits for another call; the Python plane:
+    its handler): the stop waits for it, bounded (`within`), or gives up on it (`past`); a
+    clean stop never leaves it to be counted as killed at the next start."""
+    begun = threading.Event()
+    finish, forward = RustDataPlane.finish, _Server._forward
+
+    def slow(self: RustDataPlane, call: Any, *args: Any) -> Any:
+        begun.set()
+        time.sleep(2.0)  # past the runtime's second for its blocking pool
+        return finish(self, call, *args)
+
+    async def slow_forward(self: _Server, *args: Any, **kwargs: Any) -> Any:
+        answer = await forward(self, *args, **kwargs)
+        begun.set()
+        await asyncio.sleep(2.0)
+        return answer
+
+    monkeypatch.setattr(RustDataPlane, "waits", lambda self, call: True)  # (the pool)
+    monkeypatch.setattr(RustDataPlane, "finish", slow)
+    monkeypatch.setattr(_Server, "_forward", slow_forward)
+    if bound == "past":
+        monkeypatch.setattr(server_module, "ACK_DRAIN_SECONDS", 0.3)
+    app = create_app(stub, data=tmp_path, fsync="never", ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane=plane) as url:
+        made = new_session(url, session_id="late")
+
+        def late_call() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # (cut: no answer)
+                _chat(url, made["api_key"], "late", 10)
+
+        caller = threading.Thread(target=late_call)
+        caller.start()
+        assert begun.wait(5)
+    caller.join(20)
+    time.sleep(2.5)  # (a finish the stop gave up on ends meanwhile)
+    monkeypatch.undo()
+    again = create_app(stub, data=tmp_path, admin_key=ADMIN_KEY)
+    with serve_app(again, data_plane=plane) as url:
+        health = httpx.get(f"{url}/health").json()
+        info = httpx.get(f"{url}/sessions/late", headers=auth("late")).json()
+    assert health["dropped_by"]["killed"] == 0, health["dropped_by"]
+    counts = (info["turns"], info["dropped"], health["dropped_by"]["shutdown"])
+    if plane == "python":  # the stop waits for its handler: answered, then recorded
+        assert counts == (1, 0, 0), counts
+    elif bound == "within":  # waited for: answered into the ledger, never queued
+        assert counts == (0, 1, 1), counts
+    else:  # (its reply never goes out: counted if the sessions were still open)
+        assert counts in ((0, 0, 0), (0, 1, 1)), counts

@@ -213,13 +213,18 @@ impl Control for PyControl {
         })
     }
 
-    fn record(&self, tickets: &[&Py<PyAny>]) {
+    fn record(&self, tickets: &[&Py<PyAny>]) -> Vec<usize> {
         Python::attach(|py| {
             let calls: Vec<Py<PyAny>> = tickets.iter().map(|t| t.clone_ref(py)).collect();
-            if let Err(error) = self.control.call_method1(py, "record", (calls,)) {
-                error.print(py);
+            // the indices set aside (a list; anything else: none)
+            match self.control.call_method1(py, "record", (calls,)) {
+                Ok(held) => held.extract(py).unwrap_or_default(),
+                Err(error) => {
+                    error.print(py);
+                    Vec::new()
+                }
             }
-        });
+        })
     }
 
     fn dropped(&self, ticket: &Py<PyAny>, why: &'static str) {
@@ -231,7 +236,7 @@ impl Control for PyControl {
         });
     }
 
-    fn sent(&self, ticket: &Py<PyAny>, sent: Sent) {
+    fn sent(&self, ticket: &Py<PyAny>, sent: Sent) -> bool {
         Python::attach(|py| {
             let args = (
                 ticket.clone_ref(py),
@@ -239,17 +244,23 @@ impl Control for PyControl {
                 sent.chunks,
                 sent.max_chunk_gap,
             );
-            if let Err(error) = self.control.call_method1(py, "sent", args) {
-                error.print(py);
+            // false: to be called again (anything else: done)
+            match self.control.call_method1(py, "sent", args) {
+                Ok(done) => done.extract(py).unwrap_or(true),
+                Err(error) => {
+                    error.print(py);
+                    true
+                }
             }
-        });
+        })
     }
 }
 
 /// The data plane: the model routes served by hyper on a runtime of its own, the rest
 /// proxied to the control plane's listener; the control plane's callbacks (`prepare`,
 /// `waits`, `finish`, `finish_stream`, `record`, `dropped`, `sent`) are methods of
-/// `control`. `stop` ends it.
+/// `control` (`record` returns the indices of the calls it set aside, `sent` False to be
+/// called again). `stop` ends it.
 /// `callers`: threads the callbacks run on (one when a callback never waits on I/O).
 /// `forward_only`: a floor for benchmarks (calls go upstream and come back as they came,
 /// with no key, no callback and nothing recorded).

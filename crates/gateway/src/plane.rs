@@ -23,7 +23,10 @@
 //! through one channel to the recorder thread, in the order the calls were answered; the
 //! queue of turns not yet recorded is bounded (`ack_queue`), a turn past it is dropped and
 //! reported to the control, as one the recorder could not record in time when the gateway
-//! stops.
+//! stops. A turn the control cannot record without waiting (its session's graph held by
+//! another thread: an export being read) is set aside by the recorder, which goes on with
+//! the others and hands it back, before the later ones, every [`ASIDE_RETRY`] and with each
+//! batch; a timeline likewise.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -235,12 +238,15 @@ pub trait Control: Send + Sync + 'static {
     fn finish_stream(&self, ticket: &Self::Ticket, streamed: Streamed) -> Finished;
     /// Record turns queued with `--ack fast`, in their order: those queued meanwhile come
     /// together, so that a session's log can be synced once for them (the control counts
-    /// a failure itself).
-    fn record(&self, tickets: &[&Self::Ticket]);
+    /// a failure itself). Returns the indices of the tickets it did not record because
+    /// recording them would wait (their session busy elsewhere): the recorder hands them
+    /// back later, in their order, before any later ticket.
+    fn record(&self, tickets: &[&Self::Ticket]) -> Vec<usize>;
     /// A queued turn that will not be recorded, and why (`queue_full`, `shutdown`).
     fn dropped(&self, ticket: &Self::Ticket, why: &'static str);
-    /// The reply of a timed call was sent.
-    fn sent(&self, ticket: &Self::Ticket, sent: Sent);
+    /// The reply of a timed call was sent; false when recording its timeline would wait
+    /// (as for `record`): the recorder calls again later.
+    fn sent(&self, ticket: &Self::Ticket, sent: Sent) -> bool;
 }
 
 enum Job<T> {
@@ -286,6 +292,11 @@ impl Pending {
     fn taken(&self) {
         let mut counts = self.counts();
         counts.waiting = counts.waiting.saturating_sub(1);
+    }
+
+    /// The recorder set a turn aside: it waits again (and counts in the bound).
+    fn set_aside(&self) {
+        self.counts().waiting += 1;
     }
 
     /// A turn queued is recorded (or dropped).
@@ -1462,15 +1473,17 @@ impl<C: Control> Gateway<C> {
     }
 
     /// Stop: no new connection, calls in flight cut (the control's calls they queued not
-    /// made; those begun end, waited for at most a second on the blocking pool), the queued
-    /// turns recorded for at most `drain` (the rest reported dropped), the caller threads
-    /// and the recorder joined.
+    /// made; those begun end, waited for on the blocking pool for at most `drain`, a second
+    /// at least), the queued turns recorded for at most `drain` (the rest reported dropped,
+    /// those set aside too), the caller threads and the recorder joined.
     pub fn stop(&mut self, drain: Duration) {
         if let Some(accepting) = self.accepting.take() {
             accepting.abort();
         }
         if let Some(runtime) = self.runtime.take() {
-            runtime.shutdown_timeout(Duration::from_secs(1));
+            // a `finish` still running there has put its turn in the control's ledger: the
+            // control counts it at its stop once it has returned, so it is waited for
+            runtime.shutdown_timeout(drain.max(Duration::from_secs(1)));
         }
         self.shared
             .calls
@@ -1521,35 +1534,79 @@ fn call_loop<C: Control>(control: &C, calls: &Mutex<mpsc::Receiver<Work<C>>>) {
     }
 }
 
+/// What the recorder set aside, in order: turns and timelines the control could not record
+/// without waiting.
+struct Aside<T> {
+    turns: Vec<Arc<T>>,
+    sent: Vec<(Arc<T>, Sent)>,
+}
+
+impl<T> Aside<T> {
+    fn is_empty(&self) -> bool {
+        self.turns.is_empty() && self.sent.is_empty()
+    }
+}
+
+/// How often the recorder hands back what it set aside, when no new job comes.
+pub const ASIDE_RETRY: Duration = Duration::from_millis(20);
+
 /// The recorder: the jobs queued meanwhile (at most `RECORD_GROUP`), their turns recorded
 /// together, then their timelines, one job at a time otherwise: each call into the control
 /// takes the GIL for itself, so that the caller threads (whose calls a reply waits for) win
-/// it between them.
+/// it between them. What the control sets aside goes first in the next batch, which comes
+/// with the next job or after [`ASIDE_RETRY`]; once the gateway stops, until the drain's
+/// deadline, after which it is reported dropped.
 fn record_loop<C: Control>(shared: &Shared<C>, jobs: &mpsc::Receiver<Job<C::Ticket>>) {
-    while let Ok(first) = jobs.recv() {
-        let mut batch = vec![first];
-        while batch.len() < RECORD_GROUP {
+    let mut aside = Aside {
+        turns: Vec::new(),
+        sent: Vec::new(),
+    };
+    loop {
+        let first = if aside.is_empty() {
+            match jobs.recv() {
+                Ok(job) => Some(job),
+                Err(_) => return,
+            }
+        } else {
+            match jobs.recv_timeout(ASIDE_RETRY) {
+                Ok(job) => Some(job),
+                Err(mpsc::RecvTimeoutError::Timeout) => None,
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    std::thread::sleep(ASIDE_RETRY);
+                    None
+                }
+            }
+        };
+        let mut batch: Vec<_> = first.into_iter().collect();
+        while !batch.is_empty() && batch.len() < RECORD_GROUP {
             let Ok(job) = jobs.try_recv() else {
                 break;
             };
             batch.push(job);
         }
-        record_batch(shared, batch);
+        record_batch(shared, batch, &mut aside);
     }
 }
 
 /// Jobs the recorder takes at once, at most.
 const RECORD_GROUP: usize = 64;
 
-fn record_batch<C: Control>(shared: &Shared<C>, batch: Vec<Job<C::Ticket>>) {
+fn record_batch<C: Control>(
+    shared: &Shared<C>,
+    batch: Vec<Job<C::Ticket>>,
+    aside: &mut Aside<C::Ticket>,
+) {
     let late = shared
         .deadline
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .is_some_and(|at| Instant::now() > at);
     let control = &shared.control;
-    let mut turns = Vec::new();
-    let mut sent = Vec::new();
+    let mut turns = std::mem::take(&mut aside.turns);
+    for _ in &turns {
+        shared.pending.taken();
+    }
+    let mut sent = std::mem::take(&mut aside.sent);
     for job in batch {
         match job {
             Job::Record(ticket) => {
@@ -1562,22 +1619,38 @@ fn record_batch<C: Control>(shared: &Shared<C>, batch: Vec<Job<C::Ticket>>) {
     }
     if !turns.is_empty() {
         let tickets: Vec<&C::Ticket> = turns.iter().map(|t| &**t).collect();
-        let _ = catch_unwind(AssertUnwindSafe(|| {
+        let held = catch_unwind(AssertUnwindSafe(|| {
             if late {
                 for ticket in &tickets {
                     control.dropped(ticket, "shutdown");
                 }
+                Vec::new()
             } else {
-                control.record(&tickets);
+                control.record(&tickets)
             }
-        }));
-        for _ in &turns {
-            shared.pending.done();
+        }))
+        .unwrap_or_default();
+        let mut kept = vec![false; turns.len()];
+        for i in held {
+            if let Some(k) = kept.get_mut(i) {
+                *k = true;
+            }
+        }
+        for (ticket, kept) in turns.into_iter().zip(kept) {
+            if kept {
+                shared.pending.set_aside();
+                aside.turns.push(ticket);
+            } else {
+                shared.pending.done();
+            }
         }
     }
     if !late {
         for (ticket, stamps) in sent {
-            let _ = catch_unwind(AssertUnwindSafe(|| control.sent(&ticket, stamps)));
+            let done = catch_unwind(AssertUnwindSafe(|| control.sent(&ticket, stamps)));
+            if matches!(done, Ok(false)) {
+                aside.sent.push((ticket, stamps));
+            }
         }
     }
 }

@@ -49,11 +49,19 @@ fn model_call(addr: SocketAddr, key: &str, body: &str) -> (u16, String) {
 }
 
 /// A control plane that forwards every call to the upstream as it came, answers with the
-/// upstream's body, and panics on a body holding "boom".
+/// upstream's body, and panics on a body holding "boom"; the turns and timelines of the
+/// session `busy` names are set aside (as a session whose graph an export holds).
 #[derive(Default)]
 struct Echo {
     recorded: Mutex<Vec<String>>,
     sent: AtomicUsize,
+    busy: Mutex<Option<&'static str>>,
+    dropped: Mutex<Vec<(String, &'static str)>>,
+}
+
+/// Whether `ticket` is of the session `busy` names.
+fn of(busy: Option<&str>, ticket: &str) -> bool {
+    busy.is_some_and(|session| ticket.starts_with(&format!("{session}:")))
 }
 
 /// The gateway's handle on the shared [`Echo`].
@@ -88,15 +96,30 @@ impl Control for Probe {
         Finished::default()
     }
 
-    fn record(&self, tickets: &[&String]) {
+    fn record(&self, tickets: &[&String]) -> Vec<usize> {
         let mut recorded = self.0.recorded.lock().unwrap();
-        recorded.extend(tickets.iter().map(|t| (*t).clone()));
+        let busy = *self.0.busy.lock().unwrap(); // (once: a session is busy for all its turns)
+        let mut held = Vec::new();
+        for (i, ticket) in tickets.iter().enumerate() {
+            if of(busy, ticket) {
+                held.push(i);
+            } else {
+                recorded.push((*ticket).clone());
+            }
+        }
+        held
     }
 
-    fn dropped(&self, _: &String, _: &'static str) {}
+    fn dropped(&self, ticket: &String, why: &'static str) {
+        self.0.dropped.lock().unwrap().push((ticket.clone(), why));
+    }
 
-    fn sent(&self, _: &String, _: Sent) {
+    fn sent(&self, ticket: &String, _: Sent) -> bool {
+        if of(*self.0.busy.lock().unwrap(), ticket) {
+            return false;
+        }
         self.0.sent.fetch_add(1, Ordering::SeqCst);
+        true
     }
 }
 
@@ -141,6 +164,67 @@ fn a_known_key_goes_upstream_and_its_turn_is_recorded() {
     );
     s.gateway.stop(Duration::from_secs(5));
     assert_eq!(s.control.sent.load(Ordering::SeqCst), 1);
+}
+
+fn body(text: &str) -> String {
+    format!(r#"{{"messages": [{{"role": "user", "content": "{text}"}}]}}"#)
+}
+
+#[test]
+fn a_busy_sessions_turns_are_set_aside_in_order_and_hold_up_no_other() {
+    let mut s = setup();
+    s.gateway.set_key(b"key-b", "b");
+    *s.control.busy.lock().unwrap() = Some("a");
+    for text in ["a1", "a2"] {
+        assert_eq!(model_call(s.addr, "key-a", &body(text)).0, 200);
+    }
+    assert_eq!(model_call(s.addr, "key-b", &body("b1")).0, 200);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while s.control.recorded.lock().unwrap().is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(
+        *s.control.recorded.lock().unwrap(),
+        vec![format!("b:{}", body("b1"))]
+    );
+    // the two set aside still wait: counted in the queue and waited for
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while s.gateway.pending() != 2 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(s.gateway.pending(), 2);
+    assert!(!s.gateway.settle(Duration::from_millis(100)));
+    assert_eq!(model_call(s.addr, "key-a", &body("a3")).0, 200);
+    *s.control.busy.lock().unwrap() = None;
+    assert!(s.gateway.settle(Duration::from_secs(5)));
+    let recorded = s.control.recorded.lock().unwrap().clone();
+    let expected: Vec<String> = [("b", "b1"), ("a", "a1"), ("a", "a2"), ("a", "a3")]
+        .iter()
+        .map(|(session, text)| format!("{session}:{}", body(text)))
+        .collect();
+    assert_eq!(recorded, expected);
+    s.gateway.stop(Duration::from_secs(5));
+    assert_eq!(s.control.sent.load(Ordering::SeqCst), 4); // each timeline, set aside or not
+    assert!(s.control.dropped.lock().unwrap().is_empty());
+}
+
+#[test]
+fn a_stop_reports_the_turns_still_set_aside_dropped() {
+    let mut s = setup();
+    s.gateway.set_key(b"key-b", "b");
+    *s.control.busy.lock().unwrap() = Some("a");
+    assert_eq!(model_call(s.addr, "key-a", &body("a1")).0, 200);
+    assert_eq!(model_call(s.addr, "key-b", &body("b1")).0, 200);
+    s.gateway.stop(Duration::from_millis(200));
+    assert_eq!(
+        *s.control.recorded.lock().unwrap(),
+        vec![format!("b:{}", body("b1"))]
+    );
+    assert_eq!(
+        *s.control.dropped.lock().unwrap(),
+        vec![(format!("a:{}", body("a1")), "shutdown")]
+    );
+    assert!(s.gateway.settle(Duration::ZERO));
 }
 
 #[test]
@@ -262,11 +346,15 @@ impl Control for OrderedProbe {
         Finished::default()
     }
 
-    fn record(&self, _: &[&bool]) {}
+    fn record(&self, _: &[&bool]) -> Vec<usize> {
+        Vec::new()
+    }
 
     fn dropped(&self, _: &bool, _: &'static str) {}
 
-    fn sent(&self, _: &bool, _: Sent) {}
+    fn sent(&self, _: &bool, _: Sent) -> bool {
+        true
+    }
 }
 
 #[test]
@@ -319,11 +407,15 @@ impl Control for SlowProbe {
         Finished::default()
     }
 
-    fn record(&self, _: &[&u8]) {}
+    fn record(&self, _: &[&u8]) -> Vec<usize> {
+        Vec::new()
+    }
 
     fn dropped(&self, _: &u8, _: &'static str) {}
 
-    fn sent(&self, _: &u8, _: Sent) {}
+    fn sent(&self, _: &u8, _: Sent) -> bool {
+        true
+    }
 }
 
 #[test]

@@ -100,9 +100,13 @@ impl Control for Streams {
         }
     }
 
-    fn record(&self, _: &[&()]) {}
+    fn record(&self, _: &[&()]) -> Vec<usize> {
+        Vec::new()
+    }
     fn dropped(&self, (): &(), _: &'static str) {}
-    fn sent(&self, (): &(), _: Sent) {}
+    fn sent(&self, (): &(), _: Sent) -> bool {
+        true
+    }
 }
 
 /// The body of a chunked answer.

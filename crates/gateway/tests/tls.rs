@@ -93,9 +93,13 @@ impl Control for Plain {
     fn finish_stream(&self, (): &(), _: Streamed) -> Finished {
         Finished::default()
     }
-    fn record(&self, _: &[&()]) {}
+    fn record(&self, _: &[&()]) -> Vec<usize> {
+        Vec::new()
+    }
     fn dropped(&self, (): &(), _: &'static str) {}
-    fn sent(&self, (): &(), _: Sent) {}
+    fn sent(&self, (): &(), _: Sent) -> bool {
+        true
+    }
 }
 
 fn config(upstream: SocketAddr) -> Config {
