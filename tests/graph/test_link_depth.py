@@ -125,3 +125,22 @@ def test_a_loose_echo_links_up_to_the_link_depth(kind: str, depth: int, links: b
     graph = _recorded(_turns(kind, depth, raw=False))
     assert graph.parent("b") == ("a" if links else None)
     assert graph.link_kind("b") == ("messages" if links else "none")
+
+
+def test_brackets_inside_argument_strings_do_not_count() -> None:
+    """Arguments holding many brackets in their strings (escaped quotes and backslashes
+    among them) nest one level: they are parsed, so a differently spaced echo links."""
+    arguments = json.dumps({"code": "[" * 300 + '\\"{' * 200 + "\\" + "{" * 200})
+    assert json_nesting(arguments.encode()) == 1
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    response = {"content": None, "tool_calls": [call]}
+    spaced = {**call, "function": {"name": "f", "arguments": " " + arguments + " "}}
+    echo = {"role": "assistant", "content": None, "tool_calls": [spaced]}
+    task = [{"role": "user", "content": "task"}]
+    graph = _recorded(
+        [
+            TurnNode(node_id="a", request_messages=task, response_message=response),
+            TurnNode(node_id="b", request_messages=[*task, echo]),
+        ]
+    )
+    assert graph.parent("b") == "a"
