@@ -1290,7 +1290,7 @@ class RequestStore:
             try:
                 key = ("loose", _frozen(link_key(message)))
                 hash(key)
-            except Exception:  # (deeply nested arguments text) every turn, as without the
+            except Exception:  # (nested deeper than LINK_DEPTH) every turn, as without the
                 return members  # index: `echoes` decides each, as it does
             keys.append(key)
         found = {id(turn): turn for key in keys for turn in index_members(held.get(key))}
@@ -1309,7 +1309,7 @@ class RequestStore:
         try:
             key = ("loose", _frozen(response_link_key(value(turn.response, self.blobs))))
             hash(key)
-        except Exception:  # (deeply nested arguments text) always a candidate: `echoes`
+        except Exception:  # (nested deeper than LINK_DEPTH) always a candidate: `echoes`
             index_add(held, _UNKEYED, turn)  # decides, as it does without the index
             return
         index_add(held, key, turn)

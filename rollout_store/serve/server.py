@@ -75,7 +75,6 @@ import functools
 import gc
 import hmac
 import html
-import itertools
 import json
 import os
 import queue
@@ -83,7 +82,6 @@ import socket
 import sys
 import threading
 import time
-from array import array
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
@@ -117,6 +115,7 @@ from starlette.types import Receive, Scope, Send
 
 from .._core import DataPlane, json_member_ids
 from ..engine.intake import MAX_DEPTH, PackedIds
+from ..engine.messages import json_nesting
 from ..errors import (
     InvalidArgumentError,
     InvalidValueError,
@@ -491,18 +490,8 @@ def _decode(raw: bytes, raw_fields: frozenset[str], checked: _Checked = _UNCHECK
 
 # Depth is checked before the call goes upstream: a body the graph would refuse to record
 # (containers nested deeper than MAX_DEPTH) must not cost the engine a generation first. The
-# text is measured in C-speed passes: escaped backslashes, then escaped quotes, go; what is
-# left of strings lies between quotes; outside them, brackets are +1 and -1.
-_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"')
-_SIGNS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+# text is measured in C-speed passes (`json_nesting`).
 _NOT_OPENER = bytes(b for b in range(256) if b not in b"[{")
-
-
-def _nesting(data: bytes) -> int:
-    """How deeply the containers of the UTF-8 JSON text `data` nest (0 for a scalar)."""
-    plain = data.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURE)
-    outside = b"".join(plain.split(b'"')[::2]).translate(_SIGNS)
-    return max(itertools.accumulate(array("b", outside)), default=0)
 
 
 def _deeper_than(value: Any, limit: int) -> bool:
@@ -510,13 +499,13 @@ def _deeper_than(value: Any, limit: int) -> bool:
     when its text holds more brackets than that at all (one pass over it)."""
     if type(value) is RawJSON:
         text = _text(value)
-        return len(text.translate(None, _NOT_OPENER)) > limit and _nesting(text) > limit
+        return len(text.translate(None, _NOT_OPENER)) > limit and json_nesting(text) > limit
     deepest = 0
     todo = [(value, 0)]
     while todo:
         item, depth = todo.pop()
         if type(item) is RawJSON:
-            deepest = max(deepest, depth + _nesting(_text(item)))
+            deepest = max(deepest, depth + json_nesting(_text(item)))
         elif isinstance(item, dict | list):
             deepest = max(deepest, depth + 1)
             todo += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
@@ -534,7 +523,7 @@ def _messages_deeper_than(value: Any, limit: int) -> bool:
         return False
     items = split_array(text)
     if items is None:  # (a raw messages array is one msgspec has read)
-        return _nesting(text) > limit + 1
+        return json_nesting(text) > limit + 1
     return any(_deeper_than(RawJSON(bytes(item)), limit) for item in items)
 
 
