@@ -18,6 +18,7 @@ __all__ = [
     "encode_frame",
     "encode_frame_v1",
     "intact_end_after_v1",
+    "json_fields",
     "json_member_ids",
     "json_u32_ids",
     "frame_chain_value",
@@ -135,6 +136,13 @@ def json_member_ids(text: bytes, key: str) -> tuple[int, int, bytes] | None:
     when it holds anything else, or is missing, or `text` is not an object the scan can
     follow. The other members are skipped, not checked: decode `text` with that span put out
     of the way, which checks them. The GIL is released for texts from `DETACH_FROM` bytes."""
+
+def json_fields(text: bytes) -> list[tuple[str, int, int]] | None:
+    """The top-level fields of a JSON object text as `(key, start, end)` (each value's byte
+    range), in the text's order, a repeated key each time; None when the text is not one
+    object or a key is written with an escape. The structure is followed, the tokens are not
+    checked: the capture server's data plane hands these to `split_body` for a body its full
+    decode found valid strict UTF-8."""
 
 def json_u32_ids(text: bytes) -> bytes | None:
     """Token ids as native-endian u32 (an `array('I')`'s bytes) read from `text`, a JSON array

@@ -395,7 +395,10 @@ _UNCHECKED = _Checked()
 
 
 def split_body(
-    raw: bytes, raw_fields: frozenset[str] = MESSAGES_RAW_FIELDS, checked: _Checked = _UNCHECKED
+    raw: bytes,
+    raw_fields: frozenset[str] = MESSAGES_RAW_FIELDS,
+    checked: _Checked = _UNCHECKED,
+    found: list[tuple[str, int, int]] | None = None,
 ) -> dict[str, Any] | None:
     """The top-level fields of a request body, or None when only json.loads can read it.
 
@@ -406,11 +409,21 @@ def split_body(
     None: the body is not a JSON object msgspec reads as json.loads would (not JSON at all,
     NaN, lone-surrogate escapes, a byte order mark, nesting too deep, a message whose role
     is not a plain string...): decode it with json.loads, which accepts it or says why not.
+
+    `found`: the fields as the Rust data plane found them in a body it read whole as strict
+    UTF-8 (each key and its value's byte range, in the body's order), so that the body is
+    not split again here.
     """
-    try:
-        spans = _split_fields(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeError):
-        return None
+    spans: dict[str, Any]
+    if found is not None and checked.utf8:
+        spans = {}
+        for key, start, end in found:  # (a repeated key: its first place, its last value)
+            spans[key] = raw[start:end]
+    else:
+        try:
+            spans = _split_fields(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeError):
+            return None
     if not checked.utf8 and not raw.isascii():
         # msgspec does not check the UTF-8 of what it skips; json.loads refuses bad UTF-8
         # (and reads UTF-8-encoded surrogates, which a strict decode leaves to it)
@@ -474,9 +487,14 @@ def _check_anthropic(value: Any) -> dict[str, Any]:
     return body
 
 
-def _decode(raw: bytes, raw_fields: frozenset[str], checked: _Checked = _UNCHECKED) -> Any:
+def _decode(
+    raw: bytes,
+    raw_fields: frozenset[str],
+    checked: _Checked = _UNCHECKED,
+    spans: list[tuple[str, int, int]] | None = None,
+) -> Any:
     """The body's fields (`split_body`), or json.loads of it, or the refusal json.loads gives."""
-    fields = split_body(raw, raw_fields, checked)
+    fields = split_body(raw, raw_fields, checked, spans)
     if fields is not None:
         return fields
     try:
@@ -1592,14 +1610,15 @@ class _Server:
         clock: CallClock,
         passthrough: bool = False,
         checked: _Checked = _UNCHECKED,
+        fields: list[tuple[str, int, int]] | None = None,
     ) -> _Plan:
         """A model call's body checked and its upstream call made ready (or _Refusal).
         `passthrough`: a streaming call asks the upstream for its stream (the Rust data
         plane passes it on), with the client's `stream_options`; otherwise the upstream is
-        asked for the whole answer. `checked`: what the Rust data plane checked of the body
-        already."""
+        asked for the whole answer. `checked`, `fields`: what the Rust data plane checked
+        and found of the body already."""
         raw_fields = MESSAGES_RAW_FIELDS if anthropic else CHAT_RAW_FIELDS
-        fields = _decode(raw, raw_fields, checked)
+        fields = _decode(raw, raw_fields, checked, fields)
         body = (_check_anthropic if anthropic else _check_chat)(fields)
         if not checked.depth:
             _check_depth(body, anthropic)
@@ -2691,12 +2710,14 @@ class RustDataPlane:
         depth: bool = False,
         shape: bool = False,
         utf8: bool = False,
+        fields: list[tuple[str, int, int]] | None = None,
     ) -> tuple[_Call, str, bytes, list[tuple[str, str]], _Streaming | None] | tuple[None, _Reply]:
         """A call that passed the engine's gate: its upstream call, or the refusal. A
         streaming call's upstream is asked to stream: the engine passes its events on (with
         the capture fields the client did not ask for taken out) and hands them to
         `finish_stream` at the end, or, for any other answer, calls `finish`. `depth`,
-        `shape`, `utf8`: what the engine's reading of the body found (see `_Checked`)."""
+        `shape`, `utf8`: what the engine's reading of the body found (see `_Checked`);
+        `fields`: the body's top-level fields as it found them (see `split_body`)."""
         clock = CallClock()
         clock.received = received_us
         server = self._server
@@ -2710,6 +2731,7 @@ class RustDataPlane:
                 clock,
                 passthrough=True,
                 checked=_Checked(depth, shape, utf8),
+                fields=fields,
             )
         except _Refusal as refusal:
             return None, _reply(_failure(anthropic, refusal))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,10 @@ import pytest
 from capture_support import export, new_session, serve_app
 
 from rollout_store import MAX_DEPTH, RawJSON
+from rollout_store._core import json_fields
 from rollout_store.serve.server import (
+    CHAT_RAW_FIELDS,
+    _Checked,
     chat_turn,
     create_app,
     messages_turn,
@@ -76,10 +80,12 @@ def _loads(raw: bytes) -> Any:
         return None
 
 
-def _same_as_json_loads(raw: bytes) -> None:
-    """split_body accepts only what json.loads reads, and gives the same fields."""
-    fields = split_body(raw)
-    if fields is None:
+def _same_as_json_loads(raw: bytes, fields: dict[str, Any] | bool | None = False) -> None:
+    """split_body accepts only what json.loads reads, and gives the same fields (`fields`:
+    what it gave already)."""
+    if fields is False:
+        fields = split_body(raw)
+    if fields is None or fields is True:
         return
     loaded = _loads(raw)
     assert isinstance(loaded, dict), raw[:80]
@@ -174,6 +180,39 @@ def test_mutated_bodies_split_as_json_loads_reads_them(seed: int) -> None:
         _same_as_json_loads(raw)
         accepted += split_body(raw) is not None
     assert accepted > 100  # the mutations do leave some bodies msgspec splits
+
+
+def _as_the_rust_plane_reads(raw: bytes) -> bool:
+    """Whether the Rust data plane hands `split_body` the fields it found in `raw`: a body
+    json.loads reads as an object, strict UTF-8 with no surrogate escaped in it."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    surrogate = re.search(rb"\\u[dD][89a-fA-F]", raw.replace(b"\\\\", b""))
+    return surrogate is None and isinstance(_loads(raw), dict)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_fields_the_rust_plane_found_split_as_json_loads_reads_them(seed: int) -> None:
+    """`split_body` given the top-level fields the Rust data plane found in a body
+    (`_core.json_fields`) gives what it gives splitting the body itself, and what
+    json.loads reads, field for field."""
+    checked = _Checked(depth=True, utf8=True)
+    given = 0
+    for raw in [*ODD, json.dumps(BASE).encode(), *_mutants(seed + 10, 3000)]:
+        if not _as_the_rust_plane_reads(raw):
+            continue
+        found = json_fields(raw)
+        if found is None:  # (an escaped key: the plane hands none)
+            continue
+        fields = split_body(raw, CHAT_RAW_FIELDS, checked, found)
+        _same_as_json_loads(raw, fields)
+        itself = split_body(raw, CHAT_RAW_FIELDS, checked)
+        if itself is not None:
+            assert fields == itself
+        given += 1
+    assert given > 100
 
 
 # ---------------------------------------------------------------- through the server

@@ -89,6 +89,7 @@ impl PyControl {
                 call.checked.depth,
                 call.checked.shape,
                 call.checked.utf8,
+                call.fields,
             ),
         )?;
         let out = out.bind(py).cast::<PyTuple>()?.clone();

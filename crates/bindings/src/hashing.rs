@@ -188,6 +188,21 @@ pub fn json_member_ids<'py>(
     found.map(|f| (f.start, f.end, PyBytes::new(py, &f.packed)))
 }
 
+/// The top-level fields of a JSON object text as `(key, start, end)` (each value's byte
+/// range), in the text's order, a repeated key each time; None when the text is not one
+/// object or a key is written with an escape. The structure is followed, the tokens are not
+/// checked: the capture server's data plane hands these to `split_body` for a body its full
+/// decode found valid strict UTF-8.
+#[pyfunction]
+pub fn json_fields(text: &[u8]) -> Option<Vec<(String, usize, usize)>> {
+    engine::json::scan::fields(text).map(|found| {
+        found
+            .into_iter()
+            .map(|(key, start, end)| (key.to_string(), start, end))
+            .collect()
+    })
+}
+
 /// Token ids as native-endian u32 (an `array('I')`'s bytes) when `ids` holds only exact
 /// ints in [0, 2**32); else None (a bool, an int subclass, anything else: the caller's own
 /// checks say what it is). One pass, no list of checked ids made.

@@ -51,7 +51,7 @@ mod _core {
         intact_end_after_v1, next_frame, read_gap, AsciiText, FrameScan,
     };
     #[pymodule_export]
-    use super::hashing::{json_member_ids, json_u32_ids, u32_ids, Blake3};
+    use super::hashing::{json_fields, json_member_ids, json_u32_ids, u32_ids, Blake3};
     #[pymodule_export]
     use super::json::{dumps, loads};
     #[pymodule_export]

@@ -118,6 +118,10 @@ pub struct Call {
     pub body: Bytes,
     /// What the depth check's reading of the body found: the control need not check it again.
     pub checked: depth::Checked,
+    /// The body's top-level fields (key, value's byte range), in its order, when the depth
+    /// check read it whole as strict UTF-8 (`engine::json::scan::fields`): the control need
+    /// not split it again.
+    pub fields: Option<Vec<(String, usize, usize)>>,
     /// Microseconds since the Unix epoch when the request arrived.
     pub received_us: u64,
 }
@@ -741,6 +745,16 @@ impl<C: Control> Shared<C> {
             },
             depth::Depth::Unread => depth::Checked::default(),
         };
+        let fields = if checked.utf8 {
+            engine::json::scan::fields(&raw).map(|found| {
+                found
+                    .into_iter()
+                    .map(|(key, start, end)| (key.to_string(), start, end))
+                    .collect()
+            })
+        } else {
+            None
+        };
         let call = Call {
             anthropic,
             session,
@@ -751,6 +765,7 @@ impl<C: Control> Shared<C> {
                 .collect(),
             body: raw,
             checked,
+            fields,
             received_us,
         };
         let Some(prepared) = self.call(move |c| c.prepare(call)).await else {

@@ -4,7 +4,7 @@
 //! of a Chat Completions chunk (the rest of the event as the engine sent it).
 
 use bytes::{Bytes, BytesMut};
-use engine::json::scan::{skip_space, string_end, value_end};
+use engine::json::scan::{object, skip_space, value_end, Member};
 
 /// The events of a stream, split as its bytes arrive: an event ends with a blank line
 /// (`\n\n`, `\r\n\r\n` or `\r\r`, as the SSE grammar allows).
@@ -135,15 +135,6 @@ fn find(text: &[u8], what: &[u8]) -> Option<usize> {
     text.windows(what.len()).position(|w| w == what)
 }
 
-/// One member of an object: where its key begins, its key's text, where its value begins
-/// and ends.
-struct Member<'a> {
-    key_start: usize,
-    key: &'a [u8],
-    value_start: usize,
-    value_end: usize,
-}
-
 type Edit = (usize, usize, &'static [u8]);
 
 /// The edits (in order, not overlapping) that take `strip`'s fields out of the chunk at
@@ -219,40 +210,6 @@ fn merge(edits: Vec<Edit>) -> Vec<Edit> {
         out.push(edit);
     }
     out
-}
-
-/// The members of the object at `i` and where it ends.
-fn object(text: &[u8], i: usize) -> Option<(Vec<Member<'_>>, usize)> {
-    if text.get(i) != Some(&b'{') {
-        return None;
-    }
-    let mut members = Vec::new();
-    let mut j = skip_space(text, i + 1);
-    if text.get(j) == Some(&b'}') {
-        return Some((members, j + 1));
-    }
-    loop {
-        let key_start = j;
-        let key_end = string_end(text, j).filter(|_| text.get(j) == Some(&b'"'))?;
-        j = skip_space(text, key_end);
-        if text.get(j) != Some(&b':') {
-            return None;
-        }
-        let value_start = skip_space(text, j + 1);
-        let end = value_end(text, value_start)?;
-        members.push(Member {
-            key_start,
-            key: &text[key_start + 1..key_end - 1],
-            value_start,
-            value_end: end,
-        });
-        j = skip_space(text, end);
-        match text.get(j)? {
-            b',' => j = skip_space(text, j + 1),
-            b'}' => return Some((members, j + 1)),
-            _ => return None,
-        }
-    }
 }
 
 /// Where the items of the array at `i` begin.
