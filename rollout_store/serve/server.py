@@ -745,23 +745,22 @@ def _end_of_text(raw: bytes, end: int) -> int:
     return end
 
 
-def upstream_body(
+def upstream_parts(
     raw: bytes,
     body: dict[str, Any],
     extra: dict[str, Any],
     drop: tuple[str, ...] = ("stream_options",),
-) -> bytes:
-    """The body sent upstream: the client's with `extra` set and the fields `drop` names
-    (`stream_options`, unless the upstream is to stream) dropped.
+) -> tuple[int, bytes]:
+    """The body sent upstream, as `raw[:head] + tail`: the client's with `extra` set and the
+    fields `drop` names (`stream_options`, unless the upstream is to stream) dropped.
 
     When the client's body is UTF-8 and has none of those keys, `extra` is appended to its
-    own bytes (no key repeats, nothing re-encoded); otherwise (json.loads also reads UTF-16
-    and UTF-32) the body is written anew from its fields in their order, a `RawJSON` field
-    (see `split_body`) as its own text: re-encoding a large conversation costs more than
-    decoding it. Either way the body is made in one `join`:
-    each `+` of a large body would be a copy of its own, and each new buffer over glibc's
-    mmap threshold costs a page fault per 4 KiB (measured here: three `+` of a 200 KiB
-    body, 140-330 us; one `join`, 2 us).
+    own bytes (no key repeats, nothing re-encoded): `head` is where its closing brace's
+    whitespace begins, and `tail` the new members and the brace. Otherwise (json.loads also
+    reads UTF-16 and UTF-32) the body is written anew (`head` 0) from its fields in their
+    order, a `RawJSON` field (see `split_body`) as its own text: re-encoding a large
+    conversation costs more than decoding it. The Rust data plane sends the two parts as
+    they are (the client's bytes never copied here); `upstream_body` joins them.
     """
     if (
         not any(key in body for key in drop)
@@ -773,7 +772,7 @@ def upstream_body(
             head = _end_of_text(raw, end - 1)
             items = json.dumps(extra)[1:-1].encode("ascii")
             comma = b", " if raw[head - 1 : head] != b"{" else b""
-            return b"".join((memoryview(raw)[:head], comma, items, b"}"))
+            return head, b"".join((comma, items, b"}"))
     merged = {k: v for k, v in body.items() if k not in drop}
     merged.update(extra)
     parts = [b"{"]
@@ -786,7 +785,21 @@ def upstream_body(
             _text(value) if type(value) is RawJSON else json.dumps(value).encode("ascii"),
         )
     parts.append(b"}")
-    return b"".join(parts)
+    return 0, b"".join(parts)
+
+
+def upstream_body(
+    raw: bytes,
+    body: dict[str, Any],
+    extra: dict[str, Any],
+    drop: tuple[str, ...] = ("stream_options",),
+) -> bytes:
+    """The body sent upstream (`upstream_parts`) in one buffer, made in one `join`: each `+`
+    of a large body would be a copy of its own, and each new buffer over glibc's mmap
+    threshold costs a page fault per 4 KiB (measured here: three `+` of a 200 KiB body,
+    140-330 us; one `join`, 2 us)."""
+    head, tail = upstream_parts(raw, body, extra, drop)
+    return b"".join((memoryview(raw)[:head], tail)) if head else tail
 
 
 def _json_bytes(response: dict[str, Any], answer: bytes) -> Response:
@@ -872,6 +885,9 @@ class _Plan:
     turn_of: Callable[[dict[str, Any]], TurnNode]
     injected: tuple[bool, bool] = (False, False)
     messages: Any = None
+    #: The body sent upstream is the client's `raw[:head]`, then `content` (`head` 0:
+    #: `content` alone). Only a `passthrough` plan (the Rust data plane's) has a `head`.
+    head: int = 0
 
 
 class _Server:
@@ -1632,12 +1648,13 @@ class _Server:
                 return messages_turn(body, response, harness)
 
             make_turn, replay = _recorder(message_turn, anthropic_events if stream else None)
+            head, content = self._upstream(raw, body, {"stream": streamed}, passthrough)
             return _Plan(
                 session,
                 anthropic,
                 stream,
                 "/v1/messages",
-                upstream_body(raw, body, {"stream": streamed}),
+                content,
                 upstream_headers,
                 make_turn,
                 _json_bytes,
@@ -1645,6 +1662,7 @@ class _Server:
                 clock,
                 message_turn,
                 messages=body["messages"],
+                head=head,
             )
         inject_ids = self.config.capture_tokens and "return_token_ids" not in body
         inject_logprobs = self.config.capture_tokens and "logprobs" not in body
@@ -1673,12 +1691,14 @@ class _Server:
             return chat_turn(body, response, harness)
 
         make_turn, replay = _recorder(turn, events if stream else None)
+        drop = () if streamed else ("stream_options",)
+        head, content = self._upstream(raw, body, extra, passthrough, drop)
         return _Plan(
             session,
             anthropic,
             stream,
             "/v1/chat/completions",
-            upstream_body(raw, body, extra, () if streamed else ("stream_options",)),
+            content,
             upstream_headers,
             make_turn,
             reply,
@@ -1687,7 +1707,22 @@ class _Server:
             turn,
             (inject_ids, inject_logprobs),
             body["messages"],
+            head,
         )
+
+    @staticmethod
+    def _upstream(
+        raw: bytes,
+        body: dict[str, Any],
+        extra: dict[str, Any],
+        passthrough: bool,
+        drop: tuple[str, ...] = ("stream_options",),
+    ) -> tuple[int, bytes]:
+        """The body sent upstream as `(head, content)` (see `_Plan.head`): in parts for the
+        Rust data plane (`passthrough`), which joins them outside the GIL; else whole."""
+        if passthrough:
+            return upstream_parts(raw, body, extra, drop)
+        return 0, upstream_body(raw, body, extra, drop)
 
     async def _model_call(self, request: Request, anthropic: bool) -> Response:
         clock = CallClock()
@@ -2711,8 +2746,12 @@ class RustDataPlane:
         shape: bool = False,
         utf8: bool = False,
         fields: list[tuple[str, int, int]] | None = None,
-    ) -> tuple[_Call, str, bytes, list[tuple[str, str]], _Streaming | None] | tuple[None, _Reply]:
-        """A call that passed the engine's gate: its upstream call, or the refusal. A
+    ) -> (
+        tuple[_Call, str, tuple[int, bytes], list[tuple[str, str]], _Streaming | None]
+        | tuple[None, _Reply]
+    ):
+        """A call that passed the engine's gate: its upstream call (the body as `(head,
+        content)`: the client's `body[:head]`, then `content`), or the refusal. A
         streaming call's upstream is asked to stream: the engine passes its events on (with
         the capture fields the client did not ask for taken out) and hands them to
         `finish_stream` at the end, or, for any other answer, calls `finish`. `depth`,
@@ -2741,7 +2780,8 @@ class RustDataPlane:
             stream = (_SSE_HEADERS, anthropic, *plan.injected)
             with self._streams_lock:
                 self._streams.setdefault(session.session_id, []).append(call)
-        return call, plan.path, plan.content, list(plan.headers.items()), stream
+        upstream = (plan.head, plan.content)
+        return call, plan.path, upstream, list(plan.headers.items()), stream
 
     def waits(self, call: _Call) -> bool:
         """Whether the call's `finish` (or `finish_stream`) is to wait first, on a thread

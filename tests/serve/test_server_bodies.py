@@ -29,6 +29,7 @@ from rollout_store.serve.server import (
     messages_turn,
     split_body,
     upstream_body,
+    upstream_parts,
 )
 from rollout_store.serve.stub_engine import chat_response, create_stub_app
 
@@ -128,6 +129,25 @@ def test_a_plain_body_keeps_its_conversation_undecoded() -> None:
     spliced = messages_turn(anthropic, answer, None).request_messages
     assert type(spliced) is RawJSON
     assert spliced.decode() == [{"role": "system", "content": "s"}, *BASE["messages"]]
+
+
+def test_the_upstream_body_in_parts_begins_with_the_clients_own_bytes() -> None:
+    """The Rust data plane is handed the upstream body as `raw[:head] + tail`: the client's
+    own bytes (not copied) and the members added; written anew (`head` 0) where the client
+    sent a field the server sets."""
+    raw = json.dumps(BASE).encode() + b" \n"
+    fields = split_body(raw)
+    assert fields is not None
+    extra = {"stream": False, "logprobs": True}
+    head, tail = upstream_parts(raw, fields, extra)
+    assert head == len(raw) - 3 and raw[:head] + tail == upstream_body(raw, fields, extra)
+    assert json.loads(raw[:head] + tail) == {**BASE, **extra}
+    resent = json.dumps({**BASE, "stream": True}).encode()
+    fields = split_body(resent)
+    assert fields is not None
+    head, tail = upstream_parts(resent, fields, extra)
+    assert head == 0 and tail == upstream_body(resent, fields, extra)
+    assert json.loads(tail) == {**BASE, **extra}
 
 
 _PIECES = [

@@ -98,12 +98,14 @@ impl PyControl {
             return Ok(Prepared::Refuse(reply_of(&out.get_item(1)?)?));
         }
         let path: String = out.get_item(1)?.extract()?;
-        // the body is sent from the Python bytes themselves (not a copy of them)
-        let body: PyBackedBytes = out.get_item(2)?.extract()?;
+        // the body is sent from the Python bytes themselves (not a copy of them), after the
+        // call's own body up to `head`
+        let (head, body): (usize, PyBackedBytes) = out.get_item(2)?.extract()?;
         let headers: Vec<(String, String)> = out.get_item(3)?.extract()?;
         let stream: Option<PyStreaming> = out.get_item(4)?.extract()?;
         Ok(Prepared::Forward {
             path,
+            head,
             body: Bytes::from_owner(body),
             headers,
             ticket: ticket.unbind(),

@@ -41,7 +41,7 @@ use std::task::{Context, Poll};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE, HOST};
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri};
 use http_body::{Body, Frame};
@@ -142,6 +142,9 @@ pub enum Prepared<T> {
     Refuse(Reply),
     Forward {
         path: String,
+        /// The body sent is the call's own body up to `head`, then `body` (`head` 0: `body`
+        /// alone): a large body is not copied by the control to have fields added.
+        head: usize,
         body: Bytes,
         headers: Vec<(String, String)>,
         ticket: T,
@@ -358,6 +361,29 @@ pub struct Gateway<C: Control> {
     recorder: Option<JoinHandle<()>>,
     callers: Vec<JoinHandle<()>>,
     local: SocketAddr,
+}
+
+/// A body's top-level fields (key, value's byte range), as `Call::fields` holds them.
+fn fields(raw: &[u8]) -> Option<Vec<(String, usize, usize)>> {
+    engine::json::scan::fields(raw).map(|found| {
+        found
+            .into_iter()
+            .map(|(key, start, end)| (key.to_string(), start, end))
+            .collect()
+    })
+}
+
+/// The body sent upstream: the call's own `sent[..head]`, then `body` (see
+/// `Prepared::Forward`); `None` for a `head` past its end.
+fn upstream_body(sent: &Bytes, head: usize, body: Bytes) -> Option<Bytes> {
+    if head == 0 {
+        return Some(body);
+    }
+    let lead = sent.get(..head)?;
+    let mut joined = BytesMut::with_capacity(head + body.len());
+    joined.extend_from_slice(lead);
+    joined.extend_from_slice(&body);
+    Some(joined.freeze())
 }
 
 fn micros_since(t0: Instant) -> u32 {
@@ -745,16 +771,8 @@ impl<C: Control> Shared<C> {
             },
             depth::Depth::Unread => depth::Checked::default(),
         };
-        let fields = if checked.utf8 {
-            engine::json::scan::fields(&raw).map(|found| {
-                found
-                    .into_iter()
-                    .map(|(key, start, end)| (key.to_string(), start, end))
-                    .collect()
-            })
-        } else {
-            None
-        };
+        let fields = if checked.utf8 { fields(&raw) } else { None };
+        let sent = raw.clone(); // (shared, not copied: the upstream body may begin with it)
         let call = Call {
             anthropic,
             session,
@@ -775,11 +793,17 @@ impl<C: Control> Shared<C> {
             Prepared::Refuse(reply) => return self.reply(reply, t0, None),
             Prepared::Forward {
                 path,
+                head,
                 body,
                 headers,
                 ticket,
                 stream,
-            } => (path, body, headers, Arc::new(ticket), stream),
+            } => {
+                let Some(content) = upstream_body(&sent, head, body) else {
+                    return internal_error();
+                };
+                (path, content, headers, Arc::new(ticket), stream)
+            }
         };
         if let Some(streaming) = stream {
             return self

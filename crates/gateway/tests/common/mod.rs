@@ -88,6 +88,7 @@ pub fn config(upstream: String) -> Config {
 pub fn forward<T>(call: Call, ticket: T, stream: Option<Streaming>) -> Prepared<T> {
     Prepared::Forward {
         path: "/v1/chat/completions".into(),
+        head: 0,
         body: call.body,
         headers: vec![("content-type".into(), "application/json".into())],
         ticket,
