@@ -886,6 +886,9 @@ class _Server:
         #: held (counted in the queue's bound; `pending.task_done` once recorded or counted),
         #: and the timelines of recorded turns set aside likewise (a None turn).
         self._aside: list[tuple[Session, TurnNode | None, CallClock]] = []
+        #: Turns taken from `_aside` to be tried again: they still count in the bound (and
+        #: in `/health`) until recorded or set aside again.
+        self._retrying = 0
         #: The recorder was stopped (`_drain`): a turn answered since is counted, not queued.
         self._stopped = False
         #: Turns answered with `--ack fast` and never recorded, by why (`killed`: by a server
@@ -1160,7 +1163,8 @@ class _Server:
         if self._stopped:
             self._drop(session, "shutdown")
             return
-        if self._aside and self._pending.qsize() + self._aside_turns() >= self.config.ack_queue:
+        aside = self._aside_turns()
+        if aside and self._pending.qsize() + aside >= self.config.ack_queue:
             self._drop(session, "queue_full")  # (the turns set aside count in the bound)
             return
         try:
@@ -1169,7 +1173,7 @@ class _Server:
             self._drop(session, "queue_full")
 
     def _aside_turns(self) -> int:
-        return sum(node is not None for _, node, _ in self._aside)
+        return self._retrying + sum(node is not None for _, node, _ in self._aside)
 
     async def _record_queued(
         self, pending: asyncio.Queue[tuple[Session, TurnNode, CallClock]]
@@ -1197,11 +1201,15 @@ class _Server:
                 while len(taken) < ACK_GROUP and not pending.empty():
                     taken.append(pending.get_nowait())
                 group: list[tuple[Session, TurnNode | None, CallClock]] = [*aside, *taken]
+                self._retrying = self._aside_turns()
                 aside.clear()
-                if sum(node is not None for _, node, _ in group) > 1 and not self.inline:
-                    await self._record_group(pending, group)
-                else:
-                    await self._record_each(pending, group)
+                try:
+                    if sum(node is not None for _, node, _ in group) > 1 and not self.inline:
+                        await self._record_group(pending, group)
+                    else:
+                        await self._record_each(pending, group)
+                finally:
+                    self._retrying = 0
         except asyncio.CancelledError:
             for session, node, _ in aside:  # (a set-aside timeline is let go)
                 if node is not None:
