@@ -178,7 +178,7 @@ ACK_QUEUE = 1024
 #: session's log synced once for its turns among them.
 ACK_GROUP = 64
 #: Seconds a stopping server waits for the queued turns to be recorded (the rest are counted
-#: as dropped), and an export waits for the turns answered before it.
+#: as dropped), and an export waits for its session's turns answered before it.
 ACK_DRAIN_SECONDS = 10.0
 #: Seconds between the `--ack fast` recorder's tries of the graphs it found held (by an
 #: export being read): their sessions' turns wait, set aside in order, the others go on.
@@ -1271,12 +1271,15 @@ class _Server:
         except Exception:  # any failure: the client has its answer, the turn is counted
             self._drop(session, "record_error")
             return False, cancelled
-        if clock.reply_sent >= 0 and not cancelled:  # sent before it was recorded: ours
-            try:
-                if not await self._timeline_free(session, clock):
-                    self._aside.append((session, None, clock))
-            except asyncio.CancelledError:
-                return False, True
+        try:
+            if clock.reply_sent >= 0 and not cancelled:  # sent before it was recorded: ours
+                try:
+                    if not await self._timeline_free(session, clock):
+                        self._aside.append((session, None, clock))
+                except asyncio.CancelledError:
+                    return False, True
+        finally:
+            self.sessions.recorded(session)  # (its timeline too, if its reply was sent)
         return False, cancelled
 
     async def _timeline_free(self, session: Session, clock: CallClock) -> bool:
@@ -1328,6 +1331,7 @@ class _Server:
                 ids[i] = node_id
             held_at.update(part[j] for j in part_held)
         sent: list[tuple[Session, CallClock]] = []
+        recorded: list[Session] = []
         finished = 0
         for i, (session, node, clock) in enumerate(group):
             if node is None:  # a timeline set aside
@@ -1342,6 +1346,7 @@ class _Server:
                 self._drop(session, "record_error")
                 continue
             clock.node_id = node_id
+            recorded.append(session)
             if clock.reply_sent >= 0:  # sent before the turn was recorded: ours to do
                 sent.append((session, clock))
         try:
@@ -1350,6 +1355,8 @@ class _Server:
                     held = await anyio.to_thread.run_sync(self._record_timelines_now, sent)
                     self._aside += [(session, None, clock) for session, clock in held]
         finally:
+            for session in recorded:  # (and its timeline, if its reply was sent)
+                self.sessions.recorded(session)
             for _ in range(finished):
                 pending.task_done()
         if cancelled:
@@ -1419,6 +1426,14 @@ class _Server:
         except TimeoutError:
             return False
         return True
+
+    async def settled_session(self, session: Session, timeout: float = ACK_DRAIN_SECONDS) -> bool:
+        """`settled` for one session: wait (at most `timeout` seconds) until its turns
+        answered so far are recorded or counted as dropped, whatever other sessions' turns
+        still wait for (a session whose graph an export holds, say); whether they were."""
+        if not session.unsettled:
+            return True
+        return await anyio.to_thread.run_sync(self.sessions.wait_settled, session, timeout)
 
     async def _drain(self) -> None:
         """On stopping: record what is queued (bounded time), count the rest as dropped, as
@@ -1839,7 +1854,7 @@ class _Server:
     async def session_info(self, request: Request) -> Response:
         found = self._lookup(request)
         if not isinstance(found, Response):
-            await self.settled()
+            await self.settled_session(found)
         return found if isinstance(found, Response) else _written_anew(found.info())
 
     def _view_key_moved(self, request: Request, session: Session, path: str) -> Response | None:
@@ -1942,7 +1957,7 @@ class _Server:
         found = self._lookup(request)
         if isinstance(found, Response):
             return found
-        await self.settled()  # (--ack fast) the turns answered before it are in it
+        await self.settled_session(found)  # (--ack fast) its turns answered before it are in it
         session, session_id, metadata = found, found.session_id, found.metadata
         await self._timelines_recorded(session)
         flags = request.query_params
@@ -1978,7 +1993,7 @@ class _Server:
         found = self._lookup(request)
         if isinstance(found, Response):
             return found
-        await self.settled()
+        await self.settled_session(found)
         session = found
         await self._timelines_recorded(session)
 
@@ -2978,6 +2993,7 @@ class RustDataPlane:
                 server._drop(call.plan.session, "record_error")
             else:
                 call.plan.clock.node_id = node_id
+                server.sessions.recorded(call.plan.session)
             call.node = None
         for i, call in enumerate(calls):
             if call.plan.stream and i not in aside:

@@ -132,6 +132,9 @@ class Session:
     #: Turns answered with `--ack fast` whose recording failed (queue full, an error, the
     #: server stopping): counted here, in `/health` and in the export's validation.
     dropped: int = 0
+    #: Turns answered with `--ack fast` and neither recorded nor counted as dropped yet (under
+    #: `Sessions`' settle lock): an export of this session waits for these, no other's.
+    unsettled: int = 0
     users: int = 0
     _graph: RolloutGraph | None = None
     _counts: dict[str, Any] | None = None
@@ -337,6 +340,9 @@ class Sessions:
         self._key_watcher: Callable[[str, str | None], None] | None = None
         self._lock = threading.Lock()
         self._id_locks = [threading.Lock() for _ in range(_ID_LOCKS)]
+        #: Guards every session's `unsettled` count; told when one reaches 0 (one for all
+        #: sessions: a session idle or not holds no lock of its own for it).
+        self._settle = threading.Condition(threading.Lock())
         self._unlock: Callable[[], Any] | None = None
         #: Sessions reopened from the data directory: (id, turns, repaired bytes or 0).
         self.reopened: list[tuple[str, int, int]] = []
@@ -448,14 +454,37 @@ class Sessions:
 
     def answered(self, session: Session) -> None:
         """(`--ack fast`) A turn of `session` is about to be answered before it is
-        recorded: the ack ledger has its line first (with a data directory)."""
+        recorded: the ack ledger has its line first (with a data directory), and the turn
+        is unsettled until `recorded` or `not_recorded` says what it became."""
+        with self._settle:
+            session.unsettled += 1
         if self.ledger is not None:
             self.ledger.answered(session.session_id, self._turn_counts)
 
+    def recorded(self, session: Session) -> None:
+        """A turn of `session` is recorded: one of its answered turns is settled (none is
+        unsettled in `--ack durable`, whose turns are recorded before they are answered)."""
+        if session.unsettled:
+            self._settled_one(session)
+
     def not_recorded(self, session: Session, reason: str) -> None:
         """(`--ack fast`) One of those turns is dropped, counted now (`reason`)."""
+        self._settled_one(session)
         if self.ledger is not None and not session.closed:
             self.ledger.dropped(session.session_id, reason)
+
+    def _settled_one(self, session: Session) -> None:
+        with self._settle:
+            if session.unsettled:
+                session.unsettled -= 1
+                if not session.unsettled:
+                    self._settle.notify_all()
+
+    def wait_settled(self, session: Session, timeout: float) -> bool:
+        """Wait (at most `timeout` seconds) until every turn of `session` answered so far
+        is recorded or counted as dropped; whether it was."""
+        with self._settle:
+            return self._settle.wait_for(lambda: not session.unsettled, timeout)
 
     def _reopen_all(self) -> None:
         assert self.data is not None

@@ -393,6 +393,37 @@ def test_fast_records_the_other_sessions_while_one_sessions_graph_is_held(
         assert health["dropped"] == 0 and health["ack_queue"]["pending"] == 0
 
 
+@pytest.mark.parametrize("plane", ["python", "rust"])
+def test_an_export_waits_for_its_own_sessions_turns_not_for_another_sessions(
+    stub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plane: str
+) -> None:
+    """With `--ack fast`, an export (and the info and trace) waits for its own session's
+    answered turns only: while another session's turns wait for its graph (held, as by an
+    export read slowly), this session's export answers at once, with every turn of its own."""
+    settled = _Server.settled  # (a wait for every session's turns would outlast the export)
+    monkeypatch.setattr(_Server, "settled", lambda self, timeout=60.0: settled(self, 60.0))
+    app = create_app(stub, data=tmp_path, ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane=plane) as url:
+        held, free = new_session(url, session_id="held"), new_session(url, session_id="free")
+        assert _chat(url, held["api_key"], "held 0") == 200
+        assert len(_export(url, "held")["turns"]) == 1
+        held_graph = app.state.server.sessions.get("held").graph
+        with held_graph.lock:
+            assert _chat(url, held["api_key"], "held 1") == 200
+            for i in range(3):
+                assert _chat(url, free["api_key"], f"free {i}") == 200
+            with httpx.Client(timeout=15) as client:
+                exported = client.get(
+                    f"{url}/sessions/free/export", params={"messages": "1"}, headers=auth("free")
+                )
+                info = client.get(f"{url}/sessions/free", headers=auth("free"))
+                trace = client.get(f"{url}/sessions/free/trace.jsonl", headers=auth("free"))
+            assert len(held_graph) == 1  # (still held: its second turn waits)
+        assert _asked(exported.json()) == [f"free {i}" for i in range(3)]
+        assert info.json()["turns"] == 3 and trace.status_code == 200
+        assert _asked(_export(url, "held")) == ["held 0", "held 1"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("plane", ["python", "rust"])
 def test_a_stop_while_a_sessions_graph_is_held_counts_its_set_aside_turns(

@@ -173,7 +173,7 @@ def test_the_server_answers_while_an_export_waits_for_the_queued_turns(
     settling = threading.Event()
     record = _Server._record
     record_queued = RustDataPlane.record
-    settled = _Server.settled
+    settled = _Server.settled_session
 
     async def gated(self: _Server, session: Any, node: Any) -> str:
         await asyncio.to_thread(gate.wait, 20)
@@ -183,13 +183,13 @@ def test_the_server_answers_while_an_export_waits_for_the_queued_turns(
         gate.wait(20)
         record_queued(self, call)
 
-    async def settling_first(self: _Server, timeout: float = 10.0) -> bool:
+    async def settling_first(self: _Server, session: Any, timeout: float = 10.0) -> bool:
         settling.set()
-        return await settled(self, timeout)
+        return await settled(self, session, timeout)
 
     monkeypatch.setattr(_Server, "_record", gated)
     monkeypatch.setattr(RustDataPlane, "record", gated_queued)
-    monkeypatch.setattr(_Server, "settled", settling_first)
+    monkeypatch.setattr(_Server, "settled_session", settling_first)
     app = create_app(stub, ack="fast", admin_key=ADMIN_KEY)
     with serve_app(app) as url:
         session = new_session(url, session_id="waited")
