@@ -213,6 +213,8 @@ _ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")
 
 #: How long an export waits for the timelines of calls answered just before it.
 _TIMELINE_WAIT_S = 2.0
+#: How often a request waiting for its session's answered turns (`settled_session`) looks.
+_SETTLE_POLL_S = 0.002
 
 
 _T = TypeVar("_T")
@@ -1431,9 +1433,15 @@ class _Server:
         """`settled` for one session: wait (at most `timeout` seconds) until its turns
         answered so far are recorded or counted as dropped, whatever other sessions' turns
         still wait for (a session whose graph an export holds, say); whether they were."""
-        if not session.unsettled:
-            return True
-        return await anyio.to_thread.run_sync(self.sessions.wait_settled, session, timeout)
+        # watched from the loop, not waited for in a worker thread: requests waiting for a
+        # held session's turns (a dashboard polling its info) would take every thread the
+        # recorder and the exports need, and hold up every other session with it
+        deadline = time.monotonic() + timeout
+        while session.unsettled:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(_SETTLE_POLL_S)
+        return True
 
     async def _drain(self) -> None:
         """On stopping: record what is queued (bounded time), count the rest as dropped, as

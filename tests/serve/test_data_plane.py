@@ -586,3 +586,40 @@ def test_turns_set_aside_stay_within_the_queue_bound(
     for caller in range(callers):
         mine = [i for c, i in asked if c == caller]
         assert mine == sorted(mine), (caller, mine)
+
+
+@pytest.mark.parametrize("plane", ["python", "rust"])
+def test_infos_waiting_for_a_held_sessions_turns_hold_up_no_other_session(
+    stub: str, tmp_path: Path, plane: str
+) -> None:
+    """Many requests waiting for the turns of a session whose graph is held (its info, as a
+    dashboard polls it) take none of the worker threads the recorder and the exports use:
+    another session's turns are recorded and its export answers while they still wait."""
+    waiters = 60  # more than the worker threads there are
+    app = create_app(stub, data=tmp_path, fsync="turn", ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane=plane) as url:
+        held, free = new_session(url, session_id="held"), new_session(url, session_id="free")
+        assert _chat(url, held["api_key"], "held 0") == 200
+        assert len(_export(url, "held")["turns"]) == 1
+        graph = app.state.server.sessions.get("held").graph
+        infos: list[int] = []
+
+        def info() -> None:
+            infos.append(
+                httpx.get(f"{url}/sessions/held", headers=auth("held"), timeout=30).json()["turns"]
+            )
+
+        with graph.lock:
+            assert _chat(url, held["api_key"], "held 1") == 200
+            threads = [threading.Thread(target=info) for _ in range(waiters)]
+            for thread in threads:
+                thread.start()
+            time.sleep(0.3)  # (the infos wait for the held session's second turn)
+            assert _chat(url, free["api_key"], "free 0") == 200
+            exported = _export(url, "free")
+            still_waiting = sum(thread.is_alive() for thread in threads)
+        for thread in threads:
+            thread.join(30)
+    assert _asked(exported) == ["free 0"]
+    assert still_waiting == waiters
+    assert infos == [2] * waiters
