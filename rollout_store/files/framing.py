@@ -58,10 +58,10 @@ __all__ = [
 # The format's constants are the engine's (`MAGIC_V2`; `ESCAPE`, bytes valid UTF-8 never
 # holds, which a payload holding them is written escaped for; `SYNC`, the marker; the kind
 # bit `ESCAPED`; `MAX_PAYLOAD`; a blob's `DIGEST_SIZE`).
-HEADER = struct.Struct(HEADER_LAYOUT)
+HEADER = struct.Struct(HEADER_LAYOUT)  # sync, kind, length on disk, previous chain, chain
 #: A part of a frame as the encoders give it: bytes, or a blob's ASCII text as the str's own
 #: storage (`AsciiText`, a buffer `os.writev` and `bytes.join` take as they take bytes).
-Part = bytes | AsciiText  # sync, kind, length on disk, previous chain, chain
+Part = bytes | AsciiText
 
 #: (kind, payload, offset, record, end, chain): a frame as `FrameReader.tuples` yields it
 FrameTuple = tuple[int, memoryview, int, int, int, int]

@@ -213,6 +213,8 @@ _ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")
 
 #: How long an export waits for the timelines of calls answered just before it.
 _TIMELINE_WAIT_S = 2.0
+#: How often a request waiting for its session's answered turns (`settled_session`) looks.
+_SETTLE_POLL_S = 0.002
 
 
 _T = TypeVar("_T")
@@ -920,6 +922,9 @@ class _Server:
         #: held (counted in the queue's bound; `pending.task_done` once recorded or counted),
         #: and the timelines of recorded turns set aside likewise (a None turn).
         self._aside: list[tuple[Session, TurnNode | None, CallClock]] = []
+        #: Turns taken from `_aside` to be tried again: they still count in the bound (and
+        #: in `/health`) until recorded or set aside again.
+        self._retrying = 0
         #: The recorder was stopped (`_drain`): a turn answered since is counted, not queued.
         self._stopped = False
         #: Turns answered with `--ack fast` and never recorded, by why (`killed`: by a server
@@ -1194,7 +1199,8 @@ class _Server:
         if self._stopped:
             self._drop(session, "shutdown")
             return
-        if self._aside and self._pending.qsize() + self._aside_turns() >= self.config.ack_queue:
+        aside = self._aside_turns()
+        if aside and self._pending.qsize() + aside >= self.config.ack_queue:
             self._drop(session, "queue_full")  # (the turns set aside count in the bound)
             return
         try:
@@ -1203,7 +1209,7 @@ class _Server:
             self._drop(session, "queue_full")
 
     def _aside_turns(self) -> int:
-        return sum(node is not None for _, node, _ in self._aside)
+        return self._retrying + sum(node is not None for _, node, _ in self._aside)
 
     async def _record_queued(
         self, pending: asyncio.Queue[tuple[Session, TurnNode, CallClock]]
@@ -1231,11 +1237,15 @@ class _Server:
                 while len(taken) < ACK_GROUP and not pending.empty():
                     taken.append(pending.get_nowait())
                 group: list[tuple[Session, TurnNode | None, CallClock]] = [*aside, *taken]
+                self._retrying = self._aside_turns()
                 aside.clear()
-                if sum(node is not None for _, node, _ in group) > 1 and not self.inline:
-                    await self._record_group(pending, group)
-                else:
-                    await self._record_each(pending, group)
+                try:
+                    if sum(node is not None for _, node, _ in group) > 1 and not self.inline:
+                        await self._record_group(pending, group)
+                    else:
+                        await self._record_each(pending, group)
+                finally:
+                    self._retrying = 0
         except asyncio.CancelledError:
             for session, node, _ in aside:  # (a set-aside timeline is let go)
                 if node is not None:
@@ -1457,9 +1467,15 @@ class _Server:
         """`settled` for one session: wait (at most `timeout` seconds) until its turns
         answered so far are recorded or counted as dropped, whatever other sessions' turns
         still wait for (a session whose graph an export holds, say); whether they were."""
-        if not session.unsettled:
-            return True
-        return await anyio.to_thread.run_sync(self.sessions.wait_settled, session, timeout)
+        # watched from the loop, not waited for in a worker thread: requests waiting for a
+        # held session's turns (a dashboard polling its info) would take every thread the
+        # recorder and the exports need, and hold up every other session with it
+        deadline = time.monotonic() + timeout
+        while session.unsettled:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(_SETTLE_POLL_S)
+        return True
 
     async def _drain(self) -> None:
         """On stopping: record what is queued (bounded time), count the rest as dropped, as

@@ -527,3 +527,99 @@ def test_a_clean_stop_counts_no_turn_killed_whose_finish_outlasts_it(
         assert counts == (0, 1, 1), counts
     else:  # (its reply never goes out: counted if the sessions were still open)
         assert counts in ((0, 0, 0), (0, 1, 1)), counts
+
+
+@pytest.mark.parametrize("plane", ["python", "rust"])
+def test_turns_set_aside_stay_within_the_queue_bound(
+    stub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plane: str
+) -> None:
+    """While one session's graph is held and its calls keep coming, its turns set aside
+    count in the queue's bound also while the recorder tries them again: what waits stays
+    within the bound (plus one batch taken from the queue that turns out held), the rest is
+    dropped and counted, and what waited is recorded in each caller's order once free."""
+    bound, callers, calls = 4, 6, 30
+    record_group_now = _Server.record_group_now
+
+    def slow(self: _Server, group: Any, held: Any = None, timelines: bool = False) -> Any:
+        ids = record_group_now(self, group, held, timelines)
+        if held:  # (a wider window for calls coming while the held turns are tried)
+            time.sleep(0.02)
+        return ids
+
+    monkeypatch.setattr(_Server, "record_group_now", slow)
+    app = create_app(
+        stub, data=tmp_path, fsync="turn", ack="fast", ack_queue=bound, admin_key=ADMIN_KEY
+    )
+    with serve_app(app, data_plane=plane) as url:
+        held = new_session(url, session_id="held")
+        assert _chat(url, held["api_key"], "-1 0") == 200
+        assert len(_export(url, "held")["turns"]) == 1  # (its graph opened)
+        graph = app.state.server.sessions.get("held").graph
+        waiting: list[int] = []
+        statuses: list[int] = []
+        with graph.lock:
+
+            def flood(caller: int) -> None:
+                statuses.extend(_chat(url, held["api_key"], f"{caller} {i}") for i in range(calls))
+
+            threads = [threading.Thread(target=flood, args=(c,)) for c in range(callers)]
+            for thread in threads:
+                thread.start()
+            while any(thread.is_alive() for thread in threads):
+                waiting.append(httpx.get(f"{url}/health").json()["ack_queue"]["pending"])
+                time.sleep(0.01)
+            for thread in threads:
+                thread.join()
+            waiting.append(httpx.get(f"{url}/health").json()["ack_queue"]["pending"])
+            assert len(graph) == 1
+        assert statuses == [200] * callers * calls
+        doc = _export(url, "held")
+        health = httpx.get(f"{url}/health").json()
+    # none could be recorded while the graph was held: those recorded since are those that
+    # waited for it (at most the bound, and a batch of at most the bound taken from the
+    # queue whose calls were answered meanwhile)
+    waited = len(doc["turns"]) - 1
+    assert waited <= 2 * bound and max(waiting) <= 2 * bound, (waited, waiting)
+    assert waited + health["dropped"] == callers * calls
+    assert health["dropped"] == health["dropped_by"]["queue_full"]
+    asked = [tuple(map(int, text.split())) for text in _asked(doc)]
+    for caller in range(callers):
+        mine = [i for c, i in asked if c == caller]
+        assert mine == sorted(mine), (caller, mine)
+
+
+@pytest.mark.parametrize("plane", ["python", "rust"])
+def test_infos_waiting_for_a_held_sessions_turns_hold_up_no_other_session(
+    stub: str, tmp_path: Path, plane: str
+) -> None:
+    """Many requests waiting for the turns of a session whose graph is held (its info, as a
+    dashboard polls it) take none of the worker threads the recorder and the exports use:
+    another session's turns are recorded and its export answers while they still wait."""
+    waiters = 60  # more than the worker threads there are
+    app = create_app(stub, data=tmp_path, fsync="turn", ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane=plane) as url:
+        held, free = new_session(url, session_id="held"), new_session(url, session_id="free")
+        assert _chat(url, held["api_key"], "held 0") == 200
+        assert len(_export(url, "held")["turns"]) == 1
+        graph = app.state.server.sessions.get("held").graph
+        infos: list[int] = []
+
+        def info() -> None:
+            infos.append(
+                httpx.get(f"{url}/sessions/held", headers=auth("held"), timeout=30).json()["turns"]
+            )
+
+        with graph.lock:
+            assert _chat(url, held["api_key"], "held 1") == 200
+            threads = [threading.Thread(target=info) for _ in range(waiters)]
+            for thread in threads:
+                thread.start()
+            time.sleep(0.3)  # (the infos wait for the held session's second turn)
+            assert _chat(url, free["api_key"], "free 0") == 200
+            exported = _export(url, "free")
+            still_waiting = sum(thread.is_alive() for thread in threads)
+        for thread in threads:
+            thread.join(30)
+    assert _asked(exported) == ["free 0"]
+    assert still_waiting == waiters
+    assert infos == [2] * waiters

@@ -1641,10 +1641,11 @@ fn record_batch<C: Control>(
         .unwrap_or_else(PoisonError::into_inner)
         .is_some_and(|at| Instant::now() > at);
     let control = &shared.control;
+    // the turns set aside are tried again first: they count in the bound meanwhile, or
+    // the calls answered during the try would take their places and more than the bound
+    // would wait
     let mut turns = std::mem::take(&mut aside.turns);
-    for _ in &turns {
-        shared.pending.taken();
-    }
+    let retried = turns.len();
     let mut sent = std::mem::take(&mut aside.sent);
     for job in batch {
         match job {
@@ -1675,11 +1676,17 @@ fn record_batch<C: Control>(
                 *k = true;
             }
         }
-        for (ticket, kept) in turns.into_iter().zip(kept) {
+        for (k, (ticket, kept)) in turns.into_iter().zip(kept).enumerate() {
+            let again = k < retried;
             if kept {
-                shared.pending.set_aside();
+                if !again {
+                    shared.pending.set_aside();
+                }
                 aside.turns.push(ticket);
             } else {
+                if again {
+                    shared.pending.taken();
+                }
                 shared.pending.done();
             }
         }
