@@ -25,7 +25,15 @@ fuzz_target!(|data: &[u8]| {
             break;
         };
         assert!(resync > got.offset);
-        let gap = read_gap(data, got.offset, resync, got.chain, got.record, kinds, &mut Counters::default());
+        let gap = read_gap(
+            data,
+            got.offset,
+            resync,
+            got.chain,
+            got.record,
+            kinds,
+            &mut Counters::default(),
+        );
         if let Some(frame) = &gap.repaired {
             let _ = frame.payload(data);
         }
