@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -623,3 +625,65 @@ def test_infos_waiting_for_a_held_sessions_turns_hold_up_no_other_session(
     assert _asked(exported) == ["free 0"]
     assert still_waiting == waiters
     assert infos == [2] * waiters
+
+
+@pytest.mark.parametrize("fsync", ["never", "turn"])
+def test_the_rust_planes_threads_keep_their_interpreter_state_from_call_to_call(
+    stub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsync: str
+) -> None:
+    """The threads that run the control plane's callbacks are attached to the interpreter
+    once, for their life: a callback sees what an earlier one on its thread left in a
+    `threading.local` (a thread attached per call would make a new interpreter thread
+    state, and lose it, every time)."""
+    mine = threading.local()
+    seen: list[tuple[int, int]] = []
+    prepare = RustDataPlane.prepare
+
+    def counted(self: RustDataPlane, *args: Any, **kwargs: Any) -> Any:
+        mine.calls = getattr(mine, "calls", 0) + 1
+        seen.append((threading.get_ident(), mine.calls))
+        return prepare(self, *args, **kwargs)
+
+    monkeypatch.setattr(RustDataPlane, "prepare", counted)
+    calls = CALLERS + 1  # (more than the threads: one of them runs two)
+    app = create_app(stub, data=tmp_path, fsync=fsync, admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane="rust") as url:
+        key = new_session(url, session_id="s")["api_key"]
+        for i in range(calls):
+            assert _chat(url, key, f"call {i}") == 200
+    by_thread: dict[int, list[int]] = {}
+    for ident, count in seen:
+        by_thread.setdefault(ident, []).append(count)
+    assert sum(map(len, by_thread.values())) == calls
+    for counts in by_thread.values():
+        assert counts == list(range(1, len(counts) + 1)), by_thread
+    assert max(map(len, by_thread.values())) > 1, by_thread  # (a thread ran several)
+
+
+def test_a_rust_plane_let_go_unstopped_stops_without_waiting_on_the_interpreter() -> None:
+    """A `_core.DataPlane` freed without `stop` stops its threads, which hold their
+    interpreter state for life and take the GIL once more to end, without a deadlock with
+    the thread freeing it (which holds the GIL): in a child process, bounded."""
+    code = """if True:
+        import gc, time
+        from rollout_store._core import DataPlane
+
+        class Control:
+            pass
+
+        plane = DataPlane(
+            Control(), host="127.0.0.1", port=0, backend_port=9, upstream="http://127.0.0.1:9",
+            hosts=None, open_mode=False, max_body_bytes=1 << 20, body_timeout=5.0,
+            body_timeout_text="5", upstream_timeout=5.0, stream_keepalive=5.0, fast=True,
+            ack_queue=8, callers=4,
+        )
+        time.sleep(0.2)  # (its threads attach to the interpreter)
+        del plane
+        gc.collect()
+        print("stopped")
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "stopped"

@@ -172,6 +172,13 @@ impl Control for PyControl {
         Python::attach(|_| work());
     }
 
+    /// The thread is attached once, for its life, and lets the GIL go at once: each later
+    /// `attach` only takes the GIL, where a thread attached per call would make and free
+    /// an interpreter thread state (and its frame stack's mapping) every time.
+    fn thread(&self, work: &mut (dyn FnMut() + Send)) {
+        Python::attach(|py| py.detach(work));
+    }
+
     fn waits(&self, ticket: &Py<PyAny>) -> bool {
         Python::attach(|py| {
             self.control
@@ -274,6 +281,21 @@ pub struct DataPlane {
     /// change takes with the GIL held.
     queued: Queued,
     port: u16,
+}
+
+impl Drop for DataPlane {
+    /// A data plane let go unstopped stops with the GIL let go: its threads hold their
+    /// interpreter state for life (`PyControl::thread`) and take the GIL once more to end.
+    fn drop(&mut self) {
+        let taken = self
+            .gateway
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(mut gateway) = taken {
+            Python::attach(|py| py.detach(move || gateway.stop(Duration::from_secs(10))));
+        }
+    }
 }
 
 impl DataPlane {

@@ -232,6 +232,12 @@ pub trait Control: Send + Sync + 'static {
     fn batch(&self, work: &mut dyn FnMut()) {
         work();
     }
+    /// Run `work`, the whole life of one of the gateway's threads that call the control
+    /// (a caller thread, the recorder): what the control needs set up once per thread
+    /// rather than per call (the bindings keep the thread's interpreter state for its life).
+    fn thread(&self, work: &mut (dyn FnMut() + Send)) {
+        work();
+    }
     /// Whether the call's `finish` (or `finish_stream`) would first wait for another call's
     /// end; asked right before it, in the same batch.
     fn waits(&self, _ticket: &Self::Ticket) -> bool {
@@ -1423,22 +1429,7 @@ impl<C: Control> Gateway<C> {
             socket.listen(2048)
         })?;
         let local = listener.local_addr()?;
-        let recorder = {
-            let shared = shared.clone();
-            std::thread::Builder::new()
-                .name("rollout-store-recorder".into())
-                .spawn(move || record_loop(&shared, &rx))?
-        };
-        let calls_rx = Arc::new(Mutex::new(calls_rx));
-        let callers = (0..shared.config.callers.max(1))
-            .map(|_| {
-                let control = shared.control.clone();
-                let calls = calls_rx.clone();
-                std::thread::Builder::new()
-                    .name("rollout-store-caller".into())
-                    .spawn(move || call_loop(&*control, &calls))
-            })
-            .collect::<io::Result<Vec<_>>>()?;
+        let (recorder, callers) = spawn_threads(&shared, rx, calls_rx)?;
         let serving = shared.clone();
         let accepting = runtime.spawn(async move {
             loop {
@@ -1552,6 +1543,35 @@ impl<C: Control> Drop for Gateway<C> {
     fn drop(&mut self) {
         self.stop(Duration::from_secs(10));
     }
+}
+
+/// The threads that call the control: the recorder (its jobs from `jobs`) and the caller
+/// threads (their work from `calls`), each run inside the control's [`Control::thread`].
+fn spawn_threads<C: Control>(
+    shared: &Arc<Shared<C>>,
+    jobs: mpsc::Receiver<Job<C::Ticket>>,
+    calls: mpsc::Receiver<Work<C>>,
+) -> io::Result<(JoinHandle<()>, Vec<JoinHandle<()>>)> {
+    let recorder = {
+        let shared = shared.clone();
+        std::thread::Builder::new()
+            .name("rollout-store-recorder".into())
+            .spawn(move || {
+                let control = shared.control.clone();
+                control.thread(&mut move || record_loop(&shared, &jobs));
+            })?
+    };
+    let calls = Arc::new(Mutex::new(calls));
+    let callers = (0..shared.config.callers.max(1))
+        .map(|_| {
+            let control = shared.control.clone();
+            let calls = calls.clone();
+            std::thread::Builder::new()
+                .name("rollout-store-caller".into())
+                .spawn(move || control.thread(&mut || call_loop(&*control, &calls)))
+        })
+        .collect::<io::Result<Vec<_>>>()?;
+    Ok((recorder, callers))
 }
 
 /// A caller thread: the control's calls, as they come, those queued meanwhile in one batch.
