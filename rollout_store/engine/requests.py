@@ -215,6 +215,8 @@ _NOT_CONTINUED: Final = (
 
 #: The longest chain of bases walked to find the long strings of a request (`_chain_holes`).
 _MAX_CHAIN = 4096
+#: The turns of a chain `_long_blobs` walks at most (see there).
+_RAW_HOLES_CHAIN = 64
 
 
 def _has_ext(packed: bytes) -> bool:
@@ -1096,7 +1098,10 @@ class RequestStore:
         if scratch.raw_text is not None:
             raw, end, plain_state, system_plain, n_sys = scratch.raw_text
             tip = request.next_tip if request is not None else None
-            blobs = [blob for _, holes in tip.holes for _, blob in holes] if tip else []
+            if tip:
+                blobs = [blob for _, holes in tip.holes for _, blob in holes]
+            else:
+                blobs = self._long_blobs(turn)
             text = text_holes(raw, 0, end, blobs) if blobs else []
             hollow = hollow_text(raw, 0, end, text)
             if hollow is not None:  # (it always is: the holes were found there)
@@ -1163,15 +1168,31 @@ class RequestStore:
             holes = [*holes, *found]
         return Tip(turn, n, probe.plain(n - 1), holes, hollow, probe.hasher)
 
-    def _chain_holes(self, turn: Turn) -> list[tuple[int, list[Hole]]] | None:
+    def _long_blobs(self, turn: Turn) -> list[str]:
+        """The long blob strings of a stored turn's non-system messages, in their order: the
+        holes of the raw tip a raw text decoded whole leaves, where no decoded tip is kept
+        (one is only from TIP_MIN_BYTES of long strings on). Each later raw turn of the
+        conversation then compares them in place and hashes only the text around them,
+        where it would hash them too (a screenshot re-sent each turn: BLAKE3 runs at a
+        tenth of a comparison's speed). None over a store whose strings are fetched."""
+        if self.tips is None:
+            return []
+        # (a bounded walk: a conversation whose raw texts keep being decoded whole must not
+        # walk its whole chain each turn; past the bound its text is hashed whole, as before)
+        chain = self._chain_holes(turn, _RAW_HOLES_CHAIN)
+        return [text for _, holes in chain or () for _, text in holes]
+
+    def _chain_holes(
+        self, turn: Turn, most: int = _MAX_CHAIN
+    ) -> list[tuple[int, list[Hole]]] | None:
         """The holes of the request of a stored turn, from its tails and its bases' (None:
-        a chain too long to walk, or something unusual)."""
+        a chain longer than `most` turns, or something unusual)."""
         found: list[list[tuple[int, list[Hole]]]] = []  # each tail's, the latest first
         node: Turn | None = turn
         steps = 0
         while node is not None:
             steps += 1
-            if steps > _MAX_CHAIN or node.flags & NO_MESSAGES:
+            if steps > most or node.flags & NO_MESSAGES:
                 return None
             base = node.base
             echo_refs = node.flags & TAIL_ECHO and base is not None and base.flags & RESPONSE_REFS

@@ -351,6 +351,44 @@ def test_raw_turns_compare_long_strings_and_hash_the_rest() -> None:
 
 
 @pytest.mark.parametrize("seed", range(3))
+def test_a_raw_conversation_compares_its_long_strings_where_no_decoded_tip_is_kept(
+    monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """Below TIP_MIN_BYTES of long strings a conversation keeps no decoded tip; its raw
+    texts still compare their long strings in place (a screenshot re-sent every turn, which
+    BLAKE3 would hash at a tenth of a comparison's speed), from the raw tip its first text,
+    decoded whole, leaves. An edit inside one never matches; everything links as before."""
+    monkeypatch.setattr(requests_module, "TIP_MIN_BYTES", 1 << 20)
+    rng = random.Random(seed)
+    image = _image(rng)
+    history: list[Any] = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]},
+    ]
+    graph = RolloutGraph()
+    ids = []
+    for t in range(6):
+        response = {"role": "assistant", "content": f"reply {t}"}
+        view = graph.add_turn(TurnNode(request_messages=_raw(history), response_message=response))
+        ids.append(view.node_id)
+        assert_same(graph.request_messages(view.node_id), history)
+        history = [*history, response, {"role": "user", "content": f"next {t}"}]
+    assert graph.path_ids(ids[-1]) == ids
+    assert not _tips(graph)  # (no decoded tip: too little of long strings)
+    (tip,) = _raw_tips(graph)
+    assert [blob for _, _, blob in tip.holes] == [image]
+    edited = json.loads(json.dumps(history))
+    url = edited[1]["content"][0]["image_url"]
+    url["url"] = _edit_char(url["url"], rng)
+    view = graph.add_turn(TurnNode(request_messages=_raw(edited)))
+    assert graph.parent(view.node_id) is None
+    assert_same(graph.request_messages(view.node_id), edited)
+    view = graph.add_turn(TurnNode(request_messages=_raw(history)))
+    assert graph.parent(view.node_id) == ids[-1]
+    assert_same(graph.request_messages(view.node_id), history)
+
+
+@pytest.mark.parametrize("seed", range(3))
 def test_an_edit_inside_a_long_string_of_a_raw_text_never_matches(seed: int) -> None:
     rng = random.Random(seed)
     graph = RolloutGraph()
