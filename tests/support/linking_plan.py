@@ -93,10 +93,13 @@ def make_plan(seed: int) -> list[dict[str, Any]]:
             logical.append(turn)
             frontier.append(turn)
         # continuations, a few levels deep, some retried (twins of one request)
-        for _depth in range(rng.randint(1, 3)):
+        for depth in range(rng.randint(1, 3)):
             nxt = []
-            for parent in frontier:
-                if rng.random() < 0.5:
+            for i, parent in enumerate(frontier):
+                # (the last sample is continued when no other was: a task with no link
+                # would check nothing; the draw is made all the same, so that every other
+                # plan stays as it was)
+                if rng.random() < 0.5 and (depth or nxt or i < len(frontier) - 1):
                     continue
                 for _ in range(rng.choice((1, 1, 1, 2, 3))):
                     request = [
