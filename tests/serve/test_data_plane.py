@@ -151,6 +151,48 @@ def test_what_the_engine_read_of_a_body_is_answered_as_the_python_plane_answers(
     assert len(rust[1]) == 5 and rust[1] == python[1]
 
 
+def _past_the_parsers_bound() -> list[bytes]:
+    """Bodies nesting deeper than the engine's parser reads (its depth check then scans the
+    brackets of each top-level field): a field repeated or spelled with an escape (its last
+    value is the one json.loads keeps), a body that ends inside the deep field, the same in
+    UTF-16 and UTF-32 (json.loads reads them; the scan must not read their bytes as UTF-8),
+    and one each plane refuses as too deep."""
+    deep = "[" * 600 + "1" + "]" * 600
+    messages = json.dumps(MESSAGES)
+    texts = [
+        f'{{"model": "m", "x": {deep}, "messages": {messages}, "x": 1}}',
+        f'{{"model": "m", "tools": {deep}, "t\\u006fols": [], "messages": {messages}}}',
+        f'{{"model": "m", "messages": {messages}, "tools": {"[" * 600}',
+        f'{{"model": "m", "messages": {messages}, "tools": {deep}}}',
+    ]
+    return [t.encode(codec) for t in texts for codec in ("utf-8", "utf-16-le", "utf-32-le")]
+
+
+def test_a_body_past_the_parsers_bound_is_answered_as_the_python_plane_answers(
+    stub: str,
+) -> None:
+    seen = {}
+    for plane in ("python", "rust"):
+        app = create_app(stub, admin_key=ADMIN_KEY)
+        with serve_app(app, data_plane=plane) as url:
+            session = new_session(url, session_id="same")
+            bearer = {"authorization": f"Bearer {session['api_key']}"}
+            answers = []
+            for body in _past_the_parsers_bound():
+                answer = httpx.post(
+                    f"{url}/v1/chat/completions",
+                    content=body,
+                    headers={"content-type": "application/json", **bearer},
+                    timeout=20,
+                )
+                answers.append((answer.status_code, answer.content))
+            seen[plane] = answers, _export(url, "same")["turns"]
+    python, rust = seen["python"], seen["rust"]
+    assert [a[0] for a in python[0]] == [200] * 6 + [400] * 6
+    assert rust[0] == python[0]
+    assert len(rust[1]) == 6 and rust[1] == python[1]
+
+
 def test_the_key_table_follows_the_sessions(stub: str) -> None:
     app = create_app(stub, admin_key=ADMIN_KEY)
     body = {"model": "m", "messages": MESSAGES}
