@@ -676,9 +676,14 @@ def _failure(anthropic: bool, failed: _Refusal | _Passthrough) -> Response:
         return failed.response
     # a body that did not arrive in time was not read: the connection cannot be reused
     headers = {"connection": "close"} if failed.status == 408 else None
-    return JSONResponse(
-        _error_body(anthropic, failed.status, failed.reason), failed.status, headers=headers
-    )
+    error = _error_body(anthropic, failed.status, failed.reason)
+    try:
+        return JSONResponse(error, failed.status, headers=headers)
+    except UnicodeEncodeError:
+        # a reason naming what the client sent with a lone surrogate (a key json.loads read
+        # from a \ud800 escape), which no UTF-8 text holds: written with ASCII escapes
+        text = json.dumps(error, separators=(",", ":")).encode()
+        return Response(text, failed.status, headers=headers, media_type="application/json")
 
 
 def _api_key(request: Request) -> str | None:

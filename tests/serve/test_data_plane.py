@@ -193,6 +193,42 @@ def test_a_body_past_the_parsers_bound_is_answered_as_the_python_plane_answers(
     assert len(rust[1]) == 6 and rust[1] == python[1]
 
 
+def test_a_field_too_deep_whose_key_holds_a_lone_surrogate_is_refused_by_name(
+    stub: str,
+) -> None:
+    """The refusal names the first field too deep, in the body's order, a key json.loads
+    reads with a lone surrogate too (escaped in the answer: no UTF-8 text holds it), and
+    both planes name the same one."""
+    messages = json.dumps(MESSAGES)
+    texts = [
+        f'{{"\\ud800": {"[" * 501}1{"]" * 501}, "messages": {messages}}}',
+        f'{{"\\ud800": {"[" * 501}1{"]" * 501}, "x": {"[" * 501}1{"]" * 501}, '
+        f'"messages": {messages}}}',
+        f'{{"\\ud800": {"[" * 700}1{"]" * 700}, "messages": {messages}}}',
+    ]
+    seen = {}
+    for plane in ("python", "rust"):
+        app = create_app(stub, admin_key=ADMIN_KEY)
+        with serve_app(app, data_plane=plane) as url:
+            session = new_session(url)
+            bearer = {"authorization": f"Bearer {session['api_key']}"}
+            answers = []
+            for text in texts:
+                answer = httpx.post(
+                    f"{url}/v1/chat/completions",
+                    content=text.encode(),
+                    headers={"content-type": "application/json", **bearer},
+                    timeout=20,
+                )
+                answers.append((answer.status_code, answer.content))
+        seen[plane] = answers
+    for status, content in seen["python"]:
+        assert status == 400, content
+        reason = json.loads(content)["error"]["message"]
+        assert reason.startswith("the request cannot be recorded: \ud800 nests deeper"), reason
+    assert seen["rust"] == seen["python"]
+
+
 def test_the_key_table_follows_the_sessions(stub: str) -> None:
     app = create_app(stub, admin_key=ADMIN_KEY)
     body = {"model": "m", "messages": MESSAGES}

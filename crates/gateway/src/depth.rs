@@ -165,19 +165,23 @@ pub fn measure(body: &[u8], anthropic: bool) -> Depth {
     let mut depths = Depths::default();
     match parse_with(body, PARSE_BOUND, &mut depths) {
         Ok(_) => {
-            // a key no `str` holds (a lone surrogate) is not measured here: the control
-            // plane measures the body when no other field is too deep
+            // a key no `str` holds (a lone surrogate) is left to the control plane: when its
+            // field is the first too deep (it names it), or none is
             let unread = depths.members.iter().any(|(name, _)| name.is_none());
             let shaped = depths
                 .members
                 .iter()
                 .any(|(name, m)| name.as_deref() == Some("messages") && m.kind == Kind::Messages);
-            let deep = depths.members.into_iter().find_map(|(name, m)| {
-                let name = name?;
-                (m.depth > limit(&name, anthropic)?).then_some(name)
+            let deep = depths.members.into_iter().find(|(name, m)| {
+                // (no field of a limit of its own has a surrogate in its name)
+                let most = name
+                    .as_deref()
+                    .map_or(Some(MAX_DEPTH - 1), |n| limit(n, anthropic));
+                most.is_some_and(|most| m.depth > most)
             });
             match deep {
-                Some(name) => Depth::TooDeep(name),
+                Some((Some(name), _)) => Depth::TooDeep(name),
+                Some((None, _)) => Depth::Unread,
                 None if unread => Depth::Unread,
                 None => Depth::Within {
                     shaped,
@@ -478,6 +482,14 @@ mod tests {
         assert_eq!(measure(b"  ", false), Depth::Unread);
         let surrogate_key = r#"{"\ud800": 1, "messages": [{"role": "user"}]}"#;
         assert_eq!(measure(surrogate_key.as_bytes(), false), Depth::Unread);
+        // its field the first too deep: the control plane names it
+        let body = format!(r#"{{"\ud800": {}, "x": {}}}"#, nested(500), nested(500));
+        assert_eq!(measure(body.as_bytes(), false), Depth::Unread);
+        let body = format!(r#"{{"x": {}, "\ud800": {}}}"#, nested(500), nested(500));
+        assert_eq!(
+            measure(body.as_bytes(), false),
+            Depth::TooDeep("x".to_string())
+        );
         // past the parser's bound with no field named too deep: an escaped key
         let body = format!(r#"{{"d\u0065ep": {}}}"#, nested(2000));
         assert_eq!(measure(body.as_bytes(), false), Depth::Unread);
