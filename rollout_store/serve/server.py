@@ -447,7 +447,13 @@ def split_body(
                     return None
             fields[key] = RawJSON(data)
         else:
-            fields[key] = RawJSON(data).decode()
+            try:
+                fields[key] = RawJSON(data).decode()
+            except (ValueError, RecursionError):
+                # an int of more digits than Python converts (or a value nested deeper than
+                # it decodes), which the split did not read: json.loads refuses the body,
+                # and says why
+                return None
     return fields
 
 
