@@ -447,7 +447,13 @@ def split_body(
                     return None
             fields[key] = RawJSON(data)
         else:
-            fields[key] = RawJSON(data).decode()
+            try:
+                fields[key] = RawJSON(data).decode()
+            except (ValueError, RecursionError):
+                # an int of more digits than Python converts (or a value nested deeper than
+                # it decodes), which the split did not read: json.loads refuses the body,
+                # and says why
+                return None
     return fields
 
 
@@ -535,9 +541,12 @@ def _deeper_than(value: Any, limit: int) -> bool:
 def _messages_deeper_than(value: Any, limit: int) -> bool:
     """Whether a message of the messages array nests deeper than `limit`: a raw array with
     that many brackets is split into its messages, and only a message holding that many is
-    measured (a long conversation is not)."""
+    measured (a long conversation is not). A value that is not an array (refused, but
+    measured first) may nest one level more, as an array of messages may."""
     if type(value) is not RawJSON:
-        return isinstance(value, list) and any(_deeper_than(m, limit) for m in value)
+        if not isinstance(value, list):
+            return _deeper_than(value, limit + 1)
+        return any(_deeper_than(m, limit) for m in value)
     text = _text(value)
     if len(text.translate(None, _NOT_OPENER)) <= limit:
         return False
@@ -676,9 +685,14 @@ def _failure(anthropic: bool, failed: _Refusal | _Passthrough) -> Response:
         return failed.response
     # a body that did not arrive in time was not read: the connection cannot be reused
     headers = {"connection": "close"} if failed.status == 408 else None
-    return JSONResponse(
-        _error_body(anthropic, failed.status, failed.reason), failed.status, headers=headers
-    )
+    error = _error_body(anthropic, failed.status, failed.reason)
+    try:
+        return JSONResponse(error, failed.status, headers=headers)
+    except UnicodeEncodeError:
+        # a reason naming what the client sent with a lone surrogate (a key json.loads read
+        # from a \ud800 escape), which no UTF-8 text holds: written with ASCII escapes
+        text = json.dumps(error, separators=(",", ":")).encode()
+        return Response(text, failed.status, headers=headers, media_type="application/json")
 
 
 def _api_key(request: Request) -> str | None:
@@ -1651,9 +1665,11 @@ class _Server:
         and found of the body already."""
         raw_fields = MESSAGES_RAW_FIELDS if anthropic else CHAT_RAW_FIELDS
         fields = _decode(raw, raw_fields, checked, fields)
+        if not checked.depth and isinstance(fields, dict):
+            # before the other checks, as the Rust data plane's engine makes it: a body too
+            # deep and wrong in another way is refused for the same reason by both planes
+            _check_depth(fields, anthropic)
         body = (_check_anthropic if anthropic else _check_chat)(fields)
-        if not checked.depth:
-            _check_depth(body, anthropic)
         harness = _harness_session(headers, body, anthropic=anthropic)
         stream = body.get("stream") is True
         streamed = stream and passthrough

@@ -153,6 +153,115 @@ def test_what_the_engine_read_of_a_body_is_answered_as_the_python_plane_answers(
     assert len(rust[1]) == 5 and rust[1] == python[1]
 
 
+def _answers_of_both_planes(
+    stub: str, bodies: list[tuple[str, bytes]]
+) -> dict[str, tuple[list[tuple[int, bytes]], list[Any]]]:
+    """Each plane's answers (status, bytes) to the bodies (each with its route), one session,
+    and the turns it recorded."""
+    seen = {}
+    for plane in ("python", "rust"):
+        app = create_app(stub, admin_key=ADMIN_KEY)
+        with serve_app(app, data_plane=plane) as url:
+            session = new_session(url, session_id="same")
+            bearer = {"authorization": f"Bearer {session['api_key']}"}
+            answers = []
+            for path, body in bodies:
+                answer = httpx.post(
+                    f"{url}{path}",
+                    content=body,
+                    headers={"content-type": "application/json", **bearer},
+                    timeout=20,
+                )
+                answers.append((answer.status_code, answer.content))
+            seen[plane] = answers, _export(url, "same")["turns"]
+    return seen
+
+
+def _nested(n: int) -> str:
+    return "[" * n + "1" + "]" * n
+
+
+def _past_the_parsers_bound() -> list[bytes]:
+    """Bodies nesting deeper than the engine's parser reads (its depth check then scans the
+    brackets of each top-level field): a field repeated or spelled with an escape (its last
+    value is the one json.loads keeps), a body that ends inside the deep field, the same in
+    UTF-16 and UTF-32 (json.loads reads them; the scan must not read their bytes as UTF-8),
+    and one each plane refuses as too deep."""
+    deep = _nested(600)
+    messages = json.dumps(MESSAGES)
+    texts = [
+        f'{{"model": "m", "x": {deep}, "messages": {messages}, "x": 1}}',
+        f'{{"model": "m", "tools": {deep}, "t\\u006fols": [], "messages": {messages}}}',
+        f'{{"model": "m", "messages": {messages}, "tools": {"[" * 600}',
+        f'{{"model": "m", "messages": {messages}, "tools": {deep}}}',
+    ]
+    return [t.encode(codec) for t in texts for codec in ("utf-8", "utf-16-le", "utf-32-le")]
+
+
+def test_a_body_past_the_parsers_bound_is_answered_as_the_python_plane_answers(
+    stub: str,
+) -> None:
+    chat = "/v1/chat/completions"
+    seen = _answers_of_both_planes(stub, [(chat, body) for body in _past_the_parsers_bound()])
+    python, rust = seen["python"], seen["rust"]
+    assert [a[0] for a in python[0]] == [200] * 6 + [400] * 6
+    assert rust[0] == python[0]
+    assert len(rust[1]) == 6 and rust[1] == python[1]
+
+
+def test_a_field_too_deep_whose_key_holds_a_lone_surrogate_is_refused_by_name(
+    stub: str,
+) -> None:
+    """The refusal names the first field too deep, in the body's order, a key json.loads
+    reads with a lone surrogate too (escaped in the answer: no UTF-8 text holds it), and
+    both planes name the same one."""
+    messages = json.dumps(MESSAGES)
+    texts = [
+        f'{{"\\ud800": {_nested(501)}, "messages": {messages}}}',
+        f'{{"\\ud800": {_nested(501)}, "x": {_nested(501)}, "messages": {messages}}}',
+        f'{{"\\ud800": {_nested(700)}, "messages": {messages}}}',
+    ]
+    seen = _answers_of_both_planes(stub, [("/v1/chat/completions", t.encode()) for t in texts])
+    for status, content in seen["python"][0]:
+        assert status == 400, content
+        reason = json.loads(content)["error"]["message"]
+        assert reason.startswith("the request cannot be recorded: \ud800 nests deeper"), reason
+    assert seen["rust"] == seen["python"]
+
+
+def test_a_body_too_deep_and_wrong_otherwise_is_refused_as_too_deep_by_both_planes(
+    stub: str,
+) -> None:
+    """The engine refuses a body it read whole with a field too deep before the control plane
+    sees it: the Python plane checks the depth first too, so both give the same reason for a
+    body also wrong in another way (the messages' shape, a field's type)."""
+    messages = json.dumps(MESSAGES)
+    chat, anthropic = "/v1/chat/completions", "/v1/messages"
+    bodies = [
+        (chat, f'{{"messages": {{"a": {_nested(501)}}}}}'),
+        (chat, f'{{"messages": [{_nested(501)}]}}'),
+        (chat, f'{{"messages": {messages}, "stream": "yes", "tools": {_nested(501)}}}'),
+        (chat, f'{{"messages": {messages}, "n": 2, "tools": {_nested(501)}}}'),
+        (chat, f'{{"model": 3, "messages": {messages}, "temperature": {_nested(500)}}}'),
+        (chat, f'{{"tools": {{}}, "messages": {messages}, "temperature": {_nested(500)}}}'),
+        (chat, f'{{"messages": {messages}, "stream_options": 1, "x": {_nested(500)}}}'),
+        (anthropic, f'{{"messages": {messages}, "system": 5, "metadata": {_nested(500)}}}'),
+        (anthropic, f'{{"messages": [], "system": {_nested(500)}}}'),
+    ]
+    seen = _answers_of_both_planes(stub, [(path, text.encode()) for path, text in bodies])
+    named = []
+    for status, content in seen["python"][0]:
+        assert status == 400, content
+        reason = json.loads(content)["error"]["message"]
+        assert reason.startswith("the request cannot be recorded: "), reason
+        named.append(reason.split(": ")[1].split(" ")[0])
+    assert named == [
+        "messages", "messages", "tools", "tools", "temperature", "temperature", "x",
+        "metadata", "system",
+    ]  # fmt: skip
+    assert seen["rust"] == seen["python"]
+
+
 def test_the_key_table_follows_the_sessions(stub: str) -> None:
     app = create_app(stub, admin_key=ADMIN_KEY)
     body = {"model": "m", "messages": MESSAGES}

@@ -343,3 +343,26 @@ def test_an_anthropic_system_is_spliced_before_the_raw_messages(
     body = json.loads(raw)
     expected = [{"role": "system", "content": body["system"]}, *body["messages"]]
     assert json.dumps(turn["request_messages"]) == json.dumps(expected)
+
+
+def test_an_int_json_loads_cannot_convert_is_refused_as_json_loads_refuses_it(
+    server: tuple[str, Any],
+) -> None:
+    """A top-level field holding an int of more digits than Python converts (json.loads
+    raises ValueError) is refused with json.loads' reason, before the call goes upstream;
+    the body was split, and its decode raised out of the server (500)."""
+    url, app = server
+    raw = b'{"messages": [{"role": "user", "content": "a"}], "seed": ' + b"1" * 5000 + b"}"
+    assert split_body(raw) is None
+    session = new_session(url)
+    answer = httpx.post(
+        f"{url}/v1/chat/completions",
+        content=raw,
+        headers={"authorization": f"Bearer {session['api_key']}"},
+        timeout=20,
+    )
+    status, reason = _expected(raw, anthropic=False)
+    assert (answer.status_code, status) == (400, 400), answer.text[:200]
+    assert reason is not None and answer.json()["error"]["message"].startswith(reason)
+    assert "4300 digits" in reason
+    assert len(app.state.sessions.get(session["session_id"]).graph) == 0

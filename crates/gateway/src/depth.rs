@@ -13,9 +13,10 @@
 //! non-empty array of objects with a string `role`), and whether the body was read whole:
 //! the control plane then checks neither again (see [`Depth`]).
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 
-use engine::json::{parse_with, ErrorKind, Failure, Key, Sink, Str};
+use engine::json::{decode_text, parse_with, ErrorKind, Failure, Key, Sink, Str};
 
 /// The library's depth bound (`rollout_store.MAX_DEPTH`).
 pub const MAX_DEPTH: u32 = 500;
@@ -164,19 +165,23 @@ pub fn measure(body: &[u8], anthropic: bool) -> Depth {
     let mut depths = Depths::default();
     match parse_with(body, PARSE_BOUND, &mut depths) {
         Ok(_) => {
-            // a key no `str` holds (a lone surrogate) is not measured here: the control
-            // plane measures the body when no other field is too deep
+            // a key no `str` holds (a lone surrogate) is left to the control plane: when its
+            // field is the first too deep (it names it), or none is
             let unread = depths.members.iter().any(|(name, _)| name.is_none());
             let shaped = depths
                 .members
                 .iter()
                 .any(|(name, m)| name.as_deref() == Some("messages") && m.kind == Kind::Messages);
-            let deep = depths.members.into_iter().find_map(|(name, m)| {
-                let name = name?;
-                (m.depth > limit(&name, anthropic)?).then_some(name)
+            let deep = depths.members.into_iter().find(|(name, m)| {
+                // (no field of a limit of its own has a surrogate in its name)
+                let most = name
+                    .as_deref()
+                    .map_or(Some(MAX_DEPTH - 1), |n| limit(n, anthropic));
+                most.is_some_and(|most| m.depth > most)
             });
             match deep {
-                Some(name) => Depth::TooDeep(name),
+                Some((Some(name), _)) => Depth::TooDeep(name),
+                Some((None, _)) => Depth::Unread,
                 None if unread => Depth::Unread,
                 None => Depth::Within {
                     shaped,
@@ -203,15 +208,21 @@ pub fn too_deep(body: &[u8], anthropic: bool) -> Option<String> {
     }
 }
 
-/// `too_deep` for a body too deep for the parser: its brackets outside strings, member by
-/// member of the outer object (a key with escapes is left to the control plane).
+/// `too_deep` for a body too deep for the parser: the brackets outside strings of each
+/// member of the outer object, in its text (UTF-16 and UTF-32 decoded first, as json.loads
+/// reads them). A repeated key counts with its last value, at its first place (as json.loads
+/// keeps it). Left to the control plane (`None`): a body with a key written with an escape (it
+/// may repeat another key), and one that is not a whole object with only whitespace after it.
 fn scanned(body: &[u8], anthropic: bool) -> Option<String> {
+    let text = decode_text(body).ok()?;
+    let body: &[u8] = &text.bytes;
+    // each member's key (`None`: escaped, or not a `str`) and its value's depth
+    let mut members: Vec<(Option<&str>, u32)> = Vec::new();
     let mut depth = 0u32;
-    let mut deepest = 0u32;
-    let mut key: Option<String> = None;
+    let mut end = None;
     let mut i = 0;
     let mut expecting_key = false;
-    while i < body.len() {
+    while i < body.len() && end.is_none() {
         match body[i] {
             b'"' => {
                 let from = i + 1;
@@ -220,12 +231,11 @@ fn scanned(body: &[u8], anthropic: bool) -> Option<String> {
                     j += if body[j] == b'\\' { 2 } else { 1 };
                 }
                 if depth == 1 && expecting_key {
-                    key = std::str::from_utf8(body.get(from..j)?)
+                    let key = std::str::from_utf8(body.get(from..j)?)
                         .ok()
-                        .filter(|k| !k.contains('\\'))
-                        .map(str::to_string);
+                        .filter(|k| !k.contains('\\'));
+                    members.push((key, 0));
                     expecting_key = false;
-                    deepest = 0;
                 }
                 i = j;
             }
@@ -233,24 +243,37 @@ fn scanned(body: &[u8], anthropic: bool) -> Option<String> {
                 depth += 1;
                 if depth == 1 {
                     expecting_key = true;
-                } else {
-                    deepest = deepest.max(depth - 1);
+                } else if let Some((_, deepest)) = members.last_mut() {
+                    *deepest = (*deepest).max(depth - 1);
                 }
             }
-            b'}' | b']' => depth = depth.saturating_sub(1),
+            b'}' | b']' => {
+                depth = depth.saturating_sub(1);
+                if depth == 0 {
+                    end = Some(i + 1);
+                }
+            }
             b',' if depth == 1 => expecting_key = true,
             _ => {}
         }
-        if depth == 1 || i + 1 == body.len() {
-            if let Some(name) = &key {
-                if limit(name, anthropic).is_some_and(|most| deepest > most) {
-                    return Some(name.clone());
-                }
-            }
-        }
         i += 1;
     }
-    None
+    let whole = end.is_some_and(|end| body[end..].iter().all(|b| b" \t\r\n".contains(b)));
+    if !whole {
+        return None;
+    }
+    let mut last = HashMap::with_capacity(members.len());
+    for &(key, deepest) in &members {
+        last.insert(key?, deepest);
+    }
+    // (taken out at its first place: a repeated key is judged there, once)
+    members.iter().find_map(|&(key, _)| {
+        let key = key?;
+        let deepest = last.remove(key)?;
+        limit(key, anthropic)
+            .is_some_and(|most| deepest > most)
+            .then(|| key.to_string())
+    })
 }
 
 /// The Python server's refusal of a body whose field `field` nests too deeply.
@@ -321,6 +344,49 @@ mod tests {
         );
         let body = format!(r#"{{"x": "[[[", "deep": {}}}"#, nested(2000));
         assert_eq!(too_deep(body.as_bytes(), false).as_deref(), Some("deep"));
+    }
+
+    #[test]
+    fn past_the_parsers_bound_a_repeated_key_is_its_last_value() {
+        let deep = nested(600);
+        let body = format!(r#"{{"x": {deep}, "messages": [], "x": 1}}"#);
+        assert_eq!(measure(body.as_bytes(), false), Depth::Unread);
+        let body = format!(r#"{{"x": 1, "messages": [], "x": {deep}}}"#);
+        assert_eq!(too_deep(body.as_bytes(), false).as_deref(), Some("x"));
+        let body = format!(r#"{{"x": {deep}, "y": {deep}, "x": 1}}"#);
+        assert_eq!(too_deep(body.as_bytes(), false).as_deref(), Some("y"));
+        // a key with an escape may be another's repeat: left to the control plane
+        let body = format!(r#"{{"tools": {deep}, "t\u006fols": []}}"#);
+        assert_eq!(measure(body.as_bytes(), false), Depth::Unread);
+    }
+
+    #[test]
+    fn past_the_parsers_bound_only_a_whole_object_is_named() {
+        let deep = nested(600);
+        let cut = format!(r#"{{"messages": [], "tools": {}"#, "[".repeat(600));
+        assert_eq!(measure(cut.as_bytes(), false), Depth::Unread);
+        let more = format!(r#"{{"tools": {deep}}} x"#);
+        assert_eq!(measure(more.as_bytes(), false), Depth::Unread);
+        let spaced = format!("{{\"tools\": {deep}}} \r\n");
+        assert_eq!(too_deep(spaced.as_bytes(), false).as_deref(), Some("tools"));
+    }
+
+    #[test]
+    fn past_the_parsers_bound_utf16_and_utf32_are_read_as_their_text() {
+        let body = format!(r#"{{"messages": [], "tools": {}}}"#, nested(600));
+        for bytes in [utf16le(&body), utf32le(&body)] {
+            assert_eq!(too_deep(&bytes, false).as_deref(), Some("tools"));
+        }
+    }
+
+    fn utf16le(text: &str) -> Vec<u8> {
+        text.encode_utf16().flat_map(u16::to_le_bytes).collect()
+    }
+
+    fn utf32le(text: &str) -> Vec<u8> {
+        text.chars()
+            .flat_map(|c| u32::from(c).to_le_bytes())
+            .collect()
     }
 
     #[test]
@@ -416,6 +482,14 @@ mod tests {
         assert_eq!(measure(b"  ", false), Depth::Unread);
         let surrogate_key = r#"{"\ud800": 1, "messages": [{"role": "user"}]}"#;
         assert_eq!(measure(surrogate_key.as_bytes(), false), Depth::Unread);
+        // its field the first too deep: the control plane names it
+        let body = format!(r#"{{"\ud800": {}, "x": {}}}"#, nested(500), nested(500));
+        assert_eq!(measure(body.as_bytes(), false), Depth::Unread);
+        let body = format!(r#"{{"x": {}, "\ud800": {}}}"#, nested(500), nested(500));
+        assert_eq!(
+            measure(body.as_bytes(), false),
+            Depth::TooDeep("x".to_string())
+        );
         // past the parser's bound with no field named too deep: an escaped key
         let body = format!(r#"{{"d\u0065ep": {}}}"#, nested(2000));
         assert_eq!(measure(body.as_bytes(), false), Depth::Unread);
