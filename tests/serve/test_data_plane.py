@@ -769,11 +769,16 @@ def test_the_rust_planes_threads_keep_their_interpreter_state_from_call_to_call(
     assert max(map(len, by_thread.values())) > 1, by_thread  # (a thread ran several)
 
 
-def test_a_rust_plane_let_go_unstopped_stops_without_waiting_on_the_interpreter() -> None:
+@pytest.mark.parametrize("when", ["freed", "alive_at_exit"])
+def test_a_rust_plane_let_go_unstopped_stops_without_waiting_on_the_interpreter(
+    when: str,
+) -> None:
     """A `_core.DataPlane` freed without `stop` stops its threads, which hold their
     interpreter state for life and take the GIL once more to end, without a deadlock with
-    the thread freeing it (which holds the GIL): in a child process, bounded."""
-    code = """if True:
+    the thread freeing it (which holds the GIL); one still alive when the interpreter exits
+    lets the exit go on (its threads could never take the GIL again). In a child process,
+    bounded."""
+    code = f"""if True:
         import gc, time
         from rollout_store._core import DataPlane
 
@@ -787,8 +792,9 @@ def test_a_rust_plane_let_go_unstopped_stops_without_waiting_on_the_interpreter(
             ack_queue=8, callers=4,
         )
         time.sleep(0.2)  # (its threads attach to the interpreter)
-        del plane
-        gc.collect()
+        if {when!r} == "freed":
+            del plane
+            gc.collect()
         print("stopped")
     """
     done = subprocess.run(

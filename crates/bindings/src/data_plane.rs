@@ -286,13 +286,21 @@ pub struct DataPlane {
 impl Drop for DataPlane {
     /// A data plane let go unstopped stops with the GIL let go: its threads hold their
     /// interpreter state for life (`PyControl::thread`) and take the GIL once more to end.
+    /// Let go while the interpreter finalizes (alive at exit), it is abandoned: its threads
+    /// could never take the GIL again, and waiting for them would hang the exit.
     fn drop(&mut self) {
         let taken = self
             .gateway
             .get_mut()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
-        if let Some(mut gateway) = taken {
+        let Some(mut gateway) = taken else {
+            return;
+        };
+        // SAFETY: reads the runtime's flag, which finalization clears before it frees objects
+        if unsafe { pyo3::ffi::Py_IsInitialized() } == 0 {
+            gateway.abandon();
+        } else {
             Python::attach(|py| py.detach(move || gateway.stop(Duration::from_secs(10))));
         }
     }

@@ -1502,6 +1502,32 @@ impl<C: Control> Gateway<C> {
         Queued(self.shared.pending.clone())
     }
 
+    /// Stop without waiting for anything: for a process whose control can no longer be
+    /// called (an interpreter finalizing), where the threads that call it could not end.
+    /// No new connection, calls in flight cut; the runtime, the caller threads and the
+    /// recorder are let go unjoined; the queued turns are neither recorded nor reported (a
+    /// control that keeps a ledger of the turns it answered counts them at its next start).
+    pub fn abandon(&mut self) {
+        if let Some(accepting) = self.accepting.take() {
+            accepting.abort();
+        }
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+        self.shared
+            .calls
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        self.callers.clear();
+        self.shared
+            .jobs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        self.recorder.take();
+    }
+
     /// Stop: no new connection, calls in flight cut (the control's calls they queued not
     /// made; those begun end, waited for on the blocking pool for at most `drain`, a second
     /// at least), the queued turns recorded for at most `drain` (the rest reported dropped,
