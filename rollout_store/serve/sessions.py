@@ -459,7 +459,7 @@ class Sessions:
         with self._settle:
             session.unsettled += 1
         if self.ledger is not None:
-            self.ledger.answered(session.session_id, self._turn_counts)
+            self.ledger.answered(session.session_id, self._turn_counts, lambda: session.closed)
 
     def recorded(self, session: Session) -> None:
         """A turn of `session` is recorded: one of its answered turns is settled (none is
@@ -470,8 +470,8 @@ class Sessions:
     def not_recorded(self, session: Session, reason: str) -> None:
         """(`--ack fast`) One of those turns is dropped, counted now (`reason`)."""
         self._settled_one(session)
-        if self.ledger is not None and not session.closed:
-            self.ledger.dropped(session.session_id, reason)
+        if self.ledger is not None:
+            self.ledger.dropped(session.session_id, reason, lambda: session.closed)
 
     def _settled_one(self, session: Session) -> None:
         with self._settle:

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from capture_support import (
+    ADMIN,
     ADMIN_KEY,
     auth,
     new_session,
@@ -687,3 +688,48 @@ def test_a_rust_plane_let_go_unstopped_stops_without_waiting_on_the_interpreter(
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "stopped"
+
+
+@pytest.mark.parametrize("plane", ["python", "rust"])
+def test_a_call_answered_after_its_session_is_deleted_and_made_again_counts_in_neither(
+    stub: str, tmp_path: Path, plane: str
+) -> None:
+    """With `--ack fast` and a data directory, a call of a session that is deleted, and made
+    again under the same id, while the call waits for the upstream: its turn is answered
+    (after the delete) and counted once, as the deleted session's (`record_error`), never
+    in the ack ledger as the new session's, which the next start would count as killed."""
+    app = create_app(stub, data=tmp_path, fsync="never", ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane=plane) as url:
+        old = new_session(url, session_id="again")
+        assert _chat(url, old["api_key"], "old 0") == 200  # (the ack ledger begun)
+        statuses: list[int] = []
+
+        def slow_call() -> None:
+            answer = httpx.post(
+                f"{url}/v1/chat/completions",
+                json={"model": "stub-slow", "messages": [{"role": "user", "content": "old 1"}]},
+                headers={"authorization": f"Bearer {old['api_key']}"},
+                timeout=20,
+            )
+            statuses.append(answer.status_code)
+
+        caller = threading.Thread(target=slow_call)
+        caller.start()
+        time.sleep(0.3)  # (it waits for the upstream's answer, a second)
+        deleted = httpx.delete(f"{url}/sessions/again", headers=ADMIN, timeout=5)
+        assert deleted.status_code == 200
+        new = new_session(url, session_id="again")
+        caller.join(20)
+        assert statuses == [200]
+        for i in range(2):
+            assert _chat(url, new["api_key"], f"new {i}") == 200
+        info = httpx.get(f"{url}/sessions/again", headers=auth("again")).json()
+        health = httpx.get(f"{url}/health").json()
+    assert (info["turns"], info["dropped"]) == (2, 0), info
+    assert health["dropped_by"]["record_error"] == health["dropped"] == 1, health
+    again = create_app(stub, data=tmp_path, admin_key=ADMIN_KEY)
+    with serve_app(again, data_plane=plane) as url:
+        info = httpx.get(f"{url}/sessions/again", headers=auth("again")).json()
+        health = httpx.get(f"{url}/health").json()
+    assert (info["turns"], info["dropped"]) == (2, 0), info
+    assert health["dropped"] == 0, health["dropped_by"]
