@@ -2019,7 +2019,8 @@ class _Server:
         found = self._lookup(request)
         if isinstance(found, Response):
             return found
-        await self.settled_session(found)  # (--ack fast) its turns answered before it are in it
+        # (--ack fast) its turns answered before it are in it, or it says how many are not
+        settled = await self.settled_session(found)
         session, session_id, metadata = found, found.session_id, found.metadata
         await self._timelines_recorded(session)
         flags = request.query_params
@@ -2034,7 +2035,7 @@ class _Server:
         if level not in CAPTURE_LEVELS:
             message = f"capture_level must be one of {', '.join(CAPTURE_LEVELS)}"
             return JSONResponse({"error": message}, 400)
-        findings = _dropped_findings(session)
+        findings = _dropped_findings(session) + ([] if settled else _unsettled_findings(session))
 
         def produce(fp: IO[bytes]) -> None:
             with session.use() as graph:
@@ -2286,6 +2287,20 @@ def _dropped_findings(session: Session) -> list[str]:
         "(--ack fast) but not recorded (queue full, a recording error, the server "
         "stopping, or the server killed before recording them): the rollout misses them; "
         "see the server's /health"
+    ]
+
+
+def _unsettled_findings(session: Session) -> list[str]:
+    """The export's finding for turns answered with `--ack fast` that its wait
+    (`settled_session`) gave up on: neither recorded nor counted as dropped yet."""
+    waiting = session.unsettled
+    if not waiting:
+        return []
+    return [
+        f"[WARN] unsettled_turns: {waiting} turn(s) of this session were answered "
+        "(--ack fast) but not yet recorded when this export was taken (the recorder is held "
+        "up, or the session's graph is held by another export): the rollout may miss them; "
+        "export again later"
     ]
 
 

@@ -264,6 +264,7 @@ class Session:
             "upstream_errors": self.upstream_errors,
             "rejected": self.rejected,
             "dropped": self.dropped,
+            "unsettled": self.unsettled,
             "metadata": self.metadata,
             "group": self.group,
         }

@@ -367,3 +367,47 @@ def test_ack_arguments_are_checked(stub: str) -> None:
         create_app(stub, ack="eventually")
     with pytest.raises(InvalidArgumentError, match="ack_queue"):
         create_app(stub, ack="fast", ack_queue=0)
+
+
+@pytest.mark.parametrize("plane", ["python", "rust"])
+def test_an_export_whose_wait_for_its_turns_times_out_says_so(
+    stub: str, monkeypatch: pytest.MonkeyPatch, plane: str
+) -> None:
+    """An export (and the info) that gave up waiting for its session's answered turns (the
+    recorder held up past the wait) says how many it misses, not yet recorded; once they
+    are in, nothing is said."""
+    gate = threading.Event()
+    record = _Server._record
+    record_queued = RustDataPlane.record
+    settled = _Server.settled_session
+
+    async def gated(self: _Server, session: Any, node: Any) -> str:
+        await asyncio.to_thread(gate.wait, 20)
+        return await record(self, session, node)
+
+    def gated_queued(self: RustDataPlane, call: Any) -> Any:
+        gate.wait(20)
+        return record_queued(self, call)
+
+    async def short(self: _Server, session: Any, timeout: float = 0.3) -> bool:
+        return await settled(self, session, 0.3)
+
+    monkeypatch.setattr(_Server, "_record", gated)
+    monkeypatch.setattr(RustDataPlane, "record", gated_queued)
+    monkeypatch.setattr(_Server, "settled_session", short)
+    app = create_app(stub, ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane=plane) as url:
+        session = new_session(url, session_id="late")
+        _call(url, session, "queued")
+        doc = json.loads(_export_text(url, "late"))
+        info = httpx.get(f"{url}/sessions/late", headers=auth("late"), timeout=5).json()
+        gate.set()
+        settled_doc = json.loads(_export_text(url, "late"))
+        settled_info = httpx.get(f"{url}/sessions/late", headers=auth("late"), timeout=5).json()
+    assert len(doc["turns"]) == 0
+    (warning,) = [f for f in doc["validation"] if "unsettled_turns" in f]
+    assert warning.startswith("[WARN] unsettled_turns: 1 turn(s)"), warning
+    assert info["unsettled"] == 1 and info["turns"] == 0, info
+    assert len(settled_doc["turns"]) == 1
+    assert not [f for f in settled_doc["validation"] if "unsettled_turns" in f]
+    assert settled_info["unsettled"] == 0 and settled_info["turns"] == 1, settled_info
