@@ -2830,8 +2830,8 @@ class RustDataPlane:
         it continues, not recorded yet (a client may read a stream's answer and call again
         before the stream's end is recorded, when it left early or stopped reading at the
         last delta, and its next turn must find that one in the graph to link to it; with
-        `--ack fast`, until the recorder has recorded that turn, so that this call's turn
-        is queued after it); or,
+        `--ack fast`, until the recorder has taken that turn, recorded or set aside, so that
+        this call's turn is queued after it); or,
         to record its turn (`--ack durable`), for the session's graph, which another thread
         holds (an export being read). Otherwise the graph is taken now, for `finish` to
         record in: the engine calls it next, on this thread."""
@@ -2909,7 +2909,7 @@ class RustDataPlane:
         finally:
             self._let_go(call)
             if call.plan.stream and call not in self._answered:
-                self._stream_ended(call)  # (a queued turn's stream ends when it is recorded)
+                self._stream_ended(call)  # (a queued turn's stream ends when the recorder takes it)
 
     def _finished(
         self,
@@ -2986,7 +2986,7 @@ class RustDataPlane:
         finally:
             self._let_go(call)
             if call not in self._answered:
-                self._stream_ended(call)  # (a queued turn's stream ends when it is recorded)
+                self._stream_ended(call)  # (a queued turn's stream ends when the recorder takes it)
 
     def _stream_finished(
         self, call: _Call, events: bytes, error: str | None, stamps: tuple[int, int, int]
@@ -3090,9 +3090,11 @@ class RustDataPlane:
                 call.plan.clock.node_id = node_id
                 server.sessions.recorded(call.plan.session, call.plan.clock)
             call.node = None
-        for i, call in enumerate(calls):
-            if call.plan.stream and i not in aside:
-                # only now: a call continuing it is queued after it (`waits`)
+        for call in calls:
+            if call.plan.stream:
+                # only now: a call continuing it is queued after it (`waits`); a turn set
+                # aside too, which the recorder hands back before any later one (a held
+                # graph held up the continuing call's answer, past the point of --ack fast)
                 self._stream_ended(call)
         return sorted(aside)
 

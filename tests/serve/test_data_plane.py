@@ -733,3 +733,62 @@ def test_a_call_answered_after_its_session_is_deleted_and_made_again_counts_in_n
         health = httpx.get(f"{url}/health").json()
     assert (info["turns"], info["dropped"]) == (2, 0), info
     assert health["dropped"] == 0, health["dropped_by"]
+
+
+@pytest.mark.parametrize("plane", ["python", "rust"])
+def test_fast_answers_a_call_continuing_a_stream_whose_graph_is_held(
+    stub: str, tmp_path: Path, plane: str
+) -> None:
+    """With `--ack fast`, a call that continues a stream of its session whose turn the
+    recorder set aside (the session's graph held, as by an export read slowly) is answered
+    at once, not once the graph is free: its turn is queued after the stream's all the
+    same, and both are recorded in their order once the graph is free."""
+    app = create_app(stub, ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane=plane) as url:
+        made = new_session(url, session_id="held")
+        headers = {"authorization": f"Bearer {made['api_key']}"}
+        assert _chat(url, made["api_key"], "zero") == 200
+        assert len(_export(url, "held")["turns"]) == 1  # (its graph opened)
+        graph = app.state.server.sessions.get("held").graph
+        holding, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with graph.lock:
+                holding.set()
+                release.wait(20)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        try:
+            assert holding.wait(5)
+            messages = [{"role": "user", "content": "first"}]
+            body = {"model": "m", "messages": messages, "stream": True}
+            with httpx.stream(
+                "POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=5
+            ) as streamed:
+                events = streamed.read().decode()
+            reply = "".join(
+                json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                for line in events.splitlines()
+                if line.startswith("data: {")
+            )
+            messages += [
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": "second"},
+            ]
+            began = time.monotonic()
+            with contextlib.suppress(httpx.TimeoutException):
+                answer = httpx.post(
+                    f"{url}/v1/chat/completions",
+                    json={"model": "m", "messages": messages},
+                    headers=headers,
+                    timeout=3,
+                )
+            waited = time.monotonic() - began
+            assert len(graph) == 1  # (both turns wait for the graph)
+        finally:
+            release.set()
+            holder.join(20)
+        assert waited < 2.0 and answer.status_code == 200, waited
+        assert _asked(_export(url, "held")) == ["zero", "first", "second"]
+        assert httpx.get(f"{url}/health").json()["dropped"] == 0
