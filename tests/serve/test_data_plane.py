@@ -792,3 +792,118 @@ def test_fast_answers_a_call_continuing_a_stream_whose_graph_is_held(
         assert waited < 2.0 and answer.status_code == 200, waited
         assert _asked(_export(url, "held")) == ["zero", "first", "second"]
         assert httpx.get(f"{url}/health").json()["dropped"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("plane", ["python", "rust"])
+def test_fast_accounts_for_every_answered_turn_under_mixed_traffic(
+    stub: str, tmp_path: Path, plane: str, seed: int
+) -> None:
+    """With `--ack fast` and a queue bound of 2: four clients call four sessions at random
+    (a third of the calls streamed), a thread holds one session's graph after another (as
+    exports read slowly hold them), and exports are read meanwhile. Each export holds its
+    session's turns answered before it (or says some are unsettled), each client's turns in
+    its order, none twice; at the end each session's turns and dropped turns add up to its
+    answered calls, `/health` to the sum, and a restart counts the same, none killed."""
+    import random
+
+    sids = [f"s{k}" for k in range(4)]
+    problems: list[str] = []
+    answered = dict.fromkeys(sids, 0)
+    counted = threading.Lock()
+    app = create_app(
+        stub, data=tmp_path, fsync="turn", ack="fast", ack_queue=2, admin_key=ADMIN_KEY
+    )
+
+    def checked(doc: dict[str, Any], sid: str) -> None:
+        asked = _asked(doc)
+        if len(set(asked)) != len(asked):
+            problems.append(f"{sid}: a turn twice")
+        last: dict[int, int] = {}
+        for text in asked:
+            client, i = map(int, text.split())
+            if last.get(client, -1) >= i:
+                problems.append(f"{sid}: client {client}'s turn {i} after {last[client]}")
+            last[client] = i
+
+    with serve_app(app, data_plane=plane) as url:
+        keys = {sid: new_session(url, session_id=sid)["api_key"] for sid in sids}
+        sessions = app.state.server.sessions
+        done = threading.Event()
+
+        def client(c: int) -> None:
+            rng = random.Random(seed * 100 + c)
+            for i in range(40):
+                sid = rng.choice(sids)
+                body = {
+                    "model": "m",
+                    "messages": [{"role": "user", "content": f"{c} {i}"}],
+                    "stream": rng.random() < 0.3,
+                }
+                answer = httpx.post(
+                    f"{url}/v1/chat/completions",
+                    json=body,
+                    headers={"authorization": f"Bearer {keys[sid]}"},
+                    timeout=30,
+                )
+                if answer.status_code != 200:
+                    problems.append(f"call {c} {i}: {answer.status_code}")
+                    continue
+                with counted:
+                    answered[sid] += 1
+
+        def holder() -> None:
+            rng = random.Random(seed * 7)
+            while not done.is_set():
+                with sessions.get(rng.choice(sids)).graph.lock:
+                    time.sleep(rng.uniform(0.02, 0.2))
+                time.sleep(rng.uniform(0.0, 0.1))
+
+        def reader() -> None:
+            rng = random.Random(seed * 13)
+            while not done.is_set():
+                sid = rng.choice(sids)
+                with counted:
+                    before = answered[sid]
+                doc = _export(url, sid)
+                checked(doc, sid)
+                found = " ".join(doc["validation"])
+                dropped = 0
+                if "dropped_turns: " in found:
+                    dropped = int(found.split("dropped_turns: ")[1].split(" ")[0])
+                if len(doc["turns"]) + dropped < before and "unsettled_turns" not in found:
+                    problems.append(f"{sid}: {len(doc['turns'])}+{dropped} of {before}")
+                time.sleep(rng.uniform(0.0, 0.05))
+
+        clients = [threading.Thread(target=client, args=(c,)) for c in range(4)]
+        others = [threading.Thread(target=holder), threading.Thread(target=reader)]
+        for thread in clients + others:
+            thread.start()
+        for thread in clients:
+            thread.join(60)
+        done.set()
+        for thread in others:
+            thread.join(60)
+        counts = {}
+        for sid in sids:
+            checked(_export(url, sid), sid)
+            info = httpx.get(f"{url}/sessions/{sid}", headers=ADMIN, timeout=20).json()
+            counts[sid] = (info["turns"], info["dropped"])
+        health = httpx.get(f"{url}/health").json()
+    assert problems == []
+    assert {sid: turns + dropped for sid, (turns, dropped) in counts.items()} == answered
+    assert (
+        health["dropped"]
+        == health["dropped_by"]["queue_full"]
+        == sum(dropped for _, dropped in counts.values())
+    )
+    again = create_app(stub, data=tmp_path, admin_key=ADMIN_KEY)
+    with serve_app(again, data_plane=plane) as url:
+        infos = {
+            sid: httpx.get(f"{url}/sessions/{sid}", headers=ADMIN, timeout=20).json()
+            for sid in sids
+        }
+        health = httpx.get(f"{url}/health").json()
+    assert {sid: (info["turns"], info["dropped"]) for sid, info in infos.items()} == counts
+    assert health["dropped_by"]["killed"] == 0
