@@ -17,7 +17,8 @@ far, by reason), and counted again at every later start, never twice. A clean st
 it the same way once the queue is drained; a ledger with nothing to carry is removed. A
 running server keeps what its lines say in memory too, and rewrites the ledger from it (the
 same lines, summed) once it grew by `COMPACT_BYTES`. A session made or deleted while a
-ledger exists appends `n SID`: what came before is another session's.
+ledger exists appends `n SID`: what came before is another session's; a call of a deleted
+session answered after its delete appends nothing (it is counted in that run only).
 
 Lines: `b SID TURNS`, `n SID`, `a SID`, `d SID REASON`, `c SID REASON N`, `p SID N` (answered
 turns of a session whose log could not be read at the rewrite, still to be reconciled). A
@@ -166,15 +167,22 @@ class AckLedger:
                 fsync_dir(self.path)
             return {sid: +tally.lost for sid, tally in kept.items() if +tally.lost}
 
-    def answered(self, session_id: str, turns: Callable[[], Mapping[str, int | None]]) -> None:
+    def answered(
+        self,
+        session_id: str,
+        turns: Callable[[], Mapping[str, int | None]],
+        gone: Callable[[], bool] | None = None,
+    ) -> None:
         """A turn of `session_id` is about to be answered before it is recorded. `turns`:
-        every session's turn count now, asked only to begin a new ledger."""
-        self._append(["a", session_id], turns)
+        every session's turn count now, asked only to begin a new ledger. `gone`: whether
+        the session the turn belongs to was deleted (then nothing is written: see
+        `_append`)."""
+        self._append(["a", session_id], turns, gone)
 
-    def dropped(self, session_id: str, reason: str) -> None:
+    def dropped(self, session_id: str, reason: str, gone: Callable[[], bool] | None = None) -> None:
         """One of those turns will not be recorded (`reason`), and is counted now."""
         if self.exists():
-            self._append(["d", session_id, reason], None)
+            self._append(["d", session_id, reason], None, gone)
 
     def forget(self, session_id: str) -> None:
         """`session_id` is made or deleted: the lines before are another session's."""
@@ -182,11 +190,19 @@ class AckLedger:
             self._append(["n", session_id], None)
 
     def _append(
-        self, line: list[str], turns: Callable[[], Mapping[str, int | None]] | None
+        self,
+        line: list[str],
+        turns: Callable[[], Mapping[str, int | None]] | None,
+        gone: Callable[[], bool] | None = None,
     ) -> None:
         data = (" ".join(line) + "\n").encode("ascii")
         with self._lock:
-            if self._closed:
+            # a deleted session's turn (a call answered after the delete) is no line: the
+            # id's `n` line is written after the session is closed, and a session made again
+            # under the id would inherit the line (a turn it never answered, counted as
+            # killed at the next start); asked under this lock, so a line of a session not
+            # closed yet comes before its `n` line
+            if self._closed or (gone is not None and gone()):
                 return
             try:
                 if self._fd is None:

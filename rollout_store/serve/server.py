@@ -1141,16 +1141,21 @@ class _Server:
             self.timed(session, clock)
 
     async def _timelines_recorded(self, session: Session) -> None:
-        """Wait (at most `_TIMELINE_WAIT_S`) for the timelines of the session's answered
-        calls, so an export taken right after a call has its timeline."""
-        deadline = time.monotonic() + _TIMELINE_WAIT_S
+        """Wait (at most `_TIMELINE_WAIT_S`) for the timelines of the session's calls
+        answered before now, so an export taken right after a call has its timeline (not
+        for those answered meanwhile: under steady traffic there always are some)."""
+        began = time.monotonic()
+        deadline = began + _TIMELINE_WAIT_S
         while True:
             pending = self._timing.get(session.session_id)
             now = time.monotonic()
             # a reply never sent (its client gone) runs no task: its entry expires
             if not pending or now >= deadline:
                 return
-            if all(now - answered > _TIMELINE_WAIT_S for answered in list(pending.values())):
+            if all(
+                now - answered > _TIMELINE_WAIT_S or answered > began
+                for answered in list(pending.values())
+            ):
                 return
             await asyncio.sleep(0.005)
 
@@ -1195,10 +1200,12 @@ class _Server:
 
     # -- --ack fast: answered first, recorded right after
 
-    def _drop(self, session: Session, why: str) -> None:
+    def _drop(self, session: Session, why: str, turn: object) -> None:
+        """A turn answered with `--ack fast` that will not be recorded (`turn`: what
+        `Sessions.answered` was told, its call's clock), counted."""
         session.dropped += 1
         self.dropped[why] += 1
-        self.sessions.not_recorded(session, why)
+        self.sessions.not_recorded(session, why, turn)
 
     def _queue_turn(self, session: Session, node: TurnNode, clock: CallClock) -> None:
         """Hand an answered call's turn to the recorder; a full queue drops it (counted), as
@@ -1209,18 +1216,18 @@ class _Server:
             self._recorder = asyncio.ensure_future(self._record_queued(self._pending))
         # in the ack ledger before the answer goes out: a kill before it is recorded
         # leaves it counted by the next start
-        self.sessions.answered(session)
+        self.sessions.answered(session, clock)
         if self._stopped:
-            self._drop(session, "shutdown")
+            self._drop(session, "shutdown", clock)
             return
         aside = self._aside_turns()
         if aside and self._pending.qsize() + aside >= self.config.ack_queue:
-            self._drop(session, "queue_full")  # (the turns set aside count in the bound)
+            self._drop(session, "queue_full", clock)  # (the turns set aside count in the bound)
             return
         try:
             self._pending.put_nowait((session, node, clock))
         except asyncio.QueueFull:
-            self._drop(session, "queue_full")
+            self._drop(session, "queue_full", clock)
 
     def _aside_turns(self) -> int:
         return self._retrying + sum(node is not None for _, node, _ in self._aside)
@@ -1261,9 +1268,9 @@ class _Server:
                 finally:
                     self._retrying = 0
         except asyncio.CancelledError:
-            for session, node, _ in aside:  # (a set-aside timeline is let go)
+            for session, node, clock in aside:  # (a set-aside timeline is let go)
                 if node is not None:
-                    self._drop(session, "shutdown")
+                    self._drop(session, "shutdown", clock)
                     pending.task_done()
             aside.clear()
             raise
@@ -1319,7 +1326,7 @@ class _Server:
             self._aside.append((session, node, clock))
             return True, cancelled
         except Exception:  # any failure: the client has its answer, the turn is counted
-            self._drop(session, "record_error")
+            self._drop(session, "record_error", clock)
             return False, cancelled
         try:
             if clock.reply_sent >= 0 and not cancelled:  # sent before it was recorded: ours
@@ -1329,7 +1336,7 @@ class _Server:
                 except asyncio.CancelledError:
                     return False, True
         finally:
-            self.sessions.recorded(session)  # (its timeline too, if its reply was sent)
+            self.sessions.recorded(session, clock)  # (its timeline too, if its reply was sent)
         return False, cancelled
 
     async def _timeline_free(self, session: Session, clock: CallClock) -> bool:
@@ -1381,7 +1388,7 @@ class _Server:
                 ids[i] = node_id
             held_at.update(part[j] for j in part_held)
         sent: list[tuple[Session, CallClock]] = []
-        recorded: list[Session] = []
+        recorded: list[tuple[Session, CallClock]] = []
         finished = 0
         for i, (session, node, clock) in enumerate(group):
             if node is None:  # a timeline set aside
@@ -1393,10 +1400,10 @@ class _Server:
             finished += 1
             node_id = ids[i]
             if node_id is None:  # any failure: the client has its answer, the turn is counted
-                self._drop(session, "record_error")
+                self._drop(session, "record_error", clock)
                 continue
             clock.node_id = node_id
-            recorded.append(session)
+            recorded.append((session, clock))
             if clock.reply_sent >= 0:  # sent before the turn was recorded: ours to do
                 sent.append((session, clock))
         try:
@@ -1405,8 +1412,8 @@ class _Server:
                     held = await anyio.to_thread.run_sync(self._record_timelines_now, sent)
                     self._aside += [(session, None, clock) for session, clock in held]
         finally:
-            for session in recorded:  # (and its timeline, if its reply was sent)
-                self.sessions.recorded(session)
+            for session, clock in recorded:  # (and its timeline, if its reply was sent)
+                self.sessions.recorded(session, clock)
             for _ in range(finished):
                 pending.task_done()
         if cancelled:
@@ -1484,8 +1491,11 @@ class _Server:
         # watched from the loop, not waited for in a worker thread: requests waiting for a
         # held session's turns (a dashboard polling its info) would take every thread the
         # recorder and the exports need, and hold up every other session with it
+        # only those answered before it: under steady traffic some later turn of the
+        # session is always on its way, and a wait for none would wait its whole bound
+        answered = self.sessions.answered_so_far()
         deadline = time.monotonic() + timeout
-        while session.unsettled:
+        while not self.sessions.settled_through(session, answered):
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(_SETTLE_POLL_S)
@@ -1503,8 +1513,8 @@ class _Server:
                 await recorder
         pending, self._pending = self._pending, None
         while pending is not None and not pending.empty():
-            session, _, _ = pending.get_nowait()
-            self._drop(session, "shutdown")
+            session, _, clock = pending.get_nowait()
+            self._drop(session, "shutdown", clock)
 
     async def _call(
         self,
@@ -2035,7 +2045,8 @@ class _Server:
         found = self._lookup(request)
         if isinstance(found, Response):
             return found
-        await self.settled_session(found)  # (--ack fast) its turns answered before it are in it
+        # (--ack fast) its turns answered before it are in it, or it says how many are not
+        settled = await self.settled_session(found)
         session, session_id, metadata = found, found.session_id, found.metadata
         await self._timelines_recorded(session)
         flags = request.query_params
@@ -2050,7 +2061,7 @@ class _Server:
         if level not in CAPTURE_LEVELS:
             message = f"capture_level must be one of {', '.join(CAPTURE_LEVELS)}"
             return JSONResponse({"error": message}, 400)
-        findings = _dropped_findings(session)
+        findings = _dropped_findings(session) + ([] if settled else _unsettled_findings(session))
 
         def produce(fp: IO[bytes]) -> None:
             with session.use() as graph:
@@ -2302,6 +2313,20 @@ def _dropped_findings(session: Session) -> list[str]:
         "(--ack fast) but not recorded (queue full, a recording error, the server "
         "stopping, or the server killed before recording them): the rollout misses them; "
         "see the server's /health"
+    ]
+
+
+def _unsettled_findings(session: Session) -> list[str]:
+    """The export's finding for turns answered with `--ack fast` that its wait
+    (`settled_session`) gave up on: neither recorded nor counted as dropped yet."""
+    waiting = session.unsettled
+    if not waiting:
+        return []
+    return [
+        f"[WARN] unsettled_turns: {waiting} turn(s) of this session were answered "
+        "(--ack fast) but not yet recorded when this export was taken (the recorder is held "
+        "up, or the session's graph is held by another export): the rollout may miss them; "
+        "export again later"
     ]
 
 
@@ -2754,13 +2779,13 @@ class RustDataPlane:
         """Put a `--ack fast` call's turn in the ack ledger before its reply goes out, for
         the recorder; or, once the engine stopped (a `finish` still running then, which no
         reply follows), count it at once: whether it is to be queued."""
-        session = call.plan.session
+        session, clock = call.plan.session, call.plan.clock
         with self._answered_lock:
-            self._server.sessions.answered(session)
+            self._server.sessions.answered(session, clock)
             if not self._closed:
                 self._answered.add(call)
                 return True
-        self._server._drop(session, "shutdown")
+        self._server._drop(session, "shutdown", clock)
         call.node = None
         return False
 
@@ -2821,8 +2846,8 @@ class RustDataPlane:
         it continues, not recorded yet (a client may read a stream's answer and call again
         before the stream's end is recorded, when it left early or stopped reading at the
         last delta, and its next turn must find that one in the graph to link to it; with
-        `--ack fast`, until the recorder has recorded that turn, so that this call's turn
-        is queued after it); or,
+        `--ack fast`, until the recorder has taken that turn, recorded or set aside, so that
+        this call's turn is queued after it); or,
         to record its turn (`--ack durable`), for the session's graph, which another thread
         holds (an export being read). Otherwise the graph is taken now, for `finish` to
         record in: the engine calls it next, on this thread."""
@@ -2900,7 +2925,7 @@ class RustDataPlane:
         finally:
             self._let_go(call)
             if call.plan.stream and call not in self._answered:
-                self._stream_ended(call)  # (a queued turn's stream ends when it is recorded)
+                self._stream_ended(call)  # (a queued turn's stream ends when the recorder takes it)
 
     def _finished(
         self,
@@ -2977,7 +3002,7 @@ class RustDataPlane:
         finally:
             self._let_go(call)
             if call not in self._answered:
-                self._stream_ended(call)  # (a queued turn's stream ends when it is recorded)
+                self._stream_ended(call)  # (a queued turn's stream ends when the recorder takes it)
 
     def _stream_finished(
         self, call: _Call, events: bytes, error: str | None, stamps: tuple[int, int, int]
@@ -3015,8 +3040,8 @@ class RustDataPlane:
         except _Refusal as refused:
             call.node = None
             if fast:  # fail-open: the stream ends as it came, the turn counted as dropped
-                server.sessions.answered(session)
-                server._drop(session, "record_error")
+                server.sessions.answered(session, clock)
+                server._drop(session, "record_error", clock)
                 return (*self._timed(call, (200, _SSE_HEADERS, [], True), False), True)
             return (*self._timed(call, self._failed(plan, refused, True), False), False)
         queue = fast and self._answer_fast(call)  # (before the last event is released)
@@ -3059,7 +3084,7 @@ class RustDataPlane:
         for i, call in enumerate(calls):
             self._answered.discard(call)
             if call.node is None:  # (a queued call always has its turn)
-                server._drop(call.plan.session, "record_error")
+                server._drop(call.plan.session, "record_error", call.plan.clock)
             else:
                 group.append((i, call, call.node))
         held: list[int] = []
@@ -3076,14 +3101,16 @@ class RustDataPlane:
             if i in aside:
                 continue
             if node_id is None:
-                server._drop(call.plan.session, "record_error")
+                server._drop(call.plan.session, "record_error", call.plan.clock)
             else:
                 call.plan.clock.node_id = node_id
-                server.sessions.recorded(call.plan.session)
+                server.sessions.recorded(call.plan.session, call.plan.clock)
             call.node = None
-        for i, call in enumerate(calls):
-            if call.plan.stream and i not in aside:
-                # only now: a call continuing it is queued after it (`waits`)
+        for call in calls:
+            if call.plan.stream:
+                # only now: a call continuing it is queued after it (`waits`); a turn set
+                # aside too, which the recorder hands back before any later one (a held
+                # graph held up the continuing call's answer, past the point of --ack fast)
                 self._stream_ended(call)
         return sorted(aside)
 
@@ -3091,7 +3118,7 @@ class RustDataPlane:
         """A queued turn that will not be recorded (`queue_full`, `shutdown`)."""
         self._answered.discard(call)
         session: Session = call.plan.session
-        self._server._drop(session, why)
+        self._server._drop(session, why, call.plan.clock)
         call.node = None
         if call.plan.stream:
             self._stream_ended(call)

@@ -133,8 +133,11 @@ class Session:
     #: server stopping): counted here, in `/health` and in the export's validation.
     dropped: int = 0
     #: Turns answered with `--ack fast` and neither recorded nor counted as dropped yet (under
-    #: `Sessions`' settle lock): an export of this session waits for these, no other's.
-    unsettled: int = 0
+    #: `Sessions`' settle lock): each one's number (`Sessions.answered`), by the `id` of what
+    #: the server tracks it by (its call's clock), in the order answered; None when there is
+    #: none (an idle session holds no dict). An export of this session waits for those
+    #: answered before it, no other's.
+    _waiting: dict[int, int] | None = field(default=None, repr=False)
     users: int = 0
     _graph: RolloutGraph | None = None
     _counts: dict[str, Any] | None = None
@@ -143,6 +146,12 @@ class Session:
     #: Why its log cannot be read (with the repair), or None: it is never opened again.
     damaged: str | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def unsettled(self) -> int:
+        """Its turns answered with `--ack fast` and not yet recorded nor counted as dropped."""
+        waiting = self._waiting
+        return 0 if waiting is None else len(waiting)
 
     @property
     def graph(self) -> RolloutGraph:
@@ -264,9 +273,18 @@ class Session:
             "upstream_errors": self.upstream_errors,
             "rejected": self.rejected,
             "dropped": self.dropped,
+            "unsettled": self.unsettled,
             "metadata": self.metadata,
             "group": self.group,
         }
+
+
+def _settled_through(session: Session, answered: int) -> bool:
+    """Whether none of `session`'s first `answered` turns waits (under the settle lock; its
+    waiting turns are in the order answered: the first one says)."""
+    waiting = session._waiting
+    first = None if waiting is None else next(iter(waiting.values()), None)
+    return first is None or first > answered
 
 
 def _counts(graph: RolloutGraph) -> dict[str, Any]:
@@ -343,6 +361,8 @@ class Sessions:
         #: Guards every session's `unsettled` count; told when one reaches 0 (one for all
         #: sessions: a session idle or not holds no lock of its own for it).
         self._settle = threading.Condition(threading.Lock())
+        #: Turns answered with `--ack fast` so far, every session's: each one's number.
+        self._answered = 0
         self._unlock: Callable[[], Any] | None = None
         #: Sessions reopened from the data directory: (id, turns, repaired bytes or 0).
         self.reopened: list[tuple[str, int, int]] = []
@@ -452,39 +472,58 @@ class Sessions:
             sessions = list(self._by_id.values())
         return {session.session_id: session.turns() for session in sessions}
 
-    def answered(self, session: Session) -> None:
+    def answered(self, session: Session, turn: object) -> None:
         """(`--ack fast`) A turn of `session` is about to be answered before it is
         recorded: the ack ledger has its line first (with a data directory), and the turn
-        is unsettled until `recorded` or `not_recorded` says what it became."""
+        (`turn`: what the server tracks it by, the same object until it is settled) is
+        unsettled until `recorded` or `not_recorded` says what it became."""
         with self._settle:
-            session.unsettled += 1
+            self._answered += 1
+            if session._waiting is None:
+                session._waiting = {}
+            session._waiting.pop(id(turn), None)  # (an id reused: to the end, in order)
+            session._waiting[id(turn)] = self._answered
         if self.ledger is not None:
-            self.ledger.answered(session.session_id, self._turn_counts)
+            self.ledger.answered(session.session_id, self._turn_counts, lambda: session.closed)
 
-    def recorded(self, session: Session) -> None:
-        """A turn of `session` is recorded: one of its answered turns is settled (none is
-        unsettled in `--ack durable`, whose turns are recorded before they are answered)."""
-        if session.unsettled:
-            self._settled_one(session)
+    def recorded(self, session: Session, turn: object) -> None:
+        """A turn of `session` is recorded: it is settled (nothing is unsettled in `--ack
+        durable`, whose turns are recorded before they are answered)."""
+        self._settled_one(session, turn)
 
-    def not_recorded(self, session: Session, reason: str) -> None:
+    def not_recorded(self, session: Session, reason: str, turn: object) -> None:
         """(`--ack fast`) One of those turns is dropped, counted now (`reason`)."""
-        self._settled_one(session)
-        if self.ledger is not None and not session.closed:
-            self.ledger.dropped(session.session_id, reason)
+        self._settled_one(session, turn)
+        if self.ledger is not None:
+            self.ledger.dropped(session.session_id, reason, lambda: session.closed)
 
-    def _settled_one(self, session: Session) -> None:
+    def _settled_one(self, session: Session, turn: object) -> None:
         with self._settle:
-            if session.unsettled:
-                session.unsettled -= 1
-                if not session.unsettled:
-                    self._settle.notify_all()
+            waiting = session._waiting
+            if waiting is not None and waiting.pop(id(turn), None) is not None:
+                if not waiting:
+                    session._waiting = None
+                self._settle.notify_all()
+
+    def answered_so_far(self) -> int:
+        """The number of the last turn answered so far (`--ack fast`, any session's): what
+        `settled_through` is asked of."""
+        with self._settle:
+            return self._answered
+
+    def settled_through(self, session: Session, answered: int) -> bool:
+        """Whether every turn of `session` numbered up to `answered` is recorded or counted
+        as dropped, whatever became of later ones (its turns settle out of their order: a
+        later one dropped by a full queue while an earlier one waits for its graph)."""
+        with self._settle:
+            return _settled_through(session, answered)
 
     def wait_settled(self, session: Session, timeout: float) -> bool:
         """Wait (at most `timeout` seconds) until every turn of `session` answered so far
         is recorded or counted as dropped; whether it was."""
+        answered = self.answered_so_far()
         with self._settle:
-            return self._settle.wait_for(lambda: not session.unsettled, timeout)
+            return self._settle.wait_for(lambda: _settled_through(session, answered), timeout)
 
     def _reopen_all(self) -> None:
         assert self.data is not None

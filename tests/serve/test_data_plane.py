@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from capture_support import (
+    ADMIN,
     ADMIN_KEY,
     auth,
     new_session,
@@ -802,3 +803,222 @@ def test_a_rust_plane_let_go_unstopped_stops_without_waiting_on_the_interpreter(
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "stopped"
+
+
+@pytest.mark.parametrize("plane", ["python", "rust"])
+def test_a_call_answered_after_its_session_is_deleted_and_made_again_counts_in_neither(
+    stub: str, tmp_path: Path, plane: str
+) -> None:
+    """With `--ack fast` and a data directory, a call of a session that is deleted, and made
+    again under the same id, while the call waits for the upstream: its turn is answered
+    (after the delete) and counted once, as the deleted session's (`record_error`), never
+    in the ack ledger as the new session's, which the next start would count as killed."""
+    app = create_app(stub, data=tmp_path, fsync="never", ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane=plane) as url:
+        old = new_session(url, session_id="again")
+        assert _chat(url, old["api_key"], "old 0") == 200  # (the ack ledger begun)
+        statuses: list[int] = []
+
+        def slow_call() -> None:
+            answer = httpx.post(
+                f"{url}/v1/chat/completions",
+                json={"model": "stub-slow", "messages": [{"role": "user", "content": "old 1"}]},
+                headers={"authorization": f"Bearer {old['api_key']}"},
+                timeout=20,
+            )
+            statuses.append(answer.status_code)
+
+        caller = threading.Thread(target=slow_call)
+        caller.start()
+        time.sleep(0.3)  # (it waits for the upstream's answer, a second)
+        deleted = httpx.delete(f"{url}/sessions/again", headers=ADMIN, timeout=5)
+        assert deleted.status_code == 200
+        new = new_session(url, session_id="again")
+        caller.join(20)
+        assert statuses == [200]
+        for i in range(2):
+            assert _chat(url, new["api_key"], f"new {i}") == 200
+        info = httpx.get(f"{url}/sessions/again", headers=auth("again")).json()
+        health = httpx.get(f"{url}/health").json()
+    assert (info["turns"], info["dropped"]) == (2, 0), info
+    assert health["dropped_by"]["record_error"] == health["dropped"] == 1, health
+    again = create_app(stub, data=tmp_path, admin_key=ADMIN_KEY)
+    with serve_app(again, data_plane=plane) as url:
+        info = httpx.get(f"{url}/sessions/again", headers=auth("again")).json()
+        health = httpx.get(f"{url}/health").json()
+    assert (info["turns"], info["dropped"]) == (2, 0), info
+    assert health["dropped"] == 0, health["dropped_by"]
+
+
+@pytest.mark.parametrize("plane", ["python", "rust"])
+def test_fast_answers_a_call_continuing_a_stream_whose_graph_is_held(
+    stub: str, tmp_path: Path, plane: str
+) -> None:
+    """With `--ack fast`, a call that continues a stream of its session whose turn the
+    recorder set aside (the session's graph held, as by an export read slowly) is answered
+    at once, not once the graph is free: its turn is queued after the stream's all the
+    same, and both are recorded in their order once the graph is free."""
+    app = create_app(stub, ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane=plane) as url:
+        made = new_session(url, session_id="held")
+        headers = {"authorization": f"Bearer {made['api_key']}"}
+        assert _chat(url, made["api_key"], "zero") == 200
+        assert len(_export(url, "held")["turns"]) == 1  # (its graph opened)
+        graph = app.state.server.sessions.get("held").graph
+        holding, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with graph.lock:
+                holding.set()
+                release.wait(20)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        try:
+            assert holding.wait(5)
+            messages = [{"role": "user", "content": "first"}]
+            body = {"model": "m", "messages": messages, "stream": True}
+            with httpx.stream(
+                "POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=5
+            ) as streamed:
+                events = streamed.read().decode()
+            reply = "".join(
+                json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                for line in events.splitlines()
+                if line.startswith("data: {")
+            )
+            messages += [
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": "second"},
+            ]
+            began = time.monotonic()
+            with contextlib.suppress(httpx.TimeoutException):
+                answer = httpx.post(
+                    f"{url}/v1/chat/completions",
+                    json={"model": "m", "messages": messages},
+                    headers=headers,
+                    timeout=3,
+                )
+            waited = time.monotonic() - began
+            assert len(graph) == 1  # (both turns wait for the graph)
+        finally:
+            release.set()
+            holder.join(20)
+        assert waited < 2.0 and answer.status_code == 200, waited
+        assert _asked(_export(url, "held")) == ["zero", "first", "second"]
+        assert httpx.get(f"{url}/health").json()["dropped"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("plane", ["python", "rust"])
+def test_fast_accounts_for_every_answered_turn_under_mixed_traffic(
+    stub: str, tmp_path: Path, plane: str, seed: int
+) -> None:
+    """With `--ack fast` and a queue bound of 2: four clients call four sessions at random
+    (a third of the calls streamed), a thread holds one session's graph after another (as
+    exports read slowly hold them), and exports are read meanwhile. Each export holds its
+    session's turns answered before it (or says some are unsettled), each client's turns in
+    its order, none twice; at the end each session's turns and dropped turns add up to its
+    answered calls, `/health` to the sum, and a restart counts the same, none killed."""
+    import random
+
+    sids = [f"s{k}" for k in range(4)]
+    problems: list[str] = []
+    answered = dict.fromkeys(sids, 0)
+    counted = threading.Lock()
+    app = create_app(
+        stub, data=tmp_path, fsync="turn", ack="fast", ack_queue=2, admin_key=ADMIN_KEY
+    )
+
+    def checked(doc: dict[str, Any], sid: str) -> None:
+        asked = _asked(doc)
+        if len(set(asked)) != len(asked):
+            problems.append(f"{sid}: a turn twice")
+        last: dict[int, int] = {}
+        for text in asked:
+            client, i = map(int, text.split())
+            if last.get(client, -1) >= i:
+                problems.append(f"{sid}: client {client}'s turn {i} after {last[client]}")
+            last[client] = i
+
+    with serve_app(app, data_plane=plane) as url:
+        keys = {sid: new_session(url, session_id=sid)["api_key"] for sid in sids}
+        sessions = app.state.server.sessions
+        done = threading.Event()
+
+        def client(c: int) -> None:
+            rng = random.Random(seed * 100 + c)
+            for i in range(40):
+                sid = rng.choice(sids)
+                body = {
+                    "model": "m",
+                    "messages": [{"role": "user", "content": f"{c} {i}"}],
+                    "stream": rng.random() < 0.3,
+                }
+                answer = httpx.post(
+                    f"{url}/v1/chat/completions",
+                    json=body,
+                    headers={"authorization": f"Bearer {keys[sid]}"},
+                    timeout=30,
+                )
+                if answer.status_code != 200:
+                    problems.append(f"call {c} {i}: {answer.status_code}")
+                    continue
+                with counted:
+                    answered[sid] += 1
+
+        def holder() -> None:
+            rng = random.Random(seed * 7)
+            while not done.is_set():
+                with sessions.get(rng.choice(sids)).graph.lock:
+                    time.sleep(rng.uniform(0.02, 0.2))
+                time.sleep(rng.uniform(0.0, 0.1))
+
+        def reader() -> None:
+            rng = random.Random(seed * 13)
+            while not done.is_set():
+                sid = rng.choice(sids)
+                with counted:
+                    before = answered[sid]
+                doc = _export(url, sid)
+                checked(doc, sid)
+                found = " ".join(doc["validation"])
+                dropped = 0
+                if "dropped_turns: " in found:
+                    dropped = int(found.split("dropped_turns: ")[1].split(" ")[0])
+                if len(doc["turns"]) + dropped < before and "unsettled_turns" not in found:
+                    problems.append(f"{sid}: {len(doc['turns'])}+{dropped} of {before}")
+                time.sleep(rng.uniform(0.0, 0.05))
+
+        clients = [threading.Thread(target=client, args=(c,)) for c in range(4)]
+        others = [threading.Thread(target=holder), threading.Thread(target=reader)]
+        for thread in clients + others:
+            thread.start()
+        for thread in clients:
+            thread.join(60)
+        done.set()
+        for thread in others:
+            thread.join(60)
+        counts = {}
+        for sid in sids:
+            checked(_export(url, sid), sid)
+            info = httpx.get(f"{url}/sessions/{sid}", headers=ADMIN, timeout=20).json()
+            counts[sid] = (info["turns"], info["dropped"])
+        health = httpx.get(f"{url}/health").json()
+    assert problems == []
+    assert {sid: turns + dropped for sid, (turns, dropped) in counts.items()} == answered
+    assert (
+        health["dropped"]
+        == health["dropped_by"]["queue_full"]
+        == sum(dropped for _, dropped in counts.values())
+    )
+    again = create_app(stub, data=tmp_path, admin_key=ADMIN_KEY)
+    with serve_app(again, data_plane=plane) as url:
+        infos = {
+            sid: httpx.get(f"{url}/sessions/{sid}", headers=ADMIN, timeout=20).json()
+            for sid in sids
+        }
+        health = httpx.get(f"{url}/health").json()
+    assert {sid: (info["turns"], info["dropped"]) for sid, info in infos.items()} == counts
+    assert health["dropped_by"]["killed"] == 0

@@ -367,3 +367,113 @@ def test_ack_arguments_are_checked(stub: str) -> None:
         create_app(stub, ack="eventually")
     with pytest.raises(InvalidArgumentError, match="ack_queue"):
         create_app(stub, ack="fast", ack_queue=0)
+
+
+@pytest.mark.parametrize("plane", ["python", "rust"])
+def test_an_export_whose_wait_for_its_turns_times_out_says_so(
+    stub: str, monkeypatch: pytest.MonkeyPatch, plane: str
+) -> None:
+    """An export (and the info) that gave up waiting for its session's answered turns (the
+    recorder held up past the wait) says how many it misses, not yet recorded; once they
+    are in, nothing is said."""
+    gate = threading.Event()
+    record = _Server._record
+    record_queued = RustDataPlane.record
+    settled = _Server.settled_session
+
+    async def gated(self: _Server, session: Any, node: Any) -> str:
+        await asyncio.to_thread(gate.wait, 20)
+        return await record(self, session, node)
+
+    def gated_queued(self: RustDataPlane, call: Any) -> Any:
+        gate.wait(20)
+        return record_queued(self, call)
+
+    async def short(self: _Server, session: Any, timeout: float = 0.3) -> bool:
+        return await settled(self, session, 0.3)
+
+    monkeypatch.setattr(_Server, "_record", gated)
+    monkeypatch.setattr(RustDataPlane, "record", gated_queued)
+    monkeypatch.setattr(_Server, "settled_session", short)
+    app = create_app(stub, ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane=plane) as url:
+        session = new_session(url, session_id="late")
+        _call(url, session, "queued")
+        doc = json.loads(_export_text(url, "late"))
+        info = httpx.get(f"{url}/sessions/late", headers=auth("late"), timeout=5).json()
+        gate.set()
+        settled_doc = json.loads(_export_text(url, "late"))
+        settled_info = httpx.get(f"{url}/sessions/late", headers=auth("late"), timeout=5).json()
+    assert len(doc["turns"]) == 0
+    (warning,) = [f for f in doc["validation"] if "unsettled_turns" in f]
+    assert warning.startswith("[WARN] unsettled_turns: 1 turn(s)"), warning
+    assert info["unsettled"] == 1 and info["turns"] == 0, info
+    assert len(settled_doc["turns"]) == 1
+    assert not [f for f in settled_doc["validation"] if "unsettled_turns" in f]
+    assert settled_info["unsettled"] == 0 and settled_info["turns"] == 1, settled_info
+
+
+@pytest.mark.parametrize("plane", ["python", "rust"])
+def test_an_export_waits_for_the_turns_answered_before_it_not_for_later_ones(
+    stub: str, monkeypatch: pytest.MonkeyPatch, plane: str
+) -> None:
+    """A session's info and export wait for its turns answered before them, not for those
+    answered while they wait: a session whose calls keep coming (several clients of one
+    session) is read as soon as its earlier turns are in, not once no turn of it is on its
+    way (which under steady traffic may be never, and every read waited its whole bound)."""
+    gates = [threading.Event(), threading.Event()]
+    records = [0]
+    record = _Server._record
+    record_queued = RustDataPlane.record
+    settled = _Server.settled_session
+
+    def gate() -> threading.Event:
+        records[0] += 1
+        return gates[min(records[0], 2) - 1]
+
+    async def gated(self: _Server, session: Any, node: Any) -> str:
+        await asyncio.to_thread(gate().wait, 20)
+        return await record(self, session, node)
+
+    def gated_queued(self: RustDataPlane, calls: Any) -> Any:
+        gate().wait(20)
+        return record_queued(self, calls)
+
+    async def bounded(self: _Server, session: Any, timeout: float = 5.0) -> bool:
+        return await settled(self, session, 5.0)
+
+    monkeypatch.setattr(_Server, "_record", gated)
+    monkeypatch.setattr(RustDataPlane, "record", gated_queued)
+    monkeypatch.setattr(_Server, "settled_session", bounded)
+    app = create_app(stub, ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane=plane) as url:
+        session = new_session(url, session_id="busy")
+        _call(url, session, "before")  # (its recording waits for the first gate)
+        read: dict[str, tuple[float, Any]] = {}
+
+        def info() -> None:
+            began = time.monotonic()
+            doc = httpx.get(f"{url}/sessions/busy", headers=auth("busy"), timeout=20).json()
+            read["info"] = (time.monotonic() - began, doc)
+
+        def exported() -> None:
+            began = time.monotonic()
+            doc = json.loads(_export_text(url, "busy"))
+            read["export"] = (time.monotonic() - began, doc)
+
+        readers = [threading.Thread(target=info), threading.Thread(target=exported)]
+        for reader in readers:
+            reader.start()
+        time.sleep(0.2)  # (they wait for the first turn)
+        _call(url, session, "after")  # (its recording waits for the second gate)
+        time.sleep(0.1)
+        gates[0].set()
+        for reader in readers:
+            reader.join(20)
+        gates[1].set()
+    (waited, info_doc), (exported_in, doc) = read["info"], read["export"]
+    assert waited < 2.0 and info_doc["turns"] == 1, (waited, info_doc)
+    # (the Rust plane's recorder, held, has the first call's timeline behind the second
+    # turn: the export waits for it its bound, 2 s, then goes without it)
+    assert exported_in < 3.0 and len(doc["turns"]) == 1, exported_in
+    assert not [f for f in doc["validation"] if "unsettled_turns" in f]
