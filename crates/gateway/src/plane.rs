@@ -1715,7 +1715,16 @@ fn record_batch<C: Control>(
                 control.record(&tickets)
             }
         }))
-        .unwrap_or_default();
+        .unwrap_or_else(|_| {
+            // a panic in the control: none of these turns is known to be recorded, and
+            // each is reported dropped (counted), never let go unsaid
+            for ticket in &tickets {
+                let _ = catch_unwind(AssertUnwindSafe(|| {
+                    control.dropped(ticket, "record_error");
+                }));
+            }
+            Vec::new()
+        });
         let mut kept = vec![false; turns.len()];
         for i in held {
             if let Some(k) = kept.get_mut(i) {

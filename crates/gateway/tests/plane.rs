@@ -97,6 +97,10 @@ impl Control for Probe {
     }
 
     fn record(&self, tickets: &[&String]) -> Vec<usize> {
+        assert!(
+            !tickets.iter().any(|t| t.contains("panic-in-record")),
+            "a bug in the control plane's recording"
+        );
         let mut recorded = self.0.recorded.lock().unwrap();
         let busy = *self.0.busy.lock().unwrap(); // (once: a session is busy for all its turns)
         let mut held = Vec::new();
@@ -225,6 +229,24 @@ fn a_stop_reports_the_turns_still_set_aside_dropped() {
         vec![(format!("a:{}", body("a1")), "shutdown")]
     );
     assert!(s.gateway.settle(Duration::ZERO));
+}
+
+#[test]
+fn a_panic_while_recording_reports_its_turns_dropped_and_the_recorder_goes_on() {
+    let mut s = setup();
+    assert_eq!(model_call(s.addr, "key-a", &body("panic-in-record")).0, 200);
+    assert!(s.gateway.settle(Duration::from_secs(5)));
+    assert_eq!(
+        *s.control.dropped.lock().unwrap(),
+        vec![(format!("a:{}", body("panic-in-record")), "record_error")]
+    );
+    assert_eq!(model_call(s.addr, "key-a", &body("after")).0, 200);
+    assert!(s.gateway.settle(Duration::from_secs(5)));
+    assert_eq!(
+        *s.control.recorded.lock().unwrap(),
+        vec![format!("a:{}", body("after"))]
+    );
+    s.gateway.stop(Duration::from_secs(5));
 }
 
 #[test]
