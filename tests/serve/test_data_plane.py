@@ -981,7 +981,16 @@ def test_fast_accounts_for_every_answered_turn_under_mixed_traffic(
                 sid = rng.choice(sids)
                 with counted:
                     before = answered[sid]
-                doc = _export(url, sid)
+                # (mid-traffic, a turn answered after the export began may be in it before
+                # its timeline is: the final exports check every timeline)
+                answer = httpx.get(
+                    f"{url}/sessions/{sid}/export",
+                    params={"messages": "1"},
+                    headers=auth(sid),
+                    timeout=30,
+                )
+                answer.raise_for_status()
+                doc = answer.json()
                 checked(doc, sid)
                 found = " ".join(doc["validation"])
                 dropped = 0
@@ -991,8 +1000,17 @@ def test_fast_accounts_for_every_answered_turn_under_mixed_traffic(
                     problems.append(f"{sid}: {len(doc['turns'])}+{dropped} of {before}")
                 time.sleep(rng.uniform(0.0, 0.05))
 
-        clients = [threading.Thread(target=client, args=(c,)) for c in range(4)]
-        others = [threading.Thread(target=holder), threading.Thread(target=reader)]
+        def reported(work: Any, *args: Any) -> None:
+            try:
+                work(*args)
+            except Exception as exc:  # (a thread's failure fails the test)
+                problems.append(f"{work.__name__}: {exc!r}")
+
+        clients = [threading.Thread(target=reported, args=(client, c)) for c in range(4)]
+        others = [
+            threading.Thread(target=reported, args=(holder,)),
+            threading.Thread(target=reported, args=(reader,)),
+        ]
         for thread in clients + others:
             thread.start()
         for thread in clients:
