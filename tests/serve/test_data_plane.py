@@ -132,22 +132,9 @@ def _read_whole_or_not() -> list[bytes]:
 def test_what_the_engine_read_of_a_body_is_answered_as_the_python_plane_answers(
     stub: str,
 ) -> None:
-    seen = {}
-    for plane in ("python", "rust"):
-        app = create_app(stub, admin_key=ADMIN_KEY)
-        with serve_app(app, data_plane=plane) as url:
-            session = new_session(url, session_id="same")
-            bearer = {"authorization": f"Bearer {session['api_key']}"}
-            answers = []
-            for body in _read_whole_or_not():
-                answer = httpx.post(
-                    f"{url}/v1/chat/completions",
-                    content=body,
-                    headers={"content-type": "application/json", **bearer},
-                    timeout=20,
-                )
-                answers.append((answer.status_code, answer.content))
-            seen[plane] = answers, _export(url, "same")["turns"]
+    seen = _answers_of_both_planes(
+        stub, [("/v1/chat/completions", body) for body in _read_whole_or_not()]
+    )
     python, rust = seen["python"], seen["rust"]
     assert [a[0] for a in rust[0]] == [400, 200, 200, 400, 200, 400, 400, 400, 200, 400, 200]
     assert rust[0] == python[0]

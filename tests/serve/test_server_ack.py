@@ -11,6 +11,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +165,24 @@ def _slow_recorder(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     monkeypatch.setattr(RustDataPlane, "record", slow_queued)
 
 
+def _gate_recorders(monkeypatch: pytest.MonkeyPatch, gate: Callable[[], threading.Event]) -> None:
+    """Both planes' fast recorders wait (at most 20 s) for the event `gate()` gives at each
+    recording before they record."""
+    record = _Server._record
+    record_queued = RustDataPlane.record
+
+    async def gated(self: _Server, session: Any, node: Any) -> str:
+        await asyncio.to_thread(gate().wait, 20)
+        return await record(self, session, node)
+
+    def gated_queued(self: RustDataPlane, calls: Any) -> Any:
+        gate().wait(20)
+        return record_queued(self, calls)
+
+    monkeypatch.setattr(_Server, "_record", gated)
+    monkeypatch.setattr(RustDataPlane, "record", gated_queued)
+
+
 def test_the_server_answers_while_an_export_waits_for_the_queued_turns(
     stub: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -171,24 +190,13 @@ def test_the_server_answers_while_an_export_waits_for_the_queued_turns(
     and another session's call are answered, and the export has the turn once it is in."""
     gate = threading.Event()
     settling = threading.Event()
-    record = _Server._record
-    record_queued = RustDataPlane.record
     settled = _Server.settled_session
-
-    async def gated(self: _Server, session: Any, node: Any) -> str:
-        await asyncio.to_thread(gate.wait, 20)
-        return await record(self, session, node)
-
-    def gated_queued(self: RustDataPlane, call: Any) -> None:
-        gate.wait(20)
-        record_queued(self, call)
+    _gate_recorders(monkeypatch, lambda: gate)
 
     async def settling_first(self: _Server, session: Any, timeout: float = 10.0) -> bool:
         settling.set()
         return await settled(self, session, timeout)
 
-    monkeypatch.setattr(_Server, "_record", gated)
-    monkeypatch.setattr(RustDataPlane, "record", gated_queued)
     monkeypatch.setattr(_Server, "settled_session", settling_first)
     app = create_app(stub, ack="fast", admin_key=ADMIN_KEY)
     with serve_app(app) as url:
@@ -377,23 +385,12 @@ def test_an_export_whose_wait_for_its_turns_times_out_says_so(
     recorder held up past the wait) says how many it misses, not yet recorded; once they
     are in, nothing is said."""
     gate = threading.Event()
-    record = _Server._record
-    record_queued = RustDataPlane.record
     settled = _Server.settled_session
-
-    async def gated(self: _Server, session: Any, node: Any) -> str:
-        await asyncio.to_thread(gate.wait, 20)
-        return await record(self, session, node)
-
-    def gated_queued(self: RustDataPlane, call: Any) -> Any:
-        gate.wait(20)
-        return record_queued(self, call)
+    _gate_recorders(monkeypatch, lambda: gate)
 
     async def short(self: _Server, session: Any, timeout: float = 0.3) -> bool:
         return await settled(self, session, 0.3)
 
-    monkeypatch.setattr(_Server, "_record", gated)
-    monkeypatch.setattr(RustDataPlane, "record", gated_queued)
     monkeypatch.setattr(_Server, "settled_session", short)
     app = create_app(stub, ack="fast", admin_key=ADMIN_KEY)
     with serve_app(app, data_plane=plane) as url:
@@ -423,27 +420,17 @@ def test_an_export_waits_for_the_turns_answered_before_it_not_for_later_ones(
     way (which under steady traffic may be never, and every read waited its whole bound)."""
     gates = [threading.Event(), threading.Event()]
     records = [0]
-    record = _Server._record
-    record_queued = RustDataPlane.record
     settled = _Server.settled_session
 
     def gate() -> threading.Event:
         records[0] += 1
         return gates[min(records[0], 2) - 1]
 
-    async def gated(self: _Server, session: Any, node: Any) -> str:
-        await asyncio.to_thread(gate().wait, 20)
-        return await record(self, session, node)
-
-    def gated_queued(self: RustDataPlane, calls: Any) -> Any:
-        gate().wait(20)
-        return record_queued(self, calls)
+    _gate_recorders(monkeypatch, gate)
 
     async def bounded(self: _Server, session: Any, timeout: float = 5.0) -> bool:
         return await settled(self, session, 5.0)
 
-    monkeypatch.setattr(_Server, "_record", gated)
-    monkeypatch.setattr(RustDataPlane, "record", gated_queued)
     monkeypatch.setattr(_Server, "settled_session", bounded)
     app = create_app(stub, ack="fast", admin_key=ADMIN_KEY)
     with serve_app(app, data_plane=plane) as url:
