@@ -44,6 +44,7 @@ __all__ = [
     "MAX_PAYLOAD_V1",
     "SYNC",
     "Packer",
+    "RequestTable",
     "RefusedValue",
     "unpack",
     "u32_ids",
@@ -242,6 +243,53 @@ class KeyIndex:
     @property
     def nbytes(self) -> int:
         """Bytes of heap the index holds (what `tracemalloc` does not see)."""
+
+@final
+class RequestTable:
+    """A graph's filed requests and the one base-finder: `find` the longest filed request a
+    request starts with (the first filed of twins), `file` a request under its digest. Raw
+    texts of messages are read as `json.loads` reads them, from the latest raw tip they
+    re-send (`find_json`, `add_json`)."""
+
+    def __new__(cls) -> RequestTable: ...
+    def find(self, plains: list[bytes]) -> tuple[int | None, int, bool, bytes]:
+        """`(base, base_len, echo, digest)` for a request whose non-system messages pack as
+        `plains`: the filed turn it extends (None: none) and its message count, whether the
+        message after those is exactly that turn's response, and the request's digest."""
+    def find_json(
+        self, text: bytes, /, *, max_depth: int = ...
+    ) -> tuple[int, list[bytes], tuple[int | None, int, bool, bytes]]:
+        """`(first, plains, (base, base_len, echo, digest))` for a request given as the JSON
+        text of its non-system messages (an array), read as `json.loads` reads it: `plains`
+        are the packings of messages `first` on (those before are the raw tip's it re-sends,
+        not read again). `DecodeError` for text that is not JSON, `ValueError` for one that
+        is not an array or holds an int `json.loads` refuses."""
+    def add_json(
+        self, turn: int, text: bytes, response: bytes | None = None, *, max_depth: int = ...
+    ) -> tuple[int, list[bytes], tuple[int | None, int, bool, bytes]]:
+        """`find_json`, then `file` the request as turn `turn` (with its response's plain
+        packing): it becomes its conversation's raw tip, the one a text re-sending it is read
+        from. Nothing is filed when it raises."""
+    @staticmethod
+    def tail(plains: list[bytes], base_len: int, echo: bool) -> bytes:
+        """The stored tail of a request whose messages pack as `plains`, found to extend a
+        request of `base_len` messages (`echo`: the next is its response): an array header,
+        then the packings after the base's, the first as the echo placeholder if it is one."""
+    def file(self, turn: int, n_rest: int, digest: bytes, response: bytes | None = None) -> None:
+        """File turn `turn`'s request of `n_rest` messages under its 32-byte `digest`, with
+        its response's plain packing (None: no response). Turns are filed in increasing
+        order; `ValueError` otherwise, and nothing changes."""
+    def n_rest(self, turn: int) -> int | None:
+        """The message count of a filed turn's request (None: not filed)."""
+    def response(self, turn: int) -> bytes | None:
+        """The plain packing of a filed turn's response (None: not filed, or none)."""
+    @property
+    def raw_tip_hits(self) -> int:
+        """Raw texts filed that were read from a tip on (only their new messages read)."""
+    def __len__(self) -> int: ...
+    @property
+    def nbytes(self) -> int:
+        """Bytes the table holds, spare capacity included (what `tracemalloc` cannot see)."""
 
 class FrameTooLarge(ValueError):
     """A record or string larger than a frame can hold (the message says which and its size)."""

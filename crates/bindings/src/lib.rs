@@ -8,6 +8,7 @@ mod hashing;
 mod json;
 mod key_index;
 mod packed;
+mod requests;
 
 use pyo3::prelude::*;
 
@@ -58,6 +59,8 @@ mod _core {
     use super::key_index::KeyIndex;
     #[pymodule_export]
     use super::packed::{check_packed, unpack, Packer};
+    #[pymodule_export]
+    use super::requests::RequestTable;
     #[pymodule_export]
     use super::{DecodeError, FrameTooLarge, RefusedValue};
 

@@ -25,6 +25,16 @@ impl PrefixHasher {
         Self::default()
     }
 
+    /// A hasher that goes on from `state`, a state [`finish`](Self::finish) gave after
+    /// `fed` bytes.
+    pub fn resume(state: blake3::Hasher, fed: u64) -> Self {
+        Self {
+            hasher: state,
+            pending: Vec::new(),
+            fed,
+        }
+    }
+
     /// Bytes fed so far.
     pub fn fed(&self) -> u64 {
         self.fed
@@ -113,6 +123,17 @@ mod tests {
         h.update(&data[ALIGN / 2..]);
         assert_eq!(h.digest(), digest(&data));
         assert_eq!(copy.digest(), digest(&data[..ALIGN / 2]));
+    }
+
+    #[test]
+    fn a_finished_state_resumed_goes_on_as_the_whole() {
+        let data = sample(3 * ALIGN + 77);
+        let mut h = PrefixHasher::new();
+        h.update(&data[..ALIGN + 5]);
+        let mut resumed = PrefixHasher::resume(h.finish(), (ALIGN + 5) as u64);
+        resumed.update(&data[ALIGN + 5..]);
+        assert_eq!(resumed.digest(), digest(&data));
+        assert_eq!(resumed.fed(), data.len() as u64);
     }
 
     #[test]

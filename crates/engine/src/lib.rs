@@ -9,7 +9,8 @@
 //!   request index);
 //! - [`packed`]: the packed form of recorded values (msgpack and the library's extension
 //!   types), written and read back;
-//! - [`packed_check`]: a stored packed value checked without building it (what a loader trusts).
+//! - [`packed_check`]: a stored packed value checked without building it (what a loader trusts);
+//! - [`requests`]: a graph's filed requests as rows, and the one base-finder.
 
 pub mod content;
 pub mod digest;
@@ -18,3 +19,4 @@ pub mod json;
 pub mod key_index;
 pub mod packed;
 pub mod packed_check;
+pub mod requests;

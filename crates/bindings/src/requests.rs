@@ -1,0 +1,235 @@
+//! `RequestTable`: the engine's request table and its one base-finder (see the engine's
+//! `requests`), for requests given as plain packings or as the raw JSON text of their
+//! messages.
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use engine::json as ej;
+use engine::requests::{self, Found, RawError, RawFound, Requests, DIGEST_SIZE};
+use pyo3::exceptions::{PyOverflowError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
+use pyo3::types::{PyBytes, PyList};
+
+use crate::{DecodeError, DETACH_FROM};
+
+/// What `find` answers: `(base, base_len, echo, digest)`.
+type FoundTuple<'py> = (Option<u32>, usize, bool, Bound<'py, PyBytes>);
+
+/// A graph's filed requests and the base-finder: `find` the longest filed request a request
+/// starts with (the first filed of twins), `file` a request under its digest.
+#[pyclass(frozen, module = "rollout_store._core")]
+pub struct RequestTable {
+    inner: Mutex<Requests>,
+}
+
+impl RequestTable {
+    /// The table; a panic while it was held left it consistent (filing changes nothing before
+    /// its last fallible step), so a poisoned lock is taken over.
+    fn table(&self) -> MutexGuard<'_, Requests> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Find with the GIL released for a long request (hashing it is pure Rust work).
+    fn found_for(&self, py: Python<'_>, plains: &[PyBackedBytes]) -> Found {
+        let size: usize = plains.iter().map(|plain| plain.len()).sum();
+        if size >= DETACH_FROM {
+            py.detach(|| self.table().find(plains))
+        } else {
+            self.table().find(plains)
+        }
+    }
+
+    /// A raw text read by the table (see `find_json`), the GIL released for a long one.
+    fn read_raw(&self, py: Python<'_>, text: &[u8], max_depth: usize) -> PyResult<RawFound> {
+        let max_digits: usize = py
+            .import("sys")?
+            .call_method0("get_int_max_str_digits")?
+            .extract()?;
+        let read = |table: &Requests| table.find_raw(text, max_depth, max_digits);
+        let raw = if text.len() >= DETACH_FROM {
+            py.detach(|| read(&self.table()))
+        } else {
+            read(&self.table())
+        };
+        raw.map_err(|err| raw_error(py, &err))
+    }
+}
+
+/// The bytes of a list of `bytes`, borrowed (no copy).
+fn backed(plains: &Bound<'_, PyList>) -> PyResult<Vec<PyBackedBytes>> {
+    plains
+        .iter()
+        .map(|plain| plain.extract().map_err(PyErr::from))
+        .collect()
+}
+
+fn file_error(err: &requests::FileError) -> PyErr {
+    match err {
+        requests::FileError::Full => PyOverflowError::new_err(err.to_string()),
+        _ => PyValueError::new_err(err.to_string()),
+    }
+}
+
+fn found_tuple<'py>(py: Python<'py>, found: &Found) -> FoundTuple<'py> {
+    (
+        found.base,
+        found.base_len,
+        found.echo,
+        PyBytes::new(py, &found.digest),
+    )
+}
+
+/// A `RawError` as the exception `json.loads` (or the library) raises for it.
+fn raw_error(py: Python<'_>, err: &RawError) -> PyErr {
+    match err {
+        RawError::Syntax(e) => {
+            let exc = DecodeError::new_err(e.to_string());
+            if let Err(set) = exc.value(py).setattr("offset", e.offset) {
+                return set;
+            }
+            exc
+        }
+        RawError::NotArray => PyValueError::new_err(format!("request_messages: {err}")),
+        RawError::Digits { .. } => PyValueError::new_err(err.to_string()),
+    }
+}
+
+/// `(first, plains, found)` of a raw text read by the table.
+type RawTuple<'py> = (usize, Bound<'py, PyList>, FoundTuple<'py>);
+
+fn raw_tuple<'py>(py: Python<'py>, raw: &RawFound) -> PyResult<RawTuple<'py>> {
+    let plains = PyList::new(py, raw.plains.iter().map(|p| PyBytes::new(py, p)))?;
+    Ok((raw.first, plains, found_tuple(py, &raw.found)))
+}
+
+#[pymethods]
+impl RequestTable {
+    #[new]
+    fn new() -> Self {
+        Self {
+            inner: Mutex::new(Requests::new()),
+        }
+    }
+
+    /// `(base, base_len, echo, digest)` for a request whose non-system messages pack as
+    /// `plains`: the filed turn it extends (None: none) and its message count, whether the
+    /// message after those is exactly that turn's response, and the request's digest.
+    fn find<'py>(&self, py: Python<'py>, plains: &Bound<'py, PyList>) -> PyResult<FoundTuple<'py>> {
+        let plains = backed(plains)?;
+        let found = self.found_for(py, &plains);
+        Ok(found_tuple(py, &found))
+    }
+
+    /// `(first, plains, (base, base_len, echo, digest))` for a request given as the JSON text
+    /// of its non-system messages (an array), read as `json.loads` reads it: `plains` are the
+    /// packings of messages `first` on (those before are the raw tip's it re-sends, not read
+    /// again). `DecodeError` for text that is not JSON, `ValueError` for one that is not an
+    /// array or holds an int `json.loads` refuses.
+    #[pyo3(signature = (text, /, *, max_depth = ej::DEFAULT_MAX_DEPTH))]
+    fn find_json<'py>(
+        &self,
+        py: Python<'py>,
+        text: &[u8],
+        max_depth: usize,
+    ) -> PyResult<RawTuple<'py>> {
+        let raw = self.read_raw(py, text, max_depth)?;
+        raw_tuple(py, &raw)
+    }
+
+    /// `find_json`, then `file` the request as turn `turn` (with its response's plain
+    /// packing): it becomes its conversation's raw tip, the one a text re-sending it is read
+    /// from. Nothing is filed when it raises.
+    #[pyo3(signature = (turn, text, response = None, *, max_depth = ej::DEFAULT_MAX_DEPTH))]
+    fn add_json<'py>(
+        &self,
+        py: Python<'py>,
+        turn: u32,
+        text: &[u8],
+        response: Option<&[u8]>,
+        max_depth: usize,
+    ) -> PyResult<RawTuple<'py>> {
+        let raw = self.read_raw(py, text, max_depth)?;
+        self.table()
+            .file_raw(turn, &raw, response)
+            .map_err(|err| file_error(&err))?;
+        raw_tuple(py, &raw)
+    }
+
+    /// The stored tail of a request whose messages pack as `plains`, found to extend a
+    /// request of `base_len` messages (`echo`: the next is its response): an array header,
+    /// then the packings after the base's, the first as the echo placeholder if it is one.
+    #[staticmethod]
+    fn tail<'py>(
+        py: Python<'py>,
+        plains: &Bound<'py, PyList>,
+        base_len: usize,
+        echo: bool,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let plains = backed(plains)?;
+        if base_len > plains.len() || (echo && base_len == plains.len()) {
+            return Err(PyValueError::new_err(format!(
+                "a base of {base_len} messages{} in a request of {}",
+                if echo { " and an echo" } else { "" },
+                plains.len()
+            )));
+        }
+        let found = Found {
+            base: None,
+            base_len,
+            echo,
+            digest: [0; DIGEST_SIZE],
+        };
+        Ok(PyBytes::new(py, &Requests::tail(&plains, &found)))
+    }
+
+    /// File turn `turn`'s request of `n_rest` messages under its 32-byte `digest`, with its
+    /// response's plain packing (None: no response). Turns are filed in increasing order;
+    /// `ValueError` otherwise, and nothing changes.
+    #[pyo3(signature = (turn, n_rest, digest, response = None))]
+    fn file(
+        &self,
+        turn: u32,
+        n_rest: usize,
+        digest: &[u8],
+        response: Option<&[u8]>,
+    ) -> PyResult<()> {
+        let digest: [u8; DIGEST_SIZE] = digest.try_into().map_err(|_| {
+            PyValueError::new_err(format!(
+                "a request digest is {DIGEST_SIZE} bytes, not {}",
+                digest.len()
+            ))
+        })?;
+        self.table()
+            .file(turn, n_rest, digest, response)
+            .map_err(|err| file_error(&err))
+    }
+
+    /// The message count of a filed turn's request (None: not filed).
+    fn n_rest(&self, turn: u32) -> Option<usize> {
+        self.table().n_rest(turn)
+    }
+
+    /// The plain packing of a filed turn's response (None: not filed, or none).
+    fn response<'py>(&self, py: Python<'py>, turn: u32) -> Option<Bound<'py, PyBytes>> {
+        self.table()
+            .response(turn)
+            .map(|packed| PyBytes::new(py, packed))
+    }
+
+    /// Raw texts filed that were read from a tip on (only their new messages read).
+    #[getter]
+    fn raw_tip_hits(&self) -> u64 {
+        self.table().raw_tip_hits()
+    }
+
+    fn __len__(&self) -> usize {
+        self.table().len()
+    }
+
+    /// Bytes the table holds, spare capacity included (what `tracemalloc` cannot see).
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.table().nbytes()
+    }
+}

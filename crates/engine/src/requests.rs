@@ -1,0 +1,994 @@
+//! The request table: each filed request of a graph as a row of numbers, the index that finds
+//! rows by their digest, and the one base-finder.
+//!
+//! A request's non-system messages arrive as their plain packings (the engine's canonical
+//! packing, every string inline: what `Packer(None, None)` writes for a Python value, and
+//! what the JSON transcoder writes for a raw text). A request re-sends an earlier one and adds
+//! a few messages, so it is stored as that earlier request, its *base*, plus a tail. The base
+//! is the longest filed request whose messages are exactly the request's first ones: found by
+//! the BLAKE3 digest of the packings at each message boundary where some filed request ends
+//! (the lengths index says where), longest first, in the one index (the digest's first 8
+//! bytes to rows; the full 32 bytes confirm, since BLAKE3 collisions cannot be crafted and a
+//! digest match stands for a byte comparison). Of requests filed alike (twins: a retry, the
+//! samples of a group) the first filed is the base. The message right after the base's is an
+//! *echo* when it is exactly the base's response: the tail keeps a placeholder for it.
+//!
+//! A raw text of messages (the JSON array a harness or a capture server sends) is read as
+//! `json.loads` reads it and transcoded straight into plain packings, with no Python object
+//! between. Most re-send the text of the conversation's latest raw turn and add a few items:
+//! that turn is a *raw tip*, which keeps the BLAKE3 digest of its text up to its last item and
+//! the BLAKE3 state of its packings there. A text whose bytes up to a tip's end hash to that
+//! digest holds the tip's messages, byte for byte, so only its new items are read and packed,
+//! and its packings' digests go on from the tip's state. The base is then found exactly as for
+//! any request, in the same index: a tip saves reading, never decides.
+//!
+//! A row costs its digest, its message count and where its response's packing sits in the
+//! table's pages: no object per request, and a page is freed with the table.
+
+use crate::digest::PrefixHasher;
+use crate::json::{self as ej, ParseError};
+use crate::key_index::{Full, KeyIndex};
+use crate::packed::{to_packed, write_array_header, EXT_ECHO};
+use xxhash_rust::xxh3::xxh3_64;
+
+/// A turn's number in its graph (its index there).
+pub type TurnNo = u32;
+
+/// Bytes of a request digest (BLAKE3).
+pub const DIGEST_SIZE: usize = 32;
+
+/// The packing of the echo placeholder: an ext of type `EXT_ECHO` with no payload, as msgpack
+/// writes it (`ext 8`, length 0).
+#[allow(clippy::cast_sign_loss)]
+pub const ECHO_PACKED: [u8; 3] = [0xc7, 0x00, EXT_ECHO as u8];
+
+/// Bytes of a page of the table's response packings, at most (a longer packing gets a page of
+/// its own), and of the first.
+const PAGE: usize = 1 << 20;
+const FIRST_PAGE: usize = 1 << 12;
+
+/// Raw tips kept (the latest raw turn of each conversation, the oldest let go first).
+pub const MAX_RAW_TIPS: usize = 64;
+
+/// Bytes at the start of a text whose xxh3 picks the tips worth a BLAKE3 of the text.
+const RAW_HEAD: usize = 4096;
+
+/// JSON's whitespace.
+fn is_ws(byte: u8) -> bool {
+    matches!(byte, b' ' | b'\t' | b'\r' | b'\n')
+}
+
+/// Where the last item of a JSON array text ends (before its closing bracket and the
+/// whitespace around it), or None when the text does not end with a bracket after an item.
+fn raw_end(text: &[u8]) -> Option<usize> {
+    let mut end = text.len();
+    while end > 0 && is_ws(text[end - 1]) {
+        end -= 1;
+    }
+    if end < 2 || text[end - 1] != b']' {
+        return None;
+    }
+    end -= 1;
+    while end > 0 && is_ws(text[end - 1]) {
+        end -= 1;
+    }
+    (end > 1 && text[end - 1] != b'[').then_some(end)
+}
+
+/// The latest raw turn of a conversation: what a text that re-sends it needs to skip it.
+#[derive(Clone)]
+struct RawTip {
+    turn: TurnNo,
+    /// where its last item ends in its text
+    end: usize,
+    /// xxh3 of its text's first `min(RAW_HEAD, end)` bytes
+    head: u64,
+    /// BLAKE3 of its text up to `end`
+    text_digest: [u8; DIGEST_SIZE],
+    /// the BLAKE3 state of its messages' packings, and how many bytes they are
+    packings: blake3::Hasher,
+    packed: u64,
+    n_rest: usize,
+    /// the most digits of any int beyond 64 bits its messages hold
+    digits: usize,
+}
+
+impl std::fmt::Debug for RawTip {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawTip")
+            .field("turn", &self.turn)
+            .field("end", &self.end)
+            .field("n_rest", &self.n_rest)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a raw text of messages is not one `json.loads` reads as an array.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RawError {
+    /// not JSON, or nested deeper than the bound (offset in the text)
+    Syntax(ParseError),
+    /// JSON, but not an array
+    NotArray,
+    /// an int of more digits than the limit given (`json.loads` refuses it)
+    Digits { digits: usize, limit: usize },
+}
+
+impl std::fmt::Display for RawError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RawError::Syntax(e) => e.fmt(f),
+            RawError::NotArray => f.write_str("expected a JSON array of messages"),
+            RawError::Digits { digits, limit } => write!(
+                f,
+                "Exceeds the limit ({limit} digits) for integer string conversion: value has \
+                 {digits} digits; use sys.set_int_max_str_digits() to increase the limit"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for RawError {}
+
+/// The most digits of any int beyond 64 bits in `values` (0: none).
+fn most_digits(values: &[ej::Value]) -> usize {
+    let mut most = 0;
+    let mut stack: Vec<&ej::Value> = values.iter().collect();
+    while let Some(value) = stack.pop() {
+        match value {
+            ej::Value::BigInt(text) => most = most.max(text.trim_start_matches('-').len()),
+            ej::Value::Array(items) => stack.extend(items),
+            ej::Value::Object(members) => stack.extend(members.iter().map(|(_, v)| v)),
+            _ => {}
+        }
+    }
+    most
+}
+
+/// A raw text read for filing: its messages' packings from `first` on (those before are a
+/// tip's, not read again), the base found, and what its own tip needs.
+#[derive(Debug)]
+pub struct RawFound {
+    /// messages before this one were not read (they are the tip's)
+    pub first: usize,
+    /// the packings of messages `first..`
+    pub plains: Vec<Vec<u8>>,
+    pub found: Found,
+    /// the tip it continued, if any
+    tip: Option<TurnNo>,
+    /// where its last item ends, and BLAKE3 of its text up to there (None: no tip of its own)
+    text: Option<(usize, [u8; DIGEST_SIZE], u64)>,
+    packings: blake3::Hasher,
+    packed: u64,
+    n_rest: usize,
+    digits: usize,
+}
+
+/// The index key of a digest: its first 8 bytes, little-endian (what the Python side's
+/// `digest_key` gives).
+pub fn digest_key(digest: &[u8; DIGEST_SIZE]) -> u64 {
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    u64::from_le_bytes(first)
+}
+
+/// Where a packing sits in the pages.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Span {
+    page: u32,
+    start: u32,
+    len: u32,
+}
+
+/// Bytes kept in pages that never move: a span stays valid as long as the table.
+#[derive(Debug, Default)]
+struct Pages {
+    pages: Vec<Vec<u8>>,
+}
+
+impl Pages {
+    fn push(&mut self, data: &[u8]) -> Span {
+        let fits = self
+            .pages
+            .last()
+            .is_some_and(|page| page.capacity() - page.len() >= data.len());
+        if !fits {
+            // pages double from FIRST_PAGE up to PAGE (a graph of a few turns, one of a
+            // server's thousand sessions, holds a few KiB); a longer packing gets one of its own
+            let size = self
+                .pages
+                .last()
+                .map_or(FIRST_PAGE, |page| (page.capacity() * 2).min(PAGE));
+            self.pages.push(Vec::with_capacity(data.len().max(size)));
+        }
+        let page_no = self.pages.len() - 1;
+        let page = &mut self.pages[page_no];
+        let start = page.len();
+        page.extend_from_slice(data);
+        Span {
+            page: page_no as u32,
+            start: start as u32,
+            len: data.len() as u32,
+        }
+    }
+
+    fn get(&self, span: Span) -> &[u8] {
+        let start = span.start as usize;
+        &self.pages[span.page as usize][start..start + span.len as usize]
+    }
+
+    fn nbytes(&self) -> usize {
+        self.pages.iter().map(Vec::capacity).sum::<usize>()
+            + self.pages.capacity() * std::mem::size_of::<Vec<u8>>()
+    }
+}
+
+/// A bitmap of the message counts some filed request has: the boundaries worth a digest.
+#[derive(Debug, Default)]
+struct Lengths {
+    words: Vec<u64>,
+}
+
+impl Lengths {
+    fn mark(&mut self, n: usize) {
+        let word = n / 64;
+        if word >= self.words.len() {
+            self.words.resize(word + 1, 0);
+        }
+        self.words[word] |= 1 << (n % 64);
+    }
+
+    fn has(&self, n: usize) -> bool {
+        self.words
+            .get(n / 64)
+            .is_some_and(|word| word >> (n % 64) & 1 == 1)
+    }
+}
+
+/// A filed request.
+#[derive(Clone, Copy, Debug)]
+struct Row {
+    digest: [u8; DIGEST_SIZE],
+    n_rest: u32,
+    /// its response's plain packing (`len` 0 and no page: none)
+    response: Option<Span>,
+}
+
+/// The rows filed under one key, in filing order: mostly one.
+#[derive(Clone, Debug)]
+enum Filed {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl Filed {
+    fn rows(&self) -> &[u32] {
+        match self {
+            Filed::One(row) => std::slice::from_ref(row),
+            Filed::Many(rows) => rows,
+        }
+    }
+}
+
+/// What the base-finder found for a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Found {
+    /// the filed request it extends (the longest; the first filed of twins), if any
+    pub base: Option<TurnNo>,
+    /// the base's message count (0 without a base)
+    pub base_len: usize,
+    /// the message right after the base's is exactly the base's response
+    pub echo: bool,
+    /// the digest of the whole request
+    pub digest: [u8; DIGEST_SIZE],
+}
+
+/// Why a request cannot be filed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FileError {
+    /// the table holds as many rows as it can number
+    Full,
+    /// a turn is filed once, and after every turn filed before it
+    Order { turn: TurnNo, last: Option<TurnNo> },
+    /// a request of more messages than a row can count
+    TooLong(usize),
+}
+
+impl std::fmt::Display for FileError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FileError::Full => f.write_str("the request table is full"),
+            FileError::Order { turn, last } => match last {
+                Some(last) => write!(
+                    f,
+                    "turn {turn} is filed after turn {last}: turns are filed in order, once"
+                ),
+                None => write!(f, "turn {turn} cannot be filed"),
+            },
+            FileError::TooLong(n) => write!(f, "a request of {n} messages cannot be filed"),
+        }
+    }
+}
+
+impl std::error::Error for FileError {}
+
+impl From<Full> for FileError {
+    fn from(_: Full) -> Self {
+        FileError::Full
+    }
+}
+
+/// A graph's filed requests: rows, the index by digest key, the lengths index and the pages
+/// holding the responses' packings.
+#[derive(Debug, Default)]
+pub struct Requests {
+    rows: Vec<Row>,
+    /// the turn of each row (rows are filed in turn order, so this is increasing)
+    turns: Vec<TurnNo>,
+    index: KeyIndex<Filed>,
+    lengths: Lengths,
+    pages: Pages,
+    /// the latest raw turns, oldest first
+    raw_tips: Vec<RawTip>,
+    /// texts read from a tip on (for tests and figures)
+    raw_tip_hits: u64,
+}
+
+impl Requests {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Filed requests.
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    /// The filed request's turn, message count and digest (for row `row`).
+    fn row_of(&self, turn: TurnNo) -> Option<&Row> {
+        let at = self.turns.binary_search(&turn).ok()?;
+        Some(&self.rows[at])
+    }
+
+    /// The message count a filed turn's request has (None: not filed).
+    pub fn n_rest(&self, turn: TurnNo) -> Option<usize> {
+        self.row_of(turn).map(|row| row.n_rest as usize)
+    }
+
+    /// The digest of a filed turn's request (None: not filed).
+    pub fn digest(&self, turn: TurnNo) -> Option<[u8; DIGEST_SIZE]> {
+        self.row_of(turn).map(|row| row.digest)
+    }
+
+    /// The plain packing of a filed turn's response (None: not filed, or no response).
+    pub fn response(&self, turn: TurnNo) -> Option<&[u8]> {
+        let span = self.row_of(turn)?.response?;
+        Some(self.pages.get(span))
+    }
+
+    /// The base of a request whose messages pack as `plains`, and its digest.
+    pub fn find<P: AsRef<[u8]>>(&self, plains: &[P]) -> Found {
+        let mut hasher = PrefixHasher::new();
+        self.find_from(&mut hasher, 0, plains)
+    }
+
+    /// The base of a request whose first `first` messages `hasher` has seen (their packings)
+    /// and whose others pack as `plains`; `hasher` then has seen them all. A base shorter
+    /// than `first` messages is not looked for: the caller knows one of `first` is filed.
+    fn find_from<P: AsRef<[u8]>>(
+        &self,
+        hasher: &mut PrefixHasher,
+        first: usize,
+        plains: &[P],
+    ) -> Found {
+        let n = first + plains.len();
+        // digests where some filed request ends, shortest first, then the whole request's
+        let mut boundaries: Vec<(usize, [u8; DIGEST_SIZE])> = Vec::new();
+        for (i, plain) in plains.iter().enumerate() {
+            if self.lengths.has(first + i) {
+                boundaries.push((first + i, hasher.digest()));
+            }
+            hasher.update(plain.as_ref());
+        }
+        let digest = hasher.digest();
+        if self.lengths.has(n) {
+            boundaries.push((n, digest));
+        }
+        for &(at, ref prefix) in boundaries.iter().rev() {
+            if let Some(row) = self.confirmed(prefix) {
+                let turn = self.turns[row];
+                let echo = at < n
+                    && self.rows[row]
+                        .response
+                        .is_some_and(|span| self.pages.get(span) == plains[at - first].as_ref());
+                return Found {
+                    base: Some(turn),
+                    base_len: at,
+                    echo,
+                    digest,
+                };
+            }
+        }
+        Found {
+            base: None,
+            base_len: 0,
+            echo: false,
+            digest,
+        }
+    }
+
+    /// Read the raw JSON text of a request's non-system messages (an array) as `json.loads`
+    /// reads it, from the latest raw tip it re-sends if any, and find its base. `max_digits`:
+    /// the most digits an int may have (0: no limit), as the process's `json.loads` allows.
+    ///
+    /// # Errors
+    /// [`RawError`]: text `json.loads` refuses, or not an array.
+    pub fn find_raw(
+        &self,
+        text: &[u8],
+        max_depth: usize,
+        max_digits: usize,
+    ) -> Result<RawFound, RawError> {
+        let end = raw_end(text);
+        let digits_ok = |digits: usize| {
+            if max_digits > 0 && digits > max_digits {
+                return Err(RawError::Digits {
+                    digits,
+                    limit: max_digits,
+                });
+            }
+            Ok(())
+        };
+        if let Some((tip, text_hasher)) = end.and_then(|_| self.raw_tip_of(text)) {
+            // the text after the tip's items: `, item, ... ]` (or `]`: no new item)
+            let after = &text[tip.end..];
+            let skip = after.iter().take_while(|&&b| is_ws(b)).count();
+            let new_items = if after.get(skip) == Some(&b',') {
+                let mut rest = Vec::with_capacity(after.len() - skip);
+                rest.push(b'[');
+                rest.extend_from_slice(&after[skip + 1..]);
+                match ej::parse(&rest, max_depth) {
+                    Ok(ej::Value::Array(items)) if !items.is_empty() => Some(items),
+                    _ => None, // read whole below: its error is the text's own
+                }
+            } else if end == Some(tip.end) {
+                Some(Vec::new()) // its closing bracket: the tip's messages again
+            } else {
+                None
+            };
+            if let Some(items) = new_items {
+                let digits = tip.digits.max(most_digits(&items));
+                digits_ok(digits)?;
+                let plains: Vec<Vec<u8>> = items.iter().map(to_packed).collect();
+                let mut hasher = PrefixHasher::resume(tip.packings.clone(), tip.packed);
+                let found = self.find_from(&mut hasher, tip.n_rest, &plains);
+                let end = end.unwrap_or(tip.end);
+                let mut text_hasher = text_hasher;
+                text_hasher.update(&text[tip.end..end]);
+                let head = xxh3_64(&text[..end.min(RAW_HEAD)]);
+                let packed = hasher.fed();
+                return Ok(RawFound {
+                    first: tip.n_rest,
+                    n_rest: tip.n_rest + plains.len(),
+                    plains,
+                    found,
+                    tip: Some(tip.turn),
+                    text: Some((end, *text_hasher.finalize().as_bytes(), head)),
+                    packings: hasher.finish(),
+                    packed,
+                    digits,
+                });
+            }
+        }
+        let value = ej::parse(text, max_depth).map_err(RawError::Syntax)?;
+        let ej::Value::Array(items) = value else {
+            return Err(RawError::NotArray);
+        };
+        let digits = most_digits(&items);
+        digits_ok(digits)?;
+        let plains: Vec<Vec<u8>> = items.iter().map(to_packed).collect();
+        let mut hasher = PrefixHasher::new();
+        let found = self.find_from(&mut hasher, 0, &plains);
+        // a tip of its own only for a plain UTF-8 text (one a later text can extend byte for
+        // byte): it starts with its bracket, after whitespace at most
+        let utf8 = text.iter().find(|&&b| !is_ws(b)) == Some(&b'[');
+        let own = end.filter(|_| utf8).map(|end| {
+            let head = xxh3_64(&text[..end.min(RAW_HEAD)]);
+            (end, crate::digest::digest(&text[..end]), head)
+        });
+        let packed = hasher.fed();
+        Ok(RawFound {
+            first: 0,
+            n_rest: plains.len(),
+            plains,
+            found,
+            tip: None,
+            text: own,
+            packings: hasher.finish(),
+            packed,
+            digits,
+        })
+    }
+
+    /// The tip whose text `text` extends (the longest), and a BLAKE3 state that has seen
+    /// `text` up to that tip's end.
+    fn raw_tip_of(&self, text: &[u8]) -> Option<(&RawTip, blake3::Hasher)> {
+        let mut best: Option<(&RawTip, blake3::Hasher)> = None;
+        for tip in self.raw_tips.iter().rev() {
+            if tip.end > text.len() || best.as_ref().is_some_and(|(b, _)| b.end >= tip.end) {
+                continue;
+            }
+            let next = text[tip.end..].iter().find(|&&b| !is_ws(b));
+            if !matches!(next, Some(b',' | b']')) {
+                continue;
+            }
+            if xxh3_64(&text[..tip.end.min(RAW_HEAD)]) != tip.head {
+                continue;
+            }
+            let mut hasher = blake3::Hasher::new();
+            hasher.update(&text[..tip.end]);
+            if *hasher.finalize().as_bytes() == tip.text_digest {
+                best = Some((tip, hasher));
+            }
+        }
+        best
+    }
+
+    /// File turn `turn`'s raw request as `find_raw` read it, with its response's plain
+    /// packing; it becomes its conversation's raw tip (in place of the tip it continued).
+    ///
+    /// # Errors
+    /// As [`Requests::file`]; nothing changes then.
+    pub fn file_raw(
+        &mut self,
+        turn: TurnNo,
+        raw: &RawFound,
+        response: Option<&[u8]>,
+    ) -> Result<(), FileError> {
+        self.file(turn, raw.n_rest, raw.found.digest, response)?;
+        if raw.tip.is_some() {
+            self.raw_tip_hits += 1;
+        }
+        if let Some(continued) = raw.tip {
+            self.raw_tips.retain(|tip| tip.turn != continued);
+        }
+        if let Some((end, text_digest, head)) = raw.text {
+            if self.raw_tips.len() >= MAX_RAW_TIPS {
+                self.raw_tips.remove(0);
+            }
+            self.raw_tips.push(RawTip {
+                turn,
+                end,
+                head,
+                text_digest,
+                packings: raw.packings.clone(),
+                packed: raw.packed,
+                n_rest: raw.n_rest,
+                digits: raw.digits,
+            });
+        }
+        Ok(())
+    }
+
+    /// Raw texts filed that were read from a tip on.
+    pub fn raw_tip_hits(&self) -> u64 {
+        self.raw_tip_hits
+    }
+
+    /// The first row filed under `digest`'s key whose digest it is.
+    fn confirmed(&self, digest: &[u8; DIGEST_SIZE]) -> Option<usize> {
+        let filed = self.index.get(digest_key(digest))?;
+        filed
+            .rows()
+            .iter()
+            .map(|&row| row as usize)
+            .find(|&row| &self.rows[row].digest == digest)
+    }
+
+    /// The stored tail of a request found as `found`: an array header of the messages after
+    /// the base's, then their packings (the first as the echo placeholder when it is one).
+    pub fn tail<P: AsRef<[u8]>>(plains: &[P], found: &Found) -> Vec<u8> {
+        let rest = &plains[found.base_len..];
+        let size: usize = rest.iter().map(|p| p.as_ref().len()).sum();
+        let mut tail = Vec::with_capacity(size + 5);
+        write_array_header(rest.len(), &mut tail);
+        let mut rest = rest.iter();
+        if found.echo {
+            rest.next();
+            tail.extend_from_slice(&ECHO_PACKED);
+        }
+        for plain in rest {
+            tail.extend_from_slice(plain.as_ref());
+        }
+        tail
+    }
+
+    /// File turn `turn`'s request (`n_rest` messages, digest `digest`) and its response's
+    /// plain packing, if any. Turns are filed in increasing order; nothing changes on error.
+    ///
+    /// # Errors
+    /// [`FileError`]: a turn out of order, a request too long to count, a full table.
+    pub fn file(
+        &mut self,
+        turn: TurnNo,
+        n_rest: usize,
+        digest: [u8; DIGEST_SIZE],
+        response: Option<&[u8]>,
+    ) -> Result<(), FileError> {
+        let last = self.turns.last().copied();
+        if last.is_some_and(|last| turn <= last) {
+            return Err(FileError::Order { turn, last });
+        }
+        let n_rest_u32 = u32::try_from(n_rest).map_err(|_| FileError::TooLong(n_rest))?;
+        let row = u32::try_from(self.rows.len())
+            .ok()
+            .filter(|&row| row < u32::MAX)
+            .ok_or(FileError::Full)?;
+        let key = digest_key(&digest);
+        let filed = match self.index.get(key) {
+            None => Filed::One(row),
+            Some(Filed::One(first)) => Filed::Many(vec![*first, row]),
+            Some(Filed::Many(rows)) => {
+                let mut rows = rows.clone();
+                rows.push(row);
+                Filed::Many(rows)
+            }
+        };
+        self.index.insert(key, filed)?;
+        let response = response.map(|packed| self.pages.push(packed));
+        self.rows.push(Row {
+            digest,
+            n_rest: n_rest_u32,
+            response,
+        });
+        self.turns.push(turn);
+        self.lengths.mark(n_rest);
+        Ok(())
+    }
+
+    /// Bytes the table holds (rows, index, lengths and pages, with their spare capacity).
+    pub fn nbytes(&self) -> usize {
+        let filed_many: usize = self
+            .index
+            .values()
+            .map(|filed| match filed {
+                Filed::One(_) => 0,
+                Filed::Many(rows) => rows.capacity() * 4,
+            })
+            .sum();
+        std::mem::size_of::<Self>()
+            + self.rows.capacity() * std::mem::size_of::<Row>()
+            + self.turns.capacity() * std::mem::size_of::<TurnNo>()
+            + self.index.nbytes()
+            + filed_many
+            + self.lengths.words.capacity() * 8
+            + self.pages.nbytes()
+            + self.raw_tips.capacity() * std::mem::size_of::<RawTip>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::digest::digest;
+
+    fn msg(text: &str) -> Vec<u8> {
+        let mut out = Vec::new();
+        crate::packed::write_str(text.as_bytes(), &mut out);
+        out
+    }
+
+    fn conv(texts: &[&str]) -> Vec<Vec<u8>> {
+        texts.iter().map(|t| msg(t)).collect()
+    }
+
+    /// Find and file, as a graph's add does; returns what was found.
+    fn add(table: &mut Requests, turn: TurnNo, plains: &[Vec<u8>], response: &str) -> Found {
+        let found = table.find(plains);
+        table
+            .file(turn, plains.len(), found.digest, Some(&msg(response)))
+            .unwrap();
+        found
+    }
+
+    #[test]
+    fn the_digest_is_that_of_the_packings_one_after_the_other() {
+        let plains = conv(&["a", "bb", "ccc"]);
+        let found = Requests::new().find(&plains);
+        assert_eq!(found.digest, digest(&plains.concat()));
+        assert_eq!(found.base, None);
+        assert_eq!(Requests::new().find::<Vec<u8>>(&[]).digest, digest(b""));
+    }
+
+    #[test]
+    fn a_request_extends_the_longest_filed_request_it_starts_with() {
+        let mut table = Requests::new();
+        add(&mut table, 0, &conv(&["u1"]), "a1");
+        add(&mut table, 1, &conv(&["u1", "a1", "u2"]), "a2");
+        add(&mut table, 2, &conv(&["x"]), "y");
+        let found = table.find(&conv(&["u1", "a1", "u2", "a2", "u3"]));
+        assert_eq!(found.base, Some(1));
+        assert_eq!(found.base_len, 3);
+        assert!(found.echo);
+        // a branch from the first turn
+        let found = table.find(&conv(&["u1", "other", "u2"]));
+        assert_eq!(
+            (found.base, found.base_len, found.echo),
+            (Some(0), 1, false)
+        );
+        // nothing in common
+        assert_eq!(table.find(&conv(&["z"])).base, None);
+        // a request that starts like a filed one but diverges inside its messages
+        assert_eq!(table.find(&conv(&["u1x"])).base, None);
+    }
+
+    #[test]
+    fn of_twins_the_first_filed_is_the_base_and_a_retry_extends_its_twin() {
+        let mut table = Requests::new();
+        add(&mut table, 0, &conv(&["p"]), "r0");
+        let retry = add(&mut table, 1, &conv(&["p"]), "r1");
+        assert_eq!(
+            (retry.base, retry.base_len, retry.echo),
+            (Some(0), 1, false)
+        );
+        add(&mut table, 2, &conv(&["p"]), "r2");
+        // the second sample continued: the base is still the first filed, no echo of it
+        let found = table.find(&conv(&["p", "r1", "q"]));
+        assert_eq!((found.base, found.echo), (Some(0), false));
+        let found = table.find(&conv(&["p", "r0", "q"]));
+        assert_eq!((found.base, found.echo), (Some(0), true));
+    }
+
+    #[test]
+    fn the_tail_holds_the_messages_after_the_base_with_the_echo_as_a_placeholder() {
+        let mut table = Requests::new();
+        add(&mut table, 0, &conv(&["u1"]), "a1");
+        let plains = conv(&["u1", "a1", "u2"]);
+        let found = table.find(&plains);
+        let tail = Requests::tail(&plains, &found);
+        let mut expected = vec![0x92];
+        expected.extend_from_slice(&ECHO_PACKED);
+        expected.extend_from_slice(&msg("u2"));
+        assert_eq!(tail, expected);
+        let root = Requests::new().find(&plains);
+        let mut whole = vec![0x93];
+        whole.extend_from_slice(&plains.concat());
+        assert_eq!(Requests::tail(&plains, &root), whole);
+    }
+
+    #[test]
+    fn an_empty_request_is_a_base_of_every_request() {
+        let mut table = Requests::new();
+        add(&mut table, 0, &conv(&[]), "r");
+        let found = table.find(&conv(&["r", "x"]));
+        assert_eq!((found.base, found.base_len, found.echo), (Some(0), 0, true));
+    }
+
+    #[test]
+    fn a_key_collision_is_told_apart_by_the_whole_digest() {
+        let mut table = Requests::new();
+        let plains = conv(&["a"]);
+        let real = table.find(&plains).digest;
+        let mut forged = real;
+        forged[31] ^= 1; // same key, another digest
+        table.file(0, 1, forged, None).unwrap();
+        assert_eq!(table.find(&plains).base, None);
+        table.file(1, 1, real, None).unwrap();
+        assert_eq!(table.find(&plains).base, Some(1));
+    }
+
+    #[test]
+    fn turns_are_filed_in_order_once_and_a_refusal_changes_nothing() {
+        let mut table = Requests::new();
+        add(&mut table, 3, &conv(&["a"]), "b");
+        let before = table.find(&conv(&["a", "b"]));
+        let err = table.file(3, 1, [0; 32], None).unwrap_err();
+        assert_eq!(
+            err,
+            FileError::Order {
+                turn: 3,
+                last: Some(3)
+            }
+        );
+        assert!(err.to_string().contains("in order"));
+        assert_eq!(table.len(), 1);
+        assert_eq!(table.find(&conv(&["a", "b"])), before);
+        assert_eq!(table.n_rest(3), Some(1));
+        assert_eq!(table.n_rest(2), None);
+        assert_eq!(table.response(3), Some(msg("b").as_slice()));
+    }
+
+    #[test]
+    fn long_responses_get_pages_of_their_own_and_spans_stay_valid() {
+        let mut table = Requests::new();
+        let long = "x".repeat(PAGE + 10);
+        add(&mut table, 0, &conv(&["a"]), "short");
+        add(&mut table, 1, &conv(&["b"]), &long);
+        add(&mut table, 2, &conv(&["c"]), "after");
+        assert_eq!(table.response(0), Some(msg("short").as_slice()));
+        assert_eq!(table.response(1), Some(msg(&long).as_slice()));
+        assert_eq!(table.response(2), Some(msg("after").as_slice()));
+        assert!(table.nbytes() >= PAGE + 10);
+    }
+
+    #[test]
+    fn the_base_is_the_longest_of_many_branches() {
+        // a brute-force check: every prefix that is a filed request, longest wins, first filed
+        let mut table = Requests::new();
+        let mut filed: Vec<Vec<Vec<u8>>> = Vec::new();
+        let mut seed = 7u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for turn in 0..300u32 {
+            let plains: Vec<Vec<u8>> = if filed.is_empty() || next() % 5 == 0 {
+                conv(&["root"])
+            } else {
+                let from = &filed[(next() % filed.len() as u64) as usize];
+                let keep = (next() % (from.len() as u64 + 1)) as usize;
+                let mut p = from[..keep].to_vec();
+                for _ in 0..(next() % 3) {
+                    p.push(msg(&format!("m{}", next() % 4)));
+                }
+                p
+            };
+            let found = table.find(&plains);
+            let expected = (0..=plains.len()).rev().find_map(|n| {
+                filed
+                    .iter()
+                    .position(|f| f.as_slice() == &plains[..n])
+                    .map(|t| (t as u32, n))
+            });
+            assert_eq!(
+                found.base.map(|b| (b, found.base_len)),
+                expected,
+                "turn {turn}"
+            );
+            table.file(turn, plains.len(), found.digest, None).unwrap();
+            filed.push(plains);
+        }
+    }
+
+    fn json_conv(texts: &[&str]) -> String {
+        let items: Vec<String> = texts
+            .iter()
+            .map(|t| format!("{{\"role\": \"user\", \"content\": \"{t}\"}}"))
+            .collect();
+        format!("[{}]", items.join(", "))
+    }
+
+    fn packed_items(text: &str) -> Vec<Vec<u8>> {
+        match ej::parse(text.as_bytes(), 100).unwrap() {
+            ej::Value::Array(items) => items.iter().map(to_packed).collect(),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn a_raw_text_is_read_from_its_tip_and_finds_what_its_packings_find() {
+        let mut raw = Requests::new();
+        let mut decoded = Requests::new();
+        let mut texts = vec!["a".to_string()];
+        for turn in 0..20u32 {
+            let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+            let text = json_conv(&refs);
+            let read = raw.find_raw(text.as_bytes(), 100, 4300).unwrap();
+            let plains = packed_items(&text);
+            let found = decoded.find(&plains);
+            assert_eq!(read.found, found, "turn {turn}");
+            assert_eq!(read.plains, plains[read.first..], "turn {turn}");
+            if turn > 0 {
+                assert_eq!(
+                    read.first,
+                    plains.len() - 1,
+                    "turn {turn}: read from its tip"
+                );
+            }
+            let response = msg(&format!("r{turn}"));
+            raw.file_raw(turn, &read, Some(&response)).unwrap();
+            decoded
+                .file(turn, plains.len(), found.digest, Some(&response))
+                .unwrap();
+            texts.push(format!("u{turn}"));
+        }
+        assert_eq!(raw.raw_tip_hits(), 19);
+        assert_eq!(raw.raw_tips.len(), 1);
+    }
+
+    #[test]
+    fn a_text_that_only_looks_like_its_tip_is_read_whole() {
+        let mut table = Requests::new();
+        let first = json_conv(&["a", "b"]);
+        let read = table.find_raw(first.as_bytes(), 100, 0).unwrap();
+        table.file_raw(0, &read, None).unwrap();
+        // the same text again: the tip's messages, a twin
+        let again = table
+            .find_raw(format!("{first}  \n").as_bytes(), 100, 0)
+            .unwrap();
+        assert_eq!(
+            (again.first, again.found.base, again.found.base_len),
+            (2, Some(0), 2)
+        );
+        // an item that goes on past the tip's end is no new item
+        let longer = first.replace("\"b\"}]", "\"b\", \"x\": 1}]");
+        let read = table.find_raw(longer.as_bytes(), 100, 0).unwrap();
+        assert_eq!((read.first, read.found.base), (0, None));
+        // not JSON after the tip: the whole text's own error
+        let broken = first.replace('}', "},");
+        let err = table.find_raw(broken.as_bytes(), 100, 0).unwrap_err();
+        assert!(matches!(err, RawError::Syntax(_)), "{err}");
+        let bad_tail = format!("{}, nope]", &first[..first.len() - 1]);
+        let err = table.find_raw(bad_tail.as_bytes(), 100, 0).unwrap_err();
+        let RawError::Syntax(e) = err else {
+            panic!("{err}")
+        };
+        assert_eq!(e.offset, first.len() + 1, "the offset is in the whole text");
+        assert_eq!(table.raw_tip_hits(), 0);
+    }
+
+    #[test]
+    fn a_raw_text_that_is_no_array_or_holds_too_many_digits_is_refused() {
+        let table = Requests::new();
+        assert_eq!(
+            table.find_raw(b"{}", 100, 0).unwrap_err(),
+            RawError::NotArray
+        );
+        let big = format!("[{}]", "7".repeat(5000));
+        let err = table.find_raw(big.as_bytes(), 100, 4300).unwrap_err();
+        assert_eq!(
+            err,
+            RawError::Digits {
+                digits: 5000,
+                limit: 4300
+            }
+        );
+        assert!(err.to_string().contains("Exceeds the limit (4300 digits)"));
+        assert!(table.find_raw(big.as_bytes(), 100, 0).is_ok());
+    }
+
+    #[test]
+    fn a_tip_remembers_the_digits_of_what_it_holds() {
+        let mut table = Requests::new();
+        let first = format!("[{}]", "7".repeat(50));
+        let read = table.find_raw(first.as_bytes(), 100, 0).unwrap();
+        table.file_raw(0, &read, None).unwrap();
+        let next = format!("[{}, 1]", "7".repeat(50));
+        let err = table.find_raw(next.as_bytes(), 100, 40).unwrap_err();
+        assert_eq!(
+            err,
+            RawError::Digits {
+                digits: 50,
+                limit: 40
+            }
+        );
+    }
+
+    #[test]
+    fn raw_tips_are_bounded_and_the_oldest_goes_first() {
+        let mut table = Requests::new();
+        for turn in 0..(MAX_RAW_TIPS as u32 + 5) {
+            let text = json_conv(&[&format!("conversation {turn}")]);
+            let read = table.find_raw(text.as_bytes(), 100, 0).unwrap();
+            table.file_raw(turn, &read, None).unwrap();
+        }
+        assert_eq!(table.raw_tips.len(), MAX_RAW_TIPS);
+        assert_eq!(table.raw_tips[0].turn, 5);
+        let old = format!(
+            "{}, 1]",
+            &json_conv(&["conversation 0"]).trim_end_matches(']')
+        );
+        assert_eq!(table.find_raw(old.as_bytes(), 100, 0).unwrap().first, 0);
+        let kept = format!(
+            "{}, 1]",
+            &json_conv(&["conversation 9"]).trim_end_matches(']')
+        );
+        assert_eq!(table.find_raw(kept.as_bytes(), 100, 0).unwrap().first, 1);
+    }
+}

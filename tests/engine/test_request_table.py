@@ -1,0 +1,234 @@
+"""The engine's request table and its one base-finder (`_core.RequestTable`), against the
+graph's own request storage and against `json.loads` + the plain packer.
+
+The graph finds a re-sent request's base several ways (the continuation of the turn filed
+last, decoded tips, the digests of the message boundaries); the engine's table finds it one
+way. On the same turns both must name the same base, the same echo and the same stored tail,
+byte for byte. A raw text of messages is transcoded by the engine into the packings
+`Packer(None, None)` writes for what `json.loads` reads from it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from typing import Any
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from support import json_like
+
+from rollout_store import RolloutGraph, TurnNode, _core
+from rollout_store.engine.confirm import prefix_digest
+from rollout_store.engine.encoding import ECHO_PACKED
+from rollout_store.engine.stored import TAIL_ECHO
+
+RequestTable = _core.RequestTable
+
+
+def plain(value: Any) -> bytes:
+    return _core.Packer(None, None).pack(value)
+
+
+def _branching_rollouts(seed: int, turns: int) -> list[tuple[list[Any], Any]]:
+    """(request messages, response) of turns that continue, branch from, retry and restart
+    earlier ones, with their responses echoed exactly or not."""
+    rng = random.Random(seed)
+    done: list[tuple[list[Any], Any]] = []
+    for i in range(turns):
+        shape = rng.random()
+        if not done or shape < 0.1:
+            messages: list[Any] = [{"role": "user", "content": f"task {rng.randrange(4)}"}]
+        else:
+            before, response = rng.choice(done[-8:] if shape < 0.7 else done)
+            if shape < 0.8:  # a retry of that very request
+                messages = list(before)
+            elif shape < 0.9:  # a branch inside it
+                messages = before[: rng.randrange(len(before) + 1)]
+                messages.append({"role": "user", "content": f"again {rng.randrange(3)}"})
+            else:  # continued, its response echoed (or not quite)
+                echo = response if rng.random() < 0.8 else {**response, "content": "edited"}
+                messages = [*before, echo, {"role": "user", "content": f"next {i}"}]
+        if rng.random() < 0.6 and done:
+            before, response = done[-1]
+            messages = [*before, response, {"role": "user", "content": f"go on {i}"}]
+        content = f"answer {rng.randrange(3)}" if rng.random() < 0.5 else f"answer {i}"
+        done.append((messages, {"role": "assistant", "content": content}))
+    return done
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_table_finds_the_base_echo_and_tail_the_graph_stores(seed: int) -> None:
+    graph = RolloutGraph(share_threshold=None)
+    table = RequestTable()
+    for index, (messages, response) in enumerate(_branching_rollouts(seed, 120)):
+        graph.add_turn(TurnNode(request_messages=messages, response_message=response))
+        turn = graph._turns[index]
+        plains = [plain(m) for m in messages]
+        base, base_len, echo, digest = table.find(plains)
+        stored_base = turn.base.index if turn.base is not None else None
+        assert (base, echo) == (stored_base, bool(turn.flags & TAIL_ECHO)), f"turn {index}"
+        assert base_len == (turn.base.n_rest if turn.base is not None else 0)
+        assert digest == prefix_digest(b"".join(plains)) == turn.digest
+        assert RequestTable.tail(plains, base_len, echo) == bytes(turn.tail), f"turn {index}"
+        table.file(index, len(plains), digest, plain(response))
+    assert len(table) == len(graph)
+    assert table.nbytes > 0
+
+
+def test_a_workload_conversation_finds_each_turn_just_before() -> None:
+    table = RequestTable()
+    messages: list[Any] = [{"role": "user", "content": "start"}]
+    for turn in range(50):
+        response = {"role": "assistant", "content": f"reply {turn}"}
+        plains = [plain(m) for m in messages]
+        base, base_len, echo, digest = table.find(plains)
+        assert (base, base_len, echo) == (
+            (None, 0, False) if turn == 0 else (turn - 1, turn * 2 - 1, True)
+        )
+        table.file(turn, len(plains), digest, plain(response))
+        messages += [response, {"role": "user", "content": f"more {turn}"}]
+    assert table.n_rest(49) == 99
+    assert table.response(49) == plain({"role": "assistant", "content": "reply 49"})
+    assert table.n_rest(50) is None and table.response(50) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(json_like, max_size=6))
+@example(["\ud800", 2**64, -(2**63) - 1, float("nan"), -0.0, 1e400, [], {}])
+def test_a_raw_text_packs_as_the_plain_packer_packs_what_json_loads_reads(
+    values: list[Any],
+) -> None:
+    text = json.dumps(values).encode()
+    first, plains, found = RequestTable().find_json(text)
+    assert first == 0
+    assert plains == [plain(m) for m in json.loads(text)]
+    assert found[3] == prefix_digest(b"".join(plains))
+
+
+_SEPARATORS = [(", ", ": "), (",", ":"), (" ,\n ", " : ")]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_raw_texts_read_from_their_tips_find_what_the_graph_stores(seed: int) -> None:
+    graph = RolloutGraph(share_threshold=None)
+    table = RequestTable()
+    rng = random.Random(seed)
+    for index, (messages, response) in enumerate(_branching_rollouts(100 + seed, 120)):
+        graph.add_turn(TurnNode(request_messages=messages, response_message=response))
+        turn = graph._turns[index]
+        # a harness writes its texts one way, mostly: each conversation's texts then extend
+        # one another byte for byte (and where they do not, the text is read whole)
+        separators = _SEPARATORS[0] if rng.random() < 0.9 else rng.choice(_SEPARATORS)
+        text = json.dumps(messages, separators=separators).encode()
+        first, plains, (base, base_len, echo, digest) = table.add_json(index, text, plain(response))
+        all_plains = [plain(m) for m in messages]
+        assert plains == all_plains[first:], f"turn {index}"
+        stored_base = turn.base.index if turn.base is not None else None
+        assert (base, echo) == (stored_base, bool(turn.flags & TAIL_ECHO)), f"turn {index}"
+        assert digest == turn.digest
+        assert first <= base_len
+        assert RequestTable.tail(all_plains, base_len, echo) == bytes(turn.tail)
+    assert table.raw_tip_hits > 30
+
+
+def test_a_long_raw_text_is_read_from_its_tip_with_its_new_messages_only() -> None:
+    table = RequestTable()
+    messages: list[Any] = [{"role": "user", "content": "x" * (1 << 20)}]
+    for turn in range(3):
+        response = {"role": "assistant", "content": f"reply {turn}"}
+        text = json.dumps(messages).encode()
+        first, plains, found = table.add_json(turn, text, plain(response))
+        assert found[:3] == ((None, 0, False) if turn == 0 else (turn - 1, 2 * turn - 1, True))
+        assert (first, plains) == (
+            (0, [plain(messages[0])])
+            if turn == 0
+            else (2 * turn - 1, [plain(m) for m in messages[-2:]])
+        )
+        messages += [response, {"role": "user", "content": f"more {turn}"}]
+    assert table.raw_tip_hits == 2
+    assert table.nbytes < (64 << 10)  # the text is not kept: a digest and a state
+
+
+def test_a_raw_text_finds_its_base_like_the_same_decoded_messages() -> None:
+    table = RequestTable()
+    first = [{"role": "user", "content": "hi", "x": 1.0}]
+    table.file(0, 1, table.find([plain(m) for m in first])[3], plain({"role": "assistant"}))
+    # a repeated key: json.loads keeps its last value, at its first place
+    text = (
+        b'[{"role":"user","content":"hi","x":1.0},\n {"role": "assistant"},'
+        b' {"x": [1], "y": 2, "x": 1e2}]'
+    )
+    _, plains, found = table.find_json(text)
+    assert plains[2] == plain({"x": 100.0, "y": 2})
+    assert found[:3] == (0, 1, True)
+    assert found == table.find([plain(m) for m in json.loads(text)])
+
+
+@pytest.mark.parametrize(
+    ("text", "error", "says"),
+    [
+        (b'{"role": "user"}', ValueError, "expected a JSON array"),
+        (b"[1, 2", _core.DecodeError, "Expecting"),
+        (b"[" + b"9" * 5000 + b"]", ValueError, "Exceeds the limit"),
+    ],
+)
+def test_a_raw_text_json_loads_refuses_is_refused_and_nothing_is_filed(
+    text: bytes, error: type[Exception], says: str
+) -> None:
+    table = RequestTable()
+    with pytest.raises(error, match=says):
+        table.find_json(text)
+    with pytest.raises(error, match=says):
+        table.add_json(0, text)
+    if b"{" not in text:  # (an object is JSON, only not a request's messages)
+        with pytest.raises(ValueError):
+            json.loads(text)
+    assert len(table) == 0
+
+
+def test_a_raw_text_nested_past_the_depth_given_is_refused() -> None:
+    text = b"[" * 40 + b"]" * 40
+    with pytest.raises(_core.DecodeError):
+        RequestTable().find_json(text, max_depth=32)
+    assert RequestTable().find_json(text, max_depth=64)[1] == [plain(json.loads(text)[0])]
+
+
+def test_the_digit_limit_is_the_processes_own() -> None:
+    text = b"[" + b"9" * 5000 + b"]"
+    old = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    try:
+        _, plains, _ = RequestTable().find_json(text)
+        assert plains == [plain(json.loads(text)[0])]
+    finally:
+        sys.set_int_max_str_digits(old)
+
+
+def test_filing_out_of_order_or_with_a_bad_digest_is_refused_and_changes_nothing() -> None:
+    table = RequestTable()
+    digest = prefix_digest(plain({"a": 1}))
+    table.file(5, 1, digest)
+    with pytest.raises(ValueError, match="in order"):
+        table.file(5, 1, digest)
+    with pytest.raises(ValueError, match="32 bytes"):
+        table.file(6, 1, digest[:8])
+    with pytest.raises(ValueError, match="a base of 3 messages"):
+        RequestTable.tail([plain(1)], 3, False)
+    with pytest.raises(ValueError, match="and an echo"):
+        RequestTable.tail([plain(1)], 1, True)
+    assert len(table) == 1
+    assert table.find([plain({"a": 1})])[:3] == (5, 1, False)
+
+
+def test_an_echo_is_only_the_base_response_exactly() -> None:
+    table = RequestTable()
+    request = [plain({"role": "user", "content": "q"})]
+    table.file(0, 1, table.find(request)[3], plain({"role": "assistant", "content": "a"}))
+    loose = [*request, plain({"content": "a", "role": "assistant"})]
+    assert table.find(loose)[:3] == (0, 1, False)
+    assert RequestTable.tail(loose, 1, False).startswith(b"\x91") and ECHO_PACKED not in (
+        RequestTable.tail(loose, 1, False)
+    )
