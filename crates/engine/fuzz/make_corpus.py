@@ -16,7 +16,10 @@ copies them to a scratch directory so that a run adds no file here):
 - `frame_reader`: version-2 files of `tests/data/` (past the magic, behind the flags byte
   naming their kinds), whole while small, else their first frames; a torn tail, a flipped
   byte, stretches from further on;
-- `frame_reader_v1`: the same of the version-1 files.
+- `frame_reader_v1`: the same of the version-1 files;
+- `request_raw`: conversations as their texts of messages, each text after the first
+  written as the previous one extended (see the target), some written whole again, with
+  repeated keys, big ints, escapes, broken items and retries among them.
 
 Every seed is a few KiB at most. The files are rewritten on each run (the directories
 emptied first), so a change to this script is a change to the corpora.
@@ -211,6 +214,25 @@ def frame_seeds(version: int) -> dict[str, bytes]:
     return seeds
 
 
+def request_seeds() -> dict[str, bytes]:
+    """Texts of messages that extend one another: 0xff between texts, 0x01 to start a text
+    from the previous one's last item (the target's own encoding)."""
+    user = b'{"role": "user", "content": "hi"}'
+    reply = b'{"role": "assistant", "content": "hello \\u00e9"}'
+    odd = b'{"x": 1, "x": 18446744073709551616, "y": [1e400, -0.0, "\\ud800"]}'
+    first = b"[" + user + b"]"
+    go_on = b"\x01, " + reply + b", " + user + b"]"
+    seeds = {
+        "conversation": b"\xff".join([first, go_on, go_on, go_on]),
+        "retry": b"\xff".join([first, b"\x01 ]", go_on, b"\x01]  "]),
+        "odd_values": b"\xff".join([b"[" + odd + b"]", b"\x01," + odd + b"]", go_on]),
+        "broken": b"\xff".join([first, b"\x01, nope]", b"\x01,]", b"\x01, 1] x", go_on]),
+        "branches": b"\xff".join([first, go_on, first, go_on, b"[" + reply + b"]", go_on]),
+        "not_arrays": b"\xff".join([b"{}", b"\x01, 1]", b"[1]", b"\x01, " + b"9" * 50 + b"]"]),
+    }
+    return seeds
+
+
 def main() -> None:
     unpack, check = packed_seeds()
     json_texts = json_seeds()
@@ -222,6 +244,7 @@ def main() -> None:
         "packed_check": check,
         "frame_reader": frame_seeds(2),
         "frame_reader_v1": frame_seeds(1),
+        "request_raw": request_seeds(),
     }
     for target, seeds in corpora.items():
         out = HERE / "corpus" / target

@@ -1,0 +1,71 @@
+//! Arbitrary texts of messages through the request table, one after another: reading a text
+//! from a raw tip never panics and reads what reading it whole reads (the same packings of
+//! its new messages, the same refusal), and finds the base its packings find.
+//!
+//! The input is split at 0xff bytes (never in a UTF-8 text) into pieces; a piece starting
+//! with 0x01 is appended to the previous text up to where its last item ends, so that texts
+//! extend one another as a conversation's do.
+#![no_main]
+
+use engine::json::{parse, Value, DEFAULT_MAX_DEPTH};
+use engine::packed::to_packed;
+use engine::requests::{RawError, Requests};
+use libfuzzer_sys::fuzz_target;
+
+/// Where the last item of an array text ends (as the table finds it), or the text's length.
+fn item_end(text: &[u8]) -> usize {
+    let ws = |b: u8| matches!(b, b' ' | b'\t' | b'\r' | b'\n');
+    let mut end = text.len();
+    while end > 0 && ws(text[end - 1]) {
+        end -= 1;
+    }
+    if end > 0 && text[end - 1] == b']' {
+        end -= 1;
+        while end > 0 && ws(text[end - 1]) {
+            end -= 1;
+        }
+    }
+    end
+}
+
+const DIGITS: usize = 40;
+
+fuzz_target!(|data: &[u8]| {
+    let mut tipped = Requests::new();
+    let mut whole = Requests::new();
+    let mut previous: Vec<u8> = Vec::new();
+    for (turn, piece) in data.split(|&b| b == 0xff).take(16).enumerate() {
+        let text: Vec<u8> = match piece.split_first() {
+            Some((0x01, rest)) => {
+                let mut text = previous[..item_end(&previous)].to_vec();
+                text.extend_from_slice(rest);
+                text
+            }
+            _ => piece.to_vec(),
+        };
+        let read = tipped.find_raw(&text, DEFAULT_MAX_DEPTH, DIGITS);
+        let expected = match parse(&text, DEFAULT_MAX_DEPTH) {
+            Err(e) => Err(RawError::Syntax(e)),
+            Ok(Value::Array(items)) => Ok(items.iter().map(to_packed).collect::<Vec<_>>()),
+            Ok(_) => Err(RawError::NotArray),
+        };
+        match (read, expected) {
+            (Ok(read), Ok(plains)) => {
+                assert!(read.first <= plains.len());
+                assert_eq!(read.plains, plains[read.first..]);
+                let found = whole.find(&plains);
+                assert_eq!(read.found, found);
+                let turn = turn as u32;
+                let response = plains.last().cloned();
+                tipped.file_raw(turn, &read, response.as_deref()).unwrap();
+                whole
+                    .file(turn, plains.len(), found.digest, response.as_deref())
+                    .unwrap();
+            }
+            (Err(RawError::Digits { .. }), Ok(_)) => {}
+            (Err(got), Err(want)) => assert_eq!(got, want),
+            (got, want) => panic!("read {got:?}, whole {want:?}"),
+        }
+        previous = text;
+    }
+});
