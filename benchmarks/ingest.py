@@ -7,7 +7,10 @@ one right after the other, so other load on the machine moves both):
   100, 1,000 and 2,000: add_turn / json.loads of the body, for decoded input (the body
   json.loads-ed, as today) and for raw input (`RawJSON` of the request's messages and tools,
   the rest decoded); also the cost of splitting the body with msgspec first, as a capture
-  server would. Each figure is the median over the 9 turns around the checkpoint.
+  server would, and (`table`) what the engine's request table alone costs on the messages
+  text (`RequestTable.add_json`: read from the conversation's raw tip, packed, its base found
+  and filed; not yet add_turn's path, so a figure, not a target). Each figure is the median
+  over the 9 turns around the checkpoint.
 * soak: 20,000 turns in one graph for each shape that makes index buckets grow (shared
   observation text, one prompt sampled many times with token ids and by messages, short-prompt
   independent calls, groups of 8 rollouts by messages and by tokens, one prompt sampled
@@ -347,8 +350,10 @@ def long_run(name: str, raw: bool) -> dict[str, Any]:
     n_turns = max(timed)
     decoded_graph = rs.RolloutGraph()
     raw_graph = rs.RolloutGraph() if raw else None
+    table = rs._core.RequestTable() if raw else None
+    pack = rs._core.Packer(None, None).pack
     texts = _MessageTexts()
-    kinds = ("decoded", "raw", "split_raw", *FLOORS)
+    kinds = ("decoded", "raw", "split_raw", "table", *FLOORS)
     samples: dict[int, dict[str, list[float]]] = {c: {k: [] for k in kinds} for c in checkpoints}
     previous: dict[str, Any] | None = None
     schemes: dict[int, dict[str, list[float]]] = {c: {} for c in checkpoints}  # floors
@@ -360,6 +365,10 @@ def long_run(name: str, raw: bool) -> dict[str, Any]:
             tools = json.dumps(body["tools"]).encode() if body["tools"] is not None else None
             checkpoint = timed.get(turn)
             before, previous = previous, body
+            if table is not None:  # (timed below, at a checkpoint)
+                response = pack(body["response"])
+                if checkpoint is None:
+                    table.add_json(turn, texts.of(body["messages"]), response)
             if checkpoint is None:
                 decoded_graph.add_turn(_decoded_node(body))
                 if raw_graph is not None and raw_error is None:
@@ -398,6 +407,11 @@ def long_run(name: str, raw: bool) -> dict[str, Any]:
                 add = perf_counter() - start
                 samples[checkpoint]["raw"].append(add / loads)
                 samples[checkpoint]["split_raw"].append((add + split) / loads)
+            if table is not None:
+                messages_text = texts.of(body["messages"])
+                start = perf_counter()
+                table.add_json(turn, messages_text, response)
+                samples[checkpoint]["table"].append((perf_counter() - start) / loads)
             if before is not None:
                 by_scheme: dict[str, list[float]] = {}
                 for kind, floor in _floors(text, before, texts, by_scheme).items():
@@ -760,7 +774,7 @@ def main(argv: list[str] | None = None) -> int:
         print("(kept: with a copy of the previous request kept), measured, not a target")
         print(
             f"{'workload':<12}{'turn':>6}{'decoded':>9}{'floor':>9}{'kept':>9}"
-            f"{'raw':>9}{'floor':>9}{'kept':>9}{'split+raw':>10}"
+            f"{'raw':>9}{'floor':>9}{'kept':>9}{'split+raw':>10}{'table':>9}"
         )
         for name in workloads:
             r = long_run(name, raw=not args.no_raw)
@@ -769,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"{name:<12}{c:>6}{_fmt(v['decoded'])} {_fmt(v['floor_decoded'])}"
                     f" {_fmt(v['floor_decoded_kept'])} {_fmt(v['raw'])} {_fmt(v['floor_raw'])}"
-                    f" {_fmt(v['floor_raw_kept'])}  {_fmt(v['split_raw'])}",
+                    f" {_fmt(v['floor_raw_kept'])}  {_fmt(v['split_raw'])} {_fmt(v['table'])}",
                     flush=True,
                 )
             if r["raw_error"]:
