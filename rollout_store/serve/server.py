@@ -113,7 +113,7 @@ from starlette.responses import (
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from .._core import DataPlane, json_member_ids
+from .._core import DataPlane, json_fields, json_member_ids
 from ..engine.intake import MAX_DEPTH, PackedIds
 from ..engine.messages import json_nesting
 from ..errors import (
@@ -410,7 +410,9 @@ def split_body(
     (here, unless `checked.shape` says so already).
     None: the body is not a JSON object msgspec reads as json.loads would (not JSON at all,
     NaN, lone-surrogate escapes, a byte order mark, nesting too deep, a message whose role
-    is not a plain string...): decode it with json.loads, which accepts it or says why not.
+    is not a plain string, an int of more digits than Python converts, in a value a repeated
+    key replaces too, a key written with an escape...): decode it with json.loads, which
+    accepts it or says why not.
 
     `found`: the fields as the Rust data plane found them in a body it read whole as strict
     UTF-8 (each key and its value's byte range, in the body's order), so that the body is
@@ -426,6 +428,19 @@ def split_body(
             spans = _split_fields(raw)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeError):
             return None
+        # msgspec keeps a repeated key's last value only: the members say whether one was
+        # (each member once, in a text msgspec read whole; None: a key with an escape,
+        # which may repeat another)
+        found = json_fields(raw)
+        if found is None:
+            return None
+    if len(found) != len(spans):
+        # json.loads decodes the values a repeated key's last one replaces too: one it
+        # refuses (an int of more digits than Python converts) refuses the body
+        last = {key: start for key, start, _ in found}
+        for key, start, end in found:
+            if start != last[key] and _undecodable(raw[start:end]):
+                return None
     if not checked.utf8 and not raw.isascii():
         # msgspec does not check the UTF-8 of what it skips; json.loads refuses bad UTF-8
         # (and reads UTF-8-encoded surrogates, which a strict decode leaves to it)
@@ -455,6 +470,14 @@ def split_body(
                 # and says why
                 return None
     return fields
+
+
+def _undecodable(data: bytes) -> bool:
+    try:
+        RawJSON(data).decode()
+    except (ValueError, RecursionError):
+        return True
+    return False
 
 
 def _check_messages(body: Any) -> dict[str, Any]:

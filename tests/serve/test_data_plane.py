@@ -250,6 +250,40 @@ def test_a_body_too_deep_and_wrong_otherwise_is_refused_as_too_deep_by_both_plan
     assert seen["rust"] == seen["python"]
 
 
+def test_an_int_json_loads_cannot_convert_that_a_repeated_key_replaces_is_refused(
+    stub: str,
+) -> None:
+    """json.loads decodes every value of a repeated key, and refuses an int of more digits
+    than Python converts even where a later value replaces it: both planes refuse such a
+    body as they refuse it without the repeat (json.loads' reason), before the upstream;
+    before, the split kept only the last value and the body went upstream. An int deep in
+    the messages (which stay undecoded) is refused too, alike by both planes, recording
+    nothing."""
+    messages = json.dumps(MESSAGES)
+    big = "1" * 5000
+    chat = "/v1/chat/completions"
+    alone = f'{{"model": "m", "messages": {messages}, "x": {big}}}'
+    top = [
+        alone,
+        f'{{"model": "m", "messages": {messages}, "x": {big}, "x": 1}}',
+        f'{{"model": "m", "x": -{big}, "messages": {messages}, "x": 1}}',
+        f'{{"model": "m", "x": [{big}], "messages": {messages}, "x": 1, "x": 2}}',
+        f'{{"model": "m", "messages": {messages}, "messages": {messages}, "n": {big}, "n": 1}}',
+    ]
+    message = f'{{"role": "user", "content": "a", "x": {big}, "x": 1}}'
+    nested = [f'{{"model": "m", "messages": [{message}]}}']
+    seen = _answers_of_both_planes(stub, [(chat, t.encode()) for t in top + nested])
+    python, rust = seen["python"], seen["rust"]
+    refusal = python[0][0]
+    assert refusal[0] == 400
+    reason = json.loads(refusal[1])["error"]["message"]
+    assert reason.startswith("the body is not JSON: Exceeds the limit"), reason
+    assert python[0][: len(top)] == [refusal] * len(top)
+    assert python[0][-1][0] == 400
+    assert rust[0] == python[0]
+    assert python[1] == rust[1] == []
+
+
 def test_the_key_table_follows_the_sessions(stub: str) -> None:
     app = create_app(stub, admin_key=ADMIN_KEY)
     body = {"model": "m", "messages": MESSAGES}
