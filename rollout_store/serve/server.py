@@ -113,7 +113,7 @@ from starlette.responses import (
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from .._core import DataPlane, json_fields, json_member_ids
+from .._core import DataPlane, body_too_deep, json_fields, json_member_ids
 from ..engine.intake import MAX_DEPTH, PackedIds
 from ..engine.messages import json_nesting
 from ..errors import (
@@ -520,21 +520,44 @@ def _check_anthropic(value: Any) -> dict[str, Any]:
 
 def _decode(
     raw: bytes,
-    raw_fields: frozenset[str],
+    anthropic: bool,
     checked: _Checked = _UNCHECKED,
     spans: list[tuple[str, int, int]] | None = None,
 ) -> Any:
-    """The body's fields (`split_body`), or json.loads of it, or the refusal json.loads gives."""
-    fields = split_body(raw, raw_fields, checked, spans)
+    """The body's fields (`split_body`), or json.loads of it, or the refusal json.loads gives;
+    but a body json.loads refuses that holds a field too deep is refused for that."""
+    fields = split_body(raw, MESSAGES_RAW_FIELDS if anthropic else CHAT_RAW_FIELDS, checked, spans)
     if fields is not None:
         return fields
     try:
         return json.loads(raw)
-    except RecursionError:
-        raise _Refusal(400, "the body nests too deeply to record") from None
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
+        # json.loads stops at the first fault it reads, and gives up past its own depth
+        # limit (which moves with the interpreter's stack): a field too deep is named
+        # first, as the Rust data plane's engine names it before the control plane reads
+        # the body
+        if not checked.depth:
+            _refuse_too_deep(raw, anthropic)
+        if isinstance(exc, RecursionError):
+            raise _Refusal(400, "the body nests too deeply to record") from None
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise _Refusal(400, f"the body is not JSON: {reason}") from None
+
+
+def _refuse_too_deep(raw: bytes, anthropic: bool) -> None:
+    """Refuse a body that holds a field too deep as the Rust data plane's engine does (by
+    its check, `body_too_deep`), whatever else is wrong with it."""
+    field = body_too_deep(raw, anthropic)
+    if field is not None:
+        raise _too_deep(field)
+
+
+def _too_deep(field: str) -> _Refusal:
+    return _Refusal(
+        400,
+        f"the request cannot be recorded: {field} nests deeper than {MAX_DEPTH} levels "
+        "(refused before the call went upstream)",
+    )
 
 
 # Depth is checked before the call goes upstream: a body the graph would refuse to record
@@ -597,11 +620,7 @@ def _check_depth(body: dict[str, Any], anthropic: bool) -> None:
         else:
             deep = _deeper_than(value, MAX_DEPTH - 1)  # a value of the sampling parameters
         if deep:
-            raise _Refusal(
-                400,
-                f"the request cannot be recorded: {key} nests deeper than {MAX_DEPTH} levels "
-                "(refused before the call went upstream)",
-            )
+            raise _too_deep(key)
 
 
 # ---------------------------------------------------------------------- streaming exports
@@ -1100,16 +1119,18 @@ class _Server:
             headers["authorization"] = f"Bearer {key}"
         return headers
 
-    def _session(self, key: str | None, session_id: str | None = None) -> Session:
+    def _session(
+        self, key: str | None, session_id: str | None = None, damaged: bool = False
+    ) -> Session:
         """The session a model call's key opens (or the refusal); `session_id`: the one the
-        Rust data plane's key table names for it."""
+        Rust data plane's key table names for it; `damaged`: one that cannot record too."""
         session = self.sessions.resolve(key, session_id)
         if session is None:
             raise _Refusal(
                 401, "unknown API key: create a session with POST /sessions and use its api_key"
             )
-        if session.damaged is not None:
-            raise _Refusal(409, f"the session cannot record: {session.damaged}")
+        if session.damaged is not None and not damaged:
+            raise _cannot_record(session.damaged)
         return session
 
     async def _on_graph(self, session: Session, work: Callable[[], _T], wait: bool = True) -> _T:
@@ -1671,10 +1692,16 @@ class _Server:
         self, request: Request, *, anthropic: bool
     ) -> tuple[Session, bytes] | Response:
         """The session and raw body of a model call, or the refusal to answer (in the error
-        shape of the route's API) when either is wrong."""
+        shape of the route's API) when either is wrong. A session that cannot record is
+        refused once the body is read, and a body too deep for that first: in the order the
+        Rust data plane's engine refuses them, before the control plane sees the session."""
         try:
-            session = self._session(_api_key(request))
-            return session, await self._read_body(request)
+            session = self._session(_api_key(request), damaged=True)
+            raw = await self._read_body(request)
+            if session.damaged is not None:
+                _refuse_too_deep(raw, anthropic)
+                raise _cannot_record(session.damaged)
+            return session, raw
         except _Refusal as refusal:
             return _failure(anthropic, refusal)
         except _Gone:
@@ -1696,8 +1723,7 @@ class _Server:
         plane passes it on), with the client's `stream_options`; otherwise the upstream is
         asked for the whole answer. `checked`, `fields`: what the Rust data plane checked
         and found of the body already."""
-        raw_fields = MESSAGES_RAW_FIELDS if anthropic else CHAT_RAW_FIELDS
-        fields = _decode(raw, raw_fields, checked, fields)
+        fields = _decode(raw, anthropic, checked, fields)
         if not checked.depth and isinstance(fields, dict):
             # before the other checks, as the Rust data plane's engine makes it: a body too
             # deep and wrong in another way is refused for the same reason by both planes
@@ -2370,7 +2396,11 @@ def _not_recorded(session: Session, exc: OSError | RolloutStoreError) -> _Refusa
         return _Refusal(502, f"the upstream's answer cannot be recorded: {exc}")
     if isinstance(exc, OSError):  # FileWriteError too: a full disk, a quota, an I/O error
         return _Refusal(*_storage_failure("the turn cannot be recorded", exc))
-    return _Refusal(409, f"the session cannot record: {exc}")
+    return _cannot_record(str(exc))
+
+
+def _cannot_record(reason: str) -> _Refusal:
+    return _Refusal(409, f"the session cannot record: {reason}")
 
 
 def _recorded(session: Session, view: Any) -> str:
