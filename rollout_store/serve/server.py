@@ -2131,13 +2131,15 @@ class _Server:
         found = self._lookup(request)
         if isinstance(found, Response):
             return found
-        await self.settled_session(found)
+        # (--ack fast) as the export: its turns answered before it, or it says how many not
+        settled = await self.settled_session(found)
         session = found
         await self._timelines_recorded(session)
+        findings = [] if settled else _unsettled_findings(session, "trace")
 
         def produce(fp: IO[bytes]) -> None:
             with session.use() as graph:
-                write_trace_jsonl(graph, fp)
+                write_trace_jsonl(graph, fp, findings)
 
         return await self._streamed(session, produce, "application/x-ndjson")
 
@@ -2365,17 +2367,18 @@ def _dropped_findings(session: Session) -> list[str]:
     ]
 
 
-def _unsettled_findings(session: Session) -> list[str]:
-    """The export's finding for turns answered with `--ack fast` that its wait
-    (`settled_session`) gave up on: neither recorded nor counted as dropped yet."""
+def _unsettled_findings(session: Session, document: str = "export") -> list[str]:
+    """The finding of an export (or a trace: `document`) for turns answered with `--ack
+    fast` that its wait (`settled_session`) gave up on: neither recorded nor counted as
+    dropped yet."""
     waiting = session.unsettled
     if not waiting:
         return []
     return [
         f"[WARN] unsettled_turns: {waiting} turn(s) of this session were answered "
-        "(--ack fast) but not yet recorded when this export was taken (the recorder is held "
-        "up, or the session's graph is held by another export): the rollout may miss them; "
-        "export again later"
+        f"(--ack fast) but not yet recorded when this {document} was taken (the recorder is "
+        "held up, or the session's graph is held by another export): the rollout may miss "
+        f"them; {'export' if document == 'export' else 'read it'} again later"
     ]
 
 
