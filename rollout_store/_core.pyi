@@ -7,6 +7,7 @@ from typing import Any, Final, final
 __all__ = [
     "AsciiText",
     "Blake3",
+    "body_too_deep",
     "check_packed",
     "ContentTable",
     "DataPlane",
@@ -137,6 +138,13 @@ def json_member_ids(text: bytes, key: str) -> tuple[int, int, bytes] | None:
     when it holds anything else, or is missing, or `text` is not an object the scan can
     follow. The other members are skipped, not checked: decode `text` with that span put out
     of the way, which checks them. The GIL is released for texts from `DETACH_FROM` bytes."""
+
+def body_too_deep(body: bytes, anthropic: bool) -> str | None:
+    """The first field (in the body's order) of a model call's body that nests deeper than
+    it may, by name, as the data plane's depth check judges it before anything else of the
+    body; None when none does, or the check leaves the body to the control plane. For the
+    Python server to refuse such a body for that reason first, as the data plane does. The
+    GIL is released for bodies from `DETACH_FROM` bytes."""
 
 def json_fields(text: bytes) -> list[tuple[str, int, int]] | None:
     """The top-level fields of a JSON object text as `(key, start, end)` (each value's byte

@@ -41,7 +41,7 @@ turn's or one sequence's values at a time.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -441,9 +441,11 @@ def trace_trailer(graph: Graph) -> dict[str, Any] | None:
     return None if meta.empty else {"graph": meta.document()}
 
 
-def write_trace_jsonl(graph: Graph, fp: IO[Any]) -> None:
+def write_trace_jsonl(graph: Graph, fp: IO[Any], findings: Sequence[str] = ()) -> None:
     """One JSON line per turn (request, response, token ids, logprobs, discarded), then,
-    for a graph with training metadata, one `{"graph": ...}` line (`trace_trailer`)."""
+    for a graph with training metadata, one `{"graph": ...}` line (`trace_trailer`), then,
+    when there are `findings` (the session's own, as an export's `validation` holds them),
+    one `{"validation": [...]}` line."""
     write = writer_for(fp)
     with graph.lock:
         for record in iter_turn_records(graph):
@@ -453,6 +455,9 @@ def write_trace_jsonl(graph: Graph, fp: IO[Any]) -> None:
         if trailer is not None:
             write(json.dumps(trailer))
             write("\n")
+    if findings:
+        write(json.dumps({"validation": list(findings)}))
+        write("\n")
 
 
 def summarise(document: dict[str, Any]) -> str:

@@ -113,7 +113,7 @@ from starlette.responses import (
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from .._core import DataPlane, json_member_ids
+from .._core import DataPlane, body_too_deep, json_fields, json_member_ids
 from ..engine.intake import MAX_DEPTH, PackedIds
 from ..engine.messages import json_nesting
 from ..errors import (
@@ -410,7 +410,9 @@ def split_body(
     (here, unless `checked.shape` says so already).
     None: the body is not a JSON object msgspec reads as json.loads would (not JSON at all,
     NaN, lone-surrogate escapes, a byte order mark, nesting too deep, a message whose role
-    is not a plain string...): decode it with json.loads, which accepts it or says why not.
+    is not a plain string, an int of more digits than Python converts, in a value a repeated
+    key replaces too, a key written with an escape...): decode it with json.loads, which
+    accepts it or says why not.
 
     `found`: the fields as the Rust data plane found them in a body it read whole as strict
     UTF-8 (each key and its value's byte range, in the body's order), so that the body is
@@ -426,6 +428,19 @@ def split_body(
             spans = _split_fields(raw)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeError):
             return None
+        # msgspec keeps a repeated key's last value only: the members say whether one was
+        # (each member once, in a text msgspec read whole; None: a key with an escape,
+        # which may repeat another)
+        found = json_fields(raw)
+        if found is None:
+            return None
+    if len(found) != len(spans):
+        # json.loads decodes the values a repeated key's last one replaces too: one it
+        # refuses (an int of more digits than Python converts) refuses the body
+        last = {key: start for key, start, _ in found}
+        for key, start, end in found:
+            if start != last[key] and _undecodable(raw[start:end]):
+                return None
     if not checked.utf8 and not raw.isascii():
         # msgspec does not check the UTF-8 of what it skips; json.loads refuses bad UTF-8
         # (and reads UTF-8-encoded surrogates, which a strict decode leaves to it)
@@ -455,6 +470,14 @@ def split_body(
                 # and says why
                 return None
     return fields
+
+
+def _undecodable(data: bytes) -> bool:
+    try:
+        RawJSON(data).decode()
+    except (ValueError, RecursionError):
+        return True
+    return False
 
 
 def _check_messages(body: Any) -> dict[str, Any]:
@@ -497,21 +520,44 @@ def _check_anthropic(value: Any) -> dict[str, Any]:
 
 def _decode(
     raw: bytes,
-    raw_fields: frozenset[str],
+    anthropic: bool,
     checked: _Checked = _UNCHECKED,
     spans: list[tuple[str, int, int]] | None = None,
 ) -> Any:
-    """The body's fields (`split_body`), or json.loads of it, or the refusal json.loads gives."""
-    fields = split_body(raw, raw_fields, checked, spans)
+    """The body's fields (`split_body`), or json.loads of it, or the refusal json.loads gives;
+    but a body json.loads refuses that holds a field too deep is refused for that."""
+    fields = split_body(raw, MESSAGES_RAW_FIELDS if anthropic else CHAT_RAW_FIELDS, checked, spans)
     if fields is not None:
         return fields
     try:
         return json.loads(raw)
-    except RecursionError:
-        raise _Refusal(400, "the body nests too deeply to record") from None
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
+        # json.loads stops at the first fault it reads, and gives up past its own depth
+        # limit (which moves with the interpreter's stack): a field too deep is named
+        # first, as the Rust data plane's engine names it before the control plane reads
+        # the body
+        if not checked.depth:
+            _refuse_too_deep(raw, anthropic)
+        if isinstance(exc, RecursionError):
+            raise _Refusal(400, "the body nests too deeply to record") from None
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise _Refusal(400, f"the body is not JSON: {reason}") from None
+
+
+def _refuse_too_deep(raw: bytes, anthropic: bool) -> None:
+    """Refuse a body that holds a field too deep as the Rust data plane's engine does (by
+    its check, `body_too_deep`), whatever else is wrong with it."""
+    field = body_too_deep(raw, anthropic)
+    if field is not None:
+        raise _too_deep(field)
+
+
+def _too_deep(field: str) -> _Refusal:
+    return _Refusal(
+        400,
+        f"the request cannot be recorded: {field} nests deeper than {MAX_DEPTH} levels "
+        "(refused before the call went upstream)",
+    )
 
 
 # Depth is checked before the call goes upstream: a body the graph would refuse to record
@@ -574,11 +620,7 @@ def _check_depth(body: dict[str, Any], anthropic: bool) -> None:
         else:
             deep = _deeper_than(value, MAX_DEPTH - 1)  # a value of the sampling parameters
         if deep:
-            raise _Refusal(
-                400,
-                f"the request cannot be recorded: {key} nests deeper than {MAX_DEPTH} levels "
-                "(refused before the call went upstream)",
-            )
+            raise _too_deep(key)
 
 
 # ---------------------------------------------------------------------- streaming exports
@@ -1077,16 +1119,18 @@ class _Server:
             headers["authorization"] = f"Bearer {key}"
         return headers
 
-    def _session(self, key: str | None, session_id: str | None = None) -> Session:
+    def _session(
+        self, key: str | None, session_id: str | None = None, damaged: bool = False
+    ) -> Session:
         """The session a model call's key opens (or the refusal); `session_id`: the one the
-        Rust data plane's key table names for it."""
+        Rust data plane's key table names for it; `damaged`: one that cannot record too."""
         session = self.sessions.resolve(key, session_id)
         if session is None:
             raise _Refusal(
                 401, "unknown API key: create a session with POST /sessions and use its api_key"
             )
-        if session.damaged is not None:
-            raise _Refusal(409, f"the session cannot record: {session.damaged}")
+        if session.damaged is not None and not damaged:
+            raise _cannot_record(session.damaged)
         return session
 
     async def _on_graph(self, session: Session, work: Callable[[], _T], wait: bool = True) -> _T:
@@ -1648,10 +1692,16 @@ class _Server:
         self, request: Request, *, anthropic: bool
     ) -> tuple[Session, bytes] | Response:
         """The session and raw body of a model call, or the refusal to answer (in the error
-        shape of the route's API) when either is wrong."""
+        shape of the route's API) when either is wrong. A session that cannot record is
+        refused once the body is read, and a body too deep for that first: in the order the
+        Rust data plane's engine refuses them, before the control plane sees the session."""
         try:
-            session = self._session(_api_key(request))
-            return session, await self._read_body(request)
+            session = self._session(_api_key(request), damaged=True)
+            raw = await self._read_body(request)
+            if session.damaged is not None:
+                _refuse_too_deep(raw, anthropic)
+                raise _cannot_record(session.damaged)
+            return session, raw
         except _Refusal as refusal:
             return _failure(anthropic, refusal)
         except _Gone:
@@ -1673,8 +1723,7 @@ class _Server:
         plane passes it on), with the client's `stream_options`; otherwise the upstream is
         asked for the whole answer. `checked`, `fields`: what the Rust data plane checked
         and found of the body already."""
-        raw_fields = MESSAGES_RAW_FIELDS if anthropic else CHAT_RAW_FIELDS
-        fields = _decode(raw, raw_fields, checked, fields)
+        fields = _decode(raw, anthropic, checked, fields)
         if not checked.depth and isinstance(fields, dict):
             # before the other checks, as the Rust data plane's engine makes it: a body too
             # deep and wrong in another way is refused for the same reason by both planes
@@ -2082,13 +2131,15 @@ class _Server:
         found = self._lookup(request)
         if isinstance(found, Response):
             return found
-        await self.settled_session(found)
+        # (--ack fast) as the export: its turns answered before it, or it says how many not
+        settled = await self.settled_session(found)
         session = found
         await self._timelines_recorded(session)
+        findings = [] if settled else _unsettled_findings(session, "trace")
 
         def produce(fp: IO[bytes]) -> None:
             with session.use() as graph:
-                write_trace_jsonl(graph, fp)
+                write_trace_jsonl(graph, fp, findings)
 
         return await self._streamed(session, produce, "application/x-ndjson")
 
@@ -2316,17 +2367,18 @@ def _dropped_findings(session: Session) -> list[str]:
     ]
 
 
-def _unsettled_findings(session: Session) -> list[str]:
-    """The export's finding for turns answered with `--ack fast` that its wait
-    (`settled_session`) gave up on: neither recorded nor counted as dropped yet."""
+def _unsettled_findings(session: Session, document: str = "export") -> list[str]:
+    """The finding of an export (or a trace: `document`) for turns answered with `--ack
+    fast` that its wait (`settled_session`) gave up on: neither recorded nor counted as
+    dropped yet."""
     waiting = session.unsettled
     if not waiting:
         return []
     return [
         f"[WARN] unsettled_turns: {waiting} turn(s) of this session were answered "
-        "(--ack fast) but not yet recorded when this export was taken (the recorder is held "
-        "up, or the session's graph is held by another export): the rollout may miss them; "
-        "export again later"
+        f"(--ack fast) but not yet recorded when this {document} was taken (the recorder is "
+        "held up, or the session's graph is held by another export): the rollout may miss "
+        f"them; {'export' if document == 'export' else 'read it'} again later"
     ]
 
 
@@ -2347,7 +2399,11 @@ def _not_recorded(session: Session, exc: OSError | RolloutStoreError) -> _Refusa
         return _Refusal(502, f"the upstream's answer cannot be recorded: {exc}")
     if isinstance(exc, OSError):  # FileWriteError too: a full disk, a quota, an I/O error
         return _Refusal(*_storage_failure("the turn cannot be recorded", exc))
-    return _Refusal(409, f"the session cannot record: {exc}")
+    return _cannot_record(str(exc))
+
+
+def _cannot_record(reason: str) -> _Refusal:
+    return _Refusal(409, f"the session cannot record: {reason}")
 
 
 def _recorded(session: Session, view: Any) -> str:

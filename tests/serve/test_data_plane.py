@@ -142,15 +142,16 @@ def test_what_the_engine_read_of_a_body_is_answered_as_the_python_plane_answers(
 
 
 def _answers_of_both_planes(
-    stub: str, bodies: list[tuple[str, bytes]]
+    stub: str, bodies: list[tuple[str, bytes]], damaged: str | None = None
 ) -> dict[str, tuple[list[tuple[int, bytes]], list[Any]]]:
-    """Each plane's answers (status, bytes) to the bodies (each with its route), one session,
-    and the turns it recorded."""
+    """Each plane's answers (status, bytes) to the bodies (each with its route), one session
+    (marked damaged with that reason, if given), and the turns it recorded."""
     seen = {}
     for plane in ("python", "rust"):
         app = create_app(stub, admin_key=ADMIN_KEY)
         with serve_app(app, data_plane=plane) as url:
             session = new_session(url, session_id="same")
+            app.state.sessions.get("same").damaged = damaged
             bearer = {"authorization": f"Bearer {session['api_key']}"}
             answers = []
             for path, body in bodies:
@@ -161,6 +162,7 @@ def _answers_of_both_planes(
                     timeout=20,
                 )
                 answers.append((answer.status_code, answer.content))
+            app.state.sessions.get("same").damaged = None
             seen[plane] = answers, _export(url, "same")["turns"]
     return seen
 
@@ -248,6 +250,101 @@ def test_a_body_too_deep_and_wrong_otherwise_is_refused_as_too_deep_by_both_plan
         "metadata", "system",
     ]  # fmt: skip
     assert seen["rust"] == seen["python"]
+
+
+_MESSAGES_TEXT = json.dumps(MESSAGES)
+_DAMAGE = "object abc is damaged: run rollout-store recover"
+
+
+@pytest.mark.parametrize(
+    ("body", "damaged", "status", "reason"),
+    [
+        pytest.param(
+            f'{{"messages": {_MESSAGES_TEXT}, "x": {_nested(600)}, "y": }}',
+            None, 400, "the request cannot be recorded: x nests deeper", id="deep-then-broken",
+        ),
+        pytest.param(
+            f'{{"y": tru, "messages": {_MESSAGES_TEXT}, "x": {_nested(510)}}}',
+            None, 400, "the body is not JSON: Expecting value", id="broken-then-deep",
+        ),
+        pytest.param(
+            f'{{"messages": {_MESSAGES_TEXT}, "seed": {"1" * 5000}, "tools": {_nested(501)}}}',
+            None, 400, "the request cannot be recorded: tools nests deeper", id="deep-big-int",
+        ),
+        pytest.param(
+            f'{{"messages": {_MESSAGES_TEXT}, "x": {_nested(1000)}}}',
+            None, 400, "the request cannot be recorded: x nests deeper", id="past-json-loads",
+        ),
+        pytest.param(
+            f'{{"messages": [{{"role": "user", "content": {_nested(3000)}}}]}}',
+            None, 400, "the request cannot be recorded: messages nests deeper", id="far-past",
+        ),
+        pytest.param(
+            f'{{"messages": {_MESSAGES_TEXT}, "tools": {_nested(600)}}}',
+            _DAMAGE, 400, "the request cannot be recorded: tools nests deeper", id="damaged-deep",
+        ),
+        pytest.param(
+            f'{{"messages": {_MESSAGES_TEXT}, "tools": {_nested(501)}}}',
+            _DAMAGE, 400, "the request cannot be recorded: tools nests deeper", id="damaged-501",
+        ),
+        pytest.param(
+            f'{{"messages": {_MESSAGES_TEXT}, "x": ', _DAMAGE, 409,
+            "the session cannot record: object abc", id="damaged-broken",
+        ),
+    ],
+)  # fmt: skip
+def test_a_body_too_deep_is_refused_for_that_first_by_both_planes(
+    stub: str, body: str, damaged: str | None, status: int, reason: str
+) -> None:
+    """A body holding a field too deep is refused for that (400) by both planes, whatever
+    else is wrong with it and whatever json.loads says of it, in the order the Rust plane's
+    engine checks: also when it is not JSON past the parser's bound (a fault the engine
+    reads before it, it names), when it holds an int json.loads cannot convert, when
+    json.loads gives up on its depth (its RecursionError), and when its session cannot
+    record (409 otherwise). Before, the Python plane gave json.loads' reason, "the body
+    nests too deeply to record", or 409 for these, where the Rust plane named the field."""
+    seen = _answers_of_both_planes(stub, [("/v1/chat/completions", body.encode())], damaged)
+    ((python_status, python_body),) = seen["python"][0]
+    ((rust_status, rust_body),) = seen["rust"][0]
+    python_reason = json.loads(python_body)["error"]["message"]
+    rust_reason = json.loads(rust_body)["error"]["message"]
+    assert (rust_status, rust_reason) == (python_status, python_reason)
+    assert python_status == status and python_reason.startswith(reason), python_reason
+    assert seen["python"][1] == seen["rust"][1] == []
+
+
+def test_an_int_json_loads_cannot_convert_that_a_repeated_key_replaces_is_refused(
+    stub: str,
+) -> None:
+    """json.loads decodes every value of a repeated key, and refuses an int of more digits
+    than Python converts even where a later value replaces it: both planes refuse such a
+    body as they refuse it without the repeat (json.loads' reason), before the upstream;
+    before, the split kept only the last value and the body went upstream. An int deep in
+    the messages (which stay undecoded) is refused too, alike by both planes, recording
+    nothing."""
+    messages = json.dumps(MESSAGES)
+    big = "1" * 5000
+    chat = "/v1/chat/completions"
+    alone = f'{{"model": "m", "messages": {messages}, "x": {big}}}'
+    top = [
+        alone,
+        f'{{"model": "m", "messages": {messages}, "x": {big}, "x": 1}}',
+        f'{{"model": "m", "x": -{big}, "messages": {messages}, "x": 1}}',
+        f'{{"model": "m", "x": [{big}], "messages": {messages}, "x": 1, "x": 2}}',
+        f'{{"model": "m", "messages": {messages}, "messages": {messages}, "n": {big}, "n": 1}}',
+    ]
+    message = f'{{"role": "user", "content": "a", "x": {big}, "x": 1}}'
+    nested = [f'{{"model": "m", "messages": [{message}]}}']
+    seen = _answers_of_both_planes(stub, [(chat, t.encode()) for t in top + nested])
+    python, rust = seen["python"], seen["rust"]
+    refusal = python[0][0]
+    assert refusal[0] == 400
+    reason = json.loads(refusal[1])["error"]["message"]
+    assert reason.startswith("the body is not JSON: Exceeds the limit"), reason
+    assert python[0][: len(top)] == [refusal] * len(top)
+    assert python[0][-1][0] == 400
+    assert rust[0] == python[0]
+    assert python[1] == rust[1] == []
 
 
 def test_the_key_table_follows_the_sessions(stub: str) -> None:

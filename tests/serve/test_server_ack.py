@@ -411,6 +411,41 @@ def test_an_export_whose_wait_for_its_turns_times_out_says_so(
 
 
 @pytest.mark.parametrize("plane", ["python", "rust"])
+def test_a_trace_whose_wait_for_its_turns_times_out_says_so(
+    stub: str, monkeypatch: pytest.MonkeyPatch, plane: str
+) -> None:
+    """A trace that gave up waiting for its session's answered turns ends with a line that
+    says how many it misses (`{"validation": ["[WARN] unsettled_turns: ..."]}`), as an
+    export's validation does; before, it was answered as if complete. Once they are in,
+    the trace is its turns alone."""
+    gate = threading.Event()
+    settled = _Server.settled_session
+    _gate_recorders(monkeypatch, lambda: gate)
+
+    async def short(self: _Server, session: Any, timeout: float = 0.3) -> bool:
+        return await settled(self, session, 0.3)
+
+    monkeypatch.setattr(_Server, "settled_session", short)
+    app = create_app(stub, ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane=plane) as url:
+        session = new_session(url, session_id="late")
+        _call(url, session, "queued")
+        trace = httpx.get(f"{url}/sessions/late/trace.jsonl", headers=auth("late"), timeout=5)
+        gate.set()
+        settled_trace = httpx.get(
+            f"{url}/sessions/late/trace.jsonl", headers=auth("late"), timeout=5
+        )
+    assert trace.status_code == settled_trace.status_code == 200
+    lines = [json.loads(line) for line in trace.text.splitlines()]
+    assert [list(line) for line in lines] == [["validation"]], lines
+    (warning,) = lines[0]["validation"]
+    assert warning.startswith("[WARN] unsettled_turns: 1 turn(s)"), warning
+    assert "when this trace was taken" in warning
+    settled_lines = [json.loads(line) for line in settled_trace.text.splitlines()]
+    assert len(settled_lines) == 1 and "validation" not in settled_lines[0]
+
+
+@pytest.mark.parametrize("plane", ["python", "rust"])
 def test_an_export_waits_for_the_turns_answered_before_it_not_for_later_ones(
     stub: str, monkeypatch: pytest.MonkeyPatch, plane: str
 ) -> None:

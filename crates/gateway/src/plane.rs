@@ -869,13 +869,9 @@ impl<C: Control> Shared<C> {
         let Some(finished) = self.finish_call(&ticket, answer, C::finish).await else {
             return internal_error();
         };
-        if finished.queue && !self.queue(&ticket) {
+        if let Err(why) = self.queue_if(finished.queue, &ticket) {
             let held = ticket.clone();
-            if self
-                .call(move |c| c.dropped(&held, "queue_full"))
-                .await
-                .is_none()
-            {
+            if self.call(move |c| c.dropped(&held, why)).await.is_none() {
                 return internal_error();
             }
         }
@@ -954,9 +950,9 @@ impl<C: Control> Shared<C> {
         feed: &tokio::sync::mpsc::Sender<Piece<C::Ticket>>,
         ticket: Arc<C::Ticket>,
     ) {
-        if finished.queue && !self.queue(&ticket) {
+        if let Err(why) = self.queue_if(finished.queue, &ticket) {
             let held = ticket.clone();
-            let _ = self.call(move |c| c.dropped(&held, "queue_full")).await;
+            let _ = self.call(move |c| c.dropped(&held, why)).await;
         }
         let released = if finished.release { held } else { Vec::new() };
         for chunk in released.into_iter().chain(finished.reply.chunks) {
@@ -1082,17 +1078,26 @@ impl<C: Control> Shared<C> {
         response
     }
 
-    /// Queue a turn for the recorder; false when the queue is full (or closed).
-    fn queue(&self, ticket: &Arc<C::Ticket>) -> bool {
+    /// Queue a turn for the recorder (when the control says to); else why it is dropped:
+    /// `shutdown` once a stop closed the queue (full or not), `queue_full` otherwise.
+    fn queue_if(&self, queue: bool, ticket: &Arc<C::Ticket>) -> Result<(), &'static str> {
+        if !queue {
+            return Ok(());
+        }
         if !self.pending.add(self.config.ack_queue) {
-            return false;
+            let closed = self
+                .jobs
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .is_none();
+            return Err(if closed { "shutdown" } else { "queue_full" });
         }
         if self.send(Job::Record(ticket.clone())) {
-            return true;
+            return Ok(());
         }
         self.pending.taken();
         self.pending.done();
-        false
+        Err("shutdown")
     }
 
     fn reply(
@@ -1759,6 +1764,69 @@ fn record_batch<C: Control>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A control that is never called: the queue's own answers are tested.
+    struct Idle;
+
+    impl Control for Idle {
+        type Ticket = ();
+
+        fn prepare(&self, _: Call) -> Prepared<()> {
+            unreachable!()
+        }
+        fn finish(&self, (): &(), _: Upstream) -> Finished {
+            unreachable!()
+        }
+        fn finish_stream(&self, (): &(), _: Streamed) -> Finished {
+            unreachable!()
+        }
+        fn record(&self, _: &[&()]) -> Vec<usize> {
+            Vec::new()
+        }
+        fn dropped(&self, (): &(), _: &'static str) {}
+        fn sent(&self, (): &(), _: Sent) -> bool {
+            true
+        }
+    }
+
+    #[test]
+    fn a_turn_not_queued_is_dropped_for_shutdown_once_a_stop_closed_the_queue() {
+        let config = Config {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            upstream: "http://127.0.0.1:9".into(),
+            backend: "127.0.0.1:9".parse().unwrap(),
+            hosts: crate::checks::Hosts::any(),
+            open_mode: true,
+            max_body_bytes: 1 << 20,
+            body_timeout: Duration::from_secs(5),
+            body_timeout_text: "5".into(),
+            upstream_timeout: Duration::from_secs(5),
+            stream_keepalive: Duration::from_secs(5),
+            fast: true,
+            ack_queue: 1,
+            workers: 1,
+            callers: 1,
+            forward_only: false,
+        };
+        let mut gateway = Gateway::start(config, Idle).unwrap();
+        let shared = gateway.shared.clone();
+        let ticket = Arc::new(());
+        assert_eq!(shared.queue_if(false, &ticket), Ok(()));
+        assert!(shared.pending.add(1)); // the bound taken: the queue is full
+        assert_eq!(shared.queue_if(true, &ticket), Err("queue_full"));
+        shared.pending.taken();
+        shared.pending.done();
+        // the stop closes the queue (as `stop` does, after the calls in flight were cut)
+        let jobs = shared.jobs.lock().unwrap().take();
+        assert_eq!(shared.queue_if(true, &ticket), Err("shutdown"));
+        assert!(shared.pending.add(1));
+        assert_eq!(shared.queue_if(true, &ticket), Err("shutdown"));
+        shared.pending.taken();
+        shared.pending.done();
+        drop(jobs);
+        gateway.stop(Duration::from_secs(1));
+        assert_eq!(shared.pending.counts().unfinished, 0);
+    }
 
     #[test]
     fn a_tls_failure_is_named_however_deep_it_is_wrapped() {
