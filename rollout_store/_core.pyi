@@ -46,6 +46,7 @@ __all__ = [
     "SYNC",
     "Packer",
     "RequestTable",
+    "splice",
     "RefusedValue",
     "unpack",
     "u32_ids",
@@ -181,6 +182,13 @@ def unpack(data: bytes, blob: Callable[[int], Any], echo: Callable[[], Any] | No
     """Rebuild one packed value: fresh containers, a tuple where one was recorded, each blob
     reference as what `blob(index)` returns (the table's own `str`), the echo placeholder as
     what `echo()` returns (refused without one)."""
+
+def splice(data: bytes, refs: bytes, blob: Callable[[int], str]) -> bytes:
+    """The plain packing of a stored packed value: each blob reference (at the offsets `refs`
+    gives, as `check_packed` found them: native-endian u32s) replaced by the plain packing of
+    its string, `blob(index)`, as `Packer(None, None)` packs a str (`EXT_SURROGATE` with a
+    lone surrogate); the bytes between are kept as they are. `ValueError` when an offset is
+    not a blob reference's (out of order, past the end, another type)."""
 
 class DecodeError(ValueError):
     """JSON text that is not JSON (or nested too deeply); `offset` is the byte it was found at."""

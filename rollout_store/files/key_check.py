@@ -55,18 +55,18 @@ import blake3
 import msgpack
 import xxhash
 
+from .._core import splice
 from ..engine.blobs import BlobTable
 from ..engine.confirm import digest_key
-from ..engine.encoding import ECHO_PACKED, EXT_ECHO, array_header, unpack
+from ..engine.encoding import ECHO_PACKED, array_header
 from ..engine.intake import MAX_DEPTH
 from ..engine.keys import short_key
-from ..engine.requests import RequestStore
 from ..engine.stored import NO_MESSAGES, RESPONSE_REFS, TAIL_ECHO, TAIL_REFS, IndexKeys, Turn
 from ..engine.tokens import BLOCK, TokenRun, holds_all
 from ..errors import IndexKeyMismatch, IndexKeyRecomputeError, StoreError
 from .packed import MESSAGES_DEPTH, check_packed
 
-__all__ = ["DECODE_LIMIT", "KeyCheck", "UnkeyedTurn"]
+__all__ = ["KeyCheck", "UnkeyedTurn"]
 
 #: Hash states kept for the latest turns (requests) and token runs; an older one is
 #: hashed again from its content when a later turn extends it.
@@ -74,13 +74,9 @@ KEPT_STATES = 256
 
 _BLOCK_BYTES: Final = BLOCK * 4
 _EMPTY: Final = blake3.blake3()  # never updated: copied
-_ECHO: Final = msgpack.ExtType(EXT_ECHO, b"")  # packs back to ECHO_PACKED
 
 # (xxh3-64 state over the run's whole blocks, the bytes after them) or None: not compact
 _RunState = tuple[Any, bytes] | None
-#: Longest stored value `_spliced` decodes to pack again (a decoded object costs at most about
-#: 80 bytes per packed byte: what that allocates stays bounded); longer ones are spliced.
-DECODE_LIMIT = 16 << 10
 
 
 class UnkeyedTurn(NamedTuple):
@@ -100,11 +96,8 @@ class KeyCheck:
     `finish` once the last record is read. Both raise `IndexKeyMismatch`. Where keys are
     recomputed rather than checked, `rekeyed` and `finish_rekeyed` take their places."""
 
-    def __init__(self, blobs: BlobTable, share_threshold: int | None) -> None:
+    def __init__(self, blobs: BlobTable) -> None:
         self.blobs = blobs
-        # the plain packing of a value, as add_turn takes it (msgpack in C, else the
-        # validating walk)
-        self.plain = RequestStore(blobs, share_threshold).plain
         # turn index -> BLAKE3 state of its non-system messages' plain packings
         self.requests: OrderedDict[int, Any] = OrderedDict()
         # run -> its state (runs compare by identity, but for the views of packed full runs
@@ -291,32 +284,16 @@ class KeyCheck:
     def _spliced(self, packed: bytes, echo_ok: bool) -> bytes:
         """A stored value's plain packing: each blob reference (6 bytes) replaced by the plain
         packing of its string (a lone surrogate packs as it does inline); an echo placeholder
-        stays. A short value is decoded and packed again (what that allocates is bounded by
-        `DECODE_LIMIT`), a longer one, or a short one msgpack cannot pack with its
-        echo placeholder, spliced where `check_packed` finds its references (never decoded:
-        a crafted one could allocate many times its size)."""
+        stays. Spliced by the engine where `check_packed` finds the references, never decoded
+        (a crafted value could allocate many times its size, and a decoded screenshot would
+        be packed again only to be hashed)."""
         blobs = self.blobs
-        if len(packed) <= DECODE_LIMIT:
-            plain = self.plain(unpack(packed, blobs.string, _echo))
-            if plain is not None:
-                return plain
-            # msgpack cannot pack it (a lone surrogate, say) and the validating walk takes
-            # no echo placeholder: spliced as a long one is
         depth = MESSAGES_DEPTH if echo_ok else MAX_DEPTH  # a tail, or a response
         info = check_packed(
             packed, len(blobs), depth, blob_surrogates=self._surrogates, echo_ok=echo_ok
         )
-        parts: list[bytes] = []
-        pos = 0
-        for at in info.blob_refs or ():
-            parts.append(packed[pos:at])
-            plain = self.plain(blobs.string(int.from_bytes(packed[at + 2 : at + 6], "big")))
-            if plain is None:  # (a stored string always packs)
-                raise ValueError("a blob string without a plain packing")
-            parts.append(plain)
-            pos = at + 6
-        parts.append(packed[pos:])
-        return b"".join(parts)
+        refs = info.blob_refs
+        return splice(packed, refs.tobytes() if isinstance(refs, array) else b"", blobs.string)
 
     def _surrogates(self, index: int) -> bool:
         return self.blobs.handle(index).surrogates
@@ -415,10 +392,6 @@ def _spans(body: memoryview, count: int) -> list[memoryview]:
         spans.append(body[start:end])
         start = end
     return spans
-
-
-def _echo() -> msgpack.ExtType:
-    return _ECHO
 
 
 def _waits(turn: Turn, request: int | None) -> bool:

@@ -685,7 +685,7 @@ class _Loader:
         # the file's turn records carry `_FIELD_FLAGS` (its header has no `derived_flags`)
         self.carries_flags = False
         # `verify`: each turn's index keys recomputed from its content (`load` trusts them)
-        self.key_check = KeyCheck(self.graph.blobs, share_threshold) if check_keys else None
+        self.key_check = KeyCheck(self.graph.blobs) if check_keys else None
         # keys recomputed rather than checked: a version-1 file (an earlier scheme of keys)
         # or a load with recover=True
         self.rekey = False

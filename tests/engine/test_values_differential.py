@@ -16,13 +16,14 @@ import gc
 import json
 import sys
 import tracemalloc
+from array import array
 from typing import Any
 
 import msgpack
 import numpy as np
 import pydantic
 import pytest
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from support import assert_same, assert_same_json, json_like
 
@@ -467,3 +468,34 @@ def test_packing_leaves_nothing_behind_in_the_interpreter() -> None:
     finally:
         tracemalloc.stop()
     assert kept < 2048, kept
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_like, st.sampled_from([1, 4, 16]))
+def test_a_stored_packing_spliced_is_the_plain_packing_of_its_value(
+    value: Any, threshold: int
+) -> None:
+    """`_core.splice` puts each blob reference's string back as `Packer(None, None)` packs it
+    (lone surrogates as their extension type): what verify hashes for a stored request."""
+    from rollout_store.files.packed import check_packed
+
+    blobs = BlobTable()
+    stored = _core.Packer(blobs.intern, threshold).pack(value)
+    info = check_packed(stored, len(blobs), 1000)
+    refs = info.blob_refs.tobytes() if info.refs else b""
+    assert _core.splice(stored, refs, blobs.string) == _core.Packer(None, None).pack(value)
+
+
+def test_splice_refuses_an_offset_that_is_no_blob_reference() -> None:
+    blobs = BlobTable()
+    stored = _core.Packer(blobs.intern, 4).pack(["long text", "x"])
+    at = stored.index(b"\xd6")
+    ok = array("I", [at]).tobytes()
+    assert _core.splice(stored, ok, blobs.string) == _core.Packer(None, None).pack(
+        ["long text", "x"]
+    )
+    for refs in (array("I", [at + 1]).tobytes(), array("I", [len(stored)]).tobytes(), b"\0"):
+        with pytest.raises(ValueError, match="splice"):
+            _core.splice(stored, refs, blobs.string)
+    with pytest.raises(ValueError, match="splice"):  # out of order
+        _core.splice(stored, array("I", [at, at]).tobytes(), blobs.string)

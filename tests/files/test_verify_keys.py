@@ -485,7 +485,7 @@ def _seeded_turns(rng: random.Random) -> list[tuple[str, dict[str, Any]]]:
 def test_long_tails_with_blob_references_verify(tmp_path: Path) -> None:
     """Tails and responses longer than `QUICK_LIMIT` that hold blob references (one of a
     string with a lone surrogate) and an echo: spliced where `check_packed` finds them."""
-    from rollout_store.files.key_check import DECODE_LIMIT as QUICK_LIMIT
+    QUICK_LIMIT = 16 << 10  # what key_check once decoded whole below: spliced above it
 
     many = ["short"] * (QUICK_LIMIT // 4)
     history: list[Any] = []

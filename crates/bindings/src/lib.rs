@@ -58,7 +58,7 @@ mod _core {
     #[pymodule_export]
     use super::key_index::KeyIndex;
     #[pymodule_export]
-    use super::packed::{check_packed, unpack, Packer};
+    use super::packed::{check_packed, splice, unpack, Packer};
     #[pymodule_export]
     use super::requests::RequestTable;
     #[pymodule_export]

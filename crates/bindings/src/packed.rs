@@ -921,3 +921,55 @@ pub fn check_packed<'py>(
         PyBytes::new(py, &refs),
     ))
 }
+
+/// The plain packing of a stored packed value: each blob reference (at the offsets `refs`
+/// gives, as `check_packed` found them: native-endian u32s) replaced by the plain packing of
+/// its string, `blob(index)`, as `Packer(None, None)` packs a str (`EXT_SURROGATE` with a
+/// lone surrogate); the bytes between are kept as they are. `ValueError` when an offset is
+/// not a blob reference's (out of order, past the end, another type).
+#[pyfunction]
+pub fn splice<'py>(
+    py: Python<'py>,
+    data: &[u8],
+    refs: &[u8],
+    blob: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    if refs.len() % 4 != 0 {
+        return Err(PyValueError::new_err(
+            "splice: refs must be u32 offsets (an array('I')'s bytes)",
+        ));
+    }
+    let mut out = Vec::with_capacity(data.len());
+    let mut pos = 0;
+    let mut scratch = Vec::new();
+    for chunk in refs.chunks_exact(4) {
+        let at = u32::from_ne_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]) as usize;
+        let reference = data.get(at..at + 6).filter(|_| at >= pos);
+        let Some(&[0xd6, code, a, b, c, d]) = reference else {
+            return Err(PyValueError::new_err(format!(
+                "splice: no blob reference at byte {at}"
+            )));
+        };
+        if code != ep::EXT_BLOB.to_ne_bytes()[0] {
+            return Err(PyValueError::new_err(format!(
+                "splice: no blob reference at byte {at}"
+            )));
+        }
+        out.extend_from_slice(&data[pos..at]);
+        let string = blob.call1((u32::from_be_bytes([a, b, c, d]),))?;
+        let string = string.cast_into::<PyString>().map_err(PyErr::from)?;
+        if let Some(ascii) = ascii_bytes(&string) {
+            ep::write_str(ascii, &mut out);
+        } else {
+            scratch.clear();
+            if utf8_of(&string, &mut scratch) {
+                ep::write_ext(ep::EXT_SURROGATE, &scratch, &mut out);
+            } else {
+                ep::write_str(&scratch, &mut out);
+            }
+        }
+        pos = at + 6;
+    }
+    out.extend_from_slice(&data[pos..]);
+    Ok(PyBytes::new(py, &out))
+}
