@@ -78,6 +78,17 @@ impl PrefixHasher {
         *last.finalize().as_bytes()
     }
 
+    /// The digest of everything fed, the bytes held back hashed first: for digests at many
+    /// points of one stream (each costs a finalization, not a copy of the state and a second
+    /// hashing of what was held back).
+    pub fn digest_here(&mut self) -> [u8; 32] {
+        if !self.pending.is_empty() {
+            self.hasher.update(&self.pending);
+            self.pending.clear();
+        }
+        *self.hasher.finalize().as_bytes()
+    }
+
     /// The BLAKE3 state that has seen everything fed, holding no pending buffer (a state
     /// kept between turns is BLAKE3's own, about 2 KB).
     pub fn finish(mut self) -> blake3::Hasher {
@@ -134,6 +145,22 @@ mod tests {
         resumed.update(&data[ALIGN + 5..]);
         assert_eq!(resumed.digest(), digest(&data));
         assert_eq!(resumed.fed(), data.len() as u64);
+    }
+
+    #[test]
+    fn digests_here_and_there_are_those_of_the_bytes_so_far() {
+        let data = sample(2 * ALIGN + 999);
+        let mut h = PrefixHasher::new();
+        for (i, piece) in data.chunks(777).enumerate() {
+            h.update(piece);
+            let so_far = ((i + 1) * 777).min(data.len());
+            if i % 3 == 0 {
+                assert_eq!(h.digest_here(), digest(&data[..so_far]));
+            } else {
+                assert_eq!(h.digest(), digest(&data[..so_far]));
+            }
+        }
+        assert_eq!(h.fed(), data.len() as u64);
     }
 
     #[test]

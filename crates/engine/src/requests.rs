@@ -390,11 +390,11 @@ impl Requests {
         let mut boundaries: Vec<(usize, [u8; DIGEST_SIZE])> = Vec::new();
         for (i, plain) in plains.iter().enumerate() {
             if self.lengths.has(first + i) {
-                boundaries.push((first + i, hasher.digest()));
+                boundaries.push((first + i, hasher.digest_here()));
             }
             hasher.update(plain.as_ref());
         }
-        let digest = hasher.digest();
+        let digest = hasher.digest_here();
         if self.lengths.has(n) {
             boundaries.push((n, digest));
         }
