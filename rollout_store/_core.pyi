@@ -295,6 +295,18 @@ class RequestTable:
         """File turn `turn`'s request of `n_rest` messages under its 32-byte `digest`, with
         its response's plain packing (None: no response). Turns are filed in increasing
         order; `ValueError` otherwise, and nothing changes."""
+    def prefixes(self, plains: list[bytes]) -> list[tuple[int, bytes, list[int]]]:
+        """Every boundary of a request whose non-system messages pack as `plains` where it
+        extends filed turns, longest first: `(len, digest, turns)`, the turns in filing
+        order."""
+    @staticmethod
+    def keys(plains: list[bytes]) -> list[int]:
+        """The index key of every prefix of a request whose messages pack as `plains`
+        (`keys[m]`: of its first `m` messages)."""
+    def note_child(self, turn: int) -> bool:
+        """Note that a filed turn has a child (False: it is not filed)."""
+    def has_children(self, turn: int) -> bool | None:
+        """Whether a filed turn has a child (None: not filed)."""
     def n_rest(self, turn: int) -> int | None:
         """The message count of a filed turn's request (None: not filed)."""
     def response(self, turn: int) -> bytes | None:

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from support import json_like
 
 from rollout_store import RolloutGraph, TurnNode, _core
-from rollout_store.engine.confirm import prefix_digest
+from rollout_store.engine.confirm import prefix_digest, prefix_keys
 from rollout_store.engine.encoding import ECHO_PACKED
-from rollout_store.engine.stored import TAIL_ECHO
+from rollout_store.engine.stored import TAIL_ECHO, LinkKind
 
 RequestTable = _core.RequestTable
 
@@ -76,6 +76,51 @@ def test_the_table_finds_the_base_echo_and_tail_the_graph_stores(seed: int) -> N
         table.file(index, len(plains), digest, plain(response))
     assert len(table) == len(graph)
     assert table.nbytes > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_tables_prefixes_answer_the_linkers_questions_as_the_graph_does(seed: int) -> None:
+    """Each boundary's filed turns (brute force over what was filed), the message parent by
+    an exact echo (the graph's, for a turn linked by messages), a root's prefix keys (the
+    graph's `prefix_keys`) and twins with children."""
+    graph = RolloutGraph(share_threshold=None)
+    table = RequestTable()
+    filed: list[list[bytes]] = []
+    for index, (messages, response) in enumerate(_branching_rollouts(200 + seed, 120)):
+        plains = [plain(m) for m in messages]
+        prefixes = table.prefixes(plains)
+        expected = [
+            (n, [t for t, f in enumerate(filed) if f == plains[:n]])
+            for n in range(len(plains), -1, -1)
+        ]
+        assert [(n, turns) for n, _, turns in prefixes] == [e for e in expected if e[1]]
+        for n, digest, _ in prefixes:
+            assert digest == prefix_digest(b"".join(plains[:n]))
+        assert RequestTable.keys(plains) == prefix_keys(plains)
+        # the parent by messages: at the longest boundary before the last message where a
+        # filed turn's response comes next, exactly, the first such turn
+        exact = next(
+            (
+                t
+                for n, _, turns in prefixes
+                if n < len(plains)
+                for t in turns
+                if table.response(t) == plains[n]
+            ),
+            None,
+        )
+        graph.add_turn(TurnNode(request_messages=messages, response_message=response))
+        turn = graph._turns[index]
+        if turn.link == LinkKind.MESSAGES:
+            assert turn.parent is not None and exact == turn.parent.index, f"turn {index}"
+        else:
+            assert exact is None, f"turn {index}"
+        if turn.parent is not None:
+            table.note_child(turn.parent.index)
+        table.file(index, len(plains), prefix_digest(b"".join(plains)), plain(response))
+        filed.append(plains)
+    for index, turn in enumerate(graph._turns):
+        assert table.has_children(index) is (turn.kids is not None)
 
 
 def test_a_workload_conversation_finds_each_turn_just_before() -> None:

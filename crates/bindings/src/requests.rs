@@ -13,6 +13,9 @@ use pyo3::types::{PyBytes, PyList};
 
 use crate::{DecodeError, DETACH_FROM};
 
+/// A boundary `prefixes` answers: `(len, digest, turns)`.
+type PrefixTuple<'py> = (usize, Bound<'py, PyBytes>, Vec<u32>);
+
 /// What `find` answers: `(base, base_len, echo, digest)`.
 type FoundTuple<'py> = (Option<u32>, usize, bool, Bound<'py, PyBytes>);
 
@@ -203,6 +206,38 @@ impl RequestTable {
         self.table()
             .file(turn, n_rest, digest, response)
             .map_err(|err| file_error(&err))
+    }
+
+    /// Every boundary of a request whose non-system messages pack as `plains` where it
+    /// extends filed turns, longest first: `(len, digest, turns)`, the turns in filing order.
+    fn prefixes<'py>(
+        &self,
+        py: Python<'py>,
+        plains: &Bound<'py, PyList>,
+    ) -> PyResult<Vec<PrefixTuple<'py>>> {
+        let plains = backed(plains)?;
+        let found = self.table().prefixes(&plains);
+        Ok(found
+            .into_iter()
+            .map(|p| (p.len, PyBytes::new(py, &p.digest), p.turns))
+            .collect())
+    }
+
+    /// The index key of every prefix of a request whose messages pack as `plains`
+    /// (`keys[m]`: of its first `m` messages).
+    #[staticmethod]
+    fn keys(plains: &Bound<'_, PyList>) -> PyResult<Vec<u64>> {
+        Ok(Requests::keys(&backed(plains)?))
+    }
+
+    /// Note that a filed turn has a child (False: it is not filed).
+    fn note_child(&self, turn: u32) -> bool {
+        self.table().note_child(turn)
+    }
+
+    /// Whether a filed turn has a child (None: not filed).
+    fn has_children(&self, turn: u32) -> Option<bool> {
+        self.table().has_children(turn)
     }
 
     /// The message count of a filed turn's request (None: not filed).

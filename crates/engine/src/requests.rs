@@ -250,8 +250,10 @@ impl Lengths {
 struct Row {
     digest: [u8; DIGEST_SIZE],
     n_rest: u32,
-    /// its response's plain packing (`len` 0 and no page: none)
+    /// its response's plain packing (None: no response)
     response: Option<Span>,
+    /// some turn is its child (a twin's continuation may move under a later twin)
+    has_children: bool,
 }
 
 /// The rows filed under one key, in filing order: mostly one.
@@ -268,6 +270,16 @@ impl Filed {
             Filed::Many(rows) => rows,
         }
     }
+}
+
+/// A boundary of a request where filed requests end, and the filed turns there that the
+/// request extends, in filing order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Prefix {
+    /// messages before the boundary
+    pub len: usize,
+    pub digest: [u8; DIGEST_SIZE],
+    pub turns: Vec<TurnNo>,
 }
 
 /// What the base-finder found for a request.
@@ -362,6 +374,71 @@ impl Requests {
     /// The digest of a filed turn's request (None: not filed).
     pub fn digest(&self, turn: TurnNo) -> Option<[u8; DIGEST_SIZE]> {
         self.row_of(turn).map(|row| row.digest)
+    }
+
+    /// Whether a filed turn has a child (None: not filed).
+    pub fn has_children(&self, turn: TurnNo) -> Option<bool> {
+        self.row_of(turn).map(|row| row.has_children)
+    }
+
+    /// Note that a filed turn has a child; false when it is not filed.
+    pub fn note_child(&mut self, turn: TurnNo) -> bool {
+        let Ok(at) = self.turns.binary_search(&turn) else {
+            return false;
+        };
+        self.rows[at].has_children = true;
+        true
+    }
+
+    /// Every boundary of a request whose messages pack as `plains` where it extends filed
+    /// turns, longest first, with those turns in filing order: what linking asks of each
+    /// boundary (the message parent, the twins), in one pass over the packings.
+    pub fn prefixes<P: AsRef<[u8]>>(&self, plains: &[P]) -> Vec<Prefix> {
+        let mut hasher = PrefixHasher::new();
+        let mut found = Vec::new();
+        for n in 0..=plains.len() {
+            if n > 0 {
+                hasher.update(plains[n - 1].as_ref());
+            }
+            if !self.lengths.has(n) {
+                continue;
+            }
+            let digest = hasher.digest_here();
+            let turns: Vec<TurnNo> =
+                self.index
+                    .get(digest_key(&digest))
+                    .map_or_else(Vec::new, |filed| {
+                        filed
+                            .rows()
+                            .iter()
+                            .filter(|&&row| self.rows[row as usize].digest == digest)
+                            .map(|&row| self.turns[row as usize])
+                            .collect()
+                    });
+            if !turns.is_empty() {
+                found.push(Prefix {
+                    len: n,
+                    digest,
+                    turns,
+                });
+            }
+        }
+        found.reverse();
+        found
+    }
+
+    /// The index key of every prefix of a request whose messages pack as `plains`: `keys[m]`
+    /// is that of its first `m` messages (a root is filed under its shorter prefixes' keys,
+    /// for a turn it continues that arrives late).
+    pub fn keys<P: AsRef<[u8]>>(plains: &[P]) -> Vec<u64> {
+        let mut hasher = PrefixHasher::new();
+        let mut keys = Vec::with_capacity(plains.len() + 1);
+        keys.push(digest_key(&hasher.digest_here()));
+        for plain in plains {
+            hasher.update(plain.as_ref());
+            keys.push(digest_key(&hasher.digest_here()));
+        }
+        keys
     }
 
     /// The plain packing of a filed turn's response (None: not filed, or no response).
@@ -644,6 +721,7 @@ impl Requests {
             digest,
             n_rest: n_rest_u32,
             response,
+            has_children: false,
         });
         self.turns.push(turn);
         self.lengths.mark(n_rest);
@@ -990,5 +1068,36 @@ mod tests {
             &json_conv(&["conversation 9"]).trim_end_matches(']')
         );
         assert_eq!(table.find_raw(kept.as_bytes(), 100, 0).unwrap().first, 1);
+    }
+
+    #[test]
+    fn prefixes_are_every_boundary_with_the_turns_there_longest_first() {
+        let mut table = Requests::new();
+        add(&mut table, 0, &conv(&["a"]), "r");
+        add(&mut table, 1, &conv(&["a", "r", "b"]), "s");
+        add(&mut table, 2, &conv(&["a"]), "r2");
+        add(&mut table, 3, &conv(&["x"]), "y");
+        let plains = conv(&["a", "r", "b", "s", "c"]);
+        let found = table.prefixes(&plains);
+        let shape: Vec<(usize, Vec<TurnNo>)> =
+            found.iter().map(|p| (p.len, p.turns.clone())).collect();
+        assert_eq!(shape, vec![(3, vec![1]), (1, vec![0, 2])]);
+        assert_eq!(found[0].digest, digest(&plains[..3].concat()));
+        assert_eq!(table.find(&plains).base, Some(found[0].turns[0]));
+        let keys = Requests::keys(&plains);
+        assert_eq!(keys.len(), 6);
+        assert_eq!(keys[3], digest_key(&digest(&plains[..3].concat())));
+        assert_eq!(keys[0], digest_key(&digest(b"")));
+    }
+
+    #[test]
+    fn a_turn_with_a_child_is_noted() {
+        let mut table = Requests::new();
+        add(&mut table, 4, &conv(&["a"]), "r");
+        assert_eq!(table.has_children(4), Some(false));
+        assert!(table.note_child(4));
+        assert_eq!(table.has_children(4), Some(true));
+        assert!(!table.note_child(5));
+        assert_eq!(table.has_children(5), None);
     }
 }
