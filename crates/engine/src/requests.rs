@@ -595,6 +595,8 @@ impl Requests {
     /// `text` up to that tip's end.
     fn raw_tip_of(&self, text: &[u8]) -> Option<(&RawTip, blake3::Hasher)> {
         let mut best: Option<(&RawTip, blake3::Hasher)> = None;
+        // the text's head hashed once for each length a tip's head has (mostly RAW_HEAD)
+        let mut heads: Vec<(usize, u64)> = Vec::new();
         for tip in self.raw_tips.iter().rev() {
             if tip.end > text.len() || best.as_ref().is_some_and(|(b, _)| b.end >= tip.end) {
                 continue;
@@ -603,7 +605,15 @@ impl Requests {
             if !matches!(next, Some(b',' | b']')) {
                 continue;
             }
-            if xxh3_64(&text[..tip.end.min(RAW_HEAD)]) != tip.head {
+            let size = tip.end.min(RAW_HEAD);
+            let head = if let Some(&(_, head)) = heads.iter().find(|(at, _)| *at == size) {
+                head
+            } else {
+                let head = xxh3_64(&text[..size]);
+                heads.push((size, head));
+                head
+            };
+            if head != tip.head {
                 continue;
             }
             let mut hasher = blake3::Hasher::new();
