@@ -144,6 +144,16 @@ impl<V> KeyIndex<V> {
             .map(|position| &self.entries[position].1)
     }
 
+    /// The value under `key`, to change in place.
+    pub fn get_mut(&mut self, key: u64) -> Option<&mut V> {
+        if self.slots.len() == 0 {
+            return None;
+        }
+        self.find_slot(key)
+            .1
+            .map(|position| &mut self.entries[position].1)
+    }
+
     pub fn contains_key(&self, key: u64) -> bool {
         self.get(key).is_some()
     }
@@ -344,6 +354,18 @@ mod tests {
         }
         assert_eq!(index.get(0), None);
         assert_eq!(index.get(5000 << 40), None);
+    }
+
+    #[test]
+    fn a_value_changed_in_place_keeps_its_place() {
+        let mut index = KeyIndex::new();
+        assert!(index.get_mut(1).is_none());
+        index.insert(1, vec![10]).unwrap();
+        index.insert(2, vec![20]).unwrap();
+        index.get_mut(1).unwrap().push(11);
+        assert!(index.get_mut(3).is_none());
+        let items: Vec<(u64, Vec<i32>)> = index.iter().map(|(k, v)| (k, v.clone())).collect();
+        assert_eq!(items, vec![(1, vec![10, 11]), (2, vec![20])]);
     }
 
     #[test]

@@ -360,7 +360,7 @@ impl Requests {
         self.rows.is_empty()
     }
 
-    /// The filed request's turn, message count and digest (for row `row`).
+    /// The row of a filed turn (None: not filed).
     fn row_of(&self, turn: TurnNo) -> Option<&Row> {
         let at = self.turns.binary_search(&turn).ok()?;
         Some(&self.rows[at])
@@ -716,16 +716,16 @@ impl Requests {
             .filter(|&row| row < u32::MAX)
             .ok_or(FileError::Full)?;
         let key = digest_key(&digest);
-        let filed = match self.index.get(key) {
-            None => Filed::One(row),
-            Some(Filed::One(first)) => Filed::Many(vec![*first, row]),
-            Some(Filed::Many(rows)) => {
-                let mut rows = rows.clone();
-                rows.push(row);
-                Filed::Many(rows)
+        match self.index.get_mut(key) {
+            None => {
+                self.index.insert(key, Filed::One(row))?;
             }
-        };
-        self.index.insert(key, filed)?;
+            Some(Filed::Many(rows)) => rows.push(row),
+            Some(filed) => {
+                let first = filed.rows()[0];
+                *filed = Filed::Many(vec![first, row]);
+            }
+        }
         let response = response.map(|packed| self.pages.push(packed));
         self.rows.push(Row {
             digest,
@@ -1098,6 +1098,24 @@ mod tests {
         assert_eq!(keys.len(), 6);
         assert_eq!(keys[3], digest_key(&digest(&plains[..3].concat())));
         assert_eq!(keys[0], digest_key(&digest(b"")));
+    }
+
+    #[test]
+    fn thousands_of_twins_are_filed_under_one_key_in_order() {
+        let mut table = Requests::new();
+        for turn in 0..5000 {
+            add(
+                &mut table,
+                turn,
+                &conv(&["the same prompt"]),
+                &format!("sample {turn}"),
+            );
+        }
+        let prefixes = table.prefixes(&conv(&["the same prompt", "sample 7"]));
+        assert_eq!(prefixes.len(), 1);
+        assert_eq!(prefixes[0].turns, (0..5000).collect::<Vec<_>>());
+        let found = table.find(&conv(&["the same prompt", "sample 0"]));
+        assert_eq!((found.base, found.echo), (Some(0), true));
     }
 
     #[test]
