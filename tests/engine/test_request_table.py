@@ -232,3 +232,22 @@ def test_an_echo_is_only_the_base_response_exactly() -> None:
     assert RequestTable.tail(loose, 1, False).startswith(b"\x91") and ECHO_PACKED not in (
         RequestTable.tail(loose, 1, False)
     )
+
+
+def test_a_tip_nested_deeper_than_a_later_depth_bound_is_refused_as_read_whole() -> None:
+    # the tip's messages were read under a higher bound: a text re-sending them under a lower
+    # one is refused, as reading it whole refuses it, not read from the tip
+    table = RequestTable()
+    deep = b"[" + b"[" * 40 + b"]" * 40 + b"]"
+    table.add_json(0, deep, max_depth=100)
+    for text in (deep, deep[:-1] + b", 1]"):
+        with pytest.raises(_core.DecodeError, match="deeper than 20"):
+            RequestTable().find_json(text, max_depth=20)
+        with pytest.raises(_core.DecodeError, match="deeper than 20"):
+            table.find_json(text, max_depth=20)
+        with pytest.raises(_core.DecodeError, match="deeper than 20"):
+            table.add_json(1, text, max_depth=20)
+        first, plains, _ = table.find_json(text, max_depth=41)
+        assert (first, plains) == (1, [plain(m) for m in json.loads(text)][1:])
+    assert len(table) == 1
+
