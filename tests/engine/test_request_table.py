@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import random
 import sys
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -251,3 +253,36 @@ def test_a_tip_nested_deeper_than_a_later_depth_bound_is_refused_as_read_whole()
         assert (first, plains) == (1, [plain(m) for m in json.loads(text)][1:])
     assert len(table) == 1
 
+
+def test_a_long_text_added_is_filed_before_a_turn_added_while_it_is_read() -> None:
+    # a long text is read with the GIL released; a turn added meanwhile on another thread
+    # must come wholly before it (and be found as its base) or after it (and be refused for
+    # its order), never be filed between its reading and its filing
+    table = RequestTable()
+    first_message = {"role": "user", "content": "start"}
+    items = [first_message] + [{"role": "user", "content": [i, "x"]} for i in range(100_000)]
+    long_text = json.dumps(items).encode()
+    assert len(long_text) > 1 << 20
+    started = threading.Event()
+    got: list[Any] = []
+
+    def add_long() -> None:
+        started.set()
+        got.append(table.add_json(1, long_text))
+
+    thread = threading.Thread(target=add_long)
+    thread.start()
+    started.wait()
+    # most likely while the long text is read (a tenth of a second or more): either order is
+    # right, the check is that the two never interleave
+    time.sleep(0.02)
+    try:
+        table.add_json(0, json.dumps([first_message]).encode())
+        short_filed = True
+    except ValueError as err:
+        assert "in order" in str(err)
+        short_filed = False
+    thread.join()
+    (_, _, (base, base_len, _, _)) = got[0]
+    assert len(table) == (2 if short_filed else 1)
+    assert (base, base_len) == ((0, 1) if short_filed else (None, 0))

@@ -40,20 +40,28 @@ impl RequestTable {
         }
     }
 
-    /// A raw text read by the table (see `find_json`), the GIL released for a long one.
-    fn read_raw(&self, py: Python<'_>, text: &[u8], max_depth: usize) -> PyResult<RawFound> {
-        let max_digits: usize = py
-            .import("sys")?
-            .call_method0("get_int_max_str_digits")?
-            .extract()?;
-        let read = |table: &Requests| table.find_raw(text, max_depth, max_digits);
-        let raw = if text.len() >= DETACH_FROM {
-            py.detach(|| read(&self.table()))
+    /// `work` on the table, the GIL released for a long text (reading it is pure Rust work).
+    /// The lock is held for all of it: a text read for filing is filed before any other
+    /// turn, or what it found could miss a turn filed before it.
+    fn with_table<T: Send>(
+        &self,
+        py: Python<'_>,
+        text: &[u8],
+        work: impl FnOnce(&mut Requests) -> T + Send,
+    ) -> T {
+        if text.len() >= DETACH_FROM {
+            py.detach(|| work(&mut self.table()))
         } else {
-            read(&self.table())
-        };
-        raw.map_err(|err| raw_error(py, &err))
+            work(&mut self.table())
+        }
     }
+}
+
+/// The most digits `json.loads` converts to an int now (0: no limit).
+fn max_digits(py: Python<'_>) -> PyResult<usize> {
+    py.import("sys")?
+        .call_method0("get_int_max_str_digits")?
+        .extract()
 }
 
 /// The bytes of a list of `bytes`, borrowed (no copy).
@@ -95,6 +103,12 @@ fn raw_error(py: Python<'_>, err: &RawError) -> PyErr {
     }
 }
 
+/// Why `add_json` filed nothing: its text, or the filing.
+enum AddError {
+    Read(RawError),
+    File(requests::FileError),
+}
+
 /// `(first, plains, found)` of a raw text read by the table.
 type RawTuple<'py> = (usize, Bound<'py, PyList>, FoundTuple<'py>);
 
@@ -133,7 +147,12 @@ impl RequestTable {
         text: &[u8],
         max_depth: usize,
     ) -> PyResult<RawTuple<'py>> {
-        let raw = self.read_raw(py, text, max_depth)?;
+        let max_digits = max_digits(py)?;
+        let raw = self
+            .with_table(py, text, |table| {
+                table.find_raw(text, max_depth, max_digits)
+            })
+            .map_err(|err| raw_error(py, &err))?;
         raw_tuple(py, &raw)
     }
 
@@ -149,10 +168,20 @@ impl RequestTable {
         response: Option<&[u8]>,
         max_depth: usize,
     ) -> PyResult<RawTuple<'py>> {
-        let raw = self.read_raw(py, text, max_depth)?;
-        self.table()
-            .file_raw(turn, &raw, response)
-            .map_err(|err| file_error(&err))?;
+        let max_digits = max_digits(py)?;
+        let raw = self.with_table(py, text, |table| {
+            let raw = table
+                .find_raw(text, max_depth, max_digits)
+                .map_err(AddError::Read)?;
+            table
+                .file_raw(turn, &raw, response)
+                .map_err(AddError::File)?;
+            Ok(raw)
+        });
+        let raw = raw.map_err(|err| match err {
+            AddError::Read(err) => raw_error(py, &err),
+            AddError::File(err) => file_error(&err),
+        })?;
         raw_tuple(py, &raw)
     }
 
