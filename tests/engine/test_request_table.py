@@ -22,7 +22,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from support import json_like
 
-from rollout_store import RolloutGraph, TurnNode, _core
+from rollout_store import MAX_DEPTH, RolloutGraph, TurnNode, _core
 from rollout_store.engine.confirm import prefix_digest
 from rollout_store.engine.encoding import ECHO_PACKED
 from rollout_store.engine.stored import TAIL_ECHO
@@ -286,3 +286,18 @@ def test_a_long_text_added_is_filed_before_a_turn_added_while_it_is_read() -> No
     (_, _, (base, base_len, _, _)) = got[0]
     assert len(table) == (2 if short_filed else 1)
     assert (base, base_len) == ((0, 1) if short_filed else (None, 0))
+
+
+def test_a_text_of_messages_each_nested_to_the_bound_is_read_by_default() -> None:
+    # each message may nest MAX_DEPTH levels (Packer's bound, the server's depth check's):
+    # their array is one level more
+    deepest = b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1)
+    expected = [plain(m) for m in json.loads(deepest)]
+    table = RequestTable()
+    assert table.find_json(deepest)[1] == expected
+    assert table.add_json(0, deepest)[1] == expected
+    too_deep = b"[" + deepest + b"]"
+    with pytest.raises(_core.RefusedValue):
+        plain(json.loads(too_deep)[0])
+    with pytest.raises(_core.DecodeError, match=f"deeper than {MAX_DEPTH + 1}"):
+        RequestTable().find_json(too_deep)

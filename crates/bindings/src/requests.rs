@@ -4,7 +4,6 @@
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use engine::json as ej;
 use engine::requests::{self, Found, RawError, RawFound, Requests, DIGEST_SIZE};
 use pyo3::exceptions::{PyOverflowError, PyValueError};
 use pyo3::prelude::*;
@@ -12,6 +11,11 @@ use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyList};
 
 use crate::{DecodeError, DETACH_FROM};
+
+/// The depth a text of messages may nest to by default: each message a value nested as
+/// deep as `Packer` takes one (`MAX_DEPTH`), their array one level more (as the capture
+/// server's depth check counts a body's messages).
+const MESSAGES_MAX_DEPTH: usize = crate::packed::MAX_DEPTH + 1;
 
 /// What `find` answers: `(base, base_len, echo, digest)`.
 type FoundTuple<'py> = (Option<u32>, usize, bool, Bound<'py, PyBytes>);
@@ -138,9 +142,10 @@ impl RequestTable {
     /// `(first, plains, (base, base_len, echo, digest))` for a request given as the JSON text
     /// of its non-system messages (an array), read as `json.loads` reads it: `plains` are the
     /// packings of messages `first` on (those before are the raw tip's it re-sends, not read
-    /// again). `DecodeError` for text that is not JSON, `ValueError` for one that is not an
-    /// array or holds an int `json.loads` refuses.
-    #[pyo3(signature = (text, /, *, max_depth = ej::DEFAULT_MAX_DEPTH))]
+    /// again). `DecodeError` for text that is not JSON or nests deeper than `max_depth` (by
+    /// default each message as deep as the graph takes a value), `ValueError` for one that
+    /// is not an array or holds an int `json.loads` refuses.
+    #[pyo3(signature = (text, /, *, max_depth = MESSAGES_MAX_DEPTH))]
     fn find_json<'py>(
         &self,
         py: Python<'py>,
@@ -159,7 +164,7 @@ impl RequestTable {
     /// `find_json`, then `file` the request as turn `turn` (with its response's plain
     /// packing): it becomes its conversation's raw tip, the one a text re-sending it is read
     /// from. Nothing is filed when it raises.
-    #[pyo3(signature = (turn, text, response = None, *, max_depth = ej::DEFAULT_MAX_DEPTH))]
+    #[pyo3(signature = (turn, text, response = None, *, max_depth = MESSAGES_MAX_DEPTH))]
     fn add_json<'py>(
         &self,
         py: Python<'py>,
