@@ -278,8 +278,10 @@ class RequestTable:
         """`(first, plains, (base, base_len, echo, digest))` for a request given as the JSON
         text of its non-system messages (an array), read as `json.loads` reads it: `plains`
         are the packings of messages `first` on (those before are the raw tip's it re-sends,
-        not read again). `DecodeError` for text that is not JSON, `ValueError` for one that
-        is not an array or holds an int `json.loads` refuses."""
+        not read again). `DecodeError` for text that is not JSON or nests deeper than
+        `max_depth` (by default each message as deep as the graph takes a value:
+        `MAX_DEPTH + 1`), `ValueError` for one that is not an array or holds an int
+        `json.loads` refuses."""
     def add_json(
         self, turn: int, text: bytes, response: bytes | None = None, *, max_depth: int = ...
     ) -> tuple[int, list[bytes], tuple[int | None, int, bool, bytes]]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import random
 import sys
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -20,7 +22,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from support import json_like
 
-from rollout_store import RolloutGraph, TurnNode, _core
+from rollout_store import MAX_DEPTH, RolloutGraph, TurnNode, _core
 from rollout_store.engine.confirm import prefix_digest, prefix_keys
 from rollout_store.engine.encoding import ECHO_PACKED
 from rollout_store.engine.stored import TAIL_ECHO, LinkKind
@@ -277,3 +279,70 @@ def test_an_echo_is_only_the_base_response_exactly() -> None:
     assert RequestTable.tail(loose, 1, False).startswith(b"\x91") and ECHO_PACKED not in (
         RequestTable.tail(loose, 1, False)
     )
+
+
+def test_a_tip_nested_deeper_than_a_later_depth_bound_is_refused_as_read_whole() -> None:
+    # the tip's messages were read under a higher bound: a text re-sending them under a lower
+    # one is refused, as reading it whole refuses it, not read from the tip
+    table = RequestTable()
+    deep = b"[" + b"[" * 40 + b"]" * 40 + b"]"
+    table.add_json(0, deep, max_depth=100)
+    for text in (deep, deep[:-1] + b", 1]"):
+        with pytest.raises(_core.DecodeError, match="deeper than 20"):
+            RequestTable().find_json(text, max_depth=20)
+        with pytest.raises(_core.DecodeError, match="deeper than 20"):
+            table.find_json(text, max_depth=20)
+        with pytest.raises(_core.DecodeError, match="deeper than 20"):
+            table.add_json(1, text, max_depth=20)
+        first, plains, _ = table.find_json(text, max_depth=41)
+        assert (first, plains) == (1, [plain(m) for m in json.loads(text)][1:])
+    assert len(table) == 1
+
+
+def test_a_long_text_added_is_filed_before_a_turn_added_while_it_is_read() -> None:
+    # a long text is read with the GIL released; a turn added meanwhile on another thread
+    # must come wholly before it (and be found as its base) or after it (and be refused for
+    # its order), never be filed between its reading and its filing
+    table = RequestTable()
+    first_message = {"role": "user", "content": "start"}
+    items = [first_message] + [{"role": "user", "content": [i, "x"]} for i in range(100_000)]
+    long_text = json.dumps(items).encode()
+    assert len(long_text) > 1 << 20
+    started = threading.Event()
+    got: list[Any] = []
+
+    def add_long() -> None:
+        started.set()
+        got.append(table.add_json(1, long_text))
+
+    thread = threading.Thread(target=add_long)
+    thread.start()
+    started.wait()
+    # most likely while the long text is read (a tenth of a second or more): either order is
+    # right, the check is that the two never interleave
+    time.sleep(0.02)
+    try:
+        table.add_json(0, json.dumps([first_message]).encode())
+        short_filed = True
+    except ValueError as err:
+        assert "in order" in str(err)
+        short_filed = False
+    thread.join()
+    (_, _, (base, base_len, _, _)) = got[0]
+    assert len(table) == (2 if short_filed else 1)
+    assert (base, base_len) == ((0, 1) if short_filed else (None, 0))
+
+
+def test_a_text_of_messages_each_nested_to_the_bound_is_read_by_default() -> None:
+    # each message may nest MAX_DEPTH levels (Packer's bound, the server's depth check's):
+    # their array is one level more
+    deepest = b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1)
+    expected = [plain(m) for m in json.loads(deepest)]
+    table = RequestTable()
+    assert table.find_json(deepest)[1] == expected
+    assert table.add_json(0, deepest)[1] == expected
+    too_deep = b"[" + deepest + b"]"
+    with pytest.raises(_core.RefusedValue):
+        plain(json.loads(too_deep)[0])
+    with pytest.raises(_core.DecodeError, match=f"deeper than {MAX_DEPTH + 1}"):
+        RequestTable().find_json(too_deep)

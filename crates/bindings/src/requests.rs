@@ -4,7 +4,6 @@
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use engine::json as ej;
 use engine::requests::{self, Found, RawError, RawFound, Requests, DIGEST_SIZE};
 use pyo3::exceptions::{PyOverflowError, PyValueError};
 use pyo3::prelude::*;
@@ -15,6 +14,11 @@ use crate::{DecodeError, DETACH_FROM};
 
 /// A boundary `prefixes` answers: `(len, digest, turns)`.
 type PrefixTuple<'py> = (usize, Bound<'py, PyBytes>, Vec<u32>);
+
+/// The depth a text of messages may nest to by default: each message a value nested as
+/// deep as `Packer` takes one (`MAX_DEPTH`), their array one level more (as the capture
+/// server's depth check counts a body's messages).
+const MESSAGES_MAX_DEPTH: usize = crate::packed::MAX_DEPTH + 1;
 
 /// What `find` answers: `(base, base_len, echo, digest)`.
 type FoundTuple<'py> = (Option<u32>, usize, bool, Bound<'py, PyBytes>);
@@ -43,20 +47,28 @@ impl RequestTable {
         }
     }
 
-    /// A raw text read by the table (see `find_json`), the GIL released for a long one.
-    fn read_raw(&self, py: Python<'_>, text: &[u8], max_depth: usize) -> PyResult<RawFound> {
-        let max_digits: usize = py
-            .import("sys")?
-            .call_method0("get_int_max_str_digits")?
-            .extract()?;
-        let read = |table: &Requests| table.find_raw(text, max_depth, max_digits);
-        let raw = if text.len() >= DETACH_FROM {
-            py.detach(|| read(&self.table()))
+    /// `work` on the table, the GIL released for a long text (reading it is pure Rust work).
+    /// The lock is held for all of it: a text read for filing is filed before any other
+    /// turn, or what it found could miss a turn filed before it.
+    fn with_table<T: Send>(
+        &self,
+        py: Python<'_>,
+        text: &[u8],
+        work: impl FnOnce(&mut Requests) -> T + Send,
+    ) -> T {
+        if text.len() >= DETACH_FROM {
+            py.detach(|| work(&mut self.table()))
         } else {
-            read(&self.table())
-        };
-        raw.map_err(|err| raw_error(py, &err))
+            work(&mut self.table())
+        }
     }
+}
+
+/// The most digits `json.loads` converts to an int now (0: no limit).
+fn max_digits(py: Python<'_>) -> PyResult<usize> {
+    py.import("sys")?
+        .call_method0("get_int_max_str_digits")?
+        .extract()
 }
 
 /// The bytes of a list of `bytes`, borrowed (no copy).
@@ -98,6 +110,12 @@ fn raw_error(py: Python<'_>, err: &RawError) -> PyErr {
     }
 }
 
+/// Why `add_json` filed nothing: its text, or the filing.
+enum AddError {
+    Read(RawError),
+    File(requests::FileError),
+}
+
 /// `(first, plains, found)` of a raw text read by the table.
 type RawTuple<'py> = (usize, Bound<'py, PyList>, FoundTuple<'py>);
 
@@ -127,23 +145,29 @@ impl RequestTable {
     /// `(first, plains, (base, base_len, echo, digest))` for a request given as the JSON text
     /// of its non-system messages (an array), read as `json.loads` reads it: `plains` are the
     /// packings of messages `first` on (those before are the raw tip's it re-sends, not read
-    /// again). `DecodeError` for text that is not JSON, `ValueError` for one that is not an
-    /// array or holds an int `json.loads` refuses.
-    #[pyo3(signature = (text, /, *, max_depth = ej::DEFAULT_MAX_DEPTH))]
+    /// again). `DecodeError` for text that is not JSON or nests deeper than `max_depth` (by
+    /// default each message as deep as the graph takes a value), `ValueError` for one that
+    /// is not an array or holds an int `json.loads` refuses.
+    #[pyo3(signature = (text, /, *, max_depth = MESSAGES_MAX_DEPTH))]
     fn find_json<'py>(
         &self,
         py: Python<'py>,
         text: &[u8],
         max_depth: usize,
     ) -> PyResult<RawTuple<'py>> {
-        let raw = self.read_raw(py, text, max_depth)?;
+        let max_digits = max_digits(py)?;
+        let raw = self
+            .with_table(py, text, |table| {
+                table.find_raw(text, max_depth, max_digits)
+            })
+            .map_err(|err| raw_error(py, &err))?;
         raw_tuple(py, &raw)
     }
 
     /// `find_json`, then `file` the request as turn `turn` (with its response's plain
     /// packing): it becomes its conversation's raw tip, the one a text re-sending it is read
     /// from. Nothing is filed when it raises.
-    #[pyo3(signature = (turn, text, response = None, *, max_depth = ej::DEFAULT_MAX_DEPTH))]
+    #[pyo3(signature = (turn, text, response = None, *, max_depth = MESSAGES_MAX_DEPTH))]
     fn add_json<'py>(
         &self,
         py: Python<'py>,
@@ -152,10 +176,20 @@ impl RequestTable {
         response: Option<&[u8]>,
         max_depth: usize,
     ) -> PyResult<RawTuple<'py>> {
-        let raw = self.read_raw(py, text, max_depth)?;
-        self.table()
-            .file_raw(turn, &raw, response)
-            .map_err(|err| file_error(&err))?;
+        let max_digits = max_digits(py)?;
+        let raw = self.with_table(py, text, |table| {
+            let raw = table
+                .find_raw(text, max_depth, max_digits)
+                .map_err(AddError::Read)?;
+            table
+                .file_raw(turn, &raw, response)
+                .map_err(AddError::File)?;
+            Ok(raw)
+        });
+        let raw = raw.map_err(|err| match err {
+            AddError::Read(err) => raw_error(py, &err),
+            AddError::File(err) => file_error(&err),
+        })?;
         raw_tuple(py, &raw)
     }
 

@@ -19,7 +19,8 @@ copies them to a scratch directory so that a run adds no file here):
 - `frame_reader_v1`: the same of the version-1 files;
 - `request_raw`: conversations as their texts of messages, each text after the first
   written as the previous one extended (see the target), some written whole again, with
-  repeated keys, big ints, escapes, broken items and retries among them.
+  repeated keys, big ints, escapes, broken items and retries among them, and a tip nested
+  deeper than the bound of the text that re-sends it.
 
 Every seed is a few KiB at most. The files are rewritten on each run (the directories
 emptied first), so a change to this script is a change to the corpora.
@@ -229,6 +230,8 @@ def request_seeds() -> dict[str, bytes]:
         "broken": b"\xff".join([first, b"\x01, nope]", b"\x01,]", b"\x01, 1] x", go_on]),
         "branches": b"\xff".join([first, go_on, first, go_on, b"[" + reply + b"]", go_on]),
         "not_arrays": b"\xff".join([b"{}", b"\x01, 1]", b"[1]", b"\x01, " + b"9" * 50 + b"]"]),
+        # a tip nested deeper than the odd texts' bound, re-sent under it and then whole
+        "deep": b"\xff".join([b"[" * 6 + b"1" + b"]" * 6, b"\x01, 1]", b"\x01]", b"\x01, 2]"]),
     }
     return seeds
 

@@ -91,6 +91,9 @@ struct RawTip {
     n_rest: usize,
     /// the most digits of any int beyond 64 bits its messages hold
     digits: usize,
+    /// how deep its text nests (its array 1): a text read with a lower bound is read whole,
+    /// so that it is refused as reading it whole refuses it
+    depth: usize,
 }
 
 impl std::fmt::Debug for RawTip {
@@ -130,19 +133,27 @@ impl std::fmt::Display for RawError {
 
 impl std::error::Error for RawError {}
 
-/// The most digits of any int beyond 64 bits in `values` (0: none).
-fn most_digits(values: &[ej::Value]) -> usize {
+/// The most digits of any int beyond 64 bits in `values` (0: none), and how deep an array
+/// of them nests (the array 1, as the parser's bound counts).
+fn measure(values: &[ej::Value]) -> (usize, usize) {
     let mut most = 0;
-    let mut stack: Vec<&ej::Value> = values.iter().collect();
-    while let Some(value) = stack.pop() {
+    let mut deepest = 1;
+    let mut stack: Vec<(&ej::Value, usize)> = values.iter().map(|v| (v, 1)).collect();
+    while let Some((value, depth)) = stack.pop() {
         match value {
             ej::Value::BigInt(text) => most = most.max(text.trim_start_matches('-').len()),
-            ej::Value::Array(items) => stack.extend(items),
-            ej::Value::Object(members) => stack.extend(members.iter().map(|(_, v)| v)),
+            ej::Value::Array(items) => {
+                deepest = deepest.max(depth + 1);
+                stack.extend(items.iter().map(|v| (v, depth + 1)));
+            }
+            ej::Value::Object(members) => {
+                deepest = deepest.max(depth + 1);
+                stack.extend(members.iter().map(|(_, v)| (v, depth + 1)));
+            }
             _ => {}
         }
     }
-    most
+    (most, deepest)
 }
 
 /// A raw text read for filing: its messages' packings from `first` on (those before are a
@@ -162,6 +173,7 @@ pub struct RawFound {
     packed: u64,
     n_rest: usize,
     digits: usize,
+    depth: usize,
 }
 
 /// The index key of a digest: its first 8 bytes, little-endian (what the Python side's
@@ -520,7 +532,11 @@ impl Requests {
             }
             Ok(())
         };
-        if let Some((tip, text_hasher)) = end.and_then(|_| self.raw_tip_of(text)) {
+        // a tip nested deeper than this read allows is not read from: its text is refused
+        let tip = end
+            .and_then(|_| self.raw_tip_of(text))
+            .filter(|(tip, _)| tip.depth <= max_depth);
+        if let Some((tip, text_hasher)) = tip {
             // the text after the tip's items: `, item, ... ]` (or `]`: no new item)
             let after = &text[tip.end..];
             let skip = after.iter().take_while(|&&b| is_ws(b)).count();
@@ -538,7 +554,8 @@ impl Requests {
                 None
             };
             if let Some(items) = new_items {
-                let digits = tip.digits.max(most_digits(&items));
+                let (digits, depth) = measure(&items);
+                let (digits, depth) = (tip.digits.max(digits), tip.depth.max(depth));
                 digits_ok(digits)?;
                 let plains: Vec<Vec<u8>> = items.iter().map(to_packed).collect();
                 let mut hasher = PrefixHasher::resume(tip.packings.clone(), tip.packed);
@@ -558,6 +575,7 @@ impl Requests {
                     packings: hasher.finish(),
                     packed,
                     digits,
+                    depth,
                 });
             }
         }
@@ -565,7 +583,7 @@ impl Requests {
         let ej::Value::Array(items) = value else {
             return Err(RawError::NotArray);
         };
-        let digits = most_digits(&items);
+        let (digits, depth) = measure(&items);
         digits_ok(digits)?;
         let plains: Vec<Vec<u8>> = items.iter().map(to_packed).collect();
         let mut hasher = PrefixHasher::new();
@@ -588,6 +606,7 @@ impl Requests {
             packings: hasher.finish(),
             packed,
             digits,
+            depth,
         })
     }
 
@@ -656,6 +675,7 @@ impl Requests {
                 packed: raw.packed,
                 n_rest: raw.n_rest,
                 digits: raw.digits,
+                depth: raw.depth,
             });
         }
         Ok(())
@@ -1056,6 +1076,30 @@ mod tests {
                 limit: 40
             }
         );
+    }
+
+    #[test]
+    fn a_tip_nested_deeper_than_a_later_bound_is_refused_as_read_whole() {
+        let mut table = Requests::new();
+        let deep = format!("[{}{}]", "[".repeat(40), "]".repeat(40));
+        let read = table.find_raw(deep.as_bytes(), 100, 0).unwrap();
+        table.file_raw(0, &read, None).unwrap();
+        let next = format!("{}, 1]", &deep[..deep.len() - 1]);
+        for text in [&deep, &next] {
+            let whole = Requests::new()
+                .find_raw(text.as_bytes(), 20, 0)
+                .unwrap_err();
+            assert_eq!(table.find_raw(text.as_bytes(), 20, 0).unwrap_err(), whole);
+            assert_eq!(table.find_raw(text.as_bytes(), 41, 0).unwrap().first, 1);
+            let err = table.find_raw(text.as_bytes(), 40, 0).unwrap_err();
+            assert!(matches!(err, RawError::Syntax(_)), "{err}");
+        }
+        // a text read from the tip keeps its depth for the texts read from it in turn
+        let read = table.find_raw(next.as_bytes(), 100, 0).unwrap();
+        table.file_raw(1, &read, None).unwrap();
+        let last = format!("{}, 2]", &next[..next.len() - 1]);
+        assert!(table.find_raw(last.as_bytes(), 20, 0).is_err());
+        assert_eq!(table.find_raw(last.as_bytes(), 41, 0).unwrap().first, 2);
     }
 
     #[test]

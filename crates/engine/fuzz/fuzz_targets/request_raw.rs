@@ -4,7 +4,8 @@
 //!
 //! The input is split at 0xff bytes (never in a UTF-8 text) into pieces; a piece starting
 //! with 0x01 is appended to the previous text up to where its last item ends, so that texts
-//! extend one another as a conversation's do.
+//! extend one another as a conversation's do. Every other text is read under a low depth
+//! bound, so that a tip read under the default is re-sent under a lower one.
 #![no_main]
 
 use engine::json::{parse, Value, DEFAULT_MAX_DEPTH};
@@ -30,6 +31,27 @@ fn item_end(text: &[u8]) -> usize {
 
 const DIGITS: usize = 40;
 
+/// The most digits of an int in `values` (what the digit limit counts).
+fn most_digits(values: &[Value]) -> usize {
+    values
+        .iter()
+        .map(|value| match value {
+            Value::BigInt(text) => text.trim_start_matches('-').len(),
+            Value::Array(items) => most_digits(items),
+            Value::Object(members) => members
+                .iter()
+                .map(|(_, v)| most_digits(std::slice::from_ref(v)))
+                .max()
+                .unwrap_or(0),
+            _ => 0,
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// The depth bound the odd texts are read under.
+const LOW_DEPTH: usize = 4;
+
 fuzz_target!(|data: &[u8]| {
     let mut tipped = Requests::new();
     let mut whole = Requests::new();
@@ -43,14 +65,24 @@ fuzz_target!(|data: &[u8]| {
             }
             _ => piece.to_vec(),
         };
-        let read = tipped.find_raw(&text, DEFAULT_MAX_DEPTH, DIGITS);
-        let expected = match parse(&text, DEFAULT_MAX_DEPTH) {
+        let depth = if turn % 2 == 1 {
+            LOW_DEPTH
+        } else {
+            DEFAULT_MAX_DEPTH
+        };
+        let read = tipped.find_raw(&text, depth, DIGITS);
+        let expected = match parse(&text, depth) {
             Err(e) => Err(RawError::Syntax(e)),
-            Ok(Value::Array(items)) => Ok(items.iter().map(to_packed).collect::<Vec<_>>()),
+            Ok(Value::Array(items)) => Ok(items),
             Ok(_) => Err(RawError::NotArray),
         };
         match (read, expected) {
-            (Ok(read), Ok(plains)) => {
+            (Ok(read), Ok(items)) => {
+                assert!(
+                    most_digits(&items) <= DIGITS,
+                    "an int over the digit limit read"
+                );
+                let plains: Vec<Vec<u8>> = items.iter().map(to_packed).collect();
                 assert!(read.first <= plains.len());
                 assert_eq!(read.plains, plains[read.first..]);
                 let found = whole.find(&plains);
@@ -62,7 +94,10 @@ fuzz_target!(|data: &[u8]| {
                     .file(turn, plains.len(), found.digest, response.as_deref())
                     .unwrap();
             }
-            (Err(RawError::Digits { .. }), Ok(_)) => {}
+            (Err(RawError::Digits { digits, .. }), Ok(items)) => {
+                assert_eq!(digits, most_digits(&items));
+                assert!(digits > DIGITS);
+            }
             (Err(got), Err(want)) => assert_eq!(got, want),
             (got, want) => panic!("read {got:?}, whole {want:?}"),
         }
