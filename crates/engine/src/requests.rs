@@ -235,14 +235,25 @@ impl Pages {
     }
 }
 
-/// A bitmap of the message counts some filed request has: the boundaries worth a digest.
+/// The message counts some filed request has: the boundaries worth a digest. A bitmap below
+/// `BITMAP_COUNTS` (16 KiB at most), a sorted list above: a count a row may name (up to
+/// `u32::MAX`) never makes the bitmap that long.
 #[derive(Debug, Default)]
 struct Lengths {
     words: Vec<u64>,
+    large: Vec<usize>,
 }
+
+const BITMAP_COUNTS: usize = 1 << 17;
 
 impl Lengths {
     fn mark(&mut self, n: usize) {
+        if n >= BITMAP_COUNTS {
+            if let Err(at) = self.large.binary_search(&n) {
+                self.large.insert(at, n);
+            }
+            return;
+        }
         let word = n / 64;
         if word >= self.words.len() {
             self.words.resize(word + 1, 0);
@@ -251,9 +262,16 @@ impl Lengths {
     }
 
     fn has(&self, n: usize) -> bool {
+        if n >= BITMAP_COUNTS {
+            return self.large.binary_search(&n).is_ok();
+        }
         self.words
             .get(n / 64)
             .is_some_and(|word| word >> (n % 64) & 1 == 1)
+    }
+
+    fn nbytes(&self) -> usize {
+        self.words.capacity() * 8 + self.large.capacity() * std::mem::size_of::<usize>()
     }
 }
 
@@ -773,7 +791,7 @@ impl Requests {
             + self.turns.capacity() * std::mem::size_of::<TurnNo>()
             + self.index.nbytes()
             + filed_many
-            + self.lengths.words.capacity() * 8
+            + self.lengths.nbytes()
             + self.pages.nbytes()
             + self.raw_tips.capacity() * std::mem::size_of::<RawTip>()
     }
@@ -1160,6 +1178,22 @@ mod tests {
         assert_eq!(prefixes[0].turns, (0..5000).collect::<Vec<_>>());
         let found = table.find(&conv(&["the same prompt", "sample 0"]));
         assert_eq!((found.base, found.echo), (Some(0), true));
+    }
+
+    #[test]
+    fn a_count_past_the_bitmap_is_kept_in_a_list() {
+        let mut table = Requests::new();
+        let digest = [7u8; DIGEST_SIZE];
+        table.file(0, u32::MAX as usize, digest, None).unwrap();
+        table
+            .file(1, BITMAP_COUNTS, [8u8; DIGEST_SIZE], None)
+            .unwrap();
+        table.file(2, 3, [9u8; DIGEST_SIZE], None).unwrap();
+        assert!(table.nbytes() < 1 << 16, "{}", table.nbytes());
+        assert!(table.lengths.has(u32::MAX as usize));
+        assert!(table.lengths.has(BITMAP_COUNTS) && table.lengths.has(3));
+        assert!(!table.lengths.has(BITMAP_COUNTS + 1) && !table.lengths.has(4));
+        assert_eq!(table.n_rest(0), Some(u32::MAX as usize));
     }
 
     #[test]
