@@ -46,6 +46,7 @@ __all__ = [
     "SYNC",
     "Packer",
     "RequestTable",
+    "link_echoes",
     "splice",
     "RefusedValue",
     "unpack",
@@ -182,6 +183,13 @@ def unpack(data: bytes, blob: Callable[[int], Any], echo: Callable[[], Any] | No
     """Rebuild one packed value: fresh containers, a tuple where one was recorded, each blob
     reference as what `blob(index)` returns (the table's own `str`), the echo placeholder as
     what `echo()` returns (refused without one)."""
+
+def link_echoes(response: bytes, message: bytes) -> bool | None:
+    """Whether the message whose plain packing is `message` echoes, loosely, the response
+    whose plain packing is `response` (their link keys equal, as the library's
+    `response_link_key` and `link_key` compare in Python); None where bytes cannot tell (a
+    NaN, a text part whose text is not a string, a packing that is not plain): Python decides
+    then."""
 
 def splice(data: bytes, refs: bytes, blob: Callable[[int], str]) -> bytes:
     """The plain packing of a stored packed value: each blob reference (at the offsets `refs`

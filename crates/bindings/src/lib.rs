@@ -60,7 +60,7 @@ mod _core {
     #[pymodule_export]
     use super::packed::{check_packed, splice, unpack, Packer};
     #[pymodule_export]
-    use super::requests::RequestTable;
+    use super::requests::{link_echoes, RequestTable};
     #[pymodule_export]
     use super::{DecodeError, FrameTooLarge, RefusedValue};
 

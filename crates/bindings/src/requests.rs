@@ -302,3 +302,16 @@ impl RequestTable {
         self.table().nbytes()
     }
 }
+
+/// Whether the message whose plain packing is `message` echoes, loosely, the response whose
+/// plain packing is `response` (their link keys equal, as the library's `response_link_key`
+/// and `link_key` compare in Python); None where bytes cannot tell (a NaN, a text part whose
+/// text is not a string, a packing that is not plain): Python decides then.
+#[pyfunction]
+pub fn link_echoes(py: Python<'_>, response: &[u8], message: &[u8]) -> PyResult<Option<bool>> {
+    let max_digits: usize = py
+        .import("sys")?
+        .call_method0("get_int_max_str_digits")?
+        .extract()?;
+    Ok(engine::link_key::echoes(response, message, max_digits).ok())
+}

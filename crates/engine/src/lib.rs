@@ -5,6 +5,7 @@
 //! - [`file`]: rollout files (the frames of format version 2);
 //! - [`json`]: exact JSON, parsed as `json.loads` parses bytes and written as `json.dumps`
 //!   writes;
+//! - [`link_key`]: the loose key that links a response to its inexact echo;
 //! - [`key_index`]: 64-bit keys to values in insertion order, held compactly (a graph's
 //!   request index);
 //! - [`packed`]: the packed form of recorded values (msgpack and the library's extension
@@ -17,6 +18,7 @@ pub mod digest;
 pub mod file;
 pub mod json;
 pub mod key_index;
+pub mod link_key;
 pub mod packed;
 pub mod packed_check;
 pub mod requests;
