@@ -17,6 +17,8 @@ copies them to a scratch directory so that a run adds no file here):
   naming their kinds), whole while small, else their first frames; a torn tail, a flipped
   byte, stretches from further on;
 - `frame_reader_v1`: the same of the version-1 files;
+- `link_key`: chat messages and responses packed as the library packs them, alone and as
+  response-message pairs (a response, 0xc1, its loosened echo or another message);
 - `request_raw`: conversations as their texts of messages, each text after the first
   written as the previous one extended (see the target), some written whole again, with
   repeated keys, big ints, escapes, broken items and retries among them, and a tip nested
@@ -236,6 +238,30 @@ def request_seeds() -> dict[str, bytes]:
     return seeds
 
 
+def link_seeds() -> dict[str, bytes]:
+    """Packed messages and (response, 0xc1, message) pairs for the link key."""
+    pack = Packer(None, None).pack
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    response = {"role": "assistant", "content": "done", "refusal": None, "tool_calls": [call]}
+    echo = {
+        "content": [{"type": "text", "text": "do"}, {"type": "text", "text": "ne"}],
+        "role": "assistant",
+        "tool_calls": [{"function": {"arguments": '{"a":1.0}', "name": "f"}, "id": "d"}],
+    }
+    values = {
+        "response": response,
+        "user": {"role": "user", "content": "hi"},
+        "no_role": {"content": None},
+        "parts": {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+        "numbers": [1, 1.0, True, -0.0, 2**70, float("nan"), float("inf")],
+        "tuple_role": {"role": ("a", None), "content": (1, 2)},
+    }
+    seeds = {name: pack(value) for name, value in values.items()}
+    seeds["echo_pair"] = pack(response) + b"\xc1" + pack(echo)
+    seeds["other_pair"] = pack(response) + b"\xc1" + pack(values["user"])
+    return seeds
+
+
 def main() -> None:
     unpack, check = packed_seeds()
     json_texts = json_seeds()
@@ -248,6 +274,7 @@ def main() -> None:
         "frame_reader": frame_seeds(2),
         "frame_reader_v1": frame_seeds(1),
         "request_raw": request_seeds(),
+        "link_key": link_seeds(),
     }
     for target, seeds in corpora.items():
         out = HERE / "corpus" / target
