@@ -164,3 +164,20 @@ def test_a_packing_that_is_no_plain_value_is_left_to_python() -> None:
     blobs_packer = _core.Packer(lambda s: pytest.fail("no intern"), None)
     assert _core.link_echoes(b"\xd6\x04\x00\x00\x00\x01", blobs_packer.pack({"a": 1})) is None
     assert _core.link_echoes(b"\x91", b"\x90") is None
+
+
+@pytest.mark.parametrize("depth", [95, 96, 97, 98])
+@pytest.mark.parametrize("same", [True, False])
+def test_arguments_nested_about_the_room_they_have_are_json_or_text_as_in_python(
+    depth: int, same: bool
+) -> None:
+    """Arguments whose JSON nests past `LINK_DEPTH - 4` are compared as text, the rest as
+    parsed JSON: written alike or not, at the bound and around it."""
+    arguments = "[" * depth + "1" + "]" * depth
+    other = arguments if same else "[" * depth + "1.0" + "]" * depth
+    response = {
+        "role": "assistant",
+        "tool_calls": [{"function": {"name": "f", "arguments": arguments}}],
+    }
+    message = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": other}}]}
+    assert assert_agrees(response, message) is python_echoes(response, message)
