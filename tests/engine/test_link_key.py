@@ -164,3 +164,15 @@ def test_a_packing_that_is_no_plain_value_is_left_to_python() -> None:
     blobs_packer = _core.Packer(lambda s: pytest.fail("no intern"), None)
     assert _core.link_echoes(b"\xd6\x04\x00\x00\x00\x01", blobs_packer.pack({"a": 1})) is None
     assert _core.link_echoes(b"\x91", b"\x90") is None
+
+
+def test_a_packing_whose_dict_python_merges_is_left_to_python() -> None:
+    # {"role": "user", "role": "assistant", "content": "hi"}: unpacked, the last role stays
+    repeated = b"\x83" + b"".join(
+        bytes((0xA0 | len(s),)) + s.encode()
+        for s in ("role", "user", "role", "assistant", "content", "hi")
+    )
+    response = _core.Packer(None, None).pack({"content": "hi"})
+    message = _core.unpack(repeated, lambda i: pytest.fail("no blob"))
+    assert python_echoes({"content": "hi"}, message) is True
+    assert _core.link_echoes(response, repeated) is None
