@@ -95,14 +95,28 @@ fn read<'a>(reader: &mut Reader<'a>, depth: usize) -> Result<V<'a>, Undecided> {
                 .collect::<Result<Vec<_>, Undecided>>()?;
             // keys Python's dict merges (a repeated key, `1` and `True`): its unpacking keeps
             // the last value, which a lookup or a dropped null here would not see
-            let mut keys = Vec::with_capacity(members.len());
-            for (key, _) in &members {
-                let mut bytes = Vec::new();
-                canon(key, &mut bytes)?;
-                keys.push(bytes);
-            }
-            keys.sort_unstable();
-            if keys.windows(2).any(|w| w[0] == w[1]) {
+            let repeated = if let Some(mut texts) = members
+                .iter()
+                .map(|(key, _)| match key {
+                    V::Str(text) => Some(text.as_ref()),
+                    _ => None,
+                })
+                .collect::<Option<Vec<&[u8]>>>()
+            {
+                // (string keys, as a JSON object's: told apart by their bytes, no copy)
+                texts.sort_unstable();
+                texts.windows(2).any(|w| w[0] == w[1])
+            } else {
+                let mut keys = Vec::with_capacity(members.len());
+                for (key, _) in &members {
+                    let mut bytes = Vec::new();
+                    canon(key, &mut bytes)?;
+                    keys.push(bytes);
+                }
+                keys.sort_unstable();
+                keys.windows(2).any(|w| w[0] == w[1])
+            };
+            if repeated {
                 return Err(Undecided);
             }
             V::Map(members)
