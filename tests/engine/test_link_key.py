@@ -181,3 +181,15 @@ def test_arguments_nested_about_the_room_they_have_are_json_or_text_as_in_python
     }
     message = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": other}}]}
     assert assert_agrees(response, message) is python_echoes(response, message)
+
+
+def test_a_packing_whose_dict_python_merges_is_left_to_python() -> None:
+    # {"role": "user", "role": "assistant", "content": "hi"}: unpacked, the last role stays
+    repeated = b"\x83" + b"".join(
+        bytes((0xA0 | len(s),)) + s.encode()
+        for s in ("role", "user", "role", "assistant", "content", "hi")
+    )
+    response = _core.Packer(None, None).pack({"content": "hi"})
+    message = _core.unpack(repeated, lambda i: pytest.fail("no blob"))
+    assert python_echoes({"content": "hi"}, message) is True
+    assert _core.link_echoes(response, repeated) is None

@@ -346,3 +346,50 @@ def test_a_text_of_messages_each_nested_to_the_bound_is_read_by_default() -> Non
         plain(json.loads(too_deep)[0])
     with pytest.raises(_core.DecodeError, match=f"deeper than {MAX_DEPTH + 1}"):
         RequestTable().find_json(too_deep)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        b'[{"role": "user", "content": ' + b"9" * 5000 + b', "content": "hi"}]',
+        b"[" + b"9" * 5000 + b", }",
+    ],
+    ids=["replaced by a repeated key", "before a fault"],
+)
+def test_an_int_json_loads_refuses_is_refused_where_it_meets_it(text: bytes) -> None:
+    # json.loads converts each int as it reads it: one a repeated key replaces, or one
+    # before a later fault, is what it refuses the text for
+    with pytest.raises(ValueError, match="Exceeds the limit") as loads:
+        json.loads(text)
+    table = RequestTable()
+    with pytest.raises(ValueError) as found:
+        table.find_json(text)
+    assert str(found.value) == str(loads.value)
+    with pytest.raises(ValueError, match="Exceeds the limit"):
+        table.add_json(0, text)
+    assert len(table) == 0
+
+
+def test_a_tip_keeps_the_depth_and_digits_of_a_value_a_repeated_key_replaced() -> None:
+    # read under a higher bound (no digit limit), the tip holds a value its dict no longer
+    # keeps; a text re-sending it under a lower one is refused as reading it whole refuses it
+    deep = b'[{"a": ' + b"[" * 30 + b"]" * 30 + b', "a": 1}]'
+    table = RequestTable()
+    table.add_json(0, deep, max_depth=100)
+    text = deep[:-1] + b", 1]"
+    with pytest.raises(_core.DecodeError, match="deeper than 20") as whole:
+        RequestTable().find_json(text, max_depth=20)
+    with pytest.raises(_core.DecodeError) as from_tip:
+        table.find_json(text, max_depth=20)
+    assert str(from_tip.value) == str(whole.value)
+
+    big = b'[{"a": ' + b"9" * 5000 + b', "a": 1}]'
+    table = RequestTable()
+    old = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    try:
+        table.add_json(0, big)
+    finally:
+        sys.set_int_max_str_digits(old)
+    with pytest.raises(ValueError, match="Exceeds the limit"):
+        table.find_json(big[:-1] + b", 1]")

@@ -14,7 +14,7 @@
 use std::borrow::Cow;
 
 use crate::json::{self as ej, Value};
-use crate::packed::{Item, Reader, EXT_BIGINT, EXT_SURROGATE};
+use crate::packed::{is_decimal, Item, Reader, EXT_BIGINT, EXT_SURROGATE};
 
 /// How deeply a key's values may nest, the message counting as the first level (Python's
 /// `LINK_DEPTH`).
@@ -70,9 +70,10 @@ fn read<'a>(reader: &mut Reader<'a>, depth: usize) -> Result<V<'a>, Undecided> {
         Item::Float(f) => V::Float(f),
         Item::Str(s) => V::Str(Cow::Borrowed(s)),
         Item::Ext(code, payload) if code == EXT_SURROGATE => V::Str(Cow::Borrowed(payload)),
-        Item::Ext(code, payload) if code == EXT_BIGINT => V::Big(Cow::Borrowed(
-            std::str::from_utf8(payload).map_err(|_| Undecided)?,
-        )),
+        // (Python reads other payloads its own way: `int(b"+5")` is 5)
+        Item::Ext(code, payload) if code == EXT_BIGINT && is_decimal(payload) => V::Big(
+            Cow::Borrowed(std::str::from_utf8(payload).map_err(|_| Undecided)?),
+        ),
         Item::Array(n) => {
             let tuple = n > 0 && reader.peek_is_tuple_mark();
             if tuple {
@@ -88,11 +89,38 @@ fn read<'a>(reader: &mut Reader<'a>, depth: usize) -> Result<V<'a>, Undecided> {
                 V::List(items)
             }
         }
-        Item::Map(n) => V::Map(
-            (0..n)
+        Item::Map(n) => {
+            let members = (0..n)
                 .map(|_| Ok((read(reader, depth + 1)?, read(reader, depth + 1)?)))
-                .collect::<Result<Vec<_>, Undecided>>()?,
-        ),
+                .collect::<Result<Vec<_>, Undecided>>()?;
+            // keys Python's dict merges (a repeated key, `1` and `True`): its unpacking keeps
+            // the last value, which a lookup or a dropped null here would not see
+            let repeated = if let Some(mut texts) = members
+                .iter()
+                .map(|(key, _)| match key {
+                    V::Str(text) => Some(text.as_ref()),
+                    _ => None,
+                })
+                .collect::<Option<Vec<&[u8]>>>()
+            {
+                // (string keys, as a JSON object's: told apart by their bytes, no copy)
+                texts.sort_unstable();
+                texts.windows(2).any(|w| w[0] == w[1])
+            } else {
+                let mut keys = Vec::with_capacity(members.len());
+                for (key, _) in &members {
+                    let mut bytes = Vec::new();
+                    canon(key, &mut bytes)?;
+                    keys.push(bytes);
+                }
+                keys.sort_unstable();
+                keys.windows(2).any(|w| w[0] == w[1])
+            };
+            if repeated {
+                return Err(Undecided);
+            }
+            V::Map(members)
+        }
         // bytes, blob references, echo placeholders: not a plain packing of a JSON value
         Item::Bin(_) | Item::Ext(..) => return Err(Undecided),
     })
@@ -139,7 +167,7 @@ impl<'a> V<'a> {
             V::Nil => false,
             V::Bool(b) => *b,
             V::Int(n) => *n != 0,
-            V::Big(_) => true,
+            V::Big(text) => text.bytes().any(|b| b.is_ascii_digit() && b != b'0'),
             V::Float(f) => *f != 0.0,
             V::Str(s) => !s.is_empty(),
             V::List(items) | V::Tuple(items) => !items.is_empty(),
@@ -511,6 +539,40 @@ mod tests {
         assert_eq!(loose(&deep, &deep), Ok(false));
         let shallow = deep.replacen('[', "", 2).replacen(']', "", 2);
         assert!(link_key(&packed(&shallow), false, 0).unwrap().is_some());
+    }
+
+    #[test]
+    fn keys_a_dict_merges_or_big_ints_python_reads_its_own_way_are_undecided() {
+        use crate::packed::{write_bool, write_ext, write_int, write_map_header, write_str};
+        let response = packed(r#"{"content": "hi"}"#);
+        // `{"role": "user", "role": "assistant", "content": "hi"}`: Python's dict keeps the
+        // last role, the assistant's
+        let mut repeated = Vec::new();
+        write_map_header(3, &mut repeated);
+        for (key, value) in [("role", "user"), ("role", "assistant"), ("content", "hi")] {
+            write_str(key.as_bytes(), &mut repeated);
+            write_str(value.as_bytes(), &mut repeated);
+        }
+        assert_eq!(echoes(&response, &repeated, 0), Err(Undecided));
+        // `{1: "x", True: None}` is `{1: None}` in Python: no member once nulls go
+        let mut merged = Vec::new();
+        write_map_header(1, &mut merged);
+        write_str(b"content", &mut merged);
+        write_map_header(2, &mut merged);
+        write_int(1, &mut merged);
+        write_str(b"x", &mut merged);
+        write_bool(true, &mut merged);
+        merged.push(0xc0);
+        assert_eq!(link_key(&merged, false, 0), Err(Undecided));
+        // `int(b"+5")` is 5, and `int(b"0")` is false
+        let mut plus = Vec::new();
+        write_ext(EXT_BIGINT, b"+5", &mut plus);
+        assert_eq!(link_key(&plus, false, 0), Err(Undecided));
+        let mut zero_calls = packed(r#"{"role": "assistant", "content": "hi"}"#);
+        zero_calls[0] += 1; // one member more
+        write_str(b"tool_calls", &mut zero_calls);
+        write_ext(EXT_BIGINT, b"00", &mut zero_calls);
+        assert_eq!(echoes(&response, &zero_calls, 0), Ok(true));
     }
 
     #[test]

@@ -133,27 +133,102 @@ impl std::fmt::Display for RawError {
 
 impl std::error::Error for RawError {}
 
-/// The most digits of any int beyond 64 bits in `values` (0: none), and how deep an array
-/// of them nests (the array 1, as the parser's bound counts).
-fn measure(values: &[ej::Value]) -> (usize, usize) {
-    let mut most = 0;
-    let mut deepest = 1;
-    let mut stack: Vec<(&ej::Value, usize)> = values.iter().map(|v| (v, 1)).collect();
-    while let Some((value, depth)) = stack.pop() {
-        match value {
-            ej::Value::BigInt(text) => most = most.max(text.trim_start_matches('-').len()),
-            ej::Value::Array(items) => {
-                deepest = deepest.max(depth + 1);
-                stack.extend(items.iter().map(|v| (v, depth + 1)));
+/// Builds a text's values as [`ej::ValueBuilder`] does, refusing an int of more digits than
+/// `limit` (0: none) where `json.loads` converts it, and keeping the most digits of any: a
+/// repeated key's replaced value included, which the values built no longer hold but
+/// `json.loads` converts (and refuses) all the same.
+struct Digits {
+    limit: usize,
+    most: usize,
+}
+
+fn built(value: Result<ej::Value, std::convert::Infallible>) -> Result<ej::Value, RawError> {
+    value.map_err(|never| match never {})
+}
+
+impl ej::Sink for Digits {
+    type Value = ej::Value;
+    type Error = RawError;
+
+    fn null(&mut self) -> Result<ej::Value, RawError> {
+        built(ej::ValueBuilder.null())
+    }
+
+    fn bool(&mut self, value: bool) -> Result<ej::Value, RawError> {
+        built(ej::ValueBuilder.bool(value))
+    }
+
+    fn int(&mut self, value: i64) -> Result<ej::Value, RawError> {
+        built(ej::ValueBuilder.int(value))
+    }
+
+    fn big_int(&mut self, text: &str) -> Result<ej::Value, RawError> {
+        let digits = text.trim_start_matches('-').len();
+        if self.limit > 0 && digits > self.limit {
+            return Err(RawError::Digits {
+                digits,
+                limit: self.limit,
+            });
+        }
+        self.most = self.most.max(digits);
+        built(ej::ValueBuilder.big_int(text))
+    }
+
+    fn float(&mut self, value: f64) -> Result<ej::Value, RawError> {
+        built(ej::ValueBuilder.float(value))
+    }
+
+    fn string(&mut self, value: ej::Str<'_>) -> Result<ej::Value, RawError> {
+        built(ej::ValueBuilder.string(value))
+    }
+
+    fn array(&mut self, items: Vec<ej::Value>) -> Result<ej::Value, RawError> {
+        built(ej::ValueBuilder.array(items))
+    }
+
+    fn object(&mut self, members: Vec<(ej::Key<'_>, ej::Value)>) -> Result<ej::Value, RawError> {
+        built(ej::ValueBuilder.object(members))
+    }
+}
+
+/// `text` read as `json.loads` reads it, ints over `max_digits` refused where it meets them,
+/// and the most digits of any int it holds.
+fn read_digits(
+    text: &[u8],
+    max_depth: usize,
+    max_digits: usize,
+) -> Result<(ej::Value, usize), RawError> {
+    let mut sink = Digits {
+        limit: max_digits,
+        most: 0,
+    };
+    let value = ej::parse_with(text, max_depth, &mut sink).map_err(|failure| match failure {
+        ej::Failure::Syntax(e) => RawError::Syntax(e),
+        ej::Failure::Sink(e) => e,
+    })?;
+    Ok((value, sink.most))
+}
+
+/// How deep the containers of a UTF-8 JSON text the parser has read nest (its brackets
+/// outside strings): as the parser's bound counts, a repeated key's replaced value included.
+fn nesting(text: &[u8]) -> usize {
+    let (mut depth, mut deepest, mut i) = (0usize, 0usize, 0);
+    while i < text.len() {
+        match text[i] {
+            b'"' => {
+                i = ej::scan::string_end(text, i).unwrap_or(text.len());
+                continue;
             }
-            ej::Value::Object(members) => {
-                deepest = deepest.max(depth + 1);
-                stack.extend(members.iter().map(|(_, v)| (v, depth + 1)));
+            b'[' | b'{' => {
+                depth += 1;
+                deepest = deepest.max(depth);
             }
+            b']' | b'}' => depth = depth.saturating_sub(1),
             _ => {}
         }
+        i += 1;
     }
-    (most, deepest)
+    deepest
 }
 
 /// A raw text read for filing: its messages' packings from `first` on (those before are a
@@ -541,15 +616,6 @@ impl Requests {
         max_digits: usize,
     ) -> Result<RawFound, RawError> {
         let end = raw_end(text);
-        let digits_ok = |digits: usize| {
-            if max_digits > 0 && digits > max_digits {
-                return Err(RawError::Digits {
-                    digits,
-                    limit: max_digits,
-                });
-            }
-            Ok(())
-        };
         // a tip nested deeper than this read allows is not read from: its text is refused
         let tip = end
             .and_then(|_| self.raw_tip_of(text))
@@ -562,19 +628,26 @@ impl Requests {
                 let mut rest = Vec::with_capacity(after.len() - skip);
                 rest.push(b'[');
                 rest.extend_from_slice(&after[skip + 1..]);
-                match ej::parse(&rest, max_depth) {
-                    Ok(ej::Value::Array(items)) if !items.is_empty() => Some(items),
+                match read_digits(&rest, max_depth, max_digits) {
+                    Ok((ej::Value::Array(items), digits)) if !items.is_empty() => {
+                        Some((items, digits, nesting(&rest)))
+                    }
                     _ => None, // read whole below: its error is the text's own
                 }
             } else if end == Some(tip.end) {
-                Some(Vec::new()) // its closing bracket: the tip's messages again
+                Some((Vec::new(), 0, 0)) // its closing bracket: the tip's messages again
             } else {
                 None
             };
-            if let Some(items) = new_items {
-                let (digits, depth) = measure(&items);
+            if let Some((items, digits, depth)) = new_items {
+                // the tip's ints come first in the text: json.loads meets them first
+                if max_digits > 0 && tip.digits > max_digits {
+                    return Err(RawError::Digits {
+                        digits: tip.digits,
+                        limit: max_digits,
+                    });
+                }
                 let (digits, depth) = (tip.digits.max(digits), tip.depth.max(depth));
-                digits_ok(digits)?;
                 let plains: Vec<Vec<u8>> = items.iter().map(to_packed).collect();
                 let mut hasher = PrefixHasher::resume(tip.packings.clone(), tip.packed);
                 let found = self.find_from(&mut hasher, tip.n_rest, &plains);
@@ -597,12 +670,10 @@ impl Requests {
                 });
             }
         }
-        let value = ej::parse(text, max_depth).map_err(RawError::Syntax)?;
+        let (value, digits) = read_digits(text, max_depth, max_digits)?;
         let ej::Value::Array(items) = value else {
             return Err(RawError::NotArray);
         };
-        let (digits, depth) = measure(&items);
-        digits_ok(digits)?;
         let plains: Vec<Vec<u8>> = items.iter().map(to_packed).collect();
         let mut hasher = PrefixHasher::new();
         let found = self.find_from(&mut hasher, 0, &plains);
@@ -613,6 +684,8 @@ impl Requests {
             let head = xxh3_64(&text[..end.min(RAW_HEAD)]);
             (end, crate::digest::digest(&text[..end]), head)
         });
+        // (only a tip needs it, and only a UTF-8 text is one)
+        let depth = if own.is_some() { nesting(text) } else { 0 };
         let packed = hasher.fed();
         Ok(RawFound {
             first: 0,
@@ -1118,6 +1191,50 @@ mod tests {
         let last = format!("{}, 2]", &next[..next.len() - 1]);
         assert!(table.find_raw(last.as_bytes(), 20, 0).is_err());
         assert_eq!(table.find_raw(last.as_bytes(), 41, 0).unwrap().first, 2);
+    }
+
+    #[test]
+    fn a_repeated_keys_replaced_value_counts_as_json_loads_reads_it() {
+        // json.loads converts (and refuses) the int a repeated key replaces, and nests into
+        // the value it replaces, though the dict it builds keeps neither
+        let big = format!(r#"[{{"a": {}, "a": 1}}]"#, "7".repeat(50));
+        let err = Requests::new()
+            .find_raw(big.as_bytes(), 100, 40)
+            .unwrap_err();
+        assert_eq!(
+            err,
+            RawError::Digits {
+                digits: 50,
+                limit: 40
+            }
+        );
+        // the int before a fault is refused first, as json.loads meets it first
+        let faulty = format!("[{}, }}", "7".repeat(50));
+        let err = Requests::new()
+            .find_raw(faulty.as_bytes(), 100, 40)
+            .unwrap_err();
+        assert!(matches!(err, RawError::Digits { .. }), "{err}");
+        // a tip read without a limit, or under a higher bound, keeps both for later reads
+        let deep = format!(
+            r#"[{{"a": {}1{}, "a": 1}}]"#,
+            "[".repeat(30),
+            "]".repeat(30)
+        );
+        for (first, max_depth, max_digits) in [(&big, 100, 40), (&deep, 20, 0)] {
+            let mut table = Requests::new();
+            let read = table.find_raw(first.as_bytes(), 100, 0).unwrap();
+            table.file_raw(0, &read, None).unwrap();
+            let next = format!("{}, 1]", &first[..first.len() - 1]);
+            let whole = Requests::new()
+                .find_raw(next.as_bytes(), max_depth, max_digits)
+                .unwrap_err();
+            assert_eq!(
+                table
+                    .find_raw(next.as_bytes(), max_depth, max_digits)
+                    .unwrap_err(),
+                whole
+            );
+        }
     }
 
     #[test]
