@@ -377,13 +377,9 @@ def test_ack_arguments_are_checked(stub: str) -> None:
         create_app(stub, ack="fast", ack_queue=0)
 
 
-@pytest.mark.parametrize("plane", ["python", "rust"])
-def test_an_export_whose_wait_for_its_turns_times_out_says_so(
-    stub: str, monkeypatch: pytest.MonkeyPatch, plane: str
-) -> None:
-    """An export (and the info) that gave up waiting for its session's answered turns (the
-    recorder held up past the wait) says how many it misses, not yet recorded; once they
-    are in, nothing is said."""
+def _gated_with_a_short_settle(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The fast recorders held at a gate (returned, to open) and a session's settle wait cut
+    to 0.3 s: what an export or a trace taken meanwhile gives up on."""
     gate = threading.Event()
     settled = _Server.settled_session
     _gate_recorders(monkeypatch, lambda: gate)
@@ -392,6 +388,17 @@ def test_an_export_whose_wait_for_its_turns_times_out_says_so(
         return await settled(self, session, 0.3)
 
     monkeypatch.setattr(_Server, "settled_session", short)
+    return gate
+
+
+@pytest.mark.parametrize("plane", ["python", "rust"])
+def test_an_export_whose_wait_for_its_turns_times_out_says_so(
+    stub: str, monkeypatch: pytest.MonkeyPatch, plane: str
+) -> None:
+    """An export (and the info) that gave up waiting for its session's answered turns (the
+    recorder held up past the wait) says how many it misses, not yet recorded; once they
+    are in, nothing is said."""
+    gate = _gated_with_a_short_settle(monkeypatch)
     app = create_app(stub, ack="fast", admin_key=ADMIN_KEY)
     with serve_app(app, data_plane=plane) as url:
         session = new_session(url, session_id="late")
@@ -418,14 +425,7 @@ def test_a_trace_whose_wait_for_its_turns_times_out_says_so(
     says how many it misses (`{"validation": ["[WARN] unsettled_turns: ..."]}`), as an
     export's validation does; before, it was answered as if complete. Once they are in,
     the trace is its turns alone."""
-    gate = threading.Event()
-    settled = _Server.settled_session
-    _gate_recorders(monkeypatch, lambda: gate)
-
-    async def short(self: _Server, session: Any, timeout: float = 0.3) -> bool:
-        return await settled(self, session, 0.3)
-
-    monkeypatch.setattr(_Server, "settled_session", short)
+    gate = _gated_with_a_short_settle(monkeypatch)
     app = create_app(stub, ack="fast", admin_key=ADMIN_KEY)
     with serve_app(app, data_plane=plane) as url:
         session = new_session(url, session_id="late")

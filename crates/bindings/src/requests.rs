@@ -309,9 +309,5 @@ impl RequestTable {
 /// text is not a string, a packing that is not plain): Python decides then.
 #[pyfunction]
 pub fn link_echoes(py: Python<'_>, response: &[u8], message: &[u8]) -> PyResult<Option<bool>> {
-    let max_digits: usize = py
-        .import("sys")?
-        .call_method0("get_int_max_str_digits")?
-        .extract()?;
-    Ok(engine::link_key::echoes(response, message, max_digits).ok())
+    Ok(engine::link_key::echoes(response, message, max_digits(py)?).ok())
 }
