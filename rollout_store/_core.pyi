@@ -25,6 +25,7 @@ __all__ = [
     "frame_chain_value",
     "FrameScan",
     "FrameTooLarge",
+    "Unconfirmed",
     "KeyIndex",
     "next_frame",
     "read_gap",
@@ -276,12 +277,16 @@ class RequestTable:
     re-send (`find_json`, `add_json`)."""
 
     def __new__(cls) -> RequestTable: ...
-    def find(self, plains: list[bytes]) -> tuple[int | None, int, bool, bytes]:
+    def find(
+        self, plains: list[bytes], *, refuted: list[int] = ...
+    ) -> tuple[int | None, int, bool, bytes]:
         """`(base, base_len, echo, digest)` for a request whose non-system messages pack as
         `plains`: the filed turn it extends (None: none) and its message count, whether the
-        message after those is exactly that turn's response, and the request's digest."""
+        message after those is exactly that turn's response, and the request's digest.
+        `Unconfirmed` when it may extend a turn filed by its key alone (`file_key`) and not
+        in `refuted`."""
     def find_json(
-        self, text: bytes, /, *, max_depth: int = ...
+        self, text: bytes, /, *, max_depth: int = ..., refuted: list[int] = ...
     ) -> tuple[int, list[bytes], tuple[int | None, int, bool, bytes]]:
         """`(first, plains, (base, base_len, echo, digest))` for a request given as the JSON
         text of its non-system messages (an array), read as `json.loads` reads it: `plains`
@@ -291,7 +296,13 @@ class RequestTable:
         `MAX_DEPTH + 1`), `ValueError` for one that is not an array or holds an int
         `json.loads` refuses."""
     def add_json(
-        self, turn: int, text: bytes, response: bytes | None = None, *, max_depth: int = ...
+        self,
+        turn: int,
+        text: bytes,
+        response: bytes | None = None,
+        *,
+        max_depth: int = ...,
+        refuted: list[int] = ...,
     ) -> tuple[int, list[bytes], tuple[int | None, int, bool, bytes]]:
         """`find_json`, then `file` the request as turn `turn` (with its response's plain
         packing): it becomes its conversation's raw tip, the one a text re-sending it is read
@@ -305,10 +316,23 @@ class RequestTable:
         """File turn `turn`'s request of `n_rest` messages under its 32-byte `digest`, with
         its response's plain packing (None: no response). Turns are filed in increasing
         order; `ValueError` otherwise, and nothing changes."""
+    def file_key(self, turn: int, n_rest: int, key: int, response: bytes | None = None) -> None:
+        """File turn `turn`'s request of `n_rest` messages by its 8-byte index `key` alone (a
+        turn read from a file, whose record names that key), with its response's plain
+        packing: unconfirmed until `confirm` (`find` raises `Unconfirmed` where it may be a
+        base)."""
+    def confirm(self, turn: int, digest: bytes) -> bool | None:
+        """Confirm a turn filed by its key: its request's bytes were found equal to those of a
+        request whose digest is `digest` (as `Unconfirmed` gives it). True: confirmed (or so
+        already); False: `digest` is not under its key, or it is confirmed with another, and
+        nothing changes; None: not filed."""
+    @property
+    def unconfirmed(self) -> int:
+        """Turns filed by their key and not confirmed yet."""
     def prefixes(self, plains: list[bytes]) -> list[tuple[int, bytes, list[int]]]:
         """Every boundary of a request whose non-system messages pack as `plains` where it
         extends filed turns, longest first: `(len, digest, turns)`, the turns in filing
-        order."""
+        order (confirmed ones: a turn filed by its key is named once confirmed)."""
     @staticmethod
     def keys(plains: list[bytes]) -> list[int]:
         """The index key of every prefix of a request whose messages pack as `plains`
@@ -328,6 +352,12 @@ class RequestTable:
     @property
     def nbytes(self) -> int:
         """Bytes the table holds, spare capacity included (what `tracemalloc` cannot see)."""
+
+class Unconfirmed(LookupError):
+    """The base of a request is undecided: it may extend a turn read from a file by its key
+    alone. `args` are the message, that turn, its message count and the request's digest
+    there: compare the bytes, then `confirm` the turn with that digest, or pass it in
+    `refuted`."""
 
 class FrameTooLarge(ValueError):
     """A record or string larger than a frame can hold (the message says which and its size)."""

@@ -393,3 +393,88 @@ def test_a_tip_keeps_the_depth_and_digits_of_a_value_a_repeated_key_replaced() -
         sys.set_int_max_str_digits(old)
     with pytest.raises(ValueError, match="Exceeds the limit"):
         table.find_json(big[:-1] + b", 1]")
+
+
+def _confirmed_find(
+    table: Any, plains: list[bytes], stored: dict[int, list[bytes]], asked: list[bool]
+) -> tuple[int | None, int, bool, bytes]:
+    """`find`, comparing the bytes of each turn read by its key alone that the table asks
+    about with `stored` (what the graph rebuilds of that turn's request) and confirming or
+    refuting it, as the graph's `extends` compares a loaded turn's tails."""
+    refuted: list[int] = []
+    for _ in range(len(stored) + 1):
+        try:
+            return table.find(plains, refuted=refuted)
+        except _core.Unconfirmed as undecided:
+            _, turn, n, digest = undecided.args
+            assert n == len(stored[turn])
+            if stored[turn] == plains[:n]:
+                assert table.confirm(turn, digest) is True
+                asked.append(True)
+            else:
+                refuted.append(turn)
+                asked.append(False)
+    raise AssertionError("the table asked about more turns than it holds")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_turns_read_from_a_file_are_filed_by_their_key_and_confirmed_when_asked(
+    seed: int, tmp_path: Any
+) -> None:
+    """Half of each rollout recorded, saved and loaded: the loaded turns are filed by the
+    keys their records name, unconfirmed; the other half, added to the loaded graph, gets
+    the base, echo and tail the graph stores once each turn the table asks about is
+    compared (a turn of the file whose request differs under its key is refuted)."""
+    turns = _branching_rollouts(300 + seed, 120)
+    recorded = RolloutGraph(share_threshold=None)
+    for messages, response in turns[:60]:
+        recorded.add_turn(TurnNode(request_messages=messages, response_message=response))
+    recorded.save(tmp_path / "half.rollout")
+    graph = RolloutGraph.load(tmp_path / "half.rollout")
+    table = RequestTable()
+    stored: dict[int, list[bytes]] = {}
+    for index, turn in enumerate(graph._turns):
+        messages, response = turns[index]
+        assert turn.digest is None and turn.rkey is not None  # the record's key alone
+        table.file_key(index, turn.n_rest, turn.rkey, plain(response))
+        stored[index] = [plain(m) for m in graph.request_messages(turn.node_id) or []]
+    assert table.unconfirmed == 60
+    asked: list[bool] = []  # each ask: confirmed (True) or refuted
+    for index, (messages, response) in enumerate(turns[60:], 60):
+        plains = [plain(m) for m in messages]
+        base, base_len, echo, digest = _confirmed_find(table, plains, stored, asked)
+        graph.add_turn(TurnNode(request_messages=messages, response_message=response))
+        turn = graph._turns[index]
+        stored_base = turn.base.index if turn.base is not None else None
+        assert (base, echo) == (stored_base, bool(turn.flags & TAIL_ECHO)), f"turn {index}"
+        assert base_len == (turn.base.n_rest if turn.base is not None else 0)
+        assert digest == turn.digest
+        assert RequestTable.tail(plains, base_len, echo) == bytes(turn.tail), f"turn {index}"
+        table.file(index, len(plains), digest, plain(response))
+    assert any(asked) and table.unconfirmed == 60 - sum(
+        asked
+    )  # a confirmed turn is not asked again
+
+
+def test_an_unconfirmed_turn_blocks_the_find_and_the_filing_until_it_is_decided() -> None:
+    request = [plain({"role": "user", "content": "hi"})]
+    longer = [*request, plain({"role": "assistant", "content": "yo"})]
+    table = RequestTable()
+    table.file_key(3, 1, prefix_keys(request)[1], plain({"role": "assistant"}))
+    text = json.dumps([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
+    for call in (
+        lambda: table.find(longer),
+        lambda: table.find_json(text.encode()),
+        lambda: table.add_json(4, text.encode()),
+    ):
+        with pytest.raises(_core.Unconfirmed) as undecided:
+            call()
+        assert undecided.value.args[1:] == (3, 1, prefix_digest(request[0]))
+        assert "turn 3" in undecided.value.args[0]
+    assert len(table) == 1  # add_json filed nothing
+    assert table.find(longer, refuted=[3])[:3] == (None, 0, False)
+    assert table.add_json(4, text.encode(), refuted=[3])[2][0] is None
+    assert table.confirm(3, prefix_digest(longer[0] + longer[1])) is False
+    assert table.confirm(3, prefix_digest(request[0])) is True
+    assert table.unconfirmed == 0 and table.confirm(9, prefix_digest(b"")) is None
+    assert table.find([request[0], plain({"role": "user"})])[:2] == (3, 1)

@@ -40,6 +40,15 @@ pyo3::create_exception!(
     "A record or string larger than a frame can hold (the message says which and its size)."
 );
 
+pyo3::create_exception!(
+    rollout_store._core,
+    Unconfirmed,
+    pyo3::exceptions::PyLookupError,
+    "The base of a request is undecided: it may extend a turn read from a file by its key alone. \
+`args` are the message, that turn, its message count and the request's digest there: compare \
+the bytes, then `confirm` the turn with that digest, or pass it in `refuted`."
+);
+
 #[pymodule]
 mod _core {
     #[pymodule_export]
@@ -62,7 +71,7 @@ mod _core {
     #[pymodule_export]
     use super::requests::{link_echoes, RequestTable};
     #[pymodule_export]
-    use super::{DecodeError, FrameTooLarge, RefusedValue};
+    use super::{DecodeError, FrameTooLarge, RefusedValue, Unconfirmed};
 
     #[pymodule_export]
     const MAX_DEPTH: usize = super::packed::MAX_DEPTH;

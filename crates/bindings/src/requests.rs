@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyList};
 
-use crate::{DecodeError, DETACH_FROM};
+use crate::{DecodeError, Unconfirmed, DETACH_FROM};
 
 /// A boundary `prefixes` answers: `(len, digest, turns)`.
 type PrefixTuple<'py> = (usize, Bound<'py, PyBytes>, Vec<u32>);
@@ -38,12 +38,12 @@ impl RequestTable {
     }
 
     /// Find with the GIL released for a long request (hashing it is pure Rust work).
-    fn found_for(&self, py: Python<'_>, plains: &[PyBackedBytes]) -> Found {
+    fn found_for(&self, py: Python<'_>, plains: &[PyBackedBytes], refuted: &[u32]) -> Found {
         let size: usize = plains.iter().map(|plain| plain.len()).sum();
         if size >= DETACH_FROM {
-            py.detach(|| self.table().find(plains))
+            py.detach(|| self.table().find_past(plains, refuted))
         } else {
-            self.table().find(plains)
+            self.table().find_past(plains, refuted)
         }
     }
 
@@ -79,6 +79,16 @@ fn backed(plains: &Bound<'_, PyList>) -> PyResult<Vec<PyBackedBytes>> {
         .collect()
 }
 
+/// A request digest given from Python.
+fn digest_arg(digest: &[u8]) -> PyResult<[u8; DIGEST_SIZE]> {
+    digest.try_into().map_err(|_| {
+        PyValueError::new_err(format!(
+            "a request digest is {DIGEST_SIZE} bytes, not {}",
+            digest.len()
+        ))
+    })
+}
+
 fn file_error(err: &requests::FileError) -> PyErr {
     match err {
         requests::FileError::Full => PyOverflowError::new_err(err.to_string()),
@@ -86,13 +96,26 @@ fn file_error(err: &requests::FileError) -> PyErr {
     }
 }
 
-fn found_tuple<'py>(py: Python<'py>, found: &Found) -> FoundTuple<'py> {
-    (
+/// What was found, or `Unconfirmed` when the base is undecided (see `Found::ask`).
+fn found_tuple<'py>(py: Python<'py>, found: &Found) -> PyResult<FoundTuple<'py>> {
+    if let Some(ask) = found.ask {
+        return Err(Unconfirmed::new_err((
+            format!(
+                "the request may extend turn {}, read by its key alone: compare its {} \
+                 messages, then confirm or refute it",
+                ask.turn, ask.len
+            ),
+            ask.turn,
+            ask.len,
+            PyBytes::new(py, &ask.digest).unbind(),
+        )));
+    }
+    Ok((
         found.base,
         found.base_len,
         found.echo,
         PyBytes::new(py, &found.digest),
-    )
+    ))
 }
 
 /// A `RawError` as the exception `json.loads` (or the library) raises for it.
@@ -110,18 +133,30 @@ fn raw_error(py: Python<'_>, err: &RawError) -> PyErr {
     }
 }
 
-/// Why `add_json` filed nothing: its text, or the filing.
+/// An exception for a filing refused (`Undecided`: as `find` raises it).
+fn add_file_error(py: Python<'_>, raw: &RawFound, err: &requests::FileError) -> PyErr {
+    match err {
+        requests::FileError::Undecided(_) => match found_tuple(py, &raw.found) {
+            Err(undecided) => undecided,
+            Ok(_) => file_error(err),
+        },
+        _ => file_error(err),
+    }
+}
+
+/// Why `add_json` filed nothing: its text, or the filing (with what was read).
 enum AddError {
     Read(RawError),
-    File(requests::FileError),
+    File(Box<RawFound>, requests::FileError),
 }
 
 /// `(first, plains, found)` of a raw text read by the table.
 type RawTuple<'py> = (usize, Bound<'py, PyList>, FoundTuple<'py>);
 
 fn raw_tuple<'py>(py: Python<'py>, raw: &RawFound) -> PyResult<RawTuple<'py>> {
+    let found = found_tuple(py, &raw.found)?;
     let plains = PyList::new(py, raw.plains.iter().map(|p| PyBytes::new(py, p)))?;
-    Ok((raw.first, plains, found_tuple(py, &raw.found)))
+    Ok((raw.first, plains, found))
 }
 
 #[pymethods]
@@ -136,10 +171,19 @@ impl RequestTable {
     /// `(base, base_len, echo, digest)` for a request whose non-system messages pack as
     /// `plains`: the filed turn it extends (None: none) and its message count, whether the
     /// message after those is exactly that turn's response, and the request's digest.
-    fn find<'py>(&self, py: Python<'py>, plains: &Bound<'py, PyList>) -> PyResult<FoundTuple<'py>> {
+    /// `Unconfirmed` when it may extend a turn filed by its key alone (`file_key`) and not
+    /// in `refuted`.
+    #[pyo3(signature = (plains, *, refuted = Vec::new()))]
+    #[allow(clippy::needless_pass_by_value)] // PyO3 extracts a list as an owned Vec
+    fn find<'py>(
+        &self,
+        py: Python<'py>,
+        plains: &Bound<'py, PyList>,
+        refuted: Vec<u32>,
+    ) -> PyResult<FoundTuple<'py>> {
         let plains = backed(plains)?;
-        let found = self.found_for(py, &plains);
-        Ok(found_tuple(py, &found))
+        let found = self.found_for(py, &plains, &refuted);
+        found_tuple(py, &found)
     }
 
     /// `(first, plains, (base, base_len, echo, digest))` for a request given as the JSON text
@@ -148,17 +192,19 @@ impl RequestTable {
     /// again). `DecodeError` for text that is not JSON or nests deeper than `max_depth` (by
     /// default each message as deep as the graph takes a value), `ValueError` for one that
     /// is not an array or holds an int `json.loads` refuses.
-    #[pyo3(signature = (text, /, *, max_depth = MESSAGES_MAX_DEPTH))]
+    #[pyo3(signature = (text, /, *, max_depth = MESSAGES_MAX_DEPTH, refuted = Vec::new()))]
+    #[allow(clippy::needless_pass_by_value)] // PyO3 extracts a list as an owned Vec
     fn find_json<'py>(
         &self,
         py: Python<'py>,
         text: &[u8],
         max_depth: usize,
+        refuted: Vec<u32>,
     ) -> PyResult<RawTuple<'py>> {
         let max_digits = max_digits(py)?;
         let raw = self
             .with_table(py, text, |table| {
-                table.find_raw(text, max_depth, max_digits)
+                table.find_raw_past(text, max_depth, max_digits, &refuted)
             })
             .map_err(|err| raw_error(py, &err))?;
         raw_tuple(py, &raw)
@@ -167,7 +213,10 @@ impl RequestTable {
     /// `find_json`, then `file` the request as turn `turn` (with its response's plain
     /// packing): it becomes its conversation's raw tip, the one a text re-sending it is read
     /// from. Nothing is filed when it raises.
-    #[pyo3(signature = (turn, text, response = None, *, max_depth = MESSAGES_MAX_DEPTH))]
+    #[pyo3(signature = (
+        turn, text, response = None, *, max_depth = MESSAGES_MAX_DEPTH, refuted = Vec::new()
+    ))]
+    #[allow(clippy::needless_pass_by_value)] // PyO3 extracts a list as an owned Vec
     fn add_json<'py>(
         &self,
         py: Python<'py>,
@@ -175,20 +224,21 @@ impl RequestTable {
         text: &[u8],
         response: Option<&[u8]>,
         max_depth: usize,
+        refuted: Vec<u32>,
     ) -> PyResult<RawTuple<'py>> {
         let max_digits = max_digits(py)?;
         let raw = self.with_table(py, text, |table| {
             let raw = table
-                .find_raw(text, max_depth, max_digits)
+                .find_raw_past(text, max_depth, max_digits, &refuted)
                 .map_err(AddError::Read)?;
-            table
-                .file_raw(turn, &raw, response)
-                .map_err(AddError::File)?;
-            Ok(raw)
+            match table.file_raw(turn, &raw, response) {
+                Ok(()) => Ok(raw),
+                Err(err) => Err(AddError::File(Box::new(raw), err)),
+            }
         });
         let raw = raw.map_err(|err| match err {
             AddError::Read(err) => raw_error(py, &err),
-            AddError::File(err) => file_error(&err),
+            AddError::File(raw, err) => add_file_error(py, &raw, &err),
         })?;
         raw_tuple(py, &raw)
     }
@@ -216,6 +266,7 @@ impl RequestTable {
             base_len,
             echo,
             digest: [0; DIGEST_SIZE],
+            ask: None,
         };
         Ok(PyBytes::new(py, &Requests::tail(&plains, &found)))
     }
@@ -231,19 +282,46 @@ impl RequestTable {
         digest: &[u8],
         response: Option<&[u8]>,
     ) -> PyResult<()> {
-        let digest: [u8; DIGEST_SIZE] = digest.try_into().map_err(|_| {
-            PyValueError::new_err(format!(
-                "a request digest is {DIGEST_SIZE} bytes, not {}",
-                digest.len()
-            ))
-        })?;
+        let digest = digest_arg(digest)?;
         self.table()
             .file(turn, n_rest, digest, response)
             .map_err(|err| file_error(&err))
     }
 
+    /// File turn `turn`'s request of `n_rest` messages by its 8-byte index `key` alone (a turn
+    /// read from a file, whose record names that key), with its response's plain packing:
+    /// unconfirmed until `confirm` (`find` raises `Unconfirmed` where it may be a base).
+    #[pyo3(signature = (turn, n_rest, key, response = None))]
+    fn file_key(
+        &self,
+        turn: u32,
+        n_rest: usize,
+        key: u64,
+        response: Option<&[u8]>,
+    ) -> PyResult<()> {
+        self.table()
+            .file_key(turn, n_rest, key, response)
+            .map_err(|err| file_error(&err))
+    }
+
+    /// Confirm a turn filed by its key: its request's bytes were found equal to those of a
+    /// request whose digest is `digest` (as `Unconfirmed` gives it). True: confirmed (or so
+    /// already); False: `digest` is not under its key, or it is confirmed with another, and
+    /// nothing changes; None: not filed.
+    fn confirm(&self, turn: u32, digest: &[u8]) -> PyResult<Option<bool>> {
+        let digest = digest_arg(digest)?;
+        Ok(self.table().confirm(turn, &digest))
+    }
+
+    /// Turns filed by their key and not confirmed yet.
+    #[getter]
+    fn unconfirmed(&self) -> usize {
+        self.table().unconfirmed()
+    }
+
     /// Every boundary of a request whose non-system messages pack as `plains` where it
-    /// extends filed turns, longest first: `(len, digest, turns)`, the turns in filing order.
+    /// extends filed turns, longest first: `(len, digest, turns)`, the turns in filing order
+    /// (confirmed ones: a turn filed by its key is named once confirmed).
     fn prefixes<'py>(
         &self,
         py: Python<'py>,

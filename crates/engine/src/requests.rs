@@ -353,12 +353,22 @@ impl Lengths {
 /// A filed request.
 #[derive(Clone, Copy, Debug)]
 struct Row {
+    /// its request's digest; of an unconfirmed row, its key's 8 bytes then zeros
     digest: [u8; DIGEST_SIZE],
+    /// its digest is known (false: a row read from a file by its key, see `file_key`)
+    confirmed: bool,
     n_rest: u32,
     /// its response's plain packing (None: no response)
     response: Option<Span>,
     /// some turn is its child (a twin's continuation may move under a later twin)
     has_children: bool,
+}
+
+/// What the base-finder meets at a boundary: a confirmed row, or an unconfirmed one to ask
+/// about.
+enum Met {
+    Row(usize),
+    Ask(TurnNo),
 }
 
 /// The rows filed under one key, in filing order: mostly one.
@@ -387,6 +397,18 @@ pub struct Prefix {
     pub turns: Vec<TurnNo>,
 }
 
+/// A row read from a file, known by its request's key alone, that a request may extend: the
+/// base-finder cannot decide before the caller compares the bytes and confirms or refutes it
+/// (a key of 8 bytes can be made to collide).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ask {
+    pub turn: TurnNo,
+    /// the boundary where it would be the base (its message count)
+    pub len: usize,
+    /// the request's digest at that boundary (what `confirm` takes when the bytes agree)
+    pub digest: [u8; DIGEST_SIZE],
+}
+
 /// What the base-finder found for a request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Found {
@@ -398,6 +420,9 @@ pub struct Found {
     pub echo: bool,
     /// the digest of the whole request
     pub digest: [u8; DIGEST_SIZE],
+    /// an unconfirmed row met before any base (longest first, in filing order): while it is
+    /// set, `base` is undecided and the request must not be filed
+    pub ask: Option<Ask>,
 }
 
 /// Why a request cannot be filed.
@@ -409,6 +434,8 @@ pub enum FileError {
     Order { turn: TurnNo, last: Option<TurnNo> },
     /// a request of more messages than a row can count
     TooLong(usize),
+    /// its base is undecided: an unconfirmed row must be confirmed or refuted first
+    Undecided(TurnNo),
 }
 
 impl std::fmt::Display for FileError {
@@ -423,6 +450,10 @@ impl std::fmt::Display for FileError {
                 None => write!(f, "turn {turn} cannot be filed"),
             },
             FileError::TooLong(n) => write!(f, "a request of {n} messages cannot be filed"),
+            FileError::Undecided(turn) => write!(
+                f,
+                "the request may extend turn {turn}, read by its key alone: confirm or refute it first"
+            ),
         }
     }
 }
@@ -449,6 +480,8 @@ pub struct Requests {
     raw_tips: Vec<RawTip>,
     /// texts read from a tip on (for tests and figures)
     raw_tip_hits: u64,
+    /// rows filed by their key alone, not yet confirmed
+    unconfirmed: usize,
 }
 
 impl Requests {
@@ -476,9 +509,35 @@ impl Requests {
         self.row_of(turn).map(|row| row.n_rest as usize)
     }
 
-    /// The digest of a filed turn's request (None: not filed).
+    /// The digest of a filed turn's request (None: not filed, or not confirmed).
     pub fn digest(&self, turn: TurnNo) -> Option<[u8; DIGEST_SIZE]> {
-        self.row_of(turn).map(|row| row.digest)
+        self.row_of(turn)
+            .filter(|row| row.confirmed)
+            .map(|row| row.digest)
+    }
+
+    /// Rows filed by their key alone and not confirmed yet.
+    pub fn unconfirmed(&self) -> usize {
+        self.unconfirmed
+    }
+
+    /// Confirm an unconfirmed row: the caller compared its request's bytes with a request
+    /// whose digest is `digest` and found them equal. Some(true): confirmed (or confirmed
+    /// already with this digest); Some(false): the digest is not under the row's key, or the
+    /// row is confirmed with another, and nothing changes; None: not filed.
+    pub fn confirm(&mut self, turn: TurnNo, digest: &[u8; DIGEST_SIZE]) -> Option<bool> {
+        let at = self.turns.binary_search(&turn).ok()?;
+        let row = &mut self.rows[at];
+        if row.confirmed {
+            return Some(row.digest == *digest);
+        }
+        if row.digest[..8] != digest[..8] {
+            return Some(false);
+        }
+        row.digest = *digest;
+        row.confirmed = true;
+        self.unconfirmed -= 1;
+        Some(true)
     }
 
     /// Whether a filed turn has a child (None: not filed).
@@ -516,7 +575,10 @@ impl Requests {
                         filed
                             .rows()
                             .iter()
-                            .filter(|&&row| self.rows[row as usize].digest == digest)
+                            .filter(|&&row| {
+                                let row = &self.rows[row as usize];
+                                row.confirmed && row.digest == digest
+                            })
                             .map(|&row| self.turns[row as usize])
                             .collect()
                     });
@@ -552,10 +614,17 @@ impl Requests {
         Some(self.pages.get(span))
     }
 
-    /// The base of a request whose messages pack as `plains`, and its digest.
+    /// The base of a request whose messages pack as `plains`, and its digest; or an
+    /// unconfirmed row to confirm or refute first (`Found::ask`).
     pub fn find<P: AsRef<[u8]>>(&self, plains: &[P]) -> Found {
+        self.find_past(plains, &[])
+    }
+
+    /// [`Requests::find`], passing over the unconfirmed rows in `refuted` (the caller
+    /// compared their bytes and found them to differ).
+    pub fn find_past<P: AsRef<[u8]>>(&self, plains: &[P], refuted: &[TurnNo]) -> Found {
         let mut hasher = PrefixHasher::new();
-        self.find_from(&mut hasher, 0, plains)
+        self.find_from(&mut hasher, 0, plains, refuted)
     }
 
     /// The base of a request whose first `first` messages `hasher` has seen (their packings)
@@ -566,6 +635,7 @@ impl Requests {
         hasher: &mut PrefixHasher,
         first: usize,
         plains: &[P],
+        refuted: &[TurnNo],
     ) -> Found {
         let n = first + plains.len();
         // digests where some filed request ends, shortest first, then the whole request's
@@ -581,7 +651,26 @@ impl Requests {
             boundaries.push((n, digest));
         }
         for &(at, ref prefix) in boundaries.iter().rev() {
-            if let Some(row) = self.confirmed(prefix) {
+            let Some(met) = self.met(prefix, at, refuted) else {
+                continue;
+            };
+            let row = match met {
+                Met::Row(row) => row,
+                Met::Ask(turn) => {
+                    return Found {
+                        base: None,
+                        base_len: 0,
+                        echo: false,
+                        digest,
+                        ask: Some(Ask {
+                            turn,
+                            len: at,
+                            digest: *prefix,
+                        }),
+                    };
+                }
+            };
+            {
                 let turn = self.turns[row];
                 let echo = at < n
                     && self.rows[row]
@@ -592,6 +681,7 @@ impl Requests {
                     base_len: at,
                     echo,
                     digest,
+                    ask: None,
                 };
             }
         }
@@ -600,6 +690,7 @@ impl Requests {
             base_len: 0,
             echo: false,
             digest,
+            ask: None,
         }
     }
 
@@ -614,6 +705,20 @@ impl Requests {
         text: &[u8],
         max_depth: usize,
         max_digits: usize,
+    ) -> Result<RawFound, RawError> {
+        self.find_raw_past(text, max_depth, max_digits, &[])
+    }
+
+    /// [`Requests::find_raw`], passing over the unconfirmed rows in `refuted`.
+    ///
+    /// # Errors
+    /// As [`Requests::find_raw`].
+    pub fn find_raw_past(
+        &self,
+        text: &[u8],
+        max_depth: usize,
+        max_digits: usize,
+        refuted: &[TurnNo],
     ) -> Result<RawFound, RawError> {
         let end = raw_end(text);
         // a tip nested deeper than this read allows is not read from: its text is refused
@@ -650,7 +755,7 @@ impl Requests {
                 let (digits, depth) = (tip.digits.max(digits), tip.depth.max(depth));
                 let plains: Vec<Vec<u8>> = items.iter().map(to_packed).collect();
                 let mut hasher = PrefixHasher::resume(tip.packings.clone(), tip.packed);
-                let found = self.find_from(&mut hasher, tip.n_rest, &plains);
+                let found = self.find_from(&mut hasher, tip.n_rest, &plains, refuted);
                 let end = end.unwrap_or(tip.end);
                 let mut text_hasher = text_hasher;
                 text_hasher.update(&text[tip.end..end]);
@@ -676,7 +781,7 @@ impl Requests {
         };
         let plains: Vec<Vec<u8>> = items.iter().map(to_packed).collect();
         let mut hasher = PrefixHasher::new();
-        let found = self.find_from(&mut hasher, 0, &plains);
+        let found = self.find_from(&mut hasher, 0, &plains, refuted);
         // a tip of its own only for a plain UTF-8 text (one a later text can extend byte for
         // byte): it starts with its bracket, after whitespace at most
         let utf8 = text.iter().find(|&&b| !is_ws(b)) == Some(&b'[');
@@ -746,6 +851,9 @@ impl Requests {
         raw: &RawFound,
         response: Option<&[u8]>,
     ) -> Result<(), FileError> {
+        if let Some(ask) = raw.found.ask {
+            return Err(FileError::Undecided(ask.turn));
+        }
         self.file(turn, raw.n_rest, raw.found.digest, response)?;
         if raw.tip.is_some() {
             self.raw_tip_hits += 1;
@@ -777,14 +885,19 @@ impl Requests {
         self.raw_tip_hits
     }
 
-    /// The first row filed under `digest`'s key whose digest it is.
-    fn confirmed(&self, digest: &[u8; DIGEST_SIZE]) -> Option<usize> {
+    /// The first row filed under `digest`'s key (a prefix of `len` messages) that is either
+    /// confirmed with that digest or unconfirmed with that message count and not refuted.
+    fn met(&self, digest: &[u8; DIGEST_SIZE], len: usize, refuted: &[TurnNo]) -> Option<Met> {
         let filed = self.index.get(digest_key(digest))?;
-        filed
-            .rows()
-            .iter()
-            .map(|&row| row as usize)
-            .find(|&row| &self.rows[row].digest == digest)
+        filed.rows().iter().map(|&row| row as usize).find_map(|at| {
+            let row = &self.rows[at];
+            if row.confirmed {
+                (row.digest == *digest).then_some(Met::Row(at))
+            } else {
+                let turn = self.turns[at];
+                (row.n_rest as usize == len && !refuted.contains(&turn)).then_some(Met::Ask(turn))
+            }
+        })
     }
 
     /// The stored tail of a request found as `found`: an array header of the messages after
@@ -817,6 +930,37 @@ impl Requests {
         digest: [u8; DIGEST_SIZE],
         response: Option<&[u8]>,
     ) -> Result<(), FileError> {
+        self.push(turn, n_rest, digest, true, response)
+    }
+
+    /// File turn `turn`'s request by its key alone (a turn read from a file, whose record
+    /// names its request's 8-byte key): unconfirmed until `confirm`, asked of by `find` at a
+    /// boundary of its message count whose key it has.
+    ///
+    /// # Errors
+    /// As [`Requests::file`].
+    pub fn file_key(
+        &mut self,
+        turn: TurnNo,
+        n_rest: usize,
+        key: u64,
+        response: Option<&[u8]>,
+    ) -> Result<(), FileError> {
+        let mut digest = [0u8; DIGEST_SIZE];
+        digest[..8].copy_from_slice(&key.to_le_bytes());
+        self.push(turn, n_rest, digest, false, response)?;
+        self.unconfirmed += 1;
+        Ok(())
+    }
+
+    fn push(
+        &mut self,
+        turn: TurnNo,
+        n_rest: usize,
+        digest: [u8; DIGEST_SIZE],
+        confirmed: bool,
+        response: Option<&[u8]>,
+    ) -> Result<(), FileError> {
         let last = self.turns.last().copied();
         if last.is_some_and(|last| turn <= last) {
             return Err(FileError::Order { turn, last });
@@ -840,6 +984,7 @@ impl Requests {
         let response = response.map(|packed| self.pages.push(packed));
         self.rows.push(Row {
             digest,
+            confirmed,
             n_rest: n_rest_u32,
             response,
             has_children: false,
@@ -892,6 +1037,93 @@ mod tests {
             .file(turn, plains.len(), found.digest, Some(&msg(response)))
             .unwrap();
         found
+    }
+
+    /// A table where turns 0 and 1 were read from a file by their keys (turn 1's request
+    /// extends turn 0's), then turn 2 added with a request of its own.
+    fn loaded() -> (Requests, [Vec<Vec<u8>>; 2]) {
+        let first = conv(&["u1"]);
+        let second = conv(&["u1", "a1", "u2"]);
+        let mut table = Requests::new();
+        for (turn, plains) in [&first, &second].into_iter().enumerate() {
+            let key = digest_key(&digest(&plains.concat()));
+            table
+                .file_key(turn as TurnNo, plains.len(), key, Some(&msg("a")))
+                .unwrap();
+        }
+        add(&mut table, 2, &conv(&["x"]), "y");
+        (table, [first, second])
+    }
+
+    #[test]
+    fn a_row_filed_by_its_key_is_asked_about_before_it_is_a_base() {
+        let (mut table, [first, second]) = loaded();
+        assert_eq!((table.unconfirmed(), table.digest(1)), (2, None));
+        let request = conv(&["u1", "a1", "u2", "a2", "u3"]);
+        let found = table.find(&request);
+        let ask = found.ask.unwrap();
+        assert_eq!((found.base, ask.turn, ask.len), (None, 1, 3));
+        assert_eq!(ask.digest, digest(&second.concat()));
+        // refuted (its bytes differ after all): the shorter row is asked about next
+        let found = table.find_past(&request, &[1]);
+        assert_eq!(found.ask.map(|ask| (ask.turn, ask.len)), Some((0, 1)));
+        assert_eq!(found.ask.unwrap().digest, digest(&first.concat()));
+        // confirmed: it is the base, found by its digest from then on
+        assert_eq!(table.confirm(1, &ask.digest), Some(true));
+        let found = table.find(&request);
+        assert_eq!((found.base, found.base_len, found.ask), (Some(1), 3, None));
+        assert_eq!(
+            (table.unconfirmed(), table.digest(1)),
+            (1, Some(ask.digest))
+        );
+        // a request that is no prefix of a loaded one asks nothing
+        assert_eq!(table.find(&conv(&["x", "y", "z"])).ask, None);
+        assert_eq!(table.find(&conv(&["x", "y", "z"])).base, Some(2));
+    }
+
+    #[test]
+    fn a_confirmation_must_name_the_rows_key() {
+        let (mut table, [first, _]) = loaded();
+        let other = digest(&conv(&["u9"]).concat());
+        assert_eq!(table.confirm(0, &other), Some(false));
+        assert_eq!((table.unconfirmed(), table.digest(0)), (2, None));
+        assert_eq!(table.confirm(7, &other), None);
+        let right = digest(&first.concat());
+        assert_eq!(table.confirm(0, &right), Some(true));
+        assert_eq!(table.confirm(0, &right), Some(true));
+        assert_eq!(table.confirm(0, &other), Some(false));
+        assert_eq!((table.unconfirmed(), table.digest(0)), (1, Some(right)));
+        // a confirmed row with another digest under the same key is no base of it
+        assert_eq!(table.find(&first).base, Some(0));
+    }
+
+    #[test]
+    fn an_unconfirmed_row_filed_before_a_twin_is_asked_about_first() {
+        let (mut table, [first, _]) = loaded();
+        // a twin of turn 0, added after it was read: turn 0, filed first, would be the base
+        add(&mut table, 3, &first, "a");
+        let request = conv(&["u1", "b", "u2"]);
+        assert_eq!(table.find(&request).ask.map(|ask| ask.turn), Some(0));
+        assert_eq!(table.find_past(&request, &[0]).base, Some(3));
+        // prefixes name confirmed rows alone
+        let prefixes = table.prefixes(&request);
+        assert_eq!(prefixes.len(), 1);
+        assert_eq!(prefixes[0].turns, vec![3]);
+    }
+
+    #[test]
+    fn a_raw_text_is_not_filed_while_its_base_is_undecided() {
+        let (mut table, [_, second]) = loaded();
+        let text = br#"["u1","a1","u2","a2"]"#;
+        let read = table.find_raw(text, 100, 0).unwrap();
+        assert_eq!(read.found.ask.map(|ask| ask.turn), Some(1));
+        let before = table.len();
+        assert_eq!(table.file_raw(4, &read, None), Err(FileError::Undecided(1)));
+        assert_eq!(table.len(), before);
+        table.confirm(1, &digest(&second.concat())).unwrap();
+        let read = table.find_raw(text, 100, 0).unwrap();
+        assert_eq!((read.found.base, read.found.ask), (Some(1), None));
+        table.file_raw(4, &read, None).unwrap();
     }
 
     #[test]
