@@ -7,10 +7,11 @@ one right after the other, so other load on the machine moves both):
   100, 1,000 and 2,000: add_turn / json.loads of the body, for decoded input (the body
   json.loads-ed, as today) and for raw input (`RawJSON` of the request's messages and tools,
   the rest decoded); also the cost of splitting the body with msgspec first, as a capture
-  server would, and (`table`) what the engine's request table alone costs on the messages
-  text (`RequestTable.add_json`: read from the conversation's raw tip, packed, its base found
-  and filed; not yet add_turn's path, so a figure, not a target). Each figure is the median
-  over the 9 turns around the checkpoint.
+  server would, and what the engine's request table alone costs on the messages: `table` on
+  their text (`RequestTable.add_json`: read from the conversation's raw tip, packed, its base
+  found and filed), `table_dec` on the decoded messages after the system ones
+  (`RequestTable.find_messages`, packed in one walk, then `file`); not yet add_turn's path,
+  so figures, not targets. Each figure is the median over the 9 turns around the checkpoint.
 * soak: 20,000 turns in one graph for each shape that makes index buckets grow (shared
   observation text, one prompt sampled many times with token ids and by messages, short-prompt
   independent calls, groups of 8 rollouts by messages and by tokens, one prompt sampled
@@ -343,6 +344,17 @@ def _floors(
     return out
 
 
+def _file_decoded(table: Any, packer: Any, turn: int, messages: list[Any], response: bytes) -> None:
+    """What the request table does for a decoded request: its messages after the system ones
+    packed in one walk, its base found, then filed."""
+    n_sys = 0
+    while n_sys < len(messages) and messages[n_sys].get("role") == "system":
+        n_sys += 1
+    rest = messages[n_sys:] if n_sys else messages
+    _, _, found = table.find_messages(packer, rest)
+    table.file(turn, len(rest), found[3], response)
+
+
 def long_run(name: str, raw: bool) -> dict[str, Any]:
     """One decoded graph and (if `raw`) one raw graph fed the same workload turn by turn."""
     checkpoints = LONG_CHECKPOINTS[name]
@@ -351,9 +363,11 @@ def long_run(name: str, raw: bool) -> dict[str, Any]:
     decoded_graph = rs.RolloutGraph()
     raw_graph = rs.RolloutGraph() if raw else None
     table = rs._core.RequestTable() if raw else None
-    pack = rs._core.Packer(None, None).pack
+    decoded_table = rs._core.RequestTable()
+    packer = rs._core.Packer(None, None)
+    pack = packer.pack
     texts = _MessageTexts()
-    kinds = ("decoded", "raw", "split_raw", "table", *FLOORS)
+    kinds = ("decoded", "raw", "split_raw", "table", "table_dec", *FLOORS)
     samples: dict[int, dict[str, list[float]]] = {c: {k: [] for k in kinds} for c in checkpoints}
     previous: dict[str, Any] | None = None
     schemes: dict[int, dict[str, list[float]]] = {c: {} for c in checkpoints}  # floors
@@ -365,9 +379,10 @@ def long_run(name: str, raw: bool) -> dict[str, Any]:
             tools = json.dumps(body["tools"]).encode() if body["tools"] is not None else None
             checkpoint = timed.get(turn)
             before, previous = previous, body
-            if table is not None:  # (timed below, at a checkpoint)
-                response = pack(body["response"])
-                if checkpoint is None:
+            response = pack(body["response"])
+            if checkpoint is None:  # (timed below, at a checkpoint)
+                _file_decoded(decoded_table, packer, turn, body["messages"], response)
+                if table is not None:
                     table.add_json(turn, texts.of(body["messages"]), response)
             if checkpoint is None:
                 decoded_graph.add_turn(_decoded_node(body))
@@ -383,7 +398,11 @@ def long_run(name: str, raw: bool) -> dict[str, Any]:
             start = perf_counter()
             decoded_graph.add_turn(node)
             samples[checkpoint]["decoded"].append((perf_counter() - start) / loads)
-            del fresh, node
+            del node
+            start = perf_counter()
+            _file_decoded(decoded_table, packer, turn, fresh["messages"], response)
+            samples[checkpoint]["table_dec"].append((perf_counter() - start) / loads)
+            del fresh
             if raw_graph is not None and raw_error is None:
                 data = text.encode("utf-8")
                 start = perf_counter()
@@ -774,7 +793,7 @@ def main(argv: list[str] | None = None) -> int:
         print("(kept: with a copy of the previous request kept), measured, not a target")
         print(
             f"{'workload':<12}{'turn':>6}{'decoded':>9}{'floor':>9}{'kept':>9}"
-            f"{'raw':>9}{'floor':>9}{'kept':>9}{'split+raw':>10}{'table':>9}"
+            f"{'raw':>9}{'floor':>9}{'kept':>9}{'split+raw':>10}{'table':>9}{'table_dec':>10}"
         )
         for name in workloads:
             r = long_run(name, raw=not args.no_raw)
@@ -783,7 +802,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"{name:<12}{c:>6}{_fmt(v['decoded'])} {_fmt(v['floor_decoded'])}"
                     f" {_fmt(v['floor_decoded_kept'])} {_fmt(v['raw'])} {_fmt(v['floor_raw'])}"
-                    f" {_fmt(v['floor_raw_kept'])}  {_fmt(v['split_raw'])} {_fmt(v['table'])}",
+                    f" {_fmt(v['floor_raw_kept'])}  {_fmt(v['split_raw'])} {_fmt(v['table'])}"
+                    f"  {_fmt(v['table_dec'])}",
                     flush=True,
                 )
             if r["raw_error"]:

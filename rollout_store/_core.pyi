@@ -285,6 +285,15 @@ class RequestTable:
         message after those is exactly that turn's response, and the request's digest.
         `Unconfirmed` when it may extend a turn filed by its key alone (`file_key`) and not
         in `refuted`."""
+    def find_messages(
+        self, packer: Packer, messages: list[Any], *, refuted: list[int] = ...
+    ) -> tuple[int, list[bytes], tuple[int | None, int, bool, bytes]]:
+        """`(first, plains, (base, base_len, echo, digest))` for a request whose non-system
+        messages are `messages` (Python values), packed by `packer` (a plain one: no
+        `intern`) in one walk with no `bytes` object a message: `plains` are the packings of
+        messages `first` on (the base's message count: the messages a stored tail holds).
+        Raises what `Packer.pack` raises for a message it refuses (the path starts with its
+        index), and `Unconfirmed` as `find`."""
     def find_json(
         self, text: bytes, /, *, max_depth: int = ..., refuted: list[int] = ...
     ) -> tuple[int, list[bytes], tuple[int | None, int, bool, bytes]]:

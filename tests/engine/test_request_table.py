@@ -478,3 +478,34 @@ def test_an_unconfirmed_turn_blocks_the_find_and_the_filing_until_it_is_decided(
     assert table.confirm(3, prefix_digest(request[0])) is True
     assert table.unconfirmed == 0 and table.confirm(9, prefix_digest(b"")) is None
     assert table.find([request[0], plain({"role": "user"})])[:2] == (3, 1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_messages_packed_in_one_walk_find_what_their_packings_find(seed: int) -> None:
+    """`find_messages` (Python values, packed by the engine with no `bytes` a message) names
+    the base, echo and digest `find` names for their packings, and gives the packings a
+    stored tail holds: those from the base's message count on."""
+    table, packer = RequestTable(), _core.Packer(None, None)
+    for index, (messages, response) in enumerate(_branching_rollouts(400 + seed, 80)):
+        plains = [plain(m) for m in messages]
+        first, kept, found = table.find_messages(packer, messages)
+        assert found == table.find(plains), f"turn {index}"
+        assert (first, kept) == (found[1], plains[found[1] :])
+        table.file(index, len(plains), found[3], plain(response))
+
+
+def test_a_message_the_walk_refuses_is_named_by_its_index() -> None:
+    table = RequestTable()
+    with pytest.raises(_core.RefusedValue) as refused:
+        table.find_messages(_core.Packer(None, None), [{"a": 1}, {"b": {1, 2}}])
+    assert refused.value.args[1] == "[1].b"
+    assert len(table) == 0
+    interning = _core.Packer(lambda text: text, 4)
+    with pytest.raises(ValueError, match="without intern"):
+        table.find_messages(interning, [{"a": "long string"}])
+    # a message the plain packer takes specially (a tuple, a big int) is told by last_special
+    packer = _core.Packer(None, None)
+    table.find_messages(packer, [{"n": 10**30}])
+    assert packer.last_special
+    table.find_messages(packer, [{"n": 1}])
+    assert not packer.last_special

@@ -195,6 +195,34 @@ impl Packer {
 }
 
 impl Packer {
+    /// The plain packings of `messages`, one after the other in one buffer, with the offset
+    /// where each ends: no `bytes` object a message (the caller makes those it keeps).
+    /// `last_*` then tell of them all. Raises what `pack` raises (the path names the
+    /// message: `[i]...`); `ValueError` for a packer that interns long strings.
+    pub(crate) fn pack_each(
+        &mut self,
+        py: Python<'_>,
+        messages: &Bound<'_, PyList>,
+    ) -> PyResult<(Vec<u8>, Vec<usize>)> {
+        if self.intern.is_some() {
+            return Err(PyValueError::new_err(
+                "messages are found by their plain packings: a packer without intern",
+            ));
+        }
+        let mut walk = self.walk(py, Vec::new());
+        let mut ends = Vec::with_capacity(messages.len());
+        for (i, message) in messages.iter().enumerate() {
+            walk.value(&message, 1)
+                .map_err(|fail| into_py_err(within(fail, || Ok(format!("[{i}]")))))?;
+            ends.push(walk.out.len());
+        }
+        let outcome = walk.finish();
+        self.last_special = outcome.special;
+        self.last_refs = outcome.refs;
+        self.last_longest = outcome.longest;
+        Ok((outcome.out, ends))
+    }
+
     /// A walk with this packer's settings, writing into `buffer` (its kept one: see `keep`).
     fn walk<'a>(&'a self, py: Python<'a>, buffer: Vec<u8>) -> Walk<'a> {
         Walk::new(

@@ -10,6 +10,7 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyList};
 
+use crate::packed::Packer;
 use crate::{DecodeError, Unconfirmed, DETACH_FROM};
 
 /// A boundary `prefixes` answers: `(len, digest, turns)`.
@@ -184,6 +185,42 @@ impl RequestTable {
         let plains = backed(plains)?;
         let found = self.found_for(py, &plains, &refuted);
         found_tuple(py, &found)
+    }
+
+    /// `(first, plains, (base, base_len, echo, digest))` for a request whose non-system
+    /// messages are `messages` (Python values), packed by `packer` (a plain one: no
+    /// `intern`) in one walk with no `bytes` object a message: `plains` are the packings of
+    /// messages `first` on (the base's message count: the messages a stored tail holds).
+    /// Raises what `Packer.pack` raises for a message it refuses (the path starts with its
+    /// index), and `Unconfirmed` as `find`.
+    #[allow(clippy::needless_pass_by_value)] // PyO3 extracts a list as an owned Vec
+    #[pyo3(signature = (packer, messages, *, refuted = Vec::new()))]
+    fn find_messages<'py>(
+        &self,
+        py: Python<'py>,
+        packer: &Bound<'py, Packer>,
+        messages: &Bound<'py, PyList>,
+        refuted: Vec<u32>,
+    ) -> PyResult<RawTuple<'py>> {
+        let (buffer, ends) = packer.borrow_mut().pack_each(py, messages)?;
+        let mut start = 0;
+        let plains: Vec<&[u8]> = ends
+            .iter()
+            .map(|&end| {
+                let plain = &buffer[start..end];
+                start = end;
+                plain
+            })
+            .collect();
+        let found = if buffer.len() >= DETACH_FROM {
+            py.detach(|| self.table().find_past(&plains, &refuted))
+        } else {
+            self.table().find_past(&plains, &refuted)
+        };
+        let found_tuple = found_tuple(py, &found)?;
+        let first = found.base_len;
+        let kept = PyList::new(py, plains[first..].iter().map(|p| PyBytes::new(py, p)))?;
+        Ok((first, kept, found_tuple))
     }
 
     /// `(first, plains, (base, base_len, echo, digest))` for a request given as the JSON text

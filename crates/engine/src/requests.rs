@@ -321,6 +321,9 @@ struct Lengths {
 
 const BITMAP_COUNTS: usize = 1 << 17;
 
+/// Boundaries a request's base is looked for at first, longest first (see `find_from`).
+const WINDOW: usize = 4;
+
 impl Lengths {
     fn mark(&mut self, n: usize) {
         if n >= BITMAP_COUNTS {
@@ -630,6 +633,12 @@ impl Requests {
     /// The base of a request whose first `first` messages `hasher` has seen (their packings)
     /// and whose others pack as `plains`; `hasher` then has seen them all. A base shorter
     /// than `first` messages is not looked for: the caller knows one of `first` is filed.
+    ///
+    /// Digests are taken only where some filed request ends (the lengths index), and first
+    /// only at the `WINDOW` longest such boundaries: a digest ends BLAKE3's bulk hashing of
+    /// the packings there, and a re-sent request's base is mostly among its last boundaries
+    /// (the turn just before). Only when none of those is a base are the packings hashed
+    /// again for the boundaries below.
     fn find_from<P: AsRef<[u8]>>(
         &self,
         hasher: &mut PrefixHasher,
@@ -638,51 +647,29 @@ impl Requests {
         refuted: &[TurnNo],
     ) -> Found {
         let n = first + plains.len();
-        // digests where some filed request ends, shortest first, then the whole request's
-        let mut boundaries: Vec<(usize, [u8; DIGEST_SIZE])> = Vec::new();
-        for (i, plain) in plains.iter().enumerate() {
-            if self.lengths.has(first + i) {
-                boundaries.push((first + i, hasher.digest_here()));
-            }
-            hasher.update(plain.as_ref());
-        }
+        // every boundary where some filed request ends, longest first
+        let marked: Vec<usize> = (first..=n)
+            .rev()
+            .filter(|&at| self.lengths.has(at))
+            .collect();
+        let (window, below) = marked.split_at(marked.len().min(WINDOW));
+        let start = (!below.is_empty()).then(|| hasher.clone());
+        let mut digests = Self::digests_at(hasher, first, plains, window);
         let digest = hasher.digest_here();
         if self.lengths.has(n) {
-            boundaries.push((n, digest));
+            digests.push((n, digest));
         }
-        for &(at, ref prefix) in boundaries.iter().rev() {
-            let Some(met) = self.met(prefix, at, refuted) else {
-                continue;
-            };
-            let row = match met {
-                Met::Row(row) => row,
-                Met::Ask(turn) => {
-                    return Found {
-                        base: None,
-                        base_len: 0,
-                        echo: false,
-                        digest,
-                        ask: Some(Ask {
-                            turn,
-                            len: at,
-                            digest: *prefix,
-                        }),
-                    };
-                }
-            };
-            {
-                let turn = self.turns[row];
-                let echo = at < n
-                    && self.rows[row]
-                        .response
-                        .is_some_and(|span| self.pages.get(span) == plains[at - first].as_ref());
-                return Found {
-                    base: Some(turn),
-                    base_len: at,
-                    echo,
-                    digest,
-                    ask: None,
-                };
+        if let Some(found) = self.first_met(&digests, plains, first, n, digest, refuted) {
+            return found;
+        }
+        if let Some(mut again) = start {
+            let plains_below = &plains[..below[0] - first];
+            let mut digests = Self::digests_at(&mut again, first, plains_below, below);
+            if below[0] == first + plains_below.len() {
+                digests.push((below[0], again.digest_here()));
+            }
+            if let Some(found) = self.first_met(&digests, plains, first, n, digest, refuted) {
+                return found;
             }
         }
         Found {
@@ -692,6 +679,71 @@ impl Requests {
             digest,
             ask: None,
         }
+    }
+
+    /// The digests at `boundaries` (longest first) of the stream `hasher` has seen up to
+    /// message `first`, then `plains`: shortest first, those up to `first + plains.len()`
+    /// excluded (the caller takes that one from the hasher, which has then seen them all).
+    fn digests_at<P: AsRef<[u8]>>(
+        hasher: &mut PrefixHasher,
+        first: usize,
+        plains: &[P],
+        boundaries: &[usize],
+    ) -> Vec<(usize, [u8; DIGEST_SIZE])> {
+        let mut digests = Vec::with_capacity(boundaries.len());
+        let mut next = boundaries.iter().rev().peekable();
+        for (i, plain) in plains.iter().enumerate() {
+            if next.next_if_eq(&&(first + i)).is_some() {
+                digests.push((first + i, hasher.digest_here()));
+            }
+            hasher.update(plain.as_ref());
+        }
+        digests
+    }
+
+    /// The base met first among `digests` (shortest first), checked longest first, for a
+    /// request of `n` messages whose digest is `digest`.
+    fn first_met<P: AsRef<[u8]>>(
+        &self,
+        digests: &[(usize, [u8; DIGEST_SIZE])],
+        plains: &[P],
+        first: usize,
+        n: usize,
+        digest: [u8; DIGEST_SIZE],
+        refuted: &[TurnNo],
+    ) -> Option<Found> {
+        for &(at, ref prefix) in digests.iter().rev() {
+            let Some(met) = self.met(prefix, at, refuted) else {
+                continue;
+            };
+            return Some(match met {
+                Met::Ask(turn) => Found {
+                    base: None,
+                    base_len: 0,
+                    echo: false,
+                    digest,
+                    ask: Some(Ask {
+                        turn,
+                        len: at,
+                        digest: *prefix,
+                    }),
+                },
+                Met::Row(row) => {
+                    let echo = at < n
+                        && self.rows[row].response.is_some_and(|span| {
+                            self.pages.get(span) == plains[at - first].as_ref()
+                        });
+                    Found {
+                        base: Some(self.turns[row]),
+                        base_len: at,
+                        echo,
+                        digest,
+                        ask: None,
+                    }
+                }
+            });
+        }
+        None
     }
 
     /// Read the raw JSON text of a request's non-system messages (an array) as `json.loads`
@@ -1124,6 +1176,29 @@ mod tests {
         let read = table.find_raw(text, 100, 0).unwrap();
         assert_eq!((read.found.base, read.found.ask), (Some(1), None));
         table.file_raw(4, &read, None).unwrap();
+    }
+
+    #[test]
+    fn a_base_below_the_longest_boundaries_is_found_by_hashing_again() {
+        let mut table = Requests::new();
+        add(&mut table, 0, &conv(&["a"]), "r");
+        add(&mut table, 1, &conv(&["a", "b", "c"]), "r");
+        for (turn, len) in (2..).zip(4..=9) {
+            let other: Vec<String> = (0..len).map(|i| format!("o{len}.{i}")).collect();
+            let other: Vec<&str> = other.iter().map(String::as_str).collect();
+            add(&mut table, turn, &conv(&other), "r");
+        }
+        // boundaries 9, 8, 7 and 6 are hashed for first: none is a base
+        let request = conv(&["a", "b", "c", "x", "y", "z", "w", "v", "u"]);
+        let found = table.find(&request);
+        assert_eq!((found.base, found.base_len), (Some(1), 3));
+        assert_eq!(found.digest, digest(&request.concat()));
+        assert_eq!(table.find(&request[..2]).base, Some(0));
+        // and one in the window still is, with its digest as before
+        let found = table.find(&conv(&[
+            "o9.0", "o9.1", "o9.2", "o9.3", "o9.4", "o9.5", "o9.6", "o9.7", "o9.8", "n",
+        ]));
+        assert_eq!((found.base, found.base_len), (Some(7), 9));
     }
 
     #[test]
