@@ -386,11 +386,13 @@ class _Checked(NamedTuple):
     """What the Rust data plane's reading of a body (`crates/gateway/src/depth.rs`) found
     already, so that it is not checked twice: `depth`, every field within its depth limit
     (`_check_depth`); `shape`, the messages a non-empty array of objects with a string role;
-    `utf8`, the body strict UTF-8. False: not known (the check is made here)."""
+    `utf8`, the body strict UTF-8; `digits`, every int within the server's digit limit
+    (`_check_digits`). False: not known (the check is made here)."""
 
     depth: bool = False
     shape: bool = False
     utf8: bool = False
+    digits: bool = False
 
 
 _UNCHECKED = _Checked()
@@ -556,6 +558,40 @@ def _too_deep(field: str) -> _Refusal:
     return _Refusal(
         400,
         f"the request cannot be recorded: {field} nests deeper than {MAX_DEPTH} levels "
+        "(refused before the call went upstream)",
+    )
+
+
+# Every byte a digit is b"0", every other a space: a run of more digits than the limit is then
+# one substring search away (`_check_digits`).
+_DIGIT_RUNS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+
+
+def _check_digits(body: dict[str, Any], limit: int) -> None:
+    """Refuse a body whose raw fields (the messages, the tools, Anthropic's system: not
+    decoded before they go upstream) hold an int of more digits than `limit` (the server's
+    `sys.get_int_max_str_digits()`, 0: none): json.loads refuses it, so the turn could not be
+    recorded, and the engine must not generate for it first. The decoded fields were read by
+    json.loads' rules already (such an int in one refuses the body before this). A field is
+    decoded only when its text holds a run of that many digits at all (one pass over it):
+    digits in a string, or in a float, are no int."""
+    if limit <= 0:
+        return
+    run = b"0" * (limit + 1)
+    for key, value in body.items():
+        if type(value) is not RawJSON:
+            continue
+        text = _text(value)
+        if len(text) > limit and run in text.translate(_DIGIT_RUNS) and _undecodable(text):
+            raise _too_many_digits(key, limit)
+
+
+def _too_many_digits(field: str, limit: int) -> _Refusal:
+    return _Refusal(
+        400,
+        f"the request cannot be recorded: {field} holds an int of more than {limit} digits, "
+        "which Python does not convert (sys.get_int_max_str_digits()): send it as a string, "
+        "or raise the server's limit (PYTHONINTMAXSTRDIGITS) "
         "(refused before the call went upstream)",
     )
 
@@ -961,6 +997,10 @@ class _Server:
         if upstream.endswith("/v1"):
             upstream = upstream[: -len("/v1")]
         self.upstream = upstream
+        #: Python's digit limit for ints (`sys.get_int_max_str_digits()`, 0: none) as the
+        #: server starts: a model call whose raw fields hold a longer int is refused before
+        #: it goes upstream (`_check_digits`), with the same limit for every call.
+        self.max_digits = sys.get_int_max_str_digits()
         self._client: aiohttp.ClientSession | None = None
         #: Turns are added in the event loop when adding one waits for nothing (a memory
         #: store and no log to sync): a worker thread's wait for the GIL would cost more
@@ -1728,6 +1768,9 @@ class _Server:
             # before the other checks, as the Rust data plane's engine makes it: a body too
             # deep and wrong in another way is refused for the same reason by both planes
             _check_depth(fields, anthropic)
+        if not checked.digits and isinstance(fields, dict):
+            # next, as a body json.loads refuses is: before its shape is judged
+            _check_digits(fields, self.max_digits)
         body = (_check_anthropic if anthropic else _check_chat)(fields)
         harness = _harness_session(headers, body, anthropic=anthropic)
         stream = body.get("stream") is True
@@ -2859,6 +2902,7 @@ class RustDataPlane:
         shape: bool = False,
         utf8: bool = False,
         fields: list[tuple[str, int, int]] | None = None,
+        digits: int | None = None,
     ) -> (
         tuple[_Call, str, tuple[int, bytes], list[tuple[str, str]], _Streaming | None]
         | tuple[None, _Reply]
@@ -2869,7 +2913,8 @@ class RustDataPlane:
         the capture fields the client did not ask for taken out) and hands them to
         `finish_stream` at the end, or, for any other answer, calls `finish`. `depth`,
         `shape`, `utf8`: what the engine's reading of the body found (see `_Checked`);
-        `fields`: the body's top-level fields as it found them (see `split_body`)."""
+        `fields`: the body's top-level fields as it found them (see `split_body`);
+        `digits`: the most digits of any int in a body it read whole (None: not known)."""
         clock = CallClock()
         clock.received = received_us
         server = self._server
@@ -2882,7 +2927,12 @@ class RustDataPlane:
                 body,
                 clock,
                 passthrough=True,
-                checked=_Checked(depth, shape, utf8),
+                checked=_Checked(
+                    depth,
+                    shape,
+                    utf8,
+                    digits is not None and (not server.max_digits or digits <= server.max_digits),
+                ),
                 fields=fields,
             )
         except _Refusal as refusal:

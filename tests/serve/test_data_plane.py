@@ -20,6 +20,7 @@ import pytest
 from capture_support import (
     ADMIN,
     ADMIN_KEY,
+    Counting,
     auth,
     new_session,
     serve_app,
@@ -30,6 +31,7 @@ from capture_support import (
 from rollout_store.serve import server as server_module
 from rollout_store.serve.server import CALLERS, RustDataPlane, _Server, create_app
 from rollout_store.serve.sessions import Sessions
+from rollout_store.serve.stub_engine import create_stub_app
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -345,6 +347,91 @@ def test_an_int_json_loads_cannot_convert_that_a_repeated_key_replaces_is_refuse
     assert python[0][-1][0] == 400
     assert rust[0] == python[0]
     assert python[1] == rust[1] == []
+
+
+def _digit_bodies(limit: int) -> tuple[list[tuple[str, str, str]], list[tuple[str, str]]]:
+    """Bodies whose raw fields (messages, tools, Anthropic's system: not decoded before they
+    go upstream) hold an int of more digits than `limit`, each with its route and the field
+    named, streaming ones and one also wrong in another way (`n`) among them; and bodies on
+    the other side of the line: an int of `limit` digits, more digits in a string and in
+    floats."""
+    big, most = "1" * (limit + 1), "9" * limit
+    chat, anthropic = "/v1/chat/completions", "/v1/messages"
+    user = '{"role": "user", "content": "x"}'
+
+    def message(key: str, value: str) -> str:
+        return f'[{{"role": "user", "content": "x", "{key}": {value}}}]'
+
+    inner = f'{{"y": {big}}}'
+    refused = [
+        (chat, f'{{"model": "m", "messages": {message("n", big)}}}', "messages"),
+        (chat, f'{{"model": "m", "messages": [{user}], "tools": [{{"f": [-{big}]}}]}}', "tools"),
+        (chat, f'{{"messages": {message("c", f"[{big}]")}, "stream": true}}', "messages"),
+        (chat, f'{{"messages": {message("x", inner)}, "n": 2}}', "messages"),
+        (chat, f'{{"messages": [{user}], "messages": {message("x", big)}}}', "messages"),
+        (anthropic, f'{{"max_tokens": 5, "messages": {message("n", big)}}}', "messages"),
+        (anthropic, f'{{"messages": [{user}], "system": {message("n", big)}}}', "system"),
+        (anthropic, f'{{"messages": [{user}], "stream": true, "tools": [{big}]}}', "tools"),
+    ]
+    floats, tools = f"[0.{big}, 1{big}.5, 1e{big[:3]}]", f"[{most}]"
+    passed = [
+        (chat, f'{{"model": "m", "messages": {message("n", most)}}}'),
+        (chat, f'{{"model": "m", "messages": [{{"role": "user", "content": "{big}"}}]}}'),
+        (chat, f'{{"messages": {message("f", floats)}}}'),
+        (anthropic, f'{{"max_tokens": 5, "messages": [{user}], "tools": {tools}, "stream": true}}'),
+    ]
+    return refused, passed
+
+
+def test_an_int_json_loads_cannot_convert_in_the_raw_fields_never_goes_upstream() -> None:
+    """An int of more digits than Python converts inside the messages, the tools or
+    Anthropic's system (kept raw: nothing decodes them before the upstream) is refused by
+    both planes with the same 400, naming the field, as a field too deep is refused: before
+    anything reaches the upstream (streaming or not), and no turn is recorded. Before, such
+    a body went upstream and only its recording could find it cannot be. An int of as many
+    digits as Python converts, and digits in a string or a float, still go upstream."""
+    limit = sys.get_int_max_str_digits()
+    if limit == 0:
+        pytest.skip("this interpreter converts ints of any length")
+    refused, passed = _digit_bodies(limit)
+    seen = {}
+    for plane in ("python", "rust"):
+        counting = Counting(create_stub_app())
+        with serve_app(counting) as stub:
+            app = create_app(stub, admin_key=ADMIN_KEY)
+            with serve_app(app, data_plane=plane) as url:
+                session = new_session(url, session_id="same")
+                bearer = {"authorization": f"Bearer {session['api_key']}"}
+                answers = []
+                for path, body, _ in refused:
+                    answer = httpx.post(
+                        f"{url}{path}",
+                        content=body.encode(),
+                        headers={"content-type": "application/json", **bearer},
+                        timeout=20,
+                    )
+                    answers.append((answer.status_code, answer.content))
+                assert counting.calls == 0, plane  # nothing went upstream
+                assert _export(url, "same")["turns"] == []
+                for path, body in passed:
+                    answer = httpx.post(
+                        f"{url}{path}",
+                        content=body.encode(),
+                        headers={"content-type": "application/json", **bearer},
+                        timeout=20,
+                    )
+                    assert answer.status_code == 200, (plane, answer.text[:300])
+                assert counting.calls == len(passed), plane
+                assert len(_export(url, "same")["turns"]) == len(passed)
+        seen[plane] = answers
+    for (status, content), (_, _, field) in zip(seen["python"], refused, strict=True):
+        assert status == 400, content[:300]
+        reason = json.loads(content)["error"]["message"]
+        assert reason.startswith(
+            f"the request cannot be recorded: {field} holds an int of more than {limit} digits"
+        ), reason
+        assert reason.endswith("(refused before the call went upstream)"), reason
+    assert seen["rust"] == seen["python"]
 
 
 def test_the_key_table_follows_the_sessions(stub: str) -> None:

@@ -90,6 +90,7 @@ impl PyControl {
                 call.checked.shape,
                 call.checked.utf8,
                 call.fields,
+                call.checked.digits,
             ),
         )?;
         let out = out.bind(py).cast::<PyTuple>()?.clone();

@@ -10,8 +10,10 @@
 //! own bound is measured by a plain scan of its brackets.
 //!
 //! The same reading says whether `messages` has the shape the control plane requires (a
-//! non-empty array of objects with a string `role`), and whether the body was read whole:
-//! the control plane then checks neither again (see [`Depth`]).
+//! non-empty array of objects with a string `role`), whether the body was read whole, and
+//! the most digits of any int in it (json.loads refuses one past Python's digit limit, and
+//! the raw messages are not decoded before they go upstream): the control plane then checks
+//! none of these again (see [`check`]).
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -66,6 +68,9 @@ struct Depths {
     members: Vec<(Option<String>, Measure)>,
     /// A string or key holds a surrogate code point (escaped, or in the body's bytes).
     surrogates: bool,
+    /// The most digits of any int read (a repeated key's replaced values too, which
+    /// json.loads converts all the same).
+    digits: usize,
 }
 
 impl Sink for Depths {
@@ -81,7 +86,9 @@ impl Sink for Depths {
     fn int(&mut self, _: i64) -> Result<Measure, Infallible> {
         Ok(SCALAR)
     }
-    fn big_int(&mut self, _: &str) -> Result<Measure, Infallible> {
+    fn big_int(&mut self, text: &str) -> Result<Measure, Infallible> {
+        // (the text as written: no leading zero, no fraction, no exponent)
+        self.digits = self.digits.max(text.trim_start_matches('-').len());
         Ok(SCALAR)
     }
     fn float(&mut self, _: f64) -> Result<Measure, Infallible> {
@@ -152,15 +159,42 @@ pub struct Checked {
     pub shape: bool,
     /// The body is strict UTF-8.
     pub utf8: bool,
+    /// The most digits of any int in the body (as json.loads counts them for its digit
+    /// limit: the digits of a literal with no fraction and no exponent); `None`: not known.
+    pub digits: Option<usize>,
 }
 
 /// The depth check of a body (see [`Depth`]).
 pub fn measure(body: &[u8], anthropic: bool) -> Depth {
+    read(body, anthropic).0
+}
+
+/// What one reading of a body found that the control plane need not check again, or the
+/// first field (in the body's order) nested deeper than it may be, by name.
+///
+/// # Errors
+/// The field too deep: the body is refused for that ([`reason`]) before anything else.
+pub fn check(body: &[u8], anthropic: bool) -> Result<Checked, String> {
+    match read(body, anthropic) {
+        (Depth::TooDeep(field), _) => Err(field),
+        (Depth::Within { shaped, utf8 }, digits) => Ok(Checked {
+            depth: true,
+            shape: shaped,
+            utf8,
+            digits: Some(digits),
+        }),
+        (Depth::Unread, _) => Ok(Checked::default()),
+    }
+}
+
+/// [`measure`], and the most digits of any int the body holds (meaningful for a body read
+/// whole).
+fn read(body: &[u8], anthropic: bool) -> (Depth, usize) {
     let Some(start) = body.iter().position(|b| !b" \t\r\n".contains(b)) else {
-        return Depth::Unread;
+        return (Depth::Unread, 0);
     };
     if body[start] != b'{' {
-        return Depth::Unread; // not an object (or not UTF-8 without a BOM)
+        return (Depth::Unread, 0); // not an object (or not UTF-8 without a BOM)
     }
     let mut depths = Depths::default();
     match parse_with(body, PARSE_BOUND, &mut depths) {
@@ -179,7 +213,7 @@ pub fn measure(body: &[u8], anthropic: bool) -> Depth {
                     .map_or(Some(MAX_DEPTH - 1), |n| limit(n, anthropic));
                 most.is_some_and(|most| m.depth > most)
             });
-            match deep {
+            let depth = match deep {
                 Some((Some(name), _)) => Depth::TooDeep(name),
                 Some((None, _)) => Depth::Unread,
                 None if unread => Depth::Unread,
@@ -189,12 +223,14 @@ pub fn measure(body: &[u8], anthropic: bool) -> Depth {
                     // them); outside strings, the text parsed is ASCII
                     utf8: body.get(1) != Some(&0) && !depths.surrogates,
                 },
-            }
+            };
+            (depth, depths.digits)
         }
         Err(Failure::Syntax(error)) if matches!(error.kind, ErrorKind::TooDeep(_)) => {
-            scanned(body, anthropic).map_or(Depth::Unread, Depth::TooDeep)
+            let depth = scanned(body, anthropic).map_or(Depth::Unread, Depth::TooDeep);
+            (depth, 0)
         }
-        Err(_) => Depth::Unread,
+        Err(_) => (Depth::Unread, 0),
     }
 }
 
@@ -473,6 +509,63 @@ mod tests {
         assert!(!utf8(br#"{"a": {"\udfff": 1}}"#));
         assert!(!utf8(b"{\"a\": \"\xed\xa0\x80\"}"));
         assert!(!utf8(b"{\x00}\x00"));
+    }
+
+    #[test]
+    fn a_body_read_whole_gives_the_most_digits_of_any_int_in_it() {
+        let digits = |body: &str| check(body.as_bytes(), false).map(|c| c.digits);
+        let big = "7".repeat(5000);
+        assert_eq!(digits(r#"{"messages": [{"role": "user"}]}"#), Ok(Some(0)));
+        // inside the messages, a tool, a repeated key's replaced value (json.loads converts
+        // it too), a negative int: its digits, not its sign
+        for body in [
+            format!(r#"{{"messages": [{{"role": "user", "n": [1, {big}]}}]}}"#),
+            format!(r#"{{"messages": [], "tools": [{{"a": {{"b": -{big}}}}}]}}"#),
+            format!(r#"{{"x": {big}, "messages": [], "x": 1}}"#),
+        ] {
+            assert_eq!(digits(&body), Ok(Some(5000)), "{body}");
+        }
+        // an int of 19 digits or fewer is no big int; a float, a string are no int
+        let body = format!(
+            r#"{{"a": 9223372036854775807, "b": 18446744073709551616, "c": 1{big}.5,
+                "d": 1{big}e2, "e": "{big}"}}"#
+        );
+        assert_eq!(digits(&body), Ok(Some(20)));
+        let checked = check(
+            format!(r#"{{"messages": [{{"role": "u", "n": {big}}}]}}"#).as_bytes(),
+            false,
+        );
+        assert_eq!(
+            checked,
+            Ok(Checked {
+                depth: true,
+                shape: true,
+                utf8: true,
+                digits: Some(5000)
+            })
+        );
+    }
+
+    #[test]
+    fn a_body_not_read_whole_gives_no_digits() {
+        let big = "7".repeat(5000);
+        // too deep: refused for that first
+        let body = format!(r#"{{"n": {big}, "tools": {}}}"#, nested(501));
+        assert_eq!(check(body.as_bytes(), false), Err("tools".to_string()));
+        let body = format!(r#"{{"n": {big}, "d\u0065ep": {}}}"#, nested(2000));
+        assert_eq!(check(body.as_bytes(), false), Ok(Checked::default()));
+        // not read whole: the control plane reads it (and its ints)
+        for body in [
+            format!(r#"{{"\ud800": 1, "n": {big}}}"#),
+            format!(r#"{{"n": {big}, "x": "#),
+            format!("[{big}]"),
+        ] {
+            assert_eq!(
+                check(body.as_bytes(), false),
+                Ok(Checked::default()),
+                "{body}"
+            );
+        }
     }
 
     #[test]

@@ -766,16 +766,9 @@ impl<C: Control> Shared<C> {
             Err(Some((status, reason))) => return refused(anthropic, status, &reason),
             Err(None) => return json_reply(400, String::new(), true),
         };
-        let checked = match depth::measure(&raw, anthropic) {
-            depth::Depth::TooDeep(field) => {
-                return refused(anthropic, 400, &depth::reason(&field));
-            }
-            depth::Depth::Within { shaped, utf8 } => depth::Checked {
-                depth: true,
-                shape: shaped,
-                utf8,
-            },
-            depth::Depth::Unread => depth::Checked::default(),
+        let checked = match depth::check(&raw, anthropic) {
+            Ok(checked) => checked,
+            Err(field) => return refused(anthropic, 400, &depth::reason(&field)),
         };
         let fields = if checked.utf8 { fields(&raw) } else { None };
         let sent = raw.clone(); // (shared, not copied: the upstream body may begin with it)
