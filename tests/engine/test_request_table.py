@@ -509,3 +509,40 @@ def test_a_message_the_walk_refuses_is_named_by_its_index() -> None:
     assert packer.last_special
     table.find_messages(packer, [{"n": 1}])
     assert not packer.last_special
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.lists(st.integers(0, 3), max_size=12), st.booleans()),
+        min_size=1,
+        max_size=24,
+    ),
+    st.lists(st.integers(0, 3), max_size=14),
+)
+def test_the_base_is_the_longest_filed_prefix_whatever_the_boundaries(
+    filed: list[tuple[list[int], bool]], request: list[int]
+) -> None:
+    """Against brute force: the longest filed request the request starts with, the first
+    filed of twins, and the echo of its response; however many boundaries lie between the
+    request's end and its base (the table digests the longest few first)."""
+    table = RequestTable()
+    rows: list[list[bytes]] = []
+    for turn, (messages, has_response) in enumerate(filed):
+        plains = [plain({"m": m}) for m in messages]
+        response = plain({"m": 0}) if has_response else None
+        table.file(turn, len(plains), prefix_digest(b"".join(plains)), response)
+        rows.append(plains)
+    plains = [plain({"m": m}) for m in request]
+    prefixes = [t for t, row in enumerate(rows) if row == plains[: len(row)]]
+    expected = max(prefixes, key=lambda t: (len(rows[t]), -t), default=None)
+    base, base_len, echo, digest = table.find(plains)
+    assert base == expected
+    assert base_len == (len(rows[expected]) if expected is not None else 0)
+    assert echo == (
+        expected is not None
+        and filed[expected][1]
+        and base_len < len(plains)
+        and plains[base_len] == plain({"m": 0})
+    )
+    assert digest == prefix_digest(b"".join(plains))
