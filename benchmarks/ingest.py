@@ -10,8 +10,9 @@ one right after the other, so other load on the machine moves both):
   server would, and what the engine's request table alone costs on the messages: `table` on
   their text (`RequestTable.add_json`: read from the conversation's raw tip, packed, its base
   found and filed), `table_dec` on the decoded messages after the system ones
-  (`RequestTable.find_messages`, packed in one walk, then `file`); not yet add_turn's path,
-  so figures, not targets. Each figure is the median over the 9 turns around the checkpoint.
+  (`RequestTable.add_messages`: packed in one walk from the conversation's decoded tip on,
+  its base found and filed); not yet add_turn's path, so figures, not targets. Each figure
+  is the median over the 9 turns around the checkpoint.
 * soak: 20,000 turns in one graph for each shape that makes index buckets grow (shared
   observation text, one prompt sampled many times with token ids and by messages, short-prompt
   independent calls, groups of 8 rollouts by messages and by tokens, one prompt sampled
@@ -346,13 +347,11 @@ def _floors(
 
 def _file_decoded(table: Any, packer: Any, turn: int, messages: list[Any], response: bytes) -> None:
     """What the request table does for a decoded request: its messages after the system ones
-    packed in one walk, its base found, then filed."""
+    packed in one walk (from its conversation's decoded tip on), its base found, then filed."""
     n_sys = 0
     while n_sys < len(messages) and messages[n_sys].get("role") == "system":
         n_sys += 1
-    rest = messages[n_sys:] if n_sys else messages
-    _, _, found = table.find_messages(packer, rest)
-    table.file(turn, len(rest), found[3], response)
+    table.add_messages(turn, packer, messages[n_sys:] if n_sys else messages, response)
 
 
 def long_run(name: str, raw: bool) -> dict[str, Any]:

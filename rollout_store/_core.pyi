@@ -294,6 +294,27 @@ class RequestTable:
         messages `first` on (the base's message count: the messages a stored tail holds).
         Raises what `Packer.pack` raises for a message it refuses (the path starts with its
         index), and `Unconfirmed` as `find`."""
+    def add_messages(
+        self,
+        turn: int,
+        packer: Packer,
+        messages: list[Any],
+        response: bytes | None = None,
+        *,
+        refuted: list[int] = ...,
+    ) -> tuple[int, list[bytes], tuple[int | None, int, bool, bytes]]:
+        """`find_messages`, then `file` the request as turn `turn` (with its response's plain
+        packing). A request holding strings of 16,384 code points or more becomes its
+        conversation's decoded tip: a later request that re-sends it is known by comparing
+        those strings (not hashing them again) and only its new messages are hashed. Nothing
+        is filed when it raises."""
+    @property
+    def decoded_tips(self) -> int:
+        """Decoded tips kept (see `add_messages`)."""
+    @property
+    def decoded_tip_hits(self) -> int:
+        """Requests filed by `add_messages` that were read from a decoded tip on (their long
+        strings compared, only their new messages hashed)."""
     def find_json(
         self, text: bytes, /, *, max_depth: int = ..., refuted: list[int] = ...
     ) -> tuple[int, list[bytes], tuple[int | None, int, bool, bytes]]:

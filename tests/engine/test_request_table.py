@@ -546,3 +546,60 @@ def test_the_base_is_the_longest_filed_prefix_whatever_the_boundaries(
         and plains[base_len] == plain({"m": 0})
     )
     assert digest == prefix_digest(b"".join(plains))
+
+
+HOLE_MIN = 1 << 14  # strings this long are a decoded tip's holes
+
+
+def _with_long_strings(messages: list[Any]) -> list[Any]:
+    """`messages` with each user message's content made long (a screenshot's size), fresh
+    objects each call, as `json.loads` gives a re-sent request."""
+    grown = [
+        {**m, "content": m["content"] + "|" + "L" * HOLE_MIN} if m["role"] == "user" else m
+        for m in messages
+    ]
+    return json.loads(json.dumps(grown))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_requests_read_from_a_decoded_tip_find_what_their_packings_find(seed: int) -> None:
+    """`add_messages` reads a request that re-sends its conversation's tip from the tip on
+    (its long strings compared, not hashed) and names the base, echo and digest that `find`
+    names for the request's packings, with the packings a stored tail holds."""
+    table, reference, packer = RequestTable(), RequestTable(), _core.Packer(None, None)
+    for index, (messages, response) in enumerate(_branching_rollouts(500 + seed, 60)):
+        messages = _with_long_strings(messages)
+        plains = [plain(m) for m in messages]
+        expected = reference.find(plains)
+        first, kept, found = table.add_messages(index, packer, messages, plain(response))
+        assert found == expected, f"turn {index}"
+        assert (first, kept) == (found[1], plains[found[1] :])
+        reference.file(index, len(plains), expected[3], plain(response))
+    assert table.decoded_tip_hits > 10 and 0 < table.decoded_tips <= 64
+    assert len(table) == len(reference) == 60
+
+
+def test_a_tip_is_taken_only_when_its_long_strings_and_the_rest_are_the_requests() -> None:
+    table, packer = RequestTable(), _core.Packer(None, None)
+    screen = "a" * HOLE_MIN
+    response = {"role": "assistant", "content": "seen"}
+    table.add_messages(0, packer, [{"role": "user", "content": screen}], plain(response))
+    assert (table.decoded_tips, table.decoded_tip_hits) == (1, 0)
+    later = {"role": "user", "content": "next"}
+    # the same length, one character apart: no base, and the tip not taken
+    other = screen[:-1] + "b"
+    found = table.add_messages(1, packer, [{"role": "user", "content": other}, response, later])
+    assert found[2][0] is None and table.decoded_tip_hits == 0
+    # the same long string, another short field: not taken either
+    found = table.add_messages(2, packer, [{"role": "system!", "content": screen}, response])
+    assert found[2][0] is None and table.decoded_tip_hits == 0
+    # the very request re-sent (a fresh string): taken, its base turn 0, the echo after it
+    resent = [{"role": "user", "content": "".join(["a"] * HOLE_MIN)}, response, later]
+    first, kept, (base, base_len, echo, _) = table.add_messages(3, packer, resent)
+    assert (base, base_len, echo, first) == (0, 1, True, 1)
+    assert kept == [plain(response), plain(later)]
+    assert table.decoded_tip_hits == 1
+    # shorter strings make no tip
+    small = RequestTable()
+    small.add_messages(0, packer, [{"role": "user", "content": "a" * (HOLE_MIN - 1)}])
+    assert small.decoded_tips == 0

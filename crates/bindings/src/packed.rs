@@ -100,6 +100,25 @@ struct Walk<'p> {
     longest: usize,
     /// containers being walked, outermost first (for the cycle report)
     open: Vec<usize>,
+    /// strings of this many code points or more are long (see `holes`, `long_seen`)
+    hole_min: usize,
+    /// a hollow walk: each long string written as a hole (`EXT_HOLE` and its length) and
+    /// kept here, in order, to be compared rather than hashed
+    holes: Option<Vec<Py<PyString>>>,
+    /// a plain walk met a long string
+    long_seen: bool,
+}
+
+/// A hole in a hollow packing (see `Walk::holes`): a code no plain packing holds.
+const EXT_HOLE: i8 = 6;
+
+/// What `Packer::pack_range` wrote: the packings one after the other, where each ends, the
+/// long strings of a hollow walk, and whether a plain walk met one.
+pub(crate) struct Packed {
+    pub buffer: Vec<u8>,
+    pub ends: Vec<usize>,
+    pub holes: Vec<Py<PyString>>,
+    pub long_seen: bool,
 }
 
 #[pymethods]
@@ -195,32 +214,49 @@ impl Packer {
 }
 
 impl Packer {
-    /// The plain packings of `messages`, one after the other in one buffer, with the offset
+    /// The packings of `messages[range]`, one after the other in one buffer, with the offset
     /// where each ends: no `bytes` object a message (the caller makes those it keeps).
-    /// `last_*` then tell of them all. Raises what `pack` raises (the path names the
-    /// message: `[i]...`); `ValueError` for a packer that interns long strings.
-    pub(crate) fn pack_each(
+    /// `hollow`: each string of `hole_min` code points or more written as a hole and kept
+    /// (`Packed::holes`), else only noted (`Packed::long_seen`). `last_*` then tell of a
+    /// plain walk. Raises what `pack` raises (the path names the message: `[i]...`);
+    /// `ValueError` for a packer that interns long strings.
+    pub(crate) fn pack_range(
         &mut self,
         py: Python<'_>,
         messages: &Bound<'_, PyList>,
-    ) -> PyResult<(Vec<u8>, Vec<usize>)> {
+        range: std::ops::Range<usize>,
+        hole_min: usize,
+        hollow: bool,
+    ) -> PyResult<Packed> {
         if self.intern.is_some() {
             return Err(PyValueError::new_err(
                 "messages are found by their plain packings: a packer without intern",
             ));
         }
         let mut walk = self.walk(py, Vec::new());
-        let mut ends = Vec::with_capacity(messages.len());
-        for (i, message) in messages.iter().enumerate() {
+        walk.hole_min = hole_min;
+        walk.holes = hollow.then(Vec::new);
+        let mut ends = Vec::with_capacity(range.len());
+        for i in range {
+            let message = messages.get_item(i)?;
             walk.value(&message, 1)
                 .map_err(|fail| into_py_err(within(fail, || Ok(format!("[{i}]")))))?;
             ends.push(walk.out.len());
         }
+        let holes = walk.holes.take();
+        let long_seen = walk.long_seen;
         let outcome = walk.finish();
-        self.last_special = outcome.special;
-        self.last_refs = outcome.refs;
-        self.last_longest = outcome.longest;
-        Ok((outcome.out, ends))
+        if !hollow {
+            self.last_special = outcome.special;
+            self.last_refs = outcome.refs;
+            self.last_longest = outcome.longest;
+        }
+        Ok(Packed {
+            buffer: outcome.out,
+            ends,
+            holes: holes.unwrap_or_default(),
+            long_seen,
+        })
     }
 
     /// A walk with this packer's settings, writing into `buffer` (its kept one: see `keep`).
@@ -308,6 +344,9 @@ impl<'p> Walk<'p> {
             refs: false,
             longest: 0,
             open: Vec::new(),
+            hole_min: usize::MAX,
+            holes: None,
+            long_seen: false,
         }
     }
 
@@ -533,6 +572,15 @@ impl Walk<'_> {
                 ep::write_blob_ref(index, &mut self.out);
                 return Ok(());
             }
+        }
+        if len >= self.hole_min {
+            if let Some(holes) = &mut self.holes {
+                holes.push(s.clone().unbind());
+                let len = u32::try_from(len).unwrap_or(u32::MAX);
+                ep::write_ext(EXT_HOLE, &len.to_le_bytes(), &mut self.out);
+                return Ok(());
+            }
+            self.long_seen = true;
         }
         if let Some(ascii) = ascii_bytes(s) {
             ep::write_str(ascii, &mut self.out);

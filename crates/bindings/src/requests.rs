@@ -8,10 +8,11 @@ use engine::requests::{self, Found, RawError, RawFound, Requests, DIGEST_SIZE};
 use pyo3::exceptions::{PyOverflowError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
-use pyo3::types::{PyBytes, PyList};
+use pyo3::types::{PyBytes, PyList, PyString};
 
 use crate::packed::Packer;
 use crate::{DecodeError, Unconfirmed, DETACH_FROM};
+use engine::content::content_key;
 
 /// A boundary `prefixes` answers: `(len, digest, turns)`.
 type PrefixTuple<'py> = (usize, Bound<'py, PyBytes>, Vec<u32>);
@@ -24,11 +25,64 @@ const MESSAGES_MAX_DEPTH: usize = crate::packed::MAX_DEPTH + 1;
 /// What `find` answers: `(base, base_len, echo, digest)`.
 type FoundTuple<'py> = (Option<u32>, usize, bool, Bound<'py, PyBytes>);
 
+/// Strings of this many code points or more are a decoded tip's holes (the graph's
+/// `HOLE_MIN`): compared with a re-sent request's, not hashed again.
+const HOLE_MIN: usize = 1 << 14;
+
+/// Decoded tips a table keeps, the oldest dropped first (the graph's `MAX_TIPS`).
+const MAX_TIPS: usize = 64;
+
+/// A conversation's latest decoded request that holds long strings. A request that re-sends
+/// its messages is known to by the hollow packing of those (each long string a hole) and by
+/// its long strings compared one by one, so the packings' BLAKE3 state is taken from here
+/// and only its new messages are hashed.
+struct DecodedTip {
+    turn: u32,
+    n_rest: usize,
+    /// the xxh3 of its last message's plain packing (a filter: the tip confirms)
+    last_key: u128,
+    /// the BLAKE3 state of its messages' hollow packings, and its digest
+    hollow: blake3::Hasher,
+    hollow_digest: [u8; DIGEST_SIZE],
+    /// its long strings, in order (the graph's blob table holds them: no copy)
+    strings: Vec<Py<PyString>>,
+    /// the BLAKE3 state of its messages' plain packings, and their byte count
+    packings: blake3::Hasher,
+    fed: u64,
+}
+
+impl DecodedTip {
+    fn clone_ref(&self, py: Python<'_>) -> Self {
+        Self {
+            turn: self.turn,
+            n_rest: self.n_rest,
+            last_key: self.last_key,
+            hollow: self.hollow.clone(),
+            hollow_digest: self.hollow_digest,
+            strings: self.strings.iter().map(|s| s.clone_ref(py)).collect(),
+            packings: self.packings.clone(),
+            fed: self.fed,
+        }
+    }
+}
+
+/// Whether two lists of strings hold equal strings, in order.
+fn same_strings(py: Python<'_>, a: &[Py<PyString>], b: &[Py<PyString>]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            x.is(y) || PyAnyMethods::eq(x.bind(py).as_any(), y.bind(py)).unwrap_or(false)
+        })
+}
+
 /// A graph's filed requests and the base-finder: `find` the longest filed request a request
 /// starts with (the first filed of twins), `file` a request under its digest.
 #[pyclass(frozen, module = "rollout_store._core")]
 pub struct RequestTable {
     inner: Mutex<Requests>,
+    /// decoded tips, oldest first (see `DecodedTip`); never held while Python runs
+    tips: Mutex<Vec<DecodedTip>>,
+    /// requests filed that were read from a decoded tip on (for tests and figures)
+    tip_hits: std::sync::atomic::AtomicU64,
 }
 
 impl RequestTable {
@@ -36,6 +90,161 @@ impl RequestTable {
     /// its last fallible step), so a poisoned lock is taken over.
     fn table(&self) -> MutexGuard<'_, Requests> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn tips(&self) -> MutexGuard<'_, Vec<DecodedTip>> {
+        self.tips.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The tip `messages` re-sends, if any: the newest whose last message packs alike, whose
+    /// hollow packing is theirs and whose long strings equal theirs.
+    fn tip_of(
+        &self,
+        py: Python<'_>,
+        packer: &mut Packer,
+        messages: &Bound<'_, PyList>,
+    ) -> PyResult<Option<DecodedTip>> {
+        let n = messages.len();
+        let heads: Vec<(u32, usize, u128)> = self
+            .tips()
+            .iter()
+            .rev()
+            .filter(|tip| tip.n_rest > 0 && tip.n_rest <= n)
+            .map(|tip| (tip.turn, tip.n_rest, tip.last_key))
+            .collect();
+        let mut last_keys: Vec<(usize, u128)> = Vec::new();
+        for (turn, n_rest, last_key) in heads {
+            let key = if let Some(&(_, key)) = last_keys.iter().find(|(at, _)| *at == n_rest) {
+                key
+            } else {
+                let last =
+                    packer.pack_range(py, messages, n_rest - 1..n_rest, usize::MAX, false)?;
+                let key = content_key(&last.buffer);
+                last_keys.push((n_rest, key));
+                key
+            };
+            if key != last_key {
+                continue;
+            }
+            let Some(tip) = self
+                .tips()
+                .iter()
+                .find(|tip| tip.turn == turn)
+                .map(|tip| tip.clone_ref(py))
+            else {
+                continue; // (dropped meanwhile)
+            };
+            let hollow = packer.pack_range(py, messages, 0..n_rest, HOLE_MIN, true)?;
+            if *blake3::hash(&hollow.buffer).as_bytes() == tip.hollow_digest
+                && same_strings(py, &hollow.holes, &tip.strings)
+            {
+                return Ok(Some(tip));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Find the base of a request given as Python values (see `find_messages`), from the tip
+    /// it re-sends if any; with `file`, file it as that turn (with its response's packing)
+    /// and keep its tip. `(first, plains, found)`.
+    fn walk_request<'py>(
+        &self,
+        py: Python<'py>,
+        packer: &Bound<'py, Packer>,
+        messages: &Bound<'py, PyList>,
+        refuted: &[u32],
+        file: Option<(u32, Option<&[u8]>)>,
+    ) -> PyResult<RawTuple<'py>> {
+        let n = messages.len();
+        let mut packer = packer.borrow_mut();
+        let continued = self.tip_of(py, &mut packer, messages)?;
+        let first = continued.as_ref().map_or(0, |tip| tip.n_rest);
+        let plain = packer.pack_range(py, messages, first..n, HOLE_MIN, false)?;
+        let mut start = 0;
+        let plains: Vec<&[u8]> = plain
+            .ends
+            .iter()
+            .map(|&end| {
+                let piece = &plain.buffer[start..end];
+                start = end;
+                piece
+            })
+            .collect();
+        // the new messages' hollow packing, for the tip this request leaves
+        let keeps_tip = file.is_some() && (continued.is_some() || plain.long_seen);
+        let new_hollow = if keeps_tip && plain.long_seen {
+            Some(packer.pack_range(py, messages, first..n, HOLE_MIN, true)?)
+        } else {
+            None
+        };
+        drop(packer);
+        let resume = continued
+            .as_ref()
+            .map(|tip| (tip.packings.clone(), tip.fed, tip.n_rest));
+        let (found, packings, fed) = {
+            let mut table = self.table();
+            let (found, packings, fed) = if plain.buffer.len() >= DETACH_FROM {
+                py.detach(|| table.find_resumed(resume, &plains, refuted))
+            } else {
+                table.find_resumed(resume, &plains, refuted)
+            };
+            if let Some((turn, response)) = file {
+                if found.ask.is_none() {
+                    table
+                        .file(turn, n, found.digest, response)
+                        .map_err(|err| file_error(&err))?;
+                }
+            }
+            (found, packings, fed)
+        };
+        let found_tuple = found_tuple(py, &found)?;
+        if let (true, Some((turn, _)), None) = (keeps_tip, file, found.ask) {
+            let gone = continued.as_ref().map(|tip| tip.turn);
+            if gone.is_some() {
+                self.tip_hits
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            let (mut hollow, mut strings, last_key) = match continued {
+                Some(tip) => (tip.hollow, tip.strings, tip.last_key),
+                None => (blake3::Hasher::new(), Vec::new(), 0),
+            };
+            match new_hollow {
+                Some(new) => {
+                    hollow.update(&new.buffer);
+                    strings.extend(new.holes);
+                }
+                None => {
+                    hollow.update(&plain.buffer); // (no long string: hollow is plain)
+                }
+            }
+            let last_key = plains.last().map_or(last_key, |last| content_key(last));
+            let mut tips = self.tips();
+            // the tip it continued (and its base's, if that is one) gives way to it, as a
+            // raw tip does: a conversation keeps one
+            tips.retain(|tip| Some(tip.turn) != gone && Some(tip.turn) != found.base);
+            if tips.len() >= MAX_TIPS {
+                tips.remove(0);
+            }
+            let hollow_digest = *hollow.finalize().as_bytes();
+            tips.push(DecodedTip {
+                turn,
+                n_rest: n,
+                last_key,
+                hollow,
+                hollow_digest,
+                strings,
+                packings,
+                fed,
+            });
+        }
+        let base_len = found.base_len;
+        let kept = PyList::new(
+            py,
+            plains[base_len - first..]
+                .iter()
+                .map(|p| PyBytes::new(py, p)),
+        )?;
+        Ok((base_len, kept, found_tuple))
     }
 
     /// Find with the GIL released for a long request (hashing it is pure Rust work).
@@ -166,6 +375,8 @@ impl RequestTable {
     fn new() -> Self {
         Self {
             inner: Mutex::new(Requests::new()),
+            tips: Mutex::new(Vec::new()),
+            tip_hits: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -202,25 +413,39 @@ impl RequestTable {
         messages: &Bound<'py, PyList>,
         refuted: Vec<u32>,
     ) -> PyResult<RawTuple<'py>> {
-        let (buffer, ends) = packer.borrow_mut().pack_each(py, messages)?;
-        let mut start = 0;
-        let plains: Vec<&[u8]> = ends
-            .iter()
-            .map(|&end| {
-                let plain = &buffer[start..end];
-                start = end;
-                plain
-            })
-            .collect();
-        let found = if buffer.len() >= DETACH_FROM {
-            py.detach(|| self.table().find_past(&plains, &refuted))
-        } else {
-            self.table().find_past(&plains, &refuted)
-        };
-        let found_tuple = found_tuple(py, &found)?;
-        let first = found.base_len;
-        let kept = PyList::new(py, plains[first..].iter().map(|p| PyBytes::new(py, p)))?;
-        Ok((first, kept, found_tuple))
+        self.walk_request(py, packer, messages, &refuted, None)
+    }
+
+    /// `find_messages`, then `file` the request as turn `turn` (with its response's plain
+    /// packing). A request holding strings of 16,384 code points or more becomes its
+    /// conversation's decoded tip: a later request that re-sends it is known by comparing
+    /// those strings (not hashing them again) and only its new messages are hashed. Nothing
+    /// is filed when it raises.
+    #[allow(clippy::needless_pass_by_value)] // PyO3 extracts a list as an owned Vec
+    #[pyo3(signature = (turn, packer, messages, response = None, *, refuted = Vec::new()))]
+    fn add_messages<'py>(
+        &self,
+        py: Python<'py>,
+        turn: u32,
+        packer: &Bound<'py, Packer>,
+        messages: &Bound<'py, PyList>,
+        response: Option<&[u8]>,
+        refuted: Vec<u32>,
+    ) -> PyResult<RawTuple<'py>> {
+        self.walk_request(py, packer, messages, &refuted, Some((turn, response)))
+    }
+
+    /// Decoded tips kept (see `add_messages`).
+    #[getter]
+    fn decoded_tips(&self) -> usize {
+        self.tips().len()
+    }
+
+    /// Requests filed by `add_messages` that were read from a decoded tip on (their long
+    /// strings compared, only their new messages hashed).
+    #[getter]
+    fn decoded_tip_hits(&self) -> u64 {
+        self.tip_hits.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// `(first, plains, (base, base_len, echo, digest))` for a request given as the JSON text
@@ -414,7 +639,12 @@ impl RequestTable {
     /// Bytes the table holds, spare capacity included (what `tracemalloc` cannot see).
     #[getter]
     fn nbytes(&self) -> usize {
-        self.table().nbytes()
+        let tips: usize = self
+            .tips()
+            .iter()
+            .map(|tip| std::mem::size_of::<DecodedTip>() + tip.strings.capacity() * 8)
+            .sum();
+        self.table().nbytes() + tips
     }
 }
 

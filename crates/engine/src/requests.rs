@@ -630,6 +630,26 @@ impl Requests {
         self.find_from(&mut hasher, 0, plains, refuted)
     }
 
+    /// [`Requests::find_past`] for a request whose first `first` messages are known to be
+    /// those of a filed request whose packings BLAKE3 `state` has seen (`fed` bytes: a tip's
+    /// state), the others packing as `plains`: only those are hashed. With `None`, every
+    /// message is in `plains`. Also gives the state that has seen the packings of them all
+    /// and its byte count (what a tip of this request keeps).
+    pub fn find_resumed<P: AsRef<[u8]>>(
+        &self,
+        resume: Option<(blake3::Hasher, u64, usize)>,
+        plains: &[P],
+        refuted: &[TurnNo],
+    ) -> (Found, blake3::Hasher, u64) {
+        let (mut hasher, first) = match resume {
+            Some((state, fed, first)) => (PrefixHasher::resume(state, fed), first),
+            None => (PrefixHasher::new(), 0),
+        };
+        let found = self.find_from(&mut hasher, first, plains, refuted);
+        let fed = hasher.fed();
+        (found, hasher.finish(), fed)
+    }
+
     /// The base of a request whose first `first` messages `hasher` has seen (their packings)
     /// and whose others pack as `plains`; `hasher` then has seen them all. A base shorter
     /// than `first` messages is not looked for: the caller knows one of `first` is filed.
