@@ -7,12 +7,14 @@
 //! extend one another as a conversation's do. Every other text is read under a low depth
 //! bound, so that a tip read under the default is re-sent under a lower one. Reading whole is
 //! `json.loads`: an int over the digit limit refused where it is read, before a later fault
-//! and where a repeated key replaces it.
+//! and where a repeated key replaces it. The base found is also checked against brute force
+//! (the longest filed request the packings start with, the first filed of twins), and
+//! against a table where every other turn is filed by its key alone and confirmed when asked.
 #![no_main]
 
 use engine::json::{parse_with, Failure, Key, Sink, Str, Value, ValueBuilder, DEFAULT_MAX_DEPTH};
 use engine::packed::to_packed;
-use engine::requests::{RawError, Requests};
+use engine::requests::{digest_key, Found, RawError, Requests, TurnNo};
 use libfuzzer_sys::fuzz_target;
 
 /// Where the last item of an array text ends (as the table finds it), or the text's length.
@@ -73,12 +75,50 @@ impl Sink for Limited {
     }
 }
 
+/// The base brute force finds among `filed` (turn by turn, their packings).
+fn brute(filed: &[(TurnNo, Vec<Vec<u8>>)], plains: &[Vec<u8>]) -> Option<TurnNo> {
+    let mut best: Option<(usize, TurnNo)> = None;
+    for (turn, row) in filed {
+        if row.len() <= plains.len()
+            && row[..] == plains[..row.len()]
+            && best.is_none_or(|(len, _)| row.len() > len)
+        {
+            best = Some((row.len(), *turn));
+        }
+    }
+    best.map(|(_, turn)| turn)
+}
+
+/// `find` on a table holding rows filed by their key, confirming each it asks about by
+/// comparing with what was filed.
+fn find_confirming(
+    keyed: &mut Requests,
+    filed: &[(TurnNo, Vec<Vec<u8>>)],
+    plains: &[Vec<u8>],
+) -> Found {
+    let mut refuted = Vec::new();
+    loop {
+        let found = keyed.find_past(plains, &refuted);
+        let Some(ask) = found.ask else {
+            return found;
+        };
+        let (_, row) = filed.iter().find(|(turn, _)| *turn == ask.turn).unwrap();
+        if row[..] == plains[..ask.len] {
+            assert_eq!(keyed.confirm(ask.turn, &ask.digest), Some(true));
+        } else {
+            refuted.push(ask.turn);
+        }
+    }
+}
+
 /// The depth bound the odd texts are read under.
 const LOW_DEPTH: usize = 4;
 
 fuzz_target!(|data: &[u8]| {
     let mut tipped = Requests::new();
     let mut whole = Requests::new();
+    let mut keyed = Requests::new();
+    let mut filed: Vec<(TurnNo, Vec<Vec<u8>>)> = Vec::new();
     let mut previous: Vec<u8> = Vec::new();
     for (turn, piece) in data.split(|&b| b == 0xff).take(16).enumerate() {
         let text: Vec<u8> = match piece.split_first() {
@@ -108,12 +148,22 @@ fuzz_target!(|data: &[u8]| {
                 assert_eq!(read.plains, plains[read.first..]);
                 let found = whole.find(&plains);
                 assert_eq!(read.found, found);
+                assert_eq!(found.base, brute(&filed, &plains));
+                assert_eq!(find_confirming(&mut keyed, &filed, &plains), found);
                 let turn = turn as u32;
                 let response = plains.last().cloned();
                 tipped.file_raw(turn, &read, response.as_deref()).unwrap();
                 whole
                     .file(turn, plains.len(), found.digest, response.as_deref())
                     .unwrap();
+                if turn % 2 == 0 {
+                    let key = digest_key(&found.digest);
+                    keyed.file_key(turn, plains.len(), key, response.as_deref())
+                } else {
+                    keyed.file(turn, plains.len(), found.digest, response.as_deref())
+                }
+                .unwrap();
+                filed.push((turn, plains));
             }
             (Err(got), Err(want)) => assert_eq!(got, want),
             (got, want) => panic!("read {got:?}, whole {want:?}"),
