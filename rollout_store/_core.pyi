@@ -276,7 +276,9 @@ class RequestTable:
     texts of messages are read as `json.loads` reads them, from the latest raw tip they
     re-send (`find_json`, `add_json`)."""
 
-    def __new__(cls) -> RequestTable: ...
+    def __new__(cls, *, hole_min: int = 1024) -> RequestTable:
+        """`hole_min`: strings of this many code points or more are a decoded tip's holes
+        (see `add_messages`)."""
     def find(
         self, plains: list[bytes], *, refuted: list[int] = ...
     ) -> tuple[int | None, int, bool, bytes]:
@@ -304,7 +306,7 @@ class RequestTable:
         refuted: list[int] = ...,
     ) -> tuple[int, list[bytes], tuple[int | None, int, bool, bytes]]:
         """`find_messages`, then `file` the request as turn `turn` (with its response's plain
-        packing). A request holding strings of 16,384 code points or more becomes its
+        packing). A request holding strings of `hole_min` code points or more becomes its
         conversation's decoded tip: a later request that re-sends it is known by comparing
         those strings (not hashing them again) and only its new messages are hashed. Nothing
         is filed when it raises."""

@@ -25,9 +25,10 @@ const MESSAGES_MAX_DEPTH: usize = crate::packed::MAX_DEPTH + 1;
 /// What `find` answers: `(base, base_len, echo, digest)`.
 type FoundTuple<'py> = (Option<u32>, usize, bool, Bound<'py, PyBytes>);
 
-/// Strings of this many code points or more are a decoded tip's holes (the graph's
-/// `HOLE_MIN`): compared with a re-sent request's, not hashed again.
-const HOLE_MIN: usize = 1 << 14;
+/// Strings of this many code points or more are a decoded tip's holes by default (the
+/// graph's default share threshold: longer strings are its blobs, held once already):
+/// compared with a re-sent request's, not hashed again.
+const HOLE_MIN: usize = 1024;
 
 /// Decoded tips a table keeps, the oldest dropped first (the graph's `MAX_TIPS`).
 const MAX_TIPS: usize = 64;
@@ -83,6 +84,8 @@ pub struct RequestTable {
     tips: Mutex<Vec<DecodedTip>>,
     /// requests filed that were read from a decoded tip on (for tests and figures)
     tip_hits: std::sync::atomic::AtomicU64,
+    /// strings of this many code points or more are a decoded tip's holes
+    hole_min: usize,
 }
 
 impl RequestTable {
@@ -134,7 +137,7 @@ impl RequestTable {
             else {
                 continue; // (dropped meanwhile)
             };
-            let hollow = packer.pack_range(py, messages, 0..n_rest, HOLE_MIN, true)?;
+            let hollow = packer.pack_range(py, messages, 0..n_rest, self.hole_min, true)?;
             if *blake3::hash(&hollow.buffer).as_bytes() == tip.hollow_digest
                 && same_strings(py, &hollow.holes, &tip.strings)
             {
@@ -159,7 +162,7 @@ impl RequestTable {
         let mut packer = packer.borrow_mut();
         let continued = self.tip_of(py, &mut packer, messages)?;
         let first = continued.as_ref().map_or(0, |tip| tip.n_rest);
-        let plain = packer.pack_range(py, messages, first..n, HOLE_MIN, false)?;
+        let plain = packer.pack_range(py, messages, first..n, self.hole_min, false)?;
         let mut start = 0;
         let plains: Vec<&[u8]> = plain
             .ends
@@ -173,7 +176,7 @@ impl RequestTable {
         // the new messages' hollow packing, for the tip this request leaves
         let keeps_tip = file.is_some() && (continued.is_some() || plain.long_seen);
         let new_hollow = if keeps_tip && plain.long_seen {
-            Some(packer.pack_range(py, messages, first..n, HOLE_MIN, true)?)
+            Some(packer.pack_range(py, messages, first..n, self.hole_min, true)?)
         } else {
             None
         };
@@ -372,8 +375,10 @@ fn raw_tuple<'py>(py: Python<'py>, raw: &RawFound) -> PyResult<RawTuple<'py>> {
 #[pymethods]
 impl RequestTable {
     #[new]
-    fn new() -> Self {
+    #[pyo3(signature = (*, hole_min = HOLE_MIN))]
+    fn new(hole_min: usize) -> Self {
         Self {
+            hole_min: hole_min.max(1),
             inner: Mutex::new(Requests::new()),
             tips: Mutex::new(Vec::new()),
             tip_hits: std::sync::atomic::AtomicU64::new(0),
@@ -417,7 +422,7 @@ impl RequestTable {
     }
 
     /// `find_messages`, then `file` the request as turn `turn` (with its response's plain
-    /// packing). A request holding strings of 16,384 code points or more becomes its
+    /// packing). A request holding strings of `hole_min` code points or more becomes its
     /// conversation's decoded tip: a later request that re-sends it is known by comparing
     /// those strings (not hashing them again) and only its new messages are hashed. Nothing
     /// is filed when it raises.
