@@ -276,7 +276,7 @@ class RequestTable:
     texts of messages are read as `json.loads` reads them, from the latest raw tip they
     re-send (`find_json`, `add_json`)."""
 
-    def __new__(cls, *, hole_min: int = 1024) -> RequestTable:
+    def __new__(cls, *, hole_min: int = ...) -> RequestTable:
         """`hole_min`: strings of this many code points or more are a decoded tip's holes
         (see `add_messages`)."""
     def find(
