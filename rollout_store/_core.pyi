@@ -277,8 +277,8 @@ class RequestTable:
     re-send (`find_json`, `add_json`)."""
 
     def __new__(cls, *, hole_min: int = ...) -> RequestTable:
-        """`hole_min`: strings of this many code points or more are a decoded tip's holes
-        (see `add_messages`)."""
+        """`hole_min`: strings of this many code points or more (1,024 by default) are a
+        decoded tip's holes (see `add_messages`)."""
     def find(
         self, plains: list[bytes], *, refuted: list[int] = ...
     ) -> tuple[int | None, int, bool, bytes]:
