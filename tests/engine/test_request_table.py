@@ -603,3 +603,57 @@ def test_a_tip_is_taken_only_when_its_long_strings_and_the_rest_are_the_requests
     for table, tips in ((RequestTable(), 0), (RequestTable(hole_min=HOLE_MIN - 1), 1)):
         table.add_messages(0, packer, [{"role": "user", "content": "a" * (HOLE_MIN - 1)}])
         assert table.decoded_tips == tips
+
+
+_LONGS = ["a" * HOLE_MIN, "a" * (HOLE_MIN - 1) + "b", "\U0001f600" * HOLE_MIN, "\ud800" * HOLE_MIN]
+
+
+def _message(kind: int, long: int, key_order: bool) -> dict[str, Any]:
+    """A message of one of a few shapes, holding one of a few long strings (some equal in
+    length, one with a lone surrogate) or a short one."""
+    content: Any = _LONGS[long] if long < len(_LONGS) else f"short {long}"
+    if kind == 1:
+        content = [{"type": "text", "text": "look"}, {"type": "image", "data": content}]
+    message = {"role": "user", "content": content}
+    return dict(reversed(message.items())) if key_order else message
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.lists(
+        st.lists(
+            st.tuples(st.integers(0, 1), st.integers(0, len(_LONGS)), st.booleans()),
+            min_size=1,
+            max_size=4,
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    st.data(),
+)
+def test_decoded_tips_never_stand_for_a_request_they_are_not(
+    steps: list[list[tuple[int, int, bool]]], data: Any
+) -> None:
+    """Conversations that grow, re-send their tips with a long string swapped for another of
+    the same length, a key order changed, a shape changed: `add_messages` names what `find`
+    names for the packings, whatever the tips."""
+    table, reference, packer = RequestTable(), RequestTable(), _core.Packer(None, None)
+    sent: list[list[Any]] = []
+    for index, step in enumerate(steps):
+        start: list[Any] = []
+        if sent and data.draw(st.booleans()):
+            start = list(data.draw(st.sampled_from(sent)))
+            if start and data.draw(st.booleans()):  # one earlier message changed
+                at = data.draw(st.integers(0, len(start) - 1))
+                start[at] = _message(
+                    *data.draw(
+                        st.tuples(*[st.integers(0, 1), st.integers(0, len(_LONGS)), st.booleans()])
+                    )
+                )
+        messages = json.loads(json.dumps(start + [_message(*m) for m in step]))
+        plains = [plain(m) for m in messages]
+        expected = reference.find(plains)
+        first, kept, found = table.add_messages(index, packer, messages, plain({"r": index}))
+        assert found == expected and (first, kept) == (found[1], plains[found[1] :])
+        reference.file(index, len(plains), expected[3], plain({"r": index}))
+        sent.append(messages)
