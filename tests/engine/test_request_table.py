@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -657,3 +658,39 @@ def test_decoded_tips_never_stand_for_a_request_they_are_not(
         assert found == expected and (first, kept) == (found[1], plains[found[1] :])
         reference.file(index, len(plains), expected[3], plain({"r": index}))
         sent.append(messages)
+
+
+_WHILE_A_LONG_REQUEST_IS_ADDED = """
+import threading
+from rollout_store import _core
+
+table, packer = _core.RequestTable(), _core.Packer(None, None)
+long = [{"role": "user", "content": "x" * (2 << 20)}]  # hashed with the GIL released
+done = threading.Event()
+
+def add():
+    try:
+        for turn in range(8):
+            table.add_messages(turn, packer, [*long, {"role": "user", "content": str(turn)}])
+    finally:
+        done.set()
+
+worker = threading.Thread(target=add)
+worker.start()
+while not done.is_set():
+    len(table)  # takes the table's lock holding the GIL
+worker.join()
+assert len(table) == 8
+"""
+
+
+def test_the_table_is_used_by_another_thread_while_a_long_request_is_added() -> None:
+    """`add_messages` releases the GIL to hash a long request: it must not hold the table's
+    lock then, or a thread holding the GIL waits for the lock while the lock's holder waits
+    for the GIL. Run apart: a deadlock would hang the test run itself."""
+    try:
+        subprocess.run(
+            [sys.executable, "-c", _WHILE_A_LONG_REQUEST_IS_ADDED], check=True, timeout=120
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("deadlock: add_messages held the table's lock with the GIL released")

@@ -184,22 +184,25 @@ impl RequestTable {
         let resume = continued
             .as_ref()
             .map(|tip| (tip.packings.clone(), tip.fed, tip.n_rest));
-        let (found, packings, fed) = {
+        // the lock is taken and let go with the GIL released (as `with_table`): held while
+        // waiting for the GIL, it would deadlock with a thread that holds the GIL and waits
+        // for it; it is held from the find to the filing, so no turn is filed between them
+        let find_and_file = || {
             let mut table = self.table();
-            let (found, packings, fed) = if plain.buffer.len() >= DETACH_FROM {
-                py.detach(|| table.find_resumed(resume, &plains, refuted))
-            } else {
-                table.find_resumed(resume, &plains, refuted)
-            };
+            let (found, packings, fed) = table.find_resumed(resume, &plains, refuted);
             if let Some((turn, response)) = file {
                 if found.ask.is_none() {
-                    table
-                        .file(turn, n, found.digest, response)
-                        .map_err(|err| file_error(&err))?;
+                    table.file(turn, n, found.digest, response)?;
                 }
             }
-            (found, packings, fed)
+            Ok((found, packings, fed))
         };
+        let (found, packings, fed) = if plain.buffer.len() >= DETACH_FROM {
+            py.detach(find_and_file)
+        } else {
+            find_and_file()
+        }
+        .map_err(|err: requests::FileError| file_error(&err))?;
         let found_tuple = found_tuple(py, &found)?;
         if let (true, Some((turn, _)), None) = (keeps_tip, file, found.ask) {
             let gone = continued.as_ref().map(|tip| tip.turn);
