@@ -694,3 +694,25 @@ def test_the_table_is_used_by_another_thread_while_a_long_request_is_added() -> 
         )
     except subprocess.TimeoutExpired:
         pytest.fail("deadlock: add_messages held the table's lock with the GIL released")
+
+
+def test_a_tip_is_not_kept_from_a_walk_whose_answers_may_change() -> None:
+    """A dict subclass is read through its own `items()`, Python code that may answer the
+    plain walk (what is hashed and filed) and the hollow walk (what a later request is
+    compared with) differently: a tip kept from such walks could give a later request,
+    compared with one answer, the packings of the other."""
+    screen = "L" * HOLE_MIN
+
+    class Flip(dict):  # type: ignore[type-arg]
+        calls = 0
+
+        def items(self) -> Any:
+            Flip.calls += 1
+            return [("content", screen), ("role", "user" if Flip.calls % 2 else "tool")]
+
+    table, packer = RequestTable(), _core.Packer(None, None)
+    answer = {"role": "assistant", "content": "seen"}
+    table.add_messages(0, packer, [Flip(), answer])
+    resent = [{"content": screen, "role": "tool"}, answer, {"role": "user", "content": "x"}]
+    _, _, found = table.add_messages(1, packer, resent)
+    assert found == RequestTable().find([plain(m) for m in resent])

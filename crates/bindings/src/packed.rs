@@ -90,6 +90,8 @@ pub struct Packer {
 /// A packing buffer larger than this is not kept between packings.
 const KEEP_BUFFER: usize = 1 << 12;
 
+// (its flags are independent facts the walk notes as it goes, no state machine)
+#[allow(clippy::struct_excessive_bools)]
 struct Walk<'p> {
     intern: Option<&'p Bound<'p, PyAny>>,
     threshold: Option<usize>,
@@ -107,6 +109,9 @@ struct Walk<'p> {
     holes: Option<Vec<Py<PyString>>>,
     /// a plain walk met a long string
     long_seen: bool,
+    /// a subclass was read through its own Python code (a dict's `items()`, a list's or
+    /// tuple's iteration), which another walk of the same value may see answer otherwise
+    called: bool,
 }
 
 /// A hole in a hollow packing (see `Walk::holes`): a code no plain packing holds.
@@ -119,6 +124,8 @@ pub(crate) struct Packed {
     pub ends: Vec<usize>,
     pub holes: Vec<Py<PyString>>,
     pub long_seen: bool,
+    /// the walk read a subclass through its own Python code (see `Walk::called`)
+    pub called: bool,
 }
 
 #[pymethods]
@@ -244,7 +251,7 @@ impl Packer {
             ends.push(walk.out.len());
         }
         let holes = walk.holes.take();
-        let long_seen = walk.long_seen;
+        let (long_seen, called) = (walk.long_seen, walk.called);
         let outcome = walk.finish();
         if !hollow {
             self.last_special = outcome.special;
@@ -256,6 +263,7 @@ impl Packer {
             ends,
             holes: holes.unwrap_or_default(),
             long_seen,
+            called,
         })
     }
 
@@ -347,6 +355,7 @@ impl<'p> Walk<'p> {
             hole_min: usize::MAX,
             holes: None,
             long_seen: false,
+            called: false,
         }
     }
 
@@ -443,6 +452,7 @@ impl Walk<'_> {
         if let Some((items, n)) = exact {
             self.items(items, n, tuple, depth + 1)?;
         } else {
+            self.called = true;
             let items: Vec<_> = v.try_iter()?.collect::<PyResult<_>>()?;
             let n = items.len();
             self.items(items.into_iter(), n, tuple, depth + 1)?;
@@ -491,6 +501,7 @@ impl Walk<'_> {
         }
         let members: Vec<(Bound<'_, PyAny>, Bound<'_, PyAny>)> = {
             // a subclass is read through its own items(), as the walk always has
+            self.called = true;
             let mut members = Vec::new();
             for pair in dict.call_method0(intern!(dict.py(), "items"))?.try_iter()? {
                 members.push(pair?.extract()?);

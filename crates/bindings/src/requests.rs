@@ -173,8 +173,10 @@ impl RequestTable {
                 piece
             })
             .collect();
-        // the new messages' hollow packing, for the tip this request leaves
-        let keeps_tip = file.is_some() && (continued.is_some() || plain.long_seen);
+        // the new messages' hollow packing, for the tip this request leaves: none from a walk
+        // that ran a subclass's Python code, whose second walk may see other values than the
+        // plain walk hashed (a later request compared with them would get the wrong packings)
+        let keeps_tip = file.is_some() && !plain.called && (continued.is_some() || plain.long_seen);
         let new_hollow = if keeps_tip && plain.long_seen {
             Some(packer.pack_range(py, messages, first..n, self.hole_min, true)?)
         } else {
