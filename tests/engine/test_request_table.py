@@ -716,3 +716,30 @@ def test_a_tip_is_not_kept_from_a_walk_whose_answers_may_change() -> None:
     resent = [{"content": screen, "role": "tool"}, answer, {"role": "user", "content": "x"}]
     _, _, found = table.add_messages(1, packer, resent)
     assert found == RequestTable().find([plain(m) for m in resent])
+
+
+def test_a_tip_is_not_taken_from_a_walk_that_ran_a_subclasss_code() -> None:
+    """A re-sent request is confirmed against a tip by a hollow walk; a dict subclass is read
+    through its own `items()`, which may answer the plain walk otherwise: such a walk
+    confirms nothing, and the request is packed and found whole."""
+    table, packer = RequestTable(), _core.Packer(None, None)
+    long = "x" * HOLE_MIN
+    said = {"role": "assistant", "content": "a"}
+    response = {"role": "assistant", "content": "ok"}
+    table.add_messages(0, packer, [{"role": "user", "content": long}, said], plain(response))
+    assert table.decoded_tips == 1
+
+    class FirstUser(dict[str, Any]):
+        """Says it is the user's message the first time it is read, a tool's after."""
+
+        def __init__(self) -> None:
+            super().__init__(role="user", content=long)
+            self.reads = 0
+
+        def items(self) -> Any:
+            self.reads += 1
+            return [("role", "user" if self.reads == 1 else "tool"), ("content", long)]
+
+    message = FirstUser()
+    found = table.find_messages(packer, [message, said, response, {"role": "user"}])
+    assert message.reads >= 2 and found[2][0] is None and table.decoded_tip_hits == 0

@@ -225,8 +225,8 @@ impl Packer {
     /// where each ends: no `bytes` object a message (the caller makes those it keeps).
     /// `hollow`: each string of `hole_min` code points or more written as a hole and kept
     /// (`Packed::holes`), else only noted (`Packed::long_seen`). `last_*` then tell of a
-    /// plain walk. Raises what `pack` raises (the path names the message: `[i]...`);
-    /// `ValueError` for a packer that interns long strings.
+    /// plain walk's messages (those of `range` alone). Raises what `pack` raises (the path
+    /// names the message: `[i]...`); `ValueError` for a packer that interns long strings.
     pub(crate) fn pack_range(
         &mut self,
         py: Python<'_>,
