@@ -188,25 +188,17 @@ impl RequestTable {
         let resume = continued
             .as_ref()
             .map(|tip| (tip.packings.clone(), tip.fed, tip.n_rest));
-        // the lock is taken and let go with the GIL released (as `with_table`): held while
-        // waiting for the GIL, it would deadlock with a thread that holds the GIL and waits
-        // for it; it is held from the find to the filing, so no turn is filed between them
-        let find_and_file = || {
-            let mut table = self.table();
-            let (found, packings, fed) = table.find_resumed(resume, &plains, refuted);
-            if let Some((turn, response)) = file {
-                if found.ask.is_none() {
-                    table.file(turn, n, found.digest, response)?;
+        let (found, packings, fed) = self
+            .with_table(py, plain.buffer.len(), |table| {
+                let (found, packings, fed) = table.find_resumed(resume, &plains, refuted);
+                if let Some((turn, response)) = file {
+                    if found.ask.is_none() {
+                        table.file(turn, n, found.digest, response)?;
+                    }
                 }
-            }
-            Ok((found, packings, fed))
-        };
-        let (found, packings, fed) = if plain.buffer.len() >= DETACH_FROM {
-            py.detach(find_and_file)
-        } else {
-            find_and_file()
-        }
-        .map_err(|err: requests::FileError| file_error(&err))?;
+                Ok((found, packings, fed))
+            })
+            .map_err(|err: requests::FileError| file_error(&err))?;
         let found_tuple = found_tuple(py, &found)?;
         if let (true, Some((turn, _)), None) = (keeps_tip, file, found.ask) {
             let gone = continued.as_ref().map(|tip| tip.turn);
@@ -257,26 +249,19 @@ impl RequestTable {
         Ok((base_len, kept, found_tuple))
     }
 
-    /// Find with the GIL released for a long request (hashing it is pure Rust work).
-    fn found_for(&self, py: Python<'_>, plains: &[PyBackedBytes], refuted: &[u32]) -> Found {
-        let size: usize = plains.iter().map(|plain| plain.len()).sum();
-        if size >= DETACH_FROM {
-            py.detach(|| self.table().find_past(plains, refuted))
-        } else {
-            self.table().find_past(plains, refuted)
-        }
-    }
-
-    /// `work` on the table, the GIL released for a long text (reading it is pure Rust work).
-    /// The lock is held for all of it: a text read for filing is filed before any other
-    /// turn, or what it found could miss a turn filed before it.
+    /// `work` on the table over `size` bytes (a text, packings), the GIL released when they
+    /// are many (reading and hashing them is pure Rust work). The lock is taken and let go
+    /// with the GIL released: held while waiting for the GIL, it would deadlock with a thread
+    /// that holds the GIL and waits for it. It is held for all of `work`: a request found for
+    /// filing is filed before any other turn, or what it found could miss a turn filed
+    /// before it.
     fn with_table<T: Send>(
         &self,
         py: Python<'_>,
-        text: &[u8],
+        size: usize,
         work: impl FnOnce(&mut Requests) -> T + Send,
     ) -> T {
-        if text.len() >= DETACH_FROM {
+        if size >= DETACH_FROM {
             py.detach(|| work(&mut self.table()))
         } else {
             work(&mut self.table())
@@ -406,7 +391,8 @@ impl RequestTable {
         refuted: Vec<u32>,
     ) -> PyResult<FoundTuple<'py>> {
         let plains = backed(plains)?;
-        let found = self.found_for(py, &plains, &refuted);
+        let size = plains.iter().map(|plain| plain.len()).sum();
+        let found = self.with_table(py, size, |table| table.find_past(&plains, &refuted));
         found_tuple(py, &found)
     }
 
@@ -477,7 +463,7 @@ impl RequestTable {
     ) -> PyResult<RawTuple<'py>> {
         let max_digits = max_digits(py)?;
         let raw = self
-            .with_table(py, text, |table| {
+            .with_table(py, text.len(), |table| {
                 table.find_raw_past(text, max_depth, max_digits, &refuted)
             })
             .map_err(|err| raw_error(py, &err))?;
@@ -501,7 +487,7 @@ impl RequestTable {
         refuted: Vec<u32>,
     ) -> PyResult<RawTuple<'py>> {
         let max_digits = max_digits(py)?;
-        let raw = self.with_table(py, text, |table| {
+        let raw = self.with_table(py, text.len(), |table| {
             let raw = table
                 .find_raw_past(text, max_depth, max_digits, &refuted)
                 .map_err(AddError::Read)?;
