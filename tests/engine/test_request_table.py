@@ -743,3 +743,22 @@ def test_a_tip_is_not_taken_from_a_walk_that_ran_a_subclasss_code() -> None:
     message = FirstUser()
     found = table.find_messages(packer, [message, said, response, {"role": "user"}])
     assert message.reads >= 2 and found[2][0] is None and table.decoded_tip_hits == 0
+
+
+def test_decoded_messages_under_an_unconfirmed_turn_are_neither_found_nor_filed() -> None:
+    """`find_messages` and `add_messages` raise `Unconfirmed` as `find` does; `add_messages`
+    then files nothing and keeps no tip, even for a request that would leave one."""
+    first = {"role": "user", "content": "s" * HOLE_MIN}
+    messages = [first, {"role": "assistant", "content": "yo"}]
+    table, packer = RequestTable(), _core.Packer(None, None)
+    table.file_key(3, 1, prefix_keys([plain(first)])[1], plain({"role": "assistant"}))
+    for call in (
+        lambda: table.find_messages(packer, messages),
+        lambda: table.add_messages(4, packer, messages),
+    ):
+        with pytest.raises(_core.Unconfirmed) as undecided:
+            call()
+        assert undecided.value.args[1:] == (3, 1, prefix_digest(plain(first)))
+    assert (len(table), table.decoded_tips, table.unconfirmed) == (1, 0, 1)
+    first_, _, found = table.add_messages(4, packer, messages, refuted=[3])
+    assert (first_, found[0], len(table), table.decoded_tips) == (0, None, 2, 1)
