@@ -284,7 +284,8 @@ class RequestTable:
     ) -> tuple[int | None, int, bool, bytes]:
         """`(base, base_len, echo, digest)` for a request whose non-system messages pack as
         `plains`: the filed turn it extends (None: none) and its message count, whether the
-        message after those is exactly that turn's response, and the request's digest.
+        message after those has the xxh3 of that turn's response (confirm it with the bytes),
+        and the request's digest.
         `Unconfirmed` when it may extend a turn filed by its key alone (`file_key`) and not
         in `refuted`."""
     def find_messages(
@@ -375,8 +376,9 @@ class RequestTable:
         """Whether a filed turn has a child (None: not filed)."""
     def n_rest(self, turn: int) -> int | None:
         """The message count of a filed turn's request (None: not filed)."""
-    def response(self, turn: int) -> bytes | None:
-        """The plain packing of a filed turn's response (None: not filed, or none)."""
+    def echoes(self, turn: int, packed: bytes) -> bool | None:
+        """Whether `packed` may be a filed turn's response: it has the xxh3 the row keeps
+        (None: not filed; False: not, or no response). Confirm with the bytes."""
     @property
     def raw_tip_hits(self) -> int:
         """Raw texts filed that were read from a tip on (only their new messages read)."""

@@ -89,6 +89,7 @@ def test_the_tables_prefixes_answer_the_linkers_questions_as_the_graph_does(seed
     graph = RolloutGraph(share_threshold=None)
     table = RequestTable()
     filed: list[list[bytes]] = []
+    responses: list[bytes] = []  # the table keeps a response's xxh3: the bytes are here
     for index, (messages, response) in enumerate(_branching_rollouts(200 + seed, 120)):
         plains = [plain(m) for m in messages]
         prefixes = table.prefixes(plains)
@@ -108,7 +109,7 @@ def test_the_tables_prefixes_answer_the_linkers_questions_as_the_graph_does(seed
                 for n, _, turns in prefixes
                 if n < len(plains)
                 for t in turns
-                if table.response(t) == plains[n]
+                if table.echoes(t, plains[n]) and responses[t] == plains[n]
             ),
             None,
         )
@@ -122,6 +123,7 @@ def test_the_tables_prefixes_answer_the_linkers_questions_as_the_graph_does(seed
             table.note_child(turn.parent.index)
         table.file(index, len(plains), prefix_digest(b"".join(plains)), plain(response))
         filed.append(plains)
+        responses.append(plain(response))
     for index, turn in enumerate(graph._turns):
         assert table.has_children(index) is (turn.kids is not None)
 
@@ -139,8 +141,9 @@ def test_a_workload_conversation_finds_each_turn_just_before() -> None:
         table.file(turn, len(plains), digest, plain(response))
         messages += [response, {"role": "user", "content": f"more {turn}"}]
     assert table.n_rest(49) == 99
-    assert table.response(49) == plain({"role": "assistant", "content": "reply 49"})
-    assert table.n_rest(50) is None and table.response(50) is None
+    assert table.echoes(49, plain({"role": "assistant", "content": "reply 49"})) is True
+    assert table.echoes(49, plain({"role": "assistant", "content": "reply 48"})) is False
+    assert table.n_rest(50) is None and table.echoes(50, b"") is None
 
 
 @settings(max_examples=300, deadline=None)

@@ -379,7 +379,8 @@ impl RequestTable {
 
     /// `(base, base_len, echo, digest)` for a request whose non-system messages pack as
     /// `plains`: the filed turn it extends (None: none) and its message count, whether the
-    /// message after those is exactly that turn's response, and the request's digest.
+    /// message after those has the xxh3 of that turn's response (confirm it with the bytes),
+    /// and the request's digest.
     /// `Unconfirmed` when it may extend a turn filed by its key alone (`file_key`) and not
     /// in `refuted`.
     #[pyo3(signature = (plains, *, refuted = Vec::new()))]
@@ -617,11 +618,10 @@ impl RequestTable {
         self.table().n_rest(turn)
     }
 
-    /// The plain packing of a filed turn's response (None: not filed, or none).
-    fn response<'py>(&self, py: Python<'py>, turn: u32) -> Option<Bound<'py, PyBytes>> {
-        self.table()
-            .response(turn)
-            .map(|packed| PyBytes::new(py, packed))
+    /// Whether `packed` may be a filed turn's response: it has the xxh3 the row keeps
+    /// (None: not filed; False: not, or no response). Confirm with the bytes.
+    fn echoes(&self, turn: u32, packed: &[u8]) -> Option<bool> {
+        self.table().echoes(turn, packed)
     }
 
     /// Raw texts filed that were read from a tip on (only their new messages read).

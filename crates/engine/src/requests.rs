@@ -11,7 +11,10 @@
 //! bytes to rows; the full 32 bytes confirm, since BLAKE3 collisions cannot be crafted and a
 //! digest match stands for a byte comparison). Of requests filed alike (twins: a retry, the
 //! samples of a group) the first filed is the base. The message right after the base's is an
-//! *echo* when it is exactly the base's response: the tail keeps a placeholder for it.
+//! *echo* when it is exactly the base's response: the tail keeps a placeholder for it. A row
+//! keeps its response as the xxh3 of its packing (the graph keeps the bytes): an echo found
+//! by it is a candidate the caller confirms by comparing the bytes, since xxh3 collisions can
+//! be crafted.
 //!
 //! A raw text of messages (the JSON array a harness or a capture server sends) is read as
 //! `json.loads` reads it and transcoded straight into plain packings, with no Python object
@@ -22,8 +25,7 @@
 //! and its packings' digests go on from the tip's state. The base is then found exactly as for
 //! any request, in the same index: a tip saves reading, never decides.
 //!
-//! A row costs its digest, its message count and where its response's packing sits in the
-//! table's pages: no object per request, and a page is freed with the table.
+//! A row costs its digest, its message count and its response's xxh3: no object per request.
 
 use crate::digest::PrefixHasher;
 use crate::json::{self as ej, ParseError};
@@ -41,11 +43,6 @@ pub const DIGEST_SIZE: usize = 32;
 /// writes it (`ext 8`, length 0).
 #[allow(clippy::cast_sign_loss)]
 pub const ECHO_PACKED: [u8; 3] = [0xc7, 0x00, EXT_ECHO as u8];
-
-/// Bytes of a page of the table's response packings, at most (a longer packing gets a page of
-/// its own), and of the first.
-const PAGE: usize = 1 << 20;
-const FIRST_PAGE: usize = 1 << 12;
 
 /// Raw tips kept (the latest raw turn of each conversation, the oldest let go first).
 pub const MAX_RAW_TIPS: usize = 64;
@@ -259,55 +256,10 @@ pub fn digest_key(digest: &[u8; DIGEST_SIZE]) -> u64 {
     u64::from_le_bytes(first)
 }
 
-/// Where a packing sits in the pages.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-struct Span {
-    page: u32,
-    start: u32,
-    len: u32,
-}
-
-/// Bytes kept in pages that never move: a span stays valid as long as the table.
-#[derive(Debug, Default)]
-struct Pages {
-    pages: Vec<Vec<u8>>,
-}
-
-impl Pages {
-    fn push(&mut self, data: &[u8]) -> Span {
-        let fits = self
-            .pages
-            .last()
-            .is_some_and(|page| page.capacity() - page.len() >= data.len());
-        if !fits {
-            // pages double from FIRST_PAGE up to PAGE (a graph of a few turns, one of a
-            // server's thousand sessions, holds a few KiB); a longer packing gets one of its own
-            let size = self
-                .pages
-                .last()
-                .map_or(FIRST_PAGE, |page| (page.capacity() * 2).min(PAGE));
-            self.pages.push(Vec::with_capacity(data.len().max(size)));
-        }
-        let page_no = self.pages.len() - 1;
-        let page = &mut self.pages[page_no];
-        let start = page.len();
-        page.extend_from_slice(data);
-        Span {
-            page: page_no as u32,
-            start: start as u32,
-            len: data.len() as u32,
-        }
-    }
-
-    fn get(&self, span: Span) -> &[u8] {
-        let start = span.start as usize;
-        &self.pages[span.page as usize][start..start + span.len as usize]
-    }
-
-    fn nbytes(&self) -> usize {
-        self.pages.iter().map(Vec::capacity).sum::<usize>()
-            + self.pages.capacity() * std::mem::size_of::<Vec<u8>>()
-    }
+/// The key a response's packing is kept by in its row (0 stands for no response, so a
+/// packing whose xxh3 is 0 is kept as 1: an echo found by it is confirmed by the caller).
+pub fn response_key(packed: &[u8]) -> u64 {
+    xxh3_64(packed).max(1)
 }
 
 /// The message counts some filed request has: the boundaries worth a digest. A bitmap below
@@ -361,8 +313,8 @@ struct Row {
     /// its digest is known (false: a row read from a file by its key, see `file_key`)
     confirmed: bool,
     n_rest: u32,
-    /// its response's plain packing (None: no response)
-    response: Option<Span>,
+    /// its response's plain packing's `response_key` (0: no response)
+    response: u64,
     /// some turn is its child (a twin's continuation may move under a later twin)
     has_children: bool,
 }
@@ -419,7 +371,8 @@ pub struct Found {
     pub base: Option<TurnNo>,
     /// the base's message count (0 without a base)
     pub base_len: usize,
-    /// the message right after the base's is exactly the base's response
+    /// the message right after the base's packs with the xxh3 of the base's response (the
+    /// caller confirms it is exactly that response by comparing the bytes)
     pub echo: bool,
     /// the digest of the whole request
     pub digest: [u8; DIGEST_SIZE],
@@ -469,8 +422,7 @@ impl From<Full> for FileError {
     }
 }
 
-/// A graph's filed requests: rows, the index by digest key, the lengths index and the pages
-/// holding the responses' packings.
+/// A graph's filed requests: rows, the index by digest key and the lengths index.
 #[derive(Debug, Default)]
 pub struct Requests {
     rows: Vec<Row>,
@@ -478,7 +430,6 @@ pub struct Requests {
     turns: Vec<TurnNo>,
     index: KeyIndex<Filed>,
     lengths: Lengths,
-    pages: Pages,
     /// the latest raw turns, oldest first
     raw_tips: Vec<RawTip>,
     /// texts read from a tip on (for tests and figures)
@@ -611,10 +562,11 @@ impl Requests {
         keys
     }
 
-    /// The plain packing of a filed turn's response (None: not filed, or no response).
-    pub fn response(&self, turn: TurnNo) -> Option<&[u8]> {
-        let span = self.row_of(turn)?.response?;
-        Some(self.pages.get(span))
+    /// Whether `packed` may be a filed turn's response: its xxh3 is the one the row keeps
+    /// (None: not filed; false: no response). The caller confirms with the bytes.
+    pub fn echoes(&self, turn: TurnNo, packed: &[u8]) -> Option<bool> {
+        let row = self.row_of(turn)?;
+        Some(row.response != 0 && row.response == response_key(packed))
     }
 
     /// The base of a request whose messages pack as `plains`, and its digest; or an
@@ -749,10 +701,10 @@ impl Requests {
                     }),
                 },
                 Met::Row(row) => {
+                    let response = self.rows[row].response;
                     let echo = at < n
-                        && self.rows[row].response.is_some_and(|span| {
-                            self.pages.get(span) == plains[at - first].as_ref()
-                        });
+                        && response != 0
+                        && response == response_key(plains[at - first].as_ref());
                     Found {
                         base: Some(self.turns[row]),
                         base_len: at,
@@ -1053,7 +1005,7 @@ impl Requests {
                 *filed = Filed::Many(vec![first, row]);
             }
         }
-        let response = response.map(|packed| self.pages.push(packed));
+        let response = response.map_or(0, response_key);
         self.rows.push(Row {
             digest,
             confirmed,
@@ -1082,7 +1034,6 @@ impl Requests {
             + self.index.nbytes()
             + filed_many
             + self.lengths.nbytes()
-            + self.pages.nbytes()
             + self.raw_tips.capacity() * std::mem::size_of::<RawTip>()
     }
 }
@@ -1325,20 +1276,23 @@ mod tests {
         assert_eq!(table.find(&conv(&["a", "b"])), before);
         assert_eq!(table.n_rest(3), Some(1));
         assert_eq!(table.n_rest(2), None);
-        assert_eq!(table.response(3), Some(msg("b").as_slice()));
+        assert_eq!(table.echoes(3, &msg("b")), Some(true));
+        assert_eq!(table.echoes(3, &msg("c")), Some(false));
+        assert_eq!(table.echoes(2, &msg("b")), None);
     }
 
     #[test]
-    fn long_responses_get_pages_of_their_own_and_spans_stay_valid() {
+    fn a_row_keeps_its_response_by_its_xxh3_and_no_response_echoes_nothing() {
         let mut table = Requests::new();
-        let long = "x".repeat(PAGE + 10);
-        add(&mut table, 0, &conv(&["a"]), "short");
-        add(&mut table, 1, &conv(&["b"]), &long);
-        add(&mut table, 2, &conv(&["c"]), "after");
-        assert_eq!(table.response(0), Some(msg("short").as_slice()));
-        assert_eq!(table.response(1), Some(msg(&long).as_slice()));
-        assert_eq!(table.response(2), Some(msg("after").as_slice()));
-        assert!(table.nbytes() >= PAGE + 10);
+        let long = "x".repeat(1 << 21);
+        add(&mut table, 0, &conv(&["a"]), &long);
+        table.file(1, 1, Requests::find(&table, &conv(&["b"])).digest, None).unwrap();
+        assert_eq!(table.echoes(0, &msg(&long)), Some(true));
+        assert_eq!(table.echoes(1, &msg("")), Some(false));
+        assert_eq!(table.echoes(1, &[]), Some(false));
+        // no packing is kept: the row's bytes do not grow with its response
+        assert!(table.nbytes() < 4096, "{}", table.nbytes());
+        assert_eq!(response_key(b""), xxh3_64(b"").max(1));
     }
 
     #[test]
