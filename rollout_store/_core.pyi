@@ -288,6 +288,13 @@ class RequestTable:
         and the request's digest.
         `Unconfirmed` when it may extend a turn filed by its key alone (`file_key`) and not
         in `refuted`."""
+    def find_after(
+        self, state: Blake3, first: int, plains: list[bytes], *, refuted: list[int] = ...
+    ) -> tuple[int | None, int, bool, bytes]:
+        """`find` for a request whose first `first` messages are known to be those of a
+        filed request whose packings `state` has hashed (a raw tip's), the others packing
+        as `plains`: only those are hashed. No base shorter than `first` messages is looked
+        for."""
     def find_messages(
         self, packer: Packer, messages: list[Any], *, refuted: list[int] = ...
     ) -> tuple[int, list[bytes], tuple[int | None, int, bool, bytes]]:
@@ -365,7 +372,8 @@ class RequestTable:
     def prefixes(self, plains: list[bytes]) -> list[tuple[int, bytes, list[int]]]:
         """Every boundary of a request whose non-system messages pack as `plains` where it
         extends filed turns, longest first: `(len, digest, turns)`, the turns in filing
-        order (confirmed ones: a turn filed by its key is named once confirmed)."""
+        order (a turn filed by its key alone is named where its key is met: compare the
+        bytes, then `confirm` it)."""
     @staticmethod
     def keys(plains: list[bytes]) -> list[int]:
         """The index key of every prefix of a request whose messages pack as `plains`
@@ -374,6 +382,9 @@ class RequestTable:
         """Note that a filed turn has a child (False: it is not filed)."""
     def has_children(self, turn: int) -> bool | None:
         """Whether a filed turn has a child (None: not filed)."""
+    def filed_under(self, key: int) -> list[int]:
+        """The turns filed under the index key `key` (a digest's first 8 bytes,
+        little-endian, or the key a turn was filed by alone), in filing order."""
     def n_rest(self, turn: int) -> int | None:
         """The message count of a filed turn's request (None: not filed)."""
     def echoes(self, turn: int, packed: bytes) -> bool | None:

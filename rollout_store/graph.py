@@ -29,6 +29,7 @@ from .engine.requests import FreshRequest, RequestStore, Scratch
 from .engine.shared_blobs import StoreBlobTable
 from .engine.stored import (
     LOGPROBS_PACKED,
+    NO_MESSAGES,
     RESPONSE_REFS,
     SCALAR_NAMES,
     TAIL_ECHO,
@@ -286,7 +287,8 @@ class Graph:
     def _use_blobs(self, table: BlobTable) -> None:
         """Own `table` and the parts built on it (the graph is empty)."""
         self._blobs = table
-        self._requests = RequestStore(table, self.share_threshold)  # messages and values
+        # messages and values
+        self._requests = RequestStore(table, self.share_threshold, self._turns)
         self._linker = Linker(self._requests, self._turns)  # parents and adoptions
         # over an out-of-process store, each turn's tail and response too (turn_records)
         self._records = (
@@ -390,10 +392,12 @@ class Graph:
         """Each turn's index keys (request, token, prompt, root prefixes)."""
         keys: list[list[Any]] = [[None, None, None, None] for _ in self._turns]
         linker = self._linker
-        for slot, index in ((0, self._requests.request_index), (1, linker.token_index)):
-            for key, found in index.items():
-                for turn in index_members(found):
-                    keys[turn.index][slot] = key
+        for turn in self._turns:
+            if not turn.flags & NO_MESSAGES:
+                keys[turn.index][0] = turn.rkey
+        for key, found in linker.token_index.items():
+            for turn in index_members(found):
+                keys[turn.index][1] = key
         for key, found in linker.message_roots.items():
             for turn in index_members(found):
                 root_keys = keys[turn.index][3]

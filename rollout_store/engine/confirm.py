@@ -1,23 +1,18 @@
-"""Confirming re-sent messages: one packing of a request, prefix keys at its message
-boundaries, and cryptographic digests of packed prefixes.
+"""Digests of packed request prefixes, and the raw tips: a raw text that re-sends an earlier
+one is known by the BLAKE3 of its bytes, its long strings compared in place.
 
-A request re-sends, byte for byte, an earlier request plus a few new messages. The request's
-non-system messages before its last few are packed and hashed by the engine in one call
-(`Packer.hash_prefix`: no buffer of the whole prefix is made); the last few are packed one by
-one, so the digests at their boundaries are known. Plain packings are the engine's canonical
-packing (`Packer(None, None)`: every string inline), the same bytes msgpack writes for plain
-JSON values. A stored request is found by the BLAKE3 digest of its whole packed prefix (never of
-one message: buckets would grow with content that many rollouts share): its first 8 bytes are
-the index key, and all 32 confirm the match. xxh3 collisions can be crafted, BLAKE3 collisions
-cannot, so a digest match stands for a byte comparison. Packed msgpack items are
-self-delimiting, so equal prefix bytes mean equal leading messages.
+A stored request is found by the BLAKE3 digest of its non-system messages' plain packings
+(the engine's canonical packing, `Packer(None, None)`: every string inline): its first 8
+bytes are the index key, and all 32 confirm the match. xxh3 collisions can be crafted,
+BLAKE3 collisions cannot, so a digest match stands for a byte comparison. The graph's
+request table (`_core.RequestTable`) finds bases by these digests; this module gives them
+to the Python side (prefix keys of a root, the digest of a turn read from a file).
 
-Long strings need not be hashed again on every turn: the latest turn of a conversation is a
-`Tip` that remembers where its blobs are (message and path, and the blob's own string) and a
-BLAKE3 digest of its request "hollowed" (each blob string replaced by a placeholder). A fresh
-request is confirmed against a tip by comparing each such string with the blob (`==` on two
-`str`: memcmp speed) and the digest of its own hollowed packing with the tip's; its plain
-digest then continues from the tip's BLAKE3 state, so only the new messages are hashed whole.
+A raw text of messages mostly re-sends the text of its conversation's latest raw turn and
+adds a few items: that turn is a `RawTip`, which keeps the BLAKE3 of its text up to its last
+item with its long blob strings cut out (they are compared with the blobs in place, at
+memcmp speed, where hashing them again would cost ten times more) and the BLAKE3 state of
+its packings there, so the table goes on from that state and only the new items are read.
 """
 
 from __future__ import annotations
@@ -28,39 +23,26 @@ from typing import Any
 import msgpack
 import xxhash
 
-from .._core import Blake3, Packer
-from .encoding import array_header, no_echo, unpack
+from .._core import Blake3
+from .encoding import no_echo, unpack
 
 __all__ = [
     "HOLE_MIN",
     "MAX_RAW_TIPS",
-    "MAX_TIPS",
-    "TIP_MIN_BYTES",
     "RAW_HEAD",
-    "WINDOW",
     "Hole",
-    "Probe",
     "RawTip",
     "RawTips",
     "TextHole",
-    "Tip",
-    "Tips",
     "array_items",
     "digest_key",
-    "hollow_hasher",
-    "hollowed",
     "holes_of",
     "hollow_text",
     "text_holes",
-    "mark_length",
-    "marked_between",
     "prefix_digest",
     "prefix_keys",
     "raw_end",
 ]
-
-#: How many trailing message boundaries are probed, at most, before every boundary is.
-WINDOW = 8
 
 
 def prefix_digest(data: bytes | memoryview) -> bytes:
@@ -81,245 +63,6 @@ def prefix_keys(plains: Sequence[bytes]) -> list[int]:
         hasher.update(plain)
         keys.append(digest_key(hasher.digest()))
     return keys
-
-
-def mark_length(lengths: bytearray, n: int) -> None:
-    """Set bit `n` of a bitmap of message counts (what `Probe` takes as `lengths`)."""
-    if n >> 3 >= len(lengths):
-        lengths.extend(bytes((n >> 3) + 1 - len(lengths)))
-    lengths[n >> 3] |= 1 << (n & 7)
-
-
-def marked_between(lengths: bytearray, low: int, n: int) -> list[int]:
-    """The offsets j, lowest first, of the counts low + j strictly between `low` and `n`
-    that the bitmap `lengths` marks (see `mark_length`): mostly none. One int is cut from
-    the bitmap and its set bits taken lowest first, so the cost is that of the marks."""
-    if n - low < 2:
-        return []
-    first = (low + 1) >> 3
-    bits = int.from_bytes(lengths[first : (n >> 3) + 1], "little") >> (low + 1 - (first << 3))
-    bits &= (1 << (n - low - 1)) - 1
-    offsets = []
-    while bits:
-        bit = bits & -bits
-        bits ^= bit
-        offsets.append(bit.bit_length())  # bit b stands for the count low + 1 + b
-    return offsets
-
-
-class Probe:
-    """One request's non-system messages, packed once, with keys and digests of its prefixes.
-
-    The messages before the last `window` (at most `WINDOW`) are packed as arrays of many
-    messages (a few C calls) and hashed as they go; the last ones are packed one by one, so
-    the digest at each of their boundaries is known (given `lengths`, a bitmap of the message
-    counts of stored requests, see `mark_length`: only at those boundaries and at the end, as
-    no other boundary can match). `plains[i]` is the packing of message i where known (from
-    `low` on), `digests[j]` the digest of the first j messages where known. Raises what the
-    packer raises when some message cannot be packed plainly (the caller then takes the
-    validating path). `size` is the bytes of all the plain packings, where known (None: a
-    probe that continues a tip).
-    """
-
-    __slots__ = (
-        "_pack",
-        "digests",
-        "hasher",
-        "hollow",
-        "low",
-        "messages",
-        "n",
-        "plains",
-        "size",
-        "tip",
-    )
-
-    def __init__(
-        self,
-        messages: Sequence[Any],
-        packer: Packer,
-        window: int = WINDOW,
-        lengths: bytearray | None = None,
-        last: list[bytes] | None = None,
-    ) -> None:
-        if type(messages) is not list:
-            messages = list(messages)
-        n = len(messages)
-        low = n - window if n > window else 0
-        self.n = n
-        self.messages = messages
-        pack: Callable[[Any], bytes] = packer.pack
-        self._pack = pack
-        self.tip: Tip | None = None  # the tip it continues (see `continuing`)
-        self.hollow: Any = None  # then: the BLAKE3 state of its hollowed packing
-        if last is None:  # the last messages one by one (their packings are needed anyway)
-            last = [pack(message) for message in messages[low:]]
-        size = sum(map(len, last))
-        hasher, hashed = packer.hash_prefix(messages, low)
-        self.size: int | None = size + hashed
-        update = hasher.update
-        plains: list[bytes | None] = [None] * low
-        plains.extend(last)
-        digest = hasher.digest
-        join = b"".join
-        if lengths is None:
-            digests: list[bytes | None] = [None] * low
-            digests.append(digest())
-            for plain in last:
-                update(plain)
-                digests.append(digest())
-        else:  # digests only where a stored request may end, and at the end
-            digests = [None] * (n + 1)
-            if low >> 3 < len(lengths) and lengths[low >> 3] >> (low & 7) & 1:
-                digests[low] = digest()
-            done = 0  # packings of `last` hashed so far: one update per digest
-            for j in marked_between(lengths, low, n):
-                update(join(last[done:j]))
-                done = j
-                digests[low + j] = digest()
-            update(join(last[done:]))
-            digests[n] = digest()
-        self.plains = plains
-        self.digests = digests
-        self.low = low
-        self.hasher = hasher  # has seen every message: where a continuation's digest starts
-
-    @classmethod
-    def continuing(
-        cls,
-        tips: Tips,
-        messages: list[Any],
-        packer: Packer,
-        window: int,
-        lengths: bytearray,
-    ) -> Probe:
-        """A probe of `messages` that continues a tip with holes (confirmed as `Tip` says),
-        else a usual one.
-
-        Only the messages after the tip's are packed and hashed whole; `low` is the tip's
-        message count, so every boundary below it takes `extend`, as in a usual probe."""
-        n = len(messages)
-        low = n - window if n > window else 0
-        pack = packer.pack
-        last = [pack(message) for message in messages[low:]]
-        for j in range(n, low, -1):
-            for tip in tips.find(j, last[j - 1 - low]):
-                hollow = tip.confirm(messages, pack)
-                if hollow is None:
-                    continue
-                probe = cls.__new__(cls)
-                probe.n, probe.messages, probe._pack = n, messages, pack
-                probe.tip, probe.hollow = tip, hollow
-                probe.size = None  # (what the tip stands for is not packed)
-                plains: list[bytes | None] = [None] * low
-                plains.extend(last)
-                digests: list[bytes | None] = [None] * (n + 1)
-                digests[j] = tip.turn.digest
-                hasher = tip.plain_state.copy()
-                # boundaries after the tip where a stored request may end, and the end
-                done = j
-                for k in range(j + 1, n + 1):
-                    if k == n or (k >> 3 < len(lengths) and lengths[k >> 3] >> (k & 7) & 1):
-                        hasher.update(b"".join(last[done - low : k - low]))
-                        done = k
-                        digests[k] = hasher.digest()
-                probe.plains, probe.digests, probe.low, probe.hasher = plains, digests, j, hasher
-                return probe
-        return cls(messages, packer, window, lengths, last)
-
-    @classmethod
-    def at_base(
-        cls,
-        messages: list[Any],
-        pack: Callable[[Any], bytes],
-        hasher: Any,
-        last: list[bytes],
-        low: int,
-        marks: Sequence[int],
-        size: int,
-    ) -> Probe:
-        """A probe of `messages` whose first `low` a BLAKE3 `hasher` has seen packed (see
-        `Packer.hash_prefix`) and the others packed in `last`, one by one: the digest at `low`
-        is known, as are those at the end and at every count low + j between for j in
-        `marks` (the counts stored requests have there, lowest first: `marked_between`); a
-        turn's base at `low`, found by other means, is then confirmed by it. `size`: the
-        bytes of all the plain packings."""
-        n = len(messages)
-        probe = cls.__new__(cls)
-        probe.n, probe.messages, probe._pack = n, messages, pack
-        probe.tip, probe.hollow, probe.size = None, None, size
-        digests: list[bytes | None] = [None] * (n + 1)
-        digest = hasher.digest
-        digests[low] = digest()
-        join = b"".join
-        if marks:
-            update = hasher.update
-            done = 0  # packings of `last` hashed so far
-            for j in marks:
-                update(join(last[done:j]))
-                done = j
-                digests[low + j] = digest()
-            update(join(last[done:]))
-        else:  # the common case: no stored request ends between
-            hasher.update(join(last))
-        digests[n] = digest()
-        plains: list[bytes | None] = [None] * low
-        plains += last
-        probe.plains, probe.digests, probe.low, probe.hasher = plains, digests, low, hasher
-        return probe
-
-    def extend(self) -> None:
-        """Know the plains and digests of every boundary."""
-        digests = self.digests
-        if not self.low and None not in digests:
-            return
-        pack, plains, messages = self._pack, self.plains, self.messages
-        for i in range(self.low):
-            if plains[i] is None:
-                plains[i] = pack(messages[i])
-        # hashed only up to the last boundary whose digest is not known (mostly the one
-        # before the last message: a root's keys need every prefix but the whole request,
-        # whose digest is known, and its last message is often its longest, a screenshot)
-        last = len(digests) - 1
-        while digests[last] is not None:
-            last -= 1
-            if last < 0:
-                self.low = 0
-                return
-        hasher = Blake3()
-        digests[0] = hasher.digest()
-        for i in range(last):
-            hasher.update(plains[i])  # type: ignore[arg-type]
-            digests[i + 1] = hasher.digest()
-        self.low = 0
-
-    def key(self, j: int) -> int:
-        """The index key of the first `j` messages."""
-        return digest_key(self.digest(j))
-
-    def plain(self, i: int) -> bytes:
-        """The packing of message `i`."""
-        if i < self.low:
-            self.extend()
-        return self.plains[i]  # type: ignore[return-value]
-
-    def digest(self, j: int) -> bytes:
-        """The BLAKE3 digest of the packing of the first `j` messages."""
-        found = self.digests[j] if j >= self.low else None
-        if found is None:
-            self.extend()
-            found = self.digests[j]
-        return found  # type: ignore[return-value]
-
-    def all_plains(self) -> list[bytes]:
-        """Every message's packing."""
-        self.extend()
-        return self.plains  # type: ignore[return-value]
-
-    def keys(self) -> list[int]:
-        """The index keys of every prefix."""
-        self.extend()
-        return [digest_key(d) for d in self.digests]  # type: ignore[arg-type]
 
 
 #: A raw request is found among stored ones by the xxh3 key of its first bytes.
@@ -507,22 +250,8 @@ class RawTips:
                 del self._short_ends[tip.end]
 
 
-#: Tips kept per graph (the latest decoded turn of each conversation, oldest dropped first).
-MAX_TIPS = 64
-#: A conversation gets a tip only once its long blob strings hold this many characters in
-#: all: a tip keeps a BLAKE3 state of about 2 KB, and below this size hashing the strings
-#: again costs no measurable time (measured: add_turn of a GRPO group whose rollouts share
-#: one 200 KiB screenshot, 590 us median with tips, 599 without; of one with a new 100 KiB
-#: screenshot each turn, up to 1.2 MiB a request, no faster with them either).
-TIP_MIN_BYTES = 1 << 20
-#: What stands for a blob string in a hollowed packing (never stored: only hashed). Any
-#: fixed value does: the string at each hole is compared with its blob before the digests.
-_HOLE = None
-#: Plain packings of at most this many messages at a time while hashing a hollowed request.
-_RUN = 256
-#: Blob strings shorter than this stay in the hollowed packing (hashed whole): comparing one
-#: costs a few Python calls, which hashing saves only on long strings (measured: a 64 KiB
-#: screenshot gains several microseconds, an 8 KiB tool output none).
+#: Blob strings shorter than this stay in a raw tip's hashed text (hashed whole): comparing
+#: one costs a few Python calls, which hashing saves only on long strings.
 HOLE_MIN = 1 << 14
 
 #: One blob string of a message: the path to it (keys and indexes) and the blob's string.
@@ -567,110 +296,6 @@ def _items(node: Any) -> Any:
     return iter(node.items()) if type(node) is dict else enumerate(node)
 
 
-def hollowed(message: Any, holes: list[Hole]) -> Any:
-    """A copy of `message` with each hole's string replaced by the placeholder, copying only
-    the containers on the way; None unless every hole holds exactly its blob's string."""
-    copies: dict[int, Any] = {}
-    root = _copy(message, copies)
-    if root is None:
-        return None
-    for path, blob in holes:
-        node, copy = message, root
-        last = len(path) - 1
-        for depth, key in enumerate(path):
-            try:
-                child = node[key]
-            except (KeyError, IndexError, TypeError):
-                return None
-            if depth == last:
-                if type(child) is not str or child != blob:
-                    return None
-                copy[key] = _HOLE
-                break
-            child_copy = _copy(child, copies)
-            if child_copy is None:
-                return None
-            copy[key] = child_copy
-            node, copy = child, child_copy
-    return root
-
-
-def _copy(node: Any, copies: dict[int, Any]) -> Any:
-    found = copies.get(id(node))
-    if found is None:
-        kind = type(node)
-        if kind is dict:
-            found = dict(node)
-        elif kind is list:
-            found = list(node)
-        else:
-            return None
-        copies[id(node)] = found
-    return found
-
-
-class Tip:
-    """The latest decoded turn of a conversation whose request holds long blob strings, and
-    what confirms a request that re-sends it: its message count, where those strings are
-    (`holes`: message index and that message's holes, in order), the BLAKE3 digest of its
-    hollowed packing and the BLAKE3 state after its plain packing (the turn's digest; one
-    state a tip, about 2 KB: a continuation's hollowed state is its own)."""
-
-    __slots__ = ("holes", "hollow_digest", "key", "n", "plain_state", "turn")
-
-    def __init__(
-        self,
-        turn: Any,
-        n: int,
-        last_plain: bytes,
-        holes: list[tuple[int, list[Hole]]],
-        hollow_state: Any,
-        plain_state: Any,
-    ) -> None:
-        self.turn = turn
-        self.n = n
-        self.holes = holes
-        self.plain_state = plain_state
-        self.key = (n, xxhash.xxh3_64_intdigest(last_plain))  # a filter: `confirm` decides
-        self.hollow_digest = hollow_state.digest()
-
-    def confirm(self, messages: list[Any], pack: Callable[[Any], bytes]) -> Any:
-        """The BLAKE3 state after the hollowed packing of `messages[:n]` when it equals this
-        tip's (each blob string compared whole, the rest by the digest), else None."""
-        if self.n > len(messages):
-            return None
-        hasher = hollow_hasher(messages, self.n, self.holes, pack)
-        return hasher if hasher is not None and hasher.digest() == self.hollow_digest else None
-
-
-def hollow_hasher(
-    messages: list[Any], n: int, holes: list[tuple[int, list[Hole]]], pack: Callable[[Any], bytes]
-) -> Any:
-    """The BLAKE3 state after the hollowed packing of `messages[:n]` with these holes (the
-    messages between them packed plainly), or None when a hole does not hold its blob's very
-    string or something does not pack plainly."""
-    hasher = Blake3()
-    update = hasher.update
-    start = 0
-    try:
-        for i, message_holes in (*holes, (n, None)):
-            while start < i:  # the messages between holes, packed plainly in runs
-                stop = min(i, start + _RUN)
-                run = pack(messages[start:stop])
-                update(memoryview(run)[len(array_header(stop - start)) :])
-                start = stop
-            if message_holes is None:
-                break
-            hollow = hollowed(messages[i], message_holes)
-            if hollow is None:
-                return None
-            update(pack(hollow))
-            start = i + 1
-    except ValueError:  # something that does not pack plainly: not this request
-        return None
-    return hasher
-
-
 def array_items(data: bytes) -> list[bytes]:
     """The packed items of a packed array (a stored tail), each as its bytes."""
     unpacker = msgpack.Unpacker(raw=True, strict_map_key=False, max_buffer_size=len(data) + 1)
@@ -684,43 +309,3 @@ def array_items(data: bytes) -> list[bytes]:
         items.append(data[start:end])
         start = end
     return items
-
-
-class Tips:
-    """A graph's tips (at most MAX_TIPS), found by message count and the xxh3 of the last
-    message's plain packing (a filter only: a tip confirms), and by their turn."""
-
-    __slots__ = ("_by_key", "_by_turn")
-
-    def __init__(self) -> None:
-        self._by_key: dict[tuple[int, int], list[Tip]] = {}
-        self._by_turn: dict[int, Tip] = {}  # by the turn's index, oldest first
-
-    def __bool__(self) -> bool:
-        return bool(self._by_turn)
-
-    def find(self, n: int, last_plain: bytes) -> list[Tip]:
-        """Tips of `n` messages whose last message may pack as `last_plain`."""
-        found = self._by_key.get((n, xxhash.xxh3_64_intdigest(last_plain)))
-        return found if found is not None else []
-
-    def of(self, turn: Any) -> Tip | None:
-        """The tip of this very turn, if it is one."""
-        return self._by_turn.get(turn.index)
-
-    def add(self, tip: Tip, replaces: Tip | None) -> None:
-        if replaces is not None:
-            self._drop(replaces)
-        self._by_key.setdefault(tip.key, []).append(tip)
-        self._by_turn[tip.turn.index] = tip
-        while len(self._by_turn) > MAX_TIPS:
-            self._drop(next(iter(self._by_turn.values())))
-
-    def _drop(self, tip: Tip) -> None:
-        if self._by_turn.get(tip.turn.index) is not tip:
-            return
-        del self._by_turn[tip.turn.index]
-        tips = self._by_key[tip.key]
-        tips.remove(tip)
-        if not tips:
-            del self._by_key[tip.key]

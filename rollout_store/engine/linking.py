@@ -346,7 +346,7 @@ class Linker:
         """The longest stored request that this one extends and whose response is echoed
         right after it (an exact echo preferred to a loose one)."""
         store = self.requests
-        if not store.request_index:  # nothing filed (a graph's first request)
+        if not len(store.table):  # nothing filed (a graph's first request)
             return None
         for n in request.boundaries(min(request.n_valid, len(request.messages) - 1)):
             members = request.stored_prefixes(n)

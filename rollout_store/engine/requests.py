@@ -9,38 +9,27 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Sequence
-from itertools import chain
 from operator import attrgetter
 from typing import Any, Final
 
 import msgpack
 import xxhash
 
-from .._core import KeyIndex, Packer
+from .._core import Blake3, Packer, RequestTable, Unconfirmed
 from ..errors import InvalidValueError
 from ..model.nodes import TurnNode
 from ..model.raw import RawJSON, decode_array, decode_raw, resolve_raw
 from .blobs import BlobTable
 from .confirm import (
     HOLE_MIN,
-    TIP_MIN_BYTES,
-    WINDOW,
     Hole,
-    Probe,
     RawTip,
     RawTips,
-    Tip,
-    Tips,
     array_items,
     digest_key,
     holes_of,
-    hollow_hasher,
     hollow_text,
-    hollowed,
-    mark_length,
-    marked_between,
     prefix_digest,
-    prefix_keys,
     raw_end,
     text_holes,
 )
@@ -58,7 +47,6 @@ from .stored import (
     HAS_RESPONSE,
     MESSAGES_TUPLE,
     NO_MESSAGES,
-    PREFIX_SPECIAL,
     RESPONSE_REFS,
     RESPONSE_SPECIAL,
     TAIL_ECHO,
@@ -78,6 +66,10 @@ __all__ = ["FreshRequest", "RequestStore", "Scratch"]
 
 
 _new_tuple: Final = tuple.__new__
+
+#: The request table's decoded tips are not used: the graph confirms a re-sent request's long
+#: strings through its raw tips (strings this long are never holes).
+_NO_HOLES: Final = 1 << 62
 
 #: msgpack type bytes of ext and bin values, which JSON values never pack to by themselves
 _NOT_JSON = bytes((*range(0xC4, 0xCA), *range(0xD4, 0xD9)))
@@ -237,7 +229,6 @@ class Scratch:
 
     __slots__ = (
         "full_data",
-        "long_refs",
         "message_parent",
         "moves",
         "n_rest",
@@ -282,7 +273,6 @@ class Scratch:
         # the raw tip such a text continues (found, but not taken by `_prepare_raw`): its
         # tip replaces that one, as a turn taken there replaces the tip it continues
         self.raw_found: RawTip | None = None
-        self.long_refs = False  # its tail holds a blob string of HOLE_MIN or more
         self.twins = False  # stored turns with exactly this request have children a twin may take
         self.moves: list[tuple[Turn, LinkKind]] = []  # earlier turns it adopts
 
@@ -292,81 +282,108 @@ class Scratch:
 
 
 class FreshRequest:
-    """The non-system messages of a request being added, and which stored requests it
-    was found to extend (each checked once, however many questions ask).
+    """The non-system messages of a request being added, its base as the graph's request
+    table found it, and which stored requests it was found to extend (each checked once,
+    however many questions ask).
 
-    Packed at once by a `Probe` when every message packs plainly: stored requests are then
-    found by the digest of the whole prefix they would be, and confirmed by it. Otherwise
-    each message gets its own plain packing (None for an invalid one) and stored requests are
-    confirmed by comparing bytes with their tails.
+    The table packs the messages in one walk and finds the base by the BLAKE3 digests of the
+    packings at the boundaries where filed requests end (`RequestTable.find_messages`): the
+    packings before the base's message count are not kept, since the stored tail holds only
+    those after it; a question about an earlier boundary (linking off the common path) packs
+    them then. A request with a message that does not pack plainly is found by the packings
+    before that message. A turn read from a file is known by its key alone: the table asks
+    (`Unconfirmed`), its stored tails are compared byte for byte, and it is confirmed or
+    refuted.
     """
 
     __slots__ = (
         "_confirmed",
-        "_full_key",
-        "_keys",
+        "_digests",
+        "_first",
         "_plains",
         "_prefixes",
-        "_probe",
         "_store",
+        "base",
+        "base_len",
+        "full_digest",
         "messages",
         "n_valid",
-        "next_tip",
         "unique",
     )
 
-    def __init__(self, store: RequestStore, messages: Messages, probe: Probe | None) -> None:
+    def __init__(
+        self, store: RequestStore, messages: Messages, found: tuple[int, list[bytes], Any] | None
+    ) -> None:
+        """`found`: what `RequestStore.find` found of `messages` (None: one does not pack
+        plainly)."""
         self._store = store
         self.messages = messages
-        self._probe = probe
         self._confirmed: dict[int, bool] = {}
-        self._prefixes: dict[int, list[Turn] | tuple[Turn, ...]] = {}
-        self._plains: list[bytes | None] | None = None
-        self._keys: list[int] | None = None
-        self._full_key: int | None = None  # `key(n_valid)`, once asked
-        self.next_tip: Tip | None = None  # what its turn leaves for the next (see `build`)
-        self.unique = False  # known to be filed under no stored request's key: no twins
-        if probe is not None:
+        self._prefixes: dict[int, list[Turn] | tuple[Turn, ...]] | None = None
+        self._digests: dict[int, bytes] = {}
+        turns = store.turns
+        plains: list[bytes | None]
+        base_found: tuple[int | None, int, bool, bytes]
+        if found is not None:
+            first, packed, base_found = found
+            plains = packed  # type: ignore[assignment]
             self.n_valid = len(messages)
-        else:
-            plains = self._plains = [store.plain(m) for m in messages]
+        else:  # a message the walk must judge
+            first = 0
+            plains = [store.plain(m) for m in messages]
             # the messages before the first without a plain packing (only those can match)
             self.n_valid = plains.index(None) if None in plains else len(plains)
-            self._keys = prefix_keys(plains[: self.n_valid])  # type: ignore[arg-type]
+            base_found = store.find_plains(plains[: self.n_valid], messages)  # type: ignore[arg-type]
+        self._first = first
+        self._plains = plains
+        base_no, base_len, _, digest = base_found
+        self.base: Turn | None = None if base_no is None else turns[base_no]
+        self.base_len = base_len
+        self._digests[self.n_valid] = digest
+        self.full_digest: bytes | None = digest if self.n_valid == len(messages) else None
+        if self.base is not None:
+            self._confirmed[base_no] = True  # type: ignore[index]
+            self._digests[base_len] = self.base.digest or b""
+        # no filed request is this very one: no twins
+        self.unique = base_len < self.n_valid or self.base is None
+
+    def _all(self) -> list[bytes | None]:
+        """The plain packings of every message (those before the base's packed now)."""
+        first = self._first
+        if first:
+            pack = self._store.plain
+            self._plains[:0] = [pack(m) for m in self.messages[:first]]
+            self._first = 0
+        return self._plains
 
     def plain(self, i: int) -> bytes | None:
         """The plain packing of message `i` (None when it has none)."""
-        if self._probe is not None:
-            return self._probe.plain(i)
-        return self._plains[i]  # type: ignore[index]
+        first = self._first
+        if i >= first:
+            return self._plains[i - first]
+        return self._all()[i]
 
     def plain_slice(self, start: int, stop: int) -> list[bytes | None]:
         """The plain packings of messages `start` to `stop` (None for one that has none)."""
-        probe = self._probe
-        if probe is not None:
-            if start < probe.low:
-                probe.extend()
-            return probe.plains[start:stop]
-        return self._plains[start:stop]  # type: ignore[index]
+        first = self._first
+        if start >= first:
+            return self._plains[start - first : stop - first]
+        return self._all()[start:stop]
 
     def plains(self) -> list[bytes | None]:
-        if self._probe is not None:
-            return self._probe.all_plains()  # type: ignore[return-value]
-        return self._plains  # type: ignore[return-value]
+        return self._all()
+
+    def digest_at(self, n: int) -> bytes:
+        """The digest of the first `n` messages (n <= n_valid)."""
+        digest = self._digests.get(n)
+        if not digest:
+            digest = prefix_digest(b"".join(self.plain_slice(0, n)))  # type: ignore[arg-type]
+            self._digests[n] = digest
+        return digest
 
     def key(self, n: int) -> int:
         """The index key of the first `n` messages (n <= n_valid)."""
-        if n == self.n_valid:  # asked by prepare, twins and linking: worked out once
-            key = self._full_key
-            if key is None:
-                key = self._full_key = self._key(n)
-            return key
-        return self._key(n)
-
-    def _key(self, n: int) -> int:
-        if self._probe is not None:
-            return self._probe.key(n)
-        return self._keys[n]  # type: ignore[index]
+        return digest_key(self.digest_at(n))
 
     def confirmed(self, stored: Turn) -> None:
         """Note that this request is known to extend `stored` (see `extends`)."""
@@ -379,24 +396,15 @@ class FreshRequest:
         if ok is not None:
             return ok
         n = stored.n_rest
-        probe = self._probe
         digest = stored.digest
-        by_digest = digest is not None and (probe is not None or n <= self.n_valid)
         if n > self.n_valid:
             ok = False
-        elif probe is not None and digest is not None:
-            ok = digest == probe.digest(n)
-        elif digest is not None:  # the first n messages have their plain packings
-            ok = digest == prefix_digest(b"".join(self._plains[:n]))  # type: ignore[arg-type, index]
+        elif digest is not None:
+            ok = digest == self.digest_at(n)
         else:  # compare bytes with the stored tails (a turn read from a file, once)
             ok = self._store.matches(stored, self.plains(), self.messages)
-            if ok and probe is not None:
-                stored.digest = probe.digest(n)
-        if ok and (probe is not None or by_digest) and stored.flags & PREFIX_SPECIAL:
-            # a digest match of tuples, big ints or lone surrogates: the fresh messages must
-            # be those values, not msgpack.ExtType objects packing alike
-            valid = self._store.valid
-            ok = all(valid(self.messages[i], self.plain(i)) for i in range(n))
+            if ok:
+                self._store.confirm(stored, self.digest_at(n))
         confirmed[stored.index] = ok
         return ok
 
@@ -407,48 +415,37 @@ class FreshRequest:
             return False
         return self._store.twins(self.key(self.n_valid))
 
+    def _prefix_map(self) -> dict[int, list[Turn] | tuple[Turn, ...]]:
+        found = self._prefixes
+        if found is None:
+            store = self._store
+            turns = store.turns
+            plains = self.plain_slice(0, self.n_valid)
+            found = {}
+            for n, digest, numbers in store.table.prefixes(plains):  # type: ignore[arg-type]
+                self._digests[n] = digest
+                members = [turns[t] for t in numbers]
+                found[n] = store.group_of(members)
+            self._prefixes = found
+        return found
+
     def boundaries(self, high: int) -> Iterable[int]:
-        """Message counts from `high` down to 0 where a stored request may end (every count
-        but those of the probe's window that no filed request has: see `Probe`)."""
-        probe = self._probe
-        if probe is None or high < probe.low:
-            return range(high, -1, -1)
-        digests, low = probe.digests, probe.low
-        known = [n for n in range(high, low - 1, -1) if digests[n] is not None]
-        return chain(known, range(low - 1, -1, -1)) if low else known
+        """Message counts from `high` down to 0 where a filed request ends that this one may
+        extend, longest first."""
+        return [n for n in self._prefix_map() if n <= high]
 
     def stored_prefixes(self, n: int) -> list[Turn] | tuple[Turn, ...]:
-        """Stored turns whose non-system request is as long as the first `n` messages and
-        filed under their key (not yet confirmed: see `extends`)."""
-        found = self._prefixes.get(n)
-        if found is None:
-            probe = self._probe
-            if probe is not None and n >= probe.low:  # `key`, inline (the common case)
-                digest = probe.digests[n]
-                if digest is None:  # no stored request has n messages
-                    self._prefixes[n] = ()
-                    return ()
-                key = digest_key(digest)
-            else:
-                key = self.key(n)
-            hit = self._store.request_index.get(key)
-            found = () if hit is None else hit if type(hit) is _Bucket else (hit,)
-            self._prefixes[n] = found
-        return found
+        """Stored turns whose non-system request may be the first `n` messages (a turn read
+        from a file is not confirmed yet: see `extends`)."""
+        return self._prefix_map().get(n, ())
 
     def root_keys(self) -> list[int]:
         """Keys of every shorter prefix, the empty one too (a root waits under them)."""
-        if self._probe is not None:
-            return self._probe.keys()[:-1]
-        return self._keys[:-1]  # type: ignore[index]
+        return RequestTable.keys(self.plain_slice(0, self.n_valid))[:-1]  # type: ignore[arg-type]
 
     def digest(self) -> bytes | None:
         """The digest of the whole request, when every message has a plain packing."""
-        if self._probe is not None:
-            return self._probe.digest(self._probe.n)
-        if self.n_valid != len(self.messages):
-            return None
-        return prefix_digest(b"".join(self._plains))  # type: ignore[arg-type]
+        return self.full_digest
 
 
 class _Bucket(list[Turn]):
@@ -489,19 +486,10 @@ def _frozen(value: Any) -> Any:
     return value
 
 
-class _NoTips(Tips):
-    """The tips of a graph that has kept none yet: one object for every such graph (two
-    empty dicts each would cost 176 bytes a graph, a capture session), never changed: a graph
-    makes its own before it adds a tip."""
-
-    __slots__ = ()
-
-    def add(self, tip: Tip, replaces: Tip | None) -> None:
-        raise AssertionError("the shared empty tips are never changed")
-
-
 class _NoRawTips(RawTips):
-    """The raw tips of a graph that has kept none yet (as `_NoTips`: 248 bytes a graph)."""
+    """The raw tips of a graph that has kept none yet: one object for every such graph (its
+    dicts would cost 248 bytes a graph, a capture session), never changed: a graph makes its
+    own before it adds a tip."""
 
     __slots__ = ()
 
@@ -509,7 +497,6 @@ class _NoRawTips(RawTips):
         raise AssertionError("the shared empty raw tips are never changed")
 
 
-_NO_TIPS: Final = _NoTips()
 _NO_RAW_TIPS: Final = _NoRawTips()
 
 
@@ -522,22 +509,19 @@ class RequestStore:
 
     __slots__ = (
         "_encoder",
-        "_lengths",
         "_long_types",
-        "_longest",
         "_plain_limit",
         "_plain_packer",
-        "_window",
         "blobs",
-        "buckets",
+        "groups",
         "raw_shared",
         "raw_tips",
-        "request_index",
-        "tips",
+        "table",
+        "turns",
         "values",
     )
 
-    def __init__(self, blobs: BlobTable, share_threshold: int | None) -> None:
+    def __init__(self, blobs: BlobTable, share_threshold: int | None, turns: list[Turn]) -> None:
         self.blobs = blobs
         # the plain packer (the engine's canonical packing: every string inline), made at
         # first use (`_packer`) and let go after each turn by `reset_packer`: a graph keeps
@@ -547,24 +531,20 @@ class RequestStore:
         # over an out-of-process store: values holding blob references are matched by the
         # SHA-256 of their plain packings, never by fetching (requests by their digests)
         self.values = ValueTable(self.expand, share_threshold, hashed=blobs.fetches)
-        # digest of non-system request -> turn(s); no int object per key (a dict's would be
-        # a third of a short turn's bookkeeping)
-        self.request_index = KeyIndex()
-        self.buckets = 0  # keys of the request index that hold several turns (a `_Bucket`)
+        # the graph's turns (its own list), which the table names by their numbers
+        self.turns = turns
+        # every filed request: the one index and base-finder (a request is filed under its
+        # digest; a turn read from a file under its key until it is confirmed)
+        self.table = RequestTable(hole_min=_NO_HOLES)
+        # keys under which several turns are filed (twins, the samples of a group), with
+        # what linking keeps of them (a dict at the first one)
+        self.groups: dict[int, _Bucket] = NOT_YET
         # plain packings shorter than this can hold no blob and no nesting beyond MAX_DEPTH
         self._plain_limit = min(share_threshold or MAX_DEPTH, MAX_DEPTH)
         # longer ones, where they hold no long string's type byte (see `_walk_free`)
         self._long_types = _long_string_types(share_threshold)
         # the latest raw turns, for raw continuations (the graph's own at the first one)
         self.raw_tips: RawTips = _NO_RAW_TIPS
-        # the latest decoded turns whose requests hold blobs: their strings are compared, not
-        # hashed again (not over an out-of-process store: its strings are fetched)
-        self.tips: Tips | None = None if blobs.fetches else _NO_TIPS
-        self._window = WINDOW  # trailing boundaries a request is probed at first
-        # bit n set: some filed request has n messages (a request can only extend one whose
-        # count is among these: the boundaries worth a digest); a bit per count, not per turn
-        self._lengths = bytearray()
-        self._longest = -1  # the highest count marked there (none: -1)
         # raw texts of shared values (tools, sampling parameters) the graph holds, and their
         # stored form and item count: a capture server re-sends the same tools text each
         # call, taken then without decoding or packing it (`shared_value`)
@@ -589,14 +569,77 @@ class RequestStore:
             packer = self._plain_packer = Packer(None, None)
         return packer
 
+    @property
+    def buckets(self) -> int:
+        """Keys under which several turns are filed."""
+        return len(self.groups)
+
     def drop_caches(self) -> None:
-        """Let go of the tips, decoded and raw (a BLAKE3 state of about 2 KB each), and of
-        the raw texts of shared values remembered (`raw_shared`): they only spare the next
-        turn hashing again what it re-sends, or decoding a tool list again."""
+        """Let go of the raw tips (a BLAKE3 state of about 2 KB each) and of the raw texts
+        of shared values remembered (`raw_shared`): they only spare the next turn hashing
+        again what it re-sends, or decoding a tool list again."""
         self.raw_tips = _NO_RAW_TIPS
-        if self.tips is not None:
-            self.tips = _NO_TIPS
         self.raw_shared = NOT_YET
+
+    # ------------------------------------------------------------------ the table
+
+    def find(self, messages: list[Any]) -> tuple[int, list[bytes], Any]:
+        """`RequestTable.find_messages` of non-system messages, a turn read from a file
+        that the table asks about compared byte for byte and confirmed or refuted."""
+        table, packer = self.table, self._packer()
+        refuted: list[int] = []
+        while True:
+            try:
+                return table.find_messages(packer, messages, refuted=refuted)
+            except Unconfirmed as ask:
+                self._decide(ask, messages, [self.plain(m) for m in messages], refuted)
+
+    def _found(self, messages: Messages) -> tuple[int, list[bytes], Any] | None:
+        """`find` of non-system messages; None when one of them does not pack plainly (the
+        validating walk judges it)."""
+        try:
+            return self.find(messages if type(messages) is list else list(messages))
+        except (ValueError, TypeError, RecursionError):
+            return None
+
+    def find_plains(
+        self, plains: list[bytes], messages: Messages
+    ) -> tuple[int | None, int, bool, bytes]:
+        """`RequestTable.find` of the packings of a request's first messages (those before
+        one that does not pack plainly), as `find`."""
+        refuted: list[int] = []
+        while True:
+            try:
+                return self.table.find(plains, refuted=refuted)
+            except Unconfirmed as ask:
+                self._decide(ask, messages, plains, refuted)  # type: ignore[arg-type]
+
+    def _decide(
+        self, ask: Unconfirmed, messages: Messages, plains: list[bytes | None], refuted: list[int]
+    ) -> None:
+        """Compare the turn the table asks about with the request's messages; confirm it or
+        refute it."""
+        number, digest = ask.args[1], ask.args[3]
+        stored = self.turns[number]
+        if self.matches(stored, plains, messages):
+            self.confirm(stored, digest)
+        else:
+            refuted.append(number)
+
+    def confirm(self, stored: Turn, digest: bytes) -> None:
+        """A turn read from a file (filed by its key) was found to be the request whose
+        digest is `digest`: found by it from now on."""
+        if self.table.confirm(stored.index, digest):
+            stored.digest = digest
+
+    def group_of(self, members: list[Turn]) -> list[Turn] | _Bucket:
+        """`members` (turns filed alike, in filing order) as the group that holds them and
+        their links, when one does."""
+        if len(members) > 1 and self.groups:
+            group = self.groups.get(members[0].rkey)  # type: ignore[arg-type]
+            if group is not None and len(group) == len(members):
+                return group
+        return members
 
     # ------------------------------------------------------------------ intake
 
@@ -722,10 +765,9 @@ class RequestStore:
         """Store the request as system part + base turn + tail; return the system plain.
 
         Sets `scratch.request` (the fresh request, for linking) and `scratch.request_digest`.
-        One path stores every decoded request; only where its base comes from differs (the
-        latest turn, found by `_continuation`, or a search of the stored requests by the
-        probe's digests, `_base`). A raw text that continues a raw tip is taken before any
-        decoding (`_prepare_raw`).
+        One path stores every decoded request: its base is what the request table finds.
+        A raw text that continues a raw tip is taken before any decoding (`_prepare_raw`),
+        its base found in the same table from the tip's state.
         """
         messages = node.request_messages
         raw: bytes | None = None
@@ -765,34 +807,13 @@ class RequestStore:
             return None
         n_sys = leading_system_count(messages)
         rest = messages[n_sys:]
-        packer = self._packer()
-        pack = packer.pack
-        probe: Probe | None
-        tips = self.tips
-        # where the request's base is found: mostly the turn just before, re-sent with its
-        # response and a few new messages (its base then, confirmed already); else among
-        # the stored requests, by the probe's digests (see `_base`)
-        continued = self._continuation(rest, packer) if not tips and type(rest) is list else None
-        try:
-            if continued is not None:
-                probe = continued[0]
-            elif tips and type(rest) is list:
-                probe = Probe.continuing(tips, rest, packer, self._window, self._lengths)
-            else:
-                # nothing filed yet (a graph's first turn): every boundary's digest in one
-                # pass, as this turn will be a root whose keys need them (see `Probe.extend`)
-                lengths = self._lengths if self._longest >= 0 else None
-                probe = Probe(rest, packer, self._window, lengths)
-        except Exception:  # some message needs the validating walk, or is RawJSON
-            probe = None
-            if any(type(m) is RawJSON for m in messages):
-                messages = resolve_raw(messages, "request_messages")
-                n_sys = leading_system_count(messages)
-                rest = messages[n_sys:]
-                try:
-                    probe = Probe(rest, packer, self._window, self._lengths)
-                except Exception:
-                    probe = None
+        walked = self._found(rest)
+        if walked is None and any(type(m) is RawJSON for m in messages):
+            messages = resolve_raw(messages, "request_messages")
+            n_sys = leading_system_count(messages)
+            rest = messages[n_sys:]
+            walked = self._found(rest)
+        pack = self._packer().pack
         try:
             plains: list[bytes | None] = [pack(m) for m in messages[:n_sys]]
         except Exception:  # some message needs the slow path: find which
@@ -808,47 +829,28 @@ class RequestStore:
             if None not in plains:
                 system_plain = b"".join(plains)  # type: ignore[arg-type]  # (one: itself)
 
-        request = FreshRequest(self, rest, probe)
+        request = FreshRequest(self, rest, walked)
         scratch.request = request
-        base: Turn | None
-        if continued is not None:  # what `_continuation` answered is not asked again
-            probe, base = continued
-            digest: bytes = probe.digests[probe.n]  # type: ignore[assignment]
-            scratch.request_sum = digest  # (what `build` would ask the request for)
-            scratch.request_digest = request._full_key = digest_key(digest)  # `key(n)`
-            request.confirmed(base)
-            request.unique = True  # (no stored request has its key: no twins)
-            self._adapt_window(probe.n - probe.low)  # (its base's message count: low)
-            self._store_tail(turn, request, base, n_sys, scratch, probe.low)
-        else:
-            if request.n_valid == len(request.messages):
-                scratch.request_digest = request.key(request.n_valid)
-            if self.request_index:
-                base = self._base(request)
-            else:  # nothing filed (a graph's first request): no base and no twins
-                base = None
-                request.unique = True
-            if base is not None and probe is not None:
-                self._adapt_window(len(rest) - base.n_rest)
-            self._store_tail(turn, request, base, n_sys, scratch)
-        if raw is not None and probe is not None and rest and isinstance(messages, list):
+        if request.n_valid == len(rest):
+            scratch.request_sum = request.full_digest
+            scratch.request_digest = request.key(request.n_valid)
+        self._store_tail(turn, request, request.base, n_sys, scratch)
+        if raw is not None and rest and isinstance(messages, list):
             end = raw_end(raw)
-            if end is not None:  # later raw turns of this conversation start here (`build`)
-                # one object for the system part of a conversation's tips, and of the
-                # conversations of graphs sharing a cache
+            if end is not None and request.full_digest is not None:
+                # later raw turns of this conversation start here (`build`): the state of
+                # its packings' BLAKE3 (one object for the system part of a conversation's
+                # tips, and of the conversations of graphs sharing a cache)
+                state = Blake3()
+                for plain in request.plains():
+                    state.update(plain)  # type: ignore[arg-type]
                 found = scratch.raw_found
                 if found is not None and found.system_plain == system_plain:
                     system_plain = found.system_plain
                 elif system_plain is not None:
                     system_plain = self.blobs.share_plain(system_plain)
-                scratch.raw_text = (raw, end, probe.hasher, system_plain, n_sys)
+                scratch.raw_text = (raw, end, state, system_plain, n_sys)
         return system_plain
-
-    def _adapt_window(self, lag: int) -> None:
-        """After a request whose base lay `lag` messages back: the next request is probed at
-        as many boundaries as bases lately lay back (and at every boundary when its base
-        lies further back: see `Probe`)."""
-        self._window = min(WINDOW, max(lag + 2, self._window - 1))
 
     def _prepare_raw(self, turn: Turn, scratch: Scratch, data: bytes) -> bytes | object | None:
         """Store a raw messages text that continues a raw tip, decoding only what is new.
@@ -885,25 +887,19 @@ class RequestStore:
         # the base must be the longest stored request this one extends, and the only one
         # with its request (else the decoded path's choices apply): no stored request at any
         # boundary after it, and no twin of it
-        index = self.request_index
-        if base.rkey is None or type(index.get(base.rkey)) is _Bucket:
+        if base.rkey is None or (self.groups and base.rkey in self.groups):
             return _NOT_FAST
-        state = tip.plain_state.copy()
-        # digests only where a stored request may end (a message count some filed request
-        # has: see `mark_length`) and at the end, one update each
         start = base.n_rest
-        n = start + len(plains)
-        done = 0
-        join = b"".join
-        for j in marked_between(self._lengths, start, n):  # boundary start + j
-            state.update(join(plains[done:j]))
-            done = j
-            if digest_key(state.digest()) in index:
-                return _NOT_FAST
-        state.update(join(plains[done:]))
-        digest = state.digest()  # the request's
-        if digest_key(digest) in index:
+        try:
+            number, base_len, _, digest = self.table.find_after(tip.plain_state, start, plains)
+        except Unconfirmed:  # a turn read from a file may be a longer base: decoded whole
             return _NOT_FAST
+        if number != base.index or base_len != start:
+            return _NOT_FAST
+        n = start + len(plains)
+        state = tip.plain_state.copy()
+        for plain in plains:
+            state.update(plain)
         first = tip.n_sys + base.n_rest
         skip = 0  # fresh messages kept as an echo reference: the first, when exact
         if exact:
@@ -912,7 +908,7 @@ class RequestStore:
         limit = self._plain_limit
         # packings holding long blob strings (in-process blobs only: over a store they would
         # be fetched)
-        long: list[bytes] | None = [] if self.tips is not None else None
+        long: list[bytes] | None = None if self.blobs.fetches else []
         if long is not None and base.flags & RESPONSE_REFS and base.response:
             long.append(base.response)
         pieces = [ECHO_PACKED] if exact else []
@@ -954,72 +950,6 @@ class RequestStore:
         scratch.raw_tip = (new_tip, tip)
         return tip.system_plain
 
-    def _continuation(self, rest: list[Any], packer: Packer) -> tuple[Probe, Turn] | None:
-        """A probe of `rest` and its base when `rest` re-sends the request of the latest turn
-        filed under a new key, then its response exactly, then new messages, and no longer
-        stored request (no twin either) is among its prefixes: what `Probe` and `_base` would
-        find, for less. None when any of that is not so (or something needs the validating
-        walk). Most turns continue the turn just before them: the index's last entry (it
-        keeps insertion order), so no reference of its own is kept."""
-        index = self.request_index
-        last = index.last()
-        # not a bucket of twins (`_base` picks among them), nor a turn whose record may be
-        # kept in a store (`is_echo` asks that one); a bare turn is the only one under its
-        # key (every filing goes through `file`, which keeps a turn's `rkey` its key)
-        if last is None or last.__class__ is not Turn or last.flags & _NOT_CONTINUED:
-            return None
-        base: Turn = last
-        b, n = base.n_rest, len(rest)
-        if not b < n or not base.flags & HAS_RESPONSE:
-            return None
-        pack = packer.pack
-        try:
-            echo = pack(rest[b])
-            if echo != base.response:  # the cheap test first: mostly another conversation
-                return None
-            plains = [echo]
-            plains += [pack(message) for message in rest[b + 1 :]]
-            size = sum(map(len, plains))
-            hasher, hashed = packer.hash_prefix(rest, b)
-        except ValueError:  # something to walk: the usual path says what
-            return None
-        # counts between b and n that some filed request has (mostly none: in one
-        # conversation the longest filed request is the base)
-        marks = marked_between(self._lengths, b, n) if self._longest > b else []
-        probe = Probe.at_base(rest, pack, hasher, plains, b, marks, size + hashed)
-        digests = probe.digests
-        if digests[b] != base.digest:
-            return None
-        # no longer stored request may be one this one extends, and no twin of it
-        if digest_key(digests[n]) in index:  # type: ignore[arg-type]
-            return None
-        for j in marks:
-            if digest_key(digests[b + j]) in index:  # type: ignore[arg-type]
-                return None
-        return probe, base
-
-    def _base(self, request: FreshRequest) -> Turn | None:
-        """The longest stored request that `request` extends (its storage base)."""
-        probe = request._probe
-        high = request.n_valid
-        if probe is not None and high >= probe.low:
-            # the common case inline: the probe's window, where its digests say a stored
-            # request may end (`boundaries` and `stored_prefixes` without their calls)
-            digests, index = probe.digests, self.request_index
-            for n in range(high, probe.low - 1, -1):
-                digest = digests[n]
-                if digest is None or index.get(digest_key(digest)) is None:
-                    continue
-                for candidate in request.stored_prefixes(n):
-                    if request.extends(candidate):
-                        return candidate
-            high = probe.low - 1
-        for n in request.boundaries(high):
-            for candidate in request.stored_prefixes(n):
-                if request.extends(candidate):
-                    return candidate
-        return None
-
     def _store_tail(
         self,
         turn: Turn,
@@ -1056,8 +986,6 @@ class RequestStore:
                 packed, special = encoder.encode(rest[i], f"request_messages[{n_sys + i}]")
                 if packed != p:
                     turn.flags |= TAIL_REFS
-                    if encoder.last_longest >= HOLE_MIN:
-                        scratch.long_refs = True
                 if special:
                     turn.flags |= TAIL_SPECIAL
                 pieces.append(packed)
@@ -1073,100 +1001,18 @@ class RequestStore:
         digest = None
         if key is not None and not turn.flags & NO_MESSAGES:
             digest = scratch.request_sum
-            if digest is None and scratch.request is not None:
-                digest = scratch.request.digest()
         else:
             key = None
         turn.build(scratch.tail_parts, scratch.n_rest, response, digest, key)
-        request = scratch.request
-        tips, flags, base = self.tips, turn.flags, turn.base
-        if (
-            digest is not None
-            and request is not None
-            and tips is not None
-            # `_next_tip` leaves none without a tip before or a long string new (inline)
-            and (
-                flags & TAIL_REFS
-                or (flags & TAIL_ECHO and base is not None and base.flags & RESPONSE_REFS)
-                or tips
-            )
-        ):
-            try:
-                request.next_tip = self._next_tip(turn, request, scratch)
-            except Exception:  # whatever it is, the next turn is confirmed as usual
-                request.next_tip = None
         if scratch.raw_text is not None:
             raw, end, plain_state, system_plain, n_sys = scratch.raw_text
-            tip = request.next_tip if request is not None else None
-            if tip:
-                blobs = [blob for _, holes in tip.holes for _, blob in holes]
-            else:
-                blobs = self._long_blobs(turn)
+            blobs = self._long_blobs(turn)
             text = text_holes(raw, 0, end, blobs) if blobs else []
             hollow = hollow_text(raw, 0, end, text)
             if hollow is not None:  # (it always is: the holes were found there)
                 raw_tip = RawTip(turn, raw, end, hollow.digest(), plain_state, system_plain, n_sys)
                 raw_tip.holes = text
                 scratch.raw_tip = (raw_tip, scratch.raw_found)
-
-    def _next_tip(self, turn: Turn, request: FreshRequest, scratch: Scratch) -> Tip | None:
-        """The tip this turn leaves for its conversation, when its request holds long blob
-        strings: its base's tip extended by its new messages, or one worked out whole."""
-        probe = request._probe
-        tips = self.tips
-        flags = turn.flags
-        if probe is None or tips is None or flags & PREFIX_SPECIAL:
-            return None
-        base = turn.base
-        previous = tips.of(base) if tips and base is not None else None
-        # (a tail whose blob strings are all shorter than HOLE_MIN has no holes)
-        refs = (flags & TAIL_REFS and scratch.long_refs) or (
-            flags & TAIL_ECHO and base is not None and base.flags & RESPONSE_REFS
-        )
-        if previous is None and not refs:  # the common case: no long string anywhere new
-            return None
-        if previous is None and probe.size is not None and probe.size < TIP_MIN_BYTES:
-            # a first tip needs TIP_MIN_BYTES of long strings, which are in the request's
-            # plain packings: no need to look for them (each turn of a conversation would
-            # unpack every tail of its request again)
-            return None
-        messages = request.messages
-        n = len(messages)
-        start = base.n_rest if base is not None else 0
-        if not refs:
-            parts: list[bytes] = request.plain_slice(start, n)  # type: ignore[assignment]
-            found: list[tuple[int, list[Hole]]] = []
-        else:
-            new = self._new_holes(turn, request, scratch, start)
-            if new is None:
-                return None
-            parts, found = new
-        if previous is not None:
-            holes = previous.holes
-            hollow = probe.hollow if probe.tip is previous else None
-            if hollow is None:  # its base was confirmed by the plain digest: hollow it once
-                hollow = hollow_hasher(probe.messages, start, holes, self._packer().pack)
-                if hollow is None or hollow.digest() != previous.hollow_digest:
-                    return None
-        elif not found:
-            return None
-        else:  # the first long string of this conversation (or its tip was dropped)
-            earlier = self._chain_holes(base) if base is not None else []
-            if earlier is None:
-                return None
-            size = sum(
-                len(text) for _, found_holes in (*earlier, *found) for _, text in found_holes
-            )
-            if size < TIP_MIN_BYTES:  # hashed again at no measurable cost: no state kept
-                return None
-            holes = earlier
-            hollow = hollow_hasher(probe.messages, start, earlier, self._packer().pack)
-            if hollow is None:
-                return None
-        hollow.update(b"".join(parts))
-        if found:
-            holes = [*holes, *found]
-        return Tip(turn, n, probe.plain(n - 1), holes, hollow, probe.hasher)
 
     def _long_blobs(self, turn: Turn) -> list[str]:
         """The long blob strings of a stored turn's non-system messages, in their order: the
@@ -1175,7 +1021,7 @@ class RequestStore:
         conversation then compares them in place and hashes only the text around them,
         where it would hash them too (a screenshot re-sent each turn: BLAKE3 runs at a
         tenth of a comparison's speed). None over a store whose strings are fetched."""
-        if self.tips is None:
+        if self.blobs.fetches:
             return []
         # (a bounded walk: a conversation whose raw texts keep being decoded whole must not
         # walk its whole chain each turn; past the bound its text is hashed whole, as before)
@@ -1212,82 +1058,39 @@ class RequestStore:
             node = base
         return [hole for here in reversed(found) for hole in here]
 
-    def _new_holes(
-        self, turn: Turn, request: FreshRequest, scratch: Scratch, start: int
-    ) -> tuple[list[bytes], list[tuple[int, list[Hole]]]] | None:
-        """The hollowed packings of a turn's new messages and the holes among them (None:
-        something does not pack plainly)."""
-        plains = request.plain_slice(start, len(request.messages))
-        pieces = scratch.tail_parts[1:]  # after the array header: one a message
-        if len(pieces) != len(plains):
-            return None
-        base = turn.base
-        parts: list[bytes] = []
-        found: list[tuple[int, list[Hole]]] = []
-        for k, (piece, plain) in enumerate(zip(pieces, plains, strict=True)):
-            if plain is None:
-                return None
-            if piece is plain or piece == plain:  # stored as packed: no blob
-                parts.append(plain)
-                continue
-            stored: bytes | None = piece
-            if k == 0 and turn.flags & TAIL_ECHO:  # the base's response
-                stored = base.response if base is not None else None
-                if stored is None or not base.flags & RESPONSE_REFS:  # type: ignore[union-attr]
-                    parts.append(plain)
-                    continue
-            holes = holes_of(stored, self.blobs.string)  # type: ignore[arg-type]
-            if not holes:  # no long blob string as a value: hashed whole, which is exact
-                parts.append(plain)
-                continue
-            hollow = hollowed(request.messages[start + k], holes)
-            if hollow is None:
-                return None
-            parts.append(self._packer().pack(hollow))
-            found.append((start + k, holes))
-        return parts, found
-
     def file(self, turn: Turn, key: int | None, request: FreshRequest | None = None) -> None:
-        """File a committed turn's request under `key` (its digest), if it has messages;
-        `request` (when the turn was just added) gives the digest that confirms it."""
+        """File a committed turn's request under `key` (its digest's), if it has messages:
+        by its digest when it is known (a turn just added), else by the key alone (a turn
+        read from a file, confirmed when a later request is found to extend it)."""
         if key is None or turn.flags & NO_MESSAGES:
             return
-        index = self.request_index
-        found = index.get(key)
-        if found is None:
-            index[key] = turn
-        elif type(found) is _Bucket:
-            found.append(turn)
-            if found.by_response is not None:
-                self._hold_by_response(found.by_response, turn)
-        else:  # a second turn with this very request: a bucket that tracks its parents
-            bucket = index[key] = _Bucket((found, turn))
-            self.buckets += 1
-            if found.children:
-                bucket.parents.append(found)
-        # a turn just added was built with its key (`build`); a file's reader gives its own
+        table = self.table
+        others = table.filed_under(key)
         if request is None and turn.rkey != key:
             turn.file_under(key, turn.digest)
-        tips = self.tips
-        if request is not None and request.next_tip is not None and tips is not None:
-            if tips is _NO_TIPS:
-                tips = self.tips = Tips()
-            base = turn.base
-            tips.add(request.next_tip, tips.of(base) if base is not None else None)
-        n = turn.n_rest
-        lengths = self._lengths
-        if n >> 3 >= len(lengths) or not lengths[n >> 3] >> (n & 7) & 1:
-            mark_length(lengths, n)
-            if n > self._longest:
-                self._longest = n
+        digest = turn.digest
+        if digest is not None and digest_key(digest) == key:
+            table.file(turn.index, turn.n_rest, digest)
+        else:
+            table.file_key(turn.index, turn.n_rest, key)
+        if others:
+            groups = self.groups
+            group = groups.get(key) if groups else None
+            if group is None:  # a second turn under this key: a group that tracks its parents
+                if groups is NOT_YET:
+                    groups = self.groups = {}
+                turns = self.turns
+                group = groups[key] = _Bucket(tuple(turns[t] for t in others))
+                group.parents.extend(t for t in group if t.children)
+            group.append(turn)
+            if group.by_response is not None:
+                self._hold_by_response(group.by_response, turn)
 
     def note_parent(self, turn: Turn) -> None:
-        """`turn` got its first child (a bucket of identical requests lists its parents)."""
-        key = turn.rkey
-        if key is not None:
-            found = self.request_index.get(key)
-            if type(found) is _Bucket:
-                found.parents.append(turn)
+        """`turn` got its first child (a group of identical requests lists its parents)."""
+        group = self._bucket_of(turn)
+        if group is not None:
+            group.parents.append(turn)
 
     def echo_candidates(
         self, members: Sequence[Turn], message: Any, plain: bytes | None, loose: bool
@@ -1337,28 +1140,26 @@ class RequestStore:
 
     def twins(self, key: int) -> bool:
         """Whether stored turns filed under `key` have children a twin may take (of a
-        bucket: children linked to them by a loose echo)."""
-        found = self.request_index.get(key)
-        if found is None:
-            return False
-        if type(found) is not _Bucket:
+        group: children linked to them by a loose echo)."""
+        group = self.groups.get(key) if self.groups else None
+        if group is None:
             # (a child linked by tokens is no twin's to take: then the twin's response,
             # which may be fetched, is not asked for)
             return any(
-                c.link == LinkKind.MESSAGES and c.prompt is None for c in found.children or ()
+                c.link == LinkKind.MESSAGES and c.prompt is None
+                for t in self.table.filed_under(key)
+                for c in self.turns[t].children or ()
             )
-        return bool(self._loose_of(found))
+        return bool(self._loose_of(group))
 
     def echoing_children(self, key: int, echo: bytes) -> Sequence[Turn]:
         """Children of stored turns filed under `key` that a twin of theirs whose response
-        packs as `echo` may take: of a bucket those linked loosely whose echo may be `echo`
+        packs as `echo` may take: of a group those linked loosely whose echo may be `echo`
         (by its digest); of a single turn, all its children (the caller checks each)."""
-        found = self.request_index.get(key)
-        if found is None:
-            return ()
-        if type(found) is not _Bucket:
-            return found.children or ()
-        return index_members(self._loose_of(found).get(xxhash.xxh3_64_intdigest(echo)))
+        group = self.groups.get(key) if self.groups else None
+        if group is None:
+            return [c for t in self.table.filed_under(key) for c in self.turns[t].children or ()]
+        return index_members(self._loose_of(group).get(xxhash.xxh3_64_intdigest(echo)))
 
     def note_linked(
         self,
@@ -1387,9 +1188,9 @@ class RequestStore:
                     index_remove(loose, key, child)
 
     def _bucket_of(self, turn: Turn) -> _Bucket | None:
-        key = turn.rkey if self.buckets else None
-        found = None if key is None else self.request_index.get(key)
-        return found if type(found) is _Bucket else None
+        groups = self.groups
+        key = turn.rkey if groups else None
+        return None if key is None else groups.get(key)
 
     def _loose_of(self, bucket: _Bucket) -> dict[int, Any]:
         loose = bucket.loose
@@ -1433,14 +1234,6 @@ class RequestStore:
         return None if exact else echo
 
     # ------------------------------------------------------------------ matching
-
-    def candidates(self, key: int, n_rest: int) -> list[Turn] | tuple[Turn, ...]:
-        """Stored turns filed under request key `key` (with `n_rest` non-system messages,
-        unless keys of different prefixes collide: `FreshRequest.extends` checks)."""
-        found = self.request_index.get(key)
-        if found is None:
-            return ()
-        return found if type(found) is _Bucket else (found,)
 
     def valid(self, value: Any, plain: bytes | None) -> bool:
         """Whether `plain` is the packing of `value` by the validating walk."""

@@ -26,7 +26,6 @@ from rollout_store.graph import Graph
 
 def _usual_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every fast path of add_turn switched off: what the usual path alone stores."""
-    monkeypatch.setattr(RequestStore, "_continuation", lambda self, rest, pack: None)
     monkeypatch.setattr(RequestStore, "_prepare_raw", lambda self, turn, scratch, data: _NOT_FAST)
     monkeypatch.setattr(RequestStore, "remember_raw", lambda self, seen: None)
 

@@ -36,8 +36,8 @@ def test_shared_observation_text_does_not_share_a_bucket() -> None:
             if step:
                 assert graph.parent(view.node_id) == f"turn-{r * 4 + step - 1}"
             history += [_assistant(f"{r}.{step}"), _user("OK")]
-    index = graph._requests.request_index
-    assert all(not isinstance(found, list) for found in index.values())
+    requests = graph._requests
+    assert len(requests.table) == 120 and not requests.groups  # no key holds two turns
 
 
 def test_one_prompt_sampled_many_times_then_continued() -> None:
@@ -51,7 +51,7 @@ def test_one_prompt_sampled_many_times_then_continued() -> None:
         TurnNode(request_messages=[*request, _assistant("s137"), _user("go on")])
     )
     assert graph.parent(child.node_id) == "turn-137"
-    (bucket,) = [f for f in graph._requests.request_index.values() if isinstance(f, list)]
+    (bucket,) = graph._requests.groups.values()
     assert len(bucket) == 200 and [t.node_id for t in bucket.parents] == ["turn-137"]
     again = graph.add_turn(TurnNode(request_messages=request, response_message=_assistant("x")))
     assert graph.parent(again.node_id) is None

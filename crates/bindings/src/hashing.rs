@@ -32,6 +32,11 @@ impl Blake3 {
         }
     }
 
+    /// A copy of the state (what the engine goes on hashing from).
+    pub(crate) fn snapshot(&self) -> blake3::Hasher {
+        self.state().clone()
+    }
+
     /// The state; a panic while it was held left the hasher consistent (BLAKE3's updates
     /// are not interrupted halfway by anything that panics), so a poisoned lock is taken over.
     fn state(&self) -> MutexGuard<'_, blake3::Hasher> {

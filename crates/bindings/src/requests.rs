@@ -10,6 +10,7 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyList, PyString};
 
+use crate::hashing::Blake3;
 use crate::packed::Packer;
 use crate::{DecodeError, Unconfirmed, DETACH_FROM};
 use engine::content::content_key;
@@ -397,6 +398,27 @@ impl RequestTable {
         found_tuple(py, &found)
     }
 
+    /// `find` for a request whose first `first` messages are known to be those of a filed
+    /// request whose packings `state` has hashed (a raw tip's), the others packing as
+    /// `plains`: only those are hashed. No base shorter than `first` messages is looked for.
+    #[allow(clippy::needless_pass_by_value)] // PyO3 extracts a list as an owned Vec
+    #[pyo3(signature = (state, first, plains, *, refuted = Vec::new()))]
+    fn find_after<'py>(
+        &self,
+        py: Python<'py>,
+        state: &Bound<'py, Blake3>,
+        first: usize,
+        plains: &Bound<'py, PyList>,
+        refuted: Vec<u32>,
+    ) -> PyResult<FoundTuple<'py>> {
+        let plains = backed(plains)?;
+        let size = plains.iter().map(|plain| plain.len()).sum();
+        let resume = Some((state.get().snapshot(), 0, first));
+        let (found, _, _) =
+            self.with_table(py, size, |table| table.find_resumed(resume, &plains, &refuted));
+        found_tuple(py, &found)
+    }
+
     /// `(first, plains, (base, base_len, echo, digest))` for a request whose non-system
     /// messages are `messages` (Python values), packed by `packer` (a plain one: no
     /// `intern`) in one walk with no `bytes` object a message: `plains` are the packings of
@@ -611,6 +633,12 @@ impl RequestTable {
     /// Whether a filed turn has a child (None: not filed).
     fn has_children(&self, turn: u32) -> Option<bool> {
         self.table().has_children(turn)
+    }
+
+    /// The turns filed under the index key `key` (a digest's first 8 bytes, little-endian,
+    /// or the key a turn was filed by alone), in filing order.
+    fn filed_under(&self, key: u64) -> Vec<u32> {
+        self.table().filed_under(key)
     }
 
     /// The message count of a filed turn's request (None: not filed).

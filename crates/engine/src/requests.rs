@@ -494,6 +494,18 @@ impl Requests {
         Some(true)
     }
 
+    /// The turns filed under the index key `key` (their digests' first 8 bytes, or the key
+    /// a turn was filed by alone), in filing order.
+    pub fn filed_under(&self, key: u64) -> Vec<TurnNo> {
+        self.index.get(key).map_or_else(Vec::new, |filed| {
+            filed
+                .rows()
+                .iter()
+                .map(|&row| self.turns[row as usize])
+                .collect()
+        })
+    }
+
     /// Whether a filed turn has a child (None: not filed).
     pub fn has_children(&self, turn: TurnNo) -> Option<bool> {
         self.row_of(turn).map(|row| row.has_children)
@@ -510,7 +522,8 @@ impl Requests {
 
     /// Every boundary of a request whose messages pack as `plains` where it extends filed
     /// turns, longest first, with those turns in filing order: what linking asks of each
-    /// boundary (the message parent, the twins), in one pass over the packings.
+    /// boundary (the message parent, the twins), in one pass over the packings. A turn filed
+    /// by its key alone is named where its key is met: the caller compares the bytes.
     pub fn prefixes<P: AsRef<[u8]>>(&self, plains: &[P]) -> Vec<Prefix> {
         let mut hasher = PrefixHasher::new();
         let mut found = Vec::new();
@@ -531,7 +544,12 @@ impl Requests {
                             .iter()
                             .filter(|&&row| {
                                 let row = &self.rows[row as usize];
-                                row.confirmed && row.digest == digest
+                                // an unconfirmed row by its key: the caller compares bytes
+                                if row.confirmed {
+                                    row.digest == digest
+                                } else {
+                                    row.digest[..8] == digest[..8]
+                                }
                             })
                             .map(|&row| self.turns[row as usize])
                             .collect()
