@@ -26,13 +26,16 @@ def engine_bytes() -> int:
     """Bytes the compiled engine's objects alive in this process hold (their `nbytes`), which
     tracemalloc does not see: Rust allocates through its own allocator. An engine object's
     own fields are inside its Python object, which the interpreter allocates and tracemalloc
-    traces: a `Blake3` (a graph's tips keep one each) holds its whole BLAKE3 state there and
-    nothing on the heap, so it is counted by tracemalloc, once, and has no `nbytes`."""
+    traces: a `Blake3` (a graph's raw tips keep one each) holds its whole BLAKE3 state there
+    and nothing on the heap, so it is counted by tracemalloc, once, and has no `nbytes`; a
+    `RequestTable`'s rows, index and decoded tips are on the heap, in its `nbytes`."""
     core = sys.modules.get("rollout_store._core")
     if core is None:
         return 0
     kinds = tuple(
-        getattr(core, name) for name in ("KeyIndex", "ContentTable") if hasattr(core, name)
+        getattr(core, name)
+        for name in ("KeyIndex", "ContentTable", "RequestTable")
+        if hasattr(core, name)
     )
     return sum(o.nbytes for o in gc.get_objects() if isinstance(o, kinds))
 

@@ -46,6 +46,7 @@ __all__ = [
     "MAX_PAYLOAD_V1",
     "SYNC",
     "Packer",
+    "PendingTip",
     "RequestTable",
     "link_echoes",
     "splice",
@@ -304,6 +305,12 @@ class RequestTable:
         messages `first` on (the base's message count: the messages a stored tail holds).
         Raises what `Packer.pack` raises for a message it refuses (the path starts with its
         index), and `Unconfirmed` as `find`."""
+    def find_tipped(
+        self, packer: Packer, messages: list[Any], *, refuted: list[int] = ...
+    ) -> tuple[int, list[bytes], tuple[int | None, int, bool, bytes], PendingTip | None]:
+        """`find_messages`, and the decoded tip the request would leave (see
+        `add_messages`), for `file` to keep when the request is filed (None: it leaves
+        none)."""
     def add_messages(
         self,
         turn: int,
@@ -318,6 +325,9 @@ class RequestTable:
         conversation's decoded tip: a later request that re-sends it is known by comparing
         those strings (not hashing them again) and only its new messages are hashed. Nothing
         is filed when it raises."""
+    def drop_tips(self) -> None:
+        """Let go of the decoded tips: they only spare a later request hashing what it
+        re-sends."""
     @property
     def decoded_tips(self) -> int:
         """Decoded tips kept (see `add_messages`)."""
@@ -352,10 +362,19 @@ class RequestTable:
         """The stored tail of a request whose messages pack as `plains`, found to extend a
         request of `base_len` messages (`echo`: the next is its response): an array header,
         then the packings after the base's, the first as the echo placeholder if it is one."""
-    def file(self, turn: int, n_rest: int, digest: bytes, response: bytes | None = None) -> None:
+    def file(
+        self,
+        turn: int,
+        n_rest: int,
+        digest: bytes,
+        response: bytes | None = None,
+        *,
+        tip: PendingTip | None = None,
+    ) -> None:
         """File turn `turn`'s request of `n_rest` messages under its 32-byte `digest`, with
-        its response's plain packing (None: no response). Turns are filed in increasing
-        order; `ValueError` otherwise, and nothing changes."""
+        its response's plain packing (None: no response), and keep the decoded tip
+        `find_tipped` gave for it. Turns are filed in increasing order; `ValueError`
+        otherwise, and nothing changes."""
     def file_key(self, turn: int, n_rest: int, key: int, response: bytes | None = None) -> None:
         """File turn `turn`'s request of `n_rest` messages by its 8-byte index `key` alone (a
         turn read from a file, whose record names that key), with its response's plain
@@ -385,6 +404,9 @@ class RequestTable:
     def filed_under(self, key: int) -> list[int]:
         """The turns filed under the index key `key` (a digest's first 8 bytes,
         little-endian, or the key a turn was filed by alone), in filing order."""
+    def digest(self, turn: int) -> bytes | None:
+        """The digest of a filed turn's request (None: not filed, or filed by its key alone
+        and not confirmed)."""
     def n_rest(self, turn: int) -> int | None:
         """The message count of a filed turn's request (None: not filed)."""
     def echoes(self, turn: int, packed: bytes) -> bool | None:
@@ -397,6 +419,15 @@ class RequestTable:
     @property
     def nbytes(self) -> int:
         """Bytes the table holds, spare capacity included (what `tracemalloc` cannot see)."""
+
+@final
+class PendingTip:
+    """The decoded tip a request leaves (`RequestTable.find_tipped`), kept by `file` with the
+    request, or let go."""
+
+    @property
+    def n_rest(self) -> int:
+        """The message count of the request it is the tip of."""
 
 class Unconfirmed(LookupError):
     """The base of a request is undecided: it may extend a turn read from a file by its key

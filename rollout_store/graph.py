@@ -347,8 +347,8 @@ class Graph:
                 journal.close()
 
     def drop_caches(self) -> None:
-        """Let go of what only speeds up the next turn of a conversation (its tips, see
-        `confirm`, and the raw texts of tool lists it has seen): that turn then confirms what
+        """Let go of what only speeds up the next turn of a conversation (its tips, decoded
+        and raw, and the raw texts of tool lists it has seen): that turn then confirms what
         it re-sends by hashing all of it. The turns, their links and every query are
         unchanged (a capture server calls this for sessions left idle)."""
         with self._lock:
@@ -482,6 +482,7 @@ class Graph:
                 scratch.pending,
                 scratch.request,
                 scratch.raw_tip,
+                scratch.request_sum,
             )
             if scratch.raw_seen:  # only now: the turn's own texts stay known until here
                 self._requests.remember_raw(scratch.raw_seen)
@@ -783,6 +784,7 @@ class Graph:
         pending: list[tuple[bytes, bytes]] | tuple[()] = (),
         request: FreshRequest | None = None,
         raw_tip: Any = None,
+        digest: bytes | None = None,
     ) -> None:
         requests = self._requests
         if pending:
@@ -821,7 +823,7 @@ class Graph:
                 add_child(parent, turn)
             if requests.buckets:  # (a bucket keeps its turns' loosely linked children)
                 requests.note_linked(parent, turn, request)
-        requests.file(turn, keys.request, request)  # sets its digest: a flag
+        requests.file(turn, keys.request, request, digest)
         # flags above 256 are int objects of their own: one per distinct value, not per turn
         turn.flags = interned.setdefault(turn.flags, turn.flags)
         if raw_tip is not None:

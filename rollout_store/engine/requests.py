@@ -15,7 +15,7 @@ from typing import Any, Final
 import msgpack
 import xxhash
 
-from .._core import Blake3, Packer, RequestTable, Unconfirmed
+from .._core import Blake3, Packer, PendingTip, RequestTable, Unconfirmed
 from ..errors import InvalidValueError
 from ..model.nodes import TurnNode
 from ..model.raw import RawJSON, decode_array, decode_raw, resolve_raw
@@ -67,8 +67,9 @@ __all__ = ["FreshRequest", "RequestStore", "Scratch"]
 
 _new_tuple: Final = tuple.__new__
 
-#: The request table's decoded tips are not used: the graph confirms a re-sent request's long
-#: strings through its raw tips (strings this long are never holes).
+#: Strings this long are never a decoded tip's holes: a graph whose long strings are not
+#: its own blobs (no share threshold, or an out-of-process store whose strings are fetched)
+#: keeps no decoded tips, which would hold the last request's strings.
 _NO_HOLES: Final = 1 << 62
 
 #: msgpack type bytes of ext and bin values, which JSON values never pack to by themselves
@@ -308,11 +309,15 @@ class FreshRequest:
         "full_digest",
         "messages",
         "n_valid",
+        "tip",
         "unique",
     )
 
     def __init__(
-        self, store: RequestStore, messages: Messages, found: tuple[int, list[bytes], Any] | None
+        self,
+        store: RequestStore,
+        messages: Messages,
+        found: tuple[int, list[bytes], Any, PendingTip | None] | None,
     ) -> None:
         """`found`: what `RequestStore.find` found of `messages` (None: one does not pack
         plainly)."""
@@ -324,8 +329,9 @@ class FreshRequest:
         turns = store.turns
         plains: list[bytes | None]
         base_found: tuple[int | None, int, bool, bytes]
+        self.tip: PendingTip | None = None  # the decoded tip it leaves, filed with it
         if found is not None:
-            first, packed, base_found = found
+            first, packed, base_found, self.tip = found
             plains = packed  # type: ignore[assignment]
             self.n_valid = len(messages)
         else:  # a message the walk must judge
@@ -341,9 +347,9 @@ class FreshRequest:
         self.base_len = base_len
         self._digests[self.n_valid] = digest
         self.full_digest: bytes | None = digest if self.n_valid == len(messages) else None
-        if self.base is not None:
-            self._confirmed[base_no] = True  # type: ignore[index]
-            self._digests[base_len] = self.base.digest or b""
+        if base_no is not None:
+            self._confirmed[base_no] = True
+            self._digests[base_len] = store.table.digest(base_no) or b""
         # no filed request is this very one: no twins
         self.unique = base_len < self.n_valid or self.base is None
 
@@ -396,7 +402,7 @@ class FreshRequest:
         if ok is not None:
             return ok
         n = stored.n_rest
-        digest = stored.digest
+        digest = self._store.table.digest(stored.index)
         if n > self.n_valid:
             ok = False
         elif digest is not None:
@@ -512,6 +518,7 @@ class RequestStore:
         "_long_types",
         "_plain_limit",
         "_plain_packer",
+        "_tipped",
         "blobs",
         "groups",
         "raw_shared",
@@ -535,7 +542,11 @@ class RequestStore:
         self.turns = turns
         # every filed request: the one index and base-finder (a request is filed under its
         # digest; a turn read from a file under its key until it is confirmed)
-        self.table = RequestTable(hole_min=_NO_HOLES)
+        # (a decoded tip holds a conversation's long strings: the blobs, when the graph keeps
+        # them in the process; see `_NO_HOLES`)
+        holes = share_threshold if share_threshold is not None and not blobs.fetches else None
+        self.table = RequestTable(hole_min=_NO_HOLES if holes is None else holes)
+        self._tipped = holes is not None
         # keys under which several turns are filed (twins, the samples of a group), with
         # what linking keeps of them (a dict at the first one)
         self.groups: dict[int, _Bucket] = NOT_YET
@@ -575,26 +586,30 @@ class RequestStore:
         return len(self.groups)
 
     def drop_caches(self) -> None:
-        """Let go of the raw tips (a BLAKE3 state of about 2 KB each) and of the raw texts
-        of shared values remembered (`raw_shared`): they only spare the next turn hashing
-        again what it re-sends, or decoding a tool list again."""
+        """Let go of the tips, decoded (the table's) and raw (a BLAKE3 state of about 2 KB
+        each), and of the raw texts of shared values remembered (`raw_shared`): they only
+        spare the next turn hashing again what it re-sends, or decoding a tool list again."""
+        self.table.drop_tips()
         self.raw_tips = _NO_RAW_TIPS
         self.raw_shared = NOT_YET
 
     # ------------------------------------------------------------------ the table
 
-    def find(self, messages: list[Any]) -> tuple[int, list[bytes], Any]:
-        """`RequestTable.find_messages` of non-system messages, a turn read from a file
-        that the table asks about compared byte for byte and confirmed or refuted."""
+    def find(self, messages: list[Any]) -> tuple[int, list[bytes], Any, PendingTip | None]:
+        """`RequestTable.find_tipped` of non-system messages (the decoded tip the request
+        leaves, filed with it at commit), a turn read from a file that the table asks about
+        compared byte for byte and confirmed or refuted."""
         table, packer = self.table, self._packer()
         refuted: list[int] = []
         while True:
             try:
-                return table.find_messages(packer, messages, refuted=refuted)
+                if self._tipped:
+                    return table.find_tipped(packer, messages, refuted=refuted)
+                return (*table.find_messages(packer, messages, refuted=refuted), None)
             except Unconfirmed as ask:
                 self._decide(ask, messages, [self.plain(m) for m in messages], refuted)
 
-    def _found(self, messages: Messages) -> tuple[int, list[bytes], Any] | None:
+    def _found(self, messages: Messages) -> tuple[int, list[bytes], Any, PendingTip | None] | None:
         """`find` of non-system messages; None when one of them does not pack plainly (the
         validating walk judges it)."""
         try:
@@ -628,9 +643,8 @@ class RequestStore:
 
     def confirm(self, stored: Turn, digest: bytes) -> None:
         """A turn read from a file (filed by its key) was found to be the request whose
-        digest is `digest`: found by it from now on."""
-        if self.table.confirm(stored.index, digest):
-            stored.digest = digest
+        digest is `digest`: found by it from now on (the table keeps it)."""
+        self.table.confirm(stored.index, digest)
 
     def group_of(self, members: list[Turn]) -> list[Turn] | _Bucket:
         """`members` (turns filed alike, in filing order) as the group that holds them and
@@ -998,12 +1012,10 @@ class RequestStore:
         """Build the turn's stored request and response at once (one copy), with the digest
         and key it will be filed under at commit (`file` then finds them there)."""
         key = scratch.request_digest
-        digest = None
-        if key is not None and not turn.flags & NO_MESSAGES:
-            digest = scratch.request_sum
-        else:
+        if turn.flags & NO_MESSAGES:
             key = None
-        turn.build(scratch.tail_parts, scratch.n_rest, response, digest, key)
+        # (the digest is the table's, filed at commit: the turn keeps the key alone)
+        turn.build(scratch.tail_parts, scratch.n_rest, response, None, key)
         if scratch.raw_text is not None:
             raw, end, plain_state, system_plain, n_sys = scratch.raw_text
             blobs = self._long_blobs(turn)
@@ -1058,19 +1070,25 @@ class RequestStore:
             node = base
         return [hole for here in reversed(found) for hole in here]
 
-    def file(self, turn: Turn, key: int | None, request: FreshRequest | None = None) -> None:
-        """File a committed turn's request under `key` (its digest's), if it has messages:
+    def file(
+        self,
+        turn: Turn,
+        key: int | None,
+        request: FreshRequest | None = None,
+        digest: bytes | None = None,
+    ) -> None:
+        """File a committed turn's request under `key` (its `digest`'s), if it has messages:
         by its digest when it is known (a turn just added), else by the key alone (a turn
         read from a file, confirmed when a later request is found to extend it)."""
         if key is None or turn.flags & NO_MESSAGES:
             return
         table = self.table
         others = table.filed_under(key)
-        if request is None and turn.rkey != key:
-            turn.file_under(key, turn.digest)
-        digest = turn.digest
+        if turn.rkey != key:
+            turn.file_under(key, None)
         if digest is not None and digest_key(digest) == key:
-            table.file(turn.index, turn.n_rest, digest)
+            tip = request.tip if request is not None else None
+            table.file(turn.index, turn.n_rest, digest, tip=tip)
         else:
             table.file_key(turn.index, turn.n_rest, key)
         if others:

@@ -17,20 +17,15 @@ from hypothesis import strategies as st
 from support import assert_same, assert_same_json
 
 from rollout_store import InvalidValueError, RawJSON, RolloutGraph, TurnNode
-from rollout_store._core import Packer
-from rollout_store.engine.confirm import (
-    HOLE_MIN,
-    WINDOW,
-    Probe,
-    mark_length,
-    marked_between,
-    text_holes,
-)
+from rollout_store._core import Packer, RequestTable
+from rollout_store.engine.confirm import HOLE_MIN, text_holes
 from rollout_store.engine.intake import token_array
 from rollout_store.engine.stored import TurnFlag
 
 #: around the pieces the engine hashes in (64 KiB)
 ALIGN = 1 << 16
+#: the last boundaries the base-finder takes digests at first
+WINDOW = 4
 SIZES = (0, 1, 30, 200, 1000, 5000, ALIGN - 7, ALIGN + 3, ALIGN + 11, 3 * ALIGN)
 
 
@@ -52,38 +47,25 @@ def _reference(pack: Any, messages: list[Any]) -> list[bytes]:
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_probe_digests_are_blake3_of_the_plain_packings(seed: int) -> None:
-    """Every known boundary's digest, before and after `extend`, whatever the chunking and
-    the window."""
+def test_the_tables_digests_are_blake3_of_the_plain_packings(seed: int) -> None:
+    """Every boundary's digest where a request is filed, the whole request's, and the
+    packings handed back, whatever the chunking and the boundaries filed."""
     rng = random.Random(seed)
     pack = _msgpack()
     messages = _messages(rng, rng.randrange(0, 90))
     want = _reference(pack, messages)
-    window = rng.randrange(1, WINDOW + 1)
-    probe = Probe(messages, Packer(None, None), window)
-    assert probe.low == max(len(messages) - window, 0)
-    for j in range(probe.low, len(messages) + 1):
-        assert probe.digests[j] == want[j], (seed, j)
-    for i in range(probe.low, len(messages)):
-        assert probe.plains[i] == pack(messages[i])
-    probe.extend()
-    assert probe.digests == want
-    assert probe.all_plains() == [pack(m) for m in messages]
-    # given the message counts of stored requests, digests only there (and at the end);
-    # any other one asked for is worked out in full
-    lengths = {j for j in range(len(messages) + 1) if rng.random() < 0.3}
-    bits = bytearray()
-    for j in lengths:
-        mark_length(bits, j)
-    assert [j for j in range(len(bits) * 8) if bits[j >> 3] >> (j & 7) & 1] == sorted(lengths)
-    probe = Probe(messages, Packer(None, None), window, bits)
-    for j in range(probe.low, len(messages) + 1):
-        known = j in lengths or j == len(messages)
-        assert probe.digests[j] == (want[j] if known else None), (seed, j)
-    for j in rng.sample(range(len(messages) + 1), min(3, len(messages) + 1)):
-        assert probe.digest(j) == want[j]
-    probe.extend()
-    assert probe.digests == want
+    table = RequestTable()
+    lengths = sorted({j for j in range(len(messages) + 1) if rng.random() < 0.3})
+    for turn, j in enumerate(lengths):
+        table.file(turn, j, want[j])
+    plains = [pack(m) for m in messages]
+    assert [(n, d) for n, d, _ in table.prefixes(plains)] == [(j, want[j]) for j in lengths[::-1]]
+    first, found_plains, (base, base_len, _, digest) = table.find_messages(
+        Packer(None, None), messages
+    )
+    assert digest == want[len(messages)]
+    assert (base, base_len) == ((len(lengths) - 1, lengths[-1]) if lengths else (None, 0))
+    assert first == base_len and found_plains == plains[first:]
 
 
 def _conversation(n_turns: int, seed: int, big: bool) -> list[tuple[list[Any], dict[str, Any]]]:
@@ -349,23 +331,6 @@ def test_a_continuation_s_fresh_messages_are_checked_together_and_each(bad: Any)
     view = graph.add_turn(TurnNode(request_messages=[*first, reply, *fresh]))
     assert view.parent_id == graph.node_ids()[0]
     assert_same(graph.request_messages(view.node_id), [*first, reply, *fresh])
-
-
-@given(
-    marks=st.sets(st.integers(min_value=0, max_value=200), max_size=40),
-    low=st.integers(min_value=0, max_value=210),
-    span=st.integers(min_value=0, max_value=60),
-)
-def test_marked_between_lists_the_marked_counts_strictly_between(
-    marks: set[int], low: int, span: int
-) -> None:
-    """The offsets of the counts low < k < low + span that are marked, lowest first, the same
-    as asking bit by bit (bitmaps shorter than the range included)."""
-    lengths = bytearray()
-    for k in marks:
-        mark_length(lengths, k)
-    n = low + span
-    assert marked_between(lengths, low, n) == [k - low for k in sorted(marks) if low < k < n]
 
 
 @pytest.mark.parametrize("n_rest", [1, 2, 5, WINDOW + 3])

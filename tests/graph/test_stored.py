@@ -254,7 +254,8 @@ def test_add_turn_and_load_build_each_turn_once(tmp_path: Path, monkeypatch) -> 
     for fields in chat_turns(4):
         graph.add_turn(TurnNode(**fields))
     assert len(builds) == 4 and len(set(builds)) == 4
-    assert all(t.digest is not None and t.rkey is not None for t in _turns(graph))
+    filed = graph._requests.table  # (the digest is the request table's, the key the turn's)
+    assert all(filed.digest(t.index) is not None and t.rkey is not None for t in _turns(graph))
     monkeypatch.setattr(Turn, "_store", original)
     graph.save(path)
     monkeypatch.setattr(Turn, "_store", counting)

@@ -1,7 +1,8 @@
 """Tips: a re-sent request holding long blob strings is confirmed by comparing those strings
-with the blobs and hashing the rest, never by trusting xxh3; an edit anywhere (inside a long
-string, beside it, between them) is never taken for the stored request, and everything
-links and round-trips as without tips."""
+with the conversation's tip (the request table's decoded tips; a raw text's with the blobs in
+place) and hashing the rest, never by trusting xxh3; an edit anywhere (inside a long string,
+beside it, between them) is never taken for the stored request, and everything links and
+round-trips as without tips."""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ import msgpack
 import pytest
 from support import assert_same
 
-from rollout_store import InvalidValueError, RawJSON, RolloutGraph, TurnNode
+from rollout_store import InvalidValueError, RawJSON, RolloutGraph, TurnNode, _core
 from rollout_store.engine import confirm as confirm_module
-from rollout_store.engine import requests as requests_module
-from rollout_store.engine.confirm import _HOLE, HOLE_MIN, MAX_TIPS, WINDOW, holes_of, hollowed
+from rollout_store.engine.confirm import HOLE_MIN, holes_of
 
-IMAGE = HOLE_MIN + 100  # long enough to be a hole
+IMAGE = HOLE_MIN + 100  # long enough to be a hole (a raw tip's, and a decoded tip's)
+#: Decoded tips a graph keeps (the request table's), and messages re-sent last that an edit
+#: is kept away from (an edit there is a shorter base, whatever tips do)
+MAX_TIPS = 64
+WINDOW = 8
 
 
 def _image(rng: random.Random) -> str:
@@ -52,34 +56,30 @@ def _add_all(graph: RolloutGraph, turns: list[tuple[list[Any], dict[str, Any]]])
     return [view.node_id for view in ids]
 
 
-def _tips(graph: RolloutGraph) -> Any:
-    return graph._requests.tips  # the graph's tips, to check they are used
+def _tips(graph: RolloutGraph) -> int:
+    """The graph's decoded tips (its request table's), to check they are used."""
+    return graph._requests.table.decoded_tips
 
 
-@pytest.fixture(autouse=True)
-def _tips_from_the_first_hole(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tips for every conversation with a long string, so these short images exercise them
-    (a graph keeps one only from TIP_MIN_BYTES of such strings on: see the tests below)."""
-    monkeypatch.setattr(requests_module, "TIP_MIN_BYTES", 0)
+def _hits(graph: RolloutGraph) -> int:
+    """Requests the graph's table read from a decoded tip on."""
+    return graph._requests.table.decoded_tip_hits
 
 
-def test_a_tip_is_kept_only_once_its_long_strings_are_worth_its_state(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(requests_module, "TIP_MIN_BYTES", 3 * IMAGE)
-    turns = _conversation(14, 1)
+def test_a_tip_is_kept_from_a_conversations_first_long_string() -> None:
+    turns = _late_images(14, 4, 1)
     counts = []  # images (of IMAGE characters and a data URL's prefix) each request holds
-    graph = RolloutGraph()
+    graph = RolloutGraph(share_threshold=HOLE_MIN)  # the tool outputs are no blobs
     tip_counts, ids = [], []
     for messages, response in turns:
         counts.append(json.dumps(messages).count("data:image/png"))
         fresh = json.loads(json.dumps(messages))
         view = graph.add_turn(TurnNode(request_messages=fresh, response_message=response))
         ids.append(view.node_id)
-        tip_counts.append(len(_tips(graph)._by_turn))
-    assert counts[0] < 3 <= counts[-1]  # the conversation crosses the threshold
-    assert tip_counts == [0 if c < 3 else 1 for c in counts]
-    # and every turn is kept and linked as with a tip from the first image on
+        tip_counts.append(_tips(graph))
+    assert 0 in counts and counts[-1] > 0  # turns without images, and with
+    assert tip_counts == [0 if c == 0 else 1 for c in counts]
+    assert _hits(graph) == sum(1 for c in counts if c) - 1  # each turn after the first
     assert graph.path_ids(ids[-1]) == ids
     for node_id, (messages, response) in zip(ids, turns, strict=True):
         assert_same(graph.request_messages(node_id), messages)
@@ -94,8 +94,16 @@ def test_a_conversation_with_long_strings_continues_its_tip() -> None:
     for node_id, (messages, response) in zip(ids, turns, strict=True):
         assert_same(graph.request_messages(node_id), messages)
         assert_same(graph.get(node_id).response_message, response)
-    tips = list(_tips(graph)._by_turn.values())
-    assert len(tips) == 1 and tips[0].holes  # one tip, where its images are
+    assert _tips(graph) == 1 and _hits(graph) >= len(turns) - 3  # one tip, continued
+
+
+def test_a_graph_without_blobs_of_its_own_keeps_no_decoded_tip() -> None:
+    """No share threshold: the long strings are not the graph's own objects, and a tip
+    would hold the last request's strings."""
+    graph = RolloutGraph(share_threshold=None)
+    turns = _conversation(6, 1)
+    ids = _add_all(graph, turns)
+    assert _tips(graph) == 0 and graph.path_ids(ids[-1]) == ids
 
 
 def _edit_char(text: str, rng: random.Random) -> str:
@@ -157,11 +165,11 @@ def test_an_edit_in_a_resent_request_with_long_strings_never_matches(what: str, 
     assert_same(graph.request_messages(view.node_id), resent)
 
 
-def test_crafted_xxh3_collisions_of_tips_never_match(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every tip filed under one key (as a crafted xxh3 collision of last messages would):
-    conversations of the same shape still continue their own turns only."""
-
-    monkeypatch.setattr(confirm_module, "xxhash", _Colliding)
+def test_tips_alike_but_for_their_long_strings_never_match() -> None:
+    """Conversations of the same shape and text whose images differ (one in one character
+    only): their tips agree on the last message's key and on the hollow digest wherever the
+    last message holds no image, so only the strings' comparison tells them apart; each
+    still continues its own turns only."""
     graph = RolloutGraph()
     a, b = _conversation(8, 5), _conversation(8, 5)
     # b: same shape and text, other images (and one that differs in one character only)
@@ -179,31 +187,31 @@ def test_crafted_xxh3_collisions_of_tips_never_match(monkeypatch: pytest.MonkeyP
 
 
 def test_a_tip_confirms_only_the_very_strings_it_holds() -> None:
+    """A request that re-sends the tip's messages but one long string (edited, longer,
+    another type, gone) is never read from the tip: its base is the longest filed request
+    before that string, as a table without tips finds it."""
     graph = RolloutGraph()
     turns = _conversation(6, 2)
     _add_all(graph, turns)
-    (tip,) = _tips(graph)._by_turn.values()
-    messages = json.loads(json.dumps(turns[-1][0][1:]))  # its non-system messages
-    pack = graph._requests._packer().pack
-    assert tip.confirm(messages, pack) is not None
-    i, holes = tip.holes[0]
-    path, blob = holes[0]
-    node = messages[i]
-    for key in path[:-1]:
-        node = node[key]
-    for other in (
-        _edit_char(blob, random.Random(0)),
-        blob + " ",
-        [blob],
-        msgpack.ExtType(127, b""),  # what stands for a hole: never taken for one
-        None,
-    ):
-        node[path[-1]] = other
-        assert tip.confirm(messages, pack) is None, other
-    node[path[-1]] = blob
-    assert tip.confirm(messages, pack) is not None
-    messages[i]["extra"] = 1  # anything else changed in the message: the digest differs
-    assert tip.confirm(messages, pack) is None
+    table = graph._requests.table
+    assert _tips(graph) == 1
+    pack = _core.Packer(None, None)
+    messages = json.loads(json.dumps([*turns[-1][0][1:], turns[-1][1]]))  # non-system
+    n = len(messages) - 1  # the last turn's request: its tip
+    assert table.find_messages(pack, messages)[2][1] == n
+    where = max(
+        i for i, m in enumerate(messages[:n]) if isinstance(m["content"], list) and m["content"][1:]
+    )
+    part = messages[where]["content"][1]["image_url"]
+    blob = part["url"]
+    below = table.find_messages(pack, messages[:where])[2][1]  # the base before it
+    for other in (_edit_char(blob, random.Random(0)), blob + " ", [blob], None):
+        part["url"] = other
+        assert table.find_messages(pack, messages)[2][1] == below, other
+    part["url"] = blob
+    assert table.find_messages(pack, messages)[2][1] == n
+    messages[where]["extra"] = 1  # anything else changed in the message: the digest differs
+    assert table.find_messages(pack, messages)[2][1] == below
 
 
 def test_a_placeholder_in_a_fresh_request_is_refused_and_changes_nothing() -> None:
@@ -230,10 +238,6 @@ def test_holes_are_long_blob_strings_as_values() -> None:
     holes = holes_of(stored, graph.blobs.string)
     assert sorted(path for path, _ in holes) == [("a", 1, "b"), ("d",)]
     assert all(blob == long for _, blob in holes)
-    hollow = hollowed(message, holes)
-    assert hollow["a"][1]["b"] is _HOLE and hollow["d"] is _HOLE
-    assert message["a"][1]["b"] == long and message["d"] == long  # the message is untouched
-    assert hollow["c"] is message["c"] and list(hollow) == list(message)
 
 
 def test_more_conversations_than_tips(tmp_path: Path) -> None:
@@ -247,7 +251,7 @@ def test_more_conversations_than_tips(tmp_path: Path) -> None:
             messages, response = turns[step]
             view = graph.add_turn(TurnNode(request_messages=messages, response_message=response))
             ids[k].append(view.node_id)
-    assert len(_tips(graph)._by_turn) == MAX_TIPS
+    assert _tips(graph) == MAX_TIPS
     for chain in ids:
         assert graph.path_ids(chain[-1]) == chain
     path = tmp_path / "g.rls"
@@ -278,44 +282,22 @@ def _late_images(n_turns: int, first_image: int, seed: int) -> list[tuple[list[A
     return out
 
 
-def _count_tip_confirms(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """A list that gets, for every `Tip.confirm` call from now on, whether it confirmed."""
-    confirmed: list[bool] = []
-    original = confirm_module.Tip.confirm
-
-    def counting(self: Any, messages: Any, pack: Any) -> Any:
-        result = original(self, messages, pack)
-        confirmed.append(result is not None)
-        return result
-
-    monkeypatch.setattr(confirm_module.Tip, "confirm", counting)
-    return confirmed
-
-
-def test_a_tip_is_worked_out_whole_where_long_strings_first_appear(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """No tip while a conversation holds no long string; its first one makes a tip from the
-    stored tails (a loaded graph's too), which the next turns continue."""
-    confirmed = _count_tip_confirms(monkeypatch)
+def test_a_tip_is_worked_out_whole_where_long_strings_first_appear(tmp_path: Path) -> None:
+    """No tip while a conversation holds no long string; its first one makes a tip, which
+    the next turns continue; a loaded graph has none until its next turn leaves one."""
     turns = _late_images(12, 4, 7)
-    graph = RolloutGraph()
+    graph = RolloutGraph(share_threshold=HOLE_MIN)  # the tool outputs are no blobs
     ids = _add_all(graph, turns[:4])
-    assert not _tips(graph)  # nothing long yet
+    assert _tips(graph) == 0  # nothing long yet
     ids += _add_all(graph, turns[4:8])
-    (tip,) = _tips(graph)._by_turn.values()
-    assert [i for i, _ in tip.holes] == [3 * k for k in range(4, 8)]  # the images only
-    assert confirmed == [True, True, True]  # turns 5 to 7 continued the tip of turn 4
+    assert _tips(graph) == 1 and _hits(graph) == 3  # turns 5 to 7 continued the tip of turn 4
     assert graph.path_ids(ids[-1]) == ids
     path = tmp_path / "g.rls"
     graph.save(path)
     back = RolloutGraph.load(path)
-    assert not _tips(back)
-    confirmed.clear()
+    assert _tips(back) == 0
     more = _add_all(back, turns[8:])
-    assert confirmed == [True, True, True]  # a tip from the loaded tails at turn 8
-    (tip,) = _tips(back)._by_turn.values()
-    assert [i for i, _ in tip.holes] == [3 * k for k in range(4, 12)]
+    assert _tips(back) == 1 and _hits(back) == 3  # a tip from turn 8, continued after
     assert back.path_ids(more[-1]) == ids + more
     for node_id, (messages, response) in zip(ids + more, turns, strict=True):
         assert_same(back.request_messages(node_id), messages)
@@ -351,14 +333,11 @@ def test_raw_turns_compare_long_strings_and_hash_the_rest() -> None:
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_a_raw_conversation_compares_its_long_strings_where_no_decoded_tip_is_kept(
-    monkeypatch: pytest.MonkeyPatch, seed: int
-) -> None:
-    """Below TIP_MIN_BYTES of long strings a conversation keeps no decoded tip; its raw
-    texts still compare their long strings in place (a screenshot re-sent every turn, which
-    BLAKE3 would hash at a tenth of a comparison's speed), from the raw tip its first text,
-    decoded whole, leaves. An edit inside one never matches; everything links as before."""
-    monkeypatch.setattr(requests_module, "TIP_MIN_BYTES", 1 << 20)
+def test_a_raw_conversation_compares_its_long_strings_in_place(seed: int) -> None:
+    """Raw texts compare their long strings in place (a screenshot re-sent every turn, which
+    BLAKE3 would hash at a tenth of a comparison's speed), from the raw tip their first
+    text, decoded whole, leaves. An edit inside one never matches; everything links as
+    before."""
     rng = random.Random(seed)
     image = _image(rng)
     history: list[Any] = [
@@ -374,7 +353,6 @@ def test_a_raw_conversation_compares_its_long_strings_where_no_decoded_tip_is_ke
         assert_same(graph.request_messages(view.node_id), history)
         history = [*history, response, {"role": "user", "content": f"next {t}"}]
     assert graph.path_ids(ids[-1]) == ids
-    assert not _tips(graph)  # (no decoded tip: too little of long strings)
     (tip,) = _raw_tips(graph)
     assert [blob for _, _, blob in tip.holes] == [image]
     edited = json.loads(json.dumps(history))
@@ -439,33 +417,30 @@ def test_crafted_xxh3_collisions_of_raw_tips_never_match(monkeypatch: pytest.Mon
 
 
 def test_a_tip_continues_past_a_turn_that_adds_more_than_the_window() -> None:
-    """A turn adding more messages than the probed window is confirmed by the plain digest;
-    the tip it leaves is hollowed again from its messages and later turns continue it."""
+    """A turn adding more messages than the base-finder's window is read from the tip; the
+    tip it leaves holds them too, and later turns continue it."""
     graph = RolloutGraph()
     turns = _conversation(4, 50)
     ids = _add_all(graph, turns)
+    hits = _hits(graph)
     messages, response = turns[-1]
     many = [{"role": "user", "content": f"note {k}"} for k in range(WINDOW + 4)]
     longer = [*messages, response, *many]
     ids.append(graph.add_turn(TurnNode(request_messages=longer, response_message=response)).node_id)
-    (tip,) = _tips(graph)._by_turn.values()
-    assert tip.turn is graph._turn(ids[-1]) and tip.n == len(longer) - 1
+    assert _tips(graph) == 1 and _hits(graph) == hits + 1
     following = [*longer, response, {"role": "user", "content": "and then"}]
     view = graph.add_turn(TurnNode(request_messages=json.loads(json.dumps(following))))
     assert graph.path_ids(view.node_id) == [*ids, view.node_id]
-    (tip,) = _tips(graph)._by_turn.values()
-    assert tip.turn is graph._turn(view.node_id)
+    assert _tips(graph) == 1 and _hits(graph) == hits + 2
     assert_same(graph.request_messages(view.node_id), following)
 
 
 @pytest.mark.parametrize("raw", [False, True])
-def test_blob_strings_shorter_than_holes_make_no_tip_until_a_long_one(
-    raw: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Tool outputs kept as blobs but shorter than HOLE_MIN are hashed with the rest (no tip,
-    no hole); the first long string makes a tip holding it alone, which later turns
-    continue, and everything round-trips."""
-    confirmed = _count_tip_confirms(monkeypatch)
+def test_blob_strings_shorter_than_holes_make_no_tip_until_a_long_one(raw: bool) -> None:
+    """Tool outputs kept as blobs but shorter than HOLE_MIN are hashed with the rest (no raw
+    hole; no decoded tip below the graph's share threshold, HOLE_MIN here); the first long
+    string makes a tip holding it alone, which later turns continue, and everything
+    round-trips."""
     rng = random.Random(5)
     history: list[Any] = [{"role": "system", "content": "sys"}]
     turns = []
@@ -477,7 +452,8 @@ def test_blob_strings_shorter_than_holes_make_no_tip_until_a_long_one(
         response = {"role": "assistant", "content": f"reply {t}"}
         turns.append((list(history), response))
         history.append(response)
-    graph = RolloutGraph()
+    graph = RolloutGraph(share_threshold=HOLE_MIN // 4)
+    graph_tips = graph._requests.table
     ids = []
     for t, (messages, response) in enumerate(turns):
         given: Any = _raw(messages) if raw else json.loads(json.dumps(messages))
@@ -485,13 +461,9 @@ def test_blob_strings_shorter_than_holes_make_no_tip_until_a_long_one(
         holes = [h for tip in _raw_tips(graph) for h in tip.holes] if raw else None
         if raw:
             assert len(holes) == (t >= 4)  # the long string alone
-        elif t < 4:
-            assert not _tips(graph)
-        else:
-            (tip,) = _tips(graph)._by_turn.values()
-            assert [i for i, _ in tip.holes] == [9]  # the long string's message alone
     if not raw:
-        assert confirmed == [True, True, True]  # turns 5 to 7 continued the tip of turn 4
+        # (HOLE_MIN // 2 characters: a decoded tip's holes from the share threshold on)
+        assert graph_tips.decoded_tips == 1 and graph_tips.decoded_tip_hits == 7
     node_ids = [view.node_id for view in ids]
     assert graph.path_ids(node_ids[-1]) == node_ids
     for node_id, (messages, response) in zip(node_ids, turns, strict=True):

@@ -357,7 +357,7 @@ def test_raw_conversation_keeps_one_tip_and_confirms_by_digest() -> None:
         history = [*history, response]
     tips = graph._requests.raw_tips._order
     assert [tip.turn.node_id for tip in tips.values()] == ["turn-5"]
-    assert all(t.digest is not None for t in graph._turns)
+    assert all(graph._requests.table.digest(t.index) is not None for t in graph._turns)
     # a decoded continuation finds the raw tip by its plain digest
     history = [*history, {"role": "user", "content": "decoded"}]
     view = graph.add_turn(TurnNode(request_messages=history, response_message={"role": "x"}))

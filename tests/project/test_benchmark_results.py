@@ -12,9 +12,7 @@ from typing import Any
 import pytest
 
 from rollout_store import RolloutGraph, TurnNode
-from rollout_store._core import Blake3
 from rollout_store.engine import confirm
-from rollout_store.engine import requests as requests_module
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
@@ -104,31 +102,24 @@ def _screenshot_turns(seed: int, n_turns: int) -> list[tuple[list[Any], dict[str
     return turns
 
 
-def test_retained_bytes_count_each_tips_blake3_state_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tip's BLAKE3 state lives inside its `_core.Blake3` object, allocated by the
-    interpreter's object allocator: tracemalloc sees it, so the retained bytes hold each
-    state once, and the engine's own count (heap tracemalloc does not see) adds nothing."""
-    monkeypatch.setattr(requests_module, "TIP_MIN_BYTES", 0)  # a tip for every conversation
+def test_retained_bytes_count_each_tips_blake3_state_once() -> None:
+    """A decoded tip's BLAKE3 states live in the request table's heap, which tracemalloc
+    does not see: the engine's count (`nbytes`) holds them, so the retained bytes hold each
+    tip once (not missed, not twice), and letting the tips go frees that much."""
     conversations = [_screenshot_turns(seed, 3) for seed in range(40)]
     with measure.traced() as measured:
         graph = RolloutGraph()
         for turns in conversations:
             for messages, response in turns:
                 graph.add_turn(TurnNode(request_messages=messages, response_message=response))
-        engine_with = measure.engine_bytes()
-        with_states = measured.retained()
-        tips = list(graph._requests.tips._by_turn.values())
-        assert len(tips) == len(conversations)
-        states = [tip.plain_state for tip in tips]
-        assert all(type(state) is Blake3 for state in states)
-        assert len({id(state) for state in states}) == len(tips)
-        size = sys.getsizeof(states[0])  # the object, its BLAKE3 state inside
-        assert size > 1800  # (BLAKE3's state: about 2 KB)
-        for tip in tips:
-            tip.plain_state = None
-        del states, tip
-        without_states = measured.retained()
-        assert measure.engine_bytes() == engine_with
-        freed = with_states - without_states
-        # each state counted once (not missed, not twice), give or take the bytes around it
-        assert 0.9 < freed / (len(tips) * size) < 1.1, (freed, len(tips), size)
+        table = graph._requests.table
+        assert table.decoded_tips == len(conversations)
+        with_tips, engine_with = measured.retained(), measure.engine_bytes()
+        graph._requests.table.drop_tips()
+        assert table.decoded_tips == 0
+        without_tips, engine_without = measured.retained(), measure.engine_bytes()
+        freed = with_tips - without_tips
+        size = (engine_with - engine_without) / len(conversations)
+        assert size > 2 * 1800  # two BLAKE3 states (about 2 KB each) a tip
+        # the retained bytes fell by what the engine let go (its strings' references aside)
+        assert 0.95 < freed / (engine_with - engine_without) < 1.1, (freed, size)

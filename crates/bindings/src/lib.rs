@@ -69,7 +69,7 @@ mod _core {
     #[pymodule_export]
     use super::packed::{check_packed, splice, unpack, Packer};
     #[pymodule_export]
-    use super::requests::{link_echoes, RequestTable};
+    use super::requests::{link_echoes, PendingTip, RequestTable};
     #[pymodule_export]
     use super::{DecodeError, FrameTooLarge, RefusedValue, Unconfirmed};
 

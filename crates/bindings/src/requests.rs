@@ -68,6 +68,37 @@ impl DecodedTip {
     }
 }
 
+/// The tip a request found by `find_messages(..., tip=True)` leaves once it is filed: a
+/// `DecodedTip` but for its turn, and which tips it replaces.
+struct TipParts {
+    n_rest: usize,
+    last_key: u128,
+    hollow: blake3::Hasher,
+    strings: Vec<Py<PyString>>,
+    packings: blake3::Hasher,
+    fed: u64,
+    /// the tip it continued, and its base: both give way to it
+    gone: Option<u32>,
+    base: Option<u32>,
+}
+
+/// The decoded tip a request leaves, handed to `RequestTable.file` with the request (kept
+/// then) or let go. Taken once.
+#[pyclass(frozen, module = "rollout_store._core")]
+pub struct PendingTip {
+    parts: Mutex<Option<TipParts>>,
+    n_rest: usize,
+}
+
+#[pymethods]
+impl PendingTip {
+    /// The message count of the request it is the tip of.
+    #[getter]
+    fn n_rest(&self) -> usize {
+        self.n_rest
+    }
+}
+
 /// Whether two lists of strings hold equal strings, in order.
 fn same_strings(py: Python<'_>, a: &[Py<PyString>], b: &[Py<PyString>]) -> bool {
     a.len() == b.len()
@@ -151,16 +182,18 @@ impl RequestTable {
     }
 
     /// Find the base of a request given as Python values (see `find_messages`), from the tip
-    /// it re-sends if any; with `file`, file it as that turn (with its response's packing)
-    /// and keep its tip. `(first, plains, found)`.
+    /// it re-sends if any; with `tip`, also work out the tip it would leave (`None` when it
+    /// leaves none); with `file`, file it as that turn (with its response's packing) and keep
+    /// that tip. `(first, plains, found)` and the tip.
     fn walk_request<'py>(
         &self,
         py: Python<'py>,
         packer: &Bound<'py, Packer>,
         messages: &Bound<'py, PyList>,
         refuted: &[u32],
+        tip: bool,
         file: Option<(u32, Option<&[u8]>)>,
-    ) -> PyResult<RawTuple<'py>> {
+    ) -> PyResult<(RawTuple<'py>, Option<TipParts>)> {
         let n = messages.len();
         let mut packer = packer.borrow_mut();
         let continued = self.tip_of(py, &mut packer, messages)?;
@@ -179,7 +212,7 @@ impl RequestTable {
         // the new messages' hollow packing, for the tip this request leaves: none from a walk
         // that ran a subclass's Python code, whose second walk may see other values than the
         // plain walk hashed (a later request compared with them would get the wrong packings)
-        let keeps_tip = file.is_some() && !plain.called && (continued.is_some() || plain.long_seen);
+        let keeps_tip = tip && !plain.called && (continued.is_some() || plain.long_seen);
         let new_hollow = if keeps_tip && plain.long_seen {
             Some(packer.pack_range(py, messages, first..n, self.hole_min, true)?)
         } else {
@@ -201,12 +234,8 @@ impl RequestTable {
             })
             .map_err(|err: requests::FileError| file_error(&err))?;
         let found_tuple = found_tuple(py, &found)?;
-        if let (true, Some((turn, _)), None) = (keeps_tip, file, found.ask) {
+        let parts = (keeps_tip && found.ask.is_none()).then(|| {
             let gone = continued.as_ref().map(|tip| tip.turn);
-            if gone.is_some() {
-                self.tip_hits
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            }
             let (mut hollow, mut strings, last_key) = match continued {
                 Some(tip) => (tip.hollow, tip.strings, tip.last_key),
                 None => (blake3::Hasher::new(), Vec::new(), 0),
@@ -220,26 +249,24 @@ impl RequestTable {
                     hollow.update(&plain.buffer); // (no long string: hollow is plain)
                 }
             }
-            let last_key = plains.last().map_or(last_key, |last| content_key(last));
-            let mut tips = self.tips();
-            // the tip it continued (and its base's, if that is one) gives way to it, as a
-            // raw tip does: a conversation keeps one
-            tips.retain(|tip| Some(tip.turn) != gone && Some(tip.turn) != found.base);
-            if tips.len() >= MAX_TIPS {
-                tips.remove(0);
-            }
-            let hollow_digest = *hollow.finalize().as_bytes();
-            tips.push(DecodedTip {
-                turn,
+            TipParts {
                 n_rest: n,
-                last_key,
+                last_key: plains.last().map_or(last_key, |last| content_key(last)),
                 hollow,
-                hollow_digest,
                 strings,
                 packings,
                 fed,
-            });
-        }
+                gone,
+                base: found.base,
+            }
+        });
+        let parts = match (parts, file) {
+            (Some(parts), Some((turn, _))) => {
+                self.keep_tip(turn, parts);
+                None
+            }
+            (parts, _) => parts,
+        };
         let base_len = found.base_len;
         let kept = PyList::new(
             py,
@@ -247,7 +274,32 @@ impl RequestTable {
                 .iter()
                 .map(|p| PyBytes::new(py, p)),
         )?;
-        Ok((base_len, kept, found_tuple))
+        Ok(((base_len, kept, found_tuple), parts))
+    }
+
+    /// Keep the tip a request filed as `turn` leaves; the tip it continued (and its base's,
+    /// if that is one) gives way to it, as a raw tip does: a conversation keeps one.
+    fn keep_tip(&self, turn: u32, parts: TipParts) {
+        if parts.gone.is_some() {
+            self.tip_hits
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        let mut tips = self.tips();
+        tips.retain(|tip| Some(tip.turn) != parts.gone && Some(tip.turn) != parts.base);
+        if tips.len() >= MAX_TIPS {
+            tips.remove(0);
+        }
+        let hollow_digest = *parts.hollow.finalize().as_bytes();
+        tips.push(DecodedTip {
+            turn,
+            n_rest: parts.n_rest,
+            last_key: parts.last_key,
+            hollow: parts.hollow,
+            hollow_digest,
+            strings: parts.strings,
+            packings: parts.packings,
+            fed: parts.fed,
+        });
     }
 
     /// `work` on the table over `size` bytes (a text, packings), the GIL released when they
@@ -359,6 +411,14 @@ enum AddError {
 /// `(first, plains, found)` of a raw text read by the table.
 type RawTuple<'py> = (usize, Bound<'py, PyList>, FoundTuple<'py>);
 
+/// `find_tipped`'s answer: `find_messages`'s and the tip.
+type TippedTuple<'py> = (
+    usize,
+    Bound<'py, PyList>,
+    FoundTuple<'py>,
+    Option<Bound<'py, PendingTip>>,
+);
+
 fn raw_tuple<'py>(py: Python<'py>, raw: &RawFound) -> PyResult<RawTuple<'py>> {
     let found = found_tuple(py, &raw.found)?;
     let plains = PyList::new(py, raw.plains.iter().map(|p| PyBytes::new(py, p)))?;
@@ -414,8 +474,9 @@ impl RequestTable {
         let plains = backed(plains)?;
         let size = plains.iter().map(|plain| plain.len()).sum();
         let resume = Some((state.get().snapshot(), 0, first));
-        let (found, _, _) =
-            self.with_table(py, size, |table| table.find_resumed(resume, &plains, &refuted));
+        let (found, _, _) = self.with_table(py, size, |table| {
+            table.find_resumed(resume, &plains, &refuted)
+        });
         found_tuple(py, &found)
     }
 
@@ -434,7 +495,37 @@ impl RequestTable {
         messages: &Bound<'py, PyList>,
         refuted: Vec<u32>,
     ) -> PyResult<RawTuple<'py>> {
-        self.walk_request(py, packer, messages, &refuted, None)
+        Ok(self
+            .walk_request(py, packer, messages, &refuted, false, None)?
+            .0)
+    }
+
+    /// `find_messages`, and the decoded tip the request would leave (see `add_messages`),
+    /// for `file` to keep when the request is filed: `(first, plains, found, tip)`, the tip
+    /// None when it leaves none.
+    #[allow(clippy::needless_pass_by_value)] // PyO3 extracts a list as an owned Vec
+    #[pyo3(signature = (packer, messages, *, refuted = Vec::new()))]
+    fn find_tipped<'py>(
+        &self,
+        py: Python<'py>,
+        packer: &Bound<'py, Packer>,
+        messages: &Bound<'py, PyList>,
+        refuted: Vec<u32>,
+    ) -> PyResult<TippedTuple<'py>> {
+        let ((first, plains, found), parts) =
+            self.walk_request(py, packer, messages, &refuted, true, None)?;
+        let tip = parts
+            .map(|parts| {
+                Bound::new(
+                    py,
+                    PendingTip {
+                        n_rest: parts.n_rest,
+                        parts: Mutex::new(Some(parts)),
+                    },
+                )
+            })
+            .transpose()?;
+        Ok((first, plains, found, tip))
     }
 
     /// `find_messages`, then `file` the request as turn `turn` (with its response's plain
@@ -453,7 +544,17 @@ impl RequestTable {
         response: Option<&[u8]>,
         refuted: Vec<u32>,
     ) -> PyResult<RawTuple<'py>> {
-        self.walk_request(py, packer, messages, &refuted, Some((turn, response)))
+        Ok(self
+            .walk_request(py, packer, messages, &refuted, true, Some((turn, response)))?
+            .0)
+    }
+
+    /// Let go of the decoded tips: they only spare a later request hashing what it re-sends.
+    fn drop_tips(&self) {
+        // (taken out under the lock, let go after it: a string's last reference may run
+        // Python code, which must not run under the lock)
+        let tips = std::mem::take(&mut *self.tips());
+        drop(tips);
     }
 
     /// Decoded tips kept (see `add_messages`).
@@ -557,18 +658,38 @@ impl RequestTable {
     /// File turn `turn`'s request of `n_rest` messages under its 32-byte `digest`, with its
     /// response's plain packing (None: no response). Turns are filed in increasing order;
     /// `ValueError` otherwise, and nothing changes.
-    #[pyo3(signature = (turn, n_rest, digest, response = None))]
+    #[pyo3(signature = (turn, n_rest, digest, response = None, *, tip = None))]
     fn file(
         &self,
         turn: u32,
         n_rest: usize,
         digest: &[u8],
         response: Option<&[u8]>,
+        tip: Option<&Bound<'_, PendingTip>>,
     ) -> PyResult<()> {
         let digest = digest_arg(digest)?;
+        if let Some(tip) = tip {
+            if tip.get().n_rest != n_rest {
+                return Err(PyValueError::new_err(format!(
+                    "the tip is of a request of {} messages, not {n_rest}",
+                    tip.get().n_rest
+                )));
+            }
+        }
         self.table()
             .file(turn, n_rest, digest, response)
-            .map_err(|err| file_error(&err))
+            .map_err(|err| file_error(&err))?;
+        let parts = tip.and_then(|tip| {
+            tip.get()
+                .parts
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take()
+        });
+        if let Some(parts) = parts {
+            self.keep_tip(turn, parts);
+        }
+        Ok(())
     }
 
     /// File turn `turn`'s request of `n_rest` messages by its 8-byte index `key` alone (a turn
@@ -639,6 +760,14 @@ impl RequestTable {
     /// or the key a turn was filed by alone), in filing order.
     fn filed_under(&self, key: u64) -> Vec<u32> {
         self.table().filed_under(key)
+    }
+
+    /// The digest of a filed turn's request (None: not filed, or filed by its key alone and
+    /// not confirmed).
+    fn digest<'py>(&self, py: Python<'py>, turn: u32) -> Option<Bound<'py, PyBytes>> {
+        self.table()
+            .digest(turn)
+            .map(|digest| PyBytes::new(py, &digest))
     }
 
     /// The message count of a filed turn's request (None: not filed).

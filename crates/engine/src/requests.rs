@@ -29,7 +29,6 @@
 
 use crate::digest::PrefixHasher;
 use crate::json::{self as ej, ParseError};
-use crate::key_index::{Full, KeyIndex};
 use crate::packed::{to_packed, write_array_header, EXT_ECHO};
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -256,6 +255,14 @@ pub fn digest_key(digest: &[u8; DIGEST_SIZE]) -> u64 {
     u64::from_le_bytes(first)
 }
 
+/// Room for a quarter more when `rows` is full, where a `Vec` would double: a graph's rows
+/// are most of what it keeps beyond its content, and a row is copied once per growth only.
+fn grow<T>(rows: &mut Vec<T>) {
+    if rows.len() == rows.capacity() {
+        rows.reserve_exact((rows.len() / 4).max(8));
+    }
+}
+
 /// The key a response's packing is kept by in its row (0 stands for no response, so a
 /// packing whose xxh3 is 0 is kept as 1: an echo found by it is confirmed by the caller).
 pub fn response_key(packed: &[u8]) -> u64 {
@@ -305,16 +312,14 @@ impl Lengths {
     }
 }
 
-/// A filed request.
+/// A filed request: 40 bytes.
 #[derive(Clone, Copy, Debug)]
 struct Row {
     /// its request's digest; of an unconfirmed row, its key's 8 bytes then zeros
     digest: [u8; DIGEST_SIZE],
+    n_rest: u32,
     /// its digest is known (false: a row read from a file by its key, see `file_key`)
     confirmed: bool,
-    n_rest: u32,
-    /// its response's plain packing's `response_key` (0: no response)
-    response: u64,
     /// some turn is its child (a twin's continuation may move under a later twin)
     has_children: bool,
 }
@@ -326,19 +331,77 @@ enum Met {
     Ask(TurnNo),
 }
 
-/// The rows filed under one key, in filing order: mostly one.
-#[derive(Clone, Debug)]
-enum Filed {
-    One(u32),
-    Many(Vec<u32>),
+/// The rows by their digests' keys: an open-addressing table whose slots hold row numbers
+/// plus one (0: empty), the key read from the row's digest (its first 8 bytes, an
+/// unconfirmed row's key too), so an entry costs 4 bytes and its slot's share of the spare
+/// room. Rows are never removed: rows under one key are met along its probe sequence in
+/// filing order, as each took the first free slot after those filed before it.
+#[derive(Debug, Default)]
+struct RowIndex {
+    slots: Vec<u32>,
+    len: usize,
 }
 
-impl Filed {
-    fn rows(&self) -> &[u32] {
-        match self {
-            Filed::One(row) => std::slice::from_ref(row),
-            Filed::Many(rows) => rows,
+impl RowIndex {
+    /// The smallest table (a power of two).
+    const MIN_SLOTS: usize = 8;
+
+    /// The slot a key's probe sequence starts at (the key is a digest's bytes: uniform).
+    #[allow(clippy::cast_possible_truncation)]
+    fn start(&self, key: u64) -> usize {
+        (key as usize) & (self.slots.len() - 1)
+    }
+
+    /// The rows filed under `key`, in filing order.
+    fn under(&self, key: u64, rows: &[Row]) -> Vec<u32> {
+        let mut found = Vec::new();
+        if self.slots.is_empty() {
+            return found;
         }
+        let mask = self.slots.len() - 1;
+        let mut at = self.start(key);
+        loop {
+            let slot = self.slots[at];
+            if slot == 0 {
+                return found;
+            }
+            let row = slot - 1;
+            if digest_key(&rows[row as usize].digest) == key {
+                found.push(row);
+            }
+            at = (at + 1) & mask;
+        }
+    }
+
+    /// File row `row` (its digest already in `rows`, after every row before it: each row is
+    /// filed once, in order).
+    fn insert(&mut self, row: u32, rows: &[Row]) -> Result<(), FileError> {
+        let slot = row.checked_add(1).ok_or(FileError::Full)?;
+        if (self.len + 1) * 4 > self.slots.len() * 3 {
+            // every row filed before this one, placed again in filing order (so rows under
+            // one key stay in that order along its probe sequence)
+            let size = (self.slots.len() * 2).max(Self::MIN_SLOTS);
+            self.slots = vec![0; size];
+            for earlier in 1..slot {
+                self.place(earlier, rows);
+            }
+        }
+        self.place(slot, rows);
+        self.len += 1;
+        Ok(())
+    }
+
+    fn place(&mut self, slot: u32, rows: &[Row]) {
+        let mask = self.slots.len() - 1;
+        let mut at = self.start(digest_key(&rows[(slot - 1) as usize].digest));
+        while self.slots[at] != 0 {
+            at = (at + 1) & mask;
+        }
+        self.slots[at] = slot;
+    }
+
+    fn nbytes(&self) -> usize {
+        self.slots.capacity() * 4
     }
 }
 
@@ -416,20 +479,17 @@ impl std::fmt::Display for FileError {
 
 impl std::error::Error for FileError {}
 
-impl From<Full> for FileError {
-    fn from(_: Full) -> Self {
-        FileError::Full
-    }
-}
-
 /// A graph's filed requests: rows, the index by digest key and the lengths index.
 #[derive(Debug, Default)]
 pub struct Requests {
     rows: Vec<Row>,
     /// the turn of each row (rows are filed in turn order, so this is increasing)
     turns: Vec<TurnNo>,
-    index: KeyIndex<Filed>,
+    index: RowIndex,
     lengths: Lengths,
+    /// each row's response's `response_key` (0: none), from the first row filed with one
+    /// (a graph files none: it confirms echoes with the bytes it holds)
+    responses: Vec<u64>,
     /// the latest raw turns, oldest first
     raw_tips: Vec<RawTip>,
     /// texts read from a tip on (for tests and figures)
@@ -450,6 +510,11 @@ impl Requests {
 
     pub fn is_empty(&self) -> bool {
         self.rows.is_empty()
+    }
+
+    /// The rows filed under one key, in filing order.
+    fn rows_of(&self, key: u64) -> Vec<u32> {
+        self.index.under(key, &self.rows)
     }
 
     /// The row of a filed turn (None: not filed).
@@ -497,13 +562,10 @@ impl Requests {
     /// The turns filed under the index key `key` (their digests' first 8 bytes, or the key
     /// a turn was filed by alone), in filing order.
     pub fn filed_under(&self, key: u64) -> Vec<TurnNo> {
-        self.index.get(key).map_or_else(Vec::new, |filed| {
-            filed
-                .rows()
-                .iter()
-                .map(|&row| self.turns[row as usize])
-                .collect()
-        })
+        self.rows_of(key)
+            .iter()
+            .map(|&row| self.turns[row as usize])
+            .collect()
     }
 
     /// Whether a filed turn has a child (None: not filed).
@@ -535,25 +597,20 @@ impl Requests {
                 continue;
             }
             let digest = hasher.digest_here();
-            let turns: Vec<TurnNo> =
-                self.index
-                    .get(digest_key(&digest))
-                    .map_or_else(Vec::new, |filed| {
-                        filed
-                            .rows()
-                            .iter()
-                            .filter(|&&row| {
-                                let row = &self.rows[row as usize];
-                                // an unconfirmed row by its key: the caller compares bytes
-                                if row.confirmed {
-                                    row.digest == digest
-                                } else {
-                                    row.digest[..8] == digest[..8]
-                                }
-                            })
-                            .map(|&row| self.turns[row as usize])
-                            .collect()
-                    });
+            let turns: Vec<TurnNo> = self
+                .rows_of(digest_key(&digest))
+                .into_iter()
+                .filter(|&row| {
+                    let row = &self.rows[row as usize];
+                    // an unconfirmed row by its key and count: the caller compares bytes
+                    if row.confirmed {
+                        row.digest == digest
+                    } else {
+                        row.n_rest as usize == n
+                    }
+                })
+                .map(|row| self.turns[row as usize])
+                .collect();
             if !turns.is_empty() {
                 found.push(Prefix {
                     len: n,
@@ -583,8 +640,9 @@ impl Requests {
     /// Whether `packed` may be a filed turn's response: its xxh3 is the one the row keeps
     /// (None: not filed; false: no response). The caller confirms with the bytes.
     pub fn echoes(&self, turn: TurnNo, packed: &[u8]) -> Option<bool> {
-        let row = self.row_of(turn)?;
-        Some(row.response != 0 && row.response == response_key(packed))
+        let at = self.turns.binary_search(&turn).ok()?;
+        let response = self.responses.get(at).copied().unwrap_or(0);
+        Some(response != 0 && response == response_key(packed))
     }
 
     /// The base of a request whose messages pack as `plains`, and its digest; or an
@@ -719,7 +777,7 @@ impl Requests {
                     }),
                 },
                 Met::Row(row) => {
-                    let response = self.rows[row].response;
+                    let response = self.responses.get(row).copied().unwrap_or(0);
                     let echo = at < n
                         && response != 0
                         && response == response_key(plains[at - first].as_ref());
@@ -930,16 +988,19 @@ impl Requests {
     /// The first row filed under `digest`'s key (a prefix of `len` messages) that is either
     /// confirmed with that digest or unconfirmed with that message count and not refuted.
     fn met(&self, digest: &[u8; DIGEST_SIZE], len: usize, refuted: &[TurnNo]) -> Option<Met> {
-        let filed = self.index.get(digest_key(digest))?;
-        filed.rows().iter().map(|&row| row as usize).find_map(|at| {
-            let row = &self.rows[at];
-            if row.confirmed {
-                (row.digest == *digest).then_some(Met::Row(at))
-            } else {
-                let turn = self.turns[at];
-                (row.n_rest as usize == len && !refuted.contains(&turn)).then_some(Met::Ask(turn))
-            }
-        })
+        self.rows_of(digest_key(digest))
+            .into_iter()
+            .map(|row| row as usize)
+            .find_map(|at| {
+                let row = &self.rows[at];
+                if row.confirmed {
+                    (row.digest == *digest).then_some(Met::Row(at))
+                } else {
+                    let turn = self.turns[at];
+                    (row.n_rest as usize == len && !refuted.contains(&turn))
+                        .then_some(Met::Ask(turn))
+                }
+            })
     }
 
     /// The stored tail of a request found as `found`: an array header of the messages after
@@ -1012,45 +1073,38 @@ impl Requests {
             .ok()
             .filter(|&row| row < u32::MAX)
             .ok_or(FileError::Full)?;
-        let key = digest_key(&digest);
-        match self.index.get_mut(key) {
-            None => {
-                self.index.insert(key, Filed::One(row))?;
-            }
-            Some(Filed::Many(rows)) => rows.push(row),
-            Some(filed) => {
-                let first = filed.rows()[0];
-                *filed = Filed::Many(vec![first, row]);
-            }
+        if let Some(packed) = response {
+            self.responses.resize(self.rows.len(), 0);
+            self.responses.push(response_key(packed));
+        } else if !self.responses.is_empty() {
+            self.responses.push(0);
         }
-        let response = response.map_or(0, response_key);
+        grow(&mut self.rows);
+        grow(&mut self.turns);
         self.rows.push(Row {
             digest,
-            confirmed,
             n_rest: n_rest_u32,
-            response,
+            confirmed,
             has_children: false,
         });
+        if let Err(full) = self.index.insert(row, &self.rows) {
+            self.rows.pop();
+            self.responses.truncate(self.rows.len());
+            return Err(full);
+        }
         self.turns.push(turn);
         self.lengths.mark(n_rest);
         Ok(())
     }
 
-    /// Bytes the table holds (rows, index, lengths and pages, with their spare capacity).
+    /// Bytes the table holds (rows, index, lengths, responses, with their spare capacity).
     pub fn nbytes(&self) -> usize {
-        let filed_many: usize = self
-            .index
-            .values()
-            .map(|filed| match filed {
-                Filed::One(_) => 0,
-                Filed::Many(rows) => rows.capacity() * 4,
-            })
-            .sum();
+        let responses = self.responses.capacity() * 8;
         std::mem::size_of::<Self>()
             + self.rows.capacity() * std::mem::size_of::<Row>()
             + self.turns.capacity() * std::mem::size_of::<TurnNo>()
             + self.index.nbytes()
-            + filed_many
+            + responses
             + self.lengths.nbytes()
             + self.raw_tips.capacity() * std::mem::size_of::<RawTip>()
     }
@@ -1146,10 +1200,12 @@ mod tests {
         let request = conv(&["u1", "b", "u2"]);
         assert_eq!(table.find(&request).ask.map(|ask| ask.turn), Some(0));
         assert_eq!(table.find_past(&request, &[0]).base, Some(3));
-        // prefixes name confirmed rows alone
+        // prefixes name the unconfirmed row too, where its key and count are met (the caller
+        // compares its bytes), in filing order
         let prefixes = table.prefixes(&request);
         assert_eq!(prefixes.len(), 1);
-        assert_eq!(prefixes[0].turns, vec![3]);
+        assert_eq!(prefixes[0].turns, vec![0, 3]);
+        assert_eq!(table.prefixes(&conv(&["u9", "c"])).len(), 0);
     }
 
     #[test]
@@ -1304,7 +1360,9 @@ mod tests {
         let mut table = Requests::new();
         let long = "x".repeat(1 << 21);
         add(&mut table, 0, &conv(&["a"]), &long);
-        table.file(1, 1, Requests::find(&table, &conv(&["b"])).digest, None).unwrap();
+        table
+            .file(1, 1, Requests::find(&table, &conv(&["b"])).digest, None)
+            .unwrap();
         assert_eq!(table.echoes(0, &msg(&long)), Some(true));
         assert_eq!(table.echoes(1, &msg("")), Some(false));
         assert_eq!(table.echoes(1, &[]), Some(false));
