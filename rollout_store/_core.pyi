@@ -111,12 +111,6 @@ class Packer:
         the walk stay interned: the caller's rollback must undo them)."""
     def release(self) -> None:
         """Let the kept buffer go."""
-    def hash_prefix(self, messages: list[Any], low: int) -> tuple[Blake3, int]:
-        """A `Blake3` state that has seen the packings of `messages[:low]` one after the other
-        (the items of `pack(messages[:low])` without its array header), and how many bytes
-        that is. Packed and hashed in pieces: no buffer of the whole prefix is made, and the
-        hashing of each piece releases the GIL. Raises what `pack` raises (the path names the
-        message: `[i]...`)."""
 
 @final
 class Blake3:

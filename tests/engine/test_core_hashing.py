@@ -1,5 +1,5 @@
-"""The engine's prefix digests (`_core.Packer.hash_prefix`, `_core.Blake3`) against references
-that share no code with them: the `blake3` package over msgpack's own packings."""
+"""The engine's prefix digests (the request table's, `_core.Blake3`) against references that
+share no code with them: the `blake3` package over msgpack's own packings."""
 
 from __future__ import annotations
 
@@ -40,22 +40,30 @@ def _msgpack_items(messages: list[Any]) -> bytes:
     return b"".join(msgpack.packb(m, use_bin_type=True) for m in messages)
 
 
+def _digest(messages: list[Any]) -> tuple[bytes, list[bytes]]:
+    """The digest the request table takes of `messages`, and their packings."""
+    first, plains, (_, _, _, digest) = _core.RequestTable().find_messages(
+        _core.Packer(None, None), messages
+    )
+    assert first == 0
+    return digest, plains
+
+
 @given(st.lists(plain_json, max_size=12), st.data())
-def test_hash_prefix_is_blake3_of_msgpacks_packings(messages: list[Any], data: Any) -> None:
-    low = data.draw(st.integers(0, len(messages) + 2))
-    hasher, size = _core.Packer(None, None).hash_prefix(messages, low)
+def test_the_tables_digest_is_blake3_of_msgpacks_packings(messages: list[Any], data: Any) -> None:
+    low = data.draw(st.integers(0, len(messages)))
+    digest, plains = _digest(messages[:low])
     want = _msgpack_items(messages[:low])
-    assert size == len(want)
-    assert hasher.digest() == blake3.blake3(want).digest()
+    assert b"".join(plains) == want
+    assert digest == blake3.blake3(want).digest()
 
 
 @pytest.mark.parametrize("size", SIZES)
-def test_hash_prefix_across_pieces(size: int) -> None:
+def test_the_tables_digest_across_pieces(size: int) -> None:
     messages: list[Any] = [{"role": "user", "content": "x" * size + str(i)} for i in range(5)]
     messages.append({"n": [1, 1.0, True, None, -0.0, 2**63, -(2**63)]})
-    hasher, hashed = _core.Packer(None, None).hash_prefix(messages, len(messages))
-    want = _msgpack_items(messages)
-    assert hashed == len(want) and hasher.digest() == blake3.blake3(want).digest()
+    digest, _ = _digest(messages)
+    assert digest == blake3.blake3(_msgpack_items(messages)).digest()
 
 
 def test_a_state_goes_on_and_copies_are_their_own() -> None:
@@ -74,13 +82,12 @@ def test_a_state_goes_on_and_copies_are_their_own() -> None:
 def test_a_refused_message_is_named_by_its_place() -> None:
     messages = [{"role": "user", "content": "ok"}, {"role": "user", "content": [{1j: 2}]}]
     with pytest.raises(_core.RefusedValue) as info:
-        _core.Packer(None, None).hash_prefix(messages, 2)
+        _digest(messages)
     message, path = info.value.args
     assert path == "[1].content[0]" and "complex" in message
-    # the messages before `low` only: the bad one is not reached
-    hasher, size = _core.Packer(None, None).hash_prefix(messages, 1)
-    assert hasher.digest() == blake3.blake3(msgpack.packb(messages[0])).digest()
-    assert size == len(msgpack.packb(messages[0]))
+    # the messages before it only: the bad one is not reached
+    digest, _ = _digest(messages[:1])
+    assert digest == blake3.blake3(msgpack.packb(messages[0])).digest()
 
 
 #: texts of each storage kind a str has (ASCII, Latin-1, 2-byte, 4-byte code points)

@@ -1,6 +1,5 @@
-//! `Blake3`: a BLAKE3 state over packed request prefixes, which `Packer.hash_prefix` fills
-//! from Python messages (through the engine's `PrefixHasher`) and the request store goes on
-//! feeding.
+//! `Blake3`: a BLAKE3 state over packed request prefixes: a raw tip's (the request table goes
+//! on from it, `RequestTable.find_after`) and the digest of a raw text's bytes.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 

@@ -17,9 +17,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyString, PyTuple, PyType};
 
-use crate::hashing::Blake3;
 use crate::{RefusedValue, DETACH_FROM};
-use engine::digest::{PrefixHasher, ALIGN};
 
 /// Containers nested deeper than this are refused (`json.dumps` itself fails near 1000).
 pub const MAX_DEPTH: usize = 500;
@@ -175,35 +173,6 @@ impl Packer {
     /// Let the kept buffer go.
     fn release(&mut self) {
         self.buffer = Vec::new();
-    }
-
-    /// A `Blake3` state that has seen the packings of `messages[:low]` one after the other
-    /// (the items of `pack(messages[:low])` without its array header), and how many bytes
-    /// that is. Packed and hashed in pieces: no buffer of the whole prefix is made, and the
-    /// hashing of a piece of at least `DETACH_FROM` bytes releases the GIL. Raises what
-    /// `pack` raises (the path names the message: `[i]...`).
-    fn hash_prefix(
-        &mut self,
-        py: Python<'_>,
-        messages: &Bound<'_, PyList>,
-        low: usize,
-    ) -> PyResult<(Blake3, u64)> {
-        let buffer = std::mem::take(&mut self.buffer);
-        let mut walk = self.walk(py, buffer);
-        let mut hasher = PrefixHasher::new();
-        let low = low.min(messages.len());
-        for i in 0..low {
-            let message = messages.get_item(i)?;
-            walk.value(&message, 1)
-                .map_err(|fail| into_py_err(within(fail, || Ok(format!("[{i}]")))))?;
-            if walk.out.len() >= ALIGN {
-                drain(py, &mut hasher, &mut walk.out);
-            }
-        }
-        drain(py, &mut hasher, &mut walk.out);
-        let fed = hasher.fed();
-        self.keep(walk.finish());
-        Ok((Blake3::from_state(hasher.finish()), fed))
     }
 
     // the garbage collector sees `intern` (a bound method of the blob table), so a cycle
@@ -903,18 +872,6 @@ fn new_str<'py>(py: Python<'py>, bytes: &[u8]) -> PyResult<Bound<'py, PyAny>> {
         }
     }
     decode_utf8(py, bytes, c"strict")
-}
-
-/// Rebuild one packed value: fresh containers, a tuple where one was recorded, each blob
-/// reference as what `blob(index)` returns (the table's own `str`), the echo placeholder as
-/// what `echo()` returns (refused without one).
-/// Hashes the packed bytes in `out` (emptying it), without the GIL when they are many.
-fn drain(py: Python<'_>, hasher: &mut PrefixHasher, out: &mut Vec<u8>) {
-    if out.len() >= DETACH_FROM {
-        py.detach(|| hasher.drain(out));
-    } else {
-        hasher.drain(out);
-    }
 }
 
 #[pyfunction]
