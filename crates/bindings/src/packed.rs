@@ -196,6 +196,9 @@ impl Packer {
     /// (`Packed::holes`), else only noted (`Packed::long_seen`). `last_*` then tell of a
     /// plain walk's messages (those of `range` alone). Raises what `pack` raises (the path
     /// names the message: `[i]...`); `ValueError` for a packer that interns long strings.
+    /// `capacity`: the bytes the packings are expected to take (a buffer grown by doubling
+    /// would copy a large request's packings several times over).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn pack_range(
         &mut self,
         py: Python<'_>,
@@ -203,13 +206,14 @@ impl Packer {
         range: std::ops::Range<usize>,
         hole_min: usize,
         hollow: bool,
+        capacity: usize,
     ) -> PyResult<Packed> {
         if self.intern.is_some() {
             return Err(PyValueError::new_err(
                 "messages are found by their plain packings: a packer without intern",
             ));
         }
-        let mut walk = self.walk(py, Vec::new());
+        let mut walk = self.walk(py, Vec::with_capacity(capacity));
         walk.hole_min = hole_min;
         walk.holes = hollow.then(Vec::new);
         let mut ends = Vec::with_capacity(range.len());

@@ -4,7 +4,7 @@
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use engine::requests::{self, Found, RawError, RawFound, Requests, DIGEST_SIZE};
+use engine::requests::{self, Found, PackedRun, RawError, RawFound, Requests, DIGEST_SIZE};
 use pyo3::exceptions::{PyOverflowError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
@@ -118,6 +118,8 @@ pub struct RequestTable {
     tip_hits: std::sync::atomic::AtomicU64,
     /// strings of this many code points or more are a decoded tip's holes
     hole_min: usize,
+    /// the bytes the last request walked packed to (the next one's buffer is made as large)
+    packed_hint: std::sync::atomic::AtomicUsize,
 }
 
 impl RequestTable {
@@ -153,7 +155,7 @@ impl RequestTable {
                 key
             } else {
                 let last =
-                    packer.pack_range(py, messages, n_rest - 1..n_rest, usize::MAX, false)?;
+                    packer.pack_range(py, messages, n_rest - 1..n_rest, usize::MAX, false, 0)?;
                 let key = content_key(&last.buffer);
                 last_keys.push((n_rest, key));
                 key
@@ -169,7 +171,7 @@ impl RequestTable {
             else {
                 continue; // (dropped meanwhile)
             };
-            let hollow = packer.pack_range(py, messages, 0..n_rest, self.hole_min, true)?;
+            let hollow = packer.pack_range(py, messages, 0..n_rest, self.hole_min, true, 0)?;
             // (a walk that ran a subclass's Python code stands for no packing but its own)
             if !hollow.called
                 && *blake3::hash(&hollow.buffer).as_bytes() == tip.hollow_digest
@@ -198,7 +200,19 @@ impl RequestTable {
         let mut packer = packer.borrow_mut();
         let continued = self.tip_of(py, &mut packer, messages)?;
         let first = continued.as_ref().map_or(0, |tip| tip.n_rest);
-        let plain = packer.pack_range(py, messages, first..n, self.hole_min, false)?;
+        // room for what the last request packed to, and a little more (a conversation's next
+        // request re-sends it): one buffer, not one a doubling
+        let hint = self.packed_hint.load(std::sync::atomic::Ordering::Relaxed);
+        let plain = packer.pack_range(
+            py,
+            messages,
+            first..n,
+            self.hole_min,
+            false,
+            hint + hint / 16 + 1024,
+        )?;
+        self.packed_hint
+            .store(plain.buffer.len(), std::sync::atomic::Ordering::Relaxed);
         let mut start = 0;
         let plains: Vec<&[u8]> = plain
             .ends
@@ -214,7 +228,14 @@ impl RequestTable {
         // plain walk hashed (a later request compared with them would get the wrong packings)
         let keeps_tip = tip && !plain.called && (continued.is_some() || plain.long_seen);
         let new_hollow = if keeps_tip && plain.long_seen {
-            Some(packer.pack_range(py, messages, first..n, self.hole_min, true)?)
+            Some(packer.pack_range(
+                py,
+                messages,
+                first..n,
+                self.hole_min,
+                true,
+                plain.buffer.len(),
+            )?)
         } else {
             None
         };
@@ -224,7 +245,11 @@ impl RequestTable {
             .map(|tip| (tip.packings.clone(), tip.fed, tip.n_rest));
         let (found, packings, fed) = self
             .with_table(py, plain.buffer.len(), |table| {
-                let (found, packings, fed) = table.find_resumed(resume, &plains, refuted);
+                let run = PackedRun {
+                    buffer: &plain.buffer,
+                    ends: &plain.ends,
+                };
+                let (found, packings, fed) = table.find_resumed(resume, &run, refuted);
                 if let Some((turn, response)) = file {
                     if found.ask.is_none() {
                         table.file(turn, n, found.digest, response)?;
@@ -435,6 +460,7 @@ impl RequestTable {
             inner: Mutex::new(Requests::new()),
             tips: Mutex::new(Vec::new()),
             tip_hits: std::sync::atomic::AtomicU64::new(0),
+            packed_hint: std::sync::atomic::AtomicUsize::new(0),
         }
     }
 
@@ -475,7 +501,7 @@ impl RequestTable {
         let size = plains.iter().map(|plain| plain.len()).sum();
         let resume = Some((state.get().snapshot(), 0, first));
         let (found, _, _) = self.with_table(py, size, |table| {
-            table.find_resumed(resume, &plains, &refuted)
+            table.find_resumed(resume, &plains[..], &refuted)
         });
         found_tuple(py, &found)
     }

@@ -312,6 +312,64 @@ impl Lengths {
     }
 }
 
+/// A request's packings, one a message: separate byte strings, or one buffer with the offset
+/// where each ends ([`PackedRun`]), whose runs of messages are then hashed in one update
+/// rather than copied piece by piece into the hasher's pending bytes.
+pub trait Packings {
+    /// Messages.
+    fn count(&self) -> usize;
+    /// The packing of message `i`.
+    fn item(&self, i: usize) -> &[u8];
+    /// Feed the packings of messages `range` to `hasher`.
+    fn feed(&self, hasher: &mut PrefixHasher, range: std::ops::Range<usize>) {
+        for i in range {
+            hasher.update(self.item(i));
+        }
+    }
+}
+
+impl<P: AsRef<[u8]>> Packings for [P] {
+    fn count(&self) -> usize {
+        self.len()
+    }
+
+    fn item(&self, i: usize) -> &[u8] {
+        self[i].as_ref()
+    }
+}
+
+/// Packings written one after the other into one buffer, with the offset where each ends.
+pub struct PackedRun<'a> {
+    pub buffer: &'a [u8],
+    pub ends: &'a [usize],
+}
+
+impl PackedRun<'_> {
+    fn start(&self, i: usize) -> usize {
+        if i == 0 {
+            0
+        } else {
+            self.ends[i - 1]
+        }
+    }
+}
+
+impl Packings for PackedRun<'_> {
+    fn count(&self) -> usize {
+        self.ends.len()
+    }
+
+    fn item(&self, i: usize) -> &[u8] {
+        &self.buffer[self.start(i)..self.ends[i]]
+    }
+
+    fn feed(&self, hasher: &mut PrefixHasher, range: std::ops::Range<usize>) {
+        if !range.is_empty() {
+            hasher.update(&self.buffer[self.start(range.start)..self.ends[range.end - 1]]);
+        }
+    }
+}
+
 /// A filed request: 40 bytes.
 #[derive(Clone, Copy, Debug)]
 struct Row {
@@ -663,10 +721,10 @@ impl Requests {
     /// state), the others packing as `plains`: only those are hashed. With `None`, every
     /// message is in `plains`. Also gives the state that has seen the packings of them all
     /// and its byte count (what a tip of this request keeps).
-    pub fn find_resumed<P: AsRef<[u8]>>(
+    pub fn find_resumed<Q: Packings + ?Sized>(
         &self,
         resume: Option<(blake3::Hasher, u64, usize)>,
-        plains: &[P],
+        plains: &Q,
         refuted: &[TurnNo],
     ) -> (Found, blake3::Hasher, u64) {
         let (mut hasher, first) = match resume {
@@ -687,14 +745,14 @@ impl Requests {
     /// the packings there, and a re-sent request's base is mostly among its last boundaries
     /// (the turn just before). Only when none of those is a base are the packings hashed
     /// again for the boundaries below.
-    fn find_from<P: AsRef<[u8]>>(
+    fn find_from<Q: Packings + ?Sized>(
         &self,
         hasher: &mut PrefixHasher,
         first: usize,
-        plains: &[P],
+        plains: &Q,
         refuted: &[TurnNo],
     ) -> Found {
-        let n = first + plains.len();
+        let n = first + plains.count();
         // every boundary where some filed request ends, longest first
         let marked: Vec<usize> = (first..=n)
             .rev()
@@ -702,7 +760,7 @@ impl Requests {
             .collect();
         let (window, below) = marked.split_at(marked.len().min(WINDOW));
         let start = (!below.is_empty()).then(|| hasher.clone());
-        let mut digests = Self::digests_at(hasher, first, plains, window);
+        let mut digests = Self::digests_at(hasher, first, plains, plains.count(), window);
         let digest = hasher.digest_here();
         if self.lengths.has(n) {
             digests.push((n, digest));
@@ -711,11 +769,9 @@ impl Requests {
             return found;
         }
         if let Some(mut again) = start {
-            let plains_below = &plains[..below[0] - first];
-            let mut digests = Self::digests_at(&mut again, first, plains_below, below);
-            if below[0] == first + plains_below.len() {
-                digests.push((below[0], again.digest_here()));
-            }
+            let upto = below[0] - first;
+            let mut digests = Self::digests_at(&mut again, first, plains, upto, below);
+            digests.push((below[0], again.digest_here()));
             if let Some(found) = self.first_met(&digests, plains, first, n, digest, refuted) {
                 return found;
             }
@@ -730,31 +786,38 @@ impl Requests {
     }
 
     /// The digests at `boundaries` (longest first) of the stream `hasher` has seen up to
-    /// message `first`, then `plains`: shortest first, those up to `first + plains.len()`
-    /// excluded (the caller takes that one from the hasher, which has then seen them all).
-    fn digests_at<P: AsRef<[u8]>>(
+    /// message `first`, then the packings of messages `..upto` of `plains`: shortest first,
+    /// those at `first + upto` and beyond excluded (the caller takes that one from the
+    /// hasher, which has then seen them all). The packings between two boundaries go in one
+    /// feed.
+    fn digests_at<Q: Packings + ?Sized>(
         hasher: &mut PrefixHasher,
         first: usize,
-        plains: &[P],
+        plains: &Q,
+        upto: usize,
         boundaries: &[usize],
     ) -> Vec<(usize, [u8; DIGEST_SIZE])> {
         let mut digests = Vec::with_capacity(boundaries.len());
-        let mut next = boundaries.iter().rev().peekable();
-        for (i, plain) in plains.iter().enumerate() {
-            if next.next_if_eq(&&(first + i)).is_some() {
-                digests.push((first + i, hasher.digest_here()));
+        let mut fed = 0;
+        for &at in boundaries.iter().rev() {
+            let i = at - first;
+            if i >= upto {
+                break;
             }
-            hasher.update(plain.as_ref());
+            plains.feed(hasher, fed..i);
+            fed = i;
+            digests.push((at, hasher.digest_here()));
         }
+        plains.feed(hasher, fed..upto);
         digests
     }
 
     /// The base met first among `digests` (shortest first), checked longest first, for a
     /// request of `n` messages whose digest is `digest`.
-    fn first_met<P: AsRef<[u8]>>(
+    fn first_met<Q: Packings + ?Sized>(
         &self,
         digests: &[(usize, [u8; DIGEST_SIZE])],
-        plains: &[P],
+        plains: &Q,
         first: usize,
         n: usize,
         digest: [u8; DIGEST_SIZE],
@@ -780,7 +843,7 @@ impl Requests {
                     let response = self.responses.get(row).copied().unwrap_or(0);
                     let echo = at < n
                         && response != 0
-                        && response == response_key(plains[at - first].as_ref());
+                        && response == response_key(plains.item(at - first));
                     Found {
                         base: Some(self.turns[row]),
                         base_len: at,
@@ -855,7 +918,7 @@ impl Requests {
                 let (digits, depth) = (tip.digits.max(digits), tip.depth.max(depth));
                 let plains: Vec<Vec<u8>> = items.iter().map(to_packed).collect();
                 let mut hasher = PrefixHasher::resume(tip.packings.clone(), tip.packed);
-                let found = self.find_from(&mut hasher, tip.n_rest, &plains, refuted);
+                let found = self.find_from(&mut hasher, tip.n_rest, &plains[..], refuted);
                 let end = end.unwrap_or(tip.end);
                 let mut text_hasher = text_hasher;
                 text_hasher.update(&text[tip.end..end]);
@@ -881,7 +944,7 @@ impl Requests {
         };
         let plains: Vec<Vec<u8>> = items.iter().map(to_packed).collect();
         let mut hasher = PrefixHasher::new();
-        let found = self.find_from(&mut hasher, 0, &plains, refuted);
+        let found = self.find_from(&mut hasher, 0, &plains[..], refuted);
         // a tip of its own only for a plain UTF-8 text (one a later text can extend byte for
         // byte): it starts with its bracket, after whitespace at most
         let utf8 = text.iter().find(|&&b| !is_ws(b)) == Some(&b'[');
