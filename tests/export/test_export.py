@@ -506,3 +506,24 @@ def test_unknown_capture_level_or_purpose_is_refused_with_the_valid_ones() -> No
         export_session(graph, capture_level="bogus")
     with pytest.raises(InvalidArgumentError, match="auto, train, eval; got 'training'"):
         write_session_json(graph, io.StringIO(), purpose="training")
+
+
+class _Items(dict[str, Any]):
+    """Metadata whose own items() differ from what the dict holds: json.dumps asks items()."""
+
+    def items(self) -> Any:
+        return iter([("shown", [1, 2])])
+
+
+class _Iterated(list[Any]):
+    def __iter__(self) -> Any:
+        return iter(["shown", None])
+
+
+def test_write_session_json_reads_subclassed_metadata_as_json_dumps_does() -> None:
+    graph = RolloutGraph()
+    graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "hi"}]))
+    for metadata in (_Items(hidden=0), {"a": _Iterated(["hidden"]), "b": [_Items()]}):
+        text = io.StringIO()
+        write_session_json(graph, text, metadata=metadata)
+        assert text.getvalue() == json.dumps(export_session(graph, metadata=metadata))
