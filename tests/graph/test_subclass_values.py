@@ -1,7 +1,8 @@
 """Values given as subclasses of dict whose own `items()` disagree with what the dict holds:
 the graph keeps what `json.dumps` writes of them (an empty one is `{}`, whatever its
 `items()` says; a non-empty one is what its `items()` yields), and refuses, naming where,
-what `json.dumps` refuses (members that are not 2-tuples), changing nothing."""
+what `json.dumps` refuses (members that are not 2-tuples), changing nothing. Token fields
+given as list or tuple subclasses are read by iterating them, as `json.dumps` reads them."""
 
 from __future__ import annotations
 
@@ -103,3 +104,43 @@ def test_a_dict_subclass_yielding_other_than_pairs_is_refused_where_it_is(
     write_session_json(graph, after, include_messages=True)
     assert after.getvalue() == before.getvalue()
     assert graph.stats() == stats
+
+
+class _Ids(list[Any]):
+    """A list whose iteration yields other items than it holds (json.dumps iterates it)."""
+
+    def __init__(self, held: list[Any], shown: list[Any]) -> None:
+        super().__init__(held)
+        self.shown = shown
+
+    def __iter__(self) -> Any:
+        return iter(self.shown)
+
+
+class _IdsTuple(tuple[Any, ...]):
+    def __iter__(self) -> Any:
+        return iter([x + 1 for x in tuple.__iter__(self)])
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"prompt_ids": _Ids([1, 2], [7, 8, 9])},
+        {"prompt_ids": [5], "sampled_ids": _Ids([1], [6, 7])},
+        {"prompt_ids": [5], "sampled_ids": [6], "sampled_logprobs": _Ids([0.5], [-0.25])},
+        {"prompt_ids": [5], "sampled_ids": [6], "sampled_logprobs": _Ids([0.5], [-1, None])},
+        {"prompt_ids": _IdsTuple((1, 2)), "sampled_ids": _IdsTuple((2**40,))},
+    ],
+    ids=["prompt", "sampled", "logprobs", "logprobs-json", "tuples"],
+)
+def test_token_fields_given_as_subclasses_are_kept_as_json_dumps_writes_them(
+    fields: dict[str, Any], tmp_path: Path
+) -> None:
+    graph = RolloutGraph()
+    node = TurnNode(request_messages=[{"role": "user", "content": "x"}], **fields)
+    node_id = graph.add_turn(node).node_id
+    graph.save(tmp_path / "g.rls")
+    for held in (graph, RolloutGraph.load(tmp_path / "g.rls")):
+        got = held.get(node_id)
+        for name, value in fields.items():
+            assert json.dumps(list(getattr(got, name))) == json.dumps(value), name
