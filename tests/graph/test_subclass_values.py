@@ -2,7 +2,8 @@
 the graph keeps what `json.dumps` writes of them (an empty one is `{}`, whatever its
 `items()` says; a non-empty one is what its `items()` yields), and refuses, naming where,
 what `json.dumps` refuses (members that are not 2-tuples), changing nothing. Token fields
-given as list or tuple subclasses are read by iterating them, as `json.dumps` reads them."""
+given as list or tuple subclasses, and request messages and tool lists too, are read by
+iterating them, as `json.dumps` reads them (a list subclass's `RawJSON` items decoded)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ import pytest
 from rollout_store import (
     InvalidValueError,
     MemoryStore,
+    RawJSON,
     RolloutGraph,
     TurnNode,
     write_session_json,
 )
+from rollout_store.model.raw import resolve_raw
 
 
 class _Claims(dict[str, Any]):
@@ -144,3 +147,63 @@ def test_token_fields_given_as_subclasses_are_kept_as_json_dumps_writes_them(
         got = held.get(node_id)
         for name, value in fields.items():
             assert json.dumps(list(getattr(got, name))) == json.dumps(value), name
+
+
+class _Messages(list[Any]):
+    """Messages whose iteration yields other messages than the list holds."""
+
+    def __iter__(self) -> Any:
+        return iter(
+            [{"role": "system", "content": "shown"}, {"role": "user", "content": "s" * 2000}]
+        )
+
+
+class _MessagesTuple(tuple[Any, ...]):
+    def __iter__(self) -> Any:
+        return iter([{"role": "user", "content": "shown"}])
+
+
+class _Plain(list[Any]):
+    """A list subclass with nothing overridden."""
+
+
+_HELD = [{"role": "system", "content": "held"}, {"role": "user", "content": "held"}]
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [_Messages(_HELD), _MessagesTuple(_HELD), _Plain([RawJSON(b'{"role": "user", "content": 1}')])],
+    ids=["list", "tuple", "raw-items"],
+)
+def test_request_messages_given_as_a_subclass_are_kept_as_json_dumps_writes_them(
+    messages: Any, tmp_path: Path
+) -> None:
+    want = json.dumps(resolve_raw(list(messages), "request_messages"))
+    graph = RolloutGraph()
+    node_id = graph.add_turn(
+        TurnNode(request_messages=messages, response_message={"content": "a"})
+    ).node_id
+    graph.save(tmp_path / "g.rls")
+    for held in (graph, RolloutGraph.load(tmp_path / "g.rls")):
+        assert json.dumps(held.request_messages(node_id)) == want
+    # the next turn re-sends it as plain JSON and links to it
+    again = json.loads(want) + [{"content": "a"}, {"role": "user", "content": "next"}]
+    child = graph.add_turn(TurnNode(request_messages=again)).node_id
+    assert graph.parent(child) == node_id
+    assert json.dumps(graph.request_messages(child)) == json.dumps(again)
+
+
+@pytest.mark.parametrize(
+    "tools",
+    [_Messages([1, 2, 3]), _MessagesTuple((1, 2)), _Plain([RawJSON(b'{"name": "f"}'), {"n": 2}])],
+    ids=["list", "tuple", "raw-items"],
+)
+def test_request_tools_given_as_a_subclass_are_kept_and_counted_as_json_dumps_writes_them(
+    tools: Any,
+) -> None:
+    want = resolve_raw(list(tools), "request_tools")
+    graph = RolloutGraph()
+    node = TurnNode(request_messages=[{"role": "user", "content": "x"}], request_tools=tools)
+    node_id = graph.add_turn(node).node_id
+    assert json.dumps(graph.request_tools(node_id)) == json.dumps(want)
+    assert graph.get(node_id).n_tools == len(want)
