@@ -438,8 +438,15 @@ class Graph:
         and `ValueError`) naming the path of a bad value, or `DuplicateNodeError`; on any
         error the graph is exactly as before.
         """
-        if type(node) is not TurnNode and not isinstance(node, TurnNode):  # ABC check last
-            raise InvalidArgumentError(f"add_turn expects a TurnNode, got {type(node).__name__}")
+        if type(node) is not TurnNode:
+            if not isinstance(node, TurnNode):  # (an ABC check: the common case skips it)
+                raise InvalidArgumentError(
+                    f"add_turn expects a TurnNode, got {type(node).__name__}"
+                )
+            # a node that cannot be given its place (a view is read-only) says so now, before
+            # anything is recorded, rather than after
+            node.index = node.index
+            node.parent_id = node.parent_id
         with self._lock:
             if self._closed:
                 raise RolloutStoreError("the graph's file is closed: reopen it to add turns")
