@@ -527,3 +527,24 @@ def test_write_session_json_reads_subclassed_metadata_as_json_dumps_does() -> No
         text = io.StringIO()
         write_session_json(graph, text, metadata=metadata)
         assert text.getvalue() == json.dumps(export_session(graph, metadata=metadata))
+
+
+def test_write_session_json_writes_metadata_as_deep_as_json_dumps_does() -> None:
+    """Values the caller hands the document (metadata) nest as deep as json.dumps writes
+    them: the streamed bytes are still json.dumps's, and what it refuses is refused alike."""
+    graph = RolloutGraph()
+    graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "hi"}]))
+    deep: Any = "leaf"
+    for _ in range(950):
+        deep = [deep]
+    text = io.StringIO()
+    write_session_json(graph, text, metadata={"deep": deep})
+    assert text.getvalue() == json.dumps(export_session(graph, metadata={"deep": deep}))
+    loop: list[Any] = []
+    loop.append(loop)
+    for bad, error in (({1, 2}, TypeError), (loop, ValueError)):
+        with pytest.raises(error) as expected:
+            json.dumps(export_session(graph, metadata={"bad": bad}))
+        with pytest.raises(error) as got:
+            write_session_json(graph, io.StringIO(), metadata={"bad": bad})
+        assert str(got.value) == str(expected.value)
