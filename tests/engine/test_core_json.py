@@ -243,7 +243,10 @@ class _IteratedTuple(tuple[Any, ...]):
 
 
 def test_dumps_reads_container_subclasses_as_json_does() -> None:
+    moved = collections.OrderedDict([("a", 1), ("b", 2), ("c", 3)])
+    moved.move_to_end("a")  # its order is its own, not the dict's underneath
     value: Any = {
+        "moved": moved,
         "d": _Items(hidden=0),
         "l": _Iterated(["hidden"]),
         "t": _IteratedTuple(("hidden",)),

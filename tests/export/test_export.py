@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import io
 import json
 import math
@@ -523,7 +524,13 @@ class _Iterated(list[Any]):
 def test_write_session_json_reads_subclassed_metadata_as_json_dumps_does() -> None:
     graph = RolloutGraph()
     graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "hi"}]))
-    for metadata in (_Items(hidden=0), {"a": _Iterated(["hidden"]), "b": [_Items()]}):
+    moved = collections.OrderedDict([("a", 1), ("b", 2)])
+    moved.move_to_end("a")  # json.dumps writes an OrderedDict's own order: b, then a
+    for metadata in (
+        _Items(hidden=0),
+        {"a": _Iterated(["hidden"]), "b": [_Items()]},
+        {"moved": moved},
+    ):
         text = io.StringIO()
         write_session_json(graph, text, metadata=metadata)
         assert text.getvalue() == json.dumps(export_session(graph, metadata=metadata))
