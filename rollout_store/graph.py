@@ -119,12 +119,20 @@ def _without_raw(node: TurnNode, known: Container[bytes | str] = ()) -> TurnNode
     those of the shared fields whose text is `known` (stored before, byte for byte: see
     `RequestStore.raw_shared`), which stay `RawJSON`."""
     values = _raw_fields(node)  # one C call for all of them
-    if RawJSON not in map(type, values):
-        tools = node.request_tools
-        if type(tools) is not list or RawJSON not in map(type, tools):
-            return node  # the common case: no raw field, no raw item in a tool list
+    tools: Any = node.request_tools  # (a list or RawJSON as typed; a tuple or subclass too)
+    if type(tools) is not list and type(tools) is not tuple and isinstance(tools, list | tuple):
+        # a subclass: what iterating it yields (json.dumps writes that; and its tools counted)
+        tools = tuple(tools) if isinstance(tools, tuple) else list(tools)
+    elif RawJSON not in map(type, values) and (
+        type(tools) is not list or RawJSON not in map(type, tools)
+    ):
+        return node  # the common case: no raw field, no raw item in a tool list
     changes: dict[str, Any] = {}
+    if tools is not node.request_tools:
+        changes["request_tools"] = resolve_raw(tools, "request_tools")
     for name, value in zip(_RAW_FIELDS, values, strict=True):
+        if name in changes:
+            continue
         if type(value) is RawJSON and name in _SHARED_FIELDS and value.data in known:
             continue
         if type(value) is RawJSON and name in _ID_FIELDS and type(value.data) is bytes:
@@ -434,8 +442,15 @@ class Graph:
         and `ValueError`) naming the path of a bad value, or `DuplicateNodeError`; on any
         error the graph is exactly as before.
         """
-        if type(node) is not TurnNode and not isinstance(node, TurnNode):  # ABC check last
-            raise InvalidArgumentError(f"add_turn expects a TurnNode, got {type(node).__name__}")
+        if type(node) is not TurnNode:
+            if not isinstance(node, TurnNode):  # (an ABC check: the common case skips it)
+                raise InvalidArgumentError(
+                    f"add_turn expects a TurnNode, got {type(node).__name__}"
+                )
+            # a node that cannot be given its place (a view is read-only) says so now, before
+            # anything is recorded, rather than after
+            node.index = node.index
+            node.parent_id = node.parent_id
         with self._lock:
             if self._closed:
                 raise RolloutStoreError("the graph's file is closed: reopen it to add turns")

@@ -94,8 +94,17 @@ def _is_numpy(x: object) -> bool:
 
 
 def _as_sequence(values: object, path: str) -> object:
-    """A 1-D numpy array as a list of Python numbers; anything else as it is."""
-    if not isinstance(values, list | tuple) and _is_numpy(values) and hasattr(values, "tolist"):
+    """A 1-D numpy array as a list of Python numbers; a subclass of list or tuple as what
+    iterating it yields (what json.dumps writes of it, not what it holds); anything else as
+    it is."""
+    kind = type(values)
+    if kind is list or kind is tuple:
+        return values
+    if isinstance(values, list):
+        return list(values)
+    if isinstance(values, tuple):
+        return tuple(values)
+    if _is_numpy(values) and hasattr(values, "tolist"):
         ndim = getattr(values, "ndim", None)
         if ndim != 1:
             raise InvalidValueError(f"expected a 1-D array, got a {ndim}-D array", path)

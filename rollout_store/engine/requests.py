@@ -811,6 +811,10 @@ class RequestStore:
                 )
             if isinstance(messages, tuple):
                 turn.flags |= MESSAGES_TUPLE
+                if type(messages) is not tuple:
+                    messages = tuple(messages)  # a subclass: what json.dumps writes of it
+            elif type(messages) is not list:
+                messages = list(messages)  # a subclass: what iterating it yields, as json.dumps
         if not messages and turn.prompt is not None:
             # a token turn without messages (the default []): linked by its tokens, and no
             # base of anything, so it stays out of the request index (which would otherwise

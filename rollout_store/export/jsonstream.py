@@ -10,6 +10,7 @@ several times as fast).
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any
 
@@ -18,9 +19,9 @@ from .._core import dumps
 __all__ = ["Streamed", "write_document", "writer_for"]
 
 
-#: The nesting a document's pieces may reach: a recorded value (at most `MAX_DEPTH`) inside
-#: the few levels of the document around it; `json.dumps` writes deeper ones too, up to the
-#: interpreter's recursion limit.
+#: The nesting the engine's writer takes in a document's pieces: a recorded value (at most
+#: `MAX_DEPTH`) inside the few levels of the document around it. A deeper piece (a caller's
+#: metadata) is written by `json.dumps`, which goes up to the interpreter's recursion limit.
 _DEPTH = 900
 
 
@@ -71,7 +72,13 @@ def _chunks(value: Any) -> Iterator[str]:
             sep = ", "
         yield "}"
     else:
-        yield dumps(value, max_depth=_DEPTH)
+        try:
+            text = dumps(value, max_depth=_DEPTH)
+        except (TypeError, ValueError):
+            # what the engine's writer refuses (a caller's value nested deeper than it goes,
+            # or not JSON at all): json.dumps decides, so the bytes or the error are its own
+            text = json.dumps(value)
+        yield text
 
 
 def write_document(fp: IO[Any], document: Any) -> None:

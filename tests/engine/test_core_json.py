@@ -223,6 +223,51 @@ def test_dumps_subclasses_and_keys_as_json_does() -> None:
     assert _core.dumps(value) == json.dumps(value)
 
 
+class _Items(dict[Any, Any]):
+    """A dict whose own items() differ from what it holds (json.dumps asks items())."""
+
+    def items(self) -> Any:
+        return iter([("shown", 1), (2, [3])])
+
+
+class _Iterated(list[Any]):
+    """A list whose iteration differs from what it holds (json.dumps iterates it)."""
+
+    def __iter__(self) -> Any:
+        return iter(["shown", {"k": None}])
+
+
+class _IteratedTuple(tuple[Any, ...]):
+    def __iter__(self) -> Any:
+        return iter([1.5, "shown"])
+
+
+def test_dumps_reads_container_subclasses_as_json_does() -> None:
+    moved = collections.OrderedDict([("a", 1), ("b", 2), ("c", 3)])
+    moved.move_to_end("a")  # its order is its own, not the dict's underneath
+    value: Any = {
+        "moved": moved,
+        "d": _Items(hidden=0),
+        "l": _Iterated(["hidden"]),
+        "t": _IteratedTuple(("hidden",)),
+        "nested": [_Items(), _Iterated([_Items(x=1)])],
+    }
+    assert _core.dumps(value) == json.dumps(value)
+
+
+class _Pairs(dict[Any, Any]):
+    def items(self) -> Any:
+        return iter([("a", 1, 2)])
+
+
+def test_dumps_refuses_bad_items_of_a_dict_subclass() -> None:
+    with pytest.raises(ValueError) as expected:
+        json.dumps(_Pairs(a=1))
+    with pytest.raises(ValueError) as got:
+        _core.dumps(_Pairs(a=1))
+    assert str(got.value) == str(expected.value)
+
+
 def test_dumps_refuses_what_json_refuses() -> None:
     for bad in (object(), {1, 2}, b"bytes", [1, object()]):
         with pytest.raises(TypeError, match="is not JSON serializable"):

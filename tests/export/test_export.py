@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import io
 import json
 import math
@@ -506,3 +507,51 @@ def test_unknown_capture_level_or_purpose_is_refused_with_the_valid_ones() -> No
         export_session(graph, capture_level="bogus")
     with pytest.raises(InvalidArgumentError, match="auto, train, eval; got 'training'"):
         write_session_json(graph, io.StringIO(), purpose="training")
+
+
+class _Items(dict[str, Any]):
+    """Metadata whose own items() differ from what the dict holds: json.dumps asks items()."""
+
+    def items(self) -> Any:
+        return iter([("shown", [1, 2])])
+
+
+class _Iterated(list[Any]):
+    def __iter__(self) -> Any:
+        return iter(["shown", None])
+
+
+def test_write_session_json_reads_subclassed_metadata_as_json_dumps_does() -> None:
+    graph = RolloutGraph()
+    graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "hi"}]))
+    moved = collections.OrderedDict([("a", 1), ("b", 2)])
+    moved.move_to_end("a")  # json.dumps writes an OrderedDict's own order: b, then a
+    for metadata in (
+        _Items(hidden=0),
+        {"a": _Iterated(["hidden"]), "b": [_Items()]},
+        {"moved": moved},
+    ):
+        text = io.StringIO()
+        write_session_json(graph, text, metadata=metadata)
+        assert text.getvalue() == json.dumps(export_session(graph, metadata=metadata))
+
+
+def test_write_session_json_writes_metadata_as_deep_as_json_dumps_does() -> None:
+    """Values the caller hands the document (metadata) nest as deep as json.dumps writes
+    them: the streamed bytes are still json.dumps's, and what it refuses is refused alike."""
+    graph = RolloutGraph()
+    graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "hi"}]))
+    deep: Any = "leaf"
+    for _ in range(950):
+        deep = [deep]
+    text = io.StringIO()
+    write_session_json(graph, text, metadata={"deep": deep})
+    assert text.getvalue() == json.dumps(export_session(graph, metadata={"deep": deep}))
+    loop: list[Any] = []
+    loop.append(loop)
+    for bad, error in (({1, 2}, TypeError), (loop, ValueError)):
+        with pytest.raises(error) as expected:
+            json.dumps(export_session(graph, metadata={"bad": bad}))
+        with pytest.raises(error) as got:
+            write_session_json(graph, io.StringIO(), metadata={"bad": bad})
+        assert str(got.value) == str(expected.value)

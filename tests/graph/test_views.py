@@ -13,11 +13,12 @@ import gc
 import json
 import pickle
 import tracemalloc
+from pathlib import Path
 
 import pytest
 from support import chat_turns, image_url, token_turns
 
-from rollout_store import RolloutGraph, TurnNode
+from rollout_store import ReadOnlyError, RolloutGraph, TurnNode
 
 
 def multimodal_graph(n: int) -> RolloutGraph:
@@ -75,6 +76,27 @@ def test_views_are_read_only():
     with pytest.raises(AttributeError):
         view.request_messages = []  # type: ignore[misc]
     assert graph.parent("a") is None
+
+
+def test_adding_a_view_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    """A view cannot be given its place in the graph (it is read-only): add_turn refuses it
+    before recording anything, in this graph, in another, and in a log."""
+    source = RolloutGraph()
+    source.add_turn(TurnNode(node_id="a", request_messages=[{"role": "user", "content": "x"}]))
+    view = source.get("a")
+    for graph in (RolloutGraph(), RolloutGraph.open(tmp_path / "log.rls", fsync="never")):
+        size = (tmp_path / "log.rls").stat().st_size
+        with pytest.raises(ReadOnlyError, match=r"dataclasses\.replace"):
+            graph.add_turn(view)
+        assert graph.node_ids() == [] and graph.stats()["n_turns"] == 0
+        assert (tmp_path / "log.rls").stat().st_size == size
+        graph.add_turn(dataclasses.replace(view))  # a plain copy is taken, under its id
+        assert graph.node_ids() == ["a"]
+        graph.close()
+    assert RolloutGraph.load(tmp_path / "log.rls").node_ids() == ["a"]
+    with pytest.raises(ReadOnlyError):
+        source.add_turn(view)
+    assert source.node_ids() == ["a"]
 
 
 def test_a_view_reflects_a_late_ancestor_without_being_fetched_again():

@@ -13,6 +13,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
+use crate::packed::{item_pair, ITEMS_PAIRS};
 use crate::DecodeError;
 
 /// Keys up to this many bytes are shared within one document, as `json.loads`' memo shares them.
@@ -200,47 +201,74 @@ impl Writer {
             write_pyint(obj, &mut self.out)?;
         } else if let Ok(f) = obj.cast::<PyFloat>() {
             ej::write_float(f.value(), &mut self.out);
-        } else if let Ok(list) = obj.cast::<PyList>() {
-            self.enter(obj)?;
-            self.out.push(b'[');
-            for (i, item) in list.iter().enumerate() {
-                if i > 0 {
-                    self.out.extend_from_slice(b", ");
-                }
-                self.value(&item)?;
-            }
-            self.out.push(b']');
-            self.open.pop();
-        } else if let Ok(tuple) = obj.cast::<PyTuple>() {
-            self.enter(obj)?;
-            self.out.push(b'[');
-            for (i, item) in tuple.iter().enumerate() {
-                if i > 0 {
-                    self.out.extend_from_slice(b", ");
-                }
-                self.value(&item)?;
-            }
-            self.out.push(b']');
-            self.open.pop();
+        } else if let Ok(list) = obj.cast_exact::<PyList>() {
+            self.array(obj, list.iter())?;
+        } else if let Ok(tuple) = obj.cast_exact::<PyTuple>() {
+            self.array(obj, tuple.iter())?;
+        } else if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
+            // a subclass: json.dumps writes what iterating it yields
+            let items: Vec<_> = obj.try_iter()?.collect::<PyResult<_>>()?;
+            self.array(obj, items.into_iter())?;
+        } else if let Ok(dict) = obj.cast_exact::<PyDict>() {
+            self.object(obj, dict.iter())?;
         } else if let Ok(dict) = obj.cast::<PyDict>() {
-            self.enter(obj)?;
-            self.out.push(b'{');
-            for (i, (key, item)) in dict.iter().enumerate() {
-                if i > 0 {
-                    self.out.extend_from_slice(b", ");
+            // a subclass: json.dumps writes one holding nothing as {}, else what its own
+            // items() yields
+            let mut members = Vec::new();
+            if dict.len() > 0 {
+                for pair in dict
+                    .call_method0(pyo3::intern!(dict.py(), "items"))?
+                    .try_iter()?
+                {
+                    members
+                        .push(item_pair(&pair?).ok_or_else(|| PyValueError::new_err(ITEMS_PAIRS))?);
                 }
-                self.key(&key)?;
-                self.out.extend_from_slice(b": ");
-                self.value(&item)?;
             }
-            self.out.push(b'}');
-            self.open.pop();
+            self.object(obj, members.into_iter())?;
         } else {
             let name = obj.get_type().name()?;
             return Err(PyTypeError::new_err(format!(
                 "Object of type {name} is not JSON serializable"
             )));
         }
+        Ok(())
+    }
+
+    fn array<'py>(
+        &mut self,
+        obj: &Bound<'py, PyAny>,
+        items: impl Iterator<Item = Bound<'py, PyAny>>,
+    ) -> PyResult<()> {
+        self.enter(obj)?;
+        self.out.push(b'[');
+        for (i, item) in items.enumerate() {
+            if i > 0 {
+                self.out.extend_from_slice(b", ");
+            }
+            self.value(&item)?;
+        }
+        self.out.push(b']');
+        self.open.pop();
+        Ok(())
+    }
+
+    fn object<'py>(
+        &mut self,
+        obj: &Bound<'py, PyAny>,
+        members: impl Iterator<Item = (Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+    ) -> PyResult<()> {
+        self.enter(obj)?;
+        self.out.push(b'{');
+        for (i, (key, item)) in members.enumerate() {
+            if i > 0 {
+                self.out.extend_from_slice(b", ");
+            }
+            self.key(&key)?;
+            self.out.extend_from_slice(b": ");
+            self.value(&item)?;
+        }
+        self.out.push(b'}');
+        self.open.pop();
         Ok(())
     }
 

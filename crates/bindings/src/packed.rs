@@ -45,6 +45,20 @@ impl From<PyErr> for Fail {
     }
 }
 
+/// What `json.dumps` says of a dict subclass whose `items()` yields other than 2-tuples.
+pub(crate) const ITEMS_PAIRS: &str = "items must return 2-tuples";
+
+/// A member yielded by a dict subclass's `items()`: a tuple of two, as `json.dumps` takes it.
+pub(crate) fn item_pair<'py>(
+    pair: &Bound<'py, PyAny>,
+) -> Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    let pair = pair.cast::<PyTuple>().ok()?;
+    if pair.len() != 2 {
+        return None;
+    }
+    Some((pair.get_item(0).ok()?, pair.get_item(1).ok()?))
+}
+
 fn bad(message: String) -> Fail {
     Fail::Bad(Box::new(Bad {
         message,
@@ -472,12 +486,17 @@ impl Walk<'_> {
             }
             return Ok(());
         }
+        if dict.len() == 0 {
+            // json.dumps writes a subclass holding nothing as {} without asking its items()
+            ep::write_map_header(0, &mut self.out);
+            return Ok(());
+        }
         let members: Vec<(Bound<'_, PyAny>, Bound<'_, PyAny>)> = {
-            // a subclass is read through its own items(), as the walk always has
+            // a subclass is read through its own items(), as json.dumps reads it
             self.called = true;
             let mut members = Vec::new();
             for pair in dict.call_method0(intern!(dict.py(), "items"))?.try_iter()? {
-                members.push(pair?.extract()?);
+                members.push(item_pair(&pair?).ok_or_else(|| bad(ITEMS_PAIRS.into()))?);
             }
             members
         };
