@@ -113,7 +113,7 @@ from starlette.responses import (
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from .._core import DataPlane, body_too_deep, json_fields, json_member_ids
+from .._core import DataPlane, answer_reply, body_too_deep, json_fields, json_member_ids
 from ..engine.intake import MAX_DEPTH, PackedIds
 from ..engine.messages import json_nesting
 from ..errors import (
@@ -821,10 +821,13 @@ def _plain_answer(response: dict[str, Any]) -> dict[str, Any]:
 
 
 def _strip_injected(response: dict[str, Any], token_ids: bool, logprobs: bool) -> None:
-    """Remove from a Chat Completions answer what the server asked for and the client did not."""
+    """Remove from a Chat Completions answer what the server asked for and the client did not
+    (choices that are not a list hold none: an answer replied to before its turn is made,
+    with `--ack fast`, may have any)."""
     if token_ids:
         response.pop("prompt_token_ids", None)
-    for choice in response.get("choices") or ():
+    choices = response.get("choices")
+    for choice in choices if isinstance(choices, list) else ():
         if isinstance(choice, dict):
             if token_ids:
                 choice.pop("token_ids", None)
@@ -902,6 +905,25 @@ def _json_bytes(response: dict[str, Any], answer: bytes) -> Response:
     UTF-16 and UTF-32, which an answer that names no charset cannot be)."""
     if json.detect_encoding(answer) in ("utf-8", "utf-8-sig"):
         return Response(answer, media_type="application/json")
+    return _written_anew(_plain_answer(response))
+
+
+def _chat_reply(
+    response: dict[str, Any], answer: bytes, token_ids: bool, logprobs: bool
+) -> Response:
+    """The reply to a Chat Completions answer (`response` decoded, `answer` its bytes): the
+    upstream's bytes when the server added no capture field (`_json_bytes`); else those
+    bytes with the fields the server asked for and the client did not taken out, written
+    compactly, by the engine (`answer_reply`, the edits a streamed chunk gets: the Rust data
+    plane makes its replies there too, so both planes send the same bytes). An answer the
+    engine leaves to Python (not UTF-8, a key of those fields escaped, an int past `i64`) is
+    taken out of its decoded value and written anew."""
+    if not (token_ids or logprobs):
+        return _json_bytes(response, answer)
+    made = answer_reply(answer, token_ids, logprobs)
+    if made is not None:
+        return Response(made, media_type="application/json")
+    _strip_injected(response, token_ids, logprobs)
     return _written_anew(_plain_answer(response))
 
 
@@ -1808,10 +1830,7 @@ class _Server:
         options = body.get("stream_options") or {}
 
         def reply(response: dict[str, Any], answer: bytes) -> Response:
-            if not (inject_ids or inject_logprobs):  # nothing to take out: the engine's bytes
-                return _json_bytes(response, answer)
-            _strip_injected(response, inject_ids, inject_logprobs)
-            return _written_anew(_plain_answer(response))
+            return _chat_reply(response, answer, inject_ids, inject_logprobs)
 
         def events(response: dict[str, Any]) -> Iterator[bytes]:
             _strip_injected(response, inject_ids, inject_logprobs)
