@@ -927,6 +927,12 @@ def _chat_reply(
     return _written_anew(_plain_answer(response))
 
 
+def _json_reply(reply: bytes) -> _Reply:
+    """A JSON reply as `_reply(Response(reply, media_type="application/json"))` makes it."""
+    headers = [(b"content-length", b"%d" % len(reply)), (b"content-type", b"application/json")]
+    return 200, headers, [reply], False
+
+
 def _written_anew(response: dict[str, Any]) -> Response:
     """A document written as json.dumps writes it: what json.loads read (from the upstream, or
     a session's metadata), NaN and lone surrogates too, which a strict writer (JSONResponse)
@@ -1630,10 +1636,13 @@ class _Server:
         headers: dict[str, str],
         make_turn: Callable[[dict[str, Any]], TurnNode],
         clock: CallClock,
+        stream: bool = False,
     ) -> tuple[dict[str, Any], bytes]:
         """Forward one call, record its turn; the complete response, decoded and as the
         upstream's bytes (or _Refusal/_Passthrough). A failed attempt is counted for the
-        session's next turn's timeline."""
+        session's next turn's timeline. With `--ack fast`, an answer that makes no turn is
+        answered all the same (not `stream`: a streamed reply is made of the turn's events),
+        the turn counted as dropped, as the Rust data plane counts it."""
         try:
             response, answer = await self._forward(path, content, headers, clock)
         except _Passthrough as passed:
@@ -1645,7 +1654,15 @@ class _Server:
                 session.failed = failed_after(session.failed, refused.status)
             raise
         failed = session.failed
-        node = make_turn(response)
+        try:
+            node = make_turn(response)
+        except _Refusal:
+            if self.config.ack != "fast" or stream:
+                raise
+            self.sessions.answered(session, clock)
+            self._drop(session, "record_error", clock)
+            clock.failed, session.failed = failed, 0
+            return response, answer
         if self.config.ack == "fast":
             self._queue_turn(session, node, clock)
         else:
@@ -1887,7 +1904,9 @@ class _Server:
             plan = self.plan(anthropic, request.headers, session, raw, clock)
         except _Refusal as refusal:
             return _failure(anthropic, refusal)
-        call = self._call(session, plan.path, plan.content, plan.headers, plan.make_turn, clock)
+        call = self._call(
+            session, plan.path, plan.content, plan.headers, plan.make_turn, clock, plan.stream
+        )
         # while the upstream answers: its body and the raw fields, no third copy
         del accepted, raw
         replay = plan.replay
@@ -2781,11 +2800,14 @@ class _Call:
     """One model call between the engine's callbacks: its plan, once answered its turn, and
     (a passed-through stream) when its turn is recorded or let go."""
 
-    __slots__ = ("_ended", "after", "held", "node", "plan")
+    __slots__ = ("_ended", "after", "answer", "held", "node", "plan")
 
     def __init__(self, plan: _Plan) -> None:
         self.plan = plan
         self.node: TurnNode | None = None
+        #: A `--ack fast` answer replied to from its bytes (`_answer_later`), its turn not
+        #: made yet: the recorder makes it (`_made_turn`).
+        self.answer: bytes | None = None
         # only a stream's end is waited for: the other calls never make their Event
         self._ended = threading.Event() if plan.stream else None
         #: The session's streams, not ended, that this call continues (`waits`).
@@ -2904,8 +2926,33 @@ class RustDataPlane:
                 self._answered.add(call)
                 return True
         self._server._drop(session, "shutdown", clock)
-        call.node = None
+        call.node = call.answer = None
         return False
+
+    def _answer_later(self, call: _Call, reply: bytes, answer: bytes) -> tuple[_Reply, bool, bool]:
+        """The reply to a `--ack fast` call whose complete answer (`answer`, 2xx) is one JSON
+        object (`reply`: made of its bytes by `answer_reply`): nothing else of it is needed
+        before the reply goes out, so its decoding and its turn are left to the recorder
+        (`_made_turn`), off the GIL's path of the replies. A turn that cannot be made of it
+        is counted as dropped there, as fail-open `--ack fast` counts a turn it cannot
+        record."""
+        session, clock = call.plan.session, call.plan.clock
+        clock.failed, session.failed = session.failed, 0
+        call.answer = answer
+        return self._timed(call, _json_reply(reply), self._answer_fast(call))
+
+    @staticmethod
+    def _made_turn(call: _Call) -> TurnNode | None:
+        """The turn of a call `_answer_later` answered, made on the recorder thread; None
+        when its answer makes none (it is counted as dropped)."""
+        answer, call.answer = call.answer, None
+        if answer is None:
+            return None
+        try:
+            response = _decoded_answer(answer)
+            return call.plan.make_turn(response) if isinstance(response, dict) else None
+        except Exception:  # whatever it holds: its client has its reply, the turn is counted
+            return None
 
     # -- the engine's callbacks
 
@@ -3041,7 +3088,9 @@ class RustDataPlane:
         """The reply to a call the upstream answered (or failed), whether its turn is to be
         queued, and whether its timeline is to be recorded once the reply is sent.
         `started`: the reply's stream began (keep-alive comments) while the upstream had
-        not answered: it goes on with the answer's events, or an error event."""
+        not answered: it goes on with the answer's events, or an error event. With `--ack
+        fast` a complete answer that is one JSON object is replied to from its bytes, its
+        turn made by the recorder (`_answer_later`)."""
         try:
             self._after_streams(call)
             return self._finished(
@@ -3067,6 +3116,10 @@ class RustDataPlane:
         session, clock = plan.session, plan.clock
         clock.upstream_sent, clock.first_byte, clock.last_byte = stamps
         fast = server.config.ack == "fast"
+        if fast and error is None and not plan.stream and 200 <= status < 300:
+            made = answer_reply(answer, *plan.injected)
+            if made is not None:
+                return self._answer_later(call, made, answer)
         queue = False
         try:
             if error == "timeout":
@@ -3098,6 +3151,12 @@ class RustDataPlane:
                 clock.node_id = server.record_now(session, call.node)
             clock.failed, session.failed = failed, 0
         except _Refusal as refused:
+            if fast and not plan.stream:  # fail-open, as for a turn `_answer_later` left
+                call.node = None
+                clock.failed, session.failed = failed, 0
+                server.sessions.answered(session, clock)
+                server._drop(session, "record_error", clock)
+                return self._timed(call, _reply(plan.reply(response, answer)), False)
             return self._timed(call, self._failed(plan, refused, started), False)
         reply = (
             (200, _SSE_HEADERS, list(plan.replay), True)
@@ -3203,12 +3262,16 @@ class RustDataPlane:
         (`record_group_now`). A turn that cannot be recorded is counted; its client has its
         answer. A session whose graph another thread holds (an export being read) is not
         waited for: the indices of its calls are returned, their turns set aside for the
-        engine to hand back later, before the later ones."""
+        engine to hand back later, before the later ones. The turn of a call answered from
+        its bytes (`_answer_later`) is made here first; one its answer cannot make is
+        counted."""
         server = self._server
         group: list[tuple[int, _Call, TurnNode]] = []
         for i, call in enumerate(calls):
             self._answered.discard(call)
-            if call.node is None:  # (a queued call always has its turn)
+            if call.answer is not None:  # answered from its bytes: its turn is made here
+                call.node = self._made_turn(call)
+            if call.node is None:  # (its answer makes no turn)
                 server._drop(call.plan.session, "record_error", call.plan.clock)
             else:
                 group.append((i, call, call.node))
@@ -3244,7 +3307,7 @@ class RustDataPlane:
         self._answered.discard(call)
         session: Session = call.plan.session
         self._server._drop(session, why, call.plan.clock)
-        call.node = None
+        call.node = call.answer = None
         if call.plan.stream:
             self._stream_ended(call)
 
