@@ -6,6 +6,7 @@ streamed chunk gets), it reads as the reply the server made before did (the answ
 from __future__ import annotations
 
 import json
+import re
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -77,7 +78,9 @@ def test_a_reply_made_of_the_answers_bytes_reads_as_the_reply_written_anew(
     new = bytes(_chat_reply(_decoded_answer(answer), answer, *injected).body)
     assert json.dumps(json.loads(new)) == json.dumps(json.loads(old))
     made = answer_reply(answer, *injected)
-    if b"\\" not in answer:  # (one with an escaped key may be left to Python)
+    # (one with an escape, which may be in a key, or an int of many digits may be left to
+    # Python)
+    if b"\\" not in answer and not re.search(rb"[0-9]{19}", answer):
         assert made is not None
     if made is not None:
         assert made == new and b"\n" not in made  # (written compactly)

@@ -7,8 +7,8 @@
 use std::borrow::Cow;
 
 use bytes::{Bytes, BytesMut};
+use engine::json::reads_as_object;
 use engine::json::scan::{object, skip_space, string_end, value_end, Member};
-use engine::json::{parse_with, Key, Sink, Str, DEFAULT_MAX_DEPTH};
 
 /// The events of a stream, split as its bytes arrive: an event ends with a blank line
 /// (`\n\n`, `\r\n\r\n` or `\r\r`, as the SSE grammar allows).
@@ -202,25 +202,17 @@ fn chunk_edits(text: &[u8], at: usize, strip: Strip) -> Option<Edited> {
 /// answer itself when `strip` names nothing; else the answer with `strip`'s fields taken out
 /// by the edits a chunk gets ([`strip`]), written compactly (the whitespace between its
 /// tokens dropped, as a re-encoding with `(",", ":")` separators writes it; each token as
-/// the upstream spelled it). `None` when the answer is not a UTF-8 JSON object that
-/// `json.loads` reads (within the library's depth bound, every int within `i64`), or a key
-/// the edits look at is written with an escape: the control plane then decodes it itself,
-/// and says why it refuses it.
+/// the upstream spelled it). `None` when the answer is not surely a JSON object that
+/// `json.loads` reads ([`reads_as_object`]: strict UTF-8, within the library's depth bound,
+/// no int of many digits), or a key the edits look at is written with an escape: the
+/// control plane then decodes it itself, and says why it refuses it.
 pub fn answer_reply(answer: &[u8], strip: Strip) -> Option<Cow<'_, [u8]>> {
-    // json.detect_encoding: UTF-8 (without a BOM) when the text opens with no zero byte; a
-    // JSON text holds none anywhere else either (not even in a string)
-    if answer.starts_with(b"\xEF\xBB\xBF") || answer.contains(&0) {
+    // (strict UTF-8 without a BOM: what json.detect_encoding finds UTF-8 and the engine's
+    // own bytes can be handed on as)
+    if !reads_as_object(answer) {
         return None;
     }
     let at = skip_space(answer, 0);
-    if answer.get(at) != Some(&b'{')
-        || !matches!(
-            parse_with(answer, DEFAULT_MAX_DEPTH, &mut Objects),
-            Ok(true)
-        )
-    {
-        return None;
-    }
     if !strip.any() {
         return Some(Cow::Borrowed(answer));
     }
@@ -264,40 +256,6 @@ fn compact(text: &[u8], out: &mut Vec<u8>) {
                 i = end;
             }
         }
-    }
-}
-
-/// A sink that builds nothing and tells whether the text is an object; an int outside
-/// `i64` fails it (Python refuses one past its digit limit: the control plane judges it).
-struct Objects;
-
-impl Sink for Objects {
-    type Value = bool;
-    type Error = ();
-
-    fn null(&mut self) -> Result<bool, ()> {
-        Ok(false)
-    }
-    fn bool(&mut self, _: bool) -> Result<bool, ()> {
-        Ok(false)
-    }
-    fn int(&mut self, _: i64) -> Result<bool, ()> {
-        Ok(false)
-    }
-    fn big_int(&mut self, _: &str) -> Result<bool, ()> {
-        Err(())
-    }
-    fn float(&mut self, _: f64) -> Result<bool, ()> {
-        Ok(false)
-    }
-    fn string(&mut self, _: Str<'_>) -> Result<bool, ()> {
-        Ok(false)
-    }
-    fn array(&mut self, _: Vec<bool>) -> Result<bool, ()> {
-        Ok(false)
-    }
-    fn object(&mut self, _: Vec<(Key<'_>, bool)>) -> Result<bool, ()> {
-        Ok(true)
     }
 }
 
