@@ -100,7 +100,6 @@ import anyio.to_thread
 import msgspec
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
-from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import (
     HTMLResponse,
@@ -2824,6 +2823,17 @@ class _Call:
         return self._ended
 
 
+def _header_map(headers: list[tuple[str, bytes]]) -> dict[str, str]:
+    """The engine's headers of a call (lower-case names, as hyper gives them) as `plan` reads
+    them: a name's first value, decoded as Latin-1 (what Starlette's `Headers` gives), in a
+    dict, not a list each lookup walks."""
+    found: dict[str, str] = {}
+    for name, value in headers:
+        if name not in found:
+            found[name] = value.decode("latin-1")
+    return found
+
+
 def _continues(later: Any, earlier: Any) -> bool:
     """Whether the messages `later` go on from the messages `earlier` (as their raw text, or
     their values)."""
@@ -2988,7 +2998,7 @@ class RustDataPlane:
             session = server._session(key, session_id)
             plan = server.plan(
                 anthropic,
-                Headers(raw=[(name.encode("latin-1"), value) for name, value in headers]),
+                _header_map(headers),
                 session,
                 body,
                 clock,
