@@ -148,9 +148,10 @@ def answer_reply(answer: bytes, token_ids: bool, logprobs: bool) -> bytes | None
     when neither `token_ids` nor `logprobs` is to be taken out, else the answer with those
     capture fields taken out as a streamed chunk's are (`prompt_token_ids` and each choice's
     `token_ids` removed, each choice's `logprobs` made null), written compactly; None when
-    `answer` is not a UTF-8 JSON object that `json.loads` reads (or a key of the fields looked
-    at is escaped): decode it then. The GIL is released for answers from `DETACH_FROM`
-    bytes."""
+    `answer` is not surely a JSON object that `json.loads` reads (strict UTF-8, nested at
+    most `DEFAULT_MAX_DEPTH` deep, no int of more than 18 digits), or a key of the fields
+    looked at is escaped: decode it then. The GIL is released for answers from
+    `DETACH_FROM` bytes."""
 
 def body_too_deep(body: bytes, anthropic: bool) -> str | None:
     """The first field (in the body's order) of a model call's body that nests deeper than

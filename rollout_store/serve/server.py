@@ -915,8 +915,8 @@ def _chat_reply(
     bytes with the fields the server asked for and the client did not taken out, written
     compactly, by the engine (`answer_reply`, the edits a streamed chunk gets: the Rust data
     plane makes its replies there too, so both planes send the same bytes). An answer the
-    engine leaves to Python (not UTF-8, a key of those fields escaped, an int past `i64`) is
-    taken out of its decoded value and written anew."""
+    engine leaves to Python (not strict UTF-8, a key of those fields escaped, an int of more
+    than 18 digits) is taken out of its decoded value and written anew."""
     if not (token_ids or logprobs):
         return _json_bytes(response, answer)
     made = answer_reply(answer, token_ids, logprobs)

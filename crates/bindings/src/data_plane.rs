@@ -448,8 +448,9 @@ pub fn body_too_deep(py: Python<'_>, body: &[u8], anthropic: bool) -> Option<Str
 /// The reply to a complete answer the upstream sent with a 2xx status
 /// (`gateway::sse::answer_reply`): `answer` itself when neither `token_ids` nor `logprobs`
 /// is to be taken out, else the answer with those capture fields taken out as a streamed
-/// chunk's are, written compactly; None when `answer` is not a UTF-8 JSON object that
-/// `json.loads` reads (or a key of the fields looked at is escaped): decode it then. Both
+/// chunk's are, written compactly; None when `answer` is not surely a JSON object that
+/// `json.loads` reads (`engine::json::reads_as_object`), or a key of the fields looked at
+/// is escaped: decode it then. Both
 /// planes' replies are made here, so they send the same bytes. The GIL is released for
 /// answers from `DETACH_FROM` bytes.
 #[pyfunction]
