@@ -5,6 +5,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Final, final
 
 __all__ = [
+    "answer_reply",
     "AsciiText",
     "Blake3",
     "body_too_deep",
@@ -136,6 +137,16 @@ def json_member_ids(text: bytes, key: str) -> tuple[int, int, bytes] | None:
     when it holds anything else, or is missing, or `text` is not an object the scan can
     follow. The other members are skipped, not checked: decode `text` with that span put out
     of the way, which checks them. The GIL is released for texts from `DETACH_FROM` bytes."""
+
+def answer_reply(answer: bytes, token_ids: bool, logprobs: bool) -> bytes | None:
+    """The reply to a complete answer the upstream sent with a 2xx status: `answer` itself
+    when neither `token_ids` nor `logprobs` is to be taken out, else the answer with those
+    capture fields taken out as a streamed chunk's are (`prompt_token_ids` and each choice's
+    `token_ids` removed, each choice's `logprobs` made null), written compactly; None when
+    `answer` is not surely a JSON object that `json.loads` reads (strict UTF-8, nested at
+    most `DEFAULT_MAX_DEPTH` deep, no int of more than 18 digits), or a key of the fields
+    looked at is escaped: decode it then. The GIL is released for answers from
+    `DETACH_FROM` bytes."""
 
 def body_too_deep(body: bytes, anthropic: bool) -> str | None:
     """The first field (in the body's order) of a model call's body that nests deeper than

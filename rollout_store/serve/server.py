@@ -100,7 +100,6 @@ import anyio.to_thread
 import msgspec
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
-from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import (
     HTMLResponse,
@@ -113,7 +112,7 @@ from starlette.responses import (
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from .._core import DataPlane, body_too_deep, json_fields, json_member_ids
+from .._core import DataPlane, answer_reply, body_too_deep, json_fields, json_member_ids
 from ..engine.intake import MAX_DEPTH, PackedIds
 from ..engine.messages import json_nesting
 from ..errors import (
@@ -821,10 +820,13 @@ def _plain_answer(response: dict[str, Any]) -> dict[str, Any]:
 
 
 def _strip_injected(response: dict[str, Any], token_ids: bool, logprobs: bool) -> None:
-    """Remove from a Chat Completions answer what the server asked for and the client did not."""
+    """Remove from a Chat Completions answer what the server asked for and the client did not
+    (choices that are not a list hold none: an answer replied to before its turn is made,
+    with `--ack fast`, may have any)."""
     if token_ids:
         response.pop("prompt_token_ids", None)
-    for choice in response.get("choices") or ():
+    choices = response.get("choices")
+    for choice in choices if isinstance(choices, list) else ():
         if isinstance(choice, dict):
             if token_ids:
                 choice.pop("token_ids", None)
@@ -903,6 +905,31 @@ def _json_bytes(response: dict[str, Any], answer: bytes) -> Response:
     if json.detect_encoding(answer) in ("utf-8", "utf-8-sig"):
         return Response(answer, media_type="application/json")
     return _written_anew(_plain_answer(response))
+
+
+def _chat_reply(
+    response: dict[str, Any], answer: bytes, token_ids: bool, logprobs: bool
+) -> Response:
+    """The reply to a Chat Completions answer (`response` decoded, `answer` its bytes): the
+    upstream's bytes when the server added no capture field (`_json_bytes`); else those
+    bytes with the fields the server asked for and the client did not taken out, written
+    compactly, by the engine (`answer_reply`, the edits a streamed chunk gets: the Rust data
+    plane makes its replies there too, so both planes send the same bytes). An answer the
+    engine leaves to Python (not strict UTF-8, a key of those fields escaped, an int of more
+    than 18 digits) is taken out of its decoded value and written anew."""
+    if not (token_ids or logprobs):
+        return _json_bytes(response, answer)
+    made = answer_reply(answer, token_ids, logprobs)
+    if made is not None:
+        return Response(made, media_type="application/json")
+    _strip_injected(response, token_ids, logprobs)
+    return _written_anew(_plain_answer(response))
+
+
+def _json_reply(reply: bytes) -> _Reply:
+    """A JSON reply as `_reply(Response(reply, media_type="application/json"))` makes it."""
+    headers = [(b"content-length", b"%d" % len(reply)), (b"content-type", b"application/json")]
+    return 200, headers, [reply], False
 
 
 def _written_anew(response: dict[str, Any]) -> Response:
@@ -1608,10 +1635,13 @@ class _Server:
         headers: dict[str, str],
         make_turn: Callable[[dict[str, Any]], TurnNode],
         clock: CallClock,
+        stream: bool = False,
     ) -> tuple[dict[str, Any], bytes]:
         """Forward one call, record its turn; the complete response, decoded and as the
         upstream's bytes (or _Refusal/_Passthrough). A failed attempt is counted for the
-        session's next turn's timeline."""
+        session's next turn's timeline. With `--ack fast`, an answer that makes no turn is
+        answered all the same (not `stream`: a streamed reply is made of the turn's events),
+        the turn counted as dropped, as the Rust data plane counts it."""
         try:
             response, answer = await self._forward(path, content, headers, clock)
         except _Passthrough as passed:
@@ -1623,7 +1653,15 @@ class _Server:
                 session.failed = failed_after(session.failed, refused.status)
             raise
         failed = session.failed
-        node = make_turn(response)
+        try:
+            node = make_turn(response)
+        except _Refusal:
+            if self.config.ack != "fast" or stream:
+                raise
+            self.sessions.answered(session, clock)
+            self._drop(session, "record_error", clock)
+            clock.failed, session.failed = failed, 0
+            return response, answer
         if self.config.ack == "fast":
             self._queue_turn(session, node, clock)
         else:
@@ -1808,10 +1846,7 @@ class _Server:
         options = body.get("stream_options") or {}
 
         def reply(response: dict[str, Any], answer: bytes) -> Response:
-            if not (inject_ids or inject_logprobs):  # nothing to take out: the engine's bytes
-                return _json_bytes(response, answer)
-            _strip_injected(response, inject_ids, inject_logprobs)
-            return _written_anew(_plain_answer(response))
+            return _chat_reply(response, answer, inject_ids, inject_logprobs)
 
         def events(response: dict[str, Any]) -> Iterator[bytes]:
             _strip_injected(response, inject_ids, inject_logprobs)
@@ -1868,7 +1903,9 @@ class _Server:
             plan = self.plan(anthropic, request.headers, session, raw, clock)
         except _Refusal as refusal:
             return _failure(anthropic, refusal)
-        call = self._call(session, plan.path, plan.content, plan.headers, plan.make_turn, clock)
+        call = self._call(
+            session, plan.path, plan.content, plan.headers, plan.make_turn, clock, plan.stream
+        )
         # while the upstream answers: its body and the raw fields, no third copy
         del accepted, raw
         replay = plan.replay
@@ -2762,11 +2799,14 @@ class _Call:
     """One model call between the engine's callbacks: its plan, once answered its turn, and
     (a passed-through stream) when its turn is recorded or let go."""
 
-    __slots__ = ("_ended", "after", "held", "node", "plan")
+    __slots__ = ("_ended", "after", "answer", "held", "node", "plan")
 
     def __init__(self, plan: _Plan) -> None:
         self.plan = plan
         self.node: TurnNode | None = None
+        #: A `--ack fast` answer replied to from its bytes (`_answer_later`), its turn not
+        #: made yet: the recorder makes it (`_made_turn`).
+        self.answer: bytes | None = None
         # only a stream's end is waited for: the other calls never make their Event
         self._ended = threading.Event() if plan.stream else None
         #: The session's streams, not ended, that this call continues (`waits`).
@@ -2781,6 +2821,17 @@ class _Call:
         if self._ended is None:
             self._ended = threading.Event()
         return self._ended
+
+
+def _header_map(headers: list[tuple[str, bytes]]) -> dict[str, str]:
+    """The engine's headers of a call (lower-case names, as hyper gives them) as `plan` reads
+    them: a name's first value, decoded as Latin-1 (what Starlette's `Headers` gives), in a
+    dict, not a list each lookup walks."""
+    found: dict[str, str] = {}
+    for name, value in headers:
+        if name not in found:
+            found[name] = value.decode("latin-1")
+    return found
 
 
 def _continues(later: Any, earlier: Any) -> bool:
@@ -2885,8 +2936,33 @@ class RustDataPlane:
                 self._answered.add(call)
                 return True
         self._server._drop(session, "shutdown", clock)
-        call.node = None
+        call.node = call.answer = None
         return False
+
+    def _answer_later(self, call: _Call, reply: bytes, answer: bytes) -> tuple[_Reply, bool, bool]:
+        """The reply to a `--ack fast` call whose complete answer (`answer`, 2xx) is one JSON
+        object (`reply`: made of its bytes by `answer_reply`): nothing else of it is needed
+        before the reply goes out, so its decoding and its turn are left to the recorder
+        (`_made_turn`), off the GIL's path of the replies. A turn that cannot be made of it
+        is counted as dropped there, as fail-open `--ack fast` counts a turn it cannot
+        record."""
+        session, clock = call.plan.session, call.plan.clock
+        clock.failed, session.failed = session.failed, 0
+        call.answer = answer
+        return self._timed(call, _json_reply(reply), self._answer_fast(call))
+
+    @staticmethod
+    def _made_turn(call: _Call) -> TurnNode | None:
+        """The turn of a call `_answer_later` answered, made on the recorder thread; None
+        when its answer makes none (it is counted as dropped)."""
+        answer, call.answer = call.answer, None
+        if answer is None:
+            return None
+        try:
+            response = _decoded_answer(answer)
+            return call.plan.make_turn(response) if isinstance(response, dict) else None
+        except Exception:  # whatever it holds: its client has its reply, the turn is counted
+            return None
 
     # -- the engine's callbacks
 
@@ -2922,7 +2998,7 @@ class RustDataPlane:
             session = server._session(key, session_id)
             plan = server.plan(
                 anthropic,
-                Headers(raw=[(name.encode("latin-1"), value) for name, value in headers]),
+                _header_map(headers),
                 session,
                 body,
                 clock,
@@ -3022,7 +3098,9 @@ class RustDataPlane:
         """The reply to a call the upstream answered (or failed), whether its turn is to be
         queued, and whether its timeline is to be recorded once the reply is sent.
         `started`: the reply's stream began (keep-alive comments) while the upstream had
-        not answered: it goes on with the answer's events, or an error event."""
+        not answered: it goes on with the answer's events, or an error event. With `--ack
+        fast` a complete answer that is one JSON object is replied to from its bytes, its
+        turn made by the recorder (`_answer_later`)."""
         try:
             self._after_streams(call)
             return self._finished(
@@ -3048,6 +3126,10 @@ class RustDataPlane:
         session, clock = plan.session, plan.clock
         clock.upstream_sent, clock.first_byte, clock.last_byte = stamps
         fast = server.config.ack == "fast"
+        if fast and error is None and not plan.stream and 200 <= status < 300:
+            made = answer_reply(answer, *plan.injected)
+            if made is not None:
+                return self._answer_later(call, made, answer)
         queue = False
         try:
             if error == "timeout":
@@ -3079,6 +3161,12 @@ class RustDataPlane:
                 clock.node_id = server.record_now(session, call.node)
             clock.failed, session.failed = failed, 0
         except _Refusal as refused:
+            if fast and not plan.stream:  # fail-open, as for a turn `_answer_later` left
+                call.node = None
+                clock.failed, session.failed = failed, 0
+                server.sessions.answered(session, clock)
+                server._drop(session, "record_error", clock)
+                return self._timed(call, _reply(plan.reply(response, answer)), False)
             return self._timed(call, self._failed(plan, refused, started), False)
         reply = (
             (200, _SSE_HEADERS, list(plan.replay), True)
@@ -3184,12 +3272,16 @@ class RustDataPlane:
         (`record_group_now`). A turn that cannot be recorded is counted; its client has its
         answer. A session whose graph another thread holds (an export being read) is not
         waited for: the indices of its calls are returned, their turns set aside for the
-        engine to hand back later, before the later ones."""
+        engine to hand back later, before the later ones. The turn of a call answered from
+        its bytes (`_answer_later`) is made here first; one its answer cannot make is
+        counted."""
         server = self._server
         group: list[tuple[int, _Call, TurnNode]] = []
         for i, call in enumerate(calls):
             self._answered.discard(call)
-            if call.node is None:  # (a queued call always has its turn)
+            if call.answer is not None:  # answered from its bytes: its turn is made here
+                call.node = self._made_turn(call)
+            if call.node is None:  # (its answer makes no turn)
                 server._drop(call.plan.session, "record_error", call.plan.clock)
             else:
                 group.append((i, call, call.node))
@@ -3225,7 +3317,7 @@ class RustDataPlane:
         self._answered.discard(call)
         session: Session = call.plan.session
         self._server._drop(session, why, call.plan.clock)
-        call.node = None
+        call.node = call.answer = None
         if call.plan.stream:
             self._stream_ended(call)
 

@@ -1211,3 +1211,38 @@ def test_fast_accounts_for_every_answered_turn_under_mixed_traffic(
         health = httpx.get(f"{url}/health").json()
     assert {sid: (info["turns"], info["dropped"]) for sid, info in infos.items()} == counts
     assert health["dropped_by"]["killed"] == 0
+
+
+def test_a_fast_rust_plane_reads_a_complete_answer_on_its_recorder_thread(
+    stub: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `--ack fast` the reply to a complete answer is made of its bytes: the answer is
+    decoded (and its turn made) by the recorder thread, not by the caller thread before the
+    reply goes out, and the turns are recorded as ever."""
+    decoded_on: list[int] = []
+    recorded_on: list[int] = []
+    decoded = server_module._decoded_answer
+    record = RustDataPlane.record
+
+    def noting_decode(answer: bytes) -> Any:
+        decoded_on.append(threading.get_ident())
+        return decoded(answer)
+
+    def noting_record(self: RustDataPlane, calls: Any) -> Any:
+        recorded_on.append(threading.get_ident())
+        return record(self, calls)
+
+    monkeypatch.setattr(server_module, "_decoded_answer", noting_decode)
+    monkeypatch.setattr(RustDataPlane, "record", noting_record)
+    app = create_app(stub, ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane="rust") as url:
+        session = new_session(url, session_id="later")
+        bearer = {"authorization": f"Bearer {session['api_key']}"}
+        for i in range(3):
+            body = {"model": "m", "messages": [{"role": "user", "content": f"call {i}"}]}
+            answer = httpx.post(f"{url}/v1/chat/completions", json=body, headers=bearer)
+            assert answer.status_code == 200
+            assert "prompt_token_ids" not in answer.json()
+        info = httpx.get(f"{url}/sessions/later", headers=auth("later")).json()
+        assert (info["turns"], info["dropped"]) == (3, 0)
+    assert len(decoded_on) == 3 and set(decoded_on) <= set(recorded_on)

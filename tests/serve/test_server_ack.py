@@ -20,10 +20,14 @@ import httpx
 import openai
 import pytest
 from capture_support import ADMIN, ADMIN_KEY, auth, export, new_session, serve_app
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from rollout_store import RolloutGraph
 from rollout_store.errors import InvalidArgumentError
-from rollout_store.serve.server import RustDataPlane, _Server, create_app
+from rollout_store.serve.server import RustDataPlane, _Server, _strip_injected, create_app
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
@@ -145,6 +149,53 @@ def test_fast_answers_and_counts_a_turn_that_cannot_be_recorded(
         (warning,) = [f for f in doc["validation"] if "dropped_turns" in f]
         assert warning.startswith("[WARN] dropped_turns: 1 turn(s)")
         assert len(doc["turns"]) == 1
+
+
+# upstream answers json.loads reads as objects that make no turn (`chat_turn` refuses the
+# first three; the last one's ids are refused when it is recorded)
+_TURNLESS = [
+    b'{"choices": []}',
+    b'{"id": "x", "prompt_token_ids": [1, 2],\n "choices": [{"message": "text", "logprobs": {}}]}',
+    b'{"choices": 1.5, "token_ids": [3]}',
+    b'{"prompt_token_ids": ["a"], "choices": [{"message": {"role": "assistant"}}]}',
+]
+
+
+@pytest.mark.parametrize("plane", ["python", "rust"])
+def test_fast_answers_and_counts_an_answer_that_makes_no_turn(tmp_path: Path, plane: str) -> None:
+    """With `--ack fast` (fail-open) an upstream's answer that is one JSON object but makes no
+    turn is answered (what the server asked for taken out), and its turn counted as dropped,
+    as a turn that cannot be recorded is: in /health, the session's info and its export's
+    validation, and by the next start."""
+    answers = list(_TURNLESS)
+
+    async def answer(request: Request) -> Response:
+        return Response(answers.pop(0), media_type="application/json")
+
+    routes = [Route("/v1/chat/completions", answer, methods=["POST"])]
+    data = tmp_path / "d"
+    body = {"model": "m", "messages": [{"role": "user", "content": "q"}]}
+    with serve_app(Starlette(routes=routes)) as upstream:
+        app = create_app(upstream, data=data, ack="fast", admin_key=ADMIN_KEY)
+        with serve_app(app, data_plane=plane) as url:
+            session = new_session(url, session_id="turnless")
+            bearer = {"authorization": f"Bearer {session['api_key']}"}
+            for sent in _TURNLESS:
+                reply = httpx.post(f"{url}/v1/chat/completions", json=body, headers=bearer)
+                assert reply.status_code == 200, reply.text
+                expected = json.loads(sent)
+                _strip_injected(expected, True, True)
+                assert reply.json() == expected
+            info = httpx.get(f"{url}/sessions/turnless", headers=auth("turnless")).json()
+            assert (info["turns"], info["dropped"]) == (0, 4), info
+            health = httpx.get(f"{url}/health").json()
+            assert health["dropped"] == 4 and health["dropped_by"]["record_error"] == 4
+            doc = json.loads(_export_text(url, "turnless"))
+            (warning,) = [f for f in doc["validation"] if "dropped_turns" in f]
+            assert warning.startswith("[WARN] dropped_turns: 4 turn(s)")
+        with serve_app(create_app(upstream, data=data, admin_key=ADMIN_KEY)) as url:
+            info = httpx.get(f"{url}/sessions/turnless", headers=ADMIN).json()
+            assert (info["turns"], info["dropped"]) == (0, 4), info
 
 
 def _slow_recorder(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:

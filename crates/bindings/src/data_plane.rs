@@ -1,6 +1,7 @@
 //! `DataPlane`: the gateway crate's data plane, owned (and stopped) by a Python object, its
 //! control plane called back through the GIL. Argument conversion only.
 
+use std::borrow::Cow;
 use std::net::ToSocketAddrs;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
@@ -442,4 +443,41 @@ pub fn body_too_deep(py: Python<'_>, body: &[u8], anthropic: bool) -> Option<Str
     } else {
         gateway::depth::too_deep(body, anthropic)
     }
+}
+
+/// The reply to a complete answer the upstream sent with a 2xx status
+/// (`gateway::sse::answer_reply`): `answer` itself when neither `token_ids` nor `logprobs`
+/// is to be taken out, else the answer with those capture fields taken out as a streamed
+/// chunk's are, written compactly; None when `answer` is not surely a JSON object that
+/// `json.loads` reads (`engine::json::reads_as_object`), or a key of the fields looked at
+/// is escaped: decode it then. Both
+/// planes' replies are made here, so they send the same bytes. The GIL is released for
+/// answers from `DETACH_FROM` bytes.
+#[pyfunction]
+pub fn answer_reply<'py>(
+    py: Python<'py>,
+    answer: &Bound<'py, PyBytes>,
+    token_ids: bool,
+    logprobs: bool,
+) -> Option<Bound<'py, PyBytes>> {
+    let text = answer.as_bytes();
+    let strip = Strip {
+        token_ids,
+        logprobs,
+    };
+    let made = |text| {
+        gateway::sse::answer_reply(text, strip).map(|out| match out {
+            Cow::Borrowed(_) => None,
+            Cow::Owned(out) => Some(out),
+        })
+    };
+    let made = if text.len() >= crate::DETACH_FROM {
+        py.detach(|| made(text))
+    } else {
+        made(text)
+    }?;
+    Some(match made {
+        None => answer.clone(),
+        Some(out) => PyBytes::new(py, &out),
+    })
 }

@@ -1,10 +1,14 @@
 //! The upstream's server-sent events as the data plane passes them through: split into
 //! events as they arrive, the stream's last event told apart (`--ack durable` holds it back
 //! until the turn is recorded), and the capture fields the client did not ask for taken out
-//! of a Chat Completions chunk (the rest of the event as the engine sent it).
+//! of a Chat Completions chunk (the rest of the event as the engine sent it); the same edits
+//! make the reply to a complete answer ([`answer_reply`]).
+
+use std::borrow::Cow;
 
 use bytes::{Bytes, BytesMut};
-use engine::json::scan::{object, skip_space, value_end, Member};
+use engine::json::reads_as_object;
+use engine::json::scan::{object, skip_space, string_end, value_end, Member};
 
 /// The events of a stream, split as its bytes arrive: an event ends with a blank line
 /// (`\n\n`, `\r\n\r\n` or `\r\r`, as the SSE grammar allows).
@@ -114,7 +118,7 @@ pub fn strip(event: Bytes, strip: Strip) -> Bytes {
     if event.get(at) == Some(&b' ') {
         at += 1;
     }
-    let Some(edits) = chunk_edits(&event, at, strip) else {
+    let Some(Edited { edits, .. }) = chunk_edits(&event, at, strip) else {
         return event;
     };
     if edits.is_empty() {
@@ -137,12 +141,24 @@ fn find(text: &[u8], what: &[u8]) -> Option<usize> {
 
 type Edit = (usize, usize, &'static [u8]);
 
-/// The edits (in order, not overlapping) that take `strip`'s fields out of the chunk at
-/// `at`; `None` when it is not a JSON object.
-fn chunk_edits(text: &[u8], at: usize, strip: Strip) -> Option<Vec<Edit>> {
-    let (members, _) = object(text, at)?;
+/// The edits of a chunk: in order, not overlapping.
+struct Edited {
+    edits: Vec<Edit>,
+    /// where the chunk ends
+    end: usize,
+    /// a key the edits looked at is written with an escape (its text is not its value: a
+    /// field it names may have been left in)
+    escaped: bool,
+}
+
+/// The edits that take `strip`'s fields out of the chunk at `at`; `None` when it is not a
+/// JSON object.
+fn chunk_edits(text: &[u8], at: usize, strip: Strip) -> Option<Edited> {
+    let (members, end) = object(text, at)?;
     let mut drop = Vec::new();
     let mut edits = Vec::new();
+    let escaped = |key: &[u8]| key.contains(&b'\\');
+    let mut seen_escape = members.iter().any(|m| escaped(m.key));
     for (i, member) in members.iter().enumerate() {
         if strip.token_ids && member.key == b"prompt_token_ids" {
             drop.push(i);
@@ -152,6 +168,7 @@ fn chunk_edits(text: &[u8], at: usize, strip: Strip) -> Option<Vec<Edit>> {
                     continue;
                 }
                 let (fields, _) = object(text, choice)?;
+                seen_escape |= fields.iter().any(|f| escaped(f.key));
                 let mut dropped = Vec::new();
                 let mut nulled = Vec::new();
                 for (j, f) in fields.iter().enumerate() {
@@ -174,7 +191,72 @@ fn chunk_edits(text: &[u8], at: usize, strip: Strip) -> Option<Vec<Edit>> {
     let mut all = removals(&members, &drop);
     all.extend(edits);
     all.sort_unstable_by_key(|e| e.0);
-    Some(merge(all))
+    Some(Edited {
+        edits: merge(all),
+        end,
+        escaped: seen_escape,
+    })
+}
+
+/// The reply to a complete (not streamed) answer the upstream sent with a 2xx status: the
+/// answer itself when `strip` names nothing; else the answer with `strip`'s fields taken out
+/// by the edits a chunk gets ([`strip`]), written compactly (the whitespace between its
+/// tokens dropped, as a re-encoding with `(",", ":")` separators writes it; each token as
+/// the upstream spelled it). `None` when the answer is not surely a JSON object that
+/// `json.loads` reads ([`reads_as_object`]: strict UTF-8, within the library's depth bound,
+/// no int of many digits), or a key the edits look at is written with an escape: the
+/// control plane then decodes it itself, and says why it refuses it.
+pub fn answer_reply(answer: &[u8], strip: Strip) -> Option<Cow<'_, [u8]>> {
+    // (strict UTF-8 without a BOM: what json.detect_encoding finds UTF-8 and the engine's
+    // own bytes can be handed on as)
+    if !reads_as_object(answer) {
+        return None;
+    }
+    let at = skip_space(answer, 0);
+    if !strip.any() {
+        return Some(Cow::Borrowed(answer));
+    }
+    let Edited {
+        edits,
+        end,
+        escaped,
+    } = chunk_edits(answer, at, strip)?;
+    if escaped {
+        return None; // (rare: decoded, as json.loads reads the key)
+    }
+    let mut out = Vec::with_capacity(end - at);
+    let mut from = at;
+    for (begin, stop, with) in edits {
+        compact(&answer[from..begin], &mut out);
+        out.extend_from_slice(with);
+        from = stop;
+    }
+    compact(&answer[from..end], &mut out);
+    Some(Cow::Owned(out))
+}
+
+/// `text` (whole tokens of JSON, no string cut) onto `out` without the whitespace between
+/// its tokens.
+fn compact(text: &[u8], out: &mut Vec<u8>) {
+    let mut i = 0;
+    while i < text.len() {
+        match text[i] {
+            b' ' | b'\t' | b'\r' | b'\n' => i += 1,
+            b'"' => {
+                let end = string_end(text, i).unwrap_or(text.len());
+                out.extend_from_slice(&text[i..end]);
+                i = end;
+            }
+            _ => {
+                let end = text[i..]
+                    .iter()
+                    .position(|b| matches!(b, b' ' | b'\t' | b'\r' | b'\n' | b'"'))
+                    .map_or(text.len(), |n| i + n);
+                out.extend_from_slice(&text[i..end]);
+                i = end;
+            }
+        }
+    }
 }
 
 /// The edits removing members `drop` (indexes, ascending) of an object, with the commas
@@ -182,6 +264,13 @@ fn chunk_edits(text: &[u8], at: usize, strip: Strip) -> Option<Vec<Edit>> {
 fn removals(members: &[Member<'_>], drop: &[usize]) -> Vec<Edit> {
     let mut edits = Vec::new();
     let kept: Vec<usize> = (0..members.len()).filter(|i| !drop.contains(i)).collect();
+    if kept.is_empty() {
+        // all of them, the commas between them too (a key may repeat)
+        if let (Some(first), Some(last)) = (members.first(), members.last()) {
+            edits.push((first.key_start, last.value_end, &b""[..]));
+        }
+        return edits;
+    }
     for &i in drop {
         // from the end of the kept member before it (its comma with it), or, when none is
         // kept before it, up to the key of the next kept member
@@ -321,6 +410,89 @@ mod tests {
             ),
             "data: {\"choices\":[{\"a\":1,\"logprobs\":null},{\"logprobs\":null}]}\n\n"
         );
+        // a repeated field, alone: no comma is left between what was taken out
+        assert_eq!(
+            stripped(
+                "data: {\"choices\":[{\"token_ids\":[1], \"token_ids\":[2]}]}\n\n",
+                true,
+                false
+            ),
+            "data: {\"choices\":[{}]}\n\n"
+        );
+    }
+
+    fn reply(answer: &str, token_ids: bool, logprobs: bool) -> Option<String> {
+        let strip = Strip {
+            token_ids,
+            logprobs,
+        };
+        answer_reply(answer.as_bytes(), strip).map(|out| String::from_utf8(out.to_vec()).unwrap())
+    }
+
+    #[test]
+    fn a_whole_answer_loses_what_a_chunk_loses_and_is_written_compactly() {
+        let answer = "{\n \"id\": \"c\",\n \"prompt_token_ids\": [1, 2],\n \"choices\": [\n  {\"index\": 0, \
+                      \"message\": {\"content\": \"a }\\\" b\\n\"},\n   \"logprobs\": {\"content\": [{\"t\": \"]\", \
+                      \"logprob\": -1.5e-3}]}, \"token_ids\": [5], \"finish_reason\": null}\n ],\n \"u\": NaN\n}\n";
+        assert_eq!(
+            reply(answer, true, true).unwrap(),
+            "{\"id\":\"c\",\"choices\":[{\"index\":0,\"message\":{\"content\":\"a }\\\" b\\n\"},\
+             \"logprobs\":null,\"finish_reason\":null}],\"u\":NaN}"
+        );
+        assert_eq!(
+            reply(answer, false, true).unwrap(),
+            "{\"id\":\"c\",\"prompt_token_ids\":[1,2],\"choices\":[{\"index\":0,\"message\":\
+             {\"content\":\"a }\\\" b\\n\"},\"logprobs\":null,\"token_ids\":[5],\"finish_reason\":null}],\
+             \"u\":NaN}"
+        );
+        // nothing to take out: the answer's own bytes, not a copy
+        let borrowed = answer_reply(answer.as_bytes(), Strip::default()).unwrap();
+        assert!(matches!(borrowed, Cow::Borrowed(b) if b == answer.as_bytes()));
+        // what json.loads reads, and no more
+        assert_eq!(
+            reply("{\"a\": \"\\ud800\", \"b\": -Infinity}", true, true).unwrap(),
+            "{\"a\":\"\\ud800\",\"b\":-Infinity}"
+        );
+        assert_eq!(
+            reply(
+                "{\"prompt_token_ids\":[1],\"choices\":[{\"token_ids\":[2]}]}",
+                true,
+                true
+            )
+            .unwrap(),
+            "{\"choices\":[{}]}"
+        );
+    }
+
+    #[test]
+    fn an_answer_that_is_not_one_json_object_is_left_to_the_control_plane() {
+        for answer in [
+            "<html>not json</html>",
+            "[{\"choices\": []}]",
+            "\"text\"",
+            "{\"a\": tru}",
+            "{\"a\": 1} {}",
+            "{\"a\": 1,}",
+            "{\"a\": \"\u{1}\"}",
+            "{\"a\": 123456789012345678901234567890}",
+            "\u{feff}{\"a\": 1}",
+            "{\"a\": \"\\x\"}",
+            "",
+        ] {
+            for (token_ids, logprobs) in [(false, false), (true, true)] {
+                assert_eq!(reply(answer, token_ids, logprobs), None, "{answer:?}");
+            }
+        }
+        assert_eq!(answer_reply(b"{\"a\":\"\xff\"}", Strip::default()), None);
+        assert_eq!(answer_reply(b"{\0\"\0}\0", Strip::default()), None);
+        let deep = format!("{{\"a\": {}1{}}}", "[".repeat(600), "]".repeat(600));
+        assert_eq!(reply(&deep, true, true), None);
+        // a field written with an escape in its key: json.loads reads its name, the edits not
+        let escaped = "{\"prompt_token_id\\u0073\": [1], \"choices\": []}";
+        assert_eq!(reply(escaped, true, true), None);
+        assert_eq!(reply(escaped, false, false).unwrap(), escaped);
+        let in_choice = "{\"choices\": [{\"logprob\\u0073\": {}}]}";
+        assert_eq!(reply(in_choice, true, true), None);
     }
 
     #[test]

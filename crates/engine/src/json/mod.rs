@@ -10,6 +10,7 @@ mod float;
 mod ids;
 mod parse;
 pub mod scan;
+mod valid;
 mod value;
 mod write;
 
@@ -17,6 +18,7 @@ pub use encoding::{decode_text, Text};
 pub use float::write_float;
 pub use ids::{member_ids, u32_ids, MemberIds};
 pub use parse::{parse, parse_with, ErrorKind, Failure, Key, ParseError, Sink, DEFAULT_MAX_DEPTH};
+pub use valid::reads_as_object;
 pub use value::{JsonStr, Str, Value, ValueBuilder};
 pub use write::{
     to_json, write_bool, write_code_points, write_int, write_null, write_str, write_value,
