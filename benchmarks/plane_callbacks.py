@@ -31,8 +31,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from measure import targets_summary
+
 HERE = Path(__file__).resolve().parent
 CALLBACKS = ("prepare", "finish", "record")
+#: The target (with `--against`): this checkout's callbacks (the least of each over the
+#: rounds, summed) at most this many times the other's: no regression beyond noise
+MAX_SUM_RATIO = 1.05
 SESSIONS, TURNS, WARMUP = 8, 15, 10
 
 
@@ -136,14 +141,30 @@ def main(argv: list[str] | None = None) -> int:
         checkouts["other"] = args.against.resolve()
     print(f"--ack {args.ack}: median thread CPU time a call (us)")
     print(f"{'round':<7}{'checkout':<10}" + "".join(f"{name:>10}" for name in CALLBACKS))
+    least: dict[str, dict[str, float]] = {label: {} for label in checkouts}
     for n in range(1, args.rounds + 1):
         for label, checkout in checkouts.items():
             found = _in_worker(checkout, args.ack)
+            for name in CALLBACKS:
+                if found[name] == found[name]:  # (nan: not called)
+                    least[label][name] = min(least[label].get(name, found[name]), found[name])
             cells = (
                 f"{found[name]:>10.1f}" if found[name] == found[name] else f"{'-':>10}"
                 for name in CALLBACKS
             )  # (nan: not called, `--ack durable`'s `record`)
             print(f"{n:<7}{label:<10}" + "".join(cells))
+    if "other" in least:
+        this, other = sum(least["this"].values()), sum(least["other"].values())
+        ratio = this / other if other else float("inf")
+        verdict = "PASS" if ratio <= MAX_SUM_RATIO else "MISS"
+        checks = [
+            f"{verdict}: callbacks' CPU a call, this / the other checkout {ratio:.2f} "
+            f"<= {MAX_SUM_RATIO} ({this:.1f} / {other:.1f} us)"
+        ]
+    else:
+        checks = ["SKIP: callbacks' CPU against another checkout (no --against)"]
+    print("\n".join(checks))
+    print(targets_summary(checks))
     return 0
 
 
