@@ -393,11 +393,13 @@ class RequestTable:
     @property
     def unconfirmed(self) -> int:
         """Turns filed by their key and not confirmed yet."""
-    def prefixes(self, plains: list[bytes]) -> list[tuple[int, bytes, list[int]]]:
+    def prefixes(
+        self, plains: list[bytes], *, most: int | None = None
+    ) -> list[tuple[int, bytes, list[int]]]:
         """Every boundary of a request whose non-system messages pack as `plains` where it
         extends filed turns, longest first: `(len, digest, turns)`, the turns in filing
-        order (a turn filed by its key alone is named where its key is met: compare the
-        bytes, then `confirm` it)."""
+        order (a turn filed by its key alone is named where its key and count are met:
+        compare the bytes, then `confirm` it), at most `most` of them (None: all)."""
     @staticmethod
     def keys(plains: list[bytes]) -> list[int]:
         """The index key of every prefix of a request whose messages pack as `plains`

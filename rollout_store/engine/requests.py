@@ -428,10 +428,10 @@ class FreshRequest:
             turns = store.turns
             plains = self.plain_slice(0, self.n_valid)
             found = {}
-            for n, digest, numbers in store.table.prefixes(plains):  # type: ignore[arg-type]
+            # (two turns at most a boundary: several are a group, which holds them all)
+            for n, digest, numbers in store.table.prefixes(plains, most=2):  # type: ignore[arg-type]
                 self._digests[n] = digest
-                members = [turns[t] for t in numbers]
-                found[n] = store.group_of(members)
+                found[n] = store.group_of([turns[t] for t in numbers])
             self._prefixes = found
         return found
 
@@ -647,11 +647,12 @@ class RequestStore:
         self.table.confirm(stored.index, digest)
 
     def group_of(self, members: list[Turn]) -> list[Turn] | _Bucket:
-        """`members` (turns filed alike, in filing order) as the group that holds them and
-        their links, when one does."""
+        """The turns filed alike at a boundary, given the first two (or the one) of them:
+        several are the group filed under their key, which holds them all and their links
+        (a turn under that key that is not filed alike is refused by `extends`)."""
         if len(members) > 1 and self.groups:
             group = self.groups.get(members[0].rkey)  # type: ignore[arg-type]
-            if group is not None and len(group) == len(members):
+            if group is not None:
                 return group
         return members
 
@@ -1087,7 +1088,10 @@ class RequestStore:
         if key is None or turn.flags & NO_MESSAGES:
             return
         table = self.table
-        others = table.filed_under(key)
+        groups = self.groups
+        group = groups.get(key) if groups else None
+        # (no group: at most one turn is filed under the key)
+        others = table.filed_under(key) if group is None else None
         if turn.rkey != key:
             turn.file_under(key, None)
         if digest is not None and digest_key(digest) == key:
@@ -1095,15 +1099,13 @@ class RequestStore:
             table.file(turn.index, turn.n_rest, digest, tip=tip)
         else:
             table.file_key(turn.index, turn.n_rest, key)
-        if others:
-            groups = self.groups
-            group = groups.get(key) if groups else None
-            if group is None:  # a second turn under this key: a group that tracks its parents
-                if groups is NOT_YET:
-                    groups = self.groups = {}
-                turns = self.turns
-                group = groups[key] = _Bucket(tuple(turns[t] for t in others))
-                group.parents.extend(t for t in group if t.children)
+        if others:  # a second turn under this key: a group that tracks its parents
+            if groups is NOT_YET:
+                groups = self.groups = {}
+            turns = self.turns
+            group = groups[key] = _Bucket(tuple(turns[t] for t in others))
+            group.parents.extend(t for t in group if t.children)
+        if group is not None:
             group.append(turn)
             if group.by_response is not None:
                 self._hold_by_response(group.by_response, turn)

@@ -322,3 +322,41 @@ def test_a_large_group_of_rollouts_links_each_turn_at_the_same_cost(
     for counts in (per_turn, per_sample):
         early, late = counts[40:60], counts[580:600]
         assert max(late) <= max(early), (early, late)
+
+
+def test_a_prompt_sampled_many_times_lists_no_group_per_turn() -> None:
+    """A request sampled hundreds of times is one group of the request table: filing a
+    sample, or finding the base and the parent of a continuation, asks the table for a
+    handful of its turns, never for a list of the whole group (a list a turn made the cost
+    of each turn grow with the group: 20,000 samples were 20 times slower than 100)."""
+    graph = RolloutGraph()
+    table = graph._requests.table
+    listed: list[int] = []  # turns the table listed, per call
+
+    class Counting:
+        def __len__(self) -> int:
+            return len(table)
+
+        def __getattr__(self, name: str) -> Any:
+            found = getattr(table, name)
+            if name not in ("filed_under", "prefixes"):
+                return found
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                out = found(*args, **kwargs)
+                listed.append(sum(len(p[2]) for p in out) if name == "prefixes" else len(out))
+                return out
+
+            return counted
+
+    graph._requests.table = Counting()  # type: ignore[assignment]
+    request = [{"role": "system", "content": "s"}, _user("solve")]
+    for i in range(600):
+        graph.add_turn(TurnNode(request_messages=request, response_message=_assistant(f"s{i}")))
+    for i in (5, 300, 599):
+        child = graph.add_turn(
+            TurnNode(request_messages=[*request, _assistant(f"s{i}"), _user("go on")])
+        )
+        assert graph.parent(child.node_id) == f"turn-{i}"
+    assert len(graph._requests.groups[graph._turns[0].rkey]) == 600
+    assert sum(listed) <= 4 * len(graph) and max(listed) <= 2, (sum(listed), max(listed))

@@ -751,14 +751,19 @@ impl RequestTable {
 
     /// Every boundary of a request whose non-system messages pack as `plains` where it
     /// extends filed turns, longest first: `(len, digest, turns)`, the turns in filing order
-    /// (confirmed ones: a turn filed by its key is named once confirmed).
+    /// (a turn filed by its key alone is named where its key and count are met: compare the
+    /// bytes), at most `most` of them (None: all).
+    #[pyo3(signature = (plains, *, most = None))]
     fn prefixes<'py>(
         &self,
         py: Python<'py>,
         plains: &Bound<'py, PyList>,
+        most: Option<usize>,
     ) -> PyResult<Vec<PrefixTuple<'py>>> {
         let plains = backed(plains)?;
-        let found = self.table().prefixes(&plains);
+        let found = self
+            .table()
+            .prefixes_most(&plains, most.unwrap_or(usize::MAX));
         Ok(found
             .into_iter()
             .map(|p| (p.len, PyBytes::new(py, &p.digest), p.turns))

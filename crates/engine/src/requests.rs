@@ -389,15 +389,18 @@ enum Met {
     Ask(TurnNo),
 }
 
-/// The rows by their digests' keys: an open-addressing table whose slots hold row numbers
-/// plus one (0: empty), the key read from the row's digest (its first 8 bytes, an
-/// unconfirmed row's key too), so an entry costs 4 bytes and its slot's share of the spare
-/// room. Rows are never removed: rows under one key are met along its probe sequence in
-/// filing order, as each took the first free slot after those filed before it.
+/// The rows by their digests' keys: an open-addressing table whose slots hold a row number
+/// plus one (0: empty), one slot a key, the key read from the row's digest (its first 8
+/// bytes, an unconfirmed row's key too). The rows under one key are a ring in `next` (each
+/// row's next under its key, the last's the first): the slot names the last filed, so a row
+/// is added under its key in constant time, and the rows are met from the first filed on.
+/// A row costs 4 bytes in `next` and its key's slot's share of the spare room; a thousand
+/// samples of one request are one slot and one ring.
 #[derive(Debug, Default)]
 struct RowIndex {
     slots: Vec<u32>,
-    len: usize,
+    next: Vec<u32>,
+    keys: usize,
 }
 
 impl RowIndex {
@@ -410,56 +413,70 @@ impl RowIndex {
         (key as usize) & (self.slots.len() - 1)
     }
 
-    /// The rows filed under `key`, in filing order.
-    fn under(&self, key: u64, rows: &[Row]) -> Vec<u32> {
-        let mut found = Vec::new();
-        if self.slots.is_empty() {
-            return found;
-        }
+    /// The slot holding `key` (the last row filed under it), or the empty slot it would go.
+    fn slot_of(&self, key: u64, rows: &[Row]) -> usize {
         let mask = self.slots.len() - 1;
         let mut at = self.start(key);
         loop {
             let slot = self.slots[at];
-            if slot == 0 {
-                return found;
-            }
-            let row = slot - 1;
-            if digest_key(&rows[row as usize].digest) == key {
-                found.push(row);
+            if slot == 0 || digest_key(&rows[(slot - 1) as usize].digest) == key {
+                return at;
             }
             at = (at + 1) & mask;
         }
+    }
+
+    /// The rows filed under `key`, in filing order.
+    fn under<'a>(&'a self, key: u64, rows: &[Row]) -> impl Iterator<Item = u32> + 'a {
+        let last = if self.slots.is_empty() {
+            None
+        } else {
+            let slot = self.slots[self.slot_of(key, rows)];
+            (slot != 0).then(|| slot - 1)
+        };
+        let first = last.map(|last| self.next[last as usize]);
+        let mut at = first;
+        std::iter::from_fn(move || {
+            let row = at?;
+            at = (Some(row) != last).then(|| self.next[row as usize]);
+            Some(row)
+        })
     }
 
     /// File row `row` (its digest already in `rows`, after every row before it: each row is
-    /// filed once, in order).
+    /// filed once, in order) under its key.
     fn insert(&mut self, row: u32, rows: &[Row]) -> Result<(), FileError> {
         let slot = row.checked_add(1).ok_or(FileError::Full)?;
-        if (self.len + 1) * 4 > self.slots.len() * 3 {
-            // every row filed before this one, placed again in filing order (so rows under
-            // one key stay in that order along its probe sequence)
-            let size = (self.slots.len() * 2).max(Self::MIN_SLOTS);
-            self.slots = vec![0; size];
-            for earlier in 1..slot {
-                self.place(earlier, rows);
-            }
+        if (self.keys + 1) * 4 > self.slots.len() * 3 {
+            self.grow(rows);
         }
-        self.place(slot, rows);
-        self.len += 1;
+        let at = self.slot_of(digest_key(&rows[row as usize].digest), rows);
+        let last = self.slots[at];
+        grow(&mut self.next);
+        if last == 0 {
+            self.next.push(row); // a ring of one
+            self.keys += 1;
+        } else {
+            let last = (last - 1) as usize;
+            self.next.push(self.next[last]); // after the last: the first comes next
+            self.next[last] = row;
+        }
+        self.slots[at] = slot;
         Ok(())
     }
 
-    fn place(&mut self, slot: u32, rows: &[Row]) {
-        let mask = self.slots.len() - 1;
-        let mut at = self.start(digest_key(&rows[(slot - 1) as usize].digest));
-        while self.slots[at] != 0 {
-            at = (at + 1) & mask;
+    /// Twice the slots, each key's slot placed again (its ring unchanged).
+    fn grow(&mut self, rows: &[Row]) {
+        let size = (self.slots.len() * 2).max(Self::MIN_SLOTS);
+        let old = std::mem::replace(&mut self.slots, vec![0; size]);
+        for slot in old.into_iter().filter(|&slot| slot != 0) {
+            let at = self.slot_of(digest_key(&rows[(slot - 1) as usize].digest), rows);
+            self.slots[at] = slot;
         }
-        self.slots[at] = slot;
     }
 
     fn nbytes(&self) -> usize {
-        self.slots.capacity() * 4
+        self.slots.capacity() * 4 + self.next.capacity() * 4
     }
 }
 
@@ -571,7 +588,7 @@ impl Requests {
     }
 
     /// The rows filed under one key, in filing order.
-    fn rows_of(&self, key: u64) -> Vec<u32> {
+    fn rows_of(&self, key: u64) -> impl Iterator<Item = u32> + '_ {
         self.index.under(key, &self.rows)
     }
 
@@ -621,8 +638,7 @@ impl Requests {
     /// a turn was filed by alone), in filing order.
     pub fn filed_under(&self, key: u64) -> Vec<TurnNo> {
         self.rows_of(key)
-            .iter()
-            .map(|&row| self.turns[row as usize])
+            .map(|row| self.turns[row as usize])
             .collect()
     }
 
@@ -645,6 +661,12 @@ impl Requests {
     /// boundary (the message parent, the twins), in one pass over the packings. A turn filed
     /// by its key alone is named where its key is met: the caller compares the bytes.
     pub fn prefixes<P: AsRef<[u8]>>(&self, plains: &[P]) -> Vec<Prefix> {
+        self.prefixes_most(plains, usize::MAX)
+    }
+
+    /// [`Requests::prefixes`] naming at most `most` turns at a boundary (the first filed):
+    /// a boundary of a thousand twins costs no list of a thousand.
+    pub fn prefixes_most<P: AsRef<[u8]>>(&self, plains: &[P], most: usize) -> Vec<Prefix> {
         let mut hasher = PrefixHasher::new();
         let mut found = Vec::new();
         for n in 0..=plains.len() {
@@ -667,6 +689,7 @@ impl Requests {
                         row.n_rest as usize == n
                     }
                 })
+                .take(most)
                 .map(|row| self.turns[row as usize])
                 .collect();
             if !turns.is_empty() {
