@@ -679,7 +679,6 @@ impl Requests {
             let digest = hasher.digest_here();
             let turns: Vec<TurnNo> = self
                 .rows_of(digest_key(&digest))
-                .into_iter()
                 .filter(|&row| {
                     let row = &self.rows[row as usize];
                     // an unconfirmed row by its key and count: the caller compares bytes
@@ -1075,7 +1074,6 @@ impl Requests {
     /// confirmed with that digest or unconfirmed with that message count and not refuted.
     fn met(&self, digest: &[u8; DIGEST_SIZE], len: usize, refuted: &[TurnNo]) -> Option<Met> {
         self.rows_of(digest_key(digest))
-            .into_iter()
             .map(|row| row as usize)
             .find_map(|at| {
                 let row = &self.rows[at];
