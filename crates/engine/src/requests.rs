@@ -370,16 +370,34 @@ impl Packings for PackedRun<'_> {
     }
 }
 
-/// A filed request: 40 bytes.
+/// A filed request: 36 bytes.
 #[derive(Clone, Copy, Debug)]
 struct Row {
     /// its request's digest; of an unconfirmed row, its key's 8 bytes then zeros
     digest: [u8; DIGEST_SIZE],
-    n_rest: u32,
-    /// its digest is known (false: a row read from a file by its key, see `file_key`)
-    confirmed: bool,
-    /// some turn is its child (a twin's continuation may move under a later twin)
-    has_children: bool,
+    /// its message count (below `MAX_N_REST`) and the flags above it
+    count: u32,
+}
+
+/// A row's digest is known (unset: a row read from a file by its key, see `file_key`).
+const CONFIRMED: u32 = 1 << 31;
+/// Some turn is a row's child (a twin's continuation may move under a later twin).
+const HAS_CHILDREN: u32 = 1 << 30;
+/// More messages than a row counts.
+const MAX_N_REST: usize = 1 << 30;
+
+impl Row {
+    fn n_rest(self) -> usize {
+        (self.count & (HAS_CHILDREN - 1)) as usize
+    }
+
+    fn confirmed(self) -> bool {
+        self.count & CONFIRMED != 0
+    }
+
+    fn has_children(self) -> bool {
+        self.count & HAS_CHILDREN != 0
+    }
 }
 
 /// What the base-finder meets at a boundary: a confirmed row, or an unconfirmed one to ask
@@ -600,13 +618,13 @@ impl Requests {
 
     /// The message count a filed turn's request has (None: not filed).
     pub fn n_rest(&self, turn: TurnNo) -> Option<usize> {
-        self.row_of(turn).map(|row| row.n_rest as usize)
+        self.row_of(turn).map(|row| row.n_rest())
     }
 
     /// The digest of a filed turn's request (None: not filed, or not confirmed).
     pub fn digest(&self, turn: TurnNo) -> Option<[u8; DIGEST_SIZE]> {
         self.row_of(turn)
-            .filter(|row| row.confirmed)
+            .filter(|row| row.confirmed())
             .map(|row| row.digest)
     }
 
@@ -622,14 +640,14 @@ impl Requests {
     pub fn confirm(&mut self, turn: TurnNo, digest: &[u8; DIGEST_SIZE]) -> Option<bool> {
         let at = self.turns.binary_search(&turn).ok()?;
         let row = &mut self.rows[at];
-        if row.confirmed {
+        if row.confirmed() {
             return Some(row.digest == *digest);
         }
         if row.digest[..8] != digest[..8] {
             return Some(false);
         }
         row.digest = *digest;
-        row.confirmed = true;
+        row.count |= CONFIRMED;
         self.unconfirmed -= 1;
         Some(true)
     }
@@ -644,7 +662,7 @@ impl Requests {
 
     /// Whether a filed turn has a child (None: not filed).
     pub fn has_children(&self, turn: TurnNo) -> Option<bool> {
-        self.row_of(turn).map(|row| row.has_children)
+        self.row_of(turn).map(|row| row.has_children())
     }
 
     /// Note that a filed turn has a child; false when it is not filed.
@@ -652,7 +670,7 @@ impl Requests {
         let Ok(at) = self.turns.binary_search(&turn) else {
             return false;
         };
-        self.rows[at].has_children = true;
+        self.rows[at].count |= HAS_CHILDREN;
         true
     }
 
@@ -682,10 +700,10 @@ impl Requests {
                 .filter(|&row| {
                     let row = &self.rows[row as usize];
                     // an unconfirmed row by its key and count: the caller compares bytes
-                    if row.confirmed {
+                    if row.confirmed() {
                         row.digest == digest
                     } else {
-                        row.n_rest as usize == n
+                        row.n_rest() == n
                     }
                 })
                 .take(most)
@@ -1077,12 +1095,11 @@ impl Requests {
             .map(|row| row as usize)
             .find_map(|at| {
                 let row = &self.rows[at];
-                if row.confirmed {
+                if row.confirmed() {
                     (row.digest == *digest).then_some(Met::Row(at))
                 } else {
                     let turn = self.turns[at];
-                    (row.n_rest as usize == len && !refuted.contains(&turn))
-                        .then_some(Met::Ask(turn))
+                    (row.n_rest() == len && !refuted.contains(&turn)).then_some(Met::Ask(turn))
                 }
             })
     }
@@ -1152,7 +1169,11 @@ impl Requests {
         if last.is_some_and(|last| turn <= last) {
             return Err(FileError::Order { turn, last });
         }
-        let n_rest_u32 = u32::try_from(n_rest).map_err(|_| FileError::TooLong(n_rest))?;
+        if n_rest >= MAX_N_REST {
+            return Err(FileError::TooLong(n_rest));
+        }
+        #[allow(clippy::cast_possible_truncation)] // (below MAX_N_REST)
+        let count = n_rest as u32 | if confirmed { CONFIRMED } else { 0 };
         let row = u32::try_from(self.rows.len())
             .ok()
             .filter(|&row| row < u32::MAX)
@@ -1165,12 +1186,7 @@ impl Requests {
         }
         grow(&mut self.rows);
         grow(&mut self.turns);
-        self.rows.push(Row {
-            digest,
-            n_rest: n_rest_u32,
-            confirmed,
-            has_children: false,
-        });
+        self.rows.push(Row { digest, count });
         if let Err(full) = self.index.insert(row, &self.rows) {
             self.rows.pop();
             self.responses.truncate(self.rows.len());
@@ -1742,16 +1758,20 @@ mod tests {
     fn a_count_past_the_bitmap_is_kept_in_a_list() {
         let mut table = Requests::new();
         let digest = [7u8; DIGEST_SIZE];
-        table.file(0, u32::MAX as usize, digest, None).unwrap();
+        table.file(0, MAX_N_REST - 1, digest, None).unwrap();
         table
             .file(1, BITMAP_COUNTS, [8u8; DIGEST_SIZE], None)
             .unwrap();
         table.file(2, 3, [9u8; DIGEST_SIZE], None).unwrap();
         assert!(table.nbytes() < 1 << 16, "{}", table.nbytes());
-        assert!(table.lengths.has(u32::MAX as usize));
+        assert!(table.lengths.has(MAX_N_REST - 1));
         assert!(table.lengths.has(BITMAP_COUNTS) && table.lengths.has(3));
         assert!(!table.lengths.has(BITMAP_COUNTS + 1) && !table.lengths.has(4));
-        assert_eq!(table.n_rest(0), Some(u32::MAX as usize));
+        assert_eq!(table.n_rest(0), Some(MAX_N_REST - 1));
+        // a count a row cannot hold beside its flags is refused, and nothing changes
+        let err = table.file(3, MAX_N_REST, [10u8; DIGEST_SIZE], None);
+        assert_eq!(err, Err(FileError::TooLong(MAX_N_REST)));
+        assert_eq!((table.len(), table.n_rest(3)), (3, None));
     }
 
     #[test]
