@@ -68,8 +68,8 @@ __all__ = ["FreshRequest", "RequestStore", "Scratch"]
 _new_tuple: Final = tuple.__new__
 
 #: Strings this long are never a decoded tip's holes: a graph whose long strings are not
-#: its own blobs (no share threshold, or an out-of-process store whose strings are fetched)
-#: keeps no decoded tips, which would hold the last request's strings.
+#: its own blobs (no share threshold, or a content store's blob table) keeps no decoded tips,
+#: which would hold strings the graph does not.
 _NO_HOLES: Final = 1 << 62
 
 #: msgpack type bytes of ext and bin values, which JSON values never pack to by themselves
@@ -542,9 +542,13 @@ class RequestStore:
         self.turns = turns
         # every filed request: the one index and base-finder (a request is filed under its
         # digest; a turn read from a file under its key until it is confirmed)
-        # (a decoded tip holds a conversation's long strings: the blobs, when the graph keeps
-        # them in the process; see `_NO_HOLES`)
-        holes = share_threshold if share_threshold is not None and not blobs.fetches else None
+        # (a decoded tip holds a conversation's long strings, those of the request that first
+        # held them: the blobs of a graph's own table, which interned them from it. Graphs
+        # over one store share one object of a string that each got from its own requests:
+        # their tips would hold a copy each, so they keep none; see `_NO_HOLES`)
+        holes = (
+            share_threshold if share_threshold is not None and type(blobs) is BlobTable else None
+        )
         self.table = RequestTable(hole_min=_NO_HOLES if holes is None else holes)
         self._tipped = holes is not None
         # keys under which several turns are filed (twins, the samples of a group), with

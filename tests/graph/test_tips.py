@@ -15,7 +15,7 @@ import msgpack
 import pytest
 from support import assert_same
 
-from rollout_store import InvalidValueError, RawJSON, RolloutGraph, TurnNode, _core
+from rollout_store import InvalidValueError, MemoryStore, RawJSON, RolloutGraph, TurnNode, _core
 from rollout_store.engine import confirm as confirm_module
 from rollout_store.engine.confirm import HOLE_MIN, holes_of
 
@@ -469,3 +469,18 @@ def test_blob_strings_shorter_than_holes_make_no_tip_until_a_long_one(raw: bool)
     for node_id, (messages, response) in zip(node_ids, turns, strict=True):
         assert_same(graph.request_messages(node_id), messages)
         assert_same(graph.get(node_id).response_message, response)
+
+
+def test_graphs_over_one_store_keep_no_decoded_tip() -> None:
+    """Graphs over one content store hold one object of a string that each got from its own
+    requests: a tip would keep a copy of each conversation's long strings (a capture
+    server's sessions, one screenshot shared by a group), so they keep none, and every turn
+    links and round-trips all the same."""
+    store = MemoryStore()
+    for seed in range(2):
+        graph = RolloutGraph(store=store)
+        turns = _conversation(5, 70 + seed)
+        ids = _add_all(graph, turns)
+        assert _tips(graph) == 0 and graph.path_ids(ids[-1]) == ids
+        for node_id, (messages, _) in zip(ids, turns, strict=True):
+            assert_same(graph.request_messages(node_id), messages)
