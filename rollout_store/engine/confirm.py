@@ -40,7 +40,6 @@ __all__ = [
     "hollow_text",
     "text_holes",
     "prefix_digest",
-    "prefix_keys",
     "raw_end",
 ]
 
@@ -53,16 +52,6 @@ def prefix_digest(data: bytes | memoryview) -> bytes:
 def digest_key(digest: bytes) -> int:
     """The index key of a prefix: the first 8 bytes of its digest."""
     return int.from_bytes(digest[:8], "little")
-
-
-def prefix_keys(plains: Sequence[bytes]) -> list[int]:
-    """Index keys of every prefix of a request: keys[m] is that of its first m messages."""
-    hasher = Blake3()
-    keys = [digest_key(hasher.digest())]
-    for plain in plains:
-        hasher.update(plain)
-        keys.append(digest_key(hasher.digest()))
-    return keys
 
 
 #: A raw request is found among stored ones by the xxh3 key of its first bytes.

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import xxhash
 
-from .confirm import digest_key, prefix_digest, prefix_keys
+from .._core import RequestTable
+from .confirm import digest_key, prefix_digest
 from .tokens import TokenRun, block_digests, run_bytes
 
 __all__ = ["HEADS", "request_key", "request_keys", "root_token_keys", "short_key"]
@@ -44,5 +45,6 @@ def request_key(plains: list[bytes | None] | list[bytes], n: int) -> int:
 
 
 def request_keys(plains: list[bytes]) -> list[int]:
-    """The request keys of every prefix: keys[m] is that of the first m messages."""
-    return prefix_keys(plains)
+    """The request keys of every prefix: keys[m] is that of the first m messages (the
+    request table's, one hashing pass)."""
+    return RequestTable.keys(plains)

@@ -24,11 +24,16 @@ from hypothesis import strategies as st
 from support import json_like
 
 from rollout_store import MAX_DEPTH, RolloutGraph, TurnNode, _core
-from rollout_store.engine.confirm import prefix_digest, prefix_keys
+from rollout_store.engine.confirm import digest_key, prefix_digest
 from rollout_store.engine.encoding import ECHO_PACKED
 from rollout_store.engine.stored import TAIL_ECHO, LinkKind
 
 RequestTable = _core.RequestTable
+
+
+def prefix_keys(plains: list[bytes]) -> list[int]:
+    """The reference for the table's prefix keys: each prefix's digest, one by one."""
+    return [digest_key(prefix_digest(b"".join(plains[:m]))) for m in range(len(plains) + 1)]
 
 
 def plain(value: Any) -> bytes:

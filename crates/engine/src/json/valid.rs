@@ -70,61 +70,51 @@ impl Check<'_> {
     }
 
     fn object(&mut self, depth: usize) -> Option<()> {
-        if depth > DEFAULT_MAX_DEPTH {
-            return None;
-        }
-        self.i += 1;
-        self.ws();
-        if self.next()? == b'}' {
-            self.i += 1;
-            return Some(());
-        }
-        loop {
-            if self.next()? != b'"' {
+        self.items(depth, b'}', |this| {
+            if this.next()? != b'"' {
                 return None;
             }
-            self.string()?;
-            self.ws();
-            if self.next()? != b':' {
+            this.string()?;
+            this.ws();
+            if this.next()? != b':' {
                 return None;
             }
-            self.i += 1;
-            self.ws();
-            self.value(depth)?;
-            self.ws();
-            match self.next()? {
-                b',' => {
-                    self.i += 1;
-                    self.ws();
-                }
-                b'}' => {
-                    self.i += 1;
-                    return Some(());
-                }
-                _ => return None,
-            }
-        }
+            this.i += 1;
+            this.ws();
+            this.value(depth)
+        })
     }
 
     fn array(&mut self, depth: usize) -> Option<()> {
+        self.items(depth, b']', |this| this.value(depth))
+    }
+
+    /// A container's items (`item` reads one, from its first byte), separated by commas,
+    /// up to its `close` byte; the opening byte at `i`. One loop for objects and arrays.
+    fn items(
+        &mut self,
+        depth: usize,
+        close: u8,
+        mut item: impl FnMut(&mut Self) -> Option<()>,
+    ) -> Option<()> {
         if depth > DEFAULT_MAX_DEPTH {
             return None;
         }
         self.i += 1;
         self.ws();
-        if self.next()? == b']' {
+        if self.next()? == close {
             self.i += 1;
             return Some(());
         }
         loop {
-            self.value(depth)?;
+            item(self)?;
             self.ws();
             match self.next()? {
                 b',' => {
                     self.i += 1;
                     self.ws();
                 }
-                b']' => {
+                byte if byte == close => {
                     self.i += 1;
                     return Some(());
                 }
