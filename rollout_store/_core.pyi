@@ -336,6 +336,8 @@ class RequestTable:
     @property
     def decoded_tips(self) -> int:
         """Decoded tips kept (see `add_messages`)."""
+    def tip_strings(self) -> list[str]:
+        """The long strings the decoded tips hold, oldest tip first (for tests)."""
     @property
     def decoded_tip_hits(self) -> int:
         """Requests filed by `add_messages` that were read from a decoded tip on (their long
@@ -435,6 +437,12 @@ class PendingTip:
     @property
     def n_rest(self) -> int:
         """The message count of the request it is the tip of."""
+    def adopt(self, canonical: Callable[[str], str | None]) -> None:
+        """Hold the graph's own object of each long string of the request's new messages:
+        `canonical(s)` answers the string equal to `s` that the graph holds already, or
+        None."""
+    def strings(self) -> list[str]:
+        """The long strings the tip holds, in order (for tests)."""
 
 class Unconfirmed(LookupError):
     """The base of a request is undecided: it may extend a turn read from a file by its key

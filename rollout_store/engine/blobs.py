@@ -116,6 +116,17 @@ class BlobTable:
         self.note_used((handle.index,))
         return handle
 
+    def canonical(self, text: str) -> str | None:
+        """The stored string equal to `text` (the object the table holds), or None: nothing
+        is added. What a request's decoded tip holds in place of the request's own copy."""
+        data = text.encode("utf-8", "surrogatepass")  # (the bytes `intern` hashes)
+        found: Handle
+        for found in index_members(self._by_digest.get(_key(self._hasher(data)))):
+            stored = self._strings[found.index]
+            if stored == text:
+                return stored
+        return None
+
     def add_verified(self, text: str, digest: bytes, data_len: int, surrogates: bool) -> Handle:
         """Append a blob read back from a file (`data_len` UTF-8 bytes), digest checked."""
         return self._append(text, digest, data_len, surrogates)

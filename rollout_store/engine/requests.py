@@ -1100,6 +1100,8 @@ class RequestStore:
             turn.file_under(key, None)
         if digest is not None and digest_key(digest) == key:
             tip = request.tip if request is not None else None
+            if tip is not None:
+                tip.adopt(self.blobs.canonical)
             table.file(turn.index, turn.n_rest, digest, tip=tip)
         else:
             table.file_key(turn.index, turn.n_rest, key)

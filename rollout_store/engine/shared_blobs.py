@@ -143,6 +143,23 @@ class StoreBlobTable(BlobTable):
         self.note_used((handle.index,))
         return handle
 
+    def canonical(self, text: str) -> str | None:
+        """The memory store's object of `text`, shared by every graph over it, or None (any
+        other store: its strings are fetched, never held)."""
+        store = self._text_store
+        if store is None:
+            return None
+        digest = self._hasher(text.encode("utf-8", "surrogatepass"))
+        for index in self._candidates(digest):
+            if self._digest(index) == digest:
+                try:
+                    stored = store.get_text(self.key(index))
+                except (CorruptObjectError, MissingObjectError):
+                    continue  # (the tip keeps the request's own)
+                if stored == text:
+                    return stored
+        return None
+
     def _note_broken(self, key: bytes) -> None:
         if self._broken is None:
             self._broken = set()

@@ -484,3 +484,72 @@ def test_graphs_over_one_store_keep_no_decoded_tip() -> None:
         assert _tips(graph) == 0 and graph.path_ids(ids[-1]) == ids
         for node_id, (messages, _) in zip(ids, turns, strict=True):
             assert_same(graph.request_messages(node_id), messages)
+
+
+def _shared_image_conversations(n: int, turns: int) -> list[list[tuple[list[Any], Any]]]:
+    """`n` conversations that all begin with one task: a text and one 64 KiB screenshot (a
+    GRPO group's prompt), then go their own ways."""
+    rng = random.Random(99)
+    image = "data:image/png;base64," + "".join(rng.choices("ABCDEFGHIJ+/0123", k=64 * 1024))
+    task = {"role": "user", "content": [{"type": "text", "text": "the task"}]}
+    task["content"].append({"type": "image_url", "image_url": {"url": image}})
+    out = []
+    for seed in range(n):
+        history: list[Any] = [{"role": "system", "content": "sys"}, task]
+        conversation = []
+        for t in range(turns):
+            response = {"role": "assistant", "content": f"reply {t} {seed}"}
+            conversation.append((list(history), response))
+            history += [response, {"role": "user", "content": f"tool output {t} {seed}"}]
+        out.append(conversation)
+    return out
+
+
+def _blob_strings(graph: RolloutGraph) -> list[str]:
+    blobs = graph._requests.blobs
+    return [blobs.string(i) for i in range(len(blobs))]
+
+
+def test_a_tip_holds_the_graphs_own_string_not_the_requests_copy() -> None:
+    """Conversations of one graph that share a long string each get it as a fresh object
+    (each body decoded from its own text): every tip holds the blob table's object, never a
+    copy of its own (16 conversations sharing a 200 KiB screenshot would keep 16 copies)."""
+    graph = RolloutGraph(share_threshold=HOLE_MIN)
+    conversations = _shared_image_conversations(4, 3)
+    ids = [_add_all(graph, conversation) for conversation in conversations]
+    strings = graph._requests.table.tip_strings()
+    assert _tips(graph) == 4 and len(strings) == 4 and _hits(graph) == 8
+    stored = _blob_strings(graph)
+    assert len(stored) == 1
+    assert all(string is stored[0] for string in strings)
+    for conversation, node_ids in zip(conversations, ids, strict=True):
+        assert graph.path_ids(node_ids[-1]) == node_ids
+        for node_id, (messages, _) in zip(node_ids, conversation, strict=True):
+            assert_same(graph.request_messages(node_id), messages)
+
+
+def test_a_graph_of_conversations_sharing_a_screenshot_keeps_it_once() -> None:
+    """What the process keeps, counted by tracemalloc (the tips' string references are
+    Python objects): 8 conversations sharing a 64 KiB string keep about one copy of it."""
+    import gc
+    import tracemalloc
+
+    conversations = _shared_image_conversations(8, 3)
+    image_bytes = len(conversations[0][0][0][1]["content"][1]["image_url"]["url"])
+    bodies = [[json.dumps(m) for m, _ in c] for c in conversations]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        graph = RolloutGraph(share_threshold=HOLE_MIN)
+        for conversation, texts in zip(conversations, bodies, strict=True):
+            for (_, response), text in zip(conversation, texts, strict=True):
+                graph.add_turn(
+                    TurnNode(request_messages=json.loads(text), response_message=response)
+                )
+        gc.collect()
+        retained = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert _tips(graph) == 8
+    assert retained < 2 * image_bytes, (retained, image_bytes)

@@ -11,7 +11,7 @@ use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyList, PyString};
 
 use crate::hashing::Blake3;
-use crate::packed::Packer;
+use crate::packed::{Packed, Packer};
 use crate::{DecodeError, Unconfirmed, DETACH_FROM};
 use engine::content::content_key;
 
@@ -75,11 +75,61 @@ struct TipParts {
     last_key: u128,
     hollow: blake3::Hasher,
     strings: Vec<Py<PyString>>,
+    /// where the strings of its new messages begin in `strings` (those before are the tip
+    /// it continued, adopted then: see `PendingTip::adopt`)
+    own_from: usize,
     packings: blake3::Hasher,
     fed: u64,
     /// the tip it continued, and its base: both give way to it
     gone: Option<u32>,
     base: Option<u32>,
+}
+
+impl TipParts {
+    /// The tip a request of `n_rest` messages leaves: the tip it `continued` (if any) and its
+    /// new messages' hollow packing (`new`; None: they hold no long string, so their plain
+    /// packing `plain` is their hollow one). Its packings' state is set by `with_packings`.
+    fn after(
+        continued: Option<DecodedTip>,
+        new: Option<Packed>,
+        plain: &[u8],
+        n_rest: usize,
+        last_key: Option<u128>,
+        base: Option<u32>,
+    ) -> Self {
+        let gone = continued.as_ref().map(|tip| tip.turn);
+        let (mut hollow, mut strings, continued_key) = match continued {
+            Some(tip) => (tip.hollow, tip.strings, tip.last_key),
+            None => (blake3::Hasher::new(), Vec::new(), 0),
+        };
+        let own_from = strings.len();
+        match new {
+            Some(new) => {
+                hollow.update(&new.buffer);
+                strings.extend(new.holes);
+            }
+            None => {
+                hollow.update(plain);
+            }
+        }
+        Self {
+            n_rest,
+            last_key: last_key.unwrap_or(continued_key),
+            hollow,
+            strings,
+            own_from,
+            packings: blake3::Hasher::new(),
+            fed: 0,
+            gone,
+            base,
+        }
+    }
+
+    fn with_packings(mut self, packings: blake3::Hasher, fed: u64) -> Self {
+        self.packings = packings;
+        self.fed = fed;
+        self
+    }
 }
 
 /// The decoded tip a request leaves, handed to `RequestTable.file` with the request (kept
@@ -96,6 +146,46 @@ impl PendingTip {
     #[getter]
     fn n_rest(&self) -> usize {
         self.n_rest
+    }
+
+    /// Hold the graph's own object of each long string of the request's new messages:
+    /// `canonical(s)` answers the string equal to `s` that the graph holds already (its blob
+    /// table's, or a memory store's that graphs share), or None. The request's own objects
+    /// are fresh ones when it was decoded from its own text: a tip holding them would keep
+    /// a copy of a string every conversation of the graph (or of the store) shares.
+    fn adopt(&self, py: Python<'_>, canonical: &Bound<'_, PyAny>) -> PyResult<()> {
+        let taken = self
+            .parts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let Some(mut parts) = taken else {
+            return Ok(());
+        };
+        // (no lock held while Python runs; the parts are put back whatever it raised)
+        let own_from = parts.own_from;
+        let result = parts.strings[own_from..].iter_mut().try_for_each(|string| {
+            let found = canonical.call1((string.clone_ref(py),))?;
+            if let Ok(found) = found.cast_exact::<PyString>() {
+                if !found.is(&*string) && found.as_any().eq(string.bind(py))? {
+                    *string = found.clone().unbind();
+                }
+            }
+            Ok(())
+        });
+        parts.own_from = parts.strings.len();
+        *self.parts.lock().unwrap_or_else(PoisonError::into_inner) = Some(parts);
+        result
+    }
+
+    /// The long strings the tip holds, in order (for tests: whose objects they are).
+    fn strings(&self, py: Python<'_>) -> Vec<Py<PyString>> {
+        self.parts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .map(|parts| parts.strings.iter().map(|s| s.clone_ref(py)).collect())
+            .unwrap_or_default()
     }
 }
 
@@ -260,30 +350,16 @@ impl RequestTable {
             .map_err(|err: requests::FileError| file_error(&err))?;
         let found_tuple = found_tuple(py, &found)?;
         let parts = (keeps_tip && found.ask.is_none()).then(|| {
-            let gone = continued.as_ref().map(|tip| tip.turn);
-            let (mut hollow, mut strings, last_key) = match continued {
-                Some(tip) => (tip.hollow, tip.strings, tip.last_key),
-                None => (blake3::Hasher::new(), Vec::new(), 0),
-            };
-            match new_hollow {
-                Some(new) => {
-                    hollow.update(&new.buffer);
-                    strings.extend(new.holes);
-                }
-                None => {
-                    hollow.update(&plain.buffer); // (no long string: hollow is plain)
-                }
-            }
-            TipParts {
-                n_rest: n,
-                last_key: plains.last().map_or(last_key, |last| content_key(last)),
-                hollow,
-                strings,
-                packings,
-                fed,
-                gone,
-                base: found.base,
-            }
+            let last_key = plains.last().map(|last| content_key(last));
+            TipParts::after(
+                continued,
+                new_hollow,
+                &plain.buffer,
+                n,
+                last_key,
+                found.base,
+            )
+            .with_packings(packings, fed)
         });
         let parts = match (parts, file) {
             (Some(parts), Some((turn, _))) => {
@@ -587,6 +663,15 @@ impl RequestTable {
     #[getter]
     fn decoded_tips(&self) -> usize {
         self.tips().len()
+    }
+
+    /// The long strings the decoded tips hold, oldest tip first (for tests: whose objects
+    /// they are).
+    fn tip_strings(&self, py: Python<'_>) -> Vec<Py<PyString>> {
+        self.tips()
+            .iter()
+            .flat_map(|tip| tip.strings.iter().map(|s| s.clone_ref(py)))
+            .collect()
     }
 
     /// Requests filed by `add_messages` that were read from a decoded tip on (their long
