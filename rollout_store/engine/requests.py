@@ -1023,6 +1023,11 @@ class RequestStore:
         key = scratch.request_digest
         if turn.flags & NO_MESSAGES:
             key = None
+        request = scratch.request
+        if request is not None and request.tip is not None:
+            # its long strings are interned by now: the tip holds the graph's own objects
+            # (taken before the commit, which nothing may fail)
+            request.tip.adopt(self.blobs.canonical)
         # (the digest is the table's, filed at commit: the turn keeps the key alone)
         turn.build(scratch.tail_parts, scratch.n_rest, response, None, key)
         if scratch.raw_text is not None:
@@ -1100,8 +1105,6 @@ class RequestStore:
             turn.file_under(key, None)
         if digest is not None and digest_key(digest) == key:
             tip = request.tip if request is not None else None
-            if tip is not None:
-                tip.adopt(self.blobs.canonical)
             table.file(turn.index, turn.n_rest, digest, tip=tip)
         else:
             table.file_key(turn.index, turn.n_rest, key)
