@@ -9,6 +9,7 @@ __all__ = [
     "AsciiText",
     "Blake3",
     "body_too_deep",
+    "direct_tail",
     "check_packed",
     "ContentTable",
     "DataPlane",
@@ -147,6 +148,12 @@ def answer_reply(answer: bytes, token_ids: bool, logprobs: bool) -> bytes | None
     most `DEFAULT_MAX_DEPTH` deep, no int of more than 18 digits), or a key of the fields
     looked at is escaped: decode it then. The GIL is released for answers from
     `DETACH_FROM` bytes."""
+
+def direct_tail(body: bytes, capture_tokens: bool, max_digits: int) -> tuple[int, bytes] | None:
+    """The upstream body of a Chat Completions call the data plane's direct lane sends by
+    itself (`--ack fast`), as `(head, tail)`: the body's own `body[:head]`, then `tail`; None
+    when the control plane prepares the call (`gateway::direct::body_tail`). For tests: the
+    lane must send what the control plane's `upstream_parts` makes of the body."""
 
 def body_too_deep(body: bytes, anthropic: bool) -> str | None:
     """The first field (in the body's order) of a model call's body that nests deeper than
@@ -555,12 +562,15 @@ class FrameScan:
 class DataPlane:
     """The data plane: the model routes served by hyper on a runtime of its own, the rest
     proxied to the control plane's listener; the control plane's callbacks (`prepare`,
-    `waits`, `finish`, `finish_stream`, `record`, `dropped`, `sent`) are methods of
+    `answered`, `waits`, `finish`, `finish_stream`, `record`, `dropped`, `sent`) are methods of
     `control` (`record` returns the indices of the calls it set aside, `sent` False to be
     called again). `stop` ends it.
     `callers`: threads the callbacks run on (one when a callback never waits on I/O).
     `forward_only`: a floor for benchmarks (calls go upstream and come back as they came,
-    with no key, no callback and nothing recorded)."""
+    with no key, no callback and nothing recorded).
+    `direct`: `--ack fast`'s direct lane, `(capture_tokens, max_digits, upstream headers)`:
+    the Chat Completions calls sent upstream with no `prepare`, the control's `answered`
+    called once their answer is replied to (None: every call is prepared)."""
 
     def __new__(
         cls,
@@ -582,12 +592,15 @@ class DataPlane:
         workers: int = 2,
         callers: int = 1,
         forward_only: bool = False,
+        direct: tuple[bool, int, list[tuple[str, str]]] | None = None,
     ) -> DataPlane: ...
     @property
     def port(self) -> int:
         """The port the listener is bound to."""
-    def set_key(self, key: bytes, session_id: str) -> None:
-        """Let `key` (UTF-8 bytes) open the session `session_id`."""
+    def set_key(self, key: bytes, session_id: str, session: object | None = None) -> None:
+        """Let `key` (UTF-8 bytes) open the session `session_id`; `session`: the control's
+        object of it, which a call of the direct lane holds until it is answered (None: the
+        session's calls are all prepared)."""
     def remove_key(self, key: bytes) -> bool:
         """Forget `key`; whether it was known."""
     def pending(self) -> int:

@@ -2847,6 +2847,66 @@ def _continues(later: Any, earlier: Any) -> bool:
     return False
 
 
+#: What `RustDataPlane.answered` passes to `_timed` for a reply the engine makes itself.
+_NO_REPLY: _Reply = (200, [], [], False)
+
+
+def _direct_plan(
+    server: _Server,
+    session: Session,
+    clock: CallClock,
+    headers: list[tuple[str, bytes]],
+    body: bytes,
+    checked: _Checked,
+    fields: list[tuple[str, int, int]] | None,
+) -> _Plan:
+    """The plan of a call the engine sent upstream itself (`RustDataPlane.answered`): its
+    session and clock now; what makes its turn (`server.plan` of its body, as `prepare` would
+    have made it) only when the recorder asks, off the path of the replies."""
+    made: list[_Plan] = []
+
+    def plan() -> _Plan:
+        if not made:
+            made.append(
+                server.plan(
+                    False,
+                    _header_map(headers),
+                    session,
+                    body,
+                    clock,
+                    passthrough=True,
+                    checked=checked,
+                    fields=fields,
+                )
+            )
+        return made[0]
+
+    def make_turn(response: dict[str, Any]) -> TurnNode:
+        return plan().make_turn(response)
+
+    def turn_of(response: dict[str, Any]) -> TurnNode:
+        return plan().turn_of(response)
+
+    def reply(response: dict[str, Any], answer: bytes) -> Response:
+        return plan().reply(response, answer)
+
+    capture = server.config.capture_tokens
+    return _Plan(
+        session,
+        False,
+        False,
+        "/v1/chat/completions",
+        b"",
+        {},
+        make_turn,
+        reply,
+        [],
+        clock,
+        turn_of,
+        (capture, capture),
+    )
+
+
 class RustDataPlane:
     """The engine's data plane in front of the app `create_app` made (`app`), which serves
     on loopback port `backend_port`; the public listener binds `host`:`port` (0: a free
@@ -2878,6 +2938,14 @@ class RustDataPlane:
             upstream_timeout=config.upstream_timeout,
             stream_keepalive=config.stream_keepalive,
             fast=config.ack == "fast",
+            # `--ack fast`: the calls the engine sends upstream itself (see `answered`)
+            direct=(
+                config.capture_tokens,
+                server.max_digits,
+                list(server._upstream_headers({}, anthropic=False).items()),
+            )
+            if config.ack == "fast"
+            else None,
             ack_queue=config.ack_queue,
             workers=workers,
             # one thread when a turn is added without waiting (as the Python plane adds it
@@ -2897,12 +2965,16 @@ class RustDataPlane:
         self._sessions.watch_keys(self._key_changed)
         server.plane = self
 
-    def _key_changed(self, key: str, session_id: str | None) -> None:
+    def _key_changed(self, key: str, session: Session | None) -> None:
         data = key.encode("utf-8", "surrogatepass")
-        if session_id is None:
+        if session is None:
             self._engine.remove_key(data)
         else:
-            self._engine.set_key(data, session_id)
+            # (the session itself: a call of the direct lane holds it until it is answered,
+            # as a prepared call holds it in its plan; none for a damaged one, whose calls
+            # are refused before they go upstream)
+            direct = session if session.damaged is None else None
+            self._engine.set_key(data, session.session_id, direct)
 
     # -- for the control plane
 
@@ -3021,6 +3093,56 @@ class RustDataPlane:
                 self._streams.setdefault(session.session_id, []).append(call)
         upstream = (plan.head, plan.content)
         return call, plan.path, upstream, list(plan.headers.items()), stream
+
+    def answered(
+        self,
+        args: tuple[
+            bool,
+            str | None,
+            str | None,
+            list[tuple[str, bytes]],
+            bytes,
+            int,
+            bool,
+            bool,
+            bool,
+            list[tuple[str, int, int]] | None,
+            int | None,
+        ],
+        session: Session,
+        answer: bytes,
+        stamps: tuple[int, int, int],
+    ) -> tuple[_Call, bool, bool] | None:
+        """A call of the engine's direct lane, answered: with `--ack fast`, a Chat Completions
+        call that `prepare` would send upstream as the client's bytes with the server's fields
+        appended, the engine sends so itself, with no callback on the way there
+        (`crates/gateway/src/direct.rs` says which calls); a complete answer that is one JSON
+        object it replies to from its bytes, as `_answer_later` does. The turn is left to the
+        recorder the same way: `(call, queue, timed)`, the call's plan made there from its
+        body (`_direct_plan`). None: the engine prepares and finishes it as any call (its
+        session gone or unable to record, which `prepare` refuses, or with a stream passing
+        through that the call may continue, which `waits` waits for). `args` are `prepare`'s;
+        `session` is the one the call's key opened when it arrived (deleted since, it is still
+        the call's, as a prepared call's plan holds it)."""
+        headers, body, received_us, depth, shape, utf8, fields, digits = args[3:]
+        server = self._server
+        if session.damaged is not None:
+            # refused by `prepare`; the session's later calls are prepared before they go
+            # upstream (refused there, as a damaged session's calls are)
+            self._sessions.announce(session)
+            return None
+        if self._streams and self._streams.get(session.session_id):
+            return None
+        clock = CallClock()
+        clock.received = received_us
+        clock.upstream_sent, clock.first_byte, clock.last_byte = stamps
+        within = digits is not None and (not server.max_digits or digits <= server.max_digits)
+        checked = _Checked(depth, shape, utf8, within)
+        call = _Call(_direct_plan(server, session, clock, headers, body, checked, fields))
+        clock.failed, session.failed = session.failed, 0
+        call.answer = answer
+        _, queue, timed = self._timed(call, _NO_REPLY, self._answer_fast(call))
+        return call, queue, timed
 
     def waits(self, call: _Call) -> bool:
         """Whether the call's `finish` (or `finish_stream`) is to wait first, on a thread

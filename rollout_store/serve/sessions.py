@@ -353,9 +353,9 @@ class Sessions:
         self.blobs = "inline" if isinstance(self.store, MemoryStore) else "store"
         self._by_id: dict[str, Session] = {}
         self._by_key: dict[bytes, Session] = {}
-        #: Told of every key added (key, session id) and removed (key, None): the Rust data
+        #: Told of every key added (key, session) and removed (key, None): the Rust data
         #: plane's key table (`watch_keys`).
-        self._key_watcher: Callable[[str, str | None], None] | None = None
+        self._key_watcher: Callable[[str, Session | None], None] | None = None
         self._lock = threading.Lock()
         self._id_locks = [threading.Lock() for _ in range(_ID_LOCKS)]
         #: Guards every session's `unsettled` count; told when one reaches 0 (one for all
@@ -641,7 +641,7 @@ class Sessions:
                 self._by_id[sid] = session
                 self._by_key[key_digest(key)] = session
                 if self._key_watcher is not None:
-                    self._key_watcher(key, sid)
+                    self._key_watcher(key, session)
             return session
 
     def save_group(self, session: Session) -> None:
@@ -658,14 +658,21 @@ class Sessions:
             doc["group"] = session.group
         _write_atomic(self._path(session.session_id, ".json"), json.dumps(doc).encode("ascii"))
 
-    def watch_keys(self, watcher: Callable[[str, str | None], None] | None) -> None:
-        """Tell `watcher` every session's key now (key, session id), then each key added
-        and removed (key, None) until it is replaced (None: no one)."""
+    def watch_keys(self, watcher: Callable[[str, Session | None], None] | None) -> None:
+        """Tell `watcher` every session's key now (key, session), then each key added and
+        removed (key, None) until it is replaced (None: no one)."""
         with self._lock:
             self._key_watcher = watcher
             if watcher is not None:
                 for session in self._by_id.values():
-                    watcher(session.api_key, session.session_id)
+                    watcher(session.api_key, session)
+
+    def announce(self, session: Session) -> None:
+        """Tell the key watcher of `session` again (its state changed: it was found damaged),
+        if it is still the one its id names."""
+        with self._lock:
+            if self._key_watcher is not None and self._by_id.get(session.session_id) is session:
+                self._key_watcher(session.api_key, session)
 
     def get(self, session_id: str) -> Session | None:
         with self._lock:

@@ -604,16 +604,20 @@ def test_a_stopping_rust_plane_counts_the_fast_turns_of_the_calls_it_cut(
     with a killed process at the next start."""
     finished: list[bool] = []
     begun = threading.Event()
-    finish = RustDataPlane.finish
 
-    def slow(self: RustDataPlane, call: Any, *args: Any) -> Any:
-        begun.set()
-        time.sleep(0.3)  # the stop comes meanwhile
-        answer = finish(self, call, *args)
-        finished.append(answer[1])
-        return answer
+    def slowed(callback: Any) -> Any:
+        def slow(self: RustDataPlane, call: Any, *args: Any) -> Any:
+            begun.set()
+            time.sleep(0.3)  # the stop comes meanwhile
+            answer = callback(self, call, *args)
+            finished.append(answer[1])  # (whether its turn is to be queued)
+            return answer
 
-    monkeypatch.setattr(RustDataPlane, "finish", slow)
+        return slow
+
+    # a call the engine prepared is finished; one of its direct lane is `answered`
+    monkeypatch.setattr(RustDataPlane, "finish", slowed(RustDataPlane.finish))
+    monkeypatch.setattr(RustDataPlane, "answered", slowed(RustDataPlane.answered))
     app = create_app(stub, data=tmp_path, fsync="never", ack="fast", admin_key=ADMIN_KEY)
     with serve_app(app, data_plane="rust") as url:
         made = new_session(url, session_id="cut")

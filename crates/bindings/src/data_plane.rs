@@ -10,8 +10,8 @@ use bytes::Bytes;
 use gateway::checks::Hosts;
 use gateway::sse::Strip;
 use gateway::{
-    Call, Config, Control, Finished, Gateway, Prepared, Queued, Reply, Sent, Streamed, Streaming,
-    Upstream,
+    Call, Config, Control, Direct, DirectLane, Finished, Gateway, Handle, Prepared, Queued, Reply,
+    Sent, Streamed, Streaming, Upstream,
 };
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -70,30 +70,52 @@ fn bytes_or_none<'py>(py: Python<'py>, value: Option<&Bytes>) -> Option<Bound<'p
     value.map(|v| PyBytes::new(py, v))
 }
 
+/// `--ack fast`'s direct lane as the control plane gives it: `(capture_tokens, max_digits,
+/// upstream headers)`.
+type PyDirectLane = (bool, usize, Vec<(String, String)>);
+
+/// A call's arguments as `prepare` and `answered` take them (`answered` adds the answer and
+/// its stamps), in `prepare`'s order.
+type CallArgs<'py> = (
+    bool,
+    Option<String>,
+    Option<String>,
+    Vec<(String, Bound<'py, PyBytes>)>,
+    Bound<'py, PyBytes>,
+    u64,
+    bool,
+    bool,
+    bool,
+    Option<Vec<(String, usize, usize)>>,
+    Option<usize>,
+);
+
+fn call_args<'py>(py: Python<'py>, call: &Call) -> CallArgs<'py> {
+    let headers = call
+        .headers
+        .iter()
+        .map(|(n, v)| (n.clone(), PyBytes::new(py, v)))
+        .collect();
+    (
+        call.anthropic,
+        call.session.clone(),
+        call.key.clone(),
+        headers,
+        PyBytes::new(py, &call.body),
+        call.received_us,
+        call.checked.depth,
+        call.checked.shape,
+        call.checked.utf8,
+        call.fields.clone(),
+        call.checked.digits,
+    )
+}
+
 impl PyControl {
-    fn try_prepare(&self, py: Python<'_>, call: Call) -> PyResult<Prepared<Py<PyAny>>> {
-        let headers: Vec<(String, Bound<'_, PyBytes>)> = call
-            .headers
-            .iter()
-            .map(|(n, v)| (n.clone(), PyBytes::new(py, v)))
-            .collect();
-        let out = self.control.call_method1(
-            py,
-            "prepare",
-            (
-                call.anthropic,
-                call.session,
-                call.key,
-                headers,
-                PyBytes::new(py, &call.body),
-                call.received_us,
-                call.checked.depth,
-                call.checked.shape,
-                call.checked.utf8,
-                call.fields,
-                call.checked.digits,
-            ),
-        )?;
+    fn try_prepare(&self, py: Python<'_>, call: &Call) -> PyResult<Prepared<Py<PyAny>>> {
+        let out = self
+            .control
+            .call_method1(py, "prepare", call_args(py, call))?;
         let out = out.bind(py).cast::<PyTuple>()?.clone();
         let ticket = out.get_item(0)?;
         if ticket.is_none() {
@@ -195,10 +217,32 @@ impl Control for PyControl {
 
     fn prepare(&self, call: Call) -> Prepared<Py<PyAny>> {
         Python::attach(|py| {
-            self.try_prepare(py, call).unwrap_or_else(|error| {
+            self.try_prepare(py, &call).unwrap_or_else(|error| {
                 error.print(py);
                 Prepared::Refuse(server_error())
             })
+        })
+    }
+
+    fn answered(&self, direct: &Direct) -> Option<(Py<PyAny>, bool, bool)> {
+        Python::attach(|py| {
+            let session = direct
+                .call
+                .handle
+                .as_ref()
+                .and_then(|h| h.0.downcast_ref::<Py<PyAny>>())
+                .map(|s| s.clone_ref(py));
+            let args = call_args(py, &direct.call);
+            let stamps = (direct.upstream_sent, direct.first_byte, direct.last_byte);
+            let answer = PyBytes::new(py, &direct.answer);
+            self.control
+                .call_method1(py, "answered", (args, session, answer, stamps))
+                .and_then(|out| out.extract::<Option<(Py<PyAny>, bool, bool)>>(py))
+                .unwrap_or_else(|error| {
+                    // (prepared and finished as any call: it answers what went wrong)
+                    error.print(py);
+                    None
+                })
         })
     }
 
@@ -270,12 +314,15 @@ impl Control for PyControl {
 
 /// The data plane: the model routes served by hyper on a runtime of its own, the rest
 /// proxied to the control plane's listener; the control plane's callbacks (`prepare`,
-/// `waits`, `finish`, `finish_stream`, `record`, `dropped`, `sent`) are methods of
+/// `answered`, `waits`, `finish`, `finish_stream`, `record`, `dropped`, `sent`) are methods of
 /// `control` (`record` returns the indices of the calls it set aside, `sent` False to be
 /// called again). `stop` ends it.
 /// `callers`: threads the callbacks run on (one when a callback never waits on I/O).
 /// `forward_only`: a floor for benchmarks (calls go upstream and come back as they came,
 /// with no key, no callback and nothing recorded).
+/// `direct`: `--ack fast`'s direct lane, `(capture_tokens, max_digits, upstream headers)`:
+/// the Chat Completions calls sent upstream with no `prepare`, the control's `answered`
+/// called once their answer is replied to (None: every call is prepared).
 #[pyclass(frozen, module = "rollout_store._core")]
 pub struct DataPlane {
     gateway: Mutex<Option<Gateway<PyControl>>>,
@@ -333,7 +380,7 @@ impl DataPlane {
     #[pyo3(signature = (
         control, *, host, port, backend_port, upstream, hosts, open_mode, max_body_bytes,
         body_timeout, body_timeout_text, upstream_timeout, stream_keepalive, fast, ack_queue, workers = 2,
-        callers = 1, forward_only = false
+        callers = 1, forward_only = false, direct = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -355,6 +402,7 @@ impl DataPlane {
         workers: usize,
         callers: usize,
         forward_only: bool,
+        direct: Option<PyDirectLane>,
     ) -> PyResult<Self> {
         let listen = (host.trim_start_matches('[').trim_end_matches(']'), port)
             .to_socket_addrs()?
@@ -376,6 +424,11 @@ impl DataPlane {
             workers,
             callers,
             forward_only,
+            direct: direct.map(|(capture_tokens, max_digits, headers)| DirectLane {
+                capture_tokens,
+                max_digits,
+                headers,
+            }),
         };
         let gateway = py.detach(|| Gateway::start(config, PyControl { control }))?;
         let port = gateway.local_addr().port();
@@ -392,9 +445,13 @@ impl DataPlane {
         self.port
     }
 
-    /// Let `key` (UTF-8 bytes) open the session `session_id`.
-    fn set_key(&self, key: &[u8], session_id: &str) -> PyResult<()> {
-        self.with(|g| g.set_key(key, session_id))
+    /// Let `key` (UTF-8 bytes) open the session `session_id`; `session`: the control's
+    /// object of it, which a call of the direct lane holds until it is answered (None: the
+    /// session's calls are all prepared).
+    #[pyo3(signature = (key, session_id, session = None))]
+    fn set_key(&self, key: &[u8], session_id: &str, session: Option<Py<PyAny>>) -> PyResult<()> {
+        let handle = session.map(|s| Handle(std::sync::Arc::new(s)));
+        self.with(|g| g.set_key(key, session_id, handle))
     }
 
     /// Forget `key`; whether it was known.
@@ -429,6 +486,21 @@ impl DataPlane {
             py.detach(move || gateway.stop(drain));
         }
     }
+}
+
+/// The upstream body of a Chat Completions call the data plane's direct lane sends by
+/// itself (`--ack fast`), as `(head, tail)`: the body's own `body[:head]`, then `tail`; None
+/// when the control plane prepares the call (`gateway::direct::body_tail`). For tests: the
+/// lane must send what the control plane's `upstream_parts` makes of the body.
+#[pyfunction]
+pub fn direct_tail<'py>(
+    py: Python<'py>,
+    body: &[u8],
+    capture_tokens: bool,
+    max_digits: usize,
+) -> Option<(usize, Bound<'py, PyBytes>)> {
+    gateway::direct::body_tail(body, capture_tokens, max_digits)
+        .map(|(head, tail)| (head, PyBytes::new(py, &tail)))
 }
 
 /// The first field (in the body's order) of a model call's body that nests deeper than it

@@ -5,13 +5,35 @@
 //! the caller can steer about the stored keys' text) and confirmed by a constant-time
 //! comparison of the bytes, as `hmac.compare_digest` does in the Python server.
 
+use std::any::Any;
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
+use std::fmt;
 use std::hash::BuildHasher;
 use std::sync::Arc;
 
+/// What the control plane attaches to a key, opaque here: the session object itself, which
+/// a call of the direct lane holds from its arrival to its answer (a session deleted
+/// meanwhile is still the one the call was made in).
+#[derive(Clone)]
+pub struct Handle(pub Arc<dyn Any + Send + Sync>);
+
+impl fmt::Debug for Handle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Handle")
+    }
+}
+
+/// The session a key opens: its id, and the control plane's handle of it (none: its calls
+/// are prepared by the control plane, never sent by the direct lane).
+#[derive(Clone, Debug)]
+pub struct Opened {
+    pub session: Arc<str>,
+    pub handle: Option<Handle>,
+}
+
 /// The keys under one hash, each with the session it opens.
-type Bucket = Vec<(Box<[u8]>, Arc<str>)>;
+type Bucket = Vec<(Box<[u8]>, Opened)>;
 
 /// Keys (UTF-8 bytes, as the Python server encodes them) to the session each opens.
 #[derive(Default)]
@@ -40,14 +62,21 @@ impl KeyTable {
     }
 
     /// Let `key` open `session` (a key already there now opens this session).
-    pub fn insert(&mut self, key: &[u8], session: &str) {
+    pub fn insert(&mut self, key: &[u8], session: &str, handle: Option<Handle>) {
         let slot = self.slot(key);
         let bucket = self.buckets.entry(slot).or_default();
         if let Some(entry) = bucket.iter_mut().find(|(k, _)| constant_time_eq(k, key)) {
-            entry.1 = session.into();
+            entry.1 = Opened {
+                session: session.into(),
+                handle,
+            };
             return;
         }
-        bucket.push((key.into(), session.into()));
+        let opened = Opened {
+            session: session.into(),
+            handle,
+        };
+        bucket.push((key.into(), opened));
         self.len += 1;
     }
 
@@ -70,7 +99,7 @@ impl KeyTable {
     }
 
     /// The session `key` opens.
-    pub fn lookup(&self, key: &[u8]) -> Option<Arc<str>> {
+    pub fn lookup(&self, key: &[u8]) -> Option<Opened> {
         let bucket = self.buckets.get(&self.slot(key))?;
         let mut found = None;
         // every key of the bucket is compared: which one matched does not show in the time
@@ -98,27 +127,33 @@ mod tests {
     #[test]
     fn a_key_opens_its_session_only() {
         let mut table = KeyTable::new();
-        table.insert(b"key-a", "a");
-        table.insert(b"key-b", "b");
-        assert_eq!(table.lookup(b"key-a").as_deref(), Some("a"));
-        assert_eq!(table.lookup(b"key-b").as_deref(), Some("b"));
-        assert_eq!(table.lookup(b"key-"), None);
-        assert_eq!(table.lookup(b"key-a "), None);
-        assert_eq!(table.lookup(b"a"), None);
-        assert_eq!(table.lookup(b""), None);
+        table.insert(b"key-a", "a", None);
+        table.insert(b"key-b", "b", None);
+        assert_eq!(
+            table.lookup(b"key-a").map(|o| o.session).as_deref(),
+            Some("a")
+        );
+        assert_eq!(
+            table.lookup(b"key-b").map(|o| o.session).as_deref(),
+            Some("b")
+        );
+        assert_eq!(table.lookup(b"key-").map(|o| o.session), None);
+        assert_eq!(table.lookup(b"key-a ").map(|o| o.session), None);
+        assert_eq!(table.lookup(b"a").map(|o| o.session), None);
+        assert_eq!(table.lookup(b"").map(|o| o.session), None);
         assert_eq!(table.len(), 2);
     }
 
     #[test]
     fn removed_keys_open_nothing_and_reinserted_keys_move() {
         let mut table = KeyTable::new();
-        table.insert(b"k", "a");
-        table.insert(b"k", "b");
+        table.insert(b"k", "a", None);
+        table.insert(b"k", "b", None);
         assert_eq!(table.len(), 1);
-        assert_eq!(table.lookup(b"k").as_deref(), Some("b"));
+        assert_eq!(table.lookup(b"k").map(|o| o.session).as_deref(), Some("b"));
         assert!(table.remove(b"k"));
         assert!(!table.remove(b"k"));
-        assert_eq!(table.lookup(b"k"), None);
+        assert_eq!(table.lookup(b"k").map(|o| o.session), None);
         assert!(table.is_empty());
     }
 
@@ -135,12 +170,14 @@ mod tests {
     fn many_keys_stay_apart() {
         let mut table = KeyTable::new();
         for i in 0..2000 {
-            table.insert(format!("key-{i}").as_bytes(), &format!("s{i}"));
+            table.insert(format!("key-{i}").as_bytes(), &format!("s{i}"), None);
         }
         for i in 0..2000 {
-            let found = table.lookup(format!("key-{i}").as_bytes());
+            let found = table
+                .lookup(format!("key-{i}").as_bytes())
+                .map(|o| o.session);
             assert_eq!(found.as_deref(), Some(format!("s{i}").as_str()));
         }
-        assert_eq!(table.lookup(b"key-2000"), None);
+        assert_eq!(table.lookup(b"key-2000").map(|o| o.session), None);
     }
 }

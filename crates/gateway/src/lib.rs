@@ -6,6 +6,8 @@
 //! - [`keys`]: the table of session keys the control plane keeps current, compared in
 //!   constant time;
 //! - [`depth`]: the depth check a body passes before it goes upstream;
+//! - [`direct`]: which `--ack fast` calls the data plane sends upstream by itself, and the
+//!   bytes it sends;
 //! - [`sse`]: the upstream's event stream split into events as it passes through, its last
 //!   event told apart, capture fields the client did not ask for taken out;
 //! - [`plane`]: the listener, the pooled upstream client, the reverse proxy to the control
@@ -13,11 +15,13 @@
 
 pub mod checks;
 pub mod depth;
+pub mod direct;
 pub mod keys;
 pub mod plane;
 pub mod sse;
 
+pub use keys::Handle;
 pub use plane::{
-    Call, Config, Control, Finished, Gateway, Prepared, Queued, Reply, Sent, Streamed, Streaming,
-    Upstream,
+    Call, Config, Control, Direct, DirectLane, Finished, Gateway, Prepared, Queued, Reply, Sent,
+    Streamed, Streaming, Upstream,
 };

@@ -59,7 +59,8 @@ use tokio::runtime::Runtime;
 
 use crate::checks::{self, Hosts};
 use crate::depth;
-use crate::keys::KeyTable;
+use crate::direct;
+use crate::keys::{Handle, KeyTable};
 use crate::sse::{self, Splitter, Strip};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -103,6 +104,45 @@ pub struct Config {
     /// A floor for benchmarks: a model call that passes the gate goes upstream as it came
     /// and its answer comes back as it came; no key, no control plane, nothing recorded.
     pub forward_only: bool,
+    /// `--ack fast`: the Chat Completions calls sent upstream with no `prepare` (see
+    /// [`crate::direct`]); `None`: every call is prepared by the control.
+    pub direct: Option<DirectLane>,
+}
+
+/// How the data plane sends a call of the direct lane upstream (see [`crate::direct`]).
+#[derive(Clone, Debug, Default)]
+pub struct DirectLane {
+    /// The server asks for token ids and logprobs (and takes them out of the reply).
+    pub capture_tokens: bool,
+    /// The control plane's digit limit for ints (0: none).
+    pub max_digits: usize,
+    /// The headers of the upstream call, as the control plane sends them.
+    pub headers: Vec<(String, String)>,
+}
+
+impl DirectLane {
+    /// The upstream body's tail of a call that takes the lane ([`direct::upstream_tail`]).
+    fn tail(
+        &self,
+        raw: &[u8],
+        checked: &depth::Checked,
+        fields: Option<&[(String, usize, usize)]>,
+    ) -> Option<(usize, Vec<u8>)> {
+        direct::upstream_tail(raw, checked, fields, self.capture_tokens, self.max_digits)
+    }
+}
+
+/// A call of the direct lane whose complete answer is one JSON object: the reply is made of
+/// its bytes, and the control told of it (see [`Control::answered`]).
+#[derive(Debug)]
+pub struct Direct {
+    pub call: Call,
+    /// The upstream's answer, as it came (the reply has the capture fields taken out).
+    pub answer: Bytes,
+    /// Microseconds since the call was received: sent upstream, first byte, last byte.
+    pub upstream_sent: u32,
+    pub first_byte: u32,
+    pub last_byte: u32,
 }
 
 /// A model call that passed the gate, for the control to prepare.
@@ -111,6 +151,8 @@ pub struct Call {
     pub anthropic: bool,
     /// The session the key opens, when the key table knows it.
     pub session: Option<String>,
+    /// The control's handle of that session, given with its key (see [`Handle`]).
+    pub handle: Option<Handle>,
     /// The key sent (the control resolves an unknown one in open mode).
     pub key: Option<String>,
     /// The request's headers, names lowercased, values as sent.
@@ -244,6 +286,14 @@ pub trait Control: Send + Sync + 'static {
         false
     }
     fn prepare(&self, call: Call) -> Prepared<Self::Ticket>;
+    /// A call of the direct lane answered: its ticket, whether its turn is to be queued and
+    /// whether its timeline is to be recorded, once its reply (made of the answer's bytes)
+    /// is sent; or `None`, when the control would rather `prepare` and `finish` it as any
+    /// call (its session unable to record, or busy with a stream).
+    ///
+    fn answered(&self, _direct: &Direct) -> Option<(Self::Ticket, bool, bool)> {
+        None
+    }
     fn finish(&self, ticket: &Self::Ticket, upstream: Upstream) -> Finished;
     /// The end of a stream passed through: its turn made of its events and recorded
     /// (`--ack durable`) or queued (`--ack fast`), then its held-back last event released;
@@ -721,6 +771,15 @@ impl<C: Control> Shared<C> {
         }
     }
 
+    /// The session `key` opens and the control's handle of it, when the key table knows it.
+    fn opened(&self, key: Option<&str>) -> (Option<String>, Option<Handle>) {
+        let keys = self.keys.read().unwrap_or_else(PoisonError::into_inner);
+        match key.and_then(|k| keys.lookup(k.as_bytes())) {
+            Some(opened) => (Some(opened.session.to_string()), opened.handle),
+            None => (None, None),
+        }
+    }
+
     async fn model_call(
         self: Arc<Self>,
         request: Request<Incoming>,
@@ -750,10 +809,7 @@ impl<C: Control> Shared<C> {
             header_text(headers, &http::header::AUTHORIZATION).as_deref(),
             header_text(headers, &HeaderName::from_static("x-api-key")).as_deref(),
         );
-        let session = key.as_ref().and_then(|k| {
-            let keys = self.keys.read().unwrap_or_else(PoisonError::into_inner);
-            keys.lookup(k.as_bytes()).map(|s| s.to_string())
-        });
+        let (session, handle) = self.opened(key.as_deref());
         if session.is_none() && !self.open_mode.load(Ordering::Relaxed) {
             return refused(
                 anthropic,
@@ -771,10 +827,17 @@ impl<C: Control> Shared<C> {
             Err(field) => return refused(anthropic, 400, &depth::reason(&field)),
         };
         let fields = if checked.utf8 { fields(&raw) } else { None };
+        let direct = match &self.config.direct {
+            Some(lane) if !anthropic && handle.is_some() => {
+                lane.tail(&raw, &checked, fields.as_deref())
+            }
+            _ => None,
+        };
         let sent = raw.clone(); // (shared, not copied: the upstream body may begin with it)
         let call = Call {
             anthropic,
             session,
+            handle,
             key,
             headers: headers
                 .iter()
@@ -785,6 +848,9 @@ impl<C: Control> Shared<C> {
             fields,
             received_us,
         };
+        if let Some((head, tail)) = direct {
+            return self.direct(call, &sent, head, tail, t0).await;
+        }
         let Some(prepared) = self.call(move |c| c.prepare(call)).await else {
             return internal_error();
         };
@@ -811,6 +877,107 @@ impl<C: Control> Shared<C> {
         }
         let answer = self.upstream(&path, content, &upstream_headers, t0).await;
         self.finish(answer, ticket, t0).await
+    }
+
+    /// A call of the direct lane: sent upstream as it is (`sent[..own]`, then `tail`); a
+    /// complete answer that is one JSON object is replied to from its bytes, the control
+    /// told of it ([`Control::answered`]); any other answer, or a call the control takes
+    /// back, is prepared and finished as any call ([`Self::finish_late`]).
+    async fn direct(
+        self: &Arc<Self>,
+        call: Call,
+        sent: &Bytes,
+        own: usize,
+        tail: Vec<u8>,
+        t0: Instant,
+    ) -> Response<Out> {
+        let Some(lane) = &self.config.direct else {
+            return internal_error();
+        };
+        let Some(content) = upstream_body(sent, own, Bytes::from(tail)) else {
+            return internal_error();
+        };
+        let answer = self
+            .upstream("/v1/chat/completions", content, &lane.headers, t0)
+            .await;
+        let strip = Strip {
+            token_ids: lane.capture_tokens,
+            logprobs: lane.capture_tokens,
+        };
+        let made = (answer.error.is_none() && (200..300).contains(&answer.status))
+            .then(|| sse::answer_reply(&answer.body, strip))
+            .flatten()
+            .map(|reply| match reply {
+                std::borrow::Cow::Borrowed(_) => answer.body.clone(),
+                std::borrow::Cow::Owned(reply) => Bytes::from(reply),
+            });
+        let Some(reply) = made else {
+            return self.finish_late(call, answer, t0).await;
+        };
+        let direct = Direct {
+            call,
+            answer: answer.body.clone(),
+            upstream_sent: answer.upstream_sent,
+            first_byte: answer.first_byte,
+            last_byte: answer.last_byte,
+        };
+        let answered = self
+            .call(move |c| {
+                let answered = c.answered(&direct);
+                (direct, answered)
+            })
+            .await;
+        let (ticket, queue, timed) = match answered {
+            None => return internal_error(),
+            Some((direct, None)) => return self.finish_late(direct.call, answer, t0).await,
+            Some((_, Some(answered))) => answered,
+        };
+        let ticket = Arc::new(ticket);
+        if let Err(why) = self.queue_if(queue, &ticket) {
+            let held = ticket.clone();
+            if self.call(move |c| c.dropped(&held, why)).await.is_none() {
+                return internal_error();
+            }
+        }
+        let reply = Reply {
+            status: 200,
+            headers: vec![
+                (
+                    Bytes::from_static(b"content-length"),
+                    Bytes::from(reply.len().to_string()),
+                ),
+                (
+                    Bytes::from_static(b"content-type"),
+                    Bytes::from_static(b"application/json"),
+                ),
+            ],
+            chunks: vec![reply],
+            stream: false,
+        };
+        self.reply(reply, t0, timed.then_some(ticket))
+    }
+
+    /// A call the upstream answered before the control prepared it (the direct lane): it is
+    /// prepared now (a refusal is its reply), then finished with that answer.
+    async fn finish_late(
+        self: &Arc<Self>,
+        call: Call,
+        answer: Upstream,
+        t0: Instant,
+    ) -> Response<Out> {
+        let Some(prepared) = self.call(move |c| c.prepare(call)).await else {
+            return internal_error();
+        };
+        match prepared {
+            Prepared::Refuse(reply) => self.reply(reply, t0, None),
+            // (a call of the lane names no `stream`: its plan is never a stream's)
+            Prepared::Forward {
+                ticket,
+                stream: None,
+                ..
+            } => self.finish(answer, Arc::new(ticket), t0).await,
+            Prepared::Forward { .. } => internal_error(),
+        }
     }
 
     /// A streaming call: the upstream is called streaming. Events it answers with are passed
@@ -1463,9 +1630,10 @@ impl<C: Control> Gateway<C> {
         self.local
     }
 
-    /// Let `key` open `session`.
-    pub fn set_key(&self, key: &[u8], session: &str) {
-        self.keys().insert(key, session);
+    /// Let `key` open `session`, with the control's `handle` of it (none: its calls are
+    /// never sent by the direct lane).
+    pub fn set_key(&self, key: &[u8], session: &str, handle: Option<Handle>) {
+        self.keys().insert(key, session, handle);
     }
 
     /// Forget `key`; whether it was known.
@@ -1800,6 +1968,7 @@ mod tests {
             workers: 1,
             callers: 1,
             forward_only: false,
+            direct: None,
         };
         let mut gateway = Gateway::start(config, Idle).unwrap();
         let shared = gateway.shared.clone();

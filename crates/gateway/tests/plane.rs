@@ -145,7 +145,7 @@ fn setup() -> Setup {
         ..common::config(format!("http://{upstream}"))
     };
     let gateway = Gateway::start(config, Probe(control.clone())).unwrap();
-    gateway.set_key(b"key-a", "a");
+    gateway.set_key(b"key-a", "a", None);
     let addr = gateway.local_addr();
     Setup {
         gateway,
@@ -177,7 +177,7 @@ fn body(text: &str) -> String {
 #[test]
 fn a_busy_sessions_turns_are_set_aside_in_order_and_hold_up_no_other() {
     let mut s = setup();
-    s.gateway.set_key(b"key-b", "b");
+    s.gateway.set_key(b"key-b", "b", None);
     *s.control.busy.lock().unwrap() = Some("a");
     for text in ["a1", "a2"] {
         assert_eq!(model_call(s.addr, "key-a", &body(text)).0, 200);
@@ -215,7 +215,7 @@ fn a_busy_sessions_turns_are_set_aside_in_order_and_hold_up_no_other() {
 #[test]
 fn a_stop_reports_the_turns_still_set_aside_dropped() {
     let mut s = setup();
-    s.gateway.set_key(b"key-b", "b");
+    s.gateway.set_key(b"key-b", "b", None);
     *s.control.busy.lock().unwrap() = Some("a");
     assert_eq!(model_call(s.addr, "key-a", &body("a1")).0, 200);
     assert_eq!(model_call(s.addr, "key-b", &body("b1")).0, 200);
@@ -449,7 +449,7 @@ fn a_stopping_gateway_makes_none_of_the_calls_queued_for_its_cut_calls() {
         SlowProbe(control.clone()),
     )
     .unwrap();
-    gateway.set_key(b"key-a", "a");
+    gateway.set_key(b"key-a", "a", None);
     let addr = gateway.local_addr();
     let calls: Vec<_> = (0..4)
         .map(|_| std::thread::spawn(move || model_call(addr, "key-a", BODY)))

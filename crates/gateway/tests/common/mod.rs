@@ -81,6 +81,7 @@ pub fn config(upstream: String) -> Config {
         workers: 1,
         callers: 1,
         forward_only: false,
+        direct: None,
     }
 }
 

@@ -1,0 +1,185 @@
+"""The direct lane of `--ack fast` (`crates/gateway/src/direct.rs`): the Chat Completions calls
+the Rust data plane sends upstream by itself, with no `prepare`. Only a call the control plane
+would accept as it is takes it, and the lane sends the very bytes `prepare` would have sent;
+every other call is prepared as before (its refusal the control plane's)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import httpx
+import pytest
+from capture_support import ADMIN_KEY, auth, new_session, serve_app
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollout_store._core import direct_tail
+from rollout_store.model.timeline import CallClock
+from rollout_store.serve.server import RustDataPlane, _Refusal, create_app
+
+MESSAGES = [{"role": "user", "content": "hi \u00e9"}]
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+    max_leaves=6,
+)
+#: Top-level members: the ones the lane or `prepare` judge (as they take it or not), and others.
+_member = st.one_of(
+    st.tuples(st.just("messages"), st.sampled_from([MESSAGES, [], [{"role": 1}], {}, "x"])),
+    st.tuples(st.sampled_from(["model", "tools", "n", "stream", "stream_options"]), _values),
+    st.tuples(st.sampled_from(["return_token_ids", "logprobs"]), st.booleans()),
+    st.tuples(st.just("n"), st.sampled_from([1, 1.0, 2, True])),
+    st.tuples(st.just("model"), st.text(max_size=3)),
+    st.tuples(st.just("tools"), st.lists(_values, max_size=2)),
+    st.tuples(st.text(max_size=4), _values),
+)
+#: Members a body the lane takes may hold, each once.
+_plain = st.dictionaries(
+    st.sampled_from(["temperature", "seed", "max_tokens", "user", "metadata", "caf\u00e9"]),
+    _values,
+    max_size=3,
+).map(lambda members: list(members.items()))
+
+
+def _body(members: list[tuple[str, Any]], spaced: bool) -> bytes:
+    """A body of `members` in their order, repeated keys kept (as a client may send them)."""
+    sep = ", " if spaced else ","
+    # (keys as UTF-8: an escaped key is read by `prepare` alone)
+    items = sep.join(f"{json.dumps(k, ensure_ascii=False)}: {json.dumps(v)}" for k, v in members)
+    return f"{{{items}}}{' ' if spaced else ''}".encode()
+
+
+@pytest.fixture(scope="module")
+def servers() -> dict[bool, Any]:
+    """A server asking for token ids and logprobs, and one not (`capture_tokens`)."""
+    return {
+        capture: create_app("http://127.0.0.1:9", capture_tokens=capture).state.server
+        for capture in (True, False)
+    }
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    plain=_plain,
+    members=st.lists(_member, max_size=2),
+    messages_first=st.booleans(),
+    spaced=st.booleans(),
+    capture=st.booleans(),
+)
+def test_a_call_takes_the_lane_only_as_prepare_would_send_it(
+    servers: dict[bool, Any],
+    plain: list[tuple[str, Any]],
+    members: list[tuple[str, Any]],
+    messages_first: bool,
+    spaced: bool,
+    capture: bool,
+) -> None:
+    """Differential: for a body the lane takes, the control plane's own reading of it (every
+    check of its own, nothing taken from the engine) refuses nothing, asks for no stream, and
+    sends upstream exactly the lane's bytes; with the capture fields it injects."""
+    members = plain + members
+    if messages_first:
+        members = [("messages", MESSAGES), *members]
+    raw = _body(members, spaced)
+    lane = direct_tail(raw, capture, sys.get_int_max_str_digits())
+    if lane is None:
+        return
+    server = servers[capture]
+    try:
+        session = server.sessions.create()
+        plan = server.plan(False, {}, session, raw, CallClock(), passthrough=True)
+    except _Refusal as refused:  # pragma: no cover - the failure says what
+        raise AssertionError(f"the lane took a body prepare refuses: {refused!r} {raw!r}") from None
+    assert not plan.stream and plan.injected == (capture, capture)
+    assert (plan.head, plan.content) == lane, raw
+
+
+def test_a_plain_call_takes_the_lane() -> None:
+    head, tail = direct_tail(json.dumps({"model": "m", "messages": MESSAGES}).encode(), True, 0)
+    assert tail == b', "stream": false, "return_token_ids": true, "logprobs": true}'
+    assert head > 0
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    counts = {"prepare": 0, "answered": 0}
+    for name in counts:
+        method = getattr(RustDataPlane, name)
+
+        def counted(self: RustDataPlane, *args: Any, _name: str = name, _m: Any = method) -> Any:
+            counts[_name] += 1
+            return _m(self, *args)
+
+        monkeypatch.setattr(RustDataPlane, name, counted)
+    return counts
+
+
+def test_the_calls_prepare_would_change_or_refuse_are_prepared(
+    stub: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plain calls take the lane (no `prepare`) and are recorded; a call naming `stream`,
+    `stream_options` or an `n` of 2, an Anthropic call, and every call of `--ack durable`,
+    are prepared (and refused, where `prepare` refuses)."""
+    counts = _counting(monkeypatch)
+    app = create_app(stub, ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane="rust") as url:
+        key = new_session(url, session_id="lane")["api_key"]
+        bearer = {"authorization": f"Bearer {key}"}
+        chat = f"{url}/v1/chat/completions"
+        for i in range(3):
+            body = {"model": "m", "messages": [{"role": "user", "content": f"plain {i}"}]}
+            assert httpx.post(chat, json=body, headers=bearer).status_code == 200
+        assert counts == {"prepare": 0, "answered": 3}
+        others = [
+            {"stream": False},
+            {"stream_options": {"include_usage": True}},
+            {"n": 2},
+            {"stream": True},
+        ]
+        statuses = []
+        for extra in others:
+            body = {"model": "m", "messages": [{"role": "user", "content": "other"}], **extra}
+            statuses.append(httpx.post(chat, json=body, headers=bearer).status_code)
+        message = {"model": "m", "max_tokens": 5, "messages": MESSAGES}
+        answer = httpx.post(f"{url}/v1/messages", json=message, headers={"x-api-key": key})
+        statuses.append(answer.status_code)
+        info = httpx.get(f"{url}/sessions/lane", headers=auth("lane")).json()
+    assert statuses == [200, 200, 400, 200, 200]
+    assert counts == {"prepare": 5, "answered": 3}
+    assert (info["turns"], info["dropped"]) == (7, 0)
+    counts.update(prepare=0, answered=0)
+    app = create_app(stub, ack="durable", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane="rust") as url:
+        key = new_session(url, session_id="durable")["api_key"]
+        body = {"model": "m", "messages": MESSAGES}
+        answer = httpx.post(
+            f"{url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}
+        )
+        assert answer.status_code == 200
+    assert counts == {"prepare": 1, "answered": 0}
+
+
+def test_a_call_whose_upstream_fails_is_prepared_then_and_answered_as_ever(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call of the lane whose upstream cannot be reached is prepared once the failure is
+    known, and answered with the control plane's 502, as a prepared call is; nothing is
+    recorded or counted as dropped."""
+    counts = _counting(monkeypatch)
+    app = create_app("http://127.0.0.1:9", ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane="rust") as url:
+        key = new_session(url, session_id="down")["api_key"]
+        body = {"model": "m", "messages": MESSAGES}
+        answer = httpx.post(
+            f"{url}/v1/chat/completions",
+            json=body,
+            headers={"authorization": f"Bearer {key}"},
+            timeout=20,
+        )
+        info = httpx.get(f"{url}/sessions/down", headers=auth("down")).json()
+    assert answer.status_code == 502
+    assert "upstream cannot be reached" in answer.json()["error"]["message"]
+    assert counts == {"prepare": 1, "answered": 0}
+    assert (info["turns"], info["dropped"]) == (0, 0)
