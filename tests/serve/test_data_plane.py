@@ -785,6 +785,8 @@ def test_a_clean_stop_counts_no_turn_killed_whose_finish_outlasts_it(
 
     monkeypatch.setattr(RustDataPlane, "waits", lambda self, call: True)  # (the pool)
     monkeypatch.setattr(RustDataPlane, "finish", slow)
+    # (the direct lane gives its call back: prepared and finished, on the pool)
+    monkeypatch.setattr(RustDataPlane, "answered", lambda self, *args: None)
     monkeypatch.setattr(_Server, "_forward", slow_forward)
     if bound == "past":
         monkeypatch.setattr(server_module, "ACK_DRAIN_SECONDS", 0.3)
