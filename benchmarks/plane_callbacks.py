@@ -34,7 +34,7 @@ from typing import Any
 from measure import targets_summary
 
 HERE = Path(__file__).resolve().parent
-CALLBACKS = ("prepare", "answered", "finish", "record", "sent")
+CALLBACKS = ("prepare", "adopt", "finish", "record", "sent")
 #: The target (with `--against`): this checkout's callbacks (the least of each over the
 #: rounds, summed) at most this many times the other's: no regression beyond noise
 MAX_SUM_RATIO = 1.05
@@ -87,7 +87,7 @@ def work(ack: str) -> dict[str, float]:
 
     times: dict[str, list[int]] = {name: [] for name in CALLBACKS}
     for name in CALLBACKS:
-        if hasattr(RustDataPlane, name):  # (a checkout before the direct lane has no `answered`)
+        if hasattr(RustDataPlane, name):  # (a checkout before the direct lane has no `adopt`)
             setattr(RustDataPlane, name, _timed(times[name], getattr(RustDataPlane, name)))
     with _served(create_stub_app()) as stub, tempfile.TemporaryDirectory() as data:
         app = create_app(f"http://127.0.0.1:{stub}", data=data, fsync="never", ack=ack)

@@ -1,6 +1,7 @@
 """The compiled engine (`rollout_store._core`): content table, exact JSON, packed values,
 file frames of versions 2 and 1 and the file format's constants."""
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any, Final, final
 
@@ -29,6 +30,7 @@ __all__ = [
     "FrameTooLarge",
     "Unconfirmed",
     "KeyIndex",
+    "Ledger",
     "next_frame",
     "read_gap",
     "__version__",
@@ -559,18 +561,44 @@ class FrameScan:
         """`(hashed bytes, searched bytes, candidates)`: the work the scan did."""
 
 @final
+class Ledger:
+    """The `--ack fast` ledger's file: the one appender of the control plane's lines and of the
+    data plane's direct lane (`gateway::ledger::Ledger`), one `write` a line."""
+
+    def __new__(cls) -> Ledger: ...
+    def open(self, path: str | os.PathLike[str]) -> None:
+        """Open `path` for appending (created 0600 if missing), unless a file is open already."""
+    @property
+    def is_open(self) -> bool:
+        """Whether a file is open."""
+    def close(self) -> None:
+        """Let the file go."""
+    def append(self, data: bytes) -> None:
+        """Append `data` (whole lines) in one `write`; `OSError` when no file is open or the
+        write fails."""
+    def replace(self, fresh: str | os.PathLike[str], path: str | os.PathLike[str]) -> bool:
+        """Put `fresh` (the rewritten ledger, synced whole) in place of `path` and append to it
+        from now on, when every line the direct lane wrote is applied; whether it was."""
+    def applied(self) -> None:
+        """One more of the direct lane's lines is known to the control plane."""
+    @property
+    def unapplied(self) -> int:
+        """The direct lane's lines the control plane does not know yet."""
+
+@final
 class DataPlane:
     """The data plane: the model routes served by hyper on a runtime of its own, the rest
     proxied to the control plane's listener; the control plane's callbacks (`prepare`,
-    `answered`, `waits`, `finish`, `finish_stream`, `record`, `dropped`, `sent`) are methods of
+    `adopt`, `waits`, `finish`, `finish_stream`, `record`, `dropped`, `sent`) are methods of
     `control` (`record` returns the indices of the calls it set aside, `sent` False to be
     called again). `stop` ends it.
     `callers`: threads the callbacks run on (one when a callback never waits on I/O).
     `forward_only`: a floor for benchmarks (calls go upstream and come back as they came,
     with no key, no callback and nothing recorded).
-    `direct`: `--ack fast`'s direct lane, `(capture_tokens, max_digits, upstream headers)`:
-    the Chat Completions calls sent upstream with no `prepare`, the control's `answered`
-    called once their answer is replied to (None: every call is prepared)."""
+    `direct`: `--ack fast`'s direct lane, `(capture_tokens, max_digits, upstream headers,
+    ledger)`: the Chat Completions calls sent upstream and answered with no callback, their
+    ack ledger line written (to `ledger`, the control plane's, unless None) before the reply;
+    the recorder hands each to the control's `adopt` first (None: every call is prepared)."""
 
     def __new__(
         cls,
@@ -592,7 +620,7 @@ class DataPlane:
         workers: int = 2,
         callers: int = 1,
         forward_only: bool = False,
-        direct: tuple[bool, int, list[tuple[str, str]]] | None = None,
+        direct: tuple[bool, int, list[tuple[str, str]], Ledger | None] | None = None,
     ) -> DataPlane: ...
     @property
     def port(self) -> int:
@@ -603,6 +631,16 @@ class DataPlane:
         session's calls are all prepared)."""
     def remove_key(self, key: bytes) -> bool:
         """Forget `key`; whether it was known."""
+    def stream_begun(self, session_id: str) -> None:
+        """A stream of `session_id` passes through, its turn not queued yet: the direct lane
+        leaves the session's calls to `waits` until `stream_ended`."""
+    def stream_ended(self, session_id: str) -> None:
+        """One such stream's turn is queued, or let go."""
+    def turns_sent(self) -> int:
+        """The turns sent to the recorder so far (see `handed_through`)."""
+    def handed_through(self, sent: int) -> bool:
+        """Whether the recorder has handed the first `sent` turns to the control: every call
+        answered before `turns_sent` said `sent` is known to it (the direct lane's adopted)."""
     def pending(self) -> int:
         """Turns queued (`fast`) and waiting for the recorder."""
     def settle(self, timeout: float) -> bool:

@@ -23,18 +23,26 @@ session answered after its delete appends nothing (it is counted in that run onl
 Lines: `b SID TURNS`, `n SID`, `a SID`, `d SID REASON`, `c SID REASON N`, `p SID N` (answered
 turns of a session whose log could not be read at the rewrite, still to be reconciled). A
 line that does not parse (the tail of a file a power loss cut) is skipped.
+
+Every line goes to the file through one appender, the engine's `_core.Ledger` (one
+descriptor, one lock, one `write` a line), which the Rust data plane's direct lane shares: it
+writes a call's `a SID` itself before its reply, with no Python on the way, and the ledger
+learns of that line when the recorder hands it the call (`applied`). A rewrite is put in
+place only when every such line is known here (`Ledger.replace`); until then it waits.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .._core import Ledger
 from ..files.atomic import create_private, fsync_dir
 
 __all__ = ["KILLED", "LEDGER_NAME", "AckLedger", "SessionTally", "read_ledger"]
@@ -123,7 +131,8 @@ class AckLedger:
         self.path = data / LEDGER_NAME
         self._write_atomic = write_atomic
         self._lock = threading.Lock()
-        self._fd: int | None = None
+        #: The file's one appender (the Rust data plane's direct lane writes through it too).
+        self.file = Ledger()
         #: What the ledger's lines say, by session (kept from the last rewrite on), and how
         #: many bytes were appended since that rewrite.
         self._tallies: dict[str, SessionTally] = {}
@@ -134,14 +143,14 @@ class AckLedger:
         self._closed = False
 
     def exists(self) -> bool:
-        return self._fd is not None or self.path.exists()
+        return self.file.is_open or self.path.exists()
 
     def reconcile(self, turns: Mapping[str, int | None]) -> dict[str, Counter[str]]:
         """Read the ledger against the sessions' turn counts (`None`: a log that cannot be
         read now), rewrite it with what is carried, and return each session's lost turns
         by reason. Sessions not in `turns` (deleted) are forgotten."""
         with self._lock:
-            self._close_fd()
+            self.file.close()
             self._tallies, self._appended = {}, 0
             try:
                 tallies = read_ledger(self.path.read_bytes())
@@ -179,6 +188,20 @@ class AckLedger:
         `_append`)."""
         self._append(["a", session_id], turns, gone)
 
+    def applied(self, session_id: str, written: bool) -> None:
+        """The direct lane answered a turn of `session_id` before it is recorded: its `a`
+        line is in the file (`written`), or its write failed (counted in `errors`)."""
+        with self._lock:
+            if not written:
+                self.errors += 1
+                return
+            line = ["a", session_id]
+            _apply(self._tallies, line)
+            self._appended += len(session_id) + 3
+            self.file.applied()
+            if self._appended >= COMPACT_BYTES:
+                self._compact()
+
     def dropped(self, session_id: str, reason: str, gone: Callable[[], bool] | None = None) -> None:
         """One of those turns will not be recorded (`reason`), and is counted now."""
         if self.exists():
@@ -205,17 +228,9 @@ class AckLedger:
             if self._closed or (gone is not None and gone()):
                 return
             try:
-                if self._fd is None:
-                    fresh = not self.path.exists()
-                    self._fd = create_private(self.path, os.O_WRONLY | os.O_APPEND)
-                    if fresh and turns is not None:
-                        # the counts every later line starts from: no turn is recorded in
-                        # fast mode before its `a` line, so none is on its way now
-                        bases = {sid: n for sid, n in sorted(turns().items()) if n}
-                        self._tallies = {sid: SessionTally(base=n) for sid, n in bases.items()}
-                        header = "".join(f"b {sid} {n}\n" for sid, n in bases.items())
-                        data = header.encode("ascii") + data
-                os.write(self._fd, data)  # one write: a kill cannot tear it
+                if not self.file.is_open:
+                    self._opened(turns)
+                self.file.append(data)  # one write: a kill cannot tear it
             except OSError:
                 self.errors += 1
                 return
@@ -224,23 +239,43 @@ class AckLedger:
             if self._appended >= COMPACT_BYTES:
                 self._compact()
 
+    def _opened(self, turns: Callable[[], Mapping[str, int | None]] | None) -> None:
+        """Open the file (under the lock); a new one begins with the counts every later
+        line starts from (no turn is recorded in fast mode before its `a` line, so none is
+        on its way now)."""
+        fresh = not self.path.exists()
+        self.file.open(self.path)
+        if fresh and turns is not None:
+            bases = {sid: n for sid, n in sorted(turns().items()) if n}
+            self._tallies = {sid: SessionTally(base=n) for sid, n in bases.items()}
+            header = "".join(f"b {sid} {n}\n" for sid, n in bases.items())
+            if header:
+                self.file.append(header.encode("ascii"))
+
     def _compact(self) -> None:
         """Rewrite the ledger as the sum of its lines (the same counts, a line or three per
-        session): what the file says is unchanged, whenever it is cut."""
-        self._appended = 0
-        with contextlib.suppress(OSError):  # a failed rewrite leaves the file as it was
-            self._write_atomic(self.path, _lines(self._tallies))
-            self._close_fd()  # (the next line goes to the new file)
-
-    def _close_fd(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        session): what the file says is unchanged, whenever it is cut. Put in place only
+        when every line the direct lane wrote is known here; else tried again later."""
+        if self.file.unapplied:
+            return  # (a line of the lane not known here: the next append tries again)
+        fresh = self.path.with_name(f".{self.path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            with os.fdopen(create_private(fresh, os.O_WRONLY | os.O_EXCL), "wb") as fp:
+                fp.write(_lines(self._tallies))
+                fp.flush()
+                os.fsync(fp.fileno())
+            if self.file.replace(fresh, self.path):
+                self._appended = 0
+                fsync_dir(self.path)
+                return
+        except OSError:
+            pass  # a failed rewrite leaves the file as it was
+        with contextlib.suppress(OSError):
+            fresh.unlink()
 
     def close(self) -> None:
         """No more lines: the server stopped (a call still finishing then has no answer to
         go out; its line would count it as killed at the next start)."""
         with self._lock:
             self._closed = True
-            self._close_fd()
+            self.file.close()

@@ -265,6 +265,8 @@ class CaptureConfig:
     ack_queue: int = ACK_QUEUE
     #: This server's name behind a balancer (in the keys it mints), or None.
     replica: str | None = None
+    #: `--ack fast` behind the Rust data plane: its direct lane is open (see `create_app`).
+    direct_lane: bool = True
 
 
 # ---------------------------------------------------------------------- requests to turns
@@ -1297,9 +1299,11 @@ class _Server:
                 return False
         return True
 
-    def timing(self, session: Session, clock: CallClock) -> None:
-        """A call whose timeline is recorded once its reply is sent (an export waits)."""
-        self._timing.setdefault(session.session_id, {})[id(clock)] = time.monotonic()
+    def timing(self, session: Session, clock: CallClock, at: float | None = None) -> None:
+        """A call whose timeline is recorded once its reply is sent (an export waits);
+        answered `at` (`time.monotonic()`; None: now)."""
+        at = time.monotonic() if at is None else at
+        self._timing.setdefault(session.session_id, {})[id(clock)] = at
 
     def timed(self, session: Session, clock: CallClock) -> None:
         """That call's reply is sent and its timeline recorded (or let go)."""
@@ -1604,8 +1608,17 @@ class _Server:
         # recorder and the exports need, and hold up every other session with it
         # only those answered before it: under steady traffic some later turn of the
         # session is always on its way, and a wait for none would wait its whole bound
-        answered = self.sessions.answered_so_far()
         deadline = time.monotonic() + timeout
+        plane = self.plane
+        if plane is not None:
+            # the calls the engine answered itself (its direct lane) are told of by the
+            # recorder: those answered before now first
+            sent = plane.turns_sent()
+            while not plane.handed_through(sent):
+                if time.monotonic() >= deadline:
+                    return False
+                await asyncio.sleep(_SETTLE_POLL_S)
+        answered = self.sessions.answered_so_far()
         while not self.sessions.settled_through(session, answered):
             if time.monotonic() >= deadline:
                 return False
@@ -2627,6 +2640,7 @@ def create_app(
     ack: str = "durable",
     ack_queue: int = ACK_QUEUE,
     replica: str | None = None,
+    direct_lane: bool = True,
 ) -> Starlette:
     """The capture server as an ASGI app (serve it with uvicorn).
 
@@ -2653,6 +2667,9 @@ def create_app(
     `data`, turns lost with a killed server are counted by the next start: `ack_ledger`).
     `replica`: this server's name behind a balancer: the keys it mints carry it, so the
     balancer routes each call to the replica holding its session (`replicas`).
+    `direct_lane`: with `ack="fast"` behind the Rust data plane, the Chat Completions calls
+    that would go upstream as they came are sent and answered by the engine itself, with no
+    Python on the way (`docs/server.md`); False prepares every call in Python.
     With `data`, the directory is locked until the app stops (`DataDirectoryInUseError` if
     another server holds it).
     """
@@ -2690,6 +2707,7 @@ def create_app(
         ack=ack,
         ack_queue=ack_queue,
         replica=replica,
+        direct_lane=direct_lane,
     )
     sessions = Sessions(
         data,
@@ -2847,10 +2865,6 @@ def _continues(later: Any, earlier: Any) -> bool:
     return False
 
 
-#: What `RustDataPlane.answered` passes to `_timed` for a reply the engine makes itself.
-_NO_REPLY: _Reply = (200, [], [], False)
-
-
 def _direct_plan(
     server: _Server,
     session: Session,
@@ -2860,7 +2874,7 @@ def _direct_plan(
     checked: _Checked,
     fields: list[tuple[str, int, int]] | None,
 ) -> _Plan:
-    """The plan of a call the engine sent upstream itself (`RustDataPlane.answered`): its
+    """The plan of a call the engine sent upstream itself (`RustDataPlane.adopt`): its
     session and clock now; what makes its turn (`server.plan` of its body, as `prepare` would
     have made it) only when the recorder asks, off the path of the replies."""
     made: list[_Plan] = []
@@ -2938,13 +2952,15 @@ class RustDataPlane:
             upstream_timeout=config.upstream_timeout,
             stream_keepalive=config.stream_keepalive,
             fast=config.ack == "fast",
-            # `--ack fast`: the calls the engine sends upstream itself (see `answered`)
+            # `--ack fast`: the calls the engine sends upstream and answers itself, their
+            # ledger lines written by it (see `adopt`)
             direct=(
                 config.capture_tokens,
                 server.max_digits,
                 list(server._upstream_headers({}, anthropic=False).items()),
+                self._sessions.ledger_file(),
             )
-            if config.ack == "fast"
+            if config.ack == "fast" and config.direct_lane
             else None,
             ack_queue=config.ack_queue,
             workers=workers,
@@ -2981,6 +2997,18 @@ class RustDataPlane:
     def pending(self) -> int:
         """Turns answered (`--ack fast`) and not yet recorded."""
         return int(self._engine.pending())
+
+    def turns_sent(self) -> int:
+        """The turns the engine sent to its recorder so far (0: the engine stopped)."""
+        try:
+            return int(self._engine.turns_sent())
+        except RuntimeError:
+            return 0
+
+    def handed_through(self, sent: int) -> bool:
+        """Whether the recorder handed the first `sent` turns to the control plane (the
+        direct lane's calls among them adopted: `adopt`)."""
+        return bool(self._engine.handed_through(sent))
 
     def settle(self, timeout: float) -> bool:
         """Wait (at most `timeout` seconds) for the queued turns; whether all were taken."""
@@ -3091,10 +3119,12 @@ class RustDataPlane:
             stream = (_SSE_HEADERS, anthropic, *plan.injected)
             with self._streams_lock:
                 self._streams.setdefault(session.session_id, []).append(call)
+                # (the direct lane leaves the session's calls to `waits` meanwhile)
+                self._engine.stream_begun(session.session_id)
         upstream = (plan.head, plan.content)
         return call, plan.path, upstream, list(plan.headers.items()), stream
 
-    def answered(
+    def adopt(
         self,
         args: tuple[
             bool,
@@ -3112,27 +3142,25 @@ class RustDataPlane:
         session: Session,
         answer: bytes,
         stamps: tuple[int, int, int],
-    ) -> tuple[_Call, bool, bool] | None:
-        """A call of the engine's direct lane, answered: with `--ack fast`, a Chat Completions
-        call that `prepare` would send upstream as the client's bytes with the server's fields
-        appended, the engine sends so itself, with no callback on the way there
-        (`crates/gateway/src/direct.rs` says which calls); a complete answer that is one JSON
-        object it replies to from its bytes, as `_answer_later` does. The turn is left to the
-        recorder the same way: `(call, queue, timed)`, the call's plan made there from its
-        body (`_direct_plan`). None: the engine prepares and finishes it as any call (its
-        session gone or unable to record, which `prepare` refuses, or with a stream passing
-        through that the call may continue, which `waits` waits for). `args` are `prepare`'s;
-        `session` is the one the call's key opened when it arrived (deleted since, it is still
-        the call's, as a prepared call's plan holds it)."""
+        line: str,
+    ) -> _Call:
+        """A call of the engine's direct lane, as the recorder hands it over: with `--ack
+        fast`, a Chat Completions call that `prepare` would send upstream as the client's
+        bytes with the server's fields appended, the engine sends and answers itself, with no
+        callback on the way (`crates/gateway/src/direct.rs` says which calls): a complete
+        answer that is one JSON object is replied to from its bytes (as `_answer_later`
+        replies), its ledger line written first (`line`: `written`, `failed` or `retired`, see
+        `Sessions.answered`), its turn queued. Here it becomes what a prepared call is: its
+        clock, its plan (made from its body when its turn is, `_direct_plan`), the turn told
+        of as answered; the recorder then records it as any. `args` are `prepare`'s;
+        `session` is the one the call's key opened when it arrived (deleted since, it is
+        still the call's, as a prepared call's plan holds it)."""
         headers, body, received_us, depth, shape, utf8, fields, digits = args[3:]
         server = self._server
         if session.damaged is not None:
-            # refused by `prepare`; the session's later calls are prepared before they go
-            # upstream (refused there, as a damaged session's calls are)
+            # (its turn fails to record, counted; the session's later calls are prepared,
+            # and refused before they go upstream)
             self._sessions.announce(session)
-            return None
-        if self._streams and self._streams.get(session.session_id):
-            return None
         clock = CallClock()
         clock.received = received_us
         clock.upstream_sent, clock.first_byte, clock.last_byte = stamps
@@ -3141,8 +3169,11 @@ class RustDataPlane:
         call = _Call(_direct_plan(server, session, clock, headers, body, checked, fields))
         clock.failed, session.failed = session.failed, 0
         call.answer = answer
-        _, queue, timed = self._timed(call, _NO_REPLY, self._answer_fast(call))
-        return call, queue, timed
+        server.sessions.answered(session, clock, line)
+        # an export waits for its timeline from its answer on (the reply went out then)
+        answered_ago = max(0.0, time.time() - (received_us + clock.last_byte) / 1e6)
+        server.timing(session, clock, time.monotonic() - answered_ago)
+        return call
 
     def waits(self, call: _Call) -> bool:
         """Whether the call's `finish` (or `finish_stream`) is to wait first, on a thread
@@ -3204,6 +3235,8 @@ class RustDataPlane:
                 streams.remove(call)
                 if not streams:
                     del self._streams[session_id]
+                with contextlib.suppress(RuntimeError):  # (the engine stopped)
+                    self._engine.stream_ended(session_id)
         call.ended.set()
 
     def finish(

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._core import Ledger
 from ..errors import (
     CorruptFileError,
     InvalidValueError,
@@ -472,19 +473,32 @@ class Sessions:
             sessions = list(self._by_id.values())
         return {session.session_id: session.turns() for session in sessions}
 
-    def answered(self, session: Session, turn: object) -> None:
+    def answered(self, session: Session, turn: object, line: str | None = None) -> None:
         """(`--ack fast`) A turn of `session` is about to be answered before it is
         recorded: the ack ledger has its line first (with a data directory), and the turn
         (`turn`: what the server tracks it by, the same object until it is settled) is
-        unsettled until `recorded` or `not_recorded` says what it became."""
+        unsettled until `recorded` or `not_recorded` says what it became. `line`: a turn the
+        Rust data plane's direct lane answered, its ledger line written by it already
+        (`written`), or not (`failed`: its write failed; `retired`: its session was
+        deleted first)."""
         with self._settle:
             self._answered += 1
             if session._waiting is None:
                 session._waiting = {}
             session._waiting.pop(id(turn), None)  # (an id reused: to the end, in order)
             session._waiting[id(turn)] = self._answered
-        if self.ledger is not None:
+        if self.ledger is None:
+            return
+        if line is None:
             self.ledger.answered(session.session_id, self._turn_counts, lambda: session.closed)
+        elif line != "retired":
+            self.ledger.applied(session.session_id, written=line == "written")
+
+    def ledger_file(self) -> Ledger | None:
+        """The ack ledger's file appender (`--ack fast`: the Rust data plane's direct lane
+        writes to it once it is open; the first line of a server, this one's, opens it);
+        None without a data directory."""
+        return None if self.ledger is None else self.ledger.file
 
     def recorded(self, session: Session, turn: object) -> None:
         """A turn of `session` is recorded: it is settled (nothing is unsettled in `--ack

@@ -604,21 +604,20 @@ def test_a_stopping_rust_plane_counts_the_fast_turns_of_the_calls_it_cut(
     with a killed process at the next start."""
     finished: list[bool] = []
     begun = threading.Event()
+    finish = RustDataPlane.finish
 
-    def slowed(callback: Any) -> Any:
-        def slow(self: RustDataPlane, call: Any, *args: Any) -> Any:
-            begun.set()
-            time.sleep(0.3)  # the stop comes meanwhile
-            answer = callback(self, call, *args)
-            finished.append(answer[1])  # (whether its turn is to be queued)
-            return answer
+    def slow(self: RustDataPlane, call: Any, *args: Any) -> Any:
+        begun.set()
+        time.sleep(0.3)  # the stop comes meanwhile
+        answer = finish(self, call, *args)
+        finished.append(answer[1])
+        return answer
 
-        return slow
-
-    # a call the engine prepared is finished; one of its direct lane is `answered`
-    monkeypatch.setattr(RustDataPlane, "finish", slowed(RustDataPlane.finish))
-    monkeypatch.setattr(RustDataPlane, "answered", slowed(RustDataPlane.answered))
-    app = create_app(stub, data=tmp_path, fsync="never", ack="fast", admin_key=ADMIN_KEY)
+    monkeypatch.setattr(RustDataPlane, "finish", slow)
+    # (prepared calls: the direct lane answers and queues a call at once, no `finish`)
+    app = create_app(
+        stub, data=tmp_path, fsync="never", ack="fast", admin_key=ADMIN_KEY, direct_lane=False
+    )
     with serve_app(app, data_plane="rust") as url:
         made = new_session(url, session_id="cut")
 
@@ -785,12 +784,13 @@ def test_a_clean_stop_counts_no_turn_killed_whose_finish_outlasts_it(
 
     monkeypatch.setattr(RustDataPlane, "waits", lambda self, call: True)  # (the pool)
     monkeypatch.setattr(RustDataPlane, "finish", slow)
-    # (the direct lane gives its call back: prepared and finished, on the pool)
-    monkeypatch.setattr(RustDataPlane, "answered", lambda self, *args: None)
     monkeypatch.setattr(_Server, "_forward", slow_forward)
     if bound == "past":
         monkeypatch.setattr(server_module, "ACK_DRAIN_SECONDS", 0.3)
-    app = create_app(stub, data=tmp_path, fsync="never", ack="fast", admin_key=ADMIN_KEY)
+    # (prepared calls, finished on the pool: the direct lane finishes none)
+    app = create_app(
+        stub, data=tmp_path, fsync="never", ack="fast", admin_key=ADMIN_KEY, direct_lane=False
+    )
     with serve_app(app, data_plane=plane) as url:
         made = new_session(url, session_id="late")
 

@@ -104,7 +104,7 @@ def test_a_plain_call_takes_the_lane() -> None:
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    counts = {"prepare": 0, "answered": 0}
+    counts = {"prepare": 0, "adopt": 0}
     for name in counts:
         method = getattr(RustDataPlane, name)
 
@@ -131,7 +131,7 @@ def test_the_calls_prepare_would_change_or_refuse_are_prepared(
         for i in range(3):
             body = {"model": "m", "messages": [{"role": "user", "content": f"plain {i}"}]}
             assert httpx.post(chat, json=body, headers=bearer).status_code == 200
-        assert counts == {"prepare": 0, "answered": 3}
+        assert counts == {"prepare": 0, "adopt": 3}
         others = [
             {"stream": False},
             {"stream_options": {"include_usage": True}},
@@ -147,9 +147,9 @@ def test_the_calls_prepare_would_change_or_refuse_are_prepared(
         statuses.append(answer.status_code)
         info = httpx.get(f"{url}/sessions/lane", headers=auth("lane")).json()
     assert statuses == [200, 200, 400, 200, 200]
-    assert counts == {"prepare": 5, "answered": 3}
+    assert counts == {"prepare": 5, "adopt": 3}
     assert (info["turns"], info["dropped"]) == (7, 0)
-    counts.update(prepare=0, answered=0)
+    counts.update(prepare=0, adopt=0)
     app = create_app(stub, ack="durable", admin_key=ADMIN_KEY)
     with serve_app(app, data_plane="rust") as url:
         key = new_session(url, session_id="durable")["api_key"]
@@ -158,7 +158,7 @@ def test_the_calls_prepare_would_change_or_refuse_are_prepared(
             f"{url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}
         )
         assert answer.status_code == 200
-    assert counts == {"prepare": 1, "answered": 0}
+    assert counts == {"prepare": 1, "adopt": 0}
 
 
 def test_a_call_whose_upstream_fails_is_prepared_then_and_answered_as_ever(
@@ -181,5 +181,39 @@ def test_a_call_whose_upstream_fails_is_prepared_then_and_answered_as_ever(
         info = httpx.get(f"{url}/sessions/down", headers=auth("down")).json()
     assert answer.status_code == 502
     assert "upstream cannot be reached" in answer.json()["error"]["message"]
-    assert counts == {"prepare": 1, "answered": 0}
+    assert counts == {"prepare": 1, "adopt": 0}
     assert (info["turns"], info["dropped"]) == (0, 0)
+
+
+def test_the_lanes_ledger_lines_are_counted_as_the_servers_and_kept_by_a_rewrite(
+    stub: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a data directory, the lane writes each call's `a` line itself, before its reply,
+    through the ledger's one appender: the first line of a server (a prepared call's) opens
+    the ledger, the lane's follow, and the ledger counts them as its own once the recorder
+    hands the calls over; a rewrite (the ledger grown past its bound) keeps every one of
+    them, and is put off while one is not counted yet."""
+    from rollout_store.serve import ack_ledger
+    from rollout_store.serve.ack_ledger import LEDGER_NAME, read_ledger
+
+    monkeypatch.setattr(ack_ledger, "COMPACT_BYTES", 40)
+    counts = _counting(monkeypatch)
+    app = create_app(stub, data=tmp_path, fsync="never", ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane="rust") as url:
+        key = new_session(url, session_id="lane")["api_key"]
+        bearer = {"authorization": f"Bearer {key}"}
+        for i in range(12):
+            body = {"model": "m", "messages": [{"role": "user", "content": f"call {i}"}]}
+            answer = httpx.post(f"{url}/v1/chat/completions", json=body, headers=bearer)
+            assert answer.status_code == 200
+        info = httpx.get(f"{url}/sessions/lane", headers=auth("lane")).json()
+        ledger = app.state.server.sessions.ledger
+        text = (tmp_path / LEDGER_NAME).read_bytes()
+        unapplied = ledger.file.unapplied
+    assert counts == {"prepare": 1, "adopt": 11}  # (the first opened the ledger)
+    assert (info["turns"], info["dropped"]) == (12, 0)
+    assert unapplied == 0
+    # every answered turn is in the ledger, rewritten as it grew (a `p` line sums them)
+    assert read_ledger(text)["lane"].pending == 12, text
+    assert b"p lane " in text and text.count(b"a lane\n") < 12
+    assert not (tmp_path / LEDGER_NAME).exists()  # (a clean stop carries nothing)

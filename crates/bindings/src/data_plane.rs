@@ -3,15 +3,15 @@
 
 use std::borrow::Cow;
 use std::net::ToSocketAddrs;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
 use gateway::checks::Hosts;
 use gateway::sse::Strip;
 use gateway::{
-    Call, Config, Control, Direct, DirectLane, Finished, Gateway, Handle, Prepared, Queued, Reply,
-    Sent, Streamed, Streaming, Upstream,
+    Answered, Call, Config, Control, Direct, DirectLane, Finished, Gateway, Ledger, Prepared,
+    Queued, Reply, Sent, Streamed, Streaming, Upstream,
 };
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -71,8 +71,8 @@ fn bytes_or_none<'py>(py: Python<'py>, value: Option<&Bytes>) -> Option<Bound<'p
 }
 
 /// `--ack fast`'s direct lane as the control plane gives it: `(capture_tokens, max_digits,
-/// upstream headers)`.
-type PyDirectLane = (bool, usize, Vec<(String, String)>);
+/// upstream headers, ledger)`.
+type PyDirectLane = (bool, usize, Vec<(String, String)>, Option<Py<PyLedger>>);
 
 /// A call's arguments as `prepare` and `answered` take them (`answered` adds the answer and
 /// its stamps), in `prepare`'s order.
@@ -111,8 +111,69 @@ fn call_args<'py>(py: Python<'py>, call: &Call) -> CallArgs<'py> {
     )
 }
 
+/// What a call carries between the gateway's calls of the control: the control's object of
+/// it (a prepared call's, made by `prepare`), or, for a call of the direct lane, what the
+/// control makes it of (`adopt`), on the thread that first needs it (the recorder's).
+pub struct Ticket {
+    object: OnceLock<Option<Py<PyAny>>>,
+    direct: Mutex<Option<Direct>>,
+}
+
+impl Ticket {
+    fn prepared(object: Py<PyAny>) -> Self {
+        Self {
+            object: OnceLock::from(Some(object)),
+            direct: Mutex::new(None),
+        }
+    }
+
+    /// The control's object of the call: adopted first if it is the direct lane's; `None`
+    /// when the control made none of it (it counted its turn as dropped).
+    fn object(&self, py: Python<'_>, control: &PyControl) -> Option<Py<PyAny>> {
+        if let Some(object) = self.object.get() {
+            return object.as_ref().map(|o| o.clone_ref(py));
+        }
+        let taken = self
+            .direct
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let adopted = taken.and_then(|direct| control.adopt(py, &direct));
+        let object = self.object.get_or_init(|| adopted);
+        object.as_ref().map(|o| o.clone_ref(py))
+    }
+}
+
 impl PyControl {
-    fn try_prepare(&self, py: Python<'_>, call: &Call) -> PyResult<Prepared<Py<PyAny>>> {
+    /// The control's object of a call of the direct lane (`adopt`: its plan made, its turn
+    /// told of); `None` when the control counted it as dropped instead (or failed to).
+    fn adopt(&self, py: Python<'_>, direct: &Direct) -> Option<Py<PyAny>> {
+        let session = direct
+            .call
+            .handle
+            .as_ref()
+            .and_then(|h| h.object.downcast_ref::<Py<PyAny>>())
+            .map(|s| s.clone_ref(py));
+        let line = match direct.line {
+            Answered::Written => "written",
+            Answered::Retired => "retired",
+            Answered::Failed | Answered::Closed => "failed",
+        };
+        let args = call_args(py, &direct.call);
+        let stamps = (direct.upstream_sent, direct.first_byte, direct.last_byte);
+        let answer = PyBytes::new(py, &direct.answer);
+        self.control
+            .call_method1(py, "adopt", (args, session, answer, stamps, line))
+            .map_or_else(
+                |error| {
+                    error.print(py);
+                    None
+                },
+                |out| (!out.is_none(py)).then_some(out),
+            )
+    }
+
+    fn try_prepare(&self, py: Python<'_>, call: &Call) -> PyResult<Prepared<Ticket>> {
         let out = self
             .control
             .call_method1(py, "prepare", call_args(py, call))?;
@@ -132,7 +193,7 @@ impl PyControl {
             head,
             body: Bytes::from_owner(body),
             headers,
-            ticket: ticket.unbind(),
+            ticket: Ticket::prepared(ticket.unbind()),
             stream: stream.map(|(headers, anthropic, token_ids, logprobs)| Streaming {
                 headers: headers
                     .into_iter()
@@ -189,8 +250,17 @@ impl PyControl {
     }
 }
 
+/// The control's object of a prepared call (every ticket `finish` and `waits` see).
+fn prepared(ticket: &Ticket) -> &Py<PyAny> {
+    match ticket.object.get() {
+        Some(Some(object)) => object,
+        // (a direct lane's call is never finished: it was answered)
+        _ => unreachable!("a call of the direct lane is never finished"),
+    }
+}
+
 impl Control for PyControl {
-    type Ticket = Py<PyAny>;
+    type Ticket = Ticket;
 
     fn batch(&self, work: &mut dyn FnMut()) {
         Python::attach(|_| work());
@@ -203,10 +273,10 @@ impl Control for PyControl {
         Python::attach(|py| py.detach(work));
     }
 
-    fn waits(&self, ticket: &Py<PyAny>) -> bool {
+    fn waits(&self, ticket: &Ticket) -> bool {
         Python::attach(|py| {
             self.control
-                .call_method1(py, "waits", (ticket.clone_ref(py),))
+                .call_method1(py, "waits", (prepared(ticket).clone_ref(py),))
                 .and_then(|out| out.extract(py))
                 .unwrap_or_else(|error| {
                     error.print(py);
@@ -215,7 +285,7 @@ impl Control for PyControl {
         })
     }
 
-    fn prepare(&self, call: Call) -> Prepared<Py<PyAny>> {
+    fn prepare(&self, call: Call) -> Prepared<Ticket> {
         Python::attach(|py| {
             self.try_prepare(py, &call).unwrap_or_else(|error| {
                 error.print(py);
@@ -224,31 +294,16 @@ impl Control for PyControl {
         })
     }
 
-    fn answered(&self, direct: &Direct) -> Option<(Py<PyAny>, bool, bool)> {
-        Python::attach(|py| {
-            let session = direct
-                .call
-                .handle
-                .as_ref()
-                .and_then(|h| h.0.downcast_ref::<Py<PyAny>>())
-                .map(|s| s.clone_ref(py));
-            let args = call_args(py, &direct.call);
-            let stamps = (direct.upstream_sent, direct.first_byte, direct.last_byte);
-            let answer = PyBytes::new(py, &direct.answer);
-            self.control
-                .call_method1(py, "answered", (args, session, answer, stamps))
-                .and_then(|out| out.extract::<Option<(Py<PyAny>, bool, bool)>>(py))
-                .unwrap_or_else(|error| {
-                    // (prepared and finished as any call: it answers what went wrong)
-                    error.print(py);
-                    None
-                })
+    fn direct(&self, direct: Direct) -> Option<Ticket> {
+        Some(Ticket {
+            object: OnceLock::new(),
+            direct: Mutex::new(Some(direct)),
         })
     }
 
-    fn finish(&self, ticket: &Py<PyAny>, upstream: Upstream) -> Finished {
+    fn finish(&self, ticket: &Ticket, upstream: Upstream) -> Finished {
         Python::attach(|py| {
-            self.try_finish(py, ticket, &upstream)
+            self.try_finish(py, prepared(ticket), &upstream)
                 .unwrap_or_else(|error| {
                     error.print(py);
                     Finished {
@@ -259,9 +314,9 @@ impl Control for PyControl {
         })
     }
 
-    fn finish_stream(&self, ticket: &Py<PyAny>, streamed: Streamed) -> Finished {
+    fn finish_stream(&self, ticket: &Ticket, streamed: Streamed) -> Finished {
         Python::attach(|py| {
-            self.try_finish_stream(py, ticket, &streamed)
+            self.try_finish_stream(py, prepared(ticket), &streamed)
                 .unwrap_or_else(|error| {
                     error.print(py);
                     Finished::default()
@@ -269,12 +324,35 @@ impl Control for PyControl {
         })
     }
 
-    fn record(&self, tickets: &[&Py<PyAny>]) -> Vec<usize> {
+    fn adopt(&self, tickets: &[&Ticket]) {
+        if tickets.iter().any(|t| t.object.get().is_none()) {
+            Python::attach(|py| {
+                for ticket in tickets {
+                    drop(ticket.object(py, self));
+                }
+            });
+        }
+    }
+
+    fn record(&self, tickets: &[&Ticket]) -> Vec<usize> {
         Python::attach(|py| {
-            let calls: Vec<Py<PyAny>> = tickets.iter().map(|t| t.clone_ref(py)).collect();
-            // the indices set aside (a list; anything else: none)
+            // (a call of the direct lane the control made nothing of is done: counted)
+            let (at, calls): (Vec<usize>, Vec<Py<PyAny>>) = tickets
+                .iter()
+                .enumerate()
+                .filter_map(|(i, t)| t.object(py, self).map(|o| (i, o)))
+                .unzip();
+            if calls.is_empty() {
+                return Vec::new();
+            }
+            // the indices set aside (a list; anything else: none), as `tickets` number them
             match self.control.call_method1(py, "record", (calls,)) {
-                Ok(held) => held.extract(py).unwrap_or_default(),
+                Ok(held) => held
+                    .extract::<Vec<usize>>(py)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter_map(|i| at.get(i).copied())
+                    .collect(),
                 Err(error) => {
                     error.print(py);
                     Vec::new()
@@ -283,23 +361,23 @@ impl Control for PyControl {
         })
     }
 
-    fn dropped(&self, ticket: &Py<PyAny>, why: &'static str) {
+    fn dropped(&self, ticket: &Ticket, why: &'static str) {
         Python::attach(|py| {
-            let args = (ticket.clone_ref(py), why);
-            if let Err(error) = self.control.call_method1(py, "dropped", args) {
+            let Some(object) = ticket.object(py, self) else {
+                return;
+            };
+            if let Err(error) = self.control.call_method1(py, "dropped", (object, why)) {
                 error.print(py);
             }
         });
     }
 
-    fn sent(&self, ticket: &Py<PyAny>, sent: Sent) -> bool {
+    fn sent(&self, ticket: &Ticket, sent: Sent) -> bool {
         Python::attach(|py| {
-            let args = (
-                ticket.clone_ref(py),
-                sent.reply_sent,
-                sent.chunks,
-                sent.max_chunk_gap,
-            );
+            let Some(object) = ticket.object(py, self) else {
+                return true;
+            };
+            let args = (object, sent.reply_sent, sent.chunks, sent.max_chunk_gap);
             // false: to be called again (anything else: done)
             match self.control.call_method1(py, "sent", args) {
                 Ok(done) => done.extract(py).unwrap_or(true),
@@ -314,15 +392,16 @@ impl Control for PyControl {
 
 /// The data plane: the model routes served by hyper on a runtime of its own, the rest
 /// proxied to the control plane's listener; the control plane's callbacks (`prepare`,
-/// `answered`, `waits`, `finish`, `finish_stream`, `record`, `dropped`, `sent`) are methods of
+/// `adopt`, `waits`, `finish`, `finish_stream`, `record`, `dropped`, `sent`) are methods of
 /// `control` (`record` returns the indices of the calls it set aside, `sent` False to be
 /// called again). `stop` ends it.
 /// `callers`: threads the callbacks run on (one when a callback never waits on I/O).
 /// `forward_only`: a floor for benchmarks (calls go upstream and come back as they came,
 /// with no key, no callback and nothing recorded).
-/// `direct`: `--ack fast`'s direct lane, `(capture_tokens, max_digits, upstream headers)`:
-/// the Chat Completions calls sent upstream with no `prepare`, the control's `answered`
-/// called once their answer is replied to (None: every call is prepared).
+/// `direct`: `--ack fast`'s direct lane, `(capture_tokens, max_digits, upstream headers,
+/// ledger)`: the Chat Completions calls sent upstream and answered with no callback, their
+/// ack ledger line written (to `ledger`, the control plane's, unless None) before the reply;
+/// the recorder hands each to the control's `adopt` first (None: every call is prepared).
 #[pyclass(frozen, module = "rollout_store._core")]
 pub struct DataPlane {
     gateway: Mutex<Option<Gateway<PyControl>>>,
@@ -424,10 +503,11 @@ impl DataPlane {
             workers,
             callers,
             forward_only,
-            direct: direct.map(|(capture_tokens, max_digits, headers)| DirectLane {
+            direct: direct.map(|(capture_tokens, max_digits, headers, ledger)| DirectLane {
                 capture_tokens,
                 max_digits,
                 headers,
+                ledger: ledger.map(|l| l.get().inner.clone()),
             }),
         };
         let gateway = py.detach(|| Gateway::start(config, PyControl { control }))?;
@@ -450,13 +530,35 @@ impl DataPlane {
     /// session's calls are all prepared).
     #[pyo3(signature = (key, session_id, session = None))]
     fn set_key(&self, key: &[u8], session_id: &str, session: Option<Py<PyAny>>) -> PyResult<()> {
-        let handle = session.map(|s| Handle(std::sync::Arc::new(s)));
-        self.with(|g| g.set_key(key, session_id, handle))
+        let object = session.map(|s| Arc::new(s) as Arc<dyn std::any::Any + Send + Sync>);
+        self.with(|g| g.set_key(key, session_id, object))
+    }
+
+    /// A stream of `session_id` passes through, its turn not queued yet: the direct lane
+    /// leaves the session's calls to `waits` until `stream_ended`.
+    fn stream_begun(&self, session_id: &str) -> PyResult<()> {
+        self.with(|g| g.stream_begun(session_id))
+    }
+
+    /// One such stream's turn is queued, or let go.
+    fn stream_ended(&self, session_id: &str) -> PyResult<()> {
+        self.with(|g| g.stream_ended(session_id))
     }
 
     /// Forget `key`; whether it was known.
     fn remove_key(&self, key: &[u8]) -> PyResult<bool> {
         self.with(|g| g.remove_key(key))
+    }
+
+    /// The turns sent to the recorder so far (see `handed_through`).
+    fn turns_sent(&self) -> PyResult<u64> {
+        self.with(Gateway::turns_sent)
+    }
+
+    /// Whether the recorder has handed the first `sent` turns to the control: every call
+    /// answered before `turns_sent` said `sent` is known to it (the direct lane's adopted).
+    fn handed_through(&self, sent: u64) -> bool {
+        self.queued.handed_through(sent)
     }
 
     /// Turns queued (`fast`) and waiting for the recorder.
@@ -552,4 +654,62 @@ pub fn answer_reply<'py>(
         None => answer.clone(),
         Some(out) => PyBytes::new(py, &out),
     })
+}
+
+/// The `--ack fast` ledger's file: the one appender of the control plane's lines and of the
+/// data plane's direct lane (`gateway::ledger::Ledger`), one `write` a line.
+#[pyclass(frozen, name = "Ledger", module = "rollout_store._core")]
+pub struct PyLedger {
+    inner: Arc<Ledger>,
+}
+
+#[pymethods]
+impl PyLedger {
+    #[new]
+    fn new() -> Self {
+        Self {
+            inner: Arc::new(Ledger::new()),
+        }
+    }
+
+    /// Open `path` for appending (created 0600 if missing), unless a file is open already.
+    #[allow(clippy::needless_pass_by_value)] // PyO3 extracts a path as an owned PathBuf
+    fn open(&self, path: std::path::PathBuf) -> PyResult<()> {
+        Ok(self.inner.open(&path)?)
+    }
+
+    /// Whether a file is open.
+    #[getter]
+    fn is_open(&self) -> bool {
+        self.inner.is_open()
+    }
+
+    /// Let the file go.
+    fn close(&self) {
+        self.inner.close();
+    }
+
+    /// Append `data` (whole lines) in one `write`; `OSError` when no file is open or the
+    /// write fails.
+    fn append(&self, data: &[u8]) -> PyResult<()> {
+        Ok(self.inner.append(data)?)
+    }
+
+    /// Put `fresh` (the rewritten ledger, synced whole) in place of `path` and append to it
+    /// from now on, when every line the direct lane wrote is applied; whether it was.
+    #[allow(clippy::needless_pass_by_value)] // PyO3 extracts a path as an owned PathBuf
+    fn replace(&self, fresh: std::path::PathBuf, path: std::path::PathBuf) -> PyResult<bool> {
+        Ok(self.inner.replace(&fresh, &path)?)
+    }
+
+    /// One more of the direct lane's lines is known to the control plane.
+    fn applied(&self) {
+        self.inner.applied();
+    }
+
+    /// The direct lane's lines the control plane does not know yet.
+    #[getter]
+    fn unapplied(&self) -> u64 {
+        self.inner.unapplied()
+    }
 }

@@ -54,7 +54,7 @@ mod _core {
     #[pymodule_export]
     use super::content::ContentTable;
     #[pymodule_export]
-    use super::data_plane::{answer_reply, body_too_deep, direct_tail, DataPlane};
+    use super::data_plane::{answer_reply, body_too_deep, direct_tail, DataPlane, PyLedger};
     #[pymodule_export]
     use super::frames::{
         encode_blob_frame, encode_blob_frame_v1, encode_frame, encode_frame_v1, frame_chain_value,

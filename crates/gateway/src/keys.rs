@@ -10,13 +10,19 @@ use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::fmt;
 use std::hash::BuildHasher;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 /// What the control plane attaches to a key, opaque here: the session object itself, which
 /// a call of the direct lane holds from its arrival to its answer (a session deleted
-/// meanwhile is still the one the call was made in).
+/// meanwhile is still the one the call was made in), and whether the session is still
+/// there (`alive`: one flag per key, whatever handle it was given last; cleared when the
+/// key is removed, see `ledger::Ledger::retire`).
 #[derive(Clone)]
-pub struct Handle(pub Arc<dyn Any + Send + Sync>);
+pub struct Handle {
+    pub object: Arc<dyn Any + Send + Sync>,
+    pub alive: Arc<AtomicBool>,
+}
 
 impl fmt::Debug for Handle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -25,11 +31,13 @@ impl fmt::Debug for Handle {
 }
 
 /// The session a key opens: its id, and the control plane's handle of it (none: its calls
-/// are prepared by the control plane, never sent by the direct lane).
+/// are prepared by the control plane, never sent by the direct lane); `alive` is the flag
+/// every handle of the key shares.
 #[derive(Clone, Debug)]
 pub struct Opened {
     pub session: Arc<str>,
     pub handle: Option<Handle>,
+    alive: Arc<AtomicBool>,
 }
 
 /// The keys under one hash, each with the session it opens.
@@ -61,38 +69,48 @@ impl KeyTable {
         self.seed.hash_one(key)
     }
 
-    /// Let `key` open `session` (a key already there now opens this session).
-    pub fn insert(&mut self, key: &[u8], session: &str, handle: Option<Handle>) {
+    /// Let `key` open `session`, with the control plane's `object` of it (a key already
+    /// there now opens this session, its `alive` flag kept).
+    pub fn insert(
+        &mut self,
+        key: &[u8],
+        session: &str,
+        object: Option<Arc<dyn Any + Send + Sync>>,
+    ) {
         let slot = self.slot(key);
         let bucket = self.buckets.entry(slot).or_default();
-        if let Some(entry) = bucket.iter_mut().find(|(k, _)| constant_time_eq(k, key)) {
-            entry.1 = Opened {
-                session: session.into(),
-                handle,
-            };
-            return;
-        }
+        let found = bucket.iter_mut().find(|(k, _)| constant_time_eq(k, key));
+        let alive = found.as_ref().map_or_else(
+            || Arc::new(AtomicBool::new(true)),
+            |(_, opened)| opened.alive.clone(),
+        );
         let opened = Opened {
             session: session.into(),
-            handle,
+            handle: object.map(|object| Handle {
+                object,
+                alive: alive.clone(),
+            }),
+            alive,
         };
+        if let Some(entry) = found {
+            entry.1 = opened;
+            return;
+        }
         bucket.push((key.into(), opened));
         self.len += 1;
     }
 
-    /// Forget `key`; whether it was there.
-    pub fn remove(&mut self, key: &[u8]) -> bool {
+    /// Forget `key`: the `alive` flag of the session it opened, to be cleared (none: the
+    /// key was not there).
+    pub fn remove(&mut self, key: &[u8]) -> Option<Arc<AtomicBool>> {
         let slot = self.slot(key);
-        let Some(bucket) = self.buckets.get_mut(&slot) else {
-            return false;
-        };
-        let before = bucket.len();
-        bucket.retain(|(k, _)| !constant_time_eq(k, key));
-        let removed = bucket.len() < before;
+        let bucket = self.buckets.get_mut(&slot)?;
+        let at = bucket.iter().position(|(k, _)| constant_time_eq(k, key));
+        let removed = at.map(|at| bucket.remove(at).1.alive);
         if bucket.is_empty() {
             self.buckets.remove(&slot);
         }
-        if removed {
+        if removed.is_some() {
             self.len -= 1;
         }
         removed
@@ -151,8 +169,8 @@ mod tests {
         table.insert(b"k", "b", None);
         assert_eq!(table.len(), 1);
         assert_eq!(table.lookup(b"k").map(|o| o.session).as_deref(), Some("b"));
-        assert!(table.remove(b"k"));
-        assert!(!table.remove(b"k"));
+        assert!(table.remove(b"k").is_some());
+        assert!(table.remove(b"k").is_none());
         assert_eq!(table.lookup(b"k").map(|o| o.session), None);
         assert!(table.is_empty());
     }

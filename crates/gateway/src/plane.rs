@@ -61,6 +61,7 @@ use crate::checks::{self, Hosts};
 use crate::depth;
 use crate::direct;
 use crate::keys::{Handle, KeyTable};
+use crate::ledger::{Answered, Ledger};
 use crate::sse::{self, Splitter, Strip};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -118,6 +119,9 @@ pub struct DirectLane {
     pub max_digits: usize,
     /// The headers of the upstream call, as the control plane sends them.
     pub headers: Vec<(String, String)>,
+    /// The ack ledger a call's line goes to before its reply (none: the server keeps no
+    /// data directory, and no line).
+    pub ledger: Option<Arc<Ledger>>,
 }
 
 impl DirectLane {
@@ -133,10 +137,13 @@ impl DirectLane {
 }
 
 /// A call of the direct lane whose complete answer is one JSON object: the reply is made of
-/// its bytes, and the control told of it (see [`Control::answered`]).
+/// its bytes, its ledger line written, and its turn queued for the recorder, where the
+/// control is told of it (see [`Control::direct`]).
 #[derive(Debug)]
 pub struct Direct {
     pub call: Call,
+    /// What became of its ledger line.
+    pub line: Answered,
     /// The upstream's answer, as it came (the reply has the capture fields taken out).
     pub answer: Bytes,
     /// Microseconds since the call was received: sent upstream, first byte, last byte.
@@ -286,14 +293,17 @@ pub trait Control: Send + Sync + 'static {
         false
     }
     fn prepare(&self, call: Call) -> Prepared<Self::Ticket>;
-    /// A call of the direct lane answered: its ticket, whether its turn is to be queued and
-    /// whether its timeline is to be recorded, once its reply (made of the answer's bytes)
-    /// is sent; or `None`, when the control would rather `prepare` and `finish` it as any
-    /// call (its session unable to record, or busy with a stream).
-    ///
-    fn answered(&self, _direct: &Direct) -> Option<(Self::Ticket, bool, bool)> {
+    /// The ticket of a call of the direct lane, answered (its reply made of the answer's
+    /// bytes, its ledger line written): made with no call into the control (the control
+    /// reads it first on the recorder thread, in `record`, `dropped` or `sent`); `None`: the
+    /// control has no direct lane, and prepares and finishes every call.
+    fn direct(&self, _direct: Direct) -> Option<Self::Ticket> {
         None
     }
+    /// The recorder took these turns (first in their order, before `record`): the control
+    /// makes its own of those of the direct lane now, so that a call answered before is
+    /// known to it once [`Queued::handed_through`] says so.
+    fn adopt(&self, _tickets: &[&Self::Ticket]) {}
     fn finish(&self, ticket: &Self::Ticket, upstream: Upstream) -> Finished;
     /// The end of a stream passed through: its turn made of its events and recorded
     /// (`--ack durable`) or queued (`--ack fast`), then its held-back last event released;
@@ -327,6 +337,11 @@ type Work<C> = Box<dyn FnOnce(&C) + Send>;
 struct Pending {
     counts: Mutex<Counts>,
     changed: Condvar,
+    /// Turns sent to the recorder, in the order it takes them (counted as each is sent).
+    sent: std::sync::atomic::AtomicU64,
+    /// Turns the recorder has handed to the control once (`Control::adopt`): those of the
+    /// direct lane are known to the control from then on.
+    handed: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Clone, Copy, Default)]
@@ -381,6 +396,12 @@ impl Queued {
         self.0.counts().waiting
     }
 
+    /// Whether the recorder has handed the first `sent` turns to the control (see
+    /// [`Gateway::turns_sent`]).
+    pub fn handed_through(&self, sent: u64) -> bool {
+        self.0.handed.load(Ordering::Acquire) >= sent
+    }
+
     /// Wait (at most `timeout`) until every queued turn is recorded or dropped; whether it
     /// was.
     pub fn settle(&self, timeout: Duration) -> bool {
@@ -406,6 +427,10 @@ struct Shared<C: Control> {
     pending: Arc<Pending>,
     /// When the recorder is to stop recording (set by `stop`).
     deadline: Mutex<Option<Instant>>,
+    /// Per session, its streams passing through whose turn is not queued yet, as the control
+    /// keeps them ([`Gateway::stream_begun`]): the direct lane leaves that session's calls
+    /// to `waits`.
+    streams: Mutex<std::collections::HashMap<String, usize>>,
 }
 
 /// The data plane: its runtime, listener, upstream client and recorder thread. Dropping it
@@ -648,7 +673,13 @@ impl<C: Control> ReplyBody<C> {
 impl<C: Control> Shared<C> {
     fn send(&self, job: Job<C::Ticket>) -> bool {
         let jobs = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
-        jobs.as_ref().is_some_and(|tx| tx.send(job).is_ok())
+        let turn = matches!(job, Job::Record(_));
+        let sent = jobs.as_ref().is_some_and(|tx| tx.send(job).is_ok());
+        if sent && turn {
+            // (under the lock: the count follows the order the recorder takes them in)
+            self.pending.sent.fetch_add(1, Ordering::Relaxed);
+        }
+        sent
     }
 
     /// Run one of the control's calls on a caller thread; `None` if it panicked or the
@@ -769,6 +800,12 @@ impl<C: Control> Shared<C> {
                 ),
             ))),
         }
+    }
+
+    /// Whether `session` has a stream passing through whose turn is not queued yet.
+    fn streaming(&self, session: &str) -> bool {
+        let streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
+        streams.get(session).is_some_and(|&n| n > 0)
     }
 
     /// The session `key` opens and the control's handle of it, when the key table knows it.
@@ -914,26 +951,36 @@ impl<C: Control> Shared<C> {
         let Some(reply) = made else {
             return self.finish_late(call, answer, t0).await;
         };
+        // the lane's own checks, where `prepare` and `waits` would have taken the call: a
+        // session with a stream not ended (its turn queued after this one's would be out
+        // of order) or a server stopping (its ledger closed) has it finished as any call
+        let Some(handle) = call.handle.clone() else {
+            return self.finish_late(call, answer, t0).await;
+        };
+        let session = call.session.clone().unwrap_or_default();
+        if self.streaming(&session) {
+            return self.finish_late(call, answer, t0).await;
+        }
+        let ledger_line = match &lane.ledger {
+            Some(ledger) => ledger.answered(&session, &handle.alive),
+            None => Answered::Written,
+        };
+        if ledger_line == Answered::Closed {
+            return self.finish_late(call, answer, t0).await;
+        }
         let direct = Direct {
             call,
+            line: ledger_line,
             answer: answer.body.clone(),
             upstream_sent: answer.upstream_sent,
             first_byte: answer.first_byte,
             last_byte: answer.last_byte,
         };
-        let answered = self
-            .call(move |c| {
-                let answered = c.answered(&direct);
-                (direct, answered)
-            })
-            .await;
-        let (ticket, queue, timed) = match answered {
-            None => return internal_error(),
-            Some((direct, None)) => return self.finish_late(direct.call, answer, t0).await,
-            Some((_, Some(answered))) => answered,
+        let Some(ticket) = self.control.direct(direct) else {
+            return internal_error();
         };
         let ticket = Arc::new(ticket);
-        if let Err(why) = self.queue_if(queue, &ticket) {
+        if let Err(why) = self.queue_if(true, &ticket) {
             let held = ticket.clone();
             if self.call(move |c| c.dropped(&held, why)).await.is_none() {
                 return internal_error();
@@ -954,7 +1001,8 @@ impl<C: Control> Shared<C> {
             chunks: vec![reply],
             stream: false,
         };
-        self.reply(reply, t0, timed.then_some(ticket))
+        // (its timeline recorded once the reply is sent, as a queued call's is)
+        self.reply(reply, t0, Some(ticket))
     }
 
     /// A call the upstream answered before the control prepared it (the direct lane): it is
@@ -1576,6 +1624,7 @@ impl<C: Control> Gateway<C> {
             config,
             control: Arc::new(control),
             keys: RwLock::new(KeyTable::new()),
+            streams: Mutex::new(std::collections::HashMap::new()),
             client,
             jobs: Mutex::new(Some(tx)),
             calls: Mutex::new(Some(calls_tx)),
@@ -1630,15 +1679,60 @@ impl<C: Control> Gateway<C> {
         self.local
     }
 
-    /// Let `key` open `session`, with the control's `handle` of it (none: its calls are
+    /// Let `key` open `session`, with the control's `object` of it (none: its calls are
     /// never sent by the direct lane).
-    pub fn set_key(&self, key: &[u8], session: &str, handle: Option<Handle>) {
-        self.keys().insert(key, session, handle);
+    pub fn set_key(
+        &self,
+        key: &[u8],
+        session: &str,
+        object: Option<Arc<dyn std::any::Any + Send + Sync>>,
+    ) {
+        self.keys().insert(key, session, object);
     }
 
-    /// Forget `key`; whether it was known.
+    /// Forget `key` (its session deleted: no ledger line of the direct lane names it from
+    /// now on); whether it was known.
     pub fn remove_key(&self, key: &[u8]) -> bool {
-        self.keys().remove(key)
+        let Some(alive) = self.keys().remove(key) else {
+            return false;
+        };
+        match self
+            .shared
+            .config
+            .direct
+            .as_ref()
+            .and_then(|l| l.ledger.as_ref())
+        {
+            Some(ledger) => ledger.retire(&alive),
+            None => alive.store(false, Ordering::Release),
+        }
+        true
+    }
+
+    /// A stream of `session` passes through, its turn not queued yet (the control's count:
+    /// the direct lane leaves the session's calls to `waits` meanwhile).
+    pub fn stream_begun(&self, session: &str) {
+        let mut streams = self
+            .shared
+            .streams
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        *streams.entry(session.to_string()).or_default() += 1;
+    }
+
+    /// One such stream's turn is queued (or let go).
+    pub fn stream_ended(&self, session: &str) {
+        let mut streams = self
+            .shared
+            .streams
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(n) = streams.get_mut(session) {
+            *n -= 1;
+            if *n == 0 {
+                streams.remove(session);
+            }
+        }
     }
 
     fn keys(&self) -> std::sync::RwLockWriteGuard<'_, KeyTable> {
@@ -1666,6 +1760,17 @@ impl<C: Control> Gateway<C> {
     /// The queue of turns, to be read and waited for apart from the gateway.
     pub fn queued(&self) -> Queued {
         Queued(self.shared.pending.clone())
+    }
+
+    /// The turns sent to the recorder so far: once [`Queued::handed_through`] that many,
+    /// every call answered before now is known to the control (the direct lane's too).
+    pub fn turns_sent(&self) -> u64 {
+        let _jobs = self
+            .shared
+            .jobs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        self.shared.pending.sent.load(Ordering::Relaxed)
     }
 
     /// Stop without waiting for anything: for a process whose control can no longer be
@@ -1858,6 +1963,7 @@ fn record_batch<C: Control>(
     // would wait
     let mut turns = std::mem::take(&mut aside.turns);
     let retried = turns.len();
+    let handed = batch.iter().filter(|j| matches!(j, Job::Record(_))).count() as u64;
     let mut sent = std::mem::take(&mut aside.sent);
     for job in batch {
         match job {
@@ -1871,6 +1977,10 @@ fn record_batch<C: Control>(
     }
     if !turns.is_empty() {
         let tickets: Vec<&C::Ticket> = turns.iter().map(|t| &**t).collect();
+        // the new turns, told of first (the direct lane's calls become known to the
+        // control here): what `handed_through` counts
+        let _ = catch_unwind(AssertUnwindSafe(|| control.adopt(&tickets[retried..])));
+        shared.pending.handed.fetch_add(handed, Ordering::Release);
         let held = catch_unwind(AssertUnwindSafe(|| {
             if late {
                 for ticket in &tickets {
