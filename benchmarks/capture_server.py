@@ -537,6 +537,40 @@ def memory_run(
         return asyncio.run(measured())
 
 
+#: The schemes that record, whose turns' timelines say where a call's time went in the server.
+RECORDING = ("ack-durable", "ack-fast", "rust-durable", "rust-fast")
+
+
+async def new_sessions(client: aiohttp.ClientSession, url: str, n: int) -> list[tuple[str, str]]:
+    """`n` new sessions: (session id, key) each."""
+    made = []
+    for _ in range(n):
+        _, answer = await post_json(client, f"{url}/sessions", b"{}", JSON)
+        doc = json.loads(answer)
+        made.append((doc["session_id"], doc["api_key"]))
+    return made
+
+
+def server_stamps(url: str, made: list[tuple[str, str]]) -> list[tuple[float, float]]:
+    """Per turn of the sessions `made`, in ms by the server's own clock (its timeline):
+    from the request's arrival to its upstream call (the request path), and from the
+    upstream's last byte to the reply sent (the answer path)."""
+    import httpx
+
+    found = []
+    for sid, key in made:
+        doc = httpx.get(
+            f"{url}/sessions/{sid}/export", headers={"authorization": f"Bearer {key}"}, timeout=60
+        ).json()
+        for turn in doc["turns"]:
+            line = turn.get("timeline")
+            if line:
+                found.append(
+                    (line["upstream_sent_ms"], line["reply_sent_ms"] - line["last_byte_ms"])
+                )
+    return found
+
+
 def latency_run(
     scheme: str,
     stub: str,
@@ -545,19 +579,32 @@ def latency_run(
     added: list[float],
     cpu: list[float],
     preempted: list[float],
+    stamps: list[tuple[float, float]] | None = None,
 ) -> None:
     """Paired added latency through a fresh server (default allocator, as users run it), the
-    server's CPU seconds per call over the measured group (appended to `cpu`) and how often
-    a call its event loop was preempted (appended to `preempted`)."""
+    server's CPU seconds per call over the measured group (appended to `cpu`), how often
+    a call its event loop was preempted (appended to `preempted`) and, for a server that
+    records, its own stamps of each turn (`server_stamps`, appended to `stamps`)."""
     with (
         tempfile.TemporaryDirectory() as tmp,
         server_for(scheme, stub, Path(tmp), malloc=False) as server,
     ):
         asyncio.run(run_group(server.url, False, sessions, 3, warmup=True))
+
+        async def made_now() -> list[tuple[str, str]]:
+            async with http_client() as client:
+                return await new_sessions(client, server.url, sessions)
+
+        made = asyncio.run(made_now())
+        keys = [key for _, key in made]
         before, switches = server.cpu(), server.preemptions()
-        asyncio.run(run_group(server.url, False, sessions, turns, pair=stub, added=added))
+        asyncio.run(
+            run_group(server.url, False, sessions, turns, pair=stub, added=added, keys=keys)
+        )
         cpu.append((server.cpu() - before) / (sessions * turns))
         preempted.append((server.preemptions() - switches) / (sessions * turns))
+        if stamps is not None and scheme in RECORDING:
+            stamps += server_stamps(server.url, made)
 
 
 def _record_call(session: Any, seed: int, call: dict[str, Any]) -> None:
@@ -758,6 +805,7 @@ def ack_rows(
     added: dict[tuple[str, int], list[float]] = {row: [] for row in rows}
     cpu: dict[tuple[str, int], list[float]] = {row: [] for row in rows}
     preempted: dict[tuple[str, int], list[float]] = {row: [] for row in rows}
+    stamps: dict[tuple[str, int], list[tuple[float, float]]] = {row: [] for row in rows}
     try:
         asyncio.run(run_group(stub.url, True, max(counts), 2))  # a warm stub
         for r in range(rounds):
@@ -765,7 +813,9 @@ def ack_rows(
                 for scheme in schemes[r % len(schemes) :] + schemes[: r % len(schemes)]:
                     row = (scheme, n)
                     run: list[float] = []
-                    latency_run(scheme, stub.url, n, turns, run, cpu[row], preempted[row])
+                    latency_run(
+                        scheme, stub.url, n, turns, run, cpu[row], preempted[row], stamps[row]
+                    )
                     added[row] += run
                     print(
                         f"round {r + 1}: {scheme:<12} {n:>3} sessions: added {_ms(run):.2f} / "
@@ -784,6 +834,19 @@ def ack_rows(
             f"{scheme:<14}{n:>9}{_ms(added[scheme, n]):>14.2f}{_ms(added[scheme, n], 0.99):>14.2f}"
             f"{_ms(cpu[scheme, n]):>13.2f}"
         )
+    print(
+        "\nby the server's own clock (its turns' timelines, not a target): request path "
+        "(arrival to upstream call) and answer path (upstream's last byte to reply sent), ms"
+    )
+    print(f"{'server':<14}{'sessions':>9}{'request p50':>13}{'p99':>8}{'answer p50':>12}{'p99':>8}")
+    for scheme, n in rows:
+        if stamps[scheme, n]:
+            request = [r / 1000 for r, _ in stamps[scheme, n]]
+            answer = [a / 1000 for _, a in stamps[scheme, n]]
+            print(
+                f"{scheme:<14}{n:>9}{_ms(request):>13.2f}{_ms(request, 0.99):>8.2f}"
+                f"{_ms(answer):>12.2f}{_ms(answer, 0.99):>8.2f}"
+            )
     lines = []
     targets = {
         f"{prefix}{mode}": target
