@@ -151,11 +151,14 @@ def answer_reply(answer: bytes, token_ids: bool, logprobs: bool) -> bytes | None
     looked at is escaped: decode it then. The GIL is released for answers from
     `DETACH_FROM` bytes."""
 
-def direct_tail(body: bytes, capture_tokens: bool, max_digits: int) -> tuple[int, bytes] | None:
-    """The upstream body of a Chat Completions call the data plane's direct lane sends by
-    itself (`--ack fast`), as `(head, tail)`: the body's own `body[:head]`, then `tail`; None
-    when the control plane prepares the call (`gateway::direct::body_tail`). For tests: the
-    lane must send what the control plane's `upstream_parts` makes of the body."""
+def direct_tail(
+    body: bytes, capture_tokens: bool, max_digits: int, anthropic: bool = False
+) -> tuple[int, bytes] | None:
+    """The upstream body of a model call the data plane's direct lane sends by itself (`--ack
+    fast`), as `(head, tail)`: the body's own `body[:head]`, then `tail`; None when the
+    control plane prepares the call (`gateway::direct::body_tail`; `anthropic`: a
+    `/v1/messages` call). For tests: the lane must send what the control plane's
+    `upstream_parts` makes of the body."""
 
 def body_too_deep(body: bytes, anthropic: bool) -> str | None:
     """The first field (in the body's order) of a model call's body that nests deeper than
@@ -595,8 +598,9 @@ class DataPlane:
     `callers`: threads the callbacks run on (one when a callback never waits on I/O).
     `forward_only`: a floor for benchmarks (calls go upstream and come back as they came,
     with no key, no callback and nothing recorded).
-    `direct`: `--ack fast`'s direct lane, `(capture_tokens, max_digits, upstream headers,
-    ledger)`: the Chat Completions calls sent upstream and answered with no callback, their
+    `direct`: `--ack fast`'s direct lane, `(capture_tokens, max_digits, Chat Completions
+    headers, Anthropic headers, ledger)` (a header with no value: the call's own): the model
+    calls sent upstream and answered with no callback, their
     ack ledger line written (to `ledger`, the control plane's, unless None) before the reply;
     the recorder hands each to the control's `adopt` first (None: every call is prepared)."""
 
@@ -620,7 +624,14 @@ class DataPlane:
         workers: int = 2,
         callers: int = 1,
         forward_only: bool = False,
-        direct: tuple[bool, int, list[tuple[str, str]], Ledger | None] | None = None,
+        direct: tuple[
+            bool,
+            int,
+            list[tuple[str, str | None]],
+            list[tuple[str, str | None]],
+            Ledger | None,
+        ]
+        | None = None,
     ) -> DataPlane: ...
     @property
     def port(self) -> int:

@@ -1175,17 +1175,27 @@ class _Server:
             raise _Refusal(502, "the upstream answered with JSON that is not an object")
         return payload, answer
 
-    def _upstream_headers(self, sent: Mapping[str, str], anthropic: bool) -> dict[str, str]:
-        headers = {"content-type": "application/json"}
+    def upstream_template(self, anthropic: bool) -> list[tuple[str, str | None]]:
+        """The upstream call's headers, in order: a name with no value is the call's own
+        (sent only if the call has it). What both data planes send (`_upstream_headers`;
+        the Rust plane's direct lane fills it in itself)."""
+        template: list[tuple[str, str | None]] = [("content-type", "application/json")]
         key = self.config.upstream_api_key
         if anthropic:
-            for name in _ANTHROPIC_HEADERS:
-                if name in sent:
-                    headers[name] = sent[name]
+            template += [(name, None) for name in _ANTHROPIC_HEADERS]
             if key:
-                headers["x-api-key"] = key
+                template.append(("x-api-key", key))
         elif key:
-            headers["authorization"] = f"Bearer {key}"
+            template.append(("authorization", f"Bearer {key}"))
+        return template
+
+    def _upstream_headers(self, sent: Mapping[str, str], anthropic: bool) -> dict[str, str]:
+        headers = {}
+        for name, value in self.upstream_template(anthropic):
+            if value is not None:
+                headers[name] = value
+            elif name in sent:
+                headers[name] = sent[name]
         return headers
 
     def _session(
@@ -2867,6 +2877,7 @@ def _continues(later: Any, earlier: Any) -> bool:
 
 def _direct_plan(
     server: _Server,
+    anthropic: bool,
     session: Session,
     clock: CallClock,
     headers: list[tuple[str, bytes]],
@@ -2883,7 +2894,7 @@ def _direct_plan(
         if not made:
             made.append(
                 server.plan(
-                    False,
+                    anthropic,
                     _header_map(headers),
                     session,
                     body,
@@ -2904,12 +2915,12 @@ def _direct_plan(
     def reply(response: dict[str, Any], answer: bytes) -> Response:
         return plan().reply(response, answer)
 
-    capture = server.config.capture_tokens
+    capture = server.config.capture_tokens and not anthropic
     return _Plan(
         session,
+        anthropic,
         False,
-        False,
-        "/v1/chat/completions",
+        "/v1/messages" if anthropic else "/v1/chat/completions",
         b"",
         {},
         make_turn,
@@ -2957,7 +2968,8 @@ class RustDataPlane:
             direct=(
                 config.capture_tokens,
                 server.max_digits,
-                list(server._upstream_headers({}, anthropic=False).items()),
+                server.upstream_template(anthropic=False),
+                server.upstream_template(anthropic=True),
                 self._sessions.ledger_file(),
             )
             if config.ack == "fast" and config.direct_lane
@@ -3155,6 +3167,7 @@ class RustDataPlane:
         of as answered; the recorder then records it as any. `args` are `prepare`'s;
         `session` is the one the call's key opened when it arrived (deleted since, it is
         still the call's, as a prepared call's plan holds it)."""
+        anthropic = args[0]
         headers, body, received_us, depth, shape, utf8, fields, digits = args[3:]
         server = self._server
         if session.damaged is not None:
@@ -3166,7 +3179,9 @@ class RustDataPlane:
         clock.upstream_sent, clock.first_byte, clock.last_byte = stamps
         within = digits is not None and (not server.max_digits or digits <= server.max_digits)
         checked = _Checked(depth, shape, utf8, within)
-        call = _Call(_direct_plan(server, session, clock, headers, body, checked, fields))
+        call = _Call(
+            _direct_plan(server, anthropic, session, clock, headers, body, checked, fields)
+        )
         clock.failed, session.failed = session.failed, 0
         call.answer = answer
         server.sessions.answered(session, clock, line)

@@ -20,6 +20,7 @@ from rollout_store.model.timeline import CallClock
 from rollout_store.serve.server import RustDataPlane, _Refusal, create_app
 
 MESSAGES = [{"role": "user", "content": "hi \u00e9"}]
+_PATHS = ("/v1/chat/completions", "/v1/messages")
 
 _values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
@@ -34,6 +35,7 @@ _member = st.one_of(
     st.tuples(st.just("n"), st.sampled_from([1, 1.0, 2, True])),
     st.tuples(st.just("model"), st.text(max_size=3)),
     st.tuples(st.just("tools"), st.lists(_values, max_size=2)),
+    st.tuples(st.just("system"), st.sampled_from(["be brief", [{"type": "text"}], 1, None])),
     st.tuples(st.text(max_size=4), _values),
 )
 #: Members a body the lane takes may hold, each once.
@@ -68,6 +70,7 @@ def servers() -> dict[bool, Any]:
     messages_first=st.booleans(),
     spaced=st.booleans(),
     capture=st.booleans(),
+    anthropic=st.booleans(),
 )
 def test_a_call_takes_the_lane_only_as_prepare_would_send_it(
     servers: dict[bool, Any],
@@ -76,24 +79,27 @@ def test_a_call_takes_the_lane_only_as_prepare_would_send_it(
     messages_first: bool,
     spaced: bool,
     capture: bool,
+    anthropic: bool,
 ) -> None:
-    """Differential: for a body the lane takes, the control plane's own reading of it (every
-    check of its own, nothing taken from the engine) refuses nothing, asks for no stream, and
-    sends upstream exactly the lane's bytes; with the capture fields it injects."""
+    """Differential: for a body the lane takes (Chat Completions or Anthropic's messages), the
+    control plane's own reading of it (every check of its own, nothing taken from the engine)
+    refuses nothing, asks for no stream, and sends upstream exactly the lane's bytes; with the
+    capture fields it injects (Chat Completions only)."""
     members = plain + members
     if messages_first:
         members = [("messages", MESSAGES), *members]
     raw = _body(members, spaced)
-    lane = direct_tail(raw, capture, sys.get_int_max_str_digits())
+    lane = direct_tail(raw, capture, sys.get_int_max_str_digits(), anthropic)
     if lane is None:
         return
     server = servers[capture]
     try:
         session = server.sessions.create()
-        plan = server.plan(False, {}, session, raw, CallClock(), passthrough=True)
+        plan = server.plan(anthropic, {}, session, raw, CallClock(), passthrough=True)
     except _Refusal as refused:  # pragma: no cover - the failure says what
         raise AssertionError(f"the lane took a body prepare refuses: {refused!r} {raw!r}") from None
-    assert not plan.stream and plan.injected == (capture, capture)
+    injected = capture and not anthropic
+    assert not plan.stream and plan.injected == (injected, injected)
     assert (plan.head, plan.content) == lane, raw
 
 
@@ -119,9 +125,9 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 def test_the_calls_prepare_would_change_or_refuse_are_prepared(
     stub: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Plain calls take the lane (no `prepare`) and are recorded; a call naming `stream`,
-    `stream_options` or an `n` of 2, an Anthropic call, and every call of `--ack durable`,
-    are prepared (and refused, where `prepare` refuses)."""
+    """Plain calls take the lane (no `prepare`) and are recorded, Anthropic's too; a call
+    naming `stream`, `stream_options` or an `n` of 2, and every call of `--ack durable`, are
+    prepared (and refused, where `prepare` refuses)."""
     counts = _counting(monkeypatch)
     app = create_app(stub, ack="fast", admin_key=ADMIN_KEY)
     with serve_app(app, data_plane="rust") as url:
@@ -147,7 +153,7 @@ def test_the_calls_prepare_would_change_or_refuse_are_prepared(
         statuses.append(answer.status_code)
         info = httpx.get(f"{url}/sessions/lane", headers=auth("lane")).json()
     assert statuses == [200, 200, 400, 200, 200]
-    assert counts == {"prepare": 5, "adopt": 3}
+    assert counts == {"prepare": 4, "adopt": 4}
     assert (info["turns"], info["dropped"]) == (7, 0)
     counts.update(prepare=0, adopt=0)
     app = create_app(stub, ack="durable", admin_key=ADMIN_KEY)
@@ -217,3 +223,69 @@ def test_the_lanes_ledger_lines_are_counted_as_the_servers_and_kept_by_a_rewrite
     assert read_ledger(text)["lane"].pending == 12, text
     assert b"p lane " in text and text.count(b"a lane\n") < 12
     assert not (tmp_path / LEDGER_NAME).exists()  # (a clean stop carries nothing)
+
+
+def test_the_lane_sends_the_headers_and_bytes_prepare_sends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The upstream gets the same headers (an Anthropic call's own `anthropic-version` and
+    `anthropic-beta`, the server's upstream key) and the same body from the lane as from a
+    prepared call, on both routes."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    seen: list[tuple[str, dict[str, str], bytes]] = []
+    kept = ("content-type", "authorization", "x-api-key", "anthropic-version", "anthropic-beta")
+
+    async def answer(request: Request) -> JSONResponse:
+        body = await request.body()
+        headers = {k: v for k, v in request.headers.items() if k in kept}
+        seen.append((request.url.path, headers, body))
+        if request.url.path == "/v1/messages":
+            return JSONResponse(
+                {
+                    "id": "msg_1",
+                    "type": "message",
+                    "role": "assistant",
+                    "model": "m",
+                    "content": [{"type": "text", "text": "ok"}],
+                    "stop_reason": "end_turn",
+                    "usage": {"input_tokens": 1, "output_tokens": 1},
+                }
+            )
+        message = {"role": "assistant", "content": "ok"}
+        return JSONResponse(
+            {"id": "c", "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
+        )
+
+    upstream = Starlette(routes=[Route(p, answer, methods=["POST"]) for p in _PATHS])
+    counts = _counting(monkeypatch)
+    with serve_app(upstream) as engine:
+        for lane in (True, False):
+            app = create_app(
+                engine,
+                ack="fast",
+                admin_key=ADMIN_KEY,
+                upstream_api_key="the-upstream-key",
+                direct_lane=lane,
+            )
+            with serve_app(app, data_plane="rust") as url:
+                key = new_session(url, session_id="heads")["api_key"]
+                chat = {"model": "m", "messages": MESSAGES}
+                sent = httpx.post(
+                    f"{url}/v1/chat/completions",
+                    json=chat,
+                    headers={"authorization": f"Bearer {key}"},
+                )
+                assert sent.status_code == 200
+                anthropic = {"model": "m", "max_tokens": 5, "system": "s", "messages": MESSAGES}
+                own = {"x-api-key": key, "anthropic-version": "2023-06-01", "anthropic-beta": "b"}
+                sent = httpx.post(f"{url}/v1/messages", json=anthropic, headers=own)
+                assert sent.status_code == 200
+    assert counts == {"prepare": 2, "adopt": 2}  # (the lane's two, then the prepared two)
+    assert seen[:2] == seen[2:]
+    assert seen[1][1]["anthropic-version"] == "2023-06-01"
+    assert seen[1][1]["x-api-key"] == "the-upstream-key"
+    assert seen[0][1]["authorization"] == "Bearer the-upstream-key"

@@ -70,9 +70,13 @@ fn bytes_or_none<'py>(py: Python<'py>, value: Option<&Bytes>) -> Option<Bound<'p
     value.map(|v| PyBytes::new(py, v))
 }
 
+/// The upstream headers of a route as the control plane makes them: a name with no value is
+/// the call's own.
+type PyHeaders = Vec<(String, Option<String>)>;
+
 /// `--ack fast`'s direct lane as the control plane gives it: `(capture_tokens, max_digits,
-/// upstream headers, ledger)`.
-type PyDirectLane = (bool, usize, Vec<(String, String)>, Option<Py<PyLedger>>);
+/// Chat Completions headers, Anthropic headers, ledger)`.
+type PyDirectLane = (bool, usize, PyHeaders, PyHeaders, Option<Py<PyLedger>>);
 
 /// A call's arguments as `prepare` and `answered` take them (`answered` adds the answer and
 /// its stamps), in `prepare`'s order.
@@ -398,8 +402,9 @@ impl Control for PyControl {
 /// `callers`: threads the callbacks run on (one when a callback never waits on I/O).
 /// `forward_only`: a floor for benchmarks (calls go upstream and come back as they came,
 /// with no key, no callback and nothing recorded).
-/// `direct`: `--ack fast`'s direct lane, `(capture_tokens, max_digits, upstream headers,
-/// ledger)`: the Chat Completions calls sent upstream and answered with no callback, their
+/// `direct`: `--ack fast`'s direct lane, `(capture_tokens, max_digits, Chat Completions
+/// headers, Anthropic headers, ledger)` (a header with no value: the call's own): the model
+/// calls sent upstream and answered with no callback, their
 /// ack ledger line written (to `ledger`, the control plane's, unless None) before the reply;
 /// the recorder hands each to the control's `adopt` first (None: every call is prepared).
 #[pyclass(frozen, module = "rollout_store._core")]
@@ -503,12 +508,15 @@ impl DataPlane {
             workers,
             callers,
             forward_only,
-            direct: direct.map(|(capture_tokens, max_digits, headers, ledger)| DirectLane {
-                capture_tokens,
-                max_digits,
-                headers,
-                ledger: ledger.map(|l| l.get().inner.clone()),
-            }),
+            direct: direct.map(
+                |(capture_tokens, max_digits, chat, messages, ledger)| DirectLane {
+                    capture_tokens,
+                    max_digits,
+                    chat_headers: chat,
+                    messages_headers: messages,
+                    ledger: ledger.map(|l| l.get().inner.clone()),
+                },
+            ),
         };
         let gateway = py.detach(|| Gateway::start(config, PyControl { control }))?;
         let port = gateway.local_addr().port();
@@ -590,18 +598,26 @@ impl DataPlane {
     }
 }
 
-/// The upstream body of a Chat Completions call the data plane's direct lane sends by
-/// itself (`--ack fast`), as `(head, tail)`: the body's own `body[:head]`, then `tail`; None
-/// when the control plane prepares the call (`gateway::direct::body_tail`). For tests: the
-/// lane must send what the control plane's `upstream_parts` makes of the body.
+/// The upstream body of a model call the data plane's direct lane sends by itself (`--ack
+/// fast`), as `(head, tail)`: the body's own `body[:head]`, then `tail`; None when the
+/// control plane prepares the call (`gateway::direct::body_tail`; `anthropic`: a
+/// `/v1/messages` call). For tests: the lane must send what the control plane's
+/// `upstream_parts` makes of the body.
 #[pyfunction]
+#[pyo3(signature = (body, capture_tokens, max_digits, anthropic = false))]
 pub fn direct_tail<'py>(
     py: Python<'py>,
     body: &[u8],
     capture_tokens: bool,
     max_digits: usize,
+    anthropic: bool,
 ) -> Option<(usize, Bound<'py, PyBytes>)> {
-    gateway::direct::body_tail(body, capture_tokens, max_digits)
+    let route = if anthropic {
+        gateway::direct::Route::Messages
+    } else {
+        gateway::direct::Route::Chat { capture_tokens }
+    };
+    gateway::direct::body_tail(body, route, max_digits)
         .map(|(head, tail)| (head, PyBytes::new(py, &tail)))
 }
 

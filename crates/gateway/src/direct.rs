@@ -24,6 +24,39 @@ fn end_of_text(raw: &[u8], end: usize) -> usize {
         .map_or(0, |at| at + 1)
 }
 
+/// The model route of a call, as the lane sends it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// `/v1/chat/completions`; `capture_tokens`: the server asks for token ids and logprobs.
+    Chat { capture_tokens: bool },
+    /// Anthropic's `/v1/messages` (no capture field is asked for).
+    Messages,
+}
+
+impl Route {
+    /// The upstream path.
+    #[must_use]
+    pub fn path(self) -> &'static str {
+        match self {
+            Route::Chat { .. } => "/v1/chat/completions",
+            Route::Messages => "/v1/messages",
+        }
+    }
+
+    /// The capture fields the reply has taken out (those the server asked for).
+    #[must_use]
+    pub fn strip(self) -> crate::sse::Strip {
+        let capture = self
+            == Route::Chat {
+                capture_tokens: true,
+            };
+        crate::sse::Strip {
+            token_ids: capture,
+            logprobs: capture,
+        }
+    }
+}
+
 /// The upstream body of a call that takes the direct lane, as `(head, tail)`: the client's
 /// `raw[..head]`, then `tail`; `None` when the call is to be prepared by the control plane.
 ///
@@ -31,18 +64,24 @@ fn end_of_text(raw: &[u8], end: usize) -> usize {
 /// with every field within its depth limit, `messages` of the required shape and no int
 /// longer than `max_digits` (0: no limit), its top-level keys are plain and distinct, it
 /// names none of the fields the upstream body sets or drops (`stream`, `stream_options`, and
-/// with `capture_tokens` `return_token_ids` and `logprobs`), and its `n` (if any) is `1`,
-/// its `model` a string and its `tools` an array. The tail is `, "stream": false` (and
-/// `, "return_token_ids": true, "logprobs": true` with `capture_tokens`) and the brace,
-/// exactly as `json.dumps` of the extra members writes them.
+/// for Chat Completions with `capture_tokens` `return_token_ids` and `logprobs`), and its
+/// `model` (if any) is a string, its `tools` an array, a Chat Completions call's `n` `1`
+/// and an Anthropic call's `system` a string or an array. The tail is `, "stream": false`
+/// (and `, "return_token_ids": true, "logprobs": true` when the server asks for them) and
+/// the brace, exactly as `json.dumps` of the extra members writes them.
 #[must_use]
 pub fn upstream_tail(
     raw: &[u8],
     checked: &Checked,
     fields: Option<&[(String, usize, usize)]>,
-    capture_tokens: bool,
+    route: Route,
     max_digits: usize,
 ) -> Option<(usize, Vec<u8>)> {
+    // the capture fields the server asks for (Chat Completions only)
+    let capture = route
+        == Route::Chat {
+            capture_tokens: true,
+        };
     if !(checked.depth && checked.shape && checked.utf8) || raw.first() != Some(&b'{') {
         return None;
     }
@@ -58,12 +97,13 @@ pub fn upstream_tail(
             return None; // a repeated key: json.loads keeps the last value
         }
         let value = raw.get(*start..*end)?;
-        let fits = match key.as_str() {
-            "stream" | "stream_options" => false,
-            "return_token_ids" | "logprobs" => !capture_tokens,
-            "n" => value == b"1",
-            "model" => value.first() == Some(&b'"'),
-            "tools" => value.first() == Some(&b'['),
+        let fits = match (key.as_str(), route) {
+            ("stream" | "stream_options", _) => false,
+            ("return_token_ids" | "logprobs", _) => !capture,
+            ("n", Route::Chat { .. }) => value == b"1",
+            ("model", _) => value.first() == Some(&b'"'),
+            ("tools", _) => value.first() == Some(&b'['),
+            ("system", Route::Messages) => matches!(value.first(), Some(b'"' | b'[')),
             _ => true,
         };
         if !fits {
@@ -80,18 +120,18 @@ pub fn upstream_tail(
         tail.extend_from_slice(b", ");
     }
     tail.extend_from_slice(b"\"stream\": false");
-    if capture_tokens {
+    if capture {
         tail.extend_from_slice(b", \"return_token_ids\": true, \"logprobs\": true");
     }
     tail.push(b'}');
     Some((head, tail))
 }
 
-/// [`upstream_tail`] of a Chat Completions body, read as the data plane reads a call's body
+/// [`upstream_tail`] of a body, read as the data plane reads a call's body
 /// (its depth check, then its top-level fields when it is strict UTF-8).
 #[must_use]
-pub fn body_tail(raw: &[u8], capture_tokens: bool, max_digits: usize) -> Option<(usize, Vec<u8>)> {
-    let checked = crate::depth::check(raw, false).ok()?;
+pub fn body_tail(raw: &[u8], route: Route, max_digits: usize) -> Option<(usize, Vec<u8>)> {
+    let checked = crate::depth::check(raw, route == Route::Messages).ok()?;
     let fields: Option<Vec<(String, usize, usize)>> = if checked.utf8 {
         engine::json::scan::fields(raw).map(|found| {
             found
@@ -102,7 +142,7 @@ pub fn body_tail(raw: &[u8], capture_tokens: bool, max_digits: usize) -> Option<
     } else {
         None
     };
-    upstream_tail(raw, &checked, fields.as_deref(), capture_tokens, max_digits)
+    upstream_tail(raw, &checked, fields.as_deref(), route, max_digits)
 }
 
 #[cfg(test)]
@@ -110,7 +150,7 @@ mod tests {
     use super::*;
 
     fn tail(raw: &[u8], capture_tokens: bool) -> Option<String> {
-        let (head, tail) = body_tail(raw, capture_tokens, 4300)?;
+        let (head, tail) = body_tail(raw, Route::Chat { capture_tokens }, 4300)?;
         let mut sent = raw[..head].to_vec();
         sent.extend_from_slice(&tail);
         Some(String::from_utf8(sent).unwrap())
@@ -163,5 +203,28 @@ mod tests {
         assert!(tail(raw.as_bytes(), false).is_some());
         let raw = format!("{{{MESSAGES}, \"n\": 1}}");
         assert!(tail(raw.as_bytes(), true).is_some());
+    }
+
+    #[test]
+    fn an_anthropic_call_gets_the_stream_field_only() {
+        let anthropic = |raw: &str| {
+            let (head, tail) = body_tail(raw.as_bytes(), Route::Messages, 4300)?;
+            Some(format!(
+                "{}{}",
+                &raw[..head],
+                String::from_utf8(tail).unwrap()
+            ))
+        };
+        let raw = format!("{{\"system\": \"be brief\", {MESSAGES}, \"n\": 2, \"logprobs\": 1}}");
+        assert_eq!(
+            anthropic(&raw).unwrap(),
+            format!("{{\"system\": \"be brief\", {MESSAGES}, \"n\": 2, \"logprobs\": 1, \"stream\": false}}")
+        );
+        for body in [
+            format!("{{\"system\": 1, {MESSAGES}}}"),
+            format!("{{{MESSAGES}, \"stream\": false}}"),
+        ] {
+            assert_eq!(anthropic(&body), None, "{body}");
+        }
     }
 }

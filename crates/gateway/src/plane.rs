@@ -117,22 +117,57 @@ pub struct DirectLane {
     pub capture_tokens: bool,
     /// The control plane's digit limit for ints (0: none).
     pub max_digits: usize,
-    /// The headers of the upstream call, as the control plane sends them.
-    pub headers: Vec<(String, String)>,
+    /// The headers of the upstream call, as the control plane sends them, for Chat
+    /// Completions and for Anthropic's messages: a name with no value is the call's own
+    /// (its first value, if it has one).
+    pub chat_headers: Vec<(String, Option<String>)>,
+    pub messages_headers: Vec<(String, Option<String>)>,
     /// The ack ledger a call's line goes to before its reply (none: the server keeps no
     /// data directory, and no line).
     pub ledger: Option<Arc<Ledger>>,
 }
 
 impl DirectLane {
+    fn route(&self, anthropic: bool) -> direct::Route {
+        if anthropic {
+            direct::Route::Messages
+        } else {
+            direct::Route::Chat {
+                capture_tokens: self.capture_tokens,
+            }
+        }
+    }
+
     /// The upstream body's tail of a call that takes the lane ([`direct::upstream_tail`]).
     fn tail(
         &self,
         raw: &[u8],
         checked: &depth::Checked,
         fields: Option<&[(String, usize, usize)]>,
+        anthropic: bool,
     ) -> Option<(usize, Vec<u8>)> {
-        direct::upstream_tail(raw, checked, fields, self.capture_tokens, self.max_digits)
+        let route = self.route(anthropic);
+        direct::upstream_tail(raw, checked, fields, route, self.max_digits)
+    }
+
+    /// The upstream call's headers for a call with these `headers` (names lowercased), as
+    /// the control plane makes them (a value of the call's is read as Latin-1).
+    fn headers(&self, anthropic: bool, headers: &[(String, Bytes)]) -> Vec<(String, String)> {
+        let template = if anthropic {
+            &self.messages_headers
+        } else {
+            &self.chat_headers
+        };
+        template
+            .iter()
+            .filter_map(|(name, value)| match value {
+                Some(value) => Some((name.clone(), value.clone())),
+                None => headers
+                    .iter()
+                    .find(|(n, _)| n == name)
+                    .map(|(_, v)| (name.clone(), v.iter().map(|&b| char::from(b)).collect())),
+            })
+            .collect()
     }
 }
 
@@ -865,8 +900,8 @@ impl<C: Control> Shared<C> {
         };
         let fields = if checked.utf8 { fields(&raw) } else { None };
         let direct = match &self.config.direct {
-            Some(lane) if !anthropic && handle.is_some() => {
-                lane.tail(&raw, &checked, fields.as_deref())
+            Some(lane) if handle.is_some() => {
+                lane.tail(&raw, &checked, fields.as_deref(), anthropic)
             }
             _ => None,
         };
@@ -934,13 +969,10 @@ impl<C: Control> Shared<C> {
         let Some(content) = upstream_body(sent, own, Bytes::from(tail)) else {
             return internal_error();
         };
-        let answer = self
-            .upstream("/v1/chat/completions", content, &lane.headers, t0)
-            .await;
-        let strip = Strip {
-            token_ids: lane.capture_tokens,
-            logprobs: lane.capture_tokens,
-        };
+        let route = lane.route(call.anthropic);
+        let headers = lane.headers(call.anthropic, &call.headers);
+        let answer = self.upstream(route.path(), content, &headers, t0).await;
+        let strip = route.strip();
         let made = (answer.error.is_none() && (200..300).contains(&answer.status))
             .then(|| sse::answer_reply(&answer.body, strip))
             .flatten()
