@@ -3157,12 +3157,12 @@ class RustDataPlane:
         line: str,
     ) -> _Call:
         """A call of the engine's direct lane, as the recorder hands it over: with `--ack
-        fast`, a Chat Completions call that `prepare` would send upstream as the client's
-        bytes with the server's fields appended, the engine sends and answers itself, with no
-        callback on the way (`crates/gateway/src/direct.rs` says which calls): a complete
-        answer that is one JSON object is replied to from its bytes (as `_answer_later`
-        replies), its ledger line written first (`line`: `written`, `failed` or `retired`, see
-        `Sessions.answered`), its turn queued. Here it becomes what a prepared call is: its
+        fast`, a model call (Chat Completions or Anthropic's) that `prepare` would send
+        upstream as the client's bytes with the server's fields appended, the engine sends
+        and answers itself, with no callback on the way (`crates/gateway/src/direct.rs` says
+        which calls): a complete answer that is one JSON object is replied to from its bytes
+        (as `_answer_later` replies), its ledger line written first (`line`: `written`,
+        `failed` or `retired`, see `Sessions.answered`), its turn queued. Here it becomes what a prepared call is: its
         clock, its plan (made from its body when its turn is, `_direct_plan`), the turn told
         of as answered; the recorder then records it as any. `args` are `prepare`'s;
         `session` is the one the call's key opened when it arrived (deleted since, it is
