@@ -3162,11 +3162,11 @@ class RustDataPlane:
         and answers itself, with no callback on the way (`crates/gateway/src/direct.rs` says
         which calls): a complete answer that is one JSON object is replied to from its bytes
         (as `_answer_later` replies), its ledger line written first (`line`: `written`,
-        `failed` or `retired`, see `Sessions.answered`), its turn queued. Here it becomes what a prepared call is: its
-        clock, its plan (made from its body when its turn is, `_direct_plan`), the turn told
-        of as answered; the recorder then records it as any. `args` are `prepare`'s;
-        `session` is the one the call's key opened when it arrived (deleted since, it is
-        still the call's, as a prepared call's plan holds it)."""
+        `failed` or `retired`, see `Sessions.answered`), its turn queued. Here it becomes
+        what a prepared call is: its clock, its plan (made from its body when its turn is,
+        `_direct_plan`), the turn told of as answered; the recorder then records it as any.
+        `args` are `prepare`'s; `session` is the one the call's key opened when it arrived
+        (deleted since, it is still the call's, as a prepared call's plan holds it)."""
         anthropic = args[0]
         headers, body, received_us, depth, shape, utf8, fields, digits = args[3:]
         server = self._server
