@@ -569,8 +569,9 @@ class Ledger:
     data plane's direct lane (`gateway::ledger::Ledger`), one `write` a line."""
 
     def __new__(cls) -> Ledger: ...
-    def open(self, path: str | os.PathLike[str]) -> None:
-        """Open `path` for appending (created 0600 if missing), unless a file is open already."""
+    def open(self, path: str | os.PathLike[str], header: bytes) -> None:
+        """Open `path` for appending (created 0600 if missing), unless a file is open already,
+        `header` written first (no line of the direct lane comes before it)."""
     @property
     def is_open(self) -> bool:
         """Whether a file is open."""

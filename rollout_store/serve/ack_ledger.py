@@ -188,12 +188,20 @@ class AckLedger:
         `_append`)."""
         self._append(["a", session_id], turns, gone)
 
-    def applied(self, session_id: str, written: bool) -> None:
+    def applied(
+        self, session_id: str, written: bool, gone: Callable[[], bool] | None = None
+    ) -> None:
         """The direct lane answered a turn of `session_id` before it is recorded: its `a`
-        line is in the file (`written`), or its write failed (counted in `errors`)."""
+        line is in the file (`written`), or its write failed (counted in `errors`). `gone`:
+        whether the session was deleted since (its line came before its `n` line, which
+        ended its count: a rewrite must not carry it to a session made again under its
+        id)."""
         with self._lock:
             if not written:
                 self.errors += 1
+                return
+            if gone is not None and gone():
+                self.file.applied()
                 return
             line = ["a", session_id]
             _apply(self._tallies, line)
@@ -243,14 +251,13 @@ class AckLedger:
         """Open the file (under the lock); a new one begins with the counts every later
         line starts from (no turn is recorded in fast mode before its `a` line, so none is
         on its way now)."""
-        fresh = not self.path.exists()
-        self.file.open(self.path)
-        if fresh and turns is not None:
+        header = ""
+        if not self.path.exists() and turns is not None:
             bases = {sid: n for sid, n in sorted(turns().items()) if n}
             self._tallies = {sid: SessionTally(base=n) for sid, n in bases.items()}
             header = "".join(f"b {sid} {n}\n" for sid, n in bases.items())
-            if header:
-                self.file.append(header.encode("ascii"))
+        # (the header written as the file opens: the lane writes to it from then on)
+        self.file.open(self.path, header.encode("ascii"))
 
     def _compact(self) -> None:
         """Rewrite the ledger as the sum of its lines (the same counts, a line or three per

@@ -3132,7 +3132,8 @@ class RustDataPlane:
             with self._streams_lock:
                 self._streams.setdefault(session.session_id, []).append(call)
                 # (the direct lane leaves the session's calls to `waits` meanwhile)
-                self._engine.stream_begun(session.session_id)
+                with contextlib.suppress(RuntimeError):  # (the engine stopped)
+                    self._engine.stream_begun(session.session_id)
         upstream = (plan.head, plan.content)
         return call, plan.path, upstream, list(plan.headers.items()), stream
 
@@ -3155,7 +3156,7 @@ class RustDataPlane:
         answer: bytes,
         stamps: tuple[int, int, int],
         line: str,
-    ) -> _Call:
+    ) -> _Call | None:
         """A call of the engine's direct lane, as the recorder hands it over: with `--ack
         fast`, a model call (Chat Completions or Anthropic's) that `prepare` would send
         upstream as the client's bytes with the server's fields appended, the engine sends
@@ -3166,28 +3167,36 @@ class RustDataPlane:
         what a prepared call is: its clock, its plan (made from its body when its turn is,
         `_direct_plan`), the turn told of as answered; the recorder then records it as any.
         `args` are `prepare`'s; `session` is the one the call's key opened when it arrived
-        (deleted since, it is still the call's, as a prepared call's plan holds it)."""
+        (deleted since, it is still the call's, as a prepared call's plan holds it). None:
+        the call could not be made one, its turn counted as dropped (`record_error`)."""
         anthropic = args[0]
         headers, body, received_us, depth, shape, utf8, fields, digits = args[3:]
         server = self._server
-        if session.damaged is not None:
-            # (its turn fails to record, counted; the session's later calls are prepared,
-            # and refused before they go upstream)
-            self._sessions.announce(session)
         clock = CallClock()
         clock.received = received_us
         clock.upstream_sent, clock.first_byte, clock.last_byte = stamps
-        within = digits is not None and (not server.max_digits or digits <= server.max_digits)
-        checked = _Checked(depth, shape, utf8, within)
-        call = _Call(
-            _direct_plan(server, anthropic, session, clock, headers, body, checked, fields)
-        )
-        clock.failed, session.failed = session.failed, 0
-        call.answer = answer
+        # told of first (its ledger line counted): whatever follows, the turn is recorded
+        # or counted as dropped
         server.sessions.answered(session, clock, line)
-        # an export waits for its timeline from its answer on (the reply went out then)
-        answered_ago = max(0.0, time.time() - (received_us + clock.last_byte) / 1e6)
-        server.timing(session, clock, time.monotonic() - answered_ago)
+        try:
+            if session.damaged is not None:
+                # (its turn fails to record, counted; the session's later calls are
+                # prepared, and refused before they go upstream)
+                self._sessions.announce(session)
+            limit = server.max_digits
+            within = digits is not None and (not limit or digits <= limit)
+            checked = _Checked(depth, shape, utf8, within)
+            call = _Call(
+                _direct_plan(server, anthropic, session, clock, headers, body, checked, fields)
+            )
+            clock.failed, session.failed = session.failed, 0
+            call.answer = answer
+            # an export waits for its timeline from its answer on (the reply went out then)
+            answered_ago = max(0.0, time.time() - (received_us + clock.last_byte) / 1e6)
+            server.timing(session, clock, time.monotonic() - answered_ago)
+        except Exception:  # whatever it is: the client has its reply, the turn is counted
+            server._drop(session, "record_error", clock)
+            return None
         return call
 
     def waits(self, call: _Call) -> bool:

@@ -492,7 +492,9 @@ class Sessions:
         if line is None:
             self.ledger.answered(session.session_id, self._turn_counts, lambda: session.closed)
         elif line != "retired":
-            self.ledger.applied(session.session_id, written=line == "written")
+            self.ledger.applied(
+                session.session_id, written=line == "written", gone=lambda: session.closed
+            )
 
     def ledger_file(self) -> Ledger | None:
         """The ack ledger's file appender (`--ack fast`: the Rust data plane's direct lane

@@ -289,3 +289,53 @@ def test_the_lane_sends_the_headers_and_bytes_prepare_sends(
     assert seen[1][1]["anthropic-version"] == "2023-06-01"
     assert seen[1][1]["x-api-key"] == "the-upstream-key"
     assert seen[0][1]["authorization"] == "Bearer the-upstream-key"
+
+
+def test_a_lane_line_of_a_session_deleted_before_its_adoption_is_not_carried_to_its_successor(
+    stub: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lane call answered (its `a` line written) whose session is deleted, and made again
+    under its id, before the recorder hands the call over: the line ended with the deleted
+    session (its `n` line came after it), so a rewrite of the ledger does not carry it to
+    the new session, and the next start counts no turn of the new one as lost."""
+    import threading
+
+    from rollout_store.serve import ack_ledger
+
+    monkeypatch.setattr(ack_ledger, "COMPACT_BYTES", 40)
+    gate, waiting = threading.Event(), threading.Event()
+    adopt = RustDataPlane.adopt
+
+    def gated(self: RustDataPlane, *args: Any) -> Any:
+        if args[0][4].find(b"held") >= 0:  # (the body: the one call held back)
+            waiting.set()
+            gate.wait(20)
+        return adopt(self, *args)
+
+    monkeypatch.setattr(RustDataPlane, "adopt", gated)
+
+    def call(url: str, key: str, text: str) -> int:
+        body = {"model": "m", "messages": [{"role": "user", "content": text}]}
+        headers = {"authorization": f"Bearer {key}"}
+        return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers).status_code
+
+    app = create_app(stub, data=tmp_path, fsync="never", ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane="rust") as url:
+        old = new_session(url, session_id="again")["api_key"]
+        assert call(url, old, "first") == 200  # (the ledger opened by a prepared call)
+        assert call(url, old, "held") == 200  # its line written, its adoption held
+        assert waiting.wait(10)
+        admin = {"authorization": f"Bearer {ADMIN_KEY}"}
+        assert httpx.delete(f"{url}/sessions/again", headers=admin).status_code == 200
+        new = new_session(url, session_id="again")["api_key"]
+        gate.set()
+        for i in range(3):  # (lines past the bound: the ledger rewritten)
+            assert call(url, new, f"new {i}") == 200
+        info = httpx.get(f"{url}/sessions/again", headers=auth("again")).json()
+    assert (info["turns"], info["dropped"]) == (3, 0)
+    again = create_app(stub, data=tmp_path, admin_key=ADMIN_KEY)
+    with serve_app(again, data_plane="rust") as url:
+        info = httpx.get(f"{url}/sessions/again", headers=auth("again")).json()
+        health = httpx.get(f"{url}/health").json()
+    assert (info["turns"], info["dropped"]) == (3, 0), info
+    assert health["dropped_by"]["killed"] == 0, health["dropped_by"]

@@ -688,10 +688,11 @@ impl PyLedger {
         }
     }
 
-    /// Open `path` for appending (created 0600 if missing), unless a file is open already.
+    /// Open `path` for appending (created 0600 if missing), unless a file is open already,
+    /// `header` written first (no line of the direct lane comes before it).
     #[allow(clippy::needless_pass_by_value)] // PyO3 extracts a path as an owned PathBuf
-    fn open(&self, path: std::path::PathBuf) -> PyResult<()> {
-        Ok(self.inner.open(&path)?)
+    fn open(&self, path: std::path::PathBuf, header: &[u8]) -> PyResult<()> {
+        Ok(self.inner.open(&path, header)?)
     }
 
     /// Whether a file is open.

@@ -56,14 +56,20 @@ impl Ledger {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Open `path` for appending (created `0600` if missing) unless a file is open already.
+    /// Open `path` for appending (created `0600` if missing) unless a file is open already,
+    /// `header` written first (the counts a new ledger begins with): no line of the lane can
+    /// come before it.
     ///
     /// # Errors
-    /// The file cannot be opened.
-    pub fn open(&self, path: &Path) -> io::Result<()> {
+    /// The file cannot be opened, or the header written (the ledger stays closed).
+    pub fn open(&self, path: &Path, header: &[u8]) -> io::Result<()> {
         let mut state = self.state();
         if state.file.is_none() {
-            state.file = Some(append_to(path)?);
+            let mut file = append_to(path)?;
+            if !header.is_empty() {
+                write_line(&mut file, header)?;
+            }
+            state.file = Some(file);
         }
         Ok(())
     }
@@ -173,7 +179,7 @@ mod tests {
         let ledger = Ledger::new();
         let alive = AtomicBool::new(true);
         assert_eq!(ledger.answered("s", &alive), Answered::Closed);
-        ledger.open(&path).unwrap();
+        ledger.open(&path, b"").unwrap();
         let mode = std::fs::metadata(&path).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
         ledger.append(b"b s 0\n").unwrap();

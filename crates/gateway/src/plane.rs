@@ -993,11 +993,18 @@ impl<C: Control> Shared<C> {
         if self.streaming(&session) {
             return self.finish_late(call, answer, t0).await;
         }
+        // its place in the queue first: a call that finds the queue full goes the prepared
+        // way (its drop counted there), so no line is written for a turn that is not queued
+        if !self.pending.add(self.config.ack_queue) {
+            return self.finish_late(call, answer, t0).await;
+        }
         let ledger_line = match &lane.ledger {
             Some(ledger) => ledger.answered(&session, &handle.alive),
             None => Answered::Written,
         };
         if ledger_line == Answered::Closed {
+            self.pending.taken();
+            self.pending.done();
             return self.finish_late(call, answer, t0).await;
         }
         let direct = Direct {
@@ -1008,15 +1015,17 @@ impl<C: Control> Shared<C> {
             first_byte: answer.first_byte,
             last_byte: answer.last_byte,
         };
-        let Some(ticket) = self.control.direct(direct) else {
+        // (from the line to the queue, nothing waits: a stop cannot cut the call between)
+        let ticket = self.control.direct(direct).map(Arc::new);
+        if !ticket
+            .as_ref()
+            .is_some_and(|t| self.send(Job::Record(t.clone())))
+        {
+            // (no control of the lane, or a queue closed by an abandoned gateway: its line
+            // is counted at the next start, as an abandoned gateway's queued turns are)
+            self.pending.taken();
+            self.pending.done();
             return internal_error();
-        };
-        let ticket = Arc::new(ticket);
-        if let Err(why) = self.queue_if(true, &ticket) {
-            let held = ticket.clone();
-            if self.call(move |c| c.dropped(&held, why)).await.is_none() {
-                return internal_error();
-            }
         }
         let reply = Reply {
             status: 200,
@@ -1034,7 +1043,7 @@ impl<C: Control> Shared<C> {
             stream: false,
         };
         // (its timeline recorded once the reply is sent, as a queued call's is)
-        self.reply(reply, t0, Some(ticket))
+        self.reply(reply, t0, ticket)
     }
 
     /// A call the upstream answered before the control prepared it (the direct lane): it is
