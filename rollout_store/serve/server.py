@@ -2875,6 +2875,37 @@ def _continues(later: Any, earlier: Any) -> bool:
     return False
 
 
+#: What the engine's reading of a body found (see `RustDataPlane.prepare`): `(depth, shape,
+#: utf8, digits, fields)`.
+_EngineRead = tuple[bool, bool, bool, int | None, list[tuple[str, int, int]] | None]
+
+
+def _engine_plan(
+    server: _Server,
+    anthropic: bool,
+    headers: list[tuple[str, bytes]],
+    session: Session,
+    body: bytes,
+    clock: CallClock,
+    read: _EngineRead,
+) -> _Plan:
+    """`server.plan` of a call the Rust data plane read (its headers as it gives them, and
+    what its reading of the body found), or its `_Refusal`."""
+    depth, shape, utf8, digits, fields = read
+    limit = server.max_digits
+    within = digits is not None and (not limit or digits <= limit)
+    return server.plan(
+        anthropic,
+        _header_map(headers),
+        session,
+        body,
+        clock,
+        passthrough=True,
+        checked=_Checked(depth, shape, utf8, within),
+        fields=fields,
+    )
+
+
 def _direct_plan(
     server: _Server,
     anthropic: bool,
@@ -2882,8 +2913,7 @@ def _direct_plan(
     clock: CallClock,
     headers: list[tuple[str, bytes]],
     body: bytes,
-    checked: _Checked,
-    fields: list[tuple[str, int, int]] | None,
+    read: _EngineRead,
 ) -> _Plan:
     """The plan of a call the engine sent upstream itself (`RustDataPlane.adopt`): its
     session and clock now; what makes its turn (`server.plan` of its body, as `prepare` would
@@ -2892,18 +2922,7 @@ def _direct_plan(
 
     def plan() -> _Plan:
         if not made:
-            made.append(
-                server.plan(
-                    anthropic,
-                    _header_map(headers),
-                    session,
-                    body,
-                    clock,
-                    passthrough=True,
-                    checked=checked,
-                    fields=fields,
-                )
-            )
+            made.append(_engine_plan(server, anthropic, headers, session, body, clock, read))
         return made[0]
 
     def make_turn(response: dict[str, Any]) -> TurnNode:
@@ -3108,21 +3127,8 @@ class RustDataPlane:
         server = self._server
         try:
             session = server._session(key, session_id)
-            plan = server.plan(
-                anthropic,
-                _header_map(headers),
-                session,
-                body,
-                clock,
-                passthrough=True,
-                checked=_Checked(
-                    depth,
-                    shape,
-                    utf8,
-                    digits is not None and (not server.max_digits or digits <= server.max_digits),
-                ),
-                fields=fields,
-            )
+            read = (depth, shape, utf8, digits, fields)
+            plan = _engine_plan(server, anthropic, headers, session, body, clock, read)
         except _Refusal as refusal:
             return None, _reply(_failure(anthropic, refusal))
         call = _Call(plan)
@@ -3183,12 +3189,8 @@ class RustDataPlane:
                 # (its turn fails to record, counted; the session's later calls are
                 # prepared, and refused before they go upstream)
                 self._sessions.announce(session)
-            limit = server.max_digits
-            within = digits is not None and (not limit or digits <= limit)
-            checked = _Checked(depth, shape, utf8, within)
-            call = _Call(
-                _direct_plan(server, anthropic, session, clock, headers, body, checked, fields)
-            )
+            read = (depth, shape, utf8, digits, fields)
+            call = _Call(_direct_plan(server, anthropic, session, clock, headers, body, read))
             clock.failed, session.failed = session.failed, 0
             call.answer = answer
             # an export waits for its timeline from its answer on (the reply went out then)

@@ -839,8 +839,11 @@ impl<C: Control> Shared<C> {
 
     /// Whether `session` has a stream passing through whose turn is not queued yet.
     fn streaming(&self, session: &str) -> bool {
-        let streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
-        streams.get(session).is_some_and(|&n| n > 0)
+        self.streams().get(session).is_some_and(|&n| n > 0)
+    }
+
+    fn streams(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, usize>> {
+        self.streams.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The session `key` opens and the control's handle of it, when the key table knows it.
@@ -1753,21 +1756,16 @@ impl<C: Control> Gateway<C> {
     /// A stream of `session` passes through, its turn not queued yet (the control's count:
     /// the direct lane leaves the session's calls to `waits` meanwhile).
     pub fn stream_begun(&self, session: &str) {
-        let mut streams = self
+        *self
             .shared
-            .streams
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        *streams.entry(session.to_string()).or_default() += 1;
+            .streams()
+            .entry(session.to_string())
+            .or_default() += 1;
     }
 
     /// One such stream's turn is queued (or let go).
     pub fn stream_ended(&self, session: &str) {
-        let mut streams = self
-            .shared
-            .streams
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut streams = self.shared.streams();
         if let Some(n) = streams.get_mut(session) {
             *n -= 1;
             if *n == 0 {
