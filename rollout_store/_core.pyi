@@ -580,11 +580,12 @@ class Ledger:
     def append(self, data: bytes) -> None:
         """Append `data` (whole lines) in one `write`; `OSError` when no file is open or the
         write fails."""
-    def replace(self, fresh: str | os.PathLike[str], path: str | os.PathLike[str]) -> bool:
+    def replace(self, fresh: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
         """Put `fresh` (the rewritten ledger, synced whole) in place of `path` and append to it
-        from now on, when every line the direct lane wrote is applied; whether it was."""
-    def applied(self) -> None:
-        """One more of the direct lane's lines is known to the control plane."""
+        from now on, the direct lane's lines not applied yet appended to it first (a deleted
+        session's not)."""
+    def applied(self, session: str) -> None:
+        """One more of the direct lane's lines, of `session`, is known to the control plane."""
     @property
     def unapplied(self) -> int:
         """The direct lane's lines the control plane does not know yet."""

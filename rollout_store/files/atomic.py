@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import secrets
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +29,15 @@ from typing import IO
 
 from ..errors import FileLockedError, FileWriteError, RolloutStoreError
 
-__all__ = ["FILE_MODE", "create_private", "fsync_dir", "lock_log", "replace_file", "write_error"]
+__all__ = [
+    "FILE_MODE",
+    "create_private",
+    "fsync_dir",
+    "lock_log",
+    "replace_file",
+    "write_beside",
+    "write_error",
+]
 
 #: The mode of every file the library creates: its owner reads and writes it, nobody else.
 FILE_MODE = 0o600
@@ -37,6 +46,22 @@ FILE_MODE = 0o600
 def create_private(path: str | os.PathLike[str], flags: int) -> int:
     """`os.open(path, flags)`, creating the file with `FILE_MODE` if it is missing."""
     return os.open(path, flags | os.O_CREAT, FILE_MODE)
+
+
+def write_beside(path: Path, data: bytes) -> Path:
+    """A new file beside `path` (a unique hidden name, `FILE_MODE`) holding `data`, synced:
+    what a rename then puts in place whole. Removed again when writing it fails."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with os.fdopen(create_private(tmp, os.O_WRONLY | os.O_EXCL), "wb") as fp:
+            fp.write(data)
+            fp.flush()
+            os.fsync(fp.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return tmp
 
 
 def fsync_dir(path: Path) -> None:

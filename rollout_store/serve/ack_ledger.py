@@ -27,15 +27,14 @@ line that does not parse (the tail of a file a power loss cut) is skipped.
 Every line goes to the file through one appender, the engine's `_core.Ledger` (one
 descriptor, one lock, one `write` a line), which the Rust data plane's direct lane shares: it
 writes a call's `a SID` itself before its reply, with no Python on the way, and the ledger
-learns of that line when the recorder hands it the call (`applied`). A rewrite is put in
-place only when every such line is known here (`Ledger.replace`); until then it waits.
+learns of that line when the recorder hands it the call (`applied`). A rewrite holds the
+counts known here; the lane's lines not known yet are appended to it before it is put in
+place (`Ledger.replace`), so a rewrite never waits for the lane.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import secrets
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -43,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._core import Ledger
-from ..files.atomic import create_private, fsync_dir
+from ..files.atomic import fsync_dir, write_beside
 
 __all__ = ["KILLED", "LEDGER_NAME", "AckLedger", "SessionTally", "read_ledger"]
 
@@ -200,13 +199,11 @@ class AckLedger:
             if not written:
                 self.errors += 1
                 return
+            self.file.applied(session_id)
             if gone is not None and gone():
-                self.file.applied()
                 return
-            line = ["a", session_id]
-            _apply(self._tallies, line)
+            _apply(self._tallies, ["a", session_id])
             self._appended += len(session_id) + 3
-            self.file.applied()
             if self._appended >= COMPACT_BYTES:
                 self._compact()
 
@@ -261,24 +258,20 @@ class AckLedger:
 
     def _compact(self) -> None:
         """Rewrite the ledger as the sum of its lines (the same counts, a line or three per
-        session): what the file says is unchanged, whenever it is cut. Put in place only
-        when every line the direct lane wrote is known here; else tried again later."""
-        if self.file.unapplied:
-            return  # (a line of the lane not known here: the next append tries again)
-        fresh = self.path.with_name(f".{self.path.name}.{secrets.token_hex(4)}.tmp")
+        session), the direct lane's lines not known here yet appended: what the file says is
+        unchanged, whenever it is cut."""
         try:
-            with os.fdopen(create_private(fresh, os.O_WRONLY | os.O_EXCL), "wb") as fp:
-                fp.write(_lines(self._tallies))
-                fp.flush()
-                os.fsync(fp.fileno())
-            if self.file.replace(fresh, self.path):
-                self._appended = 0
-                fsync_dir(self.path)
-                return
+            fresh = write_beside(self.path, _lines(self._tallies))
         except OSError:
-            pass  # a failed rewrite leaves the file as it was
-        with contextlib.suppress(OSError):
-            fresh.unlink()
+            return  # a failed rewrite leaves the file as it was
+        try:
+            self.file.replace(fresh, self.path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                fresh.unlink()
+            return
+        self._appended = 0
+        fsync_dir(self.path)
 
     def close(self) -> None:
         """No more lines: the server stopped (a call still finishing then has no answer to

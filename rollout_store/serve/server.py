@@ -3185,10 +3185,6 @@ class RustDataPlane:
         # or counted as dropped
         server.sessions.answered(session, clock, line)
         try:
-            if session.damaged is not None:
-                # (its turn fails to record, counted; the session's later calls are
-                # prepared, and refused before they go upstream)
-                self._sessions.announce(session)
             read = (depth, shape, utf8, digits, fields)
             call = _Call(_direct_plan(server, anthropic, session, clock, headers, body, read))
             clock.failed, session.failed = session.failed, 0

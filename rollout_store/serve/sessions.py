@@ -52,7 +52,7 @@ from ..errors import (
     StoreUnavailableError,
 )
 from ..export.document import held_capture_level
-from ..files.atomic import create_private
+from ..files.atomic import write_beside
 from ..files.storage import RolloutGraph, verify
 from ..metadata import GraphMeta
 from ..stores.content import ContentStore, StringCache
@@ -108,6 +108,23 @@ def clean_session_id(value: Any) -> str | None:
     return None
 
 
+class _Opener:
+    """How a session's graph is opened (`Sessions._open_graph`), and who hears that it was
+    found damaged (`Sessions.announce`: the Rust data plane's key table then sends its calls
+    the prepared way, refused before they go upstream). One small object a session."""
+
+    __slots__ = ("session_id", "sessions")
+
+    def __init__(self, sessions: Sessions, session_id: str) -> None:
+        self.sessions, self.session_id = sessions, session_id
+
+    def __call__(self) -> RolloutGraph:
+        return self.sessions._open_graph(self.session_id)
+
+    def damaged(self, session: Session) -> None:
+        self.sessions.announce(session)
+
+
 @dataclass(slots=True)  # no instance dict: a server holds one per session, idle or not
 class Session:
     """One rollout: its key, its graph (opened on demand) and bookkeeping.
@@ -119,7 +136,7 @@ class Session:
 
     session_id: str
     api_key: str
-    opener: Callable[[], RolloutGraph]
+    opener: _Opener
     metadata: dict[str, Any] = field(default_factory=dict)
     group: str | None = None  # the group (a GRPO group) it belongs to; its graph's too
     created_at: float = field(default_factory=time.time)
@@ -158,18 +175,22 @@ class Session:
     def graph(self) -> RolloutGraph:
         """The session's graph, reopened from its log if it was let go."""
         with self._lock:
-            if self._graph is None:
-                if self._closed:  # a call in flight when it was deleted records nowhere
-                    raise SessionError(f"session {self.session_id!r} was deleted")
-                if self.damaged is not None:
-                    raise SessionDamagedError(self.damaged)
-                try:
-                    self._graph = self.opener()
-                except SessionDamagedError as exc:
-                    self.damaged = str(exc)
-                    raise
+            if self._graph is not None:
+                return self._graph
+            if self._closed:  # a call in flight when it was deleted records nowhere
+                raise SessionError(f"session {self.session_id!r} was deleted")
+            if self.damaged is not None:
+                raise SessionDamagedError(self.damaged)
+            try:
+                self._graph = self.opener()
+            except SessionDamagedError as exc:
+                self.damaged = str(exc)
+                found = exc
+            else:
                 self._counts = None
-            return self._graph
+                return self._graph
+        self.opener.damaged(self)  # (outside the lock: it takes the registry's)
+        raise found
 
     def key_matches(self, key: str) -> bool:
         """Whether `key` is this session's API key (compared in constant time)."""
@@ -302,13 +323,9 @@ def _counts(graph: RolloutGraph) -> dict[str, Any]:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     """Write `path` whole or not at all, readable by its owner only (it holds a key)."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    # 0600 (`atomic.FILE_MODE`): a session file holds the session's API key
+    tmp = write_beside(path, data)
     try:
-        # 0600 (`atomic.FILE_MODE`): a session file holds the session's API key
-        with os.fdopen(create_private(tmp, os.O_WRONLY | os.O_EXCL), "wb") as fp:
-            fp.write(data)
-            fp.flush()
-            os.fsync(fp.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -418,8 +435,8 @@ class Sessions:
             raise SessionError(f"session id {session_id!r} names a path outside the data directory")
         return path
 
-    def _opener(self, session_id: str) -> Callable[[], RolloutGraph]:
-        return lambda: self._open_graph(session_id)
+    def _opener(self, session_id: str) -> _Opener:
+        return _Opener(self, session_id)
 
     def _open_graph(self, session_id: str) -> RolloutGraph:
         """The one place a session's graph is made (the content store joins here)."""
@@ -684,8 +701,8 @@ class Sessions:
                     watcher(session.api_key, session)
 
     def announce(self, session: Session) -> None:
-        """Tell the key watcher of `session` again (its state changed: it was found damaged),
-        if it is still the one its id names."""
+        """Tell the key watcher of `session` again (its state changed: it was found damaged,
+        see `_Opener`), if it is still the one its id names."""
         with self._lock:
             if self._key_watcher is not None and self._by_id.get(session.session_id) is session:
                 self._key_watcher(session.api_key, session)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any
 
 import httpx
@@ -52,6 +53,13 @@ def _body(members: list[tuple[str, Any]], spaced: bool) -> bytes:
     # (keys as UTF-8: an escaped key is read by `prepare` alone)
     items = sep.join(f"{json.dumps(k, ensure_ascii=False)}: {json.dumps(v)}" for k, v in members)
     return f"{{{items}}}{' ' if spaced else ''}".encode()
+
+
+def _chat(url: str, key: str, text: str, **extra: Any) -> httpx.Response:
+    """A Chat Completions call with `key`: one user message `text`, and `extra` members."""
+    body = {"model": "m", "messages": [{"role": "user", "content": text}], **extra}
+    headers = {"authorization": f"Bearer {key}"}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=20)
 
 
 @pytest.fixture(scope="module")
@@ -132,22 +140,16 @@ def test_the_calls_prepare_would_change_or_refuse_are_prepared(
     app = create_app(stub, ack="fast", admin_key=ADMIN_KEY)
     with serve_app(app, data_plane="rust") as url:
         key = new_session(url, session_id="lane")["api_key"]
-        bearer = {"authorization": f"Bearer {key}"}
-        chat = f"{url}/v1/chat/completions"
         for i in range(3):
-            body = {"model": "m", "messages": [{"role": "user", "content": f"plain {i}"}]}
-            assert httpx.post(chat, json=body, headers=bearer).status_code == 200
+            assert _chat(url, key, f"plain {i}").status_code == 200
         assert counts == {"prepare": 0, "adopt": 3}
-        others = [
+        others: list[dict[str, Any]] = [
             {"stream": False},
             {"stream_options": {"include_usage": True}},
             {"n": 2},
             {"stream": True},
         ]
-        statuses = []
-        for extra in others:
-            body = {"model": "m", "messages": [{"role": "user", "content": "other"}], **extra}
-            statuses.append(httpx.post(chat, json=body, headers=bearer).status_code)
+        statuses = [_chat(url, key, "other", **extra).status_code for extra in others]
         message = {"model": "m", "max_tokens": 5, "messages": MESSAGES}
         answer = httpx.post(f"{url}/v1/messages", json=message, headers={"x-api-key": key})
         statuses.append(answer.status_code)
@@ -159,11 +161,7 @@ def test_the_calls_prepare_would_change_or_refuse_are_prepared(
     app = create_app(stub, ack="durable", admin_key=ADMIN_KEY)
     with serve_app(app, data_plane="rust") as url:
         key = new_session(url, session_id="durable")["api_key"]
-        body = {"model": "m", "messages": MESSAGES}
-        answer = httpx.post(
-            f"{url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}
-        )
-        assert answer.status_code == 200
+        assert _chat(url, key, MESSAGES[0]["content"]).status_code == 200
     assert counts == {"prepare": 1, "adopt": 0}
 
 
@@ -177,13 +175,7 @@ def test_a_call_whose_upstream_fails_is_prepared_then_and_answered_as_ever(
     app = create_app("http://127.0.0.1:9", ack="fast", admin_key=ADMIN_KEY)
     with serve_app(app, data_plane="rust") as url:
         key = new_session(url, session_id="down")["api_key"]
-        body = {"model": "m", "messages": MESSAGES}
-        answer = httpx.post(
-            f"{url}/v1/chat/completions",
-            json=body,
-            headers={"authorization": f"Bearer {key}"},
-            timeout=20,
-        )
+        answer = _chat(url, key, MESSAGES[0]["content"])
         info = httpx.get(f"{url}/sessions/down", headers=auth("down")).json()
     assert answer.status_code == 502
     assert "upstream cannot be reached" in answer.json()["error"]["message"]
@@ -198,7 +190,7 @@ def test_the_lanes_ledger_lines_are_counted_as_the_servers_and_kept_by_a_rewrite
     through the ledger's one appender: the first line of a server (a prepared call's) opens
     the ledger, the lane's follow, and the ledger counts them as its own once the recorder
     hands the calls over; a rewrite (the ledger grown past its bound) keeps every one of
-    them, and is put off while one is not counted yet."""
+    them."""
     from rollout_store.serve import ack_ledger
     from rollout_store.serve.ack_ledger import LEDGER_NAME, read_ledger
 
@@ -207,11 +199,8 @@ def test_the_lanes_ledger_lines_are_counted_as_the_servers_and_kept_by_a_rewrite
     app = create_app(stub, data=tmp_path, fsync="never", ack="fast", admin_key=ADMIN_KEY)
     with serve_app(app, data_plane="rust") as url:
         key = new_session(url, session_id="lane")["api_key"]
-        bearer = {"authorization": f"Bearer {key}"}
         for i in range(12):
-            body = {"model": "m", "messages": [{"role": "user", "content": f"call {i}"}]}
-            answer = httpx.post(f"{url}/v1/chat/completions", json=body, headers=bearer)
-            assert answer.status_code == 200
+            assert _chat(url, key, f"call {i}").status_code == 200
         info = httpx.get(f"{url}/sessions/lane", headers=auth("lane")).json()
         ledger = app.state.server.sessions.ledger
         text = (tmp_path / LEDGER_NAME).read_bytes()
@@ -298,26 +287,13 @@ def test_a_lane_line_of_a_session_deleted_before_its_adoption_is_not_carried_to_
     under its id, before the recorder hands the call over: the line ended with the deleted
     session (its `n` line came after it), so a rewrite of the ledger does not carry it to
     the new session, and the next start counts no turn of the new one as lost."""
-    import threading
-
     from rollout_store.serve import ack_ledger
 
     monkeypatch.setattr(ack_ledger, "COMPACT_BYTES", 40)
-    gate, waiting = threading.Event(), threading.Event()
-    adopt = RustDataPlane.adopt
-
-    def gated(self: RustDataPlane, *args: Any) -> Any:
-        if args[0][4].find(b"held") >= 0:  # (the body: the one call held back)
-            waiting.set()
-            gate.wait(20)
-        return adopt(self, *args)
-
-    monkeypatch.setattr(RustDataPlane, "adopt", gated)
+    gate, waiting = _held_adoption(monkeypatch, b"held")
 
     def call(url: str, key: str, text: str) -> int:
-        body = {"model": "m", "messages": [{"role": "user", "content": text}]}
-        headers = {"authorization": f"Bearer {key}"}
-        return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers).status_code
+        return _chat(url, key, text).status_code
 
     app = create_app(stub, data=tmp_path, fsync="never", ack="fast", admin_key=ADMIN_KEY)
     with serve_app(app, data_plane="rust") as url:
@@ -339,3 +315,115 @@ def test_a_lane_line_of_a_session_deleted_before_its_adoption_is_not_carried_to_
         health = httpx.get(f"{url}/health").json()
     assert (info["turns"], info["dropped"]) == (3, 0), info
     assert health["dropped_by"]["killed"] == 0, health["dropped_by"]
+
+
+def _held_adoption(monkeypatch: pytest.MonkeyPatch, marker: bytes) -> tuple[Any, Any]:
+    """Hold the recorder's adoption of the lane call whose body holds `marker` until the
+    returned gate is set (the other event: it is held now)."""
+    import threading
+
+    gate, waiting = threading.Event(), threading.Event()
+    adopt = RustDataPlane.adopt
+
+    def gated(self: RustDataPlane, *args: Any) -> Any:
+        if args[0][4].find(marker) >= 0:  # (the body)
+            waiting.set()
+            gate.wait(20)
+        return adopt(self, *args)
+
+    monkeypatch.setattr(RustDataPlane, "adopt", gated)
+    return gate, waiting
+
+
+def test_a_rewrite_while_a_lane_line_is_not_counted_yet_keeps_it(
+    stub: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ledger is rewritten (grown past its bound) while the recorder has not handed over
+    a lane call whose line is written: the rewrite carries that line, so the file counts
+    every answered turn at once, and is not put off until the lane pauses."""
+    from rollout_store.serve import ack_ledger
+    from rollout_store.serve.ack_ledger import LEDGER_NAME, read_ledger
+
+    monkeypatch.setattr(ack_ledger, "COMPACT_BYTES", 40)
+    gate, waiting = _held_adoption(monkeypatch, b"held")
+    app = create_app(stub, data=tmp_path, fsync="never", ack="fast", admin_key=ADMIN_KEY)
+    with serve_app(app, data_plane="rust") as url:
+        key = new_session(url, session_id="lane")["api_key"]
+        try:
+            for text, extra in [
+                ("first", {}),
+                ("held", {}),
+                *[(f"p{i}", {"stream": False}) for i in range(8)],
+            ]:
+                assert _chat(url, key, text, **extra).status_code == 200
+                if text == "held":
+                    assert waiting.wait(10)
+            # (the prepared calls' lines, past the bound, rewrote the ledger meanwhile)
+            text = (tmp_path / LEDGER_NAME).read_bytes()
+            unapplied = app.state.server.sessions.ledger.file.unapplied
+        finally:
+            gate.set()
+        info = httpx.get(f"{url}/sessions/lane", headers=auth("lane")).json()
+    assert unapplied == 1
+    assert b"p lane " in text, text  # rewritten
+    assert read_ledger(text)["lane"].pending == 10, text
+    assert (info["turns"], info["dropped"]) == (10, 0)
+
+
+def test_a_session_found_damaged_elsewhere_leaves_the_lane_at_once(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session's graph is found damaged by an export (its idle graph reopened over a
+    damaged object): its next call is prepared and refused before it goes upstream, not sent
+    by the lane and its turn dropped."""
+    from capture_support import Counting
+
+    from rollout_store import DirectoryStore
+    from rollout_store.serve.stub_engine import create_stub_app
+
+    counts = _counting(monkeypatch)
+    counting = Counting(create_stub_app())
+    data, objects = tmp_path / "data", tmp_path / "objects"
+    long_text = "a page of logs, in words. " * 400
+    with serve_app(counting) as engine:
+        app = create_app(
+            engine,
+            data=data,
+            store=DirectoryStore(objects),
+            idle_seconds=0.2,
+            ack="fast",
+            admin_key=ADMIN_KEY,
+        )
+        with serve_app(app, data_plane="rust") as url:
+            key = new_session(url, session_id="hurt")["api_key"]
+            assert _chat(url, key, long_text).status_code == 200
+            state = app.state.sessions.get("hurt")
+            for _ in range(200):
+                if not state.loaded:
+                    break
+                time.sleep(0.05)
+            assert not state.loaded
+            store = DirectoryStore(objects)
+            (path,) = [
+                store.object_path(k)
+                for k in store.keys()  # noqa: SIM118 - a store, not a dict
+                if b"a page of logs" in store.object_path(k).read_bytes()
+            ]
+            original = path.read_bytes()
+            path.write_bytes(original.replace(b"page", b"PAGE", 1))
+            try:
+                app.state.sessions.cache.clear()
+                admin = {"authorization": f"Bearer {ADMIN_KEY}"}
+                exported = httpx.get(f"{url}/sessions/hurt/export", headers=admin, timeout=20)
+                assert exported.status_code == 500, exported.text
+                upstream = counting.calls
+                answer = _chat(url, key, "again")
+                health = httpx.get(f"{url}/health").json()
+            finally:
+                path.write_bytes(original)  # (the graphs built are checked at teardown)
+    assert answer.status_code == 409, answer.text
+    assert "the session cannot record" in answer.text
+    assert counting.calls == upstream  # refused before it went upstream
+    # (the first call prepared: a server's first ledger line, which opens it, is Python's)
+    assert counts == {"prepare": 2, "adopt": 0}
+    assert health["dropped"] == 0, health

@@ -713,20 +713,21 @@ impl PyLedger {
     }
 
     /// Put `fresh` (the rewritten ledger, synced whole) in place of `path` and append to it
-    /// from now on, when every line the direct lane wrote is applied; whether it was.
+    /// from now on, the direct lane's lines not applied yet appended to it first (a deleted
+    /// session's not).
     #[allow(clippy::needless_pass_by_value)] // PyO3 extracts a path as an owned PathBuf
-    fn replace(&self, fresh: std::path::PathBuf, path: std::path::PathBuf) -> PyResult<bool> {
+    fn replace(&self, fresh: std::path::PathBuf, path: std::path::PathBuf) -> PyResult<()> {
         Ok(self.inner.replace(&fresh, &path)?)
     }
 
-    /// One more of the direct lane's lines is known to the control plane.
-    fn applied(&self) {
-        self.inner.applied();
+    /// One more of the direct lane's lines, of `session`, is known to the control plane.
+    fn applied(&self, session: &str) {
+        self.inner.applied(session);
     }
 
     /// The direct lane's lines the control plane does not know yet.
     #[getter]
-    fn unapplied(&self) -> u64 {
+    fn unapplied(&self) -> usize {
         self.inner.unapplied()
     }
 }

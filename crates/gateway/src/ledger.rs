@@ -6,15 +6,17 @@
 //! lane's, goes to the file through this one [`Ledger`]: one descriptor, one lock, one
 //! `write` a line (a killed process leaves whole lines). The lane writes `a SID` before it
 //! replies to a call, with no Python on the way; the control plane learns of that line when
-//! the recorder hands it the call ([`Ledger::applied`]), and rewrites the file only when
-//! every line the lane wrote is known to it ([`Ledger::replace`]).
+//! the recorder hands it the call ([`Ledger::applied`]). A rewrite holds the control plane's
+//! counts, so the lane's lines it does not know yet are appended to the rewritten file
+//! before it is put in place ([`Ledger::replace`]): a rewrite never waits for the lane.
 
+use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 /// The ledger's file mode: it names sessions, readable by its owner only.
 const FILE_MODE: u32 = 0o600;
@@ -22,8 +24,9 @@ const FILE_MODE: u32 = 0o600;
 #[derive(Debug, Default)]
 struct State {
     file: Option<File>,
-    /// `a` lines the lane wrote that the control plane does not know yet.
-    unapplied: u64,
+    /// `a` lines the lane wrote that the control plane does not know yet, oldest first:
+    /// each line's session and that session's `alive` flag.
+    unapplied: VecDeque<(Box<str>, Arc<AtomicBool>)>,
 }
 
 /// The appender of one ledger file (see the module).
@@ -99,7 +102,7 @@ impl Ledger {
 
     /// The lane's line for a call of `session` answered before its turn is recorded: `a SID`,
     /// unless the session is retired (`alive` false, set under this lock by [`Self::retire`]).
-    pub fn answered(&self, session: &str, alive: &AtomicBool) -> Answered {
+    pub fn answered(&self, session: &str, alive: &Arc<AtomicBool>) -> Answered {
         let mut state = self.state();
         let Some(file) = state.file.as_mut() else {
             return Answered::Closed;
@@ -111,7 +114,7 @@ impl Ledger {
         if write_line(file, line.as_bytes()).is_err() {
             return Answered::Failed;
         }
-        state.unapplied += 1;
+        state.unapplied.push_back((session.into(), alive.clone()));
         Answered::Written
     }
 
@@ -122,33 +125,47 @@ impl Ledger {
         alive.store(false, Ordering::Release);
     }
 
-    /// The control plane knows one more of the lane's lines.
-    pub fn applied(&self) {
+    /// The control plane knows one more of the lane's lines, of `session` (the oldest of
+    /// that session's: a session deleted and made again under its id wrote its lines after
+    /// the deleted one's).
+    pub fn applied(&self, session: &str) {
         let mut state = self.state();
-        state.unapplied = state.unapplied.saturating_sub(1);
+        if let Some(at) = state.unapplied.iter().position(|(s, _)| &**s == session) {
+            state.unapplied.remove(at);
+        }
     }
 
     /// The lane's lines the control plane does not know yet.
-    pub fn unapplied(&self) -> u64 {
-        self.state().unapplied
+    pub fn unapplied(&self) -> usize {
+        self.state().unapplied.len()
     }
 
-    /// Put the rewritten ledger `fresh` (written and synced whole) in place of `path` and
-    /// append to it from now on, when the control plane knows every line the lane wrote;
-    /// else leave both as they are. Whether it was put in place.
+    /// Put the rewritten ledger `fresh` (written and synced whole: the control plane's
+    /// counts) in place of `path` and append to it from now on. The lane's lines the control
+    /// plane does not know yet are appended to `fresh` first (under the lock, so none is
+    /// written between), but a deleted session's: its count ended with its `n` line.
     ///
     /// # Errors
-    /// The rename or the reopening fails (the file in place is then whichever the rename
-    /// left, and nothing is appended until it is opened again).
-    pub fn replace(&self, fresh: &Path, path: &Path) -> io::Result<bool> {
+    /// The append, the rename or the reopening fails (the file in place is then whichever
+    /// the rename left, and nothing is appended until it is opened again; `fresh` is the
+    /// caller's to remove).
+    pub fn replace(&self, fresh: &Path, path: &Path) -> io::Result<()> {
         let mut state = self.state();
-        if state.unapplied > 0 {
-            return Ok(false);
+        let mut carried = String::new();
+        for (session, alive) in &state.unapplied {
+            if alive.load(Ordering::Acquire) {
+                carried.push_str("a ");
+                carried.push_str(session);
+                carried.push('\n');
+            }
+        }
+        if !carried.is_empty() {
+            write_line(&mut append_to(fresh)?, carried.as_bytes())?;
         }
         state.file = None;
         std::fs::rename(fresh, path)?;
         state.file = Some(append_to(path)?);
-        Ok(true)
+        Ok(())
     }
 }
 
@@ -177,7 +194,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("acks.ledger");
         let ledger = Ledger::new();
-        let alive = AtomicBool::new(true);
+        let alive = Arc::new(AtomicBool::new(true));
         assert_eq!(ledger.answered("s", &alive), Answered::Closed);
         ledger.open(&path, b"").unwrap();
         let mode = std::fs::metadata(&path).unwrap().permissions().mode();
@@ -186,10 +203,25 @@ mod tests {
         assert_eq!(ledger.answered("s", &alive), Answered::Written);
         assert_eq!(ledger.unapplied(), 1);
         let fresh = dir.join("fresh");
+        // a rewrite carries the lane's line the control plane does not know yet
+        std::fs::write(&fresh, b"b s 0\n").unwrap();
+        ledger.replace(&fresh, &path).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"b s 0\na s\n");
+        ledger.applied("s");
+        assert_eq!(ledger.unapplied(), 0);
         std::fs::write(&fresh, b"b s 0\np s 1\n").unwrap();
-        assert!(!ledger.replace(&fresh, &path).unwrap()); // a line it does not know yet
-        ledger.applied();
-        assert!(ledger.replace(&fresh, &path).unwrap());
+        ledger.replace(&fresh, &path).unwrap();
+        // a deleted session's line is not carried: its count ended with its `n` line
+        let gone = Arc::new(AtomicBool::new(true));
+        assert_eq!(ledger.answered("t", &gone), Answered::Written);
+        ledger.retire(&gone);
+        assert_eq!(ledger.answered("t", &gone), Answered::Retired);
+        ledger.append(b"n t\n").unwrap();
+        std::fs::write(&fresh, b"b s 0\np s 1\n").unwrap();
+        ledger.replace(&fresh, &path).unwrap();
+        assert_eq!(ledger.unapplied(), 1);
+        ledger.applied("t");
+        assert_eq!(ledger.unapplied(), 0);
         ledger.retire(&alive);
         assert_eq!(ledger.answered("s", &alive), Answered::Retired);
         ledger.append(b"n s\n").unwrap();
