@@ -67,6 +67,9 @@ at 16 sessions; CPU a call <= 0.3 ms). With `--planes python,rust` (the default)
 rows run through the Rust data plane too (`serve --data-plane rust`: `rust-durable`,
 `rust-fast`) beside its own floor, `rust-forward-only` (the same hyper listener and pooled
 client, forwarding each call as it came and recording nothing), in the same turns;
+`--planes ...,prepared` adds the Rust plane with its direct lane off (`serve
+--no-direct-lane`: `rust-durable-prepared`, `rust-fast-prepared`, every call prepared in
+Python before it goes upstream) to the same turns, which the targets are not checked on;
 `--sessions 16` keeps to the 16-session rows. Writes nothing.
 
 Throughput against an instant stub and the agentic replay are `capture_throughput.py`'s.
@@ -321,12 +324,14 @@ class Child:
 def server_for(scheme: str, stub: str, data: Path, malloc: bool = True) -> Iterator[Child]:
     if scheme == "rollout_store":
         args = ["-m", "rollout_store.cli", "serve", "--upstream", stub, "--port", "0"]
-    elif scheme in ("ack-durable", "ack-fast", "rust-durable", "rust-fast"):
+    elif scheme in RECORDING:
         args = ["-m", "rollout_store.cli", "serve", "--upstream", stub, "--port", "0"]
         ack = scheme.split("-")[1]
         args += ["--data", str(data), "--fsync", "never", "--ack", ack]
         if scheme.startswith("rust-"):
             args += ["--data-plane", "rust"]
+        if scheme.endswith("-prepared"):
+            args += ["--no-direct-lane"]
     elif scheme == "rollout_store+log":
         args = ["-m", "rollout_store.cli", "serve", "--upstream", stub, "--port", "0"]
         args += ["--data", str(data), "--fsync", "turn"]
@@ -538,7 +543,14 @@ def memory_run(
 
 
 #: The schemes that record, whose turns' timelines say where a call's time went in the server.
-RECORDING = ("ack-durable", "ack-fast", "rust-durable", "rust-fast")
+RECORDING = (
+    "ack-durable",
+    "ack-fast",
+    "rust-durable",
+    "rust-fast",
+    "rust-durable-prepared",
+    "rust-fast-prepared",
+)
 
 
 async def new_sessions(client: aiohttp.ClientSession, url: str, n: int) -> list[tuple[str, str]]:
@@ -795,6 +807,8 @@ def ack_rows(
         schemes += ["ack-durable", "ack-fast", "forward-only"]
     if "rust" in planes:
         schemes += ["rust-durable", "rust-fast", "rust-forward-only"]
+    if "prepared" in planes:  # the Rust plane with its direct lane off
+        schemes += ["rust-durable-prepared", "rust-fast-prepared"]
     counts = tuple(session_counts)
     stub = Child(
         ["-m", "rollout_store.serve.stub_engine", "--port", "0", "--latency-ms", str(engine_ms)]
@@ -818,7 +832,7 @@ def ack_rows(
                     )
                     added[row] += run
                     print(
-                        f"round {r + 1}: {scheme:<12} {n:>3} sessions: added {_ms(run):.2f} / "
+                        f"round {r + 1}: {scheme:<22} {n:>3} sessions: added {_ms(run):.2f} / "
                         f"{_ms(run, 0.99):.2f} ms, cpu {cpu[row][-1] * 1000:.2f} ms a call "
                         f"(load {os.getloadavg()[0]:.1f})",
                         flush=True,
@@ -827,24 +841,24 @@ def ack_rows(
         stub.stop()
     print(f"\n{turns} turns a session, engine {engine_ms:g} ms, {rounds} round(s)")
     print(
-        f"{'server':<14}{'sessions':>9}{'added p50 ms':>14}{'added p99 ms':>14}{'cpu/call ms':>13}"
+        f"{'server':<22}{'sessions':>9}{'added p50 ms':>14}{'added p99 ms':>14}{'cpu/call ms':>13}"
     )
     for scheme, n in rows:
         print(
-            f"{scheme:<14}{n:>9}{_ms(added[scheme, n]):>14.2f}{_ms(added[scheme, n], 0.99):>14.2f}"
+            f"{scheme:<22}{n:>9}{_ms(added[scheme, n]):>14.2f}{_ms(added[scheme, n], 0.99):>14.2f}"
             f"{_ms(cpu[scheme, n]):>13.2f}"
         )
     print(
         "\nby the server's own clock (its turns' timelines, not a target): request path "
         "(arrival to upstream call) and answer path (upstream's last byte to reply sent), ms"
     )
-    print(f"{'server':<14}{'sessions':>9}{'request p50':>13}{'p99':>8}{'answer p50':>12}{'p99':>8}")
+    print(f"{'server':<22}{'sessions':>9}{'request p50':>13}{'p99':>8}{'answer p50':>12}{'p99':>8}")
     for scheme, n in rows:
         if stamps[scheme, n]:
             request = [r / 1000 for r, _ in stamps[scheme, n]]
             answer = [a / 1000 for _, a in stamps[scheme, n]]
             print(
-                f"{scheme:<14}{n:>9}{_ms(request):>13.2f}{_ms(request, 0.99):>8.2f}"
+                f"{scheme:<22}{n:>9}{_ms(request):>13.2f}{_ms(request, 0.99):>8.2f}"
                 f"{_ms(answer):>12.2f}{_ms(answer, 0.99):>8.2f}"
             )
     lines = []
@@ -925,7 +939,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--planes",
         default="python,rust",
-        help="--ack-rows: the data planes measured, comma-separated (python, rust)",
+        help="--ack-rows: the data planes measured, comma-separated (python, rust, prepared)",
     )
     parser.add_argument(
         "--sessions",

@@ -265,7 +265,7 @@ class CaptureConfig:
     ack_queue: int = ACK_QUEUE
     #: This server's name behind a balancer (in the keys it mints), or None.
     replica: str | None = None
-    #: `--ack fast` behind the Rust data plane: its direct lane is open (see `create_app`).
+    #: Behind the Rust data plane: its direct lane is open (see `create_app`).
     direct_lane: bool = True
 
 
@@ -2677,9 +2677,10 @@ def create_app(
     `data`, turns lost with a killed server are counted by the next start: `ack_ledger`).
     `replica`: this server's name behind a balancer: the keys it mints carry it, so the
     balancer routes each call to the replica holding its session (`replicas`).
-    `direct_lane`: with `ack="fast"` behind the Rust data plane, the Chat Completions calls
-    that would go upstream as they came are sent and answered by the engine itself, with no
-    Python on the way (`docs/server.md`); False prepares every call in Python.
+    `direct_lane`: behind the Rust data plane, the model calls that would go upstream as they
+    came are sent by the engine before any Python: with `ack="fast"` answered by it too, with
+    no Python on the way; with `ack="durable"` prepared and recorded once the answer is in
+    (`docs/server.md`). False prepares every call in Python before it goes upstream.
     With `data`, the directory is locked until the app stops (`DataDirectoryInUseError` if
     another server holds it).
     """
@@ -2982,16 +2983,17 @@ class RustDataPlane:
             upstream_timeout=config.upstream_timeout,
             stream_keepalive=config.stream_keepalive,
             fast=config.ack == "fast",
-            # `--ack fast`: the calls the engine sends upstream and answers itself, their
-            # ledger lines written by it (see `adopt`)
+            # the calls the engine sends upstream before any callback: with `--ack fast`
+            # answered by it too, their ledger lines written by it (see `adopt`); with
+            # `--ack durable` prepared and finished once their answer is in
             direct=(
                 config.capture_tokens,
                 server.max_digits,
                 server.upstream_template(anthropic=False),
                 server.upstream_template(anthropic=True),
-                self._sessions.ledger_file(),
+                self._sessions.ledger_file() if config.ack == "fast" else None,
             )
-            if config.ack == "fast" and config.direct_lane
+            if config.direct_lane
             else None,
             ack_queue=config.ack_queue,
             workers=workers,
@@ -3110,6 +3112,8 @@ class RustDataPlane:
         utf8: bool = False,
         fields: list[tuple[str, int, int]] | None = None,
         digits: int | None = None,
+        *,
+        held: Session | None = None,
     ) -> (
         tuple[_Call, str, tuple[int, bytes], list[tuple[str, str]], _Streaming | None]
         | tuple[None, _Reply]
@@ -3121,12 +3125,21 @@ class RustDataPlane:
         `finish_stream` at the end, or, for any other answer, calls `finish`. `depth`,
         `shape`, `utf8`: what the engine's reading of the body found (see `_Checked`);
         `fields`: the body's top-level fields as it found them (see `split_body`);
-        `digits`: the most digits of any int in a body it read whole (None: not known)."""
+        `digits`: the most digits of any int in a body it read whole (None: not known).
+        `held`: a call of the direct lane prepared once its answer is in (`--ack durable`,
+        or an answer the lane does not reply to): the session its key opened when it
+        arrived, still its own if deleted since (its turn then records nowhere, as a
+        prepared call's)."""
         clock = CallClock()
         clock.received = received_us
         server = self._server
         try:
-            session = server._session(key, session_id)
+            if held is None:
+                session = server._session(key, session_id)
+            elif held.damaged is not None:
+                raise _cannot_record(held.damaged)
+            else:
+                session = held
             read = (depth, shape, utf8, digits, fields)
             plan = _engine_plan(server, anthropic, headers, session, body, clock, read)
         except _Refusal as refusal:
@@ -3614,6 +3627,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="who serves the model routes: this process's Python app, or the engine's Rust "
         "listener in front of it (the other routes stay in Python; see docs/server.md)",
     )
+    parser.add_argument(
+        "--no-direct-lane",
+        dest="direct_lane",
+        action="store_false",
+        help="--data-plane rust: prepare every model call in Python before it goes upstream "
+        "(the engine's direct lane off; see docs/server.md)",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
     parser.add_argument("--upstream-timeout", type=float, default=UPSTREAM_TIMEOUT)
     parser.add_argument(
@@ -3668,6 +3688,7 @@ def serve(args: argparse.Namespace) -> int:
         ack=args.ack,
         ack_queue=args.ack_queue,
         replica=args.replica,
+        direct_lane=args.direct_lane,
     )
     if not args.trim_idle >= 0:
         raise InvalidArgumentError("--trim-idle must be 0 (never) or a number of seconds")

@@ -122,9 +122,11 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     for name in counts:
         method = getattr(RustDataPlane, name)
 
-        def counted(self: RustDataPlane, *args: Any, _name: str = name, _m: Any = method) -> Any:
+        def counted(
+            self: RustDataPlane, *args: Any, _name: str = name, _m: Any = method, **kwargs: Any
+        ) -> Any:
             counts[_name] += 1
-            return _m(self, *args)
+            return _m(self, *args, **kwargs)
 
         monkeypatch.setattr(RustDataPlane, name, counted)
     return counts
@@ -427,3 +429,45 @@ def test_a_session_found_damaged_elsewhere_leaves_the_lane_at_once(
     # (the first call prepared: a server's first ledger line, which opens it, is Python's)
     assert counts == {"prepare": 2, "adopt": 0}
     assert health["dropped"] == 0, health
+
+
+def test_a_durable_call_goes_upstream_before_any_python_and_is_answered_once_recorded(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `--ack durable`, a call of the lane goes upstream before the control plane
+    prepares it (no Python on its way there); it is prepared and recorded once its answer
+    is in, and its reply goes out after its turn is in the log, as a prepared call's."""
+    from rollout_store.serve.stub_engine import create_stub_app
+
+    order: list[str] = []
+    stub_app = create_stub_app()
+
+    async def upstream(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            order.append("upstream")
+        await stub_app(scope, receive, send)
+
+    prepare = RustDataPlane.prepare
+
+    def noted(self: RustDataPlane, *args: Any, **kwargs: Any) -> Any:
+        order.append("prepare")
+        return prepare(self, *args, **kwargs)
+
+    monkeypatch.setattr(RustDataPlane, "prepare", noted)
+    turns = []
+    with serve_app(upstream) as engine:
+        for lane in (True, False):
+            app = create_app(
+                engine,
+                data=tmp_path / str(lane),
+                ack="durable",
+                admin_key=ADMIN_KEY,
+                direct_lane=lane,
+            )
+            with serve_app(app, data_plane="rust") as url:
+                key = new_session(url, session_id="d")["api_key"]
+                for i in range(3):
+                    assert _chat(url, key, f"call {i}").status_code == 200
+                    turns.append(app.state.sessions.get("d").turns())  # (no settling)
+    assert order == ["upstream", "prepare"] * 3 + ["prepare", "upstream"] * 3
+    assert turns == [1, 2, 3] * 2

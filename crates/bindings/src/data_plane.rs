@@ -16,7 +16,7 @@ use gateway::{
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
-use pyo3::types::{PyBytes, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 /// The Python control plane, as the gateway calls it.
 struct PyControl {
@@ -177,10 +177,25 @@ impl PyControl {
             )
     }
 
-    fn try_prepare(&self, py: Python<'_>, call: &Call) -> PyResult<Prepared<Ticket>> {
-        let out = self
-            .control
-            .call_method1(py, "prepare", call_args(py, call))?;
+    /// The control's `prepare`; `late`: a call of the direct lane, answered already, whose
+    /// session is the one its key opened on arrival (`held=`, its handle's object).
+    fn try_prepare(&self, py: Python<'_>, call: &Call, late: bool) -> PyResult<Prepared<Ticket>> {
+        let arrived_in = late
+            .then_some(call.handle.as_ref())
+            .flatten()
+            .and_then(|h| h.object.downcast_ref::<Py<PyAny>>())
+            .map(|s| s.clone_ref(py));
+        let out = match arrived_in {
+            Some(session) => {
+                let kwargs = PyDict::new(py);
+                kwargs.set_item("held", session)?;
+                self.control
+                    .call_method(py, "prepare", call_args(py, call), Some(&kwargs))?
+            }
+            None => self
+                .control
+                .call_method1(py, "prepare", call_args(py, call))?,
+        };
         let out = out.bind(py).cast::<PyTuple>()?.clone();
         let ticket = out.get_item(0)?;
         if ticket.is_none() {
@@ -291,7 +306,16 @@ impl Control for PyControl {
 
     fn prepare(&self, call: Call) -> Prepared<Ticket> {
         Python::attach(|py| {
-            self.try_prepare(py, &call).unwrap_or_else(|error| {
+            self.try_prepare(py, &call, false).unwrap_or_else(|error| {
+                error.print(py);
+                Prepared::Refuse(server_error())
+            })
+        })
+    }
+
+    fn prepare_late(&self, call: Call) -> Prepared<Ticket> {
+        Python::attach(|py| {
+            self.try_prepare(py, &call, true).unwrap_or_else(|error| {
                 error.print(py);
                 Prepared::Refuse(server_error())
             })

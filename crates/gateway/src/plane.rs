@@ -4,8 +4,9 @@
 //! A model call (`POST /v1/chat/completions`, `POST /v1/messages`) passes the gate (`Host`,
 //! `Origin`, `Content-Type`, its key against the [`KeyTable`]), its body is read (size bound,
 //! time bound) and depth-checked, then the [`Control`] (the Python control plane, through the
-//! bindings) prepares the upstream call or refuses it; the call goes upstream through the
-//! pooled client; the control finishes it (records the turn with `--ack durable`, or hands it
+//! bindings) prepares the upstream call or refuses it (a call of the direct lane, which the
+//! control would send as it came, goes upstream first: [`crate::direct`]); the call goes
+//! upstream through the pooled client; the control finishes it (records the turn with `--ack durable`, or hands it
 //! back to be queued with `--ack fast`) and gives the reply. A streaming call's upstream is
 //! called streaming: its events are passed on as they arrive, its bytes kept, its last event
 //! held back until the control has made (and recorded or queued) the turn of them
@@ -105,8 +106,10 @@ pub struct Config {
     /// A floor for benchmarks: a model call that passes the gate goes upstream as it came
     /// and its answer comes back as it came; no key, no control plane, nothing recorded.
     pub forward_only: bool,
-    /// `--ack fast`: the Chat Completions calls sent upstream with no `prepare` (see
-    /// [`crate::direct`]); `None`: every call is prepared by the control.
+    /// The model calls sent upstream with no `prepare` first (see [`crate::direct`]): with
+    /// `--ack fast` answered and queued by the gateway, with `--ack durable` prepared and
+    /// finished in one run of the control's calls once the answer is in; `None`: every call
+    /// is prepared by the control before it goes upstream.
     pub direct: Option<DirectLane>,
 }
 
@@ -123,7 +126,7 @@ pub struct DirectLane {
     pub chat_headers: Vec<(String, Option<String>)>,
     pub messages_headers: Vec<(String, Option<String>)>,
     /// The ack ledger a call's line goes to before its reply (none: the server keeps no
-    /// data directory, and no line).
+    /// data directory, and no line; or `--ack durable`, which writes none).
     pub ledger: Option<Arc<Ledger>>,
 }
 
@@ -328,6 +331,12 @@ pub trait Control: Send + Sync + 'static {
         false
     }
     fn prepare(&self, call: Call) -> Prepared<Self::Ticket>;
+    /// `prepare` for a call of the direct lane once its answer is in: the session its key
+    /// opened when it arrived (its handle's) stays the call's, deleted since or not, as a
+    /// call prepared on arrival keeps it in its plan.
+    fn prepare_late(&self, call: Call) -> Prepared<Self::Ticket> {
+        self.prepare(call)
+    }
     /// The ticket of a call of the direct lane, answered (its reply made of the answer's
     /// bytes, its ledger line written): made with no call into the control (the control
     /// reads it first on the recorder thread, in `record`, `dropped` or `sent`); `None`: the
@@ -355,6 +364,16 @@ pub trait Control: Send + Sync + 'static {
     /// The reply of a timed call was sent; false when recording its timeline would wait
     /// (as for `record`): the recorder calls again later.
     fn sent(&self, ticket: &Self::Ticket, sent: Sent) -> bool;
+}
+
+/// What became of a call of the direct lane prepared once its answer was in.
+enum Late<T> {
+    Refused(Reply),
+    Finished(T, Finished),
+    /// Its `finish` must first wait for another call's end.
+    Waits(T, Upstream),
+    /// Prepared as a stream, which no call of the lane is.
+    Stream,
 }
 
 enum Job<T> {
@@ -761,14 +780,23 @@ impl<C: Control> Shared<C> {
             .await?;
         match first {
             Ok(finished) => Some(finished),
-            Err(argument) => {
-                let control = self.control.clone();
-                let held = ticket.clone();
-                tokio::task::spawn_blocking(move || work(&control, &held, argument))
-                    .await
-                    .ok()
-            }
+            Err(argument) => self.finish_blocking(ticket, argument, work).await,
         }
+    }
+
+    /// `work` (the control's `finish` or `finish_stream`) on tokio's blocking pool, where
+    /// its wait for another call's end holds up no other call.
+    async fn finish_blocking<A: Send + 'static>(
+        &self,
+        ticket: &Arc<C::Ticket>,
+        argument: A,
+        work: fn(&C, &C::Ticket, A) -> Finished,
+    ) -> Option<Finished> {
+        let control = self.control.clone();
+        let held = ticket.clone();
+        tokio::task::spawn_blocking(move || work(&control, &held, argument))
+            .await
+            .ok()
     }
 
     async fn handle(self: Arc<Self>, request: Request<Incoming>) -> Response<Out> {
@@ -954,10 +982,11 @@ impl<C: Control> Shared<C> {
         self.finish(answer, ticket, t0).await
     }
 
-    /// A call of the direct lane: sent upstream as it is (`sent[..own]`, then `tail`); a
-    /// complete answer that is one JSON object is replied to from its bytes, the control
-    /// told of it ([`Control::answered`]); any other answer, or a call the control takes
-    /// back, is prepared and finished as any call ([`Self::finish_late`]).
+    /// A call of the direct lane: sent upstream as it is (`sent[..own]`, then `tail`). With
+    /// `--ack fast`, a complete answer that is one JSON object is replied to from its bytes
+    /// and its ticket queued ([`Control::direct`]); any other answer, a call the lane's own
+    /// checks take back, and every call of `--ack durable` (whose reply waits for its turn
+    /// on disk) is prepared and finished once its answer is in ([`Self::finish_late`]).
     async fn direct(
         self: &Arc<Self>,
         call: Call,
@@ -975,6 +1004,9 @@ impl<C: Control> Shared<C> {
         let route = lane.route(call.anthropic);
         let headers = lane.headers(call.anthropic, &call.headers);
         let answer = self.upstream(route.path(), content, &headers, t0).await;
+        if !self.config.fast {
+            return self.finish_late(call, answer, t0).await;
+        }
         let strip = route.strip();
         let made = (answer.error.is_none() && (200..300).contains(&answer.status))
             .then(|| sse::answer_reply(&answer.body, strip))
@@ -1050,25 +1082,47 @@ impl<C: Control> Shared<C> {
     }
 
     /// A call the upstream answered before the control prepared it (the direct lane): it is
-    /// prepared now (a refusal is its reply), then finished with that answer.
+    /// prepared now (a refusal is its reply), then finished with that answer in the same run
+    /// of the control's calls (one hold of the GIL), or on the blocking pool when its
+    /// `finish` must first wait.
     async fn finish_late(
         self: &Arc<Self>,
         call: Call,
         answer: Upstream,
         t0: Instant,
     ) -> Response<Out> {
-        let Some(prepared) = self.call(move |c| c.prepare(call)).await else {
-            return internal_error();
-        };
-        match prepared {
-            Prepared::Refuse(reply) => self.reply(reply, t0, None),
-            // (a call of the lane names no `stream`: its plan is never a stream's)
-            Prepared::Forward {
-                ticket,
-                stream: None,
-                ..
-            } => self.finish(answer, Arc::new(ticket), t0).await,
-            Prepared::Forward { .. } => internal_error(),
+        let late = self
+            .call(move |c| match c.prepare_late(call) {
+                Prepared::Refuse(reply) => Late::Refused(reply),
+                // (a call of the lane names no `stream`: its plan is never a stream's)
+                Prepared::Forward {
+                    ticket,
+                    stream: None,
+                    ..
+                } => {
+                    if c.waits(&ticket) {
+                        Late::Waits(ticket, answer)
+                    } else {
+                        let finished = c.finish(&ticket, answer);
+                        Late::Finished(ticket, finished)
+                    }
+                }
+                Prepared::Forward { .. } => Late::Stream,
+            })
+            .await;
+        match late {
+            Some(Late::Refused(reply)) => self.reply(reply, t0, None),
+            Some(Late::Finished(ticket, finished)) => {
+                self.finished(Arc::new(ticket), finished, t0).await
+            }
+            Some(Late::Waits(ticket, answer)) => {
+                let ticket = Arc::new(ticket);
+                match self.finish_blocking(&ticket, answer, C::finish).await {
+                    Some(finished) => self.finished(ticket, finished, t0).await,
+                    None => internal_error(),
+                }
+            }
+            Some(Late::Stream) | None => internal_error(),
         }
     }
 
@@ -1121,6 +1175,17 @@ impl<C: Control> Shared<C> {
         let Some(finished) = self.finish_call(&ticket, answer, C::finish).await else {
             return internal_error();
         };
+        self.finished(ticket, finished, t0).await
+    }
+
+    /// The reply of a call the control finished: its turn queued first (`--ack fast`), its
+    /// timeline recorded once the reply is sent.
+    async fn finished(
+        self: &Arc<Self>,
+        ticket: Arc<C::Ticket>,
+        finished: Finished,
+        t0: Instant,
+    ) -> Response<Out> {
         if let Err(why) = self.queue_if(finished.queue, &ticket) {
             let held = ticket.clone();
             if self.call(move |c| c.dropped(&held, why)).await.is_none() {
