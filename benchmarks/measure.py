@@ -26,9 +26,10 @@ def engine_bytes() -> int:
     """Bytes the compiled engine's objects alive in this process hold (their `nbytes`), which
     tracemalloc does not see: Rust allocates through its own allocator. An engine object's
     own fields are inside its Python object, which the interpreter allocates and tracemalloc
-    traces: a `Blake3` (a graph's raw tips keep one each) holds its whole BLAKE3 state there
-    and nothing on the heap, so it is counted by tracemalloc, once, and has no `nbytes`; a
-    `RequestTable`'s rows, index and decoded tips are on the heap, in its `nbytes`."""
+    traces; what they own on the heap is in its `nbytes`: a `RequestTable`'s rows, index and
+    decoded tips, a `Blake3`'s chaining values and last chunk (a graph's raw tips keep one
+    each). A `Blake3` holds no reference to other objects, so the collector does not list
+    it: it is found among what the objects it lists refer to (a raw tip's `plain_state`)."""
     core = sys.modules.get("rollout_store._core")
     if core is None:
         return 0
@@ -37,7 +38,16 @@ def engine_bytes() -> int:
         for name in ("KeyIndex", "ContentTable", "RequestTable")
         if hasattr(core, name)
     )
-    return sum(o.nbytes for o in gc.get_objects() if isinstance(o, kinds))
+    blake3 = getattr(core, "Blake3", None)
+    total, states = 0, {}
+    for o in gc.get_objects():
+        if isinstance(o, kinds):
+            total += o.nbytes
+        if blake3 is not None:
+            for referred in gc.get_referents(o):
+                if type(referred) is blake3:
+                    states[id(referred)] = referred
+    return total + sum(getattr(state, "nbytes", 0) for state in states.values())
 
 
 class Traced:

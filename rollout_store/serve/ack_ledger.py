@@ -188,10 +188,15 @@ class AckLedger:
         self._append(["a", session_id], turns, gone)
 
     def applied(
-        self, session_id: str, written: bool, gone: Callable[[], bool] | None = None
+        self,
+        session_id: str,
+        written: bool,
+        entry: int = 0,
+        gone: Callable[[], bool] | None = None,
     ) -> None:
         """The direct lane answered a turn of `session_id` before it is recorded: its `a`
-        line is in the file (`written`), or its write failed (counted in `errors`). `gone`:
+        line is in the file (`written`; `entry`: its number in the appender), or its write
+        failed (counted in `errors`). `gone`:
         whether the session was deleted since (its line came before its `n` line, which
         ended its count: a rewrite must not carry it to a session made again under its
         id)."""
@@ -199,7 +204,7 @@ class AckLedger:
             if not written:
                 self.errors += 1
                 return
-            self.file.applied(session_id)
+            self.file.applied(entry)
             if gone is not None and gone():
                 return
             _apply(self._tallies, ["a", session_id])

@@ -2665,7 +2665,7 @@ def create_app(
     gets SSE comments (and then an error event rather than a status if the call fails).
     `idle_seconds`: with `data`, a session unused this long lets its graph go (its log keeps
     everything; the next use reopens it); without, its graph lets its caches go (the tips
-    that spare its next turn hashing what it re-sends, about 2 KB); 0 keeps everything.
+    that spare its next turn hashing what it re-sends, a few hundred bytes to 2 KB); 0 keeps everything.
     `admin_key`: a key (at least 16 characters) that opens every session route of every
     session, `GET /sessions` included; without it each session is reached with its own key
     only. `hosts`: the `Host` names answered besides the loopback names (`["*"]`: any; see
@@ -3127,19 +3127,16 @@ class RustDataPlane:
         `fields`: the body's top-level fields as it found them (see `split_body`);
         `digits`: the most digits of any int in a body it read whole (None: not known).
         `held`: a call of the direct lane prepared once its answer is in (`--ack durable`,
-        or an answer the lane does not reply to): the session its key opened when it
-        arrived, still its own if deleted since (its turn then records nowhere, as a
-        prepared call's)."""
+        or an answer the lane does not reply to): the session its key opened once its body
+        was read (where this would have been asked), still its own if deleted since (its
+        turn then records nowhere, as a prepared call's)."""
         clock = CallClock()
         clock.received = received_us
         server = self._server
         try:
-            if held is None:
-                session = server._session(key, session_id)
-            elif held.damaged is not None:
-                raise _cannot_record(held.damaged)
-            else:
-                session = held
+            # (a held session found damaged since is refused when its turn is recorded, as a
+            # prepared call's: after its upstream's answer, whatever that was, is known)
+            session = server._session(key, session_id) if held is None else held
             read = (depth, shape, utf8, digits, fields)
             plan = _engine_plan(server, anthropic, headers, session, body, clock, read)
         except _Refusal as refusal:
@@ -3175,6 +3172,7 @@ class RustDataPlane:
         answer: bytes,
         stamps: tuple[int, int, int],
         line: str,
+        entry: int = 0,
     ) -> _Call | None:
         """A call of the engine's direct lane, as the recorder hands it over: with `--ack
         fast`, a model call (Chat Completions or Anthropic's) that `prepare` would send
@@ -3182,10 +3180,11 @@ class RustDataPlane:
         and answers itself, with no callback on the way (`crates/gateway/src/direct.rs` says
         which calls): a complete answer that is one JSON object is replied to from its bytes
         (as `_answer_later` replies), its ledger line written first (`line`: `written`,
-        `failed` or `retired`, see `Sessions.answered`), its turn queued. Here it becomes
+        `failed` or `retired`, see `Sessions.answered`; `entry`: the written line's number in
+        the ledger's appender), its turn queued. Here it becomes
         what a prepared call is: its clock, its plan (made from its body when its turn is,
         `_direct_plan`), the turn told of as answered; the recorder then records it as any.
-        `args` are `prepare`'s; `session` is the one the call's key opened when it arrived
+        `args` are `prepare`'s; `session` is the one the call's key opened once its body was read
         (deleted since, it is still the call's, as a prepared call's plan holds it). None:
         the call could not be made one, its turn counted as dropped (`record_error`)."""
         anthropic = args[0]
@@ -3196,7 +3195,7 @@ class RustDataPlane:
         clock.upstream_sent, clock.first_byte, clock.last_byte = stamps
         # told of first (its ledger line counted): whatever follows, the turn is recorded
         # or counted as dropped
-        server.sessions.answered(session, clock, line)
+        server.sessions.answered(session, clock, line, entry)
         try:
             read = (depth, shape, utf8, digits, fields)
             call = _Call(_direct_plan(server, anthropic, session, clock, headers, body, read))

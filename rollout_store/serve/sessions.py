@@ -490,14 +490,16 @@ class Sessions:
             sessions = list(self._by_id.values())
         return {session.session_id: session.turns() for session in sessions}
 
-    def answered(self, session: Session, turn: object, line: str | None = None) -> None:
+    def answered(
+        self, session: Session, turn: object, line: str | None = None, entry: int = 0
+    ) -> None:
         """(`--ack fast`) A turn of `session` is about to be answered before it is
         recorded: the ack ledger has its line first (with a data directory), and the turn
         (`turn`: what the server tracks it by, the same object until it is settled) is
         unsettled until `recorded` or `not_recorded` says what it became. `line`: a turn the
         Rust data plane's direct lane answered, its ledger line written by it already
         (`written`), or not (`failed`: its write failed; `retired`: its session was
-        deleted first)."""
+        deleted first; `entry`: a written line's number in the ledger's appender)."""
         with self._settle:
             self._answered += 1
             if session._waiting is None:
@@ -510,7 +512,7 @@ class Sessions:
             self.ledger.answered(session.session_id, self._turn_counts, lambda: session.closed)
         elif line != "retired":
             self.ledger.applied(
-                session.session_id, written=line == "written", gone=lambda: session.closed
+                session.session_id, line == "written", entry, gone=lambda: session.closed
             )
 
     def ledger_file(self) -> Ledger | None:

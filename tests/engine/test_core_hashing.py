@@ -79,6 +79,36 @@ def test_a_state_goes_on_and_copies_are_their_own() -> None:
         hasher.update("text")  # type: ignore[arg-type]
 
 
+#: piece sizes around BLAKE3's chunk (1 KiB) and its subtrees
+_pieces = st.lists(
+    st.sampled_from([0, 1, 63, 64, 1023, 1024, 1025, 2048, 3000, 4096, 8191, 65536, 70000]),
+    max_size=12,
+)
+
+
+@given(pieces=_pieces, copy_at=st.integers(0, 12))
+def test_a_state_in_any_pieces_digests_as_blake3_and_stays_small(
+    pieces: list[int], copy_at: int
+) -> None:
+    """The state is kept compactly (its subtrees' chaining values and its last chunk, not
+    BLAKE3's own 1.9 KB): digests taken anywhere, and copies that go on alone, are BLAKE3's
+    of the bytes so far."""
+    data = bytes(range(251)) * (sum(pieces) // 251 + 1)
+    hasher, fed, copy = _core.Blake3(), 0, None
+    for i, size in enumerate(pieces):
+        if i == copy_at:
+            copy = (fed, hasher.copy())
+        hasher.update(data[fed : fed + size])
+        fed += size
+        assert hasher.digest() == blake3.blake3(data[:fed]).digest()
+        # at most a chaining value a bit of its chunk count (and one more), and a chunk
+        assert hasher.nbytes <= 32 * ((fed // 1024).bit_length() + 1) + 1024
+    if copy is not None:
+        at, state = copy
+        state.update(data[at:fed])
+        assert state.digest() == blake3.blake3(data[:fed]).digest()
+
+
 def test_a_refused_message_is_named_by_its_place() -> None:
     messages = [{"role": "user", "content": "ok"}, {"role": "user", "content": [{1j: 2}]}]
     with pytest.raises(_core.RefusedValue) as info:

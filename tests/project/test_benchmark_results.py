@@ -120,6 +120,8 @@ def test_retained_bytes_count_each_tips_blake3_state_once() -> None:
         without_tips, engine_without = measured.retained(), measure.engine_bytes()
         freed = with_tips - without_tips
         size = (engine_with - engine_without) / len(conversations)
-        assert size > 2 * 1800  # two BLAKE3 states (about 2 KB each) a tip
+        # two BLAKE3 states a tip, held compactly (the engine's `digest::State`: chaining
+        # values and a last chunk each, where BLAKE3's own state takes about 1.9 KB)
+        assert 2 * 32 < size < 1800, size
         # the retained bytes fell by what the engine let go (its strings' references aside)
         assert 0.95 < freed / (engine_with - engine_without) < 1.1, (freed, size)

@@ -471,3 +471,42 @@ def test_a_durable_call_goes_upstream_before_any_python_and_is_answered_once_rec
                     turns.append(app.state.sessions.get("d").turns())  # (no settling)
     assert order == ["upstream", "prepare"] * 3 + ["prepare", "upstream"] * 3
     assert turns == [1, 2, 3] * 2
+
+
+@pytest.mark.parametrize("lane", [True, False])
+def test_a_session_made_again_while_a_body_comes_takes_the_call(
+    stub: str, tmp_path: Any, lane: bool
+) -> None:
+    """Open mode, `--ack durable`: a call's session is deleted and made again under its key
+    while the call's body is still coming. The call is the new session's, lane or not: its
+    key is looked up once the body is in, where `prepare` asks it (the lane's call used to keep
+    the deleted session, and was refused 409 after going upstream)."""
+    import socket
+
+    app = create_app(
+        stub, data=tmp_path, ack="durable", admin_key=ADMIN_KEY, open_mode=True, direct_lane=lane
+    )
+    with serve_app(app, data_plane="rust") as url:
+        assert _chat(url, "k1", "first").status_code == 200
+        host, port = url.removeprefix("http://").split(":")
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "slow"}]})
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            "Authorization: Bearer k1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        )
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(head.encode() + body[:5].encode())
+            time.sleep(0.3)  # (the call waits for the rest of its body)
+            admin = {"authorization": f"Bearer {ADMIN_KEY}"}
+            assert httpx.delete(f"{url}/sessions/k1", headers=admin).status_code == 200
+            assert _chat(url, "k1", "made again").status_code == 200
+            sock.sendall(body[5:].encode())
+            answer = b""
+            for _ in range(100):  # (bounded: the reply's head comes whole)
+                if b"\r\n\r\n" in answer:
+                    break
+                answer += sock.recv(65536)
+        info = httpx.get(f"{url}/sessions/k1", headers=admin).json()
+    assert answer.split(b" ", 2)[1] == b"200", answer[:400]
+    assert info["turns"] == 2, info

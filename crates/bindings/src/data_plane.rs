@@ -158,16 +158,16 @@ impl PyControl {
             .as_ref()
             .and_then(|h| h.object.downcast_ref::<Py<PyAny>>())
             .map(|s| s.clone_ref(py));
-        let line = match direct.line {
-            Answered::Written => "written",
-            Answered::Retired => "retired",
-            Answered::Failed | Answered::Closed => "failed",
+        let (line, entry) = match direct.line {
+            Answered::Written(entry) => ("written", entry),
+            Answered::Retired => ("retired", 0),
+            Answered::Failed | Answered::Closed => ("failed", 0),
         };
         let args = call_args(py, &direct.call);
         let stamps = (direct.upstream_sent, direct.first_byte, direct.last_byte);
         let answer = PyBytes::new(py, &direct.answer);
         self.control
-            .call_method1(py, "adopt", (args, session, answer, stamps, line))
+            .call_method1(py, "adopt", (args, session, answer, stamps, line, entry))
             .map_or_else(
                 |error| {
                     error.print(py);
@@ -178,7 +178,8 @@ impl PyControl {
     }
 
     /// The control's `prepare`; `late`: a call of the direct lane, answered already, whose
-    /// session is the one its key opened on arrival (`held=`, its handle's object).
+    /// session is the one its key opened once its body was read (`held=`, its handle's
+    /// object).
     fn try_prepare(&self, py: Python<'_>, call: &Call, late: bool) -> PyResult<Prepared<Ticket>> {
         let arrived_in = late
             .then_some(call.handle.as_ref())
@@ -744,9 +745,10 @@ impl PyLedger {
         Ok(self.inner.replace(&fresh, &path)?)
     }
 
-    /// One more of the direct lane's lines, of `session`, is known to the control plane.
-    fn applied(&self, session: &str) {
-        self.inner.applied(session);
+    /// The direct lane's line `entry` (the number `adopt` was given with it) is known to the
+    /// control plane.
+    fn applied(&self, entry: u64) {
+        self.inner.applied(entry);
     }
 
     /// The direct lane's lines the control plane does not know yet.

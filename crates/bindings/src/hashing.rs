@@ -9,6 +9,8 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString};
 
+use engine::digest::State;
+
 use crate::packed::ascii_bytes;
 
 use crate::DETACH_FROM;
@@ -19,26 +21,26 @@ const GATHER_BELOW: usize = 1 << 14;
 /// A BLAKE3 state: `update` with bytes-like objects, `copy`, `digest` (32 bytes).
 #[pyclass(frozen, module = "rollout_store._core")]
 pub struct Blake3 {
-    // about 1.9 KB owning no heap, inside the Python object the interpreter allocates:
-    // `tracemalloc` counts it, so there is no `nbytes` to add for it
-    inner: Mutex<blake3::Hasher>,
+    // the engine's compact state: its chaining values and last chunk on the heap, which
+    // `tracemalloc` does not see (`nbytes` says how much)
+    inner: Mutex<State>,
 }
 
 impl Blake3 {
-    pub(crate) fn from_state(state: blake3::Hasher) -> Self {
+    pub(crate) fn from_state(state: State) -> Self {
         Self {
             inner: Mutex::new(state),
         }
     }
 
     /// A copy of the state (what the engine goes on hashing from).
-    pub(crate) fn snapshot(&self) -> blake3::Hasher {
+    pub(crate) fn snapshot(&self) -> State {
         self.state().clone()
     }
 
     /// The state; a panic while it was held left the hasher consistent (BLAKE3's updates
     /// are not interrupted halfway by anything that panics), so a poisoned lock is taken over.
-    fn state(&self) -> MutexGuard<'_, blake3::Hasher> {
+    fn state(&self) -> MutexGuard<'_, State> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
@@ -48,7 +50,7 @@ impl Blake3 {
     #[new]
     #[pyo3(signature = (data = None))]
     fn new(py: Python<'_>, data: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
-        let hasher = Self::from_state(blake3::Hasher::new());
+        let hasher = Self::from_state(State::new());
         if let Some(data) = data {
             hasher.update(py, data)?;
         }
@@ -147,7 +149,13 @@ impl Blake3 {
 
     /// The digest of everything fed so far (the state goes on).
     fn digest<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        PyBytes::new(py, self.state().finalize().as_bytes())
+        PyBytes::new(py, &self.state().digest())
+    }
+
+    /// Bytes of heap the state holds (what `tracemalloc` does not see).
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.state().nbytes()
     }
 }
 

@@ -14,6 +14,7 @@ use crate::hashing::Blake3;
 use crate::packed::{Packed, Packer};
 use crate::{DecodeError, Unconfirmed, DETACH_FROM};
 use engine::content::content_key;
+use engine::digest::State;
 
 /// A boundary `prefixes` answers: `(len, digest, turns)`.
 type PrefixTuple<'py> = (usize, Bound<'py, PyBytes>, Vec<u32>);
@@ -44,12 +45,12 @@ struct DecodedTip {
     /// the xxh3 of its last message's plain packing (a filter: the tip confirms)
     last_key: u128,
     /// the BLAKE3 state of its messages' hollow packings, and its digest
-    hollow: blake3::Hasher,
+    hollow: State,
     hollow_digest: [u8; DIGEST_SIZE],
     /// its long strings, in order (the graph's blob table holds them: no copy)
     strings: Vec<Py<PyString>>,
     /// the BLAKE3 state of its messages' plain packings, and their byte count
-    packings: blake3::Hasher,
+    packings: State,
     fed: u64,
 }
 
@@ -73,12 +74,12 @@ impl DecodedTip {
 struct TipParts {
     n_rest: usize,
     last_key: u128,
-    hollow: blake3::Hasher,
+    hollow: State,
     strings: Vec<Py<PyString>>,
     /// where the strings of its new messages begin in `strings` (those before are the tip
     /// it continued, adopted then: see `PendingTip::adopt`)
     own_from: usize,
-    packings: blake3::Hasher,
+    packings: State,
     fed: u64,
     /// the tip it continued, and its base: both give way to it
     gone: Option<u32>,
@@ -100,7 +101,7 @@ impl TipParts {
         let gone = continued.as_ref().map(|tip| tip.turn);
         let (mut hollow, mut strings, continued_key) = match continued {
             Some(tip) => (tip.hollow, tip.strings, tip.last_key),
-            None => (blake3::Hasher::new(), Vec::new(), 0),
+            None => (State::new(), Vec::new(), 0),
         };
         let own_from = strings.len();
         match new {
@@ -118,14 +119,14 @@ impl TipParts {
             hollow,
             strings,
             own_from,
-            packings: blake3::Hasher::new(),
+            packings: State::new(),
             fed: 0,
             gone,
             base,
         }
     }
 
-    fn with_packings(mut self, packings: blake3::Hasher, fed: u64) -> Self {
+    fn with_packings(mut self, packings: State, fed: u64) -> Self {
         self.packings = packings;
         self.fed = fed;
         self
@@ -390,7 +391,7 @@ impl RequestTable {
         if tips.len() >= MAX_TIPS {
             tips.remove(0);
         }
-        let hollow_digest = *parts.hollow.finalize().as_bytes();
+        let hollow_digest = parts.hollow.digest();
         tips.push(DecodedTip {
             turn,
             n_rest: parts.n_rest,
@@ -913,7 +914,12 @@ impl RequestTable {
         let tips: usize = self
             .tips()
             .iter()
-            .map(|tip| std::mem::size_of::<DecodedTip>() + tip.strings.capacity() * 8)
+            .map(|tip| {
+                std::mem::size_of::<DecodedTip>()
+                    + tip.strings.capacity() * 8
+                    + tip.hollow.nbytes()
+                    + tip.packings.nbytes()
+            })
             .sum();
         self.table().nbytes() + tips
     }

@@ -27,7 +27,7 @@
 //!
 //! A row costs its digest, its message count and its response's xxh3: no object per request.
 
-use crate::digest::PrefixHasher;
+use crate::digest::{PrefixHasher, State};
 use crate::json::{self as ej, ParseError};
 use crate::packed::{to_packed, write_array_header, EXT_ECHO};
 use xxhash_rust::xxh3::xxh3_64;
@@ -82,7 +82,7 @@ struct RawTip {
     /// BLAKE3 of its text up to `end`
     text_digest: [u8; DIGEST_SIZE],
     /// the BLAKE3 state of its messages' packings, and how many bytes they are
-    packings: blake3::Hasher,
+    packings: State,
     packed: u64,
     n_rest: usize,
     /// the most digits of any int beyond 64 bits its messages hold
@@ -240,7 +240,7 @@ pub struct RawFound {
     tip: Option<TurnNo>,
     /// where its last item ends, and BLAKE3 of its text up to there (None: no tip of its own)
     text: Option<(usize, [u8; DIGEST_SIZE], u64)>,
-    packings: blake3::Hasher,
+    packings: State,
     packed: u64,
     n_rest: usize,
     digits: usize,
@@ -763,10 +763,10 @@ impl Requests {
     /// and its byte count (what a tip of this request keeps).
     pub fn find_resumed<Q: Packings + ?Sized>(
         &self,
-        resume: Option<(blake3::Hasher, u64, usize)>,
+        resume: Option<(State, u64, usize)>,
         plains: &Q,
         refuted: &[TurnNo],
-    ) -> (Found, blake3::Hasher, u64) {
+    ) -> (Found, State, u64) {
         let (mut hasher, first) = match resume {
             Some((state, fed, first)) => (PrefixHasher::resume(state, fed), first),
             None => (PrefixHasher::new(), 0),
@@ -1207,6 +1207,11 @@ impl Requests {
             + responses
             + self.lengths.nbytes()
             + self.raw_tips.capacity() * std::mem::size_of::<RawTip>()
+            + self
+                .raw_tips
+                .iter()
+                .map(|tip| tip.packings.nbytes())
+                .sum::<usize>()
     }
 }
 

@@ -24,9 +24,19 @@ const FILE_MODE: u32 = 0o600;
 #[derive(Debug, Default)]
 struct State {
     file: Option<File>,
-    /// `a` lines the lane wrote that the control plane does not know yet, oldest first:
-    /// each line's session and that session's `alive` flag.
-    unapplied: VecDeque<(Box<str>, Arc<AtomicBool>)>,
+    /// `a` lines the lane wrote that the control plane does not know yet, oldest first.
+    unapplied: VecDeque<Unapplied>,
+    /// The number of the lane's last line.
+    last: u64,
+}
+
+/// A line of the lane the control plane does not know yet: its number (what the control
+/// plane names it by in [`Ledger::applied`]), its session, and that session's `alive` flag.
+#[derive(Debug)]
+struct Unapplied {
+    entry: u64,
+    session: Box<str>,
+    alive: Arc<AtomicBool>,
 }
 
 /// The appender of one ledger file (see the module).
@@ -38,8 +48,8 @@ pub struct Ledger {
 /// What [`Ledger::answered`] did.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Answered {
-    /// The line is written.
-    Written,
+    /// The line is written: its number, for [`Ledger::applied`].
+    Written(u64),
     /// Its write failed (a full disk): the call is answered all the same, the failure
     /// counted by the control plane.
     Failed,
@@ -114,8 +124,14 @@ impl Ledger {
         if write_line(file, line.as_bytes()).is_err() {
             return Answered::Failed;
         }
-        state.unapplied.push_back((session.into(), alive.clone()));
-        Answered::Written
+        state.last += 1;
+        let entry = state.last;
+        state.unapplied.push_back(Unapplied {
+            entry,
+            session: session.into(),
+            alive: alive.clone(),
+        });
+        Answered::Written(entry)
     }
 
     /// A session is deleted: from now on no line of the lane names it (a line being written
@@ -125,12 +141,11 @@ impl Ledger {
         alive.store(false, Ordering::Release);
     }
 
-    /// The control plane knows one more of the lane's lines, of `session` (the oldest of
-    /// that session's: a session deleted and made again under its id wrote its lines after
-    /// the deleted one's).
-    pub fn applied(&self, session: &str) {
+    /// The control plane knows the lane's line `entry` (what [`Self::answered`] numbered it).
+    pub fn applied(&self, entry: u64) {
         let mut state = self.state();
-        if let Some(at) = state.unapplied.iter().position(|(s, _)| &**s == session) {
+        // (mostly the oldest: calls are handed over about in the order they were answered)
+        if let Some(at) = state.unapplied.iter().position(|u| u.entry == entry) {
             state.unapplied.remove(at);
         }
     }
@@ -152,10 +167,10 @@ impl Ledger {
     pub fn replace(&self, fresh: &Path, path: &Path) -> io::Result<()> {
         let mut state = self.state();
         let mut carried = String::new();
-        for (session, alive) in &state.unapplied {
-            if alive.load(Ordering::Acquire) {
+        for line in &state.unapplied {
+            if line.alive.load(Ordering::Acquire) {
                 carried.push_str("a ");
-                carried.push_str(session);
+                carried.push_str(&line.session);
                 carried.push('\n');
             }
         }
@@ -200,27 +215,27 @@ mod tests {
         let mode = std::fs::metadata(&path).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
         ledger.append(b"b s 0\n").unwrap();
-        assert_eq!(ledger.answered("s", &alive), Answered::Written);
+        assert_eq!(ledger.answered("s", &alive), Answered::Written(1));
         assert_eq!(ledger.unapplied(), 1);
         let fresh = dir.join("fresh");
         // a rewrite carries the lane's line the control plane does not know yet
         std::fs::write(&fresh, b"b s 0\n").unwrap();
         ledger.replace(&fresh, &path).unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), b"b s 0\na s\n");
-        ledger.applied("s");
+        ledger.applied(1);
         assert_eq!(ledger.unapplied(), 0);
         std::fs::write(&fresh, b"b s 0\np s 1\n").unwrap();
         ledger.replace(&fresh, &path).unwrap();
         // a deleted session's line is not carried: its count ended with its `n` line
         let gone = Arc::new(AtomicBool::new(true));
-        assert_eq!(ledger.answered("t", &gone), Answered::Written);
+        assert_eq!(ledger.answered("t", &gone), Answered::Written(2));
         ledger.retire(&gone);
         assert_eq!(ledger.answered("t", &gone), Answered::Retired);
         ledger.append(b"n t\n").unwrap();
         std::fs::write(&fresh, b"b s 0\np s 1\n").unwrap();
         ledger.replace(&fresh, &path).unwrap();
         assert_eq!(ledger.unapplied(), 1);
-        ledger.applied("t");
+        ledger.applied(2);
         assert_eq!(ledger.unapplied(), 0);
         ledger.retire(&alive);
         assert_eq!(ledger.answered("s", &alive), Answered::Retired);

@@ -332,8 +332,8 @@ pub trait Control: Send + Sync + 'static {
     }
     fn prepare(&self, call: Call) -> Prepared<Self::Ticket>;
     /// `prepare` for a call of the direct lane once its answer is in: the session its key
-    /// opened when it arrived (its handle's) stays the call's, deleted since or not, as a
-    /// call prepared on arrival keeps it in its plan.
+    /// opened once its body was read (its handle's) stays the call's, deleted since or not,
+    /// as a call prepared then keeps it in its plan.
     fn prepare_late(&self, call: Call) -> Prepared<Self::Ticket> {
         self.prepare(call)
     }
@@ -912,8 +912,7 @@ impl<C: Control> Shared<C> {
             header_text(headers, &http::header::AUTHORIZATION).as_deref(),
             header_text(headers, &HeaderName::from_static("x-api-key")).as_deref(),
         );
-        let (session, handle) = self.opened(key.as_deref());
-        if session.is_none() && !self.open_mode.load(Ordering::Relaxed) {
+        if self.opened(key.as_deref()).0.is_none() && !self.open_mode.load(Ordering::Relaxed) {
             return refused(
                 anthropic,
                 401,
@@ -929,6 +928,9 @@ impl<C: Control> Shared<C> {
             Ok(checked) => checked,
             Err(field) => return refused(anthropic, 400, &depth::reason(&field)),
         };
+        // the session the key opens once the body is in, where `prepare` would ask (a session
+        // deleted, or made again under the key, while the body came is not the call's)
+        let (session, handle) = self.opened(key.as_deref());
         let fields = if checked.utf8 { fields(&raw) } else { None };
         let direct = match &self.config.direct {
             Some(lane) if handle.is_some() => {
@@ -1035,7 +1037,7 @@ impl<C: Control> Shared<C> {
         }
         let ledger_line = match &lane.ledger {
             Some(ledger) => ledger.answered(&session, &handle.alive),
-            None => Answered::Written,
+            None => Answered::Written(0),
         };
         if ledger_line == Answered::Closed {
             self.pending.taken();
