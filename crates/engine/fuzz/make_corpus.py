@@ -262,6 +262,18 @@ def link_seeds() -> dict[str, bytes]:
     return seeds
 
 
+def blake3_seeds() -> dict[str, bytes]:
+    """(repeat count, eight piece-size codes, bytes) for the compact BLAKE3 state: pieces of
+    chunks and off by one, one chunk's bytes repeated into a few hundred KiB, a short text."""
+    text = bytes(range(256)) * 4
+    return {
+        "chunks": bytes([3, 1 << 2 | 1, 2 << 2 | 1, 1 << 2 | 2, 4 << 2 | 3, 0, 9, 63 << 2 | 1, 5])
+        + text,
+        "wide": bytes([63, 63 << 2 | 1, 62 << 2 | 2, 16 << 2 | 3, 8, 32 << 2 | 1, 1, 2, 3]) + text,
+        "short": bytes([0, 1, 2, 3, 4, 5, 6, 7, 8]) + b"a few bytes",
+    }
+
+
 def main() -> None:
     unpack, check = packed_seeds()
     json_texts = json_seeds()
@@ -275,6 +287,7 @@ def main() -> None:
         "frame_reader_v1": frame_seeds(1),
         "request_raw": request_seeds(),
         "link_key": link_seeds(),
+        "blake3_state": blake3_seeds(),
     }
     for target, seeds in corpora.items():
         out = HERE / "corpus" / target
