@@ -591,8 +591,9 @@ class RequestStore:
 
     def drop_caches(self) -> None:
         """Let go of the tips, decoded (the table's) and raw (a compact BLAKE3 state, a few
-        hundred bytes, each), and of the raw texts of shared values remembered (`raw_shared`): they only
-        spare the next turn hashing again what it re-sends, or decoding a tool list again."""
+        hundred bytes, each), and of the raw texts of shared values remembered
+        (`raw_shared`): they only spare the next turn hashing again what it re-sends, or
+        decoding a tool list again."""
         self.table.drop_tips()
         self.raw_tips = _NO_RAW_TIPS
         self.raw_shared = NOT_YET

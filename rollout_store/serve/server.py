@@ -2665,7 +2665,8 @@ def create_app(
     gets SSE comments (and then an error event rather than a status if the call fails).
     `idle_seconds`: with `data`, a session unused this long lets its graph go (its log keeps
     everything; the next use reopens it); without, its graph lets its caches go (the tips
-    that spare its next turn hashing what it re-sends, a few hundred bytes to 2 KB); 0 keeps everything.
+    that spare its next turn hashing what it re-sends, a few hundred bytes to 2 KB); 0 keeps
+    everything.
     `admin_key`: a key (at least 16 characters) that opens every session route of every
     session, `GET /sessions` included; without it each session is reached with its own key
     only. `hosts`: the `Host` names answered besides the loopback names (`["*"]`: any; see
