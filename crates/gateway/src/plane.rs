@@ -6,13 +6,13 @@
 //! time bound) and depth-checked, then the [`Control`] (the Python control plane, through the
 //! bindings) prepares the upstream call or refuses it (a call of the direct lane, which the
 //! control would send as it came, goes upstream first: [`crate::direct`]); the call goes
-//! upstream through the pooled client; the control finishes it (records the turn with `--ack durable`, or hands it
-//! back to be queued with `--ack fast`) and gives the reply. A streaming call's upstream is
-//! called streaming: its events are passed on as they arrive, its bytes kept, its last event
-//! held back until the control has made (and recorded or queued) the turn of them
-//! (`finish_stream`). The upstream client speaks `http://` and `https://` (rustls). Every
-//! other request is proxied, streamed both ways, to the control plane's own listener on
-//! loopback.
+//! upstream through the pooled client; the control finishes it (records the turn with
+//! `--ack durable`, or hands it back to be queued with `--ack fast`) and gives the reply. A
+//! streaming call's upstream is called streaming: its events are passed on as they arrive,
+//! its bytes kept, its last event held back until the control has made (and recorded or
+//! queued) the turn of them (`finish_stream`). The upstream client speaks `http://` and
+//! `https://` (rustls). Every other request is proxied, streamed both ways, to the control
+//! plane's own listener on loopback.
 //!
 //! The control's calls may block (they take the GIL): they run on the gateway's caller
 //! threads (`callers` of them), one call after another, in batches the control may run
@@ -875,6 +875,12 @@ impl<C: Control> Shared<C> {
     }
 
     /// The session `key` opens and the control's handle of it, when the key table knows it.
+    /// Whether the key table knows `key`.
+    fn knows(&self, key: Option<&str>) -> bool {
+        let keys = self.keys.read().unwrap_or_else(PoisonError::into_inner);
+        key.is_some_and(|k| keys.lookup(k.as_bytes()).is_some())
+    }
+
     fn opened(&self, key: Option<&str>) -> (Option<String>, Option<Handle>) {
         let keys = self.keys.read().unwrap_or_else(PoisonError::into_inner);
         match key.and_then(|k| keys.lookup(k.as_bytes())) {
@@ -912,7 +918,7 @@ impl<C: Control> Shared<C> {
             header_text(headers, &http::header::AUTHORIZATION).as_deref(),
             header_text(headers, &HeaderName::from_static("x-api-key")).as_deref(),
         );
-        if self.opened(key.as_deref()).0.is_none() && !self.open_mode.load(Ordering::Relaxed) {
+        if !self.knows(key.as_deref()) && !self.open_mode.load(Ordering::Relaxed) {
             return refused(
                 anthropic,
                 401,
