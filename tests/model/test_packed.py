@@ -129,6 +129,8 @@ def test_whatever_passes_decodes_and_dumps(data: bytes) -> None:
         (b"\x93\x90\xc7\x00\x01\x01", "not allowed"),  # a tuple marker after an empty array
         (b"\x81\xc7\x00\x01\x01", "not allowed"),  # a tuple marker as a key
         (b"\xd6\x04\x00\x00\x00\x09", "out of range"),
+        # a blob reference in a form no version writes: the splicers read `D6 04` at its offset
+        (b"\x91\xc7\x04\x04\x00\x00\x00\x00", "4-byte fixext"),
         (b"\xc7\x00\x05", "not allowed"),  # an echo where none may be
         (b"\xc7\x03\x02abc", "decimal"),
         (b"\xc1", "not msgpack"),

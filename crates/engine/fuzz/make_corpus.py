@@ -159,6 +159,8 @@ def packed_seeds() -> tuple[dict[str, bytes], dict[str, bytes]]:
     check["deep_arrays.msgpack"] = bytes([3 << 2]) + depth  # limit 121
     out_of_range = b"\x92\xd6\x04\x05\x00\x00\x00\xc0"  # [a blob past a table of 1, None]
     check["blob_ref_out_of_range.msgpack"] = bytes([1 | 15 << 2]) + out_of_range
+    ext8_ref = b"\xc7\x04\x04\x00\x00\x00\x00"  # blob 0 as ext 8, a form no version writes
+    check["blob_ref_ext8.msgpack"] = bytes([2 | 3 << 2]) + ext8_ref
     return unpack, check
 
 

@@ -292,7 +292,15 @@ impl Walk<'_, '_> {
                         .fold(0u64, |index, &byte| (index << 8) | u64::from(byte))
                 });
                 match index {
-                    Some(index) if payload.len() == 4 && index < self.limits.n_blobs => {
+                    // The splicers read a reference at its offset as `D6 04` and four bytes,
+                    // the only form any version writes; another form of it is refused.
+                    Some(_) if b != 0xD6 => {
+                        return Err(refuse(
+                            at,
+                            "a blob reference not written as a 4-byte fixext",
+                        ))
+                    }
+                    Some(index) if index < self.limits.n_blobs => {
                         found.blob_refs.push(u32::try_from(at).unwrap_or(u32::MAX));
                         if (self.surrogates)(index as u32) {
                             found.special = true;
@@ -407,6 +415,11 @@ mod tests {
             (
                 b"\xd6\x04\x00\x00\x00\x09",
                 "blob reference 9 out of range (1 blobs)",
+                0,
+            ),
+            (
+                b"\xc7\x04\x04\x00\x00\x00\x00",
+                "a blob reference not written as a 4-byte fixext",
                 0,
             ),
             (
