@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import IO
 
 from ..errors import FileLockedError, FileWriteError, RolloutStoreError
+from ..folders import sync_folder
 
 __all__ = [
     "FILE_MODE",
@@ -65,13 +66,8 @@ def write_beside(path: Path, data: bytes) -> Path:
 
 
 def fsync_dir(path: Path) -> None:
-    """Make a rename or a creation in `path`'s folder durable (where the OS allows it)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    """Make a rename or a creation of `path` durable: its folder synced (see `folders`)."""
+    sync_folder(path.parent)
 
 
 def _locked_error(path: Path) -> FileLockedError:

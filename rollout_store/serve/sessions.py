@@ -52,7 +52,7 @@ from ..errors import (
     StoreUnavailableError,
 )
 from ..export.document import held_capture_level
-from ..files.atomic import write_beside
+from ..files.atomic import fsync_dir, write_beside
 from ..files.storage import RolloutGraph, verify
 from ..metadata import GraphMeta
 from ..stores.content import ContentStore, StringCache
@@ -331,11 +331,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path)
 
 
 class Sessions:

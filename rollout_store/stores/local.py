@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import InvalidArgumentError, MissingObjectError, StoreError, StoreUnavailableError
+from ..folders import sync_folder
 from .content import ContentStore, check_key, content_key, verified
 
 __all__ = ["STORE_HELP", "DirectoryStore", "MemoryStore", "open_store", "store_spec"]
@@ -193,7 +194,11 @@ class DirectoryStore:
             raise StoreError(f"the directory store at {self.path} is open read-only", key=key)
         tmp: str | None = None
         try:
-            final.parent.mkdir(exist_ok=True)
+            try:
+                final.parent.mkdir()
+                new_folder = True
+            except FileExistsError:
+                new_folder = False
             fd, tmp = tempfile.mkstemp(dir=self._tmp, prefix="put-")
             with os.fdopen(fd, "wb") as out:
                 out.write(data)
@@ -212,7 +217,9 @@ class DirectoryStore:
                 os.replace(tmp, final)
                 tmp = None
             if self.fsync:
-                _fsync_directory(final.parent)
+                sync_folder(final.parent)
+                if new_folder:  # the folder's own entry, for the object to be found after a crash
+                    sync_folder(final.parent.parent)
         except OSError as error:
             raise StoreUnavailableError(
                 f"writing an object to the directory store at {self.path} failed: {error}",
@@ -281,19 +288,6 @@ class DirectoryStore:
                     item.unlink()
                     removed += 1
         return removed
-
-
-def _fsync_directory(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 #: The names `open_store` takes, for the help of a `--store` option.

@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "rollout_store"
 #: wing (a subpackage) is one layer or several consecutive ones; its `__init__` sits in its
 #: first.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("errors", {"errors"}),
+    ("errors and folders", {"errors", "folders"}),
     ("model", {"model.nodes", "model.raw", "model.training", "model.timeline", "model.drift"}),
     ("stores", {"stores.content", "stores.local", "stores.redis_store", "stores.s3_store"}),
     (
