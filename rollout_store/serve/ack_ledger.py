@@ -276,7 +276,9 @@ class AckLedger:
                 fresh.unlink()
             return
         self._appended = 0
-        fsync_dir(self.path)
+        # a rewrite adds no line of its own: a folder sync that fails is tried at the next one
+        with contextlib.suppress(OSError):
+            fsync_dir(self.path)
 
     def close(self) -> None:
         """No more lines: the server stopped (a call still finishing then has no answer to
