@@ -27,27 +27,30 @@ def engine_bytes() -> int:
     tracemalloc does not see: Rust allocates through its own allocator. An engine object's
     own fields are inside its Python object, which the interpreter allocates and tracemalloc
     traces; what they own on the heap is in its `nbytes`: a `RequestTable`'s rows, index and
-    decoded tips, a `Blake3`'s chaining values and last chunk (a graph's raw tips keep one
-    each). A `Blake3` holds no reference to other objects, so the collector does not list
-    it: it is found among what the objects it lists refer to (a raw tip's `plain_state`)."""
+    decoded tips, a `SizedIndex`'s keys and turn numbers, a `Blake3`'s chaining values and
+    last chunk (a graph's raw tips keep one each). A `Blake3` or a `SizedIndex` holds no
+    reference to other objects, so the collector does not list it: it is found among what
+    the objects it lists refer to (a raw tip's `plain_state`, a linker's token indexes)."""
     core = sys.modules.get("rollout_store._core")
     if core is None:
         return 0
-    kinds = tuple(
+    tracked = tuple(
         getattr(core, name)
         for name in ("KeyIndex", "ContentTable", "RequestTable")
         if hasattr(core, name)
     )
-    blake3 = getattr(core, "Blake3", None)
-    total, states = 0, {}
+    untracked = tuple(
+        getattr(core, name) for name in ("Blake3", "SizedIndex") if hasattr(core, name)
+    )
+    total, found = 0, {}
     for o in gc.get_objects():
-        if isinstance(o, kinds):
+        if isinstance(o, tracked):
             total += o.nbytes
-        if blake3 is not None:
+        if untracked:
             for referred in gc.get_referents(o):
-                if type(referred) is blake3:
-                    states[id(referred)] = referred
-    return total + sum(getattr(state, "nbytes", 0) for state in states.values())
+                if type(referred) in untracked:
+                    found[id(referred)] = referred
+    return total + sum(getattr(o, "nbytes", 0) for o in found.values())
 
 
 class Traced:

@@ -52,6 +52,7 @@ __all__ = [
     "Packer",
     "PendingTip",
     "RequestTable",
+    "SizedIndex",
     "link_echoes",
     "splice",
     "RefusedValue",
@@ -288,6 +289,42 @@ class KeyIndex:
     def last(self) -> Any:
         """The value under the key set last (None: empty), what `next(reversed(d.values()))`
         gives for a `dict`, without a list of every value."""
+    @property
+    def nbytes(self) -> int:
+        """Bytes of heap the index holds (what `tracemalloc` does not see)."""
+
+@final
+class SizedIndex:
+    """Turn numbers under 64-bit keys, each filed with a length; a key of more than `small`
+    turns holds them by length, a large length group by content digest (see
+    `engine::sized_index`).
+
+    The content functions are Python callables, called with nothing held: filing asks the
+    index what it needs, computes it, then files (asking again if the index changed
+    meanwhile)."""
+
+    def __new__(cls, small: int = 8) -> SizedIndex: ...
+    def add(
+        self, key: int, item: int, length: int, content: Callable[[int], int] | None = None
+    ) -> None:
+        """File turn `item` under `key` with `length`. `content(turn)`, if given, is the content
+        digest (a 64-bit int) a large length group holds turns by; called only when needed."""
+    def remove(self, key: int, item: int) -> bool:
+        """Take turn `item` from under `key`; whether it was there."""
+    def members(self, key: int, low: int = 0, high: int = ...) -> list[int]:
+        """The turns under `key` that may have a length in `[low, high)`: every turn of a key of
+        few (the caller checks each), the groups in range of a large one."""
+    def exact(self, key: int, low: int, high: int, content_at: Callable[[int], int]) -> list[int]:
+        """`members`, but of a group held by content only the turns whose digest is
+        `content_at(length)` (a 64-bit int; the caller still checks each)."""
+    def __contains__(self, key: object, /) -> bool: ...
+    def __len__(self) -> int:
+        """Keys that hold a turn."""
+    def items(self) -> list[tuple[int, list[int]]]:
+        """Every key with its turns, as `(key, [turn, ...])` (in no set order of keys)."""
+    @property
+    def visited(self) -> int:
+        """Turns handed out by `members` and `exact` so far (what tests hold to bounds)."""
     @property
     def nbytes(self) -> int:
         """Bytes of heap the index holds (what `tracemalloc` does not see)."""

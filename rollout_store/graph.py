@@ -403,9 +403,10 @@ class Graph:
         for turn in self._turns:
             if not turn.flags & NO_MESSAGES:
                 keys[turn.index][0] = turn.rkey
-        for key, found in linker.token_index.items():
-            for turn in index_members(found):
-                keys[turn.index][1] = key
+        if linker.token_index is not None:
+            for key, numbers in linker.token_index.items():
+                for number in numbers:
+                    keys[number][1] = key
         for key, found in linker.message_roots.items():
             for turn in index_members(found):
                 root_keys = keys[turn.index][3]

@@ -11,17 +11,10 @@ from typing import Any
 
 import xxhash
 
+from .._core import SizedIndex
 from ..model.nodes import TurnNode
-from .index import (
-    NOT_YET,
-    index_add,
-    index_members,
-    index_remove,
-    sized_add,
-    sized_exact,
-    sized_members,
-    sized_remove,
-)
+from . import index
+from .index import NOT_YET, index_add, index_members, index_remove
 from .intake import float_array, plain_numbers, token_array
 from .keys import HEADS, request_keys, root_token_keys, short_key
 from .materialize import rest_values
@@ -71,20 +64,16 @@ def _sibling_prompt(parent: Turn, data: bytes, n: int) -> TokenRun | None:
     return None
 
 
-def _full_length(turn: Turn) -> int:
-    """The length a turn is filed with in the token index: its prompt + sampled tokens'."""
-    return turn.full_length  # type: ignore[return-value]
-
-
 def _full_content(turn: Turn) -> int:
     """The digest a turn is held by in a large length group of the token index: xxh3 of its
     prompt + sampled tokens (compact: only such turns are filed there)."""
     return xxhash.xxh3_64_intdigest(run_bytes(turn.full))  # type: ignore[arg-type]
 
 
-def _prompt_length(turn: Turn) -> int:
-    """The length a root is filed with among the token roots: its prompt's."""
-    return turn.prompt.length  # type: ignore[union-attr]
+def _sized_index() -> SizedIndex:
+    """A token index of the engine's (turn numbers under keys, found by length), grouping
+    from `index.SMALL` turns a key as the package's other indexes do."""
+    return SizedIndex(index.SMALL)
 
 
 def _head(length: int) -> int:
@@ -94,9 +83,6 @@ def _head(length: int) -> int:
 
 #: A ranked candidate's length.
 _first = itemgetter(0)
-
-#: No upper bound on a length (a scan of the token roots).
-_NO_LENGTH_LIMIT = 1 << 62
 
 #: The short lengths of a graph none of whose turns has one (immutable, so shared).
 _NO_LENGTHS: frozenset[int] = frozenset()
@@ -127,13 +113,15 @@ class Linker:
     def __init__(self, requests: RequestStore, turns: list[Turn]) -> None:
         self.requests = requests
         self.turns = turns
-        # block digest of prompt+sampled -> turn(s); digest of a whole prompt -> TokenRun(s):
-        # dicts at the first token turn (a graph of messages alone never makes them)
-        self.token_index: dict[int, Any] = NOT_YET
+        # block digest of prompt+sampled -> turn numbers (the engine's, by length); digest
+        # of a whole prompt -> TokenRun(s): made at the first token turn (a graph of messages
+        # alone never makes them)
+        self.token_index: SizedIndex | None = None
         self.prompt_index: dict[int, Any] = NOT_YET
-        # heads and block digests of token roots' prompts, built at the first lookup that
-        # has a root to find (see `_token_roots`): until then only counted
-        self.token_roots: dict[int, Any] | None = None
+        # heads and block digests of token roots' prompts -> turn numbers, by prompt length,
+        # built at the first lookup that has a root to find (see `_token_roots`): until then
+        # only counted
+        self.token_roots: SizedIndex | None = None
         self._unindexed_roots = 0
         # lengths under one block that turns have: one empty frozenset for every graph (an
         # empty set costs 216 bytes) until a turn has one
@@ -149,6 +137,10 @@ class Linker:
         self._no_logprobs: array[float] | None = None
 
     # ------------------------------------------------------------------ tokens
+
+    def _full_content(self, number: int) -> int:
+        """The content digest the token index holds turn `number` by in a large group."""
+        return _full_content(self.turns[number])
 
     def _empty_ids(self) -> array[int]:
         """The graph's one empty array of token ids (see `__init__`)."""
@@ -280,14 +272,15 @@ class Linker:
             return xxhash.xxh3_64_intdigest(view[: length * 4])
 
         token_index = self.token_index
+        if token_index is None:
+            return None
+        turns = self.turns
         for key, low, high in buckets:
-            found = token_index.get(key)
-            if found is None:
-                continue
             # (a parent's tokens are a prefix of the prompt: n of them at most; of a large
             # group of one length only those whose tokens are the prompt's first ones)
             ranked: list[tuple[int, Turn]] = []
-            for candidate in sized_exact(found, low, min(high, n + 1), content_at):
+            for number in token_index.exact(key, low, min(high, n + 1), content_at):
+                candidate = turns[number]
                 length = candidate.full_length
                 if (
                     length is not None
@@ -367,9 +360,10 @@ class Linker:
         """File a committed turn's tokens under their keys."""
         length = turn.full_length
         if token_key is not None and length:
-            if self.token_index is NOT_YET:
-                self.token_index = {}
-            sized_add(self.token_index, token_key, turn, _full_length, _full_content)
+            token_index = self.token_index
+            if token_index is None:
+                token_index = self.token_index = _sized_index()
+            token_index.add(token_key, turn.index, length, self._full_content)
             if length < BLOCK:
                 lengths = self.short_lengths
                 if not isinstance(lengths, set):  # the first: a set of its own
@@ -388,8 +382,9 @@ class Linker:
             if self.token_roots is None:  # filed when a lookup first needs the index
                 self._unindexed_roots += 1
                 return
+            length = turn.prompt.length
             for key in root_token_keys(turn.prompt):
-                sized_add(self.token_roots, key, turn, _prompt_length)
+                self.token_roots.add(key, turn.index, length)
         elif root_keys:
             for key in root_keys:
                 index_add(self.message_roots, key, turn)
@@ -400,7 +395,7 @@ class Linker:
                 self._unindexed_roots -= 1
                 return
             for key in root_token_keys(turn.prompt):
-                sized_remove(self.token_roots, key, turn, _prompt_length)
+                self.token_roots.remove(key, turn.index)
         elif turn.n_rest > 0:
             plain = self.requests.plain
             plains = [plain(m) for m in rest_values(turn, self.requests.blobs)]
@@ -464,7 +459,8 @@ class Linker:
         else:
             # a root continues `new` only with a prompt at least as long as its tokens
             key = scratch.token_key if length >= BLOCK else short_key(data, _head(length))
-            candidates = list(sized_members(roots.get(key), length, _NO_LENGTH_LIMIT))  # type: ignore[arg-type]
+            turns = self.turns
+            candidates = [turns[i] for i in roots.members(key, length)]  # type: ignore[arg-type]
         # and children of turns whose tokens end inside this turn's sampled ones (a
         # shorter retry of the same call): their continuations may continue this one
         for shorter in self._prefixes_within(new, data):
@@ -479,7 +475,7 @@ class Linker:
                 candidates.extend(kids)
         return candidates
 
-    def _token_roots(self) -> dict[int, Any] | None:
+    def _token_roots(self) -> SizedIndex | None:
         """The token roots by the keys of their prompts' heads and whole blocks (None while
         no root with token ids is committed). Built at the first lookup that has one to find,
         from the committed roots in order, as registering them one by one would have: a
@@ -489,11 +485,12 @@ class Linker:
         if roots is None:
             if not self._unindexed_roots:
                 return None
-            roots = {}  # kept only once whole (a lookup that fails here leaves none)
+            roots = _sized_index()  # kept only once whole (a lookup that fails leaves none)
             for turn in self.turns:
-                if turn.parent is None and turn.prompt is not None:
-                    for key in root_token_keys(turn.prompt):
-                        sized_add(roots, key, turn, _prompt_length)
+                prompt = turn.prompt
+                if turn.parent is None and prompt is not None:
+                    for key in root_token_keys(prompt):
+                        roots.add(key, turn.index, prompt.length)
             self.token_roots = roots
             self._unindexed_roots = 0
         return roots
@@ -518,9 +515,12 @@ class Linker:
         if first * BLOCK > high:
             keys = []
         keys += [(short_key(data, n), n, n + 1) for n in self.short_lengths if low <= n < high]
+        token_index, turns = self.token_index, self.turns
+        if token_index is None:
+            return found
         for key, start, stop in keys:
-            in_range = sized_members(self.token_index.get(key), max(start, low), min(stop, high))
-            for other in in_range:
+            for number in token_index.members(key, max(start, low), min(stop, high)):
+                other = turns[number]
                 length = other.full_length
                 if (
                     other is not new
@@ -529,7 +529,7 @@ class Linker:
                     # longer than the prompt, or a failed call of the very prompt
                     and (length > low or not sampled_any(other))
                     and start <= length < stop
-                    and run_matches(other.full, data)
+                    and run_matches(other.full, data)  # type: ignore[arg-type]  # (it has a length)
                 ):
                     found.append(other)
         return found

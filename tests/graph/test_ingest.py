@@ -4,14 +4,12 @@ small on shapes many rollouts share, and turns read from a file confirmed once b
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from rollout_store import RolloutGraph, TurnNode
 from rollout_store.engine import linking
-from rollout_store.engine.index import ByLength, index_members
 from rollout_store.engine.stored import Turn
 
 
@@ -144,6 +142,13 @@ def test_token_parent_is_the_deepest_match_of_a_bucket_in_any_filing_order(order
     assert shallow.parent_id == "root"
 
 
+def _visited(graph: RolloutGraph) -> int:
+    """Stored turns the graph's token lookups have handed out so far (the engine counts)."""
+    linker = graph._linker
+    indexes = (linker.token_index, linker.token_roots)
+    return sum(index.visited for index in indexes if index is not None)
+
+
 def test_one_prompt_sampled_thousands_of_times_costs_each_turn_the_same(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -157,12 +162,6 @@ def test_one_prompt_sampled_thousands_of_times_costs_each_turn_the_same(
     prompt = [rng.randrange(150_000) for _ in range(300)]
     answers = [[rng.randrange(150_000) for _ in range(8)] for _ in range(100)]
     work = [0]
-    sized_members = linking.sized_members
-
-    def visiting(found: Any, low: int, high: int) -> Iterator[Any]:
-        for member in sized_members(found, low, high):
-            work[0] += 1
-            yield member
 
     def counted(name: str) -> None:
         real = getattr(linking, name)
@@ -173,7 +172,6 @@ def test_one_prompt_sampled_thousands_of_times_costs_each_turn_the_same(
 
         monkeypatch.setattr(linking, name, call)
 
-    monkeypatch.setattr(linking, "sized_members", visiting)
     counted("sampled_any")
     counted("run_matches")
     graph = RolloutGraph()
@@ -181,9 +179,9 @@ def test_one_prompt_sampled_thousands_of_times_costs_each_turn_the_same(
     first_of_7 = None
     for turn in range(1600):
         k = rng.randrange(100) if turn else 7
-        before = work[0]
+        before = work[0] + _visited(graph)
         view = graph.add_turn(TurnNode(prompt_ids=prompt, sampled_ids=answers[k]))
-        per_turn.append(work[0] - before)
+        per_turn.append(work[0] + _visited(graph) - before)
         assert graph.parent(view.node_id) is None
         if k == 7 and first_of_7 is None:
             first_of_7 = view.node_id
@@ -203,10 +201,13 @@ def test_many_roots_under_one_key_move_under_their_late_ancestor() -> None:
     ]
     graph.add_turn(TurnNode(prompt_ids=[1, 2, 3], sampled_ids=[4]))  # a lookup builds the index
     roots = graph._linker.token_roots
-    assert roots is not None and any(type(found) is ByLength for found in roots.values())
+    assert roots is not None
+    key, held = max(roots.items(), key=lambda item: len(item[1]))
+    assert len(held) == 12
+    assert roots.members(key, 10**6) == []  # held by length: no group in that range
     ancestor = graph.add_turn(TurnNode(prompt_ids=base[:60], sampled_ids=base[60:]))
     assert [graph.parent(node_id) for node_id in early] == [ancestor.node_id] * 12
-    left = {turn.node_id for found in roots.values() for turn in index_members(found)}
+    left = {graph._turns[n].node_id for _, numbers in roots.items() for n in numbers}
     assert not left & set(early)
 
 

@@ -9,6 +9,7 @@ mod json;
 mod key_index;
 mod packed;
 mod requests;
+mod sized_index;
 
 use pyo3::prelude::*;
 
@@ -70,6 +71,8 @@ mod _core {
     use super::packed::{check_packed, splice, unpack, Packer};
     #[pymodule_export]
     use super::requests::{link_echoes, PendingTip, RequestTable};
+    #[pymodule_export]
+    use super::sized_index::SizedIndex;
     #[pymodule_export]
     use super::{DecodeError, FrameTooLarge, RefusedValue, Unconfirmed};
 

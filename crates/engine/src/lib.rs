@@ -11,7 +11,8 @@
 //! - [`packed`]: the packed form of recorded values (msgpack and the library's extension
 //!   types), written and read back;
 //! - [`packed_check`]: a stored packed value checked without building it (what a loader trusts);
-//! - [`requests`]: a graph's filed requests as rows, and the one base-finder.
+//! - [`requests`]: a graph's filed requests as rows, and the one base-finder;
+//! - [`sized_index`]: a graph's token indexes, turns under keys found by a range of lengths.
 
 pub mod content;
 pub mod digest;
@@ -22,3 +23,4 @@ pub mod link_key;
 pub mod packed;
 pub mod packed_check;
 pub mod requests;
+pub mod sized_index;
