@@ -309,8 +309,8 @@ class SizedIndex:
     ) -> None:
         """File turn `item` under `key` with `length`. `content(turn)`, if given, is the content
         digest (a 64-bit int) a large length group holds turns by; called only when needed."""
-    def remove(self, key: int, item: int) -> bool:
-        """Take turn `item` from under `key`; whether it was there."""
+    def remove(self, key: int, item: int, length: int) -> bool:
+        """Take turn `item`, filed with `length`, from under `key`; whether it was there."""
     def members(self, key: int, low: int = 0, high: int = ...) -> list[int]:
         """The turns under `key` that may have a length in `[low, high)`: every turn of a key of
         few (the caller checks each), the groups in range of a large one."""

@@ -394,8 +394,9 @@ class Linker:
             if self.token_roots is None:
                 self._unindexed_roots -= 1
                 return
+            length = turn.prompt.length
             for key in root_token_keys(turn.prompt):
-                self.token_roots.remove(key, turn.index)
+                self.token_roots.remove(key, turn.index, length)
         elif turn.n_rest > 0:
             plain = self.requests.plain
             plains = [plain(m) for m in rest_values(turn, self.requests.blobs)]

@@ -69,9 +69,9 @@ impl SizedIndex {
         }
     }
 
-    /// Take turn `item` from under `key`; whether it was there.
-    fn remove(&self, key: u64, item: u32) -> bool {
-        self.index().remove(key, item)
+    /// Take turn `item`, filed with `length`, from under `key`; whether it was there.
+    fn remove(&self, key: u64, item: u32, length: u32) -> bool {
+        self.index().remove(key, item, length)
     }
 
     /// The turns under `key` that may have a length in `[low, high)`: every turn of a key of

@@ -21,39 +21,79 @@
 //! order whatever the grouping.
 
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::mem::size_of;
 
-/// One length group's turns: as filed, or by content digest once large.
+/// Keys to values in the order keys first came, found by key in constant time (a large key's
+/// length groups, a large group's digests).
 #[derive(Debug, Clone)]
-enum Group {
-    Items(Vec<u32>),
-    /// Digests in the order their first turn came, each with its turns in order.
-    ByContent(Vec<(u64, Vec<u32>)>),
+struct Ordered<K, V> {
+    order: Vec<(K, V)>,
+    at: HashMap<K, usize>,
 }
 
-impl Group {
-    fn len(&self) -> usize {
-        match self {
-            Group::Items(items) => items.len(),
-            Group::ByContent(digests) => digests.iter().map(|(_, items)| items.len()).sum(),
+impl<K: Copy + Eq + Hash, V> Ordered<K, V> {
+    fn new() -> Self {
+        Ordered {
+            order: Vec::new(),
+            at: HashMap::new(),
         }
     }
 
-    fn extend_into(&self, out: &mut Vec<u32>) {
-        match self {
-            Group::Items(items) => out.extend_from_slice(items),
-            Group::ByContent(digests) => {
-                for (_, items) in digests {
-                    out.extend_from_slice(items);
-                }
+    fn get(&self, key: K) -> Option<&V> {
+        self.at.get(&key).map(|&at| &self.order[at].1)
+    }
+
+    fn get_mut(&mut self, key: K) -> Option<&mut V> {
+        self.at.get(&key).map(|&at| &mut self.order[at].1)
+    }
+
+    fn push(&mut self, key: K, value: V) {
+        self.at.insert(key, self.order.len());
+        self.order.push((key, value));
+    }
+
+    /// Take `key` out, keeping the others' order (rare: a key's positions are renumbered).
+    fn remove(&mut self, key: K) {
+        if let Some(at) = self.at.remove(&key) {
+            self.order.remove(at);
+            for (position, (key, _)) in self.order.iter().enumerate().skip(at) {
+                self.at.insert(*key, position);
             }
         }
     }
 
-    fn contains(&self, item: u32) -> bool {
+    fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &(K, V)> {
+        self.order.iter()
+    }
+
+    fn nbytes(&self) -> usize {
+        self.order.capacity() * size_of::<(K, V)>()
+            + self.at.capacity() * (size_of::<(K, usize)>() + 1)
+    }
+}
+
+/// One length group's turns: as filed, or by content digest once large (digests in the
+/// order their first turn came, each with its turns in order).
+#[derive(Debug, Clone)]
+enum Group {
+    Items(Vec<u32>),
+    ByContent(Ordered<u64, Vec<u32>>),
+}
+
+impl Group {
+    fn extend_into(&self, out: &mut Vec<u32>) {
         match self {
-            Group::Items(items) => items.contains(&item),
-            Group::ByContent(digests) => digests.iter().any(|(_, items)| items.contains(&item)),
+            Group::Items(items) => out.extend_from_slice(items),
+            Group::ByContent(digests) => {
+                for (_, items) in digests.iter() {
+                    out.extend_from_slice(items);
+                }
+            }
         }
     }
 
@@ -62,15 +102,27 @@ impl Group {
         match self {
             Group::Items(items) => remove_item(items, item),
             Group::ByContent(digests) => {
-                let Some(at) = digests.iter().position(|(_, items)| items.contains(&item)) else {
+                let Some(digest) = digests
+                    .iter()
+                    .find(|(_, items)| items.contains(&item))
+                    .map(|&(digest, _)| digest)
+                else {
                     return false;
                 };
-                remove_item(&mut digests[at].1, item);
-                if digests[at].1.is_empty() {
-                    digests.remove(at);
+                let items = digests.get_mut(digest).expect("a digest just found");
+                remove_item(items, item);
+                if items.is_empty() {
+                    digests.remove(digest);
                 }
                 true
             }
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        match self {
+            Group::Items(items) => items.is_empty(),
+            Group::ByContent(digests) => digests.is_empty(),
         }
     }
 
@@ -78,7 +130,7 @@ impl Group {
         match self {
             Group::Items(items) => items.capacity() * size_of::<u32>(),
             Group::ByContent(digests) => {
-                digests.capacity() * size_of::<(u64, Vec<u32>)>()
+                digests.nbytes()
                     + digests
                         .iter()
                         .map(|(_, items)| items.capacity() * size_of::<u32>())
@@ -106,7 +158,7 @@ enum Entry {
     /// Up to `small` turns with their lengths, as filed.
     Few(Vec<(u32, u32)>),
     /// More: groups by length, in the order each length first came.
-    ByLength(Vec<(u32, Group)>),
+    ByLength(Box<Ordered<u32, Group>>),
 }
 
 /// Turn numbers under 64-bit keys, each with a length (see the module's documentation).
@@ -161,11 +213,9 @@ impl SizedIndex {
         let Some(Entry::ByLength(groups)) = self.keys.get(&key) else {
             return Needed::Nothing;
         };
-        match groups.iter().find(|(l, _)| *l == length) {
-            Some((_, Group::ByContent(_))) => Needed::New,
-            Some((_, Group::Items(items))) if items.len() > self.small => {
-                Needed::Members(items.clone())
-            }
+        match groups.get(length) {
+            Some(Group::ByContent(_)) => Needed::New,
+            Some(Group::Items(items)) if items.len() > self.small => Needed::Members(items.clone()),
             _ => Needed::Nothing,
         }
     }
@@ -178,13 +228,12 @@ impl SizedIndex {
     /// [`Stale`] when `digests` are not what filing it needs now (the index changed since
     /// they were asked for): nothing is changed; ask again.
     pub fn add(&mut self, key: u64, item: u32, length: u32, digests: &[u64]) -> Result<(), Stale> {
-        let needed = self.content_needed(key, length);
-        let fits = match &needed {
-            Needed::Nothing => true,
+        let fits = match self.content_needed(key, length) {
+            Needed::Nothing => digests.is_empty(),
             Needed::New => digests.len() <= 1,
             Needed::Members(members) => digests.is_empty() || digests.len() == members.len() + 1,
         };
-        if !fits || (matches!(needed, Needed::Nothing) && !digests.is_empty()) {
+        if !fits {
             return Err(Stale);
         }
         let small = self.small;
@@ -196,7 +245,7 @@ impl SizedIndex {
             Entry::One(first, first_length) => {
                 let few = vec![(*first, *first_length), (item, length)];
                 *entry = if small < 2 {
-                    Entry::ByLength(grouped(&few))
+                    Entry::ByLength(Box::new(grouped(&few)))
                 } else {
                     Entry::Few(few)
                 };
@@ -204,22 +253,22 @@ impl SizedIndex {
             Entry::Few(few) if few.len() < small => few.push((item, length)),
             Entry::Few(few) => {
                 few.push((item, length));
-                *entry = Entry::ByLength(grouped(few));
+                *entry = Entry::ByLength(Box::new(grouped(few)));
             }
             Entry::ByLength(groups) => {
-                let Some(at) = groups.iter().position(|(l, _)| *l == length) else {
-                    groups.push((length, Group::Items(vec![item])));
+                let Some(group) = groups.get_mut(length) else {
+                    groups.push(length, Group::Items(vec![item]));
                     return Ok(());
                 };
-                let group = &mut groups[at].1;
                 match group {
                     Group::ByContent(held) => {
                         // filed without a digest: under none a caller's content has, so
                         // every lookup by content still sees it
-                        add_by_digest(held, digests.first().copied().unwrap_or(NO_DIGEST), item);
+                        let digest = digests.first().copied().unwrap_or(NO_DIGEST);
+                        add_by_digest(held, digest, item);
                     }
                     Group::Items(items) if !digests.is_empty() => {
-                        let mut by_content = Vec::new();
+                        let mut by_content = Ordered::new();
                         for (&member, &digest) in items.iter().chain([&item]).zip(digests) {
                             add_by_digest(&mut by_content, digest, member);
                         }
@@ -232,8 +281,8 @@ impl SizedIndex {
         Ok(())
     }
 
-    /// Take `item` from under `key`; whether it was there.
-    pub fn remove(&mut self, key: u64, item: u32) -> bool {
+    /// Take `item`, filed with `length`, from under `key`; whether it was there.
+    pub fn remove(&mut self, key: u64, item: u32, length: u32) -> bool {
         let Some(entry) = self.keys.get_mut(&key) else {
             return false;
         };
@@ -253,14 +302,13 @@ impl SizedIndex {
                 }
             }
             Entry::ByLength(groups) => {
-                let at = groups.iter().position(|(_, group)| group.contains(item));
-                if let Some(at) = at {
-                    groups[at].1.remove(item);
-                    if groups[at].1.len() == 0 {
-                        groups.remove(at);
-                    }
+                let removed = groups
+                    .get_mut(length)
+                    .is_some_and(|group| group.remove(item));
+                if groups.get(length).is_some_and(Group::is_empty) {
+                    groups.remove(length);
                 }
-                (at.is_some(), groups.is_empty())
+                (removed, groups.is_empty())
             }
         };
         if empty {
@@ -279,7 +327,7 @@ impl SizedIndex {
             Some(Entry::One(item, _)) => out.push(*item),
             Some(Entry::Few(few)) => out.extend(few.iter().map(|&(item, _)| item)),
             Some(Entry::ByLength(groups)) => {
-                for (length, group) in groups {
+                for (length, group) in groups.iter() {
                     if in_range(*length, low, high) {
                         group.extend_into(out);
                     }
@@ -321,14 +369,14 @@ impl SizedIndex {
             return;
         };
         let start = out.len();
-        for (length, group) in groups {
+        for (length, group) in groups.iter() {
             if !in_range(*length, low, high) {
                 continue;
             }
             match (group, digest_at(*length)) {
                 (Group::ByContent(held), Some(digest)) => {
-                    for (found, items) in held {
-                        if *found == digest || *found == NO_DIGEST {
+                    for found in [digest, NO_DIGEST] {
+                        if let Some(items) = held.get(found) {
                             out.extend_from_slice(items);
                         }
                     }
@@ -347,7 +395,7 @@ impl SizedIndex {
                 Entry::One(item, _) => items.push(*item),
                 Entry::Few(few) => items.extend(few.iter().map(|&(item, _)| item)),
                 Entry::ByLength(groups) => {
-                    for (_, group) in groups {
+                    for (_, group) in groups.iter() {
                         group.extend_into(&mut items);
                     }
                 }
@@ -367,7 +415,8 @@ impl SizedIndex {
                 Entry::One(..) => 0,
                 Entry::Few(few) => few.capacity() * size_of::<(u32, u32)>(),
                 Entry::ByLength(groups) => {
-                    groups.capacity() * size_of::<(u32, Group)>()
+                    size_of::<Ordered<u32, Group>>()
+                        + groups.nbytes()
                         + groups
                             .iter()
                             .map(|(_, group)| group.nbytes())
@@ -402,21 +451,21 @@ fn in_range(length: u32, low: u32, high: u64) -> bool {
 }
 
 /// Turns with their lengths grouped by length, each length where it first came.
-fn grouped(few: &[(u32, u32)]) -> Vec<(u32, Group)> {
-    let mut groups: Vec<(u32, Group)> = Vec::new();
+fn grouped(few: &[(u32, u32)]) -> Ordered<u32, Group> {
+    let mut groups = Ordered::new();
     for &(item, length) in few {
-        match groups.iter_mut().find(|(l, _)| *l == length) {
-            Some((_, Group::Items(items))) => items.push(item),
-            _ => groups.push((length, Group::Items(vec![item]))),
+        match groups.get_mut(length) {
+            Some(Group::Items(items)) => items.push(item),
+            _ => groups.push(length, Group::Items(vec![item])),
         }
     }
     groups
 }
 
-fn add_by_digest(digests: &mut Vec<(u64, Vec<u32>)>, digest: u64, item: u32) {
-    match digests.iter_mut().find(|(found, _)| *found == digest) {
-        Some((_, items)) => items.push(item),
-        None => digests.push((digest, vec![item])),
+fn add_by_digest(digests: &mut Ordered<u64, Vec<u32>>, digest: u64, item: u32) {
+    match digests.get_mut(digest) {
+        Some(items) => items.push(item),
+        None => digests.push(digest, vec![item]),
     }
 }
 
@@ -477,8 +526,8 @@ mod tests {
         index.exact(1, 0, 100, &|_| None, &mut out);
         assert_eq!(out, vec![0, 2, 4, 1, 3, 5]);
         assert_eq!(members(&mut index, 1, 0, 100), vec![0, 2, 4, 1, 3, 5]);
-        assert!(index.remove(1, 3));
-        assert!(!index.remove(1, 3));
+        assert!(index.remove(1, 3, 50));
+        assert!(!index.remove(1, 3, 50));
         assert_eq!(members(&mut index, 1, 0, 100), vec![0, 2, 4, 1, 5]);
         add(&mut index, 1, 6, 50); // no digest: every lookup by content sees it
         out.clear();
@@ -506,18 +555,20 @@ mod tests {
         for (item, length) in [(0, 5), (1, 6), (2, 5), (3, 7)] {
             add(&mut index, 9, item, length);
         }
-        for item in [2, 0, 3] {
-            assert!(index.remove(9, item));
+        for (item, length) in [(2, 5), (0, 5), (3, 7)] {
+            assert!(!index.remove(9, item, 6)); // not under that length
+            assert!(index.remove(9, item, length));
             assert!(index.contains_key(9));
         }
-        assert!(index.remove(9, 1));
+        assert_eq!(members(&mut index, 9, 0, 9), vec![1]);
+        assert!(index.remove(9, 1, 6));
         assert!(!index.contains_key(9));
         assert!(index.is_empty());
         add(&mut index, 4, 1, 1);
         add(&mut index, 4, 2, 1);
-        assert!(index.remove(4, 1));
+        assert!(index.remove(4, 1, 1));
         assert_eq!(members(&mut index, 4, 0, 9), vec![2]);
-        assert!(index.remove(4, 2));
+        assert!(index.remove(4, 2, 1));
         assert!(index.is_empty());
     }
 

@@ -1,0 +1,206 @@
+"""The engine's token index (`_core.SizedIndex`) against a reference in Python: the
+package's earlier sized index (dicts of one-or-many, grouped by length and by content),
+which it replaced. Filed as the linker files (the token index: content digests, nothing
+removed; the token roots: no digests, roots taken out when they move), any sequence of
+filings, removals and lookups hands back the same turns in the same order."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollout_store._core import SizedIndex
+
+SMALL = 3
+NO_LIMIT = 2**64 - 1
+
+
+class _ByLength(dict[int, Any]):
+    pass
+
+
+class _ByContent(dict[int, Any]):
+    pass
+
+
+def _members(found: Any) -> list[int]:
+    if found is None:
+        return []
+    if isinstance(found, tuple | list):
+        return list(found)
+    if isinstance(found, _ByLength | _ByContent):
+        return [item for group in found.values() for item in _members(group)]
+    return [found]
+
+
+def _add_one(index: dict[int, Any], key: int, item: int) -> None:
+    found = index.get(key)
+    if found is None:
+        index[key] = item
+    elif isinstance(found, list):
+        found.append(item)
+    elif isinstance(found, tuple):
+        index[key] = (*found, item) if len(found) < SMALL else [*found, item]
+    else:
+        index[key] = (found, item)
+
+
+def _remove_one(index: dict[int, Any], key: int, item: int) -> None:
+    rest = [member for member in _members(index.get(key)) if member != item]
+    if not rest:
+        index.pop(key, None)
+    elif len(rest) == 1:
+        index[key] = rest[0]
+    else:
+        index[key] = rest if isinstance(index[key], list) else tuple(rest)
+
+
+class Reference:
+    """The sized index as the package kept it in Python."""
+
+    def __init__(self, lengths: dict[int, int], content: Callable[[int], int] | None) -> None:
+        self.index: dict[int, Any] = {}
+        self.lengths, self.content = lengths, content
+
+    def add(self, key: int, item: int) -> None:
+        found, length, content = self.index.get(key), self.lengths[item], self.content
+        if type(found) is _ByLength:
+            group = found.get(length)
+            if type(group) is _ByContent:
+                _add_one(group, content(item), item)  # type: ignore[misc]
+            elif content is not None and isinstance(group, list) and len(group) >= SMALL:
+                by_content = _ByContent()
+                for member in (*group, item):
+                    _add_one(by_content, content(member), member)
+                found[length] = by_content
+            else:
+                _add_one(found, length, item)
+        elif isinstance(found, tuple) and len(found) == SMALL:
+            grouped = _ByLength()
+            for member in (*found, item):
+                _add_one(grouped, self.lengths[member], member)
+            self.index[key] = grouped
+        else:
+            _add_one(self.index, key, item)
+
+    def remove(self, key: int, item: int) -> None:
+        found = self.index.get(key)
+        if type(found) is _ByLength:
+            length = self.lengths[item]
+            _remove_one(found, length, item)
+            if not found:
+                del self.index[key]
+        else:
+            _remove_one(self.index, key, item)
+
+    def members(self, key: int, low: int, high: int) -> list[int]:
+        found = self.index.get(key)
+        if type(found) is _ByLength:
+            return [
+                item
+                for length, group in found.items()
+                if low <= length < high
+                for item in _members(group)
+            ]
+        return _members(found)
+
+    def exact(self, key: int, low: int, high: int, content_at: Callable[[int], int]) -> list[int]:
+        found = self.index.get(key)
+        if type(found) is not _ByLength:
+            return _members(found)
+        out: list[int] = []
+        for length, group in found.items():
+            if low <= length < high:
+                if type(group) is _ByContent:
+                    out += _members(group.get(content_at(length)))
+                else:
+                    out += _members(group)
+        return out
+
+
+def _digest(item: int) -> int:
+    return (item * 0x9E3779B97F4A7C15) % 5  # few digests: groups of several turns each
+
+
+def _digest_at(length: int) -> int:
+    return length % 5
+
+
+_step = st.tuples(
+    st.sampled_from(["add", "add", "add", "remove", "members", "exact"]),
+    st.integers(0, 1),  # key
+    st.integers(1, 3),  # length of a new turn
+    st.integers(0, 6),  # low
+    st.integers(0, 8),  # high (8: none)
+    st.integers(0, 10**6),  # which filed turn to remove
+)
+
+
+@pytest.mark.parametrize("with_content", [True, False], ids=["token_index", "token_roots"])
+@settings(max_examples=300, deadline=None)
+@given(steps=st.lists(_step, max_size=120))
+def test_the_engine_index_hands_back_what_the_python_one_did(
+    with_content: bool, steps: list[tuple[str, int, int, int, int, int]]
+) -> None:
+    lengths: dict[int, int] = {}
+    content = _digest if with_content else None
+    ours, reference = SizedIndex(SMALL), Reference(lengths, content)
+    filed: list[tuple[int, int]] = []
+    for op, key, length, low, high_code, pick in steps:
+        high = NO_LIMIT if high_code == 8 else high_code
+        if op == "add":
+            item = len(lengths)
+            lengths[item] = length
+            ours.add(key, item, length, content)
+            reference.add(key, item)
+            filed.append((key, item))
+        elif op == "remove" and filed and not with_content:  # (the token index keeps all)
+            key, item = filed.pop(pick % len(filed))
+            assert ours.remove(key, item, lengths[item])
+            assert not ours.remove(key, item, lengths[item])
+            reference.remove(key, item)
+        elif op == "members":
+            assert ours.members(key, low, high) == reference.members(key, low, high)
+        elif op == "exact":
+            found = ours.exact(key, low, high, _digest_at)
+            assert found == reference.exact(key, low, high, _digest_at)
+    for key in range(3):
+        assert ours.members(key) == reference.members(key, 0, NO_LIMIT)
+        assert (key in ours) == (key in reference.index)
+    assert len(ours) == len(reference.index)
+    assert sorted((key, sorted(items)) for key, items in ours.items()) == sorted(
+        (key, sorted(_members(found))) for key, found in reference.index.items()
+    )
+
+
+def test_a_content_function_that_fails_leaves_the_index_as_it_was() -> None:
+    index = SizedIndex(2)
+    for item in range(3):
+        index.add(1, item, 50)
+
+    def failing(item: int) -> int:
+        raise RuntimeError(f"no digest for {item}")
+
+    before = index.members(1)
+    with pytest.raises(RuntimeError, match="no digest for 0"):
+        index.add(1, 3, 50, failing)
+    assert index.members(1) == before
+    index.add(1, 3, 50, lambda item: item % 2)
+    assert index.exact(1, 0, 100, lambda length: 1) == [1, 3]
+    assert index.nbytes > 0
+
+
+def test_keys_and_lengths_out_of_range_are_refused_or_find_nothing() -> None:
+    index = SizedIndex()
+    index.add(2**64 - 1, 0, 2**32 - 1)
+    assert index.members(2**64 - 1, 2**32 - 1) == [0]
+    assert index.members(2**64 - 1, 2**32) == []  # no length is that long
+    with pytest.raises(OverflowError):
+        index.add(2**64, 1, 1)
+    with pytest.raises(OverflowError):
+        index.add(1, 1, 2**32)
+    assert index.visited == 1
