@@ -309,6 +309,11 @@ class SizedIndex:
     ) -> None:
         """File turn `item` under `key` with `length`. `content(turn)`, if given, is the content
         digest (a 64-bit int) a large length group holds turns by; called only when needed."""
+    def add_all(self, keys: list[int], item: int, length: int) -> None:
+        """File turn `item` under each of `keys` with `length`, no content digests (a root
+        under its prompt's heads and blocks): one call for them all."""
+    def remove_all(self, keys: list[int], item: int, length: int) -> int:
+        """Take turn `item`, filed with `length`, from under each of `keys`; how many held it."""
     def remove(self, key: int, item: int, length: int) -> bool:
         """Take turn `item`, filed with `length`, from under `key`; whether it was there."""
     def members(self, key: int, low: int = 0, high: int = ...) -> list[int]:

@@ -382,9 +382,7 @@ class Linker:
             if self.token_roots is None:  # filed when a lookup first needs the index
                 self._unindexed_roots += 1
                 return
-            length = turn.prompt.length
-            for key in root_token_keys(turn.prompt):
-                self.token_roots.add(key, turn.index, length)
+            self.token_roots.add_all(root_token_keys(turn.prompt), turn.index, turn.prompt.length)
         elif root_keys:
             for key in root_keys:
                 index_add(self.message_roots, key, turn)
@@ -394,9 +392,8 @@ class Linker:
             if self.token_roots is None:
                 self._unindexed_roots -= 1
                 return
-            length = turn.prompt.length
-            for key in root_token_keys(turn.prompt):
-                self.token_roots.remove(key, turn.index, length)
+            keys = root_token_keys(turn.prompt)
+            self.token_roots.remove_all(keys, turn.index, turn.prompt.length)
         elif turn.n_rest > 0:
             plain = self.requests.plain
             plains = [plain(m) for m in rest_values(turn, self.requests.blobs)]
@@ -490,8 +487,7 @@ class Linker:
             for turn in self.turns:
                 prompt = turn.prompt
                 if turn.parent is None and prompt is not None:
-                    for key in root_token_keys(prompt):
-                        roots.add(key, turn.index, prompt.length)
+                    roots.add_all(root_token_keys(prompt), turn.index, prompt.length)
             self.token_roots = roots
             self._unindexed_roots = 0
         return roots

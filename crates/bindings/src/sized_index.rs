@@ -69,6 +69,24 @@ impl SizedIndex {
         }
     }
 
+    /// File turn `item` under each of `keys` with `length`, no content digests (a root
+    /// under its prompt's heads and blocks): one call for them all.
+    fn add_all(&self, keys: Vec<u64>, item: u32, length: u32) {
+        let mut index = self.index();
+        for key in keys {
+            // with no digests given, filing never needs them: never stale
+            let _ = index.add(key, item, length, &[]);
+        }
+    }
+
+    /// Take turn `item`, filed with `length`, from under each of `keys`; how many held it.
+    fn remove_all(&self, keys: Vec<u64>, item: u32, length: u32) -> usize {
+        let mut index = self.index();
+        keys.into_iter()
+            .filter(|&key| index.remove(key, item, length))
+            .count()
+    }
+
     /// Take turn `item`, filed with `length`, from under `key`; whether it was there.
     fn remove(&self, key: u64, item: u32, length: u32) -> bool {
         self.index().remove(key, item, length)
