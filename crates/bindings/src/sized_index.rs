@@ -52,12 +52,17 @@ impl SizedIndex {
         length: u32,
         content: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        let Some(content) = content else {
+            // with no digests given, filing never needs them: never stale
+            let _ = self.index().add(key, item, length, &[]);
+            return Ok(());
+        };
         loop {
             let needed = self.index().content_needed(key, length);
-            let digests: Vec<u64> = match (content, needed) {
-                (None, _) | (_, Needed::Nothing) => Vec::new(),
-                (Some(content), Needed::New) => vec![content.call1((item,))?.extract()?],
-                (Some(content), Needed::Members(members)) => members
+            let digests: Vec<u64> = match needed {
+                Needed::Nothing => Vec::new(),
+                Needed::New => vec![content.call1((item,))?.extract()?],
+                Needed::Members(members) => members
                     .into_iter()
                     .chain([item])
                     .map(|member| content.call1((member,))?.extract())

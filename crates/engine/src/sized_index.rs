@@ -210,13 +210,18 @@ impl SizedIndex {
     /// the new turn's. Asked first, so that what computes them runs with nothing held.
     #[must_use]
     pub fn content_needed(&self, key: u64, length: u32) -> Needed {
-        let Some(Entry::ByLength(groups)) = self.keys.get(&key) else {
-            return Needed::Nothing;
-        };
-        match groups.get(length) {
+        match self.group(key, length) {
             Some(Group::ByContent(_)) => Needed::New,
             Some(Group::Items(items)) if items.len() > self.small => Needed::Members(items.clone()),
             _ => Needed::Nothing,
+        }
+    }
+
+    /// The length group `length` of a large key.
+    fn group(&self, key: u64, length: u32) -> Option<&Group> {
+        match self.keys.get(&key) {
+            Some(Entry::ByLength(groups)) => groups.get(length),
+            _ => None,
         }
     }
 
@@ -228,11 +233,15 @@ impl SizedIndex {
     /// [`Stale`] when `digests` are not what filing it needs now (the index changed since
     /// they were asked for): nothing is changed; ask again.
     pub fn add(&mut self, key: u64, item: u32, length: u32, digests: &[u64]) -> Result<(), Stale> {
-        let fits = match self.content_needed(key, length) {
-            Needed::Nothing => digests.is_empty(),
-            Needed::New => digests.len() <= 1,
-            Needed::Members(members) => digests.is_empty() || digests.len() == members.len() + 1,
-        };
+        // (what `content_needed` asks, counted: a group filed without digests grows on)
+        let fits = digests.is_empty()
+            || match self.group(key, length) {
+                Some(Group::ByContent(_)) => digests.len() == 1,
+                Some(Group::Items(items)) if items.len() > self.small => {
+                    digests.len() == items.len() + 1
+                }
+                _ => false,
+            };
         if !fits {
             return Err(Stale);
         }
