@@ -64,12 +64,6 @@ def _sibling_prompt(parent: Turn, data: bytes, n: int) -> TokenRun | None:
     return None
 
 
-def _full_content(turn: Turn) -> int:
-    """The digest a turn is held by in a large length group of the token index: xxh3 of its
-    prompt + sampled tokens (compact: only such turns are filed there)."""
-    return xxhash.xxh3_64_intdigest(run_bytes(turn.full))  # type: ignore[arg-type]
-
-
 def _sized_index() -> SizedIndex:
     """A token index of the engine's (turn numbers under keys, found by length), grouping
     from `index.SMALL` turns a key as the package's other indexes do."""
@@ -139,8 +133,9 @@ class Linker:
     # ------------------------------------------------------------------ tokens
 
     def _full_content(self, number: int) -> int:
-        """The content digest the token index holds turn `number` by in a large group."""
-        return _full_content(self.turns[number])
+        """The digest turn `number` is held by in a large length group of the token index:
+        xxh3 of its prompt + sampled tokens (compact: only such turns are filed there)."""
+        return xxhash.xxh3_64_intdigest(run_bytes(self.turns[number].full))  # type: ignore[arg-type]
 
     def _empty_ids(self) -> array[int]:
         """The graph's one empty array of token ids (see `__init__`)."""
