@@ -140,6 +140,31 @@ def pytest_deselected(items: list[pytest.Item]) -> None:
         items[0].config.stash[_SLOW_DESELECTED] += slow
 
 
+# With pytest-xdist the workers collect and run the tests: each hands its figures back when it
+# ends (`workeroutput`), and the controller, which ran none, adds them up for the summary.
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:  # a worker
+        round_trips = session.config.stash[_ROUND_TRIPS]
+        output["slow_deselected"] = session.config.stash[_SLOW_DESELECTED]
+        output["round_trips"] = (round_trips.checked, round_trips.skipped)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    output = getattr(node, "workeroutput", None)
+    if not output or "round_trips" not in output:  # (a worker that died says nothing)
+        return
+    config = node.config
+    # every worker collects every test, so each deselected the same slow ones
+    config.stash[_SLOW_DESELECTED] = max(config.stash[_SLOW_DESELECTED], output["slow_deselected"])
+    checked, skipped = output["round_trips"]
+    config.stash[_ROUND_TRIPS].checked += checked
+    config.stash[_ROUND_TRIPS].skipped += skipped
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     slow = config.stash.get(_SLOW_DESELECTED, 0)
     if slow:

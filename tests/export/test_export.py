@@ -6,6 +6,7 @@ import collections
 import io
 import json
 import math
+import sys
 from typing import Any
 
 import pytest
@@ -536,13 +537,23 @@ def test_write_session_json_reads_subclassed_metadata_as_json_dumps_does() -> No
         assert text.getvalue() == json.dumps(export_session(graph, metadata=metadata))
 
 
+def _frames_below() -> int:
+    """The frames of the stack under the caller's, the caller's included."""
+    count, frame = 0, sys._getframe(1)
+    while frame is not None:
+        count, frame = count + 1, frame.f_back
+    return count
+
+
 def test_write_session_json_writes_metadata_as_deep_as_json_dumps_does() -> None:
     """Values the caller hands the document (metadata) nest as deep as json.dumps writes
     them: the streamed bytes are still json.dumps's, and what it refuses is refused alike."""
     graph = RolloutGraph()
     graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "hi"}]))
     deep: Any = "leaf"
-    for _ in range(950):
+    # nearly as deep as json.dumps can write from this frame (the runner's frames below this
+    # test, which pytest-xdist's worker adds to, count against the same recursion limit)
+    for _ in range(sys.getrecursionlimit() - _frames_below() - 20):
         deep = [deep]
     text = io.StringIO()
     write_session_json(graph, text, metadata={"deep": deep})

@@ -144,6 +144,8 @@ def test_the_calls_prepare_would_change_or_refuse_are_prepared(
         key = new_session(url, session_id="lane")["api_key"]
         for i in range(3):
             assert _chat(url, key, f"plain {i}").status_code == 200
+        # (the recorder adopts a call after its reply: a reading waits for its turns)
+        httpx.get(f"{url}/sessions/lane", headers=auth("lane")).raise_for_status()
         assert counts == {"prepare": 0, "adopt": 3}
         others: list[dict[str, Any]] = [
             {"stream": False},
@@ -152,6 +154,9 @@ def test_the_calls_prepare_would_change_or_refuse_are_prepared(
             {"stream": True},
         ]
         statuses = [_chat(url, key, "other", **extra).status_code for extra in others]
+        # (the stream's turn taken by the recorder first: until then the session's next
+        # call is prepared, to be queued after it)
+        httpx.get(f"{url}/sessions/lane", headers=auth("lane")).raise_for_status()
         message = {"model": "m", "max_tokens": 5, "messages": MESSAGES}
         answer = httpx.post(f"{url}/v1/messages", json=message, headers={"x-api-key": key})
         statuses.append(answer.status_code)
