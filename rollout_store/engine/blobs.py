@@ -14,9 +14,13 @@ import xxhash
 
 from .._core import KeyIndex
 from ..errors import ReadOnlyError
-from .index import index_add, index_members, index_remove
+from .index import index_add, index_members
 
-__all__ = ["BlobTable", "Handle", "content_digest"]
+__all__ = ["DIGEST_BYTES", "BlobTable", "Handle", "content_digest"]
+
+
+#: The bytes of a blob's digest.
+DIGEST_BYTES = 16
 
 
 def content_digest(data: bytes | memoryview) -> bytes:
@@ -30,7 +34,7 @@ def _key(digest: bytes) -> int:
 
 
 class Handle:
-    """A small immutable reference to one blob; one object per blob, shared by all references."""
+    """A small immutable reference to one blob, made when asked for (see `BlobTable`)."""
 
     __slots__ = ("digest", "index", "size", "surrogates")
 
@@ -65,14 +69,22 @@ class BlobTable:
 
     Additions are transactional: `mark()` before a change and `rollback(mark)` undoes every
     blob added since, so a rejected turn leaves no orphan blob.
+
+    A blob costs the table its string and a few flat entries, no object of its own: its
+    digest in one `bytearray`, its size and surrogate flag in one `array`, its number under
+    its digest's first 8 bytes in the `KeyIndex`. A `Handle` is made when asked for
+    (`intern`, `handle`) and kept, so that a blob has one; the packer's `packer_intern`
+    keeps none.
     """
 
     __slots__ = (
         "_by_digest",
-        "_handles",
+        "_digests",
+        "_given",
         "_hasher",
         "_referenced_bytes",
         "_references",
+        "_sizes",
         "_strings",
         "_total_bytes",
         "_used",
@@ -82,9 +94,12 @@ class BlobTable:
     def __init__(self, hasher: Callable[[bytes], bytes] = content_digest) -> None:
         self._hasher: Callable[[bytes], bytes] = hasher  # never changed
         self._strings: list[str] = []
-        self._handles: list[Handle] = []
+        self._digests = bytearray()  # blob i's digest at [16 i, 16 i + 16)
+        self._sizes = array("Q")  # its UTF-8 bytes << 1 | (it holds lone surrogates)
+        # the handles given out, by blob number (None until one is asked for)
+        self._given: dict[int, Handle] | None = None
         # The first 8 bytes of a digest (an int key, held without an int object) map to one
-        # handle, or to several when different strings share them (each is compared).
+        # blob's number, or to several when different strings share them (each is compared).
         self._by_digest = KeyIndex()
         self._total_bytes = 0
         self._references = 0
@@ -95,10 +110,19 @@ class BlobTable:
         self._used_bytes = 0
 
     def __len__(self) -> int:
-        return len(self._strings)
+        return len(self._sizes)
 
     def intern(self, text: str) -> Handle:
         """The handle of `text`, adding it when no stored string equals it."""
+        return self.handle(self._intern(text))
+
+    def packer_intern(self, text: str) -> Handle:
+        """`intern` for the packer, which reads the handle's number and surrogate flag and
+        lets it go: a new handle, not kept."""
+        return self.fresh_handle(self._intern(text))
+
+    def _intern(self, text: str) -> int:
+        """The number of the blob of `text`, added when no stored string equals it."""
         try:
             data = text.encode("utf-8")
             surrogates = False
@@ -108,37 +132,38 @@ class BlobTable:
         digest = self._hasher(data)
         self._references += 1
         self._referenced_bytes += len(data)
-        found: Handle
+        found: int
         for found in index_members(self._by_digest.get(_key(digest))):
-            if self._strings[found.index] == text:
+            if self._strings[found] == text:
                 return found
-        handle = self._append(text, digest, len(data), surrogates)
-        self.note_used((handle.index,))
-        return handle
+        index = self._append(text, digest, len(data), surrogates)
+        self.note_used((index,))
+        return index
 
     def canonical(self, text: str) -> str | None:
         """The stored string equal to `text` (the object the table holds), or None: nothing
         is added. What a request's decoded tip holds in place of the request's own copy."""
         data = text.encode("utf-8", "surrogatepass")  # (the bytes `intern` hashes)
-        found: Handle
+        found: int
         for found in index_members(self._by_digest.get(_key(self._hasher(data)))):
-            stored = self._strings[found.index]
+            stored = self._strings[found]
             if stored == text:
                 return stored
         return None
 
     def add_verified(self, text: str, digest: bytes, data_len: int, surrogates: bool) -> Handle:
         """Append a blob read back from a file (`data_len` UTF-8 bytes), digest checked."""
-        return self._append(text, digest, data_len, surrogates)
+        return self.fresh_handle(self._append(text, digest, data_len, surrogates))
 
-    def _append(self, text: str, digest: bytes, data_len: int, surrogates: bool) -> Handle:
-        handle = Handle(digest, len(self._strings), data_len, surrogates)
+    def _append(self, text: str, digest: bytes, data_len: int, surrogates: bool) -> int:
+        index = len(self._sizes)
         self._strings.append(text)
-        self._handles.append(handle)
+        self._digests += digest
+        self._sizes.append(data_len << 1 | surrogates)
         self._total_bytes += data_len
         # a second string with this digest (or its first 8 bytes) is a collision: both kept
-        index_add(self._by_digest, _key(digest), handle)  # type: ignore[arg-type]  # (a KeyIndex)
-        return handle
+        index_add(self._by_digest, _key(digest), index)  # type: ignore[arg-type]  # (a KeyIndex)
+        return index
 
     def share_tokens(self, tokens: array[int]) -> array[int]:
         """`tokens` (never changed once stored) or an equal array shared with other graphs;
@@ -204,33 +229,65 @@ class BlobTable:
         """The stored string of blob `index`: always the same object."""
         return self._strings[index]
 
-    def handle(self, index: int) -> Handle:
-        return self._handles[index]
+    def digest(self, index: int) -> bytes:
+        """The xxh3-128 digest of blob `index`."""
+        if not 0 <= index < len(self._sizes):
+            raise IndexError(index)
+        return bytes(self._digests[DIGEST_BYTES * index : DIGEST_BYTES * (index + 1)])
 
     def size(self, index: int) -> int:
         """The UTF-8 bytes of blob `index` (its string is not read)."""
-        return self._handles[index].size
+        return self._sizes[index] >> 1
+
+    def surrogates(self, index: int) -> bool:
+        """Whether the string of blob `index` holds lone surrogates."""
+        return bool(self._sizes[index] & 1)
+
+    def handle(self, index: int) -> Handle:
+        """The `Handle` of blob `index`: one object, kept once asked for."""
+        given = self._given
+        if given is None:
+            given = self._given = {}
+        handle = given.get(index)
+        if handle is None:
+            handle = given[index] = self.fresh_handle(index)
+        return handle
+
+    def fresh_handle(self, index: int) -> Handle:
+        """A new `Handle` of blob `index`."""
+        packed = self._sizes[index]
+        return Handle(self.digest(index), index, packed >> 1, bool(packed & 1))
 
     def __iter__(self) -> Iterator[Handle]:
-        return iter(self._handles)
+        return (self.handle(i) for i in range(len(self._sizes)))
 
     def mark(self) -> tuple[int, int, int]:
-        return (len(self._strings), self._references, self._referenced_bytes)
+        return (len(self._sizes), self._references, self._referenced_bytes)
 
     def rollback(self, mark: tuple[int, int, int]) -> None:
         """Forget every blob added since `mark` (the caller holds the graph's lock)."""
         n, self._references, self._referenced_bytes = mark
         self.forget_used(n)
-        while len(self._strings) > n:
-            handle = self._handles.pop()
+        by_digest, given = self._by_digest, self._given
+        while len(self._sizes) > n:
+            index = len(self._sizes) - 1
+            key = _key(self.digest(index))
+            found = by_digest[key]
+            if type(found) is int:
+                del by_digest[key]
+            else:  # blobs of one key (see `index_add`): the last added is this one
+                rest = found[:-1]
+                by_digest[key] = rest[0] if len(rest) == 1 else rest
+            if given is not None:
+                given.pop(index, None)
             self._strings.pop()
-            self._total_bytes -= handle.size
-            index_remove(self._by_digest, _key(handle.digest), handle)  # type: ignore[arg-type]
+            self._total_bytes -= self._sizes.pop() >> 1
+        del self._digests[DIGEST_BYTES * n :]
 
     def _collisions(self) -> int:
         """Blobs whose digest another blob has too (different strings, both kept)."""
         shared = (v for v in self._by_digest.values() if isinstance(v, tuple | list))
-        return sum(len(handles) - len({h.digest for h in handles}) for handles in shared)
+        return sum(len(found) - len({self.digest(i) for i in found}) for found in shared)
 
     def stats(self) -> dict[str, int]:
         """Number of blobs, their UTF-8 bytes, references to them, and bytes sharing saved.

@@ -71,7 +71,8 @@ class Encoder:
         packer = self._packer
         if packer is None:
             blobs = self.blobs
-            packer = self._packer = Packer(None if blobs is None else blobs.intern, self.threshold)
+            intern = None if blobs is None else blobs.packer_intern
+            packer = self._packer = Packer(intern, self.threshold)
         try:
             packed = packer.pack(value)
         except RefusedValue as refused:

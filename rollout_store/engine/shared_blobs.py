@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 from ..errors import CorruptObjectError, InvalidArgumentError, MissingObjectError
 from ..stores.content import KEY_SIZE, ContentStore, StringCache, TextStore, content_key
-from .blobs import BlobTable, Handle, content_digest
+from .blobs import DIGEST_BYTES, BlobTable, Handle, content_digest
 from .index import OneOrMany, index_add, index_members
 
 __all__ = ["DEFAULT_GRAPH_CACHE_BYTES", "StoreBlobTable"]
@@ -30,9 +30,6 @@ SHARE_PACKED_BYTES = 256
 
 #: The cache of a graph over an out-of-process store when none is given.
 DEFAULT_GRAPH_CACHE_BYTES = 8 * 1024 * 1024
-
-#: Bytes of a blob's xxh3 digest.
-DIGEST_BYTES = 16
 
 #: A table of fewer blobs finds a digest by scanning its digests (`bytearray.find`, C speed:
 #: about 3 microseconds per 1,000 blobs); from this many on it keeps an index (about 60 bytes
@@ -57,13 +54,11 @@ class StoreBlobTable(BlobTable):
     __slots__ = (
         "_broken",
         "_cache",
-        "_digests",
         "_index",
         "_keys",
         "_nbytes",
         "_refbytes",
         "_refs",
-        "_sizes",
         "_text_store",
         "store",
     )
@@ -107,19 +102,13 @@ class StoreBlobTable(BlobTable):
     def cache(self) -> StringCache | None:
         return self._cache
 
-    def __len__(self) -> int:
-        return len(self._sizes)
-
     def key(self, index: int) -> bytes:
         """The store key of blob `index`."""
         if not 0 <= index < len(self._sizes):
             raise IndexError(index)
         return bytes(self._keys[KEY_SIZE * index : KEY_SIZE * index + KEY_SIZE])
 
-    def _digest(self, index: int) -> bytes:
-        return bytes(self._digests[DIGEST_BYTES * index : DIGEST_BYTES * index + DIGEST_BYTES])
-
-    def intern(self, text: str) -> Handle:
+    def _intern(self, text: str) -> int:
         try:
             data = text.encode("utf-8")
             surrogates = False
@@ -131,17 +120,17 @@ class StoreBlobTable(BlobTable):
         self._refbytes += len(data)
         sha: list[bytes] = []
         for index in self._candidates(digest):
-            if self._digest(index) == digest and self._same(index, text, data, sha):
+            if self.digest(index) == digest and self._same(index, text, data, sha):
                 if self._broken is not None:
                     self._heal(index, text, data)
-                return self.handle(index)
+                return index
         if self._text_store is not None:
             key = self._text_store.put_text(text, data)
         else:  # not cached: the cache holds what is read (recording reads nothing back)
             key = self.store.put(data)
-        handle = self._add(key, digest, len(data), surrogates)
-        self.note_used((handle.index,))
-        return handle
+        index = self._add(key, digest, len(data), surrogates)
+        self.note_used((index,))
+        return index
 
     def canonical(self, text: str) -> str | None:
         """The memory store's object of `text`, shared by every graph over it, or None (any
@@ -151,7 +140,7 @@ class StoreBlobTable(BlobTable):
             return None
         digest = self._hasher(text.encode("utf-8", "surrogatepass"))
         for index in self._candidates(digest):
-            if self._digest(index) == digest:
+            if self.digest(index) == digest:
                 try:
                     stored = store.get_text(self.key(index))
                 except (CorruptObjectError, MissingObjectError):
@@ -206,7 +195,7 @@ class StoreBlobTable(BlobTable):
             sha.append(content_key(data))
         return sha[0] == key
 
-    def _add(self, key: bytes, digest: bytes, size: int, surrogates: bool) -> Handle:
+    def _add(self, key: bytes, digest: bytes, size: int, surrogates: bool) -> int:
         if len(key) != KEY_SIZE or len(digest) != DIGEST_BYTES:
             raise InvalidArgumentError(
                 f"a blob needs a {KEY_SIZE}-byte key and a {DIGEST_BYTES}-byte digest"
@@ -221,8 +210,8 @@ class StoreBlobTable(BlobTable):
         elif index + 1 >= INDEX_FROM:
             self._index = {}
             for i in range(index + 1):
-                index_add(self._index, _slot(self._digest(i)), i)
-        return Handle(digest, index, size, surrogates)
+                index_add(self._index, _slot(self.digest(i)), i)
+        return index
 
     def add_verified(self, text: str, digest: bytes, data_len: int, surrogates: bool) -> Handle:
         """A blob read back from a self-contained file: put into the store, then referenced."""
@@ -231,11 +220,11 @@ class StoreBlobTable(BlobTable):
             key = self._text_store.put_text(text, data)
         else:
             key = self.store.put(data)
-        return self._add(key, digest, data_len, surrogates)
+        return self.fresh_handle(self._add(key, digest, data_len, surrogates))
 
     def add_reference(self, key: bytes, digest: bytes, data_len: int, surrogates: bool) -> Handle:
         """A blob whose string is already in the store under `key` (a file of references)."""
-        return self._add(key, digest, data_len, surrogates)
+        return self.fresh_handle(self._add(key, digest, data_len, surrogates))
 
     def share_tokens(self, tokens: array[int]) -> array[int]:
         """Over the memory store, a long root prompt is one array for every graph (a GRPO
@@ -320,15 +309,7 @@ class StoreBlobTable(BlobTable):
         """A `Handle` of blob `index` (a new object each time; equal fields)."""
         if not 0 <= index < len(self._sizes):
             raise IndexError(index)
-        packed = self._sizes[index]
-        return Handle(self._digest(index), index, packed >> 1, bool(packed & 1))
-
-    def size(self, index: int) -> int:
-        """The UTF-8 bytes of blob `index` (nothing is fetched)."""
-        return self._sizes[index] >> 1
-
-    def __iter__(self) -> Iterator[Handle]:
-        return (self.handle(i) for i in range(len(self._sizes)))
+        return self.fresh_handle(index)
 
     def mark(self) -> tuple[int, int, int]:
         return (len(self._sizes), self._refs, self._refbytes)
@@ -340,7 +321,7 @@ class StoreBlobTable(BlobTable):
         while len(self._sizes) > n:
             index = len(self._sizes) - 1
             if index_of is not None:
-                slot = _slot(self._digest(index))
+                slot = _slot(self.digest(index))
                 found = index_of[slot]
                 if type(found) is int:
                     del index_of[slot]
@@ -356,7 +337,7 @@ class StoreBlobTable(BlobTable):
         del self._digests[DIGEST_BYTES * n :]
 
     def stats(self) -> dict[str, int]:
-        digests = {self._digest(i) for i in range(len(self._sizes))}
+        digests = {self.digest(i) for i in range(len(self._sizes))}
         return {
             "blobs": len(self._sizes),
             "blob_bytes": self._nbytes,

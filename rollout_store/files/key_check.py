@@ -296,7 +296,7 @@ class KeyCheck:
         return splice(packed, refs.tobytes() if isinstance(refs, array) else b"", blobs.string)
 
     def _surrogates(self, index: int) -> bool:
-        return self.blobs.handle(index).surrogates
+        return self.blobs.surrogates(index)
 
     # ------------------------------------------------------------------ token keys
 

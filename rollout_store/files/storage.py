@@ -288,18 +288,22 @@ class _Writer:
                     'blobs="store" needs a graph over a content store (RolloutGraph(store=...))'
                 )
             for index in range(self.blobs_written, end):
-                handle = blobs.handle(index)
-                ref = [handle.digest, blobs.key(index), handle.size, handle.surrogates]
+                ref = [
+                    blobs.digest(index),
+                    blobs.key(index),
+                    blobs.size(index),
+                    blobs.surrogates(index),
+                ]
                 frames.append(self.frame(KIND_BLOB_REF, pack(ref), chain))
             return frames
-        string, handle_of, v1 = blobs.string, blobs.handle, self.version == _V1
+        string, digest, v1 = blobs.string, blobs.digest, self.version == _V1
         encode_blob, prev = framing.encode_blob_frame, chain[0]
         for index in range(self.blobs_written, end):
             text = string(index)  # (its UTF-8 made only where its storage is not that)
             if v1:
-                frames.extend(blob_frame(handle_of(index).digest, text))
+                frames.extend(blob_frame(digest(index), text))
             else:
-                parts, prev = encode_blob(KIND_BLOB, handle_of(index).digest, text, prev)
+                parts, prev = encode_blob(KIND_BLOB, digest(index), text, prev)
                 frames.extend(parts)
         chain[0] = prev
         return frames
@@ -342,7 +346,7 @@ class _Writer:
         known, objects, refs = self.values, self.value_objects, self.refs
         encode, encode_blob = framing.encode_frame, framing.encode_blob_frame
         record_of, note_runs, parts = self._record, self.note_runs, out.parts
-        string, handle_of, inline = blobs.string, blobs.handle, self.blobs_mode == BLOBS_INLINE
+        string, digest, inline = blobs.string, blobs.digest, self.blobs_mode == BLOBS_INLINE
         values: list[int | None] = [None, None, None, None]
         last_side: TurnSide | None = None  # whose shared values `values` holds
         prev, written = self.chain, self.blobs_written
@@ -351,9 +355,7 @@ class _Writer:
             if end > written:
                 if inline:
                     for index in range(written, end):
-                        blob, prev = encode_blob(
-                            KIND_BLOB, handle_of(index).digest, string(index), prev
-                        )
+                        blob, prev = encode_blob(KIND_BLOB, digest(index), string(index), prev)
                         parts += blob
                         out.size += len(blob[-1])
                 else:
@@ -678,7 +680,6 @@ class _Loader:
         self.surrogates: Callable[[int], bool] | None = None
         self.ids: set[str] = set()  # of the turns read: the graph's node ids
         self.blobs = self.graph.blobs  # (the graph's own table: never replaced)
-        self.handle = self.blobs.handle
         # the graph's interned TurnMeta of each meta field read so far (most turns share one)
         self.metas: dict[tuple[Any, ...], TurnMeta] = {}
         self.unfiled: list[tuple[bytes, bytes | None]] = []  # values of the turn being read
@@ -711,7 +712,7 @@ class _Loader:
         )
 
     def blob_surrogates(self, index: int) -> bool:
-        return self.handle(index).surrogates
+        return self.blobs.surrogates(index)
 
     def blob_v2(self, payload: memoryview) -> None:
         """A version-2 blob frame's payload: digest, then text (the frame reader checked the

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import tracemalloc
 
 import pytest
 from support import add_all, chat_turns, fresh, materialized, same
@@ -220,3 +222,37 @@ def test_digests_that_share_their_first_8_bytes_are_no_collision():
     table.rollback(mark)  # the newest key mate goes, the others stay
     assert len(table) == 6 and [table.intern(t) for t in texts] == handles
     assert table.intern("g" * 300).index == added.index
+
+
+def _grown_by_turns(texts: list[str]) -> int:
+    """Bytes a graph keeps (traced, and its blob index's) for one turn of each text."""
+    graph = RolloutGraph(share_threshold=1024)
+    graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "warm up " * 200}]))
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        index_before = graph.blobs._by_digest.nbytes
+        for i, text in enumerate(texts):
+            graph.add_turn(
+                TurnNode(request_messages=[{"role": "user", "content": text}], node_id=f"t{i}")
+            )
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert graph.stats()["blobs"] == len(set(texts)) + 1
+    return grown + graph.blobs._by_digest.nbytes - index_before
+
+
+def test_a_blob_recorded_costs_the_table_a_few_flat_entries_and_no_object() -> None:
+    """A long string a turn stores costs its graph's table, beyond the string itself, its
+    digest, its size, its places in two lists and the index, and its number (an int object
+    past 256): no `Handle` or digest object a blob (those took about 120 bytes a blob more,
+    a quarter of a tool-heavy turn's overhead). Measured against the same turns all storing
+    one string (the strings were made before: what grows is what the graph keeps of them)."""
+    n = 600
+    distinct = [f"{i:06d}" + "observation " * 100 for i in range(n)]
+    one = [distinct[0]] * n
+    per_blob = (_grown_by_turns(distinct) - _grown_by_turns(one)) / n
+    assert per_blob <= 100, per_blob
