@@ -1197,11 +1197,12 @@ impl Requests {
         Ok(())
     }
 
-    /// Bytes the table holds (rows, index, lengths, responses, with their spare capacity).
+    /// Bytes of heap the table holds (rows, index, lengths, responses, with their spare
+    /// capacity); not the table's own fields, which live where it does (inside its Python
+    /// object, which the interpreter allocates and counts).
     pub fn nbytes(&self) -> usize {
         let responses = self.responses.capacity() * 8;
-        std::mem::size_of::<Self>()
-            + self.rows.capacity() * std::mem::size_of::<Row>()
+        self.rows.capacity() * std::mem::size_of::<Row>()
             + self.turns.capacity() * std::mem::size_of::<TurnNo>()
             + self.index.nbytes()
             + responses
@@ -1474,6 +1475,16 @@ mod tests {
         // no packing is kept: the row's bytes do not grow with its response
         assert!(table.nbytes() < 4096, "{}", table.nbytes());
         assert_eq!(response_key(b""), xxh3_64(b"").max(1));
+    }
+
+    #[test]
+    fn a_table_counts_the_heap_it_holds_not_its_own_fields() {
+        // its fields live inside its Python object, which the interpreter counts
+        let mut table = Requests::new();
+        assert_eq!(table.nbytes(), 0);
+        add(&mut table, 0, &conv(&["a"]), "b");
+        let rows = table.rows.capacity() * std::mem::size_of::<Row>();
+        assert!(rows > 0 && table.nbytes() >= rows, "{}", table.nbytes());
     }
 
     #[test]
