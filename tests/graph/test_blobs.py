@@ -5,8 +5,11 @@ from __future__ import annotations
 import gc
 import json
 import tracemalloc
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support import add_all, chat_turns, fresh, materialized, same
 
 from rollout_store import BlobTable, Handle, RolloutGraph, TurnNode
@@ -256,3 +259,68 @@ def test_a_blob_recorded_costs_the_table_a_few_flat_entries_and_no_object() -> N
     one = [distinct[0]] * n
     per_blob = (_grown_by_turns(distinct) - _grown_by_turns(one)) / n
     assert per_blob <= 100, per_blob
+
+
+def _first_char_hasher(data: bytes) -> bytes:
+    """Digests that collide for strings with one first byte (partial collisions)."""
+    return (data[:1] * 16).ljust(16, b"\0")
+
+
+_TEXTS = ["a" * 40, "a" * 39 + "b", "b" * 40, "\ud800" * 3, "ab\udfff", ""]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    hasher=st.sampled_from([content_digest, _colliding, _first_char_hasher]),
+    steps=st.lists(
+        st.one_of(
+            st.tuples(st.just("intern"), st.integers(0, len(_TEXTS) - 1)),
+            st.tuples(st.just("mark"), st.just(0)),
+            st.tuples(st.just("rollback"), st.integers(0, 3)),
+        ),
+        max_size=40,
+    ),
+)
+def test_the_table_is_a_list_of_distinct_strings_with_marks(hasher: Any, steps: Any) -> None:
+    """Any run of interns, marks and rollbacks, under digests that never, always or partly
+    collide: the table holds the distinct strings in the order first interned, as a list
+    would; each blob's digest, size and surrogate flag are its string's; `intern` hands back
+    the one handle of a blob (the same object each time); `canonical` finds the stored
+    object; a rollback forgets exactly what came after its mark."""
+    table = BlobTable(hasher)
+    model: list[str] = []
+    marks: list[int] = []
+    handles: dict[int, Handle] = {}
+    for op, arg in steps:
+        if op == "intern":
+            text = "".join(list(_TEXTS[arg]))  # an equal string, another object
+            handle = table.intern(text)
+            if text not in model:
+                model.append(text)
+            assert handle.index == model.index(text)
+            assert handles.setdefault(handle.index, handle) is handle
+        elif op == "mark":
+            marks.append(len(model))
+            assert table.mark()[0] == len(model)
+        elif marks:
+            mark = marks[min(arg, len(marks) - 1)]
+            table.rollback((mark, 0, 0))
+            del model[mark:]
+            marks = [m for m in marks if m <= mark]
+            handles = {i: h for i, h in handles.items() if i < mark}
+        assert len(table) == len(model)
+        for i, text in enumerate(model):
+            data = text.encode("utf-8", "surrogatepass")
+            assert table.string(i) == text
+            assert table.digest(i) == hasher(data)
+            assert table.size(i) == len(data)
+            assert table.surrogates(i) == (data != text.encode("utf-8", "replace"))
+            assert table.canonical("".join(list(text))) is table.string(i)
+        for text in _TEXTS:
+            if text not in model:
+                assert table.canonical(text) is None
+        stats = table.stats()
+        assert stats["blobs"] == len(model)
+        assert stats["blob_bytes"] == sum(len(t.encode("utf-8", "surrogatepass")) for t in model)
+        digests = [table.digest(i) for i in range(len(model))]
+        assert stats["collisions"] == len(digests) - len(set(digests))
