@@ -280,8 +280,12 @@ struct Lengths {
 
 const BITMAP_COUNTS: usize = 1 << 17;
 
-/// Boundaries a request's base is looked for at first, longest first (see `find_from`).
+/// Boundaries a request's base is looked for at first, longest first, while bases are met
+/// below the longest (see `find_from`); else the longest alone.
 const WINDOW: usize = 4;
+
+/// Finds that look at `WINDOW` boundaries first after one met its base below the longest.
+const WIDE_FINDS: u32 = 64;
 
 impl Lengths {
     fn mark(&mut self, n: usize) {
@@ -537,6 +541,13 @@ pub struct Found {
     pub ask: Option<Ask>,
 }
 
+impl Found {
+    /// The length of the filed request met: the base's, or the unconfirmed row's.
+    fn met_len(&self) -> usize {
+        self.ask.as_ref().map_or(self.base_len, |ask| ask.len)
+    }
+}
+
 /// Why a request cannot be filed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum FileError {
@@ -589,6 +600,8 @@ pub struct Requests {
     raw_tip_hits: u64,
     /// rows filed by their key alone, not yet confirmed
     unconfirmed: usize,
+    /// finds left that take digests at `WINDOW` boundaries first (see `find_from`)
+    wide: std::cell::Cell<u32>,
 }
 
 impl Requests {
@@ -781,10 +794,12 @@ impl Requests {
     /// than `first` messages is not looked for: the caller knows one of `first` is filed.
     ///
     /// Digests are taken only where some filed request ends (the lengths index), and first
-    /// only at the `WINDOW` longest such boundaries: a digest ends BLAKE3's bulk hashing of
-    /// the packings there, and a re-sent request's base is mostly among its last boundaries
-    /// (the turn just before). Only when none of those is a base are the packings hashed
-    /// again for the boundaries below.
+    /// only at the longest such boundary below the request's own length: a digest ends
+    /// BLAKE3's bulk hashing of the packings there (the piece of a chunk before it is hashed
+    /// on its own, a chunk at a time), and a re-sent request's base is mostly the turn just
+    /// before. A graph whose bases are met below it (rollouts of other lengths filed in one
+    /// graph) has the `WINDOW` longest taken first, for the next `WIDE_FINDS` finds. Only
+    /// when none of those is a base are the packings hashed again for the boundaries below.
     fn find_from<Q: Packings + ?Sized>(
         &self,
         hasher: &mut PrefixHasher,
@@ -793,12 +808,20 @@ impl Requests {
         refuted: &[TurnNo],
     ) -> Found {
         let n = first + plains.count();
-        // every boundary where some filed request ends, longest first
-        let marked: Vec<usize> = (first..=n)
+        // every boundary below the request's own length where some filed request ends,
+        // longest first (its own length's digest is the whole request's, always taken)
+        let marked: Vec<usize> = (first..n)
             .rev()
             .filter(|&at| self.lengths.has(at))
             .collect();
-        let (window, below) = marked.split_at(marked.len().min(WINDOW));
+        let wide = self.wide.get();
+        let width = if wide > 0 {
+            self.wide.set(wide - 1);
+            WINDOW
+        } else {
+            1
+        };
+        let (window, below) = marked.split_at(marked.len().min(width));
         let start = (!below.is_empty()).then(|| hasher.clone());
         let mut digests = Self::digests_at(hasher, first, plains, plains.count(), window);
         let digest = hasher.digest_here();
@@ -806,6 +829,9 @@ impl Requests {
             digests.push((n, digest));
         }
         if let Some(found) = self.first_met(&digests, plains, first, n, digest, refuted) {
+            if window.len() > 1 && found.met_len() < window[0] {
+                self.wide.set(WIDE_FINDS);
+            }
             return found;
         }
         if let Some(mut again) = start {
@@ -813,6 +839,7 @@ impl Requests {
             let mut digests = Self::digests_at(&mut again, first, plains, upto, below);
             digests.push((below[0], again.digest_here()));
             if let Some(found) = self.first_met(&digests, plains, first, n, digest, refuted) {
+                self.wide.set(WIDE_FINDS);
                 return found;
             }
         }
@@ -1475,6 +1502,52 @@ mod tests {
         // no packing is kept: the row's bytes do not grow with its response
         assert!(table.nbytes() < 4096, "{}", table.nbytes());
         assert_eq!(response_key(b""), xxh3_64(b"").max(1));
+    }
+
+    #[test]
+    fn a_base_met_below_the_longest_boundary_widens_the_first_look() {
+        // one conversation (1, 3, 5 messages): each request's base is the longest boundary
+        let mut table = Requests::new();
+        let mut a = conv(&["a0"]);
+        for turn in 0..3 {
+            if turn > 0 {
+                a.extend(conv(&["ra", "a"]));
+            }
+            add(&mut table, turn, &a, "ra");
+        }
+        assert_eq!(
+            table.wide.get(),
+            0,
+            "each met the longest boundary below it"
+        );
+        // another of 6 messages; a's next request (7): the longest boundary below it is
+        // b's, its base a's own (5): found past the first look, which looks wider from then on
+        let b = conv(&["b0", "rb", "b1", "rb", "b2", "rb"]);
+        add(&mut table, 3, &b, "rb");
+        a.extend(conv(&["ra", "a"]));
+        let found = add(&mut table, 4, &a, "ra");
+        assert_eq!((found.base, found.base_len), (Some(2), 5));
+        assert_eq!(table.wide.get(), WIDE_FINDS);
+        // a wide look that meets the longest boundary counts down, one that meets below it
+        // starts again
+        let mut next = a.clone();
+        next.extend(conv(&["ra", "a"]));
+        assert_eq!(table.find(&next).base, Some(4));
+        assert_eq!(table.wide.get(), WIDE_FINDS - 1);
+        let mut b_next = b.clone();
+        b_next.extend(conv(&["b3"]));
+        assert_eq!(table.find(&b_next).base, Some(3));
+        assert_eq!(table.wide.get(), WIDE_FINDS - 2, "6 is the longest below 7");
+        let mut short = a[..5].to_vec();
+        short.extend(conv(&["ra", "other", "x", "y"]));
+        assert_eq!(table.find(&short).base, Some(2)); // 7 and 6 are not its
+        assert_eq!(table.wide.get(), WIDE_FINDS);
+        // the base is the same whichever look found it
+        for wide in [0, WIDE_FINDS] {
+            table.wide.set(wide);
+            assert_eq!(table.find(&short).base, Some(2));
+            assert_eq!(table.find(&next).base, Some(4));
+        }
     }
 
     #[test]
