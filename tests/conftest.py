@@ -59,6 +59,27 @@ def pytest_configure(config: pytest.Config) -> None:
     every = os.environ.get("ROLLOUT_STORE_ROUND_TRIP", "") == "every"
     config.stash[_ROUND_TRIPS] = RoundTrips(every=every)
     config.stash[_SLOW_DESELECTED] = 0
+    _slow_tests_in_one_process(config)
+
+
+def _slow_tests_in_one_process(config: pytest.Config) -> None:
+    """A run that selects the slow tests (`-m slow`) runs in this process, unless its
+    command line asks for workers (`-n`): several of them measure the machine, which
+    workers beside them would load. (`addopts` asks for workers for the fast tests; this
+    runs before pytest-xdist sets its workers up, which it does last.)"""
+    marks = config.getoption("markexpr", "") or ""
+    if "slow" not in marks.replace("not slow", ""):
+        return
+    asked = config.invocation_params.args
+    if any(
+        arg in ("-n", "--numprocesses") or arg.startswith(("-n", "--numprocesses="))
+        for arg in asked
+    ):
+        return
+    if getattr(config.option, "numprocesses", None) is not None:
+        config.option.numprocesses = 0
+        config.option.dist = "no"
+        config.option.tx = []
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 import xxhash
 
 from .._core import KeyIndex
-from ..errors import ReadOnlyError
+from ..errors import InvalidArgumentError, ReadOnlyError
 from .index import index_add, index_members
 
 __all__ = ["DIGEST_BYTES", "BlobTable", "Handle", "content_digest"]
@@ -129,7 +129,7 @@ class BlobTable:
         except UnicodeEncodeError:  # lone surrogates, as json.loads('"\\ud800"') gives
             data = text.encode("utf-8", "surrogatepass")
             surrogates = True
-        digest = self._hasher(data)
+        digest = self.digest_of(data)
         self._references += 1
         self._referenced_bytes += len(data)
         found: int
@@ -145,7 +145,7 @@ class BlobTable:
         is added. What a request's decoded tip holds in place of the request's own copy."""
         data = text.encode("utf-8", "surrogatepass")  # (the bytes `intern` hashes)
         found: int
-        for found in index_members(self._by_digest.get(_key(self._hasher(data)))):
+        for found in index_members(self._by_digest.get(_key(self.digest_of(data)))):
             stored = self._strings[found]
             if stored == text:
                 return stored
@@ -155,7 +155,19 @@ class BlobTable:
         """Append a blob read back from a file (`data_len` UTF-8 bytes), digest checked."""
         return self.fresh_handle(self._append(text, digest, data_len, surrogates))
 
+    def digest_of(self, data: bytes) -> bytes:
+        """The table's digest of a string's UTF-8 `data`: `InvalidArgumentError` when its
+        hasher gives other than 16 bytes (the digests are kept 16 bytes apart)."""
+        digest = self._hasher(data)
+        if type(digest) is not bytes or len(digest) != DIGEST_BYTES:
+            raise InvalidArgumentError(
+                f"a blob table's hasher must return {DIGEST_BYTES} bytes, got {digest!r:.60}"
+            )
+        return digest
+
     def _append(self, text: str, digest: bytes, data_len: int, surrogates: bool) -> int:
+        if len(digest) != DIGEST_BYTES:
+            raise InvalidArgumentError(f"a blob's digest has {DIGEST_BYTES} bytes")
         index = len(self._sizes)
         self._strings.append(text)
         self._digests += digest

@@ -115,7 +115,7 @@ class StoreBlobTable(BlobTable):
         except UnicodeEncodeError:
             data = text.encode("utf-8", "surrogatepass")
             surrogates = True
-        digest = self._hasher(data)
+        digest = self.digest_of(data)
         self._refs += 1
         self._refbytes += len(data)
         sha: list[bytes] = []
@@ -138,7 +138,7 @@ class StoreBlobTable(BlobTable):
         store = self._text_store
         if store is None:
             return None
-        digest = self._hasher(text.encode("utf-8", "surrogatepass"))
+        digest = self.digest_of(text.encode("utf-8", "surrogatepass"))
         for index in self._candidates(digest):
             if self.digest(index) == digest:
                 try:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import add_all, chat_turns, fresh, materialized, same
 
-from rollout_store import BlobTable, Handle, RolloutGraph, TurnNode
+from rollout_store import BlobTable, Handle, InvalidArgumentError, RolloutGraph, TurnNode
 from rollout_store.engine.blobs import content_digest
 
 
@@ -324,3 +324,22 @@ def test_the_table_is_a_list_of_distinct_strings_with_marks(hasher: Any, steps: 
         assert stats["blob_bytes"] == sum(len(t.encode("utf-8", "surrogatepass")) for t in model)
         digests = [table.digest(i) for i in range(len(model))]
         assert stats["collisions"] == len(digests) - len(set(digests))
+
+
+@pytest.mark.parametrize(
+    "hasher", [lambda d: d[:8].ljust(32, b"\0"), lambda d: b"", lambda d: "x" * 16]
+)
+def test_a_hasher_that_gives_no_16_byte_digest_is_refused_and_changes_nothing(hasher: Any) -> None:
+    """The table keeps its digests 16 bytes apart: a hasher giving anything else is refused
+    with what it gave, before anything is counted or added (the table as it was)."""
+    table = BlobTable(hasher)
+    before = table.stats()
+    for call in (table.intern, table.packer_intern, table.canonical):
+        with pytest.raises(InvalidArgumentError, match="must return 16 bytes"):
+            call("a" * 300)
+    assert table.stats() == before and len(table) == 0
+    graph = RolloutGraph(share_threshold=100)
+    graph.blobs = BlobTable(hasher)
+    with pytest.raises(InvalidArgumentError):
+        graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "b" * 300}]))
+    assert len(graph) == 0 and len(graph.blobs) == 0
