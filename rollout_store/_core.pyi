@@ -100,7 +100,9 @@ class Packer:
     """Validates and packs values for one graph (not shared between threads: the graph uses it
     under its lock)."""
 
-    def __new__(cls, intern: Callable[[str], Any] | None, threshold: int | None) -> Packer: ...
+    def __new__(cls, intern: Callable[[str], int] | None, threshold: int | None) -> Packer:
+        """`intern`: str -> the blob's number << 1 | whether it holds lone surrogates (a blob
+        table's `packer_intern`), or None: every string inline."""
     @property
     def last_special(self) -> bool: ...
     @property

@@ -14,9 +14,9 @@ import xxhash
 
 from .._core import KeyIndex
 from ..errors import InvalidArgumentError, ReadOnlyError
-from .index import index_add, index_members
+from .index import index_add, index_members, index_pop_last
 
-__all__ = ["DIGEST_BYTES", "BlobTable", "Handle", "content_digest"]
+__all__ = ["DIGEST_BYTES", "BlobTable", "Handle", "content_digest", "utf8"]
 
 
 #: The bytes of a blob's digest.
@@ -26,6 +26,15 @@ DIGEST_BYTES = 16
 def content_digest(data: bytes | memoryview) -> bytes:
     """The 16-byte xxh3-128 digest used as a blob's key."""
     return xxhash.xxh3_128_digest(data)
+
+
+def utf8(text: str) -> tuple[bytes, bool]:
+    """The UTF-8 of a string a blob table keeps, and whether it holds lone surrogates (as
+    `json.loads('"\\ud800"')` gives: written with surrogatepass)."""
+    try:
+        return text.encode("utf-8"), False
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass"), True
 
 
 def _key(digest: bytes) -> int:
@@ -116,19 +125,15 @@ class BlobTable:
         """The handle of `text`, adding it when no stored string equals it."""
         return self.handle(self._intern(text))
 
-    def packer_intern(self, text: str) -> Handle:
-        """`intern` for the packer, which reads the handle's number and surrogate flag and
-        lets it go: a new handle, not kept."""
-        return self.fresh_handle(self._intern(text))
+    def packer_intern(self, text: str) -> int:
+        """`intern` for the packer: the blob's number << 1 | whether it holds lone surrogates
+        (no handle made or kept)."""
+        index = self._intern(text)
+        return index << 1 | self._sizes[index] & 1
 
     def _intern(self, text: str) -> int:
         """The number of the blob of `text`, added when no stored string equals it."""
-        try:
-            data = text.encode("utf-8")
-            surrogates = False
-        except UnicodeEncodeError:  # lone surrogates, as json.loads('"\\ud800"') gives
-            data = text.encode("utf-8", "surrogatepass")
-            surrogates = True
+        data, surrogates = utf8(text)
         digest = self.digest_of(data)
         self._references += 1
         self._referenced_bytes += len(data)
@@ -166,8 +171,6 @@ class BlobTable:
         return digest
 
     def _append(self, text: str, digest: bytes, data_len: int, surrogates: bool) -> int:
-        if len(digest) != DIGEST_BYTES:
-            raise InvalidArgumentError(f"a blob's digest has {DIGEST_BYTES} bytes")
         index = len(self._sizes)
         self._strings.append(text)
         self._digests += digest
@@ -283,13 +286,7 @@ class BlobTable:
         by_digest, given = self._by_digest, self._given
         while len(self._sizes) > n:
             index = len(self._sizes) - 1
-            key = _key(self.digest(index))
-            found = by_digest[key]
-            if type(found) is int:
-                del by_digest[key]
-            else:  # blobs of one key (see `index_add`): the last added is this one
-                rest = found[:-1]
-                by_digest[key] = rest[0] if len(rest) == 1 else rest
+            index_pop_last(by_digest, _key(self.digest(index)))  # (this one: the last added)
             if given is not None:
                 given.pop(index, None)
             self._strings.pop()

@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator
 
 from ..errors import CorruptObjectError, InvalidArgumentError, MissingObjectError
 from ..stores.content import KEY_SIZE, ContentStore, StringCache, TextStore, content_key
-from .blobs import DIGEST_BYTES, BlobTable, Handle, content_digest
-from .index import OneOrMany, index_add, index_members
+from .blobs import DIGEST_BYTES, BlobTable, Handle, content_digest, utf8
+from .index import OneOrMany, index_add, index_members, index_pop_last
 
 __all__ = ["DEFAULT_GRAPH_CACHE_BYTES", "StoreBlobTable"]
 
@@ -109,12 +109,7 @@ class StoreBlobTable(BlobTable):
         return bytes(self._keys[KEY_SIZE * index : KEY_SIZE * index + KEY_SIZE])
 
     def _intern(self, text: str) -> int:
-        try:
-            data = text.encode("utf-8")
-            surrogates = False
-        except UnicodeEncodeError:
-            data = text.encode("utf-8", "surrogatepass")
-            surrogates = True
+        data, surrogates = utf8(text)
         digest = self.digest_of(data)
         self._refs += 1
         self._refbytes += len(data)
@@ -320,18 +315,8 @@ class StoreBlobTable(BlobTable):
         index_of = self._index
         while len(self._sizes) > n:
             index = len(self._sizes) - 1
-            if index_of is not None:
-                slot = _slot(self.digest(index))
-                found = index_of[slot]
-                if type(found) is int:
-                    del index_of[slot]
-                elif type(found) is tuple:  # a few blobs of one slot (see `index`)
-                    rest = tuple(i for i in found if i != index)
-                    index_of[slot] = rest[0] if len(rest) == 1 else rest
-                else:
-                    found.remove(index)  # type: ignore[union-attr]
-                    if len(found) == 1:  # type: ignore[arg-type]
-                        index_of[slot] = found[0]  # type: ignore[index]
+            if index_of is not None:  # (this one: the last added under its slot)
+                index_pop_last(index_of, _slot(self.digest(index)))
             self._nbytes -= self._sizes.pop() >> 1
         del self._keys[KEY_SIZE * n :]
         del self._digests[DIGEST_BYTES * n :]

@@ -437,7 +437,7 @@ def test_json_dumps_of_a_rebuild_equals_the_recorded_text() -> None:
 
 def test_a_rust_panic_is_a_python_exception_and_the_packer_still_works() -> None:
     blobs = BlobTable()
-    packer = _core.Packer(blobs.intern, 8)
+    packer = _core.Packer(blobs.packer_intern, 8)
     with pytest.raises(BaseException) as caught:
         packer._pack_then_panic(["a long string here"])
     assert type(caught.value).__name__ == "PanicException"
@@ -454,7 +454,7 @@ def test_packing_leaves_nothing_behind_in_the_interpreter() -> None:
     def turns(n: int) -> None:
         blobs = BlobTable()
         for i in range(n):
-            packer = _core.Packer(blobs.intern, 8)
+            packer = _core.Packer(blobs.packer_intern, 8)
             packer.pack({"role": "user", "content": f"a long string {i}", "items": [i, 1.5]})
 
     turns(50)  # the caches a first use fills
@@ -480,7 +480,7 @@ def test_a_stored_packing_spliced_is_the_plain_packing_of_its_value(
     from rollout_store.files.packed import check_packed
 
     blobs = BlobTable()
-    stored = _core.Packer(blobs.intern, threshold).pack(value)
+    stored = _core.Packer(blobs.packer_intern, threshold).pack(value)
     info = check_packed(stored, len(blobs), 1000)
     refs = info.blob_refs.tobytes() if info.refs else b""
     assert _core.splice(stored, refs, blobs.string) == _core.Packer(None, None).pack(value)
@@ -488,7 +488,7 @@ def test_a_stored_packing_spliced_is_the_plain_packing_of_its_value(
 
 def test_splice_refuses_an_offset_that_is_no_blob_reference() -> None:
     blobs = BlobTable()
-    stored = _core.Packer(blobs.intern, 4).pack(["long text", "x"])
+    stored = _core.Packer(blobs.packer_intern, 4).pack(["long text", "x"])
     at = stored.index(b"\xd6")
     ok = array("I", [at]).tobytes()
     assert _core.splice(stored, ok, blobs.string) == _core.Packer(None, None).pack(

@@ -142,8 +142,9 @@ pub(crate) struct Packed {
 
 #[pymethods]
 impl Packer {
-    /// `intern`: the blob table's `intern` (str -> handle with `index` and `surrogates`), or
-    /// None for plain packings; `threshold`: strings of this many code points or more go there.
+    /// `intern`: the blob table's `packer_intern` (str -> the blob's number << 1 | whether it
+    /// holds lone surrogates), or None for plain packings; `threshold`: strings of this many
+    /// code points or more go there.
     #[new]
     #[pyo3(signature = (intern, threshold))]
     fn new(py: Python<'_>, intern: Option<Py<PyAny>>, threshold: Option<usize>) -> PyResult<Self> {
@@ -564,10 +565,11 @@ impl Walk<'_> {
         let len = usize::try_from(unsafe { ffi::PyUnicode_GET_LENGTH(s.as_ptr()) }).unwrap_or(0);
         if let (Some(threshold), Some(intern)) = (self.threshold, self.intern) {
             if len >= threshold {
-                let handle = intern.call1((s,))?;
-                let py = s.py();
-                let index: u32 = handle.getattr(intern!(py, "index"))?.extract()?;
-                if handle.getattr(intern!(py, "surrogates"))?.is_truthy()? {
+                // the blob's number and whether it holds lone surrogates, as one int
+                let reference: u64 = intern.call1((s,))?.extract()?;
+                let index = u32::try_from(reference >> 1)
+                    .map_err(|_| PyValueError::new_err("a blob number beyond 32 bits"))?;
+                if reference & 1 == 1 {
                     self.special = true; // its plain packing is an EXT_SURROGATE
                 }
                 self.refs = true;
