@@ -55,7 +55,7 @@ from .errors import (
 from .metadata import NO_META, UNCHANGED, GraphMeta
 from .model.drift import REGIONS, Drift
 from .model.nodes import COUNT_TOOLS, TurnNode
-from .model.raw import RawJSON, resolve_raw
+from .model.raw import RawJSON, resolve_raw, utf8_text
 from .model.timeline import Timeline, TimelineTable
 from .model.training import TrainingSequence
 from .stores.content import ContentStore, StringCache
@@ -135,8 +135,10 @@ def _without_raw(node: TurnNode, known: Container[bytes | str] = ()) -> TurnNode
             continue
         if type(value) is RawJSON and name in _SHARED_FIELDS and value.data in known:
             continue
-        if type(value) is RawJSON and name in _ID_FIELDS and type(value.data) is bytes:
-            ids = packed_ids(value.data)  # (None: decoded below, which says what is wrong)
+        if type(value) is RawJSON and name in _ID_FIELDS:
+            # read into packed ids (None: decoded below, which says what is wrong)
+            text = utf8_text(value)
+            ids = None if text is None else packed_ids(text)
             if ids is not None:
                 changes[name] = ids
                 continue

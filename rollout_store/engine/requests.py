@@ -18,7 +18,7 @@ import xxhash
 from .._core import Blake3, Packer, PendingTip, RequestTable, Unconfirmed
 from ..errors import InvalidValueError
 from ..model.nodes import TurnNode
-from ..model.raw import RawJSON, decode_array, decode_raw, resolve_raw
+from ..model.raw import RawJSON, decode_array, decode_raw, resolve_raw, utf8_text
 from .blobs import BlobTable
 from .confirm import (
     HOLE_MIN,
@@ -793,11 +793,11 @@ class RequestStore:
         raw: bytes | None = None
         if type(messages) is not list:  # (a list is the common case)
             if type(messages) is RawJSON:
-                data = messages.data
+                data = utf8_text(messages)  # (a str's too: the same path as bytes)
                 # (a turn with token ids is linked by them: it takes this path once its
                 # tokens found their parent, so no drift audit asks for its messages)
                 if (
-                    type(data) is bytes
+                    data is not None
                     and node.parent_id is None
                     and (turn.prompt is None or scratch.token_parent is not None)
                 ):

@@ -21,7 +21,7 @@ import msgspec
 
 from ..errors import InvalidValueError
 
-__all__ = ["RawJSON", "decode_array", "decode_raw", "resolve_raw", "split_array"]
+__all__ = ["RawJSON", "decode_array", "decode_raw", "resolve_raw", "split_array", "utf8_text"]
 
 
 class RawJSON:
@@ -86,6 +86,21 @@ def decode_raw(raw: RawJSON, path: str) -> Any:
         raise InvalidValueError(f"JSON text nested too deeply to decode: {exc}", path) from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
         raise InvalidValueError(f"invalid JSON text: {exc}", path) from exc
+
+
+def utf8_text(raw: RawJSON) -> bytes | None:
+    """The bytes the graph reads `raw` from, which `json.loads` decodes to what it decodes
+    `raw.data` to: bytes as given; a str as its UTF-8 (each lone surrogate as itself), which
+    the byte path reads at the speed of bytes (a re-sent prefix confirmed, not decoded).
+
+    None for a str whose UTF-8 `json.loads` would read otherwise: one that begins with
+    U+FEFF (refused in a str, a byte order mark taken off bytes), or with a NUL in its first
+    two characters (bytes read as UTF-16 or UTF-32 then). The caller decodes the str."""
+    data = raw.data
+    if type(data) is bytes:
+        return data
+    text = data.encode("utf-8", "surrogatepass")  # type: ignore[union-attr]
+    return text if json.detect_encoding(text) == "utf-8" else None
 
 
 def decode_array(data: bytes) -> list[Any]:

@@ -3,6 +3,7 @@ refusals, whatever the spelling of the text."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from typing import Any
@@ -591,3 +592,88 @@ def test_dropped_caches_cost_a_raw_conversation_nothing_but_speed() -> None:
     assert graph._requests.raw_tips._order  # the turn after leaves a tip again
     assert json.dumps(graph.request_messages(ids[2])) == json.dumps(history[:-2])
     assert json.dumps(graph.get(ids[2]).request_tools) == json.dumps(tools)
+
+
+def _str_and_bytes_chat(monkeypatch: pytest.MonkeyPatch, spell: Any) -> tuple[Any, Any, list[int]]:
+    """One chat recorded twice, its messages given as `RawJSON(spell(text))` and as bytes;
+    the lengths of the texts decoded whole in the first graph."""
+    from rollout_store import RolloutGraph, TurnNode
+    from rollout_store.engine import requests
+
+    decoded_whole: list[int] = []
+    real = requests.decode_raw
+
+    def counting(raw: RawJSON, path: str) -> Any:
+        if type(raw.data) is str:
+            decoded_whole.append(len(raw.data))
+        return real(raw, path)
+
+    monkeypatch.setattr(requests, "decode_raw", counting)
+    graph, plain = RolloutGraph(share_threshold=16), RolloutGraph(share_threshold=16)
+    odd = ["\ud800", "\U0001f4a5", "\u00e9" * 20, 2**70, float("nan")]
+    for i, messages in enumerate(_chat(5)):
+        # re-sent as first written (odd values in the system message: the new messages are
+        # decoded by msgspec, which leaves NaN and lone surrogates to json.loads)
+        messages = [{**messages[0], "odd": odd}, *messages[1:]]
+        text = json.dumps(messages, ensure_ascii=False)
+        for target, data in ((graph, spell(text)), (plain, text.encode("utf-8", "surrogatepass"))):
+            target.add_turn(TurnNode(request_messages=RawJSON(data), response_message=_response(i)))
+    return graph, plain, decoded_whole
+
+
+def test_a_raw_str_is_read_as_its_utf8_and_confirmed_as_bytes_are(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A conversation sent as `RawJSON(str)` takes the byte path: its re-sent prefix is
+    confirmed, not decoded (only its first text is decoded whole), and it records what bytes
+    record, lone surrogates and all."""
+    graph, plain, decoded_whole = _str_and_bytes_chat(monkeypatch, lambda text: text)
+    assert len(decoded_whole) == 1  # the first turn's; each later one continues its tip
+    assert graph.path_ids("turn-4") == plain.path_ids("turn-4")
+    for node_id in graph.node_ids():
+        assert_same_json(graph.request_messages(node_id), plain.request_messages(node_id))
+    assert graph.stats()["message_bytes_stored"] == plain.stats()["message_bytes_stored"]
+
+
+@pytest.mark.parametrize("lead", ["\ufeff", "\x00", " \x00"])
+def test_a_raw_str_its_utf8_would_read_otherwise_is_decoded_as_a_str(lead: str) -> None:
+    """A str that begins with U+FEFF or a NUL reads otherwise as bytes (a byte order mark
+    taken off, UTF-16 or UTF-32 detected), so it is decoded as a str: refused as json.loads
+    refuses it, even where a tip of the same bytes would confirm it, and nothing added."""
+    from rollout_store import RolloutGraph, TurnNode
+
+    messages = [{"role": "user", "content": "hi"}]
+    text = lead + json.dumps(messages)
+    longer = lead + json.dumps([*messages, _response(0), {"role": "user", "content": "more"}])
+    with pytest.raises(ValueError):
+        json.loads(text)  # (what the graph must do too)
+    # a graph whose tip is those characters' UTF-8 (bytes json.loads takes a BOM off)
+    for first in (text.encode("utf-8"), json.dumps(messages).encode()):
+        graph = RolloutGraph()
+        with contextlib.suppress(InvalidValueError):  # (bytes json.loads refuses too)
+            graph.add_turn(TurnNode(request_messages=RawJSON(first), response_message=_response(0)))
+        ids = graph.node_ids()
+        for sent in (text, longer):
+            with pytest.raises(InvalidValueError) as err:
+                node = TurnNode(request_messages=RawJSON(sent), response_message=_response(1))
+                graph.add_turn(node)
+            assert err.value.path == "request_messages"
+            assert _loads_or_error(sent)[1] in err.value.reason
+        assert graph.node_ids() == ids
+
+
+def test_raw_str_token_ids_are_read_as_bytes_are() -> None:
+    from rollout_store import RolloutGraph, TurnNode
+    from rollout_store.engine.intake import PackedIds
+    from rollout_store.graph import _without_raw
+
+    node = TurnNode(prompt_ids=RawJSON("[1, 2, 4294967295]"), sampled_ids=RawJSON(b"[3]"))  # type: ignore[arg-type]
+    resolved = _without_raw(node)
+    assert type(resolved.prompt_ids) is PackedIds and type(resolved.sampled_ids) is PackedIds
+    graph = RolloutGraph()
+    view = graph.add_turn(node)
+    assert (view.prompt_ids, view.sampled_ids) == ([1, 2, 4294967295], [3])
+    odd = TurnNode(prompt_ids=RawJSON("\ufeff[1]"))  # type: ignore[arg-type]
+    with pytest.raises(InvalidValueError) as err:
+        graph.add_turn(odd)
+    assert err.value.path == "prompt_ids" and "BOM" in err.value.reason

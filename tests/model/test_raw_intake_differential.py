@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from rollout_store import RolloutGraph, write_session_json
+from rollout_store import RawJSON, RolloutGraph, write_session_json
 from rollout_store.engine.requests import _NOT_FAST, RequestStore
 from rollout_store.serve.server import CHAT_RAW_FIELDS, chat_turn, split_body
 
@@ -105,13 +105,18 @@ def _body(rng: random.Random, items: list[str]) -> bytes:
     )
 
 
-def _record(turns: list[tuple[list[str], str]], raw: bool) -> RolloutGraph:
+def _record(turns: list[tuple[list[str], str]], raw: bool, text: bool = False) -> RolloutGraph:
+    """The turns recorded from their bodies: decoded, split (`raw`), or split with the
+    messages handed over as `RawJSON` of a str (`text`: the byte path reads its UTF-8)."""
     graph = RolloutGraph(share_threshold=_THRESHOLD)
     rng = random.Random(len(turns))
     for items, answer in turns:
         body = _body(rng, items)
         fields = split_body(body, CHAT_RAW_FIELDS) if raw else None
         fields = fields if fields is not None else json.loads(body)
+        if text and type(fields["messages"]) is RawJSON:
+            data = fields["messages"].data
+            fields["messages"] = RawJSON(data.decode("utf-8", "surrogatepass"))
         reply = {"choices": [{"message": json.loads(answer)}]}
         graph.add_turn(chat_turn(fields, reply, None))
     return graph
@@ -130,6 +135,7 @@ def _fingerprint(graph: RolloutGraph) -> list[Any]:
 
 def _check(seeds: range, monkeypatch: pytest.MonkeyPatch) -> None:
     taken: list[bool] = []
+    taken_str = 0
     prepare_raw = RequestStore._prepare_raw
 
     def counting(self: RequestStore, *args: Any) -> Any:
@@ -142,10 +148,14 @@ def _check(seeds: range, monkeypatch: pytest.MonkeyPatch) -> None:
         turns = _conversations(seed)
         raw, decoded = _record(turns, raw=True), _record(turns, raw=False)
         assert _fingerprint(raw) == _fingerprint(decoded), f"seed {seed}"
+        before = sum(taken)
+        assert _fingerprint(_record(turns, raw=True, text=True)) == _fingerprint(decoded)
+        taken_str += sum(taken) - before
         for node_id, (items, _) in zip(raw.node_ids(), turns, strict=True):
             sent = json.loads("[" + ", ".join(items) + "]")
             assert json.dumps(raw.request_messages(node_id)) == json.dumps(sent), f"seed {seed}"
     assert sum(taken) >= len(seeds) // 4  # the fast path was taken (else this tests nothing)
+    assert taken_str >= len(seeds) // 8  # by str texts too
 
 
 def test_raw_intake_records_as_decoded_values(monkeypatch: pytest.MonkeyPatch) -> None:
