@@ -40,10 +40,15 @@ class RawJSON:
     data: bytes | str
 
     def __init__(self, data: bytes | bytearray | memoryview | str) -> None:
-        if isinstance(data, bytearray | memoryview):
-            data = bytes(data)
-        if not isinstance(data, bytes | str):
-            raise TypeError(f"RawJSON expects bytes or str, got {type(data).__name__}")
+        if type(data) is not bytes and type(data) is not str:
+            # kept as the bytes or characters themselves: a subclass's methods (its `decode`,
+            # `encode`) may say otherwise than what it holds
+            if isinstance(data, str):
+                data = str.__str__(data)
+            elif isinstance(data, bytes | bytearray | memoryview):
+                data = bytes(memoryview(data))
+            else:
+                raise TypeError(f"RawJSON expects bytes or str, got {type(data).__name__}")
         self.data = data
 
     def decode(self) -> Any:

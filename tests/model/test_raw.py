@@ -677,3 +677,32 @@ def test_raw_str_token_ids_are_read_as_bytes_are() -> None:
     with pytest.raises(InvalidValueError) as err:
         graph.add_turn(odd)
     assert err.value.path == "prompt_ids" and "BOM" in err.value.reason
+
+
+class _Str(str):
+    def encode(self, *args: Any, **kwargs: Any) -> bytes:
+        return b"[]"  # what json.loads never reads of it
+
+
+class _Bytes(bytes):
+    def decode(self, *args: Any, **kwargs: Any) -> str:
+        return "[]"
+
+
+def test_raw_str_and_bytes_subclasses_are_read_as_json_loads_reads_them() -> None:
+    """A str or bytes subclass stands for its characters or bytes (its methods may say
+    otherwise), as bytes and a str do."""
+    from rollout_store import RolloutGraph, TurnNode
+
+    for kind in (_Str, _Bytes):
+        graph, plain = RolloutGraph(), RolloutGraph()
+        for i, messages in enumerate(_chat(3)):
+            text = json.dumps(messages)
+            data = kind(text) if kind is _Str else kind(text.encode())
+            graph.add_turn(TurnNode(request_messages=RawJSON(data), response_message=_response(i)))
+            plain.add_turn(TurnNode(request_messages=messages, response_message=_response(i)))
+        for node_id in plain.node_ids():
+            assert_same_json(graph.request_messages(node_id), plain.request_messages(node_id))
+        assert graph.path_ids("turn-2") == plain.path_ids("turn-2")
+    assert type(RawJSON(_Str("[1]")).data) is str and type(RawJSON(_Bytes(b"1")).data) is bytes
+    assert RawJSON(memoryview(b"[2]")[1:2]).decode() == 2
