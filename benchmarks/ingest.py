@@ -6,7 +6,8 @@ one right after the other, so other load on the machine moves both):
 * long: chatty and tool_heavy to 2,000 turns, multimodal and token_heavy to 200. At turns 10,
   100, 1,000 and 2,000: add_turn / json.loads of the body, for decoded input (the body
   json.loads-ed, as today) and for raw input (`RawJSON` of the request's messages and tools,
-  the rest decoded); also the cost of splitting the body with msgspec first, as a capture
+  the rest decoded; `raw str`: the same texts as a str, which the graph reads as their UTF-8
+  on the same path), also the cost of splitting the body with msgspec first, as a capture
   server would, and what the engine's request table alone costs on the messages: `table` on
   their text (`RequestTable.add_json`: read from the conversation's raw tip, packed, its base
   found and filed), `table_dec` on the decoded messages after the system ones
@@ -94,7 +95,11 @@ def _decoded_node(body: dict[str, Any]) -> Any:
     return turn_node(body)
 
 
-def _raw_node(body: dict[str, Any], messages: bytes, tools: bytes | None) -> Any:
+def _str(text: bytes | None) -> str | None:
+    return None if text is None else text.decode()
+
+
+def _raw_node(body: dict[str, Any], messages: bytes | str, tools: bytes | str | None) -> Any:
     raw_tools = None if tools is None else rs.RawJSON(tools)
     return turn_node(body, request_messages=rs.RawJSON(messages), request_tools=raw_tools)
 
@@ -361,12 +366,13 @@ def long_run(name: str, raw: bool) -> dict[str, Any]:
     n_turns = max(timed)
     decoded_graph = rs.RolloutGraph()
     raw_graph = rs.RolloutGraph() if raw else None
+    str_graph = rs.RolloutGraph() if raw else None  # fed the same texts as a str
     table = rs._core.RequestTable() if raw else None
     decoded_table = rs._core.RequestTable()
     packer = rs._core.Packer(None, None)
     pack = packer.pack
     texts = _MessageTexts()
-    kinds = ("decoded", "raw", "split_raw", "table", "table_dec", *FLOORS)
+    kinds = ("decoded", "raw", "raw_str", "split_raw", "table", "table_dec", *FLOORS)
     samples: dict[int, dict[str, list[float]]] = {c: {k: [] for k in kinds} for c in checkpoints}
     previous: dict[str, Any] | None = None
     schemes: dict[int, dict[str, list[float]]] = {c: {} for c in checkpoints}  # floors
@@ -388,6 +394,9 @@ def long_run(name: str, raw: bool) -> dict[str, Any]:
                 if raw_graph is not None and raw_error is None:
                     try:
                         raw_graph.add_turn(_raw_node(body, texts.of(body["messages"]), tools))
+                        str_graph.add_turn(  # type: ignore[union-attr]
+                            _raw_node(body, texts.of(body["messages"]).decode(), _str(tools))
+                        )
                     except Exception as exc:  # before RawJSON intake existed
                         raw_error = repr(exc)
                 continue
@@ -425,6 +434,15 @@ def long_run(name: str, raw: bool) -> dict[str, Any]:
                 add = perf_counter() - start
                 samples[checkpoint]["raw"].append(add / loads)
                 samples[checkpoint]["split_raw"].append((add + split) / loads)
+                del node
+                node = _raw_node(
+                    json.loads(text),
+                    bytes(parts.messages).decode(),
+                    None if raw_tools == b"null" else raw_tools.decode(),
+                )
+                start = perf_counter()
+                str_graph.add_turn(node)  # type: ignore[union-attr]
+                samples[checkpoint]["raw_str"].append((perf_counter() - start) / loads)
             if table is not None:
                 messages_text = texts.of(body["messages"])
                 start = perf_counter()
@@ -792,7 +810,8 @@ def main(argv: list[str] | None = None) -> int:
         print("(kept: with a copy of the previous request kept), measured, not a target")
         print(
             f"{'workload':<12}{'turn':>6}{'decoded':>9}{'floor':>9}{'kept':>9}"
-            f"{'raw':>9}{'floor':>9}{'kept':>9}{'split+raw':>10}{'table':>9}{'table_dec':>10}"
+            f"{'raw':>9}{'floor':>9}{'kept':>9}{'raw str':>9}{'split+raw':>10}{'table':>9}"
+            f"{'table_dec':>10}"
         )
         for name in workloads:
             r = long_run(name, raw=not args.no_raw)
@@ -801,7 +820,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"{name:<12}{c:>6}{_fmt(v['decoded'])} {_fmt(v['floor_decoded'])}"
                     f" {_fmt(v['floor_decoded_kept'])} {_fmt(v['raw'])} {_fmt(v['floor_raw'])}"
-                    f" {_fmt(v['floor_raw_kept'])}  {_fmt(v['split_raw'])} {_fmt(v['table'])}"
+                    f" {_fmt(v['floor_raw_kept'])} {_fmt(v['raw_str'])}  {_fmt(v['split_raw'])}"
+                    f" {_fmt(v['table'])}"
                     f"  {_fmt(v['table_dec'])}",
                     flush=True,
                 )
