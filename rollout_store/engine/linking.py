@@ -99,6 +99,7 @@ class Linker:
         "prompt_index",
         "requests",
         "short_lengths",
+        "token_blocks",
         "token_index",
         "token_roots",
         "turns",
@@ -120,6 +121,12 @@ class Linker:
         # lengths under one block that turns have: one empty frozenset for every graph (an
         # empty set costs 216 bytes) until a turn has one
         self.short_lengths: set[int] | frozenset[int] = _NO_LENGTHS
+        # the whole blocks of the turns filed in the token index (bit j: some turn's tokens
+        # fill j blocks and part of the next): a search for a parent looks up only those,
+        # where each block of a prompt would be one lookup (a tool output of a thousand
+        # tokens is 16 blocks between a turn and its parent). Never cleared: a bit set for a
+        # turn no longer filed costs one lookup.
+        self.token_blocks = bytearray()
         self.message_roots: dict[int, Any] = {}  # request keys of message roots' prefixes
         # the echo (plain) by which each turn found to move by messages continues the new
         # turn, by the moving turn's id: `move` hands it on, so that committing a move reads
@@ -248,7 +255,7 @@ class Linker:
         high: its tokens' length in [low, high)): turns whose tokens fill j whole blocks by
         the digest of those blocks, shorter ones (under one block) by their exact length.
         Lazy: a parent ends within the last blocks, mostly, and the others are not hashed."""
-        for j, key in deep_block_digests(data, TOKEN_WINDOW):
+        for j, key in deep_block_digests(data, TOKEN_WINDOW, self.token_blocks):
             yield key, j * BLOCK, (j + 1) * BLOCK
         for length in sorted(self.short_lengths, reverse=True):
             if length <= n:
@@ -359,6 +366,11 @@ class Linker:
             if token_index is None:
                 token_index = self.token_index = _sized_index()
             token_index.add(token_key, turn.index, length, self._full_content)
+            j = length // BLOCK
+            blocks = self.token_blocks
+            if (j >> 3) >= len(blocks):
+                blocks.extend(bytes((j >> 3) + 1 - len(blocks)))
+            blocks[j >> 3] |= 1 << (j & 7)
             if length < BLOCK:
                 lengths = self.short_lengths
                 if not isinstance(lengths, set):  # the first: a set of its own

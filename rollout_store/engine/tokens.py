@@ -409,15 +409,25 @@ def block_digests(data: bytes | memoryview) -> list[int]:
     return out
 
 
-def deep_block_digests(data: bytes | memoryview, window: int) -> Iterator[tuple[int, int]]:
+def deep_block_digests(
+    data: bytes | memoryview, window: int, filed: bytes | bytearray | None = None
+) -> Iterator[tuple[int, int]]:
     """(j, the digest of the first j blocks of `data`), for j from its whole blocks down to 1:
-    `block_digests(data)` deepest first, each hashed only when asked for. The deepest two come
-    from one pass over the tokens; the `window` blocks before them go on from where that pass
-    crossed them (a copy of its state); the blocks before the window take a pass of their own."""
+    `block_digests(data)` deepest first, each hashed only when asked for; with `filed` (a
+    bitmap: bit j for j blocks), only the j whose bit is set, and no digest of the others
+    taken. The deepest two come from one pass over the tokens; the `window` blocks before
+    them go on from where that pass crossed them (a copy of its state); the blocks before the
+    window take a pass of their own."""
     view = memoryview(data)
     top = len(view) // _BLOCK_BYTES
     if not top:
         return
+
+    bits = -1 if filed is None else int.from_bytes(filed, "little")
+
+    def wanted(j: int) -> bool:
+        return bits >> j & 1 == 1
+
     first = max(top - window, 1)  # the window: blocks first .. top
     near = max(top - 1, first)
     hasher = xxhash.xxh3_64()
@@ -427,19 +437,43 @@ def deep_block_digests(data: bytes | memoryview, window: int) -> Iterator[tuple[
     at_near = hasher.intdigest()
     if top > near:
         hasher.update(view[near * _BLOCK_BYTES : top * _BLOCK_BYTES])
-        yield top, hasher.intdigest()
-    yield near, at_near
+        if wanted(top):
+            yield top, hasher.intdigest()
+    if wanted(near):
+        yield near, at_near
     if near > first:
-        digests = [at_first.intdigest()]
-        for start in range(first * _BLOCK_BYTES, (near - 1) * _BLOCK_BYTES, _BLOCK_BYTES):
-            at_first.update(view[start : start + _BLOCK_BYTES])
-            digests.append(at_first.intdigest())
-        for j in range(near - 1, first - 1, -1):
-            yield j, digests[j - first]
+        yield from _digests_at(_ones(bits, first, near), at_first, first, view)
     if first > 1:
-        before = block_digests(view[: (first - 1) * _BLOCK_BYTES])
-        for j in range(first - 1, 0, -1):
-            yield j, before[j]
+        below = _ones(bits, 1, first)
+        if below:
+            yield from _digests_at(below, xxhash.xxh3_64(), 0, view)
+
+
+def _ones(bits: int, low: int, high: int) -> list[int]:
+    """The set bits of `bits` from `low` to below `high`, ascending (all of them for -1)."""
+    if bits == -1:
+        return list(range(low, high))
+    found = []
+    rest = bits >> low & ((1 << (high - low)) - 1)
+    while rest:
+        lowest = rest & -rest
+        found.append(low + lowest.bit_length() - 1)
+        rest ^= lowest
+    return found
+
+
+def _digests_at(
+    ends: list[int], hasher: Any, at: int, view: memoryview
+) -> Iterator[tuple[int, int]]:
+    """(j, digest of the first j blocks) for the ascending `ends`, deepest first: `hasher`
+    has seen the first `at` blocks (at most the first end), and goes on to each end once."""
+    digests = []
+    for j in ends:
+        hasher.update(view[at * _BLOCK_BYTES : j * _BLOCK_BYTES])
+        digests.append(hasher.intdigest())
+        at = j
+    for j, digest in zip(reversed(ends), reversed(digests), strict=True):
+        yield j, digest
 
 
 def prefix_digest(data: bytes | memoryview, n_tokens: int) -> int:

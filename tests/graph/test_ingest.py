@@ -113,6 +113,43 @@ def test_block_digests_deepest_first_are_the_block_digests(n_tokens: int, window
     every = block_digests(data)
     expected = [(j, every[j]) for j in range(len(every) - 1, 0, -1)]
     assert list(deep_block_digests(data, window)) == expected
+    # with a bitmap of the block counts some turn fills: those alone, in the same order
+    filed = bytearray(random.Random(window).randbytes(n_tokens // 64 // 8 + 2))
+    wanted = [(j, d) for j, d in expected if filed[j >> 3] >> (j & 7) & 1]
+    assert list(deep_block_digests(data, window, filed)) == wanted
+    assert list(deep_block_digests(data, window, bytes(1))) == []
+
+
+def test_a_token_parent_is_looked_up_only_at_block_counts_some_turn_fills(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prompt that re-sends its parent's tokens and a tool output of many blocks is looked
+    up at the blocks where filed turns end (its parent's), not at each block in between."""
+    from rollout_store import RolloutGraph, TurnNode
+    from rollout_store.engine import linking
+
+    lookups: list[int] = []
+    real = linking.Linker._token_parent_in
+
+    def counting(self: Any, data: bytes, buckets: Any, n: int) -> Any:
+        def counted() -> Any:
+            for bucket in buckets:
+                lookups.append(bucket[1])
+                yield bucket
+
+        return real(self, data, counted(), n)
+
+    monkeypatch.setattr(linking.Linker, "_token_parent_in", counting)
+    rng = random.Random(7)
+    graph = RolloutGraph()
+    prompt: list[int] = rng.choices(range(50000), k=3000)
+    for _ in range(6):
+        sampled = rng.choices(range(50000), k=50)
+        graph.add_turn(TurnNode(prompt_ids=prompt, sampled_ids=sampled))
+        prompt = prompt + sampled + rng.choices(range(50000), k=1000)  # a tool output
+    ids = graph.node_ids()
+    assert [graph.parent(n) for n in ids] == [None, *ids[:-1]]
+    assert len(lookups) <= 2 * 5, lookups  # (each block in between: 16 lookups a turn)
 
 
 @pytest.mark.parametrize("order", [0, 1, 2, 3, 4, 5])
