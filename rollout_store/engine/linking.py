@@ -125,8 +125,9 @@ class Linker:
         # fill j blocks and part of the next): a search for a parent looks up only those,
         # where each block of a prompt would be one lookup (a tool output of a thousand
         # tokens is 16 blocks between a turn and its parent). Never cleared: a bit set for a
-        # turn no longer filed costs one lookup.
-        self.token_blocks = bytearray()
+        # turn no longer filed costs one lookup. (b"", one object for every graph, until a
+        # token turn is filed)
+        self.token_blocks: bytes | bytearray = b""
         self.message_roots: dict[int, Any] = {}  # request keys of message roots' prefixes
         # the echo (plain) by which each turn found to move by messages continues the new
         # turn, by the moving turn's id: `move` hands it on, so that committing a move reads
@@ -368,6 +369,8 @@ class Linker:
             token_index.add(token_key, turn.index, length, self._full_content)
             j = length // BLOCK
             blocks = self.token_blocks
+            if not isinstance(blocks, bytearray):  # the first: a bitmap of its own
+                blocks = self.token_blocks = bytearray()
             if (j >> 3) >= len(blocks):
                 blocks.extend(bytes((j >> 3) + 1 - len(blocks)))
             blocks[j >> 3] |= 1 << (j & 7)
