@@ -27,10 +27,12 @@ def engine_bytes() -> int:
     tracemalloc does not see: Rust allocates through its own allocator. An engine object's
     own fields are inside its Python object, which the interpreter allocates and tracemalloc
     traces; what they own on the heap is in its `nbytes`: a `RequestTable`'s rows, index and
-    decoded tips, a `SizedIndex`'s keys and turn numbers, a `Blake3`'s chaining values and
-    last chunk (a graph's raw tips keep one each). A `Blake3` or a `SizedIndex` holds no
+    decoded tips, a `SizedIndex`'s keys and turn numbers, a `KeyNumbers`' keys and numbers (a
+    memory store's index), a `Blake3`'s chaining values and last chunk (a graph's raw tips
+    keep one each). A `Blake3`, a `SizedIndex` or a `KeyNumbers` holds no
     reference to other objects, so the collector does not list it: it is found among what
-    the objects it lists refer to (a raw tip's `plain_state`, a linker's token indexes)."""
+    the objects it lists refer to (a raw tip's `plain_state`, a linker's token indexes, a
+    memory store's index)."""
     core = sys.modules.get("rollout_store._core")
     if core is None:
         return 0
@@ -40,7 +42,9 @@ def engine_bytes() -> int:
         if hasattr(core, name)
     )
     untracked = tuple(
-        getattr(core, name) for name in ("Blake3", "SizedIndex") if hasattr(core, name)
+        getattr(core, name)
+        for name in ("Blake3", "SizedIndex", "KeyNumbers")
+        if hasattr(core, name)
     )
     total, found = 0, {}
     for o in gc.get_objects():

@@ -30,6 +30,7 @@ __all__ = [
     "FrameTooLarge",
     "Unconfirmed",
     "KeyIndex",
+    "KeyNumbers",
     "Ledger",
     "next_frame",
     "read_gap",
@@ -291,6 +292,26 @@ class KeyIndex:
     def last(self) -> Any:
         """The value under the key set last (None: empty), what `next(reversed(d.values()))`
         gives for a `dict`, without a list of every value."""
+    @property
+    def nbytes(self) -> int:
+        """Bytes of heap the index holds (what `tracemalloc` does not see)."""
+
+@final
+class KeyNumbers:
+    """64-bit keys to the numbers filed under them (ints below 2**32, each key's in filing
+    order): a content table's index, with no Python object an entry."""
+
+    def __new__(cls) -> KeyNumbers: ...
+    def add(self, key: int, number: int) -> None:
+        """File `number` under `key`, after the numbers filed there before."""
+    def get(self, key: object) -> int | tuple[int, ...] | None:
+        """The numbers under `key`: None (none, or `key` is no 64-bit int), the one number, or a
+        tuple of them in filing order (what `engine.index.index_members` reads)."""
+    def pop_last(self, key: int, number: int) -> bool:
+        """Take `number` out from under `key` if it is the number filed there last (a rolled-back
+        addition); whether it was."""
+    def __len__(self) -> int:
+        """How many keys."""
     @property
     def nbytes(self) -> int:
         """Bytes of heap the index holds (what `tracemalloc` does not see)."""

@@ -23,9 +23,10 @@ from array import array
 from collections.abc import Iterator
 from pathlib import Path
 
+from .._core import KeyNumbers
 from ..errors import InvalidArgumentError, MissingObjectError, StoreError, StoreUnavailableError
 from ..folders import sync_folder
-from .content import ContentStore, check_key, content_key, verified
+from .content import KEY_SIZE, ContentStore, check_key, content_key, verified
 
 __all__ = ["STORE_HELP", "DirectoryStore", "MemoryStore", "open_store", "store_spec"]
 
@@ -37,31 +38,49 @@ class MemoryStore:
     `get_text`): every graph over this store shares one object per distinct string. Keys are
     computed here, on put, from the bytes; Python's bytes and str objects are immutable, so
     what is read back is what was hashed. `get` of a string encodes it again (a file being
-    written, another process's copy).
+    written, another process's copy). The keys are kept side by side in one buffer and found
+    through the engine's index of their first 8 bytes (`_core.KeyNumbers`): no object a key.
     """
 
     def __init__(self) -> None:
-        self._objects: dict[bytes, bytes | str] = {}
+        self._keys = bytearray()  # object i's key at [32 i, 32 i + 32)
+        self._values: list[bytes | str] = []  # object i
+        self._numbers = KeyNumbers()  # a key's first 8 bytes -> the numbers of its objects
         self._tokens: dict[bytes, array[int]] = {}  # shared token arrays, by SHA-256
         self._small: dict[bytes | str, bytes | str] = {}  # see `share_small`
         self._lock = threading.Lock()
         self.nbytes = 0  # bytes of all objects (UTF-8 for strings)
 
     def __repr__(self) -> str:
-        return f"MemoryStore({len(self._objects)} objects, {self.nbytes} bytes)"
+        return f"MemoryStore({len(self._values)} objects, {self.nbytes} bytes)"
 
     def __len__(self) -> int:
-        return len(self._objects)
+        return len(self._values)
+
+    def _find(self, key: bytes) -> int | None:
+        """The number of the object under `key` (a well-formed key), or None."""
+        keys, found = self._keys, self._numbers.get(int.from_bytes(key[:8], "little"))
+        if type(found) is int:  # (one object under these 8 bytes: mostly)
+            return found if keys.startswith(key, found * KEY_SIZE) else None
+        for number in found or ():  # type: ignore[union-attr]  # (a tuple: several)
+            if keys.startswith(key, number * KEY_SIZE):
+                return number
+        return None
 
     def _add(self, key: bytes, value: bytes | str, data: bytes) -> bytes | str:
         """Store `value` (whose bytes are `data`) under `key` unless an intact object is
         there; the object now stored. A damaged one (`_holds` fails) is replaced."""
         with self._lock:
-            found = self._objects.get(key)
-            if found is not None and _holds(found, data):
+            number = self._find(key)
+            if number is None:
+                self._append(key, value)
+                self.nbytes += len(data)
+                return value
+            found = self._values[number]
+            if _holds(found, data):
                 return found
-            self._objects[key] = value
-            self.nbytes += len(data) - (0 if found is None else _size(found))
+            self._values[number] = value
+            self.nbytes += len(data) - _size(found)
             return value
 
     def put(self, data: bytes) -> bytes:
@@ -72,7 +91,8 @@ class MemoryStore:
 
     def put_text(self, text: str, data: bytes) -> bytes:
         key = content_key(data)
-        found = self._objects.get(key)
+        number = self._find(key)
+        found = None if number is None else self._values[number]
         if found is None or not (found == text if type(found) is str else found == data):
             self._add(key, text, data)
         return key
@@ -99,34 +119,59 @@ class MemoryStore:
         with self._lock:
             return self._small.setdefault(value, value)
 
-    def _value(self, key: bytes) -> bytes | str:
-        value = self._objects.get(check_key(key))
-        if value is None:
+    def _number(self, key: bytes) -> int:
+        number = self._find(check_key(key))
+        if number is None:
             raise MissingObjectError("no such object in the memory store", key=key)
-        return value
+        return number
 
     def get(self, key: bytes) -> bytes:
-        value = self._value(key)
+        value = self._values[self._number(key)]
         if type(value) is str:
             value = value.encode("utf-8", "surrogatepass")
         return verified(key, value, "the memory store")  # type: ignore[arg-type]
 
     def get_text(self, key: bytes) -> str:
-        value = self._value(key)
+        number = self._number(key)
+        value = self._values[number]
         if type(value) is str:
             return value
         text = verified(key, value, "the memory store").decode("utf-8", "surrogatepass")  # type: ignore[arg-type]
         with self._lock:  # from now on the string itself is shared
-            self._objects[key] = text
+            self._values[number] = text
         return text
 
     def contains(self, key: bytes) -> bool:
-        return check_key(key) in self._objects
+        return self._find(check_key(key)) is not None
 
     def keys(self) -> Iterator[bytes]:
         """Every key (a snapshot)."""
         with self._lock:
-            return iter(list(self._objects))
+            keys = bytes(self._keys)
+        return iter([keys[at : at + KEY_SIZE] for at in range(0, len(keys), KEY_SIZE)])
+
+    def _damage(self, key: bytes, value: bytes | str) -> None:
+        """Tests only: put `value` under `key` as it is, as damage behind the store's back
+        would (a key not held yet is added)."""
+        with self._lock:
+            number = self._find(check_key(key))
+            if number is None:
+                self._append(key, value)
+            else:
+                self._values[number] = value
+
+    def _append(self, key: bytes, value: bytes | str) -> None:
+        """A new object (the lock held): its key and value first, so a reader that finds its
+        number in the index (without the lock) finds them too."""
+        number = len(self._values)
+        self._keys += key
+        self._values.append(value)
+        try:
+            self._numbers.add(int.from_bytes(key[:8], "little"), number)
+        except BaseException:  # (2**32 - 1 keys) as it was
+            del self._keys[-KEY_SIZE:]
+            self._values.pop()
+            raise
 
 
 def _holds(found: bytes | str, data: bytes) -> bool:

@@ -252,7 +252,7 @@ def test_a_graph_that_read_a_damaged_object_puts_it_again_with_its_next_turn(
     graph.add_turn(TurnNode("a", request_messages=[{"role": "user", "content": text}]))
     key = content_key(text.encode())
     if kind == "memory":
-        store._objects[key] = b"damaged"
+        store._damage(key, b"damaged")
     else:
         name = key.hex()
         (store.path / name[:2] / name[2:]).write_bytes(b"damaged")

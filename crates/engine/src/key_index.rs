@@ -8,7 +8,11 @@
 //! with the vector's and the table's spare room counted. Replacing a key's value keeps its position, as a `dict` does;
 //! removing the key set last (a rolled-back addition) costs constant time, any other key
 //! time linear in the entries.
+//!
+//! [`KeyNumbers`] is such an index of numbers (a content table's: keys to the numbers of the
+//! contents whose digests begin with them), several to a key where contents share one.
 
+use std::collections::HashMap;
 use std::mem::size_of;
 
 /// Slots hold an entry's position plus one; 0 marks an empty slot.
@@ -278,6 +282,87 @@ impl<V> KeyIndex<V> {
     }
 }
 
+/// 64-bit keys to the numbers filed under them, each key's in filing order: a content
+/// table's index, a key being the first 8 bytes of a content's digest. Keys are shared
+/// rarely (two contents whose digests begin alike, which a caller of a non-cryptographic
+/// digest must expect to be crafted): every number under a key is a candidate the caller
+/// confirms. A key's first number is an entry of a [`KeyIndex`] (about 20 bytes); the
+/// numbers after it are kept apart, in a map that allocates nothing while no key is shared.
+#[derive(Debug, Default)]
+pub struct KeyNumbers {
+    first: KeyIndex<u32>,
+    more: HashMap<u64, Vec<u32>>,
+}
+
+impl KeyNumbers {
+    #[must_use]
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// File `number` under `key`, after the numbers filed there before. Nothing changes
+    /// when it fails.
+    ///
+    /// # Errors
+    /// [`Full`] when the index already holds `u32::MAX - 1` keys.
+    pub fn add(&mut self, key: u64, number: u32) -> Result<(), Full> {
+        if self.first.contains_key(key) {
+            self.more.entry(key).or_default().push(number);
+            return Ok(());
+        }
+        self.first.insert(key, number).map(drop)
+    }
+
+    /// The first number filed under `key`, and the numbers filed after it.
+    #[must_use]
+    pub fn get(&self, key: u64) -> Option<(u32, &[u32])> {
+        let first = *self.first.get(key)?;
+        Some((first, self.more.get(&key).map_or(&[][..], Vec::as_slice)))
+    }
+
+    /// Take `number` out from under `key` if it is the number filed there last (a rolled-back
+    /// addition), and say whether it was.
+    pub fn pop_last(&mut self, key: u64, number: u32) -> bool {
+        if let Some(more) = self.more.get_mut(&key) {
+            if more.last() != Some(&number) {
+                return false;
+            }
+            more.pop();
+            if more.is_empty() {
+                self.more.remove(&key);
+            }
+            return true;
+        }
+        if self.first.get(key) == Some(&number) {
+            self.first.remove(key);
+            return true;
+        }
+        false
+    }
+
+    /// How many keys.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.first.len()
+    }
+
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.first.is_empty()
+    }
+
+    /// Bytes of heap held (the map's entries counted at their size, beside its control bytes).
+    #[must_use]
+    pub fn nbytes(&self) -> usize {
+        let more: usize = self
+            .more
+            .values()
+            .map(|numbers| numbers.capacity() * 4)
+            .sum();
+        self.first.nbytes() + self.more.capacity() * (size_of::<(u64, Vec<u32>)>() + 1) + more
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -466,5 +551,59 @@ mod tests {
         assert!(index.nbytes() <= 100_000 * (16 * 5 / 4 + 4 * 8 / 3 + 1));
         assert!(matches!(index.slots, Slots::Wide(_)));
         assert!(index.slots.len() * LOAD_NUM >= index.len() * LOAD_DEN);
+    }
+
+    #[test]
+    fn numbers_under_a_key_come_back_in_filing_order_and_pop_from_the_last() {
+        let mut index = KeyNumbers::new();
+        assert!(index.get(7).is_none() && index.is_empty() && index.nbytes() == 0);
+        for (key, number) in [(7, 0), (9, 1), (7, 2), (7, 3), (u64::MAX, 4)] {
+            index.add(key, number).unwrap();
+        }
+        assert_eq!(index.len(), 3);
+        assert_eq!(index.get(7), Some((0, &[2, 3][..])));
+        assert_eq!(index.get(9), Some((1, &[][..])));
+        assert_eq!(index.get(u64::MAX), Some((4, &[][..])));
+        assert!(!index.pop_last(7, 2), "2 is not the last under 7");
+        assert!(index.pop_last(7, 3) && index.pop_last(7, 2));
+        assert_eq!(index.get(7), Some((0, &[][..])));
+        assert!(
+            index.more.is_empty(),
+            "a key no longer shared keeps no list"
+        );
+        assert!(index.pop_last(7, 0) && !index.pop_last(7, 0));
+        assert!(index.get(7).is_none());
+        assert_eq!(index.len(), 2);
+        assert!(index.nbytes() > 0);
+    }
+
+    #[test]
+    fn numbers_match_a_map_of_lists_through_adds_and_rollbacks() {
+        let mut rng = Rng(0x1234_5678_9abc_def1);
+        let mut index = KeyNumbers::new();
+        let mut model: HashMap<u64, Vec<u32>> = HashMap::new();
+        let mut filed: Vec<(u64, u32)> = Vec::new();
+        for number in 0..4000_u32 {
+            if rng.next() % 5 == 0 && !filed.is_empty() {
+                let (key, last) = filed.pop().unwrap();
+                assert!(index.pop_last(key, last));
+                let numbers = model.get_mut(&key).unwrap();
+                numbers.pop();
+                if numbers.is_empty() {
+                    model.remove(&key);
+                }
+                continue;
+            }
+            let key = rng.next() % 300; // keys shared often
+            index.add(key, number).unwrap();
+            model.entry(key).or_default().push(number);
+            filed.push((key, number));
+        }
+        assert_eq!(index.len(), model.len());
+        for (key, numbers) in &model {
+            let (first, more) = index.get(*key).unwrap();
+            assert_eq!(first, numbers[0]);
+            assert_eq!(more, &numbers[1..]);
+        }
     }
 }
