@@ -12,9 +12,9 @@ Cases, over rollouts of the multimodal workload (independent rollouts one after 
 so a finished rollout's generator state is freed and what stays is what was recorded):
 
 * graph: a `RolloutGraph` records every turn. The engine's fixed bytes per turn are the
-  engine bytes the graph holds between turns, over the turns: its `_core.KeyIndex`es (the
-  request index, the blob table's index). It holds no packer between turns, which the worker
-  checks.
+  engine bytes the graph holds between turns (`measure.engine_bytes`), over the turns: its
+  request table's rows and index, its blob table's index (`_core.KeyNumbers`). It holds no
+  packer between turns, which the worker checks.
 * content table: every turn's messages (their JSON text) interned into one
   `_core.ContentTable`; its fixed bytes per entry (slots and index, beyond the content) are
   printed too.
@@ -36,7 +36,7 @@ from array import array
 from pathlib import Path
 from typing import Any
 
-from measure import targets_summary
+from measure import engine_bytes, targets_summary
 from workloads import iter_bodies, multimodal
 
 HERE = Path(__file__).resolve().parent
@@ -55,12 +55,11 @@ def _rss_anon() -> int:
     raise RuntimeError("no RssAnon in /proc/self/status")
 
 
-def _engine_objects() -> list[Any]:
-    """The engine's objects alive in this process (reachable by the garbage collector)."""
+def _packers() -> int:
+    """The engine's packers alive in this process (reachable by the garbage collector)."""
     from rollout_store import _core
 
-    kinds = (_core.ContentTable, _core.Packer, _core.KeyIndex)
-    return [o for o in gc.get_objects() if isinstance(o, kinds)]
+    return sum(isinstance(o, _core.Packer) for o in gc.get_objects())
 
 
 def _bodies(rollouts: int, turns: int) -> Any:
@@ -77,11 +76,8 @@ def _graph(rollouts: int, turns: int) -> tuple[object, int]:
             rs.TurnNode(request_messages=body["messages"], response_message=body["response"])
         )
         del body
-    from rollout_store import _core
-
-    held = _engine_objects()
-    engine = sum(getattr(o, "nbytes", 0) for o in held)
-    packers = sum(isinstance(o, _core.Packer) for o in held)
+    engine = engine_bytes()
+    packers = _packers()
     if packers:
         engine = -packers  # reported: the graph was meant to hold none between turns
     return graph, engine

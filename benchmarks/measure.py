@@ -37,9 +37,7 @@ def engine_bytes() -> int:
     if core is None:
         return 0
     tracked = tuple(
-        getattr(core, name)
-        for name in ("KeyIndex", "ContentTable", "RequestTable")
-        if hasattr(core, name)
+        getattr(core, name) for name in ("ContentTable", "RequestTable") if hasattr(core, name)
     )
     untracked = tuple(
         getattr(core, name)

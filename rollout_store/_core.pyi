@@ -2,7 +2,7 @@
 file frames of versions 2 and 1 and the file format's constants."""
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Final, final
 
 __all__ = [
@@ -29,7 +29,6 @@ __all__ = [
     "FrameScan",
     "FrameTooLarge",
     "Unconfirmed",
-    "KeyIndex",
     "KeyNumbers",
     "Ledger",
     "next_frame",
@@ -265,36 +264,6 @@ class ContentTable:
     def _panic_for_tests(self, data: bytes) -> None:
         """Tests only: look `data` up with the lock held, then panic before storing it (a
         `pyo3_runtime.PanicException`, a `BaseException`); the table stays as it was."""
-
-@final
-class KeyIndex:
-    """64-bit keys (ints from 0 to 2**64 - 1) to objects, in the order keys were first set;
-    about a third of the memory a `dict` of such keys takes (no int object per key)."""
-
-    def __new__(cls) -> KeyIndex: ...
-    def get(self, key: object, default: Any = None) -> Any:
-        """The value under `key`, or `default` (a key that is not a 64-bit int is never there)."""
-    def __getitem__(self, key: object, /) -> Any: ...
-    def __setitem__(self, key: int, value: Any, /) -> None:
-        """Set `key`'s value (a new key goes last; a replaced value keeps its place)."""
-    def __delitem__(self, key: object, /) -> None:
-        """Take `key` out (`KeyError` when it is not there): the key set last at once, any
-        other in time linear in the keys."""
-    def __contains__(self, key: object, /) -> bool: ...
-    def __len__(self) -> int: ...
-    def __iter__(self) -> Iterator[int]: ...
-    def keys(self) -> list[int]:
-        """The keys, in order (a list)."""
-    def values(self) -> list[Any]:
-        """The values, in order (a list)."""
-    def items(self) -> list[tuple[int, Any]]:
-        """The (key, value) pairs, in order (a list of tuples)."""
-    def last(self) -> Any:
-        """The value under the key set last (None: empty), what `next(reversed(d.values()))`
-        gives for a `dict`, without a list of every value."""
-    @property
-    def nbytes(self) -> int:
-        """Bytes of heap the index holds (what `tracemalloc` does not see)."""
 
 @final
 class KeyNumbers:

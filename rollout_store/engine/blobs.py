@@ -12,11 +12,11 @@ from collections.abc import Callable, Iterable, Iterator
 
 import xxhash
 
-from .._core import KeyIndex
+from .._core import KeyNumbers
 from ..errors import InvalidArgumentError, ReadOnlyError
-from .index import index_add, index_members, index_pop_last
+from .index import index_members
 
-__all__ = ["DIGEST_BYTES", "BlobTable", "Handle", "content_digest", "utf8"]
+__all__ = ["DIGEST_BYTES", "BlobTable", "Handle", "content_digest", "index_key", "utf8"]
 
 
 #: The bytes of a blob's digest.
@@ -37,8 +37,8 @@ def utf8(text: str) -> tuple[bytes, bool]:
         return text.encode("utf-8", "surrogatepass"), True
 
 
-def _key(digest: bytes) -> int:
-    """The key a digest is filed under in a `BlobTable`: its first 8 bytes."""
+def index_key(digest: bytes) -> int:
+    """The key a digest is filed under in a blob table's index: its first 8 bytes."""
     return int.from_bytes(digest[:8], "little")
 
 
@@ -81,7 +81,7 @@ class BlobTable:
 
     A blob costs the table its string and a few flat entries, no object of its own: its
     digest in one `bytearray`, its size and surrogate flag in one `array`, its number under
-    its digest's first 8 bytes in the `KeyIndex`. A `Handle` is made when asked for
+    its digest's first 8 bytes in a `KeyNumbers`. A `Handle` is made when asked for
     (`intern`, `handle`) and kept, so that a blob has one; the packer's `packer_intern`
     keeps none.
     """
@@ -109,7 +109,7 @@ class BlobTable:
         self._given: dict[int, Handle] | None = None
         # The first 8 bytes of a digest (an int key, held without an int object) map to one
         # blob's number, or to several when different strings share them (each is compared).
-        self._by_digest = KeyIndex()
+        self._by_digest = KeyNumbers()
         self._total_bytes = 0
         self._references = 0
         self._referenced_bytes = 0
@@ -138,7 +138,7 @@ class BlobTable:
         self._references += 1
         self._referenced_bytes += len(data)
         found: int
-        for found in index_members(self._by_digest.get(_key(digest))):
+        for found in index_members(self._by_digest.get(index_key(digest))):
             if self._strings[found] == text:
                 return found
         index = self._append(text, digest, len(data), surrogates)
@@ -150,7 +150,7 @@ class BlobTable:
         is added. What a request's decoded tip holds in place of the request's own copy."""
         data = text.encode("utf-8", "surrogatepass")  # (the bytes `intern` hashes)
         found: int
-        for found in index_members(self._by_digest.get(_key(self.digest_of(data)))):
+        for found in index_members(self._by_digest.get(index_key(self.digest_of(data)))):
             stored = self._strings[found]
             if stored == text:
                 return stored
@@ -177,7 +177,7 @@ class BlobTable:
         self._sizes.append(data_len << 1 | surrogates)
         self._total_bytes += data_len
         # a second string with this digest (or its first 8 bytes) is a collision: both kept
-        index_add(self._by_digest, _key(digest), index)  # type: ignore[arg-type]  # (a KeyIndex)
+        self._by_digest.add(index_key(digest), index)
         return index
 
     def share_tokens(self, tokens: array[int]) -> array[int]:
@@ -286,7 +286,7 @@ class BlobTable:
         by_digest, given = self._by_digest, self._given
         while len(self._sizes) > n:
             index = len(self._sizes) - 1
-            index_pop_last(by_digest, _key(self.digest(index)))  # (this one: the last added)
+            by_digest.pop_last(index_key(self.digest(index)), index)  # (the last added under it)
             if given is not None:
                 given.pop(index, None)
             self._strings.pop()
@@ -295,8 +295,7 @@ class BlobTable:
 
     def _collisions(self) -> int:
         """Blobs whose digest another blob has too (different strings, both kept)."""
-        shared = (v for v in self._by_digest.values() if isinstance(v, tuple | list))
-        return sum(len(found) - len({self.digest(i) for i in found}) for found in shared)
+        return len(self._sizes) - len({self.digest(i) for i in range(len(self._sizes))})
 
     def stats(self) -> dict[str, int]:
         """Number of blobs, their UTF-8 bytes, references to them, and bytes sharing saved.

@@ -25,7 +25,6 @@ __all__ = [
     "OneOrMany",
     "index_add",
     "index_members",
-    "index_pop_last",
     "index_remove",
 ]
 
@@ -83,15 +82,3 @@ def index_remove(index: dict[K, T | tuple[T, ...] | list[T]], key: K, item: T) -
                 else:
                     index[key] = tuple(rest)
                 break
-
-
-def index_pop_last(index: Any, key: Hashable) -> None:
-    """Take the item filed last under `key` (which holds one): what a rollback undoes, for
-    items compared by value (numbers), which `index_remove` would not find by identity.
-    `index` is a dict or a `KeyIndex`."""
-    found = index[key]
-    if not isinstance(found, tuple | list):
-        del index[key]
-    else:
-        rest = found[:-1]
-        index[key] = rest[0] if len(rest) == 1 else rest

@@ -17,10 +17,11 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Iterator
 
+from .._core import KeyNumbers
 from ..errors import CorruptObjectError, InvalidArgumentError, MissingObjectError
 from ..stores.content import KEY_SIZE, ContentStore, StringCache, TextStore, content_key
-from .blobs import DIGEST_BYTES, BlobTable, Handle, content_digest, utf8
-from .index import OneOrMany, index_add, index_members, index_pop_last
+from .blobs import DIGEST_BYTES, BlobTable, Handle, content_digest, index_key, utf8
+from .index import index_members
 
 __all__ = ["DEFAULT_GRAPH_CACHE_BYTES", "StoreBlobTable"]
 
@@ -85,10 +86,10 @@ class StoreBlobTable(BlobTable):
         self._keys = bytearray()  # blob i's store key at [32 i, 32 i + 32)
         self._digests = bytearray()  # its xxh3 digest at [16 i, 16 i + 16)
         self._sizes = array("Q")  # its UTF-8 bytes << 1 | (it holds lone surrogates)
-        # from INDEX_FROM blobs on: the digest's first 30 bits -> the blob's number, or a list
-        # of them when several blobs share those bytes (each candidate is confirmed by content
-        # or key); None while the digests are scanned
-        self._index: OneOrMany[int, int] | None = None
+        # from INDEX_FROM blobs on: the digest's first 8 bytes -> the numbers of the blobs
+        # whose digests begin so (each candidate is confirmed by content or key); None while
+        # the digests are scanned
+        self._index: KeyNumbers | None = None
         self._nbytes = 0
         self._refs = 0
         self._refbytes = 0
@@ -166,7 +167,7 @@ class StoreBlobTable(BlobTable):
         """The blobs that may have `digest` (each is checked against it)."""
         index = self._index
         if index is not None:
-            yield from index_members(index.get(_slot(digest)))
+            yield from index_members(index.get(index_key(digest)))
             return
         digests = self._digests
         at = digests.find(digest)
@@ -201,11 +202,11 @@ class StoreBlobTable(BlobTable):
         self._sizes.append(size << 1 | surrogates)
         self._nbytes += size
         if self._index is not None:
-            index_add(self._index, _slot(digest), index)
+            self._index.add(index_key(digest), index)
         elif index + 1 >= INDEX_FROM:
-            self._index = {}
+            self._index = KeyNumbers()
             for i in range(index + 1):
-                index_add(self._index, _slot(self.digest(i)), i)
+                self._index.add(index_key(self.digest(i)), i)
         return index
 
     def add_verified(self, text: str, digest: bytes, data_len: int, surrogates: bool) -> Handle:
@@ -315,8 +316,8 @@ class StoreBlobTable(BlobTable):
         index_of = self._index
         while len(self._sizes) > n:
             index = len(self._sizes) - 1
-            if index_of is not None:  # (this one: the last added under its slot)
-                index_pop_last(index_of, _slot(self.digest(index)))
+            if index_of is not None:  # (this one: the last added under its key)
+                index_of.pop_last(index_key(self.digest(index)), index)
             self._nbytes -= self._sizes.pop() >> 1
         del self._keys[KEY_SIZE * n :]
         del self._digests[DIGEST_BYTES * n :]
@@ -330,9 +331,3 @@ class StoreBlobTable(BlobTable):
             "blob_bytes_saved": max(self._refbytes - self._used_bytes, 0),
             "collisions": len(self._sizes) - len(digests),
         }
-
-
-def _slot(digest: bytes) -> int:
-    """Where a digest is filed in the index: its first 30 bits (an int of one 30-bit digit,
-    the smallest int object; blobs that share a slot are told apart by their digests)."""
-    return int.from_bytes(digest[:4], "little") >> 2

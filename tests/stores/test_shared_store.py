@@ -33,6 +33,7 @@ from rollout_store import (
     content_key,
     export_session,
 )
+from rollout_store.engine import shared_blobs
 from rollout_store.engine.shared_blobs import StoreBlobTable
 
 LONG = 2000
@@ -575,12 +576,17 @@ def test_verify_checks_the_objects_a_file_refers_to(tmp_path: Path) -> None:
 
 
 def _slot_mates(data: bytes) -> bytes:
-    # equal first 4 bytes for every string (one index slot), different digests
-    return b"\0\0\0\0" + content_key(data)[:12]
+    # equal first 8 bytes for every string (one key of the index), different digests
+    return bytes(8) + content_key(data)[:8]
 
 
+@pytest.mark.parametrize("indexed", [False, True])
 @pytest.mark.parametrize("hasher", [_colliding, _slot_mates])
-def test_the_compact_store_table_keeps_blobs_apart_and_rolls_back(hasher: Any) -> None:
+def test_the_compact_store_table_keeps_blobs_apart_and_rolls_back(
+    hasher: Any, indexed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if indexed:  # the index a large table keeps, from its second blob on
+        monkeypatch.setattr(shared_blobs, "INDEX_FROM", 2)
     store = MemoryStore()
     table = StoreBlobTable(store, StringCache(0), hasher=hasher)
     texts = ["a" * 40, "b" * 40, "\ud800" + "c" * 40, "d" * 40]
@@ -604,6 +610,7 @@ def test_the_compact_store_table_keeps_blobs_apart_and_rolls_back(hasher: Any) -
     table.rollback((1, 0, 0))
     assert len(table) == 1 and table.stats()["blobs"] == 1
     assert table.intern("b" * 40).index == 1 and table.intern("a" * 40).index == 0
+    assert (table._index is not None) == indexed
     for bad in (5, -1):
         with pytest.raises(IndexError):
             table.key(bad)

@@ -66,7 +66,7 @@ mod _core {
     #[pymodule_export]
     use super::json::{dumps, loads};
     #[pymodule_export]
-    use super::key_index::{KeyIndex, KeyNumbers};
+    use super::key_index::KeyNumbers;
     #[pymodule_export]
     use super::packed::{check_packed, splice, unpack, Packer};
     #[pymodule_export]

@@ -1,16 +1,18 @@
-//! An insertion-ordered map from 64-bit keys to values, held compactly.
+//! An insertion-ordered map from 64-bit keys to values, held compactly, and the content
+//! tables' index built on it.
 //!
-//! A graph files every turn's request under a 64-bit key (the first 8 bytes of its digest).
-//! Kept in a Python `dict`, each key is an int object of its own (36 bytes) beside the
-//! dict's entry (24 bytes and its share of the index); here an entry is the key and the
-//! value side by side in one vector, in insertion order, and the hash table holds only a
-//! position per slot (2 bytes while positions fit, else 4): about 20 to 30 bytes an entry
-//! with the vector's and the table's spare room counted. Replacing a key's value keeps its position, as a `dict` does;
-//! removing the key set last (a rolled-back addition) costs constant time, any other key
-//! time linear in the entries.
+//! A content table (a graph's blob table, an in-process store) files each content under a
+//! 64-bit key, the first 8 bytes of its digest. Kept in a Python `dict`, each key is an int
+//! object of its own (36 bytes) beside the dict's entry (24 bytes and its share of the
+//! index); here an entry is the key and the value side by side in one vector, in insertion
+//! order, and the hash table holds only a position per slot (2 bytes while positions fit,
+//! else 4): about 20 to 30 bytes an entry with the vector's and the table's spare room
+//! counted. Replacing a key's value keeps its position, as a `dict` does; removing the key
+//! set last (a rolled-back addition) costs constant time, any other key time linear in the
+//! entries.
 //!
-//! [`KeyNumbers`] is such an index of numbers (a content table's: keys to the numbers of the
-//! contents whose digests begin with them), several to a key where contents share one.
+//! [`KeyNumbers`] is such an index of numbers (keys to the numbers of the contents whose
+//! digests begin with them), several to a key where contents share one.
 
 use std::collections::HashMap;
 use std::mem::size_of;
