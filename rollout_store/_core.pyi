@@ -279,6 +279,9 @@ class KeyNumbers:
     def pop_last(self, key: int, number: int) -> bool:
         """Take `number` out from under `key` if it is the number filed there last (a rolled-back
         addition); whether it was."""
+    def shared(self) -> list[tuple[int, ...]]:
+        """The numbers of each key under which several are filed, each key's as a tuple in
+        filing order (the keys in no set order): a table's contents that share a key."""
     def __len__(self) -> int:
         """How many keys."""
     @property

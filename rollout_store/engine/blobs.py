@@ -16,7 +16,15 @@ from .._core import KeyNumbers
 from ..errors import InvalidArgumentError, ReadOnlyError
 from .index import index_members
 
-__all__ = ["DIGEST_BYTES", "BlobTable", "Handle", "content_digest", "index_key", "utf8"]
+__all__ = [
+    "DIGEST_BYTES",
+    "BlobTable",
+    "Handle",
+    "content_digest",
+    "index_key",
+    "shared_digests",
+    "utf8",
+]
 
 
 #: The bytes of a blob's digest.
@@ -40,6 +48,12 @@ def utf8(text: str) -> tuple[bytes, bool]:
 def index_key(digest: bytes) -> int:
     """The key a digest is filed under in a blob table's index: its first 8 bytes."""
     return int.from_bytes(digest[:8], "little")
+
+
+def shared_digests(index: KeyNumbers, digest: Callable[[int], bytes]) -> int:
+    """How many blobs of a table have a digest an earlier blob has too: of those filed under
+    one key, the ones past the first of each digest."""
+    return sum(len(group) - len({digest(i) for i in group}) for group in index.shared())
 
 
 class Handle:
@@ -172,12 +186,12 @@ class BlobTable:
 
     def _append(self, text: str, digest: bytes, data_len: int, surrogates: bool) -> int:
         index = len(self._sizes)
+        # a second string with this digest (or its first 8 bytes) is a collision: both kept
+        self._by_digest.add(index_key(digest), index)  # (first: the one step that may fail)
         self._strings.append(text)
         self._digests += digest
         self._sizes.append(data_len << 1 | surrogates)
         self._total_bytes += data_len
-        # a second string with this digest (or its first 8 bytes) is a collision: both kept
-        self._by_digest.add(index_key(digest), index)
         return index
 
     def share_tokens(self, tokens: array[int]) -> array[int]:
@@ -286,7 +300,8 @@ class BlobTable:
         by_digest, given = self._by_digest, self._given
         while len(self._sizes) > n:
             index = len(self._sizes) - 1
-            by_digest.pop_last(index_key(self.digest(index)), index)  # (the last added under it)
+            taken = by_digest.pop_last(index_key(self.digest(index)), index)
+            assert taken, "a blob table's index out of step with its blobs"
             if given is not None:
                 given.pop(index, None)
             self._strings.pop()
@@ -295,7 +310,7 @@ class BlobTable:
 
     def _collisions(self) -> int:
         """Blobs whose digest another blob has too (different strings, both kept)."""
-        return len(self._sizes) - len({self.digest(i) for i in range(len(self._sizes))})
+        return shared_digests(self._by_digest, self.digest)
 
     def stats(self) -> dict[str, int]:
         """Number of blobs, their UTF-8 bytes, references to them, and bytes sharing saved.

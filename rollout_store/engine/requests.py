@@ -793,14 +793,16 @@ class RequestStore:
         raw: bytes | None = None
         if type(messages) is not list:  # (a list is the common case)
             if type(messages) is RawJSON:
-                data = utf8_text(messages)  # (a str's too: the same path as bytes)
                 # (a turn with token ids is linked by them: it takes this path once its
-                # tokens found their parent, so no drift audit asks for its messages)
-                if (
-                    data is not None
-                    and node.parent_id is None
+                # tokens found their parent, so no drift audit asks for its messages; a str
+                # is read as its UTF-8, the same path as bytes)
+                data = (
+                    utf8_text(messages)
+                    if node.parent_id is None
                     and (turn.prompt is None or scratch.token_parent is not None)
-                ):
+                    else None
+                )
+                if data is not None:
                     done = self._prepare_raw(turn, scratch, data)
                     if done is not _NOT_FAST:
                         return done  # type: ignore[return-value]

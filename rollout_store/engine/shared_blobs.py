@@ -20,7 +20,15 @@ from collections.abc import Callable, Iterator
 from .._core import KeyNumbers
 from ..errors import CorruptObjectError, InvalidArgumentError, MissingObjectError
 from ..stores.content import KEY_SIZE, ContentStore, StringCache, TextStore, content_key
-from .blobs import DIGEST_BYTES, BlobTable, Handle, content_digest, index_key, utf8
+from .blobs import (
+    DIGEST_BYTES,
+    BlobTable,
+    Handle,
+    content_digest,
+    index_key,
+    shared_digests,
+    utf8,
+)
 from .index import index_members
 
 __all__ = ["DEFAULT_GRAPH_CACHE_BYTES", "StoreBlobTable"]
@@ -48,8 +56,8 @@ class StoreBlobTable(BlobTable):
     What a blob costs the graph is kept compact, in a few flat tables rather than objects
     per blob: its store key (32 bytes) and xxh3 digest (16 bytes) in two `bytearray`s, its
     size and surrogate flag in one `array`. A digest is found by scanning the digests while
-    the table is small (`INDEX_FROM`); a larger table also keeps an index from the digest's
-    first 30 bits (an int) to the blob's number. `Handle`s are made when asked for.
+    the table is small (`INDEX_FROM`); a larger table also files each blob's number under
+    its digest's first 8 bytes in a `KeyNumbers`. `Handle`s are made when asked for.
     """
 
     __slots__ = (
@@ -197,16 +205,17 @@ class StoreBlobTable(BlobTable):
                 f"a blob needs a {KEY_SIZE}-byte key and a {DIGEST_BYTES}-byte digest"
             )
         index = len(self._sizes)
+        if self._index is not None:
+            self._index.add(index_key(digest), index)  # (first: the one step that may fail)
         self._keys += key
         self._digests += digest
         self._sizes.append(size << 1 | surrogates)
         self._nbytes += size
-        if self._index is not None:
-            self._index.add(index_key(digest), index)
-        elif index + 1 >= INDEX_FROM:
-            self._index = KeyNumbers()
+        if self._index is None and index + 1 >= INDEX_FROM:
+            numbers = KeyNumbers()
             for i in range(index + 1):
-                self._index.add(index_key(self.digest(i)), i)
+                numbers.add(index_key(self.digest(i)), i)
+            self._index = numbers
         return index
 
     def add_verified(self, text: str, digest: bytes, data_len: int, surrogates: bool) -> Handle:
@@ -317,17 +326,22 @@ class StoreBlobTable(BlobTable):
         while len(self._sizes) > n:
             index = len(self._sizes) - 1
             if index_of is not None:  # (this one: the last added under its key)
-                index_of.pop_last(index_key(self.digest(index)), index)
+                taken = index_of.pop_last(index_key(self.digest(index)), index)
+                assert taken, "a blob table's index out of step with its blobs"
             self._nbytes -= self._sizes.pop() >> 1
         del self._keys[KEY_SIZE * n :]
         del self._digests[DIGEST_BYTES * n :]
 
     def stats(self) -> dict[str, int]:
-        digests = {self.digest(i) for i in range(len(self._sizes))}
+        index = self._index
+        if index is None:  # (a small table: its digests are scanned)
+            collisions = len(self._sizes) - len({self.digest(i) for i in range(len(self._sizes))})
+        else:
+            collisions = shared_digests(index, self.digest)
         return {
             "blobs": len(self._sizes),
             "blob_bytes": self._nbytes,
             "blob_references": self._refs,
             "blob_bytes_saved": max(self._refbytes - self._used_bytes, 0),
-            "collisions": len(self._sizes) - len(digests),
+            "collisions": collisions,
         }

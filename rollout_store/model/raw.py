@@ -45,8 +45,10 @@ class RawJSON:
             # `encode`) may say otherwise than what it holds
             if isinstance(data, str):
                 data = str.__str__(data)
-            elif isinstance(data, bytes | bytearray | memoryview):
-                data = bytes(memoryview(data))
+            elif isinstance(data, bytes):
+                data = bytes.__getitem__(data, slice(None))  # (not its own buffer or bytes)
+            elif isinstance(data, bytearray | memoryview):
+                data = bytes(data)
             else:
                 raise TypeError(f"RawJSON expects bytes or str, got {type(data).__name__}")
         self.data = data

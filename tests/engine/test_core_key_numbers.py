@@ -30,6 +30,7 @@ def test_agrees_with_a_dict_of_lists_through_adds_and_rollbacks() -> None:
         reference.setdefault(key, []).append(number)
         filed.append((key, number))
     assert len(index) == len(reference)
+    assert sorted(index.shared()) == sorted(tuple(v) for v in reference.values() if len(v) > 1)
     for key in keys:
         numbers = reference.get(key)
         found = index.get(key)

@@ -34,6 +34,8 @@ from rollout_store import (
     export_session,
 )
 from rollout_store.engine import shared_blobs
+from rollout_store.engine.blobs import content_digest, index_key
+from rollout_store.engine.index import index_members
 from rollout_store.engine.shared_blobs import StoreBlobTable
 
 LONG = 2000
@@ -606,6 +608,7 @@ def test_the_compact_store_table_keeps_blobs_apart_and_rolls_back(
     table.rollback(mark)
     assert len(table) == 3
     assert table.stats()["blob_bytes"] == 123
+    assert table.stats()["collisions"] == (2 if hasher is _colliding else 0)
     assert table.intern(texts[3]).index == 3  # added again after the rollback
     table.rollback((1, 0, 0))
     assert len(table) == 1 and table.stats()["blobs"] == 1
@@ -653,12 +656,21 @@ def test_a_blob_over_an_out_of_process_store_costs_the_graph_about_its_key_and_d
     assert per_blob < 160, per_blob  # 285 with one Handle, digest and key object each
 
 
-def test_a_refused_turn_over_a_store_forgets_a_blob_that_shares_an_index_slot() -> None:
-    # two strings whose xxh3 digests share their first 30 bits (the store table's index
-    # slot); from 2048 blobs on that index holds a few blobs of one slot as a tuple, and a
-    # refused turn's blob must be taken out of it (it was `list.remove`d: AttributeError)
+def test_a_refused_turn_over_a_store_forgets_a_blob_that_shares_an_index_key() -> None:
+    # two strings whose digests share their first 8 bytes (the store table's index key);
+    # from 2048 blobs on that index holds the blobs of one key together, and a refused
+    # turn's blob must be taken out of it (it was `list.remove`d from a tuple once:
+    # AttributeError)
     a, b = "colliding blob text 00017376", "colliding blob text 00045924"
-    graph = RolloutGraph(share_threshold=16, store=MemoryStore())
+    mates = {a.encode(), b.encode()}
+
+    def hasher(data: bytes) -> bytes:
+        digest = content_digest(data)
+        return bytes(8) + digest[8:] if data in mates else digest
+
+    store = MemoryStore()
+    graph = RolloutGraph(share_threshold=16, store=store)
+    graph.blobs = StoreBlobTable(store, hasher=hasher)
     many = [f"a distinct long string {i:06d}" for i in range(2100)] + [a]
     graph.add_turn(
         TurnNode(
@@ -676,6 +688,9 @@ def test_a_refused_turn_over_a_store_forgets_a_blob_that_shares_an_index_slot() 
         TurnNode(node_id="t1", request_messages=[{"role": "user", "content": [b, a]}])
     )
     assert graph.request_messages(node.node_id) == [{"role": "user", "content": [b, a]}]
+    table = graph.blobs
+    assert isinstance(table, StoreBlobTable) and table._index is not None
+    assert len(index_members(table._index.get(index_key(hasher(a.encode()))))) == 2
 
 
 def test_a_file_read_with_the_wrong_store_is_not_found_never_damaged(tmp_path: Path) -> None:

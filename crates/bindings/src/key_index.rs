@@ -6,7 +6,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use engine::key_index;
 use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyList, PyTuple};
 
 /// 64-bit keys to the numbers filed under them (ints below 2**32, each key's in filing
 /// order): a content table's index, with no Python object an entry.
@@ -63,6 +63,24 @@ impl KeyNumbers {
     /// addition); whether it was.
     fn pop_last(&self, key: u64, number: u32) -> bool {
         self.index().pop_last(key, number)
+    }
+
+    /// The numbers of each key under which several are filed, each key's as a tuple in
+    /// filing order (the keys in no set order): a table's contents that share a key.
+    fn shared<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        // (copied under the lock: no Python object is made while it is held)
+        let groups: Vec<Vec<u32>> = self
+            .index()
+            .shared()
+            .map(|(first, more)| std::iter::once(first).chain(more.iter().copied()).collect())
+            .collect();
+        PyList::new(
+            py,
+            groups
+                .into_iter()
+                .map(|numbers| PyTuple::new(py, numbers))
+                .collect::<PyResult<Vec<_>>>()?,
+        )
     }
 
     /// How many keys.

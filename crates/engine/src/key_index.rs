@@ -342,6 +342,15 @@ impl KeyNumbers {
         false
     }
 
+    /// The numbers of each key under which several are filed (the first, then the rest), in
+    /// no set order: a table's contents that share a key, without a walk of every key.
+    pub fn shared(&self) -> impl Iterator<Item = (u32, &[u32])> + '_ {
+        self.more.iter().filter_map(|(key, more)| {
+            let first = *self.first.get(*key)?;
+            Some((first, more.as_slice()))
+        })
+    }
+
     /// How many keys.
     #[must_use]
     pub fn len(&self) -> usize {
@@ -566,6 +575,7 @@ mod tests {
         assert_eq!(index.get(7), Some((0, &[2, 3][..])));
         assert_eq!(index.get(9), Some((1, &[][..])));
         assert_eq!(index.get(u64::MAX), Some((4, &[][..])));
+        assert_eq!(index.shared().collect::<Vec<_>>(), vec![(0, &[2, 3][..])]);
         assert!(!index.pop_last(7, 2), "2 is not the last under 7");
         assert!(index.pop_last(7, 3) && index.pop_last(7, 2));
         assert_eq!(index.get(7), Some((0, &[][..])));

@@ -6,8 +6,8 @@
 //! - [`json`]: exact JSON, parsed as `json.loads` parses bytes and written as `json.dumps`
 //!   writes;
 //! - [`link_key`]: the loose key that links a response to its inexact echo;
-//! - [`key_index`]: 64-bit keys to values in insertion order, held compactly (a graph's
-//!   request index);
+//! - [`key_index`]: 64-bit keys to values in insertion order, held compactly, and to the
+//!   numbers filed under them (the content tables' index);
 //! - [`packed`]: the packed form of recorded values (msgpack and the library's extension
 //!   types), written and read back;
 //! - [`packed_check`]: a stored packed value checked without building it (what a loader trusts);
