@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import struct
 import tempfile
 import threading
 import time
@@ -59,11 +60,13 @@ class MemoryStore:
 
     def _find(self, key: bytes) -> int | None:
         """The number of the object under `key` (a well-formed key), or None."""
-        keys, found = self._keys, self._numbers.get(int.from_bytes(key[:8], "little"))
+        keys, found = self._keys, self._numbers.get(_head(key)[0])
         if type(found) is int:  # (one object under these 8 bytes: mostly)
-            return found if keys.startswith(key, found * KEY_SIZE) else None
+            at = found * KEY_SIZE
+            return found if keys[at : at + KEY_SIZE] == key else None
         for number in found or ():  # type: ignore[union-attr]  # (a tuple: several)
-            if keys.startswith(key, number * KEY_SIZE):
+            at = number * KEY_SIZE
+            if keys[at : at + KEY_SIZE] == key:
                 return number
         return None
 
@@ -167,11 +170,15 @@ class MemoryStore:
         self._keys += key
         self._values.append(value)
         try:
-            self._numbers.add(int.from_bytes(key[:8], "little"), number)
+            self._numbers.add(_head(key)[0], number)
         except BaseException:  # (2**32 - 1 keys) as it was
             del self._keys[-KEY_SIZE:]
             self._values.pop()
             raise
+
+
+#: A key's first 8 bytes as the int its objects are filed under (`MemoryStore._numbers`).
+_head = struct.Struct("<Q").unpack_from
 
 
 def _holds(found: bytes | str, data: bytes) -> bool:
