@@ -14,6 +14,7 @@ import xxhash
 
 from .._core import KeyNumbers
 from ..errors import InvalidArgumentError, ReadOnlyError
+from ..stores.content import index_key
 from .index import index_members
 
 __all__ = [
@@ -21,7 +22,6 @@ __all__ = [
     "BlobTable",
     "Handle",
     "content_digest",
-    "index_key",
     "shared_digests",
     "utf8",
 ]
@@ -43,11 +43,6 @@ def utf8(text: str) -> tuple[bytes, bool]:
         return text.encode("utf-8"), False
     except UnicodeEncodeError:
         return text.encode("utf-8", "surrogatepass"), True
-
-
-def index_key(digest: bytes) -> int:
-    """The key a digest is filed under in a blob table's index: its first 8 bytes."""
-    return int.from_bytes(digest[:8], "little")
 
 
 def shared_digests(index: KeyNumbers, digest: Callable[[int], bytes]) -> int:

@@ -19,13 +19,19 @@ from collections.abc import Callable, Iterator
 
 from .._core import KeyNumbers
 from ..errors import CorruptObjectError, InvalidArgumentError, MissingObjectError
-from ..stores.content import KEY_SIZE, ContentStore, StringCache, TextStore, content_key
+from ..stores.content import (
+    KEY_SIZE,
+    ContentStore,
+    StringCache,
+    TextStore,
+    content_key,
+    index_key,
+)
 from .blobs import (
     DIGEST_BYTES,
     BlobTable,
     Handle,
     content_digest,
-    index_key,
     shared_digests,
     utf8,
 )

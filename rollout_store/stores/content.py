@@ -28,6 +28,7 @@ This module is the low layer: the blob table depends on this protocol only; the 
 from __future__ import annotations
 
 import hashlib
+import struct
 import threading
 import time
 from array import array
@@ -46,6 +47,7 @@ __all__ = [
     "TextStore",
     "check_key",
     "content_key",
+    "index_key",
     "verified",
 ]
 
@@ -58,6 +60,16 @@ _T = TypeVar("_T")
 def content_key(data: bytes) -> bytes:
     """The key of `data` in every content store: its 32-byte SHA-256 digest."""
     return hashlib.sha256(data).digest()
+
+
+_HEAD = struct.Struct("<Q").unpack_from  # (no slice made, as int.from_bytes(key[:8]) makes)
+
+
+def index_key(digest: bytes) -> int:
+    """The int a key or digest is filed under in an index of contents (a `MemoryStore`'s, a
+    blob table's): its first 8 bytes, little-endian."""
+    key: int = _HEAD(digest)[0]
+    return key
 
 
 def check_key(key: object) -> bytes:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import struct
 import tempfile
 import threading
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 from .._core import KeyNumbers
 from ..errors import InvalidArgumentError, MissingObjectError, StoreError, StoreUnavailableError
 from ..folders import sync_folder
-from .content import KEY_SIZE, ContentStore, check_key, content_key, verified
+from .content import KEY_SIZE, ContentStore, check_key, content_key, index_key, verified
 
 __all__ = ["STORE_HELP", "DirectoryStore", "MemoryStore", "open_store", "store_spec"]
 
@@ -60,7 +59,7 @@ class MemoryStore:
 
     def _find(self, key: bytes) -> int | None:
         """The number of the object under `key` (a well-formed key), or None."""
-        keys, found = self._keys, self._numbers.get(_head(key)[0])
+        keys, found = self._keys, self._numbers.get(index_key(key))
         if type(found) is int:  # (one object under these 8 bytes: mostly)
             at = found * KEY_SIZE
             return found if keys[at : at + KEY_SIZE] == key else None
@@ -170,15 +169,11 @@ class MemoryStore:
         self._keys += key
         self._values.append(value)
         try:
-            self._numbers.add(_head(key)[0], number)
+            self._numbers.add(index_key(key), number)
         except BaseException:  # (2**32 - 1 keys) as it was
             del self._keys[-KEY_SIZE:]
             self._values.pop()
             raise
-
-
-#: A key's first 8 bytes as the int its objects are filed under (`MemoryStore._numbers`).
-_head = struct.Struct("<Q").unpack_from
 
 
 def _holds(found: bytes | str, data: bytes) -> bool:

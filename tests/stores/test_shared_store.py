@@ -34,9 +34,10 @@ from rollout_store import (
     export_session,
 )
 from rollout_store.engine import shared_blobs
-from rollout_store.engine.blobs import content_digest, index_key
+from rollout_store.engine.blobs import content_digest
 from rollout_store.engine.index import index_members
 from rollout_store.engine.shared_blobs import StoreBlobTable
+from rollout_store.stores.content import index_key
 
 LONG = 2000
 
