@@ -231,9 +231,10 @@ class Graph:
         cache: StringCache | None = None,
     ) -> None:
         if share_threshold is not None and (
-            not isinstance(share_threshold, int) or share_threshold < 1
+            not isinstance(share_threshold, int) or not 1 <= share_threshold < 2**64
         ):
-            raise InvalidArgumentError("share_threshold must be a positive int or None")
+            # (the engine counts in 64 bits: a larger threshold, sharing nothing, is 2**64 - 1)
+            raise InvalidArgumentError("share_threshold must be a positive int below 2**64 or None")
         self.share_threshold = share_threshold
         self.store = store
         self._turns: list[Turn] = []
@@ -472,6 +473,8 @@ class Graph:
                     moves = [move for move in moves if not is_above(move[0], turn)]
                 scratch.moves = moves
                 keys = scratch.keys()
+                # the turn passed every check of its input: only now is the store changed
+                blobs.flush()
                 records = self._records
                 sealed = (
                     records.put(turn, lambda: self._response_plain(node))

@@ -204,6 +204,10 @@ class BlobTable:
         graphs; a private table shares nothing."""
         return packed
 
+    def flush(self) -> None:
+        """Store what the turn being added puts, once it passed every check (a table over a
+        content store); a private table keeps everything in itself, at once."""
+
     def share_plain(self, packed: bytes) -> bytes:
         """`packed` (a plain packing that no stored value is: a raw tip's system part) or an
         equal object other graphs hold; a private table shares nothing."""

@@ -46,6 +46,13 @@ SHARE_PACKED_BYTES = 256
 #: The cache of a graph over an out-of-process store when none is given.
 DEFAULT_GRAPH_CACHE_BYTES = 8 * 1024 * 1024
 
+#: What a pending put does (`StoreBlobTable.flush`): store a new blob's string, put a damaged
+#: object's string again, share a large value through the memory store.
+_PUT, _HEAL, _SHARE = 0, 1, 2
+
+#: The key of a new blob until its put gives it (a store other than the memory store).
+_NO_KEY = bytes(KEY_SIZE)
+
 #: A table of fewer blobs finds a digest by scanning its digests (`bytearray.find`, C speed:
 #: about 3 microseconds per 1,000 blobs); from this many on it keeps an index (about 60 bytes
 #: a blob), so a large graph never scans far.
@@ -55,8 +62,12 @@ INDEX_FROM = 2048
 class StoreBlobTable(BlobTable):
     """A `BlobTable` whose strings are kept in `store` (see the module docstring).
 
-    Adding a blob puts it into the store at once; a store error propagates (the graph rolls
-    the turn back). Objects put for a turn that is then rejected stay in the store,
+    What a turn adds to the store (its new strings, a damaged object's string put again, a
+    large value shared through the memory store) is put by `flush`, which the graph calls
+    once the turn has passed every check: a turn refused for its input leaves the store as
+    it was (`rollback` forgets what it would have put). Until then a new blob's string is
+    the turn's own, and its key is computed when asked for. A store error in `flush`
+    propagates (the graph rolls the turn back); objects it put by then stay in the store,
     unreferenced: content-addressed objects are immutable and harmless.
 
     What a blob costs the graph is kept compact, in a few flat tables rather than objects
@@ -72,6 +83,8 @@ class StoreBlobTable(BlobTable):
         "_index",
         "_keys",
         "_nbytes",
+        "_pending",
+        "_pending_texts",
         "_refbytes",
         "_refs",
         "_text_store",
@@ -112,6 +125,11 @@ class StoreBlobTable(BlobTable):
         # keys whose objects a read found damaged or missing (`string`), put again by the
         # next turn that stores their strings; None until a read fails
         self._broken: set[bytes] | None = None
+        # what the turn being added puts at `flush`: (what, blob number or -1, str or
+        # packed bytes, its UTF-8, its key or None: computed by the store's put)
+        self._pending: list[tuple[int, int, str | bytes, bytes, bytes | None]] = []
+        # the strings of the blobs it adds, by number (their objects are not stored yet)
+        self._pending_texts: dict[int, str] = {}
 
     @property
     def cache(self) -> StringCache | None:
@@ -121,7 +139,11 @@ class StoreBlobTable(BlobTable):
         """The store key of blob `index`."""
         if not 0 <= index < len(self._sizes):
             raise IndexError(index)
-        return bytes(self._keys[KEY_SIZE * index : KEY_SIZE * index + KEY_SIZE])
+        key = bytes(self._keys[KEY_SIZE * index : KEY_SIZE * index + KEY_SIZE])
+        if key == _NO_KEY and index in self._pending_texts:  # its put computes it: not yet
+            key = content_key(utf8(self._pending_texts[index])[0])
+            self._keys[KEY_SIZE * index : KEY_SIZE * index + KEY_SIZE] = key
+        return key
 
     def _intern(self, text: str) -> int:
         data, surrogates = utf8(text)
@@ -134,13 +156,41 @@ class StoreBlobTable(BlobTable):
                 if self._broken is not None:
                     self._heal(index, text, data)
                 return index
-        if self._text_store is not None:
-            key = self._text_store.put_text(text, data)
-        else:  # not cached: the cache holds what is read (recording reads nothing back)
-            key = self.store.put(data)
+        store, key, put = self._text_store, _NO_KEY, True
+        if store is not None:
+            # (the memory store's own object, when it holds one: nothing to put)
+            key = content_key(data)
+            put = store.intact(key, text, data) is None
+        # (else the key is the store's put's: not cached, the cache holds what is read)
         index = self._add(key, digest, len(data), surrogates)
+        if put:
+            self._pending.append((_PUT, index, text, data, None if key is _NO_KEY else key))
+            self._pending_texts[index] = text
         self.note_used((index,))
         return index
+
+    def flush(self) -> None:
+        """Put what the turn being added stores (see the class docstring), in order."""
+        pending = self._pending
+        if not pending:
+            return
+        text_store, put = self._text_store, self.store.put
+        for what, index, value, data, key in pending:
+            if what == _SHARE:
+                assert text_store is not None  # (only the memory store shares values)
+                text_store.share_bytes(data)
+                continue
+            if text_store is None:
+                key = put(data)
+            else:
+                assert type(value) is str
+                key = text_store.put_text(value, data, key)
+            if what == _PUT:
+                self._keys[KEY_SIZE * index : KEY_SIZE * index + KEY_SIZE] = key
+            elif self._broken is not None:
+                self._broken.discard(key)
+        pending.clear()
+        self._pending_texts.clear()
 
     def canonical(self, text: str) -> str | None:
         """The memory store's object of `text`, shared by every graph over it, or None (any
@@ -151,6 +201,11 @@ class StoreBlobTable(BlobTable):
         digest = self.digest_of(text.encode("utf-8", "surrogatepass"))
         for index in self._candidates(digest):
             if self.digest(index) == digest:
+                pending = self._pending_texts.get(index)
+                if pending is not None:  # (stored at `flush`, as this very object)
+                    if pending == text:
+                        return pending
+                    continue
                 try:
                     stored = store.get_text(self.key(index))
                 except (CorruptObjectError, MissingObjectError):
@@ -165,17 +220,14 @@ class StoreBlobTable(BlobTable):
         self._broken.add(key)
 
     def _heal(self, index: int, text: str, data: bytes) -> None:
-        """Put the string of blob `index` again if a read found its object damaged or gone
-        (the store replaces a damaged object atomically)."""
+        """Put the string of blob `index` again (at `flush`) if a read found its object
+        damaged or gone (the store replaces a damaged object atomically)."""
         key = self.key(index)
         broken = self._broken
         if broken is None or key not in broken:
             return
-        if self._text_store is not None:
-            self._text_store.put_text(text, data)
-        else:
-            self.store.put(data)
-        broken.discard(key)
+        if not any(what == _HEAL and at == index for what, at, *_ in self._pending):
+            self._pending.append((_HEAL, index, text, data, key))
 
     def _candidates(self, digest: bytes) -> Iterator[int]:
         """The blobs that may have `digest` (each is checked against it)."""
@@ -191,6 +243,9 @@ class StoreBlobTable(BlobTable):
             at = digests.find(digest, at + 1)
 
     def _same(self, index: int, text: str, data: bytes, sha: list[bytes]) -> bool:
+        pending = self._pending_texts.get(index) if self._pending_texts else None
+        if pending is not None:  # added by this turn: its string is at hand
+            return pending == text
         key = self.key(index)
         if self._text_store is not None:
             try:
@@ -259,8 +314,15 @@ class StoreBlobTable(BlobTable):
         it). With neither, the graph keeps its own copy."""
         if len(packed) < SHARE_PACKED_BYTES:
             return self._share_small(packed)  # type: ignore[return-value]
-        if self._text_store is not None:
-            return self._text_store.share_bytes(packed)
+        store = self._text_store
+        if store is not None:
+            key = content_key(packed)
+            found = store.intact(key, packed, packed)
+            if type(found) is bytes:
+                return found
+            if found is None:  # stored at `flush` (this object: nothing else holds one)
+                self._pending.append((_SHARE, -1, packed, packed, key))
+            return packed
         if self._cache is not None:
             return self._cache.share_bytes(packed)
         return packed
@@ -298,6 +360,10 @@ class StoreBlobTable(BlobTable):
         """The string of blob `index`, read from the store (or the cache), verified. A
         damaged or missing object is remembered: the next turn that stores its string puts
         it again (the store replaces a damaged object), so the graph heals itself."""
+        if self._pending_texts:
+            pending = self._pending_texts.get(index)
+            if pending is not None:  # added by the turn being added: not stored yet
+                return pending
         key = self.key(index)
         try:
             if self._text_store is not None:
@@ -326,6 +392,9 @@ class StoreBlobTable(BlobTable):
         return (len(self._sizes), self._refs, self._refbytes)
 
     def rollback(self, mark: tuple[int, int, int]) -> None:
+        # (what is pending is the rolled-back turn's: `flush` runs before every commit)
+        self._pending.clear()
+        self._pending_texts.clear()
         n, self._refs, self._refbytes = mark
         self.forget_used(n)
         index_of = self._index

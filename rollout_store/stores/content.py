@@ -114,8 +114,14 @@ class TextStore(Protocol):
     whatever the number of graphs, and read with no decoding and no cache.
     """
 
-    def put_text(self, text: str, data: bytes) -> bytes:
-        """Store `text`, whose UTF-8 (surrogatepass) bytes are `data`; return their key."""
+    def put_text(self, text: str, data: bytes, key: bytes | None = None) -> bytes:
+        """Store `text`, whose UTF-8 (surrogatepass) bytes are `data`; return their key
+        (`key`, when given, is `content_key(data)` as the caller computed it)."""
+        ...
+
+    def intact(self, key: bytes, value: bytes | str, data: bytes) -> bytes | str | None:
+        """The object stored under `key` if it is `value` (a str or bytes whose bytes are
+        `data`), else None (absent or damaged); nothing is stored."""
         ...
 
     def get_text(self, key: bytes) -> str:

@@ -91,13 +91,23 @@ class MemoryStore:
         self._add(key, data, data)
         return key
 
-    def put_text(self, text: str, data: bytes) -> bytes:
-        key = content_key(data)
-        number = self._find(key)
-        found = None if number is None else self._values[number]
-        if found is None or not (found == text if type(found) is str else found == data):
+    def put_text(self, text: str, data: bytes, key: bytes | None = None) -> bytes:
+        if key is None:
+            key = content_key(data)
+        if self.intact(key, text, data) is None:
             self._add(key, text, data)
         return key
+
+    def intact(self, key: bytes, value: bytes | str, data: bytes) -> bytes | str | None:
+        """The object stored under `key` if it is `value` (whose bytes are `data`), else None
+        (absent or damaged); nothing changes."""
+        number = self._find(key)
+        if number is None:
+            return None
+        found = self._values[number]
+        if type(found) is type(value):
+            return found if found == value else None
+        return found if _holds(found, data) else None
 
     def share_bytes(self, data: bytes) -> bytes:
         key = content_key(data)

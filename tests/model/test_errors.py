@@ -30,6 +30,20 @@ def test_bad_arguments_are_invalid_argument_errors() -> None:
     assert issubclass(InvalidArgumentError, ValueError)
 
 
+def test_a_share_threshold_beyond_64_bits_is_an_invalid_argument(tmp_path: Path) -> None:
+    """The engine counts string lengths in 64 bits: a larger threshold is refused by the
+    library's own error (it was an OverflowError), the largest one shares nothing and its
+    graph saves and loads."""
+    for huge in (2**64, 2**100):
+        with pytest.raises(InvalidArgumentError, match="below 2\\*\\*64"):
+            RolloutGraph(share_threshold=huge)
+    graph = RolloutGraph(share_threshold=2**64 - 1)
+    graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "x" * 5000}]))
+    assert graph.stats()["blobs"] == 0
+    graph.save(tmp_path / "g.rls")
+    assert RolloutGraph.load(tmp_path / "g.rls").share_threshold == 2**64 - 1
+
+
 def test_a_bad_fsync_policy_is_an_invalid_argument(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="fsync"):
         RolloutGraph.open(tmp_path / "log.rls", fsync="sometimes")

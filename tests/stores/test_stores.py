@@ -26,20 +26,34 @@ from services import S3_CREDENTIALS
 from store_workers import shared_objects
 
 from rollout_store import (
+    MAX_DEPTH,
     ContentStore,
     CorruptObjectError,
     DirectoryStore,
+    InvalidValueError,
     MemoryStore,
     MissingObjectError,
     RedisStore,
     RetryPolicy,
+    RolloutGraph,
     S3Store,
     StoreError,
     StoreUnavailableError,
+    TurnNode,
 )
 from rollout_store.stores.content import StringCache, content_key
 
 TESTS = Path(__file__).resolve().parents[1] / "support"
+
+
+def _too_deep(leaf: str) -> Any:
+    """A response nested past the library's depth limit, a long string at its bottom."""
+    value: Any = leaf
+    for _ in range(MAX_DEPTH + 1):
+        value = [value]
+    return {"role": "assistant", "content": value}
+
+
 ROOT = TESTS.parents[1]
 
 
@@ -129,6 +143,38 @@ class StoreContract:
                 assert store.get(key) == data
                 assert store.put(data) == key and store.get(key) == data
             assert key in self.keys(store)
+
+    def test_a_turn_refused_for_its_input_leaves_the_store_as_it_was(self, store: Any) -> None:
+        """A turn refused for its input puts nothing: not its new strings, not a large value
+        it would share with other graphs, and not the string of a damaged object it re-sends
+        (which stays as it is until an accepted turn puts it again)."""
+        old = "an old tool output " * 100
+        graph = RolloutGraph(store=store)
+        graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": old}]))
+        damaged = content_key(old.encode())
+        self.tamper(store, damaged, b"forged content")
+        with pytest.raises(CorruptObjectError):  # (the graph now knows the object is damaged)
+            graph.nodes()[0].request_messages  # noqa: B018
+        new = "a new tool output " * 100
+        # (a request of its own: the old string is stored again, not found in a base)
+        messages = [{"role": "user", "content": new}, {"role": "user", "content": old}]
+        tools = [{"type": "function", "function": {"name": "t", "description": "d" * 400}}]
+        before = self.keys(store)
+        for bad in (
+            {"response_message": {"role": "assistant", "content": {1, 2}}},
+            {"sampling_params": {"temperature": object()}},
+            {"response_message": _too_deep("a long string at the bottom " * 100)},
+        ):
+            with pytest.raises(InvalidValueError):
+                graph.add_turn(TurnNode(request_messages=messages, request_tools=tools, **bad))
+            assert self.keys(store) == before
+            assert len(graph) == 1
+            with pytest.raises(CorruptObjectError):
+                store.get(damaged)
+        graph.add_turn(TurnNode(request_messages=messages, request_tools=tools))
+        assert store.get(damaged) == old.encode()
+        assert content_key(new.encode()) in self.keys(store) - before
+        assert graph.nodes()[1].request_messages == messages
 
     def test_many_threads_put_one_content_once(self, store: Any) -> None:
         before = self.keys(store)
