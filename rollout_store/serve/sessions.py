@@ -63,6 +63,7 @@ __all__ = [
     "DataDirectoryInUseError",
     "Session",
     "SessionDamagedError",
+    "SessionDeletedError",
     "SessionError",
     "Sessions",
     "clean_session_id",
@@ -83,6 +84,11 @@ class SessionDamagedError(SessionError):
     """A session's log cannot be read (a damaged record, or a missing or damaged object of
     the content store it references): the message names the object, the file and the
     repair. Other sessions are not affected."""
+
+
+class SessionDeletedError(SessionError):
+    """A request held a session that was deleted meanwhile (its id may name a new session
+    by now, which it never touches)."""
 
 
 class DataDirectoryInUseError(SessionError):
@@ -676,18 +682,27 @@ class Sessions:
             return session
 
     def save_group(self, session: Session) -> None:
-        """Write a session's changed group id to its file (with a data directory)."""
+        """Write a session's changed group id to its file (with a data directory).
+
+        Under its id's lock, and only while `session` is the one its id names: a session
+        deleted meanwhile raises `SessionDeletedError` (its id may name a new session by
+        now, whose file, holding the new key, must not be written over with the old one)."""
         if self.data is None:
             return
+        sid = session.session_id
         doc: dict[str, Any] = {
-            "session_id": session.session_id,
+            "session_id": sid,
             "api_key": session.api_key,
             "metadata": session.metadata,
             "created_at": session.created_at,
         }
         if session.group is not None:
             doc["group"] = session.group
-        _write_atomic(self._path(session.session_id, ".json"), json.dumps(doc).encode("ascii"))
+        with self._id_lock(sid):
+            with self._lock:
+                if self._by_id.get(sid) is not session:
+                    raise SessionDeletedError(f"session {sid!r} was deleted")
+            _write_atomic(self._path(sid, ".json"), json.dumps(doc).encode("ascii"))
 
     def watch_keys(self, watcher: Callable[[str, Session | None], None] | None) -> None:
         """Tell `watcher` every session's key now (key, session), then each key added and

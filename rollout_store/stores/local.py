@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import tempfile
 import threading
@@ -198,6 +199,15 @@ def _size(found: bytes | str) -> int:
     return len(found.encode("utf-8", "surrogatepass")) if type(found) is str else len(found)
 
 
+#: Why one object of a directory store cannot be read when the store itself can: something
+#: other than a file at its path, a permission refused, a disk error under it. A damaged
+#: object then, missing to its readers (a server marks the sessions that need it damaged);
+#: any other error (out of file descriptors, say) is the store's, and may pass.
+_UNREADABLE = frozenset(
+    {errno.EISDIR, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EIO, errno.ELOOP}
+)
+
+
 class DirectoryStore:
     """Objects as files under `path` (`<path>/ab/cdef...`, named by the key's hex).
 
@@ -311,6 +321,12 @@ class DirectoryStore:
                 f"no such object in the directory store at {self.path}", key=key
             ) from None
         except OSError as error:
+            if error.errno in _UNREADABLE:  # this object, not the store: as good as missing
+                raise MissingObjectError(
+                    f"the object {path} in the directory store cannot be read ({error}); "
+                    "remove it and put its content again to repair it",
+                    key=key,
+                ) from error
             raise StoreUnavailableError(
                 f"reading an object from the directory store at {self.path} failed: {error}",
                 key=key,

@@ -39,7 +39,7 @@ from capture_support import (
 from rollout_store import DirectoryStore, RolloutGraph
 from rollout_store.errors import FileWriteError
 from rollout_store.serve.server import add_serve_arguments, create_app
-from rollout_store.serve.sessions import DataDirectoryInUseError, Sessions
+from rollout_store.serve.sessions import DataDirectoryInUseError, SessionDeletedError, Sessions
 from rollout_store.serve.stub_engine import create_stub_app
 from rollout_store.viewer.hosts import allowed_hosts, host_allowed, host_name, origin_allowed
 
@@ -443,6 +443,73 @@ def test_deleting_and_recreating_one_id_mixes_nothing_and_loses_nothing(
     assert not lost, list(lost.items())[:5]
 
 
+def test_a_group_saved_for_a_deleted_session_never_writes_over_its_ids_new_session(
+    tmp_path: Path,
+) -> None:
+    """A PATCH holds the session it looked up; once that session is deleted and its id made
+    again, the PATCH's write of the group is refused, and the new session's file keeps the
+    new key (it wrote the old key there, which a restart then took for the new session's)."""
+    data = tmp_path / "data"
+    sessions = Sessions(data, fsync="never")
+    try:
+        old = sessions.create("x")
+        assert sessions.delete("x")
+        new = sessions.create("x")
+        old.group = "g1"
+        with pytest.raises(SessionDeletedError, match="was deleted"):
+            sessions.save_group(old)
+        assert json.loads((data / "x.json").read_text())["api_key"] == new.api_key
+        new.group = "g2"
+        sessions.save_group(new)
+        assert json.loads((data / "x.json").read_text())["group"] == "g2"
+    finally:
+        sessions.close()
+
+
+@pytest.mark.slow
+def test_a_patch_racing_delete_and_recreate_never_hands_the_id_to_the_old_key(
+    stub: tuple[str, Counting], tmp_path: Path
+) -> None:
+    """60 rounds: the old owner PATCHes its session's group while it deletes it and another
+    client makes the id again. The id's file always holds the new key, so after a restart
+    the new key opens the new session and the old key opens nothing."""
+    data = tmp_path / "data"
+    made: dict[str, tuple[str, str]] = {}
+    app = create_app(stub[0], data=data, fsync="never")
+    with serve_app(app) as url, httpx.Client(timeout=WAIT_S) as client:
+        for round_ in range(60):
+            sid = f"x{round_}"
+            old = client.post(f"{url}/sessions", json={"session_id": sid}).json()["api_key"]
+            new: list[str] = []
+
+            def patch(old: str = old, sid: str = sid) -> None:
+                for j in range(4):
+                    client.patch(
+                        f"{url}/sessions/{sid}", headers=_bearer(old), json={"group": f"g{j}"}
+                    )
+
+            def recreate(old: str = old, sid: str = sid, new: list[str] = new) -> None:
+                client.delete(f"{url}/sessions/{sid}", headers=_bearer(old))
+                new.append(
+                    client.post(f"{url}/sessions", json={"session_id": sid}).json()["api_key"]
+                )
+
+            threads = [threading.Thread(target=patch), threading.Thread(target=recreate)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(WAIT_S)
+            made[sid] = (old, new[0])
+            assert json.loads((data / f"{sid}.json").read_text())["api_key"] == new[0], sid
+    with serve_app(create_app(stub[0], data=data)) as url, httpx.Client(timeout=WAIT_S) as client:
+        for sid, (old, new_key) in list(made.items())[:10]:
+            assert client.get(f"{url}/sessions/{sid}", headers=_bearer(new_key)).status_code == 200
+            assert client.get(f"{url}/sessions/{sid}", headers=_bearer(old)).status_code in (
+                401,
+                403,
+            )
+
+
 # ---------------------------------------------------------------- the data directory
 
 
@@ -518,6 +585,35 @@ def test_a_damaged_object_costs_only_the_sessions_that_reference_it(
     try:
         _check_damage_is_contained(stub, data, objects, hurt, fine, key, path)
     finally:  # (the graphs the test built are saved again when it ends: from the store)
+        path.write_bytes(original)
+
+
+def test_an_unreadable_object_costs_only_the_sessions_that_reference_it(
+    stub: tuple[str, Counting], tmp_path: Path
+) -> None:
+    """An object that cannot be read at all (a directory where its file was: an error other
+    than a missing file) damages the sessions that need it, as a damaged object does; it
+    stopped the server's start (read as the store being down)."""
+    data, objects = tmp_path / "data", tmp_path / "objects"
+    long_text = "a screenshot, in words. " * 400
+    with serve_app(
+        create_app(stub[0], data=data, store=DirectoryStore(objects), admin_key=ADMIN_KEY)
+    ) as url:
+        hurt, fine = new_session(url, session_id="hurt"), new_session(url, session_id="fine")
+        assert _chat(url, hurt["api_key"], long_text).status_code == 200
+        assert _chat(url, fine["api_key"], "short").status_code == 200
+    store = DirectoryStore(objects)
+    ((key, path, original),) = [
+        (key, store.object_path(key), store.object_path(key).read_bytes())
+        for key in store.keys()  # noqa: SIM118 - a store, not a dict
+        if b"a screenshot" in store.object_path(key).read_bytes()
+    ]
+    path.unlink()
+    path.mkdir()
+    try:
+        _check_damage_is_contained(stub, data, objects, hurt, fine, key, path)
+    finally:
+        path.rmdir()
         path.write_bytes(original)
 
 
