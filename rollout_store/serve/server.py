@@ -143,7 +143,14 @@ from .ack_ledger import KILLED
 from .assemble import assembled, holds_error
 from .idle_trim import with_idle_trim
 from .replicas import replica_key_prefix
-from .sessions import Session, SessionDamagedError, SessionError, Sessions, clean_session_id
+from .sessions import (
+    Session,
+    SessionDamagedError,
+    SessionDeletedError,
+    SessionError,
+    Sessions,
+    clean_session_id,
+)
 from .sse import SSE_HEADERS, anthropic_events, chat_chunks, sse_data, sse_event
 
 __all__ = [
@@ -1818,12 +1825,15 @@ class _Server:
         passthrough: bool = False,
         checked: _Checked = _UNCHECKED,
         fields: list[tuple[str, int, int]] | None = None,
+        upstream: bool = True,
     ) -> _Plan:
         """A model call's body checked and its upstream call made ready (or _Refusal).
         `passthrough`: a streaming call asks the upstream for its stream (the Rust data
         plane passes it on), with the client's `stream_options`; otherwise the upstream is
         asked for the whole answer. `checked`, `fields`: what the Rust data plane checked
-        and found of the body already."""
+        and found of the body already. `upstream` False: a call the engine sent upstream
+        itself (the direct lane), whose plan only makes its turn and reply: no upstream body
+        and headers are made for it (they are empty)."""
         fields = _decode(raw, anthropic, checked, fields)
         if not checked.depth and isinstance(fields, dict):
             # before the other checks, as the Rust data plane's engine makes it: a body too
@@ -1836,14 +1846,18 @@ class _Server:
         harness = _harness_session(headers, body, anthropic=anthropic)
         stream = body.get("stream") is True
         streamed = stream and passthrough
-        upstream_headers = self._upstream_headers(headers, anthropic=anthropic)
+        upstream_headers = self._upstream_headers(headers, anthropic=anthropic) if upstream else {}
         if anthropic:
 
             def message_turn(response: dict[str, Any]) -> TurnNode:
                 return messages_turn(body, response, harness)
 
             make_turn, replay = _recorder(message_turn, anthropic_events if stream else None)
-            head, content = self._upstream(raw, body, {"stream": streamed}, passthrough)
+            head, content = (
+                self._upstream(raw, body, {"stream": streamed}, passthrough)
+                if upstream
+                else (0, b"")
+            )
             return _Plan(
                 session,
                 anthropic,
@@ -1884,7 +1898,9 @@ class _Server:
 
         make_turn, replay = _recorder(turn, events if stream else None)
         drop = () if streamed else ("stream_options",)
-        head, content = self._upstream(raw, body, extra, passthrough, drop)
+        head, content = (
+            self._upstream(raw, body, extra, passthrough, drop) if upstream else (0, b"")
+        )
         return _Plan(
             session,
             anthropic,
@@ -2300,7 +2316,7 @@ class _Server:
                     if group is not UNCHANGED:
                         session.group = before
                         # best effort: on reopen the log's group wins over the file's
-                        with contextlib.suppress(OSError):
+                        with contextlib.suppress(OSError, SessionDeletedError):
                             self.sessions.save_group(session)
                     raise
                 return {"session_id": session.session_id, **graph.meta.document()}
@@ -2309,6 +2325,8 @@ class _Server:
             return _damaged(session.damaged)
         try:
             answer = await anyio.to_thread.run_sync(apply)
+        except SessionDeletedError as exc:  # deleted meanwhile: its id's new session untouched
+            return JSONResponse({"error": str(exc)}, 404)
         except (SessionDamagedError, StoreError) as exc:
             return self._damage_answer(session, exc)
         except OSError as exc:  # FileWriteError too: a full disk, a quota, an I/O error
@@ -2890,9 +2908,10 @@ def _engine_plan(
     body: bytes,
     clock: CallClock,
     read: _EngineRead,
+    upstream: bool = True,
 ) -> _Plan:
     """`server.plan` of a call the Rust data plane read (its headers as it gives them, and
-    what its reading of the body found), or its `_Refusal`."""
+    what its reading of the body found), or its `_Refusal`; `upstream` as there."""
     depth, shape, utf8, digits, fields = read
     limit = server.max_digits
     within = digits is not None and (not limit or digits <= limit)
@@ -2905,6 +2924,7 @@ def _engine_plan(
         passthrough=True,
         checked=_Checked(depth, shape, utf8, within),
         fields=fields,
+        upstream=upstream,
     )
 
 
@@ -2924,7 +2944,8 @@ def _direct_plan(
 
     def plan() -> _Plan:
         if not made:
-            made.append(_engine_plan(server, anthropic, headers, session, body, clock, read))
+            # (the engine sent its upstream call: only what makes its turn and reply)
+            made.append(_engine_plan(server, anthropic, headers, session, body, clock, read, False))
         return made[0]
 
     def make_turn(response: dict[str, Any]) -> TurnNode:
