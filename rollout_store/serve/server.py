@@ -2588,14 +2588,23 @@ class _CaptureApp(Starlette):
         """The answer to a request no route may see: a `Host` or an `Origin` the server does
         not answer (DNS rebinding, a page on another site), or a body that is not JSON."""
         host = origin = kind = None
+        hosts = kinds = 0
         for name, value in scope["headers"]:
             if name == b"host":
                 host = value.decode("latin-1")
+                hosts += 1
             elif name == b"origin":
                 origin = value.decode("latin-1")
             elif name == b"content-type":
                 kind = value.decode("latin-1")
-        if not host_allowed(host, self._hosts):
+                kinds += 1
+        if hosts > 1 or kinds > 1:  # (which one would a check read? none: refused)
+            status, reason = (
+                400,
+                f"a request has one {'Host' if hosts > 1 else 'Content-Type'} header, "
+                f"not {max(hosts, kinds)}",
+            )
+        elif not host_allowed(host, self._hosts):
             status, reason = (
                 403,
                 (

@@ -33,12 +33,21 @@ WILDCARD_BINDS = frozenset({"", "0.0.0.0", "::", "[::]"})
 
 
 def host_name(value: str | None) -> str:
-    """The host of a `Host` header value, lowercased, without its port ("" if none)."""
+    """The host of a `Host` header value, lowercased, without its port ("" if none, or if
+    what follows the host is not a port: `[::1]evil.example` names no host of ours)."""
     text = (value or "").strip().lower()
     if text.startswith("["):  # an IPv6 literal: "[::1]:8100"
         end = text.find("]")
-        return text[: end + 1] if end > 0 else ""
-    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+        host, rest = (text[: end + 1], text[end + 1 :]) if end > 0 else ("", "")
+    elif text.count(":") == 1:
+        host, _, port = text.partition(":")
+        rest = ":" + port
+    else:
+        host, rest = text, ""
+    port = rest[1:]
+    if rest and not (rest[0] == ":" and (not port or (port.isascii() and port.isdigit()))):
+        return ""
+    return host
 
 
 def _as_host(name: str) -> str:

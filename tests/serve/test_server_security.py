@@ -327,6 +327,10 @@ def test_a_foreign_host_or_origin_is_refused(stub: tuple[str, Counting]) -> None
 def test_the_host_check_is_the_viewers() -> None:
     assert host_name("LocalHost:8100") == "localhost" and host_name("[::1]:80") == "[::1]"
     assert host_name("[::1]") == "[::1]" and host_name(None) == ""
+    # what follows the host must be a port (an empty one too, as HTTP allows)
+    assert host_name("localhost:") == "localhost"
+    for junk in ("[::1]evil.example", "[::1]:80x", "localhost:http", "127.0.0.1:1 2"):
+        assert host_name(junk) == "", junk
     loopback = allowed_hosts()
     assert loopback is not None
     for ok in ("127.0.0.1:1", "localhost", "[::1]:8100"):
@@ -347,6 +351,100 @@ def test_the_host_check_is_the_viewers() -> None:
         assert httpx.get(f"http://127.0.0.1:{port}/").status_code == 200
         foreign = httpx.get(f"http://127.0.0.1:{port}/", headers={"host": "attacker.example"})
         assert foreign.status_code == 403
+
+
+def _raw_status(url: str, request: bytes) -> tuple[int, bytes]:
+    """The status and body of one raw HTTP/1.1 request (headers as written, no client's own)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as conn:
+        conn.sendall(request)
+        data = b""
+        while chunk := conn.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+@pytest.mark.parametrize("plane", ["python", "rust"])
+def test_a_request_with_no_host_or_two_hosts_or_two_types_is_refused(
+    stub: tuple[str, Counting], plane: str
+) -> None:
+    """Which Host would a check read of two? Neither: 400 (the planes read different ones).
+    A request with no Host is refused on every route of both planes (the Rust plane passed
+    one on to the app behind it with a Host of its own client's). A Host with something
+    other than a port after an IPv6 literal is not a loopback name."""
+    app = create_app(stub[0])
+    with serve_app(app, data_plane=plane) as url:
+        made = new_session(url, session_id="a")
+        key = made["api_key"].encode()
+        auth = b"Authorization: Bearer " + key + b"\r\n"
+        chat = b'{"model": "m", "messages": [{"role": "user", "content": "q"}]}'
+        post = b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(chat)
+        before = stub[1].calls
+        for request, status, words in (
+            (b"GET /sessions/a HTTP/1.1\r\n" + auth, 403, b"does not answer the Host None"),
+            (b"GET /sessions/a HTTP/1.0\r\n" + auth, 403, b"does not answer the Host None"),
+            (b"POST /sessions HTTP/1.1\r\n" + post, 403, b"Host None"),
+            (b"POST /v1/chat/completions HTTP/1.1\r\n" + auth + post, 403, b"Host None"),
+            (
+                b"GET /sessions/a HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil.example\r\n" + auth,
+                400,
+                b"one Host header, not 2",
+            ),
+            (
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: evil.example\r\nHost: 127.0.0.1"
+                b"\r\n" + auth + post,
+                400,
+                b"one Host header, not 2",
+            ),
+            (
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: text/plain\r\n" + auth + post,
+                400,
+                b"one Content-Type header, not 2",
+            ),
+            (
+                b"GET /sessions/a HTTP/1.1\r\nHost: [::1]evil.example\r\n" + auth,
+                403,
+                b"--allow-host",
+            ),
+        ):
+            sent = request + b"Connection: close\r\n\r\n"
+            if b"Content-Length" in request:
+                sent += chat
+            answer = _raw_status(url, sent)
+            assert answer[0] == status and words in answer[1], (plane, request, answer)
+        assert stub[1].calls == before and len(app.state.sessions.get("a").graph) == 0
+        assert app.state.sessions.ids() == ["a"]
+        # one Host and one type of each: answered
+        ok = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n" + auth + post
+        assert _raw_status(url, ok + b"Connection: close\r\n\r\n" + chat)[0] == 200
+
+
+def test_a_request_head_dripped_line_by_line_times_out_on_the_rust_plane(
+    stub: tuple[str, Counting],
+) -> None:
+    """The Rust plane closes a connection whose request head has not arrived within the body
+    timeout (a client sending a header line now and then held it open for good). The Python
+    plane's HTTP server has no such limit (see docs/server.md)."""
+    app = create_app(stub[0], body_timeout=1.0)
+    with serve_app(app, data_plane="rust") as url:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=0.2) as conn:
+            conn.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            start, closed = time.monotonic(), False
+            while time.monotonic() - start < 8:  # a line every 0.2 s (the recv's timeout)
+                try:
+                    conn.sendall(b"X-Drip: a\r\n")
+                    conn.recv(4096)  # an answer or the end of the connection: it is over
+                except TimeoutError:
+                    continue  # nothing yet
+                except OSError:  # (reset by the server)
+                    pass
+                closed = True
+                break
+            assert closed and time.monotonic() - start < 4, time.monotonic() - start
+        assert httpx.get(f"{url}/health").status_code == 200  # (and it still answers others)
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/sessions"])

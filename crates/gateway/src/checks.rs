@@ -46,21 +46,45 @@ impl Hosts {
     }
 }
 
-/// The host of a `Host` value, lowercased, without its port ("" if none).
+/// The host of a `Host` value, lowercased, without its port ("" if none, or if what follows
+/// the host is not a port: `[::1]evil.example` names no host of ours).
 pub fn host_name(value: &str) -> String {
     let text = value.trim().to_lowercase();
-    if text.starts_with('[') {
-        return match text.find(']') {
-            Some(end) if end > 0 => text[..=end].to_string(),
-            _ => String::new(),
-        };
-    }
-    if text.matches(':').count() == 1 {
-        text.rsplit_once(':')
-            .map_or(text.clone(), |(host, _)| host.to_string())
+    let (host, rest) = if text.starts_with('[') {
+        match text.find(']') {
+            Some(end) if end > 0 => (&text[..=end], &text[end + 1..]),
+            _ => return String::new(),
+        }
+    } else if text.matches(':').count() == 1 {
+        let at = text.find(':').unwrap_or(text.len());
+        (&text[..at], &text[at..])
     } else {
-        text
+        (text.as_str(), "")
+    };
+    let port_ok = rest.is_empty()
+        || rest
+            .strip_prefix(':')
+            .is_some_and(|port| port.bytes().all(|b| b.is_ascii_digit()));
+    if port_ok {
+        host.to_string()
+    } else {
+        String::new()
     }
+}
+
+/// The refusal of a request that repeats its `Host` or its `Content-Type` header (which one
+/// would a check read? none: refused), given how many of each it has.
+pub fn repeated(hosts: usize, content_types: usize) -> Option<(u16, String)> {
+    (hosts > 1 || content_types > 1).then(|| {
+        let name = if hosts > 1 { "Host" } else { "Content-Type" };
+        (
+            400,
+            format!(
+                "a request has one {name} header, not {}",
+                hosts.max(content_types)
+            ),
+        )
+    })
 }
 
 /// The network location of an `Origin` as `urllib.parse.urlsplit` finds it; `None` where
@@ -261,6 +285,25 @@ mod tests {
         assert_eq!(host_name("[::1"), "");
         assert_eq!(host_name("::1"), "::1");
         assert_eq!(host_name(" 127.0.0.1 "), "127.0.0.1");
+        assert_eq!(host_name("localhost:"), "localhost");
+        // what follows the host must be a port
+        assert_eq!(host_name("[::1]evil.example"), "");
+        assert_eq!(host_name("[::1]:80x"), "");
+        assert_eq!(host_name("localhost:http"), "");
+    }
+
+    #[test]
+    fn a_repeated_host_or_content_type_is_refused() {
+        assert_eq!(repeated(1, 1), None);
+        assert_eq!(repeated(0, 0), None);
+        assert_eq!(
+            repeated(2, 1),
+            Some((400, "a request has one Host header, not 2".into()))
+        );
+        assert_eq!(
+            repeated(1, 3),
+            Some((400, "a request has one Content-Type header, not 3".into()))
+        );
     }
 
     #[test]

@@ -802,7 +802,28 @@ impl<C: Control> Shared<C> {
     async fn handle(self: Arc<Self>, request: Request<Incoming>) -> Response<Out> {
         let path = request.uri().path();
         let anthropic = path == "/v1/messages";
-        if request.method() == Method::POST && (anthropic || path == "/v1/chat/completions") {
+        let model =
+            request.method() == Method::POST && (anthropic || path == "/v1/chat/completions");
+        let headers = request.headers();
+        let hosts = headers.get_all(HOST).iter().count();
+        let refusal = checks::repeated(hosts, headers.get_all(CONTENT_TYPE).iter().count())
+            .or_else(|| {
+                // (a model call's gate says so itself; another request would reach the app
+                // with the Host the plane's client gives it)
+                (hosts == 0 && !model)
+                    .then(|| checks::refusal(&self.config.hosts, None, None, None))
+                    .flatten()
+            });
+        if let Some((status, reason)) = refusal {
+            if model || path.starts_with("/v1/") {
+                return refused(anthropic, status, &reason);
+            }
+            let mut body = String::from("{\"error\":");
+            checks::json_str(&reason, &mut body);
+            body.push('}');
+            return json_reply(status, body, false);
+        }
+        if model {
             // a panic in the call answers it 500; the connection and the server go on
             let task = tokio::spawn(self.clone().model_call(request, anthropic));
             return task.await.unwrap_or_else(|_| internal_error());
@@ -1762,6 +1783,7 @@ impl<C: Control> Gateway<C> {
         let local = listener.local_addr()?;
         let (recorder, callers) = spawn_threads(&shared, rx, calls_rx)?;
         let serving = shared.clone();
+        let header_timeout = shared.config.body_timeout;
         let accepting = runtime.spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
@@ -1774,8 +1796,12 @@ impl<C: Control> Gateway<C> {
                         let shared = shared.clone();
                         async move { Ok::<_, Infallible>(shared.handle(request).await) }
                     });
+                    // a request's head must arrive within the body's time too (a client
+                    // dripping header lines held its connection open for good)
                     let _ = http1::Builder::new()
                         .keep_alive(true)
+                        .timer(TokioTimer::new())
+                        .header_read_timeout(header_timeout)
                         .serve_connection(TokioIo::new(stream), service)
                         .await;
                 });
