@@ -50,6 +50,10 @@ DEFAULT_GRAPH_CACHE_BYTES = 8 * 1024 * 1024
 #: object's string again, share a large value through the memory store.
 _PUT, _HEAL, _SHARE = 0, 1, 2
 
+#: A put `flush` makes: (what, blob number or -1, str or packed bytes, its UTF-8, its key or
+#: None: the store's put computes it).
+_Pending = tuple[int, int, str | bytes, bytes, bytes | None]
+
 #: The key of a new blob until its put gives it (a store other than the memory store).
 _NO_KEY = bytes(KEY_SIZE)
 
@@ -126,10 +130,11 @@ class StoreBlobTable(BlobTable):
         # next turn that stores their strings; None until a read fails
         self._broken: set[bytes] | None = None
         # what the turn being added puts at `flush`: (what, blob number or -1, str or
-        # packed bytes, its UTF-8, its key or None: computed by the store's put)
-        self._pending: list[tuple[int, int, str | bytes, bytes, bytes | None]] = []
+        # packed bytes, its UTF-8, its key or None: computed by the store's put); None
+        # while there is nothing (most graphs of a server, most of the time)
+        self._pending: list[_Pending] | None = None
         # the strings of the blobs it adds, by number (their objects are not stored yet)
-        self._pending_texts: dict[int, str] = {}
+        self._pending_texts: dict[int, str] | None = None
 
     @property
     def cache(self) -> StringCache | None:
@@ -140,8 +145,9 @@ class StoreBlobTable(BlobTable):
         if not 0 <= index < len(self._sizes):
             raise IndexError(index)
         key = bytes(self._keys[KEY_SIZE * index : KEY_SIZE * index + KEY_SIZE])
-        if key == _NO_KEY and index in self._pending_texts:  # its put computes it: not yet
-            key = content_key(utf8(self._pending_texts[index])[0])
+        texts = self._pending_texts
+        if key == _NO_KEY and texts is not None and index in texts:  # (its put's: not yet)
+            key = content_key(utf8(texts[index])[0])
             self._keys[KEY_SIZE * index : KEY_SIZE * index + KEY_SIZE] = key
         return key
 
@@ -164,15 +170,14 @@ class StoreBlobTable(BlobTable):
         # (else the key is the store's put's: not cached, the cache holds what is read)
         index = self._add(key, digest, len(data), surrogates)
         if put:
-            self._pending.append((_PUT, index, text, data, None if key is _NO_KEY else key))
-            self._pending_texts[index] = text
+            self._queue((_PUT, index, text, data, None if key is _NO_KEY else key), text)
         self.note_used((index,))
         return index
 
     def flush(self) -> None:
         """Put what the turn being added stores (see the class docstring), in order."""
         pending = self._pending
-        if not pending:
+        if pending is None:
             return
         text_store, put = self._text_store, self.store.put
         for what, index, value, data, key in pending:
@@ -189,8 +194,15 @@ class StoreBlobTable(BlobTable):
                 self._keys[KEY_SIZE * index : KEY_SIZE * index + KEY_SIZE] = key
             elif self._broken is not None:
                 self._broken.discard(key)
-        pending.clear()
-        self._pending_texts.clear()
+        self._pending = self._pending_texts = None
+
+    def _queue(self, entry: _Pending, text: str | None = None) -> None:
+        """Put `entry` at `flush` (a new blob's `text` read from here meanwhile)."""
+        if self._pending is None or self._pending_texts is None:
+            self._pending, self._pending_texts = [], {}
+        self._pending.append(entry)
+        if text is not None:
+            self._pending_texts[entry[1]] = text
 
     def canonical(self, text: str) -> str | None:
         """The memory store's object of `text`, shared by every graph over it, or None (any
@@ -201,7 +213,7 @@ class StoreBlobTable(BlobTable):
         digest = self.digest_of(text.encode("utf-8", "surrogatepass"))
         for index in self._candidates(digest):
             if self.digest(index) == digest:
-                pending = self._pending_texts.get(index)
+                pending = self._pending_texts.get(index) if self._pending_texts else None
                 if pending is not None:  # (stored at `flush`, as this very object)
                     if pending == text:
                         return pending
@@ -226,8 +238,8 @@ class StoreBlobTable(BlobTable):
         broken = self._broken
         if broken is None or key not in broken:
             return
-        if not any(what == _HEAL and at == index for what, at, *_ in self._pending):
-            self._pending.append((_HEAL, index, text, data, key))
+        if not any(what == _HEAL and at == index for what, at, *_ in self._pending or ()):
+            self._queue((_HEAL, index, text, data, key))
 
     def _candidates(self, digest: bytes) -> Iterator[int]:
         """The blobs that may have `digest` (each is checked against it)."""
@@ -321,7 +333,7 @@ class StoreBlobTable(BlobTable):
             if type(found) is bytes:
                 return found
             if found is None:  # stored at `flush` (this object: nothing else holds one)
-                self._pending.append((_SHARE, -1, packed, packed, key))
+                self._queue((_SHARE, -1, packed, packed, key))
             return packed
         if self._cache is not None:
             return self._cache.share_bytes(packed)
@@ -360,8 +372,9 @@ class StoreBlobTable(BlobTable):
         """The string of blob `index`, read from the store (or the cache), verified. A
         damaged or missing object is remembered: the next turn that stores its string puts
         it again (the store replaces a damaged object), so the graph heals itself."""
-        if self._pending_texts:
-            pending = self._pending_texts.get(index)
+        texts = self._pending_texts
+        if texts:
+            pending = texts.get(index)
             if pending is not None:  # added by the turn being added: not stored yet
                 return pending
         key = self.key(index)
@@ -393,8 +406,7 @@ class StoreBlobTable(BlobTable):
 
     def rollback(self, mark: tuple[int, int, int]) -> None:
         # (what is pending is the rolled-back turn's: `flush` runs before every commit)
-        self._pending.clear()
-        self._pending_texts.clear()
+        self._pending = self._pending_texts = None
         n, self._refs, self._refbytes = mark
         self.forget_used(n)
         index_of = self._index
