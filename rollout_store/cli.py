@@ -390,7 +390,10 @@ def _samples(args: argparse.Namespace) -> int:
         raise CommandError("--group packs a forest: it goes with --format tree")
     store = args.content_store
     for path in args.files:
-        _check_file(path)
+        try:
+            _check_file(path)
+        except CommandError as exc:  # (several files: which one)
+            raise CommandError(f"{path}: {exc}") from None
 
     def load(path: str) -> RolloutGraph:
         try:

@@ -1072,21 +1072,12 @@ class Graph:
         n = len(input_ids)
         mask = [0] * n
         logprobs = [0.0] * n
-        # the runs themselves, not their ids: a packed turn's full run is a view made when
-        # asked for (`Turn.full`), equal to every other view over its prompt
-        chain_runs: set[TokenRun] = set()
-        run = full
-        while run is not None:
-            chain_runs.add(run)
-            run = run.prev
-        for turn in path:
-            if turn.full is None or turn.prompt is None or turn.sampled is None:
+        for turn in self._prefix_turns(path, input_ids):
+            if turn.sampled is None:
                 continue
-            end = turn.full.length
-            start = turn.prompt.length
-            if end > n or end == start:
-                continue
-            if turn.full not in chain_runs and input_ids[:end] != run_list(turn.full):
+            end = turn.full.length  # type: ignore[union-attr]
+            start = turn.prompt.length  # type: ignore[union-attr]
+            if end == start:
                 continue
             values = self._aligned_logprobs(turn, end - start)
             if values is None:
@@ -1103,6 +1094,44 @@ class Graph:
             root_id=root.node_id,
             n_turns=len(path),
         )
+
+    def _prefix_turns(self, path: list[Turn], input_ids: list[int]) -> Iterator[Turn]:
+        """The turns of `path` whose prompt + sampled tokens begin `input_ids` (its last
+        turn's), in order: the ones whose tokens are in its row (a drifted prompt, or an
+        explicit parent with other tokens, is not)."""
+        leaf_full = path[-1].full if path else None
+        # the runs themselves, not their ids: a packed turn's full run is a view made when
+        # asked for (`Turn.full`), equal to every other view over its prompt
+        chain_runs: set[TokenRun] = set()
+        run = leaf_full
+        while run is not None:
+            chain_runs.add(run)
+            run = run.prev
+        n = len(input_ids)
+        for turn in path:
+            full = turn.full
+            if full is None or turn.prompt is None or full.length > n:
+                continue
+            if full in chain_runs or input_ids[: full.length] == run_list(full):
+                yield turn
+
+    @_locked
+    def token_spans(self, node_id: str) -> list[tuple[str, int, int]]:
+        """Whose tokens each part of the token row ending at `node_id` is (its training
+        sequence's `input_ids`): `(turn id, start, end)` of each turn on the path whose
+        prompt + sampled tokens begin the row, its part from where the turn before it ends
+        to its own end (turns whose tokens are not a prefix of the row hold none of it)."""
+        leaf = self._turn(node_id)
+        path = self._path(leaf)
+        input_ids = run_list(leaf.full) if leaf.full is not None else []
+        spans: list[tuple[str, int, int]] = []
+        start = 0
+        for turn in self._prefix_turns(path, input_ids):
+            end = turn.full.length  # type: ignore[union-attr]
+            if end > start or not spans:
+                spans.append((turn.node_id, start, end))
+                start = max(start, end)
+        return spans
 
     def _aligned_logprobs(self, turn: Turn, n: int) -> list[Any] | None:
         """The turn's logprobs if there is one real number per sampled token, else None.

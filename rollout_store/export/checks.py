@@ -63,13 +63,21 @@ def _is_real(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
 
 
+def _finite(x: float) -> bool:
+    """`math.isfinite`, False for an int no float holds (-10**400) rather than raising."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
 def _turn_problems(prompt: list[Any], sampled: list[Any], logprobs: list[Any]) -> list[str]:
     """What makes a flattened prompt + completion unusable as one training example."""
     problems: list[str] = []
     for name, ids in (("prompt", prompt), ("sampled", sampled)):
         if any(type(t) is not int or t < 0 for t in ids):
             problems.append(f"invalid_token_id: {name} token ids are not all non-negative ints")
-    if any(not _is_real(lp) or not math.isfinite(lp) for lp in logprobs):
+    if any(not _is_real(lp) or not _finite(lp) for lp in logprobs):
         problems.append("invalid_logprob: some logprobs are not finite numbers")
     elif any(lp > 0 for lp in logprobs):
         problems.append("positive_logprob: some logprobs are above 0")

@@ -118,7 +118,7 @@ def _batch(row: dict[str, Any], schema: Any) -> Any:
             ]
         try:
             arrays.append(_column(pa, value, f.type))
-        except (pa.ArrowInvalid, OverflowError, TypeError) as exc:
+        except (pa.ArrowInvalid, OverflowError, TypeError, UnicodeEncodeError) as exc:
             raise InvalidArgumentError(
                 f"row field {f.name!r} cannot be written as {f.type}: {exc}"
             ) from None

@@ -8,7 +8,8 @@
 
 `tree_samples(graph)` packs those paths so that every token is held once: the paths are
 merged into a prefix tree where two paths share a token only when they agree on it and on
-everything before it (token id, mask bit and logprob, compared as float64 bits), and the tree
+everything before it (token id, mask bit and logprob: a float by its float64 bits, an int by
+its value, so the two never meet), and the tree
 is laid out in DFS pre-order. A row holds, per token, `input_ids`, `loss_mask`,
 `rollout_logprobs`, `position_ids` (the token's offset along its own root path, so rotary
 positions are those of the path alone), `token_node` (index into the node arrays) and
@@ -38,6 +39,8 @@ once. Paths without token ids carry nothing to pack and are left out of tree row
 
 from __future__ import annotations
 
+import math
+import struct
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -87,7 +90,10 @@ def _as_numpy(row: dict[str, Any], fields: Sequence[str]) -> dict[str, Any]:
     for name in fields:
         values = row[name]
         if name == "rollout_logprobs":
-            row[name] = np.asarray(values, dtype=np.float64)
+            try:
+                row[name] = np.asarray(values, dtype=np.float64)
+            except OverflowError:  # an int beyond float64: kept exactly, as Python values
+                row[name] = np.asarray(values, dtype=object)
         else:
             try:
                 row[name] = np.asarray(values, dtype=np.int64)
@@ -133,6 +139,14 @@ def token_samples(graph: Graph, *, numpy: bool = False) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------- tree
+
+
+#: The 8-byte keys of logprobs that are not plain floats (`_Packer._bits`): the signaling-NaN
+#: space of positive floats, [0x7FF4 << 48, 0x7FF8 << 48).
+_TAGGED, _TAGGED_END = 0x7FF4 << 48, 0x7FF8 << 48
+_FLOAT = frozenset({float})
+_PACK_FLOAT = struct.Struct("<d").pack
+_FLOAT_BITS = struct.Struct("<Q").unpack
 
 
 class _Node:
@@ -210,18 +224,11 @@ def _common(node: _Node, ids: list[int], mask: bytes, bits: bytes, start: int, m
     return low
 
 
-def _turn_spans(graph: Graph, node_ids: list[str], n: int) -> list[tuple[int, str]]:
-    """(start, turn id) of each turn's tokens along a path: turn k holds from the end of the
-    turn before it (its prompt + sampled) to its own end."""
-    spans: list[tuple[int, str]] = []
-    start = 0
-    for node_id in node_ids:
-        info = graph.summary(node_id)
-        end = min(info["n_prompt"] + info["n_sampled"], n)
-        if end > start or not spans:
-            spans.append((start, node_id))
-            start = max(start, end)
-    return spans
+def _turn_spans(graph: Graph, leaf_id: str) -> list[tuple[int, str]]:
+    """(start, turn id) of each turn's tokens along a path (`Graph.token_spans`): a turn
+    holds from the end of the turn before it to its own end (prompt + sampled), only a turn
+    whose tokens begin the row."""
+    return [(start, node_id) for node_id, start, _ in graph.token_spans(leaf_id)]
 
 
 class _Packer:
@@ -231,6 +238,25 @@ class _Packer:
         self.root = _Node([], b"", [], b"", None, None)
         self.paths: list[dict[str, Any]] = []
         self.n_paths = 0
+        # logprobs that are not plain floats, numbered (see `_bits`)
+        self.tagged: dict[tuple[type, int], int] = {}
+
+    def _bits(self, lps: list[Any]) -> bytes:
+        """Each logprob as 8 bytes, equal exactly when the values are (as `json.dumps` writes
+        them): a float as its float64 bits (one NaN is another), an int (`-1` from a
+        JavaScript client, or one a float cannot hold) as a number of its own in the
+        signaling-NaN space (where no float Python makes from text or arithmetic falls; a
+        float there is numbered too): `-1` never meets `-1.0`, nor two ints one float holds."""
+        if set(map(type, lps)) <= _FLOAT and not any(map(math.isnan, lps)):
+            return array("d", lps).tobytes()
+        out, tagged = array("Q"), self.tagged
+        for lp in lps:
+            bits = _FLOAT_BITS(_PACK_FLOAT(lp))[0] if type(lp) is float else -1
+            if bits < 0 or _TAGGED <= bits < _TAGGED_END:
+                key = (float, bits) if bits >= 0 else (type(lp), lp)
+                bits = _TAGGED + tagged.setdefault(key, len(tagged))
+            out.append(bits)
+        return out.tobytes()
 
     def add_graph(self, graph: Graph, index: int) -> None:
         meta = graph.meta
@@ -238,7 +264,7 @@ class _Packer:
             ids = row["input_ids"]
             if not ids:
                 continue
-            spans = _turn_spans(graph, row["node_ids"], len(ids))
+            spans = _turn_spans(graph, row["leaf_id"])
             stop = row["stop_reason"]
             self._insert(ids, bytes(row["loss_mask"]), row["rollout_logprobs"], spans)
             self.paths.append(
@@ -255,7 +281,7 @@ class _Packer:
     def _insert(
         self, ids: list[int], mask: bytes, lps: list[Any], spans: list[tuple[int, str]]
     ) -> None:
-        bits = array("d", map(float, lps)).tobytes()
+        bits = self._bits(lps)
         node, pos, n = self.root, 0, len(ids)
         while pos < n:
             child = node.children.get((ids[pos], mask[pos], bits[pos * 8 : pos * 8 + 8]))

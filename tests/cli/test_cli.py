@@ -540,6 +540,18 @@ def test_export_of_a_text_rollout_says_text(
     assert document["capture_level"] == "text" and document["rollout_type"] == "eval"
 
 
+def test_samples_of_several_files_names_the_missing_or_empty_one(
+    rollout_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    empty, missing = tmp_path / "empty.rls", tmp_path / "missing.rls"
+    empty.write_bytes(b"")
+    out = tmp_path / "out.jsonl"
+    for bad, words in ((missing, "no such file"), (empty, "empty file")):
+        assert main(["samples", str(rollout_file), str(bad), "-o", str(out)]) == 1
+        assert f"rollout-store: {bad}: {words}" in capsys.readouterr().err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("suffix", ["parquet", "jsonl"])
 def test_samples_failing_midway_leaves_the_output_as_it_was(
     rollout_file: Path, tmp_path: Path, suffix: str, capsys: pytest.CaptureFixture[str]

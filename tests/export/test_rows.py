@@ -4,6 +4,7 @@ reference attention layer with rotary positions)."""
 
 from __future__ import annotations
 
+import io
 import json
 import random
 from pathlib import Path
@@ -16,10 +17,12 @@ from rollout_store import (
     InvalidArgumentError,
     RolloutGraph,
     TurnNode,
+    export_session,
     token_samples,
     tree_attention_mask,
     tree_samples,
     write_rows,
+    write_session_json,
 )
 from rollout_store.export.rows import OVERFLOW_STOP_REASONS
 
@@ -437,3 +440,82 @@ def test_samples_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit) as exit_:
         main(["samples", files[0], "--format", "forest", "-o", str(out)])
     assert exit_.value.code == 2 and "'path', 'tree'" in capsys.readouterr().err
+
+
+def _one(logprob: Any, finish: str | None = None) -> RolloutGraph:
+    graph = RolloutGraph()
+    graph.add_turn(
+        TurnNode(
+            request_messages=[{"role": "user", "content": "q"}],
+            prompt_ids=[1, 2, 3],
+            sampled_ids=[7, 8],
+            sampled_logprobs=[logprob, -0.5],
+            finish_reason=finish,
+        )
+    )
+    return graph
+
+
+def test_tree_rows_share_a_token_only_when_its_logprob_is_the_same_json() -> None:
+    """-1 (a JavaScript client's) is not -1.0, nor are two ints one float holds: a tree row
+    shares their tokens with no other path, and each path unpacks to exactly its flat row
+    (under json.dumps), where the first path's value stood for the others'."""
+    for pair in ([-1, -1.0], [-(2**53), -(2**53) - 1], [0, -0.0, 0.0], [-1.5, -1.5]):
+        group = [_one(lp) for lp in pair]
+        (tree,) = tree_samples(group)
+        for path in tree["paths"]:
+            flat = token_samples(group[path["graph"]])[0]
+            at = _path_tokens(tree, path["leaf_node"])
+            for name in TOKEN_FIELDS:
+                assert json.dumps([tree[name][i] for i in at]) == json.dumps(flat[name]), pair
+        distinct = len({json.dumps(lp) for lp in pair})
+        assert tree["n_tokens"] == 3 + distinct + 1 * distinct  # the prompt once
+
+
+def test_an_int_logprob_no_float_holds_is_a_finding_not_an_error(tmp_path: Path) -> None:
+    """-10**400 is recorded exactly; a row with it is untrainable (invalid_logprob), and
+    every export and row form gives it back (numpy ones as Python values)."""
+    graph = _one(-(10**400))
+    document = export_session(graph)
+    (sequence,) = document["sequences"]
+    assert not sequence["trainable"] and "invalid_logprob" in sequence["validation"][0]
+    assert json.dumps(sequence["logprobs"]) == json.dumps([0.0, 0.0, 0.0, -(10**400), -0.5])
+    (tree,) = tree_samples(graph)
+    assert json.dumps(tree["rollout_logprobs"]) == json.dumps(sequence["logprobs"])
+    (row,) = token_samples(graph, numpy=True)
+    assert row["rollout_logprobs"].tolist() == sequence["logprobs"]
+    out = io.StringIO()
+    write_session_json(graph, out)
+    assert json.loads(out.getvalue()) == json.loads(json.dumps(document))
+
+
+def test_a_string_parquet_cannot_hold_is_refused_naming_its_field(tmp_path: Path) -> None:
+    graph = _one(-0.25, finish="stop\udc00")
+    assert token_samples(graph)[0]["stop_reason"] == "stop\udc00"  # recorded exactly
+    for kind, rows in (("path", token_samples(graph)), ("tree", tree_samples(graph))):
+        with pytest.raises(InvalidArgumentError, match=r"stop_reason|paths"):
+            write_rows(rows, tmp_path / "rows.parquet", kind)
+        assert not (tmp_path / "rows.parquet").exists()
+    assert write_rows(token_samples(graph), tmp_path / "rows.jsonl", "path") == 1
+
+
+def test_a_turn_whose_tokens_do_not_begin_the_row_holds_none_of_it() -> None:
+    """Under an explicit parent with other tokens, the child's row is its own tokens alone,
+    and a tree row labels them all with the child (the parent's lengths gave the parent the
+    first three, which it never had)."""
+    graph = RolloutGraph()
+    graph.add_turn(_turn("A", [1, 2], [3]))
+    graph.add_turn(_turn("B", [9, 9, 9, 9], [4], parent_id="A"))
+    assert graph.path_ids("B") == ["A", "B"]
+    assert graph.token_spans("B") == [("B", 0, 5)]
+    assert graph.token_spans("A") == [("A", 0, 3)]
+    (tree,) = tree_samples(graph)
+    labels = {}
+    for node, turn in enumerate(tree["node_ids"]):
+        start, n = tree["node_offset"][node], tree["node_length"][node]
+        labels.setdefault(turn, []).extend(tree["input_ids"][start : start + n])
+    assert labels == {"B": [9, 9, 9, 9, 4]}  # (A ends no path: its tokens are in no row)
+    chain = RolloutGraph()
+    chain.add_turn(_turn("a", [1, 2], [3]))
+    chain.add_turn(_turn("b", [1, 2, 3, 4], [5]))
+    assert chain.token_spans("b") == [("a", 0, 3), ("b", 3, 5)]
