@@ -483,6 +483,13 @@ def _losses(report: storage.LoadReport) -> str:
     lost = "an unknown number of" if report.lost_unknown else str(report.lost_turns)
     records = "record" if lost == "1" else "records"
     text = f"; read past {n} damaged stretch{'es' if n != 1 else ''} ({lost} turn {records} lost)"
+    if report.meta_records_lost:
+        text += (
+            "; the graph's metadata record was lost there (its labels, annotations, rewards "
+            "and group as it set them)"
+        )
+    if report.timeline_records_lost:
+        text += f"; {_plural(report.timeline_records_lost, 'timeline record')} lost there"
     dropped = report.dropped
     if dropped:
         names = ", ".join(str(d.node_id) for d in dropped[:5]) + (

@@ -641,6 +641,11 @@ class LoadReport:
     # the node ids of the leaf rewards of a `meta` record left out past damage, because the
     # turn they name was lost (the rest of the metadata is kept)
     rewards_lost: list[str] = field(default_factory=list)
+    # `meta` and `timeline` records lost whole inside damaged stretches: the graph's labels,
+    # annotations, rewards and group as that record set them (a log's earlier meta record
+    # stands instead, if one was read), and the timelines it held
+    meta_records_lost: int = 0
+    timeline_records_lost: int = 0
 
     def fail(self, exc: CorruptFileError | StoreObjectError, truncated: bool = False) -> None:
         if self.error is None:
@@ -1294,10 +1299,16 @@ def _frames_v2(
             yield from reader.tuples()
             return
         except CorruptFileError as exc:
+            resync = reader.resync
+            if resync is None and _out_of_place(data, reader.offset, reader.chain):
+                # a whole frame whose place lost frames held (none follows it): damage
+                # before it, read on from it, never a torn tail to cut
+                resync, reader.cut = reader.offset, False
+            if resync is not None:
+                resync = _confirmed(data, resync)
             if report.error is None:
                 report.fail(exc, truncated=reader.cut)
-                report.resync_offset = reader.resync
-            resync = reader.resync
+                report.resync_offset = resync
             if on_gap is None or resync is None:
                 return
         gap = framing.read_gap(
@@ -1324,6 +1335,39 @@ def _frames_v2(
             data, resync, digest_kinds=_DIGEST_KINDS, max_kind=KIND_TIMELINE
         )
         reader.chain, reader.records = chain, records
+
+
+def _verifies_alone(data: bytes, at: int) -> bool:
+    """Whether a whole frame that verifies by itself starts at `at`."""
+    found = framing.next_frame(data, at - 1, digest_kinds=_DIGEST_KINDS, max_kind=KIND_TIMELINE)
+    return found == at
+
+
+def _out_of_place(data: bytes, at: int, chain: int) -> bool:
+    """Whether the frame at `at`, where reading stopped, is whole but names another frame
+    before it than the one read last (`chain`): not the frame before it again."""
+    return (
+        at + framing.HEADER.size <= len(data)
+        and framing.HEADER.unpack_from(data, at)[4] != chain
+        and _verifies_alone(data, at)
+    )
+
+
+def _confirmed(data: bytes, at: int) -> int:
+    """Where to read on past damage: `at`, the next frame that verifies by itself, unless
+    the frame right after it verifies too and names another frame before it: then the frame
+    at `at` is not this file's frame in that place (another file's, spliced in) and is
+    damage too; the next one is tried. A frame last in the file, or followed by damage, has
+    nothing to tell it by: it is read."""
+    header = framing.HEADER
+    while True:
+        _, _, length, _, chain = header.unpack_from(data, at)
+        end = at + header.size + length
+        if end + header.size > len(data) or header.unpack_from(data, end)[3] == chain:
+            return at
+        if not _verifies_alone(data, end):
+            return at
+        at = end
 
 
 def _decode(payload: memoryview, max_containers: int) -> Any:
@@ -1360,6 +1404,7 @@ class _Records:
         self.ended = False
         self.pending: list[tuple[int, Any, int, int]] = []  # (kind, body, offset, record)
         self.at = (0, 0)
+        self.at_kind: int = KIND_HEADER  # the kind of the record at `at`
         # `load(recover=True)` of a version-2 file: read on past damage (see `gap`)
         self.resync = check_keys == _REKEY and version >= 2
         self.kept_mark: tuple[int, int, int] = (0, 0, 0)  # blobs when the last turn was kept
@@ -1382,16 +1427,19 @@ class _Records:
             loader.freeze()
             self.report.lost_unknown = True
             return True
+        report = self.report
         for kind in gap.kinds:
             if kind == KIND_END:
                 self.ended = True
             elif kind != KIND_HEADER:
                 loader.lose(kind)
-                self.report.lost_turns += kind == KIND_TURN
+                report.lost_turns += kind == KIND_TURN
+                report.meta_records_lost += kind == KIND_META
+                report.timeline_records_lost += kind == KIND_TIMELINE
         return True
 
     def apply(self, kind: int, payload: memoryview, start: int, record: int) -> None:
-        self.at = (start, record)
+        self.at, self.at_kind = (start, record), kind
         if kind == KIND_BLOB:
             body: Any = payload
         elif kind == KIND_TURN:  # decoded by the loader, once bounded
@@ -1429,7 +1477,7 @@ class _Records:
             loader.node_id = None
             try:
                 drift = self.apply_pending(loader)
-                self.at = (start, record)
+                self.at, self.at_kind = (start, record), kind
                 loader.turn(body, start, record)
             except _LostReference as exc:
                 # (only past damage) dropped, its place kept; the blobs and values read with
@@ -1505,7 +1553,7 @@ class _Records:
         lost blob."""
         drift = None
         for kind, body, start, record in self.pending:
-            self.at = (start, record)  # an error names this record
+            self.at, self.at_kind = (start, record), kind  # an error names this record
             if kind == KIND_DRIFT:
                 drift = body
                 continue
@@ -1603,8 +1651,8 @@ def _scan(
         except StoreError:  # the store is down or missing: not damage in the file
             raise
         except Exception as exc:  # anything a damaged payload provokes
-            kind_name = KIND_NAMES.get(kind, f"kind {kind}")
-            at, index = records.at
+            at, index = records.at  # (a turn's blob or value record, applied with it)
+            kind_name = KIND_NAMES.get(records.at_kind, f"kind {records.at_kind}")
             report.fail(
                 CorruptFileError(f"invalid {kind_name} record: {exc}", offset=at, record=index)
             )
@@ -1868,6 +1916,15 @@ def rewrite_intact(
             frames, commit = writer.turn_frames(graph.blobs, entry)
             out.add(frames)
             commit()
+        # what the kept turns carry beside themselves, as a save writes it (a log reads one
+        # record of many timelines, and its last meta record, as it reads a snapshot's)
+        chain = [writer.chain]
+        timelines = graph.timeline_records()
+        if timelines:
+            out.add([writer.frame(KIND_TIMELINE, timeline_payload(timelines), chain)])
+        if not graph.meta.empty:
+            out.add([writer.frame(KIND_META, pack(graph.meta.to_record()), chain)])
+        writer.chain = chain[0]
         out.flush()
 
     with graph.lock:

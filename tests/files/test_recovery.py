@@ -415,6 +415,187 @@ def test_damage_keeps_the_timelines_metadata_and_turns_after_it(tmp_path: Path) 
     assert kept.timelines() == {node_id: _timeline(int(node_id[1:])) for node_id in left}
 
 
+def test_repair_rewrite_of_a_log_keeps_its_timelines_and_metadata(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log rewritten in place keeps what `load(recover=True)` keeps beside the turns:
+    timelines, labels, rewards, annotations and group (the rewrite wrote the turns alone),
+    and stays a log to append to."""
+    path = tmp_path / "log.rls"
+    ids = [f"n{i}" for i in range(6)]
+    with RolloutGraph.open(path, fsync="never") as graph:
+        for i, node_id in enumerate(ids):
+            graph.add_turn(
+                TurnNode(node_id, request_messages=[{"role": "user", "content": f"q {i}"}])
+            )
+            graph.set_timeline(node_id, _timeline(i))
+            graph.set_reward(float(i), leaf=node_id)
+        graph.add_labels("math")
+        graph.annotate(task="t1")
+        graph.set_group("g1")
+    data = path.read_bytes()
+    start, end = turn_frames(data)[1]
+    path.write_bytes(flipped(data, (start + end) // 2))
+    kept = RolloutGraph.load(path, recover=True)
+    assert kept.node_ids() == [i for i in ids if i != "n1"]
+    assert cli_main(["repair", "--rewrite", str(path)]) == 0
+    capsys.readouterr()
+    rewritten = RolloutGraph.load(path)
+    assert storage.verify(path).ok and storage.verify(path).mode == "log"
+    assert rewritten.node_ids() == kept.node_ids()
+    assert rewritten.timelines() == kept.timelines() != {}
+    assert rewritten.meta == kept.meta and rewritten.group == "g1"
+    assert rewritten.rewards == {i: float(i[1:]) for i in kept.node_ids()}
+    with RolloutGraph.open(path, fsync="never") as graph:
+        graph.add_turn(TurnNode("more", request_messages=[{"role": "user", "content": "m"}]))
+        graph.set_reward(9.0, leaf="more")
+    again = RolloutGraph.load(path)
+    assert again.rewards == {**rewritten.rewards, "more": 9.0} and again.group == "g1"
+    assert again.timelines() == rewritten.timelines()
+
+
+def _log_frames(path: Path, build: object) -> tuple[bytes, list[bytes]]:
+    """A log built by `build`, and its frames (the magic apart)."""
+    with RolloutGraph.open(path, fsync="never") as graph:
+        build(graph)  # type: ignore[operator]
+    data = path.read_bytes()
+    return data[: len(MAGIC_V2)], [data[start:end] for _, start, end in frames_of(data)]
+
+
+def _roots(n: int, who: str = "q") -> object:
+    def build(graph: RolloutGraph) -> None:
+        for i in range(n):  # independent roots: none refers to another
+            graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": f"{who}{i}"}]))
+
+    return build
+
+
+def test_a_stale_copy_of_an_earlier_frame_past_damage_costs_only_itself(tmp_path: Path) -> None:
+    """Past damaged bytes, a copy of turn 0's frame verifies by itself, but the frame after
+    it does not follow it: it is damage too, and the intact turns after it are kept (the
+    copy was read as a turn, its repeated id stopped the read and lost them)."""
+    path = tmp_path / "log.rls"
+    magic, frames = _log_frames(path, _roots(6))
+    turns = [i for i, f in enumerate(frames) if f[5] & 0x7F == 3]
+    frames[turns[2]] = b"\0" * 8 + frames[turns[0]]
+    path.write_bytes(magic + b"".join(frames))
+    kept = RolloutGraph.load(path, recover=True)
+    assert kept.node_ids() == ["turn-0", "turn-1", "turn-3", "turn-4", "turn-5"]
+    assert [kept.request_messages(n)[0]["content"] for n in kept.node_ids()] == [
+        "q0",
+        "q1",
+        "q3",
+        "q4",
+        "q5",
+    ]
+
+
+def test_a_frame_of_another_file_past_damage_is_never_read_as_a_turn(tmp_path: Path) -> None:
+    """A turn frame of another log spliced in after damaged bytes verifies by itself; the
+    next frame of this log does not follow it: it is not read (its tail was joined to this
+    file's base, a request neither file recorded), and the turn after it, which extends a
+    turn the damage took, is dropped and counted."""
+
+    def conversation(who: str) -> object:
+        def build(graph: RolloutGraph) -> None:
+            messages: list[object] = [{"role": "user", "content": f"{who} asks 1"}]
+            for i in range(3):
+                answer = {"role": "assistant", "content": f"{who} answer {i}"}
+                graph.add_turn(TurnNode(request_messages=list(messages), response_message=answer))
+                messages += [answer, {"role": "user", "content": f"{who} asks {i + 2}"}]
+
+        return build
+
+    magic, alice = _log_frames(tmp_path / "alice.rls", conversation("alice"))
+    _, bob = _log_frames(tmp_path / "bob.rls", conversation("bob"))
+    path = tmp_path / "damaged.rls"
+    spliced = [*alice[:3], b"\0" * 10 + bob[3], *alice[4:]]  # alice's second turn's place
+    path.write_bytes(magic + b"".join(spliced))
+    kept = RolloutGraph.load(path, recover=True)
+    report = kept.load_report
+    assert report is not None
+    assert kept.node_ids() == ["turn-0"]
+    assert [d.node_id for d in report.dropped] == ["turn-2"]
+    texts = json.dumps([kept.request_messages(n) for n in kept.node_ids()])
+    assert "bob" not in texts
+
+
+def test_a_log_missing_a_middle_frame_keeps_its_intact_last_frame(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The last frame is whole but names a frame that is gone: not a torn tail. Recover keeps
+    it (it refers to nothing lost), and repair refuses to cut it (it cut it as a torn last
+    record)."""
+    path = tmp_path / "log.rls"
+    magic, frames = _log_frames(path, _roots(4))
+    del frames[-2]
+    data = magic + b"".join(frames)
+    path.write_bytes(data)
+    kept = RolloutGraph.load(path, recover=True)
+    report = kept.load_report
+    assert report is not None and not report.truncated
+    assert kept.node_ids() == ["turn-0", "turn-1", "turn-3"]
+    assert kept.request_messages("turn-3") == [{"role": "user", "content": "q3"}]
+    assert cli_main(["repair", str(path)]) == 1
+    assert "repair does not apply" in capsys.readouterr().err
+    assert path.read_bytes() == data
+    with pytest.raises(CorruptFileError):
+        RolloutGraph.open(path, repair=True)
+    assert path.read_bytes() == data
+
+
+def test_a_lost_metadata_or_timeline_record_is_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Damage inside the meta and timeline records of a snapshot: every turn is kept, and the
+    report and recover say the metadata and the timelines were lost (they said nothing)."""
+    path = tmp_path / "s.rls"
+    graph = RolloutGraph()
+    for i in range(3):
+        graph.add_turn(TurnNode(f"n{i}", request_messages=[{"role": "user", "content": f"q{i}"}]))
+        graph.set_timeline(f"n{i}", _timeline(i))
+        graph.set_reward(float(i), leaf=f"n{i}")
+    graph.set_group("g1")
+    graph.save(path)
+    data = bytearray(path.read_bytes())
+    for kind, start, end in frames_of(bytes(data)):
+        if kind in (6, 8):  # meta, timeline
+            data[(start + HEADER.size + end) // 2] ^= 0x20
+    path.write_bytes(bytes(data))
+    kept = RolloutGraph.load(path, recover=True)
+    report = kept.load_report
+    assert report is not None and kept.node_ids() == ["n0", "n1", "n2"]
+    assert report.meta_records_lost == 1 and report.timeline_records_lost == 1
+    assert kept.group is None and kept.timelines() == {}
+    assert cli_main(["recover", str(path), "-o", str(tmp_path / "out.rls")]) == 0
+    said = capsys.readouterr().out
+    assert "the graph's metadata record was lost there" in said
+    assert "1 timeline record lost there" in said
+
+
+def test_a_bad_value_record_is_named_a_value_record(tmp_path: Path) -> None:
+    """A value record that fails (nested 600 deep) is applied with the turn after it: the
+    error names the value record, at its place (it said "invalid turn record")."""
+    import msgpack
+
+    path = tmp_path / "log.rls"
+    with RolloutGraph.open(path, fsync="never") as graph:
+        graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "hi"}]))
+    data = path.read_bytes()
+    records = [(kind, data[start + HEADER.size : end]) for kind, start, end in frames_of(data)]
+    deep = msgpack.packb(b"\x91" * 600 + b"\xc0")
+    records.insert(2, (2, deep))  # a value record before the turn's
+    out, chain = [MAGIC_V2], 0
+    for kind, payload in records:
+        frame, chain = framing.encode_frame(kind, payload, chain)
+        out.append(frame)
+    path.write_bytes(b"".join(out))
+    value_at = len(MAGIC_V2) + sum(HEADER.size + len(p) for _, p in records[:2])
+    with pytest.raises(CorruptFileError, match="invalid value record") as info:
+        RolloutGraph.load(path)
+    assert info.value.offset == value_at and info.value.record == 2
+
+
 def test_drift_entries_after_a_lost_turn_are_mapped_to_the_turns_kept(tmp_path: Path) -> None:
     path, damaged = tmp_path / "log.rls", tmp_path / "damaged.rls"
     with RolloutGraph.open(path, fsync="never") as graph:
