@@ -17,6 +17,9 @@ import argparse
 import contextlib
 import errno
 import os
+import secrets
+import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -200,12 +203,31 @@ def _size(found: bytes | str) -> int:
 
 
 #: Why one object of a directory store cannot be read when the store itself can: something
-#: other than a file at its path, a permission refused, a disk error under it. A damaged
-#: object then, missing to its readers (a server marks the sessions that need it damaged);
-#: any other error (out of file descriptors, say) is the store's, and may pass.
+#: other than a file at its path (a directory, a link: objects are never links, a pipe), a
+#: permission refused, a disk error under it. A damaged object then, missing to its readers
+#: (a server marks the sessions that need it damaged) and replaced by the next put of its
+#: content; any other error (out of file descriptors, say) is the store's, and may pass.
 _UNREADABLE = frozenset(
     {errno.EISDIR, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EIO, errno.ELOOP}
 )
+_REFUSED = frozenset({errno.EACCES, errno.EPERM})
+
+
+class _NotAnObject(OSError):
+    """Something other than a regular file where an object's file must be."""
+
+
+def _read_object(path: Path) -> bytes:
+    """The bytes of the object file at `path`: never through a link, never blocking on a pipe
+    or a device (`_NotAnObject` for anything but a regular file)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _NotAnObject(errno.EISDIR, "not a regular file", str(path))
+        with os.fdopen(fd, "rb", closefd=False) as file:
+            return file.read()
+    finally:
+        os.close(fd)
 
 
 class DirectoryStore:
@@ -266,7 +288,15 @@ class DirectoryStore:
                 new_folder = True
             except FileExistsError:
                 new_folder = False
-            fd, tmp = tempfile.mkstemp(dir=self._tmp, prefix="put-")
+                if not final.parent.is_dir():  # (damage: a file where the folder must be)
+                    self._set_aside(final.parent)
+                    final.parent.mkdir()
+                    new_folder = True
+            try:
+                fd, tmp = tempfile.mkstemp(dir=self._tmp, prefix="put-")
+            except FileNotFoundError:  # its folder removed by hand: made again
+                self._tmp.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(dir=self._tmp, prefix="put-")
             with os.fdopen(fd, "wb") as out:
                 out.write(data)
                 if self.fsync:
@@ -278,6 +308,8 @@ class DirectoryStore:
                 # another writer stored the content first, or a damaged object is there:
                 # replace that one (every writer renames the same content into place)
                 if not self._intact(final, data, key):
+                    if stat.S_ISDIR(final.lstat().st_mode):  # (rename cannot replace one)
+                        self._set_aside(final)
                     os.replace(tmp, final)
                     tmp = None
             except OSError:  # no hard links here: rename (replacing equal content is harmless)
@@ -299,32 +331,46 @@ class DirectoryStore:
         return key
 
     def _intact(self, final: Path, data: bytes, key: bytes) -> bool:
-        """Whether `final` holds `data` (absent: False)."""
+        """Whether `final` holds `data` (absent, or damage that cannot be read: False)."""
         try:
-            if final.stat().st_size != len(data):
+            info = final.lstat()
+            if stat.S_ISREG(info.st_mode) and info.st_size != len(data):
                 return False
-            return final.read_bytes() == data
+            return _read_object(final) == data
         except FileNotFoundError:
             return False
         except OSError as error:
+            if isinstance(error, _NotAnObject) or error.errno in _UNREADABLE:
+                return False
             raise StoreUnavailableError(
                 f"reading an object from the directory store at {self.path} failed: {error}",
                 key=key,
             ) from error
 
+    def _set_aside(self, path: Path) -> None:
+        """Move what stands where an object or its folder must be (damage) into `tmp`, out
+        of the way and kept for a look (`remove_temporaries` clears it)."""
+        os.rename(path, self._tmp / f"damaged-{path.name}-{secrets.token_hex(4)}")
+
     def get(self, key: bytes) -> bytes:
         path = self._object_path(check_key(key))
         try:
-            data = path.read_bytes()
+            data = _read_object(path)
         except FileNotFoundError:
             raise MissingObjectError(
                 f"no such object in the directory store at {self.path}", key=key
             ) from None
         except OSError as error:
-            if error.errno in _UNREADABLE:  # this object, not the store: as good as missing
+            if error.errno in _REFUSED:  # this process may not read it: not damage
                 raise MissingObjectError(
+                    f"the object {path} in the directory store cannot be read by this process "
+                    f"({error}): give it the store's owner or modes",
+                    key=key,
+                ) from error
+            if isinstance(error, _NotAnObject) or error.errno in _UNREADABLE:
+                raise MissingObjectError(  # this object, not the store: as good as missing
                     f"the object {path} in the directory store cannot be read ({error}); "
-                    "remove it and put its content again to repair it",
+                    "a put of its content replaces it (or remove it by hand)",
                     key=key,
                 ) from error
             raise StoreUnavailableError(
@@ -350,15 +396,20 @@ class DirectoryStore:
                         yield key
 
     def remove_temporaries(self, older_than: float = 3600.0) -> int:
-        """Delete temporary files left by writers killed mid-put; returns how many."""
+        """Delete temporary files left by writers killed mid-put, and the damage a put set
+        aside (`_set_aside`); returns how many."""
         removed = 0
         limit = time.time() - older_than
         if not self._tmp.is_dir():
             return 0
         for item in self._tmp.iterdir():
             with contextlib.suppress(OSError):
-                if item.stat().st_mtime <= limit:
-                    item.unlink()
+                info = item.lstat()
+                if info.st_mtime <= limit:
+                    if stat.S_ISDIR(info.st_mode):
+                        shutil.rmtree(item)
+                    else:
+                        item.unlink()
                     removed += 1
         return removed
 

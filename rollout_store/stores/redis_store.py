@@ -25,14 +25,20 @@ __all__ = ["RedisStore"]
 #: than the read; Redis can hash only with SHA-1, slower still).
 CHECK_FIRST_BYTES = 16 * 1024
 
-#: Put-if-absent-or-damaged: 0 the intact object was there, 1 stored, 2 replaced a damaged one.
+#: Put-if-absent-or-damaged: 0 the intact object was there, 1 stored, 2 replaced a damaged one
+#: (other bytes, or a value of another Redis type: SET replaces any).
 _PUT_SCRIPT = """
-local present = redis.call('GET', KEYS[1])
+local kind = redis.call('TYPE', KEYS[1]).ok
+local present = false
+if kind == 'string' then present = redis.call('GET', KEYS[1]) end
 if present == ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[1])
-if present then return 2 end
+if kind ~= 'none' then return 2 end
 return 1
 """
+
+#: What Redis answers a GET of a key holding another type (a list, a hash): no object there.
+_WRONG_TYPE = "WRONGTYPE"
 
 
 class RedisStore:
@@ -79,6 +85,7 @@ class RedisStore:
             OSError,
         )
         self._redis_error: type[BaseException] = redis.exceptions.RedisError
+        self._response_error: type[BaseException] = redis.exceptions.ResponseError
         self._put_script = client.register_script(_PUT_SCRIPT)
         self.url = url
 
@@ -93,6 +100,21 @@ class RedisStore:
     def _name(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
 
+    def _get(self, key: bytes, name: bytes) -> bytes | bool | None:
+        """The string value under `name`; None: absent; False: a value of another Redis type
+        (damage: no object, replaced by the next put of the content)."""
+
+        def get() -> Any:
+            try:
+                return self._client.get(name)
+            except self._response_error as error:
+                if str(error).startswith(_WRONG_TYPE):
+                    return False
+                raise
+
+        value: bytes | bool | None = self._call("GET", key, get)
+        return value
+
     def _call(self, what: str, key: bytes | None, call: Any) -> Any:
         try:
             return self._retry.run(f"Redis {what} on {self.url}", call, self._transient, key)
@@ -103,23 +125,27 @@ class RedisStore:
         data = bytes(data)
         key = content_key(data)
         name = self._name(key)
-        if len(data) >= CHECK_FIRST_BYTES and (
-            self._call("GET", key, lambda: self._client.get(name)) == data
-        ):
+        if len(data) >= CHECK_FIRST_BYTES and self._get(key, name) == data:
             return key
         self._call("put", key, lambda: self._put_script([name], [data]))
         return key
 
     def get(self, key: bytes) -> bytes:
         name = self._name(check_key(key))
-        data = self._call("GET", key, lambda: self._client.get(name))
+        data = self._get(key, name)
         if data is None:
             raise MissingObjectError(f"no such object in Redis at {self.url}", key=key)
+        if data is False:
+            raise MissingObjectError(
+                f"a value of another Redis type stands where the object must be in Redis at "
+                f"{self.url}; a put of its content replaces it",
+                key=key,
+            )
         return verified(key, bytes(data), f"Redis at {self.url}")
 
     def contains(self, key: bytes) -> bool:
         name = self._name(check_key(key))
-        return bool(self._call("EXISTS", key, lambda: self._client.exists(name)))
+        return bool(self._call("TYPE", key, lambda: self._client.type(name)) == b"string")
 
     def keys(self) -> Iterator[bytes]:
         """Every key under this store's prefix (SCAN: may miss objects added meanwhile)."""

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -309,6 +310,43 @@ class TestDirectoryStore(SharedStoreContract):
         assert set(store.keys()) == {key}
         assert store.remove_temporaries(older_than=0) == 1
 
+    @pytest.mark.parametrize("damage", ["directory", "symlink loop", "fifo", "link elsewhere"])
+    def test_whatever_stands_at_an_objects_path_is_replaced_by_its_put(
+        self, store: DirectoryStore, damage: str
+    ) -> None:
+        """Not a file at an object's path: a get says it is missing at once (a pipe blocked
+        it for good), and the next put of its content replaces it (a directory or a link
+        loop made every put fail, as if the store were down)."""
+        data = b"the real content " * 100
+        key = store.put(data)
+        other = store.put(b"another object")
+        path = store.object_path(key)
+        path.unlink()
+        if damage == "directory":
+            path.mkdir()
+            (path / "inside").write_bytes(b"x")
+        elif damage == "symlink loop":
+            os.symlink(path, path)
+        elif damage == "fifo":
+            os.mkfifo(path)
+        else:
+            os.symlink(store.object_path(other), path)
+        with pytest.raises(MissingObjectError, match="cannot be read"):
+            store.get(key)
+        assert store.put(data) == key and store.get(key) == data
+        assert store.get(other) == b"another object"
+        assert store.remove_temporaries(older_than=0) == (damage == "directory")
+
+    def test_a_file_in_place_of_a_folder_or_no_temporary_folder_is_put_through(
+        self, store: DirectoryStore
+    ) -> None:
+        key = content_key(b"content")
+        folder = store.object_path(key).parent
+        folder.write_bytes(b"not a folder")
+        assert store.put(b"content") == key and store.get(key) == b"content"
+        shutil.rmtree(store.path / "tmp")  # (removed by hand)
+        assert store.put(b"more content") == content_key(b"more content")
+
     def test_unwritable_directory_is_a_store_error(self, tmp_path: Path) -> None:
         blocker = tmp_path / "file"
         blocker.write_bytes(b"")
@@ -328,6 +366,22 @@ class TestRedisStore(SharedStoreContract):
 
     def spec(self, store: Any) -> list[Any]:
         return ["redis", store.url, store._prefix.decode()]
+
+    @pytest.mark.parametrize("size", [100, 40_000])  # (below and above CHECK_FIRST_BYTES)
+    def test_a_value_of_another_type_under_an_objects_name_is_replaced_by_its_put(
+        self, store: Any, size: int
+    ) -> None:
+        """A hash where an object must be: no object (a get says so, contains says no), and
+        the next put of its content replaces it (every put failed with WRONGTYPE)."""
+        data = bytes(range(256)) * (size // 256 + 1)
+        key = store.put(data)
+        name = store._name(key)
+        store._client.delete(name)
+        store._client.hset(name, "field", "value")
+        with pytest.raises(MissingObjectError, match="another Redis type"):
+            store.get(key)
+        assert not store.contains(key)
+        assert store.put(data) == key and store.get(key) == data and store.contains(key)
 
     def test_a_server_that_is_not_there(self) -> None:
         from services import free_port

@@ -277,3 +277,31 @@ def test_the_page_links_a_favicon_that_is_served() -> None:
         response = viewer.respond(path)
         assert response.status == 200 and response.body.startswith(b"<svg")
         assert dict(response.headers)["Content-Type"] == "image/svg+xml"
+
+
+def test_a_damaged_or_missing_object_costs_only_its_turn(tmp_path: Any) -> None:
+    """A long string the content store cannot give: the tree and the other turns are shown,
+    and that turn answers 502 naming the object (the tree failed for every page, and a
+    damaged object closed the connection with no answer)."""
+    from rollout_store import DirectoryStore, StringCache, content_key
+
+    store = DirectoryStore(tmp_path / "objects")
+    graph = RolloutGraph(store=store, cache=StringCache(0))
+    text = "x" * 5000
+    hurt = graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": text}]))
+    fine = graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "other"}]))
+    key = content_key(text.encode())
+    path = store.object_path(key)
+    for damage in ("damaged", "missing"):
+        if damage == "damaged":
+            path.write_bytes(b"y" * 5000)
+        else:
+            path.unlink()
+        viewer = Viewer(graph)
+        rows = viewer.respond("/api/rows", "")
+        assert rows.status == 200, rows.body
+        assert [r["id"] for r in json.loads(rows.body)["rows"]] == [hurt.node_id, fine.node_id]
+        assert viewer.respond("/api/turn", f"id={fine.node_id}").status == 200
+        answer = viewer.respond("/api/turn", f"id={hurt.node_id}")
+        assert answer.status == 502 and key.hex() in answer.body.decode(), damage
+    path.write_bytes(text.encode())  # (the graphs a test made are saved again at its end)
