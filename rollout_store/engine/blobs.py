@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import xxhash
 
@@ -203,6 +204,11 @@ class BlobTable:
         """`packed` (a plain packing, no blob references) or an equal object shared with other
         graphs; a private table shares nothing."""
         return packed
+
+    def heal_strings(self, value: Any) -> None:
+        """Put again (at `flush`) the damaged objects of the long strings in `value`, a
+        message a turn re-sends as an echo of a response (kept as a reference, its strings
+        not stored again); a private table has no objects to heal."""
 
     def flush(self) -> None:
         """Store what the turn being added puts, once it passed every check (a table over a

@@ -931,6 +931,7 @@ class RequestStore:
         if exact:
             turn.flags |= TAIL_ECHO
             skip = 1
+            self.blobs.heal_strings(fresh[0])  # (kept as a reference: its strings not put)
         limit = self._plain_limit
         # packings holding long blob strings (in-process blobs only: over a store they would
         # be fetched)
@@ -999,6 +1000,7 @@ class RequestStore:
             pieces.append(ECHO_PACKED)
             turn.flags |= TAIL_ECHO
             first += 1
+            self.blobs.heal_strings(rest[start])  # (kept as a reference: its strings not put)
         plains = request.plain_slice(first, n)
         limit = self._plain_limit
         if _all_json(plains, limit):  # the common case: every packing as `stored_form` keeps it

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from .._core import KeyNumbers
 from ..errors import CorruptObjectError, InvalidArgumentError, MissingObjectError
@@ -225,6 +226,24 @@ class StoreBlobTable(BlobTable):
                 if stored == text:
                     return stored
         return None
+
+    def heal_strings(self, value: Any) -> None:
+        if not self._broken:  # (mostly: nothing found damaged)
+            return
+        stack = [value]
+        while stack:
+            item = stack.pop()
+            if type(item) is str:
+                data = utf8(item)[0]
+                digest = self.digest_of(data)
+                for index in self._candidates(digest):
+                    if self.digest(index) == digest and self.key(index) == content_key(data):
+                        self._heal(index, item, data)
+            elif isinstance(item, dict):
+                stack.extend(item.keys())
+                stack.extend(item.values())
+            elif isinstance(item, list | tuple):
+                stack.extend(item)
 
     def _note_broken(self, key: bytes) -> None:
         if self._broken is None:

@@ -177,6 +177,24 @@ class StoreContract:
         assert content_key(new.encode()) in self.keys(store) - before
         assert graph.nodes()[1].request_messages == messages
 
+    def test_a_damaged_response_is_healed_by_the_turn_that_echoes_it(self, store: Any) -> None:
+        """The next turn re-sends the answer as its assistant message, kept as a reference to
+        the response (its strings not stored again): a damaged object of the response is put
+        again all the same (only the memory store healed; the others stayed unreadable)."""
+        answer = {"role": "assistant", "content": "R" * 5000}
+        first = [{"role": "user", "content": "q1"}]
+        graph = RolloutGraph(store=store, cache=StringCache(0))
+        turn = graph.add_turn(TurnNode(request_messages=first, response_message=answer))
+        key = content_key(answer["content"].encode())
+        self.tamper(store, key, b"R" * 4999)
+        with pytest.raises(CorruptObjectError):
+            graph.response_message(turn.node_id)
+        second = [*first, answer, {"role": "user", "content": "q2"}]
+        later = graph.add_turn(TurnNode(request_messages=second))
+        assert store.get(key) == answer["content"].encode()
+        assert graph.response_message(turn.node_id) == answer
+        assert graph.request_messages(later.node_id) == second
+
     def test_many_threads_put_one_content_once(self, store: Any) -> None:
         before = self.keys(store)
         rng = random.Random(5)
