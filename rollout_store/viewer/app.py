@@ -397,7 +397,8 @@ class Viewer:
             name, content_type = static
             body = resources.files(__package__).joinpath("static", name).read_bytes()
             return Response(200, (("Content-Type", content_type), *_SECURITY_HEADERS), body)
-        params = parse_qs(query, keep_blank_values=True)
+        # (an id may hold a lone surrogate: the page sends it as surrogatepass UTF-8)
+        params = parse_qs(query, keep_blank_values=True, errors="surrogatepass")
         try:
             if path == "/api/figures":
                 return self._figures()

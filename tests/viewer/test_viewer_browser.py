@@ -310,3 +310,40 @@ def test_timeline_lanes_show_engine_and_tool_time(browser: Any) -> None:
             )
         )
         assert "engine" in browser.find_element("id", "turn").text
+
+
+def test_ids_holding_lone_surrogates_are_shown_and_followed(browser: Any) -> None:
+    """The graph keeps a node id or a harness session id with a lone surrogate as it was
+    given: the page loads (it failed: encodeURIComponent throws on one), asks for that turn
+    and gets it (the server read the query with replacement characters), and puts it in the
+    address, which a reload follows."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    graph = RolloutGraph()
+    graph.add_turn(
+        TurnNode(
+            node_id="odd\ud800id",
+            harness_session_id="run\udc00",
+            request_messages=[{"role": "user", "content": "the odd one"}],
+        )
+    )
+    graph.add_turn(TurnNode(request_messages=[{"role": "user", "content": "a plain one"}]))
+    turn_id = "return document.getElementById('turn').dataset.turn"
+    for _ in _open(browser, Viewer(graph)):
+        rows = browser.execute_script("return [...document.querySelectorAll('.row')]")
+        assert len(rows) == 2
+        rows[0].click()
+        WebDriverWait(browser, TIMEOUT).until(
+            lambda d: d.execute_script(turn_id + " === 'odd\\ud800id'")
+        )
+        # (its text holds the id: the driver cannot hand back a lone surrogate)
+        assert browser.execute_script(
+            "return document.getElementById('turn').textContent.includes('the odd one')"
+        )
+        assert browser.execute_script("return location.hash") == "#turn=odd%ED%A0%80id"
+        browser.execute_script("location.hash = '#turn=turn-1'")
+        WebDriverWait(browser, TIMEOUT).until(lambda d: d.execute_script(turn_id) == "turn-1")
+        browser.execute_script("location.hash = '#session=run%ED%B0%80'")
+        WebDriverWait(browser, TIMEOUT).until(
+            lambda d: d.execute_script(turn_id + " === 'odd\\ud800id'")
+        )

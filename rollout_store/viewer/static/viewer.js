@@ -27,8 +27,73 @@ function el(tag, className, text) {
   return node;
 }
 
+// A text as a URL query or hash value: its UTF-8, percent-encoded, a lone surrogate (an id
+// may hold one: the graph keeps every string as it was given) as the three bytes Python's
+// "surrogatepass" makes of it, which the server reads back; encodeURIComponent throws on it.
+function enc(text) {
+  let out = "";
+  for (let i = 0; i < text.length; i++) {
+    const c = text.charCodeAt(i);
+    const low = i + 1 < text.length ? text.charCodeAt(i + 1) : 0;
+    if (c >= 0xd800 && c <= 0xdbff && low >= 0xdc00 && low <= 0xdfff) {
+      out += encodeURIComponent(text.slice(i, i + 2));
+      i++;
+    } else if (c >= 0xd800 && c <= 0xdfff) {
+      for (const b of [0xe0 | (c >> 12), 0x80 | ((c >> 6) & 0x3f), 0x80 | (c & 0x3f)]) {
+        out += "%" + b.toString(16).toUpperCase();
+      }
+    } else {
+      out += encodeURIComponent(text[i]);
+    }
+  }
+  return out;
+}
+
+// What `enc` made of a text (or a hash typed by hand), read back, lone surrogates kept.
+function dec(text) {
+  const bytes = [];
+  const utf8 = new TextEncoder();
+  for (let i = 0; i < text.length; i++) {
+    if (text[i] === "%" && /^[0-9a-fA-F]{2}$/.test(text.slice(i + 1, i + 3))) {
+      bytes.push(parseInt(text.slice(i + 1, i + 3), 16));
+      i += 2;
+    } else {
+      const code = text.codePointAt(i);
+      bytes.push(...utf8.encode(String.fromCodePoint(code)));
+      if (code > 0xffff) i++;
+    }
+  }
+  let out = "";
+  for (let i = 0; i < bytes.length; ) {
+    const b = bytes[i];
+    const n = b < 0x80 ? 1 : b >= 0xf0 ? 4 : b >= 0xe0 ? 3 : b >= 0xc0 ? 2 : 0;
+    if (n === 0 || i + n > bytes.length) {
+      out += "\ufffd";
+      i++;
+      continue;
+    }
+    let code = n === 1 ? b : b & (0xff >> (n + 1));
+    for (let k = 1; k < n; k++) code = (code << 6) | (bytes[i + k] & 0x3f);
+    out += code <= 0x10ffff ? String.fromCodePoint(code) : "\ufffd";
+    i += n;
+  }
+  return out;
+}
+
+// The `name=value` pairs of the address's hash, read back with `dec`.
+function hashParams() {
+  const params = new Map();
+  for (const part of location.hash.slice(1).split("&")) {
+    const at = part.indexOf("=");
+    if (at > 0) params.set(dec(part.slice(0, at)), dec(part.slice(at + 1)));
+  }
+  return params;
+}
+
 async function getJSON(path, params) {
-  const query = params ? "?" + new URLSearchParams(params).toString() : "";
+  const query = params
+    ? "?" + Object.entries(params).map(([k, v]) => enc(k) + "=" + enc(String(v))).join("&")
+    : "";
   const response = await fetch(path + query);
   const body = await response.json();
   if (!response.ok) throw new Error(body.error || response.statusText);
@@ -74,7 +139,7 @@ function showSessions(sessions) {
   nav.append(el("span", "hint", plural(sessions.length, "session") + ": "));
   for (const s of sessions) {
     const link = el("a", "session-link", s.id);
-    link.href = "#session=" + encodeURIComponent(s.id);
+    link.href = "#session=" + enc(s.id);
     link.title = plural(s.turns, "turn") + ", first " + s.first;
     link.dataset.session = s.id;
     nav.append(link, " ");
@@ -463,7 +528,7 @@ async function selectTurn(id, options) {
   }
   const t = await getJSON("api/turn", { id });
   if (selectedId !== id) return;
-  if (!(options && options.keepHash)) window.history.replaceState(null, "", "#turn=" + encodeURIComponent(id));
+  if (!(options && options.keepHash)) window.history.replaceState(null, "", "#turn=" + enc(id));
   if (t.position !== null && t.position !== undefined) selectedIndex = t.position;
   const pane = document.getElementById("turn");
   const s = t.summary;
@@ -472,7 +537,7 @@ async function selectTurn(id, options) {
   if (s.parent_id === null) heading.append(" ", el("span", "badge root", "root"));
   if (t.children.length > 1) heading.append(" ", el("span", "badge fork", "fork x" + t.children.length));
   const link = el("a", "permalink", "link to this turn");
-  link.href = "#turn=" + encodeURIComponent(id);
+  link.href = "#turn=" + enc(id);
   heading.append(" ", link);
   if (t.drift) heading.append(" ", driftBadge(t.drift));
   const nodes = [heading];
@@ -582,9 +647,9 @@ async function moveSelection(step) {
 // `#turn=ID` selects that turn; `#session=ID` the first turn of that harness session. The
 // page keeps the address of the turn on screen, so a reload or a shared link shows it again.
 async function followHash(figures) {
-  const params = new URLSearchParams(location.hash.slice(1));
-  let id = params.get("turn");
-  const session = params.get("session");
+  const params = hashParams();
+  let id = params.has("turn") ? params.get("turn") : null;
+  const session = params.has("session") ? params.get("session") : null;
   if (id === null && session !== null) {
     const found = (figures.sessions || []).find((s) => String(s.id) === session);
     if (!found) return false;
