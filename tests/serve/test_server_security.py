@@ -661,11 +661,14 @@ def test_a_killed_servers_data_directory_is_free_and_a_second_one_is_refused(
 # ---------------------------------------------------------------- a damaged object
 
 
-def test_a_damaged_object_costs_only_the_sessions_that_reference_it(
+def _two_sessions_over_a_directory_store(
     stub: tuple[str, Counting], tmp_path: Path
-) -> None:
+) -> tuple[Path, Path, dict[str, Any], dict[str, Any], bytes, Path, bytes]:
+    """Sessions "hurt" (a long string kept in the store, referenced by its log) and "fine"
+    recorded and the server stopped: the data and objects folders, both sessions, and the
+    key, file and content of the hurt session's object."""
     data, objects = tmp_path / "data", tmp_path / "objects"
-    long_text = "a screenshot, in words. " * 400  # kept in the store, referenced by the log
+    long_text = "a screenshot, in words. " * 400
     with serve_app(
         create_app(stub[0], data=data, store=DirectoryStore(objects), admin_key=ADMIN_KEY)
     ) as url:
@@ -679,6 +682,15 @@ def test_a_damaged_object_costs_only_the_sessions_that_reference_it(
         if b"a screenshot" in path.read_bytes():
             damaged.append((key, path, path.read_bytes()))
     ((key, path, original),) = damaged
+    return data, objects, hurt, fine, key, path, original
+
+
+def test_a_damaged_object_costs_only_the_sessions_that_reference_it(
+    stub: tuple[str, Counting], tmp_path: Path
+) -> None:
+    data, objects, hurt, fine, key, path, original = _two_sessions_over_a_directory_store(
+        stub, tmp_path
+    )
     path.write_bytes(original.replace(b"screenshot", b"SCREENSHOT", 1))
     try:
         _check_damage_is_contained(stub, data, objects, hurt, fine, key, path)
@@ -692,20 +704,9 @@ def test_an_unreadable_object_costs_only_the_sessions_that_reference_it(
     """An object that cannot be read at all (a directory where its file was: an error other
     than a missing file) damages the sessions that need it, as a damaged object does; it
     stopped the server's start (read as the store being down)."""
-    data, objects = tmp_path / "data", tmp_path / "objects"
-    long_text = "a screenshot, in words. " * 400
-    with serve_app(
-        create_app(stub[0], data=data, store=DirectoryStore(objects), admin_key=ADMIN_KEY)
-    ) as url:
-        hurt, fine = new_session(url, session_id="hurt"), new_session(url, session_id="fine")
-        assert _chat(url, hurt["api_key"], long_text).status_code == 200
-        assert _chat(url, fine["api_key"], "short").status_code == 200
-    store = DirectoryStore(objects)
-    ((key, path, original),) = [
-        (key, store.object_path(key), store.object_path(key).read_bytes())
-        for key in store.keys()  # noqa: SIM118 - a store, not a dict
-        if b"a screenshot" in store.object_path(key).read_bytes()
-    ]
+    data, objects, hurt, fine, key, path, original = _two_sessions_over_a_directory_store(
+        stub, tmp_path
+    )
     path.unlink()
     path.mkdir()
     try:
